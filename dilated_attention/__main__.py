@@ -1,0 +1,102 @@
+"""Command line: ``python -m dilated_attention demo``.
+
+``demo`` builds a :class:`MultiheadDilatedAttention` layer with a LongNet schedule, runs forward and
+backward on one long random sequence, and prints the kernel chosen and the timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from .backends.registry import backend_reasons
+from .modules import MultiheadDilatedAttention
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _longnet_schedule(seq_len: int, first: int) -> tuple[list[int], list[int]]:
+    """Segments first, 2*first, ... up to seq_len, with rates 1, 2, 4, ... (LongNet Eq. 11-12)."""
+    segments, rates = [first], [1]
+    while segments[-1] < seq_len:
+        segments.append(segments[-1] * 2)
+        rates.append(rates[-1] * 2)
+    return segments, rates
+
+
+def demo(argv: list[str] | None = None) -> None:
+    """Forward and backward of one multihead dilated attention layer on a long random sequence."""
+    parser = argparse.ArgumentParser(
+        prog="python -m dilated_attention demo", description=demo.__doc__
+    )
+    parser.add_argument("--seq-len", type=int, default=16384)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--first-segment", type=int, default=2048)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on CUDA by default")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    segments, rates = _longnet_schedule(args.seq_len, args.first_segment)
+    embed_dim = args.heads * args.head_dim
+    layer = MultiheadDilatedAttention(
+        embed_dim, args.heads, segments, rates, device=device, dtype=dtype
+    )
+    x = torch.randn(1, args.seq_len, embed_dim, device=device, dtype=dtype, requires_grad=True)
+    probe = torch.empty(1, args.seq_len, args.heads, args.head_dim, device=device, dtype=dtype)
+    reasons = backend_reasons(probe, probe, probe, is_causal=args.causal)
+    chosen = next(name for name, why in reasons.items() if not why)
+    print(
+        f"MultiheadDilatedAttention: seq_len={args.seq_len:,} heads={args.heads} "
+        f"head_dim={args.head_dim} {str(dtype).removeprefix('torch.')} on {device} "
+        f"causal={args.causal}"
+    )
+    print(f"  segment_lengths={segments}\n  dilation_rates={rates}")
+    print(f"  backend chosen: {chosen}")
+    for name, why in reasons.items():
+        if why:
+            print(f"    {name}: not used ({'; '.join(why)})")
+
+    def timed(step: str) -> float:
+        times = []
+        for _ in range(args.repeats):
+            _synchronize(device)
+            start = time.perf_counter()
+            out, _ = layer(x, is_causal=args.causal)
+            if step == "fwd+bwd":
+                out.float().square().mean().backward()
+            _synchronize(device)
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    with torch.no_grad():
+        timed("fwd")  # warm-up
+        fwd = timed("fwd")
+    fwd_bwd = timed("fwd+bwd")
+    grad = x.grad
+    assert grad is not None
+    print(f"  forward          {fwd * 1e3:9.1f} ms  ({args.seq_len / fwd:,.0f} tokens/s)")
+    print(f"  forward+backward {fwd_bwd * 1e3:9.1f} ms  ({args.seq_len / fwd_bwd:,.0f} tokens/s)")
+    print(f"  input gradient finite: {bool(torch.isfinite(grad).all())}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Dispatch ``python -m dilated_attention <command>``."""
+    parser = argparse.ArgumentParser(prog="python -m dilated_attention")
+    parser.add_argument("command", choices=["demo"], help="demo: forward+backward timing example")
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "demo":
+        demo(rest)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""Input checks for the public API.
+
+Every check reads metadata only (shapes, dtypes, devices, Python values), so validation costs
+nothing and runs before any work. Each failure raises ``ValueError`` (or ``TypeError`` for a wrong
+type) naming
+the
+argument, the expected form, the actual value and a fix.
+
+Shape legend: B batch, N sequence length, H query heads, Hkv key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+
+import torch
+
+_LAYOUT = "(batch, seq_len, num_heads, head_dim)"
+
+
+def check_tensor(name: str, x: object) -> torch.Tensor:
+    """Return ``x`` if it is a 4-D tensor in the (B, N, H, D) layout, else raise."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {_LAYOUT}, got {type(x).__name__}")
+    if x.dim() != 4:
+        raise ValueError(
+            f"{name} must have shape {_LAYOUT}, got {name}.shape={tuple(x.shape)} ({x.dim()}-D); "
+            "reshape it to 4-D (e.g. x.view(batch, seq_len, num_heads, head_dim))"
+        )
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    return x
+
+
+def check_qkv(
+    query: object, key: object, value: object, *, same_length: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Check that query, key and value agree on batch, length, head_dim, dtype and device.
+
+    Args:
+        query: (B, Nq, H, D).
+        key: (B, Nk, Hkv, D).
+        value: (B, Nk, Hkv, D).
+        same_length: require ``Nq == Nk`` (dilated self-attention segments one sequence).
+    """
+    q = check_tensor("query", query)
+    k = check_tensor("key", key)
+    v = check_tensor("value", value)
+    shapes = (
+        f"query.shape={tuple(q.shape)}, key.shape={tuple(k.shape)}, value.shape={tuple(v.shape)}"
+    )
+    for name, t in (("key", k), ("value", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(
+                f"{name} must have the same dtype as query, got {name}.dtype={t.dtype} and "
+                f"query.dtype={q.dtype}; cast with .to(query.dtype)"
+            )
+        if t.device != q.device:
+            raise ValueError(
+                f"{name} must be on the same device as query, got {name}.device={t.device} and "
+                f"query.device={q.device}; move it with .to(query.device)"
+            )
+    if k.shape != v.shape:
+        raise ValueError(f"key and value must have the same shape, got {shapes}")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"key must have the same batch size as query (dim 0), got {shapes}")
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"key must have the same head_dim as query (dim 3), got {shapes}")
+    if same_length and k.shape[1] != q.shape[1]:
+        raise ValueError(
+            f"key must have the same seq_len as query (dim 1) for dilated attention, got {shapes}"
+        )
+    if q.shape[2] % k.shape[2] != 0:
+        raise ValueError(
+            f"query heads must be a multiple of key/value heads (GQA), got {q.shape[2]} query "
+            f"heads and {k.shape[2]} key heads ({shapes}); use a kv head count that divides "
+            f"{q.shape[2]}"
+        )
+    if q.shape[1] == 0 or k.shape[1] == 0:
+        raise ValueError(f"seq_len must be at least 1, got {shapes}")
+    return q, k, v
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be a positive int, got {value!r} ({type(value).__name__})")
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def check_branches(
+    segment_lengths: object, dilation_rates: object
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Check the branch schedule and return it as two tuples of positive ints."""
+    pairs = []
+    for name, values in (("segment_lengths", segment_lengths), ("dilation_rates", dilation_rates)):
+        if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, torch.Tensor)):
+            raise ValueError(
+                f"{name} must be a non-empty sequence of positive ints, got {values!r}; "
+                "pass e.g. segment_lengths=[2048, 4096], dilation_rates=[1, 2]"
+            )
+        seq = values.tolist() if isinstance(values, torch.Tensor) else list(values)
+        if not seq:
+            raise ValueError(
+                f"{name} must be a non-empty sequence of positive ints, got {values!r}; "
+                "pass at least one branch, e.g. segment_lengths=[seq_len], dilation_rates=[1]"
+            )
+        pairs.append(tuple(_positive_int(f"{name}[{i}]", x) for i, x in enumerate(seq)))
+    segs, rates = pairs
+    if len(segs) != len(rates):
+        raise ValueError(
+            f"segment_lengths and dilation_rates must have the same length (one (w, r) per "
+            f"branch), "
+            f"got segment_lengths={list(segs)} ({len(segs)}) and dilation_rates={list(rates)} "
+            f"({len(rates)})"
+        )
+    return segs, rates
+
+
+def check_key_padding_mask(mask: object, batch: int, key_len: int, device: torch.device) -> None:
+    """Check a ``(B, Nk)`` bool key padding mask (``True`` = ignore that key)."""
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(
+            f"key_padding_mask must be a bool tensor of shape (batch, seq_len), got "
+            f"{type(mask).__name__}"
+        )
+    if mask.dtype != torch.bool:
+        raise ValueError(
+            f"key_padding_mask must have dtype torch.bool (True = ignore that key), got "
+            f"{mask.dtype}; convert with mask.bool() or build it as (tokens == pad_id)"
+        )
+    if tuple(mask.shape) != (batch, key_len):
+        raise ValueError(
+            f"key_padding_mask must have shape (batch, seq_len) = {(batch, key_len)}, got "
+            f"{tuple(mask.shape)}"
+        )
+    if mask.device != device:
+        raise ValueError(
+            f"key_padding_mask must be on the same device as query, got {mask.device} and "
+            f"{device}; move it with .to(query.device)"
+        )
+
+
+def check_dropout(name: str, p: object) -> float:
+    """Check a dropout probability in ``[0, 1)``."""
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise TypeError(f"{name} must be a float in [0, 1), got {p!r} ({type(p).__name__})")
+    if not 0.0 <= float(p) < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {p!r}; use 0.0 to disable dropout")
+    return float(p)
+
+
+def check_scale(scale: object) -> float | None:
+    """Check an optional positive softmax scale."""
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a positive float or None, got {scale!r}")
+    if not float(scale) > 0.0:
+        raise ValueError(
+            f"scale must be a positive float or None (None = head_dim ** -0.5), got {scale!r}"
+        )
+    return float(scale)
+
+
+def check_heads(embed_dim: object, num_heads: object, num_kv_heads: object | None) -> int:
+    """Check multihead sizes and return ``num_kv_heads`` (``num_heads`` when None)."""
+    embed_dim = _positive_int("embed_dim", embed_dim)
+    num_heads = _positive_int("num_heads", num_heads)
+    if embed_dim % num_heads != 0:
+        raise ValueError(
+            f"embed_dim must be divisible by num_heads, got embed_dim={embed_dim} and "
+            f"num_heads={num_heads}; head_dim = embed_dim // num_heads must be an integer"
+        )
+    if num_kv_heads is None:
+        return num_heads
+    kv = _positive_int("num_kv_heads", num_kv_heads)
+    if num_heads % kv != 0:
+        raise ValueError(
+            f"num_heads must be a multiple of num_kv_heads, got num_heads={num_heads} and "
+            f"num_kv_heads={kv}; pick num_kv_heads among the divisors of {num_heads}"
+        )
+    return kv

@@ -1,0 +1,301 @@
+"""The kernel backend contract: capabilities, rejection reasons, forward and backward.
+
+Every backend computes dense attention over the rows it is given and returns the log-sum-exp, so the
+engine can merge dilated branches, ring steps and sparse blocks (see ``core/merge.py``). Its
+backward accepts an ``out``/``lse`` other than its own: the merged statistics (Note [Backward with
+external statistics] in ``core/reference.py``).
+
+Shape legend: B batch, Nq/Nk query/key rows, H query heads, Hkv key/value heads, D head dim.
+``key_mask`` is (B, Hm, Nk) bool with Hm in {1, H}, ``True`` = ignore the key. Causal masking is
+top-left aligned (query ``i`` sees keys ``j <= i``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+
+@dataclass(frozen=True)
+class KernelInputs:
+    """What a backend needs to know to accept or reject a call (metadata only, no tensors)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    query_len: int
+    key_len: int
+    is_causal: bool = False
+    has_mask: bool = False
+    dropout_p: float = 0.0
+    requires_grad: bool = False
+
+    @classmethod
+    def from_tensors(
+        cls,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        is_causal: bool = False,
+        has_mask: bool = False,
+        dropout_p: float = 0.0,
+        requires_grad: bool | None = None,
+    ) -> KernelInputs:
+        """Describe a (B, Nq, H, D) query and (B, Nk, Hkv, D) key."""
+        if requires_grad is None:
+            requires_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+        return cls(
+            device=q.device,
+            dtype=q.dtype,
+            head_dim=q.shape[-1],
+            num_heads=q.shape[2],
+            num_kv_heads=k.shape[2],
+            query_len=q.shape[1],
+            key_len=k.shape[1],
+            is_causal=is_causal,
+            has_mask=has_mask,
+            dropout_p=dropout_p,
+            requires_grad=requires_grad,
+        )
+
+
+@dataclass
+class KernelOutput:
+    """A backend's forward result: ``out`` (B, Nq, H, D) in the input dtype, ``lse`` (B, H, Nq)
+    float32 (float64 for float64 inputs, ``-inf`` on rows with no visible key), and ``aux``,
+    whatever the backend's backward needs besides the tensors (dropout RNG state, metadata).
+    """
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    aux: Any = None
+
+
+def _expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    group = num_heads // x.shape[2]
+    return x if group == 1 else x.repeat_interleave(group, dim=2)
+
+
+def _reduce_kv(dx: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    batch, rows, heads, dim = dx.shape
+    if heads == num_kv_heads:
+        return dx
+    return dx.view(batch, rows, num_kv_heads, heads // num_kv_heads, dim).sum(dim=3)
+
+
+def rows_without_keys(
+    key_mask: torch.Tensor, num_heads: int, query_len: int, is_causal: bool
+) -> torch.Tensor:
+    """Which query rows see no key at all under ``key_mask`` (and causality).
+
+    Args:
+        key_mask: (B, Hm, Nk) bool, ``True`` = ignore.
+
+    Returns:
+        (B, H, Nq) bool.
+    """
+    batch, _, key_len = key_mask.shape
+    if is_causal:
+        # Row i sees keys 0..i: it is empty when that whole prefix is masked.
+        prefix_masked = torch.cummin(key_mask.to(torch.uint8), dim=-1).values.bool()
+        idx = torch.arange(query_len, device=key_mask.device).clamp_(max=key_len - 1)
+        empty = prefix_masked[..., idx]
+        if query_len > key_len:
+            empty = empty & (torch.arange(query_len, device=key_mask.device) < key_len)
+    else:
+        empty = key_mask.all(dim=-1, keepdim=True).expand(batch, key_mask.shape[1], query_len)
+    return empty.expand(batch, num_heads, query_len)
+
+
+class Backend:
+    """Base class of every kernel backend.
+
+    Subclasses declare their capabilities as class constants and implement ``_forward`` and
+    ``_backward``; this class turns the constants into rejection reasons, expands GQA key/value
+    heads for kernels without native GQA, and gives rows with no visible key ``lse = -inf``.
+    """
+
+    name: ClassVar[str]
+    description: ClassVar[str] = ""
+    devices: ClassVar[frozenset[str]] = frozenset()
+    dtypes: ClassVar[frozenset[torch.dtype]] = frozenset()
+    max_head_dim: ClassVar[int | None] = None
+    head_dim_multiple: ClassVar[int] = 1
+    min_compute_capability: ClassVar[tuple[int, int] | None] = None
+    supports_causal: ClassVar[bool] = True
+    supports_rectangular_causal: ClassVar[bool] = True
+    supports_mask: ClassVar[bool] = False
+    supports_dropout: ClassVar[bool] = False
+    supports_backward: ClassVar[bool] = True
+    native_gqa: ClassVar[bool] = True
+    # True when the kernel already returns lse = -inf for rows whose keys are all masked.
+    empty_rows_have_neg_inf_lse: ClassVar[bool] = False
+
+    # -- availability -----------------------------------------------------------------------------
+    def import_reasons(self) -> list[str]:
+        """Reasons the backend's package or op cannot be loaded at all (empty when it can)."""
+        return []
+
+    def probe(self, device: torch.device) -> None:
+        """Launch a tiny forward and backward on ``device``; raise if the kernel cannot run."""
+        q = torch.randn(1, 8, 2, 64, device=device, dtype=self._probe_dtype(), requires_grad=True)
+        res = self.forward(q, q, q, scale=0.125)
+        self.backward(torch.ones_like(res.out), q, q, q, res.out, res.lse, res.aux, scale=0.125)
+
+    def _probe_dtype(self) -> torch.dtype:
+        for dt in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+            if dt in self.dtypes:
+                return dt
+        raise RuntimeError(f"backend {self.name} declares no dtype")
+
+    def availability_reasons(self, device: torch.device) -> list[str]:
+        """Import and one cached launch probe on ``device`` (type and index)."""
+        return list(_availability(self, device.type, device.index))
+
+    # -- capabilities -----------------------------------------------------------------------------
+    def not_supported_reasons(self, inputs: KernelInputs) -> list[str]:
+        """Every reason this backend cannot run ``inputs``; empty when it can."""
+        reasons: list[str] = []
+        dev = inputs.device
+        if dev.type not in self.devices:
+            reasons.append(f"runs on {sorted(self.devices)}, not {dev.type}")
+            return reasons
+        if inputs.dtype not in self.dtypes:
+            names = ", ".join(sorted(str(d).removeprefix("torch.") for d in self.dtypes))
+            reasons.append(f"dtype {str(inputs.dtype).removeprefix('torch.')} not in ({names})")
+        if self.max_head_dim is not None and inputs.head_dim > self.max_head_dim:
+            reasons.append(f"head_dim {inputs.head_dim} > {self.max_head_dim}")
+        if inputs.head_dim % self.head_dim_multiple:
+            reasons.append(f"head_dim {inputs.head_dim} not a multiple of {self.head_dim_multiple}")
+        if self.min_compute_capability is not None and dev.type == "cuda":
+            cc = torch.cuda.get_device_capability(dev)
+            if cc < self.min_compute_capability:
+                need = "sm{}{}".format(*self.min_compute_capability)
+                reasons.append(f"needs compute capability >= {need}, device is sm{cc[0]}{cc[1]}")
+        if inputs.is_causal and not self.supports_causal:
+            reasons.append("no causal mask")
+        rectangular = inputs.query_len != inputs.key_len
+        if inputs.is_causal and rectangular and not self.supports_rectangular_causal:
+            reasons.append("causal mask needs query_len == key_len")
+        if inputs.has_mask and not self.supports_mask:
+            reasons.append("no key padding mask")
+        if inputs.dropout_p > 0 and not self.supports_dropout:
+            reasons.append("no dropout")
+        if inputs.requires_grad and not self.supports_backward:
+            reasons.append("no backward (inference only)")
+        if not reasons:
+            reasons.extend(self.availability_reasons(dev))
+        return reasons
+
+    # -- compute ----------------------------------------------------------------------------------
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float,
+        is_causal: bool = False,
+        key_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+    ) -> KernelOutput:
+        """Attention over these rows.
+
+        Args:
+            q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D); key_mask: (B, Hm, Nk) bool or None.
+
+        Returns:
+            :class:`KernelOutput` with ``out`` (B, Nq, H, D) and ``lse`` (B, H, Nq).
+        """
+        heads = q.shape[2]
+        if not self.native_gqa:
+            k, v = _expand_kv(k, heads), _expand_kv(v, heads)
+        res = self._forward(
+            q, k, v, scale=scale, is_causal=is_causal, key_mask=key_mask, dropout_p=dropout_p
+        )
+        if key_mask is not None and not self.empty_rows_have_neg_inf_lse:
+            empty = rows_without_keys(key_mask, heads, q.shape[1], is_causal)
+            res.lse = res.lse.masked_fill(empty, float("-inf"))
+        return res
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        aux: Any,
+        *,
+        scale: float,
+        is_causal: bool = False,
+        key_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gradients for these rows given ``out`` and ``lse``, which may be merged statistics.
+
+        Rows with ``lse = -inf`` saw no key: their probabilities are zero, which a finite stand-in
+        for the lse reproduces in every kernel (masked scores are ``-inf``).
+
+        Returns:
+            ``(dq, dk, dv)`` shaped like ``(q, k, v)``.
+        """
+        kv_heads = k.shape[2]
+        if not self.native_gqa:
+            k, v = _expand_kv(k, q.shape[2]), _expand_kv(v, q.shape[2])
+        lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        dq, dk, dv = self._backward(
+            dout, q, k, v, out, lse, aux,
+            scale=scale, is_causal=is_causal, key_mask=key_mask, dropout_p=dropout_p,
+        )  # fmt: skip
+        return dq, _reduce_kv(dk, kv_heads), _reduce_kv(dv, kv_heads)
+
+    def _forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float,
+        is_causal: bool,
+        key_mask: torch.Tensor | None,
+        dropout_p: float,
+    ) -> KernelOutput:
+        raise NotImplementedError
+
+    def _backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        aux: Any,
+        *,
+        scale: float,
+        is_causal: bool,
+        key_mask: torch.Tensor | None,
+        dropout_p: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+@functools.cache
+def _availability(backend: Backend, device_type: str, device_index: int | None) -> tuple[str, ...]:
+    reasons = backend.import_reasons()
+    if reasons:
+        return tuple(reasons)
+    try:
+        with torch.enable_grad():
+            backend.probe(torch.device(device_type, device_index))
+    except Exception as exc:  # a kernel that cannot launch is a reason, never a crash
+        first_line = (str(exc).strip().splitlines() or [""])[0][:200]
+        return (f"probe launch failed on {device_type}: {type(exc).__name__}: {first_line}",)
+    return ()

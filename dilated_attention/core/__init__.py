@@ -1,0 +1,1 @@
+"""The segmenting engine, the (out, lse) merge and the readable reference attention."""

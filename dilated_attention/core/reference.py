@@ -1,0 +1,183 @@
+"""Readable eager attention with log-sum-exp, in plain PyTorch: the last-resort kernel.
+
+It runs on any device and dtype (float64 included) and computes in float32 or wider. Query rows are
+processed in chunks so the score tile stays bounded: memory grows with ``chunk x Nk``, never
+``Nq x Nk``.
+
+Shape legend: B batch, Nq query rows, Nk key rows, H query heads, Hkv key/value heads (G = H // Hkv
+query heads share one), D head dim. ``key_mask`` is (B, Hm, Nk) bool with Hm in {1, H}; ``True``
+marks a key to ignore. Causal masking is top-left aligned: query ``i`` sees keys ``j <= i``.
+
+Note [Backward with external statistics]
+    With P = exp(S - lse) (S the scaled, masked scores) and O the output the caller holds:
+    dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)), dQ = scale dS K, dK = scale dS^T Q.
+    When ``lse`` and ``O`` are the *merged* statistics of several partial attentions (dilated
+    branches, ring steps), P is this part's share of the merged softmax and the result is the exact
+    gradient of the merged output with respect to this part's inputs (FlashAttention-2, Alg. 2).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_SCORE_ELEMENTS_PER_CHUNK = 1 << 24
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _row_chunks(q: torch.Tensor, num_keys: int) -> list[tuple[int, int]]:
+    batch, rows, heads, _ = q.shape
+    per_row = max(1, batch * heads * num_keys)
+    size = max(1, _SCORE_ELEMENTS_PER_CHUNK // per_row)
+    return [(start, min(rows, start + size)) for start in range(0, rows, size)]
+
+
+def _bias(
+    key_mask: torch.Tensor | None,
+    is_causal: bool,
+    rows: tuple[int, int],
+    num_keys: int,
+    num_kv_heads: int,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """Boolean 'ignore' mask broadcastable to scores of shape (B, Hkv, G, rows, Nk)."""
+    ignore = None
+    if key_mask is not None:
+        b, hm, nk = key_mask.shape
+        heads = num_kv_heads if hm > 1 else 1
+        ignore = key_mask.view(b, heads, hm // heads, 1, nk)
+    if is_causal:
+        q_pos = torch.arange(rows[0], rows[1], device=device).view(-1, 1)
+        future = torch.arange(num_keys, device=device).view(1, -1) > q_pos
+        ignore = future if ignore is None else ignore | future
+    return ignore
+
+
+def _dropout_keep(
+    shape: torch.Size, p: float, generator: torch.Generator | None, device: torch.device
+) -> torch.Tensor:
+    return torch.rand(shape, generator=generator, device=device) >= p
+
+
+def _generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    if seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+def reference_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    is_causal: bool = False,
+    key_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with its log-sum-exp.
+
+    Args:
+        q: (B, Nq, H, D).
+        k: (B, Nk, Hkv, D).
+        v: (B, Nk, Hkv, D).
+        scale: softmax scale.
+        is_causal: top-left aligned causal mask.
+        key_mask: (B, Hm, Nk) bool, ``True`` = ignore the key.
+        dropout_p: dropout on the attention probabilities (the LSE is that of the undropped
+        softmax).
+        dropout_seed: seed of the dropout mask; the backward regenerates the mask from it.
+
+    Returns:
+        ``out`` (B, Nq, H, D) in ``q.dtype`` and ``lse`` (B, H, Nq) in float32 (float64 for float64
+        inputs); rows with no visible key give 0 and ``-inf``.
+    """
+    batch, num_q, heads, dim = q.shape
+    num_k, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    cdt = _compute_dtype(q.dtype)
+    kc, vc = k.to(cdt), v.to(cdt)
+    out = torch.empty(batch, num_q, heads, dim, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, heads, num_q, dtype=cdt, device=q.device)
+    gen = _generator(dropout_seed, q.device) if dropout_p > 0 else None
+    for start, stop in _row_chunks(q, num_k):
+        qc = q[:, start:stop].to(cdt).view(batch, stop - start, kv_heads, group, dim)
+        scores = torch.einsum("bqhgd,bkhd->bhgqk", qc, kc) * scale
+        ignore = _bias(key_mask, is_causal, (start, stop), num_k, kv_heads, q.device)
+        if ignore is not None:
+            scores = scores.masked_fill(ignore, float("-inf"))
+        row_lse = torch.logsumexp(scores, dim=-1)
+        finite = torch.where(torch.isinf(row_lse), torch.zeros_like(row_lse), row_lse)
+        probs = torch.exp(scores - finite.unsqueeze(-1))
+        if dropout_p > 0:
+            keep = _dropout_keep(probs.shape, dropout_p, gen, q.device)
+            probs = probs * keep / (1.0 - dropout_p)
+        o = torch.einsum("bhgqk,bkhd->bqhgd", probs, vc)
+        out[:, start:stop] = o.reshape(batch, stop - start, heads, dim).to(q.dtype)
+        lse[:, :, start:stop] = row_lse.reshape(batch, heads, stop - start)
+    return out, lse
+
+
+def reference_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    scale: float,
+    is_causal: bool = False,
+    key_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of attention given the (possibly merged) ``out`` and ``lse``.
+
+    See Note [Backward with external statistics]. Arguments as in :func:`reference_forward`, plus
+    ``dout`` and ``out`` (B, Nq, H, D) and ``lse`` (B, H, Nq); rows with ``lse = -inf`` get no
+    gradient.
+
+    Returns:
+        ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``.
+    """
+    batch, num_q, heads, dim = q.shape
+    num_k, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    cdt = _compute_dtype(q.dtype)
+    kc, vc = k.to(cdt), v.to(cdt)
+    dq = torch.empty(batch, num_q, heads, dim, dtype=cdt, device=q.device)
+    dk = torch.zeros(batch, num_k, kv_heads, dim, dtype=cdt, device=q.device)
+    dv = torch.zeros_like(dk)
+    gen = _generator(dropout_seed, q.device) if dropout_p > 0 else None
+    for start, stop in _row_chunks(q, num_k):
+        rows = stop - start
+        qc = q[:, start:stop].to(cdt).view(batch, rows, kv_heads, group, dim)
+        doc = dout[:, start:stop].to(cdt).view(batch, rows, kv_heads, group, dim)
+        oc = out[:, start:stop].to(cdt).view(batch, rows, kv_heads, group, dim)
+        row_lse = lse[:, :, start:stop].to(cdt).reshape(batch, kv_heads, group, rows, 1)
+        scores = torch.einsum("bqhgd,bkhd->bhgqk", qc, kc) * scale
+        ignore = _bias(key_mask, is_causal, (start, stop), num_k, kv_heads, q.device)
+        if ignore is not None:
+            scores = scores.masked_fill(ignore, float("-inf"))
+        # Rows with lse = -inf see no key: exp(-inf - 0) = 0 keeps them out of every gradient.
+        probs = torch.exp(scores - torch.where(torch.isinf(row_lse), 0.0, row_lse))
+        dp = torch.einsum("bqhgd,bkhd->bhgqk", doc, vc)
+        if dropout_p > 0:
+            keep = _dropout_keep(probs.shape, dropout_p, gen, q.device) / (1.0 - dropout_p)
+            dv += torch.einsum("bhgqk,bqhgd->bkhd", probs * keep, doc)
+            dp = dp * keep
+        else:
+            dv += torch.einsum("bhgqk,bqhgd->bkhd", probs, doc)
+        delta = (doc * oc).sum(-1).permute(0, 2, 3, 1).unsqueeze(-1)
+        ds = probs * (dp - delta) * scale
+        dq[:, start:stop] = torch.einsum("bhgqk,bkhd->bqhgd", ds, kc).reshape(
+            batch, rows, heads, dim
+        )
+        dk += torch.einsum("bhgqk,bqhgd->bkhd", ds, qc)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -1,0 +1,163 @@
+"""Branch geometry: which rows each dilated branch covers, and moving those rows in and out.
+
+Note [Row groups]
+    Branch ``(w, r)`` cuts the sequence into segments of length ``w`` (the last may be shorter) and,
+    in each segment starting at ``t0``, gives head ``j`` the rows ``t0 + s + r*m`` with ``s = j mod
+    r`` (LongNet Sec. 2.3). When ``r`` does not divide the segment, heads with different offsets get
+    different row counts (``w = 10, r = 3``: offsets 0/1/2 get 4/3/3 rows). A :class:`RowGroup` is
+    one kernel call's worth of rows: one run of equal-length segments and the heads that have the
+    same row count there. A branch yields at most two segment runs (full segments, then the shorter
+    last one) and at most two row counts per run, so at most four kernel calls whatever ``r``.
+
+    Rows are moved with one ``index_select`` per tensor, over each segment viewed as
+    ``(segment_len * heads)`` rows of ``head_dim``: the index has ``rows * len(heads)`` entries and
+    is shared by every segment, so it stays tiny at any sequence length. Branches with ``r = 1`` are
+    plain reshapes (views when the layout allows), with no index at all.
+
+Shape legend: B batch, N seq_len, H query heads, Hkv key/value heads, D head dim, n segments in a
+group, L segment length, c rows per segment, Hc heads in the group.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """Rows of ``num_segments`` consecutive segments of ``segment_len`` starting at ``start``.
+
+    Head ``heads[i]`` covers, in every segment, the ``rows`` positions ``offsets[i] + rate * m``.
+    """
+
+    start: int
+    num_segments: int
+    segment_len: int
+    rate: int
+    heads: tuple[int, ...]
+    offsets: tuple[int, ...]
+    rows: int
+    num_heads: int
+
+    @property
+    def stop(self) -> int:
+        """One past the last position the group's segments span."""
+        return self.start + self.num_segments * self.segment_len
+
+    @property
+    def is_dense(self) -> bool:
+        """Every position of every segment for every head: a reshape, no index."""
+        return self.rows == self.segment_len and len(self.heads) == self.num_heads
+
+    def index(self, head_ids: Sequence[int], heads_in_x: int, device: torch.device) -> torch.Tensor:
+        """Flat row index into one segment viewed as (segment_len * heads_in_x) rows.
+
+        Args:
+            head_ids: for each head of the group, the head of the tensor to read (query heads for q,
+                kv heads for k and v).
+            heads_in_x: the head count of that tensor.
+
+        Returns:
+            int64 (c * Hc,) in (row, head) order.
+        """
+        m = torch.arange(self.rows, device=device).view(-1, 1)
+        offsets = torch.tensor(self.offsets, device=device).view(1, -1)
+        heads = torch.tensor(head_ids, device=device).view(1, -1)
+        return ((offsets + self.rate * m) * heads_in_x + heads).flatten()
+
+
+@functools.lru_cache(maxsize=256)
+def plan_branches(
+    seq_len: int, num_heads: int, segment_lengths: tuple[int, ...], dilation_rates: tuple[int, ...]
+) -> tuple[RowGroup, ...]:
+    """Every branch's row groups for a sequence (see Note [Row groups]).
+
+    Args:
+        seq_len: N.
+        num_heads: H (query heads).
+        segment_lengths: w per branch; ``w > N`` means one segment of length N.
+        dilation_rates: r per branch.
+
+    Returns:
+        Row groups in branch order; groups of one branch cover disjoint (position, head) pairs.
+    """
+    groups: list[RowGroup] = []
+    for seg, rate in zip(segment_lengths, dilation_rates, strict=True):
+        seg = min(seg, seq_len)
+        full, rest = divmod(seq_len, seg)
+        runs = [(0, full, seg)] if full else []
+        if rest:
+            runs.append((full * seg, 1, rest))
+        for start, count, length in runs:
+            by_rows: dict[int, list[int]] = {}
+            for head in range(num_heads):
+                offset = head % rate
+                if offset < length:
+                    by_rows.setdefault(-(-(length - offset) // rate), []).append(head)
+            for rows, heads in sorted(by_rows.items(), reverse=True):
+                groups.append(
+                    RowGroup(
+                        start=start,
+                        num_segments=count,
+                        segment_len=length,
+                        rate=rate,
+                        heads=tuple(heads),
+                        offsets=tuple(h % rate for h in heads),
+                        rows=rows,
+                        num_heads=num_heads,
+                    )
+                )
+    return tuple(groups)
+
+
+def gather_rows(x: torch.Tensor, group: RowGroup, index: torch.Tensor | None) -> torch.Tensor:
+    """Read a group's rows.
+
+    Args:
+        x: (B, N, Hx, E) with a contiguous (N, Hx, E) inner layout.
+        index: from :meth:`RowGroup.index`, or None for a dense group (then Hc = Hx).
+
+    Returns:
+        (B * n, c, Hc, E); a view where the layout allows.
+    """
+    batch, _, heads_x, dim = x.shape
+    n, length = group.num_segments, group.segment_len
+    block = x[:, group.start : group.stop]
+    if index is None:
+        return block.reshape(batch * n, length, heads_x, dim)
+    picked = block.reshape(batch, n, length * heads_x, dim).index_select(2, index)
+    return picked.view(batch * n, group.rows, -1, dim)
+
+
+def scatter_rows(
+    dest: torch.Tensor,
+    group: RowGroup,
+    index: torch.Tensor | None,
+    rows: torch.Tensor,
+    *,
+    accumulate: bool,
+) -> None:
+    """Write (or add) a group's rows into ``dest`` in place; the inverse of :func:`gather_rows`.
+
+    Args:
+        dest: (B, N, Hx, E), contiguous.
+        rows: (B * n, c, Hc, E).
+        accumulate: add into ``dest`` (repeated index entries add up) instead of overwriting.
+    """
+    batch, _, heads_x, dim = dest.shape
+    n, length = group.num_segments, group.segment_len
+    block = dest[:, group.start : group.stop].view(batch, n, length * heads_x, dim)
+    src = rows.reshape(batch, n, -1, dim).to(dest.dtype)
+    if index is None:
+        if accumulate:
+            block += src
+        else:
+            block.copy_(src)
+    elif accumulate:
+        block.index_add_(2, index, src)
+    else:
+        block.index_copy_(2, index, src)

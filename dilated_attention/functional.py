@@ -1,0 +1,163 @@
+"""The functional API: validate, choose a kernel, run the engine.
+
+Shape legend: B batch, N seq_len, H query heads, Hkv key/value heads (H % Hkv == 0), D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _validation as V
+from .backends.base import Backend, KernelInputs
+from .backends.registry import get_backend, select_backend
+from .core.engine import AttentionFunction, DilatedAttentionFunction
+from .core.segment import plan_branches
+
+__all__ = ["attention", "dilated_attention"]
+
+
+def _check_flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _check_backend_name(backend: object) -> None:
+    if backend is not None:
+        get_backend(backend)  # type: ignore[arg-type]  # raises ValueError naming valid backends
+
+
+def _choose(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    is_causal: bool,
+    has_mask: bool,
+    dropout_p: float,
+    backend: str | None,
+) -> Backend:
+    inputs = KernelInputs.from_tensors(
+        q, k, is_causal=is_causal, has_mask=has_mask, dropout_p=dropout_p
+    )
+    return select_backend(inputs, backend)
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    key_padding_mask: torch.Tensor | None = None,
+    backend: str | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Dense softmax attention through the backend layer.
+
+    Args:
+        query: (B, Nq, H, D).
+        key: (B, Nk, Hkv, D).
+        value: (B, Nk, Hkv, D).
+        is_causal: query ``i`` sees keys ``j <= i`` (top-left aligned, as in PyTorch SDPA).
+        scale: softmax scale; ``None`` means ``D ** -0.5``.
+        dropout_p: dropout on the attention probabilities.
+        key_padding_mask: (B, Nk) bool, ``True`` = ignore that key.
+        backend: a name from :func:`list_backends`, or ``None`` to choose automatically.
+        return_lse: also return the log-sum-exp.
+
+    Returns:
+        ``out`` (B, Nq, H, D) in the input dtype, or ``(out, lse)`` with ``lse`` (B, H, Nq) float32
+        (float64 for float64 inputs), detached. Rows that see no key give 0 and ``lse = -inf``.
+
+    Raises:
+        ValueError / TypeError: malformed inputs, before any work; ValueError when ``backend`` is
+            unknown or cannot run the inputs (the message lists the reasons).
+    """
+    q, k, v = V.check_qkv(query, key, value, same_length=False)
+    is_causal = _check_flag("is_causal", is_causal)
+    return_lse = _check_flag("return_lse", return_lse)
+    V.check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[1], q.device)
+    dropout_p = V.check_dropout("dropout_p", dropout_p)
+    checked_scale = V.check_scale(scale)
+    _check_backend_name(backend)
+    kernel = _choose(
+        q, k, is_causal=is_causal, has_mask=key_padding_mask is not None,
+        dropout_p=dropout_p, backend=backend,
+    )  # fmt: skip
+    softmax_scale = checked_scale if checked_scale is not None else q.shape[-1] ** -0.5
+    out, lse = AttentionFunction.apply(
+        q.contiguous(), k.contiguous(), v.contiguous(), key_padding_mask, kernel,
+        is_causal, softmax_scale, dropout_p,
+    )  # fmt: skip
+    return (out, lse) if return_lse else out
+
+
+def dilated_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    segment_lengths: list[int] | tuple[int, ...],
+    dilation_rates: list[int] | tuple[int, ...],
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    key_padding_mask: torch.Tensor | None = None,
+    backend: str | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """LongNet dilated attention with exact branch mixing (LongNet Eq. 10) and exact gradients.
+
+    Branch ``i`` cuts the sequence into segments of ``segment_lengths[i]`` (the last may be shorter)
+    and, inside each, head ``j`` attends among the rows ``offset + r*m`` with ``r =
+    dilation_rates[i]``
+    and ``offset = j mod r``. Every head takes part in every branch; the branches mix as one softmax
+    over the multiset union of their keys. For N = 8, one branch (w=8, r=2), heads 0 and 1::
+
+        position   0 1 2 3 4 5 6 7
+        head 0     x . x . x . x .     rows {0, 2, 4, 6} attend among themselves
+        head 1     . x . x . x . x     rows {1, 3, 5, 7}
+
+    Args:
+        query: (B, N, H, D).
+        key: (B, N, Hkv, D).
+        value: (B, N, Hkv, D).
+        segment_lengths: w per branch (positive ints; ``w > N`` means one segment).
+        dilation_rates: r per branch (positive ints; need not divide w).
+        is_causal: a row sees only keys at or before its position.
+        scale: softmax scale; ``None`` means ``D ** -0.5``.
+        dropout_p: dropout on the attention probabilities.
+        key_padding_mask: (B, N) bool, ``True`` = ignore that key.
+        backend: a name from :func:`list_backends`, or ``None`` to choose automatically.
+        return_lse: also return the merged log-sum-exp.
+
+    Returns:
+        ``out`` (B, N, H, D) in the input dtype, or ``(out, lse)`` with ``lse`` (B, H, N) float32
+        (float64 for float64 inputs), detached. Rows no branch covers, or whose keys are all masked,
+        give 0 and ``lse = -inf``.
+
+    Raises:
+        ValueError / TypeError: malformed inputs, before any work; ValueError when ``backend`` is
+            unknown or cannot run the inputs (the message lists the reasons).
+    """
+    q, k, v = V.check_qkv(query, key, value, same_length=True)
+    segs, rates = V.check_branches(segment_lengths, dilation_rates)
+    is_causal = _check_flag("is_causal", is_causal)
+    return_lse = _check_flag("return_lse", return_lse)
+    V.check_key_padding_mask(key_padding_mask, q.shape[0], q.shape[1], q.device)
+    dropout_p = V.check_dropout("dropout_p", dropout_p)
+    checked_scale = V.check_scale(scale)
+    _check_backend_name(backend)
+    kernel = _choose(
+        q, k, is_causal=is_causal, has_mask=key_padding_mask is not None,
+        dropout_p=dropout_p, backend=backend,
+    )  # fmt: skip
+    softmax_scale = checked_scale if checked_scale is not None else q.shape[-1] ** -0.5
+    plan = plan_branches(q.shape[1], q.shape[2], segs, rates)
+    out, lse = DilatedAttentionFunction.apply(
+        q.contiguous(), k.contiguous(), v.contiguous(), key_padding_mask, plan, kernel,
+        is_causal, softmax_scale, dropout_p,
+    )  # fmt: skip
+    return (out, lse) if return_lse else out
