@@ -18,6 +18,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..core.reference import reference_backward, reference_forward
+
 
 @dataclass(frozen=True)
 class KernelInputs:
@@ -135,6 +137,8 @@ class Backend:
     native_gqa: ClassVar[bool] = True
     # True when the kernel already returns lse = -inf for rows whose keys are all masked.
     empty_rows_have_neg_inf_lse: ClassVar[bool] = False
+    # Calls with fewer query or key rows go to the plain-PyTorch kernel (cuDNN refuses 1 x 1).
+    min_rows: ClassVar[int] = 1
 
     # -- availability -----------------------------------------------------------------------------
     def import_reasons(self) -> list[str]:
@@ -213,6 +217,11 @@ class Backend:
             :class:`KernelOutput` with ``out`` (B, Nq, H, D) and ``lse`` (B, H, Nq).
         """
         heads = q.shape[2]
+        if min(q.shape[1], k.shape[1]) < self.min_rows:
+            out, lse = reference_forward(
+                q, k, v, scale=scale, is_causal=is_causal, key_mask=key_mask, dropout_p=dropout_p
+            )
+            return KernelOutput(out, lse)
         if not self.native_gqa:
             k, v = _expand_kv(k, heads), _expand_kv(v, heads)
         res = self._forward(
@@ -247,6 +256,10 @@ class Backend:
             ``(dq, dk, dv)`` shaped like ``(q, k, v)``.
         """
         kv_heads = k.shape[2]
+        if min(q.shape[1], k.shape[1]) < self.min_rows:
+            return reference_backward(
+                dout, q, k, v, out, lse, scale=scale, is_causal=is_causal, key_mask=key_mask
+            )
         if not self.native_gqa:
             k, v = _expand_kv(k, q.shape[2]), _expand_kv(v, q.shape[2])
         lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)

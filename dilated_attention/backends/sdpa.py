@@ -240,6 +240,7 @@ class SdpaCudnnBackend(_CudaSdpaBackend):
     head_dim_multiple = 8
     min_compute_capability = (8, 0)
     native_gqa = False
+    min_rows = 2
 
     def import_reasons(self) -> list[str]:
         reasons = _has_op("_scaled_dot_product_cudnn_attention")
