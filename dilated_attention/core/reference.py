@@ -55,10 +55,16 @@ def _bias(
     return ignore
 
 
-def _dropout_keep(
-    shape: torch.Size, p: float, generator: torch.Generator | None, device: torch.device
+def _dropout_scale(
+    shape: torch.Size,
+    p: float,
+    generator: torch.Generator | None,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> torch.Tensor:
-    return torch.rand(shape, generator=generator, device=device) >= p
+    """Inverted-dropout factors: 0 for dropped entries, 1 / (1 - p) for kept ones."""
+    keep = torch.rand(shape, generator=generator, device=device) >= p
+    return keep.to(dtype) / (1.0 - p)
 
 
 def _generator(seed: int | None, device: torch.device) -> torch.Generator | None:
@@ -115,8 +121,7 @@ def reference_forward(
         finite = torch.where(torch.isinf(row_lse), torch.zeros_like(row_lse), row_lse)
         probs = torch.exp(scores - finite.unsqueeze(-1))
         if dropout_p > 0:
-            keep = _dropout_keep(probs.shape, dropout_p, gen, q.device)
-            probs = probs * keep / (1.0 - dropout_p)
+            probs = probs * _dropout_scale(probs.shape, dropout_p, gen, cdt, q.device)
         o = torch.einsum("bhgqk,bkhd->bqhgd", probs, vc)
         out[:, start:stop] = o.reshape(batch, stop - start, heads, dim).to(q.dtype)
         lse[:, :, start:stop] = row_lse.reshape(batch, heads, stop - start)
@@ -169,7 +174,7 @@ def reference_backward(
         probs = torch.exp(scores - torch.where(torch.isinf(row_lse), 0.0, row_lse))
         dp = torch.einsum("bqhgd,bkhd->bhgqk", doc, vc)
         if dropout_p > 0:
-            keep = _dropout_keep(probs.shape, dropout_p, gen, q.device) / (1.0 - dropout_p)
+            keep = _dropout_scale(probs.shape, dropout_p, gen, cdt, q.device)
             dv += torch.einsum("bhgqk,bqhgd->bkhd", probs * keep, doc)
             dp = dp * keep
         else:
