@@ -11,7 +11,7 @@ from . import _validation as V
 from .backends.base import Backend, KernelInputs
 from .backends.registry import get_backend, select_backend
 from .core.engine import AttentionFunction, DilatedAttentionFunction
-from .core.segment import plan_branches
+from .core.segment import RowGroup, plan_branches
 
 __all__ = ["attention", "dilated_attention"]
 
@@ -27,6 +27,7 @@ def _check_backend_name(backend: object) -> None:
         get_backend(backend)  # type: ignore[arg-type]  # raises ValueError naming valid backends
 
 
+@torch.compiler.disable  # selection probes kernels and caches: run it eagerly, never traced
 def _choose(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -40,6 +41,13 @@ def _choose(
         q, k, is_causal=is_causal, has_mask=has_mask, dropout_p=dropout_p
     )
     return select_backend(inputs, backend)
+
+
+@torch.compiler.disable  # a cached pure-Python plan: run it eagerly, never traced
+def _plan(
+    seq_len: int, num_heads: int, segs: tuple[int, ...], rates: tuple[int, ...]
+) -> tuple[RowGroup, ...]:
+    return plan_branches(seq_len, num_heads, segs, rates)
 
 
 def attention(
@@ -155,7 +163,7 @@ def dilated_attention(
         dropout_p=dropout_p, backend=backend,
     )  # fmt: skip
     softmax_scale = checked_scale if checked_scale is not None else q.shape[-1] ** -0.5
-    plan = plan_branches(q.shape[1], q.shape[2], segs, rates)
+    plan = _plan(q.shape[1], q.shape[2], segs, rates)
     out, lse = DilatedAttentionFunction.apply(
         q.contiguous(), k.contiguous(), v.contiguous(), key_padding_mask, plan, kernel,
         is_causal, softmax_scale, dropout_p,

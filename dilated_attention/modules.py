@@ -179,6 +179,13 @@ class MultiheadDilatedAttention(nn.Module):
         query = self._check_input("query", query)
         key = query if key is None else self._check_input("key", key)
         value = key if value is None else self._check_input("value", value)
+        if key.shape[:2] != query.shape[:2] or value.shape[:2] != query.shape[:2]:
+            raise ValueError(
+                f"key and value must have the batch size and seq_len of query (dilated attention "
+                f"segments one sequence), got query.shape={tuple(query.shape)}, "
+                f"key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
+            )
+        V.check_key_padding_mask(key_padding_mask, query.shape[0], query.shape[1], query.device)
         q = rearrange(self.q_proj(query), "b n (h d) -> b n h d", h=self.num_heads)
         k = rearrange(self.k_proj(key), "b n (h d) -> b n h d", h=self.num_kv_heads)
         v = rearrange(self.v_proj(value), "b n (h d) -> b n h d", h=self.num_kv_heads)

@@ -53,6 +53,9 @@ class CpuFlashBackend(Backend):
     devices = frozenset({"cpu"})
     dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
     supports_mask = True
+    # The kernel's own GQA backward sums dk/dv over query heads in the input dtype, which loses
+    # bf16 precision; expanding and reducing with one float32-accumulated sum is exact to rounding.
+    native_gqa = False
 
     def import_reasons(self) -> list[str]:
         return _has_op("_scaled_dot_product_flash_attention_for_cpu")
