@@ -1,7 +1,9 @@
-"""Command line: ``python -m dilated_attention demo``.
+"""Command line: ``python -m dilated_attention demo|info``.
 
 ``demo`` builds a :class:`MultiheadDilatedAttention` layer with a LongNet schedule, runs forward and
-backward on one long random sequence, and prints the kernel chosen and the timings.
+backward on one long random sequence, and prints the kernel chosen and the timings. ``info`` prints
+the software and devices here and, for each device, every kernel backend: whether it can run, which
+one is chosen, and why the others are not.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import time
 
 import torch
 
-from .backends.registry import backend_reasons
+from .backends.registry import backend_reasons, get_backend, list_backends
+from .factory import explain
 from .modules import MultiheadDilatedAttention
 
 
@@ -89,13 +92,57 @@ def demo(argv: list[str] | None = None) -> None:
     print(f"  input gradient finite: {bool(torch.isfinite(grad).all())}")
 
 
+def _devices() -> list[torch.device]:
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available():
+        devices += [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    return devices
+
+
+def info(argv: list[str] | None = None) -> None:
+    """Versions, devices, and every backend with available / chosen / reasons, per device."""
+    parser = argparse.ArgumentParser(
+        prog="python -m dilated_attention info", description=info.__doc__
+    )
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    args = parser.parse_args(argv)
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    print(f"torch {torch.__version__}  CUDA {torch.version.cuda}  cuDNN {cudnn}")
+    for dev in _devices():
+        if dev.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(dev)
+            label = f"{dev}: {torch.cuda.get_device_name(dev)} (sm{major}{minor})"
+        else:
+            label = f"{dev}: {torch.get_num_threads()} threads"
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        print(f"\n{label}")
+        choice = explain(device=dev, dtype=dtype, head_dim=args.head_dim, is_causal=args.causal)
+        print(
+            f"  inputs: {str(dtype).removeprefix('torch.')}, head_dim {args.head_dim}, "
+            f"causal={args.causal}, training"
+        )
+        print(f"  {'backend':<16}{'available':<11}{'chosen':<8}reasons")
+        for name in list_backends():
+            backend = get_backend(name)
+            available = "no" if backend.availability_reasons(dev) else "yes"
+            if dev.type not in backend.devices:
+                available = "-"
+            chosen = "*" if name == choice.backend else ""
+            why = "; ".join(choice.reasons.get(name, []))
+            print(f"  {name:<16}{available:<11}{chosen:<8}{why}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Dispatch ``python -m dilated_attention <command>``."""
     parser = argparse.ArgumentParser(prog="python -m dilated_attention")
-    parser.add_argument("command", choices=["demo"], help="demo: forward+backward timing example")
+    parser.add_argument(
+        "command",
+        choices=["demo", "info"],
+        help="demo: forward+backward timing example; info: versions, devices and kernel choice",
+    )
     args, rest = parser.parse_known_args(argv)
-    if args.command == "demo":
-        demo(rest)
+    {"demo": demo, "info": info}[args.command](rest)
 
 
 if __name__ == "__main__":

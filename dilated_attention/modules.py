@@ -11,6 +11,7 @@ from torch import nn
 
 from . import _validation as V
 from .backends.registry import get_backend
+from .config import DilatedConfig, MultiheadDilatedConfig
 from .functional import dilated_attention
 
 __all__ = ["DilatedAttention", "MultiheadDilatedAttention"]
@@ -37,14 +38,20 @@ class DilatedAttention(nn.Module):
         backend: str | None = None,
     ) -> None:
         super().__init__()
-        self.segment_lengths, self.dilation_rates = V.check_branches(
-            segment_lengths, dilation_rates
-        )
-        self.scale = V.check_scale(scale)
-        self.dropout = V.check_dropout("dropout", dropout)
+        self.config = DilatedConfig(
+            segment_lengths=segment_lengths, dilation_rates=dilation_rates, scale=scale,
+            dropout=dropout, backend=backend,
+        )  # fmt: skip
         if backend is not None:
             get_backend(backend)
-        self.backend = backend
+        self.segment_lengths = self.config.segment_lengths
+        self.dilation_rates = self.config.dilation_rates
+        self.scale, self.dropout, self.backend = scale, self.config.dropout, backend
+
+    @classmethod
+    def from_config(cls, config: DilatedConfig) -> DilatedAttention:
+        """Build from a :class:`~dilated_attention.config.DilatedConfig`."""
+        return cls(**config.kwargs())
 
     def forward(
         self,
@@ -117,6 +124,12 @@ class MultiheadDilatedAttention(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        self.config = MultiheadDilatedConfig(
+            embed_dim=embed_dim, num_heads=num_heads, segment_lengths=segment_lengths,
+            dilation_rates=dilation_rates, num_kv_heads=num_kv_heads, dropout=dropout, bias=bias,
+            layer_norm=layer_norm, layer_norm_eps=layer_norm_eps, gamma_init=gamma_init,
+            backend=backend,
+        )  # fmt: skip
         self.num_kv_heads = V.check_heads(embed_dim, num_heads, num_kv_heads)
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.head_dim = embed_dim // num_heads
@@ -132,6 +145,17 @@ class MultiheadDilatedAttention(nn.Module):
         self.norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps, **factory) if layer_norm else None
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.reset_parameters()
+
+    @classmethod
+    def from_config(
+        cls,
+        config: MultiheadDilatedConfig,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> MultiheadDilatedAttention:
+        """Build from a :class:`~dilated_attention.config.MultiheadDilatedConfig`."""
+        return cls(**config.kwargs(), device=device, dtype=dtype)
 
     def reset_parameters(self) -> None:
         """MAGNETO initialisation (Xavier normal; gain ``gamma_init`` on v and out)."""

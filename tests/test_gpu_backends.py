@@ -15,7 +15,7 @@ from dilated_attention import attention, backend_reasons, dilated_attention
 
 pytestmark = pytest.mark.gpu
 
-CUDA_BACKENDS = ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "math"]
+CUDA_BACKENDS = ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flex", "math"]
 
 CASES = {
     # name: (seq_len, heads, kv_heads, segment_lengths, dilation_rates, is_causal, masked)

@@ -1,23 +1,50 @@
 """The backend registry: names, per-device priority, and selection with reasons.
 
-Selection walks the priority list for the device and takes the first backend with no reason to
-refuse the inputs. Priorities come from compute capability, never GPU names:
-
-- sm90 / sm100 (Hopper, Blackwell): cuDNN first; on one H100 (torch 2.11, bf16, D=128) it ran at
-  600-650 TFLOP/s forward against 350 for SDPA flash (FA2) and 180 for SDPA efficient
-  (``shared/anchors.md``).
-- sm80 / sm86 / sm89: FA2-class first; cuDNN measured slower there (0.8-1.0x, transformers#48163).
-- below sm80: the memory-efficient kernel.
-- CPU: PyTorch's flash CPU kernel, then ``math``.
+Selection walks the priority list for the device (by compute capability, never GPU names; the
+measurements behind it sit next to ``_CUDA_PRIORITY``) and takes the first backend with no reason to
+refuse the inputs. ``choose`` also records why each other backend was not taken.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+
 import torch
 
 from .base import Backend, KernelInputs
+from .flex import FlexBackend
 from .math import MathBackend
 from .sdpa import CpuFlashBackend, SdpaCudnnBackend, SdpaEfficientBackend, SdpaFlashBackend
+
+ENV_VAR = "DILATED_ATTENTION_BACKEND"
+
+# Tried in this order; the first backend with no reason to refuse the inputs wins. Keys are compute
+# capability majors. sm90/sm100: FlashAttention-3/4 when installed (FA3: 740 TFLOP/s fwd published
+# on H100), then cuDNN (600-650 fwd / 540-570 fwd+bwd measured on our H100, bf16, D=128), then FA2
+# (flash-attn package, then PyTorch's copy: 350 / 315), then the memory-efficient kernel (180/150).
+# sm80-89: FA2-class first; cuDNN measured 0.8-1.0x of FA2 there (transformers#48163). sm75: the
+# memory-efficient kernel or xformers. Older GPUs, CPU and other devices: what runs, then math.
+# FlexAttention compiles per shape (seconds), so it is never chosen for dense attention
+# automatically; it runs block-sparse masks and whenever asked for by name.
+_CUDA_PRIORITY: dict[int, list[str]] = {
+    10: ["flash_attn4", "sdpa_cudnn", "flash_attn2", "sdpa_flash", "sdpa_efficient", "math"],
+    9: [
+        "flash_attn3",
+        "flash_attn4",
+        "sdpa_cudnn",
+        "flash_attn2",
+        "sdpa_flash",
+        "sdpa_efficient",
+        "math",
+    ],
+    8: ["flash_attn2", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "xformers", "math"],
+    7: ["sdpa_efficient", "xformers", "math"],
+}
+_HOST_PRIORITY = ["cpu_flash", "math"]
 
 _BACKENDS: dict[str, Backend] = {}
 
@@ -33,6 +60,7 @@ for _backend in (
     SdpaFlashBackend(),
     SdpaEfficientBackend(),
     SdpaCudnnBackend(),
+    FlexBackend(),
 ):
     register_backend(_backend)
 
@@ -52,55 +80,117 @@ def get_backend(name: str) -> Backend:
 
 
 def priority(device: torch.device) -> list[str]:
-    """Backend names in the order they are tried on ``device``."""
+    """Backend names in the order they are tried on ``device`` (see the module docstring)."""
     if device.type == "cuda":
         major, _ = torch.cuda.get_device_capability(device)
-        if major >= 9:
-            order = ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient"]
-        elif major == 8:
-            order = ["sdpa_flash", "sdpa_cudnn", "sdpa_efficient"]
-        else:
-            order = ["sdpa_efficient"]
-    elif device.type == "cpu":
-        order = ["cpu_flash"]
+        order = _CUDA_PRIORITY.get(major, _CUDA_PRIORITY[8] if major > 10 else _CUDA_PRIORITY[7])
     else:
-        order = []
-    order.append("math")
-    return [name for name in order if name in _BACKENDS] + [
-        name for name in _BACKENDS if name not in order
-    ]
+        order = _HOST_PRIORITY
+    known = [name for name in order if name in _BACKENDS]
+    return known + [name for name in _BACKENDS if name not in known]
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """The kernel chosen for some inputs, and why every other kernel was not.
+
+    Attributes:
+        backend: the chosen backend's name.
+        reasons: for every other registered backend, at least one reason it was not chosen (it
+            cannot run the inputs, or it can but ranks lower).
+        order: the priority order that was walked.
+        source: what decided: ``"auto"``, ``"argument"``, ``"use_backend"`` or ``"environment"``.
+    """
+
+    backend: str
+    reasons: dict[str, list[str]]
+    order: list[str]
+    source: str
+
+
+_OVERRIDE: ContextVar[str | None] = ContextVar("dilated_attention_backend", default=None)
+
+
+@contextlib.contextmanager
+def use_backend(name: str | None) -> Iterator[None]:
+    """Run every attention call inside the block on backend ``name`` (``None``: automatic).
+
+    An explicit ``backend=`` argument still wins. Raises ``ValueError`` for an unknown name.
+    """
+    if name is not None:
+        get_backend(name)
+    token = _OVERRIDE.set(name)
+    try:
+        yield
+    finally:
+        _OVERRIDE.reset(token)
+
+
+def _requested(name: str | None) -> tuple[str | None, str]:
+    if name is not None:
+        return name, "argument"
+    override = _OVERRIDE.get()
+    if override is not None:
+        return override, "use_backend"
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env and env != "auto":
+        if env not in _BACKENDS:
+            raise ValueError(
+                f"environment variable {ENV_VAR}={env!r} names no backend; valid names: "
+                f"{list_backends()} (or unset it / set it to 'auto')"
+            )
+        return env, "environment"
+    return None, "auto"
+
+
+def choose(inputs: KernelInputs, name: str | None = None) -> BackendChoice:
+    """Choose a backend for ``inputs`` and record why every other one was not chosen.
+
+    Precedence: the ``name`` argument, then :func:`use_backend`, then the environment variable
+    ``DILATED_ATTENTION_BACKEND``, then the priority list for the device.
+
+    Raises:
+        ValueError: a requested backend is unknown or cannot run the inputs, or none can; the
+            message lists every rejected backend with its reasons.
+    """
+    requested, source = _requested(name)
+    order = priority(inputs.device)
+    reasons = {candidate: _BACKENDS[candidate].not_supported_reasons(inputs) for candidate in order}
+    if requested is not None:
+        get_backend(requested)
+        if reasons[requested]:
+            able = [n for n, r in reasons.items() if not r]
+            raise ValueError(
+                f"backend {requested!r} (from {source}) cannot run these inputs: "
+                f"{'; '.join(reasons[requested])}. Backends that can: {able}; or let the library "
+                f"choose (backend=None)"
+            )
+        chosen = requested
+    else:
+        chosen = next((n for n in order if not reasons[n]), None)
+        if chosen is None:
+            detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in reasons.items())
+            raise ValueError(f"no backend can run these inputs ({inputs}). Rejected: {detail}")
+    why_not = {}
+    for candidate in order:
+        if candidate == chosen:
+            continue
+        why_not[candidate] = reasons[candidate] or (
+            [f"{chosen!r} was requested ({source})"]
+            if requested is not None
+            else [f"able, but ranks after {chosen!r} on this device"]
+        )
+    return BackendChoice(backend=chosen, reasons=why_not, order=order, source=source)
+
+
+def select_backend(inputs: KernelInputs, name: str | None = None) -> Backend:
+    """The backend instance :func:`choose` picks for ``inputs``."""
+    return _BACKENDS[choose(inputs, name).backend]
 
 
 def reasons_for(inputs: KernelInputs) -> dict[str, list[str]]:
     """For every registered backend, why it cannot run ``inputs`` (empty list: it can)."""
     return {name: _BACKENDS[name].not_supported_reasons(inputs) for name in priority(inputs.device)}
-
-
-def select_backend(inputs: KernelInputs, name: str | None = None) -> Backend:
-    """The backend to run ``inputs``: ``name`` if given and able, else the first able by priority.
-
-    Raises:
-        ValueError: ``name`` is unknown or cannot run the inputs, or no backend can; the
-            message lists every rejected backend with its reasons.
-    """
-    if name is not None:
-        backend = get_backend(name)
-        reasons = backend.not_supported_reasons(inputs)
-        if reasons:
-            raise ValueError(
-                f"backend={name!r} cannot run these inputs: {'; '.join(reasons)}. "
-                f"Pass backend=None to choose automatically, or one of: "
-                f"{[n for n, r in reasons_for(inputs).items() if not r]}"
-            )
-        return backend
-    all_reasons = {}
-    for candidate in priority(inputs.device):
-        reasons = _BACKENDS[candidate].not_supported_reasons(inputs)
-        if not reasons:
-            return _BACKENDS[candidate]
-        all_reasons[candidate] = reasons
-    detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in all_reasons.items())
-    raise ValueError(f"no backend can run these inputs ({inputs}). Rejected: {detail}")
 
 
 def backend_reasons(

@@ -1,0 +1,125 @@
+"""``flex``: PyTorch FlexAttention, compiled (Triton on CUDA).
+
+FlexAttention returns the log-sum-exp (``return_lse=True``) but exposes no backward that takes
+another ``out``/``lse``. Its log-sum-exp is differentiable, though, which is enough for exact
+gradients of a merged result:
+
+Note [Merged gradients through a kernel's own autograd]
+    With ``out = sum_j w_j o_j`` and ``w_j = exp(lse_j - LSE)``, ``d out / d o_i = w_i`` and
+    ``d out / d lse_i = w_i (o_i - out)``. So the backward recomputes this part's ``(o_i, lse_i)`` with
+    autograd and back-propagates ``w_i * dout`` into ``o_i`` and ``w_i * rowsum(dout * (o_i - out))``
+    into ``lse_i``. For an unmerged call ``w_i = 1`` and the second term vanishes.
+
+The compiled function is built once per process; ``torch.compile`` caches one kernel per input
+shape (and marks shapes dynamic after the first recompile). On CPU, compiled FlexAttention is
+inference-only and cannot return the log-sum-exp (torch 2.13), so this backend is CUDA-only.
+
+Shapes: (B, N, H, D) in, transposed to FlexAttention's (B, H, N, D) as views.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .base import Backend, KernelInputs, KernelOutput
+
+
+@functools.cache
+def _compiled_flex() -> Callable[..., Any]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+def _flex(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, is_causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, N, H, D) in; ``out`` (B, N, H, D) and ``lse`` (B, H, N) out."""
+    block_mask = _causal_block_mask(q.shape[1], k.shape[1], q.device) if is_causal else None
+    out, lse = _compiled_flex()(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        block_mask=block_mask, scale=scale, enable_gqa=q.shape[2] != k.shape[2], return_lse=True,
+    )  # fmt: skip
+    return out.transpose(1, 2), lse
+
+
+@functools.lru_cache(maxsize=64)
+def _causal_block_mask(query_len: int, key_len: int, device: torch.device) -> Any:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return q_idx >= kv_idx
+
+    return create_block_mask(causal, None, None, query_len, key_len, device=device)
+
+
+class FlexBackend(Backend):
+    """Compiled FlexAttention; causal through a block mask, GQA native, exact merged gradients
+    through its differentiable log-sum-exp (Note [Merged gradients through a kernel's own autograd]).
+    """
+
+    name = "flex"
+    description = "PyTorch FlexAttention, compiled with Triton (CUDA); compiles once per shape"
+    devices = frozenset({"cuda", "cpu"})
+    dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32})
+    min_compute_capability = (8, 0)
+    supports_rectangular_causal = True
+
+    def import_reasons(self) -> list[str]:
+        try:
+            from torch.nn.attention import flex_attention  # noqa: F401
+        except Exception as exc:
+            return [f"torch {torch.__version__} has no FlexAttention: {exc}"]
+        return []
+
+    def not_supported_reasons(self, inputs: KernelInputs) -> list[str]:
+        if inputs.device.type == "cpu":
+            return [
+                "CPU FlexAttention is inference-only and returns no log-sum-exp, which merging "
+                "needs (torch.compile limitation)"
+            ]
+        return super().not_supported_reasons(inputs)
+
+    def _forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float,
+        is_causal: bool,
+        key_mask: torch.Tensor | None,
+        dropout_p: float,
+    ) -> KernelOutput:
+        out, lse = _flex(q, k, v, scale=scale, is_causal=is_causal)
+        return KernelOutput(out, lse)
+
+    def _backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        aux: Any,
+        *,
+        scale: float,
+        is_causal: bool,
+        key_mask: torch.Tensor | None,
+        dropout_p: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        with torch.enable_grad():
+            own_out, own_lse = _flex(*leaves, scale=scale, is_causal=is_causal)
+            weight = torch.exp(own_lse.detach() - lse)  # (B, H, N)
+            weight_bnh = weight.transpose(1, 2).unsqueeze(-1)
+            grad_out = (weight_bnh * dout.float()).to(own_out.dtype)
+            drift = (dout.float() * (own_out.detach().float() - out.float())).sum(-1)
+            grad_lse = weight * drift.transpose(1, 2)
+            dq, dk, dv = torch.autograd.grad((own_out, own_lse), leaves, (grad_out, grad_lse))
+        return dq, dk, dv

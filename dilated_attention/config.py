@@ -1,0 +1,80 @@
+"""Frozen, validated configurations accepted by the modules (``from_config``) and the factory.
+
+Each ``__post_init__`` runs the same checks as the functional API, so a bad config fails where it is
+written, with the argument named.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from . import _validation as V
+
+
+def _check_backend(backend: object) -> None:
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend must be a backend name or None, got {backend!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DilatedConfig:
+    """Dilated attention over (B, N, H, D) tensors: see ``DilatedAttention``.
+
+    Args:
+        segment_lengths: w per branch.
+        dilation_rates: r per branch.
+        scale: softmax scale (``None``: head_dim ** -0.5).
+        dropout: attention-probability dropout in training mode.
+        backend: kernel name, or ``None`` for the automatic choice.
+    """
+
+    segment_lengths: tuple[int, ...]
+    dilation_rates: tuple[int, ...]
+    scale: float | None = None
+    dropout: float = 0.0
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        segs, rates = V.check_branches(self.segment_lengths, self.dilation_rates)
+        object.__setattr__(self, "segment_lengths", segs)
+        object.__setattr__(self, "dilation_rates", rates)
+        object.__setattr__(self, "scale", V.check_scale(self.scale))
+        object.__setattr__(self, "dropout", V.check_dropout("dropout", self.dropout))
+        _check_backend(self.backend)
+
+    def kwargs(self) -> dict[str, Any]:
+        """The fields as keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MultiheadDilatedConfig:
+    """A multihead dilated attention layer: see ``MultiheadDilatedAttention``.
+
+    Args mirror ``MultiheadDilatedAttention.__init__`` (without device/dtype).
+    """
+
+    embed_dim: int
+    num_heads: int
+    segment_lengths: tuple[int, ...]
+    dilation_rates: tuple[int, ...]
+    num_kv_heads: int | None = None
+    dropout: float = 0.0
+    bias: bool = True
+    layer_norm: bool = True
+    layer_norm_eps: float = 1e-5
+    gamma_init: float = 1.0
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        V.check_heads(self.embed_dim, self.num_heads, self.num_kv_heads)
+        segs, rates = V.check_branches(self.segment_lengths, self.dilation_rates)
+        object.__setattr__(self, "segment_lengths", segs)
+        object.__setattr__(self, "dilation_rates", rates)
+        object.__setattr__(self, "dropout", V.check_dropout("dropout", self.dropout))
+        _check_backend(self.backend)
+
+    def kwargs(self) -> dict[str, Any]:
+        """The fields as keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}

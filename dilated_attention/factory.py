@@ -1,0 +1,236 @@
+"""Build attention modules by kind, and explain which kernel runs them.
+
+Kinds are registered by name with :func:`register_kind`. The local kind ``"dilated"`` is built in;
+ring and block-sparse kinds live in modules the factory never imports at load time: a kind listed in
+``_PROVIDERS`` is imported the first time it is asked for, and that import registers it.
+
+Names users of the earlier dilated-attention packages know map onto ours (``KIND_ALIASES``):
+
+==========================================  =================
+earlier name                                 kind here
+==========================================  =================
+``"standard"``, ``"improved"``               ``"dilated"``
+``"distributed"``, ``"ring"``                ``"ring"``
+``"block_sparse_ring"``                      ``"block_sparse"``
+==========================================  =================
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .backends.base import KernelInputs
+from .backends.registry import BackendChoice, choose, get_backend
+from .config import DilatedConfig, MultiheadDilatedConfig
+from .modules import DilatedAttention, MultiheadDilatedAttention
+
+__all__ = [
+    "KIND_ALIASES",
+    "create_dilated_attention",
+    "create_multihead_dilated_attention",
+    "explain",
+    "list_kinds",
+    "register_kind",
+]
+
+
+@dataclass(frozen=True)
+class _Kind:
+    dilated: Callable[..., nn.Module]
+    multihead: Callable[..., nn.Module]
+
+
+_KINDS: dict[str, _Kind] = {
+    "dilated": _Kind(dilated=DilatedAttention, multihead=MultiheadDilatedAttention),
+}
+
+#: kind -> module whose import registers it (imported on first request only).
+_PROVIDERS: dict[str, str] = {}
+
+KIND_ALIASES: dict[str, str] = {
+    "standard": "dilated",
+    "improved": "dilated",
+    "distributed": "ring",
+    "block_sparse_ring": "block_sparse",
+}
+
+
+def register_kind(
+    name: str,
+    *,
+    dilated: Callable[..., nn.Module],
+    multihead: Callable[..., nn.Module],
+) -> None:
+    """Register a module kind: constructors taking the local modules' arguments."""
+    _KINDS[name] = _Kind(dilated=dilated, multihead=multihead)
+
+
+def list_kinds() -> list[str]:
+    """Kinds that can be built here (registered, or importable on request), and ``"auto"``."""
+    return ["auto", *_KINDS, *(k for k in _PROVIDERS if k not in _KINDS)]
+
+
+def _distributed_world_size() -> int:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+def _resolve_kind(kind: object) -> _Kind:
+    if not isinstance(kind, str):
+        raise TypeError(f"kind must be a string, one of {list_kinds()}, got {kind!r}")
+    name = KIND_ALIASES.get(kind, kind)
+    if name == "auto":
+        multi_rank = _distributed_world_size() > 1
+        name = "ring" if multi_rank and ("ring" in _KINDS or "ring" in _PROVIDERS) else "dilated"
+    if name not in _KINDS and name in _PROVIDERS:
+        importlib.import_module(_PROVIDERS[name])
+    if name not in _KINDS:
+        alias = f" (an alias of {name!r})" if name != kind else ""
+        raise ValueError(
+            f"kind {kind!r}{alias} is not available; valid kinds: {list_kinds()}, aliases: "
+            f"{sorted(KIND_ALIASES)}"
+        )
+    return _KINDS[name]
+
+
+def _resolve_backend(backend: object) -> str | None:
+    if backend is None or backend == "auto":
+        return None
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be 'auto' or a backend name, got {backend!r}")
+    get_backend(backend)  # ValueError listing the valid names
+    return backend
+
+
+def create_dilated_attention(
+    kind: str = "auto",
+    *,
+    segment_lengths: list[int] | tuple[int, ...] | None = None,
+    dilation_rates: list[int] | tuple[int, ...] | None = None,
+    backend: str = "auto",
+    config: DilatedConfig | None = None,
+    **kwargs: Any,
+) -> nn.Module:
+    """A dilated attention module over (B, N, H, D) tensors.
+
+    Args:
+        kind: ``"auto"`` (ring when a process group of more than one rank is initialised and ring
+            attention is available, else ``"dilated"``), ``"dilated"``, or another registered kind
+            or alias (see the module docstring).
+        segment_lengths: w per branch (or give ``config``).
+        dilation_rates: r per branch.
+        backend: ``"auto"`` or a kernel name from ``list_backends()``.
+        config: a :class:`DilatedConfig` instead of the keyword arguments.
+        **kwargs: further constructor arguments (``scale``, ``dropout``, ...).
+
+    Returns:
+        A module with ``forward(query, key, value, *, is_causal=False, key_padding_mask=None)``.
+    """
+    builder = _resolve_kind(kind)
+    if config is not None:
+        params = {**config.kwargs(), **kwargs}
+    else:
+        params = {"segment_lengths": segment_lengths, "dilation_rates": dilation_rates, **kwargs}
+        params["backend"] = _resolve_backend(backend)
+    return builder.dilated(**params)
+
+
+def create_multihead_dilated_attention(
+    kind: str = "auto",
+    *,
+    embed_dim: int | None = None,
+    num_heads: int | None = None,
+    segment_lengths: list[int] | tuple[int, ...] | None = None,
+    dilation_rates: list[int] | tuple[int, ...] | None = None,
+    backend: str = "auto",
+    config: MultiheadDilatedConfig | None = None,
+    **kwargs: Any,
+) -> nn.Module:
+    """A batch-first multihead dilated attention layer (drop-in for ``nn.MultiheadAttention``).
+
+    Args:
+        kind: as in :func:`create_dilated_attention`.
+        embed_dim, num_heads, segment_lengths, dilation_rates: as in ``MultiheadDilatedAttention``
+            (or give ``config``).
+        backend: ``"auto"`` or a kernel name.
+        config: a :class:`MultiheadDilatedConfig` instead of the keyword arguments.
+        **kwargs: further constructor arguments (``num_kv_heads``, ``dropout``, ``device``, ...).
+
+    Returns:
+        A module with ``forward(query, key=None, value=None, *, is_causal=False,
+        key_padding_mask=None, need_weights=False) -> (out, None)``.
+    """
+    builder = _resolve_kind(kind)
+    if config is not None:
+        params = {**config.kwargs(), **kwargs}
+    else:
+        params = {
+            "embed_dim": embed_dim,
+            "num_heads": num_heads,
+            "segment_lengths": segment_lengths,
+            "dilation_rates": dilation_rates,
+            **kwargs,
+        }
+        params["backend"] = _resolve_backend(backend)
+    return builder.multihead(**params)
+
+
+def explain(
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    head_dim: int = 64,
+    num_heads: int = 16,
+    num_kv_heads: int | None = None,
+    seq_len: int = 4096,
+    is_causal: bool = False,
+    key_padding_mask: bool = False,
+    dropout_p: float = 0.0,
+    requires_grad: bool = True,
+    backend: str | None = None,
+) -> BackendChoice:
+    """Which kernel would run attention with these properties, and why no other.
+
+    Args:
+        device: default CUDA when available, else CPU.
+        dtype: default bfloat16 on CUDA, float32 elsewhere.
+        head_dim, num_heads, num_kv_heads, seq_len: the kernel call's shape (one segment's rows).
+        is_causal, key_padding_mask, dropout_p, requires_grad: the features it needs.
+        backend: explain a forced choice instead of the automatic one.
+
+    Returns:
+        :class:`BackendChoice` with ``.backend`` (the name), ``.reasons`` (every other backend with
+        at least one reason), ``.order`` and ``.source``.
+
+    Raises:
+        ValueError: ``backend`` is unknown or cannot run these inputs, or no backend can.
+    """
+    dev = torch.device(device if device is not None else _default_device())
+    if dtype is None:
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    inputs = KernelInputs(
+        device=dev,
+        dtype=dtype,
+        head_dim=head_dim,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads or num_heads,
+        query_len=seq_len,
+        key_len=seq_len,
+        is_causal=is_causal,
+        has_mask=key_padding_mask,
+        dropout_p=dropout_p,
+        requires_grad=requires_grad,
+    )
+    return choose(inputs, backend)
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
