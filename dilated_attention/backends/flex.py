@@ -6,9 +6,10 @@ gradients of a merged result:
 
 Note [Merged gradients through a kernel's own autograd]
     With ``out = sum_j w_j o_j`` and ``w_j = exp(lse_j - LSE)``, ``d out / d o_i = w_i`` and
-    ``d out / d lse_i = w_i (o_i - out)``. So the backward recomputes this part's ``(o_i, lse_i)`` with
-    autograd and back-propagates ``w_i * dout`` into ``o_i`` and ``w_i * rowsum(dout * (o_i - out))``
-    into ``lse_i``. For an unmerged call ``w_i = 1`` and the second term vanishes.
+    ``d out / d lse_i = w_i (o_i - out)``. So the backward recomputes this part's
+    ``(o_i, lse_i)`` with autograd and back-propagates ``w_i * dout`` into ``o_i`` and
+    ``w_i * rowsum(dout * (o_i - out))`` into ``lse_i``. For an unmerged call ``w_i = 1`` and the
+    second term vanishes.
 
 The compiled function is built once per process; ``torch.compile`` caches one kernel per input
 shape (and marks shapes dynamic after the first recompile). On CPU, compiled FlexAttention is
@@ -59,7 +60,8 @@ def _causal_block_mask(query_len: int, key_len: int, device: torch.device) -> An
 
 class FlexBackend(Backend):
     """Compiled FlexAttention; causal through a block mask, GQA native, exact merged gradients
-    through its differentiable log-sum-exp (Note [Merged gradients through a kernel's own autograd]).
+    through its differentiable log-sum-exp (Note [Merged gradients through a kernel's own
+    autograd]).
     """
 
     name = "flex"
@@ -76,13 +78,20 @@ class FlexBackend(Backend):
             return [f"torch {torch.__version__} has no FlexAttention: {exc}"]
         return []
 
+    _CPU_REASON = (
+        "CPU FlexAttention is inference-only and returns no log-sum-exp, which merging needs "
+        "(torch.compile limitation)"
+    )
+
     def not_supported_reasons(self, inputs: KernelInputs) -> list[str]:
         if inputs.device.type == "cpu":
-            return [
-                "CPU FlexAttention is inference-only and returns no log-sum-exp, which merging "
-                "needs (torch.compile limitation)"
-            ]
+            return [self._CPU_REASON]
         return super().not_supported_reasons(inputs)
+
+    def probe(self, device: torch.device) -> None:
+        if device.type == "cpu":
+            raise RuntimeError(self._CPU_REASON)
+        super().probe(device)
 
     def _forward(
         self,

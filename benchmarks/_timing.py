@@ -1,0 +1,87 @@
+"""Shared benchmark helpers: CUDA-event timing (median of repeats), run records, table output."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import subprocess
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def time_cuda(fn: Callable[[], object], *, warmup: int = 3, repeats: int = 10) -> dict[str, float]:
+    """Run ``fn`` ``warmup`` times, then time ``repeats`` runs with CUDA events (ms).
+
+    Returns:
+        ``{"median_ms", "p10_ms", "p90_ms"}``.
+    """
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    times.sort()
+    return {
+        "median_ms": statistics.median(times),
+        "p10_ms": times[max(0, len(times) // 10)],
+        "p90_ms": times[min(len(times) - 1, (9 * len(times)) // 10)],
+    }
+
+
+def git_commit() -> str:
+    """The checkout's commit (with ``-dirty`` when it has uncommitted changes), or ``unknown``."""
+    try:
+        sha = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], check=False).returncode != 0
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def environment() -> dict[str, Any]:
+    """Device, software versions and commit for a benchmark record."""
+    env: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "commit": git_commit(),
+    }
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        env["device"] = torch.cuda.get_device_name()
+        env["capability"] = f"sm{major}{minor}"
+        env["cudnn"] = torch.backends.cudnn.version()
+    else:
+        env["device"] = platform.processor() or "cpu"
+    return env
+
+
+def write_record(path: Path, env: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """Write ``{"environment": env, "results": rows}`` as JSON."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"environment": env, "results": rows}, indent=1) + "\n")
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    """A Markdown table of ``rows`` restricted to ``columns`` (floats to 3 significant digits)."""
+
+    def cell(value: object) -> str:
+        if isinstance(value, float):
+            return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+        return str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)

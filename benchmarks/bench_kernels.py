@@ -1,0 +1,160 @@
+"""Dense attention kernels side by side: every backend available here on the same shapes.
+
+Shapes: B * N = 65536 tokens, H = 16, D in {64, 128}, causal and not, bf16; forward and
+forward+backward through ``dilated_attention.attention(..., backend=name)``, i.e. what users get.
+TFLOP/s count 4*B*H*N^2*D for a forward (half when causal) and 3.5x that for forward+backward.
+Each row also records the automatic choice, so the record shows whether ``auto`` picked the
+fastest kernel. Writes a JSON record, a Markdown table and a PNG plot.
+
+    python benchmarks/bench_kernels.py --out benchmarks/results/kernels_h100
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import environment, markdown_table, time_cuda, write_record
+
+from dilated_attention import attention, backend_reasons, explain
+
+
+def _flops(batch: int, heads: int, seq: int, dim: int, causal: bool) -> float:
+    return 4.0 * batch * heads * seq * seq * dim / (2.0 if causal else 1.0)
+
+
+def bench_case(
+    name: str, batch: int, seq: int, heads: int, dim: int, causal: bool, args: argparse.Namespace
+) -> dict[str, object]:
+    """Time one backend at one shape; OOM and errors are recorded, not fatal."""
+    dtype = getattr(torch, args.dtype)
+    row: dict[str, object] = {
+        "backend": name, "batch": batch, "seq_len": seq, "heads": heads, "head_dim": dim,
+        "causal": causal, "dtype": args.dtype,
+    }  # fmt: skip
+    try:
+        q, k, v = (
+            torch.randn(batch, seq, heads, dim, device="cuda", dtype=dtype, requires_grad=True)
+            for _ in range(3)
+        )
+        dout = torch.randn_like(q)
+        why = backend_reasons(q, k, v, is_causal=causal)[name]
+        if why:
+            row["error"] = "; ".join(why)
+            return row
+        flops = _flops(batch, heads, seq, dim, causal)
+
+        def fwd() -> None:
+            with torch.no_grad():
+                attention(q, k, v, is_causal=causal, backend=name)
+
+        def fwd_bwd() -> None:
+            out = attention(q, k, v, is_causal=causal, backend=name)
+            torch.autograd.grad(out, (q, k, v), dout)
+
+        for step, fn, work in (("fwd", fwd, flops), ("fwd_bwd", fwd_bwd, 3.5 * flops)):
+            t = time_cuda(fn, warmup=args.warmup, repeats=args.repeats)
+            row[f"{step}_ms"] = t["median_ms"]
+            row[f"{step}_tflops"] = work / (t["median_ms"] * 1e-3) / 1e12
+    except torch.OutOfMemoryError:
+        row["error"] = "out of memory"
+    except Exception as exc:  # a broken kernel is a result too
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    finally:
+        torch.cuda.empty_cache()
+    return row
+
+
+def plot(rows: list[dict[str, object]], path: Path) -> None:
+    """Bar chart of fwd+bwd TFLOP/s per backend, one group per shape."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = sorted({(r["seq_len"], r["head_dim"], r["causal"]) for r in rows}, key=str)
+    names = sorted({str(r["backend"]) for r in rows})
+    fig, ax = plt.subplots(figsize=(max(8, len(shapes) * 1.4), 4.5))
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        values = []
+        for shape in shapes:
+            match = [
+                r for r in rows
+                if (r["seq_len"], r["head_dim"], r["causal"]) == shape and r["backend"] == name
+            ]  # fmt: skip
+            values.append(float(match[0].get("fwd_bwd_tflops", 0.0)) if match else 0.0)
+        ax.bar([j + i * width for j in range(len(shapes))], values, width, label=name)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
+    ax.set_xticklabels([f"N={s}\nD={d}{' causal' if c else ''}" for s, d, c in shapes], fontsize=8)
+    ax.set_ylabel("fwd+bwd TFLOP/s")
+    ax.legend(fontsize=8)
+    ax.set_title("Dense attention kernels (B*N = 65536, H = 16)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384, 65536])
+    parser.add_argument("--tokens", type=int, default=65536, help="batch * seq_len")
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--backends", nargs="+", default=None, help="default: every CUDA backend")
+    parser.add_argument("--skip", nargs="+", default=["math"], help="backends left out")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernels"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_kernels.py needs a CUDA device")
+
+    probe = torch.empty(1, 8, 1, 64, device="cuda", dtype=getattr(torch, args.dtype))
+    names = args.backends or [
+        n for n, why in backend_reasons(probe, probe, probe).items()
+        if n not in args.skip and not any("runs on" in w for w in why)
+    ]  # fmt: skip
+    rows = []
+    for dim in args.head_dims:
+        for causal in (False, True):
+            for seq in args.seq_lens:
+                batch = max(1, args.tokens // seq)
+                auto = explain(
+                    device="cuda", dtype=getattr(torch, args.dtype), head_dim=dim,
+                    num_heads=args.heads, seq_len=seq, is_causal=causal,
+                ).backend  # fmt: skip
+                shape_rows = [
+                    bench_case(n, batch, seq, args.heads, dim, causal, args) for n in names
+                ]
+                best = max((float(r.get("fwd_bwd_tflops", 0.0)) for r in shape_rows), default=0.0)
+                best_fwd = max((float(r.get("fwd_tflops", 0.0)) for r in shape_rows), default=0.0)
+                for r in shape_rows:
+                    r["auto_choice"] = auto
+                    if "fwd_bwd_tflops" in r and best > 0:
+                        r["fwd_bwd_ratio_to_best"] = float(r["fwd_bwd_tflops"]) / best
+                        r["fwd_ratio_to_best"] = float(r["fwd_tflops"]) / best_fwd
+                    print(r, flush=True)
+                rows += shape_rows
+    env = environment()
+    write_record(args.out.with_suffix(".json"), env, rows)
+    columns = [
+        "backend", "seq_len", "head_dim", "causal", "fwd_tflops", "fwd_bwd_tflops",
+        "fwd_bwd_ratio_to_best", "auto_choice", "error",
+    ]  # fmt: skip
+    table = f"{env['device']}, torch {env['torch']}, {env['date']}\n\n" + markdown_table(
+        rows, columns
+    )
+    args.out.with_suffix(".md").write_text(table + "\n")
+    plot([r for r in rows if "fwd_bwd_tflops" in r], args.out.with_suffix(".png"))
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
