@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from .backends.registry import backend_reasons, get_backend, list_backends
+from .backends.registry import get_backend, list_backends
 from .factory import explain
 from .modules import MultiheadDilatedAttention
 
@@ -55,19 +55,19 @@ def demo(argv: list[str] | None = None) -> None:
         embed_dim, args.heads, segments, rates, device=device, dtype=dtype
     )
     x = torch.randn(1, args.seq_len, embed_dim, device=device, dtype=dtype, requires_grad=True)
-    probe = torch.empty(1, args.seq_len, args.heads, args.head_dim, device=device, dtype=dtype)
-    reasons = backend_reasons(probe, probe, probe, is_causal=args.causal)
-    chosen = next(name for name, why in reasons.items() if not why)
+    choice = explain(
+        device=device, dtype=dtype, head_dim=args.head_dim, num_heads=args.heads,
+        seq_len=min(args.seq_len, args.first_segment), is_causal=args.causal,
+    )  # fmt: skip
     print(
         f"MultiheadDilatedAttention: seq_len={args.seq_len:,} heads={args.heads} "
         f"head_dim={args.head_dim} {str(dtype).removeprefix('torch.')} on {device} "
         f"causal={args.causal}"
     )
     print(f"  segment_lengths={segments}\n  dilation_rates={rates}")
-    print(f"  backend chosen: {chosen}")
-    for name, why in reasons.items():
-        if why:
-            print(f"    {name}: not used ({'; '.join(why)})")
+    print(f"  backend chosen: {choice.backend} ({choice.source})")
+    for name, why in choice.reasons.items():
+        print(f"    {name}: not used ({'; '.join(why)})")
 
     def timed(step: str) -> float:
         times = []
@@ -117,7 +117,11 @@ def info(argv: list[str] | None = None) -> None:
             label = f"{dev}: {torch.get_num_threads()} threads"
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
         print(f"\n{label}")
-        choice = explain(device=dev, dtype=dtype, head_dim=args.head_dim, is_causal=args.causal)
+        try:
+            choice = explain(device=dev, dtype=dtype, head_dim=args.head_dim, is_causal=args.causal)
+        except ValueError as exc:  # e.g. DILATED_ATTENTION_BACKEND names a kernel this cannot run
+            print(f"  no backend: {exc}")
+            continue
         print(
             f"  inputs: {str(dtype).removeprefix('torch.')}, head_dim {args.head_dim}, "
             f"causal={args.causal}, training"

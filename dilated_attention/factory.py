@@ -91,7 +91,12 @@ def _resolve_kind(kind: object) -> _Kind:
         multi_rank = _distributed_world_size() > 1
         name = "ring" if multi_rank and ("ring" in _KINDS or "ring" in _PROVIDERS) else "dilated"
     if name not in _KINDS and name in _PROVIDERS:
-        importlib.import_module(_PROVIDERS[name])
+        try:
+            importlib.import_module(_PROVIDERS[name])
+        except ImportError as exc:
+            raise ValueError(
+                f"kind {kind!r} is not available: importing {_PROVIDERS[name]} failed ({exc})"
+            ) from exc
     if name not in _KINDS:
         alias = f" (an alias of {name!r})" if name != kind else ""
         raise ValueError(
@@ -108,6 +113,29 @@ def _resolve_backend(backend: object) -> str | None:
         raise TypeError(f"backend must be 'auto' or a backend name, got {backend!r}")
     get_backend(backend)  # ValueError listing the valid names
     return backend
+
+
+def _merge_config(
+    config: DilatedConfig | MultiheadDilatedConfig | None,
+    fields: dict[str, Any],
+    backend: object,
+    kwargs: dict[str, Any],
+) -> dict[str, Any]:
+    """Constructor arguments from either a config or keyword arguments; ``backend`` (when not
+    ``"auto"``) and ``kwargs`` override the config's values."""
+    chosen_backend = _resolve_backend(backend)
+    if config is None:
+        return {**fields, **kwargs, "backend": chosen_backend}
+    given = sorted(name for name, value in fields.items() if value is not None)
+    if given:
+        raise ValueError(
+            f"pass either config= or {given} as arguments, not both; to change a field of a "
+            f"config use dataclasses.replace(config, ...)"
+        )
+    params = {**config.kwargs(), **kwargs}
+    if chosen_backend is not None:
+        params["backend"] = chosen_backend
+    return params
 
 
 def create_dilated_attention(
@@ -135,11 +163,8 @@ def create_dilated_attention(
         A module with ``forward(query, key, value, *, is_causal=False, key_padding_mask=None)``.
     """
     builder = _resolve_kind(kind)
-    if config is not None:
-        params = {**config.kwargs(), **kwargs}
-    else:
-        params = {"segment_lengths": segment_lengths, "dilation_rates": dilation_rates, **kwargs}
-        params["backend"] = _resolve_backend(backend)
+    fields = {"segment_lengths": segment_lengths, "dilation_rates": dilation_rates}
+    params = _merge_config(config, fields, backend, kwargs)
     return builder.dilated(**params)
 
 
@@ -169,17 +194,13 @@ def create_multihead_dilated_attention(
         key_padding_mask=None, need_weights=False) -> (out, None)``.
     """
     builder = _resolve_kind(kind)
-    if config is not None:
-        params = {**config.kwargs(), **kwargs}
-    else:
-        params = {
-            "embed_dim": embed_dim,
-            "num_heads": num_heads,
-            "segment_lengths": segment_lengths,
-            "dilation_rates": dilation_rates,
-            **kwargs,
-        }
-        params["backend"] = _resolve_backend(backend)
+    fields = {
+        "embed_dim": embed_dim,
+        "num_heads": num_heads,
+        "segment_lengths": segment_lengths,
+        "dilation_rates": dilation_rates,
+    }
+    params = _merge_config(config, fields, backend, kwargs)
     return builder.multihead(**params)
 
 

@@ -154,7 +154,8 @@ class Backend:
         self.backward(torch.ones_like(res.out), q, q, q, res.out, res.lse, res.aux, scale=0.125)
 
     def _probe_dtype(self) -> torch.dtype:
-        for dt in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        # float16 first: every CUDA generation has float16 kernels, not all have bfloat16.
+        for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
             if dt in self.dtypes:
                 return dt
         raise RuntimeError(f"backend {self.name} declares no dtype")

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .base import Backend, KernelOutput
+from .base import Backend, KernelInputs, KernelOutput
 
 _aten = torch.ops.aten
 _HALF = frozenset({torch.float16, torch.bfloat16})
@@ -184,6 +184,17 @@ class SdpaEfficientBackend(_CudaSdpaBackend):
 
     def import_reasons(self) -> list[str]:
         return _has_op("_scaled_dot_product_efficient_attention")
+
+    def not_supported_reasons(self, inputs: KernelInputs) -> list[str]:
+        reasons = super().not_supported_reasons(inputs)
+        if inputs.device.type == "cuda" and inputs.dtype == torch.bfloat16:
+            cc = torch.cuda.get_device_capability(inputs.device)
+            if cc < (8, 0):
+                # PyTorch builds this kernel's bfloat16 variant for sm80+ only (sdp_utils.cpp).
+                reasons.insert(
+                    0, f"bfloat16 needs compute capability >= sm80, device is sm{cc[0]}{cc[1]}"
+                )
+        return reasons
 
     def _forward(
         self,

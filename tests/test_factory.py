@@ -1,0 +1,529 @@
+"""The factory: kinds and aliases, lazy providers, backends, frozen configs, ``from_config``."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import dilated_attention
+from dilated_attention import (
+    KIND_ALIASES,
+    DilatedAttention,
+    DilatedConfig,
+    MultiheadDilatedAttention,
+    MultiheadDilatedConfig,
+    create_dilated_attention,
+    create_multihead_dilated_attention,
+    factory,
+    list_kinds,
+    register_kind,
+)
+from dilated_attention.backends.base import Backend
+from dilated_attention.backends.registry import ENV_VAR, get_backend
+
+SEGS, RATES = [8, 16], [1, 2]
+F64 = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _isolated_kinds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test gets copies of the kind tables, and the automatic backend choice."""
+    monkeypatch.setattr(factory, "_KINDS", dict(factory._KINDS))
+    monkeypatch.setattr(factory, "_PROVIDERS", dict(factory._PROVIDERS))
+    monkeypatch.delenv(ENV_VAR, raising=False)
+
+
+def _qkv(dtype: torch.dtype = F64, n: int = 40, heads: int = 4, kv_heads: int = 2) -> tuple:
+    q = torch.randn(2, n, heads, 8, dtype=dtype)
+    k = torch.randn(2, n, kv_heads, 8, dtype=dtype)
+    v = torch.randn(2, n, kv_heads, 8, dtype=dtype)
+    return q, k, v
+
+
+def _kind_available(kind: str) -> bool:
+    return KIND_ALIASES.get(kind, kind) in list_kinds()
+
+
+# -- create_dilated_attention ---------------------------------------------------------------------
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_default_factory_matches_functional(is_causal: bool) -> None:
+    module = create_dilated_attention(segment_lengths=SEGS, dilation_rates=RATES)
+    assert type(module) is DilatedAttention
+    assert module.backend is None
+    assert module.segment_lengths == (8, 16) and module.dilation_rates == (1, 2)
+    q, k, v = _qkv()
+    out = module(q, k, v, is_causal=is_causal)
+    ref = dilated_attention.dilated_attention(q, k, v, SEGS, RATES, is_causal=is_causal)
+    assert out.dtype == F64
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("kind", ["dilated", "standard", "improved", "auto"])
+def test_local_kinds_and_aliases(kind: str) -> None:
+    module = create_dilated_attention(kind, segment_lengths=SEGS, dilation_rates=RATES)
+    assert type(module) is DilatedAttention
+    layer = create_multihead_dilated_attention(
+        kind, embed_dim=32, num_heads=4, segment_lengths=SEGS, dilation_rates=RATES
+    )
+    assert type(layer) is MultiheadDilatedAttention
+
+
+def test_list_kinds() -> None:
+    kinds = list_kinds()
+    assert kinds[0] == "auto" and "dilated" in kinds
+    assert len(kinds) == len(set(kinds))
+    assert {"standard", "improved"} <= set(KIND_ALIASES)
+    assert KIND_ALIASES["standard"] == KIND_ALIASES["improved"] == "dilated"
+
+
+def test_auto_without_process_group_is_local() -> None:
+    assert factory._distributed_world_size() == 1
+    module = create_dilated_attention("auto", segment_lengths=SEGS, dilation_rates=RATES)
+    assert type(module) is DilatedAttention
+
+
+def test_unknown_kind_raises_listing_valid_kinds() -> None:
+    with pytest.raises(ValueError, match="dilated") as err:
+        create_dilated_attention("no_such_kind", segment_lengths=SEGS, dilation_rates=RATES)
+    assert "no_such_kind" in str(err.value)
+    with pytest.raises(ValueError, match="dilated"):
+        create_multihead_dilated_attention(
+            "no_such_kind", embed_dim=32, num_heads=4, segment_lengths=SEGS, dilation_rates=RATES
+        )
+
+
+def test_non_string_kind_raises_type_error() -> None:
+    with pytest.raises(TypeError, match="kind"):
+        create_dilated_attention(3, segment_lengths=SEGS, dilation_rates=RATES)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", ["ring", "distributed", "block_sparse", "block_sparse_ring"])
+def test_kinds_still_to_land(kind: str) -> None:
+    """Ring and block-sparse kinds: refused with "not available" until their modules land, then
+    built like any other kind."""
+    if not _kind_available(kind):
+        with pytest.raises(ValueError, match="not available") as err:
+            create_dilated_attention(kind, segment_lengths=SEGS, dilation_rates=RATES)
+        assert kind in str(err.value)
+        with pytest.raises(ValueError, match="not available"):
+            create_multihead_dilated_attention(
+                kind, embed_dim=32, num_heads=4, segment_lengths=SEGS, dilation_rates=RATES
+            )
+    else:
+        module = create_dilated_attention(kind, segment_lengths=SEGS, dilation_rates=RATES)
+        assert isinstance(module, nn.Module)
+
+
+def test_unknown_backend_raises_listing_names() -> None:
+    with pytest.raises(ValueError, match="math") as err:
+        create_dilated_attention(segment_lengths=SEGS, dilation_rates=RATES, backend="nope")
+    assert "nope" in str(err.value)
+    with pytest.raises(ValueError, match="math"):
+        create_multihead_dilated_attention(
+            embed_dim=32, num_heads=4, segment_lengths=SEGS, dilation_rates=RATES, backend="nope"
+        )
+    with pytest.raises(TypeError, match="backend"):
+        create_dilated_attention(segment_lengths=SEGS, dilation_rates=RATES, backend=1)  # type: ignore[arg-type]
+
+
+def test_auto_backend_is_none() -> None:
+    module = create_dilated_attention(segment_lengths=SEGS, dilation_rates=RATES, backend="auto")
+    assert module.backend is None
+    layer = create_multihead_dilated_attention(
+        embed_dim=32, num_heads=4, segment_lengths=SEGS, dilation_rates=RATES, backend="auto"
+    )
+    assert layer.attention.backend is None
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Names of the backends whose ``_forward`` ran (math and cpu_flash are spied on)."""
+    calls: list[str] = []
+    for name in ("math", "cpu_flash"):
+        cls = type(get_backend(name))
+        original = cls._forward
+
+        def spy(self: Backend, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            calls.append(self.name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "_forward", spy)
+    return calls
+
+
+def test_named_backend_is_used(kernel_calls: list[str]) -> None:
+    module = create_dilated_attention(segment_lengths=SEGS, dilation_rates=RATES, backend="math")
+    assert module.backend == "math"
+    q, k, v = _qkv()
+    out = module(q, k, v, is_causal=True)
+    assert set(kernel_calls) == {"math"}
+    ref = dilated_attention.dilated_attention(q, k, v, SEGS, RATES, is_causal=True, backend="math")
+    assert torch.equal(out, ref)
+
+    kernel_calls.clear()
+    layer = create_multihead_dilated_attention(
+        embed_dim=32, num_heads=4, segment_lengths=SEGS, dilation_rates=RATES, backend="math",
+        dtype=F64,
+    )  # fmt: skip
+    layer(torch.randn(2, 40, 32, dtype=F64))
+    assert set(kernel_calls) == {"math"}
+
+
+def test_extra_kwargs_reach_the_constructor() -> None:
+    module = create_dilated_attention(
+        segment_lengths=SEGS, dilation_rates=RATES, scale=0.5, dropout=0.25
+    )
+    assert module.scale == 0.5 and module.dropout == 0.25
+    with pytest.raises(TypeError):
+        create_dilated_attention(segment_lengths=SEGS, dilation_rates=RATES, no_such_arg=1)
+
+
+def test_bad_branches_raise_from_the_factory() -> None:
+    with pytest.raises(ValueError, match="segment_lengths"):
+        create_dilated_attention(segment_lengths=[0, 8], dilation_rates=RATES)
+    with pytest.raises(ValueError, match="dilation_rates"):
+        create_dilated_attention(segment_lengths=SEGS, dilation_rates=[1])
+
+
+# -- create_multihead_dilated_attention -----------------------------------------------------------
+def test_multihead_factory_shapes_and_forward() -> None:
+    layer = create_multihead_dilated_attention(
+        embed_dim=32, num_heads=4, segment_lengths=SEGS, dilation_rates=RATES, num_kv_heads=2
+    )
+    assert type(layer) is MultiheadDilatedAttention
+    assert (layer.embed_dim, layer.num_heads, layer.num_kv_heads, layer.head_dim) == (32, 4, 2, 8)
+    assert layer.q_proj.weight.shape == (32, 32)
+    assert layer.k_proj.weight.shape == (16, 32)
+    assert layer.v_proj.weight.shape == (16, 32)
+    assert layer.out_proj.weight.shape == (32, 32)
+    assert layer.config.num_kv_heads == 2
+    x = torch.randn(2, 40, 32, requires_grad=True)
+    out, weights = layer(x, is_causal=True)
+    assert weights is None
+    assert out.shape == (2, 40, 32) and out.dtype == torch.float32
+    out.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_multihead_factory_matches_constructor() -> None:
+    kwargs: dict[str, Any] = {
+        "embed_dim": 32, "num_heads": 4, "segment_lengths": SEGS, "dilation_rates": RATES,
+        "num_kv_heads": 2, "dtype": F64,
+    }  # fmt: skip
+    torch.manual_seed(1)
+    made = create_multihead_dilated_attention(**kwargs)
+    torch.manual_seed(1)
+    direct = MultiheadDilatedAttention(**kwargs)
+    made_state, direct_state = made.state_dict(), direct.state_dict()
+    assert list(made_state) == list(direct_state)
+    for name, tensor in made_state.items():
+        assert torch.equal(tensor, direct_state[name]), name
+    x = torch.randn(2, 40, 32, dtype=F64)
+    assert torch.equal(made(x)[0], direct(x)[0])
+
+
+def test_multihead_factory_device_and_dtype() -> None:
+    layer = create_multihead_dilated_attention(
+        embed_dim=32, num_heads=4, segment_lengths=SEGS, dilation_rates=RATES, num_kv_heads=2,
+        device="cpu", dtype=F64,
+    )  # fmt: skip
+    params = list(layer.parameters())
+    assert params and all(p.dtype == F64 and p.device.type == "cpu" for p in params)
+    out, _ = layer(torch.randn(1, 24, 32, dtype=F64))
+    assert out.dtype == F64
+
+
+def test_multihead_factory_rejects_bad_heads() -> None:
+    with pytest.raises(ValueError, match="embed_dim"):
+        create_multihead_dilated_attention(
+            embed_dim=30, num_heads=4, segment_lengths=SEGS, dilation_rates=RATES
+        )
+
+
+# -- configs --------------------------------------------------------------------------------------
+def _cfg(**kwargs: Any) -> DilatedConfig:
+    return DilatedConfig(**{"segment_lengths": SEGS, "dilation_rates": RATES, **kwargs})
+
+
+def _mcfg(**kwargs: Any) -> MultiheadDilatedConfig:
+    args = {"embed_dim": 32, "num_heads": 4, "segment_lengths": SEGS, "dilation_rates": RATES}
+    return MultiheadDilatedConfig(**{**args, **kwargs})
+
+
+def test_configs_normalise_to_tuples() -> None:
+    cfg = _cfg()
+    assert cfg.segment_lengths == (8, 16) and isinstance(cfg.segment_lengths, tuple)
+    assert cfg.dilation_rates == (1, 2) and isinstance(cfg.dilation_rates, tuple)
+    assert cfg == _cfg(segment_lengths=(8, 16), dilation_rates=(1, 2))
+    assert hash(cfg) == hash(_cfg(segment_lengths=(8, 16), dilation_rates=(1, 2)))
+    mcfg = _mcfg(num_kv_heads=2)
+    assert mcfg.segment_lengths == (8, 16) and isinstance(mcfg.dilation_rates, tuple)
+
+
+def test_configs_are_frozen() -> None:
+    cfg, mcfg = _cfg(), _mcfg()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.segment_lengths = (4,)  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.backend = "math"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        mcfg.embed_dim = 64  # type: ignore[misc]
+    replaced = dataclasses.replace(cfg, dropout=0.1)
+    assert replaced.dropout == 0.1 and cfg.dropout == 0.0
+
+
+def test_configs_are_keyword_only() -> None:
+    with pytest.raises(TypeError):
+        DilatedConfig(SEGS, RATES)  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "word"),
+    [
+        ({"segment_lengths": [0, 8]}, ValueError, "segment_lengths"),
+        ({"segment_lengths": []}, ValueError, "segment_lengths"),
+        ({"segment_lengths": [8, -16]}, ValueError, "segment_lengths"),
+        ({"dilation_rates": [1]}, ValueError, "dilation_rates"),
+        ({"dilation_rates": [1, 0]}, ValueError, "dilation_rates"),
+        ({"dropout": 1.5}, ValueError, "dropout"),
+        ({"backend": 3}, TypeError, "backend"),
+    ],
+)
+def test_dilated_config_validates(kwargs: dict[str, Any], exc: type, word: str) -> None:
+    with pytest.raises(exc, match=word):
+        _cfg(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "word"),
+    [
+        ({"embed_dim": 30}, "embed_dim"),
+        ({"num_kv_heads": 3}, "num_kv_heads"),
+        ({"segment_lengths": [8, 0]}, "segment_lengths"),
+        ({"dropout": -0.1}, "dropout"),
+    ],
+)
+def test_multihead_config_validates(kwargs: dict[str, Any], word: str) -> None:
+    with pytest.raises(ValueError, match=word):
+        _mcfg(**kwargs)
+
+
+def test_dilated_from_config() -> None:
+    cfg = _cfg(scale=0.3)
+    module = DilatedAttention.from_config(cfg)
+    assert type(module) is DilatedAttention
+    assert module.config == cfg
+    q, k, v = _qkv()
+    ref = dilated_attention.dilated_attention(q, k, v, SEGS, RATES, scale=0.3)
+    assert torch.equal(module(q, k, v), ref)
+
+
+def test_multihead_from_config() -> None:
+    cfg = _mcfg(num_kv_heads=2, bias=False, layer_norm=False)
+    layer = MultiheadDilatedAttention.from_config(cfg, dtype=F64)
+    assert layer.config == cfg
+    assert layer.norm is None and layer.q_proj.bias is None
+    assert all(p.dtype == F64 for p in layer.parameters())
+    out, _ = layer(torch.randn(2, 40, 32, dtype=F64))
+    assert out.shape == (2, 40, 32)
+
+
+def test_module_config_matches_constructor_arguments() -> None:
+    module = DilatedAttention(SEGS, RATES, dropout=0.1, backend="math")
+    assert module.config == _cfg(dropout=0.1, backend="math")
+    layer = MultiheadDilatedAttention(32, 4, SEGS, RATES, num_kv_heads=2)
+    assert layer.config == _mcfg(num_kv_heads=2)
+
+
+def test_factory_config_argument() -> None:
+    cfg = _cfg(backend="math")
+    module = create_dilated_attention(config=cfg)
+    assert type(module) is DilatedAttention
+    assert module.config == cfg and module.backend == "math"
+    assert create_dilated_attention("dilated", config=cfg, dropout=0.2).dropout == 0.2
+
+    mcfg = _mcfg(num_kv_heads=2)
+    layer = create_multihead_dilated_attention(config=mcfg, dtype=F64)
+    assert type(layer) is MultiheadDilatedAttention
+    assert layer.config == mcfg
+    assert layer.k_proj.weight.shape == (16, 32)
+    assert all(p.dtype == F64 for p in layer.parameters())
+
+
+@pytest.mark.parametrize("which", ["dilated", "multihead"])
+def test_factory_config_with_backend_argument_is_not_ignored(which: str) -> None:
+    # An explicit backend= next to config= must be honoured or refused, never silently dropped.
+    try:
+        if which == "dilated":
+            module = create_dilated_attention(config=_cfg(), backend="math")
+        else:
+            module = create_multihead_dilated_attention(config=_mcfg(), backend="math").attention
+    except (ValueError, TypeError):
+        return
+    assert module.backend == "math", f"{which}: backend='math' next to config= was dropped"
+
+
+def test_factory_config_with_unknown_backend_raises() -> None:
+    with pytest.raises(ValueError, match="math"):
+        create_dilated_attention(config=_cfg(backend="nope"))
+
+
+# -- registered and lazily provided kinds ---------------------------------------------------------
+class _CustomDilated(DilatedAttention):
+    pass
+
+
+class _CustomMultihead(MultiheadDilatedAttention):
+    pass
+
+
+def test_register_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[dict[str, Any]] = []
+
+    def build(**kwargs: Any) -> nn.Module:
+        seen.append(kwargs)
+        return _CustomDilated(**kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(factory, "_KINDS", dict(factory._KINDS))
+        register_kind("custom", dilated=build, multihead=_CustomMultihead)
+        assert "custom" in list_kinds()
+        module = create_dilated_attention(
+            "custom", segment_lengths=SEGS, dilation_rates=RATES, dropout=0.1
+        )
+        assert type(module) is _CustomDilated
+        assert seen == [
+            {"segment_lengths": SEGS, "dilation_rates": RATES, "dropout": 0.1, "backend": None}
+        ]
+        layer = create_multihead_dilated_attention(
+            "custom", embed_dim=32, num_heads=4, segment_lengths=SEGS, dilation_rates=RATES
+        )
+        assert type(layer) is _CustomMultihead
+        # A kind registered under an existing name replaces it.
+        register_kind("dilated", dilated=_CustomDilated, multihead=_CustomMultihead)
+        built = create_dilated_attention(segment_lengths=SEGS, dilation_rates=RATES)
+        assert type(built) is _CustomDilated
+    assert "custom" not in list_kinds()
+    built = create_dilated_attention(segment_lengths=SEGS, dilation_rates=RATES)
+    assert type(built) is DilatedAttention
+
+
+_PROVIDER_SOURCE = """
+import dilated_attention
+from dilated_attention import DilatedAttention, MultiheadDilatedAttention
+
+
+class LazyDilated(DilatedAttention):
+    pass
+
+
+class LazyMultihead(MultiheadDilatedAttention):
+    pass
+
+
+if REGISTER:
+    dilated_attention.register_kind(KIND, dilated=LazyDilated, multihead=LazyMultihead)
+"""
+
+
+def _provider(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
+    kind: str,
+    *,
+    register: bool = True,
+) -> str:
+    """Write a provider module for ``kind``, list it in ``factory._PROVIDERS``; its name."""
+    name = f"_da_test_provider_{uuid.uuid4().hex}"
+    source = f"KIND = {kind!r}\nREGISTER = {register}\n" + textwrap.dedent(_PROVIDER_SOURCE)
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(factory._PROVIDERS, kind, name)
+    request.addfinalizer(lambda: sys.modules.pop(name, None))
+    return name
+
+
+def test_lazy_provider_is_imported_on_first_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    module_name = _provider(tmp_path, monkeypatch, request, "lazy_kind")
+    assert "lazy_kind" in list_kinds()
+    # Listing kinds and building other kinds never imports the provider.
+    create_dilated_attention(segment_lengths=SEGS, dilation_rates=RATES)
+    assert module_name not in sys.modules
+    module = create_dilated_attention("lazy_kind", segment_lengths=SEGS, dilation_rates=RATES)
+    assert module_name in sys.modules
+    assert type(module).__name__ == "LazyDilated"
+    assert type(module).__module__ == module_name
+    layer = create_multihead_dilated_attention(
+        "lazy_kind", embed_dim=32, num_heads=4, segment_lengths=SEGS, dilation_rates=RATES
+    )
+    assert type(layer).__name__ == "LazyMultihead"
+    assert list_kinds().count("lazy_kind") == 1
+
+
+def test_lazy_provider_that_registers_nothing_is_not_available(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    module_name = _provider(tmp_path, monkeypatch, request, "empty_kind", register=False)
+    with pytest.raises(ValueError, match="not available"):
+        create_dilated_attention("empty_kind", segment_lengths=SEGS, dilation_rates=RATES)
+    assert module_name in sys.modules
+
+
+# -- kind="auto" under a process group ------------------------------------------------------------
+class _FakeRing(DilatedAttention):
+    pass
+
+
+class _FakeRingMultihead(MultiheadDilatedAttention):
+    pass
+
+
+def test_auto_picks_ring_when_distributed(monkeypatch: pytest.MonkeyPatch) -> None:
+    register_kind("ring", dilated=_FakeRing, multihead=_FakeRingMultihead)
+    monkeypatch.setattr(factory, "_distributed_world_size", lambda: 2)
+    assert type(create_dilated_attention(segment_lengths=SEGS, dilation_rates=RATES)) is _FakeRing
+    layer = create_multihead_dilated_attention(
+        "auto", embed_dim=32, num_heads=4, segment_lengths=SEGS, dilation_rates=RATES
+    )
+    assert type(layer) is _FakeRingMultihead
+    # "distributed" is an alias of "ring"; "dilated" stays local under a process group.
+    ring = create_dilated_attention("distributed", segment_lengths=SEGS, dilation_rates=RATES)
+    assert type(ring) is _FakeRing
+    local = create_dilated_attention("dilated", segment_lengths=SEGS, dilation_rates=RATES)
+    assert type(local) is DilatedAttention
+
+    monkeypatch.setattr(factory, "_distributed_world_size", lambda: 1)
+    built = create_dilated_attention(segment_lengths=SEGS, dilation_rates=RATES)
+    assert type(built) is DilatedAttention
+
+
+def test_auto_stays_local_when_distributed_without_ring(monkeypatch: pytest.MonkeyPatch) -> None:
+    factory._KINDS.pop("ring", None)
+    factory._PROVIDERS.pop("ring", None)
+    monkeypatch.setattr(factory, "_distributed_world_size", lambda: 4)
+    built = create_dilated_attention(segment_lengths=SEGS, dilation_rates=RATES)
+    assert type(built) is DilatedAttention
+
+
+def test_auto_imports_a_ring_provider_when_distributed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    factory._KINDS.pop("ring", None)
+    module_name = _provider(tmp_path, monkeypatch, request, "ring")
+    monkeypatch.setattr(factory, "_distributed_world_size", lambda: 1)
+    create_dilated_attention(segment_lengths=SEGS, dilation_rates=RATES)
+    assert module_name not in sys.modules
+    monkeypatch.setattr(factory, "_distributed_world_size", lambda: 2)
+    module = create_dilated_attention(segment_lengths=SEGS, dilation_rates=RATES)
+    assert type(module).__name__ == "LazyDilated" and module_name in sys.modules

@@ -1,0 +1,595 @@
+"""Backend selection: priority per compute capability, rejection reasons, overrides, the CLI.
+
+GPU choices are tested without a GPU: ``torch.cuda.get_device_capability`` is faked and every
+backend's availability (import + launch probe) is replaced by "available", or by "not installed"
+for the optional packages (flash-attn 2/3/4, xformers). What remains is the declared capability
+check (``Backend.not_supported_reasons``) and the priority walk (``registry.choose``): exactly what
+decides the kernel on real hardware once the probes pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import dilated_attention
+from dilated_attention import backend_reasons, explain, list_backends, use_backend
+from dilated_attention.backends import registry
+from dilated_attention.backends.base import Backend, KernelInputs, KernelOutput
+from dilated_attention.backends.registry import ENV_VAR, choose, get_backend
+
+REPO = Path(__file__).resolve().parents[1]
+OPTIONAL = ("flash_attn2", "flash_attn3", "flash_attn4", "xformers")
+CUDA0 = torch.device("cuda", 0)
+CPU = torch.device("cpu")
+
+# The documented priority (README "Kernels", registry._CUDA_PRIORITY comment), per major.
+EXPECTED_PRIORITY: dict[int, list[str]] = {
+    10: ["flash_attn4", "sdpa_cudnn", "flash_attn2", "sdpa_flash", "sdpa_efficient", "math"],
+    9: [
+        "flash_attn3",
+        "flash_attn4",
+        "sdpa_cudnn",
+        "flash_attn2",
+        "sdpa_flash",
+        "sdpa_efficient",
+        "math",
+    ],
+    8: ["flash_attn2", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "xformers", "math"],
+    7: ["sdpa_efficient", "xformers", "math"],
+    6: ["sdpa_efficient", "xformers", "math"],
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Selection tests start from the automatic choice, whatever the caller's environment."""
+    monkeypatch.delenv(ENV_VAR, raising=False)
+
+
+def _gpu_inputs(**overrides: Any) -> KernelInputs:
+    args: dict[str, Any] = {
+        "device": CUDA0,
+        "dtype": torch.bfloat16,
+        "head_dim": 64,
+        "num_heads": 8,
+        "num_kv_heads": 8,
+        "query_len": 256,
+        "key_len": 256,
+        "is_causal": True,
+        "requires_grad": True,
+    }
+    args.update(overrides)
+    return KernelInputs(**args)
+
+
+def _cpu_inputs(**overrides: Any) -> KernelInputs:
+    return _gpu_inputs(**{"device": CPU, "dtype": torch.float32, **overrides})
+
+
+def _backend_class(name: str) -> type[Backend]:
+    """The real backend class registered as ``name`` in ``dilated_attention.backends.<name>``."""
+    try:
+        module = importlib.import_module(f"dilated_attention.backends.{name}")
+    except Exception as exc:
+        pytest.skip(f"dilated_attention.backends.{name} does not import: {exc}")
+    for value in vars(module).values():
+        is_backend = isinstance(value, type) and issubclass(value, Backend)
+        if is_backend and value is not Backend and getattr(value, "name", None) == name:
+            return value
+    pytest.skip(f"no Backend subclass named {name!r} in dilated_attention.backends.{name}")
+
+
+def _fake_gpu(
+    monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], installed: Iterable[str] = ()
+) -> None:
+    """Pretend to be on a GPU of ``capability`` where every kernel launches, except the optional
+    packages not in ``installed``, which report "not installed". Backends in ``installed`` that are
+    not registered yet get a fresh instance of their real class (removed after the test).
+    """
+    installed = set(installed)
+    for name in installed:
+        if name not in registry._BACKENDS:
+            monkeypatch.setitem(registry._BACKENDS, name, _backend_class(name)())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+
+    def availability_reasons(self: Backend, device: torch.device) -> list[str]:
+        if self.name in OPTIONAL and self.name not in installed:
+            return [f"{self.name} is not installed"]
+        return []
+
+    for cls in {type(b) for b in registry._BACKENDS.values()}:
+        monkeypatch.setattr(cls, "availability_reasons", availability_reasons)
+
+
+def _check_reasons_cover_others(choice: registry.BackendChoice) -> None:
+    """Every registered backend but the chosen one has at least one reason."""
+    assert set(choice.reasons) == set(list_backends()) - {choice.backend}
+    for name, why in choice.reasons.items():
+        assert why, f"{name} has no reason for not being chosen"
+        assert all(isinstance(r, str) and r for r in why), why
+
+
+def _check_order(choice: registry.BackendChoice, major: int) -> None:
+    """The walked order is the documented priority (registered names) and then everything else."""
+    registered = list_backends()
+    expected_head = [n for n in EXPECTED_PRIORITY[major] if n in registered]
+    assert choice.order[: len(expected_head)] == expected_head
+    assert sorted(choice.order) == sorted(registered), "order must list every backend once"
+
+
+# -- priority per architecture --------------------------------------------------------------------
+CASES = [
+    # (capability, optional packages faked installed, expected choice)
+    ((10, 0), (), "sdpa_cudnn"),
+    ((10, 0), ("flash_attn4",), "flash_attn4"),
+    ((10, 0), ("flash_attn3",), "sdpa_cudnn"),  # FA3 has no Blackwell kernels
+    ((9, 0), (), "sdpa_cudnn"),
+    ((9, 0), ("flash_attn3",), "flash_attn3"),
+    ((9, 0), ("flash_attn4",), "flash_attn4"),
+    ((9, 0), ("flash_attn3", "flash_attn4"), "flash_attn3"),
+    ((9, 0), ("flash_attn2",), "sdpa_cudnn"),  # cuDNN ranks above FA2 on Hopper
+    ((8, 6), (), "sdpa_flash"),
+    ((8, 6), ("flash_attn2",), "flash_attn2"),
+    ((8, 0), (), "sdpa_flash"),
+    ((8, 0), ("flash_attn2",), "flash_attn2"),
+    ((8, 0), ("flash_attn3", "flash_attn4"), "sdpa_flash"),  # both need sm90+
+    ((7, 5), (), "sdpa_efficient"),
+    ((7, 5), ("flash_attn2",), "sdpa_efficient"),  # FA2 needs sm80
+    ((6, 0), (), "sdpa_efficient"),
+]
+
+
+@pytest.mark.parametrize(
+    ("capability", "installed", "expected"),
+    CASES,
+    ids=[f"sm{c[0]}{c[1]}-{'+'.join(i) or 'none'}" for c, i, _ in CASES],
+)
+def test_priority_per_architecture(
+    monkeypatch: pytest.MonkeyPatch,
+    capability: tuple[int, int],
+    installed: tuple[str, ...],
+    expected: str,
+) -> None:
+    _fake_gpu(monkeypatch, capability, installed)
+    # Pre-Ampere GPUs have no bfloat16 attention kernels: test them with float16, their dtype.
+    dtype = torch.float16 if capability < (8, 0) else torch.bfloat16
+    choice = choose(_gpu_inputs(dtype=dtype))
+    assert choice.backend == expected, choice
+    assert choice.source == "auto"
+    _check_order(choice, capability[0])
+    _check_reasons_cover_others(choice)
+    # Everything ranked before the winner was rejected for a real reason, not for ranking.
+    for name in choice.order[: choice.order.index(expected)]:
+        assert not any("ranks after" in r for r in choice.reasons[name]), (name, choice.reasons)
+    # Optional packages that are registered but not installed say so (unless the device rules
+    # them out first).
+    for name in set(OPTIONAL) & set(list_backends()) - set(installed):
+        why = " ".join(choice.reasons[name])
+        assert "not installed" in why or "compute capability" in why, (name, why)
+
+
+@pytest.mark.parametrize("capability", [(7, 5), (6, 0)])
+def test_pre_ampere_rejects_sm80_kernels_by_compute_capability(
+    monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int]
+) -> None:
+    _fake_gpu(monkeypatch, capability, installed=("flash_attn2",))
+    choice = choose(_gpu_inputs(dtype=torch.float16))
+    assert choice.backend == "sdpa_efficient"
+    sm = f"sm{capability[0]}{capability[1]}"
+    for name in ("sdpa_flash", "sdpa_cudnn", "flash_attn2", "flex"):
+        if name not in list_backends():
+            continue
+        why = " ".join(choice.reasons[name])
+        assert "compute capability" in why and "sm80" in why and sm in why, (name, why)
+    assert not any("compute capability" in r for r in choice.reasons["math"])
+
+
+@pytest.mark.parametrize("capability", [(7, 5), (6, 0)])
+def test_pre_ampere_bfloat16_is_not_sent_to_the_efficient_kernel(
+    monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int]
+) -> None:
+    """PyTorch builds the memory-efficient kernel's bfloat16 variant for sm80+ only."""
+    _fake_gpu(monkeypatch, capability)
+    choice = choose(_gpu_inputs(dtype=torch.bfloat16))
+    assert choice.backend == "math"
+    assert any("bfloat16" in r and "sm80" in r for r in choice.reasons["sdpa_efficient"])
+
+
+def test_sm90_fa3_first_then_lower_ranks_say_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_gpu(monkeypatch, (9, 0), installed=("flash_attn3",))
+    choice = choose(_gpu_inputs())
+    assert choice.backend == "flash_attn3"
+    # Able backends below it are listed with the ranking reason.
+    for name in ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "math"):
+        why = " ".join(choice.reasons[name])
+        assert "ranks after" in why and "flash_attn3" in why, (name, why)
+
+
+def test_sm90_cudnn_refuses_large_head_dim_falls_to_flash(monkeypatch: pytest.MonkeyPatch) -> None:
+    # sdpa_cudnn declares max_head_dim 128; sdpa_flash goes to 256.
+    _fake_gpu(monkeypatch, (9, 0))
+    choice = choose(_gpu_inputs(head_dim=192))
+    assert choice.backend == "sdpa_flash"
+    assert any("head_dim 192" in r for r in choice.reasons["sdpa_cudnn"])
+
+
+def test_gpu_float64_goes_to_math(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_gpu(monkeypatch, (9, 0))
+    choice = choose(_gpu_inputs(dtype=torch.float64))
+    assert choice.backend == "math"
+    assert any("dtype float64" in r for r in choice.reasons["sdpa_efficient"])
+
+
+def test_explain_defaults_to_bf16_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_gpu(monkeypatch, (9, 0))
+    seen: list[KernelInputs] = []
+    real_choose = dilated_attention.factory.choose
+
+    def spy(inputs: KernelInputs, name: str | None = None) -> registry.BackendChoice:
+        seen.append(inputs)
+        return real_choose(inputs, name)
+
+    monkeypatch.setattr(dilated_attention.factory, "choose", spy)
+    assert explain(device="cuda:0").backend == "sdpa_cudnn"
+    assert seen[-1].dtype == torch.bfloat16 and seen[-1].device == CUDA0
+
+
+# -- CPU ------------------------------------------------------------------------------------------
+def test_cpu_chooses_cpu_flash() -> None:
+    choice = choose(_cpu_inputs())
+    assert choice.backend == "cpu_flash"
+    assert choice.order[:2] == ["cpu_flash", "math"]
+    _check_reasons_cover_others(choice)
+    assert choice.reasons["math"] == ["able, but ranks after 'cpu_flash' on this device"]
+    for name in ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn"):
+        assert any("not cpu" in r for r in choice.reasons[name]), choice.reasons[name]
+
+
+def test_cpu_with_dropout_chooses_math() -> None:
+    choice = choose(_cpu_inputs(dropout_p=0.1))
+    assert choice.backend == "math"
+    assert any("dropout" in r for r in choice.reasons["cpu_flash"])
+    _check_reasons_cover_others(choice)
+
+
+def test_cpu_float64_chooses_cpu_flash() -> None:
+    choice = choose(_cpu_inputs(dtype=torch.float64))
+    assert choice.backend == "cpu_flash"
+    _check_reasons_cover_others(choice)
+
+
+def test_cpu_with_key_padding_mask_chooses_cpu_flash() -> None:
+    assert choose(_cpu_inputs(has_mask=True)).backend == "cpu_flash"
+
+
+# -- installed but broken, or not installed -------------------------------------------------------
+class _FakeBroken(Backend):
+    """Imports fine, cannot launch: its probe fails; its kernels would return garbage."""
+
+    name = "fake_broken"
+    devices = frozenset({"cpu"})
+    dtypes = frozenset({torch.float32})
+
+    def __init__(self) -> None:
+        self.probes = 0
+        self.calls = 0
+
+    def probe(self, device: torch.device) -> None:
+        self.probes += 1
+        raise RuntimeError("no kernel image")
+
+    def _forward(self, q: Any, k: Any, v: Any, **kwargs: Any) -> KernelOutput:
+        self.calls += 1
+        lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
+        return KernelOutput(torch.full_like(q, 1234.5), lse)
+
+    def _backward(self, dout: Any, q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return torch.full_like(q, 1234.5), torch.full_like(k, 1234.5), torch.full_like(v, 1234.5)
+
+
+class _FakeMissing(_FakeBroken):
+    """Its package is not installed; the probe must never run."""
+
+    name = "fake_missing"
+
+    def import_reasons(self) -> list[str]:
+        return ["fake_pkg is not installed"]
+
+
+@contextlib.contextmanager
+def _first_on_host(monkeypatch: pytest.MonkeyPatch, backend: Backend) -> Iterator[Backend]:
+    with monkeypatch.context() as m:
+        m.setitem(registry._BACKENDS, backend.name, backend)
+        m.setattr(registry, "_HOST_PRIORITY", [backend.name, *registry._HOST_PRIORITY])
+        yield backend
+    assert backend.name not in list_backends()
+
+
+def _qkv(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.randn(1, 16, 2, 8, dtype=dtype) for _ in range(3))
+
+
+def test_probe_failure_rejects_and_is_never_selected(monkeypatch: pytest.MonkeyPatch) -> None:
+    with _first_on_host(monkeypatch, _FakeBroken()) as fake:
+        assert "fake_broken" in list_backends()
+        choice = choose(_cpu_inputs())
+        assert choice.order[0] == "fake_broken"
+        assert choice.backend == "cpu_flash"
+        why = " ".join(choice.reasons["fake_broken"])
+        assert "probe" in why and "no kernel image" in why, why
+        assert "no kernel image" in " ".join(backend_reasons(*_qkv())["fake_broken"])
+
+        q, k, v = _qkv()
+        out = dilated_attention.dilated_attention(q, k, v, [8], [1])
+        ref = dilated_attention.dilated_attention(q, k, v, [8], [1], backend="math")
+        torch.testing.assert_close(out, ref)
+        with pytest.raises(ValueError, match="no kernel image") as err:
+            dilated_attention.dilated_attention(q, k, v, [8], [1], backend="fake_broken")
+        assert "fake_broken" in str(err.value) and "probe" in str(err.value)
+        with pytest.raises(ValueError, match="no kernel image"), use_backend("fake_broken"):
+            dilated_attention.dilated_attention(q, k, v, [8], [1])
+        assert fake.calls == 0, "a backend whose probe failed ran a kernel"
+        assert fake.probes == 1, "the probe result must be cached per device"
+
+
+def test_capability_reason_comes_before_the_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    with _first_on_host(monkeypatch, _FakeBroken()) as fake:
+        choice = choose(_cpu_inputs(dtype=torch.float64))
+        assert choice.reasons["fake_broken"] == ["dtype float64 not in (float32)"]
+        assert fake.probes == 0
+
+
+def test_missing_package_rejects_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    with _first_on_host(monkeypatch, _FakeMissing()) as fake:
+        choice = choose(_cpu_inputs())
+        assert choice.backend == "cpu_flash"
+        assert choice.reasons["fake_missing"] == ["fake_pkg is not installed"]
+        q, k, v = _qkv()
+        with pytest.raises(ValueError, match="fake_pkg is not installed"):
+            dilated_attention.dilated_attention(q, k, v, [8], [1], backend="fake_missing")
+        assert fake.probes == 0 and fake.calls == 0
+
+
+# -- explicit backends ----------------------------------------------------------------------------
+def test_explicit_cuda_backend_on_cpu_raises_with_reasons() -> None:
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="cuda") as err:
+        dilated_attention.dilated_attention(q, k, v, [8], [1], backend="sdpa_cudnn")
+    msg = str(err.value)
+    assert "sdpa_cudnn" in msg and "cpu_flash" in msg  # names the backends that can
+
+
+def test_explicit_backend_without_dropout_support_raises() -> None:
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="dropout"):
+        dilated_attention.dilated_attention(q, k, v, [8], [1], dropout_p=0.1, backend="cpu_flash")
+
+
+def test_unknown_backend_name_raises_listing_names() -> None:
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="math"):
+        dilated_attention.dilated_attention(q, k, v, [8], [1], backend="no_such_backend")
+
+
+# -- use_backend ----------------------------------------------------------------------------------
+@pytest.fixture
+def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Names of the backends whose ``_forward`` ran (math and cpu_flash are spied on)."""
+    calls: list[str] = []
+    for name in ("math", "cpu_flash"):
+        cls = type(get_backend(name))
+        original = cls._forward
+
+        def spy(self: Backend, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            calls.append(self.name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "_forward", spy)
+    return calls
+
+
+def test_use_backend_forces_and_restores(kernel_calls: list[str]) -> None:
+    assert explain().backend == "cpu_flash"
+    with use_backend("math"):
+        choice = explain()
+        assert (choice.backend, choice.source) == ("math", "use_backend")
+        assert choice.reasons["cpu_flash"] == ["'math' was requested (use_backend)"]
+        q, k, v = _qkv()
+        dilated_attention.dilated_attention(q, k, v, [8], [1])
+        assert set(kernel_calls) == {"math"}
+    choice = explain()
+    assert (choice.backend, choice.source) == ("cpu_flash", "auto")
+
+
+def test_use_backend_restores_after_exception() -> None:
+    with pytest.raises(RuntimeError, match="boom"), use_backend("math"):
+        assert explain().backend == "math"
+        raise RuntimeError("boom")
+    assert (explain().backend, explain().source) == ("cpu_flash", "auto")
+
+
+def test_use_backend_nests() -> None:
+    with use_backend("math"):
+        with use_backend("cpu_flash"):
+            assert (explain().backend, explain().source) == ("cpu_flash", "use_backend")
+            with use_backend(None):
+                assert (explain().backend, explain().source) == ("cpu_flash", "auto")
+                assert explain(dropout_p=0.1).backend == "math"
+        assert explain().backend == "math"
+    assert explain().source == "auto"
+
+
+def test_use_backend_unknown_name_raises() -> None:
+    with pytest.raises(ValueError, match="no_such_backend"), use_backend("no_such_backend"):
+        pass  # pragma: no cover
+    assert explain().source == "auto"
+
+
+def test_explicit_argument_wins_over_use_backend(kernel_calls: list[str]) -> None:
+    with use_backend("math"):
+        choice = explain(backend="cpu_flash")
+        assert (choice.backend, choice.source) == ("cpu_flash", "argument")
+        q, k, v = _qkv()
+        dilated_attention.dilated_attention(q, k, v, [8], [1], backend="cpu_flash")
+        assert set(kernel_calls) == {"cpu_flash"}
+
+
+def test_use_backend_that_cannot_run_raises_on_call() -> None:
+    q, k, v = _qkv()
+    with use_backend("sdpa_flash"), pytest.raises(ValueError, match="use_backend"):
+        dilated_attention.dilated_attention(q, k, v, [8], [1])
+
+
+# -- environment variable -------------------------------------------------------------------------
+def test_environment_override(monkeypatch: pytest.MonkeyPatch, kernel_calls: list[str]) -> None:
+    monkeypatch.setenv(ENV_VAR, "math")
+    choice = explain()
+    assert (choice.backend, choice.source) == ("math", "environment")
+    q, k, v = _qkv()
+    dilated_attention.dilated_attention(q, k, v, [8], [1])
+    assert set(kernel_calls) == {"math"}
+
+
+@pytest.mark.parametrize("value", ["auto", "", "  auto  "])
+def test_environment_auto_means_automatic(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv(ENV_VAR, value)
+    choice = explain()
+    assert (choice.backend, choice.source) == ("cpu_flash", "auto")
+
+
+def test_environment_unknown_name_raises_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(ENV_VAR, "no_such_backend")
+    with pytest.raises(ValueError, match=ENV_VAR) as err:
+        explain()
+    assert "no_such_backend" in str(err.value)
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=ENV_VAR):
+        dilated_attention.dilated_attention(q, k, v, [8], [1])
+
+
+def test_environment_ranks_below_use_backend_and_argument(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_VAR, "math")
+    with use_backend("cpu_flash"):
+        assert (explain().backend, explain().source) == ("cpu_flash", "use_backend")
+    assert (explain(backend="cpu_flash").backend, explain(backend="cpu_flash").source) == (
+        "cpu_flash",
+        "argument",
+    )
+
+
+def test_environment_backend_that_cannot_run_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_VAR, "sdpa_flash")
+    with pytest.raises(ValueError, match="environment"):
+        explain()
+
+
+# -- explain --------------------------------------------------------------------------------------
+def test_explain_defaults_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    seen: list[KernelInputs] = []
+    real_choose = dilated_attention.factory.choose
+
+    def spy(inputs: KernelInputs, name: str | None = None) -> registry.BackendChoice:
+        seen.append(inputs)
+        return real_choose(inputs, name)
+
+    monkeypatch.setattr(dilated_attention.factory, "choose", spy)
+    choice = explain()
+    assert choice.backend == "cpu_flash" and choice.source == "auto"
+    assert seen[-1].device == CPU and seen[-1].dtype == torch.float32
+    _check_reasons_cover_others(choice)
+    assert explain(dropout_p=0.1).backend == "math"
+    assert explain(dtype=torch.float64).backend == "cpu_flash"
+    with pytest.raises(ValueError, match="sdpa_flash"):
+        explain(backend="sdpa_flash")
+    with pytest.raises(ValueError, match="math"):
+        explain(backend="no_such_backend")
+
+
+def test_backend_reasons_cover_every_backend() -> None:
+    q, k, v = _qkv()
+    reasons = backend_reasons(q, k, v, is_causal=True)
+    assert set(reasons) == set(list_backends())
+    assert reasons["cpu_flash"] == [] and reasons["math"] == []
+    assert backend_reasons(q, k, v, dropout_p=0.1)["cpu_flash"]
+
+
+# -- command line ---------------------------------------------------------------------------------
+def _run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if k != ENV_VAR}
+    environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), environ.get("PYTHONPATH")]))
+    environ.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "dilated_attention", *args],
+        cwd=REPO,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def _cpu_table(stdout: str) -> dict[str, list[str]]:
+    """The CPU section of ``info``: backend name -> the columns after it."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("cpu:"))
+    rows: dict[str, list[str]] = {}
+    for line in lines[start + 1 :]:
+        if not line.strip():
+            break
+        cols = line.split()
+        if cols and cols[0] in list_backends():
+            rows[cols[0]] = cols[1:]
+    return rows
+
+
+def _starred(rows: dict[str, list[str]]) -> list[str]:
+    return [name for name, cols in rows.items() if len(cols) > 1 and cols[1] == "*"]
+
+
+def test_cli_info() -> None:
+    proc = _run_cli("info")
+    assert proc.returncode == 0, proc.stderr
+    assert "math" in proc.stdout and "cpu_flash" in proc.stdout
+    rows = _cpu_table(proc.stdout)
+    assert set(rows) == set(list_backends())
+    assert _starred(rows) == ["cpu_flash"]
+    assert rows["cpu_flash"][0] == "yes" and rows["math"][0] == "yes"
+
+
+def test_cli_info_follows_the_environment() -> None:
+    proc = _run_cli("info", env={ENV_VAR: "math"})
+    assert proc.returncode == 0, proc.stderr
+    assert _starred(_cpu_table(proc.stdout)) == ["math"]
+
+
+DEMO_ARGS = ("demo", "--seq-len", "1024", "--heads", "2", "--head-dim", "16", "--repeats", "1")
+
+
+def test_cli_demo() -> None:
+    proc = _run_cli(*DEMO_ARGS)
+    assert proc.returncode == 0, proc.stderr
+    assert "backend chosen: cpu_flash" in proc.stdout
+    assert "input gradient finite: True" in proc.stdout
+
+
+def test_cli_demo_reports_the_backend_it_runs() -> None:
+    # With DILATED_ATTENTION_BACKEND=math every attention call runs on math, so the demo must say
+    # so rather than report the automatic choice.
+    proc = _run_cli(*DEMO_ARGS, env={ENV_VAR: "math"})
+    assert proc.returncode == 0, proc.stderr
+    assert "backend chosen: math" in proc.stdout, proc.stdout
