@@ -123,6 +123,7 @@ def test_cuda_dropout_trains(backend: str) -> None:
     q = torch.randn(1, 256, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     if backend_reasons(q, q, q, dropout_p=0.3)[backend]:
         pytest.skip(f"{backend} unavailable")
+
     def seeded(seed: int) -> None:
         torch.manual_seed(seed)
         torch.cuda.manual_seed(seed)

@@ -126,6 +126,7 @@ class Backend:
     description: ClassVar[str] = ""
     devices: ClassVar[frozenset[str]] = frozenset()
     dtypes: ClassVar[frozenset[torch.dtype]] = frozenset()
+    min_head_dim: ClassVar[int] = 1
     max_head_dim: ClassVar[int | None] = None
     head_dim_multiple: ClassVar[int] = 1
     min_compute_capability: ClassVar[tuple[int, int] | None] = None
@@ -175,6 +176,8 @@ class Backend:
         if inputs.dtype not in self.dtypes:
             names = ", ".join(sorted(str(d).removeprefix("torch.") for d in self.dtypes))
             reasons.append(f"dtype {str(inputs.dtype).removeprefix('torch.')} not in ({names})")
+        if inputs.head_dim < self.min_head_dim:
+            reasons.append(f"head_dim {inputs.head_dim} < {self.min_head_dim}")
         if self.max_head_dim is not None and inputs.head_dim > self.max_head_dim:
             reasons.append(f"head_dim {inputs.head_dim} > {self.max_head_dim}")
         if inputs.head_dim % self.head_dim_multiple:

@@ -133,7 +133,9 @@ def _grads_from(
     if isinstance(res, (tuple, list)) and len(res) >= 3:
         grads = tuple(res[:3])
         shapes = (dq.shape, dk.shape, dv.shape)
-        if all(isinstance(g, torch.Tensor) and g.shape == s for g, s in zip(grads, shapes)):
+        if all(
+            isinstance(g, torch.Tensor) and g.shape == s for g, s in zip(grads, shapes, strict=True)
+        ):
             return grads[0], grads[1], grads[2]
     return dq, dk, dv
 
@@ -178,15 +180,16 @@ class FlashAttn2Backend(Backend):
 
     def not_supported_reasons(self, inputs: KernelInputs) -> list[str]:
         cc = _capability(inputs)
-        heavy_dropout_backward = (
-            inputs.requires_grad and inputs.dropout_p > 0 and inputs.head_dim > 192
-        )
-        if cc is not None and cc >= (8, 0) and cc not in ((8, 0), (9, 0)) and heavy_dropout_backward:
-            # flash-attn's own check (csrc/flash_attn/flash_api.cpp, mha_bwd): the kernel for this
-            # case needs the shared memory of A100/H100.
+        dim = inputs.head_dim
+        wide_backward = inputs.requires_grad and 192 < dim <= 256
+        wide_backward = wide_backward and (dim <= 224 or inputs.dropout_p > 0)
+        if wide_backward and cc is not None and cc > (8, 0) and cc != (9, 0):
+            # flash-attn's own check (mha_bwd in csrc/flash_attn/flash_api.cpp, since 2.5.5):
+            # these backward kernels need the shared memory of A100/H100.
             return [
-                f"backward with dropout and head_dim {inputs.head_dim} > 192 needs sm80 or sm90, "
-                f"device is sm{cc[0]}{cc[1]}"
+                f"backward with head_dim {dim}"
+                + (" and dropout" if inputs.dropout_p > 0 else "")
+                + f" needs sm80 or sm90, device is sm{cc[0]}{cc[1]}"
             ]
         return super().not_supported_reasons(inputs)
 

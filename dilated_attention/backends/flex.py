@@ -28,12 +28,17 @@ import torch
 
 from .base import Backend, KernelInputs, KernelOutput
 
+_RECOMPILE_LIMIT = 256
+_LIMIT_NAME = (
+    "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+)
+
 
 @functools.cache
 def _compiled_flex() -> Callable[..., Any]:
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention)
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def _flex(
@@ -41,10 +46,13 @@ def _flex(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, N, H, D) in; ``out`` (B, N, H, D) and ``lse`` (B, H, N) out."""
     block_mask = _causal_block_mask(q.shape[1], k.shape[1], q.device) if is_causal else None
-    out, lse = _compiled_flex()(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        block_mask=block_mask, scale=scale, enable_gqa=q.shape[2] != k.shape[2], return_lse=True,
-    )  # fmt: skip
+    # Past dynamo's recompile limit (8 per function by default) FlexAttention would silently run
+    # unfused, materialising every score; a dilated plan alone can hold more shapes than that.
+    with torch._dynamo.config.patch(**{_LIMIT_NAME: _RECOMPILE_LIMIT}):
+        out, lse = _compiled_flex()(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
+            scale=scale, enable_gqa=q.shape[2] != k.shape[2], return_lse=True,
+        )  # fmt: skip
     return out.transpose(1, 2), lse
 
 
@@ -66,9 +74,10 @@ class FlexBackend(Backend):
 
     name = "flex"
     description = "PyTorch FlexAttention, compiled with Triton (CUDA); compiles once per shape"
-    devices = frozenset({"cuda", "cpu"})
+    devices = frozenset({"cuda"})
     dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32})
     min_compute_capability = (8, 0)
+    min_head_dim = 16  # Inductor's FlexAttention lowering refuses smaller embeddings
     supports_rectangular_causal = True
 
     def import_reasons(self) -> list[str]:

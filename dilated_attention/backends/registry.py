@@ -16,9 +16,13 @@ from dataclasses import dataclass
 import torch
 
 from .base import Backend, KernelInputs
+from .flash_attn2 import FlashAttn2Backend
+from .flash_attn3 import FlashAttn3Backend
+from .flash_attn4 import FlashAttn4Backend
 from .flex import FlexBackend
 from .math import MathBackend
 from .sdpa import CpuFlashBackend, SdpaCudnnBackend, SdpaEfficientBackend, SdpaFlashBackend
+from .xformers import XformersBackend
 
 ENV_VAR = "DILATED_ATTENTION_BACKEND"
 
@@ -60,6 +64,10 @@ for _backend in (
     SdpaFlashBackend(),
     SdpaEfficientBackend(),
     SdpaCudnnBackend(),
+    FlashAttn2Backend(),
+    FlashAttn3Backend(),
+    FlashAttn4Backend(),
+    XformersBackend(),
     FlexBackend(),
 ):
     register_backend(_backend)

@@ -1,0 +1,791 @@
+"""Optional kernel backends (flash-attn 2/3/4, xformers) against fakes of their packages.
+
+None of these packages can be installed where the tests run, so each test puts small fake modules
+in ``sys.modules``. A fake implements the entry points a backend calls with plain-PyTorch
+attention on the CPU, in float64, and records the arguments it receives. That checks import
+handling, the argument mapping across package versions, the use of external ``out``/``lse`` in the
+backward, and the capability logic (on a fake CUDA device); the real kernels are only exercised
+where the packages are installed.
+
+Shape legend: B batch, N rows, H query heads, Hkv key/value heads, D head dim; (B, N, H, D) layout,
+lse (B, H, N).
+"""
+
+import importlib.abc
+import sys
+import types
+from typing import Any
+
+import pytest
+import torch
+
+from dilated_attention.backends.base import KernelInputs
+from dilated_attention.backends.flash_attn2 import FlashAttn2Backend
+from dilated_attention.backends.flash_attn3 import FlashAttn3Backend
+from dilated_attention.backends.flash_attn4 import FlashAttn4Backend
+from dilated_attention.backends.xformers import XformersBackend
+from dilated_attention.core.reference import reference_backward
+
+B, N, H, HKV, D = 2, 12, 4, 2, 8
+SCALE = 0.3
+
+
+# -- attention math for the fakes and the reference ----------------------------------------------
+def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x.repeat_interleave(heads // x.shape[2], dim=2)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """(B, H, Nq, Nk) float64 scaled scores; causal is bottom-right aligned, as in flash-attn."""
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), _expand(k, q.shape[2]).double()) * scale
+    if causal:
+        nq, nk = q.shape[1], k.shape[1]
+        mask = torch.ones(nq, nk, dtype=torch.bool).triu(nk - nq + 1)
+        s = s.masked_fill(mask, float("-inf"))
+    return s
+
+
+def _fake_forward(q, k, v, scale, causal):
+    s = _scores(q, k, scale, causal)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    out = torch.einsum("bhqk,bkhd->bqhd", p, _expand(v, q.shape[2]).double())
+    return out.to(q.dtype), lse.to(torch.promote_types(q.dtype, torch.float32))
+
+
+def _fake_backward(dout, q, k, v, out, lse, scale, causal):
+    """Gradients from the given ``out``/``lse`` (FlashAttention-2 Alg. 2), GQA reduced."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    p = torch.exp(_scores(q, k, scale, causal) - lse.double().unsqueeze(-1))
+    do, vd, kd = dout.double(), _expand(v, heads).double(), _expand(k, heads).double()
+    dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
+    dp = torch.einsum("bqhd,bkhd->bhqk", do, vd)
+    delta = (do * out.double()).sum(-1).transpose(1, 2).unsqueeze(-1)
+    ds = p * (dp - delta)
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, kd) * scale
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.double()) * scale
+
+    def reduce(x: torch.Tensor) -> torch.Tensor:
+        b, n, _, d = x.shape
+        return x.view(b, n, kv_heads, heads // kv_heads, d).sum(3)
+
+    return dq.to(q.dtype), reduce(dk).to(k.dtype), reduce(dv).to(v.dtype)
+
+
+def _reference(q, k, v, dout, *, causal: bool):
+    """Plain softmax attention in float64 with autograd (top-left causal): out, lse, grads."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    qd, kd, vd = leaves
+    s = torch.einsum("bqhd,bkhd->bhqk", qd, _expand(kd, qd.shape[2])) * SCALE
+    if causal:
+        mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).triu(1)
+        s = s.masked_fill(mask, float("-inf"))
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), _expand(vd, qd.shape[2]))
+    grads = torch.autograd.grad(out, leaves, dout.double())
+    return out.detach(), torch.logsumexp(s, dim=-1).detach(), grads
+
+
+def _inputs(seed: int = 0, kv_heads: int = HKV) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, N, H, D, generator=gen)
+    k = torch.randn(B, N, kv_heads, D, generator=gen)
+    v = torch.randn(B, N, kv_heads, D, generator=gen)
+    dout = torch.randn(B, N, H, D, generator=gen)
+    return q, k, v, dout
+
+
+def _assert_matches_reference(backend, causal: bool, kv_heads: int = HKV) -> None:
+    q, k, v, dout = _inputs(kv_heads=kv_heads)
+    res = backend.forward(q, k, v, scale=SCALE, is_causal=causal)
+    grads = backend.backward(
+        dout, q, k, v, res.out, res.lse, res.aux, scale=SCALE, is_causal=causal
+    )
+    ref_out, ref_lse, ref_grads = _reference(q, k, v, dout, causal=causal)
+    assert res.out.shape == (B, N, H, D) and res.lse.shape == (B, H, N)
+    assert res.lse.dtype == torch.float32
+    torch.testing.assert_close(res.out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(res.lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+    for got, want, name in zip(grads, ref_grads, ("dq", "dk", "dv"), strict=True):
+        assert got.shape == want.shape, name
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5, msg=name)
+
+
+# -- fake packages --------------------------------------------------------------------------------
+def _install(monkeypatch: pytest.MonkeyPatch, name: str, **attrs: Any) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    for key, value in attrs.items():
+        setattr(mod, key, value)
+    monkeypatch.setitem(sys.modules, name, mod)
+    parent, _, child = name.rpartition(".")
+    if parent and parent in sys.modules:
+        monkeypatch.setattr(sys.modules[parent], child, mod, raising=False)
+    return mod
+
+
+def _fa26_functions(calls: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """flash-attn 2.6: ``window_size`` tuple, 8-tuple forward, backward returns its grads."""
+
+    def _flash_attn_forward(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+        return_softmax,
+    ):  # fmt: skip
+        calls["fwd"] = dict(locals())
+        out, lse = _fake_forward(q, k, v, softmax_scale, causal)
+        return out, q, k, v, out, lse, None, torch.tensor([7, 11])
+
+    def _flash_attn_backward(
+        dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+        window_size, softcap, alibi_slopes, deterministic, rng_state=None,
+    ):  # fmt: skip
+        calls["bwd"] = dict(locals())
+        grads = _fake_backward(dout, q, k, v, out, softmax_lse, softmax_scale, causal)
+        for buf, grad in zip((dq, dk, dv), grads, strict=True):
+            buf.copy_(grad)
+        return dq, dk, dv, torch.zeros(1)
+
+    return {
+        "_flash_attn_forward": _flash_attn_forward,
+        "_flash_attn_backward": _flash_attn_backward,
+    }
+
+
+# flash-attn 2.7+/2.8: torch custom ops (so ``inspect.signature`` sees ``(*args, **kwargs)`` and
+# the backend must read ``_init_fn``), split window sizes, 4-tuple forward, in-place backward.
+_FA28_CALLS: dict[str, dict[str, Any]] = {}
+
+
+@torch.library.custom_op("dilated_attention_tests::fa28_forward", mutates_args=())
+def _fa28_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    return_softmax: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _FA28_CALLS["fwd"] = dict(locals())
+    out, lse = _fake_forward(q, k, v, softmax_scale, causal)
+    return out, lse, torch.empty(0, dtype=q.dtype), torch.tensor([7, 11])
+
+
+@torch.library.custom_op("dilated_attention_tests::fa28_backward", mutates_args=("dq", "dk", "dv"))
+def _fa28_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    softmax_lse: torch.Tensor,
+    dq: torch.Tensor | None,
+    dk: torch.Tensor | None,
+    dv: torch.Tensor | None,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    deterministic: bool,
+    rng_state: torch.Tensor | None = None,
+) -> torch.Tensor:
+    _FA28_CALLS["bwd"] = dict(locals())
+    assert dq is not None and dk is not None and dv is not None
+    grads = _fake_backward(dout, q, k, v, out, softmax_lse, softmax_scale, causal)
+    for buf, grad in zip((dq, dk, dv), grads, strict=True):
+        buf.copy_(grad)
+    return torch.zeros(1)
+
+
+def _install_fa2(monkeypatch: pytest.MonkeyPatch, style: str) -> dict[str, dict[str, Any]]:
+    if style == "2.6":
+        calls: dict[str, dict[str, Any]] = {}
+        funcs = _fa26_functions(calls)
+    else:
+        _FA28_CALLS.clear()
+        calls = _FA28_CALLS
+        funcs = {"_flash_attn_forward": _fa28_forward, "_flash_attn_backward": _fa28_backward}
+    _install(monkeypatch, "flash_attn", __version__="2.6.3" if style == "2.6" else "2.8.3")
+    _install(monkeypatch, "flash_attn.flash_attn_interface", **funcs)
+    return calls
+
+
+def _fa3_new_functions(calls: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """FlashAttention-3, custom-op era: keyword defaults, split windows, in-place backward."""
+
+    def _flash_attn_forward(
+        q, k, v, k_new=None, v_new=None, qv=None, out_=None, cu_seqlens_q=None,
+        softmax_scale=None, causal=False, window_size_left=-1, window_size_right=-1,
+        attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None, sm_margin=0,
+    ):  # fmt: skip
+        calls["fwd"] = dict(locals())
+        out, lse = _fake_forward(q, k, v, softmax_scale, causal)
+        return out, lse, torch.empty(0), torch.empty(0)
+
+    def _flash_attn_backward(
+        dout, q, k, v, out, softmax_lse, cu_seqlens_q=None, cu_seqlens_k=None, sequed_q=None,
+        sequed_k=None, max_seqlen_q=None, max_seqlen_k=None, dq=None, dk=None, dv=None,
+        softmax_scale=None, is_causal=False, window_size_left=-1, window_size_right=-1,
+        softcap=0.0, deterministic=False, sm_margin=0,
+    ):  # fmt: skip
+        calls["bwd"] = dict(locals())
+        grads = _fake_backward(dout, q, k, v, out, softmax_lse, softmax_scale, is_causal)
+        for buf, grad in zip((dq, dk, dv), grads, strict=True):
+            buf.copy_(grad)
+        return torch.zeros(1)
+
+    return {
+        "_flash_attn_forward": _flash_attn_forward,
+        "_flash_attn_backward": _flash_attn_backward,
+    }
+
+
+def _fa3_old_functions(calls: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """FlashAttention-3, 2025 era: optional tensors as required positionals, tuple windows."""
+
+    def _flash_attn_forward(
+        q, k, v, k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale,
+        causal, window_size=(-1, -1), softcap=0.0, num_splits=1, pack_gqa=None, sm_margin=0,
+    ):  # fmt: skip
+        calls["fwd"] = dict(locals())
+        o, lse = _fake_forward(q, k, v, softmax_scale, causal)
+        return o, lse, torch.empty(0), torch.empty(0)
+
+    def _flash_attn_backward(
+        dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k,
+        max_seqlen_q, max_seqlen_k, dq, dk, dv, softmax_scale, causal, window_size=(-1, -1),
+        softcap=0.0, deterministic=False, sm_margin=0,
+    ):  # fmt: skip
+        calls["bwd"] = dict(locals())
+        grads = _fake_backward(dout, q, k, v, out, softmax_lse, softmax_scale, causal)
+        for buf, grad in zip((dq, dk, dv), grads, strict=True):
+            buf.copy_(grad)
+        return dq, dk, dv, torch.zeros(1)
+
+    return {
+        "_flash_attn_forward": _flash_attn_forward,
+        "_flash_attn_backward": _flash_attn_backward,
+    }
+
+
+# FlashAttention-3 as registered ops only (``torch.ops.flash_attn_3.fwd/bwd``), in the older
+# TORCH_LIBRARY form whose schema gives no defaults.
+_FA3_OP_CALLS: dict[str, dict[str, Any]] = {}
+_FA3_FWD_ARGS = [
+    "q", "k", "v", "k_new", "out", "softmax_scale", "is_causal", "window_size_left",
+    "window_size_right", "softcap", "num_splits", "pack_gqa", "sm_margin",
+]  # fmt: skip
+_FA3_BWD_ARGS = [
+    "dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "cu_seqlens_q", "max_seqlen_q",
+    "softmax_scale", "is_causal", "window_size_left", "window_size_right", "softcap",
+    "deterministic", "sm_margin",
+]  # fmt: skip
+_FA3_LIB = torch.library.Library("dilated_attention_tests_fa3", "DEF")
+_FA3_LIB.define(
+    "fwd(Tensor q, Tensor k, Tensor v, Tensor? k_new, Tensor? out, float softmax_scale, "
+    "bool is_causal, int window_size_left, int window_size_right, float softcap, int num_splits, "
+    "bool? pack_gqa, int sm_margin) -> Tensor[]"
+)
+_FA3_LIB.define(
+    "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, Tensor? dq, "
+    "Tensor? dk, Tensor? dv, Tensor? cu_seqlens_q, int? max_seqlen_q, float softmax_scale, "
+    "bool is_causal, int window_size_left, int window_size_right, float softcap, "
+    "bool deterministic, int sm_margin) -> Tensor[]"
+)
+
+
+def _fa3_op_fwd(*args: Any) -> list[torch.Tensor]:
+    a = _FA3_OP_CALLS["fwd"] = dict(zip(_FA3_FWD_ARGS, args, strict=True))
+    out, lse = _fake_forward(a["q"], a["k"], a["v"], a["softmax_scale"], a["is_causal"])
+    return [out, lse, torch.empty(0), torch.empty(0)]
+
+
+def _fa3_op_bwd(*args: Any) -> list[torch.Tensor]:
+    a = _FA3_OP_CALLS["bwd"] = dict(zip(_FA3_BWD_ARGS, args, strict=True))
+    grads = _fake_backward(
+        a["dout"], a["q"], a["k"], a["v"], a["out"], a["softmax_lse"], a["softmax_scale"],
+        a["is_causal"],
+    )  # fmt: skip
+    for buf, grad in zip((a["dq"], a["dk"], a["dv"]), grads, strict=True):
+        buf.copy_(grad)
+    return [torch.zeros(1)]
+
+
+_FA3_LIB.impl("fwd", _fa3_op_fwd, "CPU")
+_FA3_LIB.impl("bwd", _fa3_op_bwd, "CPU")
+
+
+def _install_fa3(monkeypatch: pytest.MonkeyPatch, style: str) -> dict[str, dict[str, Any]]:
+    calls: dict[str, dict[str, Any]] = {}
+    if style == "ops":
+        _FA3_OP_CALLS.clear()
+        calls = _FA3_OP_CALLS
+        funcs: dict[str, Any] = {}
+        monkeypatch.setattr(
+            torch.ops, "flash_attn_3", torch.ops.dilated_attention_tests_fa3, raising=False
+        )
+    elif style == "new":
+        funcs = _fa3_new_functions(calls)
+    else:
+        funcs = _fa3_old_functions(calls)
+    _install(monkeypatch, "flash_attn_3")
+    _install(monkeypatch, "flash_attn_3.flash_attn_interface", **funcs)
+    return calls
+
+
+def _install_fa4(monkeypatch: pytest.MonkeyPatch, with_backward: bool = True) -> dict[str, Any]:
+    calls: dict[str, dict[str, Any]] = {}
+
+    def _flash_attn_fwd(
+        q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, softmax_scale=None, causal=False,
+        softcap=None, window_size_left=None, window_size_right=None, num_splits=1,
+        pack_gqa=None, return_lse=False, out=None, lse=None,
+    ):  # fmt: skip
+        calls["fwd"] = dict(locals())
+        o, lse_ = _fake_forward(q, k, v, softmax_scale, causal)
+        return o, (lse_ if return_lse else None)
+
+    def _flash_attn_bwd(
+        q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0,
+        window_size_left=None, window_size_right=None, deterministic=False, dq=None, dk=None,
+        dv=None,
+    ):  # fmt: skip
+        calls["bwd"] = dict(locals())
+        return _fake_backward(dout, q, k, v, out, lse, softmax_scale, causal)
+
+    funcs = {"_flash_attn_fwd": _flash_attn_fwd}
+    if with_backward:
+        funcs["_flash_attn_bwd"] = _flash_attn_bwd
+    _install(monkeypatch, "flash_attn")
+    _install(monkeypatch, "flash_attn.cute")
+    _install(monkeypatch, "flash_attn.cute.interface", **funcs)
+    return calls
+
+
+class _LowerTriangularMask:
+    """Stand-in for ``xformers.ops.fmha.attn_bias.LowerTriangularMask`` (top-left causal)."""
+
+
+def _install_xformers(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    calls: dict[str, dict[str, Any]] = {}
+
+    def memory_efficient_attention_forward_requires_grad(
+        query, key, value, attn_bias=None, p=0.0, scale=None, *, op=None
+    ):
+        calls["fwd"] = dict(locals())
+        assert key.shape[2] == query.shape[2], "4-D xformers inputs need expanded kv heads"
+        causal = isinstance(attn_bias, _LowerTriangularMask)
+        out, lse = _fake_forward(query, key, value, scale, causal)
+        # The CUTLASS operator pads the lse rows to a multiple of 32.
+        padded = torch.full((*lse.shape[:-1], 32), float("inf"), dtype=lse.dtype)
+        padded[..., : lse.shape[-1]] = lse
+        return out, padded
+
+    def memory_efficient_attention_backward(
+        grad, output, lse, query, key, value, attn_bias=None, p=0.0, scale=None, *, op=None
+    ):
+        calls["bwd"] = dict(locals())
+        causal = isinstance(attn_bias, _LowerTriangularMask)
+        return _fake_backward(grad, query, key, value, output, lse, scale, causal)
+
+    _install(monkeypatch, "xformers")
+    _install(monkeypatch, "xformers.ops")
+    _install(
+        monkeypatch, "xformers.ops.fmha",
+        memory_efficient_attention_forward_requires_grad=(
+            memory_efficient_attention_forward_requires_grad
+        ),
+        memory_efficient_attention_backward=memory_efficient_attention_backward,
+        LowerTriangularMask=_LowerTriangularMask,
+    )  # fmt: skip
+    return calls
+
+
+_INSTALLERS = {
+    "flash_attn2": (FlashAttn2Backend, lambda mp: _install_fa2(mp, "2.8")),
+    "flash_attn3": (FlashAttn3Backend, lambda mp: _install_fa3(mp, "new")),
+    "flash_attn4": (FlashAttn4Backend, _install_fa4),
+    "xformers": (XformersBackend, _install_xformers),
+}
+# Top-level modules whose absence or failure each backend must report.
+_TOP_MODULES = {
+    "flash_attn2": ("flash_attn",),
+    "flash_attn3": ("flash_attn_3", "flash_attn_interface"),
+    "flash_attn4": ("flash_attn",),
+    "xformers": ("xformers",),
+}
+
+
+# -- (1) import reasons --------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(_INSTALLERS))
+def test_import_reasons_empty_with_package(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    cls, install = _INSTALLERS[name]
+    install(monkeypatch)
+    assert cls().import_reasons() == []
+
+
+def _forget_modules(monkeypatch: pytest.MonkeyPatch, tops: tuple[str, ...]) -> None:
+    for mod_name in list(sys.modules):
+        if mod_name.split(".")[0] in tops:
+            monkeypatch.delitem(sys.modules, mod_name)
+
+
+@pytest.mark.parametrize("name", list(_INSTALLERS))
+def test_import_reasons_when_package_missing(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    cls, _ = _INSTALLERS[name]
+    _forget_modules(monkeypatch, _TOP_MODULES[name])
+    for top in _TOP_MODULES[name]:
+        monkeypatch.setitem(sys.modules, top, None)  # makes `import top` raise ImportError
+    reasons = cls().import_reasons()
+    assert len(reasons) == 1 and "import failed" in reasons[0], reasons
+    assert "ModuleNotFoundError" in reasons[0] or "ImportError" in reasons[0], reasons
+
+
+class _ExplodingFinder(importlib.abc.MetaPathFinder):
+    """Import hook whose modules fail the way a broken CUDA extension does."""
+
+    def __init__(self, tops: tuple[str, ...]) -> None:
+        self.tops = tops
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> None:
+        if fullname.split(".")[0] in self.tops:
+            raise RuntimeError("CUDA driver version is insufficient for CUDA runtime version")
+
+
+@pytest.mark.parametrize("name", list(_INSTALLERS))
+def test_import_reasons_when_import_raises(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    cls, _ = _INSTALLERS[name]
+    _forget_modules(monkeypatch, _TOP_MODULES[name])
+    monkeypatch.setattr(sys, "meta_path", [_ExplodingFinder(_TOP_MODULES[name]), *sys.meta_path])
+    reasons = cls().import_reasons()
+    assert len(reasons) == 1, reasons
+    assert "RuntimeError" in reasons[0] and "CUDA driver version" in reasons[0], reasons
+
+
+def test_backends_import_nothing_at_module_import() -> None:
+    for top in ("flash_attn", "flash_attn_3", "flash_attn_interface", "xformers"):
+        assert top not in sys.modules or sys.modules[top] is None
+
+
+def test_flash_attn4_without_external_stats_backward_is_a_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _install_fa4(monkeypatch, with_backward=False)
+    reasons = FlashAttn4Backend().import_reasons()
+    assert len(reasons) == 1 and "_flash_attn_bwd" in reasons[0], reasons
+
+
+# -- (2) results against the float64 reference, every package flavour ----------------------------
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("style", ["2.6", "2.8"])
+def test_flash_attn2_matches_reference(
+    style: str, causal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _install_fa2(monkeypatch, style)
+    _assert_matches_reference(FlashAttn2Backend(), causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("style", ["new", "old", "ops"])
+def test_flash_attn3_matches_reference(
+    style: str, causal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _install_fa3(monkeypatch, style)
+    _assert_matches_reference(FlashAttn3Backend(), causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_flash_attn4_matches_reference(causal: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    _install_fa4(monkeypatch)
+    _assert_matches_reference(FlashAttn4Backend(), causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_xformers_matches_reference(causal: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    _install_xformers(monkeypatch)
+    _assert_matches_reference(XformersBackend(), causal)
+
+
+def test_xformers_rectangular_causal_is_top_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _install_xformers(monkeypatch)
+    q, k, v, _ = _inputs()
+    res = XformersBackend().forward(q[:, :5], k, v, scale=SCALE, is_causal=True)
+    assert isinstance(calls["fwd"]["attn_bias"], _LowerTriangularMask)
+    assert res.lse.shape == (B, H, 5)
+
+
+# -- (3) argument mapping -------------------------------------------------------------------------
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+
+@pytest.mark.parametrize("style", ["2.6", "2.8"])
+def test_flash_attn2_argument_mapping(style: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _install_fa2(monkeypatch, style)
+    q, k, v, dout = _inputs()
+    backend = FlashAttn2Backend()
+    res = backend.forward(q, k, v, scale=SCALE, is_causal=True, dropout_p=0.25)
+    fwd = calls["fwd"]
+    assert fwd["softmax_scale"] == SCALE and fwd["causal"] is True and fwd["dropout_p"] == 0.25
+    assert fwd["softcap"] == 0.0 and fwd["alibi_slopes"] is None and fwd["return_softmax"] is False
+    if style == "2.6":
+        assert fwd["window_size"] == (-1, -1)
+    else:
+        assert (fwd["window_size_left"], fwd["window_size_right"]) == (-1, -1)
+    # (B, N, H, D) goes in as is: no transposes, no copies, GQA heads not expanded.
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        assert _same_storage(fwd[name], tensor), name
+    assert res.lse.shape == (B, H, N)
+    assert torch.equal(res.aux, torch.tensor([7, 11]))  # rng_state, kept for the backward
+
+    backend.backward(
+        dout, q, k, v, res.out, res.lse, res.aux, scale=SCALE, is_causal=True, dropout_p=0.25
+    )
+    bwd = calls["bwd"]
+    assert bwd["softmax_scale"] == SCALE and bwd["causal"] is True and bwd["dropout_p"] == 0.25
+    assert bwd["deterministic"] is False and torch.equal(bwd["rng_state"], res.aux)
+    for name, tensor in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", res.out)):
+        assert _same_storage(bwd[name], tensor), name
+    assert bwd["dq"].shape == q.shape and bwd["dk"].shape == k.shape
+
+
+def test_flash_attn2_copies_only_a_strided_last_dim(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _install_fa2(monkeypatch, "2.8")
+    _, k, v, _ = _inputs()
+    wide = torch.randn(B, 2 * N, H, 2 * D)
+    q_rows = wide[:, ::2, :, :D]  # dilated rows: strided, last dim contiguous
+    q_cols = wide[:, :N, :, ::2]  # strided last dim
+    FlashAttn2Backend().forward(q_rows, k, v, scale=SCALE)
+    assert _same_storage(calls["fwd"]["q"], q_rows)
+    FlashAttn2Backend().forward(q_cols, k, v, scale=SCALE)
+    assert calls["fwd"]["q"].stride(-1) == 1
+    torch.testing.assert_close(calls["fwd"]["q"], q_cols)
+
+
+@pytest.mark.parametrize("style", ["new", "old", "ops"])
+def test_flash_attn3_argument_mapping(style: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _install_fa3(monkeypatch, style)
+    q, k, v, dout = _inputs()
+    backend = FlashAttn3Backend()
+    res = backend.forward(q, k, v, scale=SCALE, is_causal=True)
+    fwd = calls["fwd"]
+    causal_key = "is_causal" if style == "ops" else "causal"
+    assert fwd["softmax_scale"] == SCALE and fwd[causal_key] is True
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        assert _same_storage(fwd[name], tensor), name
+    if style == "old":
+        assert fwd["k_new"] is None and fwd["out"] is None and fwd["window_size"] == (-1, -1)
+    if style == "ops":  # schema ints without defaults get the kernel's own defaults
+        assert (fwd["window_size_left"], fwd["window_size_right"], fwd["num_splits"]) == (-1, -1, 1)
+        assert fwd["softcap"] == 0.0 and fwd["sm_margin"] == 0 and fwd["k_new"] is None
+    assert res.lse.shape == (B, H, N)
+
+    backend.backward(dout, q, k, v, res.out, res.lse, res.aux, scale=SCALE, is_causal=True)
+    bwd = calls["bwd"]
+    causal_key = "causal" if style == "old" else "is_causal"
+    assert bwd["softmax_scale"] == SCALE and bwd[causal_key] is True
+    assert bwd["dq"].shape == q.shape and bwd["dk"].shape == k.shape
+    for name, tensor in (("dout", dout), ("q", q), ("out", res.out)):
+        assert _same_storage(bwd[name], tensor), name
+
+
+def test_flash_attn4_argument_mapping(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _install_fa4(monkeypatch)
+    q, k, v, dout = _inputs()
+    backend = FlashAttn4Backend()
+    res = backend.forward(q, k, v, scale=SCALE, is_causal=True)
+    fwd = calls["fwd"]
+    assert fwd["return_lse"] is True and fwd["softmax_scale"] == SCALE and fwd["causal"] is True
+    assert fwd["window_size_left"] is None and fwd["window_size_right"] is None
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        assert _same_storage(fwd[name], tensor), name
+    assert res.lse.shape == (B, H, N)
+    backend.backward(dout, q, k, v, res.out, res.lse, res.aux, scale=SCALE, is_causal=True)
+    bwd = calls["bwd"]
+    assert bwd["softmax_scale"] == SCALE and bwd["causal"] is True
+    assert _same_storage(bwd["out"], res.out) and _same_storage(bwd["dout"], dout)
+
+
+def test_xformers_argument_mapping(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _install_xformers(monkeypatch)
+    q, k, v, dout = _inputs()
+    backend = XformersBackend()
+    res = backend.forward(q, k, v, scale=SCALE, is_causal=False)
+    fwd = calls["fwd"]
+    assert fwd["scale"] == SCALE and fwd["p"] == 0.0 and fwd["attn_bias"] is None
+    assert _same_storage(fwd["query"], q) and fwd["key"].shape == (B, N, H, D)
+    assert res.lse.shape == (B, H, N)  # padded rows cut off
+    backend.backward(dout, q, k, v, res.out, res.lse, res.aux, scale=SCALE)
+    bwd = calls["bwd"]
+    assert bwd["scale"] == SCALE and bwd["p"] == 0.0 and bwd["lse"].shape == (B, H, N)
+    assert _same_storage(bwd["grad"], dout) and _same_storage(bwd["output"], res.out)
+
+
+# -- (4) capabilities on a fake CUDA device --------------------------------------------------------
+def _cuda_inputs(**overrides: Any) -> KernelInputs:
+    fields = dict(
+        device=torch.device("cuda", 0), dtype=torch.bfloat16, head_dim=64, num_heads=H,
+        num_kv_heads=HKV, query_len=N, key_len=N, is_causal=True, requires_grad=True,
+    )  # fmt: skip
+    fields.update(overrides)
+    return KernelInputs(**fields)
+
+
+def _reasons(cls: type, cc: tuple[int, int], monkeypatch: pytest.MonkeyPatch, **overrides: Any):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **kw: cc)
+    monkeypatch.setattr(cls, "availability_reasons", lambda self, device: [])
+    return cls().not_supported_reasons(_cuda_inputs(**overrides))
+
+
+# Which compute capabilities each backend accepts (None: accepted), and the reason otherwise.
+CAPABILITY_CASES = {
+    FlashAttn2Backend: {(7, 5): "sm80", (8, 0): None, (8, 6): None, (9, 0): None, (10, 0): None},
+    FlashAttn3Backend: {(7, 5): "sm90", (8, 0): "sm90", (9, 0): None, (10, 0): "sm90 (Hopper)"},
+    FlashAttn4Backend: {
+        (7, 5): "sm90", (8, 0): "sm90", (9, 0): None, (10, 0): None, (12, 0): "sm90 or sm100",
+    },
+    XformersBackend: {(7, 5): None, (8, 0): None, (9, 0): None, (10, 0): None},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("cls", "cc", "expected"),
+    [(cls, cc, want) for cls, table in CAPABILITY_CASES.items() for cc, want in table.items()],
+    ids=lambda x: x.__name__ if isinstance(x, type) else str(x),
+)
+def test_compute_capability(cls, cc, expected, monkeypatch: pytest.MonkeyPatch) -> None:
+    reasons = _reasons(cls, cc, monkeypatch)
+    if expected is None:
+        assert reasons == []
+    else:
+        assert len(reasons) == 1 and expected in reasons[0], reasons
+        assert f"sm{cc[0]}{cc[1]}" in reasons[0], reasons
+
+
+def test_cpu_device_is_refused() -> None:
+    for cls in CAPABILITY_CASES:
+        inputs = _cuda_inputs(device=torch.device("cpu"))
+        assert cls().not_supported_reasons(inputs) == ["runs on ['cuda'], not cpu"]
+
+
+# (backend, overrides, substring of the one expected reason; None = accepted) at sm90.
+FEATURE_CASES = [
+    (FlashAttn2Backend, {"dtype": torch.float32}, "dtype float32"),
+    (FlashAttn2Backend, {"head_dim": 256}, None),
+    (FlashAttn2Backend, {"head_dim": 264}, "head_dim 264 > 256"),
+    (FlashAttn2Backend, {"head_dim": 36}, "not a multiple of 8"),
+    (FlashAttn2Backend, {"query_len": 5}, "causal mask needs query_len == key_len"),
+    (FlashAttn2Backend, {"query_len": 5, "is_causal": False}, None),
+    (FlashAttn2Backend, {"has_mask": True}, "no key padding mask"),
+    (FlashAttn2Backend, {"dropout_p": 0.1}, None),
+    (FlashAttn2Backend, {"num_kv_heads": 1}, None),
+    (FlashAttn3Backend, {"dropout_p": 0.1}, "no dropout"),
+    (FlashAttn3Backend, {"has_mask": True}, "no key padding mask"),
+    (FlashAttn3Backend, {"query_len": 5}, "causal mask needs query_len == key_len"),
+    (FlashAttn3Backend, {"head_dim": 256, "dtype": torch.float16}, None),
+    (FlashAttn3Backend, {"dtype": torch.float32}, "dtype float32"),
+    (FlashAttn4Backend, {"dropout_p": 0.1}, "no dropout"),
+    (FlashAttn4Backend, {"head_dim": 192}, None),
+    (FlashAttn4Backend, {"query_len": 5}, "causal mask needs query_len == key_len"),
+    (XformersBackend, {"dtype": torch.float32}, None),
+    (XformersBackend, {"dtype": torch.float64}, "dtype float64"),
+    (XformersBackend, {"query_len": 5}, None),
+    (XformersBackend, {"dropout_p": 0.1}, "no dropout"),
+    (XformersBackend, {"has_mask": True}, "no key padding mask"),
+]
+
+
+@pytest.mark.parametrize(("cls", "overrides", "expected"), FEATURE_CASES)
+def test_features(cls, overrides, expected, monkeypatch: pytest.MonkeyPatch) -> None:
+    reasons = _reasons(cls, (9, 0), monkeypatch, **overrides)
+    if expected is None:
+        assert reasons == []
+    else:
+        assert len(reasons) == 1 and expected in reasons[0], reasons
+
+
+@pytest.mark.parametrize(("head_dim", "ok"), [(128, True), (192, False), (256, True)])
+def test_flash_attn4_head_dims_on_sm100(head_dim, ok, monkeypatch: pytest.MonkeyPatch) -> None:
+    reasons = _reasons(FlashAttn4Backend, (10, 0), monkeypatch, head_dim=head_dim)
+    assert (reasons == []) == ok, reasons
+
+
+# (compute capability, head_dim, dropout_p, accepted for training)
+WIDE_HEAD_CASES = [
+    ((8, 0), 256, 0.1, True), ((9, 0), 256, 0.1, True), ((8, 6), 256, 0.1, False),
+    ((8, 9), 256, 0.0, True), ((8, 6), 224, 0.0, False), ((10, 0), 200, 0.0, False),
+    ((8, 6), 192, 0.1, True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("cc", "head_dim", "dropout_p", "ok"), WIDE_HEAD_CASES)
+def test_flash_attn2_wide_head_backward(
+    cc, head_dim, dropout_p, ok, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reasons = _reasons(FlashAttn2Backend, cc, monkeypatch, head_dim=head_dim, dropout_p=dropout_p)
+    assert (reasons == []) == ok, reasons
+    if not ok:
+        assert "needs sm80 or sm90" in reasons[0]
+    # Inference is fine everywhere.
+    inference = _reasons(
+        FlashAttn2Backend, cc, monkeypatch, head_dim=head_dim, dropout_p=dropout_p,
+        requires_grad=False,
+    )  # fmt: skip
+    assert inference == []
+
+
+def test_availability_reasons_are_checked_last(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **kw: (9, 0))
+    monkeypatch.setattr(
+        FlashAttn2Backend, "availability_reasons", lambda self, device: ["probe launch failed"]
+    )
+    backend = FlashAttn2Backend()
+    assert backend.not_supported_reasons(_cuda_inputs()) == ["probe launch failed"]
+    # A capability reason wins: no probe is launched for inputs refused anyway.
+    assert backend.not_supported_reasons(_cuda_inputs(dtype=torch.float32)) == [
+        "dtype float32 not in (bfloat16, float16)"
+    ]
+
+
+# -- (5) backward with external (merged) statistics -----------------------------------------------
+EXTERNAL_CASES = [
+    ("flash_attn2-2.6", FlashAttn2Backend, lambda mp: _install_fa2(mp, "2.6"), "softmax_lse"),
+    ("flash_attn2-2.8", FlashAttn2Backend, lambda mp: _install_fa2(mp, "2.8"), "softmax_lse"),
+    ("flash_attn3-new", FlashAttn3Backend, lambda mp: _install_fa3(mp, "new"), "softmax_lse"),
+    ("flash_attn3-old", FlashAttn3Backend, lambda mp: _install_fa3(mp, "old"), "softmax_lse"),
+    ("flash_attn3-ops", FlashAttn3Backend, lambda mp: _install_fa3(mp, "ops"), "softmax_lse"),
+    ("flash_attn4", FlashAttn4Backend, _install_fa4, "lse"),
+    ("xformers", XformersBackend, _install_xformers, "lse"),
+]
+_OUT_KEY = {"softmax_lse": "out", "lse": "out"}
+
+
+@pytest.mark.parametrize(
+    ("cls", "install", "lse_key"),
+    [c[1:] for c in EXTERNAL_CASES],
+    ids=[c[0] for c in EXTERNAL_CASES],
+)
+def test_backward_takes_external_statistics(
+    cls, install, lse_key, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = install(monkeypatch)
+    q, k, v, dout = _inputs()
+    backend = cls()
+    res = backend.forward(q, k, v, scale=SCALE, is_causal=True)
+    # Merged statistics: another part of the softmax carried extra mass and moved the output.
+    gen = torch.Generator().manual_seed(3)
+    lse = res.lse + torch.rand(res.lse.shape, generator=gen)
+    out = res.out + 0.1 * torch.randn(res.out.shape, generator=gen)
+    grads = backend.backward(dout, q, k, v, out, lse, res.aux, scale=SCALE, is_causal=True)
+    bwd = calls["bwd"]
+    assert torch.equal(bwd[lse_key], lse)
+    out_key = "output" if cls is XformersBackend else _OUT_KEY[lse_key]
+    assert torch.equal(bwd[out_key], out)
+    want = reference_backward(dout, q, k, v, out, lse, scale=SCALE, is_causal=True)
+    for got, ref, name in zip(grads, want, ("dq", "dk", "dv"), strict=True):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, msg=name)

@@ -1,0 +1,242 @@
+"""Checks of the float64 oracle itself against independent facts (it is the ground truth)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from oracle import (
+    branch_positions,
+    dilated_multiplicity,
+    oracle_attention,
+    oracle_dilated_attention,
+)
+from torch import Tensor
+
+F64 = torch.float64
+
+
+def _randn(*shape: int) -> Tensor:
+    return torch.randn(*shape, dtype=F64)
+
+
+def _sdpa(
+    q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, mask: Tensor | None = None
+) -> Tensor:
+    """F.scaled_dot_product_attention in BNHD layout (GQA via enable_gqa)."""
+    attn_mask = None if mask is None else ~mask[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
+def test_branch_positions_ragged() -> None:
+    """w=10, r=3, N=25, head 4 (offset 1): segments [0,10), [10,20), [20,25)."""
+    assert branch_positions(25, 10, 3, 4) == [[1, 4, 7], [11, 14, 17], [21, 24]]
+    # Offset larger than the last (partial) segment: nothing covered there.
+    assert branch_positions(50, 16, 6, 5) == [[5, 11], [21, 27], [37, 43], []]
+    # Segment longer than the sequence: one segment.
+    assert branch_positions(7, 100, 2, 1) == [[1, 3, 5]]
+
+
+def test_multiplicity_hand_case() -> None:
+    """N=4, one branch w=4 r=2, H=2: head 0 covers {0, 2}, head 1 covers {1, 3}."""
+    M = dilated_multiplicity(4, 2, [4], [2])
+    expected = torch.tensor(
+        [
+            [[1, 0, 1, 0], [0, 0, 0, 0], [1, 0, 1, 0], [0, 0, 0, 0]],
+            [[0, 0, 0, 0], [0, 1, 0, 1], [0, 0, 0, 0], [0, 1, 0, 1]],
+        ]
+    )
+    assert torch.equal(M, expected)
+    causal = dilated_multiplicity(4, 2, [4], [2], is_causal=True)
+    assert torch.equal(causal, torch.tril(expected))
+
+
+def test_multiplicity_counts_overlap() -> None:
+    """Branches (4,1) and (8,2) overlap: head 0, query 2 sees key 0 twice, keys 1 and 4 once."""
+    M = dilated_multiplicity(8, 2, [4, 8], [1, 2])
+    assert M[0, 2].tolist() == [2, 1, 2, 1, 1, 0, 1, 0]
+    assert M[1, 2].tolist() == [1, 1, 1, 1, 0, 0, 0, 0]  # head 1 offset 1: query 2 not in branch 2
+
+
+def test_hand_computed_output() -> None:
+    """The hand case above, values written out from the softmax definition."""
+    B, N, H, D = 1, 4, 2, 3
+    q, k, v = _randn(B, N, H, D), _randn(B, N, H, D), _randn(B, N, H, D)
+    out, lse = oracle_dilated_attention(q, k, v, [4], [2])
+    scale = D**-0.5
+    for j, covered in ((0, [0, 2]), (1, [1, 3])):
+        for p in range(N):
+            if p not in covered:
+                assert torch.equal(out[0, p, j], torch.zeros(D, dtype=F64))
+                assert lse[0, j, p] == float("-inf")
+                continue
+            s = [float(q[0, p, j] @ k[0, t, j]) * scale for t in covered]
+            e = [math.exp(x) for x in s]
+            want = sum(ei * v[0, t, j] for ei, t in zip(e, covered, strict=True)) / sum(e)
+            torch.testing.assert_close(out[0, p, j], want, atol=1e-12, rtol=1e-12)
+            assert abs(float(lse[0, j, p]) - math.log(sum(e))) < 1e-12
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize(("H", "H_kv"), [(4, 4), (4, 2), (3, 1)])
+def test_single_branch_is_sdpa(is_causal: bool, H: int, H_kv: int) -> None:
+    """One branch (N, 1) is plain attention: equals F.scaled_dot_product_attention and logsumexp."""
+    B, N, D = 2, 19, 8
+    q, k, v = _randn(B, N, H, D), _randn(B, N, H_kv, D), _randn(B, N, H_kv, D)
+    out, lse = oracle_dilated_attention(q, k, v, [N], [1], is_causal=is_causal)
+    torch.testing.assert_close(out, _sdpa(q, k, v, is_causal=is_causal), atol=1e-12, rtol=1e-10)
+    kk = k.repeat_interleave(H // H_kv, dim=2)
+    scores = torch.einsum("bphd,bthd->bhpt", q, kk) * D**-0.5
+    if is_causal:
+        scores = scores.masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(lse, torch.logsumexp(scores, dim=-1), atol=1e-12, rtol=1e-10)
+    out2, lse2 = oracle_attention(q, k, v, is_causal=is_causal)
+    torch.testing.assert_close(out2, out, atol=0, rtol=0)
+    torch.testing.assert_close(lse2, lse, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_key_padding_is_sdpa_mask(is_causal: bool) -> None:
+    """key_padding_mask (True = ignore) is an SDPA bool mask (True = keep) when no row is empty."""
+    B, N, H, D = 2, 13, 2, 4
+    q, k, v = _randn(B, N, H, D), _randn(B, N, H, D), _randn(B, N, H, D)
+    mask = torch.rand(B, N) < 0.4
+    mask[:, 0] = False  # keep key 0 so no causal row is empty
+    out, _ = oracle_attention(q, k, v, is_causal=is_causal, key_padding_mask=mask)
+    want = _sdpa(q, k, v, is_causal=is_causal, mask=mask)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-10)
+
+
+def test_explicit_scale_is_sdpa_scale() -> None:
+    """An explicit scale multiplies the scores exactly like SDPA's ``scale``."""
+    B, N, H, D = 1, 11, 2, 8
+    q, k, v = _randn(B, N, H, D), _randn(B, N, H, D), _randn(B, N, H, D)
+    out, _ = oracle_attention(q, k, v, scale=0.37)
+    want = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=0.37
+    ).transpose(1, 2)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-10)
+
+
+def test_duplicate_branch_keeps_output_shifts_lse() -> None:
+    """Doubling every weight leaves the softmax unchanged but adds log 2 to the LSE."""
+    B, N, H, D = 2, 24, 4, 8
+    q, k, v = _randn(B, N, H, D), _randn(B, N, H, D), _randn(B, N, H, D)
+    out1, lse1 = oracle_dilated_attention(q, k, v, [8], [2], is_causal=True)
+    out2, lse2 = oracle_dilated_attention(q, k, v, [8, 8], [2, 2], is_causal=True)
+    torch.testing.assert_close(out2, out1, atol=1e-13, rtol=1e-12)
+    finite = torch.isfinite(lse1)
+    assert torch.equal(finite, torch.isfinite(lse2))
+    assert not bool(finite.all())  # r=2 leaves rows uncovered
+    torch.testing.assert_close(lse2[finite], lse1[finite] + math.log(2), atol=1e-13, rtol=1e-12)
+
+
+def _eq10_composition(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    segment_lengths: list[int],
+    dilation_rates: list[int],
+    *,
+    is_causal: bool,
+) -> tuple[Tensor, Tensor]:
+    """Independent route: per branch gather each segment's dilated rows, run SDPA, mix by Eq. 10."""
+    B, N, H, D = q.shape
+    group = H // k.shape[2]
+    outs: list[Tensor] = []
+    lses: list[Tensor] = []
+    for w, r in zip(segment_lengths, dilation_rates, strict=True):
+        o_i = torch.zeros(B, N, H, D, dtype=F64)
+        lse_i = torch.full((B, H, N), float("-inf"), dtype=F64)
+        for j in range(H):
+            for t0 in range(0, N, w):
+                start, stop = t0 + j % r, min(t0 + w, N)
+                if start >= stop:
+                    continue
+                idx = torch.arange(start, stop, r)
+                qs = q[:, idx, j].unsqueeze(1)  # (B, 1, L, D)
+                ks = k[:, idx, j // group].unsqueeze(1)
+                vs = v[:, idx, j // group].unsqueeze(1)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=is_causal)
+                s = qs @ ks.transpose(-1, -2) * D**-0.5
+                if is_causal:
+                    L = idx.numel()
+                    s = s.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
+                o_i[:, idx, j] = o[:, 0]
+                lse_i[:, j, idx] = torch.logsumexp(s, dim=-1)[:, 0]
+        outs.append(o_i)
+        lses.append(lse_i)
+    lse_all = torch.stack(lses)  # (m, B, H, N)
+    lse = torch.logsumexp(lse_all, dim=0)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    alpha = torch.exp(lse_all - safe)  # exp(-inf) = 0 for uncovered branches
+    out = sum(a.transpose(1, 2).unsqueeze(-1) * o for a, o in zip(alpha, outs, strict=True))
+    return out, lse
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize(
+    ("N", "H", "H_kv", "segments", "rates"),
+    [
+        (37, 4, 4, [8, 16, 32], [1, 2, 4]),
+        (50, 6, 3, [10, 16], [3, 6]),
+        (20, 2, 1, [8, 64], [1, 4]),
+    ],
+)
+def test_oracle_matches_eq10_composition(
+    is_causal: bool, N: int, H: int, H_kv: int, segments: list[int], rates: list[int]
+) -> None:
+    """Multiset-union softmax == branch outputs mixed by softmax denominators (Eq. 10), grads."""
+    B, D = 2, 8
+    leaves = [_randn(B, N, H, D), _randn(B, N, H_kv, D), _randn(B, N, H_kv, D)]
+    a = [x.clone().requires_grad_() for x in leaves]
+    b = [x.clone().requires_grad_() for x in leaves]
+    out, lse = oracle_dilated_attention(*a, segments, rates, is_causal=is_causal)
+    want, want_lse = _eq10_composition(*b, segments, rates, is_causal=is_causal)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(lse, want_lse, atol=1e-12, rtol=1e-10)
+    dout = _randn(B, N, H, D)
+    grads = torch.autograd.grad(out, a, dout)
+    want_grads = torch.autograd.grad(want, b, dout)
+    for name, g, w in zip("qkv", grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-12, rtol=1e-10, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+def test_empty_rows_are_zero_with_finite_grads() -> None:
+    """Uncovered queries and fully padded rows: out 0, lse -inf, zero dq there, no NaN anywhere."""
+    B, N, H, D = 2, 16, 2, 4
+    q, k, v = (_randn(B, N, H, D).requires_grad_() for _ in range(3))
+    mask = torch.zeros(B, N, dtype=torch.bool)
+    mask[1, :8] = True  # batch 1: first segment of w=8 fully padded
+    out, lse = oracle_dilated_attention(q, k, v, [8], [2], key_padding_mask=mask)
+    empty = torch.isinf(lse)  # (B, H, N)
+    assert bool(empty[0, 0, 1::2].all()) and bool(empty[0, 1, 0::2].all())
+    assert bool(empty[1, :, :8].all())
+    assert int(empty.sum()) == B * H * N // 2 + H * 4
+    assert bool((out.transpose(1, 2)[empty] == 0).all())
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), _randn(B, N, H, D))
+    for g in (dq, dk, dv):
+        assert bool(torch.isfinite(g).all())
+    assert bool((dq.transpose(1, 2)[empty] == 0).all())
+    assert bool((dk[1, :8] == 0).all()) and bool((dv[1, :8] == 0).all())
+
+
+def test_low_precision_replica_differs_but_is_close() -> None:
+    """compute_dtype=bfloat16 gives a genuinely low-precision result near the float64 one."""
+    B, N, H, D = 1, 32, 2, 16
+    q, k, v = (_randn(B, N, H, D).to(torch.bfloat16) for _ in range(3))
+    out64, _ = oracle_dilated_attention(q, k, v, [8, 16], [1, 2])
+    outlp, lselp = oracle_dilated_attention(q, k, v, [8, 16], [1, 2], compute_dtype=torch.bfloat16)
+    assert outlp.dtype == torch.bfloat16 and lselp.dtype == torch.bfloat16
+    err = (outlp.double() - out64).abs().max().item()
+    assert 0 < err < 5e-2
