@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -41,8 +42,12 @@ def time_cuda(fn: Callable[[], object], *, warmup: int = 3, repeats: int = 10) -
 
 def git_commit() -> str:
     """The checkout's commit (with ``-dirty`` when it has uncommitted changes), or ``unknown``."""
+    if os.environ.get("DILATED_ATTENTION_COMMIT"):  # a copy of the tree without .git
+        return os.environ["DILATED_ATTENTION_COMMIT"]
     try:
-        sha = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+        sha = subprocess.check_output(
+            ["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL
+        ).strip()
         dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], check=False).returncode != 0
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):

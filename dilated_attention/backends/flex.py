@@ -11,8 +11,8 @@ Note [Merged gradients through a kernel's own autograd]
     ``w_i * rowsum(dout * (o_i - out))`` into ``lse_i``. For an unmerged call ``w_i = 1`` and the
     second term vanishes.
 
-The compiled function is built once per process; ``torch.compile`` caches one kernel per input
-shape (and marks shapes dynamic after the first recompile). On CPU, compiled FlexAttention is
+The compiled function is built once per process; ``torch.compile`` specialises it to the first
+input shape and, after a recompile, to dynamic shapes (one kernel for every sequence length). On CPU, compiled FlexAttention is
 inference-only and cannot return the log-sum-exp (torch 2.13), so this backend is CUDA-only.
 
 Shapes: (B, N, H, D) in, transposed to FlexAttention's (B, H, N, D) as views.
@@ -38,7 +38,7 @@ _LIMIT_NAME = (
 def _compiled_flex() -> Callable[..., Any]:
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention)
 
 
 def _flex(
