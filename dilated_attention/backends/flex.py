@@ -12,8 +12,9 @@ Note [Merged gradients through a kernel's own autograd]
     second term vanishes.
 
 The compiled function is built once per process; ``torch.compile`` specialises it to the first
-input shape and, after a recompile, to dynamic shapes (one kernel for every sequence length). On CPU, compiled FlexAttention is
-inference-only and cannot return the log-sum-exp (torch 2.13), so this backend is CUDA-only.
+input shape and, after a recompile, to dynamic shapes (one kernel for every sequence length). On
+CPU, compiled FlexAttention is inference-only and cannot return the log-sum-exp (torch 2.13), so
+this backend is CUDA-only.
 
 Shapes: (B, N, H, D) in, transposed to FlexAttention's (B, H, N, D) as views.
 """
