@@ -25,8 +25,12 @@ DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
 
 def _runs_on(backend: str | None, device: str) -> bool:
-    """Automatic choice, or a backend that declares this device type (others are not collected)."""
-    return backend is None or device in get_backend(backend).devices
+    """Automatic choice, or a backend that declares this device type and is installed and working
+    there (others are not collected: ``info`` and the selection tests cover why)."""
+    if backend is None:
+        return True
+    kernel = get_backend(backend)
+    return device in kernel.devices and not kernel.availability_reasons(torch.device(device))
 
 
 DEVICE_BACKENDS = [
