@@ -29,6 +29,9 @@ def _runs_on(backend: str | None, device: str) -> bool:
     there (others are not collected: ``info`` and the selection tests cover why)."""
     if backend is None:
         return True
+    if backend == "flex":
+        # Compiles a kernel per configuration (seconds each): covered by test_gpu_backends.py.
+        return False
     kernel = get_backend(backend)
     return device in kernel.devices and not kernel.availability_reasons(torch.device(device))
 
