@@ -136,6 +136,9 @@ class Backend:
     supports_dropout: ClassVar[bool] = False
     supports_backward: ClassVar[bool] = True
     native_gqa: ClassVar[bool] = True
+    # Accepts rows at any stride (only stride(-1) == 1 needed), so dilated rows could be passed as
+    # views x[:, offset::rate] without a gather. Declared for the planner; the engine gathers today.
+    supports_strided_rows: ClassVar[bool] = False
     # True when the kernel already returns lse = -inf for rows whose keys are all masked.
     empty_rows_have_neg_inf_lse: ClassVar[bool] = False
     # Calls with fewer query or key rows go to the plain-PyTorch kernel (cuDNN refuses 1 x 1).

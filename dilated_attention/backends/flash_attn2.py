@@ -14,9 +14,6 @@ they are; one is copied only when its last dim is strided (the kernel needs ``st
 Causal masking in flash-attn is bottom-right aligned: identical to our top-left convention when
 Nq == Nk, so rectangular causal calls are refused (``supports_rectangular_causal = False``).
 
-This module also holds the small signature helpers the other flash backends share
-(:func:`_parameters`, :func:`_bind`, :func:`_grads_from`, :func:`_import_failure`).
-
 Note [flash-attn 2 private signatures]
     2.6.x:  ``_flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
             alibi_slopes, return_softmax)`` -> 8-tuple ``(out, q, k, v, out_padded, softmax_lse,
@@ -36,115 +33,21 @@ Note [flash-attn 2 private signatures]
 from __future__ import annotations
 
 import importlib
-import inspect
 from types import ModuleType
 from typing import Any
 
 import torch
 
+from ._compat import (
+    _HALF,
+    _bind,
+    _capability,
+    _grads_from,
+    _import_failure,
+    _last_dim_contiguous,
+    _parameters,
+)
 from .base import Backend, KernelInputs, KernelOutput
-
-_HALF = frozenset({torch.float16, torch.bfloat16})
-_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-
-
-# -- helpers shared by the flash-attn backends -----------------------------------------------------
-def _import_failure(package: str, exc: BaseException) -> str:
-    """A one-line reason for a failed import (any exception, not only ``ImportError``)."""
-    first_line = (str(exc).strip().splitlines() or [""])[0][:200]
-    return f"{package} import failed: {type(exc).__name__}: {first_line}"
-
-
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def _parameters(func: Any) -> dict[str, str]:
-    """Parameter names of ``func``, each mapped to ``"default"``, ``"optional"`` or ``"required"``.
-
-    Reads a Python function's signature; for a ``torch.library.custom_op`` (a ``CustomOpDef``,
-    whose ``__call__`` is ``(*args, **kwargs)``) the wrapped function's, ``func._init_fn``; for a
-    ``torch.ops`` op, its schema, where an argument of ``Optional`` type without a default is
-    ``"optional"`` (``None`` is a valid value).
-
-    Raises:
-        RuntimeError: none of these can be read.
-    """
-    target = getattr(func, "_init_fn", func)
-    try:
-        params = list(inspect.signature(target).parameters.values())
-    except (TypeError, ValueError):
-        params = None
-    if params is not None and not any(p.kind in _VARIADIC for p in params):
-        return {
-            p.name: "required" if p.default is inspect.Parameter.empty else "default"
-            for p in params
-        }
-    schema = getattr(getattr(func, "default", func), "_schema", None)
-    if schema is not None:
-        kinds = {}
-        for arg in schema.arguments:
-            if arg.has_default_value():
-                kinds[arg.name] = "default"
-            elif isinstance(arg.type, torch.OptionalType):
-                kinds[arg.name] = "optional"
-            else:
-                kinds[arg.name] = "required"
-        return kinds
-    raise RuntimeError(f"cannot read the parameters of {func!r}")
-
-
-def _bind(
-    func: Any,
-    values: dict[str, Any],
-    *,
-    fill: dict[str, Any] | None = None,
-    none_for_unknown: bool = False,
-) -> dict[str, Any]:
-    """Keyword arguments for ``func`` from ``values``, by the names ``func`` actually has.
-
-    ``values`` may name parameters that only some versions have (``window_size`` and
-    ``window_size_left``): only the names ``func`` has are passed. A parameter without a default
-    that ``values`` does not give takes ``fill[name]``, else ``None`` when its type is optional
-    (or ``none_for_unknown``); anything else is an error, raised before any kernel runs.
-
-    Raises:
-        TypeError: a required parameter nobody knows how to fill.
-    """
-    kwargs: dict[str, Any] = {}
-    for name, kind in _parameters(func).items():
-        if name in values:
-            kwargs[name] = values[name]
-        elif kind == "default":
-            continue
-        elif fill is not None and name in fill:
-            kwargs[name] = fill[name]
-        elif kind == "optional" or none_for_unknown:
-            kwargs[name] = None
-        else:
-            raise TypeError(f"{func!r} needs argument {name!r}, which this backend cannot fill")
-    return kwargs
-
-
-def _grads_from(
-    res: Any, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` from a backward that returns them, or the buffers it wrote in place."""
-    if isinstance(res, (tuple, list)) and len(res) >= 3:
-        grads = tuple(res[:3])
-        shapes = (dq.shape, dk.shape, dv.shape)
-        if all(
-            isinstance(g, torch.Tensor) and g.shape == s for g, s in zip(grads, shapes, strict=True)
-        ):
-            return grads[0], grads[1], grads[2]
-    return dq, dk, dv
-
-
-def _capability(inputs: KernelInputs) -> tuple[int, int] | None:
-    if inputs.device.type != "cuda":
-        return None
-    major, minor = torch.cuda.get_device_capability(inputs.device)
-    return major, minor
 
 
 # -- the backend -----------------------------------------------------------------------------------
@@ -162,6 +65,7 @@ class FlashAttn2Backend(Backend):
     devices = frozenset({"cuda"})
     dtypes = _HALF
     max_head_dim = 256
+    supports_strided_rows = True
     # The private entry points do not pad the head dim (only the public wrappers do).
     head_dim_multiple = 8
     min_compute_capability = (8, 0)

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
+from ._compat import _bind, _capability, _grads_from, _import_failure, _last_dim_contiguous
 from .base import Backend, KernelInputs, KernelOutput
-from .flash_attn2 import _bind, _capability, _grads_from, _import_failure, _last_dim_contiguous
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
 

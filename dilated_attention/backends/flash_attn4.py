@@ -22,8 +22,7 @@ from typing import Any
 
 import torch
 
-from .base import Backend, KernelInputs, KernelOutput
-from .flash_attn2 import (
+from ._compat import (
     _bind,
     _capability,
     _grads_from,
@@ -31,6 +30,7 @@ from .flash_attn2 import (
     _last_dim_contiguous,
     _parameters,
 )
+from .base import Backend, KernelInputs, KernelOutput
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
 _MAJORS = (9, 10)

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
+from ._compat import _import_failure, _last_dim_contiguous
 from .base import Backend, KernelOutput
-from .flash_attn2 import _import_failure, _last_dim_contiguous
 
 
 def _fmha() -> ModuleType:
