@@ -12,6 +12,16 @@ from .backends.registry import (
     use_backend,
 )
 from .config import DilatedConfig, MultiheadDilatedConfig
+from .distributed import (
+    RingAttention,
+    RingDilatedAttention,
+    RingMultiheadDilatedAttention,
+    ring_attention,
+    ring_dilated_attention,
+    sequence_positions,
+    shard_sequence,
+    unshard_sequence,
+)
 from .factory import (
     KIND_ALIASES,
     create_dilated_attention,
@@ -32,6 +42,9 @@ __all__ = [
     "DilatedConfig",
     "MultiheadDilatedAttention",
     "MultiheadDilatedConfig",
+    "RingAttention",
+    "RingDilatedAttention",
+    "RingMultiheadDilatedAttention",
     "__version__",
     "attention",
     "backend_reasons",
@@ -43,5 +56,10 @@ __all__ = [
     "list_kinds",
     "register_backend",
     "register_kind",
+    "ring_attention",
+    "ring_dilated_attention",
+    "sequence_positions",
+    "shard_sequence",
+    "unshard_sequence",
     "use_backend",
 ]

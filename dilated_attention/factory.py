@@ -50,8 +50,9 @@ _KINDS: dict[str, _Kind] = {
     "dilated": _Kind(dilated=DilatedAttention, multihead=MultiheadDilatedAttention),
 }
 
-#: kind -> module whose import registers it (imported on first request only).
-_PROVIDERS: dict[str, str] = {}
+#: kind -> module that provides it, imported on first request only. The module either calls
+#: register_kind on import or exposes ``FACTORY_KINDS = {kind: (dilated_cls, multihead_cls)}``.
+_PROVIDERS: dict[str, str] = {"ring": "dilated_attention.distributed.modules"}
 
 KIND_ALIASES: dict[str, str] = {
     "standard": "dilated",
@@ -92,11 +93,13 @@ def _resolve_kind(kind: object) -> _Kind:
         name = "ring" if multi_rank and ("ring" in _KINDS or "ring" in _PROVIDERS) else "dilated"
     if name not in _KINDS and name in _PROVIDERS:
         try:
-            importlib.import_module(_PROVIDERS[name])
+            provider = importlib.import_module(_PROVIDERS[name])
         except ImportError as exc:
             raise ValueError(
                 f"kind {kind!r} is not available: importing {_PROVIDERS[name]} failed ({exc})"
             ) from exc
+        for provided, (dilated, multihead) in getattr(provider, "FACTORY_KINDS", {}).items():
+            _KINDS.setdefault(provided, _Kind(dilated=dilated, multihead=multihead))
     if name not in _KINDS:
         alias = f" (an alias of {name!r})" if name != kind else ""
         raise ValueError(

@@ -107,6 +107,7 @@ def dilated_forward(
     is_causal: bool,
     scale: float,
     dropout_p: float,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
     """Forward over every row group, merged (Note [Exact gradients through the branch mix]).
 
@@ -116,9 +117,11 @@ def dilated_forward(
         v: (B, N, Hkv, D), contiguous.
         key_padding_mask: (B, N) bool (``True`` = ignore) or None.
         plan: from ``segment.plan_branches``.
+        out_dtype: dtype of ``out`` (default ``q.dtype``; float32 keeps the merge unrounded for a
+            caller that merges further, e.g. ring dilated attention).
 
     Returns:
-        ``out`` (B, N, H, D) in ``q.dtype``, ``lse`` (B, H, N) float32 (float64 for float64 inputs;
+        ``out`` (B, N, H, D), ``lse`` (B, H, N) float32 (float64 for float64 inputs;
         ``-inf`` where no key is seen), and each group's backend ``aux`` for the backward.
     """
     batch, seq_len, heads, dim = q.shape
@@ -146,7 +149,8 @@ def dilated_forward(
         else:
             scatter_rows(out, group, rows.q_index, res.out, accumulate=False)
             scatter_rows(lse, group, rows.q_index, group_lse, accumulate=False)
-    return out.to(q.dtype), lse.squeeze(-1).transpose(1, 2).contiguous(), auxes
+    out = out.to(out_dtype or q.dtype)
+    return out, lse.squeeze(-1).transpose(1, 2).contiguous(), auxes
 
 
 def dilated_backward(
@@ -164,6 +168,7 @@ def dilated_backward(
     is_causal: bool,
     scale: float,
     dropout_p: float,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact gradients of :func:`dilated_forward` (Note [Exact gradients through the branch mix]).
 
@@ -171,10 +176,14 @@ def dilated_backward(
         dout: (B, N, H, D) upstream gradient of ``out``.
         out: (B, N, H, D) merged output; ``lse``: (B, H, N) merged log-sum-exp.
 
+        grad_dtype: dtype of the gradients (default: the inputs' dtypes).
+
     Returns:
-        ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``.
+        ``(dq, dk, dv)`` shaped like ``(q, k, v)``.
     """
     acc_dtype = q.dtype if _covers_all_once(plan, q.shape[1]) else _accumulator_dtype(q.dtype)
+    if grad_dtype is not None:
+        acc_dtype = grad_dtype
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc_dtype, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc_dtype, device=q.device)
@@ -190,6 +199,8 @@ def dilated_backward(
         scatter_rows(dq, group, rows.q_index, dq_rows, accumulate=True)
         scatter_rows(dk, group, rows.kv_index, dk_rows, accumulate=True)
         scatter_rows(dv, group, rows.kv_index, dv_rows, accumulate=True)
+    if grad_dtype is not None:
+        return dq, dk, dv
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

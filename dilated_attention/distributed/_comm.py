@@ -1,0 +1,121 @@
+"""Point-to-point collectives over an ordered list of ranks, on any ``torch.distributed`` backend.
+
+gloo (CPU) has no reduce-scatter and no all-to-all, and both gloo and NCCL need every rank of a
+subgroup to take part in creating it; so everything here is built from ``dist.batch_isend_irecv``
+between explicit global ranks: a ring over any subset of ranks needs no new process group.
+gloo rejects non-contiguous tensors: every buffer sent here is contiguous.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """This process's rank in ``group`` and the group's size; ``(0, 1)`` when not distributed.
+
+    Raises:
+        ValueError: ``group`` is given but this process is not a member.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError(
+                "group was given but torch.distributed is not initialised; call "
+                "dist.init_process_group(...) first, or pass group=None for one process"
+            )
+        return 0, 1
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of the given group; "
+            "call ring attention only on the group's ranks"
+        )
+    return rank, dist.get_world_size(group)
+
+
+def global_rank(group: dist.ProcessGroup | None, rank: int) -> int:
+    """The global rank of ``rank`` in ``group``."""
+    if group is None or group is dist.group.WORLD:
+        return rank
+    return dist.get_global_rank(group, rank)
+
+
+def exchange(
+    send: Sequence[tuple[torch.Tensor, int]], recv: Sequence[tuple[torch.Tensor, int]]
+) -> list[dist.Work]:
+    """Post sends and receives (to/from global ranks) as one batch; returns the requests."""
+    ops = [dist.P2POp(dist.isend, t, peer) for t, peer in send]
+    ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recv]
+    if not ops:
+        return []
+    return dist.batch_isend_irecv(ops)
+
+
+def wait_all(requests: Sequence[dist.Work]) -> None:
+    """Wait for every request of :func:`exchange`."""
+    for req in requests:
+        req.wait()
+
+
+def ring_all_gather(x: torch.Tensor, ranks: Sequence[int], me: int) -> list[torch.Tensor]:
+    """Every rank's ``x`` (same shape everywhere), in the order of ``ranks``, by passing around
+    the ring ``ranks`` (global ranks; ``me`` is this process's index in it) in ``len - 1`` steps."""
+    size = len(ranks)
+    out: list[torch.Tensor | None] = [None] * size
+    out[me] = x
+    current = x.contiguous()
+    for step in range(1, size):
+        incoming = torch.empty_like(current)
+        wait_all(
+            exchange([(current, ranks[(me + 1) % size])], [(incoming, ranks[(me - 1) % size])])
+        )
+        out[(me - step) % size] = incoming
+        current = incoming
+    return [t for t in out if t is not None]
+
+
+def ring_reduce_scatter(
+    parts: Sequence[torch.Tensor], ranks: Sequence[int], me: int
+) -> torch.Tensor:
+    """Sum over ranks of ``parts[me]``: ``parts[j]`` is this rank's contribution destined for
+    ``ranks[j]``. Each step adds the local part to the partial sum travelling towards its owner."""
+    size = len(ranks)
+    if size == 1:
+        return parts[0].clone()
+    # At step s this rank forwards the partial sum destined for (me - s - 1) mod size.
+    acc = parts[(me - 1) % size].contiguous().clone()
+    for step in range(1, size):
+        incoming = torch.empty_like(acc)
+        wait_all(exchange([(acc, ranks[(me + 1) % size])], [(incoming, ranks[(me - 1) % size])]))
+        acc = incoming + parts[(me - step - 1) % size]
+    return acc
+
+
+def check_same_on_all_ranks(
+    values: Sequence[int],
+    names: Sequence[str],
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> None:
+    """All-gather small integers and raise the same ``ValueError`` on every rank when they differ.
+
+    One tiny collective, taken by every rank before any other communication, so a mismatch is an
+    error everywhere instead of a hang.
+    """
+    _, size = group_rank_and_size(group)
+    if size == 1:
+        return
+    mine = torch.tensor(list(values), dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(gathered, mine, group=group)
+    table = torch.stack(gathered).cpu()
+    for col, name in enumerate(names):
+        column = table[:, col].tolist()
+        if len(set(column)) > 1:
+            raise ValueError(
+                f"{name} differs across ranks ({column} by rank): every rank must pass shards of "
+                f"the same shape and the same options; shard with dilated_attention.shard_sequence"
+            )

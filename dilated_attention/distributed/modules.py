@@ -1,0 +1,167 @@
+"""Ring modules: the local modules' constructors and forwards, over a sharded sequence.
+
+Each rank passes its shard (B, n, ...) of the sequence; the modules return that rank's shard of the
+result. They wrap the local modules from outside (``modules.py`` never imports this package).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import _validation as V
+from ..backends.registry import get_backend
+from ..modules import DilatedAttention, MultiheadDilatedAttention
+from .ring import COMMS, ring_attention
+from .ring_dilated import ring_dilated_attention
+from .sharding import check_layout
+
+__all__ = ["RingAttention", "RingDilatedAttention", "RingMultiheadDilatedAttention"]
+
+
+def _no_dropout(dropout: float) -> None:
+    if V.check_dropout("dropout", dropout) > 0:
+        raise ValueError(
+            f"dropout must be 0 for ring attention (got {dropout}): per-step dropout masks are not "
+            "supported across ranks; use the local modules for dropout"
+        )
+
+
+def _no_mask(key_padding_mask: torch.Tensor | None) -> None:
+    if key_padding_mask is not None:
+        raise ValueError(
+            "key_padding_mask is not supported by ring attention; pass None (pack sequences "
+            "without padding, or use the local modules)"
+        )
+
+
+class RingAttention(nn.Module):
+    """Exact dense attention over a sequence sharded across ``group``; see ``ring_attention``.
+
+    Args:
+        group: process group (default: the world).
+        scale: softmax scale (``None``: head_dim ** -0.5).
+        layout: ``"contiguous"`` or ``"zigzag"`` (causal only).
+        backend: kernel name or ``None``.
+        comm: ``"ring"`` or ``"allgather"``.
+    """
+
+    def __init__(
+        self,
+        *,
+        group: dist.ProcessGroup | None = None,
+        scale: float | None = None,
+        layout: str = "contiguous",
+        backend: str | None = None,
+        comm: str = "ring",
+    ) -> None:
+        super().__init__()
+        self.scale = V.check_scale(scale)
+        self.layout = check_layout(layout)
+        if comm not in COMMS:
+            raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
+        if backend is not None:
+            get_backend(backend)
+        self.group, self.backend, self.comm = group, backend, comm
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        is_causal: bool = False,
+    ) -> torch.Tensor:
+        """query (B, n, H, D), key/value (B, n, Hkv, D) local shards -> (B, n, H, D)."""
+        out = ring_attention(
+            query, key, value, group=self.group, is_causal=is_causal, scale=self.scale,
+            layout=self.layout, backend=self.backend, comm=self.comm,
+        )  # fmt: skip
+        assert isinstance(out, torch.Tensor)  # return_lse=False: for the type checker
+        return out
+
+
+class RingDilatedAttention(DilatedAttention):
+    """:class:`~dilated_attention.DilatedAttention` over a sharded sequence.
+
+    Args:
+        segment_lengths, dilation_rates, scale, backend: as in ``DilatedAttention``.
+        group: process group (default: the world).
+        dropout: must be 0 (no dropout across ranks).
+        layout: ``"contiguous"`` or ``"zigzag"`` (causal only).
+    """
+
+    def __init__(
+        self,
+        segment_lengths: list[int] | tuple[int, ...],
+        dilation_rates: list[int] | tuple[int, ...],
+        *,
+        group: dist.ProcessGroup | None = None,
+        scale: float | None = None,
+        dropout: float = 0.0,
+        backend: str | None = None,
+        layout: str = "contiguous",
+    ) -> None:
+        super().__init__(
+            segment_lengths, dilation_rates, scale=scale, dropout=dropout, backend=backend
+        )
+        _no_dropout(dropout)
+        self.group, self.layout = group, check_layout(layout)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        is_causal: bool = False,
+        key_padding_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """query (B, n, H, D), key/value (B, n, Hkv, D) local shards -> (B, n, H, D)."""
+        _no_mask(key_padding_mask)
+        out = ring_dilated_attention(
+            query, key, value, self.segment_lengths, self.dilation_rates, group=self.group,
+            is_causal=is_causal, scale=self.scale, layout=self.layout, backend=self.backend,
+        )  # fmt: skip
+        assert isinstance(out, torch.Tensor)
+        return out
+
+
+class RingMultiheadDilatedAttention(MultiheadDilatedAttention):
+    """:class:`~dilated_attention.MultiheadDilatedAttention` over a sharded sequence: same
+    constructor (plus ``group`` and ``layout``) and forward; each rank passes its (B, n, E) shard.
+    Parameters are replicated: wrap the model in DDP/FSDP as usual for data parallelism."""
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        segment_lengths: list[int] | tuple[int, ...],
+        dilation_rates: list[int] | tuple[int, ...],
+        *,
+        group: dist.ProcessGroup | None = None,
+        layout: str = "contiguous",
+        num_kv_heads: int | None = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        layer_norm: bool = True,
+        layer_norm_eps: float = 1e-5,
+        gamma_init: float = 1.0,
+        backend: str | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            embed_dim, num_heads, segment_lengths, dilation_rates, num_kv_heads=num_kv_heads,
+            dropout=dropout, bias=bias, layer_norm=layer_norm, layer_norm_eps=layer_norm_eps,
+            gamma_init=gamma_init, backend=backend, device=device, dtype=dtype,
+        )  # fmt: skip
+        self.attention = RingDilatedAttention(
+            segment_lengths, dilation_rates, group=group, dropout=dropout, backend=backend,
+            layout=layout,
+        )  # fmt: skip
+
+
+#: Read by the factory when kind="ring" is first requested (``factory._PROVIDERS``).
+FACTORY_KINDS = {"ring": (RingDilatedAttention, RingMultiheadDilatedAttention)}

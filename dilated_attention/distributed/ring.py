@@ -1,0 +1,370 @@
+"""Ring attention: exact attention over a sequence sharded across the ranks of a process group.
+
+Note [Ring schedule]
+    Each rank keeps its queries and passes its key/value block around the ring: at step ``s`` rank
+    ``r`` holds the block of rank ``r - s`` while the next one is already in flight
+    (``dist.batch_isend_irecv``). Per step, every (query chunk, key chunk) pair is full, causal (the
+    same chunk) or empty (a later chunk, under a causal mask); empty pairs cost nothing, and pairs
+    are fused into as few kernel calls as the slices allow. Results merge in float32 through their
+    log-sum-exp (Note [Merging partial softmaxes]).
+
+    The backward passes the blocks again, now with float32 dK/dV accumulators travelling beside
+    them; each rank adds its contribution with the *final* ``out``/``lse`` (Note [Backward with
+    external statistics]) and a last hop brings every accumulator home. ``comm="allgather"`` instead
+    gathers every block at once (Llama-3 style) and returns dK/dV with a ring reduce-scatter.
+
+Shape legend: B batch, n local tokens, H query heads, Hkv key/value heads, D head dim, W ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import _validation as V
+from ..backends.base import Backend, KernelInputs
+from ..backends.registry import get_backend, select_backend
+from ..core.merge import merge_partial
+from ._comm import (
+    check_same_on_all_ranks,
+    exchange,
+    global_rank,
+    group_rank_and_size,
+    ring_all_gather,
+    ring_reduce_scatter,
+    wait_all,
+)
+from .sharding import LAYOUTS, check_layout, chunks_of, chunks_per_rank
+
+COMMS = ("ring", "allgather")
+
+
+@dataclass(frozen=True)
+class Task:
+    """One kernel call: local query rows ``q`` against rows ``kv`` of a key/value block."""
+
+    q: slice
+    kv: slice
+    causal: bool
+
+
+def plan_block(
+    my_chunks: list[int], src_chunks: list[int], chunk_len: int, is_causal: bool
+) -> list[Task]:
+    """Kernel calls for this rank's queries against one rank's key/value block.
+
+    Chunk pairs are full, causal (same chunk) or empty (later key chunk, causal); runs of adjacent
+    chunks with the same partners are fused into one call.
+    """
+    calls: list[tuple[list[int], list[int], bool]] = []
+    for a, cq in enumerate(my_chunks):
+        full = [b for b, ck in enumerate(src_chunks) if not is_causal or ck < cq]
+        diag = [b for b, ck in enumerate(src_chunks) if is_causal and ck == cq]
+        for keys, causal in ((full, False), (diag, True)):
+            if not keys:
+                continue
+            if calls and not causal and not calls[-1][2] and calls[-1][1] == keys:
+                calls[-1][0].append(a)  # the previous query chunk had the same full partners
+            else:
+                calls.append(([a], keys, causal))
+    tasks = []
+    for q_chunks, kv_chunks, causal in calls:
+        for run in _runs(kv_chunks):
+            tasks.append(
+                Task(
+                    q=slice(q_chunks[0] * chunk_len, (q_chunks[-1] + 1) * chunk_len),
+                    kv=slice(run[0] * chunk_len, (run[-1] + 1) * chunk_len),
+                    causal=causal,
+                )
+            )
+    return tasks
+
+
+def _runs(indices: list[int]) -> list[list[int]]:
+    """Split sorted indices into runs of consecutive values."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and runs[-1][-1] + 1 == i:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+@dataclass(frozen=True)
+class RingSetup:
+    """Where this rank sits in the ring and how the sequence is laid out."""
+
+    rank: int
+    world_size: int
+    global_ranks: tuple[int, ...]
+    layout: str
+    chunk_len: int
+    is_causal: bool
+    scale: float
+    comm: str
+
+    def tasks(self, src: int) -> list[Task]:
+        me = chunks_of(self.rank, self.world_size, self.layout)
+        other = chunks_of(src, self.world_size, self.layout)
+        return plan_block(me, other, self.chunk_len, self.is_causal)
+
+    @property
+    def next_rank(self) -> int:
+        return self.global_ranks[(self.rank + 1) % self.world_size]
+
+    @property
+    def prev_rank(self) -> int:
+        return self.global_ranks[(self.rank - 1) % self.world_size]
+
+
+def _merge_into(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    rows: slice,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+) -> None:
+    """Merge a kernel result for ``rows`` into float32 accumulators out (B,n,H,D), lse (B,n,H)."""
+    new_out, new_lse = merge_partial(out[:, rows], lse[:, rows], part_out, part_lse.transpose(1, 2))
+    out[:, rows] = new_out
+    lse[:, rows] = new_lse
+
+
+def ring_forward(
+    q: torch.Tensor, kv: torch.Tensor, setup: RingSetup, backend: Backend
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward of Note [Ring schedule].
+
+    Args:
+        q: (B, n, H, D) local queries.
+        kv: (2, B, n, Hkv, D) local keys and values, contiguous.
+
+    Returns:
+        ``out`` (B, n, H, D) float32 and ``lse`` (B, n, H) float32.
+    """
+    batch, n, heads, dim = q.shape
+    out = torch.zeros(batch, n, heads, dim, dtype=torch.float32, device=q.device)
+    lse = torch.full((batch, n, heads), float("-inf"), dtype=torch.float32, device=q.device)
+    if q.dtype == torch.float64:
+        out, lse = out.double(), lse.double()
+
+    def compute(block: torch.Tensor, src: int) -> None:
+        for task in setup.tasks(src):
+            res = backend.forward(
+                q[:, task.q], block[0][:, task.kv], block[1][:, task.kv],
+                scale=setup.scale, is_causal=task.causal,
+            )  # fmt: skip
+            _merge_into(out, lse, task.q, res.out, res.lse)
+
+    if setup.comm == "allgather":
+        blocks = ring_all_gather(kv, setup.global_ranks, setup.rank)
+        for src, block in enumerate(blocks):
+            compute(block, src)
+        return out, lse
+    block = kv
+    for step in range(setup.world_size):
+        src = (setup.rank - step) % setup.world_size
+        pending, incoming = [], None
+        if step < setup.world_size - 1:
+            incoming = torch.empty_like(block)
+            pending = exchange([(block, setup.next_rank)], [(incoming, setup.prev_rank)])
+        compute(block, src)
+        wait_all(pending)
+        if incoming is not None:
+            block = incoming
+    return out, lse
+
+
+def ring_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    setup: RingSetup,
+    backend: Backend,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward of Note [Ring schedule].
+
+    Args:
+        dout, q, out: (B, n, H, D); kv: (2, B, n, Hkv, D); lse: (B, H, n) final statistics.
+
+    Returns:
+        ``dq`` (B, n, H, D) and ``dkv`` (2, B, n, Hkv, D), float32 (float64 for float64 inputs).
+    """
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+
+    def compute(block: torch.Tensor, dblock: torch.Tensor, src: int) -> None:
+        for task in setup.tasks(src):
+            dq_t, dk_t, dv_t = backend.backward(
+                dout[:, task.q], q[:, task.q], block[0][:, task.kv], block[1][:, task.kv],
+                out[:, task.q], lse[:, :, task.q], None, scale=setup.scale, is_causal=task.causal,
+            )  # fmt: skip
+            dq[:, task.q] += dq_t
+            dblock[0][:, task.kv] += dk_t
+            dblock[1][:, task.kv] += dv_t
+
+    if setup.comm == "allgather":
+        blocks = ring_all_gather(kv, setup.global_ranks, setup.rank)
+        parts = [torch.zeros(kv.shape, dtype=acc, device=q.device) for _ in blocks]
+        for src, block in enumerate(blocks):
+            compute(block, parts[src], src)
+        return dq, ring_reduce_scatter(parts, setup.global_ranks, setup.rank)
+    block = kv
+    dblock = torch.zeros(kv.shape, dtype=acc, device=q.device)
+    for step in range(setup.world_size):
+        src = (setup.rank - step) % setup.world_size
+        pending, incoming = [], None
+        if step < setup.world_size - 1:
+            incoming = torch.empty_like(block)
+            pending = exchange([(block, setup.next_rank)], [(incoming, setup.prev_rank)])
+        compute(block, dblock, src)
+        wait_all(pending)
+        if setup.world_size > 1:
+            # The accumulator follows its block; after the last step one more hop brings it home.
+            dincoming = torch.empty_like(dblock)
+            wait_all(exchange([(dblock, setup.next_rank)], [(dincoming, setup.prev_rank)]))
+            dblock = dincoming
+        if incoming is not None:
+            block = incoming
+    return dq, dblock
+
+
+class RingAttentionFunction(torch.autograd.Function):
+    """Autograd wrapper of :func:`ring_forward` / :func:`ring_backward` (lse not differentiable)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        setup: RingSetup,
+        backend: Backend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = torch.stack([k, v]).contiguous()
+        out32, lse32 = ring_forward(q, kv, setup, backend)
+        out = out32.to(q.dtype)
+        lse = lse32.transpose(1, 2).contiguous()
+        ctx.save_for_backward(q, kv, out, lse)
+        ctx.setup, ctx.backend = setup, backend
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        q, kv, out, lse = ctx.saved_tensors
+        dq, dkv = ring_backward(dout.contiguous(), q, kv, out, lse, ctx.setup, ctx.backend)
+        return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None
+
+
+def prepare_ring(
+    query: object,
+    key: object,
+    value: object,
+    *,
+    group: dist.ProcessGroup | None,
+    is_causal: bool,
+    scale: float | None,
+    layout: str,
+    backend: str | None,
+    comm: str,
+    extra: tuple[tuple[str, int], ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RingSetup, Backend]:
+    """Validate a ring call on every rank and return contiguous q, k, v, the setup and the kernel.
+
+    Every check that could differ between ranks (shapes, options) goes through one small
+    all-gather first, so a bad call raises the same ``ValueError`` on every rank instead of hanging.
+    """
+    q, k, v = V.check_qkv(query, key, value, same_length=True)
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+    layout = check_layout(layout)
+    if comm not in COMMS:
+        raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
+    checked_scale = V.check_scale(scale)
+    if backend is not None:
+        get_backend(backend)
+    rank, size = group_rank_and_size(group)
+    n = q.shape[1]
+    check_same_on_all_ranks(
+        [n, q.shape[0], q.shape[2], k.shape[2], q.shape[3], int(is_causal),
+         LAYOUTS.index(layout), COMMS.index(comm), *(value for _, value in extra)],
+        ["local seq_len", "batch", "query heads", "key/value heads", "head_dim", "is_causal",
+         "layout", "comm", *(name for name, _ in extra)],
+        group, q.device,
+    )  # fmt: skip
+    if layout == "zigzag" and not is_causal:
+        raise ValueError(
+            "layout='zigzag' balances causal work only; with is_causal=False every rank already "
+            "does the same work: use layout='contiguous'"
+        )
+    parts = chunks_per_rank(layout)
+    if n % parts:
+        raise ValueError(
+            f"the local seq_len ({n}) must be even for layout='zigzag' (two chunks per rank); "
+            "shard a sequence divisible by 2 x world size with shard_sequence"
+        )
+    inputs = KernelInputs.from_tensors(q, k, is_causal=is_causal)
+    kernel = select_backend(inputs, backend)
+    setup = RingSetup(
+        rank=rank,
+        world_size=size,
+        global_ranks=tuple(global_rank(group, r) for r in range(size)),
+        layout=layout,
+        chunk_len=n // parts,
+        is_causal=is_causal,
+        scale=checked_scale if checked_scale is not None else q.shape[-1] ** -0.5,
+        comm=comm,
+    )
+    return q.contiguous(), k.contiguous(), v.contiguous(), setup, kernel
+
+
+def ring_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    layout: str = "contiguous",
+    backend: str | None = None,
+    return_lse: bool = False,
+    comm: str = "ring",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention over a sequence sharded across ``group``; this rank's shard of the result.
+
+    Args:
+        query: (B, n, H, D) this rank's shard (``n = N / W``; see ``shard_sequence``).
+        key: (B, n, Hkv, D).
+        value: (B, n, Hkv, D).
+        group: the process group (default: the world).
+        is_causal: causal over global positions.
+        scale: softmax scale; ``None`` means ``D ** -0.5``.
+        layout: ``"contiguous"`` or ``"zigzag"`` (causal only), as the shards were made.
+        backend: kernel name, or ``None`` for the automatic choice.
+        return_lse: also return the log-sum-exp (B, H, n).
+        comm: ``"ring"`` (P2P, next block in flight during compute) or ``"allgather"``.
+
+    Returns:
+        ``out`` (B, n, H, D): this rank's shard of ``attention`` on the gathered sequence, with
+        exact gradients for the local q, k, v; or ``(out, lse)``.
+
+    Raises:
+        ValueError: on every rank, before any other communication, when shards or options differ
+            between ranks or are malformed.
+    """
+    q, k, v, setup, kernel = prepare_ring(
+        query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
+        backend=backend, comm=comm,
+    )  # fmt: skip
+    out, lse = RingAttentionFunction.apply(q, k, v, setup, kernel)
+    return (out, lse) if return_lse else out

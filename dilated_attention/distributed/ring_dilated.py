@@ -1,0 +1,348 @@
+"""Ring dilated attention: exact LongNet dilated attention over a sequence sharded across ranks.
+
+Note [Local and spanning branches]
+    A branch whose segments each lie inside one chunk of one rank (the chunk length is a multiple
+    of ``w``) is computed locally by the single-process engine and sends nothing. Any other branch
+    spans ranks: every rank takes its own dilated rows of K and V for that branch (1/r of them,
+    LongNet Sec. 3.1), the ranks all-gather those rows (padded to a common count, which every rank
+    computes from the geometry alone), and each rank attends its dilated query rows to the
+    gathered rows of their segments. Causal masking splits that into the keys before the query
+    run (full) and the run's own keys (causal). Only the kv heads a query head reads are sent:
+    one (kv head, offset) pair per group of query heads. The backward sums the gathered rows'
+    dK/dV across ranks with a ring reduce-scatter back to their owners. Everything merges into one
+    float32 (out, lse) per row, so the branches mix exactly as in ``dilated_attention``.
+
+Shape legend: B batch, n local tokens, H query heads, Hkv key/value heads (G = H / Hkv), D head dim,
+W ranks, R gathered rows per rank for one branch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import _validation as V
+from ..backends.base import Backend
+from ..core.engine import dilated_backward, dilated_forward
+from ..core.merge import merge_partial
+from ..core.segment import RowGroup, plan_branches
+from ._comm import ring_all_gather, ring_reduce_scatter
+from .ring import RingSetup, prepare_ring
+from .sharding import local_positions
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One kernel call of a spanning branch: local query rows against gathered key rows."""
+
+    q_rows: torch.Tensor  # local row indices (c,)
+    heads: torch.Tensor  # query heads (Hp,)
+    keys: torch.Tensor  # flat indices into the gathered (W * R) rows (ck,)
+    causal: bool
+
+
+@dataclass(frozen=True)
+class _Pair:
+    """A (kv head, offset) pair: its rows in every rank's send buffer."""
+
+    kv_head: int
+    offset: int
+    start: int  # first row of this pair in the send buffer
+    local_rows: tuple[torch.Tensor, ...]  # per rank: local indices of the pair's rows
+
+
+@dataclass(frozen=True)
+class SpanPlan:
+    """How one spanning branch moves and computes rows (identical on every rank)."""
+
+    pairs: tuple[_Pair, ...]
+    rows_per_rank: int  # R
+    calls: tuple[_Call, ...]
+
+
+def plan_span(
+    setup: RingSetup,
+    local_len: int,
+    num_heads: int,
+    num_kv_heads: int,
+    segment: int,
+    rate: int,
+    device: torch.device,
+) -> SpanPlan:
+    """The rows each rank sends and the kernel calls this rank makes for a spanning branch."""
+    world = setup.world_size
+    seq_len = local_len * world
+    seg = min(segment, seq_len)
+    group = num_heads // num_kv_heads
+    positions = [
+        local_positions(local_len, rank=j, world_size=world, layout=setup.layout, device=device)
+        for j in range(world)
+    ]
+    rel = [p % seg for p in positions]  # position inside its segment
+    pairs: list[_Pair] = []
+    start = 0
+    offsets = sorted({h % rate for h in range(num_heads)})
+    for offset in offsets:
+        rows = tuple(torch.nonzero(rj % rate == offset).flatten() for rj in rel)
+        width = max(int(r.numel()) for r in rows)
+        for kv_head in sorted({h // group for h in range(num_heads) if h % rate == offset}):
+            pairs.append(_Pair(kv_head, offset, start, rows))
+            start += width
+    total = start
+    calls: list[_Call] = []
+    me = setup.rank
+    for pair in pairs:
+        heads = torch.tensor(
+            [h for h in range(num_heads) if h % rate == pair.offset and h // group == pair.kv_head],
+            device=device,
+        )
+        # Every rank's rows of this pair, as flat indices into the gathered (W * R) rows.
+        flat = torch.cat(
+            [j * total + pair.start + torch.arange(r.numel(), device=device)
+             for j, r in enumerate(pair.local_rows)]
+        )  # fmt: skip
+        pos = torch.cat([positions[j][r] for j, r in enumerate(pair.local_rows)])
+        order = torch.argsort(pos)
+        flat, pos = flat[order], pos[order]
+        mine = pair.local_rows[me]
+        my_pos = positions[me][mine]
+        for run in _runs(my_pos, rate, seg):
+            q_rows = mine[run]
+            first, last = int(my_pos[run[0]]), int(my_pos[run[-1]])
+            in_seg = (pos // seg) == first // seg
+            if not setup.is_causal:
+                calls.append(_Call(q_rows, heads, flat[in_seg], causal=False))
+                continue
+            before = in_seg & (pos < first)
+            if bool(before.any()):
+                calls.append(_Call(q_rows, heads, flat[before], causal=False))
+            own = in_seg & (pos >= first) & (pos <= last)
+            calls.append(_Call(q_rows, heads, flat[own], causal=True))
+    return SpanPlan(tuple(pairs), total, tuple(calls))
+
+
+def _runs(pos: torch.Tensor, rate: int, segment: int) -> list[torch.Tensor]:
+    """Indices of maximal runs of positions that step by ``rate`` inside one segment: rows no other
+    rank's row of the same offset falls between."""
+    if pos.numel() == 0:
+        return []
+    step = pos[1:] - pos[:-1]
+    new_segment = pos[1:] // segment != pos[:-1] // segment
+    breaks = torch.nonzero((step != rate) | new_segment).flatten() + 1
+    bounds = [0, *breaks.tolist(), pos.numel()]
+    return [torch.arange(a, b, device=pos.device) for a, b in itertools.pairwise(bounds)]
+
+
+def _send_buffer(kv: torch.Tensor, plan: SpanPlan, rank: int) -> torch.Tensor:
+    """(2, B, R, D): this rank's rows of every pair, zero-padded to the common width."""
+    _, batch, _, _, dim = kv.shape
+    buf = kv.new_zeros(2, batch, plan.rows_per_rank, dim)
+    for pair in plan.pairs:
+        rows = pair.local_rows[rank]
+        buf[:, :, pair.start : pair.start + rows.numel()] = kv[:, :, rows, pair.kv_head]
+    return buf
+
+
+def _gather(kv: torch.Tensor, plan: SpanPlan, setup: RingSetup) -> torch.Tensor:
+    """(2, B, W * R, D): every rank's send buffer, side by side."""
+    parts = ring_all_gather(_send_buffer(kv, plan, setup.rank), setup.global_ranks, setup.rank)
+    return torch.cat(parts, dim=2)
+
+
+def _pick(x: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """x (B, n, H, E) -> (B, c, Hp, E) at the given local rows and heads."""
+    return x[:, rows.view(-1, 1), heads.view(1, -1)]
+
+
+def span_forward(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    plan: SpanPlan,
+    setup: RingSetup,
+    backend: Backend,
+) -> None:
+    """Merge one spanning branch into the float32 accumulators out (B,n,H,D), lse (B,n,H)."""
+    gathered = _gather(kv, plan, setup)
+    for call in plan.calls:
+        keys = gathered[:, :, call.keys].unsqueeze(3)  # (2, B, ck, 1, D)
+        res = backend.forward(
+            _pick(q, call.q_rows, call.heads), keys[0], keys[1],
+            scale=setup.scale, is_causal=call.causal,
+        )  # fmt: skip
+        index = (slice(None), call.q_rows.view(-1, 1), call.heads.view(1, -1))
+        new_out, new_lse = merge_partial(out[index], lse[index], res.out, res.lse.transpose(1, 2))
+        out[index] = new_out
+        lse[index] = new_lse
+
+
+def span_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    out: torch.Tensor,
+    lse_bnh: torch.Tensor,
+    dq: torch.Tensor,
+    dkv: torch.Tensor,
+    plan: SpanPlan,
+    setup: RingSetup,
+    backend: Backend,
+) -> None:
+    """Add one spanning branch's gradients into dq (B,n,H,D) and dkv (2,B,n,Hkv,D), float32."""
+    gathered = _gather(kv, plan, setup)
+    dgathered = torch.zeros(gathered.shape, dtype=dkv.dtype, device=dkv.device)
+    for call in plan.calls:
+        keys = gathered[:, :, call.keys].unsqueeze(3)
+        rows_lse = _pick(lse_bnh.unsqueeze(-1), call.q_rows, call.heads).squeeze(-1)
+        dq_c, dk_c, dv_c = backend.backward(
+            _pick(dout, call.q_rows, call.heads), _pick(q, call.q_rows, call.heads),
+            keys[0], keys[1], _pick(out, call.q_rows, call.heads), rows_lse.transpose(1, 2),
+            None, scale=setup.scale, is_causal=call.causal,
+        )  # fmt: skip
+        dq[:, call.q_rows.view(-1, 1), call.heads.view(1, -1)] += dq_c
+        dgathered[0].index_add_(1, call.keys, dk_c.squeeze(2).to(dkv.dtype))
+        dgathered[1].index_add_(1, call.keys, dv_c.squeeze(2).to(dkv.dtype))
+    parts = list(dgathered.chunk(setup.world_size, dim=2))
+    mine = ring_reduce_scatter(parts, setup.global_ranks, setup.rank)
+    for pair in plan.pairs:
+        rows = pair.local_rows[setup.rank]
+        dkv[:, :, rows, pair.kv_head] += mine[:, :, pair.start : pair.start + rows.numel()]
+
+
+@dataclass(frozen=True)
+class DilatedRingPlan:
+    """Local branches (one engine plan) and spanning branches (one :class:`SpanPlan` each)."""
+
+    local: tuple[RowGroup, ...]
+    spans: tuple[SpanPlan, ...]
+
+
+def plan_ring_dilated(
+    setup: RingSetup,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    segment_lengths: tuple[int, ...],
+    dilation_rates: tuple[int, ...],
+) -> DilatedRingPlan:
+    """Split the branches into local and spanning (Note [Local and spanning branches])."""
+    _, n, heads, _ = q.shape
+    seq_len = n * setup.world_size
+    local_segs, local_rates, spans = [], [], []
+    for seg, rate in zip(segment_lengths, dilation_rates, strict=True):
+        if setup.chunk_len % min(seg, seq_len) == 0:
+            local_segs.append(seg)
+            local_rates.append(rate)
+        else:
+            spans.append(plan_span(setup, n, heads, k.shape[2], seg, rate, q.device))
+    local = plan_branches(n, heads, tuple(local_segs), tuple(local_rates)) if local_segs else ()
+    return DilatedRingPlan(local, tuple(spans))
+
+
+class RingDilatedFunction(torch.autograd.Function):
+    """Autograd wrapper of ring dilated attention; returns (out, lse), lse not differentiable."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        plan: DilatedRingPlan,
+        setup: RingSetup,
+        backend: Backend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        batch, n, heads, dim = q.shape
+        kv = torch.stack([k, v]).contiguous()
+        auxes: list[Any] = []
+        if plan.local:
+            out, lse_bhn, auxes = dilated_forward(
+                q, k, v, None, plan.local, backend, is_causal=setup.is_causal, scale=setup.scale,
+                dropout_p=0.0, out_dtype=acc,
+            )  # fmt: skip
+            lse = lse_bhn.transpose(1, 2).contiguous()
+        else:
+            out = torch.zeros(batch, n, heads, dim, dtype=acc, device=q.device)
+            lse = torch.full((batch, n, heads), float("-inf"), dtype=acc, device=q.device)
+        for span in plan.spans:
+            span_forward(q, kv, out, lse, span, setup, backend)
+        out = out.to(q.dtype)
+        lse_out = lse.transpose(1, 2).contiguous()
+        ctx.save_for_backward(q, k, v, out, lse_out)
+        ctx.plan, ctx.setup, ctx.backend, ctx.auxes = plan, setup, backend, auxes
+        ctx.mark_non_differentiable(lse_out)
+        return out, lse_out
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        plan: DilatedRingPlan = ctx.plan
+        setup: RingSetup = ctx.setup
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dout = dout.contiguous()
+        if plan.local:
+            dq, dk, dv = dilated_backward(
+                dout, q, k, v, out, lse, None, plan.local, ctx.backend, ctx.auxes,
+                is_causal=setup.is_causal, scale=setup.scale, dropout_p=0.0, grad_dtype=acc,
+            )  # fmt: skip
+        else:
+            dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+            dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+            dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+        if plan.spans:
+            kv = torch.stack([k, v]).contiguous()
+            dkv = torch.stack([dk, dv])
+            lse_bnh = lse.transpose(1, 2).contiguous()
+            for span in plan.spans:
+                span_backward(dout, q, kv, out, lse_bnh, dq, dkv, span, setup, ctx.backend)
+            dk, dv = dkv[0], dkv[1]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def ring_dilated_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    segment_lengths: list[int] | tuple[int, ...],
+    dilation_rates: list[int] | tuple[int, ...],
+    *,
+    group: dist.ProcessGroup | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    layout: str = "contiguous",
+    backend: str | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact dilated attention over a sequence sharded across ``group``: this rank's shard of
+    ``dilated_attention`` on the gathered sequence (Note [Local and spanning branches]).
+
+    Args:
+        query: (B, n, H, D) this rank's shard; key, value: (B, n, Hkv, D).
+        segment_lengths, dilation_rates: the branches, over global positions.
+        group, is_causal, scale, layout, backend, return_lse: as in ``ring_attention``.
+
+    Returns:
+        ``out`` (B, n, H, D), or ``(out, lse)`` with ``lse`` (B, H, n); exact gradients for the
+        local q, k, v.
+
+    Raises:
+        ValueError: on every rank, before other communication, for malformed or mismatched inputs.
+    """
+    segs, rates = V.check_branches(segment_lengths, dilation_rates)
+    extra = tuple((f"segment_lengths[{i}]", w) for i, w in enumerate(segs)) + tuple(
+        (f"dilation_rates[{i}]", r) for i, r in enumerate(rates)
+    )
+    q, k, v, setup, kernel = prepare_ring(
+        query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
+        backend=backend, comm="allgather", extra=(("number of branches", len(segs)), *extra),
+    )  # fmt: skip
+    plan = plan_ring_dilated(setup, q, k, segs, rates)
+    out, lse = RingDilatedFunction.apply(q, k, v, plan, setup, kernel)
+    return (out, lse) if return_lse else out
