@@ -1,0 +1,173 @@
+"""Ring dilated attention on CPU/gloo against the float64 oracle, with byte accounting per branch.
+
+Each spawned world runs many cases, since starting processes dominates the cost on 2 cores.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed_utils import run_world
+from oracle import oracle_dilated_attention
+
+import dilated_attention.distributed._comm as comm
+from dilated_attention import (
+    MultiheadDilatedAttention,
+    RingMultiheadDilatedAttention,
+    ring_dilated_attention,
+    shard_sequence,
+)
+
+pytestmark = pytest.mark.distributed
+
+N, B, H, D = 24, 2, 4, 8
+#: (segment_lengths, dilation_rates): branches local to a chunk, spanning ranks, ragged (r does not
+#: divide w, partial last segments), r = 6 as in LongNet's schedule, and w > N.
+SCHEDULES = [
+    ((4, 8, 24), (1, 2, 4)),
+    ((6, 12), (1, 3)),
+    ((16, 5), (6, 1)),
+    ((24,), (1,)),
+    ((100, 7), (4, 2)),
+    ((10, 24), (3, 6)),
+]
+
+
+def _tensors(kv_heads: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(B, N, H, D), (B, N, kv_heads, D), (B, N, kv_heads, D), (B, N, H, D)]
+    return [torch.randn(s, dtype=torch.float64, generator=gen) for s in shapes]
+
+
+def _check_against_oracle(rank: int, world_size: int) -> None:
+    for (segs, rates), causal, layout, kv_heads in itertools.product(
+        SCHEDULES, [False, True], ["contiguous", "zigzag"], [4, 2, 1]
+    ):
+        if layout == "zigzag" and (not causal or N % (2 * world_size)):
+            continue
+        q, k, v, dout = _tensors(kv_heads)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref, ref_lse = oracle_dilated_attention(*leaves, segs, rates, is_causal=causal)
+        ref_grads = torch.autograd.grad(ref, leaves, dout)
+        local = [shard_sequence(t, layout=layout).requires_grad_() for t in (q, k, v)]
+        out, lse = ring_dilated_attention(
+            *local, segs, rates, is_causal=causal, layout=layout, return_lse=True
+        )
+        grads = torch.autograd.grad(out, local, shard_sequence(dout, layout=layout))
+        case = f"rank {rank}/{world_size} {segs} {rates} causal={causal} {layout} Hkv={kv_heads}"
+        tight = {"atol": 1e-10, "rtol": 1e-7}
+        torch.testing.assert_close(
+            out,
+            shard_sequence(ref, layout=layout),
+            **tight,
+            msg=lambda m, case=case: f"out {case}: {m}",
+        )
+        torch.testing.assert_close(
+            lse, shard_sequence(ref_lse, layout=layout, seq_dim=2), **tight,
+            msg=lambda m, case=case: f"lse {case}: {m}",
+        )  # fmt: skip
+        for name, got, want in zip("qkv", grads, ref_grads, strict=True):
+            torch.testing.assert_close(
+                got, shard_sequence(want, layout=layout), **tight,
+                msg=lambda m, name=name, case=case: f"d{name} {case}: {m}",
+            )  # fmt: skip
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_ring_dilated_matches_oracle(world_size: int, tmp_path: Path) -> None:
+    """Outputs, lse and dq/dk/dv shards equal the single-process float64 oracle on every rank."""
+    run_world(_check_against_oracle, world_size, tmp_path, timeout_s=120)
+
+
+def _count_bytes(monkeypatch_target: dict[str, int]):
+    original = comm.exchange
+
+    def counting(send, recv):
+        monkeypatch_target["bytes"] += sum(t.numel() * t.element_size() for t, _ in send)
+        return original(send, recv)
+
+    return original, counting
+
+
+def _check_bytes(rank: int, world_size: int) -> None:
+    n = N // world_size
+    kv_block = 2 * B * n * H * D * 8  # one rank's K and V (float64, H kv heads)
+    dense_ring = (world_size - 1) * kv_block  # what a dense ring forward sends per rank
+    sent = {"bytes": 0}
+    original, counting = _count_bytes(sent)
+    comm.exchange = counting
+    try:
+        for segs, rates in [((n,), (1,)), ((n // 2, n), (1, 2))]:  # local branches only
+            sent["bytes"] = 0
+            q, k, v, _ = _tensors(H)
+            local = [shard_sequence(t) for t in (q, k, v)]
+            ring_dilated_attention(*local, segs, rates, is_causal=True)
+            assert sent["bytes"] == 0, f"local branches {segs} sent {sent['bytes']} bytes"
+        for rate in (1, 2, 3, 4, 6):  # one branch spanning every rank
+            sent["bytes"] = 0
+            q, k, v, _ = _tensors(H)
+            local = [shard_sequence(t) for t in (q, k, v)]
+            ring_dilated_attention(*local, (N,), (rate,), is_causal=True)
+            bound = dense_ring * (1 / rate + 1 / n)  # 1/r of K/V, plus padding of ragged rows
+            assert sent["bytes"] <= bound, (
+                f"spanning branch r={rate} sent {sent['bytes']} bytes > {bound:.0f} "
+                f"(1/r of the dense ring's {dense_ring})"
+            )
+            assert sent["bytes"] > 0
+    finally:
+        comm.exchange = original
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_bytes_per_branch(world_size: int, tmp_path: Path) -> None:
+    """Local branches send nothing; a spanning branch sends at most ~1/r of the K/V bytes."""
+    run_world(_check_bytes, world_size, tmp_path)
+
+
+def _check_module(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    segs, rates = (4, 8, 24), (1, 2, 4)
+    ring = RingMultiheadDilatedAttention(32, 4, segs, rates, num_kv_heads=2, dtype=torch.float64)
+    local_layer = MultiheadDilatedAttention(32, 4, segs, rates, num_kv_heads=2, dtype=torch.float64)
+    local_layer.load_state_dict(ring.state_dict())
+    x = torch.randn(2, N, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    full, _ = local_layer(x, is_causal=True)
+    full.square().sum().backward()
+    x_local = shard_sequence(x).requires_grad_()
+    out, none = ring(x_local, is_causal=True)
+    assert none is None
+    torch.testing.assert_close(out, shard_sequence(full), atol=1e-10, rtol=1e-7)
+    out.square().sum().backward()
+    for (name, p_ring), p_full in zip(
+        ring.named_parameters(), local_layer.parameters(), strict=True
+    ):
+        grad = p_ring.grad.clone()
+        dist.all_reduce(grad)  # parameters are replicated: their gradients add over ranks
+        torch.testing.assert_close(grad, p_full.grad, atol=1e-9, rtol=1e-7, msg=name)
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        ring(x_local, key_padding_mask=torch.zeros(2, N // world_size, dtype=torch.bool))
+
+
+def test_ring_multihead_module_matches_local_module(tmp_path: Path) -> None:
+    run_world(_check_module, 2, tmp_path)
+
+
+def _check_mismatched_schedule(rank: int, world_size: int) -> None:
+    q, k, v, _ = _tensors(H)
+    local = [shard_sequence(t) for t in (q, k, v)]
+    segs = (8, 16) if rank == 0 else (8, 12)
+    with pytest.raises(ValueError, match=r"segment_lengths\[1\] differs across ranks"):
+        ring_dilated_attention(*local, segs, (1, 2))
+
+
+def test_schedule_mismatch_raises_on_every_rank(tmp_path: Path) -> None:
+    run_world(_check_mismatched_schedule, 2, tmp_path, timeout_s=30)
+
+
+def test_ring_module_refuses_dropout() -> None:
+    with pytest.raises(ValueError, match="dropout"):
+        RingMultiheadDilatedAttention(16, 2, [8], [1], dropout=0.1)
