@@ -1,0 +1,226 @@
+"""Ring attention per-GPU throughput under torchrun, beside PyTorch context parallel in one run.
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+        torchrun --nproc_per_node=2 benchmarks/bench_ring.py --out benchmarks/results/ring_h200
+
+Dense: the whole sequence (N tokens) split over W GPUs; ``ring_attention`` (zigzag when causal) and
+PyTorch's ``context_parallel`` (cuDNN/flash SDPA, its own head-tail balancing) time forward and
+forward+backward; per-GPU TFLOP/s = 4*B*H*N^2*D (halved when causal, x3.5 with backward) / W / time.
+Dilated (weak scaling): W GPUs hold W x N tokens with the LongNet schedule up to a segment as long
+as the whole sequence; per-GPU effective TFLOP/s counts every head in every branch. Before timing,
+each path is checked against a single-GPU result on a small sequence. Run once per world size; the
+JSON records (one per world size) side by side give the scaling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import environment, markdown_table, time_cuda, write_record
+
+from dilated_attention import (
+    attention,
+    dilated_attention,
+    ring_attention,
+    ring_dilated_attention,
+    shard_sequence,
+)
+
+
+def longnet_schedule(seq_len: int, first: int = 2048) -> tuple[list[int], list[int]]:
+    """Segments first, 2*first, ... up to seq_len, with rates 1, 2, 4, ..."""
+    segs, rates = [min(first, seq_len)], [1]
+    while segs[-1] < seq_len:
+        segs.append(min(segs[-1] * 2, seq_len))
+        rates.append(rates[-1] * 2)
+    return segs, rates
+
+
+def dilated_flops(seq_len: int, heads: int, dim: int, segs: list[int], rates: list[int]) -> float:
+    """4*D*sum over heads and branches of (N/r)*(w/r): every head takes part in every branch."""
+    return sum(
+        4.0 * dim * heads * (seq_len / r) * (min(w, seq_len) / r)
+        for w, r in zip(segs, rates, strict=True)
+    )
+
+
+def _randn(shape: tuple[int, ...], seed: int, device: torch.device) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
+
+
+def check(device: torch.device, world: int) -> None:
+    """Ring results equal single-GPU results (bf16 tolerances) on a small sequence."""
+    seq_len, heads, dim = 2048 * world, 8, 64
+    q, k, v, dout = (_randn((1, seq_len, heads, dim), s, device) for s in range(4))
+    for causal in (False, True):
+        layout = "zigzag" if causal else "contiguous"
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = attention(*leaves, is_causal=causal)
+        grads = torch.autograd.grad(ref, leaves, dout)
+        local = [shard_sequence(t, layout=layout).requires_grad_() for t in (q, k, v)]
+        out = ring_attention(*local, is_causal=causal, layout=layout)
+        lgrads = torch.autograd.grad(out, local, shard_sequence(dout, layout=layout))
+        torch.testing.assert_close(out, shard_sequence(ref, layout=layout), atol=2e-2, rtol=2e-2)
+        for a, b in zip(lgrads, grads, strict=True):
+            torch.testing.assert_close(a, shard_sequence(b, layout=layout), atol=5e-2, rtol=5e-2)
+        segs, rates = longnet_schedule(seq_len, 512)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = dilated_attention(*leaves, segs, rates, is_causal=causal)
+        grads = torch.autograd.grad(ref, leaves, dout)
+        local = [shard_sequence(t).requires_grad_() for t in (q, k, v)]
+        out = ring_dilated_attention(*local, segs, rates, is_causal=causal)
+        lgrads = torch.autograd.grad(out, local, shard_sequence(dout))
+        torch.testing.assert_close(out, shard_sequence(ref), atol=2e-2, rtol=2e-2)
+        for a, b in zip(lgrads, grads, strict=True):
+            torch.testing.assert_close(a, shard_sequence(b), atol=5e-2, rtol=5e-2)
+
+
+def _timed_fns(call, leaves: list[torch.Tensor]) -> tuple:
+    """(forward without grad, forward + backward) closures around ``call()``."""
+    dout = torch.randn_like(leaves[0])
+
+    def fwd() -> None:
+        with torch.no_grad():
+            call()
+
+    def fwd_bwd() -> None:
+        torch.autograd.grad(call(), leaves, dout)
+
+    return fwd, fwd_bwd
+
+
+def bench_dense(args: argparse.Namespace, device: torch.device, world: int) -> list[dict]:
+    rows = []
+    for seq_len in args.seq_lens:
+        for causal in (False, True):
+            flops = 4.0 * args.heads * seq_len * seq_len * args.head_dim / (2 if causal else 1)
+            q, k, v = (_randn((1, seq_len, args.heads, args.head_dim), s, device) for s in range(3))
+            layout = "zigzag" if causal and world > 1 else "contiguous"
+            local = [shard_sequence(t, layout=layout).requires_grad_() for t in (q, k, v)]
+            ring_fns = _timed_fns(
+                lambda local=local, causal=causal, layout=layout: ring_attention(
+                    *local, is_causal=causal, layout=layout
+                ),
+                local,
+            )
+            results = {"ours (ring)": ring_fns}
+            results.update(_torch_cp(q, k, v, causal, world, device))
+            for name, (fwd, fwd_bwd) in results.items():
+                row = {
+                    "kind": "dense", "impl": name, "world": world, "seq_len": seq_len,
+                    "causal": causal, "heads": args.heads, "head_dim": args.head_dim,
+                }  # fmt: skip
+                try:
+                    for step, fn, work in (("fwd", fwd, flops), ("fwd_bwd", fwd_bwd, 3.5 * flops)):
+                        t = time_cuda(fn, warmup=args.warmup, repeats=args.repeats)["median_ms"]
+                        row[f"{step}_ms"] = t
+                        row[f"{step}_tflops_per_gpu"] = work / world / (t * 1e-3) / 1e12
+                except Exception as exc:  # an implementation that cannot run is a result
+                    row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                rows.append(row)
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _torch_cp(q, k, v, causal: bool, world: int, device: torch.device) -> dict:
+    """PyTorch context parallel over the same tensors (B, H, N, D), if this torch has it."""
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+    except ImportError:
+        return {}
+    mesh = init_device_mesh("cuda", (world,))
+    bufs = [t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
+
+    def run(backward: bool) -> None:
+        with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2, 2, 2],
+                              no_restore_buffers=set(bufs)):  # fmt: skip
+            out = F.scaled_dot_product_attention(*bufs, is_causal=causal)
+            if backward:
+                out.sum().backward()
+
+    def fwd() -> None:
+        with torch.no_grad():
+            run(False)
+
+    return {"torch context_parallel": (fwd, lambda: run(True))}
+
+
+def bench_dilated(args: argparse.Namespace, device: torch.device, world: int) -> list[dict]:
+    rows = []
+    for per_gpu in args.dilated_tokens:
+        seq_len = per_gpu * world
+        segs, rates = longnet_schedule(seq_len)
+        flops = dilated_flops(seq_len, args.heads, args.head_dim, segs, rates)
+        for causal in (False, True):
+            q, k, v = (_randn((1, seq_len, args.heads, args.head_dim), s, device) for s in range(3))
+            local = [shard_sequence(t).requires_grad_() for t in (q, k, v)]
+            fwd, fwd_bwd = _timed_fns(
+                lambda local=local, causal=causal, segs=segs, rates=rates: ring_dilated_attention(
+                    *local, segs, rates, is_causal=causal
+                ),
+                local,
+            )
+            row = {"kind": "dilated", "impl": "ours (ring dilated)", "world": world,
+                   "seq_len": seq_len, "causal": causal, "heads": args.heads,
+                   "head_dim": args.head_dim}  # fmt: skip
+            try:
+                for step, fn, work in (("fwd", fwd, flops), ("fwd_bwd", fwd_bwd, 3.5 * flops)):
+                    t = time_cuda(fn, warmup=args.warmup, repeats=args.repeats)["median_ms"]
+                    row[f"{step}_ms"] = t
+                    row[f"{step}_tflops_per_gpu"] = work / world / (t * 1e-3) / 1e12
+                row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            except torch.OutOfMemoryError:
+                row["error"] = "out of memory"
+            rows.append(row)
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[131072, 262144])
+    parser.add_argument("--dilated-tokens", type=int, nargs="+", default=[262144],
+                        help="tokens per GPU for the dilated weak-scaling runs")  # fmt: skip
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--skip-dense", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/ring"))
+    args = parser.parse_args()
+    dist.init_process_group("nccl", timeout=timedelta(minutes=10))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    device = torch.device("cuda")
+    check(device, world)
+    if rank == 0:
+        print(f"world {world}: ring results match single-GPU results", flush=True)
+    rows = [] if args.skip_dense else bench_dense(args, device, world)
+    rows += bench_dilated(args, device, world)
+    if rank == 0:
+        env = {**environment(), "world_size": world}
+        path = args.out.parent / f"{args.out.name}_w{world}.json"
+        write_record(path, env, rows)
+        cols = ["kind", "impl", "world", "seq_len", "causal", "fwd_tflops_per_gpu",
+                "fwd_bwd_tflops_per_gpu", "peak_gib", "error"]  # fmt: skip
+        table = markdown_table(rows, cols)
+        path.with_suffix(".md").write_text(table + "\n")
+        print(table, flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
