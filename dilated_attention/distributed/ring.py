@@ -136,7 +136,7 @@ def _merge_into(
 
 def ring_forward(
     q: torch.Tensor, kv: torch.Tensor, setup: RingSetup, backend: Backend
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
     """Forward of Note [Ring schedule].
 
     Args:
@@ -144,13 +144,15 @@ def ring_forward(
         kv: (2, B, n, Hkv, D) local keys and values, contiguous.
 
     Returns:
-        ``out`` (B, n, H, D) float32 and ``lse`` (B, n, H) float32.
+        ``out`` (B, n, H, D) float32, ``lse`` (B, n, H) float32, and every kernel call's ``aux``
+        in call order (the backward replays the same calls).
     """
     batch, n, heads, dim = q.shape
     out = torch.zeros(batch, n, heads, dim, dtype=torch.float32, device=q.device)
     lse = torch.full((batch, n, heads), float("-inf"), dtype=torch.float32, device=q.device)
     if q.dtype == torch.float64:
         out, lse = out.double(), lse.double()
+    auxes: list[Any] = []
 
     def compute(block: torch.Tensor, src: int) -> None:
         for task in setup.tasks(src):
@@ -158,13 +160,14 @@ def ring_forward(
                 q[:, task.q], block[0][:, task.kv], block[1][:, task.kv],
                 scale=setup.scale, is_causal=task.causal,
             )  # fmt: skip
+            auxes.append(res.aux)
             _merge_into(out, lse, task.q, res.out, res.lse)
 
     if setup.comm == "allgather":
         blocks = ring_all_gather(kv, setup.global_ranks, setup.rank)
         for src, block in enumerate(blocks):
             compute(block, src)
-        return out, lse
+        return out, lse, auxes
     block = kv
     for step in range(setup.world_size):
         src = (setup.rank - step) % setup.world_size
@@ -176,7 +179,7 @@ def ring_forward(
         wait_all(pending)
         if incoming is not None:
             block = incoming
-    return out, lse
+    return out, lse, auxes
 
 
 def ring_backward(
@@ -187,23 +190,27 @@ def ring_backward(
     lse: torch.Tensor,
     setup: RingSetup,
     backend: Backend,
+    auxes: list[Any],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Backward of Note [Ring schedule].
 
     Args:
         dout, q, out: (B, n, H, D); kv: (2, B, n, Hkv, D); lse: (B, H, n) final statistics.
+        auxes: the forward's kernel ``aux`` values, in call order.
 
     Returns:
         ``dq`` (B, n, H, D) and ``dkv`` (2, B, n, Hkv, D), float32 (float64 for float64 inputs).
     """
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    aux_iter = iter(auxes)
 
     def compute(block: torch.Tensor, dblock: torch.Tensor, src: int) -> None:
         for task in setup.tasks(src):
             dq_t, dk_t, dv_t = backend.backward(
                 dout[:, task.q], q[:, task.q], block[0][:, task.kv], block[1][:, task.kv],
-                out[:, task.q], lse[:, :, task.q], None, scale=setup.scale, is_causal=task.causal,
+                out[:, task.q], lse[:, :, task.q], next(aux_iter), scale=setup.scale,
+                is_causal=task.causal,
             )  # fmt: skip
             dq[:, task.q] += dq_t
             dblock[0][:, task.kv] += dk_t
@@ -248,11 +255,11 @@ class RingAttentionFunction(torch.autograd.Function):
         backend: Backend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         kv = torch.stack([k, v]).contiguous()
-        out32, lse32 = ring_forward(q, kv, setup, backend)
+        out32, lse32, auxes = ring_forward(q, kv, setup, backend)
         out = out32.to(q.dtype)
         lse = lse32.transpose(1, 2).contiguous()
         ctx.save_for_backward(q, kv, out, lse)
-        ctx.setup, ctx.backend = setup, backend
+        ctx.setup, ctx.backend, ctx.auxes = setup, backend, auxes
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -261,7 +268,9 @@ class RingAttentionFunction(torch.autograd.Function):
         ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
         q, kv, out, lse = ctx.saved_tensors
-        dq, dkv = ring_backward(dout.contiguous(), q, kv, out, lse, ctx.setup, ctx.backend)
+        dq, dkv = ring_backward(
+            dout.contiguous(), q, kv, out, lse, ctx.setup, ctx.backend, ctx.auxes
+        )
         return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None
 
 

@@ -166,19 +166,23 @@ def span_forward(
     plan: SpanPlan,
     setup: RingSetup,
     backend: Backend,
-) -> None:
-    """Merge one spanning branch into the float32 accumulators out (B,n,H,D), lse (B,n,H)."""
+) -> list[Any]:
+    """Merge one spanning branch into the float32 accumulators out (B,n,H,D), lse (B,n,H);
+    returns each kernel call's ``aux`` for the backward."""
     gathered = _gather(kv, plan, setup)
+    auxes = []
     for call in plan.calls:
         keys = gathered[:, :, call.keys].unsqueeze(3)  # (2, B, ck, 1, D)
         res = backend.forward(
             _pick(q, call.q_rows, call.heads), keys[0], keys[1],
             scale=setup.scale, is_causal=call.causal,
         )  # fmt: skip
+        auxes.append(res.aux)
         index = (slice(None), call.q_rows.view(-1, 1), call.heads.view(1, -1))
         new_out, new_lse = merge_partial(out[index], lse[index], res.out, res.lse.transpose(1, 2))
         out[index] = new_out
         lse[index] = new_lse
+    return auxes
 
 
 def span_backward(
@@ -192,17 +196,18 @@ def span_backward(
     plan: SpanPlan,
     setup: RingSetup,
     backend: Backend,
+    auxes: list[Any],
 ) -> None:
     """Add one spanning branch's gradients into dq (B,n,H,D) and dkv (2,B,n,Hkv,D), float32."""
     gathered = _gather(kv, plan, setup)
     dgathered = torch.zeros(gathered.shape, dtype=dkv.dtype, device=dkv.device)
-    for call in plan.calls:
+    for call, aux in zip(plan.calls, auxes, strict=True):
         keys = gathered[:, :, call.keys].unsqueeze(3)
         rows_lse = _pick(lse_bnh.unsqueeze(-1), call.q_rows, call.heads).squeeze(-1)
         dq_c, dk_c, dv_c = backend.backward(
             _pick(dout, call.q_rows, call.heads), _pick(q, call.q_rows, call.heads),
             keys[0], keys[1], _pick(out, call.q_rows, call.heads), rows_lse.transpose(1, 2),
-            None, scale=setup.scale, is_causal=call.causal,
+            aux, scale=setup.scale, is_causal=call.causal,
         )  # fmt: skip
         dq[:, call.q_rows.view(-1, 1), call.heads.view(1, -1)] += dq_c
         dgathered[0].index_add_(1, call.keys, dk_c.squeeze(2).to(dkv.dtype))
@@ -269,12 +274,12 @@ class RingDilatedFunction(torch.autograd.Function):
         else:
             out = torch.zeros(batch, n, heads, dim, dtype=acc, device=q.device)
             lse = torch.full((batch, n, heads), float("-inf"), dtype=acc, device=q.device)
-        for span in plan.spans:
-            span_forward(q, kv, out, lse, span, setup, backend)
+        span_auxes = [span_forward(q, kv, out, lse, span, setup, backend) for span in plan.spans]
         out = out.to(q.dtype)
         lse_out = lse.transpose(1, 2).contiguous()
         ctx.save_for_backward(q, k, v, out, lse_out)
-        ctx.plan, ctx.setup, ctx.backend, ctx.auxes = plan, setup, backend, auxes
+        ctx.plan, ctx.setup, ctx.backend = plan, setup, backend
+        ctx.auxes, ctx.span_auxes = auxes, span_auxes
         ctx.mark_non_differentiable(lse_out)
         return out, lse_out
 
@@ -300,8 +305,8 @@ class RingDilatedFunction(torch.autograd.Function):
             kv = torch.stack([k, v]).contiguous()
             dkv = torch.stack([dk, dv])
             lse_bnh = lse.transpose(1, 2).contiguous()
-            for span in plan.spans:
-                span_backward(dout, q, kv, out, lse_bnh, dq, dkv, span, setup, ctx.backend)
+            for span, auxes in zip(plan.spans, ctx.span_auxes, strict=True):
+                span_backward(dout, q, kv, out, lse_bnh, dq, dkv, span, setup, ctx.backend, auxes)
             dk, dv = dkv[0], dkv[1]
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
