@@ -127,8 +127,8 @@ def dilated_forward(
     batch, seq_len, heads, dim = q.shape
     acc_dtype = _accumulator_dtype(q.dtype)
     merging = len(plan) > 1
-    out_dtype = acc_dtype if merging else q.dtype
-    out = torch.zeros(batch, seq_len, heads, dim, dtype=out_dtype, device=q.device)
+    work_dtype = acc_dtype if merging else q.dtype
+    out = torch.zeros(batch, seq_len, heads, dim, dtype=work_dtype, device=q.device)
     lse = torch.full((batch, seq_len, heads, 1), float("-inf"), dtype=acc_dtype, device=q.device)
     auxes = []
     for group in plan:
