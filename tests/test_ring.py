@@ -532,7 +532,8 @@ def _dtype_mismatch_worker(rank: int, world_size: int) -> None:
 
 def _one_rank_bad_layout_worker(rank: int, world_size: int) -> None:
     with _raises_value_error(
-        f"rank {rank}: layout='striped' on rank 1 only", r"layout must be one of|layout differs"
+        f"rank {rank}: layout='striped' on rank 1 only",
+        r"layout must be one of|rejected their ring attention inputs.*layout must be one of",
     ):
         ring_attention(*_qkv(6), layout="contiguous" if rank == 0 else "striped")
 

@@ -160,7 +160,9 @@ def _check_mismatched_schedule(rank: int, world_size: int) -> None:
     q, k, v, _ = _tensors(H)
     local = [shard_sequence(t) for t in (q, k, v)]
     segs = (8, 16) if rank == 0 else (8, 12)
-    with pytest.raises(ValueError, match=r"segment_lengths\[1\] differs across ranks"):
+    with pytest.raises(
+        ValueError, match=r"schedule \(segment_lengths, dilation_rates\) differs across ranks"
+    ):
         ring_dilated_attention(*local, segs, (1, 2))
 
 

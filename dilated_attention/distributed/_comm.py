@@ -94,25 +94,49 @@ def ring_reduce_scatter(
     return acc
 
 
+def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a small collective's tensor must live for this group's backend."""
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def check_same_on_all_ranks(
     values: Sequence[int],
     names: Sequence[str],
     group: dist.ProcessGroup | None,
-    device: torch.device,
+    local_error: Exception | None = None,
 ) -> None:
-    """All-gather small integers and raise the same ``ValueError`` on every rank when they differ.
+    """Exchange an error flag and ``values`` (the same count on every rank) in one all-gather,
+    then raise on every rank if any rank's inputs were rejected or any value differs.
 
-    One tiny collective, taken by every rank before any other communication, so a mismatch is an
-    error everywhere instead of a hang.
+    Every rank takes part before any other communication, so a bad call is an error everywhere
+    instead of a hang. The rank that rejected its inputs re-raises its own error.
     """
     _, size = group_rank_and_size(group)
     if size == 1:
+        if local_error is not None:
+            raise local_error
         return
-    mine = torch.tensor(list(values), dtype=torch.int64, device=device)
+    mine = torch.tensor([int(local_error is not None), *values], dtype=torch.int64)
+    mine = mine.to(_collective_device(group))
     gathered = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(gathered, mine, group=group)
     table = torch.stack(gathered).cpu()
-    for col, name in enumerate(names):
+    if bool(table[:, 0].any()):
+        # Rare path, taken by every rank together: tell everyone what the failing ranks said.
+        said = f"{type(local_error).__name__}: {local_error}" if local_error else None
+        messages: list[str | None] = [None] * size
+        dist.all_gather_object(messages, said, group=group)
+        if local_error is not None:
+            raise local_error
+        failed = {r: m for r, m in enumerate(messages) if m is not None}
+        raise ValueError(
+            f"rank(s) {sorted(failed)} rejected their ring attention inputs ({failed}); every rank "
+            "must call with valid inputs of the same shape and options"
+        )
+    for col, name in enumerate(names, start=1):
         column = table[:, col].tolist()
         if len(set(column)) > 1:
             raise ValueError(

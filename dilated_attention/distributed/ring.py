@@ -18,6 +18,9 @@ Shape legend: B batch, n local tokens, H query heads, Hkv key/value heads, D hea
 
 from __future__ import annotations
 
+import struct
+import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +29,7 @@ import torch.distributed as dist
 
 from .. import _validation as V
 from ..backends.base import Backend, KernelInputs
-from ..backends.registry import get_backend, select_backend
+from ..backends.registry import select_backend
 from ..core.merge import merge_partial
 from ._comm import (
     check_same_on_all_ranks,
@@ -274,6 +277,21 @@ class RingAttentionFunction(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None
 
 
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FIELDS = (
+    "local seq_len", "batch", "query heads", "key/value heads", "head_dim", "dtype", "is_causal",
+    "layout", "comm", "scale", "backend", "schedule (segment_lengths, dilation_rates)",
+)  # fmt: skip
+
+
+def _float_bits(x: float | None) -> int:
+    return -1 if x is None else struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _crc(value: object) -> int:
+    return zlib.crc32(repr(value).encode())
+
+
 def prepare_ring(
     query: object,
     key: object,
@@ -285,44 +303,50 @@ def prepare_ring(
     layout: str,
     backend: str | None,
     comm: str,
-    extra: tuple[tuple[str, int], ...] = (),
+    check_schedule: Callable[[], object] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RingSetup, Backend]:
     """Validate a ring call on every rank and return contiguous q, k, v, the setup and the kernel.
 
-    Every check that could differ between ranks (shapes, options) goes through one small
-    all-gather first, so a bad call raises the same ``ValueError`` on every rank instead of hanging.
+    Each rank checks its own inputs, then all ranks exchange one small summary (a fixed number of
+    integers: an error flag, shapes, dtype, options, a checksum of what ``check_schedule``
+    validates and returns, e.g. the dilated branches). A rank whose
+    inputs were rejected raises its own error and every other rank a ``ValueError`` naming it, and
+    any field that differs between ranks raises on every rank: never a hang.
     """
-    q, k, v = V.check_qkv(query, key, value, same_length=True)
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
-    layout = check_layout(layout)
-    if comm not in COMMS:
-        raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
-    checked_scale = V.check_scale(scale)
-    if backend is not None:
-        get_backend(backend)
     rank, size = group_rank_and_size(group)
-    n = q.shape[1]
-    check_same_on_all_ranks(
-        [n, q.shape[0], q.shape[2], k.shape[2], q.shape[3], int(is_causal),
-         LAYOUTS.index(layout), COMMS.index(comm), *(value for _, value in extra)],
-        ["local seq_len", "batch", "query heads", "key/value heads", "head_dim", "is_causal",
-         "layout", "comm", *(name for name, _ in extra)],
-        group, q.device,
-    )  # fmt: skip
-    if layout == "zigzag" and not is_causal:
-        raise ValueError(
-            "layout='zigzag' balances causal work only; with is_causal=False every rank already "
-            "does the same work: use layout='contiguous'"
-        )
-    parts = chunks_per_rank(layout)
-    if n % parts:
-        raise ValueError(
-            f"the local seq_len ({n}) must be even for layout='zigzag' (two chunks per rank); "
-            "shard a sequence divisible by 2 x world size with shard_sequence"
-        )
-    inputs = KernelInputs.from_tensors(q, k, is_causal=is_causal)
-    kernel = select_backend(inputs, backend)
+    error: Exception | None = None
+    fields = [0] * len(_FIELDS)
+    try:
+        schedule = check_schedule() if check_schedule is not None else None
+        q, k, v = V.check_qkv(query, key, value, same_length=True)
+        if not isinstance(is_causal, bool):
+            raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+        layout = check_layout(layout)
+        if comm not in COMMS:
+            raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
+        checked_scale = V.check_scale(scale)
+        if layout == "zigzag" and not is_causal:
+            raise ValueError(
+                "layout='zigzag' balances causal work only; with is_causal=False every rank "
+                "already does the same work: use layout='contiguous'"
+            )
+        n = q.shape[1]
+        parts = chunks_per_rank(layout)
+        if n % parts:
+            raise ValueError(
+                f"the local seq_len ({n}) must be even for layout='zigzag' (two chunks per rank); "
+                "shard a sequence divisible by 2 x world size with shard_sequence"
+            )
+        kernel = select_backend(KernelInputs.from_tensors(q, k, is_causal=is_causal), backend)
+        dtype_code = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else len(_DTYPES)
+        fields = [
+            n, q.shape[0], q.shape[2], k.shape[2], q.shape[3], dtype_code, int(is_causal),
+            LAYOUTS.index(layout), COMMS.index(comm), _float_bits(checked_scale),
+            _crc(backend), _crc(schedule),
+        ]  # fmt: skip
+    except (ValueError, TypeError) as exc:
+        error = exc
+    check_same_on_all_ranks(fields, _FIELDS, group, error)
     setup = RingSetup(
         rank=rank,
         world_size=size,

@@ -340,14 +340,12 @@ def ring_dilated_attention(
     Raises:
         ValueError: on every rank, before other communication, for malformed or mismatched inputs.
     """
-    segs, rates = V.check_branches(segment_lengths, dilation_rates)
-    extra = tuple((f"segment_lengths[{i}]", w) for i, w in enumerate(segs)) + tuple(
-        (f"dilation_rates[{i}]", r) for i, r in enumerate(rates)
-    )
     q, k, v, setup, kernel = prepare_ring(
         query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
-        backend=backend, comm="allgather", extra=(("number of branches", len(segs)), *extra),
+        backend=backend, comm="allgather",
+        check_schedule=lambda: V.check_branches(segment_lengths, dilation_rates),
     )  # fmt: skip
+    segs, rates = V.check_branches(segment_lengths, dilation_rates)
     plan = plan_ring_dilated(setup, q, k, segs, rates)
     out, lse = RingDilatedFunction.apply(q, k, v, plan, setup, kernel)
     return (out, lse) if return_lse else out
