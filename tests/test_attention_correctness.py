@@ -11,51 +11,21 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
+from backend_params import (
+    CPU_BACKENDS,
+    DEVICE_BACKENDS,
+    DTYPES,
+    backend_id,
+    dtype_id,
+    leaves,
+    skip_unless_runnable,
+    to,
+)
 from oracle import oracle_attention
 from tolerances import LOW_PRECISION, assert_close_to_oracle
 from torch import Tensor
 
-from dilated_attention import attention, list_backends
-from dilated_attention.backends import backend_reasons, get_backend
-
-BACKENDS: list[str | None] = [None, *list_backends()]
-DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
-#: CUDA runs only on a GPU machine (``gpu`` marker); the oracle always runs on CPU.
-
-
-def _runs_on(backend: str | None, device: str) -> bool:
-    """Automatic choice, or a backend that declares this device type and is installed and working
-    there (others are not collected: ``info`` and the selection tests cover why)."""
-    if backend is None:
-        return True
-    if backend == "flex":
-        # Compiles a kernel per configuration (seconds each): covered by test_gpu_backends.py.
-        return False
-    kernel = get_backend(backend)
-    return device in kernel.devices and not kernel.availability_reasons(torch.device(device))
-
-
-DEVICE_BACKENDS = [
-    pytest.param(
-        device,
-        backend,
-        marks=[pytest.mark.gpu] if device == "cuda" else [],
-        id=f"{device}-{'auto' if backend is None else backend}",
-    )
-    # CUDA cases are collected only where CUDA exists (``gpu`` tests run on the GPU machine).
-    for device in (("cpu", "cuda") if torch.cuda.is_available() else ("cpu",))
-    for backend in BACKENDS
-    if _runs_on(backend, device)
-]
-CPU_BACKENDS = [backend for backend in BACKENDS if _runs_on(backend, "cpu")]
-
-
-def _backend_id(backend: str | None) -> str:
-    return "auto" if backend is None else backend
-
-
-def _dtype_id(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+from dilated_attention import attention
 
 
 @dataclass(frozen=True)
@@ -112,39 +82,6 @@ def _inputs(shape: Shape, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, T
     return q.to(dtype), k.to(dtype), v.to(dtype), dout.to(dtype)
 
 
-def _leaves(
-    *xs: Tensor, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
-) -> list[Tensor]:
-    """Fresh leaf copies (requires_grad) of ``xs``, optionally cast and moved."""
-    return [
-        x.detach().to(device=device, dtype=dtype or x.dtype).clone().requires_grad_() for x in xs
-    ]
-
-
-def _to(x: Tensor | None, device: str | torch.device) -> Tensor | None:
-    return None if x is None else x.to(device)
-
-
-def _skip_unless_runnable(
-    backend: str | None,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    is_causal: bool,
-    key_padding_mask: Tensor | None,
-) -> None:
-    """Skip (with the backend's own reasons) when an explicit backend cannot run these inputs."""
-    if backend is None:
-        return
-    reasons = backend_reasons(
-        q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask, dropout_p=0.0
-    )
-    assert set(reasons) == set(list_backends()), "backend_reasons must cover every backend"
-    if reasons[backend]:
-        pytest.skip(f"{backend}: " + "; ".join(reasons[backend]))
-
-
 def _sdpa_bnhd(
     q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: float | None, mask: Tensor | None
 ) -> Tensor:
@@ -169,7 +106,7 @@ def _sdpa_bnhd(
 
 @pytest.mark.parametrize("shape", SHAPES, ids=[s.id for s in SHAPES])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize(("device", "backend"), DEVICE_BACKENDS)
 def test_matches_oracle(
     shape: Shape, is_causal: bool, dtype: torch.dtype, backend: str | None, device: str
@@ -177,9 +114,9 @@ def test_matches_oracle(
     """Output, lse and dq/dk/dv equal the float64 oracle (table, plus low-precision ratio)."""
     q0, k0, v0, dout = _inputs(shape, dtype)
     mask = _padding_mask(shape)
-    q, k, v = _leaves(q0, k0, v0, device=device)
-    dev_mask = _to(mask, device)
-    _skip_unless_runnable(backend, q, k, v, is_causal=is_causal, key_padding_mask=dev_mask)
+    q, k, v = leaves(q0, k0, v0, device=device)
+    dev_mask = to(mask, device)
+    skip_unless_runnable(backend, q, k, v, is_causal=is_causal, key_padding_mask=dev_mask)
 
     out, lse = attention(
         q,
@@ -199,14 +136,14 @@ def test_matches_oracle(
     out, lse = out.detach().cpu(), lse.cpu()
 
     kwargs = dict(is_causal=is_causal, scale=shape.scale, key_padding_mask=mask)
-    q64, k64, v64 = _leaves(q0, k0, v0, dtype=torch.float64)
+    q64, k64, v64 = leaves(q0, k0, v0, dtype=torch.float64)
     out64, lse64 = oracle_attention(q64, k64, v64, **kwargs)
     grads64 = torch.autograd.grad(out64, (q64, k64, v64), dout.to(torch.float64))
 
     ref_out = ref_lse = None
     ref_grads: tuple[Tensor | None, ...] = (None, None, None)
     if dtype in LOW_PRECISION:
-        ql, kl, vl = _leaves(q0, k0, v0)
+        ql, kl, vl = leaves(q0, k0, v0)
         ref_out, ref_lse = oracle_attention(ql, kl, vl, compute_dtype=dtype, **kwargs)
         ref_grads = torch.autograd.grad(ref_out, (ql, kl, vl), dout)
 
@@ -225,7 +162,7 @@ def test_matches_oracle(
 
 @pytest.mark.parametrize("shape", SHAPES, ids=[s.id for s in SHAPES])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=_dtype_id)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=dtype_id)
 @pytest.mark.parametrize(("device", "backend"), DEVICE_BACKENDS)
 def test_matches_sdpa(
     shape: Shape, is_causal: bool, dtype: torch.dtype, backend: str | None, device: str
@@ -233,14 +170,14 @@ def test_matches_sdpa(
     """Output and grads equal F.scaled_dot_product_attention (float64) wherever a row has a key."""
     q0, k0, v0, dout = _inputs(shape, dtype)
     mask = _padding_mask(shape)
-    q, k, v = _leaves(q0, k0, v0, device=device)
-    dev_mask = _to(mask, device)
-    _skip_unless_runnable(backend, q, k, v, is_causal=is_causal, key_padding_mask=dev_mask)
+    q, k, v = leaves(q0, k0, v0, device=device)
+    dev_mask = to(mask, device)
+    skip_unless_runnable(backend, q, k, v, is_causal=is_causal, key_padding_mask=dev_mask)
     out = attention(
         q, k, v, is_causal=is_causal, scale=shape.scale, key_padding_mask=dev_mask, backend=backend
     )
     assert isinstance(out, Tensor)  # return_lse=False gives the output alone
-    q64, k64, v64 = _leaves(q0, k0, v0, dtype=torch.float64)
+    q64, k64, v64 = leaves(q0, k0, v0, dtype=torch.float64)
     want = _sdpa_bnhd(q64, k64, v64, is_causal=is_causal, scale=shape.scale, mask=mask)
     # SDPA gives NaN on rows with no visible key (the library gives 0): compare the others only.
     has_key = ~torch.isnan(want).any(dim=-1)  # (B, N, H)
@@ -254,7 +191,7 @@ def test_matches_sdpa(
         assert_close_to_oracle(g, w, name=name, dtype=dtype, grad=True)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_output_and_lse_dtypes(dtype: torch.dtype) -> None:
     """out keeps the input dtype; lse is float64 for float64 inputs, else float32, and detached."""
     q = torch.randn(2, 9, 2, 8, dtype=dtype, requires_grad=True)
@@ -266,12 +203,12 @@ def test_output_and_lse_dtypes(dtype: torch.dtype) -> None:
     assert out.requires_grad
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS, ids=_backend_id)
+@pytest.mark.parametrize("backend", CPU_BACKENDS, ids=backend_id)
 def test_forward_without_grad(backend: str | None) -> None:
     """Inference (no_grad, inputs without requires_grad) gives the oracle's output and lse."""
     shape = next(s for s in SHAPES if s.id == "gqa_8_2")
     q, k, v, _ = _inputs(shape, torch.float32)
-    _skip_unless_runnable(backend, q, k, v, is_causal=True, key_padding_mask=None)
+    skip_unless_runnable(backend, q, k, v, is_causal=True, key_padding_mask=None)
     with torch.no_grad():
         out, lse = attention(q, k, v, is_causal=True, backend=backend, return_lse=True)
     want, want_lse = oracle_attention(q, k, v, is_causal=True)

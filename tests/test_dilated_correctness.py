@@ -13,50 +13,21 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
+from backend_params import (
+    CPU_BACKENDS,
+    DEVICE_BACKENDS,
+    DTYPES,
+    backend_id,
+    dtype_id,
+    leaves,
+    skip_unless_runnable,
+    to,
+)
 from oracle import oracle_dilated_attention
 from tolerances import LOW_PRECISION, assert_close_to_oracle
 from torch import Tensor
 
-from dilated_attention import dilated_attention, list_backends
-from dilated_attention.backends import backend_reasons, get_backend
-
-BACKENDS: list[str | None] = [None, *list_backends()]
-DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
-
-
-def _runs_on(backend: str | None, device: str) -> bool:
-    """Automatic choice, or a backend that declares this device type and is installed and working
-    there (others are not collected: ``info`` and the selection tests cover why)."""
-    if backend is None:
-        return True
-    if backend == "flex":
-        # Compiles a kernel per configuration (seconds each): covered by test_gpu_backends.py.
-        return False
-    kernel = get_backend(backend)
-    return device in kernel.devices and not kernel.availability_reasons(torch.device(device))
-
-
-DEVICE_BACKENDS = [
-    pytest.param(
-        device,
-        backend,
-        marks=[pytest.mark.gpu] if device == "cuda" else [],
-        id=f"{device}-{'auto' if backend is None else backend}",
-    )
-    # CUDA cases are collected only where CUDA exists (``gpu`` tests run on the GPU machine).
-    for device in (("cpu", "cuda") if torch.cuda.is_available() else ("cpu",))
-    for backend in BACKENDS
-    if _runs_on(backend, device)
-]
-CPU_BACKENDS = [backend for backend in BACKENDS if _runs_on(backend, "cpu")]
-
-
-def _backend_id(backend: str | None) -> str:
-    return "auto" if backend is None else backend
-
-
-def _dtype_id(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+from dilated_attention import dilated_attention
 
 
 @dataclass(frozen=True)
@@ -124,39 +95,6 @@ def _inputs(case: Case, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Ten
     return q.to(dtype), k.to(dtype), v.to(dtype), dout.to(dtype)
 
 
-def _leaves(
-    *xs: Tensor, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
-) -> list[Tensor]:
-    """Fresh leaf copies (requires_grad) of ``xs``, optionally cast and moved."""
-    return [
-        x.detach().to(device=device, dtype=dtype or x.dtype).clone().requires_grad_() for x in xs
-    ]
-
-
-def _to(x: Tensor | None, device: str | torch.device) -> Tensor | None:
-    return None if x is None else x.to(device)
-
-
-def _skip_unless_runnable(
-    backend: str | None,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    is_causal: bool,
-    key_padding_mask: Tensor | None,
-) -> None:
-    """Skip (with the backend's own reasons) when an explicit backend cannot run these inputs."""
-    if backend is None:
-        return
-    reasons = backend_reasons(
-        q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask, dropout_p=0.0
-    )
-    assert set(reasons) == set(list_backends()), "backend_reasons must cover every backend"
-    if reasons[backend]:
-        pytest.skip(f"{backend}: " + "; ".join(reasons[backend]))
-
-
 def _run_impl(
     case: Case,
     backend: str | None,
@@ -184,7 +122,7 @@ def _run_impl(
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize(("device", "backend"), DEVICE_BACKENDS)
 def test_matches_oracle(
     case: Case, is_causal: bool, dtype: torch.dtype, backend: str | None, device: str
@@ -192,9 +130,9 @@ def test_matches_oracle(
     """Output, lse and dq/dk/dv equal the float64 oracle (table, plus low-precision ratio)."""
     q0, k0, v0, dout = _inputs(case, dtype)
     mask = _padding_mask(case)
-    q, k, v = _leaves(q0, k0, v0, device=device)
-    dev_mask = _to(mask, device)
-    _skip_unless_runnable(backend, q, k, v, is_causal=is_causal, key_padding_mask=dev_mask)
+    q, k, v = leaves(q0, k0, v0, device=device)
+    dev_mask = to(mask, device)
+    skip_unless_runnable(backend, q, k, v, is_causal=is_causal, key_padding_mask=dev_mask)
 
     out, lse = _run_impl(case, backend, q, k, v, is_causal=is_causal, key_padding_mask=dev_mask)
     assert out.dtype == dtype and out.shape == q.shape and out.device == q.device
@@ -205,14 +143,14 @@ def test_matches_oracle(
     out, lse = out.detach().cpu(), lse.cpu()
 
     kwargs = dict(is_causal=is_causal, scale=case.scale, key_padding_mask=mask)
-    q64, k64, v64 = _leaves(q0, k0, v0, dtype=torch.float64)
+    q64, k64, v64 = leaves(q0, k0, v0, dtype=torch.float64)
     out64, lse64 = oracle_dilated_attention(q64, k64, v64, case.segments, case.rates, **kwargs)
     grads64 = torch.autograd.grad(out64, (q64, k64, v64), dout.to(torch.float64))
 
     ref_out = ref_lse = None
     ref_grads: tuple[Tensor | None, ...] = (None, None, None)
     if dtype in LOW_PRECISION:
-        ql, kl, vl = _leaves(q0, k0, v0)
+        ql, kl, vl = leaves(q0, k0, v0)
         ref_out, ref_lse = oracle_dilated_attention(
             ql, kl, vl, case.segments, case.rates, compute_dtype=dtype, **kwargs
         )
@@ -254,7 +192,7 @@ def test_cases_exercise_what_they_claim() -> None:
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(("H", "H_kv"), [(4, 4), (4, 2), (4, 1)])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=_dtype_id)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=dtype_id)
 @pytest.mark.parametrize(("device", "backend"), DEVICE_BACKENDS)
 def test_single_full_branch_is_sdpa(
     is_causal: bool, H: int, H_kv: int, dtype: torch.dtype, backend: str | None, device: str
@@ -265,14 +203,14 @@ def test_single_full_branch_is_sdpa(
     k0 = torch.randn(B, N, H_kv, D, dtype=torch.float64).to(dtype)
     v0 = torch.randn(B, N, H_kv, D, dtype=torch.float64).to(dtype)
     dout = torch.randn(B, N, H, D, dtype=torch.float64)
-    q, k, v = _leaves(q0, k0, v0, device=device)
-    _skip_unless_runnable(backend, q, k, v, is_causal=is_causal, key_padding_mask=None)
+    q, k, v = leaves(q0, k0, v0, device=device)
+    skip_unless_runnable(backend, q, k, v, is_causal=is_causal, key_padding_mask=None)
     out = dilated_attention(q, k, v, [N], [1], is_causal=is_causal, backend=backend)
     assert isinstance(out, Tensor)  # return_lse=False gives the output alone
     grads = [g.cpu() for g in torch.autograd.grad(out, (q, k, v), dout.to(device, dtype))]
     out = out.detach().cpu()
 
-    q64, k64, v64 = _leaves(q0, k0, v0, dtype=torch.float64)
+    q64, k64, v64 = leaves(q0, k0, v0, dtype=torch.float64)
     want = F.scaled_dot_product_attention(
         q64.transpose(1, 2),
         k64.transpose(1, 2),
@@ -286,7 +224,7 @@ def test_single_full_branch_is_sdpa(
         assert_close_to_oracle(g, w, name=name, dtype=dtype, grad=True)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_output_and_lse_dtypes(dtype: torch.dtype) -> None:
     """out keeps the input dtype; lse is float64 for float64 inputs, else float32, and detached."""
     q = torch.randn(1, 24, 2, 8, dtype=dtype, requires_grad=True)
@@ -303,12 +241,12 @@ def test_output_and_lse_dtypes(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("case_id", ["pow2_three_branches", "ragged_w10r3_w16r6", "gqa_8_2"])
-@pytest.mark.parametrize("backend", CPU_BACKENDS, ids=_backend_id)
+@pytest.mark.parametrize("backend", CPU_BACKENDS, ids=backend_id)
 def test_forward_without_grad(case_id: str, backend: str | None) -> None:
     """Inference (no_grad, inputs without requires_grad) gives the oracle's output and lse."""
     case = _case(case_id)
     q, k, v, _ = _inputs(case, torch.float32)
-    _skip_unless_runnable(backend, q, k, v, is_causal=True, key_padding_mask=None)
+    skip_unless_runnable(backend, q, k, v, is_causal=True, key_padding_mask=None)
     with torch.no_grad():
         out, lse = _run_impl(case, backend, q, k, v, is_causal=True, key_padding_mask=None)
     want, want_lse = oracle_dilated_attention(q, k, v, case.segments, case.rates, is_causal=True)
@@ -316,7 +254,7 @@ def test_forward_without_grad(case_id: str, backend: str | None) -> None:
     assert_close_to_oracle(lse, want_lse, name="lse", dtype=torch.float32)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS, ids=_backend_id)
+@pytest.mark.parametrize("backend", CPU_BACKENDS, ids=backend_id)
 def test_non_contiguous_inputs(backend: str | None) -> None:
     """Inputs that are (B, H, N, D) storage viewed as BNHD (non-contiguous) match the oracle."""
     case = _case("partial_last_37")
@@ -325,10 +263,10 @@ def test_non_contiguous_inputs(backend: str | None) -> None:
     q, k, v = (x.transpose(1, 2).requires_grad_() for x in base[:3])
     dout = base[3].transpose(1, 2)
     assert not q.is_contiguous()
-    _skip_unless_runnable(backend, q, k, v, is_causal=True, key_padding_mask=None)
+    skip_unless_runnable(backend, q, k, v, is_causal=True, key_padding_mask=None)
     out, lse = _run_impl(case, backend, q, k, v, is_causal=True, key_padding_mask=None)
     grads = torch.autograd.grad(out, (q, k, v), dout)
-    q64, k64, v64 = _leaves(q, k, v)
+    q64, k64, v64 = leaves(q, k, v)
     want, want_lse = oracle_dilated_attention(
         q64, k64, v64, case.segments, case.rates, is_causal=True
     )
