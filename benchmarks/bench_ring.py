@@ -30,19 +30,11 @@ from _timing import environment, markdown_table, time_cuda, write_record
 from dilated_attention import (
     attention,
     dilated_attention,
+    longnet_schedule,
     ring_attention,
     ring_dilated_attention,
     shard_sequence,
 )
-
-
-def longnet_schedule(seq_len: int, first: int = 2048) -> tuple[list[int], list[int]]:
-    """Segments first, 2*first, ... up to seq_len, with rates 1, 2, 4, ..."""
-    segs, rates = [min(first, seq_len)], [1]
-    while segs[-1] < seq_len:
-        segs.append(min(segs[-1] * 2, seq_len))
-        rates.append(rates[-1] * 2)
-    return segs, rates
 
 
 def dilated_flops(seq_len: int, heads: int, dim: int, segs: list[int], rates: list[int]) -> float:

@@ -11,7 +11,7 @@ from .backends.registry import (
     register_backend,
     use_backend,
 )
-from .config import DilatedConfig, MultiheadDilatedConfig
+from .config import DilatedConfig, MultiheadDilatedConfig, longnet_schedule
 from .distributed import (
     RingAttention,
     RingDilatedAttention,
@@ -54,6 +54,7 @@ __all__ = [
     "explain",
     "list_backends",
     "list_kinds",
+    "longnet_schedule",
     "register_backend",
     "register_kind",
     "ring_attention",

@@ -14,6 +14,7 @@ import time
 import torch
 
 from .backends.registry import get_backend, list_backends
+from .config import longnet_schedule
 from .factory import explain
 from .modules import MultiheadDilatedAttention
 
@@ -21,15 +22,6 @@ from .modules import MultiheadDilatedAttention
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _longnet_schedule(seq_len: int, first: int) -> tuple[list[int], list[int]]:
-    """Segments first, 2*first, ... up to seq_len, with rates 1, 2, 4, ... (LongNet Eq. 11-12)."""
-    segments, rates = [first], [1]
-    while segments[-1] < seq_len:
-        segments.append(segments[-1] * 2)
-        rates.append(rates[-1] * 2)
-    return segments, rates
 
 
 def demo(argv: list[str] | None = None) -> None:
@@ -49,7 +41,7 @@ def demo(argv: list[str] | None = None) -> None:
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    segments, rates = _longnet_schedule(args.seq_len, args.first_segment)
+    segments, rates = longnet_schedule(args.seq_len, args.first_segment)
     embed_dim = args.heads * args.head_dim
     layer = MultiheadDilatedAttention(
         embed_dim, args.heads, segments, rates, device=device, dtype=dtype

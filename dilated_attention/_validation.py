@@ -82,6 +82,11 @@ def check_qkv(
     return q, k, v
 
 
+def check_positive_int(name: str, value: object) -> int:
+    """Return ``value`` as an int if it is a positive integer (not a bool), else raise."""
+    return _positive_int(name, value)
+
+
 def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be a positive int, got {value!r} ({type(value).__name__})")

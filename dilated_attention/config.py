@@ -12,6 +12,21 @@ from typing import Any
 from . import _validation as V
 
 
+def longnet_schedule(seq_len: int, first_segment: int = 2048) -> tuple[list[int], list[int]]:
+    """LongNet's geometric schedule (Eq. 11-12): segments ``first, 2*first, ...`` until one segment
+    covers ``seq_len``, with rates ``1, 2, 4, ...``.
+
+    >>> longnet_schedule(16384)
+    ([2048, 4096, 8192, 16384], [1, 2, 4, 8])
+    """
+    segment = min(V.check_positive_int("first_segment", first_segment), seq_len)
+    segments, rates = [segment], [1]
+    while segments[-1] < seq_len:
+        segments.append(segments[-1] * 2)
+        rates.append(rates[-1] * 2)
+    return segments, rates
+
+
 def _check_backend(backend: object) -> None:
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be a backend name or None, got {backend!r}")

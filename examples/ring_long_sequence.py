@@ -19,16 +19,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dilated_attention import RingMultiheadDilatedAttention, explain, shard_sequence
-
-
-def longnet_schedule(seq_len: int, first: int) -> tuple[list[int], list[int]]:
-    """Segments first, 2*first, ... up to seq_len, with rates 1, 2, 4, ..."""
-    segments, rates = [first], [1]
-    while segments[-1] < seq_len:
-        segments.append(segments[-1] * 2)
-        rates.append(rates[-1] * 2)
-    return segments, rates
+from dilated_attention import (
+    RingMultiheadDilatedAttention,
+    explain,
+    longnet_schedule,
+    shard_sequence,
+)
 
 
 def main() -> None:
@@ -55,7 +51,7 @@ def main() -> None:
     else:
         device, dtype = torch.device("cpu"), torch.float32
     seq_len = args.seq_len or (1 << 20 if device_type == "cuda" else 1 << 14)
-    segments, rates = longnet_schedule(seq_len, min(args.first_segment, seq_len))
+    segments, rates = longnet_schedule(seq_len, args.first_segment)
     embed = args.heads * args.head_dim
     torch.manual_seed(0)
     layer = RingMultiheadDilatedAttention(

@@ -527,3 +527,13 @@ def test_auto_imports_a_ring_provider_when_distributed(
     monkeypatch.setattr(factory, "_distributed_world_size", lambda: 2)
     module = create_dilated_attention(segment_lengths=SEGS, dilation_rates=RATES)
     assert type(module).__name__ == "LazyDilated" and module_name in sys.modules
+
+
+def test_longnet_schedule_is_geometric_and_covers_the_sequence() -> None:
+    from dilated_attention import longnet_schedule
+
+    assert longnet_schedule(16384) == ([2048, 4096, 8192, 16384], [1, 2, 4, 8])
+    assert longnet_schedule(10000, 4096) == ([4096, 8192, 16384], [1, 2, 4])
+    assert longnet_schedule(1000) == ([1000], [1])
+    with pytest.raises(ValueError, match="first_segment"):
+        longnet_schedule(1000, 0)
