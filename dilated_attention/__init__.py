@@ -1,9 +1,10 @@
 """dilated_attention: exact LongNet dilated attention for PyTorch, with a kernel layer that says why
-it chose each kernel.
+it chose each kernel; ring and block-sparse variants on the same engine.
 
 Layout everywhere: (batch, seq_len, num_heads, head_dim).
 """
 
+from . import patterns
 from .backends.registry import (
     BackendChoice,
     backend_reasons,
@@ -22,22 +23,37 @@ from .distributed import (
     shard_sequence,
     unshard_sequence,
 )
+from .distributed.block_sparse_ring import (
+    BlockSparseRingDilatedAttention,
+    BlockSparseRingMultiheadDilatedAttention,
+    block_sparse_ring_attention,
+)
 from .factory import (
     KIND_ALIASES,
+    create_block_sparse_attention,
     create_dilated_attention,
     create_multihead_dilated_attention,
     explain,
     list_kinds,
     register_kind,
 )
-from .functional import attention, dilated_attention
-from .modules import DilatedAttention, MultiheadDilatedAttention
+from .functional import attention, block_sparse_attention, dilated_attention
+from .modules import (
+    BlockSparseAttention,
+    BlockSparseMultiheadAttention,
+    DilatedAttention,
+    MultiheadDilatedAttention,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "KIND_ALIASES",
     "BackendChoice",
+    "BlockSparseAttention",
+    "BlockSparseMultiheadAttention",
+    "BlockSparseRingDilatedAttention",
+    "BlockSparseRingMultiheadDilatedAttention",
     "DilatedAttention",
     "DilatedConfig",
     "MultiheadDilatedAttention",
@@ -48,6 +64,9 @@ __all__ = [
     "__version__",
     "attention",
     "backend_reasons",
+    "block_sparse_attention",
+    "block_sparse_ring_attention",
+    "create_block_sparse_attention",
     "create_dilated_attention",
     "create_multihead_dilated_attention",
     "dilated_attention",
@@ -55,6 +74,7 @@ __all__ = [
     "list_backends",
     "list_kinds",
     "longnet_schedule",
+    "patterns",
     "register_backend",
     "register_kind",
     "ring_attention",

@@ -4,6 +4,11 @@ Kinds are registered by name with :func:`register_kind`. The local kind ``"dilat
 ring and block-sparse kinds live in modules the factory never imports at load time: a kind listed in
 ``_PROVIDERS`` is imported the first time it is asked for, and that import registers it.
 
+Block-sparse kinds (``"block_sparse"``, and ``"block_sparse_ring"`` over a sharded sequence) take a
+``pattern`` instead of ``segment_lengths``/``dilation_rates``; build them with
+:func:`create_block_sparse_attention` (the generic ``create_*`` functions accept them too when
+given ``pattern=...``).
+
 Names users of the earlier dilated-attention packages know map onto ours (``KIND_ALIASES``):
 
 ==========================================  =================
@@ -11,8 +16,9 @@ earlier name                                 kind here
 ==========================================  =================
 ``"standard"``, ``"improved"``               ``"dilated"``
 ``"distributed"``, ``"ring"``                ``"ring"``
-``"block_sparse_ring"``                      ``"block_sparse"``
 ==========================================  =================
+
+(The earlier ``"block_sparse_ring"`` name is now a kind of its own: the ring variant.)
 """
 
 from __future__ import annotations
@@ -29,9 +35,11 @@ from .backends.base import KernelInputs
 from .backends.registry import BackendChoice, choose, get_backend
 from .config import DilatedConfig, MultiheadDilatedConfig
 from .modules import DilatedAttention, MultiheadDilatedAttention
+from .patterns import Pattern, check_pattern
 
 __all__ = [
     "KIND_ALIASES",
+    "create_block_sparse_attention",
     "create_dilated_attention",
     "create_multihead_dilated_attention",
     "explain",
@@ -52,13 +60,19 @@ _KINDS: dict[str, _Kind] = {
 
 #: kind -> module that provides it, imported on first request only. The module either calls
 #: register_kind on import or exposes ``FACTORY_KINDS = {kind: (dilated_cls, multihead_cls)}``.
-_PROVIDERS: dict[str, str] = {"ring": "dilated_attention.distributed.modules"}
+_PROVIDERS: dict[str, str] = {
+    "ring": "dilated_attention.distributed.modules",
+    "block_sparse": "dilated_attention.modules",
+    "block_sparse_ring": "dilated_attention.distributed.block_sparse_ring",
+}
+
+#: The kinds :func:`create_block_sparse_attention` builds (besides ``"auto"``).
+BLOCK_SPARSE_KINDS = ("block_sparse", "block_sparse_ring")
 
 KIND_ALIASES: dict[str, str] = {
     "standard": "dilated",
     "improved": "dilated",
     "distributed": "ring",
-    "block_sparse_ring": "block_sparse",
 }
 
 
@@ -205,6 +219,65 @@ def create_multihead_dilated_attention(
     }
     params = _merge_config(config, fields, backend, kwargs)
     return builder.multihead(**params)
+
+
+def create_block_sparse_attention(
+    pattern: Pattern,
+    *,
+    block_size: int = 128,
+    kind: str = "auto",
+    embed_dim: int | None = None,
+    num_heads: int | None = None,
+    backend: str = "auto",
+    **kwargs: Any,
+) -> nn.Module:
+    """A block-sparse attention module (or multihead layer, given ``embed_dim``/``num_heads``).
+
+    Args:
+        pattern: a :mod:`dilated_attention.patterns` pattern (e.g. ``patterns.LocalWindow(1)``,
+            ``patterns.preset("sparse_10")``).
+        block_size: tokens per block.
+        kind: ``"auto"`` (``"block_sparse_ring"`` when a process group of more than one rank is
+            initialised, else ``"block_sparse"``), ``"block_sparse"`` or ``"block_sparse_ring"``.
+        embed_dim, num_heads: give both for a batch-first multihead layer over (B, N, E).
+        backend: ``"auto"``, ``"flex"`` or a kernel name from ``list_backends()``.
+        **kwargs: further constructor arguments (``scale``, ``num_kv_heads``, ``group``,
+            ``device``, ...).
+
+    Returns:
+        ``BlockSparseAttention`` / ``BlockSparseRingDilatedAttention`` with ``forward(query, key,
+        value, *, is_causal=False)`` over (B, N, H, D), or ``BlockSparseMultiheadAttention`` /
+        ``BlockSparseRingMultiheadDilatedAttention`` with ``forward(query, key=None, value=None,
+        *, is_causal=False) -> (out, None)`` over (B, N, E).
+
+    Raises:
+        TypeError: ``pattern`` is not a Pattern.
+        ValueError: an unknown kind or backend, ``block_size < 1``, only one of
+            ``embed_dim``/``num_heads``.
+    """
+    check_pattern(pattern)
+    if not isinstance(kind, str):
+        raise TypeError(
+            f"kind must be a string, one of ('auto', *{BLOCK_SPARSE_KINDS}), got {kind!r}"
+        )
+    if kind == "auto":
+        kind = "block_sparse_ring" if _distributed_world_size() > 1 else "block_sparse"
+    if kind not in BLOCK_SPARSE_KINDS:
+        raise ValueError(
+            f"kind must be 'auto' or one of {BLOCK_SPARSE_KINDS} for block-sparse attention, got "
+            f"{kind!r}; for dilated kinds use create_dilated_attention"
+        )
+    builder = _resolve_kind(kind)
+    params = {"pattern": pattern, "block_size": block_size, **kwargs}
+    params["backend"] = _resolve_backend(backend)
+    if (embed_dim is None) != (num_heads is None):
+        raise ValueError(
+            f"give both embed_dim and num_heads for a multihead layer, or neither for a (B, N, H, "
+            f"D) module; got embed_dim={embed_dim!r}, num_heads={num_heads!r}"
+        )
+    if embed_dim is None:
+        return builder.dilated(**params)
+    return builder.multihead(embed_dim=embed_dim, num_heads=num_heads, **params)
 
 
 def explain(

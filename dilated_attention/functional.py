@@ -1,5 +1,7 @@
 """The functional API: validate, choose a kernel, run the engine.
 
+``block_sparse_attention`` lives in ``block_sparse.py`` and is re-exported here.
+
 Shape legend: B batch, N seq_len, H query heads, Hkv key/value heads (H % Hkv == 0), D head dim.
 """
 
@@ -10,10 +12,11 @@ import torch
 from . import _validation as V
 from .backends.base import Backend, KernelInputs
 from .backends.registry import get_backend, select_backend
+from .block_sparse import block_sparse_attention
 from .core.engine import AttentionFunction, DilatedAttentionFunction
 from .core.segment import RowGroup, plan_branches
 
-__all__ = ["attention", "dilated_attention"]
+__all__ = ["attention", "block_sparse_attention", "dilated_attention"]
 
 
 def _check_flag(name: str, value: object) -> bool:

@@ -108,7 +108,8 @@ def test_non_string_kind_raises_type_error() -> None:
 @pytest.mark.parametrize("kind", ["ring", "distributed", "block_sparse", "block_sparse_ring"])
 def test_kinds_still_to_land(kind: str) -> None:
     """Ring and block-sparse kinds: refused with "not available" until their modules land, then
-    built like any other kind."""
+    built like any other kind (block-sparse kinds from a ``pattern``, refusing a dilated
+    schedule with an error naming ``pattern``)."""
     if not _kind_available(kind):
         with pytest.raises(ValueError, match="not available") as err:
             create_dilated_attention(kind, segment_lengths=SEGS, dilation_rates=RATES)
@@ -117,6 +118,20 @@ def test_kinds_still_to_land(kind: str) -> None:
             create_multihead_dilated_attention(
                 kind, embed_dim=32, num_heads=4, segment_lengths=SEGS, dilation_rates=RATES
             )
+    elif kind.startswith("block_sparse"):
+        # Block-sparse kinds take a pattern, not a dilated schedule: a clear error naming it.
+        with pytest.raises(ValueError, match="pattern") as err:
+            create_dilated_attention(kind, segment_lengths=SEGS, dilation_rates=RATES)
+        assert kind in str(err.value)
+        with pytest.raises(ValueError, match="pattern"):
+            create_multihead_dilated_attention(kind, embed_dim=32, num_heads=4)
+        pattern = dilated_attention.patterns.LocalWindow(1)
+        module = create_dilated_attention(kind, pattern=pattern, block_size=8)
+        assert isinstance(module, nn.Module)
+        layer = create_multihead_dilated_attention(
+            kind, embed_dim=32, num_heads=4, pattern=pattern, block_size=8
+        )
+        assert isinstance(layer, nn.Module)
     else:
         module = create_dilated_attention(kind, segment_lengths=SEGS, dilation_rates=RATES)
         assert isinstance(module, nn.Module)

@@ -42,18 +42,46 @@ def _compiled_flex() -> Callable[..., Any]:
     return torch.compile(flex_attention)
 
 
+def compiled_flex_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    block_mask: Any,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The process-wide compiled FlexAttention, in its own (B, H, N, D) layout.
+
+    Shared by this backend and block-sparse attention (``block_sparse.py``), so both reuse one
+    compiled function and its cache.
+
+    Args:
+        q: (B, H, Nq, D); k, v: (B, Hkv, Nk, D) (GQA when Hkv < H).
+        block_mask: a FlexAttention ``BlockMask`` or None.
+        scale: softmax scale.
+
+    Returns:
+        ``out`` (B, H, Nq, D) and ``lse`` (B, H, Nq) (natural log), both differentiable.
+    """
+    # Past dynamo's recompile limit (8 per function by default) FlexAttention would silently run
+    # unfused, materialising every score; a dilated plan alone can hold more shapes than that.
+    with torch._dynamo.config.patch(**{_LIMIT_NAME: _RECOMPILE_LIMIT}):
+        out, lse = _compiled_flex()(
+            q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+            return_lse=True,
+        )  # fmt: skip
+    return out, lse
+
+
 def _flex(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, is_causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, N, H, D) in; ``out`` (B, N, H, D) and ``lse`` (B, H, N) out."""
     block_mask = _causal_block_mask(q.shape[1], k.shape[1], q.device) if is_causal else None
-    # Past dynamo's recompile limit (8 per function by default) FlexAttention would silently run
-    # unfused, materialising every score; a dilated plan alone can hold more shapes than that.
-    with torch._dynamo.config.patch(**{_LIMIT_NAME: _RECOMPILE_LIMIT}):
-        out, lse = _compiled_flex()(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
-            scale=scale, enable_gqa=q.shape[2] != k.shape[2], return_lse=True,
-        )  # fmt: skip
+    out, lse = compiled_flex_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
+        scale=scale,
+    )  # fmt: skip
     return out.transpose(1, 2), lse
 
 

@@ -1,0 +1,577 @@
+"""Block-sparse attention: dense attention restricted to the block pairs a pattern keeps.
+
+Block ``i`` holds tokens ``[i * block_size, (i + 1) * block_size)`` (the last block may be
+shorter). Query token ``p`` in block ``i`` attends key token ``t`` in block ``j`` when the
+pattern keeps ``(i, j)`` and, for a causal call, ``t <= p`` (top-left aligned). For 4 blocks of 2
+tokens, ``LocalWindow(0)`` and ``is_causal=True``::
+
+    key         0 1 2 3 4 5 6 7
+    query 0     x . . . . . . .
+    query 1     x x . . . . . .
+    query 2     . . x . . . . .
+    query 3     . . x x . . . .
+    ...
+
+Two kernels compute it:
+
+Note [Block-sparse plan]
+    The fallback (CPU, and CUDA without FlexAttention) computes only the kept pairs. For every
+    query block it collects the key blocks it attends; under a causal mask the blocks before the
+    diagonal are "full" and the diagonal block is a separate top-left causal call (a query piece
+    that starts inside its block, as on a rank boundary, also reads the diagonal block's keys
+    before its first row as full keys). Pieces with the same query and key row counts are stacked
+    along the batch dimension into one kernel call from the registry (``select_backend``), in
+    chunks of at most ``max(key_len, 8192)`` key rows, so extra memory stays near one copy of
+    K/V and time is proportional to the kept pairs: nothing of size N x N is ever formed. Each
+    call's ``(out, lse)`` merges into float32 accumulators (Note [Merging partial softmaxes]).
+    The backward replays the same calls with the merged ``out``/``lse`` and each call's saved
+    kernel ``aux`` (Note [Backward with external statistics]); dK/dV accumulate with
+    ``index_add_`` because one key block serves many query blocks.
+
+Note [FlexAttention block masks]
+    On CUDA, compiled FlexAttention runs the pattern as a ``BlockMask`` of 128 x 128 tiles
+    (``BlockMask.from_kv_blocks``). A tile whose every token pair is allowed is "full" (no
+    per-element mask); a tile with some allowed pairs is "partial" and evaluates ``mask_mod``:
+    ``allowed[q // block_size, kv // block_size]`` and, when causal, ``q >= kv``. Tiles of a
+    ``block_size`` that is a multiple of 128 are all full except causal diagonal ones; other
+    block sizes are exact too, with partial tiles where blocks straddle tiles. ``seq_lengths``
+    carries the ragged ends. Gradients are FlexAttention's own autograd.
+
+Shape legend: B batch, Nq/Nk query/key tokens, H query heads, Hkv key/value heads, D head dim,
+G query pieces stacked in one call, Lq/Lk rows per piece.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import _validation as V
+from .backends.base import Backend, KernelInputs
+from .backends.registry import _requested, get_backend, select_backend
+from .core.merge import merge_partial
+from .patterns import Pattern, check_pattern
+
+__all__ = ["SparseCall", "block_sparse_attention", "plan_calls"]
+
+#: A call stacks query pieces until it holds max(key_len, this) key rows (Note [Block-sparse
+#: plan]); tests lower it to exercise the chunking.
+MIN_KV_ROWS_PER_CALL = 8192
+#: FlexAttention's tile (its default sparse block size, which its kernels' tiles divide).
+FLEX_TILE = 128
+
+
+# -- validation -----------------------------------------------------------------------------------
+def check_block_size(block_size: object) -> int:
+    """Return ``block_size`` if it is a positive int, else raise."""
+    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):
+        raise TypeError(
+            f"block_size must be a positive int (tokens per block, e.g. 64 or 128), got "
+            f"{block_size!r} ({type(block_size).__name__})"
+        )
+    if block_size < 1:
+        raise ValueError(
+            f"block_size must be a positive int (tokens per block, e.g. 64 or 128), got "
+            f"{block_size}; the last block may be shorter, so any seq_len works"
+        )
+    return int(block_size)
+
+
+def _check_flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def num_blocks(length: int, block_size: int) -> int:
+    """``ceil(length / block_size)``."""
+    return -(-length // block_size)
+
+
+def causal_block_mask(mask: torch.Tensor, is_causal: bool) -> torch.Tensor:
+    """``mask`` without the pairs above the block diagonal when causal (top-left aligned)."""
+    return torch.tril(mask) if is_causal else mask
+
+
+# -- the plan (Note [Block-sparse plan]) ----------------------------------------------------------
+@dataclass(frozen=True)
+class SparseCall:
+    """One kernel call: ``G`` query pieces of ``Lq`` rows against ``Lk`` key rows each.
+
+    Attributes:
+        q_index: (G, Lq) int64 rows of the local query tensor.
+        kv_index: (G, Lk) int64 rows of the key/value tensor the call reads.
+        causal: top-left causal within each piece.
+    """
+
+    q_index: torch.Tensor
+    kv_index: torch.Tensor
+    causal: bool
+
+    def to(self, device: torch.device) -> SparseCall:
+        return SparseCall(self.q_index.to(device), self.kv_index.to(device), self.causal)
+
+
+def _block_tokens(blocks: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+    """Sorted token positions of ``blocks`` (sorted block indices), clipped to ``length``."""
+    tokens = (blocks.view(-1, 1) * block_size + torch.arange(block_size)).flatten()
+    return tokens[tokens < length]
+
+
+def plan_calls(
+    mask: torch.Tensor,
+    *,
+    block_size: int,
+    query_len: int,
+    key_len: int,
+    is_causal: bool,
+    query_range: tuple[int, int] | None = None,
+    key_range: tuple[int, int] | None = None,
+    max_kv_rows: int | None = None,
+) -> list[SparseCall]:
+    """The kernel calls computing the local queries against the available keys.
+
+    Args:
+        mask: (num_query_blocks, num_key_blocks) bool, already without the pairs above the
+            diagonal when causal (see :func:`causal_block_mask`).
+        block_size: tokens per block.
+        query_len: Nq, global.
+        key_len: Nk, global.
+        is_causal: key ``t`` visible to query ``p`` only when ``t <= p``.
+        query_range: global positions ``[lo, hi)`` of the local queries (default: all);
+            ``q_index`` counts from ``lo``.
+        key_range: global positions ``[lo, hi)`` the keys may come from (default: all);
+            ``kv_index`` counts from ``lo``.
+        max_kv_rows: key rows per call before stacking starts a new call (default
+            ``max(key_len, MIN_KV_ROWS_PER_CALL)``).
+
+    Returns:
+        Calls on the CPU, in a deterministic order.
+    """
+    q_lo, q_hi = query_range if query_range is not None else (0, query_len)
+    k_lo, k_hi = key_range if key_range is not None else (0, key_len)
+    k_hi = min(k_hi, key_len)
+    num_key_blocks = mask.shape[1]
+    groups: dict[tuple[bool, int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+
+    def add(causal: bool, q_rows: torch.Tensor, k_pos: torch.Tensor) -> None:
+        key = (causal, q_rows.numel(), k_pos.numel())
+        qs, ks = groups.setdefault(key, ([], []))
+        qs.append(q_rows)
+        ks.append(k_pos)
+
+    for i in range(q_lo // block_size, num_blocks(q_hi, block_size)):
+        q0, q1 = max(i * block_size, q_lo), min((i + 1) * block_size, q_hi)
+        if q0 >= q1:
+            continue
+        row = mask[i]
+        full_blocks = row[: min(i, num_key_blocks)] if is_causal else row
+        full = _block_tokens(full_blocks.nonzero().flatten(), block_size, key_len)
+        full = full[(full >= k_lo) & (full < k_hi)]
+        causal_keys = None
+        if is_causal and i < num_key_blocks and bool(row[i]):
+            k_end = min((i + 1) * block_size, key_len)
+            # Keys of the diagonal block before this piece's first row: visible to every row.
+            start = max(i * block_size, k_lo)
+            before = torch.arange(start, max(start, min(q0, k_end, k_hi)))
+            full = torch.cat([full, before])
+            c0, c1 = max(q0, k_lo), min(k_end, k_hi)
+            if c0 < c1 and c0 < q1:
+                causal_keys = (torch.arange(c0, q1) - q_lo, torch.arange(c0, c1))
+        if full.numel():
+            add(False, torch.arange(q0, q1) - q_lo, full)
+        if causal_keys is not None:
+            add(True, *causal_keys)
+
+    budget = max_kv_rows if max_kv_rows is not None else max(key_len, MIN_KV_ROWS_PER_CALL)
+    calls = []
+    for (causal, _, rows_k), (qs, ks) in groups.items():
+        per_call = max(1, budget // rows_k)
+        for start in range(0, len(qs), per_call):
+            q_index = torch.stack(qs[start : start + per_call])
+            kv_index = torch.stack(ks[start : start + per_call]) - k_lo
+            calls.append(SparseCall(q_index, kv_index, causal))
+    return calls
+
+
+def call_positions(calls: list[SparseCall]) -> torch.Tensor:
+    """Sorted unique ``kv_index`` values used by ``calls`` (int64, possibly empty)."""
+    if not calls:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.unique(torch.cat([c.kv_index.flatten() for c in calls]))
+
+
+# -- running the plan ------------------------------------------------------------------------------
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def new_accumulators(
+    q: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` (B, Nq, H, D) zeros and ``lse`` (B, Nq, H) ``-inf``, float32 (float64)."""
+    batch, rows, heads, dim = q.shape
+    acc = _acc_dtype(q.dtype)
+    out = torch.zeros(batch, rows, heads, dim, dtype=acc, device=q.device)
+    lse = torch.full((batch, rows, heads), float("-inf"), dtype=acc, device=q.device)
+    return out, lse
+
+
+def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """(B, N, h, D) and (G, L) -> (B * G, L, h, D)."""
+    batch, _, heads, dim = x.shape
+    g, length = index.shape
+    return x.index_select(1, index.flatten()).view(batch * g, length, heads, dim)
+
+
+def forward_calls(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    calls: list[SparseCall],
+    backend: Backend,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    auxes: list[Any],
+) -> None:
+    """Run ``calls`` and merge each result into ``out`` (B, Nq, H, D) / ``lse`` (B, Nq, H).
+
+    Args:
+        q: (B, Nq, H, D) local queries; k, v: (B, Nk', Hkv, D), the rows ``kv_index`` reads.
+        auxes: each call's kernel ``aux`` is appended, in call order.
+    """
+    batch, _, heads, dim = q.shape
+    for call in calls:
+        g, lq = call.q_index.shape
+        res = backend.forward(
+            _rows(q, call.q_index), _rows(k, call.kv_index), _rows(v, call.kv_index),
+            scale=scale, is_causal=call.causal,
+        )  # fmt: skip
+        auxes.append(res.aux)
+        rows = call.q_index.flatten()
+        part_out = res.out.reshape(batch, g * lq, heads, dim)
+        part_lse = res.lse.view(batch, g, heads, lq).transpose(2, 3).reshape(batch, g * lq, heads)
+        new_out, new_lse = merge_partial(
+            out.index_select(1, rows), lse.index_select(1, rows), part_out, part_lse
+        )
+        out.index_copy_(1, rows, new_out)
+        lse.index_copy_(1, rows, new_lse)
+
+
+def backward_calls(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    calls: list[SparseCall],
+    backend: Backend,
+    scale: float,
+    auxes: Iterator[Any],
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+) -> None:
+    """Replay ``calls`` with the merged statistics and add the gradients into dq, dk, dv.
+
+    Args:
+        dout, q, out: (B, Nq, H, D); lse: (B, H, Nq) merged; k, v: (B, Nk', Hkv, D).
+        auxes: the forward's ``aux`` values, consumed in call order.
+        dq: (B, Nq, H, D); dk, dv: (B, Nk', Hkv, D) accumulators (float32 or float64).
+    """
+    batch, _, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    for call in calls:
+        g, lq = call.q_index.shape
+        lk = call.kv_index.shape[1]
+        rows, keys = call.q_index.flatten(), call.kv_index.flatten()
+        lse_rows = lse.index_select(2, rows).view(batch, heads, g, lq).transpose(1, 2)
+        dq_c, dk_c, dv_c = backend.backward(
+            _rows(dout, call.q_index), _rows(q, call.q_index), _rows(k, call.kv_index),
+            _rows(v, call.kv_index), _rows(out, call.q_index),
+            lse_rows.reshape(batch * g, heads, lq), next(auxes), scale=scale,
+            is_causal=call.causal,
+        )  # fmt: skip
+        dq.index_add_(1, rows, dq_c.reshape(batch, g * lq, heads, dim).to(dq.dtype))
+        dk.index_add_(1, keys, dk_c.reshape(batch, g * lk, kv_heads, dim).to(dk.dtype))
+        dv.index_add_(1, keys, dv_c.reshape(batch, g * lk, kv_heads, dim).to(dv.dtype))
+
+
+class BlockSparseFunction(torch.autograd.Function):
+    """Autograd of :func:`forward_calls` / :func:`backward_calls` on one process.
+
+    Returns ``out`` (B, Nq, H, D) in the input dtype and ``lse`` (B, H, Nq), not differentiable.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        calls: list[SparseCall],
+        backend: Backend,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out_acc, lse_acc = new_accumulators(q)
+        auxes: list[Any] = []
+        forward_calls(q, k, v, calls, backend, scale, out_acc, lse_acc, auxes)
+        out = out_acc.to(q.dtype)
+        lse = lse_acc.transpose(1, 2).contiguous()
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.calls, ctx.backend, ctx.scale, ctx.auxes = calls, backend, scale, auxes
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        acc = _acc_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+        backward_calls(
+            dout.contiguous(), q, k, v, out, lse, ctx.calls, ctx.backend, ctx.scale,
+            iter(ctx.auxes), dq, dk, dv,
+        )  # fmt: skip
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+@torch.compiler.disable  # a cached pure-Python plan: run it eagerly, never traced
+@functools.lru_cache(maxsize=64)
+def _local_plan(
+    pattern: Pattern,
+    block_size: int,
+    query_len: int,
+    key_len: int,
+    is_causal: bool,
+    device: torch.device,
+    max_kv_rows: int,
+) -> tuple[list[SparseCall], torch.Tensor]:
+    """Calls (on ``device``) and the block mask (CPU, causal applied) of one local call."""
+    mask = pattern.block_mask(num_blocks(query_len, block_size), num_blocks(key_len, block_size))
+    mask = causal_block_mask(mask, is_causal)
+    calls = plan_calls(
+        mask, block_size=block_size, query_len=query_len, key_len=key_len, is_causal=is_causal,
+        max_kv_rows=max_kv_rows,
+    )  # fmt: skip
+    return [c.to(device) for c in calls], mask
+
+
+# -- FlexAttention (Note [FlexAttention block masks]) ----------------------------------------------
+def _tile_block_ranges(length: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """First and last block index (inclusive) touched by each FLEX_TILE tile of ``length``."""
+    starts = torch.arange(num_blocks(length, FLEX_TILE)) * FLEX_TILE
+    ends = torch.clamp(starts + FLEX_TILE, max=length) - 1
+    return starts // block_size, ends // block_size
+
+
+def flex_tiles(
+    mask: torch.Tensor, *, block_size: int, query_len: int, key_len: int, is_causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Classify FlexAttention tiles from a block mask (causal already applied).
+
+    Returns:
+        ``(full, partial)``: bool (query tiles, key tiles); ``full`` tiles have every token pair
+        allowed, ``partial`` ones some but not all.
+    """
+    qa, qb = _tile_block_ranges(query_len, block_size)
+    ka, kb = _tile_block_ranges(key_len, block_size)
+    # 2-D prefix sums: allowed block pairs in each tile's block rectangle.
+    sums = torch.zeros(mask.shape[0] + 1, mask.shape[1] + 1, dtype=torch.int64)
+    sums[1:, 1:] = mask.to(torch.int64).cumsum(0).cumsum(1)
+    qa, qb1, ka, kb1 = qa.view(-1, 1), (qb + 1).view(-1, 1), ka.view(1, -1), (kb + 1).view(1, -1)
+    count = sums[qb1, kb1] - sums[qa, kb1] - sums[qb1, ka] + sums[qa, ka]
+    every = count == (qb1 - qa) * (kb1 - ka)
+    some = count > 0
+    if is_causal:
+        q_first = torch.arange(every.shape[0]).view(-1, 1) * FLEX_TILE
+        q_last = torch.clamp(q_first + FLEX_TILE, max=query_len) - 1
+        k_first = torch.arange(every.shape[1]).view(1, -1) * FLEX_TILE
+        k_last = torch.clamp(k_first + FLEX_TILE, max=key_len) - 1
+        every = every & (k_last <= q_first)  # every key precedes every query
+        some = some & (k_first <= q_last)  # some key precedes some query
+    return every, some & ~every
+
+
+def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(num, indices)`` in FlexAttention's layout (1, 1, Q) and (1, 1, Q, K), int32."""
+    num = tiles.sum(-1).to(torch.int32)
+    indices = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return num.view(1, 1, -1), indices.view(1, 1, *indices.shape)
+
+
+@torch.compiler.disable
+@functools.lru_cache(maxsize=32)
+def flex_block_mask(
+    pattern: Pattern,
+    block_size: int,
+    query_len: int,
+    key_len: int,
+    is_causal: bool,
+    device: torch.device,
+) -> tuple[Any, torch.Tensor]:
+    """A FlexAttention ``BlockMask`` for the pattern, and the (Nq,) bool "row sees no key".
+
+    Built once per (pattern, shape) and cached: reusing the same ``BlockMask`` (and ``mask_mod``)
+    keeps the compiled kernel's guards stable.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    nq, nk = num_blocks(query_len, block_size), num_blocks(key_len, block_size)
+    mask = causal_block_mask(pattern.block_mask(nq, nk), is_causal)
+    full, partial = flex_tiles(
+        mask, block_size=block_size, query_len=query_len, key_len=key_len, is_causal=is_causal
+    )
+    kv_num, kv_idx = _ordered(partial)
+    full_num, full_idx = _ordered(full)
+    # Padded by one tile so that any index the kernel may form stays in bounds.
+    pad_q = num_blocks(query_len + FLEX_TILE, block_size)
+    pad_k = num_blocks(key_len + FLEX_TILE, block_size)
+    lookup = torch.zeros(pad_q, pad_k, dtype=torch.bool)
+    lookup[:nq, :nk] = mask
+    lookup = lookup.to(device)
+
+    if is_causal:
+
+        def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return lookup[q_idx // block_size, kv_idx // block_size] & (q_idx >= kv_idx)
+
+    else:
+
+        def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return lookup[q_idx // block_size, kv_idx // block_size]
+
+    block_mask = BlockMask.from_kv_blocks(
+        kv_num.to(device), kv_idx.to(device), full_num.to(device), full_idx.to(device),
+        BLOCK_SIZE=FLEX_TILE, mask_mod=mask_mod, seq_lengths=(query_len, key_len),
+    )  # fmt: skip
+    empty = ~mask.any(dim=1)
+    empty_rows = empty.repeat_interleave(block_size)[:query_len].to(device)
+    return block_mask, empty_rows
+
+
+def _flex_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pattern: Pattern,
+    *,
+    block_size: int,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-sparse attention through compiled FlexAttention; (B, N, H, D) in and out."""
+    from .backends.flex import compiled_flex_attention
+
+    block_mask, empty_rows = flex_block_mask(
+        pattern, block_size, q.shape[1], k.shape[1], is_causal, q.device
+    )
+    out, lse = compiled_flex_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
+        scale=scale,
+    )  # fmt: skip
+    lse = torch.where(empty_rows, float("-inf"), lse.detach().float())
+    return out.transpose(1, 2), lse
+
+
+@torch.compiler.disable  # selection probes kernels and caches: run it eagerly, never traced
+def _choose(
+    q: torch.Tensor, k: torch.Tensor, *, is_causal: bool, backend: str | None
+) -> Backend | None:
+    """The fallback kernel, or None for the FlexAttention path.
+
+    FlexAttention runs when it is asked for by name, or when nothing is asked for (argument,
+    ``use_backend``, environment) and it can run these inputs (CUDA, compiled Triton). Any other
+    named backend runs the fallback with that kernel.
+    """
+    inputs = KernelInputs.from_tensors(q, k, is_causal=is_causal)
+    requested, _ = _requested(backend)
+    if requested == "flex":
+        reasons = get_backend("flex").not_supported_reasons(inputs)
+        if reasons:
+            raise ValueError(
+                f"backend 'flex' cannot run these inputs: {'; '.join(reasons)}; pass "
+                "backend=None to use the fallback kernels"
+            )
+        return None
+    on_cuda = requested is None and q.device.type == "cuda"
+    if on_cuda and not get_backend("flex").not_supported_reasons(inputs):
+        return None
+    return select_backend(inputs, backend)
+
+
+def block_sparse_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    pattern: Pattern,
+    *,
+    block_size: int = 128,
+    is_causal: bool = False,
+    scale: float | None = None,
+    backend: str | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Dense attention restricted to the block pairs ``pattern`` keeps (and causal, when asked).
+
+    Query token ``p`` (block ``p // block_size``) attends key token ``t`` (block
+    ``t // block_size``) when the pattern keeps that block pair and, if causal, ``t <= p``.
+    Query rows that attend no key give 0 (and ``lse = -inf``). Gradients are exact.
+
+    Args:
+        query: (B, Nq, H, D).
+        key: (B, Nk, Hkv, D), H % Hkv == 0 (GQA). Nk may differ from Nq.
+        value: (B, Nk, Hkv, D).
+        pattern: a :mod:`dilated_attention.patterns` pattern; it is asked for the block mask
+            ``(ceil(Nq / block_size), ceil(Nk / block_size))``.
+        block_size: tokens per block; the last block may be shorter.
+        is_causal: top-left aligned causal mask (query ``p`` sees keys ``t <= p``).
+        scale: softmax scale; ``None`` means ``D ** -0.5``.
+        backend: ``None`` picks FlexAttention on CUDA where it runs, else the registry's kernel
+            for the fallback (Note [Block-sparse plan]); ``"flex"`` forces FlexAttention; any
+            other name from ``list_backends()`` runs the fallback with that kernel.
+        return_lse: also return the log-sum-exp.
+
+    Returns:
+        ``out`` (B, Nq, H, D) in the input dtype, or ``(out, lse)`` with ``lse`` (B, H, Nq)
+        float32 (float64 for float64 inputs on the fallback), detached.
+
+    Raises:
+        TypeError: ``pattern`` is not a Pattern; wrong argument types.
+        ValueError: malformed tensors, ``block_size < 1``, a ``Custom`` mask of another block
+            count, or a backend that cannot run the inputs.
+    """
+    q, k, v = V.check_qkv(query, key, value, same_length=False)
+    pattern = check_pattern(pattern)
+    block_size = check_block_size(block_size)
+    is_causal = _check_flag("is_causal", is_causal)
+    return_lse = _check_flag("return_lse", return_lse)
+    checked_scale = V.check_scale(scale)
+    if backend is not None:
+        get_backend(backend)  # ValueError naming the valid backends
+    softmax_scale = checked_scale if checked_scale is not None else q.shape[-1] ** -0.5
+    query_len, key_len = q.shape[1], k.shape[1]
+    # Ask the pattern first: a Custom mask of the wrong size fails before any kernel work.
+    pattern.block_mask(num_blocks(query_len, block_size), num_blocks(key_len, block_size))
+    kernel = _choose(q, k, is_causal=is_causal, backend=backend)
+    if kernel is None:
+        out, lse = _flex_forward(
+            q, k, v, pattern, block_size=block_size, is_causal=is_causal, scale=softmax_scale
+        )
+    else:
+        budget = max(key_len, MIN_KV_ROWS_PER_CALL)
+        calls, _ = _local_plan(pattern, block_size, query_len, key_len, is_causal, q.device, budget)
+        out, lse = BlockSparseFunction.apply(
+            q.contiguous(), k.contiguous(), v.contiguous(), calls, kernel, softmax_scale
+        )
+    return (out, lse) if return_lse else out
