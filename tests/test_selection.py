@@ -577,19 +577,19 @@ def test_cli_info_follows_the_environment() -> None:
     assert _starred(_cpu_table(proc.stdout)) == ["math"]
 
 
-DEMO_ARGS = ("demo", "--seq-len", "1024", "--heads", "2", "--head-dim", "16", "--repeats", "1")
+LAYER_ARGS = ("layer", "--seq-len", "1024", "--heads", "2", "--head-dim", "16", "--repeats", "1")
 
 
-def test_cli_demo() -> None:
-    proc = _run_cli(*DEMO_ARGS)
+def test_cli_layer() -> None:
+    proc = _run_cli(*LAYER_ARGS)
     assert proc.returncode == 0, proc.stderr
     assert "backend chosen: cpu_flash" in proc.stdout
     assert "input gradient finite: True" in proc.stdout
 
 
-def test_cli_demo_reports_the_backend_it_runs() -> None:
-    # With DILATED_ATTENTION_BACKEND=math every attention call runs on math, so the demo must say
-    # so rather than report the automatic choice.
-    proc = _run_cli(*DEMO_ARGS, env={ENV_VAR: "math"})
+def test_cli_layer_reports_the_backend_it_runs() -> None:
+    # With DILATED_ATTENTION_BACKEND=math every attention call runs on math, so the layer timing
+    # must say so rather than report the automatic choice.
+    proc = _run_cli(*LAYER_ARGS, env={ENV_VAR: "math"})
     assert proc.returncode == 0, proc.stderr
     assert "backend chosen: math" in proc.stdout, proc.stdout

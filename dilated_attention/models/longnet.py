@@ -1,0 +1,430 @@
+"""LongNet decoder-only language model (Ding et al. 2023) on this package's attention.
+
+Shape legend: B batch, N seq_len (this rank's shard under ring attention), E embed_dim, H heads,
+Hkv key/value heads, D head dim, V vocab_size.
+
+Note [Rotary inside a factory-built attention layer]
+    Attention comes from :func:`dilated_attention.create_multihead_dilated_attention`, so the
+    same model is local (``kind="dilated"``) or ring-sharded (``kind="ring"``, or ``"auto"``
+    under ``torchrun``). That layer does its own q/k/v projections, and rotary positions must be
+    applied between the projections and attention. :class:`LongNetAttention` therefore keeps the
+    factory-built layer as ``self.mha`` (its parameters keep the layer's own names:
+    ``mha.q_proj``, ``mha.k_proj``, ``mha.v_proj``, ``mha.norm``, ``mha.out_proj``) and runs its
+    pieces itself: projections -> rotary(q, k) -> ``mha.attention`` (the inner (B, N, H, D)
+    module, local or ring) -> ``mha.norm`` (MAGNETO sub-LN) -> ``mha.out_proj``. Any kind whose
+    layer exposes those attributes works.
+
+Note [Block structure]
+    MAGNETO (Wang et al. 2022) sub-LN blocks, pre-LN at the block input and a second LayerNorm
+    inside each sublayer before its output projection::
+
+        x = x + drop(attn_out_proj(subLN(attention(rotary(qkv_proj(LN(x)))))))
+        x = x + drop(fc2(subLN(gelu(fc1(LN(x))))))
+
+    then a final LayerNorm and the LM head (tied to the token embedding by default).
+    Initialisation follows MAGNETO: Xavier normal, gain ``sqrt(log(2 * num_layers))`` on the value,
+    attention output and both FFN projections.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .. import _validation as V
+from ..factory import create_multihead_dilated_attention
+from .rotary import RotaryEmbedding
+
+__all__ = ["PRESETS", "LongNetAttention", "LongNetBlock", "LongNetConfig", "LongNetLM"]
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+    return value
+
+
+def _positive_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number, got {name}={value!r}")
+    return float(value)
+
+
+def _bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {name}={value!r}")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class LongNetConfig:
+    """Configuration of :class:`LongNetLM`; validated on construction.
+
+    Args:
+        vocab_size: V, number of token ids.
+        embed_dim: E, hidden size.
+        num_heads: H; ``embed_dim // num_heads`` (head dim) must be even for rotary positions.
+        num_layers: number of blocks.
+        segment_lengths: w per dilated-attention branch.
+        dilation_rates: r per branch.
+        ffn_dim: FFN hidden size.
+        dropout: residual, FFN and attention-probability dropout (training only; must be 0 for
+            ring attention).
+        num_kv_heads: Hkv for grouped-query attention (``None`` = H).
+        max_seq_len: longest (global) sequence accepted, or ``None`` for no limit.
+        rotary_base: RoPE frequency base.
+        layer_norm_eps: epsilon of every LayerNorm.
+        tie_embeddings: share the LM head weight with the token embedding.
+        activation_checkpointing: recompute each block in the backward pass (training only).
+        backend: attention kernel name, or ``None`` for the automatic choice.
+        kind: factory kind: ``"auto"``, ``"dilated"``, ``"ring"``, ...
+
+    Raises:
+        ValueError: a field is invalid; the message names it.
+    """
+
+    vocab_size: int
+    embed_dim: int
+    num_heads: int
+    num_layers: int
+    segment_lengths: tuple[int, ...]
+    dilation_rates: tuple[int, ...]
+    ffn_dim: int
+    dropout: float = 0.0
+    num_kv_heads: int | None = None
+    max_seq_len: int | None = None
+    rotary_base: float = 10000.0
+    layer_norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    activation_checkpointing: bool = False
+    backend: str | None = None
+    kind: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "embed_dim", "num_heads", "num_layers", "ffn_dim"):
+            _positive_int(name, getattr(self, name))
+        kv = V.check_heads(self.embed_dim, self.num_heads, self.num_kv_heads)
+        if self.num_kv_heads is not None:
+            object.__setattr__(self, "num_kv_heads", kv)
+        head_dim = self.embed_dim // self.num_heads
+        if head_dim % 2:
+            raise ValueError(
+                f"embed_dim // num_heads (head_dim) must be even for rotary positions, got "
+                f"embed_dim={self.embed_dim}, num_heads={self.num_heads} (head_dim={head_dim})"
+            )
+        segs, rates = V.check_branches(self.segment_lengths, self.dilation_rates)
+        object.__setattr__(self, "segment_lengths", segs)
+        object.__setattr__(self, "dilation_rates", rates)
+        object.__setattr__(self, "dropout", V.check_dropout("dropout", self.dropout))
+        if self.max_seq_len is not None:
+            _positive_int("max_seq_len", self.max_seq_len)
+        object.__setattr__(self, "rotary_base", _positive_float("rotary_base", self.rotary_base))
+        object.__setattr__(
+            self, "layer_norm_eps", _positive_float("layer_norm_eps", self.layer_norm_eps)
+        )
+        _bool("tie_embeddings", self.tie_embeddings)
+        _bool("activation_checkpointing", self.activation_checkpointing)
+        if self.backend is not None and not isinstance(self.backend, str):
+            raise ValueError(f"backend must be a backend name or None, got {self.backend!r}")
+        if not isinstance(self.kind, str):
+            raise ValueError(f"kind must be a factory kind name, got kind={self.kind!r}")
+
+    @property
+    def head_dim(self) -> int:
+        """D = embed_dim // num_heads."""
+        return self.embed_dim // self.num_heads
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> LongNetConfig:
+        """A named configuration (see :data:`PRESETS`), with fields overridden by keyword.
+
+        Args:
+            name: ``"tiny"`` (byte-level, trains on a laptop CPU in minutes) or ``"base"`` (the
+                paper's 768 hidden, 12 heads, 12 layers, FFN 3072, w = 2048..32768,
+                r = 1, 2, 4, 6, 12; vocab 100277 = cl100k unless overridden).
+            **overrides: any field, e.g. ``num_layers=2`` or ``vocab_size=50257``.
+
+        Raises:
+            ValueError: unknown preset name or field, or an invalid value.
+        """
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; presets: {sorted(PRESETS)}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"unknown LongNetConfig fields {unknown}; fields: {sorted(known)}")
+        return replace(PRESETS[name], **overrides)
+
+
+#: Named configurations for :meth:`LongNetConfig.from_preset`.
+PRESETS: dict[str, LongNetConfig] = {
+    "tiny": LongNetConfig(
+        vocab_size=256, embed_dim=128, num_heads=4, num_layers=4,
+        segment_lengths=(64, 128, 256), dilation_rates=(1, 2, 4), ffn_dim=512,
+    ),
+    "base": LongNetConfig(
+        vocab_size=100277, embed_dim=768, num_heads=12, num_layers=12,
+        segment_lengths=(2048, 4096, 8192, 16384, 32768), dilation_rates=(1, 2, 4, 6, 12),
+        ffn_dim=3072,
+    ),
+}  # fmt: skip
+
+
+_MHA_PARTS = ("q_proj", "k_proj", "v_proj", "out_proj", "norm", "attention", "num_kv_heads")
+
+
+class LongNetAttention(nn.Module):
+    """Causal self-attention with rotary positions around a factory-built multihead layer.
+
+    See Note [Rotary inside a factory-built attention layer].
+
+    Args:
+        config: the model configuration.
+        gamma_init: MAGNETO gain on the value and output projections.
+
+    Raises:
+        TypeError: the factory kind's layer lacks the q/k/v/out projections or inner attention.
+    """
+
+    def __init__(self, config: LongNetConfig, *, gamma_init: float = 1.0) -> None:
+        super().__init__()
+        self.mha = create_multihead_dilated_attention(
+            kind=config.kind, embed_dim=config.embed_dim, num_heads=config.num_heads,
+            segment_lengths=list(config.segment_lengths),
+            dilation_rates=list(config.dilation_rates), num_kv_heads=config.num_kv_heads,
+            dropout=config.dropout, layer_norm=True, layer_norm_eps=config.layer_norm_eps,
+            gamma_init=gamma_init, backend=config.backend or "auto",
+        )  # fmt: skip
+        missing = [name for name in _MHA_PARTS if not hasattr(self.mha, name)]
+        if missing:
+            raise TypeError(
+                f"kind {config.kind!r} built {type(self.mha).__name__}, which lacks {missing}; "
+                f"LongNetLM needs a layer with q/k/v projections and an inner attention module"
+            )
+        self.num_heads, self.num_kv_heads = config.num_heads, int(self.mha.num_kv_heads)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rotary_base)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x (B, N, E), positions (N,) global int positions -> (B, N, E)."""
+        B, N, _ = x.shape
+        mha = self.mha
+        q = mha.q_proj(x).view(B, N, self.num_heads, -1)
+        k = mha.k_proj(x).view(B, N, self.num_kv_heads, -1)
+        v = mha.v_proj(x).view(B, N, self.num_kv_heads, -1)
+        q, k = self.rotary(q, positions), self.rotary(k, positions)
+        out = mha.attention(q, k, v, is_causal=True).reshape(B, N, -1)
+        if mha.norm is not None:
+            out = mha.norm(out)
+        return mha.out_proj(out)
+
+
+class LongNetBlock(nn.Module):
+    """One MAGNETO sub-LN decoder block (see Note [Block structure]).
+
+    Args:
+        config: the model configuration.
+        gamma_init: MAGNETO gain.
+    """
+
+    def __init__(self, config: LongNetConfig, *, gamma_init: float = 1.0) -> None:
+        super().__init__()
+        E, eps = config.embed_dim, config.layer_norm_eps
+        self.attn_norm = nn.LayerNorm(E, eps=eps)
+        self.attn = LongNetAttention(config, gamma_init=gamma_init)
+        self.ffn_norm = nn.LayerNorm(E, eps=eps)
+        self.fc1 = nn.Linear(E, config.ffn_dim)
+        self.ffn_sub_norm = nn.LayerNorm(config.ffn_dim, eps=eps)
+        self.fc2 = nn.Linear(config.ffn_dim, E)
+        self.dropout = nn.Dropout(config.dropout)
+        for fc in (self.fc1, self.fc2):
+            nn.init.xavier_normal_(fc.weight, gain=gamma_init)
+            nn.init.zeros_(fc.bias)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x (B, N, E), positions (N,) -> (B, N, E)."""
+        x = x + self.dropout(self.attn(self.attn_norm(x), positions))
+        h = self.dropout(F.gelu(self.fc1(self.ffn_norm(x))))
+        return x + self.dropout(self.fc2(self.ffn_sub_norm(h)))
+
+
+class LongNetLM(nn.Module):
+    """Decoder-only LongNet language model: causal dilated attention, rotary positions, MAGNETO
+    sub-LN blocks.
+
+    The attention layers come from :func:`dilated_attention.create_multihead_dilated_attention`
+    with ``config.kind``: ``"auto"`` is local attention in one process and ring attention when a
+    process group of several ranks is initialised, where each rank passes its shard of the
+    sequence (from :func:`dilated_attention.shard_sequence`) and gets that shard's logits.
+
+    Args:
+        config: a :class:`LongNetConfig`.
+
+    Example::
+
+        cfg = LongNetConfig.from_preset("tiny")
+        model = LongNetLM(cfg)
+        logits = model(tokens)                       # (B, N, 256)
+        sample = model.generate(tokens[:, :16], 64)  # (B, 80)
+    """
+
+    def __init__(self, config: LongNetConfig) -> None:
+        super().__init__()
+        if not isinstance(config, LongNetConfig):
+            raise TypeError(f"config must be a LongNetConfig, got {type(config).__name__}")
+        self.config = config
+        gamma = math.sqrt(math.log(2 * config.num_layers)) if config.num_layers > 1 else 1.0
+        self.embed = nn.Embedding(config.vocab_size, config.embed_dim)
+        nn.init.normal_(self.embed.weight, std=config.embed_dim**-0.5)
+        self.dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(
+            LongNetBlock(config, gamma_init=gamma) for _ in range(config.num_layers)
+        )
+        self.final_norm = nn.LayerNorm(config.embed_dim, eps=config.layer_norm_eps)
+        self.lm_head = nn.Linear(config.embed_dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def num_parameters(self, *, trainable_only: bool = False) -> int:
+        """Number of parameters, counting a tied weight once."""
+        params = {id(p): p for p in self.parameters()}.values()
+        return sum(p.numel() for p in params if p.requires_grad or not trainable_only)
+
+    def _default_positions(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        inner = self.blocks[0].attn.mha.attention
+        if hasattr(inner, "layout"):  # ring attention: this rank's global positions
+            from ..distributed.sharding import sequence_positions
+
+            return sequence_positions(
+                seq_len, group=getattr(inner, "group", None), layout=inner.layout, device=device
+            )
+        return torch.arange(seq_len, device=device)
+
+    def _check_tokens(self, tokens: object) -> torch.Tensor:
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+            shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens)
+            raise ValueError(f"tokens must be a (batch, seq_len) LongTensor, got {shape}")
+        if tokens.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+            raise ValueError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
+        N, cap = tokens.shape[1], self.config.max_seq_len
+        if N == 0:
+            raise ValueError("tokens must hold at least one token, got seq_len 0")
+        if cap is not None and cap < N:
+            raise ValueError(
+                f"sequence length {N} is longer than max_seq_len={cap}; truncate or split the "
+                f"tokens, or raise max_seq_len in the config"
+            )
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            raise ValueError(
+                f"token ids must be in [0, vocab_size={self.config.vocab_size}), got ids in "
+                f"[{lo}, {hi}]"
+            )
+        return tokens
+
+    def forward(
+        self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Next-token logits.
+
+        Args:
+            tokens: (B, N) token ids in ``[0, vocab_size)``.
+            positions: (N,) int global positions of the tokens; default ``0..N-1``, or this
+                rank's global positions under ring attention.
+
+        Returns:
+            (B, N, V) logits; row ``i`` predicts token ``i + 1`` and sees tokens ``<= i`` only.
+
+        Raises:
+            ValueError: token ids out of range, N (or a position) beyond ``max_seq_len``, bad
+                ``positions``.
+        """
+        tokens = self._check_tokens(tokens)
+        N = tokens.shape[1]
+        if positions is None:
+            positions = self._default_positions(N, tokens.device)
+        else:
+            if not isinstance(positions, torch.Tensor) or positions.shape != (N,):
+                got = tuple(positions.shape) if isinstance(positions, torch.Tensor) else positions
+                raise ValueError(f"positions must be a ({N},) int tensor, got {got}")
+            positions = positions.to(tokens.device)
+        cap = self.config.max_seq_len
+        if cap is not None and int(positions.max()) >= cap:
+            raise ValueError(
+                f"positions reach {int(positions.max())}, beyond max_seq_len={cap} (the global "
+                f"sequence is longer than the configured maximum)"
+            )
+        x = self.dropout(self.embed(tokens.long()))
+        use_ckpt = self.config.activation_checkpointing and self.training
+        for block in self.blocks:
+            if use_ckpt:
+                x = checkpoint(block, x, positions, use_reentrant=False)
+            else:
+                x = block(x, positions)
+        return self.lm_head(self.final_norm(x))
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Sample a continuation, one token at a time.
+
+        Simple by design: every step recomputes the full forward over the whole context (no KV
+        cache), in eval mode (the training mode is restored afterwards). When ``max_seq_len`` is
+        set the context is cropped to its last ``max_seq_len`` tokens. Local attention only (not
+        under ring sharding).
+
+        Args:
+            prompt: (B, N0) token ids.
+            max_new_tokens: number of tokens to append (>= 0).
+            temperature: > 0 samples from softmax(logits / temperature); 0 is greedy.
+            top_k: sample among the ``top_k`` most likely tokens only (``None``: all).
+            generator: a ``torch.Generator`` for reproducible sampling.
+
+        Returns:
+            (B, N0 + max_new_tokens) token ids: the prompt followed by the samples.
+
+        Raises:
+            ValueError: bad prompt, ``max_new_tokens < 0``, ``temperature < 0``, ``top_k < 1``.
+        """
+        tokens = self._check_tokens(prompt)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if not isinstance(temperature, (int, float)) or temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+        if top_k is not None:
+            _positive_int("top_k", top_k)
+        was_training = self.training
+        self.eval()
+        try:
+            out = tokens.long()
+            cap = self.config.max_seq_len
+            for _ in range(max_new_tokens):
+                context = out if cap is None else out[:, -cap:]
+                logits = self(context)[:, -1, :].float()
+                if temperature == 0:
+                    nxt = logits.argmax(dim=-1, keepdim=True)
+                else:
+                    logits = logits / temperature
+                    if top_k is not None and top_k < logits.shape[-1]:
+                        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+                        logits = logits.masked_fill(logits < kth, float("-inf"))
+                    probs = torch.softmax(logits, dim=-1)
+                    nxt = torch.multinomial(probs, 1, generator=generator)
+                out = torch.cat([out, nxt.to(out.device)], dim=1)
+            return out
+        finally:
+            self.train(was_training)

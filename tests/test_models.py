@@ -1,0 +1,255 @@
+"""LongNet language model: causality, training, checkpoints, rotary positions, bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dilated_attention.models import LongNetConfig, LongNetLM, RotaryEmbedding
+
+# Segments (8, 16) with rates (1, 2) over 37 tokens: the last segment of each branch is partial.
+SMALL = {
+    "vocab_size": 61,
+    "embed_dim": 32,
+    "num_heads": 4,
+    "num_layers": 2,
+    "segment_lengths": (8, 16),
+    "dilation_rates": (1, 2),
+    "ffn_dim": 64,
+}
+
+
+def small_model(seed: int = 0, **overrides: object) -> LongNetLM:
+    torch.manual_seed(seed)
+    return LongNetLM(LongNetConfig(**{**SMALL, **overrides}))
+
+
+def lm_loss(model: LongNetLM, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def test_causal_partial_segments() -> None:
+    model = small_model().double().eval()
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randint(0, 61, (2, 37), generator=gen)
+    b = a.clone()
+    b[:, 20:] = torch.randint(0, 61, (2, 17), generator=gen)
+    la, lb = model(a), model(b)
+    assert la.shape == (2, 37, 61) and la.dtype == torch.float64
+    torch.testing.assert_close(la[:, :20], lb[:, :20], atol=1e-10, rtol=0)
+    assert (la[:, 20:] - lb[:, 20:]).abs().max() > 1e-3  # the future does change the future
+
+
+def test_loss_falls_on_fixed_batch() -> None:
+    torch.manual_seed(0)
+    cfg = LongNetConfig.from_preset("tiny", num_layers=1)
+    model = LongNetLM(cfg)
+    tokens = torch.randint(0, 256, (4, 129))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(20):
+        loss = lm_loss(model, tokens)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0]
+
+
+def test_state_dict_and_checkpoint_round_trip(tmp_path) -> None:
+    model = small_model(seed=0).eval()
+    tokens = torch.randint(0, 61, (2, 23))
+    expected = model(tokens)
+    other = small_model(seed=1).eval()
+    assert not torch.equal(other(tokens), expected)
+    other.load_state_dict(model.state_dict())
+    assert torch.equal(other(tokens), expected)
+
+    path = tmp_path / "ckpt.pt"
+    torch.save({"config": dataclasses.asdict(model.config), "model": model.state_dict()}, path)
+    ckpt = torch.load(path, weights_only=True)
+    restored = LongNetLM(LongNetConfig(**ckpt["config"])).eval()
+    restored.load_state_dict(ckpt["model"])
+    assert restored.config == model.config
+    assert torch.equal(restored(tokens), expected)
+
+
+def test_parameter_names_and_tied_head() -> None:
+    model = small_model()
+    names = set(model.state_dict())
+    for part in ("q_proj", "k_proj", "v_proj", "out_proj", "norm"):
+        assert f"blocks.0.attn.mha.{part}.weight" in names
+    assert model.lm_head.weight is model.embed.weight
+    untied = small_model(tie_embeddings=False)
+    assert untied.num_parameters() == model.num_parameters() + 61 * 32
+
+
+def test_rotary_relative_position() -> None:
+    rope = RotaryEmbedding(16).double()
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 1, 16, generator=gen, dtype=torch.float64)
+    k = torch.randn(1, 1, 1, 16, generator=gen, dtype=torch.float64)
+
+    def score(m: int, n: int) -> torch.Tensor:
+        qm = rope(q, torch.tensor([m]))
+        kn = rope(k, torch.tensor([n]))
+        return (qm * kn).sum()
+
+    for delta in (0, 3, 17):
+        ref = score(delta, 0)
+        for shift in (5, 1000, 123456):
+            torch.testing.assert_close(score(shift + delta, shift), ref, atol=1e-9, rtol=0)
+    assert not torch.allclose(score(3, 0), score(4, 0))
+    # Rotation preserves norms.
+    x = torch.randn(2, 9, 3, 16, generator=gen, dtype=torch.float64)
+    rx = rope(x, torch.arange(9))
+    torch.testing.assert_close(rx.norm(dim=-1), x.norm(dim=-1))
+
+
+def test_rotary_shard_offsets_match_full_sequence() -> None:
+    rope = RotaryEmbedding(8)
+    x = torch.randn(2, 12, 3, 8)
+    full = rope(x, torch.arange(12))
+    for start in (0, 4, 8):
+        shard = rope(x[:, start : start + 4], torch.arange(start, start + 4))
+        torch.testing.assert_close(shard, full[:, start : start + 4], atol=0, rtol=0)
+    # Through the model: passing positions 0..N-1 is the default.
+    model = small_model().eval()
+    tokens = torch.randint(0, 61, (1, 19))
+    torch.testing.assert_close(model(tokens), model(tokens, positions=torch.arange(19)))
+    assert not torch.allclose(model(tokens), model(tokens, positions=torch.arange(19) + 7))
+
+
+def test_activation_checkpointing_same_loss_and_grads() -> None:
+    tokens = torch.randint(0, 61, (2, 30))
+    plain = small_model(seed=3, dropout=0.0)
+    ckpt = small_model(seed=3, dropout=0.0, activation_checkpointing=True)
+    ckpt.load_state_dict(plain.state_dict())
+    losses = []
+    for model in (plain, ckpt):
+        model.train()
+        loss = lm_loss(model, tokens)
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[0], losses[1], atol=1e-6, rtol=1e-6)
+    for (name, p), q in zip(plain.named_parameters(), ckpt.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_grouped_query_attention() -> None:
+    model = small_model(num_kv_heads=2)
+    assert model.blocks[0].attn.mha.k_proj.weight.shape == (16, 32)
+    tokens = torch.randint(0, 61, (2, 21))
+    logits = model(tokens)
+    assert logits.shape == (2, 21, 61)
+    lm_loss(model, tokens).backward()
+
+
+def test_generate_shape_and_determinism() -> None:
+    model = small_model()
+    model.train()
+    prompt = torch.randint(0, 61, (2, 5))
+    outs = [
+        model.generate(prompt, 7, top_k=10, generator=torch.Generator().manual_seed(42))
+        for _ in range(2)
+    ]
+    assert outs[0].shape == (2, 12)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0][:, :5], prompt)
+    assert int(outs[0].min()) >= 0 and int(outs[0].max()) < 61
+    assert model.training  # mode restored
+    greedy = model.generate(prompt, 3, temperature=0)
+    assert greedy.shape == (2, 8)
+    assert model.generate(prompt, 0).shape == (2, 5)
+
+
+def test_generate_crops_to_max_seq_len() -> None:
+    model = small_model(max_seq_len=8)
+    out = model.generate(torch.randint(0, 61, (1, 6)), 5, generator=torch.Generator())
+    assert out.shape == (1, 11)
+
+
+def test_presets() -> None:
+    tiny = LongNetConfig.from_preset("tiny")
+    assert (tiny.vocab_size, tiny.embed_dim, tiny.num_heads) == (256, 128, 4)
+    base = LongNetConfig.from_preset("base")
+    assert (base.embed_dim, base.num_heads, base.num_layers, base.ffn_dim) == (768, 12, 12, 3072)
+    assert base.segment_lengths == (2048, 4096, 8192, 16384, 32768)
+    assert base.dilation_rates == (1, 2, 4, 6, 12)
+    assert base.vocab_size == 100277
+    small_base = LongNetConfig.from_preset("base", num_layers=1, vocab_size=300)
+    model = LongNetLM(small_base).eval()
+    assert model(torch.randint(0, 300, (1, 10))).shape == (1, 10, 300)
+
+
+def test_unknown_preset() -> None:
+    with pytest.raises(ValueError, match=r"unknown preset 'huge'.*tiny"):
+        LongNetConfig.from_preset("huge")
+    with pytest.raises(ValueError, match="num_layer"):
+        LongNetConfig.from_preset("tiny", num_layer=2)
+
+
+@pytest.mark.parametrize("bad", [-1, 61])
+def test_token_ids_out_of_range(bad: int) -> None:
+    model = small_model()
+    tokens = torch.randint(0, 61, (2, 10))
+    tokens[1, 4] = bad
+    with pytest.raises(ValueError, match="token ids"):
+        model(tokens)
+    with pytest.raises(ValueError, match="token ids"):
+        model.generate(tokens, 2)
+
+
+def test_sequence_longer_than_max_seq_len() -> None:
+    model = small_model(max_seq_len=16)
+    model(torch.randint(0, 61, (1, 16)))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model(torch.randint(0, 61, (1, 17)))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model(torch.randint(0, 61, (1, 8)), positions=torch.arange(10, 18))
+
+
+def test_bad_tokens_and_positions() -> None:
+    model = small_model()
+    with pytest.raises(ValueError, match="tokens"):
+        model(torch.zeros(2, 3, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="tokens"):
+        model(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="positions"):
+        model(torch.zeros(2, 3, dtype=torch.long), positions=torch.arange(4))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"embed_dim": 30}, "embed_dim"),  # not divisible by 4 heads
+        ({"embed_dim": 36}, "head_dim"),  # head_dim 9: odd, no rotary pairs
+        ({"num_heads": 0}, "num_heads"),
+        ({"vocab_size": 0}, "vocab_size"),
+        ({"num_layers": -1}, "num_layers"),
+        ({"ffn_dim": 2.5}, "ffn_dim"),
+        ({"num_kv_heads": 3}, "num_kv_heads"),
+        ({"segment_lengths": (8,)}, "segment_lengths"),
+        ({"dilation_rates": (1, 0)}, "dilation_rates"),
+        ({"dropout": 1.5}, "dropout"),
+        ({"max_seq_len": 0}, "max_seq_len"),
+        ({"rotary_base": -1.0}, "rotary_base"),
+        ({"layer_norm_eps": 0}, "layer_norm_eps"),
+        ({"tie_embeddings": "yes"}, "tie_embeddings"),
+    ],
+)
+def test_bad_config(overrides: dict[str, object], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        LongNetConfig(**{**SMALL, **overrides})
+
+
+def test_config_is_frozen_and_keyword_only() -> None:
+    cfg = LongNetConfig(**SMALL)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.embed_dim = 64  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        LongNetConfig(61, 32, 4, 2, (8,), (1,), 64)  # type: ignore[misc]
