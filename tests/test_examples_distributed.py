@@ -1,0 +1,94 @@
+"""The torchrun long-sequence example (2 gloo ranks) and the extreme-length memory test."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+@pytest.mark.distributed
+def test_torchrun_example_first_loss_equals_single_process_loss(tmp_path: Path) -> None:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        str(ROOT / "examples" / "torchrun_long_sequence.py"), "--device", "cpu",
+        "--dtype", "float64", "--steps", "2", "--seq-len", "256", "--batch", "1",
+        "--num-layers", "2", "--corpus-bytes", str(1 << 20),
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120, check=False
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    # seq 256 over 2 ranks: 128 tokens each, so the 256 branch (r=4) spans both ranks.
+    assert "segments [64, 128, 256]" in proc.stdout, proc.stdout
+    match = re.search(r"ring_loss=(\S+) single_process_loss=(\S+)", proc.stdout)
+    assert match, proc.stdout
+    ring, single = float(match.group(1)), float(match.group(2))
+    assert ring == pytest.approx(single, rel=1e-12, abs=0), (ring, single)
+    assert "first-step check: OK" in proc.stdout
+    losses = [float(x) for x in re.findall(r"step \d+: loss (\S+)", proc.stdout)]
+    assert len(losses) == 2, proc.stdout
+    assert losses[0] == pytest.approx(ring, abs=1e-4)
+
+
+_TINY = [
+    "--heads", "2", "--head-dim", "16", "--first-segment", "128", "--start-len", "256",
+    "--max-seq-len", "2048", "--bisect", "1",
+]  # fmt: skip
+
+
+def _check_record(path: Path, max_len: int) -> None:
+    record = json.loads(path.read_text())
+    assert {"date", "torch", "device", "commit", "config"} <= set(record["environment"])
+    assert record["environment"]["config"]["heads"] == 2
+    rows = record["results"]
+    assert [r["mode"] for r in rows] == ["forward", "forward+backward"]
+    for row in rows:
+        assert {"max_seq_len", "peak_gib", "bytes_per_token", "stopped_by", "attempts"} <= set(row)
+        assert row["attempts"], row
+        assert 0 <= row["max_seq_len"] <= max_len
+        if row["max_seq_len"]:
+            assert row["peak_gib"] >= 0 and row["bytes_per_token"] >= 0
+
+
+def test_bench_extreme_cpu_writes_record(tmp_path: Path) -> None:
+    out = tmp_path / "extreme"
+    cmd = [
+        sys.executable, str(ROOT / "benchmarks" / "bench_extreme.py"), "--device", "cpu",
+        *_TINY, "--max-memory-gib", "1", "--no-plot", "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    _check_record(out.with_suffix(".json"), 2048)
+    rows = json.loads(out.with_suffix(".json").read_text())["results"]
+    # A 1 GiB budget holds these sizes: the cap stops the search.
+    assert all(r["max_seq_len"] == 2048 and r["stopped_by"] == "max_seq_len" for r in rows), rows
+
+
+def test_extreme_length_example_runs_in_process(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import extreme_length
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    out = tmp_path / "ext"
+    extreme_length.main(["--device", "cpu", *_TINY, "--max-memory-gib", "1", "--out", str(out)])
+    _check_record(out.with_suffix(".json"), 2048)
+    assert out.with_suffix(".png").stat().st_size > 0
