@@ -1,0 +1,205 @@
+"""Swap ``nn.MultiheadAttention`` in a stock ``nn.TransformerEncoder`` for dilated attention.
+
+    python examples/swap_attention.py                    # CPU, a few seconds
+    python examples/swap_attention.py --seq-len 4096 --steps 200 --device cuda
+
+1. Build a stock ``nn.TransformerEncoder`` (``batch_first=True``).
+2. Replace every layer's ``self_attn`` by a ``MultiheadDilatedAttention`` built through
+   ``dilated_attention.create_multihead_dilated_attention``, wrapped in a small adapter (below),
+   with the stock layer's q/k/v/out projection weights copied in.
+3. With one branch (segment = seq_len, rate 1: plain attention) and ``layer_norm=False`` the swapped
+   encoder computes exactly what the stock one does: checked with ``torch.testing.assert_close``.
+4. Switch the layers to a LongNet schedule (several segment lengths and dilation rates) and train a
+   few steps on a toy causal task (predict the token seen ``--lag`` positions earlier), printing the
+   falling loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch import nn
+
+from dilated_attention import create_multihead_dilated_attention
+
+
+class DilatedSelfAttentionAdapter(nn.Module):
+    """Accepts ``nn.MultiheadAttention``'s call signature and forwards to a dilated layer.
+
+    What ``nn.TransformerEncoderLayer`` needs from its ``self_attn``:
+
+    * the call ``self_attn(x, x, x, attn_mask=..., key_padding_mask=..., need_weights=False,
+      is_causal=...)`` returning a tuple whose ``[0]`` is the output. Our layer's forward is
+      ``forward(query, key=None, value=None, *, is_causal=False, key_padding_mask=None,
+      need_weights=False) -> (out, None)``: no ``attn_mask``. Dilated attention has its own sparsity
+      pattern, so the only masks that make sense are "none" and "causal": a causal ``attn_mask`` (or
+      ``is_causal=True``) becomes ``is_causal=True``; any other mask raises a clear error.
+    * a few attributes read by the layer's inference fast path (``batch_first``,
+      ``in_proj_bias``, ``_qkv_same_embed_dim``, ...). That fast path calls a fused kernel with the
+      stock ``in_proj_weight`` and would bypass this module, so we advertise
+      ``_qkv_same_embed_dim = False`` and ``in_proj_bias = None``, which makes PyTorch take the
+      ordinary Python path (the one that calls us) in eval mode too.
+    * ``key_padding_mask``: ``nn.MultiheadAttention`` takes ``True`` = ignore (bool) or an additive
+      float mask; ours takes the bool form, so a float mask is turned into ``mask == -inf``.
+    """
+
+    batch_first = True
+    _qkv_same_embed_dim = False  # see the class docstring: keeps PyTorch off its fused fast path
+    in_proj_bias = None
+    in_proj_weight = None
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.embed_dim, self.num_heads = inner.embed_dim, inner.num_heads
+
+    @staticmethod
+    def _is_causal_mask(mask: torch.Tensor, n: int) -> bool:
+        if mask.shape != (n, n):
+            return False
+        future = torch.ones(n, n, dtype=torch.bool, device=mask.device).triu(1)
+        if mask.dtype == torch.bool:  # True = not allowed to attend
+            return bool(torch.equal(mask, future))
+        blocked = torch.isneginf(mask)
+        return bool(torch.equal(blocked, future)) and bool((mask[~future] == 0).all())
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[torch.Tensor, None]:
+        if need_weights:
+            raise ValueError("dilated attention never materialises weights: need_weights=False")
+        n = query.shape[1]
+        if attn_mask is not None:
+            if not self._is_causal_mask(attn_mask, n):
+                raise ValueError(
+                    "DilatedSelfAttentionAdapter supports attn_mask=None or the causal mask "
+                    f"(nn.Transformer.generate_square_subsequent_mask({n})) only; got a "
+                    f"{tuple(attn_mask.shape)} {attn_mask.dtype} mask of another pattern"
+                )
+            is_causal = True
+        if key_padding_mask is not None and key_padding_mask.dtype != torch.bool:
+            key_padding_mask = torch.isneginf(key_padding_mask)
+        return self.inner(query, key, value, is_causal=is_causal, key_padding_mask=key_padding_mask)
+
+
+def dilated_from_stock(
+    stock: nn.MultiheadAttention,
+    segment_lengths: list[int],
+    dilation_rates: list[int],
+) -> DilatedSelfAttentionAdapter:
+    """A dilated layer with ``stock``'s projection weights (``layer_norm=False``: no sub-LN)."""
+    E = stock.embed_dim
+    inner = create_multihead_dilated_attention(
+        "dilated", embed_dim=E, num_heads=stock.num_heads, segment_lengths=segment_lengths,
+        dilation_rates=dilation_rates, layer_norm=False, bias=stock.in_proj_bias is not None,
+        device=stock.out_proj.weight.device, dtype=stock.out_proj.weight.dtype,
+    )  # fmt: skip
+    with torch.no_grad():
+        # nn.MultiheadAttention packs the three input projections into one (3E, E) matrix.
+        for i, proj in enumerate((inner.q_proj, inner.k_proj, inner.v_proj)):
+            proj.weight.copy_(stock.in_proj_weight[i * E : (i + 1) * E])
+            if stock.in_proj_bias is not None:
+                proj.bias.copy_(stock.in_proj_bias[i * E : (i + 1) * E])
+        inner.out_proj.weight.copy_(stock.out_proj.weight)
+        if stock.out_proj.bias is not None:
+            inner.out_proj.bias.copy_(stock.out_proj.bias)
+    return DilatedSelfAttentionAdapter(inner)
+
+
+def swap_attention(encoder: nn.TransformerEncoder, segments: list[int], rates: list[int]) -> None:
+    """Replace each layer's ``self_attn`` in place, weights carried over (stock or swapped)."""
+    for layer in encoder.layers:
+        old = layer.self_attn
+        if isinstance(old, DilatedSelfAttentionAdapter):  # already swapped: a new schedule only
+            inner = create_multihead_dilated_attention(
+                "dilated", embed_dim=old.embed_dim, num_heads=old.num_heads,
+                segment_lengths=segments, dilation_rates=rates, layer_norm=False,
+                device=old.inner.out_proj.weight.device,
+            )  # fmt: skip
+            inner.load_state_dict(old.inner.state_dict())  # same parameter names and shapes
+            layer.self_attn = DilatedSelfAttentionAdapter(inner)
+        else:
+            layer.self_attn = dilated_from_stock(old, segments, rates)
+
+
+def main(argv: list[str] | None = None) -> float:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--embed-dim", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=16)
+    p.add_argument("--lag", type=int, default=3, help="toy task: predict the token lag back")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    torch.manual_seed(args.seed)
+    device, N = torch.device(args.device), args.seq_len
+
+    # 1. A stock encoder. dropout=0 so that the comparison below is exact.
+    layer = nn.TransformerEncoderLayer(
+        args.embed_dim, args.heads, dim_feedforward=4 * args.embed_dim, dropout=0.0,
+        batch_first=True,
+    )  # fmt: skip
+    encoder = nn.TransformerEncoder(layer, args.layers, enable_nested_tensor=False).to(device)
+    x = torch.randn(2, N, args.embed_dim, device=device)
+    causal = nn.Transformer.generate_square_subsequent_mask(N, device=device)
+    encoder.eval()
+    with torch.no_grad():
+        expected = encoder(x, mask=causal, is_causal=True)
+
+    # 2-3. Swap in dilated attention with one branch covering the whole sequence: plain attention.
+    swap_attention(encoder, [N], [1])
+    print(f"swapped: {type(encoder.layers[0].self_attn.inner).__name__} in {args.layers} layers")
+    with torch.no_grad():
+        got = encoder(x, mask=causal, is_causal=True)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    err = (got - expected).abs().max().item()
+    print(f"equality check passed: swapped encoder == stock encoder (max abs diff {err:.2e})")
+
+    # 4. A LongNet schedule: segments N/4, N/2, N with rates 1, 2, 4; then train on a toy task.
+    segments = [max(1, N // 4), max(1, N // 2), N]
+    rates = [1, 2, 4]
+    swap_attention(encoder, segments, rates)
+    print(f"LongNet schedule: segment_lengths {segments}, dilation_rates {rates}")
+    embed = nn.Embedding(args.vocab, args.embed_dim).to(device)
+    head = nn.Linear(args.embed_dim, args.vocab).to(device)
+    model = nn.ModuleList([embed, encoder, head]).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    gen = torch.Generator().manual_seed(args.seed)
+    first = last = float("nan")
+    for step in range(1, args.steps + 1):
+        tokens = torch.randint(0, args.vocab, (args.batch_size, N), generator=gen).to(device)
+        h = encoder(embed(tokens), mask=causal, is_causal=True)
+        logits = head(h)[:, args.lag :]  # position i predicts tokens[i - lag]
+        loss = nn.functional.cross_entropy(
+            logits.flatten(0, 1), tokens[:, : N - args.lag].flatten()
+        )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        last = loss.item()
+        if step == 1:
+            first = last
+        if step == 1 or step % 10 == 0 or step == args.steps:
+            print(f"step {step} loss {last:.4f}")
+    print(f"loss {first:.4f} -> {last:.4f} (chance level {torch.tensor(args.vocab).log():.4f})")
+    return last
+
+
+if __name__ == "__main__":
+    main()
