@@ -26,8 +26,7 @@ from dilated_attention import (
     list_kinds,
     register_kind,
 )
-from dilated_attention.backends.base import Backend
-from dilated_attention.backends.registry import ENV_VAR, get_backend
+from dilated_attention.backends.registry import ENV_VAR
 
 SEGS, RATES = [8, 16], [1, 2]
 F64 = torch.float64
@@ -156,22 +155,6 @@ def test_auto_backend_is_none() -> None:
         embed_dim=32, num_heads=4, segment_lengths=SEGS, dilation_rates=RATES, backend="auto"
     )
     assert layer.attention.backend is None
-
-
-@pytest.fixture
-def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Names of the backends whose ``_forward`` ran (math and cpu_flash are spied on)."""
-    calls: list[str] = []
-    for name in ("math", "cpu_flash"):
-        cls = type(get_backend(name))
-        original = cls._forward
-
-        def spy(self: Backend, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
-            calls.append(self.name)
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(cls, "_forward", spy)
-    return calls
 
 
 def test_named_backend_is_used(kernel_calls: list[str]) -> None:

@@ -25,7 +25,7 @@ import dilated_attention
 from dilated_attention import backend_reasons, explain, list_backends, use_backend
 from dilated_attention.backends import registry
 from dilated_attention.backends.base import Backend, KernelInputs, KernelOutput
-from dilated_attention.backends.registry import ENV_VAR, choose, get_backend
+from dilated_attention.backends.registry import ENV_VAR, choose
 
 REPO = Path(__file__).resolve().parents[1]
 OPTIONAL = ("flash_attn2", "flash_attn3", "flash_attn4", "xformers")
@@ -383,22 +383,6 @@ def test_unknown_backend_name_raises_listing_names() -> None:
 
 
 # -- use_backend ----------------------------------------------------------------------------------
-@pytest.fixture
-def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Names of the backends whose ``_forward`` ran (math and cpu_flash are spied on)."""
-    calls: list[str] = []
-    for name in ("math", "cpu_flash"):
-        cls = type(get_backend(name))
-        original = cls._forward
-
-        def spy(self: Backend, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
-            calls.append(self.name)
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(cls, "_forward", spy)
-    return calls
-
-
 def test_use_backend_forces_and_restores(kernel_calls: list[str]) -> None:
     assert explain().backend == "cpu_flash"
     with use_backend("math"):
