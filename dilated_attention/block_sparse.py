@@ -37,6 +37,14 @@ Note [FlexAttention block masks]
     block sizes are exact too, with partial tiles where blocks straddle tiles. ``seq_lengths``
     carries the ragged ends. Gradients are FlexAttention's own autograd.
 
+Note [Dense fallback]
+    A pattern whose block mask keeps every block pair (every pair at or below the diagonal when
+    causal) is dense attention, top-left causal when causal. ``block_sparse_attention`` then
+    calls the library's dense ``attention`` (cuDNN on an H100) instead of either kernel above:
+    FlexAttention walking every tile runs at about 0.7x of dense cuDNN (shared/anchors.md), and
+    the fallback would split the work into many calls. Only ``backend="flex"`` (by argument,
+    ``use_backend`` or the environment) keeps FlexAttention at full density.
+
 Shape legend: B batch, Nq/Nk query/key tokens, H query heads, Hkv key/value heads, D head dim,
 G query pieces stacked in one call, Lq/Lk rows per piece.
 """
@@ -460,6 +468,49 @@ def flex_block_mask(
     return block_mask, empty_rows
 
 
+#: FlexAttention kernel options per (compute capability, head dim) for bf16/fp16 block-sparse
+#: calls; anything not listed keeps Inductor's defaults. Measured with
+#: ``benchmarks/tune_flex_block_sparse.py`` on an H100 80GB (torch 2.11, Triton 3.6; N = 65536,
+#: H = 16, D = 128, bf16, random 10% block mask, block 128; median of CUDA-event timings,
+#: forward / forward+backward): defaults 8.85 / 31.89 ms, max-autotune 8.76 / 31.89 ms (it picks
+#: the configs below), USE_TMA 9.14 / 32.67 ms, dense cuDNN 55.4 / 214.6 ms. max-autotune's own
+#: ranking put every other forward tile (128x128 two or one stage, 64x128, 64x64, 128x64 with 4
+#: warps) at 85% or less of this one and every other backward config at 88% or less; 128x128 with
+#: three stages needs more shared memory than an H100 has. The best measured configs are pinned,
+#: so that a change of Inductor's heuristics cannot slow this path silently; they equal torch
+#: 2.11's sm90 defaults, so on that torch they change no kernel.
+_FLEX_KERNEL_OPTIONS: dict[tuple[tuple[int, int], int], dict[str, Any]] = {
+    ((9, 0), 128): {
+        "fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_warps": 8, "fwd_num_stages": 3,
+        "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
+        "bwd_num_warps": 8, "bwd_num_stages": 3,
+    },
+}  # fmt: skip
+
+
+@torch.compiler.disable
+def flex_kernel_options(
+    device: torch.device, head_dim: int, dtype: torch.dtype
+) -> dict[str, Any] | None:
+    """The ``kernel_options`` block-sparse FlexAttention uses here, or None for the defaults
+    (a fresh dict per call: FlexAttention may add keys)."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    options = _FLEX_KERNEL_OPTIONS.get((torch.cuda.get_device_capability(device), head_dim))
+    return dict(options) if options is not None else None
+
+
+def keeps_every_pair(mask: torch.Tensor, is_causal: bool) -> bool:
+    """Whether the block mask keeps every block pair the causal mask (when causal) leaves.
+
+    Then block-sparse attention IS dense attention (top-left causal when causal), and the dense
+    kernel computes it exactly and faster than a sparse kernel walking every block.
+    """
+    if is_causal:
+        mask = mask | ~torch.ones_like(mask).tril()
+    return bool(mask.all())
+
+
 def _flex_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -478,7 +529,7 @@ def _flex_forward(
     )
     out, lse = compiled_flex_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
-        scale=scale,
+        scale=scale, kernel_options=flex_kernel_options(q.device, q.shape[-1], q.dtype),
     )  # fmt: skip
     lse = torch.where(empty_rows, float("-inf"), lse.detach().float())
     return out.transpose(1, 2), lse
@@ -539,7 +590,9 @@ def block_sparse_attention(
         scale: softmax scale; ``None`` means ``D ** -0.5``.
         backend: ``None`` picks FlexAttention on CUDA where it runs, else the registry's kernel
             for the fallback (Note [Block-sparse plan]); ``"flex"`` forces FlexAttention; any
-            other name from ``list_backends()`` runs the fallback with that kernel.
+            other name from ``list_backends()`` runs the fallback with that kernel. A pattern
+            that keeps every block pair runs dense ``attention`` with the same ``backend``
+            (Note [Dense fallback]), except under ``"flex"``.
         return_lse: also return the log-sum-exp.
 
     Returns:
@@ -562,7 +615,15 @@ def block_sparse_attention(
     softmax_scale = checked_scale if checked_scale is not None else q.shape[-1] ** -0.5
     query_len, key_len = q.shape[1], k.shape[1]
     # Ask the pattern first: a Custom mask of the wrong size fails before any kernel work.
-    pattern.block_mask(num_blocks(query_len, block_size), num_blocks(key_len, block_size))
+    mask = pattern.block_mask(num_blocks(query_len, block_size), num_blocks(key_len, block_size))
+    if keeps_every_pair(mask, is_causal) and _requested(backend)[0] != "flex":
+        # Dense attention exactly (Note [Dense fallback]); a named kernel stays the kernel.
+        from .functional import attention
+
+        out, lse = attention(
+            q, k, v, is_causal=is_causal, scale=softmax_scale, backend=backend, return_lse=True
+        )
+        return (out, lse) if return_lse else out
     kernel = _choose(q, k, is_causal=is_causal, backend=backend)
     if kernel is None:
         out, lse = _flex_forward(

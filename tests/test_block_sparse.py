@@ -132,6 +132,99 @@ def test_dense_pattern_equals_dense_attention() -> None:
         torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
 
 
+def _no_sparse_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the sparse plan ran for a pattern that keeps every block pair")
+
+    monkeypatch.setattr(bs_mod, "_local_plan", fail)
+    monkeypatch.setattr(bs_mod, "_flex_forward", fail)
+
+
+FULL_CASES = [
+    # pattern, (Nq, Nk), block_size, Hkv, is_causal
+    (P.LocalWindow(100), (37, 37), 8, 2, False),
+    (P.LocalWindow(100), (37, 37), 8, 2, True),
+    (P.Random(1.0, seed=3), (40, 40), 8, 4, False),
+    (P.GlobalLocal(1, 1), (24, 24), 8, 1, False),  # 3 blocks: every pair is global or local
+    (P.Custom(torch.ones(5, 5, dtype=torch.bool).tril()), (40, 40), 8, 2, True),
+    (P.LocalWindow(0) | P.DilatedBlocks((1,)), (30, 45), 6, 1, True),
+    (P.Custom(torch.ones(6, 4, dtype=torch.bool).tril()), (45, 27), 8, 2, True),
+]
+
+
+@pytest.mark.parametrize("backend", [None, "math", "cpu_flash"])
+@pytest.mark.parametrize("case", range(len(FULL_CASES)))
+def test_patterns_keeping_every_pair_run_dense_attention(
+    case: int, backend: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Note [Dense fallback]: no sparse plan runs, and out, lse and every gradient equal the
+    float64 oracle; a named kernel is the kernel that runs."""
+    pattern, (nq, nk), block_size, kv_heads, is_causal = FULL_CASES[case]
+    _no_sparse_plan(monkeypatch)
+    q, k, v, dout = _inputs(nq, nk, kv_heads, seed=case)
+    kernels: list[str] = []
+    original = dilated_attention.functional._choose
+
+    def spy(*args: object, **kwargs: object) -> object:
+        kernel = original(*args, **kwargs)
+        kernels.append(kernel.name)
+        return kernel
+
+    monkeypatch.setattr(dilated_attention.functional, "_choose", spy)
+    got = _run(q, k, v, dout, pattern, block_size=block_size, is_causal=is_causal,
+               backend=backend, scale=0.3)  # fmt: skip
+    want = _oracle(q, k, v, dout, token_mask(pattern, block_size, nq, nk, is_causal), scale=0.3)
+    _check_f64(got, want, f"full case {case} causal={is_causal} {backend}")
+    assert len(kernels) == 1 and (backend is None or kernels == [backend])
+
+
+@pytest.mark.parametrize(
+    "mask, is_causal",
+    [
+        (torch.ones(5, 5, dtype=torch.bool).tril(), False),  # full only under causal
+        (~torch.eye(5, dtype=torch.bool), False),
+        (torch.ones(5, 5, dtype=torch.bool).tril() & ~torch.eye(5, dtype=torch.bool), True),
+    ],
+)
+def test_patterns_missing_a_pair_keep_the_sparse_plan(
+    mask: torch.Tensor, is_causal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    planned: list[int] = []
+    original = bs_mod._local_plan
+
+    def spy(*args: object) -> object:
+        planned.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(bs_mod, "_local_plan", spy)
+    pattern = P.Custom(mask)
+    q, k, v, dout = _inputs(40, 40, 2, seed=7)
+    got = _run(q, k, v, dout, pattern, block_size=8, is_causal=is_causal)
+    _check_f64(got, _oracle(q, k, v, dout, token_mask(pattern, 8, 40, 40, is_causal)), "sparse")
+    assert planned == [1]
+
+
+def test_keeps_every_pair() -> None:
+    full, lower = torch.ones(4, 3, dtype=torch.bool), torch.ones(4, 3, dtype=torch.bool).tril()
+    assert bs_mod.keeps_every_pair(full, False) and bs_mod.keeps_every_pair(full, True)
+    assert bs_mod.keeps_every_pair(lower, True) and not bs_mod.keeps_every_pair(lower, False)
+    lower[3, 2] = False
+    assert not bs_mod.keeps_every_pair(lower, True)
+
+
+def test_forced_flex_is_not_replaced_by_dense() -> None:
+    """backend="flex" keeps FlexAttention even at full density (it cannot run on the CPU)."""
+    q, k, v, _ = _inputs(16, 16, 2)
+    with pytest.raises(ValueError, match="flex"):
+        block_sparse_attention(q.float(), k.float(), v.float(), P.LocalWindow(10), block_size=8,
+                               backend="flex")  # fmt: skip
+
+
+def test_flex_kernel_options_only_for_measured_devices() -> None:
+    cpu = torch.device("cpu")
+    assert bs_mod.flex_kernel_options(cpu, 128, torch.bfloat16) is None
+
+
 def test_empty_rows_give_zeros_and_no_nan_gradients() -> None:
     """Query blocks with no allowed key (by the pattern, or only future keys under causal)."""
     mask = torch.tensor(
@@ -480,6 +573,44 @@ def test_flex_path_matches_oracle(case: int, is_causal: bool, dtype: torch.dtype
     if bool(empty.any()):
         assert torch.equal(out[:, empty], torch.zeros_like(out[:, empty]))
         assert bool(torch.isneginf(lse[:, :, empty]).all())
+
+
+@pytest.mark.gpu
+def test_cuda_full_pattern_runs_dense_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [Dense fallback] on CUDA: no FlexAttention, same result as dense attention."""
+    _no_sparse_plan(monkeypatch)
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 384, 4, 64, generator=gen).to(device, torch.bfloat16)
+               for _ in range(3))  # fmt: skip
+    for is_causal in (False, True):
+        out = block_sparse_attention(q, k, v, P.LocalWindow(2), block_size=128, is_causal=is_causal)
+        ref = dilated_attention.attention(q, k, v, is_causal=is_causal)
+        torch.testing.assert_close(out, ref, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_flex_path_with_tuned_kernel_options_matches_fallback() -> None:
+    """D = 128 in bf16 takes the pinned kernel options on an sm90 GPU (defaults elsewhere)."""
+    device = torch.device("cuda")
+    options = bs_mod.flex_kernel_options(device, 128, torch.bfloat16)
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert options is not None and options["fwd_BLOCK_M"] == 128
+    pattern = P.LocalWindow(1) | P.Random(0.3, seed=4)
+    gen = torch.Generator().manual_seed(2)
+    q, k, v, dout = (torch.randn(1, 640, 4, 128, generator=gen).to(device) for _ in range(4))
+    low = [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        out = block_sparse_attention(*low, pattern, block_size=128, is_causal=True)
+    grads = torch.autograd.grad(out, low, dout.to(torch.bfloat16))
+    ref_leaves = [t.to(torch.bfloat16).float().requires_grad_() for t in (q, k, v)]
+    ref = block_sparse_attention(*ref_leaves, pattern, block_size=128, is_causal=True,
+                                 backend="math")  # fmt: skip
+    ref_grads = torch.autograd.grad(ref, ref_leaves, dout.to(torch.bfloat16).float())
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    for g, rg in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g.float(), rg, atol=5e-2, rtol=5e-2)
 
 
 @pytest.mark.gpu

@@ -49,6 +49,7 @@ def compiled_flex_attention(
     *,
     block_mask: Any,
     scale: float,
+    kernel_options: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The process-wide compiled FlexAttention, in its own (B, H, N, D) layout.
 
@@ -59,6 +60,9 @@ def compiled_flex_attention(
         q: (B, H, Nq, D); k, v: (B, Hkv, Nk, D) (GQA when Hkv < H).
         block_mask: a FlexAttention ``BlockMask`` or None.
         scale: softmax scale.
+        kernel_options: FlexAttention ``kernel_options`` (tile sizes, warps, stages; ``fwd_`` /
+            ``bwd_`` prefixes for one pass); None keeps Inductor's defaults. Each distinct dict
+            is a separate compiled graph.
 
     Returns:
         ``out`` (B, H, Nq, D) and ``lse`` (B, H, Nq) (natural log), both differentiable.
@@ -68,7 +72,7 @@ def compiled_flex_attention(
     with torch._dynamo.config.patch(**{_LIMIT_NAME: _RECOMPILE_LIMIT}):
         out, lse = _compiled_flex()(
             q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-            return_lse=True,
+            return_lse=True, kernel_options=kernel_options,
         )  # fmt: skip
     return out, lse
 
