@@ -40,7 +40,11 @@ def _plain_flex(mask: torch.Tensor, seq_len: int, block: int):
     def mask_mod(b, h, q_idx, kv_idx):
         return dev_mask[q_idx // block, kv_idx // block]
 
-    block_mask = create_block_mask(mask_mod, None, None, seq_len, seq_len, device="cuda")
+    # _compile=True: the eager builder evaluates mask_mod on all N x N pairs at once (512 GiB at
+    # N = 65536).
+    block_mask = create_block_mask(
+        mask_mod, None, None, seq_len, seq_len, device="cuda", _compile=True
+    )
     compiled = torch.compile(flex_attention)
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
 

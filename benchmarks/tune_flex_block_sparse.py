@@ -30,10 +30,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-#: name -> kernel_options (None: dense cuDNN; "autotune": max-autotune compile, default options).
+#: name -> kernel_options (None: dense cuDNN; "autotune": max-autotune compile, default options;
+#: "bnhd": default options on (B, N, H, D) tensors seen as (B, H, N, D) views, as the library
+#: passes them; "ours": ``block_sparse_attention`` itself; "ours after 16K": the same after one
+#: call at N = 16384, so that the 65536 call is a recompile, as in ``bench_block_sparse.py``).
 VARIANTS: dict[str, Any] = {
     "dense cuDNN": None,
     "flex default": {},
+    "flex default, BNHD views": "bnhd",
+    "ours": "ours",
+    "ours after 16K": "ours after 16K",
     "flex max-autotune": "autotune",
     "USE_TMA": {"USE_TMA": True},
     "fwd 128/64 w8 s2": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_warps": 8,
@@ -82,6 +88,21 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return F.scaled_dot_product_attention(*leaves)
 
+    elif isinstance(options, str) and options.startswith("ours"):
+        from dilated_attention import block_sparse_attention
+
+        mask = random_block_mask(num_blocks(n, args.block_size), args.density)
+        leaves = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in leaves]
+        dout = dout.transpose(1, 2).contiguous()
+        if options == "ours after 16K":
+            small = [t[:, :16384].detach().requires_grad_() for t in leaves]
+            pattern = Custom(random_block_mask(num_blocks(16384, args.block_size), args.density))
+            out = block_sparse_attention(*small, pattern, block_size=args.block_size)
+            torch.autograd.grad(out, small, dout[:, :16384])
+
+        def call() -> torch.Tensor:
+            return block_sparse_attention(*leaves, Custom(mask), block_size=args.block_size)
+
     else:
         mask = random_block_mask(num_blocks(n, args.block_size), args.density)
         block_mask, _ = flex_block_mask(
@@ -92,11 +113,15 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
             kwargs: dict[str, Any] = {}
         else:
             compiled = torch.compile(flex_attention)
-            kwargs = {"kernel_options": options} if options else {}
+            kwargs = {"kernel_options": options} if isinstance(options, dict) and options else {}
+        if options == "bnhd":
+            leaves = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in leaves]
+            dout = dout.transpose(1, 2).contiguous()
 
         def call() -> torch.Tensor:
-            out, _ = compiled(*leaves, block_mask=block_mask, return_lse=True, **kwargs)
-            return out
+            views = [t.transpose(1, 2) for t in leaves] if options == "bnhd" else leaves
+            out, _ = compiled(*views, block_mask=block_mask, return_lse=True, **kwargs)
+            return out.transpose(1, 2) if options == "bnhd" else out
 
     def fwd() -> None:
         with torch.no_grad():
