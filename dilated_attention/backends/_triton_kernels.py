@@ -77,6 +77,11 @@ class TileConfig:
 
 
 # -- device helpers --------------------------------------------------------------------------------
+# Addressing: each program forms 64-bit scalar pointers to row 0 of its rows, then steps
+# ``rate * stride`` per row with 32-bit offsets (64-bit when ``WIDE``: a call whose offsets could
+# pass 2**31 elements), which keeps the per-element pointer arithmetic cheap.
+
+
 @triton.jit
 def _segment_rows(
     pid_seg, h, start, seg_q, seg_k, end_q, end_k, rate,
@@ -93,34 +98,132 @@ def _segment_rows(
 
 
 @triton.jit
-def _load_rows(ptr, pos, row_ok, offs_d, HEAD_DIM: tl.constexpr, stride_n):
-    """(len(pos), BLOCK_D) tile of rows at positions ``pos`` (zeros where masked)."""
+def _row0(X, b, stride_b, head, stride_h, pos, stride_n):
+    """Scalar pointer to ``X[b, pos, head]`` (64-bit arithmetic)."""
+    return X + b * stride_b + tl.cast(head, tl.int64) * stride_h + tl.cast(pos, tl.int64) * stride_n
+
+
+@triton.jit
+def _step(rate, stride_n, WIDE: tl.constexpr):
+    """Elements between consecutive dilated rows."""
+    if WIDE:
+        return tl.cast(rate, tl.int64) * stride_n
+    return rate * stride_n
+
+
+@triton.jit
+def _load_rows(ptr, rows, step, row_ok, offs_d, HEAD_DIM: tl.constexpr):
+    """(len(rows), BLOCK_D) tile of rows ``ptr + rows * step`` (zeros where masked)."""
     mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    return tl.load(ptr + pos[:, None] * stride_n + offs_d[None, :], mask=mask, other=0.0)
+    return tl.load(ptr + (rows * step)[:, None] + offs_d[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
-def _valid_pairs(
-    offs_m, offs_n, rows_q, rows_k, mask_ptr, k_pos, stride_mn,
-    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-):  # fmt: skip
-    """(BLOCK_M, BLOCK_N) bool: the query row may attend the key row."""
-    valid = (offs_m < rows_q)[:, None] & (offs_n < rows_k)[None, :]
-    if CAUSAL:
-        valid = valid & (offs_m[:, None] >= offs_n[None, :])
+def _keep_keys(mask_ptr, offs_n, mask_step, k_ok, HAS_MASK: tl.constexpr):
+    """(BLOCK_N,) bool: the key row exists and the padding mask keeps it."""
+    keep = k_ok
     if HAS_MASK:
-        ignore = tl.load(mask_ptr + k_pos * stride_mn, mask=offs_n < rows_k, other=1)
-        valid = valid & (ignore == 0)[None, :]
-    return valid
+        ignore = tl.load(mask_ptr + offs_n * mask_step, mask=k_ok, other=1)
+        keep = keep & (ignore == 0)
+    return keep
+
+
+# Note [Rows past the end]
+#     Query rows past a head's last row load q, dout, lse and delta as zeros. The forward and dQ
+#     never store them; in dK/dV their probabilities are exp2(0 - 0) = 1 but dout = 0 gives
+#     dp = 0, so they add exactly zero to dV (p * dout) and dK (p * (dp - delta) * q). So only
+#     the key side is masked inside the loops.
 
 
 @triton.jit
-def _valid_pairs_t(offs_m, offs_n, rows_q, keep_k, CAUSAL: tl.constexpr):
-    """(BLOCK_N, BLOCK_M) bool, transposed :func:`_valid_pairs` with the key mask pre-loaded."""
-    valid = keep_k[:, None] & (offs_m < rows_q)[None, :]
-    if CAUSAL:
-        valid = valid & (offs_m[None, :] >= offs_n[:, None])
-    return valid
+def _forward_blocks(
+    acc, l_i, m_i, q, k_ptr, v_ptr, mask_ptr, lo, hi, offs_m, offs_n0, offs_d, rows_k, k_step,
+    v_step, mask_step, qk_scale,
+    HEAD_DIM: tl.constexpr, ON_DIAGONAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over key blocks [lo, hi); ``ON_DIAGONAL`` applies the causal mask."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        k_ok = offs_n < rows_k
+        k = _load_rows(k_ptr, offs_n, k_step, k_ok, offs_d, HEAD_DIM)
+        v = _load_rows(v_ptr, offs_n, v_step, k_ok, offs_d, HEAD_DIM)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        valid = _keep_keys(mask_ptr, offs_n, mask_step, k_ok, HAS_MASK)[None, :]
+        if ON_DIAGONAL:
+            valid = valid & (offs_m[:, None] >= offs_n[None, :])
+        qk = tl.where(valid, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _dq_blocks(
+    dq, q, do, lse, delta, k_ptr, v_ptr, mask_ptr, lo, hi, offs_m, offs_n0, offs_d, rows_k,
+    k_step, v_step, mask_step, qk_scale,
+    HEAD_DIM: tl.constexpr, ON_DIAGONAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """dQ contributions of key blocks [lo, hi)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        k_ok = offs_n < rows_k
+        k = _load_rows(k_ptr, offs_n, k_step, k_ok, offs_d, HEAD_DIM)
+        v = _load_rows(v_ptr, offs_n, v_step, k_ok, offs_d, HEAD_DIM)
+        valid = _keep_keys(mask_ptr, offs_n, mask_step, k_ok, HAS_MASK)[None, :]
+        if ON_DIAGONAL:
+            valid = valid & (offs_m[:, None] >= offs_n[None, :])
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        p = tl.where(valid, tl.exp2(qk - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _dkdv_blocks(
+    dk, dv, k, v, keep, q_ptr, do_ptr, lse_ptr, delta_ptr, lo, hi, offs_n, offs_m0, offs_d,
+    rows_q, q_step, do_step, lse_step, delta_step, qk_scale,
+    HEAD_DIM: tl.constexpr, ON_DIAGONAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """dK, dV contributions of query blocks [lo, hi) of one head (Note [Rows past the end])."""
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + offs_m0
+        q_ok = offs_m < rows_q
+        q = _load_rows(q_ptr, offs_m, q_step, q_ok, offs_d, HEAD_DIM)
+        do = _load_rows(do_ptr, offs_m, do_step, q_ok, offs_d, HEAD_DIM)
+        lse = tl.load(lse_ptr + offs_m * lse_step, mask=q_ok, other=0.0)
+        lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
+        delta = tl.load(delta_ptr + offs_m * delta_step, mask=q_ok, other=0.0)
+        valid_t = keep[:, None]
+        if ON_DIAGONAL:
+            valid_t = valid_t & (offs_m[None, :] >= offs_n[:, None])
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
+        p_t = tl.where(valid_t, tl.exp2(qk_t - lse[None, :]), 0.0)
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _store_rows(ptr, rows, step, value, row_ok, offs_d, HEAD_DIM: tl.constexpr,
+                ACCUMULATE: tl.constexpr):  # fmt: skip
+    """Write (or with ``ACCUMULATE`` add) a float32 tile into rows ``ptr + rows * step``."""
+    ptrs = ptr + (rows * step)[:, None] + offs_d[None, :]
+    mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    if ACCUMULATE:
+        value += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptrs, value.to(ptrs.dtype.element_ty), mask=mask)
 
 
 # -- forward ---------------------------------------------------------------------------------------
@@ -136,7 +239,7 @@ def _forward_kernel(
     out_row0, start, seg_q, seg_k, end_q, end_k, rate, num_heads, kv_group, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MERGE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_sh = tl.program_id(1)
@@ -151,55 +254,62 @@ def _forward_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q_pos = (base_q + offs_m * rate).to(tl.int64)
-    q = _load_rows(Q + b * stride_qb + h * stride_qh, q_pos, offs_m < rows_q, offs_d, HEAD_DIM, stride_qn)
-    k_ptr = K + b * stride_kb + kvh * stride_kh
-    v_ptr = V + b * stride_vb + kvh * stride_vh
-    mask_ptr = Mask + b * stride_mb + h * stride_mh
+    row_ok = offs_m < rows_q
+    q_ptr = _row0(Q, b, stride_qb, h, stride_qh, base_q, stride_qn)
+    q = _load_rows(q_ptr, offs_m, _step(rate, stride_qn, WIDE), row_ok, offs_d, HEAD_DIM)
+    k_ptr = _row0(K, b, stride_kb, kvh, stride_kh, base_k, stride_kn)
+    v_ptr = _row0(V, b, stride_vb, kvh, stride_vh, base_k, stride_vn)
+    mask_ptr = _row0(Mask, b, stride_mb, h, stride_mh, base_k, stride_mn)
+    args = (offs_m, offs_n0, offs_d, rows_k, _step(rate, stride_kn, WIDE),
+            _step(rate, stride_vn, WIDE), _step(rate, stride_mn, WIDE), qk_scale)  # fmt: skip
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    hi = rows_k
     if CAUSAL:
+        # Key blocks before the tile's first row are visible to every row; the rest straddle
+        # the diagonal or lie beyond it.
+        diagonal = (pid_m * BLOCK_M) // BLOCK_N * BLOCK_N
         hi = tl.minimum(rows_k, (pid_m + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        k_pos = (base_k + offs_n * rate).to(tl.int64)
-        k_ok = offs_n < rows_k
-        k = _load_rows(k_ptr, k_pos, k_ok, offs_d, HEAD_DIM, stride_kn)
-        v = _load_rows(v_ptr, k_pos, k_ok, offs_d, HEAD_DIM, stride_vn)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        valid = _valid_pairs(offs_m, offs_n, rows_q, rows_k, mask_ptr, k_pos, stride_mn, CAUSAL, HAS_MASK)
-        qk = tl.where(valid, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(qk - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, l_i, m_i = _forward_blocks(
+            acc, l_i, m_i, q, k_ptr, v_ptr, mask_ptr, 0, diagonal, *args,
+            HEAD_DIM, False, HAS_MASK, DOT_PRECISION, BLOCK_N,
+        )  # fmt: skip
+        acc, l_i, m_i = _forward_blocks(
+            acc, l_i, m_i, q, k_ptr, v_ptr, mask_ptr, diagonal, hi, *args,
+            HEAD_DIM, True, HAS_MASK, DOT_PRECISION, BLOCK_N,
+        )  # fmt: skip
+    else:
+        acc, l_i, m_i = _forward_blocks(
+            acc, l_i, m_i, q, k_ptr, v_ptr, mask_ptr, 0, rows_k, *args,
+            HEAD_DIM, False, HAS_MASK, DOT_PRECISION, BLOCK_N,
+        )  # fmt: skip
 
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
-    row_ok = offs_m < rows_q
-    out_ptrs = Out + b * stride_ob + h * stride_oh + (q_pos - out_row0)[:, None] * stride_on + offs_d[None, :]
-    lse_ptrs = Lse + b * stride_lb + h * stride_lh + q_pos * stride_ln
-    out_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    lse = tl.where(
+        seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634, float("-inf")
+    )
+    out_ptr = _row0(Out, b, stride_ob, h, stride_oh, base_q - out_row0, stride_on)
+    out_step = _step(rate, stride_on, WIDE)
+    lse_ptrs = _row0(Lse, b, stride_lb, h, stride_lh, base_q, stride_ln) + offs_m * _step(
+        rate, stride_ln, WIDE
+    )
     if MERGE:
         old_lse = tl.load(lse_ptrs, mask=row_ok, other=float("-inf"))
-        old_o = tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+        old_o = _load_rows(out_ptr, offs_m, out_step, row_ok, offs_d, HEAD_DIM).to(tl.float32)
         top = tl.maximum(old_lse, lse)
         top_safe = tl.where(top == float("-inf"), 0.0, top)
         w_old = tl.exp(old_lse - top_safe)
         w_new = tl.exp(lse - top_safe)
         total = w_old + w_new
-        merged_lse = tl.where(total > 0.0, top_safe + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
+        merged_lse = tl.where(
+            total > 0.0, top_safe + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf")
+        )
         inv = 1.0 / tl.where(total > 0.0, total, 1.0)
         o = old_o * (w_old * inv)[:, None] + o * (w_new * inv)[:, None]
         lse = merged_lse
-    tl.store(out_ptrs, o.to(Out.dtype.element_ty), mask=out_mask)
+    _store_rows(out_ptr, offs_m, out_step, o, row_ok, offs_d, HEAD_DIM, False)
     tl.store(lse_ptrs, lse, mask=row_ok)
 
 
@@ -213,25 +323,20 @@ def _delta_kernel(
     start, end, num_heads,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
-    """``delta[b, h, n - start] = sum_d out[b, n, h, d] * dout[b, n, h, d]`` for n in [start, end)."""
+    """``delta[b, h, n - start] = sum_d out[b, n, h, d] * dout[b, n, h, d]``, n in [start, end)."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    pos = (start + offs_m).to(tl.int64)
-    ok = pos < end
-    o = _load_rows(Out + b * stride_ob + h * stride_oh, pos, ok, offs_d, HEAD_DIM, stride_on)
-    do = _load_rows(DO + b * stride_db + h * stride_dh, pos, ok, offs_d, HEAD_DIM, stride_dn)
+    ok = start + offs_m < end
+    rows = offs_m.to(tl.int64)  # a group may span more than 2**31 elements
+    o = _load_rows(_row0(Out, b, stride_ob, h, stride_oh, start, stride_on), rows, stride_on,
+                   ok, offs_d, HEAD_DIM)  # fmt: skip
+    do = _load_rows(_row0(DO, b, stride_db, h, stride_dh, start, stride_dn), rows, stride_dn,
+                    ok, offs_d, HEAD_DIM)  # fmt: skip
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + b * stride_eb + h * stride_eh + offs_m * stride_en, delta, mask=ok)
-
-
-@triton.jit
-def _store_grad(ptrs, value, mask, ACCUMULATE: tl.constexpr):
-    if ACCUMULATE:
-        value += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(ptrs, value.to(ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -249,7 +354,7 @@ def _dkdv_kernel(
     num_offsets, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCUMULATE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
 ):  # fmt: skip
     """dK, dV of one key tile of key/value head ``g`` at offset ``s``: every query head of ``g``
     with that offset contributes (heads ``g*G + j + t*r``)."""
@@ -267,44 +372,50 @@ def _dkdv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    k_pos = (base_k + offs_n * rate).to(tl.int64)
     k_ok = offs_n < rows_k
-    k = _load_rows(K + b * stride_kb + g * stride_kh, k_pos, k_ok, offs_d, HEAD_DIM, stride_kn)
-    v = _load_rows(V + b * stride_vb + g * stride_vh, k_pos, k_ok, offs_d, HEAD_DIM, stride_vn)
+    k_ptr = _row0(K, b, stride_kb, g, stride_kh, base_k, stride_kn)
+    v_ptr = _row0(V, b, stride_vb, g, stride_vh, base_k, stride_vn)
+    k = _load_rows(k_ptr, offs_n, _step(rate, stride_kn, WIDE), k_ok, offs_d, HEAD_DIM)
+    v = _load_rows(v_ptr, offs_n, _step(rate, stride_vn, WIDE), k_ok, offs_d, HEAD_DIM)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     lo = 0
+    diagonal_end = 0
     if CAUSAL:
+        # Query blocks from ``lo`` straddle the diagonal until ``diagonal_end``; after it every
+        # row follows every key of the tile.
         lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
+        diagonal_end = tl.minimum(tl.cdiv((pid_n + 1) * BLOCK_N - 1, BLOCK_M) * BLOCK_M, rows_q)
+    args = (offs_n, offs_m0, offs_d, rows_q, _step(rate, stride_qn, WIDE),
+            _step(rate, stride_dn, WIDE), _step(rate, stride_ln, WIDE),
+            _step(rate, stride_en, WIDE), qk_scale)  # fmt: skip
+    mask_step = _step(rate, stride_mn, WIDE)
     for h in range(h0, (g + 1) * kv_group, rate):
-        q_ptr = Q + b * stride_qb + h * stride_qh
-        do_ptr = DO + b * stride_db + h * stride_dh
-        lse_ptr = Lse + b * stride_lb + h * stride_lh
-        delta_ptr = Delta + b * stride_eb + h * stride_eh
-        keep_t = k_ok
-        if HAS_MASK:
-            ignore = tl.load(Mask + b * stride_mb + h * stride_mh + k_pos * stride_mn, mask=k_ok, other=1)
-            keep_t = k_ok & (ignore == 0)
-        for start_m in range(lo, rows_q, BLOCK_M):
-            offs_m = start_m + offs_m0
-            q_pos = (base_q + offs_m * rate).to(tl.int64)
-            q_ok = offs_m < rows_q
-            q = _load_rows(q_ptr, q_pos, q_ok, offs_d, HEAD_DIM, stride_qn)
-            do = _load_rows(do_ptr, q_pos, q_ok, offs_d, HEAD_DIM, stride_dn)
-            lse = tl.load(lse_ptr + q_pos * stride_ln, mask=q_ok, other=0.0)
-            lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
-            delta = tl.load(delta_ptr + (q_pos - delta_row0) * stride_en, mask=q_ok, other=0.0)
-            valid_t = _valid_pairs_t(offs_m, offs_n, rows_q, keep_t, CAUSAL)
-            qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
-            p_t = tl.where(valid_t, tl.exp2(qk_t - lse[None, :]), 0.0)
-            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
-    grad_mask = k_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    grad_off = b * stride_gb + g * stride_gh + (k_pos - grad_row0)[:, None] * stride_gn + offs_d[None, :]
-    _store_grad(DK + grad_off, dk * sm_scale, grad_mask, ACCUMULATE)
-    _store_grad(DV + grad_off, dv, grad_mask, ACCUMULATE)
+        q_ptr = _row0(Q, b, stride_qb, h, stride_qh, base_q, stride_qn)
+        do_ptr = _row0(DO, b, stride_db, h, stride_dh, base_q, stride_dn)
+        lse_ptr = _row0(Lse, b, stride_lb, h, stride_lh, base_q, stride_ln)
+        delta_ptr = _row0(Delta, b, stride_eb, h, stride_eh, base_q - delta_row0, stride_en)
+        mask_ptr = _row0(Mask, b, stride_mb, h, stride_mh, base_k, stride_mn)
+        keep = _keep_keys(mask_ptr, offs_n, mask_step, k_ok, HAS_MASK)
+        if CAUSAL:
+            dk, dv = _dkdv_blocks(
+                dk, dv, k, v, keep, q_ptr, do_ptr, lse_ptr, delta_ptr, lo, diagonal_end, *args,
+                HEAD_DIM, True, DOT_PRECISION, BLOCK_M,
+            )  # fmt: skip
+            dk, dv = _dkdv_blocks(
+                dk, dv, k, v, keep, q_ptr, do_ptr, lse_ptr, delta_ptr, diagonal_end, rows_q,
+                *args, HEAD_DIM, False, DOT_PRECISION, BLOCK_M,
+            )  # fmt: skip
+        else:
+            dk, dv = _dkdv_blocks(
+                dk, dv, k, v, keep, q_ptr, do_ptr, lse_ptr, delta_ptr, 0, rows_q, *args,
+                HEAD_DIM, False, DOT_PRECISION, BLOCK_M,
+            )  # fmt: skip
+    grad_step = _step(rate, stride_gn, WIDE)
+    dk_ptr = _row0(DK, b, stride_gb, g, stride_gh, base_k - grad_row0, stride_gn)
+    dv_ptr = _row0(DV, b, stride_gb, g, stride_gh, base_k - grad_row0, stride_gn)
+    _store_rows(dk_ptr, offs_n, grad_step, dk * sm_scale, k_ok, offs_d, HEAD_DIM, ACCUMULATE)
+    _store_rows(dv_ptr, offs_n, grad_step, dv, k_ok, offs_d, HEAD_DIM, ACCUMULATE)
 
 
 @triton.jit
@@ -322,7 +433,7 @@ def _dq_kernel(
     qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCUMULATE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query tile of head ``h``."""
     pid_m = tl.program_id(0)
@@ -338,35 +449,41 @@ def _dq_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q_pos = (base_q + offs_m * rate).to(tl.int64)
     q_ok = offs_m < rows_q
-    q = _load_rows(Q + b * stride_qb + h * stride_qh, q_pos, q_ok, offs_d, HEAD_DIM, stride_qn)
-    do = _load_rows(DO + b * stride_db + h * stride_dh, q_pos, q_ok, offs_d, HEAD_DIM, stride_dn)
-    lse = tl.load(Lse + b * stride_lb + h * stride_lh + q_pos * stride_ln, mask=q_ok, other=0.0)
+    q_ptr = _row0(Q, b, stride_qb, h, stride_qh, base_q, stride_qn)
+    do_ptr = _row0(DO, b, stride_db, h, stride_dh, base_q, stride_dn)
+    q = _load_rows(q_ptr, offs_m, _step(rate, stride_qn, WIDE), q_ok, offs_d, HEAD_DIM)
+    do = _load_rows(do_ptr, offs_m, _step(rate, stride_dn, WIDE), q_ok, offs_d, HEAD_DIM)
+    lse_ptr = _row0(Lse, b, stride_lb, h, stride_lh, base_q, stride_ln)
+    lse = tl.load(lse_ptr + offs_m * _step(rate, stride_ln, WIDE), mask=q_ok, other=0.0)
     lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
-    delta = tl.load(Delta + b * stride_eb + h * stride_eh + (q_pos - delta_row0) * stride_en, mask=q_ok, other=0.0)
-    k_ptr = K + b * stride_kb + kvh * stride_kh
-    v_ptr = V + b * stride_vb + kvh * stride_vh
-    mask_ptr = Mask + b * stride_mb + h * stride_mh
+    delta_ptr = _row0(Delta, b, stride_eb, h, stride_eh, base_q - delta_row0, stride_en)
+    delta = tl.load(delta_ptr + offs_m * _step(rate, stride_en, WIDE), mask=q_ok, other=0.0)
+    k_ptr = _row0(K, b, stride_kb, kvh, stride_kh, base_k, stride_kn)
+    v_ptr = _row0(V, b, stride_vb, kvh, stride_vh, base_k, stride_vn)
+    mask_ptr = _row0(Mask, b, stride_mb, h, stride_mh, base_k, stride_mn)
+    args = (offs_m, offs_n0, offs_d, rows_k, _step(rate, stride_kn, WIDE),
+            _step(rate, stride_vn, WIDE), _step(rate, stride_mn, WIDE), qk_scale)  # fmt: skip
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    hi = rows_k
     if CAUSAL:
+        diagonal = (pid_m * BLOCK_M) // BLOCK_N * BLOCK_N
         hi = tl.minimum(rows_k, (pid_m + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        k_pos = (base_k + offs_n * rate).to(tl.int64)
-        k_ok = offs_n < rows_k
-        k = _load_rows(k_ptr, k_pos, k_ok, offs_d, HEAD_DIM, stride_kn)
-        v = _load_rows(v_ptr, k_pos, k_ok, offs_d, HEAD_DIM, stride_vn)
-        valid = _valid_pairs(offs_m, offs_n, rows_q, rows_k, mask_ptr, k_pos, stride_mn, CAUSAL, HAS_MASK)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        p = tl.where(valid, tl.exp2(qk - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
-    grad_mask = q_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    grad_off = b * stride_gb + h * stride_gh + (q_pos - grad_row0)[:, None] * stride_gn + offs_d[None, :]
-    _store_grad(DQ + grad_off, dq * sm_scale, grad_mask, ACCUMULATE)
+        dq = _dq_blocks(
+            dq, q, do, lse, delta, k_ptr, v_ptr, mask_ptr, 0, diagonal, *args,
+            HEAD_DIM, False, HAS_MASK, DOT_PRECISION, BLOCK_N,
+        )  # fmt: skip
+        dq = _dq_blocks(
+            dq, q, do, lse, delta, k_ptr, v_ptr, mask_ptr, diagonal, hi, *args,
+            HEAD_DIM, True, HAS_MASK, DOT_PRECISION, BLOCK_N,
+        )  # fmt: skip
+    else:
+        dq = _dq_blocks(
+            dq, q, do, lse, delta, k_ptr, v_ptr, mask_ptr, 0, rows_k, *args,
+            HEAD_DIM, False, HAS_MASK, DOT_PRECISION, BLOCK_N,
+        )  # fmt: skip
+    dq_ptr = _row0(DQ, b, stride_gb, h, stride_gh, base_q - grad_row0, stride_gn)
+    _store_rows(dq_ptr, offs_m, _step(rate, stride_gn, WIDE), dq * sm_scale, q_ok, offs_d,
+                HEAD_DIM, ACCUMULATE)  # fmt: skip
 
 
 # -- launchers -------------------------------------------------------------------------------------
@@ -377,7 +494,9 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def _mask_args(key_mask: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+def _mask_args(
+    key_mask: torch.Tensor | None, like: torch.Tensor
+) -> tuple[torch.Tensor, int, int, int]:
     """``(tensor, stride_b, stride_h, stride_n)`` of a (B, Hm, N) bool mask (Hm in {1, H})."""
     if key_mask is None:
         return like, 0, 0, 0
@@ -388,6 +507,12 @@ def _mask_args(key_mask: torch.Tensor | None, like: torch.Tensor) -> tuple[torch
 
 def _bnh(x: torch.Tensor) -> tuple[int, int, int]:
     return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _wide(branch: Branch, *tensors: torch.Tensor) -> bool:
+    """Whether row offsets within one segment can pass 2**31 elements (then 64-bit offsets)."""
+    longest = max(branch.seg_q, branch.seg_k)
+    return longest * max(x.stride(1) for x in tensors) >= 2**31 - 2**20
 
 
 def forward_branch(
@@ -424,7 +549,7 @@ def forward_branch(
         branch.rate, heads, heads // k.shape[2], scale * LOG2E,
         HEAD_DIM=dim, BLOCK_D=_block_d(dim), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         CAUSAL=is_causal, HAS_MASK=key_mask is not None, MERGE=merge,
-        DOT_PRECISION=_DOT_PRECISION[q.dtype],
+        DOT_PRECISION=_DOT_PRECISION[q.dtype], WIDE=_wide(branch, q, k, v, out),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
 
@@ -482,7 +607,7 @@ def backward_branch(
     flags = {
         "HEAD_DIM": dim, "BLOCK_D": _block_d(dim), "CAUSAL": is_causal,
         "HAS_MASK": key_mask is not None, "ACCUMULATE": accumulate,
-        "DOT_PRECISION": _DOT_PRECISION[q.dtype],
+        "DOT_PRECISION": _DOT_PRECISION[q.dtype], "WIDE": _wide(branch, q, k, v, dout, dq, dk),
     }  # fmt: skip
     grid = (
         triton.cdiv(branch.max_rows_k, config_dkdv.block_n),

@@ -168,7 +168,7 @@ class TritonBackend(Backend):
             accumulate=accumulate, config_dkdv=configs["dkdv"], config_dq=configs["dq"],
         )  # fmt: skip
 
-    # -- dense calls --------------------------------------------------------------------------------
+    # -- dense calls ------------------------------------------------------------------------------
     def _forward(
         self,
         q: torch.Tensor,

@@ -152,7 +152,9 @@ def fused_forward(
             )
             continue
         shape = (batch, end - start, heads, dim)
-        acc = (torch.empty if covers_all else torch.zeros)(shape, dtype=torch.float32, device=q.device)
+        acc = (torch.empty if covers_all else torch.zeros)(
+            shape, dtype=torch.float32, device=q.device
+        )
         for i, (w, r) in enumerate(branches):
             span = BranchSpan(start, end, min(w, seq_len), r)
             merge = i > 0 or not covers_all
