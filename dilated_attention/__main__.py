@@ -129,6 +129,10 @@ def info(argv: list[str] | None = None) -> None:
             chosen = "*" if name == choice.backend else ""
             why = "; ".join(choice.reasons.get(name, []))
             print(f"  {name:<16}{available:<11}{chosen:<8}{why}")
+        dilated = explain(
+            device=dev, dtype=dtype, head_dim=args.head_dim, is_causal=args.causal, dilated=True
+        )
+        print(f"  dilated attention (several branches or rate > 1) runs on: {dilated.backend}")
 
 
 def main(argv: list[str] | None = None) -> None:

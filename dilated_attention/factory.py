@@ -293,6 +293,7 @@ def explain(
     dropout_p: float = 0.0,
     requires_grad: bool = True,
     backend: str | None = None,
+    dilated: bool = False,
 ) -> BackendChoice:
     """Which kernel would run attention with these properties, and why no other.
 
@@ -302,6 +303,8 @@ def explain(
         head_dim, num_heads, num_kv_heads, seq_len: the kernel call's shape (one segment's rows).
         is_causal, key_padding_mask, dropout_p, requires_grad: the features it needs.
         backend: explain a forced choice instead of the automatic one.
+        dilated: a dilated attention call (several branches or a rate > 1), where backends that
+            fuse the branches rank first on the devices they were measured fastest on.
 
     Returns:
         :class:`BackendChoice` with ``.backend`` (the name), ``.reasons`` (every other backend with
@@ -325,6 +328,7 @@ def explain(
         has_mask=key_padding_mask,
         dropout_p=dropout_p,
         requires_grad=requires_grad,
+        dilated=dilated,
     )
     return choose(inputs, backend)
 

@@ -14,6 +14,7 @@ from .backends.base import Backend, KernelInputs
 from .backends.registry import get_backend, select_backend
 from .block_sparse import block_sparse_attention
 from .core.engine import AttentionFunction, DilatedAttentionFunction
+from .core.fused import FusedDilatedFunction
 from .core.segment import RowGroup, plan_branches
 
 __all__ = ["attention", "block_sparse_attention", "dilated_attention"]
@@ -39,9 +40,10 @@ def _choose(
     has_mask: bool,
     dropout_p: float,
     backend: str | None,
+    dilated: bool = False,
 ) -> Backend:
     inputs = KernelInputs.from_tensors(
-        q, k, is_causal=is_causal, has_mask=has_mask, dropout_p=dropout_p
+        q, k, is_causal=is_causal, has_mask=has_mask, dropout_p=dropout_p, dilated=dilated
     )
     return select_backend(inputs, backend)
 
@@ -163,9 +165,15 @@ def dilated_attention(
     _check_backend_name(backend)
     kernel = _choose(
         q, k, is_causal=is_causal, has_mask=key_padding_mask is not None,
-        dropout_p=dropout_p, backend=backend,
+        dropout_p=dropout_p, backend=backend, dilated=True,
     )  # fmt: skip
     softmax_scale = checked_scale if checked_scale is not None else q.shape[-1] ** -0.5
+    if kernel.fuses_dilated_branches:
+        out, lse = FusedDilatedFunction.apply(
+            q.contiguous(), k.contiguous(), v.contiguous(), key_padding_mask,
+            tuple(zip(segs, rates, strict=True)), kernel, is_causal, softmax_scale,
+        )  # fmt: skip
+        return (out, lse) if return_lse else out
     plan = _plan(q.shape[1], q.shape[2], segs, rates)
     out, lse = DilatedAttentionFunction.apply(
         q.contiguous(), k.contiguous(), v.contiguous(), key_padding_mask, plan, kernel,

@@ -34,7 +34,15 @@ CPU = torch.device("cpu")
 
 # The documented priority (README "Kernels", registry._CUDA_PRIORITY comment), per major.
 EXPECTED_PRIORITY: dict[int, list[str]] = {
-    10: ["flash_attn4", "sdpa_cudnn", "flash_attn2", "sdpa_flash", "sdpa_efficient", "math"],
+    10: [
+        "flash_attn4",
+        "sdpa_cudnn",
+        "flash_attn2",
+        "sdpa_flash",
+        "sdpa_efficient",
+        "triton",
+        "math",
+    ],
     9: [
         "flash_attn3",
         "flash_attn4",
@@ -42,9 +50,10 @@ EXPECTED_PRIORITY: dict[int, list[str]] = {
         "flash_attn2",
         "sdpa_flash",
         "sdpa_efficient",
+        "triton",
         "math",
     ],
-    8: ["flash_attn2", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "xformers", "math"],
+    8: ["flash_attn2", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "xformers", "triton", "math"],
     7: ["sdpa_efficient", "xformers", "math"],
     6: ["sdpa_efficient", "xformers", "math"],
 }
@@ -176,6 +185,22 @@ def test_priority_per_architecture(
     for name in set(OPTIONAL) & set(list_backends()) - set(installed):
         why = " ".join(choice.reasons[name])
         assert "not installed" in why or "compute capability" in why, (name, why)
+
+
+@pytest.mark.parametrize(
+    ("capability", "expected"),
+    [((9, 0), "triton"), ((10, 0), "sdpa_cudnn"), ((8, 0), "sdpa_flash")],
+)
+def test_dilated_calls_prefer_the_fused_kernels_where_measured(
+    monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], expected: str
+) -> None:
+    """Dilated calls put ``triton`` first on sm90 only (the architecture it was measured on);
+    dense calls keep the dense kernels first everywhere."""
+    _fake_gpu(monkeypatch, capability)
+    dilated = choose(_gpu_inputs(dilated=True))
+    assert dilated.backend == expected, dilated
+    _check_reasons_cover_others(dilated)
+    assert choose(_gpu_inputs()).backend != "triton"
 
 
 @pytest.mark.parametrize("capability", [(7, 5), (6, 0)])

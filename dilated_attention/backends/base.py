@@ -36,6 +36,8 @@ class KernelInputs:
     has_mask: bool = False
     dropout_p: float = 0.0
     requires_grad: bool = False
+    # A dilated attention call (several branches or a rate > 1): fused backends rank first.
+    dilated: bool = False
 
     @classmethod
     def from_tensors(
@@ -47,6 +49,7 @@ class KernelInputs:
         has_mask: bool = False,
         dropout_p: float = 0.0,
         requires_grad: bool | None = None,
+        dilated: bool = False,
     ) -> KernelInputs:
         """Describe a (B, Nq, H, D) query and (B, Nk, Hkv, D) key."""
         if requires_grad is None:
@@ -63,6 +66,7 @@ class KernelInputs:
             has_mask=has_mask,
             dropout_p=dropout_p,
             requires_grad=requires_grad,
+            dilated=dilated,
         )
 
 
@@ -139,6 +143,9 @@ class Backend:
     # Accepts rows at any stride (only stride(-1) == 1 needed), so dilated rows could be passed as
     # views x[:, offset::rate] without a gather. Declared for the planner; the engine gathers today.
     supports_strided_rows: ClassVar[bool] = False
+    # Runs a whole dilated branch from the full q, k, v and merges in place (forward_branch,
+    # row_delta, backward_branch): the engine then uses core/fused.py instead of gathering.
+    fuses_dilated_branches: ClassVar[bool] = False
     # True when the kernel already returns lse = -inf for rows whose keys are all masked.
     empty_rows_have_neg_inf_lse: ClassVar[bool] = False
     # Calls with fewer query or key rows go to the plain-PyTorch kernel (cuDNN refuses 1 x 1).
@@ -171,11 +178,18 @@ class Backend:
     # -- capabilities -----------------------------------------------------------------------------
     def not_supported_reasons(self, inputs: KernelInputs) -> list[str]:
         """Every reason this backend cannot run ``inputs``; empty when it can."""
-        reasons: list[str] = []
         dev = inputs.device
         if dev.type not in self.devices:
-            reasons.append(f"runs on {sorted(self.devices)}, not {dev.type}")
-            return reasons
+            return [f"runs on {sorted(self.devices)}, not {dev.type}"]
+        reasons = self.capability_reasons(inputs)
+        if not reasons:
+            reasons.extend(self.availability_reasons(dev))
+        return reasons
+
+    def capability_reasons(self, inputs: KernelInputs) -> list[str]:
+        """The declared capabilities that ``inputs`` exceed (device type and probe aside)."""
+        reasons: list[str] = []
+        dev = inputs.device
         if inputs.dtype not in self.dtypes:
             names = ", ".join(sorted(str(d).removeprefix("torch.") for d in self.dtypes))
             reasons.append(f"dtype {str(inputs.dtype).removeprefix('torch.')} not in ({names})")
@@ -201,8 +215,6 @@ class Backend:
             reasons.append("no dropout")
         if inputs.requires_grad and not self.supports_backward:
             reasons.append("no backward (inference only)")
-        if not reasons:
-            reasons.extend(self.availability_reasons(dev))
         return reasons
 
     # -- compute ----------------------------------------------------------------------------------

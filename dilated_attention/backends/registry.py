@@ -22,6 +22,7 @@ from .flash_attn4 import FlashAttn4Backend
 from .flex import FlexBackend
 from .math import MathBackend
 from .sdpa import CpuFlashBackend, SdpaCudnnBackend, SdpaEfficientBackend, SdpaFlashBackend
+from .triton import TritonBackend
 from .xformers import XformersBackend
 
 ENV_VAR = "DILATED_ATTENTION_BACKEND"
@@ -35,7 +36,15 @@ ENV_VAR = "DILATED_ATTENTION_BACKEND"
 # FlexAttention compiles per shape (seconds), so it is never chosen for dense attention
 # automatically; it runs block-sparse masks and whenever asked for by name.
 _CUDA_PRIORITY: dict[int, list[str]] = {
-    10: ["flash_attn4", "sdpa_cudnn", "flash_attn2", "sdpa_flash", "sdpa_efficient", "math"],
+    10: [
+        "flash_attn4",
+        "sdpa_cudnn",
+        "flash_attn2",
+        "sdpa_flash",
+        "sdpa_efficient",
+        "triton",
+        "math",
+    ],
     9: [
         "flash_attn3",
         "flash_attn4",
@@ -43,12 +52,17 @@ _CUDA_PRIORITY: dict[int, list[str]] = {
         "flash_attn2",
         "sdpa_flash",
         "sdpa_efficient",
+        "triton",
         "math",
     ],
-    8: ["flash_attn2", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "xformers", "math"],
+    8: ["flash_attn2", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "xformers", "triton", "math"],
     7: ["sdpa_efficient", "xformers", "math"],
 }
 _HOST_PRIORITY = ["cpu_flash", "math"]
+# Dilated calls: our Triton kernels (no gathers, branches merged in place) ahead of gather + the
+# dense kernel where benchmarks/bench_dilated.py measured them faster (record and numbers:
+# benchmarks/results/dilated_h100.md).
+_CUDA_DILATED_FIRST: dict[int, list[str]] = {9: ["triton"]}
 
 _BACKENDS: dict[str, Backend] = {}
 
@@ -69,6 +83,7 @@ for _backend in (
     FlashAttn4Backend(),
     XformersBackend(),
     FlexBackend(),
+    TritonBackend(),
 ):
     register_backend(_backend)
 
@@ -87,11 +102,15 @@ def get_backend(name: str) -> Backend:
     return _BACKENDS[name]
 
 
-def priority(device: torch.device) -> list[str]:
-    """Backend names in the order they are tried on ``device`` (see the module docstring)."""
+def priority(device: torch.device, *, dilated: bool = False) -> list[str]:
+    """Backend names in the order they are tried on ``device`` (see the module docstring);
+    ``dilated`` puts the fused dilated backends measured faster on that device first."""
     if device.type == "cuda":
         major, _ = torch.cuda.get_device_capability(device)
         order = _CUDA_PRIORITY.get(major, _CUDA_PRIORITY[8] if major > 10 else _CUDA_PRIORITY[7])
+        if dilated:
+            first = _CUDA_DILATED_FIRST.get(major, [])
+            order = first + [name for name in order if name not in first]
     else:
         order = _HOST_PRIORITY
     known = [name for name in order if name in _BACKENDS]
@@ -162,7 +181,7 @@ def choose(inputs: KernelInputs, name: str | None = None) -> BackendChoice:
             message lists every rejected backend with its reasons.
     """
     requested, source = _requested(name)
-    order = priority(inputs.device)
+    order = priority(inputs.device, dilated=inputs.dilated)
     reasons = {candidate: _BACKENDS[candidate].not_supported_reasons(inputs) for candidate in order}
     if requested is not None:
         get_backend(requested)
@@ -198,7 +217,8 @@ def select_backend(inputs: KernelInputs, name: str | None = None) -> Backend:
 
 def reasons_for(inputs: KernelInputs) -> dict[str, list[str]]:
     """For every registered backend, why it cannot run ``inputs`` (empty list: it can)."""
-    return {name: _BACKENDS[name].not_supported_reasons(inputs) for name in priority(inputs.device)}
+    order = priority(inputs.device, dilated=inputs.dilated)
+    return {name: _BACKENDS[name].not_supported_reasons(inputs) for name in order}
 
 
 def backend_reasons(

@@ -1,0 +1,223 @@
+"""Dilated attention on one GPU: the library's path vs gather + cuDNN vs the dense-kernel ceiling.
+
+    python benchmarks/bench_dilated.py --out benchmarks/results/dilated_h100
+
+For each schedule (LongNet: w = 2048..32768 with r = 1, 2, 4, 8, 16; the paper's r = 1, 2, 4, 6,
+12), head dim, sequence length and causal flag (B = 1, H = 16, bf16), in one run:
+
+- ``auto``: ``dilated_attention(..., backend=None)``, what users get (the chosen backend is
+  recorded; on sm90 the fused Triton kernels, ``backend="triton"``);
+- ``gather+cudnn``: the same call with ``backend="sdpa_cudnn"``: every branch's rows gathered into
+  dense tensors, cuDNN, merged and scattered back (the fallback path);
+- ``cudnn ceiling``: cuDNN alone on tensors already shaped like every branch's rows
+  ``(B * N / w, ceil(w / r), H, D)`` (no gather, no merge), its times summed over the branches.
+
+Effective TFLOP/s = paper FLOPs / time, with paper FLOPs = 4 * D * sum over heads and branches of
+(N / r) * (w / r), halved when causal, times 3.5 for forward+backward. Memory = peak allocated /
+the unavoidable bytes (q, k, v, out; with backward also dout, dq, dk, dv). Times are the median of
+``--repeats`` runs with CUDA events. Writes OUT.json (environment + rows), OUT.md and OUT.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import environment, markdown_table, time_cuda, write_record
+
+from dilated_attention import attention, dilated_attention
+from dilated_attention.backends import KernelInputs
+from dilated_attention.backends.registry import choose
+
+SCHEDULES = {
+    "longnet": ((2048, 4096, 8192, 16384, 32768), (1, 2, 4, 8, 16)),
+    "paper": ((2048, 4096, 8192, 16384, 32768), (1, 2, 4, 6, 12)),
+}
+GIB = 2**30
+
+
+def paper_flops(seq_len: int, heads: int, dim: int, segs: tuple[int, ...], rates: tuple[int, ...],
+                causal: bool) -> float:  # fmt: skip
+    """4 * D * sum over heads and branches of (N / r) * (w / r), halved when causal (forward)."""
+    work = sum((seq_len / r) * (min(w, seq_len) / r) for w, r in zip(segs, rates, strict=True))
+    return 4.0 * dim * heads * work / (2.0 if causal else 1.0)
+
+
+def _measure(
+    forward: Callable[[], torch.Tensor], grads_of: list[torch.Tensor], dout: torch.Tensor,
+    args: argparse.Namespace,
+) -> dict[str, float]:  # fmt: skip
+    """Median forward and forward+backward times (ms) and peak memory (bytes) of each."""
+
+    def fwd() -> None:
+        with torch.no_grad():
+            forward()
+
+    def fwd_bwd() -> None:
+        torch.autograd.grad(forward(), grads_of, dout)
+
+    result = {}
+    for step, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        result[f"{step}_ms"] = time_cuda(fn, warmup=args.warmup, repeats=args.repeats)["median_ms"]
+        result[f"{step}_peak"] = torch.cuda.max_memory_allocated()
+    return result
+
+
+def _ceiling(
+    seq_len: int, heads: int, dim: int, segs: tuple[int, ...], rates: tuple[int, ...],
+    causal: bool, args: argparse.Namespace,
+) -> dict[str, float]:  # fmt: skip
+    """cuDNN on every branch's row shape, times summed (no gather, no merge)."""
+    total = {"fwd_ms": 0.0, "fwd_bwd_ms": 0.0}
+    for w, r in zip(segs, rates, strict=True):
+        w = min(w, seq_len)
+        shape = (seq_len // w, -(-w // r), heads, dim)
+        q, k, v = (
+            torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(3)
+        )
+        dout = torch.randn_like(q)
+        res = _measure(
+            lambda q=q, k=k, v=v: attention(q, k, v, is_causal=causal, backend="sdpa_cudnn"),
+            [q, k, v], dout, args,
+        )  # fmt: skip
+        total["fwd_ms"] += res["fwd_ms"]
+        total["fwd_bwd_ms"] += res["fwd_bwd_ms"]
+    return total
+
+
+def bench_config(
+    schedule: str, seq_len: int, dim: int, causal: bool, args: argparse.Namespace
+) -> list[dict[str, object]]:
+    segs, rates = SCHEDULES[schedule]
+    heads = args.heads
+    base = {"schedule": schedule, "seq_len": seq_len, "head_dim": dim, "heads": heads,
+            "causal": causal}  # fmt: skip
+    flops = paper_flops(seq_len, heads, dim, segs, rates, causal)
+    tensor_bytes = seq_len * heads * dim * 2
+    unavoidable = {"fwd": 4 * tensor_bytes, "fwd_bwd": 8 * tensor_bytes}
+    shape = (1, seq_len, heads, dim)
+    q, k, v = (
+        torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+    dout = torch.randn_like(q)
+    auto = choose(KernelInputs.from_tensors(q, k, is_causal=causal, dilated=True)).backend
+    paths: dict[str, Callable[[], dict[str, float]]] = {
+        "auto": lambda: _measure(
+            lambda: dilated_attention(q, k, v, segs, rates, is_causal=causal), [q, k, v], dout,
+            args,
+        ),
+        "gather+cudnn": lambda: _measure(
+            lambda: dilated_attention(q, k, v, segs, rates, is_causal=causal,
+                                      backend="sdpa_cudnn"),
+            [q, k, v], dout, args,
+        ),
+        "cudnn ceiling": lambda: _ceiling(seq_len, heads, dim, segs, rates, causal, args),
+    }  # fmt: skip
+    rows = []
+    for name in args.paths:
+        row: dict[str, object] = {**base, "path": name}
+        if name == "auto":
+            row["backend"] = auto
+        try:
+            res = paths[name]()
+        except torch.OutOfMemoryError:
+            row["error"] = "out of memory"
+            torch.cuda.empty_cache()
+            rows.append(row)
+            print(row, flush=True)
+            continue
+        for step, work in (("fwd", flops), ("fwd_bwd", 3.5 * flops)):
+            row[f"{step}_ms"] = res[f"{step}_ms"]
+            row[f"{step}_tflops"] = work / (res[f"{step}_ms"] * 1e-3) / 1e12
+            if f"{step}_peak" in res:
+                row[f"{step}_peak_gib"] = res[f"{step}_peak"] / GIB
+                row[f"{step}_mem_ratio"] = res[f"{step}_peak"] / unavoidable[step]
+        rows.append(row)
+        print(row, flush=True)
+    ceiling = next((r for r in rows if r["path"] == "cudnn ceiling" and "fwd_ms" in r), None)
+    for row in rows:
+        if ceiling is not None and "fwd_ms" in row:
+            for step in ("fwd", "fwd_bwd"):
+                row[f"{step}_vs_ceiling"] = row[f"{step}_tflops"] / ceiling[f"{step}_tflops"]
+    return rows
+
+
+def _plot(rows: list[dict[str, object]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    keys = sorted({(r["schedule"], r["head_dim"], r["causal"]) for r in rows}, key=str)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, step in zip(axes, ("fwd", "fwd_bwd"), strict=True):
+        for schedule, dim, causal in keys:
+            for path_name, style in (("auto", "-"), ("gather+cudnn", ":"), ("cudnn ceiling", "--")):
+                pts = sorted(
+                    (r["seq_len"], r[f"{step}_tflops"])
+                    for r in rows
+                    if (r["schedule"], r["head_dim"], r["causal"]) == (schedule, dim, causal)
+                    and r["path"] == path_name and f"{step}_tflops" in r
+                )  # fmt: skip
+                if pts:
+                    label = f"{path_name} {schedule} D={dim}{' causal' if causal else ''}"
+                    ax.plot(*zip(*pts, strict=True), style, marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length")
+        ax.set_title(f"{step.replace('_', '+')}: effective TFLOP/s")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("TFLOP/s (paper FLOPs / time)")
+    axes[1].legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--schedules", nargs="+", choices=list(SCHEDULES), default=list(SCHEDULES))
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[65536, 262144, 1048576])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--causal", choices=["no", "yes", "both"], default="both")
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--paths", nargs="+", default=["auto", "gather+cudnn", "cudnn ceiling"],
+                        choices=["auto", "gather+cudnn", "cudnn ceiling"])  # fmt: skip
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/dilated"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_dilated.py needs a CUDA device")
+    causal_flags = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
+    rows = []
+    for schedule in args.schedules:
+        for dim in args.head_dims:
+            for causal in causal_flags:
+                for seq_len in args.seq_lens:
+                    rows += bench_config(schedule, seq_len, dim, causal, args)
+    env = environment()
+    write_record(args.out.with_suffix(".json"), env, rows)
+    cols = ["schedule", "head_dim", "causal", "seq_len", "path", "backend", "fwd_ms",
+            "fwd_tflops", "fwd_vs_ceiling", "fwd_bwd_ms", "fwd_bwd_tflops", "fwd_bwd_vs_ceiling",
+            "fwd_mem_ratio", "fwd_bwd_mem_ratio", "error"]  # fmt: skip
+    table = f"{env['device']}, torch {env['torch']}, {env['date']}\n\n" + markdown_table(rows, cols)
+    args.out.with_suffix(".md").write_text(table + "\n")
+    _plot(rows, args.out.with_suffix(".png"))
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

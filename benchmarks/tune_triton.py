@@ -1,0 +1,108 @@
+"""Sweep the Triton kernels' tile sizes on the dilated workload; the table behind ``_tile_configs``.
+
+    python benchmarks/tune_triton.py --out benchmarks/results/tune_triton_h100
+
+For each head dim, each kernel (``forward``, ``dkdv``, ``dq``) is timed with every candidate tile
+configuration while the other two keep their current setting: the forward through a no-grad
+``dilated_attention`` call, the backward kernels through forward+backward (LongNet schedule
+w = 2048..32768, r = 1..16, B = 1, H = 16, bf16, non-causal). Configurations that do not compile
+(shared memory, registers) are recorded as errors. Writes OUT.json and OUT.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import environment, markdown_table, time_cuda, write_record
+
+from dilated_attention import dilated_attention
+from dilated_attention.backends import triton as triton_backend
+
+SEGMENTS, RATES = (2048, 4096, 8192, 16384, 32768), (1, 2, 4, 8, 16)
+
+
+def candidates(kernel: str) -> list[tuple[int, int, int, int]]:
+    """(block_m, block_n, num_warps, num_stages) to try."""
+    if kernel == "forward":
+        return list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)))
+    return list(itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3)))
+
+
+def _runs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """A no-grad forward and a forward+backward of the workload through the Triton backend."""
+
+    def fwd() -> None:
+        with torch.no_grad():
+            dilated_attention(q, k, v, SEGMENTS, RATES, backend="triton")
+
+    def fwd_bwd() -> None:
+        out = dilated_attention(q, k, v, SEGMENTS, RATES, backend="triton")
+        torch.autograd.grad(out, (q, k, v), dout)
+
+    return fwd, fwd_bwd
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--seq-len", type=int, default=131072)
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--kernels", nargs="+", default=["forward", "dkdv", "dq"])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/tune_triton"))
+    args = parser.parse_args()
+    default_configs = triton_backend._tile_configs
+    config_type = triton_backend._kernels().TileConfig
+    rows = []
+    for dim in args.head_dims:
+        shape = (1, args.seq_len, 16, dim)
+        q, k, v = (
+            torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(3)
+        )
+        dout = torch.randn_like(q)
+        fwd, fwd_bwd = _runs(q, k, v, dout)
+        for kernel in args.kernels:
+            for cand in candidates(kernel):
+                trial = {**default_configs(dim), kernel: config_type(*cand)}
+                triton_backend._tile_configs = lambda _dim, trial=trial: trial
+                row: dict[str, object] = {"head_dim": dim, "kernel": kernel,
+                                          "config": "x".join(map(str, cand))}  # fmt: skip
+                try:
+                    run = fwd if kernel == "forward" else fwd_bwd
+                    row["ms"] = time_cuda(run, warmup=1, repeats=args.repeats)["median_ms"]
+                except Exception as exc:  # a configuration that cannot compile is a finding
+                    row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+                finally:
+                    triton_backend._tile_configs = default_configs
+                rows.append(row)
+                print(row, flush=True)
+    best = []
+    for dim in args.head_dims:
+        for kernel in args.kernels:
+            timed = [
+                r for r in rows if r["head_dim"] == dim and r["kernel"] == kernel and "ms" in r
+            ]
+            if timed:
+                best.append({**min(timed, key=lambda r: r["ms"]), "best": True})
+    env = environment()
+    write_record(args.out.with_suffix(".json"), env, rows + best)
+    table = markdown_table(best + rows, ["head_dim", "kernel", "config", "ms", "best", "error"])
+    args.out.with_suffix(".md").write_text(
+        f"{env['device']}, torch {env['torch']}, {env['date']}\n\n{table}\n"
+    )
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,629 @@
+"""Triton kernels that read dilated rows through strides: forward, delta, dK/dV and dQ.
+
+Imported only by ``backends/triton.py`` (lazily: this module needs the ``triton`` package).
+
+Note [Strided dilated rows]
+    One launch runs one branch ``(w, r)`` over the segments of a position range. A program owns
+    the rows ``i`` of one (batch, segment, head) for a tile of ``BLOCK_M`` rows; head ``h`` reads,
+    in the segment starting at ``t0``, the positions ``t0 + s + r*i`` with ``s = h mod r``, for
+    queries and for keys of its key/value head ``h // G`` (GQA, ``G = H / Hkv``). The pointers step
+    ``r * stride(seq)`` per row, so nothing is gathered. A segment of ``L`` positions gives head
+    ``h`` ``ceil((L - s) / r)`` rows (fewer when ``r`` does not divide ``L``; none when ``s >= L``),
+    so ragged segments and the short last segment need no special casing. Causal masking compares
+    row indices, which within one offset class order like positions.
+
+    The forward keeps FlashAttention's running (max, sum, acc) in log2 units and, with ``MERGE``,
+    folds its result into the ``(out, lse)`` already stored for those rows (Note [Merging partial
+    softmaxes]) in float32: branches run one launch after another, and rows of one launch belong
+    to one program, so the read-modify-write needs no atomics. The backward kernels take the
+    *merged* ``lse`` and ``delta = rowsum(dout * out)`` (Note [Exact gradients through the branch
+    mix]); the dK/dV program of a key tile loops over every query head of its key/value head that
+    has the same offset, so its rows are written by it alone, and ``ACCUMULATE`` adds into float32
+    gradient buffers shared by the branches.
+
+Rectangular dense calls (one segment, ``r = 1``, different query and key lengths) use the same
+kernels with separate query and key segment lengths.
+
+Shape legend: B batch, N positions, H query heads, Hkv key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = math.log2(math.e)
+
+
+@dataclass(frozen=True)
+class Branch:
+    """One launch's geometry: segments of ``seg_q`` query / ``seg_k`` key positions at stride
+    ``rate``, the first starting at ``start``; query positions end at ``end_q``, keys at ``end_k``
+    (the last segment is clipped there).
+    """
+
+    start: int
+    seg_q: int
+    seg_k: int
+    end_q: int
+    end_k: int
+    rate: int
+
+    @property
+    def num_segments(self) -> int:
+        return triton.cdiv(self.end_q - self.start, self.seg_q)
+
+    @property
+    def max_rows_q(self) -> int:
+        return triton.cdiv(min(self.seg_q, self.end_q - self.start), self.rate)
+
+    @property
+    def max_rows_k(self) -> int:
+        return triton.cdiv(min(self.seg_k, self.end_k - self.start), self.rate)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile sizes and launch options of one kernel."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# -- device helpers --------------------------------------------------------------------------------
+# Addressing: each program forms 64-bit scalar pointers to row 0 of its rows, then steps
+# ``rate * stride`` per row with 32-bit offsets (64-bit when ``WIDE``: a call whose offsets could
+# pass 2**31 elements), which keeps the per-element pointer arithmetic cheap.
+
+
+@triton.jit
+def _segment_rows(
+    pid_seg, h, start, seg_q, seg_k, end_q, end_k, rate,
+):  # fmt: skip
+    """First query/key position of head ``h``'s rows in segment ``pid_seg``, and row counts."""
+    seg_start_q = start + pid_seg * seg_q
+    seg_start_k = start + pid_seg * seg_k
+    len_q = tl.minimum(seg_q, end_q - seg_start_q)
+    len_k = tl.minimum(seg_k, end_k - seg_start_k)
+    s = h % rate
+    rows_q = tl.maximum(len_q - s + rate - 1, 0) // rate
+    rows_k = tl.maximum(len_k - s + rate - 1, 0) // rate
+    return seg_start_q + s, seg_start_k + s, rows_q, rows_k
+
+
+@triton.jit
+def _row0(X, b, stride_b, head, stride_h, pos, stride_n):
+    """Scalar pointer to ``X[b, pos, head]`` (64-bit arithmetic)."""
+    return X + b * stride_b + tl.cast(head, tl.int64) * stride_h + tl.cast(pos, tl.int64) * stride_n
+
+
+@triton.jit
+def _step(rate, stride_n, WIDE: tl.constexpr):
+    """Elements between consecutive dilated rows."""
+    if WIDE:
+        return tl.cast(rate, tl.int64) * stride_n
+    return rate * stride_n
+
+
+@triton.jit
+def _load_rows(ptr, rows, step, row_ok, offs_d, HEAD_DIM: tl.constexpr):
+    """(len(rows), BLOCK_D) tile of rows ``ptr + rows * step`` (zeros where masked)."""
+    mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    return tl.load(ptr + (rows * step)[:, None] + offs_d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _keep_keys(mask_ptr, offs_n, mask_step, k_ok, HAS_MASK: tl.constexpr):
+    """(BLOCK_N,) bool: the key row exists and the padding mask keeps it."""
+    keep = k_ok
+    if HAS_MASK:
+        ignore = tl.load(mask_ptr + offs_n * mask_step, mask=k_ok, other=1)
+        keep = keep & (ignore == 0)
+    return keep
+
+
+# Note [Rows past the end]
+#     Query rows past a head's last row load q, dout, lse and delta as zeros. The forward and dQ
+#     never store them; in dK/dV their probabilities are exp2(0 - 0) = 1 but dout = 0 gives
+#     dp = 0, so they add exactly zero to dV (p * dout) and dK (p * (dp - delta) * q). So only
+#     the key side is masked inside the loops.
+
+
+@triton.jit
+def _forward_blocks(
+    acc, l_i, m_i, q, k_ptr, v_ptr, mask_ptr, lo, hi, offs_m, offs_n0, offs_d, rows_k, k_step,
+    v_step, mask_step, qk_scale,
+    HEAD_DIM: tl.constexpr, ON_DIAGONAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over key blocks [lo, hi); ``ON_DIAGONAL`` applies the causal mask."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        k_ok = offs_n < rows_k
+        k = _load_rows(k_ptr, offs_n, k_step, k_ok, offs_d, HEAD_DIM)
+        v = _load_rows(v_ptr, offs_n, v_step, k_ok, offs_d, HEAD_DIM)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        valid = _keep_keys(mask_ptr, offs_n, mask_step, k_ok, HAS_MASK)[None, :]
+        if ON_DIAGONAL:
+            valid = valid & (offs_m[:, None] >= offs_n[None, :])
+        qk = tl.where(valid, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _dq_blocks(
+    dq, q, do, lse, delta, k_ptr, v_ptr, mask_ptr, lo, hi, offs_m, offs_n0, offs_d, rows_k,
+    k_step, v_step, mask_step, qk_scale,
+    HEAD_DIM: tl.constexpr, ON_DIAGONAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """dQ contributions of key blocks [lo, hi)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        k_ok = offs_n < rows_k
+        k = _load_rows(k_ptr, offs_n, k_step, k_ok, offs_d, HEAD_DIM)
+        v = _load_rows(v_ptr, offs_n, v_step, k_ok, offs_d, HEAD_DIM)
+        valid = _keep_keys(mask_ptr, offs_n, mask_step, k_ok, HAS_MASK)[None, :]
+        if ON_DIAGONAL:
+            valid = valid & (offs_m[:, None] >= offs_n[None, :])
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        p = tl.where(valid, tl.exp2(qk - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _dkdv_blocks(
+    dk, dv, k, v, keep, q_ptr, do_ptr, lse_ptr, delta_ptr, lo, hi, offs_n, offs_m0, offs_d,
+    rows_q, q_step, do_step, lse_step, delta_step, qk_scale,
+    HEAD_DIM: tl.constexpr, ON_DIAGONAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """dK, dV contributions of query blocks [lo, hi) of one head (Note [Rows past the end])."""
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + offs_m0
+        q_ok = offs_m < rows_q
+        q = _load_rows(q_ptr, offs_m, q_step, q_ok, offs_d, HEAD_DIM)
+        do = _load_rows(do_ptr, offs_m, do_step, q_ok, offs_d, HEAD_DIM)
+        lse = tl.load(lse_ptr + offs_m * lse_step, mask=q_ok, other=0.0)
+        lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
+        delta = tl.load(delta_ptr + offs_m * delta_step, mask=q_ok, other=0.0)
+        valid_t = keep[:, None]
+        if ON_DIAGONAL:
+            valid_t = valid_t & (offs_m[None, :] >= offs_n[:, None])
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
+        p_t = tl.where(valid_t, tl.exp2(qk_t - lse[None, :]), 0.0)
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _store_rows(ptr, rows, step, value, row_ok, offs_d, HEAD_DIM: tl.constexpr,
+                ACCUMULATE: tl.constexpr):  # fmt: skip
+    """Write (or with ``ACCUMULATE`` add) a float32 tile into rows ``ptr + rows * step``."""
+    ptrs = ptr + (rows * step)[:, None] + offs_d[None, :]
+    mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    if ACCUMULATE:
+        value += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptrs, value.to(ptrs.dtype.element_ty), mask=mask)
+
+
+# -- forward ---------------------------------------------------------------------------------------
+@triton.jit
+def _forward_kernel(
+    Q, K, V, Out, Lse, Mask,
+    stride_qb, stride_qn, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_on, stride_oh,
+    stride_lb, stride_lh, stride_ln,
+    stride_mb, stride_mh, stride_mn,
+    out_row0, start, seg_q, seg_k, end_q, end_k, rate, num_heads, kv_group, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MERGE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_sh = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    h = pid_sh % num_heads
+    base_q, base_k, rows_q, rows_k = _segment_rows(
+        pid_sh // num_heads, h, start, seg_q, seg_k, end_q, end_k, rate
+    )
+    if pid_m * BLOCK_M >= rows_q:
+        return
+    kvh = h // kv_group
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < rows_q
+    q_ptr = _row0(Q, b, stride_qb, h, stride_qh, base_q, stride_qn)
+    q = _load_rows(q_ptr, offs_m, _step(rate, stride_qn, WIDE), row_ok, offs_d, HEAD_DIM)
+    k_ptr = _row0(K, b, stride_kb, kvh, stride_kh, base_k, stride_kn)
+    v_ptr = _row0(V, b, stride_vb, kvh, stride_vh, base_k, stride_vn)
+    mask_ptr = _row0(Mask, b, stride_mb, h, stride_mh, base_k, stride_mn)
+    args = (offs_m, offs_n0, offs_d, rows_k, _step(rate, stride_kn, WIDE),
+            _step(rate, stride_vn, WIDE), _step(rate, stride_mn, WIDE), qk_scale)  # fmt: skip
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if CAUSAL:
+        # Key blocks before the tile's first row are visible to every row; the rest straddle
+        # the diagonal or lie beyond it.
+        diagonal = (pid_m * BLOCK_M) // BLOCK_N * BLOCK_N
+        hi = tl.minimum(rows_k, (pid_m + 1) * BLOCK_M)
+        acc, l_i, m_i = _forward_blocks(
+            acc, l_i, m_i, q, k_ptr, v_ptr, mask_ptr, 0, diagonal, *args,
+            HEAD_DIM, False, HAS_MASK, DOT_PRECISION, BLOCK_N,
+        )  # fmt: skip
+        acc, l_i, m_i = _forward_blocks(
+            acc, l_i, m_i, q, k_ptr, v_ptr, mask_ptr, diagonal, hi, *args,
+            HEAD_DIM, True, HAS_MASK, DOT_PRECISION, BLOCK_N,
+        )  # fmt: skip
+    else:
+        acc, l_i, m_i = _forward_blocks(
+            acc, l_i, m_i, q, k_ptr, v_ptr, mask_ptr, 0, rows_k, *args,
+            HEAD_DIM, False, HAS_MASK, DOT_PRECISION, BLOCK_N,
+        )  # fmt: skip
+
+    seen = l_i > 0.0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(
+        seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634, float("-inf")
+    )
+    out_ptr = _row0(Out, b, stride_ob, h, stride_oh, base_q - out_row0, stride_on)
+    out_step = _step(rate, stride_on, WIDE)
+    lse_ptrs = _row0(Lse, b, stride_lb, h, stride_lh, base_q, stride_ln) + offs_m * _step(
+        rate, stride_ln, WIDE
+    )
+    if MERGE:
+        old_lse = tl.load(lse_ptrs, mask=row_ok, other=float("-inf"))
+        old_o = _load_rows(out_ptr, offs_m, out_step, row_ok, offs_d, HEAD_DIM).to(tl.float32)
+        top = tl.maximum(old_lse, lse)
+        top_safe = tl.where(top == float("-inf"), 0.0, top)
+        w_old = tl.exp(old_lse - top_safe)
+        w_new = tl.exp(lse - top_safe)
+        total = w_old + w_new
+        merged_lse = tl.where(
+            total > 0.0, top_safe + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf")
+        )
+        inv = 1.0 / tl.where(total > 0.0, total, 1.0)
+        o = old_o * (w_old * inv)[:, None] + o * (w_new * inv)[:, None]
+        lse = merged_lse
+    _store_rows(out_ptr, offs_m, out_step, o, row_ok, offs_d, HEAD_DIM, False)
+    tl.store(lse_ptrs, lse, mask=row_ok)
+
+
+# -- backward --------------------------------------------------------------------------------------
+@triton.jit
+def _delta_kernel(
+    Out, DO, Delta,
+    stride_ob, stride_on, stride_oh,
+    stride_db, stride_dn, stride_dh,
+    stride_eb, stride_eh, stride_en,
+    start, end, num_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """``delta[b, h, n - start] = sum_d out[b, n, h, d] * dout[b, n, h, d]``, n in [start, end)."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = start + offs_m < end
+    rows = offs_m.to(tl.int64)  # a group may span more than 2**31 elements
+    o = _load_rows(_row0(Out, b, stride_ob, h, stride_oh, start, stride_on), rows, stride_on,
+                   ok, offs_d, HEAD_DIM)  # fmt: skip
+    do = _load_rows(_row0(DO, b, stride_db, h, stride_dh, start, stride_dn), rows, stride_dn,
+                    ok, offs_d, HEAD_DIM)  # fmt: skip
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + b * stride_eb + h * stride_eh + offs_m * stride_en, delta, mask=ok)
+
+
+@triton.jit
+def _dkdv_kernel(
+    Q, K, V, DO, Lse, Delta, Mask, DK, DV,
+    stride_qb, stride_qn, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_db, stride_dn, stride_dh,
+    stride_lb, stride_lh, stride_ln,
+    stride_eb, stride_eh, stride_en,
+    stride_mb, stride_mh, stride_mn,
+    stride_gb, stride_gn, stride_gh,
+    delta_row0, grad_row0, start, seg_q, seg_k, end_q, end_k, rate, num_kv_heads, kv_group,
+    num_offsets, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCUMULATE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
+):  # fmt: skip
+    """dK, dV of one key tile of key/value head ``g`` at offset ``s``: every query head of ``g``
+    with that offset contributes (heads ``g*G + j + t*r``)."""
+    pid_n = tl.program_id(0)
+    pid = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    j = pid % num_offsets
+    g = (pid // num_offsets) % num_kv_heads
+    h0 = g * kv_group + j
+    base_q, base_k, rows_q, rows_k = _segment_rows(
+        pid // (num_offsets * num_kv_heads), h0, start, seg_q, seg_k, end_q, end_k, rate
+    )
+    if pid_n * BLOCK_N >= rows_k:
+        return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    k_ok = offs_n < rows_k
+    k_ptr = _row0(K, b, stride_kb, g, stride_kh, base_k, stride_kn)
+    v_ptr = _row0(V, b, stride_vb, g, stride_vh, base_k, stride_vn)
+    k = _load_rows(k_ptr, offs_n, _step(rate, stride_kn, WIDE), k_ok, offs_d, HEAD_DIM)
+    v = _load_rows(v_ptr, offs_n, _step(rate, stride_vn, WIDE), k_ok, offs_d, HEAD_DIM)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    lo = 0
+    diagonal_end = 0
+    if CAUSAL:
+        # Query blocks from ``lo`` straddle the diagonal until ``diagonal_end``; after it every
+        # row follows every key of the tile.
+        lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
+        diagonal_end = tl.minimum(tl.cdiv((pid_n + 1) * BLOCK_N - 1, BLOCK_M) * BLOCK_M, rows_q)
+    args = (offs_n, offs_m0, offs_d, rows_q, _step(rate, stride_qn, WIDE),
+            _step(rate, stride_dn, WIDE), _step(rate, stride_ln, WIDE),
+            _step(rate, stride_en, WIDE), qk_scale)  # fmt: skip
+    mask_step = _step(rate, stride_mn, WIDE)
+    for h in range(h0, (g + 1) * kv_group, rate):
+        q_ptr = _row0(Q, b, stride_qb, h, stride_qh, base_q, stride_qn)
+        do_ptr = _row0(DO, b, stride_db, h, stride_dh, base_q, stride_dn)
+        lse_ptr = _row0(Lse, b, stride_lb, h, stride_lh, base_q, stride_ln)
+        delta_ptr = _row0(Delta, b, stride_eb, h, stride_eh, base_q - delta_row0, stride_en)
+        mask_ptr = _row0(Mask, b, stride_mb, h, stride_mh, base_k, stride_mn)
+        keep = _keep_keys(mask_ptr, offs_n, mask_step, k_ok, HAS_MASK)
+        if CAUSAL:
+            dk, dv = _dkdv_blocks(
+                dk, dv, k, v, keep, q_ptr, do_ptr, lse_ptr, delta_ptr, lo, diagonal_end, *args,
+                HEAD_DIM, True, DOT_PRECISION, BLOCK_M,
+            )  # fmt: skip
+            dk, dv = _dkdv_blocks(
+                dk, dv, k, v, keep, q_ptr, do_ptr, lse_ptr, delta_ptr, diagonal_end, rows_q,
+                *args, HEAD_DIM, False, DOT_PRECISION, BLOCK_M,
+            )  # fmt: skip
+        else:
+            dk, dv = _dkdv_blocks(
+                dk, dv, k, v, keep, q_ptr, do_ptr, lse_ptr, delta_ptr, 0, rows_q, *args,
+                HEAD_DIM, False, DOT_PRECISION, BLOCK_M,
+            )  # fmt: skip
+    grad_step = _step(rate, stride_gn, WIDE)
+    dk_ptr = _row0(DK, b, stride_gb, g, stride_gh, base_k - grad_row0, stride_gn)
+    dv_ptr = _row0(DV, b, stride_gb, g, stride_gh, base_k - grad_row0, stride_gn)
+    _store_rows(dk_ptr, offs_n, grad_step, dk * sm_scale, k_ok, offs_d, HEAD_DIM, ACCUMULATE)
+    _store_rows(dv_ptr, offs_n, grad_step, dv, k_ok, offs_d, HEAD_DIM, ACCUMULATE)
+
+
+@triton.jit
+def _dq_kernel(
+    Q, K, V, DO, Lse, Delta, Mask, DQ,
+    stride_qb, stride_qn, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_db, stride_dn, stride_dh,
+    stride_lb, stride_lh, stride_ln,
+    stride_eb, stride_eh, stride_en,
+    stride_mb, stride_mh, stride_mn,
+    stride_gb, stride_gn, stride_gh,
+    delta_row0, grad_row0, start, seg_q, seg_k, end_q, end_k, rate, num_heads, kv_group,
+    qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCUMULATE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
+):  # fmt: skip
+    """dQ of one query tile of head ``h``."""
+    pid_m = tl.program_id(0)
+    pid_sh = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    h = pid_sh % num_heads
+    base_q, base_k, rows_q, rows_k = _segment_rows(
+        pid_sh // num_heads, h, start, seg_q, seg_k, end_q, end_k, rate
+    )
+    if pid_m * BLOCK_M >= rows_q:
+        return
+    kvh = h // kv_group
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_ok = offs_m < rows_q
+    q_ptr = _row0(Q, b, stride_qb, h, stride_qh, base_q, stride_qn)
+    do_ptr = _row0(DO, b, stride_db, h, stride_dh, base_q, stride_dn)
+    q = _load_rows(q_ptr, offs_m, _step(rate, stride_qn, WIDE), q_ok, offs_d, HEAD_DIM)
+    do = _load_rows(do_ptr, offs_m, _step(rate, stride_dn, WIDE), q_ok, offs_d, HEAD_DIM)
+    lse_ptr = _row0(Lse, b, stride_lb, h, stride_lh, base_q, stride_ln)
+    lse = tl.load(lse_ptr + offs_m * _step(rate, stride_ln, WIDE), mask=q_ok, other=0.0)
+    lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
+    delta_ptr = _row0(Delta, b, stride_eb, h, stride_eh, base_q - delta_row0, stride_en)
+    delta = tl.load(delta_ptr + offs_m * _step(rate, stride_en, WIDE), mask=q_ok, other=0.0)
+    k_ptr = _row0(K, b, stride_kb, kvh, stride_kh, base_k, stride_kn)
+    v_ptr = _row0(V, b, stride_vb, kvh, stride_vh, base_k, stride_vn)
+    mask_ptr = _row0(Mask, b, stride_mb, h, stride_mh, base_k, stride_mn)
+    args = (offs_m, offs_n0, offs_d, rows_k, _step(rate, stride_kn, WIDE),
+            _step(rate, stride_vn, WIDE), _step(rate, stride_mn, WIDE), qk_scale)  # fmt: skip
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if CAUSAL:
+        diagonal = (pid_m * BLOCK_M) // BLOCK_N * BLOCK_N
+        hi = tl.minimum(rows_k, (pid_m + 1) * BLOCK_M)
+        dq = _dq_blocks(
+            dq, q, do, lse, delta, k_ptr, v_ptr, mask_ptr, 0, diagonal, *args,
+            HEAD_DIM, False, HAS_MASK, DOT_PRECISION, BLOCK_N,
+        )  # fmt: skip
+        dq = _dq_blocks(
+            dq, q, do, lse, delta, k_ptr, v_ptr, mask_ptr, diagonal, hi, *args,
+            HEAD_DIM, True, HAS_MASK, DOT_PRECISION, BLOCK_N,
+        )  # fmt: skip
+    else:
+        dq = _dq_blocks(
+            dq, q, do, lse, delta, k_ptr, v_ptr, mask_ptr, 0, rows_k, *args,
+            HEAD_DIM, False, HAS_MASK, DOT_PRECISION, BLOCK_N,
+        )  # fmt: skip
+    dq_ptr = _row0(DQ, b, stride_gb, h, stride_gh, base_q - grad_row0, stride_gn)
+    _store_rows(dq_ptr, offs_m, _step(rate, stride_gn, WIDE), dq * sm_scale, q_ok, offs_d,
+                HEAD_DIM, ACCUMULATE)  # fmt: skip
+
+
+# -- launchers -------------------------------------------------------------------------------------
+_DOT_PRECISION = {torch.float32: "ieee", torch.float16: "tf32", torch.bfloat16: "tf32"}
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _mask_args(
+    key_mask: torch.Tensor | None, like: torch.Tensor
+) -> tuple[torch.Tensor, int, int, int]:
+    """``(tensor, stride_b, stride_h, stride_n)`` of a (B, Hm, N) bool mask (Hm in {1, H})."""
+    if key_mask is None:
+        return like, 0, 0, 0
+    mask = key_mask.view(torch.uint8)
+    stride_h = 0 if mask.shape[1] == 1 else mask.stride(1)
+    return mask, mask.stride(0), stride_h, mask.stride(2)
+
+
+def _bnh(x: torch.Tensor) -> tuple[int, int, int]:
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _wide(branch: Branch, *tensors: torch.Tensor) -> bool:
+    """Whether row offsets within one segment can pass 2**31 elements (then 64-bit offsets)."""
+    longest = max(branch.seg_q, branch.seg_k)
+    return longest * max(x.stride(1) for x in tensors) >= 2**31 - 2**20
+
+
+def forward_branch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    key_mask: torch.Tensor | None,
+    branch: Branch,
+    *,
+    out_row0: int,
+    scale: float,
+    is_causal: bool,
+    merge: bool,
+    config: TileConfig,
+) -> None:
+    """One branch's forward, written (or with ``merge``, merged) into ``out`` and ``lse``.
+
+    Args:
+        q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D); any strides with stride(-1) == 1.
+        out: (B, rows, H, D), row ``p - out_row0`` for query position ``p``.
+        lse: (B, H, Nq) float32, natural log.
+        key_mask: (B, Hm, Nk) bool, ``True`` = ignore, or None.
+    """
+    batch, _, heads, dim = q.shape
+    mask, smb, smh, smn = _mask_args(key_mask, q)
+    grid = (triton.cdiv(branch.max_rows_q, config.block_m), branch.num_segments * heads, batch)
+    _forward_kernel[grid](
+        q, k, v, out, lse, mask,
+        *_bnh(q), *_bnh(k), *_bnh(v), *_bnh(out), lse.stride(0), lse.stride(1), lse.stride(2),
+        smb, smh, smn,
+        out_row0, branch.start, branch.seg_q, branch.seg_k, branch.end_q, branch.end_k,
+        branch.rate, heads, heads // k.shape[2], scale * LOG2E,
+        HEAD_DIM=dim, BLOCK_D=_block_d(dim), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        CAUSAL=is_causal, HAS_MASK=key_mask is not None, MERGE=merge,
+        DOT_PRECISION=_DOT_PRECISION[q.dtype], WIDE=_wide(branch, q, k, v, out),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+
+
+def row_delta(out: torch.Tensor, dout: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """``rowsum(out * dout)`` for positions [start, end): (B, H, end - start) float32."""
+    batch, _, heads, dim = out.shape
+    delta = torch.empty(batch, heads, end - start, dtype=torch.float32, device=out.device)
+    block = 64
+    grid = (triton.cdiv(end - start, block), heads, batch)
+    _delta_kernel[grid](
+        out, dout, delta, *_bnh(out), *_bnh(dout), *delta.stride(), start, end, heads,
+        HEAD_DIM=dim, BLOCK_D=_block_d(dim), BLOCK_M=block,
+    )  # fmt: skip
+    return delta
+
+
+def backward_branch(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    key_mask: torch.Tensor | None,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    branch: Branch,
+    *,
+    delta_row0: int,
+    grad_row0: int,
+    scale: float,
+    is_causal: bool,
+    accumulate: bool,
+    config_dkdv: TileConfig,
+    config_dq: TileConfig,
+) -> None:
+    """One branch's gradients, written (or with ``accumulate``, added) into dq, dk, dv.
+
+    Args:
+        dout, q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D).
+        lse: (B, H, Nq) merged log-sum-exp; delta: (B, H, rows), row ``p - delta_row0``.
+        dq: (B, rows, H, D); dk, dv: (B, rows, Hkv, D); row ``p - grad_row0`` for position ``p``.
+    """
+    batch, _, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    group = heads // kv_heads
+    offsets = min(group, branch.rate)
+    mask, smb, smh, smn = _mask_args(key_mask, q)
+    common = (
+        *_bnh(q), *_bnh(k), *_bnh(v), *_bnh(dout), *lse.stride(), *delta.stride(), smb, smh, smn,
+    )  # fmt: skip
+    geometry = (branch.start, branch.seg_q, branch.seg_k, branch.end_q, branch.end_k, branch.rate)
+    flags = {
+        "HEAD_DIM": dim, "BLOCK_D": _block_d(dim), "CAUSAL": is_causal,
+        "HAS_MASK": key_mask is not None, "ACCUMULATE": accumulate,
+        "DOT_PRECISION": _DOT_PRECISION[q.dtype], "WIDE": _wide(branch, q, k, v, dout, dq, dk),
+    }  # fmt: skip
+    grid = (
+        triton.cdiv(branch.max_rows_k, config_dkdv.block_n),
+        branch.num_segments * kv_heads * offsets,
+        batch,
+    )
+    _dkdv_kernel[grid](
+        q, k, v, dout, lse, delta, mask, dk, dv, *common, *_bnh(dk),
+        delta_row0, grad_row0, *geometry, kv_heads, group, offsets, scale * LOG2E, scale,
+        BLOCK_M=config_dkdv.block_m, BLOCK_N=config_dkdv.block_n,
+        num_warps=config_dkdv.num_warps, num_stages=config_dkdv.num_stages, **flags,
+    )  # fmt: skip
+    grid = (triton.cdiv(branch.max_rows_q, config_dq.block_m), branch.num_segments * heads, batch)
+    _dq_kernel[grid](
+        q, k, v, dout, lse, delta, mask, dq, *common, *_bnh(dq),
+        delta_row0, grad_row0, *geometry, heads, group, scale * LOG2E, scale,
+        BLOCK_M=config_dq.block_m, BLOCK_N=config_dq.block_n,
+        num_warps=config_dq.num_warps, num_stages=config_dq.num_stages, **flags,
+    )  # fmt: skip

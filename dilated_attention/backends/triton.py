@@ -1,0 +1,235 @@
+"""``triton``: our own Triton kernels, reading dilated rows through strides (no gathers).
+
+The kernels (``_triton_kernels.py``, imported on first use because it needs the ``triton``
+package) run a whole dilated branch per launch and merge into the running output in place
+(Note [Strided dilated rows]); ``core/fused.py`` drives them branch by branch (Note [Fused branch
+engine]). Dense calls (ring steps, block-sparse pieces, ``attention``) are the one-segment,
+rate-1 case of the same kernels.
+
+With ``TRITON_INTERPRET=1`` in the environment (before the first use), Triton's interpreter runs
+the kernels on CPU tensors: slow, for debugging and for testing the kernels without a GPU.
+
+Shapes: (B, N, H, D) in and out; ``lse`` (B, H, N) float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from ..core.fused import BranchSpan
+from ._compat import _import_failure
+from .base import Backend, KernelInputs, KernelOutput
+
+#: Oldest Triton release the kernels are tested with (``input_precision`` on ``tl.dot``).
+MIN_TRITON = (3, 0)
+
+
+def interpreting() -> bool:
+    """Whether Triton's interpreter is switched on (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def _kernels() -> ModuleType:
+    from . import _triton_kernels
+
+    return _triton_kernels
+
+
+def _tile_configs(head_dim: int) -> dict[str, Any]:
+    """Tile sizes per kernel (``forward``, ``dkdv``, ``dq``) for a head dim.
+
+    Chosen on an H100 (``benchmarks/tune_triton.py``); smaller tiles for large head dims keep
+    the float32 accumulators in registers.
+    """
+    config = _kernels().TileConfig
+    if head_dim <= 64:
+        return {
+            "forward": config(128, 64, 4, 3),
+            "dkdv": config(64, 64, 4, 3),
+            "dq": config(64, 64, 4, 3),
+        }
+    if head_dim <= 128:
+        return {
+            "forward": config(128, 64, 8, 3),
+            "dkdv": config(64, 64, 8, 2),
+            "dq": config(64, 64, 8, 2),
+        }
+    return {
+        "forward": config(64, 32, 4, 2),
+        "dkdv": config(32, 32, 4, 2),
+        "dq": config(32, 32, 4, 2),
+    }
+
+
+class TritonBackend(Backend):
+    """Our Triton kernels: strided dilated rows, in-place branch merging, GQA, causal, key padding
+    masks; fused dilated branches through ``core/fused.py``."""
+
+    name = "triton"
+    description = (
+        "our Triton kernels: reads dilated rows through strides and merges branches in place"
+    )
+    devices = frozenset({"cuda"})
+    dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32})
+    max_head_dim = 256
+    min_compute_capability = (8, 0)
+    supports_rectangular_causal = True
+    supports_mask = True
+    native_gqa = True
+    supports_strided_rows = True
+    fuses_dilated_branches = True
+    empty_rows_have_neg_inf_lse = True
+
+    def import_reasons(self) -> list[str]:
+        try:
+            import triton
+        except Exception as exc:
+            return [_import_failure("triton", exc)]
+        version = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
+        if version < MIN_TRITON:
+            need = ".".join(map(str, MIN_TRITON))
+            return [f"triton {triton.__version__} is older than {need}"]
+        try:
+            _kernels()
+        except Exception as exc:
+            return [_import_failure("dilated_attention's Triton kernels", exc)]
+        return []
+
+    def __init__(self) -> None:
+        if interpreting():  # an instance attribute: the class constant stays CUDA-only
+            self.devices = frozenset({"cuda", "cpu"})
+
+    def capability_reasons(self, inputs: KernelInputs) -> list[str]:
+        reasons = super().capability_reasons(inputs)
+        if inputs.device.type == "cpu" and inputs.dtype == torch.bfloat16:
+            reasons.append("Triton's interpreter cannot compute bfloat16 (numpy has none)")
+        return reasons
+
+    # -- fused dilated branches (core/fused.py) ---------------------------------------------------
+    def forward_branch(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        span: BranchSpan,
+        *,
+        out_row0: int,
+        scale: float,
+        is_causal: bool,
+        merge: bool,
+    ) -> None:
+        """See ``FusedBackend.forward_branch`` in ``core/fused.py``."""
+        kernels = _kernels()
+        kernels.forward_branch(
+            q, k, v, out, lse, key_mask, _branch(span), out_row0=out_row0, scale=scale,
+            is_causal=is_causal, merge=merge, config=_tile_configs(q.shape[-1])["forward"],
+        )  # fmt: skip
+
+    def row_delta(
+        self, out: torch.Tensor, dout: torch.Tensor, start: int, end: int
+    ) -> torch.Tensor:
+        """(B, H, end - start) float32 ``rowsum(out * dout)``."""
+        return _kernels().row_delta(out, dout, start, end)
+
+    def backward_branch(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        lse: torch.Tensor,
+        delta: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        dq: torch.Tensor,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+        span: BranchSpan,
+        *,
+        delta_row0: int,
+        grad_row0: int,
+        scale: float,
+        is_causal: bool,
+        accumulate: bool,
+    ) -> None:
+        """See ``FusedBackend.backward_branch`` in ``core/fused.py``."""
+        configs = _tile_configs(q.shape[-1])
+        _kernels().backward_branch(
+            dout, q, k, v, lse, delta, key_mask, dq, dk, dv, _branch(span),
+            delta_row0=delta_row0, grad_row0=grad_row0, scale=scale, is_causal=is_causal,
+            accumulate=accumulate, config_dkdv=configs["dkdv"], config_dq=configs["dq"],
+        )  # fmt: skip
+
+    # -- dense calls ------------------------------------------------------------------------------
+    def _forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float,
+        is_causal: bool,
+        key_mask: torch.Tensor | None,
+        dropout_p: float,
+    ) -> KernelOutput:
+        q, k, v = (_last_dim_dense(x) for x in (q, k, v))
+        batch, query_len, heads, _ = q.shape
+        out = torch.empty_like(q)
+        lse = torch.empty(batch, heads, query_len, dtype=torch.float32, device=q.device)
+        kernels = _kernels()
+        kernels.forward_branch(
+            q, k, v, out, lse, key_mask, _dense_branch(query_len, k.shape[1]), out_row0=0,
+            scale=scale, is_causal=is_causal, merge=False,
+            config=_tile_configs(q.shape[-1])["forward"],
+        )  # fmt: skip
+        return KernelOutput(out, lse)
+
+    def _backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        aux: Any,
+        *,
+        scale: float,
+        is_causal: bool,
+        key_mask: torch.Tensor | None,
+        dropout_p: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        dout, q, k, v, out = (_last_dim_dense(x) for x in (dout, q, k, v, out))
+        lse = lse.float()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        configs = _tile_configs(q.shape[-1])
+        kernels = _kernels()
+        delta = kernels.row_delta(out, dout, 0, q.shape[1])
+        kernels.backward_branch(
+            dout, q, k, v, lse, delta, key_mask, dq, dk, dv, _dense_branch(q.shape[1], k.shape[1]),
+            delta_row0=0, grad_row0=0, scale=scale, is_causal=is_causal, accumulate=False,
+            config_dkdv=configs["dkdv"], config_dq=configs["dq"],
+        )  # fmt: skip
+        return dq, dk, dv
+
+
+def _branch(span: BranchSpan) -> Any:
+    return _kernels().Branch(
+        span.start, span.segment_len, span.segment_len, span.end, span.end, span.rate
+    )
+
+
+def _dense_branch(query_len: int, key_len: int) -> Any:
+    return _kernels().Branch(0, query_len, key_len, query_len, key_len, 1)
+
+
+def _last_dim_dense(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()

@@ -1,0 +1,263 @@
+"""The engine for backends that run a whole dilated branch in place (``fuses_dilated_branches``).
+
+Note [Fused branch engine]
+    A fused backend reads every branch's rows straight from q, k, v through strides (no gather),
+    merges its result into the running ``(out, lse)`` and, backward, adds its gradients into dq,
+    dk, dv itself (Note [Strided dilated rows] in ``backends/_triton_kernels.py``). What is left to
+    the engine is where those running values live. Keeping them in float32 for the whole sequence
+    would cost 2x the output (and 2x dq, dk, dv) on top of the tensors that cannot be avoided;
+    instead the sequence is cut into position groups that no segment of any branch crosses
+    (multiples of the least common multiple of the segment lengths), and each group is finished
+    before the next starts: float32 scratch for one group, every branch launched over it, then one
+    cast into the output. The scratch stays a small fraction of q at any length.
+
+    Special cases: a single branch writes straight into the output (each row is written once); the
+    merged ``lse`` is float32 already and is written in place for the whole sequence.
+
+Shape legend: B batch, N seq_len, H query heads, Hkv key/value heads, D head dim, Nc positions in a
+group.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+#: A group holds at least this many positions (enough programs per launch to fill a GPU) ...
+MIN_GROUP_POSITIONS = 32768
+#: ... and at most 1/GROUPS_PER_SEQUENCE of the sequence beyond that (scratch <= q / 8 in bf16).
+GROUPS_PER_SEQUENCE = 16
+
+
+@dataclass(frozen=True)
+class BranchSpan:
+    """Branch ``(segment_len, rate)`` over the positions [start, end); ``start`` is a segment
+    boundary and the last segment is clipped at ``end``."""
+
+    start: int
+    end: int
+    segment_len: int
+    rate: int
+
+
+class FusedBackend(Protocol):
+    """What the fused engine needs (``backends.triton.TritonBackend`` provides it)."""
+
+    def forward_branch(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        span: BranchSpan,
+        *,
+        out_row0: int,
+        scale: float,
+        is_causal: bool,
+        merge: bool,
+    ) -> None: ...
+
+    def row_delta(
+        self, out: torch.Tensor, dout: torch.Tensor, start: int, end: int
+    ) -> torch.Tensor: ...
+
+    def backward_branch(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        lse: torch.Tensor,
+        delta: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        dq: torch.Tensor,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+        span: BranchSpan,
+        *,
+        delta_row0: int,
+        grad_row0: int,
+        scale: float,
+        is_causal: bool,
+        accumulate: bool,
+    ) -> None: ...
+
+
+def position_groups(
+    seq_len: int, segment_lengths: tuple[int, ...], min_positions: int | None = None
+) -> list[tuple[int, int]]:
+    """Consecutive ``[start, end)`` ranges covering ``[0, seq_len)`` that no segment crosses.
+
+    Every start is a multiple of every (clipped) segment length, so each branch's segments inside
+    a group start at the group's start. ``min_positions`` (default :data:`MIN_GROUP_POSITIONS`)
+    sets the smallest group; tests lower it.
+    """
+    lcm = 1
+    for seg in segment_lengths:
+        lcm = math.lcm(lcm, min(seg, seq_len))
+        if lcm >= seq_len:
+            return [(0, seq_len)]
+    floor = MIN_GROUP_POSITIONS if min_positions is None else min_positions
+    wanted = max(floor, -(-seq_len // GROUPS_PER_SEQUENCE))
+    size = -(-wanted // lcm) * lcm
+    return [(start, min(start + size, seq_len)) for start in range(0, seq_len, size)]
+
+
+def _ordered(branches: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """Branches with a rate-1 branch first: it covers every row, so it can write without merging."""
+    return tuple(sorted(branches, key=lambda wr: wr[1] != 1))
+
+
+def fused_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    branches: tuple[tuple[int, int], ...],
+    backend: FusedBackend,
+    *,
+    is_causal: bool,
+    scale: float,
+    min_group_positions: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every branch merged (LongNet Eq. 10), group by group (Note [Fused branch engine]).
+
+    Args:
+        q: (B, N, H, D); k, v: (B, N, Hkv, D); stride(-1) == 1.
+        key_padding_mask: (B, N) bool, ``True`` = ignore, or None.
+        branches: ``(segment_len, rate)`` pairs.
+
+    Returns:
+        ``out`` (B, N, H, D) in q's dtype and ``lse`` (B, H, N) float32 (``-inf`` where no key).
+    """
+    batch, seq_len, heads, dim = q.shape
+    branches = _ordered(branches)
+    key_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(1)
+    lse = torch.full((batch, heads, seq_len), float("-inf"), dtype=torch.float32, device=q.device)
+    covers_all = branches[0][1] == 1
+    out = (torch.empty_like if covers_all else torch.zeros_like)(q)
+    options = {"scale": scale, "is_causal": is_causal}
+    segs = tuple(w for w, _ in branches)
+    for start, end in position_groups(seq_len, segs, min_group_positions):
+        if len(branches) == 1:
+            w, r = branches[0]
+            span = BranchSpan(start, end, min(w, seq_len), r)
+            backend.forward_branch(
+                q, k, v, out, lse, key_mask, span, out_row0=0, merge=False, **options
+            )
+            continue
+        shape = (batch, end - start, heads, dim)
+        acc = (torch.empty if covers_all else torch.zeros)(
+            shape, dtype=torch.float32, device=q.device
+        )
+        for i, (w, r) in enumerate(branches):
+            span = BranchSpan(start, end, min(w, seq_len), r)
+            merge = i > 0 or not covers_all
+            backend.forward_branch(
+                q, k, v, acc, lse, key_mask, span, out_row0=start, merge=merge, **options
+            )
+        out[:, start:end].copy_(acc)
+        del acc
+    return out, lse
+
+
+def fused_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    branches: tuple[tuple[int, int], ...],
+    backend: FusedBackend,
+    *,
+    is_causal: bool,
+    scale: float,
+    min_group_positions: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact gradients of :func:`fused_forward` with the merged ``out`` and ``lse``.
+
+    Args:
+        dout, out: (B, N, H, D); lse: (B, H, N) merged.
+
+    Returns:
+        ``(dq, dk, dv)`` shaped like ``(q, k, v)``, in their dtypes.
+    """
+    batch, seq_len, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    branches = _ordered(branches)
+    key_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(1)
+    single = len(branches) == 1
+    alloc = torch.empty_like if single and branches[0][1] == 1 else torch.zeros_like
+    dq, dk, dv = alloc(q), alloc(k), alloc(v)
+    options = {"scale": scale, "is_causal": is_causal}
+    segs = tuple(w for w, _ in branches)
+    for start, end in position_groups(seq_len, segs, min_group_positions):
+        delta = backend.row_delta(out, dout, start, end)
+        if single:
+            w, r = branches[0]
+            span = BranchSpan(start, end, min(w, seq_len), r)
+            backend.backward_branch(
+                dout, q, k, v, lse, delta, key_mask, dq, dk, dv, span,
+                delta_row0=start, grad_row0=0, accumulate=False, **options,
+            )  # fmt: skip
+            continue
+        rows = end - start
+        acc = {"dtype": torch.float32, "device": q.device}
+        dq_acc = torch.zeros(batch, rows, heads, dim, **acc)
+        dk_acc = torch.zeros(batch, rows, kv_heads, dim, **acc)
+        dv_acc = torch.zeros(batch, rows, kv_heads, dim, **acc)
+        for w, r in branches:
+            span = BranchSpan(start, end, min(w, seq_len), r)
+            backend.backward_branch(
+                dout, q, k, v, lse, delta, key_mask, dq_acc, dk_acc, dv_acc, span,
+                delta_row0=start, grad_row0=start, accumulate=True, **options,
+            )  # fmt: skip
+        dq[:, start:end].copy_(dq_acc)
+        dk[:, start:end].copy_(dk_acc)
+        dv[:, start:end].copy_(dv_acc)
+        del dq_acc, dk_acc, dv_acc
+    return dq, dk, dv
+
+
+class FusedDilatedFunction(torch.autograd.Function):
+    """Autograd of :func:`fused_forward` / :func:`fused_backward`; returns ``(out, lse)`` with
+    ``lse`` not differentiable."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
+        branches: tuple[tuple[int, int], ...],
+        backend: FusedBackend,
+        is_causal: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = fused_forward(
+            q, k, v, key_padding_mask, branches, backend, is_causal=is_causal, scale=scale
+        )
+        ctx.save_for_backward(q, k, v, out, lse, key_padding_mask)
+        ctx.branches, ctx.backend = branches, backend
+        ctx.options = {"is_causal": is_causal, "scale": scale}
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
+        dq, dk, dv = fused_backward(
+            dout.contiguous(), q, k, v, out, lse, key_padding_mask, ctx.branches, ctx.backend,
+            **ctx.options,
+        )  # fmt: skip
+        return dq, dk, dv, None, None, None, None, None

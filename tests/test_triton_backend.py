@@ -1,0 +1,259 @@
+"""The ``triton`` backend and the fused engine (``core/fused.py``).
+
+The registry-wide suites (test_dilated_correctness.py, test_attention_correctness.py) already run
+this backend on every small case wherever it is available; this file adds what they miss: GPU-sized
+odd shapes (head dims that are not powers of two, ragged rows, GQA, masks) against the float64
+oracle, the multi-group path of the fused engine, poisoned buffers that expose rows a kernel fails
+to write or writes by mistake, and the clean refusal when Triton or a GPU is missing.
+
+On a machine without a GPU, ``TRITON_INTERPRET=1 pytest tests/test_triton_backend.py`` runs the
+kernel tests through Triton's interpreter (float32 and float16; slow).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+from oracle import branch_positions, oracle_dilated_attention
+from tolerances import LOW_PRECISION, assert_close_to_oracle
+from torch import Tensor
+
+from dilated_attention import dilated_attention
+from dilated_attention.backends import base, get_backend
+from dilated_attention.backends import triton as triton_backend
+from dilated_attention.backends.registry import choose
+from dilated_attention.core import fused
+from dilated_attention.core.fused import BranchSpan, position_groups
+
+INTERPRETING = triton_backend.interpreting()
+# (device, dtypes): the GPU always; the CPU through Triton's interpreter when it is switched on.
+KERNEL_DEVICES = [
+    pytest.param("cuda", [torch.bfloat16, torch.float16], marks=pytest.mark.gpu, id="cuda"),
+]
+if INTERPRETING:
+    KERNEL_DEVICES.append(pytest.param("cpu", [torch.float32, torch.float16], id="cpu-interpret"))
+
+
+def _skip_without_triton(device: str) -> None:
+    reasons = get_backend("triton").not_supported_reasons(
+        base.KernelInputs(
+            device=torch.device(device),
+            dtype=torch.float16,
+            head_dim=64,
+            num_heads=2,
+            num_kv_heads=2,
+            query_len=8,
+            key_len=8,
+        )
+    )
+    if reasons:
+        pytest.skip("triton: " + "; ".join(reasons))
+
+
+# -- position groups (no kernels) ------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("seq_len", "segments", "min_positions"),
+    [
+        (1000, (8, 16, 32), 64),
+        (1000, (8, 16, 32), 1),
+        (4096, (2048,), 1024),
+        (50, (10, 16), 1),  # lcm 80 > N: one group
+        (96, (12, 32), 8),  # lcm 96 = N
+        (1 << 20, (2048, 4096, 8192, 16384, 32768), None),
+        (300_001, (2048, 4096), None),
+        (40, (16, 128), 1),  # a segment longer than the sequence is clipped to N
+    ],
+)
+def test_position_groups_tile_the_sequence_on_common_boundaries(
+    seq_len: int, segments: tuple[int, ...], min_positions: int | None
+) -> None:
+    groups = position_groups(seq_len, segments, min_positions)
+    assert groups[0][0] == 0 and groups[-1][1] == seq_len
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(groups))
+    assert all(start < end for start, end in groups)
+    clipped = [min(w, seq_len) for w in segments]
+    for start, _ in groups:
+        assert all(start % w == 0 for w in clipped), (start, clipped)
+    floor = fused.MIN_GROUP_POSITIONS if min_positions is None else min_positions
+    assert all(end - start >= floor for start, end in groups[:-1])
+    if len(groups) > 1:
+        # Groups are bounded so that float32 scratch stays a fraction of the inputs.
+        size = groups[0][1] - groups[0][0]
+        lcm = math.lcm(*clipped)
+        wanted = max(floor, -(-seq_len // fused.GROUPS_PER_SEQUENCE))
+        assert size == -(-wanted // lcm) * lcm
+
+
+# -- refusal without a GPU or without Triton -------------------------------------------------------
+@pytest.mark.skipif(INTERPRETING, reason="the interpreter makes the backend run on CPU")
+def test_cpu_choice_explains_why_not_triton() -> None:
+    choice = choose(
+        base.KernelInputs(
+            device=torch.device("cpu"),
+            dtype=torch.float32,
+            head_dim=64,
+            num_heads=4,
+            num_kv_heads=4,
+            query_len=128,
+            key_len=128,
+            dilated=True,
+        )
+    )
+    assert choice.backend != "triton"
+    assert choice.reasons["triton"] == ["runs on ['cuda'], not cpu"]
+
+
+def test_missing_triton_is_a_reason_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton -> ImportError
+    monkeypatch.delitem(sys.modules, "dilated_attention.backends._triton_kernels", raising=False)
+    triton_backend._kernels.cache_clear()
+    try:
+        reasons = triton_backend.TritonBackend().import_reasons()
+    finally:
+        triton_backend._kernels.cache_clear()
+    assert len(reasons) == 1
+    assert reasons[0].startswith("triton import failed: ModuleNotFoundError")
+
+
+# -- kernels against the oracle -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Shape:
+    id: str
+    N: int
+    H: int
+    D: int
+    segments: tuple[int, ...]
+    rates: tuple[int, ...]
+    H_kv: int | None = None
+    padding: bool = False
+    B: int = 1
+
+
+SHAPES = [
+    # Head dim 40 (padded to 64 inside the kernel), rates 3 and 7 leave ragged rows, N is not a
+    # multiple of any segment, GQA 6:2.
+    Shape("d40_ragged_gqa", N=1000, H=6, H_kv=2, D=40, segments=(96, 200, 1000), rates=(1, 3, 7)),
+    Shape("d128_masked", N=777, H=4, D=128, segments=(64, 256), rates=(1, 4), padding=True, B=2),
+    Shape("d256", N=384, H=2, D=256, segments=(128, 384), rates=(1, 2)),
+    # One branch with r = 3: two thirds of each head's rows are uncovered (zeros, lse -inf); MQA.
+    Shape("single_branch_uncovered_mqa", N=300, H=8, H_kv=1, D=64, segments=(100,), rates=(3,)),
+    # Paper-style rates that do not divide their segments.
+    Shape("paper_rates", N=1536, H=12, D=64, segments=(256, 512, 1536), rates=(1, 6, 12)),
+]
+
+
+def _compare(
+    shape: Shape, dtype: torch.dtype, device: str, is_causal: bool, *, groups: int | None = None
+) -> None:
+    gen = torch.Generator().manual_seed(0)
+    kv_heads = shape.H_kv or shape.H
+
+    def draw(heads: int) -> Tensor:
+        return torch.randn(shape.B, shape.N, heads, shape.D, generator=gen, dtype=torch.float64)
+
+    q0, dout = draw(shape.H).to(dtype), draw(shape.H).to(dtype)
+    k0, v0 = draw(kv_heads).to(dtype), draw(kv_heads).to(dtype)
+    mask = (torch.rand(shape.B, shape.N, generator=gen) < 0.25) if shape.padding else None
+    q, k, v = (x.to(device).requires_grad_() for x in (q0, k0, v0))
+    dev_mask = None if mask is None else mask.to(device)
+    out, lse = dilated_attention(
+        q, k, v, shape.segments, shape.rates, is_causal=is_causal, key_padding_mask=dev_mask,
+        backend="triton", return_lse=True,
+    )  # fmt: skip
+    grads = [g.cpu() for g in torch.autograd.grad(out, (q, k, v), dout.to(device))]
+    kwargs = {"is_causal": is_causal, "key_padding_mask": mask}
+    leaves64 = [x.to(torch.float64).requires_grad_() for x in (q0, k0, v0)]
+    out64, lse64 = oracle_dilated_attention(*leaves64, shape.segments, shape.rates, **kwargs)
+    grads64 = torch.autograd.grad(out64, leaves64, dout.to(torch.float64))
+    ref_out = ref_lse = None
+    ref_grads: tuple[Tensor | None, ...] = (None, None, None)
+    if dtype in LOW_PRECISION:
+        leaves_low = [x.clone().requires_grad_() for x in (q0, k0, v0)]
+        ref_out, ref_lse = oracle_dilated_attention(
+            *leaves_low, shape.segments, shape.rates, compute_dtype=dtype, **kwargs
+        )
+        ref_grads = torch.autograd.grad(ref_out, leaves_low, dout)
+    assert_close_to_oracle(out.detach().cpu(), out64, ref_out, name="out", dtype=dtype)
+    assert_close_to_oracle(lse.cpu(), lse64, ref_lse, name="lse", dtype=dtype)
+    for name, g, g64, gref in zip(("dq", "dk", "dv"), grads, grads64, ref_grads, strict=True):
+        assert bool(torch.isfinite(g).all()), name
+        assert_close_to_oracle(g, g64, gref, name=name, dtype=dtype, grad=True)
+    empty = torch.isneginf(lse64)
+    assert torch.equal(torch.isneginf(lse.cpu()), empty)
+    assert bool((out.detach().cpu()[empty.transpose(1, 2)] == 0).all())
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[s.id for s in SHAPES])
+@pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
+def test_fused_matches_oracle(
+    shape: Shape, is_causal: bool, device: str, dtypes: list[torch.dtype]
+) -> None:
+    _skip_without_triton(device)
+    for dtype in dtypes:
+        _compare(shape, dtype, device, is_causal)
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
+def test_fused_engine_across_many_position_groups(
+    is_causal: bool, device: str, dtypes: list[torch.dtype], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Groups of 128 positions (lcm of the segments) instead of one: same answer."""
+    _skip_without_triton(device)
+    monkeypatch.setattr(fused, "MIN_GROUP_POSITIONS", 1)
+    monkeypatch.setattr(fused, "GROUPS_PER_SEQUENCE", 1000)
+    shape = Shape(
+        "groups", N=700, H=4, H_kv=2, D=64, segments=(32, 64, 128), rates=(1, 2, 4), padding=True
+    )
+    assert len(position_groups(shape.N, shape.segments)) == 6
+    for dtype in dtypes:
+        _compare(shape, dtype, device, is_causal)
+
+
+# -- poisoned buffers ------------------------------------------------------------------------------
+def _covered(seq_len: int, heads: int, segment: int, rate: int) -> Tensor:
+    """(N, H) bool: which (position, head) rows the branch covers (from the oracle's geometry)."""
+    covered = torch.zeros(seq_len, heads, dtype=torch.bool)
+    for h in range(heads):
+        for positions in branch_positions(seq_len, segment, rate, h):
+            covered[positions, h] = True
+    return covered
+
+
+@pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
+def test_kernels_write_exactly_the_covered_rows(device: str, dtypes: list[torch.dtype]) -> None:
+    """NaN-filled outputs: every covered row becomes finite, every other row stays NaN."""
+    _skip_without_triton(device)
+    backend = get_backend("triton")
+    seq_len, heads, kv_heads, dim, segment, rate = 50, 6, 3, 32, 16, 3
+    span = BranchSpan(0, seq_len, segment, rate)
+    covered_q = _covered(seq_len, heads, segment, rate)
+    covered_kv = covered_q.view(seq_len, kv_heads, heads // kv_heads).any(-1)
+    for dtype in dtypes:
+        q = torch.randn(1, seq_len, heads, dim, device=device, dtype=dtype)
+        k = torch.randn(1, seq_len, kv_heads, dim, device=device, dtype=dtype)
+        v, dout = torch.randn_like(k), torch.randn_like(q)
+        out = torch.full(q.shape, float("nan"), device=device, dtype=torch.float32)
+        lse = torch.full((1, heads, seq_len), float("nan"), device=device)
+        for is_causal in (False, True):
+            backend.forward_branch(
+                q, k, v, out, lse, None, span, out_row0=0, scale=0.2, is_causal=is_causal,
+                merge=False,
+            )  # fmt: skip
+            assert torch.equal(out[0].isfinite().all(-1).cpu(), covered_q)
+            assert torch.equal(lse[0].isfinite().t().cpu(), covered_q)
+            grads = [torch.full(x.shape, float("nan"), device=device) for x in (q, k, v)]
+            delta = backend.row_delta(out.to(dtype), dout, 0, seq_len)
+            backend.backward_branch(
+                dout, q, k, v, lse, delta, None, *grads, span, delta_row0=0, grad_row0=0,
+                scale=0.2, is_causal=is_causal, accumulate=False,
+            )  # fmt: skip
+            dq, dk, dv = (g[0].isfinite().all(-1).cpu() for g in grads)
+            assert torch.equal(dq, covered_q)
+            assert torch.equal(dk, covered_kv) and torch.equal(dv, covered_kv)
