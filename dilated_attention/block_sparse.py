@@ -530,6 +530,7 @@ def _flex_forward(
     out, lse = compiled_flex_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
         scale=scale, kernel_options=flex_kernel_options(q.device, q.shape[-1], q.dtype),
+        static_shapes=True,
     )  # fmt: skip
     lse = torch.where(empty_rows, float("-inf"), lse.detach().float())
     return out.transpose(1, 2), lse

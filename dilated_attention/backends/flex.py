@@ -11,10 +11,21 @@ Note [Merged gradients through a kernel's own autograd]
     ``w_i * rowsum(dout * (o_i - out))`` into ``lse_i``. For an unmerged call ``w_i = 1`` and the
     second term vanishes.
 
-The compiled function is built once per process; ``torch.compile`` specialises it to the first
-input shape and, after a recompile, to dynamic shapes (one kernel for every sequence length). On
-CPU, compiled FlexAttention is inference-only and cannot return the log-sum-exp (torch 2.13), so
-this backend is CUDA-only.
+Note [Our own compiled FlexAttention]
+    Dynamo keeps its compiled code, and its recompile count, per Python code object. Compiling
+    ``flex_attention`` itself would share both with every other ``torch.compile(flex_attention)``
+    in the process: once any of them passes the recompile limit (8 by default), dynamo skips
+    ``flex_attention`` for good and every later call runs unfused, materialising all N x N
+    scores (an out-of-memory at N = 65536 on an H100, seen in ``bench_block_sparse.py`` next to
+    its plain-Flex baseline). So we compile two small wrappers of our own. The dense backend's
+    wrapper specialises to the first input shape and, after a recompile, to dynamic shapes (one
+    kernel for every sequence length, as dilated plans hold many). Block-sparse attention's
+    wrapper is static (``dynamic=False``): one kernel per sequence length, because the
+    dynamic-shape kernel ran about 1.9x / 1.5x slower (forward / forward+backward) than the
+    static one at N = 65536, 10% density on an H100 (16.3 / 47.6 ms vs 8.5-9.1 / 32-33 ms).
+
+On CPU, compiled FlexAttention is inference-only and cannot return the log-sum-exp (torch 2.13),
+so this backend is CUDA-only.
 
 Shapes: (B, N, H, D) in, transposed to FlexAttention's (B, H, N, D) as views.
 """
@@ -35,11 +46,39 @@ _LIMIT_NAME = (
 )
 
 
-@functools.cache
-def _compiled_flex() -> Callable[..., Any]:
-    from torch.nn.attention.flex_attention import flex_attention
+try:
+    from torch.nn.attention.flex_attention import flex_attention as _flex_attention
+except ImportError:  # a torch without FlexAttention; import_reasons() says so
+    _flex_attention = None
 
-    return torch.compile(flex_attention)
+
+def _flex_dynamic(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, scale: float,
+    enable_gqa: bool, kernel_options: dict[str, Any] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Compiled with automatic dynamic shapes (Note [Our own compiled FlexAttention])."""
+    return _flex_attention(
+        q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=True,
+        kernel_options=kernel_options,
+    )  # fmt: skip
+
+
+def _flex_static(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, scale: float,
+    enable_gqa: bool, kernel_options: dict[str, Any] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Compiled with static shapes; a code object of its own, so a cache of its own."""
+    return _flex_attention(
+        q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=True,
+        kernel_options=kernel_options,
+    )  # fmt: skip
+
+
+@functools.cache
+def _compiled_flex(static_shapes: bool = False) -> Callable[..., Any]:
+    if static_shapes:
+        return torch.compile(_flex_static, dynamic=False)
+    return torch.compile(_flex_dynamic)
 
 
 def compiled_flex_attention(
@@ -50,11 +89,13 @@ def compiled_flex_attention(
     block_mask: Any,
     scale: float,
     kernel_options: dict[str, Any] | None = None,
+    static_shapes: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The process-wide compiled FlexAttention, in its own (B, H, N, D) layout.
 
-    Shared by this backend and block-sparse attention (``block_sparse.py``), so both reuse one
-    compiled function and its cache.
+    Shared by this backend (dynamic shapes) and block-sparse attention (``block_sparse.py``,
+    static shapes), each with a compiled wrapper of its own (Note [Our own compiled
+    FlexAttention]).
 
     Args:
         q: (B, H, Nq, D); k, v: (B, Hkv, Nk, D) (GQA when Hkv < H).
@@ -63,6 +104,8 @@ def compiled_flex_attention(
         kernel_options: FlexAttention ``kernel_options`` (tile sizes, warps, stages; ``fwd_`` /
             ``bwd_`` prefixes for one pass); None keeps Inductor's defaults. Each distinct dict
             is a separate compiled graph.
+        static_shapes: compile one kernel per shape instead of going dynamic after the first
+            recompile (Note [Our own compiled FlexAttention]).
 
     Returns:
         ``out`` (B, H, Nq, D) and ``lse`` (B, H, Nq) (natural log), both differentiable.
@@ -70,10 +113,9 @@ def compiled_flex_attention(
     # Past dynamo's recompile limit (8 per function by default) FlexAttention would silently run
     # unfused, materialising every score; a dilated plan alone can hold more shapes than that.
     with torch._dynamo.config.patch(**{_LIMIT_NAME: _RECOMPILE_LIMIT}):
-        out, lse = _compiled_flex()(
-            q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-            return_lse=True, kernel_options=kernel_options,
-        )  # fmt: skip
+        out, lse = _compiled_flex(static_shapes)(
+            q, k, v, block_mask, scale, q.shape[1] != k.shape[1], kernel_options
+        )
     return out, lse
 
 
