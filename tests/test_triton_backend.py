@@ -143,7 +143,7 @@ SHAPES = [
     # One branch with r = 3: two thirds of each head's rows are uncovered (zeros, lse -inf); MQA.
     Shape("single_branch_uncovered_mqa", N=300, H=8, H_kv=1, D=64, segments=(100,), rates=(3,)),
     # Paper-style rates that do not divide their segments.
-    Shape("paper_rates", N=1536, H=12, D=64, segments=(256, 512, 1536), rates=(1, 6, 12)),
+    Shape("paper_rates", N=768, H=12, D=64, segments=(128, 256, 768), rates=(1, 6, 12)),
 ]
 
 
