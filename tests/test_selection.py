@@ -201,6 +201,11 @@ def test_dilated_calls_prefer_the_fused_kernels_where_measured(
     assert dilated.backend == expected, dilated
     _check_reasons_cover_others(dilated)
     assert choose(_gpu_inputs()).backend != "triton"
+    # Training with head_dim 128: gather + cuDNN measured faster than the fused backward.
+    wide = choose(_gpu_inputs(dilated=True, head_dim=128, requires_grad=True))
+    assert wide.backend != "triton"
+    inference = choose(_gpu_inputs(dilated=True, head_dim=128, requires_grad=False))
+    assert inference.backend == expected
 
 
 @pytest.mark.parametrize("capability", [(7, 5), (6, 0)])

@@ -60,9 +60,20 @@ _CUDA_PRIORITY: dict[int, list[str]] = {
 }
 _HOST_PRIORITY = ["cpu_flash", "math"]
 # Dilated calls: our Triton kernels (no gathers, branches merged in place) ahead of gather + the
-# dense kernel where benchmarks/bench_dilated.py measured them faster (record and numbers:
-# benchmarks/results/dilated_h100.md).
+# dense kernel where benchmarks/bench_dilated.py measured them faster (H100, bf16, LongNet
+# schedule, N = 256K; benchmarks/results/dilated_h100.md): D = 64 forward 1.9x / forward+backward
+# 1.2-1.5x, D = 128 forward 1.9-2.4x; but D = 128 forward+backward 0.8-1.0x (its backward
+# kernels spill registers), so training with head_dim > 64 keeps gather + cuDNN.
 _CUDA_DILATED_FIRST: dict[int, list[str]] = {9: ["triton"]}
+_FUSED_MAX_TRAINING_HEAD_DIM = 64
+
+
+def _fused_first(inputs: KernelInputs) -> bool:
+    """Whether a dilated call should try the fused kernels first (see _CUDA_DILATED_FIRST)."""
+    return inputs.dilated and (
+        not inputs.requires_grad or inputs.head_dim <= _FUSED_MAX_TRAINING_HEAD_DIM
+    )
+
 
 _BACKENDS: dict[str, Backend] = {}
 
@@ -181,7 +192,7 @@ def choose(inputs: KernelInputs, name: str | None = None) -> BackendChoice:
             message lists every rejected backend with its reasons.
     """
     requested, source = _requested(name)
-    order = priority(inputs.device, dilated=inputs.dilated)
+    order = priority(inputs.device, dilated=_fused_first(inputs))
     reasons = {candidate: _BACKENDS[candidate].not_supported_reasons(inputs) for candidate in order}
     if requested is not None:
         get_backend(requested)
@@ -217,7 +228,7 @@ def select_backend(inputs: KernelInputs, name: str | None = None) -> Backend:
 
 def reasons_for(inputs: KernelInputs) -> dict[str, list[str]]:
     """For every registered backend, why it cannot run ``inputs`` (empty list: it can)."""
-    order = priority(inputs.device, dilated=inputs.dilated)
+    order = priority(inputs.device, dilated=_fused_first(inputs))
     return {name: _BACKENDS[name].not_supported_reasons(inputs) for name in order}
 
 

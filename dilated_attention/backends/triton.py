@@ -44,14 +44,15 @@ def _kernels() -> ModuleType:
 def _tile_configs(head_dim: int) -> dict[str, Any]:
     """Tile sizes per kernel (``forward``, ``dkdv``, ``dq``) for a head dim.
 
-    Chosen on an H100 (``benchmarks/tune_triton.py``); smaller tiles for large head dims keep
-    the float32 accumulators in registers.
+    D <= 64 from ``benchmarks/tune_triton.py`` on an H100 (N = 64K, LongNet schedule: forward
+    64x64 3.77 ms vs 128x64 3.86 and 128x128 5.35; dK/dV 32x64 14.1 ms vs 64x64 14.7); the others
+    chosen offline for few register spills (ptxas -v for sm90), not yet swept on the GPU.
     """
     config = _kernels().TileConfig
     if head_dim <= 64:
         return {
-            "forward": config(128, 64, 4, 3),
-            "dkdv": config(64, 64, 4, 3),
+            "forward": config(64, 64, 4, 3),
+            "dkdv": config(32, 64, 4, 3),
             "dq": config(64, 64, 4, 3),
         }
     if head_dim <= 128:
