@@ -216,6 +216,20 @@ def test_fused_engine_across_many_position_groups(
         _compare(shape, dtype, device, is_causal)
 
 
+@pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
+def test_64_bit_row_offsets(
+    device: str, dtypes: list[torch.dtype], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ``WIDE`` variant (64-bit offsets, used past 2**31 elements) on a small shape."""
+    _skip_without_triton(device)
+    kernels = triton_backend._kernels()
+    monkeypatch.setattr(kernels, "_wide", lambda *args: True)
+    shape = Shape("wide", N=200, H=4, H_kv=2, D=32, segments=(40, 200), rates=(1, 3), padding=True)
+    for dtype in dtypes:
+        for is_causal in (False, True):
+            _compare(shape, dtype, device, is_causal)
+
+
 # -- poisoned buffers ------------------------------------------------------------------------------
 def _covered(seq_len: int, heads: int, segment: int, rate: int) -> Tensor:
     """(N, H) bool: which (position, head) rows the branch covers (from the oracle's geometry)."""

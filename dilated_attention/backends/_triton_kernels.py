@@ -105,10 +105,11 @@ def _row0(X, b, stride_b, head, stride_h, pos, stride_n):
 
 @triton.jit
 def _step(rate, stride_n, WIDE: tl.constexpr):
-    """Elements between consecutive dilated rows."""
-    if WIDE:
-        return tl.cast(rate, tl.int64) * stride_n
-    return rate * stride_n
+    """Elements between consecutive dilated rows (int64 when ``WIDE``)."""
+    step = rate * stride_n
+    if WIDE:  # one return statement: Triton wants one return type
+        step = tl.cast(rate, tl.int64) * stride_n
+    return step
 
 
 @triton.jit
