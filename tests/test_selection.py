@@ -65,6 +65,12 @@ def _no_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV_VAR, raising=False)
 
 
+def explain_cpu(**kwargs: Any) -> registry.BackendChoice:
+    """``explain`` for the CPU: the override tests must not depend on whether a GPU is present
+    (``explain()`` defaults to CUDA when there is one)."""
+    return explain(device="cpu", **kwargs)
+
+
 def _gpu_inputs(**overrides: Any) -> KernelInputs:
     args: dict[str, Any] = {
         "device": CUDA0,
@@ -414,45 +420,45 @@ def test_unknown_backend_name_raises_listing_names() -> None:
 
 # -- use_backend ----------------------------------------------------------------------------------
 def test_use_backend_forces_and_restores(kernel_calls: list[str]) -> None:
-    assert explain().backend == "cpu_flash"
+    assert explain_cpu().backend == "cpu_flash"
     with use_backend("math"):
-        choice = explain()
+        choice = explain_cpu()
         assert (choice.backend, choice.source) == ("math", "use_backend")
         assert choice.reasons["cpu_flash"] == ["'math' was requested (use_backend)"]
         q, k, v = _qkv()
         dilated_attention.dilated_attention(q, k, v, [8], [1])
         assert set(kernel_calls) == {"math"}
-    choice = explain()
+    choice = explain_cpu()
     assert (choice.backend, choice.source) == ("cpu_flash", "auto")
 
 
 def test_use_backend_restores_after_exception() -> None:
     with pytest.raises(RuntimeError, match="boom"), use_backend("math"):
-        assert explain().backend == "math"
+        assert explain_cpu().backend == "math"
         raise RuntimeError("boom")
-    assert (explain().backend, explain().source) == ("cpu_flash", "auto")
+    assert (explain_cpu().backend, explain_cpu().source) == ("cpu_flash", "auto")
 
 
 def test_use_backend_nests() -> None:
     with use_backend("math"):
         with use_backend("cpu_flash"):
-            assert (explain().backend, explain().source) == ("cpu_flash", "use_backend")
+            assert (explain_cpu().backend, explain_cpu().source) == ("cpu_flash", "use_backend")
             with use_backend(None):
-                assert (explain().backend, explain().source) == ("cpu_flash", "auto")
-                assert explain(dropout_p=0.1).backend == "math"
-        assert explain().backend == "math"
-    assert explain().source == "auto"
+                assert (explain_cpu().backend, explain_cpu().source) == ("cpu_flash", "auto")
+                assert explain_cpu(dropout_p=0.1).backend == "math"
+        assert explain_cpu().backend == "math"
+    assert explain_cpu().source == "auto"
 
 
 def test_use_backend_unknown_name_raises() -> None:
     with pytest.raises(ValueError, match="no_such_backend"), use_backend("no_such_backend"):
         pass  # pragma: no cover
-    assert explain().source == "auto"
+    assert explain_cpu().source == "auto"
 
 
 def test_explicit_argument_wins_over_use_backend(kernel_calls: list[str]) -> None:
     with use_backend("math"):
-        choice = explain(backend="cpu_flash")
+        choice = explain_cpu(backend="cpu_flash")
         assert (choice.backend, choice.source) == ("cpu_flash", "argument")
         q, k, v = _qkv()
         dilated_attention.dilated_attention(q, k, v, [8], [1], backend="cpu_flash")
@@ -468,7 +474,7 @@ def test_use_backend_that_cannot_run_raises_on_call() -> None:
 # -- environment variable -------------------------------------------------------------------------
 def test_environment_override(monkeypatch: pytest.MonkeyPatch, kernel_calls: list[str]) -> None:
     monkeypatch.setenv(ENV_VAR, "math")
-    choice = explain()
+    choice = explain_cpu()
     assert (choice.backend, choice.source) == ("math", "environment")
     q, k, v = _qkv()
     dilated_attention.dilated_attention(q, k, v, [8], [1])
@@ -478,7 +484,7 @@ def test_environment_override(monkeypatch: pytest.MonkeyPatch, kernel_calls: lis
 @pytest.mark.parametrize("value", ["auto", "", "  auto  "])
 def test_environment_auto_means_automatic(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv(ENV_VAR, value)
-    choice = explain()
+    choice = explain_cpu()
     assert (choice.backend, choice.source) == ("cpu_flash", "auto")
 
 
@@ -487,7 +493,7 @@ def test_environment_unknown_name_raises_naming_the_variable(
 ) -> None:
     monkeypatch.setenv(ENV_VAR, "no_such_backend")
     with pytest.raises(ValueError, match=ENV_VAR) as err:
-        explain()
+        explain_cpu()
     assert "no_such_backend" in str(err.value)
     q, k, v = _qkv()
     with pytest.raises(ValueError, match=ENV_VAR):
@@ -497,8 +503,8 @@ def test_environment_unknown_name_raises_naming_the_variable(
 def test_environment_ranks_below_use_backend_and_argument(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_VAR, "math")
     with use_backend("cpu_flash"):
-        assert (explain().backend, explain().source) == ("cpu_flash", "use_backend")
-    assert (explain(backend="cpu_flash").backend, explain(backend="cpu_flash").source) == (
+        assert (explain_cpu().backend, explain_cpu().source) == ("cpu_flash", "use_backend")
+    assert (explain_cpu(backend="cpu_flash").backend, explain_cpu(backend="cpu_flash").source) == (
         "cpu_flash",
         "argument",
     )
@@ -507,7 +513,7 @@ def test_environment_ranks_below_use_backend_and_argument(monkeypatch: pytest.Mo
 def test_environment_backend_that_cannot_run_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_VAR, "sdpa_flash")
     with pytest.raises(ValueError, match="environment"):
-        explain()
+        explain_cpu()
 
 
 # -- explain --------------------------------------------------------------------------------------
@@ -591,7 +597,9 @@ def test_cli_info_follows_the_environment() -> None:
     assert _starred(_cpu_table(proc.stdout)) == ["math"]
 
 
-LAYER_ARGS = ("layer", "--seq-len", "1024", "--heads", "2", "--head-dim", "16", "--repeats", "1")
+# On the CPU explicitly: these check the CPU choice, whatever GPU the machine has.
+LAYER_ARGS = ("layer", "--device", "cpu", "--seq-len", "1024", "--heads", "2", "--head-dim", "16")
+LAYER_ARGS += ("--repeats", "1")
 
 
 def test_cli_layer() -> None:
