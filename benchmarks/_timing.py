@@ -40,6 +40,41 @@ def time_cuda(fn: Callable[[], object], *, warmup: int = 3, repeats: int = 10) -
     }
 
 
+def time_fwd_and_fwd_bwd(
+    forward: Callable[[], torch.Tensor],
+    leaves: list[torch.Tensor],
+    dout: torch.Tensor,
+    *,
+    warmup: int,
+    repeats: int,
+) -> dict[str, float]:
+    """Median times of a no-grad forward and of forward+backward, with each one's peak memory.
+
+    Args:
+        forward: runs the computation and returns its output.
+        leaves: the tensors whose gradients the backward computes.
+        dout: the upstream gradient of the output.
+
+    Returns:
+        ``{"fwd_ms", "fwd_peak_bytes", "fwd_bwd_ms", "fwd_bwd_peak_bytes"}``.
+    """
+
+    def fwd() -> None:
+        with torch.no_grad():
+            forward()
+
+    def fwd_bwd() -> None:
+        torch.autograd.grad(forward(), leaves, dout)
+
+    result = {}
+    for step, run in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        result[f"{step}_ms"] = time_cuda(run, warmup=warmup, repeats=repeats)["median_ms"]
+        result[f"{step}_peak_bytes"] = torch.cuda.max_memory_allocated()
+    return result
+
+
 def git_commit() -> str:
     """The checkout's commit (with ``-dirty`` when it has uncommitted changes), or ``unknown``."""
     if os.environ.get("DILATED_ATTENTION_COMMIT"):  # a copy of the tree without .git

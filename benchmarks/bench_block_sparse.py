@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import environment, markdown_table, time_cuda, write_record
+from _timing import environment, markdown_table, time_fwd_and_fwd_bwd, write_record
 
 from dilated_attention import attention, block_sparse_attention
 from dilated_attention.patterns import Custom
@@ -50,20 +50,14 @@ def _plain_flex(mask: torch.Tensor, seq_len: int, block: int):
 
 
 def _measure(fn, leaves: list[torch.Tensor], args: argparse.Namespace) -> dict[str, float]:
-    dout = torch.randn_like(leaves[0])
-
-    def fwd() -> None:
-        with torch.no_grad():
-            fn(*leaves)
-
-    def fwd_bwd() -> None:
-        torch.autograd.grad(fn(*leaves), leaves, dout)
-
+    res = time_fwd_and_fwd_bwd(
+        lambda: fn(*leaves), leaves, torch.randn_like(leaves[0]),
+        warmup=args.warmup, repeats=args.repeats,
+    )  # fmt: skip
     row = {}
-    for step, run in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
-        torch.cuda.reset_peak_memory_stats()
-        row[f"{step}_ms"] = time_cuda(run, warmup=args.warmup, repeats=args.repeats)["median_ms"]
-        row[f"{step}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    for step in ("fwd", "fwd_bwd"):
+        row[f"{step}_ms"] = res[f"{step}_ms"]
+        row[f"{step}_peak_gib"] = res[f"{step}_peak_bytes"] / 2**30
     return row
 
 

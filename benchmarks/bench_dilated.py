@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import environment, markdown_table, time_cuda, write_record
+from _timing import environment, markdown_table, time_fwd_and_fwd_bwd, write_record
 
 from dilated_attention import attention, dilated_attention
 from dilated_attention.backends import KernelInputs
@@ -48,28 +48,6 @@ def paper_flops(seq_len: int, heads: int, dim: int, segs: tuple[int, ...], rates
     return 4.0 * dim * heads * work / (2.0 if causal else 1.0)
 
 
-def _measure(
-    forward: Callable[[], torch.Tensor], grads_of: list[torch.Tensor], dout: torch.Tensor,
-    args: argparse.Namespace,
-) -> dict[str, float]:  # fmt: skip
-    """Median forward and forward+backward times (ms) and peak memory (bytes) of each."""
-
-    def fwd() -> None:
-        with torch.no_grad():
-            forward()
-
-    def fwd_bwd() -> None:
-        torch.autograd.grad(forward(), grads_of, dout)
-
-    result = {}
-    for step, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        result[f"{step}_ms"] = time_cuda(fn, warmup=args.warmup, repeats=args.repeats)["median_ms"]
-        result[f"{step}_peak"] = torch.cuda.max_memory_allocated()
-    return result
-
-
 def _ceiling(
     seq_len: int, heads: int, dim: int, segs: tuple[int, ...], rates: tuple[int, ...],
     causal: bool, args: argparse.Namespace,
@@ -84,9 +62,9 @@ def _ceiling(
             for _ in range(3)
         )
         dout = torch.randn_like(q)
-        res = _measure(
+        res = time_fwd_and_fwd_bwd(
             lambda q=q, k=k, v=v: attention(q, k, v, is_causal=causal, backend="sdpa_cudnn"),
-            [q, k, v], dout, args,
+            [q, k, v], dout, warmup=args.warmup, repeats=args.repeats,
         )  # fmt: skip
         total["fwd_ms"] += res["fwd_ms"]
         total["fwd_bwd_ms"] += res["fwd_bwd_ms"]
@@ -111,14 +89,14 @@ def bench_config(
     dout = torch.randn_like(q)
     auto = choose(KernelInputs.from_tensors(q, k, is_causal=causal, dilated=True)).backend
     paths: dict[str, Callable[[], dict[str, float]]] = {
-        "auto": lambda: _measure(
+        "auto": lambda: time_fwd_and_fwd_bwd(
             lambda: dilated_attention(q, k, v, segs, rates, is_causal=causal), [q, k, v], dout,
-            args,
+            warmup=args.warmup, repeats=args.repeats,
         ),
-        "gather+cudnn": lambda: _measure(
+        "gather+cudnn": lambda: time_fwd_and_fwd_bwd(
             lambda: dilated_attention(q, k, v, segs, rates, is_causal=causal,
                                       backend="sdpa_cudnn"),
-            [q, k, v], dout, args,
+            [q, k, v], dout, warmup=args.warmup, repeats=args.repeats,
         ),
         "cudnn ceiling": lambda: _ceiling(seq_len, heads, dim, segs, rates, causal, args),
     }  # fmt: skip
@@ -138,9 +116,9 @@ def bench_config(
         for step, work in (("fwd", flops), ("fwd_bwd", 3.5 * flops)):
             row[f"{step}_ms"] = res[f"{step}_ms"]
             row[f"{step}_tflops"] = work / (res[f"{step}_ms"] * 1e-3) / 1e12
-            if f"{step}_peak" in res:
-                row[f"{step}_peak_gib"] = res[f"{step}_peak"] / GIB
-                row[f"{step}_mem_ratio"] = res[f"{step}_peak"] / unavoidable[step]
+            if f"{step}_peak_bytes" in res:
+                row[f"{step}_peak_gib"] = res[f"{step}_peak_bytes"] / GIB
+                row[f"{step}_mem_ratio"] = res[f"{step}_peak_bytes"] / unavoidable[step]
         rows.append(row)
         print(row, flush=True)
     ceiling = next((r for r in rows if r["path"] == "cudnn ceiling" and "fwd_ms" in r), None)
