@@ -68,11 +68,13 @@ _CUDA_DILATED_FIRST: dict[int, list[str]] = {9: ["triton"]}
 _FUSED_MAX_TRAINING_HEAD_DIM = 64
 
 
-def _fused_first(inputs: KernelInputs) -> bool:
-    """Whether a dilated call should try the fused kernels first (see _CUDA_DILATED_FIRST)."""
-    return inputs.dilated and (
+def _order(inputs: KernelInputs) -> list[str]:
+    """The priority walked for ``inputs``: dilated calls try the fused kernels first unless they
+    train with a head dim above ``_FUSED_MAX_TRAINING_HEAD_DIM`` (see _CUDA_DILATED_FIRST)."""
+    fused_first = inputs.dilated and (
         not inputs.requires_grad or inputs.head_dim <= _FUSED_MAX_TRAINING_HEAD_DIM
     )
+    return priority(inputs.device, dilated=fused_first)
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -192,7 +194,7 @@ def choose(inputs: KernelInputs, name: str | None = None) -> BackendChoice:
             message lists every rejected backend with its reasons.
     """
     requested, source = _requested(name)
-    order = priority(inputs.device, dilated=_fused_first(inputs))
+    order = _order(inputs)
     reasons = {candidate: _BACKENDS[candidate].not_supported_reasons(inputs) for candidate in order}
     if requested is not None:
         get_backend(requested)
@@ -228,7 +230,7 @@ def select_backend(inputs: KernelInputs, name: str | None = None) -> Backend:
 
 def reasons_for(inputs: KernelInputs) -> dict[str, list[str]]:
     """For every registered backend, why it cannot run ``inputs`` (empty list: it can)."""
-    order = priority(inputs.device, dilated=_fused_first(inputs))
+    order = _order(inputs)
     return {name: _BACKENDS[name].not_supported_reasons(inputs) for name in order}
 
 
