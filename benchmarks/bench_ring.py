@@ -3,9 +3,10 @@
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
         torchrun --nproc_per_node=2 benchmarks/bench_ring.py --out benchmarks/results/ring_h200
 
-Dense: the whole sequence (N tokens) split over W GPUs; ``ring_attention`` (zigzag when causal) and
-PyTorch's ``context_parallel`` (cuDNN/flash SDPA, its own head-tail balancing) time forward and
-forward+backward; per-GPU TFLOP/s = 4*B*H*N^2*D (halved when causal, x3.5 with backward) / W / time.
+Dense: the whole sequence (N tokens) split over W GPUs; ``ring_attention`` (zigzag when causal;
+P2P ring and all-gather communication) and PyTorch's ``context_parallel`` (cuDNN/flash SDPA, its
+own head-tail balancing) time forward and forward+backward; per-GPU TFLOP/s = 4*B*H*N^2*D
+(halved when causal, x3.5 with backward) / W / time.
 Dilated (weak scaling): W GPUs hold W x N tokens with the LongNet schedule up to a segment as long
 as the whole sequence; per-GPU effective TFLOP/s counts every head in every branch. Before timing,
 each path is checked against a single-GPU result on a small sequence. Run once per world size; the
@@ -99,13 +100,15 @@ def bench_dense(args: argparse.Namespace, device: torch.device, world: int) -> l
             q, k, v = (_randn((1, seq_len, args.heads, args.head_dim), s, device) for s in range(3))
             layout = "zigzag" if causal and world > 1 else "contiguous"
             local = [shard_sequence(t, layout=layout).requires_grad_() for t in (q, k, v)]
-            ring_fns = _timed_fns(
-                lambda local=local, causal=causal, layout=layout: ring_attention(
-                    *local, is_causal=causal, layout=layout
-                ),
-                local,
-            )
-            results = {"ours (ring)": ring_fns}
+            results = {
+                f"ours ({comm})": _timed_fns(
+                    lambda local=local, causal=causal, layout=layout, comm=comm: ring_attention(
+                        *local, is_causal=causal, layout=layout, comm=comm
+                    ),
+                    local,
+                )
+                for comm in ("ring", "allgather")
+            }
             results.update(_torch_cp(q, k, v, causal, world, device))
             for name, (fwd, fwd_bwd) in results.items():
                 row = {
