@@ -74,3 +74,41 @@ def test_merge_matches_joint_softmax_and_handles_empty_sides() -> None:
     out3, lse3 = merge_partial(*empty, *part(slice(0, 12)))
     torch.testing.assert_close(out3, torch.softmax(scores, -1) @ values)
     torch.testing.assert_close(lse3, torch.logsumexp(scores, -1))
+
+
+@pytest.mark.gpu
+def test_fused_ring_merge_matches_joint_softmax() -> None:
+    """The ring's one-kernel Triton merge (CUDA) equals the float64 joint softmax, in place on a
+    row slice of the accumulators, with empty sides on either or both ends and a 16-bit part."""
+    from dilated_attention.backends._triton_merge import merge_into
+
+    batch, seq_len, heads, dim, keys = 2, 37, 3, 40, 24
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(batch, seq_len, heads, keys, dtype=torch.float64, generator=gen)
+    values = torch.randn(batch, keys, heads, dim, dtype=torch.float64, generator=gen)
+    scores[0, 3, 1, :10] = float("-inf")  # side a empty for this row
+    scores[1, 7, 2, 10:] = float("-inf")  # side b empty
+    scores[1, 9, 0] = float("-inf")  # both empty: zeros, lse -inf
+
+    def part(keep: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        s = scores[..., keep]
+        lse = torch.logsumexp(s, -1)
+        probs = torch.nan_to_num(torch.exp(s - lse.unsqueeze(-1)), nan=0.0)
+        return torch.einsum("bnhk,bkhd->bnhd", probs, values[:, keep]), lse
+
+    (out_a, lse_a), (out_b, lse_b) = part(slice(0, 10)), part(slice(10, keys))
+    out = torch.full((batch, seq_len + 5, heads, dim), 7.0, device="cuda")
+    lse = torch.full((batch, seq_len + 5, heads), 7.0, device="cuda")
+    rows = slice(2, 2 + seq_len)
+    out[:, rows], lse[:, rows] = out_a.float().cuda(), lse_a.float().cuda()
+    part_lse = lse_b.float().cuda().transpose(1, 2).contiguous().transpose(1, 2)  # (B,H,n) storage
+    merge_into(out[:, rows], lse[:, rows], out_b.to(torch.bfloat16).cuda(), part_lse)
+    want_lse = torch.logsumexp(scores, -1)
+    want_out = torch.nan_to_num(torch.einsum(
+        "bnhk,bkhd->bnhd", torch.exp(scores - want_lse.unsqueeze(-1)), values
+    ), nan=0.0)  # fmt: skip
+    torch.testing.assert_close(out[:, rows].double().cpu(), want_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse[:, rows].double().cpu(), want_lse, atol=1e-5, rtol=1e-5)
+    assert float(out[1, 2 + 9, 0].abs().max()) == 0.0
+    assert bool((out[:, :2] == 7.0).all()) and bool((out[:, 2 + seq_len :] == 7.0).all())
+    assert bool((lse[:, :2] == 7.0).all()) and bool((lse[:, 2 + seq_len :] == 7.0).all())
