@@ -18,6 +18,7 @@ W ranks, R gathered rows per rank for one branch.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -37,12 +38,20 @@ from .sharding import local_positions
 
 @dataclass(frozen=True)
 class _Call:
-    """One kernel call of a spanning branch: local query rows against gathered key rows."""
+    """One kernel call of a spanning branch: P runs of local query rows, each against its own
+    gathered key rows, side by side as P kv heads (Hp query heads each)."""
 
-    q_rows: torch.Tensor  # local row indices (c,)
-    heads: torch.Tensor  # query heads (Hp,)
-    keys: torch.Tensor  # flat indices into the gathered (W * R) rows (ck,)
+    q_rows: torch.Tensor  # local row indices (c, P)
+    heads: torch.Tensor  # query heads (P, Hp)
+    keys: torch.Tensor  # flat indices into the gathered (W * R) rows (ck, P)
     causal: bool
+
+    @property
+    def index(self) -> tuple[slice, torch.Tensor, torch.Tensor]:
+        """Index of x (B, n, H, E) giving (B, c, P * Hp, E): each run's rows at its heads."""
+        runs, per_run = self.heads.shape
+        rows = self.q_rows.repeat_interleave(per_run, dim=1)  # (c, P * Hp)
+        return slice(None), rows, self.heads.reshape(1, runs * per_run)
 
 
 @dataclass(frozen=True)
@@ -57,11 +66,14 @@ class _Pair:
 
 @dataclass(frozen=True)
 class SpanPlan:
-    """How one spanning branch moves and computes rows (identical on every rank)."""
+    """How one spanning branch moves and computes rows on this rank."""
 
-    pairs: tuple[_Pair, ...]
-    rows_per_rank: int  # R
+    pairs: tuple[_Pair, ...]  # the same on every rank
+    rows_per_rank: int  # R, the same on every rank
     calls: tuple[_Call, ...]
+    slots: torch.Tensor  # (S,) the filled rows of this rank's send buffer (R rows, zero-padded)
+    send_rows: torch.Tensor  # (S,) the local row behind each filled slot
+    send_heads: torch.Tensor  # (S,) and its kv head
 
 
 def plan_span(
@@ -93,7 +105,7 @@ def plan_span(
             pairs.append(_Pair(kv_head, offset, start, rows))
             start += width
     total = start
-    calls: list[_Call] = []
+    calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]] = []
     me = setup.rank
     for pair in pairs:
         heads = torch.tensor(
@@ -115,14 +127,46 @@ def plan_span(
             first, last = int(my_pos[run[0]]), int(my_pos[run[-1]])
             in_seg = (pos // seg) == first // seg
             if not setup.is_causal:
-                calls.append(_Call(q_rows, heads, flat[in_seg], causal=False))
+                calls.append((q_rows, heads, flat[in_seg], False))
                 continue
             before = in_seg & (pos < first)
             if bool(before.any()):
-                calls.append(_Call(q_rows, heads, flat[before], causal=False))
+                calls.append((q_rows, heads, flat[before], False))
             own = in_seg & (pos >= first) & (pos <= last)
-            calls.append(_Call(q_rows, heads, flat[own], causal=True))
-    return SpanPlan(tuple(pairs), total, tuple(calls))
+            calls.append((q_rows, heads, flat[own], True))
+    own = [pair.local_rows[me] for pair in pairs]
+    slots = [
+        pair.start + torch.arange(r.numel(), device=device)
+        for pair, r in zip(pairs, own, strict=True)
+    ]
+    heads_of = [torch.full_like(r, pair.kv_head) for pair, r in zip(pairs, own, strict=True)]
+    return SpanPlan(
+        tuple(pairs),
+        total,
+        _stack_calls(calls),
+        torch.cat(slots),
+        torch.cat(own),
+        torch.cat(heads_of),
+    )
+
+
+def _stack_calls(calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]]) -> tuple:
+    """One kernel call per shape: runs with equal row, head and key counts go side by side as
+    heads (usually every (kv head, offset) pair of a branch at once; a kernel launch and its
+    indexing cost far more host time than the small per-run attention)."""
+    groups: dict[tuple[int, int, int, bool], list] = {}
+    for q_rows, heads, keys, causal in calls:
+        shape = (q_rows.numel(), heads.numel(), keys.numel(), causal)
+        groups.setdefault(shape, []).append((q_rows, heads, keys))
+    return tuple(
+        _Call(
+            q_rows=torch.stack([c[0] for c in group], dim=1),
+            heads=torch.stack([c[1] for c in group]),
+            keys=torch.stack([c[2] for c in group], dim=1),
+            causal=causal,
+        )
+        for (_, _, _, causal), group in groups.items()
+    )
 
 
 def _runs(pos: torch.Tensor, rate: int, segment: int) -> list[torch.Tensor]:
@@ -137,25 +181,14 @@ def _runs(pos: torch.Tensor, rate: int, segment: int) -> list[torch.Tensor]:
     return [torch.arange(a, b, device=pos.device) for a, b in itertools.pairwise(bounds)]
 
 
-def _send_buffer(kv: torch.Tensor, plan: SpanPlan, rank: int) -> torch.Tensor:
-    """(2, B, R, D): this rank's rows of every pair, zero-padded to the common width."""
+def _gather(kv: torch.Tensor, plan: SpanPlan, setup: RingSetup) -> torch.Tensor:
+    """(2, B, W * R, D): every rank's send buffer (its rows of every pair, zero-padded to the
+    common width R), side by side."""
     _, batch, _, _, dim = kv.shape
     buf = kv.new_zeros(2, batch, plan.rows_per_rank, dim)
-    for pair in plan.pairs:
-        rows = pair.local_rows[rank]
-        buf[:, :, pair.start : pair.start + rows.numel()] = kv[:, :, rows, pair.kv_head]
-    return buf
-
-
-def _gather(kv: torch.Tensor, plan: SpanPlan, setup: RingSetup) -> torch.Tensor:
-    """(2, B, W * R, D): every rank's send buffer, side by side."""
-    parts = ring_all_gather(_send_buffer(kv, plan, setup.rank), setup.global_ranks, setup.rank)
+    buf[:, :, plan.slots] = kv[:, :, plan.send_rows, plan.send_heads]
+    parts = ring_all_gather(buf, setup.global_ranks, setup.rank)
     return torch.cat(parts, dim=2)
-
-
-def _pick(x: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
-    """x (B, n, H, E) -> (B, c, Hp, E) at the given local rows and heads."""
-    return x[:, rows.view(-1, 1), heads.view(1, -1)]
 
 
 def span_forward(
@@ -172,13 +205,12 @@ def span_forward(
     gathered = _gather(kv, plan, setup)
     auxes = []
     for call in plan.calls:
-        keys = gathered[:, :, call.keys].unsqueeze(3)  # (2, B, ck, 1, D)
+        keys = gathered[:, :, call.keys]  # (2, B, ck, P, D)
+        index = call.index
         res = backend.forward(
-            _pick(q, call.q_rows, call.heads), keys[0], keys[1],
-            scale=setup.scale, is_causal=call.causal,
+            q[index], keys[0], keys[1], scale=setup.scale, is_causal=call.causal
         )  # fmt: skip
         auxes.append(res.aux)
-        index = (slice(None), call.q_rows.view(-1, 1), call.heads.view(1, -1))
         new_out, new_lse = merge_partial(out[index], lse[index], res.out, res.lse.transpose(1, 2))
         out[index] = new_out
         lse[index] = new_lse
@@ -202,21 +234,19 @@ def span_backward(
     gathered = _gather(kv, plan, setup)
     dgathered = torch.zeros(gathered.shape, dtype=dkv.dtype, device=dkv.device)
     for call, aux in zip(plan.calls, auxes, strict=True):
-        keys = gathered[:, :, call.keys].unsqueeze(3)
-        rows_lse = _pick(lse_bnh.unsqueeze(-1), call.q_rows, call.heads).squeeze(-1)
+        keys = gathered[:, :, call.keys]  # (2, B, ck, P, D)
+        index = call.index
         dq_c, dk_c, dv_c = backend.backward(
-            _pick(dout, call.q_rows, call.heads), _pick(q, call.q_rows, call.heads),
-            keys[0], keys[1], _pick(out, call.q_rows, call.heads), rows_lse.transpose(1, 2),
+            dout[index], q[index], keys[0], keys[1], out[index], lse_bnh[index].transpose(1, 2),
             aux, scale=setup.scale, is_causal=call.causal,
         )  # fmt: skip
-        dq[:, call.q_rows.view(-1, 1), call.heads.view(1, -1)] += dq_c
-        dgathered[0].index_add_(1, call.keys, dk_c.squeeze(2).to(dkv.dtype))
-        dgathered[1].index_add_(1, call.keys, dv_c.squeeze(2).to(dkv.dtype))
+        dq[index] += dq_c
+        flat = call.keys.reshape(-1)  # the same key row can serve two runs: index_add_ sums them
+        dgathered[0].index_add_(1, flat, dk_c.flatten(1, 2).to(dkv.dtype))
+        dgathered[1].index_add_(1, flat, dv_c.flatten(1, 2).to(dkv.dtype))
     parts = list(dgathered.chunk(setup.world_size, dim=2))
     mine = ring_reduce_scatter(parts, setup.global_ranks, setup.rank)
-    for pair in plan.pairs:
-        rows = pair.local_rows[setup.rank]
-        dkv[:, :, rows, pair.kv_head] += mine[:, :, pair.start : pair.start + rows.numel()]
+    dkv[:, :, plan.send_rows, plan.send_heads] += mine[:, :, plan.slots]  # no (row, head) twice
 
 
 @dataclass(frozen=True)
@@ -234,8 +264,24 @@ def plan_ring_dilated(
     segment_lengths: tuple[int, ...],
     dilation_rates: tuple[int, ...],
 ) -> DilatedRingPlan:
-    """Split the branches into local and spanning (Note [Local and spanning branches])."""
+    """Split the branches into local and spanning (Note [Local and spanning branches]).
+
+    Plans depend on the geometry alone and are cached: building one takes host-device syncs.
+    """
     _, n, heads, _ = q.shape
+    return _plan(setup, n, heads, k.shape[2], segment_lengths, dilation_rates, q.device)
+
+
+@functools.lru_cache(maxsize=32)
+def _plan(
+    setup: RingSetup,
+    n: int,
+    heads: int,
+    kv_heads: int,
+    segment_lengths: tuple[int, ...],
+    dilation_rates: tuple[int, ...],
+    device: torch.device,
+) -> DilatedRingPlan:
     seq_len = n * setup.world_size
     local_segs, local_rates, spans = [], [], []
     for seg, rate in zip(segment_lengths, dilation_rates, strict=True):
@@ -243,7 +289,7 @@ def plan_ring_dilated(
             local_segs.append(seg)
             local_rates.append(rate)
         else:
-            spans.append(plan_span(setup, n, heads, k.shape[2], seg, rate, q.device))
+            spans.append(plan_span(setup, n, heads, kv_heads, seg, rate, device))
     local = plan_branches(n, heads, tuple(local_segs), tuple(local_rates)) if local_segs else ()
     return DilatedRingPlan(local, tuple(spans))
 
