@@ -16,8 +16,10 @@ JSON records (one per world size) side by side give the scaling.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -92,63 +94,75 @@ def _timed_fns(call, leaves: list[torch.Tensor]) -> tuple:
     return fwd, fwd_bwd
 
 
+def _measure(row: dict, fns: tuple, flops: float, world: int, args: argparse.Namespace) -> dict:
+    """Fill ``row`` with forward and forward+backward times, per-GPU TFLOP/s and peak memory; an
+    implementation that cannot run records its error (that is a result too)."""
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        for step, fn, work in (("fwd", fns[0], flops), ("fwd_bwd", fns[1], 3.5 * flops)):
+            t = time_cuda(fn, warmup=args.warmup, repeats=args.repeats)["median_ms"]
+            row[f"{step}_ms"] = t
+            row[f"{step}_tflops_per_gpu"] = work / world / (t * 1e-3) / 1e12
+        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    except Exception as exc:
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    return row
+
+
 def bench_dense(args: argparse.Namespace, device: torch.device, world: int) -> list[dict]:
     rows = []
+    mesh = _device_mesh(world)
     for seq_len in args.seq_lens:
         for causal in (False, True):
             flops = 4.0 * args.heads * seq_len * seq_len * args.head_dim / (2 if causal else 1)
             q, k, v = (_randn((1, seq_len, args.heads, args.head_dim), s, device) for s in range(3))
             layout = "zigzag" if causal and world > 1 else "contiguous"
             local = [shard_sequence(t, layout=layout).requires_grad_() for t in (q, k, v)]
-            results = {
-                f"ours ({comm})": _timed_fns(
+            base = {"kind": "dense", "world": world, "seq_len": seq_len, "causal": causal,
+                    "heads": args.heads, "head_dim": args.head_dim}  # fmt: skip
+            for comm in ("ring", "allgather"):
+                fns = _timed_fns(
                     lambda local=local, causal=causal, layout=layout, comm=comm: ring_attention(
                         *local, is_causal=causal, layout=layout, comm=comm
                     ),
                     local,
                 )
-                for comm in ("ring", "allgather")
-            }
-            results.update(_torch_cp(q, k, v, causal, world, device))
-            for name, (fwd, fwd_bwd) in results.items():
-                row = {
-                    "kind": "dense", "impl": name, "world": world, "seq_len": seq_len,
-                    "causal": causal, "heads": args.heads, "head_dim": args.head_dim,
-                }  # fmt: skip
-                try:
-                    for step, fn, work in (("fwd", fwd, flops), ("fwd_bwd", fwd_bwd, 3.5 * flops)):
-                        t = time_cuda(fn, warmup=args.warmup, repeats=args.repeats)["median_ms"]
-                        row[f"{step}_ms"] = t
-                        row[f"{step}_tflops_per_gpu"] = work / world / (t * 1e-3) / 1e12
-                except Exception as exc:  # an implementation that cannot run is a result
-                    row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-                rows.append(row)
+                rows.append(_measure({**base, "impl": f"ours ({comm})"}, fns, flops, world, args))
+            if mesh is not None:
+                with _torch_cp(mesh, q, k, v, causal) as fns:
+                    row = {**base, "impl": "torch context_parallel"}
+                    rows.append(_measure(row, fns, flops, world, args))
+            del q, k, v, local
             torch.cuda.empty_cache()
     return rows
 
 
-def _torch_cp(q, k, v, causal: bool, world: int, device: torch.device) -> dict:
-    """PyTorch context parallel over the same tensors (B, H, N, D), if this torch has it."""
+def _device_mesh(world: int) -> object | None:
+    """A 1-D CUDA mesh for PyTorch's context parallel, or ``None`` where this torch lacks it."""
     try:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.experimental import context_parallel
+        from torch.distributed.tensor.experimental import context_parallel  # noqa: F401
     except ImportError:
-        return {}
-    mesh = init_device_mesh("cuda", (world,))
-    bufs = [t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
+        return None
+    return init_device_mesh("cuda", (world,))
 
-    def run(backward: bool) -> None:
-        with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2, 2, 2],
-                              no_restore_buffers=set(bufs)):  # fmt: skip
-            out = F.scaled_dot_product_attention(*bufs, is_causal=causal)
-            if backward:
-                out.sum().backward()
 
-    def fwd() -> None:
-        with torch.no_grad():
-            run(False)
+@contextlib.contextmanager
+def _torch_cp(mesh: object, q, k, v, causal: bool) -> Iterator[tuple]:
+    """PyTorch context parallel over the same tensors (B, H, N, D): yields the timed closures,
+    to be run inside its context (it shards the buffers in place on entry, under no_grad, so they
+    get ``requires_grad`` inside, as PyTorch's own tests do). Its head-tail load balancing
+    refuses non-causal attention, so it is on for causal only."""
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import _cp_options
 
-    return {"torch context_parallel": (fwd, lambda: run(True))}
+    _cp_options.enable_load_balance = causal
+    bufs = [t.transpose(1, 2).contiguous() for t in (q, k, v)]
+    with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2, 2, 2],
+                          no_restore_buffers=set(bufs)):  # fmt: skip
+        for b in bufs:
+            b.requires_grad_()
+        yield _timed_fns(lambda: F.scaled_dot_product_attention(*bufs, is_causal=causal), bufs)
 
 
 def bench_dilated(args: argparse.Namespace, device: torch.device, world: int) -> list[dict]:
@@ -159,8 +173,9 @@ def bench_dilated(args: argparse.Namespace, device: torch.device, world: int) ->
         flops = dilated_flops(seq_len, args.heads, args.head_dim, segs, rates)
         for causal in (False, True):
             q, k, v = (_randn((1, seq_len, args.heads, args.head_dim), s, device) for s in range(3))
-            local = [shard_sequence(t).requires_grad_() for t in (q, k, v)]
-            fwd, fwd_bwd = _timed_fns(
+            local = [shard_sequence(t).clone().requires_grad_() for t in (q, k, v)]
+            del q, k, v  # each rank keeps its shard only
+            fns = _timed_fns(
                 lambda local=local, causal=causal, segs=segs, rates=rates: ring_dilated_attention(
                     *local, segs, rates, is_causal=causal
                 ),
@@ -169,15 +184,8 @@ def bench_dilated(args: argparse.Namespace, device: torch.device, world: int) ->
             row = {"kind": "dilated", "impl": "ours (ring dilated)", "world": world,
                    "seq_len": seq_len, "causal": causal, "heads": args.heads,
                    "head_dim": args.head_dim}  # fmt: skip
-            try:
-                for step, fn, work in (("fwd", fwd, flops), ("fwd_bwd", fwd_bwd, 3.5 * flops)):
-                    t = time_cuda(fn, warmup=args.warmup, repeats=args.repeats)["median_ms"]
-                    row[f"{step}_ms"] = t
-                    row[f"{step}_tflops_per_gpu"] = work / world / (t * 1e-3) / 1e12
-                row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            except torch.OutOfMemoryError:
-                row["error"] = "out of memory"
-            rows.append(row)
+            rows.append(_measure(row, fns, flops, world, args))
+            del local
             torch.cuda.empty_cache()
     return rows
 
