@@ -124,6 +124,7 @@ def fused_forward(
     is_causal: bool,
     scale: float,
     min_group_positions: int | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every branch merged (LongNet Eq. 10), group by group (Note [Fused branch engine]).
 
@@ -131,16 +132,19 @@ def fused_forward(
         q: (B, N, H, D); k, v: (B, N, Hkv, D); stride(-1) == 1.
         key_padding_mask: (B, N) bool, ``True`` = ignore, or None.
         branches: ``(segment_len, rate)`` pairs.
+        out_dtype: dtype of ``out`` (default q's; float32 where more results merge in later).
 
     Returns:
-        ``out`` (B, N, H, D) in q's dtype and ``lse`` (B, H, N) float32 (``-inf`` where no key).
+        ``out`` (B, N, H, D) and ``lse`` (B, H, N) float32 (``-inf`` where no key).
     """
     batch, seq_len, heads, dim = q.shape
     branches = _ordered(branches)
     key_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(1)
     lse = torch.full((batch, heads, seq_len), float("-inf"), dtype=torch.float32, device=q.device)
     covers_all = branches[0][1] == 1
-    out = (torch.empty_like if covers_all else torch.zeros_like)(q)
+    out = (torch.empty if covers_all else torch.zeros)(
+        q.shape, dtype=out_dtype or q.dtype, device=q.device
+    )
     options = {"scale": scale, "is_causal": is_causal}
     segs = tuple(w for w, _ in branches)
     for start, end in position_groups(seq_len, segs, min_group_positions):
@@ -180,14 +184,16 @@ def fused_backward(
     is_causal: bool,
     scale: float,
     min_group_positions: int | None = None,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact gradients of :func:`fused_forward` with the merged ``out`` and ``lse``.
 
     Args:
         dout, out: (B, N, H, D); lse: (B, H, N) merged.
+        grad_dtype: dtype of the gradients (default the inputs'; float32 where more add in).
 
     Returns:
-        ``(dq, dk, dv)`` shaped like ``(q, k, v)``, in their dtypes.
+        ``(dq, dk, dv)`` shaped like ``(q, k, v)``.
     """
     batch, seq_len, heads, dim = q.shape
     kv_heads = k.shape[2]
@@ -195,7 +201,7 @@ def fused_backward(
     key_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(1)
     single = len(branches) == 1
     alloc = torch.empty_like if single and branches[0][1] == 1 else torch.zeros_like
-    dq, dk, dv = alloc(q), alloc(k), alloc(v)
+    dq, dk, dv = (alloc(x, dtype=grad_dtype or x.dtype) for x in (q, k, v))
     options = {"scale": scale, "is_causal": is_causal}
     segs = tuple(w for w, _ in branches)
     for start, end in position_groups(seq_len, segs, min_group_positions):

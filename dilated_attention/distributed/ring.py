@@ -334,6 +334,7 @@ def prepare_ring(
     backend: str | None,
     comm: str,
     check_schedule: Callable[[], object] | None = None,
+    dilated: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RingSetup, Backend]:
     """Validate a ring call on every rank and return contiguous q, k, v, the setup and the kernel.
 
@@ -341,7 +342,9 @@ def prepare_ring(
     integers: an error flag, shapes, dtype, options, a checksum of what ``check_schedule``
     validates and returns, e.g. the dilated branches). A rank whose
     inputs were rejected raises its own error and every other rank a ``ValueError`` naming it, and
-    any field that differs between ranks raises on every rank: never a hang.
+    any field that differs between ranks raises on every rank: never a hang. ``dilated`` asks
+    the registry for its choice for dilated calls (kernels that fuse branches first where they
+    measured fastest).
     """
     rank, size = group_rank_and_size(group)
     error: Exception | None = None
@@ -367,7 +370,8 @@ def prepare_ring(
                 f"the local seq_len ({n}) must be even for layout='zigzag' (two chunks per rank); "
                 "shard a sequence divisible by 2 x world size with shard_sequence"
             )
-        kernel = select_backend(KernelInputs.from_tensors(q, k, is_causal=is_causal), backend)
+        inputs = KernelInputs.from_tensors(q, k, is_causal=is_causal, dilated=dilated)
+        kernel = select_backend(inputs, backend)
         dtype_code = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else len(_DTYPES)
         fields = [
             n, q.shape[0], q.shape[2], k.shape[2], q.shape[3], dtype_code, int(is_causal),

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from .. import _validation as V
 from ..backends.base import Backend
 from ..core.engine import dilated_backward, dilated_forward
+from ..core.fused import fused_backward, fused_forward
 from ..core.merge import merge_partial
 from ..core.segment import RowGroup, plan_branches
 from ._comm import ring_all_gather, ring_reduce_scatter
@@ -251,8 +252,10 @@ def span_backward(
 
 @dataclass(frozen=True)
 class DilatedRingPlan:
-    """Local branches (one engine plan) and spanning branches (one :class:`SpanPlan` each)."""
+    """Local branches (``(segment, rate)`` pairs and their engine plan) and spanning branches
+    (one :class:`SpanPlan` each)."""
 
+    local_branches: tuple[tuple[int, int], ...]
     local: tuple[RowGroup, ...]
     spans: tuple[SpanPlan, ...]
 
@@ -291,7 +294,7 @@ def _plan(
         else:
             spans.append(plan_span(setup, n, heads, kv_heads, seg, rate, device))
     local = plan_branches(n, heads, tuple(local_segs), tuple(local_rates)) if local_segs else ()
-    return DilatedRingPlan(local, tuple(spans))
+    return DilatedRingPlan(tuple(zip(local_segs, local_rates, strict=True)), local, tuple(spans))
 
 
 class RingDilatedFunction(torch.autograd.Function):
@@ -311,7 +314,13 @@ class RingDilatedFunction(torch.autograd.Function):
         batch, n, heads, dim = q.shape
         kv = torch.stack([k, v]).contiguous()
         auxes: list[Any] = []
-        if plan.local:
+        if plan.local and backend.fuses_dilated_branches:
+            out, lse_bhn = fused_forward(
+                q, k, v, None, plan.local_branches, backend, is_causal=setup.is_causal,
+                scale=setup.scale, out_dtype=acc,
+            )  # fmt: skip
+            lse = lse_bhn.transpose(1, 2).contiguous()
+        elif plan.local:
             out, lse_bhn, auxes = dilated_forward(
                 q, k, v, None, plan.local, backend, is_causal=setup.is_causal, scale=setup.scale,
                 dropout_p=0.0, out_dtype=acc,
@@ -338,7 +347,12 @@ class RingDilatedFunction(torch.autograd.Function):
         setup: RingSetup = ctx.setup
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         dout = dout.contiguous()
-        if plan.local:
+        if plan.local and ctx.backend.fuses_dilated_branches:
+            dq, dk, dv = fused_backward(
+                dout, q, k, v, out, lse, None, plan.local_branches, ctx.backend,
+                is_causal=setup.is_causal, scale=setup.scale, grad_dtype=acc,
+            )  # fmt: skip
+        elif plan.local:
             dq, dk, dv = dilated_backward(
                 dout, q, k, v, out, lse, None, plan.local, ctx.backend, ctx.auxes,
                 is_causal=setup.is_causal, scale=setup.scale, dropout_p=0.0, grad_dtype=acc,
@@ -388,7 +402,7 @@ def ring_dilated_attention(
     """
     q, k, v, setup, kernel = prepare_ring(
         query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
-        backend=backend, comm="allgather",
+        backend=backend, comm="allgather", dilated=True,
         check_schedule=lambda: V.check_branches(segment_lengths, dilation_rates),
     )  # fmt: skip
     segs, rates = V.check_branches(segment_lengths, dilation_rates)
