@@ -10,13 +10,16 @@ own head-tail balancing) time forward and forward+backward; per-GPU TFLOP/s = 4*
 Dilated (weak scaling): W GPUs hold W x N tokens with the LongNet schedule up to a segment as long
 as the whole sequence; per-GPU effective TFLOP/s counts every head in every branch. Before timing,
 each path is checked against a single-GPU result on a small sequence. Run once per world size; the
-JSON records (one per world size) side by side give the scaling.
+JSON records (one per world size) side by side give the scaling:
+
+    python benchmarks/bench_ring.py --summarize benchmarks/results/ring_h200_w*.json
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 from collections.abc import Iterator
@@ -40,12 +43,16 @@ from dilated_attention import (
 )
 
 
-def dilated_flops(seq_len: int, heads: int, dim: int, segs: list[int], rates: list[int]) -> float:
-    """4*D*sum over heads and branches of (N/r)*(w/r): every head takes part in every branch."""
-    return sum(
+def dilated_flops(
+    seq_len: int, heads: int, dim: int, segs: list[int], rates: list[int], causal: bool
+) -> float:
+    """4*D*sum over heads and branches of (N/r)*(w/r), halved when causal: every head takes part
+    in every branch."""
+    total = sum(
         4.0 * dim * heads * (seq_len / r) * (min(w, seq_len) / r)
         for w, r in zip(segs, rates, strict=True)
     )
+    return total / (2 if causal else 1)
 
 
 def _randn(shape: tuple[int, ...], seed: int, device: torch.device) -> torch.Tensor:
@@ -170,8 +177,8 @@ def bench_dilated(args: argparse.Namespace, device: torch.device, world: int) ->
     for per_gpu in args.dilated_tokens:
         seq_len = per_gpu * world
         segs, rates = longnet_schedule(seq_len)
-        flops = dilated_flops(seq_len, args.heads, args.head_dim, segs, rates)
         for causal in (False, True):
+            flops = dilated_flops(seq_len, args.heads, args.head_dim, segs, rates, causal)
             q, k, v = (_randn((1, seq_len, args.heads, args.head_dim), s, device) for s in range(3))
             local = [shard_sequence(t).clone().requires_grad_() for t in (q, k, v)]
             del q, k, v  # each rank keeps its shard only
@@ -190,6 +197,45 @@ def bench_dilated(args: argparse.Namespace, device: torch.device, world: int) ->
     return rows
 
 
+def scaling_table(records: list[Path]) -> str:
+    """Per-GPU efficiency from the per-world-size records: each row's per-GPU TFLOP/s (recomputed
+    from its times) over the same implementation's at world 1, dense and dilated."""
+    rows = [row for path in records for row in json.loads(path.read_text())["results"]]
+    for row in rows:
+        if row["kind"] == "dense":
+            flops = 4.0 * row["heads"] * row["seq_len"] ** 2 * row["head_dim"]
+            flops /= 2 if row["causal"] else 1
+        else:
+            segs, rates = longnet_schedule(row["seq_len"])
+            flops = dilated_flops(
+                row["seq_len"], row["heads"], row["head_dim"], segs, rates, row["causal"]
+            )
+            row["seq_len"] //= row["world"]  # weak scaling: keyed by tokens per GPU
+        for step, work in (("fwd", flops), ("fwd_bwd", 3.5 * flops)):
+            if f"{step}_ms" in row:
+                row[f"{step}_tflops_per_gpu"] = (
+                    work / row["world"] / (row[f"{step}_ms"] * 1e-3) / 1e12
+                )
+    key = ("kind", "impl", "seq_len", "causal")
+    base = {tuple(r[k] for k in key): r for r in rows if r["world"] == 1}
+    header = "| kind | impl | tokens (per GPU if dilated) | causal | world | fwd TFLOP/s per GPU "
+    header += "(efficiency) | fwd+bwd TFLOP/s per GPU (efficiency) |"
+    lines = [header, "|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (*(str(r[k]) for k in key), r["world"])):
+        one = base.get(tuple(r[k] for k in key), {})
+        cells = []
+        for step in ("fwd", "fwd_bwd"):
+            value = r.get(f"{step}_tflops_per_gpu")
+            ref = one.get(f"{step}_tflops_per_gpu")
+            eff = f" ({100 * value / ref:.0f}%)" if value and ref else ""
+            cells.append("-" if value is None else f"{value:.0f}{eff}")
+        lines.append(
+            f"| {r['kind']} | {r['impl']} | {r['seq_len']} | {r['causal']} | {r['world']} | "
+            f"{cells[0]} | {cells[1]} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -203,7 +249,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-dense", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/ring"))
+    parser.add_argument(
+        "--summarize", type=Path, nargs="+", metavar="RECORD",
+        help="print the scaling table of these JSON records (no GPU needed) and exit",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.summarize:
+        print(scaling_table(args.summarize))
+        return
     dist.init_process_group("nccl", timeout=timedelta(minutes=10))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
