@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -83,6 +84,7 @@ def main() -> None:
             torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             for _ in range(3)
         ]
+        print(f"[{time.strftime('%H:%M:%S')}] timing dense cuDNN at {seq_len}", flush=True)
         dense = _measure(lambda q, k, v: attention(q, k, v, backend="sdpa_cudnn"), leaves, args)
         rows.append({"impl": "dense cuDNN", "seq_len": seq_len, "density": 1.0, **dense})
         blocks = -(-seq_len // args.block_size)
@@ -101,6 +103,9 @@ def main() -> None:
             }
             for name, (fn, inputs) in impls.items():
                 row = {"impl": name, "seq_len": seq_len, "density": float(mask.float().mean())}
+                # A first call compiles (minutes at worst): say what runs, so a cut-off run shows
+                # where it stopped.
+                print(f"[{time.strftime('%H:%M:%S')}] timing {row}", flush=True)
                 try:
                     row.update(_measure(fn, inputs, args))
                     for step in ("fwd", "fwd_bwd"):
