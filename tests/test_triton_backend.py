@@ -89,6 +89,34 @@ def test_position_groups_tile_the_sequence_on_common_boundaries(
         assert size == -(-wanted // lcm) * lcm
 
 
+@pytest.mark.parametrize(
+    ("heads", "kv_group", "rows", "seq_len", "min_positions"),
+    [
+        (16, 1, 1 << 20, 1 << 20, None),  # one group of the whole sequence: 1/8 of the heads
+        (16, 1, 65536, 1 << 20, None),  # an ordinary position group: every head at once
+        (32, 4, 4 << 20, 4 << 20, None),  # GQA: whole kv head groups (4 query heads each)
+        (6, 3, 1000, 1000, 1),  # even one kv head group is over budget: one kv head group
+        (12, 1, 120, 120, 1),  # budget max(15, 1) * 12 = 180 < 120 * 2: one head at a time
+        (8, 2, 100, 400, 1),
+    ],
+)
+def test_head_groups_split_whole_kv_groups_within_the_scratch_budget(
+    heads: int, kv_group: int, rows: int, seq_len: int, min_positions: int | None
+) -> None:
+    groups = fused.head_groups(heads, kv_group, rows, seq_len, min_positions)
+    widths = {h1 - h0 for h0, h1 in groups}
+    assert groups[0][0] == 0 and groups[-1][1] == heads and len(widths) == 1
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(groups))
+    width = widths.pop()
+    assert width % kv_group == 0 and heads % width == 0
+    floor = fused.MIN_GROUP_POSITIONS if min_positions is None else min_positions
+    budget = max(seq_len // fused.SCRATCH_FRACTION, floor) * heads
+    assert rows * width <= budget or width == kv_group
+    # The widest such split: the next wider one that divides the heads is over budget.
+    wider = [w for w in range(width + kv_group, heads + 1, kv_group) if heads % w == 0]
+    assert all(rows * w > budget for w in wider)
+
+
 # -- refusal without a GPU or without Triton -------------------------------------------------------
 @pytest.mark.skipif(INTERPRETING, reason="the interpreter makes the backend run on CPU")
 def test_cpu_choice_explains_why_not_triton() -> None:
@@ -212,6 +240,24 @@ def test_fused_engine_across_many_position_groups(
         "groups", N=700, H=4, H_kv=2, D=64, segments=(32, 64, 128), rates=(1, 2, 4), padding=True
     )
     assert len(position_groups(shape.N, shape.segments)) == 6
+    for dtype in dtypes:
+        _compare(shape, dtype, device, is_causal)
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
+def test_fused_engine_across_head_groups(
+    is_causal: bool, device: str, dtypes: list[torch.dtype], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scratch split by heads (what very long sequences get): launches on head slices start at
+    layer head ``head0``, so offsets (head mod rate) and kv heads must still be the layer's."""
+    _skip_without_triton(device)
+    monkeypatch.setattr(fused, "MIN_GROUP_POSITIONS", 1)
+    monkeypatch.setattr(fused, "SCRATCH_FRACTION", 1000)
+    shape = Shape(
+        "heads", N=300, H=8, H_kv=4, D=32, segments=(60, 150, 300), rates=(1, 3, 4), padding=True
+    )
+    assert len(fused.head_groups(shape.H, 2, shape.N, shape.N)) == 4
     for dtype in dtypes:
         _compare(shape, dtype, device, is_causal)
 

@@ -10,7 +10,9 @@ Note [Strided dilated rows]
     ``r * stride(seq)`` per row, so nothing is gathered. A segment of ``L`` positions gives head
     ``h`` ``ceil((L - s) / r)`` rows (fewer when ``r`` does not divide ``L``; none when ``s >= L``),
     so ragged segments and the short last segment need no special casing. Causal masking compares
-    row indices, which within one offset class order like positions.
+    row indices, which within one offset class order like positions. A launch may cover a slice
+    of the heads (the fused engine's head groups); ``head0`` names the layer head of the slice's
+    first head, so offsets stay ``(head0 + h) mod r``.
 
     The forward keeps FlashAttention's running (max, sum, acc) in log2 units and, with ``MERGE``,
     folds its result into the ``(out, lse)`` already stored for those rows (Note [Merging partial
@@ -84,14 +86,17 @@ class TileConfig:
 
 @triton.jit
 def _segment_rows(
-    pid_seg, h, start, seg_q, seg_k, end_q, end_k, rate,
+    pid_seg, h, start, seg_q, seg_k, end_q, end_k, rate, head0,
 ):  # fmt: skip
-    """First query/key position of head ``h``'s rows in segment ``pid_seg``, and row counts."""
+    """First query/key position of head ``h``'s rows in segment ``pid_seg``, and row counts.
+
+    ``h`` counts from the first head of the call, which is head ``head0`` of the layer: the
+    offset is ``(head0 + h) mod rate`` (Note [Strided dilated rows])."""
     seg_start_q = start + pid_seg * seg_q
     seg_start_k = start + pid_seg * seg_k
     len_q = tl.minimum(seg_q, end_q - seg_start_q)
     len_k = tl.minimum(seg_k, end_k - seg_start_k)
-    s = h % rate
+    s = (head0 + h) % rate
     rows_q = tl.maximum(len_q - s + rate - 1, 0) // rate
     rows_k = tl.maximum(len_k - s + rate - 1, 0) // rate
     return seg_start_q + s, seg_start_k + s, rows_q, rows_k
@@ -237,7 +242,7 @@ def _forward_kernel(
     stride_ob, stride_on, stride_oh,
     stride_lb, stride_lh, stride_ln,
     stride_mb, stride_mh, stride_mn,
-    out_row0, start, seg_q, seg_k, end_q, end_k, rate, num_heads, kv_group, qk_scale,
+    out_row0, start, seg_q, seg_k, end_q, end_k, rate, head0, num_heads, kv_group, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MERGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
@@ -247,7 +252,7 @@ def _forward_kernel(
     b = tl.program_id(2).to(tl.int64)
     h = pid_sh % num_heads
     base_q, base_k, rows_q, rows_k = _segment_rows(
-        pid_sh // num_heads, h, start, seg_q, seg_k, end_q, end_k, rate
+        pid_sh // num_heads, h, start, seg_q, seg_k, end_q, end_k, rate, head0
     )
     if pid_m * BLOCK_M >= rows_q:
         return
@@ -351,7 +356,7 @@ def _dkdv_kernel(
     stride_eb, stride_eh, stride_en,
     stride_mb, stride_mh, stride_mn,
     stride_gb, stride_gn, stride_gh,
-    delta_row0, grad_row0, start, seg_q, seg_k, end_q, end_k, rate, num_kv_heads, kv_group,
+    delta_row0, grad_row0, start, seg_q, seg_k, end_q, end_k, rate, head0, num_kv_heads, kv_group,
     num_offsets, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCUMULATE: tl.constexpr,
@@ -366,7 +371,7 @@ def _dkdv_kernel(
     g = (pid // num_offsets) % num_kv_heads
     h0 = g * kv_group + j
     base_q, base_k, rows_q, rows_k = _segment_rows(
-        pid // (num_offsets * num_kv_heads), h0, start, seg_q, seg_k, end_q, end_k, rate
+        pid // (num_offsets * num_kv_heads), h0, start, seg_q, seg_k, end_q, end_k, rate, head0
     )
     if pid_n * BLOCK_N >= rows_k:
         return
@@ -430,7 +435,7 @@ def _dq_kernel(
     stride_eb, stride_eh, stride_en,
     stride_mb, stride_mh, stride_mn,
     stride_gb, stride_gn, stride_gh,
-    delta_row0, grad_row0, start, seg_q, seg_k, end_q, end_k, rate, num_heads, kv_group,
+    delta_row0, grad_row0, start, seg_q, seg_k, end_q, end_k, rate, head0, num_heads, kv_group,
     qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCUMULATE: tl.constexpr,
@@ -442,7 +447,7 @@ def _dq_kernel(
     b = tl.program_id(2).to(tl.int64)
     h = pid_sh % num_heads
     base_q, base_k, rows_q, rows_k = _segment_rows(
-        pid_sh // num_heads, h, start, seg_q, seg_k, end_q, end_k, rate
+        pid_sh // num_heads, h, start, seg_q, seg_k, end_q, end_k, rate, head0
     )
     if pid_m * BLOCK_M >= rows_q:
         return
@@ -530,6 +535,7 @@ def forward_branch(
     is_causal: bool,
     merge: bool,
     config: TileConfig,
+    head0: int = 0,
 ) -> None:
     """One branch's forward, written (or with ``merge``, merged) into ``out`` and ``lse``.
 
@@ -538,6 +544,7 @@ def forward_branch(
         out: (B, rows, H, D), row ``p - out_row0`` for query position ``p``.
         lse: (B, H, Nq) float32, natural log.
         key_mask: (B, Hm, Nk) bool, ``True`` = ignore, or None.
+        head0: the layer head that ``q``'s head 0 is (a call on a slice of the heads).
     """
     batch, _, heads, dim = q.shape
     mask, smb, smh, smn = _mask_args(key_mask, q)
@@ -547,7 +554,7 @@ def forward_branch(
         *_bnh(q), *_bnh(k), *_bnh(v), *_bnh(out), lse.stride(0), lse.stride(1), lse.stride(2),
         smb, smh, smn,
         out_row0, branch.start, branch.seg_q, branch.seg_k, branch.end_q, branch.end_k,
-        branch.rate, heads, heads // k.shape[2], scale * LOG2E,
+        branch.rate, head0, heads, heads // k.shape[2], scale * LOG2E,
         HEAD_DIM=dim, BLOCK_D=_block_d(dim), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         CAUSAL=is_causal, HAS_MASK=key_mask is not None, MERGE=merge,
         DOT_PRECISION=_DOT_PRECISION[q.dtype], WIDE=_wide(branch, q, k, v, out),
@@ -588,6 +595,7 @@ def backward_branch(
     accumulate: bool,
     config_dkdv: TileConfig,
     config_dq: TileConfig,
+    head0: int = 0,
 ) -> None:
     """One branch's gradients, written (or with ``accumulate``, added) into dq, dk, dv.
 
@@ -595,6 +603,7 @@ def backward_branch(
         dout, q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D).
         lse: (B, H, Nq) merged log-sum-exp; delta: (B, H, rows), row ``p - delta_row0``.
         dq: (B, rows, H, D); dk, dv: (B, rows, Hkv, D); row ``p - grad_row0`` for position ``p``.
+        head0: the layer head that ``q``'s head 0 is (a call on a slice of the heads).
     """
     batch, _, heads, dim = q.shape
     kv_heads = k.shape[2]
@@ -604,7 +613,9 @@ def backward_branch(
     common = (
         *_bnh(q), *_bnh(k), *_bnh(v), *_bnh(dout), *lse.stride(), *delta.stride(), smb, smh, smn,
     )  # fmt: skip
-    geometry = (branch.start, branch.seg_q, branch.seg_k, branch.end_q, branch.end_k, branch.rate)
+    geometry = (
+        branch.start, branch.seg_q, branch.seg_k, branch.end_q, branch.end_k, branch.rate, head0,
+    )  # fmt: skip
     flags = {
         "HEAD_DIM": dim, "BLOCK_D": _block_d(dim), "CAUSAL": is_causal,
         "HAS_MASK": key_mask is not None, "ACCUMULATE": accumulate,

@@ -127,12 +127,14 @@ class TritonBackend(Backend):
         scale: float,
         is_causal: bool,
         merge: bool,
+        head0: int = 0,
     ) -> None:
         """See ``FusedBackend.forward_branch`` in ``core/fused.py``."""
         kernels = _kernels()
         kernels.forward_branch(
             q, k, v, out, lse, key_mask, _branch(span), out_row0=out_row0, scale=scale,
             is_causal=is_causal, merge=merge, config=_tile_configs(q.shape[-1])["forward"],
+            head0=head0,
         )  # fmt: skip
 
     def row_delta(
@@ -160,6 +162,7 @@ class TritonBackend(Backend):
         scale: float,
         is_causal: bool,
         accumulate: bool,
+        head0: int = 0,
     ) -> None:
         """See ``FusedBackend.backward_branch`` in ``core/fused.py``."""
         configs = _tile_configs(q.shape[-1])
@@ -167,6 +170,7 @@ class TritonBackend(Backend):
             dout, q, k, v, lse, delta, key_mask, dq, dk, dv, _branch(span),
             delta_row0=delta_row0, grad_row0=grad_row0, scale=scale, is_causal=is_causal,
             accumulate=accumulate, config_dkdv=configs["dkdv"], config_dq=configs["dq"],
+            head0=head0,
         )  # fmt: skip
 
     # -- dense calls ------------------------------------------------------------------------------

@@ -9,7 +9,11 @@ Note [Fused branch engine]
     instead the sequence is cut into position groups that no segment of any branch crosses
     (multiples of the least common multiple of the segment lengths), and each group is finished
     before the next starts: float32 scratch for one group, every branch launched over it, then one
-    cast into the output. The scratch stays a small fraction of q at any length.
+    cast into the output. When the segments are as long as the sequence, one group is the whole
+    sequence; then the heads are split too (``head_groups``: whole key/value head groups, each
+    launch told which layer head it starts at, so offsets stay ``h mod r``) until the scratch of
+    one (position group, head group) is at most 1/SCRATCH_FRACTION of q's elements. The scratch
+    stays a small fraction of q at any length.
 
     Special cases: a single branch writes straight into the output (each row is written once); the
     merged ``lse`` is float32 already and is written in place for the whole sequence.
@@ -30,6 +34,9 @@ import torch
 MIN_GROUP_POSITIONS = 32768
 #: ... and at most 1/GROUPS_PER_SEQUENCE of the sequence beyond that (scratch <= q / 8 in bf16).
 GROUPS_PER_SEQUENCE = 16
+#: Heads are split until one scratch tensor holds at most 1/SCRATCH_FRACTION of q's elements (or
+#: one key/value head group, or MIN_GROUP_POSITIONS rows of every head, whichever is more).
+SCRATCH_FRACTION = 8
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,7 @@ class FusedBackend(Protocol):
         scale: float,
         is_causal: bool,
         merge: bool,
+        head0: int = 0,
     ) -> None: ...
 
     def row_delta(
@@ -85,6 +93,7 @@ class FusedBackend(Protocol):
         scale: float,
         is_causal: bool,
         accumulate: bool,
+        head0: int = 0,
     ) -> None: ...
 
 
@@ -106,6 +115,26 @@ def position_groups(
     wanted = max(floor, -(-seq_len // GROUPS_PER_SEQUENCE))
     size = -(-wanted // lcm) * lcm
     return [(start, min(start + size, seq_len)) for start in range(0, seq_len, size)]
+
+
+def head_groups(
+    heads: int, kv_group: int, rows: int, seq_len: int, min_positions: int | None = None
+) -> list[tuple[int, int]]:
+    """Consecutive ``[h0, h1)`` head ranges for one position group of ``rows`` positions.
+
+    Each range holds whole key/value head groups (``kv_group`` query heads each) and all ranges
+    are equal; the widest split whose ``rows * (h1 - h0)`` is at most
+    ``max(seq_len / SCRATCH_FRACTION, min_positions) * heads`` (Note [Fused branch engine]), or
+    one key/value head group where even that is more.
+    """
+    floor = MIN_GROUP_POSITIONS if min_positions is None else min_positions
+    budget = max(seq_len // SCRATCH_FRACTION, floor) * heads
+    kv_heads = heads // kv_group
+    per = kv_heads
+    while per > 1 and (rows * per * kv_group > budget or kv_heads % per):
+        per -= 1
+    width = per * kv_group
+    return [(h0, h0 + width) for h0 in range(0, heads, width)]
 
 
 def _ordered(branches: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
@@ -155,18 +184,22 @@ def fused_forward(
                 q, k, v, out, lse, key_mask, span, out_row0=0, merge=False, **options
             )
             continue
-        shape = (batch, end - start, heads, dim)
-        acc = (torch.empty if covers_all else torch.zeros)(
-            shape, dtype=torch.float32, device=q.device
-        )
-        for i, (w, r) in enumerate(branches):
-            span = BranchSpan(start, end, min(w, seq_len), r)
-            merge = i > 0 or not covers_all
-            backend.forward_branch(
-                q, k, v, acc, lse, key_mask, span, out_row0=start, merge=merge, **options
+        kv_group = heads // k.shape[2]
+        for h0, h1 in head_groups(heads, kv_group, end - start, seq_len, min_group_positions):
+            kv = slice(h0 // kv_group, h1 // kv_group)
+            shape = (batch, end - start, h1 - h0, dim)
+            acc = (torch.empty if covers_all else torch.zeros)(
+                shape, dtype=torch.float32, device=q.device
             )
-        out[:, start:end].copy_(acc)
-        del acc
+            for i, (w, r) in enumerate(branches):
+                span = BranchSpan(start, end, min(w, seq_len), r)
+                merge = i > 0 or not covers_all
+                backend.forward_branch(
+                    q[:, :, h0:h1], k[:, :, kv], v[:, :, kv], acc, lse[:, h0:h1], key_mask,
+                    span, out_row0=start, merge=merge, head0=h0, **options,
+                )  # fmt: skip
+            out[:, start:end, h0:h1].copy_(acc)
+            del acc
     return out, lse
 
 
@@ -216,19 +249,23 @@ def fused_backward(
             continue
         rows = end - start
         acc = {"dtype": torch.float32, "device": q.device}
-        dq_acc = torch.zeros(batch, rows, heads, dim, **acc)
-        dk_acc = torch.zeros(batch, rows, kv_heads, dim, **acc)
-        dv_acc = torch.zeros(batch, rows, kv_heads, dim, **acc)
-        for w, r in branches:
-            span = BranchSpan(start, end, min(w, seq_len), r)
-            backend.backward_branch(
-                dout, q, k, v, lse, delta, key_mask, dq_acc, dk_acc, dv_acc, span,
-                delta_row0=start, grad_row0=start, accumulate=True, **options,
-            )  # fmt: skip
-        dq[:, start:end].copy_(dq_acc)
-        dk[:, start:end].copy_(dk_acc)
-        dv[:, start:end].copy_(dv_acc)
-        del dq_acc, dk_acc, dv_acc
+        kv_group = heads // kv_heads
+        for h0, h1 in head_groups(heads, kv_group, rows, seq_len, min_group_positions):
+            kv = slice(h0 // kv_group, h1 // kv_group)
+            dq_acc = torch.zeros(batch, rows, h1 - h0, dim, **acc)
+            dk_acc = torch.zeros(batch, rows, kv.stop - kv.start, dim, **acc)
+            dv_acc = torch.zeros(batch, rows, kv.stop - kv.start, dim, **acc)
+            for w, r in branches:
+                span = BranchSpan(start, end, min(w, seq_len), r)
+                backend.backward_branch(
+                    dout[:, :, h0:h1], q[:, :, h0:h1], k[:, :, kv], v[:, :, kv], lse[:, h0:h1],
+                    delta[:, h0:h1], key_mask, dq_acc, dk_acc, dv_acc, span, delta_row0=start,
+                    grad_row0=start, accumulate=True, head0=h0, **options,
+                )  # fmt: skip
+            dq[:, start:end, h0:h1].copy_(dq_acc)
+            dk[:, start:end, kv].copy_(dk_acc)
+            dv[:, start:end, kv].copy_(dv_acc)
+            del dq_acc, dk_acc, dv_acc
     return dq, dk, dv
 
 
