@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -31,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import environment, markdown_table, time_cuda, write_record
+from _timing import environment, markdown_table, time_fwd_and_fwd_bwd, write_record
 
 from dilated_attention import (
     attention,
@@ -87,30 +88,25 @@ def check(device: torch.device, world: int) -> None:
             torch.testing.assert_close(a, shard_sequence(b), atol=5e-2, rtol=5e-2)
 
 
-def _timed_fns(call, leaves: list[torch.Tensor]) -> tuple:
-    """(forward without grad, forward + backward) closures around ``call()``."""
-    dout = torch.randn_like(leaves[0])
-
-    def fwd() -> None:
-        with torch.no_grad():
-            call()
-
-    def fwd_bwd() -> None:
-        torch.autograd.grad(call(), leaves, dout)
-
-    return fwd, fwd_bwd
-
-
-def _measure(row: dict, fns: tuple, flops: float, world: int, args: argparse.Namespace) -> dict:
-    """Fill ``row`` with forward and forward+backward times, per-GPU TFLOP/s and peak memory; an
-    implementation that cannot run records its error (that is a result too)."""
-    torch.cuda.reset_peak_memory_stats()
+def _measure(
+    row: dict,
+    forward: Callable[[], torch.Tensor],
+    leaves: list[torch.Tensor],
+    flops: float,
+    world: int,
+    args: argparse.Namespace,
+) -> dict:
+    """Fill ``row`` with forward and forward+backward times, per-GPU TFLOP/s and the
+    forward+backward peak memory; an implementation that cannot run records its error (that is a
+    result too)."""
     try:
-        for step, fn, work in (("fwd", fns[0], flops), ("fwd_bwd", fns[1], 3.5 * flops)):
-            t = time_cuda(fn, warmup=args.warmup, repeats=args.repeats)["median_ms"]
-            row[f"{step}_ms"] = t
-            row[f"{step}_tflops_per_gpu"] = work / world / (t * 1e-3) / 1e12
-        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        res = time_fwd_and_fwd_bwd(
+            forward, leaves, torch.randn_like(leaves[0]), warmup=args.warmup, repeats=args.repeats
+        )
+        for step, work in (("fwd", flops), ("fwd_bwd", 3.5 * flops)):
+            row[f"{step}_ms"] = res[f"{step}_ms"]
+            row[f"{step}_tflops_per_gpu"] = work / world / (res[f"{step}_ms"] * 1e-3) / 1e12
+        row["peak_gib"] = res["fwd_bwd_peak_bytes"] / 2**30
     except Exception as exc:
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
     return row
@@ -128,17 +124,15 @@ def bench_dense(args: argparse.Namespace, device: torch.device, world: int) -> l
             base = {"kind": "dense", "world": world, "seq_len": seq_len, "causal": causal,
                     "heads": args.heads, "head_dim": args.head_dim}  # fmt: skip
             for comm in ("ring", "allgather"):
-                fns = _timed_fns(
-                    lambda local=local, causal=causal, layout=layout, comm=comm: ring_attention(
-                        *local, is_causal=causal, layout=layout, comm=comm
-                    ),
-                    local,
+                forward = functools.partial(
+                    ring_attention, *local, is_causal=causal, layout=layout, comm=comm
                 )
-                rows.append(_measure({**base, "impl": f"ours ({comm})"}, fns, flops, world, args))
+                row = {**base, "impl": f"ours ({comm})"}
+                rows.append(_measure(row, forward, local, flops, world, args))
             if mesh is not None:
-                with _torch_cp(mesh, q, k, v, causal) as fns:
+                with _torch_cp(mesh, q, k, v, causal) as (forward, bufs):
                     row = {**base, "impl": "torch context_parallel"}
-                    rows.append(_measure(row, fns, flops, world, args))
+                    rows.append(_measure(row, forward, bufs, flops, world, args))
             del q, k, v, local
             torch.cuda.empty_cache()
     return rows
@@ -156,8 +150,8 @@ def _device_mesh(world: int) -> object | None:
 
 @contextlib.contextmanager
 def _torch_cp(mesh: object, q, k, v, causal: bool) -> Iterator[tuple]:
-    """PyTorch context parallel over the same tensors (B, H, N, D): yields the timed closures,
-    to be run inside its context (it shards the buffers in place on entry, under no_grad, so they
+    """PyTorch context parallel over the same tensors (B, H, N, D): yields its forward and leaves,
+    to be timed inside its context (it shards the buffers in place on entry, under no_grad, so they
     get ``requires_grad`` inside, as PyTorch's own tests do). Its head-tail load balancing
     refuses non-causal attention, so it is on for causal only."""
     from torch.distributed.tensor.experimental import context_parallel
@@ -169,7 +163,7 @@ def _torch_cp(mesh: object, q, k, v, causal: bool) -> Iterator[tuple]:
                           no_restore_buffers=set(bufs)):  # fmt: skip
         for b in bufs:
             b.requires_grad_()
-        yield _timed_fns(lambda: F.scaled_dot_product_attention(*bufs, is_causal=causal), bufs)
+        yield functools.partial(F.scaled_dot_product_attention, *bufs, is_causal=causal), bufs
 
 
 def bench_dilated(args: argparse.Namespace, device: torch.device, world: int) -> list[dict]:
@@ -182,16 +176,13 @@ def bench_dilated(args: argparse.Namespace, device: torch.device, world: int) ->
             q, k, v = (_randn((1, seq_len, args.heads, args.head_dim), s, device) for s in range(3))
             local = [shard_sequence(t).clone().requires_grad_() for t in (q, k, v)]
             del q, k, v  # each rank keeps its shard only
-            fns = _timed_fns(
-                lambda local=local, causal=causal, segs=segs, rates=rates: ring_dilated_attention(
-                    *local, segs, rates, is_causal=causal
-                ),
-                local,
+            forward = functools.partial(
+                ring_dilated_attention, *local, segs, rates, is_causal=causal
             )
             row = {"kind": "dilated", "impl": "ours (ring dilated)", "world": world,
                    "seq_len": seq_len, "causal": causal, "heads": args.heads,
                    "head_dim": args.head_dim}  # fmt: skip
-            rows.append(_measure(row, fns, flops, world, args))
+            rows.append(_measure(row, forward, local, flops, world, args))
             del local
             torch.cuda.empty_cache()
     return rows
