@@ -176,6 +176,7 @@ def fused_forward(
     )
     options = {"scale": scale, "is_causal": is_causal}
     segs = tuple(w for w, _ in branches)
+    kv_group = heads // k.shape[2]
     for start, end in position_groups(seq_len, segs, min_group_positions):
         if len(branches) == 1:
             w, r = branches[0]
@@ -184,7 +185,6 @@ def fused_forward(
                 q, k, v, out, lse, key_mask, span, out_row0=0, merge=False, **options
             )
             continue
-        kv_group = heads // k.shape[2]
         for h0, h1 in head_groups(heads, kv_group, end - start, seq_len, min_group_positions):
             kv = slice(h0 // kv_group, h1 // kv_group)
             shape = (batch, end - start, h1 - h0, dim)
@@ -237,6 +237,7 @@ def fused_backward(
     dq, dk, dv = (alloc(x, dtype=grad_dtype or x.dtype) for x in (q, k, v))
     options = {"scale": scale, "is_causal": is_causal}
     segs = tuple(w for w, _ in branches)
+    kv_group = heads // kv_heads
     for start, end in position_groups(seq_len, segs, min_group_positions):
         delta = backend.row_delta(out, dout, start, end)
         if single:
@@ -249,7 +250,6 @@ def fused_backward(
             continue
         rows = end - start
         acc = {"dtype": torch.float32, "device": q.device}
-        kv_group = heads // kv_heads
         for h0, h1 in head_groups(heads, kv_group, rows, seq_len, min_group_positions):
             kv = slice(h0 // kv_group, h1 // kv_group)
             dq_acc = torch.zeros(batch, rows, h1 - h0, dim, **acc)

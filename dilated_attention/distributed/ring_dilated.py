@@ -42,17 +42,9 @@ class _Call:
     """One kernel call of a spanning branch: P runs of local query rows, each against its own
     gathered key rows, side by side as P kv heads (Hp query heads each)."""
 
-    q_rows: torch.Tensor  # local row indices (c, P)
-    heads: torch.Tensor  # query heads (P, Hp)
+    index: tuple[slice, torch.Tensor, torch.Tensor]  # x[index]: (B, n, H, E) -> (B, c, P*Hp, E)
     keys: torch.Tensor  # flat indices into the gathered (W * R) rows (ck, P)
     causal: bool
-
-    @property
-    def index(self) -> tuple[slice, torch.Tensor, torch.Tensor]:
-        """Index of x (B, n, H, E) giving (B, c, P * Hp, E): each run's rows at its heads."""
-        runs, per_run = self.heads.shape
-        rows = self.q_rows.repeat_interleave(per_run, dim=1)  # (c, P * Hp)
-        return slice(None), rows, self.heads.reshape(1, runs * per_run)
 
 
 @dataclass(frozen=True)
@@ -135,18 +127,18 @@ def plan_span(
                 calls.append((q_rows, heads, flat[before], False))
             own = in_seg & (pos >= first) & (pos <= last)
             calls.append((q_rows, heads, flat[own], True))
-    own = [pair.local_rows[me] for pair in pairs]
+    my_rows = [pair.local_rows[me] for pair in pairs]
     slots = [
         pair.start + torch.arange(r.numel(), device=device)
-        for pair, r in zip(pairs, own, strict=True)
+        for pair, r in zip(pairs, my_rows, strict=True)
     ]
-    heads_of = [torch.full_like(r, pair.kv_head) for pair, r in zip(pairs, own, strict=True)]
+    heads_of = [torch.full_like(r, pair.kv_head) for pair, r in zip(pairs, my_rows, strict=True)]
     return SpanPlan(
         tuple(pairs),
         total,
         _stack_calls(calls),
         torch.cat(slots),
-        torch.cat(own),
+        torch.cat(my_rows),
         torch.cat(heads_of),
     )
 
@@ -159,15 +151,14 @@ def _stack_calls(calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, boo
     for q_rows, heads, keys, causal in calls:
         shape = (q_rows.numel(), heads.numel(), keys.numel(), causal)
         groups.setdefault(shape, []).append((q_rows, heads, keys))
-    return tuple(
-        _Call(
-            q_rows=torch.stack([c[0] for c in group], dim=1),
-            heads=torch.stack([c[1] for c in group]),
-            keys=torch.stack([c[2] for c in group], dim=1),
-            causal=causal,
-        )
-        for (_, _, _, causal), group in groups.items()
-    )
+    stacked = []
+    for (_, per_run, _, causal), group in groups.items():
+        q_rows = torch.stack([c[0] for c in group], dim=1)  # (c, P)
+        heads = torch.cat([c[1] for c in group])  # (P * Hp,), run-major
+        index = (slice(None), q_rows.repeat_interleave(per_run, dim=1), heads.view(1, -1))
+        keys = torch.stack([c[2] for c in group], dim=1)  # (ck, P)
+        stacked.append(_Call(index, keys, causal))
+    return tuple(stacked)
 
 
 def _runs(pos: torch.Tensor, rate: int, segment: int) -> list[torch.Tensor]:
@@ -208,9 +199,7 @@ def span_forward(
     for call in plan.calls:
         keys = gathered[:, :, call.keys]  # (2, B, ck, P, D)
         index = call.index
-        res = backend.forward(
-            q[index], keys[0], keys[1], scale=setup.scale, is_causal=call.causal
-        )  # fmt: skip
+        res = backend.forward(q[index], keys[0], keys[1], scale=setup.scale, is_causal=call.causal)
         auxes.append(res.aux)
         new_out, new_lse = merge_partial(out[index], lse[index], res.out, res.lse.transpose(1, 2))
         out[index] = new_out
