@@ -7,6 +7,8 @@ For each schedule (LongNet: w = 2048..32768 with r = 1, 2, 4, 8, 16; the paper's
 
 - ``auto``: ``dilated_attention(..., backend=None)``, what users get (the chosen backend is
   recorded; on sm90 the fused Triton kernels, ``backend="triton"``);
+- ``triton``: the same call with ``backend="triton"`` (the fused kernels whatever ``auto`` picks;
+  not run by default);
 - ``gather+cudnn``: the same call with ``backend="sdpa_cudnn"``: every branch's rows gathered into
   dense tensors, cuDNN, merged and scattered back (the fallback path);
 - ``cudnn ceiling``: cuDNN alone on tensors already shaped like every branch's rows
@@ -93,6 +95,10 @@ def bench_config(
             lambda: dilated_attention(q, k, v, segs, rates, is_causal=causal), [q, k, v], dout,
             warmup=args.warmup, repeats=args.repeats,
         ),
+        "triton": lambda: time_fwd_and_fwd_bwd(
+            lambda: dilated_attention(q, k, v, segs, rates, is_causal=causal, backend="triton"),
+            [q, k, v], dout, warmup=args.warmup, repeats=args.repeats,
+        ),
         "gather+cudnn": lambda: time_fwd_and_fwd_bwd(
             lambda: dilated_attention(q, k, v, segs, rates, is_causal=causal,
                                       backend="sdpa_cudnn"),
@@ -172,7 +178,7 @@ def main() -> None:
     parser.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--paths", nargs="+", default=["auto", "gather+cudnn", "cudnn ceiling"],
-                        choices=["auto", "gather+cudnn", "cudnn ceiling"])  # fmt: skip
+                        choices=["auto", "triton", "gather+cudnn", "cudnn ceiling"])  # fmt: skip
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/dilated"))

@@ -61,11 +61,12 @@ _CUDA_PRIORITY: dict[int, list[str]] = {
 _HOST_PRIORITY = ["cpu_flash", "math"]
 # Dilated calls: our Triton kernels (no gathers, branches merged in place) ahead of gather + the
 # dense kernel where benchmarks/bench_dilated.py measured them faster (H100, bf16, LongNet
-# schedule, N = 256K; benchmarks/results/dilated_h100.md): D = 64 forward 1.9x / forward+backward
-# 1.2-1.5x, D = 128 forward 1.9-2.4x; but D = 128 forward+backward 0.8-1.0x (its backward
-# kernels spill registers), so training with head_dim > 64 keeps gather + cuDNN.
+# schedule; benchmarks/results/dilated_h100*.md): D = 64 forward 1.9x / forward+backward
+# 1.2-1.5x; D = 128 forward 1.8-2.6x, forward+backward 1.4-1.7x with the backward tiles of
+# benchmarks/results/tune_triton_h100_d128.md (N = 64K and 1M). Training with head dims above
+# 128 has not been measured and keeps gather + the dense kernel.
 _CUDA_DILATED_FIRST: dict[int, list[str]] = {9: ["triton"]}
-_FUSED_MAX_TRAINING_HEAD_DIM = 64
+_FUSED_MAX_TRAINING_HEAD_DIM = 128
 
 
 def _order(inputs: KernelInputs) -> list[str]:

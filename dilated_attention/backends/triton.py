@@ -58,8 +58,8 @@ def _tile_configs(head_dim: int) -> dict[str, Any]:
     if head_dim <= 128:
         return {
             "forward": config(128, 64, 8, 3),
-            "dkdv": config(64, 64, 8, 2),
-            "dq": config(64, 64, 8, 2),
+            "dkdv": config(64, 64, 4, 2),
+            "dq": config(128, 64, 8, 3),
         }
     return {
         "forward": config(64, 32, 4, 2),
