@@ -125,6 +125,21 @@ def _load_rows(ptr, rows, step, row_ok, offs_d, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _load_tile(ptr, rows, step, row_ok, offs_d, HEAD_DIM: tl.constexpr, CHECK: tl.constexpr):
+    """``_load_rows``, or without ``CHECK`` (every row exists) a load masked by columns only
+    (none when ``HEAD_DIM`` is a power of two)."""
+    if CHECK:
+        tile = _load_rows(ptr, rows, step, row_ok, offs_d, HEAD_DIM)
+    else:
+        ptrs = ptr + (rows * step)[:, None] + offs_d[None, :]
+        if offs_d.shape[0] == HEAD_DIM:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
 def _keep_keys(mask_ptr, offs_n, mask_step, k_ok, HAS_MASK: tl.constexpr):
     """(BLOCK_N,) bool: the key row exists and the padding mask keeps it."""
     keep = k_ok
@@ -134,6 +149,14 @@ def _keep_keys(mask_ptr, offs_n, mask_step, k_ok, HAS_MASK: tl.constexpr):
     return keep
 
 
+# Note [Full blocks]
+#     Every loop over key (or query) blocks runs in two parts: the blocks whose rows all exist,
+#     with plain loads and no bounds test on the scores (``CHECK=False``), then the one block that
+#     is cut by the end of the rows, with masked loads and ``-inf`` scores past the end. Without a
+#     padding mask or the causal diagonal, a full block applies no mask at all. The softmax scale
+#     is applied inside the exponent (``exp2(s * qk - m)``, one fused multiply-add per score);
+#     scales are positive, so the running maximum of the unscaled scores scales exactly.
+#
 # Note [Rows past the end]
 #     Query rows past a head's last row load q, dout, lse and delta as zeros. The forward and dQ
 #     never store them; in dK/dV their probabilities are exp2(0 - 0) = 1 but dout = 0 gives
@@ -146,22 +169,24 @@ def _forward_blocks(
     acc, l_i, m_i, q, k_ptr, v_ptr, mask_ptr, lo, hi, offs_m, offs_n0, offs_d, rows_k, k_step,
     v_step, mask_step, qk_scale,
     HEAD_DIM: tl.constexpr, ON_DIAGONAL: tl.constexpr, HAS_MASK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, CHECK: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax over key blocks [lo, hi); ``ON_DIAGONAL`` applies the causal mask."""
+    """Online softmax over key blocks [lo, hi); ``ON_DIAGONAL`` applies the causal mask,
+    ``CHECK`` the end of the key rows (Note [Full blocks])."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         k_ok = offs_n < rows_k
-        k = _load_rows(k_ptr, offs_n, k_step, k_ok, offs_d, HEAD_DIM)
-        v = _load_rows(v_ptr, offs_n, v_step, k_ok, offs_d, HEAD_DIM)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        valid = _keep_keys(mask_ptr, offs_n, mask_step, k_ok, HAS_MASK)[None, :]
-        if ON_DIAGONAL:
-            valid = valid & (offs_m[:, None] >= offs_n[None, :])
-        qk = tl.where(valid, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        k = _load_tile(k_ptr, offs_n, k_step, k_ok, offs_d, HEAD_DIM, CHECK)
+        v = _load_tile(v_ptr, offs_n, v_step, k_ok, offs_d, HEAD_DIM, CHECK)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if CHECK or HAS_MASK or ON_DIAGONAL:
+            valid = _keep_keys(mask_ptr, offs_n, mask_step, k_ok, HAS_MASK)[None, :]
+            if ON_DIAGONAL:
+                valid = valid & (offs_m[:, None] >= offs_n[None, :])
+            qk = tl.where(valid, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(qk - m_safe[:, None])
+        p = tl.exp2(qk * qk_scale - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -174,19 +199,21 @@ def _dq_blocks(
     dq, q, do, lse, delta, k_ptr, v_ptr, mask_ptr, lo, hi, offs_m, offs_n0, offs_d, rows_k,
     k_step, v_step, mask_step, qk_scale,
     HEAD_DIM: tl.constexpr, ON_DIAGONAL: tl.constexpr, HAS_MASK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, CHECK: tl.constexpr,
 ):  # fmt: skip
-    """dQ contributions of key blocks [lo, hi)."""
+    """dQ contributions of key blocks [lo, hi) (Note [Full blocks])."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         k_ok = offs_n < rows_k
-        k = _load_rows(k_ptr, offs_n, k_step, k_ok, offs_d, HEAD_DIM)
-        v = _load_rows(v_ptr, offs_n, v_step, k_ok, offs_d, HEAD_DIM)
-        valid = _keep_keys(mask_ptr, offs_n, mask_step, k_ok, HAS_MASK)[None, :]
-        if ON_DIAGONAL:
-            valid = valid & (offs_m[:, None] >= offs_n[None, :])
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        p = tl.where(valid, tl.exp2(qk - lse[:, None]), 0.0)
+        k = _load_tile(k_ptr, offs_n, k_step, k_ok, offs_d, HEAD_DIM, CHECK)
+        v = _load_tile(v_ptr, offs_n, v_step, k_ok, offs_d, HEAD_DIM, CHECK)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        p = tl.exp2(qk * qk_scale - lse[:, None])
+        if CHECK or HAS_MASK or ON_DIAGONAL:
+            valid = _keep_keys(mask_ptr, offs_n, mask_step, k_ok, HAS_MASK)[None, :]
+            if ON_DIAGONAL:
+                valid = valid & (offs_m[:, None] >= offs_n[None, :])
+            p = tl.where(valid, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
@@ -197,23 +224,31 @@ def _dq_blocks(
 def _dkdv_blocks(
     dk, dv, k, v, keep, q_ptr, do_ptr, lse_ptr, delta_ptr, lo, hi, offs_n, offs_m0, offs_d,
     rows_q, q_step, do_step, lse_step, delta_step, qk_scale,
-    HEAD_DIM: tl.constexpr, ON_DIAGONAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, ON_DIAGONAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, CHECK: tl.constexpr,
 ):  # fmt: skip
-    """dK, dV contributions of query blocks [lo, hi) of one head (Note [Rows past the end])."""
+    """dK, dV contributions of query blocks [lo, hi) of one head (Note [Rows past the end],
+    Note [Full blocks]). Key rows past the end are never stored and each key row's gradient
+    depends on that row alone, so only padding masks and the diagonal mask scores here."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
         q_ok = offs_m < rows_q
-        q = _load_rows(q_ptr, offs_m, q_step, q_ok, offs_d, HEAD_DIM)
-        do = _load_rows(do_ptr, offs_m, do_step, q_ok, offs_d, HEAD_DIM)
-        lse = tl.load(lse_ptr + offs_m * lse_step, mask=q_ok, other=0.0)
+        q = _load_tile(q_ptr, offs_m, q_step, q_ok, offs_d, HEAD_DIM, CHECK)
+        do = _load_tile(do_ptr, offs_m, do_step, q_ok, offs_d, HEAD_DIM, CHECK)
+        if CHECK:
+            lse = tl.load(lse_ptr + offs_m * lse_step, mask=q_ok, other=0.0)
+            delta = tl.load(delta_ptr + offs_m * delta_step, mask=q_ok, other=0.0)
+        else:
+            lse = tl.load(lse_ptr + offs_m * lse_step)
+            delta = tl.load(delta_ptr + offs_m * delta_step)
         lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
-        delta = tl.load(delta_ptr + offs_m * delta_step, mask=q_ok, other=0.0)
-        valid_t = keep[:, None]
-        if ON_DIAGONAL:
-            valid_t = valid_t & (offs_m[None, :] >= offs_n[:, None])
-        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
-        p_t = tl.where(valid_t, tl.exp2(qk_t - lse[None, :]), 0.0)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        p_t = tl.exp2(qk_t * qk_scale - lse[None, :])
+        if HAS_MASK or ON_DIAGONAL:
+            valid_t = keep[:, None]
+            if ON_DIAGONAL:
+                valid_t = valid_t & (offs_m[None, :] >= offs_n[:, None])
+            p_t = tl.where(valid_t, p_t, 0.0)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -272,23 +307,25 @@ def _forward_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # Key blocks before ``diagonal`` are visible to every row of the tile (all of them when not
+    # causal); of those, the ones before ``full`` hold no row past the end (Note [Full blocks]).
+    diagonal = rows_k
     if CAUSAL:
-        # Key blocks before the tile's first row are visible to every row; the rest straddle
-        # the diagonal or lie beyond it.
-        diagonal = (pid_m * BLOCK_M) // BLOCK_N * BLOCK_N
+        diagonal = tl.minimum((pid_m * BLOCK_M) // BLOCK_N * BLOCK_N, rows_k)
+    full = tl.minimum(diagonal, rows_k // BLOCK_N * BLOCK_N)
+    acc, l_i, m_i = _forward_blocks(
+        acc, l_i, m_i, q, k_ptr, v_ptr, mask_ptr, 0, full, *args,
+        HEAD_DIM, False, HAS_MASK, DOT_PRECISION, BLOCK_N, False,
+    )  # fmt: skip
+    acc, l_i, m_i = _forward_blocks(
+        acc, l_i, m_i, q, k_ptr, v_ptr, mask_ptr, full, diagonal, *args,
+        HEAD_DIM, False, HAS_MASK, DOT_PRECISION, BLOCK_N, True,
+    )  # fmt: skip
+    if CAUSAL:
         hi = tl.minimum(rows_k, (pid_m + 1) * BLOCK_M)
         acc, l_i, m_i = _forward_blocks(
-            acc, l_i, m_i, q, k_ptr, v_ptr, mask_ptr, 0, diagonal, *args,
-            HEAD_DIM, False, HAS_MASK, DOT_PRECISION, BLOCK_N,
-        )  # fmt: skip
-        acc, l_i, m_i = _forward_blocks(
             acc, l_i, m_i, q, k_ptr, v_ptr, mask_ptr, diagonal, hi, *args,
-            HEAD_DIM, True, HAS_MASK, DOT_PRECISION, BLOCK_N,
-        )  # fmt: skip
-    else:
-        acc, l_i, m_i = _forward_blocks(
-            acc, l_i, m_i, q, k_ptr, v_ptr, mask_ptr, 0, rows_k, *args,
-            HEAD_DIM, False, HAS_MASK, DOT_PRECISION, BLOCK_N,
+            HEAD_DIM, True, HAS_MASK, DOT_PRECISION, BLOCK_N, True,
         )  # fmt: skip
 
     seen = l_i > 0.0
@@ -385,13 +422,14 @@ def _dkdv_kernel(
     v = _load_rows(v_ptr, offs_n, _step(rate, stride_vn, WIDE), k_ok, offs_d, HEAD_DIM)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    # Query blocks [lo, diagonal_end) straddle the causal diagonal (none when not causal); after
+    # it every row follows every key of the tile, unchecked up to ``full`` (Note [Full blocks]).
     lo = 0
     diagonal_end = 0
     if CAUSAL:
-        # Query blocks from ``lo`` straddle the diagonal until ``diagonal_end``; after it every
-        # row follows every key of the tile.
         lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
         diagonal_end = tl.minimum(tl.cdiv((pid_n + 1) * BLOCK_N - 1, BLOCK_M) * BLOCK_M, rows_q)
+    full = tl.maximum(diagonal_end, rows_q // BLOCK_M * BLOCK_M)
     args = (offs_n, offs_m0, offs_d, rows_q, _step(rate, stride_qn, WIDE),
             _step(rate, stride_dn, WIDE), _step(rate, stride_ln, WIDE),
             _step(rate, stride_en, WIDE), qk_scale)  # fmt: skip
@@ -403,20 +441,20 @@ def _dkdv_kernel(
         delta_ptr = _row0(Delta, b, stride_eb, h, stride_eh, base_q - delta_row0, stride_en)
         mask_ptr = _row0(Mask, b, stride_mb, h, stride_mh, base_k, stride_mn)
         keep = _keep_keys(mask_ptr, offs_n, mask_step, k_ok, HAS_MASK)
+        ptrs = (k, v, keep, q_ptr, do_ptr, lse_ptr, delta_ptr)
         if CAUSAL:
             dk, dv = _dkdv_blocks(
-                dk, dv, k, v, keep, q_ptr, do_ptr, lse_ptr, delta_ptr, lo, diagonal_end, *args,
-                HEAD_DIM, True, DOT_PRECISION, BLOCK_M,
+                dk, dv, *ptrs, lo, diagonal_end, *args,
+                HEAD_DIM, True, HAS_MASK, DOT_PRECISION, BLOCK_M, True,
             )  # fmt: skip
-            dk, dv = _dkdv_blocks(
-                dk, dv, k, v, keep, q_ptr, do_ptr, lse_ptr, delta_ptr, diagonal_end, rows_q,
-                *args, HEAD_DIM, False, DOT_PRECISION, BLOCK_M,
-            )  # fmt: skip
-        else:
-            dk, dv = _dkdv_blocks(
-                dk, dv, k, v, keep, q_ptr, do_ptr, lse_ptr, delta_ptr, 0, rows_q, *args,
-                HEAD_DIM, False, DOT_PRECISION, BLOCK_M,
-            )  # fmt: skip
+        dk, dv = _dkdv_blocks(
+            dk, dv, *ptrs, diagonal_end, full, *args,
+            HEAD_DIM, False, HAS_MASK, DOT_PRECISION, BLOCK_M, False,
+        )  # fmt: skip
+        dk, dv = _dkdv_blocks(
+            dk, dv, *ptrs, full, rows_q, *args,
+            HEAD_DIM, False, HAS_MASK, DOT_PRECISION, BLOCK_M, True,
+        )  # fmt: skip
     grad_step = _step(rate, stride_gn, WIDE)
     dk_ptr = _row0(DK, b, stride_gb, g, stride_gh, base_k - grad_row0, stride_gn)
     dv_ptr = _row0(DV, b, stride_gb, g, stride_gh, base_k - grad_row0, stride_gn)
@@ -471,21 +509,24 @@ def _dq_kernel(
     args = (offs_m, offs_n0, offs_d, rows_k, _step(rate, stride_kn, WIDE),
             _step(rate, stride_vn, WIDE), _step(rate, stride_mn, WIDE), qk_scale)  # fmt: skip
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # As in the forward: [0, full) unchecked, [full, diagonal) checked, then the diagonal.
+    diagonal = rows_k
     if CAUSAL:
-        diagonal = (pid_m * BLOCK_M) // BLOCK_N * BLOCK_N
+        diagonal = tl.minimum((pid_m * BLOCK_M) // BLOCK_N * BLOCK_N, rows_k)
+    full = tl.minimum(diagonal, rows_k // BLOCK_N * BLOCK_N)
+    dq = _dq_blocks(
+        dq, q, do, lse, delta, k_ptr, v_ptr, mask_ptr, 0, full, *args,
+        HEAD_DIM, False, HAS_MASK, DOT_PRECISION, BLOCK_N, False,
+    )  # fmt: skip
+    dq = _dq_blocks(
+        dq, q, do, lse, delta, k_ptr, v_ptr, mask_ptr, full, diagonal, *args,
+        HEAD_DIM, False, HAS_MASK, DOT_PRECISION, BLOCK_N, True,
+    )  # fmt: skip
+    if CAUSAL:
         hi = tl.minimum(rows_k, (pid_m + 1) * BLOCK_M)
         dq = _dq_blocks(
-            dq, q, do, lse, delta, k_ptr, v_ptr, mask_ptr, 0, diagonal, *args,
-            HEAD_DIM, False, HAS_MASK, DOT_PRECISION, BLOCK_N,
-        )  # fmt: skip
-        dq = _dq_blocks(
             dq, q, do, lse, delta, k_ptr, v_ptr, mask_ptr, diagonal, hi, *args,
-            HEAD_DIM, True, HAS_MASK, DOT_PRECISION, BLOCK_N,
-        )  # fmt: skip
-    else:
-        dq = _dq_blocks(
-            dq, q, do, lse, delta, k_ptr, v_ptr, mask_ptr, 0, rows_k, *args,
-            HEAD_DIM, False, HAS_MASK, DOT_PRECISION, BLOCK_N,
+            HEAD_DIM, True, HAS_MASK, DOT_PRECISION, BLOCK_N, True,
         )  # fmt: skip
     dq_ptr = _row0(DQ, b, stride_gb, h, stride_gh, base_q - grad_row0, stride_gn)
     _store_rows(dq_ptr, offs_m, _step(rate, stride_gn, WIDE), dq * sm_scale, q_ok, offs_d,
