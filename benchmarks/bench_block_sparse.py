@@ -5,7 +5,8 @@
 For each sequence length and density (random block masks, block 128, H = 16, D = 128, bf16):
 ``block_sparse_attention`` with the mask (``Custom``), PyTorch's compiled ``flex_attention`` with a
 ``BlockMask`` built from the same mask (``create_block_mask``, no library code), and dense cuDNN
-SDPA on the same shape; forward and forward+backward median times (CUDA events), peak memory, and
+SDPA on the same shape (timed before and after the sparse rows of each length; speed-ups use the
+faster of the two); forward and forward+backward median times (CUDA events), peak memory, and
 speed-up over dense. Anchor (shared/anchors.md, H200, 64K): compiled Flex is 6.8x / 2.8x / 1.4x
 faster than dense cuDNN at 10% / 25% / 50% density and 0.72x at 100%.
 """
@@ -62,6 +63,17 @@ def _measure(fn, leaves: list[torch.Tensor], args: argparse.Namespace) -> dict[s
     return row
 
 
+def _dense_row(
+    leaves: list[torch.Tensor], seq_len: int, when: str, args: argparse.Namespace
+) -> dict[str, object]:
+    """Dense cuDNN at this length, timed ``before`` or ``after`` the sparse rows."""
+    print(f"[{time.strftime('%H:%M:%S')}] timing dense cuDNN at {seq_len} ({when})", flush=True)
+    dense = _measure(lambda q, k, v: attention(q, k, v, backend="sdpa_cudnn"), leaves, args)
+    row = {"impl": f"dense cuDNN ({when})", "seq_len": seq_len, "density": 1.0, **dense}
+    print(row, flush=True)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -84,9 +96,8 @@ def main() -> None:
             torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             for _ in range(3)
         ]
-        print(f"[{time.strftime('%H:%M:%S')}] timing dense cuDNN at {seq_len}", flush=True)
-        dense = _measure(lambda q, k, v: attention(q, k, v, backend="sdpa_cudnn"), leaves, args)
-        rows.append({"impl": "dense cuDNN", "seq_len": seq_len, "density": 1.0, **dense})
+        dense_rows = [_dense_row(leaves, seq_len, "before", args)]
+        sparse_rows = []
         blocks = -(-seq_len // args.block_size)
         bhnd = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in leaves]
         for density in args.densities:
@@ -108,13 +119,20 @@ def main() -> None:
                 print(f"[{time.strftime('%H:%M:%S')}] timing {row}", flush=True)
                 try:
                     row.update(_measure(fn, inputs, args))
-                    for step in ("fwd", "fwd_bwd"):
-                        row[f"{step}_speedup_vs_dense"] = dense[f"{step}_ms"] / row[f"{step}_ms"]
                 except torch.OutOfMemoryError:
                     row["error"] = "out of memory"
-                rows.append(row)
+                sparse_rows.append(row)
                 print(row, flush=True)
                 torch.cuda.empty_cache()
+        dense_rows.append(_dense_row(leaves, seq_len, "after", args))
+        # Speed-ups against the faster of the two dense timings, so a GPU that slowed down during
+        # the sweep (clocks, heat) cannot make the sparse rows look faster than they are.
+        for row in sparse_rows:
+            for step in ("fwd", "fwd_bwd"):
+                if f"{step}_ms" in row:
+                    dense_ms = min(d[f"{step}_ms"] for d in dense_rows)
+                    row[f"{step}_speedup_vs_dense"] = dense_ms / row[f"{step}_ms"]
+        rows += dense_rows + sparse_rows
     env = environment()
     write_record(args.out.with_suffix(".json"), env, rows)
     cols = ["impl", "seq_len", "density", "fwd_ms", "fwd_bwd_ms", "fwd_speedup_vs_dense",
