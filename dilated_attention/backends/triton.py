@@ -48,7 +48,7 @@ def _tile_configs(head_dim: int) -> dict[str, Any]:
     64x64 3.77 ms vs 128x64 3.86 and 128x128 5.35; dK/dV 32x64 14.1 ms vs 64x64 14.7). D <= 128
     from the same script at N = 128K (``benchmarks/results/tune_triton_h100_d128.md``: forward
     128x64 11.4 ms, within noise of the best; dK/dV 64x64 with 4 warps 49.4 ms and dQ 128x64 with
-    8 warps 49.5 ms, forward+backward, against 66-90 ms for 8-warp dK/dV tiles). Larger head dims:
+    8 warps 49.5 ms, forward+backward, against 52-74 ms for 8-warp dK/dV tiles). Larger head dims:
     chosen offline for few register spills (ptxas -v for sm90), not swept on the GPU.
     """
     config = _kernels().TileConfig
