@@ -267,6 +267,20 @@ def _store_rows(ptr, rows, step, value, row_ok, offs_d, HEAD_DIM: tl.constexpr,
     tl.store(ptrs, value.to(ptrs.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _key_ranges(pid_m, rows_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(full, diagonal, hi)`` for query tile ``pid_m``: key blocks [0, full) hold no row past
+    the end, [full, diagonal) may, and both are visible to every row of the tile (all of them
+    when not causal); [diagonal, hi) straddle the causal diagonal (empty when not causal)."""
+    diagonal = rows_k
+    hi = rows_k
+    if CAUSAL:
+        diagonal = tl.minimum((pid_m * BLOCK_M) // BLOCK_N * BLOCK_N, rows_k)
+        hi = tl.minimum(rows_k, (pid_m + 1) * BLOCK_M)
+    full = tl.minimum(diagonal, rows_k // BLOCK_N * BLOCK_N)
+    return full, diagonal, hi
+
+
 # -- forward ---------------------------------------------------------------------------------------
 @triton.jit
 def _forward_kernel(
@@ -307,12 +321,7 @@ def _forward_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # Key blocks before ``diagonal`` are visible to every row of the tile (all of them when not
-    # causal); of those, the ones before ``full`` hold no row past the end (Note [Full blocks]).
-    diagonal = rows_k
-    if CAUSAL:
-        diagonal = tl.minimum((pid_m * BLOCK_M) // BLOCK_N * BLOCK_N, rows_k)
-    full = tl.minimum(diagonal, rows_k // BLOCK_N * BLOCK_N)
+    full, diagonal, hi = _key_ranges(pid_m, rows_k, CAUSAL, BLOCK_M, BLOCK_N)  # Note [Full blocks]
     acc, l_i, m_i = _forward_blocks(
         acc, l_i, m_i, q, k_ptr, v_ptr, mask_ptr, 0, full, *args,
         HEAD_DIM, False, HAS_MASK, DOT_PRECISION, BLOCK_N, False,
@@ -322,7 +331,6 @@ def _forward_kernel(
         HEAD_DIM, False, HAS_MASK, DOT_PRECISION, BLOCK_N, True,
     )  # fmt: skip
     if CAUSAL:
-        hi = tl.minimum(rows_k, (pid_m + 1) * BLOCK_M)
         acc, l_i, m_i = _forward_blocks(
             acc, l_i, m_i, q, k_ptr, v_ptr, mask_ptr, diagonal, hi, *args,
             HEAD_DIM, True, HAS_MASK, DOT_PRECISION, BLOCK_N, True,
@@ -509,11 +517,7 @@ def _dq_kernel(
     args = (offs_m, offs_n0, offs_d, rows_k, _step(rate, stride_kn, WIDE),
             _step(rate, stride_vn, WIDE), _step(rate, stride_mn, WIDE), qk_scale)  # fmt: skip
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # As in the forward: [0, full) unchecked, [full, diagonal) checked, then the diagonal.
-    diagonal = rows_k
-    if CAUSAL:
-        diagonal = tl.minimum((pid_m * BLOCK_M) // BLOCK_N * BLOCK_N, rows_k)
-    full = tl.minimum(diagonal, rows_k // BLOCK_N * BLOCK_N)
+    full, diagonal, hi = _key_ranges(pid_m, rows_k, CAUSAL, BLOCK_M, BLOCK_N)  # Note [Full blocks]
     dq = _dq_blocks(
         dq, q, do, lse, delta, k_ptr, v_ptr, mask_ptr, 0, full, *args,
         HEAD_DIM, False, HAS_MASK, DOT_PRECISION, BLOCK_N, False,
@@ -523,7 +527,6 @@ def _dq_kernel(
         HEAD_DIM, False, HAS_MASK, DOT_PRECISION, BLOCK_N, True,
     )  # fmt: skip
     if CAUSAL:
-        hi = tl.minimum(rows_k, (pid_m + 1) * BLOCK_M)
         dq = _dq_blocks(
             dq, q, do, lse, delta, k_ptr, v_ptr, mask_ptr, diagonal, hi, *args,
             HEAD_DIM, True, HAS_MASK, DOT_PRECISION, BLOCK_N, True,
