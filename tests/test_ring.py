@@ -298,15 +298,18 @@ def _local_qkv(
 
 
 def _check_bytes(rank: int, world_size: int) -> None:
-    """Forward sends exactly W-1 K/V blocks of this rank's kv heads; the backward adds W hops of
-    the float32/float64 dK/dV accumulator (ring), or W-1 reduce-scatter steps (allgather)."""
+    """Forward sends exactly W-1 K/V blocks of this rank's kv heads. The backward sends the K/V
+    blocks again (ring) and this rank's dK/dV parts straight to each block's owner, in the
+    kernel's gradient dtype, and only for blocks it made a call against: causal with the
+    contiguous layout, rank r sends parts for the r earlier blocks only (Note [Gradients go
+    home])."""
     n = LOCAL_LEN
     for dtype in (torch.float32, torch.float64):
         elem = torch.finfo(dtype).bits // 8
         forward_bytes: dict[int, int] = {}
         for kv_heads in (HEADS, 2, 1):
             block = 2 * BATCH * n * kv_heads * HEAD_DIM * elem  # K and V of one rank
-            acc_block = block  # dK/dV accumulators are float32 (float64 for float64 inputs)
+            parts = rank * block  # math kernel: gradients in the input dtype; blocks 0..rank-1
             for comm in ("ring", "allgather"):
                 where = f"[rank {rank}/{world_size} {dtype} Hkv={kv_heads} comm={comm}]"
                 q, k, v, dout = _local_qkv(world_size, kv_heads, dtype, "contiguous")
@@ -323,32 +326,36 @@ def _check_bytes(rank: int, world_size: int) -> None:
                     f"{where} forward sent {fwd_total} bytes ({fwd}); expected "
                     f"(W-1)={world_size - 1} K/V blocks of 2*B*n*Hkv*D*{elem} = {block} bytes"
                 )
-                for phase in (fwd, bwd):
-                    for prefix in ("ring", "comm"):
-                        assert phase[f"{prefix}_sent"] == phase[f"{prefix}_recv"], (
-                            f"{where} {prefix}: sent {phase[f'{prefix}_sent']} != received "
-                            f"{phase[f'{prefix}_recv']}"
-                        )
+                for prefix in ("ring", "comm"):
+                    assert fwd[f"{prefix}_sent"] == fwd[f"{prefix}_recv"], (
+                        f"{where} {prefix}: sent {fwd[f'{prefix}_sent']} != received "
+                        f"{fwd[f'{prefix}_recv']}"
+                    )
+                # Parts for this rank's block come from the later ranks only.
+                got_recv = sum(bwd["ring_recv"]) + sum(bwd["comm_recv"])
+                expected_recv = (world_size - 1) * block + (world_size - 1 - rank) * block
+                assert got_recv == expected_recv, (
+                    f"{where} backward received {got_recv} bytes ({bwd}); expected (W-1) K/V "
+                    f"blocks + {world_size - 1 - rank} dK/dV parts = {expected_recv}"
+                )
                 if comm == "ring":
                     assert fwd["ring_sent"] == [block] * (world_size - 1), (
                         f"{where} forward exchanges {fwd['ring_sent']}, expected W-1 of {block}"
                     )
-                    expected_bwd = (world_size - 1) * block + (
-                        world_size * acc_block if world_size > 1 else 0
-                    )
+                    expected_bwd = (world_size - 1) * block + parts
                     got_bwd = sum(bwd["ring_sent"]) + sum(bwd["comm_sent"])
                     assert got_bwd == expected_bwd, (
                         f"{where} backward sent {got_bwd} bytes ({bwd}); expected (W-1) K/V blocks"
-                        f" + W accumulator hops = {expected_bwd}"
+                        f" + {rank} dK/dV parts = {expected_bwd}"
                     )
                     forward_bytes[kv_heads] = fwd_total
                 else:
                     assert not fwd["ring_sent"], f"{where} allgather used ring exchanges {fwd}"
-                    expected_bwd = 2 * (world_size - 1) * block
+                    expected_bwd = (world_size - 1) * block + parts
                     got_bwd = sum(bwd["comm_sent"]) + sum(bwd["ring_sent"])
                     assert got_bwd == expected_bwd, (
                         f"{where} backward sent {got_bwd} bytes ({bwd}); expected (W-1) K/V blocks"
-                        f" (all-gather) + (W-1) dK/dV parts (reduce-scatter) = {expected_bwd}"
+                        f" (all-gather) + {rank} dK/dV parts = {expected_bwd}"
                     )
         # Only key/value heads travel: bytes scale with Hkv, never with H.
         assert forward_bytes[2] * 2 == forward_bytes[HEADS] == forward_bytes[1] * HEADS, (

@@ -8,11 +8,11 @@ Note [Ring schedule]
     are fused into as few kernel calls as the slices allow. Results merge in float32 through their
     log-sum-exp (Note [Merging partial softmaxes]).
 
-    The backward passes the blocks again, now with float32 dK/dV accumulators travelling one step
-    behind them, so their transfer overlaps the next step's compute; each rank adds its
-    contribution with the *final* ``out``/``lse`` (Note [Backward with external statistics]) and a
-    last hop brings every accumulator home. ``comm="allgather"`` instead gathers every block at
-    once (Llama-3 style) and returns dK/dV with a ring reduce-scatter.
+    The backward passes the blocks again; each rank computes its dK/dV parts for a block with
+    the *final* ``out``/``lse`` (Note [Backward with external statistics]) and sends them
+    straight to the block's owner while the next step computes (Note [Gradients go home]).
+    ``comm="allgather"`` instead gathers every block at once (Llama-3 style) and sends all parts
+    home at the end.
 
 Shape legend: B batch, n local tokens, H query heads, Hkv key/value heads, D head dim, W ranks.
 """
@@ -39,7 +39,6 @@ from ._comm import (
     global_rank,
     group_rank_and_size,
     ring_all_gather,
-    ring_reduce_scatter,
     wait_all,
 )
 from .sharding import LAYOUTS, check_layout, chunks_of, chunks_per_rank
@@ -113,7 +112,12 @@ class RingSetup:
     comm: str
 
     def tasks(self, src: int) -> list[Task]:
-        me = chunks_of(self.rank, self.world_size, self.layout)
+        """This rank's kernel calls against the key/value block of rank ``src``."""
+        return self.tasks_of(self.rank, src)
+
+    def tasks_of(self, rank: int, src: int) -> list[Task]:
+        """Rank ``rank``'s kernel calls against the key/value block of rank ``src``."""
+        me = chunks_of(rank, self.world_size, self.layout)
         other = chunks_of(src, self.world_size, self.layout)
         return plan_block(me, other, self.chunk_len, self.is_causal)
 
@@ -205,6 +209,38 @@ def ring_forward(
     return out, lse, auxes
 
 
+#: One kernel call's key/value gradients: (rows of the key/value block, dK, dV).
+Part = tuple[slice, torch.Tensor, torch.Tensor]
+
+
+def _add_parts(dkv: torch.Tensor, parts: list[Part]) -> None:
+    """Add gradient parts into the (2, B, n, Hkv, D) accumulator ``dkv``."""
+    for rows, dk, dv in parts:
+        dkv[0][:, rows] += dk
+        dkv[1][:, rows] += dv
+
+
+def _part_tensors(parts: list[Part], peer: int) -> list[tuple[torch.Tensor, int]]:
+    """``(tensor, peer)`` pairs for :func:`exchange`: each part's dK then dV."""
+    return [(grad, peer) for _, dk, dv in parts for grad in (dk, dv)]
+
+
+def _expected_parts(
+    setup: RingSetup, sender: int, kv: torch.Tensor, dtype: torch.dtype
+) -> list[Part]:
+    """Empty buffers for the parts rank ``sender`` computes against this rank's block, in the
+    order it sends them (its kernel calls, each dK then dV)."""
+    shape = kv.shape[1:]
+    return [
+        (task.kv, *(
+            torch.empty((shape[0], task.kv.stop - task.kv.start, *shape[2:]), dtype=dtype,
+                        device=kv.device)
+            for _ in range(2)
+        ))
+        for task in setup.tasks_of(sender, setup.rank)
+    ]  # fmt: skip
+
+
 def ring_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -226,9 +262,12 @@ def ring_backward(
     """
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
     aux_iter = iter(auxes)
 
-    def compute(block: torch.Tensor, dblock: torch.Tensor, src: int) -> None:
+    def compute(block: torch.Tensor, src: int) -> list[Part]:
+        """Kernel gradients against ``block``: dQ added into ``dq``; the dK/dV parts returned."""
+        parts = []
         for task in setup.tasks(src):
             dq_t, dk_t, dv_t = backend.backward(
                 dout[:, task.q], q[:, task.q], block[0][:, task.kv], block[1][:, task.kv],
@@ -236,43 +275,65 @@ def ring_backward(
                 is_causal=task.causal,
             )  # fmt: skip
             dq[:, task.q] += dq_t
-            dblock[0][:, task.kv] += dk_t
-            dblock[1][:, task.kv] += dv_t
+            parts.append((task.kv, dk_t.contiguous(), dv_t.contiguous()))
+        return parts
 
+    # Note [Gradients go home]: remote dK/dV parts travel in the dtype the kernel produced them
+    # in (nothing is rounded) straight to the block's owner, which sums them in float32: half
+    # the bytes of passing float32 accumulators around the ring, and no last hop. Each rank's
+    # own block is computed first and always has its diagonal call, so the gradient dtype is
+    # known before any part arrives. A block this rank made no call against sends nothing.
     if setup.comm == "allgather":
         blocks = ring_all_gather(kv, setup.global_ranks, setup.rank)
-        parts = [torch.zeros(kv.shape, dtype=acc, device=q.device) for _ in blocks]
+        own = compute(blocks[setup.rank], setup.rank)
+        _add_parts(dkv, own)
+        send = []
         for src, block in enumerate(blocks):
-            compute(block, parts[src], src)
-        return dq, ring_reduce_scatter(parts, setup.global_ranks, setup.rank)
-    # The accumulator of a block follows it one step behind: at step s this rank adds its share
-    # for block rank - s into a fresh buffer while the previous rank's accumulator of the same
-    # block arrives, adds the two, and sends the sum on during the next step's compute. After the
-    # last step the accumulator of the block of rank + 1 goes home.
+            if src != setup.rank:
+                send += _part_tensors(compute(block, src), setup.global_ranks[src])
+        arriving, recv = [], []
+        for sender in range(setup.world_size):
+            if sender != setup.rank:
+                expected = _expected_parts(setup, sender, kv, own[0][1].dtype)
+                arriving += expected
+                recv += _part_tensors(expected, setup.global_ranks[sender])
+        wait_all(exchange(send, recv))
+        _add_parts(dkv, arriving)
+        return dq, dkv
+    # Ring: at step s this rank computes its parts for the block of rank - s and sends them
+    # there while the next step computes; meanwhile the parts for its own block computed by
+    # rank + s arrive and are added.
     block = kv
-    dpending: list[dist.Work] = []
-    dincoming: torch.Tensor | None = None
+    returning: list[dist.Work] = []
+    arriving: list[Part] = []
+    in_flight: list[Part] = []  # the parts being sent: alive until their send is waited on
+    wire = q.dtype
     for step in range(setup.world_size):
         src = (setup.rank - step) % setup.world_size
         pending, incoming = [], None
         if step < setup.world_size - 1:
             incoming = torch.empty_like(block)
             pending = exchange([(block, setup.next_rank)], [(incoming, setup.prev_rank)])
-        dblock = torch.zeros(kv.shape, dtype=acc, device=q.device)
-        compute(block, dblock, src)
-        wait_all(dpending)
-        if dincoming is not None:
-            dblock += dincoming
-        if setup.world_size > 1:
-            dsent, dincoming = dblock, torch.empty_like(dblock)  # both live until the wait
-            dpending = exchange([(dsent, setup.next_rank)], [(dincoming, setup.prev_rank)])
+        parts = compute(block, src)
+        wait_all(returning)  # the previous step's parts have left; its arrivals are here
+        in_flight.clear()
+        _add_parts(dkv, arriving)
+        if step == 0:
+            _add_parts(dkv, parts)
+            wire = parts[0][1].dtype
+            arriving = []
+        else:
+            sender = (setup.rank + step) % setup.world_size
+            arriving = _expected_parts(setup, sender, kv, wire)
+            recv = _part_tensors(arriving, setup.global_ranks[sender])
+            returning = exchange(_part_tensors(parts, setup.global_ranks[src]), recv)
+            in_flight.extend(parts)
         wait_all(pending)
         if incoming is not None:
             block = incoming
-    if dincoming is None:  # one rank: its own accumulator
-        return dq, dblock
-    wait_all(dpending)
-    return dq, dincoming
+    wait_all(returning)
+    _add_parts(dkv, arriving)
+    return dq, dkv
 
 
 class RingAttentionFunction(torch.autograd.Function):
