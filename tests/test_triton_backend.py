@@ -16,6 +16,7 @@ import itertools
 import math
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -260,6 +261,30 @@ def test_fused_engine_across_head_groups(
     assert len(fused.head_groups(shape.H, 2, shape.N, shape.N)) == 4
     for dtype in dtypes:
         _compare(shape, dtype, device, is_causal)
+
+
+@pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
+def test_fused_engine_never_sums_unwritten_scratch(
+    device: str, dtypes: list[torch.dtype], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rate-1 branch runs last and merges from float32 scratch that the other branches wrote
+    only in part, straight into the output (Note [Fused branch engine]): with every new buffer
+    NaN-filled, no NaN may reach the output or the gradients."""
+    _skip_without_triton(device)
+    real_empty = torch.empty
+
+    def nan_empty(*size: Any, **kwargs: Any) -> Tensor:
+        x = real_empty(*size, **kwargs)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    shape = Shape(
+        "nan_scratch", N=300, H=4, H_kv=2, D=32, segments=(60, 150, 300), rates=(4, 1, 3),
+        padding=True,
+    )  # fmt: skip
+    for dtype in dtypes:
+        for is_causal in (False, True):
+            _compare(shape, dtype, device, is_causal)
 
 
 @pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)

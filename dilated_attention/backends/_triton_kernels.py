@@ -284,14 +284,16 @@ def _key_ranges(pid_m, rows_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOC
 # -- forward ---------------------------------------------------------------------------------------
 @triton.jit
 def _forward_kernel(
-    Q, K, V, Out, Lse, Mask,
+    Q, K, V, Out, Prev, Lse, Mask,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_on, stride_oh,
+    stride_pb, stride_pn, stride_ph,
     stride_lb, stride_lh, stride_ln,
     stride_mb, stride_mh, stride_mn,
-    out_row0, start, seg_q, seg_k, end_q, end_k, rate, head0, num_heads, kv_group, qk_scale,
+    out_row0, prev_row0, start, seg_q, seg_k, end_q, end_k, rate, head0, num_heads, kv_group,
+    qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MERGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
@@ -347,8 +349,13 @@ def _forward_kernel(
         rate, stride_ln, WIDE
     )
     if MERGE:
+        # Rows no earlier branch wrote have lse = -inf and whatever the scratch held: their
+        # weight is 0 and their values never enter the sum (Note [Fused branch engine]).
         old_lse = tl.load(lse_ptrs, mask=row_ok, other=float("-inf"))
-        old_o = _load_rows(out_ptr, offs_m, out_step, row_ok, offs_d, HEAD_DIM).to(tl.float32)
+        prev_ptr = _row0(Prev, b, stride_pb, h, stride_ph, base_q - prev_row0, stride_pn)
+        old_o = _load_rows(
+            prev_ptr, offs_m, _step(rate, stride_pn, WIDE), row_ok, offs_d, HEAD_DIM
+        ).to(tl.float32)
         top = tl.maximum(old_lse, lse)
         top_safe = tl.where(top == float("-inf"), 0.0, top)
         w_old = tl.exp(old_lse - top_safe)
@@ -358,7 +365,8 @@ def _forward_kernel(
             total > 0.0, top_safe + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf")
         )
         inv = 1.0 / tl.where(total > 0.0, total, 1.0)
-        o = old_o * (w_old * inv)[:, None] + o * (w_new * inv)[:, None]
+        old_part = tl.where((w_old > 0.0)[:, None], old_o * (w_old * inv)[:, None], 0.0)
+        o = old_part + o * (w_new * inv)[:, None]
         lse = merged_lse
     _store_rows(out_ptr, offs_m, out_step, o, row_ok, offs_d, HEAD_DIM, False)
     tl.store(lse_ptrs, lse, mask=row_ok)
@@ -580,6 +588,8 @@ def forward_branch(
     merge: bool,
     config: TileConfig,
     head0: int = 0,
+    merge_from: torch.Tensor | None = None,
+    merge_row0: int = 0,
 ) -> None:
     """One branch's forward, written (or with ``merge``, merged) into ``out`` and ``lse``.
 
@@ -589,19 +599,22 @@ def forward_branch(
         lse: (B, H, Nq) float32, natural log.
         key_mask: (B, Hm, Nk) bool, ``True`` = ignore, or None.
         head0: the layer head that ``q``'s head 0 is (a call on a slice of the heads).
+        merge_from: with ``merge``, where the running output is read (B, rows, H, D), row
+            ``p - merge_row0``; default ``out`` itself. The merged rows go to ``out``.
     """
     batch, _, heads, dim = q.shape
     mask, smb, smh, smn = _mask_args(key_mask, q)
+    prev, prev_row0 = (out, out_row0) if merge_from is None else (merge_from, merge_row0)
     grid = (triton.cdiv(branch.max_rows_q, config.block_m), branch.num_segments * heads, batch)
     _forward_kernel[grid](
-        q, k, v, out, lse, mask,
-        *_bnh(q), *_bnh(k), *_bnh(v), *_bnh(out), lse.stride(0), lse.stride(1), lse.stride(2),
-        smb, smh, smn,
-        out_row0, branch.start, branch.seg_q, branch.seg_k, branch.end_q, branch.end_k,
+        q, k, v, out, prev, lse, mask,
+        *_bnh(q), *_bnh(k), *_bnh(v), *_bnh(out), *_bnh(prev),
+        lse.stride(0), lse.stride(1), lse.stride(2), smb, smh, smn,
+        out_row0, prev_row0, branch.start, branch.seg_q, branch.seg_k, branch.end_q, branch.end_k,
         branch.rate, head0, heads, heads // k.shape[2], scale * LOG2E,
         HEAD_DIM=dim, BLOCK_D=_block_d(dim), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         CAUSAL=is_causal, HAS_MASK=key_mask is not None, MERGE=merge,
-        DOT_PRECISION=_DOT_PRECISION[q.dtype], WIDE=_wide(branch, q, k, v, out),
+        DOT_PRECISION=_DOT_PRECISION[q.dtype], WIDE=_wide(branch, q, k, v, out, prev),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
 

@@ -131,13 +131,15 @@ class TritonBackend(Backend):
         is_causal: bool,
         merge: bool,
         head0: int = 0,
+        merge_from: torch.Tensor | None = None,
+        merge_row0: int = 0,
     ) -> None:
         """See ``FusedBackend.forward_branch`` in ``core/fused.py``."""
         kernels = _kernels()
         kernels.forward_branch(
             q, k, v, out, lse, key_mask, _branch(span), out_row0=out_row0, scale=scale,
             is_causal=is_causal, merge=merge, config=_tile_configs(q.shape[-1])["forward"],
-            head0=head0,
+            head0=head0, merge_from=merge_from, merge_row0=merge_row0,
         )  # fmt: skip
 
     def row_delta(

@@ -8,8 +8,12 @@ Note [Fused branch engine]
     would cost 2x the output (and 2x dq, dk, dv) on top of the tensors that cannot be avoided;
     instead the sequence is cut into position groups that no segment of any branch crosses
     (multiples of the least common multiple of the segment lengths), and each group is finished
-    before the next starts: float32 scratch for one group, every branch launched over it, then one
-    cast into the output. When the segments are as long as the sequence, one group is the whole
+    before the next starts: float32 scratch for one group, every branch launched over it. A
+    rate-1 branch covers every row, so it runs last and its merge writes the finished rows
+    straight into the output (in the output's dtype: no cast pass); the scratch rows it reads
+    that no earlier branch wrote have ``lse = -inf``, weight zero, and are never summed, so the
+    scratch needs no zeroing. Without a rate-1 branch the scratch starts at zero and is cast into
+    the output at the end. When the segments are as long as the sequence, one group is the whole
     sequence; then the heads are split too (``head_groups``: whole key/value head groups, each
     launch told which layer head it starts at, so offsets stay ``h mod r``) until the scratch of
     one (position group, head group) is at most 1/SCRATCH_FRACTION of q's elements. The scratch
@@ -68,6 +72,8 @@ class FusedBackend(Protocol):
         is_causal: bool,
         merge: bool,
         head0: int = 0,
+        merge_from: torch.Tensor | None = None,
+        merge_row0: int = 0,
     ) -> None: ...
 
     def row_delta(
@@ -138,8 +144,9 @@ def head_groups(
 
 
 def _ordered(branches: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
-    """Branches with a rate-1 branch first: it covers every row, so it can write without merging."""
-    return tuple(sorted(branches, key=lambda wr: wr[1] != 1))
+    """Branches with a rate-1 branch last: it covers every row, so its merge can write the
+    finished rows straight into the output (Note [Fused branch engine])."""
+    return tuple(sorted(branches, key=lambda wr: wr[1] == 1))
 
 
 def fused_forward(
@@ -170,7 +177,7 @@ def fused_forward(
     branches = _ordered(branches)
     key_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(1)
     lse = torch.full((batch, heads, seq_len), float("-inf"), dtype=torch.float32, device=q.device)
-    covers_all = branches[0][1] == 1
+    covers_all = branches[-1][1] == 1
     out = (torch.empty if covers_all else torch.zeros)(
         q.shape, dtype=out_dtype or q.dtype, device=q.device
     )
@@ -193,12 +200,19 @@ def fused_forward(
             )
             for i, (w, r) in enumerate(branches):
                 span = BranchSpan(start, end, min(w, seq_len), r)
-                merge = i > 0 or not covers_all
-                backend.forward_branch(
-                    q[:, :, h0:h1], k[:, :, kv], v[:, :, kv], acc, lse[:, h0:h1], key_mask,
-                    span, out_row0=start, merge=merge, head0=h0, **options,
-                )  # fmt: skip
-            out[:, start:end, h0:h1].copy_(acc)
+                qkv = (q[:, :, h0:h1], k[:, :, kv], v[:, :, kv])
+                if covers_all and i == len(branches) - 1:  # finished rows go to the output
+                    backend.forward_branch(
+                        *qkv, out[:, :, h0:h1], lse[:, h0:h1], key_mask, span, out_row0=0,
+                        merge=True, head0=h0, merge_from=acc, merge_row0=start, **options,
+                    )  # fmt: skip
+                else:
+                    backend.forward_branch(
+                        *qkv, acc, lse[:, h0:h1], key_mask, span, out_row0=start,
+                        merge=i > 0 or not covers_all, head0=h0, **options,
+                    )  # fmt: skip
+            if not covers_all:
+                out[:, start:end, h0:h1].copy_(acc)
             del acc
     return out, lse
 
