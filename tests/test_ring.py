@@ -13,6 +13,7 @@ own message (``_close`` names the case and the quantity).
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -374,16 +375,20 @@ def _check_work(rank: int, world_size: int) -> None:
     n = LOCAL_LEN
     c = n // 2
     where = f"[rank {rank}/{world_size}]"
-    for layout, is_causal in (("contiguous", True), ("zigzag", True), ("contiguous", False)):
+    cases = [("contiguous", True), ("zigzag", True), ("contiguous", False)]
+    for (layout, is_causal), comm in itertools.product(cases, ("ring", "allgather")):
         q, k, v, dout = _local_qkv(world_size, 2, torch.float64, layout)
         q.requires_grad_()
         with _spy_kernel("math") as calls:
-            out = ring_attention(q, k, v, is_causal=is_causal, layout=layout, backend="math")
+            out = ring_attention(
+                q, k, v, is_causal=is_causal, layout=layout, backend="math", comm=comm
+            )
             out.backward(dout)
         fwd, bwd = calls["forward"], calls["backward"]
-        tag = f"{where} {layout} causal={is_causal}"
+        tag = f"{where} {layout} causal={is_causal} comm={comm}"
         assert all(qr > 0 and kr > 0 for qr, kr, _ in fwd), f"{tag} empty kernel call {fwd}"
-        assert sorted(bwd) == sorted(fwd), f"{tag} backward calls {bwd} != forward calls {fwd}"
+        # Same calls in the same order: each backward call consumes its forward call's aux.
+        assert bwd == fwd, f"{tag} backward calls {bwd} != forward calls {fwd} (in order)"
         work = _work(fwd)
         everyone: list[Any] = [None] * world_size
         dist.all_gather_object(everyone, work)

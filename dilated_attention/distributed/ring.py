@@ -281,20 +281,23 @@ def ring_backward(
     # Note [Gradients go home]: remote dK/dV parts travel in the dtype the kernel produced them
     # in (nothing is rounded) straight to the block's owner, which sums them in float32: half
     # the bytes of passing float32 accumulators around the ring, and no last hop. Each rank's
-    # own block is computed first and always has its diagonal call, so the gradient dtype is
-    # known before any part arrives. A block this rank made no call against sends nothing.
+    # own block always has its diagonal call and is computed before any part is received, so
+    # the gradient dtype is known in time. A block this rank made no call against sends
+    # nothing. Calls run in the forward's order: each consumes its own forward ``aux``.
     if setup.comm == "allgather":
         blocks = ring_all_gather(kv, setup.global_ranks, setup.rank)
-        own = compute(blocks[setup.rank], setup.rank)
-        _add_parts(dkv, own)
-        send = []
-        for src, block in enumerate(blocks):
-            if src != setup.rank:
-                send += _part_tensors(compute(block, src), setup.global_ranks[src])
+        send, wire = [], q.dtype
+        for src, block in enumerate(blocks):  # the forward's order: each call's aux in turn
+            parts = compute(block, src)
+            if src == setup.rank:
+                _add_parts(dkv, parts)
+                wire = parts[0][1].dtype
+            else:
+                send += _part_tensors(parts, setup.global_ranks[src])
         arriving, recv = [], []
         for sender in range(setup.world_size):
             if sender != setup.rank:
-                expected = _expected_parts(setup, sender, kv, own[0][1].dtype)
+                expected = _expected_parts(setup, sender, kv, wire)
                 arriving += expected
                 recv += _part_tensors(expected, setup.global_ranks[sender])
         wait_all(exchange(send, recv))
