@@ -230,15 +230,12 @@ def _expected_parts(
 ) -> list[Part]:
     """Empty buffers for the parts rank ``sender`` computes against this rank's block, in the
     order it sends them (its kernel calls, each dK then dV)."""
-    shape = kv.shape[1:]
-    return [
-        (task.kv, *(
-            torch.empty((shape[0], task.kv.stop - task.kv.start, *shape[2:]), dtype=dtype,
-                        device=kv.device)
-            for _ in range(2)
-        ))
-        for task in setup.tasks_of(sender, setup.rank)
-    ]  # fmt: skip
+    parts = []
+    for task in setup.tasks_of(sender, setup.rank):
+        shape = kv[0][:, task.kv].shape  # (B, rows, Hkv, D)
+        dk, dv = (torch.empty(shape, dtype=dtype, device=kv.device) for _ in range(2))
+        parts.append((task.kv, dk, dv))
+    return parts
 
 
 def ring_backward(
@@ -324,7 +321,6 @@ def ring_backward(
         if step == 0:
             _add_parts(dkv, parts)
             wire = parts[0][1].dtype
-            arriving = []
         else:
             sender = (setup.rank + step) % setup.world_size
             arriving = _expected_parts(setup, sender, kv, wire)
