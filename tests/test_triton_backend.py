@@ -40,6 +40,28 @@ if INTERPRETING:
     KERNEL_DEVICES.append(pytest.param("cpu", [torch.float32, torch.float16], id="cpu-interpret"))
 
 
+#: How the forward reads q, k, v rows (Note [Rows through tensor descriptors]): both ways are
+#: forced in turn, wherever the layout allows descriptors.
+ROW_LOADS = ["pointers", "descriptors"]
+
+
+def _force_row_loads(monkeypatch: pytest.MonkeyPatch, row_loads: str) -> list[bool]:
+    """Force ``row_loads``; returns the list that records, per forward launch, whether it read
+    through descriptors."""
+    kernels = triton_backend._kernels()
+    policy = "never" if row_loads == "pointers" else "always"
+    monkeypatch.setattr(kernels, "DESCRIPTOR_POLICY", policy)
+    used: list[bool] = []
+    real = kernels._use_descriptors
+
+    def spy(*args: Any) -> bool:
+        used.append(real(*args))
+        return used[-1]
+
+    monkeypatch.setattr(kernels, "_use_descriptors", spy)
+    return used
+
+
 def _skip_without_triton(device: str) -> None:
     reasons = get_backend("triton").not_supported_reasons(
         base.KernelInputs(
@@ -217,15 +239,24 @@ def _compare(
     assert bool((out.detach().cpu()[empty.transpose(1, 2)] == 0).all())
 
 
+@pytest.mark.parametrize("row_loads", ROW_LOADS)
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", SHAPES, ids=[s.id for s in SHAPES])
 @pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
 def test_fused_matches_oracle(
-    shape: Shape, is_causal: bool, device: str, dtypes: list[torch.dtype]
+    shape: Shape,
+    is_causal: bool,
+    row_loads: str,
+    device: str,
+    dtypes: list[torch.dtype],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _skip_without_triton(device)
+    used = _force_row_loads(monkeypatch, row_loads)
     for dtype in dtypes:
         _compare(shape, dtype, device, is_causal)
+    # Every shape has a 16-bit run and a branch whose rate divides N: both ways really ran.
+    assert any(used) == (row_loads == "descriptors")
 
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
@@ -245,14 +276,20 @@ def test_fused_engine_across_many_position_groups(
         _compare(shape, dtype, device, is_causal)
 
 
+@pytest.mark.parametrize("row_loads", ROW_LOADS)
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
 def test_fused_engine_across_head_groups(
-    is_causal: bool, device: str, dtypes: list[torch.dtype], monkeypatch: pytest.MonkeyPatch
+    is_causal: bool,
+    row_loads: str,
+    device: str,
+    dtypes: list[torch.dtype],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Scratch split by heads (what very long sequences get): launches on head slices start at
     layer head ``head0``, so offsets (head mod rate) and kv heads must still be the layer's."""
     _skip_without_triton(device)
+    _force_row_loads(monkeypatch, row_loads)
     monkeypatch.setattr(fused, "MIN_GROUP_POSITIONS", 1)
     monkeypatch.setattr(fused, "SCRATCH_FRACTION", 1000)
     shape = Shape(
@@ -263,14 +300,16 @@ def test_fused_engine_across_head_groups(
         _compare(shape, dtype, device, is_causal)
 
 
+@pytest.mark.parametrize("row_loads", ROW_LOADS)
 @pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
 def test_fused_engine_never_sums_unwritten_scratch(
-    device: str, dtypes: list[torch.dtype], monkeypatch: pytest.MonkeyPatch
+    row_loads: str, device: str, dtypes: list[torch.dtype], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The rate-1 branch runs last and merges from float32 scratch that the other branches wrote
     only in part, straight into the output (Note [Fused branch engine]): with every new buffer
     NaN-filled, no NaN may reach the output or the gradients."""
     _skip_without_triton(device)
+    _force_row_loads(monkeypatch, row_loads)
     real_empty = torch.empty
 
     def nan_empty(*size: Any, **kwargs: Any) -> Tensor:
@@ -301,7 +340,49 @@ def test_64_bit_row_offsets(
             _compare(shape, dtype, device, is_causal)
 
 
+def test_descriptor_rows_only_where_the_layout_allows() -> None:
+    """Tensor descriptors need 16-bit data, 16-byte aligned base and positive strides, and a
+    length the rate divides; anything else reads through pointers."""
+    pytest.importorskip("triton")
+    view_ok = triton_backend._kernels()._descriptor_view_ok
+    x = torch.zeros(1, 64, 4, 32, dtype=torch.float16)
+    assert view_ok(x, 1) and view_ok(x, 4)
+    assert not view_ok(x, 3)  # 64 positions are not whole rows of 3
+    assert not view_ok(x.float(), 1)  # not 16-bit
+    assert not view_ok(x.flatten()[1 : 1 + 63 * 128].view(1, 63, 4, 32), 1)  # base 2 bytes in
+    assert not view_ok(x[:, :, :1].expand(1, 64, 4, 32), 1)  # stride 0 over heads
+    assert view_ok(x[:, :, 2:], 1)  # a head slice 128 bytes in
+
+
 # -- poisoned buffers ------------------------------------------------------------------------------
+@pytest.mark.parametrize("row_loads", ROW_LOADS)
+@pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
+def test_rows_of_the_next_segment_never_leak_into_a_segment(
+    row_loads: str, device: str, dtypes: list[torch.dtype], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tile of key rows may run past a head's last row into the next segment (Note [Rows
+    through tensor descriptors]). With k and v NaN at one position, exactly the rows that attend
+    to it may turn NaN: segment 0's heads whose tiles read that position past their end stay
+    finite."""
+    _skip_without_triton(device)
+    used = _force_row_loads(monkeypatch, row_loads)
+    seq_len, heads, dim, segment, rate, poisoned = 300, 3, 32, 100, 3, 101
+    attends = torch.zeros(seq_len, heads, dtype=torch.bool)
+    for h in range(heads):
+        for positions in branch_positions(seq_len, segment, rate, h):
+            if poisoned in positions:
+                attends[positions, h] = True
+    gen = torch.Generator().manual_seed(0)
+    for dtype in dtypes:
+        q, k, v = (torch.randn(1, seq_len, n, dim, generator=gen) for n in (heads, 1, 1))
+        k[:, poisoned] = v[:, poisoned] = float("nan")
+        out = dilated_attention(
+            *(x.to(device, dtype) for x in (q, k, v)), [segment], [rate], backend="triton"
+        )
+        assert torch.equal(out[0].isnan().any(-1).cpu(), attends), dtype
+    assert any(used) == (row_loads == "descriptors")
+
+
 def _covered(seq_len: int, heads: int, segment: int, rate: int) -> Tensor:
     """(N, H) bool: which (position, head) rows the branch covers (from the oracle's geometry)."""
     covered = torch.zeros(seq_len, heads, dtype=torch.bool)

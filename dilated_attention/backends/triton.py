@@ -50,6 +50,11 @@ def _tile_configs(head_dim: int) -> dict[str, Any]:
     128x64 11.4 ms, within noise of the best; dK/dV 64x64 with 4 warps 49.4 ms and dQ 128x64 with
     8 warps 49.5 ms, forward+backward, against 52-74 ms for 8-warp dK/dV tiles). Larger head dims:
     chosen offline for few register spills (ptxas -v for sm90), not swept on the GPU.
+
+    ``forward_descriptors``: the forward when it reads rows through tensor descriptors (Note
+    [Rows through tensor descriptors]); 128x128 with 3 stages at D = 128 on an H100
+    (``benchmarks/results/tma_forward_h100.md``: 0.92x cuDNN at N = 64K against 0.85x for
+    128x64; 2 stages 0.74x).
     """
     config = _kernels().TileConfig
     if head_dim <= 64:
@@ -61,6 +66,7 @@ def _tile_configs(head_dim: int) -> dict[str, Any]:
     if head_dim <= 128:
         return {
             "forward": config(128, 64, 8, 3),
+            "forward_descriptors": config(128, 128, 8, 3),
             "dkdv": config(64, 64, 4, 2),
             "dq": config(128, 64, 8, 3),
         }
@@ -135,11 +141,12 @@ class TritonBackend(Backend):
         merge_row0: int = 0,
     ) -> None:
         """See ``FusedBackend.forward_branch`` in ``core/fused.py``."""
-        kernels = _kernels()
-        kernels.forward_branch(
+        configs = _tile_configs(q.shape[-1])
+        _kernels().forward_branch(
             q, k, v, out, lse, key_mask, _branch(span), out_row0=out_row0, scale=scale,
-            is_causal=is_causal, merge=merge, config=_tile_configs(q.shape[-1])["forward"],
-            head0=head0, merge_from=merge_from, merge_row0=merge_row0,
+            is_causal=is_causal, merge=merge, config=configs["forward"],
+            descriptor_config=configs.get("forward_descriptors"), head0=head0,
+            merge_from=merge_from, merge_row0=merge_row0,
         )  # fmt: skip
 
     def row_delta(
@@ -194,11 +201,11 @@ class TritonBackend(Backend):
         batch, query_len, heads, _ = q.shape
         out = torch.empty_like(q)
         lse = torch.empty(batch, heads, query_len, dtype=torch.float32, device=q.device)
-        kernels = _kernels()
-        kernels.forward_branch(
+        configs = _tile_configs(q.shape[-1])
+        _kernels().forward_branch(
             q, k, v, out, lse, key_mask, _dense_branch(query_len, k.shape[1]), out_row0=0,
-            scale=scale, is_causal=is_causal, merge=False,
-            config=_tile_configs(q.shape[-1])["forward"],
+            scale=scale, is_causal=is_causal, merge=False, config=configs["forward"],
+            descriptor_config=configs.get("forward_descriptors"),
         )  # fmt: skip
         return KernelOutput(out, lse)
 

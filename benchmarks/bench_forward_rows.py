@@ -1,0 +1,110 @@
+"""How the Triton forward reads its rows: pointer loads vs tensor descriptors, against cuDNN.
+
+    python benchmarks/bench_forward_rows.py --out benchmarks/results/tma_forward_h100
+
+One dilated branch ``(w, r)`` over N positions, launched alone (``forward_branch``, no merge),
+B = 1, H = 16, bf16, with the rows read (a) through per-thread pointers with the pointer tiles,
+(b) through tensor descriptors with the descriptor tiles (Note [Rows through tensor descriptors]
+in ``dilated_attention/backends/_triton_kernels.py``), and (c) the dense cuDNN kernel on the same
+per-branch shape (N / w segments of w / r rows each), the ceiling. Median of CUDA-event timings;
+TFLOP/s count 4 * D * H * (N / r) * (w / r), halved when causal. Writes OUT.json and OUT.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import environment, markdown_table, time_cuda, write_record
+
+from dilated_attention.backends import triton as triton_backend
+
+HEADS = 16
+#: (head_dim, seq_len, segment, rate, causal): whole-sequence segments and LongNet-sized ones.
+CASES = [
+    (128, 65536, 65536, 1, False), (128, 65536, 65536, 1, True),
+    (128, 1 << 20, 2048, 1, False), (128, 1 << 20, 16384, 8, False),
+    (128, 1 << 20, 32768, 16, True), (64, 65536, 65536, 1, False),
+    (64, 1 << 20, 16384, 8, False),
+]  # fmt: skip
+
+
+def bench_case(dim: int, seq: int, segment: int, rate: int, causal: bool, repeats: int) -> dict:
+    kernels = triton_backend._kernels()
+    configs = triton_backend._tile_configs(dim)
+    q, k, v = (
+        torch.randn(1, seq, HEADS, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)
+    )
+    out = torch.empty_like(q)
+    lse = torch.empty(1, HEADS, seq, device="cuda")
+    branch = kernels.Branch(0, segment, segment, seq, seq, rate)
+    flops = 4.0 * dim * HEADS * (seq / rate) * (segment / rate) / (2.0 if causal else 1.0)
+    row: dict[str, object] = {
+        "head_dim": dim, "seq_len": seq, "segment": segment, "rate": rate, "causal": causal,
+    }  # fmt: skip
+
+    def launch(policy: str) -> None:
+        kernels.DESCRIPTOR_POLICY = policy
+        try:
+            kernels.forward_branch(
+                q, k, v, out, lse, None, branch, out_row0=0, scale=dim**-0.5,
+                is_causal=causal, merge=False, config=configs["forward"],
+                descriptor_config=configs.get("forward_descriptors"),
+            )  # fmt: skip
+        finally:
+            kernels.DESCRIPTOR_POLICY = "auto"
+
+    shape = (seq // segment, HEADS, segment // rate, dim)
+    qc, kc, vc = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+
+    def cudnn() -> None:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            F.scaled_dot_product_attention(qc, kc, vc, is_causal=causal)
+
+    timed = {
+        "pointers": lambda: launch("never"),
+        "descriptors": lambda: launch("always"),
+        "cudnn": cudnn,
+    }
+    for name, fn in timed.items():
+        ms = time_cuda(fn, warmup=2, repeats=repeats)["median_ms"]
+        row[f"{name}_ms"] = ms
+        row[f"{name}_tflops"] = flops / ms / 1e9
+    for name in ("pointers", "descriptors"):
+        row[f"{name}_vs_cudnn"] = row["cudnn_ms"] / row[f"{name}_ms"]  # type: ignore[operator]
+    row["descriptors_speedup"] = row["pointers_ms"] / row["descriptors_ms"]  # type: ignore[operator]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/tma_forward"))
+    args = parser.parse_args()
+    rows = []
+    for case in CASES:
+        rows.append(bench_case(*case, repeats=args.repeats))
+        print(rows[-1], flush=True)
+    env = environment()
+    write_record(args.out.with_suffix(".json"), env, rows)
+    columns = [
+        "head_dim", "seq_len", "segment", "rate", "causal", "cudnn_tflops", "pointers_tflops",
+        "descriptors_tflops", "pointers_vs_cudnn", "descriptors_vs_cudnn", "descriptors_speedup",
+    ]  # fmt: skip
+    table = markdown_table(rows, columns)
+    args.out.with_suffix(".md").write_text(
+        f"{env['device']}, torch {env['torch']}, commit {env['commit']}, {env['date']}\n\n{table}\n"
+    )
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
