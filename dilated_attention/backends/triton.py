@@ -52,14 +52,17 @@ def _tile_configs(head_dim: int) -> dict[str, Any]:
     chosen offline for few register spills (ptxas -v for sm90), not swept on the GPU.
 
     ``forward_descriptors``: the forward when it reads rows through tensor descriptors (Note
-    [Rows through tensor descriptors]); 128x128 with 3 stages at D = 128 on an H100
-    (``benchmarks/results/tma_forward_h100.md``: 0.92x cuDNN at N = 64K against 0.85x for
-    128x64; 2 stages 0.74x).
+    [Rows through tensor descriptors]), from a sweep of single-branch launches on an H100
+    (``benchmarks/results/tma_forward_h100.md``, "tile sweep"): at D = 128, 128x128 with 8 warps
+    and 3 stages is best or within noise of it on 5 of 6 branch shapes (2 stages: 0.36-0.44x
+    cuDNN with 4 warps); at D = 64, 128x64 with 4 warps is the one tile good everywhere
+    (0.84-0.95x cuDNN; 8 warps reach 0.99x non-causal but drop to 0.57x causal).
     """
     config = _kernels().TileConfig
     if head_dim <= 64:
         return {
             "forward": config(64, 64, 4, 3),
+            "forward_descriptors": config(128, 64, 4, 3),
             "dkdv": config(32, 64, 4, 3),
             "dq": config(64, 64, 4, 3),
         }
