@@ -7,7 +7,9 @@ B = 1, H = 16, bf16, with the rows read (a) through per-thread pointers with the
 (b) through tensor descriptors with the descriptor tiles (Note [Rows through tensor descriptors]
 in ``dilated_attention/backends/_triton_kernels.py``), and (c) the dense cuDNN kernel on the same
 per-branch shape (N / w segments of w / r rows each), the ceiling. Median of CUDA-event timings;
-TFLOP/s count 4 * D * H * (N / r) * (w / r), halved when causal. Writes OUT.json and OUT.md.
+TFLOP/s count 4 * D * H * (N / r) * (w / r), halved when causal. With ``--tiles``, also every
+candidate descriptor tile (the sweep behind ``forward_descriptors`` in ``_tile_configs``) as
+extra rows. Writes OUT.json and OUT.md.
 """
 
 from __future__ import annotations
@@ -29,13 +31,24 @@ HEADS = 16
 #: (head_dim, seq_len, segment, rate, causal): whole-sequence segments and LongNet-sized ones.
 CASES = [
     (128, 65536, 65536, 1, False), (128, 65536, 65536, 1, True),
-    (128, 1 << 20, 2048, 1, False), (128, 1 << 20, 16384, 8, False),
-    (128, 1 << 20, 32768, 16, True), (64, 65536, 65536, 1, False),
-    (64, 1 << 20, 16384, 8, False),
+    (128, 1 << 20, 2048, 1, False), (128, 1 << 20, 2048, 1, True),
+    (128, 1 << 20, 4096, 2, False), (128, 1 << 20, 16384, 8, False),
+    (128, 1 << 20, 16384, 8, True), (128, 1 << 20, 32768, 16, True),
+    (64, 65536, 65536, 1, False), (64, 1 << 20, 2048, 1, True),
+    (64, 1 << 20, 16384, 8, False), (64, 1 << 20, 32768, 16, True),
 ]  # fmt: skip
 
 
-def bench_case(dim: int, seq: int, segment: int, rate: int, causal: bool, repeats: int) -> dict:
+#: Descriptor tiles (block_m, block_n, num_warps, num_stages) tried by ``--tiles``.
+TILES = {
+    128: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3), (128, 128, 4, 2)],
+    64: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 4)],
+}
+
+
+def bench_case(
+    dim: int, seq: int, segment: int, rate: int, causal: bool, repeats: int, tiles: bool
+) -> list[dict]:
     kernels = triton_backend._kernels()
     configs = triton_backend._tile_configs(dim)
     q, k, v = (
@@ -49,13 +62,13 @@ def bench_case(dim: int, seq: int, segment: int, rate: int, causal: bool, repeat
         "head_dim": dim, "seq_len": seq, "segment": segment, "rate": rate, "causal": causal,
     }  # fmt: skip
 
-    def launch(policy: str) -> None:
+    def launch(policy: str, tile: object = None) -> None:
         kernels.DESCRIPTOR_POLICY = policy
         try:
             kernels.forward_branch(
                 q, k, v, out, lse, None, branch, out_row0=0, scale=dim**-0.5,
                 is_causal=causal, merge=False, config=configs["forward"],
-                descriptor_config=configs.get("forward_descriptors"),
+                descriptor_config=tile or configs.get("forward_descriptors"),
             )  # fmt: skip
         finally:
             kernels.DESCRIPTOR_POLICY = "auto"
@@ -79,7 +92,18 @@ def bench_case(dim: int, seq: int, segment: int, rate: int, causal: bool, repeat
     for name in ("pointers", "descriptors"):
         row[f"{name}_vs_cudnn"] = row["cudnn_ms"] / row[f"{name}_ms"]  # type: ignore[operator]
     row["descriptors_speedup"] = row["pointers_ms"] / row["descriptors_ms"]  # type: ignore[operator]
-    return row
+    rows = [row]
+    for tile in TILES.get(dim, []) if tiles else []:
+        config = kernels.TileConfig(*tile)
+        swept = {k: row[k] for k in ("head_dim", "seq_len", "segment", "rate", "causal")}
+        swept["tile"] = "x".join(map(str, tile))
+        try:
+            ms = time_cuda(lambda c=config: launch("always", c), warmup=2, repeats=repeats)
+            swept["descriptors_vs_cudnn"] = row["cudnn_ms"] / ms["median_ms"]  # type: ignore[operator]
+        except Exception as exc:  # a tile that cannot compile is a finding
+            swept["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+        rows.append(swept)
+    return rows
 
 
 def main() -> None:
@@ -87,23 +111,32 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--tiles", action="store_true", help="also sweep the descriptor tiles")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/tma_forward"))
     args = parser.parse_args()
     rows = []
     for case in CASES:
-        rows.append(bench_case(*case, repeats=args.repeats))
-        print(rows[-1], flush=True)
+        rows.extend(bench_case(*case, repeats=args.repeats, tiles=args.tiles))
+        print(*rows[-1:], flush=True)
     env = environment()
     write_record(args.out.with_suffix(".json"), env, rows)
     columns = [
         "head_dim", "seq_len", "segment", "rate", "causal", "cudnn_tflops", "pointers_tflops",
         "descriptors_tflops", "pointers_vs_cudnn", "descriptors_vs_cudnn", "descriptors_speedup",
     ]  # fmt: skip
-    table = markdown_table(rows, columns)
-    args.out.with_suffix(".md").write_text(
+    table = markdown_table([r for r in rows if "tile" not in r], columns)
+    text = (
         f"{env['device']}, torch {env['torch']}, commit {env['commit']}, {env['date']}\n\n{table}\n"
     )
-    print(table)
+    swept = [r for r in rows if "tile" in r]
+    if swept:
+        shape = ["head_dim", "seq_len", "segment", "rate", "causal"]
+        text += "\n## Tile sweep\n\n" + markdown_table(
+            swept, [*shape, "tile", "descriptors_vs_cudnn", "error"]
+        )
+        text += "\n"
+    args.out.with_suffix(".md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":
