@@ -52,11 +52,12 @@ def _tile_configs(head_dim: int) -> dict[str, Any]:
     chosen offline for few register spills (ptxas -v for sm90), not swept on the GPU.
 
     ``forward_descriptors``: the forward when it reads rows through tensor descriptors (Note
-    [Rows through tensor descriptors]), from a sweep of single-branch launches on an H100
-    (``benchmarks/results/tma_forward_h100.md``, "tile sweep"): at D = 128, 128x128 with 8 warps
-    and 3 stages is best or within noise of it on 5 of 6 branch shapes (2 stages: 0.36-0.44x
-    cuDNN with 4 warps); at D = 64, 128x64 with 4 warps is the one tile good everywhere
-    (0.84-0.95x cuDNN; 8 warps reach 0.99x non-causal but drop to 0.57x causal).
+    [Rows through tensor descriptors]), from the tile sweep of single-branch launches on an H100
+    (``benchmarks/results/tma_forward_h100.md``): at D = 128, 128x128 with 8 warps and 3 stages
+    is best or within 3% of the best on 7 of 8 branch shapes (r = 8 non-causal: 0.66 against
+    0.72x cuDNN for 128x64; 2 stages with 4 warps: 0.36-0.43x); at D = 64, 128x64 with 4 warps
+    is the one tile good everywhere (0.84-0.94x cuDNN; 8 warps reach 0.96x non-causal but drop
+    to 0.62x causal).
     """
     config = _kernels().TileConfig
     if head_dim <= 64:
