@@ -27,6 +27,7 @@ modules know); :func:`preset` looks one up by name.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from abc import ABC, abstractmethod
@@ -103,13 +104,7 @@ class Pattern(ABC):
         """
         nq = _block_count("num_query_blocks", num_query_blocks)
         nk = _block_count("num_key_blocks", num_key_blocks)
-        mask = self._mask(nq, nk)
-        if mask.shape != (nq, nk) or mask.dtype != torch.bool:  # a subclass bug, not user input
-            raise RuntimeError(
-                f"{type(self).__name__}._mask returned {mask.dtype} {tuple(mask.shape)}, "
-                f"expected bool {(nq, nk)}"
-            )
-        return mask
+        return _cached_mask(self, nq, nk).clone()  # a copy: callers may modify theirs
 
     def density(self, num_query_blocks: int, num_key_blocks: int) -> float:
         """Fraction of block pairs kept, in [0, 1] (before any causal mask)."""
@@ -130,6 +125,21 @@ class Pattern(ABC):
 
     def __rand__(self, other: object) -> Intersection:
         return Intersection((check_pattern(other, "the left operand of &"), self))
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_mask(pattern: Pattern, nq: int, nk: int) -> torch.Tensor:
+    """``pattern._mask(nq, nk)``, checked, and kept for the next call with the same pattern and
+    block counts: patterns are immutable, and drawing a :class:`Random` mask of 2048 x 2048
+    blocks (256K tokens at block 128) takes ~50 ms on a CPU, which every attention call would
+    otherwise pay. Errors (a :class:`Custom` mask of another size) are raised, never kept."""
+    mask = pattern._mask(nq, nk)
+    if mask.shape != (nq, nk) or mask.dtype != torch.bool:  # a subclass bug, not user input
+        raise RuntimeError(
+            f"{type(pattern).__name__}._mask returned {mask.dtype} {tuple(mask.shape)}, "
+            f"expected bool {(nq, nk)}"
+        )
+    return mask
 
 
 def _offsets(nq: int, nk: int) -> torch.Tensor:
@@ -314,7 +324,7 @@ class Custom(Pattern):
                 f"shape (ceil(query_len / block_size), ceil(key_len / block_size)) for this "
                 f"sequence length and block_size"
             )
-        return self.mask.clone()
+        return self.mask  # block_mask hands out copies
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,36 @@ def test_random_is_deterministic_in_seed_and_shape() -> None:
     assert P.Random(1.0).block_mask(5, 6).all()
 
 
+def test_masks_are_drawn_once_and_handed_out_as_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``block_mask`` keeps each (pattern, block counts) mask: the second call draws nothing,
+    and changing a returned mask changes no later one."""
+    drawn: list[tuple[int, int]] = []
+    real = P.Random._mask
+
+    def counting(self: P.Random, nq: int, nk: int) -> torch.Tensor:
+        drawn.append((nq, nk))
+        return real(self, nq, nk)
+
+    monkeypatch.setattr(P.Random, "_mask", counting)
+    P._cached_mask.cache_clear()
+    pattern = P.Random(0.3, seed=11)
+    first = pattern.block_mask(16, 24)
+    expected = first.clone()
+    first.logical_not_()
+    assert torch.equal(pattern.block_mask(16, 24), expected)
+    assert torch.equal(P.Random(0.3, seed=11).block_mask(16, 24), expected)  # equal patterns
+    assert drawn == [(16, 24)]
+    pattern.block_mask(24, 16)
+    assert drawn == [(16, 24), (24, 16)]
+
+
+def test_a_wrong_custom_size_fails_on_every_call() -> None:
+    pattern = P.Custom(torch.ones(3, 4, dtype=torch.bool))
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"\(3, 4\)"):
+            pattern.block_mask(4, 4)
+
+
 def test_random_matches_its_definition() -> None:
     """Each pair kept independently with probability density: check mean and independence."""
     mask = P.Random(0.25, seed=3).block_mask(200, 200).double()
