@@ -61,10 +61,14 @@ except ImportError:  # pragma: no cover - older Triton: pointer loads only
 LOG2E = math.log2(math.e)
 
 #: Where the forward reads rows through tensor descriptors (Note [Rows through tensor
-#: descriptors]): ``"auto"`` (Hopper or newer, 16-bit inputs, 64 <= head dim <= 128: where it
-#: was measured faster), ``"always"`` (wherever the layout allows; tests and the interpreter) or
-#: ``"never"``.
+#: descriptors]): ``"auto"`` (Hopper or newer, Triton >= 3.6, 16-bit inputs, 64 <= head dim
+#: <= 128: where it was measured faster), ``"always"`` (wherever the layout allows; tests and
+#: the interpreter) or ``"never"``.
 DESCRIPTOR_POLICY = "auto"
+#: Oldest Triton whose compile of the descriptor forward was tested (5-D boxes reshaped to 2-D);
+#: older ones keep pointer loads under ``"auto"`` rather than risk a compile failure mid-call.
+DESCRIPTOR_MIN_TRITON = (3, 6)
+_TRITON_VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
 
 
 @dataclass(frozen=True)
@@ -641,7 +645,7 @@ def _use_descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rate: in
         return False
     if DESCRIPTOR_POLICY == "auto":
         dim = q.shape[-1]
-        if not (q.is_cuda and 64 <= dim <= 128):
+        if not (q.is_cuda and 64 <= dim <= 128) or _TRITON_VERSION < DESCRIPTOR_MIN_TRITON:
             return False
         if torch.cuda.get_device_capability(q.device) < (9, 0):
             return False
