@@ -6,6 +6,7 @@ Each spawned world runs many cases, since starting processes dominates the cost 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from distributed_utils import run_world
 from oracle import oracle_dilated_attention
 
 import dilated_attention.distributed._comm as comm
+import dilated_attention.distributed.ring_dilated as ring_dilated_mod
 from dilated_attention import (
     MultiheadDilatedAttention,
     RingMultiheadDilatedAttention,
@@ -83,14 +85,23 @@ def test_ring_dilated_matches_oracle(world_size: int, tmp_path: Path) -> None:
     run_world(_check_against_oracle, world_size, tmp_path, timeout_s=120)
 
 
-def _count_bytes(monkeypatch_target: dict[str, int]):
-    original = comm.exchange
+def _count_bytes(sent: dict[str, int]) -> Callable[[], None]:
+    """Count the bytes every ``exchange`` call sends, where ring_dilated calls it (imported by
+    name) and inside ``_comm``; returns the function that undoes it."""
+    originals = {mod: mod.exchange for mod in (comm, ring_dilated_mod)}
 
     def counting(send, recv):
-        monkeypatch_target["bytes"] += sum(t.numel() * t.element_size() for t, _ in send)
-        return original(send, recv)
+        sent["bytes"] += sum(t.numel() * t.element_size() for t, _ in send)
+        return originals[comm](send, recv)
 
-    return original, counting
+    for mod in originals:
+        mod.exchange = counting
+
+    def restore() -> None:
+        for mod, original in originals.items():
+            mod.exchange = original
+
+    return restore
 
 
 def _check_bytes(rank: int, world_size: int) -> None:
@@ -98,8 +109,7 @@ def _check_bytes(rank: int, world_size: int) -> None:
     kv_block = 2 * B * n * H * D * 8  # one rank's K and V (float64, H kv heads)
     dense_ring = (world_size - 1) * kv_block  # what a dense ring forward sends per rank
     sent = {"bytes": 0}
-    original, counting = _count_bytes(sent)
-    comm.exchange = counting
+    restore = _count_bytes(sent)
     try:
         for segs, rates in [((n,), (1,)), ((n // 2, n), (1, 2))]:  # local branches only
             sent["bytes"] = 0
@@ -118,13 +128,25 @@ def _check_bytes(rank: int, world_size: int) -> None:
                 f"(1/r of the dense ring's {dense_ring})"
             )
             assert sent["bytes"] > 0
+        # Segments of two ranks' tokens: each rank sends its rows to its segment's other rank
+        # only, not around the whole group. The backward sends them again (it gathers anew
+        # instead of keeping them) and then their gradients back.
+        sent["bytes"] = 0
+        q, k, v, _ = _tensors(H)
+        local = [shard_sequence(t).requires_grad_() for t in (q, k, v)]
+        out = ring_dilated_attention(*local, (2 * n,), (1,))
+        forward_bytes = sent["bytes"]
+        assert forward_bytes == kv_block, (rank, forward_bytes, kv_block)
+        out.sum().backward()
+        assert sent["bytes"] == 3 * kv_block, (rank, sent["bytes"], kv_block)
     finally:
-        comm.exchange = original
+        restore()
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_bytes_per_branch(world_size: int, tmp_path: Path) -> None:
-    """Local branches send nothing; a spanning branch sends at most ~1/r of the K/V bytes."""
+    """Local branches send nothing; a spanning branch sends at most ~1/r of the K/V bytes, and
+    only to the ranks that share its segments."""
     run_world(_check_bytes, world_size, tmp_path)
 
 

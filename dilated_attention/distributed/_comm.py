@@ -77,23 +77,6 @@ def ring_all_gather(x: torch.Tensor, ranks: Sequence[int], me: int) -> list[torc
     return [t for t in out if t is not None]
 
 
-def ring_reduce_scatter(
-    parts: Sequence[torch.Tensor], ranks: Sequence[int], me: int
-) -> torch.Tensor:
-    """Sum over ranks of ``parts[me]``: ``parts[j]`` is this rank's contribution destined for
-    ``ranks[j]``. Each step adds the local part to the partial sum travelling towards its owner."""
-    size = len(ranks)
-    if size == 1:
-        return parts[0].clone()
-    # At step s this rank forwards the partial sum destined for (me - s - 1) mod size.
-    acc = parts[(me - 1) % size].contiguous().clone()
-    for step in range(1, size):
-        incoming = torch.empty_like(acc)
-        wait_all(exchange([(acc, ranks[(me + 1) % size])], [(incoming, ranks[(me - 1) % size])]))
-        acc = incoming + parts[(me - step - 1) % size]
-    return acc
-
-
 def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where a small collective's tensor must live for this group's backend."""
     backend = str(dist.get_backend(group))

@@ -4,13 +4,15 @@ Note [Local and spanning branches]
     A branch whose segments each lie inside one chunk of one rank (the chunk length is a multiple
     of ``w``) is computed locally by the single-process engine and sends nothing. Any other branch
     spans ranks: every rank takes its own dilated rows of K and V for that branch (1/r of them,
-    LongNet Sec. 3.1), the ranks all-gather those rows (padded to a common count, which every rank
-    computes from the geometry alone), and each rank attends its dilated query rows to the
-    gathered rows of their segments. Causal masking splits that into the keys before the query
-    run (full) and the run's own keys (causal). Only the kv heads a query head reads are sent:
-    one (kv head, offset) pair per group of query heads. The backward sums the gathered rows'
-    dK/dV across ranks with a ring reduce-scatter back to their owners. Everything merges into one
-    float32 (out, lse) per row, so the branches mix exactly as in ``dilated_attention``.
+    LongNet Sec. 3.1) and sends them, padded to a common count that every rank computes from the
+    geometry alone, to each rank holding positions of a segment it holds positions of (its
+    peers; every rank when one segment covers the sequence, one or two when segments cover a
+    few ranks each). Each rank attends its dilated query rows to the received rows of their
+    segments. Causal masking splits that into the keys before the query run (full) and the run's
+    own keys (causal). Only the kv heads a query head reads are sent: one (kv head, offset) pair
+    per group of query heads. The backward sends each peer the dK/dV of that peer's rows
+    straight back, and the owner sums them. Everything merges into one float32 (out, lse) per
+    row, so the branches mix exactly as in ``dilated_attention``.
 
 Shape legend: B batch, n local tokens, H query heads, Hkv key/value heads (G = H / Hkv), D head dim,
 W ranks, R gathered rows per rank for one branch.
@@ -32,7 +34,7 @@ from ..core.engine import dilated_backward, dilated_forward
 from ..core.fused import fused_backward, fused_forward
 from ..core.merge import merge_partial
 from ..core.segment import RowGroup, plan_branches
-from ._comm import ring_all_gather, ring_reduce_scatter
+from ._comm import exchange, wait_all
 from .ring import RingSetup, prepare_ring
 from .sharding import local_positions
 
@@ -67,6 +69,7 @@ class SpanPlan:
     slots: torch.Tensor  # (S,) the filled rows of this rank's send buffer (R rows, zero-padded)
     send_rows: torch.Tensor  # (S,) the local row behind each filled slot
     send_heads: torch.Tensor  # (S,) and its kv head
+    peers: tuple[int, ...]  # group ranks sharing a segment with this one (both ways), not itself
 
 
 def plan_span(
@@ -127,6 +130,8 @@ def plan_span(
                 calls.append((q_rows, heads, flat[before], False))
             own = in_seg & (pos >= first) & (pos <= last)
             calls.append((q_rows, heads, flat[own], True))
+    segments = [set((p // seg).tolist()) for p in positions]
+    peers = tuple(j for j in range(world) if j != me and segments[j] & segments[me])
     my_rows = [pair.local_rows[me] for pair in pairs]
     slots = [
         pair.start + torch.arange(r.numel(), device=device)
@@ -140,6 +145,7 @@ def plan_span(
         torch.cat(slots),
         torch.cat(my_rows),
         torch.cat(heads_of),
+        peers,
     )
 
 
@@ -174,12 +180,18 @@ def _runs(pos: torch.Tensor, rate: int, segment: int) -> list[torch.Tensor]:
 
 
 def _gather(kv: torch.Tensor, plan: SpanPlan, setup: RingSetup) -> torch.Tensor:
-    """(2, B, W * R, D): every rank's send buffer (its rows of every pair, zero-padded to the
-    common width R), side by side."""
+    """(2, B, W * R, D): the send buffers (rows of every pair, zero-padded to the common width
+    R) of this rank and its peers, side by side in rank order; zeros for other ranks, whose rows
+    no kernel call of this rank reads (they share no segment with it)."""
     _, batch, _, _, dim = kv.shape
     buf = kv.new_zeros(2, batch, plan.rows_per_rank, dim)
     buf[:, :, plan.slots] = kv[:, :, plan.send_rows, plan.send_heads]
-    parts = ring_all_gather(buf, setup.global_ranks, setup.rank)
+    parts = [torch.zeros_like(buf) for _ in range(setup.world_size)]
+    parts[setup.rank] = buf
+    ranks = setup.global_ranks
+    wait_all(
+        exchange([(buf, ranks[j]) for j in plan.peers], [(parts[j], ranks[j]) for j in plan.peers])
+    )
     return torch.cat(parts, dim=2)
 
 
@@ -234,8 +246,18 @@ def span_backward(
         flat = call.keys.reshape(-1)  # the same key row can serve two runs: index_add_ sums them
         dgathered[0].index_add_(1, flat, dk_c.flatten(1, 2).to(dkv.dtype))
         dgathered[1].index_add_(1, flat, dv_c.flatten(1, 2).to(dkv.dtype))
-    parts = list(dgathered.chunk(setup.world_size, dim=2))
-    mine = ring_reduce_scatter(parts, setup.global_ranks, setup.rank)
+    parts = [part.contiguous() for part in dgathered.chunk(setup.world_size, dim=2)]
+    mine = parts[setup.rank]
+    received = [torch.empty_like(mine) for _ in plan.peers]
+    ranks = setup.global_ranks
+    wait_all(
+        exchange(
+            [(parts[j], ranks[j]) for j in plan.peers],
+            [(buf, ranks[j]) for buf, j in zip(received, plan.peers, strict=True)],
+        )
+    )
+    for part in received:
+        mine += part
     dkv[:, :, plan.send_rows, plan.send_heads] += mine[:, :, plan.slots]  # no (row, head) twice
 
 
