@@ -186,8 +186,7 @@ def _gather(kv: torch.Tensor, plan: SpanPlan, setup: RingSetup) -> torch.Tensor:
     _, batch, _, _, dim = kv.shape
     buf = kv.new_zeros(2, batch, plan.rows_per_rank, dim)
     buf[:, :, plan.slots] = kv[:, :, plan.send_rows, plan.send_heads]
-    parts = [torch.zeros_like(buf) for _ in range(setup.world_size)]
-    parts[setup.rank] = buf
+    parts = [buf if j == setup.rank else torch.zeros_like(buf) for j in range(setup.world_size)]
     ranks = setup.global_ranks
     wait_all(
         exchange([(buf, ranks[j]) for j in plan.peers], [(parts[j], ranks[j]) for j in plan.peers])
@@ -246,16 +245,13 @@ def span_backward(
         flat = call.keys.reshape(-1)  # the same key row can serve two runs: index_add_ sums them
         dgathered[0].index_add_(1, flat, dk_c.flatten(1, 2).to(dkv.dtype))
         dgathered[1].index_add_(1, flat, dv_c.flatten(1, 2).to(dkv.dtype))
-    parts = [part.contiguous() for part in dgathered.chunk(setup.world_size, dim=2)]
-    mine = parts[setup.rank]
+    parts = dgathered.chunk(setup.world_size, dim=2)  # only this rank's and its peers' hold rows
+    mine = parts[setup.rank].contiguous()
     received = [torch.empty_like(mine) for _ in plan.peers]
     ranks = setup.global_ranks
-    wait_all(
-        exchange(
-            [(parts[j], ranks[j]) for j in plan.peers],
-            [(buf, ranks[j]) for buf, j in zip(received, plan.peers, strict=True)],
-        )
-    )
+    send = [(parts[j].contiguous(), ranks[j]) for j in plan.peers]  # alive until the wait
+    recv = [(buf, ranks[j]) for buf, j in zip(received, plan.peers, strict=True)]
+    wait_all(exchange(send, recv))
     for part in received:
         mine += part
     dkv[:, :, plan.send_rows, plan.send_heads] += mine[:, :, plan.slots]  # no (row, head) twice
