@@ -18,21 +18,24 @@ tested inside the worker with ``pytest.raises``, which works without the pytest 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import time
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["WorkerError", "run_world"]
+__all__ = ["WorkerError", "count_exchanges", "run_world"]
 
 #: Imported once by the forkserver, before any worker forks from it.
 _PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "dilated_attention"]
@@ -160,3 +163,26 @@ def _join(context: Any, fn: Callable[..., Any], world_size: int, timeout_s: floa
                 f"distributed world of {world_size} ranks running {fn.__name__} did not finish "
                 f"within {2 * timeout_s + 30:.0f} s"
             )
+
+
+@contextlib.contextmanager
+def count_exchanges(**modules: ModuleType) -> Iterator[dict[str, list[int]]]:
+    """Wrap ``exchange`` in each ``label=module`` (every module that imported it by name needs
+    its own wrap, and ``_comm`` for its collectives); record the bytes every call sends and
+    receives under ``"{label}_sent"`` / ``"{label}_recv"``, one entry per call."""
+    log: dict[str, list[int]] = {}
+
+    def wrap(original: Callable[..., Any], label: str) -> Callable[..., Any]:
+        sent, received = log.setdefault(f"{label}_sent", []), log.setdefault(f"{label}_recv", [])
+
+        def counting(send: Any, recv: Any) -> Any:
+            sent.append(sum(t.numel() * t.element_size() for t, _ in send))
+            received.append(sum(t.numel() * t.element_size() for t, _ in recv))
+            return original(send, recv)
+
+        return counting
+
+    with pytest.MonkeyPatch.context() as mp:
+        for label, module in modules.items():
+            mp.setattr(module, "exchange", wrap(module.exchange, label))
+        yield log

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_utils import run_world
+from distributed_utils import count_exchanges, run_world
 from oracle import oracle_attention
 
 import dilated_attention
@@ -249,26 +249,6 @@ def _check_sharding(rank: int, world_size: int) -> None:
 
 
 @contextlib.contextmanager
-def _count_bytes() -> Iterator[dict[str, list[int]]]:
-    """Wrap ``exchange`` where the ring calls it (ring.py imported it by name) and where the
-    all-gather / reduce-scatter helpers call it (_comm); record bytes sent and received per call."""
-    log: dict[str, list[int]] = {"ring_sent": [], "ring_recv": [], "comm_sent": [], "comm_recv": []}
-
-    def wrap(original: Callable[..., Any], prefix: str) -> Callable[..., Any]:
-        def counting(send: Any, recv: Any) -> Any:
-            log[f"{prefix}_sent"].append(sum(t.numel() * t.element_size() for t, _ in send))
-            log[f"{prefix}_recv"].append(sum(t.numel() * t.element_size() for t, _ in recv))
-            return original(send, recv)
-
-        return counting
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ring_mod, "exchange", wrap(ring_mod.exchange, "ring"))
-        mp.setattr(comm_mod, "exchange", wrap(comm_mod.exchange, "comm"))
-        yield log
-
-
-@contextlib.contextmanager
 def _spy_kernel(name: str) -> Iterator[dict[str, list[tuple[int, int, bool]]]]:
     """Record (query rows, key rows, causal) of every forward and backward call of a backend."""
     backend = get_backend(name)
@@ -317,7 +297,7 @@ def _check_bytes(rank: int, world_size: int) -> None:
                 q.requires_grad_()
                 k.requires_grad_()
                 v.requires_grad_()
-                with _count_bytes() as log:
+                with count_exchanges(ring=ring_mod, comm=comm_mod) as log:
                     out = ring_attention(q, k, v, is_causal=True, backend="math", comm=comm)
                     fwd = {key: list(val) for key, val in log.items()}
                     out.backward(dout)

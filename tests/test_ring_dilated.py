@@ -6,13 +6,12 @@ Each spawned world runs many cases, since starting processes dominates the cost 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_utils import run_world
+from distributed_utils import count_exchanges, run_world
 from oracle import oracle_dilated_attention
 
 import dilated_attention.distributed._comm as comm
@@ -85,62 +84,47 @@ def test_ring_dilated_matches_oracle(world_size: int, tmp_path: Path) -> None:
     run_world(_check_against_oracle, world_size, tmp_path, timeout_s=120)
 
 
-def _count_bytes(sent: dict[str, int]) -> Callable[[], None]:
-    """Count the bytes every ``exchange`` call sends, where ring_dilated calls it (imported by
-    name) and inside ``_comm``; returns the function that undoes it."""
-    originals = {mod: mod.exchange for mod in (comm, ring_dilated_mod)}
-
-    def counting(send, recv):
-        sent["bytes"] += sum(t.numel() * t.element_size() for t, _ in send)
-        return originals[comm](send, recv)
-
-    for mod in originals:
-        mod.exchange = counting
-
-    def restore() -> None:
-        for mod, original in originals.items():
-            mod.exchange = original
-
-    return restore
-
-
 def _check_bytes(rank: int, world_size: int) -> None:
     n = N // world_size
     kv_block = 2 * B * n * H * D * 8  # one rank's K and V (float64, H kv heads)
     dense_ring = (world_size - 1) * kv_block  # what a dense ring forward sends per rank
-    sent = {"bytes": 0}
-    restore = _count_bytes(sent)
-    try:
+    with count_exchanges(ring_dilated=ring_dilated_mod, comm=comm) as log:
+
+        def sent() -> int:
+            """Bytes sent since the last call."""
+            total = sum(sum(v) for k, v in log.items() if k.endswith("_sent"))
+            for values in log.values():
+                values.clear()
+            return total
+
         for segs, rates in [((n,), (1,)), ((n // 2, n), (1, 2))]:  # local branches only
-            sent["bytes"] = 0
             q, k, v, _ = _tensors(H)
             local = [shard_sequence(t) for t in (q, k, v)]
             ring_dilated_attention(*local, segs, rates, is_causal=True)
-            assert sent["bytes"] == 0, f"local branches {segs} sent {sent['bytes']} bytes"
+            local_bytes = sent()
+            assert local_bytes == 0, f"local branches {segs} sent {local_bytes} bytes"
         for rate in (1, 2, 3, 4, 6):  # one branch spanning every rank
-            sent["bytes"] = 0
             q, k, v, _ = _tensors(H)
             local = [shard_sequence(t) for t in (q, k, v)]
             ring_dilated_attention(*local, (N,), (rate,), is_causal=True)
+            spanning = sent()
             bound = dense_ring * (1 / rate + 1 / n)  # 1/r of K/V, plus padding of ragged rows
-            assert sent["bytes"] <= bound, (
-                f"spanning branch r={rate} sent {sent['bytes']} bytes > {bound:.0f} "
+            assert spanning <= bound, (
+                f"spanning branch r={rate} sent {spanning} bytes > {bound:.0f} "
                 f"(1/r of the dense ring's {dense_ring})"
             )
-            assert sent["bytes"] > 0
+            assert spanning > 0
         # Segments of two ranks' tokens: each rank sends its rows to its segment's other rank
         # only, not around the whole group. The backward sends them again (it gathers anew
         # instead of keeping them) and then their gradients back.
-        sent["bytes"] = 0
         q, k, v, _ = _tensors(H)
         local = [shard_sequence(t).requires_grad_() for t in (q, k, v)]
         out = ring_dilated_attention(*local, (2 * n,), (1,))
-        forward_bytes = sent["bytes"]
+        forward_bytes = sent()
         assert forward_bytes == kv_block, (rank, forward_bytes, kv_block)
         out.sum().backward()
-        assert sent["bytes"] == 3 * kv_block, (rank, sent["bytes"], kv_block)
-    finally:
-        restore()
+        backward_bytes = sent()
+        assert backward_bytes == 2 * kv_block, (rank, backward_bytes, kv_block)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
