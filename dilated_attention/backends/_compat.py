@@ -23,6 +23,11 @@ def _import_failure(package: str, exc: BaseException) -> str:
     return f"{package} import failed: {type(exc).__name__}: {first_line}"
 
 
+def _release(version: str) -> tuple[int, ...]:
+    """``(major, minor)`` of a package version string such as ``"3.6.0+git1234"``."""
+    return tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
+
+
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 

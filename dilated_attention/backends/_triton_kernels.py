@@ -53,6 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._compat import _release
+
 try:  # Triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - older Triton: pointer loads only
@@ -68,7 +70,7 @@ DESCRIPTOR_POLICY = "auto"
 #: Oldest Triton whose compile of the descriptor forward was tested (5-D boxes reshaped to 2-D);
 #: older ones keep pointer loads under ``"auto"`` rather than risk a compile failure mid-call.
 DESCRIPTOR_MIN_TRITON = (3, 6)
-_TRITON_VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
+_TRITON_VERSION = _release(triton.__version__)
 
 
 @dataclass(frozen=True)

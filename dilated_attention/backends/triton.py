@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..core.fused import BranchSpan
-from ._compat import _import_failure
+from ._compat import _import_failure, _last_dim_contiguous, _release
 from .base import Backend, KernelInputs, KernelOutput
 
 #: Oldest Triton release the kernels are tested with (``input_precision`` on ``tl.dot``).
@@ -105,8 +105,7 @@ class TritonBackend(Backend):
             import triton
         except Exception as exc:
             return [_import_failure("triton", exc)]
-        version = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
-        if version < MIN_TRITON:
+        if _release(triton.__version__) < MIN_TRITON:
             need = ".".join(map(str, MIN_TRITON))
             return [f"triton {triton.__version__} is older than {need}"]
         try:
@@ -201,7 +200,7 @@ class TritonBackend(Backend):
         key_mask: torch.Tensor | None,
         dropout_p: float,
     ) -> KernelOutput:
-        q, k, v = (_last_dim_dense(x) for x in (q, k, v))
+        q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
         batch, query_len, heads, _ = q.shape
         out = torch.empty_like(q)
         lse = torch.empty(batch, heads, query_len, dtype=torch.float32, device=q.device)
@@ -228,7 +227,7 @@ class TritonBackend(Backend):
         key_mask: torch.Tensor | None,
         dropout_p: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        dout, q, k, v, out = (_last_dim_dense(x) for x in (dout, q, k, v, out))
+        dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))
         lse = lse.float()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         configs = _tile_configs(q.shape[-1])
@@ -250,7 +249,3 @@ def _branch(span: BranchSpan) -> Any:
 
 def _dense_branch(query_len: int, key_len: int) -> Any:
     return _kernels().Branch(0, query_len, key_len, query_len, key_len, 1)
-
-
-def _last_dim_dense(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
