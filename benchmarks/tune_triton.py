@@ -3,9 +3,10 @@
     python benchmarks/tune_triton.py --out benchmarks/results/tune_triton_h100
 
 For each head dim, each kernel (``forward``, ``dkdv``, ``dq``) is timed with every candidate tile
-configuration while the other two keep their current setting (a forward candidate applies to both
-row loads, pointers and tensor descriptors): the forward through a no-grad
-``dilated_attention`` call, the backward kernels through forward+backward (LongNet schedule
+configuration while the other two keep their current setting (a candidate applies to every
+variant of its kernel: both row loads of the forward, the causal and strided dK/dV tiles): the
+forward through a no-grad ``dilated_attention`` call, the backward kernels through
+forward+backward (LongNet schedule
 w = 2048..32768, r = 1..16, B = 1, H = 16, bf16, non-causal). Configurations that do not compile
 (shared memory, registers) are recorded as errors. Writes OUT.json and OUT.md.
 """
@@ -82,9 +83,12 @@ def main() -> None:
         fwd, fwd_bwd = _runs(q, k, v, dout)
         for kernel in args.kernels:
             for cand in candidates(kernel):
-                trial = {**default_configs(dim), kernel: config_type(*cand)}
-                if kernel == "forward":  # whichever row loads the forward takes on this GPU
-                    trial["forward_descriptors"] = trial["forward"]
+                # The candidate also replaces the kernel's variants (``forward_descriptors``,
+                # ``dkdv_causal``, ...), so it is what runs whichever variant this call takes.
+                trial = {
+                    key: config_type(*cand) if key.split("_")[0] == kernel else tile
+                    for key, tile in default_configs(dim).items()
+                }
                 triton_backend._tile_configs = lambda _dim, trial=trial: trial
                 row: dict[str, object] = {"head_dim": dim, "kernel": kernel,
                                           "config": "x".join(map(str, cand))}  # fmt: skip

@@ -16,6 +16,7 @@ import itertools
 import math
 import sys
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -352,6 +353,30 @@ def test_descriptor_rows_only_where_the_layout_allows() -> None:
     assert not view_ok(x.flatten()[1 : 1 + 63 * 128].view(1, 63, 4, 32), 1)  # base 2 bytes in
     assert not view_ok(x[:, :, :1].expand(1, 64, 4, 32), 1)  # stride 0 over heads
     assert view_ok(x[:, :, 2:], 1)  # a head slice 128 bytes in
+
+
+def test_dkdv_tiles_follow_causality_and_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dK/dV launch takes ``dkdv_causal`` tiles when causal, ``dkdv_strided`` at rate > 1
+    and ``dkdv`` otherwise (Triton compiles a rate of 1 as a constant; ``_tile_configs``)."""
+    launched: list[Any] = []
+    fake_kernels = SimpleNamespace(
+        TileConfig=lambda *tile: tile,
+        Branch=lambda *geometry: geometry,
+        backward_branch=lambda *args, **kwargs: launched.append(kwargs["config_dkdv"]),
+    )
+    monkeypatch.setattr(triton_backend, "_kernels", lambda: fake_kernels)
+    tiles = triton_backend._tile_configs(128)
+    assert len({tiles["dkdv"], tiles["dkdv_strided"], tiles["dkdv_causal"]}) == 3
+    x = torch.zeros(1, 8, 2, 128)
+    lse = torch.zeros(1, 2, 8)
+    backend = get_backend("triton")
+    for is_causal, rate in ((False, 1), (False, 2), (True, 1), (True, 4)):
+        backend.backward_branch(
+            x, x, x, x, lse, lse, None, x, x, x, BranchSpan(0, 8, 8, rate), delta_row0=0,
+            grad_row0=0, scale=1.0, is_causal=is_causal, accumulate=True,
+        )  # fmt: skip
+    expected = ["dkdv", "dkdv_strided", "dkdv_causal", "dkdv_causal"]
+    assert launched == [tiles[name] for name in expected]
 
 
 # -- poisoned buffers ------------------------------------------------------------------------------

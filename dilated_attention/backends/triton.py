@@ -51,6 +51,14 @@ def _tile_configs(head_dim: int) -> dict[str, Any]:
     8 warps 49.5 ms, forward+backward, against 52-74 ms for 8-warp dK/dV tiles). Larger head dims:
     chosen offline for few register spills (ptxas -v for sm90), not swept on the GPU.
 
+    ``dkdv_causal`` / ``dkdv_strided``: the dK/dV kernel when causal / at rate > 1 (non-causal),
+    from single-branch launches on an H100 at N = 256K (``benchmarks/results/
+    diagnostics_session7.md`` section 2). Triton compiles a rate of 1 as a constant, and that
+    specialisation needs fewer registers: at D = 128 the 64x64 tile with 2 stages is best there
+    (17.3 ms against 24.4 for 32x64 at w = 2048), while at rate > 1 or causal it spills and
+    32x64 tiles are 13-28% faster. At D = 64 the causal kernel is 13% faster with 64x64 at
+    rate 1 and equal elsewhere.
+
     ``forward_descriptors``: the forward when it reads rows through tensor descriptors (Note
     [Rows through tensor descriptors]), from the tile sweep of single-branch launches on an H100
     (``benchmarks/results/tma_forward_h100.md``): at D = 128, 128x128 with 8 warps and 3 stages
@@ -65,6 +73,7 @@ def _tile_configs(head_dim: int) -> dict[str, Any]:
             "forward": config(64, 64, 4, 3),
             "forward_descriptors": config(128, 64, 4, 3),
             "dkdv": config(32, 64, 4, 3),
+            "dkdv_causal": config(64, 64, 4, 2),
             "dq": config(64, 64, 4, 3),
         }
     if head_dim <= 128:
@@ -72,6 +81,8 @@ def _tile_configs(head_dim: int) -> dict[str, Any]:
             "forward": config(128, 64, 8, 3),
             "forward_descriptors": config(128, 128, 8, 3),
             "dkdv": config(64, 64, 4, 2),
+            "dkdv_causal": config(32, 64, 4, 2),
+            "dkdv_strided": config(32, 64, 4, 3),
             "dq": config(128, 64, 8, 3),
         }
     return {
@@ -79,6 +90,15 @@ def _tile_configs(head_dim: int) -> dict[str, Any]:
         "dkdv": config(32, 32, 4, 2),
         "dq": config(32, 32, 4, 2),
     }
+
+
+def _dkdv_config(configs: dict[str, Any], *, is_causal: bool, rate: int) -> Any:
+    """The dK/dV tiles for a launch: ``dkdv_causal``, ``dkdv_strided`` (rate > 1) or ``dkdv``."""
+    if is_causal:
+        return configs.get("dkdv_causal", configs["dkdv"])
+    if rate > 1:
+        return configs.get("dkdv_strided", configs["dkdv"])
+    return configs["dkdv"]
 
 
 class TritonBackend(Backend):
@@ -184,8 +204,8 @@ class TritonBackend(Backend):
         _kernels().backward_branch(
             dout, q, k, v, lse, delta, key_mask, dq, dk, dv, _branch(span),
             delta_row0=delta_row0, grad_row0=grad_row0, scale=scale, is_causal=is_causal,
-            accumulate=accumulate, config_dkdv=configs["dkdv"], config_dq=configs["dq"],
-            head0=head0,
+            accumulate=accumulate, config_dq=configs["dq"], head0=head0,
+            config_dkdv=_dkdv_config(configs, is_causal=is_causal, rate=span.rate),
         )  # fmt: skip
 
     # -- dense calls ------------------------------------------------------------------------------
@@ -236,7 +256,8 @@ class TritonBackend(Backend):
         kernels.backward_branch(
             dout, q, k, v, lse, delta, key_mask, dq, dk, dv, _dense_branch(q.shape[1], k.shape[1]),
             delta_row0=0, grad_row0=0, scale=scale, is_causal=is_causal, accumulate=False,
-            config_dkdv=configs["dkdv"], config_dq=configs["dq"],
+            config_dkdv=_dkdv_config(configs, is_causal=is_causal, rate=1),
+            config_dq=configs["dq"],
         )  # fmt: skip
         return dq, dk, dv
 
