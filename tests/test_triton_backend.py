@@ -307,17 +307,18 @@ def test_fused_engine_never_sums_unwritten_scratch(
     row_loads: str, device: str, dtypes: list[torch.dtype], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The rate-1 branch runs last and merges from float32 scratch that the other branches wrote
-    only in part, straight into the output (Note [Fused branch engine]): with every new buffer
+    only in part, straight into the output; backward it runs first and writes every row of the
+    gradient scratch that the others add to (Note [Fused branch engine]): with every new buffer
     NaN-filled, no NaN may reach the output or the gradients."""
     _skip_without_triton(device)
     _force_row_loads(monkeypatch, row_loads)
-    real_empty = torch.empty
+    real_empty, real_empty_like = torch.empty, torch.empty_like
 
-    def nan_empty(*size: Any, **kwargs: Any) -> Tensor:
-        x = real_empty(*size, **kwargs)
+    def poisoned(x: Tensor) -> Tensor:
         return x.fill_(float("nan")) if x.is_floating_point() else x
 
-    monkeypatch.setattr(torch, "empty", nan_empty)
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poisoned(real_empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poisoned(real_empty_like(*a, **kw)))
     shape = Shape(
         "nan_scratch", N=300, H=4, H_kv=2, D=32, segments=(60, 150, 300), rates=(4, 1, 3),
         padding=True,

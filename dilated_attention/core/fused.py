@@ -19,6 +19,12 @@ Note [Fused branch engine]
     one (position group, head group) is at most 1/SCRATCH_FRACTION of q's elements. The scratch
     stays a small fraction of q at any length.
 
+    Backward, the order is reversed: a rate-1 branch runs first and writes (rather than adds)
+    every row of the float32 dq, dk, dv scratch, the other branches add into it, and the scratch
+    is cast into the gradients at the end. So no buffer is zero-filled when a rate-1 branch
+    exists (Note [Strided dilated rows]: each row of a launch is written by one program); without
+    one the scratch starts at zero. The gradients themselves are written whole, group by group.
+
     Special cases: a single branch writes straight into the output (each row is written once); the
     merged ``lse`` is float32 already and is written in place for the whole sequence.
 
@@ -244,10 +250,11 @@ def fused_backward(
     """
     batch, seq_len, heads, dim = q.shape
     kv_heads = k.shape[2]
-    branches = _ordered(branches)
+    branches = _ordered(branches)[::-1]  # a rate-1 branch first (Note [Fused branch engine])
+    covers_all = branches[0][1] == 1
     key_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(1)
     single = len(branches) == 1
-    alloc = torch.empty_like if single and branches[0][1] == 1 else torch.zeros_like
+    alloc = torch.empty_like if covers_all or not single else torch.zeros_like
     dq, dk, dv = (alloc(x, dtype=grad_dtype or x.dtype) for x in (q, k, v))
     options = {"scale": scale, "is_causal": is_causal}
     segs = tuple(w for w, _ in branches)
@@ -263,18 +270,19 @@ def fused_backward(
             )  # fmt: skip
             continue
         rows = end - start
+        new = torch.empty if covers_all else torch.zeros
         acc = {"dtype": torch.float32, "device": q.device}
         for h0, h1 in head_groups(heads, kv_group, rows, seq_len, min_group_positions):
             kv = slice(h0 // kv_group, h1 // kv_group)
-            dq_acc = torch.zeros(batch, rows, h1 - h0, dim, **acc)
-            dk_acc = torch.zeros(batch, rows, kv.stop - kv.start, dim, **acc)
-            dv_acc = torch.zeros(batch, rows, kv.stop - kv.start, dim, **acc)
-            for w, r in branches:
+            dq_acc = new(batch, rows, h1 - h0, dim, **acc)
+            dk_acc = new(batch, rows, kv.stop - kv.start, dim, **acc)
+            dv_acc = new(batch, rows, kv.stop - kv.start, dim, **acc)
+            for i, (w, r) in enumerate(branches):
                 span = BranchSpan(start, end, min(w, seq_len), r)
                 backend.backward_branch(
                     dout[:, :, h0:h1], q[:, :, h0:h1], k[:, :, kv], v[:, :, kv], lse[:, h0:h1],
                     delta[:, h0:h1], key_mask, dq_acc, dk_acc, dv_acc, span, delta_row0=start,
-                    grad_row0=start, accumulate=True, head0=h0, **options,
+                    grad_row0=start, accumulate=i > 0 or not covers_all, head0=h0, **options,
                 )  # fmt: skip
             dq[:, start:end, h0:h1].copy_(dq_acc)
             dk[:, start:end, kv].copy_(dk_acc)
