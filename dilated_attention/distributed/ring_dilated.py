@@ -179,13 +179,14 @@ def _runs(pos: torch.Tensor, rate: int, segment: int) -> list[torch.Tensor]:
     return [torch.arange(a, b, device=pos.device) for a, b in itertools.pairwise(bounds)]
 
 
-def _gather(kv: torch.Tensor, plan: SpanPlan, setup: RingSetup) -> torch.Tensor:
-    """(2, B, W * R, D): the send buffers (rows of every pair, zero-padded to the common width
-    R) of this rank and its peers, side by side in rank order; zeros for other ranks, whose rows
-    no kernel call of this rank reads (they share no segment with it)."""
-    _, batch, _, _, dim = kv.shape
-    buf = kv.new_zeros(2, batch, plan.rows_per_rank, dim)
-    buf[:, :, plan.slots] = kv[:, :, plan.send_rows, plan.send_heads]
+def _gather(k: torch.Tensor, v: torch.Tensor, plan: SpanPlan, setup: RingSetup) -> torch.Tensor:
+    """(2, B, W * R, D) from k, v (B, n, Hkv, D): the send buffers (rows of every pair, zero-padded
+    to the common width R) of this rank and its peers, side by side in rank order; zeros for other
+    ranks, whose rows no kernel call of this rank reads (they share no segment with it)."""
+    batch, _, _, dim = k.shape
+    buf = k.new_zeros(2, batch, plan.rows_per_rank, dim)
+    buf[0, :, plan.slots] = k[:, plan.send_rows, plan.send_heads]
+    buf[1, :, plan.slots] = v[:, plan.send_rows, plan.send_heads]
     parts = [buf if j == setup.rank else torch.zeros_like(buf) for j in range(setup.world_size)]
     ranks = setup.global_ranks
     wait_all(
@@ -196,7 +197,8 @@ def _gather(kv: torch.Tensor, plan: SpanPlan, setup: RingSetup) -> torch.Tensor:
 
 def span_forward(
     q: torch.Tensor,
-    kv: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
     plan: SpanPlan,
@@ -205,7 +207,7 @@ def span_forward(
 ) -> list[Any]:
     """Merge one spanning branch into the float32 accumulators out (B,n,H,D), lse (B,n,H);
     returns each kernel call's ``aux`` for the backward."""
-    gathered = _gather(kv, plan, setup)
+    gathered = _gather(k, v, plan, setup)
     auxes = []
     for call in plan.calls:
         keys = gathered[:, :, call.keys]  # (2, B, ck, P, D)
@@ -221,19 +223,21 @@ def span_forward(
 def span_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
-    kv: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     out: torch.Tensor,
     lse_bnh: torch.Tensor,
     dq: torch.Tensor,
-    dkv: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
     plan: SpanPlan,
     setup: RingSetup,
     backend: Backend,
     auxes: list[Any],
 ) -> None:
-    """Add one spanning branch's gradients into dq (B,n,H,D) and dkv (2,B,n,Hkv,D), float32."""
-    gathered = _gather(kv, plan, setup)
-    dgathered = torch.zeros(gathered.shape, dtype=dkv.dtype, device=dkv.device)
+    """Add one spanning branch's gradients into dq (B,n,H,D) and dk, dv (B,n,Hkv,D), float32."""
+    gathered = _gather(k, v, plan, setup)
+    dgathered = torch.zeros(gathered.shape, dtype=dk.dtype, device=dk.device)
     for call, aux in zip(plan.calls, auxes, strict=True):
         keys = gathered[:, :, call.keys]  # (2, B, ck, P, D)
         index = call.index
@@ -243,8 +247,8 @@ def span_backward(
         )  # fmt: skip
         dq[index] += dq_c
         flat = call.keys.reshape(-1)  # the same key row can serve two runs: index_add_ sums them
-        dgathered[0].index_add_(1, flat, dk_c.flatten(1, 2).to(dkv.dtype))
-        dgathered[1].index_add_(1, flat, dv_c.flatten(1, 2).to(dkv.dtype))
+        dgathered[0].index_add_(1, flat, dk_c.flatten(1, 2).to(dk.dtype))
+        dgathered[1].index_add_(1, flat, dv_c.flatten(1, 2).to(dv.dtype))
     parts = dgathered.chunk(setup.world_size, dim=2)  # only this rank's and its peers' hold rows
     mine = parts[setup.rank].contiguous()
     received = [torch.empty_like(mine) for _ in plan.peers]
@@ -254,7 +258,9 @@ def span_backward(
     wait_all(exchange(send, recv))
     for part in received:
         mine += part
-    dkv[:, :, plan.send_rows, plan.send_heads] += mine[:, :, plan.slots]  # no (row, head) twice
+    rows = (slice(None), plan.send_rows, plan.send_heads)  # no (row, head) twice
+    dk[rows] += mine[0][:, plan.slots]
+    dv[rows] += mine[1][:, plan.slots]
 
 
 @dataclass(frozen=True)
@@ -319,7 +325,6 @@ class RingDilatedFunction(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         batch, n, heads, dim = q.shape
-        kv = torch.stack([k, v]).contiguous()
         auxes: list[Any] = []
         if plan.local and backend.fuses_dilated_branches:
             out, lse_bhn = fused_forward(
@@ -336,7 +341,7 @@ class RingDilatedFunction(torch.autograd.Function):
         else:
             out = torch.zeros(batch, n, heads, dim, dtype=acc, device=q.device)
             lse = torch.full((batch, n, heads), float("-inf"), dtype=acc, device=q.device)
-        span_auxes = [span_forward(q, kv, out, lse, span, setup, backend) for span in plan.spans]
+        span_auxes = [span_forward(q, k, v, out, lse, span, setup, backend) for span in plan.spans]
         out = out.to(q.dtype)
         lse_out = lse.transpose(1, 2).contiguous()
         ctx.save_for_backward(q, k, v, out, lse_out)
@@ -369,12 +374,11 @@ class RingDilatedFunction(torch.autograd.Function):
             dk = torch.zeros(k.shape, dtype=acc, device=q.device)
             dv = torch.zeros(v.shape, dtype=acc, device=q.device)
         if plan.spans:
-            kv = torch.stack([k, v]).contiguous()
-            dkv = torch.stack([dk, dv])
             lse_bnh = lse.transpose(1, 2).contiguous()
             for span, auxes in zip(plan.spans, ctx.span_auxes, strict=True):
-                span_backward(dout, q, kv, out, lse_bnh, dq, dkv, span, setup, ctx.backend, auxes)
-            dk, dv = dkv[0], dkv[1]
+                span_backward(
+                    dout, q, k, v, out, lse_bnh, dq, dk, dv, span, setup, ctx.backend, auxes
+                )
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
