@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from distributed_utils import count_exchanges, run_world
 from oracle import oracle_dilated_attention
+from tolerances import assert_close_to_oracle
 
 import dilated_attention.distributed._comm as comm
 import dilated_attention.distributed.ring_dilated as ring_dilated_mod
@@ -82,6 +83,38 @@ def _check_against_oracle(rank: int, world_size: int) -> None:
 def test_ring_dilated_matches_oracle(world_size: int, tmp_path: Path) -> None:
     """Outputs, lse and dq/dk/dv shards equal the single-process float64 oracle on every rank."""
     run_world(_check_against_oracle, world_size, tmp_path, timeout_s=120)
+
+
+def _check_low_precision(rank: int, world_size: int) -> None:
+    for segs, rates in [((4, 12), (1, 2)), ((6, 24), (1, 3))]:  # every branch local; one spans
+        q, k, v, dout = (t.to(torch.bfloat16) for t in _tensors(2))
+        leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
+        want, _ = oracle_dilated_attention(*leaves64, segs, rates, is_causal=True)
+        want_grads = torch.autograd.grad(want, leaves64, dout.double())
+        leaves_low = [t.clone().requires_grad_() for t in (q, k, v)]
+        naive, _ = oracle_dilated_attention(
+            *leaves_low, segs, rates, is_causal=True, compute_dtype=torch.bfloat16
+        )
+        naive_grads = torch.autograd.grad(naive, leaves_low, dout)
+        local = [shard_sequence(t).requires_grad_() for t in (q, k, v)]
+        out = ring_dilated_attention(*local, segs, rates, is_causal=True)
+        grads = torch.autograd.grad(out, local, shard_sequence(dout))
+        case = f"rank {rank}/{world_size} {segs} {rates}"
+        assert out.dtype == torch.bfloat16, (case, out.dtype)
+        assert_close_to_oracle(out, shard_sequence(want), shard_sequence(naive), name=f"out {case}")
+        for name, got, exact, same in zip("qkv", grads, want_grads, naive_grads, strict=True):
+            assert got.dtype == torch.bfloat16, (case, name, got.dtype)
+            assert_close_to_oracle(
+                got, shard_sequence(exact), shard_sequence(same), name=f"d{name} {case}",
+                grad=True,
+            )  # fmt: skip
+
+
+def test_ring_dilated_low_precision(tmp_path: Path) -> None:
+    """bfloat16 shards give bfloat16 outputs and gradients within the bfloat16 tolerances of the
+    float64 oracle, both where every branch is local (the engines' own dtypes, no float32 round
+    trip) and where a branch spans ranks (float32 running values)."""
+    run_world(_check_low_precision, 2, tmp_path, timeout_s=120)
 
 
 def _check_bytes(rank: int, world_size: int) -> None:

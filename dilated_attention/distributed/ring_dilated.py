@@ -323,19 +323,22 @@ class RingDilatedFunction(torch.autograd.Function):
         setup: RingSetup,
         backend: Backend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # float32 running (out, lse) only where spanning branches merge into it afterwards; else
+        # the engines' own choice (float32 inside, the inputs' dtype out)
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        local_dtype = acc if plan.spans else None
         batch, n, heads, dim = q.shape
         auxes: list[Any] = []
         if plan.local and backend.fuses_dilated_branches:
             out, lse_bhn = fused_forward(
                 q, k, v, None, plan.local_branches, backend, is_causal=setup.is_causal,
-                scale=setup.scale, out_dtype=acc,
+                scale=setup.scale, out_dtype=local_dtype,
             )  # fmt: skip
             lse = lse_bhn.transpose(1, 2).contiguous()
         elif plan.local:
             out, lse_bhn, auxes = dilated_forward(
                 q, k, v, None, plan.local, backend, is_causal=setup.is_causal, scale=setup.scale,
-                dropout_p=0.0, out_dtype=acc,
+                dropout_p=0.0, out_dtype=local_dtype,
             )  # fmt: skip
             lse = lse_bhn.transpose(1, 2).contiguous()
         else:
@@ -358,16 +361,18 @@ class RingDilatedFunction(torch.autograd.Function):
         plan: DilatedRingPlan = ctx.plan
         setup: RingSetup = ctx.setup
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        local_dtype = acc if plan.spans else None  # as in the forward
         dout = dout.contiguous()
         if plan.local and ctx.backend.fuses_dilated_branches:
             dq, dk, dv = fused_backward(
                 dout, q, k, v, out, lse, None, plan.local_branches, ctx.backend,
-                is_causal=setup.is_causal, scale=setup.scale, grad_dtype=acc,
+                is_causal=setup.is_causal, scale=setup.scale, grad_dtype=local_dtype,
             )  # fmt: skip
         elif plan.local:
             dq, dk, dv = dilated_backward(
                 dout, q, k, v, out, lse, None, plan.local, ctx.backend, ctx.auxes,
-                is_causal=setup.is_causal, scale=setup.scale, dropout_p=0.0, grad_dtype=acc,
+                is_causal=setup.is_causal, scale=setup.scale, dropout_p=0.0,
+                grad_dtype=local_dtype,
             )  # fmt: skip
         else:
             dq = torch.zeros(q.shape, dtype=acc, device=q.device)
