@@ -169,15 +169,18 @@ def _join(context: Any, fn: Callable[..., Any], world_size: int, timeout_s: floa
 def count_exchanges(**modules: ModuleType) -> Iterator[dict[str, list[int]]]:
     """Wrap ``exchange`` in each ``label=module`` (every module that imported it by name needs
     its own wrap, and ``_comm`` for its collectives); record the bytes every call sends and
-    receives under ``"{label}_sent"`` / ``"{label}_recv"``, one entry per call."""
+    receives under ``"{label}_sent"`` / ``"{label}_recv"``, and under ``"{label}_calls"`` 1 for a
+    call with anything to send or receive (else 0), one entry per call."""
     log: dict[str, list[int]] = {}
 
     def wrap(original: Callable[..., Any], label: str) -> Callable[..., Any]:
         sent, received = log.setdefault(f"{label}_sent", []), log.setdefault(f"{label}_recv", [])
+        calls = log.setdefault(f"{label}_calls", [])
 
         def counting(send: Any, recv: Any) -> Any:
             sent.append(sum(t.numel() * t.element_size() for t, _ in send))
             received.append(sum(t.numel() * t.element_size() for t, _ in recv))
+            calls.append(int(bool(send or recv)))
             return original(send, recv)
 
         return counting

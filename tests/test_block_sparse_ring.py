@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_utils import run_world
+from distributed_utils import count_exchanges, run_world
 from oracle import masked_attention
 
 import dilated_attention.distributed._comm as comm
@@ -111,33 +111,26 @@ def test_ring_matches_oracle(world_size: int, tmp_path: Path) -> None:
 
 
 def _check_bytes(rank: int, world_size: int) -> None:
-    sent = {"bytes": 0, "calls": 0}
-    original = comm.exchange
-
-    def counting(send, recv):
-        sent["bytes"] += sum(t.numel() * t.element_size() for t, _ in send)
-        sent["calls"] += bool(send or recv)
-        return original(send, recv)
-
-    comm.exchange = counting
-    try:
+    with count_exchanges(comm=comm) as log:
         n, bs = 8, 4
         q, k, v, dout = _tensors(n * world_size, H, seed=1)
         local = [shard_sequence(t).requires_grad_() for t in (q, k, v)]
         token = 2 * B * H * D * 8  # one token's K and V, float64
 
         def run(pattern: P.Pattern, causal: bool) -> tuple[int, int]:
-            sent["bytes"] = sent["calls"] = 0
+            for values in log.values():
+                values.clear()
             out = block_sparse_ring_attention(*local, pattern, block_size=bs, is_causal=causal)
-            forward = sent["bytes"]
+            forward = sum(log["comm_sent"])
             out.backward(shard_sequence(dout))
-            return forward, sent["bytes"] - forward
+            return forward, sum(log["comm_sent"]) - forward
 
         for causal in (False, True):  # no block pair crosses a shard: nothing moves at all
             forward, backward = run(P.LocalWindow(0), causal)
-            assert forward == backward == 0 and sent["calls"] == 0, (
+            calls = sum(log["comm_calls"])
+            assert forward == backward == 0 and calls == 0, (
                 f"rank {rank}: LocalWindow(0) causal={causal} sent {forward}+{backward} bytes in "
-                f"{sent['calls']} exchanges"
+                f"{calls} exchanges"
             )
         # Neighbouring blocks only: one block to each neighbour (to the next rank when causal),
         # never a whole shard; the backward sends the same keys again plus their gradients.
@@ -157,8 +150,6 @@ def _check_bytes(rank: int, world_size: int) -> None:
         # Causal and dense: a rank never sends to an earlier rank.
         forward, _ = run(P.LocalWindow(10**6), True)
         assert forward == (world_size - 1 - rank) * n * token, (rank, forward)
-    finally:
-        comm.exchange = original
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
