@@ -12,6 +12,7 @@ kernel tests through Triton's interpreter (float32 and float16; slow).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import sys
@@ -22,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 from oracle import branch_positions, oracle_dilated_attention
-from tolerances import LOW_PRECISION, assert_close_to_oracle
+from tolerances import LOW_PRECISION, TOLERANCES, assert_close_to_oracle
 from torch import Tensor
 
 from dilated_attention import dilated_attention
@@ -30,6 +31,7 @@ from dilated_attention.backends import base, get_backend
 from dilated_attention.backends import triton as triton_backend
 from dilated_attention.backends.registry import choose
 from dilated_attention.core import fused
+from dilated_attention.core.cells import Cells, add_cells, merge_cells
 from dilated_attention.core.fused import BranchSpan, position_groups
 
 INTERPRETING = triton_backend.interpreting()
@@ -326,6 +328,93 @@ def test_fused_engine_never_sums_unwritten_scratch(
     for dtype in dtypes:
         for is_causal in (False, True):
             _compare(shape, dtype, device, is_causal)
+
+
+def _random_cells(seq_len: int, heads: int, gen: torch.Generator) -> Cells:
+    rows, cell_heads = torch.nonzero(torch.rand(seq_len, heads, generator=gen) < 0.3).T
+    return Cells.of([rows], [cell_heads], heads)[0]
+
+
+@pytest.mark.parametrize(
+    "branches",
+    [((60, 1), (150, 3)), ((150, 3), (300, 4)), ((60, 1),), ((150, 3),)],
+    ids=["rate1_last", "no_rate1", "single_rate1", "single_strided"],
+)
+@pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
+def test_fused_engine_merges_extra_results_before_rounding(
+    branches: tuple[tuple[int, int], ...],
+    device: str,
+    dtypes: list[torch.dtype],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``extra`` (ring dilated attention's spanning branches, Note [Compact cell results]):
+    compact float32 results for some (row, head) cells join the running values of each
+    (position group, head group) before the one rounding. Forward equals the float64 oracle
+    merged with those results; backward adds the given compact gradients. New buffers are
+    NaN-filled, so unwritten scratch rows must get weight zero unread."""
+    _skip_without_triton(device)
+    monkeypatch.setattr(fused, "MIN_GROUP_POSITIONS", 1)
+    monkeypatch.setattr(fused, "SCRATCH_FRACTION", 1000)
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poisoned(x: Tensor) -> Tensor:
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poisoned(real_empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poisoned(real_empty_like(*a, **kw)))
+    batch, seq_len, heads, kv_heads, dim = 2, 600, 4, 2, 32
+    segs, rates = zip(*branches, strict=True)
+    assert len(position_groups(seq_len, segs, 1)) > 1  # several position groups
+    gen = torch.Generator().manual_seed(0)
+    q_cells, kv_cells = _random_cells(seq_len, heads, gen), _random_cells(seq_len, kv_heads, gen)
+    m, m_kv = q_cells.rows.numel(), kv_cells.rows.numel()
+    cell_out = torch.randn(batch, m, dim, generator=gen, dtype=torch.float64)
+    cell_lse = torch.randn(batch, m, generator=gen, dtype=torch.float64) + 3
+    cell_dq = torch.randn(batch, m, dim, generator=gen)
+    cell_dkv = torch.randn(2, batch, m_kv, dim, generator=gen)
+    shapes = [(batch, seq_len, h, dim) for h in (heads, kv_heads, kv_heads, heads)]
+    q0, k0, v0, dout0 = (torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes)
+    backend = get_backend("triton")
+    on_device = functools.partial(Tensor.to, device=device)
+    merge = functools.partial(
+        merge_cells, q_cells.to(device), on_device(cell_out.float()), on_device(cell_lse.float())
+    )
+    q_dev, kv_dev = q_cells.to(device), kv_cells.to(device)
+
+    def add(dq: Tensor, dk: Tensor, dv: Tensor, start: int, end: int, h0: int, h1: int) -> None:
+        add_cells(q_dev, on_device(cell_dq), dq, start, end, h0, h1)
+        for grad, cell_grad in zip((dk, dv), cell_dkv, strict=True):
+            add_cells(kv_dev, on_device(cell_grad), grad, start, end, h0 // 2, h1 // 2)
+
+    for dtype, is_causal in itertools.product(dtypes, (False, True)):
+        q, k, v, dout = (x.to(device, dtype) for x in (q0, k0, v0, dout0))
+        options = {"is_causal": is_causal, "scale": dim**-0.5}
+        out, lse = fused.fused_forward(q, k, v, None, branches, backend, extra=merge, **options)
+        exact = [x.to(dtype).double() for x in (q0, k0, v0)]
+        want, want_lse = oracle_dilated_attention(*exact, segs, rates, is_causal=is_causal)
+        rows, cell_heads = q_cells.rows, q_cells.heads
+        old_lse = want_lse[:, cell_heads, rows]
+        new_lse = torch.logaddexp(old_lse, cell_lse)
+        want[:, rows, cell_heads] = want[:, rows, cell_heads] * (old_lse - new_lse).exp().unsqueeze(
+            -1
+        ) + cell_out * (cell_lse - new_lse).exp().unsqueeze(-1)
+        want_lse[:, cell_heads, rows] = new_lse
+        tol = TOLERANCES[dtype]
+        torch.testing.assert_close(out.cpu().double(), want, atol=tol.atol, rtol=tol.rtol)
+        torch.testing.assert_close(lse.cpu().double(), want_lse, atol=tol.atol, rtol=tol.rtol)
+        plain = fused.fused_backward(dout, q, k, v, out, lse, None, branches, backend, **options)
+        grads = fused.fused_backward(
+            dout, q, k, v, out, lse, None, branches, backend, extra=add, **options
+        )
+        added = [cell_dq, *cell_dkv]
+        for got, base_grad, cells, extra_grad in zip(
+            grads, plain, (q_cells, kv_cells, kv_cells), added, strict=True
+        ):
+            want_grad = base_grad.cpu().double()
+            want_grad[:, cells.rows, cells.heads] += extra_grad.double()
+            torch.testing.assert_close(
+                got.cpu().double(), want_grad, atol=tol.grad_atol, rtol=tol.grad_rtol
+            )
 
 
 @pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)

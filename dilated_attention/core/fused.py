@@ -28,6 +28,13 @@ Note [Fused branch engine]
     Special cases: a single branch writes straight into the output (each row is written once); the
     merged ``lse`` is float32 already and is written in place for the whole sequence.
 
+    A caller with more results for some rows (ring dilated attention's branches that span ranks)
+    passes ``extra``: it is called once per (position group, head group) with the float32 scratch,
+    after every branch but a final rate-1 one (forward) or after every branch (backward), so
+    those results join the running values before the single rounding into the output's dtype.
+    Forward, the scratch rows no branch has reached yet hold whatever memory held, with
+    ``lse = -inf``; the callback must give them weight zero without reading them.
+
 Shape legend: B batch, N seq_len, H query heads, Hkv key/value heads, D head dim, Nc positions in a
 group.
 """
@@ -35,6 +42,7 @@ group.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -109,6 +117,15 @@ class FusedBackend(Protocol):
     ) -> None: ...
 
 
+#: ``extra`` of :func:`fused_forward`: ``(scratch, lse, start, end, h0, h1)``, scratch
+#: (B, end - start, h1 - h0, D) float32 for positions [start, end) and heads [h0, h1), lse the
+#: whole (B, H, N) merged lse; merges more results into both in place.
+ForwardExtra = Callable[[torch.Tensor, torch.Tensor, int, int, int, int], None]
+#: ``extra`` of :func:`fused_backward`: ``(dq, dk, dv, start, end, h0, h1)``, float32 scratch
+#: (B, end - start, h1 - h0, D) and (B, end - start, (h1 - h0) / G, D); adds more gradients in.
+BackwardExtra = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int, int], None]
+
+
 def position_groups(
     seq_len: int, segment_lengths: tuple[int, ...], min_positions: int | None = None
 ) -> list[tuple[int, int]]:
@@ -167,6 +184,7 @@ def fused_forward(
     scale: float,
     min_group_positions: int | None = None,
     out_dtype: torch.dtype | None = None,
+    extra: ForwardExtra | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every branch merged (LongNet Eq. 10), group by group (Note [Fused branch engine]).
 
@@ -175,6 +193,7 @@ def fused_forward(
         key_padding_mask: (B, N) bool, ``True`` = ignore, or None.
         branches: ``(segment_len, rate)`` pairs.
         out_dtype: dtype of ``out`` (default q's; float32 where more results merge in later).
+        extra: merges more results into the float32 running values (Note [Fused branch engine]).
 
     Returns:
         ``out`` (B, N, H, D) and ``lse`` (B, H, N) float32 (``-inf`` where no key).
@@ -191,7 +210,7 @@ def fused_forward(
     segs = tuple(w for w, _ in branches)
     kv_group = heads // k.shape[2]
     for start, end in position_groups(seq_len, segs, min_group_positions):
-        if len(branches) == 1:
+        if len(branches) == 1 and extra is None:
             w, r = branches[0]
             span = BranchSpan(start, end, min(w, seq_len), r)
             backend.forward_branch(
@@ -208,6 +227,8 @@ def fused_forward(
                 span = BranchSpan(start, end, min(w, seq_len), r)
                 qkv = (q[:, :, h0:h1], k[:, :, kv], v[:, :, kv])
                 if covers_all and i == len(branches) - 1:  # finished rows go to the output
+                    if extra is not None:
+                        extra(acc, lse, start, end, h0, h1)
                     backend.forward_branch(
                         *qkv, out[:, :, h0:h1], lse[:, h0:h1], key_mask, span, out_row0=0,
                         merge=True, head0=h0, merge_from=acc, merge_row0=start, **options,
@@ -218,6 +239,8 @@ def fused_forward(
                         merge=i > 0 or not covers_all, head0=h0, **options,
                     )  # fmt: skip
             if not covers_all:
+                if extra is not None:
+                    extra(acc, lse, start, end, h0, h1)
                 out[:, start:end, h0:h1].copy_(acc)
             del acc
     return out, lse
@@ -238,12 +261,14 @@ def fused_backward(
     scale: float,
     min_group_positions: int | None = None,
     grad_dtype: torch.dtype | None = None,
+    extra: BackwardExtra | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact gradients of :func:`fused_forward` with the merged ``out`` and ``lse``.
 
     Args:
         dout, out: (B, N, H, D); lse: (B, H, N) merged.
         grad_dtype: dtype of the gradients (default the inputs'; float32 where more add in).
+        extra: adds more gradients into the float32 scratch (Note [Fused branch engine]).
 
     Returns:
         ``(dq, dk, dv)`` shaped like ``(q, k, v)``.
@@ -253,7 +278,7 @@ def fused_backward(
     branches = _ordered(branches)[::-1]  # a rate-1 branch first (Note [Fused branch engine])
     covers_all = branches[0][1] == 1
     key_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(1)
-    single = len(branches) == 1
+    single = len(branches) == 1 and extra is None
     alloc = torch.empty_like if covers_all or not single else torch.zeros_like
     dq, dk, dv = (alloc(x, dtype=grad_dtype or x.dtype) for x in (q, k, v))
     options = {"scale": scale, "is_causal": is_causal}
@@ -284,6 +309,8 @@ def fused_backward(
                     delta[:, h0:h1], key_mask, dq_acc, dk_acc, dv_acc, span, delta_row0=start,
                     grad_row0=start, accumulate=i > 0 or not covers_all, head0=h0, **options,
                 )  # fmt: skip
+            if extra is not None:
+                extra(dq_acc, dk_acc, dv_acc, start, end, h0, h1)
             dq[:, start:end, h0:h1].copy_(dq_acc)
             dk[:, start:end, kv].copy_(dk_acc)
             dv[:, start:end, kv].copy_(dv_acc)

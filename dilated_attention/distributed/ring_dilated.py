@@ -11,8 +11,18 @@ Note [Local and spanning branches]
     segments. Causal masking splits that into the keys before the query run (full) and the run's
     own keys (causal). Only the kv heads a query head reads are sent: one (kv head, offset) pair
     per group of query heads. The backward sends each peer the dK/dV of that peer's rows
-    straight back, and the owner sums them. Everything merges into one float32 (out, lse) per
-    row, so the branches mix exactly as in ``dilated_attention``.
+    straight back, and the owner sums them.
+
+Note [Spanning results stay compact]
+    Spanning branches touch few (row, head) cells of a rank: 1/r of them. Their results are
+    computed first and kept in float32 for those cells only (the plan's ``Cells``); the local
+    branches then run, and the compact results join their float32 running values (the fused
+    engine's scratch, through its ``extra`` callback; the gather engine's float32 output) before
+    the one rounding into the inputs' dtype. Backward likewise: spanning gradients first, compact,
+    added into the local branches' float32 scratch. So the branches mix exactly as in
+    ``dilated_attention``, with float32 accumulation, and no full-size float32 output or
+    gradients exist. The forward keeps the gathered rows for the backward (a few rows per
+    segment), so the backward sends only gradients.
 
 Shape legend: B batch, n local tokens, H query heads, Hkv key/value heads (G = H / Hkv), D head dim,
 W ranks, R gathered rows per rank for one branch.
@@ -30,6 +40,7 @@ import torch.distributed as dist
 
 from .. import _validation as V
 from ..backends.base import Backend
+from ..core.cells import Cells, add_cells, merge_cells
 from ..core.engine import dilated_backward, dilated_forward
 from ..core.fused import fused_backward, fused_forward
 from ..core.merge import merge_partial
@@ -199,78 +210,101 @@ def span_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    plan: SpanPlan,
+    plan: DilatedRingPlan,
     setup: RingSetup,
     backend: Backend,
-) -> list[Any]:
-    """Merge one spanning branch into the float32 accumulators out (B,n,H,D), lse (B,n,H);
-    returns each kernel call's ``aux`` for the backward."""
-    gathered = _gather(k, v, plan, setup)
-    auxes = []
-    for call in plan.calls:
-        keys = gathered[:, :, call.keys]  # (2, B, ck, P, D)
-        index = call.index
-        res = backend.forward(q[index], keys[0], keys[1], scale=setup.scale, is_causal=call.causal)
-        auxes.append(res.aux)
-        new_out, new_lse = merge_partial(out[index], lse[index], res.out, res.lse.transpose(1, 2))
-        out[index] = new_out
-        lse[index] = new_lse
-    return auxes
+    acc: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[list[Any]]]:
+    """Every spanning branch, merged per cell (Note [Spanning results stay compact]).
+
+    Returns:
+        ``out`` (B, M, D) and ``lse`` (B, M) in ``acc`` over ``plan.q_cells`` (``-inf`` where no
+        key), each branch's gathered rows (2, B, W * R, D) and each kernel call's ``aux``.
+    """
+    batch, _, _, dim = q.shape
+    cells = plan.q_cells.rows.numel()
+    out = torch.zeros(batch, cells, dim, dtype=acc, device=q.device)
+    lse = torch.full((batch, cells), float("-inf"), dtype=acc, device=q.device)
+    kept, auxes = [], []
+    for span, positions in zip(plan.spans, plan.call_cells, strict=True):
+        gathered = _gather(k, v, span, setup)
+        kept.append(gathered)
+        auxes.append([])
+        for call, pos in zip(span.calls, positions, strict=True):
+            keys = gathered[:, :, call.keys]  # (2, B, ck, P, D)
+            res = backend.forward(
+                q[call.index], keys[0], keys[1], scale=setup.scale, is_causal=call.causal
+            )
+            auxes[-1].append(res.aux)
+            out[:, pos], lse[:, pos] = merge_partial(
+                out[:, pos], lse[:, pos], res.out.flatten(1, 2),
+                res.lse.transpose(1, 2).flatten(1, 2),
+            )  # fmt: skip
+    return out, lse, kept, auxes
 
 
 def span_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
     out: torch.Tensor,
-    lse_bnh: torch.Tensor,
-    dq: torch.Tensor,
-    dk: torch.Tensor,
-    dv: torch.Tensor,
-    plan: SpanPlan,
+    lse: torch.Tensor,
+    plan: DilatedRingPlan,
     setup: RingSetup,
     backend: Backend,
-    auxes: list[Any],
-) -> None:
-    """Add one spanning branch's gradients into dq (B,n,H,D) and dk, dv (B,n,Hkv,D), float32."""
-    gathered = _gather(k, v, plan, setup)
-    dgathered = torch.zeros(gathered.shape, dtype=dk.dtype, device=dk.device)
-    for call, aux in zip(plan.calls, auxes, strict=True):
-        keys = gathered[:, :, call.keys]  # (2, B, ck, P, D)
-        index = call.index
-        dq_c, dk_c, dv_c = backend.backward(
-            dout[index], q[index], keys[0], keys[1], out[index], lse_bnh[index].transpose(1, 2),
-            aux, scale=setup.scale, is_causal=call.causal,
-        )  # fmt: skip
-        dq[index] += dq_c
-        flat = call.keys.reshape(-1)  # the same key row can serve two runs: index_add_ sums them
-        dgathered[0].index_add_(1, flat, dk_c.flatten(1, 2).to(dk.dtype))
-        dgathered[1].index_add_(1, flat, dv_c.flatten(1, 2).to(dv.dtype))
-    parts = dgathered.chunk(setup.world_size, dim=2)  # only this rank's and its peers' hold rows
-    mine = parts[setup.rank].contiguous()
-    received = [torch.empty_like(mine) for _ in plan.peers]
+    gathered: list[torch.Tensor],
+    auxes: list[list[Any]],
+    acc: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every spanning branch's gradients, compact: ``dq`` (B, M, D) over ``plan.q_cells`` and
+    ``dkv`` (2, B, K, D) over ``plan.kv_cells``, in ``acc``; each rank's share of dK/dV is sent
+    straight back to it (Note [Local and spanning branches]).
+
+    Args:
+        dout, out: (B, n, H, D); lse: (B, H, n) merged.
+    """
+    batch, _, _, dim = q.shape
+    dq = torch.zeros(batch, plan.q_cells.rows.numel(), dim, dtype=acc, device=q.device)
+    dkv = torch.zeros(2, batch, plan.kv_cells.rows.numel(), dim, dtype=acc, device=q.device)
     ranks = setup.global_ranks
-    send = [(parts[j].contiguous(), ranks[j]) for j in plan.peers]  # alive until the wait
-    recv = [(buf, ranks[j]) for buf, j in zip(received, plan.peers, strict=True)]
-    wait_all(exchange(send, recv))
-    for part in received:
-        mine += part
-    rows = (slice(None), plan.send_rows, plan.send_heads)  # no (row, head) twice
-    dk[rows] += mine[0][:, plan.slots]
-    dv[rows] += mine[1][:, plan.slots]
+    spans = zip(plan.spans, plan.call_cells, plan.send_cells, gathered, auxes, strict=True)
+    for span, positions, sent, rows_kv, span_auxes in spans:
+        dgathered = torch.zeros(rows_kv.shape, dtype=acc, device=q.device)
+        for call, pos, aux in zip(span.calls, positions, span_auxes, strict=True):
+            keys = rows_kv[:, :, call.keys]  # (2, B, ck, P, D)
+            index = call.index
+            dq_c, dk_c, dv_c = backend.backward(
+                dout[index], q[index], keys[0], keys[1], out[index],
+                lse[:, index[2], index[1]].transpose(1, 2), aux, scale=setup.scale,
+                is_causal=call.causal,
+            )  # fmt: skip
+            dq.index_add_(1, pos, dq_c.flatten(1, 2).to(acc))
+            flat = call.keys.reshape(-1)  # the same key row can serve two runs: index_add_ sums
+            dgathered[0].index_add_(1, flat, dk_c.flatten(1, 2).to(acc))
+            dgathered[1].index_add_(1, flat, dv_c.flatten(1, 2).to(acc))
+        parts = dgathered.chunk(setup.world_size, dim=2)  # only mine and my peers' hold rows
+        mine = parts[setup.rank].contiguous()
+        received = [torch.empty_like(mine) for _ in span.peers]
+        send = [(parts[j].contiguous(), ranks[j]) for j in span.peers]  # alive until the wait
+        recv = [(buf, ranks[j]) for buf, j in zip(received, span.peers, strict=True)]
+        wait_all(exchange(send, recv))
+        for part in received:
+            mine += part
+        dkv.index_add_(2, sent, mine[:, :, span.slots])
+    return dq, dkv
 
 
 @dataclass(frozen=True)
 class DilatedRingPlan:
-    """Local branches (``(segment, rate)`` pairs and their engine plan) and spanning branches
-    (one :class:`SpanPlan` each)."""
+    """Local branches (``(segment, rate)`` pairs and their engine plan), spanning branches (one
+    :class:`SpanPlan` each) and the cells these touch (Note [Spanning results stay compact])."""
 
     local_branches: tuple[tuple[int, int], ...]
     local: tuple[RowGroup, ...]
     spans: tuple[SpanPlan, ...]
+    q_cells: Cells | None = None
+    kv_cells: Cells | None = None
+    call_cells: tuple[tuple[torch.Tensor, ...], ...] = ()  # per span, per call: (c * P * Hp,)
+    send_cells: tuple[torch.Tensor, ...] = ()  # per span: (S,) its sent rows among kv_cells
 
 
 def plan_ring_dilated(
@@ -307,7 +341,27 @@ def _plan(
         else:
             spans.append(plan_span(setup, n, heads, kv_heads, seg, rate, device))
     local = plan_branches(n, heads, tuple(local_segs), tuple(local_rates)) if local_segs else ()
-    return DilatedRingPlan(tuple(zip(local_segs, local_rates, strict=True)), local, tuple(spans))
+    branches = tuple(zip(local_segs, local_rates, strict=True))
+    if not spans:
+        return DilatedRingPlan(branches, local, ())
+    calls = [call for span in spans for call in span.calls]
+    q_cells, pieces = Cells.of(
+        [c.index[1] for c in calls], [c.index[2].expand_as(c.index[1]) for c in calls], heads
+    )
+    per_span = [len(span.calls) for span in spans]
+    call_cells = tuple(tuple(g) for g in _split(pieces, per_span))
+    kv_cells, send_cells = Cells.of(
+        [s.send_rows for s in spans], [s.send_heads for s in spans], kv_heads
+    )
+    return DilatedRingPlan(
+        branches, local, tuple(spans), q_cells, kv_cells, call_cells, tuple(send_cells)
+    )
+
+
+def _split(items: list, sizes: list[int]) -> list[list]:
+    """``items`` cut into consecutive pieces of ``sizes``."""
+    bounds = list(itertools.accumulate(sizes, initial=0))
+    return [items[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 class RingDilatedFunction(torch.autograd.Function):
@@ -323,67 +377,82 @@ class RingDilatedFunction(torch.autograd.Function):
         setup: RingSetup,
         backend: Backend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # float32 running (out, lse) only where spanning branches merge into it afterwards; else
-        # the engines' own choice (float32 inside, the inputs' dtype out)
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        local_dtype = acc if plan.spans else None
         batch, n, heads, dim = q.shape
         auxes: list[Any] = []
+        span_auxes: list[list[Any]] = []
+        gathered: list[torch.Tensor] = []
+        merge: Any = None
+        if plan.spans:  # first, compact (Note [Spanning results stay compact])
+            cell_out, cell_lse, gathered, span_auxes = span_forward(
+                q, k, v, plan, setup, backend, acc
+            )
+            merge = functools.partial(merge_cells, plan.q_cells, cell_out, cell_lse)
         if plan.local and backend.fuses_dilated_branches:
-            out, lse_bhn = fused_forward(
+            out, lse = fused_forward(
                 q, k, v, None, plan.local_branches, backend, is_causal=setup.is_causal,
-                scale=setup.scale, out_dtype=local_dtype,
+                scale=setup.scale, extra=merge,
             )  # fmt: skip
-            lse = lse_bhn.transpose(1, 2).contiguous()
-        elif plan.local:
-            out, lse_bhn, auxes = dilated_forward(
-                q, k, v, None, plan.local, backend, is_causal=setup.is_causal, scale=setup.scale,
-                dropout_p=0.0, out_dtype=local_dtype,
-            )  # fmt: skip
-            lse = lse_bhn.transpose(1, 2).contiguous()
         else:
-            out = torch.zeros(batch, n, heads, dim, dtype=acc, device=q.device)
-            lse = torch.full((batch, n, heads), float("-inf"), dtype=acc, device=q.device)
-        span_auxes = [span_forward(q, k, v, out, lse, span, setup, backend) for span in plan.spans]
-        out = out.to(q.dtype)
-        lse_out = lse.transpose(1, 2).contiguous()
-        ctx.save_for_backward(q, k, v, out, lse_out)
+            if plan.local:
+                # float32 output where the spanning results merge in, else the engine's own
+                out, lse, auxes = dilated_forward(
+                    q, k, v, None, plan.local, backend, is_causal=setup.is_causal,
+                    scale=setup.scale, dropout_p=0.0, out_dtype=acc if merge else None,
+                )  # fmt: skip
+            else:
+                out = torch.zeros(batch, n, heads, dim, dtype=acc, device=q.device)
+                lse = torch.full((batch, heads, n), float("-inf"), dtype=acc, device=q.device)
+            if merge is not None:
+                merge(out, lse, 0, n, 0, heads)
+            out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, *gathered)
         ctx.plan, ctx.setup, ctx.backend = plan, setup, backend
         ctx.auxes, ctx.span_auxes = auxes, span_auxes
-        ctx.mark_non_differentiable(lse_out)
-        return out, lse_out
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *gathered = ctx.saved_tensors
         plan: DilatedRingPlan = ctx.plan
         setup: RingSetup = ctx.setup
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        local_dtype = acc if plan.spans else None  # as in the forward
+        heads, group = q.shape[2], q.shape[2] // k.shape[2]
         dout = dout.contiguous()
+        add: Any = None
+        if plan.spans:  # first, compact (Note [Spanning results stay compact])
+            cell_dq, cell_dkv = span_backward(
+                dout, q, out, lse, plan, setup, ctx.backend, gathered, ctx.span_auxes, acc
+            )
+
+            def add(
+                dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, start: int, end: int,
+                h0: int, h1: int,
+            ) -> None:  # fmt: skip
+                add_cells(plan.q_cells, cell_dq, dq, start, end, h0, h1)
+                for grad, cell_grad in zip((dk, dv), cell_dkv, strict=True):
+                    add_cells(plan.kv_cells, cell_grad, grad, start, end, h0 // group,
+                              h1 // group)  # fmt: skip
+
         if plan.local and ctx.backend.fuses_dilated_branches:
             dq, dk, dv = fused_backward(
                 dout, q, k, v, out, lse, None, plan.local_branches, ctx.backend,
-                is_causal=setup.is_causal, scale=setup.scale, grad_dtype=local_dtype,
+                is_causal=setup.is_causal, scale=setup.scale, extra=add,
             )  # fmt: skip
-        elif plan.local:
+            return dq, dk, dv, None, None, None
+        if plan.local:
             dq, dk, dv = dilated_backward(
                 dout, q, k, v, out, lse, None, plan.local, ctx.backend, ctx.auxes,
                 is_causal=setup.is_causal, scale=setup.scale, dropout_p=0.0,
-                grad_dtype=local_dtype,
+                grad_dtype=acc if add else None,
             )  # fmt: skip
         else:
-            dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-            dk = torch.zeros(k.shape, dtype=acc, device=q.device)
-            dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-        if plan.spans:
-            lse_bnh = lse.transpose(1, 2).contiguous()
-            for span, auxes in zip(plan.spans, ctx.span_auxes, strict=True):
-                span_backward(
-                    dout, q, k, v, out, lse_bnh, dq, dk, dv, span, setup, ctx.backend, auxes
-                )
+            dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
+        if add is not None:
+            add(dq, dk, dv, 0, q.shape[1], 0, heads)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 

@@ -1,0 +1,92 @@
+"""Results for a sparse set of (row, head) cells, kept compact and merged into dense running values.
+
+Note [Compact cell results]
+    Some results touch few (row, head) cells of a sequence: ring dilated attention's branches that
+    span ranks reach 1/r of a rank's cells (Note [Spanning results stay compact] in
+    ``distributed/ring_dilated.py``). Such results are kept as one row of D per cell, in float32,
+    and merged into the running (out, lse), or added into float32 gradients, one block of
+    positions and heads at a time: the blocks the fused engine's scratch holds (its ``extra``
+    callback, Note [Fused branch engine]) or the whole sequence.
+
+Shape legend: B batch, N positions, H heads, D head dim, M cells.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .merge import merge_partial
+
+
+@dataclass(frozen=True)
+class Cells:
+    """Distinct (row, head) cells, sorted by row then head (Note [Compact cell results])."""
+
+    rows: torch.Tensor  # (M,)
+    heads: torch.Tensor  # (M,)
+    _blocks: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def of(
+        cls, rows: list[torch.Tensor], heads: list[torch.Tensor], num_heads: int
+    ) -> tuple[Cells, list[torch.Tensor]]:
+        """The cells of the given (rows, heads) pieces and each piece's positions among them."""
+        pairs = zip(rows, heads, strict=True)
+        flat = torch.cat([r.flatten() * num_heads + h.flatten() for r, h in pairs])
+        cells, where = torch.unique(flat, return_inverse=True)
+        pieces = list(where.split([r.numel() for r in rows]))
+        return cls(cells // num_heads, cells % num_heads), pieces
+
+    def to(self, device: torch.device | str) -> Cells:
+        """The same cells with their indices on ``device``."""
+        return Cells(self.rows.to(device), self.heads.to(device))
+
+    def within(self, start: int, end: int, h0: int, h1: int) -> tuple[torch.Tensor, ...]:
+        """``(positions, rows - start, heads - h0)`` of the cells in rows [start, end) and heads
+        [h0, h1); cached, since finding them syncs with the device."""
+        key = (start, end, h0, h1)
+        if key not in self._blocks:
+            inside = (self.rows >= start) & (self.rows < end)
+            inside &= (self.heads >= h0) & (self.heads < h1)
+            pos = torch.nonzero(inside).flatten()
+            self._blocks[key] = (pos, self.rows[pos] - start, self.heads[pos] - h0)
+        return self._blocks[key]
+
+
+def merge_cells(
+    cells: Cells,
+    cell_out: torch.Tensor,
+    cell_lse: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    start: int,
+    end: int,
+    h0: int,
+    h1: int,
+) -> None:
+    """Merge the compact results (``cell_out`` (B, M, D), ``cell_lse`` (B, M)) of the cells in
+    positions [start, end) and heads [h0, h1) into ``out`` (B, end - start, h1 - h0, D) and the
+    whole ``lse`` (B, H, n). Rows of ``out`` with ``lse = -inf`` may hold anything (the fused
+    engine's unwritten scratch): they get weight zero without being read."""
+    pos, rows, heads = cells.within(start, end, h0, h1)
+    if pos.numel() == 0:
+        return
+    old_lse = lse[:, heads + h0, rows + start]  # (B, m)
+    reached = (old_lse > float("-inf")).unsqueeze(-1)
+    old = torch.where(reached, out[:, rows, heads], 0.0)
+    new_out, new_lse = merge_partial(old, old_lse, cell_out[:, pos], cell_lse[:, pos])
+    out[:, rows, heads] = new_out.to(out.dtype)
+    lse[:, heads + h0, rows + start] = new_lse
+
+
+def add_cells(
+    cells: Cells, cell_grad: torch.Tensor, grad: torch.Tensor, start: int, end: int, h0: int,
+    h1: int,
+) -> None:  # fmt: skip
+    """Add the compact gradients ``cell_grad`` (B, M, D) of the cells in positions [start, end)
+    and heads [h0, h1) into ``grad`` (B, end - start, h1 - h0, D)."""
+    pos, rows, heads = cells.within(start, end, h0, h1)
+    if pos.numel():
+        grad[:, rows, heads] += cell_grad[:, pos].to(grad.dtype)
