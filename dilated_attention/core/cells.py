@@ -43,15 +43,21 @@ class Cells:
         """The same cells with their indices on ``device``."""
         return Cells(self.rows.to(device), self.heads.to(device))
 
-    def within(self, start: int, end: int, h0: int, h1: int) -> tuple[torch.Tensor, ...]:
-        """``(positions, rows - start, heads - h0)`` of the cells in rows [start, end) and heads
-        [h0, h1); cached, since finding them syncs with the device."""
-        key = (start, end, h0, h1)
+    def within(
+        self, start: int, end: int, h0: int, h1: int, seq_len: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The cells in positions [start, end) and heads [h0, h1): ``(positions among the cells,
+        flat index into a (B, end - start, h1 - h0, D) block seen as (B, rows * heads, D),
+        flat index into a whole (B, H, seq_len) lse seen as (B, H * seq_len))``. Cached, since
+        finding them syncs with the device."""
+        key = (start, end, h0, h1, seq_len)
         if key not in self._blocks:
             inside = (self.rows >= start) & (self.rows < end)
             inside &= (self.heads >= h0) & (self.heads < h1)
             pos = torch.nonzero(inside).flatten()
-            self._blocks[key] = (pos, self.rows[pos] - start, self.heads[pos] - h0)
+            rows, heads = self.rows[pos], self.heads[pos]
+            block = (rows - start) * (h1 - h0) + (heads - h0)
+            self._blocks[key] = (pos, block, heads * seq_len + rows)
         return self._blocks[key]
 
 
@@ -68,17 +74,21 @@ def merge_cells(
 ) -> None:
     """Merge the compact results (``cell_out`` (B, M, D), ``cell_lse`` (B, M)) of the cells in
     positions [start, end) and heads [h0, h1) into ``out`` (B, end - start, h1 - h0, D) and the
-    whole ``lse`` (B, H, n). Rows of ``out`` with ``lse = -inf`` may hold anything (the fused
-    engine's unwritten scratch): they get weight zero without being read."""
-    pos, rows, heads = cells.within(start, end, h0, h1)
+    whole ``lse`` (B, H, N), both contiguous. Rows of ``out`` with ``lse = -inf`` may hold
+    anything (the fused engine's unwritten scratch): they get weight zero without being read."""
+    batch, dim = out.shape[0], out.shape[-1]
+    pos, block, lse_index = cells.within(start, end, h0, h1, lse.shape[-1])
     if pos.numel() == 0:
         return
-    old_lse = lse[:, heads + h0, rows + start]  # (B, m)
+    flat_out, flat_lse = out.view(batch, -1, dim), lse.view(batch, -1)
+    old_lse = flat_lse.index_select(1, lse_index)  # (B, m)
     reached = (old_lse > float("-inf")).unsqueeze(-1)
-    old = torch.where(reached, out[:, rows, heads], 0.0)
-    new_out, new_lse = merge_partial(old, old_lse, cell_out[:, pos], cell_lse[:, pos])
-    out[:, rows, heads] = new_out.to(out.dtype)
-    lse[:, heads + h0, rows + start] = new_lse
+    old = torch.where(reached, flat_out.index_select(1, block), 0.0)
+    new_out, new_lse = merge_partial(
+        old, old_lse, cell_out.index_select(1, pos), cell_lse.index_select(1, pos)
+    )
+    flat_out.index_copy_(1, block, new_out.to(out.dtype))
+    flat_lse.index_copy_(1, lse_index, new_lse)
 
 
 def add_cells(
@@ -86,7 +96,8 @@ def add_cells(
     h1: int,
 ) -> None:  # fmt: skip
     """Add the compact gradients ``cell_grad`` (B, M, D) of the cells in positions [start, end)
-    and heads [h0, h1) into ``grad`` (B, end - start, h1 - h0, D)."""
-    pos, rows, heads = cells.within(start, end, h0, h1)
+    and heads [h0, h1) into ``grad`` (B, end - start, h1 - h0, D), contiguous."""
+    pos, block, _ = cells.within(start, end, h0, h1)
     if pos.numel():
-        grad[:, rows, heads] += cell_grad[:, pos].to(grad.dtype)
+        flat = grad.view(grad.shape[0], -1, grad.shape[-1])
+        flat.index_add_(1, block, cell_grad.index_select(1, pos).to(grad.dtype))

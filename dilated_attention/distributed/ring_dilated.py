@@ -14,15 +14,16 @@ Note [Local and spanning branches]
     straight back, and the owner sums them.
 
 Note [Spanning results stay compact]
-    Spanning branches touch few (row, head) cells of a rank: 1/r of them. Their results are
-    computed first and kept in float32 for those cells only (the plan's ``Cells``); the local
-    branches then run, and the compact results join their float32 running values (the fused
-    engine's scratch, through its ``extra`` callback; the gather engine's float32 output) before
-    the one rounding into the inputs' dtype. Backward likewise: spanning gradients first, compact,
-    added into the local branches' float32 scratch. So the branches mix exactly as in
-    ``dilated_attention``, with float32 accumulation, and no full-size float32 output or
-    gradients exist. The forward keeps the gathered rows for the backward (a few rows per
-    segment), so the backward sends only gradients.
+    Spanning branches touch few (row, head) cells of a rank: 1/r of them. Their results are kept
+    in float32 for those cells only (``core/cells.py``) and join the local branches' float32
+    running values (the fused engine's scratch, through its ``extra`` callback; the gather
+    engine's float32 output) before the one rounding into the inputs' dtype. Backward likewise:
+    spanning gradients, compact, are added into the local branches' float32 scratch. So the
+    branches mix exactly as in ``dilated_attention``, with float32 accumulation, and no
+    full-size float32 output or gradients exist. The spanning work (exchanges, small kernels,
+    many small host-side ops) runs when the fused engine first asks for it, after it has queued
+    a head group's kernels, so the host prepares it while the GPU computes. The forward keeps the
+    gathered rows for the backward (a few rows per segment): the backward sends only gradients.
 
 Shape legend: B batch, n local tokens, H query heads, Hkv key/value heads (G = H / Hkv), D head dim,
 W ranks, R gathered rows per rank for one branch.
@@ -55,9 +56,22 @@ class _Call:
     """One kernel call of a spanning branch: P runs of local query rows, each against its own
     gathered key rows, side by side as P kv heads (Hp query heads each)."""
 
-    index: tuple[slice, torch.Tensor, torch.Tensor]  # x[index]: (B, n, H, E) -> (B, c, P*Hp, E)
+    rows: torch.Tensor  # (c, P * Hp) local query rows
+    heads: torch.Tensor  # (P * Hp,) their heads
+    cells: torch.Tensor  # (c * P * Hp,) row * H + head: the rows of x (B, n, H, E) as (B, n * H, E)
+    lse_cells: torch.Tensor  # (c * P * Hp,) head * n + row: the same of lse (B, H, n)
     keys: torch.Tensor  # flat indices into the gathered (W * R) rows (ck, P)
     causal: bool
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """The call's rows of x (B, n, H, E), contiguous: (B, c, P * Hp, E)."""
+        rows = x.flatten(1, 2).index_select(1, self.cells)
+        return rows.view(x.shape[0], *self.rows.shape, x.shape[-1])
+
+    def take_lse(self, lse: torch.Tensor) -> torch.Tensor:
+        """The call's entries of lse (B, H, n), contiguous: (B, P * Hp, c) as kernels take it."""
+        entries = lse.view(lse.shape[0], -1).index_select(1, self.lse_cells)
+        return entries.view(lse.shape[0], *self.rows.shape).transpose(1, 2)
 
 
 @dataclass(frozen=True)
@@ -152,7 +166,7 @@ def plan_span(
     return SpanPlan(
         tuple(pairs),
         total,
-        _stack_calls(calls),
+        _stack_calls(calls, num_heads, local_len),
         torch.cat(slots),
         torch.cat(my_rows),
         torch.cat(heads_of),
@@ -160,7 +174,9 @@ def plan_span(
     )
 
 
-def _stack_calls(calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]]) -> tuple:
+def _stack_calls(
+    calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]], num_heads: int, n: int
+) -> tuple:
     """One kernel call per shape: runs with equal row, head and key counts go side by side as
     heads (usually every (kv head, offset) pair of a branch at once; a kernel launch and its
     indexing cost far more host time than the small per-run attention)."""
@@ -172,9 +188,11 @@ def _stack_calls(calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, boo
     for (_, per_run, _, causal), group in groups.items():
         q_rows = torch.stack([c[0] for c in group], dim=1)  # (c, P)
         heads = torch.cat([c[1] for c in group])  # (P * Hp,), run-major
-        index = (slice(None), q_rows.repeat_interleave(per_run, dim=1), heads.view(1, -1))
+        rows = q_rows.repeat_interleave(per_run, dim=1)  # (c, P * Hp)
+        cells = (rows * num_heads + heads).flatten()
+        lse_cells = (heads * n + rows).flatten()
         keys = torch.stack([c[2] for c in group], dim=1)  # (ck, P)
-        stacked.append(_Call(index, keys, causal))
+        stacked.append(_Call(rows, heads, cells, lse_cells, keys, causal))
     return tuple(stacked)
 
 
@@ -233,7 +251,7 @@ def span_forward(
         for call, pos in zip(span.calls, positions, strict=True):
             keys = gathered[:, :, call.keys]  # (2, B, ck, P, D)
             res = backend.forward(
-                q[call.index], keys[0], keys[1], scale=setup.scale, is_causal=call.causal
+                call.take(q), keys[0], keys[1], scale=setup.scale, is_causal=call.causal
             )
             auxes[-1].append(res.aux)
             out[:, pos], lse[:, pos] = merge_partial(
@@ -271,11 +289,9 @@ def span_backward(
         dgathered = torch.zeros(rows_kv.shape, dtype=acc, device=q.device)
         for call, pos, aux in zip(span.calls, positions, span_auxes, strict=True):
             keys = rows_kv[:, :, call.keys]  # (2, B, ck, P, D)
-            index = call.index
             dq_c, dk_c, dv_c = backend.backward(
-                dout[index], q[index], keys[0], keys[1], out[index],
-                lse[:, index[2], index[1]].transpose(1, 2), aux, scale=setup.scale,
-                is_causal=call.causal,
+                call.take(dout), call.take(q), keys[0], keys[1], call.take(out),
+                call.take_lse(lse), aux, scale=setup.scale, is_causal=call.causal,
             )  # fmt: skip
             dq.index_add_(1, pos, dq_c.flatten(1, 2).to(acc))
             flat = call.keys.reshape(-1)  # the same key row can serve two runs: index_add_ sums
@@ -346,7 +362,7 @@ def _plan(
         return DilatedRingPlan(branches, local, ())
     calls = [call for span in spans for call in span.calls]
     q_cells, pieces = Cells.of(
-        [c.index[1] for c in calls], [c.index[2].expand_as(c.index[1]) for c in calls], heads
+        [c.rows for c in calls], [c.heads.expand_as(c.rows) for c in calls], heads
     )
     per_span = [len(span.calls) for span in spans]
     call_cells = tuple(tuple(g) for g in _split(pieces, per_span))
@@ -380,14 +396,15 @@ class RingDilatedFunction(torch.autograd.Function):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         batch, n, heads, dim = q.shape
         auxes: list[Any] = []
-        span_auxes: list[list[Any]] = []
-        gathered: list[torch.Tensor] = []
         merge: Any = None
-        if plan.spans:  # first, compact (Note [Spanning results stay compact])
-            cell_out, cell_lse, gathered, span_auxes = span_forward(
-                q, k, v, plan, setup, backend, acc
-            )
-            merge = functools.partial(merge_cells, plan.q_cells, cell_out, cell_lse)
+        # Run when the engine first asks for them (Note [Spanning results stay compact])
+        spans = functools.cache(functools.partial(span_forward, q, k, v, plan, setup, backend, acc))
+        if plan.spans:
+
+            def merge(out: torch.Tensor, lse: torch.Tensor, *block: int) -> None:
+                cell_out, cell_lse, _, _ = spans()
+                merge_cells(plan.q_cells, cell_out, cell_lse, out, lse, *block)
+
         if plan.local and backend.fuses_dilated_branches:
             out, lse = fused_forward(
                 q, k, v, None, plan.local_branches, backend, is_causal=setup.is_causal,
@@ -406,6 +423,7 @@ class RingDilatedFunction(torch.autograd.Function):
             if merge is not None:
                 merge(out, lse, 0, n, 0, heads)
             out = out.to(q.dtype)
+        gathered, span_auxes = spans()[2:] if plan.spans else ([], [])
         ctx.save_for_backward(q, k, v, out, lse, *gathered)
         ctx.plan, ctx.setup, ctx.backend = plan, setup, backend
         ctx.auxes, ctx.span_auxes = auxes, span_auxes
@@ -423,15 +441,20 @@ class RingDilatedFunction(torch.autograd.Function):
         heads, group = q.shape[2], q.shape[2] // k.shape[2]
         dout = dout.contiguous()
         add: Any = None
-        if plan.spans:  # first, compact (Note [Spanning results stay compact])
-            cell_dq, cell_dkv = span_backward(
-                dout, q, out, lse, plan, setup, ctx.backend, gathered, ctx.span_auxes, acc
+        # Run when the engine first asks for them (Note [Spanning results stay compact])
+        spans = functools.cache(
+            functools.partial(
+                span_backward, dout, q, out, lse, plan, setup, ctx.backend, gathered,
+                ctx.span_auxes, acc,
             )
+        )  # fmt: skip
+        if plan.spans:
 
             def add(
                 dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, start: int, end: int,
                 h0: int, h1: int,
             ) -> None:  # fmt: skip
+                cell_dq, cell_dkv = spans()
                 add_cells(plan.q_cells, cell_dq, dq, start, end, h0, h1)
                 for grad, cell_grad in zip((dk, dv), cell_dkv, strict=True):
                     add_cells(plan.kv_cells, cell_grad, grad, start, end, h0 // group,
