@@ -254,10 +254,12 @@ def span_forward(
                 call.take(q), keys[0], keys[1], scale=setup.scale, is_causal=call.causal
             )
             auxes[-1].append(res.aux)
-            out[:, pos], lse[:, pos] = merge_partial(
-                out[:, pos], lse[:, pos], res.out.flatten(1, 2),
+            new_out, new_lse = merge_partial(
+                out.index_select(1, pos), lse.index_select(1, pos), res.out.flatten(1, 2),
                 res.lse.transpose(1, 2).flatten(1, 2),
             )  # fmt: skip
+            out.index_copy_(1, pos, new_out)
+            lse.index_copy_(1, pos, new_lse)
     return out, lse, kept, auxes
 
 
