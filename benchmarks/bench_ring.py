@@ -239,6 +239,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-dense", action="store_true")
+    parser.add_argument(
+        "--process-group-backend", default="nccl", choices=["nccl", "cpu:gloo,cuda:nccl"],
+        help="with a CPU backend the per-call agreement check runs on the CPU (README)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/ring"))
     parser.add_argument(
         "--summarize", type=Path, nargs="+", metavar="RECORD",
@@ -248,7 +252,7 @@ def main() -> None:
     if args.summarize:
         print(scaling_table(args.summarize))
         return
-    dist.init_process_group("nccl", timeout=timedelta(minutes=10))
+    dist.init_process_group(args.process_group_backend, timeout=timedelta(minutes=10))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     device = torch.device("cuda")
@@ -258,7 +262,7 @@ def main() -> None:
     rows = [] if args.skip_dense else bench_dense(args, device, world)
     rows += bench_dilated(args, device, world)
     if rank == 0:
-        env = {**environment(), "world_size": world}
+        env = {**environment(), "world_size": world, "process_group": args.process_group_backend}
         path = args.out.parent / f"{args.out.name}_w{world}.json"
         write_record(path, env, rows)
         cols = ["kind", "impl", "world", "seq_len", "causal", "fwd_tflops_per_gpu",

@@ -573,6 +573,16 @@ def test_ring_option_malformed_on_one_rank_raises_on_every_rank(tmp_path: Any) -
 # -- single process, no torch.distributed ---------------------------------------------------------
 
 
+@pytest.mark.parametrize("backend", ["gloo", "cpu:gloo,cuda:nccl"])
+def test_agreement_check_stays_on_the_cpu_where_the_group_allows(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The per-call all-gather of the agreement check uses CPU tensors (gloo) whenever the group
+    has a CPU backend, so it never waits for the GPU (README, ring attention)."""
+    monkeypatch.setattr(comm_mod.dist, "get_backend", lambda group=None: backend)
+    assert comm_mod._collective_device(None) == torch.device("cpu")
+
+
 def test_group_without_init_raises() -> None:
     assert not dist.is_initialized()
     q = torch.randn(1, 4, 2, 8)
