@@ -5,6 +5,7 @@ Each spawned world runs many cases, since starting processes dominates the cost 
 
 from __future__ import annotations
 
+import functools
 import itertools
 from pathlib import Path
 
@@ -122,27 +123,30 @@ def test_ring_dilated_low_precision(tmp_path: Path) -> None:
 def _check_fused_engine(rank: int, world_size: int) -> None:
     n = 48
     gen = torch.Generator().manual_seed(0)
-    for (segs, rates), causal, kv_heads in itertools.product(
-        [((12, 48), (1, 4)), ((24, 96), (2, 3)), ((96,), (2,))], [False, True], [4, 2]
+    for (segs, rates), (causal, layout), kv_heads in itertools.product(
+        [((12, 48), (1, 4)), ((24, 96), (2, 3)), ((96,), (2,))],
+        [(False, "contiguous"), (True, "contiguous"), (True, "zigzag")],
+        [4, 2],
     ):  # local rate-1 + spanning; local strided + spanning; spanning only
         shapes = [(1, n, h, 16) for h in (4, kv_heads, kv_heads, 4)]
         q, k, v, dout = (torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes)
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         want, want_lse = oracle_dilated_attention(*leaves, segs, rates, is_causal=causal)
         want_grads = torch.autograd.grad(want, leaves, dout)
-        local = [shard_sequence(t).float().requires_grad_() for t in (q, k, v)]
+        shard = functools.partial(shard_sequence, layout=layout)
+        local = [shard(t).float().requires_grad_() for t in (q, k, v)]
         out, lse = ring_dilated_attention(
-            *local, segs, rates, is_causal=causal, backend="triton", return_lse=True
-        )
-        grads = torch.autograd.grad(out, local, shard_sequence(dout).float())
-        case = f"rank {rank}/{world_size} {segs} {rates} causal={causal} Hkv={kv_heads}"
+            *local, segs, rates, is_causal=causal, layout=layout, backend="triton",
+            return_lse=True,
+        )  # fmt: skip
+        grads = torch.autograd.grad(out, local, shard(dout).float())
+        case = f"rank {rank}/{world_size} {segs} {rates} causal={causal} {layout} Hkv={kv_heads}"
         fp32 = {"atol": 1e-5, "rtol": 1e-5}
-        torch.testing.assert_close(out.double(), shard_sequence(want), **fp32, msg=case)
-        want_lse = shard_sequence(want_lse, seq_dim=2)
-        torch.testing.assert_close(lse.double(), want_lse, **fp32, msg=case)
+        torch.testing.assert_close(out.double(), shard(want), **fp32, msg=case)
+        torch.testing.assert_close(lse.double(), shard(want_lse, seq_dim=2), **fp32, msg=case)
         for name, got, exact in zip("qkv", grads, want_grads, strict=True):
             torch.testing.assert_close(
-                got.double(), shard_sequence(exact), atol=2e-5, rtol=2e-5, msg=f"d{name} {case}"
+                got.double(), shard(exact), atol=2e-5, rtol=2e-5, msg=f"d{name} {case}"
             )
 
 
