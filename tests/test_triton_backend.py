@@ -65,6 +65,18 @@ def _force_row_loads(monkeypatch: pytest.MonkeyPatch, row_loads: str) -> list[bo
     return used
 
 
+def _poison_new_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every floating-point ``torch.empty`` / ``torch.empty_like`` buffer starts NaN-filled, so
+    a row read before it is written shows."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poisoned(x: Tensor) -> Tensor:
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poisoned(real_empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poisoned(real_empty_like(*a, **kw)))
+
+
 def _skip_without_triton(device: str) -> None:
     reasons = get_backend("triton").not_supported_reasons(
         base.KernelInputs(
@@ -314,13 +326,7 @@ def test_fused_engine_never_sums_unwritten_scratch(
     NaN-filled, no NaN may reach the output or the gradients."""
     _skip_without_triton(device)
     _force_row_loads(monkeypatch, row_loads)
-    real_empty, real_empty_like = torch.empty, torch.empty_like
-
-    def poisoned(x: Tensor) -> Tensor:
-        return x.fill_(float("nan")) if x.is_floating_point() else x
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poisoned(real_empty(*a, **kw)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poisoned(real_empty_like(*a, **kw)))
+    _poison_new_buffers(monkeypatch)
     shape = Shape(
         "nan_scratch", N=300, H=4, H_kv=2, D=32, segments=(60, 150, 300), rates=(4, 1, 3),
         padding=True,
@@ -355,13 +361,7 @@ def test_fused_engine_merges_extra_results_before_rounding(
     _skip_without_triton(device)
     monkeypatch.setattr(fused, "MIN_GROUP_POSITIONS", 1)
     monkeypatch.setattr(fused, "SCRATCH_FRACTION", 1000)
-    real_empty, real_empty_like = torch.empty, torch.empty_like
-
-    def poisoned(x: Tensor) -> Tensor:
-        return x.fill_(float("nan")) if x.is_floating_point() else x
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poisoned(real_empty(*a, **kw)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poisoned(real_empty_like(*a, **kw)))
+    _poison_new_buffers(monkeypatch)
     batch, seq_len, heads, kv_heads, dim = 2, 600, 4, 2, 32
     segs, rates = zip(*branches, strict=True)
     assert len(position_groups(seq_len, segs, 1)) > 1  # several position groups
@@ -376,10 +376,10 @@ def test_fused_engine_merges_extra_results_before_rounding(
     q0, k0, v0, dout0 = (torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes)
     backend = get_backend("triton")
     on_device = functools.partial(Tensor.to, device=device)
-    merge = functools.partial(
-        merge_cells, q_cells.to(device), on_device(cell_out.float()), on_device(cell_lse.float())
-    )
     q_dev, kv_dev = q_cells.to(device), kv_cells.to(device)
+    merge = functools.partial(
+        merge_cells, q_dev, on_device(cell_out.float()), on_device(cell_lse.float())
+    )
 
     def add(dq: Tensor, dk: Tensor, dv: Tensor, start: int, end: int, h0: int, h1: int) -> None:
         add_cells(q_dev, on_device(cell_dq), dq, start, end, h0, h1)
