@@ -128,31 +128,49 @@ def test_position_groups_tile_the_sequence_on_common_boundaries(
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_group", "rows", "seq_len", "min_positions"),
+    ("heads", "kv_group", "rows", "seq_len", "min_positions", "allowance"),
     [
-        (16, 1, 1 << 20, 1 << 20, None),  # one group of the whole sequence: 1/8 of the heads
-        (16, 1, 65536, 1 << 20, None),  # an ordinary position group: every head at once
-        (32, 4, 4 << 20, 4 << 20, None),  # GQA: whole kv head groups (4 query heads each)
-        (6, 3, 1000, 1000, 1),  # even one kv head group is over budget: one kv head group
-        (12, 1, 120, 120, 1),  # budget max(15, 1) * 12 = 180 < 120 * 2: one head at a time
-        (8, 2, 100, 400, 1),
+        (16, 1, 1 << 20, 1 << 20, None, 0),  # one group of the whole sequence: 1/8 of the heads
+        (16, 1, 65536, 1 << 20, None, 0),  # an ordinary position group: every head at once
+        (32, 4, 4 << 20, 4 << 20, None, 0),  # GQA: whole kv head groups (4 query heads each)
+        (6, 3, 1000, 1000, 1, 0),  # even one kv head group is over budget: one kv head group
+        (12, 1, 120, 120, 1, 0),  # budget max(15, 1) * 12 = 180 < 120 * 2: one head at a time
+        (8, 2, 100, 400, 1, 0),
+        # Device memory allows more than 1/8 of q: fewer, wider groups, or none at all.
+        (16, 1, 1 << 18, 1 << 18, None, 16 << 18),
+        (16, 1, 1 << 18, 1 << 18, None, 8 << 18),
+        (16, 2, 1 << 18, 1 << 18, None, (8 << 18) - 1),  # just short of 8 heads: 4 at a time
+        (16, 1, 1 << 20, 1 << 20, None, 1 << 20),  # less than the fraction allows: no effect
     ],
 )
 def test_head_groups_split_whole_kv_groups_within_the_scratch_budget(
-    heads: int, kv_group: int, rows: int, seq_len: int, min_positions: int | None
+    heads: int, kv_group: int, rows: int, seq_len: int, min_positions: int | None, allowance: int
 ) -> None:
-    groups = fused.head_groups(heads, kv_group, rows, seq_len, min_positions)
+    groups = fused.head_groups(heads, kv_group, rows, seq_len, min_positions, allowance)
     widths = {h1 - h0 for h0, h1 in groups}
     assert groups[0][0] == 0 and groups[-1][1] == heads and len(widths) == 1
     assert all(a[1] == b[0] for a, b in itertools.pairwise(groups))
     width = widths.pop()
     assert width % kv_group == 0 and heads % width == 0
     floor = fused.MIN_GROUP_POSITIONS if min_positions is None else min_positions
-    budget = max(seq_len // fused.SCRATCH_FRACTION, floor) * heads
+    budget = max(max(seq_len // fused.SCRATCH_FRACTION, floor) * heads, allowance)
     assert rows * width <= budget or width == kv_group
     # The widest such split: the next wider one that divides the heads is over budget.
     wider = [w for w in range(width + kv_group, heads + 1, kv_group) if heads % w == 0]
     assert all(rows * w > budget for w in wider)
+
+
+def test_scratch_allowance_is_a_share_of_the_gpu_memory() -> None:
+    """Off the GPU nothing is allowed beyond the fraction of q; on one, a float32 scratch tensor
+    of the allowed cells fills at most 1/DEVICE_SCRATCH_FRACTION of its memory."""
+    assert fused.scratch_allowance(torch.empty(2, 16, 4, 64)) == 0
+    if not torch.cuda.is_available():
+        return
+    like = torch.empty(2, 16, 4, 64, device="cuda")
+    memory = torch.cuda.get_device_properties(like.device).total_memory
+    share = memory / fused.DEVICE_SCRATCH_FRACTION
+    cells = fused.scratch_allowance(like)
+    assert cells * 2 * 64 * 4 <= share < (cells + 1) * 2 * 64 * 4
 
 
 # -- refusal without a GPU or without Triton -------------------------------------------------------
@@ -274,6 +292,14 @@ def test_fused_matches_oracle(
     assert any(used) == (row_loads == "descriptors")
 
 
+def _split_scratch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the fused engine split small inputs into position and head groups, as it does very
+    long ones: no smallest group, scratch at most q / 1000, no allowance from device memory."""
+    monkeypatch.setattr(fused, "MIN_GROUP_POSITIONS", 1)
+    monkeypatch.setattr(fused, "SCRATCH_FRACTION", 1000)
+    monkeypatch.setattr(fused, "DEVICE_SCRATCH_FRACTION", 1 << 62)
+
+
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
 def test_fused_engine_across_many_position_groups(
@@ -305,8 +331,7 @@ def test_fused_engine_across_head_groups(
     layer head ``head0``, so offsets (head mod rate) and kv heads must still be the layer's."""
     _skip_without_triton(device)
     _force_row_loads(monkeypatch, row_loads)
-    monkeypatch.setattr(fused, "MIN_GROUP_POSITIONS", 1)
-    monkeypatch.setattr(fused, "SCRATCH_FRACTION", 1000)
+    _split_scratch(monkeypatch)
     shape = Shape(
         "heads", N=300, H=8, H_kv=4, D=32, segments=(60, 150, 300), rates=(1, 3, 4), padding=True
     )
@@ -336,6 +361,67 @@ def test_fused_engine_never_sums_unwritten_scratch(
             _compare(shape, dtype, device, is_causal)
 
 
+@pytest.mark.parametrize(
+    "shape",
+    [
+        Shape("positions", N=700, H=4, H_kv=2, D=32, segments=(32, 64, 128), rates=(1, 2, 4),
+              padding=True),
+        Shape("heads", N=300, H=8, H_kv=4, D=32, segments=(60, 150, 300), rates=(1, 3, 4),
+              padding=True),
+    ],
+    ids=["positions", "heads"],
+)  # fmt: skip
+@pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
+def test_fused_engine_results_do_not_depend_on_grouping(
+    shape: Shape, device: str, dtypes: list[torch.dtype], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Position and head groups decide which launch computes a row, never how (Note [Fused
+    branch engine]): one group and many give the same bits, forward and backward. Also shows
+    that the device-memory allowance is what keeps small inputs in one head group on a GPU."""
+    _skip_without_triton(device)
+    widths: list[int] = []
+    real = fused.head_groups
+
+    def spy(*args: Any) -> list[tuple[int, int]]:
+        groups = real(*args)
+        widths.append(len(groups))
+        return groups
+
+    monkeypatch.setattr(fused, "head_groups", spy)
+    gen = torch.Generator().manual_seed(3)
+    kv_heads = shape.H_kv or shape.H
+    mask = (torch.rand(shape.B, shape.N, generator=gen) < 0.25).to(device)
+    for dtype in dtypes:
+        q, dout = (torch.randn(shape.B, shape.N, shape.H, shape.D, generator=gen) for _ in "qo")
+        k, v = (torch.randn(shape.B, shape.N, kv_heads, shape.D, generator=gen) for _ in "kv")
+        leaves = [x.to(device, dtype).requires_grad_() for x in (q, k, v)]
+        dout = dout.to(device, dtype)
+
+        def run(leaves: list[Tensor] = leaves, dout: Tensor = dout) -> list[Tensor]:
+            out, lse = dilated_attention(
+                *leaves, shape.segments, shape.rates, is_causal=True, key_padding_mask=mask,
+                backend="triton", return_lse=True,
+            )  # fmt: skip
+            return [out.detach(), lse, *torch.autograd.grad(out, leaves, dout)]
+
+        # One call of head_groups per position group, forward and backward.
+        with monkeypatch.context() as patch:
+            if device == "cuda" and shape.id == "heads":
+                # Without the device-memory allowance, this scratch would be split by heads.
+                patch.setattr(fused, "MIN_GROUP_POSITIONS", 1)
+                patch.setattr(fused, "SCRATCH_FRACTION", 1 << 62)
+            whole = run()
+        assert widths == [1, 1]
+        widths.clear()
+        with monkeypatch.context() as patch:
+            _split_scratch(patch)
+            split = run()
+        assert len(widths) > 2 if shape.id == "positions" else min(widths) > 1
+        widths.clear()
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), whole, split, strict=True):
+            assert torch.equal(a, b), name
+
+
 def _random_cells(seq_len: int, heads: int, gen: torch.Generator) -> Cells:
     rows, cell_heads = torch.nonzero(torch.rand(seq_len, heads, generator=gen) < 0.3).T
     return Cells.of([rows], [cell_heads], heads)[0]
@@ -359,8 +445,7 @@ def test_fused_engine_merges_extra_results_before_rounding(
     merged with those results; backward adds the given compact gradients. New buffers are
     NaN-filled, so unwritten scratch rows must get weight zero unread."""
     _skip_without_triton(device)
-    monkeypatch.setattr(fused, "MIN_GROUP_POSITIONS", 1)
-    monkeypatch.setattr(fused, "SCRATCH_FRACTION", 1000)
+    _split_scratch(monkeypatch)
     _poison_new_buffers(monkeypatch)
     batch, seq_len, heads, kv_heads, dim = 2, 600, 4, 2, 32
     segs, rates = zip(*branches, strict=True)

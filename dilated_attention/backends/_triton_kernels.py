@@ -45,6 +45,7 @@ Shape legend: B batch, N positions, H query heads, Hkv key/value heads, D head d
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -641,6 +642,12 @@ def _descriptor_view_ok(x: torch.Tensor, rate: int) -> bool:
     )
 
 
+@functools.cache
+def _hopper_or_newer(device_index: int) -> bool:
+    """Whether a GPU has tensor memory accelerators (sm90+); cached, as every launch asks."""
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
 def _use_descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rate: int) -> bool:
     """Whether the forward reads rows through tensor descriptors (``DESCRIPTOR_POLICY``)."""
     if TensorDescriptor is None or DESCRIPTOR_POLICY == "never":
@@ -649,7 +656,7 @@ def _use_descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rate: in
         dim = q.shape[-1]
         if not (q.is_cuda and 64 <= dim <= 128) or _TRITON_VERSION < DESCRIPTOR_MIN_TRITON:
             return False
-        if torch.cuda.get_device_capability(q.device) < (9, 0):
+        if not _hopper_or_newer(q.device.index):
             return False
     return all(_descriptor_view_ok(x, rate) for x in (q, k, v))
 

@@ -17,7 +17,13 @@ Note [Fused branch engine]
     sequence; then the heads are split too (``head_groups``: whole key/value head groups, each
     launch told which layer head it starts at, so offsets stay ``h mod r``) until the scratch of
     one (position group, head group) is at most 1/SCRATCH_FRACTION of q's elements. The scratch
-    stays a small fraction of q at any length.
+    stays a small fraction of q at any length. Splitting has a price where the launches are
+    small: every head group launches every branch again, and at a few hundred thousand tokens
+    those launches (a high-rate branch over two heads is a few dozen programs) cost more host
+    time than GPU time. So a scratch that fits in 1/DEVICE_SCRATCH_FRACTION of the GPU's memory
+    is never split, whatever its share of q (``scratch_allowance``). Both splits leave every
+    row's arithmetic as it is (programs tile rows within a segment, segments start at group
+    starts), so the results do not depend on them.
 
     Backward, the order is reversed: a rate-1 branch runs first and writes (rather than adds)
     every row of the float32 dq, dk, dv scratch, the other branches add into it, and the scratch
@@ -53,8 +59,11 @@ MIN_GROUP_POSITIONS = 32768
 #: ... and at most 1/GROUPS_PER_SEQUENCE of the sequence beyond that (scratch <= q / 8 in bf16).
 GROUPS_PER_SEQUENCE = 16
 #: Heads are split until one scratch tensor holds at most 1/SCRATCH_FRACTION of q's elements (or
-#: one key/value head group, or MIN_GROUP_POSITIONS rows of every head, whichever is more).
+#: one key/value head group, or MIN_GROUP_POSITIONS rows of every head, whichever is more) ...
 SCRATCH_FRACTION = 8
+#: ... unless one scratch tensor of all the heads fits in 1/DEVICE_SCRATCH_FRACTION of the GPU's
+#: memory (Note [Fused branch engine]).
+DEVICE_SCRATCH_FRACTION = 32
 
 
 @dataclass(frozen=True)
@@ -146,18 +155,34 @@ def position_groups(
     return [(start, min(start + size, seq_len)) for start in range(0, seq_len, size)]
 
 
+def scratch_allowance(like: torch.Tensor) -> int:
+    """How many (position, head) cells of float32 scratch shaped like ``like`` (B, N, H, D) fit
+    in 1/DEVICE_SCRATCH_FRACTION of its GPU's memory; 0 off the GPU."""
+    if like.device.type != "cuda":
+        return 0
+    batch, _, _, dim = like.shape
+    total = torch.cuda.get_device_properties(like.device).total_memory
+    return total // (DEVICE_SCRATCH_FRACTION * 4 * max(1, batch * dim))
+
+
 def head_groups(
-    heads: int, kv_group: int, rows: int, seq_len: int, min_positions: int | None = None
+    heads: int,
+    kv_group: int,
+    rows: int,
+    seq_len: int,
+    min_positions: int | None = None,
+    allowance: int = 0,
 ) -> list[tuple[int, int]]:
     """Consecutive ``[h0, h1)`` head ranges for one position group of ``rows`` positions.
 
     Each range holds whole key/value head groups (``kv_group`` query heads each) and all ranges
     are equal; the widest split whose ``rows * (h1 - h0)`` is at most
-    ``max(seq_len / SCRATCH_FRACTION, min_positions) * heads`` (Note [Fused branch engine]), or
-    one key/value head group where even that is more.
+    ``max(seq_len / SCRATCH_FRACTION, min_positions) * heads`` or ``allowance`` (from
+    :func:`scratch_allowance`), whichever is more (Note [Fused branch engine]), or one key/value
+    head group where even that is more.
     """
     floor = MIN_GROUP_POSITIONS if min_positions is None else min_positions
-    budget = max(seq_len // SCRATCH_FRACTION, floor) * heads
+    budget = max(seq_len // SCRATCH_FRACTION * heads, floor * heads, allowance)
     kv_heads = heads // kv_group
     per = kv_heads
     while per > 1 and (rows * per * kv_group > budget or kv_heads % per):
@@ -209,6 +234,7 @@ def fused_forward(
     options = {"scale": scale, "is_causal": is_causal}
     segs = tuple(w for w, _ in branches)
     kv_group = heads // k.shape[2]
+    allowance = scratch_allowance(q)
     for start, end in position_groups(seq_len, segs, min_group_positions):
         if len(branches) == 1 and extra is None:
             w, r = branches[0]
@@ -217,7 +243,8 @@ def fused_forward(
                 q, k, v, out, lse, key_mask, span, out_row0=0, merge=False, **options
             )
             continue
-        for h0, h1 in head_groups(heads, kv_group, end - start, seq_len, min_group_positions):
+        groups = head_groups(heads, kv_group, end - start, seq_len, min_group_positions, allowance)
+        for h0, h1 in groups:
             kv = slice(h0 // kv_group, h1 // kv_group)
             shape = (batch, end - start, h1 - h0, dim)
             acc = (torch.empty if covers_all else torch.zeros)(
@@ -284,6 +311,7 @@ def fused_backward(
     options = {"scale": scale, "is_causal": is_causal}
     segs = tuple(w for w, _ in branches)
     kv_group = heads // kv_heads
+    allowance = scratch_allowance(q)
     for start, end in position_groups(seq_len, segs, min_group_positions):
         delta = backend.row_delta(out, dout, start, end)
         if single:
@@ -297,7 +325,7 @@ def fused_backward(
         rows = end - start
         new = torch.empty if covers_all else torch.zeros
         acc = {"dtype": torch.float32, "device": q.device}
-        for h0, h1 in head_groups(heads, kv_group, rows, seq_len, min_group_positions):
+        for h0, h1 in head_groups(heads, kv_group, rows, seq_len, min_group_positions, allowance):
             kv = slice(h0 // kv_group, h1 // kv_group)
             dq_acc = new(batch, rows, h1 - h0, dim, **acc)
             dk_acc = new(batch, rows, kv.stop - kv.start, dim, **acc)
