@@ -250,19 +250,20 @@ def fused_forward(
             acc = (torch.empty if covers_all else torch.zeros)(
                 shape, dtype=torch.float32, device=q.device
             )
+            qkv = (q[:, :, h0:h1], k[:, :, kv], v[:, :, kv])
+            lse_heads = lse[:, h0:h1]
             for i, (w, r) in enumerate(branches):
                 span = BranchSpan(start, end, min(w, seq_len), r)
-                qkv = (q[:, :, h0:h1], k[:, :, kv], v[:, :, kv])
                 if covers_all and i == len(branches) - 1:  # finished rows go to the output
                     if extra is not None:
                         extra(acc, lse, start, end, h0, h1)
                     backend.forward_branch(
-                        *qkv, out[:, :, h0:h1], lse[:, h0:h1], key_mask, span, out_row0=0,
+                        *qkv, out[:, :, h0:h1], lse_heads, key_mask, span, out_row0=0,
                         merge=True, head0=h0, merge_from=acc, merge_row0=start, **options,
                     )  # fmt: skip
                 else:
                     backend.forward_branch(
-                        *qkv, acc, lse[:, h0:h1], key_mask, span, out_row0=start,
+                        *qkv, acc, lse_heads, key_mask, span, out_row0=start,
                         merge=i > 0 or not covers_all, head0=h0, **options,
                     )  # fmt: skip
             if not covers_all:
@@ -330,11 +331,14 @@ def fused_backward(
             dq_acc = new(batch, rows, h1 - h0, dim, **acc)
             dk_acc = new(batch, rows, kv.stop - kv.start, dim, **acc)
             dv_acc = new(batch, rows, kv.stop - kv.start, dim, **acc)
+            inputs = (
+                dout[:, :, h0:h1], q[:, :, h0:h1], k[:, :, kv], v[:, :, kv], lse[:, h0:h1],
+                delta[:, h0:h1],
+            )  # fmt: skip
             for i, (w, r) in enumerate(branches):
                 span = BranchSpan(start, end, min(w, seq_len), r)
                 backend.backward_branch(
-                    dout[:, :, h0:h1], q[:, :, h0:h1], k[:, :, kv], v[:, :, kv], lse[:, h0:h1],
-                    delta[:, h0:h1], key_mask, dq_acc, dk_acc, dv_acc, span, delta_row0=start,
+                    *inputs, key_mask, dq_acc, dk_acc, dv_acc, span, delta_row0=start,
                     grad_row0=start, accumulate=i > 0 or not covers_all, head0=h0, **options,
                 )  # fmt: skip
             if extra is not None:
