@@ -3,7 +3,9 @@
     python benchmarks/bench_block_sparse.py --out benchmarks/results/block_sparse_h100
 
 For each sequence length and density (random block masks, block 128, H = 16, D = 128, bf16):
-``block_sparse_attention`` with the mask (``Custom``), PyTorch's compiled ``flex_attention`` with a
+``block_sparse_attention`` with the mask (``Custom``) as it chooses (on CUDA our Triton kernels
+without gradients, FlexAttention with them) and with ``backend="triton"`` and ``"flex"``,
+PyTorch's compiled ``flex_attention`` with a
 ``BlockMask`` built from the same mask (``create_block_mask``, no library code), and dense cuDNN
 SDPA on the same shape (timed before and after the sparse rows of each length; speed-ups use the
 faster of the two); forward and forward+backward median times (CUDA events), peak memory, and
@@ -107,6 +109,18 @@ def main() -> None:
                 "ours": (
                     lambda q, k, v, p=pattern: block_sparse_attention(
                         q, k, v, p, block_size=args.block_size
+                    ),
+                    leaves,
+                ),
+                "ours, backend='triton'": (
+                    lambda q, k, v, p=pattern: block_sparse_attention(
+                        q, k, v, p, block_size=args.block_size, backend="triton"
+                    ),
+                    leaves,
+                ),
+                "ours, backend='flex'": (
+                    lambda q, k, v, p=pattern: block_sparse_attention(
+                        q, k, v, p, block_size=args.block_size, backend="flex"
                     ),
                     leaves,
                 ),

@@ -1,0 +1,383 @@
+"""Triton kernels for block-sparse attention: only the kept (query block, key block) pairs.
+
+Imported on first use (it needs the ``triton`` package); ``block_sparse.py`` drives it.
+
+Note [Block-sparse Triton kernels]
+    The block mask (causal already applied) becomes two lists in CSR form (``block_lists``): for
+    every query block the key blocks it keeps, and for every key block the query blocks that keep
+    it. A forward program owns ``BLOCK_M`` query rows of one head and walks the key list of their
+    block in ``BLOCK_N``-row tiles with the online softmax, then writes its rows of ``out`` and
+    ``lse`` once. The backward is the FlashAttention-2 split: a dK/dV program owns ``BLOCK_N``
+    key rows of one key/value head and walks, for every query head of its GQA group, the query
+    blocks that keep its key block; a dQ program owns ``BLOCK_M`` query rows and walks the key
+    list again. Every program writes its own rows once, so no output needs zero-filling and no
+    atomics are used: an atomic dQ inside the dK/dV loop (five products instead of seven) was
+    slower on an H100 than the separate dQ pass (``benchmarks/results/diagnostics_session10.md``).
+
+    Tiles never straddle blocks, so ``block_size`` must be a multiple of the tile rows (64).
+    Rows past the end of the query or key tensor load as zeros: the forward gives them ``-inf``
+    scores; in the backward a zero key row adds nothing to dQ (``ds * k``) and its own dK/dV rows
+    are never stored, and a zero query row has ``dout = 0`` and adds nothing to dK/dV (Note [Rows
+    past the end] in ``_triton_kernels.py``). Under the causal mask only the diagonal block's
+    tiles need the ``q >= kv`` test, but it is applied to every tile of a causal call: cheaper
+    than a branch in the pipelined loop.
+
+Shapes: q, dout, out, dq (B, Nq, H, D); k, v, dk, dv (B, Nk, Hkv, D); lse, delta (B, H, Nq)
+float32, natural log.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton_kernels import _DOT_PRECISION, _block_d, row_delta
+
+LOG2E = 1.4426950408889634
+
+#: Rows of every tile; ``block_size`` must be a multiple of it.
+TILE_ROWS = 64
+
+
+@dataclass(frozen=True)
+class BlockLists:
+    """The kept block pairs as CSR lists (int32, on the kernels' device).
+
+    Attributes:
+        key_start, key_blocks: key blocks of query block ``i`` are
+            ``key_blocks[key_start[i]:key_start[i + 1]]``, ascending.
+        query_start, query_blocks: query blocks that keep key block ``j``, likewise.
+    """
+
+    key_start: torch.Tensor
+    key_blocks: torch.Tensor
+    query_start: torch.Tensor
+    query_blocks: torch.Tensor
+
+
+def _csr(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    start = torch.zeros(mask.shape[0] + 1, dtype=torch.int32)
+    start[1:] = mask.sum(1).cumsum(0)
+    return start, mask.nonzero()[:, 1].to(torch.int32)
+
+
+def block_lists(mask: torch.Tensor, device: torch.device) -> BlockLists:
+    """``BlockLists`` of a (query blocks, key blocks) bool mask (causal already applied)."""
+    key_start, key_blocks = _csr(mask)
+    query_start, query_blocks = _csr(mask.t())
+    return BlockLists(*(t.to(device) for t in (key_start, key_blocks, query_start, query_blocks)))
+
+
+# -- device helpers --------------------------------------------------------------------------------
+# Every tensor of the query side (q, dout, out, dq) shares one set of strides, and so does every
+# tensor of the key side (k, v, dk, dv): a tile's 64-bit element offsets are formed once and
+# serve both loads of a pair (k and v, q and dout), which measured 8-12% faster on an H100 than
+# forming them per tensor.
+
+
+@triton.jit
+def _offsets(rows, stride_n, offs_d):
+    """(len(rows), BLOCK_D) int64 element offsets of ``rows``."""
+    return rows.to(tl.int64)[:, None] * stride_n + offs_d[None, :]
+
+
+@triton.jit
+def _tile(ptr, offsets, rows, limit, offs_d, HEAD_DIM: tl.constexpr, EVEN: tl.constexpr):
+    """The tile at ``ptr + offsets``; rows at or past ``limit`` and columns past ``HEAD_DIM``
+    read 0. ``EVEN``: every row and column exists (no mask)."""
+    if EVEN:
+        tile = tl.load(ptr + offsets)
+    else:
+        keep = (rows < limit)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        tile = tl.load(ptr + offsets, mask=keep, other=0.0)
+    return tile
+
+
+@triton.jit
+def _store_tile(ptr, offsets, rows, limit, offs_d, value, HEAD_DIM: tl.constexpr,
+                EVEN: tl.constexpr):  # fmt: skip
+    value = value.to(ptr.dtype.element_ty)
+    if EVEN:
+        tl.store(ptr + offsets, value)
+    else:
+        keep = (rows < limit)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        tl.store(ptr + offsets, value, mask=keep)
+
+
+@triton.jit
+def _row_stats(lse_ptr, delta_ptr, rows, limit, EVEN: tl.constexpr):
+    """``lse`` in log2 units (``+inf`` for rows that see no key: their probabilities are 0) and
+    ``delta`` of ``rows`` (0 past ``limit``)."""
+    if EVEN:
+        lse = tl.load(lse_ptr + rows)
+        delta = tl.load(delta_ptr + rows)
+    else:
+        lse = tl.load(lse_ptr + rows, mask=rows < limit, other=0.0)
+        delta = tl.load(delta_ptr + rows, mask=rows < limit, other=0.0)
+    return tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634, delta
+
+
+# -- kernels (Note [Block-sparse Triton kernels]) ------------------------------------------------
+# Strides: ``stride_q*`` of every query-side tensor, ``stride_k*`` of every key-side tensor,
+# ``stride_l*`` of lse and delta (B, H, Nq).
+@triton.jit
+def _forward_kernel(
+    Q, K, V, Out, Lse, KeyStart, KeyBlocks,
+    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_lb, stride_lh,
+    query_len, key_len, kv_group, qk_scale,
+    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, EVEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    m0 = pid_m * BLOCK_M
+    first = tl.load(KeyStart + m0 // BLOCK)
+    last = tl.load(KeyStart + m0 // BLOCK + 1)
+    TILES: tl.constexpr = BLOCK // BLOCK_N
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_row0 = b * stride_qb + h * stride_qh
+    q_offsets = _offsets(offs_m, stride_qn, offs_d)
+    q = _tile(Q + q_row0, q_offsets, offs_m, query_len, offs_d, HEAD_DIM, EVEN)
+    kv_row0 = b * stride_kb + (h // kv_group) * stride_kh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for t in range(first * TILES, last * TILES):
+        offs_n = tl.load(KeyBlocks + t // TILES) * BLOCK + (t % TILES) * BLOCK_N + offs_n0
+        kv_offsets = _offsets(offs_n, stride_kn, offs_d)
+        k = _tile(K + kv_row0, kv_offsets, offs_n, key_len, offs_d, HEAD_DIM, EVEN)
+        v = _tile(V + kv_row0, kv_offsets, offs_n, key_len, offs_d, HEAD_DIM, EVEN)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if CAUSAL or not EVEN:
+            valid = (offs_n < key_len)[None, :]
+            if CAUSAL:
+                valid = valid & (offs_m[:, None] >= offs_n[None, :])
+            qk = tl.where(valid, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        m_safe = m_new
+        if CAUSAL or not EVEN:  # a row may have seen no key yet
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk * qk_scale - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(
+        seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634, float("-inf")
+    )
+    _store_tile(Out + q_row0, q_offsets, offs_m, query_len, offs_d, out, HEAD_DIM, EVEN)
+    lse_ptrs = Lse + b * stride_lb + h * stride_lh + offs_m
+    if EVEN:
+        tl.store(lse_ptrs, lse)
+    else:
+        tl.store(lse_ptrs, lse, mask=offs_m < query_len)
+
+
+@triton.jit
+def _dkdv_kernel(
+    Q, K, V, DO, Lse, Delta, DK, DV, QueryStart, QueryBlocks,
+    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_lb, stride_lh,
+    query_len, key_len, kv_group, qk_scale, scale,
+    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, EVEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """dK and dV of ``BLOCK_N`` key rows of one key/value head."""
+    pid_n = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    n0 = pid_n * BLOCK_N
+    first = tl.load(QueryStart + n0 // BLOCK)
+    last = tl.load(QueryStart + n0 // BLOCK + 1)
+    TILES: tl.constexpr = BLOCK // BLOCK_M
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_row0 = b * stride_kb + kvh * stride_kh
+    kv_offsets = _offsets(offs_n, stride_kn, offs_d)
+    k = _tile(K + kv_row0, kv_offsets, offs_n, key_len, offs_d, HEAD_DIM, EVEN)
+    v = _tile(V + kv_row0, kv_offsets, offs_n, key_len, offs_d, HEAD_DIM, EVEN)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for g in range(0, kv_group):
+        h = kvh * kv_group + g
+        q_row0 = b * stride_qb + h * stride_qh
+        stats_row0 = b * stride_lb + h * stride_lh
+        for t in range(first * TILES, last * TILES):
+            offs_m = tl.load(QueryBlocks + t // TILES) * BLOCK + (t % TILES) * BLOCK_M + offs_m0
+            q_offsets = _offsets(offs_m, stride_qn, offs_d)
+            q = _tile(Q + q_row0, q_offsets, offs_m, query_len, offs_d, HEAD_DIM, EVEN)
+            do = _tile(DO + q_row0, q_offsets, offs_m, query_len, offs_d, HEAD_DIM, EVEN)
+            lse, delta = _row_stats(Lse + stats_row0, Delta + stats_row0, offs_m, query_len, EVEN)
+            qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+            p_t = tl.exp2(qk_t * qk_scale - lse[None, :])
+            if CAUSAL:
+                p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+    _store_tile(DK + kv_row0, kv_offsets, offs_n, key_len, offs_d, dk * scale, HEAD_DIM, EVEN)
+    _store_tile(DV + kv_row0, kv_offsets, offs_n, key_len, offs_d, dv, HEAD_DIM, EVEN)
+
+
+@triton.jit
+def _dq_kernel(
+    Q, K, V, DO, Lse, Delta, DQ, KeyStart, KeyBlocks,
+    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_lb, stride_lh,
+    query_len, key_len, kv_group, qk_scale, scale,
+    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, EVEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """dQ of ``BLOCK_M`` query rows of one head."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    m0 = pid_m * BLOCK_M
+    first = tl.load(KeyStart + m0 // BLOCK)
+    last = tl.load(KeyStart + m0 // BLOCK + 1)
+    TILES: tl.constexpr = BLOCK // BLOCK_N
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_row0 = b * stride_qb + h * stride_qh
+    q_offsets = _offsets(offs_m, stride_qn, offs_d)
+    q = _tile(Q + q_row0, q_offsets, offs_m, query_len, offs_d, HEAD_DIM, EVEN)
+    do = _tile(DO + q_row0, q_offsets, offs_m, query_len, offs_d, HEAD_DIM, EVEN)
+    stats_row0 = b * stride_lb + h * stride_lh
+    lse, delta = _row_stats(Lse + stats_row0, Delta + stats_row0, offs_m, query_len, EVEN)
+    kv_row0 = b * stride_kb + (h // kv_group) * stride_kh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for t in range(first * TILES, last * TILES):
+        offs_n = tl.load(KeyBlocks + t // TILES) * BLOCK + (t % TILES) * BLOCK_N + offs_n0
+        kv_offsets = _offsets(offs_n, stride_kn, offs_d)
+        k = _tile(K + kv_row0, kv_offsets, offs_n, key_len, offs_d, HEAD_DIM, EVEN)
+        v = _tile(V + kv_row0, kv_offsets, offs_n, key_len, offs_d, HEAD_DIM, EVEN)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        p = tl.exp2(qk * qk_scale - lse[:, None])
+        if CAUSAL:
+            p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    _store_tile(DQ + q_row0, q_offsets, offs_m, query_len, offs_d, dq * scale, HEAD_DIM, EVEN)
+
+
+# -- launchers -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Tiles:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _tiles(block_size: int) -> dict[str, _Tiles]:
+    """Tiles per kernel, from ``benchmarks/results/diagnostics_session10.md`` (H100, N = 65,536,
+    H = 16, D = 128, bf16, random 10% block mask of 128-token blocks): forward 128 x 64 with 4
+    warps and 3 stages 7.2 ms against 8.0-12.7 ms for the other tiles and for tensor-descriptor
+    loads; dK/dV 64 x 64 with 4 warps 12.6 ms (14.0-83 ms); dQ 64 x 64 with 4 warps 10.0 ms
+    (10.3-13.4 ms with pointer loads)."""
+    forward_rows = 128 if block_size % 128 == 0 else TILE_ROWS
+    return {
+        "forward": _Tiles(forward_rows, 64, 4, 3),
+        "dkdv": _Tiles(64, 64, 4, 3),
+        "dq": _Tiles(64, 64, 4, 3),
+    }
+
+
+def _even(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether every tile row and column exists (no masked loads or stores)."""
+    dim = q.shape[-1]
+    return q.shape[1] % 128 == 0 and k.shape[1] % 128 == 0 and dim == _block_d(dim)
+
+
+def _strides(first: torch.Tensor, *others: torch.Tensor) -> tuple[int, int, int]:
+    """The (batch, row, head) strides that ``first`` and ``others`` share (contiguous tensors of
+    one shape; a dim of size 1 may carry any stride, as it is only ever indexed at 0)."""
+    for x in others:
+        for size, a, b in zip(first.shape[:3], first.stride()[:3], x.stride()[:3], strict=True):
+            if size > 1 and a != b:
+                raise RuntimeError(
+                    f"block-sparse Triton kernels: strides {first.stride()} and {x.stride()} differ"
+                )
+    return first.stride(0), first.stride(1), first.stride(2)
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lists: BlockLists,
+    *,
+    block_size: int,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-sparse attention forward: ``out`` (B, Nq, H, D) in q's dtype, ``lse`` (B, H, Nq)
+    float32 (``-inf`` for rows that see no key, whose ``out`` is 0). Inputs contiguous."""
+    batch, query_len, heads, dim = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads, query_len, dtype=torch.float32, device=q.device)
+    tiles = _tiles(block_size)["forward"]
+    grid = (triton.cdiv(query_len, tiles.block_m), heads, batch)
+    _forward_kernel[grid](
+        q, k, v, out, lse, lists.key_start, lists.key_blocks,
+        *_strides(q, out), *_strides(k, v), lse.stride(0), lse.stride(1),
+        query_len, k.shape[1], heads // k.shape[2], scale * LOG2E,
+        BLOCK=block_size, HEAD_DIM=dim, BLOCK_D=_block_d(dim), BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, CAUSAL=is_causal, EVEN=_even(q, k),
+        DOT_PRECISION=_DOT_PRECISION[q.dtype], num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )  # fmt: skip
+    return out, lse
+
+
+def backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    lists: BlockLists,
+    *,
+    block_size: int,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact gradients ``(dq, dk, dv)`` in the inputs' dtypes from the forward's ``out`` and
+    ``lse`` (B, H, Nq). Inputs contiguous."""
+    batch, query_len, heads, dim = q.shape
+    key_len, kv_heads = k.shape[1], k.shape[2]
+    delta = row_delta(out, dout, 0, query_len)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    tiles = _tiles(block_size)
+    common = dict(
+        BLOCK=block_size, HEAD_DIM=dim, BLOCK_D=_block_d(dim), CAUSAL=is_causal,
+        EVEN=_even(q, k), DOT_PRECISION=_DOT_PRECISION[q.dtype],
+    )  # fmt: skip
+    args = (
+        *_strides(q, dout, dq), *_strides(k, v, dk, dv), *_strides(lse, delta)[:2],
+        query_len, key_len, heads // kv_heads, scale * LOG2E, scale,
+    )  # fmt: skip
+    config = tiles["dkdv"]
+    _dkdv_kernel[(triton.cdiv(key_len, config.block_n), kv_heads, batch)](
+        q, k, v, dout, lse, delta, dk, dv, lists.query_start, lists.query_blocks, *args,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
+        num_stages=config.num_stages, **common,
+    )  # fmt: skip
+    config = tiles["dq"]
+    _dq_kernel[(triton.cdiv(query_len, config.block_m), heads, batch)](
+        q, k, v, dout, lse, delta, dq, lists.key_start, lists.key_blocks, *args,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
+        num_stages=config.num_stages, **common,
+    )  # fmt: skip
+    return dq, dk, dv

@@ -1,0 +1,138 @@
+"""The block-sparse Triton kernels (``backends/_triton_block_sparse.py``) against the float64
+dense masked oracle: outputs, lse and all gradients; causal and not, ragged last blocks, query
+and key lengths that differ, GQA, rows that see no key, head dims that are not powers of two.
+Every output buffer starts NaN-filled, so a row no kernel writes shows.
+
+The tests ask for ``backend="triton"`` (on CUDA the kernels are also the automatic choice for
+calls without gradients); on a machine without a GPU, ``TRITON_INTERPRET=1 pytest
+tests/test_block_sparse_triton.py`` runs them through Triton's interpreter (float32 and float16).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from oracle import masked_attention
+from test_block_sparse import _oracle, token_mask
+from test_triton_backend import KERNEL_DEVICES, _poison_new_buffers, _skip_without_triton
+from tolerances import LOW_PRECISION, assert_close_to_oracle
+
+import dilated_attention.block_sparse as bs_mod
+from dilated_attention import block_sparse_attention
+from dilated_attention import patterns as P
+
+CASES = [
+    # (Nq, Nk, block_size, kv_heads, head_dim, pattern)
+    (256, 256, 64, 4, 64, P.LocalWindow(1)),
+    (200, 200, 64, 2, 64, P.Random(0.3, seed=3) | P.LocalWindow(0)),
+    (300, 190, 128, 1, 48, P.GlobalLocal(1, 0)),
+    (130, 260, 64, 2, 64, P.DilatedBlocks((2,))),
+    (320, 320, 64, 4, 32, P.Custom(torch.eye(5, dtype=torch.bool).roll(1, 1))),  # empty rows
+    (512, 512, 256, 2, 64, P.Random(0.5, seed=1)),
+    (384, 384, 128, 2, 128, P.Random(0.4, seed=2) | P.LocalWindow(0)),
+]
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
+def test_triton_kernels_match_oracle(
+    device: str, dtypes: list[torch.dtype], case: int, is_causal: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    _skip_without_triton(device)
+    nq, nk, block_size, kv_heads, dim, pattern = CASES[case]
+    mask = token_mask(pattern, block_size, nq, nk, is_causal)
+    backend = "triton"
+    for dtype in dtypes:
+        gen = torch.Generator().manual_seed(case)
+        shapes = [(2, nq, 4, dim), (2, nk, kv_heads, dim), (2, nk, kv_heads, dim), (2, nq, 4, dim)]
+        q, k, v, dout = (torch.randn(s, generator=gen).to(dtype) for s in shapes)
+        leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
+        chosen = bs_mod._choose(
+            leaves[0], leaves[1], is_causal=is_causal, block_size=block_size, needs_grad=True,
+            backend=backend,
+        )  # fmt: skip
+        assert chosen == bs_mod.TRITON_KERNELS, f"the Triton kernels were not chosen: {chosen}"
+        with monkeypatch.context() as patch:
+            _poison_new_buffers(patch)
+            out, lse = block_sparse_attention(
+                *leaves, pattern, block_size=block_size, is_causal=is_causal, backend=backend,
+                return_lse=True,
+            )  # fmt: skip
+            grads = [g.cpu() for g in torch.autograd.grad(out, leaves, dout.to(device))]
+        out, lse = out.detach().cpu(), lse.cpu()
+        ref_out, ref_lse, ref_grads = _oracle(q, k, v, dout, mask)
+        low_out = low_lse = None
+        low_grads: list[torch.Tensor | None] = [None, None, None]
+        if dtype in LOW_PRECISION:
+            low = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+            low_out, low_lse = masked_attention(*low, mask.expand(4, -1, -1), compute_dtype=dtype)
+            low_grads = list(torch.autograd.grad(low_out, low, dout))
+        assert out.dtype == dtype and lse.dtype == torch.float32
+        assert_close_to_oracle(out, ref_out, low_out, name="out", dtype=dtype)
+        assert_close_to_oracle(lse, ref_lse, low_lse, name="lse", dtype=dtype)
+        for name, g, rg, lg in zip("qkv", grads, ref_grads, low_grads, strict=True):
+            assert_close_to_oracle(g, rg, lg, name=f"d{name}", dtype=dtype, grad=True)
+        empty = mask.sum(1) == 0
+        if bool(empty.any()):
+            assert torch.equal(out[:, empty], torch.zeros_like(out[:, empty]))
+            assert bool(torch.isneginf(lse[:, :, empty]).all())
+
+
+def test_reasons_name_the_block_size_head_dim_and_dtype() -> None:
+    """What keeps the Triton kernels from running is said, not guessed (checked without a GPU)."""
+    q, k = torch.zeros(1, 96, 2, 256), torch.zeros(1, 96, 2, 256)
+    reasons = "; ".join(bs_mod.triton_kernel_reasons(q, k, 48))
+    assert "block_size 48 is not a multiple of 64" in reasons
+    assert "head_dim 256 > 128" in reasons
+    assert bs_mod.triton_kernel_reasons(q[..., :64], k[..., :64], 128) == (
+        bs_mod.triton_kernel_reasons(q[..., :64], k[..., :64], 64)
+    )
+
+
+@pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
+def test_unsupported_block_size_runs_the_fallback(device: str, dtypes: list[torch.dtype]) -> None:
+    """``backend="triton"`` with a block size the kernels cannot tile runs the fallback plan
+    with the dense Triton kernel, and gives the same result as the math fallback."""
+    _skip_without_triton(device)
+    dtype = dtypes[0]
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 150, 2, 32, generator=gen).to(device, dtype) for _ in range(3))
+    chosen = bs_mod._choose(q, k, is_causal=True, block_size=48, needs_grad=False, backend="triton")
+    assert not isinstance(chosen, str) and chosen.name == "triton"
+    pattern = P.LocalWindow(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        got = block_sparse_attention(q, k, v, pattern, block_size=48, is_causal=True,
+                                     backend="triton")  # fmt: skip
+    want = block_sparse_attention(q.float(), k.float(), v.float(), pattern, block_size=48,
+                                  is_causal=True, backend="math")  # fmt: skip
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+def test_cuda_choice_by_gradients_block_size_and_dtype() -> None:
+    """On CUDA, nothing asked for: the Triton kernels for calls without gradients (16-bit inputs,
+    block sizes that are multiples of 64), FlexAttention for training and for everything else."""
+    q = torch.zeros(1, 256, 2, 64, device="cuda", dtype=torch.bfloat16)
+
+    def choose(x: torch.Tensor, block_size: int, needs_grad: bool, backend: str | None = None):
+        return bs_mod._choose(
+            x, x, is_causal=False, block_size=block_size, needs_grad=needs_grad, backend=backend
+        )
+
+    assert choose(q, 128, needs_grad=False) == bs_mod.TRITON_KERNELS
+    assert choose(q, 128, needs_grad=True) == bs_mod.FLEX_KERNEL
+    assert choose(q, 128, needs_grad=True, backend="triton") == bs_mod.TRITON_KERNELS
+    assert choose(q, 48, needs_grad=False) == bs_mod.FLEX_KERNEL
+    assert choose(q.float(), 64, needs_grad=False) == bs_mod.FLEX_KERNEL
+    assert choose(q, 128, needs_grad=False, backend="flex") == bs_mod.FLEX_KERNEL
+    leaf = q.clone().requires_grad_()
+    with torch.no_grad():
+        want = block_sparse_attention(leaf, leaf, leaf, P.LocalWindow(0), backend="triton")
+        got = block_sparse_attention(leaf, leaf, leaf, P.LocalWindow(0))  # no grad: Triton
+    assert torch.equal(got, want)
