@@ -12,7 +12,8 @@ tokens, ``LocalWindow(0)`` and ``is_causal=True``::
     query 3     . . x x . . . .
     ...
 
-Two kernels compute it:
+Three kernels compute it: the fallback, FlexAttention, and our block-sparse Triton kernels (Note
+[Block-sparse Triton kernels] in ``backends/_triton_block_sparse.py``; chosen by ``_choose``).
 
 Note [Block-sparse plan]
     The fallback (CPU, and CUDA without FlexAttention) computes only the kept pairs. For every
@@ -701,9 +702,12 @@ def block_sparse_attention(
         block_size: tokens per block; the last block may be shorter.
         is_causal: top-left aligned causal mask (query ``p`` sees keys ``t <= p``).
         scale: softmax scale; ``None`` means ``D ** -0.5``.
-        backend: ``None`` picks FlexAttention on CUDA where it runs, else the registry's kernel
-            for the fallback (Note [Block-sparse plan]); ``"flex"`` forces FlexAttention; any
-            other name from ``list_backends()`` runs the fallback with that kernel. A pattern
+        backend: ``None`` picks, on CUDA, our block-sparse Triton kernels for calls without
+            gradients and FlexAttention for training (each where it runs), else the registry's
+            kernel for the fallback (Note [Block-sparse plan]); ``"triton"`` forces our Triton
+            kernels where they run (else the fallback with the dense Triton kernel); ``"flex"``
+            forces FlexAttention; any other name from ``list_backends()`` runs the fallback with
+            that kernel. A pattern
             that keeps every block pair runs dense ``attention`` with the same ``backend``
             (Note [Dense fallback]), except under ``"flex"``.
         return_lse: also return the log-sum-exp.
