@@ -82,7 +82,7 @@ def test_triton_kernels_match_oracle(
             assert bool(torch.isneginf(lse[:, :, empty]).all())
 
 
-def test_reasons_name_the_block_size_head_dim_and_dtype() -> None:
+def test_reasons_name_the_block_size_and_head_dim() -> None:
     """What keeps the Triton kernels from running is said, not guessed (checked without a GPU)."""
     q, k = torch.zeros(1, 96, 2, 256), torch.zeros(1, 96, 2, 256)
     reasons = "; ".join(bs_mod.triton_kernel_reasons(q, k, 48))
