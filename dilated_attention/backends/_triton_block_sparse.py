@@ -108,6 +108,18 @@ def _store_tile(ptr, offsets, rows, limit, offs_d, value, HEAD_DIM: tl.constexpr
 
 
 @triton.jit
+def _list_tiles(Start, block, TILES: tl.constexpr):
+    """``[lo, hi)``: the tiles of block ``block``'s CSR list, ``TILES`` per listed block."""
+    return tl.load(Start + block) * TILES, tl.load(Start + block + 1) * TILES
+
+
+@triton.jit
+def _listed_rows(Blocks, t, offs0, BLOCK: tl.constexpr, TILES: tl.constexpr):
+    """Rows of list tile ``t``: tile ``t % TILES`` of block ``Blocks[t // TILES]``."""
+    return tl.load(Blocks + t // TILES) * BLOCK + (t % TILES) * offs0.shape[0] + offs0
+
+
+@triton.jit
 def _row_stats(lse_ptr, delta_ptr, rows, limit, EVEN: tl.constexpr):
     """``lse`` in log2 units (``+inf`` for rows that see no key: their probabilities are 0) and
     ``delta`` of ``rows`` (0 past ``limit``)."""
@@ -135,9 +147,8 @@ def _forward_kernel(
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     m0 = pid_m * BLOCK_M
-    first = tl.load(KeyStart + m0 // BLOCK)
-    last = tl.load(KeyStart + m0 // BLOCK + 1)
     TILES: tl.constexpr = BLOCK // BLOCK_N
+    lo, hi = _list_tiles(KeyStart, m0 // BLOCK, TILES)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -148,8 +159,8 @@ def _forward_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for t in range(first * TILES, last * TILES):
-        offs_n = tl.load(KeyBlocks + t // TILES) * BLOCK + (t % TILES) * BLOCK_N + offs_n0
+    for t in range(lo, hi):
+        offs_n = _listed_rows(KeyBlocks, t, offs_n0, BLOCK, TILES)
         kv_offsets = _offsets(offs_n, stride_kn, offs_d)
         k = _tile(K + kv_row0, kv_offsets, offs_n, key_len, offs_d, HEAD_DIM, EVEN)
         v = _tile(V + kv_row0, kv_offsets, offs_n, key_len, offs_d, HEAD_DIM, EVEN)
@@ -194,9 +205,8 @@ def _dkdv_kernel(
     kvh = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     n0 = pid_n * BLOCK_N
-    first = tl.load(QueryStart + n0 // BLOCK)
-    last = tl.load(QueryStart + n0 // BLOCK + 1)
     TILES: tl.constexpr = BLOCK // BLOCK_M
+    lo, hi = _list_tiles(QueryStart, n0 // BLOCK, TILES)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -210,8 +220,8 @@ def _dkdv_kernel(
         h = kvh * kv_group + g
         q_row0 = b * stride_qb + h * stride_qh
         stats_row0 = b * stride_lb + h * stride_lh
-        for t in range(first * TILES, last * TILES):
-            offs_m = tl.load(QueryBlocks + t // TILES) * BLOCK + (t % TILES) * BLOCK_M + offs_m0
+        for t in range(lo, hi):
+            offs_m = _listed_rows(QueryBlocks, t, offs_m0, BLOCK, TILES)
             q_offsets = _offsets(offs_m, stride_qn, offs_d)
             q = _tile(Q + q_row0, q_offsets, offs_m, query_len, offs_d, HEAD_DIM, EVEN)
             do = _tile(DO + q_row0, q_offsets, offs_m, query_len, offs_d, HEAD_DIM, EVEN)
@@ -241,9 +251,8 @@ def _dq_kernel(
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     m0 = pid_m * BLOCK_M
-    first = tl.load(KeyStart + m0 // BLOCK)
-    last = tl.load(KeyStart + m0 // BLOCK + 1)
     TILES: tl.constexpr = BLOCK // BLOCK_N
+    lo, hi = _list_tiles(KeyStart, m0 // BLOCK, TILES)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -255,8 +264,8 @@ def _dq_kernel(
     lse, delta = _row_stats(Lse + stats_row0, Delta + stats_row0, offs_m, query_len, EVEN)
     kv_row0 = b * stride_kb + (h // kv_group) * stride_kh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for t in range(first * TILES, last * TILES):
-        offs_n = tl.load(KeyBlocks + t // TILES) * BLOCK + (t % TILES) * BLOCK_N + offs_n0
+    for t in range(lo, hi):
+        offs_n = _listed_rows(KeyBlocks, t, offs_n0, BLOCK, TILES)
         kv_offsets = _offsets(offs_n, stride_kn, offs_d)
         k = _tile(K + kv_row0, kv_offsets, offs_n, key_len, offs_d, HEAD_DIM, EVEN)
         v = _tile(V + kv_row0, kv_offsets, offs_n, key_len, offs_d, HEAD_DIM, EVEN)
