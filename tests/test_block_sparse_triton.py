@@ -14,10 +14,8 @@ import warnings
 
 import pytest
 import torch
-from oracle import masked_attention
-from test_block_sparse import _oracle, token_mask
+from test_block_sparse import check_kernel_result, token_mask
 from test_triton_backend import KERNEL_DEVICES, _poison_new_buffers, _skip_without_triton
-from tolerances import LOW_PRECISION, assert_close_to_oracle
 
 import dilated_attention.block_sparse as bs_mod
 from dilated_attention import block_sparse_attention
@@ -63,23 +61,7 @@ def test_triton_kernels_match_oracle(
                 return_lse=True,
             )  # fmt: skip
             grads = [g.cpu() for g in torch.autograd.grad(out, leaves, dout.to(device))]
-        out, lse = out.detach().cpu(), lse.cpu()
-        ref_out, ref_lse, ref_grads = _oracle(q, k, v, dout, mask)
-        low_out = low_lse = None
-        low_grads: list[torch.Tensor | None] = [None, None, None]
-        if dtype in LOW_PRECISION:
-            low = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-            low_out, low_lse = masked_attention(*low, mask.expand(4, -1, -1), compute_dtype=dtype)
-            low_grads = list(torch.autograd.grad(low_out, low, dout))
-        assert out.dtype == dtype and lse.dtype == torch.float32
-        assert_close_to_oracle(out, ref_out, low_out, name="out", dtype=dtype)
-        assert_close_to_oracle(lse, ref_lse, low_lse, name="lse", dtype=dtype)
-        for name, g, rg, lg in zip("qkv", grads, ref_grads, low_grads, strict=True):
-            assert_close_to_oracle(g, rg, lg, name=f"d{name}", dtype=dtype, grad=True)
-        empty = mask.sum(1) == 0
-        if bool(empty.any()):
-            assert torch.equal(out[:, empty], torch.zeros_like(out[:, empty]))
-            assert bool(torch.isneginf(lse[:, :, empty]).all())
+        check_kernel_result(q, k, v, dout, mask, out.detach().cpu(), lse.cpu(), grads)
 
 
 def test_reasons_name_the_block_size_and_head_dim() -> None:
