@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import itertools
 import json
 import os
 import sys
@@ -62,26 +63,35 @@ def _randn(shape: tuple[int, ...], seed: int, device: torch.device) -> torch.Ten
 
 
 def check(device: torch.device, world: int) -> None:
-    """Ring results equal single-GPU results (bf16 tolerances) on a small sequence."""
+    """Ring results equal single-GPU results (bf16 tolerances) on a small sequence, without and
+    with a key padding mask (random keys, and the sequence's last eighth as padding)."""
     seq_len, heads, dim = 2048 * world, 8, 64
     q, k, v, dout = (_randn((1, seq_len, heads, dim), s, device) for s in range(4))
-    for causal in (False, True):
+    gen = torch.Generator(device=device).manual_seed(7)
+    padding = torch.rand(1, seq_len, generator=gen, device=device) < 0.2
+    padding[:, seq_len - seq_len // 8 :] = True
+    for causal, mask in itertools.product((False, True), (None, padding)):
         layout = "zigzag" if causal else "contiguous"
+        shard = functools.partial(shard_sequence, layout=layout)
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref = attention(*leaves, is_causal=causal)
+        ref = attention(*leaves, is_causal=causal, key_padding_mask=mask)
         grads = torch.autograd.grad(ref, leaves, dout)
-        local = [shard_sequence(t, layout=layout).requires_grad_() for t in (q, k, v)]
-        out = ring_attention(*local, is_causal=causal, layout=layout)
-        lgrads = torch.autograd.grad(out, local, shard_sequence(dout, layout=layout))
-        torch.testing.assert_close(out, shard_sequence(ref, layout=layout), atol=2e-2, rtol=2e-2)
+        local = [shard(t).requires_grad_() for t in (q, k, v)]
+        local_mask = None if mask is None else shard(mask)
+        out = ring_attention(*local, is_causal=causal, layout=layout, key_padding_mask=local_mask)
+        lgrads = torch.autograd.grad(out, local, shard(dout))
+        torch.testing.assert_close(out, shard(ref), atol=2e-2, rtol=2e-2)
         for a, b in zip(lgrads, grads, strict=True):
-            torch.testing.assert_close(a, shard_sequence(b, layout=layout), atol=5e-2, rtol=5e-2)
+            torch.testing.assert_close(a, shard(b), atol=5e-2, rtol=5e-2)
         segs, rates = longnet_schedule(seq_len, 512)
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref = dilated_attention(*leaves, segs, rates, is_causal=causal)
+        ref = dilated_attention(*leaves, segs, rates, is_causal=causal, key_padding_mask=mask)
         grads = torch.autograd.grad(ref, leaves, dout)
         local = [shard_sequence(t).requires_grad_() for t in (q, k, v)]
-        out = ring_dilated_attention(*local, segs, rates, is_causal=causal)
+        local_mask = None if mask is None else shard_sequence(mask)
+        out = ring_dilated_attention(
+            *local, segs, rates, is_causal=causal, key_padding_mask=local_mask
+        )
         lgrads = torch.autograd.grad(out, local, shard_sequence(dout))
         torch.testing.assert_close(out, shard_sequence(ref), atol=2e-2, rtol=2e-2)
         for a, b in zip(lgrads, grads, strict=True):
@@ -239,6 +249,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-dense", action="store_true")
+    parser.add_argument("--check-only", action="store_true",
+                        help="run the checks against single-GPU results, time nothing")  # fmt: skip
     parser.add_argument(
         "--process-group-backend", default="nccl", choices=["nccl", "cpu:gloo,cuda:nccl"],
         help="with a CPU backend the per-call agreement check runs on the CPU (README)",
@@ -259,6 +271,9 @@ def main() -> None:
     check(device, world)
     if rank == 0:
         print(f"world {world}: ring results match single-GPU results", flush=True)
+    if args.check_only:
+        dist.destroy_process_group()
+        return
     rows = [] if args.skip_dense else bench_dense(args, device, world)
     rows += bench_dilated(args, device, world)
     if rank == 0:

@@ -143,6 +143,10 @@ class _MultiheadProjections(nn.Module):
         if self.norm is not None:
             self.norm.reset_parameters()
 
+    def _check_key_padding_mask(self, mask: object, query: torch.Tensor) -> None:
+        """Check the (B, N) key padding mask before any projection is computed."""
+        V.check_key_padding_mask(mask, query.shape[0], query.shape[1], query.device)
+
     def _check_input(self, name: str, x: object) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a tensor (batch, seq_len, embed_dim), got {type(x)}")
@@ -183,7 +187,7 @@ class _MultiheadProjections(nn.Module):
                 f"works within one sequence), got query.shape={tuple(query.shape)}, "
                 f"key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
             )
-        V.check_key_padding_mask(key_padding_mask, query.shape[0], query.shape[1], query.device)
+        self._check_key_padding_mask(key_padding_mask, query)
         q = rearrange(self.q_proj(query), "b n (h d) -> b n h d", h=self.num_heads)
         k = rearrange(self.k_proj(key), "b n (h d) -> b n h d", h=self.num_kv_heads)
         v = rearrange(self.v_proj(value), "b n (h d) -> b n h d", h=self.num_kv_heads)

@@ -54,12 +54,14 @@ class Case:
     dtype: torch.dtype = torch.float64
     scale: float | None = None
     contiguous_inputs: bool = True  # False: pass q, k, v shards as strided (transposed) views
+    masked: bool = False  # pass a key padding mask (:func:`_padding_mask`)
 
     def __str__(self) -> str:
         return (
             f"[{self.layout} causal={self.is_causal} H={HEADS} Hkv={self.kv_heads} "
             f"comm={self.comm} backend={self.backend} {str(self.dtype).removeprefix('torch.')}"
-            f" scale={self.scale}{'' if self.contiguous_inputs else ' non-contiguous'}]"
+            f" scale={self.scale}{'' if self.contiguous_inputs else ' non-contiguous'}"
+            f"{' masked' if self.masked else ''}]"
         )
 
 
@@ -78,7 +80,22 @@ def _matrix() -> list[Case]:
     cases.append(Case("contiguous", True, 1, "ring", None, torch.float64, scale=0.7))
     cases.append(Case("zigzag", True, 2, "ring", "cpu_flash", contiguous_inputs=False))
     cases.append(Case("contiguous", False, 1, "allgather", "math", contiguous_inputs=False))
+    for layout, is_causal in (("contiguous", False), ("contiguous", True), ("zigzag", True)):
+        for kv_heads, comm, backend in ((HEADS, "ring", "math"), (2, "allgather", "cpu_flash"),
+                                        (1, "ring", "cpu_flash")):  # fmt: skip
+            cases.append(Case(layout, is_causal, kv_heads, comm, backend, masked=True))
+    cases.append(Case("zigzag", True, 2, "ring", None, torch.float32, masked=True))
     return cases
+
+
+def _padding_mask(seq_len: int) -> torch.Tensor:
+    """A (B, N) key padding mask: random keys in batch 0; in batch 1 the first LOCAL_LEN + 1 keys
+    (so causal rows of the first shard see no key and give zeros) and every third key after."""
+    gen = torch.Generator().manual_seed(seq_len)
+    mask = torch.rand(BATCH, seq_len, generator=gen) < 0.3
+    mask[1] = torch.arange(seq_len) % 3 == 0
+    mask[1, : LOCAL_LEN + 1] = True
+    return mask
 
 
 def _full_inputs(
@@ -115,6 +132,7 @@ def _references(
     dout: torch.Tensor,
     is_causal: bool,
     scale: float | None,
+    mask: torch.Tensor | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Full-sequence float64 results: from the library's math kernel and from the oracle."""
     results = []
@@ -122,10 +140,13 @@ def _references(
         qq, kk, vv = (t.detach().to(torch.float64).requires_grad_() for t in (q, k, v))
         if name == "math":
             out, lse = dilated_attention.attention(
-                qq, kk, vv, is_causal=is_causal, scale=scale, backend="math", return_lse=True
-            )
+                qq, kk, vv, is_causal=is_causal, scale=scale, backend="math", return_lse=True,
+                key_padding_mask=mask,
+            )  # fmt: skip
         else:
-            out, lse = oracle_attention(qq, kk, vv, is_causal=is_causal, scale=scale)
+            out, lse = oracle_attention(
+                qq, kk, vv, is_causal=is_causal, scale=scale, key_padding_mask=mask
+            )
         out.backward(dout.to(torch.float64))
         results.append(
             {
@@ -148,10 +169,13 @@ def _run_ring_case(case: Case, world_size: int, group: dist.ProcessGroup | None 
     seq_len = LOCAL_LEN * world_size
     q, k, v, dout = _full_inputs(seq_len, case.kv_heads)
     q, k, v, dout = (t.to(case.dtype) for t in (q, k, v, dout))
-    refs = _references(q, k, v, dout, case.is_causal, case.scale)
+    mask = _padding_mask(seq_len) if case.masked else None
+    refs = _references(q, k, v, dout, case.is_causal, case.scale, mask)
 
     def shard(x: torch.Tensor, seq_dim: int = 1) -> torch.Tensor:
         return shard_sequence(x, group=group, layout=case.layout, seq_dim=seq_dim)
+
+    local_mask = None if mask is None else shard(mask)
 
     ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
     args = (ql, kl, vl)
@@ -160,11 +184,11 @@ def _run_ring_case(case: Case, world_size: int, group: dist.ProcessGroup | None 
         assert not args[0].is_contiguous()
     out, lse = ring_attention(
         *args, group=group, is_causal=case.is_causal, scale=case.scale, layout=case.layout,
-        backend=case.backend, return_lse=True, comm=case.comm,
+        backend=case.backend, return_lse=True, comm=case.comm, key_padding_mask=local_mask,
     )  # fmt: skip
     plain = ring_attention(
         ql, kl, vl, group=group, is_causal=case.is_causal, scale=case.scale, layout=case.layout,
-        backend=case.backend, comm=case.comm,
+        backend=case.backend, comm=case.comm, key_padding_mask=local_mask,
     )  # fmt: skip
     out.backward(shard(dout))
     out_full = unshard_sequence(out.detach(), group=group, layout=case.layout)
@@ -283,61 +307,67 @@ def _check_bytes(rank: int, world_size: int) -> None:
     blocks again (ring) and this rank's dK/dV parts straight to each block's owner, in the
     kernel's gradient dtype, and only for blocks it made a call against: causal with the
     contiguous layout, rank r sends parts for the r earlier blocks only (Note [Gradients go
-    home])."""
+    home]). A key padding mask travels with its block: one byte per key."""
     n = LOCAL_LEN
     for dtype in (torch.float32, torch.float64):
         elem = torch.finfo(dtype).bits // 8
         forward_bytes: dict[int, int] = {}
-        for kv_heads in (HEADS, 2, 1):
-            block = 2 * BATCH * n * kv_heads * HEAD_DIM * elem  # K and V of one rank
-            parts = rank * block  # math kernel: gradients in the input dtype; blocks 0..rank-1
-            for comm in ("ring", "allgather"):
-                where = f"[rank {rank}/{world_size} {dtype} Hkv={kv_heads} comm={comm}]"
-                q, k, v, dout = _local_qkv(world_size, kv_heads, dtype, "contiguous")
-                q.requires_grad_()
-                k.requires_grad_()
-                v.requires_grad_()
-                with count_exchanges(ring=ring_mod, comm=comm_mod) as log:
-                    out = ring_attention(q, k, v, is_causal=True, backend="math", comm=comm)
-                    fwd = {key: list(val) for key, val in log.items()}
-                    out.backward(dout)
-                bwd = {key: val[len(fwd[key]) :] for key, val in log.items()}
-                fwd_total = sum(fwd["ring_sent"]) + sum(fwd["comm_sent"])
-                assert fwd_total == (world_size - 1) * block, (
-                    f"{where} forward sent {fwd_total} bytes ({fwd}); expected "
-                    f"(W-1)={world_size - 1} K/V blocks of 2*B*n*Hkv*D*{elem} = {block} bytes"
+        for kv_heads, comm, masked in itertools.product(
+            (HEADS, 2, 1), ("ring", "allgather"), (False, True)
+        ):
+            kv_block = 2 * BATCH * n * kv_heads * HEAD_DIM * elem  # K and V of one rank
+            block = kv_block + BATCH * n * masked  # what travels per rank: K, V (and the mask)
+            parts = rank * kv_block  # math kernel: gradients in the input dtype; blocks 0..rank-1
+            where = f"[rank {rank}/{world_size} {dtype} Hkv={kv_heads} comm={comm} masked={masked}]"
+            q, k, v, dout = _local_qkv(world_size, kv_heads, dtype, "contiguous")
+            q.requires_grad_()
+            k.requires_grad_()
+            v.requires_grad_()
+            mask = _no_padding(n) if masked else None
+            with count_exchanges(ring=ring_mod, comm=comm_mod) as log:
+                out = ring_attention(
+                    q, k, v, is_causal=True, backend="math", comm=comm, key_padding_mask=mask
                 )
-                for prefix in ("ring", "comm"):
-                    assert fwd[f"{prefix}_sent"] == fwd[f"{prefix}_recv"], (
-                        f"{where} {prefix}: sent {fwd[f'{prefix}_sent']} != received "
-                        f"{fwd[f'{prefix}_recv']}"
-                    )
-                # Parts for this rank's block come from the later ranks only.
-                got_recv = sum(bwd["ring_recv"]) + sum(bwd["comm_recv"])
-                expected_recv = (world_size - 1) * block + (world_size - 1 - rank) * block
-                assert got_recv == expected_recv, (
-                    f"{where} backward received {got_recv} bytes ({bwd}); expected (W-1) K/V "
-                    f"blocks + {world_size - 1 - rank} dK/dV parts = {expected_recv}"
+                fwd = {key: list(val) for key, val in log.items()}
+                out.backward(dout)
+            bwd = {key: val[len(fwd[key]) :] for key, val in log.items()}
+            fwd_total = sum(fwd["ring_sent"]) + sum(fwd["comm_sent"])
+            assert fwd_total == (world_size - 1) * block, (
+                f"{where} forward sent {fwd_total} bytes ({fwd}); expected "
+                f"(W-1)={world_size - 1} K/V blocks of 2*B*n*Hkv*D*{elem} = {block} bytes"
+            )
+            for prefix in ("ring", "comm"):
+                assert fwd[f"{prefix}_sent"] == fwd[f"{prefix}_recv"], (
+                    f"{where} {prefix}: sent {fwd[f'{prefix}_sent']} != received "
+                    f"{fwd[f'{prefix}_recv']}"
                 )
-                if comm == "ring":
-                    assert fwd["ring_sent"] == [block] * (world_size - 1), (
-                        f"{where} forward exchanges {fwd['ring_sent']}, expected W-1 of {block}"
-                    )
-                    expected_bwd = (world_size - 1) * block + parts
-                    got_bwd = sum(bwd["ring_sent"]) + sum(bwd["comm_sent"])
-                    assert got_bwd == expected_bwd, (
-                        f"{where} backward sent {got_bwd} bytes ({bwd}); expected (W-1) K/V blocks"
-                        f" + {rank} dK/dV parts = {expected_bwd}"
-                    )
+            # Parts for this rank's block come from the later ranks only.
+            got_recv = sum(bwd["ring_recv"]) + sum(bwd["comm_recv"])
+            expected_recv = (world_size - 1) * block + (world_size - 1 - rank) * kv_block
+            assert got_recv == expected_recv, (
+                f"{where} backward received {got_recv} bytes ({bwd}); expected (W-1) K/V "
+                f"blocks + {world_size - 1 - rank} dK/dV parts = {expected_recv}"
+            )
+            if comm == "ring":
+                assert fwd["ring_sent"] == [block] * (world_size - 1), (
+                    f"{where} forward exchanges {fwd['ring_sent']}, expected W-1 of {block}"
+                )
+                expected_bwd = (world_size - 1) * block + parts
+                got_bwd = sum(bwd["ring_sent"]) + sum(bwd["comm_sent"])
+                assert got_bwd == expected_bwd, (
+                    f"{where} backward sent {got_bwd} bytes ({bwd}); expected (W-1) K/V blocks"
+                    f" + {rank} dK/dV parts = {expected_bwd}"
+                )
+                if not masked:
                     forward_bytes[kv_heads] = fwd_total
-                else:
-                    assert not fwd["ring_sent"], f"{where} allgather used ring exchanges {fwd}"
-                    expected_bwd = (world_size - 1) * block + parts
-                    got_bwd = sum(bwd["comm_sent"]) + sum(bwd["ring_sent"])
-                    assert got_bwd == expected_bwd, (
-                        f"{where} backward sent {got_bwd} bytes ({bwd}); expected (W-1) K/V blocks"
-                        f" (all-gather) + {rank} dK/dV parts = {expected_bwd}"
-                    )
+            else:
+                assert not fwd["ring_sent"], f"{where} allgather used ring exchanges {fwd}"
+                expected_bwd = (world_size - 1) * block + parts
+                got_bwd = sum(bwd["comm_sent"]) + sum(bwd["ring_sent"])
+                assert got_bwd == expected_bwd, (
+                    f"{where} backward sent {got_bwd} bytes ({bwd}); expected (W-1) K/V blocks"
+                    f" (all-gather) + {rank} dK/dV parts = {expected_bwd}"
+                )
         # Only key/value heads travel: bytes scale with Hkv, never with H.
         assert forward_bytes[2] * 2 == forward_bytes[HEADS] == forward_bytes[1] * HEADS, (
             f"[rank {rank}] forward bytes by Hkv {forward_bytes} not proportional to Hkv"
@@ -443,6 +473,11 @@ def _qkv(
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
+def _no_padding(n: int) -> torch.Tensor:
+    """A (BATCH, n) key padding mask that masks nothing."""
+    return torch.zeros(BATCH, n, dtype=torch.bool)
+
+
 def _bad_input_worker(rank: int, world_size: int) -> None:
     """Every malformed or mismatched call raises ValueError on every rank; the group stays sane."""
     assert world_size == 2, world_size
@@ -462,6 +497,11 @@ def _bad_input_worker(rank: int, world_size: int) -> None:
          lambda: ring_attention(*_qkv(6), is_causal=True, layout="zigzag" if r0 else "contiguous")),
         ("comm differs", r"comm differs across ranks",
          lambda: ring_attention(*_qkv(6), comm="ring" if r0 else "allgather")),
+        ("key_padding_mask on rank 0 only", r"key_padding_mask given \(0/1\) differs",
+         lambda: ring_attention(*_qkv(6), key_padding_mask=_no_padding(6) if r0 else None)),
+        ("key_padding_mask (B, 5) on rank 1",
+         r"rejected their ring attention inputs|key_padding_mask must have shape",
+         lambda: ring_attention(*_qkv(6), key_padding_mask=_no_padding(6 if r0 else 5))),
     ]  # fmt: skip
     malformed = [
         ("zigzag with is_causal=False", r"zigzag.*is_causal=False",

@@ -48,22 +48,40 @@ def _tensors(kv_heads: int) -> list[torch.Tensor]:
     return [torch.randn(s, dtype=torch.float64, generator=gen) for s in shapes]
 
 
+def _padding_mask() -> torch.Tensor:
+    """A (B, N) key padding mask: random keys in batch 0; in batch 1 the first 7 keys (causal rows
+    before them, and in some branches rows after them, see no key) and every third key."""
+    mask = torch.rand(B, N, generator=torch.Generator().manual_seed(5)) < 0.3
+    mask[1] = torch.arange(N) % 3 == 0
+    mask[1, :7] = True
+    return mask
+
+
 def _check_against_oracle(rank: int, world_size: int) -> None:
-    for (segs, rates), causal, layout, kv_heads in itertools.product(
-        SCHEDULES, [False, True], ["contiguous", "zigzag"], [4, 2, 1]
+    for (segs, rates), causal, layout, kv_heads, masked in itertools.product(
+        SCHEDULES, [False, True], ["contiguous", "zigzag"], [4, 2, 1], [False, True]
     ):
         if layout == "zigzag" and (not causal or N % (2 * world_size)):
             continue
+        if masked and kv_heads == 4:  # masks with GQA and MQA; plain heads run unmasked
+            continue
         q, k, v, dout = _tensors(kv_heads)
+        mask = _padding_mask() if masked else None
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref, ref_lse = oracle_dilated_attention(*leaves, segs, rates, is_causal=causal)
+        ref, ref_lse = oracle_dilated_attention(
+            *leaves, segs, rates, is_causal=causal, key_padding_mask=mask
+        )
         ref_grads = torch.autograd.grad(ref, leaves, dout)
         local = [shard_sequence(t, layout=layout).requires_grad_() for t in (q, k, v)]
         out, lse = ring_dilated_attention(
-            *local, segs, rates, is_causal=causal, layout=layout, return_lse=True
-        )
+            *local, segs, rates, is_causal=causal, layout=layout, return_lse=True,
+            key_padding_mask=None if mask is None else shard_sequence(mask, layout=layout),
+        )  # fmt: skip
         grads = torch.autograd.grad(out, local, shard_sequence(dout, layout=layout))
-        case = f"rank {rank}/{world_size} {segs} {rates} causal={causal} {layout} Hkv={kv_heads}"
+        case = (
+            f"rank {rank}/{world_size} {segs} {rates} causal={causal} {layout} Hkv={kv_heads}"
+            f"{' masked' if masked else ''}"
+        )
         tight = {"atol": 1e-10, "rtol": 1e-7}
         torch.testing.assert_close(
             out,
@@ -123,24 +141,32 @@ def test_ring_dilated_low_precision(tmp_path: Path) -> None:
 def _check_fused_engine(rank: int, world_size: int) -> None:
     n = 48
     gen = torch.Generator().manual_seed(0)
-    for (segs, rates), (causal, layout), kv_heads in itertools.product(
+    mask = torch.rand(1, n, generator=gen) < 0.3
+    mask[0, :7] = True  # the first causal rows see no key
+    for (segs, rates), (causal, layout), (kv_heads, masked) in itertools.product(
         [((12, 48), (1, 4)), ((24, 96), (2, 3)), ((96,), (2,))],
         [(False, "contiguous"), (True, "contiguous"), (True, "zigzag")],
-        [4, 2],
+        [(4, False), (2, False), (2, True)],
     ):  # local rate-1 + spanning; local strided + spanning; spanning only
         shapes = [(1, n, h, 16) for h in (4, kv_heads, kv_heads, 4)]
         q, k, v, dout = (torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes)
+        key_padding_mask = mask if masked else None
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        want, want_lse = oracle_dilated_attention(*leaves, segs, rates, is_causal=causal)
+        want, want_lse = oracle_dilated_attention(
+            *leaves, segs, rates, is_causal=causal, key_padding_mask=key_padding_mask
+        )
         want_grads = torch.autograd.grad(want, leaves, dout)
         shard = functools.partial(shard_sequence, layout=layout)
         local = [shard(t).float().requires_grad_() for t in (q, k, v)]
         out, lse = ring_dilated_attention(
             *local, segs, rates, is_causal=causal, layout=layout, backend="triton",
-            return_lse=True,
+            return_lse=True, key_padding_mask=None if not masked else shard(mask),
         )  # fmt: skip
         grads = torch.autograd.grad(out, local, shard(dout).float())
-        case = f"rank {rank}/{world_size} {segs} {rates} causal={causal} {layout} Hkv={kv_heads}"
+        case = (
+            f"rank {rank}/{world_size} {segs} {rates} causal={causal} {layout} Hkv={kv_heads}"
+            f"{' masked' if masked else ''}"
+        )
         fp32 = {"atol": 1e-5, "rtol": 1e-5}
         torch.testing.assert_close(out.double(), shard(want), **fp32, msg=case)
         torch.testing.assert_close(lse.double(), shard(want_lse, seq_dim=2), **fp32, msg=case)
@@ -177,12 +203,16 @@ def _check_bytes(rank: int, world_size: int) -> None:
                 values.clear()
             return total
 
+        mask = shard_sequence(_padding_mask())
         for segs, rates in [((n,), (1,)), ((n // 2, n), (1, 2))]:  # local branches only
             q, k, v, _ = _tensors(H)
             local = [shard_sequence(t) for t in (q, k, v)]
-            ring_dilated_attention(*local, segs, rates, is_causal=True)
-            local_bytes = sent()
-            assert local_bytes == 0, f"local branches {segs} sent {local_bytes} bytes"
+            for key_padding_mask in (None, mask):
+                ring_dilated_attention(
+                    *local, segs, rates, is_causal=True, key_padding_mask=key_padding_mask
+                )
+                local_bytes = sent()
+                assert local_bytes == 0, f"local branches {segs} sent {local_bytes} bytes"
         for rate in (1, 2, 3, 4, 6):  # one branch spanning every rank
             q, k, v, _ = _tensors(H)
             local = [shard_sequence(t) for t in (q, k, v)]
@@ -194,6 +224,12 @@ def _check_bytes(rank: int, world_size: int) -> None:
                 f"(1/r of the dense ring's {dense_ring})"
             )
             assert spanning > 0
+            # A key padding mask adds one byte per sent row: 1 / (2 D * 8) of the K/V bytes.
+            ring_dilated_attention(*local, (N,), (rate,), is_causal=True, key_padding_mask=mask)
+            masked = sent()
+            assert masked == spanning * (1 + 1 / (2 * D * 8)), (
+                f"spanning branch r={rate} with a mask sent {masked} bytes, without {spanning}"
+            )
         # Segments of two ranks' tokens: each rank sends its rows to its segment's other rank
         # only, not around the whole group. The backward keeps the forward's rows and sends only
         # their gradients back.
@@ -234,8 +270,17 @@ def _check_module(rank: int, world_size: int) -> None:
         grad = p_ring.grad.clone()
         dist.all_reduce(grad)  # parameters are replicated: their gradients add over ranks
         torch.testing.assert_close(grad, p_full.grad, atol=1e-9, rtol=1e-7, msg=name)
-    with pytest.raises(ValueError, match="key_padding_mask"):
-        ring(x_local, key_padding_mask=torch.zeros(2, N // world_size, dtype=torch.bool))
+    # With a key padding mask: the same as the local layer on the whole sequence.
+    mask = _padding_mask()
+    full_masked, _ = local_layer(x, is_causal=True, key_padding_mask=mask)
+    out_masked, _ = ring(x_local, is_causal=True, key_padding_mask=shard_sequence(mask))
+    torch.testing.assert_close(out_masked, shard_sequence(full_masked), atol=1e-10, rtol=1e-7)
+    # A mask of the wrong shape on one rank raises on every rank (checked by the ring call).
+    bad = torch.zeros(2, N // world_size - (rank == 1), dtype=torch.bool)
+    with pytest.raises(
+        ValueError, match=r"rejected their ring attention inputs|key_padding_mask must have shape"
+    ):
+        ring(x_local, key_padding_mask=bad)
 
 
 def test_ring_multihead_module_matches_local_module(tmp_path: Path) -> None:

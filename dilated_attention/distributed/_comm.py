@@ -60,17 +60,23 @@ def wait_all(requests: Sequence[dist.Work]) -> None:
         req.wait()
 
 
-def ring_all_gather(x: torch.Tensor, ranks: Sequence[int], me: int) -> list[torch.Tensor]:
-    """Every rank's ``x`` (same shape everywhere), in the order of ``ranks``, by passing around
-    the ring ``ranks`` (global ranks; ``me`` is this process's index in it) in ``len - 1`` steps."""
+def ring_all_gather(
+    tensors: Sequence[torch.Tensor], ranks: Sequence[int], me: int
+) -> list[tuple[torch.Tensor, ...]]:
+    """Every rank's ``tensors`` (the same shapes everywhere), in the order of ``ranks``, by passing
+    them around the ring ``ranks`` (global ranks; ``me`` is this process's index in it) in
+    ``len - 1`` steps, all of one rank's tensors in one batch per step."""
     size = len(ranks)
-    out: list[torch.Tensor | None] = [None] * size
-    out[me] = x
-    current = x.contiguous()
+    out: list[tuple[torch.Tensor, ...] | None] = [None] * size
+    out[me] = tuple(tensors)
+    current = tuple(t.contiguous() for t in tensors)
     for step in range(1, size):
-        incoming = torch.empty_like(current)
+        incoming = tuple(torch.empty_like(t) for t in current)
         wait_all(
-            exchange([(current, ranks[(me + 1) % size])], [(incoming, ranks[(me - 1) % size])])
+            exchange(
+                [(t, ranks[(me + 1) % size]) for t in current],
+                [(t, ranks[(me - 1) % size]) for t in incoming],
+            )
         )
         out[(me - step) % size] = incoming
         current = incoming

@@ -28,14 +28,6 @@ def _no_dropout(dropout: float) -> None:
         )
 
 
-def _no_mask(key_padding_mask: torch.Tensor | None) -> None:
-    if key_padding_mask is not None:
-        raise ValueError(
-            "key_padding_mask is not supported by ring attention; pass None (pack sequences "
-            "without padding, or use the local modules)"
-        )
-
-
 class RingAttention(nn.Module):
     """Exact dense attention over a sequence sharded across ``group``; see ``ring_attention``.
 
@@ -72,11 +64,14 @@ class RingAttention(nn.Module):
         value: torch.Tensor,
         *,
         is_causal: bool = False,
+        key_padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """query (B, n, H, D), key/value (B, n, Hkv, D) local shards -> (B, n, H, D)."""
+        """query (B, n, H, D), key/value (B, n, Hkv, D), key_padding_mask (B, n) bool or None:
+        local shards -> (B, n, H, D)."""
         out = ring_attention(
             query, key, value, group=self.group, is_causal=is_causal, scale=self.scale,
             layout=self.layout, backend=self.backend, comm=self.comm,
+            key_padding_mask=key_padding_mask,
         )  # fmt: skip
         assert isinstance(out, torch.Tensor)  # return_lse=False: for the type checker
         return out
@@ -118,11 +113,12 @@ class RingDilatedAttention(DilatedAttention):
         is_causal: bool = False,
         key_padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """query (B, n, H, D), key/value (B, n, Hkv, D) local shards -> (B, n, H, D)."""
-        _no_mask(key_padding_mask)
+        """query (B, n, H, D), key/value (B, n, Hkv, D), key_padding_mask (B, n) bool or None:
+        local shards -> (B, n, H, D)."""
         out = ring_dilated_attention(
             query, key, value, self.segment_lengths, self.dilation_rates, group=self.group,
             is_causal=is_causal, scale=self.scale, layout=self.layout, backend=self.backend,
+            key_padding_mask=key_padding_mask,
         )  # fmt: skip
         assert isinstance(out, torch.Tensor)
         return out
@@ -161,6 +157,10 @@ class RingMultiheadDilatedAttention(MultiheadDilatedAttention):
             segment_lengths, dilation_rates, group=group, dropout=dropout, backend=backend,
             layout=layout,
         )  # fmt: skip
+
+    def _check_key_padding_mask(self, mask: object, query: torch.Tensor) -> None:
+        """Left to the ring call, which checks the mask on every rank together: a mask rejected
+        on one rank alone must raise on all of them, not leave the others waiting."""
 
 
 #: Read by the factory when kind="ring" is first requested (``factory._PROVIDERS``).

@@ -12,7 +12,8 @@ Note [Ring schedule]
     the *final* ``out``/``lse`` (Note [Backward with external statistics]) and sends them
     straight to the block's owner while the next step computes (Note [Gradients go home]).
     ``comm="allgather"`` instead gathers every block at once (Llama-3 style) and sends all parts
-    home at the end.
+    home at the end. A key padding mask travels with its keys (:class:`KeyBlock`): n bytes per
+    block beside the block's 2 n Hkv D values.
 
 Shape legend: B batch, n local tokens, H query heads, Hkv key/value heads, D head dim, W ranks.
 """
@@ -130,6 +131,41 @@ class RingSetup:
         return self.global_ranks[(self.rank - 1) % self.world_size]
 
 
+@dataclass(frozen=True)
+class KeyBlock:
+    """One rank's keys and values as they travel around the ring: ``kv`` (2, B, n, Hkv, D) and,
+    when the call has a key padding mask, ``mask`` (B, n) as uint8 (1 = ignore that key)."""
+
+    kv: torch.Tensor
+    mask: torch.Tensor | None = None
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """What is sent for this block, in order."""
+        return (self.kv,) if self.mask is None else (self.kv, self.mask)
+
+    def key_mask(self, rows: slice) -> torch.Tensor | None:
+        """The kernels' (B, 1, rows) bool key mask for ``rows`` of the block, or None."""
+        return None if self.mask is None else self.mask[:, None, rows].view(torch.bool)
+
+
+def _pass_on(block: KeyBlock, setup: RingSetup) -> tuple[list[dist.Work], KeyBlock]:
+    """Post ``block`` to the next rank and the receive of the previous rank's block."""
+    incoming = KeyBlock(*(torch.empty_like(t) for t in block.tensors()))
+    pending = exchange(
+        [(t, setup.next_rank) for t in block.tensors()],
+        [(t, setup.prev_rank) for t in incoming.tensors()],
+    )
+    return pending, incoming
+
+
+def _all_blocks(block: KeyBlock, setup: RingSetup) -> list[KeyBlock]:
+    """Every rank's block, in rank order (``comm="allgather"``)."""
+    return [
+        KeyBlock(*tensors)
+        for tensors in ring_all_gather(block.tensors(), setup.global_ranks, setup.rank)
+    ]
+
+
 @functools.cache
 def _fused_merge() -> Callable[..., None] | None:
     """The one-kernel Triton merge, or ``None`` where Triton cannot be imported (torch ops then)."""
@@ -162,13 +198,13 @@ def _merge_into(
 
 
 def ring_forward(
-    q: torch.Tensor, kv: torch.Tensor, setup: RingSetup, backend: Backend
+    q: torch.Tensor, local: KeyBlock, setup: RingSetup, backend: Backend
 ) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
     """Forward of Note [Ring schedule].
 
     Args:
         q: (B, n, H, D) local queries.
-        kv: (2, B, n, Hkv, D) local keys and values, contiguous.
+        local: this rank's keys and values (and mask), contiguous.
 
     Returns:
         ``out`` (B, n, H, D) float32, ``lse`` (B, n, H) float32, and every kernel call's ``aux``
@@ -181,27 +217,25 @@ def ring_forward(
         out, lse = out.double(), lse.double()
     auxes: list[Any] = []
 
-    def compute(block: torch.Tensor, src: int) -> None:
+    def compute(block: KeyBlock, src: int) -> None:
         for task in setup.tasks(src):
             res = backend.forward(
-                q[:, task.q], block[0][:, task.kv], block[1][:, task.kv],
-                scale=setup.scale, is_causal=task.causal,
+                q[:, task.q], block.kv[0][:, task.kv], block.kv[1][:, task.kv],
+                scale=setup.scale, is_causal=task.causal, key_mask=block.key_mask(task.kv),
             )  # fmt: skip
             auxes.append(res.aux)
             _merge_into(out, lse, task.q, res.out, res.lse)
 
     if setup.comm == "allgather":
-        blocks = ring_all_gather(kv, setup.global_ranks, setup.rank)
-        for src, block in enumerate(blocks):
+        for src, block in enumerate(_all_blocks(local, setup)):
             compute(block, src)
         return out, lse, auxes
-    block = kv
+    block = local
     for step in range(setup.world_size):
         src = (setup.rank - step) % setup.world_size
         pending, incoming = [], None
         if step < setup.world_size - 1:
-            incoming = torch.empty_like(block)
-            pending = exchange([(block, setup.next_rank)], [(incoming, setup.prev_rank)])
+            pending, incoming = _pass_on(block, setup)
         compute(block, src)
         wait_all(pending)
         if incoming is not None:
@@ -241,7 +275,7 @@ def _expected_parts(
 def ring_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
-    kv: torch.Tensor,
+    local: KeyBlock,
     out: torch.Tensor,
     lse: torch.Tensor,
     setup: RingSetup,
@@ -251,7 +285,8 @@ def ring_backward(
     """Backward of Note [Ring schedule].
 
     Args:
-        dout, q, out: (B, n, H, D); kv: (2, B, n, Hkv, D); lse: (B, H, n) final statistics.
+        dout, q, out: (B, n, H, D); local: this rank's block (kv (2, B, n, Hkv, D));
+        lse: (B, H, n) final statistics.
         auxes: the forward's kernel ``aux`` values, in call order.
 
     Returns:
@@ -259,17 +294,18 @@ def ring_backward(
     """
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    kv = local.kv
     dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
     aux_iter = iter(auxes)
 
-    def compute(block: torch.Tensor, src: int) -> list[Part]:
+    def compute(block: KeyBlock, src: int) -> list[Part]:
         """Kernel gradients against ``block``: dQ added into ``dq``; the dK/dV parts returned."""
         parts = []
         for task in setup.tasks(src):
             dq_t, dk_t, dv_t = backend.backward(
-                dout[:, task.q], q[:, task.q], block[0][:, task.kv], block[1][:, task.kv],
+                dout[:, task.q], q[:, task.q], block.kv[0][:, task.kv], block.kv[1][:, task.kv],
                 out[:, task.q], lse[:, :, task.q], next(aux_iter), scale=setup.scale,
-                is_causal=task.causal,
+                is_causal=task.causal, key_mask=block.key_mask(task.kv),
             )  # fmt: skip
             dq[:, task.q] += dq_t
             parts.append((task.kv, dk_t.contiguous(), dv_t.contiguous()))
@@ -282,9 +318,10 @@ def ring_backward(
     # the gradient dtype is known in time. A block this rank made no call against sends
     # nothing. Calls run in the forward's order: each consumes its own forward ``aux``.
     if setup.comm == "allgather":
-        blocks = ring_all_gather(kv, setup.global_ranks, setup.rank)
         send, wire = [], q.dtype
-        for src, block in enumerate(blocks):  # the forward's order: each call's aux in turn
+        for src, block in enumerate(
+            _all_blocks(local, setup)
+        ):  # the forward's order: each call's aux in turn
             parts = compute(block, src)
             if src == setup.rank:
                 _add_parts(dkv, parts)
@@ -303,7 +340,7 @@ def ring_backward(
     # Ring: at step s this rank computes its parts for the block of rank - s and sends them
     # there while the next step computes; meanwhile the parts for its own block computed by
     # rank + s arrive and are added.
-    block = kv
+    block = local
     returning: list[dist.Work] = []
     arriving: list[Part] = []
     in_flight: list[Part] = []  # the parts being sent: alive until their send is waited on
@@ -312,8 +349,7 @@ def ring_backward(
         src = (setup.rank - step) % setup.world_size
         pending, incoming = [], None
         if step < setup.world_size - 1:
-            incoming = torch.empty_like(block)
-            pending = exchange([(block, setup.next_rank)], [(incoming, setup.prev_rank)])
+            pending, incoming = _pass_on(block, setup)
         parts = compute(block, src)
         wait_all(returning)  # the previous step's parts have left; its arrivals are here
         in_flight.clear()
@@ -344,14 +380,18 @@ class RingAttentionFunction(torch.autograd.Function):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
         setup: RingSetup,
         backend: Backend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        kv = torch.stack([k, v]).contiguous()
-        out32, lse32, auxes = ring_forward(q, kv, setup, backend)
+        mask = None
+        if key_padding_mask is not None:  # bytes on the wire: gloo sends no bool tensors
+            mask = key_padding_mask.contiguous().view(torch.uint8)
+        local = KeyBlock(torch.stack([k, v]).contiguous(), mask)
+        out32, lse32, auxes = ring_forward(q, local, setup, backend)
         out = out32.to(q.dtype)
         lse = lse32.transpose(1, 2).contiguous()
-        ctx.save_for_backward(q, kv, out, lse)
+        ctx.save_for_backward(q, local.kv, mask, out, lse)
         ctx.setup, ctx.backend, ctx.auxes = setup, backend, auxes
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -360,17 +400,19 @@ class RingAttentionFunction(torch.autograd.Function):
     def backward(  # type: ignore[override]
         ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
-        q, kv, out, lse = ctx.saved_tensors
+        q, kv, mask, out, lse = ctx.saved_tensors
         dq, dkv = ring_backward(
-            dout.contiguous(), q, kv, out, lse, ctx.setup, ctx.backend, ctx.auxes
-        )
-        return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None
+            dout.contiguous(), q, KeyBlock(kv, mask), out, lse, ctx.setup, ctx.backend,
+            ctx.auxes,
+        )  # fmt: skip
+        return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None, None
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FIELDS = (
     "local seq_len", "batch", "query heads", "key/value heads", "head_dim", "dtype", "is_causal",
     "layout", "comm", "scale", "backend", "schedule (segment_lengths, dilation_rates)",
+    "key_padding_mask given (0/1)",
 )  # fmt: skip
 
 
@@ -395,8 +437,12 @@ def prepare_ring(
     comm: str,
     check_schedule: Callable[[], object] | None = None,
     dilated: bool = False,
+    key_padding_mask: object = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RingSetup, Backend]:
     """Validate a ring call on every rank and return contiguous q, k, v, the setup and the kernel.
+
+    ``key_padding_mask``, when given, must be this rank's (B, n) bool shard; every rank must pass
+    one or none.
 
     Each rank checks its own inputs, then all ranks exchange one small summary (a fixed number of
     integers: an error flag, shapes, dtype, options, a checksum of what ``check_schedule``
@@ -424,19 +470,23 @@ def prepare_ring(
                 "already does the same work: use layout='contiguous'"
             )
         n = q.shape[1]
+        V.check_key_padding_mask(key_padding_mask, q.shape[0], n, q.device)
+        has_mask = key_padding_mask is not None
         parts = chunks_per_rank(layout)
         if n % parts:
             raise ValueError(
                 f"the local seq_len ({n}) must be even for layout='zigzag' (two chunks per rank); "
                 "shard a sequence divisible by 2 x world size with shard_sequence"
             )
-        inputs = KernelInputs.from_tensors(q, k, is_causal=is_causal, dilated=dilated)
+        inputs = KernelInputs.from_tensors(
+            q, k, is_causal=is_causal, has_mask=has_mask, dilated=dilated
+        )
         kernel = select_backend(inputs, backend)
         dtype_code = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else len(_DTYPES)
         fields = [
             n, q.shape[0], q.shape[2], k.shape[2], q.shape[3], dtype_code, int(is_causal),
             LAYOUTS.index(layout), COMMS.index(comm), _float_bits(checked_scale),
-            _crc(backend), _crc(schedule),
+            _crc(backend), _crc(schedule), int(has_mask),
         ]  # fmt: skip
     except (ValueError, TypeError) as exc:
         error = exc
@@ -466,6 +516,7 @@ def ring_attention(
     backend: str | None = None,
     return_lse: bool = False,
     comm: str = "ring",
+    key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence sharded across ``group``; this rank's shard of the result.
 
@@ -480,6 +531,8 @@ def ring_attention(
         backend: kernel name, or ``None`` for the automatic choice.
         return_lse: also return the log-sum-exp (B, H, n).
         comm: ``"ring"`` (P2P, next block in flight during compute) or ``"allgather"``.
+        key_padding_mask: (B, n) bool, this rank's shard of the (B, N) mask (``True`` = ignore
+            that key; shard it like the keys), or None. Queries that see no key give zeros.
 
     Returns:
         ``out`` (B, n, H, D): this rank's shard of ``attention`` on the gathered sequence, with
@@ -491,7 +544,7 @@ def ring_attention(
     """
     q, k, v, setup, kernel = prepare_ring(
         query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
-        backend=backend, comm=comm,
+        backend=backend, comm=comm, key_padding_mask=key_padding_mask,
     )  # fmt: skip
-    out, lse = RingAttentionFunction.apply(q, k, v, setup, kernel)
+    out, lse = RingAttentionFunction.apply(q, k, v, key_padding_mask, setup, kernel)
     return (out, lse) if return_lse else out

@@ -10,8 +10,9 @@ Note [Local and spanning branches]
     few ranks each). Each rank attends its dilated query rows to the received rows of their
     segments. Causal masking splits that into the keys before the query run (full) and the run's
     own keys (causal). Only the kv heads a query head reads are sent: one (kv head, offset) pair
-    per group of query heads. The backward sends each peer the dK/dV of that peer's rows
-    straight back, and the owner sums them.
+    per group of query heads, and with a key padding mask one byte per sent row beside it. The
+    backward sends each peer the dK/dV of that peer's rows straight back, and the owner sums
+    them.
 
 Note [Spanning results stay compact]
     Spanning branches touch few (row, head) cells of a rank: 1/r of them. Their results are kept
@@ -67,6 +68,14 @@ class _Call:
         """The call's rows of x (B, n, H, E), contiguous: (B, c, P * Hp, E)."""
         rows = x.flatten(1, 2).index_select(1, self.cells)
         return rows.view(x.shape[0], *self.rows.shape, x.shape[-1])
+
+    def key_mask(self, gathered_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The call's kernel key mask (B, P * Hp, ck) from the gathered (B, W * R) mask, or None:
+        query head ``p * Hp + j`` reads the keys of run ``p``."""
+        if gathered_mask is None:
+            return None
+        per_run = gathered_mask[:, self.keys].transpose(1, 2)  # (B, P, ck)
+        return per_run.repeat_interleave(self.heads.numel() // self.keys.shape[1], dim=1)
 
     def take_lse(self, lse: torch.Tensor) -> torch.Tensor:
         """The call's entries of lse (B, H, n), contiguous: (B, P * Hp, c) as kernels take it."""
@@ -208,36 +217,60 @@ def _runs(pos: torch.Tensor, rate: int, segment: int) -> list[torch.Tensor]:
     return [torch.arange(a, b, device=pos.device) for a, b in itertools.pairwise(bounds)]
 
 
-def _gather(k: torch.Tensor, v: torch.Tensor, plan: SpanPlan, setup: RingSetup) -> torch.Tensor:
+#: A spanning branch's gathered rows: K/V (2, B, W * R, D) and their key padding mask (B, W * R)
+#: bool, or None without a mask.
+Gathered = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def _gather(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    plan: SpanPlan,
+    setup: RingSetup,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(2, B, W * R, D) from k, v (B, n, Hkv, D): the send buffers (rows of every pair, zero-padded
     to the common width R) of this rank and its peers, side by side in rank order; zeros for other
-    ranks, whose rows no kernel call of this rank reads (they share no segment with it)."""
+    ranks, whose rows no kernel call of this rank reads (they share no segment with it). With a
+    (B, n) key padding mask, also the mask of those rows (B, W * R), sent as bytes beside them."""
     batch, _, _, dim = k.shape
     buf = k.new_zeros(2, batch, plan.rows_per_rank, dim)
     buf[0, :, plan.slots] = k[:, plan.send_rows, plan.send_heads]
     buf[1, :, plan.slots] = v[:, plan.send_rows, plan.send_heads]
-    parts = [buf if j == setup.rank else torch.zeros_like(buf) for j in range(setup.world_size)]
+    mine = [buf]
+    if key_padding_mask is not None:  # gloo sends no bool tensors
+        mask = torch.zeros(batch, plan.rows_per_rank, dtype=torch.uint8, device=k.device)
+        mask[:, plan.slots] = key_padding_mask[:, plan.send_rows].to(torch.uint8)
+        mine.append(mask)
+    parts = [
+        mine if j == setup.rank else [torch.zeros_like(t) for t in mine]
+        for j in range(setup.world_size)
+    ]
     ranks = setup.global_ranks
-    wait_all(
-        exchange([(buf, ranks[j]) for j in plan.peers], [(parts[j], ranks[j]) for j in plan.peers])
-    )
-    return torch.cat(parts, dim=2)
+    send = [(t, ranks[j]) for j in plan.peers for t in mine]
+    recv = [(t, ranks[j]) for j in plan.peers for t in parts[j]]
+    wait_all(exchange(send, recv))
+    rows = torch.cat([p[0] for p in parts], dim=2)
+    if key_padding_mask is None:
+        return rows, None
+    return rows, torch.cat([p[1] for p in parts], dim=1).bool()
 
 
 def span_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
     plan: DilatedRingPlan,
     setup: RingSetup,
     backend: Backend,
     acc: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[list[Any]]]:
+) -> tuple[torch.Tensor, torch.Tensor, list[Gathered], list[list[Any]]]:
     """Every spanning branch, merged per cell (Note [Spanning results stay compact]).
 
     Returns:
         ``out`` (B, M, D) and ``lse`` (B, M) in ``acc`` over ``plan.q_cells`` (``-inf`` where no
-        key), each branch's gathered rows (2, B, W * R, D) and each kernel call's ``aux``.
+        key), each branch's gathered rows (:func:`_gather`) and each kernel call's ``aux``.
     """
     batch, _, _, dim = q.shape
     cells = plan.q_cells.rows.numel()
@@ -245,14 +278,15 @@ def span_forward(
     lse = torch.full((batch, cells), float("-inf"), dtype=acc, device=q.device)
     kept, auxes = [], []
     for span, positions in zip(plan.spans, plan.call_cells, strict=True):
-        gathered = _gather(k, v, span, setup)
-        kept.append(gathered)
+        gathered, gathered_mask = _gather(k, v, key_padding_mask, span, setup)
+        kept.append((gathered, gathered_mask))
         auxes.append([])
         for call, pos in zip(span.calls, positions, strict=True):
             keys = gathered[:, :, call.keys]  # (2, B, ck, P, D)
             res = backend.forward(
-                call.take(q), keys[0], keys[1], scale=setup.scale, is_causal=call.causal
-            )
+                call.take(q), keys[0], keys[1], scale=setup.scale, is_causal=call.causal,
+                key_mask=call.key_mask(gathered_mask),
+            )  # fmt: skip
             auxes[-1].append(res.aux)
             new_out, new_lse = merge_partial(
                 out.index_select(1, pos), lse.index_select(1, pos), res.out.flatten(1, 2),
@@ -271,7 +305,7 @@ def span_backward(
     plan: DilatedRingPlan,
     setup: RingSetup,
     backend: Backend,
-    gathered: list[torch.Tensor],
+    gathered: list[Gathered],
     auxes: list[list[Any]],
     acc: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,13 +321,14 @@ def span_backward(
     dkv = torch.zeros(2, batch, plan.kv_cells.rows.numel(), dim, dtype=acc, device=q.device)
     ranks = setup.global_ranks
     spans = zip(plan.spans, plan.call_cells, plan.send_cells, gathered, auxes, strict=True)
-    for span, positions, sent, rows_kv, span_auxes in spans:
+    for span, positions, sent, (rows_kv, rows_mask), span_auxes in spans:
         dgathered = torch.zeros(rows_kv.shape, dtype=acc, device=q.device)
         for call, pos, aux in zip(span.calls, positions, span_auxes, strict=True):
             keys = rows_kv[:, :, call.keys]  # (2, B, ck, P, D)
             dq_c, dk_c, dv_c = backend.backward(
                 call.take(dout), call.take(q), keys[0], keys[1], call.take(out),
                 call.take_lse(lse), aux, scale=setup.scale, is_causal=call.causal,
+                key_mask=call.key_mask(rows_mask),
             )  # fmt: skip
             dq.index_add_(1, pos, dq_c.flatten(1, 2).to(acc))
             flat = call.keys.reshape(-1)  # the same key row can serve two runs: index_add_ sums
@@ -391,6 +426,7 @@ class RingDilatedFunction(torch.autograd.Function):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
         plan: DilatedRingPlan,
         setup: RingSetup,
         backend: Backend,
@@ -400,7 +436,9 @@ class RingDilatedFunction(torch.autograd.Function):
         auxes: list[Any] = []
         merge: Any = None
         # Run when the engine first asks for them (Note [Spanning results stay compact])
-        spans = functools.cache(functools.partial(span_forward, q, k, v, plan, setup, backend, acc))
+        spans = functools.cache(
+            functools.partial(span_forward, q, k, v, key_padding_mask, plan, setup, backend, acc)
+        )
         if plan.spans:
 
             def merge(out: torch.Tensor, lse: torch.Tensor, *block: int) -> None:
@@ -409,14 +447,14 @@ class RingDilatedFunction(torch.autograd.Function):
 
         if plan.local and backend.fuses_dilated_branches:
             out, lse = fused_forward(
-                q, k, v, None, plan.local_branches, backend, is_causal=setup.is_causal,
-                scale=setup.scale, extra=merge,
+                q, k, v, key_padding_mask, plan.local_branches, backend,
+                is_causal=setup.is_causal, scale=setup.scale, extra=merge,
             )  # fmt: skip
         else:
             if plan.local:
                 # float32 output where the spanning results merge in, else the engine's own
                 out, lse, auxes = dilated_forward(
-                    q, k, v, None, plan.local, backend, is_causal=setup.is_causal,
+                    q, k, v, key_padding_mask, plan.local, backend, is_causal=setup.is_causal,
                     scale=setup.scale, dropout_p=0.0, out_dtype=acc if merge else None,
                 )  # fmt: skip
             else:
@@ -426,9 +464,10 @@ class RingDilatedFunction(torch.autograd.Function):
                 merge(out, lse, 0, n, 0, heads)
             out = out.to(q.dtype)
         gathered, span_auxes = spans()[2:] if plan.spans else ([], [])
-        ctx.save_for_backward(q, k, v, out, lse, *gathered)
+        ctx.save_for_backward(q, k, v, key_padding_mask, out, lse, *(g[0] for g in gathered))
         ctx.plan, ctx.setup, ctx.backend = plan, setup, backend
         ctx.auxes, ctx.span_auxes = auxes, span_auxes
+        ctx.gathered_masks = [g[1] for g in gathered]  # bool, never differentiated
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -436,7 +475,8 @@ class RingDilatedFunction(torch.autograd.Function):
     def backward(  # type: ignore[override]
         ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse, *gathered = ctx.saved_tensors
+        q, k, v, key_padding_mask, out, lse, *gathered_rows = ctx.saved_tensors
+        gathered = list(zip(gathered_rows, ctx.gathered_masks, strict=True))
         plan: DilatedRingPlan = ctx.plan
         setup: RingSetup = ctx.setup
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -464,13 +504,13 @@ class RingDilatedFunction(torch.autograd.Function):
 
         if plan.local and ctx.backend.fuses_dilated_branches:
             dq, dk, dv = fused_backward(
-                dout, q, k, v, out, lse, None, plan.local_branches, ctx.backend,
+                dout, q, k, v, out, lse, key_padding_mask, plan.local_branches, ctx.backend,
                 is_causal=setup.is_causal, scale=setup.scale, extra=add,
             )  # fmt: skip
-            return dq, dk, dv, None, None, None
+            return dq, dk, dv, None, None, None, None
         if plan.local:
             dq, dk, dv = dilated_backward(
-                dout, q, k, v, out, lse, None, plan.local, ctx.backend, ctx.auxes,
+                dout, q, k, v, out, lse, key_padding_mask, plan.local, ctx.backend, ctx.auxes,
                 is_causal=setup.is_causal, scale=setup.scale, dropout_p=0.0,
                 grad_dtype=acc if add else None,
             )  # fmt: skip
@@ -478,7 +518,7 @@ class RingDilatedFunction(torch.autograd.Function):
             dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
         if add is not None:
             add(dq, dk, dv, 0, q.shape[1], 0, heads)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def ring_dilated_attention(
@@ -494,6 +534,7 @@ def ring_dilated_attention(
     layout: str = "contiguous",
     backend: str | None = None,
     return_lse: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact dilated attention over a sequence sharded across ``group``: this rank's shard of
     ``dilated_attention`` on the gathered sequence (Note [Local and spanning branches]).
@@ -501,7 +542,8 @@ def ring_dilated_attention(
     Args:
         query: (B, n, H, D) this rank's shard; key, value: (B, n, Hkv, D).
         segment_lengths, dilation_rates: the branches, over global positions.
-        group, is_causal, scale, layout, backend, return_lse: as in ``ring_attention``.
+        group, is_causal, scale, layout, backend, return_lse, key_padding_mask: as in
+            ``ring_attention`` (the mask is this rank's (B, n) shard).
 
     Returns:
         ``out`` (B, n, H, D), or ``(out, lse)`` with ``lse`` (B, H, n); exact gradients for the
@@ -514,8 +556,10 @@ def ring_dilated_attention(
         query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
         backend=backend, comm="allgather", dilated=True,
         check_schedule=lambda: V.check_branches(segment_lengths, dilation_rates),
+        key_padding_mask=key_padding_mask,
     )  # fmt: skip
     segs, rates = V.check_branches(segment_lengths, dilation_rates)
     plan = plan_ring_dilated(setup, q, k, segs, rates)
-    out, lse = RingDilatedFunction.apply(q, k, v, plan, setup, kernel)
+    mask = None if key_padding_mask is None else key_padding_mask.contiguous()
+    out, lse = RingDilatedFunction.apply(q, k, v, mask, plan, setup, kernel)
     return (out, lse) if return_lse else out
