@@ -4,9 +4,12 @@ Shapes: B * N = 65536 tokens, H = 16, D in {64, 128}, causal and not, bf16; forw
 forward+backward through ``dilated_attention.attention(..., backend=name)``, i.e. what users get.
 TFLOP/s count 4*B*H*N^2*D for a forward (half when causal) and 3.5x that for forward+backward.
 Each row also records the automatic choice, so the record shows whether ``auto`` picked the
-fastest kernel. Writes a JSON record, a Markdown table and a PNG plot.
+fastest kernel. Writes a JSON record, a Markdown table and a PNG plot. ``--padding F`` passes a key
+padding mask that ignores the last fraction F of every sequence's keys (padded batches): only
+kernels that take masks run, and TFLOP/s still count the whole N x N.
 
     python benchmarks/bench_kernels.py --out benchmarks/results/kernels_h100
+    python benchmarks/bench_kernels.py --padding 0.125 --out benchmarks/results/kernels_masked_h100
 """
 
 from __future__ import annotations
@@ -27,6 +30,15 @@ def _flops(batch: int, heads: int, seq: int, dim: int, causal: bool) -> float:
     return 4.0 * batch * heads * seq * seq * dim / (2.0 if causal else 1.0)
 
 
+def padding_mask(batch: int, seq: int, fraction: float) -> torch.Tensor | None:
+    """(B, N) bool mask ignoring the last ``fraction`` of every sequence's keys; None for 0."""
+    if fraction <= 0:
+        return None
+    mask = torch.zeros(batch, seq, dtype=torch.bool, device="cuda")
+    mask[:, seq - int(seq * fraction) :] = True
+    return mask
+
+
 def bench_case(
     name: str, batch: int, seq: int, heads: int, dim: int, causal: bool, args: argparse.Namespace
 ) -> dict[str, object]:
@@ -34,7 +46,7 @@ def bench_case(
     dtype = getattr(torch, args.dtype)
     row: dict[str, object] = {
         "backend": name, "batch": batch, "seq_len": seq, "heads": heads, "head_dim": dim,
-        "causal": causal, "dtype": args.dtype,
+        "causal": causal, "dtype": args.dtype, "padding": args.padding,
     }  # fmt: skip
     try:
         q, k, v = (
@@ -42,7 +54,8 @@ def bench_case(
             for _ in range(3)
         )
         dout = torch.randn_like(q)
-        why = backend_reasons(q, k, v, is_causal=causal)[name]
+        mask = padding_mask(batch, seq, args.padding)
+        why = backend_reasons(q, k, v, is_causal=causal, key_padding_mask=mask)[name]
         if why:
             row["error"] = "; ".join(why)
             return row
@@ -50,10 +63,10 @@ def bench_case(
 
         def fwd() -> None:
             with torch.no_grad():
-                attention(q, k, v, is_causal=causal, backend=name)
+                attention(q, k, v, is_causal=causal, backend=name, key_padding_mask=mask)
 
         def fwd_bwd() -> None:
-            out = attention(q, k, v, is_causal=causal, backend=name)
+            out = attention(q, k, v, is_causal=causal, backend=name, key_padding_mask=mask)
             torch.autograd.grad(out, (q, k, v), dout)
 
         for step, fn, work in (("fwd", fwd, flops), ("fwd_bwd", fwd_bwd, 3.5 * flops)):
@@ -111,6 +124,8 @@ def main() -> None:
     parser.add_argument("--skip", nargs="+", default=["math"], help="backends left out")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--padding", type=float, default=0.0,
+                        help="fraction of keys masked at the end of each sequence")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernels"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -129,6 +144,7 @@ def main() -> None:
                 auto = explain(
                     device="cuda", dtype=getattr(torch, args.dtype), head_dim=dim,
                     num_heads=args.heads, seq_len=seq, is_causal=causal,
+                    key_padding_mask=args.padding > 0,
                 ).backend  # fmt: skip
                 shape_rows = [
                     bench_case(n, batch, seq, args.heads, dim, causal, args) for n in names

@@ -66,16 +66,26 @@ _HOST_PRIORITY = ["cpu_flash", "math"]
 # benchmarks/results/tune_triton_h100_d128.md (N = 64K and 1M). Training with head dims above
 # 128 has not been measured and keeps gather + the dense kernel.
 _CUDA_DILATED_FIRST: dict[int, list[str]] = {9: ["triton"]}
+# Key padding masks: cuDNN and FlashAttention take none, so 16-bit masked calls would fall to the
+# memory-efficient kernel. Our Triton kernels take masks and measured 2.5-3.3x its speed on the
+# H100 (benchmarks/results/kernels_masked_h100.md: bf16, the last 1/8 of the keys masked,
+# N = 4K-64K, D = 64 and 128, forward+backward 258-340 against 90-132 TFLOP/s). float32 and
+# other devices have not been measured and keep the list's order.
+_CUDA_MASKED_FIRST: dict[int, list[str]] = {9: ["triton"]}
 _FUSED_MAX_TRAINING_HEAD_DIM = 128
 
 
 def _order(inputs: KernelInputs) -> list[str]:
-    """The priority walked for ``inputs``: dilated calls try the fused kernels first unless they
-    train with a head dim above ``_FUSED_MAX_TRAINING_HEAD_DIM`` (see _CUDA_DILATED_FIRST)."""
-    fused_first = inputs.dilated and (
-        not inputs.requires_grad or inputs.head_dim <= _FUSED_MAX_TRAINING_HEAD_DIM
+    """The priority walked for ``inputs``: dilated calls (see _CUDA_DILATED_FIRST) and 16-bit calls
+    with a key padding mask (see _CUDA_MASKED_FIRST) try our Triton kernels first, unless they
+    train with a head dim above ``_FUSED_MAX_TRAINING_HEAD_DIM``."""
+    tiles_measured = not inputs.requires_grad or inputs.head_dim <= _FUSED_MAX_TRAINING_HEAD_DIM
+    masked_16bit = inputs.has_mask and inputs.dtype in (torch.float16, torch.bfloat16)
+    return priority(
+        inputs.device,
+        dilated=inputs.dilated and tiles_measured,
+        masked=masked_16bit and tiles_measured,
     )
-    return priority(inputs.device, dilated=fused_first)
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -116,15 +126,17 @@ def get_backend(name: str) -> Backend:
     return _BACKENDS[name]
 
 
-def priority(device: torch.device, *, dilated: bool = False) -> list[str]:
+def priority(device: torch.device, *, dilated: bool = False, masked: bool = False) -> list[str]:
     """Backend names in the order they are tried on ``device`` (see the module docstring);
-    ``dilated`` puts the fused dilated backends measured faster on that device first."""
+    ``dilated`` / ``masked`` put the backends measured faster on that device for dilated calls /
+    calls with a key padding mask first."""
     if device.type == "cuda":
         major, _ = torch.cuda.get_device_capability(device)
         order = _CUDA_PRIORITY.get(major, _CUDA_PRIORITY[8] if major > 10 else _CUDA_PRIORITY[7])
-        if dilated:
-            first = _CUDA_DILATED_FIRST.get(major, [])
-            order = first + [name for name in order if name not in first]
+        first = _CUDA_DILATED_FIRST.get(major, []) if dilated else []
+        if masked:
+            first = first + [n for n in _CUDA_MASKED_FIRST.get(major, []) if n not in first]
+        order = first + [name for name in order if name not in first]
     else:
         order = _HOST_PRIORITY
     known = [name for name in order if name in _BACKENDS]
