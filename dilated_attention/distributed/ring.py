@@ -319,9 +319,8 @@ def ring_backward(
     # nothing. Calls run in the forward's order: each consumes its own forward ``aux``.
     if setup.comm == "allgather":
         send, wire = [], q.dtype
-        for src, block in enumerate(
-            _all_blocks(local, setup)
-        ):  # the forward's order: each call's aux in turn
+        blocks = _all_blocks(local, setup)
+        for src, block in enumerate(blocks):  # the forward's order: each call's aux in turn
             parts = compute(block, src)
             if src == setup.rank:
                 _add_parts(dkv, parts)
