@@ -25,14 +25,23 @@ def _randn(*shape: int) -> Tensor:
 def _sdpa(
     q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, mask: Tensor | None = None
 ) -> Tensor:
-    """F.scaled_dot_product_attention in BNHD layout (GQA via enable_gqa)."""
-    attn_mask = None if mask is None else ~mask[:, None, None, :]
+    """F.scaled_dot_product_attention in BNHD layout (GQA via enable_gqa).
+
+    With a key padding mask the causal mask is folded into ``attn_mask``: torch >= 2.14 refuses
+    ``attn_mask`` together with ``is_causal=True``.
+    """
+    attn_mask = None
+    if mask is not None:
+        attn_mask = ~mask[:, None, None, :]
+        if is_causal:
+            n_q, n_k = q.shape[1], k.shape[1]
+            attn_mask = attn_mask & torch.ones(n_q, n_k, dtype=torch.bool).tril()
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),
         attn_mask=attn_mask,
-        is_causal=is_causal,
+        is_causal=is_causal and mask is None,
         enable_gqa=q.shape[2] != k.shape[2],
     )
     return out.transpose(1, 2)
