@@ -150,6 +150,57 @@ def check_key_padding_mask(mask: object, batch: int, key_len: int, device: torch
         )
 
 
+ATTN_MASK_FIX = (
+    "only the causal mask is supported (dilated attention has its own sparsity pattern): pass "
+    "attn_mask=None with is_causal=True for causal attention, and key_padding_mask (batch, "
+    "seq_len) to ignore padded keys"
+)
+
+
+def check_attn_mask(mask: object, query_len: int, device: torch.device) -> torch.Tensor:
+    """Check the metadata of an ``nn.MultiheadAttention``-style ``attn_mask``; return it.
+
+    The only mask a dilated layer can honour is the causal one, so the form checked here is the
+    2-D ``(L, L)`` mask of ``nn.Transformer.generate_square_subsequent_mask(L)`` (float, ``-inf``
+    above the diagonal) or its bool form (``True`` above the diagonal). Whether the values are
+    causal is a data-dependent test left to the caller.
+
+    Args:
+        mask: the ``attn_mask`` argument (not None).
+        query_len: L, the query sequence length.
+        device: the query's device.
+
+    Returns:
+        ``mask``, a 2-D bool or floating tensor of shape (L, L) on ``device``.
+
+    Raises:
+        TypeError: ``mask`` is not a tensor.
+        ValueError: ``mask`` has another dtype, rank, shape or device.
+    """
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(
+            f"attn_mask must be None or a tensor of shape (seq_len, seq_len), got "
+            f"{type(mask).__name__}; {ATTN_MASK_FIX}"
+        )
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise ValueError(
+            f"attn_mask must be a bool (True = masked) or float (-inf = masked) causal mask, got "
+            f"dtype {mask.dtype}; {ATTN_MASK_FIX}"
+        )
+    if mask.dim() != 2 or tuple(mask.shape) != (query_len, query_len):
+        raise ValueError(
+            f"attn_mask must be the causal mask of shape (seq_len, seq_len) = "
+            f"{(query_len, query_len)} (per-batch or per-head 3-D masks are not supported), got "
+            f"attn_mask.shape={tuple(mask.shape)}; {ATTN_MASK_FIX}"
+        )
+    if mask.device != device:
+        raise ValueError(
+            f"attn_mask must be on the same device as query, got {mask.device} and {device}; "
+            f"move it with .to(query.device), or pass is_causal=True instead"
+        )
+    return mask
+
+
 def check_dropout(name: str, p: object) -> float:
     """Check a dropout probability in ``[0, 1)``."""
     if isinstance(p, bool) or not isinstance(p, numbers.Real):

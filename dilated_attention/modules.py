@@ -92,17 +92,111 @@ class DilatedAttention(nn.Module):
         )
 
 
+# Note [torch fast paths]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# nn.TransformerEncoderLayer (and nn.TransformerEncoder) in eval mode may skip ``self_attn``
+# altogether: they call torch's fused kernels (``torch._transformer_encoder_layer_fwd``, or turn
+# padded input into nested tensors) with ``self_attn.in_proj_weight`` / ``in_proj_bias``, which
+# would silently compute dense attention. They decide from attributes of ``self_attn``
+# (``why_not_sparsity_fast_path`` in torch/nn/modules/transformer.py):
+#   * ``_qkv_same_embed_dim = False`` (true here: q/k/v are separate ``nn.Linear``s, nothing is
+#     packed) stops the layer's fast path, and makes an ``nn.TransformerEncoder`` built around
+#     such a layer turn off its nested-tensor path (torch warns that it does).
+#   * An encoder built around stock ``nn.MultiheadAttention`` and swapped afterwards keeps its
+#     nested-tensor path switched on; it then reads ``in_proj_weight`` and bails out only when
+#     some argument "has_torch_function" or requires grad. ``None`` (what
+#     ``nn.MultiheadAttention`` holds when nothing is packed) crashes there under grad
+#     (``None.requires_grad``) and lets nested tensors through under ``no_grad``. So
+#     ``in_proj_weight`` and ``in_proj_bias`` are a placeholder that defines
+#     ``__torch_function__``: torch then always takes the ordinary path, which calls this
+#     module's forward; any other use of the placeholder raises an error naming q/k/v_proj.
+
+
+class _NoPackedProjection:
+    """Placeholder for ``nn.MultiheadAttention``'s packed ``in_proj_weight``/``in_proj_bias``.
+
+    See Note [torch fast paths]. Any torch function given it, and any attribute read from it,
+    raises an error that points to the separate ``q_proj``, ``k_proj`` and ``v_proj``.
+    """
+
+    __slots__ = ()
+    _WHY = (
+        "this layer has no packed in_proj_weight / in_proj_bias (nn.MultiheadAttention's "
+        "(3 * embed_dim, embed_dim) projection): its query/key/value projections are the separate "
+        "nn.Linear modules q_proj, k_proj and v_proj; use those"
+    )
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: object,
+        types: object,
+        args: object = (),
+        kwargs: object = None,
+    ) -> object:
+        raise TypeError(f"{getattr(func, '__name__', func)} got a placeholder: {cls._WHY}")
+
+    def __getattr__(self, name: str) -> object:
+        raise AttributeError(f"in_proj_weight/in_proj_bias has no attribute {name!r}: {self._WHY}")
+
+    def __repr__(self) -> str:
+        return "<no packed in_proj: see q_proj, k_proj, v_proj>"
+
+
+_NO_PACKED_PROJECTION = _NoPackedProjection()
+
+
+def _is_causal_mask(mask: torch.Tensor) -> bool:
+    """Whether a checked (L, L) ``attn_mask`` is exactly the causal mask.
+
+    Bool: ``True`` (masked) exactly above the diagonal. Float: ``-inf`` exactly above the diagonal
+    and ``0`` elsewhere (``nn.Transformer.generate_square_subsequent_mask``; also what torch's
+    layers turn a bool mask into). One O(L^2) comparison and one host sync.
+    """
+    n = mask.shape[-1]
+    future = torch.ones(n, n, dtype=torch.bool, device=mask.device).triu_(1)
+    if mask.dtype == torch.bool:
+        return torch.equal(mask, future)
+    causal = torch.zeros(n, n, dtype=mask.dtype, device=mask.device)
+    return torch.equal(mask, causal.masked_fill_(future, float("-inf")))
+
+
+def _bool_key_padding_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A float ``key_padding_mask`` as torch's layers pass it (``F._canonical_mask``: ``-inf`` =
+    ignore, ``0`` = keep) turned into the bool form; anything else is returned unchanged for
+    :func:`_validation.check_key_padding_mask` to judge."""
+    if not isinstance(mask, torch.Tensor) or not mask.is_floating_point():
+        return mask
+    ignore = torch.isneginf(mask)
+    if not bool((ignore | (mask == 0)).all()):
+        raise ValueError(
+            "key_padding_mask as a float tensor must hold only 0 (keep) and -inf (ignore that "
+            "key), as torch's layers pass it; other additive biases are not supported, got values "
+            f"in [{mask.min().item()}, {mask.max().item()}]; pass a bool mask (True = ignore)"
+        )
+    return ignore
+
+
 class _MultiheadProjections(nn.Module):
-    """Batch-first multihead layer around an inner (B, N, H, D) attention module.
+    """Multihead layer around an inner (B, N, H, D) attention module, with
+    ``nn.MultiheadAttention``'s call.
 
     Projections q/k/v, ``self.attention`` (set by the subclass), MAGNETO's sub-LayerNorm
     (``layer_norm=True``), then the output projection. Initialisation follows MAGNETO:
     Xavier-normal weights, with gain ``gamma_init`` on the value and output projections; zero
     biases. Subclasses name what the layer is in ``_what`` (used in error messages).
+
+    ``batch_first``, ``embed_dim``, ``num_heads``, ``_qkv_same_embed_dim``, ``in_proj_weight``,
+    ``in_proj_bias`` and ``out_proj`` are the attributes torch's Transformer layers read from their
+    ``self_attn``/``multihead_attn``; see Note [torch fast paths].
     """
 
     _what = "attention"
     attention: nn.Module
+    # Read by nn.TransformerEncoder(Layer): see Note [torch fast paths].
+    _qkv_same_embed_dim = False
+    in_proj_weight = _NO_PACKED_PROJECTION
+    in_proj_bias = _NO_PACKED_PROJECTION
 
     def __init__(
         self,
@@ -116,11 +210,19 @@ class _MultiheadProjections(nn.Module):
         gamma_init: float,
         device: torch.device | str | None,
         dtype: torch.dtype | None,
+        batch_first: bool = True,
     ) -> None:
         super().__init__()
+        if not isinstance(batch_first, bool):
+            raise TypeError(
+                f"batch_first must be a bool (True: (batch, seq_len, embed_dim) inputs; False: "
+                f"(seq_len, batch, embed_dim)), got {batch_first!r}"
+            )
         self.num_kv_heads = V.check_heads(embed_dim, num_heads, num_kv_heads)
         self.embed_dim, self.num_heads = embed_dim, num_heads
+        self.kdim = self.vdim = embed_dim
         self.head_dim = embed_dim // num_heads
+        self.batch_first = batch_first
         self.gamma_init = gamma_init
         factory = {"device": device, "dtype": dtype}
         kv_dim = self.num_kv_heads * self.head_dim
@@ -147,36 +249,77 @@ class _MultiheadProjections(nn.Module):
         """Check the (B, N) key padding mask before any projection is computed."""
         V.check_key_padding_mask(mask, query.shape[0], query.shape[1], query.device)
 
+    @property
+    def _layout(self) -> str:
+        return "(batch, seq_len, embed_dim)" if self.batch_first else "(seq_len, batch, embed_dim)"
+
     def _check_input(self, name: str, x: object) -> torch.Tensor:
+        """Check one (B, N, E) input (N, B, E with ``batch_first=False``); return it batch first."""
+        layout = self._layout.replace("embed_dim", f"embed_dim={self.embed_dim}")
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a tensor (batch, seq_len, embed_dim), got {type(x)}")
+            raise TypeError(f"{name} must be a tensor {layout}, got {type(x)}")
+        if x.is_nested:
+            raise ValueError(
+                f"{name} must be a padded tensor {layout}, got a nested tensor; pad it "
+                f"(x.to_padded_tensor(0.0)) and pass key_padding_mask (True = padding)"
+            )
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
             raise ValueError(
-                f"{name} must have shape (batch, seq_len, embed_dim={self.embed_dim}) "
-                f"(batch first), got {name}.shape={tuple(x.shape)}"
+                f"{name} must have shape {layout} (batch_first={self.batch_first}), got "
+                f"{name}.shape={tuple(x.shape)}"
             )
-        return x
+        return x if self.batch_first else x.transpose(0, 1)
 
     def forward(
         self,
         query: torch.Tensor,
         key: torch.Tensor | None = None,
         value: torch.Tensor | None = None,
-        *,
-        is_causal: bool = False,
         key_padding_mask: torch.Tensor | None = None,
         need_weights: bool = False,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
     ) -> tuple[torch.Tensor, None]:
-        """Args: query (B, N, E); key, value (B, N, E) or None (self-attention: key = value =
-        query); key_padding_mask (B, N) bool, ``True`` = ignore.
+        """Attention over ``query``, with ``nn.MultiheadAttention.forward``'s arguments.
+
+        Args:
+            query: (B, N, E), or (N, B, E) when built with ``batch_first=False``.
+            key: like ``query``, or None for self-attention (``key = query``). It may be another
+                tensor (cross-attention) of the same batch size and length as ``query``.
+            value: like ``key``, or None (``value = key``).
+            key_padding_mask: (B, N), ``True`` (bool) or ``-inf`` (float, as torch's layers pass
+                it) = ignore that key; None = no padding.
+            need_weights: must be False (the default here; ``nn.MultiheadAttention``'s default
+                is True): the attention weights are never materialised.
+            attn_mask: None, or the causal mask (L, L) with L = N:
+                ``nn.Transformer.generate_square_subsequent_mask(N)`` (float, ``-inf`` above the
+                diagonal, 0 elsewhere) or its bool form (``True`` above the diagonal). It means
+                ``is_causal=True``; any other mask raises. Checking it costs one O(N^2)
+                comparison per call: pass ``is_causal=True`` alone to skip it.
+            average_attn_weights: ignored (it only applies to the weights, never returned).
+            is_causal: causal attention (``attn_mask`` may be omitted, unlike in torch).
 
         Returns:
-            ``(out, None)`` with ``out`` (B, N, E); attention weights are never materialised.
+            ``(out, None)``, ``out`` shaped like ``query``.
+
+        Raises:
+            ValueError: ``need_weights=True``; a non-causal ``attn_mask``; a bad shape, a key
+                length other than the query's, or a bad ``key_padding_mask``.
+            TypeError: an argument that is not a tensor.
+
+        Shape legend: B batch, N seq_len, E embed_dim. Causal, N = 4 (x = masked)::
+
+            attn_mask = [[0, x, x, x],
+                         [0, 0, x, x],
+                         [0, 0, 0, x],
+                         [0, 0, 0, 0]]
         """
+        del average_attn_weights  # only shapes the weights, which are never returned
         if need_weights:
             raise ValueError(
                 f"need_weights=True is not supported: {self._what} never materialises the "
-                "(N x N) weights; call with need_weights=False"
+                "(N x N) weights; call with need_weights=False (torch's Transformer layers do)"
             )
         query = self._check_input("query", query)
         key = query if key is None else self._check_input("key", key)
@@ -185,8 +328,35 @@ class _MultiheadProjections(nn.Module):
             raise ValueError(
                 f"key and value must have the batch size and seq_len of query ({self._what} "
                 f"works within one sequence), got query.shape={tuple(query.shape)}, "
-                f"key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
+                f"key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)} (batch first); "
+                f"for cross-attention over a memory of another length use nn.MultiheadAttention"
             )
+        batch, n = query.shape[:2]
+        if attn_mask is not None:
+            if not _is_causal_mask(V.check_attn_mask(attn_mask, n, query.device)):
+                hint = " (with is_causal=True as its hint)" if is_causal else ""
+                raise ValueError(
+                    f"attn_mask{hint} is not the causal mask: got a {tuple(attn_mask.shape)} "
+                    f"{attn_mask.dtype} mask of another pattern, expected "
+                    f"nn.Transformer.generate_square_subsequent_mask({n}) (-inf above the "
+                    f"diagonal, 0 elsewhere) or its bool form (True above the diagonal); "
+                    f"{V.ATTN_MASK_FIX}"
+                )
+            is_causal = True
+        kpm = key_padding_mask
+        if isinstance(kpm, torch.Tensor) and kpm.shape == (n, batch) != (batch, n):
+            why = (
+                "it is (batch, seq_len) even with batch_first=False, as in nn.MultiheadAttention"
+                if not self.batch_first
+                else f"query.shape={tuple(query.shape)} looks seq-first (seq_len, batch, "
+                f"embed_dim): build this layer with batch_first=False when the stock layer it "
+                f"replaces was built so (nn.Transformer*Layer's default)"
+            )
+            raise ValueError(
+                f"key_padding_mask must have shape (batch, seq_len) = {(batch, n)}, got "
+                f"{tuple(kpm.shape)}; {why}"
+            )
+        key_padding_mask = _bool_key_padding_mask(key_padding_mask)
         self._check_key_padding_mask(key_padding_mask, query)
         q = rearrange(self.q_proj(query), "b n (h d) -> b n h d", h=self.num_heads)
         k = rearrange(self.k_proj(key), "b n (h d) -> b n h d", h=self.num_kv_heads)
@@ -195,21 +365,40 @@ class _MultiheadProjections(nn.Module):
         x = rearrange(x, "b n h d -> b n (h d)")
         if self.norm is not None:
             x = self.norm(x)
-        return self.out_proj(x), None
+        out = self.out_proj(x)
+        return (out if self.batch_first else out.transpose(0, 1)), None
 
     def extra_repr(self) -> str:
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
-            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"batch_first={self.batch_first}"
         )
 
 
 class MultiheadDilatedAttention(_MultiheadProjections):
-    """Batch-first multihead dilated attention, a drop-in for ``nn.MultiheadAttention``.
+    """Multihead dilated attention, a drop-in for ``nn.MultiheadAttention``.
 
     Projections q/k/v, dilated attention, MAGNETO's sub-LayerNorm (``layer_norm=True``), then the
     output projection. Initialisation follows MAGNETO: Xavier-normal weights, with gain
     ``gamma_init`` on the value and output projections; zero biases.
+
+    It takes ``nn.MultiheadAttention``'s call, ``forward(query, key=None, value=None,
+    key_padding_mask=None, need_weights=False, attn_mask=None, average_attn_weights=True,
+    is_causal=False) -> (out, None)`` (see :meth:`forward`), and has the attributes torch's
+    Transformer layers read (``batch_first``, ``embed_dim``, ``num_heads``,
+    ``_qkv_same_embed_dim``, ``in_proj_weight``, ``in_proj_bias``, ``out_proj``), so it can be
+    the ``self_attn`` of ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer`` (and
+    their ``multihead_attn`` when memory and target have one length). What differs:
+
+    * ``need_weights`` defaults to False, and True raises: the weights are never materialised.
+    * ``attn_mask`` may only be the causal mask (it then means ``is_causal=True``).
+    * q/k/v are separate ``nn.Linear`` modules, not a packed ``in_proj_weight`` (to copy a stock
+      layer's weights, split its ``in_proj_weight`` into three (E, E) blocks); torch's fused
+      inference paths, which would compute dense attention, are never taken.
+    * With one branch covering the sequence (``segment_lengths=[N]``, ``dilation_rates=[1]``),
+      ``layer_norm=False`` and a stock layer's weights, it computes exactly what
+      ``nn.MultiheadAttention`` does (up to floating-point rounding), dropout aside.
 
     Args:
         embed_dim: E.
@@ -223,7 +412,15 @@ class MultiheadDilatedAttention(_MultiheadProjections):
         layer_norm_eps: its epsilon.
         gamma_init: MAGNETO gain on the value and output projections.
         backend: kernel name, or ``None`` to choose per call.
+        batch_first: True (default): inputs and output are (B, N, E). False: (N, B, E), as
+            ``nn.MultiheadAttention``'s default; use it to replace the ``self_attn`` of a stock
+            layer built with ``batch_first=False`` (the layer passes seq-first tensors then, which
+            a batch-first module would silently misread).
         device, dtype: factory kwargs for the parameters.
+
+    Raises:
+        ValueError: bad sizes, schedule, dropout or backend.
+        TypeError: ``batch_first`` is not a bool.
     """
 
     _what = "dilated attention"
@@ -242,6 +439,7 @@ class MultiheadDilatedAttention(_MultiheadProjections):
         layer_norm_eps: float = 1e-5,
         gamma_init: float = 1.0,
         backend: str | None = None,
+        batch_first: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -254,8 +452,10 @@ class MultiheadDilatedAttention(_MultiheadProjections):
         super().__init__(
             embed_dim, num_heads, num_kv_heads=num_kv_heads, bias=bias, layer_norm=layer_norm,
             layer_norm_eps=layer_norm_eps, gamma_init=gamma_init, device=device, dtype=dtype,
+            batch_first=batch_first,
         )  # fmt: skip
         self.config = config
+        self.dropout = config.dropout  # as nn.MultiheadAttention.dropout
         self.attention = DilatedAttention(
             segment_lengths, dilation_rates, dropout=dropout, backend=backend
         )
@@ -356,9 +556,9 @@ class BlockSparseMultiheadAttention(_MultiheadProjections):
         backend: as in :class:`BlockSparseAttention`.
         device, dtype: factory kwargs for the parameters.
 
-    ``forward(query, key=None, value=None, *, is_causal=False, key_padding_mask=None,
-    need_weights=False) -> (out, None)`` with (B, N, E) tensors; ``key_padding_mask`` must be
-    None.
+    ``forward(query, key=None, value=None, key_padding_mask=None, need_weights=False,
+    attn_mask=None, average_attn_weights=True, is_causal=False) -> (out, None)`` with (B, N, E)
+    tensors, as :meth:`MultiheadDilatedAttention.forward`; ``key_padding_mask`` must be None.
     """
 
     _what = "block-sparse attention"

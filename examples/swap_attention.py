@@ -5,8 +5,13 @@
 
 1. Build a stock ``nn.TransformerEncoder`` (``batch_first=True``).
 2. Replace every layer's ``self_attn`` by a ``MultiheadDilatedAttention`` built through
-   ``dilated_attention.create_multihead_dilated_attention``, wrapped in a small adapter (below),
-   with the stock layer's q/k/v/out projection weights copied in.
+   ``dilated_attention.create_multihead_dilated_attention``, with the stock layer's q/k/v/out
+   projection weights copied in. No adapter: the layer takes ``nn.MultiheadAttention``'s call
+   (``attn_mask``, ``key_padding_mask``, ``need_weights=False``, ``is_causal``) and has the
+   attributes torch's layers read (``batch_first``, ``_qkv_same_embed_dim``, ...), so the stock
+   layer calls it in training and in eval alike (torch's fused inference kernels, which would
+   compute dense attention, are never taken). The causal mask is accepted as ``attn_mask``; any
+   other mask raises a ``ValueError``.
 3. With one branch (segment = seq_len, rate 1: plain attention) and ``layer_norm=False`` the swapped
    encoder computes exactly what the stock one does: checked with ``torch.testing.assert_close``.
 4. Switch the layers to a LongNet schedule (several segment lengths and dilation rates) and train a
@@ -21,112 +26,50 @@ import argparse
 import torch
 from torch import nn
 
-from dilated_attention import create_multihead_dilated_attention
+from dilated_attention import MultiheadDilatedAttention, create_multihead_dilated_attention
 
 
-class DilatedSelfAttentionAdapter(nn.Module):
-    """Accepts ``nn.MultiheadAttention``'s call signature and forwards to a dilated layer.
-
-    What ``nn.TransformerEncoderLayer`` needs from its ``self_attn``:
-
-    * the call ``self_attn(x, x, x, attn_mask=..., key_padding_mask=..., need_weights=False,
-      is_causal=...)`` returning a tuple whose ``[0]`` is the output. Our layer's forward is
-      ``forward(query, key=None, value=None, *, is_causal=False, key_padding_mask=None,
-      need_weights=False) -> (out, None)``: no ``attn_mask``. Dilated attention has its own sparsity
-      pattern, so the only masks that make sense are "none" and "causal": a causal ``attn_mask`` (or
-      ``is_causal=True``) becomes ``is_causal=True``; any other mask raises a clear error.
-    * a few attributes read by the layer's inference fast path (``batch_first``,
-      ``in_proj_bias``, ``_qkv_same_embed_dim``, ...). That fast path calls a fused kernel with the
-      stock ``in_proj_weight`` and would bypass this module, so we advertise
-      ``_qkv_same_embed_dim = False`` and ``in_proj_bias = None``, which makes PyTorch take the
-      ordinary Python path (the one that calls us) in eval mode too.
-    * ``key_padding_mask``: ``nn.MultiheadAttention`` takes ``True`` = ignore (bool) or an additive
-      float mask; ours takes the bool form, so a float mask is turned into ``mask == -inf``.
-    """
-
-    batch_first = True
-    _qkv_same_embed_dim = False  # see the class docstring: keeps PyTorch off its fused fast path
-    in_proj_bias = None
-    in_proj_weight = None
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-        self.embed_dim, self.num_heads = inner.embed_dim, inner.num_heads
-
-    @staticmethod
-    def _is_causal_mask(mask: torch.Tensor, n: int) -> bool:
-        if mask.shape != (n, n):
-            return False
-        future = torch.ones(n, n, dtype=torch.bool, device=mask.device).triu(1)
-        if mask.dtype == torch.bool:  # True = not allowed to attend
-            return bool(torch.equal(mask, future))
-        blocked = torch.isneginf(mask)
-        return bool(torch.equal(blocked, future)) and bool((mask[~future] == 0).all())
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_padding_mask: torch.Tensor | None = None,
-        need_weights: bool = True,
-        attn_mask: torch.Tensor | None = None,
-        average_attn_weights: bool = True,
-        is_causal: bool = False,
-    ) -> tuple[torch.Tensor, None]:
-        if need_weights:
-            raise ValueError("dilated attention never materialises weights: need_weights=False")
-        n = query.shape[1]
-        if attn_mask is not None:
-            if not self._is_causal_mask(attn_mask, n):
-                raise ValueError(
-                    "DilatedSelfAttentionAdapter supports attn_mask=None or the causal mask "
-                    f"(nn.Transformer.generate_square_subsequent_mask({n})) only; got a "
-                    f"{tuple(attn_mask.shape)} {attn_mask.dtype} mask of another pattern"
-                )
-            is_causal = True
-        if key_padding_mask is not None and key_padding_mask.dtype != torch.bool:
-            key_padding_mask = torch.isneginf(key_padding_mask)
-        return self.inner(query, key, value, is_causal=is_causal, key_padding_mask=key_padding_mask)
+def _dilated(
+    like: nn.Module, segment_lengths: list[int], dilation_rates: list[int], *, bias: bool
+) -> MultiheadDilatedAttention:
+    """A dilated layer shaped like ``like`` (stock or dilated), without MAGNETO's sub-LayerNorm
+    so that one full branch is exactly ``nn.MultiheadAttention``."""
+    weight = like.out_proj.weight
+    layer = create_multihead_dilated_attention(
+        "dilated", embed_dim=like.embed_dim, num_heads=like.num_heads,
+        segment_lengths=segment_lengths, dilation_rates=dilation_rates, layer_norm=False,
+        bias=bias, batch_first=like.batch_first, device=weight.device, dtype=weight.dtype,
+    )  # fmt: skip
+    assert isinstance(layer, MultiheadDilatedAttention)
+    return layer
 
 
 def dilated_from_stock(
     stock: nn.MultiheadAttention,
     segment_lengths: list[int],
     dilation_rates: list[int],
-) -> DilatedSelfAttentionAdapter:
+) -> MultiheadDilatedAttention:
     """A dilated layer with ``stock``'s projection weights (``layer_norm=False``: no sub-LN)."""
     E = stock.embed_dim
-    inner = create_multihead_dilated_attention(
-        "dilated", embed_dim=E, num_heads=stock.num_heads, segment_lengths=segment_lengths,
-        dilation_rates=dilation_rates, layer_norm=False, bias=stock.in_proj_bias is not None,
-        device=stock.out_proj.weight.device, dtype=stock.out_proj.weight.dtype,
-    )  # fmt: skip
+    layer = _dilated(stock, segment_lengths, dilation_rates, bias=stock.in_proj_bias is not None)
     with torch.no_grad():
         # nn.MultiheadAttention packs the three input projections into one (3E, E) matrix.
-        for i, proj in enumerate((inner.q_proj, inner.k_proj, inner.v_proj)):
+        for i, proj in enumerate((layer.q_proj, layer.k_proj, layer.v_proj)):
             proj.weight.copy_(stock.in_proj_weight[i * E : (i + 1) * E])
             if stock.in_proj_bias is not None:
                 proj.bias.copy_(stock.in_proj_bias[i * E : (i + 1) * E])
-        inner.out_proj.weight.copy_(stock.out_proj.weight)
-        if stock.out_proj.bias is not None:
-            inner.out_proj.bias.copy_(stock.out_proj.bias)
-    return DilatedSelfAttentionAdapter(inner)
+        layer.out_proj.load_state_dict(stock.out_proj.state_dict())
+    return layer
 
 
 def swap_attention(encoder: nn.TransformerEncoder, segments: list[int], rates: list[int]) -> None:
     """Replace each layer's ``self_attn`` in place, weights carried over (stock or swapped)."""
     for layer in encoder.layers:
         old = layer.self_attn
-        if isinstance(old, DilatedSelfAttentionAdapter):  # already swapped: a new schedule only
-            inner = create_multihead_dilated_attention(
-                "dilated", embed_dim=old.embed_dim, num_heads=old.num_heads,
-                segment_lengths=segments, dilation_rates=rates, layer_norm=False,
-                device=old.inner.out_proj.weight.device,
-            )  # fmt: skip
-            inner.load_state_dict(old.inner.state_dict())  # same parameter names and shapes
-            layer.self_attn = DilatedSelfAttentionAdapter(inner)
+        if isinstance(old, MultiheadDilatedAttention):  # already swapped: a new schedule only
+            new = _dilated(old, segments, rates, bias=old.out_proj.bias is not None)
+            new.load_state_dict(old.state_dict())  # same parameter names and shapes
+            layer.self_attn = new
         else:
             layer.self_attn = dilated_from_stock(old, segments, rates)
 
@@ -155,7 +98,7 @@ def main(argv: list[str] | None = None) -> float:
         args.embed_dim, args.heads, dim_feedforward=4 * args.embed_dim, dropout=0.0,
         batch_first=True,
     )  # fmt: skip
-    encoder = nn.TransformerEncoder(layer, args.layers, enable_nested_tensor=False).to(device)
+    encoder = nn.TransformerEncoder(layer, args.layers).to(device)
     x = torch.randn(2, N, args.embed_dim, device=device)
     causal = nn.Transformer.generate_square_subsequent_mask(N, device=device)
     encoder.eval()
@@ -164,7 +107,7 @@ def main(argv: list[str] | None = None) -> float:
 
     # 2-3. Swap in dilated attention with one branch covering the whole sequence: plain attention.
     swap_attention(encoder, [N], [1])
-    print(f"swapped: {type(encoder.layers[0].self_attn.inner).__name__} in {args.layers} layers")
+    print(f"swapped: {type(encoder.layers[0].self_attn).__name__} in {args.layers} layers")
     with torch.no_grad():
         got = encoder(x, mask=causal, is_causal=True)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
