@@ -38,6 +38,7 @@ from .factory import (
     register_kind,
 )
 from .functional import attention, block_sparse_attention, dilated_attention
+from .models import LongNetConfig, LongNetLM
 from .modules import (
     BlockSparseAttention,
     BlockSparseMultiheadAttention,
@@ -56,6 +57,8 @@ __all__ = [
     "BlockSparseRingMultiheadDilatedAttention",
     "DilatedAttention",
     "DilatedConfig",
+    "LongNetConfig",
+    "LongNetLM",
     "MultiheadDilatedAttention",
     "MultiheadDilatedConfig",
     "RingAttention",

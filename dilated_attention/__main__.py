@@ -1,24 +1,31 @@
-"""Command line: ``python -m dilated_attention demo|layer|info``.
+"""Command line: ``python -m dilated_attention {demo,generate,layer,info} [--help]``.
 
 ``demo`` (the main job) trains a tiny LongNet byte-level language model on the installed torch's
-Python source and reports held-out bits per byte (``demo.py``). ``layer`` builds one
-:class:`MultiheadDilatedAttention` layer with a LongNet schedule, runs forward and backward on one
-long random sequence, and prints the kernel chosen and the timings. ``info`` prints the software and
-devices here and, for each device, every kernel backend: whether it can run, which one is chosen,
-and why the others are not.
+Python source and reports held-out bits per byte (``demo.py``); ``demo --save PATH`` keeps the
+model, and ``generate --checkpoint PATH --prompt TEXT`` continues a prompt with it. ``layer``
+builds one :class:`MultiheadDilatedAttention` layer with a LongNet schedule, runs forward and
+backward on one long random sequence, and prints the kernel chosen and the timings. ``info``
+prints the software and devices here and, for each device, every kernel backend: whether it can
+run, which one is chosen, and why the others are not. Every command's ``--help`` lists its flags
+and their defaults.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import torch
 
+from . import __version__, demo
 from .backends.registry import get_backend, list_backends
 from .config import longnet_schedule
-from .factory import explain
+from .demo import _HelpFormatter
+from .factory import _resolve_device, explain
 from .modules import MultiheadDilatedAttention
+
+_DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 
 def _synchronize(device: torch.device) -> None:
@@ -26,22 +33,41 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def layer_timing(argv: list[str] | None = None) -> None:
-    """Forward and backward of one multihead dilated attention layer on a long random sequence."""
-    parser = argparse.ArgumentParser(
-        prog="python -m dilated_attention layer", description=layer_timing.__doc__
+def add_layer_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``layer`` command's flags (defaults sized for a CPU)."""
+    parser.add_argument(
+        "--seq-len", type=int, default=16384,
+        help="tokens in the sequence (sized for a CPU; try 1048576 on a GPU)",
+    )  # fmt: skip
+    parser.add_argument("--heads", type=int, default=8, help="attention heads")
+    parser.add_argument("--head-dim", type=int, default=32, help="dimension of each head")
+    parser.add_argument(
+        "--first-segment", type=int, default=2048,
+        help="first segment length; segments double (rates 1, 2, 4, ...) until one covers "
+        "--seq-len (LongNet schedule)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--device", default=demo._default_device(),
+        help="cpu, cuda or cuda:N (CUDA when available)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--dtype", default=None, choices=_DTYPES, help="default: float32 on CPU, bfloat16 on CUDA"
     )
-    parser.add_argument("--seq-len", type=int, default=16384)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=32)
-    parser.add_argument("--first-segment", type=int, default=2048)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on CUDA by default")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
-    args = parser.parse_args(argv)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs (the median is shown)")
+    parser.add_argument(
+        "--causal", action=argparse.BooleanOptionalAction, default=True, help="causal attention"
+    )
 
-    device = torch.device(args.device)
+
+def layer_timing(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Forward and backward of one multihead dilated attention layer on a long random sequence."""
+    for name in ("seq_len", "heads", "head_dim", "first_segment", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    try:
+        device = _resolve_device(args.device, name="--device")
+    except ValueError as exc:
+        parser.error(str(exc))
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     segments, rates = longnet_schedule(args.seq_len, args.first_segment)
     embed_dim = args.heads * args.head_dim
@@ -68,7 +94,7 @@ def layer_timing(argv: list[str] | None = None) -> None:
         for _ in range(args.repeats):
             _synchronize(device)
             start = time.perf_counter()
-            out, _ = layer(x, is_causal=args.causal)
+            out, _ = layer(x, x, x, is_causal=args.causal, need_weights=False)
             if step == "fwd+bwd":
                 out.float().square().mean().backward()
             _synchronize(device)
@@ -79,11 +105,10 @@ def layer_timing(argv: list[str] | None = None) -> None:
         timed("fwd")  # warm-up
         fwd = timed("fwd")
     fwd_bwd = timed("fwd+bwd")
-    grad = x.grad
-    assert grad is not None
+    finite = x.grad is not None and bool(torch.isfinite(x.grad).all())
     print(f"  forward          {fwd * 1e3:9.1f} ms  ({args.seq_len / fwd:,.0f} tokens/s)")
     print(f"  forward+backward {fwd_bwd * 1e3:9.1f} ms  ({args.seq_len / fwd_bwd:,.0f} tokens/s)")
-    print(f"  input gradient finite: {bool(torch.isfinite(grad).all())}")
+    print(f"  input gradient finite: {finite}")
 
 
 def _devices() -> list[torch.device]:
@@ -93,14 +118,18 @@ def _devices() -> list[torch.device]:
     return devices
 
 
-def info(argv: list[str] | None = None) -> None:
-    """Versions, devices, and every backend with available / chosen / reasons, per device."""
-    parser = argparse.ArgumentParser(
-        prog="python -m dilated_attention info", description=info.__doc__
+def add_info_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``info`` command's flags."""
+    parser.add_argument("--head-dim", type=int, default=64, help="head dimension to explain")
+    parser.add_argument(
+        "--causal", action=argparse.BooleanOptionalAction, default=True, help="causal attention"
     )
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
-    args = parser.parse_args(argv)
+
+
+def info(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Versions, devices, and every backend with available / chosen / reasons, per device."""
+    if args.head_dim < 1:
+        parser.error(f"--head-dim must be >= 1, got {args.head_dim}")
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     print(f"torch {torch.__version__}  CUDA {torch.version.cuda}  cuDNN {cudnn}")
     for dev in _devices():
@@ -135,22 +164,58 @@ def info(argv: list[str] | None = None) -> None:
         print(f"  dilated attention (several branches or rate > 1) runs on: {dilated.backend}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Dispatch ``python -m dilated_attention <command>``."""
-    parser = argparse.ArgumentParser(prog="python -m dilated_attention")
-    parser.add_argument(
-        "command",
-        choices=["demo", "layer", "info"],
-        help="demo: train a tiny LongNet on real text; layer: forward+backward timing of one "
-        "layer; info: versions, devices and kernel choice",
-    )
-    args, rest = parser.parse_known_args(argv)
-    if args.command == "demo":
-        from .demo import run  # the model stack is imported only for the demo
+_Command = Callable[[argparse.Namespace, argparse.ArgumentParser], object]
 
-        run(rest)
-    else:
-        {"layer": layer_timing, "info": info}[args.command](rest)
+#: name -> (one-line help, flags, the function that runs it, description)
+_COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], _Command, str]] = {
+    "demo": (
+        "train a tiny byte-level LongNet on real text and sample from it",
+        demo.add_demo_arguments, demo.run_demo, demo.__doc__ or "",
+    ),
+    "generate": (
+        "continue a prompt with a model saved by `demo --save PATH`",
+        demo.add_generate_arguments, demo.generate,
+        "Load a LongNet checkpoint and print the prompt followed by the model's continuation.\n\n"
+        "    python -m dilated_attention demo --save outputs/demo/model.pt\n"
+        "    python -m dilated_attention generate --checkpoint outputs/demo/model.pt "
+        "--prompt 'def '",
+    ),
+    "layer": (
+        "forward+backward timing of one multihead dilated attention layer",
+        add_layer_arguments, layer_timing, layer_timing.__doc__ or "",
+    ),
+    "info": (
+        "versions, devices, and which attention kernel runs where and why",
+        add_info_arguments, info, info.__doc__ or "",
+    ),
+}  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m dilated_attention`` parser, one subparser per command."""
+    parser = argparse.ArgumentParser(
+        prog="python -m dilated_attention",
+        description="LongNet dilated attention for PyTorch: a demo and tools.",
+        epilog="`python -m dilated_attention COMMAND --help` shows a command's flags and their "
+        "defaults.\nStart with: python -m dilated_attention demo   (about two minutes on a CPU)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"dilated_attention {__version__}")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND", dest="command")
+    commands.required = True
+    for name, (summary, add_arguments, func, description) in _COMMANDS.items():
+        sub = commands.add_parser(
+            name, help=summary, description=description, formatter_class=_HelpFormatter
+        )
+        add_arguments(sub)
+        sub.set_defaults(_run=func, _parser=sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run ``python -m dilated_attention <command> [flags]`` (``sys.argv[1:]`` when ``None``)."""
+    args = build_parser().parse_args(argv)
+    args._run(args, args._parser)
 
 
 if __name__ == "__main__":

@@ -4,27 +4,85 @@
     python examples/extreme_length.py --max-memory-gib 8     # CPU: a bigger budget
     python examples/extreme_length.py --bisect 4             # GPU: bf16, until out of memory
 
-A thin command line over ``benchmarks/bench_extreme.py`` (same flags, see ``--help``): for forward
-only and for forward+backward it reports the largest sequence length that fits, the peak memory and
-the memory per token, and writes ``extreme_length.json`` and ``extreme_length.png`` (``--out`` to
-change).
+For forward only and for forward+backward it reports the largest sequence length that fits, the
+peak memory and the memory per token (``dilated_attention.extreme``, whose docstring says exactly
+what is measured), and writes ``extreme_length.json`` and ``extreme_length.png`` (when matplotlib
+is installed) to ``--output-dir`` (default ``outputs/extreme_length/``, created on demand). Needs
+only the installed package: it runs from any directory. ``benchmarks/bench_extreme.py`` is the
+same search writing the benchmark records.
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
+import json
+import platform
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import bench_extreme
+import torch
+
+import dilated_attention
+from dilated_attention.extreme import MODES, find_max_seq_len, plot_peak_memory
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--out" not in argv:
-        argv += ["--out", "extreme_length"]
-    record = bench_extreme.main(argv)
-    for row in record["results"]:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default=None, help="default: CUDA if any"
+    )
+    parser.add_argument(
+        "--dtype", choices=sorted(_DTYPES), default=None, help="default bfloat16 GPU, float32 CPU"
+    )
+    parser.add_argument("--heads", type=int, default=16, help="attention heads")
+    parser.add_argument("--head-dim", type=int, default=64, help="dimension of each head")
+    parser.add_argument("--first-segment", type=int, default=None, help="default 2048 GPU, 512 CPU")
+    parser.add_argument("--start-len", type=int, default=None, help="default 4 x first segment")
+    parser.add_argument(
+        "--max-seq-len", type=int, default=None, help="cap (default 2**31 GPU, 2**17 CPU)"
+    )
+    parser.add_argument(
+        "--max-memory-gib", type=float, default=None,
+        help="memory budget (default 2 on CPU; on GPU none: run until out of memory)",
+    )  # fmt: skip
+    parser.add_argument("--bisect", type=int, default=2, help="bisection steps after doubling")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--no-plot", action="store_true", help="write no PNG")
+    parser.add_argument(
+        "--output-dir", type=Path, default=Path("outputs/extreme_length"),
+        help="where extreme_length.json/.png go (default: outputs/extreme_length)",
+    )  # fmt: skip
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the search; returns ``{"environment": ..., "results": [one row per mode]}``."""
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda, but no CUDA device is available here; use --device cpu")
+    record = find_max_seq_len(
+        modes=args.modes, device=args.device, dtype=_DTYPES[args.dtype] if args.dtype else None,
+        heads=args.heads, head_dim=args.head_dim, first_segment=args.first_segment,
+        start_len=args.start_len, max_seq_len=args.max_seq_len,
+        max_memory_gib=args.max_memory_gib, bisect=args.bisect, is_causal=args.causal,
+    )  # fmt: skip
+    config, rows = record["config"], record["results"]
+    cuda = config["device"].startswith("cuda")
+    environment = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "dilated_attention": dilated_attention.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+        "config": config,
+    }
+    for row in rows:
         if row["max_seq_len"]:
             print(
                 f"{row['mode']}: {row['max_seq_len']:,} tokens fit "
@@ -33,6 +91,19 @@ def main(argv: list[str] | None = None) -> None:
             )
         else:
             print(f"{row['mode']}: not even the first length fits ({row['stopped_by']})")
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    json_path = args.output_dir / "extreme_length.json"
+    result = {"environment": environment, "results": rows}
+    json_path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {json_path}")
+    if not args.no_plot:
+        png = args.output_dir / "extreme_length.png"
+        title = f"{environment['device']}, H={args.heads} D={args.head_dim} {config['dtype']}"
+        if plot_peak_memory(rows, png, budget_gib=config["max_memory_gib"], title=title):
+            print(f"wrote {png}")
+        else:
+            print("matplotlib is not installed (pip install matplotlib): no plot")
+    return result
 
 
 if __name__ == "__main__":

@@ -40,10 +40,20 @@ def main() -> None:
     parser.add_argument("--first-segment", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--timeout", type=float, default=300.0,
+        help="seconds a rank waits in a collective for the others before failing (default 300)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.timeout <= 0:
+        parser.error(f"--timeout must be > 0 seconds, got {args.timeout}")
     device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     backend = "nccl" if device_type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(minutes=5))
+    # A rank that dies or raises (out of memory, a bad shape) leaves the others blocked in their
+    # next collective for the backend's default timeout (30 minutes for gloo, 10 for NCCL): the
+    # timeout bounds that hang. Keep it above the slowest step, which includes the first call's
+    # kernel compilation.
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))

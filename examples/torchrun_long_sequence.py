@@ -78,7 +78,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="relative tolerance of the first-step check (default 1e-9 float64, 1e-4 float32, "
         "2e-2 bfloat16)",
     )
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--timeout", type=float, default=300.0,
+        help="seconds a rank waits in a collective for the others before failing (default 300)",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.timeout <= 0:
+        parser.error(f"--timeout must be > 0 seconds, got {args.timeout}")
+    return args
 
 
 def build_config(args: argparse.Namespace, kind: str) -> LongNetConfig:
@@ -165,7 +172,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     backend = "nccl" if device_type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(minutes=5))
+    # A rank that dies or raises (out of memory, a bad shape) leaves the others blocked in their
+    # next collective for the backend's default timeout (30 minutes for gloo, 10 for NCCL): the
+    # timeout bounds that hang. Keep it above the slowest step: the first includes kernel
+    # compilation and, on rank 0, the single-process check while the other ranks wait.
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
     try:
         run(args, device_type, backend)
     finally:

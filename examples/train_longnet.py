@@ -5,7 +5,16 @@ with held-out files for evaluation; see ``dilated_attention.demo``).
 
     python examples/train_longnet.py                                   # < 1 min on a CPU
     python examples/train_longnet.py --steps 2000 --batch-size 32 --seq-len 1024 --compile
-    python examples/train_longnet.py --checkpoint ckpt.pt --resume     # continue a run
+    python examples/train_longnet.py --stop-after 60                   # stop half-way...
+    python examples/train_longnet.py --resume                          # ...and continue
+
+Everything it writes goes to ``--output-dir`` (default ``outputs/train_longnet/``, created on
+demand): ``checkpoint.pt`` (``--checkpoint`` to change, ``--no-checkpoint`` for none) and
+``loss_curve.png``. The checkpoint is the package's checksummed format
+(``dilated_attention.models.save_checkpoint``): ``--resume`` refuses a corrupted, truncated or
+foreign file with a clear error instead of training on damaged weights, and ``python -m
+dilated_attention generate --checkpoint outputs/train_longnet/checkpoint.pt --prompt "def "``
+samples from it.
 
 What it shows: AdamW; linear warmup then cosine decay (``LambdaLR``); gradient clipping; bf16
 autocast on CUDA (none on CPU); activation checkpointing (``--activation-checkpointing``);
@@ -37,8 +46,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from dilated_attention import LongNetConfig, LongNetLM
 from dilated_attention.demo import bits_per_byte, load_corpus, sample_windows
-from dilated_attention.models import LongNetConfig, LongNetLM
+from dilated_attention.models import CheckpointError, load_checkpoint, save_checkpoint
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,19 +67,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=40, help="steps between evaluations")
     p.add_argument("--eval-windows", type=int, default=16, help="held-out windows per eval")
     p.add_argument("--corpus-bytes", type=int, default=24 << 20, help="corpus size cap")
-    p.add_argument("--checkpoint", type=Path, default=None, help="checkpoint file to write")
+    p.add_argument(
+        "--output-dir", type=Path, default=Path("outputs/train_longnet"),
+        help="where the checkpoint and the plot go (default: outputs/train_longnet)",
+    )  # fmt: skip
+    p.add_argument(
+        "--checkpoint", type=Path, default=None,
+        help="checkpoint file to write (default: OUTPUT_DIR/checkpoint.pt)",
+    )  # fmt: skip
+    p.add_argument("--no-checkpoint", action="store_true", help="write no checkpoint")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plot", type=Path, default=Path("loss_curve.png"), help="loss-curve PNG")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="loss-curve PNG (default: OUTPUT_DIR/loss_curve.png)",
+    )
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--log", type=Path, default=None, help="JSON-lines log of losses")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
-    if args.resume and args.checkpoint is None:
-        p.error("--resume needs --checkpoint PATH")
+    if args.resume and args.no_checkpoint:
+        p.error("--resume needs a checkpoint: drop --no-checkpoint")
+    if args.checkpoint is None and not args.no_checkpoint:
+        args.checkpoint = args.output_dir / "checkpoint.pt"
+    if args.no_checkpoint:
+        args.checkpoint = None
+    if args.plot is None:
+        args.plot = args.output_dir / "loss_curve.png"
     if args.steps < 1 or args.batch_size < 1 or args.seq_len < 1 or args.eval_every < 1:
         p.error("--steps, --batch-size, --seq-len and --eval-every must be >= 1")
     return args
@@ -115,11 +144,26 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     torch.manual_seed(args.seed)
 
     state = None
+    # Recompute each block in the backward pass instead of keeping its activations.
+    recompute = {"activation_checkpointing": args.activation_checkpointing}
     if args.resume:
         if not args.checkpoint.exists():
-            raise SystemExit(f"--resume: no checkpoint at {args.checkpoint}")
-        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
-        config = LongNetConfig(**state["config"])
+            raise SystemExit(
+                f"--resume: no checkpoint at {args.checkpoint}; run without --resume first "
+                f"(or give --checkpoint PATH / --output-dir DIR of the run to continue)"
+            )
+        try:
+            # Checked (SHA-256) before use: a damaged file stops here, not mid-training.
+            ckpt = load_checkpoint(args.checkpoint, overrides=recompute)
+        except CheckpointError as exc:
+            raise SystemExit(f"--resume: {exc}") from None
+        state, config, model = ckpt.extra, ckpt.config, ckpt.model.to(device)
+        lacking = sorted({"optimizer", "scheduler", "step", "total_steps"} - set(state))
+        if lacking:
+            raise SystemExit(
+                f"--resume: {args.checkpoint} holds a model but not a train_longnet.py run "
+                f"(it lacks {lacking}); start a new run without --resume"
+            )
         print(f"resuming from {args.checkpoint} at step {state['step']}")
         if state["total_steps"] != args.steps:
             print(
@@ -127,11 +171,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 f"now spans {args.steps}, so the losses will differ from that run's"
             )
     else:
-        config = LongNetConfig.from_preset(args.preset)
-    # Recompute each block in the backward pass instead of keeping its activations.
-    config = dataclasses.replace(config, activation_checkpointing=args.activation_checkpointing)
-
-    model = LongNetLM(config).to(device)
+        config = dataclasses.replace(LongNetConfig.from_preset(args.preset), **recompute)
+        model = LongNetLM(config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, warmup=args.warmup, total=args.steps)
@@ -141,7 +182,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     evals: list[tuple[int, float]] = []
     step = 0
     if state is not None:
-        model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         data_gen.set_state(state["data_rng"])
@@ -183,24 +223,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     def save() -> None:
         if args.checkpoint is None:
             return
-        args.checkpoint.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.checkpoint.with_suffix(args.checkpoint.suffix + ".tmp")
-        torch.save(
-            {
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "step": step,
-                "total_steps": args.steps,
-                "config": dataclasses.asdict(config),
-                "data_rng": data_gen.get_state(),
-                "torch_rng": torch.get_rng_state(),
-                "losses": losses,
-                "evals": evals,
-            },
-            tmp,
-        )
-        tmp.replace(args.checkpoint)  # never leave a half-written checkpoint behind
+        # Written to a temporary file and renamed: never a half-written checkpoint.
+        save_checkpoint(
+            args.checkpoint, model, optimizer=optimizer.state_dict(),
+            scheduler=scheduler.state_dict(), step=step, total_steps=args.steps,
+            data_rng=data_gen.get_state(), torch_rng=torch.get_rng_state(), losses=losses,
+            evals=evals,
+        )  # fmt: skip
 
     if step == 0:
         evaluate()

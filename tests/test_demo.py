@@ -24,7 +24,12 @@ def test_demo_runs_end_to_end() -> None:
     after = float(re.search(r"bits per byte after 30 steps: ([\d.]+)", out).group(1))
     assert 7.0 < before < 9.0, out  # an untrained byte model is near log2(256) = 8 bits
     assert after < before - 1.0, out  # 30 steps already learn the byte statistics of source code
-    assert "sample (after the held-out prompt):" in out
+    # The sample shows its held-out prompt (seq_len // 2 bytes), then the continuation.
+    assert "sample: the model continues a held-out prompt" in out
+    assert "----- prompt (32 bytes) -----\n" in out, out
+    assert "----- continuation (16 bytes, temperature 0.8, top-k 20, seed 0) -----\n" in out, out
+    assert out.rstrip().endswith("----- end -----"), out
+    assert "Warning" not in proc.stderr, proc.stderr  # nothing for a newcomer to puzzle over
 
 
 def test_corpus_split_is_disjoint_and_deterministic() -> None:

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from dilated_attention.extreme import find_max_seq_len, measure_peak_memory
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,14 +86,53 @@ def test_bench_extreme_cpu_writes_record(tmp_path: Path) -> None:
     assert all(r["max_seq_len"] == 2048 and r["stopped_by"] == "max_seq_len" for r in rows), rows
 
 
-def test_extreme_length_example_runs_in_process(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        import extreme_length
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
-    out = tmp_path / "ext"
-    extreme_length.main(["--device", "cpu", *_TINY, "--max-memory-gib", "1", "--out", str(out)])
-    _check_record(out.with_suffix(".json"), 2048)
-    assert out.with_suffix(".png").stat().st_size > 0
+def test_extreme_length_example_runs_outside_the_repository(tmp_path: Path) -> None:
+    """The example needs only the installed package: copied to a directory outside the checkout
+    and run from there, with every benchmarks/ module made unimportable, it writes its record and
+    plot under outputs/extreme_length/ of the working directory."""
+    script = tmp_path / "extreme_length.py"
+    shutil.copy(ROOT / "examples" / "extreme_length.py", script)
+    args = ["--device", "cpu", *_TINY, "--max-memory-gib", "1"]
+    code = (
+        "import runpy, sys\n"
+        "assert not any(p.rstrip('/').endswith('benchmarks') for p in sys.path), sys.path\n"
+        "for name in ('benchmarks', 'bench_extreme', '_timing', '_records'):\n"
+        "    sys.modules[name] = None  # importing any of them now raises ImportError\n"
+        f"sys.argv = [{str(script)!r}, *{args!r}]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+        timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "forward: 2,048 tokens fit" in proc.stdout, proc.stdout
+    out = tmp_path / "outputs" / "extreme_length"
+    record = json.loads((out / "extreme_length.json").read_text())
+    assert {"date", "torch", "device", "dilated_attention", "config"} <= set(record["environment"])
+    assert record["environment"]["config"]["heads"] == 2
+    assert [r["max_seq_len"] for r in record["results"]] == [2048, 2048]
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "extreme_length.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["extreme_length.py", "outputs"]
+
+
+def test_extreme_module_validates_its_arguments() -> None:
+    with pytest.raises(ValueError, match="mode must be one of"):
+        find_max_seq_len(modes=["backward"], device="cpu", log=None)
+    with pytest.raises(ValueError, match="max_memory_gib must be > 0"):
+        find_max_seq_len(device="cpu", max_memory_gib=0, log=None)
+    with pytest.raises(ValueError, match="first_segment"):
+        find_max_seq_len(device="cpu", first_segment=0, log=None)
+    with pytest.raises(ValueError, match="device='junk' is not a device"):
+        measure_peak_memory(256, device="junk")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device is available here"):
+            measure_peak_memory(256, device="cuda")
+
+
+def test_measure_peak_memory_on_cpu() -> None:
+    peak = measure_peak_memory(
+        512, "forward+backward", heads=2, head_dim=16, first_segment=128, device="cpu"
+    )
+    assert peak is not None and peak >= 0

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,6 +31,13 @@ def _run(script: Path, *args: str, cwd: Path) -> str:
     return proc.stdout
 
 
+def _load_example(path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _records(path: Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -42,6 +50,17 @@ def test_train_longnet_resume_reproduces_uninterrupted_run(tmp_path: Path) -> No
     )  # fmt: skip
     assert "step 12 loss" in first and "step 13 loss" not in first
     assert ckpt.exists()
+    # A damaged copy is refused before any training, with the file and the problem named.
+    train_longnet, data = _load_example(TRAIN), ckpt.read_bytes()
+    bad = tmp_path / "bad.pt"
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0x01
+    for damaged, why in (
+        (bytes(flipped), "checksum mismatch"), (data[:-100], "truncated"), (b"", "is empty")
+    ):  # fmt: skip
+        bad.write_bytes(damaged)
+        with pytest.raises(SystemExit, match=f"--resume: checkpoint {re.escape(str(bad))} .*{why}"):
+            train_longnet.main([*TINY, "--checkpoint", str(bad), "--resume"])
     resumed = _run(
         TRAIN, *TINY, "--checkpoint", str(ckpt), "--resume",
         "--log", str(tmp_path / "resumed.jsonl"), "--plot", str(plot), cwd=tmp_path,
@@ -71,13 +90,23 @@ def test_train_longnet_options(tmp_path: Path) -> None:
         "--activation-checkpointing", "--grad-clip", "0", "--warmup", "0", cwd=tmp_path,
     )  # fmt: skip
     assert "final step 3 loss" in out
+    # Everything it writes goes under outputs/train_longnet/ of the working directory.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]
+    assert (tmp_path / "outputs" / "train_longnet" / "checkpoint.pt").exists()
 
 
-def test_train_longnet_resume_without_checkpoint_errors(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(TRAIN), "--resume"], cwd=tmp_path, capture_output=True, text=True
-    )
-    assert proc.returncode != 0 and "--resume needs --checkpoint" in proc.stderr
+def test_train_longnet_resume_without_checkpoint_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    train_longnet = _load_example(TRAIN)
+    default = Path("outputs") / "train_longnet" / "checkpoint.pt"
+    message = f"--resume: no checkpoint at {re.escape(str(default))}; run without"
+    with pytest.raises(SystemExit, match=message):
+        train_longnet.main(["--resume"])
+    with pytest.raises(SystemExit):
+        train_longnet.main(["--resume", "--no-checkpoint"])
+    assert "--resume needs a checkpoint" in capsys.readouterr().err
 
 
 def test_swap_attention_example(tmp_path: Path) -> None:

@@ -535,3 +535,23 @@ def test_longnet_schedule_is_geometric_and_covers_the_sequence() -> None:
     assert longnet_schedule(1000) == ([1000], [1])
     with pytest.raises(ValueError, match="first_segment"):
         longnet_schedule(1000, 0)
+
+
+# -- explain: bad devices -------------------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA device")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1", torch.device("cuda"), 0])
+def test_explain_cuda_without_a_gpu_is_a_clear_value_error(device: object) -> None:
+    with pytest.raises(ValueError, match="no CUDA device is available here") as info:
+        dilated_attention.explain(device=device)
+    message = str(info.value)
+    assert message.startswith("device=") and "device='cpu'" in message  # names it and the fix
+
+
+def test_explain_unknown_device_is_a_clear_value_error() -> None:
+    with pytest.raises(ValueError, match="device='junk' is not a device; use cpu, cuda or cuda:N"):
+        dilated_attention.explain(device="junk")
+    with pytest.raises(TypeError, match=r"device must be a torch\.device"):
+        dilated_attention.explain(device=1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"dtype must be a torch\.dtype"):
+        dilated_attention.explain(device="cpu", dtype="float32")  # type: ignore[arg-type]
+    assert dilated_attention.explain(device="cpu").backend in dilated_attention.list_backends()

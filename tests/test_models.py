@@ -253,3 +253,11 @@ def test_config_is_frozen_and_keyword_only() -> None:
         cfg.embed_dim = 64  # type: ignore[misc]
     with pytest.raises(TypeError):
         LongNetConfig(61, 32, 4, 2, (8,), (1,), 64)  # type: ignore[misc]
+
+
+def test_top_level_exports() -> None:
+    import dilated_attention
+
+    assert dilated_attention.LongNetLM is LongNetLM
+    assert dilated_attention.LongNetConfig is LongNetConfig
+    assert {"LongNetLM", "LongNetConfig"} <= set(dilated_attention.__all__)

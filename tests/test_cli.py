@@ -1,0 +1,176 @@
+"""The command line ``python -m dilated_attention``: every command's ``--help``, the ``demo --save``
+-> ``generate`` round trip, ``layer`` and ``info`` on a CPU, and clear errors for bad flags."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from dilated_attention.__main__ import main
+from dilated_attention.demo import format_sample
+from dilated_attention.models import load_checkpoint
+
+# A demo that takes seconds: two steps on short sequences from a 2 MB corpus.
+_TINY_DEMO = [
+    "--steps", "2", "--batch-size", "2", "--seq-len", "32", "--eval-windows", "2",
+    "--sample-bytes", "4", "--corpus-bytes", "2000000", "--no-progress",
+]  # fmt: skip
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread: the tiny model's many small ops run faster, and much faster when other
+    processes share the CPU (idle threads spin at every op's barrier)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """``main(argv)``: (exit status, stdout, stderr)."""
+    try:
+        main(list(argv))
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_top_level_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "--help")
+    assert code == 0
+    for command in ("demo", "generate", "layer", "info"):
+        assert re.search(rf"^\s+{command}\s+\S", out, re.M), out  # name and a one-line summary
+    assert "COMMAND --help" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["layer", "--help"], ["--seq-len SEQ_LEN", "(default: 16384)", "--heads HEADS",
+                               "(default: 8)", "--head-dim HEAD_DIM", "(default: 32)",
+                               "--first-segment", "(default: 2048)", "--device", "--dtype",
+                               "--repeats", "--causal, --no-causal"]),
+        (["demo", "-h"], ["--steps STEPS", "(default: 700)", "--save PATH", "--seq-len",
+                          "--corpus-bytes", "--device", "--preset {base,tiny}"]),
+        (["generate", "--help"], ["--checkpoint PATH", "--prompt PROMPT", "--max-new-tokens N",
+                                  "(default: 200)", "--temperature T", "(default: 0.8)",
+                                  "--top-k K", "(default: 20)", "--seed S", "--device"]),
+        (["info", "--help"], ["--head-dim HEAD_DIM", "(default: 64)", "--causal"]),
+    ],
+)  # fmt: skip
+def test_each_command_help_shows_its_own_flags(
+    capsys: pytest.CaptureFixture[str], argv: list[str], expected: list[str]
+) -> None:
+    code, out, _ = _run(capsys, *argv)
+    assert code == 0
+    assert out.startswith(f"usage: python -m dilated_attention {argv[0]} "), out
+    for text in expected:
+        assert text in " ".join(out.split()), (text, out)  # help lines wrap with the terminal
+    assert "(default: None)" not in out
+
+
+def test_help_through_the_module_entry_point() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "dilated_attention", "layer", "--help"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: python -m dilated_attention layer" in proc.stdout
+    assert "(default: 16384)" in proc.stdout and "--head-dim" in proc.stdout
+    assert proc.stderr == ""  # no warning on the way (e.g. torch's NumPy warning)
+
+
+def test_missing_or_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(capsys)
+    assert code == 2 and "required: COMMAND" in err
+    code, _, err = _run(capsys, "train")
+    assert code == 2 and "invalid choice: 'train'" in err
+
+
+def test_layer_and_info_run_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(
+        capsys, "layer", "--seq-len", "256", "--first-segment", "128", "--heads", "2",
+        "--head-dim", "8", "--repeats", "1", "--device", "cpu",
+    )  # fmt: skip
+    assert code == 0
+    assert "segment_lengths=[128, 256]" in out and "backend chosen:" in out
+    assert "input gradient finite: True" in out
+    code, out, _ = _run(capsys, "info")
+    assert code == 0 and "cpu:" in out and "backend" in out
+
+
+@pytest.mark.parametrize("command", ["layer", "demo"])
+def test_bad_device_is_a_clear_usage_error(
+    capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    code, _, err = _run(capsys, command, "--device", "junk")
+    assert code == 2 and "--device junk is not a device; use cpu, cuda or cuda:N" in err
+    if not torch.cuda.is_available():
+        code, _, err = _run(capsys, command, "--device", "cuda")
+        assert code == 2
+        assert "--device cuda: no CUDA device is available here" in err and "--device cpu" in err
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_demo_save_then_generate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "out" / "model.pt"
+    code, out, _ = _run(capsys, "demo", *_TINY_DEMO, "--save", str(path))
+    assert code == 0, out
+    # The demo's own sample shows its prompt, then the continuation.
+    sample = re.search(
+        r"----- prompt \((\d+) bytes\) -----\n(.*)\n----- continuation \((\d+) bytes, "
+        r"temperature 0.8, top-k 20, seed 0\) -----\n(.*)\n----- end -----",
+        out, re.S,
+    )  # fmt: skip
+    assert sample, out
+    assert sample.group(1) == "16" and sample.group(3) == "4"  # seq_len // 2 and --sample-bytes
+    assert f"model saved to {path}" in out and "generate --checkpoint" in out
+    assert path.exists()
+
+    prompt = "def forward(self"
+    args = ["generate", "--checkpoint", str(path), "--prompt", prompt, "--max-new-tokens", "6"]
+    code, out, err = _run(capsys, *args, "--seed", "1")
+    assert code == 0, err
+    expected_head = (
+        f"----- prompt (16 bytes) -----\n{prompt}\n"
+        "----- continuation (6 bytes, temperature 0.8, top-k 20, seed 1) -----\n"
+    )
+    assert out.startswith(expected_head), out
+    assert out.rstrip().endswith("----- end -----")
+    code, again, _ = _run(capsys, *args, "--seed", "1")
+    assert code == 0 and again == out  # the seed makes it reproducible
+
+    # The continuation is the loaded model's own sample (greedy here: the seed does not matter).
+    code, out, _ = _run(capsys, *args, "--temperature", "0")
+    model = load_checkpoint(path).model
+    tokens = model.generate(torch.tensor([list(prompt.encode())]), 6, temperature=0)
+    how = "temperature 0, top-k 20, seed 0"
+    assert code == 0
+    assert out.strip() == format_sample(prompt.encode(), bytes(tokens[0, 16:].tolist()), how=how)
+
+
+def test_generate_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "missing.pt"
+    code, _, err = _run(capsys, "generate", "--checkpoint", str(missing), "--prompt", "x")
+    assert code == 2 and f"no checkpoint at {missing}" in err
+    text = tmp_path / "notes.txt"
+    text.write_text("hello\n")
+    code, _, err = _run(capsys, "generate", "--checkpoint", str(text), "--prompt", "x")
+    assert code == 2 and "text file" in err and "not a checkpoint" in err
+    code, _, err = _run(capsys, "generate", "--checkpoint", str(text), "--prompt", "")
+    assert code == 2 and "--prompt is empty" in err
+    code, _, err = _run(
+        capsys, "generate", "--checkpoint", str(text), "--prompt", "x", "--top-k", "-1"
+    )
+    assert code == 2 and "--top-k must be >= 0" in err
+    code, _, err = _run(capsys, "generate", "--prompt", "x")
+    assert code == 2 and "required: --checkpoint" in err
