@@ -1,18 +1,53 @@
-"""Shared benchmark helpers: CUDA-event timing (median of repeats), run records, table output."""
+"""Shared benchmark helpers: CUDA-event timing (median of repeats), run records, table output.
+
+Records go to ``benchmarks/results/<benchmark>_<device>.json`` by default (``record_path``), with
+the environment of ``environment()``: device and its short label, torch, CUDA, cuDNN and package
+versions, commit, date and the command line. ``benchmarks/summarize_results.py`` turns every
+record into ``benchmarks/results/README.md``; ``_records.py`` says what a record must carry.
+"""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
+import sys
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
+from _records import RESULTS_DIR, device_label, markdown_table
+
+__all__ = [
+    "OUT_HELP",
+    "command_line",
+    "environment",
+    "git_commit",
+    "host_label",
+    "markdown_table",
+    "package_versions",
+    "record_header",
+    "record_path",
+    "time_cuda",
+    "time_fwd_and_fwd_bwd",
+    "write_record",
+]
+
+#: Distributions whose versions every record names ("not installed" where absent).
+PACKAGES = ("triton", "flash-attn", "flash-attn-3", "xformers")
+#: ``--out`` help of the benchmark scripts.
+OUT_HELP = "path without suffix (default: benchmarks/results/<benchmark>_<device>)"
+#: Environment variables that change what a benchmark measures; recorded in the command line.
+_COMMAND_ENV = (
+    "CUDA_VISIBLE_DEVICES", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+    "NVSHMEM_DISABLE_NVLS", "TRITON_INTERPRET",
+)  # fmt: skip
 
 
 def time_cuda(fn: Callable[[], object], *, warmup: int = 3, repeats: int = 10) -> dict[str, float]:
@@ -89,18 +124,76 @@ def git_commit() -> str:
         return "unknown"
 
 
+def host_label() -> str:
+    """The device part of record names: ``h100`` on a host with one H100, ``h200x4`` on a host
+    with four H200s (the GPUs this process sees, so ``CUDA_VISIBLE_DEVICES=0`` on a 4-GPU host
+    gives ``h200``), ``cpu`` without CUDA; ``DILATED_ATTENTION_DEVICE_LABEL`` overrides it. Used
+    to name records only, never to choose kernels."""
+    if os.environ.get("DILATED_ATTENTION_DEVICE_LABEL"):
+        return os.environ["DILATED_ATTENTION_DEVICE_LABEL"]
+    if not torch.cuda.is_available():
+        return "cpu"
+    return device_label(torch.cuda.get_device_name(), torch.cuda.device_count())
+
+
+def record_path(benchmark: str, out: Path | None = None) -> Path:
+    """``out``, or ``benchmarks/results/<benchmark>_<host_label()>`` (no suffix: the scripts add
+    ``.json``, ``.md`` and ``.png``)."""
+    return out if out is not None else RESULTS_DIR / f"{benchmark}_{host_label()}"
+
+
+def package_versions() -> dict[str, str]:
+    """Installed versions of ``PACKAGES`` (``"not installed"`` where absent)."""
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name.replace("-", "_")] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name.replace("-", "_")] = "not installed"
+    if versions["triton"] == "not installed":
+        try:  # some torch builds ship Triton under another distribution name
+            import triton
+
+            versions["triton"] = triton.__version__
+        except Exception:  # not importable here: "not installed" stands
+            pass
+    return versions
+
+
+def command_line() -> str:
+    """How this process was started, as a shell line: the variables of ``_COMMAND_ENV`` that are
+    set, ``torchrun --nproc_per_node=W`` under torchrun, then the script (relative to the
+    repository when inside it) and its arguments."""
+    argv = list(sys.argv)
+    if argv and Path(argv[0]).is_file():
+        script = Path(argv[0]).resolve()
+        try:
+            argv[0] = str(script.relative_to(RESULTS_DIR.parent.parent))
+        except ValueError:
+            argv[0] = str(script)
+    env = [f"{k}={os.environ[k]}" for k in _COMMAND_ENV if k in os.environ]
+    launcher = ["python"]
+    if "LOCAL_WORLD_SIZE" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:
+        launcher = ["torchrun", f"--nproc_per_node={os.environ['LOCAL_WORLD_SIZE']}"]
+    return shlex.join([*env, *launcher, *argv])
+
+
 def environment() -> dict[str, Any]:
-    """Device, software versions and commit for a benchmark record."""
+    """Device, software versions, commit, date and command line for a benchmark record."""
     env: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
+        "packages": package_versions(),
         "commit": git_commit(),
+        "command": command_line(),
+        "device_label": host_label(),
     }
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         env["device"] = torch.cuda.get_device_name()
+        env["device_count"] = torch.cuda.device_count()
         env["capability"] = f"sm{major}{minor}"
         env["cudnn"] = torch.backends.cudnn.version()
     else:
@@ -108,20 +201,31 @@ def environment() -> dict[str, Any]:
     return env
 
 
-def write_record(path: Path, env: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-    """Write ``{"environment": env, "results": rows}`` as JSON."""
+def record_header(env: dict[str, Any]) -> str:
+    """The first lines of a record's Markdown table: device, versions, commit, date, command."""
+    command = env["command"] if isinstance(env["command"], str) else "; ".join(env["command"])
+    return (
+        f"{env['device']} ({env.get('device_label', 'unknown')}), torch {env['torch']}, "
+        f"triton {env.get('packages', {}).get('triton', 'unknown')}, commit {env['commit']}, "
+        f"{env['date']}\n\n`{command}`\n\n"
+    )
+
+
+def write_record(
+    path: Path,
+    env: dict[str, Any],
+    rows: list[dict[str, Any]],
+    *,
+    columns: list[str] | None = None,
+    notes: str | None = None,
+) -> None:
+    """Write ``{"environment": env, "columns": ..., "notes": ..., "results": rows}`` as JSON;
+    ``columns`` (the main table's, for ``summarize_results.py``) and ``notes`` only when given."""
+    record: dict[str, Any] = {"environment": env}
+    if columns is not None:
+        record["columns"] = columns
+    if notes is not None:
+        record["notes"] = notes
+    record["results"] = rows
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"environment": env, "results": rows}, indent=1) + "\n")
-
-
-def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    """A Markdown table of ``rows`` restricted to ``columns`` (floats to 3 significant digits)."""
-
-    def cell(value: object) -> str:
-        if isinstance(value, float):
-            return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
-        return str(value)
-
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell(r.get(c, "")) for c in columns) + " |" for r in rows]
-    return "\n".join(lines)
+    path.write_text(json.dumps(record, indent=1) + "\n")

@@ -1,6 +1,6 @@
 """Block-sparse attention vs dense cuDNN vs plain compiled FlexAttention, in one run (CUDA).
 
-    python benchmarks/bench_block_sparse.py --out benchmarks/results/block_sparse_h100
+    python benchmarks/bench_block_sparse.py  # -> benchmarks/results/block_sparse_<device>.*
 
 For each sequence length and density (random block masks, block 128, H = 16, D = 128, bf16):
 ``block_sparse_attention`` with the mask (``Custom``) as it chooses (on CUDA our Triton kernels
@@ -9,8 +9,10 @@ PyTorch's compiled ``flex_attention`` with a
 ``BlockMask`` built from the same mask (``create_block_mask``, no library code), and dense cuDNN
 SDPA on the same shape (timed before and after the sparse rows of each length; speed-ups use the
 faster of the two); forward and forward+backward median times (CUDA events), peak memory, and
-speed-up over dense. Anchor (shared/anchors.md, H200, 64K): compiled Flex is 6.8x / 2.8x / 1.4x
-faster than dense cuDNN at 10% / 25% / 50% density and 0.72x at 100%.
+speed-up over dense. ``<device>`` is ``h100``, ``h200x2``, ... (``_timing.host_label``). On an
+H100 at 65,536 tokens plain compiled FlexAttention ran 5.1x / 2.2x / 1.1x faster than dense cuDNN
+forward at 10% / 25% / 50% density (``benchmarks/results/block_sparse_h100.json``), and at
+262,144 tokens 0.64x forward at 100% (``block_sparse_long_h100.json``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import environment, markdown_table, time_fwd_and_fwd_bwd, write_record
+from _timing import (
+    OUT_HELP,
+    environment,
+    markdown_table,
+    record_header,
+    record_path,
+    time_fwd_and_fwd_bwd,
+    write_record,
+)
 
 from dilated_attention import attention, block_sparse_attention
 from dilated_attention.patterns import Custom
@@ -87,7 +97,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/block_sparse"))
+    parser.add_argument("--out", type=Path, default=None, help=OUT_HELP)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_block_sparse.py needs a CUDA device")
@@ -148,11 +158,12 @@ def main() -> None:
                     row[f"{step}_speedup_vs_dense"] = dense_ms / row[f"{step}_ms"]
         rows += dense_rows + sparse_rows
     env = environment()
-    write_record(args.out.with_suffix(".json"), env, rows)
+    out = record_path("block_sparse", args.out)
     cols = ["impl", "seq_len", "density", "fwd_ms", "fwd_bwd_ms", "fwd_speedup_vs_dense",
             "fwd_bwd_speedup_vs_dense", "fwd_bwd_peak_gib", "error"]  # fmt: skip
-    table = f"{env['device']}, torch {env['torch']}, {env['date']}\n\n" + markdown_table(rows, cols)
-    args.out.with_suffix(".md").write_text(table + "\n")
+    write_record(out.with_suffix(".json"), env, rows, columns=cols)
+    table = record_header(env) + markdown_table(rows, cols)
+    out.with_suffix(".md").write_text(table + "\n")
     print(table)
 
 

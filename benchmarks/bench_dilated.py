@@ -1,6 +1,6 @@
 """Dilated attention on one GPU: the library's path vs gather + cuDNN vs the dense-kernel ceiling.
 
-    python benchmarks/bench_dilated.py --out benchmarks/results/dilated_h100
+    python benchmarks/bench_dilated.py    # -> benchmarks/results/dilated_<device>.{json,md,png}
 
 For each schedule (LongNet: w = 2048..32768 with r = 1, 2, 4, 8, 16; the paper's r = 1, 2, 4, 6,
 12), head dim, sequence length and causal flag (B = 1, H = 16, bf16), in one run:
@@ -17,7 +17,9 @@ For each schedule (LongNet: w = 2048..32768 with r = 1, 2, 4, 8, 16; the paper's
 Effective TFLOP/s = paper FLOPs / time, with paper FLOPs = 4 * D * sum over heads and branches of
 (N / r) * (w / r), halved when causal, times 3.5 for forward+backward. Memory = peak allocated /
 the unavoidable bytes (q, k, v, out; with backward also dout, dq, dk, dv). Times are the median of
-``--repeats`` runs with CUDA events. Writes OUT.json (environment + rows), OUT.md and OUT.png.
+``--repeats`` runs with CUDA events. Writes OUT.json (environment + rows), OUT.md and OUT.png;
+OUT defaults to ``benchmarks/results/dilated_<device>`` (``h100``, ``h200x2``, ...: ``_timing.
+host_label``), the latest record of this benchmark on that device.
 """
 
 from __future__ import annotations
@@ -30,7 +32,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import environment, markdown_table, time_fwd_and_fwd_bwd, write_record
+from _timing import (
+    OUT_HELP,
+    environment,
+    markdown_table,
+    record_header,
+    record_path,
+    time_fwd_and_fwd_bwd,
+    write_record,
+)
 
 from dilated_attention import attention, dilated_attention
 from dilated_attention.backends import KernelInputs
@@ -181,7 +191,7 @@ def main() -> None:
                         choices=["auto", "triton", "gather+cudnn", "cudnn ceiling"])  # fmt: skip
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/dilated"))
+    parser.add_argument("--out", type=Path, default=None, help=OUT_HELP)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_dilated.py needs a CUDA device")
@@ -193,13 +203,14 @@ def main() -> None:
                 for seq_len in args.seq_lens:
                     rows += bench_config(schedule, seq_len, dim, causal, args)
     env = environment()
-    write_record(args.out.with_suffix(".json"), env, rows)
+    out = record_path("dilated", args.out)
     cols = ["schedule", "head_dim", "causal", "seq_len", "path", "backend", "fwd_ms",
             "fwd_tflops", "fwd_vs_ceiling", "fwd_bwd_ms", "fwd_bwd_tflops", "fwd_bwd_vs_ceiling",
             "fwd_mem_ratio", "fwd_bwd_mem_ratio", "error"]  # fmt: skip
-    table = f"{env['device']}, torch {env['torch']}, {env['date']}\n\n" + markdown_table(rows, cols)
-    args.out.with_suffix(".md").write_text(table + "\n")
-    _plot(rows, args.out.with_suffix(".png"))
+    write_record(out.with_suffix(".json"), env, rows, columns=cols)
+    table = record_header(env) + markdown_table(rows, cols)
+    out.with_suffix(".md").write_text(table + "\n")
+    _plot(rows, out.with_suffix(".png"))
     print(table)
 
 

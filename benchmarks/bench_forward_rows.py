@@ -1,6 +1,6 @@
 """How the Triton forward reads its rows: pointer loads vs tensor descriptors, against cuDNN.
 
-    python benchmarks/bench_forward_rows.py --out benchmarks/results/tma_forward_h100
+    python benchmarks/bench_forward_rows.py --tiles  # -> benchmarks/results/tma_forward_<device>.*
 
 One dilated branch ``(w, r)`` over N positions, launched alone (``forward_branch``, no merge),
 B = 1, H = 16, bf16, with the rows read (a) through per-thread pointers with the pointer tiles,
@@ -9,7 +9,8 @@ in ``dilated_attention/backends/_triton_kernels.py``), and (c) the dense cuDNN k
 per-branch shape (N / w segments of w / r rows each), the ceiling. Median of CUDA-event timings;
 TFLOP/s count 4 * D * H * (N / r) * (w / r), halved when causal. With ``--tiles``, also every
 candidate descriptor tile (the sweep behind ``forward_descriptors`` in ``_tile_configs``) as
-extra rows. Writes OUT.json and OUT.md.
+extra rows. Writes OUT.json and OUT.md; OUT defaults to ``benchmarks/results/tma_forward_<device>``
+(``h100``, ``h200x2``, ...: ``_timing.host_label``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,15 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import environment, markdown_table, time_cuda, write_record
+from _timing import (
+    OUT_HELP,
+    environment,
+    markdown_table,
+    record_header,
+    record_path,
+    time_cuda,
+    write_record,
+)
 
 from dilated_attention.backends import triton as triton_backend
 
@@ -50,7 +59,7 @@ def bench_case(
     dim: int, seq: int, segment: int, rate: int, causal: bool, repeats: int, tiles: bool
 ) -> list[dict]:
     kernels = triton_backend._kernels()
-    configs = triton_backend._tile_configs(dim)
+    configs = triton_backend._tile_configs(dim, torch.bfloat16)
     q, k, v = (
         torch.randn(1, seq, HEADS, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)
     )
@@ -112,22 +121,23 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--tiles", action="store_true", help="also sweep the descriptor tiles")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/tma_forward"))
+    parser.add_argument("--out", type=Path, default=None, help=OUT_HELP)
     args = parser.parse_args()
     rows = []
     for case in CASES:
         rows.extend(bench_case(*case, repeats=args.repeats, tiles=args.tiles))
         print(*rows[-1:], flush=True)
     env = environment()
-    write_record(args.out.with_suffix(".json"), env, rows)
+    out = record_path("tma_forward", args.out)
     columns = [
         "head_dim", "seq_len", "segment", "rate", "causal", "cudnn_tflops", "pointers_tflops",
         "descriptors_tflops", "pointers_vs_cudnn", "descriptors_vs_cudnn", "descriptors_speedup",
     ]  # fmt: skip
+    # The record's table (summarize_results.py) holds the sweep rows too: their tile and errors.
+    record_columns = [*columns[:5], "tile", *columns[5:], "error"]
+    write_record(out.with_suffix(".json"), env, rows, columns=record_columns)
     table = markdown_table([r for r in rows if "tile" not in r], columns)
-    text = (
-        f"{env['device']}, torch {env['torch']}, commit {env['commit']}, {env['date']}\n\n{table}\n"
-    )
+    text = record_header(env) + table + "\n"
     swept = [r for r in rows if "tile" in r]
     if swept:
         shape = ["head_dim", "seq_len", "segment", "rate", "causal"]
@@ -135,7 +145,7 @@ def main() -> None:
             swept, [*shape, "tile", "descriptors_vs_cudnn", "error"]
         )
         text += "\n"
-    args.out.with_suffix(".md").write_text(text)
+    out.with_suffix(".md").write_text(text)
     print(text)
 
 

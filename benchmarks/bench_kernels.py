@@ -8,8 +8,10 @@ fastest kernel. Writes a JSON record, a Markdown table and a PNG plot. ``--paddi
 padding mask that ignores the last fraction F of every sequence's keys (padded batches): only
 kernels that take masks run, and TFLOP/s still count the whole N x N.
 
-    python benchmarks/bench_kernels.py --out benchmarks/results/kernels_h100
-    python benchmarks/bench_kernels.py --padding 0.125 --out benchmarks/results/kernels_masked_h100
+    python benchmarks/bench_kernels.py                 # -> benchmarks/results/kernels_<device>.*
+    python benchmarks/bench_kernels.py --padding 0.125  # -> kernels_masked_<device>.*
+
+(``<device>``: ``h100``, ``h200x2``, ...; ``_timing.host_label``.)
 """
 
 from __future__ import annotations
@@ -21,7 +23,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import environment, markdown_table, time_cuda, write_record
+from _timing import (
+    OUT_HELP,
+    environment,
+    markdown_table,
+    record_header,
+    record_path,
+    time_cuda,
+    write_record,
+)
 
 from dilated_attention import attention, backend_reasons, explain
 
@@ -126,7 +136,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--padding", type=float, default=0.0,
                         help="fraction of keys masked at the end of each sequence")  # fmt: skip
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernels"))
+    parser.add_argument("--out", type=Path, default=None, help=OUT_HELP)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA device")
@@ -159,16 +169,15 @@ def main() -> None:
                     print(r, flush=True)
                 rows += shape_rows
     env = environment()
-    write_record(args.out.with_suffix(".json"), env, rows)
+    out = record_path("kernels_masked" if args.padding > 0 else "kernels", args.out)
     columns = [
         "backend", "seq_len", "head_dim", "causal", "fwd_tflops", "fwd_bwd_tflops",
         "fwd_bwd_ratio_to_best", "auto_choice", "error",
     ]  # fmt: skip
-    table = f"{env['device']}, torch {env['torch']}, {env['date']}\n\n" + markdown_table(
-        rows, columns
-    )
-    args.out.with_suffix(".md").write_text(table + "\n")
-    plot([r for r in rows if "fwd_bwd_tflops" in r], args.out.with_suffix(".png"))
+    write_record(out.with_suffix(".json"), env, rows, columns=columns)
+    table = record_header(env) + markdown_table(rows, columns)
+    out.with_suffix(".md").write_text(table + "\n")
+    plot([r for r in rows if "fwd_bwd_tflops" in r], out.with_suffix(".png"))
     print(table)
 
 

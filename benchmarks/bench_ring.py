@@ -1,7 +1,7 @@
 """Ring attention per-GPU throughput under torchrun, beside PyTorch context parallel in one run.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-        torchrun --nproc_per_node=2 benchmarks/bench_ring.py --out benchmarks/results/ring_h200
+        torchrun --nproc_per_node=2 benchmarks/bench_ring.py   # -> results/ring_<device>.{json,md}
 
 Dense: the whole sequence (N tokens) split over W GPUs; ``ring_attention`` (zigzag when causal;
 P2P ring and all-gather communication) and PyTorch's ``context_parallel`` (cuDNN/flash SDPA, its
@@ -9,10 +9,15 @@ own head-tail balancing) time forward and forward+backward; per-GPU TFLOP/s = 4*
 (halved when causal, x3.5 with backward) / W / time.
 Dilated (weak scaling): W GPUs hold W x N tokens with the LongNet schedule up to a segment as long
 as the whole sequence; per-GPU effective TFLOP/s counts every head in every branch. Before timing,
-each path is checked against a single-GPU result on a small sequence. Run once per world size; the
-JSON records (one per world size) side by side give the scaling:
+each path is checked against a single-GPU result on a small sequence. Run once per world size:
+every run is folded into one record, ``benchmarks/results/ring_<device>.json`` (with
+``--skip-dense``: ``ring_dilated_<device>.json``; ``<device>`` names the host, ``h200x4`` for 4
+H200s: ``_timing.host_label``), one entry in its ``runs`` per world size and process group. Runs
+at the commit of the record accumulate (a world size run again replaces its rows); a run at
+another commit starts the record afresh. The record's Markdown file is the scaling table, also
+printed by
 
-    python benchmarks/bench_ring.py --summarize benchmarks/results/ring_h200_w*.json
+    python benchmarks/bench_ring.py --summarize benchmarks/results/ring_h200x4.json
 """
 
 from __future__ import annotations
@@ -33,7 +38,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import environment, markdown_table, time_fwd_and_fwd_bwd, write_record
+from _records import fold_run
+from _records import scaling_table as _scaling_table
+from _timing import OUT_HELP, environment, record_path, time_fwd_and_fwd_bwd
 
 from dilated_attention import (
     attention,
@@ -199,42 +206,10 @@ def bench_dilated(args: argparse.Namespace, device: torch.device, world: int) ->
 
 
 def scaling_table(records: list[Path]) -> str:
-    """Per-GPU efficiency from the per-world-size records: each row's per-GPU TFLOP/s (recomputed
-    from its times) over the same implementation's at world 1, dense and dilated."""
+    """Per-GPU efficiency from ring records (all their runs): each row's per-GPU TFLOP/s over the
+    same implementation's at world 1, dense and dilated (``_records.scaling_table``)."""
     rows = [row for path in records for row in json.loads(path.read_text())["results"]]
-    for row in rows:
-        if row["kind"] == "dense":
-            flops = 4.0 * row["heads"] * row["seq_len"] ** 2 * row["head_dim"]
-            flops /= 2 if row["causal"] else 1
-        else:
-            segs, rates = longnet_schedule(row["seq_len"])
-            flops = dilated_flops(
-                row["seq_len"], row["heads"], row["head_dim"], segs, rates, row["causal"]
-            )
-            row["seq_len"] //= row["world"]  # weak scaling: keyed by tokens per GPU
-        for step, work in (("fwd", flops), ("fwd_bwd", 3.5 * flops)):
-            if f"{step}_ms" in row:
-                row[f"{step}_tflops_per_gpu"] = (
-                    work / row["world"] / (row[f"{step}_ms"] * 1e-3) / 1e12
-                )
-    key = ("kind", "impl", "seq_len", "causal")
-    base = {tuple(r[k] for k in key): r for r in rows if r["world"] == 1}
-    header = "| kind | impl | tokens (per GPU if dilated) | causal | world | fwd TFLOP/s per GPU "
-    header += "(efficiency) | fwd+bwd TFLOP/s per GPU (efficiency) |"
-    lines = [header, "|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (*(str(r[k]) for k in key), r["world"])):
-        one = base.get(tuple(r[k] for k in key), {})
-        cells = []
-        for step in ("fwd", "fwd_bwd"):
-            value = r.get(f"{step}_tflops_per_gpu")
-            ref = one.get(f"{step}_tflops_per_gpu")
-            eff = f" ({100 * value / ref:.0f}%)" if value and ref else ""
-            cells.append("-" if value is None else f"{value:.0f}{eff}")
-        lines.append(
-            f"| {r['kind']} | {r['impl']} | {r['seq_len']} | {r['causal']} | {r['world']} | "
-            f"{cells[0]} | {cells[1]} |"
-        )
-    return "\n".join(lines)
+    return _scaling_table(rows)
 
 
 def main() -> None:
@@ -255,7 +230,7 @@ def main() -> None:
         "--process-group-backend", default="nccl", choices=["nccl", "cpu:gloo,cuda:nccl"],
         help="with a CPU backend the per-call agreement check runs on the CPU (README)",
     )  # fmt: skip
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/ring"))
+    parser.add_argument("--out", type=Path, default=None, help=OUT_HELP)
     parser.add_argument(
         "--summarize", type=Path, nargs="+", metavar="RECORD",
         help="print the scaling table of these JSON records (no GPU needed) and exit",
@@ -278,11 +253,12 @@ def main() -> None:
     rows += bench_dilated(args, device, world)
     if rank == 0:
         env = {**environment(), "world_size": world, "process_group": args.process_group_backend}
-        path = args.out.parent / f"{args.out.name}_w{world}.json"
-        write_record(path, env, rows)
-        cols = ["kind", "impl", "world", "seq_len", "causal", "fwd_tflops_per_gpu",
-                "fwd_bwd_tflops_per_gpu", "peak_gib", "error"]  # fmt: skip
-        table = markdown_table(rows, cols)
+        out = record_path("ring_dilated" if args.skip_dense else "ring", args.out)
+        path = out.with_suffix(".json")
+        record = fold_run(json.loads(path.read_text()) if path.exists() else None, env, rows)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=1) + "\n")
+        table = _scaling_table(record["results"])
         path.with_suffix(".md").write_text(table + "\n")
         print(table, flush=True)
     dist.destroy_process_group()

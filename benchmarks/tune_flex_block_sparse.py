@@ -14,8 +14,9 @@ median times with CUDA events.
 Every variant runs in its own subprocess with a timeout, so a slow compile or autotune cannot eat
 the run. ``--phase warm`` compiles all variants in parallel (filling Inductor's on-disk caches)
 without timing them; ``--phase time`` then times them one at a time, each mostly a cache hit.
-Writes ``OUT.json`` and ``OUT.md``; autotune choices Inductor prints land in each variant's
-``log_tail``.
+Writes ``OUT.json`` and ``OUT.md`` (OUT defaults to ``benchmarks/results/
+tune_flex_block_sparse_<device>``, ``<device>`` as in ``_timing.host_label``); autotune choices
+Inductor prints land in each variant's ``log_tail``.
 """
 
 from __future__ import annotations
@@ -237,7 +238,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per variant")
     parser.add_argument("--budget", type=float, default=400.0, help="seconds for all timings")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/tune_flex"))
+    parser.add_argument(
+        "--out", type=Path, default=None,
+        help="path without suffix (default: benchmarks/results/<benchmark>_<device>)",
+    )  # fmt: skip
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
@@ -245,7 +249,7 @@ def main() -> None:
         return
 
     import torch
-    from _timing import environment, markdown_table, write_record
+    from _timing import environment, markdown_table, record_header, record_path, write_record
 
     if not torch.cuda.is_available():
         raise SystemExit("tune_flex_block_sparse.py needs a CUDA device")
@@ -264,13 +268,16 @@ def main() -> None:
                     row[f"{step}_speedup_vs_dense"] = dense[f"{step}_ms"] / row[f"{step}_ms"]
                 if default is not None:
                     row[f"{step}_vs_flex_default"] = default[f"{step}_ms"] / row[f"{step}_ms"]
-    env = {**environment(), "shape": vars(args) | {"out": str(args.out)}}
-    suffix = "" if args.phase != "warm" else "_warm"
-    path = args.out.with_name(args.out.name + suffix)
-    write_record(path.with_suffix(".json"), env, rows)
+    if args.out is None:
+        warm_only = args.phase == "warm"
+        path = record_path("tune_flex_block_sparse_warm" if warm_only else "tune_flex_block_sparse")
+    else:
+        path = args.out.with_name(args.out.name + ("_warm" if args.phase == "warm" else ""))
+    env = {**environment(), "shape": vars(args) | {"out": str(path)}}
     cols = ["variant", "fwd_ms", "fwd_bwd_ms", "fwd_speedup_vs_dense", "fwd_bwd_speedup_vs_dense",
             "fwd_vs_flex_default", "fwd_bwd_vs_flex_default", "first_call_s", "error"]  # fmt: skip
-    table = f"{env['device']}, torch {env['torch']}, {env['date']}\n\n" + markdown_table(rows, cols)
+    write_record(path.with_suffix(".json"), env, rows, columns=cols)
+    table = record_header(env) + markdown_table(rows, cols)
     path.with_suffix(".md").write_text(table + "\n")
     print(table, flush=True)
 

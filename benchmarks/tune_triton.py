@@ -1,6 +1,6 @@
 """Sweep the Triton kernels' tile sizes on the dilated workload; the table behind ``_tile_configs``.
 
-    python benchmarks/tune_triton.py --out benchmarks/results/tune_triton_h100
+    python benchmarks/tune_triton.py   # -> benchmarks/results/tune_triton_<device>.{json,md}
 
 For each head dim, each kernel (``forward``, ``dkdv``, ``dq``) is timed with every candidate tile
 configuration while the other two keep their current setting (a candidate applies to every
@@ -8,7 +8,8 @@ variant of its kernel: both row loads of the forward, the causal and strided dK/
 forward through a no-grad ``dilated_attention`` call, the backward kernels through
 forward+backward (LongNet schedule
 w = 2048..32768, r = 1..16, B = 1, H = 16, bf16, non-causal). Configurations that do not compile
-(shared memory, registers) are recorded as errors. Writes OUT.json and OUT.md.
+(shared memory, registers) are recorded as errors. Writes OUT.json and OUT.md; OUT defaults to
+``benchmarks/results/tune_triton_<device>`` (``h100``, ``h200x2``, ...: ``_timing.host_label``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import environment, markdown_table, time_cuda, write_record
+from _timing import (
+    OUT_HELP,
+    environment,
+    markdown_table,
+    record_header,
+    record_path,
+    time_cuda,
+    write_record,
+)
 
 from dilated_attention import dilated_attention
 from dilated_attention.backends import triton as triton_backend
@@ -68,7 +77,7 @@ def main() -> None:
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--kernels", nargs="+", default=["forward", "dkdv", "dq"])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/tune_triton"))
+    parser.add_argument("--out", type=Path, default=None, help=OUT_HELP)
     args = parser.parse_args()
     default_configs = triton_backend._tile_configs
     config_type = triton_backend._kernels().TileConfig
@@ -89,7 +98,7 @@ def main() -> None:
                     key: config_type(*cand) if key.split("_")[0] == kernel else tile
                     for key, tile in default_configs(dim).items()
                 }
-                triton_backend._tile_configs = lambda _dim, trial=trial: trial
+                triton_backend._tile_configs = lambda _dim, _dtype, trial=trial: trial
                 row: dict[str, object] = {"head_dim": dim, "kernel": kernel,
                                           "config": "x".join(map(str, cand))}  # fmt: skip
                 try:
@@ -110,11 +119,11 @@ def main() -> None:
             if timed:
                 best.append({**min(timed, key=lambda r: r["ms"]), "best": True})
     env = environment()
-    write_record(args.out.with_suffix(".json"), env, rows + best)
-    table = markdown_table(best + rows, ["head_dim", "kernel", "config", "ms", "best", "error"])
-    args.out.with_suffix(".md").write_text(
-        f"{env['device']}, torch {env['torch']}, {env['date']}\n\n{table}\n"
-    )
+    out = record_path("tune_triton", args.out)
+    columns = ["head_dim", "kernel", "config", "ms", "best", "error"]
+    write_record(out.with_suffix(".json"), env, rows + best, columns=columns)
+    table = markdown_table(best + rows, columns)
+    out.with_suffix(".md").write_text(record_header(env) + table + "\n")
     print(table)
 
 

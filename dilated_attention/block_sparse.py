@@ -42,7 +42,8 @@ Note [Dense fallback]
     A pattern whose block mask keeps every block pair (every pair at or below the diagonal when
     causal) is dense attention, top-left causal when causal. ``block_sparse_attention`` then
     calls the library's dense ``attention`` (cuDNN on an H100) instead of either kernel above:
-    FlexAttention walking every tile runs at about 0.7x of dense cuDNN (shared/anchors.md), and
+    FlexAttention walking every tile runs at about 0.7x of dense cuDNN (H100, N = 262,144: 0.64x
+    forward, 0.71x forward+backward; ``benchmarks/results/block_sparse_long_h100.json``), and
     the fallback would split the work into many calls. Only ``backend="flex"`` (by argument,
     ``use_backend`` or the environment) keeps FlexAttention at full density.
 
@@ -472,7 +473,8 @@ def flex_block_mask(
 
 #: FlexAttention kernel options per (compute capability, head dim) for bf16/fp16 block-sparse
 #: calls; anything not listed keeps Inductor's defaults. Measured with
-#: ``benchmarks/tune_flex_block_sparse.py`` on an H100 80GB (torch 2.11, Triton 3.6; N = 65536,
+#: ``benchmarks/tune_flex_block_sparse.py`` on an H100 80GB (record
+#: ``benchmarks/results/tune_flex_block_sparse_h100.json``; torch 2.11, Triton 3.6; N = 65536,
 #: H = 16, D = 128, bf16, random 10% block mask, block 128; median of CUDA-event timings,
 #: forward / forward+backward): defaults 8.85 / 31.89 ms, max-autotune 8.76 / 31.89 ms (it picks
 #: the configs below), USE_TMA 9.14 / 32.67 ms, dense cuDNN 55.4 / 214.6 ms. max-autotune's own

@@ -130,7 +130,8 @@ def test_hopper_prefers_triton_for_masked_16bit_calls() -> None:
 
 
 def test_hopper_prefers_cudnn() -> None:
-    """On sm90+ the automatic choice for plain bf16 inputs is cuDNN (anchors.md: fastest there)."""
+    """On sm90+ the automatic choice for plain bf16 inputs is cuDNN (fastest there:
+    ``benchmarks/results/kernels_h100.json``)."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("not a Hopper-or-newer GPU")
     q = torch.randn(1, 256, 4, 64, device="cuda", dtype=torch.bfloat16)

@@ -12,7 +12,8 @@ Note [Block-sparse Triton kernels]
     blocks that keep its key block; a dQ program owns ``BLOCK_M`` query rows and walks the key
     list again. Every program writes its own rows once, so no output needs zero-filling and no
     atomics are used: an atomic dQ inside the dK/dV loop (five products instead of seven) was
-    slower on an H100 than the separate dQ pass (``benchmarks/results/diagnostics_session10.md``).
+    slower on an H100 than the separate dQ pass (25.7 against 21.8-22.6 ms at N = 65,536, 10%
+    density; ``benchmarks/results/findings_h100.json``, "Block-sparse Triton backward").
 
     Tiles never straddle blocks, so ``block_size`` must be a multiple of the tile rows (64).
     Rows past the end of the query or key tensor load as zeros: the forward gives them ``-inf``
@@ -289,11 +290,12 @@ class _Tiles:
 
 
 def _tiles(block_size: int) -> dict[str, _Tiles]:
-    """Tiles per kernel, from ``benchmarks/results/diagnostics_session10.md`` (H100, N = 65,536,
-    H = 16, D = 128, bf16, random 10% block mask of 128-token blocks): forward 128 x 64 with 4
-    warps and 3 stages 7.2 ms against 8.0-12.7 ms for the other tiles and for tensor-descriptor
-    loads; dK/dV 64 x 64 with 4 warps 12.6 ms (14.0-83 ms); dQ 64 x 64 with 4 warps 10.0 ms
-    (10.3-13.4 ms with pointer loads)."""
+    """Tiles per kernel, from the block-sparse Triton tile sweeps in
+    ``benchmarks/results/findings_h100.json`` (H100, N = 65,536, H = 16, D = 128, bf16, random
+    10% block mask of 128-token blocks): forward 128 x 64 with 4 warps and 3 stages 7.2 ms
+    against 8.0-12.7 ms for the other tiles and for tensor-descriptor loads; dK/dV 64 x 64 with 4
+    warps 12.6 ms (14.0-83 ms); dQ 64 x 64 with 4 warps 10.0 ms (10.3-13.4 ms with pointer
+    loads)."""
     forward_rows = 128 if block_size % 128 == 0 else TILE_ROWS
     return {
         "forward": _Tiles(forward_rows, 64, 4, 3),

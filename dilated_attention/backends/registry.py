@@ -61,10 +61,11 @@ _CUDA_PRIORITY: dict[int, list[str]] = {
 _HOST_PRIORITY = ["cpu_flash", "math"]
 # Dilated calls: our Triton kernels (no gathers, branches merged in place) ahead of gather + the
 # dense kernel where benchmarks/bench_dilated.py measured them faster (H100, bf16, LongNet
-# schedule; benchmarks/results/dilated_h100*.md): D = 64 forward 1.9x / forward+backward
-# 1.2-1.5x; D = 128 forward 1.8-2.6x, forward+backward 1.4-1.7x with the backward tiles of
-# benchmarks/results/tune_triton_h100_d128.md (N = 64K and 1M). Training with head dims above
-# 128 has not been measured and keeps gather + the dense kernel.
+# schedule, N = 64K and 1M, 64a341b; benchmarks/results/dilated_gather_h100.json): D = 64 forward
+# 1.9-2.7x / forward+backward 1.3-2.0x; D = 128 forward 2.0-2.9x, forward+backward 1.4-1.8x with
+# the backward tiles of benchmarks/results/tune_triton_h100.json. The fused kernels' latest run
+# is benchmarks/results/dilated_h100.json. Training with head dims above 128 has not been
+# measured and keeps gather + the dense kernel.
 _CUDA_DILATED_FIRST: dict[int, list[str]] = {9: ["triton"]}
 # Key padding masks: cuDNN and FlashAttention take none, so 16-bit masked calls would fall to the
 # memory-efficient kernel. Our Triton kernels take masks and measured 2.5-3.3x its speed on the
