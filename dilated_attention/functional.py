@@ -14,7 +14,7 @@ from .backends.base import Backend, KernelInputs
 from .backends.registry import get_backend, select_backend
 from .block_sparse import block_sparse_attention
 from .core.engine import AttentionFunction, DilatedAttentionFunction
-from .core.fused import FusedDilatedFunction
+from .core.fused import FusedDilatedFunction, compile_ahead
 from .core.segment import RowGroup, plan_branches
 
 __all__ = ["attention", "block_sparse_attention", "dilated_attention"]
@@ -169,10 +169,16 @@ def dilated_attention(
     )  # fmt: skip
     softmax_scale = checked_scale if checked_scale is not None else q.shape[-1] ** -0.5
     if kernel.fuses_dilated_branches:
-        out, lse = FusedDilatedFunction.apply(
-            q.contiguous(), k.contiguous(), v.contiguous(), key_padding_mask,
-            tuple(zip(segs, rates, strict=True)), kernel, is_causal, softmax_scale,
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        branches = tuple(zip(segs, rates, strict=True))
+        needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+        compile_ahead(
+            q, k, v, key_padding_mask, branches, kernel, is_causal=is_causal,
+            scale=softmax_scale, needs_grad=needs_grad,
         )  # fmt: skip
+        out, lse = FusedDilatedFunction.apply(
+            q, k, v, key_padding_mask, branches, kernel, is_causal, softmax_scale
+        )
         return (out, lse) if return_lse else out
     plan = _plan(q.shape[1], q.shape[2], segs, rates)
     out, lse = DilatedAttentionFunction.apply(

@@ -540,7 +540,7 @@ def test_dkdv_tiles_follow_causality_and_rate(monkeypatch: pytest.MonkeyPatch) -
         backward_branch=lambda *args, **kwargs: launched.append(kwargs["config_dkdv"]),
     )
     monkeypatch.setattr(triton_backend, "_kernels", lambda: fake_kernels)
-    tiles = triton_backend._tile_configs(128)
+    tiles = triton_backend._tile_configs(128, torch.bfloat16)
     assert len({tiles["dkdv"], tiles["dkdv_strided"], tiles["dkdv_causal"]}) == 3
     x = torch.zeros(1, 8, 2, 128)
     lse = torch.zeros(1, 2, 8)

@@ -45,8 +45,14 @@ Shape legend: B batch, N positions, H query heads, Hkv key/value heads, D head d
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+import inspect
 import math
+import os
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,6 +115,78 @@ class TileConfig:
     block_n: int
     num_warps: int
     num_stages: int
+
+
+# Note [Specialization and first calls]
+#     Triton compiles a kernel once per *specialization*: its constexprs, and for every integer
+#     argument whether it equals 1 and whether it is divisible by 16. Left alone, positions
+#     (segment starts and ends, row offsets) and the strides that grow with the sequence length
+#     (batch strides, the (B, H, N) strides of lse, delta and the mask) make a new length compile
+#     again: 8 of 12 kernels recompiled for N = 5001 after N = 4096 on an H100, 11 s
+#     (``benchmarks/bench_first_call.py``). So positions are not specialized at all, and those
+#     strides not on alignment (a stride of 1 still compiles as the constant 1). What remains in a
+#     specialization is a *shape family*: dtype, head dim, tiles, causal, mask, merge/accumulate,
+#     a rate of 1 or not, and whether rows are read through tensor descriptors.
+#
+#     A family's kernels are compiled together before its first call (``compile_ahead``): the
+#     engine runs once with every launch replaced by a compile, in a thread pool, and then runs
+#     for real. Compiled kernels are cached on disk by Triton (``TRITON_CACHE_DIR``, default
+#     ``~/.triton/cache``), so a later process only loads them.
+
+_POSITIONS = (
+    "out_row0", "prev_row0", "delta_row0", "grad_row0", "start", "seg_q", "seg_k", "end_q",
+    "end_k", "end", "head0",
+)  # fmt: skip
+_LENGTH_STRIDES = (
+    "stride_qb", "stride_kb", "stride_vb", "stride_ob", "stride_pb", "stride_db", "stride_gb",
+    "stride_lb", "stride_lh", "stride_eb", "stride_eh", "stride_mb", "stride_mh", "stride_mn",
+)  # fmt: skip
+
+
+def _jit(fn: Callable[..., Any]) -> Any:
+    """``triton.jit`` that specializes neither positions nor length-dependent strides (Note
+    [Specialization and first calls]); hints an older Triton lacks are left out."""
+    names = set(inspect.signature(fn).parameters)
+    hints = {
+        "do_not_specialize": [n for n in _POSITIONS if n in names],
+        "do_not_specialize_on_alignment": [n for n in _LENGTH_STRIDES if n in names],
+    }
+    accepted = inspect.signature(triton.jit).parameters
+    return triton.jit(fn, **{k: v for k, v in hints.items() if k in accepted})
+
+
+_COMPILE_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "dilated_attention_triton_compile_only", default=False
+)
+
+
+def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    """Launch ``kernel``, or inside :func:`compile_ahead` only compile it."""
+    if _COMPILE_ONLY.get():
+        kernel.warmup(*args, grid=grid, **kwargs)
+    else:
+        kernel[grid](*args, **kwargs)
+
+
+@contextlib.contextmanager
+def compile_ahead(workers: int | None = None) -> Iterator[None]:
+    """Inside, launches compile their kernels instead of running them, concurrently in a thread
+    pool where Triton offers asynchronous compiles; every compile has finished on exit.
+
+    Outputs written inside are garbage: run the same calls again outside to compute.
+    """
+    token = _COMPILE_ONLY.set(True)
+    try:
+        try:
+            from triton.runtime._async_compile import AsyncCompileMode
+        except ImportError:  # older Triton: the same compiles, one after another
+            yield
+            return
+        workers = workers or min(16, os.cpu_count() or 1)
+        with ThreadPoolExecutor(workers) as pool, AsyncCompileMode(pool):
+            yield
+    finally:
+        _COMPILE_ONLY.reset(token)
 
 
 # -- device helpers --------------------------------------------------------------------------------
@@ -338,7 +416,7 @@ def _key_ranges(pid_m, rows_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOC
 
 
 # -- forward ---------------------------------------------------------------------------------------
-@triton.jit
+@_jit
 def _forward_kernel(
     Q, K, V, Out, Prev, Lse, Mask, QDesc, KDesc, VDesc,
     stride_qb, stride_qn, stride_qh,
@@ -434,7 +512,7 @@ def _forward_kernel(
 
 
 # -- backward --------------------------------------------------------------------------------------
-@triton.jit
+@_jit
 def _delta_kernel(
     Out, DO, Delta,
     stride_ob, stride_on, stride_oh,
@@ -459,7 +537,7 @@ def _delta_kernel(
     tl.store(Delta + b * stride_eb + h * stride_eh + offs_m * stride_en, delta, mask=ok)
 
 
-@triton.jit
+@_jit
 def _dkdv_kernel(
     Q, K, V, DO, Lse, Delta, Mask, DK, DV,
     stride_qb, stride_qn, stride_qh,
@@ -539,7 +617,7 @@ def _dkdv_kernel(
     _store_rows(dv_ptr, offs_n, grad_step, dv, k_ok, offs_d, HEAD_DIM, ACCUMULATE)
 
 
-@triton.jit
+@_jit
 def _dq_kernel(
     Q, K, V, DO, Lse, Delta, Mask, DQ,
     stride_qb, stride_qn, stride_qh,
@@ -698,6 +776,7 @@ def forward_branch(
     head0: int = 0,
     merge_from: torch.Tensor | None = None,
     merge_row0: int = 0,
+    allow_descriptors: bool = True,
 ) -> None:
     """One branch's forward, written (or with ``merge``, merged) into ``out`` and ``lse``.
 
@@ -711,13 +790,23 @@ def forward_branch(
         head0: the layer head that ``q``'s head 0 is (a call on a slice of the heads).
         merge_from: with ``merge``, where the running output is read (B, rows, H, D), row
             ``p - merge_row0``; default ``out`` itself. The merged rows go to ``out``.
+        allow_descriptors: ``False`` reads rows through pointers even where descriptors apply.
     """
     batch, _, heads, dim = q.shape
     block_d = _block_d(dim)
     mask, smb, smh, smn = _mask_args(key_mask, q)
     prev, prev_row0 = (out, out_row0) if merge_from is None else (merge_from, merge_row0)
     descriptors: tuple[Any, Any, Any] = (None, None, None)
-    if _use_descriptors(q, k, v, branch.rate):
+    if allow_descriptors and _use_descriptors(q, k, v, branch.rate):
+        if _COMPILE_ONLY.get():
+            # Lengths that r does not divide read through pointers: compile that variant too,
+            # so a new length of the family compiles nothing (Note [Specialization and first
+            # calls]).
+            forward_branch(
+                q, k, v, out, lse, key_mask, branch, out_row0=out_row0, scale=scale,
+                is_causal=is_causal, merge=merge, config=config, head0=head0,
+                merge_from=merge_from, merge_row0=merge_row0, allow_descriptors=False,
+            )  # fmt: skip
         config = descriptor_config or config
         descriptors = (
             _row_descriptor(q, branch.rate, config.block_m, block_d),
@@ -725,8 +814,8 @@ def forward_branch(
             _row_descriptor(v, branch.rate, config.block_n, block_d),
         )
     grid = (triton.cdiv(branch.max_rows_q, config.block_m), branch.num_segments * heads, batch)
-    _forward_kernel[grid](
-        q, k, v, out, prev, lse, mask, *descriptors,
+    _launch(
+        _forward_kernel, grid, q, k, v, out, prev, lse, mask, *descriptors,
         *_bnh(q), *_bnh(k), *_bnh(v), *_bnh(out), *_bnh(prev),
         lse.stride(0), lse.stride(1), lse.stride(2), smb, smh, smn,
         out_row0, prev_row0, branch.start, branch.seg_q, branch.seg_k, branch.end_q, branch.end_k,
@@ -745,8 +834,9 @@ def row_delta(out: torch.Tensor, dout: torch.Tensor, start: int, end: int) -> to
     delta = torch.empty(batch, heads, end - start, dtype=torch.float32, device=out.device)
     block = 64
     grid = (triton.cdiv(end - start, block), heads, batch)
-    _delta_kernel[grid](
-        out, dout, delta, *_bnh(out), *_bnh(dout), *delta.stride(), start, end, heads,
+    _launch(
+        _delta_kernel, grid, out, dout, delta, *_bnh(out), *_bnh(dout), *delta.stride(), start,
+        end, heads,
         HEAD_DIM=dim, BLOCK_D=_block_d(dim), BLOCK_M=block,
     )  # fmt: skip
     return delta
@@ -803,15 +893,15 @@ def backward_branch(
         branch.num_segments * kv_heads * offsets,
         batch,
     )
-    _dkdv_kernel[grid](
-        q, k, v, dout, lse, delta, mask, dk, dv, *common, *_bnh(dk),
+    _launch(
+        _dkdv_kernel, grid, q, k, v, dout, lse, delta, mask, dk, dv, *common, *_bnh(dk),
         delta_row0, grad_row0, *geometry, kv_heads, group, offsets, scale * LOG2E, scale,
         BLOCK_M=config_dkdv.block_m, BLOCK_N=config_dkdv.block_n,
         num_warps=config_dkdv.num_warps, num_stages=config_dkdv.num_stages, **flags,
     )  # fmt: skip
     grid = (triton.cdiv(branch.max_rows_q, config_dq.block_m), branch.num_segments * heads, batch)
-    _dq_kernel[grid](
-        q, k, v, dout, lse, delta, mask, dq, *common, *_bnh(dq),
+    _launch(
+        _dq_kernel, grid, q, k, v, dout, lse, delta, mask, dq, *common, *_bnh(dq),
         delta_row0, grad_row0, *geometry, heads, group, scale * LOG2E, scale,
         BLOCK_M=config_dq.block_m, BLOCK_N=config_dq.block_n,
         num_warps=config_dq.num_warps, num_stages=config_dq.num_stages, **flags,

@@ -15,7 +15,9 @@ Shapes: (B, N, H, D) in and out; ``lse`` (B, H, N) float32.
 from __future__ import annotations
 
 import functools
+import logging
 import os
+from contextlib import AbstractContextManager
 from types import ModuleType
 from typing import Any
 
@@ -24,6 +26,8 @@ import torch
 from ..core.fused import BranchSpan
 from ._compat import _import_failure, _last_dim_contiguous, _release
 from .base import Backend, KernelInputs, KernelOutput
+
+_log = logging.getLogger("dilated_attention")
 
 #: Oldest Triton release the kernels are tested with (``input_precision`` on ``tl.dot``).
 MIN_TRITON = (3, 0)
@@ -41,19 +45,20 @@ def _kernels() -> ModuleType:
     return _triton_kernels
 
 
-def _tile_configs(head_dim: int) -> dict[str, Any]:
-    """Tile sizes per kernel (``forward``, ``dkdv``, ``dq``) for a head dim.
+def _tile_configs(head_dim: int, dtype: torch.dtype) -> dict[str, Any]:
+    """Tile sizes per kernel (``forward``, ``dkdv``, ``dq``) for a head dim and dtype (one
+    table for every dtype so far).
 
     D <= 64 from ``benchmarks/tune_triton.py`` on an H100 (N = 64K, LongNet schedule: forward
     64x64 3.77 ms vs 128x64 3.86 and 128x128 5.35; dK/dV 32x64 14.1 ms vs 64x64 14.7). D <= 128
-    from the same script at N = 128K (``benchmarks/results/tune_triton_h100_d128.md``: forward
+    from the same script at N = 128K (``benchmarks/results/tune_triton_h100.json``: forward
     128x64 11.4 ms, within noise of the best; dK/dV 64x64 with 4 warps 49.4 ms and dQ 128x64 with
     8 warps 49.5 ms, forward+backward, against 52-74 ms for 8-warp dK/dV tiles). Larger head dims:
     chosen offline for few register spills (ptxas -v for sm90), not swept on the GPU.
 
     ``dkdv_causal`` / ``dkdv_strided``: the dK/dV kernel when causal / at rate > 1 (non-causal),
-    from single-branch launches on an H100 at N = 256K (``benchmarks/results/
-    diagnostics_session7.md`` section 2). Triton compiles a rate of 1 as a constant, and that
+    from single-branch launches on an H100 at N = 256K (``benchmarks/results/findings_h100.json``,
+    "dK/dV tiles per causality and rate"). Triton compiles a rate of 1 as a constant, and that
     specialisation needs fewer registers: at D = 128 the 64x64 tile with 2 stages is best there
     (17.3 ms against 24.4 for 32x64 at w = 2048), while at rate > 1 or causal it spills and
     32x64 tiles are 13-28% faster. At D = 64 the causal kernel is 13% faster with 64x64 at
@@ -137,6 +142,25 @@ class TritonBackend(Backend):
     def __init__(self) -> None:
         if interpreting():  # an instance attribute: the class constant stays CUDA-only
             self.devices = frozenset({"cuda", "cpu"})
+        self._families: set[tuple[Any, ...]] = set()
+
+    def begin_compile(self, family: tuple[Any, ...]) -> AbstractContextManager[None] | None:
+        """See ``FusedBackend.begin_compile`` in ``core/fused.py``: once per family and process,
+        logs one line and returns the kernels' compile-only context (none under the
+        interpreter, which compiles nothing)."""
+        if interpreting() or family in self._families:
+            return None
+        self._families.add(family)
+        device, dtype, (heads, dim), kv_heads, branches, causal, masked, grad = family
+        _log.warning(
+            "dilated_attention: compiling the Triton kernels of a new shape family on %s "
+            "(%s, %d heads, %d key/value heads, head dim %d, branches %s, causal=%s, mask=%s, "
+            "%s); once per process, and compiled kernels are cached on disk by Triton "
+            "(TRITON_CACHE_DIR)",
+            device, str(dtype).removeprefix("torch."), heads, kv_heads, dim, list(branches),
+            causal, masked, "forward and backward" if grad else "forward",
+        )  # fmt: skip
+        return _kernels().compile_ahead()
 
     def capability_reasons(self, inputs: KernelInputs) -> list[str]:
         reasons = super().capability_reasons(inputs)
@@ -164,7 +188,7 @@ class TritonBackend(Backend):
         merge_row0: int = 0,
     ) -> None:
         """See ``FusedBackend.forward_branch`` in ``core/fused.py``."""
-        configs = _tile_configs(q.shape[-1])
+        configs = _tile_configs(q.shape[-1], q.dtype)
         _kernels().forward_branch(
             q, k, v, out, lse, key_mask, _branch(span), out_row0=out_row0, scale=scale,
             is_causal=is_causal, merge=merge, config=configs["forward"],
@@ -200,7 +224,7 @@ class TritonBackend(Backend):
         head0: int = 0,
     ) -> None:
         """See ``FusedBackend.backward_branch`` in ``core/fused.py``."""
-        configs = _tile_configs(q.shape[-1])
+        configs = _tile_configs(q.shape[-1], q.dtype)
         _kernels().backward_branch(
             dout, q, k, v, lse, delta, key_mask, dq, dk, dv, _branch(span),
             delta_row0=delta_row0, grad_row0=grad_row0, scale=scale, is_causal=is_causal,
@@ -224,7 +248,7 @@ class TritonBackend(Backend):
         batch, query_len, heads, _ = q.shape
         out = torch.empty_like(q)
         lse = torch.empty(batch, heads, query_len, dtype=torch.float32, device=q.device)
-        configs = _tile_configs(q.shape[-1])
+        configs = _tile_configs(q.shape[-1], q.dtype)
         _kernels().forward_branch(
             q, k, v, out, lse, key_mask, _dense_branch(query_len, k.shape[1]), out_row0=0,
             scale=scale, is_causal=is_causal, merge=False, config=configs["forward"],
@@ -250,7 +274,7 @@ class TritonBackend(Backend):
         dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))
         lse = lse.float()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        configs = _tile_configs(q.shape[-1])
+        configs = _tile_configs(q.shape[-1], q.dtype)
         kernels = _kernels()
         delta = kernels.row_delta(out, dout, 0, q.shape[1])
         kernels.backward_branch(

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -124,6 +125,12 @@ class FusedBackend(Protocol):
         accumulate: bool,
         head0: int = 0,
     ) -> None: ...
+
+    def begin_compile(self, family: tuple[Any, ...]) -> AbstractContextManager[None] | None:
+        """A context inside which the branch calls compile their kernels instead of running
+        them, or ``None`` when ``family``'s kernels are ready (Note [Compiling a shape family
+        ahead])."""
+        ...
 
 
 #: ``extra`` of :func:`fused_forward`: ``(scratch, lse, start, end, h0, h1)``, scratch
@@ -348,6 +355,54 @@ def fused_backward(
             dv[:, start:end, kv].copy_(dv_acc)
             del dq_acc, dk_acc, dv_acc
     return dq, dk, dv
+
+
+@torch.compiler.disable  # a host-side dry run, once per shape family: never traced
+def compile_ahead(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    branches: tuple[tuple[int, int], ...],
+    backend: FusedBackend,
+    *,
+    is_causal: bool,
+    scale: float,
+    needs_grad: bool,
+) -> None:
+    """Compile every kernel a call of this shape family runs, together, before its first call.
+
+    Note [Compiling a shape family ahead]
+        A backend that compiles its kernels on first use (Triton) would otherwise compile them
+        one after another as the engine reaches each launch: 12 to 15 kernels for a LongNet
+        schedule, 23-29 s in bfloat16 on an H100 (``benchmarks/bench_first_call.py``). Instead
+        the engine runs once with the backend's launches turned into compiles, which the backend
+        runs concurrently, and then runs for real. A family is what the kernels specialize on,
+        not the sequence length (Note [Specialization and first calls] in
+        ``backends/_triton_kernels.py``). The dry run writes into buffers of its own, which it
+        drops; the inputs are only read.
+
+    Args:
+        q: (B, N, H, D); k, v: (B, N, Hkv, D): the call's own inputs (their alignment and
+            strides are part of what the kernels specialize on).
+        needs_grad: also compile the backward's kernels.
+    """
+    family = (
+        q.device, q.dtype, q.shape[2:], k.shape[2], tuple(branches), is_causal,
+        key_padding_mask is not None, needs_grad,
+    )  # fmt: skip
+    compiling = backend.begin_compile(family)
+    if compiling is None:
+        return
+    with torch.no_grad(), compiling:
+        out, lse = fused_forward(
+            q, k, v, key_padding_mask, branches, backend, is_causal=is_causal, scale=scale
+        )
+        if needs_grad:
+            fused_backward(
+                out, q, k, v, out, lse, key_padding_mask, branches, backend,
+                is_causal=is_causal, scale=scale,
+            )  # fmt: skip
 
 
 class FusedDilatedFunction(torch.autograd.Function):
