@@ -1,0 +1,137 @@
+"""Draw the dilated-attention performance plot: docs/performance_h100.png.
+
+    python docs/plot_performance.py
+
+Reads two benchmark records written by ``benchmarks/bench_dilated.py`` on one H100:
+
+- ``benchmarks/results/dilated_h100.json``: the fused Triton kernels (what ``dilated_attention``
+  runs on sm90) and the cuDNN ceiling (cuDNN alone on tensors already shaped like every branch's
+  rows), timed side by side in one run;
+- ``benchmarks/results/dilated_gather_h100.json``: the latest run that also timed the gather +
+  cuDNN path (every branch's rows gathered into dense tensors, cuDNN, merged and scattered back).
+
+For the LongNet schedule (w = 2048..32768, r = 1..16, B = 1, H = 16, bf16) at N = 64K and 1M,
+D = 64 and 128, causal and not, it plots effective TFLOP/s (paper FLOPs / time) of the three paths,
+forward and forward+backward, with each path's ratio to the ceiling of its own run above its bar.
+It also prints the same numbers as a Markdown table (the one in README.md).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+FUSED_RECORD = ROOT / "benchmarks" / "results" / "dilated_h100.json"
+GATHER_RECORD = ROOT / "benchmarks" / "results" / "dilated_gather_h100.json"
+OUT = Path(__file__).resolve().parent / "performance_h100.png"
+
+PATHS = [  # (record, path in the record, label, colour)
+    ("fused", "triton", "fused Triton kernels (this library)", "#1f77b4"),
+    ("fused", "cudnn ceiling", "cuDNN ceiling (same per-branch shapes)", "#7f7f7f"),
+    ("gather", "gather+cudnn", "gather + cuDNN (its latest run)", "#ff7f0e"),
+]
+MODES = [("fwd", "forward"), ("fwd_bwd", "forward+backward")]
+
+
+def load(path: Path) -> dict[tuple[int, bool, int, str], dict]:
+    """Rows of a bench_dilated.py record keyed by (head_dim, causal, seq_len, path)."""
+    record = json.loads(path.read_text())
+    return {
+        (r["head_dim"], r["causal"], r["seq_len"], r["path"]): r
+        for r in record["results"]
+        if r.get("schedule") == "longnet"
+    }
+
+
+def shapes(rows: dict) -> list[tuple[int, bool, int]]:
+    """(head_dim, causal, seq_len) of every measured shape, in table order."""
+    return sorted({key[:3] for key in rows})
+
+
+def label(head_dim: int, causal: bool, seq_len: int) -> str:
+    length = f"{seq_len // 1048576}M" if seq_len >= 1048576 else f"{seq_len // 1024}K"
+    return f"D={head_dim}\n{'causal' if causal else 'non-causal'}\nN={length}"
+
+
+def value(records: dict, source: str, shape: tuple, path: str, field: str) -> float | None:
+    row = records[source].get((*shape, path))
+    if row is None or row.get("error") or row.get(field) is None:
+        return None
+    return float(row[field])
+
+
+def markdown_table(records: dict) -> str:
+    """The README table: TFLOP/s (ratio to the ceiling) and peak memory ratios."""
+    lines = [
+        "| D, causal, N | forward: fused / ceiling / gather+cuDNN | "
+        "forward+backward: fused / ceiling / gather+cuDNN | peak memory, fused / gather |",
+        "|---|---|---|---|",
+    ]
+    for shape in shapes(records["fused"]):
+        head_dim, causal, seq_len = shape
+        length = f"{seq_len // 1048576}M" if seq_len >= 1048576 else f"{seq_len // 1024}K"
+        cells = [f"{head_dim}, {'yes' if causal else 'no'}, {length}"]
+        for mode, _ in MODES:
+            fused = value(records, "fused", shape, "triton", f"{mode}_tflops")
+            ratio = value(records, "fused", shape, "triton", f"{mode}_vs_ceiling")
+            ceiling = value(records, "fused", shape, "cudnn ceiling", f"{mode}_tflops")
+            gather = value(records, "gather", shape, "gather+cudnn", f"{mode}_tflops")
+            gather_text = "out of memory" if gather is None else f"{gather:.0f}"
+            cells.append(f"**{fused:.0f}** ({ratio:.2f}x) / {ceiling:.0f} / {gather_text}")
+        fused_mem = value(records, "fused", shape, "triton", "fwd_bwd_mem_ratio")
+        gather_mem = value(records, "gather", shape, "gather+cudnn", "fwd_bwd_mem_ratio")
+        gather_mem_text = "-" if gather_mem is None else f"{gather_mem:.2f}x"
+        cells.append(f"{fused_mem:.2f}x / {gather_mem_text}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    records = {"fused": load(FUSED_RECORD), "gather": load(GATHER_RECORD)}
+    env = json.loads(FUSED_RECORD.read_text())["environment"]
+    measured = shapes(records["fused"])
+    x = np.arange(len(measured))
+    width = 0.27
+
+    fig, axes = plt.subplots(2, 1, figsize=(12, 8.2), sharex=True)
+    for ax, (mode, title) in zip(axes, MODES, strict=True):
+        for i, (source, path, name, colour) in enumerate(PATHS):
+            tflops = [value(records, source, s, path, f"{mode}_tflops") for s in measured]
+            ratios = [value(records, source, s, path, f"{mode}_vs_ceiling") for s in measured]
+            xs = x + (i - 1) * width
+            heights = [t if t is not None else 0.0 for t in tflops]
+            ax.bar(xs, heights, width, label=name, color=colour)
+            for xi, t, r in zip(xs, tflops, ratios, strict=True):
+                if t is None:
+                    ax.text(xi, 8, "out of memory", ha="center", va="bottom", fontsize=8,
+                            rotation=90, color="black")  # fmt: skip
+                elif path != "cudnn ceiling" and r is not None:
+                    ax.text(xi, t + 6, f"{r:.2f}x", ha="center", va="bottom", fontsize=7.5)
+        ax.set_title(f"{title}: effective TFLOP/s (numbers: ratio to the cuDNN ceiling)")
+        ax.set_ylabel("TFLOP/s (paper FLOPs / time)")
+        ax.set_ylim(0, 660)
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
+    axes[0].legend(loc="upper left", fontsize=9, ncol=3)
+    axes[1].set_xticks(x)
+    axes[1].set_xticklabels([label(*s) for s in measured], fontsize=9)
+    fig.suptitle(
+        f"LongNet dilated attention on one {env['device']} (B = 1, H = 16, bf16, "
+        f"w = 2048..32768, r = 1..16), median of 3",
+        fontsize=11,
+    )
+    fig.tight_layout()
+    fig.savefig(OUT, dpi=120)
+    print(f"wrote {OUT.relative_to(ROOT)}\n")
+    print(markdown_table(records))
+
+
+if __name__ == "__main__":
+    main()
