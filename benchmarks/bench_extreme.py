@@ -22,41 +22,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import environment, markdown_table, write_record
 
-from dilated_attention.extreme import MODES, find_max_seq_len, plot_peak_memory
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from dilated_attention.extreme import add_search_arguments, plot_peak_memory, search_from_arguments
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--device", choices=["cpu", "cuda"], default=None)
-    parser.add_argument(
-        "--dtype", choices=sorted(_DTYPES), default=None, help="default bfloat16 GPU, float32 CPU"
-    )
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--first-segment", type=int, default=None, help="default 2048 GPU, 512 CPU")
-    parser.add_argument("--start-len", type=int, default=None, help="default 4 x first segment")
-    parser.add_argument(
-        "--max-seq-len", type=int, default=None, help="cap (default 2**31 GPU, 2**17 CPU)"
-    )
-    parser.add_argument(
-        "--max-memory-gib",
-        type=float,
-        default=None,
-        help="memory budget (default 2 on CPU; on GPU none: run until out of memory)",
-    )
-    parser.add_argument("--bisect", type=int, default=2, help="bisection steps after doubling")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--no-plot", action="store_true")
+    add_search_arguments(parser)
     parser.add_argument(
         "--out", type=Path, default=None, help="write OUT.json and OUT.png (path without suffix)"
     )
@@ -66,14 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the test; returns ``{"environment": ..., "results": [one row per mode]}``."""
     args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda but CUDA is not available")
-    record = find_max_seq_len(
-        modes=args.modes, device=args.device, dtype=_DTYPES[args.dtype] if args.dtype else None,
-        heads=args.heads, head_dim=args.head_dim, first_segment=args.first_segment,
-        start_len=args.start_len, max_seq_len=args.max_seq_len,
-        max_memory_gib=args.max_memory_gib, bisect=args.bisect, is_causal=args.causal,
-    )  # fmt: skip
+    record = search_from_arguments(args)
     config, rows = record["config"], record["results"]
     env = environment()
     env["config"] = config

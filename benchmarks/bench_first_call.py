@@ -105,7 +105,18 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
             "kernels": new,
         }
 
-    first = call(spec["seq_len"])
+    if spec.get("profile"):
+        import cProfile
+        import io
+        import pstats
+
+        profiler = cProfile.Profile()
+        first = profiler.runcall(call, spec["seq_len"])
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(40)
+        first["profile"] = text.getvalue()
+    else:
+        first = call(spec["seq_len"])
     again = call(spec["seq_len"])
     new_length = call(spec["new_len"])
     return {"import_s": import_s, "first": first, "again": again, "new_length": new_length}
@@ -127,6 +138,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="profile each first call (cProfile, top 40 by cumulative time, in the record)",
+    )  # fmt: skip
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
@@ -134,7 +149,7 @@ def main() -> None:
         return
     rows = []
     for name in args.cases:
-        spec = CASES[name]
+        spec = dict(CASES[name], profile=args.profile)
         with tempfile.TemporaryDirectory(prefix="triton-cache-") as cache_dir:
             for state in ("cold", "disk"):
                 result = _run_child(spec, cache_dir)

@@ -1,11 +1,12 @@
-"""Command line: ``python -m dilated_attention {demo,generate,layer,info} [--help]``.
+"""Command line: ``python -m dilated_attention {demo,generate,layer,warmup,info} [--help]``.
 
 ``demo`` (the main job) trains a tiny LongNet byte-level language model on the installed torch's
 Python source and reports held-out bits per byte (``demo.py``); ``demo --save PATH`` keeps the
 model, and ``generate --checkpoint PATH --prompt TEXT`` continues a prompt with it. ``layer``
 builds one :class:`MultiheadDilatedAttention` layer with a LongNet schedule, runs forward and
-backward on one long random sequence, and prints the kernel chosen and the timings. ``info``
-prints the software and devices here and, for each device, every kernel backend: whether it can
+backward on one long random sequence, and prints the kernel chosen and the timings. ``warmup``
+compiles a schedule's GPU kernels into the disk cache ahead of a job. ``info`` prints the
+software and devices here and, for each device, every kernel backend: whether it can
 run, which one is chosen, and why the others are not. Every command's ``--help`` lists its flags
 and their defaults.
 """
@@ -13,6 +14,7 @@ and their defaults.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 
@@ -23,6 +25,7 @@ from .backends.registry import get_backend, list_backends
 from .config import longnet_schedule
 from .demo import _HelpFormatter
 from .factory import _resolve_device, explain
+from .functional import dilated_attention
 from .modules import MultiheadDilatedAttention
 
 _DTYPES = ("float32", "float64", "float16", "bfloat16")
@@ -33,8 +36,8 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def add_layer_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``layer`` command's flags (defaults sized for a CPU)."""
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of one dilated attention call (``layer`` and ``warmup``; defaults sized for a CPU)."""
     parser.add_argument(
         "--seq-len", type=int, default=16384,
         help="tokens in the sequence (sized for a CPU; try 1048576 on a GPU)",
@@ -53,15 +56,23 @@ def add_layer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", default=None, choices=_DTYPES, help="default: float32 on CPU, bfloat16 on CUDA"
     )
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs (the median is shown)")
     parser.add_argument(
         "--causal", action=argparse.BooleanOptionalAction, default=True, help="causal attention"
     )
 
 
-def layer_timing(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Forward and backward of one multihead dilated attention layer on a long random sequence."""
-    for name in ("seq_len", "heads", "head_dim", "first_segment", "repeats"):
+def add_layer_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``layer`` command's flags."""
+    add_shape_arguments(parser)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs (the median is shown)")
+
+
+def _shape_from_args(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, counts: tuple[str, ...]
+) -> tuple[torch.device, torch.dtype]:
+    """Check the positive counts named in ``counts`` and resolve ``--device`` and ``--dtype``
+    (a clear usage error otherwise)."""
+    for name in counts:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     try:
@@ -69,6 +80,14 @@ def layer_timing(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
     except ValueError as exc:
         parser.error(str(exc))
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    return device, dtype
+
+
+def layer_timing(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Forward and backward of one multihead dilated attention layer on a long random sequence."""
+    device, dtype = _shape_from_args(
+        args, parser, ("seq_len", "heads", "head_dim", "first_segment", "repeats")
+    )
     segments, rates = longnet_schedule(args.seq_len, args.first_segment)
     embed_dim = args.heads * args.head_dim
     layer = MultiheadDilatedAttention(
@@ -109,6 +128,70 @@ def layer_timing(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
     print(f"  forward          {fwd * 1e3:9.1f} ms  ({args.seq_len / fwd:,.0f} tokens/s)")
     print(f"  forward+backward {fwd_bwd * 1e3:9.1f} ms  ({args.seq_len / fwd_bwd:,.0f} tokens/s)")
     print(f"  input gradient finite: {finite}")
+
+
+def add_warmup_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``warmup`` command's flags."""
+    add_shape_arguments(parser)
+    parser.add_argument(
+        "--kv-heads", type=int, default=None, help="key/value heads (GQA; default: --heads)"
+    )
+    parser.add_argument(
+        "--key-padding", action="store_true", help="also for calls with a key padding mask"
+    )
+    parser.add_argument(
+        "--grad", action=argparse.BooleanOptionalAction, default=True,
+        help="also compile the backward (training)",
+    )  # fmt: skip
+
+
+def warmup(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Compile the kernels of one shape family ahead, so that a later process's first call
+    of that family loads them from the disk cache instead of compiling.
+
+    A family is the device, dtype, head counts, head dim, schedule (segment lengths and
+    dilation rates), causality, key padding and whether a backward follows; the sequence
+    length is not part of it (a new length compiles nothing). Triton keeps compiled kernels in
+    ``TRITON_CACHE_DIR`` (default ``~/.triton/cache``): warm up with the same value the job
+    will use, e.g. once per machine image or before ``torchrun``.
+
+        python -m dilated_attention warmup --seq-len 1048576 --heads 16 --head-dim 128
+    """
+    device, dtype = _shape_from_args(
+        args, parser, ("seq_len", "heads", "head_dim", "first_segment")
+    )
+    kv_heads = args.heads if args.kv_heads is None else args.kv_heads
+    if kv_heads < 1 or args.heads % kv_heads:
+        parser.error(f"--kv-heads must divide --heads ({args.heads}), got {kv_heads}")
+    segments, rates = longnet_schedule(args.seq_len, args.first_segment)
+    kind = "forward and backward" if args.grad else "forward"
+    print(
+        f"warmup: {str(dtype).removeprefix('torch.')} on {device}, heads={args.heads} "
+        f"kv_heads={kv_heads} head_dim={args.head_dim} causal={args.causal} "
+        f"key_padding={args.key_padding}, {kind}\n"
+        f"  segment_lengths={segments}\n  dilation_rates={rates}"
+    )
+    if device.type != "cuda":
+        print(f"  nothing to compile on {device.type}: its kernels come with torch")
+        return
+    seq_len = args.seq_len
+    q = torch.randn(1, seq_len, args.heads, args.head_dim, device=device, dtype=dtype)
+    k, v = (
+        torch.randn(1, seq_len, kv_heads, args.head_dim, device=device, dtype=dtype) for _ in "kv"
+    )
+    mask = torch.ones(1, seq_len, dtype=torch.bool, device=device) if args.key_padding else None
+    for x in (q, k, v):
+        x.requires_grad_(args.grad)
+    start = time.perf_counter()
+    with torch.set_grad_enabled(args.grad):
+        out = dilated_attention(
+            q, k, v, segments, rates, is_causal=args.causal, key_padding_mask=mask
+        )
+        if args.grad:
+            out.sum().backward()
+    _synchronize(device)
+    cache = os.environ.get("TRITON_CACHE_DIR", "~/.triton/cache")
+    print(f"  done in {time.perf_counter() - start:.1f} s; compiled kernels are in {cache}")
 
 
 def _devices() -> list[torch.device]:
@@ -183,6 +266,10 @@ _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], _Comm
     "layer": (
         "forward+backward timing of one multihead dilated attention layer",
         add_layer_arguments, layer_timing, layer_timing.__doc__ or "",
+    ),
+    "warmup": (
+        "compile a schedule's GPU kernels ahead, into the disk cache",
+        add_warmup_arguments, warmup, warmup.__doc__ or "",
     ),
     "info": (
         "versions, devices, and which attention kernel runs where and why",

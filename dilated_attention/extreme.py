@@ -32,6 +32,7 @@ Used by ``examples/extreme_length.py`` (a newcomer's command line) and
 
 from __future__ import annotations
 
+import argparse
 import gc
 import resource
 import time
@@ -46,11 +47,21 @@ from .config import longnet_schedule
 from .factory import _resolve_device
 from .functional import dilated_attention
 
-__all__ = ["GIB", "MODES", "find_max_seq_len", "measure_peak_memory", "plot_peak_memory", "search"]
+__all__ = [
+    "GIB",
+    "MODES",
+    "add_search_arguments",
+    "find_max_seq_len",
+    "measure_peak_memory",
+    "plot_peak_memory",
+    "search",
+    "search_from_arguments",
+]
 
 GIB = 2**30
 #: What is measured: ``"forward"`` (no autograd) and ``"forward+backward"``.
 MODES = ("forward", "forward+backward")
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def _proc_status_kib(field: str) -> int | None:
@@ -349,6 +360,48 @@ def find_max_seq_len(
         )  # fmt: skip
         results.append(row)
     return {"config": config, "results": results}
+
+
+def add_search_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command-line flags of :func:`find_max_seq_len` (``examples/extreme_length.py`` and
+    ``benchmarks/bench_extreme.py``); :func:`search_from_arguments` runs them."""
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default=None, help="default: CUDA if any"
+    )
+    parser.add_argument(
+        "--dtype", choices=sorted(_DTYPES), default=None, help="default bfloat16 GPU, float32 CPU"
+    )
+    parser.add_argument("--heads", type=int, default=16, help="attention heads")
+    parser.add_argument("--head-dim", type=int, default=64, help="dimension of each head")
+    parser.add_argument("--first-segment", type=int, default=None, help="default 2048 GPU, 512 CPU")
+    parser.add_argument("--start-len", type=int, default=None, help="default 4 x first segment")
+    parser.add_argument(
+        "--max-seq-len", type=int, default=None, help="cap (default 2**31 GPU, 2**17 CPU)"
+    )
+    parser.add_argument(
+        "--max-memory-gib", type=float, default=None,
+        help="memory budget (default 2 on CPU; on GPU none: run until out of memory)",
+    )  # fmt: skip
+    parser.add_argument("--bisect", type=int, default=2, help="bisection steps after doubling")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--no-plot", action="store_true", help="write no PNG")
+
+
+def search_from_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`find_max_seq_len` with the flags of :func:`add_search_arguments`.
+
+    Raises:
+        SystemExit: ``--device cuda`` where no CUDA device is available.
+    """
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda, but no CUDA device is available here; use --device cpu")
+    return find_max_seq_len(
+        modes=args.modes, device=args.device, dtype=_DTYPES[args.dtype] if args.dtype else None,
+        heads=args.heads, head_dim=args.head_dim, first_segment=args.first_segment,
+        start_len=args.start_len, max_seq_len=args.max_seq_len,
+        max_memory_gib=args.max_memory_gib, bisect=args.bisect, is_causal=args.causal,
+    )  # fmt: skip
 
 
 def plot_peak_memory(

@@ -24,36 +24,14 @@ from typing import Any
 import torch
 
 import dilated_attention
-from dilated_attention.extreme import MODES, find_max_seq_len, plot_peak_memory
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from dilated_attention.extreme import add_search_arguments, plot_peak_memory, search_from_arguments
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--device", choices=["cpu", "cuda"], default=None, help="default: CUDA if any"
-    )
-    parser.add_argument(
-        "--dtype", choices=sorted(_DTYPES), default=None, help="default bfloat16 GPU, float32 CPU"
-    )
-    parser.add_argument("--heads", type=int, default=16, help="attention heads")
-    parser.add_argument("--head-dim", type=int, default=64, help="dimension of each head")
-    parser.add_argument("--first-segment", type=int, default=None, help="default 2048 GPU, 512 CPU")
-    parser.add_argument("--start-len", type=int, default=None, help="default 4 x first segment")
-    parser.add_argument(
-        "--max-seq-len", type=int, default=None, help="cap (default 2**31 GPU, 2**17 CPU)"
-    )
-    parser.add_argument(
-        "--max-memory-gib", type=float, default=None,
-        help="memory budget (default 2 on CPU; on GPU none: run until out of memory)",
-    )  # fmt: skip
-    parser.add_argument("--bisect", type=int, default=2, help="bisection steps after doubling")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--no-plot", action="store_true", help="write no PNG")
+    add_search_arguments(parser)
     parser.add_argument(
         "--output-dir", type=Path, default=Path("outputs/extreme_length"),
         help="where extreme_length.json/.png go (default: outputs/extreme_length)",
@@ -64,14 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the search; returns ``{"environment": ..., "results": [one row per mode]}``."""
     args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda, but no CUDA device is available here; use --device cpu")
-    record = find_max_seq_len(
-        modes=args.modes, device=args.device, dtype=_DTYPES[args.dtype] if args.dtype else None,
-        heads=args.heads, head_dim=args.head_dim, first_segment=args.first_segment,
-        start_len=args.start_len, max_seq_len=args.max_seq_len,
-        max_memory_gib=args.max_memory_gib, bisect=args.bisect, is_causal=args.causal,
-    )  # fmt: skip
+    record = search_from_arguments(args)
     config, rows = record["config"], record["results"]
     cuda = config["device"].startswith("cuda")
     environment = {

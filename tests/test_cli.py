@@ -47,7 +47,7 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 def test_top_level_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run(capsys, "--help")
     assert code == 0
-    for command in ("demo", "generate", "layer", "info"):
+    for command in ("demo", "generate", "layer", "warmup", "info"):
         assert re.search(rf"^\s+{command}\s+\S", out, re.M), out  # name and a one-line summary
     assert "COMMAND --help" in out
 
@@ -65,6 +65,9 @@ def test_top_level_help_lists_every_command(capsys: pytest.CaptureFixture[str]) 
                                   "(default: 200)", "--temperature T", "(default: 0.8)",
                                   "--top-k K", "(default: 20)", "--seed S", "--device"]),
         (["info", "--help"], ["--head-dim HEAD_DIM", "(default: 64)", "--causal"]),
+        (["warmup", "--help"], ["--seq-len SEQ_LEN", "--heads HEADS", "--head-dim HEAD_DIM",
+                                "--first-segment", "--kv-heads KV_HEADS", "--key-padding",
+                                "--grad, --no-grad", "--dtype", "TRITON_CACHE_DIR"]),
     ],
 )  # fmt: skip
 def test_each_command_help_shows_its_own_flags(
@@ -108,7 +111,28 @@ def test_layer_and_info_run_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0 and "cpu:" in out and "backend" in out
 
 
-@pytest.mark.parametrize("command", ["layer", "demo"])
+def test_warmup_on_cpu_compiles_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(
+        capsys, "warmup", "--seq-len", "4096", "--first-segment", "512", "--device", "cpu"
+    )
+    assert code == 0
+    assert "dilation_rates=[1, 2, 4, 8]" in out and "nothing to compile on cpu" in out
+    code, _, err = _run(capsys, "warmup", "--heads", "8", "--kv-heads", "3", "--device", "cpu")
+    assert code == 2 and "--kv-heads must divide --heads (8), got 3" in err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_warmup_on_gpu_runs_the_family(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(
+        capsys, "warmup", "--seq-len", "2048", "--first-segment", "512", "--heads", "4",
+        "--kv-heads", "2", "--head-dim", "64", "--key-padding", "--device", "cuda",
+    )  # fmt: skip
+    assert code == 0, out
+    assert "done in" in out and "compiled kernels are in" in out
+
+
+@pytest.mark.parametrize("command", ["layer", "demo", "warmup"])
 def test_bad_device_is_a_clear_usage_error(
     capsys: pytest.CaptureFixture[str], command: str
 ) -> None:
