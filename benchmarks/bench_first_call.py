@@ -76,6 +76,16 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     except (ImportError, AttributeError):
         pass
     import_s = time.perf_counter() - start
+    import logging
+
+    messages: list[str] = []  # the library's log lines, e.g. how long the compiles took
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: messages.append(  # type: ignore[method-assign]
+        f"{time.perf_counter() - start:7.2f} s  {record.getMessage()}"
+    )
+    logger = logging.getLogger("dilated_attention")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
 
     dtype = getattr(torch, spec["dtype"])
     device = torch.device("cuda")
@@ -119,7 +129,10 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         first = call(spec["seq_len"])
     again = call(spec["seq_len"])
     new_length = call(spec["new_len"])
-    return {"import_s": import_s, "first": first, "again": again, "new_length": new_length}
+    return {
+        "import_s": import_s, "first": first, "again": again, "new_length": new_length,
+        "log": messages,
+    }  # fmt: skip
 
 
 def _run_child(spec: dict[str, Any], cache_dir: str) -> dict[str, Any]:

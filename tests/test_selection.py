@@ -404,6 +404,22 @@ def test_probe_failure_rejects_and_is_never_selected(monkeypatch: pytest.MonkeyP
         assert fake.probes == 1, "the probe result must be cached per device"
 
 
+def test_calls_never_probe_the_backends_ranked_after_the_choice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A call stops at the first backend that can run it; ``choose`` (``explain``) probes all."""
+    with monkeypatch.context() as m:
+        fake = _FakeBroken()
+        m.setitem(registry._BACKENDS, fake.name, fake)
+        m.setattr(registry, "_HOST_PRIORITY", [*registry._HOST_PRIORITY, fake.name])
+        q, k, v = _qkv()
+        dilated_attention.dilated_attention(q, k, v, [8, 16], [1, 2])
+        dilated_attention.attention(q, k, v)
+        assert fake.probes == 0, "a backend ranked after the chosen one was probed"
+        choice = choose(_cpu_inputs())
+        assert fake.probes == 1 and "no kernel image" in " ".join(choice.reasons[fake.name])
+
+
 def test_capability_reason_comes_before_the_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     with _first_on_host(monkeypatch, _FakeBroken()) as fake:
         choice = choose(_cpu_inputs(dtype=torch.float64))

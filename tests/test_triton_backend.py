@@ -404,6 +404,9 @@ def test_fused_engine_results_do_not_depend_on_grouping(
             )  # fmt: skip
             return [out.detach(), lse, *torch.autograd.grad(out, leaves, dout)]
 
+        run()  # a new shape family first compiles ahead, through a dry run of the engine
+        widths.clear()
+
         # One call of head_groups per position group, forward and backward.
         with monkeypatch.context() as patch:
             if device == "cuda" and shape.id == "heads":
@@ -542,7 +545,7 @@ def test_dkdv_tiles_follow_causality_and_rate(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(triton_backend, "_kernels", lambda: fake_kernels)
     tiles = triton_backend._tile_configs(128, torch.bfloat16)
     assert len({tiles["dkdv"], tiles["dkdv_strided"], tiles["dkdv_causal"]}) == 3
-    x = torch.zeros(1, 8, 2, 128)
+    x = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
     lse = torch.zeros(1, 2, 8)
     backend = get_backend("triton")
     for is_causal, rate in ((False, 1), (False, 2), (True, 1), (True, 4)):
@@ -623,3 +626,46 @@ def test_kernels_write_exactly_the_covered_rows(device: str, dtypes: list[torch.
             dq, dk, dv = (g[0].isfinite().all(-1).cpu() for g in grads)
             assert torch.equal(dq, covered_q)
             assert torch.equal(dk, covered_kv) and torch.equal(dv, covered_kv)
+
+
+# -- first calls -----------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_a_new_shape_family_compiles_only_ahead_and_a_new_length_not_at_all(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every kernel of a family's first call is compiled by ``compile_ahead`` (in parallel)
+    before anything launches; the launches then compile nothing, nor does a new length."""
+    _skip_without_triton("cuda")
+    from triton import knobs
+
+    kernels = triton_backend._kernels()
+    ahead = {"active": False}
+    compiled_outside: list[str] = []
+    compile_launches = kernels.compile_launches
+
+    def recording(*args: Any, **kwargs: Any) -> None:
+        ahead["active"] = True
+        try:
+            compile_launches(*args, **kwargs)
+        finally:
+            ahead["active"] = False
+
+    def hook(**kwargs: Any) -> None:
+        if not ahead["active"]:
+            compiled_outside.append(getattr(kwargs.get("fn"), "name", "?"))
+
+    monkeypatch.setattr(kernels, "compile_launches", recording)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", hook)
+    for seq_len in (777, 1000):  # a family no other test uses: H = 6, Hkv = 3, D = 48
+        q = torch.randn(1, seq_len, 6, 48, device="cuda", dtype=torch.float16, requires_grad=True)
+        k, v = (
+            torch.randn(1, seq_len, 3, 48, device="cuda", dtype=torch.float16, requires_grad=True)
+            for _ in "kv"
+        )
+        mask = torch.zeros(1, seq_len, dtype=torch.bool, device="cuda")
+        out = dilated_attention(
+            q, k, v, [128, 256], [1, 2], is_causal=True, key_padding_mask=mask, backend="triton"
+        )
+        out.backward(torch.randn_like(out))
+        torch.cuda.synchronize()
+        assert compiled_outside == [], (seq_len, compiled_outside)

@@ -50,9 +50,7 @@ import contextvars
 import functools
 import inspect
 import math
-import os
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +59,7 @@ import triton
 import triton.language as tl
 
 from ._compat import _release
+from ._triton_compile import Launch, compile_launches
 
 try:  # Triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -129,9 +128,10 @@ class TileConfig:
 #     a rate of 1 or not, and whether rows are read through tensor descriptors.
 #
 #     A family's kernels are compiled together before its first call (``compile_ahead``): the
-#     engine runs once with every launch replaced by a compile, in a thread pool, and then runs
-#     for real. Compiled kernels are cached on disk by Triton (``TRITON_CACHE_DIR``, default
-#     ``~/.triton/cache``), so a later process only loads them.
+#     engine runs once with every launch recorded instead of run, the recorded kernels compile
+#     in parallel (Note [Compiling in forked processes] in ``_triton_compile.py``), and then the
+#     engine runs for real. Compiled kernels are cached on disk by Triton (``TRITON_CACHE_DIR``,
+#     default ``~/.triton/cache``), so a later process only loads them.
 
 _POSITIONS = (
     "out_row0", "prev_row0", "delta_row0", "grad_row0", "start", "seg_q", "seg_k", "end_q",
@@ -155,38 +155,40 @@ def _jit(fn: Callable[..., Any]) -> Any:
     return triton.jit(fn, **{k: v for k, v in hints.items() if k in accepted})
 
 
-_COMPILE_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "dilated_attention_triton_compile_only", default=False
+#: Inside :func:`compile_ahead`: the launches recorded so far (``None`` outside).
+_RECORDED: contextvars.ContextVar[list[Launch] | None] = contextvars.ContextVar(
+    "dilated_attention_triton_recorded_launches", default=None
 )
 
 
+def _compiling() -> bool:
+    """Whether launches are being recorded for :func:`compile_ahead` instead of run."""
+    return _RECORDED.get() is not None
+
+
 def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-    """Launch ``kernel``, or inside :func:`compile_ahead` only compile it."""
-    if _COMPILE_ONLY.get():
-        kernel.warmup(*args, grid=grid, **kwargs)
+    """Launch ``kernel``, or inside :func:`compile_ahead` only record the launch."""
+    recorded = _RECORDED.get()
+    if recorded is not None:
+        recorded.append(Launch.record(kernel, grid, args, kwargs))
     else:
         kernel[grid](*args, **kwargs)
 
 
 @contextlib.contextmanager
 def compile_ahead(workers: int | None = None) -> Iterator[None]:
-    """Inside, launches compile their kernels instead of running them, concurrently in a thread
-    pool where Triton offers asynchronous compiles; every compile has finished on exit.
+    """Inside, launches are recorded instead of run; on a normal exit every recorded kernel is
+    compiled, in parallel (Note [Compiling in forked processes] in ``_triton_compile.py``).
 
     Outputs written inside are garbage: run the same calls again outside to compute.
     """
-    token = _COMPILE_ONLY.set(True)
+    recorded: list[Launch] = []
+    token = _RECORDED.set(recorded)
     try:
-        try:
-            from triton.runtime._async_compile import AsyncCompileMode
-        except ImportError:  # older Triton: the same compiles, one after another
-            yield
-            return
-        workers = workers or min(16, os.cpu_count() or 1)
-        with ThreadPoolExecutor(workers) as pool, AsyncCompileMode(pool):
-            yield
+        yield
     finally:
-        _COMPILE_ONLY.reset(token)
+        _RECORDED.reset(token)
+    compile_launches(recorded, workers)
 
 
 # -- device helpers --------------------------------------------------------------------------------
@@ -798,7 +800,7 @@ def forward_branch(
     prev, prev_row0 = (out, out_row0) if merge_from is None else (merge_from, merge_row0)
     descriptors: tuple[Any, Any, Any] = (None, None, None)
     if allow_descriptors and _use_descriptors(q, k, v, branch.rate):
-        if _COMPILE_ONLY.get():
+        if _compiling():
             # Lengths that r does not divide read through pointers: compile that variant too,
             # so a new length of the family compiles nothing (Note [Specialization and first
             # calls]).

@@ -238,7 +238,19 @@ def choose(inputs: KernelInputs, name: str | None = None) -> BackendChoice:
 
 
 def select_backend(inputs: KernelInputs, name: str | None = None) -> Backend:
-    """The backend instance :func:`choose` picks for ``inputs``."""
+    """The backend instance :func:`choose` picks for ``inputs``, probing only as far as needed.
+
+    The same choice as :func:`choose`, which probes every backend to say why each one is not
+    chosen; this stops at the requested backend or at the first one of the priority list that
+    can run the inputs, so the backends ranked after it are never imported or launched (a
+    FlexAttention probe alone imports TorchInductor: seconds of a first call on a GPU). When none
+    can, :func:`choose` raises its error with every backend's reasons.
+    """
+    requested, _ = _requested(name)
+    candidates = [requested] if requested is not None else _order(inputs)
+    for candidate in candidates:
+        if not get_backend(candidate).not_supported_reasons(inputs):
+            return _BACKENDS[candidate]
     return _BACKENDS[choose(inputs, name).backend]
 
 

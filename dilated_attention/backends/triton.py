@@ -46,8 +46,13 @@ def _kernels() -> ModuleType:
 
 
 def _tile_configs(head_dim: int, dtype: torch.dtype) -> dict[str, Any]:
-    """Tile sizes per kernel (``forward``, ``dkdv``, ``dq``) for a head dim and dtype (one
-    table for every dtype so far).
+    """Tile sizes per kernel (``forward``, ``dkdv``, ``dq``) for a head dim and dtype.
+
+    float32: 32x32 tiles with 4 warps and 2 stages for every kernel and head dim up to 128.
+    The 16-bit tiles below hold twice the bytes per element in float32 and spill: forward+backward
+    of four causal branches at N = 16,384, H = 8, D = 64 on an H100 took 46.8 ms with them
+    against 10.0 ms with 32x32 (64x32: 37.7 ms, 32x64: 27.9 ms), and their first call compiled
+    for 41 s against 16 s (``benchmarks/results/first_call_h100.json``).
 
     D <= 64 from ``benchmarks/tune_triton.py`` on an H100 (N = 64K, LongNet schedule: forward
     64x64 3.77 ms vs 128x64 3.86 and 128x128 5.35; dK/dV 32x64 14.1 ms vs 64x64 14.7). D <= 128
@@ -73,6 +78,8 @@ def _tile_configs(head_dim: int, dtype: torch.dtype) -> dict[str, Any]:
     to 0.62x causal).
     """
     config = _kernels().TileConfig
+    if dtype == torch.float32 and head_dim <= 128:
+        return {name: config(32, 32, 4, 2) for name in ("forward", "dkdv", "dq")}
     if head_dim <= 64:
         return {
             "forward": config(64, 64, 4, 3),
@@ -143,6 +150,23 @@ class TritonBackend(Backend):
         if interpreting():  # an instance attribute: the class constant stays CUDA-only
             self.devices = frozenset({"cuda", "cpu"})
         self._families: set[tuple[Any, ...]] = set()
+
+    def probe(self, device: torch.device) -> None:
+        """On CUDA: compile and launch one small kernel (the backward's row delta) and check its
+        numbers, i.e. whether Triton compiles for and runs on ``device``. The attention kernels
+        compile with the first call of each shape family, together (``compile_ahead``); the
+        forward-and-backward probe of ``Backend.probe`` compiled four more kernels first, 3 s of
+        a fresh process's first call on an H100 (``benchmarks/results/first_call_h100.json``).
+        Elsewhere (the interpreter): ``Backend.probe``."""
+        if device.type != "cuda" or interpreting():
+            super().probe(device)
+            return
+        out = torch.linspace(-1.0, 1.0, 2 * 8 * 2 * 64, device=device).view(2, 8, 2, 64).half()
+        dout = out.flip(-1)
+        delta = _kernels().row_delta(out, dout, 0, 8)  # (B, H, N)
+        expected = (out.float() * dout.float()).sum(-1).transpose(1, 2)
+        if not torch.allclose(delta, expected, rtol=1e-3, atol=1e-3):
+            raise RuntimeError(f"Triton's row-delta kernel computed wrong numbers on {device}")
 
     def begin_compile(self, family: tuple[Any, ...]) -> AbstractContextManager[None] | None:
         """See ``FusedBackend.begin_compile`` in ``core/fused.py``: once per family and process,

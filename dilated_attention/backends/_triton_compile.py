@@ -1,0 +1,229 @@
+"""Compiling the Triton kernels of a shape family ahead of its first call, in parallel.
+
+Imported by ``backends/_triton_kernels.py``; it imports ``triton`` only when it compiles, so
+its bookkeeping is tested without Triton.
+
+Note [Compiling in forked processes]
+    Triton compiles a kernel in Python (its front end) and in MLIR passes that hold the GIL, so
+    in a thread pool (``AsyncCompileMode``) the 12 to 15 compiles of a family run nearly one
+    after another: 14-20 s in bfloat16 on an H100 (``benchmarks/bench_first_call.py``). A forked
+    child has an interpreter of its own: the launches are split over children that compile at
+    the same time, write the kernels into Triton's disk cache (``TRITON_CACHE_DIR``) and exit;
+    the parent then loads them from there (milliseconds per kernel). A child starts in
+    milliseconds, since it inherits every module the parent imported.
+
+    A child must not touch CUDA (a CUDA context does not survive ``fork``), and a compile does
+    not need it: the launch arguments are recorded as stand-ins carrying what Triton
+    specializes on (dtype, 16-byte alignment, descriptor block shapes), and the child answers
+    Triton's device, stream and target queries with the parent's values. Where ``fork`` does
+    not exist, where ``DILATED_ATTENTION_COMPILE_PROCESSES=0``, or where a child fails or takes
+    longer than ``CHILD_TIMEOUT_S``, the parent compiles what is missing itself, in the thread
+    pool, as before: the children only ever save time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import signal
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+#: Set to ``0`` to compile in this process only (threads), e.g. where ``fork`` is unwelcome.
+ENV_VAR = "DILATED_ATTENTION_COMPILE_PROCESSES"
+#: A child still running after this long is killed; the parent compiles its kernels itself.
+CHILD_TIMEOUT_S = 300.0
+
+_log = logging.getLogger("dilated_attention")
+
+
+@dataclass(frozen=True)
+class PointerArg:
+    """A tensor argument as Triton specializes it: dtype and whether its address is 16-byte
+    aligned (what ``JITFunction.warmup`` reads from a tensor)."""
+
+    dtype: torch.dtype
+    aligned: bool
+
+    def data_ptr(self) -> int:
+        return 0 if self.aligned else 8
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One recorded launch: the kernel, its grid, and its arguments with tensors replaced by
+    :class:`PointerArg` stand-ins (so recording keeps no memory alive)."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple[Any, ...]
+    kwargs: tuple[tuple[str, Any], ...]
+
+    @classmethod
+    def record(
+        cls, kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Launch:
+        # In call order: Triton's in-memory cache key lists the options in the order given.
+        return cls(kernel, grid, tuple(map(_stand_in, args)), tuple(kwargs.items()))
+
+    def specialization(self) -> tuple[Any, ...]:
+        """What tells two launches' compiles apart (a superset of Triton's key: integers are
+        kept by their "== 1" and "divisible by 16" classes, positions included)."""
+        return (id(self.kernel), tuple(map(_arg_class, self.args)), self.kwargs)
+
+    def compile(self) -> Any:
+        """Compile (or load from the cache) without launching; the compiled kernel, or a future
+        of it inside ``AsyncCompileMode``."""
+        return self.kernel.warmup(*self.args, grid=self.grid, **dict(self.kwargs))
+
+
+def _is_descriptor(arg: Any) -> bool:
+    """A host-side tensor descriptor (Triton's ``TensorDescriptor`` dataclass)."""
+    return hasattr(arg, "block_shape") and isinstance(getattr(arg, "base", None), torch.Tensor)
+
+
+def _stand_in(arg: Any) -> Any:
+    if isinstance(arg, torch.Tensor):
+        return PointerArg(arg.dtype, arg.data_ptr() % 16 == 0)
+    if _is_descriptor(arg):
+        return replace(arg, base=PointerArg(arg.base.dtype, arg.base.data_ptr() % 16 == 0))
+    return arg
+
+
+def _arg_class(arg: Any) -> Any:
+    if isinstance(arg, bool) or arg is None:
+        return arg
+    if isinstance(arg, int):
+        return ("int", arg == 1, arg % 16 == 0)
+    if isinstance(arg, float):
+        return "float"
+    if hasattr(arg, "block_shape"):
+        return ("descriptor", arg.base, tuple(arg.block_shape))
+    return arg
+
+
+def compile_launches(launches: list[Launch], workers: int | None = None) -> None:
+    """Compile every distinct kernel of ``launches``: in forked children first (Note [Compiling
+    in forked processes]), then in this process, which loads what the children cached and
+    compiles whatever they did not.
+
+    A set of kernels compiled once is remembered by a marker file in Triton's cache directory:
+    a later process finds them on disk and forks nothing (a fork of a process holding a CUDA
+    context costs tens of milliseconds).
+    """
+    first: dict[tuple[Any, ...], Launch] = {}
+    for launch in launches:
+        first.setdefault(launch.specialization(), launch)
+    distinct = list(first.values())
+    workers = workers or min(16, os.cpu_count() or 1)
+    marker = _marker(distinct)
+    started = time.perf_counter()
+    forked = (
+        len(distinct) > 1
+        and hasattr(os, "fork")
+        and os.environ.get(ENV_VAR, "1") != "0"
+        and not (marker is not None and os.path.exists(marker))
+    )
+    if forked:
+        _compile_in_children(distinct, workers)
+    in_children = time.perf_counter() - started
+    _compile_here(distinct, workers)
+    _log.debug(
+        "dilated_attention: %d kernel launches, %d distinct: %.2f s in %s, then %.2f s here",
+        len(launches), len(distinct), in_children, "forked children" if forked else "no child",
+        time.perf_counter() - started - in_children,
+    )  # fmt: skip
+    if marker is not None:
+        with contextlib.suppress(OSError):
+            os.makedirs(os.path.dirname(marker), exist_ok=True)
+            open(marker, "w").close()
+
+
+def _marker(launches: list[Launch]) -> str | None:
+    """The marker file of these launches' kernels in Triton's cache directory: named by a hash of
+    each kernel's source (Triton's ``cache_key``) and specialization, and the Triton version.
+    ``None`` where it cannot be named."""
+    try:
+        import triton
+        from triton import knobs
+
+        cache_dir = knobs.cache.dir
+    except (ImportError, AttributeError):
+        return None
+    kernels = sorted(
+        f"{getattr(launch.kernel, 'cache_key', launch.kernel)!r} "
+        f"{launch.specialization()[1:]!r}"
+        for launch in launches
+    )  # fmt: skip
+    parts = [triton.__version__, *kernels]
+    digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+    return os.path.join(cache_dir, "dilated_attention_compiled", digest)
+
+
+def _compile_here(launches: list[Launch], workers: int) -> None:
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:  # older Triton: one after another
+        for launch in launches:
+            launch.compile()
+        return
+    with ThreadPoolExecutor(workers) as pool, AsyncCompileMode(pool):
+        for launch in launches:
+            launch.compile()
+
+
+def _active_driver() -> Any:
+    from triton.runtime import driver
+
+    return driver.active
+
+
+def _compile_in_children(launches: list[Launch], workers: int) -> None:
+    active = _active_driver()
+    device = active.get_current_device()
+    target = active.get_current_target()
+    children = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12: fork with threads
+        for share in (launches[i::workers] for i in range(min(workers, len(launches)))):
+            try:
+                pid = os.fork()
+            except OSError:
+                break
+            if pid == 0:  # the child: compile, never return into the caller's code
+                status = 1
+                try:
+                    _compile_detached(share, device, target)
+                    status = 0
+                finally:
+                    os._exit(status)
+            children.append(pid)
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    for pid in children:
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.01)
+
+
+def _compile_detached(launches: list[Launch], device: int, target: Any) -> None:
+    """In a forked child: compile into the disk cache with Triton's device queries answered
+    from the parent's values (no CUDA call), including each kernel's launcher where this
+    Triton builds one per kernel."""
+    active = _active_driver()
+    active.get_current_device = lambda: device
+    active.get_current_stream = lambda device=None: 0
+    active.get_current_target = lambda: target
+    for launch in launches:
+        kernel = launch.compile()
+        with contextlib.suppress(Exception):  # the parent builds it on first launch instead
+            active.launcher_cls(kernel.src, kernel.metadata)

@@ -1,0 +1,148 @@
+"""Compiling a shape family ahead (``backends/_triton_compile.py``): recorded launches keep no
+tensor alive, distinct specializations compile once, forked children compile into the cache
+and the parent always compiles everything itself as well (so a failed, hung or disabled child
+costs time, never a kernel). Fake kernels stand in for Triton's: no GPU or Triton needed."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from dilated_attention.backends import _triton_compile as tc
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+
+
+class FakeKernel:
+    """Records every ``warmup`` as (pid, args) in a file, so the parent sees what children did;
+    ``behaviour`` in a child: ``"ok"``, ``"raise"`` or ``"hang"``."""
+
+    def __init__(self, log: Path, behaviour: str = "ok") -> None:
+        self.log, self.behaviour, self.parent = log, behaviour, os.getpid()
+
+    def warmup(self, *args: Any, grid: tuple[int, ...], **kwargs: Any) -> Any:
+        in_child = os.getpid() != self.parent
+        if in_child and self.behaviour == "raise":
+            raise RuntimeError("compile failed")
+        if in_child and self.behaviour == "hang":
+            time.sleep(60)
+        with self.log.open("a") as f:
+            f.write(f"{os.getpid()} {args[1]} {kwargs['BLOCK']}\n")
+        return SimpleNamespace(src="src", metadata="meta")
+
+    def calls(self) -> list[tuple[bool, str]]:
+        """(in a child, "arg block") per warmup so far."""
+        if not self.log.exists():
+            return []
+        rows = [line.split(" ", 1) for line in self.log.read_text().splitlines()]
+        return [(int(pid) != self.parent, rest) for pid, rest in rows]
+
+
+@pytest.fixture
+def fake_driver(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> SimpleNamespace:
+    driver = SimpleNamespace(
+        get_current_device=lambda: 0,
+        get_current_stream=lambda device=None: 0,
+        get_current_target=lambda: "sm90",
+        launcher_cls=lambda src, metadata: None,
+    )
+    monkeypatch.setattr(tc, "_active_driver", lambda: driver)
+    monkeypatch.delenv(tc.ENV_VAR, raising=False)
+    # One marker per set of launches, in the test's own directory.
+    monkeypatch.setattr(
+        tc, "_marker", lambda launches: str(tmp_path / "markers" / str(len(launches)))
+    )
+    return driver
+
+
+def _launches(kernel: FakeKernel, values: list[int]) -> list[tc.Launch]:
+    x = torch.zeros(8)
+    return [tc.Launch.record(kernel, (1,), (x, value), {"BLOCK": 64}) for value in values]
+
+
+def test_a_recorded_launch_keeps_dtype_and_alignment_not_the_tensor() -> None:
+    x = torch.zeros(64, dtype=torch.bfloat16)
+    aligned, shifted = tc.Launch.record(None, (1,), (x, x[1:], 3, None), {}).args[:2]
+    assert aligned == tc.PointerArg(torch.bfloat16, True) and aligned.data_ptr() % 16 == 0
+    assert shifted == tc.PointerArg(torch.bfloat16, False) and shifted.data_ptr() % 16 != 0
+    y = torch.zeros(1 << 20)
+    ref = weakref.ref(y)
+    launch = tc.Launch.record(None, (1,), (y,), {})
+    del y
+    gc.collect()
+    assert ref() is None and launch.args == (tc.PointerArg(torch.float32, True),)
+
+
+def test_a_descriptor_keeps_its_block_shape_with_a_stand_in_base() -> None:
+    @dataclass
+    class Descriptor:  # the fields of Triton's TensorDescriptor that matter here
+        base: Any
+        shape: list[int]
+        strides: list[int]
+        block_shape: list[int]
+
+    x = torch.zeros(4, 64, dtype=torch.float16)
+    (desc,) = tc.Launch.record(None, (1,), (Descriptor(x, [4, 64], [64, 1], [2, 64]),), {}).args
+    assert desc == Descriptor(tc.PointerArg(torch.float16, True), [4, 64], [64, 1], [2, 64])
+
+
+def test_integers_differ_only_by_their_specialization_class() -> None:
+    kernel = object()
+    keys = {tc.Launch.record(kernel, (1,), (n,), {}).specialization() for n in (3, 5, 7)}
+    assert len(keys) == 1
+    classes = {tc.Launch.record(kernel, (1,), (n,), {}).specialization() for n in (1, 3, 32)}
+    assert len(classes) == 3
+
+
+def test_children_compile_every_distinct_launch_and_the_parent_loads_each(
+    tmp_path: Path, fake_driver: SimpleNamespace
+) -> None:
+    kernel = FakeKernel(tmp_path / "log")
+    tc.compile_launches(_launches(kernel, [1, 3, 5, 32, 48]), workers=4)
+    calls = kernel.calls()
+    distinct = {"1 64", "3 64", "32 64"}  # 3 and 5 are one specialization, 32 and 48 too
+    assert {rest for child, rest in calls if child} == distinct
+    assert sorted(rest for child, rest in calls if not child) == sorted(distinct)
+
+
+@pytest.mark.parametrize("behaviour", ["raise", "hang"])
+def test_a_failed_or_hung_child_costs_time_not_kernels(
+    tmp_path: Path, fake_driver: SimpleNamespace, monkeypatch: pytest.MonkeyPatch, behaviour: str
+) -> None:
+    monkeypatch.setattr(tc, "CHILD_TIMEOUT_S", 1.0)
+    kernel = FakeKernel(tmp_path / "log", behaviour)
+    started = time.monotonic()
+    tc.compile_launches(_launches(kernel, [1, 3]), workers=2)
+    assert time.monotonic() - started < 30
+    calls = kernel.calls()
+    assert not any(child for child, _ in calls)
+    assert sorted(rest for _, rest in calls) == ["1 64", "3 64"]
+
+
+def test_the_environment_variable_keeps_compiles_in_this_process(
+    tmp_path: Path, fake_driver: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(tc.ENV_VAR, "0")
+    kernel = FakeKernel(tmp_path / "log")
+    tc.compile_launches(_launches(kernel, [1, 3]), workers=2)
+    assert kernel.calls() == [(False, "1 64"), (False, "3 64")]
+
+
+def test_a_set_compiled_once_forks_nothing_in_a_later_process(
+    tmp_path: Path, fake_driver: SimpleNamespace
+) -> None:
+    kernel = FakeKernel(tmp_path / "log")
+    tc.compile_launches(_launches(kernel, [1, 3]), workers=2)
+    assert sum(child for child, _ in kernel.calls()) == 2
+    (tmp_path / "log").unlink()
+    tc.compile_launches(_launches(kernel, [1, 3]), workers=2)  # its marker exists now
+    assert kernel.calls() == [(False, "1 64"), (False, "3 64")]
