@@ -135,6 +135,20 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _summary(result: dict[str, Any]) -> dict[str, Any]:
+    """The headline numbers of a child's result, as flat fields (the results README shows
+    these)."""
+    if "error" in result:
+        return {}
+    return {
+        "first s": round(result["first"]["seconds"], 3),
+        "first compiles": result["first"]["compiles"],
+        "again s": round(result["again"]["seconds"], 4),
+        "new length s": round(result["new_length"]["seconds"], 4),
+        "new length compiles": result["new_length"]["compiles"],
+    }
+
+
 def _run_child(spec: dict[str, Any], cache_dir: str) -> dict[str, Any]:
     env = dict(os.environ, TRITON_CACHE_DIR=cache_dir)
     proc = subprocess.run(
@@ -166,7 +180,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="triton-cache-") as cache_dir:
             for state in ("cold", "disk"):
                 result = _run_child(spec, cache_dir)
-                row = {"case": name, "cache": state, **spec, **result}
+                row = {"case": name, "cache": state, **_summary(result), **spec, **result}
                 rows.append(row)
                 if "error" in result:
                     print(f"{name} ({state}): failed\n{result['error']}", flush=True)
@@ -180,16 +194,8 @@ def main() -> None:
                     flush=True,
                 )
     table = [
-        {
-            "case": r["case"], "cache": r["cache"],
-            "first s": r.get("first", {}).get("seconds"),
-            "compiles": r.get("first", {}).get("compiles"),
-            "again s": r.get("again", {}).get("seconds"),
-            "new length s": r.get("new_length", {}).get("seconds"),
-            "new length compiles": r.get("new_length", {}).get("compiles"),
-        }
-        for r in rows
-    ]  # fmt: skip
+        {"case": r["case"], "cache": r["cache"], **_summary(r)} for r in rows if "error" not in r
+    ]
     print(markdown_table(table, list(table[0])))
     if args.json is not None:
         write_record(args.json, environment(), rows)
