@@ -2,21 +2,24 @@
 
 Every check reads metadata only (shapes, dtypes, devices, Python values), so validation costs
 nothing and runs before any work. Each failure raises ``ValueError`` (or ``TypeError`` for a wrong
-type) naming
-the
-argument, the expected form, the actual value and a fix.
+type) naming the argument, the expected form, the actual value and a fix.
 
 Shape legend: B batch, N sequence length, H query heads, Hkv key/value heads, D head dim.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
 
 import torch
 
 _LAYOUT = "(batch, seq_len, num_heads, head_dim)"
+
+#: The largest int a size, length or rate may be: it must fit the int64 index arithmetic of the
+#: kernels. (A segment length beyond the sequence means one segment, so none needs more.)
+MAX_INT = 2**63 - 1
 
 
 def check_tensor(name: str, x: object) -> torch.Tensor:
@@ -71,28 +74,102 @@ def check_qkv(
         raise ValueError(
             f"key must have the same seq_len as query (dim 1) for dilated attention, got {shapes}"
         )
-    if q.shape[2] % k.shape[2] != 0:
+    if q.shape[3] == 0:
+        raise ValueError(
+            f"head_dim (dim 3) must be at least 1, got {shapes}; every head needs at least one "
+            f"channel"
+        )
+    if k.shape[2] == 0 and q.shape[2] != 0:
+        raise ValueError(
+            f"key must have at least one head (dim 2) when query has {q.shape[2]}, got {shapes}; "
+            f"use a kv head count that divides {q.shape[2]}"
+        )
+    if k.shape[2] != 0 and q.shape[2] % k.shape[2] != 0:
         raise ValueError(
             f"query heads must be a multiple of key/value heads (GQA), got {q.shape[2]} query "
             f"heads and {k.shape[2]} key heads ({shapes}); use a kv head count that divides "
             f"{q.shape[2]}"
         )
     if q.shape[1] == 0 or k.shape[1] == 0:
-        raise ValueError(f"seq_len must be at least 1, got {shapes}")
+        raise ValueError(
+            f"seq_len (dim 1) must be at least 1, got {shapes}; skip the call for an empty "
+            f"sequence (a batch of 0 sequences, or 0 heads, is fine and gives an empty result)"
+        )
     return q, k, v
 
 
 def check_positive_int(name: str, value: object) -> int:
-    """Return ``value`` as an int if it is a positive integer (not a bool), else raise."""
+    """Return ``value`` as an int if it is a positive integer (not a bool) of at most
+    :data:`MAX_INT`, else raise ``ValueError``."""
     return _positive_int(name, value)
 
 
-def _positive_int(name: str, value: object) -> int:
+def _positive_int(name: str, value: object, too_big_fix: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be a positive int, got {value!r} ({type(value).__name__})")
+        hint = "; pass a plain int, e.g. int(x.item())" if isinstance(value, torch.Tensor) else ""
+        raise ValueError(
+            f"{name} must be a positive int, got {value!r} ({type(value).__name__}){hint}"
+        )
     if value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if value > MAX_INT:
+        raise ValueError(
+            f"{name} must be a positive int of at most 2**63 - 1 (int64), got {value!r}"
+            f"{'; ' + too_big_fix if too_big_fix else ''}"
+        )
     return int(value)
+
+
+_TOO_BIG_FIX = {
+    "segment_lengths": "a segment longer than the sequence means one segment: pass seq_len",
+    "dilation_rates": "a rate beyond the segment length picks one row per segment: use a "
+    "rate no larger than the segment length",
+}
+
+
+#: Fixes for the multihead layers' float arguments (shared by the modules and their configs).
+EPS_FIX = "the LayerNorm epsilon is a small positive number such as 1e-5 (the default)"
+GAMMA_FIX = (
+    "it is the MAGNETO gain on the value and output projections: 1.0 (the default), or "
+    "sqrt(log(2 * num_layers)) in a deep stack"
+)
+
+
+def check_bool(name: str, value: object) -> bool:
+    """Return ``value`` if it is a bool (not merely truthy), else raise ``TypeError``."""
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{name} must be True or False, got {name}={value!r} ({type(value).__name__})"
+        )
+    return value
+
+
+def check_positive_float(
+    name: str, value: object, *, allow_zero: bool = False, fix: str = ""
+) -> float:
+    """Return ``value`` as a float if it is a finite real number > 0 (>= 0 with ``allow_zero``).
+
+    Args:
+        name: the argument's name, for the message.
+        value: the value to check (bools and tensors are refused: pass a Python number).
+        allow_zero: accept 0.
+        fix: how to correct a bad value, appended to the message.
+
+    Raises:
+        TypeError: not a real number.
+        ValueError: NaN, infinite, negative (or 0 without ``allow_zero``).
+    """
+    bound = ">= 0" if allow_zero else "> 0"
+    tail = f"; {fix}" if fix else ""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{name} must be a finite number {bound}, got {name}={value!r} "
+            f"({type(value).__name__}){tail}"
+        )
+    x = float(value)
+    if not math.isfinite(x) or x < 0 or (x == 0 and not allow_zero):
+        raise ValueError(f"{name} must be a finite number {bound}, got {name}={value!r}{tail}")
+    return x
 
 
 def check_branches(
@@ -106,13 +183,20 @@ def check_branches(
                 f"{name} must be a non-empty sequence of positive ints, got {values!r}; "
                 "pass e.g. segment_lengths=[2048, 4096], dilation_rates=[1, 2]"
             )
+        if isinstance(values, torch.Tensor) and values.dim() != 1:
+            raise ValueError(
+                f"{name} must be a non-empty sequence of positive ints, got {values!r} (a "
+                f"{values.dim()}-D tensor); pass a list or a 1-D tensor, e.g. "
+                f"{name}={values.flatten().tolist()}"
+            )
         seq = values.tolist() if isinstance(values, torch.Tensor) else list(values)
         if not seq:
             raise ValueError(
                 f"{name} must be a non-empty sequence of positive ints, got {values!r}; "
                 "pass at least one branch, e.g. segment_lengths=[seq_len], dilation_rates=[1]"
             )
-        pairs.append(tuple(_positive_int(f"{name}[{i}]", x) for i, x in enumerate(seq)))
+        fix = _TOO_BIG_FIX[name]
+        pairs.append(tuple(_positive_int(f"{name}[{i}]", x, fix) for i, x in enumerate(seq)))
     segs, rates = pairs
     if len(segs) != len(rates):
         raise ValueError(
@@ -216,9 +300,10 @@ def check_scale(scale: object) -> float | None:
         return None
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a positive float or None, got {scale!r}")
-    if not float(scale) > 0.0:
+    if not 0.0 < float(scale) < math.inf:
         raise ValueError(
-            f"scale must be a positive float or None (None = head_dim ** -0.5), got {scale!r}"
+            f"scale must be a positive finite float or None (None = head_dim ** -0.5), got "
+            f"{scale!r}"
         )
     return float(scale)
 

@@ -64,7 +64,7 @@ import torch
 
 from . import _validation as V
 from .backends.base import Backend, KernelInputs
-from .backends.registry import _requested, get_backend, select_backend
+from .backends.registry import _requested, check_backend_name, get_backend, select_backend
 from .core.merge import merge_partial
 from .patterns import Pattern, check_pattern
 
@@ -729,8 +729,7 @@ def block_sparse_attention(
     is_causal = _check_flag("is_causal", is_causal)
     return_lse = _check_flag("return_lse", return_lse)
     checked_scale = V.check_scale(scale)
-    if backend is not None:
-        get_backend(backend)  # ValueError naming the valid backends
+    backend = check_backend_name(backend)  # "auto" -> None; ValueError naming the valid ones
     softmax_scale = checked_scale if checked_scale is not None else q.shape[-1] ** -0.5
     query_len, key_len = q.shape[1], k.shape[1]
     # Ask the pattern first: a Custom mask of the wrong size fails before any kernel work.
@@ -744,6 +743,11 @@ def block_sparse_attention(
         out, lse = attention(
             q, k, v, is_causal=is_causal, scale=softmax_scale, backend=backend, return_lse=True
         )
+        return (out, lse) if return_lse else out
+    if q.numel() == 0:  # batch 0 or 0 heads: empty out and grads, no kernel launch
+        from .functional import empty_attention
+
+        out, lse = empty_attention(q, k, v)
         return (out, lse) if return_lse else out
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     kernel = _choose(

@@ -18,7 +18,11 @@ def longnet_schedule(seq_len: int, first_segment: int = 2048) -> tuple[list[int]
 
     >>> longnet_schedule(16384)
     ([2048, 4096, 8192, 16384], [1, 2, 4, 8])
+
+    Raises:
+        ValueError: ``seq_len`` or ``first_segment`` is not a positive int.
     """
+    seq_len = V.check_positive_int("seq_len", seq_len)
     segment = min(V.check_positive_int("first_segment", first_segment), seq_len)
     segments, rates = [segment], [1]
     while segments[-1] < seq_len:
@@ -28,8 +32,12 @@ def longnet_schedule(seq_len: int, first_segment: int = 2048) -> tuple[list[int]
 
 
 def _check_backend(backend: object) -> None:
+    # The type only: names are the registry's (backends.registry.check_backend_name), below us.
     if backend is not None and not isinstance(backend, str):
-        raise TypeError(f"backend must be a backend name or None, got {backend!r}")
+        raise TypeError(
+            f"backend must be a backend name (see dilated_attention.list_backends()), 'auto' or "
+            f"None (automatic choice), got {backend!r} ({type(backend).__name__})"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +96,12 @@ class MultiheadDilatedConfig:
         object.__setattr__(self, "segment_lengths", segs)
         object.__setattr__(self, "dilation_rates", rates)
         object.__setattr__(self, "dropout", V.check_dropout("dropout", self.dropout))
+        V.check_bool("bias", self.bias)
+        V.check_bool("layer_norm", self.layer_norm)
+        eps = V.check_positive_float("layer_norm_eps", self.layer_norm_eps, fix=V.EPS_FIX)
+        object.__setattr__(self, "layer_norm_eps", eps)
+        gamma = V.check_positive_float("gamma_init", self.gamma_init, fix=V.GAMMA_FIX)
+        object.__setattr__(self, "gamma_init", gamma)
         _check_backend(self.backend)
 
     def kwargs(self) -> dict[str, Any]:

@@ -31,8 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import _validation as V
 from .backends.base import KernelInputs
-from .backends.registry import BackendChoice, choose, get_backend
+from .backends.registry import BackendChoice, check_backend_name, choose
 from .config import DilatedConfig, MultiheadDilatedConfig
 from .modules import DilatedAttention, MultiheadDilatedAttention
 from .patterns import Pattern, check_pattern
@@ -82,7 +83,27 @@ def register_kind(
     dilated: Callable[..., nn.Module],
     multihead: Callable[..., nn.Module],
 ) -> None:
-    """Register a module kind: constructors taking the local modules' arguments."""
+    """Register a module kind: constructors taking the local modules' arguments.
+
+    Raises:
+        TypeError: ``name`` is not a string, or a constructor is not callable.
+        ValueError: ``name`` is empty or ``"auto"`` (reserved for the automatic choice).
+    """
+    if not isinstance(name, str):
+        raise TypeError(
+            f"name must be a string naming the kind, got {name!r} ({type(name).__name__}); e.g. "
+            f"register_kind('my_kind', dilated=MyAttention, multihead=MyMultihead)"
+        )
+    if not name.strip() or name == "auto":
+        raise ValueError(
+            f"name must be a non-empty string other than 'auto' (which picks a kind), got {name!r}"
+        )
+    for arg, builder in (("dilated", dilated), ("multihead", multihead)):
+        if not callable(builder):
+            raise TypeError(
+                f"{arg} must be a callable (a module class or a function) returning an "
+                f"nn.Module, got {arg}={builder!r} ({type(builder).__name__})"
+            )
     _KINDS[name] = _Kind(dilated=dilated, multihead=multihead)
 
 
@@ -123,15 +144,6 @@ def _resolve_kind(kind: object) -> _Kind:
     return _KINDS[name]
 
 
-def _resolve_backend(backend: object) -> str | None:
-    if backend is None or backend == "auto":
-        return None
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be 'auto' or a backend name, got {backend!r}")
-    get_backend(backend)  # ValueError listing the valid names
-    return backend
-
-
 def _merge_config(
     config: DilatedConfig | MultiheadDilatedConfig | None,
     fields: dict[str, Any],
@@ -140,7 +152,7 @@ def _merge_config(
 ) -> dict[str, Any]:
     """Constructor arguments from either a config or keyword arguments; ``backend`` (when not
     ``"auto"``) and ``kwargs`` override the config's values."""
-    chosen_backend = _resolve_backend(backend)
+    chosen_backend = check_backend_name(backend)
     if config is None:
         return {**fields, **kwargs, "backend": chosen_backend}
     given = sorted(name for name, value in fields.items() if value is not None)
@@ -269,7 +281,7 @@ def create_block_sparse_attention(
         )
     builder = _resolve_kind(kind)
     params = {"pattern": pattern, "block_size": block_size, **kwargs}
-    params["backend"] = _resolve_backend(backend)
+    params["backend"] = check_backend_name(backend)
     if (embed_dim is None) != (num_heads is None):
         raise ValueError(
             f"give both embed_dim and num_heads for a multihead layer, or neither for a (B, N, H, "
@@ -302,7 +314,8 @@ def explain(
         dtype: default bfloat16 on CUDA, float32 elsewhere.
         head_dim, num_heads, num_kv_heads, seq_len: the kernel call's shape (one segment's rows).
         is_causal, key_padding_mask, dropout_p, requires_grad: the features it needs.
-        backend: explain a forced choice instead of the automatic one.
+        backend: explain a forced choice instead of the automatic one (``None`` or ``"auto"``:
+            the automatic one).
         dilated: a dilated attention call (several branches or a rate > 1), where backends that
             fuse the branches rank first on the devices they were measured fastest on.
 
@@ -312,11 +325,23 @@ def explain(
 
     Raises:
         ValueError: ``device`` is not a device or not available here (e.g. ``"cuda"`` on a
-            machine without a GPU), ``backend`` is unknown or cannot run these inputs, or no
-            backend can.
-        TypeError: ``device`` or ``dtype`` has the wrong type.
+            machine without a GPU), a size is not a positive int (or ``num_heads`` is not a
+            multiple of ``num_kv_heads``), ``dropout_p`` is outside [0, 1), ``backend`` is
+            unknown or cannot run these inputs, or no backend can.
+        TypeError: ``device``, ``dtype``, ``backend`` or a flag has the wrong type.
     """
     dev = _resolve_device(device)
+    head_dim = V.check_positive_int("head_dim", head_dim)
+    num_heads = V.check_positive_int("num_heads", num_heads)
+    # embed_dim = head_dim * num_heads always divides: this checks num_kv_heads only.
+    num_kv_heads = V.check_heads(head_dim * num_heads, num_heads, num_kv_heads)
+    seq_len = V.check_positive_int("seq_len", seq_len)
+    flags = {"is_causal": is_causal, "key_padding_mask": key_padding_mask,
+             "requires_grad": requires_grad, "dilated": dilated}  # fmt: skip
+    for name, flag in flags.items():
+        V.check_bool(name, flag)
+    dropout_p = V.check_dropout("dropout_p", dropout_p)
+    backend = check_backend_name(backend)
     if dtype is None:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     elif not isinstance(dtype, torch.dtype):
@@ -328,7 +353,7 @@ def explain(
         dtype=dtype,
         head_dim=head_dim,
         num_heads=num_heads,
-        num_kv_heads=num_kv_heads or num_heads,
+        num_kv_heads=num_kv_heads,
         query_len=seq_len,
         key_len=seq_len,
         is_causal=is_causal,

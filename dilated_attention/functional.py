@@ -11,7 +11,7 @@ import torch
 
 from . import _validation as V
 from .backends.base import Backend, KernelInputs
-from .backends.registry import get_backend, select_backend
+from .backends.registry import check_backend_name, select_backend
 from .block_sparse import block_sparse_attention
 from .core.engine import AttentionFunction, DilatedAttentionFunction
 from .core.fused import FusedDilatedFunction, compile_ahead
@@ -26,9 +26,47 @@ def _check_flag(name: str, value: object) -> bool:
     return value
 
 
-def _check_backend_name(backend: object) -> None:
-    if backend is not None:
-        get_backend(backend)  # type: ignore[arg-type]  # raises ValueError naming valid backends
+def empty_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` for a checked call with no query rows (batch 0 or 0 heads).
+
+    SDPA returns empty tensors there; so do we, without launching a kernel (some reject empty
+    launches). ``out`` is tied to q, k and v through their sums (of zero elements: free), so
+    backward gives all three their empty gradients.
+
+    Args:
+        q: (B, Nq, H, D) with B * H == 0.
+        k: (B, Nk, Hkv, D).
+        v: (B, Nk, Hkv, D).
+
+    Returns:
+        out (B, Nq, H, D) in q's dtype; lse (B, H, Nq) float32 (float64 for float64 inputs).
+    """
+    batch, query_len, heads, _ = q.shape
+    link = (q.sum() + k.sum() + v.sum()) * 0
+    out = torch.zeros_like(q) + link
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse = q.new_full((batch, heads, query_len), float("-inf"), dtype=lse_dtype)
+    return out, lse
+
+
+def _effective_branches(
+    seq_len: int, num_heads: int, segs: tuple[int, ...], rates: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The schedule with every ``(w, r)`` replaced by the smallest pair of the same geometry.
+
+    Note [Effective branches]
+        ``w > N`` is one segment, the same as ``w = N``. A rate ``r >= max(w, H)`` (w now at most
+        N) gives head ``j`` the offset ``j`` and one row per segment (``j + r`` lies outside it),
+        the same as ``r = max(w, H)``. So the kernels never see a length or rate above
+        ``max(N, H)``: huge values (up to the 2**63 - 1 validation allows) cannot overflow the
+        int64 index or stride arithmetic of any kernel (seen: w = r = 2**63 - 1 gave a wrong
+        result on the fused Triton kernels), and such schedules share compiled kernels.
+    """
+    eff_segs = tuple(min(w, seq_len) for w in segs)
+    eff_rates = tuple(min(r, max(w, num_heads)) for w, r in zip(eff_segs, rates, strict=True))
+    return eff_segs, eff_rates
 
 
 @torch.compiler.disable  # selection probes kernels and caches: run it eagerly, never traced
@@ -77,16 +115,19 @@ def attention(
         scale: softmax scale; ``None`` means ``D ** -0.5``.
         dropout_p: dropout on the attention probabilities.
         key_padding_mask: (B, Nk) bool, ``True`` = ignore that key.
-        backend: a name from :func:`list_backends`, or ``None`` to choose automatically.
+        backend: a name from :func:`list_backends`, or ``None`` / ``"auto"`` to choose
+            automatically.
         return_lse: also return the log-sum-exp.
 
     Returns:
         ``out`` (B, Nq, H, D) in the input dtype, or ``(out, lse)`` with ``lse`` (B, H, Nq) float32
         (float64 for float64 inputs), detached. Rows that see no key give 0 and ``lse = -inf``.
+        A batch of 0 (or 0 heads) gives empty tensors, and empty gradients in backward.
 
     Raises:
-        ValueError / TypeError: malformed inputs, before any work; ValueError when ``backend`` is
-            unknown or cannot run the inputs (the message lists the reasons).
+        ValueError / TypeError: malformed inputs (including ``seq_len`` 0), before any work;
+            ValueError when ``backend`` is unknown or cannot run the inputs (the message lists
+            the reasons).
     """
     q, k, v = V.check_qkv(query, key, value, same_length=False)
     is_causal = _check_flag("is_causal", is_causal)
@@ -94,11 +135,14 @@ def attention(
     V.check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[1], q.device)
     dropout_p = V.check_dropout("dropout_p", dropout_p)
     checked_scale = V.check_scale(scale)
-    _check_backend_name(backend)
+    backend = check_backend_name(backend)
     kernel = _choose(
         q, k, is_causal=is_causal, has_mask=key_padding_mask is not None,
         dropout_p=dropout_p, backend=backend,
     )  # fmt: skip
+    if q.numel() == 0:
+        out, lse = empty_attention(q, k, v)
+        return (out, lse) if return_lse else out
     softmax_scale = checked_scale if checked_scale is not None else q.shape[-1] ** -0.5
     out, lse = AttentionFunction.apply(
         q.contiguous(), k.contiguous(), v.contiguous(), key_padding_mask, kernel,
@@ -143,17 +187,20 @@ def dilated_attention(
         scale: softmax scale; ``None`` means ``D ** -0.5``.
         dropout_p: dropout on the attention probabilities.
         key_padding_mask: (B, N) bool, ``True`` = ignore that key.
-        backend: a name from :func:`list_backends`, or ``None`` to choose automatically.
+        backend: a name from :func:`list_backends`, or ``None`` / ``"auto"`` to choose
+            automatically.
         return_lse: also return the merged log-sum-exp.
 
     Returns:
         ``out`` (B, N, H, D) in the input dtype, or ``(out, lse)`` with ``lse`` (B, H, N) float32
         (float64 for float64 inputs), detached. Rows no branch covers, or whose keys are all masked,
-        give 0 and ``lse = -inf``.
+        give 0 and ``lse = -inf``. A batch of 0 (or 0 heads) gives empty tensors, and empty
+        gradients in backward.
 
     Raises:
-        ValueError / TypeError: malformed inputs, before any work; ValueError when ``backend`` is
-            unknown or cannot run the inputs (the message lists the reasons).
+        ValueError / TypeError: malformed inputs (including ``seq_len`` 0), before any work;
+            ValueError when ``backend`` is unknown or cannot run the inputs (the message lists
+            the reasons).
     """
     q, k, v = V.check_qkv(query, key, value, same_length=True)
     segs, rates = V.check_branches(segment_lengths, dilation_rates)
@@ -162,12 +209,16 @@ def dilated_attention(
     V.check_key_padding_mask(key_padding_mask, q.shape[0], q.shape[1], q.device)
     dropout_p = V.check_dropout("dropout_p", dropout_p)
     checked_scale = V.check_scale(scale)
-    _check_backend_name(backend)
+    backend = check_backend_name(backend)
     kernel = _choose(
         q, k, is_causal=is_causal, has_mask=key_padding_mask is not None,
         dropout_p=dropout_p, backend=backend, dilated=True,
     )  # fmt: skip
+    if q.numel() == 0:
+        out, lse = empty_attention(q, k, v)
+        return (out, lse) if return_lse else out
     softmax_scale = checked_scale if checked_scale is not None else q.shape[-1] ** -0.5
+    segs, rates = _effective_branches(q.shape[1], q.shape[2], segs, rates)
     if kernel.fuses_dilated_branches:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         branches = tuple(zip(segs, rates, strict=True))

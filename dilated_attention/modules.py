@@ -11,7 +11,7 @@ from einops import rearrange
 from torch import nn
 
 from . import _validation as V
-from .backends.registry import get_backend
+from .backends.registry import check_backend_name
 from .block_sparse import block_sparse_attention, check_block_size
 from .config import DilatedConfig, MultiheadDilatedConfig
 from .functional import dilated_attention
@@ -33,7 +33,10 @@ class DilatedAttention(nn.Module):
         dilation_rates: r per branch.
         scale: softmax scale; ``None`` means ``D ** -0.5``.
         dropout: attention-probability dropout, applied in training mode only.
-        backend: kernel name, or ``None`` to choose per call.
+        backend: kernel name, or ``None`` / ``"auto"`` to choose per call.
+
+    Raises:
+        ValueError / TypeError: a bad schedule, scale, dropout or backend name.
     """
 
     def __init__(
@@ -46,15 +49,14 @@ class DilatedAttention(nn.Module):
         backend: str | None = None,
     ) -> None:
         super().__init__()
+        backend = check_backend_name(backend)  # "auto" -> None
         self.config = DilatedConfig(
             segment_lengths=segment_lengths, dilation_rates=dilation_rates, scale=scale,
             dropout=dropout, backend=backend,
         )  # fmt: skip
-        if backend is not None:
-            get_backend(backend)
         self.segment_lengths = self.config.segment_lengths
         self.dilation_rates = self.config.dilation_rates
-        self.scale, self.dropout, self.backend = scale, self.config.dropout, backend
+        self.scale, self.dropout, self.backend = self.config.scale, self.config.dropout, backend
 
     @classmethod
     def from_config(cls, config: DilatedConfig) -> DilatedAttention:
@@ -219,6 +221,10 @@ class _MultiheadProjections(nn.Module):
                 f"(seq_len, batch, embed_dim)), got {batch_first!r}"
             )
         self.num_kv_heads = V.check_heads(embed_dim, num_heads, num_kv_heads)
+        bias = V.check_bool("bias", bias)
+        layer_norm = V.check_bool("layer_norm", layer_norm)
+        layer_norm_eps = V.check_positive_float("layer_norm_eps", layer_norm_eps, fix=V.EPS_FIX)
+        gamma_init = V.check_positive_float("gamma_init", gamma_init, fix=V.GAMMA_FIX)
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.kdim = self.vdim = embed_dim
         self.head_dim = embed_dim // num_heads
@@ -409,9 +415,9 @@ class MultiheadDilatedAttention(_MultiheadProjections):
         dropout: attention-probability dropout (training mode only).
         bias: biases on the projections.
         layer_norm: MAGNETO sub-LayerNorm before the output projection.
-        layer_norm_eps: its epsilon.
-        gamma_init: MAGNETO gain on the value and output projections.
-        backend: kernel name, or ``None`` to choose per call.
+        layer_norm_eps: its epsilon (finite, > 0).
+        gamma_init: MAGNETO gain on the value and output projections (finite, > 0).
+        backend: kernel name, or ``None`` / ``"auto"`` to choose per call.
         batch_first: True (default): inputs and output are (B, N, E). False: (N, B, E), as
             ``nn.MultiheadAttention``'s default; use it to replace the ``self_attn`` of a stock
             layer built with ``batch_first=False`` (the layer passes seq-first tensors then, which
@@ -419,8 +425,8 @@ class MultiheadDilatedAttention(_MultiheadProjections):
         device, dtype: factory kwargs for the parameters.
 
     Raises:
-        ValueError: bad sizes, schedule, dropout or backend.
-        TypeError: ``batch_first`` is not a bool.
+        ValueError: bad sizes, schedule, dropout, ``layer_norm_eps``, ``gamma_init`` or backend.
+        TypeError: ``batch_first``, ``bias`` or ``layer_norm`` is not a bool.
     """
 
     _what = "dilated attention"
@@ -443,6 +449,7 @@ class MultiheadDilatedAttention(_MultiheadProjections):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
+        backend = check_backend_name(backend)  # "auto" -> None
         config = MultiheadDilatedConfig(
             embed_dim=embed_dim, num_heads=num_heads, segment_lengths=segment_lengths,
             dilation_rates=dilation_rates, num_kv_heads=num_kv_heads, dropout=dropout, bias=bias,
@@ -487,8 +494,8 @@ class BlockSparseAttention(nn.Module):
         pattern: a :mod:`dilated_attention.patterns` pattern.
         block_size: tokens per block (the last block may be shorter).
         scale: softmax scale; ``None`` means ``D ** -0.5``.
-        backend: ``None`` (FlexAttention on CUDA where it runs, else the registry's choice),
-            ``"flex"``, or a kernel name for the fallback.
+        backend: ``None`` or ``"auto"`` (FlexAttention on CUDA where it runs, else the
+            registry's choice), ``"flex"``, or a kernel name for the fallback.
 
     Raises:
         TypeError: ``pattern`` is not a Pattern.
@@ -507,9 +514,7 @@ class BlockSparseAttention(nn.Module):
         self.pattern = check_pattern(pattern)
         self.block_size = check_block_size(block_size)
         self.scale = V.check_scale(scale)
-        if backend is not None:
-            get_backend(backend)
-        self.backend = backend
+        self.backend = check_backend_name(backend)
 
     def forward(
         self,
@@ -550,7 +555,7 @@ class BlockSparseMultiheadAttention(_MultiheadProjections):
         num_kv_heads: Hkv for grouped-query attention (``None`` = H).
         bias: biases on the projections.
         layer_norm: MAGNETO sub-LayerNorm before the output projection.
-        layer_norm_eps: its epsilon.
+        layer_norm_eps: its epsilon (finite, > 0).
         gamma_init: MAGNETO gain on the value and output projections.
         scale: softmax scale (``None``: head_dim ** -0.5).
         backend: as in :class:`BlockSparseAttention`.

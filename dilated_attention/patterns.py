@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ._validation import MAX_INT
+
 __all__ = [
     "PRESETS",
     "Custom",
@@ -56,6 +58,11 @@ def _non_negative_int(name: str, value: object, fix: str) -> int:
         raise TypeError(f"{name} must be an int >= 0, got {value!r} ({type(value).__name__})")
     if value < 0:
         raise ValueError(f"{name} must be an int >= 0, got {value}; {fix}")
+    if value > MAX_INT:
+        raise ValueError(
+            f"{name} must be an int of at most 2**63 - 1 (int64), got {value}; any value of at "
+            f"least the number of blocks has the same effect: pass that"
+        )
     return int(value)
 
 
@@ -223,6 +230,12 @@ class DilatedBlocks(Pattern):
                 raise TypeError(f"rates[{i}] must be a positive int, got {r!r}")
             if r < 1:
                 raise ValueError(f"rates[{i}] must be a positive int, got {r}; 1 means dense")
+            if r > MAX_INT:
+                raise ValueError(
+                    f"rates[{i}] must be a positive int of at most 2**63 - 1 (int64), got {r}; "
+                    f"any rate of at least the number of blocks keeps the block diagonal only: "
+                    f"pass that"
+                )
         object.__setattr__(self, "rates", tuple(int(r) for r in values))
 
     def _mask(self, nq: int, nk: int) -> torch.Tensor:

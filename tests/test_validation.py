@@ -6,6 +6,7 @@ aten ops that run while a bad call is rejected.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -15,12 +16,27 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dilated_attention import (
+    BlockSparseAttention,
+    BlockSparseMultiheadAttention,
     DilatedAttention,
+    LongNetConfig,
+    LongNetLM,
     MultiheadDilatedAttention,
+    MultiheadDilatedConfig,
     attention,
+    backend_reasons,
+    block_sparse_attention,
     dilated_attention,
+    explain,
     list_backends,
+    longnet_schedule,
+    patterns,
+    register_backend,
+    register_kind,
+    use_backend,
 )
+from dilated_attention.backends.math import MathBackend
+from dilated_attention.backends.registry import ENV_VAR
 
 B, N, H, D = 2, 16, 4, 8
 SEGMENTS = [4, 8]
@@ -538,3 +554,470 @@ def test_multihead_no_projection_before_validation(
     assert rec.compute_ops() == [], rec.ops
     assert x.grad is None
     assert all(p.grad is None for p in mha.parameters())
+
+
+# ------------------------------------------------------- invalid values accepted before (issue 21)
+
+_LONGNET = {
+    "vocab_size": 16, "embed_dim": 16, "num_heads": 2, "num_layers": 1,
+    "segment_lengths": (8,), "dilation_rates": (1,), "ffn_dim": 16,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("seq_len", [0, -5, 16.5, True, torch.tensor(16)], ids=str)
+def test_longnet_schedule_bad_seq_len(seq_len: Any) -> None:
+    """``longnet_schedule(0)`` returned ``([0], [1])``; now every non-positive-int is refused."""
+    with pytest.raises(ValueError, match="seq_len") as excinfo:
+        longnet_schedule(seq_len)
+    _assert_mentions(excinfo, re.escape(repr(seq_len)), "positive int")
+
+
+@pytest.mark.parametrize("field", ["rotary_base", "layer_norm_eps"])
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan], ids=str)
+def test_longnet_config_non_finite(field: str, bad: float) -> None:
+    """``LongNetConfig(rotary_base=inf)`` / ``layer_norm_eps=inf`` were accepted."""
+    with pytest.raises(ValueError, match=field) as excinfo:
+        LongNetConfig(**_LONGNET, **{field: bad})
+    _assert_mentions(excinfo, re.escape(repr(bad)), "finite")
+
+
+_MULTIHEAD = {
+    "MultiheadDilatedAttention": lambda **kw: MultiheadDilatedAttention(16, 2, [8], [1], **kw),
+    "MultiheadDilatedConfig": lambda **kw: MultiheadDilatedConfig(
+        embed_dim=16, num_heads=2, segment_lengths=[8], dilation_rates=[1], **kw
+    ),
+    "BlockSparseMultiheadAttention": lambda **kw: BlockSparseMultiheadAttention(
+        16, 2, patterns.LocalWindow(1), **kw
+    ),
+}
+MULTIHEAD = pytest.mark.parametrize("build", list(_MULTIHEAD.values()), ids=list(_MULTIHEAD))
+
+
+@MULTIHEAD
+@pytest.mark.parametrize(
+    ("field", "bad"),
+    [
+        ("layer_norm_eps", -1.0),
+        ("layer_norm_eps", 0.0),
+        ("layer_norm_eps", math.inf),
+        ("gamma_init", math.nan),
+        ("gamma_init", -1.0),
+        ("gamma_init", math.inf),
+    ],
+    ids=str,
+)
+def test_multihead_bad_float(build: Callable[..., Any], field: str, bad: float) -> None:
+    """``layer_norm_eps=-1`` gave NaN outputs; ``gamma_init=nan`` failed inside ``nn.init``."""
+    with pytest.raises(ValueError, match=field) as excinfo:
+        build(**{field: bad})
+    _assert_mentions(excinfo, re.escape(repr(bad)), "finite number > 0")
+
+
+@MULTIHEAD
+@pytest.mark.parametrize(("field", "bad"), [("bias", "no"), ("layer_norm", 0)], ids=str)
+def test_multihead_flags_must_be_bool(build: Callable[..., Any], field: str, bad: Any) -> None:
+    """``bias="no"`` built biases and ``layer_norm=0`` dropped the norm, silently."""
+    with pytest.raises(TypeError, match=field) as excinfo:
+        build(**{field: bad})
+    _assert_mentions(excinfo, re.escape(repr(bad)))
+
+
+@pytest.mark.parametrize("gamma_init", ["1", None], ids=str)
+def test_multihead_gamma_init_type(gamma_init: Any) -> None:
+    """A non-number gain is a TypeError naming it (it failed inside ``nn.init``)."""
+    with pytest.raises(TypeError, match="gamma_init"):
+        MultiheadDilatedAttention(16, 2, [8], [1], gamma_init=gamma_init)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda q, s: dilated_attention(q, q, q, [8], [1], scale=s),
+        lambda q, s: attention(q, q, q, scale=s),
+        lambda q, s: block_sparse_attention(q, q, q, patterns.LocalWindow(0), scale=s),
+        lambda q, s: DilatedAttention([8], [1], scale=s),
+        lambda q, s: BlockSparseAttention(patterns.LocalWindow(0), scale=s),
+    ],
+    ids=["dilated_attention", "attention", "block_sparse_attention", "DilatedAttention",
+         "BlockSparseAttention"],
+)  # fmt: skip
+def test_scale_infinite(call: Callable[..., Any]) -> None:
+    """``scale=inf`` gave NaN outputs; it is refused like 0 and NaN."""
+    q = torch.randn(1, 8, 2, 4)
+    with pytest.raises(ValueError, match="scale") as excinfo:
+        call(q, math.inf)
+    _assert_mentions(excinfo, "inf", "finite")
+
+
+# ------------------------------------------------------------------------------ empty batch, heads
+
+
+def _grads(*tensors: torch.Tensor) -> list[tuple[int, ...]]:
+    return [tuple(t.grad.shape) for t in tensors]  # type: ignore[union-attr]
+
+
+_FUNCTIONS = {
+    "dilated_attention": lambda q, k, v: dilated_attention(q, k, v, [4, 8], [1, 2], is_causal=True),
+    "attention": lambda q, k, v: attention(q, k, v),
+    "block_sparse_attention": lambda q, k, v: block_sparse_attention(
+        q, k, v, patterns.LocalWindow(0), block_size=4
+    ),
+    "block_sparse_attention_dense": lambda q, k, v: block_sparse_attention(
+        q, k, v, patterns.LocalWindow(8), block_size=4
+    ),
+    "DilatedAttention": lambda q, k, v: DilatedAttention([4, 8], [1, 2])(q, k, v),
+    "BlockSparseAttention": lambda q, k, v: BlockSparseAttention(
+        patterns.LocalWindow(0), block_size=4
+    )(q, k, v),
+}
+
+
+@pytest.mark.parametrize("fn", list(_FUNCTIONS.values()), ids=list(_FUNCTIONS))
+@pytest.mark.parametrize(("batch", "heads", "kv_heads"), [(0, 4, 2), (2, 0, 0)], ids=["B0", "H0"])
+def test_empty_batch_or_heads(
+    fn: Callable[..., Any], batch: int, heads: int, kv_heads: int
+) -> None:
+    """A batch of 0 (or 0 heads) gives empty outputs and empty gradients, as SDPA does (dilated
+    attention failed in core/segment.py; every function failed on 0 heads)."""
+    q = torch.randn(batch, 12, heads, 8, requires_grad=True)
+    k = torch.randn(batch, 12, kv_heads, 8, requires_grad=True)
+    v = torch.randn(batch, 12, kv_heads, 8, requires_grad=True)
+    out = fn(q, k, v)
+    assert out.shape == q.shape
+    out.sum().backward()
+    assert _grads(q, k, v) == [tuple(q.shape), tuple(k.shape), tuple(v.shape)]
+
+
+@pytest.mark.parametrize("fn", [dilated_attention, attention], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_empty_batch_lse(fn: Callable[..., Any], dtype: torch.dtype) -> None:
+    """``return_lse=True`` gives a (0, H, N) lse in the documented dtype."""
+    q = torch.randn(0, 12, 4, 8, dtype=dtype)
+    args = ([4], [1]) if fn is dilated_attention else ()
+    out, lse = fn(q, q, q, *args, return_lse=True)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert lse.shape == (0, 4, 12)
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: MultiheadDilatedAttention(32, 4, [4, 8], [1, 2], num_kv_heads=2),
+        lambda: BlockSparseMultiheadAttention(32, 4, patterns.LocalWindow(0), block_size=4),
+    ],
+    ids=["MultiheadDilatedAttention", "BlockSparseMultiheadAttention"],
+)
+def test_multihead_empty_batch(build: Callable[[], Any]) -> None:
+    """A (0, N, E) batch goes through the multihead layers, forward and backward."""
+    layer = build()
+    x = torch.randn(0, 12, 32, requires_grad=True)
+    out, weights = layer(x, is_causal=True)
+    assert out.shape == x.shape and weights is None
+    out.sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+    assert all(p.grad is not None and not p.grad.any() for p in layer.parameters())
+
+
+def test_longnet_empty_batch() -> None:
+    """``LongNetLM`` on a (0, N) token batch gives (0, N, V) logits ("min(): Expected reduction
+    dim" before), and trains through it; ``generate`` returns (0, N0 + new)."""
+    model = LongNetLM(LongNetConfig(**_LONGNET))
+    logits = model(torch.zeros(0, 8, dtype=torch.long))
+    assert logits.shape == (0, 8, 16)
+    logits.sum().backward()
+    assert model.embed.weight.grad is not None
+    assert model.generate(torch.zeros(0, 4, dtype=torch.long), 2).shape == (0, 6)
+
+
+@BOTH
+def test_zero_seq_len_is_a_clear_error(fn: Callable[..., Any]) -> None:
+    """An empty sequence (unlike an empty batch) is refused, naming seq_len, the shapes and what
+    to do instead."""
+    q = torch.randn(B, 0, H, D)
+    with pytest.raises(ValueError, match="seq_len") as excinfo:
+        fn(q, q, q)
+    _assert_mentions(excinfo, _shape_patterns(q.shape), "skip the call", "batch of 0")
+
+
+def test_longnet_zero_seq_len() -> None:
+    model = LongNetLM(LongNetConfig(**_LONGNET))
+    with pytest.raises(ValueError, match="tokens") as excinfo:
+        model(torch.zeros(2, 0, dtype=torch.long))
+    _assert_mentions(excinfo, _shape_patterns((2, 0)))
+
+
+@BOTH
+@pytest.mark.parametrize(
+    ("q_shape", "k_shape", "word"),
+    [((B, N, H, 0), (B, N, H, 0), "head_dim"), ((B, N, H, D), (B, N, 0, D), "head")],
+    ids=["head_dim0", "kv_heads0"],
+)
+def test_zero_head_dim_or_kv_heads(
+    fn: Callable[..., Any], q_shape: tuple[int, ...], k_shape: tuple[int, ...], word: str
+) -> None:
+    """head_dim 0, or 0 kv heads for 4 query heads (ZeroDivisionError before), are refused."""
+    q, k, v = _qkv(q_shape, k_shape)
+    with pytest.raises(ValueError, match=word) as excinfo:
+        fn(q, k, v)
+    _assert_mentions(excinfo, _shape_patterns(k_shape))
+
+
+# -------------------------------------------------------------------------- backend="auto" (issue)
+
+
+_AUTO_CALLS = {
+    "dilated_attention": lambda q, be: dilated_attention(q, q, q, [4, 8], [1, 2], backend=be),
+    "attention": lambda q, be: attention(q, q, q, backend=be),
+    "block_sparse_attention": lambda q, be: block_sparse_attention(
+        q, q, q, patterns.LocalWindow(0), block_size=4, backend=be
+    ),
+    "DilatedAttention": lambda q, be: DilatedAttention([4, 8], [1, 2], backend=be)(q, q, q),
+    "BlockSparseAttention": lambda q, be: BlockSparseAttention(
+        patterns.LocalWindow(0), block_size=4, backend=be
+    )(q, q, q),
+    "MultiheadDilatedAttention": lambda q, be: _seeded(
+        lambda: MultiheadDilatedAttention(32, 4, [4, 8], [1, 2], backend=be)
+    )(q.flatten(2))[0],
+    "BlockSparseMultiheadAttention": lambda q, be: _seeded(
+        lambda: BlockSparseMultiheadAttention(32, 4, patterns.LocalWindow(0), backend=be)
+    )(q.flatten(2))[0],
+}
+
+
+def _seeded(build: Callable[[], Any]) -> Any:
+    torch.manual_seed(1)
+    return build()
+
+
+@pytest.mark.parametrize("call", list(_AUTO_CALLS.values()), ids=list(_AUTO_CALLS))
+def test_backend_auto_means_default(call: Callable[..., Any]) -> None:
+    """``backend="auto"`` was rejected by these; it now means exactly ``backend=None``."""
+    q = torch.randn(1, 12, 4, 8)
+    torch.testing.assert_close(call(q, "auto"), call(q, None), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: DilatedAttention([8], [1], backend="auto"),
+        lambda: MultiheadDilatedAttention(16, 2, [8], [1], backend="auto").attention,
+        lambda: BlockSparseAttention(patterns.LocalWindow(0), backend="auto"),
+    ],
+    ids=["DilatedAttention", "MultiheadDilatedAttention", "BlockSparseAttention"],
+)
+def test_module_backend_auto_is_stored_as_none(build: Callable[[], Any]) -> None:
+    """Modules keep ``backend=None`` for "auto", as the factory's modules do."""
+    assert build().backend is None
+
+
+def test_explain_and_use_backend_accept_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``explain(backend="auto")`` is the automatic choice; ``use_backend("auto")`` is no override;
+    an explicit "auto" does not override ``use_backend`` (it is the default)."""
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    auto = explain(device="cpu", backend="auto")
+    assert auto.source == "auto" and auto.backend == explain(device="cpu").backend
+    with use_backend("auto"):
+        assert explain(device="cpu").source == "auto"
+    with use_backend("math"):
+        assert explain(device="cpu", backend="auto").backend == "math"
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: dilated_attention(*_qkv(), SEGMENTS, RATES, backend=3),
+        lambda: DilatedAttention(SEGMENTS, RATES, backend=3),
+        lambda: MultiheadDilatedAttention(32, 4, SEGMENTS, RATES, backend=3),
+        lambda: use_backend(3).__enter__(),  # type: ignore[arg-type]
+        lambda: explain(device="cpu", backend=3),  # type: ignore[arg-type]
+    ],
+    ids=[
+        "dilated_attention",
+        "DilatedAttention",
+        "MultiheadDilatedAttention",
+        "use_backend",
+        "explain",
+    ],
+)
+def test_backend_not_a_string(call: Callable[[], Any]) -> None:
+    """A backend that is not a string is a TypeError listing the names (and "auto")."""
+    with pytest.raises(TypeError, match="backend") as excinfo:
+        call()
+    _assert_mentions(excinfo, "'auto'", "math", _number(3))
+
+
+# ---------------------------------------------------------------- errors from deep inside (issue)
+
+
+@pytest.mark.parametrize(
+    ("which", "bad"),
+    [("segment_lengths", torch.tensor(8)), ("segment_lengths", torch.tensor([[8]]))],
+    ids=["0-D", "2-D"],
+)
+def test_schedule_tensor_of_wrong_rank(which: str, bad: torch.Tensor) -> None:
+    """``segment_lengths=torch.tensor(8)`` failed with "'int' object is not iterable"."""
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=which) as excinfo:
+        dilated_attention(q, k, v, bad, [1])
+    _assert_mentions(excinfo, f"{bad.dim()}-D tensor", re.escape("[8]"))
+
+
+@WHICH
+@pytest.mark.parametrize("bad", [2**63, 2**70], ids=["2**63", "2**70"])
+def test_schedule_entry_too_big(which: str, bad: int) -> None:
+    """``dilation_rates=[2**70]`` raised OverflowError from the index arithmetic."""
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=re.escape(f"{which}[1]")) as excinfo:
+        dilated_attention(q, k, v, **_schedule_with(which, bad))
+    _assert_mentions(excinfo, str(bad), re.escape("2**63 - 1"))
+
+
+@pytest.mark.parametrize(
+    ("build", "word"),
+    [
+        (lambda: patterns.LocalWindow(2**70), "window"),
+        (lambda: patterns.GlobalLocal(2**70, 1), "num_global"),
+        (lambda: patterns.DilatedBlocks((2**70,)), "rates"),
+    ],
+    ids=["LocalWindow", "GlobalLocal", "DilatedBlocks"],
+)
+def test_pattern_int_too_big(build: Callable[[], Any], word: str) -> None:
+    """Pattern sizes beyond int64 overflowed when the mask was drawn."""
+    with pytest.raises(ValueError, match=word) as excinfo:
+        build()
+    _assert_mentions(excinfo, str(2**70))
+
+
+@pytest.mark.parametrize("temperature", [math.nan, math.inf, True], ids=str)
+def test_generate_bad_temperature(temperature: Any) -> None:
+    """``generate(temperature=nan)`` failed inside ``torch.multinomial``."""
+    model = LongNetLM(LongNetConfig(**_LONGNET))
+    with pytest.raises(ValueError, match="temperature") as excinfo:
+        model.generate(torch.zeros(1, 4, dtype=torch.long), 2, temperature=temperature)
+    _assert_mentions(excinfo, re.escape(repr(temperature)))
+
+
+def test_generate_bad_generator() -> None:
+    model = LongNetLM(LongNetConfig(**_LONGNET))
+    with pytest.raises(TypeError, match="generator") as excinfo:
+        model.generate(torch.zeros(1, 4, dtype=torch.long), 2, generator=3)  # type: ignore[arg-type]
+    _assert_mentions(excinfo, "torch.Generator", _number(3))
+
+
+def test_longnet_config_bad_backend_name() -> None:
+    """An unknown backend name fails in the config, not later when the model is built."""
+    with pytest.raises(ValueError, match="backend") as excinfo:
+        LongNetConfig(**_LONGNET, backend="nope")
+    _assert_mentions(excinfo, "nope", "math")
+
+
+def test_longnet_config_size_too_big() -> None:
+    with pytest.raises(ValueError, match="vocab_size") as excinfo:
+        LongNetConfig(**{**_LONGNET, "vocab_size": 2**70})
+    _assert_mentions(excinfo, str(2**70))
+
+
+class _NamedAuto(MathBackend):
+    name = "auto"
+
+
+@pytest.mark.parametrize(
+    ("bad", "exc", "words"),
+    [
+        (123, TypeError, ["backend", "Backend", _number(123)]),
+        (MathBackend, TypeError, ["backend", "instance"]),
+        (_NamedAuto(), ValueError, ["name", "'auto'"]),
+    ],
+    ids=["int", "class", "named_auto"],
+)
+def test_register_backend_bad(bad: Any, exc: type[Exception], words: list[str]) -> None:
+    """``register_backend(123)`` failed with AttributeError; nothing is registered."""
+    before = list_backends()
+    with pytest.raises(exc, match=words[0]) as excinfo:
+        register_backend(bad)
+    _assert_mentions(excinfo, *words[1:])
+    assert list_backends() == before
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "word"),
+    [
+        ({"name": 123}, TypeError, "name"),
+        ({"name": "auto"}, ValueError, "name"),
+        ({"dilated": 1}, TypeError, "dilated"),
+        ({"multihead": None}, TypeError, "multihead"),
+    ],
+    ids=["name_int", "name_auto", "dilated", "multihead"],
+)
+def test_register_kind_bad(kwargs: dict[str, Any], exc: type[Exception], word: str) -> None:
+    """``register_kind`` accepted anything and failed when the kind was built."""
+    args = {"name": "k", "dilated": DilatedAttention, "multihead": MultiheadDilatedAttention}
+    with pytest.raises(exc, match=word):
+        register_kind(**{**args, **kwargs})
+
+
+def test_explain_bad_device() -> None:
+    """Verified: ``explain(device="junk")`` names the device and the valid forms."""
+    with pytest.raises(ValueError, match="device") as excinfo:
+        explain(device="junk")
+    _assert_mentions(excinfo, "junk", "cuda:N")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "word"),
+    [
+        ({"head_dim": -1}, ValueError, "head_dim"),
+        ({"seq_len": 0}, ValueError, "seq_len"),
+        ({"num_heads": math.nan}, ValueError, "num_heads"),
+        ({"num_heads": 4, "num_kv_heads": 3}, ValueError, "num_kv_heads"),
+        ({"dropout_p": 2.0}, ValueError, "dropout_p"),
+        ({"is_causal": "yes"}, TypeError, "is_causal"),
+    ],
+    ids=["head_dim", "seq_len", "num_heads", "num_kv_heads", "dropout_p", "is_causal"],
+)
+def test_explain_bad_arguments(kwargs: dict[str, Any], exc: type[Exception], word: str) -> None:
+    """``explain`` accepted these and explained a call that cannot exist."""
+    with pytest.raises(exc, match=word):
+        explain(device="cpu", **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("call", "exc", "word"),
+    [
+        (lambda q: backend_reasons([1], q, q), TypeError, "query"),
+        (lambda q: backend_reasons(q, q, q, dropout_p=math.nan), ValueError, "dropout_p"),
+        (lambda q: backend_reasons(q, q, q, is_causal=1), TypeError, "is_causal"),
+    ],
+    ids=["query", "dropout_p", "is_causal"],
+)
+def test_backend_reasons_validates(
+    call: Callable[..., Any], exc: type[Exception], word: str
+) -> None:
+    """``backend_reasons`` checked nothing (AttributeError on a list, NaN dropout accepted)."""
+    with pytest.raises(exc, match=word):
+        call(torch.randn(1, 8, 2, 4))
+
+
+def _huge_schedule_pair(device: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal dilated attention with w = r = 2**63 - 1 next to w = r = N (the same geometry: one
+    segment, head j reads row j), plus a rate-1 branch."""
+    big = 2**63 - 1
+    n, heads, dim = (256, 4, 16) if device == "cpu" else (4096, 8, 64)  # GPU: the fused kernels
+    q, k, v = (torch.randn(1, n, heads, dim, device=device, dtype=dtype) for _ in range(3))
+    huge = dilated_attention(q, k, v, [big, 64], [big, 1], is_causal=True)
+    plain = dilated_attention(q, k, v, [n, 64], [n, 1], is_causal=True)
+    return huge, plain
+
+
+def test_largest_schedule_entries_compute_their_geometry() -> None:
+    """The largest accepted values give exactly the result of the equivalent small schedule."""
+    huge, plain = _huge_schedule_pair("cpu", torch.float32)
+    torch.testing.assert_close(huge, plain, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_largest_schedule_entries_on_gpu() -> None:
+    """On an H100 the fused Triton kernels overflowed at w = r = 2**63 - 1 (max error 0.48)."""
+    huge, plain = _huge_schedule_pair("cuda", torch.bfloat16)
+    torch.testing.assert_close(huge, plain, rtol=0, atol=0)

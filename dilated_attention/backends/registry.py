@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import _validation as V
 from .base import Backend, KernelInputs
 from .flash_attn2 import FlashAttn2Backend
 from .flash_attn3 import FlashAttn3Backend
@@ -26,6 +27,8 @@ from .triton import TritonBackend
 from .xformers import XformersBackend
 
 ENV_VAR = "DILATED_ATTENTION_BACKEND"
+#: The name that means "choose automatically", accepted wherever ``None`` is.
+AUTO = "auto"
 
 # Tried in this order; the first backend with no reason to refuse the inputs wins. Keys are compute
 # capability majors. sm90/sm100: FlashAttention-3/4 when installed (FA3: 740 TFLOP/s fwd published
@@ -93,8 +96,28 @@ _BACKENDS: dict[str, Backend] = {}
 
 
 def register_backend(backend: Backend) -> None:
-    """Add a backend instance under ``backend.name`` (replacing one of the same name)."""
-    _BACKENDS[backend.name] = backend
+    """Add a backend instance under ``backend.name`` (replacing one of the same name).
+
+    Raises:
+        TypeError: ``backend`` is not an instance of ``dilated_attention.backends.base.Backend``.
+        ValueError: its ``name`` is not a non-empty string, or is ``"auto"`` (reserved for the
+            automatic choice).
+    """
+    if not isinstance(backend, Backend):
+        what = "a class" if isinstance(backend, type) else type(backend).__name__
+        raise TypeError(
+            f"backend must be an instance of dilated_attention.backends.base.Backend, got "
+            f"{backend!r} ({what}); subclass Backend, set its name, and pass an instance, e.g. "
+            f"register_backend(MyBackend())"
+        )
+    name = getattr(backend, "name", None)
+    if not isinstance(name, str) or not name.strip() or name == AUTO:
+        raise ValueError(
+            f"backend.name must be a non-empty string other than {AUTO!r} (which means the "
+            f"automatic choice), got name={name!r} on {type(backend).__name__}; set the class "
+            f"attribute name = 'my_kernel'"
+        )
+    _BACKENDS[name] = backend
 
 
 for _backend in (
@@ -122,9 +145,44 @@ def get_backend(name: str) -> Backend:
     """The backend registered as ``name``; ``ValueError`` listing the valid names otherwise."""
     if not isinstance(name, str) or name not in _BACKENDS:
         raise ValueError(
-            f"backend must be one of {list_backends()} or None (automatic choice), got {name!r}"
+            f"backend must be one of {list_backends()}, {AUTO!r} or None (automatic choice), got "
+            f"{name!r}"
         )
     return _BACKENDS[name]
+
+
+def check_backend_name(backend: object, *, argument: str = "backend") -> str | None:
+    """The one check of a ``backend=`` argument: a registered name, or the automatic choice.
+
+    Every public function and module that takes a backend name calls this (and the selection in
+    :func:`choose` resolves names through it), so ``"auto"`` means ``None`` everywhere.
+
+    Args:
+        backend: a name from :func:`list_backends`, ``"auto"`` or ``None``.
+        argument: how the argument is named in the error message.
+
+    Returns:
+        The name, or ``None`` for ``None`` and ``"auto"``.
+
+    Raises:
+        TypeError: not a string or None.
+        ValueError: a string that names no registered backend (the message lists them).
+    """
+    if backend is None:
+        return None
+    if not isinstance(backend, str):
+        raise TypeError(
+            f"{argument} must be a backend name (one of {list_backends()}), {AUTO!r} or None "
+            f"(automatic choice), got {backend!r} ({type(backend).__name__})"
+        )
+    if backend == AUTO:
+        return None
+    if backend not in _BACKENDS:
+        raise ValueError(
+            f"{argument} must be one of {list_backends()}, {AUTO!r} or None (automatic choice), "
+            f"got {backend!r}"
+        )
+    return backend
 
 
 def priority(device: torch.device, *, dilated: bool = False, masked: bool = False) -> list[str]:
@@ -167,13 +225,13 @@ _OVERRIDE: ContextVar[str | None] = ContextVar("dilated_attention_backend", defa
 
 @contextlib.contextmanager
 def use_backend(name: str | None) -> Iterator[None]:
-    """Run every attention call inside the block on backend ``name`` (``None``: automatic).
+    """Run every attention call inside the block on backend ``name`` (``None`` or ``"auto"``:
+    automatic).
 
-    An explicit ``backend=`` argument still wins. Raises ``ValueError`` for an unknown name.
+    An explicit ``backend=`` argument still wins. Raises ``ValueError`` for an unknown name,
+    ``TypeError`` for a name that is not a string.
     """
-    if name is not None:
-        get_backend(name)
-    token = _OVERRIDE.set(name)
+    token = _OVERRIDE.set(check_backend_name(name, argument="use_backend(name)"))
     try:
         yield
     finally:
@@ -181,13 +239,14 @@ def use_backend(name: str | None) -> Iterator[None]:
 
 
 def _requested(name: str | None) -> tuple[str | None, str]:
+    name = check_backend_name(name)
     if name is not None:
         return name, "argument"
     override = _OVERRIDE.get()
     if override is not None:
         return override, "use_backend"
     env = os.environ.get(ENV_VAR, "").strip()
-    if env and env != "auto":
+    if env and env != AUTO:
         if env not in _BACKENDS:
             raise ValueError(
                 f"environment variable {ENV_VAR}={env!r} names no backend; valid names: "
@@ -278,9 +337,16 @@ def backend_reasons(
 
     Returns:
         ``{name: reasons}``; an empty list means the backend can run these inputs.
+
+    Raises:
+        ValueError / TypeError: malformed tensors, mask, flag or ``dropout_p``, as in
+            :func:`dilated_attention.attention`.
     """
-    del value
+    q, k, _ = V.check_qkv(query, key, value, same_length=False)
+    V.check_bool("is_causal", is_causal)
+    V.check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[1], q.device)
+    dropout_p = V.check_dropout("dropout_p", dropout_p)
     inputs = KernelInputs.from_tensors(
-        query, key, is_causal=is_causal, has_mask=key_padding_mask is not None, dropout_p=dropout_p
+        q, k, is_causal=is_causal, has_mask=key_padding_mask is not None, dropout_p=dropout_p
     )
     return reasons_for(inputs)

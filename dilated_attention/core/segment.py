@@ -130,7 +130,8 @@ def gather_rows(x: torch.Tensor, group: RowGroup, index: torch.Tensor | None) ->
     if index is None:
         return block.reshape(batch * n, length, heads_x, dim)
     picked = block.reshape(batch, n, length * heads_x, dim).index_select(2, index)
-    return picked.view(batch * n, group.rows, -1, dim)
+    # Sizes spelled out (no -1): a view of zero elements cannot infer one (batch 0).
+    return picked.view(batch * n, group.rows, index.numel() // group.rows, dim)
 
 
 def scatter_rows(
@@ -151,7 +152,7 @@ def scatter_rows(
     batch, _, heads_x, dim = dest.shape
     n, length = group.num_segments, group.segment_len
     block = dest[:, group.start : group.stop].view(batch, n, length * heads_x, dim)
-    src = rows.reshape(batch, n, -1, dim).to(dest.dtype)
+    src = rows.reshape(batch, n, rows.shape[1] * rows.shape[2], dim).to(dest.dtype)
     if index is None:
         if accumulate:
             block += src

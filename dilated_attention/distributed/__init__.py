@@ -2,6 +2,11 @@
 
 Each rank holds a shard of the sequence (``shard_sequence``); the functions and modules return the
 rank's shard of the exact single-process result, with exact gradients.
+
+Every rank of the group must make the same calls: each call first agrees across ranks on its
+shapes, options and grad mode, so a mismatched or rejected call raises on every rank. A rank that
+never reaches a call (it raised in its own code and goes on) leaves the others waiting until the
+process group's timeout: pass ``init_process_group(timeout=...)`` (docs/ring.md, "Timeouts").
 """
 
 from .modules import RingAttention, RingDilatedAttention, RingMultiheadDilatedAttention

@@ -8,7 +8,7 @@ gloo rejects non-contiguous tensors: every buffer sent here is contiguous.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -96,12 +96,33 @@ def check_same_on_all_ranks(
     names: Sequence[str],
     group: dist.ProcessGroup | None,
     local_error: Exception | None = None,
+    *,
+    what: str = "ring attention inputs",
+    labels: Mapping[str, Sequence[str]] | None = None,
+    fixes: Mapping[str, str] | None = None,
 ) -> None:
     """Exchange an error flag and ``values`` (the same count on every rank) in one all-gather,
     then raise on every rank if any rank's inputs were rejected or any value differs.
 
     Every rank takes part before any other communication, so a bad call is an error everywhere
-    instead of a hang. The rank that rejected its inputs re-raises its own error.
+    instead of a hang. The rank that rejected its inputs re-raises its own error. A rank with a
+    ``local_error`` still passes ``len(names)`` values (any, e.g. zeros): the all-gather needs the
+    same count everywhere.
+
+    Args:
+        values: this rank's integers, one per name.
+        names: what each value is, for the messages.
+        group: the process group (``None``: the world).
+        local_error: this rank's own rejection of its inputs, or ``None``.
+        what: what the call checks, for the message of the ranks that did not reject theirs.
+        labels: for a name whose values are codes, the label of each code (an unknown code
+            prints as itself).
+        fixes: for a name, the advice that follows its mismatch message (else: shard alike).
+
+    Raises:
+        Exception: ``local_error``, on its rank.
+        ValueError: on every other rank when some rank had a ``local_error``; on every rank when
+            a value differs between ranks.
     """
     _, size = group_rank_and_size(group)
     if size == 1:
@@ -122,13 +143,17 @@ def check_same_on_all_ranks(
             raise local_error
         failed = {r: m for r, m in enumerate(messages) if m is not None}
         raise ValueError(
-            f"rank(s) {sorted(failed)} rejected their ring attention inputs ({failed}); every rank "
+            f"rank(s) {sorted(failed)} rejected their {what} ({failed}); every rank "
             "must call with valid inputs of the same shape and options"
         )
     for col, name in enumerate(names, start=1):
         column = table[:, col].tolist()
         if len(set(column)) > 1:
-            raise ValueError(
-                f"{name} differs across ranks ({column} by rank): every rank must pass shards of "
-                f"the same shape and the same options; shard with dilated_attention.shard_sequence"
+            names_of = (labels or {}).get(name)
+            if names_of is not None:
+                column = [names_of[c] if 0 <= c < len(names_of) else c for c in column]
+            fix = (fixes or {}).get(name) or (
+                "every rank must pass shards of the same shape and the same options; shard with "
+                "dilated_attention.shard_sequence"
             )
+            raise ValueError(f"{name} differs across ranks ({column} by rank): {fix}")

@@ -45,7 +45,7 @@ from torch import nn
 from .. import _validation as V
 from .. import block_sparse as _block_sparse
 from ..backends.base import Backend
-from ..backends.registry import get_backend
+from ..backends.registry import check_backend_name
 from ..block_sparse import (
     SparseCall,
     backward_calls,
@@ -60,7 +60,7 @@ from ..block_sparse import (
 from ..modules import BlockSparseMultiheadAttention, _block_sparse_kind, _no_key_padding_mask
 from ..patterns import Custom, Intersection, Pattern, Union, check_pattern
 from . import _comm
-from .ring import RingSetup, prepare_ring
+from .ring import RingSetup, forward_agreed, prepare_ring, reject_ring_call
 
 __all__ = [
     "BlockSparseRingDilatedAttention",
@@ -326,7 +326,8 @@ def block_sparse_ring_attention(
 
     Raises:
         TypeError / ValueError: on every rank, before any other communication, when inputs are
-            malformed or differ between ranks (shapes, options, pattern, block_size).
+            malformed or differ between ranks (shapes, options, grad mode, pattern, block_size;
+            as in ``ring_attention``).
     """
 
     def check_schedule() -> object:
@@ -390,9 +391,10 @@ class BlockSparseRingDilatedAttention(nn.Module):
         self.pattern = check_pattern(pattern)
         self.block_size = check_block_size(block_size)
         self.scale = V.check_scale(scale)
-        if backend is not None:
-            get_backend(backend)
+        backend = check_backend_name(backend)  # "auto" -> None
         self.group, self.backend = group, backend
+        # Counts calls that reached the ring function's agreement (see ring.forward_agreed).
+        self.ring_calls = 0
 
     def forward(
         self,
@@ -405,9 +407,13 @@ class BlockSparseRingDilatedAttention(nn.Module):
     ) -> torch.Tensor:
         """query (B, n, H, D), key/value (B, n, Hkv, D) local shards -> (B, n, H, D).
 
-        ``key_padding_mask`` must be None.
+        ``key_padding_mask`` must be None (a mask on any rank raises on every rank).
         """
-        _no_key_padding_mask(key_padding_mask)
+        self.ring_calls += 1
+        try:
+            _no_key_padding_mask(key_padding_mask)
+        except ValueError as exc:  # the peers wait in the ring call's agreement: join it
+            reject_ring_call(exc, self.group)
         out = block_sparse_ring_attention(
             query, key, value, self.pattern, block_size=self.block_size, group=self.group,
             is_causal=is_causal, scale=self.scale, backend=self.backend,
@@ -450,6 +456,29 @@ class BlockSparseRingMultiheadDilatedAttention(BlockSparseMultiheadAttention):
         self.attention = BlockSparseRingDilatedAttention(
             pattern, block_size=block_size, group=group, scale=scale, backend=backend
         )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = False,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[torch.Tensor, None]:
+        """As :meth:`BlockSparseMultiheadAttention.forward`, on this rank's (B, n, E) shard.
+
+        Raises:
+            ValueError / TypeError: on every rank when any rank's call is rejected, by the
+                layer's own checks or by the ring call's agreement; the rank whose call was
+                rejected raises its own error, the others ``ValueError`` naming that rank.
+        """
+        return forward_agreed(
+            self.attention, super().forward, query, key, value, key_padding_mask, need_weights,
+            attn_mask, average_attn_weights, is_causal,
+        )  # fmt: skip
 
 
 def _build(cls: type[nn.Module]) -> Callable[..., nn.Module]:

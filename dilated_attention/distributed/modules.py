@@ -11,9 +11,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import _validation as V
-from ..backends.registry import get_backend
+from ..backends.registry import check_backend_name
 from ..modules import DilatedAttention, MultiheadDilatedAttention
-from .ring import COMMS, ring_attention
+from .ring import COMMS, forward_agreed, ring_attention
 from .ring_dilated import ring_dilated_attention
 from .sharding import check_layout
 
@@ -53,8 +53,7 @@ class RingAttention(nn.Module):
         self.layout = check_layout(layout)
         if comm not in COMMS:
             raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
-        if backend is not None:
-            get_backend(backend)
+        backend = check_backend_name(backend)  # "auto" -> None
         self.group, self.backend, self.comm = group, backend, comm
 
     def forward(
@@ -103,6 +102,9 @@ class RingDilatedAttention(DilatedAttention):
         )
         _no_dropout(dropout)
         self.group, self.layout = group, check_layout(layout)
+        # Counts calls that reached the ring function (and so its agreement across ranks); read
+        # by RingMultiheadDilatedAttention to tell its own checks' errors from the ring's.
+        self.ring_calls = 0
 
     def forward(
         self,
@@ -115,6 +117,7 @@ class RingDilatedAttention(DilatedAttention):
     ) -> torch.Tensor:
         """query (B, n, H, D), key/value (B, n, Hkv, D), key_padding_mask (B, n) bool or None:
         local shards -> (B, n, H, D)."""
+        self.ring_calls += 1
         out = ring_dilated_attention(
             query, key, value, self.segment_lengths, self.dilation_rates, group=self.group,
             is_causal=is_causal, scale=self.scale, layout=self.layout, backend=self.backend,
@@ -128,6 +131,8 @@ class RingMultiheadDilatedAttention(MultiheadDilatedAttention):
     """:class:`~dilated_attention.MultiheadDilatedAttention` over a sharded sequence: same
     constructor (plus ``group`` and ``layout``) and forward; each rank passes its (B, n, E) shard.
     Parameters are replicated: wrap the model in DDP/FSDP as usual for data parallelism."""
+
+    attention: RingDilatedAttention
 
     def __init__(
         self,
@@ -156,6 +161,31 @@ class RingMultiheadDilatedAttention(MultiheadDilatedAttention):
         self.attention = RingDilatedAttention(
             segment_lengths, dilation_rates, group=group, dropout=dropout, backend=backend,
             layout=layout,
+        )  # fmt: skip
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = False,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[torch.Tensor, None]:
+        """As :meth:`MultiheadDilatedAttention.forward`, on this rank's (B, n, E) shard.
+
+        Raises:
+            ValueError / TypeError: on every rank when any rank's call is rejected, by the
+                layer's own checks (shapes, ``need_weights``, ``attn_mask``, a float
+                ``key_padding_mask`` other than 0/-inf) or by the ring call's agreement (shards,
+                options or grad mode that differ between ranks). The rank whose call was rejected
+                raises its own error; the others raise ``ValueError`` naming that rank.
+        """
+        return forward_agreed(
+            self.attention, super().forward, query, key, value, key_padding_mask, need_weights,
+            attn_mask, average_attn_weights, is_causal,
         )  # fmt: skip
 
     def _check_key_padding_mask(self, mask: object, query: torch.Tensor) -> None:

@@ -25,7 +25,7 @@ import struct
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -408,11 +408,26 @@ class RingAttentionFunction(torch.autograd.Function):
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "meta")
+_GRAD_MODE = "grad mode (1: grad enabled and an input requires grad, so a backward may follow)"
 _FIELDS = (
     "local seq_len", "batch", "query heads", "key/value heads", "head_dim", "dtype", "is_causal",
     "layout", "comm", "scale", "backend", "schedule (segment_lengths, dilation_rates)",
-    "key_padding_mask given (0/1)",
+    "key_padding_mask given (0/1)", "device type", _GRAD_MODE,
 )  # fmt: skip
+_LABELS = {
+    "dtype": [str(t) for t in _DTYPES],
+    "layout": list(LAYOUTS),
+    "comm": list(COMMS),
+    "device type": list(_DEVICE_TYPES),
+}
+_FIXES = {
+    _GRAD_MODE: (
+        "every rank must call in the same grad mode: all under torch.no_grad() (or with inputs "
+        "that do not require grad), or all with grad enabled and inputs that require grad; the "
+        "backward exchanges gradients between the ranks, so it cannot run on some ranks only"
+    ),
+}
 
 
 def _float_bits(x: float | None) -> int:
@@ -444,10 +459,12 @@ def prepare_ring(
     one or none.
 
     Each rank checks its own inputs, then all ranks exchange one small summary (a fixed number of
-    integers: an error flag, shapes, dtype, options, a checksum of what ``check_schedule``
-    validates and returns, e.g. the dilated branches). A rank whose
+    integers: an error flag, shapes, dtype, device type, options, grad mode, a checksum of what
+    ``check_schedule`` validates and returns, e.g. the dilated branches). A rank whose
     inputs were rejected raises its own error and every other rank a ``ValueError`` naming it, and
-    any field that differs between ranks raises on every rank: never a hang. ``dilated`` asks
+    any field that differs between ranks raises on every rank: never a hang. Grad mode (grad
+    enabled and an input requires grad) is part of the summary because the backward communicates:
+    a backward on some ranks only would wait for the others until the timeout. ``dilated`` asks
     the registry for its choice for dilated calls (kernels that fuse branches first where they
     measured fastest).
     """
@@ -482,14 +499,23 @@ def prepare_ring(
         )
         kernel = select_backend(inputs, backend)
         dtype_code = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else len(_DTYPES)
+        device_type = q.device.type
+        device_code = (
+            _DEVICE_TYPES.index(device_type)
+            if device_type in _DEVICE_TYPES
+            else len(_DEVICE_TYPES) + _crc(device_type)
+        )
+        # A rank that records no graph never runs the ring backward: its peers' backward would
+        # wait for it until the process group's timeout.
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         fields = [
             n, q.shape[0], q.shape[2], k.shape[2], q.shape[3], dtype_code, int(is_causal),
             LAYOUTS.index(layout), COMMS.index(comm), _float_bits(checked_scale),
-            _crc(backend), _crc(schedule), int(has_mask),
+            _crc(backend), _crc(schedule), int(has_mask), device_code, int(needs_grad),
         ]  # fmt: skip
-    except (ValueError, TypeError) as exc:
+    except Exception as exc:  # any rejection on one rank must reach the others: no hang
         error = exc
-    check_same_on_all_ranks(fields, _FIELDS, group, error)
+    check_same_on_all_ranks(fields, _FIELDS, group, error, labels=_LABELS, fixes=_FIXES)
     setup = RingSetup(
         rank=rank,
         world_size=size,
@@ -501,6 +527,40 @@ def prepare_ring(
         comm=comm,
     )
     return q.contiguous(), k.contiguous(), v.contiguous(), setup, kernel
+
+
+def reject_ring_call(error: Exception, group: dist.ProcessGroup | None) -> NoReturn:
+    """Take part in a ring call's agreement (:func:`prepare_ring`) with this rank's ``error``,
+    then raise it: for a caller whose own checks rejected this rank's call before the ring
+    function was reached, so that the peers already waiting in the agreement raise too instead of
+    waiting until the process group's timeout.
+
+    Raises:
+        Exception: ``error`` on this rank (peers raise ``ValueError`` naming this rank).
+    """
+    check_same_on_all_ranks([0] * len(_FIELDS), _FIELDS, group, error)
+    raise error  # not reached: check_same_on_all_ranks raises the local error
+
+
+_T = TypeVar("_T")
+
+
+def forward_agreed(attention: Any, forward: Callable[..., _T], *args: Any) -> _T:
+    """``forward(*args)`` of a multihead layer around the ring module ``attention``, whose
+    ``ring_calls`` counts the calls that reached a ring function (and so its agreement): an
+    error raised before that (the layer's own checks, its projections) takes part in the ring
+    call's agreement with :func:`reject_ring_call`, so that it raises on every rank.
+
+    Raises:
+        Exception: what ``forward`` raised, on this rank; ``ValueError`` on the other ranks.
+    """
+    reached = attention.ring_calls
+    try:
+        return forward(*args)
+    except Exception as exc:
+        if attention.ring_calls != reached:
+            raise  # the ring call's agreement already ran on every rank
+        reject_ring_call(exc, attention.group)
 
 
 def ring_attention(
@@ -539,7 +599,11 @@ def ring_attention(
 
     Raises:
         ValueError: on every rank, before any other communication, when shards or options differ
-            between ranks or are malformed.
+            between ranks or are malformed, or when the ranks differ in grad mode (grad enabled
+            and an input requires grad on some ranks only: their backward would wait for the
+            others). A rank that never reaches the call (it raised in its own code and goes on)
+            leaves the others waiting until the process group's timeout: set one
+            (``init_process_group(timeout=...)``, docs/ring.md).
     """
     q, k, v, setup, kernel = prepare_ring(
         query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,

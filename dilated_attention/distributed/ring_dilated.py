@@ -550,7 +550,8 @@ def ring_dilated_attention(
         local q, k, v.
 
     Raises:
-        ValueError: on every rank, before other communication, for malformed or mismatched inputs.
+        ValueError: on every rank, before other communication, for malformed or mismatched inputs
+            or grad modes (as in ``ring_attention``, which also says what the timeout is for).
     """
     q, k, v, setup, kernel = prepare_ring(
         query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,

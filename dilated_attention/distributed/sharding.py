@@ -12,12 +12,26 @@ Note [Sequence layouts]
 
 from __future__ import annotations
 
+import operator
+import zlib
+
 import torch
 import torch.distributed as dist
 
-from ._comm import group_rank_and_size
+from ._comm import check_same_on_all_ranks, group_rank_and_size
 
 LAYOUTS = ("contiguous", "zigzag")
+#: dtype codes for the agreement of :func:`unshard_sequence` (any other dtype: its own code).
+_DTYPES = (
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+    torch.complex128, torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+)  # fmt: skip
+_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "meta")
+_UNEQUAL_SHARDS = (
+    "every rank must hold a shard of the same length (the ring functions need equal shards); "
+    "shard the full sequence with dilated_attention.shard_sequence, padding it to a multiple of "
+    "the world size (x 2 for the zigzag layout) first"
+)
 
 
 def check_layout(layout: object) -> str:
@@ -70,6 +84,25 @@ def _check_divisible(seq_len: int, world_size: int, layout: str, name: str) -> N
         )
 
 
+def _check_seq_dim(x: object, seq_dim: object, name: str) -> int:
+    """``seq_dim`` as a non-negative dim of the tensor ``x``, else ``TypeError``/``ValueError``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
+    if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
+        raise TypeError(f"seq_dim must be an int, got {seq_dim!r}")
+    if not -x.dim() <= seq_dim < x.dim():
+        raise ValueError(
+            f"seq_dim ({seq_dim}) is not a dim of {name} with shape {tuple(x.shape)}; pass the "
+            f"dim that holds the sequence"
+        )
+    return seq_dim % x.dim()
+
+
+def _code(value: object, known: tuple[object, ...]) -> int:
+    """``value``'s index in ``known``, else a code of its own past the end."""
+    return known.index(value) if value in known else len(known) + zlib.crc32(repr(value).encode())
+
+
 def shard_sequence(
     x: torch.Tensor,
     *,
@@ -79,15 +112,26 @@ def shard_sequence(
 ) -> torch.Tensor:
     """This rank's shard of a full sequence (every rank passes the same ``x``).
 
+    No communication: each rank slices its own copy, so the checks below see the same shape
+    and options on every rank and raise on all of them together. A rank that passes another
+    ``x`` gets shards of another length; the ring functions then raise on every rank.
+
     Args:
         x: a tensor whose dim ``seq_dim`` is the sequence (length N).
+        group: the process group (default: the world).
         layout: ``"contiguous"`` or ``"zigzag"`` (Note [Sequence layouts]).
+        seq_dim: the dim of ``x`` that holds the sequence.
 
     Returns:
         The local shard, contiguous, with ``N / W`` tokens along ``seq_dim``.
+
+    Raises:
+        ValueError: an unknown layout, a ``seq_dim`` outside ``x``, N not divisible by W (2W for
+            zigzag), or a ``group`` this process is not in.
     """
     layout = check_layout(layout)
     rank, size = group_rank_and_size(group)
+    seq_dim = _check_seq_dim(x, seq_dim, "x")
     seq_len = x.shape[seq_dim]
     _check_divisible(seq_len, size, layout, f"x.shape[{seq_dim}] (seq_len)")
     pieces = x.chunk(size * chunks_per_rank(layout), dim=seq_dim)
@@ -102,22 +146,66 @@ def unshard_sequence(
     seq_dim: int = 1,
 ) -> torch.Tensor:
     """The full sequence from every rank's shard (an all-gather; the inverse of
-    :func:`shard_sequence`). Not differentiable."""
-    layout = check_layout(layout)
+    :func:`shard_sequence`). Not differentiable.
+
+    Before the all-gather every rank checks its own arguments and the ranks agree on them (like
+    the ring functions): a shard rejected on one rank, or shards of another shape, dtype, device
+    type, ``seq_dim`` or ``layout`` on some rank, raise on every rank instead of aborting or
+    hanging the all-gather.
+
+    Args:
+        x_local: this rank's shard, ``n`` tokens along ``seq_dim`` (``n`` even for zigzag).
+        group: the process group (default: the world).
+        layout: the layout the shards were made with (Note [Sequence layouts]).
+        seq_dim: the dim of ``x_local`` that holds the sequence (the same dim on every rank).
+
+    Returns:
+        The full sequence, ``W * n`` tokens along ``seq_dim``, in global order.
+
+    Raises:
+        TypeError / ValueError: on every rank, before the all-gather, when some rank's arguments
+            are malformed or the ranks' shards or options differ. The rank whose arguments were
+            rejected raises its own error; the others a ``ValueError`` naming it.
+    """
     _, size = group_rank_and_size(group)
+    names = ("x_local.dim()", "seq_dim", "local seq_len (x_local.shape[seq_dim])", "dtype",
+             "device type", "layout")  # fmt: skip
+    fields, error = [0] * len(names), None
+    try:
+        layout = check_layout(layout)
+        dim = _check_seq_dim(x_local, seq_dim, "x_local")
+        n = x_local.shape[dim]
+        if n % chunks_per_rank(layout):
+            raise ValueError(
+                f"x_local's local seq_len ({n}) must be even for layout='zigzag' (two chunks per "
+                f"rank); shard a sequence divisible by 2 x world size with shard_sequence"
+            )
+        fields = [x_local.dim(), dim, n, _code(x_local.dtype, _DTYPES),
+                  _code(x_local.device.type, _DEVICE_TYPES), LAYOUTS.index(layout)]  # fmt: skip
+    except Exception as exc:  # a rejection on one rank must reach the others: no hang
+        error = exc
+    check_same_on_all_ranks(
+        fields, names, group, error, what="unshard_sequence arguments",
+        labels={"dtype": [str(t) for t in _DTYPES], "device type": _DEVICE_TYPES,
+                "layout": LAYOUTS},
+        fixes={names[2]: _UNEQUAL_SHARDS},
+    )  # fmt: skip
     if size == 1:
         return x_local
+    # The number of dims agrees: now the whole shape (all-gather needs equal sizes everywhere).
+    shape_names = [f"x_local.shape[{d}]" for d in range(x_local.dim())]
+    check_same_on_all_ranks(
+        list(x_local.shape), shape_names, group, what="unshard_sequence arguments"
+    )
     local = x_local.contiguous()
     gathered = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(gathered, local, group=group)
     parts = chunks_per_rank(layout)
     chunks: dict[int, torch.Tensor] = {}
     for r, shard in enumerate(gathered):
-        for c, piece in zip(
-            chunks_of(r, size, layout), shard.chunk(parts, dim=seq_dim), strict=True
-        ):
+        for c, piece in zip(chunks_of(r, size, layout), shard.chunk(parts, dim=dim), strict=True):
             chunks[c] = piece
-    return torch.cat([chunks[c] for c in sorted(chunks)], dim=seq_dim)
+    return torch.cat([chunks[c] for c in sorted(chunks)], dim=dim)
 
 
 def sequence_positions(
@@ -127,8 +215,45 @@ def sequence_positions(
     layout: str = "contiguous",
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """Global positions of this rank's ``local_len`` tokens (for rotary embeddings and masks)."""
-    layout = check_layout(layout)
+    """Global positions of this rank's ``local_len`` tokens (for rotary embeddings and masks).
+
+    Every rank of ``group`` must call it (it agrees on ``local_len`` and ``layout`` with one
+    small all-gather): shards of unequal length have no positions here, as the ring functions
+    take none, and a rank whose ``local_len`` differs would otherwise get positions that overlap
+    its neighbours'.
+
+    Args:
+        local_len: this rank's number of tokens ``n`` (the same on every rank; even for zigzag).
+        group: the process group (default: the world).
+        layout: the layout the shards were made with (Note [Sequence layouts]).
+        device: where to put the positions.
+
+    Returns:
+        int64 ``(local_len,)``: the global positions of this rank's tokens, in local order.
+
+    Raises:
+        TypeError / ValueError: on every rank when some rank's arguments are malformed, or the
+            ranks' ``local_len`` or ``layout`` differ.
+    """
     rank, size = group_rank_and_size(group)
-    _check_divisible(local_len * size, size, layout, "local_len * world_size")
+    names = ("local_len", "layout")
+    fields, error = [0, 0], None
+    try:
+        layout = check_layout(layout)
+        if isinstance(local_len, bool):
+            raise TypeError(f"local_len must be an int, got {local_len!r}")
+        try:
+            local_len = operator.index(local_len)
+        except TypeError:
+            raise TypeError(f"local_len must be an int, got {local_len!r}") from None
+        if local_len < 0:
+            raise ValueError(f"local_len must be a non-negative int, got {local_len}")
+        _check_divisible(local_len * size, size, layout, "local_len * world_size")
+        fields = [local_len, LAYOUTS.index(layout)]
+    except Exception as exc:  # a rejection on one rank must reach the others: no hang
+        error = exc
+    check_same_on_all_ranks(
+        fields, names, group, error, what="sequence_positions arguments",
+        labels={"layout": LAYOUTS}, fixes={"local_len": _UNEQUAL_SHARDS},
+    )  # fmt: skip
     return local_positions(local_len, rank=rank, world_size=size, layout=layout, device=device)

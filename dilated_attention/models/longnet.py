@@ -38,6 +38,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import _validation as V
+from ..backends.registry import check_backend_name
 from ..factory import create_multihead_dilated_attention
 from .rotary import RotaryEmbedding
 
@@ -45,15 +46,16 @@ __all__ = ["PRESETS", "LongNetAttention", "LongNetBlock", "LongNetConfig", "Long
 
 
 def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
-    return value
+    return V.check_positive_int(name, value)
 
 
-def _positive_float(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be a positive number, got {name}={value!r}")
-    return float(value)
+def _positive_float(name: str, value: object, fix: str) -> float:
+    """A finite number > 0; a wrong type is a ValueError too, as for every config field."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(
+            f"{name} must be a finite number > 0, got {name}={value!r} ({type(value).__name__})"
+        )
+    return V.check_positive_float(name, value, fix=fix)
 
 
 def _bool(name: str, value: object) -> bool:
@@ -82,7 +84,7 @@ class LongNetConfig:
         layer_norm_eps: epsilon of every LayerNorm.
         tie_embeddings: share the LM head weight with the token embedding.
         activation_checkpointing: recompute each block in the backward pass (training only).
-        backend: attention kernel name, or ``None`` for the automatic choice.
+        backend: attention kernel name, or ``None`` / ``"auto"`` for the automatic choice.
         kind: factory kind: ``"auto"``, ``"dilated"``, ``"ring"``, ...
 
     Raises:
@@ -108,7 +110,7 @@ class LongNetConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "embed_dim", "num_heads", "num_layers", "ffn_dim"):
-            _positive_int(name, getattr(self, name))
+            object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
         kv = V.check_heads(self.embed_dim, self.num_heads, self.num_kv_heads)
         if self.num_kv_heads is not None:
             object.__setattr__(self, "num_kv_heads", kv)
@@ -123,15 +125,19 @@ class LongNetConfig:
         object.__setattr__(self, "dilation_rates", rates)
         object.__setattr__(self, "dropout", V.check_dropout("dropout", self.dropout))
         if self.max_seq_len is not None:
-            _positive_int("max_seq_len", self.max_seq_len)
-        object.__setattr__(self, "rotary_base", _positive_float("rotary_base", self.rotary_base))
-        object.__setattr__(
-            self, "layer_norm_eps", _positive_float("layer_norm_eps", self.layer_norm_eps)
-        )
+            object.__setattr__(self, "max_seq_len", _positive_int("max_seq_len", self.max_seq_len))
+        base = _positive_float("rotary_base", self.rotary_base, "RoPE uses 10000.0 (the default)")
+        object.__setattr__(self, "rotary_base", base)
+        eps = _positive_float("layer_norm_eps", self.layer_norm_eps, V.EPS_FIX)
+        object.__setattr__(self, "layer_norm_eps", eps)
         _bool("tie_embeddings", self.tie_embeddings)
         _bool("activation_checkpointing", self.activation_checkpointing)
         if self.backend is not None and not isinstance(self.backend, str):
-            raise ValueError(f"backend must be a backend name or None, got {self.backend!r}")
+            raise ValueError(
+                f"backend must be a backend name, 'auto' or None, got backend={self.backend!r} "
+                f"({type(self.backend).__name__}); see dilated_attention.list_backends()"
+            )
+        check_backend_name(self.backend)  # ValueError naming the registered backends
         if not isinstance(self.kind, str):
             raise ValueError(f"kind must be a factory kind name, got kind={self.kind!r}")
 
@@ -212,13 +218,13 @@ class LongNetAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x (B, N, E), positions (N,) global int positions -> (B, N, E)."""
-        B, N, _ = x.shape
-        mha = self.mha
-        q = mha.q_proj(x).view(B, N, self.num_heads, -1)
-        k = mha.k_proj(x).view(B, N, self.num_kv_heads, -1)
-        v = mha.v_proj(x).view(B, N, self.num_kv_heads, -1)
+        B, N, E = x.shape
+        mha, D = self.mha, self.rotary.head_dim  # explicit sizes: B may be 0
+        q = mha.q_proj(x).view(B, N, self.num_heads, D)
+        k = mha.k_proj(x).view(B, N, self.num_kv_heads, D)
+        v = mha.v_proj(x).view(B, N, self.num_kv_heads, D)
         q, k = self.rotary(q, positions), self.rotary(k, positions)
-        out = mha.attention(q, k, v, is_causal=True).reshape(B, N, -1)
+        out = mha.attention(q, k, v, is_causal=True).reshape(B, N, E)
         if mha.norm is not None:
             out = mha.norm(out)
         return mha.out_proj(out)
@@ -313,12 +319,17 @@ class LongNetLM(nn.Module):
             raise ValueError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
         N, cap = tokens.shape[1], self.config.max_seq_len
         if N == 0:
-            raise ValueError("tokens must hold at least one token, got seq_len 0")
+            raise ValueError(
+                f"tokens must hold at least one token per sequence, got tokens.shape="
+                f"{tuple(tokens.shape)} (seq_len 0); skip the call for empty sequences"
+            )
         if cap is not None and cap < N:
             raise ValueError(
                 f"sequence length {N} is longer than max_seq_len={cap}; truncate or split the "
                 f"tokens, or raise max_seq_len in the config"
             )
+        if tokens.numel() == 0:  # a batch of 0 sequences: nothing to range-check
+            return tokens
         lo, hi = int(tokens.min()), int(tokens.max())
         if lo < 0 or hi >= self.config.vocab_size:
             raise ValueError(
@@ -339,6 +350,7 @@ class LongNetLM(nn.Module):
 
         Returns:
             (B, N, V) logits; row ``i`` predicts token ``i + 1`` and sees tokens ``<= i`` only.
+            A batch of 0 sequences gives (0, N, V).
 
         Raises:
             ValueError: token ids out of range, N (or a position) beyond ``max_seq_len``, bad
@@ -396,17 +408,31 @@ class LongNetLM(nn.Module):
             (B, N0 + max_new_tokens) token ids: the prompt followed by the samples.
 
         Raises:
-            ValueError: bad prompt, ``max_new_tokens < 0``, ``temperature < 0``, ``top_k < 1``.
+            ValueError: bad prompt, ``max_new_tokens < 0``, ``temperature`` negative or not
+                finite, ``top_k < 1``.
+            TypeError: ``generator`` is not a ``torch.Generator``.
         """
         tokens = self._check_tokens(prompt)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if not isinstance(temperature, (int, float)) or temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+            raise ValueError(
+                f"temperature must be a finite number >= 0, got temperature={temperature!r} "
+                f"({type(temperature).__name__})"
+            )
+        temperature = V.check_positive_float(
+            "temperature", temperature, allow_zero=True,
+            fix="0 is greedy decoding, 1.0 samples from the model's distribution",
+        )  # fmt: skip
         if top_k is not None:
             _positive_int("top_k", top_k)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(
+                f"generator must be a torch.Generator or None, got {generator!r} "
+                f"({type(generator).__name__}); e.g. torch.Generator().manual_seed(0)"
+            )
         was_training = self.training
         self.eval()
         try:
