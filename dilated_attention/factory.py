@@ -219,8 +219,9 @@ def create_multihead_dilated_attention(
         **kwargs: further constructor arguments (``num_kv_heads``, ``dropout``, ``device``, ...).
 
     Returns:
-        A module with ``forward(query, key=None, value=None, *, is_causal=False,
-        key_padding_mask=None, need_weights=False) -> (out, None)``.
+        A module with ``nn.MultiheadAttention``'s call: ``forward(query, key=None,
+        value=None, key_padding_mask=None, need_weights=False, attn_mask=None,
+        average_attn_weights=True, is_causal=False) -> (out, None)``.
     """
     builder = _resolve_kind(kind)
     fields = {
@@ -259,8 +260,10 @@ def create_block_sparse_attention(
     Returns:
         ``BlockSparseAttention`` / ``BlockSparseRingDilatedAttention`` with ``forward(query, key,
         value, *, is_causal=False)`` over (B, N, H, D), or ``BlockSparseMultiheadAttention`` /
-        ``BlockSparseRingMultiheadDilatedAttention`` with ``forward(query, key=None, value=None,
-        *, is_causal=False) -> (out, None)`` over (B, N, E).
+        ``BlockSparseRingMultiheadDilatedAttention`` with ``nn.MultiheadAttention``'s call
+        (``forward(query, key=None, value=None, key_padding_mask=None, need_weights=False,
+        attn_mask=None, average_attn_weights=True, is_causal=False) -> (out, None)``) over
+        (B, N, E).
 
     Raises:
         TypeError: ``pattern`` is not a Pattern.
