@@ -40,12 +40,13 @@ def _merge_kernel(
     lse_a = tl.load(lse_ptr, mask=valid, other=float("-inf"))
     lse_b = tl.load(part_lse + b * s_qb + i * s_qn + h * s_qh, mask=valid, other=float("-inf"))
     lse_b = lse_b.to(tl.float32)
-    top = tl.maximum(lse_a, lse_b)
+    # NaN in, NaN out: a NaN lse (a NaN query row) must not lose to the other side's maximum.
+    top = tl.maximum(lse_a, lse_b, propagate_nan=tl.PropagateNan.ALL)
     top = tl.where(top == float("-inf"), 0.0, top)  # both sides empty: weights 0, lse stays -inf
     w_a = tl.exp(lse_a - top)
     w_b = tl.exp(lse_b - top)
-    total = w_a + w_b
-    inv = tl.where(total > 0.0, 1.0 / total, 0.0)
+    total = w_a + w_b  # in [1, 2]; 0 when both sides are empty; NaN for NaN or +inf lse
+    inv = tl.where(total == 0.0, 0.0, 1.0 / total)
     cols = tl.arange(0, BLOCK_D)
     mask = valid[:, None] & (cols < dim)[None, :]
     out_ptr = out + (b * s_ob + i * s_on + h * s_oh)[:, None] + cols[None, :]
@@ -54,7 +55,7 @@ def _merge_kernel(
     o_b = tl.load(part_ptr, mask=mask, other=0.0).to(tl.float32)
     merged = o_a * (w_a * inv)[:, None] + o_b * (w_b * inv)[:, None]
     tl.store(out_ptr, merged, mask=mask)
-    tl.store(lse_ptr, tl.where(total > 0.0, top + tl.log(total), float("-inf")), mask=valid)
+    tl.store(lse_ptr, top + tl.log(total), mask=valid)  # log(0) = -inf: empty stays empty
 
 
 def merge_into(

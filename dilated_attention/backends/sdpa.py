@@ -6,18 +6,83 @@ memory-efficient kernel) and ``sdpa_cudnn`` (cuDNN's fused attention). The publi
 ``aten::_scaled_dot_product_*`` forward and backward ops, whose backward takes ``out`` and
 ``logsumexp`` as inputs: the hook for merged statistics. The ops take (B, H, N, D); our (B, N, H, D)
 rows go in as transposed views, with no copy.
+
+Note [NaN rows in the CPU flash kernel]
+    ``_scaled_dot_product_flash_attention_for_cpu`` without a mask takes each row's maximum score
+    over vectors of the CPU's SIMD width and finishes the remainder with a scalar maximum that
+    skips NaN. A row whose scores all fall in that scalar remainder (fewer keys than one vector:
+    16 in float32, bfloat16 and float16, 8 in float64 on AVX-512; half that on AVX2) and are all
+    NaN looks fully masked: output 0, lse 0. A NaN query row in a short last segment, or in a
+    dilated branch with ``w / r`` below the width, lost its NaN that way (issue 21). With an
+    additive mask the kernel reduces the whole row with vector operations, which keep NaN. So
+    calls whose rows see fewer keys than the width pass an all-zero mask (forward and backward
+    alike): the same kernel and arithmetic, NaN kept. The width is measured once per dtype with
+    the kernel itself (``_nan_safety``), not assumed from the CPU's name, and so is the masked
+    path's behaviour; should that drop NaN too, such calls go to the plain-PyTorch kernel
+    (``core/reference.py``) instead. Calls with at least that many keys, the common case, run
+    exactly as before, and the choice is made from shapes alone (no synchronization). A causal
+    call's first rows see few keys, but the kernel's smallest query block (32 rows) already
+    reads a whole vector of scores, so there only ``min(Nq, Nk)`` counts.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..core.reference import reference_backward, reference_forward
 from .base import Backend, KernelInputs, KernelOutput
 
 _aten = torch.ops.aten
 _HALF = frozenset({torch.float16, torch.bfloat16})
+#: Key counts probed for Note [NaN rows in the CPU flash kernel] (a vector of 64 float32 is
+#: 2048 bits, SVE's maximum).
+_NAN_PROBE_MAX_KEYS = 128
+
+
+@dataclass(frozen=True)
+class _NanSafety:
+    """How the CPU flash kernel treats an all-NaN row, for one dtype.
+
+    Attributes:
+        keys: the smallest key count from which the kernel without a mask keeps such a row NaN.
+        masked_keeps_nan: with an additive mask it keeps it NaN at every smaller key count.
+    """
+
+    keys: int
+    masked_keeps_nan: bool
+
+
+#: dtype -> its measured :class:`_NanSafety` (Note [NaN rows in the CPU flash kernel]).
+_NAN_SAFETY: dict[torch.dtype, _NanSafety] = {}
+
+
+def _keeps_nan(dtype: torch.dtype, keys: int, masked: bool) -> bool:
+    """Whether the kernel returns NaN for an all-NaN query row against ``keys`` keys.
+
+    Deterministic inputs: a probe must not advance the caller's random generators.
+    """
+    q = torch.full((1, 1, 1, 8), float("nan"), dtype=dtype)
+    kv = torch.ones(1, 1, keys, 8, dtype=dtype)
+    bias = torch.zeros(1, 1, 1, keys, dtype=dtype) if masked else None
+    with torch.no_grad():
+        out, _ = _aten._scaled_dot_product_flash_attention_for_cpu(
+            q, kv, kv, 0.0, False, attn_mask=bias
+        )
+    return bool(torch.isnan(out).all())
+
+
+def _nan_safety(dtype: torch.dtype) -> _NanSafety:
+    """The kernel's :class:`_NanSafety` for ``dtype``, measured on first use (the backend's probe
+    measures every dtype ahead of time, so traced code only reads the cache)."""
+    if dtype not in _NAN_SAFETY:
+        dropped = [n for n in range(1, _NAN_PROBE_MAX_KEYS + 1) if not _keeps_nan(dtype, n, False)]
+        keys = max(dropped, default=0) + 1
+        masked = all(_keeps_nan(dtype, n, True) for n in range(1, keys))
+        _NAN_SAFETY[dtype] = _NanSafety(keys, masked)
+    return _NAN_SAFETY[dtype]
 
 
 def _bhnd(x: torch.Tensor) -> torch.Tensor:
@@ -60,6 +125,45 @@ class CpuFlashBackend(Backend):
     def import_reasons(self) -> list[str]:
         return _has_op("_scaled_dot_product_flash_attention_for_cpu")
 
+    def probe(self, device: torch.device) -> None:
+        """Launch the kernel, forward and backward, and measure per dtype how it treats NaN rows
+        (Note [NaN rows in the CPU flash kernel])."""
+        for dtype in sorted(self.dtypes, key=str):
+            _nan_safety(dtype)
+        q = torch.linspace(-1.0, 1.0, 1 * 2 * 128 * 64).view(1, 2, 128, 64)
+        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, 0.0, True)
+        _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            torch.ones_like(out), q, q, q, out, lse, 0.0, True
+        )
+        super().probe(device)
+
+    @staticmethod
+    def _nan_route(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> str:
+        """``"kernel"``, or for calls whose rows may see too few keys for the unmasked kernel to
+        keep a NaN, ``"masked"`` (the kernel with a mask) or ``"math"`` (Note [NaN rows in the
+        CPU flash kernel]); decided from shapes alone.
+
+        Args:
+            q: (B, Nq, H, D); k: (B, Nk, Hkv, D).
+        """
+        safety = _nan_safety(q.dtype)
+        keys = min(q.shape[1], k.shape[1]) if is_causal else k.shape[1]
+        if keys >= safety.keys:
+            return "kernel"
+        return "masked" if safety.masked_keeps_nan else "math"
+
+    @staticmethod
+    def _bias(
+        key_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, route: str
+    ) -> torch.Tensor | None:
+        """The additive mask for the kernel: the key mask's, or all zeros on the ``"masked"``
+        route; (B, H, Nq, Nk) views."""
+        batch, query_len, heads, _ = q.shape
+        if key_mask is None and route == "masked":
+            zeros = torch.zeros(1, 1, 1, k.shape[1], dtype=q.dtype, device=q.device)
+            return zeros.expand(batch, heads, query_len, k.shape[1])
+        return _additive_bias(key_mask, heads, query_len, q.dtype, 1)
+
     def _forward(
         self,
         q: torch.Tensor,
@@ -71,7 +175,13 @@ class CpuFlashBackend(Backend):
         key_mask: torch.Tensor | None,
         dropout_p: float,
     ) -> KernelOutput:
-        bias = _additive_bias(key_mask, q.shape[2], q.shape[1], q.dtype, 1)
+        route = self._nan_route(q, k, is_causal)
+        if route == "math":
+            out, lse = reference_forward(
+                q, k, v, scale=scale, is_causal=is_causal, key_mask=key_mask
+            )
+            return KernelOutput(out, lse)
+        bias = self._bias(key_mask, q, k, route)
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             _bhnd(q), _bhnd(k), _bhnd(v), 0.0, is_causal, attn_mask=bias, scale=scale
         )
@@ -92,7 +202,12 @@ class CpuFlashBackend(Backend):
         key_mask: torch.Tensor | None,
         dropout_p: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        bias = _additive_bias(key_mask, q.shape[2], q.shape[1], q.dtype, 1)
+        route = self._nan_route(q, k, is_causal)  # the forward's, from the same shapes
+        if route == "math":
+            return reference_backward(
+                dout, q, k, v, out, lse, scale=scale, is_causal=is_causal, key_mask=key_mask
+            )
+        bias = self._bias(key_mask, q, k, route)
         grads = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             _bhnd(dout), _bhnd(q), _bhnd(k), _bhnd(v), _bhnd(out), lse,
             0.0, is_causal, attn_mask=bias, scale=scale,

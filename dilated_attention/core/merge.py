@@ -2,15 +2,26 @@
 
 Note [Merging partial softmaxes]
     Two attention results over disjoint (or multiset-disjoint) key sets, ``(o_a, lse_a)`` and
-    ``(o_b, lse_b)``, combine into the result over the union:
+    ``(o_b, lse_b)``, combine into the result over the union. With ``top = max(lse_a, lse_b)``:
 
-        lse = logaddexp(lse_a, lse_b)
-        o   = o_a * exp(lse_a - lse) + o_b * exp(lse_b - lse)
+        w_a = exp(lse_a - top),  w_b = exp(lse_b - top)       (the larger one is exactly 1)
+        o   = (o_a * w_a + o_b * w_b) / (w_a + w_b)
+        lse = top + log(w_a + w_b)
 
     This is LongNet Eq. 10 for dilated branches, one ring step for ring attention and one block for
-    block-sparse attention. A side with no keys has ``lse = -inf`` and weight 0; when both sides are
-    empty, ``lse - lse`` would be ``-inf - -inf = nan``, so the weights are computed against a
-    finite stand-in and the result stays ``(0, -inf)``.
+    block-sparse attention. The weights are normalized by their own sum, not by ``exp(lse_a -
+    lse)`` with the rounded merged ``lse``: where ``|lse|`` is large, ``lse = logaddexp(lse_a,
+    lse_b)`` loses the added ``log(1 + w)`` to rounding (at ``|lse| = 1e8`` float32's spacing is
+    8, so ``log 2`` vanishes), and weights taken against it no longer sum to 1: with logits near
+    1e4 two equal branches gave outputs up to 1.6x outside the convex hull of ``v`` (issue 21).
+    Normalized weights sum to 1 to rounding at any ``|lse|``; only ``lse`` itself keeps its
+    unavoidable rounding (the same a single fused kernel's lse has).
+
+    A side with no keys has ``lse = -inf`` and weight 0. When both sides are empty the result is
+    ``(0, -inf)``: ``top`` is replaced by 0 so no ``-inf - -inf`` arises, and the zero total is
+    not divided by. NaN propagates: a NaN ``lse`` (a NaN query row) makes ``top``, both weights,
+    the output and the merged lse NaN, and a ``+inf`` lse (infinite logits) gives NaN too
+    (``inf - inf``), never a finite stand-in.
 
 Shapes: ``out`` is (..., D) and ``lse`` is (...) with the same leading dims.
 """
@@ -18,6 +29,28 @@ Shapes: ``out`` is (..., D) and ``lse`` is (...) with the same leading dims.
 from __future__ import annotations
 
 import torch
+
+
+def merge_weights(
+    lse_a: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Normalized mixing weights of two partial results (Note [Merging partial softmaxes]).
+
+    Args:
+        lse_a: (...) log-sum-exp over key set A (``-inf`` where A is empty).
+        lse_b: (...) log-sum-exp over key set B, same dtype.
+
+    Returns:
+        ``(p_a, p_b, lse)``, each (...): ``p_a + p_b = 1`` to rounding (both 0 where both sides
+        are empty) and ``lse`` the log-sum-exp over the union.
+    """
+    top = torch.maximum(lse_a, lse_b)  # NaN if either is NaN
+    top = torch.where(top == float("-inf"), torch.zeros_like(top), top)
+    w_a = torch.exp(lse_a - top)
+    w_b = torch.exp(lse_b - top)
+    total = w_a + w_b  # in [1, 2], 0 where both are empty, NaN where either is NaN
+    inv = torch.where(total == 0, torch.zeros_like(total), total.reciprocal())
+    return w_a * inv, w_b * inv, top + torch.log(total)
 
 
 def merge_partial(
@@ -34,9 +67,7 @@ def merge_partial(
     Returns:
         ``(out, lse)`` over the union, in the dtype of ``out_a`` / ``lse_a``.
     """
-    lse = torch.logaddexp(lse_a, lse_b.to(lse_a.dtype))
-    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    w_a = torch.exp(lse_a - finite).unsqueeze(-1)
-    w_b = torch.exp(lse_b.to(lse_a.dtype) - finite).unsqueeze(-1)
-    out = out_a * w_a.to(out_a.dtype) + out_b.to(out_a.dtype) * w_b.to(out_a.dtype)
+    p_a, p_b, lse = merge_weights(lse_a, lse_b.to(lse_a.dtype))
+    dtype = out_a.dtype
+    out = out_a * p_a.unsqueeze(-1).to(dtype) + out_b.to(dtype) * p_b.unsqueeze(-1).to(dtype)
     return out, lse

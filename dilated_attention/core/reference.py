@@ -117,9 +117,16 @@ def reference_forward(
         ignore = _bias(key_mask, is_causal, (start, stop), num_k, kv_heads, q.device)
         if ignore is not None:
             scores = scores.masked_fill(ignore, float("-inf"))
-        row_lse = torch.logsumexp(scores, dim=-1)
-        finite = torch.where(torch.isinf(row_lse), torch.zeros_like(row_lse), row_lse)
-        probs = torch.exp(scores - finite.unsqueeze(-1))
+        # Normalized by the sum itself, not by exp(lse): the lse is rounded to the float's
+        # spacing at |lse|, which would scale every row by up to 1 + 2**-24 |lse| and leave the
+        # output off its convex hull and the backward's delta = rowsum(dout * out) inconsistent
+        # with P (at logits 1e4: out off by 3e-4, dq by 9e-3, where torch's kernel gets 1e-4).
+        row_max = scores.amax(dim=-1, keepdim=True)  # NaN stays NaN; inf - inf gives NaN
+        row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+        weights = torch.exp(scores - row_max)
+        total = weights.sum(dim=-1, keepdim=True)
+        row_lse = (row_max + torch.log(total)).squeeze(-1)  # log(0) = -inf: no visible key
+        probs = weights / torch.where(total == 0, torch.ones_like(total), total)
         if dropout_p > 0:
             probs = probs * _dropout_scale(probs.shape, dropout_p, gen, cdt, q.device)
         o = torch.einsum("bhgqk,bkhd->bqhgd", probs, vc)
