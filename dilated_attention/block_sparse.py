@@ -63,8 +63,10 @@ from typing import Any
 import torch
 
 from . import _validation as V
+from . import compiled
 from .backends.base import Backend, KernelInputs
 from .backends.registry import _requested, check_backend_name, get_backend, select_backend
+from .core.higher_order import RowCall, differentiable_grads
 from .core.merge import merge_partial
 from .patterns import Pattern, check_pattern
 
@@ -346,6 +348,9 @@ class BlockSparseFunction(torch.autograd.Function):
         ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True (Note [Double backward])
+            grads = _differentiable_grads(dout, q, k, v, lse, ctx.calls, ctx.scale)
+            return (*grads, None, None, None)
         acc = _acc_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)
@@ -355,6 +360,22 @@ class BlockSparseFunction(torch.autograd.Function):
             iter(ctx.auxes), dq, dk, dv,
         )  # fmt: skip
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def _differentiable_grads(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    calls: list[SparseCall],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of the calls' merged attention, differentiable to any order (Note [Double
+    backward] in ``core/higher_order.py``); dout, q: (B, Nq, H, D), k, v: (B, Nk, Hkv, D)."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    rows = [RowCall.from_positions(c.q_index, c.kv_index, heads, kv_heads, c.causal) for c in calls]
+    return differentiable_grads(dout, q, k, v, lse, rows, scale=scale)
 
 
 @torch.compiler.disable  # a cached pure-Python plan: run it eagerly, never traced
@@ -627,6 +648,20 @@ class TritonBlockSparseFunction(torch.autograd.Function):
         ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True (Note [Double backward])
+            # The same pairs as the fallback's calls, from the kernels' block lists.
+            lists, block_size = ctx.lists, ctx.block_size
+            nq, nk = num_blocks(q.shape[1], block_size), num_blocks(k.shape[1], block_size)
+            counts = (lists.key_start[1:] - lists.key_start[:-1]).long().cpu()
+            mask = torch.zeros(nq, nk, dtype=torch.bool)
+            mask[torch.arange(nq).repeat_interleave(counts), lists.key_blocks.long().cpu()] = True
+            calls = plan_calls(
+                mask, block_size=block_size, query_len=q.shape[1], key_len=k.shape[1],
+                is_causal=ctx.is_causal,
+            )  # fmt: skip
+            calls = [c.to(q.device) for c in calls]
+            grads = _differentiable_grads(dout, q, k, v, lse, calls, ctx.scale)
+            return (*grads, None, None, None, None)
         dq, dk, dv = _triton_block_sparse().backward(
             dout.contiguous(), q, k, v, out, lse, ctx.lists, block_size=ctx.block_size,
             is_causal=ctx.is_causal, scale=ctx.scale,
@@ -693,7 +728,10 @@ def block_sparse_attention(
 
     Query token ``p`` (block ``p // block_size``) attends key token ``t`` (block
     ``t // block_size``) when the pattern keeps that block pair and, if causal, ``t <= p``.
-    Query rows that attend no key give 0 (and ``lse = -inf``). Gradients are exact.
+    Query rows that attend no key give 0 (and ``lse = -inf``). Gradients are exact, and so are
+    higher-order ones (``create_graph=True``) on every kernel but FlexAttention, for which
+    torch.compile raises on double backward: pass ``backend="triton"`` or a fallback kernel name
+    for a gradient penalty on CUDA.
 
     Args:
         query: (B, Nq, H, D).
@@ -730,6 +768,12 @@ def block_sparse_attention(
     return_lse = _check_flag("return_lse", return_lse)
     checked_scale = V.check_scale(scale)
     backend = check_backend_name(backend)  # "auto" -> None; ValueError naming the valid ones
+    if compiled.is_traced(q, k, v):  # Note [Custom operators for torch.compile] (compiled.py)
+        out, lse = compiled.block_sparse(
+            q, k, v, pattern, block_size=block_size, is_causal=is_causal, scale=checked_scale,
+            backend=backend,
+        )  # fmt: skip
+        return (out, lse) if return_lse else out
     softmax_scale = checked_scale if checked_scale is not None else q.shape[-1] ** -0.5
     query_len, key_len = q.shape[1], k.shape[1]
     # Ask the pattern first: a Custom mask of the wrong size fails before any kernel work.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import _validation as V
+from . import compiled
 from .backends.base import Backend, KernelInputs
 from .backends.registry import check_backend_name, select_backend
 from .block_sparse import block_sparse_attention
@@ -123,6 +124,9 @@ def attention(
         ``out`` (B, Nq, H, D) in the input dtype, or ``(out, lse)`` with ``lse`` (B, H, Nq) float32
         (float64 for float64 inputs), detached. Rows that see no key give 0 and ``lse = -inf``.
         A batch of 0 (or 0 heads) gives empty tensors, and empty gradients in backward.
+        Higher-order gradients (``create_graph=True``) are exact on every backend; with
+        ``dropout_p > 0`` differentiating the gradients raises ``RuntimeError`` (Note [Double
+        backward] in ``core/higher_order.py``).
 
     Raises:
         ValueError / TypeError: malformed inputs (including ``seq_len`` 0), before any work;
@@ -136,6 +140,12 @@ def attention(
     dropout_p = V.check_dropout("dropout_p", dropout_p)
     checked_scale = V.check_scale(scale)
     backend = check_backend_name(backend)
+    if compiled.is_traced(q, k, v, key_padding_mask):  # Note [Custom operators for torch.compile]
+        out, lse = compiled.dense(
+            q, k, v, key_padding_mask, is_causal=is_causal, scale=checked_scale,
+            dropout_p=dropout_p, backend=backend,
+        )  # fmt: skip
+        return (out, lse) if return_lse else out
     kernel = _choose(
         q, k, is_causal=is_causal, has_mask=key_padding_mask is not None,
         dropout_p=dropout_p, backend=backend,
@@ -195,7 +205,8 @@ def dilated_attention(
         ``out`` (B, N, H, D) in the input dtype, or ``(out, lse)`` with ``lse`` (B, H, N) float32
         (float64 for float64 inputs), detached. Rows no branch covers, or whose keys are all masked,
         give 0 and ``lse = -inf``. A batch of 0 (or 0 heads) gives empty tensors, and empty
-        gradients in backward.
+        gradients in backward. Higher-order gradients (``create_graph=True``) are exact on every
+        backend; with ``dropout_p > 0`` differentiating the gradients raises ``RuntimeError``.
 
     Raises:
         ValueError / TypeError: malformed inputs (including ``seq_len`` 0), before any work;
@@ -210,6 +221,12 @@ def dilated_attention(
     dropout_p = V.check_dropout("dropout_p", dropout_p)
     checked_scale = V.check_scale(scale)
     backend = check_backend_name(backend)
+    if compiled.is_traced(q, k, v, key_padding_mask):  # Note [Custom operators for torch.compile]
+        out, lse = compiled.dilated(
+            q, k, v, key_padding_mask, segs, rates, is_causal=is_causal, scale=checked_scale,
+            dropout_p=dropout_p, backend=backend,
+        )  # fmt: skip
+        return (out, lse) if return_lse else out
     kernel = _choose(
         q, k, is_causal=is_causal, has_mask=key_padding_mask is not None,
         dropout_p=dropout_p, backend=backend, dilated=True,

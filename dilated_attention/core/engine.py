@@ -20,6 +20,13 @@ from typing import Any, Protocol
 
 import torch
 
+from .higher_order import (
+    RowCall,
+    calls_from_plan,
+    differentiable_grads,
+    first_order_only,
+    no_higher_order_message,
+)
 from .merge import merge_partial
 from .segment import RowGroup, gather_rows, scatter_rows
 
@@ -204,6 +211,13 @@ def dilated_backward(
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+_DROPOUT_MESSAGE = no_higher_order_message(
+    "{what} with dropout_p > 0",
+    "the dropout mask is not replayed differentiably",
+    "Pass dropout_p=0 (call module.eval()) for a gradient penalty or other double backward.",
+)
+
+
 class DilatedAttentionFunction(torch.autograd.Function):
     """Autograd wrapper of :func:`dilated_forward` / :func:`dilated_backward`.
 
@@ -238,11 +252,21 @@ class DilatedAttentionFunction(torch.autograd.Function):
         ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
-        dq, dk, dv = dilated_backward(
-            dout, q, k, v, out, lse, key_padding_mask, ctx.plan, ctx.backend, ctx.auxes,
-            **ctx.options,
-        )  # fmt: skip
-        return dq, dk, dv, None, None, None, None, None, None
+        if torch.is_grad_enabled() and ctx.options["dropout_p"] == 0:
+            # create_graph=True: differentiable gradients (Note [Double backward])
+            calls = calls_from_plan(ctx.plan, k.shape[2], q.device, ctx.options["is_causal"])
+            dq, dk, dv = differentiable_grads(
+                dout, q, k, v, lse, calls, scale=ctx.options["scale"],
+                key_padding_mask=key_padding_mask,
+            )  # fmt: skip
+            return dq, dk, dv, None, None, None, None, None, None
+        with torch.no_grad():
+            dq, dk, dv = dilated_backward(
+                dout, q, k, v, out, lse, key_padding_mask, ctx.plan, ctx.backend, ctx.auxes,
+                **ctx.options,
+            )  # fmt: skip
+        grads = first_order_only((dq, dk, dv), _DROPOUT_MESSAGE.format(what="dilated_attention"))
+        return *grads, None, None, None, None, None, None
 
 
 class AttentionFunction(torch.autograd.Function):
@@ -279,7 +303,21 @@ class AttentionFunction(torch.autograd.Function):
         ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse, key_mask = ctx.saved_tensors
-        dq, dk, dv = ctx.backend.backward(
-            dout.contiguous(), q, k, v, out, lse, ctx.aux, key_mask=key_mask, **ctx.options
-        )
-        return dq, dk, dv, None, None, None, None, None
+        if torch.is_grad_enabled() and ctx.options["dropout_p"] == 0:
+            # create_graph=True: differentiable gradients (Note [Double backward])
+            call = RowCall.from_positions(
+                torch.arange(q.shape[1], device=q.device).view(1, -1),
+                torch.arange(k.shape[1], device=q.device).view(1, -1),
+                q.shape[2], k.shape[2], ctx.options["is_causal"],
+            )  # fmt: skip
+            dq, dk, dv = differentiable_grads(
+                dout, q, k, v, lse, [call], scale=ctx.options["scale"],
+                key_padding_mask=None if key_mask is None else key_mask.squeeze(1),
+            )  # fmt: skip
+            return dq, dk, dv, None, None, None, None, None
+        with torch.no_grad():
+            dq, dk, dv = ctx.backend.backward(
+                dout.contiguous(), q, k, v, out, lse, ctx.aux, key_mask=key_mask, **ctx.options
+            )
+        grads = first_order_only((dq, dk, dv), _DROPOUT_MESSAGE.format(what="attention"))
+        return *grads, None, None, None, None, None

@@ -55,6 +55,9 @@ from typing import Any, Protocol
 
 import torch
 
+from .higher_order import calls_from_plan, differentiable_grads
+from .segment import plan_branches
+
 #: A group holds at least this many positions (enough programs per launch to fill a GPU) ...
 MIN_GROUP_POSITIONS = 32768
 #: ... and at most 1/GROUPS_PER_SEQUENCE of the sequence beyond that (scratch <= q / 8 in bf16).
@@ -435,6 +438,15 @@ class FusedDilatedFunction(torch.autograd.Function):
         ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True (Note [Double backward])
+            segs, rates = zip(*ctx.branches, strict=True)
+            plan = plan_branches(q.shape[1], q.shape[2], segs, rates)
+            calls = calls_from_plan(plan, k.shape[2], q.device, ctx.options["is_causal"])
+            dq, dk, dv = differentiable_grads(
+                dout, q, k, v, lse, calls, scale=ctx.options["scale"],
+                key_padding_mask=key_padding_mask,
+            )  # fmt: skip
+            return dq, dk, dv, None, None, None, None, None
         dq, dk, dv = fused_backward(
             dout.contiguous(), q, k, v, out, lse, key_padding_mask, ctx.branches, ctx.backend,
             **ctx.options,

@@ -57,6 +57,8 @@ from ..block_sparse import (
     num_blocks,
     plan_calls,
 )
+from ..compiled import eager_only
+from ..core.higher_order import first_order_backward, ring_message
 from ..modules import BlockSparseMultiheadAttention, _block_sparse_kind, _no_key_padding_mask
 from ..patterns import Custom, Intersection, Pattern, Union, check_pattern
 from . import _comm
@@ -267,6 +269,7 @@ class _BlockSparseRingFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @first_order_backward(ring_message("block_sparse_ring_attention", "block_sparse_attention()"))
     def backward(  # type: ignore[override]
         ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
@@ -290,6 +293,7 @@ def _fingerprint(pattern: Pattern) -> object:
 _DILATED_SCHEDULE = "schedule (segment_lengths, dilation_rates)"
 
 
+@eager_only("block_sparse_ring_attention")  # torch.compile runs it eagerly
 def block_sparse_ring_attention(
     query: torch.Tensor,
     key: torch.Tensor,

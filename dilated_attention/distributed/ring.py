@@ -33,6 +33,8 @@ import torch.distributed as dist
 from .. import _validation as V
 from ..backends.base import Backend, KernelInputs
 from ..backends.registry import select_backend
+from ..compiled import eager_only
+from ..core.higher_order import first_order_backward, ring_message
 from ..core.merge import merge_partial
 from ._comm import (
     check_same_on_all_ranks,
@@ -396,6 +398,7 @@ class RingAttentionFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @first_order_backward(ring_message("ring_attention", "attention()"))
     def backward(  # type: ignore[override]
         ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
@@ -563,6 +566,7 @@ def forward_agreed(attention: Any, forward: Callable[..., _T], *args: Any) -> _T
         reject_ring_call(exc, attention.group)
 
 
+@eager_only("ring_attention")  # torch.compile runs it eagerly; torch.func raises
 def ring_attention(
     query: torch.Tensor,
     key: torch.Tensor,

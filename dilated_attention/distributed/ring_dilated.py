@@ -42,9 +42,11 @@ import torch.distributed as dist
 
 from .. import _validation as V
 from ..backends.base import Backend
+from ..compiled import eager_only
 from ..core.cells import Cells, add_cells, merge_cells
 from ..core.engine import dilated_backward, dilated_forward
 from ..core.fused import fused_backward, fused_forward
+from ..core.higher_order import first_order_backward, ring_message
 from ..core.merge import merge_partial
 from ..core.segment import RowGroup, plan_branches
 from ._comm import exchange, wait_all
@@ -472,6 +474,7 @@ class RingDilatedFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @first_order_backward(ring_message("ring_dilated_attention", "dilated_attention()"))
     def backward(  # type: ignore[override]
         ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
@@ -521,6 +524,7 @@ class RingDilatedFunction(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
+@eager_only("ring_dilated_attention")  # torch.compile runs it eagerly; torch.func raises
 def ring_dilated_attention(
     query: torch.Tensor,
     key: torch.Tensor,

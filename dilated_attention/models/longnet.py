@@ -330,6 +330,13 @@ class LongNetLM(nn.Module):
             )
         if tokens.numel() == 0:  # a batch of 0 sequences: nothing to range-check
             return tokens
+        if torch.compiler.is_compiling():
+            # A compiled graph cannot branch on values: the same check, asserted when it runs.
+            in_range = ((tokens >= 0) & (tokens < self.config.vocab_size)).all()
+            torch._assert_async(
+                in_range, f"token ids must be in [0, vocab_size={self.config.vocab_size})"
+            )
+            return tokens
         lo, hi = int(tokens.min()), int(tokens.max())
         if lo < 0 or hi >= self.config.vocab_size:
             raise ValueError(
@@ -366,7 +373,11 @@ class LongNetLM(nn.Module):
                 raise ValueError(f"positions must be a ({N},) int tensor, got {got}")
             positions = positions.to(tokens.device)
         cap = self.config.max_seq_len
-        if cap is not None and int(positions.max()) >= cap:
+        if cap is not None and torch.compiler.is_compiling():  # see _check_tokens
+            torch._assert_async(
+                (positions < cap).all(), f"positions reach beyond max_seq_len={cap}"
+            )
+        elif cap is not None and int(positions.max()) >= cap:
             raise ValueError(
                 f"positions reach {int(positions.max())}, beyond max_seq_len={cap} (the global "
                 f"sequence is longer than the configured maximum)"

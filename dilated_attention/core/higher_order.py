@@ -1,0 +1,325 @@
+"""Higher-order gradients (double backward) of the library's autograd Functions.
+
+Note [Double backward]
+    Every Function's backward runs kernels with the forward's merged ``out`` and ``lse`` as
+    inputs (Note [Backward with external statistics]). Those are functions of q and k that the
+    backward treats as constants, and ``lse`` is marked non-differentiable, so under
+    ``create_graph=True`` the ops a backward records do not describe how its gradients depend
+    on q, k and v: differentiating them again gave wrong numbers without any error (issue 21: a
+    gradient penalty through the layer was off by 278 of 599; fused kernels and SDPA's aten
+    backward ops have no derivative at all). ``torch.is_grad_enabled()`` is True inside a
+    backward exactly when autograd runs it with ``create_graph=True``; each backward checks it
+    and then does one of two things.
+
+    * Single-process Functions (dense, dilated, fused dilated, block-sparse) recompute their
+      gradients with differentiable PyTorch ops, whatever kernel ran forward
+      (:func:`differentiable_grads`). First pass: for every kernel call, the scores ``S`` of its
+      rows, ``P = exp(S - m)`` with ``m`` the forward's merged lse *detached* (any per-row
+      constant cancels from ``O`` and ``LSE``, so a detached shift changes no derivative; this
+      one keeps every exponent <= 0 at any logit size), and ``P @ V`` and ``rowsum(P)`` added
+      into whole-sequence sums; ``O = sum(P V) / sum(P)`` and ``LSE = m + log(sum(P))`` are then
+      the merged output and log-sum-exp as differentiable functions of q, k and v (the multiset
+      union of Eq. 10: a key in two branches is summed twice). Second pass: the gradient
+      formulas of Note [Backward with external statistics] with these ``O`` and ``LSE``, so dq,
+      dk and dv are differentiable functions of q, k, v and dout, to any order. Rows that see no
+      key have ``sum(P) = 0``: they use ``m`` alone (``P`` is 0 there, so nothing divides by 0
+      and no ``inf * 0`` reaches a derivative). The recompute holds each call's score matrix
+      (``rows x keys`` per segment and head, in float32, float64 for float64 inputs) for autograd,
+      like PyTorch's math SDPA does under double backward; a plain backward never takes this path.
+    * Where that is impossible, the first-order gradients are computed under ``no_grad`` and
+      passed through a node whose backward raises ``RuntimeError`` naming the function and the
+      fix (:func:`first_order_only`): ring Functions (their backward's collectives are not
+      differentiable) and dropout (the mask is not replayed differentiably). Torch's
+      ``once_differentiable`` is not enough: it attaches its error only when a *gradient output*
+      requires grad, so ``loss = (out * w).sum()`` with ``w`` constant followed by a penalty on
+      the input gradient would still be silently wrong.
+
+Shape legend: B batch, Nq/Nk query/key positions, H query heads, Hkv key/value heads, D head dim;
+per call G pieces of Lq query and Lk key rows with Hc query and Hkc key/value heads.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from .segment import RowGroup
+
+_Backward = TypeVar("_Backward", bound=Callable[..., Any])
+
+
+# -- raising on double backward ------------------------------------------------------------------
+class _NoHigherOrder(torch.autograd.Function):
+    """Identity on gradients whose own backward raises ``RuntimeError(message)``."""
+
+    @staticmethod
+    def forward(message: str, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.message = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *_: torch.Tensor) -> tuple[None, ...]:  # type: ignore[override]
+        raise RuntimeError(ctx.message)
+
+
+def no_higher_order_message(what: str, why: str, fix: str) -> str:
+    """The error raised when a first-order-only gradient is differentiated."""
+    return f"{what} has no higher-order gradients (double backward): {why}. {fix}"
+
+
+def ring_message(what: str, single: str) -> str:
+    """The double-backward error of a ring function ``what`` whose one-process form is
+    ``single``."""
+    return no_higher_order_message(
+        what,
+        "its backward exchanges gradients between the ranks through collectives, which autograd "
+        "cannot differentiate",
+        f"For a gradient penalty or other double backward, run {single} on the whole sequence "
+        "in one process instead; it supports double backward.",
+    )
+
+
+def first_order_only(
+    grads: Sequence[torch.Tensor | None], message: str
+) -> tuple[torch.Tensor | None, ...]:
+    """``grads`` as they are in a plain backward; under ``create_graph=True``, detached copies
+    whose differentiation raises ``RuntimeError(message)`` (Note [Double backward]).
+
+    Args:
+        grads: a backward's results (tensors or None), computed without a graph.
+        message: the error, from :func:`no_higher_order_message`.
+
+    Returns:
+        The gradients, in order, with None kept.
+    """
+    if not torch.is_grad_enabled():
+        return tuple(grads)
+    present = [i for i, g in enumerate(grads) if g is not None]
+    if not present:
+        return tuple(grads)
+    # Detached leaves that require grad, so the error node is recorded whatever the inputs were.
+    leaves = [grads[i].detach().requires_grad_() for i in present]  # type: ignore[union-attr]
+    wrapped = _NoHigherOrder.apply(message, *leaves)
+    out = list(grads)
+    for i, g in zip(present, wrapped, strict=True):
+        out[i] = g
+    return tuple(out)
+
+
+def first_order_backward(message: str) -> Callable[[_Backward], _Backward]:
+    """Decorate a ``backward`` staticmethod: run it without a graph and, under
+    ``create_graph=True``, make its results raise ``RuntimeError(message)`` when differentiated.
+
+    Like ``torch.autograd.function.once_differentiable``, but the error names the function and
+    the fix, and it is attached whenever autograd asks for a graph (torch's only when a gradient
+    output requires grad; Note [Double backward]).
+    """
+
+    def decorate(backward: _Backward) -> _Backward:
+        @functools.wraps(backward)
+        def wrapper(ctx: Any, *grad_outputs: Any) -> tuple[torch.Tensor | None, ...]:
+            with torch.no_grad():
+                grads = backward(ctx, *grad_outputs)
+            return first_order_only(grads, message)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+# -- differentiable recompute ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class RowCall:
+    """One kernel call's rows as flat indices into (position, head) rows.
+
+    Attributes:
+        q_index: (G, Lq * Hc) int64 into the ``Nq * H`` rows of ``q.view(B, Nq * H, D)``, in
+            (row, head) order per piece.
+        kv_index: (G, Lk * Hkc) int64 into the ``Nk * Hkv`` rows of k and v, likewise.
+        heads: Hc; query head ``i`` of the call reads key/value head ``i // (Hc // Hkc)``.
+        kv_heads: Hkc.
+        causal: top-left causal within each piece (query row ``i`` sees key rows ``j <= i``).
+    """
+
+    q_index: torch.Tensor
+    kv_index: torch.Tensor
+    heads: int
+    kv_heads: int
+    causal: bool
+
+    @classmethod
+    def from_positions(
+        cls,
+        q_pos: torch.Tensor,
+        kv_pos: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        causal: bool,
+    ) -> RowCall:
+        """A call over every head, from (G, Lq) query and (G, Lk) key positions."""
+
+        def flat(pos: torch.Tensor, heads: int) -> torch.Tensor:
+            head = torch.arange(heads, device=pos.device)
+            return (pos.unsqueeze(-1) * heads + head).flatten(1)
+
+        return cls(
+            flat(q_pos, num_heads), flat(kv_pos, num_kv_heads), num_heads, num_kv_heads, causal
+        )
+
+
+def calls_from_plan(
+    plan: Iterable[RowGroup], num_kv_heads: int, device: torch.device, causal: bool
+) -> list[RowCall]:
+    """The engine's row groups (``segment.plan_branches``) as :class:`RowCall` s.
+
+    Each query head of a group reads its own key/value head (GQA heads repeated), as the
+    engine's gathers do.
+    """
+    calls = []
+    for group in plan:
+        heads = group.num_heads
+        per_kv = heads // num_kv_heads
+        base = group.start + torch.arange(group.num_segments, device=device) * group.segment_len
+        q_rows = group.index(group.heads, heads, device)
+        kv_rows = group.index([h // per_kv for h in group.heads], num_kv_heads, device)
+        q_index = (base * heads).view(-1, 1) + q_rows.view(1, -1)
+        kv_index = (base * num_kv_heads).view(-1, 1) + kv_rows.view(1, -1)
+        calls.append(RowCall(q_index, kv_index, len(group.heads), len(group.heads), causal))
+    return calls
+
+
+def _rows(x: torch.Tensor, index: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, N, Hx, E) (or (B, N, Hx)) and (G, L * heads) -> (B * G, L, heads, E) (or no E)."""
+    batch, g = x.shape[0], index.shape[0]
+    flat = x.reshape(batch, -1, *x.shape[3:]).index_select(1, index.flatten())
+    return flat.view(batch * g, index.shape[1] // heads, heads, *x.shape[3:])
+
+
+def _scatter(total: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``total`` (B, N * Hx, E) plus ``rows`` (B * G, L, heads, E) at ``index``, out of place."""
+    src = rows.reshape(total.shape[0], -1, total.shape[-1]).to(total.dtype)
+    return total.index_add(1, index.flatten(), src)
+
+
+def _scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    call: RowCall,
+    key_ignore: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Scaled, masked scores (B*G, Hkc, g, Lq, Lk) of (B*G, Lq, Hc, D) q and (B*G, Lk, Hkc, D) k.
+
+    ``key_ignore`` is (B*G, Lk, Hkc) bool or None.
+    """
+    rows_q, dim = q.shape[1], q.shape[-1]
+    qg = q.view(q.shape[0], rows_q, call.kv_heads, call.heads // call.kv_heads, dim)
+    scores = torch.einsum("bqhgd,bkhd->bhgqk", qg, k) * scale
+    ignore = None
+    if key_ignore is not None:
+        ignore = key_ignore.permute(0, 2, 1)[:, :, None, None, :]
+    if call.causal:
+        rows_k = k.shape[1]
+        key_pos = torch.arange(rows_k, device=q.device)
+        future = key_pos > torch.arange(rows_q, device=q.device).view(-1, 1)
+        ignore = future if ignore is None else ignore | future
+    if ignore is not None:
+        scores = scores.masked_fill(ignore, float("-inf"))
+    return scores
+
+
+def differentiable_grads(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    calls: Sequence[RowCall],
+    *,
+    scale: float,
+    key_padding_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of the merged attention over ``calls``, as differentiable functions of
+    q, k, v and dout (Note [Double backward]).
+
+    Args:
+        dout: (B, Nq, H, D) upstream gradient.
+        q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D).
+        lse: (B, H, Nq) the forward's merged log-sum-exp; used only as a (detached) shift.
+        calls: every kernel call of the forward; a key in several calls counts in each.
+        scale: softmax scale.
+        key_padding_mask: (B, Nk) bool, ``True`` = ignore the key, or None.
+
+    Returns:
+        ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``.
+    """
+    batch, num_q, heads, dim = q.shape
+    num_k, kv_heads = k.shape[1], k.shape[2]
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qc, kc, vc, doc = (x.to(cdt) for x in (q, k, v, dout))
+    shift = lse.detach().to(cdt).transpose(1, 2)
+    shift = torch.where(torch.isinf(shift), torch.zeros_like(shift), shift)  # (B, Nq, H)
+
+    def ignored(call: RowCall) -> torch.Tensor | None:
+        if key_padding_mask is None:
+            return None
+        positions = call.kv_index // kv_heads
+        return _rows(key_padding_mask, positions, call.kv_heads)
+
+    # First pass: O and LSE as functions of q, k, v.
+    sums = qc.new_zeros(batch, num_q * heads, dim + 1)
+    for call in calls:
+        k_rows = _rows(kc, call.kv_index, call.kv_heads)
+        v_rows = _rows(vc, call.kv_index, call.kv_heads)
+        s = _scores(_rows(qc, call.q_index, call.heads), k_rows, call, ignored(call), scale)
+        m = _rows(shift.unsqueeze(-1), call.q_index, call.heads)  # (B*G, Lq, Hc, 1)
+        m = m.permute(0, 2, 1, 3).reshape(s.shape[0], call.kv_heads, -1, s.shape[3], 1)
+        p = torch.exp(s - m)
+        v1 = torch.cat([v_rows, torch.ones_like(v_rows[..., :1])], dim=-1)
+        pv = torch.einsum("bhgqk,bkhd->bqhgd", p, v1)
+        sums = _scatter(sums, call.q_index, pv)
+    sums = sums.view(batch, num_q, heads, dim + 1)
+    total = sums[..., dim]
+    seen = total > 0
+    safe_total = torch.where(seen, total, torch.ones_like(total))
+    out = sums[..., :dim] / safe_total.unsqueeze(-1)
+    lse_rows = shift + torch.log(safe_total)  # finite stand-in where no key is seen (P = 0)
+    delta = (doc * out).sum(-1)  # (B, Nq, H)
+
+    # Second pass: Note [Backward with external statistics] with the differentiable O and LSE.
+    dq = qc.new_zeros(batch, num_q * heads, dim)
+    dk = qc.new_zeros(batch, num_k * kv_heads, dim)
+    dv = qc.new_zeros(batch, num_k * kv_heads, dim)
+    stats = torch.stack([lse_rows, delta], dim=-1)  # (B, Nq, H, 2)
+    for call in calls:
+        q_rows = _rows(qc, call.q_index, call.heads)
+        k_rows = _rows(kc, call.kv_index, call.kv_heads)
+        v_rows = _rows(vc, call.kv_index, call.kv_heads)
+        do_rows = _rows(doc, call.q_index, call.heads)
+        s = _scores(q_rows, k_rows, call, ignored(call), scale)
+        shape = (s.shape[0], call.kv_heads, -1, s.shape[3], 2)
+        st = _rows(stats, call.q_index, call.heads).permute(0, 2, 1, 3).reshape(shape)
+        p = torch.exp(s - st[..., :1])
+        g = call.heads // call.kv_heads
+        do_g = do_rows.view(do_rows.shape[0], do_rows.shape[1], call.kv_heads, g, dim)
+        q_g = q_rows.view(do_g.shape)
+        dv_rows = torch.einsum("bhgqk,bqhgd->bkhd", p, do_g)
+        dp = torch.einsum("bqhgd,bkhd->bhgqk", do_g, v_rows)
+        ds = p * (dp - st[..., 1:]) * scale
+        dq_rows = torch.einsum("bhgqk,bkhd->bqhgd", ds, k_rows)
+        dk_rows = torch.einsum("bhgqk,bqhgd->bkhd", ds, q_g)
+        dq = _scatter(dq, call.q_index, dq_rows)
+        dk = _scatter(dk, call.kv_index, dk_rows)
+        dv = _scatter(dv, call.kv_index, dv_rows)
+    return (
+        dq.view(q.shape).to(q.dtype),
+        dk.view(k.shape).to(k.dtype),
+        dv.view(v.shape).to(v.dtype),
+    )

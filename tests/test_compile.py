@@ -1,0 +1,332 @@
+"""torch.compile, torch.export and torch.func: results and gradients equal the eager ones.
+
+Compiles use ``fullgraph=True`` (a graph break fails the test) and the ``aot_eager`` backend,
+which needs no C++ compiler; one test per path also runs Inductor where its CPU code generation
+works. What cannot work (torch.jit.trace, higher-order gradients through the operators,
+forward-mode AD, the ring functions) must raise an error that says so and names the
+alternative. Shapes are tiny: compiling dominates the runtime.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dilated_attention import (
+    BlockSparseAttention,
+    DilatedAttention,
+    LongNetConfig,
+    LongNetLM,
+    MultiheadDilatedAttention,
+    attention,
+    block_sparse_attention,
+    block_sparse_ring_attention,
+    dilated_attention,
+    patterns,
+    ring_attention,
+    ring_dilated_attention,
+)
+
+F64 = torch.float64
+EXACT = {"atol": 1e-12, "rtol": 0.0}
+CLOSE32 = {"atol": 1e-6, "rtol": 1e-5}
+# 37 tokens: the last segment of both branches is partial; 4 query heads over 2 kv heads (GQA).
+N, SEGS, RATES = 37, [8, 16], [1, 2]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> None:
+    torch._dynamo.reset()  # each test compiles its own functions from scratch
+
+
+def _compile(fn: Callable[..., Any], backend: str = "aot_eager") -> Callable[..., Any]:
+    return torch.compile(fn, fullgraph=True, backend=backend)
+
+
+def _qkv(n: int = N, dtype: torch.dtype = F64, device: str = "cpu") -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(2, n, 4, 8), (2, n, 2, 8), (2, n, 2, 8)]
+    return [torch.randn(s, generator=gen, dtype=dtype).to(device) for s in shapes]
+
+
+def _run(fn: Callable[..., Any], tensors: list[torch.Tensor]) -> tuple[Any, list[torch.Tensor]]:
+    """``fn``'s result and the gradients of a weighted sum of its first output."""
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    result = fn(*leaves)
+    out = result[0] if isinstance(result, tuple) else result
+    weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device)
+    (out * weights.view_as(out)).sum().backward()
+    return result, [t.grad for t in leaves]
+
+
+def _inductor_cpu_works() -> bool:
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except Exception:
+        return False
+    return True
+
+
+MASK = torch.zeros(2, N, dtype=torch.bool)
+MASK[:, -5:] = True
+CALLS: dict[str, Callable[..., Any]] = {
+    "dilated": lambda q, k, v: dilated_attention(
+        q, k, v, SEGS, RATES, is_causal=True, key_padding_mask=MASK, return_lse=True
+    ),
+    "dense": lambda q, k, v: attention(q, k, v, key_padding_mask=MASK, return_lse=True),
+    "block_sparse": lambda q, k, v: block_sparse_attention(
+        q, k, v, patterns.LocalWindow(1) | patterns.GlobalLocal(1, 0), block_size=4,
+        is_causal=True, return_lse=True,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_functions_compile_fullgraph_and_match_eager(name: str) -> None:
+    call = CALLS[name]
+    (out, lse), grads = _run(_compile(call), _qkv())
+    (ref_out, ref_lse), ref_grads = _run(call, _qkv())
+    torch.testing.assert_close(out, ref_out, **EXACT)
+    torch.testing.assert_close(lse, ref_lse, **EXACT)
+    assert lse.dtype == F64 and not lse.requires_grad  # as eager: float64 in, detached
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, **EXACT)
+
+
+def test_block_sparse_pattern_is_guarded() -> None:
+    """Another pattern object recompiles and gives its own result (the pattern reaches the
+    operator as a key: Note [Patterns as operator arguments])."""
+    q, k, v = _qkv(n=24)
+    fn = _compile(lambda q, k, v, p: block_sparse_attention(q, k, v, p, block_size=4))
+    for pattern in (patterns.LocalWindow(0), patterns.DilatedBlocks([2]), patterns.LocalWindow(0)):
+        expected = block_sparse_attention(q, k, v, pattern, block_size=4)
+        torch.testing.assert_close(fn(q, k, v, pattern), expected, **EXACT)
+
+
+def test_dropout_under_compile_is_exact() -> None:
+    """The backward replays the forward's RNG state: output and gradients equal eager ones drawn
+    from the same seed, and the RNG stream after the call is the same."""
+    call: Callable[..., Any] = lambda q, k, v: dilated_attention(  # noqa: E731
+        q, k, v, SEGS, RATES, dropout_p=0.3
+    )
+    results = []
+    for fn in (_compile(call), call):
+        torch.manual_seed(7)
+        out, grads = _run(fn, _qkv(dtype=torch.float32))
+        results.append((out, grads, torch.rand(4)))
+    (out, grads, after), (ref_out, ref_grads, ref_after) = results
+    torch.testing.assert_close(out, ref_out, **CLOSE32)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, **CLOSE32)
+    assert torch.equal(after, ref_after)
+    no_dropout = dilated_attention(*_qkv(dtype=torch.float32), SEGS, RATES)
+    assert not torch.allclose(out, no_dropout)  # dropout did drop
+
+
+def test_modules_compile_fullgraph_and_match_eager() -> None:
+    torch.manual_seed(0)
+    mha = MultiheadDilatedAttention(32, 4, segment_lengths=SEGS, dilation_rates=RATES, dtype=F64)
+    inner = DilatedAttention(SEGS, RATES)
+    sparse = BlockSparseAttention(patterns.LocalWindow(1), block_size=4)
+    x = torch.randn(2, N, 32, dtype=F64)
+    cases: list[tuple[torch.nn.Module, Callable[..., Any], list[torch.Tensor]]] = [
+        (mha, lambda m, x: m(x, key_padding_mask=MASK, is_causal=True)[0], [x]),
+        (inner, lambda m, q, k, v: m(q, k, v, is_causal=True), _qkv()),
+        (sparse, lambda m, q, k, v: m(q, k, v), _qkv()),
+    ]
+    for module, call, inputs in cases:
+        twin = copy.deepcopy(module)
+        compiled = _compile(twin)
+        out, grads = _run(functools.partial(call, compiled), inputs)
+        ref_out, ref_grads = _run(functools.partial(call, module), inputs)
+        torch.testing.assert_close(out, ref_out, **EXACT)
+        for got, want in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(got, want, **EXACT)
+        for p, ref_p in zip(twin.parameters(), module.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, ref_p.grad, **EXACT)
+
+
+def test_longnet_trains_under_compile() -> None:
+    """Forward, backward and optimizer step of the compiled model give the eager losses."""
+    torch.manual_seed(0)
+    config = LongNetConfig(
+        vocab_size=61, embed_dim=32, num_heads=4, num_layers=2, segment_lengths=(8, 16),
+        dilation_rates=(1, 2), ffn_dim=64,
+    )  # fmt: skip
+    model = LongNetLM(config)
+    tokens = torch.randint(0, 61, (2, 25))
+
+    def train(m: torch.nn.Module, forward: Callable[..., Any]) -> list[float]:
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(2):
+            logits = forward(tokens[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, 61), tokens[:, 1:].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    twin = copy.deepcopy(model)
+    compiled_losses = train(twin, _compile(twin))
+    eager_losses = train(model, model)
+    assert compiled_losses == pytest.approx(eager_losses, rel=1e-5, abs=1e-6)
+    assert compiled_losses[1] < compiled_losses[0]
+    for p, ref in zip(twin.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(p, ref, atol=1e-5, rtol=1e-4)
+    with pytest.raises(RuntimeError, match="token ids must be in"):
+        _compile(twin)(torch.tensor([[1, 2, 61]]))  # the range check holds in the graph too
+
+
+@pytest.mark.skipif(
+    not _inductor_cpu_works(), reason="Inductor's CPU code generation needs a C++ compiler"
+)
+def test_inductor_cpu() -> None:
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return dilated_attention(q * 2, k, v, SEGS, RATES, is_causal=True).tanh()
+
+    out, grads = _run(_compile(call, backend="inductor"), _qkv(dtype=torch.float32))
+    ref_out, ref_grads = _run(call, _qkv(dtype=torch.float32))
+    torch.testing.assert_close(out, ref_out, **CLOSE32)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, **CLOSE32)
+
+
+def test_export_round_trip(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    mha = MultiheadDilatedAttention(32, 4, segment_lengths=SEGS, dilation_rates=RATES)
+    x = torch.randn(2, N, 32)
+
+    class Causal(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mha = mha
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.mha(x, is_causal=True)[0]
+
+    path = tmp_path / "mha.pt2"
+    torch.export.save(torch.export.export(Causal(), (x,)), path)
+    loaded = torch.export.load(path).module()
+    torch.testing.assert_close(loaded(x), Causal()(x), **CLOSE32)
+    q, k, v = _qkv()
+    with pytest.raises(RuntimeError, match="block_sparse_attention cannot be exported"):
+        torch.export.export(BlockSparseAttention(patterns.LocalWindow(1), block_size=4), (q, k, v))
+
+
+# -- torch.func ------------------------------------------------------------------------------------
+def test_func_grad_matches_autograd() -> None:
+    def loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = dilated_attention(q, k, v, SEGS, RATES, is_causal=True, key_padding_mask=MASK)
+        return (out.sin() * out).sum()
+
+    tensors = _qkv()
+    grads = torch.func.grad(loss, argnums=(0, 1, 2))(*tensors)
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    expected = torch.autograd.grad(loss(*leaves), leaves)
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, **EXACT)
+
+
+def test_func_vmap_folds_into_batch() -> None:
+    q_mapped = torch.randn(3, 2, 16, 4, 8, dtype=F64)
+    k, v = _qkv(n=16)[1:]
+    mapped = torch.func.vmap(lambda q: dilated_attention(q, k, v, SEGS, RATES))(q_mapped)
+    expected = torch.stack([dilated_attention(q, k, v, SEGS, RATES) for q in q_mapped])
+    torch.testing.assert_close(mapped, expected, **EXACT)
+    # jacrev vmaps the backward operator: one row of the Jacobian against autograd.
+    jac = torch.func.jacrev(lambda q: dilated_attention(q, k, v, SEGS, RATES)[0, 3, 1])(q_mapped[0])
+    leaf = q_mapped[0].clone().requires_grad_()
+    (row,) = torch.autograd.grad(dilated_attention(leaf, k, v, SEGS, RATES)[0, 3, 1, 2], leaf)
+    torch.testing.assert_close(jac[2], row, **EXACT)
+
+
+def test_func_unsupported_raise_clearly() -> None:
+    q, k, v = _qkv(n=16)
+
+    def loss(q: torch.Tensor) -> torch.Tensor:
+        return dilated_attention(q, k, v, SEGS, RATES).square().sum()
+
+    with pytest.raises(RuntimeError, match=r"first-order gradients only.*create_graph=True"):
+        torch.func.grad(lambda q: torch.func.grad(loss)(q).sum())(q)
+    with pytest.raises(RuntimeError, match=r"forward-mode AD.*torch\.func\.vjp"):
+        torch.func.jvp(lambda q: dilated_attention(q, k, v, SEGS, RATES), (q,), (q,))
+
+    def dropout(q: torch.Tensor) -> torch.Tensor:
+        return dilated_attention(q, k, v, SEGS, RATES, dropout_p=0.5)
+
+    batch = q.expand(3, *q.shape)
+    with pytest.raises(RuntimeError, match="randomness='different'"):
+        torch.func.vmap(dropout)(batch)
+    out = torch.func.vmap(dropout, randomness="different")(batch)
+    assert not torch.equal(out[0], out[1])  # each mapped element drew its own mask
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore::FutureWarning")
+def test_jit_trace_raises_clearly() -> None:
+    q, k, v = _qkv(n=16)
+    with pytest.raises(RuntimeError, match=r"torch\.jit\.trace.*torch\.compile.*torch\.export"):
+        torch.jit.trace(lambda q, k, v: dilated_attention(q, k, v, SEGS, RATES), (q, k, v))
+
+
+RING_CALLS: dict[str, Callable[..., Any]] = {
+    "ring_attention": lambda q, k, v: ring_attention(q, k, v),
+    "ring_dilated_attention": lambda q, k, v: ring_dilated_attention(q, k, v, SEGS, RATES),
+    "block_sparse_ring_attention": lambda q, k, v: block_sparse_ring_attention(
+        q, k, v, patterns.LocalWindow(1), block_size=4
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(RING_CALLS))
+def test_ring_functions_refuse_tracing_clearly(name: str) -> None:
+    """Both errors come before any communication (no process group is needed to see them)."""
+    call = RING_CALLS[name]
+    q, k, v = _qkv(n=16)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=f"{name} communicates between ranks"):
+        _compile(call)(q, k, v)
+    with pytest.raises(RuntimeError, match=f"{name} does not support torch.func"):
+        torch.func.grad(lambda q: call(q, k, v).sum())(q)
+
+
+# -- CUDA ------------------------------------------------------------------------------------------
+BF16 = {"atol": 2e-2, "rtol": 5e-3}
+
+
+@pytest.mark.gpu
+def test_inductor_cuda_bf16_dilated_attention() -> None:
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return dilated_attention(q, k, v, [256, 512], [1, 2], is_causal=True) * 2
+
+    tensors = _qkv(n=1024, dtype=torch.bfloat16, device="cuda")
+    out, grads = _run(_compile(call, backend="inductor"), tensors)
+    ref_out, ref_grads = _run(call, tensors)
+    torch.testing.assert_close(out, ref_out, **BF16)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, **BF16)
+
+
+@pytest.mark.gpu
+def test_inductor_cuda_bf16_multihead_module() -> None:
+    torch.manual_seed(0)
+    mha = MultiheadDilatedAttention(
+        256, 4, segment_lengths=[256, 512], dilation_rates=[1, 2], device="cuda",
+        dtype=torch.bfloat16,
+    )  # fmt: skip
+    twin = copy.deepcopy(mha)
+    x = torch.randn(2, 1024, 256, device="cuda", dtype=torch.bfloat16)
+    out, (dx,) = _run(lambda x: _compile(twin, backend="inductor")(x, is_causal=True)[0], [x])
+    ref_out, (ref_dx,) = _run(lambda x: mha(x, is_causal=True)[0], [x])
+    torch.testing.assert_close(out, ref_out, **BF16)
+    torch.testing.assert_close(dx, ref_dx, **BF16)
+    for p, ref in zip(twin.parameters(), mha.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, ref.grad, atol=5e-2, rtol=2e-2)

@@ -1,0 +1,367 @@
+"""Higher-order gradients (double backward): exact, or a clear error; never silently wrong.
+
+Issue 21, item 2: the backward of every autograd Function treated the forward's ``out`` and
+``lse`` as constants, so ``gradgradcheck`` failed and a gradient penalty through the layer was
+wrong without any error. Every public function and CPU backend is checked here with
+``torch.autograd.gradgradcheck`` in float64 and with a gradient penalty against the float64
+oracle (``tests/oracle.py``, no library code); the ring functions must raise a clear error (Note
+[Double backward] in ``dilated_attention/core/higher_order.py``).
+
+The penalty uses ``loss = (out * w).sum()`` with a constant ``w``: the upstream gradient does not
+require grad there, the case in which ``torch.autograd.function.once_differentiable`` attaches no
+error and a second derivative would silently drop the attention's own curvature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+from distributed_utils import run_world
+from oracle import masked_attention, oracle_attention, oracle_dilated_attention
+
+import dilated_attention as da
+from dilated_attention import patterns as P
+from dilated_attention.backends.base import KernelInputs
+from dilated_attention.backends.registry import get_backend
+
+F64 = torch.float64
+Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _cpu_backends() -> list[str | None]:
+    """``None`` (automatic) and every registry backend that runs float64 training on the CPU."""
+    inputs = KernelInputs(
+        device=torch.device("cpu"), dtype=F64, head_dim=4, num_heads=4, num_kv_heads=2,
+        query_len=11, key_len=11, is_causal=True, requires_grad=True,
+    )  # fmt: skip
+    names = [n for n in da.list_backends() if not get_backend(n).not_supported_reasons(inputs)]
+    return [None, *names]
+
+
+BACKENDS = _cpu_backends()
+
+
+def _qkv(
+    batch: int,
+    query_len: int,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    *,
+    key_len: int | None = None,
+    dtype: torch.dtype = F64,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    key_len = query_len if key_len is None else key_len
+    q = torch.randn(batch, query_len, heads, dim, generator=gen, dtype=F64)
+    k = torch.randn(batch, key_len, kv_heads, dim, generator=gen, dtype=F64)
+    v = torch.randn(batch, key_len, kv_heads, dim, generator=gen, dtype=F64)
+    return tuple(x.to(dtype).requires_grad_() for x in (q, k, v))  # type: ignore[return-value]
+
+
+def _padding(batch: int, key_len: int) -> torch.Tensor:
+    """(B, Nk) key padding mask: a gap in batch 0, every key but the last ignored in batch 1."""
+    mask = torch.zeros(batch, key_len, dtype=torch.bool)
+    mask[0, 2:5] = True
+    if batch > 1:
+        mask[1, :-1] = True
+    return mask
+
+
+def _gradgradcheck(fn: Fn, inputs: Sequence[torch.Tensor], *, fast: bool = True) -> None:
+    assert torch.autograd.gradgradcheck(fn, tuple(inputs), fast_mode=fast, atol=1e-6)
+
+
+def _penalty_grads(
+    fn: Fn, inputs: Sequence[torch.Tensor], w: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """d/d(q, k, v) of sum_i |d((out * w).sum()) / d input_i|^2 (w constant)."""
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    out = fn(*leaves)
+    grads = torch.autograd.grad((out * w).sum(), leaves, create_graph=True)
+    penalty = sum((g.to(F64) ** 2).sum() for g in grads)
+    return torch.autograd.grad(penalty, leaves)
+
+
+def _assert_penalty_raises(fn: Fn, inputs: Sequence[torch.Tensor], match: str) -> None:
+    """First-order grads under create_graph=True equal the plain ones; going further raises."""
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    torch.manual_seed(1)  # same dropout mask for both calls
+    out = fn(*leaves)
+    w = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)
+    plain = torch.autograd.grad((out * w).sum(), leaves)
+    torch.manual_seed(1)
+    out = fn(*leaves)
+    grads = torch.autograd.grad((out * w).sum(), leaves, create_graph=True)
+    for got, want in zip(grads, plain, strict=True):
+        torch.testing.assert_close(got.detach(), want)
+    penalty = sum((g**2).sum() for g in grads)
+    with pytest.raises(RuntimeError, match=match):
+        penalty.backward()
+
+
+# -- gradgradcheck in float64: every public function x every CPU backend ---------------------------
+
+DILATED_CASES = {
+    # (batch, seq_len, heads, kv_heads, head_dim, segment_lengths, dilation_rates, causal, mask)
+    "issue21": (1, 6, 2, 2, 3, [6], [1], False, False),
+    "multi_odd_causal_gqa": (1, 11, 4, 2, 3, [4, 6], [1, 2], True, False),
+    "ragged_mqa_masked": (2, 11, 3, 1, 2, [3, 5, 16], [1, 2, 3], False, True),
+    "causal_masked": (2, 9, 2, 1, 2, [4, 9], [1, 2], True, True),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(DILATED_CASES))
+def test_dilated_attention_gradgradcheck(case: str, backend: str | None) -> None:
+    batch, n, heads, kv_heads, dim, segs, rates, causal, masked = DILATED_CASES[case]
+    mask = _padding(batch, n) if masked else None
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return da.dilated_attention(
+            q, k, v, segs, rates, is_causal=causal, key_padding_mask=mask, backend=backend
+        )
+
+    _gradgradcheck(fn, _qkv(batch, n, heads, kv_heads, dim), fast=case != "issue21")
+
+
+ATTENTION_CASES = {
+    # (batch, query_len, key_len, heads, kv_heads, head_dim, causal, mask)
+    "self_causal_gqa": (1, 7, 7, 4, 2, 3, True, False),
+    "cross_causal_masked": (2, 5, 8, 2, 1, 2, True, True),
+    "cross_longer_queries": (1, 8, 5, 2, 2, 2, False, True),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+def test_attention_gradgradcheck(case: str, backend: str | None) -> None:
+    batch, nq, nk, heads, kv_heads, dim, causal, masked = ATTENTION_CASES[case]
+    mask = _padding(batch, nk) if masked else None
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return da.attention(q, k, v, is_causal=causal, key_padding_mask=mask, backend=backend)
+
+    _gradgradcheck(fn, _qkv(batch, nq, heads, kv_heads, dim, key_len=nk))
+
+
+SPARSE_CASES = {
+    # (query_len, key_len, heads, kv_heads, pattern, block_size, causal)
+    "local_causal_gqa": (11, 11, 4, 2, P.LocalWindow(1), 3, True),
+    "rectangular_dilated": (7, 10, 2, 1, P.DilatedBlocks((2,)), 2, False),
+    "dense_pattern": (9, 9, 2, 2, P.LocalWindow(8), 4, True),  # runs dense attention()
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(SPARSE_CASES))
+def test_block_sparse_attention_gradgradcheck(case: str, backend: str | None) -> None:
+    nq, nk, heads, kv_heads, pattern, block_size, causal = SPARSE_CASES[case]
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return da.block_sparse_attention(
+            q, k, v, pattern, block_size=block_size, is_causal=causal, backend=backend
+        )
+
+    _gradgradcheck(fn, _qkv(1, nq, heads, kv_heads, 2, key_len=nk))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_multihead_dilated_attention_gradgradcheck(backend: str | None) -> None:
+    """Through the layer's projections and sub-LayerNorm: the input and a weight."""
+    torch.manual_seed(0)
+    layer = da.MultiheadDilatedAttention(
+        8, 4, [4, 8], [1, 2], num_kv_heads=2, backend=backend, dtype=F64
+    )
+    mask = _padding(2, 9)
+    x = torch.randn(2, 9, 8, dtype=F64, requires_grad=True)
+    weight = layer.q_proj.weight
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out, _ = torch.func.functional_call(
+            layer, {"q_proj.weight": w}, (x,), {"key_padding_mask": mask, "is_causal": True}
+        )
+        return out
+
+    _gradgradcheck(fn, (x, weight.detach().clone().requires_grad_()))
+
+
+# -- a gradient penalty against the float64 oracle ------------------------------------------------
+
+
+def _token_mask(
+    pattern: P.Pattern, block_size: int, nq: int, nk: int, causal: bool
+) -> torch.Tensor:
+    """(Nq, Nk) int64 0/1 from the pattern's block mask, with loops (no library code)."""
+    blocks = pattern.block_mask(-(-nq // block_size), -(-nk // block_size))
+    mask = torch.zeros(nq, nk, dtype=torch.int64)
+    for p in range(nq):
+        for t in range(nk):
+            mask[p, t] = int(
+                bool(blocks[p // block_size, t // block_size]) and (t <= p or not causal)
+            )
+    return mask
+
+
+_SPARSE = P.LocalWindow(1) | P.DilatedBlocks((3,))
+PENALTY_CASES: dict[str, tuple[Fn, Fn]] = {
+    "dilated_attention": (
+        lambda q, k, v: da.dilated_attention(q, k, v, [4, 6, 13], [1, 2, 3], is_causal=True),
+        lambda q, k, v: oracle_dilated_attention(q, k, v, [4, 6, 13], [1, 2, 3], is_causal=True)[0],
+    ),
+    "attention": (
+        lambda q, k, v: da.attention(q, k, v, is_causal=True),
+        lambda q, k, v: oracle_attention(q, k, v, is_causal=True)[0],
+    ),
+    "block_sparse_attention": (
+        lambda q, k, v: da.block_sparse_attention(q, k, v, _SPARSE, block_size=3, is_causal=True),
+        lambda q, k, v: masked_attention(
+            q, k, v, _token_mask(_SPARSE, 3, 13, 13, True).expand(4, -1, -1)
+        )[0],
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("name", list(PENALTY_CASES))
+def test_gradient_penalty_matches_oracle(name: str, dtype: torch.dtype) -> None:
+    """Second-order gradients of a penalty |dL/dq|^2 + |dL/dk|^2 + |dL/dv|^2 vs float64."""
+    fn, oracle = PENALTY_CASES[name]
+    inputs = _qkv(1, 13, 4, 2, 4, dtype=dtype, seed=3)
+    w = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(4), dtype=F64)
+    want = _penalty_grads(oracle, [x.to(F64) for x in inputs], w)
+    got = _penalty_grads(fn, inputs, w.to(dtype))
+    for label, g, e in zip("qkv", got, want, strict=True):
+        scale = float(e.abs().max())
+        tol = 1e-10 if dtype == F64 else 2e-5
+        torch.testing.assert_close(
+            g.to(F64), e, atol=tol * scale, rtol=tol,
+            msg=lambda m, label=label: f"{name} {dtype} d(penalty)/d{label}: {m}",
+        )  # fmt: skip
+
+
+# -- a clear error where double backward cannot be provided ------------------------------------
+
+
+@pytest.mark.parametrize("name", ["dilated_attention", "attention"])
+def test_dropout_double_backward_raises(name: str) -> None:
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if name == "attention":
+            return da.attention(q, k, v, dropout_p=0.3, backend="math")
+        return da.dilated_attention(q, k, v, [4, 8], [1, 2], dropout_p=0.3, backend="math")
+
+    _assert_penalty_raises(
+        fn, _qkv(1, 8, 2, 2, 4), rf"{name} with dropout_p > 0 has no higher-order gradients"
+    )
+
+
+def _ring_cases() -> dict[str, Fn]:
+    return {
+        "ring_attention": lambda q, k, v: da.ring_attention(q, k, v, is_causal=True),
+        "ring_dilated_attention": lambda q, k, v: da.ring_dilated_attention(
+            q, k, v, [4, 8], [1, 2], is_causal=True
+        ),
+        "block_sparse_ring_attention": lambda q, k, v: da.block_sparse_ring_attention(
+            q, k, v, P.LocalWindow(1), block_size=2
+        ),
+    }
+
+
+def _ring_raises(name: str, fn: Fn, inputs: Sequence[torch.Tensor]) -> None:
+    _assert_penalty_raises(
+        fn,
+        inputs,
+        rf"{name} has no higher-order gradients \(double backward\).*collectives.*run "
+        r"\w+\(\) on the whole sequence",
+    )
+
+
+@pytest.mark.parametrize("name", list(_ring_cases()))
+def test_ring_double_backward_raises_in_one_process(name: str) -> None:
+    """Without torch.distributed a ring function is one rank; the error is the same."""
+    _ring_raises(name, _ring_cases()[name], _qkv(1, 8, 4, 2, 4))
+
+
+def _ring_worker(rank: int, world_size: int) -> None:
+    gen = torch.Generator().manual_seed(7)
+    full = [torch.randn(1, 8 * world_size, h, 4, generator=gen, dtype=F64) for h in (4, 2, 2)]
+    shards = [x.chunk(world_size, dim=1)[rank] for x in full]
+    for name, fn in _ring_cases().items():
+        _ring_raises(name, fn, shards)
+
+
+@pytest.mark.distributed
+def test_ring_double_backward_raises_on_every_rank(tmp_path: Any) -> None:
+    """World size 2 (gloo): the first-order gradients under create_graph=True are exact and
+    equal on both ranks' shards; differentiating them raises the same error on every rank."""
+    run_world(_ring_worker, 2, tmp_path, timeout_s=30)
+
+
+# -- CUDA kernels ---------------------------------------------------------------------------------
+
+
+def _gpu_cases() -> dict[str, tuple[Fn, Fn]]:
+    pattern = P.LocalWindow(1)
+    mask = _token_mask(pattern, 64, 256, 256, True).expand(4, -1, -1)
+    return {
+        "dilated_default": (
+            lambda q, k, v: da.dilated_attention(q, k, v, [64, 128], [1, 2], is_causal=True),
+            lambda q, k, v: oracle_dilated_attention(q, k, v, [64, 128], [1, 2], is_causal=True)[0],
+        ),
+        "dilated_triton": (
+            lambda q, k, v: da.dilated_attention(
+                q, k, v, [64, 128], [1, 2], is_causal=True, backend="triton"
+            ),
+            lambda q, k, v: oracle_dilated_attention(q, k, v, [64, 128], [1, 2], is_causal=True)[0],
+        ),
+        "attention_default": (
+            lambda q, k, v: da.attention(q, k, v, is_causal=True),
+            lambda q, k, v: oracle_attention(q, k, v, is_causal=True)[0],
+        ),
+        "block_sparse_triton": (
+            lambda q, k, v: da.block_sparse_attention(
+                q, k, v, pattern, block_size=64, is_causal=True, backend="triton"
+            ),
+            lambda q, k, v: masked_attention(q, k, v, mask)[0],
+        ),
+        "block_sparse_fallback": (
+            lambda q, k, v: da.block_sparse_attention(
+                q, k, v, pattern, block_size=64, is_causal=True, backend="math"
+            ),
+            lambda q, k, v: masked_attention(q, k, v, mask)[0],
+        ),
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(_gpu_cases()))
+def test_gpu_gradient_penalty_matches_oracle(name: str) -> None:
+    """float32 on CUDA kernels (fused Triton, SDPA, block-sparse Triton) vs the float64 oracle."""
+    fn, oracle = _gpu_cases()[name]
+    inputs = [x.detach().cuda().requires_grad_() for x in _qkv(1, 256, 4, 2, 64, seed=5)]
+    w = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(6), dtype=F64).cuda()
+    want = _penalty_grads(oracle, inputs, w)
+    got = _penalty_grads(fn, [x.float() for x in inputs], w.float())
+    for label, g, e in zip("qkv", got, want, strict=True):
+        scale = float(e.abs().max())
+        torch.testing.assert_close(
+            g.to(F64), e, atol=1e-4 * scale, rtol=1e-4,
+            msg=lambda m, label=label: f"{name} d(penalty)/d{label}: {m}",
+        )  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_gpu_block_sparse_flex_double_backward_raises() -> None:
+    """FlexAttention (block-sparse training default on CUDA) is torch.compile'd; torch raises
+    for double backward through it. A clear error, not silently wrong numbers."""
+    q, k, v = (x.detach().cuda().float().requires_grad_() for x in _qkv(1, 256, 4, 2, 64))
+    out = da.block_sparse_attention(
+        q, k, v, P.LocalWindow(1), block_size=64, is_causal=True, backend="flex"
+    )
+    with pytest.raises(RuntimeError, match="double backward"):
+        grads = torch.autograd.grad((out * 0.5).sum(), (q, k, v), create_graph=True)
+        sum((g**2).sum() for g in grads).backward()
