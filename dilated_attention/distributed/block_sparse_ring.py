@@ -62,7 +62,7 @@ from ..core.higher_order import first_order_backward, ring_message
 from ..modules import BlockSparseMultiheadAttention, _block_sparse_kind, _no_key_padding_mask
 from ..patterns import Custom, Intersection, Pattern, Union, check_pattern
 from . import _comm
-from .ring import RingSetup, forward_agreed, prepare_ring, reject_ring_call
+from .ring import AgreedForward, RingSetup, prepare_ring, reject_ring_call
 
 __all__ = [
     "BlockSparseRingDilatedAttention",
@@ -397,7 +397,7 @@ class BlockSparseRingDilatedAttention(nn.Module):
         self.scale = V.check_scale(scale)
         backend = check_backend_name(backend)  # "auto" -> None
         self.group, self.backend = group, backend
-        # Counts calls that reached the ring function's agreement (see ring.forward_agreed).
+        # Counts calls that reached the ring function's agreement (see ring.AgreedForward).
         self.ring_calls = 0
 
     def forward(
@@ -429,10 +429,14 @@ class BlockSparseRingDilatedAttention(nn.Module):
         return f"pattern={self.pattern!r}, block_size={self.block_size}, backend={self.backend!r}"
 
 
-class BlockSparseRingMultiheadDilatedAttention(BlockSparseMultiheadAttention):
+class BlockSparseRingMultiheadDilatedAttention(AgreedForward, BlockSparseMultiheadAttention):
     """:class:`~dilated_attention.BlockSparseMultiheadAttention` over a sharded sequence: same
     constructor (plus ``group``) and forward; each rank passes its (B, n, E) shard. Parameters
-    are replicated: wrap the model in DDP/FSDP as usual for data parallelism."""
+    are replicated: wrap the model in DDP/FSDP as usual for data parallelism.
+
+    A call rejected on one rank, by the layer's own checks or by the ring call's agreement,
+    raises on every rank (:class:`~dilated_attention.distributed.ring.AgreedForward`): the rank
+    whose call was rejected its own error, the others ``ValueError`` naming that rank."""
 
     def __init__(
         self,
@@ -460,29 +464,6 @@ class BlockSparseRingMultiheadDilatedAttention(BlockSparseMultiheadAttention):
         self.attention = BlockSparseRingDilatedAttention(
             pattern, block_size=block_size, group=group, scale=scale, backend=backend
         )
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor | None = None,
-        value: torch.Tensor | None = None,
-        key_padding_mask: torch.Tensor | None = None,
-        need_weights: bool = False,
-        attn_mask: torch.Tensor | None = None,
-        average_attn_weights: bool = True,
-        is_causal: bool = False,
-    ) -> tuple[torch.Tensor, None]:
-        """As :meth:`BlockSparseMultiheadAttention.forward`, on this rank's (B, n, E) shard.
-
-        Raises:
-            ValueError / TypeError: on every rank when any rank's call is rejected, by the
-                layer's own checks or by the ring call's agreement; the rank whose call was
-                rejected raises its own error, the others ``ValueError`` naming that rank.
-        """
-        return forward_agreed(
-            self.attention, super().forward, query, key, value, key_padding_mask, need_weights,
-            attn_mask, average_attn_weights, is_causal,
-        )  # fmt: skip
 
 
 def _build(cls: type[nn.Module]) -> Callable[..., nn.Module]:

@@ -13,7 +13,7 @@ from torch import nn
 from .. import _validation as V
 from ..backends.registry import check_backend_name
 from ..modules import DilatedAttention, MultiheadDilatedAttention
-from .ring import COMMS, forward_agreed, ring_attention
+from .ring import COMMS, AgreedForward, ring_attention
 from .ring_dilated import ring_dilated_attention
 from .sharding import check_layout
 
@@ -127,10 +127,14 @@ class RingDilatedAttention(DilatedAttention):
         return out
 
 
-class RingMultiheadDilatedAttention(MultiheadDilatedAttention):
+class RingMultiheadDilatedAttention(AgreedForward, MultiheadDilatedAttention):
     """:class:`~dilated_attention.MultiheadDilatedAttention` over a sharded sequence: same
     constructor (plus ``group`` and ``layout``) and forward; each rank passes its (B, n, E) shard.
-    Parameters are replicated: wrap the model in DDP/FSDP as usual for data parallelism."""
+    Parameters are replicated: wrap the model in DDP/FSDP as usual for data parallelism.
+
+    A call rejected on one rank, by the layer's own checks or by the ring call's agreement,
+    raises on every rank (:class:`~dilated_attention.distributed.ring.AgreedForward`): the rank
+    whose call was rejected its own error, the others ``ValueError`` naming that rank."""
 
     attention: RingDilatedAttention
 
@@ -161,31 +165,6 @@ class RingMultiheadDilatedAttention(MultiheadDilatedAttention):
         self.attention = RingDilatedAttention(
             segment_lengths, dilation_rates, group=group, dropout=dropout, backend=backend,
             layout=layout,
-        )  # fmt: skip
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor | None = None,
-        value: torch.Tensor | None = None,
-        key_padding_mask: torch.Tensor | None = None,
-        need_weights: bool = False,
-        attn_mask: torch.Tensor | None = None,
-        average_attn_weights: bool = True,
-        is_causal: bool = False,
-    ) -> tuple[torch.Tensor, None]:
-        """As :meth:`MultiheadDilatedAttention.forward`, on this rank's (B, n, E) shard.
-
-        Raises:
-            ValueError / TypeError: on every rank when any rank's call is rejected, by the
-                layer's own checks (shapes, ``need_weights``, ``attn_mask``, a float
-                ``key_padding_mask`` other than 0/-inf) or by the ring call's agreement (shards,
-                options or grad mode that differ between ranks). The rank whose call was rejected
-                raises its own error; the others raise ``ValueError`` naming that rank.
-        """
-        return forward_agreed(
-            self.attention, super().forward, query, key, value, key_padding_mask, need_weights,
-            attn_mask, average_attn_weights, is_causal,
         )  # fmt: skip
 
     def _check_key_padding_mask(self, mask: object, query: torch.Tensor) -> None:

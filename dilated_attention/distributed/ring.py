@@ -25,7 +25,7 @@ import struct
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -545,25 +545,29 @@ def reject_ring_call(error: Exception, group: dist.ProcessGroup | None) -> NoRet
     raise error  # not reached: check_same_on_all_ranks raises the local error
 
 
-_T = TypeVar("_T")
+class AgreedForward:
+    """Mixin for a multihead layer whose ``attention`` is a ring module (with ``group`` and a
+    ``ring_calls`` counter of the calls that reached a ring function, and so its agreement).
 
-
-def forward_agreed(attention: Any, forward: Callable[..., _T], *args: Any) -> _T:
-    """``forward(*args)`` of a multihead layer around the ring module ``attention``, whose
-    ``ring_calls`` counts the calls that reached a ring function (and so its agreement): an
-    error raised before that (the layer's own checks, its projections) takes part in the ring
-    call's agreement with :func:`reject_ring_call`, so that it raises on every rank.
+    The layer's forward (its own checks and projections, then the ring call) runs as in the
+    next class of the MRO; an error raised before the ring call was reached takes part in that
+    call's agreement (:func:`reject_ring_call`), so that it raises on every rank instead of
+    leaving the others waiting.
 
     Raises:
-        Exception: what ``forward`` raised, on this rank; ``ValueError`` on the other ranks.
+        Exception: what the forward raised, on this rank; ``ValueError`` on the other ranks.
     """
-    reached = attention.ring_calls
-    try:
-        return forward(*args)
-    except Exception as exc:
-        if attention.ring_calls != reached:
-            raise  # the ring call's agreement already ran on every rank
-        reject_ring_call(exc, attention.group)
+
+    attention: Any
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        reached = self.attention.ring_calls
+        try:
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        except Exception as exc:
+            if self.attention.ring_calls != reached:
+                raise  # the ring call's agreement already ran on every rank
+            reject_ring_call(exc, self.attention.group)
 
 
 @eager_only("ring_attention")  # torch.compile runs it eagerly; torch.func raises
