@@ -21,7 +21,8 @@ Note [Block-sparse Triton kernels]
     are never stored, and a zero query row has ``dout = 0`` and adds nothing to dK/dV (Note [Rows
     past the end] in ``_triton_kernels.py``). Under the causal mask only the diagonal block's
     tiles need the ``q >= kv`` test, but it is applied to every tile of a causal call: cheaper
-    than a branch in the pipelined loop.
+    than a branch in the pipelined loop. Exponents and NaN rows follow Note [Exponents at large
+    logits] and Note [NaN through the kernels] in ``_triton_kernels.py``.
 
 Shapes: q, dout, out, dq (B, Nq, H, D); k, v, dk, dv (B, Nk, Hkv, D); lse, delta (B, H, Nq)
 float32, natural log.
@@ -122,15 +123,15 @@ def _listed_rows(Blocks, t, offs0, BLOCK: tl.constexpr, TILES: tl.constexpr):
 
 @triton.jit
 def _row_stats(lse_ptr, delta_ptr, rows, limit, EVEN: tl.constexpr):
-    """``lse`` in log2 units (``+inf`` for rows that see no key: their probabilities are 0) and
-    ``delta`` of ``rows`` (0 past ``limit``)."""
+    """``lse`` (``+inf`` for rows that see no key: their probabilities are 0) and ``delta`` of
+    ``rows`` (0 past ``limit``)."""
     if EVEN:
         lse = tl.load(lse_ptr + rows)
         delta = tl.load(delta_ptr + rows)
     else:
         lse = tl.load(lse_ptr + rows, mask=rows < limit, other=0.0)
         delta = tl.load(delta_ptr + rows, mask=rows < limit, other=0.0)
-    return tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634, delta
+    return tl.where(lse == float("-inf"), float("inf"), lse), delta
 
 
 # -- kernels (Note [Block-sparse Triton kernels]) ------------------------------------------------
@@ -140,7 +141,7 @@ def _row_stats(lse_ptr, delta_ptr, rows, limit, EVEN: tl.constexpr):
 def _forward_kernel(
     Q, K, V, Out, Lse, KeyStart, KeyBlocks,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_lb, stride_lh,
-    query_len, key_len, kv_group, qk_scale,
+    query_len, key_len, kv_group, qk_scale, scale,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, EVEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -171,20 +172,19 @@ def _forward_kernel(
             if CAUSAL:
                 valid = valid & (offs_m[:, None] >= offs_n[None, :])
             qk = tl.where(valid, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))  # unscaled scores
         m_safe = m_new
         if CAUSAL or not EVEN:  # a row may have seen no key yet
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(qk * qk_scale - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2((qk - m_safe[:, None]) * qk_scale)
+        alpha = tl.exp2((m_i - m_safe) * qk_scale)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
-    seen = l_i > 0.0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(
-        seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634, float("-inf")
-    )
+    empty = l_i == 0.0  # NaN rows are not empty: their out and lse stay NaN
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), m_i * scale + tl.log(l_safe))
     _store_tile(Out + q_row0, q_offsets, offs_m, query_len, offs_d, out, HEAD_DIM, EVEN)
     lse_ptrs = Lse + b * stride_lb + h * stride_lh + offs_m
     if EVEN:
@@ -197,7 +197,7 @@ def _forward_kernel(
 def _dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV, QueryStart, QueryBlocks,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_lb, stride_lh,
-    query_len, key_len, kv_group, qk_scale, scale,
+    query_len, key_len, kv_group, scale,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, EVEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -228,7 +228,7 @@ def _dkdv_kernel(
             do = _tile(DO + q_row0, q_offsets, offs_m, query_len, offs_d, HEAD_DIM, EVEN)
             lse, delta = _row_stats(Lse + stats_row0, Delta + stats_row0, offs_m, query_len, EVEN)
             qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-            p_t = tl.exp2(qk_t * qk_scale - lse[None, :])
+            p_t = tl.exp2((qk_t * scale - lse[None, :]) * 1.4426950408889634)
             if CAUSAL:
                 p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
@@ -243,7 +243,7 @@ def _dkdv_kernel(
 def _dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ, KeyStart, KeyBlocks,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_lb, stride_lh,
-    query_len, key_len, kv_group, qk_scale, scale,
+    query_len, key_len, kv_group, scale,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, EVEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -271,7 +271,7 @@ def _dq_kernel(
         k = _tile(K + kv_row0, kv_offsets, offs_n, key_len, offs_d, HEAD_DIM, EVEN)
         v = _tile(V + kv_row0, kv_offsets, offs_n, key_len, offs_d, HEAD_DIM, EVEN)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        p = tl.exp2(qk * qk_scale - lse[:, None])
+        p = tl.exp2((qk * scale - lse[:, None]) * 1.4426950408889634)
         if CAUSAL:
             p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
@@ -342,7 +342,7 @@ def forward(
     _forward_kernel[grid](
         q, k, v, out, lse, lists.key_start, lists.key_blocks,
         *_strides(q, out), *_strides(k, v), lse.stride(0), lse.stride(1),
-        query_len, k.shape[1], heads // k.shape[2], scale * LOG2E,
+        query_len, k.shape[1], heads // k.shape[2], scale * LOG2E, scale,
         BLOCK=block_size, HEAD_DIM=dim, BLOCK_D=_block_d(dim), BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, CAUSAL=is_causal, EVEN=_even(q, k),
         DOT_PRECISION=_DOT_PRECISION[q.dtype], num_warps=tiles.num_warps,
@@ -377,7 +377,7 @@ def backward(
     )  # fmt: skip
     args = (
         *_strides(q, dout, dq), *_strides(k, v, dk, dv), *_strides(lse, delta)[:2],
-        query_len, key_len, heads // kv_heads, scale * LOG2E, scale,
+        query_len, key_len, heads // kv_heads, scale,
     )  # fmt: skip
     config = tiles["dkdv"]
     _dkdv_kernel[(triton.cdiv(key_len, config.block_n), kv_heads, batch)](

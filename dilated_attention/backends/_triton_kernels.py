@@ -14,14 +14,15 @@ Note [Strided dilated rows]
     of the heads (the fused engine's head groups); ``head0`` names the layer head of the slice's
     first head, so offsets stay ``(head0 + h) mod r``.
 
-    The forward keeps FlashAttention's running (max, sum, acc) in log2 units and, with ``MERGE``,
-    folds its result into the ``(out, lse)`` already stored for those rows (Note [Merging partial
-    softmaxes]) in float32: branches run one launch after another, and rows of one launch belong
-    to one program, so the read-modify-write needs no atomics. The backward kernels take the
-    *merged* ``lse`` and ``delta = rowsum(dout * out)`` (Note [Exact gradients through the branch
-    mix]); the dK/dV program of a key tile loops over every query head of its key/value head that
-    has the same offset, so its rows are written by it alone, and ``ACCUMULATE`` adds into float32
-    gradient buffers shared by the branches.
+    The forward keeps FlashAttention's running (max, sum, acc), the max over unscaled scores
+    (Note [Exponents at large logits]), and with ``MERGE`` folds its result into the ``(out,
+    lse)`` already stored for those rows (Note [Merging partial softmaxes]) in float32: branches
+    run one launch after another, and rows of one launch belong to one program, so the
+    read-modify-write needs no atomics. The backward kernels take the *merged* ``lse`` and
+    ``delta = rowsum(dout * out)`` (Note [Exact gradients through the branch mix]); the dK/dV
+    program of a key tile loops over every query head of its key/value head that has the same
+    offset, so its rows are written by it alone, and ``ACCUMULATE`` adds into float32 gradient
+    buffers shared by the branches.
 
 Rectangular dense calls (one segment, ``r = 1``, different query and key lengths) use the same
 kernels with separate query and key segment lengths.
@@ -282,8 +283,40 @@ def _key_bias(mask_ptr, offs_n, mask_step, k_ok, HAS_MASK: tl.constexpr):
 #     with plain loads and no bounds test on the scores (``CHECK=False``), then the one block that
 #     is cut by the end of the rows, with masked loads and ``-inf`` scores past the end. Without a
 #     padding mask or the causal diagonal, a full block applies no mask at all. The softmax scale
-#     is applied inside the exponent (``exp2(s * qk - m)``, one fused multiply-add per score);
-#     scales are positive, so the running maximum of the unscaled scores scales exactly.
+#     is applied inside the exponent (Note [Exponents at large logits]); scales are positive, so
+#     the running maximum of the unscaled scores is the maximum of the scaled ones.
+#
+# Note [Exponents at large logits]
+#     Scores ``qk`` (unscaled, float32) may be huge (logits 1e6) while their softmax is one-hot
+#     or spread over keys within O(1) of each other, so every exponent is formed from a
+#     *difference* that is exact or rounded at its own small size, never from two large
+#     rounded terms:
+#
+#     * forward: ``p = exp2((qk - m) * c)`` with ``m`` the row's running max of the unscaled
+#       scores and ``c = scale * log2(e)``: a subtraction and a multiply per score. The former
+#       ``exp2(qk * c - m')`` with ``m' = fl(max(qk) * c)`` compiles to one fused multiply-add,
+#       which subtracts the rounded ``m'`` from the *exact* product: the top key's ``p`` came
+#       out ``2**r`` with ``r`` up to half a float32 spacing of ``m'`` (0.06 at logits 1e6), not
+#       1. ``l`` sums that ``p`` while ``acc`` sums it rounded to the value dtype, so a one-hot
+#       row's ``out`` was ``v * (1 + 2**-9)`` in bfloat16, ``delta = dout . out`` missed the
+#       row's ``dp`` by that much, and ``ds * k`` with ``|k| ~ 1e3`` gave dQ errors of 12
+#       (bfloat16, logits 1e6) and 0.44 (float16, 6e4) where the true dQ is ~0 (H100).
+#     * ``lse = m * scale + log(l)`` (natural log, one FMA, one rounding), not through log2
+#       units (``(m' + log2 l) / log2(e)``: three roundings at |lse|).
+#     * backward: ``p = exp2((qk * scale - lse) * log2(e))``: the FMA forms ``qk * scale - lse``
+#       exactly up to one rounding at the size of the difference, the same ``scale`` as the
+#       forward's ``lse``. Multiplying the loaded lse by ``log2(e)`` first rounded at |lse|
+#       once more (0.06 in log2 units at 1e6). What remains is the lse's own float32 rounding
+#       (half a spacing at |lse|: Note [Tolerances at extreme logits] in the tests). One more
+#       multiply per score than ``exp2(qk * c - lse2)``.
+#
+# Note [NaN through the kernels]
+#     A NaN score (a NaN query element, or a NaN key element the row attends) makes ``p``, and so
+#     ``l``, ``acc``, the row's out and lse NaN, which the backward carries into its gradients;
+#     ``tl.max`` drops NaN, but ``l`` does not. Empty rows are recognized by ``l == 0`` (out 0,
+#     lse -inf), never by ``l > 0``, which a NaN fails too. The in-kernel merge does the same
+#     with its weights: ``total == 0`` only where both sides are empty, and an earlier result
+#     is dropped only where its weight is exactly 0 (its scratch row was never written).
 #
 # Note [Rows past the end]
 #     Query rows past a head's last row load q, dout, lse and delta as zeros. The forward and dQ
@@ -321,10 +354,10 @@ def _forward_blocks(
             qk += _key_bias(mask_ptr, offs_n, mask_step, k_ok, HAS_MASK)[None, :]
         if ON_DIAGONAL:
             qk = tl.where(offs_m[:, None] >= offs_n[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(qk * qk_scale - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2((qk - m_safe[:, None]) * qk_scale)  # Note [Exponents at large logits]
+        alpha = tl.exp2((m_i - m_safe) * qk_scale)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -334,7 +367,7 @@ def _forward_blocks(
 @triton.jit
 def _dq_blocks(
     dq, q, do, lse, delta, k_ptr, v_ptr, mask_ptr, lo, hi, offs_m, offs_n0, offs_d, rows_k,
-    k_step, v_step, mask_step, qk_scale,
+    k_step, v_step, mask_step, sm_scale,
     HEAD_DIM: tl.constexpr, ON_DIAGONAL: tl.constexpr, HAS_MASK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, CHECK: tl.constexpr,
 ):  # fmt: skip
@@ -347,7 +380,8 @@ def _dq_blocks(
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if CHECK or HAS_MASK:
             qk += _key_bias(mask_ptr, offs_n, mask_step, k_ok, HAS_MASK)[None, :]
-        p = tl.exp2(qk * qk_scale - lse[:, None])
+        # Note [Exponents at large logits]
+        p = tl.exp2((qk * sm_scale - lse[:, None]) * 1.4426950408889634)
         if ON_DIAGONAL:
             p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
@@ -359,7 +393,7 @@ def _dq_blocks(
 @triton.jit
 def _dkdv_blocks(
     dk, dv, k, v, keep, q_ptr, do_ptr, lse_ptr, delta_ptr, lo, hi, offs_n, offs_m0, offs_d,
-    rows_q, q_step, do_step, lse_step, delta_step, qk_scale,
+    rows_q, q_step, do_step, lse_step, delta_step, sm_scale,
     HEAD_DIM: tl.constexpr, ON_DIAGONAL: tl.constexpr, HAS_MASK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, CHECK: tl.constexpr,
 ):  # fmt: skip
@@ -377,9 +411,9 @@ def _dkdv_blocks(
         else:
             lse = tl.load(lse_ptr + offs_m * lse_step)
             delta = tl.load(delta_ptr + offs_m * delta_step)
-        lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
+        lse = tl.where(lse == float("-inf"), 0.0, lse)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-        p_t = tl.exp2(qk_t * qk_scale - lse[None, :])
+        p_t = tl.exp2((qk_t * sm_scale - lse[None, :]) * 1.4426950408889634)  # Note [Exponents...]
         if HAS_MASK or ON_DIAGONAL:
             valid_t = keep[:, None]
             if ON_DIAGONAL:
@@ -429,7 +463,7 @@ def _forward_kernel(
     stride_lb, stride_lh, stride_ln,
     stride_mb, stride_mh, stride_mn,
     out_row0, prev_row0, start, seg_q, seg_k, end_q, end_k, rate, head0, num_heads, kv_group,
-    qk_scale,
+    qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MERGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr,
@@ -479,11 +513,12 @@ def _forward_kernel(
             HEAD_DIM, True, HAS_MASK, DOT_PRECISION, BLOCK_N, True, DESCRIPTORS,
         )  # fmt: skip
 
-    seen = l_i > 0.0
-    o = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(
-        seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634, float("-inf")
-    )
+    # A row that saw no key has l = 0: out 0, lse -inf; a NaN score makes l, out and lse NaN
+    # (Note [NaN through the kernels]). One rounding in lse (Note [Exponents at large logits]).
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), m_i * sm_scale + tl.log(l_safe))
     out_ptr = _row0(Out, b, stride_ob, h, stride_oh, base_q - out_row0, stride_on)
     out_step = _step(rate, stride_on, WIDE)
     lse_ptrs = _row0(Lse, b, stride_lb, h, stride_lh, base_q, stride_ln) + offs_m * _step(
@@ -491,22 +526,24 @@ def _forward_kernel(
     )
     if MERGE:
         # Rows no earlier branch wrote have lse = -inf and whatever the scratch held: their
-        # weight is 0 and their values never enter the sum (Note [Fused branch engine]).
+        # weight is 0 and their values never enter the sum (Note [Fused branch engine]). A NaN
+        # or +inf lse on either side makes the weights, and the merged row, NaN (Note [NaN
+        # through the kernels]).
         old_lse = tl.load(lse_ptrs, mask=row_ok, other=float("-inf"))
         prev_ptr = _row0(Prev, b, stride_pb, h, stride_ph, base_q - prev_row0, stride_pn)
         old_o = _load_rows(
             prev_ptr, offs_m, _step(rate, stride_pn, WIDE), row_ok, offs_d, HEAD_DIM
         ).to(tl.float32)
-        top = tl.maximum(old_lse, lse)
+        top = tl.maximum(old_lse, lse, propagate_nan=tl.PropagateNan.ALL)
         top_safe = tl.where(top == float("-inf"), 0.0, top)
         w_old = tl.exp(old_lse - top_safe)
         w_new = tl.exp(lse - top_safe)
         total = w_old + w_new
-        merged_lse = tl.where(
-            total > 0.0, top_safe + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf")
-        )
-        inv = 1.0 / tl.where(total > 0.0, total, 1.0)
-        old_part = tl.where((w_old > 0.0)[:, None], old_o * (w_old * inv)[:, None], 0.0)
+        none = total == 0.0  # both sides empty; a NaN total is not
+        total_safe = tl.where(none, 1.0, total)
+        merged_lse = tl.where(none, float("-inf"), top_safe + tl.log(total_safe))
+        inv = 1.0 / total_safe
+        old_part = tl.where((w_old == 0.0)[:, None], 0.0, old_o * (w_old * inv)[:, None])
         o = old_part + o * (w_new * inv)[:, None]
         lse = merged_lse
     _store_rows(out_ptr, offs_m, out_step, o, row_ok, offs_d, HEAD_DIM, False)
@@ -551,7 +588,7 @@ def _dkdv_kernel(
     stride_mb, stride_mh, stride_mn,
     stride_gb, stride_gn, stride_gh,
     delta_row0, grad_row0, start, seg_q, seg_k, end_q, end_k, rate, head0, num_kv_heads, kv_group,
-    num_offsets, qk_scale, sm_scale,
+    num_offsets, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCUMULATE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
@@ -589,7 +626,7 @@ def _dkdv_kernel(
     full = tl.maximum(diagonal_end, rows_q // BLOCK_M * BLOCK_M)
     args = (offs_n, offs_m0, offs_d, rows_q, _step(rate, stride_qn, WIDE),
             _step(rate, stride_dn, WIDE), _step(rate, stride_ln, WIDE),
-            _step(rate, stride_en, WIDE), qk_scale)  # fmt: skip
+            _step(rate, stride_en, WIDE), sm_scale)  # fmt: skip
     mask_step = _step(rate, stride_mn, WIDE)
     for h in range(h0, (g + 1) * kv_group, rate):
         q_ptr = _row0(Q, b, stride_qb, h, stride_qh, base_q, stride_qn)
@@ -631,7 +668,7 @@ def _dq_kernel(
     stride_mb, stride_mh, stride_mn,
     stride_gb, stride_gn, stride_gh,
     delta_row0, grad_row0, start, seg_q, seg_k, end_q, end_k, rate, head0, num_heads, kv_group,
-    qk_scale, sm_scale,
+    sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCUMULATE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
@@ -657,14 +694,14 @@ def _dq_kernel(
     do = _load_rows(do_ptr, offs_m, _step(rate, stride_dn, WIDE), q_ok, offs_d, HEAD_DIM)
     lse_ptr = _row0(Lse, b, stride_lb, h, stride_lh, base_q, stride_ln)
     lse = tl.load(lse_ptr + offs_m * _step(rate, stride_ln, WIDE), mask=q_ok, other=0.0)
-    lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
+    lse = tl.where(lse == float("-inf"), 0.0, lse)
     delta_ptr = _row0(Delta, b, stride_eb, h, stride_eh, base_q - delta_row0, stride_en)
     delta = tl.load(delta_ptr + offs_m * _step(rate, stride_en, WIDE), mask=q_ok, other=0.0)
     k_ptr = _row0(K, b, stride_kb, kvh, stride_kh, base_k, stride_kn)
     v_ptr = _row0(V, b, stride_vb, kvh, stride_vh, base_k, stride_vn)
     mask_ptr = _row0(Mask, b, stride_mb, h, stride_mh, base_k, stride_mn)
     args = (offs_m, offs_n0, offs_d, rows_k, _step(rate, stride_kn, WIDE),
-            _step(rate, stride_vn, WIDE), _step(rate, stride_mn, WIDE), qk_scale)  # fmt: skip
+            _step(rate, stride_vn, WIDE), _step(rate, stride_mn, WIDE), sm_scale)  # fmt: skip
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     full, diagonal, hi = _key_ranges(pid_m, rows_k, CAUSAL, BLOCK_M, BLOCK_N)  # Note [Full blocks]
     dq = _dq_blocks(
@@ -821,7 +858,7 @@ def forward_branch(
         *_bnh(q), *_bnh(k), *_bnh(v), *_bnh(out), *_bnh(prev),
         lse.stride(0), lse.stride(1), lse.stride(2), smb, smh, smn,
         out_row0, prev_row0, branch.start, branch.seg_q, branch.seg_k, branch.end_q, branch.end_k,
-        branch.rate, head0, heads, heads // k.shape[2], scale * LOG2E,
+        branch.rate, head0, heads, heads // k.shape[2], scale * LOG2E, scale,
         HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         CAUSAL=is_causal, HAS_MASK=key_mask is not None, MERGE=merge,
         DOT_PRECISION=_DOT_PRECISION[q.dtype], WIDE=_wide(branch, q, k, v, out, prev),
@@ -897,14 +934,14 @@ def backward_branch(
     )
     _launch(
         _dkdv_kernel, grid, q, k, v, dout, lse, delta, mask, dk, dv, *common, *_bnh(dk),
-        delta_row0, grad_row0, *geometry, kv_heads, group, offsets, scale * LOG2E, scale,
+        delta_row0, grad_row0, *geometry, kv_heads, group, offsets, scale,
         BLOCK_M=config_dkdv.block_m, BLOCK_N=config_dkdv.block_n,
         num_warps=config_dkdv.num_warps, num_stages=config_dkdv.num_stages, **flags,
     )  # fmt: skip
     grid = (triton.cdiv(branch.max_rows_q, config_dq.block_m), branch.num_segments * heads, batch)
     _launch(
         _dq_kernel, grid, q, k, v, dout, lse, delta, mask, dq, *common, *_bnh(dq),
-        delta_row0, grad_row0, *geometry, heads, group, scale * LOG2E, scale,
+        delta_row0, grad_row0, *geometry, heads, group, scale,
         BLOCK_M=config_dq.block_m, BLOCK_N=config_dq.block_n,
         num_warps=config_dq.num_warps, num_stages=config_dq.num_stages, **flags,
     )  # fmt: skip
