@@ -16,7 +16,7 @@ from .backends.registry import check_backend_name, select_backend
 from .block_sparse import block_sparse_attention
 from .core.engine import AttentionFunction, DilatedAttentionFunction
 from .core.fused import FusedDilatedFunction, compile_ahead
-from .core.segment import RowGroup, plan_branches
+from .core.segment import RowGroup, effective_branches, plan_branches
 
 __all__ = ["attention", "block_sparse_attention", "dilated_attention"]
 
@@ -50,24 +50,6 @@ def empty_attention(
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse = q.new_full((batch, heads, query_len), float("-inf"), dtype=lse_dtype)
     return out, lse
-
-
-def _effective_branches(
-    seq_len: int, num_heads: int, segs: tuple[int, ...], rates: tuple[int, ...]
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The schedule with every ``(w, r)`` replaced by the smallest pair of the same geometry.
-
-    Note [Effective branches]
-        ``w > N`` is one segment, the same as ``w = N``. A rate ``r >= max(w, H)`` (w now at most
-        N) gives head ``j`` the offset ``j`` and one row per segment (``j + r`` lies outside it),
-        the same as ``r = max(w, H)``. So the kernels never see a length or rate above
-        ``max(N, H)``: huge values (up to the 2**63 - 1 validation allows) cannot overflow the
-        int64 index or stride arithmetic of any kernel (seen: w = r = 2**63 - 1 gave a wrong
-        result on the fused Triton kernels), and such schedules share compiled kernels.
-    """
-    eff_segs = tuple(min(w, seq_len) for w in segs)
-    eff_rates = tuple(min(r, max(w, num_heads)) for w, r in zip(eff_segs, rates, strict=True))
-    return eff_segs, eff_rates
 
 
 @torch.compiler.disable  # selection probes kernels and caches: run it eagerly, never traced
@@ -235,7 +217,7 @@ def dilated_attention(
         out, lse = empty_attention(q, k, v)
         return (out, lse) if return_lse else out
     softmax_scale = checked_scale if checked_scale is not None else q.shape[-1] ** -0.5
-    segs, rates = _effective_branches(q.shape[1], q.shape[2], segs, rates)
+    segs, rates = effective_branches(q.shape[1], q.shape[2], segs, rates)
     if kernel.fuses_dilated_branches:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         branches = tuple(zip(segs, rates, strict=True))

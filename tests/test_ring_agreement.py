@@ -25,6 +25,7 @@ from dilated_attention import (
     BlockSparseRingMultiheadDilatedAttention,
     RingMultiheadDilatedAttention,
     block_sparse_ring_attention,
+    dilated_attention,
     patterns,
     ring_attention,
     ring_dilated_attention,
@@ -118,6 +119,21 @@ def _grad_mode_worker(rank: int, world_size: int) -> None:
         assert q.grad is not None and k.grad is not None, f"rank {rank}: {name} gradients"
         with torch.no_grad():
             call(*_qkv(requires_grad=True))
+    # backend="auto" on one rank and None on the other is the same choice, not a mismatch.
+    q, k, v = _qkv()
+    ring_attention(q, k, v, is_causal=True, backend="auto" if rank == 0 else None)
+    # Schedule values far past the sequence run as their geometry (w = N, r = max(w, H)).
+    huge = 2**62
+    got = ring_dilated_attention(q, k, v, [4, huge], [1, huge], is_causal=True)
+    global_len = world_size * LOCAL_LEN
+    ref = ring_dilated_attention(q, k, v, [4, global_len], [1, global_len], is_causal=True)
+    assert torch.equal(got, ref), f"rank {rank}: huge schedule values changed the result"
+    # Rank 1 holds no query row of the r = 16 branch (heads 0-3 read positions 0-3): still the
+    # single-process result (every rank's shard is the same tensor here).
+    full = [torch.cat([x] * world_size, dim=1) for x in (q, k, v)]
+    whole = dilated_attention(*full, [4, global_len], [1, global_len], is_causal=True)
+    mine = whole[:, rank * LOCAL_LEN : (rank + 1) * LOCAL_LEN]
+    torch.testing.assert_close(got, mine, msg=lambda m: f"rank {rank}: {m}")
 
 
 def test_grad_mode_mismatch_raises_on_every_rank(tmp_path: Path) -> None:

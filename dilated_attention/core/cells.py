@@ -30,11 +30,17 @@ class Cells:
 
     @classmethod
     def of(
-        cls, rows: list[torch.Tensor], heads: list[torch.Tensor], num_heads: int
+        cls,
+        rows: list[torch.Tensor],
+        heads: list[torch.Tensor],
+        num_heads: int,
+        device: torch.device | str | None = None,
     ) -> tuple[Cells, list[torch.Tensor]]:
-        """The cells of the given (rows, heads) pieces and each piece's positions among them."""
+        """The cells of the given (rows, heads) pieces and each piece's positions among them
+        (no pieces: no cells, with their indices on ``device``)."""
         pairs = zip(rows, heads, strict=True)
-        flat = torch.cat([r.flatten() * num_heads + h.flatten() for r, h in pairs])
+        parts = [r.flatten() * num_heads + h.flatten() for r, h in pairs]
+        flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=device)
         cells, where = torch.unique(flat, return_inverse=True)
         pieces = list(where.split([r.numel() for r in rows]))
         return cls(cells // num_heads, cells % num_heads), pieces

@@ -162,3 +162,21 @@ def scatter_rows(
         block.index_add_(2, index, src)
     else:
         block.index_copy_(2, index, src)
+
+
+def effective_branches(
+    seq_len: int, num_heads: int, segs: tuple[int, ...], rates: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The schedule with every ``(w, r)`` replaced by the smallest pair of the same geometry.
+
+    Note [Effective branches]
+        ``w > N`` is one segment, the same as ``w = N``. A rate ``r >= max(w, H)`` (w now at most
+        N) gives head ``j`` the offset ``j`` and one row per segment (``j + r`` lies outside it),
+        the same as ``r = max(w, H)``. So the kernels never see a length or rate above
+        ``max(N, H)``: huge values (up to the 2**63 - 1 validation allows) cannot overflow the
+        int64 index or stride arithmetic of any kernel (seen: w = r = 2**63 - 1 gave a wrong
+        result on the fused Triton kernels), and such schedules share compiled kernels.
+    """
+    eff_segs = tuple(min(w, seq_len) for w in segs)
+    eff_rates = tuple(min(r, max(w, num_heads)) for w, r in zip(eff_segs, rates, strict=True))
+    return eff_segs, eff_rates

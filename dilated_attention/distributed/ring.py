@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from .. import _validation as V
 from ..backends.base import Backend, KernelInputs
-from ..backends.registry import select_backend
+from ..backends.registry import check_backend_name, select_backend
 from ..compiled import eager_only
 from ..core.higher_order import first_order_backward, ring_message
 from ..core.merge import merge_partial
@@ -514,7 +514,8 @@ def prepare_ring(
         fields = [
             n, q.shape[0], q.shape[2], k.shape[2], q.shape[3], dtype_code, int(is_causal),
             LAYOUTS.index(layout), COMMS.index(comm), _float_bits(checked_scale),
-            _crc(backend), _crc(schedule), int(has_mask), device_code, int(needs_grad),
+            _crc(check_backend_name(backend)), _crc(schedule), int(has_mask), device_code,
+            int(needs_grad),
         ]  # fmt: skip
     except Exception as exc:  # any rejection on one rank must reach the others: no hang
         error = exc

@@ -48,7 +48,7 @@ from ..core.engine import dilated_backward, dilated_forward
 from ..core.fused import fused_backward, fused_forward
 from ..core.higher_order import first_order_backward, ring_message
 from ..core.merge import merge_partial
-from ..core.segment import RowGroup, plan_branches
+from ..core.segment import RowGroup, effective_branches, plan_branches
 from ._comm import exchange, wait_all
 from .ring import RingSetup, prepare_ring
 from .sharding import local_positions
@@ -401,12 +401,12 @@ def _plan(
         return DilatedRingPlan(branches, local, ())
     calls = [call for span in spans for call in span.calls]
     q_cells, pieces = Cells.of(
-        [c.rows for c in calls], [c.heads.expand_as(c.rows) for c in calls], heads
+        [c.rows for c in calls], [c.heads.expand_as(c.rows) for c in calls], heads, device
     )
     per_span = [len(span.calls) for span in spans]
     call_cells = tuple(tuple(g) for g in _split(pieces, per_span))
     kv_cells, send_cells = Cells.of(
-        [s.send_rows for s in spans], [s.send_heads for s in spans], kv_heads
+        [s.send_rows for s in spans], [s.send_heads for s in spans], kv_heads, device
     )
     return DilatedRingPlan(
         branches, local, tuple(spans), q_cells, kv_cells, call_cells, tuple(send_cells)
@@ -564,6 +564,8 @@ def ring_dilated_attention(
         key_padding_mask=key_padding_mask,
     )  # fmt: skip
     segs, rates = V.check_branches(segment_lengths, dilation_rates)
+    global_len = setup.world_size * q.shape[1]
+    segs, rates = effective_branches(global_len, q.shape[2], segs, rates)
     plan = plan_ring_dilated(setup, q, k, segs, rates)
     mask = None if key_padding_mask is None else key_padding_mask.contiguous()
     out, lse = RingDilatedFunction.apply(q, k, v, mask, plan, setup, kernel)
