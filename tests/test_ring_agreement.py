@@ -23,6 +23,8 @@ from distributed_utils import run_world
 
 from dilated_attention import (
     BlockSparseRingMultiheadDilatedAttention,
+    LongNetConfig,
+    LongNetLM,
     RingMultiheadDilatedAttention,
     block_sparse_ring_attention,
     dilated_attention,
@@ -184,6 +186,20 @@ def _multihead_worker(rank: int, world_size: int) -> None:
         RuntimeError if r1 else ValueError,
     ):
         layer(x.float() if r1 else x)
+    # The LongNet model checks its tokens before any layer: a rejection on one rank.
+    model = LongNetLM(
+        LongNetConfig(
+            vocab_size=32, embed_dim=EMBED, num_heads=2, num_layers=1, ffn_dim=32,
+            segment_lengths=(4, 16), dilation_rates=(1, 2), kind="ring",
+        )
+    )  # fmt: skip
+    tokens = torch.randint(0, 32, (BATCH, LOCAL_LEN))
+    with _raises(
+        f"rank {rank}: LongNetLM, a token id past the vocabulary on rank 1",
+        r"token ids must be in \[0, vocab_size=32\)" if r1 else r"rank\(s\) \[1\] rejected",
+    ):
+        model(tokens + 40 * r1)
+    assert model(tokens).shape == (BATCH, LOCAL_LEN, 32), f"rank {rank}: LongNetLM logits"
     # Still in step, and a valid float mask (0 = keep) is accepted.
     out, _ = layer(x, key_padding_mask=float_mask, is_causal=True)
     assert out.shape == x.shape, f"rank {rank}: out.shape {tuple(out.shape)}"

@@ -301,15 +301,39 @@ class LongNetLM(nn.Module):
         params = {id(p): p for p in self.parameters()}.values()
         return sum(p.numel() for p in params if p.requires_grad or not trainable_only)
 
-    def _default_positions(self, seq_len: int, device: torch.device) -> torch.Tensor:
+    def _ring(self) -> Any | None:
+        """The first layer's ring attention module, or ``None`` for local attention."""
         inner = self.blocks[0].attn.mha.attention
-        if hasattr(inner, "layout"):  # ring attention: this rank's global positions
+        return inner if hasattr(inner, "layout") else None
+
+    def _default_positions(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        ring = self._ring()
+        if ring is not None:  # ring attention: this rank's global positions
             from ..distributed.sharding import sequence_positions
 
             return sequence_positions(
-                seq_len, group=getattr(inner, "group", None), layout=inner.layout, device=device
+                seq_len, group=getattr(ring, "group", None), layout=ring.layout, device=device
             )
         return torch.arange(seq_len, device=device)
+
+    def _check_tokens_on_all_ranks(self, tokens: object) -> torch.Tensor:
+        """:meth:`_check_tokens`; under ring attention every rank then learns whether any rank's
+        tokens were rejected (one small all-gather), so a rejection raises on every rank instead
+        of leaving the others waiting in the first layer's ring call."""
+        ring = self._ring()
+        if ring is None:
+            return self._check_tokens(tokens)
+        from ..distributed._comm import check_same_on_all_ranks
+
+        error: Exception | None = None
+        try:
+            checked = self._check_tokens(tokens)
+        except Exception as exc:  # a rejection on one rank must reach the others: no hang
+            error = exc
+        check_same_on_all_ranks(
+            [0], ["(none)"], getattr(ring, "group", None), error, what="LongNetLM tokens"
+        )
+        return checked
 
     def _check_tokens(self, tokens: object) -> torch.Tensor:
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
@@ -363,7 +387,7 @@ class LongNetLM(nn.Module):
             ValueError: token ids out of range, N (or a position) beyond ``max_seq_len``, bad
                 ``positions``.
         """
-        tokens = self._check_tokens(tokens)
+        tokens = self._check_tokens_on_all_ranks(tokens)
         N = tokens.shape[1]
         if positions is None:
             positions = self._default_positions(N, tokens.device)
