@@ -148,21 +148,23 @@ def compile_launches(launches: list[Launch], workers: int | None = None) -> None
 
 def _marker(launches: list[Launch]) -> str | None:
     """The marker file of these launches' kernels in Triton's cache directory: named by a hash of
-    each kernel's source (Triton's ``cache_key``) and specialization, and the Triton version.
+    each kernel's source (Triton's ``cache_key``) and specialization, the Triton version and the
+    target (a cache directory shared by GPUs of several kinds holds a marker per kind).
     ``None`` where it cannot be named."""
     try:
         import triton
         from triton import knobs
 
         cache_dir = knobs.cache.dir
-    except (ImportError, AttributeError):
+        target = _active_driver().get_current_target()
+    except (ImportError, AttributeError, RuntimeError):
         return None
     kernels = sorted(
         f"{getattr(launch.kernel, 'cache_key', launch.kernel)!r} "
         f"{launch.specialization()[1:]!r}"
         for launch in launches
     )  # fmt: skip
-    parts = [triton.__version__, *kernels]
+    parts = [triton.__version__, repr(target), *kernels]
     digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
     return os.path.join(cache_dir, "dilated_attention_compiled", digest)
 
