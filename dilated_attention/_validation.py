@@ -241,6 +241,16 @@ ATTN_MASK_FIX = (
 )
 
 
+def check_no_key_padding_mask(mask: object) -> None:
+    """Block-sparse attention takes no key padding mask: ``None`` or a ``ValueError`` saying how
+    to leave padded keys out instead."""
+    if mask is not None:
+        raise ValueError(
+            "key_padding_mask is not supported by block-sparse attention; pass None (leave the "
+            "padded key blocks out of the pattern, e.g. pattern & patterns.Custom(mask))"
+        )
+
+
 def check_attn_mask(mask: object, query_len: int, device: torch.device) -> torch.Tensor:
     """Check the metadata of an ``nn.MultiheadAttention``-style ``attn_mask``; return it.
 

@@ -479,14 +479,6 @@ class MultiheadDilatedAttention(_MultiheadProjections):
         return cls(**config.kwargs(), device=device, dtype=dtype)
 
 
-def _no_key_padding_mask(key_padding_mask: torch.Tensor | None) -> None:
-    if key_padding_mask is not None:
-        raise ValueError(
-            "key_padding_mask is not supported by block-sparse attention; pass None (leave the "
-            "padded key blocks out of the pattern, e.g. pattern & patterns.Custom(mask))"
-        )
-
-
 class BlockSparseAttention(nn.Module):
     """Block-sparse attention over (B, N, H, D) tensors; see :func:`block_sparse_attention`.
 
@@ -531,7 +523,7 @@ class BlockSparseAttention(nn.Module):
         Returns:
             (B, Nq, H, D).
         """
-        _no_key_padding_mask(key_padding_mask)
+        V.check_no_key_padding_mask(key_padding_mask)
         out = block_sparse_attention(
             query, key, value, self.pattern, block_size=self.block_size, is_causal=is_causal,
             scale=self.scale, backend=self.backend,
@@ -596,7 +588,9 @@ class BlockSparseMultiheadAttention(_MultiheadProjections):
         self.pattern, self.block_size = attention.pattern, attention.block_size
 
 
-def _block_sparse_kind(cls: type[nn.Module], kind: str, kwargs: dict[str, object]) -> nn.Module:
+def build_block_sparse_kind(
+    cls: type[nn.Module], kind: str, kwargs: dict[str, object]
+) -> nn.Module:
     """Build a block-sparse module for the factory's generic ``create_*`` functions."""
     for name in ("segment_lengths", "dilation_rates"):
         if kwargs.pop(name, None) is not None:
@@ -616,12 +610,12 @@ def _block_sparse_kind(cls: type[nn.Module], kind: str, kwargs: dict[str, object
 
 def build_block_sparse(**kwargs: object) -> nn.Module:
     """Factory constructor of kind ``"block_sparse"`` (:class:`BlockSparseAttention`)."""
-    return _block_sparse_kind(BlockSparseAttention, "block_sparse", kwargs)
+    return build_block_sparse_kind(BlockSparseAttention, "block_sparse", kwargs)
 
 
 def build_block_sparse_multihead(**kwargs: object) -> nn.Module:
     """Factory constructor of kind ``"block_sparse"`` (:class:`BlockSparseMultiheadAttention`)."""
-    return _block_sparse_kind(BlockSparseMultiheadAttention, "block_sparse", kwargs)
+    return build_block_sparse_kind(BlockSparseMultiheadAttention, "block_sparse", kwargs)
 
 
 #: Read by the factory when kind="block_sparse" is first requested (``factory._PROVIDERS``).

@@ -140,9 +140,6 @@ class Backend:
     supports_dropout: ClassVar[bool] = False
     supports_backward: ClassVar[bool] = True
     native_gqa: ClassVar[bool] = True
-    # Accepts rows at any stride (only stride(-1) == 1 needed), so dilated rows could be passed as
-    # views x[:, offset::rate] without a gather. Declared for the planner; the engine gathers today.
-    supports_strided_rows: ClassVar[bool] = False
     # Runs a whole dilated branch from the full q, k, v and merges in place (forward_branch,
     # row_delta, backward_branch): the engine then uses core/fused.py instead of gathering.
     fuses_dilated_branches: ClassVar[bool] = False

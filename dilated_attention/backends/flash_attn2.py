@@ -65,7 +65,6 @@ class FlashAttn2Backend(Backend):
     devices = frozenset({"cuda"})
     dtypes = _HALF
     max_head_dim = 256
-    supports_strided_rows = True
     # The private entry points do not pad the head dim (only the public wrappers do).
     head_dim_multiple = 8
     min_compute_capability = (8, 0)

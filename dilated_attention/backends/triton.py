@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from types import ModuleType
 from typing import Any
@@ -43,6 +44,17 @@ def _kernels() -> ModuleType:
     from . import _triton_kernels
 
     return _triton_kernels
+
+
+@functools.cache
+def merge_kernel() -> Callable[..., None] | None:
+    """The one-kernel in-place merge of a partial result into float32 accumulators on CUDA
+    (``_triton_merge.merge_into``), or ``None`` where Triton cannot be imported."""
+    try:
+        from ._triton_merge import merge_into
+    except Exception:
+        return None
+    return merge_into
 
 
 def _tile_configs(head_dim: int, dtype: torch.dtype) -> dict[str, Any]:
@@ -128,7 +140,6 @@ class TritonBackend(Backend):
     supports_rectangular_causal = True
     supports_mask = True
     native_gqa = True
-    supports_strided_rows = True
     fuses_dilated_branches = True
     empty_rows_have_neg_inf_lse = True
 

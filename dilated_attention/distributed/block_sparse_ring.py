@@ -59,7 +59,7 @@ from ..block_sparse import (
 )
 from ..compiled import eager_only
 from ..core.higher_order import first_order_backward, ring_message
-from ..modules import BlockSparseMultiheadAttention, _block_sparse_kind, _no_key_padding_mask
+from ..modules import BlockSparseMultiheadAttention, build_block_sparse_kind
 from ..patterns import Custom, Intersection, Pattern, Union, check_pattern
 from . import _comm
 from .ring import AgreedForward, RingSetup, prepare_ring, reject_ring_call
@@ -415,7 +415,7 @@ class BlockSparseRingDilatedAttention(nn.Module):
         """
         self.ring_calls += 1
         try:
-            _no_key_padding_mask(key_padding_mask)
+            V.check_no_key_padding_mask(key_padding_mask)
         except ValueError as exc:  # the peers wait in the ring call's agreement: join it
             reject_ring_call(exc, self.group)
         out = block_sparse_ring_attention(
@@ -468,7 +468,7 @@ class BlockSparseRingMultiheadDilatedAttention(AgreedForward, BlockSparseMultihe
 
 def _build(cls: type[nn.Module]) -> Callable[..., nn.Module]:
     def build(**kwargs: object) -> nn.Module:
-        return _block_sparse_kind(cls, "block_sparse_ring", kwargs)
+        return build_block_sparse_kind(cls, "block_sparse_ring", kwargs)
 
     build.__doc__ = f"Factory constructor of kind 'block_sparse_ring' ({cls.__name__})."
     return build

@@ -20,7 +20,6 @@ Shape legend: B batch, n local tokens, H query heads, Hkv key/value heads, D hea
 
 from __future__ import annotations
 
-import functools
 import struct
 import zlib
 from collections.abc import Callable
@@ -33,6 +32,7 @@ import torch.distributed as dist
 from .. import _validation as V
 from ..backends.base import Backend, KernelInputs
 from ..backends.registry import check_backend_name, select_backend
+from ..backends.triton import merge_kernel
 from ..compiled import eager_only
 from ..core.higher_order import first_order_backward, ring_message
 from ..core.merge import merge_partial
@@ -168,16 +168,6 @@ def _all_blocks(block: KeyBlock, setup: RingSetup) -> list[KeyBlock]:
     ]
 
 
-@functools.cache
-def _fused_merge() -> Callable[..., None] | None:
-    """The one-kernel Triton merge, or ``None`` where Triton cannot be imported (torch ops then)."""
-    try:
-        from ..backends._triton_merge import merge_into
-    except Exception:
-        return None
-    return merge_into
-
-
 def _merge_into(
     out: torch.Tensor,
     lse: torch.Tensor,
@@ -189,7 +179,7 @@ def _merge_into(
 
     On CUDA one fused Triton kernel does it in place (a quarter of the bytes of the torch ops).
     """
-    fused = _fused_merge() if out.is_cuda and out.dtype == torch.float32 else None
+    fused = merge_kernel() if out.is_cuda and out.dtype == torch.float32 else None
     if fused is not None:
         part_out = part_out if part_out.stride(-1) == 1 else part_out.contiguous()
         fused(out[:, rows], lse[:, rows], part_out, part_lse.transpose(1, 2))
