@@ -228,7 +228,7 @@ def main() -> None:
                         help="run the checks against single-GPU results, time nothing")  # fmt: skip
     parser.add_argument(
         "--process-group-backend", default="nccl", choices=["nccl", "cpu:gloo,cuda:nccl"],
-        help="with a CPU backend the per-call agreement check runs on the CPU (README)",
+        help="with a CPU backend the per-call agreement check runs on the CPU (docs/ring.md)",
     )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help=OUT_HELP)
     parser.add_argument(

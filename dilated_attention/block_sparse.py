@@ -684,7 +684,8 @@ def _choose(
     Nothing asked for (argument, ``use_backend``, environment), on CUDA: for a call without
     gradients our block-sparse Triton kernels where they run these inputs (their forward is
     1.1-1.4x FlexAttention's on an H100), for training FlexAttention (its backward is up to 6%
-    faster at 64K tokens: README), then whichever of the two runs, else the fallback.
+    faster at 64K tokens: docs/block_sparse.md), then whichever of the two runs, else the
+    fallback.
     ``"triton"``: our Triton kernels, or where they cannot run these inputs the fallback with the
     dense Triton kernel. ``"flex"``: FlexAttention or a ``ValueError``. Any other name runs the
     fallback with that kernel.

@@ -618,7 +618,7 @@ def test_agreement_check_stays_on_the_cpu_where_the_group_allows(
     backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The per-call all-gather of the agreement check uses CPU tensors (gloo) whenever the group
-    has a CPU backend, so it never waits for the GPU (README, ring attention)."""
+    has a CPU backend, so it never waits for the GPU (docs/ring.md)."""
     monkeypatch.setattr(comm_mod.dist, "get_backend", lambda group=None: backend)
     assert comm_mod._collective_device(None) == torch.device("cpu")
 

@@ -32,7 +32,8 @@ OPTIONAL = ("flash_attn2", "flash_attn3", "flash_attn4", "xformers")
 CUDA0 = torch.device("cuda", 0)
 CPU = torch.device("cpu")
 
-# The documented priority (README "Kernels", registry._CUDA_PRIORITY comment), per major.
+# The documented priority (docs/kernels.md "How the choice is made", the comment on
+# registry._CUDA_PRIORITY), per major.
 EXPECTED_PRIORITY: dict[int, list[str]] = {
     10: [
         "flash_attn4",
