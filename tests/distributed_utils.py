@@ -189,3 +189,27 @@ def count_exchanges(**modules: ModuleType) -> Iterator[dict[str, list[int]]]:
         for label, module in modules.items():
             mp.setattr(module, "exchange", wrap(module.exchange, label))
         yield log
+
+
+@contextlib.contextmanager
+def raises_on_rank(
+    what: str, match: str, error: type[Exception] = ValueError, within_s: float | None = None
+) -> Iterator[None]:
+    """``pytest.raises(error, match=...)`` for worker code, whose failure names the case
+    (``what``; pytest does not rewrite ``assert`` in spawned workers). An error of another type
+    (a gloo abort, a timeout) fails with that error; ``within_s``: the error must come sooner
+    (one that took the process group's timeout would not)."""
+    start = time.monotonic()
+    expected = f"{error.__name__} matching {match!r}"
+    try:
+        with pytest.raises(error, match=match):
+            yield
+    except (AssertionError, pytest.fail.Exception) as exc:  # no raise, or another message
+        raise AssertionError(f"{what}: expected {expected}: {exc}") from None
+    except Exception as exc:
+        raise AssertionError(
+            f"{what}: expected {expected}, got {type(exc).__name__}: {exc}"
+        ) from exc
+    took = time.monotonic() - start
+    if within_s is not None:
+        assert took < within_s, f"{what}: the error took {took:.1f} s (a timeout?)"

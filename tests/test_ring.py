@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_utils import count_exchanges, run_world
+from distributed_utils import count_exchanges, raises_on_rank, run_world
 from oracle import oracle_attention
 
 import dilated_attention
@@ -449,20 +449,6 @@ def _subgroup_worker(rank: int, world_size: int) -> None:
     assert torch.equal(got, expected), f"rank {rank}: positions {got.tolist()} in its group"
 
 
-@contextlib.contextmanager
-def _raises_value_error(what: str, match: str) -> Iterator[None]:
-    """``pytest.raises(ValueError, match=...)`` whose failure names the call (``what``)."""
-    try:
-        with pytest.raises(ValueError, match=match):
-            yield
-    except (AssertionError, pytest.fail.Exception) as exc:  # no raise, or another message
-        raise AssertionError(f"{what}: expected ValueError matching {match!r}: {exc}") from None
-    except Exception as exc:
-        raise AssertionError(
-            f"{what}: expected ValueError matching {match!r}, got {type(exc).__name__}: {exc}"
-        ) from exc
-
-
 def _qkv(
     n: int, heads: int = HEADS, kv_heads: int = 2, dtype: torch.dtype = torch.float64
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -527,16 +513,16 @@ def _bad_input_worker(rank: int, world_size: int) -> None:
          lambda: sequence_positions(3, layout="zigzag")),
     ]  # fmt: skip
     for what, match, call in mismatched + malformed:
-        with _raises_value_error(f"rank {rank}: {what}", match):
+        with raises_on_rank(f"rank {rank}: {what}", match):
             call()
 
     # A group this rank is not in: rank 1 gets a ValueError; rank 0 runs a ring of one.
     only_zero = dist.new_group([0])  # every rank must call new_group
     x = _qkv(6)
     if rank == 1:
-        with _raises_value_error("ring_attention(group=new_group([0])) on rank 1", "not a member"):
+        with raises_on_rank("ring_attention(group=new_group([0])) on rank 1", "not a member"):
             ring_attention(*x, group=only_zero)
-        with _raises_value_error("shard_sequence(group=new_group([0])) on rank 1", "not a member"):
+        with raises_on_rank("shard_sequence(group=new_group([0])) on rank 1", "not a member"):
             shard_sequence(torch.zeros(1, 4, 1, 1), group=only_zero)
     else:
         out = ring_attention(*x, group=only_zero, is_causal=True, backend="math")
@@ -548,7 +534,7 @@ def _bad_input_worker(rank: int, world_size: int) -> None:
 
 
 def _scale_mismatch_worker(rank: int, world_size: int) -> None:
-    with _raises_value_error(
+    with raises_on_rank(
         f"rank {rank}: scale=0.5 on rank 0, scale=None on rank 1", r"scale.*differs"
     ):
         ring_attention(*_qkv(6), scale=0.5 if rank == 0 else None)
@@ -556,14 +542,14 @@ def _scale_mismatch_worker(rank: int, world_size: int) -> None:
 
 def _dtype_mismatch_worker(rank: int, world_size: int) -> None:
     dtype = torch.float32 if rank == 0 else torch.float64
-    with _raises_value_error(
+    with raises_on_rank(
         f"rank {rank}: float32 shards on rank 0, float64 on rank 1", r"dtype.*differs"
     ):
         ring_attention(*_qkv(6, dtype=dtype))
 
 
 def _one_rank_bad_layout_worker(rank: int, world_size: int) -> None:
-    with _raises_value_error(
+    with raises_on_rank(
         f"rank {rank}: layout='striped' on rank 1 only",
         r"layout must be one of|rejected their ring attention inputs.*layout must be one of",
     ):

@@ -13,13 +13,13 @@ case (``_raises``).
 from __future__ import annotations
 
 import contextlib
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from distributed_utils import run_world
+from distributed_utils import raises_on_rank, run_world
 
 from dilated_attention import (
     BlockSparseRingMultiheadDilatedAttention,
@@ -45,24 +45,9 @@ EMBED = 16
 pytestmark = pytest.mark.distributed
 
 
-@contextlib.contextmanager
-def _raises(what: str, match: str, error: type[Exception] = ValueError) -> Iterator[None]:
-    """``pytest.raises(error, match=...)`` whose failure names the case; an error of another
-    type (a gloo abort, a timeout) fails with that error."""
-    start = time.monotonic()
-    expected = f"{error.__name__} matching {match!r}"
-    try:
-        with pytest.raises(error, match=match):
-            yield
-    except (AssertionError, pytest.fail.Exception) as exc:  # no raise, or another message
-        raise AssertionError(f"{what}: expected {expected}: {exc}") from None
-    except Exception as exc:
-        raise AssertionError(
-            f"{what}: expected {expected}, got {type(exc).__name__}: {exc}"
-        ) from exc
-    took = time.monotonic() - start
-    # An error that came from the process-group timeout would take TIMEOUT_S.
-    assert took < TIMEOUT_S / 2, f"{what}: the error took {took:.1f} s (a timeout?)"
+def _raises(what: str, match: str, error: type[Exception] = ValueError) -> Any:
+    """:func:`raises_on_rank` within half the process-group timeout."""
+    return raises_on_rank(what, match, error, within_s=TIMEOUT_S / 2)
 
 
 def _qkv(requires_grad: bool = False) -> list[torch.Tensor]:
