@@ -179,7 +179,8 @@ def warmup(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     k, v = (
         torch.randn(1, seq_len, kv_heads, args.head_dim, device=device, dtype=dtype) for _ in "kv"
     )
-    mask = torch.ones(1, seq_len, dtype=torch.bool, device=device) if args.key_padding else None
+    # A mask that pads nothing: the masked kernels, on real rows.
+    mask = torch.zeros(1, seq_len, dtype=torch.bool, device=device) if args.key_padding else None
     for x in (q, k, v):
         x.requires_grad_(args.grad)
     start = time.perf_counter()

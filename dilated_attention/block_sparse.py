@@ -66,6 +66,7 @@ from . import _validation as V
 from . import compiled
 from .backends.base import Backend, KernelInputs
 from .backends.registry import _requested, check_backend_name, get_backend, select_backend
+from .core.engine import empty_attention
 from .core.higher_order import RowCall, differentiable_grads
 from .core.merge import merge_partial
 from .patterns import Pattern, check_pattern
@@ -790,8 +791,6 @@ def block_sparse_attention(
         )
         return (out, lse) if return_lse else out
     if q.numel() == 0:  # batch 0 or 0 heads: empty out and grads, no kernel launch
-        from .functional import empty_attention
-
         out, lse = empty_attention(q, k, v)
         return (out, lse) if return_lse else out
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))

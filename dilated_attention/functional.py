@@ -14,7 +14,7 @@ from . import compiled
 from .backends.base import Backend, KernelInputs
 from .backends.registry import check_backend_name, select_backend
 from .block_sparse import block_sparse_attention
-from .core.engine import AttentionFunction, DilatedAttentionFunction
+from .core.engine import AttentionFunction, DilatedAttentionFunction, empty_attention
 from .core.fused import FusedDilatedFunction, compile_ahead
 from .core.segment import RowGroup, effective_branches, plan_branches
 
@@ -25,31 +25,6 @@ def _check_flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
     return value
-
-
-def empty_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` for a checked call with no query rows (batch 0 or 0 heads).
-
-    SDPA returns empty tensors there; so do we, without launching a kernel (some reject empty
-    launches). ``out`` is tied to q, k and v through their sums (of zero elements: free), so
-    backward gives all three their empty gradients.
-
-    Args:
-        q: (B, Nq, H, D) with B * H == 0.
-        k: (B, Nk, Hkv, D).
-        v: (B, Nk, Hkv, D).
-
-    Returns:
-        out (B, Nq, H, D) in q's dtype; lse (B, H, Nq) float32 (float64 for float64 inputs).
-    """
-    batch, query_len, heads, _ = q.shape
-    link = (q.sum() + k.sum() + v.sum()) * 0
-    out = torch.zeros_like(q) + link
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    lse = q.new_full((batch, heads, query_len), float("-inf"), dtype=lse_dtype)
-    return out, lse
 
 
 @torch.compiler.disable  # selection probes kernels and caches: run it eagerly, never traced

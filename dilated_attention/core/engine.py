@@ -321,3 +321,28 @@ class AttentionFunction(torch.autograd.Function):
             )
         grads = first_order_only((dq, dk, dv), _DROPOUT_MESSAGE.format(what="attention"))
         return *grads, None, None, None, None, None
+
+
+def empty_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` for a checked call with no query rows (batch 0 or 0 heads).
+
+    SDPA returns empty tensors there; so do we, without launching a kernel (some reject empty
+    launches). ``out`` is tied to q, k and v through their sums (of zero elements: free), so
+    backward gives all three their empty gradients.
+
+    Args:
+        q: (B, Nq, H, D) with B * H == 0.
+        k: (B, Nk, Hkv, D).
+        v: (B, Nk, Hkv, D).
+
+    Returns:
+        out (B, Nq, H, D) in q's dtype; lse (B, H, Nq) float32 (float64 for float64 inputs).
+    """
+    batch, query_len, heads, _ = q.shape
+    link = (q.sum() + k.sum() + v.sum()) * 0
+    out = torch.zeros_like(q) + link
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse = q.new_full((batch, heads, query_len), float("-inf"), dtype=lse_dtype)
+    return out, lse
