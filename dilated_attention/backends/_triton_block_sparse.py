@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_kernels import _DOT_PRECISION, _block_d, row_delta
+from ._triton_kernels import _block_d, dot_precision, row_delta
 
 LOG2E = 1.4426950408889634
 
@@ -345,7 +345,7 @@ def forward(
         query_len, k.shape[1], heads // k.shape[2], scale * LOG2E, scale,
         BLOCK=block_size, HEAD_DIM=dim, BLOCK_D=_block_d(dim), BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, CAUSAL=is_causal, EVEN=_even(q, k),
-        DOT_PRECISION=_DOT_PRECISION[q.dtype], num_warps=tiles.num_warps,
+        DOT_PRECISION=dot_precision(q), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )  # fmt: skip
     return out, lse
@@ -373,7 +373,7 @@ def backward(
     tiles = _tiles(block_size)
     common = dict(
         BLOCK=block_size, HEAD_DIM=dim, BLOCK_D=_block_d(dim), CAUSAL=is_causal,
-        EVEN=_even(q, k), DOT_PRECISION=_DOT_PRECISION[q.dtype],
+        EVEN=_even(q, k), DOT_PRECISION=dot_precision(q),
     )  # fmt: skip
     args = (
         *_strides(q, dout, dq), *_strides(k, v, dk, dv), *_strides(lse, delta)[:2],

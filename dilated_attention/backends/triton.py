@@ -64,7 +64,10 @@ def _tile_configs(head_dim: int, dtype: torch.dtype) -> dict[str, Any]:
     The 16-bit tiles below hold twice the bytes per element in float32 and spill: forward+backward
     of four causal branches at N = 16,384, H = 8, D = 64 on an H100 took 46.8 ms with them
     against 10.0 ms with 32x32 (64x32: 37.7 ms, 32x64: 27.9 ms), and their first call compiled
-    for 41 s against 16 s (``benchmarks/results/first_call_h100.json``).
+    for 41 s against 16 s (``benchmarks/results/first_call_h100.json``). With "tf32x3" products
+    (Note [float32 products] in ``_triton_kernels.py``) 32x32 is still best: 4.1 ms against
+    7.0 ms for 64x32 and 10.9 ms for 64x64, whose slowest kernels also compile for 5.9 and 9.6 s
+    against 3.2 s.
 
     D <= 64 from ``benchmarks/tune_triton.py`` on an H100 (N = 64K, LongNet schedule: forward
     64x64 3.77 ms vs 128x64 3.86 and 128x128 5.35; dK/dV 32x64 14.1 ms vs 64x64 14.7). D <= 128
