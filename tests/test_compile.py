@@ -56,11 +56,12 @@ def _qkv(n: int = N, dtype: torch.dtype = F64, device: str = "cpu") -> list[torc
 
 
 def _run(fn: Callable[..., Any], tensors: list[torch.Tensor]) -> tuple[Any, list[torch.Tensor]]:
-    """``fn``'s result and the gradients of a weighted sum of its first output."""
+    """``fn``'s result and the gradients of a weighted sum of its first output (weights exact in
+    bfloat16, so runs in different dtypes weigh alike)."""
     leaves = [t.detach().clone().requires_grad_() for t in tensors]
     result = fn(*leaves)
     out = result[0] if isinstance(result, tuple) else result
-    weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device)
+    weights = torch.linspace(-1, 1, out.numel(), device=out.device).bfloat16().to(out.dtype)
     (out * weights.view_as(out)).sum().backward()
     return result, [t.grad for t in leaves]
 
@@ -317,16 +318,29 @@ def test_inductor_cuda_bf16_dilated_attention() -> None:
 
 @pytest.mark.gpu
 def test_inductor_cuda_bf16_multihead_module() -> None:
+    """Inductor compiles the projections and norms around the custom op with its own fused
+    bfloat16 kernels, which round differently from eager (0.3% of dx entries differed from eager
+    by more than 1% on an H100): so both are held to a float64 copy of the module, the compiled
+    one no farther from it than twice the eager error."""
     torch.manual_seed(0)
     mha = MultiheadDilatedAttention(
         256, 4, segment_lengths=[256, 512], dilation_rates=[1, 2], device="cuda",
         dtype=torch.bfloat16,
     )  # fmt: skip
     twin = copy.deepcopy(mha)
+    exact = copy.deepcopy(mha).double()
     x = torch.randn(2, 1024, 256, device="cuda", dtype=torch.bfloat16)
     out, (dx,) = _run(lambda x: _compile(twin, backend="inductor")(x, is_causal=True)[0], [x])
-    ref_out, (ref_dx,) = _run(lambda x: mha(x, is_causal=True)[0], [x])
-    torch.testing.assert_close(out, ref_out, **BF16)
-    torch.testing.assert_close(dx, ref_dx, **BF16)
-    for p, ref in zip(twin.parameters(), mha.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, ref.grad, atol=5e-2, rtol=2e-2)
+    eager_out, (eager_dx,) = _run(lambda x: mha(x, is_causal=True)[0], [x])
+    exact_out, (exact_dx,) = _run(lambda x: exact(x, is_causal=True)[0], [x.double()])
+    pairs = [(out, eager_out, exact_out), (dx, eager_dx, exact_dx)]
+    pairs += [
+        (compiled.grad, eager.grad, reference.grad)
+        for compiled, eager, reference in zip(
+            twin.parameters(), mha.parameters(), exact.parameters(), strict=True
+        )
+    ]
+    for compiled_value, eager_value, exact_value in pairs:
+        eager_error = (eager_value.double() - exact_value).abs().max().item()
+        compiled_error = (compiled_value.double() - exact_value).abs().max().item()
+        assert compiled_error <= 2 * eager_error + 1e-3, (compiled_error, eager_error)

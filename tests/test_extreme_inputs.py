@@ -19,7 +19,12 @@ Note [Tolerances at extreme logits]
     dtype on the same device: torch's CPU flash kernel, or CUDA's memory-efficient one). That
     term covers what the library inherits from torch's fused kernels, which its backends call:
     the CPU kernel's backward recomputes scores with other rounding than its forward, relative
-    errors of a few ``2**-24 L`` in P on top of the lse rounding. At L = 1e4 the floor's second
+    errors of a few ``2**-24 L`` in P on top of the lse rounding. torch's fused kernels also
+    differ among themselves: on dense causal attention in bfloat16 at L = 1e6 (H100), dq / dk
+    were off by 45 / 98 with cuDNN, 6.6 / 186 with flash and 31 / 133 with the memory-efficient
+    kernel. So a backend built on cuDNN's or flash's kernels gets ``KERNEL_SPREAD`` (1.5) times
+    the ratio against the memory-efficient reference (the ``sdpa_cudnn`` path was 2.3 times it,
+    dq 85 against 37, on the causal ragged schedule). At L = 1e4 the floor's second
     term is ~1e-3 max|g|. Before the fix the merge was off by 2.7 on outputs of size 3.4 at
     L = 1e4 (weights summing to 1.8, not 1), and its gradients by 0.3 to 2 where the true dq is
     ~1e-48.
@@ -150,10 +155,16 @@ def _dense_sdpa(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, M: Tensor) -> lis
     return [x.cpu() for x in _grads(fn, q, k, v, dout)]
 
 
+#: Backends that run torch's cuDNN or flash kernels (Note [Tolerances at extreme logits]).
+KERNEL_SPREAD = {"sdpa_cudnn": 1.5, "sdpa_flash": 1.5}
+
+
 def _check_extreme(
-    actual: list[Tensor], q: Tensor, k: Tensor, v: Tensor, dout: Tensor, M: Tensor
-) -> None:
+    actual: list[Tensor], q: Tensor, k: Tensor, v: Tensor, dout: Tensor, M: Tensor,
+    backend: str | None = None,
+) -> None:  # fmt: skip
     """Outputs and gradients against the oracle within Note [Tolerances at extreme logits]."""
+    ratio = RATIO * KERNEL_SPREAD.get(backend or "", 1.0)
     expected, lse = _oracle(q, k, v, dout, M)
     dense = _dense_sdpa(q, k, v, dout, M)
     tol = TOLERANCES[q.dtype]
@@ -165,13 +176,13 @@ def _check_extreme(
         floor = atol + (rtol + lse_rounding) * size
         if q.dtype in (torch.float16, torch.bfloat16):
             floor += rounding_floor(want, q.dtype)
-        bound = RATIO * max_abs_error(ref, want) + floor
+        bound = ratio * max_abs_error(ref, want) + floor
         got = got.cpu()
         assert bool(torch.isfinite(got).all()), f"{name}: {int((~got.isfinite()).sum())} non-finite"
         err = max_abs_error(got, want)
         assert err <= bound, (
             f"{name}: max error {err:.3e} vs the float64 oracle exceeds {bound:.3e} (dense SDPA's "
-            f"{max_abs_error(ref, want):.3e} x {RATIO} + floor {floor:.3e}; max|{name}| {size:.2e}"
+            f"{max_abs_error(ref, want):.3e} x {ratio} + floor {floor:.3e}; max|{name}| {size:.2e}"
             f", max|lse| {float(lse[torch.isfinite(lse)].abs().max()):.2e})"
         )
 
@@ -229,7 +240,7 @@ def test_dilated_large_logits_match_oracle_cuda(
         fn = _dilated_fn(segs, rates, _backend(backend), causal)
         actual = _grads(fn, q, k, v, dout)
         M = dilated_multiplicity(SEQ, HEADS, segs, rates, is_causal=causal)
-        _check_extreme(actual, q, k, v, dout, M)
+        _check_extreme(actual, q, k, v, dout, M, _backend(backend))
 
 
 def _identical_branches(device: str, backend: str | None) -> None:
