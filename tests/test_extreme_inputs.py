@@ -155,6 +155,17 @@ def _dense_sdpa(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, M: Tensor) -> lis
     return [x.cpu() for x in _grads(fn, q, k, v, dout)]
 
 
+#: Kernels whose backward is known to miss the bound at the 16-bit extremes (fp16 6e4, bf16 1e6):
+#: measured on an H100, where every such case failed, so the mark is strict and says when a
+#: release fixes it. The library cannot correct a package's kernel; README "Known limits".
+INACCURATE_AT_EXTREMES = {
+    "flash_attn4": (
+        "flash-attn-4 4.0.0b36: dq off by 0.2-12 where the true dq is ~0 and dense SDPA's error "
+        "is 1e-4 (one-hot rows at |lse| 4e4-9e5), the symptom our Triton kernels had while "
+        "they formed exponents from large rounded terms"
+    ),
+}
+
 #: Backends that run torch's cuDNN or flash kernels (Note [Tolerances at extreme logits]).
 KERNEL_SPREAD = {"sdpa_cudnn": 1.5, "sdpa_flash": 1.5}
 
@@ -231,12 +242,15 @@ def test_dilated_large_logits_match_oracle(
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_dilated_large_logits_match_oracle_cuda(
     backend: str, segs: tuple[int, ...], rates: tuple[int, ...], dtype: torch.dtype,
-    logit: float, causal: bool,
+    logit: float, causal: bool, request: pytest.FixtureRequest,
 ) -> None:  # fmt: skip
     """The same on CUDA backends (the fused Triton path merges in its own kernel)."""
     for seed, shifted in ((0, False), (1, True)):
         q, k, v, dout = (x.cuda() for x in _inputs(logit, dtype, shifted=shifted, seed=seed))
         skip_unless_runnable(_backend(backend), q, k, v, is_causal=causal, key_padding_mask=None)
+        if backend in INACCURATE_AT_EXTREMES and dtype != torch.float32:
+            reason = INACCURATE_AT_EXTREMES[backend]
+            request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
         fn = _dilated_fn(segs, rates, _backend(backend), causal)
         actual = _grads(fn, q, k, v, dout)
         M = dilated_multiplicity(SEQ, HEADS, segs, rates, is_causal=causal)

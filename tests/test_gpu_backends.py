@@ -15,7 +15,11 @@ from dilated_attention import attention, backend_reasons, dilated_attention
 
 pytestmark = pytest.mark.gpu
 
-CUDA_BACKENDS = ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flex", "math"]
+# The optional kernel packages skip with their reason where they are not installed.
+CUDA_BACKENDS = [
+    "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flex", "math", "flash_attn4", "flash_attn3",
+    "flash_attn2", "xformers",
+]  # fmt: skip
 
 CASES = {
     # name: (seq_len, heads, kv_heads, segment_lengths, dilation_rates, is_causal, masked)
