@@ -150,14 +150,14 @@ CASES = [
     ((10, 0), ("flash_attn4",), "flash_attn4"),
     ((10, 0), ("flash_attn3",), "sdpa_cudnn"),  # FA3 has no Blackwell kernels
     ((9, 0), (), "sdpa_cudnn"),
-    ((9, 0), ("flash_attn3",), "flash_attn3"),
+    ((9, 0), ("flash_attn3",), "sdpa_cudnn"),  # FA3 not yet verified on hardware
     ((9, 0), ("flash_attn4",), "flash_attn4"),
-    ((9, 0), ("flash_attn3", "flash_attn4"), "flash_attn3"),
+    ((9, 0), ("flash_attn3", "flash_attn4"), "flash_attn4"),
     ((9, 0), ("flash_attn2",), "sdpa_cudnn"),  # cuDNN ranks above FA2 on Hopper
     ((8, 6), (), "sdpa_flash"),
-    ((8, 6), ("flash_attn2",), "flash_attn2"),
+    ((8, 6), ("flash_attn2",), "sdpa_flash"),  # the package's FA2: not yet verified
     ((8, 0), (), "sdpa_flash"),
-    ((8, 0), ("flash_attn2",), "flash_attn2"),
+    ((8, 0), ("flash_attn2",), "sdpa_flash"),
     ((8, 0), ("flash_attn3", "flash_attn4"), "sdpa_flash"),  # both need sm90+
     ((7, 5), (), "sdpa_efficient"),
     ((7, 5), ("flash_attn2",), "sdpa_efficient"),  # FA2 needs sm80
@@ -267,8 +267,28 @@ def test_pre_ampere_bfloat16_is_not_sent_to_the_efficient_kernel(
     assert any("bfloat16" in r and "sm80" in r for r in choice.reasons["sdpa_efficient"])
 
 
-def test_sm90_fa3_first_then_lower_ranks_say_so(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("capability", "name"), [((9, 0), "flash_attn3"), ((8, 0), "flash_attn2"), ((8, 0), "xformers")]
+)
+def test_a_backend_not_verified_on_hardware_is_taken_only_by_name(
+    monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], name: str
+) -> None:
+    """Installed and able, but never run in this project's GPU tests: the automatic choice
+    passes it over and says why; asked for by name, it runs."""
+    _fake_gpu(monkeypatch, capability, installed=(name,))
+    choice = choose(_gpu_inputs(dtype=torch.float16))
+    assert choice.backend != name
+    assert any("never chosen automatically" in r for r in choice.reasons[name]), choice.reasons
+    assert registry.select_backend(_gpu_inputs(dtype=torch.float16)).name == choice.backend
+    assert choose(_gpu_inputs(dtype=torch.float16), name).backend == name
+
+
+def test_sm90_fa3_first_once_verified_then_lower_ranks_say_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The priority table still ranks FA3 first on sm90, for when it is verified there."""
     _fake_gpu(monkeypatch, (9, 0), installed=("flash_attn3",))
+    monkeypatch.setattr(registry.get_backend("flash_attn3"), "verified_on_hardware", True)
     choice = choose(_gpu_inputs())
     assert choice.backend == "flash_attn3"
     # Able backends below it are listed with the ranking reason.

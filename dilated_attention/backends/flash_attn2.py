@@ -61,6 +61,7 @@ class FlashAttn2Backend(Backend):
     """flash-attn 2.x (``pip install flash-attn``): FlashAttention-2, sm80+, fp16/bf16, dropout."""
 
     name = "flash_attn2"
+    verified_on_hardware = False  # tested against fakes of flash-attn 2 only
     description = "flash-attn 2.x package (FlashAttention-2), sm80+; dropout, native GQA"
     devices = frozenset({"cuda"})
     dtypes = _HALF

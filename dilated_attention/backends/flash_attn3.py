@@ -71,6 +71,7 @@ class FlashAttn3Backend(Backend):
     """FlashAttention-3 (``flash_attn_3``): Hopper kernels, fp16/bf16, head dim <= 256."""
 
     name = "flash_attn3"
+    verified_on_hardware = False  # tested against fakes of flash-attn 3 only
     description = "FlashAttention-3 (flash_attn_3 / flash_attn_interface), sm90 only; native GQA"
     devices = frozenset({"cuda"})
     dtypes = _HALF

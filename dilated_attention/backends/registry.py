@@ -2,7 +2,9 @@
 
 Selection walks the priority list for the device (by compute capability, never GPU names; the
 measurements behind it sit next to ``_CUDA_PRIORITY``) and takes the first backend with no reason to
-refuse the inputs. ``choose`` also records why each other backend was not taken.
+refuse the inputs. ``choose`` also records why each other backend was not taken. A backend whose
+``verified_on_hardware`` is false (its kernel has not run in this project's GPU tests: flash-attn
+2/3 and xformers, tested against fakes of their packages) is taken only by name.
 """
 
 from __future__ import annotations
@@ -77,6 +79,23 @@ _CUDA_DILATED_FIRST: dict[int, list[str]] = {9: ["triton"]}
 # other devices have not been measured and keep the list's order.
 _CUDA_MASKED_FIRST: dict[int, list[str]] = {9: ["triton"]}
 _FUSED_MAX_TRAINING_HEAD_DIM = 128
+
+
+def _unverified_reason(name: str) -> str:
+    return (
+        f"never chosen automatically: not yet run on real hardware in this project's GPU tests; "
+        f"available by name (backend={name!r})"
+    )
+
+
+def _automatic_reasons(name: str, inputs: KernelInputs) -> list[str]:
+    """Why the automatic choice does not take ``name`` for ``inputs`` (empty: it may): what the
+    backend cannot run, and whether it was never verified on hardware."""
+    backend = _BACKENDS[name]
+    reasons = backend.not_supported_reasons(inputs)
+    if not backend.verified_on_hardware:
+        reasons = [*reasons, _unverified_reason(name)]
+    return reasons
 
 
 def _order(inputs: KernelInputs) -> list[str]:
@@ -268,7 +287,10 @@ def choose(inputs: KernelInputs, name: str | None = None) -> BackendChoice:
     """
     requested, source = _requested(name)
     order = _order(inputs)
-    reasons = {candidate: _BACKENDS[candidate].not_supported_reasons(inputs) for candidate in order}
+    if requested is None:
+        reasons = {candidate: _automatic_reasons(candidate, inputs) for candidate in order}
+    else:
+        reasons = {c: _BACKENDS[c].not_supported_reasons(inputs) for c in order}
     if requested is not None:
         get_backend(requested)
         if reasons[requested]:
@@ -306,10 +328,14 @@ def select_backend(inputs: KernelInputs, name: str | None = None) -> Backend:
     can, :func:`choose` raises its error with every backend's reasons.
     """
     requested, _ = _requested(name)
-    candidates = [requested] if requested is not None else _order(inputs)
-    for candidate in candidates:
-        if not get_backend(candidate).not_supported_reasons(inputs):
-            return _BACKENDS[candidate]
+    if requested is not None:
+        if not get_backend(requested).not_supported_reasons(inputs):
+            return _BACKENDS[requested]
+    else:
+        for candidate in _order(inputs):
+            backend = _BACKENDS[candidate]  # an unverified backend is not even probed
+            if backend.verified_on_hardware and not backend.not_supported_reasons(inputs):
+                return backend
     return _BACKENDS[choose(inputs, name).backend]
 
 

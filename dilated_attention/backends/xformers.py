@@ -47,6 +47,7 @@ class XformersBackend(Backend):
     """xformers ``memory_efficient_attention`` (``pip install xformers``); fp16/bf16/fp32."""
 
     name = "xformers"
+    verified_on_hardware = False  # tested against fakes of xformers only
     description = "xformers.ops.fmha memory-efficient attention; fp32 too, GQA by expansion"
     devices = frozenset({"cuda"})
     dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32})
