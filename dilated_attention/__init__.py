@@ -5,6 +5,7 @@ Layout everywhere: (batch, seq_len, num_heads, head_dim).
 """
 
 from . import patterns
+from ._version import __version__
 from .backends.registry import (
     BackendChoice,
     backend_reasons,
@@ -45,8 +46,6 @@ from .modules import (
     DilatedAttention,
     MultiheadDilatedAttention,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "KIND_ALIASES",

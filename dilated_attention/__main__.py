@@ -20,7 +20,8 @@ from collections.abc import Callable
 
 import torch
 
-from . import __version__, demo
+from . import demo
+from ._version import __version__
 from .backends.registry import get_backend, list_backends
 from .config import longnet_schedule
 from .demo import _HelpFormatter

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from .._version import __version__
 from ..factory import _resolve_device
 from .longnet import LongNetConfig, LongNetLM
 
@@ -160,8 +161,6 @@ def save_checkpoint(path: str | os.PathLike[str], model: LongNetLM, **extra: Any
     lm = _unwrap(model)
     _check_storable(extra, "extra")
     dtypes = {p.dtype for p in lm.parameters()}
-    from .. import __version__
-
     payload = {
         "format": _FORMAT,
         "config": dataclasses.asdict(lm.config),
