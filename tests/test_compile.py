@@ -155,6 +155,7 @@ def test_modules_compile_fullgraph_and_match_eager() -> None:
             torch.testing.assert_close(p.grad, ref_p.grad, **EXACT)
 
 
+@pytest.mark.slow
 def test_longnet_trains_under_compile() -> None:
     """Forward, backward and optimizer step of the compiled model give the eager losses."""
     torch.manual_seed(0)

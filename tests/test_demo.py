@@ -6,11 +6,13 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from dilated_attention.demo import load_corpus, sample_windows
 
 
+@pytest.mark.slow  # trains for 30 steps in a subprocess
 def test_demo_runs_end_to_end() -> None:
     args = ["--steps", "30", "--seq-len", "64", "--eval-windows", "8", "--sample-bytes", "16"]
     proc = subprocess.run(

@@ -18,6 +18,7 @@ def _seeded_dilated(seed: int, causal: bool):
     return fn
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [False, True])
 def test_dropout_gradients_are_exact(causal: bool) -> None:
     """gradcheck in float64: with the seed fixed the dropped-out function is deterministic, so its

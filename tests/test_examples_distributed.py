@@ -16,6 +16,8 @@ import torch
 
 from dilated_attention.extreme import find_max_seq_len, measure_peak_memory
 
+pytestmark = pytest.mark.slow  # subprocesses and training runs: seconds each
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

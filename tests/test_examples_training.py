@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.slow  # subprocesses and training runs: seconds each
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "train_longnet.py"
 SWAP = ROOT / "examples" / "swap_attention.py"
