@@ -65,7 +65,10 @@ def _imports(path: Path, source: str | None = None) -> list[tuple[int, str]]:
     for node in ast.walk(ast.parse(text, filename=str(path))):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names if a.name.split(".")[0] == "dilated_attention"]
-            found += [(node.lineno, n.removeprefix("dilated_attention").lstrip(".")) for n in names]
+            found += [
+                (node.lineno, n.removeprefix("dilated_attention").lstrip(".") or "__init__")
+                for n in names
+            ]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package[: len(package) - (node.level - 1)]
@@ -102,7 +105,10 @@ def test_every_module_has_a_layer_and_imports_no_layer_above_it(path: Path) -> N
 
 def test_the_check_sees_lazy_and_relative_imports() -> None:
     """The parser finds imports inside a function and resolves relative ones to modules."""
-    source = "def f():\n    from ..factory import create\n    from . import ring\n"
+    source = (
+        "def f():\n    from ..factory import create\n    from . import ring\n"
+        "    import dilated_attention\n"
+    )
     found = _imports(PACKAGE / "distributed" / "not_a_file.py", source)
-    assert found == [(2, "factory"), (3, "distributed.ring")]
+    assert found == [(2, "factory"), (3, "distributed.ring"), (4, "__init__")]
     assert _layer("factory") > _layer("distributed")
