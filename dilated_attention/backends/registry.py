@@ -287,12 +287,9 @@ def choose(inputs: KernelInputs, name: str | None = None) -> BackendChoice:
     """
     requested, source = _requested(name)
     order = _order(inputs)
-    if requested is None:
-        reasons = {candidate: _automatic_reasons(candidate, inputs) for candidate in order}
-    else:
-        reasons = {c: _BACKENDS[c].not_supported_reasons(inputs) for c in order}
     if requested is not None:
         get_backend(requested)
+        reasons = {c: _BACKENDS[c].not_supported_reasons(inputs) for c in order}
         if reasons[requested]:
             able = [n for n, r in reasons.items() if not r]
             raise ValueError(
@@ -302,6 +299,7 @@ def choose(inputs: KernelInputs, name: str | None = None) -> BackendChoice:
             )
         chosen = requested
     else:
+        reasons = {c: _automatic_reasons(c, inputs) for c in order}
         chosen = next((n for n in order if not reasons[n]), None)
         if chosen is None:
             detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in reasons.items())
