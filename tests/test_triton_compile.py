@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -146,3 +147,40 @@ def test_a_set_compiled_once_forks_nothing_in_a_later_process(
     (tmp_path / "log").unlink()
     tc.compile_launches(_launches(kernel, [1, 3]), workers=2)  # its marker exists now
     assert kernel.calls() == [(False, "1 64"), (False, "3 64")]
+
+
+def test_children_are_forked_in_the_reverse_of_recording_order(
+    tmp_path: Path, fake_driver: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    forked: list[list[tc.Launch]] = []
+
+    def children(launches: list[tc.Launch], workers: int) -> Any:
+        forked.append(launches)
+        return iter(())
+
+    monkeypatch.setattr(tc, "_compile_in_children", children)
+    kernel = FakeKernel(tmp_path / "log")
+    launches = _launches(kernel, [1, 3, 32])
+    tc.compile_launches(launches, workers=4)
+    assert forked == [launches[::-1]]
+    assert kernel.calls() == [(False, "1 64"), (False, "3 64"), (False, "32 64")]
+
+
+def test_prepare_compiler_fills_triton_state_side_by_side_and_never_raises(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    barrier = threading.Barrier(3, timeout=10)
+    met: dict[str, int] = {}
+
+    def meet(name: str) -> None:
+        barrier.wait()  # broken (and raising) unless all three run at the same time
+        met[name] = threading.get_ident()
+        raise RuntimeError(f"{name} failed")
+
+    monkeypatch.setattr(tc, "_triton_key", lambda: meet("key"))
+    monkeypatch.setattr(tc, "_backend_hash", lambda capability: meet(f"hash {capability}"))
+    driver = SimpleNamespace(get_current_target=lambda: meet("driver"))
+    monkeypatch.setattr(tc, "_active_driver", lambda: driver)
+    tc.prepare_compiler((9, 0))
+    assert set(met) == {"key", "hash (9, 0)", "driver"}
+    assert met["driver"] == threading.get_ident() != met["key"]

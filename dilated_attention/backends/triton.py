@@ -171,13 +171,17 @@ class TritonBackend(Backend):
         compile with the first call of each shape family, together (``compile_ahead``); the
         forward-and-backward probe of ``Backend.probe`` compiled four more kernels first, 3 s of
         a fresh process's first call on an H100 (``benchmarks/results/first_call_h100.json``).
-        Elsewhere (the interpreter): ``Backend.probe``."""
+        Triton's once-per-process state is filled first, side by side (Note [The compiler's
+        first use] in ``_triton_compile.py``). Elsewhere (the interpreter): ``Backend.probe``."""
         if device.type != "cuda" or interpreting():
             super().probe(device)
             return
-        out = torch.linspace(-1.0, 1.0, 2 * 8 * 2 * 64, device=device).view(2, 8, 2, 64).half()
+        kernels = _kernels()
+        kernels.prepare_compiler(torch.cuda.get_device_capability(device))
+        # Inputs made and checked on the CPU: a first call loads no other CUDA kernels.
+        out = torch.linspace(-1.0, 1.0, 2 * 8 * 2 * 64).view(2, 8, 2, 64).half()
         dout = out.flip(-1)
-        delta = _kernels().row_delta(out, dout, 0, 8)  # (B, H, N)
+        delta = kernels.row_delta(out.to(device), dout.to(device), 0, 8).cpu()  # (B, H, N)
         expected = (out.float() * dout.float()).sum(-1).transpose(1, 2)
         if not torch.allclose(delta, expected, rtol=1e-3, atol=1e-3):
             raise RuntimeError(f"Triton's row-delta kernel computed wrong numbers on {device}")
