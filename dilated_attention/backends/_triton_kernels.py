@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 
 from ._compat import _release
-from ._triton_compile import Launch, compile_launches, prepare_compiler
+from ._triton_compile import Launch, compile_launches
 
 try:  # Triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor

@@ -26,6 +26,7 @@ import torch
 
 from ..core.fused import BranchSpan
 from ._compat import _import_failure, _last_dim_contiguous, _release
+from ._triton_compile import prepare_compiler
 from .base import Backend, KernelInputs, KernelOutput
 
 _log = logging.getLogger("dilated_attention")
@@ -176,12 +177,11 @@ class TritonBackend(Backend):
         if device.type != "cuda" or interpreting():
             super().probe(device)
             return
-        kernels = _kernels()
-        kernels.prepare_compiler(torch.cuda.get_device_capability(device))
+        prepare_compiler(torch.cuda.get_device_capability(device))
         # Inputs made and checked on the CPU: a first call loads no other CUDA kernels.
         out = torch.linspace(-1.0, 1.0, 2 * 8 * 2 * 64).view(2, 8, 2, 64).half()
         dout = out.flip(-1)
-        delta = kernels.row_delta(out.to(device), dout.to(device), 0, 8).cpu()  # (B, H, N)
+        delta = _kernels().row_delta(out.to(device), dout.to(device), 0, 8).cpu()  # (B, H, N)
         expected = (out.float() * dout.float()).sum(-1).transpose(1, 2)
         if not torch.allclose(delta, expected, rtol=1e-3, atol=1e-3):
             raise RuntimeError(f"Triton's row-delta kernel computed wrong numbers on {device}")
