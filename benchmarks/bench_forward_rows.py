@@ -8,7 +8,7 @@ B = 1, H = 16, bf16, with the rows read (a) through per-thread pointers with the
 in ``dilated_attention/backends/_triton_kernels.py``), and (c) the dense cuDNN kernel on the same
 per-branch shape (N / w segments of w / r rows each), the ceiling. Median of CUDA-event timings;
 TFLOP/s count 4 * D * H * (N / r) * (w / r), halved when causal. With ``--tiles``, also every
-candidate descriptor tile (the sweep behind ``forward_descriptors`` in ``_tile_configs``) as
+candidate descriptor tile (the sweep behind ``forward_descriptors`` in ``_triton_tiles.py``) as
 extra rows. Writes OUT.json and OUT.md; OUT defaults to ``benchmarks/results/tma_forward_<device>``
 (``h100``, ``h200x2``, ...: ``_timing.host_label``).
 """
@@ -35,6 +35,7 @@ from _timing import (
 )
 
 from dilated_attention.backends import triton as triton_backend
+from dilated_attention.backends._triton_tiles import TileConfig
 
 HEADS = 16
 #: (head_dim, seq_len, segment, rate, causal): whole-sequence segments and LongNet-sized ones.
@@ -59,10 +60,10 @@ def bench_case(
     dim: int, seq: int, segment: int, rate: int, causal: bool, repeats: int, tiles: bool
 ) -> list[dict]:
     kernels = triton_backend._kernels()
-    configs = triton_backend._tile_configs(dim, torch.bfloat16)
     q, k, v = (
         torch.randn(1, seq, HEADS, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)
     )
+    configs = triton_backend._tiles(q)
     out = torch.empty_like(q)
     lse = torch.empty(1, HEADS, seq, device="cuda")
     branch = kernels.Branch(0, segment, segment, seq, seq, rate)
@@ -103,7 +104,7 @@ def bench_case(
     row["descriptors_speedup"] = row["pointers_ms"] / row["descriptors_ms"]  # type: ignore[operator]
     rows = [row]
     for tile in TILES.get(dim, []) if tiles else []:
-        config = kernels.TileConfig(*tile)
+        config = TileConfig(*tile)
         swept = {k: row[k] for k in ("head_dim", "seq_len", "segment", "rate", "causal")}
         swept["tile"] = "x".join(map(str, tile))
         try:

@@ -1,4 +1,4 @@
-"""Sweep the Triton kernels' tile sizes on the dilated workload; the table behind ``_tile_configs``.
+"""Sweep the Triton kernels' tile sizes on the dilated workload (tables: ``_triton_tiles.py``).
 
     python benchmarks/tune_triton.py   # -> benchmarks/results/tune_triton_<device>.{json,md}
 
@@ -34,6 +34,7 @@ from _timing import (
 
 from dilated_attention import dilated_attention
 from dilated_attention.backends import triton as triton_backend
+from dilated_attention.backends._triton_tiles import TileConfig
 
 SEGMENTS, RATES = (2048, 4096, 8192, 16384, 32768), (1, 2, 4, 8, 16)
 
@@ -79,8 +80,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None, help=OUT_HELP)
     args = parser.parse_args()
-    default_configs = triton_backend._tile_configs
-    config_type = triton_backend._kernels().TileConfig
+    default_tiles = triton_backend._tiles
     rows = []
     for dim in args.head_dims:
         shape = (1, args.seq_len, 16, dim)
@@ -95,10 +95,10 @@ def main() -> None:
                 # The candidate also replaces the kernel's variants (``forward_descriptors``,
                 # ``dkdv_causal``, ...), so it is what runs whichever variant this call takes.
                 trial = {
-                    key: config_type(*cand) if key.split("_")[0] == kernel else tile
-                    for key, tile in default_configs(dim).items()
+                    key: TileConfig(*cand) if key.split("_")[0] == kernel else tile
+                    for key, tile in default_tiles(q).items()
                 }
-                triton_backend._tile_configs = lambda _dim, _dtype, trial=trial: trial
+                triton_backend._tiles = lambda _x, trial=trial: trial
                 row: dict[str, object] = {"head_dim": dim, "kernel": kernel,
                                           "config": "x".join(map(str, cand))}  # fmt: skip
                 try:
@@ -107,7 +107,7 @@ def main() -> None:
                 except Exception as exc:  # a configuration that cannot compile is a finding
                     row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
                 finally:
-                    triton_backend._tile_configs = default_configs
+                    triton_backend._tiles = default_tiles
                 rows.append(row)
                 print(row, flush=True)
     best = []

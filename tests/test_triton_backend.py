@@ -535,15 +535,14 @@ def test_descriptor_rows_only_where_the_layout_allows() -> None:
 
 def test_dkdv_tiles_follow_causality_and_rate(monkeypatch: pytest.MonkeyPatch) -> None:
     """The dK/dV launch takes ``dkdv_causal`` tiles when causal, ``dkdv_strided`` at rate > 1
-    and ``dkdv`` otherwise (Triton compiles a rate of 1 as a constant; ``_tile_configs``)."""
+    and ``dkdv`` otherwise (Triton compiles a rate of 1 as a constant; ``_triton_tiles.py``)."""
     launched: list[Any] = []
     fake_kernels = SimpleNamespace(
-        TileConfig=lambda *tile: tile,
         Branch=lambda *geometry: geometry,
         backward_branch=lambda *args, **kwargs: launched.append(kwargs["config_dkdv"]),
     )
     monkeypatch.setattr(triton_backend, "_kernels", lambda: fake_kernels)
-    tiles = triton_backend._tile_configs(128, torch.bfloat16)
+    tiles = triton_backend._tiles(torch.zeros(1, 1, 1, 128, dtype=torch.bfloat16))
     assert len({tiles["dkdv"], tiles["dkdv_strided"], tiles["dkdv_causal"]}) == 3
     x = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
     lse = torch.zeros(1, 2, 8)

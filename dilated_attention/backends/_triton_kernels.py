@@ -61,6 +61,7 @@ import triton.language as tl
 
 from ._compat import _release
 from ._triton_compile import Launch, compile_launches
+from ._triton_tiles import TileConfig
 
 try:  # Triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -105,16 +106,6 @@ class Branch:
     @property
     def max_rows_k(self) -> int:
         return triton.cdiv(min(self.seg_k, self.end_k - self.start), self.rate)
-
-
-@dataclass(frozen=True)
-class TileConfig:
-    """Tile sizes and launch options of one kernel."""
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
 
 
 # Note [Specialization and first calls]

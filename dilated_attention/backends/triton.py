@@ -27,6 +27,7 @@ import torch
 from ..core.fused import BranchSpan
 from ._compat import _import_failure, _last_dim_contiguous, _release
 from ._triton_compile import prepare_compiler
+from ._triton_tiles import Tiles, dkdv_config, tile_configs
 from .base import Backend, KernelInputs, KernelOutput
 
 _log = logging.getLogger("dilated_attention")
@@ -58,75 +59,10 @@ def merge_kernel() -> Callable[..., None] | None:
     return merge_into
 
 
-def _tile_configs(head_dim: int, dtype: torch.dtype) -> dict[str, Any]:
-    """Tile sizes per kernel (``forward``, ``dkdv``, ``dq``) for a head dim and dtype.
-
-    float32: 32x32 tiles with 4 warps and 2 stages for every kernel and head dim up to 128.
-    The 16-bit tiles below hold twice the bytes per element in float32 and spill: forward+backward
-    of four causal branches at N = 16,384, H = 8, D = 64 on an H100 took 46.8 ms with them
-    against 10.0 ms with 32x32 (64x32: 37.7 ms, 32x64: 27.9 ms), and their first call compiled
-    for 41 s against 16 s (``benchmarks/results/first_call_h100.json``). With "tf32x3" products
-    (Note [float32 products] in ``_triton_kernels.py``) 32x32 is still best: 4.1 ms against
-    7.0 ms for 64x32 and 10.9 ms for 64x64, whose slowest kernels also compile for 5.9 and 9.6 s
-    against 3.2 s.
-
-    D <= 64 from ``benchmarks/tune_triton.py`` on an H100 (N = 64K, LongNet schedule: forward
-    64x64 3.77 ms vs 128x64 3.86 and 128x128 5.35; dK/dV 32x64 14.1 ms vs 64x64 14.7). D <= 128
-    from the same script at N = 128K (``benchmarks/results/tune_triton_h100.json``: forward
-    128x64 11.4 ms, within noise of the best; dK/dV 64x64 with 4 warps 49.4 ms and dQ 128x64 with
-    8 warps 49.5 ms, forward+backward, against 52-74 ms for 8-warp dK/dV tiles). Larger head dims:
-    chosen offline for few register spills (ptxas -v for sm90), not swept on the GPU.
-
-    ``dkdv_causal`` / ``dkdv_strided``: the dK/dV kernel when causal / at rate > 1 (non-causal),
-    from single-branch launches on an H100 at N = 256K (``benchmarks/results/findings_h100.json``,
-    "dK/dV tiles per causality and rate"). Triton compiles a rate of 1 as a constant, and that
-    specialisation needs fewer registers: at D = 128 the 64x64 tile with 2 stages is best there
-    (17.3 ms against 24.4 for 32x64 at w = 2048), while at rate > 1 or causal it spills and
-    32x64 tiles are 13-28% faster. At D = 64 the causal kernel is 13% faster with 64x64 at
-    rate 1 and equal elsewhere.
-
-    ``forward_descriptors``: the forward when it reads rows through tensor descriptors (Note
-    [Rows through tensor descriptors]), from the tile sweep of single-branch launches on an H100
-    (``benchmarks/results/tma_forward_h100.md``): at D = 128, 128x128 with 8 warps and 3 stages
-    is best or within 3% of the best on 7 of 8 branch shapes (r = 8 non-causal: 0.66 against
-    0.72x cuDNN for 128x64; 2 stages with 4 warps: 0.36-0.43x); at D = 64, 128x64 with 4 warps
-    is the one tile good everywhere (0.84-0.94x cuDNN; 8 warps reach 0.96x non-causal but drop
-    to 0.62x causal).
-    """
-    config = _kernels().TileConfig
-    if dtype == torch.float32 and head_dim <= 128:
-        return {name: config(32, 32, 4, 2) for name in ("forward", "dkdv", "dq")}
-    if head_dim <= 64:
-        return {
-            "forward": config(64, 64, 4, 3),
-            "forward_descriptors": config(128, 64, 4, 3),
-            "dkdv": config(32, 64, 4, 3),
-            "dkdv_causal": config(64, 64, 4, 2),
-            "dq": config(64, 64, 4, 3),
-        }
-    if head_dim <= 128:
-        return {
-            "forward": config(128, 64, 8, 3),
-            "forward_descriptors": config(128, 128, 8, 3),
-            "dkdv": config(64, 64, 4, 2),
-            "dkdv_causal": config(32, 64, 4, 2),
-            "dkdv_strided": config(32, 64, 4, 3),
-            "dq": config(128, 64, 8, 3),
-        }
-    return {
-        "forward": config(64, 32, 4, 2),
-        "dkdv": config(32, 32, 4, 2),
-        "dq": config(32, 32, 4, 2),
-    }
-
-
-def _dkdv_config(configs: dict[str, Any], *, is_causal: bool, rate: int) -> Any:
-    """The dK/dV tiles for a launch: ``dkdv_causal``, ``dkdv_strided`` (rate > 1) or ``dkdv``."""
-    if is_causal:
-        return configs.get("dkdv_causal", configs["dkdv"])
-    if rate > 1:
-        return configs.get("dkdv_strided", configs["dkdv"])
-    return configs["dkdv"]
+def _tiles(x: torch.Tensor) -> Tiles:
+    """The tile table's entry for ``x``'s GPU, head dim and dtype (``_triton_tiles.py``)."""
+    capability = _kernels()._capability(x.device.index) if x.is_cuda else None
+    return tile_configs(capability, x.shape[-1], x.dtype)
 
 
 class TritonBackend(Backend):
@@ -230,7 +166,7 @@ class TritonBackend(Backend):
         merge_row0: int = 0,
     ) -> None:
         """See ``FusedBackend.forward_branch`` in ``core/fused.py``."""
-        configs = _tile_configs(q.shape[-1], q.dtype)
+        configs = _tiles(q)
         _kernels().forward_branch(
             q, k, v, out, lse, key_mask, _branch(span), out_row0=out_row0, scale=scale,
             is_causal=is_causal, merge=merge, config=configs["forward"],
@@ -266,12 +202,12 @@ class TritonBackend(Backend):
         head0: int = 0,
     ) -> None:
         """See ``FusedBackend.backward_branch`` in ``core/fused.py``."""
-        configs = _tile_configs(q.shape[-1], q.dtype)
+        configs = _tiles(q)
         _kernels().backward_branch(
             dout, q, k, v, lse, delta, key_mask, dq, dk, dv, _branch(span),
             delta_row0=delta_row0, grad_row0=grad_row0, scale=scale, is_causal=is_causal,
             accumulate=accumulate, config_dq=configs["dq"], head0=head0,
-            config_dkdv=_dkdv_config(configs, is_causal=is_causal, rate=span.rate),
+            config_dkdv=dkdv_config(configs, is_causal=is_causal, rate=span.rate),
         )  # fmt: skip
 
     # -- dense calls ------------------------------------------------------------------------------
@@ -290,7 +226,7 @@ class TritonBackend(Backend):
         batch, query_len, heads, _ = q.shape
         out = torch.empty_like(q)
         lse = torch.empty(batch, heads, query_len, dtype=torch.float32, device=q.device)
-        configs = _tile_configs(q.shape[-1], q.dtype)
+        configs = _tiles(q)
         _kernels().forward_branch(
             q, k, v, out, lse, key_mask, _dense_branch(query_len, k.shape[1]), out_row0=0,
             scale=scale, is_causal=is_causal, merge=False, config=configs["forward"],
@@ -316,13 +252,13 @@ class TritonBackend(Backend):
         dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))
         lse = lse.float()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        configs = _tile_configs(q.shape[-1], q.dtype)
+        configs = _tiles(q)
         kernels = _kernels()
         delta = kernels.row_delta(out, dout, 0, q.shape[1])
         kernels.backward_branch(
             dout, q, k, v, lse, delta, key_mask, dq, dk, dv, _dense_branch(q.shape[1], k.shape[1]),
             delta_row0=0, grad_row0=0, scale=scale, is_causal=is_causal, accumulate=False,
-            config_dkdv=_dkdv_config(configs, is_causal=is_causal, rate=1),
+            config_dkdv=dkdv_config(configs, is_causal=is_causal, rate=1),
             config_dq=configs["dq"],
         )  # fmt: skip
         return dq, dk, dv
