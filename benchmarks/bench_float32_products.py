@@ -19,7 +19,15 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import OUT_HELP, environment, markdown_table, record_path, time_cuda, write_record
+from _timing import (
+    OUT_HELP,
+    environment,
+    markdown_table,
+    record_header,
+    record_path,
+    time_cuda,
+    write_record,
+)
 
 import dilated_attention as da
 from dilated_attention.backends import _triton_kernels as kernels
@@ -100,10 +108,10 @@ def main() -> None:
         "(front end + every lowering stage) per kernel, each compiled alone into an empty cache; "
         "the slowest."
     )
-    path = record_path("float32_products", args.out)
-    write_record(path.with_suffix(".json"), environment(), rows, notes=notes)
+    path, env = record_path("float32_products", args.out), environment()
+    write_record(path.with_suffix(".json"), env, rows, notes=notes)
     table = markdown_table(rows, list(rows[0]))
-    path.with_suffix(".md").write_text(notes + "\n\n" + table + "\n")
+    path.with_suffix(".md").write_text(record_header(env) + notes + "\n\n" + table + "\n")
     print(table)
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import environment, markdown_table, record_path, write_record
+from _timing import environment, markdown_table, record_header, record_path, write_record
 
 from dilated_attention.backends import get_backend
 from dilated_attention.backends import triton as triton_backend
@@ -202,11 +202,12 @@ def main() -> None:
         f"capability with the tiles its table gives (tables: {tables}; known: "
         f"{sorted(f'sm{a}{b}' for a, b in TABLES)}); limit = opt-in shared memory per block."
     )
-    path = record_path("tile_fit", args.out)
-    write_record(path.with_suffix(".json"), environment(), rows, notes=notes)
     columns = ["capability", "dtype", "head_dim", "role", "tile", "shared_bytes", "limit_bytes",
                "fits"]  # fmt: skip
-    path.with_suffix(".md").write_text(notes + "\n\n" + markdown_table(rows, columns) + "\n")
+    path, env = record_path("tile_fit", args.out), environment()
+    write_record(path.with_suffix(".json"), env, rows, columns=columns, notes=notes)
+    table = markdown_table(rows, columns)
+    path.with_suffix(".md").write_text(record_header(env) + notes + "\n\n" + table + "\n")
     bad = [r for r in rows if not r["fits"]]
     print(markdown_table(rows, columns))
     print(f"{len(bad)} of {len(rows)} do not fit" if bad else "every tile fits")

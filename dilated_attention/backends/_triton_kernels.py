@@ -726,10 +726,11 @@ def dot_precision(x: torch.Tensor) -> str:
         inputs use "tf32x3" on GPUs with TF32 tensor cores (sm80+): each product is split into
         a high and a low TF32 part and three tensor-core products recover float32 accuracy. On
         an H100, forward+backward of four causal branches (N = 4,096, H = 8, D = 64) matched
-        the float64 oracle as closely as with "ieee" (relative errors 2.6e-7 / 4.8e-7 / 8.7e-7
-        / 3.7e-7 on out / dq / dk / dv, against 3.0e-7 / 9.1e-7 / 1.1e-6 / 7.8e-7), ran 2.4x
-        faster at N = 16,384 (4.1 against 9.9 ms) and its slowest kernel compiled in 3.2 s
-        against 7.4 s: "ieee" products are unrolled into FMA instructions. Elsewhere (older
+        the float64 math backend as closely as with "ieee" (relative errors 2.7e-7 / 4.7e-7 /
+        4.8e-7 / 3.5e-7 on out / dq / dk / dv, against 2.9e-7 / 4.1e-7 / 4.9e-7 / 4.2e-7) and
+        ran 2.0x faster at N = 16,384 (5.0 against 10.2 ms;
+        ``benchmarks/results/float32_products_h100.json``); "ieee" products are unrolled into
+        FMA instructions, and one such kernel compiles for up to 4.1 s. Elsewhere (older
         GPUs, Triton's CPU interpreter) "ieee".
     """
     if x.dtype != torch.float32:
