@@ -72,7 +72,8 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import flex_attention
 
-    from dilated_attention.block_sparse import flex_block_mask, num_blocks
+    from dilated_attention.block_sparse.flex import flex_block_mask
+    from dilated_attention.block_sparse.plan import num_blocks
     from dilated_attention.patterns import Custom
 
     options = VARIANTS[name]

@@ -1,6 +1,7 @@
-"""The functional API: validate, choose a kernel, run the engine.
+"""The functional API of dense and dilated attention: validate, choose a kernel, run the engine.
 
-``block_sparse_attention`` lives in ``block_sparse.py`` and is re-exported here.
+``block_sparse_attention`` lives in ``block_sparse/`` (which calls ``attention`` here for a
+pattern that keeps every block pair).
 
 Shape legend: B batch, N seq_len, H query heads, Hkv key/value heads (H % Hkv == 0), D head dim.
 """
@@ -13,12 +14,11 @@ from . import _validation as V
 from . import compiled
 from .backends.base import Backend, KernelInputs
 from .backends.registry import check_backend_name, select_backend
-from .block_sparse import block_sparse_attention
 from .core.engine import AttentionFunction, DilatedAttentionFunction, empty_attention
 from .core.fused import FusedDilatedFunction, compile_ahead
 from .core.segment import RowGroup, effective_branches, plan_branches
 
-__all__ = ["attention", "block_sparse_attention", "dilated_attention"]
+__all__ = ["attention", "dilated_attention"]
 
 
 def _check_flag(name: str, value: object) -> bool:

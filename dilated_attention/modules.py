@@ -12,7 +12,8 @@ from torch import nn
 
 from . import _validation as V
 from .backends.registry import check_backend_name
-from .block_sparse import block_sparse_attention, check_block_size
+from .block_sparse import block_sparse_attention
+from .block_sparse.plan import check_block_size
 from .config import DilatedConfig, MultiheadDilatedConfig
 from .functional import dilated_attention
 from .patterns import Pattern, check_pattern

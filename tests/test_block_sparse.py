@@ -15,7 +15,9 @@ from oracle import masked_attention
 from tolerances import LOW_PRECISION, assert_close_to_oracle
 
 import dilated_attention
-import dilated_attention.block_sparse as bs_mod
+import dilated_attention.block_sparse.api as bs_api
+import dilated_attention.block_sparse.flex as bs_flex
+import dilated_attention.block_sparse.plan as bs_plan
 from dilated_attention import (
     BlockSparseAttention,
     BlockSparseMultiheadAttention,
@@ -136,9 +138,9 @@ def _no_sparse_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(*args: object, **kwargs: object) -> None:
         raise AssertionError("the sparse plan ran for a pattern that keeps every block pair")
 
-    monkeypatch.setattr(bs_mod, "_local_plan", fail)
-    monkeypatch.setattr(bs_mod, "_flex_forward", fail)
-    monkeypatch.setattr(bs_mod, "_triton_lists", fail)
+    monkeypatch.setattr(bs_api, "_local_plan", fail)
+    monkeypatch.setattr(bs_api, "_flex_forward", fail)
+    monkeypatch.setattr(bs_api, "_triton_lists", fail)
 
 
 FULL_CASES = [
@@ -191,13 +193,13 @@ def test_patterns_missing_a_pair_keep_the_sparse_plan(
     mask: torch.Tensor, is_causal: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     planned: list[int] = []
-    original = bs_mod._local_plan
+    original = bs_api._local_plan
 
     def spy(*args: object) -> object:
         planned.append(1)
         return original(*args)
 
-    monkeypatch.setattr(bs_mod, "_local_plan", spy)
+    monkeypatch.setattr(bs_api, "_local_plan", spy)
     pattern = P.Custom(mask)
     q, k, v, dout = _inputs(40, 40, 2, seed=7)
     got = _run(q, k, v, dout, pattern, block_size=8, is_causal=is_causal)
@@ -207,10 +209,10 @@ def test_patterns_missing_a_pair_keep_the_sparse_plan(
 
 def test_keeps_every_pair() -> None:
     full, lower = torch.ones(4, 3, dtype=torch.bool), torch.ones(4, 3, dtype=torch.bool).tril()
-    assert bs_mod.keeps_every_pair(full, False) and bs_mod.keeps_every_pair(full, True)
-    assert bs_mod.keeps_every_pair(lower, True) and not bs_mod.keeps_every_pair(lower, False)
+    assert bs_api.keeps_every_pair(full, False) and bs_api.keeps_every_pair(full, True)
+    assert bs_api.keeps_every_pair(lower, True) and not bs_api.keeps_every_pair(lower, False)
     lower[3, 2] = False
-    assert not bs_mod.keeps_every_pair(lower, True)
+    assert not bs_api.keeps_every_pair(lower, True)
 
 
 def test_forced_flex_is_not_replaced_by_dense() -> None:
@@ -223,7 +225,7 @@ def test_forced_flex_is_not_replaced_by_dense() -> None:
 
 def test_flex_kernel_options_only_for_measured_devices() -> None:
     cpu = torch.device("cpu")
-    assert bs_mod.flex_kernel_options(cpu, 128, torch.bfloat16) is None
+    assert bs_flex.flex_kernel_options(cpu, 128, torch.bfloat16) is None
 
 
 def test_empty_rows_give_zeros_and_no_nan_gradients() -> None:
@@ -322,12 +324,12 @@ def test_work_proportional_to_allowed_blocks(name: str, monkeypatch: pytest.Monk
         else:
             assert computed == allowed, (computed, allowed)
         assert all(lk * lq < n * n for _, lq, lk, _ in calls)
-        assert all(g // B * lk <= max(n, bs_mod.MIN_KV_ROWS_PER_CALL) or g == B
+        assert all(g // B * lk <= max(n, bs_plan.MIN_KV_ROWS_PER_CALL) or g == B
                    for g, _, lk, _ in calls)  # fmt: skip
 
 
 def test_calls_are_chunked_to_the_key_row_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(bs_mod, "MIN_KV_ROWS_PER_CALL", 1)
+    monkeypatch.setattr(bs_plan, "MIN_KV_ROWS_PER_CALL", 1)
     calls = _spy_calls(monkeypatch)
     pattern = P.Random(0.5, seed=9)
     q, k, v, dout = _inputs(48, 48, 2)
@@ -339,7 +341,7 @@ def test_calls_are_chunked_to_the_key_row_budget(monkeypatch: pytest.MonkeyPatch
 
 def test_plan_groups_query_blocks_into_few_calls() -> None:
     mask = P.LocalWindow(1).block_mask(16, 16)
-    calls = bs_mod.plan_calls(mask, block_size=8, query_len=128, key_len=128, is_causal=False)
+    calls = bs_plan.plan_calls(mask, block_size=8, query_len=128, key_len=128, is_causal=False)
     # Two edge blocks with 2 neighbours and fourteen with 3: two stacked calls.
     assert sorted(c.q_index.shape[0] for c in calls) == [2, 14]
 
@@ -348,7 +350,7 @@ def test_plan_groups_query_blocks_into_few_calls() -> None:
 def _flex_reach(block_mask, query_len: int, key_len: int) -> torch.Tensor:
     """The token pairs the compiled kernel attends: full tiles whole, partial tiles where
     ``mask_mod`` allows, nothing else."""
-    tile = bs_mod.FLEX_TILE
+    tile = bs_flex.FLEX_TILE
     reach = torch.zeros(query_len, key_len, dtype=torch.bool)
     allowed = block_mask.mask_mod(
         0, 0, torch.arange(query_len).view(-1, 1), torch.arange(key_len).view(1, -1)
@@ -374,7 +376,7 @@ def test_flex_block_mask_covers_exactly_the_allowed_pairs(block_size: int, is_ca
         ((257, 300), P.Random(0.3, seed=2)),
         ((300, 129), P.GlobalLocal(1, 0) | P.DilatedBlocks((3,))),
     ]:
-        block_mask, empty_rows = bs_mod.flex_block_mask(
+        block_mask, empty_rows = bs_flex.flex_block_mask(
             pattern, block_size, nq, nk, is_causal, torch.device("cpu")
         )
         want = token_mask(pattern, block_size, nq, nk, is_causal).bool()
@@ -386,7 +388,7 @@ def test_flex_block_mask_covers_exactly_the_allowed_pairs(block_size: int, is_ca
 def test_flex_block_mask_full_tiles_skip_the_mask_mod() -> None:
     """A block size that is a multiple of the tile: non-causal tiles are all full."""
     pytest.importorskip("torch.nn.attention.flex_attention")
-    block_mask, _ = bs_mod.flex_block_mask(
+    block_mask, _ = bs_flex.flex_block_mask(
         P.LocalWindow(1), 256, 1024, 1024, False, torch.device("cpu")
     )
     assert int(block_mask.kv_num_blocks.sum()) == 0
@@ -550,11 +552,11 @@ def test_flex_path_matches_oracle(case: int, is_causal: bool, dtype: torch.dtype
     shapes = [(2, nq, 4, 64), (2, nk, kv_heads, 64), (2, nk, kv_heads, 64), (2, nq, 4, 64)]
     q, k, v, dout = (torch.randn(s, generator=gen).to(dtype) for s in shapes)
     dev = [t.to(device).requires_grad_() for t in (q, k, v)]
-    chosen = bs_mod._choose(
+    chosen = bs_api._choose(
         dev[0], dev[1], is_causal=is_causal, block_size=block_size, needs_grad=True,
         backend="flex",
     )  # fmt: skip
-    assert chosen == bs_mod.FLEX_KERNEL, "FlexAttention path not taken on CUDA"
+    assert chosen == bs_api.FLEX_KERNEL, "FlexAttention path not taken on CUDA"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # return_lse's deprecation notice
         out, lse = block_sparse_attention(
@@ -621,7 +623,7 @@ def test_cuda_full_pattern_runs_dense_kernel(monkeypatch: pytest.MonkeyPatch) ->
 def test_flex_path_with_tuned_kernel_options_matches_fallback() -> None:
     """D = 128 in bf16 takes the pinned kernel options on an sm90 GPU (defaults elsewhere)."""
     device = torch.device("cuda")
-    options = bs_mod.flex_kernel_options(device, 128, torch.bfloat16)
+    options = bs_flex.flex_kernel_options(device, 128, torch.bfloat16)
     if torch.cuda.get_device_capability() == (9, 0):
         assert options is not None and options["fwd_BLOCK_M"] == 128
     pattern = P.LocalWindow(1) | P.Random(0.3, seed=4)

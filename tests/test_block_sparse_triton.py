@@ -17,7 +17,7 @@ import torch
 from test_block_sparse import check_kernel_result, token_mask
 from test_triton_backend import KERNEL_DEVICES, _poison_new_buffers, _skip_without_triton
 
-import dilated_attention.block_sparse as bs_mod
+import dilated_attention.block_sparse.api as bs_api
 from dilated_attention import block_sparse_attention
 from dilated_attention import patterns as P
 
@@ -49,11 +49,11 @@ def test_triton_kernels_match_oracle(
         shapes = [(2, nq, 4, dim), (2, nk, kv_heads, dim), (2, nk, kv_heads, dim), (2, nq, 4, dim)]
         q, k, v, dout = (torch.randn(s, generator=gen).to(dtype) for s in shapes)
         leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
-        chosen = bs_mod._choose(
+        chosen = bs_api._choose(
             leaves[0], leaves[1], is_causal=is_causal, block_size=block_size, needs_grad=True,
             backend=backend,
         )  # fmt: skip
-        assert chosen == bs_mod.TRITON_KERNELS, f"the Triton kernels were not chosen: {chosen}"
+        assert chosen == bs_api.TRITON_KERNELS, f"the Triton kernels were not chosen: {chosen}"
         with monkeypatch.context() as patch:
             _poison_new_buffers(patch)
             out, lse = block_sparse_attention(
@@ -67,11 +67,11 @@ def test_triton_kernels_match_oracle(
 def test_reasons_name_the_block_size_and_head_dim() -> None:
     """What keeps the Triton kernels from running is said, not guessed (checked without a GPU)."""
     q, k = torch.zeros(1, 96, 2, 256), torch.zeros(1, 96, 2, 256)
-    reasons = "; ".join(bs_mod.triton_kernel_reasons(q, k, 48))
+    reasons = "; ".join(bs_api.triton_kernel_reasons(q, k, 48))
     assert "block_size 48 is not a multiple of 64" in reasons
     assert "head_dim 256 > 128" in reasons
-    assert bs_mod.triton_kernel_reasons(q[..., :64], k[..., :64], 128) == (
-        bs_mod.triton_kernel_reasons(q[..., :64], k[..., :64], 64)
+    assert bs_api.triton_kernel_reasons(q[..., :64], k[..., :64], 128) == (
+        bs_api.triton_kernel_reasons(q[..., :64], k[..., :64], 64)
     )
 
 
@@ -83,7 +83,7 @@ def test_unsupported_block_size_runs_the_fallback(device: str, dtypes: list[torc
     dtype = dtypes[0]
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, 150, 2, 32, generator=gen).to(device, dtype) for _ in range(3))
-    chosen = bs_mod._choose(q, k, is_causal=True, block_size=48, needs_grad=False, backend="triton")
+    chosen = bs_api._choose(q, k, is_causal=True, block_size=48, needs_grad=False, backend="triton")
     assert not isinstance(chosen, str) and chosen.name == "triton"
     pattern = P.LocalWindow(1)
     with warnings.catch_warnings():
@@ -103,16 +103,16 @@ def test_cuda_choice_by_gradients_block_size_and_dtype() -> None:
     q = torch.zeros(1, 256, 2, 64, device="cuda", dtype=torch.bfloat16)
 
     def choose(x: torch.Tensor, block_size: int, needs_grad: bool, backend: str | None = None):
-        return bs_mod._choose(
+        return bs_api._choose(
             x, x, is_causal=False, block_size=block_size, needs_grad=needs_grad, backend=backend
         )
 
-    assert choose(q, 128, needs_grad=False) == bs_mod.TRITON_KERNELS
-    assert choose(q, 128, needs_grad=True) == bs_mod.FLEX_KERNEL
-    assert choose(q, 128, needs_grad=True, backend="triton") == bs_mod.TRITON_KERNELS
-    assert choose(q, 48, needs_grad=False) == bs_mod.FLEX_KERNEL
-    assert choose(q.float(), 64, needs_grad=False) == bs_mod.FLEX_KERNEL
-    assert choose(q, 128, needs_grad=False, backend="flex") == bs_mod.FLEX_KERNEL
+    assert choose(q, 128, needs_grad=False) == bs_api.TRITON_KERNELS
+    assert choose(q, 128, needs_grad=True) == bs_api.FLEX_KERNEL
+    assert choose(q, 128, needs_grad=True, backend="triton") == bs_api.TRITON_KERNELS
+    assert choose(q, 48, needs_grad=False) == bs_api.FLEX_KERNEL
+    assert choose(q.float(), 64, needs_grad=False) == bs_api.FLEX_KERNEL
+    assert choose(q, 128, needs_grad=False, backend="flex") == bs_api.FLEX_KERNEL
     leaf = q.clone().requires_grad_()
     with torch.no_grad():
         want = block_sparse_attention(leaf, leaf, leaf, P.LocalWindow(0), backend="triton")

@@ -134,9 +134,7 @@ def table_for(capability: tuple[int, int] | None) -> Table:
     return TABLES[lower[-1] if lower else known[0]]
 
 
-def tile_configs(
-    capability: tuple[int, int] | None, head_dim: int, dtype: torch.dtype
-) -> Tiles:
+def tile_configs(capability: tuple[int, int] | None, head_dim: int, dtype: torch.dtype) -> Tiles:
     """Tiles per kernel role for a GPU of ``capability``, a head dim and a dtype."""
     kind = "float32" if dtype == torch.float32 else "16-bit"
     for row_kind, max_dim, tiles in table_for(capability):

@@ -93,7 +93,7 @@ def compiled_flex_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The process-wide compiled FlexAttention, in its own (B, H, N, D) layout.
 
-    Shared by this backend (dynamic shapes) and block-sparse attention (``block_sparse.py``,
+    Shared by this backend (dynamic shapes) and block-sparse attention (``block_sparse/flex.py``,
     static shapes), each with a compiled wrapper of its own (Note [Our own compiled
     FlexAttention]).
 

@@ -43,17 +43,15 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import _validation as V
-from .. import block_sparse as _block_sparse
 from ..backends.base import Backend
 from ..backends.registry import check_backend_name
-from ..block_sparse import (
+from ..block_sparse import plan as block_plan
+from ..block_sparse.executor import backward_calls, forward_calls, new_accumulators
+from ..block_sparse.plan import (
     SparseCall,
-    backward_calls,
     call_positions,
     causal_block_mask,
     check_block_size,
-    forward_calls,
-    new_accumulators,
     num_blocks,
     plan_calls,
 )
@@ -360,7 +358,7 @@ def block_sparse_ring_attention(
     n = q.shape[1]
     steps = _schedule(
         pattern, int(block_size), n, setup.world_size, setup.rank, is_causal, q.device,
-        max(n, _block_sparse.MIN_KV_ROWS_PER_CALL),
+        max(n, block_plan.MIN_KV_ROWS_PER_CALL),
     )  # fmt: skip
     out, lse = _BlockSparseRingFunction.apply(q, k, v, steps, setup, kernel)
     return (out, lse) if return_lse else out

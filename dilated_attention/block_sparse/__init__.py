@@ -1,0 +1,27 @@
+"""Block-sparse attention: dense attention restricted to the block pairs a pattern keeps.
+
+Block ``i`` holds tokens ``[i * block_size, (i + 1) * block_size)`` (the last block may be
+shorter). Query token ``p`` in block ``i`` attends key token ``t`` in block ``j`` when the
+pattern keeps ``(i, j)`` and, for a causal call, ``t <= p`` (top-left aligned). For 4 blocks of 2
+tokens, ``LocalWindow(0)`` and ``is_causal=True``::
+
+    key         0 1 2 3 4 5 6 7
+    query 0     x . . . . . . .
+    query 1     x x . . . . . .
+    query 2     . . x . . . . .
+    query 3     . . x x . . . .
+    ...
+
+Three kernels compute it: the fallback, FlexAttention, and our block-sparse Triton kernels (Note
+[Block-sparse Triton kernels] in ``backends/_triton_block_sparse.py``; chosen by ``_choose`` in
+``api.py``).
+
+The package: ``plan.py`` (block geometry and kernel calls), ``executor.py`` (running calls on any
+dense kernel), ``flex.py`` (FlexAttention block masks), ``triton_autograd.py`` (our block-sparse
+Triton kernels), ``api.py`` (``block_sparse_attention``).
+"""
+
+from .api import block_sparse_attention
+from .plan import SparseCall, plan_calls
+
+__all__ = ["SparseCall", "block_sparse_attention", "plan_calls"]

@@ -1,0 +1,203 @@
+"""``block_sparse_attention``: validation, the dense shortcut, the kernel choice and the call.
+
+Note [Dense fallback]
+    A pattern whose block mask keeps every block pair (every pair at or below the diagonal when
+    causal) is dense attention, top-left causal when causal. ``block_sparse_attention`` then
+    calls the library's dense ``attention`` (cuDNN on an H100) instead of either kernel above:
+    FlexAttention walking every tile runs at about 0.7x of dense cuDNN (H100, N = 262,144: 0.64x
+    forward, 0.71x forward+backward; ``benchmarks/results/block_sparse_long_h100.json``), and
+    the fallback would split the work into many calls. Only ``backend="flex"`` (by argument,
+    ``use_backend`` or the environment) keeps FlexAttention at full density.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .. import _validation as V
+from .. import compiled
+from ..backends.base import Backend, KernelInputs
+from ..backends.registry import _requested, check_backend_name, get_backend, select_backend
+from ..core.engine import empty_attention
+from ..patterns import Pattern, check_pattern
+from . import plan
+from .executor import BlockSparseFunction
+from .flex import _flex_forward
+from .plan import _local_plan, check_block_size, num_blocks
+from .triton_autograd import TritonBlockSparseFunction, _triton_lists, triton_kernel_reasons
+
+#: ``_choose``'s answers besides a fallback ``Backend``.
+TRITON_KERNELS = "triton"
+FLEX_KERNEL = "flex"
+
+
+def _check_flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def keeps_every_pair(mask: torch.Tensor, is_causal: bool) -> bool:
+    """Whether the block mask keeps every block pair the causal mask (when causal) leaves.
+
+    Then block-sparse attention IS dense attention (top-left causal when causal), and the dense
+    kernel computes it exactly and faster than a sparse kernel walking every block.
+    """
+    if is_causal:
+        mask = mask | ~torch.ones_like(mask).tril()
+    return bool(mask.all())
+
+
+@functools.lru_cache(maxsize=16)
+def _is_dense(pattern: Pattern, nq: int, nk: int, is_causal: bool) -> bool:
+    """``keeps_every_pair`` of the pattern's mask, kept per call shape (milliseconds at 256K
+    tokens on a CPU, for an answer that never changes)."""
+    return keeps_every_pair(pattern.block_mask(nq, nk), is_causal)
+
+
+@torch.compiler.disable  # selection probes kernels and caches: run it eagerly, never traced
+def _choose(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    is_causal: bool,
+    block_size: int,
+    needs_grad: bool,
+    backend: str | None,
+) -> Backend | str:
+    """``TRITON_KERNELS``, ``FLEX_KERNEL``, or the fallback's kernel.
+
+    Nothing asked for (argument, ``use_backend``, environment), on CUDA: for a call without
+    gradients our block-sparse Triton kernels where they run these inputs (their forward is
+    1.1-1.4x FlexAttention's on an H100), for training FlexAttention (its backward is up to 6%
+    faster at 64K tokens: docs/block_sparse.md), then whichever of the two runs, else the
+    fallback.
+    ``"triton"``: our Triton kernels, or where they cannot run these inputs the fallback with the
+    dense Triton kernel. ``"flex"``: FlexAttention or a ``ValueError``. Any other name runs the
+    fallback with that kernel.
+    """
+    inputs = KernelInputs.from_tensors(q, k, is_causal=is_causal)
+    requested, _ = _requested(backend)
+    if requested == FLEX_KERNEL:
+        reasons = get_backend("flex").not_supported_reasons(inputs)
+        if reasons:
+            raise ValueError(
+                f"backend 'flex' cannot run these inputs: {'; '.join(reasons)}; pass "
+                "backend=None to use the fallback kernels"
+            )
+        return FLEX_KERNEL
+    automatic = requested is None and q.device.type == "cuda"
+    triton_runs = (automatic or requested == TRITON_KERNELS) and not triton_kernel_reasons(
+        q, k, block_size
+    )
+    if triton_runs and (requested == TRITON_KERNELS or not needs_grad):
+        return TRITON_KERNELS
+    if automatic and not get_backend("flex").not_supported_reasons(inputs):
+        return FLEX_KERNEL
+    if triton_runs:
+        return TRITON_KERNELS
+    return select_backend(inputs, backend)
+
+
+def block_sparse_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    pattern: Pattern,
+    *,
+    block_size: int = 128,
+    is_causal: bool = False,
+    scale: float | None = None,
+    backend: str | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Dense attention restricted to the block pairs ``pattern`` keeps (and causal, when asked).
+
+    Query token ``p`` (block ``p // block_size``) attends key token ``t`` (block
+    ``t // block_size``) when the pattern keeps that block pair and, if causal, ``t <= p``.
+    Query rows that attend no key give 0 (and ``lse = -inf``). Gradients are exact, and so are
+    higher-order ones (``create_graph=True``) on every kernel but FlexAttention, for which
+    torch.compile raises on double backward: pass ``backend="triton"`` or a fallback kernel name
+    for a gradient penalty on CUDA.
+
+    Args:
+        query: (B, Nq, H, D).
+        key: (B, Nk, Hkv, D), H % Hkv == 0 (GQA). Nk may differ from Nq.
+        value: (B, Nk, Hkv, D).
+        pattern: a :mod:`dilated_attention.patterns` pattern; it is asked for the block mask
+            ``(ceil(Nq / block_size), ceil(Nk / block_size))``.
+        block_size: tokens per block; the last block may be shorter.
+        is_causal: top-left aligned causal mask (query ``p`` sees keys ``t <= p``).
+        scale: softmax scale; ``None`` means ``D ** -0.5``.
+        backend: ``None`` picks, on CUDA, our block-sparse Triton kernels for calls without
+            gradients and FlexAttention for training (each where it runs), else the registry's
+            kernel for the fallback (Note [Block-sparse plan]); ``"triton"`` forces our Triton
+            kernels where they run (else the fallback with the dense Triton kernel); ``"flex"``
+            forces FlexAttention; any other name from ``list_backends()`` runs the fallback with
+            that kernel. A pattern
+            that keeps every block pair runs dense ``attention`` with the same ``backend``
+            (Note [Dense fallback]), except under ``"flex"``.
+        return_lse: also return the log-sum-exp.
+
+    Returns:
+        ``out`` (B, Nq, H, D) in the input dtype, or ``(out, lse)`` with ``lse`` (B, H, Nq)
+        float32 (float64 for float64 inputs on the fallback), detached.
+
+    Raises:
+        TypeError: ``pattern`` is not a Pattern; wrong argument types.
+        ValueError: malformed tensors, ``block_size < 1``, a ``Custom`` mask of another block
+            count, or a backend that cannot run the inputs.
+    """
+    q, k, v = V.check_qkv(query, key, value, same_length=False)
+    pattern = check_pattern(pattern)
+    block_size = check_block_size(block_size)
+    is_causal = _check_flag("is_causal", is_causal)
+    return_lse = _check_flag("return_lse", return_lse)
+    checked_scale = V.check_scale(scale)
+    backend = check_backend_name(backend)  # "auto" -> None; ValueError naming the valid ones
+    if compiled.is_traced(q, k, v):  # Note [Custom operators for torch.compile] (compiled.py)
+        out, lse = compiled.block_sparse(
+            q, k, v, pattern, block_size=block_size, is_causal=is_causal, scale=checked_scale,
+            backend=backend,
+        )  # fmt: skip
+        return (out, lse) if return_lse else out
+    softmax_scale = checked_scale if checked_scale is not None else q.shape[-1] ** -0.5
+    query_len, key_len = q.shape[1], k.shape[1]
+    # Ask the pattern first: a Custom mask of the wrong size fails before any kernel work.
+    dense = _is_dense(
+        pattern, num_blocks(query_len, block_size), num_blocks(key_len, block_size), is_causal
+    )
+    if dense and _requested(backend)[0] != "flex":
+        # Dense attention exactly (Note [Dense fallback]); a named kernel stays the kernel.
+        from ..functional import attention
+
+        out, lse = attention(
+            q, k, v, is_causal=is_causal, scale=softmax_scale, backend=backend, return_lse=True
+        )
+        return (out, lse) if return_lse else out
+    if q.numel() == 0:  # batch 0 or 0 heads: empty out and grads, no kernel launch
+        out, lse = empty_attention(q, k, v)
+        return (out, lse) if return_lse else out
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    kernel = _choose(
+        q, k, is_causal=is_causal, block_size=block_size, needs_grad=needs_grad, backend=backend
+    )
+    if kernel == TRITON_KERNELS:
+        lists = _triton_lists(pattern, block_size, query_len, key_len, is_causal, q.device)
+        out, lse = TritonBlockSparseFunction.apply(
+            q.contiguous(), k.contiguous(), v.contiguous(), lists, block_size, is_causal,
+            softmax_scale,
+        )  # fmt: skip
+    elif kernel == FLEX_KERNEL:
+        out, lse = _flex_forward(
+            q, k, v, pattern, block_size=block_size, is_causal=is_causal, scale=softmax_scale
+        )
+    else:
+        budget = max(key_len, plan.MIN_KV_ROWS_PER_CALL)
+        calls, _ = _local_plan(pattern, block_size, query_len, key_len, is_causal, q.device, budget)
+        out, lse = BlockSparseFunction.apply(
+            q.contiguous(), k.contiguous(), v.contiguous(), calls, kernel, softmax_scale
+        )
+    return (out, lse) if return_lse else out
