@@ -14,9 +14,9 @@ from . import _validation as V
 from . import compiled
 from .backends.base import Backend, KernelInputs
 from .backends.registry import check_backend_name, select_backend
-from .core.engine import AttentionFunction, DilatedAttentionFunction, empty_attention
+from .core.engine import Plan, PlanFunction, empty_attention
 from .core.fused import FusedDilatedFunction, compile_ahead
-from .core.segment import RowGroup, effective_branches, plan_branches
+from .core.segment import dilated_plan, effective_branches, plan_branches
 
 __all__ = ["attention", "dilated_attention"]
 
@@ -46,9 +46,11 @@ def _choose(
 
 @torch.compiler.disable  # a cached pure-Python plan: run it eagerly, never traced
 def _plan(
-    seq_len: int, num_heads: int, segs: tuple[int, ...], rates: tuple[int, ...]
-) -> tuple[RowGroup, ...]:
-    return plan_branches(seq_len, num_heads, segs, rates)
+    q: torch.Tensor, k: torch.Tensor, segs: tuple[int, ...], rates: tuple[int, ...], causal: bool
+) -> Plan:
+    """The executor's plan of a dilated call through gathers (Note [Row groups])."""
+    groups = plan_branches(q.shape[1], q.shape[2], segs, rates)
+    return dilated_plan(groups, q.shape[1], k.shape[2], q.device, causal)
 
 
 def attention(
@@ -111,9 +113,9 @@ def attention(
         out, lse = empty_attention(q, k, v)
         return (out, lse) if return_lse else out
     softmax_scale = checked_scale if checked_scale is not None else q.shape[-1] ** -0.5
-    out, lse = AttentionFunction.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(), key_padding_mask, kernel,
-        is_causal, softmax_scale, dropout_p,
+    out, lse = PlanFunction.apply(
+        q.contiguous(), k.contiguous(), v.contiguous(), key_padding_mask, Plan.dense(is_causal),
+        kernel, softmax_scale, dropout_p, "attention",
     )  # fmt: skip
     return (out, lse) if return_lse else out
 
@@ -205,9 +207,8 @@ def dilated_attention(
             q, k, v, key_padding_mask, branches, kernel, is_causal, softmax_scale
         )
         return (out, lse) if return_lse else out
-    plan = _plan(q.shape[1], q.shape[2], segs, rates)
-    out, lse = DilatedAttentionFunction.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(), key_padding_mask, plan, kernel,
-        is_causal, softmax_scale, dropout_p,
+    out, lse = PlanFunction.apply(
+        q.contiguous(), k.contiguous(), v.contiguous(), key_padding_mask,
+        _plan(q, k, segs, rates, is_causal), kernel, softmax_scale, dropout_p, "dilated_attention",
     )  # fmt: skip
     return (out, lse) if return_lse else out

@@ -69,6 +69,10 @@ CASES = [
     Case("pad_whole_segment", N=64, H=4, segments=(16, 32), rates=(1, 2), padding="segment"),
     # head 0 covers only even positions, head 1 only odd ones: half the rows are uncovered
     Case("uncovered_rows", N=32, H=2, segments=(8,), rates=(2,)),
+    # one branch, rate 1: local attention in several segments (one dense row group) and, with
+    # w = N, plain dense attention (the plan of one whole call)
+    Case("one_branch_local", N=32, H=4, H_kv=2, segments=(8,), rates=(1,), D=8),
+    Case("one_branch_whole", N=24, H=2, segments=(24,), rates=(1,), D=8),
     Case("uncovered_gqa_partial", N=43, H=3, H_kv=1, segments=(9,), rates=(4,), D=8),
     Case("segment_length_one", N=20, H=2, segments=(1, 8), rates=(1, 2), D=8),
     Case("explicit_scale", N=48, H=4, segments=(8, 16, 48), rates=(1, 2, 3), scale=0.3),

@@ -16,9 +16,9 @@ Three kernels compute it: the fallback, FlexAttention, and our block-sparse Trit
 [Block-sparse Triton kernels] in ``backends/_triton_block_sparse.py``; chosen by ``_choose`` in
 ``api.py``).
 
-The package: ``plan.py`` (block geometry and kernel calls), ``executor.py`` (running calls on any
-dense kernel), ``flex.py`` (FlexAttention block masks), ``triton_autograd.py`` (our block-sparse
-Triton kernels), ``api.py`` (``block_sparse_attention``).
+The package: ``plan.py`` (block geometry and kernel calls, which the one executor in
+``core/engine.py`` runs on any dense kernel), ``flex.py`` (FlexAttention block masks),
+``triton_autograd.py`` (our block-sparse Triton kernels), ``api.py`` (``block_sparse_attention``).
 """
 
 from .api import block_sparse_attention

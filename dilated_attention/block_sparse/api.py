@@ -20,10 +20,9 @@ from .. import _validation as V
 from .. import compiled
 from ..backends.base import Backend, KernelInputs
 from ..backends.registry import _requested, check_backend_name, get_backend, select_backend
-from ..core.engine import empty_attention
+from ..core.engine import Plan, PlanFunction, empty_attention
 from ..patterns import Pattern, check_pattern
 from . import plan
-from .executor import BlockSparseFunction
 from .flex import _flex_forward
 from .plan import _local_plan, check_block_size, num_blocks
 from .triton_autograd import TritonBlockSparseFunction, _triton_lists, triton_kernel_reasons
@@ -197,7 +196,8 @@ def block_sparse_attention(
     else:
         budget = max(key_len, plan.MIN_KV_ROWS_PER_CALL)
         calls, _ = _local_plan(pattern, block_size, query_len, key_len, is_causal, q.device, budget)
-        out, lse = BlockSparseFunction.apply(
-            q.contiguous(), k.contiguous(), v.contiguous(), calls, kernel, softmax_scale
-        )
+        out, lse = PlanFunction.apply(
+            q.contiguous(), k.contiguous(), v.contiguous(), None, Plan(tuple(calls)), kernel,
+            softmax_scale, 0.0, "block_sparse_attention",
+        )  # fmt: skip
     return (out, lse) if return_lse else out

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.higher_order import RowCall
 from ..patterns import Pattern
 
 #: A call stacks query pieces until it holds max(key_len, this) key rows (Note [Block-sparse
@@ -75,6 +76,45 @@ class SparseCall:
 
     def to(self, device: torch.device) -> SparseCall:
         return SparseCall(self.q_index.to(device), self.kv_index.to(device), self.causal)
+
+    # The executor's ``Call`` (``core/engine.py``): every head, rows picked by position.
+    def q_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return _rows(x, self.q_index)
+
+    def kv_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return _rows(x, self.kv_index)
+
+    def key_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """(B, Nk) bool -> (B * G, 1, Lk)."""
+        if mask is None:
+            return None
+        return _rows(mask.view(*mask.shape, 1), self.kv_index).transpose(1, 2)
+
+    def put_q(self, dest: torch.Tensor, rows: torch.Tensor, *, accumulate: bool) -> None:
+        _put(dest, self.q_index, rows, accumulate)
+
+    def put_kv(self, dest: torch.Tensor, rows: torch.Tensor, *, accumulate: bool) -> None:
+        _put(dest, self.kv_index, rows, accumulate)
+
+    def row_call(self, q: torch.Tensor, k: torch.Tensor) -> RowCall:
+        return RowCall.from_positions(
+            self.q_index, self.kv_index, q.shape[2], k.shape[2], self.causal
+        )
+
+
+def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """(B, N, h, ...) and (G, L) -> (B * G, L, h, ...)."""
+    g, length = index.shape
+    return x.index_select(1, index.flatten()).view(x.shape[0] * g, length, *x.shape[2:])
+
+
+def _put(dest: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, accumulate: bool) -> None:
+    """Write (or add) (B * G, L, h, ...) rows into ``dest`` (B, N, h, ...) at ``index`` (G, L)."""
+    flat = rows.reshape(dest.shape[0], index.numel(), *rows.shape[2:]).to(dest.dtype)
+    if accumulate:
+        dest.index_add_(1, index.flatten(), flat)
+    else:
+        dest.index_copy_(1, index.flatten(), flat)
 
 
 def _block_tokens(blocks: torch.Tensor, block_size: int, length: int) -> torch.Tensor:

@@ -13,8 +13,8 @@ import torch
 
 from ..backends.base import KernelInputs
 from ..backends.registry import get_backend
+from ..core.higher_order import differentiable_grads
 from ..patterns import Pattern
-from .executor import _differentiable_grads
 from .plan import causal_block_mask, num_blocks, plan_calls
 
 
@@ -104,7 +104,8 @@ class TritonBlockSparseFunction(torch.autograd.Function):
                 is_causal=ctx.is_causal,
             )  # fmt: skip
             calls = [c.to(q.device) for c in calls]
-            grads = _differentiable_grads(dout, q, k, v, lse, calls, ctx.scale)
+            rows = [call.row_call(q, k) for call in calls]
+            grads = differentiable_grads(dout, q, k, v, lse, rows, scale=ctx.scale)
             return (*grads, None, None, None, None)
         dq, dk, dv = _triton_block_sparse().backward(
             dout.contiguous(), q, k, v, out, lse, ctx.lists, block_size=ctx.block_size,

@@ -1,1 +1,2 @@
-"""The segmenting engine, the (out, lse) merge and the readable reference attention."""
+"""The one executor of kernel-call plans, branch geometry, the (out, lse) merge and the readable
+reference attention."""

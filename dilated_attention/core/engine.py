@@ -1,4 +1,16 @@
-"""The dilated attention engine: run every row group through a kernel, merge, and differentiate.
+"""The one executor: run a plan of kernel calls, merge their results, and differentiate exactly.
+
+Note [One executor]
+    Dense attention, dilated attention through gathers, block-sparse attention on any dense
+    kernel, and the local pieces of the ring paths are all *plans*: lists of kernel calls, each
+    reading some query rows against some key/value rows (:class:`Call`). A call says how its rows
+    are read and written back; the executor does the rest, the same way for every plan: each
+    call's ``(out, lse)`` merged into float32 accumulators (Note [Merging partial softmaxes]),
+    then the backward replaying every call with the merged statistics. Row addressing comes in
+    three kinds: the whole tensors (:class:`WholeCall`, dense attention), dilated row groups
+    (``GroupCall`` in ``segment.py``) and stacked index lists (``SparseCall`` in
+    ``block_sparse/plan.py``). Kernels that run a whole plan themselves (the fused dilated
+    Triton kernels, ``fused.py``; our block-sparse Triton kernels) have Functions of their own.
 
 Note [Exact gradients through the branch mix]
     The forward merges each group's ``(o_i, lse_i)`` into a running ``(out, lse)``
@@ -16,23 +28,18 @@ Shape legend: B batch, N seq_len, H query heads, Hkv key/value heads, D head dim
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from .higher_order import (
-    RowCall,
-    calls_from_plan,
-    differentiable_grads,
-    first_order_only,
-    no_higher_order_message,
-)
+from .higher_order import RowCall, differentiable_grads, first_order_only, no_higher_order_message
 from .merge import merge_partial
-from .segment import RowGroup, gather_rows, scatter_rows
 
 
 class KernelBackend(Protocol):
-    """What the engine needs from a backend (``backends.base.Backend`` provides it)."""
+    """What the executor needs from a backend (``backends.base.Backend`` provides it)."""
 
     def forward(
         self,
@@ -63,104 +70,241 @@ class KernelBackend(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
-def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+class Call(Protocol):
+    """One kernel call of a plan: how it reads its rows and writes them back.
+
+    A call reads ``G`` pieces of ``Lq`` query rows with ``Hc`` heads against ``Lk`` key/value
+    rows with ``Hkc`` heads each; the pieces are stacked along the batch dimension.
+    """
+
+    causal: bool  # top-left causal within each piece
+
+    def q_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, Nq, H, E) -> (B * G, Lq, Hc, E): the call's rows of a query-side tensor."""
+        ...
+
+    def kv_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, Nk, Hkv, E) -> (B * G, Lk, Hkc, E): the call's rows of a key-side tensor."""
+        ...
+
+    def key_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """(B, Nk) bool (``True`` = ignore) -> the kernels' (B * G, 1 or Hc, Lk), or None."""
+        ...
+
+    def put_q(self, dest: torch.Tensor, rows: torch.Tensor, *, accumulate: bool) -> None:
+        """Write (or add) ``rows`` (B * G, Lq, Hc, E) into ``dest`` (B, Nq, H, E) in place."""
+        ...
+
+    def put_kv(self, dest: torch.Tensor, rows: torch.Tensor, *, accumulate: bool) -> None:
+        """Write (or add) ``rows`` (B * G, Lk, Hkc, E) into ``dest`` (B, Nk, Hkv, E)."""
+        ...
+
+    def row_call(self, q: torch.Tensor, k: torch.Tensor) -> RowCall:
+        """The call's rows as flat (position, head) indices, for the double backward."""
+        ...
+
+
+@dataclass(frozen=True)
+class WholeCall:
+    """Every row of q against every row of k and v, as they are (dense attention)."""
+
+    causal: bool
+
+    def q_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def kv_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def key_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        return None if mask is None else mask.unsqueeze(1)
+
+    def put_q(self, dest: torch.Tensor, rows: torch.Tensor, *, accumulate: bool) -> None:
+        if accumulate:
+            dest += rows.to(dest.dtype)
+        else:
+            dest.copy_(rows)
+
+    put_kv = put_q
+
+    def row_call(self, q: torch.Tensor, k: torch.Tensor) -> RowCall:
+        positions = [torch.arange(x.shape[1], device=q.device).view(1, -1) for x in (q, k)]
+        return RowCall.from_positions(*positions, q.shape[2], k.shape[2], self.causal)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The kernel calls of one attention call.
+
+    Attributes:
+        calls: in the order they run (the backward replays them in the same order).
+        whole: a single :class:`WholeCall`: its kernel's results are the plan's, with no
+            accumulators or merge.
+    """
+
+    calls: tuple[Call, ...]
+
+    @property
+    def whole(self) -> bool:
+        return len(self.calls) == 1 and isinstance(self.calls[0], WholeCall)
+
+    @classmethod
+    def dense(cls, is_causal: bool) -> Plan:
+        return cls((WholeCall(is_causal),))
+
+
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32, or float64 for float64 inputs."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-class _GroupRows:
-    """Indices of one row group for the query-head and key/value-head tensors."""
-
-    def __init__(self, group: RowGroup, num_kv_heads: int, device: torch.device) -> None:
-        self.group = group
-        heads = group.num_heads
-        if group.is_dense:
-            self.q_index = self.kv_index = self.one_index = None
-        else:
-            per_kv = heads // num_kv_heads
-            self.q_index = group.index(group.heads, heads, device)
-            self.kv_index = group.index([h // per_kv for h in group.heads], num_kv_heads, device)
-            self.one_index = group.index([0] * len(group.heads), 1, device)
-
-    def q(self, x: torch.Tensor) -> torch.Tensor:
-        return gather_rows(x, self.group, self.q_index)
-
-    def kv(self, x: torch.Tensor) -> torch.Tensor:
-        return gather_rows(x, self.group, self.kv_index)
-
-    def lse(self, lse_bnh1: torch.Tensor) -> torch.Tensor:
-        """(B, N, H, 1) -> (B * n, Hc, c)."""
-        return gather_rows(lse_bnh1, self.group, self.q_index).squeeze(-1).transpose(1, 2)
-
-    def key_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
-        """(B, N) bool -> (B * n, Hc or 1, c)."""
-        if mask is None:
-            return None
-        rows = gather_rows(mask.view(*mask.shape, 1, 1), self.group, self.one_index)
-        return rows.squeeze(-1).transpose(1, 2)
+def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty merged results for queries like ``q`` (B, N, H, D): ``out`` (B, N, H, D) zeros and
+    ``lse`` (B, N, H, 1) ``-inf``, both float32 (float64 for float64 inputs)."""
+    batch, rows, heads, dim = q.shape
+    acc = accumulator_dtype(q.dtype)
+    out = torch.zeros(batch, rows, heads, dim, dtype=acc, device=q.device)
+    lse = torch.full((batch, rows, heads, 1), float("-inf"), dtype=acc, device=q.device)
+    return out, lse
 
 
-def _covers_all_once(plan: tuple[RowGroup, ...], seq_len: int) -> bool:
-    return len(plan) == 1 and plan[0].is_dense and plan[0].start == 0 and plan[0].stop == seq_len
+def row_lse(lse: torch.Tensor) -> torch.Tensor:
+    """(B, H, N) -> (B, N, H, 1), the layout a call reads its rows' statistics from."""
+    return lse.transpose(1, 2).contiguous().unsqueeze(-1)
 
 
-def dilated_forward(
+def _call_lse(call: Call, lse_rows: torch.Tensor) -> torch.Tensor:
+    """The call's (B * G, Hc, Lq) statistics from (B, N, H, 1)."""
+    return call.q_rows(lse_rows).squeeze(-1).transpose(1, 2)
+
+
+def run_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
-    plan: tuple[RowGroup, ...],
+    calls: tuple[Call, ...] | list[Call],
     backend: KernelBackend,
     *,
-    is_causal: bool,
     scale: float,
-    dropout_p: float,
-    out_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
-    """Forward over every row group, merged (Note [Exact gradients through the branch mix]).
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    auxes: list[Any],
+    dropout_p: float = 0.0,
+    merge: bool = True,
+) -> None:
+    """Run ``calls`` and merge each result into ``out`` / ``lse`` in place.
 
     Args:
-        q: (B, N, H, D), contiguous.
-        k: (B, N, Hkv, D), contiguous.
-        v: (B, N, Hkv, D), contiguous.
-        key_padding_mask: (B, N) bool (``True`` = ignore) or None.
-        plan: from ``segment.plan_branches``.
+        q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D): the rows the calls read.
+        key_padding_mask: (B, Nk) bool (``True`` = ignore), or None.
+        out: (B, Nq, H, D), ``lse``: (B, Nq, H, 1): accumulators (:func:`new_accumulators`), or,
+            with ``merge=False``, buffers each call writes its rows into directly (calls that
+            cover disjoint rows).
+        auxes: each call's kernel ``aux`` is appended, in call order.
+    """
+    for call in calls:
+        res = backend.forward(
+            call.q_rows(q), call.kv_rows(k), call.kv_rows(v), scale=scale,
+            is_causal=call.causal, key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p,
+        )  # fmt: skip
+        auxes.append(res.aux)
+        part_lse = res.lse.transpose(1, 2).unsqueeze(-1)  # (B * G, Lq, Hc, 1)
+        if merge:
+            new_out, new_lse = merge_partial(
+                call.q_rows(out), call.q_rows(lse).squeeze(-1), res.out, part_lse.squeeze(-1)
+            )
+            call.put_q(out, new_out, accumulate=False)
+            call.put_q(lse, new_lse.unsqueeze(-1), accumulate=False)
+        else:
+            call.put_q(out, res.out, accumulate=False)
+            call.put_q(lse, part_lse, accumulate=False)
+
+
+def run_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse_rows: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    calls: tuple[Call, ...] | list[Call],
+    backend: KernelBackend,
+    auxes: Iterator[Any],
+    *,
+    scale: float,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    dropout_p: float = 0.0,
+) -> None:
+    """Replay ``calls`` with the merged statistics and add their gradients into dq, dk, dv
+    (Note [Exact gradients through the branch mix]).
+
+    Args:
+        dout, q, out: (B, Nq, H, D); k, v: (B, Nk, Hkv, D).
+        lse_rows: (B, Nq, H, 1) merged log-sum-exp (:func:`row_lse` of the (B, H, Nq) one).
+        auxes: the forward's ``aux`` values, consumed in call order.
+        dq: (B, Nq, H, D); dk, dv: (B, Nk, Hkv, D): accumulators.
+    """
+    for call in calls:
+        dq_rows, dk_rows, dv_rows = backend.backward(
+            call.q_rows(dout), call.q_rows(q), call.kv_rows(k), call.kv_rows(v),
+            call.q_rows(out), _call_lse(call, lse_rows), next(auxes), scale=scale,
+            is_causal=call.causal, key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p,
+        )  # fmt: skip
+        call.put_q(dq, dq_rows, accumulate=True)
+        call.put_kv(dk, dk_rows, accumulate=True)
+        call.put_kv(dv, dv_rows, accumulate=True)
+
+
+def plan_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    plan: Plan,
+    backend: KernelBackend,
+    *,
+    scale: float,
+    dropout_p: float = 0.0,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
+    """Forward of a whole plan (Note [One executor]).
+
+    Args:
+        q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D), contiguous.
+        key_padding_mask: (B, Nk) bool (``True`` = ignore) or None.
         out_dtype: dtype of ``out`` (default ``q.dtype``; float32 keeps the merge unrounded for a
             caller that merges further, e.g. ring dilated attention).
 
     Returns:
-        ``out`` (B, N, H, D), ``lse`` (B, H, N) float32 (float64 for float64 inputs;
-        ``-inf`` where no key is seen), and each group's backend ``aux`` for the backward.
+        ``out`` (B, Nq, H, D), ``lse`` (B, H, Nq) float32 (float64 for float64 inputs; ``-inf``
+        where no key is seen), and each call's backend ``aux`` for the backward.
     """
-    batch, seq_len, heads, dim = q.shape
-    acc_dtype = _accumulator_dtype(q.dtype)
-    merging = len(plan) > 1
-    work_dtype = acc_dtype if merging else q.dtype
-    out = torch.zeros(batch, seq_len, heads, dim, dtype=work_dtype, device=q.device)
-    lse = torch.full((batch, seq_len, heads, 1), float("-inf"), dtype=acc_dtype, device=q.device)
-    auxes = []
-    for group in plan:
-        rows = _GroupRows(group, k.shape[2], q.device)
+    acc = accumulator_dtype(q.dtype)
+    if plan.whole:
+        (call,) = plan.calls
         res = backend.forward(
-            rows.q(q), rows.kv(k), rows.kv(v), scale=scale, is_causal=is_causal,
-            key_mask=rows.key_mask(key_padding_mask), dropout_p=dropout_p,
+            q, k, v, scale=scale, is_causal=call.causal,
+            key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p,
         )  # fmt: skip
-        auxes.append(res.aux)
-        group_lse = res.lse.transpose(1, 2).unsqueeze(-1)
-        if merging:
-            prev_out, prev_lse = rows.q(out), rows.q(lse)
-            new_out, new_lse = merge_partial(
-                prev_out, prev_lse.squeeze(-1), res.out, group_lse.squeeze(-1)
-            )
-            scatter_rows(out, group, rows.q_index, new_out, accumulate=False)
-            scatter_rows(lse, group, rows.q_index, new_lse.unsqueeze(-1), accumulate=False)
-        else:
-            scatter_rows(out, group, rows.q_index, res.out, accumulate=False)
-            scatter_rows(lse, group, rows.q_index, group_lse, accumulate=False)
-    out = out.to(out_dtype or q.dtype)
-    return out, lse.squeeze(-1).transpose(1, 2).contiguous(), auxes
+        out = res.out.contiguous().to(out_dtype or q.dtype)
+        return out, res.lse.to(acc).contiguous(), [res.aux]
+    merging = len(plan.calls) > 1
+    out, lse = new_accumulators(q)
+    if not merging:  # one call: its rows written as they come, no float32 copy of out
+        out = torch.zeros_like(q)
+    auxes: list[Any] = []
+    run_forward(
+        q, k, v, key_padding_mask, plan.calls, backend, scale=scale, out=out, lse=lse,
+        auxes=auxes, dropout_p=dropout_p, merge=merging,
+    )  # fmt: skip
+    return out.to(out_dtype or q.dtype), lse.squeeze(-1).transpose(1, 2).contiguous(), auxes
 
 
-def dilated_backward(
+def plan_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -168,47 +312,42 @@ def dilated_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
-    plan: tuple[RowGroup, ...],
+    plan: Plan,
     backend: KernelBackend,
     auxes: list[Any],
     *,
-    is_causal: bool,
     scale: float,
-    dropout_p: float,
+    dropout_p: float = 0.0,
     grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Exact gradients of :func:`dilated_forward` (Note [Exact gradients through the branch mix]).
+    """Exact gradients of :func:`plan_forward`.
 
     Args:
-        dout: (B, N, H, D) upstream gradient of ``out``.
-        out: (B, N, H, D) merged output; ``lse``: (B, H, N) merged log-sum-exp.
-
+        dout: (B, Nq, H, D) upstream gradient of ``out``.
+        out: (B, Nq, H, D) merged output; ``lse``: (B, H, Nq) merged log-sum-exp.
         grad_dtype: dtype of the gradients (default: the inputs' dtypes).
 
     Returns:
         ``(dq, dk, dv)`` shaped like ``(q, k, v)``.
     """
-    acc_dtype = q.dtype if _covers_all_once(plan, q.shape[1]) else _accumulator_dtype(q.dtype)
-    if grad_dtype is not None:
-        acc_dtype = grad_dtype
-    dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-    dk = torch.zeros(k.shape, dtype=acc_dtype, device=q.device)
-    dv = torch.zeros(v.shape, dtype=acc_dtype, device=q.device)
-    lse_bnh1 = lse.transpose(1, 2).contiguous().unsqueeze(-1)
     dout = dout.contiguous()
-    for group, aux in zip(plan, auxes, strict=True):
-        rows = _GroupRows(group, k.shape[2], q.device)
-        dq_rows, dk_rows, dv_rows = backend.backward(
-            rows.q(dout), rows.q(q), rows.kv(k), rows.kv(v), rows.q(out), rows.lse(lse_bnh1), aux,
-            scale=scale, is_causal=is_causal, key_mask=rows.key_mask(key_padding_mask),
+    if plan.whole:
+        (call,) = plan.calls
+        grads = backend.backward(
+            dout, q, k, v, out, lse, auxes[0], scale=scale, is_causal=call.causal,
+            key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p,
+        )  # fmt: skip
+    else:
+        acc = grad_dtype or accumulator_dtype(q.dtype)
+        grads = tuple(torch.zeros(x.shape, dtype=acc, device=q.device) for x in (q, k, v))
+        run_backward(
+            dout, q, k, v, out, row_lse(lse), key_padding_mask, plan.calls, backend,
+            iter(auxes), scale=scale, dq=grads[0], dk=grads[1], dv=grads[2],
             dropout_p=dropout_p,
         )  # fmt: skip
-        scatter_rows(dq, group, rows.q_index, dq_rows, accumulate=True)
-        scatter_rows(dk, group, rows.kv_index, dk_rows, accumulate=True)
-        scatter_rows(dv, group, rows.kv_index, dv_rows, accumulate=True)
-    if grad_dtype is not None:
-        return dq, dk, dv
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    dtypes = [grad_dtype] * 3 if grad_dtype is not None else [x.dtype for x in (q, k, v)]
+    dq, dk, dv = (g.to(dtype) for g, dtype in zip(grads, dtypes, strict=True))
+    return dq, dk, dv
 
 
 _DROPOUT_MESSAGE = no_higher_order_message(
@@ -218,11 +357,10 @@ _DROPOUT_MESSAGE = no_higher_order_message(
 )
 
 
-class DilatedAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper of :func:`dilated_forward` / :func:`dilated_backward`.
-
-    Returns ``(out, lse)``; ``lse`` is not differentiable (it is returned detached).
-    """
+class PlanFunction(torch.autograd.Function):
+    """Autograd of :func:`plan_forward` / :func:`plan_backward`: ``(q, k, v) -> (out, lse)``,
+    ``lse`` (B, H, Nq) not differentiable (returned detached). Under ``create_graph=True`` the
+    gradients are recomputed differentiably (Note [Double backward])."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -231,19 +369,19 @@ class DilatedAttentionFunction(torch.autograd.Function):
         k: torch.Tensor,
         v: torch.Tensor,
         key_padding_mask: torch.Tensor | None,
-        plan: tuple[RowGroup, ...],
+        plan: Plan,
         backend: KernelBackend,
-        is_causal: bool,
         scale: float,
         dropout_p: float,
+        what: str,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse, auxes = dilated_forward(
-            q, k, v, key_padding_mask, plan, backend,
-            is_causal=is_causal, scale=scale, dropout_p=dropout_p,
-        )  # fmt: skip
+        """``what``: the public function's name, for the double-backward error."""
+        out, lse, auxes = plan_forward(
+            q, k, v, key_padding_mask, plan, backend, scale=scale, dropout_p=dropout_p
+        )
         ctx.save_for_backward(q, k, v, out, lse, key_padding_mask)
-        ctx.plan, ctx.backend, ctx.auxes = plan, backend, auxes
-        ctx.options = {"is_causal": is_causal, "scale": scale, "dropout_p": dropout_p}
+        ctx.plan, ctx.backend, ctx.auxes, ctx.what = plan, backend, auxes, what
+        ctx.options = {"scale": scale, "dropout_p": dropout_p}
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -252,75 +390,21 @@ class DilatedAttentionFunction(torch.autograd.Function):
         ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
+        nones = (None,) * 6
         if torch.is_grad_enabled() and ctx.options["dropout_p"] == 0:
             # create_graph=True: differentiable gradients (Note [Double backward])
-            calls = calls_from_plan(ctx.plan, k.shape[2], q.device, ctx.options["is_causal"])
+            calls = [call.row_call(q, k) for call in ctx.plan.calls]
             dq, dk, dv = differentiable_grads(
                 dout, q, k, v, lse, calls, scale=ctx.options["scale"],
                 key_padding_mask=key_padding_mask,
             )  # fmt: skip
-            return dq, dk, dv, None, None, None, None, None, None
+            return dq, dk, dv, *nones
         with torch.no_grad():
-            dq, dk, dv = dilated_backward(
+            grads = plan_backward(
                 dout, q, k, v, out, lse, key_padding_mask, ctx.plan, ctx.backend, ctx.auxes,
                 **ctx.options,
             )  # fmt: skip
-        grads = first_order_only((dq, dk, dv), _DROPOUT_MESSAGE.format(what="dilated_attention"))
-        return *grads, None, None, None, None, None, None
-
-
-class AttentionFunction(torch.autograd.Function):
-    """Dense attention through one backend call: ``(q, k, v) -> (out, lse)``, lse not
-    differentiable.
-
-    Query and key lengths may differ (cross-attention); causal masking is top-left aligned.
-    """
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        key_padding_mask: torch.Tensor | None,
-        backend: KernelBackend,
-        is_causal: bool,
-        scale: float,
-        dropout_p: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        key_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(1)
-        options = {"is_causal": is_causal, "scale": scale, "dropout_p": dropout_p}
-        res = backend.forward(q, k, v, key_mask=key_mask, **options)
-        out = res.out.contiguous()
-        lse = res.lse.to(_accumulator_dtype(q.dtype)).contiguous()
-        ctx.save_for_backward(q, k, v, out, lse, key_mask)
-        ctx.backend, ctx.aux, ctx.options = backend, res.aux, options
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse, key_mask = ctx.saved_tensors
-        if torch.is_grad_enabled() and ctx.options["dropout_p"] == 0:
-            # create_graph=True: differentiable gradients (Note [Double backward])
-            call = RowCall.from_positions(
-                torch.arange(q.shape[1], device=q.device).view(1, -1),
-                torch.arange(k.shape[1], device=q.device).view(1, -1),
-                q.shape[2], k.shape[2], ctx.options["is_causal"],
-            )  # fmt: skip
-            dq, dk, dv = differentiable_grads(
-                dout, q, k, v, lse, [call], scale=ctx.options["scale"],
-                key_padding_mask=None if key_mask is None else key_mask.squeeze(1),
-            )  # fmt: skip
-            return dq, dk, dv, None, None, None, None, None
-        with torch.no_grad():
-            dq, dk, dv = ctx.backend.backward(
-                dout.contiguous(), q, k, v, out, lse, ctx.aux, key_mask=key_mask, **ctx.options
-            )
-        grads = first_order_only((dq, dk, dv), _DROPOUT_MESSAGE.format(what="attention"))
-        return *grads, None, None, None, None, None
+        return *first_order_only(grads, _DROPOUT_MESSAGE.format(what=ctx.what)), *nones
 
 
 def empty_attention(

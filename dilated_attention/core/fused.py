@@ -55,8 +55,8 @@ from typing import Any, Protocol
 
 import torch
 
-from .higher_order import calls_from_plan, differentiable_grads
-from .segment import plan_branches
+from .higher_order import differentiable_grads
+from .segment import group_calls, plan_branches
 
 #: A group holds at least this many positions (enough programs per launch to fill a GPU) ...
 MIN_GROUP_POSITIONS = 32768
@@ -441,7 +441,10 @@ class FusedDilatedFunction(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True (Note [Double backward])
             segs, rates = zip(*ctx.branches, strict=True)
             plan = plan_branches(q.shape[1], q.shape[2], segs, rates)
-            calls = calls_from_plan(plan, k.shape[2], q.device, ctx.options["is_causal"])
+            calls = [
+                call.row_call(q, k)
+                for call in group_calls(plan, k.shape[2], q.device, ctx.options["is_causal"])
+            ]
             dq, dk, dv = differentiable_grads(
                 dout, q, k, v, lse, calls, scale=ctx.options["scale"],
                 key_padding_mask=key_padding_mask,

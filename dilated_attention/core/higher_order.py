@@ -41,13 +41,11 @@ per call G pieces of Lq query and Lk key rows with Hc query and Hkc key/value he
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
-
-from .segment import RowGroup
 
 _Backward = TypeVar("_Backward", bound=Callable[..., Any])
 
@@ -172,27 +170,6 @@ class RowCall:
         return cls(
             flat(q_pos, num_heads), flat(kv_pos, num_kv_heads), num_heads, num_kv_heads, causal
         )
-
-
-def calls_from_plan(
-    plan: Iterable[RowGroup], num_kv_heads: int, device: torch.device, causal: bool
-) -> list[RowCall]:
-    """The engine's row groups (``segment.plan_branches``) as :class:`RowCall` s.
-
-    Each query head of a group reads its own key/value head (GQA heads repeated), as the
-    engine's gathers do.
-    """
-    calls = []
-    for group in plan:
-        heads = group.num_heads
-        per_kv = heads // num_kv_heads
-        base = group.start + torch.arange(group.num_segments, device=device) * group.segment_len
-        q_rows = group.index(group.heads, heads, device)
-        kv_rows = group.index([h // per_kv for h in group.heads], num_kv_heads, device)
-        q_index = (base * heads).view(-1, 1) + q_rows.view(1, -1)
-        kv_index = (base * num_kv_heads).view(-1, 1) + kv_rows.view(1, -1)
-        calls.append(RowCall(q_index, kv_index, len(group.heads), len(group.heads), causal))
-    return calls
 
 
 def _rows(x: torch.Tensor, index: torch.Tensor, heads: int) -> torch.Tensor:

@@ -26,6 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .engine import Plan
+from .higher_order import RowCall
+
 
 @dataclass(frozen=True)
 class RowGroup:
@@ -162,6 +165,86 @@ def scatter_rows(
         block.index_add_(2, index, src)
     else:
         block.index_copy_(2, index, src)
+
+
+class GroupCall:
+    """One row group as a kernel call of the executor (``Call`` in ``engine.py``): each query
+    head of the group reads its own key/value head (GQA heads repeated, as the gathers do)."""
+
+    def __init__(
+        self, group: RowGroup, num_kv_heads: int, device: torch.device, causal: bool
+    ) -> None:
+        self.group, self.causal = group, causal
+        heads = group.num_heads
+        if group.is_dense:
+            self.q_index = self.kv_index = self.one_index = None
+        else:
+            per_kv = heads // num_kv_heads
+            self.q_index = group.index(group.heads, heads, device)
+            self.kv_index = group.index([h // per_kv for h in group.heads], num_kv_heads, device)
+            self.one_index = group.index([0] * len(group.heads), 1, device)
+
+    def q_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_rows(x, self.group, self.q_index)
+
+    def kv_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_rows(x, self.group, self.kv_index)
+
+    def key_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """(B, N) bool -> (B * n, Hc or 1, c)."""
+        if mask is None:
+            return None
+        rows = gather_rows(mask.view(*mask.shape, 1, 1), self.group, self.one_index)
+        return rows.squeeze(-1).transpose(1, 2)
+
+    def put_q(self, dest: torch.Tensor, rows: torch.Tensor, *, accumulate: bool) -> None:
+        scatter_rows(dest, self.group, self.q_index, rows, accumulate=accumulate)
+
+    def put_kv(self, dest: torch.Tensor, rows: torch.Tensor, *, accumulate: bool) -> None:
+        scatter_rows(dest, self.group, self.kv_index, rows, accumulate=accumulate)
+
+    def row_call(self, q: torch.Tensor, k: torch.Tensor) -> RowCall:
+        group, device = self.group, q.device
+        heads, num_kv_heads = group.num_heads, k.shape[2]
+        per_kv = heads // num_kv_heads
+        base = group.start + torch.arange(group.num_segments, device=device) * group.segment_len
+        q_rows = group.index(group.heads, heads, device)
+        kv_rows = group.index([h // per_kv for h in group.heads], num_kv_heads, device)
+        q_index = (base * heads).view(-1, 1) + q_rows.view(1, -1)
+        kv_index = (base * num_kv_heads).view(-1, 1) + kv_rows.view(1, -1)
+        return RowCall(q_index, kv_index, len(group.heads), len(group.heads), self.causal)
+
+
+@functools.lru_cache(maxsize=256)
+def group_calls(
+    groups: tuple[RowGroup, ...], num_kv_heads: int, device: torch.device, causal: bool
+) -> tuple[GroupCall, ...]:
+    """The executor's calls of :func:`plan_branches` groups (their small indices built once per
+    device)."""
+    return tuple(GroupCall(group, num_kv_heads, device, causal) for group in groups)
+
+
+def covers_all_once(groups: tuple[RowGroup, ...], seq_len: int) -> bool:
+    """One dense group of one segment over the whole sequence: dense attention."""
+    if len(groups) != 1:
+        return False
+    group = groups[0]
+    whole = group.num_segments == 1 and group.start == 0 and group.stop == seq_len
+    return group.is_dense and whole
+
+
+def dilated_plan(
+    groups: tuple[RowGroup, ...],
+    seq_len: int,
+    num_kv_heads: int,
+    device: torch.device,
+    causal: bool,
+) -> Plan:
+    """The executor's plan of row groups over ``seq_len`` positions: dense attention when one
+    dense group covers them all, else one call per group."""
+    if covers_all_once(groups, seq_len):
+        return Plan.dense(causal)
+    return Plan(group_calls(groups, num_kv_heads, device, causal))
 
 
 def effective_branches(

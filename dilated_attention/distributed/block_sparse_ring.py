@@ -46,7 +46,6 @@ from .. import _validation as V
 from ..backends.base import Backend
 from ..backends.registry import check_backend_name
 from ..block_sparse import plan as block_plan
-from ..block_sparse.executor import backward_calls, forward_calls, new_accumulators
 from ..block_sparse.plan import (
     SparseCall,
     call_positions,
@@ -56,6 +55,7 @@ from ..block_sparse.plan import (
     plan_calls,
 )
 from ..compiled import eager_only
+from ..core.engine import new_accumulators, row_lse, run_backward, run_forward
 from ..core.higher_order import first_order_backward, ring_message
 from ..modules import BlockSparseMultiheadAttention, build_block_sparse_kind
 from ..patterns import Custom, Intersection, Pattern, Union, check_pattern
@@ -171,13 +171,14 @@ def _ring_forward(
         q: (B, n, H, D); kv: (2, B, n, Hkv, D) contiguous.
 
     Returns:
-        ``out`` (B, n, H, D) and ``lse`` (B, n, H), float32 (float64 for float64 inputs), and
+        ``out`` (B, n, H, D) and ``lse`` (B, n, H, 1), float32 (float64 for float64 inputs), and
         every kernel call's ``aux`` in call order.
     """
     out, lse = new_accumulators(q)
     auxes: list[Any] = []
     pending = _post_kv(kv, steps[1], setup) if len(steps) > 1 else None
-    forward_calls(q, kv[0], kv[1], steps[0].calls, kernel, setup.scale, out, lse, auxes)
+    options = {"scale": setup.scale, "out": out, "lse": lse, "auxes": auxes}
+    run_forward(q, kv[0], kv[1], None, steps[0].calls, kernel, **options)
     for index in range(1, len(steps)):
         assert pending is not None
         requests, buffer, _ = pending
@@ -185,7 +186,7 @@ def _ring_forward(
         pending = _post_kv(kv, steps[index + 1], setup) if index + 1 < len(steps) else None
         if buffer is not None:
             calls = steps[index].calls
-            forward_calls(q, buffer[0], buffer[1], calls, kernel, setup.scale, out, lse, auxes)
+            run_forward(q, buffer[0], buffer[1], None, calls, kernel, **options)
     return out, lse, auxes
 
 
@@ -214,9 +215,11 @@ def _ring_backward(
     aux_iter = iter(auxes)
     scale = setup.scale
     pending = _post_kv(kv, steps[1], setup) if len(steps) > 1 else None
-    backward_calls(
-        dout, q, kv[0], kv[1], out, lse, steps[0].calls, kernel, scale, aux_iter, dq, dkv[0], dkv[1]
-    )
+    lse_rows = row_lse(lse)
+    run_backward(
+        dout, q, kv[0], kv[1], out, lse_rows, None, steps[0].calls, kernel, aux_iter,
+        scale=scale, dq=dq, dk=dkv[0], dv=dkv[1],
+    )  # fmt: skip
     for index in range(1, len(steps)):
         assert pending is not None
         requests, buffer, _ = pending
@@ -226,9 +229,9 @@ def _ring_backward(
         send, recv = [], []
         if buffer is not None:
             dbuf = torch.zeros(buffer.shape, dtype=acc, device=q.device)
-            backward_calls(
-                dout, q, buffer[0], buffer[1], out, lse, step.calls, kernel, scale, aux_iter,
-                dq, dbuf[0], dbuf[1],
+            run_backward(
+                dout, q, buffer[0], buffer[1], out, lse_rows, None, step.calls, kernel, aux_iter,
+                scale=scale, dq=dq, dk=dbuf[0], dv=dbuf[1],
             )  # fmt: skip
             send.append((dbuf, setup.global_ranks[step.src]))  # dK/dV go home to their owner
         incoming = None
@@ -260,7 +263,7 @@ class _BlockSparseRingFunction(torch.autograd.Function):
         kv = torch.stack([k, v]).contiguous()
         out_acc, lse_acc, auxes = _ring_forward(q, kv, steps, setup, kernel)
         out = out_acc.to(q.dtype)
-        lse = lse_acc.transpose(1, 2).contiguous()
+        lse = lse_acc.squeeze(-1).transpose(1, 2).contiguous()
         ctx.save_for_backward(q, kv, out, lse)
         ctx.steps, ctx.setup, ctx.kernel, ctx.auxes = steps, setup, kernel, auxes
         ctx.mark_non_differentiable(lse)

@@ -44,11 +44,11 @@ from .. import _validation as V
 from ..backends.base import Backend
 from ..compiled import eager_only
 from ..core.cells import Cells, add_cells, merge_cells
-from ..core.engine import dilated_backward, dilated_forward
+from ..core.engine import plan_backward, plan_forward
 from ..core.fused import fused_backward, fused_forward
 from ..core.higher_order import first_order_backward, ring_message
 from ..core.merge import merge_partial
-from ..core.segment import RowGroup, effective_branches, plan_branches
+from ..core.segment import RowGroup, dilated_plan, effective_branches, plan_branches
 from ._comm import exchange, wait_all
 from .ring import RingSetup, prepare_ring
 from .sharding import local_positions
@@ -455,9 +455,10 @@ class RingDilatedFunction(torch.autograd.Function):
         else:
             if plan.local:
                 # float32 output where the spanning results merge in, else the engine's own
-                out, lse, auxes = dilated_forward(
-                    q, k, v, key_padding_mask, plan.local, backend, is_causal=setup.is_causal,
-                    scale=setup.scale, dropout_p=0.0, out_dtype=acc if merge else None,
+                local = dilated_plan(plan.local, n, k.shape[2], q.device, setup.is_causal)
+                out, lse, auxes = plan_forward(
+                    q, k, v, key_padding_mask, local, backend, scale=setup.scale,
+                    out_dtype=acc if merge else None,
                 )  # fmt: skip
             else:
                 out = torch.zeros(batch, n, heads, dim, dtype=acc, device=q.device)
@@ -512,10 +513,10 @@ class RingDilatedFunction(torch.autograd.Function):
             )  # fmt: skip
             return dq, dk, dv, None, None, None, None
         if plan.local:
-            dq, dk, dv = dilated_backward(
-                dout, q, k, v, out, lse, key_padding_mask, plan.local, ctx.backend, ctx.auxes,
-                is_causal=setup.is_causal, scale=setup.scale, dropout_p=0.0,
-                grad_dtype=acc if add else None,
+            local = dilated_plan(plan.local, q.shape[1], k.shape[2], q.device, setup.is_causal)
+            dq, dk, dv = plan_backward(
+                dout, q, k, v, out, lse, key_padding_mask, local, ctx.backend, ctx.auxes,
+                scale=setup.scale, grad_dtype=acc if add else None,
             )  # fmt: skip
         else:
             dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
