@@ -627,6 +627,33 @@ def test_kernels_write_exactly_the_covered_rows(device: str, dtypes: list[torch.
             assert torch.equal(dk, covered_kv) and torch.equal(dv, covered_kv)
 
 
+@pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
+def test_fused_gradients_under_create_graph_are_the_kernels_gradients(
+    device: str, dtypes: list[torch.dtype]
+) -> None:
+    """Under ``create_graph=True`` the fused path recomputes its gradients differentiably from
+    the schedule's row groups (Note [Double backward]); they must be the kernels' own."""
+    _skip_without_triton(device)
+    gen = torch.Generator().manual_seed(3)
+    mask = torch.zeros(2, 41, dtype=torch.bool)
+    mask[1, -6:] = True
+    dtype = dtypes[0]
+    shapes = [(2, 41, 4, 16), (2, 41, 2, 16), (2, 41, 2, 16)]
+    leaves = [torch.randn(s, generator=gen).to(device, dtype).requires_grad_() for s in shapes]
+    dout = torch.randn(shapes[0], generator=gen).to(device, dtype)
+    mask = mask.to(device)
+
+    def grads(create_graph: bool) -> tuple[Tensor, ...]:
+        out = dilated_attention(
+            *leaves, [8, 24], [1, 3], is_causal=True, key_padding_mask=mask, backend="triton"
+        )
+        return torch.autograd.grad(out, leaves, dout, create_graph=create_graph)
+
+    tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for kernel, recomputed in zip(grads(False), grads(True), strict=True):
+        torch.testing.assert_close(recomputed.float(), kernel.float(), **tol)
+
+
 # -- first calls -----------------------------------------------------------------------------------
 @pytest.mark.gpu
 def test_a_new_shape_family_compiles_only_ahead_and_a_new_length_not_at_all(
