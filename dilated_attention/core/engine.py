@@ -7,10 +7,13 @@ Note [One executor]
     are read and written back; the executor does the rest, the same way for every plan: each
     call's ``(out, lse)`` merged into float32 accumulators (Note [Merging partial softmaxes]),
     then the backward replaying every call with the merged statistics. Row addressing comes in
-    three kinds: the whole tensors (:class:`WholeCall`, dense attention), dilated row groups
+    four kinds: the whole tensors (:class:`WholeCall`, dense attention), slices of positions
+    (:class:`SliceCall`, ring attention's calls against a key/value block), dilated row groups
     (``GroupCall`` in ``segment.py``) and stacked index lists (``SparseCall`` in
-    ``block_sparse/plan.py``). Kernels that run a whole plan themselves (the fused dilated
-    Triton kernels, ``fused.py``; our block-sparse Triton kernels) have Functions of their own.
+    ``block_sparse/plan.py``). The ring paths drive the runners (:func:`run_forward`,
+    :func:`run_backward`) block by block inside Functions of their own, which own the
+    communication; kernels that run a whole plan themselves (the fused dilated Triton kernels,
+    ``fused.py``; our block-sparse Triton kernels) also have Functions of their own.
 
 Note [Exact gradients through the branch mix]
     The forward merges each group's ``(o_i, lse_i)`` into a running ``(out, lse)``
@@ -28,7 +31,7 @@ Shape legend: B batch, N seq_len, H query heads, Hkv key/value heads, D head dim
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -133,6 +136,45 @@ class WholeCall:
 
 
 @dataclass(frozen=True)
+class SliceCall:
+    """Query rows ``q`` against key/value rows ``kv``, both slices of positions (views, no
+    copies; ring attention's calls against one key/value block)."""
+
+    q: slice
+    kv: slice
+    causal: bool
+
+    def q_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, self.q]
+
+    def kv_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, self.kv]
+
+    def key_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        return None if mask is None else mask[:, None, self.kv]
+
+    def put_q(self, dest: torch.Tensor, rows: torch.Tensor, *, accumulate: bool) -> None:
+        _put_slice(dest, self.q, rows, accumulate)
+
+    def put_kv(self, dest: torch.Tensor, rows: torch.Tensor, *, accumulate: bool) -> None:
+        _put_slice(dest, self.kv, rows, accumulate)
+
+    def row_call(self, q: torch.Tensor, k: torch.Tensor) -> RowCall:
+        positions = [
+            torch.arange(rows.start, rows.stop, device=q.device).view(1, -1)
+            for rows in (self.q, self.kv)
+        ]
+        return RowCall.from_positions(*positions, q.shape[2], k.shape[2], self.causal)
+
+
+def _put_slice(dest: torch.Tensor, rows: slice, values: torch.Tensor, accumulate: bool) -> None:
+    if accumulate:
+        dest[:, rows] += values.to(dest.dtype)
+    else:
+        dest[:, rows] = values
+
+
+@dataclass(frozen=True)
 class Plan:
     """The kernel calls of one attention call.
 
@@ -178,12 +220,30 @@ def _call_lse(call: Call, lse_rows: torch.Tensor) -> torch.Tensor:
     return call.q_rows(lse_rows).squeeze(-1).transpose(1, 2)
 
 
+#: How a call's result merges into the accumulators: ``(call, out, lse, part_out, part_lse)``
+#: with ``out`` (B, Nq, H, D), ``lse`` (B, Nq, H, 1), ``part_out`` (B * G, Lq, Hc, D) and
+#: ``part_lse`` (B * G, Hc, Lq) as the kernel returned them.
+Merge = Callable[[Call, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def merge_rows(
+    call: Call, out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor
+) -> None:
+    """The default :data:`Merge`: read the call's rows, merge (Note [Merging partial softmaxes]),
+    write them back."""
+    new_out, new_lse = merge_partial(
+        call.q_rows(out), call.q_rows(lse).squeeze(-1), part_out, part_lse.transpose(1, 2)
+    )
+    call.put_q(out, new_out, accumulate=False)
+    call.put_q(lse, new_lse.unsqueeze(-1), accumulate=False)
+
+
 def run_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
-    calls: tuple[Call, ...] | list[Call],
+    calls: Sequence[Call],
     backend: KernelBackend,
     *,
     scale: float,
@@ -191,7 +251,7 @@ def run_forward(
     lse: torch.Tensor,
     auxes: list[Any],
     dropout_p: float = 0.0,
-    merge: bool = True,
+    merge: Merge | None = merge_rows,
 ) -> None:
     """Run ``calls`` and merge each result into ``out`` / ``lse`` in place.
 
@@ -199,9 +259,11 @@ def run_forward(
         q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D): the rows the calls read.
         key_padding_mask: (B, Nk) bool (``True`` = ignore), or None.
         out: (B, Nq, H, D), ``lse``: (B, Nq, H, 1): accumulators (:func:`new_accumulators`), or,
-            with ``merge=False``, buffers each call writes its rows into directly (calls that
+            with ``merge=None``, buffers each call writes its rows into directly (calls that
             cover disjoint rows).
         auxes: each call's kernel ``aux`` is appended, in call order.
+        merge: how a result merges in (:func:`merge_rows`; ring attention passes a fused
+            in-place merge).
     """
     for call in calls:
         res = backend.forward(
@@ -209,16 +271,11 @@ def run_forward(
             is_causal=call.causal, key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p,
         )  # fmt: skip
         auxes.append(res.aux)
-        part_lse = res.lse.transpose(1, 2).unsqueeze(-1)  # (B * G, Lq, Hc, 1)
-        if merge:
-            new_out, new_lse = merge_partial(
-                call.q_rows(out), call.q_rows(lse).squeeze(-1), res.out, part_lse.squeeze(-1)
-            )
-            call.put_q(out, new_out, accumulate=False)
-            call.put_q(lse, new_lse.unsqueeze(-1), accumulate=False)
+        if merge is not None:
+            merge(call, out, lse, res.out, res.lse)
         else:
             call.put_q(out, res.out, accumulate=False)
-            call.put_q(lse, part_lse, accumulate=False)
+            call.put_q(lse, res.lse.transpose(1, 2).unsqueeze(-1), accumulate=False)
 
 
 def run_backward(
@@ -229,15 +286,16 @@ def run_backward(
     out: torch.Tensor,
     lse_rows: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
-    calls: tuple[Call, ...] | list[Call],
+    calls: Sequence[Call],
     backend: KernelBackend,
     auxes: Iterator[Any],
     *,
     scale: float,
     dq: torch.Tensor,
-    dk: torch.Tensor,
-    dv: torch.Tensor,
+    dk: torch.Tensor | None,
+    dv: torch.Tensor | None,
     dropout_p: float = 0.0,
+    kv_grads: Callable[[Call, torch.Tensor, torch.Tensor], None] | None = None,
 ) -> None:
     """Replay ``calls`` with the merged statistics and add their gradients into dq, dk, dv
     (Note [Exact gradients through the branch mix]).
@@ -247,6 +305,8 @@ def run_backward(
         lse_rows: (B, Nq, H, 1) merged log-sum-exp (:func:`row_lse` of the (B, H, Nq) one).
         auxes: the forward's ``aux`` values, consumed in call order.
         dq: (B, Nq, H, D); dk, dv: (B, Nk, Hkv, D): accumulators.
+        kv_grads: where each call's key/value gradients (B * G, Lk, Hkc, D) go instead of
+            ``dk`` / ``dv`` (ring attention sends them to the block's owner).
     """
     for call in calls:
         dq_rows, dk_rows, dv_rows = backend.backward(
@@ -255,8 +315,13 @@ def run_backward(
             is_causal=call.causal, key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p,
         )  # fmt: skip
         call.put_q(dq, dq_rows, accumulate=True)
-        call.put_kv(dk, dk_rows, accumulate=True)
-        call.put_kv(dv, dv_rows, accumulate=True)
+        if kv_grads is not None:
+            kv_grads(call, dk_rows, dv_rows)
+        elif dk is None or dv is None:
+            raise TypeError("run_backward needs dk and dv accumulators, or kv_grads")
+        else:
+            call.put_kv(dk, dk_rows, accumulate=True)
+            call.put_kv(dv, dv_rows, accumulate=True)
 
 
 def plan_forward(
@@ -299,7 +364,7 @@ def plan_forward(
     auxes: list[Any] = []
     run_forward(
         q, k, v, key_padding_mask, plan.calls, backend, scale=scale, out=out, lse=lse,
-        auxes=auxes, dropout_p=dropout_p, merge=merging,
+        auxes=auxes, dropout_p=dropout_p, merge=merge_rows if merging else None,
     )  # fmt: skip
     return out.to(out_dtype or q.dtype), lse.squeeze(-1).transpose(1, 2).contiguous(), auxes
 

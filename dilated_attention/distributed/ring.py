@@ -34,8 +34,15 @@ from ..backends.base import Backend, KernelInputs
 from ..backends.registry import check_backend_name, select_backend
 from ..backends.triton import merge_kernel
 from ..compiled import eager_only
+from ..core.engine import (
+    SliceCall,
+    merge_rows,
+    new_accumulators,
+    row_lse,
+    run_backward,
+    run_forward,
+)
 from ..core.higher_order import first_order_backward, ring_message
-from ..core.merge import merge_partial
 from ._comm import (
     check_same_on_all_ranks,
     exchange,
@@ -49,18 +56,9 @@ from .sharding import LAYOUTS, check_layout, chunks_of, chunks_per_rank
 COMMS = ("ring", "allgather")
 
 
-@dataclass(frozen=True)
-class Task:
-    """One kernel call: local query rows ``q`` against rows ``kv`` of a key/value block."""
-
-    q: slice
-    kv: slice
-    causal: bool
-
-
 def plan_block(
     my_chunks: list[int], src_chunks: list[int], chunk_len: int, is_causal: bool
-) -> list[Task]:
+) -> list[SliceCall]:
     """Kernel calls for this rank's queries against one rank's key/value block.
 
     Chunk pairs are full, causal (same chunk) or empty (later key chunk, causal); runs of adjacent
@@ -81,7 +79,7 @@ def plan_block(
     for q_chunks, kv_chunks, causal in calls:
         for run in _runs(kv_chunks):
             tasks.append(
-                Task(
+                SliceCall(
                     q=slice(q_chunks[0] * chunk_len, (q_chunks[-1] + 1) * chunk_len),
                     kv=slice(run[0] * chunk_len, (run[-1] + 1) * chunk_len),
                     causal=causal,
@@ -114,11 +112,11 @@ class RingSetup:
     scale: float
     comm: str
 
-    def tasks(self, src: int) -> list[Task]:
+    def tasks(self, src: int) -> list[SliceCall]:
         """This rank's kernel calls against the key/value block of rank ``src``."""
         return self.tasks_of(self.rank, src)
 
-    def tasks_of(self, rank: int, src: int) -> list[Task]:
+    def tasks_of(self, rank: int, src: int) -> list[SliceCall]:
         """Rank ``rank``'s kernel calls against the key/value block of rank ``src``."""
         me = chunks_of(rank, self.world_size, self.layout)
         other = chunks_of(src, self.world_size, self.layout)
@@ -145,9 +143,10 @@ class KeyBlock:
         """What is sent for this block, in order."""
         return (self.kv,) if self.mask is None else (self.kv, self.mask)
 
-    def key_mask(self, rows: slice) -> torch.Tensor | None:
-        """The kernels' (B, 1, rows) bool key mask for ``rows`` of the block, or None."""
-        return None if self.mask is None else self.mask[:, None, rows].view(torch.bool)
+    @property
+    def key_padding_mask(self) -> torch.Tensor | None:
+        """The block's (B, n) bool key padding mask, or None."""
+        return None if self.mask is None else self.mask.view(torch.bool)
 
 
 def _pass_on(block: KeyBlock, setup: RingSetup) -> tuple[list[dist.Work], KeyBlock]:
@@ -169,24 +168,21 @@ def _all_blocks(block: KeyBlock, setup: RingSetup) -> list[KeyBlock]:
 
 
 def _merge_into(
+    call: SliceCall,
     out: torch.Tensor,
     lse: torch.Tensor,
-    rows: slice,
     part_out: torch.Tensor,
     part_lse: torch.Tensor,
 ) -> None:
-    """Merge a kernel result for ``rows`` into float32 accumulators out (B,n,H,D), lse (B,n,H).
-
-    On CUDA one fused Triton kernel does it in place (a quarter of the bytes of the torch ops).
-    """
+    """The executor's merge (``Merge`` in ``core/engine.py``) for a call's rows of float32
+    accumulators out (B, n, H, D), lse (B, n, H, 1): on CUDA one fused Triton kernel merges in
+    place (a quarter of the bytes of the torch ops)."""
     fused = merge_kernel() if out.is_cuda and out.dtype == torch.float32 else None
-    if fused is not None:
-        part_out = part_out if part_out.stride(-1) == 1 else part_out.contiguous()
-        fused(out[:, rows], lse[:, rows], part_out, part_lse.transpose(1, 2))
+    if fused is None:
+        merge_rows(call, out, lse, part_out, part_lse)
         return
-    new_out, new_lse = merge_partial(out[:, rows], lse[:, rows], part_out, part_lse.transpose(1, 2))
-    out[:, rows] = new_out
-    lse[:, rows] = new_lse
+    part_out = part_out if part_out.stride(-1) == 1 else part_out.contiguous()
+    fused(out[:, call.q], lse[:, call.q, :, 0], part_out, part_lse.transpose(1, 2))
 
 
 def ring_forward(
@@ -199,24 +195,17 @@ def ring_forward(
         local: this rank's keys and values (and mask), contiguous.
 
     Returns:
-        ``out`` (B, n, H, D) float32, ``lse`` (B, n, H) float32, and every kernel call's ``aux``
-        in call order (the backward replays the same calls).
+        ``out`` (B, n, H, D) float32, ``lse`` (B, n, H, 1) float32 (float64 for float64 inputs),
+        and every kernel call's ``aux`` in call order (the backward replays the same calls).
     """
-    batch, n, heads, dim = q.shape
-    out = torch.zeros(batch, n, heads, dim, dtype=torch.float32, device=q.device)
-    lse = torch.full((batch, n, heads), float("-inf"), dtype=torch.float32, device=q.device)
-    if q.dtype == torch.float64:
-        out, lse = out.double(), lse.double()
+    out, lse = new_accumulators(q)
     auxes: list[Any] = []
 
     def compute(block: KeyBlock, src: int) -> None:
-        for task in setup.tasks(src):
-            res = backend.forward(
-                q[:, task.q], block.kv[0][:, task.kv], block.kv[1][:, task.kv],
-                scale=setup.scale, is_causal=task.causal, key_mask=block.key_mask(task.kv),
-            )  # fmt: skip
-            auxes.append(res.aux)
-            _merge_into(out, lse, task.q, res.out, res.lse)
+        run_forward(
+            q, block.kv[0], block.kv[1], block.key_padding_mask, setup.tasks(src), backend,
+            scale=setup.scale, out=out, lse=lse, auxes=auxes, merge=_merge_into,
+        )  # fmt: skip
 
     if setup.comm == "allgather":
         for src, block in enumerate(_all_blocks(local, setup)):
@@ -289,18 +278,20 @@ def ring_backward(
     kv = local.kv
     dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
     aux_iter = iter(auxes)
+    lse_rows = row_lse(lse)
 
     def compute(block: KeyBlock, src: int) -> list[Part]:
         """Kernel gradients against ``block``: dQ added into ``dq``; the dK/dV parts returned."""
-        parts = []
-        for task in setup.tasks(src):
-            dq_t, dk_t, dv_t = backend.backward(
-                dout[:, task.q], q[:, task.q], block.kv[0][:, task.kv], block.kv[1][:, task.kv],
-                out[:, task.q], lse[:, :, task.q], next(aux_iter), scale=setup.scale,
-                is_causal=task.causal, key_mask=block.key_mask(task.kv),
-            )  # fmt: skip
-            dq[:, task.q] += dq_t
-            parts.append((task.kv, dk_t.contiguous(), dv_t.contiguous()))
+        parts: list[Part] = []
+
+        def keep(call: SliceCall, dk: torch.Tensor, dv: torch.Tensor) -> None:
+            parts.append((call.kv, dk.contiguous(), dv.contiguous()))
+
+        run_backward(
+            dout, q, block.kv[0], block.kv[1], out, lse_rows, block.key_padding_mask,
+            setup.tasks(src), backend, aux_iter, scale=setup.scale, dq=dq, dk=None, dv=None,
+            kv_grads=keep,
+        )  # fmt: skip
         return parts
 
     # Note [Gradients go home]: remote dK/dV parts travel in the dtype the kernel produced them
@@ -381,7 +372,7 @@ class RingAttentionFunction(torch.autograd.Function):
         local = KeyBlock(torch.stack([k, v]).contiguous(), mask)
         out32, lse32, auxes = ring_forward(q, local, setup, backend)
         out = out32.to(q.dtype)
-        lse = lse32.transpose(1, 2).contiguous()
+        lse = lse32.squeeze(-1).transpose(1, 2).contiguous()
         ctx.save_for_backward(q, local.kv, mask, out, lse)
         ctx.setup, ctx.backend, ctx.auxes = setup, backend, auxes
         ctx.mark_non_differentiable(lse)
