@@ -44,9 +44,9 @@ from .. import _validation as V
 from ..backends.base import Backend
 from ..compiled import eager_only
 from ..core.cells import Cells, add_cells, merge_cells
-from ..core.engine import plan_backward, plan_forward
+from ..core.engine import plan_backward, plan_forward, row_lse, run_backward, run_forward
 from ..core.fused import fused_backward, fused_forward
-from ..core.higher_order import first_order_backward, ring_message
+from ..core.higher_order import RowCall, first_order_backward, ring_message
 from ..core.merge import merge_partial
 from ..core.segment import RowGroup, dilated_plan, effective_branches, plan_branches
 from ._comm import exchange, wait_all
@@ -62,7 +62,6 @@ class _Call:
     rows: torch.Tensor  # (c, P * Hp) local query rows
     heads: torch.Tensor  # (P * Hp,) their heads
     cells: torch.Tensor  # (c * P * Hp,) row * H + head: the rows of x (B, n, H, E) as (B, n * H, E)
-    lse_cells: torch.Tensor  # (c * P * Hp,) head * n + row: the same of lse (B, H, n)
     keys: torch.Tensor  # flat indices into the gathered (W * R) rows (ck, P)
     causal: bool
 
@@ -79,10 +78,59 @@ class _Call:
         per_run = gathered_mask[:, self.keys].transpose(1, 2)  # (B, P, ck)
         return per_run.repeat_interleave(self.heads.numel() // self.keys.shape[1], dim=1)
 
-    def take_lse(self, lse: torch.Tensor) -> torch.Tensor:
-        """The call's entries of lse (B, H, n), contiguous: (B, P * Hp, c) as kernels take it."""
-        entries = lse.view(lse.shape[0], -1).index_select(1, self.lse_cells)
-        return entries.view(lse.shape[0], *self.rows.shape).transpose(1, 2)
+
+@dataclass(frozen=True)
+class _CompactCall:
+    """A spanning branch's call as the executor's ``Call`` (``core/engine.py``): query-side
+    rows read from (B, n, H, E) tensors and written to compact (B, M, E) ones at ``cells``
+    (Note [Spanning results stay compact]); key/value rows read from and added to the gathered
+    (B, W * R, D) rows."""
+
+    call: _Call
+    cells: torch.Tensor  # (c * P * Hp,) the call's positions among the compact cells
+
+    @property
+    def causal(self) -> bool:
+        return self.call.causal
+
+    def q_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return self.call.take(x)
+
+    def kv_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, self.call.keys]  # (B, ck, P, D)
+
+    def key_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        return self.call.key_mask(mask)
+
+    def put_q(self, dest: torch.Tensor, rows: torch.Tensor, *, accumulate: bool) -> None:
+        flat = rows.flatten(1, 2).to(dest.dtype)
+        if accumulate:
+            dest.index_add_(1, self.cells, flat)
+        else:
+            dest.index_copy_(1, self.cells, flat)
+
+    def put_kv(self, dest: torch.Tensor, rows: torch.Tensor, *, accumulate: bool) -> None:
+        # the same key row can serve two runs: index_add_ sums
+        dest.index_add_(1, self.call.keys.reshape(-1), rows.flatten(1, 2).to(dest.dtype))
+
+    def row_call(self, q: torch.Tensor, k: torch.Tensor) -> RowCall:
+        raise RuntimeError(ring_message("ring_dilated_attention", "dilated_attention()"))
+
+
+def _merge_compact(
+    call: _CompactCall,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+) -> None:
+    """The executor's merge into the compact accumulators out (B, M, D) and lse (B, M)."""
+    new_out, new_lse = merge_partial(
+        out.index_select(1, call.cells), lse.index_select(1, call.cells),
+        part_out.flatten(1, 2), part_lse.transpose(1, 2).flatten(1, 2),
+    )  # fmt: skip
+    out.index_copy_(1, call.cells, new_out)
+    lse.index_copy_(1, call.cells, new_lse)
 
 
 @dataclass(frozen=True)
@@ -201,9 +249,8 @@ def _stack_calls(
         heads = torch.cat([c[1] for c in group])  # (P * Hp,), run-major
         rows = q_rows.repeat_interleave(per_run, dim=1)  # (c, P * Hp)
         cells = (rows * num_heads + heads).flatten()
-        lse_cells = (heads * n + rows).flatten()
         keys = torch.stack([c[2] for c in group], dim=1)  # (ck, P)
-        stacked.append(_Call(rows, heads, cells, lse_cells, keys, causal))
+        stacked.append(_Call(rows, heads, cells, keys, causal))
     return tuple(stacked)
 
 
@@ -283,19 +330,11 @@ def span_forward(
         gathered, gathered_mask = _gather(k, v, key_padding_mask, span, setup)
         kept.append((gathered, gathered_mask))
         auxes.append([])
-        for call, pos in zip(span.calls, positions, strict=True):
-            keys = gathered[:, :, call.keys]  # (2, B, ck, P, D)
-            res = backend.forward(
-                call.take(q), keys[0], keys[1], scale=setup.scale, is_causal=call.causal,
-                key_mask=call.key_mask(gathered_mask),
-            )  # fmt: skip
-            auxes[-1].append(res.aux)
-            new_out, new_lse = merge_partial(
-                out.index_select(1, pos), lse.index_select(1, pos), res.out.flatten(1, 2),
-                res.lse.transpose(1, 2).flatten(1, 2),
-            )  # fmt: skip
-            out.index_copy_(1, pos, new_out)
-            lse.index_copy_(1, pos, new_lse)
+        calls = [_CompactCall(c, pos) for c, pos in zip(span.calls, positions, strict=True)]
+        run_forward(
+            q, gathered[0], gathered[1], gathered_mask, calls, backend, scale=setup.scale,
+            out=out, lse=lse, auxes=auxes[-1], merge=_merge_compact,
+        )  # fmt: skip
     return out, lse, kept, auxes
 
 
@@ -323,19 +362,14 @@ def span_backward(
     dkv = torch.zeros(2, batch, plan.kv_cells.rows.numel(), dim, dtype=acc, device=q.device)
     ranks = setup.global_ranks
     spans = zip(plan.spans, plan.call_cells, plan.send_cells, gathered, auxes, strict=True)
+    lse_rows = row_lse(lse)
     for span, positions, sent, (rows_kv, rows_mask), span_auxes in spans:
         dgathered = torch.zeros(rows_kv.shape, dtype=acc, device=q.device)
-        for call, pos, aux in zip(span.calls, positions, span_auxes, strict=True):
-            keys = rows_kv[:, :, call.keys]  # (2, B, ck, P, D)
-            dq_c, dk_c, dv_c = backend.backward(
-                call.take(dout), call.take(q), keys[0], keys[1], call.take(out),
-                call.take_lse(lse), aux, scale=setup.scale, is_causal=call.causal,
-                key_mask=call.key_mask(rows_mask),
-            )  # fmt: skip
-            dq.index_add_(1, pos, dq_c.flatten(1, 2).to(acc))
-            flat = call.keys.reshape(-1)  # the same key row can serve two runs: index_add_ sums
-            dgathered[0].index_add_(1, flat, dk_c.flatten(1, 2).to(acc))
-            dgathered[1].index_add_(1, flat, dv_c.flatten(1, 2).to(acc))
+        calls = [_CompactCall(c, pos) for c, pos in zip(span.calls, positions, strict=True)]
+        run_backward(
+            dout, q, rows_kv[0], rows_kv[1], out, lse_rows, rows_mask, calls, backend,
+            iter(span_auxes), scale=setup.scale, dq=dq, dk=dgathered[0], dv=dgathered[1],
+        )  # fmt: skip
         parts = dgathered.chunk(setup.world_size, dim=2)  # only mine and my peers' hold rows
         mine = parts[setup.rank].contiguous()
         received = [torch.empty_like(mine) for _ in span.peers]
