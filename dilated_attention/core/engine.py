@@ -123,10 +123,7 @@ class WholeCall:
         return None if mask is None else mask.unsqueeze(1)
 
     def put_q(self, dest: torch.Tensor, rows: torch.Tensor, *, accumulate: bool) -> None:
-        if accumulate:
-            dest += rows.to(dest.dtype)
-        else:
-            dest.copy_(rows)
+        _put_slice(dest, slice(None), rows, accumulate)
 
     put_kv = put_q
 
@@ -200,12 +197,15 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def new_accumulators(
+    q: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Empty merged results for queries like ``q`` (B, N, H, D): ``out`` (B, N, H, D) zeros and
-    ``lse`` (B, N, H, 1) ``-inf``, both float32 (float64 for float64 inputs)."""
+    ``lse`` (B, N, H, 1) ``-inf``, both float32 (float64 for float64 inputs; ``out`` in
+    ``out_dtype`` when given)."""
     batch, rows, heads, dim = q.shape
     acc = accumulator_dtype(q.dtype)
-    out = torch.zeros(batch, rows, heads, dim, dtype=acc, device=q.device)
+    out = torch.zeros(batch, rows, heads, dim, dtype=out_dtype or acc, device=q.device)
     lse = torch.full((batch, rows, heads, 1), float("-inf"), dtype=acc, device=q.device)
     return out, lse
 
@@ -358,9 +358,8 @@ def plan_forward(
         out = res.out.contiguous().to(out_dtype or q.dtype)
         return out, res.lse.to(acc).contiguous(), [res.aux]
     merging = len(plan.calls) > 1
-    out, lse = new_accumulators(q)
-    if not merging:  # one call: its rows written as they come, no float32 copy of out
-        out = torch.zeros_like(q)
+    # One call: its rows are written as they come, so out needs no float32 copy.
+    out, lse = new_accumulators(q, None if merging else q.dtype)
     auxes: list[Any] = []
     run_forward(
         q, k, v, key_padding_mask, plan.calls, backend, scale=scale, out=out, lse=lse,
@@ -492,6 +491,5 @@ def empty_attention(
     batch, query_len, heads, _ = q.shape
     link = (q.sum() + k.sum() + v.sum()) * 0
     out = torch.zeros_like(q) + link
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    lse = q.new_full((batch, heads, query_len), float("-inf"), dtype=lse_dtype)
+    lse = q.new_full((batch, heads, query_len), float("-inf"), dtype=accumulator_dtype(q.dtype))
     return out, lse

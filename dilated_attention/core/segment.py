@@ -175,13 +175,10 @@ class GroupCall:
         self, group: RowGroup, num_kv_heads: int, device: torch.device, causal: bool
     ) -> None:
         self.group, self.causal = group, causal
-        heads = group.num_heads
         if group.is_dense:
             self.q_index = self.kv_index = self.one_index = None
         else:
-            per_kv = heads // num_kv_heads
-            self.q_index = group.index(group.heads, heads, device)
-            self.kv_index = group.index([h // per_kv for h in group.heads], num_kv_heads, device)
+            self.q_index, self.kv_index = _head_indices(group, num_kv_heads, device)
             self.one_index = group.index([0] * len(group.heads), 1, device)
 
     def q_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -206,13 +203,24 @@ class GroupCall:
     def row_call(self, q: torch.Tensor, k: torch.Tensor) -> RowCall:
         group, device = self.group, q.device
         heads, num_kv_heads = group.num_heads, k.shape[2]
-        per_kv = heads // num_kv_heads
         base = group.start + torch.arange(group.num_segments, device=device) * group.segment_len
-        q_rows = group.index(group.heads, heads, device)
-        kv_rows = group.index([h // per_kv for h in group.heads], num_kv_heads, device)
+        q_rows, kv_rows = _head_indices(group, num_kv_heads, device)
         q_index = (base * heads).view(-1, 1) + q_rows.view(1, -1)
         kv_index = (base * num_kv_heads).view(-1, 1) + kv_rows.view(1, -1)
         return RowCall(q_index, kv_index, len(group.heads), len(group.heads), self.causal)
+
+
+def _head_indices(
+    group: RowGroup, num_kv_heads: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group's :meth:`RowGroup.index` into q and into k/v (each query head reads its own
+    key/value head)."""
+    per_kv = group.num_heads // num_kv_heads
+    kv_heads = [h // per_kv for h in group.heads]
+    return (
+        group.index(group.heads, group.num_heads, device),
+        group.index(kv_heads, num_kv_heads, device),
+    )
 
 
 @functools.lru_cache(maxsize=256)

@@ -55,7 +55,13 @@ from ..block_sparse.plan import (
     plan_calls,
 )
 from ..compiled import eager_only
-from ..core.engine import new_accumulators, row_lse, run_backward, run_forward
+from ..core.engine import (
+    accumulator_dtype,
+    new_accumulators,
+    row_lse,
+    run_backward,
+    run_forward,
+)
 from ..core.higher_order import first_order_backward, ring_message
 from ..modules import BlockSparseMultiheadAttention, build_block_sparse_kind
 from ..patterns import Custom, Intersection, Pattern, Union, check_pattern
@@ -209,7 +215,7 @@ def _ring_backward(
     Returns:
         ``dq`` (B, n, H, D) and ``dkv`` (2, B, n, Hkv, D), float32 (float64 for float64 inputs).
     """
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = accumulator_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
     aux_iter = iter(auxes)

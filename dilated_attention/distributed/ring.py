@@ -36,6 +36,7 @@ from ..backends.triton import merge_kernel
 from ..compiled import eager_only
 from ..core.engine import (
     SliceCall,
+    accumulator_dtype,
     merge_rows,
     new_accumulators,
     row_lse,
@@ -273,7 +274,7 @@ def ring_backward(
     Returns:
         ``dq`` (B, n, H, D) and ``dkv`` (2, B, n, Hkv, D), float32 (float64 for float64 inputs).
     """
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = accumulator_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = local.kv
     dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)

@@ -44,7 +44,14 @@ from .. import _validation as V
 from ..backends.base import Backend
 from ..compiled import eager_only
 from ..core.cells import Cells, add_cells, merge_cells
-from ..core.engine import plan_backward, plan_forward, row_lse, run_backward, run_forward
+from ..core.engine import (
+    accumulator_dtype,
+    plan_backward,
+    plan_forward,
+    row_lse,
+    run_backward,
+    run_forward,
+)
 from ..core.fused import fused_backward, fused_forward
 from ..core.higher_order import RowCall, first_order_backward, ring_message
 from ..core.merge import merge_partial
@@ -467,7 +474,7 @@ class RingDilatedFunction(torch.autograd.Function):
         setup: RingSetup,
         backend: Backend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        acc = accumulator_dtype(q.dtype)
         batch, n, heads, dim = q.shape
         auxes: list[Any] = []
         merge: Any = None
@@ -517,7 +524,7 @@ class RingDilatedFunction(torch.autograd.Function):
         gathered = list(zip(gathered_rows, ctx.gathered_masks, strict=True))
         plan: DilatedRingPlan = ctx.plan
         setup: RingSetup = ctx.setup
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        acc = accumulator_dtype(q.dtype)
         heads, group = q.shape[2], q.shape[2] // k.shape[2]
         dout = dout.contiguous()
         add: Any = None
