@@ -29,6 +29,7 @@ from _timing import environment, markdown_table, record_header, record_path, wri
 
 from dilated_attention.backends import get_backend
 from dilated_attention.backends import triton as triton_backend
+from dilated_attention.backends._triton_compile import answer_device_queries
 from dilated_attention.backends._triton_tiles import (
     SM90,
     TABLES,
@@ -105,13 +106,9 @@ def _record(capability: tuple[int, int], dtype: torch.dtype, dim: int, tiles: Ti
 def _compile_shared(args: tuple[int, tuple[int, int]]) -> tuple[int, int | str]:
     """In a forked worker: compile launch ``index`` for ``capability``; its shared memory."""
     from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver
 
     index, capability = args
-    active = driver.active
-    active.get_current_device = lambda: 0
-    active.get_current_stream = lambda device=None: 0
-    active.get_current_target = lambda: GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
+    answer_device_queries(0, GPUTarget("cuda", capability[0] * 10 + capability[1], 32))
     try:
         return index, int(_LAUNCHES[index].compile().metadata.shared)
     except Exception as exc:
