@@ -243,10 +243,17 @@ def info(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             chosen = "*" if name == choice.backend else ""
             why = "; ".join(choice.reasons.get(name, []))
             print(f"  {name:<16}{available:<11}{chosen:<8}{why}")
-        dilated = explain(
-            device=dev, dtype=dtype, head_dim=args.head_dim, is_causal=args.causal, dilated=True
-        )
-        print(f"  dilated attention (several branches or rate > 1) runs on: {dilated.backend}")
+        for operation in ("dilated", "block_sparse"):
+            try:
+                other = explain(
+                    device=dev, dtype=dtype, head_dim=args.head_dim, is_causal=args.causal,
+                    operation=operation,
+                )  # fmt: skip
+            except ValueError as exc:
+                print(f"  {operation} attention: no kernel: {exc}")
+                continue
+            how = "runs the whole operation" if other.runs_plan else "once per call of the plan"
+            print(f"  {operation} attention runs on: {other.backend} ({how})")
 
 
 _Command = Callable[[argparse.Namespace, argparse.ArgumentParser], object]

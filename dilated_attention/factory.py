@@ -33,7 +33,15 @@ from torch import nn
 
 from . import _validation as V
 from .backends.base import KernelInputs
-from .backends.registry import BackendChoice, check_backend_name, choose
+from .backends.registry import (
+    BLOCK_SPARSE,
+    DENSE,
+    DILATED,
+    OPERATIONS,
+    BackendChoice,
+    check_backend_name,
+    registry_for,
+)
 from .config import DilatedConfig, MultiheadDilatedConfig
 from .modules import DilatedAttention, MultiheadDilatedAttention
 from .patterns import Pattern, check_pattern
@@ -309,8 +317,10 @@ def explain(
     requires_grad: bool = True,
     backend: str | None = None,
     dilated: bool = False,
+    operation: str | None = None,
+    block_size: int = 128,
 ) -> BackendChoice:
-    """Which kernel would run attention with these properties, and why no other.
+    """Which kernel would run an attention operation with these properties, and why no other.
 
     Args:
         device: default CUDA when available, else CPU.
@@ -319,12 +329,17 @@ def explain(
         is_causal, key_padding_mask, dropout_p, requires_grad: the features it needs.
         backend: explain a forced choice instead of the automatic one (``None`` or ``"auto"``:
             the automatic one).
-        dilated: a dilated attention call (several branches or a rate > 1), where backends that
-            fuse the branches rank first on the devices they were measured fastest on.
+        dilated: the same as ``operation="dilated"``.
+        operation: whose registry answers: ``"dense"`` (the default), ``"dilated"`` (where our
+            fused kernels run every branch themselves on the devices they were measured fastest
+            on) or ``"block_sparse"`` (our block-sparse Triton kernels and FlexAttention, each
+            running the whole pattern, then the plan on a dense kernel).
+        block_size: tokens per block, for ``operation="block_sparse"``.
 
     Returns:
-        :class:`BackendChoice` with ``.backend`` (the name), ``.reasons`` (every other backend with
-        at least one reason), ``.order`` and ``.source``.
+        :class:`BackendChoice` with ``.backend`` (the name), ``.reasons`` (every other kernel of
+        the operation with at least one reason), ``.order``, ``.source``, ``.operation`` and
+        ``.runs_plan`` (the kernel runs the whole operation itself rather than once per call).
 
     Raises:
         ValueError: ``device`` is not a device or not available here (e.g. ``"cuda"`` on a
@@ -345,6 +360,14 @@ def explain(
         V.check_bool(name, flag)
     dropout_p = V.check_dropout("dropout_p", dropout_p)
     backend = check_backend_name(backend)
+    block_size = V.check_positive_int("block_size", block_size)
+    if operation is None:
+        operation = DILATED if dilated else DENSE
+    elif operation not in OPERATIONS or (dilated and operation != DILATED):
+        raise ValueError(
+            f"operation must be one of {OPERATIONS} (or None: 'dilated' when dilated=True, else "
+            f"'dense'), got operation={operation!r} with dilated={dilated!r}"
+        )
     if dtype is None:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     elif not isinstance(dtype, torch.dtype):
@@ -363,9 +386,9 @@ def explain(
         has_mask=key_padding_mask,
         dropout_p=dropout_p,
         requires_grad=requires_grad,
-        dilated=dilated,
+        block_size=block_size if operation == BLOCK_SPARSE else None,
     )
-    return choose(inputs, backend)
+    return registry_for(operation).choose(inputs, backend)
 
 
 def _default_device() -> str:

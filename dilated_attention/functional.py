@@ -12,8 +12,8 @@ import torch
 
 from . import _validation as V
 from . import compiled
-from .backends.base import Backend, KernelInputs
-from .backends.registry import check_backend_name, select_backend
+from .backends.base import KernelInputs
+from .backends.registry import DENSE, DILATED, Selection, check_backend_name, registry_for
 from .core.engine import Plan, PlanFunction, empty_attention
 from .core.fused import FusedDilatedFunction, compile_ahead
 from .core.segment import dilated_plan, effective_branches, plan_branches
@@ -36,12 +36,13 @@ def _choose(
     has_mask: bool,
     dropout_p: float,
     backend: str | None,
-    dilated: bool = False,
-) -> Backend:
+    operation: str = DENSE,
+) -> Selection:
+    """The kernel of ``operation``'s registry (``registry_for``) for these inputs."""
     inputs = KernelInputs.from_tensors(
-        q, k, is_causal=is_causal, has_mask=has_mask, dropout_p=dropout_p, dilated=dilated
+        q, k, is_causal=is_causal, has_mask=has_mask, dropout_p=dropout_p
     )
-    return select_backend(inputs, backend)
+    return registry_for(operation).select(inputs, backend)
 
 
 @torch.compiler.disable  # a cached pure-Python plan: run it eagerly, never traced
@@ -115,7 +116,7 @@ def attention(
     softmax_scale = checked_scale if checked_scale is not None else q.shape[-1] ** -0.5
     out, lse = PlanFunction.apply(
         q.contiguous(), k.contiguous(), v.contiguous(), key_padding_mask, Plan.dense(is_causal),
-        kernel, softmax_scale, dropout_p, "attention",
+        kernel.backend, softmax_scale, dropout_p, "attention",
     )  # fmt: skip
     return (out, lse) if return_lse else out
 
@@ -188,27 +189,28 @@ def dilated_attention(
         return (out, lse) if return_lse else out
     kernel = _choose(
         q, k, is_causal=is_causal, has_mask=key_padding_mask is not None,
-        dropout_p=dropout_p, backend=backend, dilated=True,
+        dropout_p=dropout_p, backend=backend, operation=DILATED,
     )  # fmt: skip
     if q.numel() == 0:
         out, lse = empty_attention(q, k, v)
         return (out, lse) if return_lse else out
     softmax_scale = checked_scale if checked_scale is not None else q.shape[-1] ** -0.5
     segs, rates = effective_branches(q.shape[1], q.shape[2], segs, rates)
-    if kernel.fuses_dilated_branches:
+    if kernel.runs_plan:  # the fused kernels run every branch themselves (core/fused.py)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         branches = tuple(zip(segs, rates, strict=True))
         needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
         compile_ahead(
-            q, k, v, key_padding_mask, branches, kernel, is_causal=is_causal,
+            q, k, v, key_padding_mask, branches, kernel.backend, is_causal=is_causal,
             scale=softmax_scale, needs_grad=needs_grad,
         )  # fmt: skip
         out, lse = FusedDilatedFunction.apply(
-            q, k, v, key_padding_mask, branches, kernel, is_causal, softmax_scale
+            q, k, v, key_padding_mask, branches, kernel.backend, is_causal, softmax_scale
         )
         return (out, lse) if return_lse else out
     out, lse = PlanFunction.apply(
         q.contiguous(), k.contiguous(), v.contiguous(), key_padding_mask,
-        _plan(q, k, segs, rates, is_causal), kernel, softmax_scale, dropout_p, "dilated_attention",
+        _plan(q, k, segs, rates, is_causal), kernel.backend, softmax_scale, dropout_p,
+        "dilated_attention",
     )  # fmt: skip
     return (out, lse) if return_lse else out

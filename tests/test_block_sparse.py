@@ -170,7 +170,7 @@ def test_patterns_keeping_every_pair_run_dense_attention(
 
     def spy(*args: object, **kwargs: object) -> object:
         kernel = original(*args, **kwargs)
-        kernels.append(kernel.name)
+        kernels.append(kernel.backend.name)
         return kernel
 
     monkeypatch.setattr(dilated_attention.functional, "_choose", spy)
@@ -556,7 +556,7 @@ def test_flex_path_matches_oracle(case: int, is_causal: bool, dtype: torch.dtype
         dev[0], dev[1], is_causal=is_causal, block_size=block_size, needs_grad=True,
         backend="flex",
     )  # fmt: skip
-    assert chosen == bs_api.FLEX_KERNEL, "FlexAttention path not taken on CUDA"
+    assert chosen.runs_plan and chosen.backend.name == "flex", "FlexAttention not taken on CUDA"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # return_lse's deprecation notice
         out, lse = block_sparse_attention(

@@ -10,8 +10,6 @@ tests/test_block_sparse_triton.py`` runs them through Triton's interpreter (floa
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from test_block_sparse import check_kernel_result, token_mask
@@ -20,6 +18,8 @@ from test_triton_backend import KERNEL_DEVICES, _poison_new_buffers, _skip_witho
 import dilated_attention.block_sparse.api as bs_api
 from dilated_attention import block_sparse_attention
 from dilated_attention import patterns as P
+from dilated_attention.backends import KernelInputs
+from dilated_attention.backends.registry import registry_for
 
 CASES = [
     # (Nq, Nk, block_size, kv_heads, head_dim, pattern)
@@ -53,7 +53,7 @@ def test_triton_kernels_match_oracle(
             leaves[0], leaves[1], is_causal=is_causal, block_size=block_size, needs_grad=True,
             backend=backend,
         )  # fmt: skip
-        assert chosen == bs_api.TRITON_KERNELS, f"the Triton kernels were not chosen: {chosen}"
+        assert chosen.runs_plan and chosen.backend.name == "triton", f"not the kernels: {chosen}"
         with monkeypatch.context() as patch:
             _poison_new_buffers(patch)
             out, lse = block_sparse_attention(
@@ -66,34 +66,32 @@ def test_triton_kernels_match_oracle(
 
 def test_reasons_name_the_block_size_and_head_dim() -> None:
     """What keeps the Triton kernels from running is said, not guessed (checked without a GPU)."""
-    q, k = torch.zeros(1, 96, 2, 256), torch.zeros(1, 96, 2, 256)
-    reasons = "; ".join(bs_api.triton_kernel_reasons(q, k, 48))
-    assert "block_size 48 is not a multiple of 64" in reasons
-    assert "head_dim 256 > 128" in reasons
-    assert bs_api.triton_kernel_reasons(q[..., :64], k[..., :64], 128) == (
-        bs_api.triton_kernel_reasons(q[..., :64], k[..., :64], 64)
-    )
+    registry = registry_for("block_sparse")
+
+    def reasons(head_dim: int, block_size: int) -> str:
+        inputs = KernelInputs(
+            device=torch.device("cpu"), dtype=torch.bfloat16, head_dim=head_dim, num_heads=2,
+            num_kv_heads=2, query_len=96, key_len=96, block_size=block_size,
+        )  # fmt: skip
+        return "; ".join(registry.reasons("triton", inputs))
+
+    assert "block_size 48 is not a multiple of 64" in reasons(256, 48)
+    assert "head_dim 256 > 128" in reasons(256, 48)
+    assert "multiple of 64" not in reasons(64, 128) and "head_dim" not in reasons(64, 128)
 
 
-@pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
-def test_unsupported_block_size_runs_the_fallback(device: str, dtypes: list[torch.dtype]) -> None:
-    """``backend="triton"`` with a block size the kernels cannot tile runs the fallback plan
-    with the dense Triton kernel, and gives the same result as the math fallback."""
-    _skip_without_triton(device)
-    dtype = dtypes[0]
+def test_named_triton_kernels_that_cannot_tile_raise_with_the_reason() -> None:
+    """``backend="triton"`` names the block-sparse Triton kernels: where they cannot run (here: a
+    block size they cannot tile, and a CPU), a ValueError says why and which kernels can; a
+    dense kernel by name runs the plan."""
     gen = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(1, 150, 2, 32, generator=gen).to(device, dtype) for _ in range(3))
-    chosen = bs_api._choose(q, k, is_causal=True, block_size=48, needs_grad=False, backend="triton")
-    assert not isinstance(chosen, str) and chosen.name == "triton"
+    q, k, v = (torch.randn(1, 150, 2, 32, generator=gen) for _ in range(3))
     pattern = P.LocalWindow(1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        got = block_sparse_attention(q, k, v, pattern, block_size=48, is_causal=True,
-                                     backend="triton")  # fmt: skip
-    want = block_sparse_attention(q.float(), k.float(), v.float(), pattern, block_size=48,
-                                  is_causal=True, backend="math")  # fmt: skip
-    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
-    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match=r"'triton' .*block_sparse attention.*block_size 48"):
+        block_sparse_attention(q, k, v, pattern, block_size=48, is_causal=True, backend="triton")
+    got = block_sparse_attention(q, k, v, pattern, block_size=48, is_causal=True, backend="math")
+    want = block_sparse_attention(q, k, v, pattern, block_size=48, is_causal=True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu
@@ -103,16 +101,18 @@ def test_cuda_choice_by_gradients_block_size_and_dtype() -> None:
     q = torch.zeros(1, 256, 2, 64, device="cuda", dtype=torch.bfloat16)
 
     def choose(x: torch.Tensor, block_size: int, needs_grad: bool, backend: str | None = None):
-        return bs_api._choose(
+        chosen = bs_api._choose(
             x, x, is_causal=False, block_size=block_size, needs_grad=needs_grad, backend=backend
         )
+        return chosen.backend.name if chosen.runs_plan else "plan"
 
-    assert choose(q, 128, needs_grad=False) == bs_api.TRITON_KERNELS
-    assert choose(q, 128, needs_grad=True) == bs_api.FLEX_KERNEL
-    assert choose(q, 128, needs_grad=True, backend="triton") == bs_api.TRITON_KERNELS
-    assert choose(q, 48, needs_grad=False) == bs_api.FLEX_KERNEL
-    assert choose(q.float(), 64, needs_grad=False) == bs_api.FLEX_KERNEL
-    assert choose(q, 128, needs_grad=False, backend="flex") == bs_api.FLEX_KERNEL
+    assert choose(q, 128, needs_grad=False) == "triton"
+    assert choose(q, 128, needs_grad=True) == "flex"
+    assert choose(q, 128, needs_grad=True, backend="triton") == "triton"
+    assert choose(q, 48, needs_grad=False) == "flex"
+    assert choose(q.float(), 64, needs_grad=False) == "flex"
+    assert choose(q, 128, needs_grad=False, backend="flex") == "flex"
+    assert choose(q, 128, needs_grad=False, backend="sdpa_cudnn") == "plan"
     leaf = q.clone().requires_grad_()
     with torch.no_grad():
         want = block_sparse_attention(leaf, leaf, leaf, P.LocalWindow(0), backend="triton")

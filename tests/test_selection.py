@@ -315,13 +315,15 @@ def test_gpu_float64_goes_to_math(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_explain_defaults_to_bf16_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_gpu(monkeypatch, (9, 0))
     seen: list[KernelInputs] = []
-    real_choose = dilated_attention.factory.choose
+    real_choose = registry.OperationRegistry.choose
 
-    def spy(inputs: KernelInputs, name: str | None = None) -> registry.BackendChoice:
+    def spy(
+        self: registry.OperationRegistry, inputs: KernelInputs, name: str | None = None
+    ) -> registry.BackendChoice:
         seen.append(inputs)
-        return real_choose(inputs, name)
+        return real_choose(self, inputs, name)
 
-    monkeypatch.setattr(dilated_attention.factory, "choose", spy)
+    monkeypatch.setattr(registry.OperationRegistry, "choose", spy)
     assert explain(device="cuda:0").backend == "sdpa_cudnn"
     assert seen[-1].dtype == torch.bfloat16 and seen[-1].device == CUDA0
 
@@ -582,13 +584,15 @@ def test_environment_backend_that_cannot_run_raises(monkeypatch: pytest.MonkeyPa
 def test_explain_defaults_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     seen: list[KernelInputs] = []
-    real_choose = dilated_attention.factory.choose
+    real_choose = registry.OperationRegistry.choose
 
-    def spy(inputs: KernelInputs, name: str | None = None) -> registry.BackendChoice:
+    def spy(
+        self: registry.OperationRegistry, inputs: KernelInputs, name: str | None = None
+    ) -> registry.BackendChoice:
         seen.append(inputs)
-        return real_choose(inputs, name)
+        return real_choose(self, inputs, name)
 
-    monkeypatch.setattr(dilated_attention.factory, "choose", spy)
+    monkeypatch.setattr(registry.OperationRegistry, "choose", spy)
     choice = explain()
     assert choice.backend == "cpu_flash" and choice.source == "auto"
     assert seen[-1].device == CPU and seen[-1].dtype == torch.float32
@@ -677,3 +681,70 @@ def test_cli_layer_reports_the_backend_it_runs() -> None:
     proc = _run_cli(*LAYER_ARGS, env={ENV_VAR: "math"})
     assert proc.returncode == 0, proc.stderr
     assert "backend chosen: math" in proc.stdout, proc.stdout
+
+
+# -- one registry per operation -------------------------------------------------------------------
+@pytest.mark.parametrize(("capability", "fused"), [((9, 0), True), ((10, 0), False)])
+def test_dilated_registry_says_when_the_plan_kernel_runs(
+    monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], fused: bool
+) -> None:
+    """In the dilated registry ``triton`` is the fused plan kernel (``runs_plan``); every other
+    name is a dense kernel the executor calls per gathered call. The dense registry has no plan
+    kernel: ``triton`` there is one dense call."""
+    _fake_gpu(monkeypatch, capability)
+    dilated = explain(device="cuda:0", operation="dilated")
+    assert (dilated.backend == "triton") is fused and dilated.runs_plan is fused, dilated
+    assert dilated.operation == "dilated" and explain(device="cuda:0", dilated=True) == dilated
+    named = explain(device="cuda:0", operation="dilated", backend="triton")
+    assert named.runs_plan and named.backend == "triton"
+    dense = explain(device="cuda:0", backend="triton")
+    assert not dense.runs_plan and dense.operation == "dense"
+    assert not explain(device="cuda:0", operation="dilated", backend="sdpa_cudnn").runs_plan
+
+
+def test_block_sparse_registry_order_and_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Block-sparse on CUDA: the Triton kernels for inference, FlexAttention for training (both
+    plan kernels), the executor's plan on a dense kernel by name; on the CPU the dense list,
+    with why each plan kernel cannot run."""
+    _fake_gpu(monkeypatch, (9, 0))
+
+    def block_sparse(**kwargs: Any) -> registry.BackendChoice:
+        return explain(device="cuda:0", operation="block_sparse", **kwargs)
+
+    inference = block_sparse(requires_grad=False)
+    assert (inference.backend, inference.runs_plan, inference.order[:2]) == (
+        "triton", True, ["triton", "flex"],
+    )  # fmt: skip
+    training = block_sparse(requires_grad=True)
+    assert (training.backend, training.runs_plan) == ("flex", True)
+    assert training.reasons["triton"] == ["able, but ranks after 'flex' on this device"]
+    untileable = block_sparse(requires_grad=False, block_size=48)
+    assert untileable.backend == "flex"
+    assert any("block_size 48 is not a multiple of 64" in r for r in untileable.reasons["triton"])
+    dense = block_sparse(requires_grad=False, backend="sdpa_efficient")
+    assert not dense.runs_plan and dense.backend == "sdpa_efficient", dense
+    with pytest.raises(ValueError, match=r"'triton' .*block_sparse attention: .*head_dim 256"):
+        block_sparse(head_dim=256, backend="triton")
+    monkeypatch.undo()
+    cpu = explain(device="cpu", operation="block_sparse")
+    assert cpu.backend == "cpu_flash" and not cpu.runs_plan
+    assert any("not cpu" in r for r in cpu.reasons["triton"])
+    assert any("inference-only" in r for r in cpu.reasons["flex"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"operation": "sparse"},
+            r"operation must be one of \('dense', 'dilated', 'block_sparse'\)",
+        ),
+        ({"operation": "dense", "dilated": True}, r"got operation='dense' with dilated=True"),
+        ({"operation": "block_sparse", "block_size": 0}, r"block_size"),
+    ],
+)
+def test_explain_rejects_unknown_operations(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        explain(device="cpu", **kwargs)
+    with pytest.raises(ValueError, match=r"operation must be one of"):
+        registry.registry_for("sparse")

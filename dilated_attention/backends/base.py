@@ -38,6 +38,8 @@ class KernelInputs:
     requires_grad: bool = False
     # A dilated attention call (several branches or a rate > 1): fused backends rank first.
     dilated: bool = False
+    # A block-sparse call: tokens per block (None otherwise).
+    block_size: int | None = None
 
     @classmethod
     def from_tensors(
@@ -50,6 +52,7 @@ class KernelInputs:
         dropout_p: float = 0.0,
         requires_grad: bool | None = None,
         dilated: bool = False,
+        block_size: int | None = None,
     ) -> KernelInputs:
         """Describe a (B, Nq, H, D) query and (B, Nk, Hkv, D) key."""
         if requires_grad is None:
@@ -67,6 +70,7 @@ class KernelInputs:
             dropout_p=dropout_p,
             requires_grad=requires_grad,
             dilated=dilated,
+            block_size=block_size,
         )
 
 
@@ -140,9 +144,6 @@ class Backend:
     supports_dropout: ClassVar[bool] = False
     supports_backward: ClassVar[bool] = True
     native_gqa: ClassVar[bool] = True
-    # Runs a whole dilated branch from the full q, k, v and merges in place (forward_branch,
-    # row_delta, backward_branch): the engine then uses core/fused.py instead of gathering.
-    fuses_dilated_branches: ClassVar[bool] = False
     # True when the kernel already returns lse = -inf for rows whose keys are all masked.
     empty_rows_have_neg_inf_lse: ClassVar[bool] = False
     # Calls with fewer query or key rows go to the plain-PyTorch kernel (cuDNN refuses 1 x 1).

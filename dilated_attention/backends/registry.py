@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -25,7 +25,7 @@ from .flash_attn4 import FlashAttn4Backend
 from .flex import FlexBackend
 from .math import MathBackend
 from .sdpa import CpuFlashBackend, SdpaCudnnBackend, SdpaEfficientBackend, SdpaFlashBackend
-from .triton import TritonBackend
+from .triton import TritonBackend, block_sparse_reasons
 from .xformers import XformersBackend
 
 ENV_VAR = "DILATED_ATTENTION_BACKEND"
@@ -86,16 +86,6 @@ def _unverified_reason(name: str) -> str:
         f"never chosen automatically: not yet run on real hardware in this project's GPU tests; "
         f"available by name (backend={name!r})"
     )
-
-
-def _automatic_reasons(name: str, inputs: KernelInputs) -> list[str]:
-    """Why the automatic choice does not take ``name`` for ``inputs`` (empty: it may): what the
-    backend cannot run, and whether it was never verified on hardware."""
-    backend = _BACKENDS[name]
-    reasons = backend.not_supported_reasons(inputs)
-    if not backend.verified_on_hardware:
-        reasons = [*reasons, _unverified_reason(name)]
-    return reasons
 
 
 def _order(inputs: KernelInputs) -> list[str]:
@@ -223,20 +213,26 @@ def priority(device: torch.device, *, dilated: bool = False, masked: bool = Fals
 
 @dataclass(frozen=True)
 class BackendChoice:
-    """The kernel chosen for some inputs, and why every other kernel was not.
+    """The kernel chosen for some inputs of one operation, and why every other kernel was not.
 
     Attributes:
-        backend: the chosen backend's name.
-        reasons: for every other registered backend, at least one reason it was not chosen (it
-            cannot run the inputs, or it can but ranks lower).
+        backend: the chosen kernel's name.
+        reasons: for every other name in the operation's registry, at least one reason it was
+            not chosen (it cannot run the inputs, or it can but ranks lower).
         order: the priority order that was walked.
         source: what decided: ``"auto"``, ``"argument"``, ``"use_backend"`` or ``"environment"``.
+        operation: ``"dense"``, ``"dilated"`` or ``"block_sparse"`` (:data:`OPERATIONS`).
+        runs_plan: the name is one of the operation's plan kernels (:class:`PlanKernel`), which
+            runs the whole plan itself; otherwise the executor calls the backend once per kernel
+            call of the plan.
     """
 
     backend: str
     reasons: dict[str, list[str]]
     order: list[str]
     source: str
+    operation: str = "dense"
+    runs_plan: bool = False
 
 
 _OVERRIDE: ContextVar[str | None] = ContextVar("dilated_attention_backend", default=None)
@@ -275,66 +271,214 @@ def _requested(name: str | None) -> tuple[str | None, str]:
     return None, "auto"
 
 
-def choose(inputs: KernelInputs, name: str | None = None) -> BackendChoice:
-    """Choose a backend for ``inputs`` and record why every other one was not chosen.
+#: The operations a kernel is chosen for, one registry each (:func:`registry_for`).
+DENSE, DILATED, BLOCK_SPARSE = "dense", "dilated", "block_sparse"
+OPERATIONS = (DENSE, DILATED, BLOCK_SPARSE)
 
-    Precedence: the ``name`` argument, then :func:`use_backend`, then the environment variable
-    ``DILATED_ATTENTION_BACKEND``, then the priority list for the device.
 
-    Raises:
-        ValueError: a requested backend is unknown or cannot run the inputs, or none can; the
-            message lists every rejected backend with its reasons.
+@dataclass(frozen=True)
+class PlanKernel:
+    """A kernel that runs a whole plan of one operation itself instead of the executor calling a
+    backend once per kernel call (Note [One executor] in ``core/engine.py``). In its operation's
+    registry it answers to a backend's name, which there means this kernel.
+
+    Attributes:
+        name: the backend name it answers to.
+        summary: what it runs, for ``explain`` and ``python -m dilated_attention info``.
+        reasons: why it cannot run some inputs (empty: it can).
     """
-    requested, source = _requested(name)
-    order = _order(inputs)
-    if requested is not None:
-        get_backend(requested)
-        reasons = {c: _BACKENDS[c].not_supported_reasons(inputs) for c in order}
-        if reasons[requested]:
-            able = [n for n, r in reasons.items() if not r]
-            raise ValueError(
-                f"backend {requested!r} (from {source}) cannot run these inputs: "
-                f"{'; '.join(reasons[requested])}. Backends that can: {able}; or let the library "
-                f"choose (backend=None)"
+
+    name: str
+    summary: str
+    reasons: Callable[[KernelInputs], list[str]]
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The kernel an operation runs on: ``backend``, called per kernel call by the executor, or,
+    when ``runs_plan``, the operation's plan kernel answering to ``backend.name``."""
+
+    backend: Backend
+    runs_plan: bool = False
+
+
+class OperationRegistry:
+    """Every kernel that can run one operation, each with its rejection reasons, and the choice
+    among them: every registered backend (run by the executor once per kernel call of the
+    operation's plan) and the operation's plan kernels. A name is validated once, here, and means
+    one kernel per operation.
+
+    Args:
+        operation: one of :data:`OPERATIONS`.
+        plan_kernels: the operation's plan kernels.
+        first: for some inputs, the names tried before the device's priority list (measured
+            faster there); ``None``: the list as it is.
+    """
+
+    def __init__(
+        self,
+        operation: str,
+        plan_kernels: Sequence[PlanKernel] = (),
+        first: Callable[[KernelInputs], list[str]] | None = None,
+    ) -> None:
+        self.operation = operation
+        self.plan_kernels = {kernel.name: kernel for kernel in plan_kernels}
+        self._first = first
+
+    def _describe(self, inputs: KernelInputs) -> KernelInputs:
+        return replace(inputs, dilated=self.operation == DILATED)
+
+    def order(self, inputs: KernelInputs) -> list[str]:
+        """The names in the order they are tried for ``inputs``."""
+        inputs = self._describe(inputs)
+        first = self._first(inputs) if self._first is not None else []
+        return first + [name for name in _order(inputs) if name not in first]
+
+    def reasons(self, name: str, inputs: KernelInputs) -> list[str]:
+        """Why kernel ``name`` of this operation cannot run ``inputs`` (empty: it can)."""
+        inputs = self._describe(inputs)
+        plan_kernel = self.plan_kernels.get(name)
+        if plan_kernel is not None:
+            return plan_kernel.reasons(inputs)
+        return _BACKENDS[name].not_supported_reasons(inputs)
+
+    def _automatic_reasons(self, name: str, inputs: KernelInputs) -> list[str]:
+        """Why the automatic choice does not take ``name``: what it cannot run, and whether its
+        backend was never verified on hardware."""
+        reasons = self.reasons(name, inputs)
+        if not _BACKENDS[name].verified_on_hardware:
+            reasons = [*reasons, _unverified_reason(name)]
+        return reasons
+
+    def choose(self, inputs: KernelInputs, name: str | None = None) -> BackendChoice:
+        """Choose a kernel for ``inputs`` and record why every other one was not chosen.
+
+        Precedence: the ``name`` argument, then :func:`use_backend`, then the environment
+        variable ``DILATED_ATTENTION_BACKEND``, then the priority list for the device.
+
+        Raises:
+            ValueError: a requested name is unknown or its kernel cannot run the inputs, or none
+                can; the message lists every rejected kernel with its reasons.
+        """
+        requested, source = _requested(name)
+        order = self.order(inputs)
+        what = "" if self.operation == DENSE else f" for {self.operation} attention"
+        if requested is not None:
+            reasons = {c: self.reasons(c, inputs) for c in order}
+            if reasons[requested]:
+                able = [n for n, r in reasons.items() if not r]
+                raise ValueError(
+                    f"backend {requested!r} (from {source}) cannot run these inputs{what}: "
+                    f"{'; '.join(reasons[requested])}. Backends that can: {able}; or let the "
+                    f"library choose (backend=None)"
+                )
+            chosen = requested
+        else:
+            reasons = {c: self._automatic_reasons(c, inputs) for c in order}
+            chosen = next((n for n in order if not reasons[n]), None)
+            if chosen is None:
+                detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in reasons.items())
+                raise ValueError(
+                    f"no backend can run these inputs{what} ({inputs}). Rejected: {detail}"
+                )
+        why_not = {}
+        for candidate in order:
+            if candidate == chosen:
+                continue
+            why_not[candidate] = reasons[candidate] or (
+                [f"{chosen!r} was requested ({source})"]
+                if requested is not None
+                else [f"able, but ranks after {chosen!r} on this device"]
             )
-        chosen = requested
-    else:
-        reasons = {c: _automatic_reasons(c, inputs) for c in order}
-        chosen = next((n for n in order if not reasons[n]), None)
+        return BackendChoice(
+            backend=chosen, reasons=why_not, order=order, source=source,
+            operation=self.operation, runs_plan=chosen in self.plan_kernels,
+        )  # fmt: skip
+
+    def select(self, inputs: KernelInputs, name: str | None = None) -> Selection:
+        """The kernel :meth:`choose` picks for ``inputs``, probing only as far as needed.
+
+        The same choice as :meth:`choose`, which probes every kernel to say why each one is not
+        chosen; this stops at the requested kernel or at the first one of the priority list that
+        can run the inputs, so the kernels ranked after it are never imported or launched (a
+        FlexAttention probe alone imports TorchInductor: seconds of a first call on a GPU). When
+        none can, :meth:`choose` raises its error with every kernel's reasons.
+        """
+        requested, _ = _requested(name)
+        chosen: str | None = None
+        if requested is not None:
+            if not self.reasons(requested, inputs):
+                chosen = requested
+        else:
+            for candidate in self.order(inputs):  # an unverified backend is not even probed
+                if _BACKENDS[candidate].verified_on_hardware and not self.reasons(
+                    candidate, inputs
+                ):
+                    chosen = candidate
+                    break
         if chosen is None:
-            detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in reasons.items())
-            raise ValueError(f"no backend can run these inputs ({inputs}). Rejected: {detail}")
-    why_not = {}
-    for candidate in order:
-        if candidate == chosen:
-            continue
-        why_not[candidate] = reasons[candidate] or (
-            [f"{chosen!r} was requested ({source})"]
-            if requested is not None
-            else [f"able, but ranks after {chosen!r} on this device"]
-        )
-    return BackendChoice(backend=chosen, reasons=why_not, order=order, source=source)
+            chosen = self.choose(inputs, name).backend
+        return Selection(_BACKENDS[chosen], runs_plan=chosen in self.plan_kernels)
+
+
+def _fused_dilated_reasons(inputs: KernelInputs) -> list[str]:
+    return _BACKENDS["triton"].not_supported_reasons(inputs)
+
+
+def _block_sparse_triton_reasons(inputs: KernelInputs) -> list[str]:
+    return block_sparse_reasons(_BACKENDS["triton"], inputs)
+
+
+def _block_sparse_flex_reasons(inputs: KernelInputs) -> list[str]:
+    return _BACKENDS["flex"].not_supported_reasons(replace(inputs, has_mask=False))
+
+
+def _block_sparse_first(inputs: KernelInputs) -> list[str]:
+    """On CUDA, our block-sparse Triton kernels for calls without gradients (their forward is
+    1.1-1.4x FlexAttention's on an H100), FlexAttention for training (its backward is up to 6%
+    faster at 64K tokens: docs/block_sparse.md); elsewhere the device's list, where neither
+    runs."""
+    if inputs.device.type != "cuda":
+        return []
+    return ["flex", "triton"] if inputs.requires_grad else ["triton", "flex"]
+
+
+_REGISTRIES = {
+    DENSE: OperationRegistry(DENSE),
+    DILATED: OperationRegistry(
+        DILATED,
+        [PlanKernel("triton", "our fused dilated kernels: every branch from the full q, k, v "
+                    "through strides, merged in place (core/fused.py)", _fused_dilated_reasons)],
+    ),
+    BLOCK_SPARSE: OperationRegistry(
+        BLOCK_SPARSE,
+        [
+            PlanKernel("triton", "our block-sparse Triton kernels, walking the kept blocks' "
+                       "lists", _block_sparse_triton_reasons),
+            PlanKernel("flex", "FlexAttention on the pattern's BlockMask",
+                       _block_sparse_flex_reasons),
+        ],
+        first=_block_sparse_first,
+    ),
+}  # fmt: skip
+
+
+def registry_for(operation: str) -> OperationRegistry:
+    """The kernel registry of ``operation`` (one of :data:`OPERATIONS`)."""
+    if operation not in _REGISTRIES:
+        raise ValueError(f"operation must be one of {OPERATIONS}, got {operation!r}")
+    return _REGISTRIES[operation]
+
+
+def choose(inputs: KernelInputs, name: str | None = None) -> BackendChoice:
+    """:meth:`OperationRegistry.choose` of the dilated registry when ``inputs.dilated``, else of
+    the dense one."""
+    return registry_for(DILATED if inputs.dilated else DENSE).choose(inputs, name)
 
 
 def select_backend(inputs: KernelInputs, name: str | None = None) -> Backend:
-    """The backend instance :func:`choose` picks for ``inputs``, probing only as far as needed.
-
-    The same choice as :func:`choose`, which probes every backend to say why each one is not
-    chosen; this stops at the requested backend or at the first one of the priority list that
-    can run the inputs, so the backends ranked after it are never imported or launched (a
-    FlexAttention probe alone imports TorchInductor: seconds of a first call on a GPU). When none
-    can, :func:`choose` raises its error with every backend's reasons.
-    """
-    requested, _ = _requested(name)
-    if requested is not None:
-        if not get_backend(requested).not_supported_reasons(inputs):
-            return _BACKENDS[requested]
-    else:
-        for candidate in _order(inputs):
-            backend = _BACKENDS[candidate]  # an unverified backend is not even probed
-            if backend.verified_on_hardware and not backend.not_supported_reasons(inputs):
-                return backend
-    return _BACKENDS[choose(inputs, name).backend]
+    """The backend that runs dense attention on ``inputs`` (:meth:`OperationRegistry.select`)."""
+    return _REGISTRIES[DENSE].select(inputs, name).backend
 
 
 def reasons_for(inputs: KernelInputs) -> dict[str, list[str]]:

@@ -19,6 +19,7 @@ import logging
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from types import ModuleType
 from typing import Any
 
@@ -80,7 +81,6 @@ class TritonBackend(Backend):
     supports_rectangular_causal = True
     supports_mask = True
     native_gqa = True
-    fuses_dilated_branches = True
     empty_rows_have_neg_inf_lse = True
 
     def import_reasons(self) -> list[str]:
@@ -272,3 +272,31 @@ def _branch(span: BranchSpan) -> Any:
 
 def _dense_branch(query_len: int, key_len: int) -> Any:
     return _kernels().Branch(0, query_len, key_len, query_len, key_len, 1)
+
+
+#: Query/key rows of the block-sparse kernels' tiles (``_triton_block_sparse.py``).
+BLOCK_SPARSE_TILE_ROWS = 64
+BLOCK_SPARSE_MAX_HEAD_DIM = 128
+
+
+def block_sparse_reasons(backend: Backend, inputs: KernelInputs) -> list[str]:
+    """Why the block-sparse Triton kernels cannot run ``inputs`` (``inputs.block_size`` tokens
+    per block); empty when they can. ``backend``: the registered ``triton`` backend, whose
+    device, compiler and probe reasons come first."""
+    reasons = backend.not_supported_reasons(replace(inputs, is_causal=False, has_mask=False))
+    if inputs.block_size is None or inputs.block_size % BLOCK_SPARSE_TILE_ROWS:
+        reasons.append(
+            f"block_size {inputs.block_size} is not a multiple of {BLOCK_SPARSE_TILE_ROWS} (the "
+            "block-sparse Triton kernels' tile rows)"
+        )
+    if inputs.head_dim > BLOCK_SPARSE_MAX_HEAD_DIM:
+        reasons.append(
+            f"head_dim {inputs.head_dim} > {BLOCK_SPARSE_MAX_HEAD_DIM} (the block-sparse Triton "
+            "kernels' tiles)"
+        )
+    if inputs.device.type == "cuda" and inputs.dtype not in (torch.float16, torch.bfloat16):
+        reasons.append(
+            f"dtype {str(inputs.dtype).removeprefix('torch.')}: the block-sparse Triton kernels "
+            "take float16/bfloat16 on CUDA (float32 tiles do not fit in shared memory)"
+        )
+    return reasons

@@ -18,18 +18,20 @@ import torch
 
 from .. import _validation as V
 from .. import compiled
-from ..backends.base import Backend, KernelInputs
-from ..backends.registry import _requested, check_backend_name, get_backend, select_backend
+from ..backends.base import KernelInputs
+from ..backends.registry import (
+    BLOCK_SPARSE,
+    Selection,
+    _requested,
+    check_backend_name,
+    registry_for,
+)
 from ..core.engine import Plan, PlanFunction, empty_attention
 from ..patterns import Pattern, check_pattern
 from . import plan
 from .flex import _flex_forward
 from .plan import _local_plan, check_block_size, num_blocks
-from .triton_autograd import TritonBlockSparseFunction, _triton_lists, triton_kernel_reasons
-
-#: ``_choose``'s answers besides a fallback ``Backend``.
-TRITON_KERNELS = "triton"
-FLEX_KERNEL = "flex"
+from .triton_autograd import TritonBlockSparseFunction, _triton_lists
 
 
 def _check_flag(name: str, value: object) -> bool:
@@ -65,39 +67,16 @@ def _choose(
     block_size: int,
     needs_grad: bool,
     backend: str | None,
-) -> Backend | str:
-    """``TRITON_KERNELS``, ``FLEX_KERNEL``, or the fallback's kernel.
-
-    Nothing asked for (argument, ``use_backend``, environment), on CUDA: for a call without
-    gradients our block-sparse Triton kernels where they run these inputs (their forward is
-    1.1-1.4x FlexAttention's on an H100), for training FlexAttention (its backward is up to 6%
-    faster at 64K tokens: docs/block_sparse.md), then whichever of the two runs, else the
-    fallback.
-    ``"triton"``: our Triton kernels, or where they cannot run these inputs the fallback with the
-    dense Triton kernel. ``"flex"``: FlexAttention or a ``ValueError``. Any other name runs the
-    fallback with that kernel.
-    """
-    inputs = KernelInputs.from_tensors(q, k, is_causal=is_causal)
-    requested, _ = _requested(backend)
-    if requested == FLEX_KERNEL:
-        reasons = get_backend("flex").not_supported_reasons(inputs)
-        if reasons:
-            raise ValueError(
-                f"backend 'flex' cannot run these inputs: {'; '.join(reasons)}; pass "
-                "backend=None to use the fallback kernels"
-            )
-        return FLEX_KERNEL
-    automatic = requested is None and q.device.type == "cuda"
-    triton_runs = (automatic or requested == TRITON_KERNELS) and not triton_kernel_reasons(
-        q, k, block_size
+) -> Selection:
+    """The block-sparse registry's kernel (``registry_for("block_sparse")``): on CUDA, nothing
+    asked for, our block-sparse Triton kernels for calls without gradients and FlexAttention for
+    training, each where it runs, then the executor's plan on the device's dense kernel
+    (Note [Block-sparse plan]). ``"triton"`` / ``"flex"`` name those two kernels; any other name
+    runs the plan on that dense kernel."""
+    inputs = KernelInputs.from_tensors(
+        q, k, is_causal=is_causal, requires_grad=needs_grad, block_size=block_size
     )
-    if triton_runs and (requested == TRITON_KERNELS or not needs_grad):
-        return TRITON_KERNELS
-    if automatic and not get_backend("flex").not_supported_reasons(inputs):
-        return FLEX_KERNEL
-    if triton_runs:
-        return TRITON_KERNELS
-    return select_backend(inputs, backend)
+    return registry_for(BLOCK_SPARSE).select(inputs, backend)
 
 
 def block_sparse_attention(
@@ -130,14 +109,14 @@ def block_sparse_attention(
         block_size: tokens per block; the last block may be shorter.
         is_causal: top-left aligned causal mask (query ``p`` sees keys ``t <= p``).
         scale: softmax scale; ``None`` means ``D ** -0.5``.
-        backend: ``None`` picks, on CUDA, our block-sparse Triton kernels for calls without
-            gradients and FlexAttention for training (each where it runs), else the registry's
-            kernel for the fallback (Note [Block-sparse plan]); ``"triton"`` forces our Triton
-            kernels where they run (else the fallback with the dense Triton kernel); ``"flex"``
-            forces FlexAttention; any other name from ``list_backends()`` runs the fallback with
-            that kernel. A pattern
-            that keeps every block pair runs dense ``attention`` with the same ``backend``
-            (Note [Dense fallback]), except under ``"flex"``.
+        backend: a name in the block-sparse registry (``registry_for("block_sparse")``).
+            ``None`` picks, on CUDA, our block-sparse Triton kernels for calls without gradients
+            and FlexAttention for training (each where it runs), else the plan on the device's
+            dense kernel (Note [Block-sparse plan]); ``"triton"`` names our block-sparse Triton
+            kernels, ``"flex"`` FlexAttention (``ValueError`` with the reasons where they cannot
+            run the inputs); any other name from ``list_backends()`` runs the plan on that dense
+            kernel. A pattern that keeps every block pair runs dense ``attention`` with the same
+            ``backend`` (Note [Dense fallback]), except under ``"flex"``.
         return_lse: also return the log-sum-exp.
 
     Returns:
@@ -183,13 +162,13 @@ def block_sparse_attention(
     kernel = _choose(
         q, k, is_causal=is_causal, block_size=block_size, needs_grad=needs_grad, backend=backend
     )
-    if kernel == TRITON_KERNELS:
+    if kernel.runs_plan and kernel.backend.name == "triton":
         lists = _triton_lists(pattern, block_size, query_len, key_len, is_causal, q.device)
         out, lse = TritonBlockSparseFunction.apply(
             q.contiguous(), k.contiguous(), v.contiguous(), lists, block_size, is_causal,
             softmax_scale,
         )  # fmt: skip
-    elif kernel == FLEX_KERNEL:
+    elif kernel.runs_plan:  # FlexAttention on the pattern's BlockMask
         out, lse = _flex_forward(
             q, k, v, pattern, block_size=block_size, is_causal=is_causal, scale=softmax_scale
         )
@@ -197,7 +176,7 @@ def block_sparse_attention(
         budget = max(key_len, plan.MIN_KV_ROWS_PER_CALL)
         calls, _ = _local_plan(pattern, block_size, query_len, key_len, is_causal, q.device, budget)
         out, lse = PlanFunction.apply(
-            q.contiguous(), k.contiguous(), v.contiguous(), None, Plan(tuple(calls)), kernel,
-            softmax_scale, 0.0, "block_sparse_attention",
+            q.contiguous(), k.contiguous(), v.contiguous(), None, Plan(tuple(calls)),
+            kernel.backend, softmax_scale, 0.0, "block_sparse_attention",
         )  # fmt: skip
     return (out, lse) if return_lse else out

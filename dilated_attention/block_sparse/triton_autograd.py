@@ -11,8 +11,6 @@ from typing import Any
 
 import torch
 
-from ..backends.base import KernelInputs
-from ..backends.registry import get_backend
 from ..core.higher_order import differentiable_grads
 from ..patterns import Pattern
 from .plan import causal_block_mask, num_blocks, plan_calls
@@ -23,26 +21,6 @@ def _triton_block_sparse() -> ModuleType:
     from ..backends import _triton_block_sparse
 
     return _triton_block_sparse
-
-
-def triton_kernel_reasons(q: torch.Tensor, k: torch.Tensor, block_size: int) -> list[str]:
-    """Why the block-sparse Triton kernels cannot run these inputs; empty when they can."""
-    reasons = get_backend("triton").not_supported_reasons(
-        KernelInputs.from_tensors(q, k, is_causal=False)
-    )
-    if block_size % 64:
-        reasons.append(
-            f"block_size {block_size} is not a multiple of 64 (the block-sparse Triton kernels' "
-            "tile rows)"
-        )
-    if q.shape[-1] > 128:
-        reasons.append(f"head_dim {q.shape[-1]} > 128 (the block-sparse Triton kernels' tiles)")
-    if q.device.type == "cuda" and q.dtype not in (torch.float16, torch.bfloat16):
-        reasons.append(
-            f"dtype {str(q.dtype).removeprefix('torch.')}: the block-sparse Triton kernels take "
-            "float16/bfloat16 on CUDA (float32 tiles do not fit in shared memory)"
-        )
-    return reasons
 
 
 @torch.compiler.disable

@@ -1,4 +1,4 @@
-"""The engine for backends that run a whole dilated branch in place (``fuses_dilated_branches``).
+"""The engine of the dilated registry's plan kernel: whole dilated branches run in place.
 
 Note [Fused branch engine]
     A fused backend reads every branch's rows straight from q, k, v through strides (no gather),

@@ -369,7 +369,7 @@ def block_sparse_ring_attention(
         pattern, int(block_size), n, setup.world_size, setup.rank, is_causal, q.device,
         max(n, block_plan.MIN_KV_ROWS_PER_CALL),
     )  # fmt: skip
-    out, lse = _BlockSparseRingFunction.apply(q, k, v, steps, setup, kernel)
+    out, lse = _BlockSparseRingFunction.apply(q, k, v, steps, setup, kernel.backend)
     return (out, lse) if return_lse else out
 
 

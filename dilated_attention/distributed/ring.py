@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from .. import _validation as V
 from ..backends.base import Backend, KernelInputs
-from ..backends.registry import check_backend_name, select_backend
+from ..backends.registry import DENSE, Selection, check_backend_name, registry_for
 from ..backends.triton import merge_kernel
 from ..compiled import eager_only
 from ..core.engine import (
@@ -435,9 +435,9 @@ def prepare_ring(
     backend: str | None,
     comm: str,
     check_schedule: Callable[[], object] | None = None,
-    dilated: bool = False,
+    operation: str = DENSE,
     key_padding_mask: object = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RingSetup, Backend]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RingSetup, Selection]:
     """Validate a ring call on every rank and return contiguous q, k, v, the setup and the kernel.
 
     ``key_padding_mask``, when given, must be this rank's (B, n) bool shard; every rank must pass
@@ -449,9 +449,9 @@ def prepare_ring(
     inputs were rejected raises its own error and every other rank a ``ValueError`` naming it, and
     any field that differs between ranks raises on every rank: never a hang. Grad mode (grad
     enabled and an input requires grad) is part of the summary because the backward communicates:
-    a backward on some ranks only would wait for the others until the timeout. ``dilated`` asks
-    the registry for its choice for dilated calls (kernels that fuse branches first where they
-    measured fastest).
+    a backward on some ranks only would wait for the others until the timeout. The kernel
+    comes from ``operation``'s registry (``registry_for``): ``"dilated"`` for ring dilated
+    attention, whose local branches a plan kernel may run.
     """
     rank, size = group_rank_and_size(group)
     error: Exception | None = None
@@ -479,10 +479,8 @@ def prepare_ring(
                 f"the local seq_len ({n}) must be even for layout='zigzag' (two chunks per rank); "
                 "shard a sequence divisible by 2 x world size with shard_sequence"
             )
-        inputs = KernelInputs.from_tensors(
-            q, k, is_causal=is_causal, has_mask=has_mask, dilated=dilated
-        )
-        kernel = select_backend(inputs, backend)
+        inputs = KernelInputs.from_tensors(q, k, is_causal=is_causal, has_mask=has_mask)
+        kernel = registry_for(operation).select(inputs, backend)
         dtype_code = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else len(_DTYPES)
         device_type = q.device.type
         device_code = (
@@ -600,5 +598,5 @@ def ring_attention(
         query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
         backend=backend, comm=comm, key_padding_mask=key_padding_mask,
     )  # fmt: skip
-    out, lse = RingAttentionFunction.apply(q, k, v, key_padding_mask, setup, kernel)
+    out, lse = RingAttentionFunction.apply(q, k, v, key_padding_mask, setup, kernel.backend)
     return (out, lse) if return_lse else out

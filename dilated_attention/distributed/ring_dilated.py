@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from .. import _validation as V
 from ..backends.base import Backend
+from ..backends.registry import DILATED, Selection
 from ..compiled import eager_only
 from ..core.cells import Cells, add_cells, merge_cells
 from ..core.engine import (
@@ -472,8 +473,12 @@ class RingDilatedFunction(torch.autograd.Function):
         key_padding_mask: torch.Tensor | None,
         plan: DilatedRingPlan,
         setup: RingSetup,
-        backend: Backend,
+        kernel: Selection,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kernel``: the dilated registry's choice; when it is the plan kernel (the fused
+        branches, ``kernel.runs_plan``) it runs the local branches, and its backend the
+        spanning branches' calls."""
+        backend = kernel.backend
         acc = accumulator_dtype(q.dtype)
         batch, n, heads, dim = q.shape
         auxes: list[Any] = []
@@ -488,7 +493,7 @@ class RingDilatedFunction(torch.autograd.Function):
                 cell_out, cell_lse, _, _ = spans()
                 merge_cells(plan.q_cells, cell_out, cell_lse, out, lse, *block)
 
-        if plan.local and backend.fuses_dilated_branches:
+        if plan.local and kernel.runs_plan:
             out, lse = fused_forward(
                 q, k, v, key_padding_mask, plan.local_branches, backend,
                 is_causal=setup.is_causal, scale=setup.scale, extra=merge,
@@ -509,7 +514,7 @@ class RingDilatedFunction(torch.autograd.Function):
             out = out.to(q.dtype)
         gathered, span_auxes = spans()[2:] if plan.spans else ([], [])
         ctx.save_for_backward(q, k, v, key_padding_mask, out, lse, *(g[0] for g in gathered))
-        ctx.plan, ctx.setup, ctx.backend = plan, setup, backend
+        ctx.plan, ctx.setup, ctx.backend, ctx.runs_plan = plan, setup, backend, kernel.runs_plan
         ctx.auxes, ctx.span_auxes = auxes, span_auxes
         ctx.gathered_masks = [g[1] for g in gathered]  # bool, never differentiated
         ctx.mark_non_differentiable(lse)
@@ -547,7 +552,7 @@ class RingDilatedFunction(torch.autograd.Function):
                     add_cells(plan.kv_cells, cell_grad, grad, start, end, h0 // group,
                               h1 // group)  # fmt: skip
 
-        if plan.local and ctx.backend.fuses_dilated_branches:
+        if plan.local and ctx.runs_plan:
             dq, dk, dv = fused_backward(
                 dout, q, k, v, out, lse, key_padding_mask, plan.local_branches, ctx.backend,
                 is_causal=setup.is_causal, scale=setup.scale, extra=add,
@@ -601,7 +606,7 @@ def ring_dilated_attention(
     """
     q, k, v, setup, kernel = prepare_ring(
         query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
-        backend=backend, comm="allgather", dilated=True,
+        backend=backend, comm="allgather", operation=DILATED,
         check_schedule=lambda: V.check_branches(segment_lengths, dilation_rates),
         key_padding_mask=key_padding_mask,
     )  # fmt: skip
