@@ -17,6 +17,7 @@ from .block_sparse.plan import check_block_size
 from .config import DilatedConfig, MultiheadDilatedConfig
 from .functional import dilated_attention
 from .patterns import Pattern, check_pattern
+from .rotary import RotaryEmbedding
 
 __all__ = [
     "BlockSparseAttention",
@@ -196,6 +197,7 @@ class _MultiheadProjections(nn.Module):
 
     _what = "attention"
     attention: nn.Module
+    rotary: RotaryEmbedding | None
     # Read by nn.TransformerEncoder(Layer): see Note [torch fast paths].
     _qkv_same_embed_dim = False
     in_proj_weight = _NO_PACKED_PROJECTION
@@ -238,6 +240,9 @@ class _MultiheadProjections(nn.Module):
         self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
         self.norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps, **factory) if layer_norm else None
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        # Rotary positions applied to q and k between the projections and attention
+        # (use_rotary); None: none.
+        self.rotary = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -251,6 +256,46 @@ class _MultiheadProjections(nn.Module):
                 nn.init.zeros_(proj.bias)
         if self.norm is not None:
             self.norm.reset_parameters()
+
+    def use_rotary(self, base: float = 10000.0) -> _MultiheadProjections:
+        """Rotate q and k by their positions (RoPE, :class:`~dilated_attention.rotary.
+        RotaryEmbedding` with frequency ``base``) between the projections and attention, at the
+        ``positions`` given to :meth:`forward`; returns the layer. Adds no parameters."""
+        self.rotary = RotaryEmbedding(self.head_dim, base)
+        return self
+
+    def _default_positions(self, n: int, device: torch.device) -> torch.Tensor:
+        """The rows' positions when ``forward`` is given none: ``0..N-1`` (a layer over a
+        sharded sequence gives its shard's global positions)."""
+        return torch.arange(n, device=device)
+
+    def _check_positions(
+        self, positions: object, n: int, device: torch.device
+    ) -> torch.Tensor | None:
+        """The (N,) integer positions of the rows for rotary (:meth:`_default_positions` when
+        None); None without rotary."""
+        if self.rotary is None:
+            if positions is not None:
+                raise ValueError(
+                    "positions are only used with rotary embeddings, which this layer does not "
+                    "apply; call layer.use_rotary() first, or pass positions=None"
+                )
+            return None
+        if positions is None:
+            return self._default_positions(n, device)
+        if not isinstance(positions, torch.Tensor):
+            raise TypeError(f"positions must be a (seq_len,) int tensor or None, got {positions!r}")
+        if positions.shape != (n,) or positions.is_floating_point() or positions.is_complex():
+            raise ValueError(
+                f"positions must be a (seq_len={n},) integer tensor (the rows' global positions),"
+                f" got shape {tuple(positions.shape)} and dtype {positions.dtype}"
+            )
+        if positions.device != device:
+            raise ValueError(
+                f"positions must be on the inputs' device {device}, got {positions.device}; "
+                f"move them with positions.to({str(device)!r})"
+            )
+        return positions
 
     def _check_key_padding_mask(self, mask: object, query: torch.Tensor) -> None:
         """Check the (B, N) key padding mask before any projection is computed."""
@@ -287,6 +332,8 @@ class _MultiheadProjections(nn.Module):
         attn_mask: torch.Tensor | None = None,
         average_attn_weights: bool = True,
         is_causal: bool = False,
+        *,
+        positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, None]:
         """Attention over ``query``, with ``nn.MultiheadAttention.forward``'s arguments.
 
@@ -306,6 +353,10 @@ class _MultiheadProjections(nn.Module):
                 comparison per call: pass ``is_causal=True`` alone to skip it.
             average_attn_weights: ignored (it only applies to the weights, never returned).
             is_causal: causal attention (``attn_mask`` may be omitted, unlike in torch).
+            positions: (N,) integer positions of the rows, for the rotary embeddings of
+                :meth:`use_rotary` (default ``0..N-1``; a rank holding a shard of a sequence
+                passes its global positions, :func:`dilated_attention.sequence_positions`).
+                Only with rotary.
 
         Returns:
             ``(out, None)``, ``out`` shaped like ``query``.
@@ -365,9 +416,12 @@ class _MultiheadProjections(nn.Module):
             )
         key_padding_mask = _bool_key_padding_mask(key_padding_mask)
         self._check_key_padding_mask(key_padding_mask, query)
+        positions = self._check_positions(positions, n, query.device)
         q = rearrange(self.q_proj(query), "b n (h d) -> b n h d", h=self.num_heads)
         k = rearrange(self.k_proj(key), "b n (h d) -> b n h d", h=self.num_kv_heads)
         v = rearrange(self.v_proj(value), "b n (h d) -> b n h d", h=self.num_kv_heads)
+        if self.rotary is not None and positions is not None:
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
         x = self.attention(q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask)
         x = rearrange(x, "b n h d -> b n (h d)")
         if self.norm is not None:

@@ -154,10 +154,13 @@ def no_fused_kernels(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def test_forward_signature_is_torchs() -> None:
-    """Same parameter names, in the same (positional) order, as nn.MultiheadAttention.forward."""
-    ours = list(inspect.signature(MultiheadDilatedAttention.forward).parameters)
+    """Same parameter names, in the same (positional) order, as nn.MultiheadAttention.forward;
+    ours adds only the keyword-only ``positions`` (rotary, off by default) after them."""
+    params = inspect.signature(MultiheadDilatedAttention.forward).parameters
     torchs = list(inspect.signature(nn.MultiheadAttention.forward).parameters)
-    assert ours == torchs
+    assert list(params)[: len(torchs)] == torchs
+    assert list(params)[len(torchs) :] == ["positions"]
+    assert params["positions"].kind is inspect.Parameter.KEYWORD_ONLY
 
 
 def test_positional_call_like_torch() -> None:

@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("core", ("core", "_validation", "_version", "config", "patterns")),
     ("backends", ("backends",)),
     ("operations", ("functional", "block_sparse", "compiled")),
-    ("modules", ("modules",)),
+    ("modules", ("modules", "rotary")),
     ("distributed", ("distributed",)),
     ("factory", ("factory",)),
     ("models", ("models",)),

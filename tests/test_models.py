@@ -261,3 +261,23 @@ def test_top_level_exports() -> None:
     assert dilated_attention.LongNetLM is LongNetLM
     assert dilated_attention.LongNetConfig is LongNetConfig
     assert {"LongNetLM", "LongNetConfig"} <= set(dilated_attention.__all__)
+
+
+def test_kind_whose_layer_cannot_rotate_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A registered kind whose multihead layer has no ``use_rotary`` is refused at build time with
+    what LongNetLM needs, not at the first forward."""
+    from torch import nn
+
+    import dilated_attention.factory as factory
+    from dilated_attention import DilatedAttention, register_kind
+
+    class NoRotary(nn.Module):
+        def __init__(self, **kwargs: object) -> None:
+            super().__init__()
+
+    monkeypatch.setattr(factory, "_KINDS", dict(factory._KINDS))
+    register_kind("no_rotary", dilated=DilatedAttention, multihead=NoRotary)
+    with pytest.raises(
+        TypeError, match=r"kind 'no_rotary' built NoRotary, which has no use_rotary"
+    ):
+        LongNetLM(LongNetConfig(**{**SMALL, "kind": "no_rotary"}))

@@ -546,3 +546,50 @@ def test_multihead_param_count() -> None:
     kv_dim = kv * HEAD_DIM
     expected = (E * E + E) * 2 + (kv_dim * E + kv_dim) * 2 + 2 * E
     assert sum(p.numel() for p in mha.parameters()) == expected
+
+
+# -- rotary positions inside the layer ------------------------------------------------------------
+def _rotate_complex(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
+    """RoPE by its definition: channels (j, j + D/2) as one complex number, times
+    exp(i * position * base ** (-2j / D)). x (B, N, H, D) float64."""
+    half = x.shape[-1] // 2
+    freq = base ** (-torch.arange(half, dtype=F64) / half)
+    turn = torch.polar(torch.ones(len(positions), half, dtype=F64), positions[:, None] * freq)
+    z = torch.complex(x[..., :half], x[..., half:]) * turn[:, None, :]
+    return torch.cat([z.real, z.imag], dim=-1)
+
+
+@pytest.mark.parametrize("shift", [0, 1000])
+def test_rotary_layer_is_projections_rotation_attention(shift: int) -> None:
+    """``use_rotary()``: q and k rotated at ``positions`` between the projections and attention;
+    a one-branch schedule against projections, RoPE by definition and SDPA in float64."""
+    layer = _mha(segment_lengths=[N], dilation_rates=[1], num_kv_heads=2).use_rotary(500.0)
+    x = torch.randn(B, N, E, dtype=F64)
+    positions = torch.arange(N) + shift
+    got, _ = layer(x, is_causal=True, positions=positions)
+    q = layer.q_proj(x).view(B, N, H, HEAD_DIM)
+    k, v = (proj(x).view(B, N, 2, HEAD_DIM) for proj in (layer.k_proj, layer.v_proj))
+    q, k = (_rotate_complex(t, positions.double(), 500.0) for t in (q, k))
+    k, v = (t.repeat_interleave(H // 2, dim=2) for t in (k, v))
+    att = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
+    want = layer.out_proj(layer.norm(att.transpose(1, 2).reshape(B, N, E)))
+    torch.testing.assert_close(got, want, **CLOSE64)
+    if shift == 0:  # the default positions are 0..N-1
+        torch.testing.assert_close(layer(x, is_causal=True)[0], got, **EXACT)
+    plain = _mha(segment_lengths=[N], dilation_rates=[1], num_kv_heads=2)
+    plain.load_state_dict(layer.state_dict())  # rotary adds no parameters or buffers
+    assert not torch.allclose(plain(x, is_causal=True)[0], got)
+
+
+def test_rotary_positions_are_checked() -> None:
+    layer = _mha()
+    x = torch.randn(B, N, E, dtype=F64)
+    with pytest.raises(ValueError, match=r"positions are only used with rotary.*use_rotary"):
+        layer(x, positions=torch.arange(N))
+    layer.use_rotary()
+    with pytest.raises(ValueError, match=r"positions must be a \(seq_len=50,\) integer tensor"):
+        layer(x, positions=torch.arange(N - 1))
+    with pytest.raises(ValueError, match=r"dtype torch.float64"):
+        layer(x, positions=torch.arange(N, dtype=F64))
+    with pytest.raises(TypeError, match=r"positions must be a \(seq_len,\) int tensor"):
+        layer(x, positions=list(range(N)))

@@ -275,6 +275,13 @@ def _check_module(rank: int, world_size: int) -> None:
     full_masked, _ = local_layer(x, is_causal=True, key_padding_mask=mask)
     out_masked, _ = ring(x_local, is_causal=True, key_padding_mask=shard_sequence(mask))
     torch.testing.assert_close(out_masked, shard_sequence(full_masked), atol=1e-10, rtol=1e-7)
+    # Rotary inside the layer: by default each rank rotates its shard at its global positions.
+    ring.use_rotary(100.0)
+    local_layer.use_rotary(100.0)
+    full_rotary, _ = local_layer(x, is_causal=True)
+    out_rotary, _ = ring(x_local, is_causal=True)
+    torch.testing.assert_close(out_rotary, shard_sequence(full_rotary), atol=1e-10, rtol=1e-7)
+    assert not torch.allclose(out_rotary, out.detach())
     # A mask of the wrong shape on one rank raises on every rank (checked by the ring call).
     bad = torch.zeros(2, N // world_size - (rank == 1), dtype=torch.bool)
     with pytest.raises(

@@ -15,7 +15,7 @@ from ..backends.registry import check_backend_name
 from ..modules import DilatedAttention, MultiheadDilatedAttention
 from .ring import COMMS, AgreedForward, ring_attention
 from .ring_dilated import ring_dilated_attention
-from .sharding import check_layout
+from .sharding import check_layout, sequence_positions
 
 __all__ = ["RingAttention", "RingDilatedAttention", "RingMultiheadDilatedAttention"]
 
@@ -166,6 +166,12 @@ class RingMultiheadDilatedAttention(AgreedForward, MultiheadDilatedAttention):
             segment_lengths, dilation_rates, group=group, dropout=dropout, backend=backend,
             layout=layout,
         )  # fmt: skip
+
+    def _default_positions(self, n: int, device: torch.device) -> torch.Tensor:
+        """This rank's global positions in the sharded sequence (``sequence_positions``)."""
+        return sequence_positions(
+            n, group=self.attention.group, layout=self.attention.layout, device=device
+        )
 
     def _check_key_padding_mask(self, mask: object, query: torch.Tensor) -> None:
         """Left to the ring call, which checks the mask on every rank together: a mask rejected

@@ -5,6 +5,7 @@
 :func:`load_checkpoint` (checksummed; see :mod:`dilated_attention.models.checkpoint`).
 """
 
+from ..rotary import RotaryEmbedding
 from .checkpoint import (
     CHECKPOINT_VERSION,
     Checkpoint,
@@ -13,7 +14,6 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .longnet import PRESETS, LongNetAttention, LongNetBlock, LongNetConfig, LongNetLM
-from .rotary import RotaryEmbedding
 
 __all__ = [
     "CHECKPOINT_VERSION",

@@ -6,13 +6,12 @@ Hkv key/value heads, D head dim, V vocab_size.
 Note [Rotary inside a factory-built attention layer]
     Attention comes from :func:`dilated_attention.create_multihead_dilated_attention`, so the
     same model is local (``kind="dilated"``) or ring-sharded (``kind="ring"``, or ``"auto"``
-    under ``torchrun``). That layer does its own q/k/v projections, and rotary positions must be
-    applied between the projections and attention. :class:`LongNetAttention` therefore keeps the
-    factory-built layer as ``self.mha`` (its parameters keep the layer's own names:
-    ``mha.q_proj``, ``mha.k_proj``, ``mha.v_proj``, ``mha.norm``, ``mha.out_proj``) and runs its
-    pieces itself: projections -> rotary(q, k) -> ``mha.attention`` (the inner (B, N, H, D)
-    module, local or ring) -> ``mha.norm`` (MAGNETO sub-LN) -> ``mha.out_proj``. Any kind whose
-    layer exposes those attributes works.
+    under ``torchrun``). Rotary positions belong between the layer's projections and its inner
+    (B, N, H, D) attention module; the layer applies them itself once asked
+    (``use_rotary``), at the positions its forward is given. :class:`LongNetAttention` keeps the
+    layer as ``self.mha`` (parameters ``mha.q_proj``, ``mha.k_proj``, ``mha.v_proj``,
+    ``mha.norm``, ``mha.out_proj``; rotary adds none) and calls it with the tokens' global
+    positions. Any kind whose multihead layer has ``use_rotary`` and takes ``positions`` works.
 
 Note [Block structure]
     MAGNETO (Wang et al. 2022) sub-LN blocks, pre-LN at the block input and a second LayerNorm
@@ -40,7 +39,6 @@ from torch.utils.checkpoint import checkpoint
 from .. import _validation as V
 from ..backends.registry import check_backend_name
 from ..factory import create_multihead_dilated_attention
-from .rotary import RotaryEmbedding
 
 __all__ = ["PRESETS", "LongNetAttention", "LongNetBlock", "LongNetConfig", "LongNetLM"]
 
@@ -182,11 +180,8 @@ PRESETS: dict[str, LongNetConfig] = {
 }  # fmt: skip
 
 
-_MHA_PARTS = ("q_proj", "k_proj", "v_proj", "out_proj", "norm", "attention", "num_kv_heads")
-
-
 class LongNetAttention(nn.Module):
-    """Causal self-attention with rotary positions around a factory-built multihead layer.
+    """Causal self-attention with rotary positions: a factory-built multihead layer.
 
     See Note [Rotary inside a factory-built attention layer].
 
@@ -195,39 +190,30 @@ class LongNetAttention(nn.Module):
         gamma_init: MAGNETO gain on the value and output projections.
 
     Raises:
-        TypeError: the factory kind's layer lacks the q/k/v/out projections or inner attention.
+        TypeError: the factory kind's layer cannot apply rotary positions (no ``use_rotary``).
     """
 
     def __init__(self, config: LongNetConfig, *, gamma_init: float = 1.0) -> None:
         super().__init__()
-        self.mha = create_multihead_dilated_attention(
+        mha = create_multihead_dilated_attention(
             kind=config.kind, embed_dim=config.embed_dim, num_heads=config.num_heads,
             segment_lengths=list(config.segment_lengths),
             dilation_rates=list(config.dilation_rates), num_kv_heads=config.num_kv_heads,
             dropout=config.dropout, layer_norm=True, layer_norm_eps=config.layer_norm_eps,
             gamma_init=gamma_init, backend=config.backend or "auto",
         )  # fmt: skip
-        missing = [name for name in _MHA_PARTS if not hasattr(self.mha, name)]
-        if missing:
+        if not callable(getattr(mha, "use_rotary", None)):
             raise TypeError(
-                f"kind {config.kind!r} built {type(self.mha).__name__}, which lacks {missing}; "
-                f"LongNetLM needs a layer with q/k/v projections and an inner attention module"
+                f"kind {config.kind!r} built {type(mha).__name__}, which has no use_rotary(); "
+                f"LongNetLM needs a multihead layer that applies rotary positions between its "
+                f"projections and attention (subclass the library's multihead layers)"
             )
+        self.mha = mha.use_rotary(config.rotary_base)
         self.num_heads, self.num_kv_heads = config.num_heads, int(self.mha.num_kv_heads)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rotary_base)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x (B, N, E), positions (N,) global int positions -> (B, N, E)."""
-        B, N, E = x.shape
-        mha, D = self.mha, self.rotary.head_dim  # explicit sizes: B may be 0
-        q = mha.q_proj(x).view(B, N, self.num_heads, D)
-        k = mha.k_proj(x).view(B, N, self.num_kv_heads, D)
-        v = mha.v_proj(x).view(B, N, self.num_kv_heads, D)
-        q, k = self.rotary(q, positions), self.rotary(k, positions)
-        out = mha.attention(q, k, v, is_causal=True).reshape(B, N, E)
-        if mha.norm is not None:
-            out = mha.norm(out)
-        return mha.out_proj(out)
+        return self.mha(x, is_causal=True, positions=positions)[0]
 
 
 class LongNetBlock(nn.Module):
