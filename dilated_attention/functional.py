@@ -14,8 +14,9 @@ from . import _validation as V
 from . import compiled
 from .backends.base import KernelInputs
 from .backends.registry import DENSE, DILATED, Selection, check_backend_name, registry_for
-from .core.engine import Plan, PlanFunction, empty_attention
-from .core.fused import FusedDilatedFunction, compile_ahead
+from .core.autograd import run_attention
+from .core.engine import Plan, PlanRunner, empty_attention
+from .core.fused import FusedRunner, compile_ahead
 from .core.segment import dilated_plan, effective_branches, plan_branches
 
 __all__ = ["attention", "dilated_attention"]
@@ -114,10 +115,11 @@ def attention(
         out, lse = empty_attention(q, k, v)
         return (out, lse) if return_lse else out
     softmax_scale = checked_scale if checked_scale is not None else q.shape[-1] ** -0.5
-    out, lse = PlanFunction.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(), key_padding_mask, Plan.dense(is_causal),
-        kernel.backend, softmax_scale, dropout_p, "attention",
-    )  # fmt: skip
+    plan = Plan.dense(is_causal)
+    runner = PlanRunner(plan, kernel.backend, softmax_scale, dropout_p, "attention")
+    out, lse = run_attention(
+        q.contiguous(), k.contiguous(), v.contiguous(), key_padding_mask, runner
+    )
     return (out, lse) if return_lse else out
 
 
@@ -204,13 +206,12 @@ def dilated_attention(
             q, k, v, key_padding_mask, branches, kernel.backend, is_causal=is_causal,
             scale=softmax_scale, needs_grad=needs_grad,
         )  # fmt: skip
-        out, lse = FusedDilatedFunction.apply(
-            q, k, v, key_padding_mask, branches, kernel.backend, is_causal, softmax_scale
-        )
+        runner = FusedRunner(branches, kernel.backend, is_causal, softmax_scale)
+        out, lse = run_attention(q, k, v, key_padding_mask, runner)
         return (out, lse) if return_lse else out
-    out, lse = PlanFunction.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(), key_padding_mask,
-        _plan(q, k, segs, rates, is_causal), kernel.backend, softmax_scale, dropout_p,
-        "dilated_attention",
-    )  # fmt: skip
+    plan = _plan(q, k, segs, rates, is_causal)
+    runner = PlanRunner(plan, kernel.backend, softmax_scale, dropout_p, "dilated_attention")
+    out, lse = run_attention(
+        q.contiguous(), k.contiguous(), v.contiguous(), key_padding_mask, runner
+    )
     return (out, lse) if return_lse else out

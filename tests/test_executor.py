@@ -12,7 +12,8 @@ from oracle import masked_attention
 
 from dilated_attention.backends import get_backend
 from dilated_attention.block_sparse.plan import SparseCall
-from dilated_attention.core.engine import Plan, PlanFunction, WholeCall
+from dilated_attention.core.autograd import run_attention
+from dilated_attention.core.engine import Plan, PlanRunner, WholeCall
 
 B, N, H, HKV, D = 2, 24, 4, 2, 8
 
@@ -69,9 +70,8 @@ def test_a_mixed_plan_matches_the_oracle(masked: bool, backend: str) -> None:
     mask[1, -5:] = True
     mask[0, 3] = True
     key_mask = mask if masked else None
-    out, lse = PlanFunction.apply(
-        q, k, v, key_mask, Plan(tuple(calls)), get_backend(backend), D**-0.5, 0.0, "test"
-    )
+    runner = PlanRunner(Plan(tuple(calls)), get_backend(backend), D**-0.5)
+    out, lse = run_attention(q, k, v, key_mask, runner)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
@@ -95,7 +95,7 @@ def test_a_mixed_plan_has_exact_second_order_gradients() -> None:
     math = get_backend("math")
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return PlanFunction.apply(q, k, v, mask, Plan(calls), math, 3**-0.5, 0.0, "test")[0]
+        return run_attention(q, k, v, mask, PlanRunner(Plan(calls), math, 3**-0.5))[0]
 
     assert torch.autograd.gradcheck(run, (q, k, v))
     plain = torch.autograd.grad(run(q, k, v).square().sum(), (q, k, v))

@@ -26,12 +26,13 @@ from ..backends.registry import (
     check_backend_name,
     registry_for,
 )
-from ..core.engine import Plan, PlanFunction, empty_attention
+from ..core.autograd import run_attention
+from ..core.engine import Plan, PlanRunner, empty_attention
 from ..patterns import Pattern, check_pattern
 from . import plan
 from .flex import _flex_forward
 from .plan import _local_plan, check_block_size, num_blocks
-from .triton_autograd import TritonBlockSparseFunction, _triton_lists
+from .triton_autograd import TritonBlockSparseRunner, _triton_lists
 
 
 def _check_flag(name: str, value: object) -> bool:
@@ -164,10 +165,8 @@ def block_sparse_attention(
     )
     if kernel.runs_plan and kernel.backend.name == "triton":
         lists = _triton_lists(pattern, block_size, query_len, key_len, is_causal, q.device)
-        out, lse = TritonBlockSparseFunction.apply(
-            q.contiguous(), k.contiguous(), v.contiguous(), lists, block_size, is_causal,
-            softmax_scale,
-        )  # fmt: skip
+        runner = TritonBlockSparseRunner(lists, block_size, is_causal, softmax_scale)
+        out, lse = run_attention(q.contiguous(), k.contiguous(), v.contiguous(), None, runner)
     elif kernel.runs_plan:  # FlexAttention on the pattern's BlockMask
         out, lse = _flex_forward(
             q, k, v, pattern, block_size=block_size, is_causal=is_causal, scale=softmax_scale
@@ -175,8 +174,8 @@ def block_sparse_attention(
     else:
         budget = max(key_len, plan.MIN_KV_ROWS_PER_CALL)
         calls, _ = _local_plan(pattern, block_size, query_len, key_len, is_causal, q.device, budget)
-        out, lse = PlanFunction.apply(
-            q.contiguous(), k.contiguous(), v.contiguous(), None, Plan(tuple(calls)),
-            kernel.backend, softmax_scale, 0.0, "block_sparse_attention",
-        )  # fmt: skip
+        runner = PlanRunner(
+            Plan(tuple(calls)), kernel.backend, softmax_scale, what="block_sparse_attention"
+        )
+        out, lse = run_attention(q.contiguous(), k.contiguous(), v.contiguous(), None, runner)
     return (out, lse) if return_lse else out

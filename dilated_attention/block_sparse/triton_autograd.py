@@ -6,11 +6,14 @@ autograd.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import torch
 
+from ..core.autograd import Forward, Grads
 from ..core.higher_order import differentiable_grads
 from ..patterns import Pattern
 from .plan import causal_block_mask, num_blocks, plan_calls
@@ -39,54 +42,64 @@ def _triton_lists(
     return _triton_block_sparse().block_lists(mask, device)
 
 
-class TritonBlockSparseFunction(torch.autograd.Function):
-    """Autograd of the block-sparse Triton kernels.
+@dataclass(frozen=True)
+class TritonBlockSparseRunner:
+    """Our block-sparse Triton kernels as a :class:`~dilated_attention.core.autograd.Runner`
+    over ``lists`` (the pattern's ``BlockLists``, causal applied); under ``create_graph=True``
+    the recompute over the fallback's calls for the same block pairs (Note [Double
+    backward])."""
 
-    Returns ``out`` (B, Nq, H, D) in the input dtype and ``lse`` (B, H, Nq) float32, not
-    differentiable.
-    """
+    lists: Any
+    block_size: int
+    is_causal: bool
+    scale: float
+    first_order_message = ""  # every call has its differentiable recompute
 
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
+    def forward(
+        self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        lists: Any,
-        block_size: int,
-        is_causal: bool,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        key_padding_mask: torch.Tensor | None,
+    ) -> Forward:
         out, lse = _triton_block_sparse().forward(
-            q, k, v, lists, block_size=block_size, is_causal=is_causal, scale=scale
-        )
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.lists, ctx.block_size, ctx.is_causal, ctx.scale = lists, block_size, is_causal, scale
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True (Note [Double backward])
-            # The same pairs as the fallback's calls, from the kernels' block lists.
-            lists, block_size = ctx.lists, ctx.block_size
-            nq, nk = num_blocks(q.shape[1], block_size), num_blocks(k.shape[1], block_size)
-            counts = (lists.key_start[1:] - lists.key_start[:-1]).long().cpu()
-            mask = torch.zeros(nq, nk, dtype=torch.bool)
-            mask[torch.arange(nq).repeat_interleave(counts), lists.key_blocks.long().cpu()] = True
-            calls = plan_calls(
-                mask, block_size=block_size, query_len=q.shape[1], key_len=k.shape[1],
-                is_causal=ctx.is_causal,
-            )  # fmt: skip
-            calls = [c.to(q.device) for c in calls]
-            rows = [call.row_call(q, k) for call in calls]
-            grads = differentiable_grads(dout, q, k, v, lse, rows, scale=ctx.scale)
-            return (*grads, None, None, None, None)
-        dq, dk, dv = _triton_block_sparse().backward(
-            dout.contiguous(), q, k, v, out, lse, ctx.lists, block_size=ctx.block_size,
-            is_causal=ctx.is_causal, scale=ctx.scale,
+            q, k, v, self.lists, block_size=self.block_size, is_causal=self.is_causal,
+            scale=self.scale,
         )  # fmt: skip
-        return dq, dk, dv, None, None, None, None
+        return Forward(out, lse, saved=(k, v))
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        saved: Sequence[Any],
+        state: Any,
+    ) -> Grads:
+        k, v = saved
+        return _triton_block_sparse().backward(  # type: ignore[no-any-return]
+            dout.contiguous(), q, k, v, out, lse, self.lists, block_size=self.block_size,
+            is_causal=self.is_causal, scale=self.scale,
+        )  # fmt: skip
+
+    def differentiable_backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        lse: torch.Tensor,
+        saved: Sequence[Any],
+    ) -> Grads:
+        k, v = saved
+        # The same pairs as the fallback's calls, from the kernels' block lists.
+        lists, block_size = self.lists, self.block_size
+        nq, nk = num_blocks(q.shape[1], block_size), num_blocks(k.shape[1], block_size)
+        counts = (lists.key_start[1:] - lists.key_start[:-1]).long().cpu()
+        mask = torch.zeros(nq, nk, dtype=torch.bool)
+        mask[torch.arange(nq).repeat_interleave(counts), lists.key_blocks.long().cpu()] = True
+        calls = plan_calls(
+            mask, block_size=block_size, query_len=q.shape[1], key_len=k.shape[1],
+            is_causal=self.is_causal,
+        )  # fmt: skip
+        rows = [call.to(q.device).row_call(q, k) for call in calls]
+        return differentiable_grads(dout, q, k, v, lse, rows, scale=self.scale)

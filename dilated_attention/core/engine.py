@@ -10,10 +10,11 @@ Note [One executor]
     four kinds: the whole tensors (:class:`WholeCall`, dense attention), slices of positions
     (:class:`SliceCall`, ring attention's calls against a key/value block), dilated row groups
     (``GroupCall`` in ``segment.py``) and stacked index lists (``SparseCall`` in
-    ``block_sparse/plan.py``). The ring paths drive the runners (:func:`run_forward`,
-    :func:`run_backward`) block by block inside Functions of their own, which own the
-    communication; kernels that run a whole plan themselves (the fused dilated Triton kernels,
-    ``fused.py``; our block-sparse Triton kernels) also have Functions of their own.
+    ``block_sparse/plan.py``). :class:`PlanRunner` runs a plan under the one autograd Function
+    (Note [One autograd Function] in ``autograd.py``); the ring paths drive the runners
+    (:func:`run_forward`, :func:`run_backward`) block by block in runners of their own, which
+    own the communication; kernels that run a whole plan themselves (the fused dilated Triton
+    kernels, ``fused.py``; our block-sparse Triton kernels) are runners too.
 
 Note [Exact gradients through the branch mix]
     The forward merges each group's ``(o_i, lse_i)`` into a running ``(out, lse)``
@@ -37,7 +38,8 @@ from typing import Any, Protocol
 
 import torch
 
-from .higher_order import RowCall, differentiable_grads, first_order_only, no_higher_order_message
+from .autograd import Forward, Grads
+from .higher_order import RowCall, differentiable_grads, no_higher_order_message
 from .merge import merge_partial
 
 
@@ -421,54 +423,64 @@ _DROPOUT_MESSAGE = no_higher_order_message(
 )
 
 
-class PlanFunction(torch.autograd.Function):
-    """Autograd of :func:`plan_forward` / :func:`plan_backward`: ``(q, k, v) -> (out, lse)``,
-    ``lse`` (B, H, Nq) not differentiable (returned detached). Under ``create_graph=True`` the
-    gradients are recomputed differentiably (Note [Double backward])."""
+@dataclass(frozen=True)
+class PlanRunner:
+    """The executor as a :class:`~dilated_attention.core.autograd.Runner`: ``plan`` on
+    ``backend`` (:func:`plan_forward` / :func:`plan_backward`). ``what``: the public function's
+    name, for the double-backward error under dropout."""
 
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
+    plan: Plan
+    backend: KernelBackend
+    scale: float
+    dropout_p: float = 0.0
+    what: str = "attention"
+
+    @property
+    def first_order_message(self) -> str:
+        return _DROPOUT_MESSAGE.format(what=self.what)
+
+    def forward(
+        self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         key_padding_mask: torch.Tensor | None,
-        plan: Plan,
-        backend: KernelBackend,
-        scale: float,
-        dropout_p: float,
-        what: str,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``what``: the public function's name, for the double-backward error."""
+    ) -> Forward:
         out, lse, auxes = plan_forward(
-            q, k, v, key_padding_mask, plan, backend, scale=scale, dropout_p=dropout_p
-        )
-        ctx.save_for_backward(q, k, v, out, lse, key_padding_mask)
-        ctx.plan, ctx.backend, ctx.auxes, ctx.what = plan, backend, auxes, what
-        ctx.options = {"scale": scale, "dropout_p": dropout_p}
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+            q, k, v, key_padding_mask, self.plan, self.backend, scale=self.scale,
+            dropout_p=self.dropout_p,
+        )  # fmt: skip
+        return Forward(out, lse, saved=(k, v, key_padding_mask), state=auxes)
 
-    @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
-        nones = (None,) * 6
-        if torch.is_grad_enabled() and ctx.options["dropout_p"] == 0:
-            # create_graph=True: differentiable gradients (Note [Double backward])
-            calls = [call.row_call(q, k) for call in ctx.plan.calls]
-            dq, dk, dv = differentiable_grads(
-                dout, q, k, v, lse, calls, scale=ctx.options["scale"],
-                key_padding_mask=key_padding_mask,
-            )  # fmt: skip
-            return dq, dk, dv, *nones
-        with torch.no_grad():
-            grads = plan_backward(
-                dout, q, k, v, out, lse, key_padding_mask, ctx.plan, ctx.backend, ctx.auxes,
-                **ctx.options,
-            )  # fmt: skip
-        return *first_order_only(grads, _DROPOUT_MESSAGE.format(what=ctx.what)), *nones
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        saved: Sequence[Any],
+        state: Any,
+    ) -> Grads:
+        k, v, key_padding_mask = saved
+        return plan_backward(
+            dout, q, k, v, out, lse, key_padding_mask, self.plan, self.backend, state,
+            scale=self.scale, dropout_p=self.dropout_p,
+        )  # fmt: skip
+
+    def differentiable_backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        lse: torch.Tensor,
+        saved: Sequence[Any],
+    ) -> Grads | None:
+        if self.dropout_p:
+            return None  # the dropout mask is not replayed differentiably
+        k, v, key_padding_mask = saved
+        calls = [call.row_call(q, k) for call in self.plan.calls]
+        return differentiable_grads(
+            dout, q, k, v, lse, calls, scale=self.scale, key_padding_mask=key_padding_mask
+        )
 
 
 def empty_attention(

@@ -48,13 +48,14 @@ group.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
+from .autograd import Forward, Grads
 from .higher_order import differentiable_grads
 from .segment import group_calls, plan_branches
 
@@ -408,50 +409,60 @@ def compile_ahead(
             )  # fmt: skip
 
 
-class FusedDilatedFunction(torch.autograd.Function):
-    """Autograd of :func:`fused_forward` / :func:`fused_backward`; returns ``(out, lse)`` with
-    ``lse`` not differentiable."""
+@dataclass(frozen=True)
+class FusedRunner:
+    """The dilated registry's plan kernel as a :class:`~dilated_attention.core.autograd.Runner`:
+    :func:`fused_forward` / :func:`fused_backward` over ``branches`` ((w, r) pairs); under
+    ``create_graph=True`` the recompute over the branches' row groups (Note [Double
+    backward])."""
 
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
+    branches: tuple[tuple[int, int], ...]
+    backend: FusedBackend
+    is_causal: bool
+    scale: float
+    first_order_message = ""  # every call has its differentiable recompute
+
+    def forward(
+        self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         key_padding_mask: torch.Tensor | None,
-        branches: tuple[tuple[int, int], ...],
-        backend: FusedBackend,
-        is_causal: bool,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> Forward:
         out, lse = fused_forward(
-            q, k, v, key_padding_mask, branches, backend, is_causal=is_causal, scale=scale
-        )
-        ctx.save_for_backward(q, k, v, out, lse, key_padding_mask)
-        ctx.branches, ctx.backend = branches, backend
-        ctx.options = {"is_causal": is_causal, "scale": scale}
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True (Note [Double backward])
-            segs, rates = zip(*ctx.branches, strict=True)
-            plan = plan_branches(q.shape[1], q.shape[2], segs, rates)
-            calls = [
-                call.row_call(q, k)
-                for call in group_calls(plan, k.shape[2], q.device, ctx.options["is_causal"])
-            ]
-            dq, dk, dv = differentiable_grads(
-                dout, q, k, v, lse, calls, scale=ctx.options["scale"],
-                key_padding_mask=key_padding_mask,
-            )  # fmt: skip
-            return dq, dk, dv, None, None, None, None, None
-        dq, dk, dv = fused_backward(
-            dout.contiguous(), q, k, v, out, lse, key_padding_mask, ctx.branches, ctx.backend,
-            **ctx.options,
+            q, k, v, key_padding_mask, self.branches, self.backend, is_causal=self.is_causal,
+            scale=self.scale,
         )  # fmt: skip
-        return dq, dk, dv, None, None, None, None, None
+        return Forward(out, lse, saved=(k, v, key_padding_mask))
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        saved: Sequence[Any],
+        state: Any,
+    ) -> Grads:
+        k, v, key_padding_mask = saved
+        return fused_backward(
+            dout.contiguous(), q, k, v, out, lse, key_padding_mask, self.branches, self.backend,
+            is_causal=self.is_causal, scale=self.scale,
+        )  # fmt: skip
+
+    def differentiable_backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        lse: torch.Tensor,
+        saved: Sequence[Any],
+    ) -> Grads:
+        k, v, key_padding_mask = saved
+        segs, rates = zip(*self.branches, strict=True)
+        plan = plan_branches(q.shape[1], q.shape[2], segs, rates)
+        calls = [
+            call.row_call(q, k) for call in group_calls(plan, k.shape[2], q.device, self.is_causal)
+        ]
+        return differentiable_grads(
+            dout, q, k, v, lse, calls, scale=self.scale, key_padding_mask=key_padding_mask
+        )

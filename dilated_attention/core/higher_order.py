@@ -40,14 +40,11 @@ per call G pieces of Lq query and Lk key rows with Hc query and Hkc key/value he
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
-
-_Backward = TypeVar("_Backward", bound=Callable[..., Any])
 
 
 # -- raising on double backward ------------------------------------------------------------------
@@ -109,27 +106,6 @@ def first_order_only(
     for i, g in zip(present, wrapped, strict=True):
         out[i] = g
     return tuple(out)
-
-
-def first_order_backward(message: str) -> Callable[[_Backward], _Backward]:
-    """Decorate a ``backward`` staticmethod: run it without a graph and, under
-    ``create_graph=True``, make its results raise ``RuntimeError(message)`` when differentiated.
-
-    Like ``torch.autograd.function.once_differentiable``, but the error names the function and
-    the fix, and it is attached whenever autograd asks for a graph (torch's only when a gradient
-    output requires grad; Note [Double backward]).
-    """
-
-    def decorate(backward: _Backward) -> _Backward:
-        @functools.wraps(backward)
-        def wrapper(ctx: Any, *grad_outputs: Any) -> tuple[torch.Tensor | None, ...]:
-            with torch.no_grad():
-                grads = backward(ctx, *grad_outputs)
-            return first_order_only(grads, message)
-
-        return wrapper  # type: ignore[return-value]
-
-    return decorate
 
 
 # -- differentiable recompute ---------------------------------------------------------------------

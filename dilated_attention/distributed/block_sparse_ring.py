@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import functools
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,7 @@ from ..block_sparse.plan import (
     plan_calls,
 )
 from ..compiled import eager_only
+from ..core.autograd import FirstOrderOnly, Forward, Grads, run_attention
 from ..core.engine import (
     accumulator_dtype,
     new_accumulators,
@@ -62,11 +63,18 @@ from ..core.engine import (
     run_backward,
     run_forward,
 )
-from ..core.higher_order import first_order_backward, ring_message
+from ..core.higher_order import ring_message
 from ..modules import BlockSparseMultiheadAttention, build_block_sparse_kind
 from ..patterns import Custom, Intersection, Pattern, Union, check_pattern
 from . import _comm
-from .ring import AgreedForward, RingSetup, prepare_ring, reject_ring_call
+from .ring import (
+    AgreedForward,
+    RingSetup,
+    finished_forward,
+    finished_grads,
+    prepare_ring,
+    reject_ring_call,
+)
 
 __all__ = [
     "BlockSparseRingDilatedAttention",
@@ -253,38 +261,43 @@ def _ring_backward(
     return dq, dkv
 
 
-class _BlockSparseRingFunction(torch.autograd.Function):
-    """Autograd of :func:`_ring_forward` / :func:`_ring_backward` (lse not differentiable)."""
+@dataclass(frozen=True)
+class BlockSparseRingRunner(FirstOrderOnly):
+    """Block-sparse ring attention as a :class:`~dilated_attention.core.autograd.Runner`:
+    :func:`_ring_forward` / :func:`_ring_backward` over ``steps`` on ``kernel``."""
 
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
+    steps: tuple[_Step, ...]
+    setup: RingSetup
+    kernel: Backend
+    first_order_message: ClassVar[str] = ring_message(
+        "block_sparse_ring_attention", "block_sparse_attention()"
+    )
+
+    def forward(
+        self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        steps: tuple[_Step, ...],
-        setup: RingSetup,
-        kernel: Backend,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        key_padding_mask: torch.Tensor | None,
+    ) -> Forward:
         kv = torch.stack([k, v]).contiguous()
-        out_acc, lse_acc, auxes = _ring_forward(q, kv, steps, setup, kernel)
-        out = out_acc.to(q.dtype)
-        lse = lse_acc.squeeze(-1).transpose(1, 2).contiguous()
-        ctx.save_for_backward(q, kv, out, lse)
-        ctx.steps, ctx.setup, ctx.kernel, ctx.auxes = steps, setup, kernel, auxes
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+        out, lse, auxes = _ring_forward(q, kv, self.steps, self.setup, self.kernel)
+        return finished_forward(q, out, lse, (kv,), auxes)
 
-    @staticmethod
-    @first_order_backward(ring_message("block_sparse_ring_attention", "block_sparse_attention()"))
-    def backward(  # type: ignore[override]
-        ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, ...]:
-        q, kv, out, lse = ctx.saved_tensors
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        saved: Sequence[Any],
+        state: Any,
+    ) -> Grads:
+        (kv,) = saved
         dq, dkv = _ring_backward(
-            dout.contiguous(), q, kv, out, lse, ctx.steps, ctx.setup, ctx.kernel, ctx.auxes
+            dout.contiguous(), q, kv, out, lse, self.steps, self.setup, self.kernel, state
         )
-        return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None, None
+        return finished_grads(q, dq, dkv)
 
 
 def _fingerprint(pattern: Pattern) -> object:
@@ -369,7 +382,7 @@ def block_sparse_ring_attention(
         pattern, int(block_size), n, setup.world_size, setup.rank, is_causal, q.device,
         max(n, block_plan.MIN_KV_ROWS_PER_CALL),
     )  # fmt: skip
-    out, lse = _BlockSparseRingFunction.apply(q, k, v, steps, setup, kernel.backend)
+    out, lse = run_attention(q, k, v, None, BlockSparseRingRunner(steps, setup, kernel.backend))
     return (out, lse) if return_lse else out
 
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, ClassVar, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ from ..backends.base import Backend, KernelInputs
 from ..backends.registry import DENSE, Selection, check_backend_name, registry_for
 from ..backends.triton import merge_kernel
 from ..compiled import eager_only
+from ..core.autograd import FirstOrderOnly, Forward, Grads, run_attention
 from ..core.engine import (
     SliceCall,
     accumulator_dtype,
@@ -43,7 +44,7 @@ from ..core.engine import (
     run_backward,
     run_forward,
 )
-from ..core.higher_order import first_order_backward, ring_message
+from ..core.higher_order import ring_message
 from ._comm import (
     check_same_on_all_ranks,
     exchange,
@@ -354,42 +355,58 @@ def ring_backward(
     return dq, dkv
 
 
-class RingAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper of :func:`ring_forward` / :func:`ring_backward` (lse not differentiable)."""
+def finished_forward(
+    q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, saved: tuple[Any, ...], state: Any
+) -> Forward:
+    """A ring runner's :class:`Forward` from its float32 accumulators ``out`` (B, n, H, D) and
+    ``lse`` (B, n, H, 1): ``out`` in q's dtype, ``lse`` (B, H, n)."""
+    return Forward(
+        out.to(q.dtype), lse.squeeze(-1).transpose(1, 2).contiguous(), saved=saved, state=state
+    )
 
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
+
+def finished_grads(q: torch.Tensor, dq: torch.Tensor, dkv: torch.Tensor) -> Grads:
+    """dq and the (2, B, n, Hkv, D) dK/dV accumulator as dq, dk, dv in the inputs' dtype."""
+    return dq.to(q.dtype), dkv[0].to(q.dtype), dkv[1].to(q.dtype)
+
+
+@dataclass(frozen=True)
+class RingRunner(FirstOrderOnly):
+    """Ring attention as a :class:`~dilated_attention.core.autograd.Runner`:
+    :func:`ring_forward` / :func:`ring_backward` on this rank's shard."""
+
+    setup: RingSetup
+    backend: Backend
+    first_order_message: ClassVar[str] = ring_message("ring_attention", "attention()")
+
+    def forward(
+        self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         key_padding_mask: torch.Tensor | None,
-        setup: RingSetup,
-        backend: Backend,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> Forward:
         mask = None
         if key_padding_mask is not None:  # bytes on the wire: gloo sends no bool tensors
             mask = key_padding_mask.contiguous().view(torch.uint8)
         local = KeyBlock(torch.stack([k, v]).contiguous(), mask)
-        out32, lse32, auxes = ring_forward(q, local, setup, backend)
-        out = out32.to(q.dtype)
-        lse = lse32.squeeze(-1).transpose(1, 2).contiguous()
-        ctx.save_for_backward(q, local.kv, mask, out, lse)
-        ctx.setup, ctx.backend, ctx.auxes = setup, backend, auxes
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+        out, lse, auxes = ring_forward(q, local, self.setup, self.backend)
+        return finished_forward(q, out, lse, (local.kv, mask), auxes)
 
-    @staticmethod
-    @first_order_backward(ring_message("ring_attention", "attention()"))
-    def backward(  # type: ignore[override]
-        ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, ...]:
-        q, kv, mask, out, lse = ctx.saved_tensors
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        saved: Sequence[Any],
+        state: Any,
+    ) -> Grads:
+        kv, mask = saved
         dq, dkv = ring_backward(
-            dout.contiguous(), q, KeyBlock(kv, mask), out, lse, ctx.setup, ctx.backend,
-            ctx.auxes,
-        )  # fmt: skip
-        return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None, None
+            dout.contiguous(), q, KeyBlock(kv, mask), out, lse, self.setup, self.backend, state
+        )
+        return finished_grads(q, dq, dkv)
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -598,5 +615,5 @@ def ring_attention(
         query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
         backend=backend, comm=comm, key_padding_mask=key_padding_mask,
     )  # fmt: skip
-    out, lse = RingAttentionFunction.apply(q, k, v, key_padding_mask, setup, kernel.backend)
+    out, lse = run_attention(q, k, v, key_padding_mask, RingRunner(setup, kernel.backend))
     return (out, lse) if return_lse else out

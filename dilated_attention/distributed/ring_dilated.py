@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,7 @@ from .. import _validation as V
 from ..backends.base import Backend
 from ..backends.registry import DILATED, Selection
 from ..compiled import eager_only
+from ..core.autograd import FirstOrderOnly, Forward, Grads, run_attention
 from ..core.cells import Cells, add_cells, merge_cells
 from ..core.engine import (
     accumulator_dtype,
@@ -54,7 +56,7 @@ from ..core.engine import (
     run_forward,
 )
 from ..core.fused import fused_backward, fused_forward
-from ..core.higher_order import RowCall, first_order_backward, ring_message
+from ..core.higher_order import RowCall, ring_message
 from ..core.merge import merge_partial
 from ..core.segment import RowGroup, dilated_plan, effective_branches, plan_branches
 from ._comm import exchange, wait_all
@@ -461,23 +463,31 @@ def _split(items: list, sizes: list[int]) -> list[list]:
     return [items[a:b] for a, b in itertools.pairwise(bounds)]
 
 
-class RingDilatedFunction(torch.autograd.Function):
-    """Autograd wrapper of ring dilated attention; returns (out, lse), lse not differentiable."""
+@dataclass(frozen=True)
+class RingDilatedRunner(FirstOrderOnly):
+    """Ring dilated attention as a :class:`~dilated_attention.core.autograd.Runner`: the local
+    branches on this rank's rows, the spanning ones through the peer exchange, merged.
 
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
+    ``kernel``: the dilated registry's choice; when it is the plan kernel (the fused branches,
+    ``kernel.runs_plan``) it runs the local branches, and its backend the spanning branches'
+    calls.
+    """
+
+    plan: DilatedRingPlan
+    setup: RingSetup
+    kernel: Selection
+    first_order_message: ClassVar[str] = ring_message(
+        "ring_dilated_attention", "dilated_attention()"
+    )
+
+    def forward(
+        self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         key_padding_mask: torch.Tensor | None,
-        plan: DilatedRingPlan,
-        setup: RingSetup,
-        kernel: Selection,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``kernel``: the dilated registry's choice; when it is the plan kernel (the fused
-        branches, ``kernel.runs_plan``) it runs the local branches, and its backend the
-        spanning branches' calls."""
+    ) -> Forward:
+        plan, setup, kernel = self.plan, self.setup, self.kernel
         backend = kernel.backend
         acc = accumulator_dtype(q.dtype)
         batch, n, heads, dim = q.shape
@@ -513,22 +523,23 @@ class RingDilatedFunction(torch.autograd.Function):
                 merge(out, lse, 0, n, 0, heads)
             out = out.to(q.dtype)
         gathered, span_auxes = spans()[2:] if plan.spans else ([], [])
-        ctx.save_for_backward(q, k, v, key_padding_mask, out, lse, *(g[0] for g in gathered))
-        ctx.plan, ctx.setup, ctx.backend, ctx.runs_plan = plan, setup, backend, kernel.runs_plan
-        ctx.auxes, ctx.span_auxes = auxes, span_auxes
-        ctx.gathered_masks = [g[1] for g in gathered]  # bool, never differentiated
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+        masks = [g[1] for g in gathered]  # bool, never differentiated
+        saved = (k, v, key_padding_mask, *(g[0] for g in gathered))
+        return Forward(out, lse, saved=saved, state=(auxes, span_auxes, masks))
 
-    @staticmethod
-    @first_order_backward(ring_message("ring_dilated_attention", "dilated_attention()"))
-    def backward(  # type: ignore[override]
-        ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, key_padding_mask, out, lse, *gathered_rows = ctx.saved_tensors
-        gathered = list(zip(gathered_rows, ctx.gathered_masks, strict=True))
-        plan: DilatedRingPlan = ctx.plan
-        setup: RingSetup = ctx.setup
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        saved: Sequence[Any],
+        state: Any,
+    ) -> Grads:
+        k, v, key_padding_mask, *gathered_rows = saved
+        auxes, span_auxes, masks = state
+        gathered = list(zip(gathered_rows, masks, strict=True))
+        plan, setup, backend = self.plan, self.setup, self.kernel.backend
         acc = accumulator_dtype(q.dtype)
         heads, group = q.shape[2], q.shape[2] // k.shape[2]
         dout = dout.contiguous()
@@ -536,8 +547,8 @@ class RingDilatedFunction(torch.autograd.Function):
         # Run when the engine first asks for them (Note [Spanning results stay compact])
         spans = functools.cache(
             functools.partial(
-                span_backward, dout, q, out, lse, plan, setup, ctx.backend, gathered,
-                ctx.span_auxes, acc,
+                span_backward, dout, q, out, lse, plan, setup, backend, gathered, span_auxes,
+                acc,
             )
         )  # fmt: skip
         if plan.spans:
@@ -552,23 +563,22 @@ class RingDilatedFunction(torch.autograd.Function):
                     add_cells(plan.kv_cells, cell_grad, grad, start, end, h0 // group,
                               h1 // group)  # fmt: skip
 
-        if plan.local and ctx.runs_plan:
-            dq, dk, dv = fused_backward(
-                dout, q, k, v, out, lse, key_padding_mask, plan.local_branches, ctx.backend,
+        if plan.local and self.kernel.runs_plan:
+            return fused_backward(
+                dout, q, k, v, out, lse, key_padding_mask, plan.local_branches, backend,
                 is_causal=setup.is_causal, scale=setup.scale, extra=add,
             )  # fmt: skip
-            return dq, dk, dv, None, None, None, None
         if plan.local:
             local = dilated_plan(plan.local, q.shape[1], k.shape[2], q.device, setup.is_causal)
             dq, dk, dv = plan_backward(
-                dout, q, k, v, out, lse, key_padding_mask, local, ctx.backend, ctx.auxes,
+                dout, q, k, v, out, lse, key_padding_mask, local, backend, auxes,
                 scale=setup.scale, grad_dtype=acc if add else None,
             )  # fmt: skip
         else:
             dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
         if add is not None:
             add(dq, dk, dv, 0, q.shape[1], 0, heads)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 @eager_only("ring_dilated_attention")  # torch.compile runs it eagerly; torch.func raises
@@ -615,5 +625,5 @@ def ring_dilated_attention(
     segs, rates = effective_branches(global_len, q.shape[2], segs, rates)
     plan = plan_ring_dilated(setup, q, k, segs, rates)
     mask = None if key_padding_mask is None else key_padding_mask.contiguous()
-    out, lse = RingDilatedFunction.apply(q, k, v, mask, plan, setup, kernel)
+    out, lse = run_attention(q, k, v, mask, RingDilatedRunner(plan, setup, kernel))
     return (out, lse) if return_lse else out

@@ -1,0 +1,149 @@
+"""The one autograd Function of every attention path, and the runner contract it drives.
+
+Note [One autograd Function]
+    Every path computes ``(q, k, v) -> (out, lse)`` with ``lse`` not differentiable and an
+    exact backward from the merged statistics; they differ only in what runs the calls: the
+    executor over a plan (``engine.py``), the fused dilated kernels (``fused.py``), our
+    block-sparse Triton kernels, or a ring schedule that also moves key/value blocks and their
+    gradients between ranks (``distributed/``). Each is a :class:`Runner`;
+    :class:`AttentionFunction` is the autograd around any of them: it saves ``q``, ``out``,
+    ``lse`` and what the runner asks for, replays the runner's backward, and under
+    ``create_graph=True`` takes the runner's differentiable recompute
+    (Note [Double backward] in ``higher_order.py``) or, where there is none (dropout, ring
+    collectives), gradients that raise the runner's message when differentiated.
+
+Shape legend: B batch, Nq/Nk query/key rows, H query heads, Hkv key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from .higher_order import first_order_only
+
+Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class Forward:
+    """A runner's forward result.
+
+    Attributes:
+        out: (B, Nq, H, D) in q's dtype.
+        lse: (B, H, Nq), float32 (float64 for float64 inputs).
+        saved: the tensors its backward needs besides ``q``, ``out`` and ``lse`` (None allowed),
+            saved through autograd (so saved-tensor hooks see them).
+        state: anything else its backward needs (kernel auxiliaries, plans).
+    """
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    saved: tuple[torch.Tensor | None, ...] = ()
+    state: Any = None
+
+
+class Runner(Protocol):
+    """What runs one attention call's kernels, forward and backward."""
+
+    #: The error when a gradient from :meth:`backward` is differentiated (only read where
+    #: :meth:`differentiable_backward` returns None).
+    first_order_message: str
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
+    ) -> Forward:
+        """q (B, Nq, H, D), k and v (B, Nk, Hkv, D), mask (B, Nk) bool or None."""
+        ...
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        saved: Sequence[Any],
+        state: Any,
+    ) -> Grads:
+        """dq, dk, dv, typed like q, k, v, from the merged ``out`` and ``lse`` (run without a
+        graph)."""
+        ...
+
+    def differentiable_backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        lse: torch.Tensor,
+        saved: Sequence[Any],
+    ) -> Grads | None:
+        """dq, dk, dv as differentiable functions of the inputs (``create_graph=True``), or
+        None where the runner has no such recompute."""
+        ...
+
+
+class FirstOrderOnly:
+    """Mixin for runners without a differentiable recompute (their backward communicates):
+    their gradients raise ``first_order_message`` when differentiated."""
+
+    def differentiable_backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        lse: torch.Tensor,
+        saved: Sequence[Any],
+    ) -> None:
+        return None
+
+
+class AttentionFunction(torch.autograd.Function):
+    """``(q, k, v, key_padding_mask, runner) -> (out, lse)`` for any :class:`Runner`; ``lse``
+    not differentiable (Note [One autograd Function])."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
+        runner: Runner,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        result = runner.forward(q, k, v, key_padding_mask)
+        ctx.save_for_backward(q, result.out, result.lse, *result.saved)
+        ctx.runner, ctx.state = runner, result.state
+        ctx.mark_non_differentiable(result.lse)
+        return result.out, result.lse
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        q, out, lse, *saved = ctx.saved_tensors
+        runner: Runner = ctx.runner
+        if torch.is_grad_enabled():  # create_graph=True (Note [Double backward])
+            grads = runner.differentiable_backward(dout, q, lse, saved)
+            if grads is not None:
+                return *grads, None, None
+        with torch.no_grad():
+            grads = runner.backward(dout, q, out, lse, saved, ctx.state)
+        return *first_order_only(grads, runner.first_order_message), None, None
+
+
+def run_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    runner: Runner,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of ``runner`` on these inputs, differentiable through
+    :class:`AttentionFunction`: out (B, Nq, H, D), lse (B, H, Nq) detached."""
+    out, lse = AttentionFunction.apply(q, k, v, key_padding_mask, runner)
+    return out, lse
