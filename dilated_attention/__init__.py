@@ -26,7 +26,9 @@ from .distributed import (
     unshard_sequence,
 )
 from .distributed.block_sparse_ring import (
+    BlockSparseRingAttention,
     BlockSparseRingDilatedAttention,
+    BlockSparseRingMultiheadAttention,
     BlockSparseRingMultiheadDilatedAttention,
     block_sparse_ring_attention,
 )
@@ -53,7 +55,9 @@ __all__ = [
     "BackendChoice",
     "BlockSparseAttention",
     "BlockSparseMultiheadAttention",
+    "BlockSparseRingAttention",
     "BlockSparseRingDilatedAttention",
+    "BlockSparseRingMultiheadAttention",
     "BlockSparseRingMultiheadDilatedAttention",
     "DilatedAttention",
     "DilatedConfig",

@@ -266,9 +266,9 @@ def create_block_sparse_attention(
             ``device``, ...).
 
     Returns:
-        ``BlockSparseAttention`` / ``BlockSparseRingDilatedAttention`` with ``forward(query, key,
+        ``BlockSparseAttention`` / ``BlockSparseRingAttention`` with ``forward(query, key,
         value, *, is_causal=False)`` over (B, N, H, D), or ``BlockSparseMultiheadAttention`` /
-        ``BlockSparseRingMultiheadDilatedAttention`` with ``nn.MultiheadAttention``'s call
+        ``BlockSparseRingMultiheadAttention`` with ``nn.MultiheadAttention``'s call
         (``forward(query, key=None, value=None, key_padding_mask=None, need_weights=False,
         attn_mask=None, average_attn_weights=True, is_causal=False) -> (out, None)``) over
         (B, N, E).

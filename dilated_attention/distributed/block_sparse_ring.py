@@ -77,7 +77,9 @@ from .ring import (
 )
 
 __all__ = [
+    "BlockSparseRingAttention",
     "BlockSparseRingDilatedAttention",
+    "BlockSparseRingMultiheadAttention",
     "BlockSparseRingMultiheadDilatedAttention",
     "block_sparse_ring_attention",
 ]
@@ -386,10 +388,10 @@ def block_sparse_ring_attention(
     return (out, lse) if return_lse else out
 
 
-class BlockSparseRingDilatedAttention(nn.Module):
+class BlockSparseRingAttention(nn.Module):
     """Block-sparse attention over a sharded sequence; see :func:`block_sparse_ring_attention`.
 
-    The name follows the earlier package's ``BlockSparseRingDilatedAttention``. Dilation is
+    ``BlockSparseRingDilatedAttention``, the earlier package's name, is an alias. Dilation is
     expressed at block level by the pattern (``patterns.DilatedBlocks(rates)``, or any
     composition); there are no ``segment_lengths`` / ``dilation_rates`` arguments: for
     token-level LongNet branches use ``RingDilatedAttention``.
@@ -449,7 +451,7 @@ class BlockSparseRingDilatedAttention(nn.Module):
         return f"pattern={self.pattern!r}, block_size={self.block_size}, backend={self.backend!r}"
 
 
-class BlockSparseRingMultiheadDilatedAttention(AgreedForward, BlockSparseMultiheadAttention):
+class BlockSparseRingMultiheadAttention(AgreedForward, BlockSparseMultiheadAttention):
     """:class:`~dilated_attention.BlockSparseMultiheadAttention` over a sharded sequence: same
     constructor (plus ``group``) and forward; each rank passes its (B, n, E) shard. Parameters
     are replicated: wrap the model in DDP/FSDP as usual for data parallelism.
@@ -481,7 +483,7 @@ class BlockSparseRingMultiheadDilatedAttention(AgreedForward, BlockSparseMultihe
             bias=bias, layer_norm=layer_norm, layer_norm_eps=layer_norm_eps,
             gamma_init=gamma_init, scale=scale, backend=backend, device=device, dtype=dtype,
         )  # fmt: skip
-        self.attention = BlockSparseRingDilatedAttention(
+        self.attention = BlockSparseRingAttention(
             pattern, block_size=block_size, group=group, scale=scale, backend=backend
         )
 
@@ -497,7 +499,12 @@ def _build(cls: type[nn.Module]) -> Callable[..., nn.Module]:
 #: Read by the factory when kind="block_sparse_ring" is first requested (``factory._PROVIDERS``).
 FACTORY_KINDS = {
     "block_sparse_ring": (
-        _build(BlockSparseRingDilatedAttention),
-        _build(BlockSparseRingMultiheadDilatedAttention),
+        _build(BlockSparseRingAttention),
+        _build(BlockSparseRingMultiheadAttention),
     )
 }
+
+
+#: The earlier package's names (README, "Coming from another package"): aliases, not subclasses.
+BlockSparseRingDilatedAttention = BlockSparseRingAttention
+BlockSparseRingMultiheadDilatedAttention = BlockSparseRingMultiheadAttention

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import oracle_attention, oracle_dilated_attention
-from tolerances import assert_close_to_oracle
+from support.oracle import oracle_attention, oracle_dilated_attention
+from support.tolerances import assert_close_to_oracle
 
 from dilated_attention import attention, backend_reasons, dilated_attention
 

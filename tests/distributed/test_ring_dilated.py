@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_utils import count_exchanges, run_world
-from oracle import oracle_dilated_attention
-from tolerances import assert_close_to_oracle
+from support.distributed_utils import count_exchanges, run_world
+from support.oracle import oracle_dilated_attention
+from support.tolerances import assert_close_to_oracle
 
 import dilated_attention.distributed._comm as comm
 import dilated_attention.distributed.ring_dilated as ring_dilated_mod

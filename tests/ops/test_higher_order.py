@@ -4,8 +4,8 @@ Issue 21, item 2: the backward of every autograd Function treated the forward's 
 ``lse`` as constants, so ``gradgradcheck`` failed and a gradient penalty through the layer was
 wrong without any error. Every public function and CPU backend is checked here with
 ``torch.autograd.gradgradcheck`` in float64 and with a gradient penalty against the float64
-oracle (``tests/oracle.py``, no library code); the ring functions must raise a clear error (Note
-[Double backward] in ``dilated_attention/core/higher_order.py``).
+oracle (``tests/support/oracle.py``, no library code); the ring functions must raise a clear
+error (Note [Double backward] in ``dilated_attention/core/higher_order.py``).
 
 The penalty uses ``loss = (out * w).sum()`` with a constant ``w``: the upstream gradient does not
 require grad there, the case in which ``torch.autograd.function.once_differentiable`` attaches no
@@ -19,8 +19,9 @@ from typing import Any
 
 import pytest
 import torch
-from distributed_utils import run_world
-from oracle import masked_attention, oracle_attention, oracle_dilated_attention
+from support.block_sparse import token_mask
+from support.distributed_utils import run_world
+from support.oracle import masked_attention, oracle_attention, oracle_dilated_attention
 
 import dilated_attention as da
 from dilated_attention import patterns as P
@@ -193,20 +194,6 @@ def test_multihead_dilated_attention_gradgradcheck(backend: str | None) -> None:
 # -- a gradient penalty against the float64 oracle ------------------------------------------------
 
 
-def _token_mask(
-    pattern: P.Pattern, block_size: int, nq: int, nk: int, causal: bool
-) -> torch.Tensor:
-    """(Nq, Nk) int64 0/1 from the pattern's block mask, with loops (no library code)."""
-    blocks = pattern.block_mask(-(-nq // block_size), -(-nk // block_size))
-    mask = torch.zeros(nq, nk, dtype=torch.int64)
-    for p in range(nq):
-        for t in range(nk):
-            mask[p, t] = int(
-                bool(blocks[p // block_size, t // block_size]) and (t <= p or not causal)
-            )
-    return mask
-
-
 _SPARSE = P.LocalWindow(1) | P.DilatedBlocks((3,))
 PENALTY_CASES: dict[str, tuple[Fn, Fn]] = {
     "dilated_attention": (
@@ -220,7 +207,7 @@ PENALTY_CASES: dict[str, tuple[Fn, Fn]] = {
     "block_sparse_attention": (
         lambda q, k, v: da.block_sparse_attention(q, k, v, _SPARSE, block_size=3, is_causal=True),
         lambda q, k, v: masked_attention(
-            q, k, v, _token_mask(_SPARSE, 3, 13, 13, True).expand(4, -1, -1)
+            q, k, v, token_mask(_SPARSE, 3, 13, 13, True).expand(4, -1, -1)
         )[0],
     ),
 }
@@ -306,7 +293,7 @@ def test_ring_double_backward_raises_on_every_rank(tmp_path: Any) -> None:
 
 def _gpu_cases() -> dict[str, tuple[Fn, Fn]]:
     pattern = P.LocalWindow(1)
-    mask = _token_mask(pattern, 64, 256, 256, True).expand(4, -1, -1)
+    mask = token_mask(pattern, 64, 256, 256, True).expand(4, -1, -1)
     return {
         "dilated_default": (
             lambda q, k, v: da.dilated_attention(q, k, v, [64, 128], [1, 2], is_causal=True),

@@ -6,8 +6,8 @@ odd shapes (head dims that are not powers of two, ragged rows, GQA, masks) again
 oracle, the multi-group path of the fused engine, poisoned buffers that expose rows a kernel fails
 to write or writes by mistake, and the clean refusal when Triton or a GPU is missing.
 
-On a machine without a GPU, ``TRITON_INTERPRET=1 pytest tests/test_triton_backend.py`` runs the
-kernel tests through Triton's interpreter (float32 and float16; slow).
+On a machine without a GPU, ``TRITON_INTERPRET=1 pytest tests/backends/test_triton_backend.py``
+runs the kernel tests through Triton's interpreter (float32 and float16; slow).
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from typing import Any
 
 import pytest
 import torch
-from oracle import branch_positions, oracle_dilated_attention
-from tolerances import LOW_PRECISION, TOLERANCES, assert_close_to_oracle
+from support.oracle import branch_positions, oracle_dilated_attention
+from support.tolerances import LOW_PRECISION, TOLERANCES, assert_close_to_oracle
+from support.triton import INTERPRETING, KERNEL_DEVICES, poison_new_buffers, skip_without_triton
 from torch import Tensor
 
 from dilated_attention import dilated_attention
@@ -33,15 +34,6 @@ from dilated_attention.backends.registry import choose
 from dilated_attention.core import fused
 from dilated_attention.core.cells import Cells, add_cells, merge_cells
 from dilated_attention.core.fused import BranchSpan, position_groups
-
-INTERPRETING = triton_backend.interpreting()
-# (device, dtypes): the GPU always; the CPU through Triton's interpreter when it is switched on.
-KERNEL_DEVICES = [
-    pytest.param("cuda", [torch.bfloat16, torch.float16], marks=pytest.mark.gpu, id="cuda"),
-]
-if INTERPRETING:
-    KERNEL_DEVICES.append(pytest.param("cpu", [torch.float32, torch.float16], id="cpu-interpret"))
-
 
 #: How the forward reads q, k, v rows (Note [Rows through tensor descriptors]): both ways are
 #: forced in turn, wherever the layout allows descriptors.
@@ -63,34 +55,6 @@ def _force_row_loads(monkeypatch: pytest.MonkeyPatch, row_loads: str) -> list[bo
 
     monkeypatch.setattr(kernels, "_use_descriptors", spy)
     return used
-
-
-def _poison_new_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every floating-point ``torch.empty`` / ``torch.empty_like`` buffer starts NaN-filled, so
-    a row read before it is written shows."""
-    real_empty, real_empty_like = torch.empty, torch.empty_like
-
-    def poisoned(x: Tensor) -> Tensor:
-        return x.fill_(float("nan")) if x.is_floating_point() else x
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poisoned(real_empty(*a, **kw)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poisoned(real_empty_like(*a, **kw)))
-
-
-def _skip_without_triton(device: str) -> None:
-    reasons = get_backend("triton").not_supported_reasons(
-        base.KernelInputs(
-            device=torch.device(device),
-            dtype=torch.float16,
-            head_dim=64,
-            num_heads=2,
-            num_kv_heads=2,
-            query_len=8,
-            key_len=8,
-        )
-    )
-    if reasons:
-        pytest.skip("triton: " + "; ".join(reasons))
 
 
 # -- position groups (no kernels) ------------------------------------------------------------------
@@ -284,7 +248,7 @@ def test_fused_matches_oracle(
     dtypes: list[torch.dtype],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    _skip_without_triton(device)
+    skip_without_triton(device)
     used = _force_row_loads(monkeypatch, row_loads)
     for dtype in dtypes:
         _compare(shape, dtype, device, is_causal)
@@ -306,7 +270,7 @@ def test_fused_engine_across_many_position_groups(
     is_causal: bool, device: str, dtypes: list[torch.dtype], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Groups of 128 positions (lcm of the segments) instead of one: same answer."""
-    _skip_without_triton(device)
+    skip_without_triton(device)
     monkeypatch.setattr(fused, "MIN_GROUP_POSITIONS", 1)
     monkeypatch.setattr(fused, "GROUPS_PER_SEQUENCE", 1000)
     shape = Shape(
@@ -329,7 +293,7 @@ def test_fused_engine_across_head_groups(
 ) -> None:
     """Scratch split by heads (what very long sequences get): launches on head slices start at
     layer head ``head0``, so offsets (head mod rate) and kv heads must still be the layer's."""
-    _skip_without_triton(device)
+    skip_without_triton(device)
     _force_row_loads(monkeypatch, row_loads)
     _split_scratch(monkeypatch)
     shape = Shape(
@@ -349,9 +313,9 @@ def test_fused_engine_never_sums_unwritten_scratch(
     only in part, straight into the output; backward it runs first and writes every row of the
     gradient scratch that the others add to (Note [Fused branch engine]): with every new buffer
     NaN-filled, no NaN may reach the output or the gradients."""
-    _skip_without_triton(device)
+    skip_without_triton(device)
     _force_row_loads(monkeypatch, row_loads)
-    _poison_new_buffers(monkeypatch)
+    poison_new_buffers(monkeypatch)
     shape = Shape(
         "nan_scratch", N=300, H=4, H_kv=2, D=32, segments=(60, 150, 300), rates=(4, 1, 3),
         padding=True,
@@ -378,7 +342,7 @@ def test_fused_engine_results_do_not_depend_on_grouping(
     """Position and head groups decide which launch computes a row, never how (Note [Fused
     branch engine]): one group and many give the same bits, forward and backward. Also shows
     that the device-memory allowance is what keeps small inputs in one head group on a GPU."""
-    _skip_without_triton(device)
+    skip_without_triton(device)
     widths: list[int] = []
     real = fused.head_groups
 
@@ -447,9 +411,9 @@ def test_fused_engine_merges_extra_results_before_rounding(
     (position group, head group) before the one rounding. Forward equals the float64 oracle
     merged with those results; backward adds the given compact gradients. New buffers are
     NaN-filled, so unwritten scratch rows must get weight zero unread."""
-    _skip_without_triton(device)
+    skip_without_triton(device)
     _split_scratch(monkeypatch)
-    _poison_new_buffers(monkeypatch)
+    poison_new_buffers(monkeypatch)
     batch, seq_len, heads, kv_heads, dim = 2, 600, 4, 2, 32
     segs, rates = zip(*branches, strict=True)
     assert len(position_groups(seq_len, segs, 1)) > 1  # several position groups
@@ -510,7 +474,7 @@ def test_64_bit_row_offsets(
     device: str, dtypes: list[torch.dtype], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The ``WIDE`` variant (64-bit offsets, used past 2**31 elements) on a small shape."""
-    _skip_without_triton(device)
+    skip_without_triton(device)
     kernels = triton_backend._kernels()
     monkeypatch.setattr(kernels, "_wide", lambda *args: True)
     shape = Shape("wide", N=200, H=4, H_kv=2, D=32, segments=(40, 200), rates=(1, 3), padding=True)
@@ -566,7 +530,7 @@ def test_rows_of_the_next_segment_never_leak_into_a_segment(
     through tensor descriptors]). With k and v NaN at one position, exactly the rows that attend
     to it may turn NaN: segment 0's heads whose tiles read that position past their end stay
     finite."""
-    _skip_without_triton(device)
+    skip_without_triton(device)
     used = _force_row_loads(monkeypatch, row_loads)
     seq_len, heads, dim, segment, rate, poisoned = 300, 3, 32, 100, 3, 101
     attends = torch.zeros(seq_len, heads, dtype=torch.bool)
@@ -597,7 +561,7 @@ def _covered(seq_len: int, heads: int, segment: int, rate: int) -> Tensor:
 @pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
 def test_kernels_write_exactly_the_covered_rows(device: str, dtypes: list[torch.dtype]) -> None:
     """NaN-filled outputs: every covered row becomes finite, every other row stays NaN."""
-    _skip_without_triton(device)
+    skip_without_triton(device)
     backend = get_backend("triton")
     seq_len, heads, kv_heads, dim, segment, rate = 50, 6, 3, 32, 16, 3
     span = BranchSpan(0, seq_len, segment, rate)
@@ -633,7 +597,7 @@ def test_fused_gradients_under_create_graph_are_the_kernels_gradients(
 ) -> None:
     """Under ``create_graph=True`` the fused path recomputes its gradients differentiably from
     the schedule's row groups (Note [Double backward]); they must be the kernels' own."""
-    _skip_without_triton(device)
+    skip_without_triton(device)
     gen = torch.Generator().manual_seed(3)
     mask = torch.zeros(2, 41, dtype=torch.bool)
     mask[1, -6:] = True
@@ -661,7 +625,7 @@ def test_a_new_shape_family_compiles_only_ahead_and_a_new_length_not_at_all(
 ) -> None:
     """Every kernel of a family's first call is compiled by ``compile_ahead`` (in parallel)
     before anything launches; the launches then compile nothing, nor does a new length."""
-    _skip_without_triton("cuda")
+    skip_without_triton("cuda")
     from triton import knobs
 
     kernels = triton_backend._kernels()

@@ -1,14 +1,14 @@
 """The one executor (``core/engine.py``, Note [One executor]) on plans no public function builds:
 calls of different kinds in one plan, key rows repeated inside a call, a key padding mask on
-block-sparse calls, GQA. Each is compared with the float64 oracle (``tests/oracle.py``: dense
-attention weighted by how often each (query, key) pair occurs in the plan), on outputs, lse,
+block-sparse calls, GQA. Each is compared with the float64 oracle (``tests/support/oracle.py``:
+dense attention weighted by how often each (query, key) pair occurs in the plan), on outputs, lse,
 gradients and second-order gradients."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from oracle import masked_attention
+from support.oracle import masked_attention
 
 from dilated_attention.backends import get_backend
 from dilated_attention.block_sparse.plan import SparseCall

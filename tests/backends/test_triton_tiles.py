@@ -6,10 +6,10 @@ fitting its GPUs' shared memory. No GPU or Triton needed."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from support import REPO
 
 from dilated_attention.backends._triton_tiles import (
     SM90,
@@ -21,7 +21,7 @@ from dilated_attention.backends._triton_tiles import (
 )
 from dilated_attention.backends.triton import TritonBackend
 
-RECORD = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "tile_fit_h100.json"
+RECORD = REPO / "benchmarks" / "results" / "tile_fit_h100.json"
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,8 @@
 """Block-sparse attention against the float64 dense masked oracle: outputs, lse and all gradients.
 
-The oracle (``tests/oracle.py``) gets the token-level 0/1 mask: the pattern's block mask expanded
-to tokens (the last block shorter), AND the top-left causal mask. The GPU tests (marked) run the
-FlexAttention path.
+The oracle (``tests/support/oracle.py``) gets the token-level 0/1 mask: the pattern's block mask
+expanded to tokens (the last block shorter), AND the top-left causal mask. The GPU tests (marked)
+run the FlexAttention path.
 """
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ import warnings
 
 import pytest
 import torch
-from oracle import masked_attention
-from tolerances import LOW_PRECISION, assert_close_to_oracle
+from support.block_sparse import check_kernel_result, token_mask
+from support.block_sparse import oracle_with_grads as _oracle
+from support.oracle import masked_attention
+from support.tolerances import assert_close_to_oracle
 
 import dilated_attention
 import dilated_attention.block_sparse.api as bs_api
@@ -42,20 +44,6 @@ PATTERNS = {
 }
 
 
-def token_mask(
-    pattern: P.Pattern, block_size: int, query_len: int, key_len: int, is_causal: bool
-) -> torch.Tensor:
-    """(Nq, Nk) int64 0/1: block mask expanded to tokens (loops, no library code), AND causal."""
-    nq, nk = -(-query_len // block_size), -(-key_len // block_size)
-    blocks = pattern.block_mask(nq, nk)
-    mask = torch.zeros(query_len, key_len, dtype=torch.int64)
-    for p in range(query_len):
-        for t in range(key_len):
-            if blocks[p // block_size, t // block_size] and (not is_causal or t <= p):
-                mask[p, t] = 1
-    return mask
-
-
 def _inputs(
     query_len: int, key_len: int, kv_heads: int, dtype: torch.dtype = F64, seed: int = 0
 ) -> list[torch.Tensor]:
@@ -63,14 +51,6 @@ def _inputs(
     shapes = [(B, query_len, H, D), (B, key_len, kv_heads, D), (B, key_len, kv_heads, D)]
     shapes.append((B, query_len, H, D))
     return [torch.randn(s, generator=gen, dtype=F64).to(dtype) for s in shapes]
-
-
-def _oracle(q, k, v, dout, mask, scale=None):
-    leaves = [t.detach().to(F64).requires_grad_() for t in (q, k, v)]
-    heads = q.shape[2]
-    out, lse = masked_attention(*leaves, mask.expand(heads, -1, -1), scale=scale)
-    grads = torch.autograd.grad(out, leaves, dout.to(F64))
-    return out.detach(), lse.detach(), grads
 
 
 def _run(q, k, v, dout, pattern, **kwargs):
@@ -459,7 +439,7 @@ def test_factory_builds_block_sparse_modules() -> None:
                                           num_kv_heads=2)  # fmt: skip
     assert type(layer) is BlockSparseMultiheadAttention and layer.num_kv_heads == 2
     ring = create_block_sparse_attention(P.LocalWindow(1), kind="block_sparse_ring", block_size=8)
-    assert type(ring) is dilated_attention.BlockSparseRingDilatedAttention
+    assert type(ring) is dilated_attention.BlockSparseRingAttention
     assert {"block_sparse", "block_sparse_ring"} <= set(dilated_attention.list_kinds())
 
 
@@ -545,7 +525,7 @@ GPU_CASES = [
 def test_flex_path_matches_oracle(case: int, is_causal: bool, dtype: torch.dtype) -> None:
     """The FlexAttention path (by name: on CUDA our Triton kernels come first where they run)
     against the float64 oracle, computed on the CPU from the same rounded inputs; bf16/fp16 error
-    within 2x a naive same-dtype reference (tolerances.py)."""
+    within 2x a naive same-dtype reference (tests/support/tolerances.py)."""
     nq, nk, block_size, kv_heads, pattern = GPU_CASES[case]
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(case)
@@ -570,39 +550,6 @@ def test_flex_path_matches_oracle(case: int, is_causal: bool, dtype: torch.dtype
     grads = [g.cpu() for g in torch.autograd.grad(out, dev, dout.to(device))]
     mask = token_mask(pattern, block_size, nq, nk, is_causal)
     check_kernel_result(q, k, v, dout, mask, out.detach().cpu(), lse.cpu(), grads)
-
-
-def check_kernel_result(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    dout: torch.Tensor,
-    mask: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    grads: list[torch.Tensor],
-) -> None:
-    """A kernel's ``out``, ``lse`` and gradients (on the CPU) against the float64 oracle of the
-    same inputs (``q``, ``k``, ``v``, ``dout`` in the kernel's dtype, 4 query heads) under the
-    token ``mask``; bf16/fp16 error within 2x a naive same-dtype reference (tolerances.py).
-    Rows that see no key give zeros and ``lse = -inf``."""
-    dtype = q.dtype
-    ref_out, ref_lse, ref_grads = _oracle(q, k, v, dout, mask)
-    low_out = low_lse = None
-    low_grads: list[torch.Tensor | None] = [None, None, None]
-    if dtype in LOW_PRECISION:
-        low = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        low_out, low_lse = masked_attention(*low, mask.expand(4, -1, -1), compute_dtype=dtype)
-        low_grads = list(torch.autograd.grad(low_out, low, dout))
-    assert out.dtype == dtype and lse.dtype == torch.float32
-    assert_close_to_oracle(out, ref_out, low_out, name="out", dtype=dtype)
-    assert_close_to_oracle(lse, ref_lse, low_lse, name="lse", dtype=dtype)
-    for name, g, rg, lg in zip("qkv", grads, ref_grads, low_grads, strict=True):
-        assert_close_to_oracle(g, rg, lg, name=f"d{name}", dtype=dtype, grad=True)
-    empty = mask.sum(1) == 0
-    if bool(empty.any()):
-        assert torch.equal(out[:, empty], torch.zeros_like(out[:, empty]))
-        assert bool(torch.isneginf(lse[:, :, empty]).all())
 
 
 @pytest.mark.gpu

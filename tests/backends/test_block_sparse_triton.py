@@ -5,15 +5,16 @@ Every output buffer starts NaN-filled, so a row no kernel writes shows.
 
 The tests ask for ``backend="triton"`` (on CUDA the kernels are also the automatic choice for
 calls without gradients); on a machine without a GPU, ``TRITON_INTERPRET=1 pytest
-tests/test_block_sparse_triton.py`` runs them through Triton's interpreter (float32 and float16).
+tests/backends/test_block_sparse_triton.py`` runs them through Triton's interpreter (float32 and
+float16).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_block_sparse import check_kernel_result, token_mask
-from test_triton_backend import KERNEL_DEVICES, _poison_new_buffers, _skip_without_triton
+from support.block_sparse import check_kernel_result, token_mask
+from support.triton import KERNEL_DEVICES, poison_new_buffers, skip_without_triton
 
 import dilated_attention.block_sparse.api as bs_api
 from dilated_attention import block_sparse_attention
@@ -40,7 +41,7 @@ def test_triton_kernels_match_oracle(
     device: str, dtypes: list[torch.dtype], case: int, is_causal: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    _skip_without_triton(device)
+    skip_without_triton(device)
     nq, nk, block_size, kv_heads, dim, pattern = CASES[case]
     mask = token_mask(pattern, block_size, nq, nk, is_causal)
     backend = "triton"
@@ -55,7 +56,7 @@ def test_triton_kernels_match_oracle(
         )  # fmt: skip
         assert chosen.runs_plan and chosen.backend.name == "triton", f"not the kernels: {chosen}"
         with monkeypatch.context() as patch:
-            _poison_new_buffers(patch)
+            poison_new_buffers(patch)
             out, lse = block_sparse_attention(
                 *leaves, pattern, block_size=block_size, is_causal=is_causal, backend=backend,
                 return_lse=True,

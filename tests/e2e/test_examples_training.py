@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import REPO
 
 pytestmark = pytest.mark.slow  # subprocesses and training runs: seconds each
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 TRAIN = ROOT / "examples" / "train_longnet.py"
 SWAP = ROOT / "examples" / "swap_attention.py"
 TINY = [

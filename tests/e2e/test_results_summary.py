@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 BENCHMARKS = ROOT / "benchmarks"
 RESULTS = BENCHMARKS / "results"
 sys.path.insert(0, str(BENCHMARKS))

@@ -1,7 +1,7 @@
 """Extreme inputs (issue 21, items 1 and 3): huge logits through the merge, NaN and inf rows.
 
-Every number is compared with the float64 oracle (``tests/oracle.py``, which shares no code with
-the library) computed from the same, already rounded inputs.
+Every number is compared with the float64 oracle (``tests/support/oracle.py``, which shares no
+code with the library) computed from the same, already rounded inputs.
 
 Note [Tolerances at extreme logits]
     At logit magnitude L no kernel that keeps a float32 log-sum-exp can be exact. A branch's lse
@@ -47,9 +47,9 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from backend_params import CPU_BACKENDS, backend_id, skip_unless_runnable
-from oracle import dilated_multiplicity, masked_attention
-from tolerances import RATIO, TOLERANCES, max_abs_error, rounding_floor
+from support.backend_params import CPU_BACKENDS, backend_id, skip_unless_runnable
+from support.oracle import dilated_multiplicity, masked_attention
+from support.tolerances import RATIO, TOLERANCES, max_abs_error, rounding_floor
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 

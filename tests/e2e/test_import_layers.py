@@ -14,8 +14,9 @@ import ast
 from pathlib import Path
 
 import pytest
+from support import REPO
 
-PACKAGE = Path(__file__).resolve().parent.parent / "dilated_attention"
+PACKAGE = REPO / "dilated_attention"
 
 #: (layer, module-name prefixes), lowest first; a prefix "x" matches "x" and "x.*".
 LAYERS: list[tuple[str, tuple[str, ...]]] = [

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from oracle import (
+from support.oracle import (
     branch_positions,
     dilated_multiplicity,
     oracle_attention,

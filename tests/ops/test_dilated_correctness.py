@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-from backend_params import (
+from support.backend_params import (
     CPU_BACKENDS,
     DEVICE_BACKENDS,
     DTYPES,
@@ -23,8 +23,8 @@ from backend_params import (
     skip_unless_runnable,
     to,
 )
-from oracle import oracle_dilated_attention
-from tolerances import LOW_PRECISION, assert_close_to_oracle
+from support.oracle import oracle_dilated_attention
+from support.tolerances import LOW_PRECISION, assert_close_to_oracle
 from torch import Tensor
 
 from dilated_attention import dilated_attention

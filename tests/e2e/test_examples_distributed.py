@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import REPO
 
 from dilated_attention.extreme import find_max_seq_len, measure_peak_memory
 
 pytestmark = pytest.mark.slow  # subprocesses and training runs: seconds each
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 
 
 def _env() -> dict[str, str]:

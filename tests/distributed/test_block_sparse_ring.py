@@ -13,14 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_utils import count_exchanges, run_world
-from oracle import masked_attention
+from support.block_sparse import token_mask
+from support.distributed_utils import count_exchanges, run_world
+from support.oracle import masked_attention
 
 import dilated_attention.distributed._comm as comm
 from dilated_attention import (
     BlockSparseMultiheadAttention,
-    BlockSparseRingDilatedAttention,
-    BlockSparseRingMultiheadDilatedAttention,
+    BlockSparseRingAttention,
+    BlockSparseRingMultiheadAttention,
     block_sparse_ring_attention,
     shard_sequence,
 )
@@ -30,18 +31,6 @@ pytestmark = pytest.mark.distributed
 
 B, H, D = 2, 4, 8
 TIGHT = {"atol": 1e-10, "rtol": 1e-7}
-
-
-def _token_mask(pattern: P.Pattern, block_size: int, n: int, is_causal: bool) -> torch.Tensor:
-    """(N, N) 0/1 from the block mask by loops (no library code), AND causal."""
-    blocks = pattern.block_mask(-(-n // block_size), -(-n // block_size))
-    mask = torch.zeros(n, n, dtype=torch.int64)
-    for p in range(n):
-        for t in range(n):
-            mask[p, t] = int(
-                bool(blocks[p // block_size, t // block_size]) and (not is_causal or t <= p)
-            )
-    return mask
 
 
 def _tensors(n: int, kv_heads: int, seed: int) -> list[torch.Tensor]:
@@ -80,7 +69,7 @@ def _check_against_oracle(rank: int, world_size: int) -> None:
         seq_len = n * world_size
         q, k, v, dout = _tensors(seq_len, kv_heads, seed=index)
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        mask = _token_mask(pattern, bs, seq_len, causal).expand(H, -1, -1)
+        mask = token_mask(pattern, bs, seq_len, seq_len, causal).expand(H, -1, -1)
         ref, ref_lse = masked_attention(*leaves, mask)
         ref_grads = torch.autograd.grad(ref, leaves, dout)
         local = [shard_sequence(t).requires_grad_() for t in (q, k, v)]
@@ -160,7 +149,7 @@ def test_skipped_steps_send_nothing(world_size: int, tmp_path: Path) -> None:
 def _check_modules(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     pattern = P.GlobalLocal(1, 1)
-    ring = BlockSparseRingMultiheadDilatedAttention(
+    ring = BlockSparseRingMultiheadAttention(
         32, 4, pattern, block_size=4, num_kv_heads=2, dtype=torch.float64
     )
     local_layer = BlockSparseMultiheadAttention(
@@ -192,7 +181,7 @@ def _check_modules(rank: int, world_size: int) -> None:
             grad, p_local.grad, **TIGHT, msg=lambda m, name=name: f"rank {rank} {name}: {m}"
         )
     # The (B, n, H, D) module equals the functional.
-    module = BlockSparseRingDilatedAttention(pattern, block_size=4, scale=0.5)
+    module = BlockSparseRingAttention(pattern, block_size=4, scale=0.5)
     q, k, v, _ = _tensors(n * world_size, 2, seed=3)
     local = [shard_sequence(t) for t in (q, k, v)]
     want = block_sparse_ring_attention(*local, pattern, block_size=4, scale=0.5, is_causal=True)
@@ -245,10 +234,22 @@ def test_single_process_without_process_group() -> None:
 
 def test_ring_module_bad_input() -> None:
     with pytest.raises(TypeError, match="Pattern"):
-        BlockSparseRingDilatedAttention("local")  # type: ignore[arg-type]
+        BlockSparseRingAttention("local")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="block_size"):
-        BlockSparseRingDilatedAttention(P.LocalWindow(1), block_size=0)
-    module = BlockSparseRingDilatedAttention(P.LocalWindow(1), block_size=4)
+        BlockSparseRingAttention(P.LocalWindow(1), block_size=0)
+    module = BlockSparseRingAttention(P.LocalWindow(1), block_size=4)
     q, k, v, _ = _tensors(8, 4, seed=0)
     with pytest.raises(ValueError, match="key_padding_mask"):
         module(q, k, v, key_padding_mask=torch.zeros(B, 8, dtype=torch.bool))
+
+
+def test_earlier_names_are_aliases() -> None:
+    """The names the migration table promises (README, "Coming from another package") are the
+    renamed classes themselves, at the top level and in their module."""
+    import dilated_attention
+    import dilated_attention.distributed.block_sparse_ring as bsr
+
+    assert dilated_attention.BlockSparseRingDilatedAttention is BlockSparseRingAttention
+    assert dilated_attention.BlockSparseRingMultiheadDilatedAttention is (
+        bsr.BlockSparseRingMultiheadAttention
+    )

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 import torch
-from distributed_utils import raises_on_rank, run_world
+from support.distributed_utils import raises_on_rank, run_world
 
 from dilated_attention import (
-    BlockSparseRingMultiheadDilatedAttention,
+    BlockSparseRingMultiheadAttention,
     LongNetConfig,
     LongNetLM,
     RingMultiheadDilatedAttention,
@@ -155,14 +155,14 @@ def _multihead_worker(rank: int, world_size: int) -> None:
         with _raises(f"rank {rank}: {what}", match):
             call()
     # The block-sparse ring layers reject a key padding mask: on one rank only, on every rank.
-    sparse = BlockSparseRingMultiheadDilatedAttention(
+    sparse = BlockSparseRingMultiheadAttention(
         EMBED, 2, patterns.LocalWindow(1), block_size=4, dtype=torch.float64
     )
     no_padding = torch.zeros(BATCH, LOCAL_LEN, dtype=torch.bool) if r1 else None
     unsupported = "key_padding_mask is not supported" if r1 else r"rank\(s\) \[1\] rejected"
     with _raises(f"rank {rank}: block-sparse ring layer, a mask on rank 1", unsupported):
         sparse(x, key_padding_mask=no_padding)
-    with _raises(f"rank {rank}: BlockSparseRingDilatedAttention, a mask on rank 1", unsupported):
+    with _raises(f"rank {rank}: BlockSparseRingAttention, a mask on rank 1", unsupported):
         sparse.attention(*_qkv(), key_padding_mask=no_padding)
     # An error other than a rejection by the checks: the rank that hit it raises its own error.
     with _raises(

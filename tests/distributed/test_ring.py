@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_utils import count_exchanges, raises_on_rank, run_world
-from oracle import oracle_attention
+from support.distributed_utils import count_exchanges, raises_on_rank, run_world
+from support.oracle import oracle_attention
 
 import dilated_attention
 import dilated_attention.distributed._comm as comm_mod
