@@ -31,6 +31,7 @@ OPTIONAL = ("flash_attn2", "flash_attn3", "flash_attn4", "xformers")
 CUDA0 = torch.device("cuda", 0)
 CPU = torch.device("cpu")
 
+
 @pytest.fixture(autouse=True)
 def _no_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
     """Selection tests start from the automatic choice, whatever the caller's environment."""
