@@ -47,6 +47,7 @@ from .modules import (
     BlockSparseAttention,
     BlockSparseMultiheadAttention,
     DilatedAttention,
+    MultiheadAttention,
     MultiheadDilatedAttention,
 )
 
@@ -63,6 +64,7 @@ __all__ = [
     "DilatedConfig",
     "LongNetConfig",
     "LongNetLM",
+    "MultiheadAttention",
     "MultiheadDilatedAttention",
     "MultiheadDilatedConfig",
     "RingAttention",

@@ -43,7 +43,12 @@ from .backends.registry import (
     registry_for,
 )
 from .config import DilatedConfig, MultiheadDilatedConfig
-from .modules import DilatedAttention, MultiheadDilatedAttention
+from .modules import (
+    LAYER_ARGUMENTS,
+    DilatedAttention,
+    MultiheadAttention,
+    MultiheadDilatedAttention,
+)
 from .patterns import Pattern, check_pattern
 
 __all__ = [
@@ -59,8 +64,18 @@ __all__ = [
 
 @dataclass(frozen=True)
 class _Kind:
+    """A kind's constructors: the inner (B, N, H, D) module, and the multihead layer (None: the
+    library's :class:`MultiheadAttention` around the inner module)."""
+
     dilated: Callable[..., nn.Module]
-    multihead: Callable[..., nn.Module]
+    multihead: Callable[..., nn.Module] | None = None
+
+    def build_multihead(self, params: dict[str, Any]) -> nn.Module:
+        if self.multihead is not None:
+            return self.multihead(**params)
+        layer = {name: value for name, value in params.items() if name in LAYER_ARGUMENTS}
+        inner = {name: value for name, value in params.items() if name not in LAYER_ARGUMENTS}
+        return MultiheadAttention(attention=self.dilated(**inner), **layer)
 
 
 _KINDS: dict[str, _Kind] = {
@@ -89,9 +104,14 @@ def register_kind(
     name: str,
     *,
     dilated: Callable[..., nn.Module],
-    multihead: Callable[..., nn.Module],
+    multihead: Callable[..., nn.Module] | None = None,
 ) -> None:
     """Register a module kind: constructors taking the local modules' arguments.
+
+    ``dilated`` builds the inner (B, N, H, D) module. ``multihead`` builds the multihead layer;
+    without it the factory builds :class:`~dilated_attention.modules.MultiheadAttention` around
+    ``dilated(...)``, passing the layer's own arguments (``embed_dim``, ``num_heads``,
+    ``num_kv_heads``, ``bias``, ...) to the layer and the rest to ``dilated``.
 
     Raises:
         TypeError: ``name`` is not a string, or a constructor is not callable.
@@ -107,6 +127,8 @@ def register_kind(
             f"name must be a non-empty string other than 'auto' (which picks a kind), got {name!r}"
         )
     for arg, builder in (("dilated", dilated), ("multihead", multihead)):
+        if builder is None and arg == "multihead":
+            continue
         if not callable(builder):
             raise TypeError(
                 f"{arg} must be a callable (a module class or a function) returning an "
@@ -239,7 +261,7 @@ def create_multihead_dilated_attention(
         "dilation_rates": dilation_rates,
     }
     params = _merge_config(config, fields, backend, kwargs)
-    return builder.multihead(**params)
+    return builder.build_multihead(params)
 
 
 def create_block_sparse_attention(
@@ -300,7 +322,7 @@ def create_block_sparse_attention(
         )
     if embed_dim is None:
         return builder.dilated(**params)
-    return builder.multihead(embed_dim=embed_dim, num_heads=num_heads, **params)
+    return builder.build_multihead({"embed_dim": embed_dim, "num_heads": num_heads, **params})
 
 
 def explain(

@@ -23,6 +23,7 @@ __all__ = [
     "BlockSparseAttention",
     "BlockSparseMultiheadAttention",
     "DilatedAttention",
+    "MultiheadAttention",
     "MultiheadDilatedAttention",
 ]
 
@@ -181,18 +182,36 @@ def _bool_key_padding_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
     return ignore
 
 
-class _MultiheadProjections(nn.Module):
-    """Multihead layer around an inner (B, N, H, D) attention module, with
-    ``nn.MultiheadAttention``'s call.
+class MultiheadAttention(nn.Module):
+    """The multihead layer around an inner (B, N, H, D) attention module, with
+    ``nn.MultiheadAttention``'s call: projections q/k/v, optional rotary positions
+    (:meth:`use_rotary`), ``attention``, MAGNETO's sub-LayerNorm (``layer_norm=True``), then the
+    output projection. Initialisation follows MAGNETO: Xavier-normal weights, with gain
+    ``gamma_init`` on the value and output projections; zero biases.
 
-    Projections q/k/v, ``self.attention`` (set by the subclass), MAGNETO's sub-LayerNorm
-    (``layer_norm=True``), then the output projection. Initialisation follows MAGNETO:
-    Xavier-normal weights, with gain ``gamma_init`` on the value and output projections; zero
-    biases. Subclasses name what the layer is in ``_what`` (used in error messages).
+    Every multihead layer of the library is this layer with its inner module built from its
+    arguments (:class:`MultiheadDilatedAttention`, :class:`BlockSparseMultiheadAttention`, their
+    ring forms); a kind registered with only an inner constructor
+    (``register_kind(name, dilated=...)``) gets it from the factory. Subclasses name what the
+    layer is in ``_what`` (used in error messages).
 
     ``batch_first``, ``embed_dim``, ``num_heads``, ``_qkv_same_embed_dim``, ``in_proj_weight``,
     ``in_proj_bias`` and ``out_proj`` are the attributes torch's Transformer layers read from their
     ``self_attn``/``multihead_attn``; see Note [torch fast paths].
+
+    Args:
+        embed_dim: E.
+        num_heads: H; E must be divisible by H.
+        attention: the inner module, called as ``attention(q, k, v, is_causal=...,
+            key_padding_mask=...)`` on (B, N, H, D) / (B, N, Hkv, D) tensors, returning
+            (B, N, H, D).
+        num_kv_heads, bias, layer_norm, layer_norm_eps, gamma_init, batch_first, device, dtype:
+            as in :class:`MultiheadDilatedAttention`.
+
+    Raises:
+        TypeError: ``attention`` is not an ``nn.Module``; ``batch_first``, ``bias`` or
+            ``layer_norm`` is not a bool.
+        ValueError: bad sizes, ``layer_norm_eps`` or ``gamma_init``.
     """
 
     _what = "attention"
@@ -207,17 +226,24 @@ class _MultiheadProjections(nn.Module):
         self,
         embed_dim: int,
         num_heads: int,
+        attention: nn.Module,
         *,
-        num_kv_heads: int | None,
-        bias: bool,
-        layer_norm: bool,
-        layer_norm_eps: float,
-        gamma_init: float,
-        device: torch.device | str | None,
-        dtype: torch.dtype | None,
+        num_kv_heads: int | None = None,
+        bias: bool = True,
+        layer_norm: bool = True,
+        layer_norm_eps: float = 1e-5,
+        gamma_init: float = 1.0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
         batch_first: bool = True,
     ) -> None:
         super().__init__()
+        if not isinstance(attention, nn.Module):
+            raise TypeError(
+                f"attention must be an nn.Module over (batch, seq_len, heads, head_dim) tensors, "
+                f"got {attention!r} ({type(attention).__name__}); e.g. "
+                f"MultiheadAttention(512, 8, DilatedAttention([2048, 4096], [1, 2]))"
+            )
         if not isinstance(batch_first, bool):
             raise TypeError(
                 f"batch_first must be a bool (True: (batch, seq_len, embed_dim) inputs; False: "
@@ -244,6 +270,7 @@ class _MultiheadProjections(nn.Module):
         # (use_rotary); None: none.
         self.rotary = None
         self.reset_parameters()
+        self.attention = attention
 
     def reset_parameters(self) -> None:
         """MAGNETO initialisation (Xavier normal; gain ``gamma_init`` on v and out)."""
@@ -257,7 +284,7 @@ class _MultiheadProjections(nn.Module):
         if self.norm is not None:
             self.norm.reset_parameters()
 
-    def use_rotary(self, base: float = 10000.0) -> _MultiheadProjections:
+    def use_rotary(self, base: float = 10000.0) -> MultiheadAttention:
         """Rotate q and k by their positions (RoPE, :class:`~dilated_attention.rotary.
         RotaryEmbedding` with frequency ``base``) between the projections and attention, at the
         ``positions`` given to :meth:`forward`; returns the layer. Adds no parameters."""
@@ -437,7 +464,15 @@ class _MultiheadProjections(nn.Module):
         )
 
 
-class MultiheadDilatedAttention(_MultiheadProjections):
+#: The multihead layer's own constructor arguments; the factory passes the others to the inner
+#: module of a kind registered without a multihead constructor.
+LAYER_ARGUMENTS = frozenset(
+    {"embed_dim", "num_heads", "num_kv_heads", "bias", "layer_norm", "layer_norm_eps",
+     "gamma_init", "batch_first", "device", "dtype"}
+)  # fmt: skip
+
+
+class MultiheadDilatedAttention(MultiheadAttention):
     """Multihead dilated attention, a drop-in for ``nn.MultiheadAttention``.
 
     Projections q/k/v, dilated attention, MAGNETO's sub-LayerNorm (``layer_norm=True``), then the
@@ -511,16 +546,16 @@ class MultiheadDilatedAttention(_MultiheadProjections):
             layer_norm=layer_norm, layer_norm_eps=layer_norm_eps, gamma_init=gamma_init,
             backend=backend,
         )  # fmt: skip
+        attention = DilatedAttention(
+            segment_lengths, dilation_rates, dropout=dropout, backend=backend
+        )
         super().__init__(
-            embed_dim, num_heads, num_kv_heads=num_kv_heads, bias=bias, layer_norm=layer_norm,
-            layer_norm_eps=layer_norm_eps, gamma_init=gamma_init, device=device, dtype=dtype,
-            batch_first=batch_first,
+            embed_dim, num_heads, attention, num_kv_heads=num_kv_heads, bias=bias,
+            layer_norm=layer_norm, layer_norm_eps=layer_norm_eps, gamma_init=gamma_init,
+            device=device, dtype=dtype, batch_first=batch_first,
         )  # fmt: skip
         self.config = config
         self.dropout = config.dropout  # as nn.MultiheadAttention.dropout
-        self.attention = DilatedAttention(
-            segment_lengths, dilation_rates, dropout=dropout, backend=backend
-        )
 
     @classmethod
     def from_config(
@@ -590,7 +625,7 @@ class BlockSparseAttention(nn.Module):
         return f"pattern={self.pattern!r}, block_size={self.block_size}, backend={self.backend!r}"
 
 
-class BlockSparseMultiheadAttention(_MultiheadProjections):
+class BlockSparseMultiheadAttention(MultiheadAttention):
     """Batch-first multihead block-sparse attention (the layer of
     :class:`MultiheadDilatedAttention` with :class:`BlockSparseAttention` inside).
 
@@ -636,10 +671,10 @@ class BlockSparseMultiheadAttention(_MultiheadProjections):
             pattern, block_size=block_size, scale=scale, backend=backend
         )
         super().__init__(
-            embed_dim, num_heads, num_kv_heads=num_kv_heads, bias=bias, layer_norm=layer_norm,
-            layer_norm_eps=layer_norm_eps, gamma_init=gamma_init, device=device, dtype=dtype,
+            embed_dim, num_heads, attention, num_kv_heads=num_kv_heads, bias=bias,
+            layer_norm=layer_norm, layer_norm_eps=layer_norm_eps, gamma_init=gamma_init,
+            device=device, dtype=dtype,
         )  # fmt: skip
-        self.attention = attention
         self.pattern, self.block_size = attention.pattern, attention.block_size
 
 

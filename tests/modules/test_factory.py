@@ -555,3 +555,34 @@ def test_explain_unknown_device_is_a_clear_value_error() -> None:
     with pytest.raises(TypeError, match=r"dtype must be a torch\.dtype"):
         dilated_attention.explain(device="cpu", dtype="float32")  # type: ignore[arg-type]
     assert dilated_attention.explain(device="cpu").backend in dilated_attention.list_backends()
+
+
+def test_kind_with_only_an_inner_constructor_gets_the_library_layer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``register_kind(name, dilated=...)`` alone: the factory's multihead layer is
+    ``MultiheadAttention`` around the inner module, the layer's arguments going to the layer and
+    the rest to the inner constructor; it computes what ``MultiheadDilatedAttention`` does."""
+    seen: list[dict[str, Any]] = []
+
+    def inner(**kwargs: Any) -> nn.Module:
+        seen.append(kwargs)
+        return DilatedAttention(**kwargs)
+
+    monkeypatch.setattr(factory, "_KINDS", dict(factory._KINDS))
+    register_kind("inner_only", dilated=inner)
+    layer = create_multihead_dilated_attention(
+        "inner_only", embed_dim=32, num_heads=4, segment_lengths=SEGS, dilation_rates=RATES,
+        num_kv_heads=2, gamma_init=0.5, dtype=torch.float64,
+    )  # fmt: skip
+    assert type(layer) is dilated_attention.MultiheadAttention
+    assert seen == [{"segment_lengths": SEGS, "dilation_rates": RATES, "backend": None}]
+    assert layer.num_kv_heads == 2 and layer.gamma_init == 0.5
+    reference = MultiheadDilatedAttention(
+        32, 4, SEGS, RATES, num_kv_heads=2, gamma_init=0.5, dtype=torch.float64
+    )
+    reference.load_state_dict(layer.state_dict())
+    x = torch.randn(2, 24, 32, dtype=torch.float64)
+    torch.testing.assert_close(layer(x, is_causal=True)[0], reference(x, is_causal=True)[0])
+    with pytest.raises(TypeError, match=r"attention must be an nn.Module"):
+        dilated_attention.MultiheadAttention(32, 4, lambda q, k, v: q)  # type: ignore[arg-type]
