@@ -22,7 +22,7 @@ import torch
 
 from . import demo
 from ._version import __version__
-from .backends.registry import get_backend, list_backends
+from .backends.registry import get_backend, list_backends, registry_for
 from .config import longnet_schedule
 from .demo import _HelpFormatter
 from .factory import _resolve_device, explain
@@ -252,7 +252,11 @@ def info(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             except ValueError as exc:
                 print(f"  {operation} attention: no kernel: {exc}")
                 continue
-            how = "runs the whole operation" if other.runs_plan else "once per call of the plan"
+            how = (
+                registry_for(operation).plan_kernels[other.backend].summary
+                if other.runs_plan
+                else "once per kernel call of the plan"
+            )
             print(f"  {operation} attention runs on: {other.backend} ({how})")
 
 
