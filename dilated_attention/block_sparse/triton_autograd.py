@@ -6,14 +6,13 @@ autograd.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from ..core.autograd import Forward, Grads
+from ..core.autograd import Backward, Forward, Grads, Inputs
 from ..core.higher_order import differentiable_grads
 from ..patterns import Pattern
 from .plan import causal_block_mask, num_blocks, plan_calls
@@ -55,41 +54,24 @@ class TritonBlockSparseRunner:
     scale: float
     first_order_message = ""  # every call has its differentiable recompute
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        key_padding_mask: torch.Tensor | None,
-    ) -> Forward:
+    def forward(self, x: Inputs) -> Forward:
+        q, k, v, _ = x  # no key padding mask here
         out, lse = _triton_block_sparse().forward(
             q, k, v, self.lists, block_size=self.block_size, is_causal=self.is_causal,
             scale=self.scale,
         )  # fmt: skip
         return Forward(out, lse, saved=(k, v))
 
-    def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        saved: Sequence[Any],
-        state: Any,
-    ) -> Grads:
+    def backward(self, b: Backward) -> Grads:
+        dout, q, out, lse, saved, _ = b
         k, v = saved
         return _triton_block_sparse().backward(  # type: ignore[no-any-return]
             dout.contiguous(), q, k, v, out, lse, self.lists, block_size=self.block_size,
             is_causal=self.is_causal, scale=self.scale,
         )  # fmt: skip
 
-    def differentiable_backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        lse: torch.Tensor,
-        saved: Sequence[Any],
-    ) -> Grads:
+    def differentiable_backward(self, b: Backward) -> Grads:
+        dout, q, _, lse, saved, _ = b
         k, v = saved
         # The same pairs as the fallback's calls, from the kernels' block lists.
         lists, block_size = self.lists, self.block_size

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -46,6 +46,28 @@ class Forward:
     state: Any = None
 
 
+class Inputs(NamedTuple):
+    """One call's inputs: q (B, Nq, H, D), k and v (B, Nk, Hkv, D), mask (B, Nk) bool or None."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    key_padding_mask: torch.Tensor | None
+
+
+class Backward(NamedTuple):
+    """What a runner's backward gets: the upstream gradient ``dout`` (B, Nq, H, D), ``q``, the
+    merged ``out`` and ``lse`` of its forward, and its :class:`Forward`'s ``saved`` and
+    ``state``."""
+
+    dout: torch.Tensor
+    q: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    saved: Sequence[Any]
+    state: Any
+
+
 class Runner(Protocol):
     """What runs one attention call's kernels, forward and backward."""
 
@@ -53,36 +75,16 @@ class Runner(Protocol):
     #: :meth:`differentiable_backward` returns None).
     first_order_message: str
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        key_padding_mask: torch.Tensor | None,
-    ) -> Forward:
-        """q (B, Nq, H, D), k and v (B, Nk, Hkv, D), mask (B, Nk) bool or None."""
+    def forward(self, x: Inputs) -> Forward:
+        """The call's merged ``out`` and ``lse``, and what its backward needs."""
         ...
 
-    def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        saved: Sequence[Any],
-        state: Any,
-    ) -> Grads:
+    def backward(self, b: Backward) -> Grads:
         """dq, dk, dv, typed like q, k, v, from the merged ``out`` and ``lse`` (run without a
         graph)."""
         ...
 
-    def differentiable_backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        lse: torch.Tensor,
-        saved: Sequence[Any],
-    ) -> Grads | None:
+    def differentiable_backward(self, b: Backward) -> Grads | None:
         """dq, dk, dv as differentiable functions of the inputs (``create_graph=True``), or
         None where the runner has no such recompute."""
         ...
@@ -92,13 +94,7 @@ class FirstOrderOnly:
     """Mixin for runners without a differentiable recompute (their backward communicates):
     their gradients raise ``first_order_message`` when differentiated."""
 
-    def differentiable_backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        lse: torch.Tensor,
-        saved: Sequence[Any],
-    ) -> None:
+    def differentiable_backward(self, b: Backward) -> None:
         return None
 
 
@@ -115,7 +111,7 @@ class AttentionFunction(torch.autograd.Function):
         key_padding_mask: torch.Tensor | None,
         runner: Runner,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        result = runner.forward(q, k, v, key_padding_mask)
+        result = runner.forward(Inputs(q, k, v, key_padding_mask))
         ctx.save_for_backward(q, result.out, result.lse, *result.saved)
         ctx.runner, ctx.state = runner, result.state
         ctx.mark_non_differentiable(result.lse)
@@ -127,12 +123,13 @@ class AttentionFunction(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         q, out, lse, *saved = ctx.saved_tensors
         runner: Runner = ctx.runner
+        b = Backward(dout, q, out, lse, saved, ctx.state)
         if torch.is_grad_enabled():  # create_graph=True (Note [Double backward])
-            grads = runner.differentiable_backward(dout, q, lse, saved)
+            grads = runner.differentiable_backward(b)
             if grads is not None:
                 return *grads, None, None
         with torch.no_grad():
-            grads = runner.backward(dout, q, out, lse, saved, ctx.state)
+            grads = runner.backward(b)
         return *first_order_only(grads, runner.first_order_message), None, None
 
 

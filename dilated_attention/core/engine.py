@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .autograd import Forward, Grads
+from .autograd import Backward, Forward, Grads, Inputs
 from .higher_order import RowCall, differentiable_grads, no_higher_order_message
 from .merge import merge_partial
 
@@ -439,41 +439,24 @@ class PlanRunner:
     def first_order_message(self) -> str:
         return _DROPOUT_MESSAGE.format(what=self.what)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        key_padding_mask: torch.Tensor | None,
-    ) -> Forward:
+    def forward(self, x: Inputs) -> Forward:
+        q, k, v, key_padding_mask = x
         out, lse, auxes = plan_forward(
             q, k, v, key_padding_mask, self.plan, self.backend, scale=self.scale,
             dropout_p=self.dropout_p,
         )  # fmt: skip
         return Forward(out, lse, saved=(k, v, key_padding_mask), state=auxes)
 
-    def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        saved: Sequence[Any],
-        state: Any,
-    ) -> Grads:
+    def backward(self, b: Backward) -> Grads:
+        dout, q, out, lse, saved, state = b
         k, v, key_padding_mask = saved
         return plan_backward(
             dout, q, k, v, out, lse, key_padding_mask, self.plan, self.backend, state,
             scale=self.scale, dropout_p=self.dropout_p,
         )  # fmt: skip
 
-    def differentiable_backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        lse: torch.Tensor,
-        saved: Sequence[Any],
-    ) -> Grads | None:
+    def differentiable_backward(self, b: Backward) -> Grads | None:
+        dout, q, _, lse, saved, _ = b
         if self.dropout_p:
             return None  # the dropout mask is not replayed differentiably
         k, v, key_padding_mask = saved

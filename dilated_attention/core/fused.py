@@ -48,14 +48,14 @@ group.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from .autograd import Forward, Grads
+from .autograd import Backward, Forward, Grads, Inputs
 from .higher_order import differentiable_grads
 from .segment import group_calls, plan_branches
 
@@ -422,41 +422,24 @@ class FusedRunner:
     scale: float
     first_order_message = ""  # every call has its differentiable recompute
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        key_padding_mask: torch.Tensor | None,
-    ) -> Forward:
+    def forward(self, x: Inputs) -> Forward:
+        q, k, v, key_padding_mask = x
         out, lse = fused_forward(
             q, k, v, key_padding_mask, self.branches, self.backend, is_causal=self.is_causal,
             scale=self.scale,
         )  # fmt: skip
         return Forward(out, lse, saved=(k, v, key_padding_mask))
 
-    def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        saved: Sequence[Any],
-        state: Any,
-    ) -> Grads:
+    def backward(self, b: Backward) -> Grads:
+        dout, q, out, lse, saved, _ = b
         k, v, key_padding_mask = saved
         return fused_backward(
             dout.contiguous(), q, k, v, out, lse, key_padding_mask, self.branches, self.backend,
             is_causal=self.is_causal, scale=self.scale,
         )  # fmt: skip
 
-    def differentiable_backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        lse: torch.Tensor,
-        saved: Sequence[Any],
-    ) -> Grads:
+    def differentiable_backward(self, b: Backward) -> Grads:
+        dout, q, _, lse, saved, _ = b
         k, v, key_padding_mask = saved
         segs, rates = zip(*self.branches, strict=True)
         plan = plan_branches(q.shape[1], q.shape[2], segs, rates)

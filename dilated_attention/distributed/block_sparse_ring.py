@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -55,7 +55,7 @@ from ..block_sparse.plan import (
     plan_calls,
 )
 from ..compiled import eager_only
-from ..core.autograd import FirstOrderOnly, Forward, Grads, run_attention
+from ..core.autograd import Backward, FirstOrderOnly, Forward, Grads, Inputs, run_attention
 from ..core.engine import (
     accumulator_dtype,
     new_accumulators,
@@ -275,26 +275,14 @@ class BlockSparseRingRunner(FirstOrderOnly):
         "block_sparse_ring_attention", "block_sparse_attention()"
     )
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        key_padding_mask: torch.Tensor | None,
-    ) -> Forward:
+    def forward(self, x: Inputs) -> Forward:
+        q, k, v, _ = x  # no key padding mask here
         kv = torch.stack([k, v]).contiguous()
         out, lse, auxes = _ring_forward(q, kv, self.steps, self.setup, self.kernel)
         return finished_forward(q, out, lse, (kv,), auxes)
 
-    def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        saved: Sequence[Any],
-        state: Any,
-    ) -> Grads:
+    def backward(self, b: Backward) -> Grads:
+        dout, q, out, lse, saved, state = b
         (kv,) = saved
         dq, dkv = _ring_backward(
             dout.contiguous(), q, kv, out, lse, self.steps, self.setup, self.kernel, state

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, NoReturn
 
@@ -34,7 +34,7 @@ from ..backends.base import Backend, KernelInputs
 from ..backends.registry import DENSE, Selection, check_backend_name, registry_for
 from ..backends.triton import merge_kernel
 from ..compiled import eager_only
-from ..core.autograd import FirstOrderOnly, Forward, Grads, run_attention
+from ..core.autograd import Backward, FirstOrderOnly, Forward, Grads, Inputs, run_attention
 from ..core.engine import (
     SliceCall,
     accumulator_dtype,
@@ -379,13 +379,8 @@ class RingRunner(FirstOrderOnly):
     backend: Backend
     first_order_message: ClassVar[str] = ring_message("ring_attention", "attention()")
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        key_padding_mask: torch.Tensor | None,
-    ) -> Forward:
+    def forward(self, x: Inputs) -> Forward:
+        q, k, v, key_padding_mask = x
         mask = None
         if key_padding_mask is not None:  # bytes on the wire: gloo sends no bool tensors
             mask = key_padding_mask.contiguous().view(torch.uint8)
@@ -393,15 +388,8 @@ class RingRunner(FirstOrderOnly):
         out, lse, auxes = ring_forward(q, local, self.setup, self.backend)
         return finished_forward(q, out, lse, (local.kv, mask), auxes)
 
-    def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        saved: Sequence[Any],
-        state: Any,
-    ) -> Grads:
+    def backward(self, b: Backward) -> Grads:
+        dout, q, out, lse, saved, state = b
         kv, mask = saved
         dq, dkv = ring_backward(
             dout.contiguous(), q, KeyBlock(kv, mask), out, lse, self.setup, self.backend, state

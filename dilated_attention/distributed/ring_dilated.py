@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -45,7 +44,7 @@ from .. import _validation as V
 from ..backends.base import Backend
 from ..backends.registry import DILATED, Selection
 from ..compiled import eager_only
-from ..core.autograd import FirstOrderOnly, Forward, Grads, run_attention
+from ..core.autograd import Backward, FirstOrderOnly, Forward, Grads, Inputs, run_attention
 from ..core.cells import Cells, add_cells, merge_cells
 from ..core.engine import (
     accumulator_dtype,
@@ -480,13 +479,8 @@ class RingDilatedRunner(FirstOrderOnly):
         "ring_dilated_attention", "dilated_attention()"
     )
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        key_padding_mask: torch.Tensor | None,
-    ) -> Forward:
+    def forward(self, x: Inputs) -> Forward:
+        q, k, v, key_padding_mask = x
         plan, setup, kernel = self.plan, self.setup, self.kernel
         backend = kernel.backend
         acc = accumulator_dtype(q.dtype)
@@ -527,15 +521,8 @@ class RingDilatedRunner(FirstOrderOnly):
         saved = (k, v, key_padding_mask, *(g[0] for g in gathered))
         return Forward(out, lse, saved=saved, state=(auxes, span_auxes, masks))
 
-    def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        saved: Sequence[Any],
-        state: Any,
-    ) -> Grads:
+    def backward(self, b: Backward) -> Grads:
+        dout, q, out, lse, saved, state = b
         k, v, key_padding_mask, *gathered_rows = saved
         auxes, span_auxes, masks = state
         gathered = list(zip(gathered_rows, masks, strict=True))
