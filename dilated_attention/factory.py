@@ -390,6 +390,12 @@ def explain(
             f"operation must be one of {OPERATIONS} (or None: 'dilated' when dilated=True, else "
             f"'dense'), got operation={operation!r} with dilated={dilated!r}"
         )
+    if operation == BLOCK_SPARSE and (key_padding_mask or dropout_p):
+        raise ValueError(
+            f"block-sparse attention takes no key_padding_mask and no dropout (got "
+            f"key_padding_mask={key_padding_mask}, dropout_p={dropout_p}); express padding in "
+            f"the pattern, or explain operation='dense' / 'dilated'"
+        )
     if dtype is None:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     elif not isinstance(dtype, torch.dtype):

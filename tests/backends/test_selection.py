@@ -719,6 +719,8 @@ def test_block_sparse_registry_order_and_reasons(monkeypatch: pytest.MonkeyPatch
         ),
         ({"operation": "dense", "dilated": True}, r"got operation='dense' with dilated=True"),
         ({"operation": "block_sparse", "block_size": 0}, r"block_size"),
+        ({"operation": "block_sparse", "key_padding_mask": True}, r"no key_padding_mask"),
+        ({"operation": "block_sparse", "dropout_p": 0.1}, r"no dropout"),
     ],
 )
 def test_explain_rejects_unknown_operations(kwargs: dict[str, Any], match: str) -> None:
