@@ -15,6 +15,7 @@ from . import compiled
 from .backends.base import KernelInputs
 from .backends.registry import DENSE, DILATED, Selection, check_backend_name, registry_for
 from .core.autograd import run_attention
+from .core.decode import decode_plan
 from .core.engine import Plan, PlanRunner, empty_attention
 from .core.fused import FusedRunner, compile_ahead
 from .core.segment import dilated_plan, effective_branches, plan_branches
@@ -44,6 +45,24 @@ def _choose(
         q, k, is_causal=is_causal, has_mask=has_mask, dropout_p=dropout_p
     )
     return registry_for(operation).select(inputs, backend)
+
+
+def _check_decoding_lengths(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> None:
+    """A query shorter than the key is the last positions of a causal call; nothing else."""
+    if q.shape[1] == k.shape[1]:
+        return
+    shapes = f"query.shape={tuple(q.shape)}, key.shape={tuple(k.shape)}"
+    if q.shape[1] > k.shape[1]:
+        raise ValueError(
+            f"query may be shorter than key (its rows are then the last key positions, for "
+            f"decoding) but not longer, got {shapes}; pass keys and values for every position"
+        )
+    if not is_causal:
+        raise ValueError(
+            f"a query shorter than key (decoding: its rows are the last {q.shape[1]} of "
+            f"{k.shape[1]} positions) needs is_causal=True, got {shapes} with is_causal=False; "
+            f"for non-causal attention pass queries for every position"
+        )
 
 
 @torch.compiler.disable  # a cached pure-Python plan: run it eagerly, never traced
@@ -149,8 +168,13 @@ def dilated_attention(
         head 0     x . x . x . x .     rows {0, 2, 4, 6} attend among themselves
         head 1     . x . x . x . x     rows {1, 3, 5, 7}
 
+    Decoding: with ``is_causal=True`` the query may be shorter than the key: its ``Nq`` rows are
+    the last ``Nq`` of the ``N`` key positions (a new token, or a chunk), and each equals that row
+    of the causal call over all ``N`` positions. A new token then reads at most ``ceil(w / r)``
+    keys per branch, whatever ``N`` is (Note [Decoding rows] in ``core/decode.py``).
+
     Args:
-        query: (B, N, H, D).
+        query: (B, N, H, D); with ``is_causal=True`` also (B, Nq, H, D), Nq <= N (decoding).
         key: (B, N, Hkv, D).
         value: (B, N, Hkv, D).
         segment_lengths: w per branch (positive ints; ``w > N`` means one segment).
@@ -175,11 +199,12 @@ def dilated_attention(
             ValueError when ``backend`` is unknown or cannot run the inputs (the message lists
             the reasons).
     """
-    q, k, v = V.check_qkv(query, key, value, same_length=True)
+    q, k, v = V.check_qkv(query, key, value, same_length=False)
     segs, rates = V.check_branches(segment_lengths, dilation_rates)
     is_causal = _check_flag("is_causal", is_causal)
     return_lse = _check_flag("return_lse", return_lse)
-    V.check_key_padding_mask(key_padding_mask, q.shape[0], q.shape[1], q.device)
+    _check_decoding_lengths(q, k, is_causal)
+    V.check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[1], q.device)
     dropout_p = V.check_dropout("dropout_p", dropout_p)
     checked_scale = V.check_scale(scale)
     backend = check_backend_name(backend)
@@ -189,15 +214,24 @@ def dilated_attention(
             dropout_p=dropout_p, backend=backend,
         )  # fmt: skip
         return (out, lse) if return_lse else out
+    # Decoding (Note [Decoding rows]): one query row per call against its keys, on the dense
+    # registry's kernel; otherwise the dilated registry's.
+    decoding = q.shape[1] != k.shape[1]
     kernel = _choose(
-        q, k, is_causal=is_causal, has_mask=key_padding_mask is not None,
-        dropout_p=dropout_p, backend=backend, operation=DILATED,
+        q[:, :1] if decoding else q, k, is_causal=is_causal and not decoding,
+        has_mask=key_padding_mask is not None, dropout_p=dropout_p, backend=backend,
+        operation=DENSE if decoding else DILATED,
     )  # fmt: skip
     if q.numel() == 0:
         out, lse = empty_attention(q, k, v)
         return (out, lse) if return_lse else out
     softmax_scale = checked_scale if checked_scale is not None else q.shape[-1] ** -0.5
-    segs, rates = effective_branches(q.shape[1], q.shape[2], segs, rates)
+    segs, rates = effective_branches(k.shape[1], q.shape[2], segs, rates)
+    if decoding:
+        plan = decode_plan(q.shape[1], k.shape[1], q.shape[2], k.shape[2], segs, rates, q.device)
+        runner = PlanRunner(plan, kernel.backend, softmax_scale, dropout_p, "dilated_attention")
+        out, lse = run_attention(q, k.contiguous(), v.contiguous(), key_padding_mask, runner)
+        return (out, lse) if return_lse else out
     if kernel.runs_plan:  # the fused kernels run every branch themselves (core/fused.py)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         branches = tuple(zip(segs, rates, strict=True))

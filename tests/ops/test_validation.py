@@ -946,7 +946,7 @@ def test_register_backend_bad(bad: Any, exc: type[Exception], words: list[str]) 
         ({"name": 123}, TypeError, "name"),
         ({"name": "auto"}, ValueError, "name"),
         ({"dilated": 1}, TypeError, "dilated"),
-        ({"multihead": None}, TypeError, "multihead"),
+        ({"multihead": "MultiheadDilatedAttention"}, TypeError, "multihead"),
     ],
     ids=["name_int", "name_auto", "dilated", "multihead"],
 )

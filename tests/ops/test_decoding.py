@@ -1,0 +1,134 @@
+"""Decoding: queries shorter than the keys are the last positions of the causal call (Note
+[Decoding rows] in ``core/decode.py``). Every row, its lse and every gradient equal the float64
+oracle's rows of the full causal forward over all the keys; ragged segments, ``w > N``, ``r > H``,
+GQA, left padding, token-by-token growth and double backward."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from support.backend_params import CPU_BACKENDS, backend_id, skip_unless_runnable
+from support.oracle import oracle_dilated_attention
+
+from dilated_attention import dilated_attention
+from dilated_attention.core.decode import decode_plan
+from dilated_attention.core.segment import effective_branches
+
+F64 = torch.float64
+TIGHT = {"atol": 1e-10, "rtol": 1e-7}
+
+#: (id, N, H, Hkv, segments, rates)
+SCHEDULES = [
+    ("ragged_w10r3_w16r6", 50, 6, 6, (10, 16), (3, 6)),
+    ("w_longer_than_n", 40, 4, 2, (16, 128), (1, 4)),
+    ("rate_above_heads", 37, 2, 1, (8, 32), (1, 4)),
+    ("longnet_like", 64, 8, 2, (8, 16, 32, 64), (1, 2, 4, 8)),
+]
+
+
+def _tensors(n: int, heads: int, kv_heads: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(2, n, heads, 8), (2, n, kv_heads, 8), (2, n, kv_heads, 8)]
+    return [torch.randn(s, generator=gen, dtype=F64) for s in shapes]
+
+
+@pytest.mark.parametrize("query_len", [1, 3, 7])
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=[s[0] for s in SCHEDULES])
+@pytest.mark.parametrize("backend", CPU_BACKENDS, ids=backend_id)
+def test_last_rows_equal_the_full_causal_forward(
+    schedule: tuple, query_len: int, backend: str | None
+) -> None:
+    _, n, heads, kv_heads, segs, rates = schedule
+    q, k, v = _tensors(n, heads, kv_heads)
+    tail = q[:, n - query_len :].clone().requires_grad_()
+    keys = [t.clone().requires_grad_() for t in (k, v)]
+    skip_unless_runnable(backend, tail, *keys, is_causal=False, key_padding_mask=None)
+    out, lse = dilated_attention(
+        tail, *keys, list(segs), list(rates), is_causal=True, backend=backend, return_lse=True
+    )
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (tail, *keys), dout)
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    full, full_lse = oracle_dilated_attention(*leaves, segs, rates, is_causal=True)
+    want_grads = torch.autograd.grad(full[:, n - query_len :], leaves, dout)
+    torch.testing.assert_close(out, full[:, n - query_len :].detach(), **TIGHT)
+    want_lse = full_lse[:, :, n - query_len :]
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    torch.testing.assert_close(lse[~torch.isneginf(lse)], want_lse[~torch.isneginf(want_lse)])
+    torch.testing.assert_close(grads[0], want_grads[0][:, n - query_len :], **TIGHT)
+    for got, want in zip(grads[1:], want_grads[1:], strict=True):
+        torch.testing.assert_close(got, want, **TIGHT)
+
+
+def test_token_by_token_equals_the_full_forward() -> None:
+    """Growing the keys one position at a time (each step decodes its one new token) gives every
+    row of the full causal forward, the segments following the growing length (``w > N`` is one
+    segment while the sequence is short)."""
+    _, n, heads, kv_heads, segs, rates = SCHEDULES[1]
+    q, k, v = _tensors(n, heads, kv_heads, seed=3)
+    full, _ = oracle_dilated_attention(q, k, v, segs, rates, is_causal=True)
+    steps = [
+        dilated_attention(
+            q[:, t : t + 1], k[:, : t + 1], v[:, : t + 1], list(segs), list(rates), is_causal=True
+        )
+        for t in range(n)
+    ]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, **TIGHT)
+
+
+def test_left_padding_mask_over_the_keys() -> None:
+    """A (B, N) key padding mask (batch 1 left-padded by 5) applies to the decoded rows as to
+    the full forward's."""
+    _, n, heads, kv_heads, segs, rates = SCHEDULES[3]
+    q, k, v = _tensors(n, heads, kv_heads, seed=5)
+    mask = torch.zeros(2, n, dtype=torch.bool)
+    mask[1, :5] = True
+    full, _ = oracle_dilated_attention(q, k, v, segs, rates, is_causal=True, key_padding_mask=mask)
+    out = dilated_attention(
+        q[:, -4:], k, v, list(segs), list(rates), is_causal=True, key_padding_mask=mask
+    )
+    torch.testing.assert_close(out, full[:, -4:], **TIGHT)
+
+
+def test_double_backward_through_decoding() -> None:
+    q, k, v = (t[:1, :20, :2].clone().requires_grad_() for t in _tensors(20, 4, 4, seed=7))
+    tail = q[:, -2:].detach().clone().requires_grad_()
+    assert torch.autograd.gradgradcheck(
+        lambda a, b, c: dilated_attention(a, b, c, [8, 16], [1, 2], is_causal=True),
+        (tail, k, v),
+    )
+
+
+def test_a_new_token_reads_at_most_w_over_r_keys_per_branch() -> None:
+    """At a million positions the plan of one new token reads sum over branches of
+    ceil(w / r) keys, built without touching the earlier positions."""
+    key_len, heads = 2**20 + 123, 16
+    segs, rates = effective_branches(key_len, heads, (2048, 8192, 32768), (1, 4, 16))
+    plan = decode_plan(1, key_len, heads, 4, segs, rates, torch.device("cpu"))
+    sizes = [call.kv_pos.numel() for call in plan.calls]
+    assert len(sizes) == 3
+    assert all(size <= math.ceil(w / r) for size, w, r in zip(sizes, segs, rates, strict=True))
+    assert all(int(call.kv_pos.max()) == key_len - 1 for call in plan.calls)
+
+
+@pytest.mark.parametrize(
+    ("query_len", "is_causal", "match"),
+    [
+        (21, True, r"query may be shorter than key .* but not longer"),
+        (3, False, r"needs is_causal=True"),
+    ],
+)
+def test_lengths_that_are_not_decoding_raise(query_len: int, is_causal: bool, match: str) -> None:
+    q, k, v = _tensors(20, 2, 2)
+    with pytest.raises(ValueError, match=match):
+        dilated_attention(
+            torch.randn(2, query_len, 2, 8, dtype=F64), k, v, [8], [2], is_causal=is_causal
+        )
+    with pytest.raises(ValueError, match=r"key_padding_mask"):
+        dilated_attention(
+            q[:, -1:], k, v, [8], [2], is_causal=True,
+            key_padding_mask=torch.zeros(2, 1, dtype=torch.bool),
+        )  # fmt: skip
