@@ -49,7 +49,7 @@ class DecodeCall:
         self.q_flat = (q_pos * num_heads + head_ids).view(1, -1)  # (1, Hc)
         # (1, c * Hc) in (row, head) order: the rows of k.view(B, Nk * Hkv, D) the call reads.
         self.kv_flat = (kv_pos.view(-1, 1) * num_kv_heads + self.kv_heads.view(1, -1)).view(1, -1)
-        self.kv_pos, self.num_calls_heads = kv_pos, head_ids.numel()
+        self.kv_pos, self.call_heads = kv_pos, head_ids.numel()
 
     def q_rows(self, x: torch.Tensor) -> torch.Tensor:
         return x[:, self.q_pos : self.q_pos + 1, self.heads]
@@ -57,7 +57,7 @@ class DecodeCall:
     def kv_rows(self, x: torch.Tensor) -> torch.Tensor:
         batch, _, _, dim = x.shape
         rows = x.reshape(batch, -1, dim).index_select(1, self.kv_flat.view(-1))
-        return rows.view(batch, self.kv_pos.numel(), self.num_calls_heads, dim)
+        return rows.view(batch, self.kv_pos.numel(), self.call_heads, dim)
 
     def key_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
         """(B, Nk) bool -> (B, 1, c)."""
@@ -77,7 +77,7 @@ class DecodeCall:
             flat.index_copy_(1, self.kv_flat.view(-1), src)
 
     def row_call(self, q: torch.Tensor, k: torch.Tensor) -> RowCall:
-        heads = self.num_calls_heads
+        heads = self.call_heads
         return RowCall(self.q_flat, self.kv_flat, heads, heads, causal=False)
 
 
