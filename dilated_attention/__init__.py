@@ -15,6 +15,7 @@ from .backends.registry import (
 )
 from .block_sparse import block_sparse_attention
 from .config import DilatedConfig, MultiheadDilatedConfig, longnet_schedule
+from .core.kv_cache import DilatedKVCache
 from .distributed import (
     RingAttention,
     RingDilatedAttention,
@@ -62,6 +63,7 @@ __all__ = [
     "BlockSparseRingMultiheadDilatedAttention",
     "DilatedAttention",
     "DilatedConfig",
+    "DilatedKVCache",
     "LongNetConfig",
     "LongNetLM",
     "MultiheadAttention",

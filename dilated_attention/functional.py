@@ -18,6 +18,7 @@ from .core.autograd import run_attention
 from .core.decode import decode_plan
 from .core.engine import Plan, PlanRunner, empty_attention
 from .core.fused import FusedRunner, compile_ahead
+from .core.kv_cache import DilatedKVCache
 from .core.segment import dilated_plan, effective_branches, plan_branches
 
 __all__ = ["attention", "dilated_attention"]
@@ -45,6 +46,36 @@ def _choose(
         q, k, is_causal=is_causal, has_mask=has_mask, dropout_p=dropout_p
     )
     return registry_for(operation).select(inputs, backend)
+
+
+def _check_cache(
+    cache: object,
+    segs: tuple[int, ...],
+    rates: tuple[int, ...],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    is_causal: bool,
+    key_padding_mask: torch.Tensor | None,
+) -> None:
+    """``cache=`` is this layer's :class:`DilatedKVCache`, for causal calls on new tokens."""
+    if not isinstance(cache, DilatedKVCache):
+        raise TypeError(
+            f"cache must be a DilatedKVCache or None, got {type(cache).__name__}; build one per "
+            f"layer: DilatedKVCache(segment_lengths, dilation_rates)"
+        )
+    if not is_causal:
+        raise ValueError("cache= is for decoding and needs is_causal=True, got is_causal=False")
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"with cache=, pass the new tokens' query, key and value (the same length), got "
+            f"query.shape={tuple(q.shape)}, key.shape={tuple(k.shape)}; the cache holds the rest"
+        )
+    if key_padding_mask is not None:
+        raise ValueError(
+            "key_padding_mask is not supported with cache= yet; decode unpadded sequences, or "
+            "pass every key with its mask and no cache"
+        )
+    cache.check(segs, rates, k)
 
 
 def _check_decoding_lengths(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> None:
@@ -155,6 +186,7 @@ def dilated_attention(
     key_padding_mask: torch.Tensor | None = None,
     backend: str | None = None,
     return_lse: bool = False,
+    cache: DilatedKVCache | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """LongNet dilated attention with exact branch mixing (LongNet Eq. 10) and exact gradients.
 
@@ -186,6 +218,11 @@ def dilated_attention(
         backend: a name from :func:`list_backends`, or ``None`` / ``"auto"`` to choose
             automatically.
         return_lse: also return the merged log-sum-exp.
+        cache: a :class:`~dilated_attention.DilatedKVCache` of this layer, for decoding with
+            ``is_causal=True``: query, key and value are the next tokens' (same length); their
+            keys and values are appended to the cache and the queries attend to every key they
+            can read, which the cache keeps within the longest segment (Note [Bounded dilated
+            cache]). No key padding mask with a cache.
 
     Returns:
         ``out`` (B, N, H, D) in the input dtype, or ``(out, lse)`` with ``lse`` (B, H, N) float32
@@ -205,30 +242,44 @@ def dilated_attention(
     return_lse = _check_flag("return_lse", return_lse)
     _check_decoding_lengths(q, k, is_causal)
     V.check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[1], q.device)
+    if cache is not None:
+        _check_cache(cache, segs, rates, q, k, is_causal, key_padding_mask)
     dropout_p = V.check_dropout("dropout_p", dropout_p)
     checked_scale = V.check_scale(scale)
     backend = check_backend_name(backend)
     if compiled.is_traced(q, k, v, key_padding_mask):  # Note [Custom operators for torch.compile]
+        if cache is not None:
+            raise ValueError(
+                "cache= is not supported under torch.compile, torch.export or torch.func yet: "
+                "decode eagerly (the cache is Python state the compiled operator cannot update)"
+            )
         out, lse = compiled.dilated(
             q, k, v, key_padding_mask, segs, rates, is_causal=is_causal, scale=checked_scale,
             dropout_p=dropout_p, backend=backend,
         )  # fmt: skip
         return (out, lse) if return_lse else out
     # Decoding (Note [Decoding rows]): one query row per call against its keys, on the dense
-    # registry's kernel; otherwise the dilated registry's.
-    decoding = q.shape[1] != k.shape[1]
+    # registry's kernel; otherwise the dilated registry's. A cache that holds earlier tokens
+    # makes every call a decoding one.
+    decoding = q.shape[1] != k.shape[1] or (cache is not None and cache.length > 0)
     kernel = _choose(
         q[:, :1] if decoding else q, k, is_causal=is_causal and not decoding,
         has_mask=key_padding_mask is not None, dropout_p=dropout_p, backend=backend,
         operation=DENSE if decoding else DILATED,
     )  # fmt: skip
+    key_start = 0
+    if cache is not None:  # checked and chosen: the new tokens' keys join the ones they read
+        k, v, key_start = cache.append(k, v)
     if q.numel() == 0:
         out, lse = empty_attention(q, k, v)
         return (out, lse) if return_lse else out
     softmax_scale = checked_scale if checked_scale is not None else q.shape[-1] ** -0.5
-    segs, rates = effective_branches(k.shape[1], q.shape[2], segs, rates)
+    key_len = key_start + k.shape[1]  # positions so far
+    segs, rates = effective_branches(key_len, q.shape[2], segs, rates)
     if decoding:
-        plan = decode_plan(q.shape[1], k.shape[1], q.shape[2], k.shape[2], segs, rates, q.device)
+        plan = decode_plan(
+            q.shape[1], key_len, q.shape[2], k.shape[2], segs, rates, q.device, key_start
+        )
         runner = PlanRunner(plan, kernel.backend, softmax_scale, dropout_p, "dilated_attention")
         out, lse = run_attention(q, k.contiguous(), v.contiguous(), key_padding_mask, runner)
         return (out, lse) if return_lse else out

@@ -90,10 +90,13 @@ def decode_plan(
     segment_lengths: tuple[int, ...],
     dilation_rates: tuple[int, ...],
     device: torch.device,
+    key_start: int = 0,
 ) -> Plan:
     """The executor's plan for the queries at the last ``query_len`` of ``key_len`` positions
     (Note [Decoding rows]); ``segment_lengths`` / ``dilation_rates`` are the effective branches
-    of ``key_len`` positions. One call per (query position, branch) that covers some head."""
+    of ``key_len`` positions. One call per (query position, branch) that covers some head.
+    ``key_start``: the position of the keys' first row (a cache holds the later rows only;
+    every key a call reads is at or after it)."""
     calls = []
     first = key_len - query_len
     for i in range(query_len):
@@ -103,7 +106,7 @@ def decode_plan(
             offset = (p - start) % r
             if offset >= num_heads:
                 continue  # no head has this offset: the branch covers no row at p
-            kv_pos = torch.arange(start + offset, p + 1, r, device=device)
+            kv_pos = torch.arange(start + offset - key_start, p + 1 - key_start, r, device=device)
             heads = slice(offset, num_heads, r)
             calls.append(DecodeCall(i, heads, kv_pos, num_heads, num_kv_heads))
     return Plan(tuple(calls))

@@ -12,7 +12,7 @@ import torch
 from support.backend_params import CPU_BACKENDS, backend_id, skip_unless_runnable
 from support.oracle import oracle_dilated_attention
 
-from dilated_attention import dilated_attention
+from dilated_attention import DilatedKVCache, dilated_attention
 from dilated_attention.core.decode import decode_plan
 from dilated_attention.core.segment import effective_branches
 
@@ -132,3 +132,50 @@ def test_lengths_that_are_not_decoding_raise(query_len: int, is_causal: bool, ma
             q[:, -1:], k, v, [8], [2], is_causal=True,
             key_padding_mask=torch.zeros(2, 1, dtype=torch.bool),
         )  # fmt: skip
+
+
+# -- the bounded cache ----------------------------------------------------------------------------
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=[s[0] for s in SCHEDULES])
+def test_cache_chunks_equal_the_full_forward_and_stay_bounded(schedule: tuple) -> None:
+    """Prompt then chunks and single tokens through one ``DilatedKVCache``: every row equals the
+    full causal forward, and the cache never holds more than the longest segment plus the chunk
+    being appended (Note [Bounded dilated cache])."""
+    _, n, heads, kv_heads, segs, rates = schedule
+    q, k, v = _tensors(n, heads, kv_heads, seed=11)
+    full, _ = oracle_dilated_attention(q, k, v, segs, rates, is_causal=True)
+    cache = DilatedKVCache(segs, rates)
+    chunks = [n // 3, 1, 1, 4, 1]
+    chunks.append(n - sum(chunks))
+    outs, t = [], 0
+    for size in chunks:
+        piece = [x[:, t : t + size] for x in (q, k, v)]
+        outs.append(dilated_attention(*piece, list(segs), list(rates), is_causal=True, cache=cache))
+        t += size
+        assert cache.length == t and cache.key is not None
+        held = cache.key.shape[1]
+        assert held == t - cache.start <= min(max(segs) - 1, t - size) + size, (held, t)
+        assert cache.nbytes == 2 * cache.key.numel() * cache.key.element_size()
+    torch.testing.assert_close(torch.cat(outs, dim=1), full, **TIGHT)
+
+
+def test_cache_refuses_what_it_cannot_extend() -> None:
+    q, k, v = _tensors(12, 4, 2)
+    cache = DilatedKVCache([8, 16], [1, 2])
+    dilated_attention(q[:, :6], k[:, :6], v[:, :6], [8, 16], [1, 2], is_causal=True, cache=cache)
+    cases = [
+        ((q[:, 6:], k[:, 6:], v[:, 6:], [8, 32], [1, 2]), {}, r"use one cache per layer"),
+        ((q[:1, 6:], k[:1, 6:], v[:1, 6:], [8, 16], [1, 2]), {}, r"another batch or model"),
+        ((q[:, 6:], k[:, 6:], v[:, 6:], [8, 16], [1, 2]), {"is_causal": False}, r"is_causal"),
+        ((q[:, 11:], k[:, 6:], v[:, 6:], [8, 16], [1, 2]), {}, r"the same length"),
+        (
+            (q[:, 6:], k[:, 6:], v[:, 6:], [8, 16], [1, 2]),
+            {"key_padding_mask": torch.zeros(2, 6, dtype=torch.bool)},
+            r"key_padding_mask is not supported with cache",
+        ),
+    ]
+    for args, options, match in cases:
+        with pytest.raises(ValueError, match=match):
+            dilated_attention(*args, **{"is_causal": True, "cache": cache, **options})
+    assert cache.length == 6, "a refused call must leave the cache as it was"
+    with pytest.raises(TypeError, match=r"cache must be a DilatedKVCache"):
+        dilated_attention(q, k, v, [8], [1], is_causal=True, cache={})  # type: ignore[arg-type]
