@@ -15,6 +15,7 @@ from .backends.registry import check_backend_name
 from .block_sparse import block_sparse_attention
 from .block_sparse.plan import check_block_size
 from .config import DilatedConfig, MultiheadDilatedConfig
+from .core.kv_cache import DilatedKVCache
 from .functional import dilated_attention
 from .patterns import Pattern, check_pattern
 from .rotary import RotaryEmbedding
@@ -74,8 +75,11 @@ class DilatedAttention(nn.Module):
         *,
         is_causal: bool = False,
         key_padding_mask: torch.Tensor | None = None,
+        cache: DilatedKVCache | None = None,
     ) -> torch.Tensor:
-        """Args: query (B, N, H, D); key, value (B, N, Hkv, D); key_padding_mask (B, N) bool.
+        """Args: query (B, N, H, D); key, value (B, N, Hkv, D); key_padding_mask (B, N) bool;
+        cache: a :class:`~dilated_attention.DilatedKVCache` for decoding (``is_causal=True``,
+        the new tokens' query, key and value).
 
         Returns:
             (B, N, H, D).
@@ -84,7 +88,7 @@ class DilatedAttention(nn.Module):
             query, key, value, self.segment_lengths, self.dilation_rates,
             is_causal=is_causal, scale=self.scale,
             dropout_p=self.dropout if self.training else 0.0,
-            key_padding_mask=key_padding_mask, backend=self.backend,
+            key_padding_mask=key_padding_mask, backend=self.backend, cache=cache,
         )  # fmt: skip
         assert isinstance(out, torch.Tensor)  # return_lse=False: for the type checker
         return out
@@ -361,6 +365,7 @@ class MultiheadAttention(nn.Module):
         is_causal: bool = False,
         *,
         positions: torch.Tensor | None = None,
+        cache: DilatedKVCache | None = None,
     ) -> tuple[torch.Tensor, None]:
         """Attention over ``query``, with ``nn.MultiheadAttention.forward``'s arguments.
 
@@ -384,6 +389,9 @@ class MultiheadAttention(nn.Module):
                 :meth:`use_rotary` (default ``0..N-1``; a rank holding a shard of a sequence
                 passes its global positions, :func:`dilated_attention.sequence_positions`).
                 Only with rotary.
+            cache: a :class:`~dilated_attention.DilatedKVCache` of this layer, for decoding
+                (``is_causal=True``, ``query`` the new tokens; pass their ``positions`` when
+                rotary is on). Only with an inner module that takes one (``DilatedAttention``).
 
         Returns:
             ``(out, None)``, ``out`` shaped like ``query``.
@@ -444,12 +452,22 @@ class MultiheadAttention(nn.Module):
         key_padding_mask = _bool_key_padding_mask(key_padding_mask)
         self._check_key_padding_mask(key_padding_mask, query)
         positions = self._check_positions(positions, n, query.device)
+        if cache is not None and not isinstance(self.attention, DilatedAttention):
+            raise ValueError(
+                f"cache= needs a layer whose inner module decodes (DilatedAttention), got "
+                f"{type(self.attention).__name__}; decode with a local dilated layer"
+            )
         q = rearrange(self.q_proj(query), "b n (h d) -> b n h d", h=self.num_heads)
         k = rearrange(self.k_proj(key), "b n (h d) -> b n h d", h=self.num_kv_heads)
         v = rearrange(self.v_proj(value), "b n (h d) -> b n h d", h=self.num_kv_heads)
         if self.rotary is not None and positions is not None:
             q, k = self.rotary(q, positions), self.rotary(k, positions)
-        x = self.attention(q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask)
+        if cache is None:
+            x = self.attention(q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask)
+        else:
+            x = self.attention(
+                q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask, cache=cache
+            )
         x = rearrange(x, "b n h d -> b n (h d)")
         if self.norm is not None:
             x = self.norm(x)

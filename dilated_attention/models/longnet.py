@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import _validation as V
 from ..backends.registry import check_backend_name
+from ..core.kv_cache import DilatedKVCache
 from ..factory import create_multihead_dilated_attention
 
 __all__ = ["PRESETS", "LongNetAttention", "LongNetBlock", "LongNetConfig", "LongNetLM"]
@@ -211,9 +212,14 @@ class LongNetAttention(nn.Module):
         self.mha = mha.use_rotary(config.rotary_base)
         self.num_heads, self.num_kv_heads = config.num_heads, int(self.mha.num_kv_heads)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x (B, N, E), positions (N,) global int positions -> (B, N, E)."""
-        return self.mha(x, is_causal=True, positions=positions)[0]
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: DilatedKVCache | None = None
+    ) -> torch.Tensor:
+        """x (B, N, E), positions (N,) global int positions -> (B, N, E); ``cache``: this
+        layer's decoding cache (x then holds the new tokens)."""
+        if cache is None:
+            return self.mha(x, is_causal=True, positions=positions)[0]
+        return self.mha(x, is_causal=True, positions=positions, cache=cache)[0]
 
 
 class LongNetBlock(nn.Module):
@@ -238,9 +244,11 @@ class LongNetBlock(nn.Module):
             nn.init.xavier_normal_(fc.weight, gain=gamma_init)
             nn.init.zeros_(fc.bias)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x (B, N, E), positions (N,) -> (B, N, E)."""
-        x = x + self.dropout(self.attn(self.attn_norm(x), positions))
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: DilatedKVCache | None = None
+    ) -> torch.Tensor:
+        """x (B, N, E), positions (N,) -> (B, N, E); ``cache``: the attention's decoding cache."""
+        x = x + self.dropout(self.attn(self.attn_norm(x), positions, cache))
         h = self.dropout(F.gelu(self.fc1(self.ffn_norm(x))))
         return x + self.dropout(self.fc2(self.ffn_sub_norm(h)))
 
@@ -356,7 +364,11 @@ class LongNetLM(nn.Module):
         return tokens
 
     def forward(
-        self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        caches: list[DilatedKVCache] | None = None,
     ) -> torch.Tensor:
         """Next-token logits.
 
@@ -364,6 +376,9 @@ class LongNetLM(nn.Module):
             tokens: (B, N) token ids in ``[0, vocab_size)``.
             positions: (N,) int global positions of the tokens; default ``0..N-1``, or this
                 rank's global positions under ring attention.
+            caches: one :class:`~dilated_attention.DilatedKVCache` per layer
+                (:meth:`new_caches`), for decoding: ``tokens`` are then the next tokens after
+                those the caches hold, and ``positions`` default to theirs.
 
         Returns:
             (B, N, V) logits; row ``i`` predicts token ``i + 1`` and sees tokens ``<= i`` only.
@@ -375,7 +390,15 @@ class LongNetLM(nn.Module):
         """
         tokens = self._check_tokens_on_all_ranks(tokens)
         N = tokens.shape[1]
-        if positions is None:
+        if caches is not None and (not isinstance(caches, list) or len(caches) != len(self.blocks)):
+            raise ValueError(
+                f"caches must be a list of {len(self.blocks)} DilatedKVCache (one per layer, "
+                f"from model.new_caches()), got {type(caches).__name__}"
+            )
+        if positions is None and caches is not None:
+            start = caches[0].length
+            positions = torch.arange(start, start + N, device=tokens.device)
+        elif positions is None:
             positions = self._default_positions(N, tokens.device)
         else:
             if not isinstance(positions, torch.Tensor) or positions.shape != (N,):
@@ -394,12 +417,18 @@ class LongNetLM(nn.Module):
             )
         x = self.dropout(self.embed(tokens.long()))
         use_ckpt = self.config.activation_checkpointing and self.training
-        for block in self.blocks:
-            if use_ckpt:
+        for i, block in enumerate(self.blocks):
+            cache = None if caches is None else caches[i]
+            if use_ckpt and cache is None:
                 x = checkpoint(block, x, positions, use_reentrant=False)
             else:
-                x = block(x, positions)
+                x = block(x, positions, cache)
         return self.lm_head(self.final_norm(x))
+
+    def new_caches(self) -> list[DilatedKVCache]:
+        """Empty decoding caches, one per layer, for ``forward(tokens, caches=...)``."""
+        config = self.config
+        return [DilatedKVCache(config.segment_lengths, config.dilation_rates) for _ in self.blocks]
 
     @torch.no_grad()
     def generate(
@@ -413,10 +442,12 @@ class LongNetLM(nn.Module):
     ) -> torch.Tensor:
         """Sample a continuation, one token at a time.
 
-        Simple by design: every step recomputes the full forward over the whole context (no KV
-        cache), in eval mode (the training mode is restored afterwards). When ``max_seq_len`` is
-        set the context is cropped to its last ``max_seq_len`` tokens. Local attention only (not
-        under ring sharding).
+        In eval mode (the training mode is restored afterwards). The prompt runs once into one
+        :class:`~dilated_attention.DilatedKVCache` per layer and each new token reads the keys it
+        can see from them (Note [Decoding rows]): the same logits as recomputing the whole
+        forward, at a per-token cost set by the schedule, not the length. When ``max_seq_len``
+        is set and the sequence would outgrow it, every step instead recomputes the forward over
+        the last ``max_seq_len`` tokens. Local attention only (not under ring sharding).
 
         Args:
             prompt: (B, N0) token ids.
@@ -459,9 +490,14 @@ class LongNetLM(nn.Module):
         try:
             out = tokens.long()
             cap = self.config.max_seq_len
+            cached = cap is None or out.shape[1] + max_new_tokens <= cap
+            caches = self.new_caches() if cached else None
+            step = out
             for _ in range(max_new_tokens):
-                context = out if cap is None else out[:, -cap:]
-                logits = self(context)[:, -1, :].float()
+                if caches is not None:  # the new tokens only, against the cached keys
+                    logits = self(step, caches=caches)[:, -1, :].float()
+                else:
+                    logits = self(out if cap is None else out[:, -cap:])[:, -1, :].float()
                 if temperature == 0:
                     nxt = logits.argmax(dim=-1, keepdim=True)
                 else:
@@ -471,7 +507,8 @@ class LongNetLM(nn.Module):
                         logits = logits.masked_fill(logits < kth, float("-inf"))
                     probs = torch.softmax(logits, dim=-1)
                     nxt = torch.multinomial(probs, 1, generator=generator)
-                out = torch.cat([out, nxt.to(out.device)], dim=1)
+                step = nxt.to(out.device)
+                out = torch.cat([out, step], dim=1)
             return out
         finally:
             self.train(was_training)

@@ -281,3 +281,48 @@ def test_kind_whose_layer_cannot_rotate_is_refused(monkeypatch: pytest.MonkeyPat
         TypeError, match=r"kind 'no_rotary' built NoRotary, which has no use_rotary"
     ):
         LongNetLM(LongNetConfig(**{**SMALL, "kind": "no_rotary"}))
+
+
+# -- decoding with per-layer caches ----------------------------------------------------------------
+def test_cached_forward_in_chunks_equals_the_full_forward() -> None:
+    """``forward(tokens, caches=...)`` over a prompt, single tokens and a chunk gives the full
+    forward's logits (float64), rotary positions continuing from the caches."""
+    model = LongNetLM(LongNetConfig(**{**SMALL, "num_kv_heads": 2})).double().eval()
+    tokens = torch.randint(0, SMALL["vocab_size"], (2, 45))
+    with torch.no_grad():
+        full = model(tokens)
+        caches = model.new_caches()
+        pieces = [model(tokens[:, a:b], caches=caches) for a, b in ((0, 19), (19, 20), (20, 21),
+                                                                   (21, 45))]  # fmt: skip
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-10, rtol=1e-8)
+    assert all(c.length == 45 and c.start > 0 for c in caches)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_generate_with_caches_equals_recomputing(temperature: float) -> None:
+    """``generate`` (cached) picks the same tokens as recomputing the whole forward each step,
+    greedy and sampled with the same generator; with ``max_seq_len`` reached it recomputes."""
+    model = LongNetLM(LongNetConfig(**SMALL)).double().eval()
+    prompt = torch.randint(0, SMALL["vocab_size"], (2, 11))
+    got = model.generate(prompt, 20, temperature=temperature, top_k=7,
+                         generator=torch.Generator().manual_seed(3))  # fmt: skip
+    out, gen = prompt.clone(), torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _ in range(20):
+            logits = model(out)[:, -1].float()
+            if temperature == 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                kth = torch.topk(logits, 7, dim=-1).values[:, -1:]
+                probs = torch.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=gen)
+            out = torch.cat([out, nxt], dim=1)
+    assert torch.equal(got, out)
+
+
+def test_caches_are_checked() -> None:
+    model = LongNetLM(LongNetConfig(**SMALL))
+    tokens = torch.randint(0, SMALL["vocab_size"], (1, 5))
+    with pytest.raises(ValueError, match=r"caches must be a list of 2 DilatedKVCache"):
+        model(tokens, caches=model.new_caches()[:1])

@@ -593,3 +593,21 @@ def test_rotary_positions_are_checked() -> None:
         layer(x, positions=torch.arange(N, dtype=F64))
     with pytest.raises(TypeError, match=r"positions must be a \(seq_len,\) int tensor"):
         layer(x, positions=list(range(N)))
+
+
+def test_cache_needs_a_dilated_inner_module() -> None:
+    """A multihead layer decodes with a cache only around ``DilatedAttention``; a decode through
+    ``MultiheadDilatedAttention`` equals the full layer's last rows."""
+    from dilated_attention import BlockSparseMultiheadAttention, DilatedKVCache
+    from dilated_attention import patterns as P
+
+    layer = _mha(num_kv_heads=2)
+    x = torch.randn(B, N, E, dtype=F64)
+    full, _ = layer(x, is_causal=True)
+    cache = DilatedKVCache(SEGMENTS, RATES)
+    head, _ = layer(x[:, :40], is_causal=True, cache=cache)
+    tail, _ = layer(x[:, 40:], is_causal=True, cache=cache)
+    torch.testing.assert_close(torch.cat([head, tail], dim=1), full, **CLOSE64)
+    sparse = BlockSparseMultiheadAttention(E, H, P.LocalWindow(1), block_size=8, dtype=F64)
+    with pytest.raises(ValueError, match=r"cache= needs a layer whose inner module decodes"):
+        sparse(x, is_causal=True, cache=DilatedKVCache([8], [1]))
