@@ -155,12 +155,14 @@ def no_fused_kernels(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def test_forward_signature_is_torchs() -> None:
     """Same parameter names, in the same (positional) order, as nn.MultiheadAttention.forward;
-    ours adds only the keyword-only ``positions`` (rotary, off by default) after them."""
+    ours adds only keyword-only ``positions`` (rotary) and ``cache`` (decoding) after them."""
     params = inspect.signature(MultiheadDilatedAttention.forward).parameters
     torchs = list(inspect.signature(nn.MultiheadAttention.forward).parameters)
     assert list(params)[: len(torchs)] == torchs
-    assert list(params)[len(torchs) :] == ["positions"]
-    assert params["positions"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert list(params)[len(torchs) :] == ["positions", "cache"]
+    for name in ("positions", "cache"):
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY
+        assert params[name].default is None
 
 
 def test_positional_call_like_torch() -> None:
