@@ -43,6 +43,9 @@ class DilatedAttention(nn.Module):
         ValueError / TypeError: a bad schedule, scale, dropout or backend name.
     """
 
+    #: Its forward takes ``cache=`` (decoding); a subclass whose forward does not says False.
+    decodes_with_cache = True
+
     def __init__(
         self,
         segment_lengths: list[int] | tuple[int, ...],
@@ -452,7 +455,7 @@ class MultiheadAttention(nn.Module):
         key_padding_mask = _bool_key_padding_mask(key_padding_mask)
         self._check_key_padding_mask(key_padding_mask, query)
         positions = self._check_positions(positions, n, query.device)
-        if cache is not None and not isinstance(self.attention, DilatedAttention):
+        if cache is not None and not getattr(self.attention, "decodes_with_cache", False):
             raise ValueError(
                 f"cache= needs a layer whose inner module decodes (DilatedAttention), got "
                 f"{type(self.attention).__name__}; decode with a local dilated layer"

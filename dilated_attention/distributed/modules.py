@@ -86,6 +86,8 @@ class RingDilatedAttention(DilatedAttention):
         layout: ``"contiguous"`` or ``"zigzag"`` (causal only).
     """
 
+    decodes_with_cache = False  # a sharded sequence has no single cache
+
     def __init__(
         self,
         segment_lengths: list[int] | tuple[int, ...],

@@ -490,7 +490,11 @@ class LongNetLM(nn.Module):
         try:
             out = tokens.long()
             cap = self.config.max_seq_len
-            cached = cap is None or out.shape[1] + max_new_tokens <= cap
+            fits = cap is None or out.shape[1] + max_new_tokens <= cap
+            cached = fits and all(
+                getattr(block.attn.mha.attention, "decodes_with_cache", False)
+                for block in self.blocks
+            )
             caches = self.new_caches() if cached else None
             step = out
             for _ in range(max_new_tokens):

@@ -611,3 +611,6 @@ def test_cache_needs_a_dilated_inner_module() -> None:
     sparse = BlockSparseMultiheadAttention(E, H, P.LocalWindow(1), block_size=8, dtype=F64)
     with pytest.raises(ValueError, match=r"cache= needs a layer whose inner module decodes"):
         sparse(x, is_causal=True, cache=DilatedKVCache([8], [1]))
+    ring = dilated_attention.RingMultiheadDilatedAttention(E, H, SEGMENTS, RATES, dtype=F64)
+    with pytest.raises(ValueError, match=r"got RingDilatedAttention"):  # one process: no agreement
+        ring(x, is_causal=True, cache=DilatedKVCache(SEGMENTS, RATES))
