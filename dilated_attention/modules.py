@@ -393,8 +393,9 @@ class MultiheadAttention(nn.Module):
                 passes its global positions, :func:`dilated_attention.sequence_positions`).
                 Only with rotary.
             cache: a :class:`~dilated_attention.DilatedKVCache` of this layer, for decoding
-                (``is_causal=True``, ``query`` the new tokens; pass their ``positions`` when
-                rotary is on). Only with an inner module that takes one (``DilatedAttention``).
+                (``is_causal=True``, ``query`` the new tokens; with rotary their positions
+                default to the ones after those the cache has seen). Only with an inner module
+                that takes one (``DilatedAttention``).
 
         Returns:
             ``(out, None)``, ``out`` shaped like ``query``.
@@ -454,6 +455,9 @@ class MultiheadAttention(nn.Module):
             )
         key_padding_mask = _bool_key_padding_mask(key_padding_mask)
         self._check_key_padding_mask(key_padding_mask, query)
+        if positions is None and cache is not None and self.rotary is not None:
+            # the new tokens follow the ones the cache has seen
+            positions = torch.arange(cache.length, cache.length + n, device=query.device)
         positions = self._check_positions(positions, n, query.device)
         if cache is not None and not getattr(self.attention, "decodes_with_cache", False):
             raise ValueError(

@@ -608,6 +608,13 @@ def test_cache_needs_a_dilated_inner_module() -> None:
     head, _ = layer(x[:, :40], is_causal=True, cache=cache)
     tail, _ = layer(x[:, 40:], is_causal=True, cache=cache)
     torch.testing.assert_close(torch.cat([head, tail], dim=1), full, **CLOSE64)
+    # With rotary, the new tokens' positions continue from the cache by default.
+    layer.use_rotary(100.0)
+    full, _ = layer(x, is_causal=True)
+    cache = DilatedKVCache(SEGMENTS, RATES)
+    spans = ((0, 31), (31, 32), (32, N))
+    pieces = [layer(x[:, a:b], is_causal=True, cache=cache)[0] for a, b in spans]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, **CLOSE64)
     sparse = BlockSparseMultiheadAttention(E, H, P.LocalWindow(1), block_size=8, dtype=F64)
     with pytest.raises(ValueError, match=r"cache= needs a layer whose inner module decodes"):
         sparse(x, is_causal=True, cache=DilatedKVCache([8], [1]))
