@@ -25,7 +25,7 @@ import functools
 import torch
 
 from .engine import Plan, _put_slice
-from .higher_order import RowCall
+from .higher_order import RowCall, flat_rows
 
 
 class DecodeCall:
@@ -45,19 +45,17 @@ class DecodeCall:
     ) -> None:
         self.q_pos, self.heads = q_pos, heads
         head_ids = torch.arange(num_heads, device=kv_pos.device)[heads]
-        self.kv_heads = head_ids // (num_heads // num_kv_heads)  # (Hc,)
+        kv_heads = head_ids // (num_heads // num_kv_heads)  # (Hc,)
         self.q_flat = (q_pos * num_heads + head_ids).view(1, -1)  # (1, Hc)
         # (1, c * Hc) in (row, head) order: the rows of k.view(B, Nk * Hkv, D) the call reads.
-        self.kv_flat = (kv_pos.view(-1, 1) * num_kv_heads + self.kv_heads.view(1, -1)).view(1, -1)
+        self.kv_flat = (kv_pos.view(-1, 1) * num_kv_heads + kv_heads.view(1, -1)).view(1, -1)
         self.kv_pos, self.call_heads = kv_pos, head_ids.numel()
 
     def q_rows(self, x: torch.Tensor) -> torch.Tensor:
         return x[:, self.q_pos : self.q_pos + 1, self.heads]
 
     def kv_rows(self, x: torch.Tensor) -> torch.Tensor:
-        batch, _, _, dim = x.shape
-        rows = x.reshape(batch, -1, dim).index_select(1, self.kv_flat.view(-1))
-        return rows.view(batch, self.kv_pos.numel(), self.call_heads, dim)
+        return flat_rows(x, self.kv_flat, self.call_heads)
 
     def key_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
         """(B, Nk) bool -> (B, 1, c)."""

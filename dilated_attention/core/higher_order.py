@@ -148,7 +148,7 @@ class RowCall:
         )
 
 
-def _rows(x: torch.Tensor, index: torch.Tensor, heads: int) -> torch.Tensor:
+def flat_rows(x: torch.Tensor, index: torch.Tensor, heads: int) -> torch.Tensor:
     """(B, N, Hx, E) (or (B, N, Hx)) and (G, L * heads) -> (B * G, L, heads, E) (or no E)."""
     batch, g = x.shape[0], index.shape[0]
     flat = x.reshape(batch, -1, *x.shape[3:]).index_select(1, index.flatten())
@@ -224,15 +224,15 @@ def differentiable_grads(
         if key_padding_mask is None:
             return None
         positions = call.kv_index // kv_heads
-        return _rows(key_padding_mask, positions, call.kv_heads)
+        return flat_rows(key_padding_mask, positions, call.kv_heads)
 
     # First pass: O and LSE as functions of q, k, v.
     sums = qc.new_zeros(batch, num_q * heads, dim + 1)
     for call in calls:
-        k_rows = _rows(kc, call.kv_index, call.kv_heads)
-        v_rows = _rows(vc, call.kv_index, call.kv_heads)
-        s = _scores(_rows(qc, call.q_index, call.heads), k_rows, call, ignored(call), scale)
-        m = _rows(shift.unsqueeze(-1), call.q_index, call.heads)  # (B*G, Lq, Hc, 1)
+        k_rows = flat_rows(kc, call.kv_index, call.kv_heads)
+        v_rows = flat_rows(vc, call.kv_index, call.kv_heads)
+        s = _scores(flat_rows(qc, call.q_index, call.heads), k_rows, call, ignored(call), scale)
+        m = flat_rows(shift.unsqueeze(-1), call.q_index, call.heads)  # (B*G, Lq, Hc, 1)
         m = m.permute(0, 2, 1, 3).reshape(s.shape[0], call.kv_heads, -1, s.shape[3], 1)
         p = torch.exp(s - m)
         v1 = torch.cat([v_rows, torch.ones_like(v_rows[..., :1])], dim=-1)
@@ -252,13 +252,13 @@ def differentiable_grads(
     dv = qc.new_zeros(batch, num_k * kv_heads, dim)
     stats = torch.stack([lse_rows, delta], dim=-1)  # (B, Nq, H, 2)
     for call in calls:
-        q_rows = _rows(qc, call.q_index, call.heads)
-        k_rows = _rows(kc, call.kv_index, call.kv_heads)
-        v_rows = _rows(vc, call.kv_index, call.kv_heads)
-        do_rows = _rows(doc, call.q_index, call.heads)
+        q_rows = flat_rows(qc, call.q_index, call.heads)
+        k_rows = flat_rows(kc, call.kv_index, call.kv_heads)
+        v_rows = flat_rows(vc, call.kv_index, call.kv_heads)
+        do_rows = flat_rows(doc, call.q_index, call.heads)
         s = _scores(q_rows, k_rows, call, ignored(call), scale)
         shape = (s.shape[0], call.kv_heads, -1, s.shape[3], 2)
-        st = _rows(stats, call.q_index, call.heads).permute(0, 2, 1, 3).reshape(shape)
+        st = flat_rows(stats, call.q_index, call.heads).permute(0, 2, 1, 3).reshape(shape)
         p = torch.exp(s - st[..., :1])
         g = call.heads // call.kv_heads
         do_g = do_rows.view(do_rows.shape[0], do_rows.shape[1], call.kv_heads, g, dim)

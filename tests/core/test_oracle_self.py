@@ -13,6 +13,7 @@ from support.oracle import (
     oracle_attention,
     oracle_dilated_attention,
 )
+from support.sdpa import sdpa_bnhd
 from torch import Tensor
 
 F64 = torch.float64
@@ -20,31 +21,6 @@ F64 = torch.float64
 
 def _randn(*shape: int) -> Tensor:
     return torch.randn(*shape, dtype=F64)
-
-
-def _sdpa(
-    q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, mask: Tensor | None = None
-) -> Tensor:
-    """F.scaled_dot_product_attention in BNHD layout (GQA via enable_gqa).
-
-    With a key padding mask the causal mask is folded into ``attn_mask``: torch >= 2.14 refuses
-    ``attn_mask`` together with ``is_causal=True``.
-    """
-    attn_mask = None
-    if mask is not None:
-        attn_mask = ~mask[:, None, None, :]
-        if is_causal:
-            n_q, n_k = q.shape[1], k.shape[1]
-            attn_mask = attn_mask & torch.ones(n_q, n_k, dtype=torch.bool).tril()
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=attn_mask,
-        is_causal=is_causal and mask is None,
-        enable_gqa=q.shape[2] != k.shape[2],
-    )
-    return out.transpose(1, 2)
 
 
 def test_branch_positions_ragged() -> None:
@@ -103,7 +79,7 @@ def test_single_branch_is_sdpa(is_causal: bool, H: int, H_kv: int) -> None:
     B, N, D = 2, 19, 8
     q, k, v = _randn(B, N, H, D), _randn(B, N, H_kv, D), _randn(B, N, H_kv, D)
     out, lse = oracle_dilated_attention(q, k, v, [N], [1], is_causal=is_causal)
-    torch.testing.assert_close(out, _sdpa(q, k, v, is_causal=is_causal), atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(out, sdpa_bnhd(q, k, v, is_causal=is_causal), atol=1e-12, rtol=1e-10)
     kk = k.repeat_interleave(H // H_kv, dim=2)
     scores = torch.einsum("bphd,bthd->bhpt", q, kk) * D**-0.5
     if is_causal:
@@ -122,7 +98,7 @@ def test_key_padding_is_sdpa_mask(is_causal: bool) -> None:
     mask = torch.rand(B, N) < 0.4
     mask[:, 0] = False  # keep key 0 so no causal row is empty
     out, _ = oracle_attention(q, k, v, is_causal=is_causal, key_padding_mask=mask)
-    want = _sdpa(q, k, v, is_causal=is_causal, mask=mask)
+    want = sdpa_bnhd(q, k, v, is_causal=is_causal, mask=mask)
     torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-10)
 
 

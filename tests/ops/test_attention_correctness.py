@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from support.backend_params import (
     CPU_BACKENDS,
     DEVICE_BACKENDS,
@@ -19,32 +18,11 @@ from support.backend_params import (
 )
 from support.cases import DENSE_CASES, Case, case_named, inputs, padding_mask
 from support.oracle import oracle_attention
+from support.sdpa import sdpa_bnhd
 from support.tolerances import assert_close_to_oracle
 from torch import Tensor
 
 from dilated_attention import attention
-
-
-def _sdpa_bnhd(
-    q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: float | None, mask: Tensor | None
-) -> Tensor:
-    """F.scaled_dot_product_attention in BNHD layout; ``mask``: key padding, True = ignore."""
-    attn_mask = None
-    if mask is not None:
-        attn_mask = ~mask[:, None, None, :]
-        if is_causal:  # SDPA refuses attn_mask together with is_causal: fold causality in
-            N = q.shape[1]
-            attn_mask = attn_mask & torch.ones(N, N, dtype=torch.bool).tril()
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=attn_mask,
-        is_causal=is_causal and mask is None,
-        scale=scale,
-        enable_gqa=k.shape[2] != q.shape[2],
-    )
-    return out.transpose(1, 2)
 
 
 @pytest.mark.parametrize("shape", DENSE_CASES, ids=[s.id for s in DENSE_CASES])
@@ -65,7 +43,7 @@ def test_matches_sdpa(
     )
     assert isinstance(out, Tensor)  # return_lse=False gives the output alone
     q64, k64, v64 = leaves(q0, k0, v0, dtype=torch.float64)
-    want = _sdpa_bnhd(q64, k64, v64, is_causal=is_causal, scale=shape.scale, mask=mask)
+    want = sdpa_bnhd(q64, k64, v64, is_causal=is_causal, scale=shape.scale, mask=mask)
     # SDPA gives NaN on rows with no visible key (the library gives 0): compare the others only.
     has_key = ~torch.isnan(want).any(dim=-1)  # (B, N, H)
     assert bool(has_key.any())
