@@ -1,6 +1,7 @@
-"""The kernel backend contract: capabilities, rejection reasons, forward and backward.
+"""The base class of the kernel backends: capabilities, rejection reasons, forward and backward.
 
-Every backend computes dense attention over the rows it is given and returns the log-sum-exp, so the
+It implements the one contract (Note [The backend contract] in ``core/contract.py``). Every
+backend computes dense attention over the rows it is given and returns the log-sum-exp, so the
 engine can merge dilated branches, ring steps and sparse blocks (see ``core/merge.py``). Its
 backward accepts an ``out``/``lse`` other than its own: the merged statistics (Note [Backward with
 external statistics] in ``core/reference.py``).
@@ -18,6 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..core.contract import KernelOutput
 from ..core.reference import reference_backward, reference_forward
 
 
@@ -74,18 +76,6 @@ class KernelInputs:
         )
 
 
-@dataclass
-class KernelOutput:
-    """A backend's forward result: ``out`` (B, Nq, H, D) in the input dtype, ``lse`` (B, H, Nq)
-    float32 (float64 for float64 inputs, ``-inf`` on rows with no visible key), and ``aux``,
-    whatever the backend's backward needs besides the tensors (dropout RNG state, metadata).
-    """
-
-    out: torch.Tensor
-    lse: torch.Tensor
-    aux: Any = None
-
-
 def _expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     group = num_heads // x.shape[2]
     return x if group == 1 else x.repeat_interleave(group, dim=2)
@@ -123,7 +113,8 @@ def rows_without_keys(
 
 
 class Backend:
-    """Base class of every kernel backend.
+    """Base class of every kernel backend: implements the one contract,
+    :class:`~dilated_attention.core.contract.KernelBackend` (Note [The backend contract]).
 
     Subclasses declare their capabilities as class constants and implement ``_forward`` and
     ``_backward``; this class turns the constants into rejection reasons, expands GQA key/value

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..core.fused import BranchSpan
+from ..core.contract import BranchSpan
 from ._compat import _import_failure, _last_dim_contiguous, _release
 from ._triton_compile import prepare_compiler
 from ._triton_tiles import Tiles, dkdv_config, tile_configs

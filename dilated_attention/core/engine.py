@@ -39,40 +39,9 @@ from typing import Any, Protocol
 import torch
 
 from .autograd import Backward, Forward, Grads, Inputs
+from .contract import KernelBackend
 from .higher_order import RowCall, differentiable_grads, no_higher_order_message
 from .merge import merge_partial
-
-
-class KernelBackend(Protocol):
-    """What the executor needs from a backend (``backends.base.Backend`` provides it)."""
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        scale: float,
-        is_causal: bool = ...,
-        key_mask: torch.Tensor | None = ...,
-        dropout_p: float = ...,
-    ) -> Any: ...
-
-    def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        aux: Any,
-        *,
-        scale: float,
-        is_causal: bool = ...,
-        key_mask: torch.Tensor | None = ...,
-        dropout_p: float = ...,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 class Call(Protocol):

@@ -49,13 +49,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import torch
 
 from .autograd import Backward, Forward, Grads, Inputs
+from .contract import BranchSpan, FusedBackend
 from .higher_order import differentiable_grads
 from .segment import group_calls, plan_branches
 
@@ -69,72 +68,6 @@ SCRATCH_FRACTION = 8
 #: ... unless one scratch tensor of all the heads fits in 1/DEVICE_SCRATCH_FRACTION of the GPU's
 #: memory (Note [Fused branch engine]).
 DEVICE_SCRATCH_FRACTION = 32
-
-
-@dataclass(frozen=True)
-class BranchSpan:
-    """Branch ``(segment_len, rate)`` over the positions [start, end); ``start`` is a segment
-    boundary and the last segment is clipped at ``end``."""
-
-    start: int
-    end: int
-    segment_len: int
-    rate: int
-
-
-class FusedBackend(Protocol):
-    """What the fused engine needs (``backends.triton.TritonBackend`` provides it)."""
-
-    def forward_branch(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        key_mask: torch.Tensor | None,
-        span: BranchSpan,
-        *,
-        out_row0: int,
-        scale: float,
-        is_causal: bool,
-        merge: bool,
-        head0: int = 0,
-        merge_from: torch.Tensor | None = None,
-        merge_row0: int = 0,
-    ) -> None: ...
-
-    def row_delta(
-        self, out: torch.Tensor, dout: torch.Tensor, start: int, end: int
-    ) -> torch.Tensor: ...
-
-    def backward_branch(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        lse: torch.Tensor,
-        delta: torch.Tensor,
-        key_mask: torch.Tensor | None,
-        dq: torch.Tensor,
-        dk: torch.Tensor,
-        dv: torch.Tensor,
-        span: BranchSpan,
-        *,
-        delta_row0: int,
-        grad_row0: int,
-        scale: float,
-        is_causal: bool,
-        accumulate: bool,
-        head0: int = 0,
-    ) -> None: ...
-
-    def begin_compile(self, family: tuple[Any, ...]) -> AbstractContextManager[None] | None:
-        """A context inside which the branch calls compile their kernels instead of running
-        them, or ``None`` when ``family``'s kernels are ready (Note [Compiling a shape family
-        ahead])."""
-        ...
 
 
 #: ``extra`` of :func:`fused_forward`: ``(scratch, lse, start, end, h0, h1)``, scratch

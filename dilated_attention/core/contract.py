@@ -1,0 +1,144 @@
+"""The one contract between the engines and the kernel backends.
+
+Note [The backend contract]
+    A backend is a :class:`KernelBackend`: attention over the query, key and value rows it is
+    given, returning ``out`` and the log-sum-exp (:class:`KernelOutput`), and a backward that
+    accepts the *merged* ``out`` and ``lse`` of a whole plan instead of its own (Note [Backward
+    with external statistics] in ``reference.py``). That is all the executor (``engine.py``)
+    calls, for every plan: dense, dilated through gathers, block-sparse and the ring steps.
+    ``backends.base.Backend`` implements it and turns declared capabilities into rejection
+    reasons.
+
+    A backend that can also run whole dilated branches in place (reading rows through strides,
+    merging into a running ``(out, lse)``, adding gradients into dq, dk, dv) is a
+    :class:`FusedBackend`, the same contract with those methods added; the fused engine
+    (``fused.py``) drives it over a :class:`BranchSpan` at a time. The registries
+    (``backends/registry.py``) say which backend serves which operation; nothing else tests what
+    a backend is.
+
+    The contract lives in ``core`` so that the engines depend on it and not on ``backends``
+    (imports flow core <- backends).
+
+Shape legend: B batch, Nq/Nk query/key rows, H query heads, Hkv key/value heads, D head dim.
+``key_mask`` is (B, Hm, Nk) bool with Hm in {1, H}, ``True`` = ignore the key.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class KernelOutput:
+    """A backend's forward result: ``out`` (B, Nq, H, D) in the input dtype, ``lse`` (B, H, Nq)
+    float32 (float64 for float64 inputs, ``-inf`` on rows with no visible key), and ``aux``,
+    whatever the backend's backward needs besides the tensors (dropout RNG state, metadata).
+    """
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    aux: Any = None
+
+
+class KernelBackend(Protocol):
+    """A kernel backend: attention over the rows it is given, and its backward with external
+    statistics. What the executor calls (``backends.base.Backend`` provides it)."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float,
+        is_causal: bool = ...,
+        key_mask: torch.Tensor | None = ...,
+        dropout_p: float = ...,
+    ) -> KernelOutput: ...
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        aux: Any,
+        *,
+        scale: float,
+        is_causal: bool = ...,
+        key_mask: torch.Tensor | None = ...,
+        dropout_p: float = ...,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class BranchSpan:
+    """Branch ``(segment_len, rate)`` over the positions [start, end); ``start`` is a segment
+    boundary and the last segment is clipped at ``end``."""
+
+    start: int
+    end: int
+    segment_len: int
+    rate: int
+
+
+class FusedBackend(KernelBackend, Protocol):
+    """A kernel backend that also runs whole dilated branches in place: what the fused engine
+    (``fused.py``) needs (``backends.triton.TritonBackend`` provides it)."""
+
+    def forward_branch(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        span: BranchSpan,
+        *,
+        out_row0: int,
+        scale: float,
+        is_causal: bool,
+        merge: bool,
+        head0: int = 0,
+        merge_from: torch.Tensor | None = None,
+        merge_row0: int = 0,
+    ) -> None: ...
+
+    def row_delta(
+        self, out: torch.Tensor, dout: torch.Tensor, start: int, end: int
+    ) -> torch.Tensor: ...
+
+    def backward_branch(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        lse: torch.Tensor,
+        delta: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        dq: torch.Tensor,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+        span: BranchSpan,
+        *,
+        delta_row0: int,
+        grad_row0: int,
+        scale: float,
+        is_causal: bool,
+        accumulate: bool,
+        head0: int = 0,
+    ) -> None: ...
+
+    def begin_compile(self, family: tuple[Any, ...]) -> AbstractContextManager[None] | None:
+        """A context inside which the branch calls compile their kernels instead of running
+        them, or ``None`` when ``family``'s kernels are ready (Note [Compiling a shape family
+        ahead])."""
+        ...
