@@ -6,6 +6,8 @@ Shape legend: B batch, N seq_len, E embed_dim, H heads, Hkv key/value heads, D h
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from einops import rearrange
 from torch import nn
@@ -564,20 +566,33 @@ class MultiheadDilatedAttention(MultiheadAttention):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        backend = check_backend_name(backend)  # "auto" -> None
         config = MultiheadDilatedConfig(
             embed_dim=embed_dim, num_heads=num_heads, segment_lengths=segment_lengths,
             dilation_rates=dilation_rates, num_kv_heads=num_kv_heads, dropout=dropout, bias=bias,
             layer_norm=layer_norm, layer_norm_eps=layer_norm_eps, gamma_init=gamma_init,
-            backend=backend,
+            backend=check_backend_name(backend),  # "auto" -> None
         )  # fmt: skip
         attention = DilatedAttention(
-            segment_lengths, dilation_rates, dropout=dropout, backend=backend
-        )
-        super().__init__(
-            embed_dim, num_heads, attention, num_kv_heads=num_kv_heads, bias=bias,
-            layer_norm=layer_norm, layer_norm_eps=layer_norm_eps, gamma_init=gamma_init,
-            device=device, dtype=dtype, batch_first=batch_first,
+            config.segment_lengths, config.dilation_rates, dropout=config.dropout,
+            backend=config.backend,
+        )  # fmt: skip
+        self._init_layer(config, attention, batch_first=batch_first, device=device, dtype=dtype)
+
+    def _init_layer(
+        self,
+        config: MultiheadDilatedConfig,
+        attention: nn.Module,
+        *,
+        batch_first: bool,
+        device: torch.device | str | None,
+        dtype: torch.dtype | None,
+    ) -> None:
+        """The layer of ``config`` around ``attention``, an inner module built from the same
+        schedule (here :class:`DilatedAttention`; the ring layer's own)."""
+        MultiheadAttention.__init__(
+            self, config.embed_dim, config.num_heads, attention, num_kv_heads=config.num_kv_heads,
+            bias=config.bias, layer_norm=config.layer_norm, layer_norm_eps=config.layer_norm_eps,
+            gamma_init=config.gamma_init, device=device, dtype=dtype, batch_first=batch_first,
         )  # fmt: skip
         self.config = config
         self.dropout = config.dropout  # as nn.MultiheadAttention.dropout
@@ -695,11 +710,19 @@ class BlockSparseMultiheadAttention(MultiheadAttention):
         attention = BlockSparseAttention(
             pattern, block_size=block_size, scale=scale, backend=backend
         )
-        super().__init__(
+        self._init_layer(
             embed_dim, num_heads, attention, num_kv_heads=num_kv_heads, bias=bias,
             layer_norm=layer_norm, layer_norm_eps=layer_norm_eps, gamma_init=gamma_init,
             device=device, dtype=dtype,
         )  # fmt: skip
+
+    def _init_layer(
+        self, embed_dim: int, num_heads: int, attention: nn.Module, **layer: Any
+    ) -> None:
+        """:class:`MultiheadAttention`'s constructor around ``attention``, an inner block-sparse
+        module (here :class:`BlockSparseAttention`; the ring layer's own), keeping its
+        ``pattern`` and ``block_size``."""
+        MultiheadAttention.__init__(self, embed_dim, num_heads, attention, **layer)
         self.pattern, self.block_size = attention.pattern, attention.block_size
 
 

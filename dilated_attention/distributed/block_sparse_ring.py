@@ -466,14 +466,14 @@ class BlockSparseRingMultiheadAttention(AgreedForward, BlockSparseMultiheadAtten
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__(
-            embed_dim, num_heads, pattern, block_size=block_size, num_kv_heads=num_kv_heads,
-            bias=bias, layer_norm=layer_norm, layer_norm_eps=layer_norm_eps,
-            gamma_init=gamma_init, scale=scale, backend=backend, device=device, dtype=dtype,
-        )  # fmt: skip
-        self.attention = BlockSparseRingAttention(
+        attention = BlockSparseRingAttention(
             pattern, block_size=block_size, group=group, scale=scale, backend=backend
         )
+        self._init_layer(
+            embed_dim, num_heads, attention, num_kv_heads=num_kv_heads, bias=bias,
+            layer_norm=layer_norm, layer_norm_eps=layer_norm_eps, gamma_init=gamma_init,
+            device=device, dtype=dtype,
+        )  # fmt: skip
 
 
 def _build(cls: type[nn.Module]) -> Callable[..., nn.Module]:

@@ -12,6 +12,7 @@ from torch import nn
 
 from .. import _validation as V
 from ..backends.registry import check_backend_name
+from ..config import MultiheadDilatedConfig
 from ..modules import DilatedAttention, MultiheadDilatedAttention
 from .ring import COMMS, AgreedForward, ring_attention
 from .ring_dilated import ring_dilated_attention
@@ -159,15 +160,17 @@ class RingMultiheadDilatedAttention(AgreedForward, MultiheadDilatedAttention):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__(
-            embed_dim, num_heads, segment_lengths, dilation_rates, num_kv_heads=num_kv_heads,
-            dropout=dropout, bias=bias, layer_norm=layer_norm, layer_norm_eps=layer_norm_eps,
-            gamma_init=gamma_init, backend=backend, device=device, dtype=dtype,
+        config = MultiheadDilatedConfig(
+            embed_dim=embed_dim, num_heads=num_heads, segment_lengths=segment_lengths,
+            dilation_rates=dilation_rates, num_kv_heads=num_kv_heads, dropout=dropout, bias=bias,
+            layer_norm=layer_norm, layer_norm_eps=layer_norm_eps, gamma_init=gamma_init,
+            backend=check_backend_name(backend),  # "auto" -> None
         )  # fmt: skip
-        self.attention = RingDilatedAttention(
-            segment_lengths, dilation_rates, group=group, dropout=dropout, backend=backend,
-            layout=layout,
+        attention = RingDilatedAttention(
+            config.segment_lengths, config.dilation_rates, group=group, dropout=config.dropout,
+            backend=config.backend, layout=layout,
         )  # fmt: skip
+        self._init_layer(config, attention, batch_first=True, device=device, dtype=dtype)
 
     def _default_positions(self, n: int, device: torch.device) -> torch.Tensor:
         """This rank's global positions in the sharded sequence (``sequence_positions``)."""
