@@ -15,6 +15,7 @@ prompt and the model's continuation of it.
 from __future__ import annotations
 
 import argparse
+import codecs
 import hashlib
 import math
 import shlex
@@ -110,7 +111,11 @@ def _printable(data: bytes) -> str:
     """``data`` as text that is safe to print: UTF-8 where it decodes, ``\\xNN`` for bytes that
     do not and for control characters other than newline and tab (a model's raw bytes must not
     drive the terminal), and nothing the console's encoding cannot show."""
-    text = data.decode("utf-8", errors="backslashreplace")
+    return _safe_text(data.decode("utf-8", errors="backslashreplace"))
+
+
+def _safe_text(text: str) -> str:
+    """:func:`_printable` of text already decoded (with ``errors="backslashreplace"``)."""
     text = "".join(
         c if c in "\n\t" or c.isprintable() else c.encode("unicode_escape").decode() for c in text
     )
@@ -136,11 +141,20 @@ def format_sample(prompt: bytes, continuation: bytes, *, how: str = "") -> str:
         -----``, the continuation, ``----- end -----``. The continuation carries on from the
         prompt's last character (mid-line when the prompt does not end with a newline).
     """
+    return (
+        f"{_sample_head(prompt, len(continuation), how)}\n{_printable(continuation)}\n{_SAMPLE_END}"
+    )
+
+
+_SAMPLE_END = "----- end -----"
+
+
+def _sample_head(prompt: bytes, length: int, how: str) -> str:
+    """:func:`format_sample`'s lines before the continuation."""
     how = f", {how}" if how else ""
     return (
         f"----- prompt ({len(prompt)} bytes) -----\n{_printable(prompt)}\n"
-        f"----- continuation ({len(continuation)} bytes{how}) -----\n"
-        f"{_printable(continuation)}\n----- end -----"
+        f"----- continuation ({length} bytes{how}) -----"
     )
 
 
@@ -342,8 +356,8 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def generate(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> str:
-    """Load ``args.checkpoint``, continue ``args.prompt`` and print both (see
-    :func:`add_generate_arguments` for the flags).
+    """Load ``args.checkpoint``, continue ``args.prompt`` and print both, the continuation as
+    it is sampled (see :func:`add_generate_arguments` for the flags).
 
     Returns:
         The continuation as text (UTF-8, undecodable bytes replaced).
@@ -369,12 +383,20 @@ def generate(args: argparse.Namespace, parser: argparse.ArgumentParser | None = 
             f"generate feeds it UTF-8 bytes and needs a byte-level model (vocab_size >= 256)"
         )
     tokens = torch.tensor([list(prompt)], dtype=torch.long, device=device)
-    out = model.generate(
+    steps = model.stream(
         tokens, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
         generator=torch.Generator(device=device).manual_seed(args.seed),
     )  # fmt: skip
-    continuation = _as_bytes(out[0, len(prompt) :].tolist())
     top_k = f"top-k {args.top_k}" if args.top_k else "no top-k"
     how = f"temperature {args.temperature:g}, {top_k}, seed {args.seed}"
-    print(format_sample(prompt, continuation, how=how))
-    return continuation.decode("utf-8", errors="replace")
+    # format_sample's text, with the continuation printed as each byte is sampled.
+    print(_sample_head(prompt, args.max_new_tokens, how), flush=True)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="backslashreplace")
+    continuation = bytearray()
+    for step in steps:
+        byte = _as_bytes(step[0].tolist())
+        continuation += byte
+        print(_safe_text(decoder.decode(byte)), end="", flush=True)
+    print(_safe_text(decoder.decode(b"", final=True)))
+    print(_SAMPLE_END)
+    return bytes(continuation).decode("utf-8", errors="replace")

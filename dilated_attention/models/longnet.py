@@ -28,6 +28,7 @@ Note [Block structure]
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -55,6 +56,23 @@ def _positive_float(name: str, value: object, fix: str) -> float:
             f"{name} must be a finite number > 0, got {name}={value!r} ({type(value).__name__})"
         )
     return V.check_positive_float(name, value, fix=fix)
+
+
+def _next_token(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """(B, 1) token ids from (B, V) float logits: the argmax at temperature 0, else a sample
+    from softmax(logits / temperature) restricted to the ``top_k`` most likely tokens."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
 
 
 def _bool(name: str, value: object) -> bool:
@@ -439,29 +457,68 @@ class LongNetLM(nn.Module):
         temperature: float = 1.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
+        stop_token: int | None = None,
     ) -> torch.Tensor:
-        """Sample a continuation, one token at a time.
+        """Sample a continuation, one token at a time: the prompt followed by what
+        :meth:`stream` yields.
 
-        In eval mode (the training mode is restored afterwards). The prompt runs once into one
-        :class:`~dilated_attention.DilatedKVCache` per layer and each new token reads the keys it
-        can see from them (Note [Decoding rows]): the same logits as recomputing the whole
-        forward, at a per-token cost set by the schedule, not the length. When ``max_seq_len``
-        is set and the sequence would outgrow it, every step instead recomputes the forward over
-        the last ``max_seq_len`` tokens. Local attention only (not under ring sharding).
+        Args:
+            prompt, max_new_tokens, temperature, top_k, generator, stop_token: as in
+                :meth:`stream`.
+
+        Returns:
+            (B, N0 + n) token ids: the prompt followed by the n <= ``max_new_tokens`` samples
+            (fewer only when every sequence has produced ``stop_token``; a sequence that stopped
+            earlier is filled with ``stop_token``).
+
+        Raises:
+            ValueError, TypeError: as :meth:`stream`.
+        """
+        steps = self.stream(
+            prompt, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator,
+            stop_token=stop_token,
+        )  # fmt: skip
+        return torch.cat([prompt.long(), *steps], dim=1)
+
+    def stream(
+        self,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+        stop_token: int | None = None,
+    ) -> Iterator[torch.Tensor]:
+        """Sample a continuation token by token, yielding each step's (B, 1) token ids as soon
+        as they are sampled (to print or send them while generation goes on).
+
+        The arguments are checked when this is called, before anything runs. While the iterator
+        runs the model is in eval mode; its training mode comes back when the iterator finishes
+        or is closed. The prompt runs once into one :class:`~dilated_attention.DilatedKVCache`
+        per layer and each new token reads the keys it can see from them (Note [Decoding
+        rows]): the same logits as recomputing the whole forward, at a per-token cost set by the
+        schedule, not the length. When ``max_seq_len`` is set and the sequence would outgrow it,
+        every step instead recomputes the forward over the last ``max_seq_len`` tokens. Local
+        attention only (not under ring sharding).
 
         Args:
             prompt: (B, N0) token ids.
-            max_new_tokens: number of tokens to append (>= 0).
+            max_new_tokens: the most tokens to sample (>= 0).
             temperature: > 0 samples from softmax(logits / temperature); 0 is greedy.
             top_k: sample among the ``top_k`` most likely tokens only (``None``: all).
             generator: a ``torch.Generator`` for reproducible sampling.
+            stop_token: a token id in [0, vocab_size) that ends a sequence: once a sequence
+                has produced it, its later steps are ``stop_token`` too, and the iterator ends
+                after the step where every sequence has (``None``: run ``max_new_tokens``
+                steps).
 
-        Returns:
-            (B, N0 + max_new_tokens) token ids: the prompt followed by the samples.
+        Yields:
+            (B, 1) token ids (int64), one step at a time.
 
         Raises:
             ValueError: bad prompt, ``max_new_tokens < 0``, ``temperature`` negative or not
-                finite, ``top_k < 1``.
+                finite, ``top_k < 1``, ``stop_token`` not a token id.
             TypeError: ``generator`` is not a ``torch.Generator``.
         """
         tokens = self._check_tokens(prompt)
@@ -485,10 +542,34 @@ class LongNetLM(nn.Module):
                 f"generator must be a torch.Generator or None, got {generator!r} "
                 f"({type(generator).__name__}); e.g. torch.Generator().manual_seed(0)"
             )
+        vocab = self.config.vocab_size
+        if stop_token is not None and (
+            isinstance(stop_token, bool)
+            or not isinstance(stop_token, int)
+            or not 0 <= stop_token < vocab
+        ):
+            raise ValueError(
+                f"stop_token must be a token id in [0, {vocab}) or None, got "
+                f"stop_token={stop_token!r}; e.g. the id of your end-of-text token"
+            )
+        return self._sample(
+            tokens.long(), max_new_tokens, temperature, top_k, generator, stop_token
+        )
+
+    def _sample(
+        self,
+        tokens: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int | None,
+        generator: torch.Generator | None,
+        stop_token: int | None,
+    ) -> Iterator[torch.Tensor]:
+        """:meth:`stream`'s loop over checked arguments."""
         was_training = self.training
         self.eval()
         try:
-            out = tokens.long()
+            out = tokens
             cap = self.config.max_seq_len
             fits = cap is None or out.shape[1] + max_new_tokens <= cap
             cached = fits and all(
@@ -496,23 +577,22 @@ class LongNetLM(nn.Module):
                 for block in self.blocks
             )
             caches = self.new_caches() if cached else None
+            stopped = torch.zeros(out.shape[0], 1, dtype=torch.bool, device=out.device)
             step = out
             for _ in range(max_new_tokens):
-                if caches is not None:  # the new tokens only, against the cached keys
-                    logits = self(step, caches=caches)[:, -1, :].float()
-                else:
-                    logits = self(out if cap is None else out[:, -cap:])[:, -1, :].float()
-                if temperature == 0:
-                    nxt = logits.argmax(dim=-1, keepdim=True)
-                else:
-                    logits = logits / temperature
-                    if top_k is not None and top_k < logits.shape[-1]:
-                        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-                        logits = logits.masked_fill(logits < kth, float("-inf"))
-                    probs = torch.softmax(logits, dim=-1)
-                    nxt = torch.multinomial(probs, 1, generator=generator)
-                step = nxt.to(out.device)
-                out = torch.cat([out, step], dim=1)
-            return out
+                with torch.no_grad():
+                    if caches is not None:  # the new tokens only, against the cached keys
+                        logits = self(step, caches=caches)[:, -1, :].float()
+                    else:
+                        logits = self(out if cap is None else out[:, -cap:])[:, -1, :].float()
+                step = _next_token(logits, temperature, top_k, generator).to(out.device)
+                if stop_token is not None:
+                    step = step.masked_fill(stopped, stop_token)
+                    stopped |= step == stop_token
+                if caches is None:
+                    out = torch.cat([out, step], dim=1)
+                yield step
+                if stop_token is not None and bool(stopped.all()):
+                    return
         finally:
             self.train(was_training)

@@ -326,3 +326,53 @@ def test_caches_are_checked() -> None:
     tokens = torch.randint(0, SMALL["vocab_size"], (1, 5))
     with pytest.raises(ValueError, match=r"caches must be a list of 2 DilatedKVCache"):
         model(tokens, caches=model.new_caches()[:1])
+
+
+def test_stream_yields_generates_tokens_one_step_at_a_time() -> None:
+    """``stream`` yields (B, 1) steps whose concatenation is ``generate``'s continuation; the
+    model is in eval mode while it runs and back in training mode once it is exhausted or
+    closed."""
+    model = small_model()
+    model.train()
+    prompt = torch.randint(0, 61, (2, 9))
+    steps = model.stream(prompt, 6, top_k=5, generator=torch.Generator().manual_seed(7))
+    first = next(steps)
+    assert first.shape == (2, 1) and first.dtype == torch.int64
+    assert not model.training  # sampling runs in eval mode
+    rest = list(steps)
+    assert len(rest) == 5 and model.training
+    expected = model.generate(prompt, 6, top_k=5, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(torch.cat([prompt, first, *rest], dim=1), expected)
+    closed = model.stream(prompt, 6)
+    next(closed)
+    closed.close()
+    assert model.training
+
+
+def test_stop_token_ends_each_sequence_and_the_stream_when_all_have_stopped() -> None:
+    """A sequence that produced ``stop_token`` continues with it; the others are unaffected (a
+    batch row never reads another); generation ends at the step where the last one stops."""
+    model = small_model().double().eval()
+    prompt = torch.randint(0, 61, (3, 7), generator=torch.Generator().manual_seed(2))
+    free = model.generate(prompt, 12, temperature=0)[:, 7:]
+    stop = int(free[0, 2])  # row 0 stops at step 2 (or earlier if it produced it before)
+    hits = [(row == stop).nonzero().flatten().tolist() for row in free]
+    first = [h[0] if h else None for h in hits]
+    got = model.generate(prompt, 12, temperature=0, stop_token=stop)[:, 7:]
+    steps = 12 if None in first else max(first) + 1
+    assert got.shape == (3, steps)
+    for row, at in enumerate(first):
+        end = steps if at is None else at + 1
+        assert torch.equal(got[row, :end], free[row, :end])
+        assert bool((got[row, end:] == stop).all())
+    alone = model.generate(prompt[:1], 12, temperature=0, stop_token=stop)
+    assert torch.equal(alone[:, 7:], free[:1, : first[0] + 1])  # ends at its stop token
+
+
+@pytest.mark.parametrize("bad", [-1, 61, 2.0, True, "eos"])
+def test_stop_token_is_checked_when_the_stream_is_made(bad: object) -> None:
+    model = small_model()
+    with pytest.raises(ValueError, match=r"stop_token must be a token id in \[0, 61\)"):
+        model.stream(torch.randint(0, 61, (1, 4)), 3, stop_token=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"max_new_tokens must be >= 0"):
+        model.stream(torch.randint(0, 61, (1, 4)), -1)
