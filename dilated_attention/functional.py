@@ -262,10 +262,13 @@ def dilated_attention(
     # registry's kernel; otherwise the dilated registry's. A cache that holds earlier tokens
     # makes every call a decoding one.
     decoding = q.shape[1] != k.shape[1] or (cache is not None and cache.length > 0)
+    # Decoding calls are one row against its keys and, in a chunk, square causal calls (Note
+    # [Decoding rows]): the kernel is chosen for those shapes.
+    chunk = decoding and q.shape[1] > 1
     kernel = _choose(
-        q[:, :1] if decoding else q, k, is_causal=is_causal and not decoding,
-        has_mask=key_padding_mask is not None, dropout_p=dropout_p, backend=backend,
-        operation=DENSE if decoding else DILATED,
+        q[:, :1] if decoding else q, k[:, :1] if chunk else k,
+        is_causal=chunk if decoding else is_causal, has_mask=key_padding_mask is not None,
+        dropout_p=dropout_p, backend=backend, operation=DENSE if decoding else DILATED,
     )  # fmt: skip
     key_start = 0
     if cache is not None:  # checked and chosen: the new tokens' keys join the ones they read

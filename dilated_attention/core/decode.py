@@ -5,17 +5,21 @@ Note [Decoding rows]
     ``p`` and head ``h`` the keys ``t0 + s + r*m <= p`` of its segment, where ``t0 = (p // w) * w``
     and ``s = h mod r``, provided ``p`` is itself one of the head's rows (``(p - t0) mod r == s``);
     otherwise that branch does not cover the row (Note [Row groups] in ``segment.py``). So the
-    queries at the last ``Nq`` positions ``Nk - Nq .. Nk - 1`` need no other queries: each
-    (position, branch) is one kernel call of the heads with offset ``(p - t0) mod r`` (a strided
-    slice of the heads, read as a view) against at most ``ceil(w / r)`` keys, none after ``p``
-    (so no causal mask inside the call). The executor merges the branches as in the full forward
-    (Note [One executor] in ``engine.py``), so each row equals that row of the full causal
-    forward over the ``Nk`` positions, whatever ``Nk`` is: the cost of one decoded token is the
-    sum over branches of ``w / r`` keys. The branches are the effective ones of ``Nk`` positions
-    (Note [Effective branches]): ``w > Nk`` is one segment.
+    queries at the last ``Nq`` positions ``Nk - Nq .. Nk - 1`` need no other queries. Per branch,
+    segment and offset class ``s``, the queries of the chunk in that segment with that offset
+    (every ``r``-th position, a strided slice of the heads) read the keys of that class from
+    the segment's start: the keys before the chunk's first such query are visible to all of
+    them (one call without a mask), and the rest are the queries' own positions (one square
+    causal call). One new token is a single call per branch against at most ``ceil(w / r)``
+    keys; a chunk of ``C`` tokens is at most two calls per (branch, segment, offset class),
+    whatever ``C`` (chunked prefill). The executor merges the calls as in the full forward (Note
+    [One executor] in ``engine.py``), so each row equals that row of the full causal forward
+    over the ``Nk`` positions, whatever ``Nk`` is: the cost of a decoded token is the sum over
+    branches of ``w / r`` keys. The branches are the effective ones of ``Nk`` positions (Note
+    [Effective branches]): ``w > Nk`` is one segment.
 
 Shape legend: B batch, Nq query positions (the last of the Nk key positions), H query heads,
-Hkv key/value heads, D head dim, Hc heads of one call, c keys of one call.
+Hkv key/value heads, D head dim, Hc heads of one call, Lq queries and Lk keys of one call.
 """
 
 from __future__ import annotations
@@ -24,59 +28,68 @@ import functools
 
 import torch
 
-from .engine import Plan, _put_slice
+from .engine import Plan
 from .higher_order import RowCall, flat_rows
 
 
 class DecodeCall:
-    """One query position's heads of one offset class against their keys in one branch
-    (``Call`` in ``engine.py``): q rows ``q[:, q_pos, heads]`` (a view), keys and values at
-    ``kv_pos`` with each query head reading its own key/value head (GQA heads repeated)."""
-
-    causal = False  # every key of the call is at or before the query
+    """Query positions of one offset class against their keys in one branch and segment
+    (``Call`` in ``engine.py``): the rows ``q[:, q_pos, heads]`` and, with each query head
+    reading its own key/value head (GQA heads repeated), the keys and values at ``kv_pos``;
+    ``causal``: the keys are the queries' own positions (a square, top-left causal call)."""
 
     def __init__(
         self,
-        q_pos: int,
+        q_pos: torch.Tensor,
         heads: slice,
         kv_pos: torch.Tensor,
         num_heads: int,
         num_kv_heads: int,
+        *,
+        causal: bool,
     ) -> None:
-        self.q_pos, self.heads = q_pos, heads
+        self.heads, self.causal = heads, causal
         head_ids = torch.arange(num_heads, device=kv_pos.device)[heads]
         kv_heads = head_ids // (num_heads // num_kv_heads)  # (Hc,)
-        self.q_flat = (q_pos * num_heads + head_ids).view(1, -1)  # (1, Hc)
-        # (1, c * Hc) in (row, head) order: the rows of k.view(B, Nk * Hkv, D) the call reads.
+        # (1, Lq * Hc) and (1, Lk * Hc) in (row, head) order: the rows of q.view(B, Nq * H, D)
+        # and of k.view(B, Nk * Hkv, D) the call reads.
+        self.q_flat = (q_pos.view(-1, 1) * num_heads + head_ids.view(1, -1)).view(1, -1)
         self.kv_flat = (kv_pos.view(-1, 1) * num_kv_heads + kv_heads.view(1, -1)).view(1, -1)
-        self.kv_pos, self.call_heads = kv_pos, head_ids.numel()
+        self.q_pos, self.kv_pos, self.call_heads = q_pos, kv_pos, head_ids.numel()
 
     def q_rows(self, x: torch.Tensor) -> torch.Tensor:
-        return x[:, self.q_pos : self.q_pos + 1, self.heads]
+        return flat_rows(x, self.q_flat, self.call_heads)
 
     def kv_rows(self, x: torch.Tensor) -> torch.Tensor:
         return flat_rows(x, self.kv_flat, self.call_heads)
 
     def key_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
-        """(B, Nk) bool -> (B, 1, c)."""
+        """(B, Nk) bool -> (B, 1, Lk)."""
         return None if mask is None else mask[:, self.kv_pos].unsqueeze(1)
 
     def put_q(self, dest: torch.Tensor, rows: torch.Tensor, *, accumulate: bool) -> None:
-        block = dest[:, self.q_pos : self.q_pos + 1]
-        _put_slice(block.transpose(1, 2), self.heads, rows.transpose(1, 2), accumulate)
+        _put_flat(dest, self.q_flat, rows, accumulate)
 
     def put_kv(self, dest: torch.Tensor, rows: torch.Tensor, *, accumulate: bool) -> None:
-        batch, _, _, dim = dest.shape
-        flat = dest.view(batch, -1, dim)
-        src = rows.reshape(batch, -1, dim).to(dest.dtype)
-        if accumulate:
-            flat.index_add_(1, self.kv_flat.view(-1), src)
-        else:
-            flat.index_copy_(1, self.kv_flat.view(-1), src)
+        _put_flat(dest, self.kv_flat, rows, accumulate)
 
     def row_call(self, q: torch.Tensor, k: torch.Tensor) -> RowCall:
         heads = self.call_heads
-        return RowCall(self.q_flat, self.kv_flat, heads, heads, causal=False)
+        return RowCall(self.q_flat, self.kv_flat, heads, heads, causal=self.causal)
+
+
+def _put_flat(
+    dest: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, accumulate: bool
+) -> None:
+    """Write (or add) ``rows`` (B, L, Hc, E) into the (position, head) rows ``index`` (1, L * Hc)
+    of ``dest`` (B, N, H, E), contiguous, in place."""
+    batch, dim = dest.shape[0], dest.shape[-1]
+    flat = dest.view(batch, -1, dim)
+    src = rows.reshape(batch, -1, dim).to(dest.dtype)
+    if accumulate:
+        flat.index_add_(1, index.view(-1), src)
+    else:
+        flat.index_copy_(1, index.view(-1), src)
 
 
 @functools.lru_cache(maxsize=64)
@@ -92,19 +105,35 @@ def decode_plan(
 ) -> Plan:
     """The executor's plan for the queries at the last ``query_len`` of ``key_len`` positions
     (Note [Decoding rows]); ``segment_lengths`` / ``dilation_rates`` are the effective branches
-    of ``key_len`` positions. One call per (query position, branch) that covers some head.
-    ``key_start``: the position of the keys' first row (a cache holds the later rows only;
-    every key a call reads is at or after it)."""
+    of ``key_len`` positions. Per (branch, segment, offset class) with queries: a call for the
+    keys before the first query and a causal call for the queries' own keys (one call when
+    there is one query). ``key_start``: the position of the keys' first row (a cache holds the
+    later rows only; every key a call reads is at or after it)."""
     calls = []
     first = key_len - query_len
-    for i in range(query_len):
-        p = first + i
-        for w, r in zip(segment_lengths, dilation_rates, strict=True):
-            start = (p // w) * w
-            offset = (p - start) % r
-            if offset >= num_heads:
-                continue  # no head has this offset: the branch covers no row at p
-            kv_pos = torch.arange(start + offset - key_start, p + 1 - key_start, r, device=device)
-            heads = slice(offset, num_heads, r)
-            calls.append(DecodeCall(i, heads, kv_pos, num_heads, num_kv_heads))
+
+    def positions(lo: int, hi: int, step: int, origin: int) -> torch.Tensor:
+        return torch.arange(lo - origin, hi - origin, step, device=device)
+
+    for w, r in zip(segment_lengths, dilation_rates, strict=True):
+        for t0 in range((first // w) * w, key_len, w):
+            lo, hi = max(first, t0), min(key_len, t0 + w)  # the chunk's positions in the segment
+            for s in range(min(r, num_heads)):
+                q_lo = t0 + s + -(-(lo - t0 - s) // r) * r  # the first query of class s
+                if q_lo >= hi:
+                    continue
+                heads = slice(s, num_heads, r)
+                q_pos = positions(q_lo, hi, r, first)
+                if q_pos.numel() == 1:  # one query: every key up to it, no mask
+                    kv_pos = positions(t0 + s, q_lo + 1, r, key_start)
+                    calls.append(DecodeCall(q_pos, heads, kv_pos, num_heads, num_kv_heads,
+                                            causal=False))  # fmt: skip
+                    continue
+                if q_lo > t0 + s:  # keys before the first query: seen by every query
+                    kv_pos = positions(t0 + s, q_lo, r, key_start)
+                    calls.append(DecodeCall(q_pos, heads, kv_pos, num_heads, num_kv_heads,
+                                            causal=False))  # fmt: skip
+                kv_pos = positions(q_lo, hi, r, key_start)
+                calls.append(DecodeCall(q_pos, heads, kv_pos, num_heads, num_kv_heads,
+                                        causal=True))  # fmt: skip
     return Plan(tuple(calls))

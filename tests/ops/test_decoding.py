@@ -34,7 +34,7 @@ def _tensors(n: int, heads: int, kv_heads: int, seed: int = 0) -> list[torch.Ten
     return [torch.randn(s, generator=gen, dtype=F64) for s in shapes]
 
 
-@pytest.mark.parametrize("query_len", [1, 3, 7])
+@pytest.mark.parametrize("query_len", [1, 3, 7, 23])
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=[s[0] for s in SCHEDULES])
 @pytest.mark.parametrize("backend", CPU_BACKENDS, ids=backend_id)
 def test_last_rows_equal_the_full_causal_forward(
@@ -44,7 +44,7 @@ def test_last_rows_equal_the_full_causal_forward(
     q, k, v = _tensors(n, heads, kv_heads)
     tail = q[:, n - query_len :].clone().requires_grad_()
     keys = [t.clone().requires_grad_() for t in (k, v)]
-    skip_unless_runnable(backend, tail, *keys, is_causal=False, key_padding_mask=None)
+    skip_unless_runnable(backend, tail, *keys, is_causal=query_len > 1, key_padding_mask=None)
     out, lse = dilated_attention(
         tail, *keys, list(segs), list(rates), is_causal=True, backend=backend, return_lse=True
     )
@@ -112,6 +112,31 @@ def test_a_new_token_reads_at_most_w_over_r_keys_per_branch() -> None:
     assert len(sizes) == 3
     assert all(size <= math.ceil(w / r) for size, w, r in zip(sizes, segs, rates, strict=True))
     assert all(int(call.kv_pos.max()) == key_len - 1 for call in plan.calls)
+
+
+def test_a_chunk_is_a_few_calls_per_branch_and_offset_class_whatever_its_length() -> None:
+    """Chunked prefill: 4,096 new positions after a million are at most two calls per (branch,
+    segment, offset class) (keys before the chunk; the chunk's own keys, causal), each reading
+    at most ceil(w / r) keys of its branch, and every (position, head) a branch covers is the
+    query of exactly one call that reads its own key (Note [Decoding rows])."""
+    key_len, query_len, heads = 2**20 + 4096, 4096, 16
+    segs, rates = effective_branches(key_len, heads, (2048, 8192, 32768), (1, 4, 16))
+    branches = list(zip(segs, rates, strict=True))
+    plan = decode_plan(query_len, key_len, heads, 4, segs, rates, torch.device("cpu"))
+    bound = sum(2 * (query_len // w + 2) * min(r, heads) for w, r in branches)
+    assert len(plan.calls) <= bound
+    longest = max(math.ceil(w / r) for w, r in branches)
+    assert all(c.kv_pos.numel() <= longest for c in plan.calls)
+    first = key_len - query_len
+    covered = torch.zeros(query_len, heads, dtype=torch.long)
+    for call in plan.calls:
+        if call.causal or call.q_pos.numel() == 1:  # the calls that read the queries' own keys
+            rows = call.q_flat.view(-1)
+            covered.view(-1).index_add_(0, rows, torch.ones_like(rows))
+    pos = torch.arange(first, key_len).view(-1, 1)
+    head = torch.arange(heads).view(1, -1)
+    expected = sum(((pos % w) % r == head % r).long() for w, r in branches)
+    assert torch.equal(covered, expected)
 
 
 @pytest.mark.parametrize(
