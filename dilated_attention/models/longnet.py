@@ -28,7 +28,7 @@ Note [Block structure]
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -451,14 +451,14 @@ class LongNetLM(nn.Module):
     @torch.no_grad()
     def generate(
         self,
-        prompt: torch.Tensor,
+        prompt: torch.Tensor | Sequence[torch.Tensor],
         max_new_tokens: int,
         *,
         temperature: float = 1.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
         stop_token: int | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | list[torch.Tensor]:
         """Sample a continuation, one token at a time: the prompt followed by what
         :meth:`stream` yields.
 
@@ -467,22 +467,36 @@ class LongNetLM(nn.Module):
                 :meth:`stream`.
 
         Returns:
-            (B, N0 + n) token ids: the prompt followed by the n <= ``max_new_tokens`` samples
-            (fewer only when every sequence has produced ``stop_token``; a sequence that stopped
-            earlier is filled with ``stop_token``).
+            For a (B, N0) prompt, (B, N0 + n) token ids: the prompt followed by the
+            n <= ``max_new_tokens`` samples (fewer only when every sequence has produced
+            ``stop_token``; a sequence that stopped earlier is filled with ``stop_token``). For a
+            list of prompts, a list of 1-D tensors: each prompt followed by its samples, up to
+            and including its ``stop_token``.
 
         Raises:
             ValueError, TypeError: as :meth:`stream`.
         """
-        steps = self.stream(
-            prompt, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator,
-            stop_token=stop_token,
+        steps = list(
+            self.stream(
+                prompt, max_new_tokens, temperature=temperature, top_k=top_k,
+                generator=generator, stop_token=stop_token,
+            )
         )  # fmt: skip
-        return torch.cat([prompt.long(), *steps], dim=1)
+        if isinstance(prompt, torch.Tensor):
+            return torch.cat([prompt.long(), *steps], dim=1)
+        samples = torch.cat(steps, dim=1) if steps else None
+        out = []
+        for row, tokens in enumerate(prompt):
+            sampled = samples[row] if samples is not None else tokens.new_empty(0)
+            if stop_token is not None:
+                hits = (sampled == stop_token).nonzero()
+                sampled = sampled[: int(hits[0]) + 1] if hits.numel() else sampled
+            out.append(torch.cat([tokens.long().to(sampled.device), sampled.long()]))
+        return out
 
     def stream(
         self,
-        prompt: torch.Tensor,
+        prompt: torch.Tensor | Sequence[torch.Tensor],
         max_new_tokens: int,
         *,
         temperature: float = 1.0,
@@ -502,8 +516,12 @@ class LongNetLM(nn.Module):
         every step instead recomputes the forward over the last ``max_seq_len`` tokens. Local
         attention only (not under ring sharding).
 
+        Prompts of different lengths come as a list of 1-D token id tensors: each is sampled
+        exactly as it would be alone (no padding: the rows of each length share one batch and
+        one set of caches, and the batches advance together, one step at a time).
+
         Args:
-            prompt: (B, N0) token ids.
+            prompt: (B, N0) token ids, or a list of B 1-D token id tensors (any lengths >= 1).
             max_new_tokens: the most tokens to sample (>= 0).
             temperature: > 0 samples from softmax(logits / temperature); 0 is greedy.
             top_k: sample among the ``top_k`` most likely tokens only (``None``: all).
@@ -521,7 +539,7 @@ class LongNetLM(nn.Module):
                 finite, ``top_k < 1``, ``stop_token`` not a token id.
             TypeError: ``generator`` is not a ``torch.Generator``.
         """
-        tokens = self._check_tokens(prompt)
+        groups = self._prompt_groups(prompt)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         if max_new_tokens < 0:
@@ -552,45 +570,84 @@ class LongNetLM(nn.Module):
                 f"stop_token must be a token id in [0, {vocab}) or None, got "
                 f"stop_token={stop_token!r}; e.g. the id of your end-of-text token"
             )
-        return self._sample(
-            tokens.long(), max_new_tokens, temperature, top_k, generator, stop_token
-        )
+        return self._sample(groups, max_new_tokens, temperature, top_k, generator, stop_token)
+
+    def _prompt_groups(self, prompt: object) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(rows, tokens)`` per prompt length: the batch rows (int64 indices) and their
+        (b, N0) int64 token ids, after checking every prompt."""
+        if isinstance(prompt, torch.Tensor):
+            tokens = self._check_tokens(prompt).long()
+            return [(torch.arange(tokens.shape[0]), tokens)]
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ValueError(
+                f"prompt must be a (batch, seq_len) tensor of token ids or a non-empty list of "
+                f"1-D token id tensors (prompts of different lengths), got {type(prompt).__name__}"
+            )
+        by_length: dict[int, list[int]] = {}
+        for row, tokens in enumerate(prompt):
+            if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.numel() == 0:
+                shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens)
+                raise ValueError(
+                    f"prompt[{row}] must be a non-empty 1-D tensor of token ids, got {shape}; "
+                    f"pass prompts of one length as a (batch, seq_len) tensor instead"
+                )
+            if tokens.device != prompt[0].device:
+                raise ValueError(
+                    f"prompt[{row}] is on {tokens.device} and prompt[0] on {prompt[0].device}; "
+                    f"move every prompt to one device"
+                )
+            self._check_tokens(tokens.unsqueeze(0))
+            by_length.setdefault(tokens.numel(), []).append(row)
+        return [
+            (torch.tensor(rows), torch.stack([prompt[i] for i in rows]).long())
+            for rows in by_length.values()
+        ]
 
     def _sample(
         self,
-        tokens: torch.Tensor,
+        groups: list[tuple[torch.Tensor, torch.Tensor]],
         max_new_tokens: int,
         temperature: float,
         top_k: int | None,
         generator: torch.Generator | None,
         stop_token: int | None,
     ) -> Iterator[torch.Tensor]:
-        """:meth:`stream`'s loop over checked arguments."""
+        """:meth:`stream`'s loop over checked arguments: ``groups`` of (rows, (b, N0) tokens)
+        advance together, each with caches of its own."""
         was_training = self.training
         self.eval()
         try:
-            out = tokens
+            batch = sum(rows.numel() for rows, _ in groups)
+            device = groups[0][1].device
             cap = self.config.max_seq_len
-            fits = cap is None or out.shape[1] + max_new_tokens <= cap
-            cached = fits and all(
+            decodes = all(
                 getattr(block.attn.mha.attention, "decodes_with_cache", False)
                 for block in self.blocks
             )
-            caches = self.new_caches() if cached else None
-            stopped = torch.zeros(out.shape[0], 1, dtype=torch.bool, device=out.device)
-            step = out
+            states = []
+            for rows, tokens in groups:  # (rows, all tokens so far, new tokens, caches)
+                fits = cap is None or tokens.shape[1] + max_new_tokens <= cap
+                caches = self.new_caches() if fits and decodes else None
+                states.append([rows.to(device), tokens, tokens, caches])
+            stopped = torch.zeros(batch, 1, dtype=torch.bool, device=device)
             for _ in range(max_new_tokens):
-                with torch.no_grad():
-                    if caches is not None:  # the new tokens only, against the cached keys
-                        logits = self(step, caches=caches)[:, -1, :].float()
-                    else:
-                        logits = self(out if cap is None else out[:, -cap:])[:, -1, :].float()
-                step = _next_token(logits, temperature, top_k, generator).to(out.device)
+                step = torch.empty(batch, 1, dtype=torch.long, device=device)
+                for state in states:
+                    rows, out, new, caches = state
+                    with torch.no_grad():
+                        if caches is not None:  # the new tokens only, against the cached keys
+                            logits = self(new, caches=caches)[:, -1, :].float()
+                        else:
+                            window = out if cap is None else out[:, -cap:]
+                            logits = self(window)[:, -1, :].float()
+                    nxt = _next_token(logits, temperature, top_k, generator).to(device)
+                    if stop_token is not None:
+                        nxt = nxt.masked_fill(stopped[rows], stop_token)
+                    step[rows] = nxt
+                    state[1] = out if caches is not None else torch.cat([out, nxt], dim=1)
+                    state[2] = nxt
                 if stop_token is not None:
-                    step = step.masked_fill(stopped, stop_token)
                     stopped |= step == stop_token
-                if caches is None:
-                    out = torch.cat([out, step], dim=1)
                 yield step
                 if stop_token is not None and bool(stopped.all()):
                     return

@@ -376,3 +376,42 @@ def test_stop_token_is_checked_when_the_stream_is_made(bad: object) -> None:
         model.stream(torch.randint(0, 61, (1, 4)), 3, stop_token=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"max_new_tokens must be >= 0"):
         model.stream(torch.randint(0, 61, (1, 4)), -1)
+
+
+def test_prompts_of_different_lengths_are_each_sampled_as_alone() -> None:
+    """A list of prompts of different lengths: each continuation equals generating that
+    prompt alone (greedy), with the rows of one length batched; ``stream`` yields (B, 1) steps
+    in the list's order; with ``stop_token`` each result ends at its own stop token."""
+    model = small_model().double().eval()
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 61, (n,), generator=gen) for n in (5, 12, 5, 30)]
+    alone = [model.generate(p.unsqueeze(0), 9, temperature=0)[0] for p in prompts]
+    got = model.generate(prompts, 9, temperature=0)
+    assert isinstance(got, list) and len(got) == 4
+    for g, a in zip(got, alone, strict=True):
+        assert torch.equal(g, a)
+    steps = torch.cat(list(model.stream(prompts, 9, temperature=0)), dim=1)
+    assert torch.equal(steps, torch.stack([a[-9:] for a in alone]))
+
+    stop = int(alone[1][12 + 3])  # the second prompt's fourth sample
+    ended = model.generate(prompts, 9, temperature=0, stop_token=stop)
+    for e, a, p in zip(ended, alone, prompts, strict=True):
+        sampled = a[p.numel() :]
+        hits = (sampled == stop).nonzero()
+        end = int(hits[0]) + 1 if hits.numel() else 9
+        assert torch.equal(e, a[: p.numel() + end])
+
+
+@pytest.mark.parametrize(
+    ("prompts", "match"),
+    [
+        ([], r"non-empty list of 1-D token id tensors"),
+        ([torch.zeros(2, 3, dtype=torch.long)], r"prompt\[0\] must be a non-empty 1-D tensor"),
+        ([torch.zeros(3, dtype=torch.long), torch.zeros(0, dtype=torch.long)], r"prompt\[1\]"),
+        ([torch.zeros(3, dtype=torch.long), torch.full((2,), 61)], r"token ids"),
+    ],
+)
+def test_bad_prompt_lists_raise_before_sampling(prompts: list, match: str) -> None:
+    model = small_model()
+    with pytest.raises(ValueError, match=match):
+        model.stream(prompts, 3)
