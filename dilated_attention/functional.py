@@ -55,7 +55,6 @@ def _check_cache(
     q: torch.Tensor,
     k: torch.Tensor,
     is_causal: bool,
-    key_padding_mask: torch.Tensor | None,
 ) -> None:
     """``cache=`` is this layer's :class:`DilatedKVCache`, for causal calls on new tokens."""
     if not isinstance(cache, DilatedKVCache):
@@ -69,11 +68,6 @@ def _check_cache(
         raise ValueError(
             f"with cache=, pass the new tokens' query, key and value (the same length), got "
             f"query.shape={tuple(q.shape)}, key.shape={tuple(k.shape)}; the cache holds the rest"
-        )
-    if key_padding_mask is not None:
-        raise ValueError(
-            "key_padding_mask is not supported with cache= yet; decode unpadded sequences, or "
-            "pass every key with its mask and no cache"
         )
     cache.check(segs, rates, k)
 
@@ -222,7 +216,8 @@ def dilated_attention(
             ``is_causal=True``: query, key and value are the next tokens' (same length); their
             keys and values are appended to the cache and the queries attend to every key they
             can read, which the cache keeps within the longest segment (Note [Bounded dilated
-            cache]). No key padding mask with a cache.
+            cache]). With a cache, ``key_padding_mask`` is (B, N) over the new keys; the cache
+            keeps the masks of the keys it holds.
 
     Returns:
         ``out`` (B, N, H, D) in the input dtype, or ``(out, lse)`` with ``lse`` (B, H, N) float32
@@ -243,7 +238,7 @@ def dilated_attention(
     _check_decoding_lengths(q, k, is_causal)
     V.check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[1], q.device)
     if cache is not None:
-        _check_cache(cache, segs, rates, q, k, is_causal, key_padding_mask)
+        _check_cache(cache, segs, rates, q, k, is_causal)
     dropout_p = V.check_dropout("dropout_p", dropout_p)
     checked_scale = V.check_scale(scale)
     backend = check_backend_name(backend)
@@ -272,7 +267,7 @@ def dilated_attention(
     )  # fmt: skip
     key_start = 0
     if cache is not None:  # checked and chosen: the new tokens' keys join the ones they read
-        k, v, key_start = cache.append(k, v)
+        k, v, key_padding_mask, key_start = cache.append(k, v, key_padding_mask)
     if q.numel() == 0:
         out, lse = empty_attention(q, k, v)
         return (out, lse) if return_lse else out

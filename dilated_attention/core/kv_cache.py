@@ -35,6 +35,8 @@ class DilatedKVCache:
         length: tokens seen so far (the position of the next token).
         start: position of the first row still held.
         key, value: (B, length - start, Hkv, D) held rows, or None before the first call.
+        key_padding_mask: (B, length - start) bool over the held rows (``True`` = ignore), or
+            None while no call has passed a mask.
     """
 
     def __init__(
@@ -48,11 +50,12 @@ class DilatedKVCache:
         self.start = 0
         self.key: torch.Tensor | None = None
         self.value: torch.Tensor | None = None
+        self.key_padding_mask: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the held keys and values."""
-        held = [t for t in (self.key, self.value) if t is not None]
+        """Bytes of the held keys, values and mask."""
+        held = [t for t in (self.key, self.value, self.key_padding_mask) if t is not None]
         return sum(t.numel() * t.element_size() for t in held)
 
     def check(
@@ -81,17 +84,30 @@ class DilatedKVCache:
             )
 
     def append(
-        self, key: torch.Tensor, value: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Drop the rows no new token can read, append ``key``/``value`` (B, n, Hkv, D), and
-        return the held keys, values and the position of their first row."""
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+        """Drop the rows no new token can read, append ``key``/``value`` (B, n, Hkv, D) and their
+        ``key_padding_mask`` (B, n) bool (None: none of them ignored), and return the held keys,
+        values, mask (None while no call has passed one) and the position of their first
+        row."""
         keep_from = min((self.length // w) * w for w in self.segment_lengths)
+        drop = keep_from - self.start
+        held = 0 if self.key is None else self.key.shape[1] - drop
+        if key_padding_mask is not None or self.key_padding_mask is not None:
+            batch, none_ignored = key.shape[0], {"dtype": torch.bool, "device": key.device}
+            old = self.key_padding_mask
+            old = torch.zeros(batch, held, **none_ignored) if old is None else old[:, drop:]
+            new = key_padding_mask
+            new = torch.zeros(batch, key.shape[1], **none_ignored) if new is None else new
+            self.key_padding_mask = torch.cat([old, new], dim=1)
         if self.key is None or self.value is None:
             self.key, self.value = key, value
         else:
-            drop = keep_from - self.start
             self.key = torch.cat([self.key[:, drop:], key], dim=1)
             self.value = torch.cat([self.value[:, drop:], value], dim=1)
             self.start = keep_from
         self.length += key.shape[1]
-        return self.key, self.value, self.start
+        return self.key, self.value, self.key_padding_mask, self.start

@@ -183,6 +183,29 @@ def test_cache_chunks_equal_the_full_forward_and_stay_bounded(schedule: tuple) -
     torch.testing.assert_close(torch.cat(outs, dim=1), full, **TIGHT)
 
 
+def test_cache_keeps_the_masks_of_its_keys() -> None:
+    """Left-padded prompts, then chunks and tokens (one of them masked) through one cache, each
+    call with the mask of its new keys: every row equals the full forward under the whole mask,
+    and the cache drops its mask rows with its keys."""
+    _, n, heads, kv_heads, segs, rates = SCHEDULES[0]
+    q, k, v = _tensors(n, heads, kv_heads, seed=13)
+    mask = torch.zeros(2, n, dtype=torch.bool)
+    mask[1, :7] = True  # the second sequence is left-padded by 7
+    mask[0, 30] = True  # and one later key of the first is ignored
+    full, _ = oracle_dilated_attention(q, k, v, segs, rates, is_causal=True, key_padding_mask=mask)
+    cache, outs, t = DilatedKVCache(segs, rates), [], 0
+    for size in (12, 1, 9, 1, 17, n - 40):
+        piece = [x[:, t : t + size] for x in (q, k, v)]
+        chunk_mask = mask[:, t : t + size] if t != 12 else None  # None: none ignored
+        outs.append(dilated_attention(*piece, list(segs), list(rates), is_causal=True,
+                                      key_padding_mask=chunk_mask, cache=cache))  # fmt: skip
+        t += size
+        assert cache.key_padding_mask is not None and cache.key is not None
+        assert cache.key_padding_mask.shape == cache.key.shape[:2]
+        assert torch.equal(cache.key_padding_mask, mask[:, cache.start : t])
+    torch.testing.assert_close(torch.cat(outs, dim=1), full, **TIGHT)
+
+
 def test_cache_refuses_what_it_cannot_extend() -> None:
     q, k, v = _tensors(12, 4, 2)
     cache = DilatedKVCache([8, 16], [1, 2])
@@ -194,8 +217,8 @@ def test_cache_refuses_what_it_cannot_extend() -> None:
         ((q[:, 11:], k[:, 6:], v[:, 6:], [8, 16], [1, 2]), {}, r"the same length"),
         (
             (q[:, 6:], k[:, 6:], v[:, 6:], [8, 16], [1, 2]),
-            {"key_padding_mask": torch.zeros(2, 6, dtype=torch.bool)},
-            r"key_padding_mask is not supported with cache",
+            {"key_padding_mask": torch.zeros(2, 12, dtype=torch.bool)},
+            r"key_padding_mask",
         ),
     ]
     for args, options, match in cases:
