@@ -1,6 +1,7 @@
 """Imports flow one way through the package's layers (docs/architecture.md):
 
-    core <- backends <- operations <- modules <- distributed <- factory <- models <- application
+    core <- backends <- operations <- modules <- distributed <- factory <- models
+        <- integrations <- application
 
 A module may import from its own layer and the layers below it, never from a layer above, and
 that includes imports inside functions (a lazy import is still a dependency). Every module of
@@ -27,6 +28,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("distributed", ("distributed",)),
     ("factory", ("factory",)),
     ("models", ("models",)),
+    ("integrations", ("integrations",)),
     ("application", ("__init__", "__main__", "demo", "extreme")),
 ]
 

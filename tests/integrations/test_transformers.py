@@ -1,0 +1,164 @@
+"""Dilated attention inside Hugging Face transformers models (``integrations/transformers.py``):
+tiny Llama-style (GQA, rotary) and BERT-style models built from configs, in float64.
+
+One branch covering the sequence equals transformers' SDPA; a LongNet schedule equals an eager
+reference that runs the float64 oracle in every layer; left and right padding give each row
+exactly what it gives alone; cached generation (dynamic and static caches) equals uncached.
+Skipped where transformers is not installed (``pip install transformers``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from support.oracle import oracle_dilated_attention
+
+transformers = pytest.importorskip("transformers")
+
+from dilated_attention.integrations import transformers as dilated_hf  # noqa: E402
+
+VOCAB = 97
+SCHEDULE = ([8, 16], [1, 2])
+
+
+def _llama(**overrides: Any) -> Any:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        attn_implementation="sdpa", **overrides,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).double().eval()
+
+
+def _bert() -> Any:
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=128, attn_implementation="sdpa",
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.BertModel(config, add_pooling_layer=False).double().eval()
+
+
+def _twin(model: Any, build: Any) -> Any:
+    """A second model with ``model``'s weights."""
+    other = build()
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+def _oracle_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Any, scaling: float | None = None,
+                      **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """An eager reference: the float64 oracle of the whole (unpadded) call."""
+    assert attention_mask is None or bool(attention_mask.all())
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    groups = q.shape[2] // k.shape[2]
+    k, v = (x.repeat_interleave(groups, dim=2) for x in (k, v))
+    out, _ = oracle_dilated_attention(
+        q, k, v, *SCHEDULE, is_causal=getattr(module, "is_causal", True), scale=scaling
+    )
+    return out, None
+
+
+def test_one_branch_over_the_sequence_is_sdpa() -> None:
+    ids = torch.randint(0, VOCAB, (2, 40))
+    sdpa = _llama()
+    dilated = dilated_hf.use_dilated_attention(_twin(sdpa, _llama), [64], [1])
+    assert dilated.config._attn_implementation == dilated_hf.NAME
+    torch.testing.assert_close(dilated(ids).logits, sdpa(ids).logits, rtol=1e-10, atol=1e-10)
+    bert_sdpa = _bert()
+    bert = dilated_hf.use_dilated_attention(_twin(bert_sdpa, _bert), [64], [1])
+    got, want = bert(ids).last_hidden_state, bert_sdpa(ids).last_hidden_state
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_a_longnet_schedule_is_the_oracle_in_every_layer() -> None:
+    transformers.AttentionInterface.register("dilated_oracle", _oracle_attention)
+    ids = torch.randint(0, VOCAB, (2, 37))
+    for build, read in ((_llama, "logits"), (_bert, "last_hidden_state")):
+        dilated = dilated_hf.use_dilated_attention(build(), *SCHEDULE)
+        oracle = _twin(dilated, build)
+        oracle.set_attn_implementation("dilated_oracle")
+        got, want = getattr(dilated(ids), read), getattr(oracle(ids), read)
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+        sdpa = _twin(dilated, build)
+        assert not torch.allclose(got, getattr(sdpa(ids), read))  # the schedule matters here
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_rows_equal_each_sequence_alone(side: str) -> None:
+    """A padded batch (rotary positions from the mask, as transformers' generate makes them)
+    gives each row's real tokens exactly the logits of that sequence alone."""
+    model = dilated_hf.use_dilated_attention(_llama(), *SCHEDULE)
+    bert = dilated_hf.use_dilated_attention(_bert(), *SCHEDULE)
+    ids = torch.randint(0, VOCAB, (3, 33))
+    mask = torch.ones(3, 33, dtype=torch.long)
+    lengths = [33, 26, 19]
+    for row, n in enumerate(lengths):
+        if side == "left":
+            mask[row, : 33 - n] = 0
+        else:
+            mask[row, n:] = 0
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    logits = model(ids, attention_mask=mask, position_ids=positions).logits
+    states = bert(ids, attention_mask=mask).last_hidden_state
+    for row in range(3):
+        real = mask[row].bool()
+        alone = ids[row, real].unsqueeze(0)
+        torch.testing.assert_close(logits[row, real], model(alone).logits[0], rtol=1e-9, atol=1e-9)
+        if side == "right":  # BERT's positions are the tensor's: only right padding is "alone"
+            want = bert(alone).last_hidden_state[0]
+            torch.testing.assert_close(states[row, real], want, rtol=1e-9, atol=1e-9)
+
+
+def test_cached_generation_equals_uncached_and_each_prompt_alone() -> None:
+    model = dilated_hf.use_dilated_attention(_llama(), *SCHEDULE)
+    ids = torch.randint(0, VOCAB, (2, 21))
+    greedy = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
+    cached = model.generate(ids, **greedy)
+    assert torch.equal(cached, model.generate(ids, use_cache=False, **greedy))
+    assert torch.equal(cached, model.generate(ids, cache_implementation="static", **greedy))
+    mask = torch.ones(2, 21, dtype=torch.long)
+    mask[1, :8] = 0  # the second prompt is 13 tokens, left-padded
+    padded = model.generate(ids, attention_mask=mask, **greedy)
+    alone = model.generate(ids[1:, 8:], **greedy)
+    assert torch.equal(padded[1, 21:], alone[0, 13:])
+    assert torch.equal(padded[0], cached[0])
+
+
+def test_what_dilated_attention_cannot_run_raises() -> None:
+    model = dilated_hf.use_dilated_attention(_llama(), *SCHEDULE)
+    ids = torch.randint(0, VOCAB, (2, 12))
+    gaps = torch.ones(2, 12, dtype=torch.long)
+    gaps[0, 5] = 0
+    with pytest.raises(ValueError, match=r"row 0 of the attention mask has gaps"):
+        model(ids, attention_mask=gaps)
+    packed = torch.tensor([list(range(6)) * 2] * 2)
+    with pytest.raises(ValueError, match=r"packed sequences"):
+        model(ids, position_ids=packed)
+    with pytest.raises(ValueError, match=r"layer 1's schedule"):
+        dilated_hf.use_dilated_attention(_llama(), [[8], [8, 16]], [[1], [1]])
+    with pytest.raises(ValueError, match=r"one list per layer: the model has 2 layers"):
+        dilated_hf.use_dilated_attention(_llama(), [[8]] * 3, [[1]] * 3)
+    with pytest.raises(TypeError, match=r"transformers PreTrainedModel"):
+        dilated_hf.use_dilated_attention(torch.nn.Linear(2, 2), [8], [1])
+
+
+def test_per_layer_schedules_are_read_at_each_layer() -> None:
+    """A per-layer schedule equal in every layer is the uniform one; mixed, it differs from
+    either of its layers' schedules used everywhere."""
+    base = _llama()
+    ids = torch.randint(0, VOCAB, (1, 30))
+
+    def logits(segments: Any, rates: Any) -> torch.Tensor:
+        model = dilated_hf.use_dilated_attention(_twin(base, _llama), segments, rates)
+        return model(ids).logits
+
+    assert torch.equal(logits([[8, 16]] * 2, [[1, 2]] * 2), logits([8, 16], [1, 2]))
+    mixed = logits([[64], [8, 16]], [[1], [1, 2]])
+    assert not torch.allclose(mixed, logits([64], [1]))
+    assert not torch.allclose(mixed, logits([8, 16], [1, 2]))
