@@ -160,30 +160,42 @@ def test_lengths_that_are_not_decoding_raise(query_len: int, is_causal: bool, ma
 
 
 # -- the bounded cache ----------------------------------------------------------------------------
+@pytest.mark.parametrize("grad_mode", [True, False], ids=["grad", "no_grad"])
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=[s[0] for s in SCHEDULES])
-def test_cache_chunks_equal_the_full_forward_and_stay_bounded(schedule: tuple) -> None:
+def test_cache_chunks_equal_the_full_forward_and_stay_bounded(
+    schedule: tuple, grad_mode: bool
+) -> None:
     """Prompt then chunks and single tokens through one ``DilatedKVCache``: every row equals the
-    full causal forward, and the cache never holds more than the longest segment plus the chunk
-    being appended (Note [Bounded dilated cache])."""
+    full causal forward, and after each call the cache holds only rows later tokens read (fewer
+    than the longest segment), in buffers of at most that plus twice the headroom. Without grad
+    mode rows are written in place; a headroom of 3 makes the buffers move and grow often."""
     _, n, heads, kv_heads, segs, rates = schedule
     q, k, v = _tensors(n, heads, kv_heads, seed=11)
     full, _ = oracle_dilated_attention(q, k, v, segs, rates, is_causal=True)
     cache = DilatedKVCache(segs, rates)
-    chunks = [n // 3, 1, 1, 4, 1]
+    cache.headroom = 3
+    chunks = [n // 3, 1, 1, 4, 1, 2, 1, 3, 1, 1, 2, 1, 1]
     chunks.append(n - sum(chunks))
     outs, t = [], 0
-    for size in chunks:
-        piece = [x[:, t : t + size] for x in (q, k, v)]
-        outs.append(dilated_attention(*piece, list(segs), list(rates), is_causal=True, cache=cache))
-        t += size
-        assert cache.length == t and cache.key is not None
-        held = cache.key.shape[1]
-        assert held == t - cache.start <= min(max(segs) - 1, t - size) + size, (held, t)
-        assert cache.nbytes == 2 * cache.key.numel() * cache.key.element_size()
+    row_bytes = 2 * kv_heads * 8 * 8  # keys and values of one position, float64
+    with torch.set_grad_enabled(grad_mode):
+        for size in chunks:
+            piece = [x[:, t : t + size] for x in (q, k, v)]
+            outs.append(dilated_attention(*piece, list(segs), list(rates), is_causal=True,
+                                          cache=cache))  # fmt: skip
+            t += size
+            assert cache.length == t and cache.key is not None and cache.value is not None
+            held = cache.key.shape[1]
+            assert held == t - cache.start < max(segs), (held, t)
+            assert cache.start == min((t // w) * w for w in segs)
+            assert torch.equal(cache.key, k[:, cache.start : t])
+            assert torch.equal(cache.value, v[:, cache.start : t])
+            assert cache.nbytes <= 2 * (max(segs) + 2 * cache.headroom) * row_bytes
     torch.testing.assert_close(torch.cat(outs, dim=1), full, **TIGHT)
 
 
-def test_cache_keeps_the_masks_of_its_keys() -> None:
+@pytest.mark.parametrize("grad_mode", [True, False], ids=["grad", "no_grad"])
+def test_cache_keeps_the_masks_of_its_keys(grad_mode: bool) -> None:
     """Left-padded prompts, then chunks and tokens (one of them masked) through one cache, each
     call with the mask of its new keys: every row equals the full forward under the whole mask,
     and the cache drops its mask rows with its keys."""
@@ -194,11 +206,13 @@ def test_cache_keeps_the_masks_of_its_keys() -> None:
     mask[0, 30] = True  # and one later key of the first is ignored
     full, _ = oracle_dilated_attention(q, k, v, segs, rates, is_causal=True, key_padding_mask=mask)
     cache, outs, t = DilatedKVCache(segs, rates), [], 0
-    for size in (12, 1, 9, 1, 17, n - 40):
+    cache.headroom = 2
+    for size in (12, 1, 2, 1, 1, 9, 1, 17, n - 44):
         piece = [x[:, t : t + size] for x in (q, k, v)]
         chunk_mask = mask[:, t : t + size] if t != 12 else None  # None: none ignored
-        outs.append(dilated_attention(*piece, list(segs), list(rates), is_causal=True,
-                                      key_padding_mask=chunk_mask, cache=cache))  # fmt: skip
+        with torch.set_grad_enabled(grad_mode):
+            outs.append(dilated_attention(*piece, list(segs), list(rates), is_causal=True,
+                                          key_padding_mask=chunk_mask, cache=cache))  # fmt: skip
         t += size
         assert cache.key_padding_mask is not None and cache.key is not None
         assert cache.key_padding_mask.shape == cache.key.shape[:2]
