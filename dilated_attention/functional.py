@@ -48,6 +48,15 @@ def _choose(
     return registry_for(operation).select(inputs, backend)
 
 
+def _rows_in_place(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (B, N, H, D) itself where its (position, head) rows are evenly strided, as the
+    decoding calls gather them (a cache's rows: a view of its buffers, which must not be copied
+    whole for every token); else a contiguous copy."""
+    _, rows, heads, dim = x.shape
+    even = x.stride(3) == 1 and x.stride(2) == dim and x.stride(1) == heads * dim
+    return x if even or rows * heads * dim == 0 else x.contiguous()
+
+
 def _check_cache(
     cache: object,
     segs: tuple[int, ...],
@@ -279,7 +288,8 @@ def dilated_attention(
             q.shape[1], key_len, q.shape[2], k.shape[2], segs, rates, q.device, key_start
         )
         runner = PlanRunner(plan, kernel.backend, softmax_scale, dropout_p, "dilated_attention")
-        out, lse = run_attention(q, k.contiguous(), v.contiguous(), key_padding_mask, runner)
+        k, v = _rows_in_place(k), _rows_in_place(v)
+        out, lse = run_attention(q, k, v, key_padding_mask, runner)
         return (out, lse) if return_lse else out
     if kernel.runs_plan:  # the fused kernels run every branch themselves (core/fused.py)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

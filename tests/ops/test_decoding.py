@@ -241,3 +241,22 @@ def test_cache_refuses_what_it_cannot_extend() -> None:
     assert cache.length == 6, "a refused call must leave the cache as it was"
     with pytest.raises(TypeError, match=r"cache must be a DilatedKVCache"):
         dilated_attention(q, k, v, [8], [1], is_causal=True, cache={})  # type: ignore[arg-type]
+
+
+def test_decoding_reads_a_caches_rows_without_copying_them_whole() -> None:
+    """With a batch of 2 a cache's held rows are a non-contiguous view of its buffers; decoding
+    gathers each call's rows from that view instead of copying all of it per token."""
+    from dilated_attention import functional
+
+    q, k, v = _tensors(30, 4, 2)
+    cache = DilatedKVCache([8, 16], [1, 2])
+    with torch.no_grad():
+        dilated_attention(q[:, :20], k[:, :20], v[:, :20], [8, 16], [1, 2], is_causal=True,
+                          cache=cache)  # fmt: skip
+        dilated_attention(q[:, 20:21], k[:, 20:21], v[:, 20:21], [8, 16], [1, 2],
+                          is_causal=True, cache=cache)  # fmt: skip
+    held = cache.key
+    assert held is not None and not held.is_contiguous()
+    assert functional._rows_in_place(held) is held
+    hf_layout = k.transpose(1, 2).contiguous().transpose(1, 2)  # (B, N, H, D) view of (B, H, N, D)
+    assert functional._rows_in_place(hf_layout) is not hf_layout

@@ -1,0 +1,165 @@
+"""Decoding: per-token attention latency against context length, and LongNetLM.generate speed.
+
+Two parts, in one run, on CUDA when available (else the CPU):
+
+- ``decode``: one new token of one layer (B = 1, H = 16, Hkv = 16, D = 128; bf16 on CUDA,
+  float32 on the CPU; the LongNet schedule w = 2048..32768, r = 1..16) after ``--contexts``
+  tokens. ``dilated + cache``: ``dilated_attention(..., cache=DilatedKVCache)``, the cache
+  filled with the context first, each timed call appending its token (what decoding does).
+  ``dense SDPA``: ``scaled_dot_product_attention`` of the token against every key of the
+  context, already in (B, H, N, D) (no concatenation: generous to it). Also the cache's bytes
+  per layer against the dense cache's.
+- ``generate``: ``LongNetLM.generate`` of the "tiny" preset (greedy) after prompts of
+  ``--prompts`` tokens: cached (the default) against recomputing the whole forward for every
+  token (what ``generate`` did before it had caches); tokens per second over the whole call.
+
+Times: medians of ``--repeats`` runs (CUDA events on CUDA, ``perf_counter`` on the CPU).
+
+    python benchmarks/bench_generate.py  # -> benchmarks/results/generate_<device>.{json,md}
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import OUT_HELP, environment, markdown_table, record_header, record_path, write_record
+
+from dilated_attention import DilatedKVCache, dilated_attention
+from dilated_attention.models import LongNetConfig, LongNetLM
+
+SEGMENTS, RATES = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
+HEADS, DIM = 16, 128
+
+
+def _median_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
+    """Median milliseconds of ``fn`` (CUDA events on CUDA, perf_counter elsewhere)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(stop))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def decode_row(context: int, device: torch.device, args: argparse.Namespace) -> dict:
+    """Per-token latency and cache bytes of one layer after ``context`` tokens."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(0)
+    keys = torch.randn(1, context, HEADS, DIM, device=device, dtype=dtype, generator=gen)
+    values = torch.randn_like(keys)
+    cache = DilatedKVCache(SEGMENTS, RATES)
+    cache.append(keys, values)
+    token = [torch.randn(1, 1, HEADS, DIM, device=device, dtype=dtype, generator=gen)
+             for _ in "qkv"]  # fmt: skip
+    q = token[0].transpose(1, 2)
+    k, v = keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()
+    with torch.no_grad():
+        ms = _median_ms(
+            lambda: dilated_attention(*token, SEGMENTS, RATES, is_causal=True, cache=cache),
+            device, args.warmup, args.repeats,
+        )  # fmt: skip
+        dense_ms = _median_ms(
+            lambda: F.scaled_dot_product_attention(q, k, v), device, args.warmup, args.repeats
+        )
+    return {
+        "part": "decode", "context": context, "dtype": str(dtype).removeprefix("torch."),
+        "dilated_ms": ms, "dense_sdpa_ms": dense_ms, "dilated_vs_dense": dense_ms / ms,
+        "cache_mib": cache.nbytes / 2**20,
+        "dense_cache_mib": 2 * keys.numel() * keys.element_size() / 2**20,
+    }  # fmt: skip
+
+
+def generate_row(
+    model: LongNetLM, length: int, device: torch.device, args: argparse.Namespace
+) -> dict:
+    """Tokens per second of ``generate`` after a prompt of ``length`` tokens, cached and
+    recomputing the whole forward for every token."""
+    prompt = torch.randint(0, model.config.vocab_size, (1, length), device=device)
+    new = args.new_tokens
+
+    def recompute() -> None:
+        out = prompt
+        with torch.no_grad():
+            for _ in range(new):
+                nxt = model(out)[:, -1].argmax(-1, keepdim=True)
+                out = torch.cat([out, nxt], dim=1)
+
+    cached_ms = _median_ms(
+        lambda: model.generate(prompt, new, temperature=0), device, 1, args.generate_repeats
+    )
+    recompute_ms = _median_ms(recompute, device, 1, args.generate_repeats)
+    return {
+        "part": "generate", "prompt": length, "new_tokens": new,
+        "cached_tokens_per_s": new / cached_ms * 1e3,
+        "recompute_tokens_per_s": new / recompute_ms * 1e3, "speedup": recompute_ms / cached_ms,
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    cuda = torch.cuda.is_available()
+    parser.add_argument(
+        "--contexts",
+        type=int,
+        nargs="+",
+        default=[16384, 131072, 1048576] if cuda else [16384, 131072],
+    )
+    parser.add_argument("--prompts", type=int, nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--generate-repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None, help=OUT_HELP)
+    args = parser.parse_args()  # fmt: skip
+    device = torch.device("cuda" if cuda else "cpu")
+    rows = [decode_row(context, device, args) for context in args.contexts]
+    flat = max(r["dilated_ms"] for r in rows) / min(r["dilated_ms"] for r in rows)
+    for row in rows:
+        row["dilated_max_over_min"] = flat
+    torch.manual_seed(0)
+    model = LongNetLM(LongNetConfig.from_preset("tiny")).to(device).eval()
+    rows += [generate_row(model, length, device, args) for length in args.prompts]
+    env = environment()
+    out = record_path("generate", args.out)
+    decode_cols = ["context", "dtype", "dilated_ms", "dense_sdpa_ms", "dilated_vs_dense",
+                   "dilated_max_over_min", "cache_mib", "dense_cache_mib"]  # fmt: skip
+    generate_cols = ["prompt", "new_tokens", "cached_tokens_per_s", "recompute_tokens_per_s",
+                     "speedup"]  # fmt: skip
+    notes = (
+        "decode: one layer's per-token latency after `context` tokens, dilated attention with "
+        "a DilatedKVCache against dense SDPA over the whole context, and each cache's MiB; "
+        "generate: LongNetLM 'tiny' greedy tokens/s, cached against recomputing every step"
+    )
+    columns = ["part", "context", "prompt", *decode_cols[1:], *generate_cols[1:]]
+    write_record(out.with_suffix(".json"), env, rows, columns=columns, notes=notes)
+    table = (
+        record_header(env)
+        + markdown_table([r for r in rows if r["part"] == "decode"], decode_cols)
+        + "\n\n"
+        + markdown_table([r for r in rows if r["part"] == "generate"], generate_cols)
+    )
+    out.with_suffix(".md").write_text(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
