@@ -16,6 +16,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -50,17 +51,31 @@ _COMMAND_ENV = (
 )  # fmt: skip
 
 
-def time_cuda(fn: Callable[[], object], *, warmup: int = 3, repeats: int = 10) -> dict[str, float]:
-    """Run ``fn`` ``warmup`` times, then time ``repeats`` runs with CUDA events (ms).
+def time_cuda(
+    fn: Callable[[], object],
+    *,
+    warmup: int = 3,
+    repeats: int = 10,
+    device: torch.device | None = None,
+) -> dict[str, float]:
+    """Run ``fn`` ``warmup`` times, then time ``repeats`` runs (ms): with CUDA events, or with
+    ``time.perf_counter`` when ``device`` is given and is not a CUDA device.
 
     Returns:
         ``{"median_ms", "p10_ms", "p90_ms"}``.
     """
+    cuda = device is None or device.type == "cuda"
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
+        if not cuda:
+            begin = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - begin) * 1e3)
+            continue
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

@@ -21,9 +21,7 @@ Times: medians of ``--repeats`` runs (CUDA events on CUDA, ``perf_counter`` on t
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,7 +29,15 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import OUT_HELP, environment, markdown_table, record_header, record_path, write_record
+from _timing import (
+    OUT_HELP,
+    environment,
+    markdown_table,
+    record_header,
+    record_path,
+    time_cuda,
+    write_record,
+)
 
 from dilated_attention import DilatedKVCache, dilated_attention
 from dilated_attention.models import LongNetConfig, LongNetLM
@@ -41,23 +47,7 @@ HEADS, DIM = 16, 128
 
 
 def _median_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
-    """Median milliseconds of ``fn`` (CUDA events on CUDA, perf_counter elsewhere)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(stop))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return time_cuda(fn, warmup=warmup, repeats=repeats, device=device)["median_ms"]
 
 
 def decode_row(context: int, device: torch.device, args: argparse.Namespace) -> dict:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from support.backend_params import CPU_BACKENDS, backend_id, skip_unless_runnable
 from support.oracle import oracle_dilated_attention
+from support.tolerances import assert_close_to_oracle
 
 from dilated_attention import DilatedKVCache, dilated_attention
 from dilated_attention.core.decode import decode_plan
@@ -260,3 +261,27 @@ def test_decoding_reads_a_caches_rows_without_copying_them_whole() -> None:
     assert functional._rows_in_place(held) is held
     hf_layout = k.transpose(1, 2).contiguous().transpose(1, 2)  # (B, N, H, D) view of (B, H, N, D)
     assert functional._rows_in_place(hf_layout) is not hf_layout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [None, "sdpa_cudnn", "triton"], ids=backend_id)
+def test_cuda_cached_decoding_matches_the_oracle(backend: str | None) -> None:
+    """On the GPU in bf16: a prompt, chunks and single tokens through a cache (buffers written in
+    place, chunks as square causal calls) match the float64 oracle within the bf16 budget."""
+    _, n, heads, kv_heads, segs, rates = SCHEDULES[3]
+    q, k, v = (t.to(torch.bfloat16) for t in _tensors(n, heads, kv_heads, seed=17))
+    ref, _ = oracle_dilated_attention(q, k, v, segs, rates, is_causal=True)
+    low, _ = oracle_dilated_attention(q, k, v, segs, rates, is_causal=True,
+                                      compute_dtype=torch.bfloat16)  # fmt: skip
+    dev = [t.cuda() for t in (q, k, v)]
+    cache = DilatedKVCache(segs, rates)
+    cache.headroom = 4
+    outs, t = [], 0
+    with torch.no_grad():
+        for size in (20, 1, 7, 1, 1, 9, 1, n - 40):
+            piece = [x[:, t : t + size] for x in dev]
+            outs.append(dilated_attention(*piece, list(segs), list(rates), is_causal=True,
+                                          cache=cache, backend=backend))  # fmt: skip
+            t += size
+    got = torch.cat(outs, dim=1).cpu()
+    assert_close_to_oracle(got, ref, low, name="out", dtype=torch.bfloat16)
