@@ -175,7 +175,9 @@ class DilatedKVCache:
         buffers, when the headroom is used up); the held rows and ``new`` as views."""
         rows, held = new[0].shape[1], self._hi - self._lo
         capacity = self._buffers[0].shape[1]
-        if not self._owned or held + rows > capacity:
+        # Buffers made under torch.inference_mode cannot be written outside it.
+        frozen = self._buffers[0].is_inference() and not torch.is_inference_mode_enabled()
+        if not self._owned or frozen or held + rows > capacity:
             self._buffers = [None if b is None else _with_headroom(b[:, self._lo : self._hi],
                                                                    self.headroom + rows)
                              for b in self._buffers]  # fmt: skip

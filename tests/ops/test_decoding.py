@@ -221,6 +221,23 @@ def test_cache_keeps_the_masks_of_its_keys(grad_mode: bool) -> None:
     torch.testing.assert_close(torch.cat(outs, dim=1), full, **TIGHT)
 
 
+def test_cache_moves_between_inference_mode_and_no_grad() -> None:
+    """A prompt under ``torch.inference_mode`` then tokens under ``torch.no_grad`` (and back):
+    buffers made in inference mode are not written in place outside it."""
+    _, n, heads, kv_heads, segs, rates = SCHEDULES[3]
+    q, k, v = _tensors(n, heads, kv_heads, seed=19)
+    full, _ = oracle_dilated_attention(q, k, v, segs, rates, is_causal=True)
+    cache, outs, t = DilatedKVCache(segs, rates), [], 0
+    for size, mode in ((30, torch.inference_mode), (1, torch.no_grad), (1, torch.inference_mode),
+                       (2, torch.no_grad), (n - 34, torch.no_grad)):  # fmt: skip
+        piece = [x[:, t : t + size] for x in (q, k, v)]
+        with mode():
+            outs.append(dilated_attention(*piece, list(segs), list(rates), is_causal=True,
+                                          cache=cache).clone())  # fmt: skip
+        t += size
+    torch.testing.assert_close(torch.cat(outs, dim=1), full, **TIGHT)
+
+
 def test_cache_refuses_what_it_cannot_extend() -> None:
     q, k, v = _tensors(12, 4, 2)
     cache = DilatedKVCache([8, 16], [1, 2])
