@@ -101,11 +101,17 @@ def _check_decoding_lengths(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -
 
 @torch.compiler.disable  # a cached pure-Python plan: run it eagerly, never traced
 def _plan(
-    q: torch.Tensor, k: torch.Tensor, segs: tuple[int, ...], rates: tuple[int, ...], causal: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    segs: tuple[int, ...],
+    rates: tuple[int, ...],
+    causal: bool,
+    strided: bool = False,
 ) -> Plan:
-    """The executor's plan of a dilated call through gathers (Note [Row groups])."""
+    """The executor's plan of a dilated call: rows gathered (Note [Row groups]), or read as
+    strided views by a kernel that takes them (``strided``, Note [Strided row calls])."""
     groups = plan_branches(q.shape[1], q.shape[2], segs, rates)
-    return dilated_plan(groups, q.shape[1], k.shape[2], q.device, causal)
+    return dilated_plan(groups, q.shape[1], k.shape[2], q.device, causal, strided)
 
 
 def attention(
@@ -302,7 +308,7 @@ def dilated_attention(
         runner = FusedRunner(branches, kernel.backend, is_causal, softmax_scale)
         out, lse = run_attention(q, k, v, key_padding_mask, runner)
         return (out, lse) if return_lse else out
-    plan = _plan(q, k, segs, rates, is_causal)
+    plan = _plan(q, k, segs, rates, is_causal, kernel.backend.reads_strided_rows)
     runner = PlanRunner(plan, kernel.backend, softmax_scale, dropout_p, "dilated_attention")
     out, lse = run_attention(
         q.contiguous(), k.contiguous(), v.contiguous(), key_padding_mask, runner

@@ -139,6 +139,10 @@ class Backend:
     empty_rows_have_neg_inf_lse: ClassVar[bool] = False
     # Calls with fewer query or key rows go to the plain-PyTorch kernel (cuDNN refuses 1 x 1).
     min_rows: ClassVar[int] = 1
+    # Whether the kernel reads q, k, v given as strided views (last dim contiguous, any other
+    # strides) as they are: dilated rows then reach it as views, not gathers (Note [Strided row
+    # calls] in core/strided.py).
+    reads_strided_rows: ClassVar[bool] = False
     # Whether this project's GPU tests have run the kernel on real hardware against the float64
     # oracle. A backend that has not is never chosen automatically, only by name.
     verified_on_hardware: ClassVar[bool] = True

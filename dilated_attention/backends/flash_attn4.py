@@ -45,6 +45,7 @@ class FlashAttn4Backend(Backend):
     """FlashAttention-4 (``flash_attn.cute``): sm90/sm100, fp16/bf16, forward and backward."""
 
     name = "flash_attn4"
+    reads_strided_rows = True  # any strides with the last dim contiguous
     description = "FlashAttention-4 (flash_attn.cute, CuTe DSL), sm90/sm100; native GQA"
     devices = frozenset({"cuda"})
     dtypes = _HALF

@@ -18,6 +18,7 @@ class MathBackend(Backend):
     """
 
     name = "math"
+    reads_strided_rows = True  # plain PyTorch: any strides
     description = "plain PyTorch, chunked; any device and dtype"
     devices = frozenset({"cpu", "cuda", "mps", "xpu"})
     dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})

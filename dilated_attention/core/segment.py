@@ -28,6 +28,7 @@ import torch
 
 from .engine import Plan
 from .higher_order import RowCall
+from .strided import StridedCall, kv_head_slice
 
 
 @dataclass(frozen=True)
@@ -247,12 +248,41 @@ def dilated_plan(
     num_kv_heads: int,
     device: torch.device,
     causal: bool,
+    strided: bool = False,
 ) -> Plan:
     """The executor's plan of row groups over ``seq_len`` positions: dense attention when one
-    dense group covers them all, else one call per group."""
+    dense group covers them all, else one call per group; with ``strided`` (a kernel that reads
+    strided rows), groups whose rows are strided views become one view call per offset class
+    (Note [Strided row calls] in ``strided.py``)."""
     if covers_all_once(groups, seq_len):
         return Plan.dense(causal)
-    return Plan(group_calls(groups, num_kv_heads, device, causal))
+    gathered = group_calls(groups, num_kv_heads, device, causal)
+    if not strided:
+        return Plan(gathered)
+    calls: list = []
+    for group, call in zip(groups, gathered, strict=True):
+        calls.extend(strided_calls(group, num_kv_heads, causal) or (call,))
+    return Plan(tuple(calls))
+
+
+@functools.lru_cache(maxsize=256)
+def strided_calls(
+    group: RowGroup, num_kv_heads: int, causal: bool
+) -> tuple[StridedCall, ...] | None:
+    """The group as one :class:`StridedCall` per offset class, or None where its rows are not
+    strided views (rate 1, ragged segments, some heads only, or a GQA grouping the views cannot
+    express)."""
+    rate, heads = group.rate, group.num_heads
+    if rate == 1 or group.segment_len % rate or len(group.heads) != heads:
+        return None
+    kv_slices = [kv_head_slice(s, rate, heads, num_kv_heads) for s in range(min(rate, heads))]
+    if any(kv is None for kv in kv_slices):
+        return None
+    return tuple(
+        StridedCall(group.start, group.num_segments, group.segment_len, rate, s, kv, causal)
+        for s, kv in enumerate(kv_slices)
+        if kv is not None
+    )
 
 
 def effective_branches(

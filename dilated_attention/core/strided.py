@@ -1,0 +1,120 @@
+"""Dilated rows as strided views: kernel calls that read and write their rows in place.
+
+Note [Strided row calls]
+    When a branch's segment length is a multiple of its rate (``L % r == 0``), the rows of the
+    heads with offset ``s`` in every segment of a run are a plain strided view of the tensor:
+    ``x.view(B, n, L // r, r, H, D)[:, :, :, s, s::r]``, shaped (B * n, L / r, Hc, D) with a row
+    stride of ``r * H * D`` and a head stride of ``r * D`` (LongNet Sec. 2.3: head ``j`` has
+    offset ``j mod r``). A kernel that reads arbitrary strides (FlashAttention-4 does) can then
+    run every offset class of a branch with no gather and write its result back through the same
+    view, instead of ``index_select`` / ``index_copy`` (Note [Row groups] in ``segment.py``).
+    One call per offset class: ``min(r, H)`` calls per run of segments.
+
+    Grouped-query attention keeps its key/value heads as a strided view too when the query heads
+    ``s, s + r, ...`` map onto key/value heads with one step and one repeat: without GQA (their
+    own heads, step ``r``), when ``r`` is a multiple of the group size ``g = H / Hkv`` (step
+    ``r / g``, each once) or when ``g`` is a multiple of ``r`` (every key/value head, each used
+    by ``g / r`` consecutive query heads of the call: the kernel's native GQA). Other
+    combinations, and ragged segments, keep the gathers.
+
+    A backend reads these views only when it declares ``reads_strided_rows``; the others get
+    contiguous gathered rows as before.
+
+Shape legend: B batch, N positions, H query heads, Hkv key/value heads, D head dim, n segments of
+a run, L segment length, Hc / Hkc heads of one call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .higher_order import RowCall
+
+
+class StridedCall:
+    """The rows of offset ``s`` of a run of ``n`` segments of length ``L`` from ``start`` in
+    branch rate ``r``, as views (``Call`` in ``engine.py``; Note [Strided row calls])."""
+
+    def __init__(
+        self,
+        start: int,
+        num_segments: int,
+        segment_len: int,
+        rate: int,
+        offset: int,
+        kv_heads: slice,
+        causal: bool,
+    ) -> None:
+        self.start, self.num_segments, self.segment_len = start, num_segments, segment_len
+        self.rate, self.offset, self.kv_heads, self.causal = rate, offset, kv_heads, causal
+        self.q_heads = slice(offset, None, rate)
+
+    def _view(self, x: torch.Tensor, heads: slice) -> torch.Tensor:
+        """(B, N, Hx, E) -> (B * n, L / r, Hx', E), a view where the layout allows."""
+        batch, _, heads_x, dim = x.shape
+        n, length, rate = self.num_segments, self.segment_len, self.rate
+        block = x[:, self.start : self.start + n * length]
+        rows = block.view(batch, n, length // rate, rate, heads_x, dim)[:, :, :, self.offset]
+        rows = rows[:, :, :, heads]
+        return rows.reshape(batch * n, length // rate, rows.shape[3], dim)
+
+    def _dest(self, dest: torch.Tensor, heads: slice) -> torch.Tensor:
+        """The view of ``dest`` (B, N, Hx, E), contiguous, that :meth:`_view` reads."""
+        batch, _, heads_x, dim = dest.shape
+        n, length, rate = self.num_segments, self.segment_len, self.rate
+        block = dest[:, self.start : self.start + n * length]
+        rows = block.view(batch, n, length // rate, rate, heads_x, dim)[:, :, :, self.offset]
+        return rows[:, :, :, heads]
+
+    def _put(self, dest: torch.Tensor, heads: slice, rows: torch.Tensor, accumulate: bool) -> None:
+        view = self._dest(dest, heads)
+        src = rows.reshape(view.shape).to(dest.dtype)
+        if accumulate:
+            view += src
+        else:
+            view.copy_(src)
+
+    def q_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return self._view(x, self.q_heads)
+
+    def kv_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return self._view(x, self.kv_heads)
+
+    def key_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """(B, N) bool -> (B * n, 1, L / r)."""
+        if mask is None:
+            return None
+        rows = self._view(mask.view(*mask.shape, 1, 1), slice(None))
+        return rows.reshape(rows.shape[0], 1, rows.shape[1])
+
+    def put_q(self, dest: torch.Tensor, rows: torch.Tensor, *, accumulate: bool) -> None:
+        self._put(dest, self.q_heads, rows, accumulate)
+
+    def put_kv(self, dest: torch.Tensor, rows: torch.Tensor, *, accumulate: bool) -> None:
+        self._put(dest, self.kv_heads, rows, accumulate)
+
+    def row_call(self, q: torch.Tensor, k: torch.Tensor) -> RowCall:
+        num_heads, num_kv_heads, device = q.shape[2], k.shape[2], q.device
+        n, length, rate = self.num_segments, self.segment_len, self.rate
+        base = self.start + torch.arange(n, device=device) * length  # (n,)
+        rows = (self.offset + rate * torch.arange(length // rate, device=device)).view(1, -1, 1)
+        q_heads = torch.arange(num_heads, device=device)[self.q_heads].view(1, 1, -1)
+        kv_heads = torch.arange(num_kv_heads, device=device)[self.kv_heads].view(1, 1, -1)
+        positions = base.view(-1, 1, 1) + rows
+        q_index = (positions * num_heads + q_heads).view(n, -1)
+        kv_index = (positions * num_kv_heads + kv_heads).view(n, -1)
+        return RowCall(q_index, kv_index, q_heads.numel(), kv_heads.numel(), self.causal)
+
+
+def kv_head_slice(offset: int, rate: int, num_heads: int, num_kv_heads: int) -> slice | None:
+    """The key/value heads of the query heads ``offset::rate`` as one strided slice, each used
+    by the same number of consecutive query heads, or None where they are not (Note [Strided row
+    calls])."""
+    group = num_heads // num_kv_heads
+    if group == 1:
+        return slice(offset, None, rate)
+    if rate % group == 0:
+        return slice(offset // group, None, rate // group)
+    if group % rate == 0:
+        return slice(None)
+    return None

@@ -1,0 +1,110 @@
+"""Dilated rows as strided views (``core/strided.py``): which groups become view calls, that the
+views are views, and that a plan of them equals the float64 oracle on outputs, lse, every
+gradient and double backward, with GQA, causality, masks and ragged segments beside them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.oracle import oracle_dilated_attention
+
+from dilated_attention import dilated_attention
+from dilated_attention.backends import get_backend
+from dilated_attention.core.segment import GroupCall, dilated_plan, plan_branches
+from dilated_attention.core.strided import StridedCall, kv_head_slice
+
+F64 = torch.float64
+TIGHT = {"atol": 1e-10, "rtol": 1e-7}
+
+#: (id, N, H, Hkv, segments, rates): strided groups beside gathered ones (ragged w % r, GQA
+#: groupings the views cannot express) and rates above the head count.
+SCHEDULES = [
+    ("longnet", 64, 8, 8, (8, 16, 32), (1, 2, 4)),
+    ("gqa_rate_multiple_of_group", 48, 8, 4, (8, 16), (2, 4)),
+    ("gqa_group_multiple_of_rate", 48, 8, 2, (8, 16), (2, 4)),
+    ("gqa_mixed_falls_back", 48, 6, 2, (12, 24), (2, 4)),
+    ("ragged_beside", 50, 4, 4, (10, 16), (3, 4)),
+    ("rate_above_heads", 40, 2, 1, (8, 16), (4, 8)),
+]
+
+
+@pytest.mark.parametrize(
+    ("offset", "rate", "heads", "kv_heads", "expected"),
+    [
+        (1, 2, 8, 8, slice(1, None, 2)),  # no GQA: their own heads
+        (3, 4, 8, 4, slice(1, None, 2)),  # r a multiple of g = 2
+        (1, 2, 8, 2, slice(None)),  # g = 4 a multiple of r: every kv head, twice
+        (1, 2, 6, 2, None),  # g = 3, r = 2: no one step
+    ],
+)
+def test_kv_heads_of_an_offset_class(
+    offset: int, rate: int, heads: int, kv_heads: int, expected: slice | None
+) -> None:
+    got = kv_head_slice(offset, rate, heads, kv_heads)
+    assert got == expected
+    if got is not None:  # query head i of the call reads kv head i // repeat
+        q_heads = list(range(heads))[offset::rate]
+        kv = list(range(kv_heads))[got]
+        repeat = len(q_heads) // len(kv)
+        group = heads // kv_heads
+        assert [h // group for h in q_heads] == [kv[i // repeat] for i in range(len(q_heads))]
+
+
+def test_plans_read_views_where_rows_are_strided_and_gather_elsewhere() -> None:
+    """w = 16, r = 4 is strided, w = 10, r = 3 is not; the view calls read views of the inputs
+    (a run of segments over the whole sequence, or a batch of 1: otherwise the batch and segment
+    dimensions cannot merge into one stride and the rows are copied, still correct)."""
+    groups = plan_branches(50, 4, (10, 16), (3, 4))
+    plan = dilated_plan(groups, 50, 4, torch.device("cpu"), True, strided=True)
+    kinds = [type(call) for call in plan.calls]
+    assert StridedCall in kinds and GroupCall in kinds
+    gathered = dilated_plan(groups, 50, 4, torch.device("cpu"), True)
+    assert all(isinstance(call, GroupCall) for call in gathered.calls)
+    for n, batch in ((48, 2), (50, 1)):
+        x = torch.randn(batch, n, 4, 8)
+        plan = dilated_plan(plan_branches(n, 4, (16,), (4,)), n, 4, x.device, True, strided=True)
+        for call in plan.calls:
+            if isinstance(call, StridedCall):
+                rows = call.q_rows(x)
+                assert rows._base is x or rows._base is x._base, (n, batch)  # a view of x
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=[s[0] for s in SCHEDULES])
+def test_strided_calls_match_the_oracle(schedule: tuple, is_causal: bool, masked: bool) -> None:
+    """Through the math backend (which reads strided views): outputs, lse and gradients equal
+    the float64 oracle."""
+    assert get_backend("math").reads_strided_rows
+    _, n, heads, kv_heads, segs, rates = schedule
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(2, n, heads, 8), (2, n, kv_heads, 8), (2, n, kv_heads, 8)]
+    leaves = [torch.randn(s, generator=gen, dtype=F64).requires_grad_() for s in shapes]
+    mask = torch.rand(2, n, generator=gen) < 0.2 if masked else None
+    out, lse = dilated_attention(
+        *leaves, list(segs), list(rates), is_causal=is_causal, key_padding_mask=mask,
+        backend="math", return_lse=True,
+    )  # fmt: skip
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    ref, ref_lse = oracle_dilated_attention(
+        *ref_leaves, segs, rates, is_causal=is_causal, key_padding_mask=mask
+    )
+    ref_grads = torch.autograd.grad(ref, ref_leaves, dout)
+    torch.testing.assert_close(out, ref.detach(), **TIGHT)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse[finite], ref_lse[finite])
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, **TIGHT)
+
+
+def test_double_backward_through_strided_calls() -> None:
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 16, 4, 4, generator=gen, dtype=F64).requires_grad_() for _ in "qkv")
+    assert torch.autograd.gradgradcheck(
+        lambda a, b, c: dilated_attention(a, b, c, [8, 16], [2, 4], is_causal=True,
+                                          backend="math"),
+        (q, k, v),
+    )  # fmt: skip
