@@ -461,6 +461,17 @@ class MultiheadAttention(nn.Module):
             # the new tokens follow the ones the cache has seen
             positions = torch.arange(cache.length, cache.length + n, device=query.device)
         positions = self._check_positions(positions, n, query.device)
+        if (
+            cache is not None  # only then: the check syncs with the GPU
+            and positions is not None
+            and n > 1
+            and bool((positions.diff() <= 0).any())
+        ):
+            raise ValueError(
+                f"with cache=, the new tokens' positions must increase (they follow each other "
+                f"in the sequence), got positions={positions.tolist()[:8]}...; pass "
+                f"positions=None for the {n} positions after the {cache.length} cached ones"
+            )
         if cache is not None and not getattr(self.attention, "decodes_with_cache", False):
             raise ValueError(
                 f"cache= needs a layer whose inner module decodes (DilatedAttention), got "

@@ -615,6 +615,9 @@ def test_cache_needs_a_dilated_inner_module() -> None:
     spans = ((0, 31), (31, 32), (32, N))
     pieces = [layer(x[:, a:b], is_causal=True, cache=cache)[0] for a, b in spans]
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, **CLOSE64)
+    backwards = torch.arange(N - 32, 0, -1) + 32
+    with pytest.raises(ValueError, match=r"positions must increase"):
+        layer(x[:, 32:], is_causal=True, cache=DilatedKVCache(SEGMENTS, RATES), positions=backwards)
     sparse = BlockSparseMultiheadAttention(E, H, P.LocalWindow(1), block_size=8, dtype=F64)
     with pytest.raises(ValueError, match=r"cache= needs a layer whose inner module decodes"):
         sparse(x, is_causal=True, cache=DilatedKVCache([8], [1]))
