@@ -49,25 +49,23 @@ class StridedCall:
         self.rate, self.offset, self.kv_heads, self.causal = rate, offset, kv_heads, causal
         self.q_heads = slice(offset, None, rate)
 
-    def _view(self, x: torch.Tensor, heads: slice) -> torch.Tensor:
-        """(B, N, Hx, E) -> (B * n, L / r, Hx', E), a view where the layout allows."""
+    def _rows(self, x: torch.Tensor, heads: slice) -> torch.Tensor:
+        """The call's rows of ``x`` (B, N, Hx, E), contiguous: (B, n, L / r, Hx', E), a view."""
         batch, _, heads_x, dim = x.shape
         n, length, rate = self.num_segments, self.segment_len, self.rate
         block = x[:, self.start : self.start + n * length]
         rows = block.view(batch, n, length // rate, rate, heads_x, dim)[:, :, :, self.offset]
-        rows = rows[:, :, :, heads]
-        return rows.reshape(batch * n, length // rate, rows.shape[3], dim)
-
-    def _dest(self, dest: torch.Tensor, heads: slice) -> torch.Tensor:
-        """The view of ``dest`` (B, N, Hx, E), contiguous, that :meth:`_view` reads."""
-        batch, _, heads_x, dim = dest.shape
-        n, length, rate = self.num_segments, self.segment_len, self.rate
-        block = dest[:, self.start : self.start + n * length]
-        rows = block.view(batch, n, length // rate, rate, heads_x, dim)[:, :, :, self.offset]
         return rows[:, :, :, heads]
 
+    def _view(self, x: torch.Tensor, heads: slice) -> torch.Tensor:
+        """(B, N, Hx, E) -> (B * n, L / r, Hx', E): a view where the batch and segment
+        dimensions merge into one stride (a run over the whole sequence, or a batch of 1), else
+        a copy."""
+        rows = self._rows(x, heads)
+        return rows.reshape(rows.shape[0] * rows.shape[1], *rows.shape[2:])  # no -1: batch 0
+
     def _put(self, dest: torch.Tensor, heads: slice, rows: torch.Tensor, accumulate: bool) -> None:
-        view = self._dest(dest, heads)
+        view = self._rows(dest, heads)
         src = rows.reshape(view.shape).to(dest.dtype)
         if accumulate:
             view += src
