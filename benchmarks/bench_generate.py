@@ -3,12 +3,14 @@
 Two parts, in one run, on CUDA when available (else the CPU):
 
 - ``decode``: one new token of one layer (B = 1, H = 16, Hkv = 16, D = 128; bf16 on CUDA,
-  float32 on the CPU; the LongNet schedule w = 2048..32768, r = 1..16) after ``--contexts``
-  tokens. ``dilated + cache``: ``dilated_attention(..., cache=DilatedKVCache)``, the cache
-  filled with the context first, each timed call appending its token (what decoding does).
-  ``dense SDPA``: ``scaled_dot_product_attention`` of the token against every key of the
-  context, already in (B, H, N, D) (no concatenation: generous to it). Also the cache's bytes
-  per layer against the dense cache's.
+  float32 on the CPU; the LongNet schedule w = 2048..32768, r = 1..16) at the last positions
+  before ``--contexts`` tokens: multiples of every segment length, so the costliest positions,
+  where each branch reads nearly its whole segment. ``dilated + cache``:
+  ``dilated_attention(..., cache=DilatedKVCache)``, the cache filled with the context first,
+  each timed call appending its token (what decoding does). ``dense SDPA``:
+  ``scaled_dot_product_attention`` of the token against every key of the context, already in
+  (B, H, N, D) (no concatenation: generous to it). Also the cache's bytes per layer against
+  the dense cache's.
 - ``generate``: ``LongNetLM.generate`` of the "tiny" preset (greedy) after prompts of
   ``--prompts`` tokens: cached (the default) against recomputing the whole forward for every
   token (what ``generate`` did before it had caches); tokens per second over the whole call.
@@ -54,7 +56,11 @@ def decode_row(context: int, device: torch.device, args: argparse.Namespace) -> 
     """Per-token latency and cache bytes of one layer after ``context`` tokens."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gen = torch.Generator(device=device).manual_seed(0)
-    keys = torch.randn(1, context, HEADS, DIM, device=device, dtype=dtype, generator=gen)
+    # The timed tokens are the last before ``context``, a multiple of every segment length: the
+    # costliest positions, where every branch reads nearly its whole segment (a token right
+    # after a boundary reads almost nothing).
+    filled = context - args.warmup - args.repeats
+    keys = torch.randn(1, filled, HEADS, DIM, device=device, dtype=dtype, generator=gen)
     values = torch.randn_like(keys)
     cache = DilatedKVCache(SEGMENTS, RATES)
     cache.append(keys, values)
@@ -74,7 +80,7 @@ def decode_row(context: int, device: torch.device, args: argparse.Namespace) -> 
         "part": "decode", "context": context, "dtype": str(dtype).removeprefix("torch."),
         "dilated_ms": ms, "dense_sdpa_ms": dense_ms, "dilated_vs_dense": dense_ms / ms,
         "cache_mib": cache.nbytes / 2**20,
-        "dense_cache_mib": 2 * keys.numel() * keys.element_size() / 2**20,
+        "dense_cache_mib": 2 * context * keys[0, 0].numel() * keys.element_size() / 2**20,
     }  # fmt: skip
 
 
