@@ -291,8 +291,9 @@ def dilated_attention(
     segs, rates = effective_branches(key_len, q.shape[2], segs, rates)
     if decoding:
         plan = decode_plan(
-            q.shape[1], key_len, q.shape[2], k.shape[2], segs, rates, q.device, key_start
-        )
+            q.shape[1], key_len, q.shape[2], k.shape[2], segs, rates, q.device, key_start,
+            kernel.backend.reads_strided_rows,
+        )  # fmt: skip
         runner = PlanRunner(plan, kernel.backend, softmax_scale, dropout_p, "dilated_attention")
         k, v = _rows_in_place(k), _rows_in_place(v)
         out, lse = run_attention(q, k, v, key_padding_mask, runner)

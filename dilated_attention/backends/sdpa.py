@@ -114,6 +114,7 @@ class CpuFlashBackend(Backend):
     """``aten::_scaled_dot_product_flash_attention_for_cpu``: PyTorch's tiled CPU kernel."""
 
     name = "cpu_flash"
+    reads_strided_rows = True  # PyTorch's CPU flash kernel: any strides, last dim contiguous
     description = "PyTorch's flash-attention CPU kernel (aten)"
     devices = frozenset({"cpu"})
     dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})

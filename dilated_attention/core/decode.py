@@ -30,6 +30,7 @@ import torch
 
 from .engine import Plan
 from .higher_order import RowCall, flat_rows
+from .strided import kv_head_slice
 
 
 class DecodeCall:
@@ -92,6 +93,57 @@ def _put_flat(
         flat.index_copy_(1, index.view(-1), src)
 
 
+class DecodeViewCall:
+    """:class:`DecodeCall` read through views, for a kernel that takes strided rows: the queries
+    ``q[:, q_rows, heads]`` and the keys ``k[:, kv_rows, kv_heads]`` are slices with a step
+    (every ``r``-th position, every ``r``-th head), no gather; the key/value heads are the call's
+    own (each used by consecutive query heads: the kernel's GQA; Note [Strided row calls] in
+    ``strided.py``)."""
+
+    def __init__(
+        self, q_rows: slice, heads: slice, kv_rows: slice, kv_heads: slice, *, causal: bool
+    ) -> None:
+        self.q_slice, self.heads, self.kv_slice, self.kv_heads = q_rows, heads, kv_rows, kv_heads
+        self.causal = causal
+
+    def q_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, self.q_slice, self.heads]
+
+    def kv_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, self.kv_slice, self.kv_heads]
+
+    def key_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """(B, Nk) bool -> (B, 1, Lk)."""
+        return None if mask is None else mask[:, self.kv_slice].unsqueeze(1)
+
+    @staticmethod
+    def _put(view: torch.Tensor, rows: torch.Tensor, accumulate: bool) -> None:
+        if accumulate:
+            view += rows.to(view.dtype)
+        else:
+            view.copy_(rows)
+
+    def put_q(self, dest: torch.Tensor, rows: torch.Tensor, *, accumulate: bool) -> None:
+        self._put(self.q_rows(dest), rows, accumulate)
+
+    def put_kv(self, dest: torch.Tensor, rows: torch.Tensor, *, accumulate: bool) -> None:
+        self._put(self.kv_rows(dest), rows, accumulate)
+
+    def row_call(self, q: torch.Tensor, k: torch.Tensor) -> RowCall:
+        device = q.device
+
+        def flat(rows: slice, heads: slice, length: int, num_heads: int) -> torch.Tensor:
+            pos = torch.arange(length, device=device)[rows].view(-1, 1)
+            head = torch.arange(num_heads, device=device)[heads].view(1, -1)
+            return (pos * num_heads + head).view(1, -1)
+
+        q_index = flat(self.q_slice, self.heads, q.shape[1], q.shape[2])
+        kv_index = flat(self.kv_slice, self.kv_heads, k.shape[1], k.shape[2])
+        heads = len(range(q.shape[2])[self.heads])
+        kv_heads = len(range(k.shape[2])[self.kv_heads])
+        return RowCall(q_index, kv_index, heads, kv_heads, causal=self.causal)
+
+
 @functools.lru_cache(maxsize=64)
 def decode_plan(
     query_len: int,
@@ -102,18 +154,32 @@ def decode_plan(
     dilation_rates: tuple[int, ...],
     device: torch.device,
     key_start: int = 0,
+    views: bool = False,
 ) -> Plan:
     """The executor's plan for the queries at the last ``query_len`` of ``key_len`` positions
     (Note [Decoding rows]); ``segment_lengths`` / ``dilation_rates`` are the effective branches
     of ``key_len`` positions. Per (branch, segment, offset class) with queries: a call for the
     keys before the first query and a causal call for the queries' own keys (one call when
     there is one query). ``key_start``: the position of the keys' first row (a cache holds the
-    later rows only; every key a call reads is at or after it)."""
-    calls = []
+    later rows only; every key a call reads is at or after it). ``views``: the kernel takes
+    strided rows, so calls read slices (:class:`DecodeViewCall`) where the key/value heads of an
+    offset class are one strided slice."""
+    calls: list = []
     first = key_len - query_len
 
     def positions(lo: int, hi: int, step: int, origin: int) -> torch.Tensor:
         return torch.arange(lo - origin, hi - origin, step, device=device)
+
+    def call(q_lo: int, hi: int, kv_lo: int, kv_hi: int, r: int, s: int, causal: bool) -> None:
+        heads = slice(s, num_heads, r)
+        kv_heads = kv_head_slice(s, r, num_heads, num_kv_heads) if views else None
+        if kv_heads is not None:
+            q_rows = slice(q_lo - first, hi - first, r)
+            kv_rows = slice(kv_lo - key_start, kv_hi - key_start, r)
+            calls.append(DecodeViewCall(q_rows, heads, kv_rows, kv_heads, causal=causal))
+            return
+        q_pos, kv_pos = positions(q_lo, hi, r, first), positions(kv_lo, kv_hi, r, key_start)
+        calls.append(DecodeCall(q_pos, heads, kv_pos, num_heads, num_kv_heads, causal=causal))
 
     for w, r in zip(segment_lengths, dilation_rates, strict=True):
         for t0 in range((first // w) * w, key_len, w):
@@ -122,18 +188,10 @@ def decode_plan(
                 q_lo = t0 + s + -(-(lo - t0 - s) // r) * r  # the first query of class s
                 if q_lo >= hi:
                     continue
-                heads = slice(s, num_heads, r)
-                q_pos = positions(q_lo, hi, r, first)
-                if q_pos.numel() == 1:  # one query: every key up to it, no mask
-                    kv_pos = positions(t0 + s, q_lo + 1, r, key_start)
-                    calls.append(DecodeCall(q_pos, heads, kv_pos, num_heads, num_kv_heads,
-                                            causal=False))  # fmt: skip
+                if q_lo + r >= hi:  # one query: every key up to it, no mask
+                    call(q_lo, hi, t0 + s, q_lo + 1, r, s, causal=False)
                     continue
                 if q_lo > t0 + s:  # keys before the first query: seen by every query
-                    kv_pos = positions(t0 + s, q_lo, r, key_start)
-                    calls.append(DecodeCall(q_pos, heads, kv_pos, num_heads, num_kv_heads,
-                                            causal=False))  # fmt: skip
-                kv_pos = positions(q_lo, hi, r, key_start)
-                calls.append(DecodeCall(q_pos, heads, kv_pos, num_heads, num_kv_heads,
-                                        causal=True))  # fmt: skip
+                    call(q_lo, hi, t0 + s, q_lo, r, s, causal=False)
+                call(q_lo, hi, q_lo, hi, r, s, causal=True)
     return Plan(tuple(calls))

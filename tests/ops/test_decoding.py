@@ -302,3 +302,23 @@ def test_cuda_cached_decoding_matches_the_oracle(backend: str | None) -> None:
             t += size
     got = torch.cat(outs, dim=1).cpu()
     assert_close_to_oracle(got, ref, low, name="out", dtype=torch.bfloat16)
+
+
+def test_decoding_calls_read_views_for_kernels_that_take_strided_rows() -> None:
+    """With ``views`` (a kernel that reads strided rows) a token's calls slice q and k (every
+    r-th position and head, their own key/value heads), except where the GQA grouping has no
+    strided key/value slice (H = 6, Hkv = 2, r = 2): those gather. Either way the rows equal the
+    full forward (the backend tests above run both)."""
+    from dilated_attention.core.decode import DecodeCall, DecodeViewCall
+
+    plan = decode_plan(3, 40, 6, 2, (8, 16), (2, 3), torch.device("cpu"), 0, True)
+    kinds = {type(call) for call in plan.calls}
+    assert kinds == {DecodeCall, DecodeViewCall}
+    k = torch.randn(2, 40, 2, 8)
+    for call in plan.calls:
+        if isinstance(call, DecodeViewCall):
+            assert call.kv_rows(k)._base is k  # a view: nothing gathered
+    assert all(
+        isinstance(c, DecodeCall)
+        for c in decode_plan(3, 40, 6, 2, (8, 16), (2, 3), torch.device("cpu"), 0).calls
+    )
