@@ -28,7 +28,7 @@ import functools
 
 import torch
 
-from .engine import Plan
+from .engine import Plan, put_view
 from .higher_order import RowCall, flat_rows
 from .strided import kv_head_slice
 
@@ -116,18 +116,11 @@ class DecodeViewCall:
         """(B, Nk) bool -> (B, 1, Lk)."""
         return None if mask is None else mask[:, self.kv_slice].unsqueeze(1)
 
-    @staticmethod
-    def _put(view: torch.Tensor, rows: torch.Tensor, accumulate: bool) -> None:
-        if accumulate:
-            view += rows.to(view.dtype)
-        else:
-            view.copy_(rows)
-
     def put_q(self, dest: torch.Tensor, rows: torch.Tensor, *, accumulate: bool) -> None:
-        self._put(self.q_rows(dest), rows, accumulate)
+        put_view(self.q_rows(dest), rows, accumulate)
 
     def put_kv(self, dest: torch.Tensor, rows: torch.Tensor, *, accumulate: bool) -> None:
-        self._put(self.kv_rows(dest), rows, accumulate)
+        put_view(self.kv_rows(dest), rows, accumulate)
 
     def row_call(self, q: torch.Tensor, k: torch.Tensor) -> RowCall:
         device = q.device

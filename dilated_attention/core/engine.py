@@ -135,11 +135,16 @@ class SliceCall:
         return RowCall.from_positions(*positions, q.shape[2], k.shape[2], self.causal)
 
 
-def _put_slice(dest: torch.Tensor, rows: slice, values: torch.Tensor, accumulate: bool) -> None:
+def put_view(view: torch.Tensor, values: torch.Tensor, accumulate: bool) -> None:
+    """Write (or add) ``values`` into ``view``, a view of a call's destination, in place."""
     if accumulate:
-        dest[:, rows] += values.to(dest.dtype)
+        view += values.to(view.dtype)
     else:
-        dest[:, rows] = values
+        view.copy_(values)
+
+
+def _put_slice(dest: torch.Tensor, rows: slice, values: torch.Tensor, accumulate: bool) -> None:
+    put_view(dest[:, rows], values, accumulate)
 
 
 @dataclass(frozen=True)

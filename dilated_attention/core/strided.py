@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from .engine import put_view
 from .higher_order import RowCall
 
 
@@ -66,11 +67,7 @@ class StridedCall:
 
     def _put(self, dest: torch.Tensor, heads: slice, rows: torch.Tensor, accumulate: bool) -> None:
         view = self._rows(dest, heads)
-        src = rows.reshape(view.shape).to(dest.dtype)
-        if accumulate:
-            view += src
-        else:
-            view.copy_(src)
+        put_view(view, rows.reshape(view.shape), accumulate)
 
     def q_rows(self, x: torch.Tensor) -> torch.Tensor:
         return self._view(x, self.q_heads)

@@ -166,9 +166,7 @@ def _real_spans(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return start, torch.maximum(end, start)
 
 
-def _filled_keys(
-    mask: torch.Tensor | None, positions: torch.Tensor | None, keys: int
-) -> int:
+def _filled_keys(mask: torch.Tensor | None, positions: torch.Tensor | None, keys: int) -> int:
     """How many of the ``keys`` slots hold tokens: the mask's length, else one past the last
     query's position (a static cache has more slots than tokens and, unpadded, no mask).
 
@@ -216,7 +214,8 @@ def attention_forward(
 
     Raises:
         ValueError: a 4-D mask, sliding-window or soft-capped layers, a padding mask with gaps,
-            or non-causal queries shorter than the keys.
+            or (from :func:`~dilated_attention.dilated_attention`) non-causal queries shorter
+            than the keys.
     """
     if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
         raise ValueError(
@@ -236,13 +235,10 @@ def attention_forward(
     filled = _filled_keys(attention_mask, kwargs.get("position_ids"), k.shape[1])
     k, v = k[:, :filled], v[:, :filled]  # a static cache's unfilled slots are left out
     run = {"is_causal": causal, "scale": scaling, "dropout_p": dropout}
-    queries, keys = q.shape[1], k.shape[1]
     if attention_mask is None or bool(attention_mask.all()):
-        if queries != keys and not causal:
-            raise ValueError("non-causal dilated attention needs as many queries as keys")
         return dilated_attention(q, k, v, segs, rates, **run), None
     start, end = _real_spans(attention_mask.bool())
-    first_query = keys - queries
+    first_query = k.shape[1] - q.shape[1]
     out = q.new_zeros(q.shape)
     spans = torch.stack([start, end], dim=1)
     for span in torch.unique(spans, dim=0).tolist():
@@ -251,8 +247,6 @@ def attention_forward(
         q_lo = max(first_query, s)
         if q_lo >= e:
             continue  # every query of these rows is padding
-        if not causal and (q_lo, e) != (s, e):
-            raise ValueError("non-causal dilated attention needs as many queries as keys")
         part = dilated_attention(
             q[rows, q_lo - first_query : e - first_query], k[rows, s:e], v[rows, s:e], segs,
             rates, **run,

@@ -624,28 +624,29 @@ class LongNetLM(nn.Module):
                 getattr(block.attn.mha.attention, "decodes_with_cache", False)
                 for block in self.blocks
             )
+            # Per group: its rows, the tokens its next forward reads (with caches the new ones
+            # only, else all so far) and its caches.
             states = []
-            for rows, tokens in groups:  # (rows, all tokens so far, new tokens, caches)
+            for rows, tokens in groups:
                 fits = cap is None or tokens.shape[1] + max_new_tokens <= cap
                 caches = self.new_caches() if fits and decodes else None
-                states.append([rows.to(device), tokens, tokens, caches])
+                states.append([rows.to(device), tokens, caches])
             stopped = torch.zeros(batch, 1, dtype=torch.bool, device=device)
             for _ in range(max_new_tokens):
                 step = torch.empty(batch, 1, dtype=torch.long, device=device)
                 for state in states:
-                    rows, out, new, caches = state
+                    rows, tokens, caches = state
                     with torch.no_grad():
-                        if caches is not None:  # the new tokens only, against the cached keys
-                            logits = self(new, caches=caches)[:, -1, :].float()
+                        if caches is not None:  # the new tokens against the cached keys
+                            logits = self(tokens, caches=caches)[:, -1, :].float()
                         else:
-                            window = out if cap is None else out[:, -cap:]
+                            window = tokens if cap is None else tokens[:, -cap:]
                             logits = self(window)[:, -1, :].float()
                     nxt = _next_token(logits, temperature, top_k, generator).to(device)
                     if stop_token is not None:
                         nxt = nxt.masked_fill(stopped[rows], stop_token)
                     step[rows] = nxt
-                    state[1] = out if caches is not None else torch.cat([out, nxt], dim=1)
-                    state[2] = nxt
+                    state[1] = nxt if caches is not None else torch.cat([tokens, nxt], dim=1)
                 if stop_token is not None:
                     stopped |= step == stop_token
                 yield step
