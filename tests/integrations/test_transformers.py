@@ -162,3 +162,41 @@ def test_per_layer_schedules_are_read_at_each_layer() -> None:
     mixed = logits([[64], [8, 16]], [[1], [1, 2]])
     assert not torch.allclose(mixed, logits([64], [1]))
     assert not torch.allclose(mixed, logits([8, 16], [1, 2]))
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_the_attention_function_on_padded_rows_matches_the_oracle_with_gradients(
+    causal: bool,
+) -> None:
+    """``attention_forward`` itself, on transformers' (B, H, N, D) layout with a left- and a
+    right-padded row: each row's real positions equal the float64 oracle on that row's tokens
+    alone, outputs and the gradients of q, k and v; padded positions give zeros and no
+    gradient."""
+    config = type("Config", (), {dilated_hf.SEGMENTS_ATTR: [8, 16], dilated_hf.RATES_ATTR: [1, 2]})
+    module = type("Attention", (), {"config": config(), "is_causal": causal})()
+    gen = torch.Generator().manual_seed(7)
+    n, heads, kv_heads, dim = 30, 4, 2, 8
+    q = torch.randn(2, heads, n, dim, generator=gen, dtype=torch.float64).requires_grad_()
+    k, v = (torch.randn(2, kv_heads, n, dim, generator=gen, dtype=torch.float64).requires_grad_()
+            for _ in "kv")  # fmt: skip
+    mask = torch.ones(2, n, dtype=torch.bool)
+    mask[0, :7] = False  # left-padded
+    mask[1, 23:] = False  # right-padded
+    out, _ = dilated_hf.attention_forward(module, q, k, v, mask)
+    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for row in range(2):
+        real = mask[row]
+        pick = [x[row : row + 1, :, real].detach().transpose(1, 2).requires_grad_()
+                for x in (q, k, v)]  # fmt: skip
+        group = heads // kv_heads
+        ref, _ = oracle_dilated_attention(
+            pick[0], *(x.repeat_interleave(group, dim=2) for x in pick[1:]), *SCHEDULE,
+            is_causal=causal,
+        )  # fmt: skip
+        ref_grads = torch.autograd.grad(ref, pick, dout[row : row + 1, real])
+        torch.testing.assert_close(out[row, real], ref[0].detach(), rtol=1e-9, atol=1e-9)
+        assert bool((out[row, ~real] == 0).all())
+        for got, want in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(got[row, :, real], want[0].transpose(0, 1))
+            assert bool((got[row, :, ~real] == 0).all())
