@@ -1,6 +1,6 @@
 """Decoding: per-token attention latency against context length, and LongNetLM.generate speed.
 
-Two parts, in one run, on CUDA when available (else the CPU):
+Three parts, in one run, on CUDA when available (else the CPU):
 
 - ``decode``: one new token of one layer (B = 1, H = 16, Hkv = 16, D = 128; bf16 on CUDA,
   float32 on the CPU; the LongNet schedule w = 2048..32768, r = 1..16) at the last positions
@@ -11,6 +11,8 @@ Two parts, in one run, on CUDA when available (else the CPU):
   ``scaled_dot_product_attention`` of the token against every key of the context, already in
   (B, H, N, D) (no concatenation: generous to it). Also the cache's bytes per layer against
   the dense cache's.
+- ``prefill``: a ``--prefill-len`` prompt of the same layer through a cache in chunks of
+  ``--prefill-chunk``, against one causal forward over the whole prompt.
 - ``generate``: ``LongNetLM.generate`` of the "tiny" preset (greedy) after prompts of
   ``--prompts`` tokens: cached (the default) against recomputing the whole forward for every
   token (what ``generate`` did before it had caches); tokens per second over the whole call.
@@ -84,6 +86,32 @@ def decode_row(context: int, device: torch.device, args: argparse.Namespace) -> 
     }  # fmt: skip
 
 
+def prefill_row(length: int, chunk: int, device: torch.device, args: argparse.Namespace) -> dict:
+    """A prompt of ``length`` tokens of one layer through a cache in chunks of ``chunk``, against
+    one causal forward over all of it (no cache)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(1)
+    q, k, v = (torch.randn(1, length, HEADS, DIM, device=device, dtype=dtype, generator=gen)
+               for _ in "qkv")  # fmt: skip
+
+    def chunked() -> None:
+        cache = DilatedKVCache(SEGMENTS, RATES)
+        for a in range(0, length, chunk):
+            piece = (x[:, a : a + chunk] for x in (q, k, v))
+            dilated_attention(*piece, SEGMENTS, RATES, is_causal=True, cache=cache)
+
+    with torch.no_grad():
+        chunked_ms = _median_ms(chunked, device, 1, args.generate_repeats)
+        full_ms = _median_ms(
+            lambda: dilated_attention(q, k, v, SEGMENTS, RATES, is_causal=True), device, 1,
+            args.generate_repeats,
+        )  # fmt: skip
+    return {
+        "part": "prefill", "prefill_len": length, "chunk": chunk, "chunked_ms": chunked_ms,
+        "full_forward_ms": full_ms, "chunked_over_full": chunked_ms / full_ms,
+    }  # fmt: skip
+
+
 def generate_row(
     model: LongNetLM, length: int, device: torch.device, args: argparse.Namespace
 ) -> dict:
@@ -119,6 +147,8 @@ def main() -> None:
         nargs="+",
         default=[16384, 131072, 1048576] if cuda else [16384, 131072],
     )
+    parser.add_argument("--prefill-len", type=int, default=131072 if cuda else 8192)
+    parser.add_argument("--prefill-chunk", type=int, default=8192 if cuda else 1024)
     parser.add_argument("--prompts", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=3)
@@ -131,6 +161,7 @@ def main() -> None:
     flat = max(r["dilated_ms"] for r in rows) / min(r["dilated_ms"] for r in rows)
     for row in rows:
         row["dilated_max_over_min"] = flat
+    rows.append(prefill_row(args.prefill_len, args.prefill_chunk, device, args))
     torch.manual_seed(0)
     model = LongNetLM(LongNetConfig.from_preset("tiny")).to(device).eval()
     rows += [generate_row(model, length, device, args) for length in args.prompts]
@@ -143,13 +174,17 @@ def main() -> None:
     notes = (
         "decode: one layer's per-token latency after `context` tokens, dilated attention with "
         "a DilatedKVCache against dense SDPA over the whole context, and each cache's MiB; "
+        "prefill: a prompt through a cache in chunks against one causal forward over it; "
         "generate: LongNetLM 'tiny' greedy tokens/s, cached against recomputing every step"
     )
-    columns = ["part", "context", "prompt", *decode_cols[1:], *generate_cols[1:]]
+    prefill_cols = ["prefill_len", "chunk", "chunked_ms", "full_forward_ms", "chunked_over_full"]
+    columns = ["part", "context", "prompt", *decode_cols[1:], *prefill_cols, *generate_cols[1:]]
     write_record(out.with_suffix(".json"), env, rows, columns=columns, notes=notes)
     table = (
         record_header(env)
         + markdown_table([r for r in rows if r["part"] == "decode"], decode_cols)
+        + "\n\n"
+        + markdown_table([r for r in rows if r["part"] == "prefill"], prefill_cols)
         + "\n\n"
         + markdown_table([r for r in rows if r["part"] == "generate"], generate_cols)
     )
