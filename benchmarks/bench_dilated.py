@@ -11,8 +11,12 @@ For each schedule (LongNet: w = 2048..32768 with r = 1, 2, 4, 8, 16; the paper's
   not run by default);
 - ``gather+cudnn``: the same call with ``backend="sdpa_cudnn"``: every branch's rows gathered into
   dense tensors, cuDNN, merged and scattered back (the fallback path);
+- ``flash_attn4``: the same call with ``backend="flash_attn4"``: one FlashAttention-4 call per
+  (branch, offset class) on strided views of q, k, v (no gathers), merged (not run by default;
+  needs ``flash-attn-4``);
 - ``cudnn ceiling``: cuDNN alone on tensors already shaped like every branch's rows
-  ``(B * N / w, ceil(w / r), H, D)`` (no gather, no merge), its times summed over the branches.
+  ``(B * N / w, ceil(w / r), H, D)`` (no gather, no merge), its times summed over the branches;
+- ``fa4 ceiling``: the same with FlashAttention-4 (not run by default).
 
 Effective TFLOP/s = paper FLOPs / time, with paper FLOPs = 4 * D * sum over heads and branches of
 (N / r) * (w / r), halved when causal, times 3.5 for forward+backward. Memory = peak allocated /
@@ -51,6 +55,9 @@ SCHEDULES = {
     "paper": ((2048, 4096, 8192, 16384, 32768), (1, 2, 4, 6, 12)),
 }
 GIB = 2**30
+PATHS = ("auto", "triton", "flash_attn4", "gather+cudnn", "cudnn ceiling", "fa4 ceiling")
+PLOT_STYLES = {"auto": "-", "triton": "-", "flash_attn4": "-.", "gather+cudnn": ":",
+               "cudnn ceiling": "--", "fa4 ceiling": "--"}  # fmt: skip
 
 
 def paper_flops(seq_len: int, heads: int, dim: int, segs: tuple[int, ...], rates: tuple[int, ...],
@@ -61,10 +68,10 @@ def paper_flops(seq_len: int, heads: int, dim: int, segs: tuple[int, ...], rates
 
 
 def _ceiling(
-    seq_len: int, heads: int, dim: int, segs: tuple[int, ...], rates: tuple[int, ...],
-    causal: bool, args: argparse.Namespace,
+    backend: str, seq_len: int, heads: int, dim: int, segs: tuple[int, ...],
+    rates: tuple[int, ...], causal: bool, args: argparse.Namespace,
 ) -> dict[str, float]:  # fmt: skip
-    """cuDNN on every branch's row shape, times summed (no gather, no merge)."""
+    """``backend`` alone on every branch's row shape, times summed (no gather, no merge)."""
     total = {"fwd_ms": 0.0, "fwd_bwd_ms": 0.0}
     for w, r in zip(segs, rates, strict=True):
         w = min(w, seq_len)
@@ -75,7 +82,7 @@ def _ceiling(
         )
         dout = torch.randn_like(q)
         res = time_fwd_and_fwd_bwd(
-            lambda q=q, k=k, v=v: attention(q, k, v, is_causal=causal, backend="sdpa_cudnn"),
+            lambda q=q, k=k, v=v: attention(q, k, v, is_causal=causal, backend=backend),
             [q, k, v], dout, warmup=args.warmup, repeats=args.repeats,
         )  # fmt: skip
         total["fwd_ms"] += res["fwd_ms"]
@@ -100,22 +107,24 @@ def bench_config(
     )
     dout = torch.randn_like(q)
     auto = choose(KernelInputs.from_tensors(q, k, is_causal=causal, dilated=True)).backend
+
+    def library(backend: str | None) -> Callable[[], dict[str, float]]:
+        return lambda: time_fwd_and_fwd_bwd(
+            lambda: dilated_attention(q, k, v, segs, rates, is_causal=causal, backend=backend),
+            [q, k, v], dout, warmup=args.warmup, repeats=args.repeats,
+        )  # fmt: skip
+
+    def ceiling(backend: str) -> Callable[[], dict[str, float]]:
+        return lambda: _ceiling(backend, seq_len, heads, dim, segs, rates, causal, args)
+
     paths: dict[str, Callable[[], dict[str, float]]] = {
-        "auto": lambda: time_fwd_and_fwd_bwd(
-            lambda: dilated_attention(q, k, v, segs, rates, is_causal=causal), [q, k, v], dout,
-            warmup=args.warmup, repeats=args.repeats,
-        ),
-        "triton": lambda: time_fwd_and_fwd_bwd(
-            lambda: dilated_attention(q, k, v, segs, rates, is_causal=causal, backend="triton"),
-            [q, k, v], dout, warmup=args.warmup, repeats=args.repeats,
-        ),
-        "gather+cudnn": lambda: time_fwd_and_fwd_bwd(
-            lambda: dilated_attention(q, k, v, segs, rates, is_causal=causal,
-                                      backend="sdpa_cudnn"),
-            [q, k, v], dout, warmup=args.warmup, repeats=args.repeats,
-        ),
-        "cudnn ceiling": lambda: _ceiling(seq_len, heads, dim, segs, rates, causal, args),
-    }  # fmt: skip
+        "auto": library(None),
+        "triton": library("triton"),
+        "flash_attn4": library("flash_attn4"),
+        "gather+cudnn": library("sdpa_cudnn"),
+        "cudnn ceiling": ceiling("sdpa_cudnn"),
+        "fa4 ceiling": ceiling("flash_attn4"),
+    }
     rows = []
     for name in args.paths:
         row: dict[str, object] = {**base, "path": name}
@@ -137,11 +146,12 @@ def bench_config(
                 row[f"{step}_mem_ratio"] = res[f"{step}_peak_bytes"] / unavoidable[step]
         rows.append(row)
         print(row, flush=True)
-    ceiling = next((r for r in rows if r["path"] == "cudnn ceiling" and "fwd_ms" in r), None)
-    for row in rows:
-        if ceiling is not None and "fwd_ms" in row:
-            for step in ("fwd", "fwd_bwd"):
-                row[f"{step}_vs_ceiling"] = row[f"{step}_tflops"] / ceiling[f"{step}_tflops"]
+    for name, key in (("cudnn ceiling", "vs_ceiling"), ("fa4 ceiling", "vs_fa4_ceiling")):
+        top = next((r for r in rows if r["path"] == name and "fwd_ms" in r), None)
+        for row in rows:
+            if top is not None and "fwd_ms" in row:
+                for step in ("fwd", "fwd_bwd"):
+                    row[f"{step}_{key}"] = row[f"{step}_tflops"] / top[f"{step}_tflops"]
     return rows
 
 
@@ -158,7 +168,7 @@ def _plot(rows: list[dict[str, object]], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for ax, step in zip(axes, ("fwd", "fwd_bwd"), strict=True):
         for schedule, dim, causal in keys:
-            for path_name, style in (("auto", "-"), ("gather+cudnn", ":"), ("cudnn ceiling", "--")):
+            for path_name, style in PLOT_STYLES.items():
                 pts = sorted(
                     (r["seq_len"], r[f"{step}_tflops"])
                     for r in rows
@@ -188,7 +198,7 @@ def main() -> None:
     parser.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--paths", nargs="+", default=["auto", "gather+cudnn", "cudnn ceiling"],
-                        choices=["auto", "triton", "gather+cudnn", "cudnn ceiling"])  # fmt: skip
+                        choices=PATHS)  # fmt: skip
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None, help=OUT_HELP)
@@ -205,8 +215,9 @@ def main() -> None:
     env = environment()
     out = record_path("dilated", args.out)
     cols = ["schedule", "head_dim", "causal", "seq_len", "path", "backend", "fwd_ms",
-            "fwd_tflops", "fwd_vs_ceiling", "fwd_bwd_ms", "fwd_bwd_tflops", "fwd_bwd_vs_ceiling",
-            "fwd_mem_ratio", "fwd_bwd_mem_ratio", "error"]  # fmt: skip
+            "fwd_tflops", "fwd_vs_ceiling", "fwd_vs_fa4_ceiling", "fwd_bwd_ms", "fwd_bwd_tflops",
+            "fwd_bwd_vs_ceiling", "fwd_bwd_vs_fa4_ceiling", "fwd_mem_ratio", "fwd_bwd_mem_ratio",
+            "error"]  # fmt: skip
     write_record(out.with_suffix(".json"), env, rows, columns=cols)
     table = record_header(env) + markdown_table(rows, cols)
     out.with_suffix(".md").write_text(table + "\n")
