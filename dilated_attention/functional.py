@@ -14,8 +14,9 @@ from . import _validation as V
 from . import compiled
 from .backends.base import KernelInputs
 from .backends.registry import DENSE, DILATED, Selection, check_backend_name, registry_for
+from .core import decode
 from .core.autograd import run_attention
-from .core.decode import decode_plan
+from .core.decode import decode_plan, decode_token_plan
 from .core.engine import Plan, PlanRunner, empty_attention
 from .core.fused import FusedRunner, compile_ahead
 from .core.kv_cache import DilatedKVCache
@@ -273,13 +274,27 @@ def dilated_attention(
     # makes every call a decoding one.
     decoding = q.shape[1] != k.shape[1] or (cache is not None and cache.length > 0)
     # Decoding calls are one row against its keys and, in a chunk, square causal calls (Note
-    # [Decoding rows]): the kernel is chosen for those shapes.
+    # [Decoding rows]): the kernel is chosen for those shapes. One token without gradients is
+    # one call with a per-head key mask (Note [One call per decoded token]) on a kernel that
+    # takes masks.
     chunk = decoding and q.shape[1] > 1
-    kernel = _choose(
-        q[:, :1] if decoding else q, k[:, :1] if chunk else k,
-        is_causal=chunk if decoding else is_causal, has_mask=key_padding_mask is not None,
-        dropout_p=dropout_p, backend=backend, operation=DENSE if decoding else DILATED,
-    )  # fmt: skip
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    one_call = (
+        decoding and not chunk and not needs_grad and q.device.type in decode.ONE_CALL_DEVICE_TYPES
+    )
+    shape = (q[:, :1], k[:, :1]) if decoding else (q, k)
+    choice = dict(dropout_p=dropout_p, backend=backend, operation=DENSE if decoding else DILATED)
+    kernel = None
+    if one_call:
+        try:
+            kernel = _choose(*shape, is_causal=False, has_mask=True, **choice)
+        except ValueError:  # a kernel asked for by name takes no masks: one call per branch
+            one_call = False
+    if kernel is None:
+        kernel = _choose(
+            *shape, is_causal=chunk if decoding else is_causal,
+            has_mask=key_padding_mask is not None, **choice,
+        )  # fmt: skip
     key_start = 0
     if cache is not None:  # checked and chosen: the new tokens' keys join the ones they read
         k, v, key_padding_mask, key_start = cache.append(k, v, key_padding_mask)
@@ -289,11 +304,14 @@ def dilated_attention(
     softmax_scale = checked_scale if checked_scale is not None else q.shape[-1] ** -0.5
     key_len = key_start + k.shape[1]  # positions so far
     segs, rates = effective_branches(key_len, q.shape[2], segs, rates)
-    if decoding:
+    if one_call:
+        plan = decode_token_plan(key_len, q.shape[2], segs, rates, q.device, key_start, q.shape[0])
+    elif decoding:
         plan = decode_plan(
             q.shape[1], key_len, q.shape[2], k.shape[2], segs, rates, q.device, key_start,
             kernel.backend.reads_strided_rows,
         )  # fmt: skip
+    if decoding:
         runner = PlanRunner(plan, kernel.backend, softmax_scale, dropout_p, "dilated_attention")
         k, v = _rows_in_place(k), _rows_in_place(v)
         out, lse = run_attention(q, k, v, key_padding_mask, runner)
@@ -301,7 +319,6 @@ def dilated_attention(
     if kernel.runs_plan:  # the fused kernels run every branch themselves (core/fused.py)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         branches = tuple(zip(segs, rates, strict=True))
-        needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
         compile_ahead(
             q, k, v, key_padding_mask, branches, kernel.backend, is_causal=is_causal,
             scale=softmax_scale, needs_grad=needs_grad,

@@ -18,6 +18,29 @@ Note [Decoding rows]
     branches of ``w / r`` keys. The branches are the effective ones of ``Nk`` positions (Note
     [Effective branches]): ``w > Nk`` is one segment.
 
+Note [One call per decoded token]
+    One new token at position ``p`` reads, in branch ``(w, r)``, the keys ``t0 + s + r*m <= p``
+    with ``t0 = (p // w) * w`` and ``s = (p - t0) mod r``, and only the heads ``h`` with
+    ``h mod r == s`` read them (Note [Decoding rows]). The key positions of a branch are the same
+    for every head that reads them; only which heads read them differs. So all branches fit one
+    kernel call: the keys of every branch side by side (``sum of ceil(w / r)`` slots, the last
+    ones of a branch padding until its segment fills) with a per-head key mask saying which
+    heads read which slots. One softmax over the slots a head reads is exactly the merge of its
+    branches (LongNet Eq. 10: one softmax over the multiset union of the branches' keys), so
+    the result equals the per-branch calls' and the full causal forward's. The call's shape is
+    the same for every token of a schedule, and it replaces one call per branch (each with its
+    own gather, kernel launch and merge) by one of each: decoding is bound by a few launches
+    rather than by the number of branches. It runs without gradients; a decoding step that
+    needs gradients keeps the per-branch plan (:func:`decode_plan`), whose calls can also be
+    differentiated twice. The price is the slots: every head reads every slot (masked), about
+    ``H * sum(ceil(w / r))`` rows against the per-branch calls' ``sum(H / r * ceil(w / r))``
+    (2.6x for the LongNet schedule), and they are gathered. That is noise on a GPU, where a
+    token's few thousand rows take microseconds and each launch and merge costs more, but not
+    on the CPU, where the per-branch calls read their rows as views (Note [Strided row calls])
+    and the gather alone took 7x the per-branch step (2 cores, LongNet schedule, H = 16,
+    D = 64, float32, 16K positions: 62 ms against 8.4 ms). So the one call is made on
+    ``ONE_CALL_DEVICE_TYPES`` only.
+
 Shape legend: B batch, Nq query positions (the last of the Nk key positions), H query heads,
 Hkv key/value heads, D head dim, Hc heads of one call, Lq queries and Lk keys of one call.
 """
@@ -135,6 +158,78 @@ class DecodeViewCall:
         heads = len(range(q.shape[2])[self.heads])
         kv_heads = len(range(k.shape[2])[self.kv_heads])
         return RowCall(q_index, kv_index, heads, kv_heads, causal=self.causal)
+
+
+#: Where one decoded token is one call (Note [One call per decoded token]).
+ONE_CALL_DEVICE_TYPES = frozenset({"cuda"})
+
+
+class DecodeTokenCall:
+    """The one call of a decoded token (Note [One call per decoded token]): the token's query
+    rows as they are against the key/value rows ``positions`` (every branch's slots side by
+    side), with ``ignore`` (H, K) saying which heads do not read which slots. Forward only."""
+
+    causal = False
+
+    def __init__(self, positions: torch.Tensor, ignore: torch.Tensor, batch: int) -> None:
+        self.positions, self.ignore, self.batch = positions, ignore, batch
+
+    def q_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def kv_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, Nk, Hkv, E) -> (B, K, Hkv, E), gathered."""
+        return x.index_select(1, self.positions)
+
+    def key_mask(self, mask: torch.Tensor | None) -> torch.Tensor:
+        """(B, Nk) bool or None -> (B, H, K): the heads' slots, and the padded keys."""
+        ignore = self.ignore.unsqueeze(0).expand(self.batch, -1, -1)
+        if mask is not None:
+            ignore = ignore | mask.index_select(1, self.positions).unsqueeze(1)
+        return ignore.contiguous()
+
+    def put_q(self, dest: torch.Tensor, rows: torch.Tensor, *, accumulate: bool) -> None:
+        put_view(dest, rows, accumulate)
+
+    def put_kv(self, dest: torch.Tensor, rows: torch.Tensor, *, accumulate: bool) -> None:
+        if not accumulate:  # slots of two branches can hold the same position: add them up
+            dest.index_fill_(1, self.positions, 0)
+        dest.index_add_(1, self.positions, rows.to(dest.dtype))
+
+    def row_call(self, q: torch.Tensor, k: torch.Tensor) -> RowCall:
+        raise RuntimeError(
+            "the one-call decoding plan runs without gradients; decoding with gradients uses "
+            "the per-branch plan (core.decode.decode_plan)"
+        )
+
+
+def decode_token_plan(
+    key_len: int,
+    num_heads: int,
+    segment_lengths: tuple[int, ...],
+    dilation_rates: tuple[int, ...],
+    device: torch.device,
+    key_start: int = 0,
+    batch: int = 1,
+) -> Plan:
+    """The one-call plan of the token at position ``key_len - 1`` (Note [One call per decoded
+    token]); ``segment_lengths`` / ``dilation_rates`` are the effective branches of ``key_len``
+    positions, and ``key_start`` the position of the keys' first row."""
+    last = key_len - 1
+    heads = torch.arange(num_heads)
+    positions, ignore = [], []
+    for w, r in zip(segment_lengths, dilation_rates, strict=True):
+        t0 = (last // w) * w
+        s = (last - t0) % r
+        slots = torch.arange(-(-w // r))
+        filled = slots <= (last - t0 - s) // r  # the keys t0 + s, t0 + s + r, ..., last
+        positions.append(torch.where(filled, t0 + s + r * slots, last) - key_start)
+        reads = (heads % r == s).view(-1, 1) & filled.view(1, -1)  # (H, slots)
+        ignore.append(~reads)
+    call = DecodeTokenCall(
+        torch.cat(positions).to(device), torch.cat(ignore, dim=1).to(device), batch
+    )
+    return Plan((call,))
 
 
 @functools.lru_cache(maxsize=64)

@@ -28,7 +28,7 @@ import torch
 
 from .engine import Plan
 from .higher_order import RowCall
-from .strided import StridedCall, kv_head_slice
+from .strided import DiagonalCall, StridedCall, kv_head_slice
 
 
 @dataclass(frozen=True)
@@ -269,17 +269,24 @@ def dilated_plan(
 def strided_calls(
     group: RowGroup, num_kv_heads: int, causal: bool
 ) -> tuple[StridedCall, ...] | None:
-    """The group as one :class:`StridedCall` per offset class, or None where its rows are not
-    strided views (rate 1, ragged segments, some heads only, or a GQA grouping the views cannot
-    express)."""
+    """The group as one :class:`StridedCall` per offset class, or per block of ``r`` heads where
+    that is fewer calls (``DiagonalCall``, Note [Diagonal head calls] in ``strided.py``), or None
+    where its rows are not strided views (rate 1, ragged segments, some heads only, or a GQA
+    grouping the views cannot express)."""
     rate, heads = group.rate, group.num_heads
     if rate == 1 or group.segment_len % rate or len(group.heads) != heads:
         return None
+    start, n, length = group.start, group.num_segments, group.segment_len
+    if num_kv_heads == heads and heads % rate == 0 and heads // rate < rate:
+        return tuple(
+            DiagonalCall(start, n, length, rate, t, slice(None), causal)
+            for t in range(heads // rate)
+        )
     kv_slices = [kv_head_slice(s, rate, heads, num_kv_heads) for s in range(min(rate, heads))]
     if any(kv is None for kv in kv_slices):
         return None
     return tuple(
-        StridedCall(group.start, group.num_segments, group.segment_len, rate, s, kv, causal)
+        StridedCall(start, n, length, rate, s, kv, causal)
         for s, kv in enumerate(kv_slices)
         if kv is not None
     )

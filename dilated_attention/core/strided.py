@@ -20,6 +20,17 @@ Note [Strided row calls]
     A backend reads these views only when it declares ``reads_strided_rows``; the others get
     contiguous gathered rows as before.
 
+Note [Diagonal head calls]
+    An offset class holds ``H / r`` heads, so a branch with ``r > H / r`` makes ``r`` calls of
+    few heads each (16 calls of one head for ``r = 16, H = 16``): small grids and a launch per
+    class. Cut the other way, the heads ``t*r .. t*r + r - 1`` hold one head of every offset
+    class, head ``t*r + s`` at offset ``s``: in ``x.view(B, n, L / r, r, H, D)`` that is the
+    diagonal of the (offset, head) block ``[..., :, t*r : t*r + r]``, again a strided view,
+    shaped (B * n, L / r, r, D) with a head stride of ``(H + 1) * D``. ``H / r`` such calls of
+    ``r`` heads replace ``r`` calls of ``H / r`` heads, so a branch takes ``min(r, H / r)``
+    calls. Each head of a diagonal call reads keys at its own offset, so its key/value heads
+    must be its own too: without GQA only. Key masks become per head ((B * n, r, L / r)).
+
 Shape legend: B batch, N positions, H query heads, Hkv key/value heads, D head dim, n segments of
 a run, L segment length, Hc / Hkc heads of one call.
 """
@@ -99,6 +110,46 @@ class StridedCall:
         q_index = (positions * num_heads + q_heads).view(n, -1)
         kv_index = (positions * num_kv_heads + kv_heads).view(n, -1)
         return RowCall(q_index, kv_index, q_heads.numel(), kv_heads.numel(), self.causal)
+
+
+class DiagonalCall(StridedCall):
+    """The heads ``t*r .. t*r + r - 1`` of a run of segments, each at its own offset (Note
+    [Diagonal head calls]; ``offset`` is ``t``); without GQA."""
+
+    def _rows(self, x: torch.Tensor, heads: slice) -> torch.Tensor:
+        """(B, N, H, E) -> (B, n, L / r, r, E), a view: head ``t*r + s`` at offset ``s``."""
+        batch, _, heads_x, dim = x.shape
+        n, length, rate, first = (
+            self.num_segments,
+            self.segment_len,
+            self.rate,
+            self.offset * self.rate,
+        )
+        block = x[:, self.start : self.start + n * length]
+        rows = block.view(batch, n, length // rate, rate, heads_x, dim)[
+            ..., first : first + rate, :
+        ]
+        return torch.diagonal(rows, dim1=3, dim2=4).movedim(-1, 3)
+
+    def key_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """(B, N) bool -> (B * n, r, L / r): each head's keys at its own offset."""
+        if mask is None:
+            return None
+        n, length, rate = self.num_segments, self.segment_len, self.rate
+        block = mask[:, self.start : self.start + n * length]
+        rows = block.reshape(mask.shape[0] * n, length // rate, rate)
+        return rows.transpose(1, 2)
+
+    def row_call(self, q: torch.Tensor, k: torch.Tensor) -> RowCall:
+        num_heads, device = q.shape[2], q.device
+        n, length, rate = self.num_segments, self.segment_len, self.rate
+        base = self.start + torch.arange(n, device=device) * length  # (n,)
+        offsets = torch.arange(rate, device=device)
+        rows = rate * torch.arange(length // rate, device=device).view(-1, 1) + offsets  # (L/r, r)
+        positions = base.view(-1, 1, 1) + rows  # (n, L / r, r)
+        heads = self.offset * rate + offsets
+        index = (positions * num_heads + heads).view(n, -1)
+        return RowCall(index, index, rate, rate, self.causal)
 
 
 def kv_head_slice(offset: int, rate: int, num_heads: int, num_kv_heads: int) -> slice | None:

@@ -11,7 +11,7 @@ from support.oracle import oracle_dilated_attention
 from dilated_attention import dilated_attention
 from dilated_attention.backends import get_backend
 from dilated_attention.core.segment import GroupCall, dilated_plan, plan_branches
-from dilated_attention.core.strided import StridedCall, kv_head_slice
+from dilated_attention.core.strided import DiagonalCall, StridedCall, kv_head_slice
 
 F64 = torch.float64
 TIGHT = {"atol": 1e-10, "rtol": 1e-7}
@@ -26,6 +26,31 @@ SCHEDULES = [
     ("ragged_beside", 50, 4, 4, (10, 16), (3, 4)),
     ("rate_above_heads", 40, 2, 1, (8, 16), (4, 8)),
 ]
+
+
+@pytest.mark.parametrize(("kv_heads", "diagonal"), [(8, True), (4, False)], ids=["mha", "gqa"])
+def test_a_branch_takes_min_of_rate_and_heads_over_rate_calls(
+    kv_heads: int, diagonal: bool
+) -> None:
+    """H = 8: r = 2 is two offset classes of four heads; r = 4 and r = 8 are two and one diagonal
+    calls of r heads each (Note [Diagonal head calls]), each head at its own offset, read as a
+    view; with GQA the diagonal cannot share key/value heads and r offset classes remain."""
+    n, heads = 64, 8
+    x = torch.randn(1, n, heads, 4)
+    for rate, calls in ((2, 2), (4, 2 if diagonal else 4), (8, 1 if diagonal else 8)):
+        groups = plan_branches(n, heads, (16,), (rate,))
+        plan = dilated_plan(groups, n, kv_heads, x.device, False, strided=True)
+        assert len(plan.calls) == calls, rate
+        if not diagonal or rate == 2:
+            assert not any(isinstance(c, DiagonalCall) for c in plan.calls)
+            continue
+        for t, call in enumerate(plan.calls):
+            assert isinstance(call, DiagonalCall)
+            rows = call.q_rows(x)  # (n_segments, 16 / r, r, D)
+            assert rows._base is x
+            for s in range(rate):  # head t*r + s reads positions s, s + r, ... of each segment
+                want = x[0].view(n // 16, 16 // rate, rate, heads, 4)[:, :, s, t * rate + s]
+                assert torch.equal(rows[:, :, s], want)
 
 
 @pytest.mark.parametrize(
@@ -56,8 +81,8 @@ def test_plans_read_views_where_rows_are_strided_and_gather_elsewhere() -> None:
     dimensions cannot merge into one stride and the rows are copied, still correct)."""
     groups = plan_branches(50, 4, (10, 16), (3, 4))
     plan = dilated_plan(groups, 50, 4, torch.device("cpu"), True, strided=True)
-    kinds = [type(call) for call in plan.calls]
-    assert StridedCall in kinds and GroupCall in kinds
+    assert any(isinstance(call, StridedCall) for call in plan.calls)
+    assert any(isinstance(call, GroupCall) for call in plan.calls)
     gathered = dilated_plan(groups, 50, 4, torch.device("cpu"), True)
     assert all(isinstance(call, GroupCall) for call in gathered.calls)
     for n, batch in ((48, 2), (50, 1)):

@@ -14,7 +14,8 @@ from support.oracle import oracle_dilated_attention
 from support.tolerances import assert_close_to_oracle
 
 from dilated_attention import DilatedKVCache, dilated_attention
-from dilated_attention.core.decode import decode_plan
+from dilated_attention.core import decode
+from dilated_attention.core.decode import DecodeTokenCall, decode_plan, decode_token_plan
 from dilated_attention.core.segment import effective_branches
 
 F64 = torch.float64
@@ -27,6 +28,15 @@ SCHEDULES = [
     ("rate_above_heads", 37, 2, 1, (8, 32), (1, 4)),
     ("longnet_like", 64, 8, 2, (8, 16, 32, 64), (1, 2, 4, 8)),
 ]
+
+
+@pytest.fixture(params=[False, True], ids=["per_branch", "one_call"])
+def one_call(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Decode single tokens without gradients per branch, or as one call (Note [One call per
+    decoded token]; made on the GPU only, so the CPU suite turns it on to test it here)."""
+    if request.param:
+        monkeypatch.setattr(decode, "ONE_CALL_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
+    return request.param
 
 
 def _tensors(n: int, heads: int, kv_heads: int, seed: int = 0) -> list[torch.Tensor]:
@@ -64,20 +74,68 @@ def test_last_rows_equal_the_full_causal_forward(
         torch.testing.assert_close(got, want, **TIGHT)
 
 
-def test_token_by_token_equals_the_full_forward() -> None:
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=[s[0] for s in SCHEDULES])
+def test_token_by_token_equals_the_full_forward(
+    schedule: tuple, one_call: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Growing the keys one position at a time (each step decodes its one new token) gives every
-    row of the full causal forward, the segments following the growing length (``w > N`` is one
-    segment while the sequence is short)."""
-    _, n, heads, kv_heads, segs, rates = SCHEDULES[1]
+    row and lse of the full causal forward, the segments following the growing length (``w > N``
+    is one segment while the sequence is short), with a left-padded row and an ignored key."""
+    _, n, heads, kv_heads, segs, rates = schedule
     q, k, v = _tensors(n, heads, kv_heads, seed=3)
-    full, _ = oracle_dilated_attention(q, k, v, segs, rates, is_causal=True)
+    mask = torch.zeros(2, n, dtype=torch.bool)
+    mask[1, :5] = True
+    mask[0, 7] = True
+    full, full_lse = oracle_dilated_attention(
+        q, k, v, segs, rates, is_causal=True, key_padding_mask=mask
+    )
+    from dilated_attention import functional
+
+    plans: list[int] = []
+    monkeypatch.setattr(
+        functional, "decode_token_plan",
+        lambda *args: plans.append(1) or decode_token_plan(*args),
+    )  # fmt: skip
     steps = [
         dilated_attention(
-            q[:, t : t + 1], k[:, : t + 1], v[:, : t + 1], list(segs), list(rates), is_causal=True
+            q[:, t : t + 1], k[:, : t + 1], v[:, : t + 1], list(segs), list(rates),
+            is_causal=True, key_padding_mask=mask[:, : t + 1], return_lse=True,
         )
         for t in range(n)
-    ]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, **TIGHT)
+    ]  # fmt: skip
+    assert len(plans) == (n - 1 if one_call else 0)  # position 0 is the whole sequence
+    torch.testing.assert_close(torch.cat([o for o, _ in steps], dim=1), full, **TIGHT)
+    lse = torch.cat([part for _, part in steps], dim=2)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(full_lse))
+    torch.testing.assert_close(lse[~torch.isneginf(lse)], full_lse[~torch.isneginf(full_lse)])
+
+
+def test_one_call_plan_of_a_token_has_one_shape_for_every_position() -> None:
+    """The one-call plan of a token (Note [One call per decoded token]) reads sum over branches of
+    ceil(w / r) slots at every position, each a key at or before the token; a head reads a
+    branch's slots only when its offset class is the token's, and no slot beyond the keys that
+    branch has so far."""
+    segs, rates, heads = (16, 32, 64), (1, 4, 8), 8
+    slots = sum(-(-w // r) for w, r in zip(segs, rates, strict=True))
+    for key_len in (1, 2, 17, 63, 64, 65, 200):
+        eff_segs, eff_rates = effective_branches(key_len, heads, segs, rates)
+        plan = decode_token_plan(key_len, heads, eff_segs, eff_rates, torch.device("cpu"))
+        (call,) = plan.calls
+        assert isinstance(call, DecodeTokenCall)
+        widths = [-(-w // r) for w, r in zip(eff_segs, eff_rates, strict=True)]
+        assert call.positions.shape == (sum(widths),) and sum(widths) <= slots
+        assert int(call.positions.max()) == key_len - 1 and int(call.positions.min()) >= 0
+        reads = ~call.ignore  # (H, K)
+        for (w, r), piece, pos in zip(
+            zip(eff_segs, eff_rates, strict=True), reads.split(widths, 1),
+            call.positions.split(widths), strict=True,
+        ):  # fmt: skip
+            t0 = ((key_len - 1) // w) * w
+            offset = (key_len - 1 - t0) % r
+            want = torch.tensor([h % r == offset for h in range(heads)])
+            assert torch.equal(piece.any(dim=1), want)
+            keys = pos[piece.any(dim=0)]
+            assert torch.equal(keys, torch.arange(t0 + offset, key_len, r))
 
 
 def test_left_padding_mask_over_the_keys() -> None:
@@ -164,7 +222,7 @@ def test_lengths_that_are_not_decoding_raise(query_len: int, is_causal: bool, ma
 @pytest.mark.parametrize("grad_mode", [True, False], ids=["grad", "no_grad"])
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=[s[0] for s in SCHEDULES])
 def test_cache_chunks_equal_the_full_forward_and_stay_bounded(
-    schedule: tuple, grad_mode: bool
+    schedule: tuple, grad_mode: bool, one_call: bool
 ) -> None:
     """Prompt then chunks and single tokens through one ``DilatedKVCache``: every row equals the
     full causal forward, and after each call the cache holds only rows later tokens read (fewer
@@ -196,7 +254,7 @@ def test_cache_chunks_equal_the_full_forward_and_stay_bounded(
 
 
 @pytest.mark.parametrize("grad_mode", [True, False], ids=["grad", "no_grad"])
-def test_cache_keeps_the_masks_of_its_keys(grad_mode: bool) -> None:
+def test_cache_keeps_the_masks_of_its_keys(grad_mode: bool, one_call: bool) -> None:
     """Left-padded prompts, then chunks and tokens (one of them masked) through one cache, each
     call with the mask of its new keys: every row equals the full forward under the whole mask,
     and the cache drops its mask rows with its keys."""
