@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..core.contract import BranchSpan
+from ..core.engine import register_in_place_merge
 from ._compat import _import_failure, _last_dim_contiguous, _release
 from ._triton_compile import prepare_compiler
 from ._triton_tiles import Tiles, dkdv_config, tile_configs
@@ -58,6 +59,9 @@ def merge_kernel() -> Callable[..., None] | None:
     except Exception:
         return None
     return merge_into
+
+
+register_in_place_merge("cuda", merge_kernel)
 
 
 def _tiles(x: torch.Tensor) -> Tiles:

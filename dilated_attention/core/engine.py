@@ -136,11 +136,14 @@ class SliceCall:
 
 
 def put_view(view: torch.Tensor, values: torch.Tensor, accumulate: bool) -> None:
-    """Write (or add) ``values`` into ``view``, a view of a call's destination, in place."""
-    if accumulate:
-        view += values.to(view.dtype)
-    else:
+    """Write (or add) ``values`` into ``view``, a view of a call's destination, in place (a
+    16-bit ``values`` adds into a float32 ``view`` in one pass, without a float32 copy)."""
+    if not accumulate:
         view.copy_(values)
+    elif torch.promote_types(view.dtype, values.dtype) == view.dtype:
+        view.add_(values)
+    else:
+        view.add_(values.to(view.dtype))
 
 
 def _put_slice(dest: torch.Tensor, rows: slice, values: torch.Tensor, accumulate: bool) -> None:
@@ -202,14 +205,51 @@ def _call_lse(call: Call, lse_rows: torch.Tensor) -> torch.Tensor:
 Merge = Callable[[Call, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
+#: A fused in-place merge: ``(out, lse, part, part_lse)`` with ``out`` (B', L, Hc, D) and ``lse``
+#: (B', L, Hc) float32 views of the accumulators, ``part`` (B', L, Hc, D) last dim contiguous and
+#: ``part_lse`` (B', L, Hc), any strides.
+InPlaceMerge = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+_IN_PLACE_MERGES: dict[str, Callable[[], InPlaceMerge | None]] = {}
+
+
+def register_in_place_merge(device_type: str, load: Callable[[], InPlaceMerge | None]) -> None:
+    """Give the executor a one-kernel merge for float32 accumulators on ``device_type``.
+
+    ``load()`` returns the merge, or None where its kernel cannot be loaded (then the torch ops
+    of :func:`~dilated_attention.core.merge.merge_partial` merge). The Triton backend registers
+    CUDA's: it reads each output once and writes the merged row back, a quarter of the bytes of
+    the torch ops (about ten passes over the call's rows).
+    """
+    _IN_PLACE_MERGES[device_type] = load
+
+
+def _in_place_merge(out: torch.Tensor, lse: torch.Tensor) -> InPlaceMerge | None:
+    if out.dtype != torch.float32 or lse.dtype != torch.float32:
+        return None
+    load = _IN_PLACE_MERGES.get(out.device.type)
+    return None if load is None else load()
+
+
+def _is_view_of(rows: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether ``rows`` (a call's rows of ``base``) is ``base`` or a view of it, so that writing
+    into it writes ``base`` (a call's rows are a copy where they are gathered)."""
+    return rows is base or rows._base is base
+
+
 def merge_rows(
     call: Call, out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor
 ) -> None:
-    """The default :data:`Merge`: read the call's rows, merge (Note [Merging partial softmaxes]),
-    write them back."""
-    new_out, new_lse = merge_partial(
-        call.q_rows(out), call.q_rows(lse).squeeze(-1), part_out, part_lse.transpose(1, 2)
-    )
+    """The executor's :data:`Merge`: merge the call's result into its rows of the accumulators
+    (Note [Merging partial softmaxes]), in place with one kernel where one is registered
+    (:func:`register_in_place_merge`) and the rows are views; else read the rows, merge with
+    torch ops and write them back."""
+    rows, lse_rows = call.q_rows(out), call.q_rows(lse)
+    fused = _in_place_merge(out, lse)
+    if fused is not None and _is_view_of(rows, out) and _is_view_of(lse_rows, lse):
+        part = part_out if part_out.stride(-1) == 1 else part_out.contiguous()
+        fused(rows, lse_rows.squeeze(-1), part, part_lse.transpose(1, 2))
+        return
+    new_out, new_lse = merge_partial(rows, lse_rows.squeeze(-1), part_out, part_lse.transpose(1, 2))
     call.put_q(out, new_out, accumulate=False)
     call.put_q(lse, new_lse.unsqueeze(-1), accumulate=False)
 
@@ -238,8 +278,7 @@ def run_forward(
             with ``merge=None``, buffers each call writes its rows into directly (calls that
             cover disjoint rows).
         auxes: each call's kernel ``aux`` is appended, in call order.
-        merge: how a result merges in (:func:`merge_rows`; ring attention passes a fused
-            in-place merge).
+        merge: how a result merges in (:func:`merge_rows`).
     """
     for call in calls:
         res = backend.forward(

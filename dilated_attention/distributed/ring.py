@@ -32,13 +32,11 @@ import torch.distributed as dist
 from .. import _validation as V
 from ..backends.base import Backend, KernelInputs
 from ..backends.registry import DENSE, Selection, check_backend_name, registry_for
-from ..backends.triton import merge_kernel
 from ..compiled import eager_only
 from ..core.autograd import Backward, FirstOrderOnly, Forward, Grads, Inputs, run_attention
 from ..core.engine import (
     SliceCall,
     accumulator_dtype,
-    merge_rows,
     new_accumulators,
     row_lse,
     run_backward,
@@ -169,24 +167,6 @@ def _all_blocks(block: KeyBlock, setup: RingSetup) -> list[KeyBlock]:
     ]
 
 
-def _merge_into(
-    call: SliceCall,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    part_out: torch.Tensor,
-    part_lse: torch.Tensor,
-) -> None:
-    """The executor's merge (``Merge`` in ``core/engine.py``) for a call's rows of float32
-    accumulators out (B, n, H, D), lse (B, n, H, 1): on CUDA one fused Triton kernel merges in
-    place (a quarter of the bytes of the torch ops)."""
-    fused = merge_kernel() if out.is_cuda and out.dtype == torch.float32 else None
-    if fused is None:
-        merge_rows(call, out, lse, part_out, part_lse)
-        return
-    part_out = part_out if part_out.stride(-1) == 1 else part_out.contiguous()
-    fused(out[:, call.q], lse[:, call.q, :, 0], part_out, part_lse.transpose(1, 2))
-
-
 def ring_forward(
     q: torch.Tensor, local: KeyBlock, setup: RingSetup, backend: Backend
 ) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
@@ -206,7 +186,7 @@ def ring_forward(
     def compute(block: KeyBlock, src: int) -> None:
         run_forward(
             q, block.kv[0], block.kv[1], block.key_padding_mask, setup.tasks(src), backend,
-            scale=setup.scale, out=out, lse=lse, auxes=auxes, merge=_merge_into,
+            scale=setup.scale, out=out, lse=lse, auxes=auxes,
         )  # fmt: skip
 
     if setup.comm == "allgather":

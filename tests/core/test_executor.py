@@ -103,3 +103,45 @@ def test_a_mixed_plan_has_exact_second_order_gradients() -> None:
     for first, recomputed in zip(plain, graph, strict=True):  # the double-backward recompute
         torch.testing.assert_close(recomputed, first, rtol=1e-10, atol=1e-12)
     assert torch.autograd.gradgradcheck(run, (q, k, v))
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_in_place_merge_gets_the_rows_of_view_calls(
+    is_causal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A registered in-place merge (``register_in_place_merge``; the Triton one on CUDA) merges
+    the calls whose rows are views of the accumulators, strided and diagonal ones included, and
+    gathered calls keep the torch merge: the result equals the float32 run without it and the
+    float64 oracle. A merge that received the wrong rows or lse layout would change it."""
+    from support.oracle import oracle_dilated_attention
+
+    from dilated_attention import dilated_attention
+    from dilated_attention.core import engine
+    from dilated_attention.core.merge import merge_partial
+
+    merged: list[tuple[int, ...]] = []
+
+    def in_place(out, lse, part, part_lse):
+        new_out, new_lse = merge_partial(out, lse, part, part_lse)
+        out.copy_(new_out)
+        lse.copy_(new_lse)
+        merged.append(tuple(part.shape))
+
+    gen = torch.Generator().manual_seed(4)
+    # w = 10, r = 3 is gathered (ragged); r = 2 is two offset classes; r = 4 diagonal calls.
+    q, k, v = (torch.randn(1, 40, 4, 8, generator=gen) for _ in range(3))
+    schedule = ([10, 8, 16], [3, 2, 4])
+    plain = dilated_attention(q, k, v, *schedule, is_causal=is_causal, backend="math")
+    monkeypatch.setitem(engine._IN_PLACE_MERGES, "cpu", lambda: in_place)
+    got, lse = dilated_attention(
+        q, k, v, *schedule, is_causal=is_causal, backend="math", return_lse=True
+    )
+    # (segments, rows, heads, D): two offset classes of w = 8; w = 16's two whole segments and
+    # its last, short one as diagonal calls; nothing of the gathered w = 10.
+    assert sorted(merged) == [(1, 2, 4, 8), (2, 4, 4, 8), (5, 4, 2, 8), (5, 4, 2, 8)]
+    want, want_lse = oracle_dilated_attention(
+        *(x.double() for x in (q, k, v)), *schedule, is_causal=is_causal
+    )
+    torch.testing.assert_close(got, plain, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
