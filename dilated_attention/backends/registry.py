@@ -33,8 +33,12 @@ ENV_VAR = "DILATED_ATTENTION_BACKEND"
 AUTO = "auto"
 
 # Tried in this order; the first backend with no reason to refuse the inputs wins. Keys are compute
-# capability majors. sm90/sm100: FlashAttention-3/4 when installed (FA3: 740 TFLOP/s fwd published
-# on H100), then cuDNN (600-650 fwd / 540-570 fwd+bwd measured on our H100, bf16, D=128), then FA2
+# capability majors. sm90/sm100: FlashAttention-3/4 when installed. FA3 (740 TFLOP/s forward
+# published on H100) is never taken automatically here (see verified_on_hardware). FA4 measured
+# faster than cuDNN forward+backward at every shape of benchmarks/results/
+# kernels_fa4_cudnn_h100.json (H100, bf16, N = 4K-64K, D = 64/128, causal and not: 1.05-1.23x;
+# forward 0.96-1.18x, cuDNN ahead by 1-4% on four forward-only shapes, three of them at N = 4K).
+# Then cuDNN (600-650 fwd / 540-570 fwd+bwd measured on our H100, bf16, D=128), then FA2
 # (flash-attn package, then PyTorch's copy: 350 / 315), then the memory-efficient kernel (180/150).
 # sm80-89: FA2-class first; cuDNN measured 0.8-1.0x of FA2 there (transformers#48163). sm75: the
 # memory-efficient kernel or xformers. Older GPUs, CPU and other devices: what runs, then math.
