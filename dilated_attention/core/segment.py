@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine import Plan
+from .engine import Plan, put_view
 from .higher_order import RowCall
 from .strided import DiagonalCall, StridedCall, kv_head_slice
 
@@ -156,13 +156,12 @@ def scatter_rows(
     batch, _, heads_x, dim = dest.shape
     n, length = group.num_segments, group.segment_len
     block = dest[:, group.start : group.stop].view(batch, n, length * heads_x, dim)
-    src = rows.reshape(batch, n, rows.shape[1] * rows.shape[2], dim).to(dest.dtype)
+    src = rows.reshape(batch, n, rows.shape[1] * rows.shape[2], dim)
     if index is None:
-        if accumulate:
-            block += src
-        else:
-            block.copy_(src)
-    elif accumulate:
+        put_view(block, src, accumulate)
+        return
+    src = src.to(dest.dtype)
+    if accumulate:
         block.index_add_(2, index, src)
     else:
         block.index_copy_(2, index, src)
