@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from support.oracle import masked_attention
+from support.triton import KERNEL_DEVICES, skip_without_triton
 
 from dilated_attention.backends import get_backend
 from dilated_attention.block_sparse.plan import SparseCall
@@ -145,3 +146,54 @@ def test_in_place_merge_gets_the_rows_of_view_calls(
     torch.testing.assert_close(got, plain, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+
+
+def _calls_of_every_kind(device: str) -> dict[str, object]:
+    """(B, 12, 4, D) rows: a slice, an offset class (w = 4, r = 2), a diagonal (w = 8, r = 4)
+    and a gathered group (w = 6, r = 4, ragged)."""
+    from dilated_attention.core.engine import SliceCall
+    from dilated_attention.core.segment import GroupCall, plan_branches
+    from dilated_attention.core.strided import DiagonalCall, StridedCall
+
+    ragged = plan_branches(12, 4, (6,), (4,))[0]
+    return {
+        "slice": SliceCall(q=slice(3, 11), kv=slice(0, 5), causal=False),
+        "offset_class": StridedCall(0, 3, 4, 2, 1, slice(1, None, 2), False),
+        "diagonal": DiagonalCall(0, 1, 8, 4, 0, slice(None), False),
+        "gathered": GroupCall(ragged, 4, torch.device(device), False),
+    }
+
+
+@pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
+@pytest.mark.parametrize("kind", ["slice", "offset_class", "diagonal", "gathered"])
+def test_triton_in_place_merge_writes_the_calls_rows_like_the_torch_merge(
+    kind: str, device: str, dtypes: list[torch.dtype], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``merge_rows`` merges view calls with the Triton kernel (on CUDA; on the CPU through
+    Triton's interpreter) and gathered ones with torch ops: only the call's rows change, to the
+    torch merge's values; empty (-inf) accumulator rows take the part as it is; a strided
+    16-bit part (as a backend may return) is read right."""
+    from dilated_attention.backends.triton import merge_kernel
+    from dilated_attention.core import engine
+
+    skip_without_triton(device)
+    monkeypatch.setitem(engine._IN_PLACE_MERGES, device, merge_kernel)
+    call = _calls_of_every_kind(device)[kind]
+    gen = torch.Generator(device=device).manual_seed(0)
+    out = torch.randn(1, 12, 4, 16, device=device, generator=gen)
+    lse = torch.randn(1, 12, 4, 1, device=device, generator=gen)
+    lse[:, 4] = float("-inf")
+    out[:, 4] = 0.0
+    rows = call.q_rows(out)  # (B', L, Hc, D)
+    part_out = torch.randn(rows.shape[0], rows.shape[2], rows.shape[1], 16, device=device,
+                           generator=gen).transpose(1, 2).to(dtypes[-1])  # fmt: skip
+    part_lse = torch.randn(rows.shape[0], rows.shape[2], rows.shape[1], device=device,
+                           generator=gen)  # fmt: skip
+    fused_out, fused_lse = out.clone(), lse.clone()
+    engine.merge_rows(call, fused_out, fused_lse, part_out, part_lse)
+    monkeypatch.delitem(engine._IN_PLACE_MERGES, device)
+    want_out, want_lse = out.clone(), lse.clone()
+    engine.merge_rows(call, want_out, want_lse, part_out, part_lse)
+    torch.testing.assert_close(fused_out, want_out, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(fused_lse, want_lse, atol=1e-6, rtol=1e-6)
+    assert not torch.equal(fused_out, out)  # the call's rows did change

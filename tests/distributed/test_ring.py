@@ -633,30 +633,6 @@ def test_single_process_is_plain_attention(layout: str) -> None:
 
 
 @pytest.mark.gpu
-def test_fused_merge_writes_the_calls_rows_like_the_default_merge() -> None:
-    """The ring's merge on CUDA (one Triton kernel on views of the (B, n, H, 1) accumulators)
-    against the executor's default ``merge_rows``: only the call's query rows change, to the
-    same values; empty (-inf) accumulator rows take the part as it is."""
-    from dilated_attention.core.engine import SliceCall, merge_rows
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    out = torch.randn(2, 12, 3, 16, device="cuda", generator=gen)
-    lse = torch.randn(2, 12, 3, 1, device="cuda", generator=gen)
-    lse[:, 4] = float("-inf")
-    out[:, 4] = 0.0
-    call = SliceCall(q=slice(3, 11), kv=slice(0, 5), causal=False)
-    # The kernel's output is (B, H, n, D)-major here: a strided part, as a backend may return.
-    part_out = torch.randn(2, 3, 8, 16, device="cuda", generator=gen).transpose(1, 2)
-    part_lse = torch.randn(2, 3, 8, device="cuda", generator=gen)
-    want_out, want_lse = out.clone(), lse.clone()
-    merge_rows(call, want_out, want_lse, part_out, part_lse)
-    ring_mod._merge_into(call, out, lse, part_out, part_lse)
-    torch.testing.assert_close(out, want_out, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(lse, want_lse, atol=1e-6, rtol=1e-6)
-    assert torch.equal(out[:, 11:], want_out[:, 11:]) and torch.equal(out[:, :3], want_out[:, :3])
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_single_process_cuda_ring_is_attention(layout: str, dtype: torch.dtype) -> None:
