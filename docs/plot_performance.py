@@ -5,13 +5,14 @@
 Reads two benchmark records written by ``benchmarks/bench_dilated.py`` on one H100:
 
 - ``benchmarks/results/dilated_h100.json``: the fused Triton kernels (what ``dilated_attention``
-  runs on sm90) and the cuDNN ceiling (cuDNN alone on tensors already shaped like every branch's
-  rows), timed side by side in one run;
+  runs on sm90), FlashAttention-4 on strided views (``backend="flash_attn4"``), and the cuDNN and
+  FA4 ceilings (each kernel alone on tensors already shaped like every branch's rows), timed side
+  by side in one run;
 - ``benchmarks/results/dilated_gather_h100.json``: the latest run that also timed the gather +
   cuDNN path (every branch's rows gathered into dense tensors, cuDNN, merged and scattered back).
 
 For the LongNet schedule (w = 2048..32768, r = 1..16, B = 1, H = 16, bf16) at N = 64K and 1M,
-D = 64 and 128, causal and not, it plots effective TFLOP/s (paper FLOPs / time) of the three paths,
+D = 64 and 128, causal and not, it plots effective TFLOP/s (paper FLOPs / time) of the five paths,
 forward and forward+backward, with each path's ratio to the ceiling of its own run above its bar.
 It also prints the same numbers as a Markdown table (the one in README.md).
 """
@@ -34,9 +35,12 @@ OUT = Path(__file__).resolve().parent / "performance_h100.png"
 
 PATHS = [  # (record, path in the record, label, colour)
     ("fused", "triton", "fused Triton kernels (this library)", "#1f77b4"),
+    ("fused", "flash_attn4", "FA4 on strided views (this library)", "#2ca02c"),
     ("fused", "cudnn ceiling", "cuDNN ceiling (same per-branch shapes)", "#7f7f7f"),
+    ("fused", "fa4 ceiling", "FA4 ceiling (same per-branch shapes)", "#bcbd22"),
     ("gather", "gather+cudnn", "gather + cuDNN (its latest run)", "#ff7f0e"),
 ]
+CEILINGS = ("cudnn ceiling", "fa4 ceiling")
 MODES = [("fwd", "forward"), ("fwd_bwd", "forward+backward")]
 
 
@@ -68,10 +72,11 @@ def value(records: dict, source: str, shape: tuple, path: str, field: str) -> fl
 
 
 def markdown_table(records: dict) -> str:
-    """The README table: TFLOP/s (ratio to the ceiling) and peak memory ratios."""
+    """The README table: TFLOP/s of every path (the faster of the library's two in bold) and
+    peak memory ratios."""
     lines = [
-        "| D, causal, N | forward: fused / ceiling / gather+cuDNN | "
-        "forward+backward: fused / ceiling / gather+cuDNN | peak memory, fused / gather |",
+        "| D, causal, N | forward: fused / FA4 views / cuDNN ceiling / FA4 ceiling / "
+        "gather+cuDNN | forward+backward: the same | peak memory, fused / FA4 views |",
         "|---|---|---|---|",
     ]
     for shape in shapes(records["fused"]):
@@ -79,16 +84,18 @@ def markdown_table(records: dict) -> str:
         length = f"{seq_len // 1048576}M" if seq_len >= 1048576 else f"{seq_len // 1024}K"
         cells = [f"{head_dim}, {'yes' if causal else 'no'}, {length}"]
         for mode, _ in MODES:
-            fused = value(records, "fused", shape, "triton", f"{mode}_tflops")
-            ratio = value(records, "fused", shape, "triton", f"{mode}_vs_ceiling")
-            ceiling = value(records, "fused", shape, "cudnn ceiling", f"{mode}_tflops")
-            gather = value(records, "gather", shape, "gather+cudnn", f"{mode}_tflops")
-            gather_text = "out of memory" if gather is None else f"{gather:.0f}"
-            cells.append(f"**{fused:.0f}** ({ratio:.2f}x) / {ceiling:.0f} / {gather_text}")
-        fused_mem = value(records, "fused", shape, "triton", "fwd_bwd_mem_ratio")
-        gather_mem = value(records, "gather", shape, "gather+cudnn", "fwd_bwd_mem_ratio")
-        gather_mem_text = "-" if gather_mem is None else f"{gather_mem:.2f}x"
-        cells.append(f"{fused_mem:.2f}x / {gather_mem_text}")
+            ours = [value(records, "fused", shape, p, f"{mode}_tflops") or 0.0
+                    for p in ("triton", "flash_attn4")]  # fmt: skip
+            best = max(ours)
+            texts = [f"**{t:.0f}**" if t == best else f"{t:.0f}" for t in ours]
+            for source, path in (("fused", "cudnn ceiling"), ("fused", "fa4 ceiling"),
+                                 ("gather", "gather+cudnn")):  # fmt: skip
+                got = value(records, source, shape, path, f"{mode}_tflops")
+                texts.append("out of memory" if got is None else f"{got:.0f}")
+            cells.append(" / ".join(texts))
+        mems = [value(records, "fused", shape, p, "fwd_bwd_mem_ratio")
+                for p in ("triton", "flash_attn4")]  # fmt: skip
+        cells.append(" / ".join("-" if m is None else f"{m:.2f}x" for m in mems))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -98,28 +105,29 @@ def main() -> None:
     env = json.loads(FUSED_RECORD.read_text())["environment"]
     measured = shapes(records["fused"])
     x = np.arange(len(measured))
-    width = 0.27
+    width = 0.17
 
     fig, axes = plt.subplots(2, 1, figsize=(12, 8.2), sharex=True)
     for ax, (mode, title) in zip(axes, MODES, strict=True):
         for i, (source, path, name, colour) in enumerate(PATHS):
             tflops = [value(records, source, s, path, f"{mode}_tflops") for s in measured]
             ratios = [value(records, source, s, path, f"{mode}_vs_ceiling") for s in measured]
-            xs = x + (i - 1) * width
+            xs = x + (i - (len(PATHS) - 1) / 2) * width
             heights = [t if t is not None else 0.0 for t in tflops]
             ax.bar(xs, heights, width, label=name, color=colour)
             for xi, t, r in zip(xs, tflops, ratios, strict=True):
                 if t is None:
                     ax.text(xi, 8, "out of memory", ha="center", va="bottom", fontsize=8,
                             rotation=90, color="black")  # fmt: skip
-                elif path != "cudnn ceiling" and r is not None:
-                    ax.text(xi, t + 6, f"{r:.2f}x", ha="center", va="bottom", fontsize=7.5)
+                elif path not in CEILINGS and r is not None:
+                    ax.text(xi, t + 6, f"{r:.2f}x", ha="center", va="bottom", fontsize=6,
+                            rotation=90)  # fmt: skip
         ax.set_title(f"{title}: effective TFLOP/s (numbers: ratio to the cuDNN ceiling)")
         ax.set_ylabel("TFLOP/s (paper FLOPs / time)")
         ax.set_ylim(0, 660)
         ax.grid(axis="y", alpha=0.3)
         ax.set_axisbelow(True)
-    axes[0].legend(loc="upper left", fontsize=9, ncol=3)
+    axes[0].legend(loc="upper left", fontsize=8, ncol=3)
     axes[1].set_xticks(x)
     axes[1].set_xticklabels([label(*s) for s in measured], fontsize=9)
     fig.suptitle(

@@ -1,0 +1,71 @@
+"""Where the time of one dilated call goes: torch.profiler's CUDA kernel table (CUDA).
+
+    python benchmarks/profile_dilated.py --backend flash_attn4     # one 1M forward+backward
+    python benchmarks/profile_dilated.py --decode --context 131072  # one decoded token
+
+The first profiles one forward+backward of ``dilated_attention`` (LongNet schedule, B = 1,
+H = 16, bf16) after two warm-up calls; the second one token through a filled ``DilatedKVCache``
+(no gradients). Prints the kernels sorted by CUDA time: which part is the attention kernels and
+which is the executor's merging, copying and accumulating around them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from dilated_attention import DilatedKVCache, dilated_attention
+
+SEGMENTS, RATES = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--backend", default=None, help="default: the automatic choice")
+    parser.add_argument("--seq-len", type=int, default=1 << 20)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--decode", action="store_true", help="profile one decoded token")
+    parser.add_argument("--context", type=int, default=131072, help="tokens before it")
+    parser.add_argument("--rows", type=int, default=20, help="table rows")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_dilated.py needs a CUDA device")
+    shape = (1, args.context if args.decode else args.seq_len, 16, args.head_dim)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    if args.decode:
+        cache = DilatedKVCache(SEGMENTS, RATES)
+        cache.append(k[:, :-4], v[:, :-4])
+        tokens = [x[:, -4:] for x in (q, k, v)]
+
+        def step(i: int) -> None:
+            with torch.no_grad():
+                piece = [x[:, i : i + 1] for x in tokens]
+                dilated_attention(*piece, SEGMENTS, RATES, is_causal=True, cache=cache,
+                                  backend=args.backend)  # fmt: skip
+
+    else:
+        for x in (q, k, v):
+            x.requires_grad_()
+
+        def step(i: int) -> None:
+            out = dilated_attention(q, k, v, SEGMENTS, RATES, is_causal=args.causal,
+                                    backend=args.backend)  # fmt: skip
+            out.backward(torch.ones_like(out))
+
+    for i in range(3):
+        step(i)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step(3)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows,
+                                    max_name_column_width=70))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
