@@ -42,6 +42,8 @@ from ..functional import dilated_attention
 NAME = "dilated"
 #: Config attributes holding the schedule (Note [Hugging Face attention]).
 SEGMENTS_ATTR, RATES_ATTR = "dilated_segment_lengths", "dilated_dilation_rates"
+#: Config attribute: whether position ids are checked for packed sequences (default True).
+CHECK_POSITIONS_ATTR = "dilated_check_positions"
 
 
 def register(name: str = NAME) -> str:
@@ -68,6 +70,8 @@ def use_dilated_attention(
     model: nn.Module,
     segment_lengths: Sequence[int] | Sequence[Sequence[int]],
     dilation_rates: Sequence[int] | Sequence[Sequence[int]],
+    *,
+    check_positions: bool = True,
 ) -> nn.Module:
     """Run every attention layer of a transformers ``model`` as dilated attention; returns the
     model.
@@ -76,6 +80,10 @@ def use_dilated_attention(
         model: a transformers ``PreTrainedModel``.
         segment_lengths: ``w`` per branch for every layer, or one such list per layer.
         dilation_rates: ``r`` per branch, likewise.
+        check_positions: refuse position ids that restart within a row (packed sequences,
+            which dilated attention would segment wrongly). The check reads the ids, so under
+            ``torch.compile`` it breaks the graph once per layer; pass False, only for models
+            that never see packed rows, for one graph (``fullgraph=True``).
 
     Raises:
         ValueError: a bad schedule (per layer: the layer is named), or a per-layer schedule
@@ -95,8 +103,11 @@ def use_dilated_attention(
             f"a per-layer schedule needs one list per layer: the model has {layers} layers, got "
             f"{len(segs)} lists of segment_lengths; or pass one list for every layer"
         )
+    if not isinstance(check_positions, bool):
+        raise TypeError(f"check_positions must be a bool, got {check_positions!r}")
     setattr(config, SEGMENTS_ATTR, segs)
     setattr(config, RATES_ATTR, rates)
+    setattr(config, CHECK_POSITIONS_ATTR, check_positions)
     model.set_attn_implementation(register())
     return model
 
@@ -166,22 +177,32 @@ def _real_spans(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return start, torch.maximum(end, start)
 
 
-def _filled_keys(mask: torch.Tensor | None, positions: torch.Tensor | None, keys: int) -> int:
+_PACKED = (
+    "dilated attention cannot run packed sequences (position_ids restart within a row): "
+    "segments follow each sequence's positions; give each sequence its own row"
+)
+
+
+def _filled_keys(
+    mask: torch.Tensor | None, positions: torch.Tensor | None, keys: int, check: bool = True
+) -> int:
     """How many of the ``keys`` slots hold tokens: the mask's length, else one past the last
-    query's position (a static cache has more slots than tokens and, unpadded, no mask).
+    query's position (a static cache has more slots than tokens and, unpadded, no mask); all of
+    them when the queries are as many as the slots (no cache beyond them). ``check``: refuse
+    position ids that restart within a row (a data-dependent test: one ``torch.compile`` graph
+    break per layer).
 
     Raises:
-        ValueError: position ids that restart within a row (packed sequences).
+        ValueError: position ids that restart within a row (packed sequences), with ``check``.
     """
     if mask is not None:
         return min(mask.shape[1], keys)
     if positions is None or positions.numel() == 0:
         return keys
-    if positions.shape[-1] > 1 and bool((positions.diff(dim=-1) != 1).any()):
-        raise ValueError(
-            "dilated attention cannot run packed sequences (position_ids restart within a row): "
-            "segments follow each sequence's positions; give each sequence its own row"
-        )
+    if check and positions.shape[-1] > 1 and bool((positions.diff(dim=-1) != 1).any()):
+        raise ValueError(_PACKED)
+    if positions.shape[-1] == keys:  # every slot is one of these positions: no cache beyond them
+        return keys
     return min(int(positions[..., -1].max()) + 1, keys)
 
 
@@ -232,7 +253,8 @@ def attention_forward(
             f"{attention_mask.dim()}-D mask; enable it with use_dilated_attention(...) (which "
             f"registers the mask function too), not by setting the attention implementation alone"
         )
-    filled = _filled_keys(attention_mask, kwargs.get("position_ids"), k.shape[1])
+    check = getattr(getattr(module, "config", None), CHECK_POSITIONS_ATTR, True)
+    filled = _filled_keys(attention_mask, kwargs.get("position_ids"), k.shape[1], check)
     k, v = k[:, :filled], v[:, :filled]  # a static cache's unfilled slots are left out
     run = {"is_causal": causal, "scale": scaling, "dropout_p": dropout}
     if attention_mask is None or bool(attention_mask.all()):

@@ -146,6 +146,26 @@ def test_what_dilated_attention_cannot_run_raises() -> None:
         dilated_hf.use_dilated_attention(_llama(), [[8]] * 3, [[1]] * 3)
     with pytest.raises(TypeError, match=r"transformers PreTrainedModel"):
         dilated_hf.use_dilated_attention(torch.nn.Linear(2, 2), [8], [1])
+    with pytest.raises(TypeError, match=r"check_positions must be a bool"):
+        dilated_hf.use_dilated_attention(_llama(), *SCHEDULE, check_positions=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_compiles_to_one_graph_without_the_position_check() -> None:
+    """With ``check_positions=False`` a Llama-style model compiles to one graph
+    (``fullgraph=True``) whose logits equal eager ones; the default check reads the position
+    ids, which breaks the graph."""
+    model = dilated_hf.use_dilated_attention(_llama().float(), *SCHEDULE, check_positions=False)
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        eager = model(ids).logits
+        explained = torch._dynamo.explain(model)(ids)
+        compiled = torch.compile(model, fullgraph=True)(ids).logits
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+    checked = dilated_hf.use_dilated_attention(_llama().float(), *SCHEDULE)
+    with torch.no_grad():
+        assert torch._dynamo.explain(checked)(ids).graph_break_count > 0
 
 
 def test_per_layer_schedules_are_read_at_each_layer() -> None:
