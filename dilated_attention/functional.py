@@ -282,7 +282,7 @@ def dilated_attention(
     one_call = (
         decoding and not chunk and not needs_grad and q.device.type in decode.ONE_CALL_DEVICE_TYPES
     )
-    shape = (q[:, :1], k[:, :1]) if decoding else (q, k)
+    shape = (q[:, :1] if decoding else q, k[:, :1] if chunk else k)
     choice = dict(dropout_p=dropout_p, backend=backend, operation=DENSE if decoding else DILATED)
     kernel = None
     if one_call:
