@@ -119,17 +119,12 @@ class DiagonalCall(StridedCall):
     def _rows(self, x: torch.Tensor, heads: slice) -> torch.Tensor:
         """(B, N, H, E) -> (B, n, L / r, r, E), a view: head ``t*r + s`` at offset ``s``."""
         batch, _, heads_x, dim = x.shape
-        n, length, rate, first = (
-            self.num_segments,
-            self.segment_len,
-            self.rate,
-            self.offset * self.rate,
-        )
+        n, length, rate = self.num_segments, self.segment_len, self.rate
+        first = self.offset * rate
         block = x[:, self.start : self.start + n * length]
-        rows = block.view(batch, n, length // rate, rate, heads_x, dim)[
-            ..., first : first + rate, :
-        ]
-        return torch.diagonal(rows, dim1=3, dim2=4).movedim(-1, 3)
+        rows = block.view(batch, n, length // rate, rate, heads_x, dim)
+        heads_of_block = rows[..., first : first + rate, :]  # (B, n, L / r, r, r, E)
+        return torch.diagonal(heads_of_block, dim1=3, dim2=4).movedim(-1, 3)
 
     def key_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
         """(B, N) bool -> (B * n, r, L / r): each head's keys at its own offset."""
