@@ -255,12 +255,12 @@ def dilated_plan(
     (Note [Strided row calls] in ``strided.py``)."""
     if covers_all_once(groups, seq_len):
         return Plan.dense(causal)
-    gathered = group_calls(groups, num_kv_heads, device, causal)
     if not strided:
-        return Plan(gathered)
+        return Plan(group_calls(groups, num_kv_heads, device, causal))
     calls: list = []
-    for group, call in zip(groups, gathered, strict=True):
-        calls.extend(strided_calls(group, num_kv_heads, causal) or (call,))
+    for group in groups:  # gather indices are built only for the groups that gather
+        views = strided_calls(group, num_kv_heads, causal)
+        calls.extend(views or group_calls((group,), num_kv_heads, device, causal))
     return Plan(tuple(calls))
 
 
