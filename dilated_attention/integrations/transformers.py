@@ -82,7 +82,7 @@ def use_dilated_attention(
         dilation_rates: ``r`` per branch, likewise.
         check_positions: refuse position ids that restart within a row (packed sequences,
             which dilated attention would segment wrongly). The check reads the ids, so under
-            ``torch.compile`` it breaks the graph once per layer; pass False, only for models
+            ``torch.compile`` it breaks the graph in every layer; pass False, only for models
             that never see packed rows, for one graph (``fullgraph=True``).
 
     Raises:
@@ -177,20 +177,14 @@ def _real_spans(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return start, torch.maximum(end, start)
 
 
-_PACKED = (
-    "dilated attention cannot run packed sequences (position_ids restart within a row): "
-    "segments follow each sequence's positions; give each sequence its own row"
-)
-
-
 def _filled_keys(
     mask: torch.Tensor | None, positions: torch.Tensor | None, keys: int, check: bool = True
 ) -> int:
     """How many of the ``keys`` slots hold tokens: the mask's length, else one past the last
     query's position (a static cache has more slots than tokens and, unpadded, no mask); all of
     them when the queries are as many as the slots (no cache beyond them). ``check``: refuse
-    position ids that restart within a row (a data-dependent test: one ``torch.compile`` graph
-    break per layer).
+    position ids that restart within a row (a data-dependent test: ``torch.compile`` breaks the
+    graph there, in every layer).
 
     Raises:
         ValueError: position ids that restart within a row (packed sequences), with ``check``.
@@ -200,7 +194,10 @@ def _filled_keys(
     if positions is None or positions.numel() == 0:
         return keys
     if check and positions.shape[-1] > 1 and bool((positions.diff(dim=-1) != 1).any()):
-        raise ValueError(_PACKED)
+        raise ValueError(
+            "dilated attention cannot run packed sequences (position_ids restart within a row): "
+            "segments follow each sequence's positions; give each sequence its own row"
+        )
     if positions.shape[-1] == keys:  # every slot is one of these positions: no cache beyond them
         return keys
     return min(int(positions[..., -1].max()) + 1, keys)
