@@ -2,16 +2,24 @@
 
     python benchmarks/profile_dilated.py --backend flash_attn4     # one 1M forward+backward
     python benchmarks/profile_dilated.py --decode --context 131072  # one decoded token
+    python benchmarks/profile_dilated.py --decode --host            # the host's share of it
 
 The first profiles one forward+backward of ``dilated_attention`` (LongNet schedule, B = 1,
 H = 16, bf16) after two warm-up calls; the second one token through a filled ``DilatedKVCache``
 (no gradients). Prints the kernels sorted by CUDA time: which part is the attention kernels and
-which is the executor's merging, copying and accumulating around them.
+which is the executor's merging, copying and accumulating around them. With ``--host``, decoding
+instead prints the host time of a token (its Python, launches included, not waiting for the
+GPU) beside its latency, and cProfile's functions by own time over 100 tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
+import statistics
+import time
+from collections.abc import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -19,6 +27,29 @@ from torch.profiler import ProfilerActivity, profile
 from dilated_attention import DilatedKVCache, dilated_attention
 
 SEGMENTS, RATES = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
+#: Decoded tokens: 3 warm-up, 1 profiled, and with ``--host`` 2 x 100 more.
+TOKENS = 204
+
+
+def _host_profile(step: Callable[[int], None], rows: int) -> None:
+    """Host milliseconds per token (the call returns before the GPU is done) and latency (the
+    call and the GPU's work), medians over 100 tokens; then cProfile over 100 more."""
+    host, latency = [], []
+    for i in range(4, 104):
+        begin = time.perf_counter()
+        step(i)
+        host.append(time.perf_counter() - begin)
+        torch.cuda.synchronize()
+        latency.append(time.perf_counter() - begin)
+    print(f"host {statistics.median(host) * 1e3:.3f} ms per token, latency "
+          f"{statistics.median(latency) * 1e3:.3f} ms (medians of 100)")  # fmt: skip
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for i in range(104, TOKENS):
+        step(i)
+    torch.cuda.synchronize()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(rows)
 
 
 def main() -> None:
@@ -32,6 +63,7 @@ def main() -> None:
     parser.add_argument("--decode", action="store_true", help="profile one decoded token")
     parser.add_argument("--context", type=int, default=131072, help="tokens before it")
     parser.add_argument("--rows", type=int, default=20, help="table rows")
+    parser.add_argument("--host", action="store_true", help="decoding: host time and cProfile")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_dilated.py needs a CUDA device")
@@ -39,8 +71,8 @@ def main() -> None:
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     if args.decode:
         cache = DilatedKVCache(SEGMENTS, RATES)
-        cache.append(k[:, :-4], v[:, :-4])
-        tokens = [x[:, -4:] for x in (q, k, v)]
+        cache.append(k[:, :-TOKENS], v[:, :-TOKENS])
+        tokens = [x[:, -TOKENS:] for x in (q, k, v)]
 
         def step(i: int) -> None:
             with torch.no_grad():
@@ -60,6 +92,9 @@ def main() -> None:
     for i in range(3):
         step(i)
     torch.cuda.synchronize()
+    if args.decode and args.host:
+        _host_profile(step, args.rows)
+        return
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step(3)
         torch.cuda.synchronize()

@@ -143,6 +143,19 @@ def tile_configs(capability: tuple[int, int] | None, head_dim: int, dtype: torch
     raise ValueError(f"no Triton tiles for head dim {head_dim} (largest: 256)")
 
 
+#: Query rows of the split-key forward's tile (:func:`split_key_config`).
+SPLIT_KEY_ROWS = 16
+
+
+def split_key_config(tiles: Tiles) -> TileConfig:
+    """The tiles of the split-key forward (at most ``SPLIT_KEY_ROWS`` query rows, Note [Split
+    keys for few queries] in ``triton.py``): 16 query rows with the forward's key tile and
+    pipeline stages and 4 warps; it needs less shared memory than the forward's tile, so it fits
+    wherever that one does. Not swept (Note [Tile tables])."""
+    forward = tiles["forward"]
+    return TileConfig(SPLIT_KEY_ROWS, forward.block_n, 4, forward.num_stages)
+
+
 def dkdv_config(tiles: Tiles, *, is_causal: bool, rate: int) -> TileConfig:
     """The dK/dV tiles for a launch: ``dkdv_causal``, ``dkdv_strided`` (rate > 1) or
     ``dkdv``."""

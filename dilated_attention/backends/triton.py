@@ -29,7 +29,7 @@ from ..core.contract import BranchSpan
 from ..core.engine import register_in_place_merge
 from ._compat import _import_failure, _last_dim_contiguous, _release
 from ._triton_compile import prepare_compiler
-from ._triton_tiles import Tiles, dkdv_config, tile_configs
+from ._triton_tiles import SPLIT_KEY_ROWS, Tiles, dkdv_config, split_key_config, tile_configs
 from .base import Backend, KernelInputs, KernelOutput
 
 _log = logging.getLogger("dilated_attention")
@@ -62,6 +62,51 @@ def merge_kernel() -> Callable[..., None] | None:
 
 
 register_in_place_merge("cuda", merge_kernel)
+
+
+# Note [Split keys for few queries]
+#     The forward kernel runs one program per (query tile, head, batch) and walks all of its keys:
+#     a call of one query row (a decoded token) against ten thousand keys is B * H programs,
+#     16 on a GPU of 132 SMs, each reading its keys alone. Measured on an H100 for one decoded
+#     token of the LongNet schedule (H = 16, D = 128, bf16, ~10K keys per head): 310 us, where
+#     the keys' bytes take ~30 us to read. So a non-causal call of at most ``SPLIT_KEY_ROWS``
+#     query rows whose (head, batch) programs leave the GPU mostly idle splits its keys into
+#     ``S`` runs (:func:`key_splits`) and runs the split runs as the segments of one launch:
+#     segment ``s`` is query rows ``[s * n, (s + 1) * n)`` of the queries repeated ``S`` times
+#     (a broadcast view for one row) against keys ``[s * L, (s + 1) * L)`` (the kernel's segment
+#     addressing, Note [Strided dilated rows], at rate 1). Each run writes a float32 partial
+#     output and its log-sum-exp, and one kernel merges the runs (``_triton_merge.merge_splits``,
+#     the Note [Merging partial softmaxes] weights) with one rounding into the output. Flash
+#     decoding (Dao et al., 2023) splits the same way.
+
+
+#: Programs a split-key launch aims at per streaming multiprocessor (Note [Split keys for few
+#: queries]); on Triton's CPU interpreter, programs in all.
+SPLIT_PROGRAMS_PER_SM = 2
+SPLIT_PROGRAMS_INTERPRETED = 16
+#: Fewest keys per split run.
+SPLIT_MIN_KEYS = 128
+
+
+@functools.cache
+def _streaming_multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def key_splits(q: torch.Tensor, key_len: int, is_causal: bool) -> int:
+    """Into how many runs a forward call of ``q`` (B, Nq, H, D) against ``key_len`` keys splits
+    its keys (Note [Split keys for few queries]); 1: not split."""
+    batch, query_len, heads, _ = q.shape
+    if is_causal or query_len > SPLIT_KEY_ROWS or batch * heads == 0:
+        return 1
+    if q.is_cuda:
+        target = SPLIT_PROGRAMS_PER_SM * _streaming_multiprocessors(q.device.index)
+    else:
+        target = SPLIT_PROGRAMS_INTERPRETED
+    splits = min(-(-target // (batch * heads)), key_len // SPLIT_MIN_KEYS)
+    if splits < 2:
+        return 1
+    return -(-key_len // -(-key_len // splits))  # no empty run
 
 
 def _tiles(x: torch.Tensor) -> Tiles:
@@ -231,6 +276,10 @@ class TritonBackend(Backend):
         out = torch.empty_like(q)
         lse = torch.empty(batch, heads, query_len, dtype=torch.float32, device=q.device)
         configs = _tiles(q)
+        splits = key_splits(q, k.shape[1], is_causal)
+        if splits > 1:
+            _split_key_forward(q, k, v, key_mask, out, lse, splits, scale, configs)
+            return KernelOutput(out, lse)
         _kernels().forward_branch(
             q, k, v, out, lse, key_mask, _dense_branch(query_len, k.shape[1]), out_row0=0,
             scale=scale, is_causal=is_causal, merge=False, config=configs["forward"],
@@ -266,6 +315,37 @@ class TritonBackend(Backend):
             config_dq=configs["dq"],
         )  # fmt: skip
         return dq, dk, dv
+
+
+def _split_key_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_mask: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    splits: int,
+    scale: float,
+    configs: Tiles,
+) -> None:
+    """A non-causal forward with its keys in ``splits`` runs (Note [Split keys for few
+    queries]), written into ``out`` (B, Nq, H, D) and ``lse`` (B, H, Nq)."""
+    from ._triton_merge import merge_splits
+
+    batch, query_len, heads, dim = q.shape
+    run = -(-k.shape[1] // splits)
+    # Run s reads query rows [s * Nq, (s + 1) * Nq): one row is a broadcast view, more a copy.
+    rows = q.expand(batch, splits, heads, dim) if query_len == 1 else q.repeat(1, splits, 1, 1)
+    part = torch.empty(batch, splits * query_len, heads, dim, dtype=torch.float32,
+                       device=q.device)  # fmt: skip
+    part_lse = torch.empty(batch, heads, splits * query_len, dtype=torch.float32, device=q.device)
+    kernels = _kernels()
+    branch = kernels.Branch(0, query_len, run, splits * query_len, k.shape[1], 1)
+    kernels.forward_branch(
+        rows, k, v, part, part_lse, key_mask, branch, out_row0=0, scale=scale, is_causal=False,
+        merge=False, config=split_key_config(configs), allow_descriptors=False,
+    )  # fmt: skip
+    merge_splits(part, part_lse, out, lse)
 
 
 def _branch(span: BranchSpan) -> Any:

@@ -203,6 +203,27 @@ class DecodeTokenCall:
         )
 
 
+@functools.lru_cache(maxsize=16)
+def _token_slots(
+    num_heads: int,
+    segment_lengths: tuple[int, ...],
+    dilation_rates: tuple[int, ...],
+    device: torch.device,
+) -> tuple[torch.Tensor, ...]:
+    """Per slot of the one call (every branch's ``ceil(w / r)`` side by side, slot ``m`` of a
+    branch): the branch's ``w`` and ``r`` (K,), ``r * m`` (K,), and ``h mod r`` (H, K); on
+    ``device``, made once per schedule."""
+    slot, seg, rate = [], [], []
+    for w, r in zip(segment_lengths, dilation_rates, strict=True):
+        count = -(-w // r)
+        slot.append(torch.arange(count))
+        seg.append(torch.full((count,), w))
+        rate.append(torch.full((count,), r))
+    slots, segs, rates = (torch.cat(x).to(device) for x in (slot, seg, rate))
+    head_class = torch.arange(num_heads, device=device).view(-1, 1) % rates.view(1, -1)
+    return segs, rates, rates * slots, head_class
+
+
 def decode_token_plan(
     key_len: int,
     num_heads: int,
@@ -214,22 +235,20 @@ def decode_token_plan(
 ) -> Plan:
     """The one-call plan of the token at position ``key_len - 1`` (Note [One call per decoded
     token]); ``segment_lengths`` / ``dilation_rates`` are the effective branches of ``key_len``
-    positions, and ``key_start`` the position of the keys' first row."""
+    positions, and ``key_start`` the position of the keys' first row. Built by a few tensor ops
+    on ``device`` from per-schedule constants: no host-to-device copy per token (which can stall
+    the host until the GPU has caught up)."""
     last = key_len - 1
-    heads = torch.arange(num_heads)
-    positions, ignore = [], []
-    for w, r in zip(segment_lengths, dilation_rates, strict=True):
-        t0 = (last // w) * w
-        s = (last - t0) % r
-        slots = torch.arange(-(-w // r))
-        filled = slots <= (last - t0 - s) // r  # the keys t0 + s, t0 + s + r, ..., last
-        positions.append(torch.where(filled, t0 + s + r * slots, last) - key_start)
-        reads = (heads % r == s).view(-1, 1) & filled.view(1, -1)  # (H, slots)
-        ignore.append(~reads)
-    call = DecodeTokenCall(
-        torch.cat(positions).to(device), torch.cat(ignore, dim=1).to(device), batch
+    segs, rates, strides, head_class = _token_slots(
+        num_heads, segment_lengths, dilation_rates, device
     )
-    return Plan((call,))
+    t0 = (last // segs) * segs  # each slot's segment start
+    offset = last - t0
+    s = offset % rates  # the token's offset class in each branch
+    filled = strides <= offset - s  # the keys t0 + s, t0 + s + r, ..., last
+    positions = torch.where(filled, t0 + s + strides, last) - key_start
+    ignore = (head_class != s) | ~filled  # (H, K): heads h with h mod r != s read nothing
+    return Plan((DecodeTokenCall(positions, ignore, batch),))
 
 
 @functools.lru_cache(maxsize=64)

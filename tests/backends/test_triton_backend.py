@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.oracle import branch_positions, oracle_dilated_attention
+from support.oracle import branch_positions, masked_attention, oracle_dilated_attention
 from support.tolerances import LOW_PRECISION, TOLERANCES, assert_close_to_oracle
 from support.triton import INTERPRETING, KERNEL_DEVICES, poison_new_buffers, skip_without_triton
 from torch import Tensor
@@ -518,6 +518,97 @@ def test_dkdv_tiles_follow_causality_and_rate(monkeypatch: pytest.MonkeyPatch) -
         )  # fmt: skip
     expected = ["dkdv", "dkdv_strided", "dkdv_causal", "dkdv_causal"]
     assert launched == [tiles[name] for name in expected]
+
+
+# -- split keys (few queries) ---------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("query_len", "key_len", "heads", "kv_heads", "mask"),
+    [
+        (1, 1000, 4, 2, None),  # one decoded token, GQA; runs of 1000 / S keys, a short last one
+        (1, 777, 2, 2, "per-head"),  # the one-call decoding mask: heads read different keys
+        (5, 600, 2, 1, "padding"),  # a few query rows (repeated per run), padded keys
+        (16, 513, 1, 1, "per-head"),  # the most rows a split call takes; 513 keys, odd runs
+    ],
+)
+@pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
+def test_split_key_forward_matches_oracle(
+    device: str,
+    dtypes: list[torch.dtype],
+    query_len: int,
+    key_len: int,
+    heads: int,
+    kv_heads: int,
+    mask: str | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A call of few query rows against many keys splits its keys into runs merged by one kernel
+    (Note [Split keys for few queries]): out and lse equal the float64 oracle's, rows whose keys
+    are all masked give 0 and -inf, a key run that is all masked weighs nothing, and the
+    NaN-poisoned buffers show no unwritten row."""
+    skip_without_triton(device)
+    poison_new_buffers(monkeypatch)
+    splits = []
+    real = triton_backend.key_splits
+    monkeypatch.setattr(
+        triton_backend, "key_splits", lambda *a: splits.append(real(*a)) or splits[-1]
+    )
+    dim, gen = 32, torch.Generator().manual_seed(query_len + key_len)
+    q = torch.randn(2, query_len, heads, dim, generator=gen)
+    k, v = (torch.randn(2, key_len, kv_heads, dim, generator=gen) for _ in "kv")
+    ignore = None
+    if mask == "padding":
+        ignore = torch.rand(2, 1, key_len, generator=gen) < 0.3
+        ignore[1, :, : key_len // 2] = True  # a run of keys wholly masked
+    elif mask == "per-head":
+        ignore = torch.rand(2, heads, key_len, generator=gen) < 0.5
+        ignore[0, 0] = True  # a row that sees no key
+    backend = get_backend("triton")
+    for dtype in dtypes:
+        res = backend.forward(
+            *(x.to(device, dtype) for x in (q, k, v)), scale=dim**-0.5,
+            key_mask=None if ignore is None else ignore.to(device),
+        )  # fmt: skip
+        assert splits[-1] > 1, "the call was not split"
+        weight = torch.ones(2, heads, query_len, key_len, dtype=torch.int64)
+        if ignore is not None:
+            weight = weight * ~ignore.unsqueeze(2)
+        want, want_lse = masked_attention(*(x.to(dtype) for x in (q, k, v)), weight)
+        low = masked_attention(*(x.to(dtype) for x in (q, k, v)), weight, compute_dtype=dtype)
+        assert_close_to_oracle(res.out.cpu(), want, low[0], name="out", dtype=dtype)
+        assert_close_to_oracle(res.lse.cpu(), want_lse, low[1], name="lse", dtype=dtype)
+
+
+@pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
+def test_split_key_forward_carries_nan(device: str, dtypes: list[torch.dtype]) -> None:
+    """A NaN key in one run makes the rows that read it NaN (out and lse), not a finite mix of
+    the other runs (Note [NaN through the kernels])."""
+    skip_without_triton(device)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 1, 2, 32, generator=gen)
+    k, v = (torch.randn(1, 1024, 1, 32, generator=gen) for _ in "kv")
+    k[0, 900] = float("nan")
+    for dtype in dtypes:
+        res = get_backend("triton").forward(*(x.to(device, dtype) for x in (q, k, v)), scale=1.0)
+        assert triton_backend.key_splits(q.to(device), 1024, False) > 1
+        assert bool(res.out.isnan().all()) and bool(res.lse.isnan().all())
+
+
+def test_key_splits_only_for_few_non_causal_rows_that_leave_the_gpu_idle() -> None:
+    """Causal calls, calls of more than ``SPLIT_KEY_ROWS`` rows, calls with too few keys and
+    calls whose (head, batch) programs already fill the GPU are not split; a split leaves no
+    empty run."""
+    pytest.importorskip("triton")
+    splits = triton_backend.key_splits
+    one = torch.zeros(1, 1, 2, 8)
+    assert splits(one, 4096, True) == 1
+    assert splits(torch.zeros(1, triton_backend.SPLIT_KEY_ROWS + 1, 2, 8), 4096, False) == 1
+    assert splits(one, triton_backend.SPLIT_MIN_KEYS, False) == 1
+    busy = torch.zeros(triton_backend.SPLIT_PROGRAMS_INTERPRETED, 1, 1, 8)
+    assert splits(busy, 4096, False) == 1
+    for key_len in (256, 1000, 1025, 4096):
+        count = splits(one, key_len, False)
+        run = -(-key_len // count)
+        assert count > 1 and (count - 1) * run < key_len, (key_len, count)
 
 
 # -- poisoned buffers ------------------------------------------------------------------------------
