@@ -303,10 +303,10 @@ def dilated_attention(
         return (out, lse) if return_lse else out
     softmax_scale = checked_scale if checked_scale is not None else q.shape[-1] ** -0.5
     key_len = key_start + k.shape[1]  # positions so far
-    segs, rates = effective_branches(key_len, q.shape[2], segs, rates)
-    if one_call:
+    if one_call:  # the layer's schedule: the plan picks its effective branches
         plan = decode_token_plan(key_len, q.shape[2], segs, rates, q.device, key_start, q.shape[0])
-    elif decoding:
+    segs, rates = effective_branches(key_len, q.shape[2], segs, rates)
+    if decoding and not one_call:
         plan = decode_plan(
             q.shape[1], key_len, q.shape[2], k.shape[2], segs, rates, q.device, key_start,
             kernel.backend.reads_strided_rows,

@@ -28,18 +28,22 @@ Note [One call per decoded token]
     heads read which slots. One softmax over the slots a head reads is exactly the merge of its
     branches (LongNet Eq. 10: one softmax over the multiset union of the branches' keys), so
     the result equals the per-branch calls' and the full causal forward's. The call's shape is
-    the same for every token of a schedule, and it replaces one call per branch (each with its
-    own gather, kernel launch and merge) by one of each: decoding is bound by a few launches
-    rather than by the number of branches. It runs without gradients; a decoding step that
-    needs gradients keeps the per-branch plan (:func:`decode_plan`), whose calls can also be
-    differentiated twice. The price is the slots: every head reads every slot (masked), about
-    ``H * sum(ceil(w / r))`` rows against the per-branch calls' ``sum(H / r * ceil(w / r))``
-    (2.6x for the LongNet schedule), and they are gathered. That is noise on a GPU, where a
-    token's few thousand rows take microseconds and each launch and merge costs more, but not
-    on the CPU, where the per-branch calls read their rows as views (Note [Strided row calls])
-    and the gather alone took 7x the per-branch step (2 cores, LongNet schedule, H = 16,
-    D = 64, float32, 16K positions: 62 ms against 8.4 ms). So the one call is made on
-    ``ONE_CALL_DEVICE_TYPES`` only.
+    the same for every token once the context reaches the longest segment (before, one per
+    doubling of the context: :func:`decode_token_plan`), and it replaces one call per branch
+    (each with its own gather, kernel launch and merge) by one of each: decoding is bound by a
+    few launches rather than by the number of branches. On the Triton kernels the call splits
+    its slots into runs (Note [Split keys for few queries] in ``backends/triton.py``): on an
+    H100, one token of the LongNet schedule (H = 16, D = 128, bf16) took 41 us in the kernel
+    and 7 us in the merge of the runs, against 310 us unsplit. It runs without gradients; a
+    decoding step that needs gradients keeps the per-branch plan (:func:`decode_plan`), whose
+    calls can also be differentiated twice. The price is the slots: every head reads every slot
+    (masked), about ``H * sum(ceil(w / r))`` rows against the per-branch calls'
+    ``sum(H / r * ceil(w / r))`` (2.6x for the LongNet schedule), and they are gathered. That is
+    noise on a GPU, where a token's few thousand rows take microseconds and each launch and
+    merge costs more, but not on the CPU, where the per-branch calls read their rows as views
+    (Note [Strided row calls]) and the gather alone took 7x the per-branch step (2 cores,
+    LongNet schedule, H = 16, D = 64, float32, 16K positions: 62 ms against 8.4 ms). So the one
+    call is made on ``ONE_CALL_DEVICE_TYPES`` only.
 
 Shape legend: B batch, Nq query positions (the last of the Nk key positions), H query heads,
 Hkv key/value heads, D head dim, Hc heads of one call, Lq queries and Lk keys of one call.
@@ -53,6 +57,7 @@ import torch
 
 from .engine import Plan, put_view
 from .higher_order import RowCall, flat_rows
+from .segment import effective_branches
 from .strided import kv_head_slice
 
 
@@ -171,8 +176,15 @@ class DecodeTokenCall:
 
     causal = False
 
-    def __init__(self, positions: torch.Tensor, ignore: torch.Tensor, batch: int) -> None:
+    def __init__(
+        self,
+        positions: torch.Tensor,
+        ignore: torch.Tensor,
+        batch: int,
+        branches: tuple[tuple[int, int], ...] = (),
+    ) -> None:
         self.positions, self.ignore, self.batch = positions, ignore, batch
+        self.branches = branches  # the (w, r) whose ceil(w / r) slots lie side by side
 
     def q_rows(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -234,21 +246,27 @@ def decode_token_plan(
     batch: int = 1,
 ) -> Plan:
     """The one-call plan of the token at position ``key_len - 1`` (Note [One call per decoded
-    token]); ``segment_lengths`` / ``dilation_rates`` are the effective branches of ``key_len``
-    positions, and ``key_start`` the position of the keys' first row. Built by a few tensor ops
-    on ``device`` from per-schedule constants: no host-to-device copy per token (which can stall
-    the host until the GPU has caught up)."""
-    last = key_len - 1
-    segs, rates, strides, head_class = _token_slots(
-        num_heads, segment_lengths, dilation_rates, device
+    token]) for the layer's ``segment_lengths`` / ``dilation_rates``; ``key_start``: the
+    position of the keys' first row. Built by a few tensor ops on ``device`` from per-schedule
+    constants, with no host-to-device copy per token (a copy from pageable memory can stall the
+    host until the GPU has caught up). The branches are the effective ones (Note [Effective
+    branches]) of ``key_len`` rounded up to a power of two: a segment longer than the keys has
+    the same geometry clipped at any length from ``key_len`` on, and the rounding gives the
+    call, and its constants, one shape per doubling rather than a new one per token while the
+    context is shorter than the longest segment (at most twice the slots there)."""
+    segs, rates = effective_branches(
+        1 << (key_len - 1).bit_length(), num_heads, segment_lengths, dilation_rates
     )
-    t0 = (last // segs) * segs  # each slot's segment start
+    last = key_len - 1
+    seg, rate, stride, head_class = _token_slots(num_heads, segs, rates, device)
+    t0 = (last // seg) * seg  # each slot's segment start
     offset = last - t0
-    s = offset % rates  # the token's offset class in each branch
-    filled = strides <= offset - s  # the keys t0 + s, t0 + s + r, ..., last
-    positions = torch.where(filled, t0 + s + strides, last) - key_start
+    s = offset % rate  # the token's offset class in each branch
+    filled = stride <= offset - s  # the keys t0 + s, t0 + s + r, ..., last
+    positions = torch.where(filled, t0 + s + stride, last) - key_start
     ignore = (head_class != s) | ~filled  # (H, K): heads h with h mod r != s read nothing
-    return Plan((DecodeTokenCall(positions, ignore, batch),))
+    branches = tuple(zip(segs, rates, strict=True))
+    return Plan((DecodeTokenCall(positions, ignore, batch, branches),))
 
 
 @functools.lru_cache(maxsize=64)

@@ -110,25 +110,28 @@ def test_token_by_token_equals_the_full_forward(
     torch.testing.assert_close(lse[~torch.isneginf(lse)], full_lse[~torch.isneginf(full_lse)])
 
 
-def test_one_call_plan_of_a_token_has_one_shape_for_every_position() -> None:
-    """The one-call plan of a token (Note [One call per decoded token]) reads sum over branches of
-    ceil(w / r) slots at every position, each a key at or before the token; a head reads a
-    branch's slots only when its offset class is the token's, and no slot beyond the keys that
-    branch has so far."""
+def test_one_call_plan_of_a_token_has_one_shape_per_doubling() -> None:
+    """The one-call plan of a token (Note [One call per decoded token]) reads, per branch, slots
+    of keys at or before the token; a head reads a branch's slots only when its offset class is
+    the token's, and every key of its segment and class up to the token. Its branches have the
+    layer's geometry at this length, and its shape changes once per doubling of the context
+    while the context is shorter than the longest segment (then never)."""
     segs, rates, heads = (16, 32, 64), (1, 4, 8), 8
-    slots = sum(-(-w // r) for w, r in zip(segs, rates, strict=True))
-    for key_len in (1, 2, 17, 63, 64, 65, 200):
-        eff_segs, eff_rates = effective_branches(key_len, heads, segs, rates)
-        plan = decode_token_plan(key_len, heads, eff_segs, eff_rates, torch.device("cpu"))
+    shapes = {}
+    for key_len in [*range(1, 70), 100, 127, 128, 129, 200, 1000]:
+        plan = decode_token_plan(key_len, heads, segs, rates, torch.device("cpu"))
         (call,) = plan.calls
         assert isinstance(call, DecodeTokenCall)
-        widths = [-(-w // r) for w, r in zip(eff_segs, eff_rates, strict=True)]
-        assert call.positions.shape == (sum(widths),) and sum(widths) <= slots
+        shapes[key_len] = call.positions.shape
+        layer = effective_branches(key_len, heads, segs, rates)
+        used = effective_branches(key_len, heads, *zip(*call.branches, strict=True))
+        assert used == layer, (key_len, call.branches)  # the same geometry at this length
+        widths = [-(-w // r) for w, r in call.branches]
+        assert call.positions.shape == (sum(widths),) and call.ignore.shape == (heads, sum(widths))
         assert int(call.positions.max()) == key_len - 1 and int(call.positions.min()) >= 0
         reads = ~call.ignore  # (H, K)
         for (w, r), piece, pos in zip(
-            zip(eff_segs, eff_rates, strict=True), reads.split(widths, 1),
-            call.positions.split(widths), strict=True,
+            call.branches, reads.split(widths, 1), call.positions.split(widths), strict=True
         ):  # fmt: skip
             t0 = ((key_len - 1) // w) * w
             offset = (key_len - 1 - t0) % r
@@ -136,6 +139,8 @@ def test_one_call_plan_of_a_token_has_one_shape_for_every_position() -> None:
             assert torch.equal(piece.any(dim=1), want)
             keys = pos[piece.any(dim=0)]
             assert torch.equal(keys, torch.arange(t0 + offset, key_len, r))
+    assert len({shapes[n] for n in range(1, 65)}) == 7  # 1, 2, 4, ..., 64 positions
+    assert len({shapes[n] for n in (64, 65, 100, 128, 200, 1000)}) == 1
 
 
 def test_left_padding_mask_over_the_keys() -> None:
