@@ -22,7 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from support.distributed_utils import count_exchanges, raises_on_rank, run_world
-from support.oracle import oracle_attention
+from support.oracle import oracle_attention, oracle_dilated_attention
+from support.tolerances import assert_close_to_oracle
 
 import dilated_attention
 import dilated_attention.distributed._comm as comm_mod
@@ -653,3 +654,57 @@ def test_single_process_cuda_ring_is_attention(layout: str, dtype: torch.dtype) 
     torch.testing.assert_close(ring, want, **tol)
     for got, exp in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(got, exp, **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flash_attn4", "sdpa_cudnn", "triton"])
+@pytest.mark.parametrize(
+    ("operation", "layout", "is_causal", "kv_heads"),
+    [
+        ("ring", "contiguous", False, 4),
+        ("ring", "zigzag", True, 2),
+        ("ring dilated", "contiguous", True, 1),
+        ("ring dilated", "contiguous", False, 4),
+    ],
+)
+def test_single_process_cuda_ring_step_kernel_matches_oracle(
+    backend: str, operation: str, layout: str, is_causal: bool, kv_heads: int
+) -> None:
+    """Each dense CUDA kernel as the ring's kernel (one rank; FlashAttention-4 where installed):
+    output, lse and every gradient against the float64 oracle, with a same-dtype replica setting
+    the error budget. Ring dilated runs its branches through the same kernel."""
+    assert not dist.is_initialized()
+    dtype, segs, rates = torch.bfloat16, [64, 256], [1, 4]
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 256, 4, 64, generator=gen).to(dtype)
+    k, v = (torch.randn(2, 256, kv_heads, 64, generator=gen).to(dtype) for _ in "kv")
+    dout = torch.randn(2, 256, 4, 64, generator=gen).to(dtype)
+    dev = [t.cuda().requires_grad_() for t in (q, k, v)]
+    reasons = dilated_attention.backend_reasons(*dev, is_causal=is_causal)[backend]
+    if reasons:
+        pytest.skip(f"{backend} cannot run here: {'; '.join(reasons)}")
+    if operation == "ring":
+        out, lse = ring_attention(
+            *dev, is_causal=is_causal, layout=layout, backend=backend, return_lse=True
+        )
+    else:
+        out, lse = dilated_attention.ring_dilated_attention(
+            *dev, segs, rates, is_causal=is_causal, layout=layout, backend=backend,
+            return_lse=True,
+        )  # fmt: skip
+    grads = torch.autograd.grad(out, dev, dout.cuda())
+    results = []
+    for cdt in (torch.float64, dtype):
+        leaves = [t.detach().to(cdt).requires_grad_() for t in (q, k, v)]
+        if operation == "ring":
+            want, want_lse = oracle_attention(*leaves, is_causal=is_causal, compute_dtype=cdt)
+        else:
+            want, want_lse = oracle_dilated_attention(
+                *leaves, segs, rates, is_causal=is_causal, compute_dtype=cdt
+            )
+        results.append((want, want_lse, torch.autograd.grad(want, leaves, dout.to(cdt))))
+    (ref, ref_lse, ref_grads), (low, low_lse, low_grads) = results
+    assert_close_to_oracle(out.detach().cpu(), ref, low, name="out", dtype=dtype)
+    assert_close_to_oracle(lse.cpu(), ref_lse, low_lse, name="lse", dtype=dtype)
+    for name, got, want, same in zip("qkv", grads, ref_grads, low_grads, strict=True):
+        assert_close_to_oracle(got.cpu(), want, same, name=f"d{name}", dtype=dtype, grad=True)
