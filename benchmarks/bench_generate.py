@@ -152,7 +152,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=100)
     parser.add_argument("--generate-repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None, help=OUT_HELP)
     args = parser.parse_args()  # fmt: skip

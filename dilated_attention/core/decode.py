@@ -175,6 +175,7 @@ class DecodeTokenCall:
     side), with ``ignore`` (H, K) saying which heads do not read which slots. Forward only."""
 
     causal = False
+    reads_all_queries = True  # Plan.one_call: the call's results are the plan's
 
     def __init__(
         self,

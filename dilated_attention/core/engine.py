@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -83,6 +83,7 @@ class WholeCall:
     """Every row of q against every row of k and v, as they are (dense attention)."""
 
     causal: bool
+    reads_all_queries: ClassVar[bool] = True  # Plan.one_call
 
     def q_rows(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -156,8 +157,10 @@ class Plan:
 
     Attributes:
         calls: in the order they run (the backward replays them in the same order).
-        whole: a single :class:`WholeCall`: its kernel's results are the plan's, with no
-            accumulators or merge.
+        whole: a single :class:`WholeCall`: its kernel's results and gradients are the plan's,
+            with no accumulators or merge.
+        one_call: a single call that reads every query row as it is (``reads_all_queries``): its
+            kernel's results are the plan's forward (its gradients may still need scattering).
     """
 
     calls: tuple[Call, ...]
@@ -165,6 +168,10 @@ class Plan:
     @property
     def whole(self) -> bool:
         return len(self.calls) == 1 and isinstance(self.calls[0], WholeCall)
+
+    @property
+    def one_call(self) -> bool:
+        return len(self.calls) == 1 and getattr(self.calls[0], "reads_all_queries", False)
 
     @classmethod
     def dense(cls, is_causal: bool) -> Plan:
@@ -364,10 +371,10 @@ def plan_forward(
         where no key is seen), and each call's backend ``aux`` for the backward.
     """
     acc = accumulator_dtype(q.dtype)
-    if plan.whole:
+    if plan.one_call:
         (call,) = plan.calls
         res = backend.forward(
-            q, k, v, scale=scale, is_causal=call.causal,
+            q, call.kv_rows(k), call.kv_rows(v), scale=scale, is_causal=call.causal,
             key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p,
         )  # fmt: skip
         out = res.out.contiguous().to(out_dtype or q.dtype)
