@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 #: Distributions whose versions every record names ("not installed" where absent).
-PACKAGES = ("triton", "flash-attn", "flash-attn-3", "xformers")
+PACKAGES = ("triton", "flash-attn", "flash-attn-3", "flash-attn-4", "xformers")
 #: ``--out`` help of the benchmark scripts.
 OUT_HELP = "path without suffix (default: benchmarks/results/<benchmark>_<device>)"
 #: Environment variables that change what a benchmark measures; recorded in the command line.

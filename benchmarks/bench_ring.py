@@ -50,6 +50,8 @@ from dilated_attention import (
     ring_dilated_attention,
     shard_sequence,
 )
+from dilated_attention.backends import KernelInputs
+from dilated_attention.backends.registry import choose
 
 
 def dilated_flops(
@@ -138,8 +140,11 @@ def bench_dense(args: argparse.Namespace, device: torch.device, world: int) -> l
             q, k, v = (_randn((1, seq_len, args.heads, args.head_dim), s, device) for s in range(3))
             layout = "zigzag" if causal and world > 1 else "contiguous"
             local = [shard_sequence(t, layout=layout).requires_grad_() for t in (q, k, v)]
+            # The kernel of the ring's steps (its off-diagonal, non-causal calls).
+            step = choose(KernelInputs.from_tensors(local[0], local[1], is_causal=False))
             base = {"kind": "dense", "world": world, "seq_len": seq_len, "causal": causal,
-                    "heads": args.heads, "head_dim": args.head_dim}  # fmt: skip
+                    "heads": args.heads, "head_dim": args.head_dim,
+                    "kernel": step.backend.name}  # fmt: skip
             for comm in ("ring", "allgather"):
                 forward = functools.partial(
                     ring_attention, *local, is_causal=causal, layout=layout, comm=comm
