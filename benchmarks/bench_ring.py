@@ -144,7 +144,7 @@ def bench_dense(args: argparse.Namespace, device: torch.device, world: int) -> l
             step = choose(KernelInputs.from_tensors(local[0], local[1], is_causal=False))
             base = {"kind": "dense", "world": world, "seq_len": seq_len, "causal": causal,
                     "heads": args.heads, "head_dim": args.head_dim,
-                    "kernel": step.backend.name}  # fmt: skip
+                    "kernel": step.backend}  # fmt: skip
             for comm in ("ring", "allgather"):
                 forward = functools.partial(
                     ring_attention, *local, is_causal=causal, layout=layout, comm=comm
