@@ -22,6 +22,14 @@ _BLOCK_ROWS = 32
 
 
 @triton.jit
+def _program_rows(num_rows, seq_len, heads, BLOCK_ROWS: tl.constexpr):
+    """This program's ``BLOCK_ROWS`` (batch, position, head) rows: whether each exists, and its
+    batch ``b``, position ``i`` and head ``h`` (64-bit)."""
+    row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    return row < num_rows, row // (heads * seq_len), (row // heads) % seq_len, row % heads
+
+
+@triton.jit
 def _merge_kernel(
     out, lse, part, part_lse,
     num_rows, seq_len, heads, dim,
@@ -33,11 +41,7 @@ def _merge_kernel(
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Each program merges ``BLOCK_ROWS`` (batch, position, head) rows of ``D`` elements."""
-    row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    valid = row < num_rows
-    h = row % heads
-    i = (row // heads) % seq_len
-    b = row // (heads * seq_len)
+    valid, b, i, h = _program_rows(num_rows, seq_len, heads, BLOCK_ROWS)
     lse_ptr = lse + b * s_lb + i * s_ln + h * s_lh
     lse_a = tl.load(lse_ptr, mask=valid, other=float("-inf"))
     lse_b = tl.load(part_lse + b * s_qb + i * s_qn + h * s_qh, mask=valid, other=float("-inf"))
@@ -98,11 +102,7 @@ def _merge_splits_kernel(
     """Each program merges the ``splits`` partial results of ``BLOCK_ROWS`` (batch, position,
     head) rows: weights normalized by their own sum, NaN carried (Note [Merging partial
     softmaxes] in ``core/merge.py``)."""
-    row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    valid = row < num_rows
-    h = row % heads
-    i = (row // heads) % seq_len
-    b = row // (heads * seq_len)
+    valid, b, i, h = _program_rows(num_rows, seq_len, heads, BLOCK_ROWS)
     lse_ptr = part_lse + b * s_qb + h * s_qh + i * s_qn
     top = tl.full([BLOCK_ROWS], float("-inf"), dtype=tl.float32)
     for s in range(splits):
