@@ -317,7 +317,9 @@ def dilated_attention(
         out, lse = run_attention(q, k, v, key_padding_mask, runner)
         return (out, lse) if return_lse else out
     if kernel.runs_plan:  # the fused kernels run every branch themselves (core/fused.py)
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        # They read rows through strides: a (B, N, H, D) view of (B, H, N, D) tensors (the
+        # transformers layout) runs as it is; only a strided last dim is copied.
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         branches = tuple(zip(segs, rates, strict=True))
         compile_ahead(
             q, k, v, key_padding_mask, branches, kernel.backend, is_causal=is_causal,

@@ -196,8 +196,16 @@ SHAPES = [
 
 
 def _compare(
-    shape: Shape, dtype: torch.dtype, device: str, is_causal: bool, *, groups: int | None = None
+    shape: Shape,
+    dtype: torch.dtype,
+    device: str,
+    is_causal: bool,
+    *,
+    groups: int | None = None,
+    heads_major: bool = False,
 ) -> None:
+    """The fused path against the float64 oracle; ``heads_major``: q, k, v are (B, N, H, D)
+    views of (B, H, N, D) tensors (transformers' layout), which must not be copied."""
     gen = torch.Generator().manual_seed(0)
     kv_heads = shape.H_kv or shape.H
 
@@ -208,12 +216,17 @@ def _compare(
     k0, v0 = draw(kv_heads).to(dtype), draw(kv_heads).to(dtype)
     mask = (torch.rand(shape.B, shape.N, generator=gen) < 0.25) if shape.padding else None
     q, k, v = (x.to(device).requires_grad_() for x in (q0, k0, v0))
+    if heads_major:
+        leaves = [x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v)]
+        q, k, v = (x.transpose(1, 2) for x in leaves)
     dev_mask = None if mask is None else mask.to(device)
     out, lse = dilated_attention(
         q, k, v, shape.segments, shape.rates, is_causal=is_causal, key_padding_mask=dev_mask,
         backend="triton", return_lse=True,
     )  # fmt: skip
     grads = [g.cpu() for g in torch.autograd.grad(out, (q, k, v), dout.to(device))]
+    if heads_major:  # the gradients of the views keep their layout: nothing was copied
+        assert all(g.stride() == x.stride() for g, x in zip(grads, (q, k, v), strict=True))
     kwargs = {"is_causal": is_causal, "key_padding_mask": mask}
     leaves64 = [x.to(torch.float64).requires_grad_() for x in (q0, k0, v0)]
     out64, lse64 = oracle_dilated_attention(*leaves64, shape.segments, shape.rates, **kwargs)
@@ -467,6 +480,32 @@ def test_fused_engine_merges_extra_results_before_rounding(
             torch.testing.assert_close(
                 got.cpu().double(), want_grad, atol=tol.grad_atol, rtol=tol.grad_rtol
             )
+
+
+@pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
+def test_heads_major_views_run_without_copies(
+    device: str, dtypes: list[torch.dtype], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(B, N, H, D) views of (B, H, N, D) tensors (how transformers passes them) run on the fused
+    kernels as they are: the results match the oracle, no input is copied whole, and the
+    gradients come back in the views' layout."""
+    skip_without_triton(device)
+    copies: list[tuple[int, ...]] = []
+    real = torch.Tensor.contiguous
+
+    def spy(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if not x.is_contiguous() and x.dim() == 4:
+            copies.append(tuple(x.shape))
+        return real(x, *args, **kwargs)
+
+    shape = Shape("heads_major", N=300, H=4, H_kv=2, D=64, segments=(100, 300), rates=(1, 2))
+    for dtype in dtypes:
+        for is_causal in (False, True):
+            monkeypatch.setattr(torch.Tensor, "contiguous", spy)
+            _compare(shape, dtype, device, is_causal, heads_major=True)
+            monkeypatch.setattr(torch.Tensor, "contiguous", real)
+    big = {(shape.B, shape.N, h, shape.D) for h in (shape.H, shape.H_kv)}
+    assert not big & set(copies), copies
 
 
 @pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
