@@ -6,6 +6,7 @@ GQA, left padding, token-by-token growth and double backward."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -39,9 +40,9 @@ def one_call(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     return request.param
 
 
-def _tensors(n: int, heads: int, kv_heads: int, seed: int = 0) -> list[torch.Tensor]:
+def _tensors(n: int, heads: int, kv_heads: int, seed: int = 0, dim: int = 8) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    shapes = [(2, n, heads, 8), (2, n, kv_heads, 8), (2, n, kv_heads, 8)]
+    shapes = [(2, n, heads, dim), (2, n, kv_heads, dim), (2, n, kv_heads, dim)]
     return [torch.randn(s, generator=gen, dtype=F64) for s in shapes]
 
 
@@ -344,12 +345,16 @@ def test_decoding_reads_a_caches_rows_without_copying_them_whole() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", [None, "sdpa_cudnn", "triton"], ids=backend_id)
+@pytest.mark.parametrize("backend", [None, "sdpa_cudnn", "triton", "flash_attn4"], ids=backend_id)
 def test_cuda_cached_decoding_matches_the_oracle(backend: str | None) -> None:
     """On the GPU in bf16: a prompt, chunks and single tokens through a cache (buffers written in
-    place, chunks as square causal calls) match the float64 oracle within the bf16 budget."""
+    place, chunks as square causal calls) match the float64 oracle within the bf16 budget, on
+    each kernel (FlashAttention-4 where installed: per-branch calls on views, as it takes no
+    key mask for the one-call token)."""
     _, n, heads, kv_heads, segs, rates = SCHEDULES[3]
-    q, k, v = (t.to(torch.bfloat16) for t in _tensors(n, heads, kv_heads, seed=17))
+    q, k, v = (t.to(torch.bfloat16) for t in _tensors(n, heads, kv_heads, seed=17, dim=64))
+    skip_unless_runnable(backend, *(x.cuda() for x in (q, k, v)), is_causal=True,
+                         key_padding_mask=None)  # fmt: skip
     ref, _ = oracle_dilated_attention(q, k, v, segs, rates, is_causal=True)
     low, _ = oracle_dilated_attention(q, k, v, segs, rates, is_causal=True,
                                       compute_dtype=torch.bfloat16)  # fmt: skip
@@ -385,3 +390,36 @@ def test_decoding_calls_read_views_for_kernels_that_take_strided_rows() -> None:
         isinstance(c, DecodeCall)
         for c in decode_plan(3, 40, 6, 2, (8, 16), (2, 3), torch.device("cpu"), 0).calls
     )
+
+
+@pytest.mark.gpu
+def test_cuda_chunked_prefill_memory_is_bounded_by_the_chunk() -> None:
+    """A prompt through a cache in chunks allocates, beyond the inputs and the cache, memory of
+    the order of a chunk, not of the prompt: a 16x longer prompt than the chunk peaks far below
+    one causal forward over all of it."""
+    segs, rates, heads, dim, length, chunk = [512, 1024, 2048], [1, 2, 4], 4, 64, 65536, 4096
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, length, heads, dim, device="cuda", dtype=torch.bfloat16,
+                           generator=gen) for _ in "qkv")  # fmt: skip
+    chunk_bytes = chunk * heads * dim * q.element_size()
+
+    def peak_above_now(fn: Callable[[], object]) -> int:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    cache = DilatedKVCache(segs, rates)
+
+    def chunked() -> None:
+        for a in range(0, length, chunk):
+            piece = [x[:, a : a + chunk] for x in (q, k, v)]
+            dilated_attention(*piece, segs, rates, is_causal=True, cache=cache)
+
+    with torch.no_grad():
+        chunked_peak = peak_above_now(chunked)
+        full_peak = peak_above_now(lambda: dilated_attention(q, k, v, segs, rates, is_causal=True))
+    assert chunked_peak <= cache.nbytes + 16 * chunk_bytes, (chunked_peak, cache.nbytes)
+    assert chunked_peak < full_peak / 2, (chunked_peak, full_peak)
