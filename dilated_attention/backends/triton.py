@@ -120,6 +120,7 @@ class TritonBackend(Backend):
     masks; fused dilated branches through ``core/fused.py``."""
 
     name = "triton"
+    reads_strided_rows = True  # any strides with the last dim contiguous (decoding's row views)
     description = (
         "our Triton kernels: reads dilated rows through strides and merges branches in place"
     )
