@@ -248,17 +248,24 @@ def merge_rows(
 ) -> None:
     """The executor's :data:`Merge`: merge the call's result into its rows of the accumulators
     (Note [Merging partial softmaxes]), in place with one kernel where one is registered
-    (:func:`register_in_place_merge`) and the rows are views; else read the rows, merge with
-    torch ops and write them back."""
+    (:func:`register_in_place_merge`): into the accumulators themselves where the call's rows
+    are views, else into the gathered copy of its rows, which is then written back. Without a
+    registered kernel: torch ops on the rows, written back."""
     rows, lse_rows = call.q_rows(out), call.q_rows(lse)
     fused = _in_place_merge(out, lse)
-    if fused is not None and _is_view_of(rows, out) and _is_view_of(lse_rows, lse):
+    if fused is not None:
         part = part_out if part_out.stride(-1) == 1 else part_out.contiguous()
         fused(rows, lse_rows.squeeze(-1), part, part_lse.transpose(1, 2))
-        return
-    new_out, new_lse = merge_partial(rows, lse_rows.squeeze(-1), part_out, part_lse.transpose(1, 2))
+        if _is_view_of(rows, out) and _is_view_of(lse_rows, lse):
+            return
+        new_out, new_lse = rows, lse_rows  # gathered copies, merged: write them back
+    else:
+        merged_out, merged_lse = merge_partial(
+            rows, lse_rows.squeeze(-1), part_out, part_lse.transpose(1, 2)
+        )
+        new_out, new_lse = merged_out, merged_lse.unsqueeze(-1)
     call.put_q(out, new_out, accumulate=False)
-    call.put_q(lse, new_lse.unsqueeze(-1), accumulate=False)
+    call.put_q(lse, new_lse, accumulate=False)
 
 
 def run_forward(

@@ -112,8 +112,9 @@ def test_in_place_merge_gets_the_rows_of_view_calls(
 ) -> None:
     """A registered in-place merge (``register_in_place_merge``; the Triton one on CUDA) merges
     the calls whose rows are views of the accumulators, strided and diagonal ones included, and
-    gathered calls keep the torch merge: the result equals the float32 run without it and the
-    float64 oracle. A merge that received the wrong rows or lse layout would change it."""
+    the gathered copies of the others, which are written back: the result equals the float32 run
+    without it and the float64 oracle. A merge that received the wrong rows or lse layout, or a
+    gathered copy that was not written back, would change it."""
     from support.oracle import oracle_dilated_attention
 
     from dilated_attention import dilated_attention
@@ -138,8 +139,11 @@ def test_in_place_merge_gets_the_rows_of_view_calls(
         q, k, v, *schedule, is_causal=is_causal, backend="math", return_lse=True
     )
     # (segments, rows, heads, D): two offset classes of w = 8; w = 16's two whole segments and
-    # its last, short one as diagonal calls; nothing of the gathered w = 10.
-    assert sorted(merged) == [(1, 2, 4, 8), (2, 4, 4, 8), (5, 4, 2, 8), (5, 4, 2, 8)]
+    # its last, short one as diagonal calls; the gathered w = 10 as its copies (offset class 0:
+    # 4 rows of heads 0 and 3; classes 1 and 2: 3 rows of one head each, side by side).
+    assert sorted(merged) == [
+        (1, 2, 4, 8), (2, 4, 4, 8), (4, 3, 2, 8), (4, 4, 2, 8), (5, 4, 2, 8), (5, 4, 2, 8)
+    ]  # fmt: skip
     want, want_lse = oracle_dilated_attention(
         *(x.double() for x in (q, k, v)), *schedule, is_causal=is_causal
     )
@@ -169,10 +173,10 @@ def _calls_of_every_kind(device: str) -> dict[str, object]:
 def test_triton_in_place_merge_writes_the_calls_rows_like_the_torch_merge(
     kind: str, device: str, dtypes: list[torch.dtype], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``merge_rows`` merges view calls with the Triton kernel (on CUDA; on the CPU through
-    Triton's interpreter) and gathered ones with torch ops: only the call's rows change, to the
-    torch merge's values; empty (-inf) accumulator rows take the part as it is; a strided
-    16-bit part (as a backend may return) is read right."""
+    """``merge_rows`` merges view calls with the Triton kernel in place (on CUDA; on the CPU
+    through Triton's interpreter), and gathered ones in their copies, written back: only the
+    call's rows change, to the torch merge's values; empty (-inf) accumulator rows take the
+    part as it is; a strided 16-bit part (as a backend may return) is read right."""
     from dilated_attention.backends.triton import merge_kernel
     from dilated_attention.core import engine
 
