@@ -97,7 +97,8 @@ def layer_timing(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
     x = torch.randn(1, args.seq_len, embed_dim, device=device, dtype=dtype, requires_grad=True)
     choice = explain(
         device=device, dtype=dtype, head_dim=args.head_dim, num_heads=args.heads,
-        seq_len=min(args.seq_len, args.first_segment), is_causal=args.causal,
+        seq_len=args.seq_len, is_causal=args.causal, segment_lengths=segments,
+        dilation_rates=rates,
     )  # fmt: skip
     print(
         f"MultiheadDilatedAttention: seq_len={args.seq_len:,} heads={args.heads} "
@@ -108,6 +109,9 @@ def layer_timing(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
     print(f"  backend chosen: {choice.backend} ({choice.source})")
     for name, why in choice.reasons.items():
         print(f"    {name}: not used ({'; '.join(why)})")
+    print("  branches:")
+    for line in choice.branches:
+        print(f"    {line}")
 
     def timed(step: str) -> float:
         times = []

@@ -24,8 +24,8 @@ earlier name                                 kind here
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -40,9 +40,11 @@ from .backends.registry import (
     OPERATIONS,
     BackendChoice,
     check_backend_name,
+    get_backend,
     registry_for,
 )
 from .config import DilatedConfig, MultiheadDilatedConfig
+from .core.segment import describe_plan, effective_branches, plan_branches
 from .modules import (
     LAYER_ARGUMENTS,
     DilatedAttention,
@@ -341,6 +343,8 @@ def explain(
     dilated: bool = False,
     operation: str | None = None,
     block_size: int = 128,
+    segment_lengths: Sequence[int] | None = None,
+    dilation_rates: Sequence[int] | None = None,
 ) -> BackendChoice:
     """Which kernel would run an attention operation with these properties, and why no other.
 
@@ -357,11 +361,16 @@ def explain(
             on) or ``"block_sparse"`` (our block-sparse Triton kernels and FlexAttention, each
             running the whole pattern, then the plan on a dense kernel).
         block_size: tokens per block, for ``operation="block_sparse"``.
+        segment_lengths, dilation_rates: a dilated schedule over ``seq_len`` positions (implies
+            ``operation="dilated"``): the choice then also says how each branch runs on the
+            chosen kernel (``.branches``).
 
     Returns:
         :class:`BackendChoice` with ``.backend`` (the name), ``.reasons`` (every other kernel of
-        the operation with at least one reason), ``.order``, ``.source``, ``.operation`` and
-        ``.runs_plan`` (the kernel runs the whole operation itself rather than once per call).
+        the operation with at least one reason), ``.order``, ``.source``, ``.operation``,
+        ``.runs_plan`` (the kernel runs the whole operation itself rather than once per call)
+        and, with a schedule, ``.branches`` (one line per branch or row group: views or
+        gathers, how many kernel calls, and why).
 
     Raises:
         ValueError: ``device`` is not a device or not available here (e.g. ``"cuda"`` on a
@@ -383,6 +392,20 @@ def explain(
     dropout_p = V.check_dropout("dropout_p", dropout_p)
     backend = check_backend_name(backend)
     block_size = V.check_positive_int("block_size", block_size)
+    schedule = None
+    if segment_lengths is not None or dilation_rates is not None:
+        if segment_lengths is None or dilation_rates is None:
+            raise ValueError(
+                f"pass segment_lengths and dilation_rates together, got segment_lengths="
+                f"{segment_lengths!r}, dilation_rates={dilation_rates!r}"
+            )
+        schedule = V.check_branches(segment_lengths, dilation_rates)
+        if operation not in (None, DILATED):
+            raise ValueError(
+                f"a schedule (segment_lengths, dilation_rates) explains operation='dilated', "
+                f"got operation={operation!r}; leave operation out or pass 'dilated'"
+            )
+        operation = DILATED
     if operation is None:
         operation = DILATED if dilated else DENSE
     elif operation not in OPERATIONS or (dilated and operation != DILATED):
@@ -416,7 +439,32 @@ def explain(
         requires_grad=requires_grad,
         block_size=block_size if operation == BLOCK_SPARSE else None,
     )
-    return registry_for(operation).choose(inputs, backend)
+    choice = registry_for(operation).choose(inputs, backend)
+    if schedule is None:
+        return choice
+    return replace(choice, branches=_branch_paths(choice, seq_len, num_heads, num_kv_heads,
+                                                  *schedule))  # fmt: skip
+
+
+def _branch_paths(
+    choice: BackendChoice,
+    seq_len: int,
+    num_heads: int,
+    num_kv_heads: int,
+    segment_lengths: tuple[int, ...],
+    dilation_rates: tuple[int, ...],
+) -> tuple[str, ...]:
+    """How each branch of the schedule runs on the chosen dilated kernel (``explain``)."""
+    segs, rates = effective_branches(seq_len, num_heads, segment_lengths, dilation_rates)
+    if choice.runs_plan:
+        return tuple(
+            f"w={w} r={r}: {choice.backend}'s plan kernel runs the branch itself (our fused "
+            f"kernels: one launch over its rows, read through strides, merged in place)"
+            for w, r in zip(segs, rates, strict=True)
+        )
+    groups = plan_branches(seq_len, num_heads, segs, rates)
+    strided = get_backend(choice.backend).reads_strided_rows
+    return describe_plan(groups, seq_len, num_kv_heads, strided)
 
 
 def _default_device() -> str:

@@ -229,6 +229,8 @@ class BackendChoice:
         runs_plan: the name is one of the operation's plan kernels (:class:`PlanKernel`), which
             runs the whole plan itself; otherwise the executor calls the backend once per kernel
             call of the plan.
+        branches: for a dilated schedule given to ``explain``, one line per branch (or row
+            group) saying how it runs on this kernel: views or gathers, how many calls, and why.
     """
 
     backend: str
@@ -237,6 +239,7 @@ class BackendChoice:
     source: str
     operation: str = "dense"
     runs_plan: bool = False
+    branches: tuple[str, ...] = ()
 
 
 _OVERRIDE: ContextVar[str | None] = ContextVar("dilated_attention_backend", default=None)

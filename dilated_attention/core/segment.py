@@ -264,31 +264,90 @@ def dilated_plan(
     return Plan(tuple(calls))
 
 
+def not_strided_reason(group: RowGroup, num_kv_heads: int) -> str | None:
+    """Why the group's rows are not strided views of q, k and v (so a kernel that reads strided
+    rows still gets them gathered), or None where they are (:func:`strided_calls`)."""
+    rate, heads = group.rate, group.num_heads
+    if len(group.heads) != heads:
+        return "ragged rows: the offset classes differ in length here (heads grouped by rows)"
+    if rate == 1:
+        return "rate 1: whole segments (views only when every head reads them)"
+    if group.segment_len % rate:
+        return f"ragged rows: the segment ({group.segment_len}) is not a multiple of r"
+    if any(kv_head_slice(s, rate, heads, num_kv_heads) is None for s in range(min(rate, heads))):
+        return (
+            f"GQA: the key/value heads of an offset class ({heads} query heads over "
+            f"{num_kv_heads}) are not one strided slice"
+        )
+    return None
+
+
+def _diagonal(group: RowGroup, num_kv_heads: int) -> bool:
+    """Whether the group's strided calls are ``H / r`` diagonal calls of ``r`` heads."""
+    rate, heads = group.rate, group.num_heads
+    return num_kv_heads == heads and heads % rate == 0 and heads // rate < rate
+
+
 @functools.lru_cache(maxsize=256)
 def strided_calls(
     group: RowGroup, num_kv_heads: int, causal: bool
 ) -> tuple[StridedCall, ...] | None:
     """The group as one :class:`StridedCall` per offset class, or per block of ``r`` heads where
     that is fewer calls (``DiagonalCall``, Note [Diagonal head calls] in ``strided.py``), or None
-    where its rows are not strided views (rate 1, ragged segments, some heads only, or a GQA
-    grouping the views cannot express)."""
-    rate, heads = group.rate, group.num_heads
-    if rate == 1 or group.segment_len % rate or len(group.heads) != heads:
+    where its rows are not strided views (:func:`not_strided_reason`)."""
+    if not_strided_reason(group, num_kv_heads) is not None:
         return None
+    rate, heads = group.rate, group.num_heads
     start, n, length = group.start, group.num_segments, group.segment_len
-    if num_kv_heads == heads and heads % rate == 0 and heads // rate < rate:
+    if _diagonal(group, num_kv_heads):
         return tuple(
             DiagonalCall(start, n, length, rate, t, slice(None), causal)
             for t in range(heads // rate)
         )
     kv_slices = [kv_head_slice(s, rate, heads, num_kv_heads) for s in range(min(rate, heads))]
-    if any(kv is None for kv in kv_slices):
-        return None
     return tuple(
         StridedCall(start, n, length, rate, s, kv, causal)
         for s, kv in enumerate(kv_slices)
         if kv is not None
     )
+
+
+def describe_plan(
+    groups: tuple[RowGroup, ...], seq_len: int, num_kv_heads: int, strided: bool
+) -> tuple[str, ...]:
+    """One line per row group saying how :func:`dilated_plan` runs it on a kernel that reads
+    strided rows (``strided``) or not: as views (how many calls) or gathered, and why."""
+    if covers_all_once(groups, seq_len):
+        return (f"w={seq_len} r=1: one dense call over all {seq_len} positions",)
+    lines = []
+    for group in groups:
+        where = (
+            f"w={group.segment_len} r={group.rate}, positions {group.start}..{group.stop - 1} "
+            f"({group.num_segments} segment{'s' if group.num_segments > 1 else ''}, heads "
+            f"{_heads(group.heads)})"
+        )
+        reason = not_strided_reason(group, num_kv_heads)
+        if group.is_dense:
+            path = "one call on the segments as they are (a reshape, no gather)"
+        elif not strided:
+            path = "rows gathered into one call: the kernel does not read strided rows"
+        elif reason is not None:
+            path = f"rows gathered into one call: {reason}"
+        elif _diagonal(group, num_kv_heads):
+            calls = group.num_heads // group.rate
+            path = f"{calls} diagonal call(s) of {group.rate} heads on strided views (no gather)"
+        else:
+            calls = min(group.rate, group.num_heads)
+            path = f"{calls} offset-class call(s) on strided views (no gather)"
+        lines.append(f"{where}: {path}")
+    return tuple(lines)
+
+
+def _heads(heads: tuple[int, ...]) -> str:
+    """``0-7`` for consecutive heads, else the list."""
+    if heads == tuple(range(heads[0], heads[-1] + 1)):
+        return f"{heads[0]}-{heads[-1]}" if len(heads) > 1 else str(heads[0])
+    return ",".join(map(str, heads))
 
 
 def effective_branches(

@@ -106,6 +106,7 @@ def test_layer_and_info_run_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     )  # fmt: skip
     assert code == 0
     assert "segment_lengths=[128, 256]" in out and "backend chosen:" in out
+    assert "  branches:\n    w=128 r=1" in out  # how each branch runs on the chosen kernel
     assert "input gradient finite: True" in out
     code, out, _ = _run(capsys, "info")
     assert code == 0 and "cpu:" in out and "backend" in out

@@ -586,3 +586,75 @@ def test_kind_with_only_an_inner_constructor_gets_the_library_layer(
     torch.testing.assert_close(layer(x, is_causal=True)[0], reference(x, is_causal=True)[0])
     with pytest.raises(TypeError, match=r"attention must be an nn.Module"):
         dilated_attention.MultiheadAttention(32, 4, lambda q, k, v: q)  # type: ignore[arg-type]
+
+
+# -- explain: how each branch of a schedule runs ---------------------------------------------------
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "segments", "rates"),
+    [
+        # rate 1 (reshape), r = 4 > 8 / 4 (diagonal calls), r = 2 (offset classes), ragged w = 250
+        (8, 8, [100, 1000, 200, 250], [1, 4, 2, 3]),
+        # GQA 8:4 with r = 3 (no strided key/value slice), r = 2 and r = 4 (slices), a short last
+        # segment of w = 300 (100 positions, classes of different lengths)
+        (8, 4, [300, 200, 1000], [3, 2, 4]),
+    ],
+)
+def test_explain_says_how_each_branch_runs_as_the_plan_runs_it(
+    heads: int, kv_heads: int, segments: list[int], rates: list[int]
+) -> None:
+    """With a schedule, ``explain`` gives one line per row group, and each says what the
+    executor's plan does with that group on the chosen kernel: the number and kind of view calls,
+    a reshape, or a gather with its reason."""
+    from dilated_attention.core.segment import dilated_plan, effective_branches, plan_branches
+
+    seq_len = 1000
+    choice = dilated_attention.explain(
+        device="cpu", seq_len=seq_len, num_heads=heads, num_kv_heads=kv_heads,
+        segment_lengths=segments, dilation_rates=rates, backend="math",
+    )  # fmt: skip
+    assert choice.operation == "dilated" and choice.backend == "math"
+    groups = plan_branches(seq_len, heads, *effective_branches(seq_len, heads, segments, rates))
+    assert len(choice.branches) == len(groups)
+    seen = set()
+    for group, line in zip(groups, choice.branches, strict=True):
+        assert line.startswith(f"w={group.segment_len} r={group.rate}, positions {group.start}..")
+        calls = dilated_plan((group,), seq_len, kv_heads, torch.device("cpu"), False, True).calls
+        kinds = {type(call).__name__ for call in calls}
+        if "gathered" in line:
+            seen.add(line.split("gathered into one call: ")[1].split(":")[0])
+            assert kinds == {"GroupCall"} and len(calls) == 1 and not group.is_dense
+        elif "reshape" in line:
+            seen.add("reshape")
+            assert kinds == {"GroupCall"} and len(calls) == 1 and group.is_dense
+        else:
+            count = int(line.rsplit(": ", 1)[1].split()[0])
+            kind = "DiagonalCall" if "diagonal" in line else "StridedCall"
+            seen.add(kind)
+            assert kinds == {kind} and len(calls) == count, (line, kinds, len(calls))
+    want = {"reshape", "DiagonalCall", "StridedCall", "ragged rows"} if heads == kv_heads else {
+        "GQA", "StridedCall", "ragged rows"
+    }  # fmt: skip
+    assert seen == want, seen
+
+
+def test_explain_schedule_on_a_kernel_without_strided_rows_and_the_fused_kernels() -> None:
+    """On a kernel that does not read strided rows every group that is not a whole segment is
+    gathered, saying so; the fused plan kernel runs every branch itself, one line per branch;
+    a schedule with another operation, or half a schedule, is a clear error."""
+    from dilated_attention.backends.registry import BackendChoice
+    from dilated_attention.core.segment import describe_plan, plan_branches
+    from dilated_attention.factory import _branch_paths
+
+    groups = plan_branches(1000, 8, (100, 1000), (1, 4))
+    lines = describe_plan(groups, 1000, 8, strided=False)
+    assert "reshape" in lines[0]
+    assert all("the kernel does not read strided rows" in line for line in lines[1:])
+    fused = BackendChoice("triton", {}, ["triton"], "auto", "dilated", runs_plan=True)
+    paths = _branch_paths(fused, 1000, 8, 8, (100, 4000), (1, 4))
+    assert len(paths) == 2 and paths[1].startswith("w=1000 r=4: triton's plan kernel")
+    with pytest.raises(ValueError, match="segment_lengths and dilation_rates together"):
+        dilated_attention.explain(device="cpu", segment_lengths=[100])
+    with pytest.raises(ValueError, match="operation='dilated'"):
+        dilated_attention.explain(
+            device="cpu", segment_lengths=[100], dilation_rates=[1], operation="dense"
+        )
