@@ -282,12 +282,6 @@ def not_strided_reason(group: RowGroup, num_kv_heads: int) -> str | None:
     return None
 
 
-def _diagonal(group: RowGroup, num_kv_heads: int) -> bool:
-    """Whether the group's strided calls are ``H / r`` diagonal calls of ``r`` heads."""
-    rate, heads = group.rate, group.num_heads
-    return num_kv_heads == heads and heads % rate == 0 and heads // rate < rate
-
-
 @functools.lru_cache(maxsize=256)
 def strided_calls(
     group: RowGroup, num_kv_heads: int, causal: bool
@@ -299,7 +293,7 @@ def strided_calls(
         return None
     rate, heads = group.rate, group.num_heads
     start, n, length = group.start, group.num_segments, group.segment_len
-    if _diagonal(group, num_kv_heads):
+    if num_kv_heads == heads and heads % rate == 0 and heads // rate < rate:
         return tuple(
             DiagonalCall(start, n, length, rate, t, slice(None), causal)
             for t in range(heads // rate)
@@ -316,7 +310,8 @@ def describe_plan(
     groups: tuple[RowGroup, ...], seq_len: int, num_kv_heads: int, strided: bool
 ) -> tuple[str, ...]:
     """One line per row group saying how :func:`dilated_plan` runs it on a kernel that reads
-    strided rows (``strided``) or not: as views (how many calls) or gathered, and why."""
+    strided rows (``strided``) or not: as views (how many calls, from :func:`strided_calls`) or
+    gathered, and why."""
     if covers_all_once(groups, seq_len):
         return (f"w={seq_len} r=1: one dense call over all {seq_len} positions",)
     lines = []
@@ -326,19 +321,18 @@ def describe_plan(
             f"({group.num_segments} segment{'s' if group.num_segments > 1 else ''}, heads "
             f"{_heads(group.heads)})"
         )
-        reason = not_strided_reason(group, num_kv_heads)
+        views = strided_calls(group, num_kv_heads, False) if strided else None
         if group.is_dense:
             path = "one call on the segments as they are (a reshape, no gather)"
         elif not strided:
             path = "rows gathered into one call: the kernel does not read strided rows"
-        elif reason is not None:
-            path = f"rows gathered into one call: {reason}"
-        elif _diagonal(group, num_kv_heads):
-            calls = group.num_heads // group.rate
-            path = f"{calls} diagonal call(s) of {group.rate} heads on strided views (no gather)"
+        elif views is None:
+            path = f"rows gathered into one call: {not_strided_reason(group, num_kv_heads)}"
+        elif isinstance(views[0], DiagonalCall):
+            heads = f"{len(views)} diagonal call(s) of {group.rate} heads"
+            path = f"{heads} on strided views (no gather)"
         else:
-            calls = min(group.rate, group.num_heads)
-            path = f"{calls} offset-class call(s) on strided views (no gather)"
+            path = f"{len(views)} offset-class call(s) on strided views (no gather)"
         lines.append(f"{where}: {path}")
     return tuple(lines)
 
