@@ -654,6 +654,10 @@ def test_explain_schedule_on_a_kernel_without_strided_rows_and_the_fused_kernels
     assert len(paths) == 2 and paths[1].startswith("w=1000 r=4: triton's plan kernel")
     with pytest.raises(ValueError, match="segment_lengths and dilation_rates together"):
         dilated_attention.explain(device="cpu", segment_lengths=[100])
+    with pytest.raises(ValueError, match="segment_lengths"):
+        dilated_attention.explain(device="cpu", segment_lengths=[0], dilation_rates=[1])
+    with pytest.raises(ValueError, match="dilation_rates"):
+        dilated_attention.explain(device="cpu", segment_lengths=[64, 128], dilation_rates=[1])
     with pytest.raises(ValueError, match="operation='dilated'"):
         dilated_attention.explain(
             device="cpu", segment_lengths=[100], dilation_rates=[1], operation="dense"
