@@ -12,13 +12,27 @@ square causal calls are accepted. No dropout, no key mask; GQA is native.
 
 Head dims (as of flash-attn-4 4.0.0b36): sm90 up to 256; sm100 up to 128, or exactly 256 (192
 only with a 128 value dim, which this library never asks for).
+
+Note [FlashAttention-4 block sparsity]
+    ``block_sparse_forward`` / ``block_sparse_backward`` run block-sparse attention as FA4's own
+    block sparsity: per 128-row query tile the forward walks the key tiles of its lists, "full"
+    tiles unmasked and "partial" ones through a ``mask_mod``; the backward walks, per 128-row
+    key tile, its query tiles (the same lists transposed; Note [Kernel tiles of a block mask] in
+    ``block_sparse/tiles.py``). The only ``mask_mod`` here is top-left causal (key ``n`` seen by
+    query ``m`` when ``n <= m``), compiled once, so block sizes must be multiples of 128 (every
+    other tile is full or skipped) and rectangular causal calls are exact. Calls pass
+    ``pack_gqa=False``: packed GQA heads would change what a query tile is. This is set up for
+    sm90, whose forward (128 x 128 for head dims up to 128) and backward tiles (64 or 128
+    query rows by 128 keys) divide 128 x 128; sm100 takes block sparsity at 256 query rows.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+from dataclasses import replace
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -36,9 +50,50 @@ _HALF = frozenset({torch.float16, torch.bfloat16})
 _MAJORS = (9, 10)
 
 
+#: Rows of the tiles block sparsity is given at, query and key (Note [FlashAttention-4 block
+#: sparsity]), and the largest head dim whose sm90 tiles divide them.
+SPARSE_TILE = 128
+SPARSE_MAX_HEAD_DIM = 128
+
+
 def _interface() -> ModuleType:
     # Imported here, never at module import: it pulls in the CuTe DSL (cutlass, cuda-python).
     return importlib.import_module("flash_attn.cute.interface")
+
+
+class SparseTiles(NamedTuple):
+    """One direction's tile lists, int32 on the device (Note [Kernel tiles of a block mask]):
+    per row tile, ``partial_count`` (1, 1, R) and ``partial_index`` (1, 1, R, C) of the tiles
+    that need the mask, ``full_count`` / ``full_index`` of those that do not. Forward: R query
+    tiles listing key tiles; backward: R key tiles listing query tiles."""
+
+    partial_count: torch.Tensor
+    partial_index: torch.Tensor
+    full_count: torch.Tensor
+    full_index: torch.Tensor
+
+
+@functools.cache
+def _top_left_causal() -> Any:
+    """The CuTe DSL ``mask_mod`` of a top-left causal mask, made once (its hash is part of the
+    compiled kernel's key)."""
+    cute = importlib.import_module("cutlass.cute")
+
+    @cute.jit  # type: ignore[misc]
+    def top_left_causal(batch: Any, head: Any, m_idx: Any, n_idx: Any, seqlen_info: Any,
+                        aux_tensors: Any) -> Any:  # fmt: skip
+        return n_idx <= m_idx
+
+    return top_left_causal
+
+
+def _sparse_tensors(tiles: SparseTiles) -> Any:
+    sparsity = importlib.import_module("flash_attn.cute.block_sparsity")
+    return sparsity.BlockSparseTensorsTorch(
+        mask_block_cnt=tiles.partial_count, mask_block_idx=tiles.partial_index,
+        full_block_cnt=tiles.full_count, full_block_idx=tiles.full_index,
+        block_size=(SPARSE_TILE, SPARSE_TILE),
+    )  # fmt: skip
 
 
 class FlashAttn4Backend(Backend):
@@ -79,6 +134,83 @@ class FlashAttn4Backend(Backend):
             if cc[0] == 10 and 128 < dim != 256:
                 return [f"head_dim {dim} on sm{cc[0]}{cc[1]}: needs <= 128 or exactly 256"]
         return super().not_supported_reasons(inputs)
+
+    def block_sparse_reasons(self, inputs: KernelInputs) -> list[str]:
+        """Why FA4's block sparsity cannot run ``inputs`` (with ``inputs.block_size``) here."""
+        # Top-left causal comes from our mask_mod, so rectangular causal calls are fine.
+        reasons = self.not_supported_reasons(replace(inputs, is_causal=False))
+        cc = _capability(inputs)
+        if cc is not None and cc[0] != 9:
+            reasons.append(
+                f"block sparsity is set up for sm90 tiles here, device is sm{cc[0]}{cc[1]}"
+            )
+        if inputs.head_dim > SPARSE_MAX_HEAD_DIM:
+            reasons.append(
+                f"head_dim {inputs.head_dim} > {SPARSE_MAX_HEAD_DIM}: its sm90 tiles do not "
+                f"divide the {SPARSE_TILE}-row tiles block sparsity is given at"
+            )
+        if inputs.block_size is not None and inputs.block_size % SPARSE_TILE:
+            reasons.append(
+                f"block_size {inputs.block_size} is not a multiple of {SPARSE_TILE} (its tile; "
+                f"the Triton and FlexAttention kernels take any block size)"
+            )
+        if not reasons:
+            params = _parameters(_interface()._flash_attn_fwd)
+            if not {"mask_mod", "block_sparse_tensors", "pack_gqa"} <= params.keys():
+                reasons.append("this flash_attn.cute has no block sparsity (mask_mod, "
+                               "block_sparse_tensors, pack_gqa)")  # fmt: skip
+        return reasons
+
+    def block_sparse_forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        tiles: SparseTiles,
+        *,
+        scale: float,
+        is_causal: bool,
+    ) -> KernelOutput:
+        """Attention over the tiles of ``tiles`` (forward lists; Note [FlashAttention-4 block
+        sparsity]). q (B, Nq, H, D), k/v (B, Nk, Hkv, D) -> out (B, Nq, H, D), lse (B, H, Nq);
+        rows whose tiles list nothing are not defined here (the caller sets them)."""
+        fwd = _interface()._flash_attn_fwd
+        q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+        values = {
+            "q": q, "k": k, "v": v, "softmax_scale": scale, "causal": False,
+            "mask_mod": _top_left_causal() if is_causal else None,
+            "block_sparse_tensors": _sparse_tensors(tiles), "pack_gqa": False, "return_lse": True,
+        }  # fmt: skip
+        out, lse = fwd(**_bind(fwd, values))[:2]
+        return KernelOutput(out, lse)
+
+    def block_sparse_backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        tiles: SparseTiles,
+        *,
+        scale: float,
+        is_causal: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(dq, dk, dv)`` over the tiles of ``tiles`` (backward lists: per key tile its query
+        tiles) from the given ``out`` and ``lse`` (B, H, Nq)."""
+        bwd = _interface()._flash_attn_bwd
+        dout, out = dout.to(q.dtype), out.to(q.dtype)
+        dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        values = {
+            "q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse.contiguous(),
+            "softmax_scale": scale, "causal": False,
+            "mask_mod": _top_left_causal() if is_causal else None,
+            "block_sparse_tensors": _sparse_tensors(tiles), "pack_gqa": False,
+            "dq": dq, "dk": dk, "dv": dv,
+        }  # fmt: skip
+        return _grads_from(bwd(**_bind(bwd, values)), dq, dk, dv)
 
     def _forward(
         self,

@@ -440,14 +440,22 @@ def _block_sparse_flex_reasons(inputs: KernelInputs) -> list[str]:
     return _BACKENDS["flex"].not_supported_reasons(replace(inputs, has_mask=False))
 
 
+def _block_sparse_fa4_reasons(inputs: KernelInputs) -> list[str]:
+    backend = _BACKENDS["flash_attn4"]
+    if not isinstance(backend, FlashAttn4Backend):  # replaced by a registration of that name
+        return [f"{backend.name!r} registered under 'flash_attn4' has no block sparsity"]
+    return backend.block_sparse_reasons(inputs)
+
+
 def _block_sparse_first(inputs: KernelInputs) -> list[str]:
-    """On CUDA, our block-sparse Triton kernels for calls without gradients (their forward is
-    1.1-1.4x FlexAttention's on an H100), FlexAttention for training (its backward is up to 6%
-    faster at 64K tokens: docs/block_sparse.md); elsewhere the device's list, where neither
-    runs."""
+    """On CUDA: FlashAttention-4's block sparsity where it runs (PENDING MEASUREMENT); then our
+    block-sparse Triton kernels for calls without gradients (their forward is 1.1-1.4x
+    FlexAttention's on an H100), FlexAttention for training (its backward is up to 6% faster at
+    64K tokens: docs/block_sparse.md); elsewhere the device's list, where none of them runs."""
     if inputs.device.type != "cuda":
         return []
-    return ["flex", "triton"] if inputs.requires_grad else ["triton", "flex"]
+    rest = ["flex", "triton"] if inputs.requires_grad else ["triton", "flex"]
+    return ["flash_attn4", *rest]
 
 
 _REGISTRIES = {
@@ -464,6 +472,8 @@ _REGISTRIES = {
                        "lists", _block_sparse_triton_reasons),
             PlanKernel("flex", "FlexAttention on the pattern's BlockMask",
                        _block_sparse_flex_reasons),
+            PlanKernel("flash_attn4", "FlashAttention-4's block sparsity on the pattern's "
+                       "128 x 128 tiles", _block_sparse_fa4_reasons),
         ],
         first=_block_sparse_first,
     ),

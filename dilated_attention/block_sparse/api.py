@@ -19,6 +19,7 @@ import torch
 from .. import _validation as V
 from .. import compiled
 from ..backends.base import KernelInputs
+from ..backends.flash_attn4 import FlashAttn4Backend
 from ..backends.registry import (
     BLOCK_SPARSE,
     Selection,
@@ -30,6 +31,7 @@ from ..core.autograd import run_attention
 from ..core.engine import Plan, PlanRunner, empty_attention
 from ..patterns import Pattern, check_pattern
 from . import plan
+from .fa4 import FlashAttn4BlockSparseRunner, fa4_tiles
 from .flex import _flex_forward
 from .plan import _local_plan, check_block_size, num_blocks
 from .triton_autograd import TritonBlockSparseRunner, _triton_lists
@@ -167,6 +169,12 @@ def block_sparse_attention(
         lists = _triton_lists(pattern, block_size, query_len, key_len, is_causal, q.device)
         runner = TritonBlockSparseRunner(lists, block_size, is_causal, softmax_scale)
         out, lse = run_attention(q.contiguous(), k.contiguous(), v.contiguous(), None, runner)
+    elif kernel.runs_plan and isinstance(kernel.backend, FlashAttn4Backend):
+        tiles = fa4_tiles(pattern, block_size, query_len, key_len, is_causal, q.device)
+        runner = FlashAttn4BlockSparseRunner(
+            kernel.backend, tiles, block_size, is_causal, softmax_scale
+        )
+        out, lse = run_attention(q, k, v, None, runner)  # FA4 reads strided rows
     elif kernel.runs_plan:  # FlexAttention on the pattern's BlockMask
         out, lse = _flex_forward(
             q, k, v, pattern, block_size=block_size, is_causal=is_causal, scale=softmax_scale

@@ -1,13 +1,11 @@
 """Block-sparse attention through compiled FlexAttention on a block mask.
 
 Note [FlexAttention block masks]
-    On CUDA, compiled FlexAttention runs the pattern as a ``BlockMask`` of 128 x 128 tiles
-    (``BlockMask.from_kv_blocks``). A tile whose every token pair is allowed is "full" (no
-    per-element mask); a tile with some allowed pairs is "partial" and evaluates ``mask_mod``:
-    ``allowed[q // block_size, kv // block_size]`` and, when causal, ``q >= kv``. Tiles of a
-    ``block_size`` that is a multiple of 128 are all full except causal diagonal ones; other
-    block sizes are exact too, with partial tiles where blocks straddle tiles. ``seq_lengths``
-    carries the ragged ends. Gradients are FlexAttention's own autograd.
+    On CUDA, compiled FlexAttention runs the pattern as a ``BlockMask`` of the 128 x 128 tiles of
+    Note [Kernel tiles of a block mask] (``tiles.py``; ``BlockMask.from_kv_blocks``). Its partial
+    tiles evaluate ``mask_mod``: ``allowed[q // block_size, kv // block_size]`` and, when causal,
+    ``q >= kv``, so any block size is exact. ``seq_lengths`` carries the ragged ends. Gradients
+    are FlexAttention's own autograd.
 """
 
 from __future__ import annotations
@@ -19,51 +17,7 @@ import torch
 
 from ..patterns import Pattern
 from .plan import causal_block_mask, num_blocks
-
-#: FlexAttention's tile (its default sparse block size, which its kernels' tiles divide).
-FLEX_TILE = 128
-
-
-def _tile_block_ranges(length: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """First and last block index (inclusive) touched by each FLEX_TILE tile of ``length``."""
-    starts = torch.arange(num_blocks(length, FLEX_TILE)) * FLEX_TILE
-    ends = torch.clamp(starts + FLEX_TILE, max=length) - 1
-    return starts // block_size, ends // block_size
-
-
-def flex_tiles(
-    mask: torch.Tensor, *, block_size: int, query_len: int, key_len: int, is_causal: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Classify FlexAttention tiles from a block mask (causal already applied).
-
-    Returns:
-        ``(full, partial)``: bool (query tiles, key tiles); ``full`` tiles have every token pair
-        allowed, ``partial`` ones some but not all.
-    """
-    qa, qb = _tile_block_ranges(query_len, block_size)
-    ka, kb = _tile_block_ranges(key_len, block_size)
-    # 2-D prefix sums: allowed block pairs in each tile's block rectangle.
-    sums = torch.zeros(mask.shape[0] + 1, mask.shape[1] + 1, dtype=torch.int64)
-    sums[1:, 1:] = mask.to(torch.int64).cumsum(0).cumsum(1)
-    qa, qb1, ka, kb1 = qa.view(-1, 1), (qb + 1).view(-1, 1), ka.view(1, -1), (kb + 1).view(1, -1)
-    count = sums[qb1, kb1] - sums[qa, kb1] - sums[qb1, ka] + sums[qa, ka]
-    every = count == (qb1 - qa) * (kb1 - ka)
-    some = count > 0
-    if is_causal:
-        q_first = torch.arange(every.shape[0]).view(-1, 1) * FLEX_TILE
-        q_last = torch.clamp(q_first + FLEX_TILE, max=query_len) - 1
-        k_first = torch.arange(every.shape[1]).view(1, -1) * FLEX_TILE
-        k_last = torch.clamp(k_first + FLEX_TILE, max=key_len) - 1
-        every = every & (k_last <= q_first)  # every key precedes every query
-        some = some & (k_first <= q_last)  # some key precedes some query
-    return every, some & ~every
-
-
-def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(num, indices)`` in FlexAttention's layout (1, 1, Q) and (1, 1, Q, K), int32."""
-    num = tiles.sum(-1).to(torch.int32)
-    indices = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-    return num.view(1, 1, -1), indices.view(1, 1, *indices.shape)
+from .tiles import KERNEL_TILE, kernel_tiles, tile_lists
 
 
 @torch.compiler.disable
@@ -85,14 +39,14 @@ def flex_block_mask(
 
     nq, nk = num_blocks(query_len, block_size), num_blocks(key_len, block_size)
     mask = causal_block_mask(pattern.block_mask(nq, nk), is_causal)
-    full, partial = flex_tiles(
+    full, partial = kernel_tiles(
         mask, block_size=block_size, query_len=query_len, key_len=key_len, is_causal=is_causal
     )
-    kv_num, kv_idx = _ordered(partial)
-    full_num, full_idx = _ordered(full)
+    kv_num, kv_idx = tile_lists(partial)
+    full_num, full_idx = tile_lists(full)
     # Padded by one tile so that any index the kernel may form stays in bounds.
-    pad_q = num_blocks(query_len + FLEX_TILE, block_size)
-    pad_k = num_blocks(key_len + FLEX_TILE, block_size)
+    pad_q = num_blocks(query_len + KERNEL_TILE, block_size)
+    pad_k = num_blocks(key_len + KERNEL_TILE, block_size)
     lookup = torch.zeros(pad_q, pad_k, dtype=torch.bool)
     lookup[:nq, :nk] = mask
     lookup = lookup.to(device)
@@ -109,7 +63,7 @@ def flex_block_mask(
 
     block_mask = BlockMask.from_kv_blocks(
         kv_num.to(device), kv_idx.to(device), full_num.to(device), full_idx.to(device),
-        BLOCK_SIZE=FLEX_TILE, mask_mod=mask_mod, seq_lengths=(query_len, key_len),
+        BLOCK_SIZE=KERNEL_TILE, mask_mod=mask_mod, seq_lengths=(query_len, key_len),
     )  # fmt: skip
     empty = ~mask.any(dim=1)
     empty_rows = empty.repeat_interleave(block_size)[:query_len].to(device)

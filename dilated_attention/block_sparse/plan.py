@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.higher_order import RowCall
+from ..core.autograd import Backward, Grads
+from ..core.higher_order import RowCall, differentiable_grads
 from ..patterns import Pattern
 
 #: A call stacks query pieces until it holds max(key_len, this) key rows (Note [Block-sparse
@@ -225,3 +226,24 @@ def _local_plan(
         max_kv_rows=max_kv_rows,
     )  # fmt: skip
     return [c.to(device) for c in calls], mask
+
+
+def recomputed_grads(
+    b: Backward, mask: torch.Tensor, block_size: int, is_causal: bool, scale: float
+) -> Grads:
+    """Differentiable ``(dq, dk, dv)`` (Note [Double backward]) over the calls of ``plan_calls``
+    for the block pairs of ``mask`` (causal applied): how a block-sparse kernel without a
+    differentiable backward of its own serves ``create_graph=True``.
+
+    Args:
+        b: the runner's :class:`~dilated_attention.core.autograd.Backward`; its ``saved`` is
+            ``(k, v)``.
+        mask: (ceil(Nq / block_size), ceil(Nk / block_size)) bool.
+    """
+    dout, q, _, lse, saved, _ = b
+    k, v = saved
+    calls = plan_calls(
+        mask, block_size=block_size, query_len=q.shape[1], key_len=k.shape[1], is_causal=is_causal
+    )
+    rows = [call.to(q.device).row_call(q, k) for call in calls]
+    return differentiable_grads(dout, q, k, v, lse, rows, scale=scale)

@@ -13,9 +13,8 @@ from typing import Any
 import torch
 
 from ..core.autograd import Backward, Forward, Grads, Inputs
-from ..core.higher_order import differentiable_grads
 from ..patterns import Pattern
-from .plan import causal_block_mask, num_blocks, plan_calls
+from .plan import causal_block_mask, num_blocks, recomputed_grads
 
 
 @functools.cache
@@ -71,17 +70,10 @@ class TritonBlockSparseRunner:
         )  # fmt: skip
 
     def differentiable_backward(self, b: Backward) -> Grads:
-        dout, q, _, lse, saved, _ = b
-        k, v = saved
         # The same pairs as the fallback's calls, from the kernels' block lists.
         lists, block_size = self.lists, self.block_size
-        nq, nk = num_blocks(q.shape[1], block_size), num_blocks(k.shape[1], block_size)
+        nq, nk = num_blocks(b.q.shape[1], block_size), num_blocks(b.saved[0].shape[1], block_size)
         counts = (lists.key_start[1:] - lists.key_start[:-1]).long().cpu()
         mask = torch.zeros(nq, nk, dtype=torch.bool)
         mask[torch.arange(nq).repeat_interleave(counts), lists.key_blocks.long().cpu()] = True
-        calls = plan_calls(
-            mask, block_size=block_size, query_len=q.shape[1], key_len=k.shape[1],
-            is_causal=self.is_causal,
-        )  # fmt: skip
-        rows = [call.to(q.device).row_call(q, k) for call in calls]
-        return differentiable_grads(dout, q, k, v, lse, rows, scale=self.scale)
+        return recomputed_grads(b, mask, block_size, self.is_causal, self.scale)

@@ -20,6 +20,7 @@ import dilated_attention
 import dilated_attention.block_sparse.api as bs_api
 import dilated_attention.block_sparse.flex as bs_flex
 import dilated_attention.block_sparse.plan as bs_plan
+import dilated_attention.block_sparse.tiles as bs_tiles
 from dilated_attention import (
     BlockSparseAttention,
     BlockSparseMultiheadAttention,
@@ -330,7 +331,7 @@ def test_plan_groups_query_blocks_into_few_calls() -> None:
 def _flex_reach(block_mask, query_len: int, key_len: int) -> torch.Tensor:
     """The token pairs the compiled kernel attends: full tiles whole, partial tiles where
     ``mask_mod`` allows, nothing else."""
-    tile = bs_flex.FLEX_TILE
+    tile = bs_tiles.KERNEL_TILE
     reach = torch.zeros(query_len, key_len, dtype=torch.bool)
     allowed = block_mask.mask_mod(
         0, 0, torch.arange(query_len).view(-1, 1), torch.arange(key_len).view(1, -1)

@@ -1,0 +1,119 @@
+"""Block-sparse attention through FlashAttention-4's block sparsity (Note [FlashAttention-4
+block sparsity] in ``backends/flash_attn4.py``): the pattern's tile lists, and their runner.
+
+Rows whose block row keeps no key block are left out of every tile list; the runner gives them
+``out = 0`` and ``lse = -inf``, and zero gradients to them and to keys no query reads, whatever
+the kernel leaves there.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ..backends.flash_attn4 import FlashAttn4Backend, SparseTiles
+from ..core.autograd import Backward, Forward, Grads, Inputs
+from ..patterns import Pattern
+from .plan import causal_block_mask, num_blocks, recomputed_grads
+from .tiles import kernel_tiles, tile_lists
+
+
+@dataclass(frozen=True)
+class FlashAttn4Tiles:
+    """A pattern's tiles at one shape, for FA4.
+
+    Attributes:
+        forward: per query tile, its key tiles; backward: per key tile, its query tiles.
+        mask: (ceil(Nq / block_size), ceil(Nk / block_size)) bool on the CPU, causal applied.
+        empty_rows: (Nq,) bool on the device, the query rows that see no key, or None if none.
+        unread_keys: (Nk,) bool on the device, the keys no query reads, or None if none.
+    """
+
+    forward: SparseTiles
+    backward: SparseTiles
+    mask: torch.Tensor
+    empty_rows: torch.Tensor | None
+    unread_keys: torch.Tensor | None
+
+
+def _lists(tiles: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> SparseTiles:
+    full, partial = tiles
+    lists = (*tile_lists(partial, compact=True), *tile_lists(full, compact=True))
+    return SparseTiles(*(t.to(device) for t in lists))
+
+
+def _unreached(kept: torch.Tensor, block_size: int, length: int, device: torch.device):
+    """(length,) bool on ``device``: tokens of the blocks ``kept`` (one bool per block) marks
+    False, or None when every block is kept."""
+    if bool(kept.all()):
+        return None
+    return (~kept).repeat_interleave(block_size)[:length].to(device)
+
+
+@torch.compiler.disable
+@functools.lru_cache(maxsize=32)
+def fa4_tiles(
+    pattern: Pattern,
+    block_size: int,
+    query_len: int,
+    key_len: int,
+    is_causal: bool,
+    device: torch.device,
+) -> FlashAttn4Tiles:
+    """The pattern's FA4 tile lists at this shape, built once (a few ms on the CPU at 64K)."""
+    nq, nk = num_blocks(query_len, block_size), num_blocks(key_len, block_size)
+    mask = causal_block_mask(pattern.block_mask(nq, nk), is_causal)
+    full, partial = kernel_tiles(
+        mask, block_size=block_size, query_len=query_len, key_len=key_len, is_causal=is_causal
+    )
+    return FlashAttn4Tiles(
+        forward=_lists((full, partial), device),
+        backward=_lists((full.T, partial.T), device),
+        mask=mask,
+        empty_rows=_unreached(mask.any(1), block_size, query_len, device),
+        unread_keys=_unreached(mask.any(0), block_size, key_len, device),
+    )
+
+
+@dataclass(frozen=True)
+class FlashAttn4BlockSparseRunner:
+    """FA4's block sparsity as a :class:`~dilated_attention.core.autograd.Runner` over the
+    pattern's ``tiles``; under ``create_graph=True`` the recompute over the fallback's calls for
+    the same block pairs (Note [Double backward])."""
+
+    backend: FlashAttn4Backend
+    tiles: FlashAttn4Tiles
+    block_size: int
+    is_causal: bool
+    scale: float
+    first_order_message = ""  # every call has its differentiable recompute
+
+    def forward(self, x: Inputs) -> Forward:
+        q, k, v, _ = x  # no key padding mask here
+        res = self.backend.block_sparse_forward(
+            q, k, v, self.tiles.forward, scale=self.scale, is_causal=self.is_causal
+        )
+        out, lse = res.out, res.lse
+        empty = self.tiles.empty_rows
+        if empty is not None:
+            out = out.masked_fill(empty.view(1, -1, 1, 1), 0.0)
+            lse = lse.masked_fill(empty, float("-inf"))
+        return Forward(out, lse, saved=(k, v))
+
+    def backward(self, b: Backward) -> Grads:
+        dout, q, out, lse, saved, _ = b
+        k, v = saved
+        dq, dk, dv = self.backend.block_sparse_backward(
+            dout, q, k, v, out, lse, self.tiles.backward, scale=self.scale,
+            is_causal=self.is_causal,
+        )  # fmt: skip
+        for grad, unreached in ((dq, self.tiles.empty_rows), (dk, self.tiles.unread_keys),
+                                (dv, self.tiles.unread_keys)):  # fmt: skip
+            if unreached is not None:
+                grad.masked_fill_(unreached.view(1, -1, 1, 1), 0.0)
+        return dq, dk, dv
+
+    def differentiable_backward(self, b: Backward) -> Grads:
+        return recomputed_grads(b, self.tiles.mask, self.block_size, self.is_causal, self.scale)

@@ -1,0 +1,339 @@
+"""Block-sparse attention through FlashAttention-4's block sparsity (Note [FlashAttention-4 block
+sparsity]) against the float64 oracle.
+
+On the CPU a fake ``flash_attn.cute`` stands in for the kernel: it reads only the tile lists,
+tile by tile as FA4 does (full tiles whole, partial tiles through the ``mask_mod`` it is given,
+rows past the sequence end dropped), and computes attention in float64; rows and keys no tile
+reaches come back as NaN, the way uninitialised kernel memory might. So these tests check the
+tile lists in both directions, the causal ``mask_mod``, the runner's handling of unreached rows
+and keys, and the choice; the GPU tests (marked) run the real kernel.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+from support.block_sparse import check_kernel_result, oracle_with_grads, token_mask
+from support.triton import poison_new_buffers
+
+from dilated_attention import block_sparse_attention
+from dilated_attention import patterns as P
+from dilated_attention.backends.base import KernelInputs
+from dilated_attention.backends.flash_attn4 import FlashAttn4Backend
+from dilated_attention.backends.registry import get_backend, registry_for
+from dilated_attention.block_sparse.fa4 import FlashAttn4BlockSparseRunner, fa4_tiles
+from dilated_attention.core.autograd import run_attention
+
+F64 = torch.float64
+TILE = 128
+SCALE = 0.3
+
+# (query_len, key_len, block_size, kv_heads, pattern); 4 query heads, D = 8 on the CPU.
+CASES = [
+    (384, 384, 128, 4, P.LocalWindow(1)),
+    (300, 300, 128, 2, P.Random(0.4, seed=3)),  # ragged last tile, GQA
+    (256, 520, 128, 1, P.GlobalLocal(1, 0) | P.DilatedBlocks((2,))),  # rectangular, MQA
+    (520, 256, 256, 2, P.LocalWindow(0)),  # query longer than key, block of two tiles
+    (400, 400, 128, 4, P.Custom(torch.eye(4, dtype=torch.bool).roll(1, 1))),  # empty if causal
+]
+
+
+# -- the fake kernel -------------------------------------------------------------------------------
+class _SparseTensors(NamedTuple):
+    mask_block_cnt: torch.Tensor
+    mask_block_idx: torch.Tensor
+    full_block_cnt: torch.Tensor | None = None
+    full_block_idx: torch.Tensor | None = None
+    cu_total_m_blocks: torch.Tensor | None = None
+    cu_block_idx_offsets: torch.Tensor | None = None
+    block_size: tuple[int, int] | None = None
+
+
+def _reach(
+    tiles: _SparseTensors, mask_mod: Any, rows: int, cols: int, by_key: bool = False
+) -> torch.Tensor:
+    """(rows, cols) bool: the token pairs the lists reach (rows are the listing side: query
+    tiles, or key tiles when ``by_key``; ``mask_mod`` always takes query, then key)."""
+    assert tiles.block_size == (TILE, TILE)
+    reach = torch.zeros(rows, cols, dtype=torch.bool)
+    lists = ((tiles.mask_block_cnt, tiles.mask_block_idx, True),
+             (tiles.full_block_cnt, tiles.full_block_idx, False))  # fmt: skip
+    for count, index, partial in lists:
+        assert count.dtype == index.dtype == torch.int32 and count.shape[:2] == (1, 1)
+        for r in range(count.shape[-1]):
+            for c in index[0, 0, r, : int(count[0, 0, r])].tolist():
+                rs, cs = slice(r * TILE, (r + 1) * TILE), slice(c * TILE, (c + 1) * TILE)
+                assert not bool(reach[rs, cs].any()), "a tile listed twice"
+                block = torch.ones_like(reach[rs, cs])
+                if partial and mask_mod is not None:
+                    m = torch.arange(rows)[rs].view(-1, 1)
+                    n = torch.arange(cols)[cs].view(1, -1)
+                    m, n = (n, m) if by_key else (m, n)
+                    block = mask_mod(0, 0, m, n, None, None).expand_as(block)
+                reach[rs, cs] = block
+    return reach
+
+
+def _scores(q, k, reach):
+    heads = q.shape[2]
+    kd = k.double().repeat_interleave(heads // k.shape[2], dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), kd) * SCALE
+    return s.masked_fill(~reach, float("-inf")), kd
+
+
+def _install_fake_fa4(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    calls: dict[str, Any] = {}
+
+    def _flash_attn_fwd(q, k, v, softmax_scale=None, causal=False, mask_mod=None,
+                        block_sparse_tensors=None, pack_gqa=None, return_lse=False,
+                        out=None, lse=None):  # fmt: skip
+        calls["fwd"] = dict(locals())
+        assert softmax_scale == SCALE and causal is False and pack_gqa is False and return_lse
+        reach = _reach(block_sparse_tensors, mask_mod, q.shape[1], k.shape[1])
+        s, _ = _scores(q, k, reach)
+        lse_ = torch.logsumexp(s, dim=-1)
+        heads = q.shape[2]
+        vd = v.double().repeat_interleave(heads // v.shape[2], dim=2)
+        o = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), vd)
+        empty = ~reach.any(1)
+        o[:, empty], lse_[:, :, empty] = float("nan"), float("nan")  # poison
+        return o.to(q.dtype), lse_.to(torch.promote_types(q.dtype, torch.float32))
+
+    def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False,
+                        mask_mod=None, block_sparse_tensors=None, pack_gqa=None, dq=None,
+                        dk=None, dv=None):  # fmt: skip
+        calls["bwd"] = dict(locals())
+        assert causal is False and pack_gqa is False
+        reach = _reach(block_sparse_tensors, mask_mod, k.shape[1], q.shape[1], by_key=True).T
+        s, kd = _scores(q, k, reach)
+        heads, kv_heads = q.shape[2], k.shape[2]
+        p = torch.exp(s - lse.double().unsqueeze(-1)).nan_to_num(0.0)
+        do = dout.double()
+        vd = v.double().repeat_interleave(heads // kv_heads, dim=2)
+        dp = torch.einsum("bqhd,bkhd->bhqk", do, vd)
+        delta = (do * out.double()).sum(-1).transpose(1, 2).unsqueeze(-1)
+        ds = p * (dp - delta)
+        dq_ = torch.einsum("bhqk,bkhd->bqhd", ds, kd) * softmax_scale
+        dk_ = torch.einsum("bhqk,bqhd->bkhd", ds, q.double()) * softmax_scale
+        dv_ = torch.einsum("bhqk,bqhd->bkhd", p, do)
+        b, n = k.shape[:2]
+        dk_ = dk_.view(b, n, kv_heads, heads // kv_heads, -1).sum(3)
+        dv_ = dv_.view(b, n, kv_heads, heads // kv_heads, -1).sum(3)
+        dq_[:, ~reach.any(1)] = float("nan")  # poison what no tile writes
+        dk_[:, ~reach.any(0)], dv_[:, ~reach.any(0)] = float("nan"), float("nan")
+        dq.copy_(dq_), dk.copy_(dk_), dv.copy_(dv_)
+        return dq, dk, dv
+
+    def jit(func):
+        return func
+
+    def install(name: str, **attrs: Any) -> None:
+        mod = types.ModuleType(name)
+        for key, value in attrs.items():
+            setattr(mod, key, value)
+        monkeypatch.setitem(sys.modules, name, mod)
+
+    install("flash_attn")
+    install("flash_attn.cute")
+    install("flash_attn.cute.interface", _flash_attn_fwd=_flash_attn_fwd,
+            _flash_attn_bwd=_flash_attn_bwd)  # fmt: skip
+    install("flash_attn.cute.block_sparsity", BlockSparseTensorsTorch=_SparseTensors)
+    install("cutlass")
+    install("cutlass.cute", jit=jit)
+    return calls
+
+
+@pytest.fixture(autouse=True)
+def _fresh_mask_mod():
+    """The causal mask_mod is made once per process: made again around each test, so that one
+    made by a fake ``cutlass.cute`` never reaches the real kernel, nor the other way round."""
+    import dilated_attention.backends.flash_attn4 as fa4_module
+
+    fa4_module._top_left_causal.cache_clear()
+    yield
+    fa4_module._top_left_causal.cache_clear()
+
+
+def _inputs(nq: int, nk: int, kv_heads: int, dtype: torch.dtype = F64, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(2, nq, 4, 8), (2, nk, kv_heads, 8), (2, nk, kv_heads, 8), (2, nq, 4, 8)]
+    return [torch.randn(s, generator=gen, dtype=F64).to(dtype) for s in shapes]
+
+
+def _run_fake(q, k, v, dout, pattern, block_size, is_causal, create_graph=False):
+    tiles = fa4_tiles(pattern, block_size, q.shape[1], k.shape[1], is_causal, q.device)
+    runner = FlashAttn4BlockSparseRunner(FlashAttn4Backend(), tiles, block_size, is_causal, SCALE)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse = run_attention(*leaves, None, runner)
+    grads = torch.autograd.grad(out, leaves, dout, create_graph=create_graph)
+    return out, lse, grads, leaves
+
+
+# -- CPU: the fake kernel --------------------------------------------------------------------------
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_tile_lists_and_runner_match_oracle(
+    case: int, is_causal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outputs, lse and every gradient against the float64 oracle; unreached rows give 0 and
+    -inf, unreached rows and keys zero gradients (the fake poisons them with NaN)."""
+    calls = _install_fake_fa4(monkeypatch)
+    nq, nk, block_size, kv_heads, pattern = CASES[case]
+    q, k, v, dout = _inputs(nq, nk, kv_heads, seed=case)
+    out, lse, grads, _ = _run_fake(q, k, v, dout, pattern, block_size, is_causal)
+    mask = token_mask(pattern, block_size, nq, nk, is_causal)
+    ref_out, ref_lse, ref_grads = oracle_with_grads(q, k, v, dout, mask, scale=SCALE)
+    tight = {"atol": 1e-10, "rtol": 1e-7}
+    torch.testing.assert_close(out, ref_out, **tight)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    torch.testing.assert_close(lse, ref_lse, **tight)
+    for name, g, rg in zip("qkv", grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, rg, **tight, msg=lambda m, n=name: f"d{n}: {m}")
+    # Non-causal calls of blocks made of whole tiles have no partial tile, hence no mask_mod.
+    assert (calls["fwd"]["mask_mod"] is None) == (not is_causal)
+
+
+def test_unreached_rows_and_keys_are_marked() -> None:
+    """The Custom case (block row i keeps key block i + 1, and row 3 block 0): causal keeps
+    only (3, 0), so block rows 0-2 are empty and key blocks 1-3 unread."""
+    pattern = CASES[4][4]
+    tiles = fa4_tiles(pattern, 128, 400, 400, True, torch.device("cpu"))
+    assert tiles.empty_rows is not None and tiles.unread_keys is not None
+    assert tiles.empty_rows.nonzero().flatten().tolist() == list(range(384))
+    assert tiles.unread_keys.nonzero().flatten().tolist() == list(range(128, 400))
+    full = fa4_tiles(P.LocalWindow(1), 128, 384, 384, False, torch.device("cpu"))
+    assert full.empty_rows is None and full.unread_keys is None
+
+
+def test_index_lists_are_compact() -> None:
+    """FA4 reads only the first ``count`` indices of a row: the lists keep no more columns than
+    the longest row needs, so a banded pattern at length N costs O(N) list memory, not O(N^2)."""
+    tiles = fa4_tiles(P.LocalWindow(1), 128, 128 * 64, 128 * 64, False, torch.device("cpu"))
+    for lists in (tiles.forward, tiles.backward):
+        assert lists.full_index.shape == (1, 1, 64, 3)
+        assert lists.partial_index.shape == (1, 1, 64, 1)  # at least one column
+        assert int(lists.full_count.sum()) == 64 * 3 - 2
+
+
+def test_double_backward_matches_oracle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """create_graph=True: the recompute over the fallback's calls for the same block pairs."""
+    _install_fake_fa4(monkeypatch)
+    nq, nk, block_size, kv_heads, pattern = CASES[1]
+    q, k, v, dout = _inputs(nq, nk, kv_heads, seed=7)
+    _, _, grads, leaves = _run_fake(q, k, v, dout, pattern, block_size, True, create_graph=True)
+    second = torch.autograd.grad(sum(g.square().sum() for g in grads), leaves)
+    ref_leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref = block_sparse_attention(*ref_leaves, pattern, block_size=block_size, is_causal=True,
+                                 scale=SCALE, backend="math")  # fmt: skip
+    ref_grads = torch.autograd.grad(ref, ref_leaves, dout, create_graph=True)
+    ref_second = torch.autograd.grad(sum(g.square().sum() for g in ref_grads), ref_leaves)
+    for got, want in zip(second, ref_second, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-9, rtol=1e-7)
+
+
+# -- the choice, on a fake sm90 CUDA device -------------------------------------------------------
+def _sparse_inputs(**overrides: Any) -> KernelInputs:
+    fields = dict(
+        device=torch.device("cuda", 0), dtype=torch.bfloat16, head_dim=128, num_heads=16,
+        num_kv_heads=16, query_len=65536, key_len=65536, is_causal=False, requires_grad=True,
+        block_size=128,
+    )  # fmt: skip
+    fields.update(overrides)
+    return KernelInputs(**fields)
+
+
+@pytest.mark.parametrize(
+    ("cc", "overrides", "expected"),
+    [
+        ((9, 0), {}, None),
+        ((9, 0), {"is_causal": True, "query_len": 1000}, None),  # rectangular causal: exact
+        ((9, 0), {"block_size": 256}, None),
+        ((9, 0), {"block_size": 64}, "not a multiple of 128"),
+        ((9, 0), {"head_dim": 256}, "head_dim 256 > 128"),
+        ((9, 0), {"dtype": torch.float32}, "dtype float32"),
+        ((10, 0), {}, "set up for sm90"),
+    ],
+)
+def test_block_sparse_reasons(cc, overrides, expected, monkeypatch: pytest.MonkeyPatch) -> None:
+    _install_fake_fa4(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **kw: cc)
+    monkeypatch.setattr(FlashAttn4Backend, "availability_reasons", lambda self, device: [])
+    reasons = registry_for("block_sparse").reasons("flash_attn4", _sparse_inputs(**overrides))
+    if expected is None:
+        assert reasons == []
+    else:
+        assert any(expected in r for r in reasons), reasons
+
+
+def test_fa4_without_block_sparsity_is_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    _install_fake_fa4(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **kw: (9, 0))
+    monkeypatch.setattr(FlashAttn4Backend, "availability_reasons", lambda self, device: [])
+    interface = sys.modules["flash_attn.cute.interface"]
+    monkeypatch.setattr(interface, "_flash_attn_fwd",
+                        lambda q, k, v, softmax_scale=None, causal=False, return_lse=False: None)
+    reasons = registry_for("block_sparse").reasons("flash_attn4", _sparse_inputs())
+    assert reasons and "no block sparsity" in reasons[0]
+
+
+def test_cpu_rejects_fa4_by_name() -> None:
+    q, k, v, _ = _inputs(256, 256, 4)
+    with pytest.raises(ValueError, match=r"flash_attn4.*cannot run"):
+        block_sparse_attention(q, k, v, P.LocalWindow(0), block_size=128, backend="flash_attn4")
+
+
+# -- GPU: the real kernel --------------------------------------------------------------------------
+def _needs_fa4_block_sparsity(block_size: int = 128) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    q = torch.empty(1, 256, 4, 64, device="cuda", dtype=torch.bfloat16)
+    inputs = KernelInputs.from_tensors(q, q, requires_grad=True, block_size=block_size)
+    reasons = get_backend("flash_attn4").block_sparse_reasons(inputs)
+    if reasons:
+        pytest.skip(f"FlashAttention-4 block sparsity cannot run here: {reasons}")
+
+
+GPU_CASES = [
+    (1024, 1024, 128, 4, 64, P.LocalWindow(1) | P.Random(0.3, seed=1)),
+    (1000, 1000, 128, 2, 128, P.Random(0.4, seed=2)),  # ragged, GQA
+    (640, 1152, 256, 1, 64, P.GlobalLocal(1, 0) | P.DilatedBlocks((2,))),  # rectangular, MQA
+    (1152, 640, 128, 4, 128, P.LocalWindow(0)),  # query longer than key
+    (896, 896, 128, 4, 96, P.Custom(torch.eye(7, dtype=torch.bool).roll(1, 1))),  # empty rows
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", range(len(GPU_CASES)))
+def test_fa4_block_sparse_matches_oracle(
+    case: int, is_causal: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real kernel by name against the float64 oracle (computed on the CPU from the same
+    rounded inputs): out, lse, dq, dk, dv, with bf16/fp16 error within 2x a naive same-dtype
+    reference; every new buffer starts NaN-filled (what the kernel leaves unwritten shows)."""
+    nq, nk, block_size, kv_heads, dim, pattern = GPU_CASES[case]
+    _needs_fa4_block_sparsity(block_size)
+    gen = torch.Generator().manual_seed(case)
+    shapes = [(2, nq, 4, dim), (2, nk, kv_heads, dim), (2, nk, kv_heads, dim), (2, nq, 4, dim)]
+    q, k, v, dout = (torch.randn(s, generator=gen).to(dtype) for s in shapes)
+    dev = [t.cuda().requires_grad_() for t in (q, k, v)]
+    poison_new_buffers(monkeypatch)
+    out, lse = block_sparse_attention(*dev, pattern, block_size=block_size, is_causal=is_causal,
+                                      return_lse=True, backend="flash_attn4")  # fmt: skip
+    grads = [g.cpu() for g in torch.autograd.grad(out, dev, dout.cuda())]
+    mask = token_mask(pattern, block_size, nq, nk, is_causal)
+    check_kernel_result(q, k, v, dout, mask, out.detach().cpu(), lse.cpu(), grads)
+
+
+@pytest.mark.gpu
+def test_fa4_block_sparse_is_the_automatic_choice_for_training() -> None:
+    _needs_fa4_block_sparsity()
+    q = torch.randn(1, 1024, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    inputs = KernelInputs.from_tensors(q, q, requires_grad=True, block_size=128)
+    choice = registry_for("block_sparse").choose(inputs)
+    assert choice.backend == "flash_attn4" and choice.runs_plan, choice
