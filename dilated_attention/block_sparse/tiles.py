@@ -75,6 +75,7 @@ def tile_lists(tiles: torch.Tensor, *, compact: bool = False) -> tuple[torch.Ten
     count = tiles.sum(-1).to(torch.int32)
     indices = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
     if compact:
-        longest = int(count.max()) if count.numel() else 0
-        indices = indices[:, : max(1, longest)]
+        width = max(1, int(count.max()) if count.numel() else 0)
+        # Strides (width, 1) even when width is 1: the kernel checks the last stride.
+        indices = indices[:, :width].flatten().clone().view(-1, width)
     return count.view(1, 1, -1), indices.reshape(1, 1, *indices.shape)

@@ -217,6 +217,8 @@ def test_index_lists_are_compact() -> None:
         assert lists.full_index.shape == (1, 1, 64, 3)
         assert lists.partial_index.shape == (1, 1, 64, 1)  # at least one column
         assert int(lists.full_count.sum()) == 64 * 3 - 2
+        for index in (lists.full_index, lists.partial_index):  # the kernel checks the strides
+            assert index.stride()[-2:] == (index.shape[-1], 1)
 
 
 def test_double_backward_matches_oracle(monkeypatch: pytest.MonkeyPatch) -> None:
