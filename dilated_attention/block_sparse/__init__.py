@@ -12,12 +12,14 @@ tokens, ``LocalWindow(0)`` and ``is_causal=True``::
     query 3     . . x x . . . .
     ...
 
-Three kernels compute it: the fallback, FlexAttention, and our block-sparse Triton kernels (Note
-[Block-sparse Triton kernels] in ``backends/_triton_block_sparse.py``; chosen by ``_choose`` in
-``api.py``).
+Four kernels compute it: the fallback, FlashAttention-4's block sparsity (Note [FlashAttention-4
+block sparsity] in ``backends/flash_attn4.py``), FlexAttention, and our block-sparse Triton
+kernels (Note [Block-sparse Triton kernels] in ``backends/_triton_block_sparse.py``; chosen by
+``_choose`` in ``api.py``).
 
 The package: ``plan.py`` (block geometry and kernel calls, which the one executor in
-``core/engine.py`` runs on any dense kernel), ``flex.py`` (FlexAttention block masks),
+``core/engine.py`` runs on any dense kernel), ``tiles.py`` (the 128 x 128 tiles FlexAttention and
+FA4 walk), ``fa4.py`` (FA4's tile lists and runner), ``flex.py`` (FlexAttention block masks),
 ``triton_autograd.py`` (our block-sparse Triton kernels), ``api.py`` (``block_sparse_attention``).
 """
 

@@ -72,10 +72,11 @@ def _choose(
     backend: str | None,
 ) -> Selection:
     """The block-sparse registry's kernel (``registry_for("block_sparse")``): on CUDA, nothing
-    asked for, our block-sparse Triton kernels for calls without gradients and FlexAttention for
-    training, each where it runs, then the executor's plan on the device's dense kernel
-    (Note [Block-sparse plan]). ``"triton"`` / ``"flex"`` name those two kernels; any other name
-    runs the plan on that dense kernel."""
+    asked for, FlashAttention-4's block sparsity, then our block-sparse Triton kernels for calls
+    without gradients and FlexAttention for training, each where it runs, then the executor's
+    plan on the device's dense kernel (Note [Block-sparse plan]). ``"flash_attn4"`` /
+    ``"triton"`` / ``"flex"`` name those three kernels; any other name runs the plan on that
+    dense kernel."""
     inputs = KernelInputs.from_tensors(
         q, k, is_causal=is_causal, requires_grad=needs_grad, block_size=block_size
     )
@@ -113,13 +114,15 @@ def block_sparse_attention(
         is_causal: top-left aligned causal mask (query ``p`` sees keys ``t <= p``).
         scale: softmax scale; ``None`` means ``D ** -0.5``.
         backend: a name in the block-sparse registry (``registry_for("block_sparse")``).
-            ``None`` picks, on CUDA, our block-sparse Triton kernels for calls without gradients
-            and FlexAttention for training (each where it runs), else the plan on the device's
-            dense kernel (Note [Block-sparse plan]); ``"triton"`` names our block-sparse Triton
-            kernels, ``"flex"`` FlexAttention (``ValueError`` with the reasons where they cannot
-            run the inputs); any other name from ``list_backends()`` runs the plan on that dense
-            kernel. A pattern that keeps every block pair runs dense ``attention`` with the same
-            ``backend`` (Note [Dense fallback]), except under ``"flex"``.
+            ``None`` picks, on CUDA, FlashAttention-4's block sparsity (installed, sm90, a
+            ``block_size`` that is a multiple of 128, D <= 128), then our block-sparse Triton
+            kernels for calls without gradients and FlexAttention for training (each where it
+            runs), else the plan on the device's dense kernel (Note [Block-sparse plan]);
+            ``"flash_attn4"``, ``"triton"`` and ``"flex"`` name those kernels (``ValueError``
+            with the reasons where they cannot run the inputs); any other name from
+            ``list_backends()`` runs the plan on that dense kernel. A pattern that keeps every
+            block pair runs dense ``attention`` with the same ``backend`` (Note [Dense
+            fallback]), except under ``"flex"``.
         return_lse: also return the log-sum-exp.
 
     Returns:

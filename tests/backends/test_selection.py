@@ -681,20 +681,24 @@ def test_dilated_registry_says_when_the_plan_kernel_runs(
 
 
 def test_block_sparse_registry_order_and_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Block-sparse on CUDA: the Triton kernels for inference, FlexAttention for training (both
-    plan kernels), the executor's plan on a dense kernel by name; on the CPU the dense list,
-    with why each plan kernel cannot run."""
+    """Block-sparse on CUDA: FlashAttention-4's block sparsity first (not installed here), then
+    the Triton kernels for inference, FlexAttention for training (all plan kernels), the
+    executor's plan on a dense kernel by name; on the CPU the dense list, with why each plan
+    kernel cannot run."""
     _fake_gpu(monkeypatch, (9, 0))
 
     def block_sparse(**kwargs: Any) -> registry.BackendChoice:
         return explain(device="cuda:0", operation="block_sparse", **kwargs)
 
     inference = block_sparse(requires_grad=False)
-    assert (inference.backend, inference.runs_plan, inference.order[:2]) == (
-        "triton", True, ["triton", "flex"],
+    assert (inference.backend, inference.runs_plan, inference.order[:3]) == (
+        "triton", True, ["flash_attn4", "triton", "flex"],
     )  # fmt: skip
+    assert inference.reasons["flash_attn4"]  # not installed here: FA4's block sparsity is first
     training = block_sparse(requires_grad=True)
-    assert (training.backend, training.runs_plan) == ("flex", True)
+    assert (training.backend, training.runs_plan, training.order[:3]) == (
+        "flex", True, ["flash_attn4", "flex", "triton"],
+    )  # fmt: skip
     assert training.reasons["triton"] == ["able, but ranks after 'flex' on this device"]
     untileable = block_sparse(requires_grad=False, block_size=48)
     assert untileable.backend == "flex"
