@@ -19,6 +19,7 @@ from .core.autograd import run_attention
 from .core.decode import decode_plan, decode_token_plan
 from .core.engine import Plan, PlanRunner, empty_attention
 from .core.fused import FusedRunner, compile_ahead
+from .core.grouped import grouped_plan
 from .core.kv_cache import DilatedKVCache
 from .core.segment import dilated_plan, effective_branches, plan_branches
 
@@ -110,9 +111,11 @@ def _plan(
     strided: bool = False,
 ) -> Plan:
     """The executor's plan of a dilated call: rows gathered (Note [Row groups]), or read as
-    strided views by a kernel that takes them (``strided``, Note [Strided row calls])."""
+    strided views by a kernel that takes them (``strided``, Note [Strided row calls]); cut into
+    position groups where that bounds its float32 scratch (Note [Position-grouped plans])."""
     groups = plan_branches(q.shape[1], q.shape[2], segs, rates)
-    return dilated_plan(groups, q.shape[1], k.shape[2], q.device, causal, strided)
+    plan = dilated_plan(groups, q.shape[1], k.shape[2], q.device, causal, strided)
+    return grouped_plan(plan, q, segs)
 
 
 def attention(

@@ -152,11 +152,24 @@ def _put_slice(dest: torch.Tensor, rows: slice, values: torch.Tensor, accumulate
 
 
 @dataclass(frozen=True)
+class PositionGroup:
+    """The calls of a plan cut to positions ``[start, end)``, in the coordinates of
+    ``x[:, start:end]`` (Note [Position-grouped plans] in ``grouped.py``)."""
+
+    start: int
+    end: int
+    calls: tuple[Call, ...]
+
+
+@dataclass(frozen=True)
 class Plan:
     """The kernel calls of one attention call.
 
     Attributes:
         calls: in the order they run (the backward replays them in the same order).
+        groups: when not empty, the same calls cut into position groups, which the executor
+            runs one batch element and group at a time with float32 scratch of the group's size
+            (Note [Position-grouped plans]); ``calls`` still describes the whole plan.
         whole: a single :class:`WholeCall`: its kernel's results and gradients are the plan's,
             with no accumulators or merge.
         one_call: a single call that reads every query row as it is (``reads_all_queries``): its
@@ -164,6 +177,7 @@ class Plan:
     """
 
     calls: tuple[Call, ...]
+    groups: tuple[PositionGroup, ...] = ()
 
     @property
     def whole(self) -> bool:
@@ -378,6 +392,11 @@ def plan_forward(
         where no key is seen), and each call's backend ``aux`` for the backward.
     """
     acc = accumulator_dtype(q.dtype)
+    if plan.groups:
+        return _grouped_forward(
+            q, k, v, key_padding_mask, plan.groups, backend, scale=scale, dropout_p=dropout_p,
+            out_dtype=out_dtype,
+        )  # fmt: skip
     if plan.one_call:
         (call,) = plan.calls
         res = backend.forward(
@@ -395,6 +414,86 @@ def plan_forward(
         auxes=auxes, dropout_p=dropout_p, merge=merge_rows if merging else None,
     )  # fmt: skip
     return out.to(out_dtype or q.dtype), lse.squeeze(-1).transpose(1, 2).contiguous(), auxes
+
+
+def _pieces(
+    batch: int, groups: Sequence[PositionGroup]
+) -> Iterator[tuple[tuple[slice, slice], PositionGroup]]:
+    """``((batch rows, positions), group)`` for every batch element and position group, in the
+    order both passes run them (the backward consumes the forward's ``aux`` values in order)."""
+    for i in range(batch):
+        for group in groups:
+            yield (slice(i, i + 1), slice(group.start, group.end)), group
+
+
+def _grouped_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    groups: Sequence[PositionGroup],
+    backend: KernelBackend,
+    *,
+    scale: float,
+    dropout_p: float,
+    out_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
+    """:func:`plan_forward` one batch element and position group at a time, each merged in
+    float32 scratch of its own size and rounded once into ``out`` (Note [Position-grouped
+    plans])."""
+    batch, seq_len, heads, _ = q.shape
+    out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
+    lse = torch.empty(batch, heads, seq_len, dtype=accumulator_dtype(q.dtype), device=q.device)
+    auxes: list[Any] = []
+    for (rows, positions), group in _pieces(batch, groups):
+        piece_q = q[rows, positions]
+        mask = None if key_padding_mask is None else key_padding_mask[rows, positions]
+        piece_out, piece_lse = new_accumulators(piece_q)
+        run_forward(
+            piece_q, k[rows, positions], v[rows, positions], mask, group.calls, backend,
+            scale=scale, out=piece_out, lse=piece_lse, auxes=auxes, dropout_p=dropout_p,
+        )  # fmt: skip
+        out[rows, positions] = piece_out
+        lse[rows, :, positions] = piece_lse.squeeze(-1).transpose(1, 2)
+    return out, lse, auxes
+
+
+def _grouped_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    groups: Sequence[PositionGroup],
+    backend: KernelBackend,
+    auxes: list[Any],
+    *,
+    scale: float,
+    dropout_p: float,
+    grad_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`plan_backward` of :func:`_grouped_forward`: each group's gradients summed in
+    float32 scratch of its own size, then written once."""
+    grads = [
+        torch.empty(x.shape, dtype=grad_dtype or x.dtype, device=x.device) for x in (q, k, v)
+    ]
+    lse_rows, aux = row_lse(lse), iter(auxes)
+    for (rows, positions), group in _pieces(q.shape[0], groups):
+        piece = [x[rows, positions] for x in (q, k, v)]
+        mask = None if key_padding_mask is None else key_padding_mask[rows, positions]
+        scratch = [torch.zeros(x.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
+                   for x in piece]  # fmt: skip
+        run_backward(
+            dout[rows, positions], *piece, out[rows, positions], lse_rows[rows, positions],
+            mask, group.calls, backend, aux, scale=scale, dq=scratch[0], dk=scratch[1],
+            dv=scratch[2], dropout_p=dropout_p,
+        )  # fmt: skip
+        for grad, part in zip(grads, scratch, strict=True):
+            grad[rows, positions] = part
+    dq, dk, dv = grads
+    return dq, dk, dv
 
 
 def plan_backward(
@@ -424,6 +523,11 @@ def plan_backward(
         ``(dq, dk, dv)`` shaped like ``(q, k, v)``.
     """
     dout = dout.contiguous()
+    if plan.groups:
+        return _grouped_backward(
+            dout, q, k, v, out, lse, key_padding_mask, plan.groups, backend, auxes, scale=scale,
+            dropout_p=dropout_p, grad_dtype=grad_dtype,
+        )  # fmt: skip
     if plan.whole:
         (call,) = plan.calls
         grads = backend.backward(

@@ -20,9 +20,10 @@ group, L segment length, c rows per segment, Hc heads in the group.
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -180,6 +181,18 @@ class GroupCall:
         else:
             self.q_index, self.kv_index = _head_indices(group, num_kv_heads, device)
             self.one_index = group.index([0] * len(group.heads), 1, device)
+
+    def within(self, start: int, end: int) -> GroupCall | None:
+        """The call cut to positions ``[start, end)`` (segment boundaries), in the coordinates
+        of ``x[:, start:end]``, or None where it has no row there; it shares the indices, which
+        do not depend on where the segments are (Note [Position-grouped plans])."""
+        group, length = self.group, self.group.segment_len
+        first, stop = max(group.start, start), min(group.stop, end)
+        if stop <= first:
+            return None
+        cut = copy.copy(self)
+        cut.group = replace(group, start=first - start, num_segments=(stop - first) // length)
+        return cut
 
     def q_rows(self, x: torch.Tensor) -> torch.Tensor:
         return gather_rows(x, self.group, self.q_index)

@@ -37,6 +37,8 @@ a run, L segment length, Hc / Hkc heads of one call.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from .engine import put_view
@@ -60,6 +62,19 @@ class StridedCall:
         self.start, self.num_segments, self.segment_len = start, num_segments, segment_len
         self.rate, self.offset, self.kv_heads, self.causal = rate, offset, kv_heads, causal
         self.q_heads = slice(offset, None, rate)
+
+    def within(self, start: int, end: int) -> StridedCall | None:
+        """The call cut to positions ``[start, end)``, in the coordinates of ``x[:, start:end]``,
+        or None where it has no row there; ``start`` and ``end`` fall on segment boundaries
+        (Note [Position-grouped plans] in ``grouped.py``)."""
+        length = self.segment_len
+        first = max(self.start, start)
+        stop = min(self.start + self.num_segments * length, end)
+        if stop <= first:
+            return None
+        cut = copy.copy(self)
+        cut.start, cut.num_segments = first - start, (stop - first) // length
+        return cut
 
     def _rows(self, x: torch.Tensor, heads: slice) -> torch.Tensor:
         """The call's rows of ``x`` (B, N, Hx, E), contiguous: (B, n, L / r, Hx', E), a view."""
