@@ -7,9 +7,10 @@
 The first profiles one forward+backward of ``dilated_attention`` (LongNet schedule, B = 1,
 H = 16, bf16) after two warm-up calls; the second one token through a filled ``DilatedKVCache``
 (no gradients). Prints the kernels sorted by CUDA time: which part is the attention kernels and
-which is the executor's merging, copying and accumulating around them. With ``--host``, decoding
-instead prints the host time of a token (its Python, launches included, not waiting for the
-GPU) beside its latency, and cProfile's functions by own time over 100 tokens.
+which is the executor's merging, copying and accumulating around them. With ``--host`` it
+instead prints the host time of a step (a token, or a forward+backward: its Python, launches
+included, not waiting for the GPU) beside its latency, and cProfile's functions by own time over
+100 tokens or 5 forward+backward calls.
 """
 
 from __future__ import annotations
@@ -31,21 +32,21 @@ SEGMENTS, RATES = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
 TOKENS = 204
 
 
-def _host_profile(step: Callable[[int], None], rows: int) -> None:
-    """Host milliseconds per token (the call returns before the GPU is done) and latency (the
-    call and the GPU's work), medians over 100 tokens; then cProfile over 100 more."""
+def _host_profile(step: Callable[[int], None], rows: int, count: int) -> None:
+    """Host milliseconds per step (the call returns before the GPU is done) and latency (the
+    call and the GPU's work), medians over ``count`` steps; then cProfile over ``count`` more."""
     host, latency = [], []
-    for i in range(4, 104):
+    for i in range(4, 4 + count):
         begin = time.perf_counter()
         step(i)
         host.append(time.perf_counter() - begin)
         torch.cuda.synchronize()
         latency.append(time.perf_counter() - begin)
-    print(f"host {statistics.median(host) * 1e3:.3f} ms per token, latency "
-          f"{statistics.median(latency) * 1e3:.3f} ms (medians of 100)")  # fmt: skip
+    print(f"host {statistics.median(host) * 1e3:.3f} ms per step, latency "
+          f"{statistics.median(latency) * 1e3:.3f} ms (medians of {count})")  # fmt: skip
     profiler = cProfile.Profile()
     profiler.enable()
-    for i in range(104, TOKENS):
+    for i in range(4 + count, 4 + 2 * count):
         step(i)
     torch.cuda.synchronize()
     profiler.disable()
@@ -63,7 +64,7 @@ def main() -> None:
     parser.add_argument("--decode", action="store_true", help="profile one decoded token")
     parser.add_argument("--context", type=int, default=131072, help="tokens before it")
     parser.add_argument("--rows", type=int, default=20, help="table rows")
-    parser.add_argument("--host", action="store_true", help="decoding: host time and cProfile")
+    parser.add_argument("--host", action="store_true", help="host time and cProfile")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_dilated.py needs a CUDA device")
@@ -92,8 +93,8 @@ def main() -> None:
     for i in range(3):
         step(i)
     torch.cuda.synchronize()
-    if args.decode and args.host:
-        _host_profile(step, args.rows)
+    if args.host:  # a step is a token (100 of them) or a forward+backward (5)
+        _host_profile(step, args.rows, 100 if args.decode else 5)
         return
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step(3)
