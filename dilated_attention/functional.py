@@ -109,13 +109,14 @@ def _plan(
     rates: tuple[int, ...],
     causal: bool,
     strided: bool = False,
+    needs_grad: bool = False,
 ) -> Plan:
     """The executor's plan of a dilated call: rows gathered (Note [Row groups]), or read as
     strided views by a kernel that takes them (``strided``, Note [Strided row calls]); cut into
     position groups where that bounds its float32 scratch (Note [Position-grouped plans])."""
     groups = plan_branches(q.shape[1], q.shape[2], segs, rates)
     plan = dilated_plan(groups, q.shape[1], k.shape[2], q.device, causal, strided)
-    return grouped_plan(plan, q, segs)
+    return grouped_plan(plan, q, segs, needs_grad)
 
 
 def attention(
@@ -331,7 +332,7 @@ def dilated_attention(
         runner = FusedRunner(branches, kernel.backend, is_causal, softmax_scale)
         out, lse = run_attention(q, k, v, key_padding_mask, runner)
         return (out, lse) if return_lse else out
-    plan = _plan(q, k, segs, rates, is_causal, kernel.backend.reads_strided_rows)
+    plan = _plan(q, k, segs, rates, is_causal, kernel.backend.reads_strided_rows, needs_grad)
     runner = PlanRunner(plan, kernel.backend, softmax_scale, dropout_p, "dilated_attention")
     out, lse = run_attention(
         q.contiguous(), k.contiguous(), v.contiguous(), key_padding_mask, runner

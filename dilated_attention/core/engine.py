@@ -170,6 +170,8 @@ class Plan:
         groups: when not empty, the same calls cut into position groups, which the executor
             runs one batch element and group at a time with float32 scratch of the group's size
             (Note [Position-grouped plans]); ``calls`` still describes the whole plan.
+        grouped_forward: the forward runs the groups too (a call without gradients); else it
+            runs ``calls`` and only the backward runs the groups.
         whole: a single :class:`WholeCall`: its kernel's results and gradients are the plan's,
             with no accumulators or merge.
         one_call: a single call that reads every query row as it is (``reads_all_queries``): its
@@ -178,6 +180,7 @@ class Plan:
 
     calls: tuple[Call, ...]
     groups: tuple[PositionGroup, ...] = ()
+    grouped_forward: bool = False
 
     @property
     def whole(self) -> bool:
@@ -392,7 +395,7 @@ def plan_forward(
         where no key is seen), and each call's backend ``aux`` for the backward.
     """
     acc = accumulator_dtype(q.dtype)
-    if plan.groups:
+    if plan.groups and plan.grouped_forward:
         return _grouped_forward(
             q, k, v, key_padding_mask, plan.groups, backend, scale=scale, dropout_p=dropout_p,
             out_dtype=out_dtype,
@@ -523,7 +526,11 @@ def plan_backward(
         ``(dq, dk, dv)`` shaped like ``(q, k, v)``.
     """
     dout = dout.contiguous()
-    if plan.groups:
+    # Groups replay the forward's calls cut, so the kernels' aux values (dropout states) must
+    # come from the same cut calls; a whole forward's calls with no aux cut freely.
+    if plan.groups and (plan.grouped_forward or all(aux is None for aux in auxes)):
+        if not plan.grouped_forward:
+            auxes = [None] * sum(len(group.calls) for group in plan.groups) * q.shape[0]
         return _grouped_backward(
             dout, q, k, v, out, lse, key_padding_mask, plan.groups, backend, auxes, scale=scale,
             dropout_p=dropout_p, grad_dtype=grad_dtype,

@@ -82,21 +82,23 @@ def test_cut_calls_cover_what_the_whole_calls_do(schedule, strided: bool) -> Non
 def test_grouped_plan_matches_oracle(
     schedule, is_causal: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The math backend (reads strided rows) through the grouped executor, with a key padding
-    mask on one batch element, against the float64 oracle: out, lse, dq, dk, dv."""
+    """The math backend (reads strided rows) with a key padding mask on one batch element,
+    against the float64 oracle: out, lse, dq, dk, dv from the whole forward and the grouped
+    backward; then out and lse from the grouped forward of a call without gradients."""
     _, n, heads, kv_heads, segs, rates = schedule
-    runs = []
-    real = engine._grouped_forward
-    monkeypatch.setattr(engine, "_grouped_forward",
-                        lambda *a, **kw: runs.append(1) or real(*a, **kw))  # fmt: skip
+    runs: list[str] = []
+    for name in ("_grouped_forward", "_grouped_backward"):
+        real = getattr(engine, name)
+        spy = lambda *a, n=name, f=real, **kw: runs.append(n) or f(*a, **kw)  # noqa: E731
+        monkeypatch.setattr(engine, name, spy)
     q, k, v, dout = _inputs(n, heads, kv_heads)
     mask = torch.zeros(2, n, dtype=torch.bool)
     mask[1, 3:n:5] = True
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = dilated_attention(*leaves, segs, rates, is_causal=is_causal, backend="math",
                                  key_padding_mask=mask, return_lse=True)  # fmt: skip
-    assert runs, "the plan was not grouped"
     grads = torch.autograd.grad(out, leaves, dout)
+    assert runs == ["_grouped_backward"], runs
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref_out, ref_lse = oracle_dilated_attention(*ref_leaves, segs, rates, is_causal=is_causal,
                                                 key_padding_mask=mask)  # fmt: skip
@@ -105,6 +107,38 @@ def test_grouped_plan_matches_oracle(
     torch.testing.assert_close(lse, ref_lse, **TIGHT)
     for name, g, rg in zip("qkv", grads, ref_grads, strict=True):
         torch.testing.assert_close(g, rg, **TIGHT, msg=lambda m, x=name: f"d{x}: {m}")
+    with torch.no_grad():
+        out, lse = dilated_attention(q, k, v, segs, rates, is_causal=is_causal, backend="math",
+                                     key_padding_mask=mask, return_lse=True)  # fmt: skip
+    assert runs == ["_grouped_backward", "_grouped_forward"], runs
+    torch.testing.assert_close(out, ref_out.detach(), **TIGHT)
+    torch.testing.assert_close(lse, ref_lse, **TIGHT)
+
+
+@pytest.mark.usefixtures("small_groups")
+def test_grouped_backward_needs_the_forwards_aux(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dropout's kernel states belong to the whole forward's calls: the backward then runs whole
+    too, and the gradients are those of the same dropout masks (the math backend's dropout is
+    replayed from each call's generator state)."""
+    _, n, heads, kv_heads, segs, rates = SCHEDULES[0]
+    runs: list[str] = []
+    real = engine._grouped_backward
+    monkeypatch.setattr(engine, "_grouped_backward",
+                        lambda *a, **kw: runs.append("grouped") or real(*a, **kw))  # fmt: skip
+    q, k, v, dout = _inputs(n, heads, kv_heads)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(3)
+    out = dilated_attention(*leaves, segs, rates, dropout_p=0.3, backend="math")
+    grads = torch.autograd.grad(out, leaves, dout)
+    assert runs == []
+    monkeypatch.setattr(grouped, "GROUPED_DEVICES", frozenset())
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(3)
+    ref = dilated_attention(*ref_leaves, segs, rates, dropout_p=0.3, backend="math")
+    ref_grads = torch.autograd.grad(ref, ref_leaves, dout)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    for g, rg in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, rg, atol=0, rtol=0)
 
 
 @pytest.mark.usefixtures("small_groups")
@@ -135,13 +169,12 @@ def test_grouped_plan_equals_whole_plan_and_double_backward(
 
 
 def test_plans_stay_whole_where_the_scratch_is_small() -> None:
-    """Off the listed devices, for dense plans and where one group covers one batch element, the
-    plan is returned as it is."""
+    """Off the listed devices and for dense plans the plan is returned as it is."""
     q = torch.empty(1, 64, 8, 8)
     plan = dilated_plan(plan_branches(64, 8, (8, 16), (1, 2)), 64, 8, q.device, False, True)
-    assert grouped.grouped_plan(plan, q, (8, 16)) is plan  # the CPU is not listed
+    assert grouped.grouped_plan(plan, q, (8, 16), True) is plan  # the CPU is not listed
     dense = dilated_plan(plan_branches(64, 8, (64,), (1,)), 64, 8, q.device, False, True)
-    assert dense.whole and grouped.grouped_plan(dense, q, (64,)) is dense
+    assert dense.whole and grouped.grouped_plan(dense, q, (64,), True) is dense
 
 
 @pytest.mark.gpu
