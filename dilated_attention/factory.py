@@ -44,7 +44,7 @@ from .backends.registry import (
     registry_for,
 )
 from .config import DilatedConfig, MultiheadDilatedConfig
-from .core.segment import describe_plan, effective_branches, plan_branches
+from .core.segment import describe_plan, effective_branches, plan_branches, runs_in_slots
 from .modules import (
     LAYER_ARGUMENTS,
     DilatedAttention,
@@ -438,6 +438,8 @@ def explain(
         dropout_p=dropout_p,
         requires_grad=requires_grad,
         block_size=block_size if operation == BLOCK_SPARSE else None,
+        branch_slots=schedule is not None
+        and runs_in_slots(seq_len, num_heads, num_kv_heads, *schedule),
     )
     choice = registry_for(operation).choose(inputs, backend)
     if schedule is None:
@@ -463,8 +465,9 @@ def _branch_paths(
             for w, r in zip(segs, rates, strict=True)
         )
     groups = plan_branches(seq_len, num_heads, segs, rates)
-    strided = get_backend(choice.backend).reads_strided_rows
-    return describe_plan(groups, seq_len, num_kv_heads, strided)
+    kernel = get_backend(choice.backend)
+    strided = kernel.reads_strided_rows
+    return describe_plan(groups, seq_len, num_kv_heads, strided, strided and kernel.writes_into)
 
 
 def _default_device() -> str:

@@ -21,7 +21,14 @@ from .core.engine import Plan, PlanRunner, empty_attention
 from .core.fused import FusedRunner, compile_ahead
 from .core.grouped import grouped_plan
 from .core.kv_cache import DilatedKVCache
-from .core.segment import dilated_plan, effective_branches, plan_branches
+from .core.segment import (
+    dilated_plan,
+    effective_branches,
+    not_slotted_reason,
+    plan_branches,
+    runs_in_slots,
+    slot_plan,
+)
 
 __all__ = ["attention", "dilated_attention"]
 
@@ -42,11 +49,13 @@ def _choose(
     dropout_p: float,
     backend: str | None,
     operation: str = DENSE,
+    branch_slots: bool = False,
 ) -> Selection:
     """The kernel of ``operation``'s registry (``registry_for``) for these inputs."""
     inputs = KernelInputs.from_tensors(
-        q, k, is_causal=is_causal, has_mask=has_mask, dropout_p=dropout_p
-    )
+        q, k, is_causal=is_causal, has_mask=has_mask, dropout_p=dropout_p,
+        branch_slots=branch_slots,
+    )  # fmt: skip
     return registry_for(operation).select(inputs, backend)
 
 
@@ -110,12 +119,18 @@ def _plan(
     causal: bool,
     strided: bool = False,
     needs_grad: bool = False,
+    slotted: bool = False,
 ) -> Plan:
     """The executor's plan of a dilated call: rows gathered (Note [Row groups]), or read as
-    strided views by a kernel that takes them (``strided``, Note [Strided row calls]); cut into
-    position groups where that bounds its float32 scratch (Note [Position-grouped plans])."""
+    strided views by a kernel that takes them (``strided``, Note [Strided row calls]), written
+    into branch slots merged once by a kernel that writes into given buffers where the branches
+    allow (``slotted``, Note [Branch slots merged once]); cut into position groups where that
+    bounds its scratch (Note [Position-grouped plans])."""
     groups = plan_branches(q.shape[1], q.shape[2], segs, rates)
-    plan = dilated_plan(groups, q.shape[1], k.shape[2], q.device, causal, strided)
+    if slotted and not_slotted_reason(groups, q.shape[1], k.shape[2]) is None:
+        plan = slot_plan(groups, q.shape[1], k.shape[2], causal)
+    else:
+        plan = dilated_plan(groups, q.shape[1], k.shape[2], q.device, causal, strided)
     return grouped_plan(plan, q, segs, needs_grad)
 
 
@@ -295,9 +310,10 @@ def dilated_attention(
         except ValueError:  # a kernel asked for by name takes no masks: one call per branch
             one_call = False
     if kernel is None:
+        slots = not decoding and runs_in_slots(q.shape[1], q.shape[2], k.shape[2], segs, rates)
         kernel = _choose(
             *shape, is_causal=chunk if decoding else is_causal,
-            has_mask=key_padding_mask is not None, **choice,
+            has_mask=key_padding_mask is not None, branch_slots=slots, **choice,
         )  # fmt: skip
     key_start = 0
     if cache is not None:  # checked and chosen: the new tokens' keys join the ones they read
@@ -332,7 +348,9 @@ def dilated_attention(
         runner = FusedRunner(branches, kernel.backend, is_causal, softmax_scale)
         out, lse = run_attention(q, k, v, key_padding_mask, runner)
         return (out, lse) if return_lse else out
-    plan = _plan(q, k, segs, rates, is_causal, kernel.backend.reads_strided_rows, needs_grad)
+    strided = kernel.backend.reads_strided_rows
+    slotted = strided and kernel.backend.writes_into
+    plan = _plan(q, k, segs, rates, is_causal, strided, needs_grad, slotted)
     runner = PlanRunner(plan, kernel.backend, softmax_scale, dropout_p, "dilated_attention")
     out, lse = run_attention(
         q.contiguous(), k.contiguous(), v.contiguous(), key_padding_mask, runner

@@ -1,5 +1,6 @@
 """Fused merges of partial attention results (CUDA): one partial result into float32
-accumulators in place (:func:`merge_into`), and the key splits of one call (:func:`merge_splits`).
+accumulators in place (:func:`merge_into`), the key splits of one call (:func:`merge_splits`),
+and a dilated plan's branch slots, merged or summed once (:class:`SlotKernels`).
 
 The ring merges every step's kernel result into its running ``(out, lse)``
 (Note [Merging partial softmaxes] in ``core/merge.py``). Done with torch ops that is about ten
@@ -14,9 +15,14 @@ kernel lse).
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
+
+from ..core.slots import merge_slots_torch, sum_slots_torch
 
 _BLOCK_ROWS = 32
 
@@ -150,3 +156,182 @@ def merge_splits(
         *out.stride()[:3], *lse.stride(),
         BLOCK_ROWS=_BLOCK_ROWS, BLOCK_D=triton.next_power_of_2(dim),
     )  # fmt: skip
+
+
+# -- branch slots (Note [Branch slots merged once] in core/slots.py) -------------------------------
+# A program takes BLOCK_CELLS consecutive (position, head) cells of one batch element: its output
+# rows are one contiguous run of memory, and so are the slot rows it reads (the heads of a slot
+# row are positions next to each other). Each cell finds its row in every slot by dividing its
+# position by the slot's rate and segment length; with those (and the head count) compile-time
+# constants the divisions are multiplications. Runtime 64-bit divisions, computed once per
+# thread that holds a piece of the row, ran these kernels 5-10x below the memory bandwidth of an
+# H100 (0.7 of 3 TB/s).
+@triton.jit
+def _slot_cell(
+    table, i, b, p, h, seq_len, valid,
+    SEG: tl.constexpr, RATE: tl.constexpr, HEADS: tl.constexpr, DIM: tl.constexpr,
+):  # fmt: skip
+    """Slot ``i`` (segment ``SEG``, rate ``RATE``) at cell (batch ``b``, position ``p``, head
+    ``h``): whether it covers the cell, the element offset of its row (rows counted in cells,
+    times ``DIM`` last, so the compiler knows rows are ``DIM``-aligned and loads them in
+    vectors), and of its lse."""
+    q = p // RATE  # the slot row: segment * SEG / RATE + (p mod SEG) // RATE, as SEG % RATE == 0
+    covered = valid & ((p - q * RATE) == (h % RATE))
+    seg = p // SEG
+    row = tl.load(table + 2 * i) + (b * (seq_len // RATE) + q) * HEADS + h
+    lse_row = (b * (seq_len // SEG) + seg) * HEADS + h
+    lse_at = tl.load(table + 2 * i + 1) + lse_row * (SEG // RATE) + (q - seg * (SEG // RATE))
+    return covered, row * DIM, lse_at
+
+
+@triton.jit
+def _slot_program(seq_len, HEADS: tl.constexpr, BLOCK_CELLS: tl.constexpr):
+    """This program's batch ``b`` and ``BLOCK_CELLS`` cells: whether each exists, its position
+    ``p`` and head ``h``."""
+    b = tl.program_id(1).to(tl.int64)
+    cell = tl.program_id(0) * BLOCK_CELLS + tl.arange(0, BLOCK_CELLS)  # < 2**31: _fits
+    p = cell // HEADS
+    return b, cell < seq_len * HEADS, p, cell - p * HEADS
+
+
+@triton.jit
+def _merge_slots_kernel(
+    flat, lse_flat, table, out, lse,
+    seq_len,
+    s_ob, s_on, s_oh,
+    s_lb, s_lh, s_ln,
+    SEGS: tl.constexpr,
+    RATES: tl.constexpr,
+    NUM_SLOTS: tl.constexpr,
+    HEADS: tl.constexpr,
+    DIM: tl.constexpr,
+    BLOCK_CELLS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Each program merges the slots of ``BLOCK_CELLS`` cells: the largest lse first, then the
+    weighted rows, one rounding (NaN carried, as in :func:`_merge_kernel`)."""
+    b, valid, p, h = _slot_program(seq_len, HEADS, BLOCK_CELLS)
+    top = tl.full([BLOCK_CELLS], float("-inf"), dtype=tl.float32)
+    for i in tl.static_range(NUM_SLOTS):
+        covered, _, lse_at = _slot_cell(table, i, b, p, h, seq_len, valid, SEGS[i], RATES[i],
+                                        HEADS, DIM)  # fmt: skip
+        part_lse = tl.load(lse_flat + lse_at, mask=covered, other=float("-inf"))
+        top = tl.maximum(top, part_lse, propagate_nan=tl.PropagateNan.ALL)
+    top = tl.where(top == float("-inf"), 0.0, top)  # no slot saw a key: weights 0, lse -inf
+    cols = tl.arange(0, BLOCK_D)
+    total = tl.zeros([BLOCK_CELLS], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_CELLS, BLOCK_D], dtype=tl.float32)
+    for i in tl.static_range(NUM_SLOTS):
+        covered, row_at, lse_at = _slot_cell(table, i, b, p, h, seq_len, valid, SEGS[i],
+                                             RATES[i], HEADS, DIM)  # fmt: skip
+        weight = tl.exp(tl.load(lse_flat + lse_at, mask=covered, other=float("-inf")) - top)
+        mask = covered[:, None] & (cols < DIM)[None, :]
+        part = tl.load(flat + row_at[:, None] + cols[None, :], mask=mask, other=0.0)
+        acc += part.to(tl.float32) * weight[:, None]
+        total += weight
+    inv = tl.where(total == 0.0, 0.0, 1.0 / total)
+    mask = valid[:, None] & (cols < DIM)[None, :]
+    cell_at = b * s_ob + p.to(tl.int64) * s_on + h * s_oh
+    tl.store(out + cell_at[:, None] + cols[None, :], (acc * inv[:, None]).to(out.dtype.element_ty),
+             mask=mask)  # fmt: skip
+    lse_ptr = lse + b * s_lb + h * s_lh + p.to(tl.int64) * s_ln
+    tl.store(lse_ptr, top + tl.log(total), mask=valid)  # log(0) = -inf: empty stays empty
+
+
+@triton.jit
+def _sum_slots_kernel(
+    flat, table, grad,
+    seq_len,
+    s_gb, s_gn, s_gh,
+    SEGS: tl.constexpr,
+    RATES: tl.constexpr,
+    NUM_SLOTS: tl.constexpr,
+    HEADS: tl.constexpr,
+    DIM: tl.constexpr,
+    BLOCK_CELLS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Each program sums the slots of ``BLOCK_CELLS`` cells in float32 and writes the rows once."""
+    b, valid, p, h = _slot_program(seq_len, HEADS, BLOCK_CELLS)
+    cols = tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_CELLS, BLOCK_D], dtype=tl.float32)
+    for i in tl.static_range(NUM_SLOTS):
+        covered, row_at, _ = _slot_cell(table, i, b, p, h, seq_len, valid, SEGS[i], RATES[i],
+                                        HEADS, DIM)  # fmt: skip
+        mask = covered[:, None] & (cols < DIM)[None, :]
+        acc += tl.load(flat + row_at[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    mask = valid[:, None] & (cols < DIM)[None, :]
+    cell_at = b * s_gb + p.to(tl.int64) * s_gn + h * s_gh
+    tl.store(grad + cell_at[:, None] + cols[None, :], acc.to(grad.dtype.element_ty), mask=mask)
+
+
+@functools.lru_cache(maxsize=64)
+def _slot_table(offsets: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """(2 * slots,) int64 on ``device``: each slot's first row (cell) and first lse in the flat
+    buffers."""
+    return torch.tensor(offsets, dtype=torch.int64, device=device)
+
+
+#: float32 elements of a slot program's accumulator (cells x head dim).
+_SLOT_CELLS = 4096
+
+
+def _launch(buffers: Any) -> tuple[tuple[int, ...], dict[str, Any]]:
+    """The grid and the compile-time arguments of a slot kernel over ``buffers``."""
+    offsets = tuple(
+        value
+        for start, lse_start in zip(buffers.offsets, buffers.lse_offsets, strict=True)
+        for value in (start // buffers.dim, lse_start)  # rows (cells), then lse elements
+    )
+    block_d = triton.next_power_of_2(buffers.dim)
+    block_cells = max(16, _SLOT_CELLS // block_d)
+    grid = (triton.cdiv(buffers.seq_len * buffers.heads, block_cells), buffers.batch)
+    constants = {
+        "SEGS": tuple(slot.segment_len for slot in buffers.slots),
+        "RATES": tuple(slot.rate for slot in buffers.slots),
+        "NUM_SLOTS": len(buffers.slots), "HEADS": buffers.heads, "DIM": buffers.dim,
+        "BLOCK_CELLS": block_cells, "BLOCK_D": block_d,
+    }  # fmt: skip
+    return grid, {"table": _slot_table(offsets, buffers.flat.device), **constants}
+
+
+def _fits(buffers: Any) -> bool:
+    """Whether a launch covers ``buffers``: cells of one batch element below 2**31, batch
+    elements within the grid's second axis."""
+    return buffers.seq_len * buffers.heads < 2**31 and buffers.batch < 2**16
+
+
+class SlotKernels:
+    """The one-pass slot kernels on CUDA (``core.slots.SlotKernels``): compiled once per
+    schedule (its segment lengths and rates are compile-time constants), head count and dim;
+    the torch passes where a launch cannot cover the buffers (:func:`_fits`)."""
+
+    @staticmethod
+    def merge(buffers: Any, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Merge ``buffers`` (``core.slots.SlotBuffers``) into ``out`` (B, N, H, D), last dim
+        contiguous, and ``lse`` (B, H, N) float32."""
+        if not _fits(buffers):
+            merge_slots_torch(buffers, out, lse)
+            return
+        grid, args = _launch(buffers)
+        if 0 in grid:
+            return
+        _merge_slots_kernel[grid](
+            buffers.flat, buffers.lse_flat, out=out, lse=lse, seq_len=buffers.seq_len,
+            s_ob=out.stride(0), s_on=out.stride(1), s_oh=out.stride(2), s_lb=lse.stride(0),
+            s_lh=lse.stride(1), s_ln=lse.stride(2), **args,
+        )  # fmt: skip
+
+    @staticmethod
+    def sum(buffers: Any, grad: torch.Tensor) -> None:
+        """Write the sum of ``buffers``' rows into ``grad`` (B, N, H, D), last dim contiguous."""
+        if not _fits(buffers):
+            sum_slots_torch(buffers, grad)
+            return
+        grid, args = _launch(buffers)
+        if 0 in grid:
+            return
+        _sum_slots_kernel[grid](
+            buffers.flat, grad=grad, seq_len=buffers.seq_len, s_gb=grad.stride(0),
+            s_gn=grad.stride(1), s_gh=grad.stride(2), **args,
+        )  # fmt: skip

@@ -42,6 +42,9 @@ class KernelInputs:
     dilated: bool = False
     # A block-sparse call: tokens per block (None otherwise).
     block_size: int | None = None
+    # A dilated call whose branches can write into slots merged once (Note [Branch slots merged
+    # once] in core/slots.py): kernels that write into given buffers run it fastest.
+    branch_slots: bool = False
 
     @classmethod
     def from_tensors(
@@ -55,6 +58,7 @@ class KernelInputs:
         requires_grad: bool | None = None,
         dilated: bool = False,
         block_size: int | None = None,
+        branch_slots: bool = False,
     ) -> KernelInputs:
         """Describe a (B, Nq, H, D) query and (B, Nk, Hkv, D) key."""
         if requires_grad is None:
@@ -73,6 +77,7 @@ class KernelInputs:
             requires_grad=requires_grad,
             dilated=dilated,
             block_size=block_size,
+            branch_slots=branch_slots,
         )
 
 
@@ -143,6 +148,10 @@ class Backend:
     # strides) as they are: dilated rows then reach it as views, not gathers (Note [Strided row
     # calls] in core/strided.py).
     reads_strided_rows: ClassVar[bool] = False
+    # Whether the kernel writes its result into the buffers ``into`` hands it (Note [The backend
+    # contract] in core/contract.py): dilated plans then merge their branches once (Note [Branch
+    # slots merged once] in core/slots.py). ``_forward`` / ``_backward`` take ``into`` then.
+    writes_into: ClassVar[bool] = False
     # Whether this project's GPU tests have run the kernel on real hardware against the float64
     # oracle. A backend that has not is never chosen automatically, only by name.
     verified_on_hardware: ClassVar[bool] = True
@@ -224,11 +233,14 @@ class Backend:
         is_causal: bool = False,
         key_mask: torch.Tensor | None = None,
         dropout_p: float = 0.0,
+        into: KernelOutput | None = None,
     ) -> KernelOutput:
         """Attention over these rows.
 
         Args:
             q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D); key_mask: (B, Hm, Nk) bool or None.
+            into: ``out`` (B, Nq, H, D) and ``lse`` (B, H, Nq) to write the result into where
+                the kernel can (``writes_into``); the result returned may be other tensors.
 
         Returns:
             :class:`KernelOutput` with ``out`` (B, Nq, H, D) and ``lse`` (B, H, Nq).
@@ -242,8 +254,9 @@ class Backend:
         if not self.native_gqa:
             k, v = _expand_kv(k, heads), _expand_kv(v, heads)
         res = self._forward(
-            q, k, v, scale=scale, is_causal=is_causal, key_mask=key_mask, dropout_p=dropout_p
-        )
+            q, k, v, scale=scale, is_causal=is_causal, key_mask=key_mask, dropout_p=dropout_p,
+            **self._into(into),
+        )  # fmt: skip
         if key_mask is not None and not self.empty_rows_have_neg_inf_lse:
             empty = rows_without_keys(key_mask, heads, q.shape[1], is_causal)
             res.lse = res.lse.masked_fill(empty, float("-inf"))
@@ -263,8 +276,10 @@ class Backend:
         is_causal: bool = False,
         key_mask: torch.Tensor | None = None,
         dropout_p: float = 0.0,
+        into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Gradients for these rows given ``out`` and ``lse``, which may be merged statistics.
+        """Gradients for these rows given ``out`` and ``lse``, which may be merged statistics
+        (``into``: buffers shaped like ``(q, k, v)`` to write them into, as in :meth:`forward`).
 
         Rows with ``lse = -inf`` saw no key: their probabilities are zero, which a finite stand-in
         for the lse reproduces in every kernel (masked scores are ``-inf``).
@@ -283,8 +298,13 @@ class Backend:
         dq, dk, dv = self._backward(
             dout, q, k, v, out, lse, aux,
             scale=scale, is_causal=is_causal, key_mask=key_mask, dropout_p=dropout_p,
+            **self._into(into if k.shape[2] == kv_heads else None),
         )  # fmt: skip
         return dq, _reduce_kv(dk, kv_heads), _reduce_kv(dv, kv_heads)
+
+    def _into(self, into: object) -> dict[str, object]:
+        """``into`` as a keyword of ``_forward`` / ``_backward``, for kernels that write there."""
+        return {"into": into} if into is not None and self.writes_into else {}
 
     def _forward(
         self,

@@ -101,6 +101,7 @@ class FlashAttn4Backend(Backend):
 
     name = "flash_attn4"
     reads_strided_rows = True  # any strides with the last dim contiguous
+    writes_into = True  # out / lse and dq / dk / dv of any aligned strides, last dim contiguous
     description = "FlashAttention-4 (flash_attn.cute, CuTe DSL), sm90/sm100; native GQA"
     devices = frozenset({"cuda"})
     dtypes = _HALF
@@ -222,13 +223,15 @@ class FlashAttn4Backend(Backend):
         is_causal: bool,
         key_mask: torch.Tensor | None,
         dropout_p: float,
+        into: KernelOutput | None = None,
     ) -> KernelOutput:
         fwd = _interface()._flash_attn_fwd
         q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-        kwargs = _bind(
-            fwd, {"q": q, "k": k, "v": v, "softmax_scale": scale, "causal": is_causal,
-                  "return_lse": True},
-        )  # fmt: skip
+        values = {"q": q, "k": k, "v": v, "softmax_scale": scale, "causal": is_causal,
+                  "return_lse": True}  # fmt: skip
+        if into is not None:
+            values.update(out=into.out, lse=into.lse)
+        kwargs = _bind(fwd, values)
         if "return_lse" not in kwargs:
             # Releases before ``return_lse`` allocate the lse only when q requires grad.
             kwargs["q"] = q.detach().requires_grad_()
@@ -251,11 +254,15 @@ class FlashAttn4Backend(Backend):
         is_causal: bool,
         key_mask: torch.Tensor | None,
         dropout_p: float,
+        into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         bwd = _interface()._flash_attn_bwd
         dout, out = dout.to(q.dtype), out.to(q.dtype)
         dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        if into is None:
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        else:
+            dq, dk, dv = into
         values = {
             "q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse.contiguous(),
             "softmax_scale": scale, "causal": is_causal, "dq": dq, "dk": dk, "dv": dv,

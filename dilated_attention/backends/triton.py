@@ -27,6 +27,7 @@ import torch
 
 from ..core.contract import BranchSpan
 from ..core.engine import register_in_place_merge
+from ..core.slots import register_slot_kernels
 from ._compat import _import_failure, _last_dim_contiguous, _release
 from ._triton_compile import prepare_compiler
 from ._triton_tiles import SPLIT_KEY_ROWS, Tiles, dkdv_config, split_key_config, tile_configs
@@ -62,6 +63,20 @@ def merge_kernel() -> Callable[..., None] | None:
 
 
 register_in_place_merge("cuda", merge_kernel)
+
+
+def slot_kernels() -> Any:
+    """The one-pass merge and sum of branch slots on CUDA (``_triton_merge.SlotKernels``; Note
+    [Branch slots merged once] in ``core/slots.py``), or ``None`` where Triton cannot be
+    imported."""
+    try:
+        from ._triton_merge import SlotKernels
+    except Exception:
+        return None
+    return SlotKernels()
+
+
+register_slot_kernels("cuda", slot_kernels)
 
 
 # Note [Split keys for few queries]

@@ -9,6 +9,13 @@ Note [The backend contract]
     ``backends.base.Backend`` implements it and turns declared capabilities into rejection
     reasons.
 
+    ``into`` hands a kernel buffers to write its result into: ``out`` and ``lse`` views of a
+    larger buffer forward, views for ``(dq, dk, dv)`` backward, shaped like the result, with the
+    last dim contiguous and any other strides. A backend whose kernel writes there
+    (``writes_into``) returns those tensors; any other may ignore them and return its own, which
+    the caller then copies in. The executor's branch slots use it (Note [Branch slots merged
+    once] in ``slots.py``).
+
     A backend that can also run whole dilated branches in place (reading rows through strides,
     merging into a running ``(out, lse)``, adding gradients into dq, dk, dv) is a
     :class:`FusedBackend`, the same contract with those methods added; the fused engine
@@ -58,6 +65,7 @@ class KernelBackend(Protocol):
         is_causal: bool = ...,
         key_mask: torch.Tensor | None = ...,
         dropout_p: float = ...,
+        into: KernelOutput | None = ...,
     ) -> KernelOutput: ...
 
     def backward(
@@ -74,6 +82,7 @@ class KernelBackend(Protocol):
         is_causal: bool = ...,
         key_mask: torch.Tensor | None = ...,
         dropout_p: float = ...,
+        into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = ...,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 

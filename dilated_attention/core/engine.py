@@ -39,9 +39,10 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from .autograd import Backward, Forward, Grads, Inputs
-from .contract import KernelBackend
+from .contract import KernelBackend, KernelOutput
 from .higher_order import RowCall, differentiable_grads, no_higher_order_message
 from .merge import merge_partial
+from .slots import Slot, SlotBuffers, merge_slots, sum_slots
 
 
 class Call(Protocol):
@@ -172,6 +173,9 @@ class Plan:
             (Note [Position-grouped plans]); ``calls`` still describes the whole plan.
         grouped_forward: the forward runs the groups too (a call without gradients); else it
             runs ``calls`` and only the backward runs the groups.
+        slots: when not empty, each call writes into the slot ``call.slot`` of its branch and
+            the slots merge once (Note [Branch slots merged once] in ``slots.py``); else every
+            result merges into float32 accumulators as it comes.
         whole: a single :class:`WholeCall`: its kernel's results and gradients are the plan's,
             with no accumulators or merge.
         one_call: a single call that reads every query row as it is (``reads_all_queries``): its
@@ -181,6 +185,7 @@ class Plan:
     calls: tuple[Call, ...]
     groups: tuple[PositionGroup, ...] = ()
     grouped_forward: bool = False
+    slots: tuple[Slot, ...] = ()
 
     @property
     def whole(self) -> bool:
@@ -370,6 +375,100 @@ def run_backward(
             call.put_kv(dv, dv_rows, accumulate=True)
 
 
+def _fill(dest: torch.Tensor, result: torch.Tensor) -> None:
+    """Copy a kernel's ``result`` into ``dest``, unless the kernel wrote it there."""
+    same = result.data_ptr() == dest.data_ptr() and result.stride() == dest.stride()
+    if not same:
+        dest.copy_(result)
+
+
+def _into(backend: KernelBackend, into: object) -> dict[str, object]:
+    return {"into": into} if getattr(backend, "writes_into", False) else {}
+
+
+def slot_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    calls: Sequence[Call],
+    slots: Sequence[Slot],
+    backend: KernelBackend,
+    *,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    auxes: list[Any],
+    dropout_p: float = 0.0,
+) -> None:
+    """Run ``calls``, each writing into its branch slot, then merge the slots once into ``out``
+    (B, N, H, D) and ``lse`` (B, H, N) (Note [Branch slots merged once] in ``slots.py``).
+
+    Args:
+        q, k, v: (B, N, H, D), the positions the calls and slots address.
+        calls: calls with ``slot``, ``slot_rows`` and ``slot_lse`` (``StridedCall``).
+        auxes: each call's kernel ``aux`` is appended, in call order.
+    """
+    buffers = SlotBuffers(slots, q, q.shape[1], with_lse=True)
+    for call in calls:
+        slot: int = call.slot  # type: ignore[attr-defined]
+        into = KernelOutput(
+            call.slot_rows(buffers.out(slot)),  # type: ignore[attr-defined]
+            call.slot_lse(buffers.lse(slot)),  # type: ignore[attr-defined]
+        )
+        res = backend.forward(
+            call.q_rows(q), call.kv_rows(k), call.kv_rows(v), scale=scale,
+            is_causal=call.causal, key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p,
+            **_into(backend, into),
+        )  # fmt: skip
+        auxes.append(res.aux)
+        _fill(into.out, res.out)
+        _fill(into.lse, res.lse)
+    merge_slots(buffers, out, lse)
+
+
+def slot_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse_rows: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    calls: Sequence[Call],
+    slots: Sequence[Slot],
+    backend: KernelBackend,
+    auxes: Iterator[Any],
+    *,
+    scale: float,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    dropout_p: float = 0.0,
+) -> None:
+    """The backward of :func:`slot_forward`: each call's gradients written into its slots of
+    three gradient buffers, each summed once into ``dq``, ``dk``, ``dv`` (B, N, H, D).
+
+    Args:
+        lse_rows: (B, N, H, 1) merged log-sum-exp (:func:`row_lse`).
+        auxes: the forward's ``aux`` values, consumed in call order.
+    """
+    grads = [SlotBuffers(slots, x, x.shape[1], with_lse=False) for x in (q, k, v)]
+    for call in calls:
+        slot: int = call.slot  # type: ignore[attr-defined]
+        into = tuple(call.slot_rows(g.out(slot)) for g in grads)  # type: ignore[attr-defined]
+        results = backend.backward(
+            call.q_rows(dout), call.q_rows(q), call.kv_rows(k), call.kv_rows(v),
+            call.q_rows(out), _call_lse(call, lse_rows), next(auxes), scale=scale,
+            is_causal=call.causal, key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p,
+            **_into(backend, into),
+        )  # fmt: skip
+        for dest, result in zip(into, results, strict=True):
+            _fill(dest, result)
+    for buffers, grad in zip(grads, (dq, dk, dv), strict=True):
+        sum_slots(buffers, grad)
+
+
 def plan_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -398,8 +497,18 @@ def plan_forward(
     if plan.groups and plan.grouped_forward:
         return _grouped_forward(
             q, k, v, key_padding_mask, plan.groups, backend, scale=scale, dropout_p=dropout_p,
-            out_dtype=out_dtype,
+            out_dtype=out_dtype, slots=plan.slots,
         )  # fmt: skip
+    if plan.slots:
+        batch, seq_len, heads, _ = q.shape
+        out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
+        lse = torch.empty(batch, heads, seq_len, dtype=acc, device=q.device)
+        auxes: list[Any] = []
+        slot_forward(
+            q, k, v, key_padding_mask, plan.calls, plan.slots, backend, scale=scale, out=out,
+            lse=lse, auxes=auxes, dropout_p=dropout_p,
+        )  # fmt: skip
+        return out, lse, auxes
     if plan.one_call:
         (call,) = plan.calls
         res = backend.forward(
@@ -411,7 +520,7 @@ def plan_forward(
     merging = len(plan.calls) > 1
     # One call: its rows are written as they come, so out needs no float32 copy.
     out, lse = new_accumulators(q, None if merging else q.dtype)
-    auxes: list[Any] = []
+    auxes = []
     run_forward(
         q, k, v, key_padding_mask, plan.calls, backend, scale=scale, out=out, lse=lse,
         auxes=auxes, dropout_p=dropout_p, merge=merge_rows if merging else None,
@@ -440,10 +549,11 @@ def _grouped_forward(
     scale: float,
     dropout_p: float,
     out_dtype: torch.dtype | None,
+    slots: tuple[Slot, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
     """:func:`plan_forward` one batch element and position group at a time, each merged in
-    float32 scratch of its own size and rounded once into ``out`` (Note [Position-grouped
-    plans])."""
+    float32 scratch (or ``slots``) of its own size and rounded once into ``out`` (Note
+    [Position-grouped plans])."""
     batch, seq_len, heads, _ = q.shape
     out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.empty(batch, heads, seq_len, dtype=accumulator_dtype(q.dtype), device=q.device)
@@ -451,6 +561,13 @@ def _grouped_forward(
     for (rows, positions), group in _pieces(batch, groups):
         piece_q = q[rows, positions]
         mask = None if key_padding_mask is None else key_padding_mask[rows, positions]
+        if slots:
+            slot_forward(
+                piece_q, k[rows, positions], v[rows, positions], mask, group.calls, slots,
+                backend, scale=scale, out=out[rows, positions], lse=lse[rows, :, positions],
+                auxes=auxes, dropout_p=dropout_p,
+            )  # fmt: skip
+            continue
         piece_out, piece_lse = new_accumulators(piece_q)
         run_forward(
             piece_q, k[rows, positions], v[rows, positions], mask, group.calls, backend,
@@ -476,9 +593,10 @@ def _grouped_backward(
     scale: float,
     dropout_p: float,
     grad_dtype: torch.dtype | None,
+    slots: tuple[Slot, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`plan_backward` of :func:`_grouped_forward`: each group's gradients summed in
-    float32 scratch of its own size, then written once."""
+    float32 scratch (or ``slots``) of its own size, then written once."""
     grads = [
         torch.empty(x.shape, dtype=grad_dtype or x.dtype, device=x.device) for x in (q, k, v)
     ]
@@ -486,6 +604,14 @@ def _grouped_backward(
     for (rows, positions), group in _pieces(q.shape[0], groups):
         piece = [x[rows, positions] for x in (q, k, v)]
         mask = None if key_padding_mask is None else key_padding_mask[rows, positions]
+        if slots:
+            dq, dk, dv = (grad[rows, positions] for grad in grads)
+            slot_backward(
+                dout[rows, positions], *piece, out[rows, positions], lse_rows[rows, positions],
+                mask, group.calls, slots, backend, aux, scale=scale, dq=dq, dk=dk, dv=dv,
+                dropout_p=dropout_p,
+            )  # fmt: skip
+            continue
         scratch = [torch.zeros(x.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
                    for x in piece]  # fmt: skip
         run_backward(
@@ -533,8 +659,17 @@ def plan_backward(
             auxes = [None] * sum(len(group.calls) for group in plan.groups) * q.shape[0]
         return _grouped_backward(
             dout, q, k, v, out, lse, key_padding_mask, plan.groups, backend, auxes, scale=scale,
-            dropout_p=dropout_p, grad_dtype=grad_dtype,
+            dropout_p=dropout_p, grad_dtype=grad_dtype, slots=plan.slots,
         )  # fmt: skip
+    if plan.slots:
+        dq, dk, dv = (
+            torch.empty(x.shape, dtype=grad_dtype or x.dtype, device=x.device) for x in (q, k, v)
+        )
+        slot_backward(
+            dout, q, k, v, out, row_lse(lse), key_padding_mask, plan.calls, plan.slots,
+            backend, iter(auxes), scale=scale, dq=dq, dk=dk, dv=dv, dropout_p=dropout_p,
+        )  # fmt: skip
+        return dq, dk, dv
     if plan.whole:
         (call,) = plan.calls
         grads = backend.backward(

@@ -29,6 +29,7 @@ import torch
 
 from .engine import Plan, put_view
 from .higher_order import RowCall
+from .slots import Slot
 from .strided import DiagonalCall, StridedCall, kv_head_slice
 
 
@@ -277,6 +278,58 @@ def dilated_plan(
     return Plan(tuple(calls))
 
 
+def not_slotted_reason(
+    groups: tuple[RowGroup, ...], seq_len: int, num_kv_heads: int
+) -> str | None:
+    """Why the branches of ``groups`` cannot write into slots merged once (Note [Branch slots
+    merged once] in ``slots.py``), or None where they can (:func:`slot_plan`)."""
+    if covers_all_once(groups, seq_len):
+        return "one dense call: nothing to merge"
+    for group in groups:
+        heads = group.num_heads
+        if num_kv_heads != heads:
+            return f"GQA ({heads} query heads over {num_kv_heads}): slots need every key head"
+        whole = group.start == 0 and group.stop == seq_len and len(group.heads) == heads
+        if not whole or group.segment_len % group.rate:
+            return (
+                f"w={group.segment_len} r={group.rate}: slots need segments that divide the "
+                f"sequence ({seq_len}) and rates that divide the segments"
+            )
+    return None
+
+
+def runs_in_slots(
+    seq_len: int,
+    num_heads: int,
+    num_kv_heads: int,
+    segment_lengths: tuple[int, ...],
+    dilation_rates: tuple[int, ...],
+) -> bool:
+    """Whether a schedule's branches over ``seq_len`` positions can write into slots merged once
+    (:func:`not_slotted_reason` of its effective branches is None)."""
+    segs, rates = effective_branches(seq_len, num_heads, segment_lengths, dilation_rates)
+    groups = plan_branches(seq_len, num_heads, segs, rates)
+    return not_slotted_reason(groups, seq_len, num_kv_heads) is None
+
+
+@functools.lru_cache(maxsize=256)
+def slot_plan(
+    groups: tuple[RowGroup, ...], seq_len: int, num_kv_heads: int, causal: bool
+) -> Plan:
+    """The plan of ``groups`` (one per branch, :func:`not_slotted_reason` None) with every
+    branch's calls writing into a slot of its own (Note [Branch slots merged once]): the view
+    calls of :func:`strided_calls`, and one whole-segment view call for a rate of 1."""
+    calls: list[StridedCall] = []
+    for index, group in enumerate(groups):
+        views = strided_calls(group, num_kv_heads, causal)
+        if views is None:  # rate 1: every head's whole segments
+            n, length = group.num_segments, group.segment_len
+            views = (StridedCall(group.start, n, length, 1, 0, slice(None), causal),)
+        calls.extend(call.in_slot(index) for call in views)
+    slots = tuple(Slot(group.segment_len, group.rate) for group in groups)
+    return Plan(tuple(calls), slots=slots)
+
+
 def not_strided_reason(group: RowGroup, num_kv_heads: int) -> str | None:
     """Why the group's rows are not strided views of q, k and v (so a kernel that reads strided
     rows still gets them gathered), or None where they are (:func:`strided_calls`)."""
@@ -320,13 +373,26 @@ def strided_calls(
 
 
 def describe_plan(
-    groups: tuple[RowGroup, ...], seq_len: int, num_kv_heads: int, strided: bool
+    groups: tuple[RowGroup, ...],
+    seq_len: int,
+    num_kv_heads: int,
+    strided: bool,
+    slotted: bool = False,
 ) -> tuple[str, ...]:
     """One line per row group saying how :func:`dilated_plan` runs it on a kernel that reads
     strided rows (``strided``) or not: as views (how many calls, from :func:`strided_calls`) or
-    gathered, and why."""
+    gathered, and why; on a kernel that writes into given buffers (``slotted``), whether the
+    results go into branch slots merged once (:func:`slot_plan`) or why not."""
     if covers_all_once(groups, seq_len):
         return (f"w={seq_len} r=1: one dense call over all {seq_len} positions",)
+    merge = ""
+    if slotted:
+        reason = not_slotted_reason(groups, seq_len, num_kv_heads)
+        merge = (
+            "; written into the branch's slot, merged once with the other branches"
+            if reason is None
+            else f"; merged as it comes (no branch slots: {reason})"
+        )
     lines = []
     for group in groups:
         where = (
@@ -346,7 +412,7 @@ def describe_plan(
             path = f"{heads} on strided views (no gather)"
         else:
             path = f"{len(views)} offset-class call(s) on strided views (no gather)"
-        lines.append(f"{where}: {path}")
+        lines.append(f"{where}: {path}{merge}")
     return tuple(lines)
 
 

@@ -62,6 +62,34 @@ class StridedCall:
         self.start, self.num_segments, self.segment_len = start, num_segments, segment_len
         self.rate, self.offset, self.kv_heads, self.causal = rate, offset, kv_heads, causal
         self.q_heads = slice(offset, None, rate)
+        self.slot = -1  # the branch slot the call writes into (Note [Branch slots merged once])
+
+    def in_slot(self, slot: int) -> StridedCall:
+        """This call writing into branch slot ``slot`` (a copy)."""
+        call = copy.copy(self)
+        call.slot = slot
+        return call
+
+    @property
+    def slot_heads(self) -> slice:
+        """The call's heads of its slot (Note [Branch slots merged once] in ``slots.py``)."""
+        return self.q_heads
+
+    def slot_rows(self, buffer: torch.Tensor) -> torch.Tensor:
+        """(B, N / r, H, E) slot of the branch -> the call's rows (B * n, L / r, Hc, E), a view:
+        row ``seg * L / r + m`` holds position ``seg * L + s + r * m`` of the heads at offset
+        ``s``."""
+        rows, first = self.segment_len // self.rate, self.start // self.rate
+        block = buffer[:, first : first + self.num_segments * rows]
+        batch, _, heads, dim = buffer.shape
+        return block.view(batch * self.num_segments, rows, heads, dim)[:, :, self.slot_heads]
+
+    def slot_lse(self, buffer: torch.Tensor) -> torch.Tensor:
+        """(B, N / L, H, L / r) slot lse -> the call's (B * n, Hc, L / r), a view."""
+        first = self.start // self.segment_len
+        block = buffer[:, first : first + self.num_segments]
+        batch, _, heads, rows = buffer.shape
+        return block.view(batch * self.num_segments, heads, rows)[:, self.slot_heads]
 
     def within(self, start: int, end: int) -> StridedCall | None:
         """The call cut to positions ``[start, end)``, in the coordinates of ``x[:, start:end]``,
@@ -130,6 +158,10 @@ class StridedCall:
 class DiagonalCall(StridedCall):
     """The heads ``t*r .. t*r + r - 1`` of a run of segments, each at its own offset (Note
     [Diagonal head calls]; ``offset`` is ``t``); without GQA."""
+
+    @property
+    def slot_heads(self) -> slice:
+        return slice(self.offset * self.rate, (self.offset + 1) * self.rate)
 
     def _rows(self, x: torch.Tensor, heads: slice) -> torch.Tensor:
         """(B, N, H, E) -> (B, n, L / r, r, E), a view: head ``t*r + s`` at offset ``s``."""

@@ -1,0 +1,236 @@
+"""Branch slots: each dilated branch's results in a compact buffer of its own, merged once.
+
+Note [Branch slots merged once]
+    The executor's default merge keeps float32 accumulators shaped like the output and merges
+    every call's result into them as it comes (Note [One executor] in ``engine.py``): zeroing
+    them, one read-modify-write of float32 rows per call, a rounding pass at the end, and the
+    same again for dq, dk, dv in the backward. Around FlashAttention-4's kernels on strided
+    views that traffic cost about as much time as the kernels (1M tokens on an H100:
+    ``findings_h100``). A kernel that writes its result into buffers it is given (``into``,
+    Note [The backend contract] in ``contract.py``) makes it unnecessary:
+
+    - every branch ``(L, r)`` gets a *slot*: a compact buffer of the rows it covers, shaped
+      (B, N / r, H, D) in the input dtype, row ``seg * L / r + m`` of head ``h`` holding
+      position ``seg * L + (h mod r) + r * m`` (LongNet's offset ``h mod r``), and its
+      log-sum-exp (B, N / L, H, L / r) float32. The calls of a branch (offset classes or
+      diagonal head blocks, Note [Strided row calls] in ``strided.py``) write straight into
+      views of it (:meth:`~dilated_attention.core.strided.StridedCall.slot_rows`): each row of
+      a slot is written by exactly one call;
+    - after the last call one pass merges every slot into the output (Note [Merging partial
+      softmaxes] weights over the branches covering a row, float32, one rounding), writing the
+      merged lse too: it reads each slot row once and writes each output row once;
+    - backward, every call writes its dq, dk, dv rows into the slots of three gradient buffers,
+      and one pass per gradient sums a row's slots in float32 and rounds once.
+
+    Each slot is a 16-bit result the kernel rounded once, so the sum is what the float32
+    accumulators computed, in another order. The slots take ``sum 1 / r_i`` units of q per
+    buffer (1.94 for LongNet's r = 1..16): forward that stays below the backward's tensors; the
+    backward runs in position groups where it would not (Note [Position-grouped plans] in
+    ``grouped.py``), with slots of the group's size.
+
+    A plan runs in slots when every branch's rows are strided views of whole segments: every
+    segment length divides the sequence and its rate divides the segment, and the keys and
+    values have every head (no GQA: a key row of one head then belongs to one call of each
+    branch, as a query row does). Other plans merge as they go.
+
+    The merge and the sums run as one Triton kernel each on CUDA (:func:`register_slot_kernels`,
+    filled by the Triton backend), else as the torch ops of :func:`merge_slots_torch` and
+    :func:`sum_slots_torch`, which address the slots through views and share nothing with the
+    kernels.
+
+Shape legend: B batch, N positions of the plan (or of a position group), H heads, D head dim,
+L segment length, r rate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .merge import merge_partial
+
+
+@dataclass(frozen=True)
+class Slot:
+    """The compact buffer of branch ``(segment_len, rate)`` (Note [Branch slots merged once])."""
+
+    segment_len: int
+    rate: int
+
+    def rows(self, seq_len: int) -> int:
+        """Rows per batch element and head over ``seq_len`` positions: N / r."""
+        return seq_len // self.rate
+
+
+class SlotBuffers:
+    """Every slot of a plan in one flat buffer (and one flat lse buffer), for B batch elements,
+    ``seq_len`` positions and H heads of ``dim`` channels.
+
+    Attributes:
+        flat: all slots' rows, slot ``i`` at ``offsets[i]`` elements as (B, N / r, H, D).
+        lse_flat: all slots' lse (``None`` for gradient buffers), slot ``i`` at
+            ``lse_offsets[i]`` as (B, N / L, H, L / r).
+    """
+
+    def __init__(
+        self,
+        slots: Sequence[Slot],
+        like: torch.Tensor,
+        seq_len: int,
+        *,
+        with_lse: bool,
+    ) -> None:
+        batch, _, heads, dim = like.shape
+        self.slots = tuple(slots)
+        self.seq_len, self.batch, self.heads, self.dim = seq_len, batch, heads, dim
+        sizes = [batch * slot.rows(seq_len) * heads for slot in self.slots]
+        self.offsets = _starts(sizes, dim)
+        self.lse_offsets = _starts(sizes, 1)
+        self.flat = torch.empty(sum(sizes) * dim, dtype=like.dtype, device=like.device)
+        lse_dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+        self.lse_flat = (
+            torch.empty(sum(sizes), dtype=lse_dtype, device=like.device) if with_lse else None
+        )
+
+    def out(self, index: int) -> torch.Tensor:
+        """Slot ``index``'s rows, (B, N / r, H, D)."""
+        slot = self.slots[index]
+        size = self.batch * slot.rows(self.seq_len) * self.heads * self.dim
+        start = self.offsets[index]
+        return self.flat[start : start + size].view(
+            self.batch, slot.rows(self.seq_len), self.heads, self.dim
+        )
+
+    def lse(self, index: int) -> torch.Tensor:
+        """Slot ``index``'s log-sum-exp, (B, N / L, H, L / r)."""
+        if self.lse_flat is None:
+            raise RuntimeError("these slot buffers hold gradients: they have no lse")
+        slot = self.slots[index]
+        size = self.batch * slot.rows(self.seq_len) * self.heads
+        start = self.lse_offsets[index]
+        segments, rows = self.seq_len // slot.segment_len, slot.segment_len // slot.rate
+        return self.lse_flat[start : start + size].view(self.batch, segments, self.heads, rows)
+
+
+def _starts(sizes: Sequence[int], unit: int) -> list[int]:
+    starts, total = [], 0
+    for size in sizes:
+        starts.append(total * unit)
+        total += size
+    return starts
+
+
+class SlotCall(Protocol):
+    """What a call of a slotted plan adds to ``Call`` (``engine.py``)."""
+
+    slot: int
+
+    def slot_rows(self, buffer: torch.Tensor) -> torch.Tensor:
+        """(B, N / r, H, E) slot -> the call's (B * n, L / r, Hc, E) rows of it, a view."""
+        ...
+
+    def slot_lse(self, buffer: torch.Tensor) -> torch.Tensor:
+        """(B, N / L, H, L / r) slot lse -> the call's (B * n, Hc, L / r), a view."""
+        ...
+
+
+# -- the torch passes ------------------------------------------------------------------------------
+def _offset_views(
+    slot: Slot, dest: torch.Tensor, rows: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(dest rows, slot rows)`` view pairs, one per offset class ``s`` of ``slot``: the rows
+    ``seg * L + s + r * m`` of the heads ``s, s + r, ...`` of ``dest`` (B, N, H, E) and of the
+    slot ``rows`` (B, N / r, H, E), both (B, N / L, L / r, Hc, E)."""
+    batch, seq_len, heads, dim = dest.shape
+    length, rate = slot.segment_len, slot.rate
+    segments = seq_len // length
+    by_offset = dest.view(batch, segments, length // rate, rate, heads, dim)
+    compact = rows.reshape(batch, segments, length // rate, heads, dim)
+    return [
+        (by_offset[:, :, :, s, s::rate], compact[:, :, :, s::rate]) for s in range(min(rate, heads))
+    ]
+
+
+def merge_slots_torch(buffers: SlotBuffers, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Merge every slot into ``out`` (B, N, H, D) and ``lse`` (B, H, N) with torch ops (Note
+    [Branch slots merged once]): float32 accumulators, one rounding."""
+    acc, acc_lse = _accumulators(out, -float("inf"))
+    for index, slot in enumerate(buffers.slots):
+        lse_rows = buffers.lse(index).transpose(-1, -2).unsqueeze(-1)  # (B, n, L/r, H, 1)
+        lse_pairs = _offset_views(slot, acc_lse, lse_rows.flatten(1, 2))
+        for (dest, part), (dest_lse, part_lse) in zip(
+            _offset_views(slot, acc, buffers.out(index)), lse_pairs, strict=True
+        ):
+            merged, merged_lse = merge_partial(
+                dest, dest_lse.squeeze(-1), part, part_lse.squeeze(-1)
+            )
+            dest.copy_(merged)
+            dest_lse.copy_(merged_lse.unsqueeze(-1))
+    out.copy_(acc)
+    lse.copy_(acc_lse.squeeze(-1).transpose(1, 2))
+
+
+def sum_slots_torch(buffers: SlotBuffers, grad: torch.Tensor) -> None:
+    """Write the sum of every slot's rows into ``grad`` (B, N, H, D): float32, one rounding."""
+    acc, _ = _accumulators(grad, 0.0)
+    for index, slot in enumerate(buffers.slots):
+        for dest, part in _offset_views(slot, acc, buffers.out(index)):
+            dest.add_(part)
+    grad.copy_(acc)
+
+
+def _accumulators(like: torch.Tensor, lse_fill: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 (float64 for float64) zeros shaped like ``like`` (B, N, H, D) and an lse
+    (B, N, H, 1) filled with ``lse_fill``."""
+    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+    acc = torch.zeros(like.shape, dtype=dtype, device=like.device)
+    lse = torch.full((*like.shape[:3], 1), lse_fill, dtype=dtype, device=like.device)
+    return acc, lse
+
+
+# -- the per-device kernels ------------------------------------------------------------------------
+class SlotKernels(Protocol):
+    """One-pass kernels of a device: ``merge(buffers, out, lse)`` and ``sum(buffers, grad)``,
+    with the arguments of :func:`merge_slots_torch` and :func:`sum_slots_torch`."""
+
+    def merge(self, buffers: SlotBuffers, out: torch.Tensor, lse: torch.Tensor) -> None: ...
+
+    def sum(self, buffers: SlotBuffers, grad: torch.Tensor) -> None: ...
+
+
+_SLOT_KERNELS: dict[str, Callable[[], SlotKernels | None]] = {}
+
+
+def register_slot_kernels(device_type: str, load: Callable[[], SlotKernels | None]) -> None:
+    """Give the executor one-pass slot kernels on ``device_type``; ``load()`` returns them, or
+    None where they cannot be loaded (then the torch passes run)."""
+    _SLOT_KERNELS[device_type] = load
+
+
+def _kernels(like: torch.Tensor) -> SlotKernels | None:
+    if like.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return None
+    load = _SLOT_KERNELS.get(like.device.type)
+    return None if load is None else load()
+
+
+def merge_slots(buffers: SlotBuffers, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Merge every slot into ``out`` (B, N, H, D, last dim contiguous) and ``lse`` (B, H, N),
+    one rounding; the device's kernel where one is registered."""
+    kernels = _kernels(out)
+    if kernels is None:
+        merge_slots_torch(buffers, out, lse)
+    else:
+        kernels.merge(buffers, out, lse)
+
+
+def sum_slots(buffers: SlotBuffers, grad: torch.Tensor) -> None:
+    """Write the float32 sum of every slot's rows into ``grad`` (B, N, H, D), one rounding."""
+    kernels = _kernels(grad)
+    if kernels is None:
+        sum_slots_torch(buffers, grad)
+    else:
+        kernels.sum(buffers, grad)

@@ -1,0 +1,309 @@
+"""Branch slots merged once (Note [Branch slots merged once] in ``core/slots.py``).
+
+On the CPU the math backend stands in for a kernel that writes into the buffers it is given (as
+FlashAttention-4 does): slotted plans, whole and position-grouped, against the float64 oracle on
+outputs, lse and every gradient (causal, key padding with rows that see no key, rows no branch
+covers, rates above the head count, diagonal head calls, batches); every slot row written by
+exactly one call; the plans that cannot use slots, and why. The one-pass kernels are checked
+against the torch passes on the GPU and, with ``TRITON_INTERPRET=1``, on the CPU; the GPU test
+runs FlashAttention-4 itself into the slots.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.oracle import oracle_dilated_attention
+from support.tolerances import assert_close_to_oracle
+from support.triton import KERNEL_DEVICES, poison_new_buffers, skip_without_triton
+
+import dilated_attention.core.engine as engine
+import dilated_attention.core.fused as fused
+import dilated_attention.core.grouped as grouped
+from dilated_attention import backend_reasons, dilated_attention
+from dilated_attention.backends.math import MathBackend
+from dilated_attention.core.contract import KernelOutput
+from dilated_attention.core.segment import not_slotted_reason, plan_branches, slot_plan
+from dilated_attention.core.slots import Slot, SlotBuffers, merge_slots_torch, sum_slots_torch
+
+F64 = torch.float64
+TIGHT = {"atol": 1e-10, "rtol": 1e-7}
+
+#: (id, N, H, segments, rates): every segment divides N and every rate its segment, no GQA.
+SCHEDULES = [
+    ("longnet", 64, 8, (8, 16, 32), (1, 2, 4)),  # r = 4 > H / r: diagonal head calls
+    ("rates_above_heads", 48, 2, (12, 48), (3, 6)),
+    ("no_rate_one", 32, 4, (16, 32), (2, 4)),  # rows no branch covers: zeros, lse -inf
+    ("one_branch", 32, 4, (16,), (2,)),
+    ("segment_beyond_n", 40, 4, (8, 64), (1, 4)),  # w > N is one segment of N
+]
+#: (id, N, H, Hkv, segments, rates, the reason's words).
+UNSLOTTED = [
+    ("gqa", 32, 8, 4, (8, 16), (1, 2), "GQA"),
+    ("ragged_rows", 32, 4, 4, (8, 32), (1, 3), "divide"),
+    ("short_last_segment", 44, 4, 4, (8, 16), (1, 2), "divide"),
+    ("dense", 32, 4, 4, (32,), (1,), "one dense call"),
+]
+
+
+@pytest.fixture
+def writing_kernel(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The math backend as a kernel that writes its results into the buffers it is handed
+    (``writes_into``); returns the list of the passes that did."""
+    writes: list[str] = []
+    real_forward, real_backward = MathBackend._forward, MathBackend._backward
+
+    def _forward(self, q, k, v, *, into=None, **kwargs):
+        res = real_forward(self, q, k, v, **kwargs)
+        if into is None:
+            return res
+        into.out.copy_(res.out)
+        into.lse.copy_(res.lse)
+        writes.append("forward")
+        return KernelOutput(into.out, into.lse, res.aux)
+
+    def _backward(self, *args, into=None, **kwargs):
+        grads = real_backward(self, *args, **kwargs)
+        if into is None:
+            return grads
+        for dest, grad in zip(into, grads, strict=True):
+            dest.copy_(grad)
+        writes.append("backward")
+        return into
+
+    monkeypatch.setattr(MathBackend, "writes_into", True)
+    monkeypatch.setattr(MathBackend, "_forward", _forward)
+    monkeypatch.setattr(MathBackend, "_backward", _backward)
+    return writes
+
+
+def _small_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cut plans on the CPU too, into groups as small as the segments allow, whatever the
+    scratch."""
+    monkeypatch.setattr(grouped, "GROUPED_DEVICES", frozenset({"cpu", "cuda"}))
+    monkeypatch.setattr(fused, "MIN_GROUP_POSITIONS", 1)
+    monkeypatch.setattr(fused, "GROUPS_PER_SEQUENCE", 1000)
+    monkeypatch.setattr(fused, "scratch_allowance", lambda like: 0)
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch, names: tuple[str, ...]) -> list[str]:
+    runs: list[str] = []
+    for name in names:
+        real = getattr(engine, name)
+        spy = lambda *a, n=name, f=real, **kw: runs.append(n) or f(*a, **kw)  # noqa: E731
+        monkeypatch.setattr(engine, name, spy)
+    return runs
+
+
+def _inputs(n: int, heads: int, dtype: torch.dtype = F64, batch: int = 2, dim: int = 8):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(batch, n, heads, dim, generator=gen).to(dtype) for _ in range(4)]
+
+
+def _mask(n: int) -> torch.Tensor:
+    """Batch element 1: every 5th key ignored, and the first 8 keys (a segment of rows that
+    see no key when causal)."""
+    mask = torch.zeros(2, n, dtype=torch.bool)
+    mask[1, 3:n:5] = True
+    mask[1, :8] = True
+    return mask
+
+
+def _oracle(q, k, v, dout, segs, rates, is_causal, mask):
+    leaves = [t.detach().to(F64).requires_grad_() for t in (q, k, v)]
+    out, lse = oracle_dilated_attention(*leaves, segs, rates, is_causal=is_causal,
+                                        key_padding_mask=mask)  # fmt: skip
+    return out, lse, torch.autograd.grad(out, leaves, dout.to(F64))
+
+
+@pytest.mark.parametrize("cut", [False, True], ids=["whole", "grouped"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=[s[0] for s in SCHEDULES])
+def test_slotted_plan_matches_oracle(
+    schedule, is_causal: bool, cut: bool, writing_kernel: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """out, lse, dq, dk, dv of a slotted plan (the kernel writing every call into its slot)
+    equal the float64 oracle, with gradients and without, whole and in position groups."""
+    _, n, heads, segs, rates = schedule
+    if cut:
+        _small_groups(monkeypatch)
+    runs = _spy(monkeypatch, ("slot_forward", "slot_backward", "run_forward", "run_backward"))
+    q, k, v, dout = _inputs(n, heads)
+    mask = _mask(n)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = dilated_attention(*leaves, segs, rates, is_causal=is_causal, backend="math",
+                                 key_padding_mask=mask, return_lse=True)  # fmt: skip
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_out, ref_lse, ref_grads = _oracle(q, k, v, dout, segs, rates, is_causal, mask)
+    torch.testing.assert_close(out, ref_out, **TIGHT)
+    torch.testing.assert_close(lse, ref_lse, **TIGHT)
+    for name, g, rg in zip("qkv", grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, rg, **TIGHT, msg=lambda m, x=name: f"d{x}: {m}")
+    assert set(runs) == {"slot_forward", "slot_backward"}, runs
+    assert runs.count("slot_forward") == 1  # a differentiated forward runs whole
+    assert runs.count("slot_backward") == (2 * len(fused.position_groups(n, segs, 1)) if cut
+                                           else 1)  # fmt: skip
+    assert {"forward", "backward"} == set(writing_kernel)
+    runs.clear()
+    with torch.no_grad():
+        out, lse = dilated_attention(q, k, v, segs, rates, is_causal=is_causal, backend="math",
+                                     key_padding_mask=mask, return_lse=True)  # fmt: skip
+    torch.testing.assert_close(out, ref_out.detach(), **TIGHT)
+    torch.testing.assert_close(lse, ref_lse, **TIGHT)
+    assert set(runs) == {"slot_forward"}, runs
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=[s[0] for s in SCHEDULES])
+def test_each_slot_row_is_written_by_one_call(schedule) -> None:
+    """Adding one through every call's slot rows (and slot lse) fills each slot with ones
+    exactly: the calls of a branch tile its slot, rows and heads, with no overlap."""
+    _, n, heads, segs, rates = schedule
+    segs = tuple(min(w, n) for w in segs)
+    plan = slot_plan(plan_branches(n, heads, segs, rates), n, heads, False)
+    like = torch.empty(2, n, heads, 3)
+    buffers = SlotBuffers(plan.slots, like, n, with_lse=True)
+    buffers.flat.zero_()
+    buffers.lse_flat.zero_()  # type: ignore[union-attr]
+    for call in plan.calls:
+        call.slot_rows(buffers.out(call.slot)).add_(1)  # type: ignore[attr-defined]
+        call.slot_lse(buffers.lse(call.slot)).add_(1)  # type: ignore[attr-defined]
+    assert torch.equal(buffers.flat, torch.ones_like(buffers.flat))
+    assert torch.equal(buffers.lse_flat, torch.ones_like(buffers.lse_flat))
+    assert [s.rate for s in plan.slots] == list(rates)
+
+
+@pytest.mark.parametrize("case", UNSLOTTED, ids=[c[0] for c in UNSLOTTED])
+def test_plans_without_slots_say_why_and_merge_as_they_go(
+    case, writing_kernel: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GQA, ragged rows, a shorter last segment and dense attention keep the executor's running
+    merge (and still match the oracle)."""
+    _, n, heads, kv_heads, segs, rates, words = case
+    reason = not_slotted_reason(plan_branches(n, heads, segs, rates), n, kv_heads)
+    assert reason is not None and words in reason
+    runs = _spy(monkeypatch, ("slot_forward",))
+    q, _, _, dout = _inputs(n, heads)
+    k, v = (t[:, :, :kv_heads] for t in _inputs(n, heads)[1:3])
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = dilated_attention(*leaves, segs, rates, backend="math")
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_out, _, ref_grads = _oracle(q, k, v, dout, segs, rates, False, None)
+    torch.testing.assert_close(out, ref_out, **TIGHT)
+    for g, rg in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, rg, **TIGHT)
+    assert runs == [] and writing_kernel == []
+
+
+# -- the one-pass kernels --------------------------------------------------------------------------
+def _random_slots(device: str, dtype: torch.dtype, n: int, heads: int, dim: int):
+    """Slot buffers of the LongNet-like schedule with random rows and lse: a row of slot 0
+    NaN (the merged row is NaN, its lse is not), the lse of some rows -inf (no key in that
+    branch), of one row -inf in every slot."""
+    slots = (Slot(16, 1), Slot(32, 2), Slot(64, 4), Slot(64, 16))
+    like = torch.empty(2, n, heads, dim, dtype=dtype, device=device)
+    buffers = SlotBuffers(slots, like, n, with_lse=True)
+    gen = torch.Generator().manual_seed(5)
+    buffers.flat.copy_(torch.randn(buffers.flat.shape, generator=gen).to(dtype))
+    lse = torch.randn(buffers.lse_flat.shape, generator=gen) * 3  # type: ignore[union-attr]
+    lse[torch.rand(lse.shape, generator=gen) < 0.1] = float("-inf")
+    buffers.lse_flat.copy_(lse)  # type: ignore[union-attr]
+    buffers.out(0)[1, 5, 2] = float("nan")  # position 5, head 2 of batch 1
+    for index in range(len(slots)):  # position 0, head 0 of batch 0: no slot saw a key
+        buffers.lse(index)[0, 0, 0, 0] = float("-inf")
+    return buffers
+
+
+@pytest.mark.parametrize("device,dtypes", KERNEL_DEVICES)
+def test_slot_kernels_match_the_torch_passes(
+    device: str, dtypes: list[torch.dtype], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Triton merge and sum of slots against :func:`merge_slots_torch` /
+    :func:`sum_slots_torch`, into strided views of NaN-filled outputs: equal up to float32
+    summation order, NaN carried, empty rows 0 with lse -inf."""
+    skip_without_triton(device)
+    from dilated_attention.backends._triton_merge import SlotKernels
+
+    poison_new_buffers(monkeypatch)
+    n, heads = 128, 4
+    for dtype in dtypes:
+        for dim in (32, 40):
+            buffers = _random_slots(device, dtype, n, heads, dim)
+            wide = torch.full((2, n, heads, dim + 8), float("nan"), dtype=dtype, device=device)
+            out, ref = wide[..., :dim], torch.empty(2, n, heads, dim, dtype=dtype, device=device)
+            lse = torch.full((2, heads, 2 * n), float("nan"), device=device)[..., ::2]
+            ref_lse = torch.empty(2, heads, n, device=device)
+            SlotKernels.merge(buffers, out, lse)
+            merge_slots_torch(buffers, ref, ref_lse)
+            assert torch.isnan(out[1, 5, 2]).all() and torch.isfinite(lse[1, 2, 5])
+            assert torch.equal(out[0, 0, 0], torch.zeros_like(out[0, 0, 0]))
+            assert lse[0, 0, 0] == float("-inf")
+            tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {}
+            torch.testing.assert_close(out, ref, equal_nan=True, **tol)
+            torch.testing.assert_close(lse, ref_lse, equal_nan=True, atol=1e-5, rtol=1e-5)
+            grad, ref_grad = out.clone(), torch.empty_like(ref)
+            grad.fill_(float("nan"))
+            SlotKernels.sum(buffers, grad)
+            sum_slots_torch(buffers, ref_grad)
+            torch.testing.assert_close(grad, ref_grad, equal_nan=True, **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cut", [False, True], ids=["whole", "grouped"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_cuda_flash_attn4_writes_into_slots(
+    is_causal: bool, cut: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FlashAttention-4 on the strided views of the slots (out, lse, dq, dk, dv written where
+    they belong, nothing copied) against the float64 oracle, whole and in position groups."""
+    _, n, heads, segs, rates = ("longnet", 1024, 8, (128, 256, 512), (1, 2, 4))
+    q, k, v, dout = _inputs(n, heads, torch.bfloat16, dim=64)
+    dev = [t.cuda().requires_grad_() for t in (q, k, v)]
+    reasons = backend_reasons(*dev, is_causal=is_causal)["flash_attn4"]
+    if reasons:
+        pytest.skip(f"flash_attn4 cannot run here: {'; '.join(reasons)}")
+    if cut:
+        _small_groups(monkeypatch)
+    copies: list[tuple[int, ...]] = []
+    real_fill = engine._fill
+
+    def counting_fill(dest: torch.Tensor, result: torch.Tensor) -> None:
+        if result.data_ptr() != dest.data_ptr():
+            copies.append(tuple(dest.shape))
+        real_fill(dest, result)
+
+    monkeypatch.setattr(engine, "_fill", counting_fill)
+    runs = _spy(monkeypatch, ("slot_forward", "slot_backward"))
+    poison_new_buffers(monkeypatch)
+    out, lse = dilated_attention(*dev, segs, rates, is_causal=is_causal, backend="flash_attn4",
+                                 return_lse=True)  # fmt: skip
+    grads = torch.autograd.grad(out, dev, dout.cuda())
+    assert "slot_forward" in runs and "slot_backward" in runs
+    assert runs.count("slot_backward") == (2 * (n // 512) if cut else 1)  # batch 2
+    assert copies == [], "FlashAttention-4 did not write into the slots it was given"
+    results = []
+    for cdt in (F64, torch.bfloat16):
+        leaves = [t.detach().to(cdt).requires_grad_() for t in (q, k, v)]
+        ref_out, ref_lse = oracle_dilated_attention(*leaves, segs, rates, is_causal=is_causal,
+                                                    compute_dtype=cdt)  # fmt: skip
+        results.append((ref_out, ref_lse, torch.autograd.grad(ref_out, leaves, dout.to(cdt))))
+    (ref_out, ref_lse, ref_grads), (low_out, low_lse, low_grads) = results
+    assert_close_to_oracle(out.cpu(), ref_out, low_out, name="out", dtype=torch.bfloat16)
+    assert_close_to_oracle(lse.cpu(), ref_lse, low_lse, name="lse", dtype=torch.bfloat16)
+    for name, got, ref, low in zip("qkv", grads, ref_grads, low_grads, strict=True):
+        assert_close_to_oracle(got.cpu(), ref, low, name=f"d{name}", dtype=torch.bfloat16,
+                               grad=True)  # fmt: skip
+
+
+def test_explain_says_whether_branches_go_into_slots() -> None:
+    """``describe_plan`` (``explain``'s lines) on a kernel that writes into given buffers: every
+    group of a slotted schedule says it goes into its slot; a GQA schedule says why not."""
+    from dilated_attention.core.segment import describe_plan
+
+    lines = describe_plan(plan_branches(64, 8, (8, 16, 32), (1, 2, 4)), 64, 8, True, True)
+    assert len(lines) == 3
+    assert all(line.endswith("merged once with the other branches") for line in lines), lines
+    lines = describe_plan(plan_branches(64, 8, (8, 16), (1, 2)), 64, 4, True, True)
+    assert all("merged as it comes (no branch slots: GQA" in line for line in lines), lines
+    assert not any("slot" in line for line in describe_plan(
+        plan_branches(64, 8, (8, 16), (1, 2)), 64, 8, True, False))  # fmt: skip
