@@ -6,14 +6,16 @@ For each schedule (LongNet: w = 2048..32768 with r = 1, 2, 4, 8, 16; the paper's
 12), head dim, sequence length and causal flag (B = 1, H = 16, bf16), in one run:
 
 - ``auto``: ``dilated_attention(..., backend=None)``, what users get (the chosen backend is
-  recorded; on sm90 the fused Triton kernels, ``backend="triton"``);
+  recorded; on sm90 the fused Triton kernels, ``backend="triton"``, or FlashAttention-4 writing
+  into branch slots from 256K tokens where it is installed);
 - ``triton``: the same call with ``backend="triton"`` (the fused kernels whatever ``auto`` picks;
   not run by default);
 - ``gather+cudnn``: the same call with ``backend="sdpa_cudnn"``: every branch's rows gathered into
   dense tensors, cuDNN, merged and scattered back (the fallback path);
 - ``flash_attn4``: the same call with ``backend="flash_attn4"``: one FlashAttention-4 call per
-  (branch, offset class) on strided views of q, k, v (no gathers), merged (not run by default;
-  needs ``flash-attn-4``);
+  (branch, offset class or diagonal head block) on strided views of q, k, v (no gathers), each
+  writing into its branch's slot, the slots merged once (not run by default; needs
+  ``flash-attn-4``);
 - ``cudnn ceiling``: cuDNN alone on tensors already shaped like every branch's rows
   ``(B * N / w, ceil(w / r), H, D)`` (no gather, no merge), its times summed over the branches;
 - ``fa4 ceiling``: the same with FlashAttention-4 (not run by default).
@@ -49,6 +51,7 @@ from _timing import (
 from dilated_attention import attention, dilated_attention
 from dilated_attention.backends import KernelInputs
 from dilated_attention.backends.registry import choose
+from dilated_attention.core.segment import runs_in_slots
 
 SCHEDULES = {
     "longnet": ((2048, 4096, 8192, 16384, 32768), (1, 2, 4, 8, 16)),
@@ -106,7 +109,10 @@ def bench_config(
         for _ in range(3)
     )
     dout = torch.randn_like(q)
-    auto = choose(KernelInputs.from_tensors(q, k, is_causal=causal, dilated=True)).backend
+    slots = runs_in_slots(seq_len, heads, heads, segs, rates)
+    auto = choose(
+        KernelInputs.from_tensors(q, k, is_causal=causal, dilated=True, branch_slots=slots)
+    ).backend
 
     def library(backend: str | None) -> Callable[[], dict[str, float]]:
         return lambda: time_fwd_and_fwd_bwd(

@@ -460,12 +460,35 @@ def _block_sparse_first(inputs: KernelInputs) -> list[str]:
     return ["flash_attn4", *rest]
 
 
+#: Positions from which FlashAttention-4 writing into branch slots runs dilated calls on sm90
+#: ahead of our fused Triton kernels (see :func:`_dilated_first`).
+FA4_DILATED_MIN_LEN = 262144
+
+
+def _dilated_first(inputs: KernelInputs) -> list[str]:
+    """On sm90: FlashAttention-4 first for dilated calls of at least ``FA4_DILATED_MIN_LEN``
+    positions whose branches write into slots (Note [Branch slots merged once] in
+    core/slots.py), with head dims up to 128, where bench_dilated measured it faster than our
+    fused Triton kernels (H100, bf16, LongNet schedule, H = 16, D = 64 and 128, causal and not,
+    benchmarks/results/dilated_h100.json: at 1M tokens forward+backward 1.12-1.60x, forward
+    1.10-1.22x; at 64K it won only some shapes); elsewhere the device's list, where our fused
+    kernels come first. Where FlashAttention-4 is not installed that is a reason, and the fused
+    kernels run."""
+    if inputs.device.type != "cuda" or not inputs.branch_slots:
+        return []
+    if inputs.query_len < FA4_DILATED_MIN_LEN or inputs.head_dim > _FUSED_MAX_TRAINING_HEAD_DIM:
+        return []
+    major, _ = torch.cuda.get_device_capability(inputs.device)
+    return ["flash_attn4"] if major == 9 else []
+
+
 _REGISTRIES = {
     DENSE: OperationRegistry(DENSE),
     DILATED: OperationRegistry(
         DILATED,
         [PlanKernel("triton", "our fused dilated kernels: every branch from the full q, k, v "
                     "through strides, merged in place (core/fused.py)", _fused_dilated_reasons)],
+        first=_dilated_first,
     ),
     BLOCK_SPARSE: OperationRegistry(
         BLOCK_SPARSE,

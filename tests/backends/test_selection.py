@@ -172,6 +172,32 @@ def test_priority_per_architecture(
         assert "not installed" in why or "compute capability" in why, (name, why)
 
 
+@pytest.mark.parametrize("installed", [True, False], ids=["fa4", "no-fa4"])
+def test_long_slotted_dilated_calls_prefer_flash_attn4_on_sm90(
+    monkeypatch: pytest.MonkeyPatch, installed: bool
+) -> None:
+    """From FA4_DILATED_MIN_LEN positions, a dilated call whose branches run in slots takes
+    FlashAttention-4 first on sm90 (measured); shorter calls, schedules without slots, head dims
+    above 128 and other architectures keep their order; without the package, the fused kernels
+    run and FlashAttention-4's reason says why."""
+    _fake_gpu(monkeypatch, (9, 0), ["flash_attn4"] if installed else [])
+    long = registry.FA4_DILATED_MIN_LEN
+    slotted = dict(dilated=True, branch_slots=True, query_len=long, key_len=long)
+    choice = choose(_gpu_inputs(**slotted))
+    assert choice.backend == ("flash_attn4" if installed else "triton"), choice
+    assert choice.order[0] == "flash_attn4"
+    if not installed:
+        assert "not installed" in " ".join(choice.reasons["flash_attn4"])
+    for other in (
+        dict(slotted, query_len=long // 2, key_len=long // 2),
+        dict(slotted, branch_slots=False),
+        dict(slotted, head_dim=256, requires_grad=False),
+    ):
+        assert choose(_gpu_inputs(**other)).order[0] != "flash_attn4", other
+    _fake_gpu(monkeypatch, (10, 0), ["flash_attn4"] if installed else [])
+    assert registry._dilated_first(_gpu_inputs(**slotted)) == []  # sm100: the device's list
+
+
 @pytest.mark.parametrize(
     ("capability", "expected"),
     [((9, 0), "triton"), ((10, 0), "sdpa_cudnn"), ((8, 0), "sdpa_flash")],
