@@ -15,7 +15,7 @@ kernel lse).
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -165,23 +165,23 @@ def merge_splits(
 # position by the slot's rate and segment length; with those (and the head count) compile-time
 # constants the divisions are multiplications. Runtime 64-bit divisions, computed once per
 # thread that holds a piece of the row, ran these kernels 5-10x below the memory bandwidth of an
-# H100 (0.7 of 3 TB/s).
+# H100 (0.7 of 3 TB/s). The slots come as tuples of views (``core.slots.SlotView``): a plan's
+# own slots and a spanning slot's part of a position group alike.
 @triton.jit
 def _slot_cell(
-    table, i, b, p, h, seq_len, valid,
+    b, p, h, valid, row_b, lse_b, lse_seg, lse_h,
     SEG: tl.constexpr, RATE: tl.constexpr, HEADS: tl.constexpr, DIM: tl.constexpr,
 ):  # fmt: skip
-    """Slot ``i`` (segment ``SEG``, rate ``RATE``) at cell (batch ``b``, position ``p``, head
+    """A slot view (segment ``SEG``, rate ``RATE``) at cell (batch ``b``, position ``p``, head
     ``h``): whether it covers the cell, the element offset of its row (rows counted in cells,
-    times ``DIM`` last, so the compiler knows rows are ``DIM``-aligned and loads them in
-    vectors), and of its lse."""
-    q = p // RATE  # the slot row: segment * SEG / RATE + (p mod SEG) // RATE, as SEG % RATE == 0
+    times ``DIM`` last: the compiler then knows rows are ``DIM``-aligned and loads them in
+    vectors) and of its lse."""
+    q = p // RATE  # the slot row: seg * SEG / RATE + (p mod SEG) // RATE, as SEG % RATE == 0
     covered = valid & ((p - q * RATE) == (h % RATE))
     seg = p // SEG
-    row = tl.load(table + 2 * i) + (b * (seq_len // RATE) + q) * HEADS + h
-    lse_row = (b * (seq_len // SEG) + seg) * HEADS + h
-    lse_at = tl.load(table + 2 * i + 1) + lse_row * (SEG // RATE) + (q - seg * (SEG // RATE))
-    return covered, row * DIM, lse_at
+    row_at = b * row_b + (q.to(tl.int64) * HEADS + h) * DIM
+    lse_at = b * lse_b + seg.to(tl.int64) * lse_seg + h * lse_h + (q - seg * (SEG // RATE))
+    return covered, row_at, lse_at
 
 
 @triton.jit
@@ -196,7 +196,7 @@ def _slot_program(seq_len, HEADS: tl.constexpr, BLOCK_CELLS: tl.constexpr):
 
 @triton.jit
 def _merge_slots_kernel(
-    flat, lse_flat, table, out, lse,
+    rows, lses, row_b, lse_b, lse_seg, lse_h, out, lse,
     seq_len,
     s_ob, s_on, s_oh,
     s_lb, s_lh, s_ln,
@@ -213,20 +213,20 @@ def _merge_slots_kernel(
     b, valid, p, h = _slot_program(seq_len, HEADS, BLOCK_CELLS)
     top = tl.full([BLOCK_CELLS], float("-inf"), dtype=tl.float32)
     for i in tl.static_range(NUM_SLOTS):
-        covered, _, lse_at = _slot_cell(table, i, b, p, h, seq_len, valid, SEGS[i], RATES[i],
-                                        HEADS, DIM)  # fmt: skip
-        part_lse = tl.load(lse_flat + lse_at, mask=covered, other=float("-inf"))
+        covered, _, lse_at = _slot_cell(b, p, h, valid, row_b[i], lse_b[i], lse_seg[i], lse_h[i],
+                                        SEGS[i], RATES[i], HEADS, DIM)  # fmt: skip
+        part_lse = tl.load(lses[i] + lse_at, mask=covered, other=float("-inf"))
         top = tl.maximum(top, part_lse, propagate_nan=tl.PropagateNan.ALL)
     top = tl.where(top == float("-inf"), 0.0, top)  # no slot saw a key: weights 0, lse -inf
     cols = tl.arange(0, BLOCK_D)
     total = tl.zeros([BLOCK_CELLS], dtype=tl.float32)
     acc = tl.zeros([BLOCK_CELLS, BLOCK_D], dtype=tl.float32)
     for i in tl.static_range(NUM_SLOTS):
-        covered, row_at, lse_at = _slot_cell(table, i, b, p, h, seq_len, valid, SEGS[i],
-                                             RATES[i], HEADS, DIM)  # fmt: skip
-        weight = tl.exp(tl.load(lse_flat + lse_at, mask=covered, other=float("-inf")) - top)
+        covered, row_at, lse_at = _slot_cell(b, p, h, valid, row_b[i], lse_b[i], lse_seg[i],
+                                             lse_h[i], SEGS[i], RATES[i], HEADS, DIM)  # fmt: skip
+        weight = tl.exp(tl.load(lses[i] + lse_at, mask=covered, other=float("-inf")) - top)
         mask = covered[:, None] & (cols < DIM)[None, :]
-        part = tl.load(flat + row_at[:, None] + cols[None, :], mask=mask, other=0.0)
+        part = tl.load(rows[i] + row_at[:, None] + cols[None, :], mask=mask, other=0.0)
         acc += part.to(tl.float32) * weight[:, None]
         total += weight
     inv = tl.where(total == 0.0, 0.0, 1.0 / total)
@@ -240,7 +240,7 @@ def _merge_slots_kernel(
 
 @triton.jit
 def _sum_slots_kernel(
-    flat, table, grad,
+    rows, row_b, grad,
     seq_len,
     s_gb, s_gn, s_gh,
     SEGS: tl.constexpr,
@@ -256,82 +256,80 @@ def _sum_slots_kernel(
     cols = tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_CELLS, BLOCK_D], dtype=tl.float32)
     for i in tl.static_range(NUM_SLOTS):
-        covered, row_at, _ = _slot_cell(table, i, b, p, h, seq_len, valid, SEGS[i], RATES[i],
+        covered, row_at, _ = _slot_cell(b, p, h, valid, row_b[i], 0, 0, 0, SEGS[i], RATES[i],
                                         HEADS, DIM)  # fmt: skip
         mask = covered[:, None] & (cols < DIM)[None, :]
-        acc += tl.load(flat + row_at[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        part = tl.load(rows[i] + row_at[:, None] + cols[None, :], mask=mask, other=0.0)
+        acc += part.to(tl.float32)
     mask = valid[:, None] & (cols < DIM)[None, :]
     cell_at = b * s_gb + p.to(tl.int64) * s_gn + h * s_gh
     tl.store(grad + cell_at[:, None] + cols[None, :], acc.to(grad.dtype.element_ty), mask=mask)
-
-
-@functools.lru_cache(maxsize=64)
-def _slot_table(offsets: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """(2 * slots,) int64 on ``device``: each slot's first row (cell) and first lse in the flat
-    buffers."""
-    return torch.tensor(offsets, dtype=torch.int64, device=device)
 
 
 #: float32 elements of a slot program's accumulator (cells x head dim).
 _SLOT_CELLS = 4096
 
 
-def _launch(buffers: Any) -> tuple[tuple[int, ...], dict[str, Any]]:
-    """The grid and the compile-time arguments of a slot kernel over ``buffers``."""
-    offsets = tuple(
-        value
-        for start, lse_start in zip(buffers.offsets, buffers.lse_offsets, strict=True)
-        for value in (start // buffers.dim, lse_start)  # rows (cells), then lse elements
+def _fits(views: Sequence[Any], dest: torch.Tensor) -> bool:
+    """Whether a launch covers ``dest`` (B, N, H, D): cells of one batch element below 2**31,
+    batch elements within the grid's second axis, slot rows contiguous within a batch element."""
+    batch, seq_len, heads, dim = dest.shape
+    rows_ok = all(
+        v.rows.stride(3) == 1 and v.rows.stride(2) == dim and v.rows.stride(1) == heads * dim
+        for v in views
     )
-    block_d = triton.next_power_of_2(buffers.dim)
+    return rows_ok and seq_len * heads < 2**31 and batch < 2**16
+
+
+def _launch(views: Sequence[Any], dest: torch.Tensor) -> tuple[tuple[int, int], dict[str, Any]]:
+    """The grid and the slot arguments of a slot kernel writing ``dest`` (B, N, H, D)."""
+    batch, seq_len, heads, dim = dest.shape
+    block_d = triton.next_power_of_2(dim)
     block_cells = max(16, _SLOT_CELLS // block_d)
-    grid = (triton.cdiv(buffers.seq_len * buffers.heads, block_cells), buffers.batch)
-    constants = {
-        "SEGS": tuple(slot.segment_len for slot in buffers.slots),
-        "RATES": tuple(slot.rate for slot in buffers.slots),
-        "NUM_SLOTS": len(buffers.slots), "HEADS": buffers.heads, "DIM": buffers.dim,
-        "BLOCK_CELLS": block_cells, "BLOCK_D": block_d,
+    grid = (triton.cdiv(seq_len * heads, block_cells), batch)
+    args = {
+        "rows": tuple(v.rows for v in views), "row_b": tuple(v.rows.stride(0) for v in views),
+        "SEGS": tuple(v.segment_len for v in views), "RATES": tuple(v.rate for v in views),
+        "NUM_SLOTS": len(views), "HEADS": heads, "DIM": dim, "BLOCK_CELLS": block_cells,
+        "BLOCK_D": block_d,
     }  # fmt: skip
-    return grid, {"table": _slot_table(offsets, buffers.flat.device), **constants}
-
-
-def _fits(buffers: Any) -> bool:
-    """Whether a launch covers ``buffers``: cells of one batch element below 2**31, batch
-    elements within the grid's second axis."""
-    return buffers.seq_len * buffers.heads < 2**31 and buffers.batch < 2**16
+    return grid, args
 
 
 class SlotKernels:
     """The one-pass slot kernels on CUDA (``core.slots.SlotKernels``): compiled once per
     schedule (its segment lengths and rates are compile-time constants), head count and dim;
-    the torch passes where a launch cannot cover the buffers (:func:`_fits`)."""
+    the torch passes where a launch cannot cover the slots (:func:`_fits`)."""
 
     @staticmethod
-    def merge(buffers: Any, out: torch.Tensor, lse: torch.Tensor) -> None:
-        """Merge ``buffers`` (``core.slots.SlotBuffers``) into ``out`` (B, N, H, D), last dim
+    def merge(views: Sequence[Any], out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Merge the slot ``views`` (``core.slots.SlotView``) into ``out`` (B, N, H, D), last dim
         contiguous, and ``lse`` (B, H, N) float32."""
-        if not _fits(buffers):
-            merge_slots_torch(buffers, out, lse)
+        if not _fits(views, out) or any(v.lse is None or v.lse.stride(3) != 1 for v in views):
+            merge_slots_torch(views, out, lse)
             return
-        grid, args = _launch(buffers)
-        if 0 in grid:
+        grid, args = _launch(views, out)
+        if 0 in grid or not views:
+            merge_slots_torch(views, out, lse)
             return
+        lses = tuple(v.lse for v in views)
         _merge_slots_kernel[grid](
-            buffers.flat, buffers.lse_flat, out=out, lse=lse, seq_len=buffers.seq_len,
-            s_ob=out.stride(0), s_on=out.stride(1), s_oh=out.stride(2), s_lb=lse.stride(0),
-            s_lh=lse.stride(1), s_ln=lse.stride(2), **args,
+            lses=lses, lse_b=tuple(x.stride(0) for x in lses),
+            lse_seg=tuple(x.stride(1) for x in lses), lse_h=tuple(x.stride(2) for x in lses),
+            out=out, lse=lse, seq_len=out.shape[1], s_ob=out.stride(0), s_on=out.stride(1),
+            s_oh=out.stride(2), s_lb=lse.stride(0), s_lh=lse.stride(1), s_ln=lse.stride(2),
+            **args,
         )  # fmt: skip
 
     @staticmethod
-    def sum(buffers: Any, grad: torch.Tensor) -> None:
-        """Write the sum of ``buffers``' rows into ``grad`` (B, N, H, D), last dim contiguous."""
-        if not _fits(buffers):
-            sum_slots_torch(buffers, grad)
-            return
-        grid, args = _launch(buffers)
-        if 0 in grid:
+    def sum(views: Sequence[Any], grad: torch.Tensor) -> None:
+        """Write the sum of the slot ``views``' rows into ``grad`` (B, N, H, D), last dim
+        contiguous."""
+        grid, args = _launch(views, grad)
+        if not _fits(views, grad) or 0 in grid or not views:
+            sum_slots_torch(views, grad)
             return
         _sum_slots_kernel[grid](
-            buffers.flat, grad=grad, seq_len=buffers.seq_len, s_gb=grad.stride(0),
-            s_gn=grad.stride(1), s_gh=grad.stride(2), **args,
+            grad=grad, seq_len=grad.shape[1], s_gb=grad.stride(0), s_gn=grad.stride(1),
+            s_gh=grad.stride(2), **args,
         )  # fmt: skip

@@ -42,7 +42,7 @@ from .autograd import Backward, Forward, Grads, Inputs
 from .contract import KernelBackend, KernelOutput
 from .higher_order import RowCall, differentiable_grads, no_higher_order_message
 from .merge import merge_partial
-from .slots import Slot, SlotBuffers, merge_slots, sum_slots
+from .slots import Slot, SlotBuffers, SlotView, merge_slots, sum_slots
 
 
 class Call(Protocol):
@@ -176,6 +176,8 @@ class Plan:
         slots: when not empty, each call writes into the slot ``call.slot`` of its branch and
             the slots merge once (Note [Branch slots merged once] in ``slots.py``); else every
             result merges into float32 accumulators as it comes.
+        spanning: with ``groups``, the calls of the slots whose segments span groups: they run
+            whole, once, before the groups, which read their parts of those slots.
         whole: a single :class:`WholeCall`: its kernel's results and gradients are the plan's,
             with no accumulators or merge.
         one_call: a single call that reads every query row as it is (``reads_all_queries``): its
@@ -186,6 +188,7 @@ class Plan:
     groups: tuple[PositionGroup, ...] = ()
     grouped_forward: bool = False
     slots: tuple[Slot, ...] = ()
+    spanning: tuple[Call, ...] = ()
 
     @property
     def whole(self) -> bool:
@@ -386,30 +389,27 @@ def _into(backend: KernelBackend, into: object) -> dict[str, object]:
     return {"into": into} if getattr(backend, "writes_into", False) else {}
 
 
-def slot_forward(
+def fill_slots(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
     calls: Sequence[Call],
-    slots: Sequence[Slot],
+    buffers: SlotBuffers,
     backend: KernelBackend,
     *,
     scale: float,
-    out: torch.Tensor,
-    lse: torch.Tensor,
     auxes: list[Any],
     dropout_p: float = 0.0,
 ) -> None:
-    """Run ``calls``, each writing into its branch slot, then merge the slots once into ``out``
-    (B, N, H, D) and ``lse`` (B, H, N) (Note [Branch slots merged once] in ``slots.py``).
+    """Run ``calls``, each writing its out and lse into its slot of ``buffers`` (Note [Branch
+    slots merged once] in ``slots.py``).
 
     Args:
-        q, k, v: (B, N, H, D), the positions the calls and slots address.
+        q, k, v: (B, N, H, D), the positions the calls and ``buffers`` address.
         calls: calls with ``slot``, ``slot_rows`` and ``slot_lse`` (``StridedCall``).
         auxes: each call's kernel ``aux`` is appended, in call order.
     """
-    buffers = SlotBuffers(slots, q, q.shape[1], with_lse=True)
     for call in calls:
         slot: int = call.slot  # type: ignore[attr-defined]
         into = KernelOutput(
@@ -424,7 +424,74 @@ def slot_forward(
         auxes.append(res.aux)
         _fill(into.out, res.out)
         _fill(into.lse, res.lse)
-    merge_slots(buffers, out, lse)
+
+
+def fill_grad_slots(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse_rows: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    calls: Sequence[Call],
+    grads: Sequence[SlotBuffers],
+    backend: KernelBackend,
+    auxes: Iterator[Any],
+    *,
+    scale: float,
+    dropout_p: float = 0.0,
+) -> None:
+    """The backward of :func:`fill_slots`: each call's dq, dk, dv rows written into its slots of
+    ``grads`` (three buffers, for q, k and v).
+
+    Args:
+        lse_rows: (B, N, H, 1) merged log-sum-exp (:func:`row_lse`).
+        auxes: the forward's ``aux`` values, consumed in call order.
+    """
+    for call in calls:
+        slot: int = call.slot  # type: ignore[attr-defined]
+        into = tuple(call.slot_rows(g.out(slot)) for g in grads)  # type: ignore[attr-defined]
+        results = backend.backward(
+            call.q_rows(dout), call.q_rows(q), call.kv_rows(k), call.kv_rows(v),
+            call.q_rows(out), _call_lse(call, lse_rows), next(auxes), scale=scale,
+            is_causal=call.causal, key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p,
+            **_into(backend, into),
+        )  # fmt: skip
+        for dest, result in zip(into, results, strict=True):
+            _fill(dest, result)
+
+
+def _own_slots(slots: Sequence[Slot], spanning: bool = False) -> list[int]:
+    """The indices of the slots that span position groups (``spanning``) or do not."""
+    return [i for i, slot in enumerate(slots) if slot.spanning == spanning]
+
+
+def slot_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    calls: Sequence[Call],
+    slots: Sequence[Slot],
+    backend: KernelBackend,
+    *,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    auxes: list[Any],
+    dropout_p: float = 0.0,
+    spanning: Sequence[SlotView] | None = None,
+) -> None:
+    """Run ``calls`` into slots of their own over q's positions, then merge them once into
+    ``out`` (B, N, H, D) and ``lse`` (B, H, N) (Note [Branch slots merged once] in
+    ``slots.py``); with ``spanning`` (a position group's part of the slots that span groups),
+    only the other slots are the calls' own, and those views join the merge."""
+    held = None if spanning is None else _own_slots(slots)
+    buffers = SlotBuffers(slots, q, q.shape[1], with_lse=True, held=held)
+    fill_slots(q, k, v, key_padding_mask, calls, buffers, backend, scale=scale, auxes=auxes,
+               dropout_p=dropout_p)  # fmt: skip
+    merge_slots([*buffers.views(), *(spanning or ())], out, lse)
 
 
 def slot_backward(
@@ -441,32 +508,19 @@ def slot_backward(
     auxes: Iterator[Any],
     *,
     scale: float,
-    dq: torch.Tensor,
-    dk: torch.Tensor,
-    dv: torch.Tensor,
+    grads: Sequence[torch.Tensor],
     dropout_p: float = 0.0,
+    spanning: Sequence[Sequence[SlotView]] | None = None,
 ) -> None:
-    """The backward of :func:`slot_forward`: each call's gradients written into its slots of
-    three gradient buffers, each summed once into ``dq``, ``dk``, ``dv`` (B, N, H, D).
-
-    Args:
-        lse_rows: (B, N, H, 1) merged log-sum-exp (:func:`row_lse`).
-        auxes: the forward's ``aux`` values, consumed in call order.
-    """
-    grads = [SlotBuffers(slots, x, x.shape[1], with_lse=False) for x in (q, k, v)]
-    for call in calls:
-        slot: int = call.slot  # type: ignore[attr-defined]
-        into = tuple(call.slot_rows(g.out(slot)) for g in grads)  # type: ignore[attr-defined]
-        results = backend.backward(
-            call.q_rows(dout), call.q_rows(q), call.kv_rows(k), call.kv_rows(v),
-            call.q_rows(out), _call_lse(call, lse_rows), next(auxes), scale=scale,
-            is_causal=call.causal, key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p,
-            **_into(backend, into),
-        )  # fmt: skip
-        for dest, result in zip(into, results, strict=True):
-            _fill(dest, result)
-    for buffers, grad in zip(grads, (dq, dk, dv), strict=True):
-        sum_slots(buffers, grad)
+    """The backward of :func:`slot_forward`: each call's gradients written into slots of three
+    gradient buffers, each summed (with the ``spanning`` views of that gradient's slots) once
+    into ``grads`` (dq, dk, dv, (B, N, H, D))."""
+    held = None if spanning is None else _own_slots(slots)
+    buffers = [SlotBuffers(slots, x, x.shape[1], with_lse=False, held=held) for x in (q, k, v)]
+    fill_grad_slots(dout, q, k, v, out, lse_rows, key_padding_mask, calls, buffers, backend,
+                    auxes, scale=scale, dropout_p=dropout_p)  # fmt: skip
+    for own, extra, grad in zip(buffers, spanning or ((), (), ()), grads, strict=True):
+        sum_slots([*own.views(), *extra], grad)
 
 
 def plan_forward(
@@ -496,8 +550,8 @@ def plan_forward(
     acc = accumulator_dtype(q.dtype)
     if plan.groups and plan.grouped_forward:
         return _grouped_forward(
-            q, k, v, key_padding_mask, plan.groups, backend, scale=scale, dropout_p=dropout_p,
-            out_dtype=out_dtype, slots=plan.slots,
+            q, k, v, key_padding_mask, plan, backend, scale=scale, dropout_p=dropout_p,
+            out_dtype=out_dtype,
         )  # fmt: skip
     if plan.slots:
         batch, seq_len, heads, _ = q.shape
@@ -543,29 +597,34 @@ def _grouped_forward(
     k: torch.Tensor,
     v: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
-    groups: Sequence[PositionGroup],
+    plan: Plan,
     backend: KernelBackend,
     *,
     scale: float,
     dropout_p: float,
     out_dtype: torch.dtype | None,
-    slots: tuple[Slot, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
     """:func:`plan_forward` one batch element and position group at a time, each merged in
-    float32 scratch (or ``slots``) of its own size and rounded once into ``out`` (Note
-    [Position-grouped plans])."""
+    float32 scratch (or slots) of its own size and rounded once into ``out`` (Note
+    [Position-grouped plans]); the slots that span groups are filled first, whole."""
     batch, seq_len, heads, _ = q.shape
     out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.empty(batch, heads, seq_len, dtype=accumulator_dtype(q.dtype), device=q.device)
     auxes: list[Any] = []
-    for (rows, positions), group in _pieces(batch, groups):
+    slots, spanning = plan.slots, None
+    if plan.spanning:
+        spanning = SlotBuffers(slots, q, seq_len, with_lse=True, held=_own_slots(slots, True))
+        fill_slots(q, k, v, key_padding_mask, plan.spanning, spanning, backend, scale=scale,
+                   auxes=auxes, dropout_p=dropout_p)  # fmt: skip
+    for (rows, positions), group in _pieces(batch, plan.groups):
         piece_q = q[rows, positions]
         mask = None if key_padding_mask is None else key_padding_mask[rows, positions]
         if slots:
+            parts = None if spanning is None else spanning.views(rows, group.start, group.end)
             slot_forward(
                 piece_q, k[rows, positions], v[rows, positions], mask, group.calls, slots,
                 backend, scale=scale, out=out[rows, positions], lse=lse[rows, :, positions],
-                auxes=auxes, dropout_p=dropout_p,
+                auxes=auxes, dropout_p=dropout_p, spanning=parts,
             )  # fmt: skip
             continue
         piece_out, piece_lse = new_accumulators(piece_q)
@@ -586,30 +645,39 @@ def _grouped_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
-    groups: Sequence[PositionGroup],
+    plan: Plan,
     backend: KernelBackend,
     auxes: list[Any],
     *,
     scale: float,
     dropout_p: float,
     grad_dtype: torch.dtype | None,
-    slots: tuple[Slot, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`plan_backward` of :func:`_grouped_forward`: each group's gradients summed in
-    float32 scratch (or ``slots``) of its own size, then written once."""
+    float32 scratch (or slots) of its own size, then written once; the gradient slots that span
+    groups are filled first, whole."""
     grads = [
         torch.empty(x.shape, dtype=grad_dtype or x.dtype, device=x.device) for x in (q, k, v)
     ]
     lse_rows, aux = row_lse(lse), iter(auxes)
-    for (rows, positions), group in _pieces(q.shape[0], groups):
+    slots, spanning = plan.slots, None
+    if plan.spanning:
+        held = _own_slots(slots, True)
+        spanning = [SlotBuffers(slots, x, x.shape[1], with_lse=False, held=held) for x in (q, k, v)]
+        fill_grad_slots(dout, q, k, v, out, lse_rows, key_padding_mask, plan.spanning, spanning,
+                        backend, aux, scale=scale, dropout_p=dropout_p)  # fmt: skip
+    for (rows, positions), group in _pieces(q.shape[0], plan.groups):
         piece = [x[rows, positions] for x in (q, k, v)]
         mask = None if key_padding_mask is None else key_padding_mask[rows, positions]
         if slots:
-            dq, dk, dv = (grad[rows, positions] for grad in grads)
+            parts = None if spanning is None else [
+                g.views(rows, group.start, group.end) for g in spanning
+            ]
             slot_backward(
                 dout[rows, positions], *piece, out[rows, positions], lse_rows[rows, positions],
-                mask, group.calls, slots, backend, aux, scale=scale, dq=dq, dk=dk, dv=dv,
-                dropout_p=dropout_p,
+                mask, group.calls, slots, backend, aux, scale=scale,
+                grads=[grad[rows, positions] for grad in grads], dropout_p=dropout_p,
+                spanning=parts,
             )  # fmt: skip
             continue
         scratch = [torch.zeros(x.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
@@ -656,19 +724,21 @@ def plan_backward(
     # come from the same cut calls; a whole forward's calls with no aux cut freely.
     if plan.groups and (plan.grouped_forward or all(aux is None for aux in auxes)):
         if not plan.grouped_forward:
-            auxes = [None] * sum(len(group.calls) for group in plan.groups) * q.shape[0]
+            cut = sum(len(group.calls) for group in plan.groups) * q.shape[0]
+            auxes = [None] * (len(plan.spanning) + cut)
         return _grouped_backward(
-            dout, q, k, v, out, lse, key_padding_mask, plan.groups, backend, auxes, scale=scale,
-            dropout_p=dropout_p, grad_dtype=grad_dtype, slots=plan.slots,
+            dout, q, k, v, out, lse, key_padding_mask, plan, backend, auxes, scale=scale,
+            dropout_p=dropout_p, grad_dtype=grad_dtype,
         )  # fmt: skip
     if plan.slots:
-        dq, dk, dv = (
+        grads = [
             torch.empty(x.shape, dtype=grad_dtype or x.dtype, device=x.device) for x in (q, k, v)
-        )
+        ]
         slot_backward(
             dout, q, k, v, out, row_lse(lse), key_padding_mask, plan.calls, plan.slots,
-            backend, iter(auxes), scale=scale, dq=dq, dk=dk, dv=dv, dropout_p=dropout_p,
+            backend, iter(auxes), scale=scale, grads=grads, dropout_p=dropout_p,
         )  # fmt: skip
+        dq, dk, dv = grads
         return dq, dk, dv
     if plan.whole:
         (call,) = plan.calls

@@ -25,6 +25,17 @@ Note [Position-grouped plans]
     A grouped backward after a whole forward needs the calls' kernel ``aux`` values to be None
     (they are for kernels without dropout); otherwise the backward runs whole too.
 
+    A slotted plan (Note [Branch slots merged once] in ``slots.py``) is cut the same way, with
+    slots of the group's size in place of the float32 scratch, but it need not wait for a group
+    that no segment crosses: a schedule whose longest segment covers the sequence (LongNet's, at
+    any length) has none. Its groups are as long as the shortest segments that reach the target
+    length (:func:`slot_group_length`); a branch with longer segments (each a multiple of the
+    group, its rate dividing it) *spans* groups: its calls run once over the whole sequence,
+    into a slot of the whole sequence, before the groups, and each group's merge (or sum) reads
+    that slot's rows of its positions beside its own. Those branches have the largest rates, so
+    their slots are small (LongNet at 4M tokens in groups of 256K: rates of 256 and more, under
+    1% of q).
+
 Shape legend: B batch, N seq_len, H query heads, D head dim.
 """
 
@@ -37,6 +48,7 @@ import torch
 
 from . import fused
 from .engine import Call, Plan, PositionGroup
+from .slots import Slot
 
 #: Devices whose plans are cut (tests add "cpu" to run the grouped executor there).
 GROUPED_DEVICES = frozenset({"cuda"})
@@ -75,7 +87,48 @@ def grouped_plan(
     # Without gradients: groups as long as the scratch allows (fewer launches); with them: the
     # fused engine's groups (at most 1/GROUPS_PER_SEQUENCE of the sequence) for the backward.
     longest = None if needs_grad else max(1, allowance // heads)
+    if plan.slots:
+        return _slot_groups(plan, seq_len, batch, longest, needs_grad)
     groups = tuple(fused.position_groups(seq_len, segment_lengths, longest))
     if len(groups) == 1 and batch == 1:
         return plan
     return replace(plan, groups=_cut(plan.calls, groups), grouped_forward=not needs_grad)
+
+
+def slot_group_length(slots: tuple[Slot, ...], seq_len: int, target: int) -> int | None:
+    """The shortest group length ``G`` of at least ``target`` positions that cuts a slotted plan
+    (Note [Position-grouped plans]): every segment length at most ``G`` divides it, every longer
+    one is a multiple of it (whose slot then spans groups) with its rate dividing ``G``, and ``G``
+    divides ``seq_len``; or None where no such ``G`` below ``seq_len`` exists."""
+    lengths = sorted({slot.segment_len for slot in slots})
+    candidates = sorted({length << k for length in lengths for k in range(64)
+                         if length << k < seq_len})  # fmt: skip
+    for size in candidates:
+        if size < target or seq_len % size:
+            continue
+        if all(size % s.segment_len == 0 if s.segment_len <= size
+               else s.segment_len % size == 0 and size % s.rate == 0 for s in slots):  # fmt: skip
+            return size
+    return None
+
+
+def _slot_groups(
+    plan: Plan, seq_len: int, batch: int, longest: int | None, needs_grad: bool
+) -> Plan:
+    """``plan`` (slotted) cut into groups of :func:`slot_group_length`; the calls of slots whose
+    segments are longer than a group run whole (``Plan.spanning``)."""
+    floor = fused.MIN_GROUP_POSITIONS if longest is None else longest
+    target = max(floor, -(-seq_len // fused.GROUPS_PER_SEQUENCE))
+    size = slot_group_length(plan.slots, seq_len, target)
+    if size is None:
+        if batch == 1:
+            return plan
+        size = seq_len  # one group per batch element
+    slots = tuple(replace(s, spanning=s.segment_len > size) for s in plan.slots)
+    spanning = tuple(c for c in plan.calls if slots[c.slot].spanning)  # type: ignore[attr-defined]
+    grouped = tuple(c for c in plan.calls if not slots[c.slot].spanning)  # type: ignore[attr-defined]
+    groups = tuple((start, start + size) for start in range(0, seq_len, size))
+    return replace(
+        plan, slots=slots, groups=_cut(grouped, groups), grouped_forward=not needs_grad,
+        spanning=spanning,
+    )  # fmt: skip

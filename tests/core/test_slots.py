@@ -11,6 +11,8 @@ runs FlashAttention-4 itself into the slots.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from support.oracle import oracle_dilated_attention
@@ -142,8 +144,13 @@ def test_slotted_plan_matches_oracle(
         torch.testing.assert_close(g, rg, **TIGHT, msg=lambda m, x=name: f"d{x}: {m}")
     assert set(runs) == {"slot_forward", "slot_backward"}, runs
     assert runs.count("slot_forward") == 1  # a differentiated forward runs whole
-    assert runs.count("slot_backward") == (2 * len(fused.position_groups(n, segs, 1)) if cut
-                                           else 1)  # fmt: skip
+    if cut:  # groups of the shortest segment; the longer branches' slots span them
+        slots = tuple(Slot(min(w, n), r) for w, r in zip(segs, rates, strict=True))
+        size = grouped.slot_group_length(slots, n, 1)
+        assert size == slots[0].segment_len
+        assert runs.count("slot_backward") == 2 * (n // size)  # batch 2
+    else:
+        assert runs.count("slot_backward") == 1
     assert {"forward", "backward"} == set(writing_kernel)
     runs.clear()
     with torch.no_grad():
@@ -226,26 +233,31 @@ def test_slot_kernels_match_the_torch_passes(
 
     poison_new_buffers(monkeypatch)
     n, heads = 128, 4
-    for dtype in dtypes:
-        for dim in (32, 40):
-            buffers = _random_slots(device, dtype, n, heads, dim)
-            wide = torch.full((2, n, heads, dim + 8), float("nan"), dtype=dtype, device=device)
-            out, ref = wide[..., :dim], torch.empty(2, n, heads, dim, dtype=dtype, device=device)
-            lse = torch.full((2, heads, 2 * n), float("nan"), device=device)[..., ::2]
-            ref_lse = torch.empty(2, heads, n, device=device)
-            SlotKernels.merge(buffers, out, lse)
-            merge_slots_torch(buffers, ref, ref_lse)
+    # Every slot whole; then positions [64, 96) of batch element 1, which two slots see as
+    # whole segments and two (segments of 64) as a run inside one segment.
+    regions = [(slice(None), 0, n), (slice(1, 2), 64, 96)]
+    for dtype, dim, (batch, start, end) in itertools.product(dtypes, (32, 40), regions):
+        buffers = _random_slots(device, dtype, n, heads, dim)
+        views = buffers.views(batch, start, end)
+        shape = (len(range(2)[batch]), end - start, heads, dim)
+        wide = torch.full((*shape[:3], dim + 8), float("nan"), dtype=dtype, device=device)
+        out, ref = wide[..., :dim], torch.empty(shape, dtype=dtype, device=device)
+        lse = torch.full((shape[0], heads, 2 * shape[1]), float("nan"), device=device)[..., ::2]
+        ref_lse = torch.empty(shape[0], heads, shape[1], device=device)
+        SlotKernels.merge(views, out, lse)
+        merge_slots_torch(views, ref, ref_lse)
+        if start == 0:
             assert torch.isnan(out[1, 5, 2]).all() and torch.isfinite(lse[1, 2, 5])
             assert torch.equal(out[0, 0, 0], torch.zeros_like(out[0, 0, 0]))
             assert lse[0, 0, 0] == float("-inf")
-            tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {}
-            torch.testing.assert_close(out, ref, equal_nan=True, **tol)
-            torch.testing.assert_close(lse, ref_lse, equal_nan=True, atol=1e-5, rtol=1e-5)
-            grad, ref_grad = out.clone(), torch.empty_like(ref)
-            grad.fill_(float("nan"))
-            SlotKernels.sum(buffers, grad)
-            sum_slots_torch(buffers, ref_grad)
-            torch.testing.assert_close(grad, ref_grad, equal_nan=True, **tol)
+        tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {}
+        torch.testing.assert_close(out, ref, equal_nan=True, **tol)
+        torch.testing.assert_close(lse, ref_lse, equal_nan=True, atol=1e-5, rtol=1e-5)
+        grad, ref_grad = out.clone(), torch.empty_like(ref)
+        grad.fill_(float("nan"))
+        SlotKernels.sum(views, grad)
+        sum_slots_torch(views, ref_grad)
+        torch.testing.assert_close(grad, ref_grad, equal_nan=True, **tol)
 
 
 @pytest.mark.gpu
@@ -255,7 +267,8 @@ def test_cuda_flash_attn4_writes_into_slots(
     is_causal: bool, cut: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """FlashAttention-4 on the strided views of the slots (out, lse, dq, dk, dv written where
-    they belong, nothing copied) against the float64 oracle, whole and in position groups."""
+    they belong, nothing copied) against the float64 oracle, whole and in position groups with
+    slots that span them."""
     _, n, heads, segs, rates = ("longnet", 1024, 8, (128, 256, 512), (1, 2, 4))
     q, k, v, dout = _inputs(n, heads, torch.bfloat16, dim=64)
     dev = [t.cuda().requires_grad_() for t in (q, k, v)]
@@ -279,7 +292,8 @@ def test_cuda_flash_attn4_writes_into_slots(
                                  return_lse=True)  # fmt: skip
     grads = torch.autograd.grad(out, dev, dout.cuda())
     assert "slot_forward" in runs and "slot_backward" in runs
-    assert runs.count("slot_backward") == (2 * (n // 512) if cut else 1)  # batch 2
+    # Cut: groups of 128 positions (batch 2), the slots of w = 256 and 512 spanning them.
+    assert runs.count("slot_backward") == (2 * (n // 128) if cut else 1)
     assert copies == [], "FlashAttention-4 did not write into the slots it was given"
     results = []
     for cdt in (F64, torch.bfloat16):
