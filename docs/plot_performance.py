@@ -5,13 +5,14 @@
 Reads two benchmark records written by ``benchmarks/bench_dilated.py`` on one H100:
 
 - ``benchmarks/results/dilated_h100.json``: the fused Triton kernels (what ``dilated_attention``
-  runs on sm90), FlashAttention-4 on strided views (``backend="flash_attn4"``), and the cuDNN and
-  FA4 ceilings (each kernel alone on tensors already shaped like every branch's rows), timed side
-  by side in one run;
+  runs on sm90 below 256K tokens, or without ``flash-attn-4``), FlashAttention-4 writing into
+  branch slots (``backend="flash_attn4"``; the automatic choice from 256K tokens), and the cuDNN
+  and FA4 ceilings (each kernel alone on tensors already shaped like every branch's rows), timed
+  side by side in one run;
 - ``benchmarks/results/dilated_gather_h100.json``: the latest run that also timed the gather +
   cuDNN path (every branch's rows gathered into dense tensors, cuDNN, merged and scattered back).
 
-For the LongNet schedule (w = 2048..32768, r = 1..16, B = 1, H = 16, bf16) at N = 64K and 1M,
+For the LongNet schedule (w = 2048..32768, r = 1..16, B = 1, H = 16, bf16) at every N measured,
 D = 64 and 128, causal and not, it plots effective TFLOP/s (paper FLOPs / time) of the five paths,
 forward and forward+backward, with each path's ratio to the ceiling of its own run above its bar.
 It also prints the same numbers as a Markdown table (the one in README.md).
@@ -35,7 +36,7 @@ OUT = Path(__file__).resolve().parent / "performance_h100.png"
 
 PATHS = [  # (record, path in the record, label, colour)
     ("fused", "triton", "fused Triton kernels (this library)", "#1f77b4"),
-    ("fused", "flash_attn4", "FA4 on strided views (this library)", "#2ca02c"),
+    ("fused", "flash_attn4", "FA4 into branch slots (this library)", "#2ca02c"),
     ("fused", "cudnn ceiling", "cuDNN ceiling (same per-branch shapes)", "#7f7f7f"),
     ("fused", "fa4 ceiling", "FA4 ceiling (same per-branch shapes)", "#bcbd22"),
     ("gather", "gather+cudnn", "gather + cuDNN (its latest run)", "#ff7f0e"),
@@ -75,8 +76,8 @@ def markdown_table(records: dict) -> str:
     """The README table: TFLOP/s of every path (the faster of the library's two in bold) and
     peak memory ratios."""
     lines = [
-        "| D, causal, N | forward: fused / FA4 views / cuDNN ceiling / FA4 ceiling / "
-        "gather+cuDNN | forward+backward: the same | peak memory, fused / FA4 views |",
+        "| D, causal, N | forward: fused / FA4 slots / cuDNN ceiling / FA4 ceiling / "
+        "gather+cuDNN | forward+backward: the same | peak memory, fused / FA4 slots |",
         "|---|---|---|---|",
     ]
     for shape in shapes(records["fused"]):
@@ -91,7 +92,8 @@ def markdown_table(records: dict) -> str:
             for source, path in (("fused", "cudnn ceiling"), ("fused", "fa4 ceiling"),
                                  ("gather", "gather+cudnn")):  # fmt: skip
                 got = value(records, source, shape, path, f"{mode}_tflops")
-                texts.append("out of memory" if got is None else f"{got:.0f}")
+                missing = "-" if (*shape, path) not in records[source] else "out of memory"
+                texts.append(missing if got is None else f"{got:.0f}")
             cells.append(" / ".join(texts))
         mems = [value(records, "fused", shape, p, "fwd_bwd_mem_ratio")
                 for p in ("triton", "flash_attn4")]  # fmt: skip
@@ -132,7 +134,7 @@ def main() -> None:
     axes[1].set_xticklabels([label(*s) for s in measured], fontsize=9)
     fig.suptitle(
         f"LongNet dilated attention on one {env['device']} (B = 1, H = 16, bf16, "
-        f"w = 2048..32768, r = 1..16), median of 3",
+        f"w = 2048..32768, r = 1..16), median of repeats",
         fontsize=11,
     )
     fig.tight_layout()
