@@ -11,12 +11,19 @@ kernels that take masks run, and TFLOP/s still count the whole N x N.
     python benchmarks/bench_kernels.py                 # -> benchmarks/results/kernels_<device>.*
     python benchmarks/bench_kernels.py --padding 0.125  # -> kernels_masked_<device>.*
 
+With ``--padding`` and ``flash_attn4`` among the backends, the row ``flash_attn4 seqused_k`` times
+FlashAttention-4 given the same padding as each sequence's used key length (``seqused_k`` of
+``flash_attn.cute.flash_attn_varlen_func``), which skips the padded keys instead of masking them
+(Note [FlashAttention-4 key padding]); not causal calls, where it aligns causality to the last
+used key.
+
 (``<device>``: ``h100``, ``h200x2``, ...; ``_timing.host_label``.)
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 
@@ -49,6 +56,19 @@ def padding_mask(batch: int, seq: int, fraction: float) -> torch.Tensor | None:
     return mask
 
 
+#: The pseudo-backend timing FlashAttention-4 with the padding as used key lengths.
+FA4_USED_KEYS = "flash_attn4 seqused_k"
+
+
+def _used_keys_call(mask: torch.Tensor, causal: bool) -> object:
+    """FlashAttention-4 over each sequence's unmasked key prefix (``mask`` pads a suffix)."""
+    if causal:
+        raise ValueError("seqused_k aligns causality to the last used key: not the mask's")
+    varlen = importlib.import_module("flash_attn.cute").flash_attn_varlen_func
+    used = (~mask).sum(dim=1, dtype=torch.int32)
+    return lambda q, k, v: varlen(q, k, v, seqused_k=used)[0]
+
+
 def bench_case(
     name: str, batch: int, seq: int, heads: int, dim: int, causal: bool, args: argparse.Namespace
 ) -> dict[str, object]:
@@ -65,19 +85,25 @@ def bench_case(
         )
         dout = torch.randn_like(q)
         mask = padding_mask(batch, seq, args.padding)
-        why = backend_reasons(q, k, v, is_causal=causal, key_padding_mask=mask)[name]
-        if why:
-            row["error"] = "; ".join(why)
-            return row
+        if name == FA4_USED_KEYS:
+            call = _used_keys_call(mask, causal)
+        else:
+            why = backend_reasons(q, k, v, is_causal=causal, key_padding_mask=mask)[name]
+            if why:
+                row["error"] = "; ".join(why)
+                return row
+
+            def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                return attention(q, k, v, is_causal=causal, backend=name, key_padding_mask=mask)
+
         flops = _flops(batch, heads, seq, dim, causal)
 
         def fwd() -> None:
             with torch.no_grad():
-                attention(q, k, v, is_causal=causal, backend=name, key_padding_mask=mask)
+                call(q, k, v)
 
         def fwd_bwd() -> None:
-            out = attention(q, k, v, is_causal=causal, backend=name, key_padding_mask=mask)
-            torch.autograd.grad(out, (q, k, v), dout)
+            torch.autograd.grad(call(q, k, v), (q, k, v), dout)
 
         for step, fn, work in (("fwd", fwd, flops), ("fwd_bwd", fwd_bwd, 3.5 * flops)):
             t = time_cuda(fn, warmup=args.warmup, repeats=args.repeats)
@@ -146,6 +172,8 @@ def main() -> None:
         n for n, why in backend_reasons(probe, probe, probe).items()
         if n not in args.skip and not any("runs on" in w for w in why)
     ]  # fmt: skip
+    if args.padding > 0 and "flash_attn4" in names:
+        names.append(FA4_USED_KEYS)
     rows = []
     for dim in args.head_dims:
         for causal in (False, True):

@@ -8,7 +8,17 @@ bound by name (``flash_attn2._bind``): the interface is still beta and its keywo
 
 Shapes: q (B, Nq, H, D), k/v (B, Nk, Hkv, D), out (B, Nq, H, D), lse (B, H, Nq) float32; the
 (B, N, H, D) layout goes in without transposes. Causal masking is bottom-right aligned, so only
-square causal calls are accepted. No dropout, no key mask; GQA is native.
+square causal calls are accepted. No dropout; GQA is native.
+
+Note [FlashAttention-4 key padding]
+    A key padding mask (B, 1 or H, Nk) reaches the kernel as a ``mask_mod`` reading it from an
+    ``aux_tensors`` int32 copy: a score is kept where its key is not ignored (and, for a causal
+    call, where the key is at or before the query: a ``mask_mod`` replaces FA4's own causal
+    mask). Every tile then evaluates the mask, causal tiles above the diagonal included.
+    Variable-length calls (``cu_seqlens_k``) would skip the padding instead of masking it, but
+    express only padding at the end of each row, not an arbitrary mask. Tested on sm90 only, so
+    masks are a reason on other architectures; packed GQA is off for masked calls (a per-head
+    mask reads the query head).
 
 Head dims (as of flash-attn-4 4.0.0b36): sm90 up to 256; sm100 up to 128, or exactly 256 (192
 only with a 128 value dim, which this library never asks for).
@@ -87,6 +97,38 @@ def _top_left_causal() -> Any:
     return top_left_causal
 
 
+@functools.cache
+def _key_padding(per_head: bool, causal: bool) -> Any:
+    """The CuTe DSL ``mask_mod`` of a key padding mask in ``aux_tensors[0]`` (B, Hm, Nk) int32,
+    nonzero = ignore (Note [FlashAttention-4 key padding]), made once per variant."""
+    cutlass = importlib.import_module("cutlass")
+    cute = importlib.import_module("cutlass.cute")
+    utils = importlib.import_module("flash_attn.cute.utils")
+
+    @cute.jit  # type: ignore[misc]
+    def key_padding(batch: Any, head: Any, m_idx: Any, n_idx: Any, seqlen_info: Any,
+                    aux_tensors: Any) -> Any:  # fmt: skip
+        key = cutlass.min(n_idx[0], seqlen_info.seqlen_k - 1)  # tile columns past the keys
+        ignored = aux_tensors[0][batch[0], head[0] if per_head else 0, key]
+        keep = utils.scalar_to_ssa(ignored, cutlass.Int32) == utils.scalar_to_ssa(0, cutlass.Int32)
+        if causal:
+            keep = keep & (n_idx <= m_idx)
+        return keep
+
+    return key_padding
+
+
+def _masked(values: dict[str, Any], key_mask: torch.Tensor | None, is_causal: bool) -> None:
+    """Add ``key_mask`` (B, Hm, Nk) bool to a call's ``values`` as a ``mask_mod`` (Note
+    [FlashAttention-4 key padding])."""
+    if key_mask is None:
+        return
+    values.update(
+        mask_mod=_key_padding(key_mask.shape[1] > 1, is_causal), causal=False, pack_gqa=False,
+        aux_tensors=[key_mask.to(torch.int32).contiguous()],
+    )  # fmt: skip
+
+
 def _sparse_tensors(tiles: SparseTiles) -> Any:
     sparsity = importlib.import_module("flash_attn.cute.block_sparsity")
     return sparsity.BlockSparseTensorsTorch(
@@ -108,6 +150,7 @@ class FlashAttn4Backend(Backend):
     max_head_dim = 256
     head_dim_multiple = 8
     min_compute_capability = (9, 0)
+    supports_mask = True  # through a mask_mod (Note [FlashAttention-4 key padding])
     supports_rectangular_causal = False
     supports_dropout = False
     native_gqa = True
@@ -134,7 +177,26 @@ class FlashAttn4Backend(Backend):
             dim = inputs.head_dim
             if cc[0] == 10 and 128 < dim != 256:
                 return [f"head_dim {dim} on sm{cc[0]}{cc[1]}: needs <= 128 or exactly 256"]
-        return super().not_supported_reasons(inputs)
+            if inputs.has_mask and cc[0] != 9:
+                return [f"key padding masks (a mask_mod) are tested on sm90 only, device is "
+                        f"sm{cc[0]}{cc[1]}"]  # fmt: skip
+        reasons = super().not_supported_reasons(inputs)
+        if inputs.has_mask and not reasons:
+            reasons += self._mask_reasons()
+        return reasons
+
+    def _mask_reasons(self) -> list[str]:
+        """Why this flash_attn.cute cannot take a key padding mask (Note [FlashAttention-4 key
+        padding]): its entry points lack ``mask_mod`` / ``aux_tensors``."""
+        try:
+            interface = _interface()
+            names = _parameters(interface._flash_attn_fwd).keys()
+            names &= _parameters(interface._flash_attn_bwd).keys()
+        except Exception as exc:  # a package that cannot be read is a reason, never a crash
+            return [_import_failure("flash_attn.cute", exc)]
+        if not {"mask_mod", "aux_tensors"} <= names:
+            return ["no key padding mask: this flash_attn.cute has no mask_mod / aux_tensors"]
+        return []
 
     def block_sparse_reasons(self, inputs: KernelInputs) -> list[str]:
         """Why FA4's block sparsity cannot run ``inputs`` (with ``inputs.block_size``) here."""
@@ -231,6 +293,7 @@ class FlashAttn4Backend(Backend):
                   "return_lse": True}  # fmt: skip
         if into is not None:
             values.update(out=into.out, lse=into.lse)
+        _masked(values, key_mask, is_causal)
         kwargs = _bind(fwd, values)
         if "return_lse" not in kwargs:
             # Releases before ``return_lse`` allocate the lse only when q requires grad.
@@ -267,5 +330,6 @@ class FlashAttn4Backend(Backend):
             "q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse.contiguous(),
             "softmax_scale": scale, "causal": is_causal, "dq": dq, "dk": dk, "dv": dv,
         }  # fmt: skip
+        _masked(values, key_mask, is_causal)
         res = bwd(**_bind(bwd, values))
         return _grads_from(res, dq, dk, dv)

@@ -474,8 +474,8 @@ def _dilated_first(inputs: KernelInputs) -> list[str]:
     1.10-1.22x; at 64K it won only some shapes); elsewhere the device's list, where our fused
     kernels come first. Where FlashAttention-4 is not installed that is a reason, and the fused
     kernels run."""
-    if inputs.device.type != "cuda" or not inputs.branch_slots:
-        return []
+    if inputs.device.type != "cuda" or not inputs.branch_slots or inputs.has_mask:
+        return []  # masked calls: our kernels first (_CUDA_MASKED_FIRST)
     if inputs.query_len < FA4_DILATED_MIN_LEN or inputs.head_dim > _FUSED_MAX_TRAINING_HEAD_DIM:
         return []
     major, _ = torch.cuda.get_device_capability(inputs.device)

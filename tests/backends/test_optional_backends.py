@@ -22,6 +22,7 @@ import torch
 from dilated_attention.backends.base import KernelInputs
 from dilated_attention.backends.flash_attn2 import FlashAttn2Backend
 from dilated_attention.backends.flash_attn3 import FlashAttn3Backend
+import dilated_attention.backends.flash_attn4 as flash_attn4
 from dilated_attention.backends.flash_attn4 import FlashAttn4Backend
 from dilated_attention.backends.xformers import XformersBackend
 from dilated_attention.core.reference import reference_backward
@@ -609,6 +610,48 @@ def test_flash_attn4_argument_mapping(monkeypatch: pytest.MonkeyPatch) -> None:
     bwd = calls["bwd"]
     assert bwd["softmax_scale"] == SCALE and bwd["causal"] is True
     assert _same_storage(bwd["out"], res.out) and _same_storage(bwd["dout"], dout)
+
+
+def test_flash_attn4_key_padding_through_mask_mod(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key padding mask reaches FA4 as a mask_mod over an int32 copy of the mask, causal
+    folded into the mask_mod, packed GQA off (Note [FlashAttention-4 key padding]); a package
+    without mask_mod / aux_tensors, or a GPU other than sm90, gives a reason instead."""
+    calls = _install_fa4(monkeypatch)
+    assert "mask_mod" in " ".join(_reasons(FlashAttn4Backend, (9, 0), monkeypatch, has_mask=True))
+    mods: list[tuple[bool, bool]] = []
+    monkeypatch.setattr(flash_attn4, "_key_padding", lambda *variant: mods.append(variant) or "mm")
+    interface = sys.modules["flash_attn.cute.interface"]
+    real_fwd, real_bwd = interface._flash_attn_fwd, interface._flash_attn_bwd
+
+    def fwd(q, k, v, softmax_scale=None, causal=False, return_lse=False, mask_mod=None,
+            aux_tensors=None, pack_gqa=None):  # fmt: skip
+        calls["masked_fwd"] = dict(locals())
+        return real_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=True)
+
+    def bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, dq=None, dk=None,
+            dv=None, mask_mod=None, aux_tensors=None, pack_gqa=None):  # fmt: skip
+        calls["masked_bwd"] = dict(locals())
+        return real_bwd(q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal)
+
+    monkeypatch.setattr(interface, "_flash_attn_fwd", fwd)
+    monkeypatch.setattr(interface, "_flash_attn_bwd", bwd)
+    assert _reasons(FlashAttn4Backend, (9, 0), monkeypatch, has_mask=True) == []
+    assert "sm90 only" in " ".join(_reasons(FlashAttn4Backend, (10, 0), monkeypatch, has_mask=True))
+    q, k, v, dout = _inputs()
+    mask = torch.zeros(B, 1, N, dtype=torch.bool)
+    mask[1, 0, 3:] = True
+    backend = FlashAttn4Backend()
+    res = backend._forward(q, k, v, scale=SCALE, is_causal=True, key_mask=mask, dropout_p=0.0)
+    backend._backward(dout, q, k, v, res.out, res.lse, None, scale=SCALE, is_causal=True,
+                      key_mask=mask, dropout_p=0.0)  # fmt: skip
+    for seen in (calls["masked_fwd"], calls["masked_bwd"]):
+        assert seen["mask_mod"] == "mm" and seen["causal"] is False and seen["pack_gqa"] is False
+        (aux,) = seen["aux_tensors"]
+        assert aux.dtype == torch.int32 and torch.equal(aux, mask.to(torch.int32))
+    assert mods == [(False, True), (False, True)]  # one head in the mask, causal
+    per_head = torch.zeros(B, H, N, dtype=torch.bool)
+    backend._forward(q, k, v, scale=SCALE, is_causal=False, key_mask=per_head, dropout_p=0.0)
+    assert mods[-1] == (True, False)
 
 
 def test_xformers_argument_mapping(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -192,6 +192,7 @@ def test_long_slotted_dilated_calls_prefer_flash_attn4_on_sm90(
         dict(slotted, query_len=long // 2, key_len=long // 2),
         dict(slotted, branch_slots=False),
         dict(slotted, head_dim=256, requires_grad=False),
+        dict(slotted, has_mask=True),
     ):
         assert choose(_gpu_inputs(**other)).order[0] != "flash_attn4", other
     _fake_gpu(monkeypatch, (10, 0), ["flash_attn4"] if installed else [])
