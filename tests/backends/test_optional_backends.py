@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import torch
 
+import dilated_attention.backends.flash_attn4 as flash_attn4
 from dilated_attention.backends.base import KernelInputs
 from dilated_attention.backends.flash_attn2 import FlashAttn2Backend
 from dilated_attention.backends.flash_attn3 import FlashAttn3Backend
-import dilated_attention.backends.flash_attn4 as flash_attn4
 from dilated_attention.backends.flash_attn4 import FlashAttn4Backend
 from dilated_attention.backends.xformers import XformersBackend
 from dilated_attention.core.reference import reference_backward
