@@ -293,6 +293,52 @@ def merge_rows(
     call.put_q(lse, new_lse, accumulate=False)
 
 
+def _call_forward(
+    call: Call,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    backend: KernelBackend,
+    *,
+    scale: float,
+    dropout_p: float,
+    into: KernelOutput | None = None,
+) -> KernelOutput:
+    """The kernel's forward on ``call``'s rows (into ``into`` where the backend writes there)."""
+    extra = {} if into is None else _into(backend, into)
+    return backend.forward(
+        call.q_rows(q), call.kv_rows(k), call.kv_rows(v), scale=scale, is_causal=call.causal,
+        key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p, **extra,
+    )  # fmt: skip
+
+
+def _call_backward(
+    call: Call,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse_rows: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    aux: Any,
+    backend: KernelBackend,
+    *,
+    scale: float,
+    dropout_p: float,
+    into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's backward on ``call``'s rows with the merged statistics ``out`` and
+    ``lse_rows`` (B, Nq, H, 1); into ``into`` where the backend writes there."""
+    extra = {} if into is None else _into(backend, into)
+    return backend.backward(
+        call.q_rows(dout), call.q_rows(q), call.kv_rows(k), call.kv_rows(v), call.q_rows(out),
+        _call_lse(call, lse_rows), aux, scale=scale, is_causal=call.causal,
+        key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p, **extra,
+    )  # fmt: skip
+
+
 def run_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -320,10 +366,8 @@ def run_forward(
         merge: how a result merges in (:func:`merge_rows`).
     """
     for call in calls:
-        res = backend.forward(
-            call.q_rows(q), call.kv_rows(k), call.kv_rows(v), scale=scale,
-            is_causal=call.causal, key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p,
-        )  # fmt: skip
+        res = _call_forward(call, q, k, v, key_padding_mask, backend, scale=scale,
+                            dropout_p=dropout_p)  # fmt: skip
         auxes.append(res.aux)
         if merge is not None:
             merge(call, out, lse, res.out, res.lse)
@@ -363,10 +407,9 @@ def run_backward(
             ``dk`` / ``dv`` (ring attention sends them to the block's owner).
     """
     for call in calls:
-        dq_rows, dk_rows, dv_rows = backend.backward(
-            call.q_rows(dout), call.q_rows(q), call.kv_rows(k), call.kv_rows(v),
-            call.q_rows(out), _call_lse(call, lse_rows), next(auxes), scale=scale,
-            is_causal=call.causal, key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p,
+        dq_rows, dk_rows, dv_rows = _call_backward(
+            call, dout, q, k, v, out, lse_rows, key_padding_mask, next(auxes), backend,
+            scale=scale, dropout_p=dropout_p,
         )  # fmt: skip
         call.put_q(dq, dq_rows, accumulate=True)
         if kv_grads is not None:
@@ -416,11 +459,8 @@ def fill_slots(
             call.slot_rows(buffers.out(slot)),  # type: ignore[attr-defined]
             call.slot_lse(buffers.lse(slot)),  # type: ignore[attr-defined]
         )
-        res = backend.forward(
-            call.q_rows(q), call.kv_rows(k), call.kv_rows(v), scale=scale,
-            is_causal=call.causal, key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p,
-            **_into(backend, into),
-        )  # fmt: skip
+        res = _call_forward(call, q, k, v, key_padding_mask, backend, scale=scale,
+                            dropout_p=dropout_p, into=into)  # fmt: skip
         auxes.append(res.aux)
         _fill(into.out, res.out)
         _fill(into.lse, res.lse)
@@ -452,11 +492,9 @@ def fill_grad_slots(
     for call in calls:
         slot: int = call.slot  # type: ignore[attr-defined]
         into = tuple(call.slot_rows(g.out(slot)) for g in grads)  # type: ignore[attr-defined]
-        results = backend.backward(
-            call.q_rows(dout), call.q_rows(q), call.kv_rows(k), call.kv_rows(v),
-            call.q_rows(out), _call_lse(call, lse_rows), next(auxes), scale=scale,
-            is_causal=call.causal, key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p,
-            **_into(backend, into),
+        results = _call_backward(
+            call, dout, q, k, v, out, lse_rows, key_padding_mask, next(auxes), backend,
+            scale=scale, dropout_p=dropout_p, into=into,
         )  # fmt: skip
         for dest, result in zip(into, results, strict=True):
             _fill(dest, result)
