@@ -21,14 +21,7 @@ from .core.engine import Plan, PlanRunner, empty_attention
 from .core.fused import FusedRunner, compile_ahead
 from .core.grouped import grouped_plan
 from .core.kv_cache import DilatedKVCache
-from .core.segment import (
-    dilated_plan,
-    effective_branches,
-    not_slotted_reason,
-    plan_branches,
-    runs_in_slots,
-    slot_plan,
-)
+from .core.segment import branch_plan, effective_branches, plan_branches, runs_in_slots
 
 __all__ = ["attention", "dilated_attention"]
 
@@ -127,10 +120,7 @@ def _plan(
     allow (``slotted``, Note [Branch slots merged once]); cut into position groups where that
     bounds its scratch (Note [Position-grouped plans])."""
     groups = plan_branches(q.shape[1], q.shape[2], segs, rates)
-    if slotted and not_slotted_reason(groups, q.shape[1], k.shape[2]) is None:
-        plan = slot_plan(groups, q.shape[1], k.shape[2], causal)
-    else:
-        plan = dilated_plan(groups, q.shape[1], k.shape[2], q.device, causal, strided)
+    plan = branch_plan(groups, q.shape[1], k.shape[2], q.device, causal, strided, slotted)
     return grouped_plan(plan, q, segs, needs_grad)
 
 

@@ -278,6 +278,23 @@ def dilated_plan(
     return Plan(tuple(calls))
 
 
+def branch_plan(
+    groups: tuple[RowGroup, ...],
+    seq_len: int,
+    num_kv_heads: int,
+    device: torch.device,
+    causal: bool,
+    strided: bool,
+    slotted: bool,
+) -> Plan:
+    """The executor's plan of ``groups`` on a kernel that reads strided rows (``strided``) and
+    writes into given buffers (``slotted``): branch slots merged once where the branches allow
+    (:func:`slot_plan`), else :func:`dilated_plan`."""
+    if slotted and not_slotted_reason(groups, seq_len, num_kv_heads) is None:
+        return slot_plan(groups, seq_len, num_kv_heads, causal)
+    return dilated_plan(groups, seq_len, num_kv_heads, device, causal, strided)
+
+
 def not_slotted_reason(
     groups: tuple[RowGroup, ...], seq_len: int, num_kv_heads: int
 ) -> str | None:

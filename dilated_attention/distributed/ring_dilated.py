@@ -47,6 +47,7 @@ from ..compiled import eager_only
 from ..core.autograd import Backward, FirstOrderOnly, Forward, Grads, Inputs, run_attention
 from ..core.cells import Cells, add_cells, merge_cells
 from ..core.engine import (
+    Plan,
     accumulator_dtype,
     plan_backward,
     plan_forward,
@@ -57,7 +58,7 @@ from ..core.engine import (
 from ..core.fused import fused_backward, fused_forward
 from ..core.higher_order import RowCall, ring_message
 from ..core.merge import merge_partial
-from ..core.segment import RowGroup, dilated_plan, effective_branches, plan_branches
+from ..core.segment import RowGroup, branch_plan, effective_branches, plan_branches
 from ._comm import exchange, wait_all
 from .ring import RingSetup, prepare_ring
 from .sharding import local_positions
@@ -462,6 +463,22 @@ def _split(items: list, sizes: list[int]) -> list[list]:
     return [items[a:b] for a, b in itertools.pairwise(bounds)]
 
 
+def _local_plan(
+    groups: tuple[RowGroup, ...],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    setup: RingSetup,
+    backend: Backend,
+) -> Plan:
+    """The executor's plan of the local branches on ``backend``: strided views where it reads
+    them, branch slots where it also writes into given buffers (``branch_plan``)."""
+    strided = backend.reads_strided_rows
+    return branch_plan(
+        groups, q.shape[1], k.shape[2], q.device, setup.is_causal, strided,
+        strided and backend.writes_into,
+    )  # fmt: skip
+
+
 @dataclass(frozen=True)
 class RingDilatedRunner(FirstOrderOnly):
     """Ring dilated attention as a :class:`~dilated_attention.core.autograd.Runner`: the local
@@ -505,7 +522,7 @@ class RingDilatedRunner(FirstOrderOnly):
         else:
             if plan.local:
                 # float32 output where the spanning results merge in, else the engine's own
-                local = dilated_plan(plan.local, n, k.shape[2], q.device, setup.is_causal)
+                local = _local_plan(plan.local, q, k, setup, backend)
                 out, lse, auxes = plan_forward(
                     q, k, v, key_padding_mask, local, backend, scale=setup.scale,
                     out_dtype=acc if merge else None,
@@ -556,7 +573,7 @@ class RingDilatedRunner(FirstOrderOnly):
                 is_causal=setup.is_causal, scale=setup.scale, extra=add,
             )  # fmt: skip
         if plan.local:
-            local = dilated_plan(plan.local, q.shape[1], k.shape[2], q.device, setup.is_causal)
+            local = _local_plan(plan.local, q, k, setup, backend)
             dq, dk, dv = plan_backward(
                 dout, q, k, v, out, lse, key_padding_mask, local, backend, auxes,
                 scale=setup.scale, grad_dtype=acc if add else None,

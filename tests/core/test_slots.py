@@ -18,13 +18,12 @@ import torch
 from support.oracle import oracle_dilated_attention
 from support.tolerances import assert_close_to_oracle
 from support.triton import KERNEL_DEVICES, poison_new_buffers, skip_without_triton
+from support.writing_kernel import write_into_buffers
 
 import dilated_attention.core.engine as engine
 import dilated_attention.core.fused as fused
 import dilated_attention.core.grouped as grouped
 from dilated_attention import backend_reasons, dilated_attention
-from dilated_attention.backends.math import MathBackend
-from dilated_attention.core.contract import KernelOutput
 from dilated_attention.core.segment import not_slotted_reason, plan_branches, slot_plan
 from dilated_attention.core.slots import Slot, SlotBuffers, merge_slots_torch, sum_slots_torch
 
@@ -50,33 +49,8 @@ UNSLOTTED = [
 
 @pytest.fixture
 def writing_kernel(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The math backend as a kernel that writes its results into the buffers it is handed
-    (``writes_into``); returns the list of the passes that did."""
-    writes: list[str] = []
-    real_forward, real_backward = MathBackend._forward, MathBackend._backward
-
-    def _forward(self, q, k, v, *, into=None, **kwargs):
-        res = real_forward(self, q, k, v, **kwargs)
-        if into is None:
-            return res
-        into.out.copy_(res.out)
-        into.lse.copy_(res.lse)
-        writes.append("forward")
-        return KernelOutput(into.out, into.lse, res.aux)
-
-    def _backward(self, *args, into=None, **kwargs):
-        grads = real_backward(self, *args, **kwargs)
-        if into is None:
-            return grads
-        for dest, grad in zip(into, grads, strict=True):
-            dest.copy_(grad)
-        writes.append("backward")
-        return into
-
-    monkeypatch.setattr(MathBackend, "writes_into", True)
-    monkeypatch.setattr(MathBackend, "_forward", _forward)
-    monkeypatch.setattr(MathBackend, "_backward", _backward)
-    return writes
+    """The math backend writing its results into the buffers it is handed; the passes that did."""
+    return write_into_buffers(monkeypatch)
 
 
 def _small_groups(monkeypatch: pytest.MonkeyPatch) -> None:

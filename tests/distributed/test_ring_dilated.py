@@ -15,6 +15,7 @@ import torch.distributed as dist
 from support.distributed_utils import count_exchanges, run_world
 from support.oracle import oracle_dilated_attention
 from support.tolerances import assert_close_to_oracle
+from support.writing_kernel import write_into_buffers
 
 import dilated_attention.distributed._comm as comm
 import dilated_attention.distributed.ring_dilated as ring_dilated_mod
@@ -188,6 +189,45 @@ def test_ring_dilated_through_the_fused_engine(tmp_path: Path) -> None:
     if reasons:
         pytest.skip("triton on CPU tensors: " + "; ".join(reasons))
     run_world(_check_fused_engine, 2, tmp_path, timeout_s=900)
+
+
+def _check_slots(rank: int, world_size: int) -> None:
+    """The local branches in slots merged once, beside spanning branches (Note [Branch slots
+    merged once] in ``core/slots.py``): the math backend writing into the buffers it is handed,
+    as FlashAttention-4 does."""
+    writes = write_into_buffers()
+    for (segs, rates), causal in itertools.product(
+        [((4, 12), (1, 2)), ((4, 12, 24), (1, 2, 4))], [False, True]
+    ):
+        q, k, v, dout = _tensors(H)
+        mask = _padding_mask()
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref, ref_lse = oracle_dilated_attention(*leaves, segs, rates, is_causal=causal,
+                                                key_padding_mask=mask)  # fmt: skip
+        ref_grads = torch.autograd.grad(ref, leaves, dout)
+        local = [shard_sequence(t).requires_grad_() for t in (q, k, v)]
+        writes.clear()
+        out, lse = ring_dilated_attention(
+            *local, segs, rates, is_causal=causal, return_lse=True, backend="math",
+            key_padding_mask=shard_sequence(mask),
+        )  # fmt: skip
+        grads = torch.autograd.grad(out, local, shard_sequence(dout))
+        case = f"rank {rank}/{world_size} {segs} {rates} causal={causal}"
+        assert {"forward", "backward"} <= set(writes), (case, writes)
+        for name, got, want in (
+            ("out", out, shard_sequence(ref)), ("lse", lse, shard_sequence(ref_lse, seq_dim=2)),
+            *((f"d{x}", g, shard_sequence(w)) for x, g, w in zip("qkv", grads, ref_grads,
+                                                                  strict=True)),
+        ):  # fmt: skip
+            torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-7,
+                                       msg=lambda m, n=name, c=case: f"{n} {c}: {m}")  # fmt: skip
+
+
+def test_ring_dilated_local_branches_in_slots(tmp_path: Path) -> None:
+    """On a kernel that writes into given buffers the local branches run in branch slots, the
+    spanning branches' results merged into them (and their gradients added) before the single
+    rounding: equal to the float64 oracle, with a key padding mask, causal and not."""
+    run_world(_check_slots, 2, tmp_path, timeout_s=120)
 
 
 def _check_bytes(rank: int, world_size: int) -> None:
