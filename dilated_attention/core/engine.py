@@ -10,7 +10,9 @@ Note [One executor]
     four kinds: the whole tensors (:class:`WholeCall`, dense attention), slices of positions
     (:class:`SliceCall`, ring attention's calls against a key/value block), dilated row groups
     (``GroupCall`` in ``segment.py``) and stacked index lists (``SparseCall`` in
-    ``block_sparse/plan.py``). :class:`PlanRunner` runs a plan under the one autograd Function
+    ``block_sparse/plan.py``). A dilated plan on a kernel that writes into given buffers runs
+    its calls into branch slots merged once instead (Note [Branch slots merged once] in
+    ``slots.py``). :class:`PlanRunner` runs a plan under the one autograd Function
     (Note [One autograd Function] in ``autograd.py``); the ring paths drive the runners
     (:func:`run_forward`, :func:`run_backward`) block by block in runners of their own, which
     own the communication; kernels that run a whole plan themselves (the fused dilated Triton
