@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, cast
 
 import torch
 
@@ -44,7 +44,7 @@ from .autograd import Backward, Forward, Grads, Inputs
 from .contract import KernelBackend, KernelOutput
 from .higher_order import RowCall, differentiable_grads, no_higher_order_message
 from .merge import merge_partial
-from .slots import Slot, SlotBuffers, SlotView, merge_slots, sum_slots
+from .slots import Slot, SlotBuffers, SlotCall, SlotView, merge_slots, sum_slots
 
 
 class Call(Protocol):
@@ -308,10 +308,9 @@ def _call_forward(
     into: KernelOutput | None = None,
 ) -> KernelOutput:
     """The kernel's forward on ``call``'s rows (into ``into`` where the backend writes there)."""
-    extra = {} if into is None else _into(backend, into)
     return backend.forward(
         call.q_rows(q), call.kv_rows(k), call.kv_rows(v), scale=scale, is_causal=call.causal,
-        key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p, **extra,
+        key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p, into=into,
     )  # fmt: skip
 
 
@@ -333,11 +332,10 @@ def _call_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's backward on ``call``'s rows with the merged statistics ``out`` and
     ``lse_rows`` (B, Nq, H, 1); into ``into`` where the backend writes there."""
-    extra = {} if into is None else _into(backend, into)
     return backend.backward(
         call.q_rows(dout), call.q_rows(q), call.kv_rows(k), call.kv_rows(v), call.q_rows(out),
         _call_lse(call, lse_rows), aux, scale=scale, is_causal=call.causal,
-        key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p, **extra,
+        key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p, into=into,
     )  # fmt: skip
 
 
@@ -430,10 +428,6 @@ def _fill(dest: torch.Tensor, result: torch.Tensor) -> None:
         dest.copy_(result)
 
 
-def _into(backend: KernelBackend, into: object) -> dict[str, object]:
-    return {"into": into} if getattr(backend, "writes_into", False) else {}
-
-
 def fill_slots(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -456,10 +450,10 @@ def fill_slots(
         auxes: each call's kernel ``aux`` is appended, in call order.
     """
     for call in calls:
-        slot: int = call.slot  # type: ignore[attr-defined]
+        slotted = cast(SlotCall, call)
         into = KernelOutput(
-            call.slot_rows(buffers.out(slot)),  # type: ignore[attr-defined]
-            call.slot_lse(buffers.lse(slot)),  # type: ignore[attr-defined]
+            slotted.slot_rows(buffers.out(slotted.slot)),
+            slotted.slot_lse(buffers.lse(slotted.slot)),
         )
         res = _call_forward(call, q, k, v, key_padding_mask, backend, scale=scale,
                             dropout_p=dropout_p, into=into)  # fmt: skip
@@ -492,8 +486,8 @@ def fill_grad_slots(
         auxes: the forward's ``aux`` values, consumed in call order.
     """
     for call in calls:
-        slot: int = call.slot  # type: ignore[attr-defined]
-        into = tuple(call.slot_rows(g.out(slot)) for g in grads)  # type: ignore[attr-defined]
+        slotted = cast(SlotCall, call)
+        into = tuple(slotted.slot_rows(g.out(slotted.slot)) for g in grads)
         results = _call_backward(
             call, dout, q, k, v, out, lse_rows, key_padding_mask, next(auxes), backend,
             scale=scale, dropout_p=dropout_p, into=into,
