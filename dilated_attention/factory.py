@@ -466,8 +466,8 @@ def _branch_paths(
         )
     groups = plan_branches(seq_len, num_heads, segs, rates)
     kernel = get_backend(choice.backend)
-    strided = kernel.reads_strided_rows
-    return describe_plan(groups, seq_len, num_kv_heads, strided, strided and kernel.writes_into)
+    return describe_plan(groups, seq_len, num_kv_heads, kernel.reads_strided_rows,
+                         kernel.writes_into)  # fmt: skip
 
 
 def _default_device() -> str:

@@ -112,15 +112,15 @@ def _plan(
     causal: bool,
     strided: bool = False,
     needs_grad: bool = False,
-    slotted: bool = False,
+    writes_into: bool = False,
 ) -> Plan:
     """The executor's plan of a dilated call: rows gathered (Note [Row groups]), or read as
     strided views by a kernel that takes them (``strided``, Note [Strided row calls]), written
-    into branch slots merged once by a kernel that writes into given buffers where the branches
-    allow (``slotted``, Note [Branch slots merged once]); cut into position groups where that
-    bounds its scratch (Note [Position-grouped plans])."""
+    into branch slots merged once by a kernel that also writes into given buffers where the
+    branches allow (``writes_into``, Note [Branch slots merged once]); cut into position groups
+    where that bounds its scratch (Note [Position-grouped plans])."""
     groups = plan_branches(q.shape[1], q.shape[2], segs, rates)
-    plan = branch_plan(groups, q.shape[1], k.shape[2], q.device, causal, strided, slotted)
+    plan = branch_plan(groups, q.shape[1], k.shape[2], q.device, causal, strided, writes_into)
     return grouped_plan(plan, q, segs, needs_grad)
 
 
@@ -338,9 +338,8 @@ def dilated_attention(
         runner = FusedRunner(branches, kernel.backend, is_causal, softmax_scale)
         out, lse = run_attention(q, k, v, key_padding_mask, runner)
         return (out, lse) if return_lse else out
-    strided = kernel.backend.reads_strided_rows
-    slotted = strided and kernel.backend.writes_into
-    plan = _plan(q, k, segs, rates, is_causal, strided, needs_grad, slotted)
+    strided, writes_into = kernel.backend.reads_strided_rows, kernel.backend.writes_into
+    plan = _plan(q, k, segs, rates, is_causal, strided, needs_grad, writes_into)
     runner = PlanRunner(plan, kernel.backend, softmax_scale, dropout_p, "dilated_attention")
     out, lse = run_attention(
         q.contiguous(), k.contiguous(), v.contiguous(), key_padding_mask, runner

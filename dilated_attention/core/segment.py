@@ -285,16 +285,18 @@ def branch_plan(
     device: torch.device,
     causal: bool,
     strided: bool,
-    slotted: bool,
+    writes_into: bool,
 ) -> Plan:
     """The executor's plan of ``groups`` on a kernel that reads strided rows (``strided``) and
-    writes into given buffers (``slotted``): branch slots merged once where the branches allow
-    (:func:`slot_plan`), else :func:`dilated_plan`."""
+    writes into given buffers (``writes_into``): branch slots merged once where it does both and
+    the branches allow (:func:`slot_plan`), else :func:`dilated_plan`."""
+    slotted = strided and writes_into
     if slotted and not_slotted_reason(groups, seq_len, num_kv_heads) is None:
         return slot_plan(groups, seq_len, num_kv_heads, causal)
     return dilated_plan(groups, seq_len, num_kv_heads, device, causal, strided)
 
 
+@functools.lru_cache(maxsize=256)
 def not_slotted_reason(
     groups: tuple[RowGroup, ...], seq_len: int, num_kv_heads: int
 ) -> str | None:
@@ -394,16 +396,16 @@ def describe_plan(
     seq_len: int,
     num_kv_heads: int,
     strided: bool,
-    slotted: bool = False,
+    writes_into: bool = False,
 ) -> tuple[str, ...]:
-    """One line per row group saying how :func:`dilated_plan` runs it on a kernel that reads
+    """One line per row group saying how :func:`branch_plan` runs it on a kernel that reads
     strided rows (``strided``) or not: as views (how many calls, from :func:`strided_calls`) or
-    gathered, and why; on a kernel that writes into given buffers (``slotted``), whether the
-    results go into branch slots merged once (:func:`slot_plan`) or why not."""
+    gathered, and why; on one that also writes into given buffers (``writes_into``), whether
+    the results go into branch slots merged once (:func:`slot_plan`) or why not."""
     if covers_all_once(groups, seq_len):
         return (f"w={seq_len} r=1: one dense call over all {seq_len} positions",)
     merge = ""
-    if slotted:
+    if strided and writes_into:
         reason = not_slotted_reason(groups, seq_len, num_kv_heads)
         merge = (
             "; written into the branch's slot, merged once with the other branches"

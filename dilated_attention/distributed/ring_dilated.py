@@ -472,10 +472,9 @@ def _local_plan(
 ) -> Plan:
     """The executor's plan of the local branches on ``backend``: strided views where it reads
     them, branch slots where it also writes into given buffers (``branch_plan``)."""
-    strided = backend.reads_strided_rows
     return branch_plan(
-        groups, q.shape[1], k.shape[2], q.device, setup.is_causal, strided,
-        strided and backend.writes_into,
+        groups, q.shape[1], k.shape[2], q.device, setup.is_causal, backend.reads_strided_rows,
+        backend.writes_into,
     )  # fmt: skip
 
 
