@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.grouping import cut_small
 from support.oracle import oracle_dilated_attention
 
 import dilated_attention.core.engine as engine
@@ -32,9 +33,7 @@ SCHEDULES = [
 @pytest.fixture
 def small_groups(monkeypatch: pytest.MonkeyPatch) -> None:
     """Cut plans on the CPU too, into groups as small as the segments allow."""
-    monkeypatch.setattr(grouped, "GROUPED_DEVICES", frozenset({"cpu", "cuda"}))
-    monkeypatch.setattr(fused, "MIN_GROUP_POSITIONS", 1)
-    monkeypatch.setattr(fused, "GROUPS_PER_SEQUENCE", 1000)
+    cut_small(monkeypatch)
 
 
 def _inputs(n: int, heads: int, kv_heads: int, batch: int = 2, seed: int = 0):

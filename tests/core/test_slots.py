@@ -15,13 +15,13 @@ import itertools
 
 import pytest
 import torch
+from support.grouping import cut_small
 from support.oracle import oracle_dilated_attention
 from support.tolerances import assert_close_to_oracle
 from support.triton import KERNEL_DEVICES, poison_new_buffers, skip_without_triton
 from support.writing_kernel import write_into_buffers
 
 import dilated_attention.core.engine as engine
-import dilated_attention.core.fused as fused
 import dilated_attention.core.grouped as grouped
 from dilated_attention import backend_reasons, dilated_attention
 from dilated_attention.core.segment import not_slotted_reason, plan_branches, slot_plan
@@ -51,15 +51,6 @@ UNSLOTTED = [
 def writing_kernel(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The math backend writing its results into the buffers it is handed; the passes that did."""
     return write_into_buffers(monkeypatch)
-
-
-def _small_groups(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Cut plans on the CPU too, into groups as small as the segments allow, whatever the
-    scratch."""
-    monkeypatch.setattr(grouped, "GROUPED_DEVICES", frozenset({"cpu", "cuda"}))
-    monkeypatch.setattr(fused, "MIN_GROUP_POSITIONS", 1)
-    monkeypatch.setattr(fused, "GROUPS_PER_SEQUENCE", 1000)
-    monkeypatch.setattr(fused, "scratch_allowance", lambda like: 0)
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch, names: tuple[str, ...]) -> list[str]:
@@ -103,7 +94,7 @@ def test_slotted_plan_matches_oracle(
     equal the float64 oracle, with gradients and without, whole and in position groups."""
     _, n, heads, segs, rates = schedule
     if cut:
-        _small_groups(monkeypatch)
+        cut_small(monkeypatch)
     runs = _spy(monkeypatch, ("slot_forward", "slot_backward", "run_forward", "run_backward"))
     q, k, v, dout = _inputs(n, heads)
     mask = _mask(n)
@@ -250,7 +241,7 @@ def test_cuda_flash_attn4_writes_into_slots(
     if reasons:
         pytest.skip(f"flash_attn4 cannot run here: {'; '.join(reasons)}")
     if cut:
-        _small_groups(monkeypatch)
+        cut_small(monkeypatch)
     copies: list[tuple[int, ...]] = []
     real_fill = engine._fill
 

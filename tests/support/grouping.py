@@ -1,0 +1,17 @@
+"""Position-grouped plans on the CPU (Note [Position-grouped plans] in ``core/grouped.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+import dilated_attention.core.fused as fused
+import dilated_attention.core.grouped as grouped
+
+
+def cut_small(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cut plans on the CPU too, into groups as small as the segments allow, whatever the
+    scratch (the allowance is 0 on the CPU already; on a GPU this makes it so)."""
+    monkeypatch.setattr(grouped, "GROUPED_DEVICES", frozenset({"cpu", "cuda"}))
+    monkeypatch.setattr(fused, "MIN_GROUP_POSITIONS", 1)
+    monkeypatch.setattr(fused, "GROUPS_PER_SEQUENCE", 1000)
+    monkeypatch.setattr(fused, "scratch_allowance", lambda like: 0)
