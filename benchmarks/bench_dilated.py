@@ -17,7 +17,8 @@ For each schedule (LongNet: w = 2048..32768 with r = 1, 2, 4, 8, 16; the paper's
   writing into its branch's slot, the slots merged once (not run by default; needs
   ``flash-attn-4``);
 - ``cudnn ceiling``: cuDNN alone on tensors already shaped like every branch's rows
-  ``(B * N / w, ceil(w / r), H, D)`` (no gather, no merge), its times summed over the branches;
+  ``(B * N / w, ceil(w / r), H, D)`` (and a shorter last segment's, where N leaves one; no
+  gather, no merge), its times summed over the branches;
 - ``fa4 ceiling``: the same with FlashAttention-4 (not run by default).
 
 Effective TFLOP/s = paper FLOPs / time, with paper FLOPs = 4 * D * sum over heads and branches of
@@ -74,11 +75,16 @@ def _ceiling(
     backend: str, seq_len: int, heads: int, dim: int, segs: tuple[int, ...],
     rates: tuple[int, ...], causal: bool, args: argparse.Namespace,
 ) -> dict[str, float]:  # fmt: skip
-    """``backend`` alone on every branch's row shape, times summed (no gather, no merge)."""
+    """``backend`` alone on every branch's row shape (its whole segments, and a shorter last one
+    where the sequence leaves one), times summed (no gather, no merge)."""
     total = {"fwd_ms": 0.0, "fwd_bwd_ms": 0.0}
+    shapes = []
     for w, r in zip(segs, rates, strict=True):
         w = min(w, seq_len)
-        shape = (seq_len // w, -(-w // r), heads, dim)
+        shapes.append((seq_len // w, -(-w // r), heads, dim))
+        if seq_len % w:
+            shapes.append((1, -(-(seq_len % w) // r), heads, dim))
+    for shape in shapes:
         q, k, v = (
             torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             for _ in range(3)

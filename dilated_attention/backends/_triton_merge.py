@@ -162,11 +162,13 @@ def merge_splits(
 # A program takes BLOCK_CELLS consecutive (position, head) cells of one batch element: its output
 # rows are one contiguous run of memory, and so are the slot rows it reads (the heads of a slot
 # row are positions next to each other). Each cell finds its row in every slot by dividing its
-# position by the slot's rate and segment length; with those (and the head count) compile-time
-# constants the divisions are multiplications. Runtime 64-bit divisions, computed once per
-# thread that holds a piece of the row, ran these kernels 5-10x below the memory bandwidth of an
-# H100 (0.7 of 3 TB/s). The slots come as tuples of views (``core.slots.SlotView``): a plan's
-# own slots and a spanning slot's part of a position group alike.
+# position by the slot's segment length and its place in the segment by the rate (a ragged
+# branch's slot has ceil(L / r) rows a segment, some unused); with those (and the head count)
+# compile-time constants the divisions are multiplications. Runtime 64-bit divisions, computed
+# once per thread that holds a piece of the row, ran these kernels 5-10x below the memory
+# bandwidth of an H100 (0.7 of 3 TB/s). The slots come as tuples of views
+# (``core.slots.SlotView``): a plan's own slots and a spanning slot's part of a position group
+# alike.
 @triton.jit
 def _slot_cell(
     b, p, h, valid, row_b, lse_b, lse_seg, lse_h,
@@ -176,11 +178,13 @@ def _slot_cell(
     ``h``): whether it covers the cell, the element offset of its row (rows counted in cells,
     times ``DIM`` last: the compiler then knows rows are ``DIM``-aligned and loads them in
     vectors) and of its lse."""
-    q = p // RATE  # the slot row: seg * SEG / RATE + (p mod SEG) // RATE, as SEG % RATE == 0
-    covered = valid & ((p - q * RATE) == (h % RATE))
+    rows_per_segment = (SEG + RATE - 1) // RATE  # compile-time: SEG and RATE are
     seg = p // SEG
-    row_at = b * row_b + (q.to(tl.int64) * HEADS + h) * DIM
-    lse_at = b * lse_b + seg.to(tl.int64) * lse_seg + h * lse_h + (q - seg * (SEG // RATE))
+    t = p - seg * SEG  # the position in its segment
+    m = t // RATE
+    covered = valid & ((t - m * RATE) == (h % RATE))
+    row_at = b * row_b + ((seg * rows_per_segment + m).to(tl.int64) * HEADS + h) * DIM
+    lse_at = b * lse_b + seg.to(tl.int64) * lse_seg + h * lse_h + m
     return covered, row_at, lse_at
 
 

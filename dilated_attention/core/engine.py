@@ -428,6 +428,19 @@ def _fill(dest: torch.Tensor, result: torch.Tensor) -> None:
         dest.copy_(result)
 
 
+def _batch_rows(call: Call, batch: int, seq_len: int) -> tuple[slice, ...]:
+    """The batch rows a slot call runs on at once: all, or one batch element at a time where
+    its rows are views only within one (a run of whole segments before a shorter last one,
+    ``StridedCall.whole_batch``)."""
+    if batch == 1 or cast(SlotCall, call).whole_batch(seq_len):
+        return (slice(None),)
+    return tuple(slice(b, b + 1) for b in range(batch))
+
+
+def _rows_of(x: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if x is None else x[rows]
+
+
 def fill_slots(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -447,19 +460,21 @@ def fill_slots(
     Args:
         q, k, v: (B, N, H, D), the positions the calls and ``buffers`` address.
         calls: calls with ``slot``, ``slot_rows`` and ``slot_lse`` (``StridedCall``).
-        auxes: each call's kernel ``aux`` is appended, in call order.
+        auxes: each call's kernel ``aux`` is appended, in call order (and batch order, for a
+            call run one batch element at a time).
     """
     for call in calls:
         slotted = cast(SlotCall, call)
-        into = KernelOutput(
-            slotted.slot_rows(buffers.out(slotted.slot)),
-            slotted.slot_lse(buffers.lse(slotted.slot)),
-        )
-        res = _call_forward(call, q, k, v, key_padding_mask, backend, scale=scale,
-                            dropout_p=dropout_p, into=into)  # fmt: skip
-        auxes.append(res.aux)
-        _fill(into.out, res.out)
-        _fill(into.lse, res.lse)
+        for rows in _batch_rows(call, *q.shape[:2]):
+            into = KernelOutput(
+                slotted.slot_rows(buffers.out(slotted.slot)[rows]),
+                slotted.slot_lse(buffers.lse(slotted.slot)[rows]),
+            )
+            res = _call_forward(call, q[rows], k[rows], v[rows], _rows_of(key_padding_mask, rows),
+                                backend, scale=scale, dropout_p=dropout_p, into=into)  # fmt: skip
+            auxes.append(res.aux)
+            _fill(into.out, res.out)
+            _fill(into.lse, res.lse)
 
 
 def fill_grad_slots(
@@ -483,17 +498,19 @@ def fill_grad_slots(
 
     Args:
         lse_rows: (B, N, H, 1) merged log-sum-exp (:func:`row_lse`).
-        auxes: the forward's ``aux`` values, consumed in call order.
+        auxes: the forward's ``aux`` values, consumed in the order :func:`fill_slots` made them.
     """
     for call in calls:
         slotted = cast(SlotCall, call)
-        into = tuple(slotted.slot_rows(g.out(slotted.slot)) for g in grads)
-        results = _call_backward(
-            call, dout, q, k, v, out, lse_rows, key_padding_mask, next(auxes), backend,
-            scale=scale, dropout_p=dropout_p, into=into,
-        )  # fmt: skip
-        for dest, result in zip(into, results, strict=True):
-            _fill(dest, result)
+        for rows in _batch_rows(call, *q.shape[:2]):
+            into = tuple(slotted.slot_rows(g.out(slotted.slot)[rows]) for g in grads)
+            results = _call_backward(
+                call, dout[rows], q[rows], k[rows], v[rows], out[rows], lse_rows[rows],
+                _rows_of(key_padding_mask, rows), next(auxes), backend, scale=scale,
+                dropout_p=dropout_p, into=into,
+            )  # fmt: skip
+            for dest, result in zip(into, results, strict=True):
+                _fill(dest, result)
 
 
 def _own_slots(slots: Sequence[Slot], spanning: bool = False) -> list[int]:
@@ -759,7 +776,8 @@ def plan_backward(
     if plan.groups and (plan.grouped_forward or all(aux is None for aux in auxes)):
         if not plan.grouped_forward:
             cut = sum(len(group.calls) for group in plan.groups) * q.shape[0]
-            auxes = [None] * (len(plan.spanning) + cut)
+            spanning = sum(len(_batch_rows(c, *q.shape[:2])) for c in plan.spanning)
+            auxes = [None] * (spanning + cut)
         return _grouped_backward(
             dout, q, k, v, out, lse, key_padding_mask, plan, backend, auxes, scale=scale,
             dropout_p=dropout_p, grad_dtype=grad_dtype,

@@ -98,13 +98,14 @@ def grouped_plan(
 def slot_group_length(slots: tuple[Slot, ...], seq_len: int, target: int) -> int | None:
     """The shortest group length ``G`` of at least ``target`` positions that cuts a slotted plan
     (Note [Position-grouped plans]): every segment length at most ``G`` divides it, every longer
-    one is a multiple of it (whose slot then spans groups) with its rate dividing ``G``, and ``G``
-    divides ``seq_len``; or None where no such ``G`` below ``seq_len`` exists."""
+    one is a multiple of it (whose slot then spans groups) with its rate dividing ``G``; or None
+    where no such ``G`` below ``seq_len`` exists. The last group may be shorter (it ends with
+    the sequence, as the segments' shorter last runs do)."""
     lengths = sorted({slot.segment_len for slot in slots})
     candidates = sorted({length << k for length in lengths for k in range(64)
                          if length << k < seq_len})  # fmt: skip
     for size in candidates:
-        if size < target or seq_len % size:
+        if size < target:
             continue
         if all(size % s.segment_len == 0 if s.segment_len <= size
                else s.segment_len % size == 0 and size % s.rate == 0 for s in slots):  # fmt: skip
@@ -127,7 +128,7 @@ def _slot_groups(
     slots = tuple(replace(s, spanning=s.segment_len > size) for s in plan.slots)
     spanning = tuple(c for c in plan.calls if slots[c.slot].spanning)  # type: ignore[attr-defined]
     grouped = tuple(c for c in plan.calls if not slots[c.slot].spanning)  # type: ignore[attr-defined]
-    groups = tuple((start, start + size) for start in range(0, seq_len, size))
+    groups = tuple((start, min(start + size, seq_len)) for start in range(0, seq_len, size))
     return replace(
         plan, slots=slots, groups=_cut(grouped, groups), grouped_forward=not needs_grad,
         spanning=spanning,

@@ -37,7 +37,8 @@ from .strided import DiagonalCall, StridedCall, kv_head_slice
 class RowGroup:
     """Rows of ``num_segments`` consecutive segments of ``segment_len`` starting at ``start``.
 
-    Head ``heads[i]`` covers, in every segment, the ``rows`` positions ``offsets[i] + rate * m``.
+    Head ``heads[i]`` covers, in every segment, the ``rows`` positions ``offsets[i] + rate * m``;
+    ``branch`` is the index of the group's branch in the schedule.
     """
 
     start: int
@@ -48,6 +49,7 @@ class RowGroup:
     offsets: tuple[int, ...]
     rows: int
     num_heads: int
+    branch: int = 0
 
     @property
     def stop(self) -> int:
@@ -92,7 +94,7 @@ def plan_branches(
         Row groups in branch order; groups of one branch cover disjoint (position, head) pairs.
     """
     groups: list[RowGroup] = []
-    for seg, rate in zip(segment_lengths, dilation_rates, strict=True):
+    for branch, (seg, rate) in enumerate(zip(segment_lengths, dilation_rates, strict=True)):
         seg = min(seg, seq_len)
         full, rest = divmod(seq_len, seg)
         runs = [(0, full, seg)] if full else []
@@ -115,6 +117,7 @@ def plan_branches(
                         offsets=tuple(h % rate for h in heads),
                         rows=rows,
                         num_heads=num_heads,
+                        branch=branch,
                     )
                 )
     return tuple(groups)
@@ -304,16 +307,9 @@ def not_slotted_reason(
     merged once] in ``slots.py``), or None where they can (:func:`slot_plan`)."""
     if covers_all_once(groups, seq_len):
         return "one dense call: nothing to merge"
-    for group in groups:
-        heads = group.num_heads
-        if num_kv_heads != heads:
-            return f"GQA ({heads} query heads over {num_kv_heads}): slots need every key head"
-        whole = group.start == 0 and group.stop == seq_len and len(group.heads) == heads
-        if not whole or group.segment_len % group.rate:
-            return (
-                f"w={group.segment_len} r={group.rate}: slots need segments that divide the "
-                f"sequence ({seq_len}) and rates that divide the segments"
-            )
+    heads = groups[0].num_heads if groups else num_kv_heads
+    if num_kv_heads != heads:
+        return f"GQA ({heads} query heads over {num_kv_heads}): slots need every key head"
     return None
 
 
@@ -335,17 +331,24 @@ def runs_in_slots(
 def slot_plan(
     groups: tuple[RowGroup, ...], seq_len: int, num_kv_heads: int, causal: bool
 ) -> Plan:
-    """The plan of ``groups`` (one per branch, :func:`not_slotted_reason` None) with every
-    branch's calls writing into a slot of its own (Note [Branch slots merged once]): the view
-    calls of :func:`strided_calls`, and one whole-segment view call for a rate of 1."""
+    """The plan of ``groups`` (:func:`not_slotted_reason` None) with every branch's calls
+    writing into a slot of its own (Note [Branch slots merged once]): the view calls of
+    :func:`strided_calls`, and one whole-segment view call for a rate of 1. A branch's slot has
+    the segment length of its whole segments (a shorter last one is a run of its own)."""
+    lengths: dict[int, int] = {}
+    rates: dict[int, int] = {}
+    for group in groups:
+        lengths[group.branch] = max(lengths.get(group.branch, 0), group.segment_len)
+        rates[group.branch] = group.rate
+    index = {branch: i for i, branch in enumerate(sorted(lengths))}
     calls: list[StridedCall] = []
-    for index, group in enumerate(groups):
+    for group in groups:
         views = strided_calls(group, num_kv_heads, causal)
         if views is None:  # rate 1: every head's whole segments
             n, length = group.num_segments, group.segment_len
             views = (StridedCall(group.start, n, length, 1, 0, slice(None), causal),)
-        calls.extend(call.in_slot(index) for call in views)
-    slots = tuple(Slot(group.segment_len, group.rate) for group in groups)
+        calls.extend(call.in_slot(index[group.branch], lengths[group.branch]) for call in views)
+    slots = tuple(Slot(lengths[branch], rates[branch]) for branch in sorted(lengths))
     return Plan(tuple(calls), slots=slots)
 
 
@@ -353,13 +356,10 @@ def not_strided_reason(group: RowGroup, num_kv_heads: int) -> str | None:
     """Why the group's rows are not strided views of q, k and v (so a kernel that reads strided
     rows still gets them gathered), or None where they are (:func:`strided_calls`)."""
     rate, heads = group.rate, group.num_heads
-    if len(group.heads) != heads:
-        return "ragged rows: the offset classes differ in length here (heads grouped by rows)"
     if rate == 1:
         return "rate 1: whole segments (views only when every head reads them)"
-    if group.segment_len % rate:
-        return f"ragged rows: the segment ({group.segment_len}) is not a multiple of r"
-    if any(kv_head_slice(s, rate, heads, num_kv_heads) is None for s in range(min(rate, heads))):
+    offsets = sorted(set(group.offsets))
+    if any(kv_head_slice(s, rate, heads, num_kv_heads) is None for s in offsets):
         return (
             f"GQA: the key/value heads of an offset class ({heads} query heads over "
             f"{num_kv_heads}) are not one strided slice"
@@ -371,22 +371,23 @@ def not_strided_reason(group: RowGroup, num_kv_heads: int) -> str | None:
 def strided_calls(
     group: RowGroup, num_kv_heads: int, causal: bool
 ) -> tuple[StridedCall, ...] | None:
-    """The group as one :class:`StridedCall` per offset class, or per block of ``r`` heads where
-    that is fewer calls (``DiagonalCall``, Note [Diagonal head calls] in ``strided.py``), or None
-    where its rows are not strided views (:func:`not_strided_reason`)."""
+    """The group as one :class:`StridedCall` per offset class of its heads, or per block of
+    ``r`` heads where that is fewer calls (``DiagonalCall``, Note [Diagonal head calls] in
+    ``strided.py``), or None where its rows are not strided views (:func:`not_strided_reason`)."""
     if not_strided_reason(group, num_kv_heads) is not None:
         return None
     rate, heads = group.rate, group.num_heads
     start, n, length = group.start, group.num_segments, group.segment_len
-    if num_kv_heads == heads and heads % rate == 0 and heads // rate < rate:
+    every_head = len(group.heads) == heads and length % rate == 0
+    if every_head and num_kv_heads == heads and heads % rate == 0 and heads // rate < rate:
         return tuple(
             DiagonalCall(start, n, length, rate, t, slice(None), causal)
             for t in range(heads // rate)
         )
-    kv_slices = [kv_head_slice(s, rate, heads, num_kv_heads) for s in range(min(rate, heads))]
+    kv_slices = {s: kv_head_slice(s, rate, heads, num_kv_heads) for s in sorted(set(group.offsets))}
     return tuple(
         StridedCall(start, n, length, rate, s, kv, causal)
-        for s, kv in enumerate(kv_slices)
+        for s, kv in kv_slices.items()
         if kv is not None
     )
 
@@ -404,12 +405,13 @@ def describe_plan(
     the results go into branch slots merged once (:func:`slot_plan`) or why not."""
     if covers_all_once(groups, seq_len):
         return (f"w={seq_len} r=1: one dense call over all {seq_len} positions",)
-    merge = ""
+    merge, slotted = "", False
     if strided and writes_into:
         reason = not_slotted_reason(groups, seq_len, num_kv_heads)
+        slotted = reason is None
         merge = (
             "; written into the branch's slot, merged once with the other branches"
-            if reason is None
+            if slotted
             else f"; merged as it comes (no branch slots: {reason})"
         )
     lines = []
@@ -431,6 +433,11 @@ def describe_plan(
             path = f"{heads} on strided views (no gather)"
         else:
             path = f"{len(views)} offset-class call(s) on strided views (no gather)"
+        if slotted and group.num_segments > 1 and group.stop < seq_len:
+            path += (
+                ", one batch element at a time (whole segments before a shorter last one are "
+                "one view only within a batch element)"
+            )
         lines.append(f"{where}: {path}{merge}")
     return tuple(lines)
 

@@ -10,9 +10,12 @@ Note [Branch slots merged once]
     Note [The backend contract] in ``contract.py``) makes it unnecessary:
 
     - every branch ``(L, r)`` gets a *slot*: a compact buffer of the rows it covers, shaped
-      (B, N / r, H, D) in the input dtype, row ``seg * L / r + m`` of head ``h`` holding
-      position ``seg * L + (h mod r) + r * m`` (LongNet's offset ``h mod r``), and its
-      log-sum-exp (B, N / L, H, L / r) float32. The calls of a branch (offset classes or
+      (B, S * C, H, D) in the input dtype for its ``S = ceil(N / L)`` segments of
+      ``C = ceil(L / r)`` rows (N / r in all where ``r`` divides ``L`` and ``L`` divides N),
+      row ``seg * C + m`` of head ``h`` holding position ``seg * L + (h mod r) + r * m``
+      (LongNet's offset ``h mod r``), and its log-sum-exp (B, S, H, C) float32. A ragged branch
+      leaves some rows unused: the offset classes with fewer rows than ``C``, and a shorter
+      last segment's. The calls of a branch (offset classes or
       diagonal head blocks, Note [Strided row calls] in ``strided.py``) write straight into
       views of it (:meth:`~dilated_attention.core.strided.StridedCall.slot_rows`): each row of
       a slot is written by exactly one call;
@@ -32,10 +35,10 @@ Note [Branch slots merged once]
     those. Measured on an H100 (LongNet schedule, 1M tokens, H = 16, bf16): the merge 5.2 ms
     and each sum 4.1 ms at D = 128, 3 TB/s.
 
-    A plan runs in slots when every branch's rows are strided views of whole segments: every
-    segment length divides the sequence and its rate divides the segment, and the keys and
-    values have every head (no GQA: a key row of one head then belongs to one call of each
-    branch, as a query row does). Other plans merge as they go.
+    A plan runs in slots when the keys and values have every head (no GQA: a key row of one
+    head then belongs to one call of each branch, as a query row does); its calls are strided
+    views of every offset class (Note [Strided row calls] in ``strided.py``), ragged branches
+    included. Other plans merge as they go.
 
     The merge and the sums run as one Triton kernel each on CUDA (:func:`register_slot_kernels`,
     filled by the Triton backend), else as the torch ops of :func:`merge_slots_torch` and
@@ -43,7 +46,7 @@ Note [Branch slots merged once]
     kernels.
 
 Shape legend: B batch, N positions of the plan (or of a position group), H heads, D head dim,
-L segment length, r rate.
+L segment length, r rate, S segments, C slot rows per segment, n segments and c rows of a call.
 """
 
 from __future__ import annotations
@@ -68,9 +71,19 @@ class Slot:
     rate: int
     spanning: bool = False
 
+    @property
+    def segment_rows(self) -> int:
+        """C: slot rows per segment, ``ceil(L / r)`` (the longest offset class's)."""
+        return -(-self.segment_len // self.rate)
+
+    def segments(self, seq_len: int) -> int:
+        """S: the segments over ``seq_len`` positions, a shorter last one included."""
+        return -(-seq_len // self.segment_len)
+
     def rows(self, seq_len: int) -> int:
-        """Rows per batch element and head over ``seq_len`` positions: N / r."""
-        return seq_len // self.rate
+        """Rows per batch element and head over ``seq_len`` positions: S * C (N / r where ``r``
+        divides ``L`` and ``L`` divides N)."""
+        return self.segments(seq_len) * self.segment_rows
 
 
 @dataclass(frozen=True)
@@ -78,9 +91,9 @@ class SlotView:
     """One slot over a run of positions, as the merge and the sums read it.
 
     Attributes:
-        rows: (B, Np / r, H, D), rows contiguous (any batch stride): row ``seg * L / r + m`` of
-            head ``h`` holds position ``seg * L + (h mod r) + r * m`` of the run.
-        lse: (B, Np / L, H, L / r) (last dim contiguous), or None for gradients.
+        rows: (B, S * C, H, D), rows contiguous (any batch stride): row ``seg * C + m`` of head
+            ``h`` holds position ``seg * L + (h mod r) + r * m`` of the run, ``C = ceil(L / r)``.
+        lse: (B, S, H, C) (last dim contiguous), or None for gradients.
         segment_len: L: the branch's segment length, or the run's own length where the run lies
             inside one of the branch's segments (a spanning slot's part of a position group).
         rate: r.
@@ -91,6 +104,11 @@ class SlotView:
     segment_len: int
     rate: int
 
+    @property
+    def segment_rows(self) -> int:
+        """C."""
+        return -(-self.segment_len // self.rate)
+
 
 class SlotBuffers:
     """The slots ``held`` (indices into ``slots``) of a plan in one flat buffer (and one flat lse
@@ -98,8 +116,8 @@ class SlotBuffers:
     ``like`` (B, N', H, D).
 
     Attributes:
-        flat: the slots' rows, slot ``i`` as (B, N / r, H, D) (:meth:`out`).
-        lse_flat: their lse (``None`` for gradient buffers), slot ``i`` as (B, N / L, H, L / r).
+        flat: the slots' rows, slot ``i`` as (B, S * C, H, D) (:meth:`out`).
+        lse_flat: their lse (``None`` for gradient buffers), slot ``i`` as (B, S, H, C).
     """
 
     def __init__(
@@ -124,42 +142,45 @@ class SlotBuffers:
         )
 
     def out(self, index: int) -> torch.Tensor:
-        """Slot ``index``'s rows, (B, N / r, H, D)."""
+        """Slot ``index``'s rows, (B, S * C, H, D)."""
         rows = self.slots[index].rows(self.seq_len)
         size, start = self.batch * rows * self.heads, self._starts[index]
         flat = self.flat[start * self.dim : (start + size) * self.dim]
         return flat.view(self.batch, rows, self.heads, self.dim)
 
     def lse(self, index: int) -> torch.Tensor:
-        """Slot ``index``'s log-sum-exp, (B, N / L, H, L / r)."""
+        """Slot ``index``'s log-sum-exp, (B, S, H, C)."""
         if self.lse_flat is None:
             raise RuntimeError("these slot buffers hold gradients: they have no lse")
         slot = self.slots[index]
         size = self.batch * slot.rows(self.seq_len) * self.heads
         start = self._starts[index]
-        segments, rows = self.seq_len // slot.segment_len, slot.segment_len // slot.rate
-        return self.lse_flat[start : start + size].view(self.batch, segments, self.heads, rows)
+        shape = (self.batch, slot.segments(self.seq_len), self.heads, slot.segment_rows)
+        return self.lse_flat[start : start + size].view(shape)
 
     def views(
         self, batch: slice = slice(None), start: int = 0, end: int | None = None
     ) -> list[SlotView]:
         """Every held slot over positions ``[start, end)`` of batch elements ``batch``: whole
-        segments of its branch, or a run inside one segment (then ``start`` and ``end`` are
-        multiples of its rate)."""
+        segments of its branch (the last may end with the sequence), or a run inside one
+        segment (then ``start`` is a multiple of its rate)."""
         end = self.seq_len if end is None else end
         views = []
         for index in self.held:
             slot = self.slots[index]
-            length, rate = slot.segment_len, slot.rate
-            rows = self.out(index)[batch, start // rate : end // rate]
-            lse = None if self.lse_flat is None else self.lse(index)[batch]
-            if start % length == 0 and end % length == 0:
-                lse = None if lse is None else lse[:, start // length : end // length]
-            elif lse is not None:  # inside one segment: its rows from the run's first on
-                first = (start % length) // rate
-                lse = lse[:, start // length : start // length + 1]
-                lse = lse[..., first : first + (end - start) // rate]
-            if start % length or end % length:
+            length, rate, per_segment = slot.segment_len, slot.rate, slot.segment_rows
+            rows, lse = self.out(index)[batch], None
+            if self.lse_flat is not None:
+                lse = self.lse(index)[batch]
+            if start % length == 0 and (end % length == 0 or end == self.seq_len):
+                first, stop = start // length, -(-end // length)
+                rows = rows[:, first * per_segment : stop * per_segment]
+                lse = None if lse is None else lse[:, first:stop]
+            else:  # inside one segment: its rows from the run's first on
+                seg, first = start // length, (start % length) // rate
+                count = -(-(end - start) // rate)
+                rows = rows[:, seg * per_segment + first :][:, :count]
+                lse = None if lse is None else lse[:, seg : seg + 1, :, first : first + count]
                 length = end - start
             views.append(SlotView(rows, lse, length, rate))
         return views
@@ -178,28 +199,40 @@ class SlotCall(Protocol):
 
     slot: int
 
+    def whole_batch(self, seq_len: int) -> bool:
+        """Whether the call's rows of every batch element are one view (else it runs one batch
+        element at a time)."""
+        ...
+
     def slot_rows(self, buffer: torch.Tensor) -> torch.Tensor:
-        """(B, N / r, H, E) slot -> the call's (B * n, L / r, Hc, E) rows of it, a view."""
+        """(B, S * C, H, E) slot -> the call's (B * n, c, Hc, E) rows of it, a view."""
         ...
 
     def slot_lse(self, buffer: torch.Tensor) -> torch.Tensor:
-        """(B, N / L, H, L / r) slot lse -> the call's (B * n, Hc, L / r), a view."""
+        """(B, S, H, C) slot lse -> the call's (B * n, Hc, c), a view."""
         ...
 
 
 # -- the torch passes ------------------------------------------------------------------------------
 def _offset_views(view: SlotView, dest: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(dest rows, slot rows)`` pairs, one per offset class ``s`` of ``view``: the rows
-    ``seg * L + s + r * m`` of the heads ``s, s + r, ...`` of ``dest`` (B, Np, H, E) and of the
-    view's rows, both (B, Np / L, L / r, Hc, E)."""
+    """``(dest rows, slot rows)`` pairs, one per run of segments (the whole ones, then a shorter
+    last one) and offset class ``s`` of ``view``: the rows ``seg * L + s + r * m`` of the heads
+    ``s, s + r, ...`` of ``dest`` (B, Np, H, E) and of the view's rows, both (B, n, c, Hc, E)."""
     batch, positions, heads, dim = dest.shape
-    length, rate = view.segment_len, view.rate
-    segments = positions // length
-    by_offset = dest.view(batch, segments, length // rate, rate, heads, dim)
-    compact = view.rows.reshape(batch, segments, length // rate, heads, -1)
-    return [
-        (by_offset[:, :, :, s, s::rate], compact[:, :, :, s::rate]) for s in range(min(rate, heads))
-    ]
+    length, rate, per_segment = view.segment_len, view.rate, view.segment_rows
+    full, rest = divmod(positions, length)
+    compact = view.rows.reshape(batch, -(-positions // length), per_segment, heads, -1)
+    pairs = []
+    for first, count, run in ((0, full, length), (full, 1, rest)):
+        if count == 0 or run == 0:
+            continue
+        by_offset = dest[:, first * length : first * length + count * run]
+        by_offset = by_offset.view(batch, count, run, heads, dim)
+        part = compact[:, first : first + count]
+        for s in range(min(rate, heads, run)):
+            rows = len(range(s, run, rate))
+            pairs.append((by_offset[:, :, s::rate, s::rate], part[:, :, :rows, s::rate]))
+    return pairs
 
 
 def merge_slots_torch(views: Sequence[SlotView], out: torch.Tensor, lse: torch.Tensor) -> None:

@@ -1,21 +1,25 @@
 """Dilated rows as strided views: kernel calls that read and write their rows in place.
 
 Note [Strided row calls]
-    When a branch's segment length is a multiple of its rate (``L % r == 0``), the rows of the
-    heads with offset ``s`` in every segment of a run are a plain strided view of the tensor:
-    ``x.view(B, n, L // r, r, H, D)[:, :, :, s, s::r]``, shaped (B * n, L / r, Hc, D) with a row
-    stride of ``r * H * D`` and a head stride of ``r * D`` (LongNet Sec. 2.3: head ``j`` has
-    offset ``j mod r``). A kernel that reads arbitrary strides (FlashAttention-4 does) can then
-    run every offset class of a branch with no gather and write its result back through the same
-    view, instead of ``index_select`` / ``index_copy`` (Note [Row groups] in ``segment.py``).
-    One call per offset class: ``min(r, H)`` calls per run of segments.
+    The rows of the heads with offset ``s`` in every segment of a run are a plain strided view
+    of the tensor: ``x.view(B, n, L, H, D)[:, :, s::r, s::r]``, shaped (B * n, c_s, Hc, D) with
+    ``c_s = ceil((L - s) / r)`` rows, a row stride of ``r * H * D`` and a head stride of ``r * D``
+    (LongNet Sec. 2.3: head ``j`` has offset ``j mod r``). A kernel that reads arbitrary strides
+    (FlashAttention-4 does) can then run every offset class of a branch with no gather and write
+    its result back through the same view, instead of ``index_select`` / ``index_copy`` (Note
+    [Row groups] in ``segment.py``). One call per offset class: ``min(r, H)`` calls per run of
+    segments. Ragged branches are views too: where ``r`` does not divide ``L`` the offset classes
+    differ in row count (each is its own call anyway), and a shorter last segment is a run of its
+    own. The batch and segment dimensions merge into one stride where the run covers the
+    sequence (or the batch has one element); a run of whole segments before a shorter last one
+    is a view per batch element only (:attr:`StridedCall.whole_batch`).
 
     Grouped-query attention keeps its key/value heads as a strided view too when the query heads
     ``s, s + r, ...`` map onto key/value heads with one step and one repeat: without GQA (their
     own heads, step ``r``), when ``r`` is a multiple of the group size ``g = H / Hkv`` (step
     ``r / g``, each once) or when ``g`` is a multiple of ``r`` (every key/value head, each used
     by ``g / r`` consecutive query heads of the call: the kernel's native GQA). Other
-    combinations, and ragged segments, keep the gathers.
+    combinations keep the gathers.
 
     A backend reads these views only when it declares ``reads_strided_rows``; the others get
     contiguous gathered rows as before.
@@ -26,13 +30,14 @@ Note [Diagonal head calls]
     class. Cut the other way, the heads ``t*r .. t*r + r - 1`` hold one head of every offset
     class, head ``t*r + s`` at offset ``s``: in ``x.view(B, n, L / r, r, H, D)`` that is the
     diagonal of the (offset, head) block ``[..., :, t*r : t*r + r]``, again a strided view,
-    shaped (B * n, L / r, r, D) with a head stride of ``(H + 1) * D``. ``H / r`` such calls of
+    shaped (B * n, L / r, r, D) with a head stride of ``(H + 1) * D``, where ``r`` divides ``L``
+    (every offset class then has ``L / r`` rows). ``H / r`` such calls of
     ``r`` heads replace ``r`` calls of ``H / r`` heads, so a branch takes ``min(r, H / r)``
     calls. Each head of a diagonal call reads keys at its own offset, so its key/value heads
     must be its own too: without GQA only. Key masks become per head ((B * n, r, L / r)).
 
 Shape legend: B batch, N positions, H query heads, Hkv key/value heads, D head dim, n segments of
-a run, L segment length, Hc / Hkc heads of one call.
+a run, L segment length, c rows of a segment in one call, Hc / Hkc heads of one call.
 """
 
 from __future__ import annotations
@@ -63,11 +68,24 @@ class StridedCall:
         self.rate, self.offset, self.kv_heads, self.causal = rate, offset, kv_heads, causal
         self.q_heads = slice(offset, None, rate)
         self.slot = -1  # the branch slot the call writes into (Note [Branch slots merged once])
+        self.slot_segment_len = segment_len  # the segment length of that slot's branch
 
-    def in_slot(self, slot: int) -> StridedCall:
-        """This call writing into branch slot ``slot`` (a copy)."""
+    @property
+    def rows(self) -> int:
+        """c: the call's rows in each segment."""
+        return len(range(self.offset, self.segment_len, self.rate))
+
+    def whole_batch(self, seq_len: int) -> bool:
+        """Whether the call's rows of every batch element are one view over ``seq_len``
+        positions: a single segment, or a run that covers the sequence (Note [Strided row
+        calls]); else the executor runs it one batch element at a time."""
+        return self.num_segments == 1 or self.num_segments * self.segment_len == seq_len
+
+    def in_slot(self, slot: int, segment_len: int) -> StridedCall:
+        """This call writing into branch slot ``slot`` of a branch of ``segment_len`` (a copy;
+        a shorter last segment's call has a shorter ``segment_len`` of its own)."""
         call = copy.copy(self)
-        call.slot = slot
+        call.slot, call.slot_segment_len = slot, segment_len
         return call
 
     @property
@@ -75,26 +93,30 @@ class StridedCall:
         """The call's heads of its slot (Note [Branch slots merged once] in ``slots.py``)."""
         return self.q_heads
 
+    def _slot_block(self, buffer: torch.Tensor, per_segment: int) -> torch.Tensor:
+        """The call's segments of a slot buffer of ``per_segment`` entries a segment along dim
+        1, (B, S * per_segment, ...) -> (B * n, per_segment, ...), a view (``view`` raises where
+        the run's batch elements are not one stride: the executor splits those, see
+        :meth:`whole_batch`)."""
+        first = self.start // self.slot_segment_len * per_segment
+        block = buffer[:, first : first + self.num_segments * per_segment]
+        return block.view(buffer.shape[0] * self.num_segments, per_segment, *buffer.shape[2:])
+
     def slot_rows(self, buffer: torch.Tensor) -> torch.Tensor:
-        """(B, N / r, H, E) slot of the branch -> the call's rows (B * n, L / r, Hc, E), a view:
-        row ``seg * L / r + m`` holds position ``seg * L + s + r * m`` of the heads at offset
-        ``s``."""
-        rows, first = self.segment_len // self.rate, self.start // self.rate
-        block = buffer[:, first : first + self.num_segments * rows]
-        batch, _, heads, dim = buffer.shape
-        return block.view(batch * self.num_segments, rows, heads, dim)[:, :, self.slot_heads]
+        """(B, S * C, H, E) slot of the branch -> the call's rows (B * n, c, Hc, E), a view:
+        row ``seg * C + m`` holds position ``seg * Lb + s + r * m`` of the heads at offset ``s``
+        (``C = ceil(Lb / r)`` rows for each of the branch's segments of ``Lb``)."""
+        per_segment = -(-self.slot_segment_len // self.rate)
+        return self._slot_block(buffer, per_segment)[:, : self.rows, self.slot_heads]
 
     def slot_lse(self, buffer: torch.Tensor) -> torch.Tensor:
-        """(B, N / L, H, L / r) slot lse -> the call's (B * n, Hc, L / r), a view."""
-        first = self.start // self.segment_len
-        block = buffer[:, first : first + self.num_segments]
-        batch, _, heads, rows = buffer.shape
-        return block.view(batch * self.num_segments, heads, rows)[:, self.slot_heads]
+        """(B, S, H, C) slot lse -> the call's (B * n, Hc, c), a view."""
+        return self._slot_block(buffer, 1).squeeze(1)[:, self.slot_heads, : self.rows]
 
     def within(self, start: int, end: int) -> StridedCall | None:
         """The call cut to positions ``[start, end)``, in the coordinates of ``x[:, start:end]``,
-        or None where it has no row there; ``start`` and ``end`` fall on segment boundaries
-        (Note [Position-grouped plans] in ``grouped.py``)."""
+        or None where it has no row there; ``start`` falls on a segment boundary and ``end`` on
+        one or on the end of the call's run (Note [Position-grouped plans] in ``grouped.py``)."""
         length = self.segment_len
         first = max(self.start, start)
         stop = min(self.start + self.num_segments * length, end)
@@ -105,17 +127,15 @@ class StridedCall:
         return cut
 
     def _rows(self, x: torch.Tensor, heads: slice) -> torch.Tensor:
-        """The call's rows of ``x`` (B, N, Hx, E), contiguous: (B, n, L / r, Hx', E), a view."""
+        """The call's rows of ``x`` (B, N, Hx, E): (B, n, c, Hx', E), a view."""
         batch, _, heads_x, dim = x.shape
-        n, length, rate = self.num_segments, self.segment_len, self.rate
-        block = x[:, self.start : self.start + n * length]
-        rows = block.view(batch, n, length // rate, rate, heads_x, dim)[:, :, :, self.offset]
-        return rows[:, :, :, heads]
+        n, length = self.num_segments, self.segment_len
+        block = x[:, self.start : self.start + n * length].view(batch, n, length, heads_x, dim)
+        return block[:, :, self.offset :: self.rate, heads]
 
     def _view(self, x: torch.Tensor, heads: slice) -> torch.Tensor:
-        """(B, N, Hx, E) -> (B * n, L / r, Hx', E): a view where the batch and segment
-        dimensions merge into one stride (a run over the whole sequence, or a batch of 1), else
-        a copy."""
+        """(B, N, Hx, E) -> (B * n, c, Hx', E): a view where the batch and segment dimensions
+        merge into one stride (:meth:`whole_batch`, or a batch of 1), else a copy."""
         rows = self._rows(x, heads)
         return rows.reshape(rows.shape[0] * rows.shape[1], *rows.shape[2:])  # no -1: batch 0
 
@@ -130,7 +150,7 @@ class StridedCall:
         return self._view(x, self.kv_heads)
 
     def key_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
-        """(B, N) bool -> (B * n, 1, L / r)."""
+        """(B, N) bool -> (B * n, 1, c)."""
         if mask is None:
             return None
         rows = self._view(mask.view(*mask.shape, 1, 1), slice(None))
@@ -146,7 +166,7 @@ class StridedCall:
         num_heads, num_kv_heads, device = q.shape[2], k.shape[2], q.device
         n, length, rate = self.num_segments, self.segment_len, self.rate
         base = self.start + torch.arange(n, device=device) * length  # (n,)
-        rows = (self.offset + rate * torch.arange(length // rate, device=device)).view(1, -1, 1)
+        rows = (self.offset + rate * torch.arange(self.rows, device=device)).view(1, -1, 1)
         q_heads = torch.arange(num_heads, device=device)[self.q_heads].view(1, 1, -1)
         kv_heads = torch.arange(num_kv_heads, device=device)[self.kv_heads].view(1, 1, -1)
         positions = base.view(-1, 1, 1) + rows
@@ -157,7 +177,11 @@ class StridedCall:
 
 class DiagonalCall(StridedCall):
     """The heads ``t*r .. t*r + r - 1`` of a run of segments, each at its own offset (Note
-    [Diagonal head calls]; ``offset`` is ``t``); without GQA."""
+    [Diagonal head calls]; ``offset`` is ``t``); without GQA, ``r`` dividing ``L``."""
+
+    @property
+    def rows(self) -> int:
+        return self.segment_len // self.rate
 
     @property
     def slot_heads(self) -> slice:

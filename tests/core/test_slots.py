@@ -30,19 +30,25 @@ from dilated_attention.core.slots import Slot, SlotBuffers, merge_slots_torch, s
 F64 = torch.float64
 TIGHT = {"atol": 1e-10, "rtol": 1e-7}
 
-#: (id, N, H, segments, rates): every segment divides N and every rate its segment, no GQA.
+#: (id, N, H, segments, rates), no GQA.
 SCHEDULES = [
     ("longnet", 64, 8, (8, 16, 32), (1, 2, 4)),  # r = 4 > H / r: diagonal head calls
     ("rates_above_heads", 48, 2, (12, 48), (3, 6)),
     ("no_rate_one", 32, 4, (16, 32), (2, 4)),  # rows no branch covers: zeros, lse -inf
     ("one_branch", 32, 4, (16,), (2,)),
     ("segment_beyond_n", 40, 4, (8, 64), (1, 4)),  # w > N is one segment of N
+    # Ragged branches: offset classes of different lengths (r does not divide w), a shorter
+    # last segment (its run of whole segments before it: one batch element at a time), both,
+    # a last segment shorter than the rate, diagonal calls on a shorter last segment.
+    ("ragged_rows", 32, 4, (8, 32), (1, 3)),
+    ("short_last_segment", 44, 4, (8, 16), (1, 2)),
+    ("ragged_everything", 50, 4, (12, 20, 50), (1, 3, 7)),
+    ("last_segment_below_rate", 35, 4, (8, 16), (1, 4)),
+    ("diagonal_short_last", 72, 8, (8, 32), (1, 4)),
 ]
 #: (id, N, H, Hkv, segments, rates, the reason's words).
 UNSLOTTED = [
     ("gqa", 32, 8, 4, (8, 16), (1, 2), "GQA"),
-    ("ragged_rows", 32, 4, 4, (8, 32), (1, 3), "divide"),
-    ("short_last_segment", 44, 4, 4, (8, 16), (1, 2), "divide"),
     ("dense", 32, 4, 4, (32,), (1,), "one dense call"),
 ]
 
@@ -109,11 +115,11 @@ def test_slotted_plan_matches_oracle(
         torch.testing.assert_close(g, rg, **TIGHT, msg=lambda m, x=name: f"d{x}: {m}")
     assert set(runs) == {"slot_forward", "slot_backward"}, runs
     assert runs.count("slot_forward") == 1  # a differentiated forward runs whole
-    if cut:  # groups of the shortest segment; the longer branches' slots span them
+    if cut:  # groups of the shortest segment (the longer branches' slots span them), or none
         slots = tuple(Slot(min(w, n), r) for w, r in zip(segs, rates, strict=True))
         size = grouped.slot_group_length(slots, n, 1)
-        assert size == slots[0].segment_len
-        assert runs.count("slot_backward") == 2 * (n // size)  # batch 2
+        assert size in (None, min(segs))
+        assert runs.count("slot_backward") == 2 * -(-n // (size or n))  # batch 2
     else:
         assert runs.count("slot_backward") == 1
     assert {"forward", "backward"} == set(writing_kernel)
@@ -126,10 +132,21 @@ def test_slotted_plan_matches_oracle(
     assert set(runs) == {"slot_forward"}, runs
 
 
+def _used_rows(slot: Slot, n: int, heads: int) -> torch.Tensor:
+    """(S * C, H) bool: the slot rows some position fills, from the slot's definition."""
+    used = torch.zeros(slot.rows(n), heads, dtype=torch.bool)
+    for position, head in itertools.product(range(n), range(heads)):
+        seg, t = divmod(position, slot.segment_len)
+        if t % slot.rate == head % slot.rate:
+            used[seg * slot.segment_rows + t // slot.rate, head] = True
+    return used
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=[s[0] for s in SCHEDULES])
 def test_each_slot_row_is_written_by_one_call(schedule) -> None:
-    """Adding one through every call's slot rows (and slot lse) fills each slot with ones
-    exactly: the calls of a branch tile its slot, rows and heads, with no overlap."""
+    """Adding one through every call's slot rows (and slot lse) fills each slot row a position
+    of the branch owns with one exactly, and leaves the others (a ragged branch's unused rows)
+    zero: the calls of a branch tile its slot, rows and heads, with no overlap."""
     _, n, heads, segs, rates = schedule
     segs = tuple(min(w, n) for w in segs)
     plan = slot_plan(plan_branches(n, heads, segs, rates), n, heads, False)
@@ -138,10 +155,16 @@ def test_each_slot_row_is_written_by_one_call(schedule) -> None:
     buffers.flat.zero_()
     buffers.lse_flat.zero_()  # type: ignore[union-attr]
     for call in plan.calls:
-        call.slot_rows(buffers.out(call.slot)).add_(1)  # type: ignore[attr-defined]
-        call.slot_lse(buffers.lse(call.slot)).add_(1)  # type: ignore[attr-defined]
-    assert torch.equal(buffers.flat, torch.ones_like(buffers.flat))
-    assert torch.equal(buffers.lse_flat, torch.ones_like(buffers.lse_flat))
+        rows = [slice(None)] if call.whole_batch(n) else [slice(0, 1), slice(1, 2)]  # type: ignore[attr-defined]
+        for batch in rows:
+            call.slot_rows(buffers.out(call.slot)[batch]).add_(1)  # type: ignore[attr-defined]
+            call.slot_lse(buffers.lse(call.slot)[batch]).add_(1)  # type: ignore[attr-defined]
+    for index, slot in enumerate(plan.slots):
+        used = _used_rows(slot, n, heads)
+        expected = used.to(like.dtype).expand(2, *used.shape)
+        torch.testing.assert_close(buffers.out(index), expected[..., None].expand(-1, -1, -1, 3))
+        lse = buffers.lse(index).transpose(2, 3).flatten(1, 2)  # (B, S * C, H)
+        torch.testing.assert_close(lse, expected)
     assert [s.rate for s in plan.slots] == list(rates)
 
 
@@ -168,11 +191,21 @@ def test_plans_without_slots_say_why_and_merge_as_they_go(
 
 
 # -- the one-pass kernels --------------------------------------------------------------------------
-def _random_slots(device: str, dtype: torch.dtype, n: int, heads: int, dim: int):
-    """Slot buffers of the LongNet-like schedule with random rows and lse: a row of slot 0
-    NaN (the merged row is NaN, its lse is not), the lse of some rows -inf (no key in that
-    branch), of one row -inf in every slot."""
-    slots = (Slot(16, 1), Slot(32, 2), Slot(64, 4), Slot(64, 16))
+#: (id, N, slots, regions (batch, start, end)): every slot whole; then a region of batch element
+#: 1 that some slots see as whole segments and others as a run inside one segment. Ragged: r not
+#: dividing L, shorter last segments, a region that ends with the sequence inside a segment.
+SLOT_CASES = [
+    ("longnet", 128, (Slot(16, 1), Slot(32, 2), Slot(64, 4), Slot(64, 16)),
+     [(slice(None), 0, 128), (slice(1, 2), 64, 96)]),
+    ("ragged", 100, (Slot(10, 1), Slot(20, 3), Slot(40, 8), Slot(100, 5)),
+     [(slice(None), 0, 100), (slice(1, 2), 40, 60), (slice(1, 2), 80, 100)]),
+]  # fmt: skip
+
+
+def _random_slots(device: str, dtype: torch.dtype, n: int, heads: int, dim: int, slots):
+    """Slot buffers of ``slots`` with random rows and lse: a row of slot 0 (rate 1) NaN (the
+    merged row is NaN, its lse is not), the lse of some rows -inf (no key in that branch), of
+    one row -inf in every slot."""
     like = torch.empty(2, n, heads, dim, dtype=dtype, device=device)
     buffers = SlotBuffers(slots, like, n, with_lse=True)
     gen = torch.Generator().manual_seed(5)
@@ -186,9 +219,10 @@ def _random_slots(device: str, dtype: torch.dtype, n: int, heads: int, dim: int)
     return buffers
 
 
+@pytest.mark.parametrize("case", SLOT_CASES, ids=[c[0] for c in SLOT_CASES])
 @pytest.mark.parametrize("device,dtypes", KERNEL_DEVICES)
 def test_slot_kernels_match_the_torch_passes(
-    device: str, dtypes: list[torch.dtype], monkeypatch: pytest.MonkeyPatch
+    device: str, dtypes: list[torch.dtype], case, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The Triton merge and sum of slots against :func:`merge_slots_torch` /
     :func:`sum_slots_torch`, into strided views of NaN-filled outputs: equal up to float32
@@ -197,12 +231,10 @@ def test_slot_kernels_match_the_torch_passes(
     from dilated_attention.backends._triton_merge import SlotKernels
 
     poison_new_buffers(monkeypatch)
-    n, heads = 128, 4
-    # Every slot whole; then positions [64, 96) of batch element 1, which two slots see as
-    # whole segments and two (segments of 64) as a run inside one segment.
-    regions = [(slice(None), 0, n), (slice(1, 2), 64, 96)]
+    _, n, slots, regions = case
+    heads = 4
     for dtype, dim, (batch, start, end) in itertools.product(dtypes, (32, 40), regions):
-        buffers = _random_slots(device, dtype, n, heads, dim)
+        buffers = _random_slots(device, dtype, n, heads, dim, slots)
         views = buffers.views(batch, start, end)
         shape = (len(range(2)[batch]), end - start, heads, dim)
         wide = torch.full((*shape[:3], dim + 8), float("nan"), dtype=dtype, device=device)
@@ -225,16 +257,25 @@ def test_slot_kernels_match_the_torch_passes(
         torch.testing.assert_close(grad, ref_grad, equal_nan=True, **tol)
 
 
+#: (id, N, H, segments, rates) of the GPU test: LongNet-like; ragged (r = 3 does not divide
+#: w = 256, shorter last segments, whole segments before them one batch element at a time).
+GPU_SCHEDULES = [
+    ("longnet", 1024, 8, (128, 256, 512), (1, 2, 4)),
+    ("ragged", 1000, 8, (128, 256, 600), (1, 3, 4)),
+]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cut", [False, True], ids=["whole", "grouped"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("schedule", GPU_SCHEDULES, ids=[s[0] for s in GPU_SCHEDULES])
 def test_cuda_flash_attn4_writes_into_slots(
-    is_causal: bool, cut: bool, monkeypatch: pytest.MonkeyPatch
+    schedule, is_causal: bool, cut: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """FlashAttention-4 on the strided views of the slots (out, lse, dq, dk, dv written where
     they belong, nothing copied) against the float64 oracle, whole and in position groups with
     slots that span them."""
-    _, n, heads, segs, rates = ("longnet", 1024, 8, (128, 256, 512), (1, 2, 4))
+    _, n, heads, segs, rates = schedule
     q, k, v, dout = _inputs(n, heads, torch.bfloat16, dim=64)
     dev = [t.cuda().requires_grad_() for t in (q, k, v)]
     reasons = backend_reasons(*dev, is_causal=is_causal)["flash_attn4"]
@@ -257,8 +298,11 @@ def test_cuda_flash_attn4_writes_into_slots(
                                  return_lse=True)  # fmt: skip
     grads = torch.autograd.grad(out, dev, dout.cuda())
     assert "slot_forward" in runs and "slot_backward" in runs
-    # Cut: groups of 128 positions (batch 2), the slots of w = 256 and 512 spanning them.
-    assert runs.count("slot_backward") == (2 * (n // 128) if cut else 1)
+    # Cut: groups of the shortest segment (batch 2), the longer slots spanning them; where no
+    # group length fits the schedule (ragged), one group per batch element.
+    slots = tuple(Slot(min(w, n), r) for w, r in zip(segs, rates, strict=True))
+    size = grouped.slot_group_length(slots, n, 1) or n
+    assert runs.count("slot_backward") == (2 * -(-n // size) if cut else 1)
     assert copies == [], "FlashAttention-4 did not write into the slots it was given"
     results = []
     for cdt in (F64, torch.bfloat16):
@@ -286,3 +330,10 @@ def test_explain_says_whether_branches_go_into_slots() -> None:
     assert all("merged as it comes (no branch slots: GQA" in line for line in lines), lines
     assert not any("slot" in line for line in describe_plan(
         plan_branches(64, 8, (8, 16), (1, 2)), 64, 8, True, False))  # fmt: skip
+    # Ragged: r = 3 does not divide w = 16 (two offset-class lengths), N = 44 leaves shorter last
+    # segments, whose whole segments before them run one batch element at a time.
+    lines = describe_plan(plan_branches(44, 4, (8, 16), (1, 3)), 44, 4, True, True)
+    assert all(line.endswith("merged once with the other branches") for line in lines), lines
+    assert ["one batch element at a time" in line for line in lines] == [
+        True, False, True, True, False
+    ], lines  # fmt: skip

@@ -23,7 +23,9 @@ SCHEDULES = [
     ("gqa_rate_multiple_of_group", 48, 8, 4, (8, 16), (2, 4)),
     ("gqa_group_multiple_of_rate", 48, 8, 2, (8, 16), (2, 4)),
     ("gqa_mixed_falls_back", 48, 6, 2, (12, 24), (2, 4)),
-    ("ragged_beside", 50, 4, 4, (10, 16), (3, 4)),
+    ("ragged_beside", 50, 4, 4, (10, 16), (3, 4)),  # r does not divide w, short last segments
+    ("last_segment_below_rate", 35, 4, 4, (8, 16), (1, 4)),
+    ("ragged_gqa_falls_back", 50, 8, 4, (10, 16), (3, 4)),
     ("rate_above_heads", 40, 2, 1, (8, 16), (4, 8)),
 ]
 
@@ -76,18 +78,22 @@ def test_kv_heads_of_an_offset_class(
 
 
 def test_plans_read_views_where_rows_are_strided_and_gather_elsewhere() -> None:
-    """w = 16, r = 4 is strided, w = 10, r = 3 is not; the view calls read views of the inputs
-    (a run of segments over the whole sequence, or a batch of 1: otherwise the batch and segment
-    dimensions cannot merge into one stride and the rows are copied, still correct)."""
+    """Over 4 query heads and 2 key/value heads, w = 16, r = 4 is strided, w = 10, r = 3 is not
+    (GQA the views cannot express); without GQA both are, ragged w = 10, r = 3 too; the view
+    calls read views of the inputs (a run of segments over the whole sequence, or a batch of 1:
+    otherwise the batch and segment dimensions cannot merge into one stride and the rows are
+    copied, still correct)."""
     groups = plan_branches(50, 4, (10, 16), (3, 4))
-    plan = dilated_plan(groups, 50, 4, torch.device("cpu"), True, strided=True)
+    plan = dilated_plan(groups, 50, 2, torch.device("cpu"), True, strided=True)
     assert any(isinstance(call, StridedCall) for call in plan.calls)
     assert any(isinstance(call, GroupCall) for call in plan.calls)
+    plan = dilated_plan(groups, 50, 4, torch.device("cpu"), True, strided=True)
+    assert all(isinstance(call, StridedCall) for call in plan.calls)
     gathered = dilated_plan(groups, 50, 4, torch.device("cpu"), True)
     assert all(isinstance(call, GroupCall) for call in gathered.calls)
     for n, batch in ((48, 2), (50, 1)):
         x = torch.randn(batch, n, 4, 8)
-        plan = dilated_plan(plan_branches(n, 4, (16,), (4,)), n, 4, x.device, True, strided=True)
+        plan = dilated_plan(plan_branches(n, 4, (16,), (3,)), n, 4, x.device, True, strided=True)
         for call in plan.calls:
             if isinstance(call, StridedCall):
                 rows = call.q_rows(x)
