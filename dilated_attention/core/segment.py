@@ -378,11 +378,10 @@ def strided_calls(
         return None
     rate, heads = group.rate, group.num_heads
     start, n, length = group.start, group.num_segments, group.segment_len
-    every_head = len(group.heads) == heads and length % rate == 0
-    if every_head and num_kv_heads == heads and heads % rate == 0 and heads // rate < rate:
+    runs = diagonal_runs(group)
+    if num_kv_heads == heads and len(runs) < len(set(group.offsets)):
         return tuple(
-            DiagonalCall(start, n, length, rate, t, slice(None), causal)
-            for t in range(heads // rate)
+            DiagonalCall(start, n, length, rate, first, count, causal) for first, count in runs
         )
     kv_slices = {s: kv_head_slice(s, rate, heads, num_kv_heads) for s in sorted(set(group.offsets))}
     return tuple(
@@ -390,6 +389,20 @@ def strided_calls(
         for s, kv in kv_slices.items()
         if kv is not None
     )
+
+
+def diagonal_runs(group: RowGroup) -> tuple[tuple[int, int], ...]:
+    """``(first head, head count)`` of each maximal run of the group's heads that are
+    consecutive with consecutive offsets: one diagonal call each (Note [Diagonal head calls] in
+    ``strided.py``)."""
+    runs: list[list[int]] = []
+    for head in sorted(group.heads):
+        last = runs[-1][0] + runs[-1][1] - 1 if runs else None
+        if last is not None and head == last + 1 and head % group.rate == last % group.rate + 1:
+            runs[-1][1] += 1
+        else:
+            runs.append([head, 1])
+    return tuple((first, count) for first, count in runs)
 
 
 def describe_plan(
@@ -429,7 +442,8 @@ def describe_plan(
         elif views is None:
             path = f"rows gathered into one call: {not_strided_reason(group, num_kv_heads)}"
         elif isinstance(views[0], DiagonalCall):
-            heads = f"{len(views)} diagonal call(s) of {group.rate} heads"
+            sizes = sorted({call.num_heads for call in views if isinstance(call, DiagonalCall)})
+            heads = f"{len(views)} diagonal call(s) of {'/'.join(map(str, sizes))} heads"
             path = f"{heads} on strided views (no gather)"
         else:
             path = f"{len(views)} offset-class call(s) on strided views (no gather)"

@@ -27,14 +27,17 @@ Note [Strided row calls]
 Note [Diagonal head calls]
     An offset class holds ``H / r`` heads, so a branch with ``r > H / r`` makes ``r`` calls of
     few heads each (16 calls of one head for ``r = 16, H = 16``): small grids and a launch per
-    class. Cut the other way, the heads ``t*r .. t*r + r - 1`` hold one head of every offset
-    class, head ``t*r + s`` at offset ``s``: in ``x.view(B, n, L / r, r, H, D)`` that is the
-    diagonal of the (offset, head) block ``[..., :, t*r : t*r + r]``, again a strided view,
-    shaped (B * n, L / r, r, D) with a head stride of ``(H + 1) * D``, where ``r`` divides ``L``
-    (every offset class then has ``L / r`` rows). ``H / r`` such calls of
-    ``r`` heads replace ``r`` calls of ``H / r`` heads, so a branch takes ``min(r, H / r)``
-    calls. Each head of a diagonal call reads keys at its own offset, so its key/value heads
-    must be its own too: without GQA only. Key masks become per head ((B * n, r, L / r)).
+    class. Cut the other way, consecutive heads ``h0 .. h0 + k - 1`` whose offsets are
+    consecutive too (``h0 mod r + k <= r``) put head ``h0 + j`` at offset ``s0 + j``: its rows
+    sit one position and one head further than the previous head's, a strided view with a head
+    stride of ``(H + 1) * D`` (``as_strided`` over q's strides), shaped (B * n, c, k, D), where
+    those offset classes have the same row count ``c``. A row group (Note [Row groups] in
+    ``segment.py``) takes such diagonal calls, one per maximal run of its heads, where they are
+    fewer than its offset classes: ``H / r`` calls of ``r`` heads for ``r > H / r`` where ``r``
+    divides ``H`` and ``L``, 3 calls for LongNet's ``r = 12`` over 16 heads of segments that
+    leave offsets 0-3 one row more (heads 0-3, 4-11, 12-15) instead of 12. Each head of a
+    diagonal call reads keys at its own offset, so its key/value heads must be its own too:
+    without GQA only. Key masks become per head ((B * n, k, c)).
 
 Shape legend: B batch, N positions, H query heads, Hkv key/value heads, D head dim, n segments of
 a run, L segment length, c rows of a segment in one call, Hc / Hkc heads of one call.
@@ -176,46 +179,60 @@ class StridedCall:
 
 
 class DiagonalCall(StridedCall):
-    """The heads ``t*r .. t*r + r - 1`` of a run of segments, each at its own offset (Note
-    [Diagonal head calls]; ``offset`` is ``t``); without GQA, ``r`` dividing ``L``."""
+    """The heads ``h0 .. h0 + k - 1`` of a run of segments, head ``h0 + j`` at offset
+    ``h0 mod r + j`` (Note [Diagonal head calls]); without GQA, every offset class of the call
+    with the same row count."""
 
-    @property
-    def rows(self) -> int:
-        return self.segment_len // self.rate
+    def __init__(
+        self,
+        start: int,
+        num_segments: int,
+        segment_len: int,
+        rate: int,
+        first_head: int,
+        num_heads: int,
+        causal: bool,
+    ) -> None:
+        heads = slice(first_head, first_head + num_heads)
+        super().__init__(start, num_segments, segment_len, rate, first_head % rate, heads, causal)
+        self.q_heads = heads
+        self.first_head, self.num_heads = first_head, num_heads
 
     @property
     def slot_heads(self) -> slice:
-        return slice(self.offset * self.rate, (self.offset + 1) * self.rate)
+        return self.q_heads
 
     def _rows(self, x: torch.Tensor, heads: slice) -> torch.Tensor:
-        """(B, N, H, E) -> (B, n, L / r, r, E), a view: head ``t*r + s`` at offset ``s``."""
-        batch, _, heads_x, dim = x.shape
-        n, length, rate = self.num_segments, self.segment_len, self.rate
-        first = self.offset * rate
-        block = x[:, self.start : self.start + n * length]
-        rows = block.view(batch, n, length // rate, rate, heads_x, dim)
-        heads_of_block = rows[..., first : first + rate, :]  # (B, n, L / r, r, r, E)
-        return torch.diagonal(heads_of_block, dim1=3, dim2=4).movedim(-1, 3)
+        """(B, N, H, E) -> (B, n, c, k, E), a view: row ``m`` of head ``h0 + j`` at position
+        ``seg * L + s0 + j + r * m`` (one position and one head further per head: a head stride
+        of the position and head strides together)."""
+        batch, _, _, dim = x.shape
+        s_b, s_n, s_h, s_d = x.stride()
+        first = x.storage_offset() + (self.start + self.offset) * s_n + self.first_head * s_h
+        shape = (batch, self.num_segments, self.rows, self.num_heads, dim)
+        strides = (s_b, self.segment_len * s_n, self.rate * s_n, s_n + s_h, s_d)
+        return x.as_strided(shape, strides, first)
 
     def key_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
-        """(B, N) bool -> (B * n, r, L / r): each head's keys at its own offset."""
+        """(B, N) bool -> (B * n, k, c): each head's keys at its own offset."""
         if mask is None:
             return None
-        n, length, rate = self.num_segments, self.segment_len, self.rate
-        block = mask[:, self.start : self.start + n * length]
-        rows = block.reshape(mask.shape[0] * n, length // rate, rate)
-        return rows.transpose(1, 2)
+        s_b, s_n = mask.stride()
+        first = mask.storage_offset() + (self.start + self.offset) * s_n
+        shape = (mask.shape[0], self.num_segments, self.num_heads, self.rows)
+        strides = (s_b, self.segment_len * s_n, s_n, self.rate * s_n)
+        rows = mask.as_strided(shape, strides, first)
+        return rows.reshape(mask.shape[0] * self.num_segments, self.num_heads, self.rows)
 
     def row_call(self, q: torch.Tensor, k: torch.Tensor) -> RowCall:
-        num_heads, device = q.shape[2], q.device
-        n, length, rate = self.num_segments, self.segment_len, self.rate
+        total_heads, device = q.shape[2], q.device
+        n, length, rate, count = self.num_segments, self.segment_len, self.rate, self.num_heads
         base = self.start + torch.arange(n, device=device) * length  # (n,)
-        offsets = torch.arange(rate, device=device)
-        rows = rate * torch.arange(length // rate, device=device).view(-1, 1) + offsets  # (L/r, r)
-        positions = base.view(-1, 1, 1) + rows  # (n, L / r, r)
-        heads = self.offset * rate + offsets
-        index = (positions * num_heads + heads).view(n, -1)
-        return RowCall(index, index, rate, rate, self.causal)
+        steps = torch.arange(count, device=device)
+        rows = rate * torch.arange(self.rows, device=device).view(-1, 1) + self.offset + steps
+        positions = base.view(-1, 1, 1) + rows  # (n, c, k)
+        index = (positions * total_heads + self.first_head + steps).view(n, -1)
+        return RowCall(index, index, count, count, self.causal)
 
 
 def kv_head_slice(offset: int, rate: int, num_heads: int, num_kv_heads: int) -> slice | None:

@@ -166,7 +166,7 @@ def _calls_of_every_kind(device: str) -> dict[str, object]:
     return {
         "slice": SliceCall(q=slice(3, 11), kv=slice(0, 5), causal=False),
         "offset_class": StridedCall(0, 3, 4, 2, 1, slice(1, None, 2), False),
-        "diagonal": DiagonalCall(0, 1, 8, 4, 0, slice(None), False),
+        "diagonal": DiagonalCall(0, 1, 8, 4, 0, 4, False),
         "gathered": GroupCall(ragged, 4, torch.device(device), False),
     }
 

@@ -26,6 +26,7 @@ SCHEDULES = [
     ("ragged_beside", 50, 4, 4, (10, 16), (3, 4)),  # r does not divide w, short last segments
     ("last_segment_below_rate", 35, 4, 4, (8, 16), (1, 4)),
     ("ragged_gqa_falls_back", 50, 8, 4, (10, 16), (3, 4)),
+    ("diagonal_runs_ragged", 88, 16, 16, (40, 16), (12, 1)),
     ("rate_above_heads", 40, 2, 1, (8, 16), (4, 8)),
 ]
 
@@ -53,6 +54,29 @@ def test_a_branch_takes_min_of_rate_and_heads_over_rate_calls(
             for s in range(rate):  # head t*r + s reads positions s, s + r, ... of each segment
                 want = x[0].view(n // 16, 16 // rate, rate, heads, 4)[:, :, s, t * rate + s]
                 assert torch.equal(rows[:, :, s], want)
+
+
+def test_ragged_offset_classes_take_diagonal_runs() -> None:
+    """H = 16, r = 12 (the paper's rate) on segments of 40: offsets 0-3 get 4 rows, 4-11 get 3.
+    The heads with 4 rows (0-3 and 12-15) and with 3 rows (4-11) are three runs of consecutive
+    heads at consecutive offsets: three diagonal calls instead of twelve offset classes, each
+    reading head ``h0 + j`` at offset ``h0 mod r + j`` as a view; a shorter last segment of 8
+    takes two (heads 0-7, 12-15)."""
+    n, heads = 88, 16
+    x = torch.randn(1, n, heads, 4)
+    plan = dilated_plan(plan_branches(n, heads, (40,), (12,)), n, heads, x.device, False, True)
+    got = [(c.start, c.num_segments, c.first_head, c.num_heads) for c in plan.calls]  # type: ignore[attr-defined]
+    assert sorted(got) == [(0, 2, 0, 4), (0, 2, 4, 8), (0, 2, 12, 4), (80, 1, 0, 8), (80, 1, 12, 4)]
+    for call in plan.calls:
+        rows = call.q_rows(x)  # (n_segments, c, k, D)
+        assert rows._base is x
+        for j in range(call.num_heads):  # type: ignore[attr-defined]
+            head = call.first_head + j  # type: ignore[attr-defined]
+            offset = head % 12
+            for seg in range(call.num_segments):  # type: ignore[attr-defined]
+                first = call.start + seg * 40 + offset  # type: ignore[attr-defined]
+                want = x[0, first : first + (call.segment_len - offset + 11) // 12 * 12 : 12, head]  # type: ignore[attr-defined]
+                assert torch.equal(rows[seg, :, j], want), (head, seg)
 
 
 @pytest.mark.parametrize(
