@@ -113,23 +113,45 @@ def slot_group_length(slots: tuple[Slot, ...], seq_len: int, target: int) -> int
     return None
 
 
+#: The most kernel calls a slotted plan's grouped backward makes (its groups times the calls of a
+#: group): FlashAttention-4's Python interface costs about half a millisecond a call, so more than
+#: this and the host, not the GPU, sets the pace. LongNet's schedule at 1M tokens makes 16 x 10
+#: and ran at 0.94-1.03x of the cuDNN ceiling on an H100; the paper's (r = 6 and 12 over 16
+#: heads: 15 calls a group) made 16 x 15 = 240 and ran 169 ms where 120 ran ... (dilated_h100).
+MAX_GROUPED_CALLS = 160
+
+
 def _slot_groups(
     plan: Plan, seq_len: int, batch: int, longest: int | None, needs_grad: bool
 ) -> Plan:
-    """``plan`` (slotted) cut into groups of :func:`slot_group_length`; the calls of slots whose
-    segments are longer than a group run whole (``Plan.spanning``)."""
+    """``plan`` (slotted) cut into groups of :func:`slot_group_length`, fewer (longer) where a
+    group's calls times the groups would exceed :data:`MAX_GROUPED_CALLS`; the calls of slots
+    whose segments are longer than a group run whole (``Plan.spanning``)."""
     floor = fused.MIN_GROUP_POSITIONS if longest is None else longest
     target = max(floor, -(-seq_len // fused.GROUPS_PER_SEQUENCE))
     size = slot_group_length(plan.slots, seq_len, target)
+    while size is not None:  # longer groups while there are too many calls (and they exist)
+        calls = sum(c.within(0, size) is not None for c in _grouped_calls(plan, size))  # type: ignore[attr-defined]
+        groups = max(1, MAX_GROUPED_CALLS // max(1, calls))
+        longer = slot_group_length(plan.slots, seq_len, -(-seq_len // groups))
+        if -(-seq_len // size) <= groups or longer is None or longer <= size:
+            break
+        size = longer
     if size is None:
         if batch == 1:
             return plan
         size = seq_len  # one group per batch element
     slots = tuple(replace(s, spanning=s.segment_len > size) for s in plan.slots)
     spanning = tuple(c for c in plan.calls if slots[c.slot].spanning)  # type: ignore[attr-defined]
-    grouped = tuple(c for c in plan.calls if not slots[c.slot].spanning)  # type: ignore[attr-defined]
+    grouped = _grouped_calls(plan, size)
     groups = tuple((start, min(start + size, seq_len)) for start in range(0, seq_len, size))
     return replace(
         plan, slots=slots, groups=_cut(grouped, groups), grouped_forward=not needs_grad,
         spanning=spanning,
     )  # fmt: skip
+
+
+def _grouped_calls(plan: Plan, size: int) -> tuple[Call, ...]:
+    """The calls of a slotted plan that run in groups of ``size`` positions (their slots' segments
+    fit in a group; the others span groups)."""
+    return tuple(c for c in plan.calls if plan.slots[c.slot].segment_len <= size)  # type: ignore[attr-defined]

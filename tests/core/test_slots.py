@@ -142,6 +142,32 @@ def _used_rows(slot: Slot, n: int, heads: int) -> torch.Tensor:
     return used
 
 
+def test_grouped_backward_takes_longer_groups_where_calls_would_be_too_many(
+    writing_kernel: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With at most 4 calls to a grouped backward, LongNet's 64 positions go in groups of 16
+    (3 calls each: r = 1, and r = 2's two offset classes) instead of 8 (1 call each, 8 groups),
+    and still match the oracle."""
+    _, n, heads, segs, rates = SCHEDULES[0]
+    cut_small(monkeypatch)
+    counts = []
+    for cap in (1000, 4):
+        monkeypatch.setattr(grouped, "MAX_GROUPED_CALLS", cap)
+        runs = _spy(monkeypatch, ("slot_backward",))
+        q, k, v, dout = _inputs(n, heads)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = dilated_attention(*leaves, segs, rates, is_causal=True, backend="math")
+        grads = torch.autograd.grad(out, leaves, dout)
+        _, _, ref_grads = _oracle(q, k, v, dout, segs, rates, True, None)
+        for g, rg in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(g, rg, **TIGHT)
+        counts.append(len(runs))
+        monkeypatch.undo()
+        write_into_buffers(monkeypatch)
+        cut_small(monkeypatch)
+    assert counts == [2 * 8, 2 * 4]  # batch 2
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=[s[0] for s in SCHEDULES])
 def test_each_slot_row_is_written_by_one_call(schedule) -> None:
     """Adding one through every call's slot rows (and slot lse) fills each slot row a position
