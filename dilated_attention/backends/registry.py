@@ -469,12 +469,14 @@ def _dilated_first(inputs: KernelInputs) -> list[str]:
     """On sm90: FlashAttention-4 first for dilated calls of at least ``FA4_DILATED_MIN_LEN``
     positions whose branches write into slots (Note [Branch slots merged once] in
     core/slots.py), with head dims up to 128, where bench_dilated measured it faster than our
-    fused Triton kernels (H100, bf16, LongNet schedule, H = 16, D = 64 and 128, causal and not,
+    fused Triton kernels (H100, bf16, H = 16, D = 64 and 128, causal and not; LongNet's schedule,
     benchmarks/results/dilated_h100.json: at 256K and 1M tokens forward+backward 1.43-1.60x,
-    forward 1.20-1.44x; at 64K within run-to-run noise); elsewhere the device's list, where our
-    fused kernels come first. Where FlashAttention-4 is not installed that is a reason, and the
-    fused kernels run. Masked calls keep our kernels first: FlashAttention-4 masks through a
-    mask_mod (kernels_masked_fa4_h100)."""
+    forward 1.20-1.44x, at 64K within run-to-run noise; ragged branches, the paper's r = 6 and 12
+    at 256K and 1M tokens (dilated_paper_h100) and LongNet's at 1,000,000 tokens, shorter last
+    segments (dilated_ragged_h100): forward+backward 1.30-1.62x, forward 1.13-1.37x); elsewhere
+    the device's list, where our fused kernels come first. Where FlashAttention-4 is not
+    installed that is a reason, and the fused kernels run. Masked calls keep our kernels first:
+    FlashAttention-4 masks through a mask_mod (kernels_masked_fa4_h100)."""
     if inputs.device.type != "cuda" or not inputs.branch_slots or inputs.has_mask:
         return []  # masked calls: our kernels first (_CUDA_MASKED_FIRST)
     if inputs.query_len < FA4_DILATED_MIN_LEN or inputs.head_dim > _FUSED_MAX_TRAINING_HEAD_DIM:
