@@ -21,7 +21,17 @@ Note [FlashAttention-4 key padding]
     mask reads the query head).
 
 Head dims (as of flash-attn-4 4.0.0b36): sm90 up to 256; sm100 up to 128, or exactly 256 (192
-only with a 128 value dim, which this library never asks for).
+only with a 128 value dim, which this library never asks for). Training on sm90 needs head dims
+of at least 32 (Note [FlashAttention-4 small head dims]).
+
+Note [FlashAttention-4 small head dims]
+    flash-attn-4 4.0.0b36's sm90 backward returns a wrong dq for head dims 8 and 16 once the
+    queries span more than one 64-row block: on an H100 (bf16, B = 1, H = 2, against float64
+    SDPA) the relative error of dq was 0.38-1.10 at N = 93, 128, 150 and 200, causal and not,
+    while dk, dv and the forward stayed within 0.01, and every head dim from 32 up was within
+    0.011 (``findings_h100``: "FlashAttention-4 sm90 backward at small head dims"). So a call
+    that will be differentiated with a head dim below :data:`SM90_MIN_TRAINING_HEAD_DIM` is a
+    reason on sm90 and another kernel trains it; forward-only calls keep FA4.
 
 Note [FlashAttention-4 block sparsity]
     ``block_sparse_forward`` / ``block_sparse_backward`` run block-sparse attention as FA4's own
@@ -58,6 +68,8 @@ from .base import Backend, KernelInputs, KernelOutput
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
 _MAJORS = (9, 10)
+#: The smallest head dim whose sm90 backward is right (Note [FlashAttention-4 small head dims]).
+SM90_MIN_TRAINING_HEAD_DIM = 32
 
 
 #: Rows of the tiles block sparsity is given at, query and key (Note [FlashAttention-4 block
@@ -180,6 +192,10 @@ class FlashAttn4Backend(Backend):
             if inputs.has_mask and cc[0] != 9:
                 return [f"key padding masks (a mask_mod) are tested on sm90 only, device is "
                         f"sm{cc[0]}{cc[1]}"]  # fmt: skip
+            if cc[0] == 9 and inputs.requires_grad and dim < SM90_MIN_TRAINING_HEAD_DIM:
+                return [f"head_dim {dim} with gradients on sm90: its backward returns a wrong dq "
+                        f"below head_dim {SM90_MIN_TRAINING_HEAD_DIM} (flash-attn-4 4.0.0b36, "
+                        f"measured); forward-only calls run"]  # fmt: skip
         reasons = super().not_supported_reasons(inputs)
         if inputs.has_mask and not reasons:
             reasons += self._mask_reasons()

@@ -172,6 +172,26 @@ def test_priority_per_architecture(
         assert "not installed" in why or "compute capability" in why, (name, why)
 
 
+def test_flash_attn4_does_not_train_small_head_dims_on_sm90(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On sm90 FlashAttention-4's backward is wrong below head dim 32 (Note [FlashAttention-4
+    small head dims]): a call with gradients at head dim 16 goes to cuDNN with FA4's reason
+    naming it; without gradients, and at head dim 32, FA4 stays first; sm100 is not affected."""
+    from dilated_attention.backends.flash_attn4 import SM90_MIN_TRAINING_HEAD_DIM
+
+    _fake_gpu(monkeypatch, (9, 0), ["flash_attn4"])
+    small = SM90_MIN_TRAINING_HEAD_DIM // 2
+    choice = choose(_gpu_inputs(head_dim=small, requires_grad=True))
+    assert choice.backend == "sdpa_cudnn", choice
+    assert f"head_dim {small} with gradients on sm90" in " ".join(choice.reasons["flash_attn4"])
+    assert choose(_gpu_inputs(head_dim=small, requires_grad=False)).backend == "flash_attn4"
+    enough = _gpu_inputs(head_dim=SM90_MIN_TRAINING_HEAD_DIM, requires_grad=True)
+    assert choose(enough).backend == "flash_attn4"
+    _fake_gpu(monkeypatch, (10, 0), ["flash_attn4"])
+    assert choose(_gpu_inputs(head_dim=small, requires_grad=True)).backend == "flash_attn4"
+
+
 @pytest.mark.parametrize("installed", [True, False], ids=["fa4", "no-fa4"])
 def test_long_slotted_dilated_calls_prefer_flash_attn4_on_sm90(
     monkeypatch: pytest.MonkeyPatch, installed: bool
