@@ -97,9 +97,17 @@ def test_named_triton_kernels_that_cannot_tile_raise_with_the_reason() -> None:
 
 @pytest.mark.gpu
 def test_cuda_choice_by_gradients_block_size_and_dtype() -> None:
-    """On CUDA, nothing asked for: the Triton kernels for calls without gradients (16-bit inputs,
-    block sizes that are multiples of 64), FlexAttention for training and for everything else."""
+    """On CUDA, nothing asked for: FlashAttention-4's block sparsity where it runs (block sizes
+    that are multiples of 128); else the Triton kernels for calls without gradients (16-bit
+    inputs, block sizes that are multiples of 64), FlexAttention for training and for everything
+    else."""
+    from dilated_attention.backends import KernelInputs, get_backend
+
     q = torch.zeros(1, 256, 2, 64, device="cuda", dtype=torch.bfloat16)
+    fa4 = get_backend("flash_attn4")
+    fa4_runs = not fa4.import_reasons() and not fa4.block_sparse_reasons(
+        KernelInputs.from_tensors(q, q, block_size=128)
+    )
 
     def choose(x: torch.Tensor, block_size: int, needs_grad: bool, backend: str | None = None):
         chosen = bs_api._choose(
@@ -107,8 +115,8 @@ def test_cuda_choice_by_gradients_block_size_and_dtype() -> None:
         )
         return chosen.backend.name if chosen.runs_plan else "plan"
 
-    assert choose(q, 128, needs_grad=False) == "triton"
-    assert choose(q, 128, needs_grad=True) == "flex"
+    assert choose(q, 128, needs_grad=False) == ("flash_attn4" if fa4_runs else "triton")
+    assert choose(q, 128, needs_grad=True) == ("flash_attn4" if fa4_runs else "flex")
     assert choose(q, 128, needs_grad=True, backend="triton") == "triton"
     assert choose(q, 48, needs_grad=False) == "flex"
     assert choose(q.float(), 64, needs_grad=False) == "flex"
@@ -116,6 +124,7 @@ def test_cuda_choice_by_gradients_block_size_and_dtype() -> None:
     assert choose(q, 128, needs_grad=False, backend="sdpa_cudnn") == "plan"
     leaf = q.clone().requires_grad_()
     with torch.no_grad():
-        want = block_sparse_attention(leaf, leaf, leaf, P.LocalWindow(0), backend="triton")
-        got = block_sparse_attention(leaf, leaf, leaf, P.LocalWindow(0))  # no grad: Triton
-    assert torch.equal(got, want)
+        want = block_sparse_attention(leaf, leaf, leaf, P.LocalWindow(0), backend="triton",
+                                      block_size=64)  # fmt: skip
+        got = block_sparse_attention(leaf, leaf, leaf, P.LocalWindow(0), block_size=64)
+    assert torch.equal(got, want)  # no grad, a block size FA4 does not take: Triton
