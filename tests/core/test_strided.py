@@ -163,3 +163,20 @@ def test_double_backward_through_strided_calls() -> None:
                                           backend="math"),
         (q, k, v),
     )  # fmt: skip
+
+
+def test_double_backward_through_ragged_and_diagonal_run_calls() -> None:
+    """Ragged offset classes (r = 3 on segments of 8), diagonal runs of heads at consecutive
+    offsets with one row count (r = 5 over 4 heads on segments of 12: heads 0-1 and 2-3) and
+    shorter last segments (N = 22), differentiated twice."""
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 22, 4, 2, generator=gen, dtype=F64).requires_grad_() for _ in "qkv")
+    groups = plan_branches(22, 4, (8, 12), (3, 5))
+    plan = dilated_plan(groups, 22, 4, q.device, True, strided=True)
+    assert any(isinstance(call, DiagonalCall) and call.num_heads == 2 for call in plan.calls)
+    assert all(isinstance(call, StridedCall) for call in plan.calls)
+    assert torch.autograd.gradgradcheck(
+        lambda a, b, c: dilated_attention(a, b, c, [8, 12], [3, 5], is_causal=True,
+                                          backend="math"),
+        (q, k, v),
+    )  # fmt: skip
