@@ -272,6 +272,17 @@ def _sum_slots_kernel(
 
 #: float32 elements of a slot program's accumulator (cells x head dim).
 _SLOT_CELLS = 4096
+#: The segment length given for a view whose one segment holds every position of the launch.
+_ONE_SEGMENT = 2**31 - 1
+
+
+def _segment_constant(segment_len: int, seq_len: int) -> int:
+    """The compile-time segment length of a slot view over ``seq_len`` positions: its own where
+    segments end inside the launch, else :data:`_ONE_SEGMENT` (every position is then in
+    segment 0, whatever the length: a spanning slot's part of a shorter last group is a run of
+    ``N - k G`` positions, which would otherwise compile the kernels anew for every N)."""
+    return segment_len if segment_len < seq_len else _ONE_SEGMENT
+
 
 
 def _fits(views: Sequence[Any], dest: torch.Tensor) -> bool:
@@ -293,7 +304,8 @@ def _launch(views: Sequence[Any], dest: torch.Tensor) -> tuple[tuple[int, int], 
     grid = (triton.cdiv(seq_len * heads, block_cells), batch)
     args = {
         "rows": tuple(v.rows for v in views), "row_b": tuple(v.rows.stride(0) for v in views),
-        "SEGS": tuple(v.segment_len for v in views), "RATES": tuple(v.rate for v in views),
+        "SEGS": tuple(_segment_constant(v.segment_len, seq_len) for v in views),
+        "RATES": tuple(v.rate for v in views),
         "NUM_SLOTS": len(views), "HEADS": heads, "DIM": dim, "BLOCK_CELLS": block_cells,
         "BLOCK_D": block_d,
     }  # fmt: skip

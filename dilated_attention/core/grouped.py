@@ -29,7 +29,9 @@ Note [Position-grouped plans]
     slots of the group's size in place of the float32 scratch, but it need not wait for a group
     that no segment crosses: a schedule whose longest segment covers the sequence (LongNet's, at
     any length) has none. Its groups are as long as the shortest segments that reach the target
-    length (:func:`slot_group_length`); a branch with longer segments (each a multiple of the
+    length (:func:`slot_group_length`; the last group may be shorter), longer where a group's
+    calls times the groups would exceed :data:`MAX_GROUPED_CALLS` (FlashAttention-4's host time
+    per call); a branch with longer segments (each a multiple of the
     group, its rate dividing it) *spans* groups: its calls run once over the whole sequence,
     into a slot of the whole sequence, before the groups, and each group's merge (or sum) reads
     that slot's rows of its positions beside its own. Those branches have the largest rates, so
@@ -113,8 +115,10 @@ def slot_group_length(slots: tuple[Slot, ...], seq_len: int, target: int) -> int
     return None
 
 
-#: The most kernel calls a slotted plan's grouped backward makes (its groups times the calls of a
-#: group): FlashAttention-4's Python interface costs about half a millisecond a call, so beyond
+#: The most kernel calls a slotted plan's grouped backward makes per batch element (its groups
+#: times the calls of its first group; each batch element runs the groups on its own, with the
+#: same work per call, so the host's share of the time does not depend on the batch):
+#: FlashAttention-4's Python interface costs about half a millisecond a call, so beyond
 #: this the host, not the GPU, sets the pace. On an H100 at 1M tokens (bf16, H = 16): LongNet's
 #: schedule makes 16 groups x 10 calls and trains at 0.94-1.03x the cuDNN ceiling
 #: (``dilated_h100``); the paper's (r = 6 and 12 over 16 heads: 15 calls a group) made 16 x 15

@@ -371,9 +371,10 @@ def not_strided_reason(group: RowGroup, num_kv_heads: int) -> str | None:
 def strided_calls(
     group: RowGroup, num_kv_heads: int, causal: bool
 ) -> tuple[StridedCall, ...] | None:
-    """The group as one :class:`StridedCall` per offset class of its heads, or per block of
-    ``r`` heads where that is fewer calls (``DiagonalCall``, Note [Diagonal head calls] in
-    ``strided.py``), or None where its rows are not strided views (:func:`not_strided_reason`)."""
+    """The group as one :class:`StridedCall` per offset class of its heads, or one
+    ``DiagonalCall`` per run of :func:`diagonal_runs` where those are fewer (Note [Diagonal head
+    calls] in ``strided.py``), or None where its rows are not strided views
+    (:func:`not_strided_reason`)."""
     if not_strided_reason(group, num_kv_heads) is not None:
         return None
     rate, heads = group.rate, group.num_heads

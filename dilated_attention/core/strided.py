@@ -12,7 +12,7 @@ Note [Strided row calls]
     differ in row count (each is its own call anyway), and a shorter last segment is a run of its
     own. The batch and segment dimensions merge into one stride where the run covers the
     sequence (or the batch has one element); a run of whole segments before a shorter last one
-    is a view per batch element only (:attr:`StridedCall.whole_batch`).
+    is a view per batch element only (:meth:`StridedCall.whole_batch`).
 
     Grouped-query attention keeps its key/value heads as a strided view too when the query heads
     ``s, s + r, ...`` map onto key/value heads with one step and one repeat: without GQA (their
@@ -34,7 +34,7 @@ Note [Diagonal head calls]
     those offset classes have the same row count ``c``. A row group (Note [Row groups] in
     ``segment.py``) takes such diagonal calls, one per maximal run of its heads, where they are
     fewer than its offset classes: ``H / r`` calls of ``r`` heads for ``r > H / r`` where ``r``
-    divides ``H`` and ``L``, 3 calls for LongNet's ``r = 12`` over 16 heads of segments that
+    divides ``H`` and ``L``, 3 calls for the paper's ``r = 12`` over 16 heads of segments that
     leave offsets 0-3 one row more (heads 0-3, 4-11, 12-15) instead of 12. Each head of a
     diagonal call reads keys at its own offset, so its key/value heads must be its own too:
     without GQA only. Key masks become per head ((B * n, k, c)).
@@ -125,6 +125,11 @@ class StridedCall:
         stop = min(self.start + self.num_segments * length, end)
         if stop <= first:
             return None
+        if (stop - first) % length:
+            raise RuntimeError(
+                f"a position group [{start}, {end}) cuts a segment of the call's run from "
+                f"{self.start} ({self.num_segments} x {length}): groups end on segment bounds"
+            )
         cut = copy.copy(self)
         cut.start, cut.num_segments = first - start, (stop - first) // length
         return cut

@@ -291,6 +291,24 @@ GPU_SCHEDULES = [
 ]
 
 
+def test_slot_kernels_compile_once_for_every_shorter_last_group() -> None:
+    """A spanning slot's part of a shorter last group is a run of N - k G positions inside one
+    of its segments; the kernels get one compile-time segment length for such runs whatever N,
+    so sequences of 44, 45 and 46 positions share their compiled merge."""
+    pytest.importorskip("triton")
+    from dilated_attention.backends._triton_merge import _launch
+
+    slots = (Slot(8, 1), Slot(32, 4, spanning=True))
+    segs = set()
+    for n in (44, 45, 46):
+        like = torch.empty(1, n, 4, 8)
+        buffers = SlotBuffers(slots, like, n, with_lse=True, held=[1])
+        views = buffers.views(slice(None), 40, n)
+        assert views[0].segment_len == n - 40  # the torch passes read the run as it is
+        segs.add(_launch(views, like[:, 40:])[1]["SEGS"])
+    assert len(segs) == 1, segs
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cut", [False, True], ids=["whole", "grouped"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
