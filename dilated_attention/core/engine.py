@@ -437,7 +437,10 @@ def _batch_rows(call: Call, batch: int, seq_len: int) -> tuple[slice, ...]:
     return tuple(slice(b, b + 1) for b in range(batch))
 
 
-def _rows_of(x: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+def _rows_of(
+    x: torch.Tensor | None, rows: slice | tuple[slice, slice]
+) -> torch.Tensor | None:
+    """``x[rows]``, or None for None (an optional key padding mask)."""
     return None if x is None else x[rows]
 
 
@@ -669,7 +672,7 @@ def _grouped_forward(
                    auxes=auxes, dropout_p=dropout_p)  # fmt: skip
     for (rows, positions), group in _pieces(batch, plan.groups):
         piece_q = q[rows, positions]
-        mask = None if key_padding_mask is None else key_padding_mask[rows, positions]
+        mask = _rows_of(key_padding_mask, (rows, positions))
         if slots:
             parts = None if spanning is None else spanning.views(rows, group.start, group.end)
             slot_forward(
@@ -719,7 +722,7 @@ def _grouped_backward(
                         backend, aux, scale=scale, dropout_p=dropout_p)  # fmt: skip
     for (rows, positions), group in _pieces(q.shape[0], plan.groups):
         piece = [x[rows, positions] for x in (q, k, v)]
-        mask = None if key_padding_mask is None else key_padding_mask[rows, positions]
+        mask = _rows_of(key_padding_mask, (rows, positions))
         if slots:
             parts = None if spanning is None else [
                 g.views(rows, group.start, group.end) for g in spanning

@@ -140,8 +140,10 @@ def _slot_groups(
     while size is not None:  # longer groups while there are too many calls (and they exist)
         calls = sum(c.within(0, size) is not None for c in _grouped_calls(plan, size))  # type: ignore[attr-defined]
         groups = max(1, MAX_GROUPED_CALLS // max(1, calls))
+        if -(-seq_len // size) <= groups:
+            break
         longer = slot_group_length(plan.slots, seq_len, -(-seq_len // groups))
-        if -(-seq_len // size) <= groups or longer is None or longer <= size:
+        if longer is None or longer <= size:
             break
         size = longer
     if size is None:

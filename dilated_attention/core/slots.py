@@ -60,6 +60,12 @@ import torch
 from .merge import merge_partial
 
 
+def segment_rows(segment_len: int, rate: int) -> int:
+    """C: a slot's rows per segment of ``segment_len`` at ``rate``, ``ceil(L / r)`` (the longest
+    offset class's)."""
+    return -(-segment_len // rate)
+
+
 @dataclass(frozen=True)
 class Slot:
     """The compact buffer of branch ``(segment_len, rate)`` (Note [Branch slots merged once]);
@@ -73,8 +79,8 @@ class Slot:
 
     @property
     def segment_rows(self) -> int:
-        """C: slot rows per segment, ``ceil(L / r)`` (the longest offset class's)."""
-        return -(-self.segment_len // self.rate)
+        """C: slot rows per segment (:func:`segment_rows`)."""
+        return segment_rows(self.segment_len, self.rate)
 
     def segments(self, seq_len: int) -> int:
         """S: the segments over ``seq_len`` positions, a shorter last one included."""
@@ -106,8 +112,8 @@ class SlotView:
 
     @property
     def segment_rows(self) -> int:
-        """C."""
-        return -(-self.segment_len // self.rate)
+        """C (:func:`segment_rows`)."""
+        return segment_rows(self.segment_len, self.rate)
 
 
 class SlotBuffers:

@@ -51,6 +51,7 @@ import torch
 
 from .engine import put_view
 from .higher_order import RowCall
+from .slots import segment_rows
 
 
 class StridedCall:
@@ -109,7 +110,7 @@ class StridedCall:
         """(B, S * C, H, E) slot of the branch -> the call's rows (B * n, c, Hc, E), a view:
         row ``seg * C + m`` holds position ``seg * Lb + s + r * m`` of the heads at offset ``s``
         (``C = ceil(Lb / r)`` rows for each of the branch's segments of ``Lb``)."""
-        per_segment = -(-self.slot_segment_len // self.rate)
+        per_segment = segment_rows(self.slot_segment_len, self.rate)
         return self._slot_block(buffer, per_segment)[:, : self.rows, self.slot_heads]
 
     def slot_lse(self, buffer: torch.Tensor) -> torch.Tensor:
