@@ -3,7 +3,8 @@
     python benchmarks/bench_dilated.py    # -> benchmarks/results/dilated_<device>.{json,md,png}
 
 For each schedule (LongNet: w = 2048..32768 with r = 1, 2, 4, 8, 16; the paper's r = 1, 2, 4, 6,
-12), head dim, sequence length and causal flag (B = 1, H = 16, bf16), in one run:
+12), head dim, sequence length and causal flag (B = 1, H = 16, bf16; ``--kv-heads`` for GQA), in
+one run:
 
 - ``auto``: ``dilated_attention(..., backend=None)``, what users get (the chosen backend is
   recorded; on sm90 the fused Triton kernels, ``backend="triton"``, or FlashAttention-4 writing
@@ -76,19 +77,21 @@ def _ceiling(
     rates: tuple[int, ...], causal: bool, args: argparse.Namespace,
 ) -> dict[str, float]:  # fmt: skip
     """``backend`` alone on every branch's row shape (its whole segments, and a shorter last one
-    where the sequence leaves one), times summed (no gather, no merge)."""
+    where the sequence leaves one; keys with ``args.kv_heads`` heads), times summed (no gather,
+    no merge)."""
     total = {"fwd_ms": 0.0, "fwd_bwd_ms": 0.0}
     shapes = []
     for w, r in zip(segs, rates, strict=True):
         w = min(w, seq_len)
-        shapes.append((seq_len // w, -(-w // r), heads, dim))
+        shapes.append((seq_len // w, -(-w // r)))
         if seq_len % w:
-            shapes.append((1, -(-(seq_len % w) // r), heads, dim))
-    for shape in shapes:
+            shapes.append((1, -(-(seq_len % w) // r)))
+    for segments, rows in shapes:
         q, k, v = (
-            torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            for _ in range(3)
+            torch.randn(segments, rows, h, dim, device="cuda", dtype=torch.bfloat16)
+            for h in (heads, _kv_heads(args), _kv_heads(args))
         )
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
         dout = torch.randn_like(q)
         res = time_fwd_and_fwd_bwd(
             lambda q=q, k=k, v=v: attention(q, k, v, is_causal=causal, backend=backend),
@@ -99,23 +102,28 @@ def _ceiling(
     return total
 
 
+def _kv_heads(args: argparse.Namespace) -> int:
+    return args.kv_heads or args.heads
+
+
 def bench_config(
     schedule: str, seq_len: int, dim: int, causal: bool, args: argparse.Namespace
 ) -> list[dict[str, object]]:
     segs, rates = SCHEDULES[schedule]
     heads = args.heads
+    kv_heads = _kv_heads(args)
     base = {"schedule": schedule, "seq_len": seq_len, "head_dim": dim, "heads": heads,
-            "causal": causal}  # fmt: skip
+            "kv_heads": kv_heads, "causal": causal}  # fmt: skip
     flops = paper_flops(seq_len, heads, dim, segs, rates, causal)
-    tensor_bytes = seq_len * heads * dim * 2
-    unavoidable = {"fwd": 4 * tensor_bytes, "fwd_bwd": 8 * tensor_bytes}
-    shape = (1, seq_len, heads, dim)
+    q_bytes, kv_bytes = (seq_len * h * dim * 2 for h in (heads, kv_heads))
+    # q, k, v, out; with backward also dout, dq, dk, dv.
+    unavoidable = {"fwd": 2 * q_bytes + 2 * kv_bytes, "fwd_bwd": 4 * q_bytes + 4 * kv_bytes}
     q, k, v = (
-        torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        for _ in range(3)
+        torch.randn(1, seq_len, h, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for h in (heads, kv_heads, kv_heads)
     )
     dout = torch.randn_like(q)
-    slots = runs_in_slots(seq_len, heads, heads, segs, rates)
+    slots = runs_in_slots(seq_len, heads, kv_heads, segs, rates)
     auto = choose(
         KernelInputs.from_tensors(q, k, is_causal=causal, dilated=True, branch_slots=slots)
     ).backend
@@ -209,6 +217,8 @@ def main() -> None:
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=None,
+                        help="key/value heads (GQA); default: --heads")  # fmt: skip
     parser.add_argument("--paths", nargs="+", default=["auto", "gather+cudnn", "cudnn ceiling"],
                         choices=PATHS)  # fmt: skip
     parser.add_argument("--warmup", type=int, default=1)
@@ -226,7 +236,7 @@ def main() -> None:
                     rows += bench_config(schedule, seq_len, dim, causal, args)
     env = environment()
     out = record_path("dilated", args.out)
-    cols = ["schedule", "head_dim", "causal", "seq_len", "path", "backend", "fwd_ms",
+    cols = ["schedule", "head_dim", "kv_heads", "causal", "seq_len", "path", "backend", "fwd_ms",
             "fwd_tflops", "fwd_vs_ceiling", "fwd_vs_fa4_ceiling", "fwd_bwd_ms", "fwd_bwd_tflops",
             "fwd_bwd_vs_ceiling", "fwd_bwd_vs_fa4_ceiling", "fwd_mem_ratio", "fwd_bwd_mem_ratio",
             "error"]  # fmt: skip

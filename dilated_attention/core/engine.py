@@ -44,7 +44,7 @@ from .autograd import Backward, Forward, Grads, Inputs
 from .contract import KernelBackend, KernelOutput
 from .higher_order import RowCall, differentiable_grads, no_higher_order_message
 from .merge import merge_partial
-from .slots import Slot, SlotBuffers, SlotCall, SlotView, merge_slots, sum_slots
+from .slots import KeySlots, Slot, SlotBuffers, SlotCall, SlotView, merge_slots
 
 
 class Call(Protocol):
@@ -489,7 +489,7 @@ def fill_grad_slots(
     lse_rows: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
     calls: Sequence[Call],
-    grads: Sequence[SlotBuffers],
+    grads: Sequence[SlotBuffers | KeySlots],
     backend: KernelBackend,
     auxes: Iterator[Any],
     *,
@@ -497,7 +497,7 @@ def fill_grad_slots(
     dropout_p: float = 0.0,
 ) -> None:
     """The backward of :func:`fill_slots`: each call's dq, dk, dv rows written into its slots of
-    ``grads`` (three buffers, for q, k and v).
+    ``grads`` (three buffers, for q, k and v: :func:`grad_slots`).
 
     Args:
         lse_rows: (B, N, H, 1) merged log-sum-exp (:func:`row_lse`).
@@ -506,7 +506,7 @@ def fill_grad_slots(
     for call in calls:
         slotted = cast(SlotCall, call)
         for rows in _batch_rows(call, *q.shape[:2]):
-            into = tuple(slotted.slot_rows(g.out(slotted.slot)[rows]) for g in grads)
+            into = tuple(g.call_rows(slotted, rows) for g in grads)
             results = _call_backward(
                 call, dout[rows], q[rows], k[rows], v[rows], out[rows], lse_rows[rows],
                 _rows_of(key_padding_mask, rows), next(auxes), backend, scale=scale,
@@ -514,6 +514,23 @@ def fill_grad_slots(
             )  # fmt: skip
             for dest, result in zip(into, results, strict=True):
                 _fill(dest, result)
+
+
+def grad_slots(
+    slots: Sequence[Slot],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    held: Sequence[int] | None,
+) -> list[SlotBuffers | KeySlots]:
+    """The gradient slots of a slotted plan's backward over the positions of q, k, v (B, N',
+    H or Hkv, D): query slots for dq, and for dk and dv the query slots' layout without GQA,
+    else key slots by position (Note [Key slots of GQA plans] in ``slots.py``)."""
+    dq = SlotBuffers(slots, q, q.shape[1], with_lse=False, held=held)
+    if k.shape[2] == q.shape[2]:
+        return [dq, *(SlotBuffers(slots, x, x.shape[1], with_lse=False, held=held) for x in (k, v))]
+    group_size = q.shape[2] // k.shape[2]
+    return [dq, *(KeySlots(slots, x, group_size, held=held) for x in (k, v))]
 
 
 def _own_slots(slots: Sequence[Slot], spanning: bool = False) -> list[int]:
@@ -564,17 +581,17 @@ def slot_backward(
     scale: float,
     grads: Sequence[torch.Tensor],
     dropout_p: float = 0.0,
-    spanning: Sequence[Sequence[SlotView]] | None = None,
+    spanning: Sequence[Sequence[Any]] | None = None,
 ) -> None:
     """The backward of :func:`slot_forward`: each call's gradients written into slots of three
-    gradient buffers, each summed (with the ``spanning`` views of that gradient's slots) once
-    into ``grads`` (dq, dk, dv, (B, N, H, D))."""
+    gradient buffers (:func:`grad_slots`), each summed (with the ``spanning`` views of that
+    gradient's slots) once into ``grads`` (dq, dk, dv, (B, N, H or Hkv, D))."""
     held = None if spanning is None else _own_slots(slots)
-    buffers = [SlotBuffers(slots, x, x.shape[1], with_lse=False, held=held) for x in (q, k, v)]
+    buffers = grad_slots(slots, q, k, v, held)
     fill_grad_slots(dout, q, k, v, out, lse_rows, key_padding_mask, calls, buffers, backend,
                     auxes, scale=scale, dropout_p=dropout_p)  # fmt: skip
     for own, extra, grad in zip(buffers, spanning or ((), (), ()), grads, strict=True):
-        sum_slots([*own.views(), *extra], grad)
+        own.sum_into(grad, extra)
 
 
 def plan_forward(
@@ -716,8 +733,7 @@ def _grouped_backward(
     lse_rows, aux = row_lse(lse), iter(auxes)
     slots, spanning = plan.slots, None
     if plan.spanning:
-        held = _own_slots(slots, True)
-        spanning = [SlotBuffers(slots, x, x.shape[1], with_lse=False, held=held) for x in (q, k, v)]
+        spanning = grad_slots(slots, q, k, v, _own_slots(slots, True))
         fill_grad_slots(dout, q, k, v, out, lse_rows, key_padding_mask, plan.spanning, spanning,
                         backend, aux, scale=scale, dropout_p=dropout_p)  # fmt: skip
     for (rows, positions), group in _pieces(q.shape[0], plan.groups):

@@ -307,9 +307,10 @@ def not_slotted_reason(
     merged once] in ``slots.py``), or None where they can (:func:`slot_plan`)."""
     if covers_all_once(groups, seq_len):
         return "one dense call: nothing to merge"
-    heads = groups[0].num_heads if groups else num_kv_heads
-    if num_kv_heads != heads:
-        return f"GQA ({heads} query heads over {num_kv_heads}): slots need every key head"
+    for group in groups:
+        reason = None if group.rate == 1 else not_strided_reason(group, num_kv_heads)
+        if reason is not None:
+            return f"w={group.segment_len} r={group.rate}: {reason}"
     return None
 
 
@@ -428,6 +429,8 @@ def describe_plan(
             if slotted
             else f"; merged as it comes (no branch slots: {reason})"
         )
+        if slotted and groups and groups[0].num_heads != num_kv_heads:
+            merge += " (GQA: dk, dv in key slots by position)"
     lines = []
     for group in groups:
         where = (

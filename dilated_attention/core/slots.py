@@ -35,15 +35,31 @@ Note [Branch slots merged once]
     those. Measured on an H100 (LongNet schedule, 1M tokens, H = 16, bf16): the merge 5.2 ms
     and each sum 4.1 ms at D = 128, 3 TB/s.
 
-    A plan runs in slots when the keys and values have every head (no GQA: a key row of one
-    head then belongs to one call of each branch, as a query row does); its calls are strided
-    views of every offset class (Note [Strided row calls] in ``strided.py``), ragged branches
-    included. Other plans merge as they go.
+    A plan runs in slots when its calls are strided views of every offset class (Note [Strided
+    row calls] in ``strided.py``), ragged branches included: always without GQA, and with GQA
+    where each offset class's key/value heads are one strided slice (Note [Key slots of GQA
+    plans]). Other plans merge as they go.
 
     The merge and the sums run as one Triton kernel each on CUDA (:func:`register_slot_kernels`,
     filled by the Triton backend), else as the torch ops of :func:`merge_slots_torch` and
     :func:`sum_slots_torch`, which address the slots through views and share nothing with the
     kernels.
+
+Note [Key slots of GQA plans]
+    Without GQA a key row of head ``h`` meets one call per branch, that of query head ``h``'s
+    offset class, so dk and dv share the query slots' layout. With GQA (``g = H / Hkv`` query
+    heads per key/value head) the query heads of one key/value head have several offsets, so
+    one key row meets the calls of several offset classes, and the kernel itself sums the query
+    heads of one call (native GQA). The strided calls of a branch still write each (position,
+    key/value head) at most once: an offset class ``s`` reads the key rows ``s + r * m`` only
+    (Note [Strided row calls]). So dk and dv get *key slots* by position instead, (B, N, Hkv, D)
+    per branch (:class:`KeySlots`), each call writing its key rows through the same view it
+    read them with, and one pass sums a position's slots over the branches in float32 and
+    rounds once. Where ``r`` divides ``g`` every offset class holds query heads of every
+    key/value head, so every key row is written; elsewhere (``r > g``) a key/value head's query
+    heads take ``g`` of the ``r`` offsets and the rest of its rows stay zero, so those slots are
+    zeroed first. Key slots take ``n_branches / g`` units of q per buffer (1.25 for LongNet's five
+    branches at ``g = 4``) and are cut into position groups with the query slots.
 
 Shape legend: B batch, N positions of the plan (or of a position group), H heads, D head dim,
 L segment length, r rate, S segments, C slot rows per segment, n segments and c rows of a call.
@@ -192,6 +208,78 @@ class SlotBuffers:
         return views
 
 
+    def call_rows(self, call: SlotCall, batch: slice) -> torch.Tensor:
+        """The rows ``call`` writes of its slot, for batch elements ``batch``: (B' * n, c, Hc,
+        D), a view."""
+        return call.slot_rows(self.out(call.slot)[batch])
+
+    def sum_into(self, grad: torch.Tensor, extra: Sequence[SlotView] = ()) -> None:
+        """Write the sum of every held slot and the ``extra`` views into ``grad`` (B, N, H, D)
+        (:func:`sum_slots`)."""
+        sum_slots([*self.views(), *extra], grad)
+
+
+class KeySlots:
+    """The key (or value) gradient slots of a GQA plan, by position (Note [Key slots of GQA
+    plans]): slot ``i`` of the ``held`` ones is (B, N', Hkv, D) over the positions of ``like``
+    (B, N', Hkv, D), zeroed where its branch's calls leave rows unwritten.
+
+    Attributes:
+        flat: (len(held), B, N', Hkv, D).
+    """
+
+    def __init__(
+        self,
+        slots: Sequence[Slot],
+        like: torch.Tensor,
+        group_size: int,
+        held: Sequence[int] | None = None,
+    ) -> None:
+        self.slots = tuple(slots)
+        self.held = tuple(range(len(slots))) if held is None else tuple(held)
+        self._index = {slot: i for i, slot in enumerate(self.held)}
+        self.flat = torch.empty((len(self.held), *like.shape), dtype=like.dtype, device=like.device)
+        for i, slot in enumerate(self.held):
+            if not key_rows_covered(self.slots[slot].rate, group_size):
+                self.flat[i].zero_()
+
+    def out(self, index: int) -> torch.Tensor:
+        """Slot ``index``, (B, N', Hkv, D)."""
+        return self.flat[self._index[index]]
+
+    def call_rows(self, call: SlotCall, batch: slice) -> torch.Tensor:
+        """The key rows ``call`` writes of its slot, for batch elements ``batch``: (B' * n, c,
+        Hkc, D), a view."""
+        return call.kv_slot_rows(self.out(call.slot)[batch])
+
+    def views(
+        self, batch: slice = slice(None), start: int = 0, end: int | None = None
+    ) -> list[torch.Tensor]:
+        """The held slots over positions ``[start, end)`` of batch elements ``batch``, one
+        (len(held), B', N'', Hkv, D) view."""
+        return [self.flat[:, batch, start:end]]
+
+    def sum_into(self, grad: torch.Tensor, extra: Sequence[torch.Tensor] = ()) -> None:
+        """Write the float32 sum of every held slot and the ``extra`` stacks (``views`` of the
+        spanning slots) into ``grad`` (B, N', Hkv, D), one rounding."""
+        dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
+        total = None
+        for stack in (*self.views(), *extra):
+            part = stack.sum(0, dtype=dtype)
+            total = part if total is None else total.add_(part)
+        if total is None:
+            grad.zero_()
+        else:
+            grad.copy_(total)
+
+
+def key_rows_covered(rate: int, group_size: int) -> bool:
+    """Whether the calls of a branch at ``rate`` write every key row of every key/value head
+    whose query heads are ``group_size`` consecutive ones (Note [Key slots of GQA plans]): where
+    ``rate`` divides ``group_size``, the group's query heads take every offset."""
+    return group_size % rate == 0
+
+
 def _starts(sizes: Sequence[int]) -> list[int]:
     starts, total = [], 0
     for size in sizes:
@@ -216,6 +304,10 @@ class SlotCall(Protocol):
 
     def slot_lse(self, buffer: torch.Tensor) -> torch.Tensor:
         """(B, S, H, C) slot lse -> the call's (B * n, Hc, c), a view."""
+        ...
+
+    def kv_slot_rows(self, buffer: torch.Tensor) -> torch.Tensor:
+        """(B, N, Hkv, E) key slot -> the call's key rows (B * n, c, Hkc, E), a view."""
         ...
 
 

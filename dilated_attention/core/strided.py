@@ -117,6 +117,13 @@ class StridedCall:
         """(B, S, H, C) slot lse -> the call's (B * n, Hc, c), a view."""
         return self._slot_block(buffer, 1).squeeze(1)[:, self.slot_heads, : self.rows]
 
+    def kv_slot_rows(self, buffer: torch.Tensor) -> torch.Tensor:
+        """(B, N, Hkv, E) key slot (Note [Key slots of GQA plans] in ``slots.py``) -> the call's
+        key rows (B * n, c, Hkc, E): the view :meth:`kv_rows` reads of k (``view`` raises where
+        the run's batch elements are not one stride, see :meth:`whole_batch`)."""
+        rows = self._rows(buffer, self.kv_heads)
+        return rows.view(rows.shape[0] * rows.shape[1], *rows.shape[2:])
+
     def within(self, start: int, end: int) -> StridedCall | None:
         """The call cut to positions ``[start, end)``, in the coordinates of ``x[:, start:end]``,
         or None where it has no row there; ``start`` falls on a segment boundary and ``end`` on

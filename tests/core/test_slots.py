@@ -25,7 +25,13 @@ import dilated_attention.core.engine as engine
 import dilated_attention.core.grouped as grouped
 from dilated_attention import backend_reasons, dilated_attention
 from dilated_attention.core.segment import not_slotted_reason, plan_branches, slot_plan
-from dilated_attention.core.slots import Slot, SlotBuffers, merge_slots_torch, sum_slots_torch
+from dilated_attention.core.slots import (
+    KeySlots,
+    Slot,
+    SlotBuffers,
+    merge_slots_torch,
+    sum_slots_torch,
+)
 
 F64 = torch.float64
 TIGHT = {"atol": 1e-10, "rtol": 1e-7}
@@ -46,9 +52,21 @@ SCHEDULES = [
     ("last_segment_below_rate", 35, 4, (8, 16), (1, 4)),
     ("diagonal_short_last", 72, 8, (8, 32), (1, 4)),
 ]
+#: (id, N, H, Hkv, segments, rates) with GQA (Note [Key slots of GQA plans]): rates dividing
+#: the group size (every key row written: the kernel's native GQA), rates above it (key slots
+#: zeroed first), ragged branches, one key/value head.
+GQA_SCHEDULES = [
+    ("gqa_rates_in_group", 64, 8, 2, (8, 16, 32), (1, 2, 4)),
+    ("gqa_rates_above_group", 64, 8, 4, (8, 16, 32), (1, 2, 4)),
+    ("gqa_ragged", 50, 8, 4, (12, 20, 50), (1, 2, 4)),
+    ("mqa", 48, 4, 1, (12, 48), (1, 4)),
+]
+#: Every slotted case as (id, N, H, Hkv, segments, rates).
+SLOTTED = [(name, n, h, h, segs, rates) for name, n, h, segs, rates in SCHEDULES] + GQA_SCHEDULES
 #: (id, N, H, Hkv, segments, rates, the reason's words).
 UNSLOTTED = [
-    ("gqa", 32, 8, 4, (8, 16), (1, 2), "GQA"),
+    # Query heads 0, 3, 6 of offset class 0 read key/value heads 0, 0, 1: not one strided slice.
+    ("gqa_rate_across_groups", 36, 8, 2, (12, 36), (1, 3), "GQA"),
     ("dense", 32, 4, 4, (32,), (1,), "one dense call"),
 ]
 
@@ -91,18 +109,20 @@ def _oracle(q, k, v, dout, segs, rates, is_causal, mask):
 
 @pytest.mark.parametrize("cut", [False, True], ids=["whole", "grouped"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("schedule", SCHEDULES, ids=[s[0] for s in SCHEDULES])
+@pytest.mark.parametrize("schedule", SLOTTED, ids=[s[0] for s in SLOTTED])
 def test_slotted_plan_matches_oracle(
     schedule, is_causal: bool, cut: bool, writing_kernel: list[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     """out, lse, dq, dk, dv of a slotted plan (the kernel writing every call into its slot)
-    equal the float64 oracle, with gradients and without, whole and in position groups."""
-    _, n, heads, segs, rates = schedule
+    equal the float64 oracle, with gradients and without, whole and in position groups, with
+    and without GQA."""
+    _, n, heads, kv_heads, segs, rates = schedule
     if cut:
         cut_small(monkeypatch)
     runs = _spy(monkeypatch, ("slot_forward", "slot_backward", "run_forward", "run_backward"))
     q, k, v, dout = _inputs(n, heads)
+    k, v = k[:, :, :kv_heads], v[:, :, :kv_heads]
     mask = _mask(n)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = dilated_attention(*leaves, segs, rates, is_causal=is_causal, backend="math",
@@ -192,6 +212,34 @@ def test_each_slot_row_is_written_by_one_call(schedule) -> None:
         lse = buffers.lse(index).transpose(2, 3).flatten(1, 2)  # (B, S * C, H)
         torch.testing.assert_close(lse, expected)
     assert [s.rate for s in plan.slots] == list(rates)
+
+
+@pytest.mark.parametrize("schedule", GQA_SCHEDULES, ids=[s[0] for s in GQA_SCHEDULES])
+def test_each_key_slot_row_is_written_by_one_call(
+    schedule, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With GQA, adding one through every call's key rows of its key slot (new buffers start
+    NaN: a write counts as one) fills each (position, key/value head) that some query head of
+    the group reads in that branch with one exactly, and leaves the others at the zero
+    :class:`KeySlots` gives them (Note [Key slots of GQA plans])."""
+    _, n, heads, kv_heads, segs, rates = schedule
+    segs = tuple(min(w, n) for w in segs)
+    plan = slot_plan(plan_branches(n, heads, segs, rates), n, kv_heads, False)
+    group = heads // kv_heads
+    poison_new_buffers(monkeypatch)
+    slots = KeySlots(plan.slots, torch.empty(2, n, kv_heads, 3), group)
+    for call in plan.calls:
+        rows = [slice(None)] if call.whole_batch(n) else [slice(0, 1), slice(1, 2)]  # type: ignore[attr-defined]
+        for batch in rows:
+            view = slots.call_rows(call, batch)  # type: ignore[arg-type]
+            view.copy_(torch.where(view.isnan(), 1.0, view + 1))
+    for index, slot in enumerate(plan.slots):
+        read = torch.zeros(n, kv_heads)
+        for position, head in itertools.product(range(n), range(heads)):
+            if (position % slot.segment_len) % slot.rate == head % slot.rate:
+                read[position, head // group] = 1.0
+        expected = read[None, :, :, None].expand(2, -1, -1, 3)
+        torch.testing.assert_close(slots.out(index), expected, msg=lambda m, i=index: f"{i}: {m}")
 
 
 @pytest.mark.parametrize("case", UNSLOTTED, ids=[c[0] for c in UNSLOTTED])
@@ -285,9 +333,12 @@ def test_slot_kernels_match_the_torch_passes(
 
 #: (id, N, H, segments, rates) of the GPU test: LongNet-like; ragged (r = 3 does not divide
 #: w = 256, shorter last segments, whole segments before them one batch element at a time).
+#: (id, N, H, Hkv, segments, rates).
 GPU_SCHEDULES = [
-    ("longnet", 1024, 8, (128, 256, 512), (1, 2, 4)),
-    ("ragged", 1000, 8, (128, 256, 600), (1, 3, 4)),
+    ("longnet", 1024, 8, 8, (128, 256, 512), (1, 2, 4)),
+    ("ragged", 1000, 8, 8, (128, 256, 600), (1, 3, 4)),
+    ("gqa_in_group", 1024, 8, 2, (128, 256, 512), (1, 2, 4)),  # native GQA calls
+    ("gqa_above_group", 1000, 8, 4, (128, 256, 600), (1, 2, 4)),  # zeroed key slots, ragged
 ]
 
 
@@ -317,10 +368,11 @@ def test_cuda_flash_attn4_writes_into_slots(
     schedule, is_causal: bool, cut: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """FlashAttention-4 on the strided views of the slots (out, lse, dq, dk, dv written where
-    they belong, nothing copied) against the float64 oracle, whole and in position groups with
-    slots that span them."""
-    _, n, heads, segs, rates = schedule
+    they belong, nothing copied; with GQA, dk and dv into key slots) against the float64
+    oracle, whole and in position groups with slots that span them."""
+    _, n, heads, kv_heads, segs, rates = schedule
     q, k, v, dout = _inputs(n, heads, torch.bfloat16, dim=64)
+    k, v = k[:, :, :kv_heads], v[:, :, :kv_heads]
     dev = [t.cuda().requires_grad_() for t in (q, k, v)]
     reasons = backend_reasons(*dev, is_causal=is_causal)["flash_attn4"]
     if reasons:
@@ -364,14 +416,17 @@ def test_cuda_flash_attn4_writes_into_slots(
 
 def test_explain_says_whether_branches_go_into_slots() -> None:
     """``describe_plan`` (``explain``'s lines) on a kernel that writes into given buffers: every
-    group of a slotted schedule says it goes into its slot; a GQA schedule says why not."""
+    group of a slotted schedule says it goes into its slot, a GQA one where its key gradients
+    go; a GQA schedule whose offset classes' key heads are no strided slice says why not."""
     from dilated_attention.core.segment import describe_plan
 
     lines = describe_plan(plan_branches(64, 8, (8, 16, 32), (1, 2, 4)), 64, 8, True, True)
     assert len(lines) == 3
     assert all(line.endswith("merged once with the other branches") for line in lines), lines
     lines = describe_plan(plan_branches(64, 8, (8, 16), (1, 2)), 64, 4, True, True)
-    assert all("merged as it comes (no branch slots: GQA" in line for line in lines), lines
+    assert all(line.endswith("(GQA: dk, dv in key slots by position)") for line in lines), lines
+    lines = describe_plan(plan_branches(36, 8, (12, 36), (1, 3)), 36, 2, True, True)
+    assert all("merged as it comes (no branch slots: w=36 r=3: GQA" in line for line in lines)
     assert not any("slot" in line for line in describe_plan(
         plan_branches(64, 8, (8, 16), (1, 2)), 64, 8, True, False))  # fmt: skip
     # Ragged: r = 3 does not divide w = 16 (two offset-class lengths), N = 44 leaves shorter last
