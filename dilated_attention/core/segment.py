@@ -380,10 +380,12 @@ def strided_calls(
         return None
     rate, heads = group.rate, group.num_heads
     start, n, length = group.start, group.num_segments, group.segment_len
-    runs = diagonal_runs(group)
-    if num_kv_heads == heads and len(runs) < len(set(group.offsets)):
+    group_size = heads // num_kv_heads
+    runs = diagonal_runs(group, group_size)
+    if len(runs) < len(set(group.offsets)):
         return tuple(
-            DiagonalCall(start, n, length, rate, first, count, causal) for first, count in runs
+            DiagonalCall(start, n, length, rate, first, count, causal, group_size)
+            for first, count in runs
         )
     kv_slices = {s: kv_head_slice(s, rate, heads, num_kv_heads) for s in sorted(set(group.offsets))}
     return tuple(
@@ -393,14 +395,18 @@ def strided_calls(
     )
 
 
-def diagonal_runs(group: RowGroup) -> tuple[tuple[int, int], ...]:
+def diagonal_runs(group: RowGroup, group_size: int = 1) -> tuple[tuple[int, int], ...]:
     """``(first head, head count)`` of each maximal run of the group's heads that are
-    consecutive with consecutive offsets: one diagonal call each (Note [Diagonal head calls] in
-    ``strided.py``)."""
+    consecutive with consecutive offsets and, with GQA (``group_size`` query heads per
+    key/value head), share one key/value head: one diagonal call each (Note [Diagonal head
+    calls] in ``strided.py``)."""
     runs: list[list[int]] = []
     for head in sorted(group.heads):
         last = runs[-1][0] + runs[-1][1] - 1 if runs else None
-        if last is not None and head == last + 1 and head % group.rate == last % group.rate + 1:
+        shares_kv = last is not None and head // group_size == last // group_size
+        shares_kv = shares_kv or group_size == 1
+        consecutive = last is not None and head == last + 1
+        if consecutive and shares_kv and head % group.rate == last % group.rate + 1:
             runs[-1][1] += 1
         else:
             runs.append([head, 1])

@@ -36,8 +36,12 @@ Note [Diagonal head calls]
     fewer than its offset classes: ``H / r`` calls of ``r`` heads for ``r > H / r`` where ``r``
     divides ``H`` and ``L``, 3 calls for the paper's ``r = 12`` over 16 heads of segments that
     leave offsets 0-3 one row more (heads 0-3, 4-11, 12-15) instead of 12. Each head of a
-    diagonal call reads keys at its own offset, so its key/value heads must be its own too:
-    without GQA only. Key masks become per head ((B * n, k, c)).
+    diagonal call reads keys at its own offset, so without GQA its key/value heads are its own
+    (the same view of k and v). With GQA a run stops where the key/value head changes: its heads
+    share one key/value head, whose rows for head ``h0 + j`` sit ``j`` positions further, a
+    view with the position stride as its head stride (LongNet's r = 16 over 16 heads sharing 4
+    key/value heads: 4 calls of 4 heads instead of 16 of one). Key masks become per head
+    ((B * n, k, c)).
 
 Shape legend: B batch, N positions, H query heads, Hkv key/value heads, D head dim, n segments of
 a run, L segment length, c rows of a segment in one call, Hc / Hkc heads of one call.
@@ -193,8 +197,9 @@ class StridedCall:
 
 class DiagonalCall(StridedCall):
     """The heads ``h0 .. h0 + k - 1`` of a run of segments, head ``h0 + j`` at offset
-    ``h0 mod r + j`` (Note [Diagonal head calls]); without GQA, every offset class of the call
-    with the same row count."""
+    ``h0 mod r + j`` (Note [Diagonal head calls]), every offset class of the call with the same
+    row count; with GQA (``group_size`` query heads per key/value head) the heads share one
+    key/value head."""
 
     def __init__(
         self,
@@ -205,25 +210,39 @@ class DiagonalCall(StridedCall):
         first_head: int,
         num_heads: int,
         causal: bool,
+        group_size: int = 1,
     ) -> None:
         heads = slice(first_head, first_head + num_heads)
-        super().__init__(start, num_segments, segment_len, rate, first_head % rate, heads, causal)
+        kv_heads = heads
+        if group_size > 1:
+            kv_head = first_head // group_size
+            if (first_head + num_heads - 1) // group_size != kv_head:
+                raise ValueError(
+                    f"a diagonal call's heads {first_head}..{first_head + num_heads - 1} must "
+                    f"share one key/value head (group size {group_size})"
+                )
+            kv_heads = slice(kv_head, kv_head + 1)
+        super().__init__(start, num_segments, segment_len, rate, first_head % rate, kv_heads,
+                         causal)  # fmt: skip
         self.q_heads = heads
-        self.first_head, self.num_heads = first_head, num_heads
+        self.first_head, self.num_heads, self.group_size = first_head, num_heads, group_size
 
     @property
     def slot_heads(self) -> slice:
         return self.q_heads
 
     def _rows(self, x: torch.Tensor, heads: slice) -> torch.Tensor:
-        """(B, N, H, E) -> (B, n, c, k, E), a view: row ``m`` of head ``h0 + j`` at position
+        """(B, N, Hx, E) -> (B, n, c, k, E), a view: row ``m`` of head ``h0 + j`` at position
         ``seg * L + s0 + j + r * m`` (one position and one head further per head: a head stride
-        of the position and head strides together)."""
+        of the position and head strides together); for the shared key/value head of a GQA
+        call, one position further per head (a head stride of the position stride)."""
         batch, _, _, dim = x.shape
         s_b, s_n, s_h, s_d = x.stride()
-        first = x.storage_offset() + (self.start + self.offset) * s_n + self.first_head * s_h
+        shared = self.group_size > 1 and heads is self.kv_heads
+        first = x.storage_offset() + (self.start + self.offset) * s_n + heads.start * s_h
         shape = (batch, self.num_segments, self.rows, self.num_heads, dim)
-        strides = (s_b, self.segment_len * s_n, self.rate * s_n, s_n + s_h, s_d)
+        head_stride = s_n if shared else s_n + s_h
+        strides = (s_b, self.segment_len * s_n, self.rate * s_n, head_stride, s_d)
         return x.as_strided(shape, strides, first)
 
     def key_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -238,14 +257,17 @@ class DiagonalCall(StridedCall):
         return rows.reshape(mask.shape[0] * self.num_segments, self.num_heads, self.rows)
 
     def row_call(self, q: torch.Tensor, k: torch.Tensor) -> RowCall:
-        total_heads, device = q.shape[2], q.device
+        total_heads, kv_heads, device = q.shape[2], k.shape[2], q.device
         n, length, rate, count = self.num_segments, self.segment_len, self.rate, self.num_heads
         base = self.start + torch.arange(n, device=device) * length  # (n,)
         steps = torch.arange(count, device=device)
         rows = rate * torch.arange(self.rows, device=device).view(-1, 1) + self.offset + steps
         positions = base.view(-1, 1, 1) + rows  # (n, c, k)
         index = (positions * total_heads + self.first_head + steps).view(n, -1)
-        return RowCall(index, index, count, count, self.causal)
+        if self.group_size == 1:
+            return RowCall(index, index, count, count, self.causal)
+        kv_index = (positions * kv_heads + self.kv_heads.start).view(n, -1)
+        return RowCall(index, kv_index, count, count, self.causal)
 
 
 def kv_head_slice(offset: int, rate: int, num_heads: int, num_kv_heads: int) -> slice | None:

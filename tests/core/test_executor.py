@@ -131,7 +131,8 @@ def test_in_place_merge_gets_the_rows_of_view_calls(
 
     gen = torch.Generator().manual_seed(4)
     # Two key/value heads for four query heads: w = 10, r = 3 is gathered (GQA the views cannot
-    # express); r = 2 is two offset classes; r = 4 four offset classes of one head each.
+    # express); r = 2 is two offset classes; r = 4 two diagonal calls of the two heads that
+    # share a key/value head.
     q = torch.randn(1, 40, 4, 8, generator=gen)
     k, v = (torch.randn(1, 40, 2, 8, generator=gen) for _ in range(2))
     schedule = ([10, 8, 16], [3, 2, 4])
@@ -140,11 +141,11 @@ def test_in_place_merge_gets_the_rows_of_view_calls(
     got, lse = dilated_attention(
         q, k, v, *schedule, is_causal=is_causal, backend="math", return_lse=True
     )
-    # (segments, rows, heads, D): w = 16's offset classes over its two whole segments and its
+    # (segments, rows, heads, D): w = 16's diagonal calls over its two whole segments and its
     # last, short one; two offset classes of w = 8; the gathered w = 10 as its copies (4 rows of
     # heads 0 and 3; 3 rows of heads 1 and 2).
     assert sorted(merged) == [
-        *[(1, 2, 1, 8)] * 4, *[(2, 4, 1, 8)] * 4, (4, 3, 2, 8), (4, 4, 2, 8), (5, 4, 2, 8),
+        *[(1, 2, 2, 8)] * 2, *[(2, 4, 2, 8)] * 2, (4, 3, 2, 8), (4, 4, 2, 8), (5, 4, 2, 8),
         (5, 4, 2, 8),
     ]  # fmt: skip
     want, want_lse = oracle_dilated_attention(

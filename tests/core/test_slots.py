@@ -60,6 +60,8 @@ GQA_SCHEDULES = [
     ("gqa_rates_above_group", 64, 8, 4, (8, 16, 32), (1, 2, 4)),
     ("gqa_ragged", 50, 8, 4, (12, 20, 50), (1, 2, 4)),
     ("mqa", 48, 4, 1, (12, 48), (1, 4)),
+    # Diagonal calls of the heads sharing a key/value head, above the group, shorter last segment.
+    ("gqa_diagonal_above_group", 72, 8, 2, (8, 32), (1, 8)),
 ]
 #: Every slotted case as (id, N, H, Hkv, segments, rates).
 SLOTTED = [(name, n, h, h, segs, rates) for name, n, h, segs, rates in SCHEDULES] + GQA_SCHEDULES

@@ -28,32 +28,45 @@ SCHEDULES = [
     ("ragged_gqa_falls_back", 50, 8, 4, (10, 16), (3, 4)),
     ("diagonal_runs_ragged", 88, 16, 16, (40, 16), (12, 1)),
     ("rate_above_heads", 40, 2, 1, (8, 16), (4, 8)),
+    ("gqa_diagonal", 48, 8, 2, (16, 48), (1, 8)),  # two diagonal calls sharing a kv head each
 ]
 
 
-@pytest.mark.parametrize(("kv_heads", "diagonal"), [(8, True), (4, False)], ids=["mha", "gqa"])
+#: (Hkv, calls for r = 2, 4, 8) over H = 8 heads.
+BRANCH_CALLS = [(8, (2, 2, 1)), (4, (2, 4, 4))]
+
+
+@pytest.mark.parametrize(("kv_heads", "calls"), BRANCH_CALLS, ids=["mha", "gqa"])
 def test_a_branch_takes_min_of_rate_and_heads_over_rate_calls(
-    kv_heads: int, diagonal: bool
+    kv_heads: int, calls: tuple[int, ...]
 ) -> None:
     """H = 8: r = 2 is two offset classes of four heads; r = 4 and r = 8 are two and one diagonal
     calls of r heads each (Note [Diagonal head calls]), each head at its own offset, read as a
-    view; with GQA the diagonal cannot share key/value heads and r offset classes remain."""
-    n, heads = 64, 8
+    view. With GQA (two query heads per key/value head) a diagonal call stops where the
+    key/value head changes: r = 4 keeps its four offset classes (as many as calls of two heads),
+    r = 8 takes four diagonal calls of two heads instead of eight classes, the pair's shared
+    key/value head read one position further for the second head."""
+    n, heads, group = 64, 8, 8 // kv_heads
     x = torch.randn(1, n, heads, 4)
-    for rate, calls in ((2, 2), (4, 2 if diagonal else 4), (8, 1 if diagonal else 8)):
+    kv = torch.randn(1, n, kv_heads, 4)
+    for rate, count in zip((2, 4, 8), calls, strict=True):
         groups = plan_branches(n, heads, (16,), (rate,))
         plan = dilated_plan(groups, n, kv_heads, x.device, False, strided=True)
-        assert len(plan.calls) == calls, rate
-        if not diagonal or rate == 2:
+        assert len(plan.calls) == count, rate
+        if count == rate:  # one call per offset class
             assert not any(isinstance(c, DiagonalCall) for c in plan.calls)
             continue
-        for t, call in enumerate(plan.calls):
+        for call in plan.calls:
             assert isinstance(call, DiagonalCall)
-            rows = call.q_rows(x)  # (n_segments, 16 / r, r, D)
-            assert rows._base is x
-            for s in range(rate):  # head t*r + s reads positions s, s + r, ... of each segment
-                want = x[0].view(n // 16, 16 // rate, rate, heads, 4)[:, :, s, t * rate + s]
-                assert torch.equal(rows[:, :, s], want)
+            rows, kv_rows = call.q_rows(x), call.kv_rows(kv)  # (n_segments, 16 / r, k, D)
+            assert rows._base is x and kv_rows._base is kv
+            for j in range(call.num_heads):  # head h0 + j reads positions s0 + j + r * m
+                head = call.first_head + j
+                by_offset = x[0].view(n // 16, 16 // rate, rate, heads, 4)
+                assert torch.equal(rows[:, :, j], by_offset[:, :, head % rate, head])
+                kv_by_offset = kv[0].view(n // 16, 16 // rate, rate, kv_heads, 4)
+                want = kv_by_offset[:, :, head % rate, head // group]
+                assert torch.equal(kv_rows[:, :, j], want)
 
 
 def test_ragged_offset_classes_take_diagonal_runs() -> None:
@@ -177,6 +190,25 @@ def test_double_backward_through_ragged_and_diagonal_run_calls() -> None:
     assert all(isinstance(call, StridedCall) for call in plan.calls)
     assert torch.autograd.gradgradcheck(
         lambda a, b, c: dilated_attention(a, b, c, [8, 12], [3, 5], is_causal=True,
+                                          backend="math"),
+        (q, k, v),
+    )  # fmt: skip
+
+
+def test_double_backward_through_gqa_diagonal_calls() -> None:
+    """Two query heads per key/value head, r = 4 over 4 heads: two diagonal calls whose heads
+    share a key/value head (Note [Diagonal head calls]), with a shorter last segment (N = 22),
+    differentiated twice."""
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 22, 4, 2, generator=gen, dtype=F64).requires_grad_()
+    k, v = (torch.randn(1, 22, 2, 2, generator=gen, dtype=F64).requires_grad_() for _ in "kv")
+    plan = dilated_plan(plan_branches(22, 4, (4, 12), (1, 4)), 22, 2, q.device, True, True)
+    diagonal = [call for call in plan.calls if isinstance(call, DiagonalCall)]
+    assert [(c.first_head, c.num_heads, c.kv_heads.start) for c in diagonal] == [
+        (0, 2, 0), (2, 2, 1), (0, 2, 0), (2, 2, 1),
+    ]  # fmt: skip
+    assert torch.autograd.gradgradcheck(
+        lambda a, b, c: dilated_attention(a, b, c, [4, 12], [1, 4], is_causal=True,
                                           backend="math"),
         (q, k, v),
     )  # fmt: skip
