@@ -473,7 +473,9 @@ def _dilated_first(inputs: KernelInputs) -> list[str]:
     benchmarks/results/dilated_h100.json: at 256K and 1M tokens forward+backward 1.43-1.60x,
     forward 1.20-1.44x, at 64K within run-to-run noise; ragged branches, the paper's r = 6 and 12
     at 256K and 1M tokens (dilated_paper_h100) and LongNet's at 1,000,000 tokens, shorter last
-    segments (dilated_ragged_h100): forward+backward 1.30-1.62x, forward 1.13-1.37x); elsewhere
+    segments (dilated_ragged_h100): forward+backward 1.30-1.62x, forward 1.13-1.37x; GQA, 16
+    query heads over 4 key/value heads, LongNet's schedule at 256K and 1M (dilated_gqa_h100):
+    forward+backward 1.31-1.50x, forward 1.18-1.43x); elsewhere
     the device's list, where our fused kernels come first. Where FlashAttention-4 is not
     installed that is a reason, and the fused kernels run. Masked calls keep our kernels first:
     FlashAttention-4 masks through a mask_mod (kernels_masked_fa4_h100)."""
