@@ -382,7 +382,9 @@ def strided_calls(
     start, n, length = group.start, group.num_segments, group.segment_len
     group_size = heads // num_kv_heads
     runs = diagonal_runs(group, group_size)
-    if len(runs) < len(set(group.offsets)):
+    # Above the rate, a key/value head's query heads repeat offsets: its runs would write the
+    # same key rows (Note [Diagonal head calls]); its offset classes sum them in the kernel.
+    if group_size <= rate and len(runs) < len(set(group.offsets)):
         return tuple(
             DiagonalCall(start, n, length, rate, first, count, causal, group_size)
             for first, count in runs

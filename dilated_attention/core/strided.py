@@ -40,7 +40,11 @@ Note [Diagonal head calls]
     (the same view of k and v). With GQA a run stops where the key/value head changes: its heads
     share one key/value head, whose rows for head ``h0 + j`` sit ``j`` positions further, a
     view with the position stride as its head stride (LongNet's r = 16 over 16 heads sharing 4
-    key/value heads: 4 calls of 4 heads instead of 16 of one). Key masks become per head
+    key/value heads: 4 calls of 4 heads instead of 16 of one). Only where the group size ``g``
+    is at most ``r``: above it a key/value head's ``g`` query heads repeat offsets, so several
+    of its runs would read and write the same key rows, whose gradients must add up (a key
+    slot takes one write per row, Note [Key slots of GQA plans] in ``slots.py``); its offset
+    classes (the kernel's native GQA) sum them instead. Key masks become per head
     ((B * n, k, c)).
 
 Shape legend: B batch, N positions, H query heads, Hkv key/value heads, D head dim, n segments of

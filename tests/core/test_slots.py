@@ -62,6 +62,9 @@ GQA_SCHEDULES = [
     ("mqa", 48, 4, 1, (12, 48), (1, 4)),
     # Diagonal calls of the heads sharing a key/value head, above the group, shorter last segment.
     ("gqa_diagonal_above_group", 72, 8, 2, (8, 32), (1, 8)),
+    # A group of 8 above r = 4: two runs of one key/value head would write the same key rows;
+    # offset classes (the kernel's native GQA) instead.
+    ("mqa_group_above_rate", 32, 8, 1, (8, 16), (1, 4)),
 ]
 #: Every slotted case as (id, N, H, Hkv, segments, rates).
 SLOTTED = [(name, n, h, h, segs, rates) for name, n, h, segs, rates in SCHEDULES] + GQA_SCHEDULES
@@ -242,6 +245,24 @@ def test_each_key_slot_row_is_written_by_one_call(
                 read[position, head // group] = 1.0
         expected = read[None, :, :, None].expand(2, -1, -1, 3)
         torch.testing.assert_close(slots.out(index), expected, msg=lambda m, i=index: f"{i}: {m}")
+
+
+def test_key_slots_sum_in_float32_and_round_once() -> None:
+    """bfloat16 key slots holding 1, 2**-8 and (a spanning slot) 2**-9 sum to 1 + 2**-7: 0.75 of
+    1's spacing, rounded once, up; adding in bfloat16 as it goes would stay at 1 (1 + 2**-8 is a
+    tie that rounds to even)."""
+    slots = tuple(Slot(8, 1) for _ in range(3))
+    like = torch.empty(1, 8, 2, 4, dtype=torch.bfloat16)
+    own = KeySlots(slots, like, 2, held=[0, 1])
+    spanning = KeySlots(slots, like, 2, held=[2])
+    own.out(0).fill_(1.0)
+    own.out(1).fill_(2.0**-8)
+    spanning.out(2).fill_(2.0**-9)
+    grad = torch.empty(1, 8, 2, 4, dtype=torch.bfloat16)
+    own.sum_into(grad, spanning.views())
+    assert torch.all(grad == 1.0 + 2.0**-7), grad
+    one = torch.tensor(1.0, dtype=torch.bfloat16)
+    assert one + 2.0**-8 + 2.0**-9 == 1.0  # in bfloat16 as it goes
 
 
 @pytest.mark.parametrize("case", UNSLOTTED, ids=[c[0] for c in UNSLOTTED])
