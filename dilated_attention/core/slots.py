@@ -207,7 +207,6 @@ class SlotBuffers:
             views.append(SlotView(rows, lse, length, rate))
         return views
 
-
     def call_rows(self, call: SlotCall, batch: slice) -> torch.Tensor:
         """The rows ``call`` writes of its slot, for batch elements ``batch``: (B' * n, c, Hc,
         D), a view."""
@@ -263,14 +262,11 @@ class KeySlots:
         """Write the float32 sum of every held slot and the ``extra`` stacks (``views`` of the
         spanning slots) into ``grad`` (B, N', Hkv, D), one rounding."""
         dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
-        total = None
-        for stack in (*self.views(), *extra):
-            part = stack.sum(0, dtype=dtype)
-            total = part if total is None else total.add_(part)
-        if total is None:
-            grad.zero_()
-        else:
-            grad.copy_(total)
+        own, *others = (*self.views(), *extra)
+        total = own.sum(0, dtype=dtype)  # zeros where no slot is held
+        for stack in others:
+            total.add_(stack.sum(0, dtype=dtype))
+        grad.copy_(total)
 
 
 def key_rows_covered(rate: int, group_size: int) -> bool:
