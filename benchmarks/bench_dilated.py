@@ -86,10 +86,11 @@ def _ceiling(
         shapes.append((seq_len // w, -(-w // r)))
         if seq_len % w:
             shapes.append((1, -(-(seq_len % w) // r)))
+    kv_heads = _kv_heads(args)
     for segments, rows in shapes:
         q, k, v = (
             torch.randn(segments, rows, h, dim, device="cuda", dtype=torch.bfloat16)
-            for h in (heads, _kv_heads(args), _kv_heads(args))
+            for h in (heads, kv_heads, kv_heads)
         )
         q, k, v = (x.requires_grad_() for x in (q, k, v))
         dout = torch.randn_like(q)

@@ -405,10 +405,10 @@ def diagonal_runs(group: RowGroup, group_size: int = 1) -> tuple[tuple[int, int]
     runs: list[list[int]] = []
     for head in sorted(group.heads):
         last = runs[-1][0] + runs[-1][1] - 1 if runs else None
-        shares_kv = last is not None and head // group_size == last // group_size
-        shares_kv = shares_kv or group_size == 1
-        consecutive = last is not None and head == last + 1
-        if consecutive and shares_kv and head % group.rate == last % group.rate + 1:
+        # head - 1 is at the previous offset unless the offsets wrap, and shares head's
+        # key/value head unless head starts a group.
+        follows = last == head - 1 and head % group.rate != 0
+        if follows and (group_size == 1 or head % group_size != 0):
             runs[-1][1] += 1
         else:
             runs.append([head, 1])

@@ -234,12 +234,11 @@ class KeySlots:
         group_size: int,
         held: Sequence[int] | None = None,
     ) -> None:
-        self.slots = tuple(slots)
         self.held = tuple(range(len(slots))) if held is None else tuple(held)
         self._index = {slot: i for i, slot in enumerate(self.held)}
         self.flat = torch.empty((len(self.held), *like.shape), dtype=like.dtype, device=like.device)
         for i, slot in enumerate(self.held):
-            if not key_rows_covered(self.slots[slot].rate, group_size):
+            if not key_rows_covered(slots[slot].rate, group_size):
                 self.flat[i].zero_()
 
     def out(self, index: int) -> torch.Tensor:
