@@ -121,7 +121,7 @@ def _plan(
     where that bounds its scratch (Note [Position-grouped plans])."""
     groups = plan_branches(q.shape[1], q.shape[2], segs, rates)
     plan = branch_plan(groups, q.shape[1], k.shape[2], q.device, causal, strided, writes_into)
-    return grouped_plan(plan, q, segs, needs_grad)
+    return grouped_plan(plan, q, segs, needs_grad, k.shape[2])
 
 
 def attention(

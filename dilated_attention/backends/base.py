@@ -14,6 +14,7 @@ top-left aligned (query ``i`` sees keys ``j <= i``).
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -79,6 +80,13 @@ class KernelInputs:
             block_size=block_size,
             branch_slots=branch_slots,
         )
+
+
+def _finite_lse(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` (B, H, Nq) with every infinity 0 (the finite stand-in of :meth:`Backend.backward`
+    for rows that saw no key; NaN stays NaN), in one launch: this runs for every call of a
+    plan's backward, whose host time per call counts (Note [Position-grouped plans])."""
+    return torch.nan_to_num(lse, nan=math.nan, posinf=0.0, neginf=0.0)
 
 
 def _expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -294,7 +302,7 @@ class Backend:
             )
         if not self.native_gqa:
             k, v = _expand_kv(k, q.shape[2]), _expand_kv(v, q.shape[2])
-        lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        lse = _finite_lse(lse)
         dq, dk, dv = self._backward(
             dout, q, k, v, out, lse, aux,
             scale=scale, is_causal=is_causal, key_mask=key_mask, dropout_p=dropout_p,

@@ -522,13 +522,17 @@ def grad_slots(
     k: torch.Tensor,
     v: torch.Tensor,
     held: Sequence[int] | None,
+    grads: Sequence[torch.Tensor | None] = (None, None, None),
 ) -> list[SlotBuffers | KeySlots]:
     """The gradient slots of a slotted plan's backward over the positions of q, k, v (B, N',
     H or Hkv, D): query slots for dq, and for dk and dv the query slots' layout without GQA,
-    else key slots by position (Note [Key slots of GQA plans] in ``slots.py``)."""
-    dq = SlotBuffers(slots, q, q.shape[1], with_lse=False, held=held)
+    else key slots by position (Note [Key slots of GQA plans] in ``slots.py``); a rate-1 query
+    slot is the gradient of ``grads`` it sums into, where given (Note [A rate-1 slot is its
+    destination])."""
+    dq = SlotBuffers(slots, q, q.shape[1], with_lse=False, held=held, dest=grads[0])
     if k.shape[2] == q.shape[2]:
-        return [dq, *(SlotBuffers(slots, x, x.shape[1], with_lse=False, held=held) for x in (k, v))]
+        return [dq, *(SlotBuffers(slots, x, x.shape[1], with_lse=False, held=held, dest=grad)
+                      for x, grad in zip((k, v), grads[1:], strict=True))]  # fmt: skip
     group_size = q.shape[2] // k.shape[2]
     return [dq, *(KeySlots(slots, x, group_size, held=held) for x in (k, v))]
 
@@ -559,7 +563,7 @@ def slot_forward(
     ``slots.py``); with ``spanning`` (a position group's part of the slots that span groups),
     only the other slots are the calls' own, and those views join the merge."""
     held = None if spanning is None else _own_slots(slots)
-    buffers = SlotBuffers(slots, q, q.shape[1], with_lse=True, held=held)
+    buffers = SlotBuffers(slots, q, q.shape[1], with_lse=True, held=held, dest=out)
     fill_slots(q, k, v, key_padding_mask, calls, buffers, backend, scale=scale, auxes=auxes,
                dropout_p=dropout_p)  # fmt: skip
     merge_slots([*buffers.views(), *(spanning or ())], out, lse)
@@ -587,7 +591,7 @@ def slot_backward(
     gradient buffers (:func:`grad_slots`), each summed (with the ``spanning`` views of that
     gradient's slots) once into ``grads`` (dq, dk, dv, (B, N, H or Hkv, D))."""
     held = None if spanning is None else _own_slots(slots)
-    buffers = grad_slots(slots, q, k, v, held)
+    buffers = grad_slots(slots, q, k, v, held, grads)
     fill_grad_slots(dout, q, k, v, out, lse_rows, key_padding_mask, calls, buffers, backend,
                     auxes, scale=scale, dropout_p=dropout_p)  # fmt: skip
     for own, extra, grad in zip(buffers, spanning or ((), (), ()), grads, strict=True):

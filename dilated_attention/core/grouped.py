@@ -29,9 +29,13 @@ Note [Position-grouped plans]
     slots of the group's size in place of the float32 scratch, but it need not wait for a group
     that no segment crosses: a schedule whose longest segment covers the sequence (LongNet's, at
     any length) has none. Its groups are as long as the shortest segments that reach the target
-    length (:func:`slot_group_length`; the last group may be shorter), longer where a group's
-    calls times the groups would exceed :data:`MAX_GROUPED_CALLS` (FlashAttention-4's host time
-    per call); a branch with longer segments (each a multiple of the
+    length (:func:`slot_group_length`; the last group may be shorter). A backward's target is
+    set by its gradient slots' memory (:func:`backward_slot_groups`): as many groups as make
+    them take what the fused engine's float32 scratch takes in its 16, so LongNet's schedule,
+    whose rate-1 slots are the gradients themselves (Note [A rate-1 slot is its destination] in
+    ``slots.py``), runs 8 groups of 10 calls where 16 were needed before. Groups are longer
+    still where a group's calls times the groups would exceed :data:`MAX_GROUPED_CALLS`
+    (FlashAttention-4's host time per call); a branch with longer segments (each a multiple of the
     group, its rate dividing it) *spans* groups: its calls run once over the whole sequence,
     into a slot of the whole sequence, before the groups, and each group's merge (or sum) reads
     that slot's rows of its positions beside its own. Those branches have the largest rates, so
@@ -44,6 +48,7 @@ Shape legend: B batch, N seq_len, H query heads, D head dim.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import replace
 
 import torch
@@ -66,7 +71,11 @@ def _cut(calls: tuple[Call, ...], groups: tuple[tuple[int, int], ...]) -> tuple[
 
 
 def grouped_plan(
-    plan: Plan, like: torch.Tensor, segment_lengths: tuple[int, ...], needs_grad: bool
+    plan: Plan,
+    like: torch.Tensor,
+    segment_lengths: tuple[int, ...],
+    needs_grad: bool,
+    kv_heads: int | None = None,
 ) -> Plan:
     """``plan`` with its calls cut into position groups where that bounds the float32 scratch
     (Note [Position-grouped plans]), else ``plan`` itself.
@@ -77,6 +86,7 @@ def grouped_plan(
         segment_lengths: the branches' (effective) segment lengths.
         needs_grad: the call will be differentiated: the backward runs small groups and the
             forward the whole plan; else the forward runs the fewest groups whose scratch fits.
+        kv_heads: Hkv, the key/value heads (default H): a slotted plan's key gradient slots.
     """
     if like.device.type not in GROUPED_DEVICES or plan.whole or plan.one_call:
         return plan
@@ -90,7 +100,8 @@ def grouped_plan(
     # fused engine's groups (at most 1/GROUPS_PER_SEQUENCE of the sequence) for the backward.
     longest = None if needs_grad else max(1, allowance // heads)
     if plan.slots:
-        return _slot_groups(plan, seq_len, batch, longest, needs_grad)
+        group_size = heads // (kv_heads or heads)
+        return _slot_groups(plan, seq_len, batch, longest, needs_grad, group_size)
     groups = tuple(fused.position_groups(seq_len, segment_lengths, longest))
     if len(groups) == 1 and batch == 1:
         return plan
@@ -128,14 +139,32 @@ def slot_group_length(slots: tuple[Slot, ...], seq_len: int, target: int) -> int
 MAX_GROUPED_CALLS = 160
 
 
+def backward_slot_groups(slots: tuple[Slot, ...], group_size: int) -> int:
+    """How many position groups a slotted plan's backward needs for its gradient slots to take
+    at most what the fused engine's float32 dq, dk and dv take in ``GROUPS_PER_SEQUENCE`` groups
+    (6 / GROUPS_PER_SEQUENCE units of q, a unit being q's size in its own dtype): the next power
+    of two (Note [Position-grouped plans]). A slot of rate ``r`` takes ``1 / r`` units of its
+    gradient, a rate-1 query slot none (Note [A rate-1 slot is its destination] in
+    ``slots.py``), a GQA key slot ``1 / group_size``."""
+    query = sum(1 / s.rate for s in slots) - (1 if any(s.rate == 1 for s in slots) else 0)
+    key = query if group_size == 1 else len(slots) / group_size
+    ratio = (query + 2 * key) * fused.GROUPS_PER_SEQUENCE / 6
+    return 1 << max(0, math.ceil(math.log2(ratio))) if ratio > 1 else 1
+
+
 def _slot_groups(
-    plan: Plan, seq_len: int, batch: int, longest: int | None, needs_grad: bool
-) -> Plan:
-    """``plan`` (slotted) cut into groups of :func:`slot_group_length`, fewer (longer) where a
-    group's calls times the groups would exceed :data:`MAX_GROUPED_CALLS`; the calls of slots
-    whose segments are longer than a group run whole (``Plan.spanning``)."""
+    plan: Plan, seq_len: int, batch: int, longest: int | None, needs_grad: bool,
+    group_size: int,
+) -> Plan:  # fmt: skip
+    """``plan`` (slotted) cut into groups of :func:`slot_group_length` (for a backward, as many as
+    :func:`backward_slot_groups`), fewer (longer) where a group's calls times the groups would
+    exceed :data:`MAX_GROUPED_CALLS`; the calls of slots whose segments are longer than a group
+    run whole (``Plan.spanning``)."""
     floor = fused.MIN_GROUP_POSITIONS if longest is None else longest
-    target = max(floor, -(-seq_len // fused.GROUPS_PER_SEQUENCE))
+    groups = fused.GROUPS_PER_SEQUENCE
+    if longest is None:
+        groups = backward_slot_groups(plan.slots, group_size)
+    target = max(floor, -(-seq_len // groups))
     size = slot_group_length(plan.slots, seq_len, target)
     while size is not None:  # longer groups while there are too many calls (and they exist)
         calls = sum(c.within(0, size) is not None for c in _grouped_calls(plan, size))  # type: ignore[attr-defined]

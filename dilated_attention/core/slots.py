@@ -27,7 +27,8 @@ Note [Branch slots merged once]
 
     Each slot is a 16-bit result the kernel rounded once, so the sum is what the float32
     accumulators computed, in another order. The slots take ``sum 1 / r_i`` units of q per
-    buffer (1.94 for LongNet's r = 1..16): forward that stays below the backward's tensors; the
+    buffer, less the rate-1 branch's unit (Note [A rate-1 slot is its destination]: 0.94 for
+    LongNet's r = 1..16): forward that stays below the backward's tensors; the
     backward runs in position groups where it would not (Note [Position-grouped plans] in
     ``grouped.py``), with slots of the group's size, and slots of the whole sequence for the
     branches whose segments are longer than a group (``Slot.spanning``): the merge and the sums
@@ -60,6 +61,22 @@ Note [Key slots of GQA plans]
     heads take ``g`` of the ``r`` offsets and the rest of its rows stay zero, so those slots are
     zeroed first. Key slots take ``n_branches / g`` units of q per buffer (1.25 for LongNet's five
     branches at ``g = 4``) and are cut into position groups with the query slots.
+
+Note [A rate-1 slot is its destination]
+    A branch of rate 1 whose segments end with the positions (``L`` divides N, or the last
+    segment is the rest) covers every position and head, and its slot's layout, row
+    ``seg * L + m`` of head ``h`` for position ``seg * L + m``, is the position layout of the
+    output. So its slot *is* the output (or, backward, the gradient it sums into,
+    :class:`SlotBuffers` ``dest``): its calls write there, and the merge (or the sum) reads
+    each cell of it and of the other slots before writing that cell, in one program (the torch
+    passes read every view into float32 accumulators first). The arithmetic does not change:
+    the slot row was the kernel's 16-bit result before and still is. It takes the rate-1
+    branch's unit of q out of every buffer (LongNet's r = 1..16: 0.94 units instead of 1.94),
+    which the grouped backward spends on fewer, longer position groups (Note
+    [Position-grouped plans] in ``grouped.py``): half the FlashAttention-4 calls for the same
+    memory. Only the first such branch, only where ``dest`` has the input's dtype and a slot's
+    row layout (a float32 output that ring dilated attention merges further does not), and
+    not for GQA key slots (by position already, one per branch).
 
 Shape legend: B batch, N positions of the plan (or of a position group), H heads, D head dim,
 L segment length, r rate, S segments, C slot rows per segment, n segments and c rows of a call.
@@ -135,11 +152,14 @@ class SlotView:
 class SlotBuffers:
     """The slots ``held`` (indices into ``slots``) of a plan in one flat buffer (and one flat lse
     buffer), for the batch elements, ``seq_len`` positions and H heads of ``dim`` channels of
-    ``like`` (B, N', H, D).
+    ``like`` (B, N', H, D); with ``dest``, the slot of the first rate-1 branch that covers every
+    position is ``dest`` itself (Note [A rate-1 slot is its destination]).
 
     Attributes:
-        flat: the slots' rows, slot ``i`` as (B, S * C, H, D) (:meth:`out`).
-        lse_flat: their lse (``None`` for gradient buffers), slot ``i`` as (B, S, H, C).
+        flat: the other slots' rows, slot ``i`` as (B, S * C, H, D) (:meth:`out`).
+        lse_flat: every held slot's lse (``None`` for gradient buffers), slot ``i`` as
+            (B, S, H, C).
+        in_dest: the index of the slot that is ``dest``, or None.
     """
 
     def __init__(
@@ -150,14 +170,20 @@ class SlotBuffers:
         *,
         with_lse: bool,
         held: Sequence[int] | None = None,
+        dest: torch.Tensor | None = None,
     ) -> None:
         batch, _, heads, dim = like.shape
         self.slots = tuple(slots)
         self.held = tuple(range(len(slots))) if held is None else tuple(held)
         self.seq_len, self.batch, self.heads, self.dim = seq_len, batch, heads, dim
+        self.in_dest = None if dest is None else dest_slot(self.slots, self.held, seq_len, like,
+                                                           dest)  # fmt: skip
+        self._dest = dest
         sizes = [batch * self.slots[i].rows(seq_len) * heads for i in self.held]
         self._starts = dict(zip(self.held, _starts(sizes), strict=True))
-        self.flat = torch.empty(sum(sizes) * dim, dtype=like.dtype, device=like.device)
+        own = [size if i != self.in_dest else 0 for i, size in zip(self.held, sizes, strict=True)]
+        self._row_starts = dict(zip(self.held, _starts(own), strict=True))
+        self.flat = torch.empty(sum(own) * dim, dtype=like.dtype, device=like.device)
         lse_dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
         self.lse_flat = (
             torch.empty(sum(sizes), dtype=lse_dtype, device=like.device) if with_lse else None
@@ -165,8 +191,10 @@ class SlotBuffers:
 
     def out(self, index: int) -> torch.Tensor:
         """Slot ``index``'s rows, (B, S * C, H, D)."""
+        if index == self.in_dest and self._dest is not None:
+            return self._dest
         rows = self.slots[index].rows(self.seq_len)
-        size, start = self.batch * rows * self.heads, self._starts[index]
+        size, start = self.batch * rows * self.heads, self._row_starts[index]
         flat = self.flat[start * self.dim : (start + size) * self.dim]
         return flat.view(self.batch, rows, self.heads, self.dim)
 
@@ -266,6 +294,31 @@ class KeySlots:
         for stack in others:
             total.add_(stack.sum(0, dtype=dtype))
         grad.copy_(total)
+
+
+def dest_slot(
+    slots: Sequence[Slot],
+    held: Sequence[int],
+    seq_len: int,
+    like: torch.Tensor,
+    dest: torch.Tensor,
+) -> int | None:
+    """The held slot whose rows may be ``dest`` (B, N', H, D) itself (Note [A rate-1 slot is its
+    destination]): the first of rate 1 whose slot rows are the positions (its segments end with
+    the ``seq_len`` positions), where ``dest`` has ``like``'s shape and dtype and a slot's row
+    layout (heads and channels contiguous in each position); else None."""
+    batch, _, heads, dim = like.shape
+    layout = (
+        dest.shape == (batch, seq_len, heads, dim) and dest.dtype == like.dtype
+        and dest.device == like.device and dest.stride()[1:] == (heads * dim, dim, 1)
+    )  # fmt: skip
+    if not layout:
+        return None
+    for index in held:
+        slot = slots[index]
+        if slot.rate == 1 and not slot.spanning and slot.rows(seq_len) == seq_len:
+            return index
+    return None
 
 
 def key_rows_covered(rate: int, group_size: int) -> bool:

@@ -29,6 +29,7 @@ from dilated_attention.core.slots import (
     KeySlots,
     Slot,
     SlotBuffers,
+    dest_slot,
     merge_slots_torch,
     sum_slots_torch,
 )
@@ -352,6 +353,90 @@ def test_slot_kernels_match_the_torch_passes(
         SlotKernels.sum(views, grad)
         sum_slots_torch(views, ref_grad)
         torch.testing.assert_close(grad, ref_grad, equal_nan=True, **tol)
+
+
+def _in_place_matches_separate(merge, add, device: str, dtype: torch.dtype) -> None:
+    """``merge`` and ``add`` (a one-pass merge and sum) over slots whose rate-1 slot is the
+    output (or gradient) itself give what the torch passes give over separate slots."""
+    _, n, slots, _ = SLOT_CASES[0]
+    heads, dim = 4, 32
+    separate = _random_slots(device, dtype, n, heads, dim, slots)
+    like = torch.empty(2, n, heads, dim, dtype=dtype, device=device)
+    ref, ref_lse = torch.empty_like(like), torch.empty(2, heads, n, device=device)
+    merge_slots_torch(separate.views(), ref, ref_lse)
+    ref_grad = torch.empty_like(like)
+    sum_slots_torch(separate.views(), ref_grad)
+    # float32: summation order; 16-bit: the rounding of an order-dependent float32 sum
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {}
+    for with_lse in (True, False):
+        dest = separate.out(0).clone()
+        aliased = SlotBuffers(slots, like, n, with_lse=with_lse, dest=dest)
+        assert aliased.in_dest == 0 and aliased.out(0) is dest
+        assert aliased.flat.numel() == separate.flat.numel() - dest.numel()
+        for index in range(1, len(slots)):
+            aliased.out(index).copy_(separate.out(index))
+        if with_lse:
+            aliased.lse_flat.copy_(separate.lse_flat)  # type: ignore[union-attr]
+            lse = torch.full((2, heads, n), float("nan"), device=device)
+            merge(aliased.views(), dest, lse)
+            torch.testing.assert_close(dest, ref, equal_nan=True, **tol)
+            torch.testing.assert_close(lse, ref_lse, equal_nan=True, atol=1e-5, rtol=1e-5)
+        else:
+            add(aliased.views(), dest)
+            torch.testing.assert_close(dest, ref_grad, equal_nan=True, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_torch_passes_merge_and_sum_in_place_over_the_rate_one_slot(dtype: torch.dtype) -> None:
+    """Note [A rate-1 slot is its destination]: the torch passes read every slot, the one that
+    is the output included, before writing the output."""
+    _in_place_matches_separate(merge_slots_torch, sum_slots_torch, "cpu", dtype)
+
+
+@pytest.mark.parametrize("device,dtypes", KERNEL_DEVICES)
+def test_slot_kernels_merge_and_sum_in_place_over_the_rate_one_slot(
+    device: str, dtypes: list[torch.dtype]
+) -> None:
+    """Note [A rate-1 slot is its destination]: each program of the Triton merge and sum reads
+    its cells of every slot, the output's own included, before writing them."""
+    skip_without_triton(device)
+    from dilated_attention.backends._triton_merge import SlotKernels
+
+    for dtype in dtypes:
+        _in_place_matches_separate(SlotKernels.merge, SlotKernels.sum, device, dtype)
+
+
+def test_rate_one_slot_is_the_destination_only_where_it_has_the_layout() -> None:
+    """The first rate-1 slot whose rows are the positions is ``dest``; not a spanning slot, not
+    where the last segment leaves unused rows, not a ``dest`` of another dtype or layout."""
+    like = torch.empty(2, 32, 4, 8)
+    slots = (Slot(8, 2), Slot(8, 1), Slot(16, 1))
+    assert dest_slot(slots, range(3), 32, like, torch.empty_like(like)) == 1
+    assert dest_slot(slots, [0, 2], 32, like, torch.empty_like(like)) == 2
+    assert dest_slot(slots, [0], 32, like, torch.empty_like(like)) is None
+    assert dest_slot((Slot(8, 1, spanning=True),), [0], 32, like, torch.empty_like(like)) is None
+    assert dest_slot((Slot(12, 1),), [0], 32, like, torch.empty_like(like)) is None  # 3 x 12 > 32
+    assert dest_slot((Slot(12, 1),), [0], 36, torch.empty(2, 36, 4, 8),
+                     torch.empty(2, 36, 4, 8)) == 0  # fmt: skip
+    assert dest_slot(slots, range(3), 32, like, torch.empty_like(like, dtype=F64)) is None
+    wide = torch.empty(2, 32, 4, 16)[..., :8]  # heads not contiguous rows of 8
+    assert dest_slot(slots, range(3), 32, like, wide) is None
+    batch_strided = torch.empty(3, 32, 4, 8)[::2]  # any batch stride is a slot's
+    assert dest_slot(slots, range(3), 32, like, batch_strided) == 1
+
+
+def test_backward_groups_follow_the_gradient_slots_memory() -> None:
+    """Note [Position-grouped plans]: as many groups (a power of two) as bring the gradient
+    slots to the fused engine's 6 / 16 units of q; LongNet's rate-1 slots are the gradients
+    (8 groups), with GQA its key slots are one per branch (16), without a rate-1 branch the
+    slots take 1.94 units a gradient (16)."""
+    longnet = tuple(Slot(2048 << i, 1 << i) for i in range(5))
+    assert grouped.backward_slot_groups(longnet, 1) == 8
+    assert grouped.backward_slot_groups(longnet, 4) == 16
+    assert grouped.backward_slot_groups(tuple(Slot(s.segment_len, 2 * s.rate) for s in longnet),
+                                        1) == 8  # fmt: skip
+    assert grouped.backward_slot_groups((Slot(2048, 1), Slot(4096, 2)), 1) == 4
+    assert grouped.backward_slot_groups((Slot(2048, 1),), 1) == 1
 
 
 #: (id, N, H, segments, rates) of the GPU test: LongNet-like; ragged (r = 3 does not divide
