@@ -71,9 +71,10 @@ def _randn(shape: tuple[int, ...], seed: int, device: torch.device) -> torch.Ten
     return torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
 
 
-def check(device: torch.device, world: int) -> None:
+def check(device: torch.device, world: int, dilated_backends: list[str | None]) -> None:
     """Ring results equal single-GPU results (bf16 tolerances) on a small sequence, without and
-    with a key padding mask (random keys, and the sequence's last eighth as padding)."""
+    with a key padding mask (random keys, and the sequence's last eighth as padding); ring
+    dilated attention on each of ``dilated_backends`` (None: the automatic choice)."""
     seq_len, heads, dim = 2048 * world, 8, 64
     q, k, v, dout = (_randn((1, seq_len, heads, dim), s, device) for s in range(4))
     gen = torch.Generator(device=device).manual_seed(7)
@@ -96,15 +97,17 @@ def check(device: torch.device, world: int) -> None:
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         ref = dilated_attention(*leaves, segs, rates, is_causal=causal, key_padding_mask=mask)
         grads = torch.autograd.grad(ref, leaves, dout)
-        local = [shard_sequence(t).requires_grad_() for t in (q, k, v)]
         local_mask = None if mask is None else shard_sequence(mask)
-        out = ring_dilated_attention(
-            *local, segs, rates, is_causal=causal, key_padding_mask=local_mask
-        )
-        lgrads = torch.autograd.grad(out, local, shard_sequence(dout))
-        torch.testing.assert_close(out, shard_sequence(ref), atol=2e-2, rtol=2e-2)
-        for a, b in zip(lgrads, grads, strict=True):
-            torch.testing.assert_close(a, shard_sequence(b), atol=5e-2, rtol=5e-2)
+        for backend in dilated_backends:
+            local = [shard_sequence(t).requires_grad_() for t in (q, k, v)]
+            out = ring_dilated_attention(
+                *local, segs, rates, is_causal=causal, key_padding_mask=local_mask,
+                backend=backend,
+            )  # fmt: skip
+            lgrads = torch.autograd.grad(out, local, shard_sequence(dout))
+            torch.testing.assert_close(out, shard_sequence(ref), atol=2e-2, rtol=2e-2)
+            for a, b in zip(lgrads, grads, strict=True):
+                torch.testing.assert_close(a, shard_sequence(b), atol=5e-2, rtol=5e-2)
 
 
 def _measure(
@@ -198,16 +201,24 @@ def bench_dilated(args: argparse.Namespace, device: torch.device, world: int) ->
             q, k, v = (_randn((1, seq_len, args.heads, args.head_dim), s, device) for s in range(3))
             local = [shard_sequence(t).clone().requires_grad_() for t in (q, k, v)]
             del q, k, v  # each rank keeps its shard only
-            forward = functools.partial(
-                ring_dilated_attention, *local, segs, rates, is_causal=causal
-            )
-            row = {"kind": "dilated", "impl": "ours (ring dilated)", "world": world,
-                   "seq_len": seq_len, "causal": causal, "heads": args.heads,
-                   "head_dim": args.head_dim}  # fmt: skip
-            rows.append(_measure(row, forward, local, flops, world, args))
+            for backend in _dilated_backends(args):
+                forward = functools.partial(
+                    ring_dilated_attention, *local, segs, rates, is_causal=causal,
+                    backend=backend,
+                )  # fmt: skip
+                impl = "ours (ring dilated)" if backend is None else f"ours ({backend})"
+                row = {"kind": "dilated", "impl": impl, "world": world, "seq_len": seq_len,
+                       "causal": causal, "heads": args.heads, "head_dim": args.head_dim,
+                       "kernel": backend or "auto"}  # fmt: skip
+                rows.append(_measure(row, forward, local, flops, world, args))
             del local
             torch.cuda.empty_cache()
     return rows
+
+
+def _dilated_backends(args: argparse.Namespace) -> list[str | None]:
+    """``--dilated-backends`` with ``auto`` as None (the automatic choice)."""
+    return [None if name == "auto" else name for name in args.dilated_backends]
 
 
 def scaling_table(records: list[Path]) -> str:
@@ -224,6 +235,8 @@ def main() -> None:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[131072, 262144])
     parser.add_argument("--dilated-tokens", type=int, nargs="+", default=[262144],
                         help="tokens per GPU for the dilated weak-scaling runs")  # fmt: skip
+    parser.add_argument("--dilated-backends", nargs="+", default=["auto"],
+                        help="ring dilated attention's backends (auto: automatic)")  # fmt: skip
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=2)
@@ -248,7 +261,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     device = torch.device("cuda")
-    check(device, world)
+    check(device, world, _dilated_backends(args))
     if rank == 0:
         print(f"world {world}: ring results match single-GPU results", flush=True)
     if args.check_only:
