@@ -422,6 +422,7 @@ def prepare_ring(
     check_schedule: Callable[[], object] | None = None,
     operation: str = DENSE,
     key_padding_mask: object = None,
+    branch_slots: Callable[[object, torch.Tensor, torch.Tensor, int, int], bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RingSetup, Selection]:
     """Validate a ring call on every rank and return contiguous q, k, v, the setup and the kernel.
 
@@ -436,7 +437,9 @@ def prepare_ring(
     enabled and an input requires grad) is part of the summary because the backward communicates:
     a backward on some ranks only would wait for the others until the timeout. The kernel
     comes from ``operation``'s registry (``registry_for``): ``"dilated"`` for ring dilated
-    attention, whose local branches a plan kernel may run.
+    attention, whose local branches a plan kernel may run; ``branch_slots(schedule, q, k,
+    world_size, chunk_len)`` says whether they write into branch slots (the registry's
+    ``KernelInputs.branch_slots``).
     """
     rank, size = group_rank_and_size(group)
     error: Exception | None = None
@@ -464,7 +467,10 @@ def prepare_ring(
                 f"the local seq_len ({n}) must be even for layout='zigzag' (two chunks per rank); "
                 "shard a sequence divisible by 2 x world size with shard_sequence"
             )
-        inputs = KernelInputs.from_tensors(q, k, is_causal=is_causal, has_mask=has_mask)
+        slots = branch_slots is not None and branch_slots(schedule, q, k, size, n // parts)
+        inputs = KernelInputs.from_tensors(
+            q, k, is_causal=is_causal, has_mask=has_mask, branch_slots=slots
+        )
         kernel = registry_for(operation).select(inputs, backend)
         dtype_code = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else len(_DTYPES)
         device_type = q.device.type

@@ -58,7 +58,13 @@ from ..core.engine import (
 from ..core.fused import fused_backward, fused_forward
 from ..core.higher_order import RowCall, ring_message
 from ..core.merge import merge_partial
-from ..core.segment import RowGroup, branch_plan, effective_branches, plan_branches
+from ..core.segment import (
+    RowGroup,
+    branch_plan,
+    effective_branches,
+    not_slotted_reason,
+    plan_branches,
+)
 from ._comm import exchange, wait_all
 from .ring import RingSetup, prepare_ring
 from .sharding import local_positions
@@ -432,14 +438,15 @@ def _plan(
     device: torch.device,
 ) -> DilatedRingPlan:
     seq_len = n * setup.world_size
-    local_segs, local_rates, spans = [], [], []
-    for seg, rate in zip(segment_lengths, dilation_rates, strict=True):
-        if setup.chunk_len % min(seg, seq_len) == 0:
-            local_segs.append(seg)
-            local_rates.append(rate)
-        else:
-            spans.append(plan_span(setup, n, heads, kv_heads, seg, rate, device))
-    local = plan_branches(n, heads, tuple(local_segs), tuple(local_rates)) if local_segs else ()
+    local_segs, local_rates = _local_branches(
+        segment_lengths, dilation_rates, seq_len, setup.chunk_len
+    )
+    spans = [
+        plan_span(setup, n, heads, kv_heads, seg, rate, device)
+        for seg, rate in zip(segment_lengths, dilation_rates, strict=True)
+        if setup.chunk_len % min(seg, seq_len)
+    ]
+    local = plan_branches(n, heads, local_segs, local_rates) if local_segs else ()
     branches = tuple(zip(local_segs, local_rates, strict=True))
     if not spans:
         return DilatedRingPlan(branches, local, ())
@@ -455,6 +462,31 @@ def _plan(
     return DilatedRingPlan(
         branches, local, tuple(spans), q_cells, kv_cells, call_cells, tuple(send_cells)
     )
+
+
+def _local_branches(
+    segment_lengths: tuple[int, ...], dilation_rates: tuple[int, ...], seq_len: int,
+    chunk_len: int,
+) -> tuple[tuple[int, ...], tuple[int, ...]]:  # fmt: skip
+    """The (effective) branches whose segments fit in a rank's chunks of ``chunk_len`` over a
+    sequence of ``seq_len`` positions: the local ones (Note [Local and spanning branches])."""
+    local = [(seg, rate) for seg, rate in zip(segment_lengths, dilation_rates, strict=True)
+             if chunk_len % min(seg, seq_len) == 0]  # fmt: skip
+    return tuple(s for s, _ in local), tuple(r for _, r in local)
+
+
+def _local_branches_in_slots(
+    schedule: object, q: torch.Tensor, k: torch.Tensor, world_size: int, chunk_len: int
+) -> bool:
+    """Whether this rank's local branches of ``schedule`` (checked ``(segments, rates)``) write
+    into branch slots on a kernel that writes into given buffers (``not_slotted_reason``), as
+    the dilated registry's choice of FlashAttention-4 asks (``KernelInputs.branch_slots``)."""
+    n, heads = q.shape[1], q.shape[2]
+    segs, rates = effective_branches(world_size * n, heads, *schedule)  # type: ignore[misc]
+    segs, rates = _local_branches(segs, rates, world_size * n, chunk_len)
+    if not segs:
+        return False
+    return not_slotted_reason(plan_branches(n, heads, segs, rates), n, k.shape[2]) is None
 
 
 def _split(items: list, sizes: list[int]) -> list[list]:
@@ -621,7 +653,7 @@ def ring_dilated_attention(
         query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
         backend=backend, comm="allgather", operation=DILATED,
         check_schedule=lambda: V.check_branches(segment_lengths, dilation_rates),
-        key_padding_mask=key_padding_mask,
+        key_padding_mask=key_padding_mask, branch_slots=_local_branches_in_slots,
     )  # fmt: skip
     segs, rates = V.check_branches(segment_lengths, dilation_rates)
     global_len = setup.world_size * q.shape[1]

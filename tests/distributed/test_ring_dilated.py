@@ -351,3 +351,50 @@ def test_schedule_mismatch_raises_on_every_rank(tmp_path: Path) -> None:
 def test_ring_module_refuses_dropout() -> None:
     with pytest.raises(ValueError, match="dropout"):
         RingMultiheadDilatedAttention(16, 2, [8], [1], dropout=0.1)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "heads", "kv_heads", "world_size", "slotted"),
+    [
+        (((16, 64), (1, 2)), 4, 4, 2, True),  # w = 16 local, w = 64 spans both ranks
+        (((64,), (2,)), 4, 4, 2, False),  # no local branch
+        (((12,), (3,)), 6, 3, 1, False),  # GQA, r = 3 over groups of 2: not a strided slice
+        (((12,), (3,)), 6, 6, 1, True),
+    ],
+)
+def test_local_branches_in_slots(schedule, heads: int, kv_heads: int, world_size: int,
+                                 slotted: bool) -> None:  # fmt: skip
+    """What ring dilated attention tells the dilated registry (``KernelInputs.branch_slots``,
+    the condition of its FlashAttention-4 rule): whether this rank's local branches write into
+    branch slots, from the branches a rank's chunk holds."""
+    n = 32 if world_size == 2 else 24
+    q, k = torch.empty(1, n, heads, 8), torch.empty(1, n, kv_heads, 8)
+    got = ring_dilated_mod._local_branches_in_slots(schedule, q, k, world_size, n)
+    assert got is slotted
+
+
+def test_registry_hears_whether_local_branches_run_in_slots(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One rank (no process group): the registry's inputs say the local branches run in slots,
+    and the call matches the float64 oracle."""
+    import dilated_attention.distributed.ring as ring_mod
+
+    seen: list[bool] = []
+    real = ring_mod.registry_for
+
+    class Spy:
+        def __init__(self, operation: str) -> None:
+            self.registry = real(operation)
+
+        def select(self, inputs: KernelInputs, backend: str | None = None) -> object:
+            seen.append(inputs.branch_slots)
+            return self.registry.select(inputs, backend)
+
+    monkeypatch.setattr(ring_mod, "registry_for", Spy)
+    q, k, v, _ = _tensors(H)
+    segs, rates = (4, 12), (1, 2)
+    out = ring_dilated_attention(q, k, v, segs, rates, is_causal=True)
+    ref, _ = oracle_dilated_attention(q, k, v, segs, rates, is_causal=True)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-7)
+    assert seen == [True]
