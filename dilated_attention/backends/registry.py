@@ -475,10 +475,12 @@ def _dilated_first(inputs: KernelInputs) -> list[str]:
     at 256K and 1M tokens (dilated_paper_h100) and LongNet's at 1,000,000 tokens, shorter last
     segments (dilated_ragged_h100): forward+backward 1.30-1.62x, forward 1.13-1.37x; GQA, 16
     query heads over 4 key/value heads, LongNet's schedule at 256K and 1M (dilated_gqa_h100):
-    forward+backward 1.31-1.50x, forward 1.18-1.43x); elsewhere
-    the device's list, where our fused kernels come first. Where FlashAttention-4 is not
-    installed that is a reason, and the fused kernels run. Masked calls keep our kernels first:
-    FlashAttention-4 masks through a mask_mod (kernels_masked_fa4_h100)."""
+    forward+backward 1.31-1.50x, forward 1.18-1.43x; ring dilated attention's local branches at
+    262,144 tokens per GPU on 2 H200s (ring_dilated_fa4_h200x2): forward+backward 1.37-1.42x at
+    W = 2, 1.52-1.59x at W = 1); elsewhere the device's list, where our fused kernels come
+    first. Where FlashAttention-4 is not installed that is a reason, and the fused kernels run.
+    Masked calls keep our kernels first: FlashAttention-4 masks through a mask_mod
+    (kernels_masked_fa4_h100)."""
     if inputs.device.type != "cuda" or not inputs.branch_slots or inputs.has_mask:
         return []  # masked calls: our kernels first (_CUDA_MASKED_FIRST)
     if inputs.query_len < FA4_DILATED_MIN_LEN or inputs.head_dim > _FUSED_MAX_TRAINING_HEAD_DIM:

@@ -131,11 +131,12 @@ def slot_group_length(slots: tuple[Slot, ...], seq_len: int, target: int) -> int
 #: same work per call, so the host's share of the time does not depend on the batch):
 #: FlashAttention-4's Python interface costs about half a millisecond a call, so beyond
 #: this the host, not the GPU, sets the pace. On an H100 at 1M tokens (bf16, H = 16): LongNet's
-#: schedule makes 16 groups x 10 calls and trains at 0.94-1.03x the cuDNN ceiling
-#: (``dilated_h100``); the paper's (r = 6 and 12 over 16 heads: 15 calls a group) made 16 x 15
-#: = 240 and took 169 ms at D = 64 with causality, slower than the fused Triton kernels (139
-#: ms); in 8 groups (120 calls) 109 ms, at 1.14x instead of 1.08x the unavoidable memory
-#: (``dilated_paper_h100``).
+#: schedule made 16 groups x 10 calls, whose causal D = 64 step took 99 ms of host time for 96 ms
+#: of kernels (106 ms in all); in 8 groups (:func:`backward_slot_groups`) 51 ms and 94 ms
+#: (``profile_dilated.py --host``); the paper's (r = 6 and 12 over 16 heads: 15 calls a group)
+#: made 16 x 15 = 240 and took 169 ms at D = 64 with causality, slower than the fused Triton
+#: kernels (139 ms); in 8 groups (120 calls) 109 ms, at 1.14x instead of 1.08x the unavoidable
+#: memory (``dilated_paper_h100``).
 MAX_GROUPED_CALLS = 160
 
 
