@@ -398,3 +398,47 @@ def test_registry_hears_whether_local_branches_run_in_slots(
     ref, _ = oracle_dilated_attention(q, k, v, segs, rates, is_causal=True)
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-7)
     assert seen == [True]
+
+
+@pytest.mark.gpu
+def test_cuda_ring_dilated_chooses_like_one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rank on CUDA at the length where one GPU's automatic choice may take FlashAttention-4
+    slots (``FA4_DILATED_MIN_LEN``; every branch local): ring dilated attention's automatic
+    choice is one GPU's, and its output and gradients are that backend's on one GPU."""
+    import dilated_attention.distributed.ring as ring_mod
+    from dilated_attention.backends.registry import FA4_DILATED_MIN_LEN, choose
+    from dilated_attention.core.segment import runs_in_slots
+    from dilated_attention.functional import dilated_attention
+
+    n, heads, segs, rates = FA4_DILATED_MIN_LEN, 4, (2048, 4096), (1, 2)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v, dout = (torch.randn(1, n, heads, 64, device="cuda", dtype=torch.bfloat16,
+                                 generator=gen) for _ in range(4))  # fmt: skip
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    slots = runs_in_slots(n, heads, heads, segs, rates)
+    inputs = KernelInputs.from_tensors(
+        leaves[0], leaves[1], is_causal=True, dilated=True, branch_slots=slots
+    )
+    one_gpu = choose(inputs).backend.name
+    chosen: list[str] = []
+    real = ring_mod.registry_for
+
+    class Spy:
+        def __init__(self, operation: str) -> None:
+            self.registry = real(operation)
+
+        def select(self, inputs: KernelInputs, backend: str | None = None) -> object:
+            selection = self.registry.select(inputs, backend)
+            chosen.append(selection.backend.name)
+            return selection
+
+    monkeypatch.setattr(ring_mod, "registry_for", Spy)
+    out = ring_dilated_attention(*leaves, segs, rates, is_causal=True)
+    grads = torch.autograd.grad(out, leaves, dout)
+    assert chosen == [one_gpu], (chosen, one_gpu)
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = dilated_attention(*ref_leaves, segs, rates, is_causal=True, backend=one_gpu)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, dout)
+    torch.testing.assert_close(out, ref)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want)
