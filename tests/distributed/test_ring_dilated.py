@@ -419,7 +419,7 @@ def test_cuda_ring_dilated_chooses_like_one_gpu(monkeypatch: pytest.MonkeyPatch)
     inputs = KernelInputs.from_tensors(
         leaves[0], leaves[1], is_causal=True, dilated=True, branch_slots=slots
     )
-    one_gpu = choose(inputs).backend.name
+    one_gpu = choose(inputs).backend
     chosen: list[str] = []
     real = ring_mod.registry_for
 
