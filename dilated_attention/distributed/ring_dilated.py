@@ -438,16 +438,9 @@ def _plan(
     device: torch.device,
 ) -> DilatedRingPlan:
     seq_len = n * setup.world_size
-    local_segs, local_rates = _local_branches(
-        segment_lengths, dilation_rates, seq_len, setup.chunk_len
-    )
-    spans = [
-        plan_span(setup, n, heads, kv_heads, seg, rate, device)
-        for seg, rate in zip(segment_lengths, dilation_rates, strict=True)
-        if setup.chunk_len % min(seg, seq_len)
-    ]
-    local = plan_branches(n, heads, local_segs, local_rates) if local_segs else ()
-    branches = tuple(zip(local_segs, local_rates, strict=True))
+    branches, spanning = _split_branches(segment_lengths, dilation_rates, seq_len, setup.chunk_len)
+    spans = [plan_span(setup, n, heads, kv_heads, seg, rate, device) for seg, rate in spanning]
+    local = _branch_groups(n, heads, branches)
     if not spans:
         return DilatedRingPlan(branches, local, ())
     calls = [call for span in spans for call in span.calls]
@@ -464,15 +457,27 @@ def _plan(
     )
 
 
-def _local_branches(
+def _split_branches(
     segment_lengths: tuple[int, ...], dilation_rates: tuple[int, ...], seq_len: int,
     chunk_len: int,
-) -> tuple[tuple[int, ...], tuple[int, ...]]:  # fmt: skip
-    """The (effective) branches whose segments fit in a rank's chunks of ``chunk_len`` over a
-    sequence of ``seq_len`` positions: the local ones (Note [Local and spanning branches])."""
-    local = [(seg, rate) for seg, rate in zip(segment_lengths, dilation_rates, strict=True)
-             if chunk_len % min(seg, seq_len) == 0]  # fmt: skip
-    return tuple(s for s, _ in local), tuple(r for _, r in local)
+) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:  # fmt: skip
+    """The (effective) branches ``(segment, rate)`` over a sequence of ``seq_len`` positions,
+    split into the local ones, whose segments fit in a rank's chunks of ``chunk_len``, and the
+    spanning ones (Note [Local and spanning branches]), each in schedule order."""
+    branches = tuple(zip(segment_lengths, dilation_rates, strict=True))
+    local = tuple(b for b in branches if chunk_len % min(b[0], seq_len) == 0)
+    return local, tuple(b for b in branches if b not in local)
+
+
+def _branch_groups(
+    n: int, heads: int, branches: tuple[tuple[int, int], ...]
+) -> tuple[RowGroup, ...]:
+    """The row groups of ``branches`` ``(segment, rate)`` over a rank's ``n`` positions
+    (``plan_branches``), none for no branch."""
+    if not branches:
+        return ()
+    segs, rates = tuple(b[0] for b in branches), tuple(b[1] for b in branches)
+    return plan_branches(n, heads, segs, rates)
 
 
 def _local_branches_in_slots(
@@ -483,10 +488,9 @@ def _local_branches_in_slots(
     the dilated registry's choice of FlashAttention-4 asks (``KernelInputs.branch_slots``)."""
     n, heads = q.shape[1], q.shape[2]
     segs, rates = effective_branches(world_size * n, heads, *schedule)  # type: ignore[misc]
-    segs, rates = _local_branches(segs, rates, world_size * n, chunk_len)
-    if not segs:
-        return False
-    return not_slotted_reason(plan_branches(n, heads, segs, rates), n, k.shape[2]) is None
+    local, _ = _split_branches(segs, rates, world_size * n, chunk_len)
+    groups = _branch_groups(n, heads, local)
+    return bool(groups) and not_slotted_reason(groups, n, k.shape[2]) is None
 
 
 def _split(items: list, sizes: list[int]) -> list[list]:

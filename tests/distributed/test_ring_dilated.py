@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -373,31 +374,38 @@ def test_local_branches_in_slots(schedule, heads: int, kv_heads: int, world_size
     assert got is slotted
 
 
-def test_registry_hears_whether_local_branches_run_in_slots(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """One rank (no process group): the registry's inputs say the local branches run in slots,
-    and the call matches the float64 oracle."""
+def _spy_ring_registry(monkeypatch: pytest.MonkeyPatch) -> list[tuple[KernelInputs, Any]]:
+    """Record every ``(inputs, selection)`` the ring's registries make (``prepare_ring``)."""
     import dilated_attention.distributed.ring as ring_mod
 
-    seen: list[bool] = []
+    seen: list[tuple[KernelInputs, Any]] = []
     real = ring_mod.registry_for
 
     class Spy:
         def __init__(self, operation: str) -> None:
             self.registry = real(operation)
 
-        def select(self, inputs: KernelInputs, backend: str | None = None) -> object:
-            seen.append(inputs.branch_slots)
-            return self.registry.select(inputs, backend)
+        def select(self, inputs: KernelInputs, backend: str | None = None) -> Any:
+            selection = self.registry.select(inputs, backend)
+            seen.append((inputs, selection))
+            return selection
 
     monkeypatch.setattr(ring_mod, "registry_for", Spy)
+    return seen
+
+
+def test_registry_hears_whether_local_branches_run_in_slots(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One rank (no process group): the registry's inputs say the local branches run in slots,
+    and the call matches the float64 oracle."""
+    seen = _spy_ring_registry(monkeypatch)
     q, k, v, _ = _tensors(H)
     segs, rates = (4, 12), (1, 2)
     out = ring_dilated_attention(q, k, v, segs, rates, is_causal=True)
     ref, _ = oracle_dilated_attention(q, k, v, segs, rates, is_causal=True)
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-7)
-    assert seen == [True]
+    assert [inputs.branch_slots for inputs, _ in seen] == [True]
 
 
 @pytest.mark.gpu
@@ -405,7 +413,6 @@ def test_cuda_ring_dilated_chooses_like_one_gpu(monkeypatch: pytest.MonkeyPatch)
     """One rank on CUDA at the length where one GPU's automatic choice may take FlashAttention-4
     slots (``FA4_DILATED_MIN_LEN``; every branch local): ring dilated attention's automatic
     choice is one GPU's, and its output and gradients are that backend's on one GPU."""
-    import dilated_attention.distributed.ring as ring_mod
     from dilated_attention.backends.registry import FA4_DILATED_MIN_LEN, choose
     from dilated_attention.core.segment import runs_in_slots
     from dilated_attention.functional import dilated_attention
@@ -420,21 +427,10 @@ def test_cuda_ring_dilated_chooses_like_one_gpu(monkeypatch: pytest.MonkeyPatch)
         leaves[0], leaves[1], is_causal=True, dilated=True, branch_slots=slots
     )
     one_gpu = choose(inputs).backend
-    chosen: list[str] = []
-    real = ring_mod.registry_for
-
-    class Spy:
-        def __init__(self, operation: str) -> None:
-            self.registry = real(operation)
-
-        def select(self, inputs: KernelInputs, backend: str | None = None) -> object:
-            selection = self.registry.select(inputs, backend)
-            chosen.append(selection.backend.name)
-            return selection
-
-    monkeypatch.setattr(ring_mod, "registry_for", Spy)
+    seen = _spy_ring_registry(monkeypatch)
     out = ring_dilated_attention(*leaves, segs, rates, is_causal=True)
     grads = torch.autograd.grad(out, leaves, dout)
+    chosen = [selection.backend.name for _, selection in seen]
     assert chosen == [one_gpu], (chosen, one_gpu)
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = dilated_attention(*ref_leaves, segs, rates, is_causal=True, backend=one_gpu)
