@@ -130,7 +130,10 @@ class AttentionFunction(torch.autograd.Function):
                 return *grads, None, None
         with torch.no_grad():
             grads = runner.backward(b)
-        return *first_order_only(grads, runner.first_order_message), None, None
+        # The saved ``out`` leads back to q, k, v (and ``dout`` to the loss): the error node
+        # must lie on those paths (Note [Double backward]).
+        grads = first_order_only(grads, runner.first_order_message, anchors=(out, dout))
+        return *grads, None, None
 
 
 def run_attention(

@@ -32,7 +32,11 @@ Note [Double backward]
       differentiable) and dropout (the mask is not replayed differentiably). Torch's
       ``once_differentiable`` is not enough: it attaches its error only when a *gradient output*
       requires grad, so ``loss = (out * w).sum()`` with ``w`` constant followed by a penalty on
-      the input gradient would still be silently wrong.
+      the input gradient would still be silently wrong. The node also takes the Function's saved
+      ``out`` (whose graph leads back to q, k and v) and the upstream gradient as inputs: on
+      its own it would hang from detached copies, and ``torch.autograd.grad(penalty, q)``
+      would find no path to q (autograd's generic "not used in the graph" error, or ``None``
+      with ``allow_unused=True``); connected, autograd runs it, and it raises, on every route.
 
 Shape legend: B batch, Nq/Nk query/key positions, H query heads, Hkv key/value heads, D head dim;
 per call G pieces of Lq query and Lk key rows with Hc query and Hkc key/value heads.
@@ -49,11 +53,15 @@ import torch
 
 # -- raising on double backward ------------------------------------------------------------------
 class _NoHigherOrder(torch.autograd.Function):
-    """Identity on gradients whose own backward raises ``RuntimeError(message)``."""
+    """``apply(message, count, *grads, *anchors)``: the first ``count`` tensors (the gradients)
+    unchanged, on a node whose backward raises ``RuntimeError(message)``. The anchors are tensors
+    the gradients depend on (Note [Double backward]): through them the node lies on every path
+    from the gradients back to the inputs, so autograd runs it (and raises) whichever inputs a
+    later ``torch.autograd.grad`` asks for."""
 
     @staticmethod
-    def forward(message: str, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        return tuple(g.view_as(g) for g in grads)
+    def forward(message: str, count: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(g.view_as(g) for g in tensors[:count])
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -82,14 +90,21 @@ def ring_message(what: str, single: str) -> str:
 
 
 def first_order_only(
-    grads: Sequence[torch.Tensor | None], message: str
+    grads: Sequence[torch.Tensor | None],
+    message: str,
+    anchors: Sequence[torch.Tensor | None] = (),
 ) -> tuple[torch.Tensor | None, ...]:
-    """``grads`` as they are in a plain backward; under ``create_graph=True``, detached copies
-    whose differentiation raises ``RuntimeError(message)`` (Note [Double backward]).
+    """``grads`` as they are in a plain backward; under ``create_graph=True``, copies whose
+    differentiation raises ``RuntimeError(message)`` (Note [Double backward]).
 
     Args:
         grads: a backward's results (tensors or None), computed without a graph.
         message: the error, from :func:`no_higher_order_message`.
+        anchors: the tensors, as the backward received them, through which the gradients
+            depend on the inputs: the Function's saved output (whose graph leads to q, k and v)
+            and the upstream gradient. Without them a later ``torch.autograd.grad(..., q)``
+            would find no path from the gradients to q: autograd's generic "not used in the
+            graph" error, or None with ``allow_unused=True``, instead of ``message``.
 
     Returns:
         The gradients, in order, with None kept.
@@ -101,7 +116,8 @@ def first_order_only(
         return tuple(grads)
     # Detached leaves that require grad, so the error node is recorded whatever the inputs were.
     leaves = [grads[i].detach().requires_grad_() for i in present]  # type: ignore[union-attr]
-    wrapped = _NoHigherOrder.apply(message, *leaves)
+    links = [a for a in anchors if a is not None and a.requires_grad]
+    wrapped = _NoHigherOrder.apply(message, len(leaves), *leaves, *links)
     out = list(grads)
     for i, g in zip(present, wrapped, strict=True):
         out[i] = g

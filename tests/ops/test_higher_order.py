@@ -105,6 +105,56 @@ def _assert_penalty_raises(fn: Fn, inputs: Sequence[torch.Tensor], match: str) -
         penalty.backward()
 
 
+#: How a second derivative is asked for. Every route must raise the library's message: the
+#: first-order gradients of a function without double backward lie on a node that raises, and
+#: that node must be connected to the inputs (and to the upstream gradient), or autograd finds
+#: no path to them: its generic "appears to not have been used in the graph" error, or a silent
+#: ``(None,)`` with ``allow_unused=True`` (issue 41, item 1).
+SECOND_ORDER_ROUTES = (
+    "backward",  # penalty.backward()
+    "grad_q",  # torch.autograd.grad(penalty, q)
+    "grad_q_allow_unused",
+    "grad_k_allow_unused",
+    "grad_v_allow_unused",
+    "grad_all_allow_unused",
+    "upstream_weight",  # q = x @ W, penalty on dL/dW, differentiated w.r.t. W
+    "upstream_dout",  # loss = (out * w).sum() with w a leaf, differentiated w.r.t. w
+)
+
+
+def _second_order(fn: Fn, inputs: Sequence[torch.Tensor], route: str) -> object:
+    """Differentiate ``fn``'s first-order gradients along ``route``; returns what autograd
+    returned (the caller expects it to raise)."""
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    q = leaves[0]
+    if route == "upstream_weight":
+        weight = torch.eye(q.shape[-1], dtype=q.dtype).requires_grad_()
+        out = fn(q.detach() @ weight, *leaves[1:])
+        (g,) = torch.autograd.grad(out.sum(), weight, create_graph=True)
+        return torch.autograd.grad((g**2).sum(), weight, allow_unused=True)
+    out = fn(*leaves)
+    if route == "upstream_dout":
+        w = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape).requires_grad_()
+        (g,) = torch.autograd.grad((out * w).sum(), q, create_graph=True)
+        return torch.autograd.grad((g**2).sum(), w, allow_unused=True)
+    (g,) = torch.autograd.grad(out.sum(), q, create_graph=True)  # the issue's call
+    penalty = (g**2).sum()
+    if route == "backward":
+        penalty.backward()
+        return None
+    if route == "grad_all_allow_unused":
+        return torch.autograd.grad(penalty, leaves, allow_unused=True)
+    index = "qkv".index(route[len("grad_")])
+    return torch.autograd.grad(penalty, leaves[index], allow_unused=route.endswith("unused"))
+
+
+def _assert_every_route_raises(fn: Fn, inputs: Sequence[torch.Tensor], match: str) -> None:
+    for route in SECOND_ORDER_ROUTES:
+        with pytest.raises(RuntimeError, match=match):
+            got = _second_order(fn, inputs, route)
+            raise AssertionError(f"route {route}: no error, autograd returned {got!r}")
+
+
 # -- gradgradcheck in float64: every public function x every CPU backend ---------------------------
 
 DILATED_CASES = {
@@ -234,16 +284,67 @@ def test_gradient_penalty_matches_oracle(name: str, dtype: torch.dtype) -> None:
 # -- a clear error where double backward cannot be provided ------------------------------------
 
 
-@pytest.mark.parametrize("name", ["dilated_attention", "attention"])
-def test_dropout_double_backward_raises(name: str) -> None:
-    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if name == "attention":
-            return da.attention(q, k, v, dropout_p=0.3, backend="math")
-        return da.dilated_attention(q, k, v, [4, 8], [1, 2], dropout_p=0.3, backend="math")
+def _dropout_cases() -> dict[str, tuple[str, Fn]]:
+    """name -> (public function in the message, call with dropout_p > 0) on 8 positions."""
+    module = da.DilatedAttention([4, 8], [1, 2], dropout=0.3).train()
+    return {
+        "attention": ("attention", lambda q, k, v: da.attention(q, k, v, dropout_p=0.3)),
+        "attention_math": (
+            "attention",
+            lambda q, k, v: da.attention(q, k, v, dropout_p=0.3, backend="math"),
+        ),
+        "dilated_attention": (
+            "dilated_attention",
+            lambda q, k, v: da.dilated_attention(q, k, v, [4, 8], [1, 2], dropout_p=0.3),
+        ),
+        "dilated_attention_math": (
+            "dilated_attention",
+            lambda q, k, v: da.dilated_attention(
+                q, k, v, [4, 8], [1, 2], dropout_p=0.3, backend="math"
+            ),
+        ),
+        "dilated_decoding": (  # the last 3 positions against all 8 (Note [Decoding rows])
+            "dilated_attention",
+            lambda q, k, v: da.dilated_attention(
+                q[:, -3:], k, v, [4, 8], [1, 2], is_causal=True, dropout_p=0.3
+            ),
+        ),
+        "DilatedAttention_module": ("dilated_attention", lambda q, k, v: module(q, k, v)),
+    }
 
-    _assert_penalty_raises(
-        fn, _qkv(1, 8, 2, 2, 4), rf"{name} with dropout_p > 0 has no higher-order gradients"
-    )
+
+@pytest.mark.parametrize("name", list(_dropout_cases()))
+def test_dropout_double_backward_raises(name: str) -> None:
+    what, fn = _dropout_cases()[name]
+    match = rf"{what} with dropout_p > 0 has no higher-order gradients"
+    _assert_penalty_raises(fn, _qkv(1, 8, 2, 2, 4), match)
+    _assert_every_route_raises(fn, _qkv(1, 8, 2, 2, 4), match)
+
+
+def test_compiled_dropout_double_backward_raises() -> None:
+    """Under torch.compile the double backward is torch's to refuse (its compiled backward is
+    not differentiable); it does so on every route, never with None."""
+    fn = torch.compile(lambda q, k, v: da.attention(q, k, v, dropout_p=0.3), backend="aot_eager")
+    match = "does not currently support double backward"
+    _assert_every_route_raises(fn, _qkv(1, 8, 2, 2, 4), match)
+
+
+def test_func_dropout_double_backward_raises() -> None:
+    """torch.func runs the custom operator, whose backward raises when differentiated, also
+    through a vjp followed by eager autograd with ``allow_unused=True``."""
+    q, k, v = (x.detach() for x in _qkv(1, 8, 2, 2, 4))
+
+    def loss(q: torch.Tensor) -> torch.Tensor:
+        return da.dilated_attention(q, k, v, [4, 8], [1, 2], dropout_p=0.3).sum()
+
+    match = r"first-order gradients only.*create_graph=True"
+    with pytest.raises(RuntimeError, match=match):
+        torch.func.grad(lambda q: torch.func.grad(loss)(q).pow(2).sum())(q)
+    leaf = q.clone().requires_grad_()
+    _, vjp = torch.func.vjp(loss, leaf)
+    (g,) = vjp(torch.ones((), dtype=F64))
+    with pytest.raises(RuntimeError, match=match):
+        torch.autograd.grad((g**2).sum(), leaf, allow_unused=True)
 
 
 def _ring_cases() -> dict[str, Fn]:
@@ -259,12 +360,12 @@ def _ring_cases() -> dict[str, Fn]:
 
 
 def _ring_raises(name: str, fn: Fn, inputs: Sequence[torch.Tensor]) -> None:
-    _assert_penalty_raises(
-        fn,
-        inputs,
+    match = (
         rf"{name} has no higher-order gradients \(double backward\).*collectives.*run "
-        r"\w+\(\) on the whole sequence",
+        r"\w+\(\) on the whole sequence"
     )
+    _assert_penalty_raises(fn, inputs, match)
+    _assert_every_route_raises(fn, inputs, match)
 
 
 @pytest.mark.parametrize("name", list(_ring_cases()))
