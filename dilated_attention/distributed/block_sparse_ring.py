@@ -58,6 +58,7 @@ from ..compiled import eager_only
 from ..core.autograd import Backward, FirstOrderOnly, Forward, Grads, Inputs, run_attention
 from ..core.engine import (
     accumulator_dtype,
+    empty_attention,
     new_accumulators,
     row_lse,
     run_backward,
@@ -336,7 +337,8 @@ def block_sparse_ring_attention(
         return_lse: also return the log-sum-exp (B, H, n).
 
     Returns:
-        ``out`` (B, n, H, D), or ``(out, lse)``.
+        ``out`` (B, n, H, D), or ``(out, lse)``. A batch of 0 (or 0 heads) gives empty tensors,
+        as in one process.
 
     Raises:
         TypeError / ValueError: on every rank, before any other communication, when inputs are
@@ -367,6 +369,9 @@ def block_sparse_ring_attention(
         if text != str(exc):
             raise ValueError(text) from exc
         raise
+    if q.numel() == 0:  # batch 0 or 0 heads, agreed on every rank: as in one process
+        out, lse = empty_attention(q, k, v)
+        return (out, lse) if return_lse else out
     n = q.shape[1]
     steps = _schedule(
         pattern, int(block_size), n, setup.world_size, setup.rank, is_causal, q.device,

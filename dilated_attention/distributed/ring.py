@@ -37,6 +37,7 @@ from ..core.autograd import Backward, FirstOrderOnly, Forward, Grads, Inputs, ru
 from ..core.engine import (
     SliceCall,
     accumulator_dtype,
+    empty_attention,
     new_accumulators,
     row_lse,
     run_backward,
@@ -445,8 +446,8 @@ def prepare_ring(
     error: Exception | None = None
     fields = [0] * len(_FIELDS)
     try:
+        q, k, v = V.check_qkv(query, key, value, same_length=True)  # first, as in one process
         schedule = check_schedule() if check_schedule is not None else None
-        q, k, v = V.check_qkv(query, key, value, same_length=True)
         if not isinstance(is_causal, bool):
             raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
         layout = check_layout(layout)
@@ -575,7 +576,8 @@ def ring_attention(
 
     Returns:
         ``out`` (B, n, H, D): this rank's shard of ``attention`` on the gathered sequence, with
-        exact gradients for the local q, k, v; or ``(out, lse)``.
+        exact gradients for the local q, k, v; or ``(out, lse)``. A batch of 0 (or 0 heads) on
+        every rank gives empty tensors and empty gradients, as ``attention`` does.
 
     Raises:
         ValueError: on every rank, before any other communication, when shards or options differ
@@ -589,5 +591,8 @@ def ring_attention(
         query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
         backend=backend, comm=comm, key_padding_mask=key_padding_mask,
     )  # fmt: skip
-    out, lse = run_attention(q, k, v, key_padding_mask, RingRunner(setup, kernel.backend))
+    if q.numel() == 0:  # batch 0 or 0 heads, agreed on every rank: as in one process
+        out, lse = empty_attention(q, k, v)
+    else:
+        out, lse = run_attention(q, k, v, key_padding_mask, RingRunner(setup, kernel.backend))
     return (out, lse) if return_lse else out

@@ -49,6 +49,7 @@ from ..core.cells import Cells, add_cells, merge_cells
 from ..core.engine import (
     Plan,
     accumulator_dtype,
+    empty_attention,
     plan_backward,
     plan_forward,
     row_lse,
@@ -647,7 +648,7 @@ def ring_dilated_attention(
 
     Returns:
         ``out`` (B, n, H, D), or ``(out, lse)`` with ``lse`` (B, H, n); exact gradients for the
-        local q, k, v.
+        local q, k, v. A batch of 0 (or 0 heads) gives empty tensors, as in one process.
 
     Raises:
         ValueError: on every rank, before other communication, for malformed or mismatched inputs
@@ -659,6 +660,9 @@ def ring_dilated_attention(
         check_schedule=lambda: V.check_branches(segment_lengths, dilation_rates),
         key_padding_mask=key_padding_mask, branch_slots=_local_branches_in_slots,
     )  # fmt: skip
+    if q.numel() == 0:  # batch 0 or 0 heads, agreed on every rank: as in one process
+        out, lse = empty_attention(q, k, v)
+        return (out, lse) if return_lse else out
     segs, rates = V.check_branches(segment_lengths, dilation_rates)
     global_len = setup.world_size * q.shape[1]
     segs, rates = effective_branches(global_len, q.shape[2], segs, rates)
