@@ -301,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m dilated_attention",
         description="LongNet dilated attention for PyTorch: a demo and tools.",
         epilog="`python -m dilated_attention COMMAND --help` shows a command's flags and their "
-        "defaults.\nStart with: python -m dilated_attention demo   (about two minutes on a CPU)",
+        "defaults.\nStart with: python -m dilated_attention demo   (at most 2 minutes of training)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"dilated_attention {__version__}")

@@ -6,8 +6,8 @@ their path, so the split is the same on every machine with the same torch. The d
 held-out bits per byte before and after training, the kernel chosen, and a sample: a held-out
 prompt and the model's continuation of it.
 
-    python -m dilated_attention demo                           # about two minutes on a 2-core CPU
-    python -m dilated_attention demo --steps 20                # a quick check
+    python -m dilated_attention demo               # at most two minutes of training
+    python -m dilated_attention demo --steps 20    # a quick check
     python -m dilated_attention demo --save outputs/demo/model.pt
     python -m dilated_attention generate --checkpoint outputs/demo/model.pt --prompt "def "
 """
@@ -100,11 +100,26 @@ def bits_per_byte(model: LongNetLM, windows: torch.Tensor, device: torch.device)
     return total / count / math.log(2)
 
 
-def _lr(step: int, steps: int, peak: float, warmup: int) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return peak * 0.5 * (1 + math.cos(math.pi * progress))
+_WARMUP_FRACTION = 0.05
+
+
+def _lr(progress: float, peak: float) -> float:
+    """Linear warm-up over the first 5% of training, then a cosine decay to zero.
+
+    ``progress`` is the fraction of training done, in [0, 1]: of the steps or of the time
+    budget, whichever is further along (see :func:`_progress`).
+    """
+    if progress < _WARMUP_FRACTION:
+        return peak * max(progress, 1e-3) / _WARMUP_FRACTION
+    decay = (progress - _WARMUP_FRACTION) / (1 - _WARMUP_FRACTION)
+    return peak * 0.5 * (1 + math.cos(math.pi * min(decay, 1.0)))
+
+
+def _progress(step: int, steps: int, elapsed: float, budget: float) -> float:
+    """The fraction of training done after ``step`` updates and ``elapsed`` seconds: the larger
+    of the step count's and the time budget's (``budget`` 0: no time limit)."""
+    by_time = elapsed / budget if budget > 0 else 0.0
+    return max(step / max(steps, 1), by_time)
 
 
 def _printable(data: bytes) -> str:
@@ -175,7 +190,15 @@ def _default_device() -> str:
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``demo`` command's flags."""
-    parser.add_argument("--steps", type=int, default=700, help="training steps (optimizer updates)")
+    parser.add_argument(
+        "--steps", type=int, default=700,
+        help="at most this many training steps (optimizer updates)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--time-budget", type=float, default=120.0, metavar="SECONDS",
+        help="train for at most this long (the learning rate schedule follows whichever of "
+        "--steps and the budget runs out first); 0 for no limit",
+    )  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     parser.add_argument("--seq-len", type=int, default=256, help="bytes per training sequence")
     parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (AdamW)")
@@ -212,6 +235,28 @@ def _check_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, *
             parser.error(f"{flag} must be >= 1, got {value}")
 
 
+def _check_demo_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A one-line usage error for each flag of ``demo`` outside its range."""
+    if args.steps < 0:
+        parser.error(f"--steps must be >= 0, got {args.steps}")
+    _check_positive(
+        parser, args, "batch_size", "seq_len", "eval_windows", "sample_bytes",
+        "corpus_bytes",
+    )  # fmt: skip
+    if args.seq_len < 2:
+        parser.error(
+            f"--seq-len must be >= 2 (the sample's prompt is the first half of a window), "
+            f"got {args.seq_len}"
+        )
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        parser.error(f"--lr must be a finite number > 0, got {args.lr}; e.g. --lr 2e-3")
+    if not (math.isfinite(args.time_budget) and args.time_budget >= 0):
+        parser.error(
+            f"--time-budget must be a finite number of seconds >= 0 (0: no limit), "
+            f"got {args.time_budget}"
+        )
+
+
 def _device_or_exit(parser: argparse.ArgumentParser, device: str) -> torch.device:
     try:
         return _resolve_device(device, name="--device")
@@ -233,6 +278,40 @@ def run(argv: list[str] | None = None) -> dict[str, float]:
     return run_demo(parser.parse_args(argv), parser)
 
 
+def _train(
+    model: LongNetLM,
+    optimizer: torch.optim.Optimizer,
+    train: torch.Tensor,
+    args: argparse.Namespace,
+    gen: torch.Generator,
+    device: torch.device,
+) -> int:
+    """Train on random windows of ``train`` until ``args.steps`` updates or ``args.time_budget``
+    seconds, whichever comes first; returns the number of updates made."""
+    start = time.perf_counter()
+    bar = tqdm(total=args.steps, desc="training", unit="step", disable=not args.progress)
+    step, tokens = 0, args.batch_size * args.seq_len
+    with bar:
+        while True:
+            elapsed = time.perf_counter() - start
+            progress = _progress(step, args.steps, elapsed, args.time_budget)
+            if progress >= 1:
+                return step
+            for group in optimizer.param_groups:
+                group["lr"] = _lr(progress, args.lr)
+            batch = sample_windows(train, args.batch_size, args.seq_len, gen).to(device)
+            logits = model(batch[:, :-1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            step += 1
+            bar.update()
+            tok_s = step * tokens / (time.perf_counter() - start)
+            bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tok_s:,.0f}")
+
+
 def run_demo(
     args: argparse.Namespace, parser: argparse.ArgumentParser | None = None
 ) -> dict[str, float]:
@@ -242,12 +321,7 @@ def run_demo(
         ``bits_per_byte_before``, ``bits_per_byte_after`` and ``seconds`` (of training).
     """
     parser = parser or argparse.ArgumentParser(prog="python -m dilated_attention demo")
-    if args.steps < 0:
-        parser.error(f"--steps must be >= 0, got {args.steps}")
-    _check_positive(
-        parser, args, "batch_size", "seq_len", "eval_windows", "sample_bytes",
-        "corpus_bytes",
-    )  # fmt: skip
+    _check_demo_flags(parser, args)
     device = _device_or_exit(parser, args.device)
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
@@ -281,28 +355,13 @@ def run_demo(
     print(f"held-out bits per byte before training: {before:.3f}")
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    warmup = max(1, args.steps // 20)
     start = time.perf_counter()
-    bar = tqdm(range(args.steps), desc="training", unit="step", disable=not args.progress)
-    for step in bar:
-        for group in optimizer.param_groups:
-            group["lr"] = _lr(step, args.steps, args.lr, warmup)
-        batch = sample_windows(train, args.batch_size, args.seq_len, gen).to(device)
-        logits = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        elapsed = time.perf_counter() - start
-        bar.set_postfix(
-            loss=f"{loss.item():.3f}",
-            tok_s=f"{(step + 1) * args.batch_size * args.seq_len / elapsed:,.0f}",
-        )
+    steps = _train(model, optimizer, train, args, gen, device)
     seconds = time.perf_counter() - start
     after = bits_per_byte(model, eval_windows, device)
-    print(f"held-out bits per byte after {args.steps} steps: {after:.3f} (before {before:.3f})")
-    print(f"training time {seconds:.1f} s")
+    print(f"held-out bits per byte after {steps} steps: {after:.3f} (before {before:.3f})")
+    budget = f" (time budget {args.time_budget:g} s)" if steps < args.steps else ""
+    print(f"training time {seconds:.1f} s{budget}")
 
     prompt = held_out[: args.seq_len // 2].long().unsqueeze(0).to(device)
     sample = model.generate(
@@ -365,8 +424,10 @@ def generate(args: argparse.Namespace, parser: argparse.ArgumentParser | None = 
     parser = parser or argparse.ArgumentParser(prog="python -m dilated_attention generate")
     if args.max_new_tokens < 0:
         parser.error(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        parser.error(f"--temperature must be >= 0, got {args.temperature}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        parser.error(
+            f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}"
+        )
     if args.top_k < 0:
         parser.error(f"--top-k must be >= 0 (0: no limit), got {args.top_k}")
     prompt = args.prompt.encode("utf-8")
@@ -381,6 +442,12 @@ def generate(args: argparse.Namespace, parser: argparse.ArgumentParser | None = 
         parser.error(
             f"{args.checkpoint} holds a model with vocab_size {model.config.vocab_size}; "
             f"generate feeds it UTF-8 bytes and needs a byte-level model (vocab_size >= 256)"
+        )
+    cap = model.config.max_seq_len
+    if cap is not None and len(prompt) > cap:
+        parser.error(
+            f"--prompt is {len(prompt)} bytes, longer than the model's max_seq_len={cap}; "
+            f"give a prompt of at most {cap} bytes (e.g. its last {cap})"
         )
     tokens = torch.tensor([list(prompt)], dtype=torch.long, device=device)
     steps = model.stream(

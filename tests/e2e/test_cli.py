@@ -199,3 +199,65 @@ def test_generate_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert code == 2 and "--top-k must be >= 0" in err
     code, _, err = _run(capsys, "generate", "--prompt", "x")
     assert code == 2 and "required: --checkpoint" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+        (["--lr", "-1"], "--lr must be a finite number > 0, got -1.0"),
+        (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+        (["--seq-len", "1"], "--seq-len must be >= 2"),
+        (["--time-budget", "nan"], "--time-budget must be a finite number of seconds >= 0"),
+        (["--time-budget", "-5"], "--time-budget must be a finite number of seconds >= 0"),
+    ],
+)
+def test_demo_refuses_bad_flags_in_one_line(
+    capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    argv = [*_TINY_DEMO, *flags]  # argparse takes the last of a repeated flag
+    code, out, err = _run(capsys, "demo", *argv)
+    assert code == 2, out
+    assert message in err and "Traceback" not in err, err
+    assert "bits per byte" not in out  # refused before any work
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_demo_stops_at_its_time_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [*_TINY_DEMO, "--steps", "100000", "--time-budget", "1"]
+    code, out, _ = _run(capsys, "demo", *argv)
+    assert code == 0, out
+    steps = int(re.search(r"bits per byte after (\d+) steps", out).group(1))
+    seconds = float(re.search(r"training time ([\d.]+) s \(time budget 1 s\)", out).group(1))
+    assert 1 <= steps < 100000
+    assert 1.0 <= seconds < 10.0  # one step past the budget at most
+
+
+def test_demo_learning_rate_follows_the_budget_or_the_steps() -> None:
+    from dilated_attention.demo import _lr, _progress
+
+    assert _progress(50, 100, elapsed=10.0, budget=0.0) == 0.5  # no budget: steps only
+    assert _progress(50, 100, elapsed=90.0, budget=120.0) == 0.75  # time is further along
+    assert _lr(0.0, 1.0) > 0  # the first step learns
+    assert _lr(0.05, 1.0) == pytest.approx(1.0)  # peak after the 5% warm-up
+    assert _lr(1.0, 1.0) == pytest.approx(0.0)
+    assert _lr(0.5, 1.0) > _lr(0.9, 1.0) > 0  # cosine decay
+
+
+def test_generate_refuses_nan_temperature_and_long_prompts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dilated_attention.models import LongNetConfig, LongNetLM, save_checkpoint
+
+    config = LongNetConfig.from_preset("tiny", num_layers=1, max_seq_len=8)
+    path = save_checkpoint(tmp_path / "capped.pt", LongNetLM(config))
+    base = ["generate", "--checkpoint", str(path), "--max-new-tokens", "2"]
+    for value in ("nan", "inf", "-1"):
+        code, out, err = _run(capsys, *base, "--prompt", "x", "--temperature", value)
+        assert code == 2 and "--temperature must be a finite number >= 0" in err, err
+        assert "Traceback" not in err and out == ""
+    code, out, err = _run(capsys, *base, "--prompt", "x" * 9)
+    assert code == 2, out
+    assert "--prompt is 9 bytes, longer than the model's max_seq_len=8" in err, err
+    code, out, err = _run(capsys, *base, "--prompt", "x" * 8)  # at the cap: runs
+    assert code == 0, err
