@@ -396,8 +396,9 @@ class MultiheadAttention(nn.Module):
                 Only with rotary.
             cache: a :class:`~dilated_attention.DilatedKVCache` of this layer, for decoding
                 (``is_causal=True``, ``query`` the new tokens; with rotary their positions
-                default to the ones after those the cache has seen). Only with an inner module
-                that takes one (``DilatedAttention``).
+                default to the ones after those the cache has seen, and ``positions`` given must
+                be those: checked on the host). Only with an inner module that takes one
+                (``DilatedAttention``).
 
         Returns:
             ``(out, None)``, ``out`` shaped like ``query``.
@@ -457,21 +458,16 @@ class MultiheadAttention(nn.Module):
             )
         key_padding_mask = _bool_key_padding_mask(key_padding_mask)
         self._check_key_padding_mask(key_padding_mask, query)
-        if positions is None and cache is not None and self.rotary is not None:
-            # the new tokens follow the ones the cache has seen
+        if cache is not None and not isinstance(cache, DilatedKVCache):
+            raise TypeError(
+                f"cache must be a DilatedKVCache or None, got {type(cache).__name__}; build one "
+                f"per layer: DilatedKVCache(segment_lengths, dilation_rates)"
+            )
+        if cache is not None and positions is not None:  # Note [One cache per layer]
+            cache.check_positions(self._check_positions(positions, n, query.device))
+        elif cache is not None and self.rotary is not None:  # they follow the cache's tokens
             positions = torch.arange(cache.length, cache.length + n, device=query.device)
         positions = self._check_positions(positions, n, query.device)
-        if (
-            cache is not None  # only then: the check syncs with the GPU
-            and positions is not None
-            and n > 1
-            and bool((positions.diff() <= 0).any())
-        ):
-            raise ValueError(
-                f"with cache=, the new tokens' positions must increase (they follow each other "
-                f"in the sequence), got positions={positions.tolist()[:8]}...; pass "
-                f"positions=None for the {n} positions after the {cache.length} cached ones"
-            )
         if cache is not None and not getattr(self.attention, "decodes_with_cache", False):
             raise ValueError(
                 f"cache= needs a layer whose inner module decodes (DilatedAttention), got "

@@ -8,24 +8,49 @@ Note [Bounded dilated cache]
     from there on, fewer than ``W`` of them, whatever ``N`` is. (Segments of different lengths
     need not nest: with ``w = 10`` and ``16`` the token at 17 reads from 10.)
 
-    Decoding appends a few rows per call, so the rows live in a buffer with ``headroom`` spare
-    rows (an eighth of ``W``, at least 64) and new rows are written in place: the rows a call
-    reads are a view of the buffer, not a concatenation (which would copy up to ``W`` rows per
-    token: 134 MB at ``W`` = 32K, 16 heads of 128 in bf16). When the headroom is used up the held
-    rows move to the buffer's start, one copy per ``headroom`` tokens. A call with more rows than
-    the headroom (a prompt, a chunk) reads a concatenation made for it, and the buffer is then
-    rebuilt around the rows later tokens read. Where autograd records (grad mode on), every call
-    concatenates instead, so no tensor a backward saved is ever written in place. ``nbytes`` is
-    the buffers' size: at most ``W + headroom`` rows of keys, values and mask.
+    Decoding appends a few rows per call, so the rows live in buffers with spare rows and new
+    rows are written in place: the rows a call reads are a view of the buffer, not a
+    concatenation (which would copy up to ``W`` rows per token: 134 MB at ``W`` = 32K, 16 heads
+    of 128 in bf16). The buffers grow with what they hold: a new one has room for twice the
+    rows it must take (at least 16 more), and at most ``W + headroom`` (``headroom`` an eighth
+    of ``W``, at least 64; ``max_length`` rows where the cache is told the longest sequence),
+    so single tokens reallocate them a logarithmic number of times, and move the held rows to
+    the buffer's start (one copy) only when that leaves at least as many spare rows as held
+    ones or the buffers are at their bound (then one copy per ``headroom`` tokens). A call with
+    more rows than the headroom (a prompt, a chunk) reads a concatenation made for it, and the
+    buffers are then rebuilt around the rows later tokens read. Where autograd records (grad
+    mode on), every call concatenates instead, so no tensor a backward saved is ever written in
+    place. ``nbytes`` is the buffers' size.
+
+    The bound is known at the first call (batch, heads, head dim, dtype): a cache whose bound
+    would not fit the device's memory (the host's RAM for the CPU) is refused there, before any
+    work, rather than failing in the allocator once the sequence gets long. A segment longer than
+    every sequence decoded is one segment of it (Note [Effective branches]), so ``max_length``
+    bounds such a cache at no loss.
+
+Note [One cache per layer]
+    A cache appends whatever keys it is given and takes them as the next positions, so a cache
+    shared by two layers, or advanced by another model or step, would silently read one layer's
+    keys as more tokens of another. What can be checked is checked before any work: the cache's
+    schedule, batch, heads, head dim, dtype and device against the call's; positions a caller
+    gives with the cache must be its next ones (:meth:`DilatedKVCache.check_positions`); and a
+    model's list of caches must hold distinct caches at one length (:func:`check_caches`). A
+    layer called without positions cannot tell a cache another layer has advanced from a longer
+    sequence of its own: code that drives layers by hand passes ``positions`` to have it checked.
 
 Shape legend: B batch, n new positions, Hkv key/value heads, D head dim.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .. import _validation as V
+
+#: The fewest spare rows a new buffer gets (Note [Bounded dilated cache]).
+MIN_SPARE_ROWS = 16
 
 
 class DilatedKVCache:
@@ -34,25 +59,37 @@ class DilatedKVCache:
     Pass it as ``cache=`` to :func:`dilated_attention.dilated_attention` with the new tokens'
     queries, keys and values: the call appends the keys and values, attends the new queries to
     every key they can read (exactly the rows of the full causal forward), and drops the rows no
-    later token can read (Note [Bounded dilated cache]).
+    later token can read (Note [Bounded dilated cache]). One cache per layer (Note [One cache
+    per layer]).
 
     Args:
         segment_lengths: the layer's ``w`` per branch.
         dilation_rates: the layer's ``r`` per branch.
+        max_length: the most tokens this cache will take (``None``: no limit); the buffers then
+            hold at most that many rows, and a call past it raises ``ValueError``.
 
     Attributes:
         length: tokens seen so far (the position of the next token).
         start: position of the first row still held.
-        headroom: spare rows of the buffers (Note [Bounded dilated cache]).
+        headroom: the most rows a call writes in place, and the buffers' spare rows at their
+            bound (Note [Bounded dilated cache]).
+
+    Raises:
+        ValueError: a bad schedule or ``max_length``.
     """
 
     def __init__(
         self,
         segment_lengths: list[int] | tuple[int, ...],
         dilation_rates: list[int] | tuple[int, ...],
+        *,
+        max_length: int | None = None,
     ) -> None:
         segs, rates = V.check_branches(segment_lengths, dilation_rates)
         self.segment_lengths, self.dilation_rates = segs, rates
+        if max_length is not None:
+            max_length = V.check_positive_int("max_length", max_length)
+        self.max_length = max_length
         self.headroom = max(64, max(segs) // 8)
         self.length = 0
         self.start = 0
@@ -88,6 +125,12 @@ class DilatedKVCache:
         held = [t for t in self._buffers if t is not None]
         return sum(t.numel() * t.element_size() for t in held)
 
+    def max_rows(self) -> int:
+        """The most rows a buffer holds: the longest segment plus ``headroom``, or
+        ``max_length`` when smaller (Note [Bounded dilated cache])."""
+        rows = max(self.segment_lengths) + self.headroom
+        return rows if self.max_length is None else min(rows, self.max_length)
+
     def check(
         self,
         segments: tuple[int, ...],
@@ -96,14 +139,22 @@ class DilatedKVCache:
     ) -> None:
         """Raise ``ValueError`` if ``key`` (B, n, Hkv, D) or the schedule cannot extend this
         cache: another layer's schedule, batch size, key/value heads, head dim, dtype or
-        device."""
+        device, more tokens than ``max_length``, or (at the first call) a bound no memory of
+        the device holds."""
         if (segments, rates) != (self.segment_lengths, self.dilation_rates):
             raise ValueError(
                 f"cache holds a layer with segment_lengths={list(self.segment_lengths)}, "
                 f"dilation_rates={list(self.dilation_rates)}, got segment_lengths="
                 f"{list(segments)}, dilation_rates={list(rates)}; use one cache per layer"
             )
+        if self.max_length is not None and self.length + key.shape[1] > self.max_length:
+            raise ValueError(
+                f"the cache was made for max_length={self.max_length} tokens and holds "
+                f"{self.length}, got {key.shape[1]} more; start a new DilatedKVCache, or make "
+                f"it with a larger max_length"
+            )
         if self.key is None:
+            self._check_bound(key)
             return
         held = (self.key.shape[0], *self.key.shape[2:], self.key.dtype, self.key.device)
         new = (key.shape[0], *key.shape[2:], key.dtype, key.device)
@@ -112,6 +163,43 @@ class DilatedKVCache:
                 f"cache holds keys of (batch, kv heads, head_dim, dtype, device) = {held}, got "
                 f"{new}; use a new DilatedKVCache for another batch or model"
             )
+
+    def _check_bound(self, key: torch.Tensor) -> None:
+        """Raise ``ValueError`` if the buffers at their bound, for keys like ``key``
+        (B, n, Hkv, D), need more bytes than the device has (Note [Bounded dilated cache])."""
+        batch, _, heads, dim = key.shape
+        rows = self.max_rows()
+        needed = rows * batch * (2 * heads * dim * key.element_size() + 1)  # keys, values, mask
+        memory = device_memory(key.device)
+        if memory is None or needed <= memory:
+            return
+        raise ValueError(
+            f"segment_lengths={list(self.segment_lengths)}: a DilatedKVCache holds up to the "
+            f"longest segment's rows plus {self.headroom} spare ({rows:,} rows), "
+            f"{needed:,} bytes ({needed / 1e9:,.1f} GB) for these keys (batch {batch}, {heads} "
+            f"key/value heads of {dim}, {key.dtype}), more than the {memory:,} bytes "
+            f"({memory / 1e9:,.1f} GB) of {key.device}; a segment "
+            f"longer than every sequence you decode is one segment of it: pass "
+            f"DilatedKVCache(..., max_length=the most tokens you decode), or a shorter segment"
+        )
+
+    def check_positions(self, positions: torch.Tensor, given_with: str = "cache=") -> None:
+        """Raise ``ValueError`` unless ``positions`` (n,) int are the ``n`` positions after the
+        tokens this cache has seen, the ones its new rows take (Note [One cache per layer]);
+        ``given_with`` names the argument that brought the cache. Reads them on the host (one
+        device sync)."""
+        n, length = positions.shape[0], self.length
+        expected = torch.arange(length, length + n, device=positions.device)
+        if torch.equal(positions.long(), expected):
+            return
+        shown = positions[:8].tolist()
+        raise ValueError(
+            f"with {given_with}, positions must be the {n} positions after the {length} the "
+            f"cache has seen ({length} to {length + n - 1}: the new tokens' positions must "
+            f"increase by 1 from there), got positions={shown}{'...' if n > 8 else ''}; a "
+            f"cache past them has taken these or other tokens already (one cache per layer and "
+            f"sequence); pass positions=None for the cache's own"
+        )
 
     def append(
         self,
@@ -148,6 +236,11 @@ class DilatedKVCache:
         """The first position a token after the ``length`` seen so far can read."""
         return min((self.length // w) * w for w in self.segment_lengths)
 
+    def _capacity(self, rows: int) -> int:
+        """Rows of a new buffer that must take ``rows``: twice them (at least
+        ``MIN_SPARE_ROWS`` more), at most :meth:`max_rows` (Note [Bounded dilated cache])."""
+        return max(rows, min(self.max_rows(), max(2 * rows, rows + MIN_SPARE_ROWS)))
+
     def _joined(self, index: int, new: torch.Tensor | None) -> torch.Tensor | None:
         """The held rows of buffer ``index`` followed by ``new``, as a new tensor (``new``
         itself when nothing is held)."""
@@ -158,31 +251,38 @@ class DilatedKVCache:
 
     def _keep(self, read: list[torch.Tensor | None]) -> None:
         """Rebuild the buffers from a call's rows ``read`` (positions ``start`` to ``length``):
-        the rows later tokens read, plus headroom; under grad mode, views of ``read``."""
+        the rows later tokens read, with spare rows; under grad mode, views of ``read``."""
         keep_from = self._keep_from()
         first = keep_from - self.start
+        kept = self.length - keep_from
         if torch.is_grad_enabled():
             self._buffers = [None if x is None else x[:, first:] for x in read]
         else:
-            self._buffers = [None if x is None else _with_headroom(x[:, first:], self.headroom)
+            capacity = self._capacity(kept)
+            self._buffers = [None if x is None else _in_buffer(x[:, first:], capacity)
                              for x in read]  # fmt: skip
         self._owned = not torch.is_grad_enabled()
-        self._lo, self._hi = 0, self.length - keep_from
+        self._lo, self._hi = 0, kept
         self.start = keep_from
 
     def _write_in_place(self, new: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Write ``new`` after the held rows (moving them to the buffers' start, or into larger
-        buffers, when the headroom is used up); the held rows and ``new`` as views."""
+        """Write ``new`` after the held rows (into larger buffers where they are full or at
+        least half held, else moving the held rows to the buffers' start when the rows after
+        them are used up); the held rows and ``new`` as views."""
         rows, held = new[0].shape[1], self._hi - self._lo
         capacity = self._buffers[0].shape[1]
         # Buffers made under torch.inference_mode cannot be written outside it.
         frozen = self._buffers[0].is_inference() and not torch.is_inference_mode_enabled()
-        if not self._owned or frozen or held + rows > capacity:
-            self._buffers = [None if b is None else _with_headroom(b[:, self._lo : self._hi],
-                                                                   self.headroom + rows)
+        full = self._hi + rows > capacity
+        grow = held + rows > capacity or (
+            full and 2 * (held + rows) > capacity and capacity < self.max_rows()
+        )
+        if not self._owned or frozen or grow:
+            size = self._capacity(held + rows)
+            self._buffers = [None if b is None else _in_buffer(b[:, self._lo : self._hi], size)
                              for b in self._buffers]  # fmt: skip
             self._owned, self._lo, self._hi = True, 0, held
-        elif self._hi + rows > capacity:
+        elif full:
             for b in self._buffers:
                 if b is not None:
                     b[:, :held] = b[:, self._lo : self._hi].clone()
@@ -194,8 +294,89 @@ class DilatedKVCache:
         return [self._held(i) for i in range(3)]
 
 
-def _with_headroom(rows: torch.Tensor, headroom: int) -> torch.Tensor:
-    """A new buffer holding ``rows`` (B, n, ...) followed by ``headroom`` unwritten rows."""
-    buffer = rows.new_empty(rows.shape[0], rows.shape[1] + headroom, *rows.shape[2:])
+def _in_buffer(rows: torch.Tensor, capacity: int) -> torch.Tensor:
+    """A new buffer of ``capacity`` rows (>= n) starting with ``rows`` (B, n, ...)."""
+    buffer = rows.new_empty(rows.shape[0], capacity, *rows.shape[2:])
     buffer[:, : rows.shape[1]] = rows
     return buffer
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Bytes of memory of ``device`` (for the CPU, the host's RAM), or None where unknown."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.get_device_properties(device).total_memory)
+        if device.type == "cpu":
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError, RuntimeError):
+        return None
+    return None
+
+
+def check_caches(
+    caches: object,
+    num_layers: int,
+    schedule: tuple[tuple[int, ...], tuple[int, ...]],
+    tokens: torch.Tensor,
+    positions: object,
+) -> torch.Tensor:
+    """Check a model's ``caches`` for a forward over the new ``tokens`` (B, N) and return the
+    tokens' (N,) positions on their device (``positions`` if given, else the caches' next ones).
+
+    ``caches`` must be a list of ``num_layers`` distinct :class:`DilatedKVCache` of the layers'
+    ``schedule`` (segment lengths, dilation rates), all at one length and, where they hold keys,
+    of one batch (``B``), heads, head dim, dtype and device; ``positions`` must be their next
+    ones (Note [One cache per layer]). Raises ``ValueError`` naming ``caches`` or ``positions``.
+    """
+    fix = "caches=model.new_caches() (one per layer, for one sequence)"
+    if not isinstance(caches, list) or len(caches) != num_layers:
+        raise ValueError(
+            f"caches must be a list of {num_layers} DilatedKVCache, as in {fix}, got "
+            f"{type(caches).__name__}{f' of {len(caches)}' if isinstance(caches, list) else ''}"
+        )
+    seen: dict[int, int] = {}
+    for i, cache in enumerate(caches):
+        if not isinstance(cache, DilatedKVCache):
+            raise ValueError(
+                f"caches[{i}] must be a DilatedKVCache, got {type(cache).__name__}; pass {fix}"
+            )
+        if id(cache) in seen:
+            raise ValueError(
+                f"caches[{i}] is caches[{seen[id(cache)]}]: a cache shared by two layers takes "
+                f"one layer's keys as more tokens of the other; pass {fix}"
+            )
+        seen[id(cache)] = i
+        if (cache.segment_lengths, cache.dilation_rates) != schedule:
+            raise ValueError(
+                f"caches[{i}] holds a layer with segment_lengths={list(cache.segment_lengths)}, "
+                f"dilation_rates={list(cache.dilation_rates)}, but the model's layers have "
+                f"segment_lengths={list(schedule[0])}, dilation_rates={list(schedule[1])}; "
+                f"pass {fix}"
+            )
+        if cache.length != caches[0].length:
+            raise ValueError(
+                f"caches must all have seen the same tokens, but caches[{i}] has seen "
+                f"{cache.length} tokens and caches[0] {caches[0].length} (a cache another "
+                f"model, layer or sequence has advanced); pass {fix}"
+            )
+    held = {(c.key.shape[0], *c.key.shape[2:], c.key.dtype, c.key.device)
+            for c in caches if c.key is not None}  # fmt: skip
+    if len(held) > 1:
+        raise ValueError(
+            f"caches hold keys of different (batch, kv heads, head_dim, dtype, device): "
+            f"{sorted(held, key=str)}; pass {fix}"
+        )
+    if held and next(iter(held))[0] != tokens.shape[0]:
+        raise ValueError(
+            f"caches hold keys of a batch of {next(iter(held))[0]}, got tokens of a batch of "
+            f"{tokens.shape[0]}; pass {fix}"
+        )
+    n, length = tokens.shape[1], caches[0].length
+    if positions is None:
+        return torch.arange(length, length + n, device=tokens.device)
+    if not isinstance(positions, torch.Tensor) or positions.shape != (n,):
+        got = tuple(positions.shape) if isinstance(positions, torch.Tensor) else positions
+        raise ValueError(f"positions must be a ({n},) int tensor, got {got}")
+    positions = positions.to(tokens.device)
+    caches[0].check_positions(positions, "caches=")
+    return positions

@@ -39,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import _validation as V
 from ..backends.registry import check_backend_name
-from ..core.kv_cache import DilatedKVCache
+from ..core.kv_cache import DilatedKVCache, check_caches
 from ..factory import create_multihead_dilated_attention
 
 __all__ = ["PRESETS", "LongNetAttention", "LongNetBlock", "LongNetConfig", "LongNetLM"]
@@ -237,7 +237,7 @@ class LongNetAttention(nn.Module):
         layer's decoding cache (x then holds the new tokens)."""
         if cache is None:
             return self.mha(x, is_causal=True, positions=positions)[0]
-        return self.mha(x, is_causal=True, positions=positions, cache=cache)[0]
+        return self.mha(x, is_causal=True, cache=cache)[0]  # positions: the cache's next ones
 
 
 class LongNetBlock(nn.Module):
@@ -396,7 +396,7 @@ class LongNetLM(nn.Module):
                 rank's global positions under ring attention.
             caches: one :class:`~dilated_attention.DilatedKVCache` per layer
                 (:meth:`new_caches`), for decoding: ``tokens`` are then the next tokens after
-                those the caches hold, and ``positions`` default to theirs.
+                those the caches hold, at the caches' next positions (the default).
 
         Returns:
             (B, N, V) logits; row ``i`` predicts token ``i + 1`` and sees tokens ``<= i`` only.
@@ -404,18 +404,13 @@ class LongNetLM(nn.Module):
 
         Raises:
             ValueError: token ids out of range, N (or a position) beyond ``max_seq_len``, bad
-                ``positions``.
+                ``positions``; ``caches`` not distinct caches of this model at one length.
         """
         tokens = self._check_tokens_on_all_ranks(tokens)
         N = tokens.shape[1]
-        if caches is not None and (not isinstance(caches, list) or len(caches) != len(self.blocks)):
-            raise ValueError(
-                f"caches must be a list of {len(self.blocks)} DilatedKVCache (one per layer, "
-                f"from model.new_caches()), got {type(caches).__name__}"
-            )
-        if positions is None and caches is not None:
-            start = caches[0].length
-            positions = torch.arange(start, start + N, device=tokens.device)
+        if caches is not None:  # one cache per layer, before any work: Note [One cache per layer]
+            schedule = (self.config.segment_lengths, self.config.dilation_rates)
+            positions = check_caches(caches, len(self.blocks), schedule, tokens, positions)
         elif positions is None:
             positions = self._default_positions(N, tokens.device)
         else:
@@ -446,7 +441,8 @@ class LongNetLM(nn.Module):
     def new_caches(self) -> list[DilatedKVCache]:
         """Empty decoding caches, one per layer, for ``forward(tokens, caches=...)``."""
         config = self.config
-        return [DilatedKVCache(config.segment_lengths, config.dilation_rates) for _ in self.blocks]
+        schedule, most = (config.segment_lengths, config.dilation_rates), config.max_seq_len
+        return [DilatedKVCache(*schedule, max_length=most) for _ in self.blocks]
 
     @torch.no_grad()
     def generate(

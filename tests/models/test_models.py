@@ -328,6 +328,75 @@ def test_caches_are_checked() -> None:
         model(tokens, caches=model.new_caches()[:1])
 
 
+def test_one_cache_for_two_layers_or_a_step_ahead_is_refused_before_any_work() -> None:
+    """The same cache for two layers (which took every layer's keys as more tokens: 20 tokens
+    seen after 10, logits off by units), a cache another step has advanced, one of another
+    schedule or another batch, something that is no cache, or positions other than the caches'
+    next ones: a ValueError naming ``caches`` (or ``positions``) before any cache changes. The
+    caches then decode every token as the full forward does."""
+    from dilated_attention import DilatedKVCache
+
+    model = LongNetLM(LongNetConfig(**SMALL)).double().eval()
+    tokens = torch.randint(0, SMALL["vocab_size"], (2, 10))
+    with torch.no_grad():
+        full = model(tokens)
+        shared = DilatedKVCache(SMALL["segment_lengths"], SMALL["dilation_rates"])
+        with pytest.raises(ValueError, match=r"caches\[1\] is caches\[0\]"):
+            model(tokens[:, :1], caches=[shared, shared])
+        assert shared.length == 0 and shared.key is None
+        ahead = model.new_caches()
+        model(tokens[:, :3], caches=ahead)  # both advanced to 3
+        mixed = [model.new_caches()[0], ahead[1]]
+        with pytest.raises(ValueError, match=r"caches\[1\] has seen 3 tokens and caches\[0\] 0"):
+            model(tokens[:, :1], caches=mixed)
+        other = [DilatedKVCache([8, 32], [1, 2]), model.new_caches()[1]]
+        with pytest.raises(ValueError, match=r"caches\[0\] holds a layer with segment_lengths"):
+            model(tokens[:, :1], caches=other)
+        with pytest.raises(ValueError, match=r"caches\[1\] must be a DilatedKVCache"):
+            model(tokens[:, :1], caches=[model.new_caches()[0], {}])
+        with pytest.raises(ValueError, match=r"caches hold keys of a batch of 2"):
+            model(tokens[:1, 3:4], caches=ahead)
+        with pytest.raises(ValueError, match=r"positions must be the 1 positions after the 3"):
+            model(tokens[:, 3:4], caches=ahead, positions=torch.tensor([5]))
+        assert [c.length for c in ahead] == [3, 3] and mixed[0].length == 0
+        caches = model.new_caches()
+        steps = [model(tokens[:, p : p + 1], caches=caches) for p in range(10)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-10, rtol=1e-8)
+    assert [c.length for c in caches] == [10, 10]
+
+
+def test_a_layer_refuses_positions_its_cache_is_past() -> None:
+    """A multihead layer given ``positions`` with a cache: they must be the cache's next ones
+    (a cache another layer has used this step is past them), checked before any work."""
+    from dilated_attention import DilatedKVCache
+
+    layer = LongNetLM(LongNetConfig(**SMALL)).double().eval().blocks[0].attn.mha
+    x = torch.randn(2, 4, SMALL["embed_dim"], dtype=torch.float64)
+    cache = DilatedKVCache(SMALL["segment_lengths"], SMALL["dilation_rates"])
+    with torch.no_grad():
+        layer(x[:, :3], is_causal=True, cache=cache, positions=torch.arange(3))
+        with pytest.raises(ValueError, match=r"positions must be the 1 positions after the 3"):
+            layer(x[:, 3:], is_causal=True, cache=cache, positions=torch.tensor([2]))
+        assert cache.length == 3
+        layer(x[:, 3:], is_causal=True, cache=cache, positions=torch.tensor([3]))
+    assert cache.length == 4
+
+
+def test_generate_with_a_segment_longer_than_any_memory_and_max_seq_len() -> None:
+    """A segment of 2**40 (one segment: global attention) with ``max_seq_len``: the caches are
+    bounded by ``max_seq_len`` rows, and cached generation equals recomputing."""
+    config = LongNetConfig(**{**SMALL, "segment_lengths": (8, 2**40), "max_seq_len": 40})
+    model = LongNetLM(config).double().eval()
+    prompt = torch.randint(0, SMALL["vocab_size"], (2, 9))
+    got = model.generate(prompt, 12, temperature=0.0)
+    out = prompt.clone()
+    with torch.no_grad():
+        for _ in range(12):
+            out = torch.cat([out, model(out)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(got, out)
+    assert all(c.max_length == 40 for c in model.new_caches())
+
+
 def test_stream_yields_generates_tokens_one_step_at_a_time() -> None:
     """``stream`` yields (B, 1) steps whose concatenation is ``generate``'s continuation; the
     model is in eval mode while it runs and back in training mode once it is exhausted or

@@ -325,6 +325,65 @@ def test_cache_refuses_what_it_cannot_extend() -> None:
         dilated_attention(q, k, v, [8], [1], is_causal=True, cache={})  # type: ignore[arg-type]
 
 
+def test_cache_buffers_grow_with_what_they_hold() -> None:
+    """Without grad mode the buffers hold the rows kept plus spare rows proportional to them
+    (at least 16), not an eighth of the longest segment up front (268 MB after 3 tokens with a
+    segment of 2**20): 3 tokens take a few KB, and single tokens past the longest segment grow
+    them geometrically (a few reallocations), never beyond the segment plus headroom."""
+    q, k, v = _tensors(300, 4, 2, seed=23)
+    row_bytes = 2 * 2 * 2 * 8 * 8  # batch 2, keys and values of 2 heads of 8, float64
+    cache = DilatedKVCache([2**20], [1])
+    with torch.no_grad():
+        dilated_attention(q[:, :3], k[:, :3], v[:, :3], [2**20], [1], is_causal=True,
+                          cache=cache)  # fmt: skip
+    assert cache.nbytes <= (3 + 16) * row_bytes, cache.nbytes
+    segs, rates = [8, 64], [1, 2]
+    full, _ = oracle_dilated_attention(q, k, v, segs, rates, is_causal=True)
+    cache, outs, buffers = DilatedKVCache(segs, rates), [], set()
+    with torch.no_grad():
+        for t in range(300):
+            piece = [x[:, t : t + 1] for x in (q, k, v)]
+            outs.append(dilated_attention(*piece, segs, rates, is_causal=True, cache=cache))
+            assert cache.key is not None
+            held = cache.key.shape[1]
+            assert cache.nbytes <= max(2 * held, held + 16, 64 + cache.headroom) * row_bytes
+            buffers.add(cache._buffers[0].data_ptr())
+    assert len(buffers) <= 4, len(buffers)  # 16, 32, 64 and 128 rows
+    torch.testing.assert_close(torch.cat(outs, dim=1), full, **TIGHT)
+
+
+def test_cache_refuses_a_bound_no_memory_holds_before_any_work() -> None:
+    """A segment of 2**40 would make the cache hold up to 2**40 rows (4.4 TB up front before):
+    its first call raises ValueError naming ``segment_lengths``, the bytes and ``max_length``,
+    and leaves the cache empty. With ``max_length`` the cache is bounded by it and decodes as
+    the full forward (the segment is one segment of the sequence); a call past it raises."""
+    q, k, v = _tensors(24, 4, 2, seed=29)
+    cache = DilatedKVCache([8, 2**40], [1, 2])
+    with pytest.raises(ValueError, match=r"segment_lengths.*bytes.*max_length") as info:
+        dilated_attention(q[:, :3], k[:, :3], v[:, :3], [8, 2**40], [1, 2], is_causal=True,
+                          cache=cache)  # fmt: skip
+    needed = (2**40 + 2**37) * 2 * (2 * 2 * 8 * 8 + 1)  # rows x batch x (keys, values, mask)
+    assert f"{needed:,} bytes" in str(info.value), str(info.value)
+    assert cache.length == 0 and cache.key is None and cache.nbytes == 0
+    full, _ = oracle_dilated_attention(q, k, v, [8, 2**40], [1, 2], is_causal=True)
+    cache, outs, t = DilatedKVCache([8, 2**40], [1, 2], max_length=24), [], 0
+    with torch.no_grad():
+        for size in (5, 1, 1, 9, 1, 7):
+            piece = [x[:, t : t + size] for x in (q, k, v)]
+            outs.append(dilated_attention(*piece, [8, 2**40], [1, 2], is_causal=True,
+                                          cache=cache))  # fmt: skip
+            t += size
+            assert cache.nbytes <= 24 * (2 * 2 * 2 * 8 * 8)
+    torch.testing.assert_close(torch.cat(outs, dim=1), full, **TIGHT)
+    with pytest.raises(ValueError, match=r"max_length=24"):
+        dilated_attention(q[:, :1], k[:, :1], v[:, :1], [8, 2**40], [1, 2], is_causal=True,
+                          cache=cache)  # fmt: skip
+    assert cache.length == 24
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match=r"max_length"):
+            DilatedKVCache([8], [1], max_length=bad)  # type: ignore[arg-type]
+
+
 def test_decoding_reads_a_caches_rows_without_copying_them_whole() -> None:
     """With a batch of 2 a cache's held rows are a non-contiguous view of its buffers; decoding
     gathers each call's rows from that view instead of copying all of it per token."""
