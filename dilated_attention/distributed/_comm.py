@@ -100,6 +100,7 @@ def check_same_on_all_ranks(
     what: str = "ring attention inputs",
     labels: Mapping[str, Sequence[str]] | None = None,
     fixes: Mapping[str, str] | None = None,
+    shown: Sequence[object] | None = None,
 ) -> None:
     """Exchange an error flag and ``values`` (the same count on every rank) in one all-gather,
     then raise on every rank if any rank's inputs were rejected or any value differs.
@@ -118,6 +119,8 @@ def check_same_on_all_ranks(
         labels: for a name whose values are codes, the label of each code (an unknown code
             prints as itself).
         fixes: for a name, the advice that follows its mismatch message (else: shard alike).
+        shown: this rank's readable form of each value (e.g. the schedule a checksum stands
+            for), for the mismatch message; gathered only when some value differs.
 
     Raises:
         Exception: ``local_error``, on its rank.
@@ -146,14 +149,41 @@ def check_same_on_all_ranks(
             f"rank(s) {sorted(failed)} rejected their {what} ({failed}); every rank "
             "must call with valid inputs of the same shape and options"
         )
-    for col, name in enumerate(names, start=1):
-        column = table[:, col].tolist()
-        if len(set(column)) > 1:
-            names_of = (labels or {}).get(name)
-            if names_of is not None:
-                column = [names_of[c] if 0 <= c < len(names_of) else c for c in column]
-            fix = (fixes or {}).get(name) or (
-                "every rank must pass shards of the same shape and the same options; shard with "
-                "dilated_attention.shard_sequence"
-            )
-            raise ValueError(f"{name} differs across ranks ({column} by rank): {fix}")
+    differ = [col for col in range(1, table.shape[1]) if len(set(table[:, col].tolist())) > 1]
+    if differ:  # every rank sees the same table: all of them take this path together
+        everyone: list[Sequence[object] | None] = [None] * size
+        dist.all_gather_object(everyone, None if shown is None else list(shown), group=group)
+        raise ValueError(_mismatch_message(table, differ, names, everyone, labels, fixes))
+
+
+def _mismatch_message(
+    table: torch.Tensor,
+    differ: Sequence[int],
+    names: Sequence[str],
+    shown: Sequence[Sequence[object] | None],
+    labels: Mapping[str, Sequence[str]] | None,
+    fixes: Mapping[str, str] | None,
+) -> str:
+    """What :func:`check_same_on_all_ranks` says when the columns ``differ`` of ``table`` (one
+    row per rank: the error flag, then the values) differ: each one's values by rank, readable
+    where ``shown`` (per rank, or None) or ``labels`` say how, then the advice."""
+    parts, advice = [], []
+    for col in differ:
+        name = names[col - 1]
+        names_of = (labels or {}).get(name)
+        column: list[object] = []
+        for rank, code in enumerate(table[:, col].tolist()):
+            if shown[rank] is not None:
+                column.append(shown[rank][col - 1])  # type: ignore[index]
+            elif names_of is not None and 0 <= code < len(names_of):
+                column.append(names_of[code])
+            else:
+                column.append(code)
+        parts.append(f"{name} differs across ranks ({column} by rank)")
+        fix = (fixes or {}).get(name) or (
+            "every rank must pass shards of the same shape and the same options; shard with "
+            "dilated_attention.shard_sequence"
+        )
+        if fix not in advice:
+            advice.append(fix)
+    return f"{'; '.join(parts)}: {'; '.join(advice)}"

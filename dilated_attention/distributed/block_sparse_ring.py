@@ -33,7 +33,6 @@ m positions exchanged by a pair of ranks.
 from __future__ import annotations
 
 import functools
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -65,8 +64,13 @@ from ..core.engine import (
     run_forward,
 )
 from ..core.higher_order import ring_message
+from ..core.schedule_state import (
+    BlockSparseScheduleState,
+    block_sparse_schedule,
+    describe_schedule,
+)
 from ..modules import BlockSparseMultiheadAttention, build_block_sparse_kind
-from ..patterns import Custom, Intersection, Pattern, Union, check_pattern
+from ..patterns import Pattern, check_pattern
 from . import _comm
 from .ring import (
     AgreedForward,
@@ -291,16 +295,6 @@ class BlockSparseRingRunner(FirstOrderOnly):
         return finished_grads(q, dq, dkv)
 
 
-def _fingerprint(pattern: Pattern) -> object:
-    """A value equal on two ranks exactly when their patterns are (checked across ranks)."""
-    if isinstance(pattern, Custom):
-        mask = pattern.mask
-        return ("Custom", tuple(mask.shape), zlib.crc32(mask.to(torch.uint8).numpy().tobytes()))
-    if isinstance(pattern, (Union, Intersection)):
-        return (type(pattern).__name__, tuple(_fingerprint(p) for p in pattern.patterns))
-    return repr(pattern)
-
-
 _DILATED_SCHEDULE = "schedule (segment_lengths, dilation_rates)"
 
 
@@ -356,7 +350,7 @@ def block_sparse_ring_attention(
         if isinstance(query, torch.Tensor) and query.dim() == 4:
             blocks = num_blocks(query.shape[1] * _comm.group_rank_and_size(group)[1], size)
             checked.block_mask(blocks, blocks)  # a Custom mask of the wrong size fails here
-        return (size, _fingerprint(checked))
+        return describe_schedule(block_sparse_schedule(checked, size))  # readable, exact
 
     try:
         q, k, v, setup, kernel = prepare_ring(
@@ -381,7 +375,7 @@ def block_sparse_ring_attention(
     return (out, lse) if return_lse else out
 
 
-class BlockSparseRingAttention(nn.Module):
+class BlockSparseRingAttention(BlockSparseScheduleState, nn.Module):
     """Block-sparse attention over a sharded sequence; see :func:`block_sparse_ring_attention`.
 
     ``BlockSparseRingDilatedAttention``, the earlier package's name, is an alias. Dilation is

@@ -20,8 +20,7 @@ Shape legend: B batch, n local tokens, H query heads, Hkv key/value heads, D hea
 
 from __future__ import annotations
 
-import struct
-import zlib
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, NoReturn
@@ -44,6 +43,7 @@ from ..core.engine import (
     run_forward,
 )
 from ..core.higher_order import ring_message
+from ..core.schedule_state import describe_schedule, dilated_schedule
 from ._comm import (
     check_same_on_all_ranks,
     exchange,
@@ -52,7 +52,7 @@ from ._comm import (
     ring_all_gather,
     wait_all,
 )
-from .sharding import LAYOUTS, check_layout, chunks_of, chunks_per_rank
+from .sharding import check_layout, chunks_of, chunks_per_rank
 
 COMMS = ("ring", "allgather")
 
@@ -378,20 +378,12 @@ class RingRunner(FirstOrderOnly):
         return finished_grads(q, dq, dkv)
 
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "meta")
 _GRAD_MODE = "grad mode (1: grad enabled and an input requires grad, so a backward may follow)"
 _FIELDS = (
     "local seq_len", "batch", "query heads", "key/value heads", "head_dim", "dtype", "is_causal",
     "layout", "comm", "scale", "backend", "schedule (segment_lengths, dilation_rates)",
     "key_padding_mask given (0/1)", "device type", _GRAD_MODE,
 )  # fmt: skip
-_LABELS = {
-    "dtype": [str(t) for t in _DTYPES],
-    "layout": list(LAYOUTS),
-    "comm": list(COMMS),
-    "device type": list(_DEVICE_TYPES),
-}
 _FIXES = {
     _GRAD_MODE: (
         "every rank must call in the same grad mode: all under torch.no_grad() (or with inputs "
@@ -401,12 +393,22 @@ _FIXES = {
 }
 
 
-def _float_bits(x: float | None) -> int:
-    return -1 if x is None else struct.unpack("<q", struct.pack("<d", x))[0]
+def _digest(value: object) -> int:
+    """What the ranks compare for ``value``: an int (or bool) itself, else 63 bits of a hash of
+    its ``repr`` (exact for floats: their ``repr`` round-trips)."""
+    if isinstance(value, int):
+        return int(value)
+    digest = hashlib.blake2b(repr(value).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
-def _crc(value: object) -> int:
-    return zlib.crc32(repr(value).encode())
+def _schedule_text(schedule: object) -> str | None:
+    """What ``check_schedule`` returned, readable: a dilated ``(segments, rates)`` pair, or the
+    text a block-sparse check gives; ``None`` without a schedule."""
+    if schedule is None or isinstance(schedule, str):
+        return schedule
+    segments, rates = schedule  # type: ignore[misc]
+    return describe_schedule(dilated_schedule(segments, rates))
 
 
 def prepare_ring(
@@ -431,8 +433,9 @@ def prepare_ring(
     one or none.
 
     Each rank checks its own inputs, then all ranks exchange one small summary (a fixed number of
-    integers: an error flag, shapes, dtype, device type, options, grad mode, a checksum of what
-    ``check_schedule`` validates and returns, e.g. the dilated branches). A rank whose
+    integers: an error flag, shapes, dtype, device type, options, grad mode, a hash of what
+    ``check_schedule`` validates and returns, e.g. the dilated branches; where a field differs,
+    the message shows every rank's value readably, schedules included). A rank whose
     inputs were rejected raises its own error and every other rank a ``ValueError`` naming it, and
     any field that differs between ranks raises on every rank: never a hang. Grad mode (grad
     enabled and an input requires grad) is part of the summary because the backward communicates:
@@ -444,7 +447,8 @@ def prepare_ring(
     """
     rank, size = group_rank_and_size(group)
     error: Exception | None = None
-    fields = [0] * len(_FIELDS)
+    fields: list[int] = [0] * len(_FIELDS)
+    shown: list[object] | None = None  # readable, for a mismatch message
     try:
         q, k, v = V.check_qkv(query, key, value, same_length=True)  # first, as in one process
         schedule = check_schedule() if check_schedule is not None else None
@@ -473,25 +477,18 @@ def prepare_ring(
             q, k, is_causal=is_causal, has_mask=has_mask, branch_slots=slots
         )
         kernel = registry_for(operation).select(inputs, backend)
-        dtype_code = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else len(_DTYPES)
-        device_type = q.device.type
-        device_code = (
-            _DEVICE_TYPES.index(device_type)
-            if device_type in _DEVICE_TYPES
-            else len(_DEVICE_TYPES) + _crc(device_type)
-        )
         # A rank that records no graph never runs the ring backward: its peers' backward would
         # wait for it until the process group's timeout.
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        fields = [
-            n, q.shape[0], q.shape[2], k.shape[2], q.shape[3], dtype_code, int(is_causal),
-            LAYOUTS.index(layout), COMMS.index(comm), _float_bits(checked_scale),
-            _crc(check_backend_name(backend)), _crc(schedule), int(has_mask), device_code,
-            int(needs_grad),
+        shown = [
+            n, q.shape[0], q.shape[2], k.shape[2], q.shape[3], str(q.dtype), is_causal, layout,
+            comm, checked_scale, check_backend_name(backend) or "auto", _schedule_text(schedule),
+            int(has_mask), q.device.type, int(needs_grad),
         ]  # fmt: skip
+        fields = [_digest(x) for x in shown]
     except Exception as exc:  # any rejection on one rank must reach the others: no hang
         error = exc
-    check_same_on_all_ranks(fields, _FIELDS, group, error, labels=_LABELS, fixes=_FIXES)
+    check_same_on_all_ranks(fields, _FIELDS, group, error, fixes=_FIXES, shown=shown)
     setup = RingSetup(
         rank=rank,
         world_size=size,

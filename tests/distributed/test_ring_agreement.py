@@ -263,3 +263,66 @@ def _index(rank: int, layout: str) -> torch.Tensor:
 
 def test_sharding_helpers_agree_across_ranks(tmp_path: Path) -> None:
     run_world(_sharding_worker, 2, tmp_path, timeout_s=TIMEOUT_S)
+
+
+# -- what a mismatch shows (issue 41, item 11) -----------------------------------------------------
+
+
+def _readable_mismatch_worker(rank: int, world_size: int) -> None:
+    """A field that differs is shown by its values on each rank, readably (schedules, scales,
+    backends, dtypes), not as a checksum; several differing fields are all named."""
+    assert world_size == 2, world_size
+    r0 = rank == 0
+    q, k, v = _qkv()
+    eye = torch.eye(4, dtype=torch.bool)
+    dilated = r"schedule \(segment_lengths, dilation_rates\) differs across ranks"
+    sparse = r"schedule \(pattern, block_size\) differs across ranks"
+    cases: list[tuple[str, str, Callable[[], object]]] = [
+        ("segment_lengths (8, 16) / (8, 12)",
+         dilated + r" \(\['segment_lengths=\[8, 16\], dilation_rates=\[1, 2\]', "
+         r"'segment_lengths=\[8, 12\], dilation_rates=\[1, 2\]'\] by rank\)",
+         lambda: ring_dilated_attention(q, k, v, (8, 16 if r0 else 12), (1, 2))),
+        ("dilation_rates (1, 2) / (1, 4)",
+         dilated + r" \(\['segment_lengths=\[8, 16\], dilation_rates=\[1, 2\]', "
+         r"'segment_lengths=\[8, 16\], dilation_rates=\[1, 4\]'\] by rank\)",
+         lambda: ring_dilated_attention(q, k, v, (8, 16), (1, 2 if r0 else 4))),
+        ("LocalWindow(1) / LocalWindow(2)",
+         sparse + r" \(\['pattern=LocalWindow\(window=1\), block_size=4', "
+         r"'pattern=LocalWindow\(window=2\), block_size=4'\] by rank\)",
+         lambda: block_sparse_ring_attention(q, k, v, patterns.LocalWindow(1 if r0 else 2),
+                                             block_size=4)),
+        ("two Custom masks of one shape",
+         sparse + r" \(\['pattern=Custom\(mask of shape \(4, 4\), crc32 [0-9a-f]{8}\), "
+         r"block_size=4', 'pattern=Custom\(mask of shape \(4, 4\), crc32 [0-9a-f]{8}\)",
+         lambda: block_sparse_ring_attention(q, k, v, patterns.Custom(eye if r0 else ~eye),
+                                             block_size=4)),
+        ("scale 0.5 / default", r"scale differs across ranks \(\[0.5, None\] by rank\)",
+         lambda: ring_attention(q, k, v, scale=0.5 if r0 else None)),
+        ("backend math / auto", r"backend differs across ranks \(\['math', 'auto'\] by rank\)",
+         lambda: ring_attention(q, k, v, backend="math" if r0 else None)),
+        ("float64 / float32",
+         r"dtype differs across ranks \(\['torch.float64', 'torch.float32'\] by rank\)",
+         lambda: ring_attention(*(t if r0 else t.float() for t in (q, k, v)))),
+        ("is_causal and scale both differ",
+         r"is_causal differs across ranks \(\[True, False\] by rank\); "
+         r"scale differs across ranks \(\[0.5, 0.25\] by rank\)",
+         lambda: ring_attention(q, k, v, is_causal=r0, scale=0.5 if r0 else 0.25)),
+    ]  # fmt: skip
+    torch.manual_seed(0)
+    layer = RingMultiheadDilatedAttention(EMBED, 2, [4, 16 if r0 else 8], [1, 2])
+    x = torch.randn(BATCH, LOCAL_LEN, EMBED)
+    cases.append(
+        ("the ring layer's schedules",
+         dilated + r" \(\['segment_lengths=\[4, 16\], dilation_rates=\[1, 2\]', "
+         r"'segment_lengths=\[4, 8\], dilation_rates=\[1, 2\]'\] by rank\)",
+         lambda: layer(x, is_causal=True))
+    )  # fmt: skip
+    for what, match, call in cases:
+        with _raises(f"rank {rank}: {what}", match):
+            call()
+    out = ring_dilated_attention(q, k, v, (8, 16), (1, 2))  # still in step
+    assert out.shape == q.shape, f"rank {rank}: {tuple(out.shape)}"
+
+
+def test_mismatch_shows_each_ranks_values(tmp_path: Path) -> None:
+    run_world(_readable_mismatch_worker, 2, tmp_path, timeout_s=TIMEOUT_S)
