@@ -18,6 +18,7 @@ from .block_sparse import block_sparse_attention
 from .block_sparse.plan import check_block_size
 from .config import DilatedConfig, MultiheadDilatedConfig
 from .core.kv_cache import DilatedKVCache
+from .core.schedule_state import BlockSparseScheduleState, DilatedScheduleState
 from .functional import dilated_attention
 from .patterns import Pattern, check_pattern
 from .rotary import RotaryEmbedding
@@ -31,7 +32,7 @@ __all__ = [
 ]
 
 
-class DilatedAttention(nn.Module):
+class DilatedAttention(DilatedScheduleState, nn.Module):
     """Dilated attention over (B, N, H, D) tensors; see :func:`dilated_attention`.
 
     Args:
@@ -616,7 +617,7 @@ class MultiheadDilatedAttention(MultiheadAttention):
         return cls(**config.kwargs(), device=device, dtype=dtype)
 
 
-class BlockSparseAttention(nn.Module):
+class BlockSparseAttention(BlockSparseScheduleState, nn.Module):
     """Block-sparse attention over (B, N, H, D) tensors; see :func:`block_sparse_attention`.
 
     Args:

@@ -68,7 +68,10 @@ def swap_attention(encoder: nn.TransformerEncoder, segments: list[int], rates: l
         old = layer.self_attn
         if isinstance(old, MultiheadDilatedAttention):  # already swapped: a new schedule only
             new = _dilated(old, segments, rates, bias=old.out_proj.bias is not None)
-            new.load_state_dict(old.state_dict())  # same parameter names and shapes
+            # Same parameter names and shapes; the state dict also stores the schedule it was
+            # built with, and loading refuses another: leave that entry out to change it.
+            weights = {k: v for k, v in old.state_dict().items() if not k.endswith("_extra_state")}
+            new.load_state_dict(weights)
             layer.self_attn = new
         else:
             layer.self_attn = dilated_from_stock(old, segments, rates)

@@ -276,6 +276,28 @@ def _read_payload(path: Path) -> memoryview:
     return payload
 
 
+def _keeping_schedule(saved: LongNetConfig, config: LongNetConfig, where: str) -> LongNetConfig:
+    """``config`` (``saved`` with the overrides), if it keeps the saved attention schedule: the
+    weights were trained for it (Note [Schedule in the state dict] in core/schedule_state.py).
+
+    Raises:
+        ValueError: the overrides change ``segment_lengths`` or ``dilation_rates``.
+    """
+    before = (saved.segment_lengths, saved.dilation_rates)
+    after = (config.segment_lengths, config.dilation_rates)
+    if before != after:
+        raise ValueError(
+            f"overrides change the attention schedule of {where} from segment_lengths="
+            f"{before[0]}, dilation_rates={before[1]} to segment_lengths={after[0]}, "
+            f"dilation_rates={after[1]}; its weights were trained for their schedule. To run them "
+            f"under another one on purpose, load the checkpoint as saved, build the model with "
+            f"the new schedule and copy the weights without their stored schedules: "
+            f"new.load_state_dict({{k: v for k, v in ckpt.model.state_dict().items() if not "
+            f"k.endswith('_extra_state')}})"
+        )
+    return config
+
+
 def load_checkpoint(
     path: str | os.PathLike[str],
     *,
@@ -303,8 +325,9 @@ def load_checkpoint(
         CheckpointError: (a ``ValueError``) the file is empty, truncated, corrupted (checksum
             mismatch), not a checkpoint, or its contents do not fit a :class:`LongNetLM`; the
             message says which and what to do.
-        ValueError: ``overrides`` names an unknown field or gives an invalid value, or
-            ``device`` is not a device available here.
+        ValueError: ``overrides`` names an unknown field, gives an invalid value or changes
+            the attention schedule (``segment_lengths``, ``dilation_rates``), or ``device`` is
+            not a device available here.
         TypeError: ``path`` is not a path.
     """
     path = _as_path("path", path)
@@ -337,13 +360,13 @@ def load_checkpoint(
             raise ValueError(
                 f"overrides names unknown LongNetConfig fields {unknown}; fields: {sorted(known)}"
             )
-        config = dataclasses.replace(config, **overrides)
+        config = _keeping_schedule(config, dataclasses.replace(config, **overrides), where)
     model = LongNetLM(config)
     if payload.get("dtype"):
         model.to(getattr(torch, payload["dtype"]))
     try:
         model.load_state_dict(payload["model"])
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError) as exc:  # ValueError: a stored schedule not the config's
         raise CheckpointError(
             f"{where}: its weights do not fit the LongNetLM its config describes ({exc})"
         ) from exc
