@@ -273,6 +273,45 @@ def test_func_unsupported_raise_clearly() -> None:
     assert not torch.equal(out[0], out[1])  # each mapped element drew its own mask
 
 
+#: What differentiating a gradient taken under torch.compile raises, per compile backend.
+SECOND_ORDER_ERRORS = {
+    # AOTAutograd (behind torch.compile's default "inductor" too): any function, SDPA included.
+    "aot_eager": r"torch\.compile with aot_autograd does not currently support double backward",
+    # Dynamo alone reaches our operator's backward, which names the eager alternative.
+    "eager": r"first-order gradients only.*torch\.autograd\.grad\(\.\.\., create_graph=True\)",
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "backend"),
+    [(name, backend) for name in CALLS for backend in SECOND_ORDER_ERRORS]
+    + [("torch sdpa", "aot_eager")],
+)
+def test_compile_takes_no_higher_order_gradients(name: str, backend: str) -> None:
+    """Under torch.compile, ``create_graph=True`` still gives the exact first-order gradients;
+    differentiating them raises, never a silent ``None`` (``allow_unused=True``). A torch limit
+    (torch's own SDPA raises the same under AOTAutograd); eager autograd takes them."""
+    if name == "torch sdpa":
+        call: Callable[..., Any] = lambda q, k, v: F.scaled_dot_product_attention(  # noqa: E731
+            *(x.transpose(1, 2) for x in (q, k, v)), is_causal=True, enable_gqa=True
+        ).transpose(1, 2)
+    else:
+        call = CALLS[name]
+    q, k, v = (t.requires_grad_() for t in _qkv())
+
+    def first(fn: Callable[..., Any]) -> torch.Tensor:
+        out = fn(q, k, v)
+        out = out[0] if isinstance(out, tuple) else out
+        return torch.autograd.grad(out.square().sum(), q, create_graph=True)[0]
+
+    grad = first(_compile(call, backend))
+    torch.testing.assert_close(grad, first(call), **EXACT)
+    for allow_unused in (False, True):
+        with pytest.raises(RuntimeError, match=SECOND_ORDER_ERRORS[backend]):
+            penalty = grad.square().sum()
+            torch.autograd.grad(penalty, (q, k), allow_unused=allow_unused, retain_graph=True)
+
+
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore::FutureWarning")
 def test_jit_trace_raises_clearly() -> None:
     q, k, v = _qkv(n=16)
