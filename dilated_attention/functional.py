@@ -154,9 +154,10 @@ def attention(
         ``out`` (B, Nq, H, D) in the input dtype, or ``(out, lse)`` with ``lse`` (B, H, Nq) float32
         (float64 for float64 inputs), detached. Rows that see no key give 0 and ``lse = -inf``.
         A batch of 0 (or 0 heads) gives empty tensors, and empty gradients in backward.
-        Higher-order gradients (``create_graph=True``) are exact on every backend; with
-        ``dropout_p > 0`` differentiating the gradients raises ``RuntimeError`` (Note [Double
-        backward] in ``core/higher_order.py``).
+        Higher-order gradients (``create_graph=True``) are exact on every backend in eager mode
+        (``torch.compile`` cannot take them, a torch limit; it raises); with ``dropout_p > 0``
+        differentiating the gradients raises ``RuntimeError`` (Note [Double backward] in
+        ``core/higher_order.py``).
 
     Raises:
         ValueError / TypeError: malformed inputs (including ``seq_len`` 0), before any work;
@@ -249,7 +250,8 @@ def dilated_attention(
         (float64 for float64 inputs), detached. Rows no branch covers, or whose keys are all masked,
         give 0 and ``lse = -inf``. A batch of 0 (or 0 heads) gives empty tensors, and empty
         gradients in backward. Higher-order gradients (``create_graph=True``) are exact on every
-        backend; with ``dropout_p > 0`` differentiating the gradients raises ``RuntimeError``.
+        backend in eager mode (``torch.compile`` cannot take them, a torch limit; it raises); with
+        ``dropout_p > 0`` differentiating the gradients raises ``RuntimeError``.
 
     Raises:
         ValueError / TypeError: malformed inputs (including ``seq_len`` 0), before any work;
