@@ -4,27 +4,35 @@
     from dilated_attention.integrations.transformers import use_dilated_attention
 
     use_dilated_attention(model, segment_lengths=[2048, 4096], dilation_rates=[1, 2])
+    model.save_pretrained(path)
+    model = load_dilated_pretrained(AutoModelForCausalLM, path)  # reloads it dilated
 
 Note [Hugging Face attention]
     transformers calls an attention function per layer with (B, H, Nq, D) queries and
     (B, Hkv, Nk, D) keys and values (in decoding, the cache's), and the mask that the mask
     function registered under the same name built. :func:`register` adds
-    :func:`attention_forward` with transformers' 2-D padding mask function (the one of its flash
-    attention): the mask arrives as (B, Nk) bool, ``True`` for a real token, or ``None`` when
-    nothing is padded. The (B, H, N, D) tensors are read as (B, N, H, D) views, without a copy.
+    :func:`attention_forward` with :func:`padding_mask`: the mask arrives as (B, Nk) bool,
+    ``True`` for a real token, or ``None`` when no mask was given. The (B, H, N, D) tensors are
+    read as (B, N, H, D) views, without a copy.
 
-    A dilated layer cuts segments by position, so a padded row must be computed on its own
-    tokens, not on the padded tensor (left padding would shift every segment: logits off by 20
-    in a first attempt). Rows are grouped by the span ``[start, end)`` of their real keys; each
-    group is one call on that span, which is exactly that sequence alone. The queries are the
-    last ``Nq`` key positions (prefill: all of them; decoding: the new tokens); query rows outside
-    their span are padding and give zeros. A mask whose real keys do not form one span (packed
-    sequences) raises ``ValueError``. A static cache's slots past the mask's length are unfilled
-    and are left out.
+    A dilated layer cuts segments by position, so a padded row is computed on its own tokens
+    (Note [Padded rows shifted to the start] in ``_transformers_paths.py``; left padding would
+    otherwise shift every segment: logits off by 20 in a first attempt). The queries are the
+    last ``Nq`` key positions (prefill: all of them; decoding: the new tokens); query rows
+    outside their span are padding and give zeros. A mask whose real keys do not form one span
+    (packed sequences) raises ``ValueError``. A static cache's slots past the mask's length are
+    unfilled and are left out. A decoder's cross-attention runs dense over the encoder's keys
+    (Note [Cross-attention in encoder-decoder models]); layers dilated attention cannot compute
+    raise, or with ``keep_unsupported_layers`` run transformers' attention (Note [Layers kept
+    on transformers' attention]).
 
-    The schedule lives in the model's config: ``dilated_segment_lengths`` and
+    The schedule lives in the model's config (every config object its modules hold: an
+    encoder-decoder model may give each half a copy): ``dilated_segment_lengths`` and
     ``dilated_dilation_rates``, one list for every layer or one list per layer (read at
-    ``module.layer_idx``), so a saved model keeps it.
+    ``module.layer_idx``), so a saved model keeps it. The config also names this implementation
+    (``attn_implementation``), so that ``from_pretrained`` of a saved model asks for it (an
+    unregistered name is transformers' ``ValueError``) instead of running SDPA silently;
+    :func:`load_dilated_pretrained` registers it and loads.
 """
 
 from __future__ import annotations
@@ -37,17 +45,22 @@ from torch import nn
 
 from .. import _validation as V
 from ..functional import dilated_attention
+from . import _transformers_paths as P
 
 #: The attention implementation name under which :func:`register` adds the functions.
 NAME = "dilated"
 #: Config attributes holding the schedule (Note [Hugging Face attention]).
 SEGMENTS_ATTR, RATES_ATTR = "dilated_segment_lengths", "dilated_dilation_rates"
-#: Config attribute: whether position ids are checked for packed sequences (default True).
+#: Config attribute: whether position ids and masks are checked for packed sequences.
 CHECK_POSITIONS_ATTR = "dilated_check_positions"
+#: Config attribute: whether layers dilated attention cannot compute run transformers' attention.
+KEEP_ATTR = "dilated_keep_unsupported_layers"
+#: Config attribute naming the implementation in a saved config (Note [Hugging Face attention]).
+IMPLEMENTATION_ATTR = "attn_implementation"
 
 
 def register(name: str = NAME) -> str:
-    """Register :func:`attention_forward` and its 2-D padding mask function with transformers'
+    """Register :func:`attention_forward` and :func:`padding_mask` with transformers'
     ``AttentionInterface`` / ``AttentionMaskInterface`` under ``name``; returns ``name``.
 
     Raises:
@@ -55,15 +68,28 @@ def register(name: str = NAME) -> str:
     """
     try:
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+        from transformers.masking_utils import AttentionMaskInterface
     except ImportError as exc:
         raise ImportError(
             f"dilated_attention.integrations.transformers needs transformers: pip install "
             f"transformers ({exc})"
         ) from exc
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, flash_attention_mask)
+    AttentionMaskInterface.register(name, padding_mask)
     return name
+
+
+def padding_mask(
+    batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+    mask_function: Any = None, attention_mask: torch.Tensor | None = None, **kwargs: Any,
+) -> torch.Tensor | None:  # fmt: skip
+    """transformers' mask-function contract: the (B, kv_length) bool padding mask (``True`` for
+    a real token; a static cache's mask may be shorter), or ``None`` without one. Unlike
+    transformers' flash-attention mask it never reads the mask's values, which would break a
+    ``torch.compile`` graph; :func:`attention_forward` checks them where it runs eagerly."""
+    if attention_mask is None:
+        return None
+    return attention_mask[:, -kv_length:].bool()
 
 
 def use_dilated_attention(
@@ -72,23 +98,32 @@ def use_dilated_attention(
     dilation_rates: Sequence[int] | Sequence[Sequence[int]],
     *,
     check_positions: bool = True,
+    keep_unsupported_layers: bool = False,
 ) -> nn.Module:
     """Run every attention layer of a transformers ``model`` as dilated attention; returns the
-    model.
+    model. A decoder's cross-attention runs dense over the encoder's keys (Note
+    [Cross-attention in encoder-decoder models]).
 
     Args:
         model: a transformers ``PreTrainedModel``.
         segment_lengths: ``w`` per branch for every layer, or one such list per layer.
         dilation_rates: ``r`` per branch, likewise.
-        check_positions: refuse position ids that restart within a row (packed sequences,
-            which dilated attention would segment wrongly). The check reads the ids, so under
-            ``torch.compile`` it breaks the graph in every layer; pass False, only for models
-            that never see packed rows, for one graph (``fullgraph=True``).
+        check_positions: refuse packed sequences (position ids that restart within a row,
+            masks whose real tokens have gaps), which dilated attention would segment wrongly.
+            The checks read the ids and masks, so under ``torch.compile`` they break the graph
+            in every layer; pass False, only for models that never see packed rows, for one
+            graph (``fullgraph=True``), padded batches included. Eager calls check masks
+            anyway.
+        keep_unsupported_layers: calls that dilated attention cannot compute exactly (a
+            sliding window shorter than the call, soft-capped scores) run transformers' SDPA
+            attention (the model's eager attention for soft-capping) instead of raising.
 
     Raises:
-        ValueError: a bad schedule (per layer: the layer is named), or a per-layer schedule
-            whose length is not the model's number of layers.
-        TypeError: ``model`` is not a transformers model.
+        ValueError: a bad schedule (per layer: the layer is named), a per-layer schedule whose
+            length is not the model's number of layers or in an encoder-decoder model, a model
+            whose attention adds a relative position bias (T5), or a cross-attention layer this
+            integration cannot recognize.
+        TypeError: ``model`` is not a transformers model, or a flag is not a bool.
     """
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
@@ -97,19 +132,95 @@ def use_dilated_attention(
             f"this library's own layers use dilated_attention.create_multihead_dilated_attention"
         )
     segs, rates = _schedule_lists(segment_lengths, dilation_rates)
-    layers = getattr(config, "num_hidden_layers", None)
-    if isinstance(segs[0], list) and layers is not None and len(segs) != layers:
-        raise ValueError(
-            f"a per-layer schedule needs one list per layer: the model has {layers} layers, got "
-            f"{len(segs)} lists of segment_lengths; or pass one list for every layer"
-        )
-    if not isinstance(check_positions, bool):
-        raise TypeError(f"check_positions must be a bool, got {check_positions!r}")
-    setattr(config, SEGMENTS_ATTR, segs)
-    setattr(config, RATES_ATTR, rates)
-    setattr(config, CHECK_POSITIONS_ATTR, check_positions)
+    for flag, value in (("check_positions", check_positions),
+                        ("keep_unsupported_layers", keep_unsupported_layers)):  # fmt: skip
+        if not isinstance(value, bool):
+            raise TypeError(f"{flag} must be a bool, got {value!r}")
+    _check_model(model, config, isinstance(segs[0], list), len(segs))
+    settings = {
+        SEGMENTS_ATTR: segs, RATES_ATTR: rates, CHECK_POSITIONS_ATTR: check_positions,
+        KEEP_ATTR: keep_unsupported_layers, IMPLEMENTATION_ATTR: NAME,
+    }  # fmt: skip
+    for held in _configs(model):
+        for attr, value in settings.items():
+            setattr(held, attr, value)
     model.set_attn_implementation(register())
     return model
+
+
+def load_dilated_pretrained(cls: Any, path: Any, **kwargs: Any) -> nn.Module:
+    """``cls.from_pretrained(path, **kwargs)`` of a model saved after
+    :func:`use_dilated_attention`, running dilated attention with its saved schedule and flags.
+
+    Args:
+        cls: a transformers model class (``AutoModelForCausalLM``, ``LlamaForCausalLM``, ...).
+        path: what ``from_pretrained`` takes (a directory or a hub name).
+        kwargs: ``from_pretrained``'s keyword arguments, except ``attn_implementation``.
+
+    Raises:
+        TypeError: ``attn_implementation`` is given.
+        ValueError: the saved config holds no dilated schedule.
+    """
+    if "attn_implementation" in kwargs:
+        raise TypeError(
+            f"load_dilated_pretrained sets attn_implementation itself, got "
+            f"attn_implementation={kwargs['attn_implementation']!r}; for another implementation "
+            f"call {getattr(cls, '__name__', 'cls')}.from_pretrained directly"
+        )
+    model = cls.from_pretrained(path, attn_implementation=register(), **kwargs)
+    config = model.config
+    segs, rates = getattr(config, SEGMENTS_ATTR, None), getattr(config, RATES_ATTR, None)
+    if segs is None or rates is None:
+        raise ValueError(
+            f"{path} holds no {SEGMENTS_ATTR} / {RATES_ATTR} in its config: save a model "
+            f"prepared with use_dilated_attention, or call use_dilated_attention(model, "
+            f"segment_lengths, dilation_rates) after loading"
+        )
+    return use_dilated_attention(
+        model, segs, rates, check_positions=getattr(config, CHECK_POSITIONS_ATTR, True),
+        keep_unsupported_layers=getattr(config, KEEP_ATTR, False),
+    )  # fmt: skip
+
+
+def _configs(model: nn.Module) -> list[Any]:
+    """Every distinct config object of ``model`` and its modules (encoder-decoder models may
+    give each half a copy)."""
+    found = {id(model.config): model.config}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            found.setdefault(id(config), config)
+    return list(found.values())
+
+
+def _check_model(model: nn.Module, config: Any, per_layer: bool, lists: int) -> None:
+    """Refuse what :func:`use_dilated_attention` cannot run, before any change."""
+    name = type(model).__name__
+    if any(isinstance(getattr(m, "relative_attention_bias", None), nn.Module)
+           for m in model.modules()):  # fmt: skip
+        raise ValueError(
+            f"{name}'s attention adds a learned relative position bias to its scores "
+            f"(T5-style position_bias), which dilated attention does not compute; no layer of "
+            f"it can run dilated exactly: keep this model on sdpa"
+        )
+    unmarked = P.unmarked_cross_attention(model)
+    if unmarked is not None:
+        raise ValueError(
+            f"{name}'s layer {unmarked} looks like cross-attention but does not say so "
+            f"(is_cross_attention, or is_decoder without is_causal): it would run as dilated "
+            f"self-attention; keep this model on sdpa"
+        )
+    if per_layer and getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"{name} is an encoder-decoder model, whose encoder and decoder both count layers "
+            f"from 0: pass one schedule for every layer, not one list per layer"
+        )
+    layers = getattr(config, "num_hidden_layers", None)
+    if per_layer and layers is not None and lists != layers:
+        raise ValueError(
+            f"a per-layer schedule needs one list per layer: the model has {layers} layers, got "
+            f"{lists} lists of segment_lengths; or pass one list for every layer"
+        )
 
 
 def _schedule_lists(segment_lengths: Any, dilation_rates: Any) -> tuple[list, list]:
@@ -155,28 +266,6 @@ def _layer_schedule(module: nn.Module) -> tuple[list[int], list[int]]:
     return segs, rates
 
 
-def _real_spans(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B,) start and end of each row's real keys in a (B, Nk) bool mask (``True`` = real).
-
-    Raises:
-        ValueError: a row's real keys are not one contiguous span.
-    """
-    keys = mask.shape[1]
-    index = torch.arange(keys, device=mask.device)
-    count = mask.sum(dim=1)
-    start = torch.where(mask, index, keys).amin(dim=1)
-    end = torch.where(mask, index + 1, 0).amax(dim=1)
-    broken = (end - start != count) & (count > 0)
-    if bool(broken.any()):
-        row = int(broken.nonzero()[0])
-        raise ValueError(
-            f"dilated attention needs each row's real tokens to be one span (left or right "
-            f"padding); row {row} of the attention mask has gaps. Pad each sequence on one side, "
-            f"or run packed sequences as separate rows"
-        )
-    return start, torch.maximum(end, start)
-
-
 def _filled_keys(
     mask: torch.Tensor | None, positions: torch.Tensor | None, keys: int, check: bool = True
 ) -> int:
@@ -203,6 +292,28 @@ def _filled_keys(
     return min(int(positions[..., -1].max()) + 1, keys)
 
 
+def _refuse_call(module: nn.Module, attention_mask: torch.Tensor | None, kwargs: Any) -> None:
+    """What no layer runs: attention weights, a position bias, a 4-D mask."""
+    name = type(module).__name__
+    if kwargs.get("output_attentions"):
+        raise ValueError(
+            f"output_attentions=True: {name} runs dilated attention, which computes no "
+            f"attention weights to return; call without output_attentions, or load the model "
+            f"with attn_implementation='eager' for dense attention's weights"
+        )
+    if kwargs.get("position_bias") is not None:
+        raise ValueError(
+            f"{name} adds a position bias (position_bias) to its scores, which dilated "
+            f"attention does not compute; keep this model on sdpa"
+        )
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(
+            f"dilated attention takes a 2-D padding mask, got a {attention_mask.dim()}-D mask; "
+            f"enable it with use_dilated_attention(...) (which registers the mask function "
+            f"too), not by setting the attention implementation alone"
+        )
+
+
 def attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -221,7 +332,7 @@ def attention_forward(
         module: the calling attention module (its ``config`` holds the schedule; ``is_causal``
             and ``layer_idx`` are read when present).
         query: (B, H, Nq, D); key, value: (B, Hkv, Nk, D), Nq <= Nk (the queries are the last
-            positions).
+            positions; for cross-attention, the encoder's keys).
         attention_mask: (B, Nk') bool, ``True`` for real tokens (Nk' <= Nk: a static cache's
             filled slots), or None.
         dropout, scaling: attention-probability dropout and softmax scale.
@@ -231,44 +342,38 @@ def attention_forward(
         ``(out, None)`` with out (B, Nq, H, D).
 
     Raises:
-        ValueError: a 4-D mask, sliding-window or soft-capped layers, a padding mask with gaps,
-            or (from :func:`~dilated_attention.dilated_attention`) non-causal queries shorter
-            than the keys.
+        ValueError: ``output_attentions=True``, a position bias, a 4-D mask, a sliding window
+            shorter than the call or soft-capped scores (unless the model keeps such layers),
+            a padding mask with gaps, or (from :func:`~dilated_attention.dilated_attention`)
+            non-causal queries shorter than the keys.
     """
-    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
-        raise ValueError(
-            f"{type(module).__name__} uses a sliding window or soft-capping, which dilated "
-            f"attention does not compute; give such layers a one-branch schedule of their window "
-            f"with the library's own modules, or keep them on sdpa"
-        )
+    _refuse_call(module, attention_mask, kwargs)
+    config = getattr(module, "config", None)
+    check = getattr(config, CHECK_POSITIONS_ATTR, True)
+    run = {"scale": scaling, "dropout_p": dropout}
+    if P.is_cross_attention(module):
+        filled = _filled_keys(attention_mask, None, key.shape[2])
+        q, k, v = (x.transpose(1, 2) for x in (query, key[:, :, :filled], value[:, :, :filled]))
+        return P.cross_attention(q, k, v, attention_mask, run), None
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
-    segs, rates = _layer_schedule(module)
+    reason = P.unsupported_reason(module, key.shape[2], kwargs)
+    filled = _filled_keys(attention_mask, kwargs.get("position_ids"), key.shape[2], check)
+    key, value = key[:, :, :filled], value[:, :, :filled]  # a static cache's unfilled slots
+    if reason is not None:
+        if not getattr(config, KEEP_ATTR, False):
+            raise ValueError(
+                f"{reason}: dilated attention cannot compute this call exactly; pass "
+                f"keep_unsupported_layers=True to use_dilated_attention to run such calls on "
+                f"transformers' attention, or keep the model on sdpa"
+            )
+        return P.kept_attention(
+            module, query, key, value, attention_mask, causal=causal, dropout=dropout,
+            scaling=scaling, kwargs=kwargs,
+        ), None  # fmt: skip
+    schedule = _layer_schedule(module)
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, N, H, D) views
-    if attention_mask is not None and attention_mask.dim() != 2:
-        raise ValueError(
-            f"dilated attention takes transformers' 2-D padding mask, got a "
-            f"{attention_mask.dim()}-D mask; enable it with use_dilated_attention(...) (which "
-            f"registers the mask function too), not by setting the attention implementation alone"
-        )
-    check = getattr(getattr(module, "config", None), CHECK_POSITIONS_ATTR, True)
-    filled = _filled_keys(attention_mask, kwargs.get("position_ids"), k.shape[1], check)
-    k, v = k[:, :filled], v[:, :filled]  # a static cache's unfilled slots are left out
-    run = {"is_causal": causal, "scale": scaling, "dropout_p": dropout}
-    if attention_mask is None or bool(attention_mask.all()):
-        return dilated_attention(q, k, v, segs, rates, **run), None
-    start, end = _real_spans(attention_mask.bool())
-    first_query = k.shape[1] - q.shape[1]
-    out = q.new_zeros(q.shape)
-    spans = torch.stack([start, end], dim=1)
-    for span in torch.unique(spans, dim=0).tolist():
-        s, e = span
-        rows = (spans == spans.new_tensor(span)).all(dim=1).nonzero().flatten()
-        q_lo = max(first_query, s)
-        if q_lo >= e:
-            continue  # every query of these rows is padding
-        part = dilated_attention(
-            q[rows, q_lo - first_query : e - first_query], k[rows, s:e], v[rows, s:e], segs,
-            rates, **run,
-        )  # fmt: skip
-        out[rows, q_lo - first_query : e - first_query] = part
-    return out, None
+    run["is_causal"] = causal
+    compiling = torch.compiler.is_compiling()
+    if attention_mask is None or (not compiling and bool(attention_mask.all())):
+        return dilated_attention(q, k, v, *schedule, **run), None
+    return P.padded_rows(q, k, v, attention_mask, schedule, run, check or not compiling), None

@@ -153,19 +153,67 @@ def test_what_dilated_attention_cannot_run_raises() -> None:
 @pytest.mark.slow
 def test_compiles_to_one_graph_without_the_position_check() -> None:
     """With ``check_positions=False`` a Llama-style model compiles to one graph
-    (``fullgraph=True``) whose logits equal eager ones; the default check reads the position
-    ids, which breaks the graph."""
+    (``fullgraph=True``), padded batches included, whose logits equal eager ones at the real
+    tokens; the default checks read the position ids and masks, which breaks the graph."""
     model = dilated_hf.use_dilated_attention(_llama().float(), *SCHEDULE, check_positions=False)
-    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        eager = model(ids).logits
-        explained = torch._dynamo.explain(model)(ids)
-        compiled = torch.compile(model, fullgraph=True)(ids).logits
-    assert explained.graph_count == 1 and explained.graph_break_count == 0
-    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+    ids = torch.randint(0, VOCAB, (3, 40), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(3, 40, dtype=torch.long)
+    mask[1, :9] = 0  # left-padded
+    mask[2, 31:] = 0  # right-padded
+    padded = {"attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0)}
+    real = mask.bool()
+    for run in ({}, padded):
+        torch._dynamo.reset()
+        with torch.no_grad():
+            eager = model(ids, **run).logits
+            explained = torch._dynamo.explain(model)(ids, **run)
+            compiled = torch.compile(model, fullgraph=True)(ids, **run).logits
+        assert explained.graph_count == 1 and explained.graph_break_count == 0, run.keys()
+        torch.testing.assert_close(compiled[real], eager[real], atol=1e-5, rtol=1e-5)
     checked = dilated_hf.use_dilated_attention(_llama().float(), *SCHEDULE)
     with torch.no_grad():
         assert torch._dynamo.explain(checked)(ids).graph_break_count > 0
+        assert torch._dynamo.explain(checked)(ids, **padded).graph_break_count > 0
+
+
+def test_output_attentions_is_refused() -> None:
+    """Dilated attention computes no weights: ``output_attentions=True`` raises instead of
+    returning an empty tuple."""
+    model = dilated_hf.use_dilated_attention(_llama(), *SCHEDULE)
+    with pytest.raises(ValueError, match=r"output_attentions=True: LlamaAttention runs dilated "
+                                         r"attention.*attn_implementation='eager'"):  # fmt: skip
+        model(torch.randint(0, VOCAB, (1, 12)), output_attentions=True)
+
+
+def test_a_saved_model_reloads_dilated_by_one_line_and_never_silently_on_sdpa(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``load_dilated_pretrained`` gives the logits of the model before saving; a plain
+    ``from_pretrained`` without the registration raises transformers' ValueError naming the
+    implementation (it ran SDPA silently before); an explicit ``attn_implementation`` is
+    obeyed."""
+    model = dilated_hf.use_dilated_attention(
+        _llama(), [[8, 16], [64]], [[1, 2], [1]], keep_unsupported_layers=True
+    )
+    ids = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(4))
+    before = model(ids).logits
+    model.save_pretrained(tmp_path)
+    cls = transformers.LlamaForCausalLM
+    loaded = dilated_hf.load_dilated_pretrained(cls, tmp_path, dtype=torch.float64)
+    assert torch.equal(loaded(ids).logits, before)
+    assert getattr(loaded.config, dilated_hf.KEEP_ATTR) is True
+    sdpa = cls.from_pretrained(tmp_path, dtype=torch.float64, attn_implementation="sdpa")
+    assert not torch.allclose(sdpa(ids).logits, before)
+    for interface in (transformers.AttentionInterface,
+                      transformers.masking_utils.AttentionMaskInterface):  # fmt: skip
+        monkeypatch.delitem(interface._global_mapping, dilated_hf.NAME)
+    with pytest.raises(ValueError, match=r'attn_implementation="dilated"` is not supported'):
+        cls.from_pretrained(tmp_path)
+    with pytest.raises(TypeError, match=r"load_dilated_pretrained sets attn_implementation"):
+        dilated_hf.load_dilated_pretrained(cls, tmp_path, attn_implementation="sdpa")
+    _llama().save_pretrained(tmp_path / "plain")
+    with pytest.raises(ValueError, match=r"holds no dilated_segment_lengths"):
+        dilated_hf.load_dilated_pretrained(cls, tmp_path / "plain")
 
 
 def test_per_layer_schedules_are_read_at_each_layer() -> None:

@@ -1,0 +1,243 @@
+"""The computing paths of the transformers integration (``integrations/transformers.py``):
+self-attention on padded rows, cross-attention over an encoder's keys, and layers kept on
+transformers' own attention. Tensors: q (B, Nq, H, D) and k, v (B, Nk, Hkv, D) views unless a
+function says it takes transformers' (B, H, N, D) layout.
+
+Note [Padded rows shifted to the start]
+    Dilated attention cuts segments by position, so a padded row is computed on its own tokens:
+    its real span ``[start, end)`` is rotated to ``[0, end - start)`` (a gather), the batch runs
+    as one call whose key padding mask hides each row's tail, and the output is rotated back,
+    its padding rows set to zero. Each real row then equals its sequence alone: segments start
+    at the row's first real token, and a segment that reaches into the hidden tail holds the
+    same real rows as the shorter last segment of the sequence alone (Note [Effective
+    branches] in ``core/segment.py``: ``w`` past the end is one segment). Nothing here reads a
+    tensor's values on the host, so ``torch.compile`` keeps one graph; the check that a mask
+    has no gaps does read them.
+
+    A decoding call (fewer queries than keys) cannot be rotated this way, since its queries are
+    the last key positions of every row: its rows are grouped by span instead, one call per
+    group on that span (which reads the spans on the host).
+
+Note [Cross-attention in encoder-decoder models]
+    A decoder's cross-attention reads the encoder's keys: query positions and key positions are
+    of different sequences, so dilated segments (which pair rows by position) have no meaning
+    there. It runs as dense attention over the encoder's keys with the encoder's padding mask,
+    which is what the model computes with SDPA. A layer is taken for cross-attention when it says
+    so (``is_cross_attention``), when its class is a ``CrossAttention``, or when it is a
+    decoder's layer that is not causal (BART, Whisper and their copies); a layer stored under a
+    cross-attention name (``encoder_attn``, ``crossattention``, ...) that none of these marks is
+    refused up front, so that no cross-attention runs as dilated self-attention.
+
+Note [Layers kept on transformers' attention]
+    A sliding window covers the whole call when the call has fewer keys than the window (a
+    cache that dropped tokens holds at least ``window`` keys), and the layer is then plain
+    causal attention: it runs dilated. A longer call, or soft-capped scores, cannot be computed
+    by dilated attention; with ``keep_unsupported_layers`` such a call runs transformers' SDPA
+    attention (the model's own eager attention for soft-capping) with the mask the layer would
+    get from transformers: key ``j`` is seen by query ``i`` (both tensor positions, the queries
+    being the last ones) when it is real, ``j <= i`` if causal, and ``i - j < window``. Query
+    rows that see no key are padding and give zeros, as on the dilated path.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..functional import attention, dilated_attention
+
+#: Names under which transformers models store cross-attention layers (Note [Cross-attention
+#: in encoder-decoder models]).
+CROSS_ATTENTION_NAMES = frozenset(
+    {"encoder_attn", "crossattention", "cross_attn", "cross_attention", "EncDecAttention"}
+)
+
+
+def is_cross_attention(module: nn.Module) -> bool:
+    """Whether transformers calls ``module`` with an encoder's keys (Note [Cross-attention in
+    encoder-decoder models])."""
+    flag = getattr(module, "is_cross_attention", None)
+    if isinstance(flag, bool):
+        return flag
+    if "CrossAttention" in type(module).__name__:
+        return True
+    return bool(getattr(module, "is_decoder", False)) and not bool(
+        getattr(module, "is_causal", True)
+    )
+
+
+def unmarked_cross_attention(model: nn.Module) -> str | None:
+    """The name of a transformers layer of ``model`` (one holding a ``config``) stored under a
+    cross-attention name that :func:`is_cross_attention` does not mark, or ``None``."""
+    for name, module in model.named_modules():
+        named_cross = name.rsplit(".", 1)[-1] in CROSS_ATTENTION_NAMES
+        if named_cross and hasattr(module, "config") and not is_cross_attention(module):
+            return name
+    return None
+
+
+def cross_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+    run: dict[str, Any],
+) -> torch.Tensor:  # fmt: skip
+    """Dense attention of (B, Nq, H, D) decoder queries over (B, Nk, Hkv, D) encoder keys, with
+    the (B, Nk) encoder mask (``True`` = real), or None; (B, Nq, H, D)."""
+    ignore = None if mask is None else ~mask
+    return attention(q, k, v, key_padding_mask=ignore, **run)
+
+
+def _spans(mask: torch.Tensor, check: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B,) start and length of each row's real keys in a (B, Nk) bool mask (``True`` = real);
+    a row without real keys starts at 0. ``check``: refuse a row whose real keys have gaps (a
+    host read of the mask).
+
+    Raises:
+        ValueError: with ``check``, a row's real keys are not one contiguous span.
+    """
+    keys = mask.shape[1]
+    index = torch.arange(keys, device=mask.device)
+    count = mask.sum(dim=1)
+    start = torch.where(mask, index, keys).amin(dim=1) % keys
+    if check:
+        end = torch.where(mask, index + 1, 0).amax(dim=1)
+        broken = (end - start != count) & (count > 0)
+        if bool(broken.any()):
+            row = int(broken.nonzero()[0])
+            raise ValueError(
+                f"dilated attention needs each row's real tokens to be one span (left or right "
+                f"padding); row {row} of the attention mask has gaps. Pad each sequence on one "
+                f"side, or run packed sequences as separate rows"
+            )
+    return start, count
+
+
+def _rotate(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[b, index[b, p]]`` for (B, N, H, D) ``x`` and (B, N) ``index``."""
+    return x.gather(1, index[:, :, None, None].expand(-1, -1, x.shape[2], x.shape[3]))
+
+
+def padded_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+    schedule: tuple[list[int], list[int]], run: dict[str, Any], check: bool,
+) -> torch.Tensor:  # fmt: skip
+    """Dilated attention of a padded batch, each row on its own tokens (Note [Padded rows
+    shifted to the start]).
+
+    Args:
+        q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D), Nq <= Nk (the queries are the last positions).
+        mask: (B, Nk) bool, ``True`` for a real token.
+        schedule: ``(segment_lengths, dilation_rates)``.
+        run: keyword arguments of :func:`~dilated_attention.dilated_attention`.
+        check: refuse masks with gaps.
+
+    Returns:
+        (B, Nq, H, D), zeros at padding query rows.
+    """
+    if q.shape[1] != k.shape[1]:
+        return _grouped_rows(q, k, v, mask, schedule, run, check)
+    start, count = _spans(mask, check)
+    n = mask.shape[1]
+    index = torch.arange(n, device=mask.device)
+    real = index[None] < count[:, None]  # (B, N) after the rotation
+    src = (index[None] + start[:, None]) % n
+    q, k, v = (_rotate(x, src) for x in (q, k, v))
+    out = dilated_attention(q, k, v, *schedule, key_padding_mask=~real, **run)
+    out = torch.where(real[:, :, None, None], out, out.new_zeros(()))
+    return _rotate(out, (index[None] - start[:, None]) % n)
+
+
+def _grouped_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+    schedule: tuple[list[int], list[int]], run: dict[str, Any], check: bool,
+) -> torch.Tensor:  # fmt: skip
+    """Decoding rows grouped by the span of their real keys, one call per group on that span
+    (Note [Padded rows shifted to the start]); arguments as :func:`padded_rows`."""
+    start, count = _spans(mask, check)
+    first_query = k.shape[1] - q.shape[1]
+    out = q.new_zeros(q.shape)
+    spans = torch.stack([start, start + count], dim=1)
+    for span in torch.unique(spans, dim=0).tolist():
+        s, e = span
+        rows = (spans == spans.new_tensor(span)).all(dim=1).nonzero().flatten()
+        q_lo = max(first_query, s)
+        if q_lo >= e:
+            continue  # every query of these rows is padding
+        part = dilated_attention(
+            q[rows, q_lo - first_query : e - first_query], k[rows, s:e], v[rows, s:e],
+            *schedule, **run,
+        )  # fmt: skip
+        out[rows, q_lo - first_query : e - first_query] = part
+    return out
+
+
+def unsupported_reason(module: nn.Module, keys: int, kwargs: dict[str, Any]) -> str | None:
+    """Why dilated attention cannot compute this call of ``module`` exactly (Note [Layers kept on
+    transformers' attention]), or ``None``; ``keys``: the keys (cache slots included) the call
+    gets."""
+    name = type(module).__name__
+    if kwargs.get("softcap") is not None:
+        return f"{name} soft-caps its attention scores (softcap={kwargs['softcap']})"
+    window = kwargs.get("sliding_window")
+    if window is not None and keys >= window:
+        return (
+            f"{name} attends within a sliding window of {window} tokens, and this call has "
+            f"{keys} keys (a window longer than the keys is plain causal attention, which runs "
+            f"dilated)"
+        )
+    return None
+
+
+def kept_attention(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    mask: torch.Tensor | None, *, causal: bool, dropout: float, scaling: float | None,
+    kwargs: dict[str, Any],
+) -> torch.Tensor:  # fmt: skip
+    """A call of a kept layer on transformers' attention (Note [Layers kept on transformers'
+    attention]).
+
+    Args:
+        query: (B, H, Nq, D); key, value: (B, Hkv, Nk, D) (transformers' layout), Nq <= Nk.
+        mask: (B, Nk) bool, ``True`` for a real token, or None.
+        kwargs: the call's keyword arguments (``sliding_window``, ``softcap``).
+
+    Returns:
+        (B, Nq, H, D), zeros at query rows that see no key.
+
+    Raises:
+        ValueError: soft-capped scores in a model whose module has no ``eager_attention_forward``.
+    """
+    nq, nk, device = query.shape[2], key.shape[2], query.device
+    q_pos = torch.arange(nq, device=device)[:, None] + (nk - nq)
+    k_pos = torch.arange(nk, device=device)[None]
+    visible = k_pos <= q_pos if causal else torch.ones(nq, nk, dtype=torch.bool, device=device)
+    window = kwargs.get("sliding_window")
+    if window is not None:
+        visible = visible & (k_pos > q_pos - window)
+    visible = visible[None, None].expand(query.shape[0], 1, nq, nk)
+    if mask is not None:
+        visible = visible & mask[:, None, None, :]
+    seen = visible.any(dim=-1, keepdim=True)  # (B, 1, Nq, 1)
+    visible = visible | ~seen  # a row that sees nothing is padding: finite here, zero below
+    softcap = kwargs.get("softcap")
+    if softcap is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        out, _ = sdpa_attention_forward(
+            module, query, key, value, visible, dropout=dropout, scaling=scaling, is_causal=False
+        )
+    else:
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if eager is None:
+            raise ValueError(
+                f"{type(module).__name__} soft-caps its scores and its module has no "
+                f"eager_attention_forward to run it on; keep this model on its own attention"
+            )
+        bias = torch.zeros(visible.shape, dtype=query.dtype, device=device)
+        bias = bias.masked_fill(~visible, torch.finfo(query.dtype).min)
+        out, _ = eager(
+            module, query, key, value, bias, dropout=dropout, scaling=scaling, softcap=softcap
+        )
+    return torch.where(seen[:, 0, :, :, None], out, out.new_zeros(()))
