@@ -44,12 +44,22 @@ Note [FlashAttention-4 block sparsity]
     ``pack_gqa=False``: packed GQA heads would change what a query tile is. This is set up for
     sm90, whose forward (128 x 128 for head dims up to 128) and backward tiles (64 or 128
     query rows by 128 keys) divide 128 x 128; sm100 takes block sparsity at 256 query rows.
+
+Note [FlashAttention-4's compile warnings]
+    Compiling a kernel, the CuTe DSL warns (``UserWarning``) that FA4's ``aux_data`` argument
+    (a NamedTuple of the ``mask_mod``'s tensors) "cannot be converted to a JitArgument": two
+    lines on a process's first forward and backward, about FA4's code, which the user cannot
+    act on. Every call into FA4 runs with that one message filtered (:func:`_dsl_quiet`); any
+    other warning passes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import warnings
+from collections.abc import Iterator
 from dataclasses import replace
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -76,6 +86,22 @@ SM90_MIN_TRAINING_HEAD_DIM = 32
 #: sparsity]), and the largest head dim whose sm90 tiles divide them.
 SPARSE_TILE = 128
 SPARSE_MAX_HEAD_DIM = 128
+
+
+#: The CuTe DSL's warning about FA4's ``aux_data`` argument (Note [FlashAttention-4's compile
+#: warnings]), as ``warnings.filterwarnings`` matches it (from the message's start). In
+#: nvidia-cutlass-dsl 4.8.1: "Argument aux_data (position N) cannot be converted to a
+#: JitArgument for function '...'. Its type `...AuxData` is not supported. ..."
+AUX_DATA_WARNING = r"Argument aux_data\b.*\bJitArgument\b"
+
+
+@contextlib.contextmanager
+def _dsl_quiet() -> Iterator[None]:
+    """A call into FA4 with the CuTe DSL's ``aux_data`` warning filtered, whatever the
+    caller's filters (Note [FlashAttention-4's compile warnings])."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=AUX_DATA_WARNING, category=UserWarning)
+        yield
 
 
 def _interface() -> ModuleType:
@@ -260,7 +286,8 @@ class FlashAttn4Backend(Backend):
             "mask_mod": _top_left_causal() if is_causal else None,
             "block_sparse_tensors": _sparse_tensors(tiles), "pack_gqa": False, "return_lse": True,
         }  # fmt: skip
-        out, lse = fwd(**_bind(fwd, values))[:2]
+        with _dsl_quiet():
+            out, lse = fwd(**_bind(fwd, values))[:2]
         return KernelOutput(out, lse)
 
     def block_sparse_backward(
@@ -289,7 +316,9 @@ class FlashAttn4Backend(Backend):
             "block_sparse_tensors": _sparse_tensors(tiles), "pack_gqa": False,
             "dq": dq, "dk": dk, "dv": dv,
         }  # fmt: skip
-        return _grads_from(bwd(**_bind(bwd, values)), dq, dk, dv)
+        with _dsl_quiet():
+            res = bwd(**_bind(bwd, values))
+        return _grads_from(res, dq, dk, dv)
 
     def _forward(
         self,
@@ -314,7 +343,8 @@ class FlashAttn4Backend(Backend):
         if "return_lse" not in kwargs:
             # Releases before ``return_lse`` allocate the lse only when q requires grad.
             kwargs["q"] = q.detach().requires_grad_()
-        out, lse = fwd(**kwargs)[:2]
+        with _dsl_quiet():
+            out, lse = fwd(**kwargs)[:2]
         if lse is None:
             raise RuntimeError("flash_attn.cute._flash_attn_fwd returned no lse")
         return KernelOutput(out, lse)
@@ -347,5 +377,6 @@ class FlashAttn4Backend(Backend):
             "softmax_scale": scale, "causal": is_causal, "dq": dq, "dk": dk, "dv": dv,
         }  # fmt: skip
         _masked(values, key_mask, is_causal)
-        res = bwd(**_bind(bwd, values))
+        with _dsl_quiet():
+            res = bwd(**_bind(bwd, values))
         return _grads_from(res, dq, dk, dv)

@@ -44,6 +44,25 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def announcement(family: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What the compile message of a shape family tells apart: the family without its segment
+    lengths and with each rate only as "1 or not" (the kernels' own classes; Note
+    [Specialization and first calls] in ``_triton_kernels.py``). A call shorter than a segment
+    runs it clipped to its length (Note [Effective branches] in ``core/segment.py``), so
+    generation that recomputes every step makes a new family per length: these get one line.
+
+    Returns:
+        ``(device, dtype name, heads, head dim, key/value heads, rate-1 flags, causal, masked,
+        grad)``.
+    """
+    device, dtype, (heads, dim), kv_heads, branches, causal, masked, grad = family
+    rate_one = tuple(r == 1 for _, r in branches)
+    return (
+        device, str(dtype).removeprefix("torch."), heads, dim, kv_heads, rate_one, causal, masked,
+        grad,
+    )  # fmt: skip
+
+
 @functools.cache
 def _kernels() -> ModuleType:
     from . import _triton_kernels
@@ -166,6 +185,7 @@ class TritonBackend(Backend):
         if interpreting():  # an instance attribute: the class constant stays CUDA-only
             self.devices = frozenset({"cuda", "cpu"})
         self._families: set[tuple[Any, ...]] = set()
+        self._announced: set[tuple[Any, ...]] = set()
 
     def probe(self, device: torch.device) -> None:
         """On CUDA: compile and launch one small kernel (the backward's row delta) and check its
@@ -189,20 +209,25 @@ class TritonBackend(Backend):
 
     def begin_compile(self, family: tuple[Any, ...]) -> AbstractContextManager[None] | None:
         """See ``FusedBackend.begin_compile`` in ``core/fused.py``: once per family and process,
-        logs one line and returns the kernels' compile-only context (none under the
-        interpreter, which compiles nothing)."""
+        returns the kernels' compile-only context (none under the interpreter, which compiles
+        nothing), and logs a line: at WARNING for the first family of its
+        :func:`announcement` (the family up to segment lengths), at DEBUG after that."""
         if interpreting() or family in self._families:
             return None
         self._families.add(family)
-        device, dtype, (heads, dim), kv_heads, branches, causal, masked, grad = family
-        _log.warning(
+        key = announcement(family)
+        device, dtype, heads, dim, kv_heads, _, causal, masked, grad = key
+        _log.log(
+            logging.DEBUG if key in self._announced else logging.WARNING,
             "dilated_attention: compiling the Triton kernels of a new shape family on %s "
             "(%s, %d heads, %d key/value heads, head dim %d, branches %s, causal=%s, mask=%s, "
-            "%s); once per process, and compiled kernels are cached on disk by Triton "
-            "(TRITON_CACHE_DIR)",
-            device, str(dtype).removeprefix("torch."), heads, kv_heads, dim, list(branches),
-            causal, masked, "forward and backward" if grad else "forward",
+            "%s); once per process and family (families that differ only in segment lengths, "
+            "as a shorter call clips them, at DEBUG), and compiled kernels are cached on disk by "
+            "Triton (TRITON_CACHE_DIR)",
+            device, dtype, heads, kv_heads, dim, list(family[4]), causal, masked,
+            "forward and backward" if grad else "forward",
         )  # fmt: skip
+        self._announced.add(key)
         return _kernels().compile_ahead()
 
     def capability_reasons(self, inputs: KernelInputs) -> list[str]:
