@@ -24,6 +24,7 @@ from ..core.contract import KernelOutput
 from ..core.reference import reference_backward, reference_forward
 
 
+from ..core.hidden import needs_exact_path
 @dataclass(frozen=True)
 class KernelInputs:
     """What a backend needs to know to accept or reject a call (metadata only, no tensors)."""
@@ -155,6 +156,10 @@ class Backend:
     # Whether the kernel reads q, k, v given as strided views (last dim contiguous, any other
     # strides) as they are: dilated rows then reach it as views, not gathers (Note [Strided row
     # calls] in core/strided.py).
+    # Whether the kernel keeps a NaN or inf of a causally hidden key out of the rows it is hidden
+    # from. A CPU backend that does not sends calls that hold one to the plain-PyTorch kernel,
+    # which does (Note [Hidden keys cannot poison rows] in core/hidden.py).
+    exact_on_hidden_keys: ClassVar[bool] = False
     reads_strided_rows: ClassVar[bool] = False
     # Whether the kernel writes its result into the buffers ``into`` hands it (Note [The backend
     # contract] in core/contract.py): dilated plans then merge their branches once (Note [Branch
@@ -254,7 +259,10 @@ class Backend:
             :class:`KernelOutput` with ``out`` (B, Nq, H, D) and ``lse`` (B, H, Nq).
         """
         heads = q.shape[2]
-        if min(q.shape[1], k.shape[1]) < self.min_rows:
+        exact = not self.exact_on_hidden_keys and dropout_p == 0
+        if min(q.shape[1], k.shape[1]) < self.min_rows or (
+            exact and needs_exact_path(is_causal, q, k, v)
+        ):
             out, lse = reference_forward(
                 q, k, v, scale=scale, is_causal=is_causal, key_mask=key_mask, dropout_p=dropout_p
             )
@@ -296,7 +304,10 @@ class Backend:
             ``(dq, dk, dv)`` shaped like ``(q, k, v)``.
         """
         kv_heads = k.shape[2]
-        if min(q.shape[1], k.shape[1]) < self.min_rows:
+        exact = not self.exact_on_hidden_keys and dropout_p == 0
+        if min(q.shape[1], k.shape[1]) < self.min_rows or (
+            exact and needs_exact_path(is_causal, dout, q, k, v, out, lse)
+        ):
             return reference_backward(
                 dout, q, k, v, out, lse, scale=scale, is_causal=is_causal, key_mask=key_mask
             )

@@ -25,6 +25,7 @@ class MathBackend(Backend):
     supports_mask = True
     supports_dropout = True
     empty_rows_have_neg_inf_lse = True
+    exact_on_hidden_keys = True  # core/reference.py takes the exact path itself
 
     def _forward(
         self,

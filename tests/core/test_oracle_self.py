@@ -225,3 +225,45 @@ def test_low_precision_replica_differs_but_is_close() -> None:
     assert outlp.dtype == torch.bfloat16 and lselp.dtype == torch.bfloat16
     err = (outlp.double() - out64).abs().max().item()
     assert 0 < err < 5e-2
+
+
+def _outputs_and_grads(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dout: Tensor) -> list[Tensor]:
+    """``[out, dq, dk, dv]`` of the causal dilated oracle (w 8, 16; r 1, 2) with ``mask``."""
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, _ = oracle_dilated_attention(
+        *leaves, [8, 16], [1, 2], is_causal=True, key_padding_mask=mask
+    )
+    return [out.detach(), *torch.autograd.grad(out, leaves, dout)]
+
+
+@pytest.mark.parametrize(("where", "pos"), [("k", 13), ("v", 13), ("v", 6), ("q", 5), ("k", 21)])
+@pytest.mark.parametrize("H_kv", [4, 2])
+def test_nan_reaches_exactly_what_depends_on_it(where: str, pos: int, H_kv: int) -> None:
+    """A NaN input element turns exactly the outputs and gradients that depend on it NaN and
+    leaves the others at their values: an entry depends on it when two finite stand-ins for
+    the NaN give it different values. Keys the mask hides (position 6 in batch 1), keys after a
+    causal row and keys of other segments or offsets depend on nothing they cannot see
+    (Note [Hidden keys cannot poison rows] in the library's ``core/hidden.py``)."""
+    B, N, H, D = 2, 24, 4, 4
+    q, dout = _randn(B, N, H, D), _randn(B, N, H, D)
+    k, v = _randn(B, N, H_kv, D), _randn(B, N, H_kv, D)
+    mask = torch.zeros(B, N, dtype=torch.bool)
+    mask[1, [6, 17]] = True
+    mask[0, 3] = True
+
+    def with_value(value: float) -> list[Tensor]:
+        x = {"q": q, "k": k, "v": v}[where].clone()
+        x[1, pos, 1] = value
+        args = {"q": q, "k": k, "v": v, where: x}
+        return _outputs_and_grads(args["q"], args["k"], args["v"], mask, dout)
+
+    got, low, high = with_value(math.nan), with_value(0.3), with_value(-1.7)
+    for name, g, a, b in zip(("out", "dq", "dk", "dv"), got, low, high, strict=True):
+        depends = (a - b).abs() > 1e-12
+        assert torch.equal(torch.isnan(g), depends), f"{name}: NaN is not what depends on it"
+        torch.testing.assert_close(g[~depends], a[~depends], atol=1e-12, rtol=1e-12)
+    reached, untouched = int(got[0].isnan().sum()), int(got[0].isfinite().sum())
+    if where == "v" and pos == 6:  # masked: nothing sees it
+        assert reached == 0
+    else:  # some rows see it, and some of its head cannot
+        assert reached > 0 and bool(got[0][1, :, 1].isfinite().any()), (reached, untouched)

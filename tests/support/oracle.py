@@ -97,7 +97,14 @@ def masked_attention(
     weight = weight.to(compute_dtype)
     active = weight > 0
 
-    scores = torch.einsum("bphd,bthd->bhpt", q, k) * scale
+    # Non-finite inputs: every product is formed only on the (row, key) pairs that see each
+    # other, so a NaN or inf a row cannot see never reaches it (0 * NaN is NaN), in the output
+    # and in every gradient (``where`` on both factors: no NaN times a zero gradient either).
+    pairwise = not all(bool(torch.isfinite(x).all()) for x in (q, k, v))
+    if pairwise:
+        scores = (_pairs(q, active, 3) * _pairs(k, active, 2)).sum(-1) * scale
+    else:
+        scores = torch.einsum("bphd,bthd->bhpt", q, k) * scale
     masked_scores = scores.masked_fill(~active, float("-inf"))
     row_max = masked_scores.amax(dim=-1, keepdim=True).detach()
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
@@ -105,10 +112,21 @@ def masked_attention(
     denom = unnormalised.sum(dim=-1, keepdim=True)
     empty = denom == 0
     probs = unnormalised / torch.where(empty, torch.ones_like(denom), denom)
-    out = torch.einsum("bhpt,bthd->bphd", probs, v)
+    if pairwise:
+        probs = torch.where(active, probs, torch.zeros_like(probs))
+        out = (probs.unsqueeze(-1) * _pairs(v, active, 2)).sum(-2).transpose(1, 2)
+    else:
+        out = torch.einsum("bhpt,bthd->bphd", probs, v)
     lse = torch.log(torch.where(empty, torch.ones_like(denom), denom)) + row_max
     lse = lse.masked_fill(empty, float("-inf")).squeeze(-1)
     return out, lse
+
+
+def _pairs(x: Tensor, active: Tensor, dim: int) -> Tensor:
+    """``x`` (B, N, H, D) broadcast to (B, H, Nq, Nk, D) along ``dim`` (3: per query row, 2: per
+    key), 0 on the pairs ``active`` (B, H, Nq, Nk) leaves out."""
+    x = x.transpose(1, 2).unsqueeze(dim)
+    return torch.where(active.unsqueeze(-1), x, torch.zeros_like(x))
 
 
 def oracle_dilated_attention(

@@ -1,0 +1,125 @@
+"""Keys a row cannot see: masked and future keys must not change any output or gradient.
+
+Note [Hidden keys cannot poison rows]
+    A kernel multiplies the probabilities by the values (``P @ V``), and in backward the score
+    gradients by keys and queries (``dS @ K``, ``dS^T @ Q``), over whole tiles of rows and keys.
+    A key hidden from a row has probability 0 there, and ``0 * NaN`` is NaN, ``0 * inf`` too: a
+    NaN or infinite value at position ``t`` turned every row of its call NaN, the rows before
+    ``t`` of a causal call and every row of a call whose padding mask hides ``t`` (torch's SDPA
+    does the same). An additive ``-inf`` mask on a NaN score stays NaN as well. Two fixes, each
+    exact:
+
+    * Keys hidden by ``key_padding_mask`` are hidden from every row: their keys and values are
+      zeroed once where the inputs enter the engine (:func:`hide_masked_keys`, before any
+      kernel, on every device and path). No row reads them, so no output changes, and their
+      gradients are zero either way (``masked_fill``'s backward gives zero there).
+    * Keys hidden by causality are hidden from some rows only. The plain-PyTorch kernel
+      (``reference.py``) takes an exact path when a causal call on the CPU holds a non-finite
+      input (:func:`needs_exact_path`, one cheap pass over the call's tensors; a CUDA tensor
+      would need a host synchronization, so there the fast path always runs): probabilities and
+      score gradients are set to exactly 0 on hidden pairs, and the products with non-finite
+      entries are formed only on the pairs that see them (:func:`contract_keys`,
+      :func:`contract_queries`). A visible NaN still propagates, with a plain product's
+      semantics. Every CPU backend sends such calls to that kernel (``backends/base.py``).
+
+    Kernels we cannot change (torch's CUDA kernels, FlashAttention, cuDNN, our Triton kernels,
+    FlexAttention, xFormers) keep ``0 * NaN`` for causally hidden keys of the tiles they compute:
+    README "Known limits" says which rows, and ``tests/ops/test_extreme_inputs.py`` pins it.
+
+Shape legend: B batch, Q query rows of a chunk, K key rows, Hkv key/value heads, G query heads
+per key/value head, D head dim. ``pairs`` is (B, Hkv, G, Q, K); ``ignore`` broadcasts to it
+(``True`` = the row cannot see the key).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["contract_keys", "contract_queries", "hide_masked_keys", "needs_exact_path"]
+
+#: Elements of one correction term (a (B, Hkv, G, Q, n, D) product over ``n`` non-finite rows).
+_TERM_ELEMENTS = 1 << 22
+
+
+def hide_masked_keys(
+    k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k`` and ``v`` (B, Nk, Hkv, D) with the keys ``key_padding_mask`` (B, Nk) hides set to
+    0; unchanged without a mask (Note [Hidden keys cannot poison rows])."""
+    if key_padding_mask is None:
+        return k, v
+    hidden = key_padding_mask[:, :, None, None]
+    return k.masked_fill(hidden, 0), v.masked_fill(hidden, 0)
+
+
+def needs_exact_path(is_causal: bool, *tensors: torch.Tensor | None) -> bool:
+    """Whether a causal call on the CPU holds a NaN or infinite element in ``tensors`` (any
+    shapes; None skipped), so that its hidden pairs need the exact path."""
+    if not is_causal:
+        return False
+    present = [x for x in tensors if x is not None and x.numel() > 0]
+    if not present or any(x.device.type != "cpu" for x in present):
+        return False
+    return not all(bool(torch.isfinite(x).all()) for x in present)
+
+
+def _nonfinite(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` with its non-finite elements 0, and the indices along ``dim`` of the slices that
+    hold any (a host synchronization: CPU only)."""
+    finite = torch.isfinite(x)
+    bad = (~finite).transpose(0, dim).flatten(1).any(dim=1)
+    return x.masked_fill(~finite, 0), bad.nonzero().flatten()
+
+
+def _chunks(index: torch.Tensor, per_item: int) -> list[torch.Tensor]:
+    size = max(1, _TERM_ELEMENTS // max(1, per_item))
+    return list(index.split(size))
+
+
+def contract_keys(pairs: torch.Tensor, x: torch.Tensor, ignore: torch.Tensor) -> torch.Tensor:
+    """``einsum("bhgqk,bkhd->bqhgd", pairs, x)`` with no product on a hidden pair.
+
+    Args:
+        pairs: (B, Hkv, G, Q, K), exactly 0 where ``ignore``.
+        x: (B, K, Hkv, D), per key (values, keys).
+        ignore: broadcastable to ``pairs``.
+
+    Returns:
+        (B, Q, Hkv, G, D): the finite entries' einsum, plus each non-finite entry times the
+        pairs that see it.
+    """
+    clean, bad = _nonfinite(x, 1)
+    out = torch.einsum("bhgqk,bkhd->bqhgd", pairs, clean)
+    if bad.numel() == 0:
+        return out
+    hidden = ignore.expand(pairs.shape)
+    for keys in _chunks(bad, pairs[..., :1].numel() * x.shape[-1]):
+        part = x[:, keys].masked_fill(torch.isfinite(x[:, keys]), 0)  # (B, n, Hkv, D)
+        term = pairs[..., keys].unsqueeze(-1) * part.permute(0, 2, 1, 3)[:, :, None, None]
+        term = term.masked_fill(hidden[..., keys].unsqueeze(-1), 0).sum(dim=-2)
+        out = out + term.permute(0, 3, 1, 2, 4)
+    return out
+
+
+def contract_queries(pairs: torch.Tensor, x: torch.Tensor, ignore: torch.Tensor) -> torch.Tensor:
+    """``einsum("bhgqk,bqhgd->bkhd", pairs, x)`` with no product on a hidden pair.
+
+    Args:
+        pairs: (B, Hkv, G, Q, K), exactly 0 where ``ignore``.
+        x: (B, Q, Hkv, G, D), per query row (queries, output gradients).
+        ignore: broadcastable to ``pairs``.
+
+    Returns:
+        (B, K, Hkv, D), as :func:`contract_keys` does over keys.
+    """
+    clean, bad = _nonfinite(x, 1)
+    out = torch.einsum("bhgqk,bqhgd->bkhd", pairs, clean)
+    if bad.numel() == 0:
+        return out
+    hidden = ignore.expand(pairs.shape)
+    for rows in _chunks(bad, pairs[..., :1, :].numel() * x.shape[-1]):
+        part = x[:, rows].masked_fill(torch.isfinite(x[:, rows]), 0)  # (B, n, Hkv, G, D)
+        term = pairs[..., rows, :].unsqueeze(-1) * part.permute(0, 2, 3, 1, 4).unsqueeze(-2)
+        term = term.masked_fill(hidden[..., rows, :].unsqueeze(-1), 0).sum(dim=(2, 3))
+        out = out + term.permute(0, 2, 1, 3)
+    return out
