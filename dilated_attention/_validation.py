@@ -135,6 +135,23 @@ GAMMA_FIX = (
 )
 
 
+def check_causal_lengths(q: torch.Tensor, k: torch.Tensor, is_causal: bool, function: str) -> None:
+    """A causal query is the last ``Nq`` of the ``Nk`` key positions (end-aligned), so it may
+    be shorter than the key but not longer.
+
+    Args:
+        q: (B, Nq, H, D); k: (B, Nk, Hkv, D).
+        function: the public function's name, for the message.
+    """
+    if is_causal and q.shape[1] > k.shape[1]:
+        raise ValueError(
+            f"{function} with is_causal=True: the query rows are the last Nq of the Nk key "
+            f"positions (end-aligned, as for decoding), so the query cannot be longer than the "
+            f"key, got query.shape={tuple(q.shape)}, key.shape={tuple(k.shape)}; pass keys and "
+            f"values for every query position, or is_causal=False"
+        )
+
+
 def check_bool(name: str, value: object) -> bool:
     """Return ``value`` if it is a bool (not merely truthy), else raise ``TypeError``."""
     if not isinstance(value, bool):

@@ -142,7 +142,11 @@ def attention(
         query: (B, Nq, H, D).
         key: (B, Nk, Hkv, D).
         value: (B, Nk, Hkv, D).
-        is_causal: query ``i`` sees keys ``j <= i`` (top-left aligned, as in PyTorch SDPA).
+        is_causal: each query sees only the keys at or before its position. A query shorter
+            than the key holds the last ``Nq`` of the ``Nk`` positions (end-aligned, as for
+            decoding and in FlashAttention-2; PyTorch SDPA's ``is_causal`` is top-left
+            aligned): query row ``i`` sees keys ``j <= Nk - Nq + i``. A query longer than the
+            key raises ``ValueError``.
         scale: softmax scale; ``None`` means ``D ** -0.5``.
         dropout_p: dropout on the attention probabilities.
         key_padding_mask: (B, Nk) bool, ``True`` = ignore that key.
@@ -167,6 +171,7 @@ def attention(
     q, k, v = V.check_qkv(query, key, value, same_length=False)
     is_causal = _check_flag("is_causal", is_causal)
     return_lse = _check_flag("return_lse", return_lse)
+    V.check_causal_lengths(q, k, is_causal, "attention")
     V.check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[1], q.device)
     dropout_p = V.check_dropout("dropout_p", dropout_p)
     checked_scale = V.check_scale(scale)
@@ -177,15 +182,20 @@ def attention(
             dropout_p=dropout_p, backend=backend,
         )  # fmt: skip
         return (out, lse) if return_lse else out
+    # End-aligned causal queries run as square causal calls (and calls without a mask): the
+    # kernel is chosen for those shapes (decode.dense_decode_plan).
+    end_aligned = is_causal and q.shape[1] < k.shape[1]
     kernel = _choose(
-        q, k, is_causal=is_causal, has_mask=key_padding_mask is not None,
-        dropout_p=dropout_p, backend=backend,
+        q, k[:, : q.shape[1]] if end_aligned else k, is_causal=is_causal,
+        has_mask=key_padding_mask is not None, dropout_p=dropout_p, backend=backend,
     )  # fmt: skip
     if q.numel() == 0:
         out, lse = empty_attention(q, k, v)
         return (out, lse) if return_lse else out
     softmax_scale = checked_scale if checked_scale is not None else q.shape[-1] ** -0.5
     plan = Plan.dense(is_causal)
+    if end_aligned:
+        plan = decode.dense_decode_plan(q.shape[1], k.shape[1])
     runner = PlanRunner(plan, kernel.backend, softmax_scale, dropout_p, "attention")
     out, lse = run_attention(
         q.contiguous(), k.contiguous(), v.contiguous(), key_padding_mask, runner

@@ -8,7 +8,10 @@ external statistics] in ``core/reference.py``).
 
 Shape legend: B batch, Nq/Nk query/key rows, H query heads, Hkv key/value heads, D head dim.
 ``key_mask`` is (B, Hm, Nk) bool with Hm in {1, H}, ``True`` = ignore the key. Causal masking is
-top-left aligned (query ``i`` sees keys ``j <= i``).
+top-left aligned (query ``i`` sees keys ``j <= i``): the kernels' contract. The public functions'
+causal queries shorter than the key are end-aligned (their last positions); the engine runs them
+as square causal calls and calls without a mask (``core/decode.py``), never as a rectangular
+causal kernel call.
 """
 
 from __future__ import annotations

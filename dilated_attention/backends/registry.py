@@ -561,8 +561,11 @@ def backend_reasons(
     """
     q, k, _ = V.check_qkv(query, key, value, same_length=False)
     V.check_bool("is_causal", is_causal)
+    V.check_causal_lengths(q, k, is_causal, "attention")
     V.check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[1], q.device)
     dropout_p = V.check_dropout("dropout_p", dropout_p)
+    if is_causal:  # an end-aligned query runs as square causal calls, as in attention()
+        k = k[:, : q.shape[1]]
     inputs = KernelInputs.from_tensors(
         q, k, is_causal=is_causal, has_mask=key_padding_mask is not None, dropout_p=dropout_p
     )

@@ -2,7 +2,8 @@
 
 Block ``i`` holds tokens ``[i * block_size, (i + 1) * block_size)`` (the last block may be
 shorter). Query token ``p`` in block ``i`` attends key token ``t`` in block ``j`` when the
-pattern keeps ``(i, j)`` and, for a causal call, ``t <= p`` (top-left aligned). For 4 blocks of 2
+pattern keeps ``(i, j)`` and, for a causal call, ``t <= p`` (a causal query shorter than the key
+is its last positions: Note [End-aligned causal blocks] in ``api.py``). For 4 blocks of 2
 tokens, ``LocalWindow(0)`` and ``is_causal=True``::
 
     key         0 1 2 3 4 5 6 7

@@ -217,13 +217,19 @@ def _local_plan(
     is_causal: bool,
     device: torch.device,
     max_kv_rows: int,
+    query_start: int = 0,
 ) -> tuple[list[SparseCall], torch.Tensor]:
-    """Calls (on ``device``) and the block mask (CPU, causal applied) of one local call."""
-    mask = pattern.block_mask(num_blocks(query_len, block_size), num_blocks(key_len, block_size))
+    """Calls (on ``device``) and the block mask (CPU, causal applied) of one local call.
+
+    ``query_start``: the position of the first query row; the query rows are the positions
+    ``[query_start, query_start + query_len)`` (an end-aligned causal query: ``key_len -
+    query_len``), and the block mask covers those positions' blocks from block 0."""
+    end = query_start + query_len
+    mask = pattern.block_mask(num_blocks(end, block_size), num_blocks(key_len, block_size))
     mask = causal_block_mask(mask, is_causal)
     calls = plan_calls(
-        mask, block_size=block_size, query_len=query_len, key_len=key_len, is_causal=is_causal,
-        max_kv_rows=max_kv_rows,
+        mask, block_size=block_size, query_len=end, key_len=key_len, is_causal=is_causal,
+        query_range=(query_start, end), max_kv_rows=max_kv_rows,
     )  # fmt: skip
     return [c.to(device) for c in calls], mask
 

@@ -55,7 +55,7 @@ import functools
 
 import torch
 
-from .engine import Plan, put_view
+from .engine import Plan, SliceCall, put_view
 from .higher_order import RowCall, flat_rows
 from .segment import effective_branches
 from .strided import kv_head_slice
@@ -321,3 +321,19 @@ def decode_plan(
                     call(q_lo, hi, t0 + s, q_lo, r, s, causal=False)
                 call(q_lo, hi, q_lo, hi, r, s, causal=True)
     return Plan(tuple(calls))
+
+
+@functools.lru_cache(maxsize=64)
+def dense_decode_plan(query_len: int, key_len: int) -> Plan:
+    """The executor's plan of causal dense attention for queries at the last ``query_len`` of
+    ``key_len`` positions (``query_len < key_len``; the public convention, Note [Decoding rows]):
+    query row ``i`` is position ``key_len - query_len + i`` and sees the keys up to it. The
+    kernels' causal mask is top-left (query ``i`` sees key ``j <= i``), so the keys before the
+    first query are one call without a mask and the queries' own positions one square causal
+    call; one query is a single call against every key."""
+    if query_len == 1:
+        return Plan.dense(False)
+    first, rows = key_len - query_len, slice(0, query_len)
+    return Plan(
+        (SliceCall(rows, slice(0, first), False), SliceCall(rows, slice(first, key_len), True))
+    )

@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from support.block_sparse import check_kernel_result, token_mask
+from support.block_sparse import assert_end_aligned_refused, check_kernel_result, token_mask
 from support.block_sparse import oracle_with_grads as _oracle
 from support.oracle import masked_attention
 from support.tolerances import assert_close_to_oracle
@@ -88,13 +88,20 @@ def test_matches_oracle(name: str, is_causal: bool, backend: str | None) -> None
         _check_f64(got, _oracle(q, k, v, dout, mask), case)
 
 
-@pytest.mark.parametrize("is_causal", [False, True])
-def test_query_longer_than_key(is_causal: bool) -> None:
+def test_query_longer_than_key() -> None:
     q, k, v, dout = _inputs(45, 27, 2, seed=3)
     pattern = P.GlobalLocal(1, 1)
-    got = _run(q, k, v, dout, pattern, block_size=8, is_causal=is_causal, scale=0.4)
-    want = _oracle(q, k, v, dout, token_mask(pattern, 8, 45, 27, is_causal), scale=0.4)
-    _check_f64(got, want, f"Nq > Nk causal={is_causal}")
+    got = _run(q, k, v, dout, pattern, block_size=8, is_causal=False, scale=0.4)
+    want = _oracle(q, k, v, dout, token_mask(pattern, 8, 45, 27, False), scale=0.4)
+    _check_f64(got, want, "Nq > Nk")
+
+
+def test_causal_query_longer_than_key_raises() -> None:
+    """A causal query is the last positions of the key sequence (end-aligned): it cannot be
+    longer than the key (before: top-left, rows past the keys saw every key)."""
+    q, k, v, _ = _inputs(45, 27, 2, seed=3)
+    with pytest.raises(ValueError, match=r"cannot be longer than the key.*45, 4, 8.*27, 2, 8"):
+        block_sparse_attention(q, k, v, P.GlobalLocal(1, 1), block_size=8, is_causal=True)
 
 
 @pytest.mark.parametrize("block_size", [1, 5, 16, 64])
@@ -132,7 +139,8 @@ FULL_CASES = [
     (P.GlobalLocal(1, 1), (24, 24), 8, 1, False),  # 3 blocks: every pair is global or local
     (P.Custom(torch.ones(5, 5, dtype=torch.bool).tril()), (40, 40), 8, 2, True),
     (P.LocalWindow(0) | P.DilatedBlocks((1,)), (30, 45), 6, 1, True),
-    (P.Custom(torch.ones(6, 4, dtype=torch.bool).tril()), (45, 27), 8, 2, True),
+    # End-aligned causal: the 13 queries are the last of 27 positions (square 4 x 4 blocks).
+    (P.Custom(torch.ones(4, 4, dtype=torch.bool).tril()), (13, 27), 8, 2, True),
 ]
 
 
@@ -360,7 +368,8 @@ def test_flex_block_mask_covers_exactly_the_allowed_pairs(block_size: int, is_ca
         block_mask, empty_rows = bs_flex.flex_block_mask(
             pattern, block_size, nq, nk, is_causal, torch.device("cpu")
         )
-        want = token_mask(pattern, block_size, nq, nk, is_causal).bool()
+        # The kernel's own contract: top-left causal over the rows it is given.
+        want = token_mask(pattern, block_size, nq, nk, is_causal, query_start=0).bool()
         assert block_mask.seq_lengths == (nq, nk)
         assert torch.equal(_flex_reach(block_mask, nq, nk), want), (block_size, nq, nk, pattern)
         assert torch.equal(empty_rows, ~want.any(1))
@@ -529,6 +538,9 @@ def test_flex_path_matches_oracle(case: int, is_causal: bool, dtype: torch.dtype
     within 2x a naive same-dtype reference (tests/support/tolerances.py)."""
     nq, nk, block_size, kv_heads, pattern = GPU_CASES[case]
     device = torch.device("cuda")
+    if is_causal and nq != nk:
+        assert_end_aligned_refused(nq, nk, pattern, block_size, "flex", device)
+        return
     gen = torch.Generator().manual_seed(case)
     shapes = [(2, nq, 4, 64), (2, nk, kv_heads, 64), (2, nk, kv_heads, 64), (2, nq, 4, 64)]
     q, k, v, dout = (torch.randn(s, generator=gen).to(dtype) for s in shapes)

@@ -437,7 +437,14 @@ def _run_dilated(q: Tensor, k: Tensor, v: Tensor, backend: str | None, causal: b
 
 def _run_dense(q: Tensor, k: Tensor, v: Tensor, backend: str | None, causal: bool) -> tuple:
     # Keys in chunks below the vector width: a cross-attention call with 5 keys.
-    return attention(q, k[:, :5], v[:, :5], is_causal=causal, backend=backend, return_lse=True)
+    k, v = k[:, :5], v[:, :5]
+    if not causal:
+        return attention(q, k, v, backend=backend, return_lse=True)
+    # Causal: the first 5 rows against the 5 keys, the later rows see all 5 (a causal query
+    # longer than the key is refused: causal queries are end-aligned).
+    head = attention(q[:, :5], k, v, is_causal=True, backend=backend, return_lse=True)
+    tail = attention(q[:, 5:], k, v, backend=backend, return_lse=True)
+    return torch.cat([head[0], tail[0]], dim=1), torch.cat([head[1], tail[1]], dim=2)
 
 
 SPARSE_PATTERN = LocalWindow(1) | DilatedBlocks(2)
@@ -540,7 +547,9 @@ def test_nan_rows_stay_nan_cuda(backend: str, kind: str, causal: bool) -> None:
         if reasons:
             pytest.skip(f"{backend}: " + "; ".join(reasons))
     else:
-        skip_unless_runnable(_backend(backend), q, k, k, is_causal=causal, key_padding_mask=None)
+        # A causal dense run is a square causal call and a non-causal one (_run_dense).
+        rows = k if causal else q
+        skip_unless_runnable(_backend(backend), rows, k, k, is_causal=causal, key_padding_mask=None)
     _check_poisoned(kind, _backend(backend), causal, 2, float("nan"), "cuda")
 
 

@@ -3,8 +3,10 @@ oracle with gradients, and the check of a kernel's result against it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from dilated_attention import block_sparse_attention
 from dilated_attention import patterns as P
 
 from .oracle import masked_attention
@@ -14,17 +16,59 @@ F64 = torch.float64
 
 
 def token_mask(
-    pattern: P.Pattern, block_size: int, query_len: int, key_len: int, is_causal: bool
+    pattern: P.Pattern,
+    block_size: int,
+    query_len: int,
+    key_len: int,
+    is_causal: bool,
+    *,
+    query_start: int | None = None,
 ) -> torch.Tensor:
-    """(Nq, Nk) int64 0/1: block mask expanded to tokens (loops, no library code), AND causal."""
-    nq, nk = -(-query_len // block_size), -(-key_len // block_size)
+    """(Nq, Nk) int64 0/1: block mask expanded to tokens (loops, no library code), AND causal.
+
+    Query row ``i`` is position ``p = query_start + i``, in block ``p // block_size``, and with
+    ``is_causal`` sees ``t <= p``. ``query_start`` defaults to the library's convention: causal
+    queries are end-aligned (``Nk - Nq``: the last positions of the key sequence), others start
+    at 0; the pattern is asked for the block mask of positions ``[0, query_start + Nq)``.
+    ``query_start=0`` describes a kernel's top-left causal mask (the block-sparse plan kernels'
+    own contract). A causal query longer than the key is refused by the library, and here
+    unless ``query_start`` is given.
+    """
+    if query_start is None:
+        if is_causal and query_len > key_len:
+            raise ValueError("a causal query cannot be longer than the key")
+        query_start = key_len - query_len if is_causal else 0
+    start = query_start
+    nq, nk = -(-(start + query_len) // block_size), -(-key_len // block_size)
     blocks = pattern.block_mask(nq, nk)
     mask = torch.zeros(query_len, key_len, dtype=torch.int64)
-    for p in range(query_len):
+    for i in range(query_len):
+        p = start + i
         for t in range(key_len):
             if blocks[p // block_size, t // block_size] and (not is_causal or t <= p):
-                mask[p, t] = 1
+                mask[i, t] = 1
     return mask
+
+
+def assert_end_aligned_refused(
+    query_len: int,
+    key_len: int,
+    pattern: P.Pattern,
+    block_size: int,
+    backend: str,
+    device: torch.device | str,
+) -> None:
+    """A block-sparse plan kernel named for a causal call with ``Nq != Nk`` raises ``ValueError``
+    before any work: its causal mask is top-left aligned, and a causal query is the last
+    positions of the key sequence (shorter) or refused (longer); Note [End-aligned causal
+    blocks] in ``block_sparse/api.py``."""
+    q = torch.zeros(1, query_len, 2, 64, device=device, dtype=torch.bfloat16)
+    k = torch.zeros(1, key_len, 2, 64, device=device, dtype=torch.bfloat16)
+    match = "shorter than the key" if query_len < key_len else "cannot be longer than the key"
+    with pytest.raises(ValueError, match=match):
+        block_sparse_attention(
+            q, k, k, pattern, block_size=block_size, is_causal=True, backend=backend
+        )
 
 
 def oracle_with_grads(

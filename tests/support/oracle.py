@@ -168,11 +168,13 @@ def oracle_attention(
     key_padding_mask: Tensor | None = None,
     compute_dtype: torch.dtype = torch.float64,
 ) -> tuple[Tensor, Tensor]:
-    """Plain softmax attention; causal is top-left aligned (query ``p`` sees key ``t <= p``)."""
+    """Plain softmax attention. Causal is end-aligned, the library's convention: the query rows
+    are the last ``Nq`` of the ``Nk`` positions, so query ``p`` sees key ``t <= p + Nk - Nq``
+    (top-left, ``t <= p``, when ``Nq == Nk``)."""
     Nq, H, Nk = q.shape[1], q.shape[2], k.shape[1]
     M = torch.ones(H, Nq, Nk, dtype=torch.int64)
     if is_causal:
-        M = torch.tril(M)
+        M = torch.tril(M, diagonal=Nk - Nq)
     return masked_attention(
         q,
         k,
