@@ -20,6 +20,7 @@ from .core.decode import decode_plan, decode_token_plan
 from .core.engine import Plan, PlanRunner, empty_attention
 from .core.fused import FusedRunner, compile_ahead
 from .core.grouped import grouped_plan
+from .core.hidden import hide_masked_keys
 from .core.kv_cache import DilatedKVCache
 from .core.segment import branch_plan, effective_branches, plan_branches, runs_in_slots
 
@@ -197,6 +198,7 @@ def attention(
     if end_aligned:
         plan = decode.dense_decode_plan(q.shape[1], k.shape[1])
     runner = PlanRunner(plan, kernel.backend, softmax_scale, dropout_p, "attention")
+    k, v = hide_masked_keys(k, v, key_padding_mask)  # Note [Hidden keys cannot poison rows]
     out, lse = run_attention(
         q.contiguous(), k.contiguous(), v.contiguous(), key_padding_mask, runner
     )
@@ -318,6 +320,7 @@ def dilated_attention(
             has_mask=key_padding_mask is not None, branch_slots=slots, **choice,
         )  # fmt: skip
     key_start = 0
+    k, v = hide_masked_keys(k, v, key_padding_mask)  # a cache keeps them so: no copy per token
     if cache is not None:  # checked and chosen: the new tokens' keys join the ones they read
         k, v, key_padding_mask, key_start = cache.append(k, v, key_padding_mask)
     if q.numel() == 0:

@@ -24,10 +24,10 @@ from typing import Any, ClassVar
 import torch
 
 from ..core.contract import KernelOutput
+from ..core.hidden import poisoned
 from ..core.reference import reference_backward, reference_forward
 
 
-from ..core.hidden import needs_exact_path
 @dataclass(frozen=True)
 class KernelInputs:
     """What a backend needs to know to accept or reject a call (metadata only, no tensors)."""
@@ -156,13 +156,13 @@ class Backend:
     empty_rows_have_neg_inf_lse: ClassVar[bool] = False
     # Calls with fewer query or key rows go to the plain-PyTorch kernel (cuDNN refuses 1 x 1).
     min_rows: ClassVar[int] = 1
+    # Whether the kernel keeps a NaN or inf of a hidden key out of the rows it is hidden from. A
+    # CPU backend that does not reruns a masked call whose results hold one on the plain-PyTorch
+    # kernel, which does (Note [Hidden keys cannot poison rows] in core/hidden.py).
+    exact_on_hidden_keys: ClassVar[bool] = False
     # Whether the kernel reads q, k, v given as strided views (last dim contiguous, any other
     # strides) as they are: dilated rows then reach it as views, not gathers (Note [Strided row
     # calls] in core/strided.py).
-    # Whether the kernel keeps a NaN or inf of a causally hidden key out of the rows it is hidden
-    # from. A CPU backend that does not sends calls that hold one to the plain-PyTorch kernel,
-    # which does (Note [Hidden keys cannot poison rows] in core/hidden.py).
-    exact_on_hidden_keys: ClassVar[bool] = False
     reads_strided_rows: ClassVar[bool] = False
     # Whether the kernel writes its result into the buffers ``into`` hands it (Note [The backend
     # contract] in core/contract.py): dilated plans then merge their branches once (Note [Branch
@@ -262,20 +262,21 @@ class Backend:
             :class:`KernelOutput` with ``out`` (B, Nq, H, D) and ``lse`` (B, H, Nq).
         """
         heads = q.shape[2]
-        exact = not self.exact_on_hidden_keys and dropout_p == 0
-        if min(q.shape[1], k.shape[1]) < self.min_rows or (
-            exact and needs_exact_path(is_causal, q, k, v)
-        ):
+        if min(q.shape[1], k.shape[1]) < self.min_rows:
             out, lse = reference_forward(
                 q, k, v, scale=scale, is_causal=is_causal, key_mask=key_mask, dropout_p=dropout_p
             )
             return KernelOutput(out, lse)
-        if not self.native_gqa:
-            k, v = _expand_kv(k, heads), _expand_kv(v, heads)
+        kk, vv = (k, v) if self.native_gqa else (_expand_kv(k, heads), _expand_kv(v, heads))
         res = self._forward(
-            q, k, v, scale=scale, is_causal=is_causal, key_mask=key_mask, dropout_p=dropout_p,
+            q, kk, vv, scale=scale, is_causal=is_causal, key_mask=key_mask, dropout_p=dropout_p,
             **self._into(into),
         )  # fmt: skip
+        if self._rerun_exact(is_causal, key_mask, dropout_p, res.out):
+            out, lse = reference_forward(
+                q, k, v, scale=scale, is_causal=is_causal, key_mask=key_mask
+            )
+            return KernelOutput(out, lse)
         if key_mask is not None and not self.empty_rows_have_neg_inf_lse:
             empty = rows_without_keys(key_mask, heads, q.shape[1], is_causal)
             res.lse = res.lse.masked_fill(empty, float("-inf"))
@@ -307,22 +308,37 @@ class Backend:
             ``(dq, dk, dv)`` shaped like ``(q, k, v)``.
         """
         kv_heads = k.shape[2]
-        exact = not self.exact_on_hidden_keys and dropout_p == 0
-        if min(q.shape[1], k.shape[1]) < self.min_rows or (
-            exact and needs_exact_path(is_causal, dout, q, k, v, out, lse)
-        ):
+        if min(q.shape[1], k.shape[1]) < self.min_rows:
             return reference_backward(
                 dout, q, k, v, out, lse, scale=scale, is_causal=is_causal, key_mask=key_mask
             )
-        if not self.native_gqa:
-            k, v = _expand_kv(k, q.shape[2]), _expand_kv(v, q.shape[2])
-        lse = _finite_lse(lse)
+        heads = q.shape[2]
+        kk, vv = (k, v) if self.native_gqa else (_expand_kv(k, heads), _expand_kv(v, heads))
         dq, dk, dv = self._backward(
-            dout, q, k, v, out, lse, aux,
+            dout, q, kk, vv, out, _finite_lse(lse), aux,
             scale=scale, is_causal=is_causal, key_mask=key_mask, dropout_p=dropout_p,
-            **self._into(into if k.shape[2] == kv_heads else None),
+            **self._into(into if kk.shape[2] == kv_heads else None),
         )  # fmt: skip
-        return dq, _reduce_kv(dk, kv_heads), _reduce_kv(dv, kv_heads)
+        dk, dv = _reduce_kv(dk, kv_heads), _reduce_kv(dv, kv_heads)
+        if self._rerun_exact(is_causal, key_mask, dropout_p, dq, dk, dv):
+            return reference_backward(
+                dout, q, k, v, out, lse, scale=scale, is_causal=is_causal, key_mask=key_mask
+            )
+        return dq, dk, dv
+
+    def _rerun_exact(
+        self,
+        is_causal: bool,
+        key_mask: torch.Tensor | None,
+        dropout_p: float,
+        *results: torch.Tensor,
+    ) -> bool:
+        """Whether a masked CPU call's ``results`` hold a NaN or inf that a hidden key may have
+        put there: it then reruns on the plain-PyTorch kernel's exact path (Note [Hidden keys
+        cannot poison rows] in core/hidden.py)."""
+        if self.exact_on_hidden_keys or dropout_p > 0:
+            return False
+        return (is_causal or key_mask is not None) and poisoned(*results)
 
     def _into(self, into: object) -> dict[str, object]:
         """``into`` as a keyword of ``_forward`` / ``_backward``, for kernels that write there."""

@@ -23,7 +23,6 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from .hidden import hide_masked_keys
 from .higher_order import first_order_only
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -145,8 +144,6 @@ def run_attention(
     runner: Runner,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of ``runner`` on these inputs, differentiable through
-    :class:`AttentionFunction`: out (B, Nq, H, D), lse (B, H, Nq) detached. Keys the mask
-    hides are zeroed first (Note [Hidden keys cannot poison rows] in ``hidden.py``)."""
-    k, v = hide_masked_keys(k, v, key_padding_mask)
+    :class:`AttentionFunction`: out (B, Nq, H, D), lse (B, H, Nq) detached."""
     out, lse = AttentionFunction.apply(q, k, v, key_padding_mask, runner)
     return out, lse

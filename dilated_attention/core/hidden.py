@@ -10,21 +10,34 @@ Note [Hidden keys cannot poison rows]
     exact:
 
     * Keys hidden by ``key_padding_mask`` are hidden from every row: their keys and values are
-      zeroed once where the inputs enter the engine (:func:`hide_masked_keys`, before any
-      kernel, on every device and path). No row reads them, so no output changes, and their
-      gradients are zero either way (``masked_fill``'s backward gives zero there).
-    * Keys hidden by causality are hidden from some rows only. The plain-PyTorch kernel
-      (``reference.py``) takes an exact path when a causal call on the CPU holds a non-finite
-      input (:func:`needs_exact_path`, one cheap pass over the call's tensors; a CUDA tensor
-      would need a host synchronization, so there the fast path always runs): probabilities and
-      score gradients are set to exactly 0 on hidden pairs, and the products with non-finite
-      entries are formed only on the pairs that see them (:func:`contract_keys`,
-      :func:`contract_queries`). A visible NaN still propagates, with a plain product's
-      semantics. Every CPU backend sends such calls to that kernel (``backends/base.py``).
+      zeroed where the public functions hand them to the engine (:func:`hide_masked_keys` in
+      ``attention``, ``dilated_attention`` and the ring functions, before any kernel, on every
+      device and path). No row reads them, so no output changes, and their gradients are zero
+      either way (``masked_fill``'s backward gives zero there). ``dilated_attention`` zeroes a
+      call's new keys before its cache takes them: the cache holds them zeroed, and a decoded
+      token copies no more than itself (zeroing in ``run_attention`` would copy the whole
+      cache per token and layer).
+    * Keys hidden by causality are hidden from some rows only. A CPU call with a mask (causal
+      or by key) whose output or gradients come out with a NaN or inf (:func:`poisoned`: one
+      pass over the results, which are exact when finite; on CUDA that check would cost a host
+      synchronization per call, so there the fast path stands) is rerun on the exact path of
+      the plain-PyTorch kernel (``reference.py``): probabilities and score gradients exactly 0
+      on hidden pairs, and each non-finite input element multiplied only on the pairs that see
+      it (:func:`contract_keys`, :func:`contract_queries`). A visible NaN still propagates, with
+      a plain product's semantics. Every CPU backend reruns such calls there
+      (``backends/base.py``); finite calls, the common case, pay one ``aminmax`` per result.
 
-    Kernels we cannot change (torch's CUDA kernels, FlashAttention, cuDNN, our Triton kernels,
-    FlexAttention, xFormers) keep ``0 * NaN`` for causally hidden keys of the tiles they compute:
-    README "Known limits" says which rows, and ``tests/ops/test_extreme_inputs.py`` pins it.
+    CUDA kernels (torch's, cuDNN, FlashAttention, xFormers, FlexAttention, our Triton kernels)
+    keep ``0 * NaN`` for the hidden keys of the tiles they compute, and so does the double
+    backward's differentiable recompute on any device (``higher_order.py``): a NaN value at
+    ``t`` reaches earlier rows of its own causal call, as many as the kernel's tile holds
+    (measured on an H100: all of them with torch's flash kernel and the math kernel, those of
+    t's 128-row tile with cuDNN, FlexAttention and our Triton kernels, those of its 64-row tile
+    with the memory-efficient kernel), and the gradients of the keys those rows see;
+    block-sparse calls on FlexAttention also the other rows of the 128-row tiles they compute
+    with t's; decoding one token without gradients on CUDA, one call with a per-head key mask
+    (``decode.py``), later tokens of t's head while the cache holds t. README "Known limits"
+    says so and ``tests/ops/test_hidden_keys.py`` pins those bounds.
 
 Shape legend: B batch, Q query rows of a chunk, K key rows, Hkv key/value heads, G query heads
 per key/value head, D head dim. ``pairs`` is (B, Hkv, G, Q, K); ``ignore`` broadcasts to it
@@ -33,9 +46,11 @@ per key/value head, D head dim. ``pairs`` is (B, Hkv, G, Q, K); ``ignore`` broad
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["contract_keys", "contract_queries", "hide_masked_keys", "needs_exact_path"]
+__all__ = ["contract_keys", "contract_queries", "hide_masked_keys", "poisoned"]
 
 #: Elements of one correction term (a (B, Hkv, G, Q, n, D) product over ``n`` non-finite rows).
 _TERM_ELEMENTS = 1 << 22
@@ -52,15 +67,19 @@ def hide_masked_keys(
     return k.masked_fill(hidden, 0), v.masked_fill(hidden, 0)
 
 
-def needs_exact_path(is_causal: bool, *tensors: torch.Tensor | None) -> bool:
-    """Whether a causal call on the CPU holds a NaN or infinite element in ``tensors`` (any
-    shapes; None skipped), so that its hidden pairs need the exact path."""
-    if not is_causal:
-        return False
-    present = [x for x in tensors if x is not None and x.numel() > 0]
-    if not present or any(x.device.type != "cpu" for x in present):
-        return False
-    return not all(bool(torch.isfinite(x).all()) for x in present)
+def poisoned(*results: torch.Tensor) -> bool:
+    """Whether CPU ``results`` (a call's output or gradients, any shapes) hold a NaN or inf, so
+    that a hidden key may have reached them: the call then reruns on the exact path. Finite
+    results are the exact ones (a hidden product that went wrong is NaN or inf), so the check
+    reads results, not inputs: one pass of ``aminmax`` each, no allocation. CUDA results are
+    never checked (a host synchronization per call)."""
+    for x in results:
+        if x.device.type != "cpu" or x.numel() == 0:
+            continue
+        low, high = torch.aminmax(x)
+        if not (math.isfinite(float(low)) and math.isfinite(float(high))):
+            return True
+    return False
 
 
 def _nonfinite(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .hidden import contract_keys, contract_queries, needs_exact_path
+from .hidden import contract_keys, contract_queries, poisoned
 
 _SCORE_ELEMENTS_PER_CHUNK = 1 << 24
 
@@ -113,7 +113,6 @@ def reference_forward(
     out = torch.empty(batch, num_q, heads, dim, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, heads, num_q, dtype=cdt, device=q.device)
     gen = _generator(dropout_seed, q.device) if dropout_p > 0 else None
-    exact = needs_exact_path(is_causal, q, k, v)  # Note [Hidden keys cannot poison rows]
     for start, stop in _row_chunks(q, num_k):
         qc = q[:, start:stop].to(cdt).view(batch, stop - start, kv_heads, group, dim)
         scores = torch.einsum("bqhgd,bkhd->bhgqk", qc, kc) * scale
@@ -132,10 +131,9 @@ def reference_forward(
         probs = weights / torch.where(total == 0, torch.ones_like(total), total)
         if dropout_p > 0:
             probs = probs * _dropout_scale(probs.shape, dropout_p, gen, cdt, q.device)
-        if exact and ignore is not None:  # a NaN row's hidden pairs are NaN: exactly 0
+        o = torch.einsum("bhgqk,bkhd->bqhgd", probs, vc)
+        if ignore is not None and poisoned(o):  # Note [Hidden keys cannot poison rows]
             o = contract_keys(probs.masked_fill(ignore, 0), vc, ignore)
-        else:
-            o = torch.einsum("bhgqk,bkhd->bqhgd", probs, vc)
         out[:, start:stop] = o.reshape(batch, stop - start, heads, dim).to(q.dtype)
         lse[:, :, start:stop] = row_lse.reshape(batch, heads, stop - start)
     return out, lse
@@ -173,7 +171,6 @@ def reference_backward(
     dk = torch.zeros(batch, num_k, kv_heads, dim, dtype=cdt, device=q.device)
     dv = torch.zeros_like(dk)
     gen = _generator(dropout_seed, q.device) if dropout_p > 0 else None
-    exact = needs_exact_path(is_causal, dout, q, k, v, out, lse)
     for start, stop in _row_chunks(q, num_k):
         rows = stop - start
         qc = q[:, start:stop].to(cdt).view(batch, rows, kv_heads, group, dim)
@@ -195,14 +192,15 @@ def reference_backward(
             probs_kept = probs
         delta = (doc * oc).sum(-1).permute(0, 2, 3, 1).unsqueeze(-1)
         ds = probs * (dp - delta) * scale
-        if exact and ignore is not None:  # Note [Hidden keys cannot poison rows]
-            dv += contract_queries(probs_kept.masked_fill(ignore, 0), doc, ignore)
+        dv_part = torch.einsum("bhgqk,bqhgd->bkhd", probs_kept, doc)
+        dq_rows = torch.einsum("bhgqk,bkhd->bqhgd", ds, kc)
+        dk_part = torch.einsum("bhgqk,bqhgd->bkhd", ds, qc)
+        if ignore is not None and poisoned(dq_rows, dk_part, dv_part):  # Note [Hidden keys ...]
+            dv_part = contract_queries(probs_kept.masked_fill(ignore, 0), doc, ignore)
             ds = ds.masked_fill(ignore, 0)
             dq_rows = contract_keys(ds, kc, ignore)
-            dk += contract_queries(ds, qc, ignore)
-        else:
-            dv += torch.einsum("bhgqk,bqhgd->bkhd", probs_kept, doc)
-            dq_rows = torch.einsum("bhgqk,bkhd->bqhgd", ds, kc)
-            dk += torch.einsum("bhgqk,bqhgd->bkhd", ds, qc)
+            dk_part = contract_queries(ds, qc, ignore)
         dq[:, start:stop] = dq_rows.reshape(batch, rows, heads, dim)
+        dk += dk_part
+        dv += dv_part
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -42,6 +42,7 @@ from ..core.engine import (
     run_backward,
     run_forward,
 )
+from ..core.hidden import hide_masked_keys
 from ..core.higher_order import ring_message
 from ..core.schedule_state import describe_schedule, dilated_schedule
 from ._comm import (
@@ -591,5 +592,6 @@ def ring_attention(
     if q.numel() == 0:  # batch 0 or 0 heads, agreed on every rank: as in one process
         out, lse = empty_attention(q, k, v)
     else:
+        k, v = hide_masked_keys(k, v, key_padding_mask)  # Note [Hidden keys cannot poison rows]
         out, lse = run_attention(q, k, v, key_padding_mask, RingRunner(setup, kernel.backend))
     return (out, lse) if return_lse else out

@@ -57,6 +57,7 @@ from ..core.engine import (
     run_forward,
 )
 from ..core.fused import fused_backward, fused_forward
+from ..core.hidden import hide_masked_keys
 from ..core.higher_order import RowCall, ring_message
 from ..core.merge import merge_partial
 from ..core.segment import (
@@ -668,5 +669,6 @@ def ring_dilated_attention(
     segs, rates = effective_branches(global_len, q.shape[2], segs, rates)
     plan = plan_ring_dilated(setup, q, k, segs, rates)
     mask = None if key_padding_mask is None else key_padding_mask.contiguous()
+    k, v = hide_masked_keys(k, v, mask)  # Note [Hidden keys cannot poison rows]
     out, lse = run_attention(q, k, v, mask, RingDilatedRunner(plan, setup, kernel))
     return (out, lse) if return_lse else out
