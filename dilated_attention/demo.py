@@ -118,8 +118,9 @@ def _lr(progress: float, peak: float) -> float:
 def _progress(step: int, steps: int, elapsed: float, budget: float) -> float:
     """The fraction of training done after ``step`` updates and ``elapsed`` seconds: the larger
     of the step count's and the time budget's (``budget`` 0: no time limit)."""
+    by_steps = step / steps if steps > 0 else 1.0
     by_time = elapsed / budget if budget > 0 else 0.0
-    return max(step / max(steps, 1), by_time)
+    return max(by_steps, by_time)
 
 
 def _printable(data: bytes) -> str:
@@ -197,7 +198,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--time-budget", type=float, default=120.0, metavar="SECONDS",
         help="train for at most this long (the learning rate schedule follows whichever of "
-        "--steps and the budget runs out first); 0 for no limit",
+        "--steps and the budget runs out first); 0 for no limit, which makes a run depend on "
+        "the seed alone",
     )  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     parser.add_argument("--seq-len", type=int, default=256, help="bytes per training sequence")
@@ -359,7 +361,10 @@ def run_demo(
     steps = _train(model, optimizer, train, args, gen, device)
     seconds = time.perf_counter() - start
     after = bits_per_byte(model, eval_windows, device)
-    print(f"held-out bits per byte after {steps} steps: {after:.3f} (before {before:.3f})")
+    print(
+        f"held-out bits per byte after {steps} step{'' if steps == 1 else 's'}: {after:.3f} "
+        f"(before {before:.3f})"
+    )
     budget = f" (time budget {args.time_budget:g} s)" if steps < args.steps else ""
     print(f"training time {seconds:.1f} s{budget}")
 

@@ -49,17 +49,17 @@ Note [FlashAttention-4's compile warnings]
     Compiling a kernel, the CuTe DSL warns (``UserWarning``) that FA4's ``aux_data`` argument
     (a NamedTuple of the ``mask_mod``'s tensors) "cannot be converted to a JitArgument": two
     lines on a process's first forward and backward, about FA4's code, which the user cannot
-    act on. Every call into FA4 runs with that one message filtered (:func:`_dsl_quiet`); any
-    other warning passes.
+    act on. Every call into FA4 first makes sure a filter of that one message leads the warnings
+    filters (:func:`_filter_dsl_warning`; a filter the user adds later still comes first); any
+    other warning passes. The filter is global rather than a ``catch_warnings`` around each call,
+    which would reset Python's record of warnings already shown once and is not thread-safe.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import warnings
-from collections.abc import Iterator
 from dataclasses import replace
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -95,17 +95,19 @@ SPARSE_MAX_HEAD_DIM = 128
 AUX_DATA_WARNING = r"Argument aux_data\b.*\bJitArgument\b"
 
 
-@contextlib.contextmanager
-def _dsl_quiet() -> Iterator[None]:
-    """A call into FA4 with the CuTe DSL's ``aux_data`` warning filtered, whatever the
-    caller's filters (Note [FlashAttention-4's compile warnings])."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=AUX_DATA_WARNING, category=UserWarning)
-        yield
+def _filter_dsl_warning() -> None:
+    """Put a filter for the CuTe DSL's ``aux_data`` warning first in the warnings filters,
+    unless one is there (Note [FlashAttention-4's compile warnings])."""
+    for action, message, category, _, _ in warnings.filters:
+        pattern = getattr(message, "pattern", message)
+        if action == "ignore" and pattern == AUX_DATA_WARNING and category is UserWarning:
+            return
+    warnings.filterwarnings("ignore", message=AUX_DATA_WARNING, category=UserWarning)
 
 
 def _interface() -> ModuleType:
     # Imported here, never at module import: it pulls in the CuTe DSL (cutlass, cuda-python).
+    _filter_dsl_warning()
     return importlib.import_module("flash_attn.cute.interface")
 
 
@@ -286,8 +288,7 @@ class FlashAttn4Backend(Backend):
             "mask_mod": _top_left_causal() if is_causal else None,
             "block_sparse_tensors": _sparse_tensors(tiles), "pack_gqa": False, "return_lse": True,
         }  # fmt: skip
-        with _dsl_quiet():
-            out, lse = fwd(**_bind(fwd, values))[:2]
+        out, lse = fwd(**_bind(fwd, values))[:2]
         return KernelOutput(out, lse)
 
     def block_sparse_backward(
@@ -316,8 +317,7 @@ class FlashAttn4Backend(Backend):
             "block_sparse_tensors": _sparse_tensors(tiles), "pack_gqa": False,
             "dq": dq, "dk": dk, "dv": dv,
         }  # fmt: skip
-        with _dsl_quiet():
-            res = bwd(**_bind(bwd, values))
+        res = bwd(**_bind(bwd, values))
         return _grads_from(res, dq, dk, dv)
 
     def _forward(
@@ -343,8 +343,7 @@ class FlashAttn4Backend(Backend):
         if "return_lse" not in kwargs:
             # Releases before ``return_lse`` allocate the lse only when q requires grad.
             kwargs["q"] = q.detach().requires_grad_()
-        with _dsl_quiet():
-            out, lse = fwd(**kwargs)[:2]
+        out, lse = fwd(**kwargs)[:2]
         if lse is None:
             raise RuntimeError("flash_attn.cute._flash_attn_fwd returned no lse")
         return KernelOutput(out, lse)
@@ -377,6 +376,5 @@ class FlashAttn4Backend(Backend):
             "softmax_scale": scale, "causal": is_causal, "dq": dq, "dk": dk, "dv": dv,
         }  # fmt: skip
         _masked(values, key_mask, is_causal)
-        with _dsl_quiet():
-            res = bwd(**_bind(bwd, values))
+        res = bwd(**_bind(bwd, values))
         return _grads_from(res, dq, dk, dv)

@@ -22,11 +22,11 @@ Note [Bounded dilated cache]
     mode on), every call concatenates instead, so no tensor a backward saved is ever written in
     place. ``nbytes`` is the buffers' size.
 
-    The bound is known at the first call (batch, heads, head dim, dtype): a cache whose bound
-    would not fit the device's memory (the host's RAM for the CPU) is refused there, before any
-    work, rather than failing in the allocator once the sequence gets long. A segment longer than
-    every sequence decoded is one segment of it (Note [Effective branches]), so ``max_length``
-    bounds such a cache at no loss.
+    Buffers grow with what they hold, so a long bound costs nothing until tokens fill it. A call
+    whose rows, grown into, would not fit the device's memory (the host's RAM for the CPU) is
+    refused before any work rather than failing in the allocator. A segment longer than every
+    sequence decoded is one segment of it (Note [Effective branches]), so ``max_length`` bounds
+    such a cache at no loss.
 
 Note [One cache per layer]
     A cache appends whatever keys it is given and takes them as the next positions, so a cache
@@ -43,6 +43,7 @@ Shape legend: B batch, n new positions, Hkv key/value heads, D head dim.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -139,8 +140,7 @@ class DilatedKVCache:
     ) -> None:
         """Raise ``ValueError`` if ``key`` (B, n, Hkv, D) or the schedule cannot extend this
         cache: another layer's schedule, batch size, key/value heads, head dim, dtype or
-        device, more tokens than ``max_length``, or (at the first call) a bound no memory of
-        the device holds."""
+        device, more tokens than ``max_length``, or rows no memory of the device holds."""
         if (segments, rates) != (self.segment_lengths, self.dilation_rates):
             raise ValueError(
                 f"cache holds a layer with segment_lengths={list(self.segment_lengths)}, "
@@ -153,8 +153,8 @@ class DilatedKVCache:
                 f"{self.length}, got {key.shape[1]} more; start a new DilatedKVCache, or make "
                 f"it with a larger max_length"
             )
+        self._check_growth(key)
         if self.key is None:
-            self._check_bound(key)
             return
         held = (self.key.shape[0], *self.key.shape[2:], self.key.dtype, self.key.device)
         new = (key.shape[0], *key.shape[2:], key.dtype, key.device)
@@ -164,23 +164,26 @@ class DilatedKVCache:
                 f"{new}; use a new DilatedKVCache for another batch or model"
             )
 
-    def _check_bound(self, key: torch.Tensor) -> None:
-        """Raise ``ValueError`` if the buffers at their bound, for keys like ``key``
-        (B, n, Hkv, D), need more bytes than the device has (Note [Bounded dilated cache])."""
-        batch, _, heads, dim = key.shape
-        rows = self.max_rows()
+    def _check_growth(self, key: torch.Tensor) -> None:
+        """Raise ``ValueError`` if the buffers, grown to take the held rows and ``key``
+        (B, n, Hkv, D), need more bytes than the device has (Note [Bounded dilated cache]).
+        Buffers grow with what they hold, so a long bound costs nothing until tokens fill it;
+        this refuses a call whose rows no memory of the device holds before the allocator is
+        asked for them."""
+        batch, new_rows, heads, dim = key.shape
+        rows = self._capacity(self.length - self.start + new_rows)
         needed = rows * batch * (2 * heads * dim * key.element_size() + 1)  # keys, values, mask
         memory = device_memory(key.device)
         if memory is None or needed <= memory:
             return
         raise ValueError(
-            f"segment_lengths={list(self.segment_lengths)}: a DilatedKVCache holds up to the "
-            f"longest segment's rows plus {self.headroom} spare ({rows:,} rows), "
-            f"{needed:,} bytes ({needed / 1e9:,.1f} GB) for these keys (batch {batch}, {heads} "
-            f"key/value heads of {dim}, {key.dtype}), more than the {memory:,} bytes "
-            f"({memory / 1e9:,.1f} GB) of {key.device}; a segment "
-            f"longer than every sequence you decode is one segment of it: pass "
-            f"DilatedKVCache(..., max_length=the most tokens you decode), or a shorter segment"
+            f"segment_lengths={list(self.segment_lengths)}: this call makes the DilatedKVCache "
+            f"hold {rows:,} rows (it keeps up to the longest segment's rows plus "
+            f"{self.headroom} spare), {needed:,} bytes ({needed / 1e9:,.1f} GB) for these keys "
+            f"(batch {batch}, {heads} key/value heads of {dim}, {key.dtype}), more than the "
+            f"{memory:,} bytes ({memory / 1e9:,.1f} GB) of {key.device}; decode fewer tokens "
+            f"per call, bound the cache with DilatedKVCache(..., max_length=the most tokens "
+            f"you decode), or use shorter segments"
         )
 
     def check_positions(self, positions: torch.Tensor, given_with: str = "cache=") -> None:
@@ -301,6 +304,7 @@ def _in_buffer(rows: torch.Tensor, capacity: int) -> torch.Tensor:
     return buffer
 
 
+@functools.cache
 def device_memory(device: torch.device) -> int | None:
     """Bytes of memory of ``device`` (for the CPU, the host's RAM), or None where unknown."""
     try:

@@ -148,6 +148,13 @@ def use_dilated_attention(
     return model
 
 
+#: ``from_pretrained`` arguments that say where the config is, passed on to read it first.
+_CONFIG_LOCATION_KWARGS = (
+    "cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder",
+    "trust_remote_code",
+)  # fmt: skip
+
+
 def load_dilated_pretrained(cls: Any, path: Any, **kwargs: Any) -> nn.Module:
     """``cls.from_pretrained(path, **kwargs)`` of a model saved after
     :func:`use_dilated_attention`, running dilated attention with its saved schedule and flags.
@@ -159,7 +166,7 @@ def load_dilated_pretrained(cls: Any, path: Any, **kwargs: Any) -> nn.Module:
 
     Raises:
         TypeError: ``attn_implementation`` is given.
-        ValueError: the saved config holds no dilated schedule.
+        ValueError: the saved config holds no dilated schedule (before any weights load).
     """
     if "attn_implementation" in kwargs:
         raise TypeError(
@@ -167,8 +174,11 @@ def load_dilated_pretrained(cls: Any, path: Any, **kwargs: Any) -> nn.Module:
             f"attn_implementation={kwargs['attn_implementation']!r}; for another implementation "
             f"call {getattr(cls, '__name__', 'cls')}.from_pretrained directly"
         )
-    model = cls.from_pretrained(path, attn_implementation=register(), **kwargs)
-    config = model.config
+    from transformers import AutoConfig
+
+    # The schedule is read from the saved config before any weights load.
+    where = {key: kwargs[key] for key in _CONFIG_LOCATION_KWARGS if key in kwargs}
+    config = AutoConfig.from_pretrained(path, **where)
     segs, rates = getattr(config, SEGMENTS_ATTR, None), getattr(config, RATES_ATTR, None)
     if segs is None or rates is None:
         raise ValueError(
@@ -176,6 +186,7 @@ def load_dilated_pretrained(cls: Any, path: Any, **kwargs: Any) -> nn.Module:
             f"prepared with use_dilated_attention, or call use_dilated_attention(model, "
             f"segment_lengths, dilation_rates) after loading"
         )
+    model = cls.from_pretrained(path, attn_implementation=register(), **kwargs)
     return use_dilated_attention(
         model, segs, rates, check_positions=getattr(config, CHECK_POSITIONS_ATTR, True),
         keep_unsupported_layers=getattr(config, KEEP_ATTR, False),

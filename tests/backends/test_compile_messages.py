@@ -98,17 +98,26 @@ def _install_warning_fa4(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_flash_attn4_calls_drop_the_dsl_aux_data_warning_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Under an "always" filter (what a user's or pytest's filters may be), the forward and
-    backward let every warning through but the DSL's aux_data one."""
+    """Under an "always" filter set before the call (what a user's or pytest's filters may be),
+    the forward and backward let every warning through but the DSL's aux_data one; the filter
+    is added once, and a warning shown "once" elsewhere is not shown again after FA4 calls
+    (adding a filter, as a ``catch_warnings`` around every call did, resets that record)."""
     _install_warning_fa4(monkeypatch)
     backend = flash_attn4.FlashAttn4Backend()
     q, k, v = (torch.randn(1, 8, 2, 16, dtype=torch.float16) for _ in "qkv")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        res = backend.forward(q, k, v, scale=0.25, is_causal=False)
-        backend.backward(q, q, k, v, res.out, res.lse, res.aux, scale=0.25, is_causal=False)
-    assert [str(w.message) for w in caught] == ["forward: some other warning"]
+        for _ in range(2):
+            res = backend.forward(q, k, v, scale=0.25, is_causal=False)
+            backend.backward(q, q, k, v, res.out, res.lse, res.aux, scale=0.25, is_causal=False)
+        ours = [f for f in warnings.filters if f[0] == "ignore" and f[2] is UserWarning]
+        assert len(ours) == 1, ours
+        warnings.warn(DSL_MESSAGE, UserWarning, stacklevel=1)  # the filter is process-wide
+    assert [str(w.message) for w in caught] == ["forward: some other warning"] * 2
+    flash_attn4._filter_dsl_warning()  # the filter, as a first call leaves it
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        warnings.warn(DSL_MESSAGE, UserWarning, stacklevel=1)  # outside an FA4 call: untouched
-    assert len(caught) == 1
+        warnings.simplefilter("once")
+        warnings.warn("shown once", UserWarning, stacklevel=1)
+        backend.forward(q, k, v, scale=0.25, is_causal=False)
+        warnings.warn("shown once", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in caught].count("shown once") == 1

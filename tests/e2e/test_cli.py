@@ -233,11 +233,20 @@ def test_demo_stops_at_its_time_budget(capsys: pytest.CaptureFixture[str]) -> No
     assert 1.0 <= seconds < 10.0  # one step past the budget at most
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_demo_with_zero_steps_trains_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "demo", *_TINY_DEMO, "--steps", "0")
+    assert code == 0, out
+    before = re.search(r"bits per byte before training: ([\d.]+)", out).group(1)
+    assert f"after 0 steps: {before} (before {before})" in out, out
+
+
 def test_demo_learning_rate_follows_the_budget_or_the_steps() -> None:
     from dilated_attention.demo import _lr, _progress
 
     assert _progress(50, 100, elapsed=10.0, budget=0.0) == 0.5  # no budget: steps only
     assert _progress(50, 100, elapsed=90.0, budget=120.0) == 0.75  # time is further along
+    assert _progress(0, 0, elapsed=0.0, budget=120.0) == 1.0  # no steps: nothing to train
     assert _lr(0.0, 1.0) > 0  # the first step learns
     assert _lr(0.05, 1.0) == pytest.approx(1.0)  # peak after the 5% warm-up
     assert _lr(1.0, 1.0) == pytest.approx(0.0)

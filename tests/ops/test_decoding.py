@@ -352,19 +352,31 @@ def test_cache_buffers_grow_with_what_they_hold() -> None:
     torch.testing.assert_close(torch.cat(outs, dim=1), full, **TIGHT)
 
 
-def test_cache_refuses_a_bound_no_memory_holds_before_any_work() -> None:
+def test_cache_refuses_rows_no_memory_holds_before_any_work(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A segment of 2**40 would make the cache hold up to 2**40 rows (4.4 TB up front before):
-    its first call raises ValueError naming ``segment_lengths``, the bytes and ``max_length``,
-    and leaves the cache empty. With ``max_length`` the cache is bounded by it and decodes as
-    the full forward (the segment is one segment of the sequence); a call past it raises."""
+    its buffers grow with what they hold instead, and a call whose rows the device's memory
+    cannot hold (a 16 KB device here) raises ValueError naming ``segment_lengths``, the bytes
+    and ``max_length``, leaving the cache as it was. With ``max_length`` the cache is bounded
+    by it and decodes as the full forward (the segment is one segment of the sequence); a call
+    past it raises."""
+    from dilated_attention.core import kv_cache
+
     q, k, v = _tensors(24, 4, 2, seed=29)
     cache = DilatedKVCache([8, 2**40], [1, 2])
-    with pytest.raises(ValueError, match=r"segment_lengths.*bytes.*max_length") as info:
+    with torch.no_grad():
         dilated_attention(q[:, :3], k[:, :3], v[:, :3], [8, 2**40], [1, 2], is_causal=True,
                           cache=cache)  # fmt: skip
-    needed = (2**40 + 2**37) * 2 * (2 * 2 * 8 * 8 + 1)  # rows x batch x (keys, values, mask)
+    assert cache.nbytes < 20 * 2 * (2 * 2 * 8 * 8 + 1)  # 3 rows and their spares, not 2**40
+    monkeypatch.setattr(kv_cache, "device_memory", lambda device: 16 * 1024)
+    with pytest.raises(ValueError, match=r"segment_lengths.*bytes.*max_length") as info:
+        dilated_attention(q[:, 3:24], k[:, 3:24], v[:, 3:24], [8, 2**40], [1, 2],
+                          is_causal=True, cache=cache)  # fmt: skip
+    needed = 48 * 2 * (2 * 2 * 8 * 8 + 1)  # twice 24 rows x batch x (keys, values, mask)
     assert f"{needed:,} bytes" in str(info.value), str(info.value)
-    assert cache.length == 0 and cache.key is None and cache.nbytes == 0
+    assert cache.length == 3 and cache.key.shape[1] == 3
+    monkeypatch.undo()
     full, _ = oracle_dilated_attention(q, k, v, [8, 2**40], [1, 2], is_causal=True)
     cache, outs, t = DilatedKVCache([8, 2**40], [1, 2], max_length=24), [], 0
     with torch.no_grad():
