@@ -69,10 +69,16 @@ def _out(result: Any) -> torch.Tensor:
 
 
 def test_public_exports() -> None:
-    """Both modules are importable from the package root and listed in ``__all__``."""
-    for name in ("DilatedAttention", "MultiheadDilatedAttention"):
-        assert name in dilated_attention.__all__
-        assert getattr(dilated_attention, name) is not None
+    """The modules are importable from the package root and from ``dilated_attention.modules``
+    (the same classes), and listed in both ``__all__``."""
+    import dilated_attention.modules as modules
+
+    for name in (
+        "DilatedAttention", "MultiheadDilatedAttention", "MultiheadAttention",
+        "BlockSparseAttention", "BlockSparseMultiheadAttention",
+    ):  # fmt: skip
+        assert name in dilated_attention.__all__ and name in modules.__all__
+        assert getattr(modules, name) is getattr(dilated_attention, name)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
