@@ -1,11 +1,16 @@
 """Models built on dilated attention: the LongNet decoder-only language model, and checkpoints.
 
+The model is :class:`LongNetLM` (``longnet.py``): configured by :class:`LongNetConfig`
+(``config.py``), built of blocks (:class:`LongNetBlock`, ``blocks.py``), sampled by its
+``generate`` and ``stream`` (``generation.py``).
+
 ``LongNetLM`` and ``LongNetConfig`` are also exported by the top-level package
 (``from dilated_attention import LongNetLM``). Save and load a model with :func:`save_checkpoint` /
 :func:`load_checkpoint` (checksummed; see :mod:`dilated_attention.models.checkpoint`).
 """
 
 from ..rotary import RotaryEmbedding
+from .blocks import LongNetAttention, LongNetBlock
 from .checkpoint import (
     CHECKPOINT_VERSION,
     Checkpoint,
@@ -13,7 +18,8 @@ from .checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from .longnet import PRESETS, LongNetAttention, LongNetBlock, LongNetConfig, LongNetLM
+from .config import PRESETS, LongNetConfig
+from .longnet import LongNetLM
 
 __all__ = [
     "CHECKPOINT_VERSION",

@@ -50,7 +50,8 @@ import torch
 
 from .._version import __version__
 from ..factory import _resolve_device
-from .longnet import LongNetConfig, LongNetLM
+from .config import LongNetConfig
+from .longnet import LongNetLM
 
 __all__ = [
     "CHECKPOINT_VERSION",

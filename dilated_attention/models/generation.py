@@ -1,0 +1,267 @@
+"""Sampling from the LongNet language model: :class:`GenerationMixin` gives
+:class:`~dilated_attention.models.LongNetLM` its :meth:`~GenerationMixin.generate` and
+:meth:`~GenerationMixin.stream`, which decode with one
+:class:`~dilated_attention.DilatedKVCache` per layer.
+
+Shape legend: B batch, N0 prompt length, V vocab_size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from .. import _validation as V
+from ..core.kv_cache import DilatedKVCache
+from .config import LongNetConfig
+
+__all__ = ["GenerationMixin"]
+
+
+def _next_token(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """(B, 1) token ids from (B, V) float logits: the argmax at temperature 0, else a sample
+    from softmax(logits / temperature) restricted to the ``top_k`` most likely tokens."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+
+
+class GenerationMixin:
+    """:meth:`generate` and :meth:`stream` for :class:`~dilated_attention.models.LongNetLM`.
+
+    It reads the model's ``config``, ``blocks``, ``new_caches()`` and ``_check_tokens()``, and
+    calls the model on token ids for their (B, N, V) logits.
+    """
+
+    config: LongNetConfig
+    blocks: nn.ModuleList
+
+    if TYPE_CHECKING:  # what the model provides (LongNetLM, nn.Module)
+        training: bool
+
+        def __call__(
+            self, tokens: torch.Tensor, *, caches: list[DilatedKVCache] | None = None
+        ) -> torch.Tensor: ...
+        def eval(self) -> nn.Module: ...
+        def train(self, mode: bool = True) -> nn.Module: ...
+        def new_caches(self) -> list[DilatedKVCache]: ...
+        def _check_tokens(self, tokens: object) -> torch.Tensor: ...
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt: torch.Tensor | Sequence[torch.Tensor],
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+        stop_token: int | None = None,
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """Sample a continuation, one token at a time: the prompt followed by what
+        :meth:`stream` yields.
+
+        Args:
+            prompt, max_new_tokens, temperature, top_k, generator, stop_token: as in
+                :meth:`stream`.
+
+        Returns:
+            For a (B, N0) prompt, (B, N0 + n) token ids: the prompt followed by the
+            n <= ``max_new_tokens`` samples (fewer only when every sequence has produced
+            ``stop_token``; a sequence that stopped earlier is filled with ``stop_token``). For a
+            list of prompts, a list of 1-D tensors: each prompt followed by its samples, up to
+            and including its ``stop_token``.
+
+        Raises:
+            ValueError, TypeError: as :meth:`stream`.
+        """
+        steps = list(
+            self.stream(
+                prompt, max_new_tokens, temperature=temperature, top_k=top_k,
+                generator=generator, stop_token=stop_token,
+            )
+        )  # fmt: skip
+        if isinstance(prompt, torch.Tensor):
+            return torch.cat([prompt.long(), *steps], dim=1)
+        samples = torch.cat(steps, dim=1) if steps else None
+        out = []
+        for row, tokens in enumerate(prompt):
+            sampled = samples[row] if samples is not None else tokens.new_empty(0)
+            if stop_token is not None:
+                hits = (sampled == stop_token).nonzero()
+                sampled = sampled[: int(hits[0]) + 1] if hits.numel() else sampled
+            out.append(torch.cat([tokens.long().to(sampled.device), sampled.long()]))
+        return out
+
+    def stream(
+        self,
+        prompt: torch.Tensor | Sequence[torch.Tensor],
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+        stop_token: int | None = None,
+    ) -> Iterator[torch.Tensor]:
+        """Sample a continuation token by token, yielding each step's (B, 1) token ids as soon
+        as they are sampled (to print or send them while generation goes on).
+
+        The arguments are checked when this is called, before anything runs. While the iterator
+        runs the model is in eval mode; its training mode comes back when the iterator finishes
+        or is closed. The prompt runs once into one :class:`~dilated_attention.DilatedKVCache`
+        per layer and each new token reads the keys it can see from them (Note [Decoding
+        rows]): the same logits as recomputing the whole forward, at a per-token cost set by the
+        schedule, not the length. When ``max_seq_len`` is set and the sequence would outgrow it,
+        every step instead recomputes the forward over the last ``max_seq_len`` tokens. Local
+        attention only (not under ring sharding).
+
+        Prompts of different lengths come as a list of 1-D token id tensors: each is sampled
+        exactly as it would be alone (no padding: the rows of each length share one batch and
+        one set of caches, and the batches advance together, one step at a time).
+
+        Args:
+            prompt: (B, N0) token ids, or a list of B 1-D token id tensors (any lengths >= 1).
+            max_new_tokens: the most tokens to sample (>= 0).
+            temperature: > 0 samples from softmax(logits / temperature); 0 is greedy.
+            top_k: sample among the ``top_k`` most likely tokens only (``None``: all).
+            generator: a ``torch.Generator`` for reproducible sampling.
+            stop_token: a token id in [0, vocab_size) that ends a sequence: once a sequence
+                has produced it, its later steps are ``stop_token`` too, and the iterator ends
+                after the step where every sequence has (``None``: run ``max_new_tokens``
+                steps).
+
+        Yields:
+            (B, 1) token ids (int64), one step at a time.
+
+        Raises:
+            ValueError: bad prompt, ``max_new_tokens < 0``, ``temperature`` negative or not
+                finite, ``top_k < 1``, ``stop_token`` not a token id.
+            TypeError: ``generator`` is not a ``torch.Generator``.
+        """
+        groups = self._prompt_groups(prompt)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+            raise ValueError(
+                f"temperature must be a finite number >= 0, got temperature={temperature!r} "
+                f"({type(temperature).__name__})"
+            )
+        temperature = V.check_positive_float(
+            "temperature", temperature, allow_zero=True,
+            fix="0 is greedy decoding, 1.0 samples from the model's distribution",
+        )  # fmt: skip
+        if top_k is not None:
+            V.check_positive_int("top_k", top_k)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(
+                f"generator must be a torch.Generator or None, got {generator!r} "
+                f"({type(generator).__name__}); e.g. torch.Generator().manual_seed(0)"
+            )
+        vocab = self.config.vocab_size
+        if stop_token is not None and (
+            isinstance(stop_token, bool)
+            or not isinstance(stop_token, int)
+            or not 0 <= stop_token < vocab
+        ):
+            raise ValueError(
+                f"stop_token must be a token id in [0, {vocab}) or None, got "
+                f"stop_token={stop_token!r}; e.g. the id of your end-of-text token"
+            )
+        return self._sample(groups, max_new_tokens, temperature, top_k, generator, stop_token)
+
+    def _prompt_groups(self, prompt: object) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(rows, tokens)`` per prompt length: the batch rows (int64 indices) and their
+        (b, N0) int64 token ids, after checking every prompt."""
+        if isinstance(prompt, torch.Tensor):
+            tokens = self._check_tokens(prompt).long()
+            return [(torch.arange(tokens.shape[0]), tokens)]
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ValueError(
+                f"prompt must be a (batch, seq_len) tensor of token ids or a non-empty list of "
+                f"1-D token id tensors (prompts of different lengths), got {type(prompt).__name__}"
+            )
+        by_length: dict[int, list[int]] = {}
+        for row, tokens in enumerate(prompt):
+            if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.numel() == 0:
+                shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens)
+                raise ValueError(
+                    f"prompt[{row}] must be a non-empty 1-D tensor of token ids, got {shape}; "
+                    f"pass prompts of one length as a (batch, seq_len) tensor instead"
+                )
+            if tokens.device != prompt[0].device:
+                raise ValueError(
+                    f"prompt[{row}] is on {tokens.device} and prompt[0] on {prompt[0].device}; "
+                    f"move every prompt to one device"
+                )
+            self._check_tokens(tokens.unsqueeze(0))
+            by_length.setdefault(tokens.numel(), []).append(row)
+        return [
+            (torch.tensor(rows), torch.stack([prompt[i] for i in rows]).long())
+            for rows in by_length.values()
+        ]
+
+    def _sample(
+        self,
+        groups: list[tuple[torch.Tensor, torch.Tensor]],
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int | None,
+        generator: torch.Generator | None,
+        stop_token: int | None,
+    ) -> Iterator[torch.Tensor]:
+        """:meth:`stream`'s loop over checked arguments: ``groups`` of (rows, (b, N0) tokens)
+        advance together, each with caches of its own."""
+        was_training = self.training
+        self.eval()
+        try:
+            batch = sum(rows.numel() for rows, _ in groups)
+            device = groups[0][1].device
+            cap = self.config.max_seq_len
+            decodes = all(
+                getattr(block.attn.mha.attention, "decodes_with_cache", False)
+                for block in self.blocks
+            )
+            # Per group: its rows, the tokens its next forward reads (with caches the new ones
+            # only, else all so far) and its caches.
+            states = []
+            for rows, tokens in groups:
+                fits = cap is None or tokens.shape[1] + max_new_tokens <= cap
+                caches = self.new_caches() if fits and decodes else None
+                states.append([rows.to(device), tokens, caches])
+            stopped = torch.zeros(batch, 1, dtype=torch.bool, device=device)
+            for _ in range(max_new_tokens):
+                step = torch.empty(batch, 1, dtype=torch.long, device=device)
+                for state in states:
+                    rows, tokens, caches = state
+                    with torch.no_grad():
+                        if caches is not None:  # the new tokens against the cached keys
+                            logits = self(tokens, caches=caches)[:, -1, :].float()
+                        else:
+                            window = tokens if cap is None else tokens[:, -cap:]
+                            logits = self(window)[:, -1, :].float()
+                    nxt = _next_token(logits, temperature, top_k, generator).to(device)
+                    if stop_token is not None:
+                        nxt = nxt.masked_fill(stopped[rows], stop_token)
+                    step[rows] = nxt
+                    state[1] = nxt if caches is not None else torch.cat([tokens, nxt], dim=1)
+                if stop_token is not None:
+                    stopped |= step == stop_token
+                yield step
+                if stop_token is not None and bool(stopped.all()):
+                    return
+        finally:
+            self.train(was_training)
