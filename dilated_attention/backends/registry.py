@@ -1,8 +1,10 @@
 """The backend registry: names, per-device priority, and selection with reasons.
 
-Selection walks the priority list for the device (by compute capability, never GPU names; the
-measurements behind it sit next to ``_CUDA_PRIORITY``) and takes the first backend with no reason to
-refuse the inputs. ``choose`` also records why each other backend was not taken. A backend whose
+Selection walks the priority list for the device (by compute capability, never GPU names) and
+takes the first backend with no reason to refuse the inputs. The lists, the rules that put some
+backends first for some inputs and their thresholds are data: ``priorities.json`` beside this
+module, each entry naming the benchmark record under benchmarks/results/ that measured it.
+``choose`` also records why each other backend was not taken. A backend whose
 ``verified_on_hardware`` is false (its kernel has not run in this project's GPU tests: flash-attn
 2/3 and xformers, tested against fakes of their packages) is taken only by name.
 """
@@ -10,10 +12,14 @@ refuse the inputs. ``choose`` also records why each other backend was not taken.
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
+from importlib import resources
+from typing import Any
 
 import torch
 
@@ -32,57 +38,49 @@ ENV_VAR = "DILATED_ATTENTION_BACKEND"
 #: The name that means "choose automatically", accepted wherever ``None`` is.
 AUTO = "auto"
 
-# Tried in this order; the first backend with no reason to refuse the inputs wins. Keys are compute
-# capability majors. sm90/sm100: FlashAttention-3/4 when installed. FA3 (740 TFLOP/s forward
-# published on H100) is never taken automatically here (see verified_on_hardware). FA4 measured
-# faster than cuDNN forward+backward at every shape of benchmarks/results/
-# kernels_fa4_cudnn_h100.json (H100, bf16, N = 4K-64K, D = 64/128, causal and not: 1.05-1.23x;
-# forward 0.96-1.18x, cuDNN ahead by 1-4% on four forward-only shapes, three of them at N = 4K).
-# Then cuDNN (600-650 fwd / 540-570 fwd+bwd measured on our H100, bf16, D=128), then FA2
-# (flash-attn package, then PyTorch's copy: 350 / 315), then the memory-efficient kernel (180/150).
-# sm80-89: FA2-class first; cuDNN measured 0.8-1.0x of FA2 there (transformers#48163). sm75: the
-# memory-efficient kernel or xformers. Older GPUs, CPU and other devices: what runs, then math.
-# FlexAttention compiles per shape (seconds), so it is never chosen for dense attention
-# automatically; it runs block-sparse masks and whenever asked for by name.
-_CUDA_PRIORITY: dict[int, list[str]] = {
-    10: [
-        "flash_attn4",
-        "sdpa_cudnn",
-        "flash_attn2",
-        "sdpa_flash",
-        "sdpa_efficient",
-        "triton",
-        "math",
-    ],
-    9: [
-        "flash_attn3",
-        "flash_attn4",
-        "sdpa_cudnn",
-        "flash_attn2",
-        "sdpa_flash",
-        "sdpa_efficient",
-        "triton",
-        "math",
-    ],
-    8: ["flash_attn2", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "xformers", "triton", "math"],
-    7: ["sdpa_efficient", "xformers", "math"],
-}
-_HOST_PRIORITY = ["cpu_flash", "math"]
-# Dilated calls: our Triton kernels (no gathers, branches merged in place) ahead of gather + the
-# dense kernel where benchmarks/bench_dilated.py measured them faster (H100, bf16, LongNet
-# schedule, N = 64K and 1M, 64a341b; benchmarks/results/dilated_gather_h100.json): D = 64 forward
-# 1.9-2.7x / forward+backward 1.3-2.0x; D = 128 forward 2.0-2.9x, forward+backward 1.4-1.8x with
-# the backward tiles of benchmarks/results/tune_triton_h100.json. The fused kernels' latest run
-# is benchmarks/results/dilated_h100.json. Training with head dims above 128 has not been
-# measured and keeps gather + the dense kernel.
-_CUDA_DILATED_FIRST: dict[int, list[str]] = {9: ["triton"]}
-# Key padding masks: cuDNN and FlashAttention take none, so 16-bit masked calls would fall to the
-# memory-efficient kernel. Our Triton kernels take masks and measured 2.5-3.3x its speed on the
-# H100 (benchmarks/results/kernels_masked_h100.md: bf16, the last 1/8 of the keys masked,
-# N = 4K-64K, D = 64 and 128, forward+backward 258-340 against 90-132 TFLOP/s). float32 and
-# other devices have not been measured and keep the list's order.
-_CUDA_MASKED_FIRST: dict[int, list[str]] = {9: ["triton"]}
-_FUSED_MAX_TRAINING_HEAD_DIM = 128
+#: The table file, beside this module (package data).
+_TABLE_FILE = "priorities.json"
+
+
+@functools.cache
+def _table() -> dict[str, Any]:
+    """The backend priorities and the rules that reorder them, read once from
+    ``priorities.json``: per device class (a CUDA compute capability major, or the host) the
+    ``order`` tried and the ``first`` rules with their thresholds, each entry with a ``source``
+    naming the benchmark record behind it. Not to be modified."""
+    package = resources.files(__name__.rpartition(".")[0])
+    return json.loads(package.joinpath(_TABLE_FILE).read_text(encoding="utf-8"))
+
+
+def _device_class(device: torch.device) -> dict[str, Any]:
+    """The table's entry for ``device``: its compute capability major on CUDA (a major the table
+    does not list takes the ``unlisted_major`` fallback: newer or older), the host's otherwise."""
+    table = _table()
+    if device.type != "cuda":
+        return table["host"]
+    cuda = table["cuda"]
+    major, _ = torch.cuda.get_device_capability(device)
+    key = str(major)
+    if key not in cuda["majors"]:
+        newer = major > max(int(listed) for listed in cuda["majors"])
+        key = cuda["unlisted_major"]["newer" if newer else "older"]
+    return cuda["majors"][key]
+
+
+def _rule(entry: dict[str, Any], name: str) -> dict[str, Any] | None:
+    """The ``first`` rule ``name`` of a device class's entry, if it has one."""
+    return entry.get("first", {}).get(name)
+
+
+def _rule_measured(rule: dict[str, Any] | None, inputs: KernelInputs) -> bool:
+    """Whether ``inputs`` lie where ``rule`` was measured: a listed dtype, and a head dim up to
+    its ``max_training_head_dim`` when gradients are needed."""
+    if rule is None:
+        return False
+    if "dtypes" in rule and str(inputs.dtype).removeprefix("torch.") not in rule["dtypes"]:
+        return False
+    limit = rule.get("max_training_head_dim")
+    return limit is None or not inputs.requires_grad or inputs.head_dim <= limit
 
 
 def _unverified_reason(name: str) -> str:
@@ -93,15 +91,14 @@ def _unverified_reason(name: str) -> str:
 
 
 def _order(inputs: KernelInputs) -> list[str]:
-    """The priority walked for ``inputs``: dilated calls (see _CUDA_DILATED_FIRST) and 16-bit calls
-    with a key padding mask (see _CUDA_MASKED_FIRST) try our Triton kernels first, unless they
-    train with a head dim above ``_FUSED_MAX_TRAINING_HEAD_DIM``."""
-    tiles_measured = not inputs.requires_grad or inputs.head_dim <= _FUSED_MAX_TRAINING_HEAD_DIM
-    masked_16bit = inputs.has_mask and inputs.dtype in (torch.float16, torch.bfloat16)
+    """The priority walked for ``inputs``: dilated calls and calls with a key padding mask try the
+    backends of the device's ``dilated`` / ``masked`` rules first where those rules were measured
+    (dtype, head dim when training: :func:`_rule_measured`)."""
+    entry = _device_class(inputs.device)
     return priority(
         inputs.device,
-        dilated=inputs.dilated and tiles_measured,
-        masked=masked_16bit and tiles_measured,
+        dilated=inputs.dilated and _rule_measured(_rule(entry, "dilated"), inputs),
+        masked=inputs.has_mask and _rule_measured(_rule(entry, "masked"), inputs),
     )
 
 
@@ -199,18 +196,15 @@ def check_backend_name(backend: object, *, argument: str = "backend") -> str | N
 
 
 def priority(device: torch.device, *, dilated: bool = False, masked: bool = False) -> list[str]:
-    """Backend names in the order they are tried on ``device`` (see the module docstring);
+    """Backend names in the order they are tried on ``device`` (``priorities.json``);
     ``dilated`` / ``masked`` put the backends measured faster on that device for dilated calls /
     calls with a key padding mask first."""
-    if device.type == "cuda":
-        major, _ = torch.cuda.get_device_capability(device)
-        order = _CUDA_PRIORITY.get(major, _CUDA_PRIORITY[8] if major > 10 else _CUDA_PRIORITY[7])
-        first = _CUDA_DILATED_FIRST.get(major, []) if dilated else []
-        if masked:
-            first = first + [n for n in _CUDA_MASKED_FIRST.get(major, []) if n not in first]
-        order = first + [name for name in order if name not in first]
-    else:
-        order = _HOST_PRIORITY
+    entry = _device_class(device)
+    first: list[str] = []
+    for rule, wanted in (("dilated", dilated), ("masked", masked)):
+        names = (_rule(entry, rule) or {}).get("names", []) if wanted else []
+        first = first + [name for name in names if name not in first]
+    order = first + [name for name in entry["order"]["names"] if name not in first]
     known = [name for name in order if name in _BACKENDS]
     return known + [name for name in _BACKENDS if name not in known]
 
@@ -231,6 +225,8 @@ class BackendChoice:
             call of the plan.
         branches: for a dilated schedule given to ``explain``, one line per branch (or row
             group) saying how it runs on this kernel: views or gathers, how many calls, and why.
+        description: the whole strategy in words (the resolve step's ``describe()``): what
+            ``print(choice)`` shows.
     """
 
     backend: str
@@ -240,6 +236,10 @@ class BackendChoice:
     operation: str = "dense"
     runs_plan: bool = False
     branches: tuple[str, ...] = ()
+    description: str = ""
+
+    def __str__(self) -> str:
+        return self.description or f"{self.operation} attention runs on {self.backend}"
 
 
 _OVERRIDE: ContextVar[str | None] = ContextVar("dilated_attention_backend", default=None)
@@ -448,45 +448,36 @@ def _block_sparse_fa4_reasons(inputs: KernelInputs) -> list[str]:
 
 
 def _block_sparse_first(inputs: KernelInputs) -> list[str]:
-    """On CUDA: FlashAttention-4's block sparsity where it runs (H100, 64K tokens, D = 128, 10%
-    density: forward 6.3 ms and forward+backward 25.1 ms against 8.5 / 33.1 for our Triton
-    kernels, 9.2 / 33.6 for FlexAttention; ``block_sparse_64k_h100``); then our block-sparse
-    Triton kernels for calls without gradients (their forward is 1.1-1.4x FlexAttention's),
-    FlexAttention for training (its backward is up to 6% faster at 64K tokens:
-    docs/block_sparse.md); elsewhere the device's list, where none of them runs."""
+    """On CUDA: the ``block_sparse`` rule of every major (``priorities.json``: FlashAttention-4's
+    block sparsity where it runs, then our block-sparse Triton kernels and FlexAttention, in the
+    order measured for training or for calls without gradients); elsewhere the device's list,
+    where none of them runs."""
     if inputs.device.type != "cuda":
         return []
-    rest = ["flex", "triton"] if inputs.requires_grad else ["triton", "flex"]
-    return ["flash_attn4", *rest]
-
-
-#: Positions from which FlashAttention-4 writing into branch slots runs dilated calls on sm90
-#: ahead of our fused Triton kernels (see :func:`_dilated_first`).
-FA4_DILATED_MIN_LEN = 262144
+    rule = _table()["cuda"]["every_major"]["first"]["block_sparse"]
+    return list(rule["training" if inputs.requires_grad else "inference"])
 
 
 def _dilated_first(inputs: KernelInputs) -> list[str]:
-    """On sm90: FlashAttention-4 first for dilated calls of at least ``FA4_DILATED_MIN_LEN``
-    positions whose branches write into slots (Note [Branch slots merged once] in
-    core/slots.py), with head dims up to 128, where bench_dilated measured it faster than our
-    fused Triton kernels (H100, bf16, H = 16, D = 64 and 128, causal and not; LongNet's schedule,
-    benchmarks/results/dilated_h100.json: at 256K and 1M tokens forward+backward 1.43-1.60x,
-    forward 1.20-1.44x, at 64K within run-to-run noise; ragged branches, the paper's r = 6 and 12
-    at 256K and 1M tokens (dilated_paper_h100) and LongNet's at 1,000,000 tokens, shorter last
-    segments (dilated_ragged_h100): forward+backward 1.30-1.62x, forward 1.13-1.37x; GQA, 16
-    query heads over 4 key/value heads, LongNet's schedule at 256K and 1M (dilated_gqa_h100):
-    forward+backward 1.31-1.50x, forward 1.18-1.43x; ring dilated attention's local branches at
-    262,144 tokens per GPU on 2 H200s (ring_dilated_fa4_h200x2): forward+backward 1.37-1.42x at
-    W = 2, 1.52-1.59x at W = 1); elsewhere the device's list, where our fused kernels come
-    first. Where FlashAttention-4 is not installed that is a reason, and the fused kernels run.
-    Masked calls keep our kernels first: FlashAttention-4 masks through a mask_mod
-    (kernels_masked_fa4_h100)."""
+    """The device's ``dilated_slots`` rule (``priorities.json``; sm90: FlashAttention-4) first
+    for dilated calls whose branches write into slots (Note [Branch slots merged once] in
+    core/slots.py), from its ``min_query_len`` positions and up to its ``max_head_dim``, where
+    bench_dilated measured it faster than our fused Triton kernels; elsewhere the device's list,
+    where our fused kernels come first. Where FlashAttention-4 is not installed that is a reason,
+    and the fused kernels run. Masked calls keep the ``masked`` rule's kernels first."""
     if inputs.device.type != "cuda" or not inputs.branch_slots or inputs.has_mask:
-        return []  # masked calls: our kernels first (_CUDA_MASKED_FIRST)
-    if inputs.query_len < FA4_DILATED_MIN_LEN or inputs.head_dim > _FUSED_MAX_TRAINING_HEAD_DIM:
         return []
-    major, _ = torch.cuda.get_device_capability(inputs.device)
-    return ["flash_attn4"] if major == 9 else []
+    rule = _rule(_device_class(inputs.device), "dilated_slots")
+    if rule is None or inputs.query_len < rule["min_query_len"]:
+        return []
+    return [] if inputs.head_dim > rule["max_head_dim"] else list(rule["names"])
+
+
+#: Positions from which FlashAttention-4 writing into branch slots runs dilated calls on sm90
+#: ahead of our fused Triton kernels (the sm90 ``dilated_slots`` rule of ``priorities.json``).
+FA4_DILATED_MIN_LEN: int = _table()["cuda"]["majors"]["9"]["first"]["dilated_slots"][
+    "min_query_len"
+]
 
 
 _REGISTRIES = {

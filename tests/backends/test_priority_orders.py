@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -131,6 +132,37 @@ def test_pinned_grid_covers_every_rule() -> None:
     assert ("dense", "flash_attn3") in firsts
     assert {("dilated", "flash_attn4"), ("dilated", "triton"), ("dense", "triton")} <= firsts
     assert ("block_sparse", "flash_attn4") in firsts
+
+
+def _entries(node: Any, path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    """(path, entry) of every table entry: the dicts that hold ``names``, ``training`` or
+    ``newer`` (an order, a rule, the unlisted-major fallback)."""
+    if not isinstance(node, dict):
+        return []
+    found = [(path, node)] if {"names", "training", "newer"} & set(node) else []
+    for key, child in node.items():
+        found += _entries(child, f"{path}/{key}")
+    return found
+
+
+def test_every_table_entry_names_its_source() -> None:
+    """Every order and rule of ``priorities.json`` carries a ``source`` in words, every benchmark
+    record it names exists under benchmarks/results/, and every kernel it lists is registered."""
+    entries = _entries(registry._table())
+    assert len(entries) >= 10, [path for path, _ in entries]
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    for path, entry in entries:
+        source = entry.get("source")
+        assert isinstance(source, str) and len(source.split()) >= 8, (path, source)
+        for record in re.findall(r"\b[\w-]+\.(?:json|md)\b", source):
+            assert (results / record).is_file(), f"{path}: {record} is not in {results}"
+        names = [*entry.get("names", []), *entry.get("training", []), *entry.get("inference", [])]
+        unknown = set(names) - set(registry.list_backends())
+        assert not unknown, f"{path}: {sorted(unknown)} are not registered backends"
+
+
+def test_table_is_read_once() -> None:
+    assert registry._table() is registry._table()
 
 
 if __name__ == "__main__":

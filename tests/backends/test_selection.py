@@ -10,6 +10,7 @@ decides the kernel on real hardware once the probes pass.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import os
 import subprocess
@@ -416,11 +417,22 @@ class _FakeMissing(_FakeBroken):
         return ["fake_pkg is not installed"]
 
 
+def _set_host_order(m: pytest.MonkeyPatch, names: list[str]) -> None:
+    """Make the priority table's host order ``names`` (restored with ``m``)."""
+    table = copy.deepcopy(registry._table())
+    table["host"]["order"]["names"] = names
+    m.setattr(registry, "_table", lambda: table)
+
+
+def _host_order() -> list[str]:
+    return list(registry._table()["host"]["order"]["names"])
+
+
 @contextlib.contextmanager
 def _first_on_host(monkeypatch: pytest.MonkeyPatch, backend: Backend) -> Iterator[Backend]:
     with monkeypatch.context() as m:
         m.setitem(registry._BACKENDS, backend.name, backend)
-        m.setattr(registry, "_HOST_PRIORITY", [backend.name, *registry._HOST_PRIORITY])
+        _set_host_order(m, [backend.name, *_host_order()])
         yield backend
     assert backend.name not in list_backends()
 
@@ -459,7 +471,7 @@ def test_calls_never_probe_the_backends_ranked_after_the_choice(
     with monkeypatch.context() as m:
         fake = _FakeBroken()
         m.setitem(registry._BACKENDS, fake.name, fake)
-        m.setattr(registry, "_HOST_PRIORITY", [*registry._HOST_PRIORITY, fake.name])
+        _set_host_order(m, [*_host_order(), fake.name])
         q, k, v = _qkv()
         dilated_attention.dilated_attention(q, k, v, [8, 16], [1, 2])
         dilated_attention.attention(q, k, v)
