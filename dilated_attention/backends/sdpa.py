@@ -13,7 +13,8 @@ Note [NaN rows in the CPU flash kernel]
     skips NaN. A row whose scores all fall in that scalar remainder (fewer keys than one vector:
     16 in float32, bfloat16 and float16, 8 in float64 on AVX-512; half that on AVX2) and are all
     NaN looks fully masked: output 0, lse 0. A NaN query row in a short last segment, or in a
-    dilated branch with ``w / r`` below the width, lost its NaN that way (issue 21). With an
+    dilated branch with ``w / r`` below the width, would lose its NaN that way
+    (tests/ops/test_extreme_inputs.py, ``test_nan_rows_stay_nan``, runs such rows). With an
     additive mask the kernel reduces the whole row with vector operations, which keep NaN. So
     calls whose rows see fewer keys than the width pass an all-zero mask (forward and backward
     alike): the same kernel and arithmetic, NaN kept. The width is measured once per dtype with

@@ -5,9 +5,10 @@ Note [Double backward]
     inputs (Note [Backward with external statistics]). Those are functions of q and k that the
     backward treats as constants, and ``lse`` is marked non-differentiable, so under
     ``create_graph=True`` the ops a backward records do not describe how its gradients depend
-    on q, k and v: differentiating them again gave wrong numbers without any error (issue 21: a
-    gradient penalty through the layer was off by 278 of 599; fused kernels and SDPA's aten
-    backward ops have no derivative at all). ``torch.is_grad_enabled()`` is True inside a
+    on q, k and v: differentiating them again gives wrong numbers without any error (a gradient
+    penalty through the layer was off by 278 of 599; fused kernels and SDPA's aten backward ops
+    have no derivative at all; tests/ops/test_higher_order.py compares the penalty's gradients
+    with the float64 oracle). ``torch.is_grad_enabled()`` is True inside a
     backward exactly when autograd runs it with ``create_graph=True``; each backward checks it
     and then does one of two things.
 

@@ -13,7 +13,8 @@ Note [Merging partial softmaxes]
     lse)`` with the rounded merged ``lse``: where ``|lse|`` is large, ``lse = logaddexp(lse_a,
     lse_b)`` loses the added ``log(1 + w)`` to rounding (at ``|lse| = 1e8`` float32's spacing is
     8, so ``log 2`` vanishes), and weights taken against it no longer sum to 1: with logits near
-    1e4 two equal branches gave outputs up to 1.6x outside the convex hull of ``v`` (issue 21).
+    1e4 two equal branches give outputs up to 1.6x outside the convex hull of ``v`` that way
+    (tests/ops/test_extreme_inputs.py, ``test_output_in_convex_hull_of_values``).
     Normalized weights sum to 1 to rounding at any ``|lse|``; only ``lse`` itself keeps its
     unavoidable rounding (the same a single fused kernel's lse has).
 
