@@ -13,7 +13,6 @@ from .backends.registry import (
     register_backend,
     use_backend,
 )
-from .block_sparse import block_sparse_attention
 from .config import DilatedConfig, MultiheadDilatedConfig, longnet_schedule
 from .core.kv_cache import DilatedKVCache
 from .distributed import (
@@ -42,7 +41,7 @@ from .factory import (
     list_kinds,
     register_kind,
 )
-from .functional import attention, dilated_attention
+from .functional import attention, block_sparse_attention, dilated_attention
 from .models import LongNetConfig, LongNetLM
 from .modules import (
     BlockSparseAttention,

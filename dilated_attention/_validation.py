@@ -152,6 +152,25 @@ def check_causal_lengths(q: torch.Tensor, k: torch.Tensor, is_causal: bool, func
         )
 
 
+def check_decoding_lengths(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> None:
+    """A dilated query shorter than the key is the last positions of a causal call (decoding);
+    nothing else. q: (B, Nq, H, D); k: (B, Nk, Hkv, D)."""
+    if q.shape[1] == k.shape[1]:
+        return
+    shapes = f"query.shape={tuple(q.shape)}, key.shape={tuple(k.shape)}"
+    if q.shape[1] > k.shape[1]:
+        raise ValueError(
+            f"query may be shorter than key (its rows are then the last key positions, for "
+            f"decoding) but not longer, got {shapes}; pass keys and values for every position"
+        )
+    if not is_causal:
+        raise ValueError(
+            f"a query shorter than key (decoding: its rows are the last {q.shape[1]} of "
+            f"{k.shape[1]} positions) needs is_causal=True, got {shapes} with is_causal=False; "
+            f"for non-causal attention pass queries for every position"
+        )
+
+
 def check_bool(name: str, value: object) -> bool:
     """Return ``value`` if it is a bool (not merely truthy), else raise ``TypeError``."""
     if not isinstance(value, bool):

@@ -77,17 +77,11 @@ from typing import Any, TypeVar
 
 import torch
 
+from .core.schedule import Schedule
 from .patterns import Custom, Pattern
+from .resolve import BLOCK_SPARSE, DECODE, DENSE, DILATED, Request, dilated_operation, execute
 
-__all__ = [
-    "block_sparse",
-    "dense",
-    "dilated",
-    "eager_only",
-    "is_traced",
-    "pattern_key",
-    "reject_traced",
-]
+__all__ = ["eager_only", "is_traced", "pattern_key", "reject_traced", "run"]
 
 _NAMESPACE = "dilated_attention"
 _TENSORS = "Tensor query, Tensor key, Tensor value, Tensor? key_padding_mask"
@@ -353,31 +347,39 @@ def _eager(
     mask: torch.Tensor | None,
     options: Sequence[Any],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The public function's eager ``(out, lse)``; q: (B, Nq, H, D), k, v: (B, Nk, Hkv, D)."""
-    from .block_sparse import block_sparse_attention
-    from .functional import attention, dilated_attention
-
+    """The eager ``(out, lse)`` of operator ``kind``'s call: its request, resolved and run as
+    the public function runs it; q: (B, Nq, H, D), k, v: (B, Nk, Hkv, D)."""
     with _eager_calls():
-        if kind == "dense":
-            is_causal, scale, dropout_p, backend, _ = options
-            result = attention(
-                q, k, v, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
-                key_padding_mask=mask, backend=backend, return_lse=True,
-            )  # fmt: skip
-        elif kind == "dilated":
-            segs, rates, is_causal, scale, dropout_p, backend, _ = options
-            result = dilated_attention(
-                q, k, v, list(segs), list(rates), is_causal=is_causal, scale=scale,
-                dropout_p=dropout_p, key_padding_mask=mask, backend=backend, return_lse=True,
-            )  # fmt: skip
-        else:
-            key, block_size, is_causal, scale, backend, _ = options
-            result = block_sparse_attention(
-                q, k, v, _PATTERNS[key], block_size=block_size, is_causal=is_causal,
-                scale=scale, backend=backend, return_lse=True,
-            )  # fmt: skip
-    out, lse = result
-    return out, lse
+        return execute(_request(kind, q, k, v, mask, options), q, k, v, mask)
+
+
+def _request(
+    kind: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    options: Sequence[Any],
+) -> Request:
+    """The request an operator's options describe (the inverse of :func:`_options`)."""
+    if kind == "dense":
+        is_causal, scale, dropout_p, backend, _ = options
+        return Request.of(
+            DENSE, q, k, v, is_causal=is_causal, has_mask=mask is not None,
+            dropout_p=dropout_p, scale=scale, backend=backend,
+        )  # fmt: skip
+    if kind == "dilated":
+        segs, rates, is_causal, scale, dropout_p, backend, _ = options
+        return Request.of(
+            dilated_operation(q.shape[1], k.shape[1]), q, k, v, is_causal=is_causal,
+            has_mask=mask is not None, dropout_p=dropout_p, scale=scale, backend=backend,
+            schedule=Schedule(tuple(segs), tuple(rates)),
+        )  # fmt: skip
+    key, block_size, is_causal, scale, backend, _ = options
+    return Request.of(
+        BLOCK_SPARSE, q, k, v, pattern=_PATTERNS[key], block_size=block_size,
+        is_causal=is_causal, scale=scale, backend=backend,
+    )  # fmt: skip
 
 
 def _fresh(x: torch.Tensor, others: Sequence[torch.Tensor | None]) -> torch.Tensor:
@@ -630,86 +632,19 @@ def _call(kind: str, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-def _requires_grad(*tensors: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
-def dense(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    *,
-    is_causal: bool,
-    scale: float | None,
-    dropout_p: float,
-    backend: str | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`~dilated_attention.attention` of checked arguments through its operator.
-
-    Args:
-        q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D); key_padding_mask: (B, Nk) bool or None.
-
-    Returns:
-        ``out`` (B, Nq, H, D) and ``lse`` (B, H, Nq), not differentiable.
-    """
-    return _call(
-        "dense", q, k, v, key_padding_mask, is_causal, scale, dropout_p, backend,
-        _requires_grad(q, k, v),
-    )  # fmt: skip
-
-
-def dilated(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    segment_lengths: Sequence[int],
-    dilation_rates: Sequence[int],
-    *,
-    is_causal: bool,
-    scale: float | None,
-    dropout_p: float,
-    backend: str | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`~dilated_attention.dilated_attention` of checked arguments through its operator.
-
-    Args:
-        q: (B, N, H, D); k, v: (B, N, Hkv, D); key_padding_mask: (B, N) bool or None.
-
-    Returns:
-        ``out`` (B, N, H, D) and ``lse`` (B, H, N), not differentiable.
-    """
-    return _call(
-        "dilated", q, k, v, key_padding_mask, list(segment_lengths), list(dilation_rates),
-        is_causal, scale, dropout_p, backend, _requires_grad(q, k, v),
-    )  # fmt: skip
-
-
-def block_sparse(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    pattern: Pattern,
-    *,
-    block_size: int,
-    is_causal: bool,
-    scale: float | None,
-    backend: str | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`~dilated_attention.block_sparse_attention` of checked arguments through its
-    operator.
-
-    Args:
-        q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D).
-
-    Returns:
-        ``out`` (B, Nq, H, D) and ``lse`` (B, H, Nq), not differentiable.
-
-    Raises:
-        RuntimeError: under ``torch.export``: the pattern is a key into this process's table
-            (Note [Patterns as operator arguments]), which an exported program cannot carry.
-    """
+def _options(request: Request) -> tuple[str, list[Any]]:
+    """Operator and options of a request (the inverse of :func:`_request`); the last option is
+    whether the call needs gradients (the eager kernel choice depends on it)."""
+    r = request
+    if r.operation == DENSE:
+        return "dense", [r.is_causal, r.scale, r.dropout_p, r.backend, r.requires_grad]
+    if r.operation in (DILATED, DECODE):
+        assert r.schedule is not None
+        return "dilated", [
+            list(r.schedule.segment_lengths), list(r.schedule.dilation_rates), r.is_causal,
+            r.scale, r.dropout_p, r.backend, r.requires_grad,
+        ]  # fmt: skip
+    assert r.pattern is not None
     if torch.compiler.is_exporting():
         raise RuntimeError(
             "block_sparse_attention cannot be exported (torch.export): its pattern is a Python "
@@ -717,7 +652,32 @@ def block_sparse(
             "which a saved program cannot carry. Use torch.compile in the process that runs the "
             "model, or export dense or dilated attention"
         )
-    return _call(
-        "block_sparse", q, k, v, None, pattern_key(pattern), block_size, is_causal, scale,
-        backend, _requires_grad(q, k, v),
-    )  # fmt: skip
+    return "block_sparse", [
+        pattern_key(r.pattern), r.block_size, r.is_causal, r.scale, r.backend, r.requires_grad
+    ]
+
+
+def run(
+    request: Request,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A checked request through its operator (Note [Custom operators for torch.compile and
+    torch.func]).
+
+    Args:
+        request: the call, as the public function described it.
+        q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D); key_padding_mask: (B, Nk) bool or None.
+
+    Returns:
+        ``out`` (B, Nq, H, D) and ``lse`` (B, H, Nq), not differentiable.
+
+    Raises:
+        RuntimeError: block-sparse attention under ``torch.export``: the pattern is a key into
+            this process's table (Note [Patterns as operator arguments]), which an exported
+            program cannot carry.
+    """
+    kind, options = _options(request)
+    return _call(kind, q, k, v, key_padding_mask, *options)

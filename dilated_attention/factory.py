@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from . import _validation as V
-from .backends.base import KernelInputs
 from .backends.registry import (
     BLOCK_SPARSE,
     DENSE,
@@ -40,11 +39,9 @@ from .backends.registry import (
     OPERATIONS,
     BackendChoice,
     check_backend_name,
-    get_backend,
-    registry_for,
 )
 from .config import DilatedConfig, MultiheadDilatedConfig
-from .core.segment import describe_plan, effective_branches, plan_branches, runs_in_slots
+from .core.schedule import Schedule
 from .modules import (
     LAYER_ARGUMENTS,
     DilatedAttention,
@@ -52,6 +49,7 @@ from .modules import (
     MultiheadDilatedAttention,
 )
 from .patterns import Pattern, check_pattern
+from .resolve import Request, resolve
 
 __all__ = [
     "KIND_ALIASES",
@@ -425,49 +423,14 @@ def explain(
         raise TypeError(
             f"dtype must be a torch.dtype such as torch.bfloat16, or None, got dtype={dtype!r}"
         )
-    inputs = KernelInputs(
-        device=dev,
-        dtype=dtype,
-        head_dim=head_dim,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        query_len=seq_len,
-        key_len=seq_len,
-        is_causal=is_causal,
-        has_mask=key_padding_mask,
-        dropout_p=dropout_p,
-        requires_grad=requires_grad,
-        block_size=block_size if operation == BLOCK_SPARSE else None,
-        branch_slots=schedule is not None
-        and runs_in_slots(seq_len, num_heads, num_kv_heads, *schedule),
-    )
-    choice = registry_for(operation).choose(inputs, backend)
-    if schedule is None:
-        return choice
-    return replace(choice, branches=_branch_paths(choice, seq_len, num_heads, num_kv_heads,
-                                                  *schedule))  # fmt: skip
-
-
-def _branch_paths(
-    choice: BackendChoice,
-    seq_len: int,
-    num_heads: int,
-    num_kv_heads: int,
-    segment_lengths: tuple[int, ...],
-    dilation_rates: tuple[int, ...],
-) -> tuple[str, ...]:
-    """How each branch of the schedule runs on the chosen dilated kernel (``explain``)."""
-    segs, rates = effective_branches(seq_len, num_heads, segment_lengths, dilation_rates)
-    if choice.runs_plan:
-        return tuple(
-            f"w={w} r={r}: {choice.backend}'s plan kernel runs the branch itself (our fused "
-            f"kernels: one launch over its rows, read through strides, merged in place)"
-            for w, r in zip(segs, rates, strict=True)
-        )
-    groups = plan_branches(seq_len, num_heads, segs, rates)
-    kernel = get_backend(choice.backend)
-    return describe_plan(groups, seq_len, num_kv_heads, kernel.reads_strided_rows,
-                         kernel.writes_into)  # fmt: skip
+    request = Request(
+        operation=operation, device=dev, dtype=dtype, batch=1, query_len=seq_len,
+        key_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        is_causal=is_causal, has_mask=key_padding_mask, dropout_p=dropout_p,
+        requires_grad=requires_grad, backend=backend, block_size=block_size,
+        schedule=None if schedule is None else Schedule(*schedule),
+    )  # fmt: skip
+    return resolve(request).choice()
 
 
 def _default_device() -> str:

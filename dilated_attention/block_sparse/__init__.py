@@ -3,8 +3,8 @@
 Block ``i`` holds tokens ``[i * block_size, (i + 1) * block_size)`` (the last block may be
 shorter). Query token ``p`` in block ``i`` attends key token ``t`` in block ``j`` when the
 pattern keeps ``(i, j)`` and, for a causal call, ``t <= p`` (a causal query shorter than the key
-is its last positions: Note [End-aligned causal blocks] in ``api.py``). For 4 blocks of 2
-tokens, ``LocalWindow(0)`` and ``is_causal=True``::
+is its last positions: Note [End-aligned causal blocks] in ``resolve/resolver.py``). For 4 blocks
+of 2 tokens, ``LocalWindow(0)`` and ``is_causal=True``::
 
     key         0 1 2 3 4 5 6 7
     query 0     x . . . . . . .
@@ -15,16 +15,16 @@ tokens, ``LocalWindow(0)`` and ``is_causal=True``::
 
 Four kernels compute it: the fallback, FlashAttention-4's block sparsity (Note [FlashAttention-4
 block sparsity] in ``backends/flash_attn4.py``), FlexAttention, and our block-sparse Triton
-kernels (Note [Block-sparse Triton kernels] in ``backends/_triton_block_sparse.py``; chosen by
-``_choose`` in ``api.py``).
+kernels (Note [Block-sparse Triton kernels] in ``backends/_triton_block_sparse.py``); the resolve
+step chooses among them (``resolve/resolver.py``), and ``block_sparse_attention`` in
+``functional.py`` is the public function.
 
-The package: ``plan.py`` (block geometry and kernel calls, which the one executor in
-``core/engine.py`` runs on any dense kernel), ``tiles.py`` (the 128 x 128 tiles FlexAttention and
-FA4 walk), ``fa4.py`` (FA4's tile lists and runner), ``flex.py`` (FlexAttention block masks),
-``triton_autograd.py`` (our block-sparse Triton kernels), ``api.py`` (``block_sparse_attention``).
+The package: ``plan.py`` (block geometry and kernel calls, which the one executor runs on any
+dense kernel), ``tiles.py`` (the 128 x 128 tiles FlexAttention and FA4 walk), ``fa4.py`` (FA4's
+tile lists and runner), ``flex.py`` (FlexAttention block masks), ``triton_autograd.py`` (our
+block-sparse Triton kernels).
 """
 
-from .api import block_sparse_attention
 from .plan import SparseCall, plan_calls
 
-__all__ = ["SparseCall", "block_sparse_attention", "plan_calls"]
+__all__ = ["SparseCall", "plan_calls"]

@@ -317,6 +317,39 @@ def device_memory(device: torch.device) -> int | None:
     return None
 
 
+def check_cache_call(
+    cache: object,
+    segments: tuple[int, ...],
+    rates: tuple[int, ...],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    is_causal: bool,
+) -> DilatedKVCache:
+    """``cache=`` of a dilated call is this layer's :class:`DilatedKVCache`, for causal calls
+    on new tokens: q (B, n, H, D) and k (B, n, Hkv, D) the new tokens' (Note [One cache per
+    layer]). Returns the cache.
+
+    Raises:
+        TypeError: not a DilatedKVCache.
+        ValueError: not causal, q and k of different lengths, or keys or a schedule the cache
+            cannot take (:meth:`DilatedKVCache.check`).
+    """
+    if not isinstance(cache, DilatedKVCache):
+        raise TypeError(
+            f"cache must be a DilatedKVCache or None, got {type(cache).__name__}; build one per "
+            f"layer: DilatedKVCache(segment_lengths, dilation_rates)"
+        )
+    if not is_causal:
+        raise ValueError("cache= is for decoding and needs is_causal=True, got is_causal=False")
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"with cache=, pass the new tokens' query, key and value (the same length), got "
+            f"query.shape={tuple(q.shape)}, key.shape={tuple(k.shape)}; the cache holds the rest"
+        )
+    cache.check(segments, rates, k)
+    return cache
+
+
 def check_caches(
     caches: object,
     num_layers: int,

@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.block_sparse import assert_end_aligned_refused, check_kernel_result, token_mask
+from support.block_sparse import (
+    assert_end_aligned_refused,
+    check_kernel_result,
+    chosen_kernel,
+    token_mask,
+)
 from support.triton import KERNEL_DEVICES, poison_new_buffers, skip_without_triton
 
-import dilated_attention.block_sparse.api as bs_api
 from dilated_attention import block_sparse_attention
 from dilated_attention import patterns as P
 from dilated_attention.backends import KernelInputs
@@ -53,7 +57,7 @@ def test_triton_kernels_match_oracle(
         shapes = [(2, nq, 4, dim), (2, nk, kv_heads, dim), (2, nk, kv_heads, dim), (2, nq, 4, dim)]
         q, k, v, dout = (torch.randn(s, generator=gen).to(dtype) for s in shapes)
         leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
-        chosen = bs_api._choose(
+        chosen = chosen_kernel(
             leaves[0], leaves[1], is_causal=is_causal, block_size=block_size, needs_grad=True,
             backend=backend,
         )  # fmt: skip
@@ -113,7 +117,7 @@ def test_cuda_choice_by_gradients_block_size_and_dtype() -> None:
     )
 
     def choose(x: torch.Tensor, block_size: int, needs_grad: bool, backend: str | None = None):
-        chosen = bs_api._choose(
+        chosen = chosen_kernel(
             x, x, is_causal=False, block_size=block_size, needs_grad=needs_grad, backend=backend
         )
         return chosen.backend.name if chosen.runs_plan else "plan"

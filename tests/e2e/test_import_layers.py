@@ -1,7 +1,7 @@
 """Imports flow one way through the package's layers (docs/architecture.md):
 
-    core <- backends <- operations <- modules <- distributed <- factory <- models
-        <- integrations <- application
+    core <- backends <- kernels <- resolve <- compiled <- operations <- modules <- distributed
+        <- factory <- models <- integrations <- application
 
 A module may import from its own layer and the layers below it, never from a layer above, and
 that includes imports inside functions (a lazy import is still a dependency). Every module of
@@ -23,7 +23,10 @@ PACKAGE = REPO / "dilated_attention"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("core", ("core", "_validation", "_version", "config", "patterns")),
     ("backends", ("backends",)),
-    ("operations", ("functional", "block_sparse", "compiled")),
+    ("kernels", ("block_sparse",)),
+    ("resolve", ("resolve",)),
+    ("compiled", ("compiled",)),
+    ("operations", ("functional",)),
     ("modules", ("modules", "rotary")),
     ("distributed", ("distributed",)),
     ("factory", ("factory",)),

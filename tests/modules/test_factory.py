@@ -642,16 +642,15 @@ def test_explain_schedule_on_a_kernel_without_strided_rows_and_the_fused_kernels
     """On a kernel that does not read strided rows every group that is not a whole segment is
     gathered, saying so; the fused plan kernel runs every branch itself, one line per branch;
     a schedule with another operation, or half a schedule, is a clear error."""
-    from dilated_attention.backends.registry import BackendChoice
+    from dilated_attention.core.schedule import Schedule
     from dilated_attention.core.segment import describe_plan, plan_branches
-    from dilated_attention.factory import _branch_paths
+    from dilated_attention.resolve.resolver import fused_notes
 
     groups = plan_branches(1000, 8, (100, 1000), (1, 4))
     lines = describe_plan(groups, 1000, 8, strided=False)
     assert "reshape" in lines[0]
     assert all("the kernel does not read strided rows" in line for line in lines[1:])
-    fused = BackendChoice("triton", {}, ["triton"], "auto", "dilated", runs_plan=True)
-    paths = _branch_paths(fused, 1000, 8, 8, (100, 4000), (1, 4))
+    paths = fused_notes("triton", Schedule((100, 4000), (1, 4)).at(1000, 8, 8).branches)
     assert len(paths) == 2 and paths[1].startswith("w=1000 r=4: triton's plan kernel")
     with pytest.raises(ValueError, match="segment_lengths and dilation_rates together"):
         dilated_attention.explain(device="cpu", segment_lengths=[100])

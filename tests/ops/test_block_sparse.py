@@ -11,16 +11,22 @@ import warnings
 
 import pytest
 import torch
-from support.block_sparse import assert_end_aligned_refused, check_kernel_result, token_mask
+from support.block_sparse import (
+    assert_end_aligned_refused,
+    check_kernel_result,
+    chosen_kernel,
+    token_mask,
+)
 from support.block_sparse import oracle_with_grads as _oracle
 from support.oracle import masked_attention
 from support.tolerances import assert_close_to_oracle
 
 import dilated_attention
-import dilated_attention.block_sparse.api as bs_api
 import dilated_attention.block_sparse.flex as bs_flex
 import dilated_attention.block_sparse.plan as bs_plan
 import dilated_attention.block_sparse.tiles as bs_tiles
+import dilated_attention.resolve.resolver as resolve_step
+import dilated_attention.resolve.strategy as strategies
 from dilated_attention import (
     BlockSparseAttention,
     BlockSparseMultiheadAttention,
@@ -126,9 +132,9 @@ def _no_sparse_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(*args: object, **kwargs: object) -> None:
         raise AssertionError("the sparse plan ran for a pattern that keeps every block pair")
 
-    monkeypatch.setattr(bs_api, "_local_plan", fail)
-    monkeypatch.setattr(bs_api, "_flex_forward", fail)
-    monkeypatch.setattr(bs_api, "_triton_lists", fail)
+    monkeypatch.setattr(bs_plan, "_local_plan", fail)
+    monkeypatch.setattr(strategies, "_flex_forward", fail)
+    monkeypatch.setattr(strategies, "_triton_lists", fail)
 
 
 FULL_CASES = [
@@ -155,14 +161,14 @@ def test_patterns_keeping_every_pair_run_dense_attention(
     _no_sparse_plan(monkeypatch)
     q, k, v, dout = _inputs(nq, nk, kv_heads, seed=case)
     kernels: list[str] = []
-    original = dilated_attention.functional._choose
+    original = resolve_step._dense
 
     def spy(*args: object, **kwargs: object) -> object:
-        kernel = original(*args, **kwargs)
-        kernels.append(kernel.backend.name)
-        return kernel
+        strategy = original(*args, **kwargs)
+        kernels.append(strategy.kernel.backend.name)
+        return strategy
 
-    monkeypatch.setattr(dilated_attention.functional, "_choose", spy)
+    monkeypatch.setattr(resolve_step, "_dense", spy)
     got = _run(q, k, v, dout, pattern, block_size=block_size, is_causal=is_causal,
                backend=backend, scale=0.3)  # fmt: skip
     want = _oracle(q, k, v, dout, token_mask(pattern, block_size, nq, nk, is_causal), scale=0.3)
@@ -182,13 +188,13 @@ def test_patterns_missing_a_pair_keep_the_sparse_plan(
     mask: torch.Tensor, is_causal: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     planned: list[int] = []
-    original = bs_api._local_plan
+    original = bs_plan._local_plan
 
     def spy(*args: object) -> object:
         planned.append(1)
         return original(*args)
 
-    monkeypatch.setattr(bs_api, "_local_plan", spy)
+    monkeypatch.setattr(bs_plan, "_local_plan", spy)
     pattern = P.Custom(mask)
     q, k, v, dout = _inputs(40, 40, 2, seed=7)
     got = _run(q, k, v, dout, pattern, block_size=8, is_causal=is_causal)
@@ -198,10 +204,11 @@ def test_patterns_missing_a_pair_keep_the_sparse_plan(
 
 def test_keeps_every_pair() -> None:
     full, lower = torch.ones(4, 3, dtype=torch.bool), torch.ones(4, 3, dtype=torch.bool).tril()
-    assert bs_api.keeps_every_pair(full, False) and bs_api.keeps_every_pair(full, True)
-    assert bs_api.keeps_every_pair(lower, True) and not bs_api.keeps_every_pair(lower, False)
+    keeps = resolve_step.keeps_every_pair
+    assert keeps(full, False) and keeps(full, True)
+    assert keeps(lower, True) and not keeps(lower, False)
     lower[3, 2] = False
-    assert not bs_api.keeps_every_pair(lower, True)
+    assert not keeps(lower, True)
 
 
 def test_forced_flex_is_not_replaced_by_dense() -> None:
@@ -545,7 +552,7 @@ def test_flex_path_matches_oracle(case: int, is_causal: bool, dtype: torch.dtype
     shapes = [(2, nq, 4, 64), (2, nk, kv_heads, 64), (2, nk, kv_heads, 64), (2, nq, 4, 64)]
     q, k, v, dout = (torch.randn(s, generator=gen).to(dtype) for s in shapes)
     dev = [t.to(device).requires_grad_() for t in (q, k, v)]
-    chosen = bs_api._choose(
+    chosen = chosen_kernel(
         dev[0], dev[1], is_causal=is_causal, block_size=block_size, needs_grad=True,
         backend="flex",
     )  # fmt: skip

@@ -90,11 +90,11 @@ def test_token_by_token_equals_the_full_forward(
     full, full_lse = oracle_dilated_attention(
         q, k, v, segs, rates, is_causal=True, key_padding_mask=mask
     )
-    from dilated_attention import functional
+    from dilated_attention.core import decode
 
     plans: list[int] = []
     monkeypatch.setattr(
-        functional, "decode_token_plan",
+        decode, "decode_token_plan",
         lambda *args: plans.append(1) or decode_token_plan(*args),
     )  # fmt: skip
     steps = [
@@ -399,7 +399,7 @@ def test_cache_refuses_rows_no_memory_holds_before_any_work(
 def test_decoding_reads_a_caches_rows_without_copying_them_whole() -> None:
     """With a batch of 2 a cache's held rows are a non-contiguous view of its buffers; decoding
     gathers each call's rows from that view instead of copying all of it per token."""
-    from dilated_attention import functional
+    from dilated_attention.resolve.strategy import rows_in_place
 
     q, k, v = _tensors(30, 4, 2)
     cache = DilatedKVCache([8, 16], [1, 2])
@@ -410,9 +410,9 @@ def test_decoding_reads_a_caches_rows_without_copying_them_whole() -> None:
                           is_causal=True, cache=cache)  # fmt: skip
     held = cache.key
     assert held is not None and not held.is_contiguous()
-    assert functional._rows_in_place(held) is held
+    assert rows_in_place(held) is held
     hf_layout = k.transpose(1, 2).contiguous().transpose(1, 2)  # (B, N, H, D) view of (B, H, N, D)
-    assert functional._rows_in_place(hf_layout) is not hf_layout
+    assert rows_in_place(hf_layout) is not hf_layout
 
 
 @pytest.mark.gpu

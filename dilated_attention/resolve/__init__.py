@@ -1,0 +1,28 @@
+"""The resolve step: a :class:`Request` describes one attention call, :func:`resolve` returns
+the :class:`Strategy` that runs it (Note [One resolve step] in ``resolve.py``)."""
+
+from .request import (
+    BLOCK_SPARSE,
+    DECODE,
+    DENSE,
+    DILATED,
+    OPERATIONS,
+    Request,
+    dilated_operation,
+)
+from .resolver import execute, keeps_every_pair, resolve
+from .strategy import Strategy
+
+__all__ = [
+    "BLOCK_SPARSE",
+    "DECODE",
+    "DENSE",
+    "DILATED",
+    "OPERATIONS",
+    "Request",
+    "Strategy",
+    "dilated_operation",
+    "execute",
+    "keeps_every_pair",
+    "resolve",
+]

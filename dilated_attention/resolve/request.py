@@ -1,0 +1,138 @@
+"""What one attention call asks for: the operation, shapes, dtype, device, flags, schedule or
+pattern, and gradient needs, as plain values (no tensors): the input of the resolve step.
+
+Shape legend: B batch, Nq query rows, Nk key rows, H query heads, Hkv key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..backends.base import KernelInputs
+from ..core.schedule import Schedule
+from ..patterns import Pattern
+
+__all__ = [
+    "BLOCK_SPARSE", "DECODE", "DENSE", "DILATED", "OPERATIONS", "Request", "dilated_operation",
+]  # fmt: skip
+
+#: The operations a request can name.
+DENSE, DILATED, BLOCK_SPARSE, DECODE = "dense", "dilated", "block_sparse", "decode"
+OPERATIONS = (DENSE, DILATED, BLOCK_SPARSE, DECODE)
+
+
+def dilated_operation(query_len: int, key_len: int, cached_tokens: int = 0) -> str:
+    """``"decode"`` for a dilated call whose queries are the last positions (a query shorter
+    than the key, or new tokens after ``cached_tokens`` a cache holds), else ``"dilated"``."""
+    return DECODE if query_len != key_len or cached_tokens > 0 else DILATED
+
+
+@dataclass(frozen=True)
+class Request:
+    """One attention call, described (Note [One resolve step] in ``resolve.py``).
+
+    Attributes:
+        operation: one of :data:`OPERATIONS`. ``"decode"`` is dilated attention for queries at
+            the last positions (a query shorter than the keys, or a cache holding earlier
+            tokens).
+        device, dtype: of the query.
+        batch, query_len, key_len, num_heads, num_kv_heads, head_dim: the shapes, B, Nq, Nk
+            (the keys given to this call), H, Hkv, D.
+        is_causal, has_mask, dropout_p, scale: the call's flags (``scale`` None: ``D ** -0.5``).
+        requires_grad: the call will be differentiated (grad mode on and an input requires it).
+        backend: the kernel asked for by name (None: the automatic choice, or what
+            ``use_backend`` or the environment names).
+        schedule: the dilated schedule (``"dilated"``, ``"decode"``).
+        pattern, block_size: the block-sparse pattern and its block size.
+        key_start, context_len: ``"decode"``: the position of the first key row this call reads
+            and the positions so far, this call's included (with a cache its held rows plus the
+            new ones; None: ``key_len``).
+    """
+
+    operation: str
+    device: torch.device
+    dtype: torch.dtype
+    batch: int
+    query_len: int
+    key_len: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    is_causal: bool = False
+    has_mask: bool = False
+    dropout_p: float = 0.0
+    scale: float | None = None
+    requires_grad: bool = False
+    backend: str | None = None
+    schedule: Schedule | None = None
+    pattern: Pattern | None = None
+    block_size: int = 128
+    key_start: int = 0
+    context_len: int | None = None
+
+    @classmethod
+    def of(
+        cls,
+        operation: str,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        **fields: object,
+    ) -> Request:
+        """The request of a call on q (B, Nq, H, D), k and v (B, Nk, Hkv, D); ``fields`` are the
+        remaining attributes. ``requires_grad`` defaults to grad mode and the inputs'."""
+        if "requires_grad" not in fields:
+            fields["requires_grad"] = torch.is_grad_enabled() and any(
+                x.requires_grad for x in (q, k, v)
+            )
+        batch, query_len, num_heads, head_dim = q.shape
+        return cls(
+            operation=operation, device=q.device, dtype=q.dtype, batch=batch,
+            query_len=query_len, key_len=k.shape[1], num_heads=num_heads,
+            num_kv_heads=k.shape[2], head_dim=head_dim, **fields,  # type: ignore[arg-type]
+        )  # fmt: skip
+
+    @property
+    def positions(self) -> int:
+        """The key positions so far (``context_len``, else ``key_len``)."""
+        return self.key_len if self.context_len is None else self.context_len
+
+    @property
+    def softmax_scale(self) -> float:
+        """``scale``, or ``D ** -0.5``."""
+        return self.scale if self.scale is not None else self.head_dim**-0.5
+
+    @property
+    def empty(self) -> bool:
+        """No query rows to compute (a batch of 0 or 0 heads)."""
+        return self.batch * self.query_len * self.num_heads * self.head_dim == 0
+
+    def kernel_inputs(
+        self,
+        *,
+        query_len: int | None = None,
+        key_len: int | None = None,
+        is_causal: bool | None = None,
+        has_mask: bool | None = None,
+        block_size: int | None = None,
+        branch_slots: bool = False,
+    ) -> KernelInputs:
+        """What the registries judge kernels by: this request's, with a kernel call's own
+        shape or flags where they differ from the request's (decoding's one-row calls, a
+        chunk's square causal calls)."""
+        inputs = KernelInputs(
+            device=self.device, dtype=self.dtype, head_dim=self.head_dim,
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            query_len=self.query_len, key_len=self.key_len, is_causal=self.is_causal,
+            has_mask=self.has_mask, dropout_p=self.dropout_p,
+            requires_grad=self.requires_grad, block_size=block_size,
+            branch_slots=branch_slots,
+        )  # fmt: skip
+        changes: dict[str, object] = {
+            "query_len": query_len, "key_len": key_len, "is_causal": is_causal,
+            "has_mask": has_mask,
+        }  # fmt: skip
+        given = {name: value for name, value in changes.items() if value is not None}
+        return replace(inputs, **given)

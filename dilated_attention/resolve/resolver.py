@@ -1,0 +1,311 @@
+"""The resolve step: one :class:`Request` in, one :class:`Strategy` out.
+
+Note [One resolve step]
+    Every public call is validate -> resolve -> run. The public function checks its arguments
+    and describes the call as a :class:`Request` (plain values: operation, shapes, dtype,
+    device, flags, schedule or pattern, gradient needs, a kernel asked for by name);
+    :func:`resolve` makes every decision about it in one place: which kernel of which registry
+    (the registries only say what each kernel can run and in which order they are tried), and
+    how the work is cut into kernel calls; :meth:`Strategy.run` runs it under the one autograd
+    Function. ``explain()`` and ``python -m dilated_attention info`` describe the same strategy
+    (:meth:`Strategy.describe`), the custom operators of ``compiled.py`` run it, and the ring
+    asks it for the kernel of its steps. A new operation, kernel family or mask kind is one
+    resolver here (and a kernel in ``backends/``), not a change in every public function.
+
+Note [Dense fallback]
+    A pattern whose block mask keeps every block pair (every pair at or below the diagonal when
+    causal) is dense attention, with the same causal mask: the block-sparse request resolves to
+    the dense one (cuDNN on an H100) instead of a block-sparse kernel. FlexAttention walking
+    every tile runs at about 0.7x of dense cuDNN (H100, N = 262,144: 0.64x forward, 0.71x
+    forward+backward; ``benchmarks/results/block_sparse_long_h100.json``), and the plan would
+    split the work into many calls. Only ``backend="flex"`` (by argument, ``use_backend`` or
+    the environment) keeps FlexAttention at full density.
+
+Note [End-aligned causal blocks]
+    A causal block-sparse query shorter than the key holds the last ``Nq`` of the ``Nk``
+    positions, as in dense and dilated attention: query row ``i`` is position
+    ``p = Nk - Nq + i``, in block ``p // block_size``, and sees key ``t`` when the pattern keeps
+    ``(p // block_size, t // block_size)`` and ``t <= p``. The pattern is asked for the square
+    block mask of the ``Nk`` positions. The plan computes exactly those rows (every causal call
+    it makes is square, so any dense kernel runs it). FlashAttention-4's block sparsity, our
+    block-sparse Triton kernels and FlexAttention take a top-left causal mask over the query
+    rows they are given, so such a call never goes to them: chosen automatically it runs the
+    plan, and naming one of them raises ``ValueError`` before any work.
+
+Shape legend: B batch, Nq query rows, Nk key rows, H query heads, Hkv key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import torch
+
+from ..backends.registry import BLOCK_SPARSE as BLOCK_SPARSE_REGISTRY
+from ..backends.registry import DENSE as DENSE_REGISTRY
+from ..backends.registry import DILATED as DILATED_REGISTRY
+from ..backends.registry import Selection, _requested, registry_for
+from ..block_sparse import plan as block_plan
+from ..core import decode
+from ..core.engine import Plan
+from ..core.grouped import grouped_plan
+from ..core.hidden import hide_masked_keys
+from ..core.segment import branch_plan, describe_plan
+from ..patterns import Pattern
+from .request import BLOCK_SPARSE, DECODE, DENSE, DILATED, OPERATIONS, Request
+from .strategy import (
+    BlockSparseKernelStrategy,
+    EmptyStrategy,
+    FusedStrategy,
+    KernelOnlyStrategy,
+    PlanStrategy,
+    Strategy,
+    rows_in_place,
+)
+
+__all__ = ["execute", "keeps_every_pair", "resolve"]
+
+
+@torch.compiler.disable  # selection probes kernels and caches: run it eagerly, never traced
+def resolve(request: Request) -> Strategy:
+    """The strategy that runs ``request`` (Note [One resolve step]).
+
+    Raises:
+        ValueError: ``request.operation`` is unknown; a kernel asked for by name cannot run the
+            request, or none can (the message lists every kernel with its reasons); a
+            ``Custom`` block-sparse mask of another block count.
+    """
+    if request.operation not in _RESOLVERS:
+        raise ValueError(f"operation must be one of {OPERATIONS}, got {request.operation!r}")
+    return _RESOLVERS[request.operation](request)
+
+
+def execute(
+    request: Request,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Resolve and run a checked call: q (B, Nq, H, D), k and v (B, Nk, Hkv, D),
+    key_padding_mask (B, Nk) bool or None -> ``(out, lse)``, out (B, Nq, H, D), lse (B, H, Nq).
+    Keys the mask hides are zeroed first (Note [Hidden keys cannot poison rows])."""
+    strategy = resolve(request)
+    k, v = hide_masked_keys(k, v, key_padding_mask)
+    return strategy.run(q, k, v, key_padding_mask)
+
+
+def _dense(request: Request) -> Strategy:
+    """One dense call; a causal query shorter than the key (end-aligned) as a call without a
+    mask and a square causal call (``decode.dense_decode_plan``), the kernel chosen for those."""
+    nq, nk = request.query_len, request.key_len
+    end_aligned = request.is_causal and nq < nk
+    inputs = request.kernel_inputs(key_len=nq if end_aligned else None)
+    kernel = registry_for(DENSE_REGISTRY).select(inputs, request.backend)
+    if end_aligned:
+        plan = decode.dense_decode_plan(nq, nk)
+        how = f"the keys before the query in one call, then one square causal call of {nq} rows"
+    else:
+        plan = Plan.dense(request.is_causal)
+        how = "one dense call"
+    return PlanStrategy(
+        request, kernel, DENSE_REGISTRY, inputs, how, plan_of=lambda q: plan, what="attention"
+    )
+
+
+def _dilated(request: Request) -> Strategy:
+    """Our fused kernels over every branch, or the executor's plan of branch calls: gathered,
+    as strided views, or written into slots merged once (Note [Branch slots merged once])."""
+    if request.schedule is None:  # explain() of a kernel call's shape: the registry's answer
+        inputs = request.kernel_inputs()
+        kernel = registry_for(DILATED_REGISTRY).select(inputs, request.backend)
+        return KernelOnlyStrategy(request, kernel, DILATED_REGISTRY, inputs, _summary(kernel))
+    layout = request.schedule.at(request.query_len, request.num_heads, request.num_kv_heads)
+    inputs = request.kernel_inputs(branch_slots=layout.in_slots)
+    kernel = registry_for(DILATED_REGISTRY).select(inputs, request.backend)
+    if kernel.runs_plan:  # the fused kernels run every branch themselves (core/fused.py)
+        notes = fused_notes(kernel.backend.name, layout.branches)
+        return FusedStrategy(
+            request, kernel, DILATED_REGISTRY, inputs, _summary(kernel), notes, layout.branches
+        )
+    strided, writes = kernel.backend.reads_strided_rows, kernel.backend.writes_into
+    hkv, causal = request.num_kv_heads, request.is_causal
+    branches = branch_plan(
+        layout.groups, request.query_len, hkv, request.device, causal, strided, writes
+    )
+
+    def plan_of(q: torch.Tensor) -> Plan:
+        return grouped_plan(branches, q, layout.segment_lengths, request.requires_grad, hkv)
+
+    notes = describe_plan(layout.groups, request.query_len, hkv, strided, writes)
+    how = "the executor's plan of branch calls on this kernel, merged by log-sum-exp"
+    return PlanStrategy(
+        request, kernel, DILATED_REGISTRY, inputs, how, notes, plan_of=plan_of,
+        what="dilated_attention",
+    )  # fmt: skip
+
+
+def fused_notes(name: str, branches: tuple[tuple[int, int], ...]) -> tuple[str, ...]:
+    """One line per branch run by the plan kernel ``name`` (our fused kernels)."""
+    return tuple(
+        f"w={w} r={r}: {name}'s plan kernel runs the branch itself (one launch over its rows, "
+        f"read through strides, merged in place)" for w, r in branches
+    )
+
+
+def _decode(request: Request) -> Strategy:
+    """Queries at the last positions (Note [Decoding rows] in ``core/decode.py``): one call per
+    token with a per-head key mask where it can (Note [One call per decoded token]), else one
+    call per branch and offset class, on the dense registry's kernel chosen for those calls'
+    shapes (one query row; a chunk's square causal calls)."""
+    if request.schedule is None:
+        raise ValueError("a decode request needs the layer's schedule")
+    chunk = request.query_len > 1
+    shape = {"query_len": 1, "key_len": 1 if chunk else request.key_len}
+    registry = registry_for(DENSE_REGISTRY)
+    one_call = (
+        not chunk
+        and not request.requires_grad
+        and request.device.type in decode.ONE_CALL_DEVICE_TYPES
+    )
+    kernel: Selection | None = None
+    if one_call:
+        inputs = request.kernel_inputs(is_causal=False, has_mask=True, **shape)
+        try:
+            kernel = registry.select(inputs, request.backend)
+        except ValueError:  # a kernel asked for by name takes no masks: one call per branch
+            one_call = False
+    if kernel is None:
+        inputs = request.kernel_inputs(is_causal=chunk, **shape)
+        kernel = registry.select(inputs, request.backend)
+    positions, start, schedule = request.positions, request.key_start, request.schedule
+    if one_call:
+        plan = decode.decode_token_plan(
+            positions, request.num_heads, schedule.segment_lengths, schedule.dilation_rates,
+            request.device, start, request.batch,
+        )  # fmt: skip
+        how = "one call per token: every branch's rows against a per-head key mask"
+    else:
+        layout = schedule.at(positions, request.num_heads, request.num_kv_heads)
+        plan = decode.decode_plan(
+            request.query_len, positions, request.num_heads, request.num_kv_heads,
+            layout.segment_lengths, layout.dilation_rates, request.device, start,
+            kernel.backend.reads_strided_rows,
+        )  # fmt: skip
+        how = "decoding rows: one call per branch and offset class of the new rows"
+    return PlanStrategy(
+        request, kernel, DENSE_REGISTRY, inputs, how, plan_of=lambda q: plan,
+        layout=rows_in_place, what="dilated_attention",
+    )  # fmt: skip
+
+
+def keeps_every_pair(mask: torch.Tensor, is_causal: bool) -> bool:
+    """Whether the block mask keeps every block pair the causal mask (when causal) leaves.
+
+    Then block-sparse attention IS dense attention (causal when causal), and the dense kernel
+    computes it exactly and faster than a sparse kernel walking every block. ``mask``: square
+    when causal (the blocks of the key positions, Note [End-aligned causal blocks]).
+    """
+    if is_causal:
+        mask = mask | ~torch.ones_like(mask).tril()
+    return bool(mask.all())
+
+
+@functools.lru_cache(maxsize=16)
+def _is_dense(pattern: Pattern, nq: int, nk: int, is_causal: bool) -> bool:
+    """``keeps_every_pair`` of the pattern's mask, kept per call shape (milliseconds at 256K
+    tokens on a CPU, for an answer that never changes)."""
+    return keeps_every_pair(pattern.block_mask(nq, nk), is_causal)
+
+
+def _block_sparse(request: Request) -> Strategy:
+    """The dense call where the pattern keeps every pair (Note [Dense fallback]); else, on
+    CUDA, one of the operation's own kernels (FlashAttention-4's block sparsity, our Triton
+    kernels, FlexAttention) where it runs, else the plan of the kept blocks on a dense kernel
+    (Note [Block-sparse plan]); an end-aligned causal query always runs the plan (Note
+    [End-aligned causal blocks])."""
+    pattern, size = request.pattern, request.block_size
+    if pattern is None:  # explain() of a kernel call's shape: the registry's answer
+        inputs = request.kernel_inputs(block_size=size)
+        kernel = registry_for(BLOCK_SPARSE_REGISTRY).select(inputs, request.backend)
+        return KernelOnlyStrategy(
+            request, kernel, BLOCK_SPARSE_REGISTRY, inputs, _summary(kernel, BLOCK_SPARSE)
+        )
+    nq, nk, causal = request.query_len, request.key_len, request.is_causal
+    query_start = nk - nq if causal else 0
+    # Ask the pattern first: a Custom mask of the wrong size fails before any kernel work.
+    rows = block_plan.num_blocks(nk if causal else nq, size)
+    if _is_dense(pattern, rows, block_plan.num_blocks(nk, size), causal) and (
+        _requested(request.backend)[0] != "flex"
+    ):
+        dense = _dense(replace(request, operation=DENSE, pattern=None))
+        how = f"the pattern keeps every block pair: dense attention ({dense.how})"
+        return replace(dense, how=how)
+    if request.empty:
+        return EmptyStrategy(request, None, BLOCK_SPARSE_REGISTRY, None, "no query rows")
+    if query_start:
+        return _end_aligned_blocks(request, query_start)
+    inputs = request.kernel_inputs(block_size=size)
+    kernel = registry_for(BLOCK_SPARSE_REGISTRY).select(inputs, request.backend)
+    if kernel.runs_plan:
+        return BlockSparseKernelStrategy(
+            request, kernel, BLOCK_SPARSE_REGISTRY, inputs, _summary(kernel, BLOCK_SPARSE)
+        )
+    return _block_plan(request, kernel, inputs, BLOCK_SPARSE_REGISTRY, 0)
+
+
+def _end_aligned_blocks(request: Request, query_start: int) -> Strategy:
+    """The plan of an end-aligned causal block-sparse call on the dense kernel chosen for its
+    square causal calls; a block-sparse kernel asked for by name raises ``ValueError``."""
+    requested, source = _requested(request.backend)
+    if requested in registry_for(BLOCK_SPARSE_REGISTRY).plan_kernels:
+        nq, nk = request.query_len, request.key_len
+        raise ValueError(
+            f"backend {requested!r} (from {source}) cannot run block_sparse_attention with "
+            f"is_causal=True and a query shorter than the key (query length {nq}, key length "
+            f"{nk}): its causal mask is top-left aligned, and such a query holds the last {nq} "
+            f"of the {nk} positions (end-aligned). Let the library choose (backend=None), "
+            f"which runs the block-sparse plan on a dense kernel, or name a dense kernel from "
+            f"list_backends()"
+        )
+    inputs = request.kernel_inputs(key_len=request.query_len, is_causal=True)
+    kernel = registry_for(DENSE_REGISTRY).select(inputs, request.backend)
+    return _block_plan(request, kernel, inputs, DENSE_REGISTRY, query_start)
+
+
+def _block_plan(
+    request: Request, kernel: Selection, inputs: object, operation: str, query_start: int
+) -> Strategy:
+    """The pattern's kept blocks as stacked calls on the dense kernel ``kernel``."""
+    assert request.pattern is not None
+    shape = (request.pattern, request.block_size, request.query_len, request.key_len)
+    budget = max(request.key_len, block_plan.MIN_KV_ROWS_PER_CALL)
+
+    def plan_of(q: torch.Tensor) -> Plan:
+        calls, _ = block_plan._local_plan(
+            *shape, request.is_causal, q.device, budget, query_start
+        )
+        return Plan(tuple(calls))
+
+    how = "the kept blocks as stacked calls on this dense kernel (Note [Block-sparse plan])"
+    return PlanStrategy(
+        request, kernel, operation, inputs, how, plan_of=plan_of,  # type: ignore[arg-type]
+        what="block_sparse_attention",
+    )  # fmt: skip
+
+
+def _summary(kernel: Selection, operation: str = DILATED) -> str:
+    """What a plan kernel runs, from its registry; the executor's role otherwise."""
+    registry = registry_for(DILATED_REGISTRY if operation == DILATED else BLOCK_SPARSE_REGISTRY)
+    if kernel.runs_plan:
+        return registry.plan_kernels[kernel.backend.name].summary
+    return "once per kernel call of the plan"
+
+
+_RESOLVERS = {
+    DENSE: _dense,
+    DILATED: _dilated,
+    DECODE: _decode,
+    BLOCK_SPARSE: _block_sparse,
+}

@@ -1,0 +1,218 @@
+"""Strategies: what the resolve step returns. A strategy knows which kernel runs a request, how
+the work is cut (one dense call, a plan of branch calls gathered, read as views or written into
+slots, our fused kernels, decoding rows, a block-sparse kernel), why every other kernel was not
+taken, and runs it under the one autograd Function.
+
+Shape legend: B batch, Nq query rows, Nk key rows, H query heads, Hkv key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ..backends.base import KernelInputs
+from ..backends.registry import BackendChoice, Selection, registry_for
+from ..block_sparse.fa4 import FlashAttn4BlockSparseRunner, fa4_tiles
+from ..block_sparse.flex import _flex_forward
+from ..block_sparse.triton_autograd import TritonBlockSparseRunner, _triton_lists
+from ..core.autograd import Runner, run_attention
+from ..core.engine import Plan, PlanRunner, empty_attention
+from ..core.fused import FusedRunner, compile_ahead
+from .request import Request
+
+__all__ = [
+    "BlockSparseKernelStrategy",
+    "EmptyStrategy",
+    "FusedStrategy",
+    "KernelOnlyStrategy",
+    "PlanStrategy",
+    "Strategy",
+]
+
+Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+Result = tuple[torch.Tensor, torch.Tensor]
+
+
+def contiguous(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the executor's gathers and most kernels take it: contiguous."""
+    return x.contiguous()
+
+
+def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself where its last dim is contiguous (kernels that read rows through strides:
+    a (B, N, H, D) view of (B, H, N, D) tensors, the transformers layout, runs as it is)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def rows_in_place(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (B, N, H, D) itself where its (position, head) rows are evenly strided, as the
+    decoding calls gather them (a cache's rows: a view of its buffers, which must not be copied
+    whole for every token); else a contiguous copy."""
+    _, rows, heads, dim = x.shape
+    even = x.stride(3) == 1 and x.stride(2) == dim and x.stride(1) == heads * dim
+    return x if even or rows * heads * dim == 0 else x.contiguous()
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How one request runs (Note [One resolve step] in ``resolve.py``).
+
+    Attributes:
+        request: what was asked.
+        kernel: the kernel that runs it (None where nothing needs one).
+        operation: the registry that chose it (``"dense"``, ``"dilated"``, ``"block_sparse"``).
+        inputs: what the kernel was judged by (a kernel call's shape and flags).
+        how: one line on how the work is cut into kernel calls.
+        notes: one line per branch, row group or other detail, for :meth:`describe`.
+    """
+
+    request: Request
+    kernel: Selection | None
+    operation: str
+    inputs: KernelInputs | None
+    how: str
+    notes: tuple[str, ...] = field(default=())
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
+    ) -> Result:
+        """``(out, lse)`` of the request on these tensors: q (B, Nq, H, D), k and v
+        (B, Nk, Hkv, D), key_padding_mask (B, Nk) bool or None; out (B, Nq, H, D), lse
+        (B, H, Nq) detached. Differentiable through the one autograd Function."""
+        if q.numel() == 0:
+            return empty_attention(q, k, v)
+        return self._run(q, k, v, key_padding_mask)
+
+    def _run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
+    ) -> Result:
+        raise NotImplementedError(f"{type(self).__name__} runs nothing: {self.how}")
+
+    def choice(self) -> BackendChoice:
+        """The kernel and, for every other kernel of its registry, why it was not taken (every
+        kernel probed: slower than the choice :meth:`run` makes)."""
+        if self.kernel is None or self.inputs is None:
+            raise ValueError(f"no kernel runs this {self.request.operation} call: {self.how}")
+        choice = registry_for(self.operation).choose(self.inputs, self.request.backend)
+        return replace(choice, branches=self.notes, description=self.describe(choice))
+
+    def describe(self, choice: BackendChoice | None = None) -> str:
+        """The strategy in words: the call, the kernel and how it runs, one line per branch,
+        and why every other kernel was not taken."""
+        r = self.request
+        flags = [name for name, on in (("causal", r.is_causal), ("key padding mask", r.has_mask),
+                                       ("training", r.requires_grad)) if on]  # fmt: skip
+        lines = [
+            f"{r.operation} attention: B={r.batch} Nq={r.query_len} Nk={r.key_len} "
+            f"H={r.num_heads} Hkv={r.num_kv_heads} D={r.head_dim} "
+            f"{str(r.dtype).removeprefix('torch.')} on {r.device}"
+            + (f" ({', '.join(flags)})" if flags else "")
+        ]
+        if r.schedule is not None:
+            lines.append(f"  schedule: {r.schedule}")
+        if self.kernel is None:
+            lines.append(f"  {self.how}")
+            return "\n".join(lines)
+        choice = choice or self.choice()
+        lines.append(f"  kernel: {choice.backend} ({choice.source}): {self.how}")
+        lines += [f"    {note}" for note in self.notes]
+        lines += [f"  {name}: not used ({'; '.join(why)})" for name, why in choice.reasons.items()]
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class KernelOnlyStrategy(Strategy):
+    """A kernel chosen for a call's shape alone (``explain`` without a schedule): nothing to run."""
+
+
+@dataclass(frozen=True)
+class EmptyStrategy(Strategy):
+    """No query rows (a batch of 0 or 0 heads): empty outputs, no kernel."""
+
+
+@dataclass(frozen=True)
+class PlanStrategy(Strategy):
+    """The executor runs a plan of kernel calls on ``kernel.backend`` (Note [One executor]).
+
+    Attributes:
+        plan_of: the plan for this call's query (B, Nq, H, D): position groups depend on its
+            size and device (Note [Position-grouped plans]).
+        layout: how q, k and v are laid out for the plan's calls.
+        what: the public function's name, for the double-backward error under dropout.
+    """
+
+    plan_of: Callable[[torch.Tensor], Plan] = field(default=lambda q: Plan.dense(False))
+    layout: Callable[[torch.Tensor], torch.Tensor] = contiguous
+    what: str = "attention"
+
+    def _run(self, q, k, v, key_padding_mask):  # type: ignore[no-untyped-def]
+        assert self.kernel is not None  # resolve gives every plan a kernel
+        q, k, v = (self.layout(x) for x in (q, k, v))
+        runner = PlanRunner(
+            self.plan_of(q), self.kernel.backend, self.request.softmax_scale,
+            self.request.dropout_p, self.what,
+        )  # fmt: skip
+        return run_attention(q, k, v, key_padding_mask, runner)
+
+
+@dataclass(frozen=True)
+class FusedStrategy(Strategy):
+    """Our fused dilated kernels run every branch themselves (Note [Fused branch engine]).
+
+    Attributes:
+        branches: the effective ``(w, r)`` pairs.
+    """
+
+    branches: tuple[tuple[int, int], ...] = ()
+
+    def _run(self, q, k, v, key_padding_mask):  # type: ignore[no-untyped-def]
+        assert self.kernel is not None
+        r = self.request
+        q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+        backend = self.kernel.backend
+        compile_ahead(
+            q, k, v, key_padding_mask, self.branches, backend,  # type: ignore[arg-type]
+            is_causal=r.is_causal, scale=r.softmax_scale, needs_grad=r.requires_grad,
+        )  # fmt: skip
+        runner = FusedRunner(self.branches, backend, r.is_causal, r.softmax_scale)  # type: ignore[arg-type]
+        return run_attention(q, k, v, key_padding_mask, runner)
+
+
+@dataclass(frozen=True)
+class BlockSparseKernelStrategy(Strategy):
+    """One of the block-sparse operation's own kernels walks the pattern's kept blocks: our
+    Triton kernels, FlashAttention-4's block sparsity, or FlexAttention."""
+
+    def _run(self, q, k, v, key_padding_mask):  # type: ignore[no-untyped-def]
+        assert self.kernel is not None and self.request.pattern is not None
+        r = self.request
+        shape = (r.pattern, r.block_size, r.query_len, r.key_len, r.is_causal, q.device)
+        name = self.kernel.backend.name
+        if name == "flex":
+            return _flex_forward(
+                q, k, v, r.pattern, block_size=r.block_size, is_causal=r.is_causal,
+                scale=r.softmax_scale,
+            )  # fmt: skip
+        runner: Runner
+        if name == "triton":
+            runner = TritonBlockSparseRunner(
+                _triton_lists(*shape), r.block_size, r.is_causal, r.softmax_scale
+            )
+            q, k, v = (x.contiguous() for x in (q, k, v))
+        else:  # FlashAttention-4 reads strided rows
+            runner = FlashAttn4BlockSparseRunner(
+                self.kernel.backend, fa4_tiles(*shape), r.block_size, r.is_causal,  # type: ignore[arg-type]
+                r.softmax_scale,
+            )  # fmt: skip
+        return run_attention(q, k, v, None, runner)
