@@ -22,7 +22,7 @@ import torch
 
 from . import demo
 from ._version import __version__
-from .backends.registry import get_backend, list_backends, registry_for
+from .backends.registry import get_backend, list_backends
 from .config import longnet_schedule
 from .demo import _HelpFormatter
 from .factory import _resolve_device, explain
@@ -247,21 +247,26 @@ def info(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             chosen = "*" if name == choice.backend else ""
             why = "; ".join(choice.reasons.get(name, []))
             print(f"  {name:<16}{available:<11}{chosen:<8}{why}")
-        for operation in ("dilated", "block_sparse"):
-            try:
-                other = explain(
-                    device=dev, dtype=dtype, head_dim=args.head_dim, is_causal=args.causal,
-                    operation=operation,
-                )  # fmt: skip
-            except ValueError as exc:
-                print(f"  {operation} attention: no kernel: {exc}")
-                continue
-            how = (
-                registry_for(operation).plan_kernels[other.backend].summary
-                if other.runs_plan
-                else "once per kernel call of the plan"
-            )
-            print(f"  {operation} attention runs on: {other.backend} ({how})")
+        _print_strategies(dev, dtype, args)
+
+
+def _print_strategies(dev: torch.device, dtype: torch.dtype, args: argparse.Namespace) -> None:
+    """The resolve step's strategy, in its own words, for dilated attention with a LongNet
+    schedule and for block-sparse attention on ``dev``."""
+    seq_len = 65536
+    segments, rates = longnet_schedule(seq_len, 2048)
+    for operation, schedule in (("dilated", (segments, rates)), ("block_sparse", (None, None))):
+        try:
+            choice = explain(
+                device=dev, dtype=dtype, head_dim=args.head_dim, is_causal=args.causal,
+                operation=operation, seq_len=seq_len, segment_lengths=schedule[0],
+                dilation_rates=schedule[1],
+            )  # fmt: skip
+        except ValueError as exc:
+            print(f"  {operation} attention: no kernel: {exc}")
+            continue
+        lines = str(choice).splitlines()
+        print("\n".join(f"  {line}" for line in lines if ": not used (" not in line))
 
 
 _Command = Callable[[argparse.Namespace, argparse.ArgumentParser], object]

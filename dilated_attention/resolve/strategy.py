@@ -101,15 +101,25 @@ class Strategy:
 
     def choice(self) -> BackendChoice:
         """The kernel and, for every other kernel of its registry, why it was not taken (every
-        kernel probed: slower than the choice :meth:`run` makes)."""
+        kernel probed: slower than the choice :meth:`run` makes), with :meth:`describe`'s text.
+
+        Raises:
+            ValueError: nothing runs a kernel here (no query rows).
+        """
         if self.kernel is None or self.inputs is None:
             raise ValueError(f"no kernel runs this {self.request.operation} call: {self.how}")
         choice = registry_for(self.operation).choose(self.inputs, self.request.backend)
-        return replace(choice, branches=self.notes, description=self.describe(choice))
+        choice = replace(choice, branches=self.notes)
+        return replace(choice, description=self._text(choice, reasons=True))
 
-    def describe(self, choice: BackendChoice | None = None) -> str:
-        """The strategy in words: the call, the kernel and how it runs, one line per branch,
-        and why every other kernel was not taken."""
+    def describe(self, *, reasons: bool = True) -> str:
+        """The strategy in words: the call, the kernel and how it runs, one line per branch
+        and, with ``reasons``, why every other kernel was not taken."""
+        if self.kernel is None or self.inputs is None:
+            return self._text(None, reasons=False)
+        return self.choice().description if reasons else self._text(None, reasons=False)
+
+    def _text(self, choice: BackendChoice | None, *, reasons: bool) -> str:
         r = self.request
         flags = [name for name, on in (("causal", r.is_causal), ("key padding mask", r.has_mask),
                                        ("training", r.requires_grad)) if on]  # fmt: skip
@@ -122,12 +132,13 @@ class Strategy:
         if r.schedule is not None:
             lines.append(f"  schedule: {r.schedule}")
         if self.kernel is None:
-            lines.append(f"  {self.how}")
-            return "\n".join(lines)
-        choice = choice or self.choice()
-        lines.append(f"  kernel: {choice.backend} ({choice.source}): {self.how}")
+            return "\n".join([*lines, f"  {self.how}"])
+        source = f" ({choice.source})" if choice is not None else ""
+        lines.append(f"  kernel: {self.kernel.backend.name}{source}: {self.how}")
         lines += [f"    {note}" for note in self.notes]
-        lines += [f"  {name}: not used ({'; '.join(why)})" for name, why in choice.reasons.items()]
+        if reasons and choice is not None:
+            why_not = choice.reasons.items()
+            lines += [f"  {name}: not used ({'; '.join(why)})" for name, why in why_not]
         return "\n".join(lines)
 
 
