@@ -77,6 +77,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from .core.higher_order import RaiseOnBackward
 from .core.schedule import Schedule
 from .patterns import Custom, Pattern
 from .resolve import BLOCK_SPARSE, DECODE, DENSE, DILATED, Request, dilated_operation, execute
@@ -598,29 +599,13 @@ class _TransformedCall(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor, *_: Any) -> tuple[Any, ...]:  # type: ignore[override]
         q, k, v, mask, rng_state = ctx.saved_tensors
-        dq, dk, dv = _TransformedBackward.apply(
-            ctx.kind, grad_out, q, k, v, mask, rng_state, *ctx.options
-        )
+        # Differentiating these gradients raises the second-order error (Note [Custom operators
+        # for torch.compile and torch.func]).
+        dq, dk, dv = RaiseOnBackward.apply(
+            _second_order_message(ctx.kind), _OPS[ctx.kind][1], grad_out, q, k, v, mask,
+            rng_state, *ctx.options,
+        )  # fmt: skip
         return (None, dq, dk, dv) + (None,) * (1 + len(ctx.options))
-
-
-class _TransformedBackward(torch.autograd.Function):
-    """A backward operator under torch.func transforms; differentiating it raises the
-    second-order error (Note [Custom operators for torch.compile and torch.func])."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(kind: str, *args: Any) -> Any:  # type: ignore[override]
-        return _OPS[kind][1](*args)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.kind = inputs[0]
-
-    @staticmethod
-    def backward(ctx: Any, *_: Any) -> tuple[Any, ...]:  # type: ignore[override]
-        raise RuntimeError(_second_order_message(ctx.kind))
 
 
 def _call(kind: str, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -53,16 +53,20 @@ import torch
 
 
 # -- raising on double backward ------------------------------------------------------------------
-class _NoHigherOrder(torch.autograd.Function):
-    """``apply(message, count, *grads, *anchors)``: the first ``count`` tensors (the gradients)
-    unchanged, on a node whose backward raises ``RuntimeError(message)``. The anchors are tensors
-    the gradients depend on (Note [Double backward]): through them the node lies on every path
-    from the gradients back to the inputs, so autograd runs it (and raises) whichever inputs a
-    later ``torch.autograd.grad`` asks for."""
+class RaiseOnBackward(torch.autograd.Function):
+    """``apply(message, fn, *args)``: ``fn(*args)`` (a tuple of tensors), on a node whose
+    backward raises ``RuntimeError(message)``. Tensors among ``args`` that ``fn`` does not use
+    may be passed as anchors: tensors the results depend on (Note [Double backward]), through
+    which the node lies on every path from the results back to the inputs, so autograd runs it
+    (and raises) whichever inputs a later ``torch.autograd.grad`` asks for. Composable with
+    torch.func (a generated vmap rule): the custom operators' backward under the transforms
+    runs through it (``compiled.py``)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(message: str, count: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        return tuple(g.view_as(g) for g in tensors[:count])
+    def forward(message: str, fn: Any, *args: Any) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(fn(*args))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -71,6 +75,11 @@ class _NoHigherOrder(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *_: torch.Tensor) -> tuple[None, ...]:  # type: ignore[override]
         raise RuntimeError(ctx.message)
+
+
+def _views(count: int) -> Any:
+    """``fn`` for :class:`RaiseOnBackward`: views of the first ``count`` tensors."""
+    return lambda *tensors: tuple(g.view_as(g) for g in tensors[:count])
 
 
 def no_higher_order_message(what: str, why: str, fix: str) -> str:
@@ -118,7 +127,7 @@ def first_order_only(
     # Detached leaves that require grad, so the error node is recorded whatever the inputs were.
     leaves = [grads[i].detach().requires_grad_() for i in present]  # type: ignore[union-attr]
     links = [a for a in anchors if a is not None and a.requires_grad]
-    wrapped = _NoHigherOrder.apply(message, len(leaves), *leaves, *links)
+    wrapped = RaiseOnBackward.apply(message, _views(len(leaves)), *leaves, *links)
     out = list(grads)
     for i, g in zip(present, wrapped, strict=True):
         out[i] = g
