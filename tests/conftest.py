@@ -1,5 +1,5 @@
-"""Shared pytest setup: seeds, the ``gpu`` marker skip, per-worker CPU threads, and float64
-defaults for the oracle."""
+"""Shared pytest setup: seeds, the ``gpu`` marker skip, per-worker CPU threads, float64
+defaults for the oracle, and ``--require-backends`` (``tests/support/required_backends.py``)."""
 
 from __future__ import annotations
 
@@ -8,28 +8,80 @@ from typing import Any
 
 import pytest
 import torch
+from support import required_backends
 
 from dilated_attention.backends import Backend, get_backend
+
+#: pytester runs the ``--require-backends`` tests' inner sessions (tests/backends).
+pytest_plugins = ("pytester",)
+
+#: The message of a test that names a required backend this machine lacks (set at collection).
+_MISSING = pytest.StashKey[str]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        required_backends.OPTION,
+        metavar="NAMES",
+        default=None,
+        help="comma-separated backend names this run must have: a test that would skip while one "
+        f"of them is missing or broken fails instead (default: ${required_backends.ENV})",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist, give each worker its share of the CPU's threads: torch's default
     (one intra-op thread per core in every worker) oversubscribes the cores many times over,
     and the float64 oracle's products then run 10-100x slower than alone (measured on a 16-core
-    GPU host at ``-n 16``: 5-19 s tests took 83-199 s)."""
+    GPU host at ``-n 16``: 5-19 s tests took 83-199 s). Also: the required backends."""
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers is not None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+    # Known to pytest-xdist, which may be absent (--strict-markers).
+    config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist runs in one worker")
+    value = config.getoption(required_backends.OPTION) or os.environ.get(required_backends.ENV)
+    try:
+        required_backends.REQUIRED = required_backends.parse(value)
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip ``@pytest.mark.gpu`` tests when no CUDA device is present, saying why."""
+    """Skip ``@pytest.mark.gpu`` tests when no CUDA device is present, saying why; one that names
+    a required backend (``--require-backends``) fails instead."""
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
     for item in items:
         if "gpu" in item.keywords:
-            item.add_marker(skip)
+            missing = required_backends.missing_named_in(item.nodeid)
+            if missing:
+                item.stash[_MISSING] = required_backends.failure_message(missing)
+            else:
+                item.add_marker(skip)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item: pytest.Item) -> None:
+    if _MISSING in item.stash:
+        pytest.fail(item.stash[_MISSING], pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
+    """A test that skipped while a required backend it names (in its id or its skip reason) is
+    missing or broken fails, with that backend's reasons (``--require-backends``)."""
+    report: pytest.TestReport = yield
+    if not required_backends.REQUIRED or not report.skipped or hasattr(report, "wasxfail"):
+        return report
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    missing = required_backends.missing_named_in(f"{item.nodeid} {reason}")
+    if missing:
+        report.outcome = "failed"
+        message = required_backends.failure_message(missing)
+        report.longrepr = f"{message}\n(it would have skipped: {reason})"
+    return report
 
 
 @pytest.fixture(autouse=True)

@@ -13,20 +13,26 @@ from torch import Tensor
 from dilated_attention import list_backends
 from dilated_attention.backends import backend_reasons, get_backend
 
+from . import required_backends
+
 BACKENDS: list[str | None] = [None, *list_backends()]
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
 
 def runs_on(backend: str | None, device: str) -> bool:
     """Automatic choice, or a backend that declares this device type and is installed and working
-    there (others are not collected: ``info`` and the selection tests cover why)."""
+    there (others are not collected: ``info`` and the selection tests cover why), or one the run
+    requires (``--require-backends``: collected, so that its tests fail where it is missing)."""
     if backend is None:
         return True
     if backend == "flex":
         # Compiles a kernel per configuration (seconds each): covered by test_gpu_backends.py.
         return False
     kernel = get_backend(backend)
-    return device in kernel.devices and not kernel.availability_reasons(torch.device(device))
+    if device not in kernel.devices:
+        return False
+    required = backend in required_backends.REQUIRED
+    return required or not kernel.availability_reasons(torch.device(device))
 
 
 DEVICE_BACKENDS = [
