@@ -1,7 +1,10 @@
 """Every CUDA kernel backend against the float64 oracle, in bf16 and fp16 (run on a GPU machine).
 
 The oracle runs on the CPU in float64 from the same rounded inputs; a naive oracle replica in the
-same low dtype sets the error budget (``tolerances.assert_close_to_oracle``).
+same low dtype sets the error budget (``tolerances.assert_close_to_oracle``). Both are computed
+once per case and dtype (``support.shared_results``) and shared by every backend's test; the
+``xdist_group`` marks keep the tests that share an oracle, or a compiling backend's kernels, in
+one pytest-xdist worker under ``--dist loadgroup`` (docs/architecture.md "Tests").
 """
 
 from __future__ import annotations
@@ -9,17 +12,21 @@ from __future__ import annotations
 import pytest
 import torch
 from support.oracle import oracle_attention, oracle_dilated_attention
+from support.shared_results import shared_result
 from support.tolerances import assert_close_to_oracle
 
 from dilated_attention import attention, backend_reasons, dilated_attention
-
-pytestmark = pytest.mark.gpu
 
 # The optional kernel packages skip with their reason where they are not installed.
 CUDA_BACKENDS = [
     "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flex", "math", "flash_attn4", "flash_attn3",
     "flash_attn2", "xformers",
 ]  # fmt: skip
+DTYPES = [torch.bfloat16, torch.float16]
+#: Backends that compile kernels per configuration in each process (FlexAttention through
+#: torch.compile, about 15-20 s for a first dilated call; FlashAttention-4's CuTe DSL JIT): their
+#: tests of one dtype run in one worker, which compiles each kernel once.
+COMPILING = ("flex", "flash_attn4")
 
 CASES = {
     # name: (seq_len, heads, kv_heads, segment_lengths, dilation_rates, is_causal, masked)
@@ -29,6 +36,39 @@ CASES = {
     "gqa-mqa": (160, 8, 1, [32, 160], [1, 4], False, False),
     "key-padding": (150, 4, 2, [50, 100], [1, 2], True, True),
 }
+DENSE_CASES = ["gqa-mqa", "key-padding"]
+
+
+def _group(backend: str | None, oracle: str, dtype: torch.dtype) -> pytest.MarkDecorator:
+    """Under ``--dist loadgroup``: a compiling backend's tests of one dtype in one worker (its
+    kernels compiled once), the other backends' tests of one oracle in one worker (computed
+    once)."""
+    shared = backend if backend in COMPILING else oracle
+    return pytest.mark.xdist_group(f"gpu_backends-{shared}-{dtype}")
+
+
+DILATED_PARAMS = [
+    pytest.param(
+        case, backend, dtype, marks=_group(backend, case, dtype), id=f"{case}-{backend}-{dtype}"
+    )
+    for case in CASES
+    for backend in CUDA_BACKENDS
+    for dtype in DTYPES
+]
+DENSE_PARAMS = [
+    pytest.param(
+        case,
+        is_causal,
+        backend,
+        dtype,
+        id=f"{case}-{is_causal}-{backend}-{dtype}",
+        marks=_group(backend, f"dense-{case}-{is_causal}", dtype),
+    )
+    for case in DENSE_CASES
+    for is_causal in (False, True)
+    for backend in [*CUDA_BACKENDS, "triton", None]
+    for dtype in DTYPES
+]
 
 
 def _inputs(case: str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -61,9 +101,31 @@ def _oracle(q, k, v, dout, case, compute_dtype):
     return out, lse, grads
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("backend", CUDA_BACKENDS)
-@pytest.mark.parametrize("case", list(CASES))
+@shared_result
+def _dilated_oracles(case: str, dtype: torch.dtype) -> tuple[tuple, tuple]:
+    """``(out, lse, grads)`` of the float64 oracle and of its naive ``dtype`` replica, on
+    ``_inputs(case, dtype)``: computed once per process, shared by every backend."""
+    q, k, v, dout = _inputs(case, dtype)
+    return _oracle(q, k, v, dout, case, torch.float64), _oracle(q, k, v, dout, case, dtype)
+
+
+@shared_result
+def _dense_oracles(case: str, is_causal: bool, dtype: torch.dtype) -> list[tuple]:
+    """Plain attention's ``(out, lse, grads)``, float64 and naive ``dtype``, on
+    ``_inputs(case, dtype)`` with ``_mask(case)``: computed once per process."""
+    q, k, v, dout = _inputs(case, dtype)
+    results = []
+    for cdt in (torch.float64, dtype):
+        leaves = [t.detach().to(cdt).requires_grad_() for t in (q, k, v)]
+        ref_out, ref_lse = oracle_attention(
+            *leaves, is_causal=is_causal, key_padding_mask=_mask(case), compute_dtype=cdt
+        )
+        results.append((ref_out, ref_lse, torch.autograd.grad(ref_out, leaves, dout.to(cdt))))
+    return results
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("case", "backend", "dtype"), DILATED_PARAMS)
 def test_cuda_backend_matches_oracle(backend: str, dtype: torch.dtype, case: str) -> None:
     _, _, _, segs, rates, is_causal, _ = CASES[case]
     q, k, v, dout = _inputs(case, dtype)
@@ -78,8 +140,7 @@ def test_cuda_backend_matches_oracle(backend: str, dtype: torch.dtype, case: str
         return_lse=True,
     )  # fmt: skip
     grads = torch.autograd.grad(out, dev, dout.cuda())
-    ref_out, ref_lse, ref_grads = _oracle(q, k, v, dout, case, torch.float64)
-    low_out, low_lse, low_grads = _oracle(q, k, v, dout, case, dtype)
+    (ref_out, ref_lse, ref_grads), (low_out, low_lse, low_grads) = _dilated_oracles(case, dtype)
     assert out.dtype == dtype and lse.dtype == torch.float32
     assert_close_to_oracle(out.cpu(), ref_out, low_out, name="out", dtype=dtype)
     assert_close_to_oracle(lse.cpu(), ref_lse, low_lse, name="lse", dtype=dtype)
@@ -87,10 +148,8 @@ def test_cuda_backend_matches_oracle(backend: str, dtype: torch.dtype, case: str
         assert_close_to_oracle(got.cpu(), ref, low, name=f"d{name}", dtype=dtype, grad=True)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("backend", [*CUDA_BACKENDS, "triton", None])
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("case", ["gqa-mqa", "key-padding"])
+@pytest.mark.gpu
+@pytest.mark.parametrize(("case", "is_causal", "backend", "dtype"), DENSE_PARAMS)
 def test_cuda_dense_attention_matches_oracle(
     backend: str | None, dtype: torch.dtype, is_causal: bool, case: str
 ) -> None:
@@ -108,20 +167,16 @@ def test_cuda_dense_attention_matches_oracle(
         *dev, is_causal=is_causal, backend=backend, key_padding_mask=dev_mask, return_lse=True
     )
     grads = torch.autograd.grad(out, dev, dout.cuda())
-    results = []
-    for cdt in (torch.float64, dtype):
-        leaves = [t.detach().to(cdt).requires_grad_() for t in (q, k, v)]
-        ref_out, ref_lse = oracle_attention(
-            *leaves, is_causal=is_causal, key_padding_mask=mask, compute_dtype=cdt
-        )
-        results.append((ref_out, ref_lse, torch.autograd.grad(ref_out, leaves, dout.to(cdt))))
-    (ref_out, ref_lse, ref_grads), (low_out, low_lse, low_grads) = results
+    (ref_out, ref_lse, ref_grads), (low_out, low_lse, low_grads) = _dense_oracles(
+        case, is_causal, dtype
+    )
     assert_close_to_oracle(out.cpu(), ref_out, low_out, name="out", dtype=dtype)
     assert_close_to_oracle(lse.cpu(), ref_lse, low_lse, name="lse", dtype=dtype)
     for name, got, ref, low in zip("qkv", grads, ref_grads, low_grads, strict=True):
         assert_close_to_oracle(got.cpu(), ref, low, name=f"d{name}", dtype=dtype, grad=True)
 
 
+@pytest.mark.gpu
 def test_hopper_prefers_triton_for_masked_16bit_calls() -> None:
     """cuDNN takes no key padding mask; on sm90 masked bf16 calls go to our Triton kernels
     (measured 2.5-3.3x the memory-efficient kernel, ``registry._CUDA_MASKED_FIRST``)."""
@@ -133,6 +188,7 @@ def test_hopper_prefers_triton_for_masked_16bit_calls() -> None:
     assert next(name for name, why in reasons.items() if not why) == "triton", reasons
 
 
+@pytest.mark.gpu
 def test_hopper_dense_choice() -> None:
     """On sm90+ the automatic choice for plain bf16 inputs is FlashAttention-4 where it is
     installed and working, else cuDNN (fastest there: ``benchmarks/results/kernels_h100.json``)."""
@@ -144,6 +200,7 @@ def test_hopper_dense_choice() -> None:
     assert next(name for name, why in reasons.items() if not why) == expected, reasons
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["sdpa_flash", "sdpa_efficient", "math"])
 def test_cuda_dropout_trains(backend: str) -> None:
     """Dropout draws a fresh mask per call, is repeatable under a seed, and its backward runs."""
@@ -164,3 +221,51 @@ def test_cuda_dropout_trains(backend: str) -> None:
     assert torch.equal(a, a2)
     a2.float().sum().backward()
     assert q.grad is not None and bool(torch.isfinite(q.grad).all())
+
+
+# -- CPU: the shared oracles and the worker groups -------------------------------------------------
+def test_shared_oracles_are_computed_once_and_copied() -> None:
+    """The oracles the GPU tests share equal a fresh computation, are computed once per process,
+    and come back as copies: a test that writes into its copy changes nothing for the next."""
+    _dilated_oracles.cache_clear()
+    got = _dilated_oracles("key-padding", torch.bfloat16)
+    q, k, v, dout = _inputs("key-padding", torch.bfloat16)
+    want = [_oracle(q, k, v, dout, "key-padding", cdt) for cdt in (torch.float64, torch.bfloat16)]
+    for (out, lse, grads), (w_out, w_lse, w_grads) in zip(got, want, strict=True):
+        assert not out.requires_grad and torch.equal(out, w_out) and torch.equal(lse, w_lse)
+        assert all(torch.equal(g, w) for g, w in zip(grads, w_grads, strict=True))
+    got[0][0].fill_(float("nan"))
+    got[0][2][1].zero_()
+    again = _dilated_oracles("key-padding", torch.bfloat16)
+    assert torch.equal(again[0][0], want[0][0]) and torch.equal(again[0][2][1], want[0][2][1])
+    info = _dilated_oracles.cache_info()
+    assert (info.hits, info.misses) == (1, 1)
+    dense = _dense_oracles("gqa-mqa", True, torch.float16)
+    q, k, v, _ = _inputs("gqa-mqa", torch.float16)
+    w_out, w_lse = oracle_attention(*(t.double() for t in (q, k, v)), is_causal=True)
+    assert torch.equal(dense[0][0], w_out) and torch.equal(dense[0][1], w_lse)
+    assert dense[1][0].dtype == torch.float16 and len(dense[1][2]) == 3
+
+
+def test_tests_that_share_work_share_a_worker_group() -> None:
+    """``--dist loadgroup``: every backend's test of one oracle in one group (one per dtype);
+    a compiling backend's tests of one dtype in one group, whatever the case."""
+
+    def group(params: list, param_id: str) -> str:
+        (mark,) = next(p for p in params if p.id == param_id).marks
+        return mark.args[0]
+
+    bf16 = "torch.bfloat16"
+    assert group(DILATED_PARAMS, f"longnet-math-{bf16}") == group(
+        DILATED_PARAMS, f"longnet-sdpa_cudnn-{bf16}"
+    )
+    assert group(DILATED_PARAMS, f"longnet-math-{bf16}") != group(
+        DILATED_PARAMS, "longnet-math-torch.float16"
+    )
+    for backend in COMPILING:
+        assert group(DILATED_PARAMS, f"longnet-{backend}-{bf16}") == group(
+            DENSE_PARAMS, f"gqa-mqa-True-{backend}-{bf16}"
+        )
+    assert group(DENSE_PARAMS, f"gqa-mqa-True-None-{bf16}") == group(
+        DENSE_PARAMS, f"gqa-mqa-True-triton-{bf16}"
+    )

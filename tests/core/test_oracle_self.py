@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from support.block_sparse import token_mask
 from support.oracle import (
     branch_positions,
     dilated_multiplicity,
@@ -14,7 +15,10 @@ from support.oracle import (
     oracle_dilated_attention,
 )
 from support.sdpa import sdpa_bnhd
+from support.shared_results import shared_result
 from torch import Tensor
+
+from dilated_attention import patterns as P
 
 F64 = torch.float64
 
@@ -267,3 +271,68 @@ def test_nan_reaches_exactly_what_depends_on_it(where: str, pos: int, H_kv: int)
         assert reached == 0
     else:  # some rows see it, and some of its head cannot
         assert reached > 0 and bool(got[0][1, :, 1].isfinite().any()), (reached, untouched)
+
+
+def _token_mask_by_loops(
+    pattern: P.Pattern, block_size: int, nq: int, nk: int, is_causal: bool, start: int
+) -> Tensor:
+    """The block-sparse oracle's token mask by its definition, one (row, key) pair at a time."""
+    blocks = pattern.block_mask(-(-(start + nq) // block_size), -(-nk // block_size))
+    mask = torch.zeros(nq, nk, dtype=torch.int64)
+    for i in range(nq):
+        p = start + i
+        for t in range(nk):
+            if blocks[p // block_size, t // block_size] and (not is_causal or t <= p):
+                mask[i, t] = 1
+    return mask
+
+
+@pytest.mark.parametrize(
+    ("pattern", "block_size", "nq", "nk", "start"),
+    [
+        (P.LocalWindow(1), 8, 40, 40, None),
+        (P.Random(0.3, seed=3) | P.LocalWindow(0), 5, 33, 33, None),  # ragged last block
+        (P.GlobalLocal(1, 0), 16, 21, 50, None),  # short query: end-aligned when causal
+        (P.DilatedBlocks((2,)), 8, 50, 21, 0),  # query longer than key: top-left
+        (P.Custom(torch.eye(5, dtype=torch.bool).roll(1, 1)), 7, 35, 35, 0),  # empty rows
+        (P.LocalWindow(0) | P.Random(0.4, seed=1), 4, 12, 30, 9),  # a query start of its own
+    ],
+)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_token_mask_is_the_block_mask_per_token(
+    pattern: P.Pattern, block_size: int, nq: int, nk: int, start: int | None, is_causal: bool
+) -> None:
+    """``token_mask`` (indexing) equals the definition written as a loop per token pair."""
+    got = token_mask(pattern, block_size, nq, nk, is_causal, query_start=start)
+    if start is None:  # the library's convention: causal queries end-aligned
+        start = nk - nq if is_causal else 0
+    want = _token_mask_by_loops(pattern, block_size, nq, nk, is_causal, start)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert 0 < int(want.sum()) < nq * nk  # neither empty nor full: the case tests something
+
+
+def test_shared_results_are_computed_once_and_handed_out_as_copies() -> None:
+    """``shared_result``: one computation per arguments; detached results (no autograd graph
+    kept); each call a fresh copy, so writing into one changes nothing for the next caller."""
+    calls: list[tuple[str, int]] = []
+
+    @shared_result
+    def oracle(name: str, n: int) -> tuple[Tensor, list[Tensor]]:
+        calls.append((name, n))
+        x = torch.arange(float(n), dtype=F64).requires_grad_()
+        y = x * 2
+        return y, [y.sum(), torch.autograd.grad(y.sum(), x)[0]]
+
+    first = oracle("a", 3)
+    assert isinstance(first, tuple) and isinstance(first[1], list)
+    assert not first[0].requires_grad and first[0].grad_fn is None
+    first[0].fill_(math.nan)
+    first[1][1].zero_()
+    second = oracle("a", 3)
+    assert torch.equal(second[0], torch.tensor([0.0, 2.0, 4.0], dtype=F64))
+    assert torch.equal(second[1][1], torch.full((3,), 2.0, dtype=F64))
+    assert second[0].data_ptr() != first[0].data_ptr()
+    oracle("b", 3)
+    oracle(name="a", n=3)  # another spelling of the arguments is another key
+    assert calls == [("a", 3), ("b", 3), ("a", 3)]
+    assert oracle.cache_info().hits == 1

@@ -17,6 +17,7 @@ import pytest
 import torch
 from support.grouping import cut_small
 from support.oracle import oracle_dilated_attention
+from support.shared_results import shared_result
 from support.tolerances import assert_close_to_oracle
 from support.triton import KERNEL_DEVICES, poison_new_buffers, skip_without_triton
 from support.writing_kernel import write_into_buffers
@@ -448,6 +449,43 @@ GPU_SCHEDULES = [
     ("gqa_in_group", 1024, 8, 2, (128, 256, 512), (1, 2, 4)),  # native GQA calls
     ("gqa_above_group", 1000, 8, 4, (128, 256, 600), (1, 2, 4)),  # zeroed key slots, ragged
 ]
+#: The whole and grouped runs of a schedule share its oracle (``_gpu_oracles``): under
+#: ``--dist loadgroup`` they run in one pytest-xdist worker, which computes it once.
+GPU_PARAMS = [
+    pytest.param(
+        schedule,
+        is_causal,
+        cut,
+        id=f"{schedule[0]}-{causal_id}-{cut_id}",
+        marks=pytest.mark.xdist_group(f"slots-{schedule[0]}-{causal_id}"),
+    )
+    for schedule in GPU_SCHEDULES
+    for is_causal, causal_id in ((False, "full"), (True, "causal"))
+    for cut, cut_id in ((False, "whole"), (True, "grouped"))
+]
+
+
+def _gpu_inputs(schedule: tuple) -> list[torch.Tensor]:
+    """bf16 q (B, N, H, 64), k, v (B, N, Hkv, 64), dout (B, N, H, 64) of a GPU schedule."""
+    _, n, heads, kv_heads, _, _ = schedule
+    q, k, v, dout = _inputs(n, heads, torch.bfloat16, dim=64)
+    return [q, k[:, :, :kv_heads], v[:, :, :kv_heads], dout]
+
+
+@shared_result
+def _gpu_oracles(schedule: tuple, is_causal: bool) -> list[tuple]:
+    """``(out, lse, (dq, dk, dv))`` of the float64 oracle and of its naive bf16 replica on
+    ``_gpu_inputs(schedule)``: computed once per process (two dense N x N softmaxes and their
+    backward at N = 1024, seconds each), shared by the whole and grouped runs."""
+    _, _, _, _, segs, rates = schedule
+    q, k, v, dout = _gpu_inputs(schedule)
+    results = []
+    for cdt in (F64, torch.bfloat16):
+        leaves = [t.detach().to(cdt).requires_grad_() for t in (q, k, v)]
+        ref_out, ref_lse = oracle_dilated_attention(*leaves, segs, rates, is_causal=is_causal,
+                                                    compute_dtype=cdt)  # fmt: skip
+        results.append((ref_out, ref_lse, torch.autograd.grad(ref_out, leaves, dout.to(cdt))))
+    return results
 
 
 def test_slot_kernels_compile_once_for_every_shorter_last_group() -> None:
@@ -469,18 +507,15 @@ def test_slot_kernels_compile_once_for_every_shorter_last_group() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cut", [False, True], ids=["whole", "grouped"])
-@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("schedule", GPU_SCHEDULES, ids=[s[0] for s in GPU_SCHEDULES])
+@pytest.mark.parametrize(("schedule", "is_causal", "cut"), GPU_PARAMS)
 def test_cuda_flash_attn4_writes_into_slots(
     schedule, is_causal: bool, cut: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """FlashAttention-4 on the strided views of the slots (out, lse, dq, dk, dv written where
     they belong, nothing copied; with GQA, dk and dv into key slots) against the float64
     oracle, whole and in position groups with slots that span them."""
-    _, n, heads, kv_heads, segs, rates = schedule
-    q, k, v, dout = _inputs(n, heads, torch.bfloat16, dim=64)
-    k, v = k[:, :, :kv_heads], v[:, :, :kv_heads]
+    _, n, _, _, segs, rates = schedule
+    q, k, v, dout = _gpu_inputs(schedule)
     dev = [t.cuda().requires_grad_() for t in (q, k, v)]
     reasons = backend_reasons(*dev, is_causal=is_causal)["flash_attn4"]
     if reasons:
@@ -508,18 +543,31 @@ def test_cuda_flash_attn4_writes_into_slots(
     size = grouped.slot_group_length(slots, n, 1) or n
     assert runs.count("slot_backward") == (2 * -(-n // size) if cut else 1)
     assert copies == [], "FlashAttention-4 did not write into the slots it was given"
-    results = []
-    for cdt in (F64, torch.bfloat16):
-        leaves = [t.detach().to(cdt).requires_grad_() for t in (q, k, v)]
-        ref_out, ref_lse = oracle_dilated_attention(*leaves, segs, rates, is_causal=is_causal,
-                                                    compute_dtype=cdt)  # fmt: skip
-        results.append((ref_out, ref_lse, torch.autograd.grad(ref_out, leaves, dout.to(cdt))))
-    (ref_out, ref_lse, ref_grads), (low_out, low_lse, low_grads) = results
+    (ref_out, ref_lse, ref_grads), (low_out, low_lse, low_grads) = _gpu_oracles(schedule, is_causal)
     assert_close_to_oracle(out.cpu(), ref_out, low_out, name="out", dtype=torch.bfloat16)
     assert_close_to_oracle(lse.cpu(), ref_lse, low_lse, name="lse", dtype=torch.bfloat16)
     for name, got, ref, low in zip("qkv", grads, ref_grads, low_grads, strict=True):
         assert_close_to_oracle(got.cpu(), ref, low, name=f"d{name}", dtype=torch.bfloat16,
                                grad=True)  # fmt: skip
+
+
+def test_gpu_oracles_are_the_oracle_computed_once() -> None:
+    """The GPU test's shared oracles, on a small schedule: the float64 oracle (and its bf16
+    replica) of ``_gpu_inputs``, computed once for a schedule's whole and grouped runs."""
+    schedule = ("small", 40, 4, 2, (8, 16), (1, 2))
+    _gpu_oracles.cache_clear()
+    for _ in range(2):
+        (out, lse, grads), (low_out, _, low_grads) = _gpu_oracles(schedule, True)
+    q, k, v, dout = _gpu_inputs(schedule)
+    assert q.shape == (2, 40, 4, 64) and k.shape == v.shape == (2, 40, 2, 64)
+    leaves = [t.to(F64).requires_grad_() for t in (q, k, v)]
+    want_out, want_lse = oracle_dilated_attention(*leaves, (8, 16), (1, 2), is_causal=True)
+    want_grads = torch.autograd.grad(want_out, leaves, dout.to(F64))
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    assert all(torch.equal(g, w) for g, w in zip(grads, want_grads, strict=True))
+    assert low_out.dtype == torch.bfloat16 and [g.dtype for g in low_grads] == [torch.bfloat16] * 3
+    info = _gpu_oracles.cache_info()
+    assert (info.hits, info.misses) == (1, 1)
 
 
 def test_explain_says_whether_branches_go_into_slots() -> None:
