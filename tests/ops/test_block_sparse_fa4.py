@@ -302,7 +302,7 @@ def _needs_fa4_block_sparsity(block_size: int = 128) -> None:
     inputs = KernelInputs.from_tensors(q, q, requires_grad=True, block_size=block_size)
     reasons = get_backend("flash_attn4").block_sparse_reasons(inputs)
     if reasons:
-        pytest.skip(f"FlashAttention-4 block sparsity cannot run here: {reasons}")
+        pytest.skip(f"flash_attn4 (FlashAttention-4) block sparsity cannot run here: {reasons}")
 
 
 GPU_CASES = [
