@@ -8,6 +8,9 @@ Note [One schedule object]
     why. :meth:`Schedule.at` computes that :class:`ScheduleLayout` once per
     ``(schedule, N, H, Hkv)`` (cached), and the resolve step, ``explain()``, the plans and the
     ring's split of local and spanning branches all read it, so no two of them can disagree.
+    :meth:`ScheduleLayout.sharded` splits the branches of a sequence sharded across ranks into
+    the local ones, whose segments each lie inside one rank's chunk, and the spanning ones
+    (Note [Local and spanning branches] in ``distributed/ring_dilated.py``), also once.
 
 Shape legend: N positions, H query heads, Hkv key/value heads.
 """
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 from .. import _validation as V
 from .segment import RowGroup, effective_branches, not_slotted_reason, plan_branches
 
-__all__ = ["Schedule", "ScheduleLayout"]
+__all__ = ["Schedule", "ScheduleLayout", "ShardedBranches"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,45 @@ class ScheduleLayout:
     def branches(self) -> tuple[tuple[int, int], ...]:
         """The effective ``(w, r)`` pairs."""
         return tuple(zip(self.segment_lengths, self.dilation_rates, strict=True))
+
+    def sharded(self, world_size: int, chunk_len: int) -> ShardedBranches:
+        """The branches split for this sequence sharded across ``world_size`` ranks in chunks of
+        ``chunk_len`` positions (one chunk per rank, or two under the zigzag layout; cached).
+        ``seq_len`` is ``world_size`` times a rank's positions, a multiple of ``chunk_len``."""
+        return _sharded(self, world_size, chunk_len)
+
+
+@dataclass(frozen=True)
+class ShardedBranches:
+    """A schedule's branches over a sequence sharded across ranks (:meth:`ScheduleLayout.sharded`).
+
+    Attributes:
+        world_size: W.
+        chunk_len: positions per chunk; a rank holds ``local_len // chunk_len`` chunks.
+        local_len: n = N / W, a rank's positions.
+        num_heads, num_kv_heads: H, Hkv.
+        local: the effective ``(w, r)`` whose segments each lie inside one chunk
+            (``chunk_len % min(w, N) == 0``), in schedule order: a rank runs them alone.
+        spanning: the other effective branches, in schedule order: their rows cross ranks.
+        groups: the local branches' row groups over a rank's n positions.
+        not_slotted: why the local branches cannot write into branch slots merged once (None:
+            they can).
+    """
+
+    world_size: int
+    chunk_len: int
+    local_len: int
+    num_heads: int
+    num_kv_heads: int
+    local: tuple[tuple[int, int], ...]
+    spanning: tuple[tuple[int, int], ...]
+    groups: tuple[RowGroup, ...]
+    not_slotted: str | None
+
+    @property
+    def in_slots(self) -> bool:
+        """Whether the local branches (at least one) can write into slots merged once."""
+        return self.not_slotted is None
 
 
 @dataclass(frozen=True)
@@ -97,4 +139,31 @@ def _layout(schedule: Schedule, seq_len: int, num_heads: int, num_kv_heads: int)
         dilation_rates=rates,
         groups=groups,
         not_slotted=not_slotted_reason(groups, seq_len, num_kv_heads),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _sharded(layout: ScheduleLayout, world_size: int, chunk_len: int) -> ShardedBranches:
+    seq_len = layout.seq_len
+    local_len = seq_len // world_size
+    branches = layout.branches
+    local = tuple(b for b in branches if chunk_len % min(b[0], seq_len) == 0)
+    spanning = tuple(b for b in branches if b not in local)
+    groups: tuple[RowGroup, ...] = ()
+    if local:
+        segs, rates = tuple(b[0] for b in local), tuple(b[1] for b in local)
+        groups = plan_branches(local_len, layout.num_heads, segs, rates)
+    not_slotted = (
+        not_slotted_reason(groups, local_len, layout.num_kv_heads) if groups else "no local branch"
+    )
+    return ShardedBranches(
+        world_size=world_size,
+        chunk_len=chunk_len,
+        local_len=local_len,
+        num_heads=layout.num_heads,
+        num_kv_heads=layout.num_kv_heads,
+        local=local,
+        spanning=spanning,
+        groups=groups,
+        not_slotted=not_slotted,
     )

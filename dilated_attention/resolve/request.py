@@ -49,6 +49,11 @@ class Request:
         key_start, context_len: ``"decode"``: the position of the first key row this call reads
             and the positions so far, this call's included (with a cache its held rows plus the
             new ones; None: ``key_len``).
+        shard: ``"dilated"`` over a sequence sharded across ranks (ring dilated attention):
+            ``(world_size, chunk_len)``, this call's rows being one rank's ``query_len`` of the
+            ``world_size * query_len`` positions, in chunks of ``chunk_len`` (one per rank, two
+            under the zigzag layout). The kernel is then chosen for the local branches, whose
+            segments lie inside one chunk (``ScheduleLayout.sharded``). None: one process.
     """
 
     operation: str
@@ -71,6 +76,7 @@ class Request:
     block_size: int = 128
     key_start: int = 0
     context_len: int | None = None
+    shard: tuple[int, int] | None = None
 
     @classmethod
     def of(

@@ -121,6 +121,8 @@ def _dilated(request: Request) -> Strategy:
         inputs = request.kernel_inputs()
         kernel = registry_for(DILATED_REGISTRY).select(inputs, request.backend)
         return KernelOnlyStrategy(request, kernel, DILATED_REGISTRY, inputs, _summary(kernel))
+    if request.shard is not None:
+        return _shard(request)
     layout = request.schedule.at(request.query_len, request.num_heads, request.num_kv_heads)
     inputs = request.kernel_inputs(branch_slots=layout.in_slots)
     kernel = registry_for(DILATED_REGISTRY).select(inputs, request.backend)
@@ -144,6 +146,26 @@ def _dilated(request: Request) -> Strategy:
         request, kernel, DILATED_REGISTRY, inputs, how, notes, plan_of=plan_of,
         what="dilated_attention",
     )  # fmt: skip
+
+
+def _shard(request: Request) -> Strategy:
+    """One rank's shard of ring dilated attention (``request.shard``): the kernel for its local
+    branches, told whether they write into branch slots (``ScheduleLayout.sharded``). The ring
+    runs them and the spanning branches itself (Note [Local and spanning branches] in
+    ``distributed/ring_dilated.py``); this strategy names its kernel and runs nothing."""
+    assert request.schedule is not None and request.shard is not None
+    world, chunk = request.shard
+    heads, kv_heads = request.num_heads, request.num_kv_heads
+    split = request.schedule.at(world * request.query_len, heads, kv_heads).sharded(world, chunk)
+    inputs = request.kernel_inputs(branch_slots=split.in_slots)
+    kernel = registry_for(DILATED_REGISTRY).select(inputs, request.backend)
+    notes = tuple(f"w={w} r={r}: local, inside one chunk of {chunk}" for w, r in split.local)
+    notes += tuple(f"w={w} r={r}: spans ranks, its rows exchanged" for w, r in split.spanning)
+    how = (
+        f"ring dilated attention, {world} ranks of {request.query_len} positions: the local "
+        "branches on this kernel, the spanning branches' calls on its backend"
+    )
+    return KernelOnlyStrategy(request, kernel, DILATED_REGISTRY, inputs, how, notes)
 
 
 def fused_notes(name: str, branches: tuple[tuple[int, int], ...]) -> tuple[str, ...]:
