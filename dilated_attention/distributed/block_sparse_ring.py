@@ -20,8 +20,9 @@ Note [Block-sparse exchange]
 
     The backward walks the same schedule: the needed K/V travel again (nothing is kept from the
     forward), each rank replays its kernel calls with the final ``out``/``lse``, and the dK/dV
-    of the positions it received go back to their owner in the same step, where they add into
-    the owner's float32 accumulators.
+    of the positions it received go back to their owner while the next step computes, where
+    they add into the owner's float32 accumulators. The loop is the one ring template's (Note
+    [One ring template] in ``template.py``); what travels is :class:`SparseSteps`.
 
     Unlike the dense ring (``ring.py``), blocks are not forwarded around the ring: each step is a
     direct exchange between ranks ``s`` apart, which is what lets steps be skipped.
@@ -35,14 +36,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .. import _validation as V
-from ..backends.base import Backend
 from ..backends.registry import check_backend_name
 from ..block_sparse import plan as block_plan
 from ..block_sparse.plan import (
@@ -54,15 +53,8 @@ from ..block_sparse.plan import (
     plan_calls,
 )
 from ..compiled import eager_only
-from ..core.autograd import Backward, FirstOrderOnly, Forward, Grads, Inputs, run_attention
-from ..core.engine import (
-    accumulator_dtype,
-    empty_attention,
-    new_accumulators,
-    row_lse,
-    run_backward,
-    run_forward,
-)
+from ..core.autograd import run_attention
+from ..core.engine import empty_attention
 from ..core.higher_order import ring_message
 from ..core.schedule_state import (
     BlockSparseScheduleState,
@@ -72,14 +64,8 @@ from ..core.schedule_state import (
 from ..modules import BlockSparseMultiheadAttention, build_block_sparse_kind
 from ..patterns import Pattern, check_pattern
 from . import _comm
-from .ring import (
-    AgreedForward,
-    RingSetup,
-    finished_forward,
-    finished_grads,
-    prepare_ring,
-    reject_ring_call,
-)
+from .agreement import AgreedForward, RingArgs, RingOperation, prepare_ring, reject_ring_call
+from .template import KeyBlock, RingRunner, RingSetup, StepGrads, StepKernel, Traffic, Transit
 
 __all__ = [
     "BlockSparseRingAttention",
@@ -165,11 +151,9 @@ def _schedule(
     )
 
 
-_Pending = tuple[list[Any], torch.Tensor | None, torch.Tensor | None]
-
-
-def _post_kv(kv: torch.Tensor, step: _Step, setup: RingSetup) -> _Pending:
-    """Start the K/V exchange of ``step``: (requests, receive buffer, send buffer)."""
+def _post_kv(kv: torch.Tensor, step: _Step, setup: RingSetup) -> Transit[KeyBlock | None]:
+    """Start the K/V exchange of ``step``: send the rows ``step.dst`` needs, receive those from
+    ``step.src`` (None: nothing to receive)."""
     send, recv = [], []
     payload = buffer = None
     if step.send_index.numel():
@@ -180,122 +164,78 @@ def _post_kv(kv: torch.Tensor, step: _Step, setup: RingSetup) -> _Pending:
             (2, kv.shape[1], step.recv_len, *kv.shape[3:]), dtype=kv.dtype, device=kv.device
         )
         recv.append((buffer, setup.global_ranks[step.src]))
-    return _comm.exchange(send, recv), buffer, payload
-
-
-def _ring_forward(
-    q: torch.Tensor, kv: torch.Tensor, steps: tuple[_Step, ...], setup: RingSetup, kernel: Backend
-) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
-    """Forward of Note [Block-sparse exchange].
-
-    Args:
-        q: (B, n, H, D); kv: (2, B, n, Hkv, D) contiguous.
-
-    Returns:
-        ``out`` (B, n, H, D) and ``lse`` (B, n, H, 1), float32 (float64 for float64 inputs), and
-        every kernel call's ``aux`` in call order.
-    """
-    out, lse = new_accumulators(q)
-    auxes: list[Any] = []
-    pending = _post_kv(kv, steps[1], setup) if len(steps) > 1 else None
-    options = {"scale": setup.scale, "out": out, "lse": lse, "auxes": auxes}
-    run_forward(q, kv[0], kv[1], None, steps[0].calls, kernel, **options)
-    for index in range(1, len(steps)):
-        assert pending is not None
-        requests, buffer, _ = pending
-        _comm.wait_all(requests)
-        pending = _post_kv(kv, steps[index + 1], setup) if index + 1 < len(steps) else None
-        if buffer is not None:
-            calls = steps[index].calls
-            run_forward(q, buffer[0], buffer[1], None, calls, kernel, **options)
-    return out, lse, auxes
-
-
-def _ring_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    steps: tuple[_Step, ...],
-    setup: RingSetup,
-    kernel: Backend,
-    auxes: list[Any],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Backward of Note [Block-sparse exchange].
-
-    Args:
-        dout, q, out: (B, n, H, D); kv: (2, B, n, Hkv, D); lse: (B, H, n) final statistics.
-
-    Returns:
-        ``dq`` (B, n, H, D) and ``dkv`` (2, B, n, Hkv, D), float32 (float64 for float64 inputs).
-    """
-    acc = accumulator_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
-    aux_iter = iter(auxes)
-    scale = setup.scale
-    pending = _post_kv(kv, steps[1], setup) if len(steps) > 1 else None
-    lse_rows = row_lse(lse)
-    run_backward(
-        dout, q, kv[0], kv[1], out, lse_rows, None, steps[0].calls, kernel, aux_iter,
-        scale=scale, dq=dq, dk=dkv[0], dv=dkv[1],
-    )  # fmt: skip
-    for index in range(1, len(steps)):
-        assert pending is not None
-        requests, buffer, _ = pending
-        _comm.wait_all(requests)
-        pending = _post_kv(kv, steps[index + 1], setup) if index + 1 < len(steps) else None
-        step = steps[index]
-        send, recv = [], []
-        if buffer is not None:
-            dbuf = torch.zeros(buffer.shape, dtype=acc, device=q.device)
-            run_backward(
-                dout, q, buffer[0], buffer[1], out, lse_rows, None, step.calls, kernel, aux_iter,
-                scale=scale, dq=dq, dk=dbuf[0], dv=dbuf[1],
-            )  # fmt: skip
-            send.append((dbuf, setup.global_ranks[step.src]))  # dK/dV go home to their owner
-        incoming = None
-        if step.send_index.numel():
-            incoming = torch.empty(
-                (2, kv.shape[1], step.send_index.numel(), *kv.shape[3:]), dtype=acc,
-                device=q.device,
-            )  # fmt: skip
-            recv.append((incoming, setup.global_ranks[step.dst]))
-        _comm.wait_all(_comm.exchange(send, recv))
-        if incoming is not None:
-            dkv.index_add_(2, step.send_index, incoming)
-    return dq, dkv
+    received = None if buffer is None else KeyBlock(buffer)
+    sent = () if payload is None else (payload,)
+    return Transit(_comm.exchange(send, recv), lambda: received, sent)
 
 
 @dataclass(frozen=True)
-class BlockSparseRingRunner(FirstOrderOnly):
-    """Block-sparse ring attention as a :class:`~dilated_attention.core.autograd.Runner`:
-    :func:`_ring_forward` / :func:`_ring_backward` over ``steps`` on ``kernel``."""
+class _Exchange:
+    """One pass of Note [Block-sparse exchange] over this rank's keys ``local`` (kv
+    (2, B, n, Hkv, D)); ``dkv``: their gradients' float32 accumulators (backward)."""
 
-    steps: tuple[_Step, ...]
+    schedule: tuple[_Step, ...]
     setup: RingSetup
-    kernel: Backend
-    first_order_message: ClassVar[str] = ring_message(
-        "block_sparse_ring_attention", "block_sparse_attention()"
-    )
+    local: KeyBlock
+    dkv: torch.Tensor | None = None
 
-    def forward(self, x: Inputs) -> Forward:
-        q, k, v, _ = x  # no key padding mask here
-        kv = torch.stack([k, v]).contiguous()
-        out, lse, auxes = _ring_forward(q, kv, self.steps, self.setup, self.kernel)
-        return finished_forward(q, out, lse, (kv,), auxes)
+    @property
+    def steps(self) -> int:
+        return len(self.schedule)
 
-    def backward(self, b: Backward) -> Grads:
-        dout, q, out, lse, saved, state = b
-        (kv,) = saved
-        dq, dkv = _ring_backward(
-            dout.contiguous(), q, kv, out, lse, self.steps, self.setup, self.kernel, state
-        )
-        return finished_grads(q, dq, dkv)
+    def fetch(self, step: int, held: KeyBlock | None) -> Transit[KeyBlock | None]:
+        if step == 0:
+            return Transit.done(self.local)
+        return _post_kv(self.local.kv, self.schedule[step], self.setup)
+
+    def calls(self, step: int) -> list[SparseCall]:
+        return self.schedule[step].calls
+
+    def grads(self, step: int, keys: KeyBlock) -> StepGrads:
+        if step == 0:
+            return StepGrads(self.dkv)  # this rank's own keys: straight into its accumulators
+        assert self.dkv is not None
+        return StepGrads(torch.zeros(keys.kv.shape, dtype=self.dkv.dtype, device=keys.kv.device))
+
+    def home(self, step: int, grads: StepGrads | None) -> Transit[None]:
+        """dK/dV of the rows received from ``src`` go home to it; those of the rows this rank
+        sent to ``dst`` come back and add into its accumulators."""
+        if step == 0:
+            return Transit.done(None)
+        entry, dkv = self.schedule[step], self.dkv
+        assert dkv is not None
+        send, recv = [], []
+        if grads is not None and grads.dkv is not None:
+            send.append((grads.dkv, self.setup.global_ranks[entry.src]))
+        incoming = None
+        if entry.send_index.numel():
+            incoming = torch.empty(
+                (2, dkv.shape[1], entry.send_index.numel(), *dkv.shape[3:]), dtype=dkv.dtype,
+                device=dkv.device,
+            )  # fmt: skip
+            recv.append((incoming, self.setup.global_ranks[entry.dst]))
+
+        def arrive() -> None:
+            if incoming is not None:
+                dkv.index_add_(2, entry.send_index, incoming)
+
+        return Transit(_comm.exchange(send, recv), arrive, tuple(t for t, _ in send))
+
+    def finish(self) -> Transit[None]:
+        return Transit.done(None)
 
 
-_DILATED_SCHEDULE = "schedule (segment_lengths, dilation_rates)"
+@dataclass(frozen=True)
+class SparseSteps:
+    """What travels in block-sparse ring attention (Note [Block-sparse exchange]): the keys of
+    the kept block pairs, each step between ranks ``s`` apart, and their dK/dV back."""
+
+    schedule: tuple[_Step, ...]
+    setup: RingSetup
+
+    def open(self, local: KeyBlock, dkv: torch.Tensor | None = None) -> Traffic:
+        """The traffic of one pass over this rank's keys (:class:`~.template.Steps`)."""
+        return _Exchange(self.schedule, self.setup, local, dkv)
 
 
 @eager_only("block_sparse_ring_attention")  # torch.compile runs it eagerly
@@ -340,30 +280,17 @@ def block_sparse_ring_attention(
             as in ``ring_attention``).
     """
 
-    def check_schedule() -> object:
-        # Runs inside prepare_ring's summary exchange: a rejected argument on one rank becomes
-        # an error on every rank instead of a hang.
-        checked = check_pattern(pattern)
-        size = check_block_size(block_size)
-        if not isinstance(return_lse, bool):
-            raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
-        if isinstance(query, torch.Tensor) and query.dim() == 4:
-            blocks = num_blocks(query.shape[1] * _comm.group_rank_and_size(group)[1], size)
-            checked.block_mask(blocks, blocks)  # a Custom mask of the wrong size fails here
-        return describe_schedule(block_sparse_schedule(checked, size))  # readable, exact
-
-    try:
-        q, k, v, setup, kernel = prepare_ring(
-            query, key, value, group=group, is_causal=is_causal, scale=scale,
-            layout="contiguous", backend=backend, comm="ring", check_schedule=check_schedule,
-        )  # fmt: skip
-    except ValueError as exc:
-        # prepare_ring names its schedule field after dilated attention's; say what it holds here.
-        text = str(exc).replace(_DILATED_SCHEDULE, "schedule (pattern, block_size)")
-        if text != str(exc):
-            raise ValueError(text) from exc
-        raise
-    if q.numel() == 0:  # batch 0 or 0 heads, agreed on every rank: as in one process
+    ring = prepare_ring(
+        RingArgs(query, key, value, group=group, is_causal=is_causal, scale=scale, backend=backend),
+        RingOperation(
+            check_schedule=functools.partial(
+                _check_schedule, query, pattern, block_size, return_lse, group
+            ),
+            schedule_name="schedule (pattern, block_size)",
+        ),
+    )
+    q, k, v, setup = ring.q, ring.k, ring.v, ring.setup
+    if ring.empty:  # batch 0 or 0 heads, agreed on every rank: as in one process
         out, lse = empty_attention(q, k, v)
         return (out, lse) if return_lse else out
     n = q.shape[1]
@@ -371,8 +298,31 @@ def block_sparse_ring_attention(
         pattern, int(block_size), n, setup.world_size, setup.rank, is_causal, q.device,
         max(n, block_plan.MIN_KV_ROWS_PER_CALL),
     )  # fmt: skip
-    out, lse = run_attention(q, k, v, None, BlockSparseRingRunner(steps, setup, kernel.backend))
+    kernel = StepKernel(ring.kernel.backend, setup.scale)
+    runner = RingRunner(SparseSteps(steps, setup), kernel, _FIRST_ORDER)
+    out, lse = run_attention(q, k, v, None, runner)
     return (out, lse) if return_lse else out
+
+
+_FIRST_ORDER = ring_message("block_sparse_ring_attention", "block_sparse_attention()")
+
+
+def _check_schedule(
+    query: object, pattern: object, block_size: object, return_lse: object,
+    group: dist.ProcessGroup | None,
+) -> str:  # fmt: skip
+    """The pattern and block size checked (and ``return_lse``), as readable exact text.
+
+    Runs inside prepare_ring's summary exchange: a rejected argument on one rank becomes an
+    error on every rank instead of a hang."""
+    checked = check_pattern(pattern)
+    size = check_block_size(block_size)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
+    if isinstance(query, torch.Tensor) and query.dim() == 4:
+        blocks = num_blocks(query.shape[1] * _comm.group_rank_and_size(group)[1], size)
+        checked.block_mask(blocks, blocks)  # a Custom mask of the wrong size fails here
+    return describe_schedule(block_sparse_schedule(checked, size))
 
 
 class BlockSparseRingAttention(BlockSparseScheduleState, nn.Module):
@@ -406,7 +356,7 @@ class BlockSparseRingAttention(BlockSparseScheduleState, nn.Module):
         self.scale = V.check_scale(scale)
         backend = check_backend_name(backend)  # "auto" -> None
         self.group, self.backend = group, backend
-        # Counts calls that reached the ring function's agreement (see ring.AgreedForward).
+        # Counts calls that reached the ring function's agreement (see agreement.AgreedForward).
         self.ring_calls = 0
 
     def forward(
@@ -444,7 +394,7 @@ class BlockSparseRingMultiheadAttention(AgreedForward, BlockSparseMultiheadAtten
     are replicated: wrap the model in DDP/FSDP as usual for data parallelism.
 
     A call rejected on one rank, by the layer's own checks or by the ring call's agreement,
-    raises on every rank (:class:`~dilated_attention.distributed.ring.AgreedForward`): the rank
+    raises on every rank (:class:`~dilated_attention.distributed.agreement.AgreedForward`): the rank
     whose call was rejected its own error, the others ``ValueError`` naming that rank."""
 
     def __init__(

@@ -14,7 +14,8 @@ from .. import _validation as V
 from ..backends.registry import check_backend_name
 from ..config import MultiheadDilatedConfig
 from ..modules import DilatedAttention, MultiheadDilatedAttention
-from .ring import COMMS, AgreedForward, ring_attention
+from .agreement import COMMS, AgreedForward
+from .ring import ring_attention
 from .ring_dilated import ring_dilated_attention
 from .sharding import check_layout, sequence_positions
 
@@ -136,7 +137,7 @@ class RingMultiheadDilatedAttention(AgreedForward, MultiheadDilatedAttention):
     Parameters are replicated: wrap the model in DDP/FSDP as usual for data parallelism.
 
     A call rejected on one rank, by the layer's own checks or by the ring call's agreement,
-    raises on every rank (:class:`~dilated_attention.distributed.ring.AgreedForward`): the rank
+    raises on every rank (:class:`~dilated_attention.distributed.agreement.AgreedForward`): the rank
     whose call was rejected its own error, the others ``ValueError`` naming that rank."""
 
     attention: RingDilatedAttention

@@ -633,6 +633,35 @@ def test_single_process_is_plain_attention(layout: str) -> None:
         shard_sequence(torch.zeros(1, 7, 1, 1), layout="zigzag")
 
 
+def test_every_ring_function_asks_the_resolve_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-step kernel of every ring function comes from the resolve step, one request per
+    call as a one-process call makes it: ``"dense"`` for dense and block-sparse ring attention,
+    ``"dilated"`` with the schedule and the shard (world size, chunk length) for ring dilated
+    attention; a kernel named by the caller reaches the request."""
+    import dilated_attention.distributed.agreement as agreement
+    from dilated_attention import block_sparse_ring_attention, patterns, ring_dilated_attention
+    from dilated_attention.core.schedule import Schedule
+
+    seen: list[Any] = []
+    real = agreement.resolve
+
+    def spy(request: Any) -> Any:
+        seen.append(request)
+        return real(request)
+
+    monkeypatch.setattr(agreement, "resolve", spy)
+    q, k, v, _ = _full_inputs(8, 2)
+    ring_attention(q, k, v, is_causal=True, layout="zigzag", backend="math")
+    ring_dilated_attention(q, k, v, (4, 8), (1, 2), is_causal=True, layout="zigzag")
+    block_sparse_ring_attention(q, k, v, patterns.LocalWindow(1), block_size=4)
+    got = [(r.operation, r.shard, r.is_causal, r.backend, r.schedule) for r in seen]
+    assert got == [
+        ("dense", None, True, "math", None),
+        ("dilated", (1, 4), True, None, Schedule((4, 8), (1, 2))),
+        ("dense", None, False, None, None),
+    ], got
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])

@@ -28,6 +28,8 @@ from dilated_attention import (
 )
 from dilated_attention.backends import get_backend
 from dilated_attention.backends.base import KernelInputs
+from dilated_attention.core.schedule import Schedule
+from dilated_attention.resolve import Request, resolve
 
 pytestmark = pytest.mark.distributed
 
@@ -367,19 +369,52 @@ def test_local_branches_in_slots(schedule, heads: int, kv_heads: int, world_size
                                  slotted: bool) -> None:  # fmt: skip
     """What ring dilated attention tells the dilated registry (``KernelInputs.branch_slots``,
     the condition of its FlashAttention-4 rule): whether this rank's local branches write into
-    branch slots, from the branches a rank's chunk holds."""
+    branch slots, from the branches a rank's chunk holds: the schedule's split, and the resolve
+    step's inputs for a request of one rank's shard."""
     n = 32 if world_size == 2 else 24
     q, k = torch.empty(1, n, heads, 8), torch.empty(1, n, kv_heads, 8)
-    got = ring_dilated_mod._local_branches_in_slots(schedule, q, k, world_size, n)
-    assert got is slotted
+    split = Schedule(*schedule).at(world_size * n, heads, kv_heads).sharded(world_size, n)
+    assert split.in_slots is slotted
+    request = Request.of("dilated", q, k, k, schedule=Schedule(*schedule), shard=(world_size, n))
+    strategy = resolve(request)
+    assert strategy.inputs is not None and strategy.inputs.branch_slots is slotted
+    assert strategy.kernel is not None
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("chunks", [1, 2])  # chunks per rank: contiguous, zigzag
+@pytest.mark.parametrize("schedule", [*SCHEDULES, ((8, 32, 96), (1, 3, 7))])
+def test_sharded_split_is_the_chunk_rule(schedule, world_size: int, chunks: int) -> None:
+    """``ScheduleLayout.sharded`` splits the effective branches (``w > N`` clipped, huge rates
+    reduced) into the local ones, whose segment length divides the chunk, and the spanning
+    ones, each in schedule order; the local ones' row groups are over a rank's positions."""
+    from dilated_attention.core.segment import effective_branches, plan_branches
+
+    n, heads, kv_heads = 24, 6, 3
+    seq_len, chunk = world_size * n, n // chunks
+    layout = Schedule(*schedule).at(seq_len, heads, kv_heads)
+    split = layout.sharded(world_size, chunk)
+    segs, rates = effective_branches(seq_len, heads, *schedule)
+    branches = list(zip(segs, rates, strict=True))
+    local = [b for b in branches if chunk % min(b[0], seq_len) == 0]
+    assert list(split.local) == local
+    assert list(split.spanning) == [b for b in branches if b not in local]
+    assert (split.local_len, split.chunk_len, split.world_size) == (n, chunk, world_size)
+    if local:
+        want = plan_branches(n, heads, tuple(w for w, _ in local), tuple(r for _, r in local))
+        assert split.groups == want
+    else:
+        assert split.groups == () and not split.in_slots
+    assert layout.sharded(world_size, chunk) is split  # cached: one answer per geometry
 
 
 def _spy_ring_registry(monkeypatch: pytest.MonkeyPatch) -> list[tuple[KernelInputs, Any]]:
-    """Record every ``(inputs, selection)`` the ring's registries make (``prepare_ring``)."""
-    import dilated_attention.distributed.ring as ring_mod
+    """Record every ``(inputs, selection)`` the registries make for the resolve step, which
+    the ring asks for its kernel (``prepare_ring``)."""
+    import dilated_attention.resolve.resolver as resolver
 
     seen: list[tuple[KernelInputs, Any]] = []
-    real = ring_mod.registry_for
+    real = resolver.registry_for
 
     class Spy:
         def __init__(self, operation: str) -> None:
@@ -390,7 +425,7 @@ def _spy_ring_registry(monkeypatch: pytest.MonkeyPatch) -> list[tuple[KernelInpu
             seen.append((inputs, selection))
             return selection
 
-    monkeypatch.setattr(ring_mod, "registry_for", Spy)
+    monkeypatch.setattr(resolver, "registry_for", Spy)
     return seen
 
 
