@@ -36,13 +36,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .. import _validation as V
-from ..backends.registry import check_backend_name
 from ..block_sparse import plan as block_plan
 from ..block_sparse.plan import (
     SparseCall,
@@ -56,15 +56,16 @@ from ..compiled import eager_only
 from ..core.autograd import run_attention
 from ..core.engine import empty_attention
 from ..core.higher_order import ring_message
-from ..core.schedule_state import (
-    BlockSparseScheduleState,
-    block_sparse_schedule,
-    describe_schedule,
+from ..core.schedule_state import block_sparse_schedule, describe_schedule
+from ..modules import (
+    BlockSparseAttention,
+    BlockSparseMultiheadAttention,
+    build_block_sparse_kind,
 )
-from ..modules import BlockSparseMultiheadAttention, build_block_sparse_kind
 from ..patterns import Pattern, check_pattern
 from . import _comm
 from .agreement import AgreedForward, RingArgs, RingOperation, prepare_ring, reject_ring_call
+from .modules import RingModule
 from .template import KeyBlock, RingRunner, RingSetup, StepGrads, StepKernel, Traffic, Transit
 
 __all__ = [
@@ -325,7 +326,26 @@ def _check_schedule(
     return describe_schedule(block_sparse_schedule(checked, size))
 
 
-class BlockSparseRingAttention(BlockSparseScheduleState, nn.Module):
+def _without_mask(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    key_padding_mask: torch.Tensor | None = None,
+    group: dist.ProcessGroup | None = None,
+    **options: Any,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`block_sparse_ring_attention` as :class:`BlockSparseRingAttention` calls it:
+    ``key_padding_mask`` must be None, and a mask on any rank raises on every rank (the peers
+    wait in the ring call's agreement: this rank joins it with its error)."""
+    try:
+        V.check_no_key_padding_mask(key_padding_mask)
+    except ValueError as exc:
+        reject_ring_call(exc, group)
+    return block_sparse_ring_attention(query, key, value, group=group, **options)
+
+
+class BlockSparseRingAttention(RingModule, BlockSparseAttention):
     """Block-sparse attention over a sharded sequence; see :func:`block_sparse_ring_attention`.
 
     ``BlockSparseRingDilatedAttention``, the earlier package's name, is an alias. Dilation is
@@ -339,7 +359,12 @@ class BlockSparseRingAttention(BlockSparseScheduleState, nn.Module):
         group: process group (default: the world).
         scale: softmax scale (``None``: head_dim ** -0.5).
         backend: kernel name for the per-step calls, or ``None``.
+
+    Its forward takes (B, n, ...) local shards, as :class:`~.modules.RingModule`'s;
+    ``key_padding_mask`` must be None (a mask on any rank raises on every rank).
     """
+
+    ring_function = staticmethod(_without_mask)
 
     def __init__(
         self,
@@ -350,42 +375,14 @@ class BlockSparseRingAttention(BlockSparseScheduleState, nn.Module):
         scale: float | None = None,
         backend: str | None = None,
     ) -> None:
-        super().__init__()
-        self.pattern = check_pattern(pattern)
-        self.block_size = check_block_size(block_size)
-        self.scale = V.check_scale(scale)
-        backend = check_backend_name(backend)  # "auto" -> None
-        self.group, self.backend = group, backend
-        # Counts calls that reached the ring function's agreement (see agreement.AgreedForward).
-        self.ring_calls = 0
+        super().__init__(pattern, block_size=block_size, scale=scale, backend=backend)
+        self._init_ring(group)
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        *,
-        is_causal: bool = False,
-        key_padding_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """query (B, n, H, D), key/value (B, n, Hkv, D) local shards -> (B, n, H, D).
-
-        ``key_padding_mask`` must be None (a mask on any rank raises on every rank).
-        """
-        self.ring_calls += 1
-        try:
-            V.check_no_key_padding_mask(key_padding_mask)
-        except ValueError as exc:  # the peers wait in the ring call's agreement: join it
-            reject_ring_call(exc, self.group)
-        out = block_sparse_ring_attention(
-            query, key, value, self.pattern, block_size=self.block_size, group=self.group,
-            is_causal=is_causal, scale=self.scale, backend=self.backend,
-        )  # fmt: skip
-        assert isinstance(out, torch.Tensor)
-        return out
-
-    def extra_repr(self) -> str:
-        return f"pattern={self.pattern!r}, block_size={self.block_size}, backend={self.backend!r}"
+    def ring_options(self) -> dict[str, object]:
+        return {
+            "pattern": self.pattern, "block_size": self.block_size, "group": self.group,
+            "scale": self.scale, "backend": self.backend,
+        }  # fmt: skip
 
 
 class BlockSparseRingMultiheadAttention(AgreedForward, BlockSparseMultiheadAttention):

@@ -6,6 +6,8 @@ result. They wrap the local modules from outside (``modules.py`` never imports t
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -19,7 +21,7 @@ from .ring import ring_attention
 from .ring_dilated import ring_dilated_attention
 from .sharding import check_layout, sequence_positions
 
-__all__ = ["RingAttention", "RingDilatedAttention", "RingMultiheadDilatedAttention"]
+__all__ = ["RingAttention", "RingDilatedAttention", "RingModule", "RingMultiheadDilatedAttention"]
 
 
 def _no_dropout(dropout: float) -> None:
@@ -30,7 +32,53 @@ def _no_dropout(dropout: float) -> None:
         )
 
 
-class RingAttention(nn.Module):
+class RingModule:
+    """Mixin that runs a module's attention over a sharded sequence: put before the local
+    module's class (or ``nn.Module``), it replaces the local forward by the operation's ring
+    function, called with the module's options (:meth:`ring_options`).
+
+    Attributes:
+        ring_function: the ring function (``ring_attention``, ``ring_dilated_attention``, ...),
+            taking ``(query, key, value, *, is_causal, key_padding_mask, **ring_options())``.
+        group: the process group (None: the world).
+        ring_calls: calls that reached the ring function, and so its agreement across ranks
+            (read by :class:`~dilated_attention.distributed.agreement.AgreedForward` to tell a
+            layer's own errors from the ring call's).
+    """
+
+    ring_function: ClassVar[Any]
+    group: dist.ProcessGroup | None
+    ring_calls: int
+
+    def _init_ring(self, group: dist.ProcessGroup | None) -> None:
+        """Set the ring's attributes (after the local module's constructor)."""
+        self.group, self.ring_calls = group, 0
+
+    def ring_options(self) -> dict[str, object]:
+        """The module's arguments to :attr:`ring_function` besides the call's own."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        is_causal: bool = False,
+        key_padding_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """query (B, n, H, D), key/value (B, n, Hkv, D), key_padding_mask (B, n) bool or None:
+        local shards -> (B, n, H, D)."""
+        self.ring_calls += 1
+        out = self.ring_function(
+            query, key, value, is_causal=is_causal, key_padding_mask=key_padding_mask,
+            **self.ring_options(),
+        )  # fmt: skip
+        assert isinstance(out, torch.Tensor)  # return_lse=False: for the type checker
+        return out
+
+
+class RingAttention(RingModule, nn.Module):
     """Exact dense attention over a sequence sharded across ``group``; see ``ring_attention``.
 
     Args:
@@ -40,6 +88,8 @@ class RingAttention(nn.Module):
         backend: kernel name or ``None``.
         comm: ``"ring"`` or ``"allgather"``.
     """
+
+    ring_function = staticmethod(ring_attention)
 
     def __init__(
         self,
@@ -55,30 +105,17 @@ class RingAttention(nn.Module):
         self.layout = check_layout(layout)
         if comm not in COMMS:
             raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
-        backend = check_backend_name(backend)  # "auto" -> None
-        self.group, self.backend, self.comm = group, backend, comm
+        self.backend, self.comm = check_backend_name(backend), comm  # "auto" -> None
+        self._init_ring(group)
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        *,
-        is_causal: bool = False,
-        key_padding_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """query (B, n, H, D), key/value (B, n, Hkv, D), key_padding_mask (B, n) bool or None:
-        local shards -> (B, n, H, D)."""
-        out = ring_attention(
-            query, key, value, group=self.group, is_causal=is_causal, scale=self.scale,
-            layout=self.layout, backend=self.backend, comm=self.comm,
-            key_padding_mask=key_padding_mask,
-        )  # fmt: skip
-        assert isinstance(out, torch.Tensor)  # return_lse=False: for the type checker
-        return out
+    def ring_options(self) -> dict[str, object]:
+        return {
+            "group": self.group, "scale": self.scale, "layout": self.layout,
+            "backend": self.backend, "comm": self.comm,
+        }  # fmt: skip
 
 
-class RingDilatedAttention(DilatedAttention):
+class RingDilatedAttention(RingModule, DilatedAttention):
     """:class:`~dilated_attention.DilatedAttention` over a sharded sequence.
 
     Args:
@@ -89,6 +126,7 @@ class RingDilatedAttention(DilatedAttention):
     """
 
     decodes_with_cache = False  # a sharded sequence has no single cache
+    ring_function = staticmethod(ring_dilated_attention)
 
     def __init__(
         self,
@@ -105,30 +143,15 @@ class RingDilatedAttention(DilatedAttention):
             segment_lengths, dilation_rates, scale=scale, dropout=dropout, backend=backend
         )
         _no_dropout(dropout)
-        self.group, self.layout = group, check_layout(layout)
-        # Counts calls that reached the ring function (and so its agreement across ranks); read
-        # by RingMultiheadDilatedAttention to tell its own checks' errors from the ring's.
-        self.ring_calls = 0
+        self.layout = check_layout(layout)
+        self._init_ring(group)
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        *,
-        is_causal: bool = False,
-        key_padding_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """query (B, n, H, D), key/value (B, n, Hkv, D), key_padding_mask (B, n) bool or None:
-        local shards -> (B, n, H, D)."""
-        self.ring_calls += 1
-        out = ring_dilated_attention(
-            query, key, value, self.segment_lengths, self.dilation_rates, group=self.group,
-            is_causal=is_causal, scale=self.scale, layout=self.layout, backend=self.backend,
-            key_padding_mask=key_padding_mask,
-        )  # fmt: skip
-        assert isinstance(out, torch.Tensor)
-        return out
+    def ring_options(self) -> dict[str, object]:
+        return {
+            "segment_lengths": self.segment_lengths, "dilation_rates": self.dilation_rates,
+            "group": self.group, "scale": self.scale, "layout": self.layout,
+            "backend": self.backend,
+        }  # fmt: skip
 
 
 class RingMultiheadDilatedAttention(AgreedForward, MultiheadDilatedAttention):
