@@ -364,11 +364,9 @@ def explain(
             chosen kernel (``.branches``).
 
     Returns:
-        :class:`BackendChoice` with ``.backend`` (the name), ``.reasons`` (every other kernel of
-        the operation with at least one reason), ``.order``, ``.source``, ``.operation``,
-        ``.runs_plan`` (the kernel runs the whole operation itself rather than once per call)
-        and, with a schedule, ``.branches`` (one line per branch or row group: views or
-        gathers, how many kernel calls, and why).
+        The resolve step's choice (:class:`BackendChoice`): ``.backend``, ``.reasons`` (every
+        other kernel, why not), ``.order``, ``.source``, ``.operation``, ``.runs_plan``, with a
+        schedule ``.branches`` (how each branch runs), and ``str(choice)``: all of it in words.
 
     Raises:
         ValueError: ``device`` is not a device or not available here (e.g. ``"cuda"`` on a
@@ -390,6 +388,52 @@ def explain(
     dropout_p = V.check_dropout("dropout_p", dropout_p)
     backend = check_backend_name(backend)
     block_size = V.check_positive_int("block_size", block_size)
+    schedule, operation = _explained_operation(operation, dilated, segment_lengths, dilation_rates)
+    if operation == BLOCK_SPARSE and (key_padding_mask or dropout_p):
+        raise ValueError(
+            f"block-sparse attention takes no key_padding_mask and no dropout (got "
+            f"key_padding_mask={key_padding_mask}, dropout_p={dropout_p}); express padding in "
+            f"the pattern, or explain operation='dense' / 'dilated'"
+        )
+    request = Request(
+        operation=operation, device=dev, dtype=_explained_dtype(dev, dtype), batch=1,
+        query_len=seq_len,
+        key_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        is_causal=is_causal, has_mask=key_padding_mask, dropout_p=dropout_p,
+        requires_grad=requires_grad, backend=backend, block_size=block_size,
+        schedule=schedule,
+    )  # fmt: skip
+    return resolve(request).choice()
+
+
+def _explained_dtype(device: torch.device, dtype: object) -> torch.dtype:
+    """``explain``'s dtype: bfloat16 on CUDA and float32 elsewhere by default.
+
+    Raises:
+        TypeError: not a torch.dtype or None.
+    """
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(
+            f"dtype must be a torch.dtype such as torch.bfloat16, or None, got dtype={dtype!r}"
+        )
+    return dtype
+
+
+def _explained_operation(
+    operation: str | None,
+    dilated: bool,
+    segment_lengths: Sequence[int] | None,
+    dilation_rates: Sequence[int] | None,
+) -> tuple[Schedule | None, str]:
+    """``explain``'s schedule (None without one) and operation: a schedule means
+    ``"dilated"``; otherwise ``operation``, or ``"dilated"`` / ``"dense"`` by ``dilated``.
+
+    Raises:
+        ValueError: half a schedule, an invalid one, a schedule with another operation, or an
+            unknown operation.
+    """
     schedule = None
     if segment_lengths is not None or dilation_rates is not None:
         if segment_lengths is None or dilation_rates is None:
@@ -397,40 +441,21 @@ def explain(
                 f"pass segment_lengths and dilation_rates together, got segment_lengths="
                 f"{segment_lengths!r}, dilation_rates={dilation_rates!r}"
             )
-        schedule = V.check_branches(segment_lengths, dilation_rates)
+        schedule = Schedule(*V.check_branches(segment_lengths, dilation_rates))
         if operation not in (None, DILATED):
             raise ValueError(
                 f"a schedule (segment_lengths, dilation_rates) explains operation='dilated', "
                 f"got operation={operation!r}; leave operation out or pass 'dilated'"
             )
-        operation = DILATED
+        return schedule, DILATED
     if operation is None:
-        operation = DILATED if dilated else DENSE
-    elif operation not in OPERATIONS or (dilated and operation != DILATED):
+        return None, DILATED if dilated else DENSE
+    if operation not in OPERATIONS or (dilated and operation != DILATED):
         raise ValueError(
             f"operation must be one of {OPERATIONS} (or None: 'dilated' when dilated=True, else "
             f"'dense'), got operation={operation!r} with dilated={dilated!r}"
         )
-    if operation == BLOCK_SPARSE and (key_padding_mask or dropout_p):
-        raise ValueError(
-            f"block-sparse attention takes no key_padding_mask and no dropout (got "
-            f"key_padding_mask={key_padding_mask}, dropout_p={dropout_p}); express padding in "
-            f"the pattern, or explain operation='dense' / 'dilated'"
-        )
-    if dtype is None:
-        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    elif not isinstance(dtype, torch.dtype):
-        raise TypeError(
-            f"dtype must be a torch.dtype such as torch.bfloat16, or None, got dtype={dtype!r}"
-        )
-    request = Request(
-        operation=operation, device=dev, dtype=dtype, batch=1, query_len=seq_len,
-        key_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        is_causal=is_causal, has_mask=key_padding_mask, dropout_p=dropout_p,
-        requires_grad=requires_grad, backend=backend, block_size=block_size,
-        schedule=None if schedule is None else Schedule(*schedule),
-    )  # fmt: skip
-    return resolve(request).choice()
+    return None, operation
 
 
 def _default_device() -> str:

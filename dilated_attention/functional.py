@@ -140,10 +140,8 @@ def dilated_attention(
     Returns:
         ``out`` (B, N, H, D) in the input dtype, or ``(out, lse)`` with ``lse`` (B, H, N) float32
         (float64 for float64 inputs), detached. Rows no branch covers, or whose keys are all masked,
-        give 0 and ``lse = -inf``. A batch of 0 (or 0 heads) gives empty tensors, and empty
-        gradients in backward. Higher-order gradients (``create_graph=True``) are exact on every
-        backend in eager mode (``torch.compile`` cannot take them, a torch limit; it raises); with
-        ``dropout_p > 0`` differentiating the gradients raises ``RuntimeError``.
+        give 0 and ``lse = -inf``. A batch of 0 (or 0 heads) gives empty tensors and gradients.
+        Higher-order gradients: as in :func:`attention`.
 
     Raises:
         ValueError / TypeError: malformed inputs (including ``seq_len`` 0), before any work;
@@ -163,24 +161,10 @@ def dilated_attention(
         dropout_p=V.check_dropout("dropout_p", dropout_p), scale=V.check_scale(scale),
         backend=check_backend_name(backend), schedule=schedule,
     )  # fmt: skip
-    if cache is None:
-        request = Request.of(dilated_operation(q.shape[1], k.shape[1]), q, k, v, **fields)
-        return _run(request, q, k, v, key_padding_mask, return_lse)
-    if compiled.is_traced(q, k, v, key_padding_mask):
-        raise ValueError(
-            "cache= is not supported under torch.compile, torch.export or torch.func yet: "
-            "decode eagerly (the cache is Python state the compiled operator cannot update)"
-        )
-    # The new tokens' keys join the ones they read: positions cache.start .. cache.length + n.
-    request = Request.of(
-        dilated_operation(q.shape[1], k.shape[1], cache.length), q, k, v,
-        key_start=cache.start, context_len=cache.length + k.shape[1], **fields,
-    )  # fmt: skip
-    strategy = resolve(request)  # before the cache changes: a refused call leaves it as it was
-    k, v = hide_masked_keys(k, v, key_padding_mask)  # the cache keeps them so: no copy per token
-    k, v, key_padding_mask, _ = cache.append(k, v, key_padding_mask)
-    out, lse = strategy.run(q, k, v, key_padding_mask)
-    return (out, lse) if return_lse else out
+    if cache is not None:
+        return _decode(cache, q, k, v, key_padding_mask, fields, return_lse)
+    request = Request.of(dilated_operation(q.shape[1], k.shape[1]), q, k, v, **fields)
+    return _run(request, q, k, v, key_padding_mask, return_lse)
 
 
 def block_sparse_attention(
@@ -254,6 +238,35 @@ def block_sparse_attention(
         scale=V.check_scale(scale), backend=check_backend_name(backend),
     )  # fmt: skip
     return _run(request, q, k, v, None, return_lse)
+
+
+def _decode(
+    cache: DilatedKVCache,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    fields: dict[str, object],
+    return_lse: bool,
+) -> Output:
+    """A checked dilated call on new tokens with their layer's cache: q (B, n, H, D), k and v
+    (B, n, Hkv, D), key_padding_mask (B, n) over the new keys -> ``out`` or ``(out, lse)``.
+    Resolved before the cache changes (a refused call leaves it as it was); then the new keys
+    join the ones they read (positions ``cache.start`` to ``cache.length + n``)."""
+    if compiled.is_traced(q, k, v, key_padding_mask):
+        raise ValueError(
+            "cache= is not supported under torch.compile, torch.export or torch.func yet: "
+            "decode eagerly (the cache is Python state the compiled operator cannot update)"
+        )
+    request = Request.of(
+        dilated_operation(q.shape[1], k.shape[1], cache.length), q, k, v,
+        key_start=cache.start, context_len=cache.length + k.shape[1], **fields,
+    )  # fmt: skip
+    strategy = resolve(request)
+    k, v = hide_masked_keys(k, v, key_padding_mask)  # the cache keeps them so: no copy per token
+    k, v, key_padding_mask, _ = cache.append(k, v, key_padding_mask)
+    out, lse = strategy.run(q, k, v, key_padding_mask)
+    return (out, lse) if return_lse else out
 
 
 def _run(
