@@ -286,7 +286,7 @@ OPERATIONS = (DENSE, DILATED, BLOCK_SPARSE)
 @dataclass(frozen=True)
 class PlanKernel:
     """A kernel that runs a whole plan of one operation itself instead of the executor calling a
-    backend once per kernel call (Note [One executor] in ``core/engine.py``). In its operation's
+    backend once per kernel call (Note [One executor] in ``core/executor.py``). In its operation's
     registry it answers to a backend's name, which there means this kernel.
 
     Attributes:

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
+from ..core.call_runs import register_in_place_merge
 from ..core.contract import BranchSpan
-from ..core.engine import register_in_place_merge
 from ..core.slots import register_slot_kernels
 from ._compat import _import_failure, _last_dim_contiguous, _release
 from ._triton_compile import prepare_compiler

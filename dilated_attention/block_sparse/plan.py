@@ -78,7 +78,7 @@ class SparseCall:
     def to(self, device: torch.device) -> SparseCall:
         return SparseCall(self.q_index.to(device), self.kv_index.to(device), self.causal)
 
-    # The executor's ``Call`` (``core/engine.py``): every head, rows picked by position.
+    # The executor's ``Call`` (``core/calls.py``): every head, rows picked by position.
     def q_rows(self, x: torch.Tensor) -> torch.Tensor:
         return _rows(x, self.q_index)
 

@@ -3,7 +3,7 @@
 Note [One autograd Function]
     Every path computes ``(q, k, v) -> (out, lse)`` with ``lse`` not differentiable and an
     exact backward from the merged statistics; they differ only in what runs the calls: the
-    executor over a plan (``engine.py``), the fused dilated kernels (``fused.py``), our
+    executor over a plan (``executor.py``), the fused dilated kernels (``fused.py``), our
     block-sparse Triton kernels, or a ring schedule that also moves key/value blocks and their
     gradients between ranks (``distributed/``). Each is a :class:`Runner`;
     :class:`AttentionFunction` is the autograd around any of them: it saves ``q``, ``out``,

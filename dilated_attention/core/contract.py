@@ -4,7 +4,7 @@ Note [The backend contract]
     A backend is a :class:`KernelBackend`: attention over the query, key and value rows it is
     given, returning ``out`` and the log-sum-exp (:class:`KernelOutput`), and a backward that
     accepts the *merged* ``out`` and ``lse`` of a whole plan instead of its own (Note [Backward
-    with external statistics] in ``reference.py``). That is all the executor (``engine.py``)
+    with external statistics] in ``reference.py``). That is all the executor (``executor.py``)
     calls, for every plan: dense, dilated through gathers, block-sparse and the ring steps.
     ``backends.base.Backend`` implements it and turns declared capabilities into rejection
     reasons.

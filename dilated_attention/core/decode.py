@@ -13,7 +13,7 @@ Note [Decoding rows]
     causal call). One new token is a single call per branch against at most ``ceil(w / r)``
     keys; a chunk of ``C`` tokens is at most two calls per (branch, segment, offset class),
     whatever ``C`` (chunked prefill). The executor merges the calls as in the full forward (Note
-    [One executor] in ``engine.py``), so each row equals that row of the full causal forward
+    [One executor] in ``executor.py``), so each row equals that row of the full causal forward
     over the ``Nk`` positions, whatever ``Nk`` is: the cost of a decoded token is the sum over
     branches of ``w / r`` keys. The branches are the effective ones of ``Nk`` positions (Note
     [Effective branches]): ``w > Nk`` is one segment.
@@ -55,15 +55,16 @@ import functools
 
 import torch
 
-from .engine import Plan, SliceCall, put_view
+from .calls import SliceCall, put_view
 from .higher_order import RowCall, flat_rows
+from .plan import Plan
 from .segment import effective_branches
 from .strided import kv_head_slice
 
 
 class DecodeCall:
     """Query positions of one offset class against their keys in one branch and segment
-    (``Call`` in ``engine.py``): the rows ``q[:, q_pos, heads]`` and, with each query head
+    (``Call`` in ``calls.py``): the rows ``q[:, q_pos, heads]`` and, with each query head
     reading its own key/value head (GQA heads repeated), the keys and values at ``kv_pos``;
     ``causal``: the keys are the queries' own positions (a square, top-left causal call)."""
 

@@ -54,7 +54,8 @@ from dataclasses import replace
 import torch
 
 from . import fused
-from .engine import Call, Plan, PositionGroup
+from .calls import Call
+from .plan import Plan, PositionGroup
 from .slots import Slot
 
 #: Devices whose plans are cut (tests add "cpu" to run the grouped executor there).

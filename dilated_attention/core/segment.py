@@ -27,8 +27,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .engine import Plan, put_view
+from .calls import put_view
 from .higher_order import RowCall
+from .plan import Plan
 from .slots import Slot
 from .strided import DiagonalCall, StridedCall, kv_head_slice
 
@@ -173,7 +174,7 @@ def scatter_rows(
 
 
 class GroupCall:
-    """One row group as a kernel call of the executor (``Call`` in ``engine.py``): each query
+    """One row group as a kernel call of the executor (``Call`` in ``calls.py``): each query
     head of the group reads its own key/value head (GQA heads repeated, as the gathers do)."""
 
     def __init__(

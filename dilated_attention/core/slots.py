@@ -2,7 +2,7 @@
 
 Note [Branch slots merged once]
     The executor's default merge keeps float32 accumulators shaped like the output and merges
-    every call's result into them as it comes (Note [One executor] in ``engine.py``): zeroing
+    every call's result into them as it comes (Note [One executor] in ``executor.py``): zeroing
     them, one read-modify-write of float32 rows per call, a rounding pass at the end, and the
     same again for dq, dk, dv in the backward. Around FlashAttention-4's kernels on strided
     views that traffic cost about as much time as the kernels (1M tokens on an H100:
@@ -337,7 +337,7 @@ def _starts(sizes: Sequence[int]) -> list[int]:
 
 
 class SlotCall(Protocol):
-    """What a call of a slotted plan adds to ``Call`` (``engine.py``)."""
+    """What a call of a slotted plan adds to ``Call`` (``calls.py``)."""
 
     slot: int
 

@@ -57,14 +57,14 @@ import copy
 
 import torch
 
-from .engine import put_view
+from .calls import put_view
 from .higher_order import RowCall
 from .slots import segment_rows
 
 
 class StridedCall:
     """The rows of offset ``s`` of a run of ``n`` segments of length ``L`` from ``start`` in
-    branch rate ``r``, as views (``Call`` in ``engine.py``; Note [Strided row calls])."""
+    branch rate ``r``, as views (``Call`` in ``calls.py``; Note [Strided row calls])."""
 
     def __init__(
         self,

@@ -54,7 +54,7 @@ from ..block_sparse.plan import (
 )
 from ..compiled import eager_only
 from ..core.autograd import run_attention
-from ..core.engine import empty_attention
+from ..core.executor import empty_attention
 from ..core.higher_order import ring_message
 from ..core.schedule_state import block_sparse_schedule, describe_schedule
 from ..modules import (

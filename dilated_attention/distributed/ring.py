@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from ..compiled import eager_only
 from ..core.autograd import run_attention
-from ..core.engine import SliceCall, empty_attention
+from ..core.calls import SliceCall
+from ..core.executor import empty_attention
 from ..core.hidden import hide_masked_keys
 from ..core.higher_order import ring_message
 from ._comm import exchange, ring_all_gather

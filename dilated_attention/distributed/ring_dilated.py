@@ -45,8 +45,9 @@ import torch.distributed as dist
 from ..backends.registry import Selection
 from ..compiled import eager_only
 from ..core.autograd import Backward, FirstOrderOnly, Forward, Grads, Inputs, run_attention
+from ..core.call_runs import accumulator_dtype, row_lse
 from ..core.cells import add_cells, merge_cells
-from ..core.engine import accumulator_dtype, empty_attention, plan_backward, plan_forward, row_lse
+from ..core.executor import empty_attention, plan_backward, plan_forward
 from ..core.fused import fused_backward, fused_forward
 from ..core.hidden import hide_masked_keys
 from ..core.higher_order import ring_message

@@ -48,9 +48,9 @@ from ..backends.registry import DILATED as DILATED_REGISTRY
 from ..backends.registry import Selection, _requested, registry_for
 from ..block_sparse import plan as block_plan
 from ..core import decode
-from ..core.engine import Plan
 from ..core.grouped import grouped_plan
 from ..core.hidden import hide_masked_keys
+from ..core.plan import Plan
 from ..core.segment import branch_plan, describe_plan
 from ..patterns import Pattern
 from .request import BLOCK_SPARSE, DECODE, DENSE, DILATED, OPERATIONS, Request

@@ -19,8 +19,9 @@ from ..block_sparse.fa4 import FlashAttn4BlockSparseRunner, fa4_tiles
 from ..block_sparse.flex import _flex_forward
 from ..block_sparse.triton_autograd import TritonBlockSparseRunner, _triton_lists
 from ..core.autograd import Runner, run_attention
-from ..core.engine import Plan, PlanRunner, empty_attention
+from ..core.executor import PlanRunner, empty_attention
 from ..core.fused import FusedRunner, compile_ahead
+from ..core.plan import Plan
 from .request import Request
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""The one executor (``core/engine.py``, Note [One executor]) on plans no public function builds:
+"""The one executor (``core/executor.py``, Note [One executor]) on plans no public function builds:
 calls of different kinds in one plan, key rows repeated inside a call, a key padding mask on
 block-sparse calls, GQA. Each is compared with the float64 oracle (``tests/support/oracle.py``:
 dense attention weighted by how often each (query, key) pair occurs in the plan), on outputs, lse,
@@ -14,7 +14,9 @@ from support.triton import KERNEL_DEVICES, skip_without_triton
 from dilated_attention.backends import get_backend
 from dilated_attention.block_sparse.plan import SparseCall
 from dilated_attention.core.autograd import run_attention
-from dilated_attention.core.engine import Plan, PlanRunner, WholeCall
+from dilated_attention.core.calls import WholeCall
+from dilated_attention.core.executor import PlanRunner
+from dilated_attention.core.plan import Plan
 
 B, N, H, HKV, D = 2, 24, 4, 2, 8
 
@@ -118,7 +120,7 @@ def test_in_place_merge_gets_the_rows_of_view_calls(
     from support.oracle import oracle_dilated_attention
 
     from dilated_attention import dilated_attention
-    from dilated_attention.core import engine
+    from dilated_attention.core import call_runs
     from dilated_attention.core.merge import merge_partial
 
     merged: list[tuple[int, ...]] = []
@@ -137,7 +139,7 @@ def test_in_place_merge_gets_the_rows_of_view_calls(
     k, v = (torch.randn(1, 40, 2, 8, generator=gen) for _ in range(2))
     schedule = ([10, 8, 16], [3, 2, 4])
     plain = dilated_attention(q, k, v, *schedule, is_causal=is_causal, backend="math")
-    monkeypatch.setitem(engine._IN_PLACE_MERGES, "cpu", lambda: in_place)
+    monkeypatch.setitem(call_runs._IN_PLACE_MERGES, "cpu", lambda: in_place)
     got, lse = dilated_attention(
         q, k, v, *schedule, is_causal=is_causal, backend="math", return_lse=True
     )
@@ -159,7 +161,7 @@ def test_in_place_merge_gets_the_rows_of_view_calls(
 def _calls_of_every_kind(device: str) -> dict[str, object]:
     """(B, 12, 4, D) rows: a slice, an offset class (w = 4, r = 2), a diagonal (w = 8, r = 4)
     and a gathered group (w = 6, r = 4, ragged)."""
-    from dilated_attention.core.engine import SliceCall
+    from dilated_attention.core.calls import SliceCall
     from dilated_attention.core.segment import GroupCall, plan_branches
     from dilated_attention.core.strided import DiagonalCall, StridedCall
 
@@ -182,10 +184,10 @@ def test_triton_in_place_merge_writes_the_calls_rows_like_the_torch_merge(
     call's rows change, to the torch merge's values; empty (-inf) accumulator rows take the
     part as it is; a strided 16-bit part (as a backend may return) is read right."""
     from dilated_attention.backends.triton import merge_kernel
-    from dilated_attention.core import engine
+    from dilated_attention.core import call_runs
 
     skip_without_triton(device)
-    monkeypatch.setitem(engine._IN_PLACE_MERGES, device, merge_kernel)
+    monkeypatch.setitem(call_runs._IN_PLACE_MERGES, device, merge_kernel)
     call = _calls_of_every_kind(device)[kind]
     gen = torch.Generator(device=device).manual_seed(0)
     out = torch.randn(1, 12, 4, 16, device=device, generator=gen)
@@ -198,10 +200,10 @@ def test_triton_in_place_merge_writes_the_calls_rows_like_the_torch_merge(
     part_lse = torch.randn(rows.shape[0], rows.shape[2], rows.shape[1], device=device,
                            generator=gen)  # fmt: skip
     fused_out, fused_lse = out.clone(), lse.clone()
-    engine.merge_rows(call, fused_out, fused_lse, part_out, part_lse)
-    monkeypatch.delitem(engine._IN_PLACE_MERGES, device)
+    call_runs.merge_rows(call, fused_out, fused_lse, part_out, part_lse)
+    monkeypatch.delitem(call_runs._IN_PLACE_MERGES, device)
     want_out, want_lse = out.clone(), lse.clone()
-    engine.merge_rows(call, want_out, want_lse, part_out, part_lse)
+    call_runs.merge_rows(call, want_out, want_lse, part_out, part_lse)
     torch.testing.assert_close(fused_out, want_out, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(fused_lse, want_lse, atol=1e-6, rtol=1e-6)
     assert not torch.equal(fused_out, out)  # the call's rows did change

@@ -10,7 +10,7 @@ import torch
 from support.grouping import cut_small
 from support.oracle import oracle_dilated_attention
 
-import dilated_attention.core.engine as engine
+import dilated_attention.core.executor as executor
 import dilated_attention.core.fused as fused
 import dilated_attention.core.grouped as grouped
 from dilated_attention import dilated_attention
@@ -86,10 +86,10 @@ def test_grouped_plan_matches_oracle(
     backward; then out and lse from the grouped forward of a call without gradients."""
     _, n, heads, kv_heads, segs, rates = schedule
     runs: list[str] = []
-    for name in ("_grouped_forward", "_grouped_backward"):
-        real = getattr(engine, name)
+    for name in ("grouped_forward", "grouped_backward"):
+        real = getattr(executor, name)
         spy = lambda *a, n=name, f=real, **kw: runs.append(n) or f(*a, **kw)  # noqa: E731
-        monkeypatch.setattr(engine, name, spy)
+        monkeypatch.setattr(executor, name, spy)
     q, k, v, dout = _inputs(n, heads, kv_heads)
     mask = torch.zeros(2, n, dtype=torch.bool)
     mask[1, 3:n:5] = True
@@ -97,7 +97,7 @@ def test_grouped_plan_matches_oracle(
     out, lse = dilated_attention(*leaves, segs, rates, is_causal=is_causal, backend="math",
                                  key_padding_mask=mask, return_lse=True)  # fmt: skip
     grads = torch.autograd.grad(out, leaves, dout)
-    assert runs == ["_grouped_backward"], runs
+    assert runs == ["grouped_backward"], runs
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref_out, ref_lse = oracle_dilated_attention(*ref_leaves, segs, rates, is_causal=is_causal,
                                                 key_padding_mask=mask)  # fmt: skip
@@ -109,7 +109,7 @@ def test_grouped_plan_matches_oracle(
     with torch.no_grad():
         out, lse = dilated_attention(q, k, v, segs, rates, is_causal=is_causal, backend="math",
                                      key_padding_mask=mask, return_lse=True)  # fmt: skip
-    assert runs == ["_grouped_backward", "_grouped_forward"], runs
+    assert runs == ["grouped_backward", "grouped_forward"], runs
     torch.testing.assert_close(out, ref_out.detach(), **TIGHT)
     torch.testing.assert_close(lse, ref_lse, **TIGHT)
 
@@ -121,8 +121,8 @@ def test_grouped_backward_needs_the_forwards_aux(monkeypatch: pytest.MonkeyPatch
     replayed from each call's generator state)."""
     _, n, heads, kv_heads, segs, rates = SCHEDULES[0]
     runs: list[str] = []
-    real = engine._grouped_backward
-    monkeypatch.setattr(engine, "_grouped_backward",
+    real = executor.grouped_backward
+    monkeypatch.setattr(executor, "grouped_backward",
                         lambda *a, **kw: runs.append("grouped") or real(*a, **kw))  # fmt: skip
     q, k, v, dout = _inputs(n, heads, kv_heads)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]

@@ -22,8 +22,10 @@ from support.tolerances import assert_close_to_oracle
 from support.triton import KERNEL_DEVICES, poison_new_buffers, skip_without_triton
 from support.writing_kernel import write_into_buffers
 
-import dilated_attention.core.engine as engine
+import dilated_attention.core.executor as executor
 import dilated_attention.core.grouped as grouped
+import dilated_attention.core.grouped_runs as grouped_runs
+import dilated_attention.core.slot_runs as slot_runs
 from dilated_attention import backend_reasons, dilated_attention
 from dilated_attention.core.segment import not_slotted_reason, plan_branches, slot_plan
 from dilated_attention.core.slots import (
@@ -84,12 +86,20 @@ def writing_kernel(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return write_into_buffers(monkeypatch)
 
 
+#: The modules whose functions call ``slot_forward``, ``slot_backward``, ``run_forward`` and
+#: ``run_backward``, looking them up in their own namespace: a spy replaces the name in each.
+CALLERS = (executor, grouped_runs)
+
+
 def _spy(monkeypatch: pytest.MonkeyPatch, names: tuple[str, ...]) -> list[str]:
     runs: list[str] = []
     for name in names:
-        real = getattr(engine, name)
-        spy = lambda *a, n=name, f=real, **kw: runs.append(n) or f(*a, **kw)  # noqa: E731
-        monkeypatch.setattr(engine, name, spy)
+        callers = [module for module in CALLERS if hasattr(module, name)]
+        assert callers, f"no module calls {name}"
+        for module in callers:
+            real = getattr(module, name)
+            spy = lambda *a, n=name, f=real, **kw: runs.append(n) or f(*a, **kw)  # noqa: E731
+            monkeypatch.setattr(module, name, spy)
     return runs
 
 
@@ -523,14 +533,14 @@ def test_cuda_flash_attn4_writes_into_slots(
     if cut:
         cut_small(monkeypatch)
     copies: list[tuple[int, ...]] = []
-    real_fill = engine._fill
+    real_fill = slot_runs._fill
 
     def counting_fill(dest: torch.Tensor, result: torch.Tensor) -> None:
         if result.data_ptr() != dest.data_ptr():
             copies.append(tuple(dest.shape))
         real_fill(dest, result)
 
-    monkeypatch.setattr(engine, "_fill", counting_fill)
+    monkeypatch.setattr(slot_runs, "_fill", counting_fill)
     runs = _spy(monkeypatch, ("slot_forward", "slot_backward"))
     poison_new_buffers(monkeypatch)
     out, lse = dilated_attention(*dev, segs, rates, is_causal=is_causal, backend="flash_attn4",
