@@ -16,12 +16,12 @@ Note [Custom operators for torch.compile and torch.func]
         dilated_attention::block_sparse   block_sparse_attention()
 
     Each takes ``query, key, value, key_padding_mask`` and the call's options as ints, floats,
-    bools and strings (a block-sparse pattern as an int key: Note [Patterns as operator
-    arguments]), and returns ``(out, lse, rng_state)``: ``out`` (B, Nq, H, D) in the input dtype
-    and ``lse`` (B, H, Nq) float32 (float64 for float64 inputs), both contiguous, as the fake
-    implementation promises, and ``rng_state`` (below). The real implementation is the eager
-    function itself, run with gradients enabled exactly when the traced call needed them, so the
-    same kernel is chosen and the result is the eager result.
+    bools and strings (a block-sparse pattern as an int key: Note [Patterns as operator arguments]
+    in :mod:`dilated_attention.pattern_keys`), and returns ``(out, lse, rng_state)``: ``out`` (B,
+    Nq, H, D) in the input dtype and ``lse`` (B, H, Nq) float32 (float64 for float64 inputs), both
+    contiguous, as the fake implementation promises, and ``rng_state`` (below). The real
+    implementation is the eager function itself, run with gradients enabled exactly when the
+    traced call needed them, so the same kernel is chosen and the result is the eager result.
 
     Gradients: each operator has a backward operator that recomputes the forward in eager mode on
     detached inputs and differentiates it with ``torch.autograd.grad``. The gradients are the
@@ -49,19 +49,6 @@ Note [Custom operators for torch.compile and torch.func]
     ``torch.func.vmap`` folds the mapped dimension into the batch dimension (dim 0 of every input
     is the batch), runs the operator once, and unfolds the results.
 
-Note [Patterns as operator arguments]
-    A pattern is a Python object, and operators take tensors and scalars. :func:`pattern_key`
-    gives each pattern an int key in a process-wide table (equal patterns share one; a ``Custom``
-    pattern compares by identity), and the operator looks the pattern up when it runs, so the
-    eager caches (plans, masks, FlexAttention block masks) keep working. Dynamo computes the key
-    while tracing (``torch._dynamo.assume_constant_result``: a constant in the graph). A pattern
-    object from outside the compiled code is passed as it is, guarded on its identity (another
-    object recompiles); one built inside it reaches that function as a placeholder whose fields
-    only Dynamo knows, so it is described by its class and field values (read in traced code:
-    constants) and rebuilt from them (:func:`_describe`, :func:`_rebuild`). A ``Custom`` pattern
-    holds a tensor and must come from outside. The table keeps every pattern that reached an
-    operator for the life of the process (compiled graphs refer to them by key).
-
 Shape legend: B batch, Nq/Nk query/key tokens (N when equal), H query heads, Hkv key/value heads,
 D head dim, V the size of a vmapped dimension.
 """
@@ -69,7 +56,6 @@ D head dim, V the size of a vmapped dimension.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -79,10 +65,10 @@ import torch
 
 from .core.higher_order import RaiseOnBackward
 from .core.schedule import Schedule
-from .patterns import Custom, Pattern
+from .pattern_keys import pattern_key, pattern_of
 from .resolve import BLOCK_SPARSE, DECODE, DENSE, DILATED, Request, dilated_operation, execute
 
-__all__ = ["eager_only", "is_traced", "pattern_key", "reject_traced", "run"]
+__all__ = ["eager_only", "is_traced", "pattern_key", "reject_traced", "route", "run"]
 
 _NAMESPACE = "dilated_attention"
 _TENSORS = "Tensor query, Tensor key, Tensor value, Tensor? key_padding_mask"
@@ -199,89 +185,6 @@ def eager_only(what: str) -> Callable[[_F], _F]:
     return decorate
 
 
-# -- patterns (Note [Patterns as operator arguments]) -------------------------------------------
-_PATTERNS: list[Pattern] = []
-_PATTERN_KEYS: dict[Pattern, int] = {}
-_PATTERN_LOCK = threading.Lock()
-#: Tags a nested pattern's description, and a pattern known by its key, in a description.
-_NESTED, _KEYED = "dilated_attention.pattern", "dilated_attention.pattern_key"
-
-
-def _constant_when_traced(fn: Callable[..., Any]) -> Callable[..., Any]:
-    mark = getattr(torch._dynamo, "assume_constant_result", None)
-    return mark(fn) if mark is not None else fn
-
-
-def _register(pattern: Pattern) -> int:
-    with _PATTERN_LOCK:
-        key = _PATTERN_KEYS.get(pattern)
-        if key is None:
-            key = len(_PATTERNS)
-            _PATTERNS.append(pattern)
-            _PATTERN_KEYS[pattern] = key
-        return key
-
-
-@_constant_when_traced
-def _object_key(pattern: Pattern) -> int:
-    """``pattern``'s key, or -1 for a pattern built inside the traced code (Dynamo hands over a
-    placeholder whose fields live in its own records)."""
-    if not dataclasses.is_dataclass(pattern) or all(
-        f.name in vars(pattern) for f in dataclasses.fields(pattern)
-    ):
-        return _register(pattern)
-    if isinstance(pattern, Custom):
-        raise RuntimeError(
-            "block_sparse_attention under torch.compile needs a patterns.Custom built outside "
-            "the compiled function (it holds a tensor): build it once, e.g. as a module attribute"
-        )
-    return -1
-
-
-def _describe(value: Any) -> Any:
-    """A pattern (or a field value) as Python constants: ``(_KEYED, key)`` for a pattern object
-    from outside the traced code, ``(_NESTED, class, field values)`` for one built inside it.
-    Traced by Dynamo."""
-    if isinstance(value, Pattern):
-        key = _object_key(value)
-        if key >= 0:
-            return (_KEYED, key)
-        fields = dataclasses.fields(value)  # type: ignore[arg-type]
-        return (_NESTED, type(value), tuple(_describe(getattr(value, f.name)) for f in fields))
-    if isinstance(value, tuple):
-        return tuple(_describe(x) for x in value)
-    return value
-
-
-def _rebuild(value: Any) -> Any:
-    """The inverse of :func:`_describe` (the fields were checked when the pattern was built)."""
-    if isinstance(value, tuple) and value and value[0] == _KEYED:
-        return _PATTERNS[value[1]]
-    if isinstance(value, tuple) and value and value[0] == _NESTED:
-        _, cls, values = value
-        pattern = cls.__new__(cls)
-        for field, field_value in zip(dataclasses.fields(cls), values, strict=True):
-            object.__setattr__(pattern, field.name, _rebuild(field_value))
-        return pattern
-    if isinstance(value, tuple):
-        return tuple(_rebuild(x) for x in value)
-    return value
-
-
-@_constant_when_traced
-def _described_key(description: Any) -> int:
-    return _register(_rebuild(description))
-
-
-def pattern_key(pattern: Pattern) -> int:
-    """The int key of ``pattern`` (or of an equal one) in the process-wide table the
-    block-sparse operator reads (Note [Patterns as operator arguments])."""
-    description = _describe(pattern)
-    if description[0] == _KEYED:
-        return int(description[1])
-    return _described_key(description)
-
-
 # -- running the eager functions inside the operators -------------------------------------------
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -378,7 +281,7 @@ def _request(
         )  # fmt: skip
     key, block_size, is_causal, scale, backend, _ = options
     return Request.of(
-        BLOCK_SPARSE, q, k, v, pattern=_PATTERNS[key], block_size=block_size,
+        BLOCK_SPARSE, q, k, v, pattern=pattern_of(key), block_size=block_size,
         is_causal=is_causal, scale=scale, backend=backend,
     )  # fmt: skip
 
@@ -666,3 +569,25 @@ def run(
     """
     kind, options = _options(request)
     return _call(kind, q, k, v, key_padding_mask, *options)
+
+
+def route(
+    request: Request,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run a checked request: through its operator where a tracer or a torch.func transform
+    sees the call (:func:`is_traced`), else resolved and run eagerly (``resolve.execute``).
+
+    Args:
+        request: the call, as the public function described it.
+        q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D); key_padding_mask: (B, Nk) bool or None.
+
+    Returns:
+        ``out`` (B, Nq, H, D) and ``lse`` (B, H, Nq), detached.
+    """
+    if is_traced(q, k, v, key_padding_mask):
+        return run(request, q, k, v, key_padding_mask)
+    return execute(request, q, k, v, key_padding_mask)

@@ -441,7 +441,7 @@ def _explained_operation(
                 f"pass segment_lengths and dilation_rates together, got segment_lengths="
                 f"{segment_lengths!r}, dilation_rates={dilation_rates!r}"
             )
-        schedule = Schedule(*V.check_branches(segment_lengths, dilation_rates))
+        schedule = Schedule(segment_lengths, dilation_rates)  # checks them
         if operation not in (None, DILATED):
             raise ValueError(
                 f"a schedule (segment_lengths, dilation_rates) explains operation='dilated', "

@@ -21,7 +21,7 @@ from .core.hidden import hide_masked_keys
 from .core.kv_cache import DilatedKVCache, check_cache_call
 from .core.schedule import Schedule
 from .patterns import Pattern, check_pattern
-from .resolve import BLOCK_SPARSE, DENSE, Request, dilated_operation, execute, resolve
+from .resolve import BLOCK_SPARSE, DENSE, Request, dilated_operation, resolve
 
 __all__ = ["attention", "block_sparse_attention", "dilated_attention"]
 
@@ -82,7 +82,8 @@ def attention(
         dropout_p=V.check_dropout("dropout_p", dropout_p), scale=V.check_scale(scale),
         backend=check_backend_name(backend),
     )  # fmt: skip
-    return _run(request, q, k, v, key_padding_mask, return_lse)
+    out, lse = compiled.route(request, q, k, v, key_padding_mask)
+    return (out, lse) if return_lse else out
 
 
 def dilated_attention(
@@ -148,8 +149,8 @@ def dilated_attention(
             ValueError when ``backend`` is unknown or cannot run the inputs (the message lists
             the reasons).
     """
+    schedule = Schedule(segment_lengths, dilation_rates)  # checks them
     q, k, v = V.check_qkv(query, key, value, same_length=False)
-    schedule = Schedule(*V.check_branches(segment_lengths, dilation_rates))
     V.check_bool("is_causal", is_causal)
     V.check_bool("return_lse", return_lse)
     V.check_decoding_lengths(q, k, is_causal)
@@ -164,7 +165,8 @@ def dilated_attention(
     if cache is not None:
         return _decode(cache, q, k, v, key_padding_mask, fields, return_lse)
     request = Request.of(dilated_operation(q.shape[1], k.shape[1]), q, k, v, **fields)
-    return _run(request, q, k, v, key_padding_mask, return_lse)
+    out, lse = compiled.route(request, q, k, v, key_padding_mask)
+    return (out, lse) if return_lse else out
 
 
 def block_sparse_attention(
@@ -237,7 +239,8 @@ def block_sparse_attention(
         BLOCK_SPARSE, q, k, v, pattern=pattern, block_size=block_size, is_causal=is_causal,
         scale=V.check_scale(scale), backend=check_backend_name(backend),
     )  # fmt: skip
-    return _run(request, q, k, v, None, return_lse)
+    out, lse = compiled.route(request, q, k, v, None)
+    return (out, lse) if return_lse else out
 
 
 def _decode(
@@ -268,20 +271,3 @@ def _decode(
     out, lse = strategy.run(q, k, v, key_padding_mask)
     return (out, lse) if return_lse else out
 
-
-def _run(
-    request: Request,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    return_lse: bool,
-) -> Output:
-    """Run a checked request: in a custom operator where a tracer or a torch.func transform
-    sees the call (Note [Custom operators for torch.compile and torch.func] in
-    ``compiled.py``), else resolved and run here."""
-    if compiled.is_traced(q, k, v, key_padding_mask):
-        out, lse = compiled.run(request, q, k, v, key_padding_mask)
-    else:
-        out, lse = execute(request, q, k, v, key_padding_mask)
-    return (out, lse) if return_lse else out

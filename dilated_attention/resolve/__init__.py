@@ -1,5 +1,5 @@
 """The resolve step: a :class:`Request` describes one attention call, :func:`resolve` returns
-the :class:`Strategy` that runs it (Note [One resolve step] in ``resolve.py``)."""
+the :class:`Strategy` that runs it (Note [One resolve step] in ``resolve/resolver.py``)."""
 
 from .request import (
     BLOCK_SPARSE,

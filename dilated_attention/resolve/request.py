@@ -6,11 +6,10 @@ Shape legend: B batch, Nq query rows, Nk key rows, H query heads, Hkv key/value 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from ..backends.base import KernelInputs
 from ..core.schedule import Schedule
 from ..patterns import Pattern
 
@@ -31,7 +30,7 @@ def dilated_operation(query_len: int, key_len: int, cached_tokens: int = 0) -> s
 
 @dataclass(frozen=True)
 class Request:
-    """One attention call, described (Note [One resolve step] in ``resolve.py``).
+    """One attention call, described (Note [One resolve step] in ``resolve/resolver.py``).
 
     Attributes:
         operation: one of :data:`OPERATIONS`. ``"decode"`` is dilated attention for queries at
@@ -114,31 +113,3 @@ class Request:
     def empty(self) -> bool:
         """No query rows to compute (a batch of 0 or 0 heads)."""
         return self.batch * self.query_len * self.num_heads * self.head_dim == 0
-
-    def kernel_inputs(
-        self,
-        *,
-        query_len: int | None = None,
-        key_len: int | None = None,
-        is_causal: bool | None = None,
-        has_mask: bool | None = None,
-        block_size: int | None = None,
-        branch_slots: bool = False,
-    ) -> KernelInputs:
-        """What the registries judge kernels by: this request's, with a kernel call's own
-        shape or flags where they differ from the request's (decoding's one-row calls, a
-        chunk's square causal calls)."""
-        inputs = KernelInputs(
-            device=self.device, dtype=self.dtype, head_dim=self.head_dim,
-            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-            query_len=self.query_len, key_len=self.key_len, is_causal=self.is_causal,
-            has_mask=self.has_mask, dropout_p=self.dropout_p,
-            requires_grad=self.requires_grad, block_size=block_size,
-            branch_slots=branch_slots,
-        )  # fmt: skip
-        changes: dict[str, object] = {
-            "query_len": query_len, "key_len": key_len, "is_causal": is_causal,
-            "has_mask": has_mask,
-        }  # fmt: skip
-        given = {name: value for name, value in changes.items() if value is not None}
-        return replace(inputs, **given)

@@ -42,6 +42,7 @@ from dataclasses import replace
 
 import torch
 
+from ..backends.base import KernelInputs
 from ..backends.registry import BLOCK_SPARSE as BLOCK_SPARSE_REGISTRY
 from ..backends.registry import DENSE as DENSE_REGISTRY
 from ..backends.registry import DILATED as DILATED_REGISTRY
@@ -101,7 +102,7 @@ def _dense(request: Request) -> Strategy:
     mask and a square causal call (``decode.dense_decode_plan``), the kernel chosen for those."""
     nq, nk = request.query_len, request.key_len
     end_aligned = request.is_causal and nq < nk
-    inputs = request.kernel_inputs(key_len=nq if end_aligned else None)
+    inputs = _kernel_inputs(request, key_len=nq if end_aligned else None)
     kernel = registry_for(DENSE_REGISTRY).select(inputs, request.backend)
     if end_aligned:
         plan = decode.dense_decode_plan(nq, nk)
@@ -110,7 +111,7 @@ def _dense(request: Request) -> Strategy:
         plan = Plan.dense(request.is_causal)
         how = "one dense call"
     return PlanStrategy(
-        request, kernel, DENSE_REGISTRY, inputs, how, plan_of=lambda q: plan, what="attention"
+        request, kernel, DENSE_REGISTRY, inputs, how, plan=plan, what="attention"
     )
 
 
@@ -118,13 +119,13 @@ def _dilated(request: Request) -> Strategy:
     """Our fused kernels over every branch, or the executor's plan of branch calls: gathered,
     as strided views, or written into slots merged once (Note [Branch slots merged once])."""
     if request.schedule is None:  # explain() of a kernel call's shape: the registry's answer
-        inputs = request.kernel_inputs()
+        inputs = _kernel_inputs(request)
         kernel = registry_for(DILATED_REGISTRY).select(inputs, request.backend)
         return KernelOnlyStrategy(request, kernel, DILATED_REGISTRY, inputs, _summary(kernel))
     if request.shard is not None:
         return _shard(request)
     layout = request.schedule.at(request.query_len, request.num_heads, request.num_kv_heads)
-    inputs = request.kernel_inputs(branch_slots=layout.in_slots)
+    inputs = _kernel_inputs(request, branch_slots=layout.in_slots)
     kernel = registry_for(DILATED_REGISTRY).select(inputs, request.backend)
     if kernel.runs_plan:  # the fused kernels run every branch themselves (core/fused.py)
         notes = fused_notes(kernel.backend.name, layout.branches)
@@ -136,10 +137,10 @@ def _dilated(request: Request) -> Strategy:
     branches = branch_plan(
         layout.groups, request.query_len, hkv, request.device, causal, strided, writes
     )
-
-    def plan_of(q: torch.Tensor) -> Plan:
-        return grouped_plan(branches, q, layout.segment_lengths, request.requires_grad, hkv)
-
+    plan_of = functools.partial(
+        grouped_plan, branches, segment_lengths=layout.segment_lengths,
+        needs_grad=request.requires_grad, kv_heads=hkv,
+    )  # fmt: skip
     notes = describe_plan(layout.groups, request.query_len, hkv, strided, writes)
     how = "the executor's plan of branch calls on this kernel, merged by log-sum-exp"
     return PlanStrategy(
@@ -157,7 +158,7 @@ def _shard(request: Request) -> Strategy:
     world, chunk = request.shard
     heads, kv_heads = request.num_heads, request.num_kv_heads
     split = request.schedule.at(world * request.query_len, heads, kv_heads).sharded(world, chunk)
-    inputs = request.kernel_inputs(branch_slots=split.in_slots)
+    inputs = _kernel_inputs(request, branch_slots=split.in_slots)
     kernel = registry_for(DILATED_REGISTRY).select(inputs, request.backend)
     notes = tuple(f"w={w} r={r}: local, inside one chunk of {chunk}" for w, r in split.local)
     notes += tuple(f"w={w} r={r}: spans ranks, its rows exchanged" for w, r in split.spanning)
@@ -193,13 +194,13 @@ def _decode(request: Request) -> Strategy:
     )
     kernel: Selection | None = None
     if one_call:
-        inputs = request.kernel_inputs(is_causal=False, has_mask=True, **shape)
+        inputs = _kernel_inputs(request, is_causal=False, has_mask=True, **shape)
         try:
             kernel = registry.select(inputs, request.backend)
         except ValueError:  # a kernel asked for by name takes no masks: one call per branch
             one_call = False
     if kernel is None:
-        inputs = request.kernel_inputs(is_causal=chunk, **shape)
+        inputs = _kernel_inputs(request, is_causal=chunk, **shape)
         kernel = registry.select(inputs, request.backend)
     positions, start, schedule = request.positions, request.key_start, request.schedule
     if one_call:
@@ -217,7 +218,7 @@ def _decode(request: Request) -> Strategy:
         )  # fmt: skip
         how = "decoding rows: one call per branch and offset class of the new rows"
     return PlanStrategy(
-        request, kernel, DENSE_REGISTRY, inputs, how, plan_of=lambda q: plan,
+        request, kernel, DENSE_REGISTRY, inputs, how, plan=plan,
         layout=rows_in_place, what="dilated_attention",
     )  # fmt: skip
 
@@ -249,7 +250,7 @@ def _block_sparse(request: Request) -> Strategy:
     [End-aligned causal blocks])."""
     pattern, size = request.pattern, request.block_size
     if pattern is None:  # explain() of a kernel call's shape: the registry's answer
-        inputs = request.kernel_inputs(block_size=size)
+        inputs = _kernel_inputs(request, block_size=size)
         kernel = registry_for(BLOCK_SPARSE_REGISTRY).select(inputs, request.backend)
         return KernelOnlyStrategy(
             request, kernel, BLOCK_SPARSE_REGISTRY, inputs, _summary(kernel, BLOCK_SPARSE)
@@ -268,7 +269,7 @@ def _block_sparse(request: Request) -> Strategy:
         return EmptyStrategy(request, None, BLOCK_SPARSE_REGISTRY, None, "no query rows")
     if query_start:
         return _end_aligned_blocks(request, query_start)
-    inputs = request.kernel_inputs(block_size=size)
+    inputs = _kernel_inputs(request, block_size=size)
     kernel = registry_for(BLOCK_SPARSE_REGISTRY).select(inputs, request.backend)
     if kernel.runs_plan:
         return BlockSparseKernelStrategy(
@@ -291,7 +292,7 @@ def _end_aligned_blocks(request: Request, query_start: int) -> Strategy:
             f"which runs the block-sparse plan on a dense kernel, or name a dense kernel from "
             f"list_backends()"
         )
-    inputs = request.kernel_inputs(key_len=request.query_len, is_causal=True)
+    inputs = _kernel_inputs(request, key_len=request.query_len, is_causal=True)
     kernel = registry_for(DENSE_REGISTRY).select(inputs, request.backend)
     return _block_plan(request, kernel, inputs, DENSE_REGISTRY, query_start)
 
@@ -315,6 +316,35 @@ def _block_plan(
         request, kernel, operation, inputs, how, plan_of=plan_of,  # type: ignore[arg-type]
         what="block_sparse_attention",
     )  # fmt: skip
+
+
+def _kernel_inputs(
+    request: Request,
+    *,
+    query_len: int | None = None,
+    key_len: int | None = None,
+    is_causal: bool | None = None,
+    has_mask: bool | None = None,
+    block_size: int | None = None,
+    branch_slots: bool = False,
+) -> KernelInputs:
+    """What the registries judge kernels by: ``request``'s, with a kernel call's own
+    shape or flags where they differ from the request's (decoding's one-row calls, a
+    chunk's square causal calls)."""
+    inputs = KernelInputs(
+        device=request.device, dtype=request.dtype, head_dim=request.head_dim,
+        num_heads=request.num_heads, num_kv_heads=request.num_kv_heads,
+        query_len=request.query_len, key_len=request.key_len, is_causal=request.is_causal,
+        has_mask=request.has_mask, dropout_p=request.dropout_p,
+        requires_grad=request.requires_grad, block_size=block_size,
+        branch_slots=branch_slots,
+    )  # fmt: skip
+    changes: dict[str, object] = {
+        "query_len": query_len, "key_len": key_len, "is_causal": is_causal,
+        "has_mask": has_mask,
+    }  # fmt: skip
+    given = {name: value for name, value in changes.items() if value is not None}
+    return replace(inputs, **given)
 
 
 def _summary(kernel: Selection, operation: str = DILATED) -> str:

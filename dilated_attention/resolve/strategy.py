@@ -158,21 +158,25 @@ class PlanStrategy(Strategy):
     """The executor runs a plan of kernel calls on ``kernel.backend`` (Note [One executor]).
 
     Attributes:
-        plan_of: the plan for this call's query (B, Nq, H, D): position groups depend on its
-            size and device (Note [Position-grouped plans]).
+        plan: the plan of kernel calls, when it is known before the call's tensors are.
+        plan_of: else the plan for this call's query (B, Nq, H, D): position groups depend on
+            its size and device (Note [Position-grouped plans]).
         layout: how q, k and v are laid out for the plan's calls.
         what: the public function's name, for the double-backward error under dropout.
     """
 
-    plan_of: Callable[[torch.Tensor], Plan] = field(default=lambda q: Plan.dense(False))
+    plan: Plan | None = None
+    plan_of: Callable[[torch.Tensor], Plan] | None = None
     layout: Callable[[torch.Tensor], torch.Tensor] = contiguous
     what: str = "attention"
 
     def _run(self, q, k, v, key_padding_mask):  # type: ignore[no-untyped-def]
         assert self.kernel is not None  # resolve gives every plan a kernel
         q, k, v = (self.layout(x) for x in (q, k, v))
+        plan = self.plan if self.plan_of is None else self.plan_of(q)
+        assert plan is not None  # resolve gives every plan strategy a plan or its rule
         runner = PlanRunner(
-            self.plan_of(q), self.kernel.backend, self.request.softmax_scale,
+            plan, self.kernel.backend, self.request.softmax_scale,
             self.request.dropout_p, self.what,
         )  # fmt: skip
         return run_attention(q, k, v, key_padding_mask, runner)

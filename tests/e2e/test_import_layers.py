@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("backends", ("backends",)),
     ("kernels", ("block_sparse",)),
     ("resolve", ("resolve",)),
-    ("compiled", ("compiled",)),
+    ("compiled", ("compiled", "pattern_keys")),
     ("operations", ("functional",)),
     ("modules", ("modules", "rotary")),
     ("distributed", ("distributed",)),
