@@ -35,9 +35,10 @@ Fn = Callable[..., Any]
 LENGTHS = [(1, 19), (5, 19), (7, 24), (18, 19)]
 
 
-def _inputs(nq: int, nk: int, seed: int = 0) -> list[torch.Tensor]:
+def _inputs(nq: int, nk: int, seed: int = 0, head_dim: int = D) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    shapes = [(2, nq, H, D), (2, nk, HKV, D), (2, nk, HKV, D), (2, nq, H, D)]
+    q_shape, kv_shape = (2, nq, H, head_dim), (2, nk, HKV, head_dim)
+    shapes = [q_shape, kv_shape, kv_shape, q_shape]
     return [torch.randn(s, generator=gen, dtype=F64) for s in shapes]
 
 
@@ -254,11 +255,12 @@ def test_gpu_attention_short_causal_query_matches_oracle(backend: str | None) ->
     """SDPA's ``is_causal`` is top-left, FlashAttention's bottom-right: each runs square causal
     calls here, and every one gives the end-aligned result (before, the SDPA and FlashAttention
     kernels refused a rectangular causal call, and automatic choice fell back to others)."""
-    q, k, v, dout = (x.to(torch.bfloat16).to(F64) for x in _inputs(37, 100))
-    reasons = da.backend_reasons(*(x.cuda().to(torch.bfloat16) for x in (q, k, v)), is_causal=True)
+    # head_dim 64: every kernel here runs it with gradients (FA4's sm90 backward needs >= 32)
+    q, k, v, dout = (x.to(torch.bfloat16).to(F64) for x in _inputs(37, 100, head_dim=64))
+    dev = [x.cuda().to(torch.bfloat16).requires_grad_() for x in (q, k, v)]
+    reasons = da.backend_reasons(*dev, is_causal=True)  # with gradients, as the call below
     if backend is not None and reasons[backend]:
         pytest.skip(f"{backend} cannot run here: {reasons[backend]}")
-    dev = [x.cuda().to(torch.bfloat16).requires_grad_() for x in (q, k, v)]
     out, lse = da.attention(*dev, is_causal=True, backend=backend, return_lse=True)
     grads = torch.autograd.grad(out, dev, dout.cuda().to(torch.bfloat16))
     want = _oracle(q, k, v, dout, _end_aligned(37, 100).expand(H, -1, -1))
