@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .calls import Call, KernelArgs, call_backward, call_forward
+from .calls import Call, GradInputs, KernelArgs, call_backward, call_forward
 from .contract import KernelBackend
 from .merge import merge_partial
 
@@ -154,40 +154,28 @@ def run_forward(
 
 
 def run_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse_rows: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
+    saved: GradInputs,
     calls: Sequence[Call],
-    backend: KernelBackend,
+    kernel: KernelArgs,
     auxes: Iterator[Any],
     *,
-    scale: float,
     dq: torch.Tensor,
     dk: torch.Tensor | None,
     dv: torch.Tensor | None,
-    dropout_p: float = 0.0,
     kv_grads: Callable[[Call, torch.Tensor, torch.Tensor], None] | None = None,
 ) -> None:
     """Replay ``calls`` with the merged statistics and add their gradients into dq, dk, dv
     (Note [Exact gradients through the branch mix]).
 
     Args:
-        dout, q, out: (B, Nq, H, D); k, v: (B, Nk, Hkv, D).
-        lse_rows: (B, Nq, H, 1) merged log-sum-exp (:func:`row_lse` of the (B, H, Nq) one).
+        saved: the forward's inputs and merged results, and the output's gradient.
         auxes: the forward's ``aux`` values, consumed in call order.
         dq: (B, Nq, H, D); dk, dv: (B, Nk, Hkv, D): accumulators.
         kv_grads: where each call's key/value gradients (B * G, Lk, Hkc, D) go instead of
             ``dk`` / ``dv`` (ring attention sends them to the block's owner).
     """
-    kernel = KernelArgs(backend, scale, dropout_p)
     for call in calls:
-        dq_rows, dk_rows, dv_rows = call_backward(
-            call, dout, q, k, v, out, lse_rows, key_padding_mask, next(auxes), kernel
-        )
+        dq_rows, dk_rows, dv_rows = call_backward(call, saved, next(auxes), kernel)
         call.put_q(dq, dq_rows, accumulate=True)
         if kv_grads is not None:
             kv_grads(call, dk_rows, dv_rows)

@@ -138,6 +138,35 @@ class KernelArgs:
     dropout_p: float = 0.0
 
 
+@dataclass(frozen=True)
+class GradInputs:
+    """What a backward replays its calls with: the forward's inputs and merged results, and the
+    gradient of the output.
+
+    Attributes:
+        dout, q, out: (B, Nq, H, D).
+        k, v: (B, Nk, Hkv, D).
+        lse_rows: (B, Nq, H, 1) merged log-sum-exp (``row_lse`` of the (B, H, Nq) one).
+        key_padding_mask: (B, Nk) bool, or None.
+    """
+
+    dout: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    lse_rows: torch.Tensor
+    key_padding_mask: torch.Tensor | None
+
+    def part(self, index: slice | tuple[slice, slice]) -> GradInputs:
+        """Every tensor's ``[index]``: batch rows, or (batch rows, positions)."""
+        mask = self.key_padding_mask
+        return GradInputs(
+            self.dout[index], self.q[index], self.k[index], self.v[index], self.out[index],
+            self.lse_rows[index], None if mask is None else mask[index],
+        )  # fmt: skip
+
+
 def _call_lse(call: Call, lse_rows: torch.Tensor) -> torch.Tensor:
     """The call's (B * G, Hc, Lq) statistics from (B, N, H, 1)."""
     return call.q_rows(lse_rows).squeeze(-1).transpose(1, 2)
@@ -163,22 +192,18 @@ def call_forward(
 
 def call_backward(
     call: Call,
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse_rows: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
+    saved: GradInputs,
     aux: Any,
     kernel: KernelArgs,
     *,
     into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel's backward on ``call``'s rows with the merged statistics ``out`` and
-    ``lse_rows`` (B, Nq, H, 1); into ``into`` where the backend writes there."""
+    """The kernel's backward on ``call``'s rows with the merged statistics ``saved.out`` and
+    ``saved.lse_rows``; into ``into`` where the backend writes there."""
+    s = saved
     return kernel.backend.backward(
-        call.q_rows(dout), call.q_rows(q), call.kv_rows(k), call.kv_rows(v), call.q_rows(out),
-        _call_lse(call, lse_rows), aux, scale=kernel.scale, is_causal=call.causal,
-        key_mask=call.key_mask(key_padding_mask), dropout_p=kernel.dropout_p, into=into,
+        call.q_rows(s.dout), call.q_rows(s.q), call.kv_rows(s.k), call.kv_rows(s.v),
+        call.q_rows(s.out), _call_lse(call, s.lse_rows), aux, scale=kernel.scale,
+        is_causal=call.causal, key_mask=call.key_mask(s.key_padding_mask),
+        dropout_p=kernel.dropout_p, into=into,
     )  # fmt: skip

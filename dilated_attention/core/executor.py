@@ -39,7 +39,7 @@ from .call_runs import (
     run_backward,
     run_forward,
 )
-from .calls import KernelArgs
+from .calls import GradInputs, KernelArgs
 from .contract import KernelBackend
 from .grouped_runs import grouped_backward, grouped_forward
 from .higher_order import differentiable_grads, no_higher_order_message
@@ -146,10 +146,8 @@ def plan_backward(
         grads = [
             torch.empty(x.shape, dtype=grad_dtype or x.dtype, device=x.device) for x in (q, k, v)
         ]
-        slot_backward(
-            dout, q, k, v, out, row_lse(lse), key_padding_mask, plan.calls, plan.slots, kernel,
-            iter(auxes), grads=grads,
-        )  # fmt: skip
+        saved = GradInputs(dout, q, k, v, out, row_lse(lse), key_padding_mask)
+        slot_backward(saved, plan.calls, plan.slots, kernel, iter(auxes), grads=grads)
         dq, dk, dv = grads
         return dq, dk, dv
     if plan.whole:
@@ -161,11 +159,10 @@ def plan_backward(
     else:
         acc = grad_dtype or accumulator_dtype(q.dtype)
         grads = tuple(torch.zeros(x.shape, dtype=acc, device=q.device) for x in (q, k, v))
+        saved = GradInputs(dout, q, k, v, out, row_lse(lse), key_padding_mask)
         run_backward(
-            dout, q, k, v, out, row_lse(lse), key_padding_mask, plan.calls, backend,
-            iter(auxes), scale=scale, dq=grads[0], dk=grads[1], dv=grads[2],
-            dropout_p=dropout_p,
-        )  # fmt: skip
+            saved, plan.calls, kernel, iter(auxes), dq=grads[0], dk=grads[1], dv=grads[2]
+        )
     dtypes = [grad_dtype] * 3 if grad_dtype is not None else [x.dtype for x in (q, k, v)]
     dq, dk, dv = (g.to(dtype) for g, dtype in zip(grads, dtypes, strict=True))
     return dq, dk, dv

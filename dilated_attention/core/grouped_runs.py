@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .call_runs import accumulator_dtype, new_accumulators, row_lse, run_backward, run_forward
-from .calls import KernelArgs
+from .calls import GradInputs, KernelArgs
 from .plan import Plan, PositionGroup
 from .slot_runs import (
     fill_grad_slots,
@@ -98,15 +98,13 @@ def grouped_backward(
     summed in float32 scratch (or slots) of its own size, then written once; the gradient slots
     that span groups are filled first, whole."""
     grads = [torch.empty(x.shape, dtype=grad_dtype or x.dtype, device=x.device) for x in (q, k, v)]
-    lse_rows, aux = row_lse(lse), iter(auxes)
+    saved, aux = GradInputs(dout, q, k, v, out, row_lse(lse), key_padding_mask), iter(auxes)
     slots, spanning = plan.slots, None
     if plan.spanning:
         spanning = grad_slots(slots, q, k, v, own_slots(slots, True))
-        fill_grad_slots(dout, q, k, v, out, lse_rows, key_padding_mask, plan.spanning, spanning,
-                        kernel, aux)  # fmt: skip
+        fill_grad_slots(saved, plan.spanning, spanning, kernel, aux)
     for (rows, positions), group in _pieces(q.shape[0], plan.groups):
-        piece = [x[rows, positions] for x in (q, k, v)]
-        mask = rows_of(key_padding_mask, (rows, positions))
+        piece = saved.part((rows, positions))
         if slots:
             parts = (
                 None
@@ -114,18 +112,13 @@ def grouped_backward(
                 else [g.views(rows, group.start, group.end) for g in spanning]
             )
             slot_backward(
-                dout[rows, positions], *piece, out[rows, positions], lse_rows[rows, positions],
-                mask, group.calls, slots, kernel, aux,
+                piece, group.calls, slots, kernel, aux,
                 grads=[grad[rows, positions] for grad in grads], spanning=parts,
             )  # fmt: skip
             continue
         scratch = [torch.zeros(x.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
-                   for x in piece]  # fmt: skip
-        run_backward(
-            dout[rows, positions], *piece, out[rows, positions], lse_rows[rows, positions],
-            mask, group.calls, kernel.backend, aux, scale=kernel.scale, dq=scratch[0],
-            dk=scratch[1], dv=scratch[2], dropout_p=kernel.dropout_p,
-        )  # fmt: skip
+                   for x in (piece.q, piece.k, piece.v)]  # fmt: skip
+        run_backward(piece, group.calls, kernel, aux, dq=scratch[0], dk=scratch[1], dv=scratch[2])
         for grad, part in zip(grads, scratch, strict=True):
             grad[rows, positions] = part
     dq, dk, dv = grads

@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import torch
 
-from .calls import Call, KernelArgs, call_backward, call_forward
+from .calls import Call, GradInputs, KernelArgs, call_backward, call_forward
 from .contract import KernelOutput
 from .slots import KeySlots, Slot, SlotBuffers, SlotCall, SlotView, merge_slots
 
@@ -76,13 +76,7 @@ def fill_slots(
 
 
 def fill_grad_slots(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse_rows: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
+    saved: GradInputs,
     calls: Sequence[Call],
     grads: Sequence[SlotBuffers | KeySlots],
     kernel: KernelArgs,
@@ -92,17 +86,14 @@ def fill_grad_slots(
     ``grads`` (three buffers, for q, k and v: :func:`grad_slots`).
 
     Args:
-        lse_rows: (B, N, H, 1) merged log-sum-exp (:func:`row_lse`).
+        saved: the forward's inputs and merged results, and the output's gradient.
         auxes: the forward's ``aux`` values, consumed in the order :func:`fill_slots` made them.
     """
     for call in calls:
         slotted = cast(SlotCall, call)
-        for rows in batch_rows(call, *q.shape[:2]):
+        for rows in batch_rows(call, *saved.q.shape[:2]):
             into = tuple(g.call_rows(slotted, rows) for g in grads)
-            results = call_backward(
-                call, dout[rows], q[rows], k[rows], v[rows], out[rows], lse_rows[rows],
-                rows_of(key_padding_mask, rows), next(auxes), kernel, into=into,
-            )  # fmt: skip
+            results = call_backward(call, saved.part(rows), next(auxes), kernel, into=into)
             for dest, result in zip(into, results, strict=True):
                 _fill(dest, result)
 
@@ -158,13 +149,7 @@ def slot_forward(
 
 
 def slot_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse_rows: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
+    saved: GradInputs,
     calls: Sequence[Call],
     slots: Sequence[Slot],
     kernel: KernelArgs,
@@ -177,8 +162,7 @@ def slot_backward(
     gradient buffers (:func:`grad_slots`), each summed (with the ``spanning`` views of that
     gradient's slots) once into ``grads`` (dq, dk, dv, (B, N, H or Hkv, D))."""
     held = None if spanning is None else own_slots(slots)
-    buffers = grad_slots(slots, q, k, v, held, grads)
-    fill_grad_slots(dout, q, k, v, out, lse_rows, key_padding_mask, calls, buffers, kernel,
-                    auxes)  # fmt: skip
+    buffers = grad_slots(slots, saved.q, saved.k, saved.v, held, grads)
+    fill_grad_slots(saved, calls, buffers, kernel, auxes)
     for own, extra, grad in zip(buffers, spanning or ((), (), ()), grads, strict=True):
         own.sum_into(grad, extra)

@@ -46,7 +46,7 @@ from ..core.call_runs import (
     run_backward,
     run_forward,
 )
-from ..core.calls import Call
+from ..core.calls import Call, GradInputs, KernelArgs
 from ._comm import wait_all
 
 T = TypeVar("T")
@@ -240,7 +240,7 @@ def ring_backward(
         auxes: the forward's kernel ``aux`` values, in call order.
         dq: the accumulator the calls add dQ into.
     """
-    aux_iter = iter(auxes)
+    aux_iter, step_args = iter(auxes), KernelArgs(kernel.backend, kernel.scale)
     returning: Transit[None] = Transit.done(None)
     transit = traffic.fetch(0, None) if traffic.steps else None
     for step in range(traffic.steps):
@@ -252,9 +252,9 @@ def ring_backward(
         if keys is not None:  # calls run in the forward's order: each consumes its own aux
             grads = traffic.grads(step, keys)
             dkv = grads.dkv
+            saved = GradInputs(dout, q, *keys.kv, out, lse_rows, keys.key_padding_mask)
             run_backward(
-                dout, q, keys.kv[0], keys.kv[1], out, lse_rows, keys.key_padding_mask,
-                traffic.calls(step), kernel.backend, aux_iter, scale=kernel.scale, dq=dq,
+                saved, traffic.calls(step), step_args, aux_iter, dq=dq,
                 dk=None if dkv is None else dkv[0], dv=None if dkv is None else dkv[1],
                 kv_grads=grads.keep if dkv is None else None,
             )  # fmt: skip
