@@ -577,17 +577,21 @@ def route(
     k: torch.Tensor,
     v: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Run a checked request: through its operator where a tracer or a torch.func transform
     sees the call (:func:`is_traced`), else resolved and run eagerly (``resolve.execute``).
 
     Args:
         request: the call, as the public function described it.
         q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D); key_padding_mask: (B, Nk) bool or None.
+        return_lse: also return the merged log-sum-exp.
 
     Returns:
-        ``out`` (B, Nq, H, D) and ``lse`` (B, H, Nq), detached.
+        ``out`` (B, Nq, H, D), or ``(out, lse)`` with ``lse`` (B, H, Nq) detached.
     """
     if is_traced(q, k, v, key_padding_mask):
-        return run(request, q, k, v, key_padding_mask)
-    return execute(request, q, k, v, key_padding_mask)
+        out, lse = run(request, q, k, v, key_padding_mask)
+    else:
+        out, lse = execute(request, q, k, v, key_padding_mask)
+    return (out, lse) if return_lse else out

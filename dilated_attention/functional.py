@@ -82,8 +82,7 @@ def attention(
         dropout_p=V.check_dropout("dropout_p", dropout_p), scale=V.check_scale(scale),
         backend=check_backend_name(backend),
     )  # fmt: skip
-    out, lse = compiled.route(request, q, k, v, key_padding_mask)
-    return (out, lse) if return_lse else out
+    return compiled.route(request, q, k, v, key_padding_mask, return_lse)
 
 
 def dilated_attention(
@@ -165,8 +164,7 @@ def dilated_attention(
     if cache is not None:
         return _decode(cache, q, k, v, key_padding_mask, fields, return_lse)
     request = Request.of(dilated_operation(q.shape[1], k.shape[1]), q, k, v, **fields)
-    out, lse = compiled.route(request, q, k, v, key_padding_mask)
-    return (out, lse) if return_lse else out
+    return compiled.route(request, q, k, v, key_padding_mask, return_lse)
 
 
 def block_sparse_attention(
@@ -239,8 +237,7 @@ def block_sparse_attention(
         BLOCK_SPARSE, q, k, v, pattern=pattern, block_size=block_size, is_causal=is_causal,
         scale=V.check_scale(scale), backend=check_backend_name(backend),
     )  # fmt: skip
-    out, lse = compiled.route(request, q, k, v, None)
-    return (out, lse) if return_lse else out
+    return compiled.route(request, q, k, v, None, return_lse)
 
 
 def _decode(
