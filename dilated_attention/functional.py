@@ -17,11 +17,12 @@ from . import _validation as V
 from . import compiled
 from .backends.registry import check_backend_name
 from .block_sparse.plan import check_block_size
+from .core.documents import check_cu_seqlens, flatten, unflatten
 from .core.hidden import hide_masked_keys
 from .core.kv_cache import DilatedKVCache, check_cache_call
 from .core.schedule import Schedule
 from .patterns import Pattern, check_pattern
-from .resolve import BLOCK_SPARSE, DENSE, Request, dilated_operation, resolve
+from .resolve import BLOCK_SPARSE, DENSE, DILATED, Request, dilated_operation, resolve
 
 __all__ = ["attention", "block_sparse_attention", "dilated_attention"]
 
@@ -39,6 +40,7 @@ def attention(
     key_padding_mask: torch.Tensor | None = None,
     backend: str | None = None,
     return_lse: bool = False,
+    cu_seqlens: torch.Tensor | list[int] | None = None,
 ) -> Output:
     """Dense softmax attention through the backend layer.
 
@@ -57,6 +59,9 @@ def attention(
         backend: a name from :func:`list_backends`, or ``None`` / ``"auto"`` to choose
             automatically.
         return_lse: also return the log-sum-exp.
+        cu_seqlens: packed documents, each attending only within itself: their offsets among
+            the ``B * N`` positions read row after row, from 0 to ``B * N``, every row start
+            among them (Note [Packed documents] in ``core/documents.py``); Nq == Nk.
 
     Returns:
         ``out`` (B, Nq, H, D) in the input dtype, or ``(out, lse)`` with ``lse`` (B, H, Nq) float32
@@ -77,11 +82,15 @@ def attention(
     V.check_bool("return_lse", return_lse)
     V.check_causal_lengths(q, k, is_causal, "attention")
     V.check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[1], q.device)
-    request = Request.of(
-        DENSE, q, k, v, is_causal=is_causal, has_mask=key_padding_mask is not None,
+    fields = dict(
+        is_causal=is_causal, has_mask=key_padding_mask is not None,
         dropout_p=V.check_dropout("dropout_p", dropout_p), scale=V.check_scale(scale),
         backend=check_backend_name(backend),
     )  # fmt: skip
+    if cu_seqlens is not None:
+        documents = check_cu_seqlens(cu_seqlens, q, k)
+        return _packed(DENSE, documents, q, k, v, key_padding_mask, fields, return_lse)
+    request = Request.of(DENSE, q, k, v, **fields)
     return compiled.route(request, q, k, v, key_padding_mask, return_lse)
 
 
@@ -99,14 +108,15 @@ def dilated_attention(
     backend: str | None = None,
     return_lse: bool = False,
     cache: DilatedKVCache | None = None,
+    cu_seqlens: torch.Tensor | list[int] | None = None,
 ) -> Output:
     """LongNet dilated attention with exact branch mixing (LongNet Eq. 10) and exact gradients.
 
-    Branch ``i`` cuts the sequence into segments of ``segment_lengths[i]`` (the last may be shorter)
-    and, inside each, head ``j`` attends among the rows ``offset + r*m`` with ``r =
-    dilation_rates[i]``
-    and ``offset = j mod r``. Every head takes part in every branch; the branches mix as one softmax
-    over the multiset union of their keys. For N = 8, one branch (w=8, r=2), heads 0 and 1::
+    Branch ``i`` cuts the sequence into segments of ``segment_lengths[i]`` (the last may be
+    shorter) and, inside each, head ``j`` attends among the rows ``offset + r*m`` with ``r =
+    dilation_rates[i]`` and ``offset = j mod r``. Every head takes part in every branch; the
+    branches mix as one softmax over the multiset union of their keys. For N = 8, one branch
+    (w=8, r=2), heads 0 and 1::
 
         position   0 1 2 3 4 5 6 7
         head 0     x . x . x . x .     rows {0, 2, 4, 6} attend among themselves
@@ -131,17 +141,15 @@ def dilated_attention(
             automatically.
         return_lse: also return the merged log-sum-exp.
         cache: a :class:`~dilated_attention.DilatedKVCache` of this layer, for decoding with
-            ``is_causal=True``: query, key and value are the next tokens' (same length); their
-            keys and values are appended to the cache and the queries attend to every key they
-            can read, which the cache keeps within the longest segment (Note [Bounded dilated
-            cache]). With a cache, ``key_padding_mask`` is (B, N) over the new keys; the cache
-            keeps the masks of the keys it holds.
+            ``is_causal=True``: query, key and value are the next tokens' (same length), their
+            keys appended to the cache; the queries read every key they can see, which the
+            cache keeps within the longest segment (Note [Bounded dilated cache]).
+            ``key_padding_mask`` is then (B, N) over the new keys (the cache keeps the rest).
+        cu_seqlens: packed documents, as in :func:`attention`, each segmented as if alone.
 
     Returns:
-        ``out`` (B, N, H, D) in the input dtype, or ``(out, lse)`` with ``lse`` (B, H, N) float32
-        (float64 for float64 inputs), detached. Rows no branch covers, or whose keys are all masked,
-        give 0 and ``lse = -inf``. A batch of 0 (or 0 heads) gives empty tensors and gradients.
-        Higher-order gradients: as in :func:`attention`.
+        As :func:`attention` (``out``, or ``out`` and a detached ``lse`` (B, H, N)); rows no
+        branch covers, or whose keys are all masked, give 0 and ``lse = -inf``.
 
     Raises:
         ValueError / TypeError: malformed inputs (including ``seq_len`` 0), before any work;
@@ -154,8 +162,7 @@ def dilated_attention(
     V.check_bool("return_lse", return_lse)
     V.check_decoding_lengths(q, k, is_causal)
     V.check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[1], q.device)
-    if cache is not None:
-        check_cache_call(cache, schedule.segment_lengths, schedule.dilation_rates, q, k, is_causal)
+    documents = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, q, k, cache)
     fields = dict(
         is_causal=is_causal, has_mask=key_padding_mask is not None,
         dropout_p=V.check_dropout("dropout_p", dropout_p), scale=V.check_scale(scale),
@@ -163,6 +170,8 @@ def dilated_attention(
     )  # fmt: skip
     if cache is not None:
         return _decode(cache, q, k, v, key_padding_mask, fields, return_lse)
+    if documents is not None:
+        return _packed(DILATED, documents, q, k, v, key_padding_mask, fields, return_lse)
     request = Request.of(dilated_operation(q.shape[1], k.shape[1]), q, k, v, **fields)
     return compiled.route(request, q, k, v, key_padding_mask, return_lse)
 
@@ -253,6 +262,9 @@ def _decode(
     (B, n, Hkv, D), key_padding_mask (B, n) over the new keys -> ``out`` or ``(out, lse)``.
     Resolved before the cache changes (a refused call leaves it as it was); then the new keys
     join the ones they read (positions ``cache.start`` to ``cache.length + n``)."""
+    schedule, is_causal = fields["schedule"], bool(fields["is_causal"])
+    assert isinstance(schedule, Schedule)  # dilated_attention's fields
+    check_cache_call(cache, schedule.segment_lengths, schedule.dilation_rates, q, k, is_causal)
     if compiled.is_traced(q, k, v, key_padding_mask):
         raise ValueError(
             "cache= is not supported under torch.compile, torch.export or torch.func yet: "
@@ -268,3 +280,28 @@ def _decode(
     out, lse = strategy.run(q, k, v, key_padding_mask)
     return (out, lse) if return_lse else out
 
+
+def _packed(
+    operation: str,
+    documents: tuple[int, ...],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    fields: dict[str, object],
+    return_lse: bool,
+) -> Output:
+    """A checked call on packed documents (Note [Packed documents] in ``core/documents.py``):
+    q (B, N, H, D), k and v (B, N, Hkv, D) as one row of their documents, run, and the results
+    in the batch's shape."""
+    if compiled.is_traced(q, k, v, key_padding_mask):
+        raise ValueError(
+            "cu_seqlens is not supported under torch.compile, torch.export or torch.func yet: "
+            "call the packed batch eagerly, or give each document its own row"
+        )
+    batch, seq_len = q.shape[:2]
+    qf, kf, vf, mask = (flatten(x) for x in (q, k, v, key_padding_mask))
+    request = Request.of(operation, qf, kf, vf, documents=documents, **fields)  # type: ignore[arg-type]
+    out, lse = compiled.route(request, qf, kf, vf, mask, return_lse=True)  # type: ignore[arg-type]
+    out, lse = unflatten(out, lse, batch, seq_len)
+    return (out, lse) if return_lse else out

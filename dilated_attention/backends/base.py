@@ -50,6 +50,9 @@ class KernelInputs:
     # A dilated call whose branches can write into slots merged once (Note [Branch slots merged
     # once] in core/slots.py): kernels that write into given buffers run it fastest.
     branch_slots: bool = False
+    # Rows holding packed documents (Note [Packed documents] in core/documents.py): the
+    # executor runs each document's segments as their own calls.
+    documents: bool = False
 
     @classmethod
     def from_tensors(

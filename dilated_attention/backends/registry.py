@@ -429,7 +429,12 @@ class OperationRegistry:
 
 
 def _fused_dilated_reasons(inputs: KernelInputs) -> list[str]:
-    return _BACKENDS["triton"].not_supported_reasons(inputs)
+    packed = (
+        ["packed documents (cu_seqlens): the fused kernels segment each row as one sequence; "
+         "the executor's plan runs each document's segments"]
+        if inputs.documents else []
+    )  # fmt: skip
+    return [*packed, *_BACKENDS["triton"].not_supported_reasons(inputs)]
 
 
 def _block_sparse_triton_reasons(inputs: KernelInputs) -> list[str]:

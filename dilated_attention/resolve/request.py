@@ -53,6 +53,9 @@ class Request:
             ``world_size * query_len`` positions, in chunks of ``chunk_len`` (one per rank, two
             under the zigzag layout). The kernel is then chosen for the local branches, whose
             segments lie inside one chunk (``ScheduleLayout.sharded``). None: one process.
+        documents: ``"dense"``, ``"dilated"`` on packed documents: the offsets of the documents
+            among the ``query_len`` positions of a batch of one row (Note [Packed documents] in
+            ``core/documents.py``). None: each row is one sequence.
     """
 
     operation: str
@@ -76,6 +79,7 @@ class Request:
     key_start: int = 0
     context_len: int | None = None
     shard: tuple[int, int] | None = None
+    documents: tuple[int, ...] | None = None
 
     @classmethod
     def of(

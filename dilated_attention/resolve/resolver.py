@@ -49,10 +49,11 @@ from ..backends.registry import DILATED as DILATED_REGISTRY
 from ..backends.registry import Selection, _requested, registry_for
 from ..block_sparse import plan as block_plan
 from ..core import decode
+from ..core.documents import document_groups
 from ..core.grouped import grouped_plan
 from ..core.hidden import hide_masked_keys
 from ..core.plan import Plan
-from ..core.segment import branch_plan, describe_plan
+from ..core.segment import branch_plan, describe_plan, dilated_plan
 from ..patterns import Pattern
 from .request import BLOCK_SPARSE, DECODE, DENSE, DILATED, OPERATIONS, Request
 from .strategy import (
@@ -101,6 +102,8 @@ def _dense(request: Request) -> Strategy:
     """One dense call; a causal query shorter than the key (end-aligned) as a call without a
     mask and a square causal call (``decode.dense_decode_plan``), the kernel chosen for those."""
     nq, nk = request.query_len, request.key_len
+    if request.documents is not None:  # each document's one branch (N, 1)
+        return _packed(request, (nq,), (1,), DENSE_REGISTRY, "attention")
     end_aligned = request.is_causal and nq < nk
     inputs = _kernel_inputs(request, key_len=nq if end_aligned else None)
     kernel = registry_for(DENSE_REGISTRY).select(inputs, request.backend)
@@ -124,6 +127,12 @@ def _dilated(request: Request) -> Strategy:
         return KernelOnlyStrategy(request, kernel, DILATED_REGISTRY, inputs, _summary(kernel))
     if request.shard is not None:
         return _shard(request)
+    if request.documents is not None:
+        schedule = request.schedule
+        return _packed(
+            request, schedule.segment_lengths, schedule.dilation_rates, DILATED_REGISTRY,
+            "dilated_attention",
+        )  # fmt: skip
     layout = request.schedule.at(request.query_len, request.num_heads, request.num_kv_heads)
     inputs = _kernel_inputs(request, branch_slots=layout.in_slots)
     kernel = registry_for(DILATED_REGISTRY).select(inputs, request.backend)
@@ -167,6 +176,31 @@ def _shard(request: Request) -> Strategy:
         "branches on this kernel, the spanning branches' calls on its backend"
     )
     return KernelOnlyStrategy(request, kernel, DILATED_REGISTRY, inputs, how, notes)
+
+
+def _packed(
+    request: Request,
+    segment_lengths: tuple[int, ...],
+    dilation_rates: tuple[int, ...],
+    operation: str,
+    what: str,
+) -> Strategy:
+    """Packed documents (Note [Packed documents]): every document's row groups, where it
+    starts, as the executor's plan on the operation's kernel."""
+    assert request.documents is not None
+    groups = document_groups(
+        request.documents, request.num_heads, segment_lengths, dilation_rates
+    )
+    inputs = _kernel_inputs(request)
+    kernel = registry_for(operation).select(inputs, request.backend)
+    plan = dilated_plan(
+        groups, request.query_len, request.num_kv_heads, request.device, request.is_causal
+    )
+    count = len(request.documents) - 1
+    notes = (f"{count} packed documents, each segmented from its own first token: "
+             f"{len(plan.calls)} kernel calls",)  # fmt: skip
+    how = "the executor's plan of every document's calls on this kernel, merged by log-sum-exp"
+    return PlanStrategy(request, kernel, operation, inputs, how, notes, plan=plan, what=what)
 
 
 def fused_notes(name: str, branches: tuple[tuple[int, int], ...]) -> tuple[str, ...]:
@@ -337,7 +371,7 @@ def _kernel_inputs(
         query_len=request.query_len, key_len=request.key_len, is_causal=request.is_causal,
         has_mask=request.has_mask, dropout_p=request.dropout_p,
         requires_grad=request.requires_grad, block_size=block_size,
-        branch_slots=branch_slots,
+        branch_slots=branch_slots, documents=request.documents is not None,
     )  # fmt: skip
     changes: dict[str, object] = {
         "query_len": query_len, "key_len": key_len, "is_causal": is_causal,

@@ -1,0 +1,173 @@
+"""Packed documents: documents back to back in the rows of a batch, each attending only within
+itself and segmented from its own first token.
+
+Note [Packed documents]
+    ``cu_seqlens`` (FlashAttention's varlen convention) holds the documents' offsets among the
+    batch's ``B * N`` positions read row after row: 0, then where each document ends, the last
+    being ``B * N``. Every row starts a document (no document crosses rows); with ``B = 1`` it is
+    FlashAttention's ``(total_tokens, H, D)`` batch seen as ``(1, total_tokens, H, D)``.
+
+    A packed call equals the call of each document alone: branch ``(w, r)`` cuts a document into
+    segments of ``w`` from the document's first token (its last segment shorter, ``w`` above
+    the document's length one segment), the head offsets and causality count from there, and
+    no key of another document is seen. Rows of a batch hold their documents independently, so
+    the batch is one row of ``B * N`` positions (:func:`flatten`), and the executor's plan is
+    every document's row groups (``plan_branches`` of its length) moved to where it starts
+    (:func:`document_groups`). A row group is consecutive segments of one document, so the
+    gathers, the kernel calls and the exact log-sum-exp merge are those of one sequence; dense
+    attention is the one branch ``(N, 1)``. Documents of one length share their groups'
+    indices (``plan_branches`` is cached by length).
+
+Shape legend: B batch, N positions per row, H query heads, Hkv key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import itertools
+import numbers
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+
+from .segment import RowGroup, effective_branches, plan_branches
+
+__all__ = ["check_cu_seqlens", "document_groups", "flatten", "unflatten"]
+
+_FORM = (
+    "cu_seqlens holds the documents' offsets in the batch's B * N positions read row after row: "
+    "0, then where each document ends, ending at B * N, e.g. cu_seqlens=[0, 3, 10] for documents "
+    "of 3 and 7 tokens in one row of 10"
+)
+
+
+def _values(cu_seqlens: object, device: torch.device) -> list[int]:
+    """The offsets as Python ints, or a TypeError / ValueError naming the form."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or (
+            cu_seqlens.dtype == torch.bool
+        ):
+            raise TypeError(
+                f"cu_seqlens must hold ints, got a {cu_seqlens.dtype} tensor; pass "
+                f"cu_seqlens.to(torch.int32). {_FORM}"
+            )
+        if cu_seqlens.dim() != 1:
+            raise ValueError(
+                f"cu_seqlens must be 1-D, got shape {tuple(cu_seqlens.shape)}. {_FORM}"
+            )
+        if cu_seqlens.device.type != "cpu" and cu_seqlens.device != device:
+            raise ValueError(
+                f"cu_seqlens is on {cu_seqlens.device} and the tensors on {device}: pass it on "
+                f"{device} or the CPU (it is read once to plan the calls)"
+            )
+        return [int(x) for x in cu_seqlens.tolist()]
+    if isinstance(cu_seqlens, (str, bytes)) or not isinstance(cu_seqlens, Sequence):
+        raise TypeError(
+            f"cu_seqlens must be a 1-D int tensor or a sequence of ints, got "
+            f"{type(cu_seqlens).__name__}. {_FORM}"
+        )
+    bad = [x for x in cu_seqlens if isinstance(x, bool) or not isinstance(x, numbers.Integral)]
+    if bad:
+        raise TypeError(f"cu_seqlens must hold ints, got {bad[0]!r}. {_FORM}")
+    return [int(x) for x in cu_seqlens]
+
+
+def _shown(offsets: list[int]) -> str:
+    return str(offsets) if len(offsets) <= 12 else f"{offsets[:12]} ... ({len(offsets)} offsets)"
+
+
+def check_cu_seqlens(
+    cu_seqlens: object, q: torch.Tensor, k: torch.Tensor, cache: object = None
+) -> tuple[int, ...]:
+    """Check document offsets over the batch of q (B, N, H, D) and k (B, N, Hkv, D)
+    (Note [Packed documents]).
+
+    Args:
+        cu_seqlens: a 1-D int tensor (on the CPU or the tensors' device) or a sequence of ints.
+
+    Returns:
+        The offsets as a tuple of ints: 0, each document's end, ``B * N``.
+
+    Raises:
+        TypeError: not ints, or not a tensor or a sequence.
+        ValueError: not 1-D, on another device, not starting at 0, not increasing, not
+            ending at ``B * N``, a document crossing from one row into the next, or a query
+            of another length than the key, or a decoding ``cache`` given too.
+    """
+    if cache is not None:
+        raise ValueError(
+            "cu_seqlens and cache cannot be combined: a cache holds one sequence per row; "
+            "decode each document in its own row with its own cache"
+        )
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"packed documents (cu_seqlens) need a query of the key's length (each document's "
+            f"queries are its own positions), got query.shape={tuple(q.shape)}, "
+            f"key.shape={tuple(k.shape)}; decode each document in its own row with its own cache"
+        )
+    batch, seq_len = q.shape[:2]
+    offsets = _values(cu_seqlens, q.device)
+    total = batch * seq_len
+    if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != total:
+        raise ValueError(
+            f"cu_seqlens must start at 0 and end at B * N = {batch} * {seq_len} = {total} (the "
+            f"tensors' positions), got {_shown(offsets)}. {_FORM}"
+        )
+    steps = [(a, b) for a, b in itertools.pairwise(offsets) if b <= a]
+    if steps:
+        a, b = steps[0]
+        raise ValueError(
+            f"cu_seqlens must be strictly increasing (every document holds a token), got {a} "
+            f"then {b}. {_FORM}"
+        )
+    known = set(offsets)
+    crossing = [row * seq_len for row in range(1, batch) if row * seq_len not in known]
+    if crossing:
+        raise ValueError(
+            f"a document crosses from row {crossing[0] // seq_len - 1} into row "
+            f"{crossing[0] // seq_len}: cu_seqlens must hold every row start (multiples of N = "
+            f"{seq_len}), missing {crossing[0]}; end each row's last document there, or pack "
+            f"the batch into one row of {total}"
+        )
+    return tuple(offsets)
+
+
+def document_groups(
+    documents: tuple[int, ...],
+    num_heads: int,
+    segment_lengths: tuple[int, ...],
+    dilation_rates: tuple[int, ...],
+) -> tuple[RowGroup, ...]:
+    """Every document's row groups, where the document starts (Note [Packed documents]).
+
+    Args:
+        documents: offsets from :func:`check_cu_seqlens`.
+        num_heads: H.
+        segment_lengths, dilation_rates: the schedule (``w`` above a document's length is one
+            segment of it).
+
+    Returns:
+        Row groups over the positions ``0 .. documents[-1]``, document after document.
+    """
+    groups: list[RowGroup] = []
+    for start, end in itertools.pairwise(documents):
+        segs, rates = effective_branches(end - start, num_heads, segment_lengths, dilation_rates)
+        groups.extend(replace(g, start=g.start + start)
+                      for g in plan_branches(end - start, num_heads, segs, rates))  # fmt: skip
+    return tuple(groups)
+
+
+def flatten(x: torch.Tensor | None) -> torch.Tensor | None:
+    """(B, N, ...) -> (1, B * N, ...): the batch's rows as one row of documents."""
+    return None if x is None else x.reshape(1, x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def unflatten(
+    out: torch.Tensor, lse: torch.Tensor, batch: int, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`flatten` for a call's results: ``out`` (1, B * N, H, D) ->
+    (B, N, H, D) and ``lse`` (1, H, B * N) -> (B, H, N)."""
+    heads = lse.shape[1]
+    out = out.reshape(batch, seq_len, *out.shape[2:])
+    lse = lse.reshape(heads, batch, seq_len).transpose(0, 1)
+    return out, lse

@@ -1,0 +1,222 @@
+"""Packed documents (``cu_seqlens``): a packed batch equals each document run alone.
+
+Note [Packed documents] in ``core/documents.py``: every document is segmented from its own first
+token and attends only within itself. The float64 oracle is block-diagonal: each document's
+dilated multiplicity (``tests/support/oracle.py``, built for the document's length alone) on
+the diagonal, nothing between documents. Outputs, lse and dq, dk, dv are compared on every
+backend that runs the inputs, causal and not, with GQA, a key padding mask, and documents of 1
+token, shorter than the smallest segment, between, longer than the largest, odd.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from support.backend_params import DEVICE_BACKENDS
+from support.oracle import dilated_multiplicity, masked_attention
+from torch import Tensor
+
+from dilated_attention import DilatedKVCache, attention, dilated_attention
+from dilated_attention.backends import KernelInputs
+from dilated_attention.backends.registry import registry_for
+
+H, HKV, D = 4, 2, 16
+SEGS, RATES = (8, 16, 32), (1, 2, 4)
+#: name: documents of each row (every row holds the same number of positions).
+LAYOUTS = {
+    "one-row": [[1, 5, 17, 40, 9, 3]],
+    "two-rows": [[3, 30, 7, 35], [75]],
+    "one-document": [[64]],
+}
+
+
+def _offsets(layout: list[list[int]]) -> list[int]:
+    return [0, *itertools.accumulate(n for row in layout for n in row)]
+
+
+def _multiplicity(layout: list[list[int]], is_causal: bool, dilated: bool) -> Tensor:
+    """(B, H, N, N) block-diagonal weights: each document's own, as if alone."""
+    rows = []
+    for row in layout:
+        n = sum(row)
+        m = torch.zeros(H, n, n, dtype=torch.float64)
+        start = 0
+        for length in row:
+            if dilated:
+                block = dilated_multiplicity(length, H, SEGS, RATES, is_causal=is_causal)
+            else:
+                block = torch.ones(H, length, length, dtype=torch.float64)
+                if is_causal:
+                    block = block.tril()
+            m[:, start : start + length, start : start + length] = block
+            start += length
+        rows.append(m)
+    return torch.stack(rows)
+
+
+def _oracle(q, k, v, dout, weights, mask) -> list[Tensor]:
+    """out, lse and dq, dk, dv of the float64 oracle, row by row (each its own weights)."""
+    results = []
+    for b in range(q.shape[0]):
+        leaves = [x[b : b + 1].double().detach().requires_grad_() for x in (q, k, v)]
+        row_mask = None if mask is None else mask[b : b + 1]
+        out, lse = masked_attention(*leaves, weights[b], key_padding_mask=row_mask)
+        grads = torch.autograd.grad(out, leaves, dout[b : b + 1].double())
+        results.append([out.detach(), lse.detach(), *grads])
+    return [torch.cat(parts) for parts in zip(*results, strict=True)]
+
+
+def _inputs(layout, device: str, dtype: torch.dtype, masked: bool):
+    gen = torch.Generator().manual_seed(3)
+    n = sum(layout[0])
+    batch = len(layout)
+    q = torch.randn(batch, n, H, D, generator=gen, dtype=torch.float64)
+    k = torch.randn(batch, n, HKV, D, generator=gen, dtype=torch.float64)
+    v = torch.randn(batch, n, HKV, D, generator=gen, dtype=torch.float64)
+    dout = torch.randn(batch, n, H, D, generator=gen, dtype=torch.float64)
+    mask = (torch.rand(batch, n, generator=gen) < 0.2) if masked else None
+    # Round to the call's dtype first: the oracle sees what the kernels see.
+    q, k, v, dout = (x.to(dtype).double() for x in (q, k, v, dout))
+    dev = [x.to(device, dtype).requires_grad_() for x in (q, k, v)]
+    return q, k, v, dout, mask, dev
+
+
+def _check(got: list[Tensor], want: list[Tensor], dtype: torch.dtype, what: str) -> None:
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True):
+        g = g.detach().double().cpu()
+        finite = torch.isfinite(w)
+        assert torch.equal(finite, torch.isfinite(g)), f"{what} {name}: -inf rows differ"
+        scale = float(w[finite].abs().max()) if finite.any() else 1.0
+        atol, rtol = (1e-10, 1e-8) if dtype == torch.float64 else (3e-2 * scale, 3e-2)
+        torch.testing.assert_close(g[finite], w[finite], atol=atol, rtol=rtol,
+                                   msg=lambda m, n=name: f"{what} {n}: {m}")  # fmt: skip
+
+
+def _dtype(device: str) -> torch.dtype:
+    return torch.float64 if device == "cpu" else torch.bfloat16
+
+
+@pytest.mark.parametrize(("device", "backend"), DEVICE_BACKENDS)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("masked", [False, True], ids=["", "masked"])
+def test_packed_dilated_equals_each_document_alone(device, backend, layout, is_causal, masked):
+    docs, dtype = LAYOUTS[layout], _dtype(device)
+    q, k, v, dout, mask, dev = _inputs(docs, device, dtype, masked)
+    dev_mask = None if mask is None else mask.to(device)
+    try:
+        out, lse = dilated_attention(
+            *dev, SEGS, RATES, is_causal=is_causal, key_padding_mask=dev_mask, backend=backend,
+            return_lse=True, cu_seqlens=torch.tensor(_offsets(docs)),
+        )  # fmt: skip
+    except ValueError as error:
+        if backend is not None and "cannot run these inputs" in str(error):
+            pytest.skip(f"{backend}: {error}")
+        raise
+    grads = torch.autograd.grad(out, dev, dout.to(device, dtype))
+    want = _oracle(q, k, v, dout, _multiplicity(docs, is_causal, dilated=True), mask)
+    _check([out, lse, *grads], want, dtype, f"{layout} {backend}")
+
+
+@pytest.mark.parametrize(("device", "backend"), DEVICE_BACKENDS)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_packed_attention_sees_only_its_document(device, backend, is_causal):
+    docs, dtype = LAYOUTS["two-rows"], _dtype(device)
+    q, k, v, dout, mask, dev = _inputs(docs, device, dtype, masked=False)
+    try:
+        out, lse = attention(*dev, is_causal=is_causal, backend=backend, return_lse=True,
+                             cu_seqlens=_offsets(docs))  # fmt: skip
+    except ValueError as error:
+        if backend is not None and "cannot run these inputs" in str(error):
+            pytest.skip(f"{backend}: {error}")
+        raise
+    grads = torch.autograd.grad(out, dev, dout.to(device, dtype))
+    want = _oracle(q, k, v, dout, _multiplicity(docs, is_causal, dilated=False), mask)
+    _check([out, lse, *grads], want, dtype, f"attention {backend}")
+
+
+def test_packed_call_equals_the_unpacked_calls_exactly() -> None:
+    """The same kernels on the same rows: bit for bit what each document gives alone."""
+    docs = LAYOUTS["one-row"][0]
+    *_, dev = _inputs([docs], "cpu", torch.float32, masked=False)
+    out = dilated_attention(*dev, SEGS, RATES, is_causal=True, cu_seqlens=_offsets([docs]))
+    offsets = _offsets([docs])
+    alone = [
+        dilated_attention(*(x[:, a:b] for x in dev), SEGS, RATES, is_causal=True)
+        for a, b in itertools.pairwise(offsets)
+    ]
+    assert torch.equal(out, torch.cat(alone, dim=1))
+
+
+def test_the_fused_kernels_refuse_packed_documents_by_name() -> None:
+    inputs = KernelInputs(torch.device("cpu"), torch.bfloat16, 64, 4, 4, 128, 128,
+                          documents=True)  # fmt: skip
+    reasons = registry_for("dilated").reasons("triton", inputs)
+    assert any("packed documents" in reason for reason in reasons), reasons
+
+
+N_BAD = 10
+
+
+@pytest.mark.parametrize(
+    ("cu_seqlens", "error", "match"),
+    [
+        ([0, 4, 10], None, None),
+        (torch.tensor([0, 4, 10], dtype=torch.int32), None, None),
+        ([1, 4, 10], ValueError, r"start at 0 and end at B \* N = 1 \* 10 = 10"),
+        ([0, 4, 9], ValueError, r"start at 0 and end at B \* N"),
+        ([0, 4, 4, 10], ValueError, "strictly increasing.*got 4 then 4"),
+        ([0, 6, 4, 10], ValueError, "strictly increasing.*got 6 then 4"),
+        ([10], ValueError, "start at 0"),
+        (torch.tensor([0.0, 10.0]), TypeError, "must hold ints.*torch.float32"),
+        (torch.tensor([[0, 10]]), ValueError, "must be 1-D"),
+        ([0, 4.5, 10], TypeError, "must hold ints, got 4.5"),
+        ([0, True, 10], TypeError, "must hold ints, got True"),
+        ("0,10", TypeError, "a 1-D int tensor or a sequence of ints, got str"),
+        (torch.tensor([0, 10], device="meta"), ValueError, "on meta and the tensors on cpu"),
+    ],
+)
+def test_bad_cu_seqlens_is_a_clear_error(cu_seqlens, error, match) -> None:
+    q = torch.randn(1, N_BAD, H, D)
+    k = v = torch.randn(1, N_BAD, HKV, D)
+    if error is None:
+        dilated_attention(q, k, v, SEGS, RATES, cu_seqlens=cu_seqlens)
+        return
+    with pytest.raises(error, match=match):
+        dilated_attention(q, k, v, SEGS, RATES, cu_seqlens=cu_seqlens)
+    with pytest.raises(error, match=match):
+        attention(q, k, v, cu_seqlens=cu_seqlens)
+
+
+def test_a_document_crossing_rows_is_refused() -> None:
+    q = torch.randn(2, 10, H, D)
+    k = v = torch.randn(2, 10, HKV, D)
+    with pytest.raises(ValueError, match=r"crosses from row 0 into row 1.*missing 10"):
+        dilated_attention(q, k, v, SEGS, RATES, cu_seqlens=[0, 4, 15, 20])
+    dilated_attention(q, k, v, SEGS, RATES, cu_seqlens=[0, 4, 10, 15, 20])
+
+
+def test_packed_decoding_is_refused_before_any_work() -> None:
+    q = torch.randn(1, 2, H, D)
+    k = v = torch.randn(1, 10, HKV, D)
+    with pytest.raises(ValueError, match="query of the key's length"):
+        dilated_attention(q, k, v, SEGS, RATES, is_causal=True, cu_seqlens=[0, 4, 10])
+    cache = DilatedKVCache(SEGS, RATES)
+    q = torch.randn(1, 10, H, D)
+    k = v = torch.randn(1, 10, HKV, D)
+    with pytest.raises(ValueError, match="cu_seqlens and cache cannot be combined"):
+        dilated_attention(q, k, v, SEGS, RATES, is_causal=True, cache=cache, cu_seqlens=[0, 10])
+    assert cache.length == 0
+
+
+def test_packed_documents_under_torch_func_raise() -> None:
+    q = torch.randn(1, 10, H, D)
+    k = v = torch.randn(1, 10, HKV, D)
+
+    def loss(q: Tensor) -> Tensor:
+        return dilated_attention(q, k, v, SEGS, RATES, cu_seqlens=[0, 4, 10]).sum()
+
+    with pytest.raises(ValueError, match=r"cu_seqlens is not supported under torch\.compile"):
+        torch.func.grad(loss)(q)
