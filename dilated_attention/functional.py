@@ -187,6 +187,7 @@ def block_sparse_attention(
     scale: float | None = None,
     backend: str | None = None,
     return_lse: bool = False,
+    cu_seqlens: torch.Tensor | list[int] | None = None,
 ) -> Output:
     """Dense attention restricted to the block pairs ``pattern`` keeps (and causal, when asked).
 
@@ -225,6 +226,8 @@ def block_sparse_attention(
             than the key) always runs the plan (the three kernels named above raise
             ``ValueError`` there).
         return_lse: also return the log-sum-exp.
+        cu_seqlens: packed documents, as in :func:`attention`: each document's blocks count
+            from its own first token, and no block pair crosses documents.
 
     Returns:
         ``out`` (B, Nq, H, D) in the input dtype, or ``(out, lse)`` with ``lse`` (B, H, Nq)
@@ -242,10 +245,14 @@ def block_sparse_attention(
     V.check_bool("is_causal", is_causal)
     V.check_bool("return_lse", return_lse)
     V.check_causal_lengths(q, k, is_causal, "block_sparse_attention")
-    request = Request.of(
-        BLOCK_SPARSE, q, k, v, pattern=pattern, block_size=block_size, is_causal=is_causal,
-        scale=V.check_scale(scale), backend=check_backend_name(backend),
+    fields = dict(
+        pattern=pattern, block_size=block_size, is_causal=is_causal, scale=V.check_scale(scale),
+        backend=check_backend_name(backend),
     )  # fmt: skip
+    if cu_seqlens is not None:
+        documents = check_cu_seqlens(cu_seqlens, q, k)
+        return _packed(BLOCK_SPARSE, documents, q, k, v, None, fields, return_lse)
+    request = Request.of(BLOCK_SPARSE, q, k, v, **fields)  # type: ignore[arg-type]
     return compiled.route(request, q, k, v, None, return_lse)
 
 

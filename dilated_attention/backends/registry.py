@@ -309,6 +309,14 @@ class Selection:
     runs_plan: bool = False
 
 
+#: Why an operation's own kernels do not run packed documents (Note [Packed documents] in
+#: core/documents.py): they take whole rows; the executor's plan runs each document's calls.
+_PACKED_REASON = (
+    "packed documents (cu_seqlens): this kernel runs each row as one sequence; the executor's "
+    "plan runs each document's calls on a dense kernel"
+)
+
+
 class OperationRegistry:
     """Every kernel that can run one operation, each with its rejection reasons, and the choice
     among them: every registered backend (run by the executor once per kernel call of the
@@ -346,7 +354,8 @@ class OperationRegistry:
         inputs = self._describe(inputs)
         plan_kernel = self.plan_kernels.get(name)
         if plan_kernel is not None:
-            return plan_kernel.reasons(inputs)
+            packed = [_PACKED_REASON] if inputs.documents else []
+            return [*packed, *plan_kernel.reasons(inputs)]
         return _BACKENDS[name].not_supported_reasons(inputs)
 
     def _automatic_reasons(self, name: str, inputs: KernelInputs) -> list[str]:
@@ -429,12 +438,7 @@ class OperationRegistry:
 
 
 def _fused_dilated_reasons(inputs: KernelInputs) -> list[str]:
-    packed = (
-        ["packed documents (cu_seqlens): the fused kernels segment each row as one sequence; "
-         "the executor's plan runs each document's segments"]
-        if inputs.documents else []
-    )  # fmt: skip
-    return [*packed, *_BACKENDS["triton"].not_supported_reasons(inputs)]
+    return _BACKENDS["triton"].not_supported_reasons(inputs)
 
 
 def _block_sparse_triton_reasons(inputs: KernelInputs) -> list[str]:

@@ -21,6 +21,7 @@ G query pieces stacked in one call, Lq/Lk rows per piece.
 from __future__ import annotations
 
 import functools
+import itertools
 import numbers
 from dataclasses import dataclass
 
@@ -232,6 +233,27 @@ def _local_plan(
         query_range=(query_start, end), max_kv_rows=max_kv_rows,
     )  # fmt: skip
     return [c.to(device) for c in calls], mask
+
+
+@functools.lru_cache(maxsize=16)
+def document_calls(
+    pattern: Pattern,
+    block_size: int,
+    documents: tuple[int, ...],
+    is_causal: bool,
+    device: torch.device,
+) -> tuple[SparseCall, ...]:
+    """The calls of packed documents (Note [Packed documents] in ``core/documents.py``): each
+    document's kept blocks, counted from its own first token, at the positions it holds among
+    the ``documents[-1]`` positions of the flattened batch. ``documents``: their offsets."""
+    calls: list[SparseCall] = []
+    spans = list(itertools.pairwise(documents))
+    budget = max(max(end - start for start, end in spans), MIN_KV_ROWS_PER_CALL)
+    for start, end in spans:
+        own, _ = _local_plan(pattern, block_size, end - start, end - start, is_causal, device,
+                             budget)  # fmt: skip
+        calls.extend(SparseCall(c.q_index + start, c.kv_index + start, c.causal) for c in own)
+    return tuple(calls)
 
 
 def recomputed_grads(

@@ -32,7 +32,7 @@ import torch
 
 from .segment import RowGroup, effective_branches, plan_branches
 
-__all__ = ["check_cu_seqlens", "document_groups", "flatten", "unflatten"]
+__all__ = ["check_cu_seqlens", "document_groups", "document_positions", "flatten", "unflatten"]
 
 _FORM = (
     "cu_seqlens holds the documents' offsets in the batch's B * N positions read row after row: "
@@ -155,6 +155,14 @@ def document_groups(
         groups.extend(replace(g, start=g.start + start)
                       for g in plan_branches(end - start, num_heads, segs, rates))  # fmt: skip
     return tuple(groups)
+
+
+def document_positions(documents: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Each position's place in its own document (0 at every document's first token), over the
+    ``documents[-1]`` positions of the flattened batch: int64 (B * N,)."""
+    starts = torch.tensor(documents[:-1], device=device)
+    lengths = torch.tensor(documents[1:], device=device) - starts
+    return torch.arange(documents[-1], device=device) - starts.repeat_interleave(lengths)
 
 
 def flatten(x: torch.Tensor | None) -> torch.Tensor | None:

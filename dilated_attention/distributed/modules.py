@@ -126,6 +126,7 @@ class RingDilatedAttention(RingModule, DilatedAttention):
     """
 
     decodes_with_cache = False  # a sharded sequence has no single cache
+    takes_documents = False  # packed documents are not sharded across ranks yet
     ring_function = staticmethod(ring_dilated_attention)
 
     def __init__(

@@ -18,6 +18,17 @@ Note [Padded rows shifted to the start]
     the last key positions of every row: its rows are grouped by span instead, one call per
     group on that span (which reads the spans on the host).
 
+Note [Packed rows from transformers]
+    transformers packs sequences into one row (``DataCollatorWithFlattening``) and says where
+    they start in two ways: FlashAttention's offsets as ``cu_seq_lens_q`` / ``cu_seq_lens_k``
+    (``return_flash_attn_kwargs=True``), or position ids that restart at each sequence. Either
+    becomes the ``cu_seqlens`` of dilated attention (Note [Packed documents] in
+    ``core/documents.py``), so each sequence gets exactly what it gets alone. Position ids are
+    read on the host (where they step by anything but 1, a sequence starts; every row starts
+    one) when the call has no padding mask (padded rows' position ids follow the padding);
+    with ``check_positions=False`` they are not read, and rows are taken as one sequence each.
+    Offsets with a padding mask that hides tokens are refused.
+
 Note [Cross-attention in encoder-decoder models]
     A decoder's cross-attention reads the encoder's keys: query positions and key positions are
     of different sequences, so dilated segments (which pair rows by position) have no meaning
@@ -171,6 +182,36 @@ def _grouped_rows(
         )  # fmt: skip
         out[rows, q_lo - first_query : e - first_query] = part
     return out
+
+
+def packed_documents(
+    kwargs: dict[str, Any], query: torch.Tensor, keys: int, masked: bool, check: bool
+) -> list[int] | None:
+    """The packed sequences' offsets over the batch's ``B * N`` positions (Note [Packed rows
+    from transformers]) for q (B, Nq, H, D) and ``keys`` keys, or None for rows of one sequence.
+    ``masked``: the call has a padding mask (position ids then follow the padding).
+
+    Raises:
+        ValueError: ``cu_seq_lens_q`` and ``cu_seq_lens_k`` differ (or one is missing).
+    """
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None or cu_k is not None:
+        if cu_q is None or cu_k is None or cu_q.tolist() != cu_k.tolist():
+            raise ValueError(
+                "cu_seq_lens_q and cu_seq_lens_k must both be given and equal (self-attention "
+                f"over packed sequences), got {cu_q!r} and {cu_k!r}"
+            )
+        return [int(x) for x in cu_q.tolist()]
+    positions = kwargs.get("position_ids")
+    batch, n = query.shape[:2]
+    if masked or not check or positions is None or n != keys or n < 2:
+        return None
+    flat = positions.expand(batch, n).reshape(-1)
+    starts = set(((flat.diff() != 1).nonzero().flatten() + 1).tolist())
+    rows = {row * n for row in range(batch)}
+    if starts <= rows:
+        return None
+    return sorted(starts | rows | {batch * n})
 
 
 def unsupported_reason(module: nn.Module, keys: int, kwargs: dict[str, Any]) -> str | None:

@@ -20,7 +20,8 @@ Note [Hugging Face attention]
     otherwise shift every segment: logits off by 20 in a first attempt). The queries are the
     last ``Nq`` key positions (prefill: all of them; decoding: the new tokens); query rows
     outside their span are padding and give zeros. A mask whose real keys do not form one span
-    (packed sequences) raises ``ValueError``. A static cache's slots past the mask's length are
+    raises ``ValueError``; packed sequences run as packed documents (Note [Packed rows from
+    transformers] in ``_transformers_paths.py``). A static cache's slots past the mask's length are
     unfilled and are left out. A decoder's cross-attention runs dense over the encoder's keys
     (Note [Cross-attention in encoder-decoder models]); layers dilated attention cannot compute
     raise, or with ``keep_unsupported_layers`` run transformers' attention (Note [Layers kept
@@ -325,6 +326,31 @@ def _refuse_call(module: nn.Module, attention_mask: torch.Tensor | None, kwargs:
         )
 
 
+def _packed_rows(
+    module: nn.Module,
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None,
+    documents: list[int],
+    reason: str | None,
+    run: dict[str, Any],
+) -> torch.Tensor:
+    """Packed sequences (Note [Packed rows from transformers]): ``qkv`` q (B, N, H, D), k, v
+    (B, N, Hkv, D) -> (B, N, H, D), each sequence as alone; ``run``: the call's options."""
+    if reason is not None:
+        raise ValueError(
+            f"{reason}: packed sequences cannot run on this layer (dilated attention cannot "
+            f"compute it, and transformers' attention would cross the sequences); give each "
+            f"sequence its own row"
+        )
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(
+            "packed sequences (cu_seq_lens or restarting position_ids) with a padding mask "
+            "that hides tokens: pack without padding (DataCollatorWithFlattening does), or "
+            "give each sequence its own row"
+        )
+    return dilated_attention(*qkv, *_layer_schedule(module), cu_seqlens=documents, **run)
+
+
 def attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -368,6 +394,11 @@ def attention_forward(
         return P.cross_attention(q, k, v, attention_mask, run), None
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     reason = P.unsupported_reason(module, key.shape[2], kwargs)
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, N, H, D) views
+    documents = P.packed_documents(kwargs, q, key.shape[2], attention_mask is not None, check)
+    if documents is not None:
+        packed = {**run, "is_causal": causal}
+        return _packed_rows(module, (q, k, v), attention_mask, documents, reason, packed), None
     filled = _filled_keys(attention_mask, kwargs.get("position_ids"), key.shape[2], check)
     key, value = key[:, :, :filled], value[:, :, :filled]  # a static cache's unfilled slots
     if reason is not None:

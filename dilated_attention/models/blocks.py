@@ -70,10 +70,17 @@ class LongNetAttention(nn.Module):
         self.num_heads, self.num_kv_heads = config.num_heads, int(self.mha.num_kv_heads)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, cache: DilatedKVCache | None = None
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache: DilatedKVCache | None = None,
+        documents: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
-        """x (B, N, E), positions (N,) global int positions -> (B, N, E); ``cache``: this
-        layer's decoding cache (x then holds the new tokens)."""
+        """x (B, N, E), positions (N,) global int positions (or (B * N,) with packed
+        ``documents``) -> (B, N, E); ``cache``: this layer's decoding cache (x then holds the
+        new tokens)."""
+        if documents is not None:
+            return self.mha(x, is_causal=True, positions=positions, cu_seqlens=documents)[0]
         if cache is None:
             return self.mha(x, is_causal=True, positions=positions)[0]
         return self.mha(x, is_causal=True, cache=cache)[0]  # positions: the cache's next ones
@@ -102,9 +109,14 @@ class LongNetBlock(nn.Module):
             nn.init.zeros_(fc.bias)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, cache: DilatedKVCache | None = None
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache: DilatedKVCache | None = None,
+        documents: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
-        """x (B, N, E), positions (N,) -> (B, N, E); ``cache``: the attention's decoding cache."""
-        x = x + self.dropout(self.attn(self.attn_norm(x), positions, cache))
+        """x (B, N, E), positions (N,) (or (B * N,) with packed ``documents``) -> (B, N, E);
+        ``cache``: the attention's decoding cache."""
+        x = x + self.dropout(self.attn(self.attn_norm(x), positions, cache, documents))
         h = self.dropout(F.gelu(self.fc1(self.ffn_norm(x))))
         return x + self.dropout(self.fc2(self.ffn_sub_norm(h)))

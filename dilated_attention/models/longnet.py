@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..core.documents import check_cu_seqlens, document_positions
 from ..core.kv_cache import DilatedKVCache, check_caches
 from .blocks import LongNetBlock
 from .config import LongNetConfig
@@ -139,6 +140,7 @@ class LongNetLM(GenerationMixin, nn.Module):
         *,
         positions: torch.Tensor | None = None,
         caches: list[DilatedKVCache] | None = None,
+        cu_seqlens: torch.Tensor | list[int] | tuple[int, ...] | None = None,
     ) -> torch.Tensor:
         """Next-token logits.
 
@@ -149,6 +151,9 @@ class LongNetLM(GenerationMixin, nn.Module):
             caches: one :class:`~dilated_attention.DilatedKVCache` per layer
                 (:meth:`new_caches`), for decoding: ``tokens`` are then the next tokens after
                 those the caches hold, at the caches' next positions (the default).
+            cu_seqlens: a packed batch: documents back to back in the rows, as in
+                :func:`~dilated_attention.dilated_attention`; each document's logits are those
+                it gets alone (its positions start at 0; ``positions`` must be None).
 
         Returns:
             (B, N, V) logits; row ``i`` predicts token ``i + 1`` and sees tokens ``<= i`` only.
@@ -159,8 +164,16 @@ class LongNetLM(GenerationMixin, nn.Module):
                 ``positions``; ``caches`` not distinct caches of this model at one length.
         """
         tokens = self._check_tokens_on_all_ranks(tokens)
-        N = tokens.shape[1]
-        if caches is not None:  # one cache per layer, before any work: Note [One cache per layer]
+        N, documents = tokens.shape[1], None
+        if cu_seqlens is not None:
+            documents = check_cu_seqlens(cu_seqlens, tokens, tokens, caches)
+            if positions is not None:
+                raise ValueError(
+                    "positions and cu_seqlens cannot be combined: with packed documents each "
+                    "document's positions start at 0 (computed); pass positions=None"
+                )
+            positions = document_positions(documents, tokens.device)
+        elif caches is not None:  # one cache per layer, before any work: Note [One cache per layer]
             schedule = (self.config.segment_lengths, self.config.dilation_rates)
             positions = check_caches(caches, len(self.blocks), schedule, tokens, positions)
         elif positions is None:
@@ -185,9 +198,9 @@ class LongNetLM(GenerationMixin, nn.Module):
         for i, block in enumerate(self.blocks):
             cache = None if caches is None else caches[i]
             if use_ckpt and cache is None:
-                x = checkpoint(block, x, positions, use_reentrant=False)
+                x = checkpoint(block, x, positions, None, documents, use_reentrant=False)
             else:
-                x = block(x, positions, cache)
+                x = block(x, positions, cache, documents)
         return self.lm_head(self.final_norm(x))
 
     def new_caches(self) -> list[DilatedKVCache]:

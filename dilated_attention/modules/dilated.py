@@ -36,6 +36,8 @@ class DilatedAttention(DilatedScheduleState, nn.Module):
 
     #: Its forward takes ``cache=`` (decoding); a subclass whose forward does not says False.
     decodes_with_cache = True
+    #: Its forward takes ``cu_seqlens=`` (packed documents); a subclass whose does not says False.
+    takes_documents = True
 
     def __init__(
         self,
@@ -70,10 +72,12 @@ class DilatedAttention(DilatedScheduleState, nn.Module):
         is_causal: bool = False,
         key_padding_mask: torch.Tensor | None = None,
         cache: DilatedKVCache | None = None,
+        cu_seqlens: torch.Tensor | list[int] | tuple[int, ...] | None = None,
     ) -> torch.Tensor:
         """Args: query (B, N, H, D); key, value (B, N, Hkv, D); key_padding_mask (B, N) bool;
         cache: a :class:`~dilated_attention.DilatedKVCache` for decoding (``is_causal=True``,
-        the new tokens' query, key and value).
+        the new tokens' query, key and value); cu_seqlens: packed documents, as in
+        :func:`dilated_attention`.
 
         Returns:
             (B, N, H, D).
@@ -83,6 +87,7 @@ class DilatedAttention(DilatedScheduleState, nn.Module):
             is_causal=is_causal, scale=self.scale,
             dropout_p=self.dropout if self.training else 0.0,
             key_padding_mask=key_padding_mask, backend=self.backend, cache=cache,
+            cu_seqlens=cu_seqlens,
         )  # fmt: skip
         assert isinstance(out, torch.Tensor)  # return_lse=False: for the type checker
         return out

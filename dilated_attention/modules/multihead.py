@@ -14,6 +14,7 @@ from einops import rearrange
 from torch import nn
 
 from .. import _validation as V
+from ..core.documents import check_cu_seqlens, document_positions, flatten
 from ..core.kv_cache import DilatedKVCache
 from ..rotary import RotaryEmbedding
 from .torch_compat import NO_PACKED_PROJECTION, bool_key_padding_mask, is_causal_mask
@@ -30,8 +31,11 @@ class LayerInputs:
         query, key, value: (B, N, E), batch first whatever the layer's ``batch_first``.
         is_causal: causal attention (also when the call gave the causal ``attn_mask``).
         key_padding_mask: (B, N) bool, True = ignore that key; None = no padding.
-        positions: (N,) integer positions for rotary; None without rotary.
+        positions: (N,) integer positions for rotary, or (B * N,) over the flattened batch
+            with packed documents; None without rotary.
         cache: the layer's decoding cache, or None.
+        documents: packed documents' offsets (Note [Packed documents] in
+            ``core/documents.py``), or None.
     """
 
     query: torch.Tensor
@@ -41,6 +45,7 @@ class LayerInputs:
     key_padding_mask: torch.Tensor | None
     positions: torch.Tensor | None
     cache: DilatedKVCache | None
+    documents: tuple[int, ...] | None = None
 
 
 class MultiheadAttention(nn.Module):
@@ -223,6 +228,7 @@ class MultiheadAttention(nn.Module):
         *,
         positions: torch.Tensor | None = None,
         cache: DilatedKVCache | None = None,
+        cu_seqlens: torch.Tensor | list[int] | tuple[int, ...] | None = None,
     ) -> tuple[torch.Tensor, None]:
         """Attention over ``query``, with ``nn.MultiheadAttention.forward``'s arguments.
 
@@ -251,6 +257,10 @@ class MultiheadAttention(nn.Module):
                 default to the ones after those the cache has seen, and ``positions`` given must
                 be those: checked on the host). Only with an inner module that takes one
                 (``DilatedAttention``).
+            cu_seqlens: packed documents, as in :func:`dilated_attention.dilated_attention`
+                (offsets over the batch's rows read one after another); with rotary and no
+                ``positions``, each document's positions start at 0. Only with an inner module
+                that takes them (``DilatedAttention``).
 
         Returns:
             ``(out, None)``, ``out`` shaped like ``query``.
@@ -270,12 +280,13 @@ class MultiheadAttention(nn.Module):
         del average_attn_weights  # only shapes the weights, which are never returned
         self._refuse_weights(need_weights)
         query, key, value = self._batch_first_inputs(query, key, value)
+        documents = self._documents(cu_seqlens, query, cache)
         inputs = LayerInputs(
             query, key, value,
             is_causal=self._is_causal(attn_mask, is_causal, query),
             key_padding_mask=self._checked_key_padding_mask(key_padding_mask, query),
-            positions=self._cache_positions(cache, positions, query),
-            cache=cache,
+            positions=self._cache_positions(cache, positions, query, documents),
+            cache=cache, documents=documents,
         )  # fmt: skip
         return self._output(self._attend(inputs)), None
 
@@ -344,13 +355,34 @@ class MultiheadAttention(nn.Module):
         self._check_key_padding_mask(mask, query)
         return mask
 
+    def _documents(
+        self, cu_seqlens: object, query: torch.Tensor, cache: object
+    ) -> tuple[int, ...] | None:
+        """Packed documents' checked offsets over ``query`` (B, N, E), or None."""
+        if cu_seqlens is None:
+            return None
+        if not getattr(self.attention, "takes_documents", False):
+            raise ValueError(
+                f"cu_seqlens (packed documents) needs a layer whose inner module takes them "
+                f"(DilatedAttention), got {type(self.attention).__name__}; give each document "
+                f"its own row"
+            )
+        return check_cu_seqlens(cu_seqlens, query, query, cache)
+
     def _cache_positions(
-        self, cache: object, positions: object, query: torch.Tensor
+        self,
+        cache: object,
+        positions: object,
+        query: torch.Tensor,
+        documents: tuple[int, ...] | None = None,
     ) -> torch.Tensor | None:
         """The rows' checked (N,) positions for rotary (None without rotary), after checking
         ``cache``: with a cache they are the ones after the tokens it holds (Note [One cache per
-        layer]). ``query``: (B, N, E)."""
+        layer]); with packed ``documents`` and none given, (B * N,) positions that start at 0 in
+        every document. ``query``: (B, N, E)."""
         n, device = query.shape[1], query.device
+        if documents is not None and positions is None and self.rotary is not None:
+            return document_positions(documents, device)
         if cache is not None and not isinstance(cache, DilatedKVCache):
             raise TypeError(
                 f"cache must be a DilatedKVCache or None, got {type(cache).__name__}; build one "
@@ -374,11 +406,20 @@ class MultiheadAttention(nn.Module):
         k = rearrange(self.k_proj(inputs.key), "b n (h d) -> b n h d", h=self.num_kv_heads)
         v = rearrange(self.v_proj(inputs.value), "b n (h d) -> b n h d", h=self.num_kv_heads)
         if self.rotary is not None and inputs.positions is not None:
-            q, k = self.rotary(q, inputs.positions), self.rotary(k, inputs.positions)
+            q, k = (self._rotate(x, inputs.positions) for x in (q, k))
         masks = {"is_causal": inputs.is_causal, "key_padding_mask": inputs.key_padding_mask}
+        if inputs.documents is not None:
+            return self.attention(q, k, v, **masks, cu_seqlens=inputs.documents)
         if inputs.cache is None:
             return self.attention(q, k, v, **masks)
         return self.attention(q, k, v, **masks, cache=inputs.cache)
+
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotary at (N,) positions, or at (B * N,) ones over the flattened batch."""
+        assert self.rotary is not None
+        if positions.shape[0] == x.shape[1]:
+            return self.rotary(x, positions)
+        return self.rotary(flatten(x), positions).view_as(x)
 
     def _output(self, x: torch.Tensor) -> torch.Tensor:
         """(B, N, H, D) -> sub-LayerNorm and output projection -> (B, N, E), or (N, B, E) when

@@ -289,6 +289,8 @@ def _block_sparse(request: Request) -> Strategy:
         return KernelOnlyStrategy(
             request, kernel, BLOCK_SPARSE_REGISTRY, inputs, _summary(kernel, BLOCK_SPARSE)
         )
+    if request.documents is not None:
+        return _packed_blocks(request)
     nq, nk, causal = request.query_len, request.key_len, request.is_causal
     query_start = nk - nq if causal else 0
     # Ask the pattern first: a Custom mask of the wrong size fails before any kernel work.
@@ -329,6 +331,25 @@ def _end_aligned_blocks(request: Request, query_start: int) -> Strategy:
     inputs = _kernel_inputs(request, key_len=request.query_len, is_causal=True)
     kernel = registry_for(DENSE_REGISTRY).select(inputs, request.backend)
     return _block_plan(request, kernel, inputs, DENSE_REGISTRY, query_start)
+
+
+def _packed_blocks(request: Request) -> Strategy:
+    """Packed documents: each document's kept blocks, counted from its own first token, as
+    stacked calls on a dense kernel (Note [Packed documents])."""
+    assert request.pattern is not None and request.documents is not None
+    inputs = _kernel_inputs(request, block_size=request.block_size)
+    kernel = registry_for(BLOCK_SPARSE_REGISTRY).select(inputs, request.backend)
+    calls = block_plan.document_calls(
+        request.pattern, request.block_size, request.documents, request.is_causal,
+        request.device,
+    )  # fmt: skip
+    notes = (f"{len(request.documents) - 1} packed documents, blocks from each one's first "
+             f"token: {len(calls)} kernel calls",)  # fmt: skip
+    how = "every document's kept blocks as stacked calls on this dense kernel"
+    return PlanStrategy(
+        request, kernel, BLOCK_SPARSE_REGISTRY, inputs, how, notes, plan=Plan(calls),
+        what="block_sparse_attention",
+    )  # fmt: skip
 
 
 def _block_plan(

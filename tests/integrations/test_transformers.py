@@ -137,9 +137,12 @@ def test_what_dilated_attention_cannot_run_raises() -> None:
     gaps[0, 5] = 0
     with pytest.raises(ValueError, match=r"row 0 of the attention mask has gaps"):
         model(ids, attention_mask=gaps)
-    packed = torch.tensor([list(range(6)) * 2] * 2)
-    with pytest.raises(ValueError, match=r"packed sequences"):
-        model(ids, position_ids=packed)
+    offsets = torch.tensor([0, 6, 12, 24], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"packed sequences .* with a padding mask"):
+        model(ids, attention_mask=_left_padded(2, 12), cu_seq_lens_q=offsets,
+              cu_seq_lens_k=offsets)  # fmt: skip
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q and cu_seq_lens_k must both be given"):
+        model(ids, cu_seq_lens_q=offsets, cu_seq_lens_k=offsets[[0, 2]])
     with pytest.raises(ValueError, match=r"layer 1's schedule"):
         dilated_hf.use_dilated_attention(_llama(), [[8], [8, 16]], [[1], [1]])
     with pytest.raises(ValueError, match=r"one list per layer: the model has 2 layers"):
@@ -273,3 +276,42 @@ def test_the_attention_function_on_padded_rows_matches_the_oracle_with_gradients
         for got, want in zip(grads, ref_grads, strict=True):
             torch.testing.assert_close(got[row, :, real], want[0].transpose(0, 1))
             assert bool((got[row, :, ~real] == 0).all())
+
+
+def _left_padded(batch: int, n: int) -> torch.Tensor:
+    mask = torch.ones(batch, n, dtype=torch.long)
+    mask[:, :2] = 0
+    return mask
+
+
+@pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position_ids", "cu_seq_lens"])
+def test_a_flattened_batch_gives_each_sequence_its_own_losses(flash_kwargs: bool) -> None:
+    """DataCollatorWithFlattening packs sequences into one row (position ids restarting, or
+    FlashAttention's cu_seq_lens): every token's logits and loss, and every gradient, equal
+    those of the sequences run one per row."""
+    model = dilated_hf.use_dilated_attention(_llama(), *SCHEDULE)
+    gen = torch.Generator().manual_seed(5)
+    sequences = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 21, 1, 13)]
+    collate = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)
+    batch = collate([{"input_ids": ids} for ids in sequences])
+    packed = model(**batch)
+    loss = torch.nn.functional.cross_entropy(
+        packed.logits[0, :-1], batch["labels"][0, 1:], ignore_index=-100, reduction="sum"
+    )
+    alone_logits, alone_loss = [], torch.zeros((), dtype=torch.float64)
+    for ids in sequences:
+        logits = model(input_ids=torch.tensor([ids])).logits[0]
+        alone_logits.append(logits)
+        target = torch.tensor(ids[1:], dtype=torch.long)
+        alone_loss = alone_loss + torch.nn.functional.cross_entropy(
+            logits[:-1], target, reduction="sum"
+        )
+    torch.testing.assert_close(packed.logits[0], torch.cat(alone_logits), atol=1e-10, rtol=1e-8)
+    torch.testing.assert_close(loss, alone_loss, atol=1e-10, rtol=1e-8)
+    params = [p for p in model.parameters() if p.requires_grad]
+    got = torch.autograd.grad(loss, params, allow_unused=True)
+    want = torch.autograd.grad(alone_loss, params, allow_unused=True)
+    for g, w in zip(got, want, strict=True):
+        assert (g is None) == (w is None)
+        if g is not None:
+            torch.testing.assert_close(g, w, atol=1e-10, rtol=1e-8)

@@ -11,18 +11,29 @@ token, shorter than the smallest segment, between, longer than the largest, odd.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from support.backend_params import DEVICE_BACKENDS
+from support.block_sparse import token_mask
 from support.oracle import dilated_multiplicity, masked_attention
 from torch import Tensor
 
-from dilated_attention import DilatedKVCache, attention, dilated_attention
+from dilated_attention import (
+    DilatedKVCache,
+    attention,
+    block_sparse_attention,
+    dilated_attention,
+)
 from dilated_attention.backends import KernelInputs
 from dilated_attention.backends.registry import registry_for
+from dilated_attention.patterns import DilatedBlocks, LocalWindow
 
 H, HKV, D = 4, 2, 16
+#: Dense kernels run packed block-sparse plans (the block-sparse kernels refuse packed rows).
+BLOCK_SPARSE_BACKENDS = [p for p in DEVICE_BACKENDS if p.values[1] not in ("triton",)]
 SEGS, RATES = (8, 16, 32), (1, 2, 4)
 #: name: documents of each row (every row holds the same number of positions).
 LAYOUTS = {
@@ -94,6 +105,16 @@ def _check(got: list[Tensor], want: list[Tensor], dtype: torch.dtype, what: str)
                                    msg=lambda m, n=name: f"{what} {n}: {m}")  # fmt: skip
 
 
+def _run_or_skip(backend: str | None, call: Callable[[], Any]) -> Any:
+    """``call()``; a skip where the named ``backend`` refuses these inputs (its reasons)."""
+    try:
+        return call()
+    except ValueError as error:
+        if backend is not None and "cannot run these inputs" in str(error):
+            pytest.skip(f"{backend}: {error}")
+        raise
+
+
 def _dtype(device: str) -> torch.dtype:
     return torch.float64 if device == "cpu" else torch.bfloat16
 
@@ -106,15 +127,10 @@ def test_packed_dilated_equals_each_document_alone(device, backend, layout, is_c
     docs, dtype = LAYOUTS[layout], _dtype(device)
     q, k, v, dout, mask, dev = _inputs(docs, device, dtype, masked)
     dev_mask = None if mask is None else mask.to(device)
-    try:
-        out, lse = dilated_attention(
-            *dev, SEGS, RATES, is_causal=is_causal, key_padding_mask=dev_mask, backend=backend,
-            return_lse=True, cu_seqlens=torch.tensor(_offsets(docs)),
-        )  # fmt: skip
-    except ValueError as error:
-        if backend is not None and "cannot run these inputs" in str(error):
-            pytest.skip(f"{backend}: {error}")
-        raise
+    out, lse = _run_or_skip(backend, lambda: dilated_attention(
+        *dev, SEGS, RATES, is_causal=is_causal, key_padding_mask=dev_mask, backend=backend,
+        return_lse=True, cu_seqlens=torch.tensor(_offsets(docs)),
+    ))  # fmt: skip
     grads = torch.autograd.grad(out, dev, dout.to(device, dtype))
     want = _oracle(q, k, v, dout, _multiplicity(docs, is_causal, dilated=True), mask)
     _check([out, lse, *grads], want, dtype, f"{layout} {backend}")
@@ -125,13 +141,9 @@ def test_packed_dilated_equals_each_document_alone(device, backend, layout, is_c
 def test_packed_attention_sees_only_its_document(device, backend, is_causal):
     docs, dtype = LAYOUTS["two-rows"], _dtype(device)
     q, k, v, dout, mask, dev = _inputs(docs, device, dtype, masked=False)
-    try:
-        out, lse = attention(*dev, is_causal=is_causal, backend=backend, return_lse=True,
-                             cu_seqlens=_offsets(docs))  # fmt: skip
-    except ValueError as error:
-        if backend is not None and "cannot run these inputs" in str(error):
-            pytest.skip(f"{backend}: {error}")
-        raise
+    out, lse = _run_or_skip(backend, lambda: attention(
+        *dev, is_causal=is_causal, backend=backend, return_lse=True, cu_seqlens=_offsets(docs)
+    ))  # fmt: skip
     grads = torch.autograd.grad(out, dev, dout.to(device, dtype))
     want = _oracle(q, k, v, dout, _multiplicity(docs, is_causal, dilated=False), mask)
     _check([out, lse, *grads], want, dtype, f"attention {backend}")
@@ -220,3 +232,57 @@ def test_packed_documents_under_torch_func_raise() -> None:
 
     with pytest.raises(ValueError, match=r"cu_seqlens is not supported under torch\.compile"):
         torch.func.grad(loss)(q)
+
+
+@pytest.mark.parametrize(("device", "backend"), BLOCK_SPARSE_BACKENDS)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_packed_block_sparse_keeps_blocks_inside_documents(device, backend, is_causal):
+    """Each document's blocks count from its own first token; no block pair crosses
+    documents: the oracle's weights are each document's own token mask on the diagonal."""
+    docs, dtype = LAYOUTS["two-rows"], _dtype(device)
+    pattern, size = LocalWindow(1) | DilatedBlocks(2), 4
+    q, k, v, dout, _, dev = _inputs(docs, device, dtype, masked=False)
+    out, lse = _run_or_skip(backend, lambda: block_sparse_attention(
+        *dev, pattern, block_size=size, is_causal=is_causal, backend=backend, return_lse=True,
+        cu_seqlens=_offsets(docs),
+    ))  # fmt: skip
+    grads = torch.autograd.grad(out, dev, dout.to(device, dtype))
+    weights = torch.zeros(len(docs), H, sum(docs[0]), sum(docs[0]), dtype=torch.float64)
+    for b, row in enumerate(docs):
+        for a, e in itertools.pairwise([0, *itertools.accumulate(row)]):
+            block = token_mask(pattern, size, e - a, e - a, is_causal).to(torch.float64)
+            weights[b, :, a:e, a:e] = block
+    want = _oracle(q, k, v, dout, weights, None)
+    _check([out, lse, *grads], want, dtype, f"block-sparse {backend}")
+
+
+def test_block_sparse_kernels_refuse_packed_documents_by_name() -> None:
+    q = torch.randn(1, 16, H, D)
+    k = v = torch.randn(1, 16, HKV, D)
+    inputs = KernelInputs(torch.device("cpu"), torch.float32, D, H, HKV, 16, 16,
+                          block_size=4, documents=True)  # fmt: skip
+    for name in ("triton", "flex", "flash_attn4"):
+        reasons = registry_for("block_sparse").reasons(name, inputs)
+        assert any("packed documents" in reason for reason in reasons), (name, reasons)
+    with pytest.raises(ValueError, match="packed documents"):
+        block_sparse_attention(q, k, v, LocalWindow(1), block_size=4, backend="triton",
+                               cu_seqlens=[0, 5, 16])  # fmt: skip
+
+
+def test_packed_second_order_gradients_equal_each_document_alone() -> None:
+    offsets = _offsets(LAYOUTS["one-row"])
+    *_, dev = _inputs(LAYOUTS["one-row"], "cpu", torch.float64, masked=False)
+
+    def second_order(packed: bool) -> tuple[Tensor, ...]:
+        if packed:
+            out = dilated_attention(*dev, SEGS, RATES, is_causal=True, cu_seqlens=offsets)
+        else:
+            out = torch.cat([
+                dilated_attention(*(x[:, a:b] for x in dev), SEGS, RATES, is_causal=True)
+                for a, b in itertools.pairwise(offsets)
+            ], dim=1)  # fmt: skip
+        (dq,) = torch.autograd.grad(out.pow(2).sum(), dev[0], create_graph=True)
+        return torch.autograd.grad(dq.pow(2).sum(), dev)
+
+    for got, want in zip(second_order(True), second_order(False), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
