@@ -158,6 +158,14 @@ def _key_padding(per_head: bool, causal: bool) -> Any:
     return key_padding
 
 
+def aux_mask(key_mask: torch.Tensor) -> torch.Tensor:
+    """``key_mask`` (B, Hm, Nk) bool as FA4's aux tensor: int32 with row-major strides on
+    every dimension. A gathered call's mask can have stride 1 on a size-1 head dimension too
+    (``.contiguous()`` keeps such a view), and the CuTe DSL refuses a tensor without one
+    unique stride-1 dimension."""
+    return key_mask.to(torch.int32, memory_format=torch.contiguous_format)
+
+
 def _masked(values: dict[str, Any], key_mask: torch.Tensor | None, is_causal: bool) -> None:
     """Add ``key_mask`` (B, Hm, Nk) bool to a call's ``values`` as a ``mask_mod`` (Note
     [FlashAttention-4 key padding])."""
@@ -165,7 +173,7 @@ def _masked(values: dict[str, Any], key_mask: torch.Tensor | None, is_causal: bo
         return
     values.update(
         mask_mod=_key_padding(key_mask.shape[1] > 1, is_causal), causal=False, pack_gqa=False,
-        aux_tensors=[key_mask.to(torch.int32).contiguous()],
+        aux_tensors=[aux_mask(key_mask)],
     )  # fmt: skip
 
 

@@ -81,12 +81,12 @@ def _oracle(q, k, v, dout, weights, mask) -> list[Tensor]:
 
 def _inputs(layout, device: str, dtype: torch.dtype, masked: bool):
     gen = torch.Generator().manual_seed(3)
-    n = sum(layout[0])
-    batch = len(layout)
-    q = torch.randn(batch, n, H, D, generator=gen, dtype=torch.float64)
-    k = torch.randn(batch, n, HKV, D, generator=gen, dtype=torch.float64)
-    v = torch.randn(batch, n, HKV, D, generator=gen, dtype=torch.float64)
-    dout = torch.randn(batch, n, H, D, generator=gen, dtype=torch.float64)
+    n, batch = sum(layout[0]), len(layout)
+    d = D if device == "cpu" else 64  # FlashAttention-4's sm90 backward needs >= 32
+    q = torch.randn(batch, n, H, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(batch, n, HKV, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(batch, n, HKV, d, generator=gen, dtype=torch.float64)
+    dout = torch.randn(batch, n, H, d, generator=gen, dtype=torch.float64)
     mask = (torch.rand(batch, n, generator=gen) < 0.2) if masked else None
     # Round to the call's dtype first: the oracle sees what the kernels see.
     q, k, v, dout = (x.to(dtype).double() for x in (q, k, v, dout))
@@ -286,3 +286,18 @@ def test_packed_second_order_gradients_equal_each_document_alone() -> None:
 
     for got, want in zip(second_order(True), second_order(False), strict=True):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+
+
+def test_a_gathered_calls_key_mask_reaches_fa4_with_one_stride_1_dimension() -> None:
+    """A dense row group's key mask is a view with stride 1 on its size-1 head dimension too;
+    FlashAttention-4's CuTe DSL refused such an aux tensor ("no unique stride-1 leading
+    dimension") on packed masked calls. Its aux tensor has row-major strides."""
+    from dilated_attention.backends.flash_attn4 import aux_mask
+    from dilated_attention.core.segment import GroupCall, plan_branches
+
+    (group,) = plan_branches(12, 2, (4,), (1,))
+    key_mask = GroupCall(group, 2, torch.device("cpu"), False).key_mask(torch.zeros(1, 12) > 0)
+    assert key_mask.shape == (3, 1, 4) and key_mask.stride().count(1) == 2  # the view
+    aux = aux_mask(key_mask)
+    assert aux.dtype == torch.int32 and aux.stride() == (4, 4, 1)
+    assert torch.equal(aux.bool(), key_mask)
