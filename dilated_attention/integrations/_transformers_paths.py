@@ -25,7 +25,7 @@ Note [Packed rows from transformers]
     becomes the ``cu_seqlens`` of dilated attention (Note [Packed documents] in
     ``core/documents.py``), so each sequence gets exactly what it gets alone. Position ids are
     read on the host (where they step by anything but 1, a sequence starts; every row starts
-    one) when the call has no padding mask (padded rows' position ids follow the padding);
+    one) unless a padding mask hides tokens (padded rows' position ids follow the padding);
     with ``check_positions=False`` they are not read, and rows are taken as one sequence each.
     Offsets with a padding mask that hides tokens are refused.
 
@@ -185,11 +185,16 @@ def _grouped_rows(
 
 
 def packed_documents(
-    kwargs: dict[str, Any], query: torch.Tensor, keys: int, masked: bool, check: bool
+    kwargs: dict[str, Any],
+    query: torch.Tensor,
+    keys: int,
+    mask: torch.Tensor | None,
+    check: bool,
 ) -> list[int] | None:
     """The packed sequences' offsets over the batch's ``B * N`` positions (Note [Packed rows
     from transformers]) for q (B, Nq, H, D) and ``keys`` keys, or None for rows of one sequence.
-    ``masked``: the call has a padding mask (position ids then follow the padding).
+    ``mask``: the call's (B, Nk) padding mask; where it hides tokens, position ids follow the
+    padding and say nothing of packing.
 
     Raises:
         ValueError: ``cu_seq_lens_q`` and ``cu_seq_lens_k`` differ (or one is missing).
@@ -204,7 +209,9 @@ def packed_documents(
         return [int(x) for x in cu_q.tolist()]
     positions = kwargs.get("position_ids")
     batch, n = query.shape[:2]
-    if masked or not check or positions is None or n != keys or n < 2:
+    if not check or positions is None or n != keys or n < 2:
+        return None
+    if mask is not None and not bool(mask.all()):
         return None
     flat = positions.expand(batch, n).reshape(-1)
     starts = set(((flat.diff() != 1).nonzero().flatten() + 1).tolist())

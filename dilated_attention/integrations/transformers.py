@@ -395,7 +395,7 @@ def attention_forward(
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     reason = P.unsupported_reason(module, key.shape[2], kwargs)
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, N, H, D) views
-    documents = P.packed_documents(kwargs, q, key.shape[2], attention_mask is not None, check)
+    documents = P.packed_documents(kwargs, q, key.shape[2], attention_mask, check)
     if documents is not None:
         packed = {**run, "is_causal": causal}
         return _packed_rows(module, (q, k, v), attention_mask, documents, reason, packed), None

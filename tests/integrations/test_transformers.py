@@ -308,6 +308,9 @@ def test_a_flattened_batch_gives_each_sequence_its_own_losses(flash_kwargs: bool
         )
     torch.testing.assert_close(packed.logits[0], torch.cat(alone_logits), atol=1e-10, rtol=1e-8)
     torch.testing.assert_close(loss, alone_loss, atol=1e-10, rtol=1e-8)
+    # A mask that hides nothing leaves the packing as it is.
+    unmasked = model(**batch, attention_mask=torch.ones_like(batch["input_ids"])).logits
+    torch.testing.assert_close(unmasked, packed.logits, atol=1e-12, rtol=1e-10)
     params = [p for p in model.parameters() if p.requires_grad]
     got = torch.autograd.grad(loss, params, allow_unused=True)
     want = torch.autograd.grad(alone_loss, params, allow_unused=True)
