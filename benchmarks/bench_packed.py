@@ -1,0 +1,187 @@
+"""Packed documents: a packed batch against one sequence of the same length and the documents
+run one by one.
+
+One run, on CUDA when available (else the CPU): documents of random lengths (log-uniform in
+``--doc-lens``, seeded) packed into one row of ``--total`` tokens, H = 16, D = 128 (bf16 on CUDA,
+float32 on the CPU), the LongNet schedule of ``longnet_schedule``. Three paths, forward and
+forward+backward, each timed as the median of ``--repeats`` runs (CUDA events on CUDA,
+``perf_counter`` on the CPU):
+
+- ``packed``: ``dilated_attention(..., cu_seqlens=offsets)`` (the automatic kernel choice);
+- ``one sequence``: the same tensors as one sequence (no ``cu_seqlens``): what the kernels reach
+  without document boundaries;
+- ``one by one``: each document in its own call, one after another.
+
+Effective TFLOP/s count the multiply-adds of the pairs each path computes (each branch's rows
+of each segment against themselves, halved under causality; forward+backward = 3.5x forward),
+so the packed path and one sequence, which compute different pairs, compare as rates. Memory
+(CUDA): peak over the eight tensors every implementation holds (q, k, v, out, their gradients).
+
+    python benchmarks/bench_packed.py  # -> benchmarks/results/packed_<device>.{json,md}
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import (
+    OUT_HELP,
+    environment,
+    markdown_table,
+    record_header,
+    record_path,
+    time_cuda,
+    write_record,
+)
+
+from dilated_attention import dilated_attention, longnet_schedule
+from dilated_attention.core.documents import document_groups
+from dilated_attention.core.schedule import Schedule
+
+HEADS = 16
+#: Forward+backward over forward, in multiply-adds (FlashAttention's convention).
+BACKWARD_FACTOR = 3.5
+
+
+def document_lengths(total: int, shortest: int, longest: int, seed: int) -> list[int]:
+    """Log-uniform lengths in [shortest, longest] that add up to ``total`` (the last cut)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths: list[int] = []
+    while sum(lengths) < total:
+        u = float(torch.rand((), generator=gen))
+        length = round(math.exp(math.log(shortest) + u * (math.log(longest) - math.log(shortest))))
+        lengths.append(min(length, total - sum(lengths)))
+    return lengths
+
+
+def pair_flops(groups: tuple, head_dim: int, causal: bool) -> float:
+    """Forward FLOPs (2 per multiply-add, QK^T and PV) of the pairs row groups compute."""
+    flops = 0.0
+    for g in groups:
+        pairs = g.rows * (g.rows + 1) / 2 if causal else g.rows * g.rows
+        flops += 4.0 * g.num_segments * len(g.heads) * pairs * head_dim
+    return flops
+
+
+def time_path(
+    run: Callable[[], torch.Tensor],
+    leaves: list[torch.Tensor],
+    device: torch.device,
+    args: argparse.Namespace,
+) -> dict[str, float]:
+    """Median forward and forward+backward ms of ``run``, and each one's peak bytes (CUDA)."""
+    dout = torch.randn_like(leaves[0])
+
+    def fwd() -> None:
+        with torch.no_grad():
+            run()
+
+    def fwd_bwd() -> None:
+        torch.autograd.grad(run(), leaves, dout)
+
+    result: dict[str, float] = {}
+    for step, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        timing = time_cuda(fn, warmup=args.warmup, repeats=args.repeats, device=device)
+        result[f"{step}_ms"] = timing["median_ms"]
+        if device.type == "cuda":
+            result[f"{step}_peak_bytes"] = float(torch.cuda.max_memory_allocated())
+    return result
+
+
+def rows_for(causal: bool, device: torch.device, args: argparse.Namespace) -> list[dict]:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    lengths = document_lengths(args.total, *args.doc_lens, seed=args.seed)
+    offsets = [0, *itertools.accumulate(lengths)]
+    segs, rates = longnet_schedule(args.total)
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(1, args.total, HEADS, args.head_dim, device=device, dtype=dtype,
+                           generator=gen).requires_grad_() for _ in "qkv")  # fmt: skip
+    bounds = torch.tensor(offsets)
+
+    def packed() -> torch.Tensor:
+        return dilated_attention(q, k, v, segs, rates, is_causal=causal, cu_seqlens=bounds)
+
+    def one_sequence() -> torch.Tensor:
+        return dilated_attention(q, k, v, segs, rates, is_causal=causal)
+
+    def one_by_one() -> torch.Tensor:
+        parts = [dilated_attention(q[:, a:b], k[:, a:b], v[:, a:b], segs, rates,
+                                   is_causal=causal)
+                 for a, b in itertools.pairwise(offsets)]  # fmt: skip
+        return torch.cat(parts, dim=1)
+
+    packed_flops = pair_flops(document_groups(tuple(offsets), HEADS, tuple(segs), tuple(rates)),
+                              args.head_dim, causal)  # fmt: skip
+    layout = Schedule(segs, rates).at(args.total, HEADS, HEADS)
+    flops = {"packed": packed_flops, "one sequence": pair_flops(layout.groups, args.head_dim,
+                                                                 causal),
+             "one by one": packed_flops}  # fmt: skip
+    unavoidable = 8 * q.numel() * q.element_size()
+    rows = []
+    for path, run in (("packed", packed), ("one sequence", one_sequence),
+                      ("one by one", one_by_one)):  # fmt: skip
+        timing = time_path(run, [q, k, v], device, args)
+        row = {"causal": causal, "path": path, "documents": len(lengths),
+               "total": args.total, **timing}
+        row["fwd_tflops"] = flops[path] / timing["fwd_ms"] / 1e9
+        row["fwd_bwd_tflops"] = BACKWARD_FACTOR * flops[path] / timing["fwd_bwd_ms"] / 1e9
+        if "fwd_bwd_peak_bytes" in timing:
+            row["fwd_bwd_mem_ratio"] = timing["fwd_bwd_peak_bytes"] / unavoidable
+        rows.append(row)
+    base = {r["path"]: r for r in rows}
+    for row in rows:
+        row["fwd_bwd_tflops_vs_one_sequence"] = (
+            row["fwd_bwd_tflops"] / base["one sequence"]["fwd_bwd_tflops"]
+        )
+        row["fwd_bwd_speedup_vs_one_by_one"] = (
+            base["one by one"]["fwd_bwd_ms"] / row["fwd_bwd_ms"]
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    cuda = torch.cuda.is_available()
+    parser.add_argument("--total", type=int, default=1048576 if cuda else 16384)
+    parser.add_argument("--doc-lens", type=int, nargs=2, default=[1024, 262144] if cuda
+                        else [64, 4096], metavar=("SHORTEST", "LONGEST"))  # fmt: skip
+    parser.add_argument("--head-dim", type=int, default=128 if cuda else 64)
+    parser.add_argument("--causal", choices=["no", "yes", "both"], default="both")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None, help=OUT_HELP)
+    args = parser.parse_args()
+    device = torch.device("cuda" if cuda else "cpu")
+    causal = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
+    rows = [row for c in causal for row in rows_for(c, device, args)]
+    columns = ["causal", "path", "documents", "total", "fwd_ms", "fwd_tflops", "fwd_bwd_ms",
+               "fwd_bwd_tflops", "fwd_bwd_tflops_vs_one_sequence",
+               "fwd_bwd_speedup_vs_one_by_one"]  # fmt: skip
+    if cuda:
+        columns.append("fwd_bwd_mem_ratio")
+    env = environment()
+    out = record_path("packed", args.out)
+    notes = (
+        "packed documents (cu_seqlens) against the same tokens as one sequence and the "
+        "documents one by one; TFLOP/s over the pairs each path computes"
+    )
+    write_record(out.with_suffix(".json"), env, rows, columns=columns, notes=notes)
+    table = record_header(env) + markdown_table(rows, columns)
+    out.with_suffix(".md").write_text(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
