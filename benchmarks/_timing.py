@@ -97,6 +97,7 @@ def time_fwd_and_fwd_bwd(
     *,
     warmup: int,
     repeats: int,
+    device: torch.device | None = None,
 ) -> dict[str, float]:
     """Median times of a no-grad forward and of forward+backward, with each one's peak memory.
 
@@ -104,6 +105,8 @@ def time_fwd_and_fwd_bwd(
         forward: runs the computation and returns its output.
         leaves: the tensors whose gradients the backward computes.
         dout: the upstream gradient of the output.
+        device: where it runs (default CUDA); elsewhere timed with ``perf_counter`` and without
+            the peak memory entries.
 
     Returns:
         ``{"fwd_ms", "fwd_peak_bytes", "fwd_bwd_ms", "fwd_bwd_peak_bytes"}``.
@@ -116,12 +119,16 @@ def time_fwd_and_fwd_bwd(
     def fwd_bwd() -> None:
         torch.autograd.grad(forward(), leaves, dout)
 
+    cuda = device is None or device.type == "cuda"
     result = {}
     for step, run in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        result[f"{step}_ms"] = time_cuda(run, warmup=warmup, repeats=repeats)["median_ms"]
-        result[f"{step}_peak_bytes"] = torch.cuda.max_memory_allocated()
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        timing = time_cuda(run, warmup=warmup, repeats=repeats, device=device)
+        result[f"{step}_ms"] = timing["median_ms"]
+        if cuda:
+            result[f"{step}_peak_bytes"] = torch.cuda.max_memory_allocated()
     return result
 
 

@@ -26,7 +26,6 @@ import argparse
 import itertools
 import math
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,7 +37,7 @@ from _timing import (
     markdown_table,
     record_header,
     record_path,
-    time_cuda,
+    time_fwd_and_fwd_bwd,
     write_record,
 )
 
@@ -69,34 +68,6 @@ def pair_flops(groups: tuple, head_dim: int, causal: bool) -> float:
         pairs = g.rows * (g.rows + 1) / 2 if causal else g.rows * g.rows
         flops += 4.0 * g.num_segments * len(g.heads) * pairs * head_dim
     return flops
-
-
-def time_path(
-    run: Callable[[], torch.Tensor],
-    leaves: list[torch.Tensor],
-    device: torch.device,
-    args: argparse.Namespace,
-) -> dict[str, float]:
-    """Median forward and forward+backward ms of ``run``, and each one's peak bytes (CUDA)."""
-    dout = torch.randn_like(leaves[0])
-
-    def fwd() -> None:
-        with torch.no_grad():
-            run()
-
-    def fwd_bwd() -> None:
-        torch.autograd.grad(run(), leaves, dout)
-
-    result: dict[str, float] = {}
-    for step, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        timing = time_cuda(fn, warmup=args.warmup, repeats=args.repeats, device=device)
-        result[f"{step}_ms"] = timing["median_ms"]
-        if device.type == "cuda":
-            result[f"{step}_peak_bytes"] = float(torch.cuda.max_memory_allocated())
-    return result
 
 
 def rows_for(causal: bool, device: torch.device, args: argparse.Namespace) -> list[dict]:
@@ -131,7 +102,8 @@ def rows_for(causal: bool, device: torch.device, args: argparse.Namespace) -> li
     rows = []
     for path, run in (("packed", packed), ("one sequence", one_sequence),
                       ("one by one", one_by_one)):  # fmt: skip
-        timing = time_path(run, [q, k, v], device, args)
+        timing = time_fwd_and_fwd_bwd(run, [q, k, v], torch.randn_like(q), warmup=args.warmup,
+                                      repeats=args.repeats, device=device)  # fmt: skip
         row = {"causal": causal, "path": path, "documents": len(lengths),
                "total": args.total, **timing}
         row["fwd_tflops"] = flops[path] / timing["fwd_ms"] / 1e9
