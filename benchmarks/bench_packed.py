@@ -12,6 +12,12 @@ forward+backward, each timed as the median of ``--repeats`` runs (CUDA events on
   without document boundaries;
 - ``one by one``: each document in its own call, one after another.
 
+And, where ``transformers`` is installed, one training step (forward and backward of the loss)
+of a Llama-style model from a config through ``use_dilated_attention``: a
+``DataCollatorWithFlattening`` batch of sequences of random lengths against the same sequences
+padded to the longest (right padding with an attention mask); tokens per second over the real
+tokens.
+
 Effective TFLOP/s count the multiply-adds of the pairs each path computes (each branch's rows
 of each segment against themselves, halved under causality; forward+backward = 3.5x forward),
 so the packed path and one sequence, which compute different pairs, compare as rates. Memory
@@ -37,6 +43,7 @@ from _timing import (
     markdown_table,
     record_header,
     record_path,
+    time_cuda,
     time_fwd_and_fwd_bwd,
     write_record,
 )
@@ -122,6 +129,56 @@ def rows_for(causal: bool, device: torch.device, args: argparse.Namespace) -> li
     return rows
 
 
+def hf_rows(device: torch.device, args: argparse.Namespace) -> list[dict]:
+    """Packed against padded training steps of a Llama-style model (empty without
+    ``transformers``)."""
+    try:
+        import transformers
+    except ImportError:
+        return []
+    from dilated_attention.integrations.transformers import use_dilated_attention
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    hidden, longest, vocab = args.hf_hidden, args.hf_longest, 1024
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=longest,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(device, dtype).train()
+    use_dilated_attention(model, *longnet_schedule(longest, first_segment=max(64, longest // 8)))
+    lengths = document_lengths(args.hf_tokens, max(2, longest // 16), longest, seed=args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    sequences = [torch.randint(0, vocab, (n,), generator=gen) for n in lengths]
+    packed = transformers.DataCollatorWithFlattening()([{"input_ids": s.tolist()}
+                                                        for s in sequences])  # fmt: skip
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, s in enumerate(sequences):
+        ids[row, : len(s)], mask[row, : len(s)] = s, 1
+    padded = {"input_ids": ids, "attention_mask": mask,
+              "labels": ids.masked_fill(mask == 0, -100)}  # fmt: skip
+    rows = []
+    for path, batch in (("packed", packed), ("padded", padded)):
+        on_device = {name: value.to(device) for name, value in batch.items()}
+
+        def step(batch: dict = on_device) -> None:
+            model.zero_grad(set_to_none=True)
+            model(**batch).loss.backward()
+
+        ms = time_cuda(step, warmup=args.warmup, repeats=args.repeats, device=device)
+        tokens = sum(lengths)
+        rows.append({
+            "part": "hf", "path": path, "documents": len(lengths), "total": tokens,
+            "fwd_bwd_ms": ms["median_ms"], "tokens_per_s": tokens / ms["median_ms"] * 1e3,
+            "computed_tokens": int(batch["input_ids"].numel()),
+        })  # fmt: skip
+    rows[0]["packed_speedup"] = rows[1]["fwd_bwd_ms"] / rows[0]["fwd_bwd_ms"]
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     cuda = torch.cuda.is_available()
@@ -131,26 +188,36 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128 if cuda else 64)
     parser.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hf-tokens", type=int, default=65536 if cuda else 8192)
+    parser.add_argument("--hf-longest", type=int, default=16384 if cuda else 1024)
+    parser.add_argument("--hf-hidden", type=int, default=1024 if cuda else 256)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None, help=OUT_HELP)
     args = parser.parse_args()
     device = torch.device("cuda" if cuda else "cpu")
     causal = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
-    rows = [row for c in causal for row in rows_for(c, device, args)]
-    columns = ["causal", "path", "documents", "total", "fwd_ms", "fwd_tflops", "fwd_bwd_ms",
-               "fwd_bwd_tflops", "fwd_bwd_tflops_vs_one_sequence",
-               "fwd_bwd_speedup_vs_one_by_one"]  # fmt: skip
+    rows = [{"part": "attention", **row} for c in causal for row in rows_for(c, device, args)]
+    hf = hf_rows(device, args)
+    columns = ["part", "causal", "path", "documents", "total", "fwd_ms", "fwd_tflops",
+               "fwd_bwd_ms", "fwd_bwd_tflops", "fwd_bwd_tflops_vs_one_sequence",
+               "fwd_bwd_speedup_vs_one_by_one", "tokens_per_s", "packed_speedup"]  # fmt: skip
     if cuda:
         columns.append("fwd_bwd_mem_ratio")
     env = environment()
     out = record_path("packed", args.out)
     notes = (
         "packed documents (cu_seqlens) against the same tokens as one sequence and the "
-        "documents one by one; TFLOP/s over the pairs each path computes"
+        "documents one by one; TFLOP/s over the pairs each path computes. part hf: one "
+        "training step of a Llama-style model, a DataCollatorWithFlattening batch against the "
+        "same sequences padded; tokens/s over the real tokens"
     )
-    write_record(out.with_suffix(".json"), env, rows, columns=columns, notes=notes)
-    table = record_header(env) + markdown_table(rows, columns)
+    write_record(out.with_suffix(".json"), env, rows + hf, columns=columns, notes=notes)
+    table = record_header(env) + markdown_table(rows, columns[:-2])
+    if hf:
+        hf_columns = ["path", "documents", "total", "computed_tokens", "fwd_bwd_ms",
+                      "tokens_per_s", "packed_speedup"]  # fmt: skip
+        table += "\n\n" + markdown_table(hf, hf_columns)
     out.with_suffix(".md").write_text(table + "\n")
     print(table)
 
