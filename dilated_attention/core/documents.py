@@ -23,6 +23,7 @@ Shape legend: B batch, N positions per row, H query heads, Hkv key/value heads, 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import numbers
 from collections.abc import Sequence
@@ -132,6 +133,7 @@ def check_cu_seqlens(
     return tuple(offsets)
 
 
+@functools.lru_cache(maxsize=64)
 def document_groups(
     documents: tuple[int, ...],
     num_heads: int,
@@ -147,7 +149,8 @@ def document_groups(
             segment of it).
 
     Returns:
-        Row groups over the positions ``0 .. documents[-1]``, document after document.
+        Row groups over the positions ``0 .. documents[-1]``, document after document (cached:
+        every layer of a packed batch, and every step over the same packing, asks again).
     """
     groups: list[RowGroup] = []
     for start, end in itertools.pairwise(documents):
