@@ -86,6 +86,10 @@ class Branch:
     """One launch's geometry: segments of ``seg_q`` query / ``seg_k`` key positions at stride
     ``rate``, the first starting at ``start``; query positions end at ``end_q``, keys at ``end_k``
     (the last segment is clipped there).
+
+    With ``bounds`` (packed documents, Note [Segments from a table]) the segments are instead
+    ``[bounds[i], bounds[i + 1])`` for queries and keys alike, the longest ``seg_q == seg_k``
+    positions.
     """
 
     start: int
@@ -94,9 +98,12 @@ class Branch:
     end_q: int
     end_k: int
     rate: int
+    bounds: torch.Tensor | None = None
 
     @property
     def num_segments(self) -> int:
+        if self.bounds is not None:
+            return self.bounds.numel() - 1
         return triton.cdiv(self.end_q - self.start, self.seg_q)
 
     @property
@@ -200,18 +207,37 @@ def compile_ahead(workers: int | None = None) -> Iterator[None]:
 # pass 2**31 elements), which keeps the per-element pointer arithmetic cheap.
 
 
+# Note [Segments from a table]
+#     Packed documents (Note [Packed documents] in ``core/documents.py``) cut each document into
+#     segments from its own first token, so a branch's segments over a range of positions are no
+#     longer equal steps from one start: the last segment of each document is short, and a
+#     document shorter than ``w`` is one segment of its own length. Such a launch takes the
+#     segments' boundaries (``Bounds``, int32, the segments' starts and then the end of the last)
+#     and program ``pid_seg`` reads segment ``[Bounds[pid_seg], Bounds[pid_seg + 1])``; the grid
+#     covers the longest segment's rows, and the programs of shorter ones past their rows return
+#     at once. Everything inside a segment (head offsets, rows, causality, the merge) is as
+#     without a table, so all documents of a position group run in one launch per branch.
+
+
 @triton.jit
 def _segment_rows(
-    pid_seg, h, start, seg_q, seg_k, end_q, end_k, rate, head0,
+    pid_seg, h, start, seg_q, seg_k, end_q, end_k, rate, head0, Bounds, TABLE: tl.constexpr,
 ):  # fmt: skip
     """First query/key position of head ``h``'s rows in segment ``pid_seg``, and row counts.
 
     ``h`` counts from the first head of the call, which is head ``head0`` of the layer: the
-    offset is ``(head0 + h) mod rate`` (Note [Strided dilated rows])."""
-    seg_start_q = start + pid_seg * seg_q
-    seg_start_k = start + pid_seg * seg_k
-    len_q = tl.minimum(seg_q, end_q - seg_start_q)
-    len_k = tl.minimum(seg_k, end_k - seg_start_k)
+    offset is ``(head0 + h) mod rate`` (Note [Strided dilated rows]). With ``TABLE`` the
+    segment is ``[Bounds[pid_seg], Bounds[pid_seg + 1])`` (Note [Segments from a table])."""
+    if TABLE:
+        seg_start_q = tl.load(Bounds + pid_seg)
+        seg_start_k = seg_start_q
+        len_q = tl.load(Bounds + pid_seg + 1) - seg_start_q
+        len_k = len_q
+    else:
+        seg_start_q = start + pid_seg * seg_q
+        seg_start_k = start + pid_seg * seg_k
+        len_q = tl.minimum(seg_q, end_q - seg_start_q)
+        len_k = tl.minimum(seg_k, end_k - seg_start_k)
     s = (head0 + h) % rate
     rows_q = tl.maximum(len_q - s + rate - 1, 0) // rate
     rows_k = tl.maximum(len_k - s + rate - 1, 0) // rate
@@ -465,7 +491,7 @@ def _key_ranges(pid_m, rows_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOC
 # -- forward ---------------------------------------------------------------------------------------
 @_jit
 def _forward_kernel(
-    Q, K, V, Out, Prev, Lse, Mask, QDesc, KDesc, VDesc,
+    Q, K, V, Out, Prev, Lse, Mask, Bounds, QDesc, KDesc, VDesc,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -478,6 +504,7 @@ def _forward_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MERGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr,
+    TABLE: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_sh = tl.program_id(1)
@@ -485,7 +512,7 @@ def _forward_kernel(
     b = b32.to(tl.int64)
     h = pid_sh % num_heads
     base_q, base_k, rows_q, rows_k = _segment_rows(
-        pid_sh // num_heads, h, start, seg_q, seg_k, end_q, end_k, rate, head0
+        pid_sh // num_heads, h, start, seg_q, seg_k, end_q, end_k, rate, head0, Bounds, TABLE
     )
     if pid_m * BLOCK_M >= rows_q:
         return
@@ -584,7 +611,7 @@ def _delta_kernel(
 
 @_jit
 def _dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, Mask, DK, DV,
+    Q, K, V, DO, Lse, Delta, Mask, Bounds, DK, DV,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -597,7 +624,7 @@ def _dkdv_kernel(
     num_offsets, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCUMULATE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr, TABLE: tl.constexpr,
 ):  # fmt: skip
     """dK, dV of one key tile of key/value head ``g`` at offset ``s``: every query head of ``g``
     with that offset contributes (heads ``g*G + j + t*r``)."""
@@ -608,8 +635,9 @@ def _dkdv_kernel(
     g = (pid // num_offsets) % num_kv_heads
     h0 = g * kv_group + j
     base_q, base_k, rows_q, rows_k = _segment_rows(
-        pid // (num_offsets * num_kv_heads), h0, start, seg_q, seg_k, end_q, end_k, rate, head0
-    )
+        pid // (num_offsets * num_kv_heads), h0, start, seg_q, seg_k, end_q, end_k, rate, head0,
+        Bounds, TABLE,
+    )  # fmt: skip
     if pid_n * BLOCK_N >= rows_k:
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -663,7 +691,7 @@ def _dkdv_kernel(
 
 @_jit
 def _dq_kernel(
-    Q, K, V, DO, Lse, Delta, Mask, DQ,
+    Q, K, V, DO, Lse, Delta, Mask, Bounds, DQ,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -676,7 +704,7 @@ def _dq_kernel(
     sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCUMULATE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr, TABLE: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query tile of head ``h``."""
     pid_m = tl.program_id(0)
@@ -684,7 +712,7 @@ def _dq_kernel(
     b = tl.program_id(2).to(tl.int64)
     h = pid_sh % num_heads
     base_q, base_k, rows_q, rows_k = _segment_rows(
-        pid_sh // num_heads, h, start, seg_q, seg_k, end_q, end_k, rate, head0
+        pid_sh // num_heads, h, start, seg_q, seg_k, end_q, end_k, rate, head0, Bounds, TABLE
     )
     if pid_m * BLOCK_M >= rows_q:
         return
@@ -764,6 +792,11 @@ def _mask_args(
     mask = key_mask.view(torch.uint8)
     stride_h = 0 if mask.shape[1] == 1 else mask.stride(1)
     return mask, mask.stride(0), stride_h, mask.stride(2)
+
+
+def _bounds(branch: Branch, like: torch.Tensor) -> torch.Tensor:
+    """The segment table of a launch, or any tensor where there is none (never read)."""
+    return like if branch.bounds is None else branch.bounds
 
 
 def _bnh(x: torch.Tensor) -> tuple[int, int, int]:
@@ -873,7 +906,8 @@ def forward_branch(
         )
     grid = (triton.cdiv(branch.max_rows_q, config.block_m), branch.num_segments * heads, batch)
     _launch(
-        _forward_kernel, grid, q, k, v, out, prev, lse, mask, *descriptors,
+        _forward_kernel, grid, q, k, v, out, prev, lse, mask, _bounds(branch, lse),
+        *descriptors,
         *_bnh(q), *_bnh(k), *_bnh(v), *_bnh(out), *_bnh(prev),
         lse.stride(0), lse.stride(1), lse.stride(2), smb, smh, smn,
         out_row0, prev_row0, branch.start, branch.seg_q, branch.seg_k, branch.end_q, branch.end_k,
@@ -881,7 +915,7 @@ def forward_branch(
         HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         CAUSAL=is_causal, HAS_MASK=key_mask is not None, MERGE=merge,
         DOT_PRECISION=dot_precision(q), WIDE=_wide(branch, q, k, v, out, prev),
-        DESCRIPTORS=descriptors[0] is not None,
+        DESCRIPTORS=descriptors[0] is not None, TABLE=branch.bounds is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
 
@@ -945,6 +979,7 @@ def backward_branch(
         "HEAD_DIM": dim, "BLOCK_D": _block_d(dim), "CAUSAL": is_causal,
         "HAS_MASK": key_mask is not None, "ACCUMULATE": accumulate,
         "DOT_PRECISION": dot_precision(q), "WIDE": _wide(branch, q, k, v, dout, dq, dk),
+        "TABLE": branch.bounds is not None,
     }  # fmt: skip
     grid = (
         triton.cdiv(branch.max_rows_k, config_dkdv.block_n),
@@ -952,15 +987,15 @@ def backward_branch(
         batch,
     )
     _launch(
-        _dkdv_kernel, grid, q, k, v, dout, lse, delta, mask, dk, dv, *common, *_bnh(dk),
-        delta_row0, grad_row0, *geometry, kv_heads, group, offsets, scale,
+        _dkdv_kernel, grid, q, k, v, dout, lse, delta, mask, _bounds(branch, lse), dk, dv,
+        *common, *_bnh(dk), delta_row0, grad_row0, *geometry, kv_heads, group, offsets, scale,
         BLOCK_M=config_dkdv.block_m, BLOCK_N=config_dkdv.block_n,
         num_warps=config_dkdv.num_warps, num_stages=config_dkdv.num_stages, **flags,
     )  # fmt: skip
     grid = (triton.cdiv(branch.max_rows_q, config_dq.block_m), branch.num_segments * heads, batch)
     _launch(
-        _dq_kernel, grid, q, k, v, dout, lse, delta, mask, dq, *common, *_bnh(dq),
-        delta_row0, grad_row0, *geometry, heads, group, scale,
+        _dq_kernel, grid, q, k, v, dout, lse, delta, mask, _bounds(branch, lse), dq, *common,
+        *_bnh(dq), delta_row0, grad_row0, *geometry, heads, group, scale,
         BLOCK_M=config_dq.block_m, BLOCK_N=config_dq.block_n,
         num_warps=config_dq.num_warps, num_stages=config_dq.num_stages, **flags,
     )  # fmt: skip

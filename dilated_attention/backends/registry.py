@@ -293,11 +293,14 @@ class PlanKernel:
         name: the backend name it answers to.
         summary: what it runs, for ``explain`` and ``python -m dilated_attention info``.
         reasons: why it cannot run some inputs (empty: it can).
+        takes_documents: it runs packed documents itself (Note [Packed documents] in
+            ``core/documents.py``); others are refused them.
     """
 
     name: str
     summary: str
     reasons: Callable[[KernelInputs], list[str]]
+    takes_documents: bool = False
 
 
 @dataclass(frozen=True)
@@ -354,8 +357,8 @@ class OperationRegistry:
         inputs = self._describe(inputs)
         plan_kernel = self.plan_kernels.get(name)
         if plan_kernel is not None:
-            packed = [_PACKED_REASON] if inputs.documents else []
-            return [*packed, *plan_kernel.reasons(inputs)]
+            refused = inputs.documents and not plan_kernel.takes_documents
+            return [*([_PACKED_REASON] if refused else []), *plan_kernel.reasons(inputs)]
         return _BACKENDS[name].not_supported_reasons(inputs)
 
     def _automatic_reasons(self, name: str, inputs: KernelInputs) -> list[str]:
@@ -494,7 +497,8 @@ _REGISTRIES = {
     DILATED: OperationRegistry(
         DILATED,
         [PlanKernel("triton", "our fused dilated kernels: every branch from the full q, k, v "
-                    "through strides, merged in place (core/fused.py)", _fused_dilated_reasons)],
+                    "through strides, merged in place (core/fused.py)", _fused_dilated_reasons,
+                    takes_documents=True)],
         first=_dilated_first,
     ),
     BLOCK_SPARSE: OperationRegistry(

@@ -53,13 +53,13 @@ def announcement(family: tuple[Any, ...]) -> tuple[Any, ...]:
 
     Returns:
         ``(device, dtype name, heads, head dim, key/value heads, rate-1 flags, causal, masked,
-        grad)``.
+        grad, packed)``.
     """
-    device, dtype, (heads, dim), kv_heads, branches, causal, masked, grad = family
+    device, dtype, (heads, dim), kv_heads, branches, causal, masked, grad, packed = family
     rate_one = tuple(r == 1 for _, r in branches)
     return (
         device, str(dtype).removeprefix("torch."), heads, dim, kv_heads, rate_one, causal, masked,
-        grad,
+        grad, packed,
     )  # fmt: skip
 
 
@@ -216,15 +216,15 @@ class TritonBackend(Backend):
             return None
         self._families.add(family)
         key = announcement(family)
-        device, dtype, heads, dim, kv_heads, _, causal, masked, grad = key
+        device, dtype, heads, dim, kv_heads, _, causal, masked, grad, packed = key
         _log.log(
             logging.DEBUG if key in self._announced else logging.WARNING,
             "dilated_attention: compiling the Triton kernels of a new shape family on %s "
             "(%s, %d heads, %d key/value heads, head dim %d, branches %s, causal=%s, mask=%s, "
-            "%s); once per process and family (families that differ only in segment lengths, "
-            "as a shorter call clips them, at DEBUG), and compiled kernels are cached on disk by "
-            "Triton (TRITON_CACHE_DIR)",
-            device, dtype, heads, kv_heads, dim, list(family[4]), causal, masked,
+            "packed documents=%s, %s); once per process and family (families that differ only "
+            "in segment lengths, as a shorter call clips them, at DEBUG), and compiled kernels "
+            "are cached on disk by Triton (TRITON_CACHE_DIR)",
+            device, dtype, heads, kv_heads, dim, list(family[4]), causal, masked, packed,
             "forward and backward" if grad else "forward",
         )  # fmt: skip
         self._announced.add(key)
@@ -391,7 +391,7 @@ def _split_key_forward(
 
 def _branch(span: BranchSpan) -> Any:
     return _kernels().Branch(
-        span.start, span.segment_len, span.segment_len, span.end, span.end, span.rate
+        span.start, span.segment_len, span.segment_len, span.end, span.end, span.rate, span.bounds
     )
 
 

@@ -89,12 +89,18 @@ class KernelBackend(Protocol):
 @dataclass(frozen=True)
 class BranchSpan:
     """Branch ``(segment_len, rate)`` over the positions [start, end); ``start`` is a segment
-    boundary and the last segment is clipped at ``end``."""
+    boundary and the last segment is clipped at ``end``.
+
+    ``bounds`` (packed documents): the segments are instead ``[bounds[i], bounds[i + 1])``, an
+    int32 tensor on the inputs' device from ``start`` to ``end``, and ``segment_len`` is the
+    longest of them (Note [Segments from a table] in ``backends/_triton_kernels.py``).
+    """
 
     start: int
     end: int
     segment_len: int
     rate: int
+    bounds: torch.Tensor | None = None
 
 
 class FusedBackend(KernelBackend, Protocol):

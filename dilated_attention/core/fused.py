@@ -47,6 +47,9 @@ group.
 
 from __future__ import annotations
 
+import bisect
+import functools
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +58,7 @@ import torch
 
 from .autograd import Backward, Forward, Grads, Inputs
 from .contract import BranchSpan, FusedBackend
+from .documents import document_groups
 from .higher_order import differentiable_grads
 from .segment import group_calls, plan_branches
 
@@ -97,6 +101,91 @@ def position_groups(
     wanted = max(floor, -(-seq_len // GROUPS_PER_SEQUENCE))
     size = -(-wanted // lcm) * lcm
     return [(start, min(start + size, seq_len)) for start in range(0, seq_len, size)]
+
+
+#: One position group and every branch's span over it, in the order of the branches.
+Spans = tuple[int, int, tuple[BranchSpan, ...]]
+
+
+def _spans(
+    seq_len: int,
+    branches: tuple[tuple[int, int], ...],
+    min_positions: int | None,
+    documents: tuple[int, ...] | None,
+    device: torch.device,
+) -> list[Spans]:
+    """The position groups of a call and each branch's span over them: equal segments from
+    each group's start, or for packed documents the segments of each document's own
+    (Note [Packed documents in the fused engine])."""
+    if documents is None:
+        segs = tuple(w for w, _ in branches)
+        return [
+            (start, end, tuple(BranchSpan(start, end, min(w, seq_len), r) for w, r in branches))
+            for start, end in position_groups(seq_len, segs, min_positions)
+        ]
+    floor = MIN_GROUP_POSITIONS if min_positions is None else min_positions
+    return _packed_spans(documents, branches, floor, GROUPS_PER_SEQUENCE, device)
+
+
+@functools.lru_cache(maxsize=32)
+def _packed_spans(
+    documents: tuple[int, ...],
+    branches: tuple[tuple[int, int], ...],
+    floor: int,
+    groups_per_sequence: int,
+    device: torch.device,
+) -> list[Spans]:
+    """Note [Packed documents in the fused engine]
+        Packed documents (Note [Packed documents] in ``documents.py``) run on the fused kernels
+        with each branch's segments read from a table (Note [Segments from a table] in
+        ``backends/_triton_kernels.py``). The position groups are each document's own
+        (:func:`position_groups` of its length), consecutive ones joined while the joined group
+        stays within the size one sequence of the batch's length would get; so no segment of any
+        branch crosses a group and a group of many short documents is one launch per branch. A
+        branch's table in a group lists, document by document, the starts of its segments
+        (``min(w, length)`` apart from the document's first token) and then the group's end.
+        The tables of a call are one int32 tensor on the device (cached: every layer of a packed
+        batch asks again).
+
+    Returns:
+        ``(start, end, spans)`` per position group.
+    """
+    total = documents[-1]
+    if total >= 2**31:
+        raise ValueError(
+            f"packed documents of {total} positions in all: the fused kernels index them in 32 "
+            "bits; pass fewer than 2**31 positions per call"
+        )
+    size = max(floor, -(-total // groups_per_sequence))
+    segs = tuple(w for w, _ in branches)
+    groups: list[tuple[int, int]] = []
+    for a, b in itertools.pairwise(documents):
+        for start, end in position_groups(b - a, segs, floor):
+            if groups and end + a - groups[-1][0] <= size:
+                groups[-1] = (groups[-1][0], end + a)
+            else:
+                groups.append((start + a, end + a))
+    tables: list[list[int]] = []
+    for start, end in groups:
+        first = bisect.bisect_right(documents, start) - 1
+        for w, _ in branches:
+            table = []
+            for a, b in itertools.pairwise(documents[first:]):
+                if a >= end:
+                    break
+                table.extend(range(max(a, start), min(b, end), min(w, b - a)))
+            tables.append([*table, end])
+    flat = torch.tensor(list(itertools.chain.from_iterable(tables)), dtype=torch.int32,
+                        device=device).split([len(t) for t in tables])  # fmt: skip
+    spans: list[Spans] = []
+    for i, (start, end) in enumerate(groups):
+        row = []
+        for j, (_, r) in enumerate(branches):
+            table = tables[i * len(branches) + j]
+            longest = max(b - a for a, b in itertools.pairwise(table))
+            row.append(BranchSpan(start, end, longest, r, flat[i * len(branches) + j]))
+        spans.append((start, end, tuple(row)))
+    return spans
 
 
 def scratch_allowance(like: torch.Tensor) -> int:
@@ -154,6 +243,7 @@ def fused_forward(
     min_group_positions: int | None = None,
     out_dtype: torch.dtype | None = None,
     extra: ForwardExtra | None = None,
+    documents: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every branch merged (LongNet Eq. 10), group by group (Note [Fused branch engine]).
 
@@ -163,6 +253,8 @@ def fused_forward(
         branches: ``(segment_len, rate)`` pairs.
         out_dtype: dtype of ``out`` (default q's; float32 where more results merge in later).
         extra: merges more results into the float32 running values (Note [Fused branch engine]).
+        documents: packed documents' offsets (B = 1; Note [Packed documents in the fused
+            engine]), or None.
 
     Returns:
         ``out`` (B, N, H, D) and ``lse`` (B, H, N) float32 (``-inf`` where no key).
@@ -176,15 +268,12 @@ def fused_forward(
         q.shape, dtype=out_dtype or q.dtype, device=q.device
     )
     options = {"scale": scale, "is_causal": is_causal}
-    segs = tuple(w for w, _ in branches)
     kv_group = heads // k.shape[2]
     allowance = scratch_allowance(q)
-    for start, end in position_groups(seq_len, segs, min_group_positions):
+    for start, end, spans in _spans(seq_len, branches, min_group_positions, documents, q.device):
         if len(branches) == 1 and extra is None:
-            w, r = branches[0]
-            span = BranchSpan(start, end, min(w, seq_len), r)
             backend.forward_branch(
-                q, k, v, out, lse, key_mask, span, out_row0=0, merge=False, **options
+                q, k, v, out, lse, key_mask, spans[0], out_row0=0, merge=False, **options
             )
             continue
         groups = head_groups(heads, kv_group, end - start, seq_len, min_group_positions, allowance)
@@ -196,8 +285,7 @@ def fused_forward(
             )
             qkv = (q[:, :, h0:h1], k[:, :, kv], v[:, :, kv])
             lse_heads = lse[:, h0:h1]
-            for i, (w, r) in enumerate(branches):
-                span = BranchSpan(start, end, min(w, seq_len), r)
+            for i, span in enumerate(spans):
                 if covers_all and i == len(branches) - 1:  # finished rows go to the output
                     if extra is not None:
                         extra(acc, lse, start, end, h0, h1)
@@ -234,6 +322,7 @@ def fused_backward(
     min_group_positions: int | None = None,
     grad_dtype: torch.dtype | None = None,
     extra: BackwardExtra | None = None,
+    documents: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact gradients of :func:`fused_forward` with the merged ``out`` and ``lse``.
 
@@ -241,6 +330,7 @@ def fused_backward(
         dout, out: (B, N, H, D); lse: (B, H, N) merged.
         grad_dtype: dtype of the gradients (default the inputs'; float32 where more add in).
         extra: adds more gradients into the float32 scratch (Note [Fused branch engine]).
+        documents: packed documents' offsets, as in :func:`fused_forward`.
 
     Returns:
         ``(dq, dk, dv)`` shaped like ``(q, k, v)``.
@@ -254,16 +344,13 @@ def fused_backward(
     alloc = torch.empty_like if covers_all or not single else torch.zeros_like
     dq, dk, dv = (alloc(x, dtype=grad_dtype or x.dtype) for x in (q, k, v))
     options = {"scale": scale, "is_causal": is_causal}
-    segs = tuple(w for w, _ in branches)
     kv_group = heads // kv_heads
     allowance = scratch_allowance(q)
-    for start, end in position_groups(seq_len, segs, min_group_positions):
+    for start, end, spans in _spans(seq_len, branches, min_group_positions, documents, q.device):
         delta = backend.row_delta(out, dout, start, end)
         if single:
-            w, r = branches[0]
-            span = BranchSpan(start, end, min(w, seq_len), r)
             backend.backward_branch(
-                dout, q, k, v, lse, delta, key_mask, dq, dk, dv, span,
+                dout, q, k, v, lse, delta, key_mask, dq, dk, dv, spans[0],
                 delta_row0=start, grad_row0=0, accumulate=False, **options,
             )  # fmt: skip
             continue
@@ -279,8 +366,7 @@ def fused_backward(
                 dout[:, :, h0:h1], q[:, :, h0:h1], k[:, :, kv], v[:, :, kv], lse[:, h0:h1],
                 delta[:, h0:h1],
             )  # fmt: skip
-            for i, (w, r) in enumerate(branches):
-                span = BranchSpan(start, end, min(w, seq_len), r)
+            for i, span in enumerate(spans):
                 backend.backward_branch(
                     *inputs, key_mask, dq_acc, dk_acc, dv_acc, span, delta_row0=start,
                     grad_row0=start, accumulate=i > 0 or not covers_all, head0=h0, **options,
@@ -306,6 +392,7 @@ def compile_ahead(
     is_causal: bool,
     scale: float,
     needs_grad: bool,
+    documents: tuple[int, ...] | None = None,
 ) -> None:
     """Compile every kernel a call of this shape family runs, together, before its first call.
 
@@ -323,22 +410,24 @@ def compile_ahead(
         q: (B, N, H, D); k, v: (B, N, Hkv, D): the call's own inputs (their alignment and
             strides are part of what the kernels specialize on).
         needs_grad: also compile the backward's kernels.
+        documents: packed documents' offsets (their kernels read segment tables), or None.
     """
     family = (
         q.device, q.dtype, q.shape[2:], k.shape[2], tuple(branches), is_causal,
-        key_padding_mask is not None, needs_grad,
+        key_padding_mask is not None, needs_grad, documents is not None,
     )  # fmt: skip
     compiling = backend.begin_compile(family)
     if compiling is None:
         return
     with torch.no_grad(), compiling:
         out, lse = fused_forward(
-            q, k, v, key_padding_mask, branches, backend, is_causal=is_causal, scale=scale
-        )
+            q, k, v, key_padding_mask, branches, backend, is_causal=is_causal, scale=scale,
+            documents=documents,
+        )  # fmt: skip
         if needs_grad:
             fused_backward(
                 out, q, k, v, out, lse, key_padding_mask, branches, backend,
-                is_causal=is_causal, scale=scale,
+                is_causal=is_causal, scale=scale, documents=documents,
             )  # fmt: skip
 
 
@@ -347,19 +436,20 @@ class FusedRunner:
     """The dilated registry's plan kernel as a :class:`~dilated_attention.core.autograd.Runner`:
     :func:`fused_forward` / :func:`fused_backward` over ``branches`` ((w, r) pairs); under
     ``create_graph=True`` the recompute over the branches' row groups (Note [Double
-    backward])."""
+    backward]). ``documents``: packed documents' offsets, or None."""
 
     branches: tuple[tuple[int, int], ...]
     backend: FusedBackend
     is_causal: bool
     scale: float
+    documents: tuple[int, ...] | None = None
     first_order_message = ""  # every call has its differentiable recompute
 
     def forward(self, x: Inputs) -> Forward:
         q, k, v, key_padding_mask = x
         out, lse = fused_forward(
             q, k, v, key_padding_mask, self.branches, self.backend, is_causal=self.is_causal,
-            scale=self.scale,
+            scale=self.scale, documents=self.documents,
         )  # fmt: skip
         return Forward(out, lse, saved=(k, v, key_padding_mask))
 
@@ -368,14 +458,17 @@ class FusedRunner:
         k, v, key_padding_mask = saved
         return fused_backward(
             dout.contiguous(), q, k, v, out, lse, key_padding_mask, self.branches, self.backend,
-            is_causal=self.is_causal, scale=self.scale,
+            is_causal=self.is_causal, scale=self.scale, documents=self.documents,
         )  # fmt: skip
 
     def differentiable_backward(self, b: Backward) -> Grads:
         dout, q, _, lse, saved, _ = b
         k, v, key_padding_mask = saved
         segs, rates = zip(*self.branches, strict=True)
-        plan = plan_branches(q.shape[1], q.shape[2], segs, rates)
+        if self.documents is None:
+            plan = plan_branches(q.shape[1], q.shape[2], segs, rates)
+        else:
+            plan = document_groups(self.documents, q.shape[2], segs, rates)
         calls = [
             call.row_call(q, k) for call in group_calls(plan, k.shape[2], q.device, self.is_causal)
         ]

@@ -38,6 +38,7 @@ Shape legend: B batch, Nq query rows, Nk key rows, H query heads, Hkv key/value 
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import replace
 
 import torch
@@ -53,7 +54,7 @@ from ..core.documents import document_groups
 from ..core.grouped import grouped_plan
 from ..core.hidden import hide_masked_keys
 from ..core.plan import Plan
-from ..core.segment import branch_plan, describe_plan, dilated_plan
+from ..core.segment import branch_plan, describe_plan, dilated_plan, effective_branches
 from ..patterns import Pattern
 from .request import BLOCK_SPARSE, DECODE, DENSE, DILATED, OPERATIONS, Request
 from .strategy import (
@@ -185,18 +186,31 @@ def _packed(
     operation: str,
     what: str,
 ) -> Strategy:
-    """Packed documents (Note [Packed documents]): every document's row groups, where it
-    starts, as the executor's plan on the operation's kernel."""
-    assert request.documents is not None
-    groups = document_groups(
-        request.documents, request.num_heads, segment_lengths, dilation_rates
-    )
+    """Packed documents (Note [Packed documents]): our fused kernels over every document's
+    segments at once (Note [Packed documents in the fused engine] in ``core/fused.py``), or
+    every document's row groups, where it starts, as the executor's plan on the operation's
+    kernel."""
+    documents = request.documents
+    assert documents is not None
     inputs = _kernel_inputs(request)
     kernel = registry_for(operation).select(inputs, request.backend)
+    count = len(documents) - 1
+    if kernel.runs_plan:
+        longest = max(b - a for a, b in itertools.pairwise(documents))
+        segs, rates = effective_branches(
+            longest, request.num_heads, segment_lengths, dilation_rates
+        )
+        branches = tuple(zip(segs, rates, strict=True))
+        notes = (f"{count} packed documents, each segmented from its own first token: one "
+                 f"launch per branch and position group, segments read from a table",
+                 *fused_notes(kernel.backend.name, branches))  # fmt: skip
+        return FusedStrategy(
+            request, kernel, operation, inputs, _summary(kernel), notes, branches
+        )
+    groups = document_groups(documents, request.num_heads, segment_lengths, dilation_rates)
     plan = dilated_plan(
         groups, request.query_len, request.num_kv_heads, request.device, request.is_causal
     )
-    count = len(request.documents) - 1
     notes = (f"{count} packed documents, each segmented from its own first token: "
              f"{len(plan.calls)} kernel calls",)  # fmt: skip
     how = "the executor's plan of every document's calls on this kernel, merged by log-sum-exp"

@@ -200,8 +200,11 @@ class FusedStrategy(Strategy):
         compile_ahead(
             q, k, v, key_padding_mask, self.branches, backend,  # type: ignore[arg-type]
             is_causal=r.is_causal, scale=r.softmax_scale, needs_grad=r.requires_grad,
+            documents=r.documents,
         )  # fmt: skip
-        runner = FusedRunner(self.branches, backend, r.is_causal, r.softmax_scale)  # type: ignore[arg-type]
+        runner = FusedRunner(
+            self.branches, backend, r.is_causal, r.softmax_scale, r.documents  # type: ignore[arg-type]
+        )
         return run_attention(q, k, v, key_padding_mask, runner)
 
 

@@ -18,7 +18,9 @@ import pytest
 import torch
 from support.backend_params import DEVICE_BACKENDS
 from support.block_sparse import token_mask
+from support.grouping import cut_small
 from support.oracle import dilated_multiplicity, masked_attention
+from support.triton import KERNEL_DEVICES, skip_without_triton
 from torch import Tensor
 
 from dilated_attention import (
@@ -29,6 +31,7 @@ from dilated_attention import (
 )
 from dilated_attention.backends import KernelInputs
 from dilated_attention.backends.registry import registry_for
+from dilated_attention.backends.triton import TritonBackend
 from dilated_attention.patterns import DilatedBlocks, LocalWindow
 
 H, HKV, D = 4, 2, 16
@@ -162,11 +165,59 @@ def test_packed_call_equals_the_unpacked_calls_exactly() -> None:
     assert torch.equal(out, torch.cat(alone, dim=1))
 
 
-def test_the_fused_kernels_refuse_packed_documents_by_name() -> None:
-    inputs = KernelInputs(torch.device("cpu"), torch.bfloat16, 64, 4, 4, 128, 128,
+def test_the_fused_kernels_take_packed_documents() -> None:
+    inputs = KernelInputs(torch.device("cpu"), torch.float32, 64, 4, 4, 128, 128,
                           documents=True)  # fmt: skip
     reasons = registry_for("dilated").reasons("triton", inputs)
-    assert any("packed documents" in reason for reason in reasons), reasons
+    assert not any("packed documents" in reason for reason in reasons), reasons
+
+
+#: Documents across several position groups of the fused engine, several in one group too.
+FUSED_LAYOUT = [[1, 7, 70, 33, 8, 100, 2, 35]]
+
+
+@pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("masked", [False, True], ids=["", "masked"])
+def test_packed_fused_kernels_equal_each_document_alone(
+    device, dtypes, is_causal, masked, monkeypatch
+):
+    """Our fused kernels read each branch's segments from a table (Note [Packed documents in
+    the fused engine]): with position groups cut small, documents span groups and groups hold
+    several documents; outputs and gradients still equal each document alone."""
+    skip_without_triton(device)
+    cut_small(monkeypatch)
+    dtype = dtypes[0]
+    q, k, v, dout, mask, dev = _inputs(FUSED_LAYOUT, device, dtype, masked)
+    dev_mask = None if mask is None else mask.to(device)
+    out, lse = dilated_attention(
+        *dev, SEGS, RATES, is_causal=is_causal, key_padding_mask=dev_mask, backend="triton",
+        return_lse=True, cu_seqlens=_offsets(FUSED_LAYOUT),
+    )  # fmt: skip
+    grads = torch.autograd.grad(out, dev, dout.to(device, dtype))
+    want = _oracle(q, k, v, dout, _multiplicity(FUSED_LAYOUT, is_causal, dilated=True), mask)
+    _check([out, lse, *grads], want, dtype, f"fused {device}")
+
+
+@pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
+def test_packed_fused_kernels_launch_once_per_branch(device, dtypes, monkeypatch):
+    """However many documents: one forward launch per branch (one position group, one head
+    group at this size), the rate-1 branch's writing the output."""
+    skip_without_triton(device)
+    launches: list[int] = []
+    real = TritonBackend.forward_branch
+
+    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        launches.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(TritonBackend, "forward_branch", counted)
+    for layout in (FUSED_LAYOUT, [[2] * 128], [[256]]):
+        *_, dev = _inputs(layout, device, dtypes[0], masked=False)
+        launches.clear()
+        with torch.no_grad():
+            dilated_attention(*dev, SEGS, RATES, backend="triton", cu_seqlens=_offsets(layout))
+        assert len(launches) == len(SEGS), (layout, len(launches))
 
 
 N_BAD = 10
