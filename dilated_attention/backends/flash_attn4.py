@@ -160,10 +160,14 @@ def _key_padding(per_head: bool, causal: bool) -> Any:
 
 def aux_mask(key_mask: torch.Tensor) -> torch.Tensor:
     """``key_mask`` (B, Hm, Nk) bool as FA4's aux tensor: int32 with row-major strides on
-    every dimension. A gathered call's mask can have stride 1 on a size-1 head dimension too
-    (``.contiguous()`` keeps such a view), and the CuTe DSL refuses a tensor without one
-    unique stride-1 dimension."""
-    return key_mask.to(torch.int32, memory_format=torch.contiguous_format)
+    every dimension, its key dimension named as the stride-1 one (``__leading_dim__``). A
+    gathered call's mask can have stride 1 on a size-1 head dimension too (``.contiguous()``
+    keeps such a view), and every dimension of a one-key call's mask has stride 1 (a packed
+    document of one token): the CuTe DSL refuses an aux tensor with no unique stride-1
+    dimension unless it is named."""
+    aux = key_mask.to(torch.int32, memory_format=torch.contiguous_format)
+    aux.__leading_dim__ = aux.ndim - 1  # type: ignore[attr-defined]
+    return aux
 
 
 def _masked(values: dict[str, Any], key_mask: torch.Tensor | None, is_causal: bool) -> None:

@@ -92,15 +92,24 @@ def position_groups(
     a group start at the group's start. ``min_positions`` (default :data:`MIN_GROUP_POSITIONS`)
     sets the smallest group; tests lower it.
     """
+    floor = MIN_GROUP_POSITIONS if min_positions is None else min_positions
+    size = _group_size(seq_len, segment_lengths, floor, GROUPS_PER_SEQUENCE)
+    if size >= seq_len:
+        return [(0, seq_len)]
+    return [(start, min(start + size, seq_len)) for start in range(0, seq_len, size)]
+
+
+def _group_size(
+    seq_len: int, segment_lengths: tuple[int, ...], floor: int, groups_per_sequence: int
+) -> int:
+    """Positions per group of :func:`position_groups` (``seq_len``: one group)."""
     lcm = 1
     for seg in segment_lengths:
         lcm = math.lcm(lcm, min(seg, seq_len))
         if lcm >= seq_len:
-            return [(0, seq_len)]
-    floor = MIN_GROUP_POSITIONS if min_positions is None else min_positions
-    wanted = max(floor, -(-seq_len // GROUPS_PER_SEQUENCE))
-    size = -(-wanted // lcm) * lcm
-    return [(start, min(start + size, seq_len)) for start in range(0, seq_len, size)]
+            return seq_len
+    wanted = max(floor, -(-seq_len // groups_per_sequence))
+    return -(-wanted // lcm) * lcm
 
 
 #: One position group and every branch's span over it, in the order of the branches.
@@ -140,8 +149,10 @@ def _packed_spans(
         with each branch's segments read from a table (Note [Segments from a table] in
         ``backends/_triton_kernels.py``). The position groups are each document's own
         (:func:`position_groups` of its length), consecutive ones joined while the joined group
-        stays within the size one sequence of the batch's length would get; so no segment of any
-        branch crosses a group and a group of many short documents is one launch per branch. A
+        stays within the size of the groups of one sequence of the batch's length (the whole
+        row where that sequence's segments allow no cut, the heads then split to bound the
+        scratch as for that sequence); so no segment of any branch crosses a group, and a
+        group of many documents is one launch per branch. A
         branch's table in a group lists, document by document, the starts of its segments
         (``min(w, length)`` apart from the document's first token) and then the group's end.
         The tables of a call are one int32 tensor on the device (cached: every layer of a packed
@@ -156,8 +167,8 @@ def _packed_spans(
             f"packed documents of {total} positions in all: the fused kernels index them in 32 "
             "bits; pass fewer than 2**31 positions per call"
         )
-    size = max(floor, -(-total // groups_per_sequence))
     segs = tuple(w for w, _ in branches)
+    size = _group_size(total, segs, floor, groups_per_sequence)
     groups: list[tuple[int, int]] = []
     for a, b in itertools.pairwise(documents):
         for start, end in position_groups(b - a, segs, floor):

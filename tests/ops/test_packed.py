@@ -214,9 +214,12 @@ def test_packed_fused_kernels_launch_once_per_branch(device, dtypes, monkeypatch
     monkeypatch.setattr(TritonBackend, "forward_branch", counted)
     for layout in (FUSED_LAYOUT, [[2] * 128], [[256]]):
         *_, dev = _inputs(layout, device, dtypes[0], masked=False)
-        launches.clear()
         with torch.no_grad():
-            dilated_attention(*dev, SEGS, RATES, backend="triton", cu_seqlens=_offsets(layout))
+            for _ in range(2):  # the first call of a shape family also compiles it ahead
+                launches.clear()
+                dilated_attention(
+                    *dev, SEGS, RATES, backend="triton", cu_seqlens=_offsets(layout)
+                )
         assert len(launches) == len(SEGS), (layout, len(launches))
 
 
@@ -342,7 +345,8 @@ def test_packed_second_order_gradients_equal_each_document_alone() -> None:
 def test_a_gathered_calls_key_mask_reaches_fa4_with_one_stride_1_dimension() -> None:
     """A dense row group's key mask is a view with stride 1 on its size-1 head dimension too;
     FlashAttention-4's CuTe DSL refused such an aux tensor ("no unique stride-1 leading
-    dimension") on packed masked calls. Its aux tensor has row-major strides."""
+    dimension") on packed masked calls, and a one-key call's mask has stride 1 everywhere.
+    Its aux tensor has row-major strides and names its key dimension as the stride-1 one."""
     from dilated_attention.backends.flash_attn4 import aux_mask
     from dilated_attention.core.segment import GroupCall, plan_branches
 
@@ -350,5 +354,7 @@ def test_a_gathered_calls_key_mask_reaches_fa4_with_one_stride_1_dimension() -> 
     key_mask = GroupCall(group, 2, torch.device("cpu"), False).key_mask(torch.zeros(1, 12) > 0)
     assert key_mask.shape == (3, 1, 4) and key_mask.stride().count(1) == 2  # the view
     aux = aux_mask(key_mask)
-    assert aux.dtype == torch.int32 and aux.stride() == (4, 4, 1)
+    assert aux.dtype == torch.int32 and aux.stride() == (4, 4, 1) and aux.__leading_dim__ == 2
     assert torch.equal(aux.bool(), key_mask)
+    one_key = aux_mask(torch.zeros(3, 1, 1, dtype=torch.bool))  # a document of one token
+    assert one_key.stride() == (1, 1, 1) and one_key.__leading_dim__ == 2
