@@ -17,7 +17,7 @@ from . import _validation as V
 from . import compiled
 from .backends.registry import check_backend_name
 from .block_sparse.plan import check_block_size
-from .core.documents import check_cu_seqlens, flatten, unflatten
+from .core.documents import check_cu_seqlens, flatten, last_document, unflatten
 from .core.hidden import hide_masked_keys
 from .core.kv_cache import DilatedKVCache, check_cache_call
 from .core.schedule import Schedule
@@ -145,7 +145,9 @@ def dilated_attention(
             keys appended to the cache; the queries read every key they can see, which the
             cache keeps within the longest segment (Note [Bounded dilated cache]).
             ``key_padding_mask`` is then (B, N) over the new keys (the cache keeps the rest).
-        cu_seqlens: packed documents, as in :func:`attention`, each segmented as if alone.
+        cu_seqlens: packed documents, as in :func:`attention`, each segmented as if alone; with
+            an empty ``cache`` a packed prompt, the cache then holding each row's last document
+            for the tokens that continue it (Note [A packed prompt] in ``core/documents.py``).
 
     Returns:
         As :func:`attention` (``out``, or ``out`` and a detached ``lse`` (B, H, N)); rows no
@@ -168,6 +170,8 @@ def dilated_attention(
         dropout_p=V.check_dropout("dropout_p", dropout_p), scale=V.check_scale(scale),
         backend=check_backend_name(backend), schedule=schedule,
     )  # fmt: skip
+    if cache is not None and documents is not None:
+        return _packed_prompt(cache, documents, q, k, v, key_padding_mask, fields, return_lse)
     if cache is not None:
         return _decode(cache, q, k, v, key_padding_mask, fields, return_lse)
     if documents is not None:
@@ -286,6 +290,30 @@ def _decode(
     k, v, key_padding_mask, _ = cache.append(k, v, key_padding_mask)
     out, lse = strategy.run(q, k, v, key_padding_mask)
     return (out, lse) if return_lse else out
+
+
+def _packed_prompt(
+    cache: DilatedKVCache,
+    documents: tuple[int, ...],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    fields: dict[str, object],
+    return_lse: bool,
+) -> Output:
+    """A packed prompt (Note [A packed prompt] in ``core/documents.py``): the packed call, then
+    each row's last document's keys and values into ``cache``, which is checked first."""
+    schedule = fields["schedule"]
+    assert isinstance(schedule, Schedule)  # dilated_attention's fields
+    check_cache_call(
+        cache, schedule.segment_lengths, schedule.dilation_rates, q, k, bool(fields["is_causal"])
+    )
+    result = _packed(DILATED, documents, q, k, v, key_padding_mask, fields, return_lse)
+    tail = slice(q.shape[1] - last_document(documents, *q.shape[:2]), None)
+    mask = None if key_padding_mask is None else key_padding_mask[:, tail]
+    cache.append(*hide_masked_keys(k[:, tail], v[:, tail], mask), mask)
+    return result
 
 
 def _packed(

@@ -23,6 +23,7 @@ Shape legend: B batch, N positions per row, H query heads, Hkv key/value heads, 
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import numbers
@@ -33,7 +34,10 @@ import torch
 
 from .segment import RowGroup, effective_branches, plan_branches
 
-__all__ = ["check_cu_seqlens", "document_groups", "document_positions", "flatten", "unflatten"]
+__all__ = [
+    "check_cu_seqlens", "document_groups", "document_positions", "flatten", "last_document",
+    "unflatten",
+]  # fmt: skip
 
 _FORM = (
     "cu_seqlens holds the documents' offsets in the batch's B * N positions read row after row: "
@@ -85,6 +89,8 @@ def check_cu_seqlens(
 
     Args:
         cu_seqlens: a 1-D int tensor (on the CPU or the tensors' device) or a sequence of ints.
+        cache: the decoding cache (or a model's list of them) a packed prompt fills (Note
+            [A packed prompt]), or None.
 
     Returns:
         The offsets as a tuple of ints: 0, each document's end, ``B * N``.
@@ -93,13 +99,9 @@ def check_cu_seqlens(
         TypeError: not ints, or not a tensor or a sequence.
         ValueError: not 1-D, on another device, not starting at 0, not increasing, not
             ending at ``B * N``, a document crossing from one row into the next, or a query
-            of another length than the key, or a decoding ``cache`` given too.
+            of another length than the key; with a ``cache``, one that holds positions
+            already, or rows whose last documents differ in length.
     """
-    if cache is not None:
-        raise ValueError(
-            "cu_seqlens and cache cannot be combined: a cache holds one sequence per row; "
-            "decode each document in its own row with its own cache"
-        )
     if q.shape[1] != k.shape[1]:
         raise ValueError(
             f"packed documents (cu_seqlens) need a query of the key's length (each document's "
@@ -130,7 +132,51 @@ def check_cu_seqlens(
             f"{seq_len}), missing {crossing[0]}; end each row's last document there, or pack "
             f"the batch into one row of {total}"
         )
+    if cache is not None:
+        _check_prompt_cache(cache, tuple(offsets), batch, seq_len)
     return tuple(offsets)
+
+
+# Note [A packed prompt]
+#     A packed batch given with decoding caches is a prompt: every document is computed as
+#     alone, and each row's cache takes the keys and values of the row's *last* document, from
+#     its first token, so that the next tokens continue that document (generation continues one
+#     sequence per row; earlier documents are context of their own and end where the next
+#     begins). A cache holds one length for all rows, so the rows' last documents must be of
+#     one length (always so with one row, FlashAttention's ``(total_tokens, H, D)`` batch), and
+#     the caches must be empty: a prompt starts its documents.
+
+
+def last_document(documents: tuple[int, ...], batch: int, seq_len: int) -> int:
+    """The length of every row's last document (Note [A packed prompt]).
+
+    Raises:
+        ValueError: rows whose last documents differ in length.
+    """
+    ends = [row * seq_len for row in range(1, batch + 1)]
+    lengths = [end - documents[bisect.bisect_left(documents, end) - 1] for end in ends]
+    if len(set(lengths)) > 1:
+        raise ValueError(
+            f"a packed prompt with cache= continues each row's last document, which must be of "
+            f"one length in every row (the cache holds one length), got {lengths[:8]}; prompt "
+            f"with one row, or rows that end in documents of one length"
+        )
+    return lengths[0]
+
+
+def _check_prompt_cache(
+    cache: object, documents: tuple[int, ...], batch: int, seq_len: int
+) -> None:
+    """Empty caches and one last-document length (Note [A packed prompt]); the caches
+    themselves are checked where they are used."""
+    held = [getattr(c, "length", 0) for c in (cache if isinstance(cache, list) else [cache])]
+    if any(isinstance(n, int) and n > 0 for n in held):
+        raise ValueError(
+            f"a packed prompt (cu_seqlens with cache=) starts its documents, so its caches must "
+            f"be empty, got one holding {max(held)} positions; decode the tokens that follow "
+            f"without cu_seqlens, or start from new caches"
+        )
+    last_document(documents, batch, seq_len)
 
 
 @functools.lru_cache(maxsize=64)

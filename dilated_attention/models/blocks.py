@@ -78,9 +78,11 @@ class LongNetAttention(nn.Module):
     ) -> torch.Tensor:
         """x (B, N, E), positions (N,) global int positions (or (B * N,) with packed
         ``documents``) -> (B, N, E); ``cache``: this layer's decoding cache (x then holds the
-        new tokens)."""
+        new tokens, or with ``documents`` a packed prompt)."""
         if documents is not None:
-            return self.mha(x, is_causal=True, positions=positions, cu_seqlens=documents)[0]
+            return self.mha(
+                x, is_causal=True, positions=positions, cu_seqlens=documents, cache=cache
+            )[0]
         if cache is None:
             return self.mha(x, is_causal=True, positions=positions)[0]
         return self.mha(x, is_causal=True, cache=cache)[0]  # positions: the cache's next ones

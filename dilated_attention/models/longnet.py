@@ -153,7 +153,9 @@ class LongNetLM(GenerationMixin, nn.Module):
                 those the caches hold, at the caches' next positions (the default).
             cu_seqlens: a packed batch: documents back to back in the rows, as in
                 :func:`~dilated_attention.dilated_attention`; each document's logits are those
-                it gets alone (its positions start at 0; ``positions`` must be None).
+                it gets alone (its positions start at 0; ``positions`` must be None). With
+                empty ``caches``, a packed prompt: the caches then hold each row's last
+                document, which the next tokens continue.
 
         Returns:
             (B, N, V) logits; row ``i`` predicts token ``i + 1`` and sees tokens ``<= i`` only.
@@ -166,6 +168,9 @@ class LongNetLM(GenerationMixin, nn.Module):
         tokens = self._check_tokens_on_all_ranks(tokens)
         N, documents = tokens.shape[1], None
         if cu_seqlens is not None:
+            if caches is not None:  # a packed prompt (Note [A packed prompt])
+                schedule = (self.config.segment_lengths, self.config.dilation_rates)
+                check_caches(caches, len(self.blocks), schedule, tokens, None)
             documents = check_cu_seqlens(cu_seqlens, tokens, tokens, caches)
             if positions is not None:
                 raise ValueError(

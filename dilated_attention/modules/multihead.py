@@ -381,24 +381,23 @@ class MultiheadAttention(nn.Module):
         layer]); with packed ``documents`` and none given, (B * N,) positions that start at 0 in
         every document. ``query``: (B, N, E)."""
         n, device = query.shape[1], query.device
-        if documents is not None and positions is None and self.rotary is not None:
-            return document_positions(documents, device)
         if cache is not None and not isinstance(cache, DilatedKVCache):
             raise TypeError(
                 f"cache must be a DilatedKVCache or None, got {type(cache).__name__}; build one "
                 f"per layer: DilatedKVCache(segment_lengths, dilation_rates)"
             )
-        if cache is not None and positions is not None:  # Note [One cache per layer]
-            cache.check_positions(self._check_positions(positions, n, device))
-        elif cache is not None and self.rotary is not None:  # they follow the cache's tokens
-            positions = torch.arange(cache.length, cache.length + n, device=device)
-        checked = self._check_positions(positions, n, device)
         if cache is not None and not getattr(self.attention, "decodes_with_cache", False):
             raise ValueError(
                 f"cache= needs a layer whose inner module decodes (DilatedAttention), got "
                 f"{type(self.attention).__name__}; decode with a local dilated layer"
             )
-        return checked
+        if documents is not None and positions is None and self.rotary is not None:
+            return document_positions(documents, device)  # a packed prompt's too
+        if cache is not None and positions is not None and documents is None:
+            cache.check_positions(self._check_positions(positions, n, device))
+        elif cache is not None and self.rotary is not None and documents is None:
+            positions = torch.arange(cache.length, cache.length + n, device=device)
+        return self._check_positions(positions, n, device)
 
     def _attend(self, inputs: LayerInputs) -> torch.Tensor:
         """Projections, rotary positions and the inner module -> (B, N, H, D)."""
@@ -409,7 +408,7 @@ class MultiheadAttention(nn.Module):
             q, k = (self._rotate(x, inputs.positions) for x in (q, k))
         masks = {"is_causal": inputs.is_causal, "key_padding_mask": inputs.key_padding_mask}
         if inputs.documents is not None:
-            return self.attention(q, k, v, **masks, cu_seqlens=inputs.documents)
+            masks["cu_seqlens"] = inputs.documents  # with a cache: a packed prompt
         if inputs.cache is None:
             return self.attention(q, k, v, **masks)
         return self.attention(q, k, v, **masks, cache=inputs.cache)

@@ -80,13 +80,40 @@ def test_a_layer_without_packed_documents_refuses_them() -> None:
         layer(x, cu_seqlens=[0, 8, 16])
 
 
-def test_packed_documents_and_a_cache_are_refused_before_any_work() -> None:
+def test_a_packed_prompt_through_the_layer_continues_its_last_document() -> None:
+    """Rotary positions restart at the last document, and the tokens after the prompt continue
+    them: what they get after that document alone (Note [A packed prompt])."""
     layer = _layer(rotary=True)
-    cache = DilatedKVCache(SEGS, RATES)
-    x = torch.randn(1, 10, E, dtype=torch.float64)
-    with pytest.raises(ValueError, match="cu_seqlens and cache cannot be combined"):
-        layer(x, is_causal=True, cache=cache, cu_seqlens=[0, 4, 10])
-    assert cache.length == 0
+    packed, alone = DilatedKVCache(SEGS, RATES), DilatedKVCache(SEGS, RATES)
+    x = torch.randn(1, 30, E, dtype=torch.float64)
+    y, _ = layer(x, is_causal=True, cache=packed, cu_seqlens=[0, 4, 30])
+    y_alone, _ = layer(x[:, 4:], is_causal=True, cache=alone)
+    torch.testing.assert_close(y[:, 4:], y_alone, atol=1e-12, rtol=1e-10)
+    for _ in range(3):
+        new = torch.randn(1, 1, E, dtype=torch.float64)
+        got = layer(new, is_causal=True, cache=packed)[0]
+        torch.testing.assert_close(got, layer(new, is_causal=True, cache=alone)[0],
+                                   atol=1e-12, rtol=1e-10)  # fmt: skip
+    with pytest.raises(ValueError, match="caches must be empty"):
+        layer(x, is_causal=True, cache=packed, cu_seqlens=[0, 4, 30])
+
+
+def test_longnet_generates_after_a_packed_prompt_as_after_its_last_document() -> None:
+    torch.manual_seed(0)
+    model = LongNetLM(LongNetConfig(vocab_size=61, embed_dim=E, num_heads=H, num_layers=2,
+                                    segment_lengths=SEGS, dilation_rates=RATES, ffn_dim=64))
+    model = model.double().eval()
+    tokens = torch.randint(0, 61, (1, 25))
+    packed, alone = model.new_caches(), model.new_caches()
+    with torch.no_grad():
+        logits = model(tokens, cu_seqlens=[0, 7, 25], caches=packed)
+        torch.testing.assert_close(logits[:, 7:], model(tokens[:, 7:], caches=alone))
+        for _ in range(3):
+            nxt = logits[:, -1:].argmax(-1)
+            logits = model(nxt, caches=packed)
+            torch.testing.assert_close(logits, model(nxt, caches=alone))
+    with pytest.raises(ValueError, match="caches must be empty"):
+        model(tokens, cu_seqlens=[0, 7, 25], caches=packed)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["", "checkpointed"])

@@ -264,7 +264,34 @@ def test_a_document_crossing_rows_is_refused() -> None:
     dilated_attention(q, k, v, SEGS, RATES, cu_seqlens=[0, 4, 10, 15, 20])
 
 
-def test_packed_decoding_is_refused_before_any_work() -> None:
+@pytest.mark.parametrize("masked", [False, True], ids=["", "masked"])
+@pytest.mark.parametrize("layout", [[[1, 5, 17, 40]], [[3, 17, 16], [20, 16]]], ids=["one", "two"])
+def test_a_packed_prompt_continues_each_rows_last_document(layout, masked) -> None:
+    """Note [A packed prompt]: the prompt's output is the packed call's, and the cache then
+    holds each row's last document, so tokens decoded after it get exactly what they get
+    after that document alone."""
+    gen = torch.Generator().manual_seed(5)
+    batch, n, last = len(layout), sum(layout[0]), layout[0][-1]
+    q, k, v = (torch.randn(batch, n, h, D, generator=gen) for h in (H, HKV, HKV))
+    mask = (torch.rand(batch, n, generator=gen) < 0.2) if masked else None
+    packed, alone = DilatedKVCache(SEGS, RATES), DilatedKVCache(SEGS, RATES)
+    out = dilated_attention(q, k, v, SEGS, RATES, is_causal=True, key_padding_mask=mask,
+                            cu_seqlens=_offsets(layout), cache=packed)  # fmt: skip
+    want = dilated_attention(q, k, v, SEGS, RATES, is_causal=True, key_padding_mask=mask,
+                             cu_seqlens=_offsets(layout))  # fmt: skip
+    assert torch.equal(out, want)
+    tail = slice(n - last, None)
+    tail_mask = None if mask is None else mask[:, tail]
+    dilated_attention(q[:, tail], k[:, tail], v[:, tail], SEGS, RATES, is_causal=True,
+                      key_padding_mask=tail_mask, cache=alone)  # fmt: skip
+    assert packed.length == alone.length == last
+    for _ in range(4):
+        new = [torch.randn(batch, 1, h, D, generator=gen) for h in (H, HKV, HKV)]
+        got = dilated_attention(*new, SEGS, RATES, is_causal=True, cache=packed)
+        assert torch.equal(got, dilated_attention(*new, SEGS, RATES, is_causal=True, cache=alone))
+
+
+def test_a_packed_prompt_is_refused_before_any_work() -> None:
     q = torch.randn(1, 2, H, D)
     k = v = torch.randn(1, 10, HKV, D)
     with pytest.raises(ValueError, match="query of the key's length"):
@@ -272,9 +299,18 @@ def test_packed_decoding_is_refused_before_any_work() -> None:
     cache = DilatedKVCache(SEGS, RATES)
     q = torch.randn(1, 10, H, D)
     k = v = torch.randn(1, 10, HKV, D)
-    with pytest.raises(ValueError, match="cu_seqlens and cache cannot be combined"):
+    dilated_attention(q, k, v, SEGS, RATES, is_causal=True, cache=cache)
+    with pytest.raises(ValueError, match="caches must be empty, got one holding 10 positions"):
         dilated_attention(q, k, v, SEGS, RATES, is_causal=True, cache=cache, cu_seqlens=[0, 10])
-    assert cache.length == 0
+    assert cache.length == 10
+    fresh = DilatedKVCache(SEGS, RATES)
+    q2, k2 = torch.randn(2, 10, H, D), torch.randn(2, 10, HKV, D)
+    with pytest.raises(ValueError, match=r"one length in every row .* got \[6, 10\]"):
+        dilated_attention(q2, k2, k2, SEGS, RATES, is_causal=True, cache=fresh,
+                          cu_seqlens=[0, 4, 10, 20])  # fmt: skip
+    with pytest.raises(ValueError, match="is_causal"):
+        dilated_attention(q, k, v, SEGS, RATES, cache=fresh, cu_seqlens=[0, 10])
+    assert fresh.length == 0
 
 
 def test_packed_documents_under_torch_func_raise() -> None:
