@@ -123,9 +123,9 @@ def dilated_attention(
         head 1     . x . x . x . x     rows {1, 3, 5, 7}
 
     Decoding: with ``is_causal=True`` the query may be shorter than the key: its ``Nq`` rows are
-    the last ``Nq`` of the ``N`` key positions (a new token, or a chunk), and each equals that row
-    of the causal call over all ``N`` positions. A new token then reads at most ``ceil(w / r)``
-    keys per branch, whatever ``N`` is (Note [Decoding rows] in ``core/decode.py``).
+    the last ``Nq`` of the ``N`` key positions, each equal to that row of the causal call over
+    all ``N`` positions; a new token reads at most ``ceil(w / r)`` keys per branch (Note
+    [Decoding rows] in ``core/decode.py``).
 
     Args:
         query: (B, N, H, D); with ``is_causal=True`` also (B, Nq, H, D), Nq <= N (decoding).
@@ -146,8 +146,7 @@ def dilated_attention(
             cache keeps within the longest segment (Note [Bounded dilated cache]).
             ``key_padding_mask`` is then (B, N) over the new keys (the cache keeps the rest).
         cu_seqlens: packed documents, as in :func:`attention`, each segmented as if alone; with
-            an empty ``cache`` a packed prompt, the cache then holding each row's last document
-            for the tokens that continue it (Note [A packed prompt] in ``core/documents.py``).
+            an empty ``cache`` a prompt (Note [A packed prompt] in ``core/documents.py``).
 
     Returns:
         As :func:`attention` (``out``, or ``out`` and a detached ``lse`` (B, H, N)); rows no
@@ -164,18 +163,15 @@ def dilated_attention(
     V.check_bool("return_lse", return_lse)
     V.check_decoding_lengths(q, k, is_causal)
     V.check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[1], q.device)
-    documents = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, q, k, cache)
     fields = dict(
         is_causal=is_causal, has_mask=key_padding_mask is not None,
         dropout_p=V.check_dropout("dropout_p", dropout_p), scale=V.check_scale(scale),
         backend=check_backend_name(backend), schedule=schedule,
     )  # fmt: skip
-    if cache is not None and documents is not None:
-        return _packed_prompt(cache, documents, q, k, v, key_padding_mask, fields, return_lse)
+    if cu_seqlens is not None:
+        return _packed_dilated(cu_seqlens, cache, q, k, v, key_padding_mask, fields, return_lse)
     if cache is not None:
         return _decode(cache, q, k, v, key_padding_mask, fields, return_lse)
-    if documents is not None:
-        return _packed(DILATED, documents, q, k, v, key_padding_mask, fields, return_lse)
     request = Request.of(dilated_operation(q.shape[1], k.shape[1]), q, k, v, **fields)
     return compiled.route(request, q, k, v, key_padding_mask, return_lse)
 
@@ -292,9 +288,9 @@ def _decode(
     return (out, lse) if return_lse else out
 
 
-def _packed_prompt(
-    cache: DilatedKVCache,
-    documents: tuple[int, ...],
+def _packed_dilated(
+    cu_seqlens: object,
+    cache: DilatedKVCache | None,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -302,8 +298,12 @@ def _packed_prompt(
     fields: dict[str, object],
     return_lse: bool,
 ) -> Output:
-    """A packed prompt (Note [A packed prompt] in ``core/documents.py``): the packed call, then
-    each row's last document's keys and values into ``cache``, which is checked first."""
+    """Checked dilated attention on packed documents; with a ``cache`` a packed prompt (Note [A
+    packed prompt] in ``core/documents.py``): the packed call, then each row's last document's
+    keys and values into the cache, which is checked first."""
+    documents = check_cu_seqlens(cu_seqlens, q, k, cache)
+    if cache is None:
+        return _packed(DILATED, documents, q, k, v, key_padding_mask, fields, return_lse)
     schedule = fields["schedule"]
     assert isinstance(schedule, Schedule)  # dilated_attention's fields
     check_cache_call(
