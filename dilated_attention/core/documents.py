@@ -35,8 +35,8 @@ import torch
 from .segment import RowGroup, effective_branches, plan_branches
 
 __all__ = [
-    "check_cu_seqlens", "document_groups", "document_positions", "flatten", "last_document",
-    "unflatten",
+    "check_cu_seqlens", "check_offsets", "document_groups", "document_positions", "flatten",
+    "last_document", "unflatten",
 ]  # fmt: skip
 
 _FORM = (
@@ -109,7 +109,18 @@ def check_cu_seqlens(
             f"key.shape={tuple(k.shape)}; decode each document in its own row with its own cache"
         )
     batch, seq_len = q.shape[:2]
-    offsets = _values(cu_seqlens, q.device)
+    offsets = check_offsets(cu_seqlens, batch, seq_len, q.device)
+    if cache is not None:
+        _check_prompt_cache(cache, offsets, batch, seq_len)
+    return offsets
+
+
+def check_offsets(
+    cu_seqlens: object, batch: int, seq_len: int, device: torch.device
+) -> tuple[int, ...]:
+    """:func:`check_cu_seqlens` over ``batch`` rows of ``seq_len`` positions on ``device``
+    (a ring checks the offsets of the whole sharded row)."""
+    offsets = _values(cu_seqlens, device)
     total = batch * seq_len
     if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != total:
         raise ValueError(
@@ -132,8 +143,6 @@ def check_cu_seqlens(
             f"{seq_len}), missing {crossing[0]}; end each row's last document there, or pack "
             f"the batch into one row of {total}"
         )
-    if cache is not None:
-        _check_prompt_cache(cache, tuple(offsets), batch, seq_len)
     return tuple(offsets)
 
 

@@ -10,6 +10,7 @@ process group's timeout: pass ``init_process_group(timeout=...)`` (docs/ring.md,
 """
 
 from .modules import RingAttention, RingDilatedAttention, RingMultiheadDilatedAttention
+from .packed_ring import RingLoad, ring_load
 from .ring import ring_attention
 from .ring_dilated import ring_dilated_attention
 from .sharding import sequence_positions, shard_sequence, unshard_sequence
@@ -17,9 +18,11 @@ from .sharding import sequence_positions, shard_sequence, unshard_sequence
 __all__ = [
     "RingAttention",
     "RingDilatedAttention",
+    "RingLoad",
     "RingMultiheadDilatedAttention",
     "ring_attention",
     "ring_dilated_attention",
+    "ring_load",
     "sequence_positions",
     "shard_sequence",
     "unshard_sequence",

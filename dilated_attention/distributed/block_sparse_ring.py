@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -65,8 +64,10 @@ from ..modules import (
 from ..patterns import Pattern, check_pattern
 from . import _comm
 from .agreement import AgreedForward, RingArgs, RingOperation, prepare_ring, reject_ring_call
+from .exchange import ExchangeStep, SparseSteps, exchange_steps
 from .modules import RingModule
-from .template import KeyBlock, RingRunner, RingSetup, StepGrads, StepKernel, Traffic, Transit
+from .packed_ring import packed_ring
+from .template import RingRunner, StepKernel
 
 __all__ = [
     "BlockSparseRingAttention",
@@ -77,26 +78,6 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class _Step:
-    """One step of Note [Block-sparse exchange] for this rank.
-
-    Attributes:
-        src: group rank whose keys this step reads (this rank at step 0).
-        dst: group rank this step sends to (this rank at step 0).
-        recv_len: positions received from ``src`` (0: nothing to receive or compute).
-        send_index: (m,) int64 local rows sent to ``dst`` (empty: nothing to send).
-        calls: kernel calls; ``kv_index`` counts rows of the local shard (step 0) or of the
-            received buffer.
-    """
-
-    src: int
-    dst: int
-    recv_len: int
-    send_index: torch.Tensor
-    calls: list[SparseCall]
-
-
 def _needs(
     mask: torch.Tensor,
     block_size: int,
@@ -104,6 +85,7 @@ def _needs(
     world_size: int,
     dst: int,
     src: int,
+    *,
     is_causal: bool,
     budget: int,
 ) -> tuple[torch.Tensor, list[SparseCall]]:
@@ -128,115 +110,13 @@ def _schedule(
     is_causal: bool,
     device: torch.device,
     budget: int,
-) -> tuple[_Step, ...]:
+) -> tuple[ExchangeStep, ...]:
     """This rank's steps of Note [Block-sparse exchange] (pure: the same on every call)."""
     blocks = num_blocks(n * world_size, block_size)
     mask = causal_block_mask(pattern.block_mask(blocks, blocks), is_causal)
-    steps = []
-    for shift in range(world_size):
-        src, dst = (rank - shift) % world_size, (rank + shift) % world_size
-        needed, calls = _needs(mask, block_size, n, world_size, rank, src, is_causal, budget)
-        if shift == 0:
-            steps.append(_Step(src, dst, 0, torch.zeros(0, dtype=torch.int64), calls))
-            continue
-        # Received rows arrive compacted, in the order of ``needed``.
-        calls = [
-            SparseCall(c.q_index, torch.searchsorted(needed, c.kv_index + src * n), c.causal)
-            for c in calls
-        ]
-        sent, _ = _needs(mask, block_size, n, world_size, dst, rank, is_causal, budget)
-        steps.append(_Step(src, dst, needed.numel(), sent - rank * n, calls))
-    return tuple(
-        _Step(s.src, s.dst, s.recv_len, s.send_index.to(device), [c.to(device) for c in s.calls])
-        for s in steps
-    )
-
-
-def _post_kv(kv: torch.Tensor, step: _Step, setup: RingSetup) -> Transit[KeyBlock | None]:
-    """Start the K/V exchange of ``step``: send the rows ``step.dst`` needs, receive those from
-    ``step.src`` (None: nothing to receive)."""
-    send, recv = [], []
-    payload = buffer = None
-    if step.send_index.numel():
-        payload = kv.index_select(2, step.send_index).contiguous()
-        send.append((payload, setup.global_ranks[step.dst]))
-    if step.recv_len:
-        buffer = torch.empty(
-            (2, kv.shape[1], step.recv_len, *kv.shape[3:]), dtype=kv.dtype, device=kv.device
-        )
-        recv.append((buffer, setup.global_ranks[step.src]))
-    received = None if buffer is None else KeyBlock(buffer)
-    sent = () if payload is None else (payload,)
-    return Transit(_comm.exchange(send, recv), lambda: received, sent)
-
-
-@dataclass(frozen=True)
-class _Exchange:
-    """One pass of Note [Block-sparse exchange] over this rank's keys ``local`` (kv
-    (2, B, n, Hkv, D)); ``dkv``: their gradients' float32 accumulators (backward)."""
-
-    schedule: tuple[_Step, ...]
-    setup: RingSetup
-    local: KeyBlock
-    dkv: torch.Tensor | None = None
-
-    @property
-    def steps(self) -> int:
-        return len(self.schedule)
-
-    def fetch(self, step: int, held: KeyBlock | None) -> Transit[KeyBlock | None]:
-        if step == 0:
-            return Transit.done(self.local)
-        return _post_kv(self.local.kv, self.schedule[step], self.setup)
-
-    def calls(self, step: int) -> list[SparseCall]:
-        return self.schedule[step].calls
-
-    def grads(self, step: int, keys: KeyBlock) -> StepGrads:
-        if step == 0:
-            return StepGrads(self.dkv)  # this rank's own keys: straight into its accumulators
-        assert self.dkv is not None
-        return StepGrads(torch.zeros(keys.kv.shape, dtype=self.dkv.dtype, device=keys.kv.device))
-
-    def home(self, step: int, grads: StepGrads | None) -> Transit[None]:
-        """dK/dV of the rows received from ``src`` go home to it; those of the rows this rank
-        sent to ``dst`` come back and add into its accumulators."""
-        if step == 0:
-            return Transit.done(None)
-        entry, dkv = self.schedule[step], self.dkv
-        assert dkv is not None
-        send, recv = [], []
-        if grads is not None and grads.dkv is not None:
-            send.append((grads.dkv, self.setup.global_ranks[entry.src]))
-        incoming = None
-        if entry.send_index.numel():
-            incoming = torch.empty(
-                (2, dkv.shape[1], entry.send_index.numel(), *dkv.shape[3:]), dtype=dkv.dtype,
-                device=dkv.device,
-            )  # fmt: skip
-            recv.append((incoming, self.setup.global_ranks[entry.dst]))
-
-        def arrive() -> None:
-            if incoming is not None:
-                dkv.index_add_(2, entry.send_index, incoming)
-
-        return Transit(_comm.exchange(send, recv), arrive, tuple(t for t, _ in send))
-
-    def finish(self) -> Transit[None]:
-        return Transit.done(None)
-
-
-@dataclass(frozen=True)
-class SparseSteps:
-    """What travels in block-sparse ring attention (Note [Block-sparse exchange]): the keys of
-    the kept block pairs, each step between ranks ``s`` apart, and their dK/dV back."""
-
-    schedule: tuple[_Step, ...]
-    setup: RingSetup
-
-    def open(self, local: KeyBlock, dkv: torch.Tensor | None = None) -> Traffic:
-        """The traffic of one pass over this rank's keys (:class:`~.template.Steps`)."""
-        return _Exchange(self.schedule, self.setup, local, dkv)
+    needs = functools.partial(_needs, mask, block_size, n, world_size, is_causal=is_causal,
+                              budget=budget)  # fmt: skip
+    return exchange_steps(needs, n, world_size, rank, device)
 
 
 @eager_only("block_sparse_ring_attention")  # torch.compile runs it eagerly
@@ -252,6 +132,7 @@ def block_sparse_ring_attention(
     scale: float | None = None,
     backend: str | None = None,
     return_lse: bool = False,
+    cu_seqlens: torch.Tensor | list[int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention over a sequence sharded across ``group``; this rank's shard.
 
@@ -270,6 +151,9 @@ def block_sparse_ring_attention(
         scale: softmax scale; ``None`` means ``D ** -0.5``.
         backend: kernel name for the per-step calls, or ``None`` for the registry's choice.
         return_lse: also return the log-sum-exp (B, H, n).
+        cu_seqlens: packed documents of the whole row (B = 1), as in ``ring_attention``: each
+            document's blocks count from its own first token (Note [Packed documents across
+            ranks] in ``packed_ring.py``).
 
     Returns:
         ``out`` (B, n, H, D), or ``(out, lse)``. A batch of 0 (or 0 heads) gives empty tensors,
@@ -280,9 +164,15 @@ def block_sparse_ring_attention(
             malformed or differ between ranks (shapes, options, grad mode, pattern, block_size;
             as in ``ring_attention``).
     """
-
+    args = RingArgs(query, key, value, group=group, is_causal=is_causal, scale=scale,
+                    backend=backend)  # fmt: skip
+    if cu_seqlens is not None:
+        describe = functools.partial(_check_schedule, query, pattern, block_size, return_lse, group)
+        out, lse = packed_ring(args, cu_seqlens, pattern=pattern, block_size=block_size,
+                               describe=describe)  # fmt: skip
+        return (out, lse) if return_lse else out
     ring = prepare_ring(
-        RingArgs(query, key, value, group=group, is_causal=is_causal, scale=scale, backend=backend),
+        args,
         RingOperation(
             check_schedule=functools.partial(
                 _check_schedule, query, pattern, block_size, return_lse, group

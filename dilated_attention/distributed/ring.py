@@ -35,6 +35,7 @@ from ..core.hidden import hide_masked_keys
 from ..core.higher_order import ring_message
 from ._comm import exchange, ring_all_gather
 from .agreement import COMMS, RingArgs, prepare_ring
+from .packed_ring import packed_ring
 from .sharding import chunks_of
 from .template import (
     KeyBlock,
@@ -280,6 +281,7 @@ def ring_attention(
     return_lse: bool = False,
     comm: str = "ring",
     key_padding_mask: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | list[int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence sharded across ``group``; this rank's shard of the result.
 
@@ -296,6 +298,11 @@ def ring_attention(
         comm: ``"ring"`` (P2P, next block in flight during compute) or ``"allgather"``.
         key_padding_mask: (B, n) bool, this rank's shard of the (B, N) mask (``True`` = ignore
             that key; shard it like the keys), or None. Queries that see no key give zeros.
+        cu_seqlens: packed documents of the whole row (B = 1, ``W * n`` positions), as in
+            :func:`~dilated_attention.attention`: attention within each document, documents of
+            any length spanning shards (Note [Packed documents across ranks] in
+            ``packed_ring.py``; :func:`~dilated_attention.distributed.ring_load` tells the
+            work per rank).
 
     Returns:
         ``out`` (B, n, H, D): this rank's shard of ``attention`` on the gathered sequence, with
@@ -310,10 +317,14 @@ def ring_attention(
             leaves the others waiting until the process group's timeout: set one
             (``init_process_group(timeout=...)``, docs/ring.md).
     """
-    ring = prepare_ring(
-        RingArgs(query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
-                 backend=backend, comm=comm, key_padding_mask=key_padding_mask)
+    args = RingArgs(
+        query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
+        backend=backend, comm=comm, key_padding_mask=key_padding_mask,
     )  # fmt: skip
+    if cu_seqlens is not None:
+        out, lse = packed_ring(args, cu_seqlens)
+        return (out, lse) if return_lse else out
+    ring = prepare_ring(args)
     q, k, v = ring.q, ring.k, ring.v
     if ring.empty:  # batch 0 or 0 heads, agreed on every rank: as in one process
         out, lse = empty_attention(q, k, v)

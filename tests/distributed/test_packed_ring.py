@@ -1,0 +1,156 @@
+"""Packed documents over ranks (Note [Packed documents across ranks] in
+``distributed/packed_ring.py``) on CPU/gloo, 2 and 4 ranks: ``ring_attention`` and
+``block_sparse_ring_attention`` with ``cu_seqlens`` against the float64 block-diagonal oracle
+(outputs, lse, dq, dk, dv), for documents of 1 token, inside one shard, spanning two or every
+shard, of lengths that divide nothing; pairs of ranks that share no document exchange nothing.
+
+One spawned world per world size runs every case. Workers assert with messages.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+from support.block_sparse import token_mask
+from support.distributed_utils import count_exchanges, run_world
+from support.oracle import masked_attention
+
+import dilated_attention.distributed._comm as comm
+from dilated_attention import block_sparse_ring_attention, ring_attention, shard_sequence
+from dilated_attention import patterns as P
+from dilated_attention.distributed import ring_load
+
+pytestmark = pytest.mark.distributed
+
+H, D = 4, 8
+TIGHT = {"atol": 1e-10, "rtol": 1e-7}
+
+
+def _layouts(world_size: int) -> list[list[int]]:
+    """Document lengths of one row of ``12 * world_size`` positions."""
+    total = 12 * world_size
+    return [
+        [1, 5, 17, total - 23],  # a 1-token document; documents spanning shards
+        [total],  # one document over every shard
+        [12] * world_size,  # one document per shard: nothing crosses
+        [7] * (total // 7) + [total % 7] if total % 7 else [7] * (total // 7),
+    ]
+
+
+def _offsets(lengths: list[int]) -> list[int]:
+    return [0, *itertools.accumulate(lengths)]
+
+
+def _document_mask(lengths: list[int], causal: bool, inner: torch.Tensor | None) -> torch.Tensor:
+    """(H, N, N) bool: within each document (and ``inner``'s pattern inside it), causal."""
+    n = sum(lengths)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for a, b in itertools.pairwise(_offsets(lengths)):
+        block = torch.ones(b - a, b - a, dtype=torch.bool) if inner is None else inner[: b - a]
+        mask[a:b, a:b] = block[:, : b - a]
+    if causal:
+        mask = mask.tril()
+    return mask.expand(H, -1, -1)
+
+
+def _check(rank: int, world_size: int) -> None:
+    gen = torch.Generator().manual_seed(world_size)
+    for index, (lengths, causal, kv_heads, pattern) in enumerate(itertools.product(
+        _layouts(world_size), [False, True], [4, 1], [None, P.LocalWindow(1)]
+    )):  # fmt: skip
+        n = sum(lengths)
+        q = torch.randn(1, n, H, D, dtype=torch.float64, generator=gen)
+        k, v = (torch.randn(1, n, kv_heads, D, dtype=torch.float64, generator=gen) for _ in "kv")
+        dout = torch.randn(1, n, H, D, dtype=torch.float64, generator=gen)
+        if pattern is None:
+            mask = _document_mask(lengths, causal, None)
+        else:  # blocks of 4 counted from each document's first token
+            inner = token_mask(pattern, 4, n, n, False)
+            mask = _document_mask(lengths, causal, inner)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref, ref_lse = masked_attention(*leaves, mask)
+        ref_grads = torch.autograd.grad(ref, leaves, dout)
+        local = [shard_sequence(t).requires_grad_() for t in (q, k, v)]
+        cu = _offsets(lengths)
+        if pattern is None:
+            out, lse = ring_attention(*local, is_causal=causal, cu_seqlens=cu, return_lse=True)
+        else:
+            out, lse = block_sparse_ring_attention(
+                *local, pattern, block_size=4, is_causal=causal, cu_seqlens=cu, return_lse=True
+            )
+        grads = torch.autograd.grad(out, local, shard_sequence(dout))
+        case = f"rank {rank}/{world_size} #{index} {lengths} {causal=} Hkv={kv_heads} {pattern}"
+        torch.testing.assert_close(out, shard_sequence(ref), **TIGHT,
+                                   msg=lambda m, c=case: f"out {c}: {m}")  # fmt: skip
+        torch.testing.assert_close(lse, shard_sequence(ref_lse, seq_dim=2), **TIGHT,
+                                   msg=lambda m, c=case: f"lse {c}: {m}")  # fmt: skip
+        for name, got, want in zip("qkv", grads, ref_grads, strict=True):
+            torch.testing.assert_close(got, shard_sequence(want), **TIGHT,
+                                       msg=lambda m, x=name, c=case: f"d{x} {c}: {m}")  # fmt: skip
+
+
+def _check_bytes(rank: int, world_size: int) -> None:
+    """One document per shard: no pair of ranks shares a document, so nothing is sent; one
+    document over every shard: every rank receives keys."""
+    n = 12
+    x = torch.randn(1, n, H, D, dtype=torch.float64).requires_grad_()
+    with count_exchanges(comm=comm) as log:
+        out = ring_attention(x, x, x, cu_seqlens=_offsets([n] * world_size))
+        out.sum().backward()
+        assert sum(log["comm_sent"]) == 0 and sum(log["comm_calls"]) == 0, (
+            f"rank {rank}: documents inside their shards sent {sum(log['comm_sent'])} bytes"
+        )
+        ring_attention(x, x, x, cu_seqlens=[0, n * world_size])
+        assert sum(log["comm_recv"]) > 0, f"rank {rank}: a document over every shard got nothing"
+
+
+def _check_errors(rank: int, world_size: int) -> None:
+    """Bad packed calls raise on every rank before any other communication."""
+    x = torch.randn(1, 6, H, D)
+    cases = [
+        (dict(cu_seqlens=[0, 5]), "cu_seqlens must start at 0 and end at B \\* N = 1 \\* "),
+        (dict(cu_seqlens=[0, 6 * world_size], key_padding_mask=torch.zeros(1, 6, dtype=torch.bool)),
+         "no key_padding_mask"),
+        (dict(cu_seqlens=[0, 4, 6 * world_size], layout="zigzag", is_causal=True),
+         "layout='contiguous'"),
+    ]  # fmt: skip
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            ring_attention(x, x, x, **kwargs)
+    two = torch.randn(2, 6, H, D)
+    with pytest.raises(ValueError, match="one packed row"):
+        ring_attention(two, two, two, cu_seqlens=[0, 6 * world_size, 12 * world_size])
+    # Offsets that differ between ranks: an error on every rank, not a hang.
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        ring_attention(x, x, x, cu_seqlens=[0, 1 + rank, 6 * world_size])
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_packed_ring_matches_the_oracle(world_size: int, tmp_path: Path) -> None:
+    run_world(_check, world_size, tmp_path, timeout_s=120)
+
+
+def test_packed_ring_sends_only_what_documents_share(tmp_path: Path) -> None:
+    run_world(_check_bytes, 2, tmp_path)
+
+
+def test_bad_packed_ring_calls_raise_on_every_rank(tmp_path: Path) -> None:
+    run_world(_check_errors, 2, tmp_path)
+
+
+def test_ring_load_counts_each_ranks_pairs() -> None:
+    even = ring_load([0, 8, 16, 24, 32], 4)  # one document of 8 per shard of 8
+    assert even.pairs == (64, 64, 64, 64) and even.max_over_mean == 1.0
+    causal = ring_load([0, 32], 4, is_causal=True)  # one causal document over every shard
+    assert sum(causal.pairs) == 32 * 33 // 2
+    assert causal.pairs == (36, 100, 164, 228), causal.pairs  # later shards see more keys
+    assert causal.max_over_mean == pytest.approx(228 / (528 / 4))
+    sparse = ring_load([0, 32], 4, pattern=P.LocalWindow(0), block_size=8)
+    assert sparse.pairs == (64, 64, 64, 64)
+    with pytest.raises(ValueError, match="cannot be sharded over 3 ranks"):
+        ring_load([0, 32], 3)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        ring_load([0, 5, 5, 32], 4)
