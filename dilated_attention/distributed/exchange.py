@@ -10,7 +10,7 @@ a pair of ranks.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -60,8 +60,7 @@ def exchange_steps(
             continue
         # Received rows arrive compacted, in the order of ``needed``.
         calls = [
-            SparseCall(c.q_index, torch.searchsorted(needed, c.kv_index + src * n), c.causal)
-            for c in calls
+            replace(c, kv_index=torch.searchsorted(needed, c.kv_index + src * n)) for c in calls
         ]
         sent, _ = needs(dst, rank)
         steps.append(ExchangeStep(src, dst, needed.numel(), sent - rank * n, calls))

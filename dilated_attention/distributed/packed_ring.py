@@ -26,15 +26,17 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
 from ..block_sparse.plan import SparseCall, call_positions, check_block_size, document_calls
 from ..core.autograd import run_attention
-from ..core.documents import check_offsets
+from ..core.documents import check_offsets, document_groups
 from ..core.executor import empty_attention
 from ..core.higher_order import ring_message
+from ..core.schedule import Schedule
 from ..patterns import Pattern, check_pattern
 from ._comm import group_rank_and_size
 from .agreement import RingArgs, RingOperation, prepare_ring
@@ -55,11 +57,106 @@ def _dense_calls(documents: tuple[int, ...], is_causal: bool) -> tuple[SparseCal
     )
 
 
+@dataclass(frozen=True)
+class HeadCall:
+    """A :class:`~dilated_attention.block_sparse.plan.SparseCall` on some heads: query heads
+    ``heads`` (Hc,), query head ``heads[i]`` reading key/value head ``kv_heads[i]`` (so the
+    kernel sees Hc key/value heads too, repeated under grouped-query attention). The dilated
+    rows of one offset class (Note [Packed documents across ranks]).
+
+    Attributes:
+        q_index, kv_index: (G, Lq), (G, Lk) int64 positions, as in ``SparseCall``.
+        causal: top-left causal within each piece.
+        heads, kv_heads: (Hc,) int64.
+    """
+
+    q_index: torch.Tensor
+    kv_index: torch.Tensor
+    causal: bool
+    heads: torch.Tensor
+    kv_heads: torch.Tensor
+
+    def to(self, device: torch.device) -> HeadCall:
+        return HeadCall(*(x.to(device) for x in (self.q_index, self.kv_index)), self.causal,
+                        *(x.to(device) for x in (self.heads, self.kv_heads)))  # fmt: skip
+
+    def q_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return _sparse(self).q_rows(x.index_select(2, self.heads))
+
+    def kv_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return _sparse(self).kv_rows(x.index_select(2, self.kv_heads))
+
+    def key_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        return _sparse(self).key_mask(mask)
+
+    def put_q(self, dest: torch.Tensor, rows: torch.Tensor, *, accumulate: bool) -> None:
+        _put_heads(dest, self.q_index, self.heads, rows, accumulate)
+
+    def put_kv(self, dest: torch.Tensor, rows: torch.Tensor, *, accumulate: bool) -> None:
+        if not accumulate:  # repeated key/value heads: only sums are well defined
+            raise ValueError("HeadCall.put_kv adds gradients; it cannot overwrite rows")
+        _put_heads(dest, self.kv_index, self.kv_heads, rows, accumulate)
+
+    def row_call(self, q: torch.Tensor, k: torch.Tensor) -> Any:
+        raise NotImplementedError("ring calls have first-order gradients only")
+
+
+def _sparse(call: HeadCall) -> SparseCall:
+    return SparseCall(call.q_index, call.kv_index, call.causal)
+
+
+def _put_heads(
+    dest: torch.Tensor, index: torch.Tensor, heads: torch.Tensor, rows: torch.Tensor,
+    accumulate: bool,
+) -> None:  # fmt: skip
+    """Write (or add) (B * G, L, Hc, E) rows into ``dest`` (B, N, Hd, E) at positions ``index``
+    (G, L) and heads ``heads`` (Hc,), through one (position, head) index."""
+    batch, _, dest_heads, width = dest.shape
+    flat_index = (index.reshape(-1, 1) * dest_heads + heads.view(1, -1)).flatten()
+    flat = rows.reshape(batch, -1, width).to(dest.dtype)
+    target = dest.view(batch, -1, width)
+    if accumulate:
+        target.index_add_(1, flat_index, flat)
+    else:
+        target.index_copy_(1, flat_index, flat)
+
+
+def _dilated_calls(
+    documents: tuple[int, ...], heads: tuple[int, int], schedule: Schedule, is_causal: bool
+) -> tuple[HeadCall, ...]:
+    """Packed dilated attention as position calls (CPU, global positions): every document's row
+    groups (Note [Packed documents] in ``core/documents.py``), one call per offset class."""
+    num_heads, kv_heads = heads
+    group = num_heads // kv_heads
+    calls = []
+    for g in document_groups(documents, num_heads, schedule.segment_lengths,
+                             schedule.dilation_rates):  # fmt: skip
+        starts = g.start + g.segment_len * torch.arange(g.num_segments).view(-1, 1)
+        for offset in sorted(set(g.offsets)):
+            cls = [h for h, o in zip(g.heads, g.offsets, strict=True) if o == offset]
+            rows = starts + offset + g.rate * torch.arange(g.rows).view(1, -1)
+            calls.append(HeadCall(rows, rows, is_causal, torch.tensor(cls),
+                                  torch.tensor([h // group for h in cls])))  # fmt: skip
+    return tuple(calls)
+
+
+#: A call of a packed row's plan: every head (``SparseCall``) or some (``HeadCall``).
+PositionCall = SparseCall | HeadCall
+
+
 @functools.lru_cache(maxsize=16)
 def _global_calls(
-    documents: tuple[int, ...], is_causal: bool, pattern: Pattern | None, block_size: int
-) -> tuple[SparseCall, ...]:
-    """The packed row's plan of position calls (Note [Packed documents across ranks])."""
+    documents: tuple[int, ...],
+    is_causal: bool,
+    pattern: Pattern | None,
+    block_size: int,
+    dilated: tuple[Schedule, int, int] | None = None,
+) -> tuple[PositionCall, ...]:
+    """The packed row's plan of position calls (Note [Packed documents across ranks]):
+    dilated (``(schedule, H, Hkv)``), block-sparse (``pattern``) or dense."""
+    if dilated is not None:
+        schedule, num_heads, kv_heads = dilated
+        return _dilated_calls(documents, (num_heads, kv_heads), schedule, is_causal)
     if pattern is None:
         return _dense_calls(documents, is_causal)
     return document_calls(pattern, block_size, documents, is_causal, torch.device("cpu"))
@@ -75,6 +172,12 @@ def restricted_calls(
     the keys before its first query as a full piece and the keys from there to its last query
     as a causal piece; keys after its last query are never seen.
     """
+    return [part for call in calls for part in _restricted(call, queries, keys)]
+
+
+def _restricted(call: PositionCall, queries: tuple[int, int], keys: tuple[int, int]) -> list:
+    """:func:`restricted_calls` of one call: its pieces cut to the ranges, those of one shape
+    stacked into one call of the same kind (same heads)."""
     (q_lo, q_hi), (k_lo, k_hi) = queries, keys
     groups: dict[tuple[bool, int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
@@ -84,26 +187,27 @@ def restricted_calls(
             qs.append(q_rows - q_lo)
             ks.append(k_rows - k_lo)
 
-    for call in calls:
-        for q_pos, k_pos in zip(call.q_index, call.kv_index, strict=True):
-            q_in = q_pos[(q_pos >= q_lo) & (q_pos < q_hi)]
-            k_in = k_pos[(k_pos >= k_lo) & (k_pos < k_hi)]
-            if not (q_in.numel() and k_in.numel()):
-                continue
-            if not call.causal:
-                add(False, q_in, k_in)
-                continue
-            add(False, q_in, k_in[k_in < q_in[0]])
-            add(True, q_in, k_in[(k_in >= q_in[0]) & (k_in <= q_in[-1])])
+    for q_pos, k_pos in zip(call.q_index, call.kv_index, strict=True):
+        q_in = q_pos[(q_pos >= q_lo) & (q_pos < q_hi)]
+        k_in = k_pos[(k_pos >= k_lo) & (k_pos < k_hi)]
+        if not (q_in.numel() and k_in.numel()):
+            continue
+        if not call.causal:
+            add(False, q_in, k_in)
+            continue
+        # Queries and keys are one run of positions (dilated: one arithmetic progression):
+        # keys before the first query are all seen, the run's own keys causally.
+        add(False, q_in, k_in[k_in < q_in[0]])
+        add(True, q_in, k_in[(k_in >= q_in[0]) & (k_in <= q_in[-1])])
     return [
-        SparseCall(torch.stack(qs), torch.stack(ks), causal)
+        replace(call, q_index=torch.stack(qs), kv_index=torch.stack(ks), causal=causal)
         for (causal, _, _), (qs, ks) in groups.items()
     ]
 
 
 def _needs(
-    calls: tuple[SparseCall, ...], n: int, dst: int, src: int
-) -> tuple[torch.Tensor, list[SparseCall]]:
+    calls: tuple[PositionCall, ...], n: int, dst: int, src: int
+) -> tuple[torch.Tensor, list[PositionCall]]:
     """``block_sparse_ring.Needs`` of a packed plan: the global positions of ``src``'s shard
     that ``dst`` reads, and its calls on them."""
     part = restricted_calls(calls, (dst * n, (dst + 1) * n), (src * n, (src + 1) * n))
@@ -112,29 +216,30 @@ def _needs(
 
 @functools.lru_cache(maxsize=16)
 def _steps(
-    documents: tuple[int, ...],
-    is_causal: bool,
-    pattern: Pattern | None,
-    block_size: int,
+    plan: tuple[tuple[int, ...], bool, Pattern | None, int, tuple[Schedule, int, int] | None],
     world_rank: tuple[int, int],
     device: torch.device,
 ) -> tuple[ExchangeStep, ...]:
-    """This rank's steps over a packed row's plan (pure: the same on every call)."""
+    """This rank's steps over a packed row's plan (``_global_calls``'s arguments; pure: the
+    same on every call)."""
     world_size, rank = world_rank
-    calls = _global_calls(documents, is_causal, pattern, block_size)
+    documents = plan[0]
+    calls = _global_calls(*plan)
     n = documents[-1] // world_size
     needs = functools.partial(_needs, calls, n)
     return exchange_steps(needs, n, world_size, rank, device)
 
 
-def _pairs(call: SparseCall) -> int:
-    """Query-key pairs one call computes (top-left causal pieces: row ``i`` sees ``i + 1``)."""
+def _pairs(call: PositionCall, num_heads: int) -> float:
+    """Query-key pairs one call computes per head of the layer (top-left causal pieces: row
+    ``i`` sees ``i + 1`` keys)."""
     pieces, rows_q = call.q_index.shape
     rows_k = call.kv_index.shape[1]
-    if not call.causal:
-        return pieces * rows_q * rows_k
     seen = min(rows_q, rows_k)
-    return pieces * (seen * (seen + 1) // 2 + (rows_q - seen) * rows_k)
+    causal = seen * (seen + 1) // 2 + (rows_q - seen) * rows_k
+    pairs = causal if call.causal else rows_q * rows_k
+    share = len(call.heads) / num_heads if isinstance(call, HeadCall) else 1.0
+    return pieces * pairs * share
 
 
 @dataclass(frozen=True)
@@ -142,11 +247,11 @@ class RingLoad:
     """The work of a packed ring per rank (Note [Packed documents across ranks]).
 
     Attributes:
-        pairs: query-key pairs each rank computes, by rank.
+        pairs: query-key pairs each rank computes per head of the layer, by rank.
         max_over_mean: the busiest rank's pairs over the mean (1.0: perfectly even).
     """
 
-    pairs: tuple[int, ...]
+    pairs: tuple[float, ...]
     max_over_mean: float
 
 
@@ -157,14 +262,17 @@ def ring_load(
     is_causal: bool = False,
     pattern: Pattern | None = None,
     block_size: int = 128,
+    schedule: tuple[Sequence[int], Sequence[int]] | None = None,
+    num_heads: int = 1,
 ) -> RingLoad:
     """The pairs each of ``world_size`` ranks computes for a packed row of documents
-    ``cu_seqlens`` (its length a multiple of ``world_size``) in ``ring_attention`` (or, with
-    ``pattern``, ``block_sparse_ring_attention``), before anything runs.
+    ``cu_seqlens`` (its length a multiple of ``world_size``) in ``ring_attention``, with
+    ``pattern`` in ``block_sparse_ring_attention``, with ``schedule`` (segment lengths,
+    dilation rates) in ``ring_dilated_attention`` of ``num_heads`` heads; before anything runs.
 
     Raises:
-        ValueError / TypeError: malformed offsets, or a row length ``world_size`` does not
-            divide.
+        ValueError / TypeError: malformed offsets or schedule, or a row length ``world_size``
+            does not divide.
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -172,14 +280,21 @@ def ring_load(
     _check_divides(documents[-1], world_size)
     if pattern is not None:
         pattern, block_size = check_pattern(pattern), check_block_size(block_size)
-    calls = _global_calls(documents, is_causal, pattern, block_size)
+    dilated = None if schedule is None else (Schedule(*schedule), num_heads, num_heads)
+    calls = _global_calls(documents, is_causal, pattern, block_size, dilated)
     n = documents[-1] // world_size
-    pairs = tuple(
-        sum(_pairs(c) for src in range(world_size) for c in _needs(calls, n, dst, src)[1])
-        for dst in range(world_size)
-    )
+    pairs = tuple(_rank_pairs(calls, n, dst, world_size, num_heads) for dst in range(world_size))
     mean = sum(pairs) / world_size
     return RingLoad(pairs, max(pairs) / mean if mean else 1.0)
+
+
+def _rank_pairs(
+    calls: tuple[PositionCall, ...], n: int, dst: int, world_size: int, num_heads: int
+) -> float:
+    """The pairs rank ``dst`` computes against every rank's keys, per head."""
+    return sum(
+        _pairs(c, num_heads) for src in range(world_size) for c in _needs(calls, n, dst, src)[1]
+    )
 
 
 def _row_length(cu_seqlens: object) -> int:
@@ -207,14 +322,16 @@ def packed_ring(
     *,
     pattern: Pattern | None = None,
     block_size: int = 128,
-    describe: Callable[[], str] | None = None,
+    describe: Callable[[], object] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of ``ring_attention`` (or, with ``pattern``, ``block_sparse_ring_attention``)
-    on one packed row: this rank's shard (B = 1, n positions) of the documents ``cu_seqlens``
-    over the whole row of ``W * n`` (Note [Packed documents across ranks]).
+    """``(out, lse)`` of ``ring_attention`` (with ``pattern``, ``block_sparse_ring_attention``;
+    with ``describe`` returning a :class:`~dilated_attention.core.schedule.Schedule`,
+    ``ring_dilated_attention``) on one packed row: this rank's shard (B = 1, n positions) of the
+    documents ``cu_seqlens`` over the whole row of ``W * n`` (Note [Packed documents across
+    ranks]).
 
-    ``describe`` checks the caller's own arguments inside the agreement and returns their
-    text (the pattern), compared across ranks with the offsets.
+    ``describe`` checks the caller's own arguments inside the agreement and returns what the
+    ranks compare with the offsets (the pattern's text, or the schedule).
     """
     checked: dict[str, tuple[int, ...]] = {}
 
@@ -234,20 +351,23 @@ def packed_ring(
         world = group_rank_and_size(call.group)[1]
         documents = check_offsets(cu_seqlens, 1, q.shape[1] * world, q.device)
         checked["documents"] = documents
-        extra = "" if describe is None else f" {describe()}"
-        return f"cu_seqlens={list(documents)}{extra}"
+        extra = None if describe is None else describe()
+        if isinstance(extra, Schedule):
+            checked["schedule"] = extra
+        return f"cu_seqlens={list(documents)} {'' if extra is None else extra}"
 
     ring = prepare_ring(call, RingOperation(check_schedule=check_schedule,
                                             schedule_name="cu_seqlens"))  # fmt: skip
     q, k, v, setup = ring.q, ring.k, ring.v, ring.setup
     if ring.empty:
         return empty_attention(q, k, v)
-    steps = _steps(
-        checked["documents"], bool(call.is_causal), pattern, block_size,
-        (setup.world_size, setup.rank), q.device,
-    )  # fmt: skip
+    schedule = checked.get("schedule")
+    dilated = None if schedule is None else (schedule, q.shape[2], k.shape[2])
+    plan = (checked["documents"], bool(call.is_causal), pattern, block_size, dilated)
+    steps = _steps(plan, (setup.world_size, setup.rank), q.device)
     what = "ring_attention" if pattern is None else "block_sparse_ring_attention"
-    message = ring_message(what, "attention()" if pattern is None else "block_sparse_attention()")
+    what = "ring_dilated_attention" if dilated is not None else what
+    message = ring_message(what, what.replace("ring_", "") + "()")
     runner = RingRunner(SparseSteps(steps, setup), StepKernel(ring.kernel.backend, setup.scale),
                         message)  # fmt: skip
     return run_attention(q, k, v, None, runner)

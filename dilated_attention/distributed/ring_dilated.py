@@ -63,6 +63,7 @@ from .dilated_plan import (
     merge_compact,
     plan_ring_dilated,
 )
+from .packed_ring import packed_ring
 from .template import (
     KeyBlock,
     RingSetup,
@@ -315,6 +316,7 @@ def ring_dilated_attention(
     backend: str | None = None,
     return_lse: bool = False,
     key_padding_mask: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | list[int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact dilated attention over a sequence sharded across ``group``: this rank's shard of
     ``dilated_attention`` on the gathered sequence (Note [Local and spanning branches]).
@@ -324,6 +326,9 @@ def ring_dilated_attention(
         segment_lengths, dilation_rates: the branches, over global positions.
         group, is_causal, scale, layout, backend, return_lse, key_padding_mask: as in
             ``ring_attention`` (the mask is this rank's (B, n) shard).
+        cu_seqlens: packed documents of the whole row (B = 1), each segmented from its own
+            first token, as in ``dilated_attention`` (Note [Packed documents across ranks] in
+            ``packed_ring.py``: every key head of the positions a rank's calls read travels).
 
     Returns:
         ``out`` (B, n, H, D), or ``(out, lse)`` with ``lse`` (B, H, n); exact gradients for the
@@ -333,10 +338,18 @@ def ring_dilated_attention(
         ValueError: on every rank, before other communication, for malformed or mismatched inputs
             or grad modes (as in ``ring_attention``, which also says what the timeout is for).
     """
+    schedule = functools.partial(Schedule, segment_lengths, dilation_rates)
+    if cu_seqlens is not None:
+        args = RingArgs(
+            query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
+            backend=backend, key_padding_mask=key_padding_mask,
+        )  # fmt: skip
+        out, lse = packed_ring(args, cu_seqlens, describe=schedule)
+        return (out, lse) if return_lse else out
     ring = prepare_ring(
         RingArgs(query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
                  backend=backend, comm="allgather", key_padding_mask=key_padding_mask),
-        RingOperation(DILATED, functools.partial(Schedule, segment_lengths, dilation_rates)),
+        RingOperation(DILATED, schedule),
     )  # fmt: skip
     q, k, v, setup = ring.q, ring.k, ring.v, ring.setup
     if ring.empty:  # batch 0 or 0 heads, agreed on every rank: as in one process

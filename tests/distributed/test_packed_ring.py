@@ -19,7 +19,13 @@ from support.distributed_utils import count_exchanges, run_world
 from support.oracle import masked_attention
 
 import dilated_attention.distributed._comm as comm
-from dilated_attention import block_sparse_ring_attention, ring_attention, shard_sequence
+from dilated_attention import (
+    block_sparse_ring_attention,
+    dilated_attention,
+    ring_attention,
+    ring_dilated_attention,
+    shard_sequence,
+)
 from dilated_attention import patterns as P
 from dilated_attention.distributed import ring_load
 
@@ -92,6 +98,41 @@ def _check(rank: int, world_size: int) -> None:
                                        msg=lambda m, x=name, c=case: f"d{x} {c}: {m}")  # fmt: skip
 
 
+#: Schedules whose segments cross shards of 12 (and one whose rate 3 does not divide the
+#: grouped-query group of 2, so calls repeat key/value heads).
+SCHEDULES = [((8, 16, 32), (1, 2, 4)), ((6, 30), (1, 3))]
+
+
+def _check_dilated(rank: int, world_size: int) -> None:
+    """Against the single-process packed call (itself checked against the float64 oracle in
+    ``tests/ops/test_packed.py``), in float64."""
+    gen = torch.Generator().manual_seed(10 + world_size)
+    for index, (lengths, causal, kv_heads, (segs, rates)) in enumerate(itertools.product(
+        _layouts(world_size), [False, True], [4, 2, 1], SCHEDULES
+    )):  # fmt: skip
+        n = sum(lengths)
+        q = torch.randn(1, n, H, D, dtype=torch.float64, generator=gen)
+        k, v = (torch.randn(1, n, kv_heads, D, dtype=torch.float64, generator=gen) for _ in "kv")
+        dout = torch.randn(1, n, H, D, dtype=torch.float64, generator=gen)
+        cu = _offsets(lengths)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref, ref_lse = dilated_attention(*leaves, segs, rates, is_causal=causal, cu_seqlens=cu,
+                                         return_lse=True)  # fmt: skip
+        ref_grads = torch.autograd.grad(ref, leaves, dout)
+        local = [shard_sequence(t).requires_grad_() for t in (q, k, v)]
+        out, lse = ring_dilated_attention(*local, segs, rates, is_causal=causal, cu_seqlens=cu,
+                                          return_lse=True)  # fmt: skip
+        grads = torch.autograd.grad(out, local, shard_sequence(dout))
+        case = f"rank {rank}/{world_size} #{index} {lengths} {causal=} Hkv={kv_heads} {segs}"
+        torch.testing.assert_close(out, shard_sequence(ref), **TIGHT,
+                                   msg=lambda m, c=case: f"out {c}: {m}")  # fmt: skip
+        torch.testing.assert_close(lse, shard_sequence(ref_lse, seq_dim=2), **TIGHT,
+                                   msg=lambda m, c=case: f"lse {c}: {m}")  # fmt: skip
+        for name, got, want in zip("qkv", grads, ref_grads, strict=True):
+            torch.testing.assert_close(got, shard_sequence(want), **TIGHT,
+                                       msg=lambda m, x=name, c=case: f"d{x} {c}: {m}")  # fmt: skip
+
+
 def _check_bytes(rank: int, world_size: int) -> None:
     """One document per shard: no pair of ranks shares a document, so nothing is sent; one
     document over every shard: every rank receives keys."""
@@ -133,12 +174,28 @@ def test_packed_ring_matches_the_oracle(world_size: int, tmp_path: Path) -> None
     run_world(_check, world_size, tmp_path, timeout_s=120)
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_packed_ring_dilated_equals_the_packed_call(world_size: int, tmp_path: Path) -> None:
+    run_world(_check_dilated, world_size, tmp_path, timeout_s=120)
+
+
 def test_packed_ring_sends_only_what_documents_share(tmp_path: Path) -> None:
     run_world(_check_bytes, 2, tmp_path)
 
 
 def test_bad_packed_ring_calls_raise_on_every_rank(tmp_path: Path) -> None:
     run_world(_check_errors, 2, tmp_path)
+
+
+def _plan_pairs(length: int, segs: tuple[int, ...], rates: tuple[int, ...]) -> float:
+    """Non-causal pairs per head of one document alone: every head's rows of every segment."""
+    total = 0
+    for w, r in zip(segs, rates, strict=True):
+        w = min(w, length)
+        for start in range(0, length, w):
+            seg = min(w, length - start)
+            total += sum(len(range(h % r, seg, r)) ** 2 for h in range(4))
+    return total / 4
 
 
 def test_ring_load_counts_each_ranks_pairs() -> None:
@@ -150,6 +207,11 @@ def test_ring_load_counts_each_ranks_pairs() -> None:
     assert causal.max_over_mean == pytest.approx(228 / (528 / 4))
     sparse = ring_load([0, 32], 4, pattern=P.LocalWindow(0), block_size=8)
     assert sparse.pairs == (64, 64, 64, 64)
+    # Dilated: the ranks' pairs add up to the packed plan's, per head.
+    lengths, segs, rates = [1, 5, 17, 25], (8, 16, 32), (1, 2, 4)
+    dilated = ring_load(_offsets(lengths), 4, schedule=(segs, rates), num_heads=4)
+    alone = sum(_plan_pairs(length, segs, rates) for length in lengths)
+    assert sum(dilated.pairs) == pytest.approx(alone), (dilated.pairs, alone)
     with pytest.raises(ValueError, match="cannot be sharded over 3 ranks"):
         ring_load([0, 32], 3)
     with pytest.raises(ValueError, match="strictly increasing"):
