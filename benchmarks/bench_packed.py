@@ -8,9 +8,11 @@ forward+backward, each timed as the median of ``--repeats`` runs (CUDA events on
 ``perf_counter`` on the CPU):
 
 - ``packed``: ``dilated_attention(..., cu_seqlens=offsets)`` (the automatic kernel choice);
-- ``one sequence``: the same tensors as one sequence (no ``cu_seqlens``): what the kernels reach
-  without document boundaries;
-- ``one by one``: each document in its own call, one after another.
+- ``one sequence``: the same tensors as one sequence (no ``cu_seqlens``) on the kernel the packed
+  call chose: what that path reaches without document boundaries;
+- ``one sequence (auto)``: the same with the automatic choice, where it picks another kernel
+  (FlashAttention-4's slots at 1M tokens when installed, which take no packed documents);
+- ``one by one``: each document in its own call, one after another (automatic choice).
 
 And, where ``transformers`` is installed, one training step (forward and backward of the loss)
 of a Llama-style model from a config through ``use_dilated_attention``: a
@@ -51,6 +53,7 @@ from _timing import (
 from dilated_attention import dilated_attention, longnet_schedule
 from dilated_attention.core.documents import document_groups
 from dilated_attention.core.schedule import Schedule
+from dilated_attention.resolve import DILATED, Request, resolve
 
 HEADS = 16
 #: Forward+backward over forward, in multiply-adds (FlashAttention's convention).
@@ -77,6 +80,16 @@ def pair_flops(groups: tuple, head_dim: int, causal: bool) -> float:
     return flops
 
 
+def kernel_name(q: torch.Tensor, segs: list[int], rates: list[int], causal: bool,
+                documents: tuple[int, ...] | None = None) -> str:  # fmt: skip
+    """The kernel the automatic choice runs a (packed) dilated call on."""
+    request = Request.of(DILATED, q, q, q, schedule=Schedule(segs, rates), is_causal=causal,
+                         documents=documents)  # fmt: skip
+    strategy = resolve(request)
+    assert strategy.kernel is not None
+    return strategy.kernel.backend.name
+
+
 def rows_for(causal: bool, device: torch.device, args: argparse.Namespace) -> list[dict]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     lengths = document_lengths(args.total, *args.doc_lens, seed=args.seed)
@@ -90,7 +103,13 @@ def rows_for(causal: bool, device: torch.device, args: argparse.Namespace) -> li
     def packed() -> torch.Tensor:
         return dilated_attention(q, k, v, segs, rates, is_causal=causal, cu_seqlens=bounds)
 
+    same = kernel_name(q, segs, rates, causal, tuple(offsets))
+    auto = kernel_name(q, segs, rates, causal)
+
     def one_sequence() -> torch.Tensor:
+        return dilated_attention(q, k, v, segs, rates, is_causal=causal, backend=same)
+
+    def one_sequence_auto() -> torch.Tensor:
         return dilated_attention(q, k, v, segs, rates, is_causal=causal)
 
     def one_by_one() -> torch.Tensor:
@@ -102,16 +121,19 @@ def rows_for(causal: bool, device: torch.device, args: argparse.Namespace) -> li
     packed_flops = pair_flops(document_groups(tuple(offsets), HEADS, tuple(segs), tuple(rates)),
                               args.head_dim, causal)  # fmt: skip
     layout = Schedule(segs, rates).at(args.total, HEADS, HEADS)
-    flops = {"packed": packed_flops, "one sequence": pair_flops(layout.groups, args.head_dim,
-                                                                 causal),
-             "one by one": packed_flops}  # fmt: skip
+    one_flops = pair_flops(layout.groups, args.head_dim, causal)
+    flops = {"packed": packed_flops, "one sequence": one_flops,
+             "one sequence (auto)": one_flops, "one by one": packed_flops}  # fmt: skip
+    paths = [("packed", packed, same), ("one sequence", one_sequence, same)]
+    if auto != same:
+        paths.append(("one sequence (auto)", one_sequence_auto, auto))
+    paths.append(("one by one", one_by_one, "auto"))
     unavoidable = 8 * q.numel() * q.element_size()
     rows = []
-    for path, run in (("packed", packed), ("one sequence", one_sequence),
-                      ("one by one", one_by_one)):  # fmt: skip
+    for path, run, kernel in paths:
         timing = time_fwd_and_fwd_bwd(run, [q, k, v], torch.randn_like(q), warmup=args.warmup,
                                       repeats=args.repeats, device=device)  # fmt: skip
-        row = {"causal": causal, "path": path, "documents": len(lengths),
+        row = {"causal": causal, "path": path, "kernel": kernel, "documents": len(lengths),
                "total": args.total, **timing}
         row["fwd_tflops"] = flops[path] / timing["fwd_ms"] / 1e9
         row["fwd_bwd_tflops"] = BACKWARD_FACTOR * flops[path] / timing["fwd_bwd_ms"] / 1e9
@@ -199,21 +221,23 @@ def main() -> None:
     causal = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     rows = [{"part": "attention", **row} for c in causal for row in rows_for(c, device, args)]
     hf = hf_rows(device, args)
-    columns = ["part", "causal", "path", "documents", "total", "fwd_ms", "fwd_tflops",
-               "fwd_bwd_ms", "fwd_bwd_tflops", "fwd_bwd_tflops_vs_one_sequence",
-               "fwd_bwd_speedup_vs_one_by_one", "tokens_per_s", "packed_speedup"]  # fmt: skip
-    if cuda:
-        columns.append("fwd_bwd_mem_ratio")
+    attention_columns = [
+        "part", "causal", "path", "kernel", "documents", "total", "fwd_ms", "fwd_tflops",
+        "fwd_bwd_ms", "fwd_bwd_tflops", "fwd_bwd_tflops_vs_one_sequence",
+        "fwd_bwd_speedup_vs_one_by_one", *(["fwd_bwd_mem_ratio"] if cuda else []),
+    ]  # fmt: skip
+    columns = [*attention_columns, "tokens_per_s", "packed_speedup"]
     env = environment()
     out = record_path("packed", args.out)
     notes = (
-        "packed documents (cu_seqlens) against the same tokens as one sequence and the "
-        "documents one by one; TFLOP/s over the pairs each path computes. part hf: one "
+        "packed documents (cu_seqlens) against the same tokens as one sequence on the same "
+        "kernel (and on the automatic choice where it differs) and the documents one by one; "
+        "TFLOP/s over the pairs each path computes. part hf: one "
         "training step of a Llama-style model, a DataCollatorWithFlattening batch against the "
         "same sequences padded; tokens/s over the real tokens"
     )
     write_record(out.with_suffix(".json"), env, rows + hf, columns=columns, notes=notes)
-    table = record_header(env) + markdown_table(rows, columns[:-2])
+    table = record_header(env) + markdown_table(rows, attention_columns)
     if hf:
         hf_columns = ["path", "documents", "total", "computed_tokens", "fwd_bwd_ms",
                       "tokens_per_s", "packed_speedup"]  # fmt: skip
