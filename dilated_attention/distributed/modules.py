@@ -17,6 +17,7 @@ from ..backends.registry import check_backend_name
 from ..config import MultiheadDilatedConfig
 from ..modules import DilatedAttention, MultiheadDilatedAttention
 from .agreement import COMMS, AgreedForward
+from .packed_ring import shard_documents
 from .ring import ring_attention
 from .ring_dilated import ring_dilated_attention
 from .sharding import check_layout, sequence_positions
@@ -49,6 +50,9 @@ class RingModule:
     ring_function: ClassVar[Any]
     group: dist.ProcessGroup | None
     ring_calls: int
+    #: The forward takes ``cu_seqlens=``: packed documents over the whole sharded row (Note
+    #: [Packed documents across ranks] in ``packed_ring.py``).
+    takes_documents = True
 
     def _init_ring(self, group: dist.ProcessGroup | None) -> None:
         """Set the ring's attributes (after the local module's constructor)."""
@@ -66,13 +70,15 @@ class RingModule:
         *,
         is_causal: bool = False,
         key_padding_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | list[int] | tuple[int, ...] | None = None,
     ) -> torch.Tensor:
         """query (B, n, H, D), key/value (B, n, Hkv, D), key_padding_mask (B, n) bool or None:
-        local shards -> (B, n, H, D)."""
+        local shards -> (B, n, H, D); cu_seqlens: packed documents over the whole row."""
         self.ring_calls += 1
+        documents = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
         out = self.ring_function(
             query, key, value, is_causal=is_causal, key_padding_mask=key_padding_mask,
-            **self.ring_options(),
+            **self.ring_options(), **documents,
         )  # fmt: skip
         assert isinstance(out, torch.Tensor)  # return_lse=False: for the type checker
         return out
@@ -126,7 +132,7 @@ class RingDilatedAttention(RingModule, DilatedAttention):
     """
 
     decodes_with_cache = False  # a sharded sequence has no single cache
-    takes_documents = False  # packed documents are not sharded across ranks yet
+    takes_documents = True
     ring_function = staticmethod(ring_dilated_attention)
 
     def __init__(
@@ -196,6 +202,16 @@ class RingMultiheadDilatedAttention(AgreedForward, MultiheadDilatedAttention):
             backend=config.backend, layout=layout,
         )  # fmt: skip
         self._init_layer(config, attention, batch_first=True, device=device, dtype=dtype)
+
+    def _check_documents(self, cu_seqlens: object, query: torch.Tensor) -> tuple[int, ...]:
+        """Offsets over the whole sharded row (one row: B = 1, ``W * n`` positions)."""
+        return shard_documents(cu_seqlens, query, self.attention.group)[0]
+
+    def _document_positions(
+        self, documents: tuple[int, ...], query: torch.Tensor
+    ) -> torch.Tensor:
+        """This rank's shard of the row's positions within their documents."""
+        return shard_documents(documents, query, self.attention.group)[1]
 
     def _default_positions(self, n: int, device: torch.device) -> torch.Tensor:
         """This rank's global positions in the sharded sequence (``sequence_positions``)."""

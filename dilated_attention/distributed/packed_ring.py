@@ -33,7 +33,7 @@ import torch
 
 from ..block_sparse.plan import SparseCall, call_positions, check_block_size, document_calls
 from ..core.autograd import run_attention
-from ..core.documents import check_offsets, document_groups
+from ..core.documents import check_offsets, document_groups, document_positions
 from ..core.executor import empty_attention
 from ..core.higher_order import ring_message
 from ..core.schedule import Schedule
@@ -43,7 +43,7 @@ from .agreement import RingArgs, RingOperation, prepare_ring
 from .exchange import ExchangeStep, SparseSteps, exchange_steps
 from .template import RingRunner, StepKernel
 
-__all__ = ["RingLoad", "packed_ring", "restricted_calls", "ring_load"]
+__all__ = ["RingLoad", "packed_ring", "restricted_calls", "ring_load", "shard_documents"]
 
 
 def _dense_calls(documents: tuple[int, ...], is_causal: bool) -> tuple[SparseCall, ...]:
@@ -295,6 +295,28 @@ def _rank_pairs(
     return sum(
         _pairs(c, num_heads) for src in range(world_size) for c in _needs(calls, n, dst, src)[1]
     )
+
+
+def shard_documents(
+    cu_seqlens: object, shard: torch.Tensor, group: Any = None
+) -> tuple[tuple[int, ...], torch.Tensor]:
+    """The checked offsets of packed documents over the whole sharded row of which ``shard``
+    (1, n, ...) is this rank's contiguous part, and the shard's positions within their
+    documents (n,) int64: the rotary positions of a ring layer's packed row.
+
+    Raises:
+        ValueError / TypeError: more than one row, or malformed offsets.
+    """
+    if shard.shape[0] != 1:
+        raise ValueError(
+            f"cu_seqlens in a ring layer takes one packed row: a shard of shape (1, n, ...), got "
+            f"{tuple(shard.shape)}; pack the batch's documents into one row"
+        )
+    rank, world = group_rank_and_size(group)
+    n = shard.shape[1]
+    documents = check_offsets(cu_seqlens, 1, world * n, shard.device)
+    positions = document_positions(documents, shard.device)[rank * n : (rank + 1) * n]
+    return documents, positions
 
 
 def _row_length(cu_seqlens: object) -> int:

@@ -81,6 +81,31 @@ class LongNetLM(GenerationMixin, nn.Module):
             )
         return torch.arange(seq_len, device=device)
 
+    def _packed(
+        self,
+        cu_seqlens: object,
+        tokens: torch.Tensor,
+        caches: list[DilatedKVCache] | None,
+        positions: object,
+    ) -> tuple[tuple[int, ...], torch.Tensor]:
+        """Checked offsets of a packed batch (over the whole sharded row under ring attention)
+        and the tokens' positions within their documents; with ``caches`` a packed prompt."""
+        if positions is not None:
+            raise ValueError(
+                "positions and cu_seqlens cannot be combined: with packed documents each "
+                "document's positions start at 0 (computed); pass positions=None"
+            )
+        ring = self._ring()
+        if ring is not None:  # a sharded packed row (Note [Packed documents across ranks])
+            from ..distributed.packed_ring import shard_documents
+
+            return shard_documents(cu_seqlens, tokens, getattr(ring, "group", None))
+        if caches is not None:  # a packed prompt (Note [A packed prompt])
+            schedule = (self.config.segment_lengths, self.config.dilation_rates)
+            check_caches(caches, len(self.blocks), schedule, tokens, None)
+        documents = check_cu_seqlens(cu_seqlens, tokens, tokens, caches)
+        return documents, document_positions(documents, tokens.device)
+
     def _check_tokens_on_all_ranks(self, tokens: object) -> torch.Tensor:
         """:meth:`_check_tokens`; under ring attention every rank then learns whether any rank's
         tokens were rejected (one small all-gather), so a rejection raises on every rank instead
@@ -168,16 +193,7 @@ class LongNetLM(GenerationMixin, nn.Module):
         tokens = self._check_tokens_on_all_ranks(tokens)
         N, documents = tokens.shape[1], None
         if cu_seqlens is not None:
-            if caches is not None:  # a packed prompt (Note [A packed prompt])
-                schedule = (self.config.segment_lengths, self.config.dilation_rates)
-                check_caches(caches, len(self.blocks), schedule, tokens, None)
-            documents = check_cu_seqlens(cu_seqlens, tokens, tokens, caches)
-            if positions is not None:
-                raise ValueError(
-                    "positions and cu_seqlens cannot be combined: with packed documents each "
-                    "document's positions start at 0 (computed); pass positions=None"
-                )
-            positions = document_positions(documents, tokens.device)
+            documents, positions = self._packed(cu_seqlens, tokens, caches, positions)
         elif caches is not None:  # one cache per layer, before any work: Note [One cache per layer]
             schedule = (self.config.segment_lengths, self.config.dilation_rates)
             positions = check_caches(caches, len(self.blocks), schedule, tokens, positions)

@@ -367,7 +367,19 @@ class MultiheadAttention(nn.Module):
                 f"(DilatedAttention), got {type(self.attention).__name__}; give each document "
                 f"its own row"
             )
-        return check_cu_seqlens(cu_seqlens, query, query, cache)
+        if cache is not None:
+            return check_cu_seqlens(cu_seqlens, query, query, cache)
+        return self._check_documents(cu_seqlens, query)
+
+    def _check_documents(self, cu_seqlens: object, query: torch.Tensor) -> tuple[int, ...]:
+        """Packed documents' checked offsets over the batch of ``query`` (B, N, E)."""
+        return check_cu_seqlens(cu_seqlens, query, query)
+
+    def _document_positions(
+        self, documents: tuple[int, ...], query: torch.Tensor
+    ) -> torch.Tensor:
+        """Rotary positions of packed rows: (B * N,), 0 at every document's first token."""
+        return document_positions(documents, query.device)
 
     def _cache_positions(
         self,
@@ -392,7 +404,7 @@ class MultiheadAttention(nn.Module):
                 f"{type(self.attention).__name__}; decode with a local dilated layer"
             )
         if documents is not None and positions is None and self.rotary is not None:
-            return document_positions(documents, device)  # a packed prompt's too
+            return self._document_positions(documents, query)  # a packed prompt's too
         if cache is not None and positions is not None and documents is None:
             cache.check_positions(self._check_positions(positions, n, device))
         elif cache is not None and self.rotary is not None and documents is None:

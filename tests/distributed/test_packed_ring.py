@@ -14,12 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from support.block_sparse import token_mask
 from support.distributed_utils import count_exchanges, run_world
 from support.oracle import masked_attention
 
 import dilated_attention.distributed._comm as comm
 from dilated_attention import (
+    MultiheadDilatedAttention,
+    RingMultiheadDilatedAttention,
     block_sparse_ring_attention,
     dilated_attention,
     ring_attention,
@@ -28,6 +31,7 @@ from dilated_attention import (
 )
 from dilated_attention import patterns as P
 from dilated_attention.distributed import ring_load
+from dilated_attention.models import LongNetConfig, LongNetLM
 
 pytestmark = pytest.mark.distributed
 
@@ -181,6 +185,44 @@ def test_packed_ring_dilated_equals_the_packed_call(world_size: int, tmp_path: P
 
 def test_packed_ring_sends_only_what_documents_share(tmp_path: Path) -> None:
     run_world(_check_bytes, 2, tmp_path)
+
+
+def _check_layers(rank: int, world_size: int) -> None:
+    """The ring multihead layer (rotary at each document's own positions, shard by shard) and a
+    ring LongNetLM on a packed row equal the local ones on the whole row, gradients included."""
+    torch.manual_seed(0)
+    segs, rates, cu = (4, 8, 24), (1, 2, 4), [0, 3, 17, 12 * world_size]
+    ring = RingMultiheadDilatedAttention(32, 4, segs, rates, num_kv_heads=2, dtype=torch.float64)
+    local = MultiheadDilatedAttention(32, 4, segs, rates, num_kv_heads=2, dtype=torch.float64)
+    local.load_state_dict(ring.state_dict())
+    ring.use_rotary(100.0)
+    local.use_rotary(100.0)
+    x = torch.randn(1, 12 * world_size, 32, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(1))  # fmt: skip
+    full, _ = local(x, is_causal=True, cu_seqlens=cu)
+    full.square().sum().backward()
+    out, _ = ring(shard_sequence(x), is_causal=True, cu_seqlens=cu)
+    torch.testing.assert_close(out, shard_sequence(full), atol=1e-10, rtol=1e-7)
+    out.square().sum().backward()
+    for (name, p_ring), p_full in zip(ring.named_parameters(), local.parameters(), strict=True):
+        grad = p_ring.grad.clone()
+        dist.all_reduce(grad)  # replicated parameters: gradients add over ranks
+        torch.testing.assert_close(grad, p_full.grad, atol=1e-9, rtol=1e-7, msg=name)
+    config = dict(vocab_size=61, embed_dim=32, num_heads=4, num_layers=2, segment_lengths=segs,
+                  dilation_rates=rates, ffn_dim=64)  # fmt: skip
+    torch.manual_seed(0)
+    model = LongNetLM(LongNetConfig(**config, kind="ring")).double().eval()
+    torch.manual_seed(0)
+    alone = LongNetLM(LongNetConfig(**config, kind="dilated")).double().eval()
+    alone.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, 61, (1, 12 * world_size), generator=torch.Generator().manual_seed(2))
+    want = alone(tokens, cu_seqlens=cu)
+    got = model(shard_sequence(tokens), cu_seqlens=cu)
+    torch.testing.assert_close(got, shard_sequence(want), atol=1e-9, rtol=1e-7)
+
+
+def test_packed_ring_layers_equal_the_local_ones(tmp_path: Path) -> None:
+    run_world(_check_layers, 2, tmp_path, timeout_s=120)
 
 
 def test_bad_packed_ring_calls_raise_on_every_rank(tmp_path: Path) -> None:
