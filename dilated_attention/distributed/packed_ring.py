@@ -179,6 +179,13 @@ def _restricted(call: PositionCall, queries: tuple[int, int], keys: tuple[int, i
     """:func:`restricted_calls` of one call: its pieces cut to the ranges, those of one shape
     stacked into one call of the same kind (same heads)."""
     (q_lo, q_hi), (k_lo, k_hi) = queries, keys
+    q_min, q_max = int(call.q_index.min()), int(call.q_index.max())
+    k_min, k_max = int(call.kv_index.min()), int(call.kv_index.max())
+    if q_max < q_lo or q_min >= q_hi or k_max < k_lo or k_min >= k_hi:
+        return []  # no piece reads these ranges
+    if q_lo <= q_min and q_max < q_hi and k_lo <= k_min and k_max < k_hi:
+        # Every piece whole (causal ones then lie in one shard, as they were).
+        return [replace(call, q_index=call.q_index - q_lo, kv_index=call.kv_index - k_lo)]
     groups: dict[tuple[bool, int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
     def add(causal: bool, q_rows: torch.Tensor, k_rows: torch.Tensor) -> None:

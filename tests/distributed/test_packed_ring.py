@@ -229,6 +229,42 @@ def test_bad_packed_ring_calls_raise_on_every_rank(tmp_path: Path) -> None:
     run_world(_check_errors, 2, tmp_path)
 
 
+def _visible(calls, q_lo: int, k_lo: int, heads: tuple[int, ...]) -> set[tuple[int, int, int]]:
+    """Every (query position, key position, head) a list of position calls computes."""
+    seen = set()
+    for c in calls:
+        call_heads = tuple(c.heads.tolist()) if hasattr(c, "heads") else heads
+        for qs, ks in zip(c.q_index.tolist(), c.kv_index.tolist(), strict=True):
+            for i, qp in enumerate(qs):
+                for j, kp in enumerate(ks):
+                    if not (c.causal and j > i):
+                        seen.update((qp + q_lo, kp + k_lo, h) for h in call_heads)
+    return seen
+
+
+@pytest.mark.parametrize("dilated", [False, True], ids=["dense", "dilated"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_restricted_calls_cover_the_plan_exactly_once(dilated: bool, causal: bool) -> None:
+    """Cut per rank pair, the packed plan's calls compute exactly its (query, key, head)
+    triples: none lost at a shard boundary, none added, none twice."""
+    from dilated_attention.core.schedule import Schedule
+    from dilated_attention.distributed.packed_ring import _global_calls, restricted_calls
+
+    world, n = 3, 12
+    documents = (0, 1, 7, 20, 21, 36)
+    schedule = (Schedule((4, 8, 16), (1, 2, 4)), 4, 2) if dilated else None
+    calls = _global_calls(documents, causal, None, 128, schedule)
+    want = _visible(calls, 0, 0, (0, 1, 2, 3))
+    got: set[tuple[int, int, int]] = set()
+    count = 0
+    for dst, src in itertools.product(range(world), repeat=2):
+        part = restricted_calls(calls, (dst * n, (dst + 1) * n), (src * n, (src + 1) * n))
+        triples = _visible(part, dst * n, src * n, (0, 1, 2, 3))
+        count += len(triples)
+        got |= triples
+    assert got == want and count == len(want)
+
+
 def _plan_pairs(length: int, segs: tuple[int, ...], rates: tuple[int, ...]) -> float:
     """Non-causal pairs per head of one document alone: every head's rows of every segment."""
     total = 0
