@@ -215,12 +215,16 @@ def document_groups(
     return tuple(groups)
 
 
-def document_positions(documents: tuple[int, ...], device: torch.device) -> torch.Tensor:
+def document_positions(
+    documents: tuple[int, ...], device: torch.device, span: tuple[int, int] | None = None
+) -> torch.Tensor:
     """Each position's place in its own document (0 at every document's first token), over the
-    ``documents[-1]`` positions of the flattened batch: int64 (B * N,)."""
+    ``documents[-1]`` positions of the flattened batch, or over ``span`` ``[lo, hi)`` of them (a
+    ring rank's shard): int64 (B * N,) or (hi - lo,)."""
+    lo, hi = (0, documents[-1]) if span is None else span
+    positions = torch.arange(lo, hi, device=device)
     starts = torch.tensor(documents[:-1], device=device)
-    lengths = torch.tensor(documents[1:], device=device) - starts
-    return torch.arange(documents[-1], device=device) - starts.repeat_interleave(lengths)
+    return positions - starts[torch.searchsorted(starts, positions, right=True) - 1]
 
 
 def flatten(x: torch.Tensor | None) -> torch.Tensor | None:

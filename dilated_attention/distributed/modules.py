@@ -17,7 +17,7 @@ from ..backends.registry import check_backend_name
 from ..config import MultiheadDilatedConfig
 from ..modules import DilatedAttention, MultiheadDilatedAttention
 from .agreement import COMMS, AgreedForward
-from .packed_ring import shard_documents
+from .packed_ring import shard_offsets, shard_positions
 from .ring import ring_attention
 from .ring_dilated import ring_dilated_attention
 from .sharding import check_layout, sequence_positions
@@ -205,13 +205,13 @@ class RingMultiheadDilatedAttention(AgreedForward, MultiheadDilatedAttention):
 
     def _check_documents(self, cu_seqlens: object, query: torch.Tensor) -> tuple[int, ...]:
         """Offsets over the whole sharded row (one row: B = 1, ``W * n`` positions)."""
-        return shard_documents(cu_seqlens, query, self.attention.group)[0]
+        return shard_offsets(cu_seqlens, query, self.attention.group)
 
     def _document_positions(
         self, documents: tuple[int, ...], query: torch.Tensor
     ) -> torch.Tensor:
         """This rank's shard of the row's positions within their documents."""
-        return shard_documents(documents, query, self.attention.group)[1]
+        return shard_positions(documents, query, self.attention.group)
 
     def _default_positions(self, n: int, device: torch.device) -> torch.Tensor:
         """This rank's global positions in the sharded sequence (``sequence_positions``)."""

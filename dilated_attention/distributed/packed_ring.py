@@ -43,7 +43,8 @@ from .agreement import RingArgs, RingOperation, prepare_ring
 from .exchange import ExchangeStep, SparseSteps, exchange_steps
 from .template import RingRunner, StepKernel
 
-__all__ = ["RingLoad", "packed_ring", "restricted_calls", "ring_load", "shard_documents"]
+__all__ = ["RingLoad", "packed_ring", "restricted_calls", "ring_load", "shard_offsets",
+           "shard_positions"]  # fmt: skip
 
 
 def _dense_calls(documents: tuple[int, ...], is_causal: bool) -> tuple[SparseCall, ...]:
@@ -304,12 +305,9 @@ def _rank_pairs(
     )
 
 
-def shard_documents(
-    cu_seqlens: object, shard: torch.Tensor, group: Any = None
-) -> tuple[tuple[int, ...], torch.Tensor]:
+def shard_offsets(cu_seqlens: object, shard: torch.Tensor, group: Any = None) -> tuple[int, ...]:
     """The checked offsets of packed documents over the whole sharded row of which ``shard``
-    (1, n, ...) is this rank's contiguous part, and the shard's positions within their
-    documents (n,) int64: the rotary positions of a ring layer's packed row.
+    (1, n, ...) is this rank's contiguous part.
 
     Raises:
         ValueError / TypeError: more than one row, or malformed offsets.
@@ -319,11 +317,17 @@ def shard_documents(
             f"cu_seqlens in a ring layer takes one packed row: a shard of shape (1, n, ...), got "
             f"{tuple(shard.shape)}; pack the batch's documents into one row"
         )
-    rank, world = group_rank_and_size(group)
-    n = shard.shape[1]
-    documents = check_offsets(cu_seqlens, 1, world * n, shard.device)
-    positions = document_positions(documents, shard.device)[rank * n : (rank + 1) * n]
-    return documents, positions
+    world = group_rank_and_size(group)[1]
+    return check_offsets(cu_seqlens, 1, world * shard.shape[1], shard.device)
+
+
+def shard_positions(
+    documents: tuple[int, ...], shard: torch.Tensor, group: Any = None
+) -> torch.Tensor:
+    """The positions of ``shard``'s (1, n, ...) tokens within their documents, (n,) int64:
+    the rotary positions of a ring layer's packed row (offsets from :func:`shard_offsets`)."""
+    rank, n = group_rank_and_size(group)[0], shard.shape[1]
+    return document_positions(documents, shard.device, (rank * n, (rank + 1) * n))
 
 
 def _row_length(cu_seqlens: object) -> int:

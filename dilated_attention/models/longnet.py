@@ -97,9 +97,11 @@ class LongNetLM(GenerationMixin, nn.Module):
             )
         ring = self._ring()
         if ring is not None:  # a sharded packed row (Note [Packed documents across ranks])
-            from ..distributed.packed_ring import shard_documents
+            from ..distributed.packed_ring import shard_offsets, shard_positions
 
-            return shard_documents(cu_seqlens, tokens, getattr(ring, "group", None))
+            group = getattr(ring, "group", None)
+            documents = shard_offsets(cu_seqlens, tokens, group)
+            return documents, shard_positions(documents, tokens, group)
         if caches is not None:  # a packed prompt (Note [A packed prompt])
             schedule = (self.config.segment_lengths, self.config.dilation_rates)
             check_caches(caches, len(self.blocks), schedule, tokens, None)
