@@ -66,15 +66,28 @@ def _document_mask(lengths: list[int], causal: bool, inner: torch.Tensor | None)
     return mask.expand(H, -1, -1)
 
 
+def _row(n: int, kv_heads: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """q, k, v and dout of one packed row of ``n`` positions, float64."""
+    shapes = [(1, n, H, D), (1, n, kv_heads, D), (1, n, kv_heads, D), (1, n, H, D)]
+    return [torch.randn(shape, dtype=torch.float64, generator=gen) for shape in shapes]
+
+
+def _assert_shards(
+    case: str, got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]
+) -> None:
+    """This rank's out, lse, dq, dk, dv equal its shards of the whole row's."""
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True):
+        shard = shard_sequence(w, seq_dim=2 if name == "lse" else 1)
+        torch.testing.assert_close(g, shard, **TIGHT, msg=lambda m, x=name: f"{x} {case}: {m}")
+
+
 def _check(rank: int, world_size: int) -> None:
     gen = torch.Generator().manual_seed(world_size)
     for index, (lengths, causal, kv_heads, pattern) in enumerate(itertools.product(
         _layouts(world_size), [False, True], [4, 1], [None, P.LocalWindow(1)]
     )):  # fmt: skip
         n = sum(lengths)
-        q = torch.randn(1, n, H, D, dtype=torch.float64, generator=gen)
-        k, v = (torch.randn(1, n, kv_heads, D, dtype=torch.float64, generator=gen) for _ in "kv")
-        dout = torch.randn(1, n, H, D, dtype=torch.float64, generator=gen)
+        q, k, v, dout = _row(n, kv_heads, gen)
         if pattern is None:
             mask = _document_mask(lengths, causal, None)
         else:  # blocks of 4 counted from each document's first token
@@ -93,13 +106,7 @@ def _check(rank: int, world_size: int) -> None:
             )
         grads = torch.autograd.grad(out, local, shard_sequence(dout))
         case = f"rank {rank}/{world_size} #{index} {lengths} {causal=} Hkv={kv_heads} {pattern}"
-        torch.testing.assert_close(out, shard_sequence(ref), **TIGHT,
-                                   msg=lambda m, c=case: f"out {c}: {m}")  # fmt: skip
-        torch.testing.assert_close(lse, shard_sequence(ref_lse, seq_dim=2), **TIGHT,
-                                   msg=lambda m, c=case: f"lse {c}: {m}")  # fmt: skip
-        for name, got, want in zip("qkv", grads, ref_grads, strict=True):
-            torch.testing.assert_close(got, shard_sequence(want), **TIGHT,
-                                       msg=lambda m, x=name, c=case: f"d{x} {c}: {m}")  # fmt: skip
+        _assert_shards(case, (out, lse, *grads), (ref, ref_lse, *ref_grads))
 
 
 #: Schedules whose segments cross shards of 12 (and one whose rate 3 does not divide the
@@ -115,9 +122,7 @@ def _check_dilated(rank: int, world_size: int) -> None:
         _layouts(world_size), [False, True], [4, 2, 1], SCHEDULES
     )):  # fmt: skip
         n = sum(lengths)
-        q = torch.randn(1, n, H, D, dtype=torch.float64, generator=gen)
-        k, v = (torch.randn(1, n, kv_heads, D, dtype=torch.float64, generator=gen) for _ in "kv")
-        dout = torch.randn(1, n, H, D, dtype=torch.float64, generator=gen)
+        q, k, v, dout = _row(n, kv_heads, gen)
         cu = _offsets(lengths)
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         ref, ref_lse = dilated_attention(*leaves, segs, rates, is_causal=causal, cu_seqlens=cu,
@@ -128,13 +133,7 @@ def _check_dilated(rank: int, world_size: int) -> None:
                                           return_lse=True)  # fmt: skip
         grads = torch.autograd.grad(out, local, shard_sequence(dout))
         case = f"rank {rank}/{world_size} #{index} {lengths} {causal=} Hkv={kv_heads} {segs}"
-        torch.testing.assert_close(out, shard_sequence(ref), **TIGHT,
-                                   msg=lambda m, c=case: f"out {c}: {m}")  # fmt: skip
-        torch.testing.assert_close(lse, shard_sequence(ref_lse, seq_dim=2), **TIGHT,
-                                   msg=lambda m, c=case: f"lse {c}: {m}")  # fmt: skip
-        for name, got, want in zip("qkv", grads, ref_grads, strict=True):
-            torch.testing.assert_close(got, shard_sequence(want), **TIGHT,
-                                       msg=lambda m, x=name, c=case: f"d{x} {c}: {m}")  # fmt: skip
+        _assert_shards(case, (out, lse, *grads), (ref, ref_lse, *ref_grads))
 
 
 def _check_bytes(rank: int, world_size: int) -> None:
