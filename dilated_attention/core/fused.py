@@ -152,9 +152,9 @@ def _packed_spans(
         stays within the size of the groups of one sequence of the batch's length (the whole
         row where that sequence's segments allow no cut, the heads then split to bound the
         scratch as for that sequence); so no segment of any branch crosses a group, and a
-        group of many documents is one launch per branch. A
-        branch's table in a group lists, document by document, the starts of its segments
-        (``min(w, length)`` apart from the document's first token) and then the group's end.
+        group of many documents is one launch per branch. A branch's table in a group lists,
+        document by document, the starts of its segments (``min(w, length)`` apart from the
+        document's first token) and then the group's end.
         The tables of a call are one int32 tensor on the device (cached: every layer of a packed
         batch asks again).
 
