@@ -289,6 +289,8 @@ def test_ring_load_counts_each_ranks_pairs() -> None:
     dilated = ring_load(_offsets(lengths), 4, schedule=(segs, rates), num_heads=4)
     alone = sum(_plan_pairs(length, segs, rates) for length in lengths)
     assert sum(dilated.pairs) == pytest.approx(alone), (dilated.pairs, alone)
+    with pytest.raises(ValueError, match="world_size must be a positive int, got 0"):
+        ring_load([0, 32], 0)
     with pytest.raises(ValueError, match="cannot be sharded over 3 ranks"):
         ring_load([0, 32], 3)
     with pytest.raises(ValueError, match="strictly increasing"):
