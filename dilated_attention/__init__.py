@@ -15,6 +15,7 @@ from .backends.registry import (
 )
 from .config import DilatedConfig, MultiheadDilatedConfig, longnet_schedule
 from .core.kv_cache import DilatedKVCache
+from .core.static_cache import StaticDilatedKVCache
 from .distributed import (
     RingAttention,
     RingDilatedAttention,
@@ -71,6 +72,7 @@ __all__ = [
     "RingAttention",
     "RingDilatedAttention",
     "RingMultiheadDilatedAttention",
+    "StaticDilatedKVCache",
     "__version__",
     "attention",
     "backend_reasons",

@@ -22,6 +22,16 @@ _LAYOUT = "(batch, seq_len, num_heads, head_dim)"
 MAX_INT = 2**63 - 1
 
 
+def values_unreadable() -> bool:
+    """Whether tensor values cannot be read on the host now: while ``torch.compile`` traces
+    (a graph cannot branch on them) or a CUDA graph captures (a read would synchronize, which
+    capture forbids). Checks of values then become device assertions or are left to the
+    caller."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def check_tensor(name: str, x: object) -> torch.Tensor:
     """Return ``x`` if it is a 4-D tensor in the (B, N, H, D) layout, else raise."""
     if not isinstance(x, torch.Tensor):

@@ -14,13 +14,14 @@ from __future__ import annotations
 import torch
 
 from . import _validation as V
-from . import compiled
+from . import compiled, decode_step
 from .backends.registry import check_backend_name
 from .block_sparse.plan import check_block_size
+from .core.caches import Cache, check_cache_call
 from .core.documents import check_cu_seqlens, flatten, last_document, unflatten
 from .core.hidden import hide_masked_keys
-from .core.kv_cache import DilatedKVCache, check_cache_call
 from .core.schedule import Schedule
+from .core.static_cache import StaticDilatedKVCache
 from .patterns import Pattern, check_pattern
 from .resolve import BLOCK_SPARSE, DENSE, DILATED, Request, dilated_operation, resolve
 
@@ -107,7 +108,7 @@ def dilated_attention(
     key_padding_mask: torch.Tensor | None = None,
     backend: str | None = None,
     return_lse: bool = False,
-    cache: DilatedKVCache | None = None,
+    cache: Cache | None = None,
     cu_seqlens: torch.Tensor | list[int] | None = None,
 ) -> Output:
     """LongNet dilated attention with exact branch mixing (LongNet Eq. 10) and exact gradients.
@@ -145,6 +146,9 @@ def dilated_attention(
             keys appended to the cache; the queries read every key they can see, which the
             cache keeps within the longest segment (Note [Bounded dilated cache]).
             ``key_padding_mask`` is then (B, N) over the new keys (the cache keeps the rest).
+            A :class:`~dilated_attention.StaticDilatedKVCache` makes each call of one token
+            per row a step with static shapes, for ``torch.compile`` and CUDA graphs (Note [A
+            decode step with static shapes]).
         cu_seqlens: packed documents, as in :func:`attention`, each segmented as if alone; with
             an empty ``cache`` a prompt (Note [A packed prompt] in ``core/documents.py``).
 
@@ -257,7 +261,7 @@ def block_sparse_attention(
 
 
 def _decode(
-    cache: DilatedKVCache,
+    cache: Cache,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -272,6 +276,9 @@ def _decode(
     schedule, is_causal = fields["schedule"], bool(fields["is_causal"])
     assert isinstance(schedule, Schedule)  # dilated_attention's fields
     check_cache_call(cache, schedule.segment_lengths, schedule.dilation_rates, q, k, is_causal)
+    if isinstance(cache, StaticDilatedKVCache):
+        out, lse = decode_step.static_decode(cache, q, k, v, key_padding_mask, fields)
+        return (out, lse) if return_lse else out
     if compiled.is_traced(q, k, v, key_padding_mask):
         raise ValueError(
             "cache= is not supported under torch.compile, torch.export or torch.func yet: "
@@ -290,7 +297,7 @@ def _decode(
 
 def _packed_dilated(
     cu_seqlens: object,
-    cache: DilatedKVCache | None,
+    cache: Cache | None,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -312,7 +319,13 @@ def _packed_dilated(
     result = _packed(DILATED, documents, q, k, v, key_padding_mask, fields, return_lse)
     tail = slice(q.shape[1] - last_document(documents, *q.shape[:2]), None)
     mask = None if key_padding_mask is None else key_padding_mask[:, tail]
-    cache.append(*hide_masked_keys(k[:, tail], v[:, tail], mask), mask)
+    k, v = hide_masked_keys(k[:, tail], v[:, tail], mask)
+    if isinstance(cache, StaticDilatedKVCache):
+        if cache.key is None:
+            cache.allocate(k)
+        cache.write_rows(k, v, mask, 0)
+    else:
+        cache.append(k, v, mask)
     return result
 
 

@@ -173,7 +173,10 @@ ONE_CALL_DEVICE_TYPES = frozenset({"cuda"})
 class DecodeTokenCall:
     """The one call of a decoded token (Note [One call per decoded token]): the token's query
     rows as they are against the key/value rows ``positions`` (every branch's slots side by
-    side), with ``ignore`` (H, K) saying which heads do not read which slots. Forward only."""
+    side), with ``ignore`` saying which heads do not read which slots. ``positions`` (K,) and
+    ``ignore`` (H, K) are the same for every batch row; (B, K) and (B, H, K) give each row its
+    own (rows at different positions: Note [A decode step with static shapes] in
+    ``static_cache.py``). Forward only."""
 
     causal = False
     reads_all_queries = True  # Plan.one_call: the call's results are the plan's
@@ -193,19 +196,28 @@ class DecodeTokenCall:
 
     def kv_rows(self, x: torch.Tensor) -> torch.Tensor:
         """(B, Nk, Hkv, E) -> (B, K, Hkv, E), gathered."""
-        return x.index_select(1, self.positions)
+        if self.positions.dim() == 1:
+            return x.index_select(1, self.positions)
+        index = self.positions[:, :, None, None].expand(-1, -1, *x.shape[2:])
+        return x.gather(1, index)
 
     def key_mask(self, mask: torch.Tensor | None) -> torch.Tensor:
         """(B, Nk) bool or None -> (B, H, K): the heads' slots, and the padded keys."""
-        ignore = self.ignore.unsqueeze(0).expand(self.batch, -1, -1)
+        ignore = self.ignore.expand(self.batch, *self.ignore.shape[-2:])
         if mask is not None:
-            ignore = ignore | mask.index_select(1, self.positions).unsqueeze(1)
+            if self.positions.dim() == 1:
+                hidden = mask.index_select(1, self.positions)
+            else:
+                hidden = mask.gather(1, self.positions)
+            ignore = ignore | hidden.unsqueeze(1)
         return ignore.contiguous()
 
     def put_q(self, dest: torch.Tensor, rows: torch.Tensor, *, accumulate: bool) -> None:
         put_view(dest, rows, accumulate)
 
     def put_kv(self, dest: torch.Tensor, rows: torch.Tensor, *, accumulate: bool) -> None:
+        if self.positions.dim() != 1:
+            raise RuntimeError("a decode step with per-row positions runs without gradients")
         if not accumulate:  # slots of two branches can hold the same position: add them up
             dest.index_fill_(1, self.positions, 0)
         dest.index_add_(1, self.positions, rows.to(dest.dtype))
@@ -218,7 +230,7 @@ class DecodeTokenCall:
 
 
 @functools.lru_cache(maxsize=16)
-def _token_slots(
+def token_slots(
     num_heads: int,
     segment_lengths: tuple[int, ...],
     dilation_rates: tuple[int, ...],
@@ -236,6 +248,25 @@ def _token_slots(
     slots, segs, rates = (torch.cat(x).to(device) for x in (slot, seg, rate))
     head_class = torch.arange(num_heads, device=device).view(-1, 1) % rates.view(1, -1)
     return segs, rates, rates * slots, head_class
+
+
+def token_keys(
+    last: int | torch.Tensor, slots: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys a token at position ``last`` reads in the one call (Note [One call per decoded
+    token]), from :func:`token_slots`' ``slots``: each slot's key position (..., K) (the token's
+    own where the slot is past it) and ``ignore`` (..., H, K), True where a head does not read
+    the slot. ``last``: an int, or a (B, 1) int64 tensor (one position per batch row, computed on
+    its device with no host synchronization)."""
+    seg, rate, stride, head_class = slots
+    t0 = torch.div(last, seg, rounding_mode="floor") * seg  # each slot's segment start
+    offset = last - t0
+    s = offset % rate  # the token's offset class in each branch
+    filled = stride <= offset - s  # the keys t0 + s, t0 + s + r, ..., last
+    positions = torch.where(filled, t0 + s + stride, last)
+    # (..., H, K): heads h with h mod r != s read nothing
+    ignore = (head_class != s.unsqueeze(-2)) | ~filled.unsqueeze(-2)
+    return positions, ignore
 
 
 def decode_token_plan(
@@ -259,16 +290,28 @@ def decode_token_plan(
     segs, rates = effective_branches(
         1 << (key_len - 1).bit_length(), num_heads, segment_lengths, dilation_rates
     )
-    last = key_len - 1
-    seg, rate, stride, head_class = _token_slots(num_heads, segs, rates, device)
-    t0 = (last // seg) * seg  # each slot's segment start
-    offset = last - t0
-    s = offset % rate  # the token's offset class in each branch
-    filled = stride <= offset - s  # the keys t0 + s, t0 + s + r, ..., last
-    positions = torch.where(filled, t0 + s + stride, last) - key_start
-    ignore = (head_class != s) | ~filled  # (H, K): heads h with h mod r != s read nothing
+    positions, ignore = token_keys(key_len - 1, token_slots(num_heads, segs, rates, device))
+    positions = positions - key_start
     branches = tuple(zip(segs, rates, strict=True))
     return Plan((DecodeTokenCall(positions, ignore, batch, branches),))
+
+
+def static_token_plan(
+    positions: torch.Tensor,
+    ring_rows: int,
+    num_heads: int,
+    segment_lengths: tuple[int, ...],
+    dilation_rates: tuple[int, ...],
+) -> Plan:
+    """The one-call plan of one token per batch row at ``positions`` (B,) int64, against
+    buffers holding key position ``x`` at row ``x mod ring_rows`` (Note [A decode step with
+    static shapes] in ``static_cache.py``); ``segment_lengths`` / ``dilation_rates``: the
+    effective branches every step reads. Device arithmetic only: no host synchronization, and
+    the same shapes at every position."""
+    slots = token_slots(num_heads, segment_lengths, dilation_rates, positions.device)
+    keys, ignore = token_keys(positions.view(-1, 1), slots)  # (B, K), (B, H, K)
+    branches = tuple(zip(segment_lengths, dilation_rates, strict=True))
+    return Plan((DecodeTokenCall(keys % ring_rows, ignore, positions.shape[0], branches),))
 
 
 @functools.lru_cache(maxsize=64)

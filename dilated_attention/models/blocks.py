@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.kv_cache import DilatedKVCache
+from ..core.caches import Cache
 from ..factory import create_multihead_dilated_attention
 from .config import LongNetConfig
 
@@ -72,8 +72,8 @@ class LongNetAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        cache: DilatedKVCache | None = None,
+        positions: torch.Tensor | None,
+        cache: Cache | None = None,
         documents: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
         """x (B, N, E), positions (N,) global int positions (or (B * N,) with packed
@@ -113,8 +113,8 @@ class LongNetBlock(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        cache: DilatedKVCache | None = None,
+        positions: torch.Tensor | None,
+        cache: Cache | None = None,
         documents: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
         """x (B, N, E), positions (N,) (or (B * N,) with packed ``documents``) -> (B, N, E);

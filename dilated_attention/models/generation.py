@@ -1,24 +1,31 @@
 """Sampling from the LongNet language model: :class:`GenerationMixin` gives
 :class:`~dilated_attention.models.LongNetLM` its :meth:`~GenerationMixin.generate` and
 :meth:`~GenerationMixin.stream`, which decode with one
-:class:`~dilated_attention.DilatedKVCache` per layer.
+:class:`~dilated_attention.DilatedKVCache` per layer, or on CUDA with a captured step over
+:class:`~dilated_attention.StaticDilatedKVCache` caches.
 
 Shape legend: B batch, N0 prompt length, V vocab_size.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from .. import _validation as V
-from ..core.kv_cache import DilatedKVCache
+from ..core.caches import Cache
+from .captured import CapturedStep
 from .config import LongNetConfig
 
 __all__ = ["GenerationMixin"]
+
+#: Devices where :meth:`GenerationMixin.stream` decodes with a captured step by default.
+GRAPH_DEVICE_TYPES = frozenset({"cuda"})
 
 
 def _next_token(
@@ -52,11 +59,11 @@ class GenerationMixin:
         training: bool
 
         def __call__(
-            self, tokens: torch.Tensor, *, caches: list[DilatedKVCache] | None = None
+            self, tokens: torch.Tensor, *, caches: list[Cache] | None = None
         ) -> torch.Tensor: ...
         def eval(self) -> nn.Module: ...
         def train(self, mode: bool = True) -> nn.Module: ...
-        def new_caches(self) -> list[DilatedKVCache]: ...
+        def new_caches(self, *, static: bool = False) -> list[Cache]: ...
         def _check_tokens(self, tokens: object) -> torch.Tensor: ...
 
     @torch.no_grad()
@@ -69,13 +76,14 @@ class GenerationMixin:
         top_k: int | None = None,
         generator: torch.Generator | None = None,
         stop_token: int | None = None,
+        cuda_graph: bool | None = None,
     ) -> torch.Tensor | list[torch.Tensor]:
         """Sample a continuation, one token at a time: the prompt followed by what
         :meth:`stream` yields.
 
         Args:
-            prompt, max_new_tokens, temperature, top_k, generator, stop_token: as in
-                :meth:`stream`.
+            prompt, max_new_tokens, temperature, top_k, generator, stop_token, cuda_graph:
+                as in :meth:`stream`.
 
         Returns:
             For a (B, N0) prompt, (B, N0 + n) token ids: the prompt followed by the
@@ -90,7 +98,7 @@ class GenerationMixin:
         steps = list(
             self.stream(
                 prompt, max_new_tokens, temperature=temperature, top_k=top_k,
-                generator=generator, stop_token=stop_token,
+                generator=generator, stop_token=stop_token, cuda_graph=cuda_graph,
             )
         )  # fmt: skip
         if isinstance(prompt, torch.Tensor):
@@ -114,6 +122,7 @@ class GenerationMixin:
         top_k: int | None = None,
         generator: torch.Generator | None = None,
         stop_token: int | None = None,
+        cuda_graph: bool | None = None,
     ) -> Iterator[torch.Tensor]:
         """Sample a continuation token by token, yielding each step's (B, 1) token ids as soon
         as they are sampled (to print or send them while generation goes on).
@@ -126,6 +135,11 @@ class GenerationMixin:
         schedule, not the length. When ``max_seq_len`` is set and the sequence would outgrow it,
         every step instead recomputes the forward over the last ``max_seq_len`` tokens. Local
         attention only (not under ring sharding).
+
+        On CUDA the steps after the prompt decode every row at once with
+        :class:`~dilated_attention.StaticDilatedKVCache` caches, as one CUDA graph replayed per
+        token (Note [A captured decoding step]): the same tokens, at a fraction of the host
+        time.
 
         Prompts of different lengths come as a list of 1-D token id tensors: each is sampled
         exactly as it would be alone (no padding: the rows of each length share one batch and
@@ -141,6 +155,10 @@ class GenerationMixin:
                 has produced it, its later steps are ``stop_token`` too, and the iterator ends
                 after the step where every sequence has (``None``: run ``max_new_tokens``
                 steps).
+            cuda_graph: decode with the captured step (``None``: on CUDA wherever the caches
+                decode, i.e. not when ``max_seq_len`` makes the steps recompute; ``True``
+                requires a CUDA device and decoding caches; ``False``: one eager forward per
+                step).
 
         Yields:
             (B, 1) token ids (int64), one step at a time.
@@ -151,6 +169,7 @@ class GenerationMixin:
             TypeError: ``generator`` is not a ``torch.Generator``.
         """
         groups = self._prompt_groups(prompt)
+        graph = self._check_cuda_graph(cuda_graph, groups, max_new_tokens)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         if max_new_tokens < 0:
@@ -181,7 +200,43 @@ class GenerationMixin:
                 f"stop_token must be a token id in [0, {vocab}) or None, got "
                 f"stop_token={stop_token!r}; e.g. the id of your end-of-text token"
             )
-        return self._sample(groups, max_new_tokens, temperature, top_k, generator, stop_token)
+        sampling = Sampling(temperature, top_k, generator, stop_token)
+        if graph:
+            return self._sample_static(groups, max_new_tokens, sampling)
+        return self._sample(groups, max_new_tokens, sampling)
+
+    def _decodes(self, groups: list[tuple[torch.Tensor, torch.Tensor]], new: int) -> bool:
+        """Whether the steps decode with caches: every layer takes one, and the longest prompt
+        plus ``new`` tokens fits ``max_seq_len``."""
+        cap = self.config.max_seq_len
+        longest = max(tokens.shape[1] for _, tokens in groups)
+        return (cap is None or longest + new <= cap) and all(
+            getattr(block.attn.mha.attention, "decodes_with_cache", False) for block in self.blocks
+        )
+
+    def _check_cuda_graph(
+        self, cuda_graph: object, groups: list[tuple[torch.Tensor, torch.Tensor]], new: int
+    ) -> bool:
+        """Whether the steps run as a captured CUDA graph (``cuda_graph`` checked)."""
+        if cuda_graph is not None and not isinstance(cuda_graph, bool):
+            raise ValueError(f"cuda_graph must be True, False or None, got {cuda_graph!r}")
+        device = groups[0][1].device
+        on_device = device.type in GRAPH_DEVICE_TYPES
+        if cuda_graph is None:
+            return on_device and self._decodes(groups, new)
+        if cuda_graph and not on_device:
+            raise ValueError(
+                f"cuda_graph=True needs the model and prompt on a CUDA device, got {device}; "
+                f"pass cuda_graph=None (decided by the device) or False"
+            )
+        if cuda_graph and not self._decodes(groups, new):
+            raise ValueError(
+                f"cuda_graph=True needs decoding caches: every layer local dilated attention "
+                f"and the longest prompt plus max_new_tokens={new} within max_seq_len="
+                f"{self.config.max_seq_len} (past it every step recomputes the forward); "
+                f"pass cuda_graph=None or False, or raise max_seq_len"
+            )
+        return cuda_graph
 
     def _prompt_groups(self, prompt: object) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(rows, tokens)`` per prompt length: the batch rows (int64 indices) and their
@@ -218,30 +273,20 @@ class GenerationMixin:
         self,
         groups: list[tuple[torch.Tensor, torch.Tensor]],
         max_new_tokens: int,
-        temperature: float,
-        top_k: int | None,
-        generator: torch.Generator | None,
-        stop_token: int | None,
+        sampling: Sampling,
     ) -> Iterator[torch.Tensor]:
         """:meth:`stream`'s loop over checked arguments: ``groups`` of (rows, (b, N0) tokens)
         advance together, each with caches of its own."""
-        was_training = self.training
-        self.eval()
-        try:
+        with _eval_mode(self):
             batch = sum(rows.numel() for rows, _ in groups)
             device = groups[0][1].device
             cap = self.config.max_seq_len
-            decodes = all(
-                getattr(block.attn.mha.attention, "decodes_with_cache", False)
-                for block in self.blocks
-            )
             # Per group: its rows, the tokens its next forward reads (with caches the new ones
             # only, else all so far) and its caches.
             states = []
             for rows, tokens in groups:
-                fits = cap is None or tokens.shape[1] + max_new_tokens <= cap
-                caches = self.new_caches() if fits and decodes else None
-                states.append([rows.to(device), tokens, caches])
+                decodes = self._decodes([(rows, tokens)], max_new_tokens)
+                states.append([rows.to(device), tokens, self.new_caches() if decodes else None])
             stopped = torch.zeros(batch, 1, dtype=torch.bool, device=device)
             for _ in range(max_new_tokens):
                 step = torch.empty(batch, 1, dtype=torch.long, device=device)
@@ -249,19 +294,81 @@ class GenerationMixin:
                     rows, tokens, caches = state
                     with torch.no_grad():
                         if caches is not None:  # the new tokens against the cached keys
-                            logits = self(tokens, caches=caches)[:, -1, :].float()
+                            logits = self(tokens, caches=caches)[:, -1, :]
                         else:
                             window = tokens if cap is None else tokens[:, -cap:]
-                            logits = self(window)[:, -1, :].float()
-                    nxt = _next_token(logits, temperature, top_k, generator).to(device)
-                    if stop_token is not None:
-                        nxt = nxt.masked_fill(stopped[rows], stop_token)
+                            logits = self(window)[:, -1, :]
+                    nxt = sampling.next(logits, stopped[rows]).to(device)
                     step[rows] = nxt
                     state[1] = nxt if caches is not None else torch.cat([tokens, nxt], dim=1)
-                if stop_token is not None:
-                    stopped |= step == stop_token
+                stopped |= sampling.stops(step)
                 yield step
-                if stop_token is not None and bool(stopped.all()):
+                if sampling.stop_token is not None and bool(stopped.all()):
                     return
-        finally:
-            self.train(was_training)
+
+    @torch.no_grad()
+    def _sample_static(
+        self,
+        groups: list[tuple[torch.Tensor, torch.Tensor]],
+        max_new_tokens: int,
+        sampling: Sampling,
+    ) -> Iterator[torch.Tensor]:
+        """:meth:`_sample` with every row decoded at once by a captured step (Note [A captured
+        decoding step]): each prompt group into static caches of its own, their rows loaded
+        into the batch's caches, each row at its own position."""
+        with _eval_mode(self):
+            batch = sum(rows.numel() for rows, _ in groups)
+            device = groups[0][1].device
+            caches = self.new_caches(static=True)
+            logits = torch.empty(batch, self.config.vocab_size, device=device)
+            for rows, tokens in groups:
+                rows = rows.to(device)
+                own = caches if len(groups) == 1 else self.new_caches(static=True)
+                logits[rows] = self(tokens, caches=own)[:, -1, :].float()
+                if own is not caches:
+                    for cache, part in zip(caches, own, strict=True):
+                        cache.load_rows(rows, part, batch)  # type: ignore[union-attr]
+            step = CapturedStep(self, caches, batch, device) if max_new_tokens > 1 else None
+            stopped = torch.zeros(batch, 1, dtype=torch.bool, device=device)
+            for i in range(max_new_tokens):
+                nxt = sampling.next(logits, stopped).to(device)
+                stopped |= sampling.stops(nxt)
+                yield nxt
+                if sampling.stop_token is not None and bool(stopped.all()):
+                    return
+                if step is not None and i + 1 < max_new_tokens:
+                    logits = step(nxt)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How :meth:`GenerationMixin.stream` picks tokens (its checked arguments)."""
+
+    temperature: float
+    top_k: int | None
+    generator: torch.Generator | None
+    stop_token: int | None
+
+    def next(self, logits: torch.Tensor, stopped: torch.Tensor) -> torch.Tensor:
+        """(B, 1) token ids from (B, V) logits; ``stop_token`` where ``stopped`` (B, 1)."""
+        nxt = _next_token(logits.float(), self.temperature, self.top_k, self.generator)
+        if self.stop_token is None:
+            return nxt
+        return nxt.masked_fill(stopped.to(nxt.device), self.stop_token)
+
+    def stops(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, 1) bool: the rows whose ``tokens`` (B, 1) are ``stop_token``."""
+        if self.stop_token is None:
+            return torch.zeros_like(tokens, dtype=torch.bool)
+        return tokens == self.stop_token
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode, its training mode back afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)

@@ -15,8 +15,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .. import _validation as V
+from ..core.caches import Cache, check_caches
 from ..core.documents import check_cu_seqlens, document_positions
-from ..core.kv_cache import DilatedKVCache, check_caches
+from ..core.kv_cache import DilatedKVCache
+from ..core.static_cache import StaticDilatedKVCache
 from .blocks import LongNetBlock
 from .config import LongNetConfig
 from .generation import GenerationMixin
@@ -85,7 +88,7 @@ class LongNetLM(GenerationMixin, nn.Module):
         self,
         cu_seqlens: object,
         tokens: torch.Tensor,
-        caches: list[DilatedKVCache] | None,
+        caches: list[Cache] | None,
         positions: object,
     ) -> tuple[tuple[int, ...], torch.Tensor]:
         """Checked offsets of a packed batch (over the whole sharded row under ring attention)
@@ -146,7 +149,7 @@ class LongNetLM(GenerationMixin, nn.Module):
             )
         if tokens.numel() == 0:  # a batch of 0 sequences: nothing to range-check
             return tokens
-        if torch.compiler.is_compiling():
+        if V.values_unreadable():
             # A compiled graph cannot branch on values: the same check, asserted when it runs.
             in_range = ((tokens >= 0) & (tokens < self.config.vocab_size)).all()
             torch._assert_async(
@@ -166,7 +169,7 @@ class LongNetLM(GenerationMixin, nn.Module):
         tokens: torch.Tensor,
         *,
         positions: torch.Tensor | None = None,
-        caches: list[DilatedKVCache] | None = None,
+        caches: list[Cache] | None = None,
         cu_seqlens: torch.Tensor | list[int] | tuple[int, ...] | None = None,
     ) -> torch.Tensor:
         """Next-token logits.
@@ -177,7 +180,9 @@ class LongNetLM(GenerationMixin, nn.Module):
                 rank's global positions under ring attention.
             caches: one :class:`~dilated_attention.DilatedKVCache` per layer
                 (:meth:`new_caches`), for decoding: ``tokens`` are then the next tokens after
-                those the caches hold, at the caches' next positions (the default).
+                those the caches hold, at the caches' next positions (the default). With
+                ``new_caches(static=True)``, a call of one token per row is a step with static
+                shapes (``torch.compile``, CUDA graphs), each row at its own position.
             cu_seqlens: a packed batch: documents back to back in the rows, as in
                 :func:`~dilated_attention.dilated_attention`; each document's logits are those
                 it gets alone (its positions start at 0; ``positions`` must be None). With
@@ -206,16 +211,8 @@ class LongNetLM(GenerationMixin, nn.Module):
                 got = tuple(positions.shape) if isinstance(positions, torch.Tensor) else positions
                 raise ValueError(f"positions must be a ({N},) int tensor, got {got}")
             positions = positions.to(tokens.device)
-        cap = self.config.max_seq_len
-        if cap is not None and torch.compiler.is_compiling():  # see _check_tokens
-            torch._assert_async(
-                (positions < cap).all(), f"positions reach beyond max_seq_len={cap}"
-            )
-        elif cap is not None and int(positions.max()) >= cap:
-            raise ValueError(
-                f"positions reach {int(positions.max())}, beyond max_seq_len={cap} (the global "
-                f"sequence is longer than the configured maximum)"
-            )
+        if positions is not None:  # else a static step: the caches check their positions
+            self._check_positions_fit(positions)
         x = self.dropout(self.embed(tokens.long()))
         use_ckpt = self.config.activation_checkpointing and self.training
         for i, block in enumerate(self.blocks):
@@ -226,8 +223,27 @@ class LongNetLM(GenerationMixin, nn.Module):
                 x = block(x, positions, cache, documents)
         return self.lm_head(self.final_norm(x))
 
-    def new_caches(self) -> list[DilatedKVCache]:
-        """Empty decoding caches, one per layer, for ``forward(tokens, caches=...)``."""
+    def _check_positions_fit(self, positions: torch.Tensor) -> None:
+        """Refuse ``positions`` (N,) at or past ``max_seq_len`` (a device assertion when traced,
+        see :meth:`_check_tokens`)."""
+        cap = self.config.max_seq_len
+        if cap is None:
+            return
+        if V.values_unreadable():
+            torch._assert_async(
+                (positions < cap).all(), f"positions reach beyond max_seq_len={cap}"
+            )
+        elif int(positions.max()) >= cap:
+            raise ValueError(
+                f"positions reach {int(positions.max())}, beyond max_seq_len={cap} (the global "
+                f"sequence is longer than the configured maximum)"
+            )
+
+    def new_caches(self, *, static: bool = False) -> list[Cache]:
+        """Empty decoding caches, one per layer, for ``forward(tokens, caches=...)``;
+        ``static``: :class:`~dilated_attention.StaticDilatedKVCache` (fixed buffers, a decode
+        step with static shapes) instead of :class:`~dilated_attention.DilatedKVCache`."""
         config = self.config
         schedule, most = (config.segment_lengths, config.dilation_rates), config.max_seq_len
-        return [DilatedKVCache(*schedule, max_length=most) for _ in self.blocks]
+        kind = StaticDilatedKVCache if static else DilatedKVCache
+        return [kind(*schedule, max_length=most) for _ in self.blocks]

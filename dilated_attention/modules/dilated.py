@@ -12,7 +12,7 @@ from torch import nn
 
 from ..backends.registry import check_backend_name
 from ..config import DilatedConfig, MultiheadDilatedConfig
-from ..core.kv_cache import DilatedKVCache
+from ..core.caches import Cache
 from ..core.schedule_state import DilatedScheduleState
 from ..functional import dilated_attention
 from .multihead import MultiheadAttention
@@ -71,7 +71,7 @@ class DilatedAttention(DilatedScheduleState, nn.Module):
         *,
         is_causal: bool = False,
         key_padding_mask: torch.Tensor | None = None,
-        cache: DilatedKVCache | None = None,
+        cache: Cache | None = None,
         cu_seqlens: torch.Tensor | list[int] | tuple[int, ...] | None = None,
     ) -> torch.Tensor:
         """Args: query (B, N, H, D); key, value (B, N, Hkv, D); key_padding_mask (B, N) bool;

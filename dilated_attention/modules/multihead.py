@@ -14,8 +14,9 @@ from einops import rearrange
 from torch import nn
 
 from .. import _validation as V
+from ..core.caches import Cache, check_cache_type
 from ..core.documents import check_cu_seqlens, document_positions, flatten
-from ..core.kv_cache import DilatedKVCache
+from ..core.static_cache import StaticDilatedKVCache
 from ..rotary import RotaryEmbedding
 from .torch_compat import NO_PACKED_PROJECTION, bool_key_padding_mask, is_causal_mask
 
@@ -44,7 +45,7 @@ class LayerInputs:
     is_causal: bool
     key_padding_mask: torch.Tensor | None
     positions: torch.Tensor | None
-    cache: DilatedKVCache | None
+    cache: Cache | None
     documents: tuple[int, ...] | None = None
 
 
@@ -227,7 +228,7 @@ class MultiheadAttention(nn.Module):
         is_causal: bool = False,
         *,
         positions: torch.Tensor | None = None,
-        cache: DilatedKVCache | None = None,
+        cache: Cache | None = None,
         cu_seqlens: torch.Tensor | list[int] | tuple[int, ...] | None = None,
     ) -> tuple[torch.Tensor, None]:
         """Attention over ``query``, with ``nn.MultiheadAttention.forward``'s arguments.
@@ -393,11 +394,7 @@ class MultiheadAttention(nn.Module):
         layer]); with packed ``documents`` and none given, (B * N,) positions that start at 0 in
         every document. ``query``: (B, N, E)."""
         n, device = query.shape[1], query.device
-        if cache is not None and not isinstance(cache, DilatedKVCache):
-            raise TypeError(
-                f"cache must be a DilatedKVCache or None, got {type(cache).__name__}; build one "
-                f"per layer: DilatedKVCache(segment_lengths, dilation_rates)"
-            )
+        check_cache_type(cache)
         if cache is not None and not getattr(self.attention, "decodes_with_cache", False):
             raise ValueError(
                 f"cache= needs a layer whose inner module decodes (DilatedAttention), got "
@@ -405,11 +402,31 @@ class MultiheadAttention(nn.Module):
             )
         if documents is not None and positions is None and self.rotary is not None:
             return self._document_positions(documents, query)  # a packed prompt's too
+        if isinstance(cache, StaticDilatedKVCache):
+            return self._static_positions(cache, positions, n, device)
         if cache is not None and positions is not None and documents is None:
             cache.check_positions(self._check_positions(positions, n, device))
         elif cache is not None and self.rotary is not None and documents is None:
             positions = torch.arange(cache.length, cache.length + n, device=device)
         return self._check_positions(positions, n, device)
+
+    def _static_positions(
+        self, cache: StaticDilatedKVCache, positions: object, n: int, device: torch.device
+    ) -> torch.Tensor | None:
+        """Rotary positions of new tokens with a static cache (None without rotary): one token
+        per row at each row's own position, (B,) on the device (no synchronization: Note [A
+        decode step with static shapes]); several tokens at the positions after the cache's."""
+        if positions is not None:
+            raise ValueError(
+                "with a StaticDilatedKVCache the new tokens' positions are the cache's (each "
+                "row's next one, kept on the device); pass positions=None"
+            )
+        if self.rotary is None:
+            return None
+        if n == 1 and cache.lengths is not None:
+            return cache.lengths
+        start = cache.length
+        return torch.arange(start, start + n, device=device)
 
     def _attend(self, inputs: LayerInputs) -> torch.Tensor:
         """Projections, rotary positions and the inner module -> (B, N, H, D)."""

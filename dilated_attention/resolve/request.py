@@ -56,6 +56,9 @@ class Request:
         documents: ``"dense"``, ``"dilated"`` on packed documents: the offsets of the documents
             among the ``query_len`` positions of a batch of one row (Note [Packed documents] in
             ``core/documents.py``). None: each row is one sequence.
+        static: ``"decode"`` of one token per batch row at positions given as a tensor, the
+            keys being a static cache's ``key_len`` buffer rows (Note [A decode step with
+            static shapes] in ``core/static_cache.py``).
     """
 
     operation: str
@@ -80,6 +83,7 @@ class Request:
     context_len: int | None = None
     shard: tuple[int, int] | None = None
     documents: tuple[int, ...] | None = None
+    static: bool = False
 
     @classmethod
     def of(

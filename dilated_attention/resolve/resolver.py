@@ -63,6 +63,7 @@ from .strategy import (
     FusedStrategy,
     KernelOnlyStrategy,
     PlanStrategy,
+    StaticDecodeStrategy,
     Strategy,
     rows_in_place,
 )
@@ -232,6 +233,8 @@ def _decode(request: Request) -> Strategy:
     shapes (one query row; a chunk's square causal calls)."""
     if request.schedule is None:
         raise ValueError("a decode request needs the layer's schedule")
+    if request.static:
+        return _static_decode(request)
     chunk = request.query_len > 1
     shape = {"query_len": 1, "key_len": 1 if chunk else request.key_len}
     registry = registry_for(DENSE_REGISTRY)
@@ -269,6 +272,33 @@ def _decode(request: Request) -> Strategy:
         request, kernel, DENSE_REGISTRY, inputs, how, plan=plan,
         layout=rows_in_place, what="dilated_attention",
     )  # fmt: skip
+
+
+def _static_decode(request: Request) -> Strategy:
+    """One token per batch row against a static cache's buffers (Note [A decode step with
+    static shapes] in ``core/static_cache.py``): the one call of every branch's slots, on the
+    dense registry's kernel for one query row against them with a per-head key mask."""
+    assert request.schedule is not None  # _decode checked it
+    if request.requires_grad:
+        raise ValueError(
+            "a StaticDilatedKVCache decodes without gradients (its buffers are written in "
+            "place); run the step under torch.no_grad(), or decode with a DilatedKVCache to "
+            "differentiate through decoding"
+        )
+    heads, schedule = request.num_heads, request.schedule
+    segs, rates = effective_branches(
+        request.key_len, heads, schedule.segment_lengths, schedule.dilation_rates
+    )
+    slots = sum(-(-w // r) for w, r in zip(segs, rates, strict=True))
+    inputs = _kernel_inputs(request, is_causal=False, has_mask=True, query_len=1, key_len=slots)
+    kernel = registry_for(DENSE_REGISTRY).select(inputs, request.backend)
+    how = (
+        f"a static decode step: one call per token, every branch's {slots} slots read from the "
+        f"buffers at positions computed on the device, against a per-head key mask"
+    )
+    return StaticDecodeStrategy(
+        request, kernel, DENSE_REGISTRY, inputs, how, branches=(segs, rates)
+    )
 
 
 def keeps_every_pair(mask: torch.Tensor, is_causal: bool) -> bool:

@@ -19,6 +19,7 @@ from ..block_sparse.fa4 import FlashAttn4BlockSparseRunner, fa4_tiles
 from ..block_sparse.flex import _flex_forward
 from ..block_sparse.triton_autograd import TritonBlockSparseRunner, _triton_lists
 from ..core.autograd import Runner, run_attention
+from ..core.decode import static_token_plan
 from ..core.executor import PlanRunner, empty_attention
 from ..core.fused import FusedRunner, compile_ahead
 from ..core.plan import Plan
@@ -30,6 +31,7 @@ __all__ = [
     "FusedStrategy",
     "KernelOnlyStrategy",
     "PlanStrategy",
+    "StaticDecodeStrategy",
     "Strategy",
 ]
 
@@ -179,6 +181,38 @@ class PlanStrategy(Strategy):
             plan, self.kernel.backend, self.request.softmax_scale,
             self.request.dropout_p, self.what,
         )  # fmt: skip
+        return run_attention(q, k, v, key_padding_mask, runner)
+
+
+@dataclass(frozen=True)
+class StaticDecodeStrategy(Strategy):
+    """One token per batch row against a static cache's buffers (Note [A decode step with
+    static shapes] in ``core/static_cache.py``), run by :meth:`run_at` with the rows' positions.
+
+    Attributes:
+        branches: the effective segment lengths and rates every step reads.
+    """
+
+    branches: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+
+    def run_at(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
+        positions: torch.Tensor,
+    ) -> Result:
+        """``(out, lse)`` of the tokens q (B, 1, H, D) at ``positions`` (B,) int64, their keys
+        and values already written into the buffers k, v (B, R, Hkv, D) (and their mask
+        (B, R) bool or None); out (B, 1, H, D), lse (B, H, 1). No host synchronization."""
+        assert self.kernel is not None  # resolve gives it one
+        if q.numel() == 0:
+            return empty_attention(q, k, v)
+        plan = static_token_plan(positions, k.shape[1], q.shape[2], *self.branches)
+        runner = PlanRunner(
+            plan, self.kernel.backend, self.request.softmax_scale, 0.0, "dilated_attention"
+        )
         return run_attention(q, k, v, key_padding_mask, runner)
 
 

@@ -1,0 +1,298 @@
+"""A decoding cache of fixed device buffers: a decode step with static shapes, no host
+synchronization, capturable in a CUDA graph or one ``torch.compile`` graph.
+
+Note [A decode step with static shapes]
+    A token at position ``p`` reads, in branch ``(w, r)``, keys of its own segment only, from
+    ``t0 = (p // w) * w > p - w`` to ``p`` (Note [Decoding rows] in ``decode.py``). So with
+    ``R`` the longest segment, a buffer of ``R`` rows holding key position ``x`` at row
+    ``x mod R`` (a ring) holds every key any later token reads: the token at ``p`` overwrites
+    position ``p - R``, which no token from ``p`` on reads. A segment longer than every position
+    the cache will take (``max_length``) is one segment of them (Note [Effective branches]), so
+    ``R`` is at most ``max_length``.
+
+    One step (one new token per batch row) then writes the row's key and value at row
+    ``p mod R`` of the buffers, runs the one call of Note [One call per decoded token] with the
+    slots' positions computed on the device from the rows' positions (a (B,) int64 tensor:
+    each batch row at its own position), and adds 1 to the positions. Its shapes, kernels and
+    arguments are the same at every position, and nothing in it reads a tensor on the host:
+    the step can be captured in a CUDA graph and replayed, or compiled into one graph by
+    ``torch.compile`` (the buffers and positions are marked as static addresses, so
+    ``mode="reduce-overhead"`` captures them as they are). The price of static shapes is that
+    a short context reads as many slots as a long one, the ones past the token masked: the sum
+    over branches of ``ceil(w / r)``.
+
+    What needs the host stays out of the step. A call with several tokens (a prompt into an
+    empty cache, or a chunk after earlier tokens) runs eagerly: the keys it reads from the
+    buffers (from the first position any of its tokens reads) joined with its own, through the
+    decoding plan (Note [Decoding rows]) or, for a prompt, the causal forward; then its rows
+    are written into the buffers. A step checks shapes, dtype and device against the buffers'
+    (plain Python, no synchronization); positions past ``max_length`` raise ``ValueError`` in
+    eager calls (one synchronization, only where a bound is set) and fail a device assertion
+    in a traced one. A step runs without gradients (``DilatedKVCache`` decodes with them).
+
+Shape legend: B batch, n new positions, R buffer rows, Hkv key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _validation as V
+from .kv_cache import device_memory
+from .segment import effective_branches
+
+
+class StaticDilatedKVCache:
+    """Keys and values of one causal dilated attention layer in fixed buffers, for decoding
+    with static shapes (Note [A decode step with static shapes]).
+
+    Pass it as ``cache=`` to :func:`dilated_attention.dilated_attention` (or a layer) exactly
+    like a :class:`~dilated_attention.DilatedKVCache`: the first call (the prompt) allocates the
+    buffers for its batch, heads, head dim, dtype and device; each later call of one token per
+    row is one static step, which can run inside ``torch.compile`` or be captured in a CUDA
+    graph. One cache per layer.
+
+    Args:
+        segment_lengths: the layer's ``w`` per branch.
+        dilation_rates: the layer's ``r`` per branch.
+        max_length: the most tokens a row will take (``None``: no limit); segments longer than
+            it need only that many rows.
+
+    Attributes:
+        ring_rows: R, the rows of the buffers.
+        key, value: (B, R, Hkv, D) buffers (None before the first call).
+        key_padding_mask: (B, R) bool, ``True`` = ignore (None while no call passed a mask).
+        lengths: (B,) int64 tokens each row has seen, on the buffers' device.
+
+    Raises:
+        ValueError: a bad schedule or ``max_length``.
+    """
+
+    def __init__(
+        self,
+        segment_lengths: list[int] | tuple[int, ...],
+        dilation_rates: list[int] | tuple[int, ...],
+        *,
+        max_length: int | None = None,
+    ) -> None:
+        segs, rates = V.check_branches(segment_lengths, dilation_rates)
+        self.segment_lengths, self.dilation_rates = segs, rates
+        if max_length is not None:
+            max_length = V.check_positive_int("max_length", max_length)
+        self.max_length = max_length
+        self.ring_rows = max(segs) if max_length is None else min(max(segs), max_length)
+        self.key: torch.Tensor | None = None
+        self.value: torch.Tensor | None = None
+        self.key_padding_mask: torch.Tensor | None = None
+        self.lengths: torch.Tensor | None = None
+
+    def branches(self, num_heads: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The schedule every step reads: its effective branches over ``ring_rows`` positions
+        (Note [Effective branches])."""
+        return effective_branches(
+            self.ring_rows, num_heads, self.segment_lengths, self.dilation_rates
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers."""
+        held = (self.key, self.value, self.key_padding_mask, self.lengths)
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
+
+    def check(self, segments: tuple[int, ...], rates: tuple[int, ...], key: torch.Tensor) -> None:
+        """Raise ``ValueError`` if ``key`` (B, n, Hkv, D) or the schedule cannot extend this
+        cache: another layer's schedule, or (once the buffers exist) another batch size,
+        key/value heads, head dim, dtype or device; or buffers no memory of the device holds.
+        Shapes only: no synchronization."""
+        if (segments, rates) != (self.segment_lengths, self.dilation_rates):
+            raise ValueError(
+                f"cache holds a layer with segment_lengths={list(self.segment_lengths)}, "
+                f"dilation_rates={list(self.dilation_rates)}, got segment_lengths="
+                f"{list(segments)}, dilation_rates={list(rates)}; use one cache per layer"
+            )
+        if self.key is None:
+            if not torch.compiler.is_compiling():  # a traced prompt is refused after this
+                self._check_memory(key)
+            return
+        held = (self.key.shape[0], *self.key.shape[2:], self.key.dtype, self.key.device)
+        new = (key.shape[0], *key.shape[2:], key.dtype, key.device)
+        if held != new:
+            raise ValueError(
+                f"the StaticDilatedKVCache's buffers hold keys of (batch, kv heads, head_dim, "
+                f"dtype, device) = {held}, got {new}: a static step keeps its shapes; use a "
+                f"new StaticDilatedKVCache for another batch or model, or cache.reset(drop="
+                f"True) first"
+            )
+
+    def _check_memory(self, key: torch.Tensor) -> None:
+        batch, _, heads, dim = key.shape
+        needed = self.ring_rows * batch * (2 * heads * dim * key.element_size() + 1)
+        memory = device_memory(key.device)
+        if memory is None or needed <= memory:
+            return
+        raise ValueError(
+            f"segment_lengths={list(self.segment_lengths)}: a StaticDilatedKVCache holds "
+            f"{self.ring_rows:,} rows (the longest segment) for these keys (batch {batch}, "
+            f"{heads} key/value heads of {dim}, {key.dtype}): {needed:,} bytes, more than the "
+            f"{memory:,} bytes of {key.device}; pass max_length=the most tokens you decode, "
+            f"or use shorter segments"
+        )
+
+    def allocate(self, key: torch.Tensor) -> None:
+        """Buffers for keys like ``key`` (B, n, Hkv, D), all rows at position 0, marked as
+        static addresses for ``torch.compile``'s CUDA graphs."""
+        batch, _, heads, dim = key.shape
+        shape = (batch, self.ring_rows, heads, dim)
+        self.key = key.new_zeros(shape)
+        self.value = key.new_zeros(shape)
+        self.lengths = torch.zeros(batch, dtype=torch.int64, device=key.device)
+        self.key_padding_mask = None
+        for buffer in (self.key, self.value, self.lengths):
+            _mark_static(buffer)
+
+    def reset(self, *, drop: bool = False) -> None:
+        """Forget every token (positions back to 0), keeping the buffers (a captured step stays
+        valid); ``drop``: free the buffers too (the next call allocates new ones)."""
+        if drop or self.lengths is None:
+            self.key = self.value = self.key_padding_mask = self.lengths = None
+            return
+        self.lengths.zero_()
+        if self.key_padding_mask is not None:
+            self.key_padding_mask.zero_()
+
+    @property
+    def length(self) -> int:
+        """Tokens seen so far, every row at one position (0 before the first call; one
+        synchronization: :meth:`host_length`)."""
+        return 0 if self.lengths is None else self.host_length()
+
+    def host_length(self) -> int:
+        """The tokens every row has seen (one synchronization).
+
+        Raises:
+            ValueError: rows at different positions (batched decoding of different lengths),
+                which only one token per row at a time can extend.
+        """
+        assert self.lengths is not None
+        low, high = (int(x) for x in torch.aminmax(self.lengths))
+        if low != high:
+            raise ValueError(
+                f"the StaticDilatedKVCache's rows are at different positions ({low} to {high}): "
+                f"extend them one token per row per call, or give the rows of one length a "
+                f"cache of their own"
+            )
+        return low
+
+    def check_capacity(self, new_tokens: int) -> None:
+        """Refuse positions past ``max_length``: ``ValueError`` in an eager call (one
+        synchronization), a device assertion in a traced or captured one; nothing without a
+        bound."""
+        if self.max_length is None or self.lengths is None:
+            return
+        if V.values_unreadable():
+            torch._assert_async(
+                (self.lengths + new_tokens <= self.max_length).all(),
+                f"a StaticDilatedKVCache of max_length={self.max_length} got more tokens",
+            )
+            return
+        most = int(self.lengths.max())
+        if most + new_tokens > self.max_length:
+            raise ValueError(
+                f"the StaticDilatedKVCache was made for max_length={self.max_length} tokens and "
+                f"a row holds {most}, got {new_tokens} more; start a new cache (or "
+                f"cache.reset()), or make it with a larger max_length"
+            )
+
+    def write_token(
+        self, key: torch.Tensor, value: torch.Tensor, key_padding_mask: torch.Tensor | None
+    ) -> None:
+        """Write one new token per row, ``key``/``value`` (B, 1, Hkv, D) and its
+        ``key_padding_mask`` (B, 1) bool, at each row's position (on the device)."""
+        assert self.key is not None and self.value is not None and self.lengths is not None
+        rows = self.lengths % self.ring_rows
+        batch = torch.arange(rows.shape[0], device=rows.device)
+        self.key[batch, rows] = key[:, 0].detach()
+        self.value[batch, rows] = value[:, 0].detach()
+        if key_padding_mask is not None and self.key_padding_mask is None:
+            self._new_mask()
+        if self.key_padding_mask is not None:
+            hidden = False if key_padding_mask is None else key_padding_mask[:, 0]
+            self.key_padding_mask[batch, rows] = hidden
+
+    def write_rows(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
+        first: int,
+    ) -> None:
+        """Write ``key``/``value`` (B, n, Hkv, D) and ``key_padding_mask`` (B, n) of positions
+        ``first .. first + n - 1`` (every row at ``first``), keeping the last ``R``, and move
+        every row to ``first + n``. Eager."""
+        assert self.key is not None and self.value is not None and self.lengths is not None
+        n = key.shape[1]
+        kept = min(n, self.ring_rows)
+        rows = torch.arange(first + n - kept, first + n, device=key.device) % self.ring_rows
+        self.key[:, rows] = key[:, n - kept :].detach()
+        self.value[:, rows] = value[:, n - kept :].detach()
+        if key_padding_mask is not None and self.key_padding_mask is None:
+            self._new_mask()
+        if self.key_padding_mask is not None:
+            hidden = False if key_padding_mask is None else key_padding_mask[:, n - kept :]
+            self.key_padding_mask[:, rows] = hidden
+        self.lengths.fill_(first + n)
+
+    def read_rows(self, start: int, end: int) -> tuple[torch.Tensor, ...]:
+        """The held keys, values and mask (None without one) of positions ``start .. end - 1``
+        (at most ``R`` of them, every row at ``end``) as new (B, end - start, ...) tensors."""
+        assert self.key is not None and self.value is not None
+        rows = torch.arange(start, end, device=self.key.device) % self.ring_rows
+        mask = self.key_padding_mask
+        return self.key[:, rows], self.value[:, rows], None if mask is None else mask[:, rows]
+
+    def load_rows(self, rows: torch.Tensor, source: StaticDilatedKVCache, batch: int) -> None:
+        """Take ``source``'s rows (each at its own position) as this cache's batch ``rows``
+        (int64 indices), allocating buffers for ``batch`` rows on first use: prompts of
+        different lengths, each prefilled in a cache of its own, decoded together. Both caches
+        hold position ``x`` at row ``x mod R``, so the rows copy as they are.
+
+        Raises:
+            ValueError: ``source`` of another schedule or ``max_length``, or empty.
+        """
+        if (source.segment_lengths, source.dilation_rates, source.ring_rows) != (
+            self.segment_lengths, self.dilation_rates, self.ring_rows
+        ):  # fmt: skip
+            raise ValueError(
+                f"source holds a layer with segment_lengths={list(source.segment_lengths)}, "
+                f"dilation_rates={list(source.dilation_rates)} in {source.ring_rows} rows, this "
+                f"cache segment_lengths={list(self.segment_lengths)}, dilation_rates="
+                f"{list(self.dilation_rates)} in {self.ring_rows}; load caches of one layer"
+            )
+        if source.key is None or source.value is None or source.lengths is None:
+            raise ValueError("source holds no tokens: run the prompt into it first")
+        if self.key is None:
+            self.allocate(source.key.new_empty(batch, 1, *source.key.shape[2:]))
+        assert self.key is not None and self.value is not None and self.lengths is not None
+        self.key[rows] = source.key
+        self.value[rows] = source.value
+        self.lengths[rows] = source.lengths
+        if source.key_padding_mask is not None and self.key_padding_mask is None:
+            self._new_mask()
+        if self.key_padding_mask is not None:
+            mask = source.key_padding_mask
+            self.key_padding_mask[rows] = False if mask is None else mask
+
+    def _new_mask(self) -> None:
+        assert self.key is not None
+        self.key_padding_mask = torch.zeros(
+            self.key.shape[:2], dtype=torch.bool, device=self.key.device
+        )
+        _mark_static(self.key_padding_mask)
+
+
+def _mark_static(buffer: torch.Tensor) -> None:
+    """Tell ``torch.compile`` that ``buffer``'s memory never moves (its CUDA graphs then read
+    and write it in place instead of copying it in at every replay)."""
+    mark = getattr(torch._dynamo, "mark_static_address", None)
+    if mark is not None:
+        mark(buffer)

@@ -1,0 +1,195 @@
+"""The static decode step as a custom operator, so ``torch.compile`` keeps it in one graph.
+
+Note [The decode step under torch.compile]
+    A step on a :class:`~dilated_attention.StaticDilatedKVCache` (Note [A decode step with
+    static shapes] in ``core/static_cache.py``) has three parts: writing the new keys and
+    values at each row's position, the attention, and moving the positions on. The writes and
+    the move are plain tensor operations on the cache's buffers, which Dynamo traces (in-place
+    updates of tensors it guards). The attention chooses a kernel and builds its plan, which
+    cannot be traced (Note [Custom operators for torch.compile and torch.func] in
+    ``compiled.py``); it runs as ``dilated_attention::decode_step``, which takes the query, the
+    buffers, their mask and the positions and returns ``(out, lse)``: its implementation is the
+    eager step. The operator has no gradient: a static step decodes without one.
+
+Shape legend: B batch, H query heads, R buffer rows, Hkv key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .compiled import is_traced
+from .core.hidden import hide_masked_keys
+from .core.schedule import Schedule
+from .core.static_cache import StaticDilatedKVCache
+from .resolve import DECODE, Request, dilated_operation, resolve
+from .resolve.strategy import StaticDecodeStrategy
+
+__all__ = ["static_decode"]
+
+_SCHEMA = (
+    "(Tensor query, Tensor key, Tensor value, Tensor? key_padding_mask, Tensor positions, "
+    "int[] segment_lengths, int[] dilation_rates, float? scale, str? backend) -> (Tensor, Tensor)"
+)
+
+
+def _strategy(request: Request) -> StaticDecodeStrategy:
+    strategy = resolve(request)
+    assert isinstance(strategy, StaticDecodeStrategy)  # a static decode request resolves so
+    return strategy
+
+
+def _implementation(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    positions: torch.Tensor,
+    segment_lengths: list[int],
+    dilation_rates: list[int],
+    scale: float | None,
+    backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    request = Request.of(
+        DECODE, q, k, v, is_causal=True, has_mask=key_padding_mask is not None, scale=scale,
+        backend=backend, schedule=Schedule(tuple(segment_lengths), tuple(dilation_rates)),
+        static=True, requires_grad=False,
+    )  # fmt: skip
+    out, lse = _strategy(request).run_at(q, k, v, key_padding_mask, positions)
+    return out.contiguous().clone(), lse.contiguous().clone()
+
+
+def _fake(q: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, length, heads, _ = q.shape
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(q.shape), q.new_empty((batch, heads, length), dtype=lse_dtype)
+
+
+_OPERATOR = torch.library.custom_op(
+    "dilated_attention::decode_step", _implementation, mutates_args=(), schema=_SCHEMA
+)
+_OPERATOR.register_fake(_fake)
+
+
+def _traced_step(
+    request: Request,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The operator's ``(out, lse)`` of a static decode ``request`` (Note [The decode step
+    under torch.compile])."""
+    schedule = request.schedule
+    assert schedule is not None  # a decode request has one
+    return _OPERATOR(
+        q, k, v, key_padding_mask, positions, list(schedule.segment_lengths),
+        list(schedule.dilation_rates), request.scale, request.backend,
+    )  # fmt: skip
+
+
+def static_decode(
+    cache: StaticDilatedKVCache,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    fields: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A checked causal dilated call on new tokens with this layer's static cache: q
+    (B, n, H, D), k and v (B, n, Hkv, D), key_padding_mask (B, n) over the new keys ->
+    ``(out, lse)``. One token per row into filled buffers is the static step; a prompt or a
+    chunk runs eagerly (Note [A decode step with static shapes]). Resolved before the cache
+    changes: a refused call leaves it as it was.
+
+    Raises:
+        ValueError: dropout, a prompt or chunk under a tracer, a step that needs gradients,
+            rows at different positions given several tokens, positions past ``max_length``.
+    """
+    if fields["dropout_p"]:
+        raise ValueError(
+            f"a StaticDilatedKVCache decodes without dropout, got dropout_p="
+            f"{fields['dropout_p']}; decode in eval mode (dropout_p=0)"
+        )
+    if cache.key is not None and q.shape[1] == 1:
+        return _token_step(cache, q, k, v, key_padding_mask, fields)
+    if is_traced(q, k, v, key_padding_mask):
+        raise ValueError(
+            "a prompt or a chunk of several tokens into a StaticDilatedKVCache runs eagerly "
+            "(it reads positions on the host): run the prompt before torch.compile or CUDA "
+            "graph capture, and compile or capture the one-token step"
+        )
+    return _rows(cache, q, k, v, key_padding_mask, fields)
+
+
+def _token_step(
+    cache: StaticDilatedKVCache,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    fields: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The static step: one token per row at each row's position (no host synchronization)."""
+    assert cache.key is not None and cache.value is not None and cache.lengths is not None
+    has_mask = key_padding_mask is not None or cache.key_padding_mask is not None
+    request = Request.of(
+        DECODE, q, cache.key, cache.value, static=True, **{**fields, "has_mask": has_mask}
+    )
+    traced = is_traced(q, k, v, key_padding_mask)
+    strategy = None if traced else _strategy(request)  # refused before the cache changes
+    cache.check_capacity(1)
+    k, v = hide_masked_keys(k, v, key_padding_mask)
+    cache.write_token(k, v, key_padding_mask)
+    tensors = (q, cache.key, cache.value, cache.key_padding_mask, cache.lengths)
+    result = strategy.run_at(*tensors) if strategy else _traced_step(request, *tensors)
+    cache.lengths.add_(1)
+    return result
+
+
+def _rows(
+    cache: StaticDilatedKVCache,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    fields: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prompt (an empty cache) or a chunk of tokens, every row at one position: the keys the
+    new tokens read from the buffers joined with theirs, through the decoding plan (a prompt:
+    the causal forward), then their rows into the buffers. Eager."""
+    n = q.shape[1]
+    first = 0 if cache.lengths is None else cache.host_length()
+    if cache.max_length is not None and first + n > cache.max_length:
+        raise ValueError(
+            f"the StaticDilatedKVCache was made for max_length={cache.max_length} tokens, got "
+            f"{first + n}; make it with a larger max_length"
+        )
+    start = min((first // w) * w for w in cache.segment_lengths)  # the first key they read
+    k, v = hide_masked_keys(k, v, key_padding_mask)
+    keys, values, mask = k, v, key_padding_mask
+    if first > start:
+        held_k, held_v, held_mask = cache.read_rows(start, first)
+        keys, values = torch.cat([held_k, k], dim=1), torch.cat([held_v, v], dim=1)
+        if mask is not None or held_mask is not None:
+            mask = torch.cat([_mask_or_none(held_mask, held_k), _mask_or_none(mask, k)], dim=1)
+    fields = {**fields, "has_mask": mask is not None}
+    request = Request.of(
+        dilated_operation(n, keys.shape[1], first), q, keys, values, key_start=start,
+        context_len=first + n, **fields,
+    )  # fmt: skip
+    strategy = resolve(request)
+    if cache.key is None:
+        cache.allocate(k)
+    cache.write_rows(k, v, key_padding_mask, first)
+    return strategy.run(q, keys, values, mask)
+
+
+def _mask_or_none(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """``mask`` (B, n) bool, or no key hidden for ``like``'s (B, n, ...) rows."""
+    if mask is not None:
+        return mask
+    return torch.zeros(like.shape[:2], dtype=torch.bool, device=like.device)

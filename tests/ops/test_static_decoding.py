@@ -1,0 +1,256 @@
+"""Decoding with a :class:`StaticDilatedKVCache` (Note [A decode step with static shapes] in
+``core/static_cache.py``): a prompt, one-token steps and chunks give every row and lse of the
+full causal forward (float64 oracle), with the buffers wrapping around many times, GQA, a padding
+mask, and batch rows at different positions; the step compiles into one graph that is reused at
+every position; bad input raises before the cache changes."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from support.backend_params import CPU_BACKENDS, backend_id, skip_unless_runnable
+from support.oracle import oracle_dilated_attention
+
+from dilated_attention import DilatedKVCache, StaticDilatedKVCache, dilated_attention
+
+F64 = torch.float64
+TIGHT = {"atol": 1e-10, "rtol": 1e-7}
+
+#: (id, N, H, Hkv, segments, rates, max_length): buffers of max(w) rows wrap around N / max(w)
+#: times; a max_length bounds them below the longest segment.
+SCHEDULES = [
+    ("ragged_w10r3_w16r6", 50, 6, 6, (10, 16), (3, 6), None),
+    ("wraps_4x_gqa", 64, 4, 2, (8, 16), (1, 2), None),
+    ("w_longer_than_max_length", 40, 4, 2, (16, 128), (1, 4), 40),
+    ("rate_above_heads", 37, 2, 1, (8, 32), (1, 4), None),
+]
+
+
+def _tensors(n: int, heads: int, kv_heads: int, seed: int = 0, batch: int = 2) -> list:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(batch, n, heads, 8), (batch, n, kv_heads, 8), (batch, n, kv_heads, 8)]
+    return [torch.randn(s, generator=gen, dtype=F64) for s in shapes]
+
+
+def _decode(cache: object, q, k, v, mask, segs, rates, cuts, backend=None) -> tuple:  # type: ignore[no-untyped-def]
+    """Every position through ``cache``: positions [0, cuts[0]) as a prompt, then one call per
+    span [cuts[i], cuts[i+1]) (one token: a step); the rows' outputs and lse joined."""
+    outs, lses = [], []
+    bounds = [0, *cuts, q.shape[1]]
+    for lo, hi in itertools.pairwise(bounds):
+        out, lse = dilated_attention(
+            q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], list(segs), list(rates), is_causal=True,
+            key_padding_mask=None if mask is None else mask[:, lo:hi], cache=cache,
+            backend=backend, return_lse=True,
+        )  # fmt: skip
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=2)
+
+
+def _assert_rows(out, lse, want, want_lse) -> None:  # type: ignore[no-untyped-def]
+    torch.testing.assert_close(out, want, **TIGHT)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    torch.testing.assert_close(lse[~torch.isneginf(lse)], want_lse[~torch.isneginf(want_lse)])
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["no_mask", "mask"])
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=[s[0] for s in SCHEDULES])
+@pytest.mark.parametrize("backend", CPU_BACKENDS, ids=backend_id)
+def test_prompt_steps_and_chunks_equal_the_full_causal_forward(
+    schedule: tuple, masked: bool, backend: str | None
+) -> None:
+    _, n, heads, kv_heads, segs, rates, max_length = schedule
+    q, k, v = _tensors(n, heads, kv_heads)
+    mask = None
+    if masked:
+        mask = torch.zeros(2, n, dtype=torch.bool)
+        mask[1, :5] = True  # a left-padded row
+        mask[0, 7] = True
+    skip_unless_runnable(backend, q[:, :1], k, v, is_causal=False, key_padding_mask=mask)
+    want, want_lse = oracle_dilated_attention(
+        q, k, v, segs, rates, is_causal=True, key_padding_mask=mask
+    )
+    cache = StaticDilatedKVCache(segs, rates, max_length=max_length)
+    cuts = [3, *range(4, 21), 31, *range(32, n)]  # a prompt, steps, a chunk of 11, steps
+    with torch.no_grad():
+        out, lse = _decode(cache, q, k, v, mask, segs, rates, cuts, backend)
+    _assert_rows(out, lse, want, want_lse)
+    assert cache.lengths is not None and cache.lengths.tolist() == [n, n]
+    assert cache.key is not None and cache.key.shape == (2, cache.ring_rows, kv_heads, 8)
+
+
+def test_a_static_step_equals_a_growing_cache_step_for_every_position() -> None:
+    """Token by token from the first position: the same rows as ``DilatedKVCache``."""
+    segs, rates = (4, 8, 16), (1, 2, 4)
+    q, k, v = _tensors(45, 4, 2, seed=5)
+    with torch.no_grad():
+        static = _decode(StaticDilatedKVCache(segs, rates), q, k, v, None, segs, rates,
+                         list(range(1, 45)))  # fmt: skip
+        growing = _decode(DilatedKVCache(segs, rates), q, k, v, None, segs, rates,
+                          list(range(1, 45)))  # fmt: skip
+    _assert_rows(*static, *growing)
+
+
+def test_rows_at_different_positions_decode_together() -> None:
+    """Prompts of different lengths prefilled in caches of their own, loaded as the rows of one
+    cache, then stepped together: each row equals its own sequence's full causal forward."""
+    segs, rates, heads, kv_heads, n = (6, 12), (1, 3), 6, 3, 40
+    q, k, v = _tensors(n, heads, kv_heads, seed=2, batch=3)
+    want, want_lse = oracle_dilated_attention(q, k, v, segs, rates, is_causal=True)
+    prompts = {0: 7, 1: 19, 2: 7}  # row -> prompt length
+    batch = StaticDilatedKVCache(segs, rates)
+    outs: dict[int, list] = {row: [] for row in prompts}
+    with torch.no_grad():
+        for length in sorted(set(prompts.values())):
+            rows = torch.tensor([r for r, p in prompts.items() if p == length])
+            own = StaticDilatedKVCache(segs, rates)
+            out, lse = dilated_attention(
+                q[rows, :length], k[rows, :length], v[rows, :length], list(segs), list(rates),
+                is_causal=True, cache=own, return_lse=True,
+            )  # fmt: skip
+            for i, row in enumerate(rows.tolist()):
+                outs[row].append((out[i], lse[i]))
+            batch.load_rows(rows, own, 3)
+        assert batch.lengths is not None and batch.lengths.tolist() == [7, 19, 7]
+        for step in range(n - 19):
+            pos = torch.tensor([prompts[row] + step for row in range(3)])
+            rows = torch.arange(3)
+            out, lse = dilated_attention(
+                q[rows, pos].unsqueeze(1), k[rows, pos].unsqueeze(1), v[rows, pos].unsqueeze(1),
+                list(segs), list(rates), is_causal=True, cache=batch, return_lse=True,
+            )  # fmt: skip
+            for row in range(3):
+                outs[row].append((out[row], lse[row]))
+    for row, length in prompts.items():
+        got = torch.cat([o for o, _ in outs[row]])
+        got_lse = torch.cat([s for _, s in outs[row]], dim=1)
+        end = length + n - 19
+        _assert_rows(got, got_lse, want[row, :end], want_lse[row, :, :end])
+
+
+def test_the_step_compiles_once_into_one_graph() -> None:
+    """``torch.compile(fullgraph=True)`` of a step: one compilation serves every position (the
+    positions are a device tensor, the buffers keep their shapes), with the eager results."""
+    segs, rates = (8, 16), (1, 2)
+    q, k, v = (x.float() for x in _tensors(40, 4, 2, seed=7))
+    compiles = []
+
+    def counting_backend(gm, example_inputs):  # type: ignore[no-untyped-def]
+        compiles.append(gm)
+        return gm.forward
+
+    cache = StaticDilatedKVCache(segs, rates)
+
+    def step(qt, kt, vt):  # type: ignore[no-untyped-def]
+        return dilated_attention(qt, kt, vt, list(segs), list(rates), is_causal=True, cache=cache)
+
+    compiled = torch.compile(step, fullgraph=True, backend=counting_backend)
+    eager_cache = StaticDilatedKVCache(segs, rates)
+    with torch.no_grad():
+        for c in (cache, eager_cache):
+            dilated_attention(q[:, :5], k[:, :5], v[:, :5], list(segs), list(rates),
+                              is_causal=True, cache=c)  # fmt: skip
+        for t in range(5, 40):
+            token = (q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1])
+            got = compiled(*token)
+            want = dilated_attention(*token, list(segs), list(rates), is_causal=True,
+                                     cache=eager_cache)  # fmt: skip
+            torch.testing.assert_close(got, want)
+    assert len(compiles) == 1
+    assert cache.lengths is not None and cache.lengths.tolist() == [40, 40]
+
+
+def _prompted(segs=(8, 16), rates=(1, 2), **kwargs) -> tuple:  # type: ignore[no-untyped-def]
+    q, k, v = _tensors(12, 4, 2, seed=9)
+    cache = StaticDilatedKVCache(segs, rates, **kwargs)
+    with torch.no_grad():
+        dilated_attention(q[:, :10], k[:, :10], v[:, :10], list(segs), list(rates),
+                          is_causal=True, cache=cache)  # fmt: skip
+    return cache, q, k, v
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda q, k, v: (q[:1], k[:1], v[:1]), "buffers hold keys of"),
+        (lambda q, k, v: (q.float(), k.float(), v.float()), "buffers hold keys of"),
+        (lambda q, k, v: (q[..., :4], k[..., :4], v[..., :4]), "buffers hold keys of"),
+    ],
+    ids=["batch", "dtype", "head_dim"],
+)
+def test_a_step_of_other_shapes_raises_and_leaves_the_cache(change, match) -> None:  # type: ignore[no-untyped-def]
+    cache, q, k, v = _prompted()
+    key = cache.key.clone()
+    with pytest.raises(ValueError, match=match), torch.no_grad():
+        dilated_attention(*change(q[:, 10:11], k[:, 10:11], v[:, 10:11]), [8, 16], [1, 2],
+                          is_causal=True, cache=cache)  # fmt: skip
+    assert torch.equal(cache.key, key) and cache.lengths.tolist() == [10, 10]
+
+
+def test_bad_calls_raise_before_the_cache_changes() -> None:
+    cache, q, k, v = _prompted(max_length=11)
+    token = (q[:, 10:11], k[:, 10:11], v[:, 10:11])
+    with pytest.raises(ValueError, match="without gradients"):
+        dilated_attention(token[0].requires_grad_(), *token[1:], [8, 16], [1, 2],
+                          is_causal=True, cache=cache)  # fmt: skip
+    with pytest.raises(ValueError, match="without dropout"), torch.no_grad():
+        dilated_attention(*token, [8, 16], [1, 2], is_causal=True, cache=cache, dropout_p=0.1)
+    with pytest.raises(ValueError, match="segment_lengths=\\[8, 16\\]"), torch.no_grad():
+        dilated_attention(*token, [8, 32], [1, 2], is_causal=True, cache=cache)
+    assert cache.lengths.tolist() == [10, 10]
+    with torch.no_grad():
+        dilated_attention(*token, [8, 16], [1, 2], is_causal=True, cache=cache)
+        with pytest.raises(ValueError, match="max_length=11"):
+            dilated_attention(*token, [8, 16], [1, 2], is_causal=True, cache=cache)
+        with pytest.raises(ValueError, match="max_length=11"):
+            dilated_attention(q[:, :2], k[:, :2], v[:, :2], [8, 16], [1, 2], is_causal=True,
+                              cache=cache)  # fmt: skip
+    assert cache.lengths.tolist() == [11, 11]
+
+
+def test_rows_at_different_positions_refuse_a_chunk() -> None:
+    cache, q, k, v = _prompted()
+    cache.lengths[1] += 1  # as after loading rows of another prompt length
+    with pytest.raises(ValueError, match="rows are at different positions"), torch.no_grad():
+        dilated_attention(q[:, :2], k[:, :2], v[:, :2], [8, 16], [1, 2], is_causal=True,
+                          cache=cache)  # fmt: skip
+
+
+def test_a_prompt_under_torch_compile_raises() -> None:
+    cache = StaticDilatedKVCache([8], [1])
+    q, k, v = (x.float() for x in _tensors(4, 2, 2))
+
+    def prompt(q, k, v):  # type: ignore[no-untyped-def]
+        return dilated_attention(q, k, v, [8], [1], is_causal=True, cache=cache)
+
+    with pytest.raises(Exception, match="runs eagerly"), torch.no_grad():
+        torch.compile(prompt, fullgraph=True, backend="eager")(q, k, v)
+    assert cache.key is None
+
+
+def test_load_rows_refuses_another_layer_or_an_empty_cache() -> None:
+    cache, *_ = _prompted()
+    with pytest.raises(ValueError, match="load caches of one layer"):
+        StaticDilatedKVCache([8, 32], [1, 2]).load_rows(torch.tensor([0]), cache, 2)
+    with pytest.raises(ValueError, match="holds no tokens"):
+        StaticDilatedKVCache([8, 16], [1, 2]).load_rows(
+            torch.tensor([0]), StaticDilatedKVCache([8, 16], [1, 2]), 2
+        )
+
+
+def test_reset_keeps_the_buffers_and_forgets_the_tokens() -> None:
+    cache, q, k, v = _prompted()
+    key = cache.key
+    cache.reset()
+    assert cache.key is key and cache.lengths.tolist() == [0, 0] and cache.length == 0
+    with torch.no_grad():
+        out = dilated_attention(q[:, :3], k[:, :3], v[:, :3], [8, 16], [1, 2], is_causal=True,
+                                cache=cache)  # fmt: skip
+    want, _ = oracle_dilated_attention(q[:, :3], k[:, :3], v[:, :3], (8, 16), (1, 2),
+                                       is_causal=True)  # fmt: skip
+    torch.testing.assert_close(out, want, **TIGHT)
+    cache.reset(drop=True)
+    assert cache.key is None and cache.nbytes == 0
