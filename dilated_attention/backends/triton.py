@@ -236,6 +236,29 @@ class TritonBackend(Backend):
             reasons.append("Triton's interpreter cannot compute bfloat16 (numpy has none)")
         return reasons
 
+    # -- the static decode step (core/static_cache.py) --------------------------------------------
+    reads_decode_buffers = True  # decode_step: a static step's keys read in place
+
+    def decode_step(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
+        positions: torch.Tensor,
+        slots: tuple[torch.Tensor, ...],
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per batch row against a static cache's buffers, every branch in one
+        launch reading the rows in place (Note [A decode kernel reading the buffers in place]
+        in ``_triton_decode.py``): q (B, 1, H, D), k and v (B, R, Hkv, D), key_padding_mask
+        (B, R) bool or None, positions (B,) int64, ``slots`` the step's ``token_slots`` ->
+        out (B, 1, H, D), lse (B, H, 1) float32."""
+        from ._triton_decode import decode_step
+
+        q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+        return decode_step(q, k, v, key_padding_mask, positions, slots, scale)
+
     # -- fused dilated branches (core/fused.py) ---------------------------------------------------
     def forward_branch(
         self,

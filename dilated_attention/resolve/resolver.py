@@ -296,6 +296,11 @@ def _static_decode(request: Request) -> Strategy:
         f"a static decode step: one call per token, every branch's {slots} slots read from the "
         f"buffers at positions computed on the device, against a per-head key mask"
     )
+    if getattr(kernel.backend, "reads_decode_buffers", False):
+        how = (
+            f"a static decode step: one launch per token reading every branch's {slots} slots "
+            f"in place from the buffers at positions computed on the device"
+        )
     return StaticDecodeStrategy(
         request, kernel, DENSE_REGISTRY, inputs, how, branches=(segs, rates)
     )

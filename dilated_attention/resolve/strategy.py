@@ -19,7 +19,7 @@ from ..block_sparse.fa4 import FlashAttn4BlockSparseRunner, fa4_tiles
 from ..block_sparse.flex import _flex_forward
 from ..block_sparse.triton_autograd import TritonBlockSparseRunner, _triton_lists
 from ..core.autograd import Runner, run_attention
-from ..core.decode import static_token_plan
+from ..core.decode import static_token_plan, token_slots
 from ..core.executor import PlanRunner, empty_attention
 from ..core.fused import FusedRunner, compile_ahead
 from ..core.plan import Plan
@@ -209,6 +209,11 @@ class StaticDecodeStrategy(Strategy):
         assert self.kernel is not None  # resolve gives it one
         if q.numel() == 0:
             return empty_attention(q, k, v)
+        backend = self.kernel.backend
+        if getattr(backend, "reads_decode_buffers", False):  # the rows read in place
+            slots = token_slots(q.shape[2], *self.branches, q.device)
+            scale = self.request.softmax_scale
+            return backend.decode_step(q, k, v, key_padding_mask, positions, slots, scale)  # type: ignore[attr-defined]
         plan = static_token_plan(positions, k.shape[1], q.shape[2], *self.branches)
         runner = PlanRunner(
             plan, self.kernel.backend, self.request.softmax_scale, 0.0, "dilated_attention"

@@ -12,8 +12,11 @@ import pytest
 import torch
 from support.backend_params import CPU_BACKENDS, backend_id, skip_unless_runnable
 from support.oracle import oracle_dilated_attention
+from support.tolerances import TOLERANCES
+from support.triton import KERNEL_DEVICES, skip_without_triton
 
 from dilated_attention import DilatedKVCache, StaticDilatedKVCache, dilated_attention
+from dilated_attention.backends import get_backend
 
 F64 = torch.float64
 TIGHT = {"atol": 1e-10, "rtol": 1e-7}
@@ -254,3 +257,103 @@ def test_reset_keeps_the_buffers_and_forgets_the_tokens() -> None:
     torch.testing.assert_close(out, want, **TIGHT)
     cache.reset(drop=True)
     assert cache.key is None and cache.nbytes == 0
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = TOLERANCES[dtype]
+    finite = ~torch.isneginf(want)
+    assert torch.equal(torch.isneginf(got), ~finite)
+    torch.testing.assert_close(got.double()[finite], want[finite], atol=tol.atol, rtol=tol.rtol)
+
+
+@pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
+def test_the_triton_kernel_reads_the_buffers_in_place(
+    device: str, dtypes: list[torch.dtype], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Our kernel of the step (Note [A decode kernel reading the buffers in place]): GQA, a head
+    dim that is no power of two, a padding mask, wrapping buffers, rows at different positions;
+    each row and lse against the float64 oracle."""
+    skip_without_triton(device)
+    backend = get_backend("triton")
+    calls: list[int] = []
+    real = backend.decode_step
+    monkeypatch.setattr(backend, "decode_step", lambda *a: calls.append(1) or real(*a))
+    segs, rates, n = (10, 16), (3, 6), 44
+    q, k, v = _tensors(n, 6, 3, seed=11, batch=3)
+    q, k, v = (torch.nn.functional.pad(x, (0, 16)) + 0.1 for x in (q, k, v))  # D = 24
+    mask = torch.zeros(3, n, dtype=torch.bool)
+    mask[1, :5] = True
+    mask[2, 9] = True
+    want, want_lse = oracle_dilated_attention(
+        q, k, v, segs, rates, is_causal=True, key_padding_mask=mask
+    )
+    prompts = (6, 6, 17)
+    for dtype in dtypes:
+        qd, kd, vd = (x.to(device=device, dtype=dtype) for x in (q, k, v))
+        md = mask.to(device)
+        batch = StaticDilatedKVCache(segs, rates)
+        rows_out: dict[int, list] = {0: [], 1: [], 2: []}
+        with torch.no_grad():
+            for length, rows in ((6, [0, 1]), (17, [2])):
+                own = StaticDilatedKVCache(segs, rates)
+                index = torch.tensor(rows, device=device)
+                dilated_attention(qd[index, :length], kd[index, :length], vd[index, :length],
+                                  list(segs), list(rates), is_causal=True, cache=own,
+                                  key_padding_mask=md[index, :length])  # fmt: skip
+                batch.load_rows(index, own, 3)
+            for step in range(n - 17):
+                pos = torch.tensor([p + step for p in prompts], device=device)
+                rows = torch.arange(3, device=device)
+                token = [x[rows, pos].unsqueeze(1) for x in (qd, kd, vd)]
+                out, lse = dilated_attention(
+                    *token, list(segs), list(rates), is_causal=True, cache=batch,
+                    key_padding_mask=md[rows, pos].unsqueeze(1), backend="triton",
+                    return_lse=True,
+                )  # fmt: skip
+                for row in range(3):
+                    rows_out[row].append((out[row, 0].cpu(), lse[row, :, 0].cpu()))
+        for row, first in enumerate(prompts):
+            got = torch.stack([o for o, _ in rows_out[row]])
+            got_lse = torch.stack([s for _, s in rows_out[row]], dim=1)
+            span = slice(first, first + n - 17)
+            _close(got, want[row, span], dtype)
+            _close(got_lse, want_lse[row, :, span], dtype)
+    assert len(calls) == len(dtypes) * (n - 17)
+
+
+@pytest.mark.gpu
+def test_a_captured_step_replays_at_every_position() -> None:
+    """The step captured once in a CUDA graph, replayed at later positions: each replay equals
+    the eager step there (the positions live on the device; nothing is read on the host)."""
+    segs, rates = (16, 64), (1, 4)
+    q, k, v = (x.to("cuda", torch.bfloat16) for x in _tensors(90, 8, 2, seed=12))
+    caches = [StaticDilatedKVCache(segs, rates) for _ in range(2)]
+    with torch.no_grad():
+        for cache in caches:
+            dilated_attention(q[:, :20], k[:, :20], v[:, :20], list(segs), list(rates),
+                              is_causal=True, cache=cache)  # fmt: skip
+        static = [torch.zeros_like(x[:, :1]) for x in (q, k, v)]
+
+        def step() -> torch.Tensor:
+            return dilated_attention(*static, list(segs), list(rates), is_causal=True,
+                                     cache=caches[0])  # fmt: skip
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            before = caches[0].lengths.clone()
+            step()
+            caches[0].lengths.copy_(before)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        for t in range(20, 90):
+            for buffer, x in zip(static, (q, k, v), strict=True):
+                buffer.copy_(x[:, t : t + 1])
+            graph.replay()
+            token = (q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1])
+            want = dilated_attention(*token, list(segs), list(rates), is_causal=True,
+                                     cache=caches[1])  # fmt: skip
+            torch.testing.assert_close(out, want)
+    assert caches[0].lengths.tolist() == [90, 90]

@@ -1,0 +1,168 @@
+"""Our Triton kernel of the static decode step: one token per batch row reads its keys in place
+from a static cache's buffers, every branch in one launch (imported on first use, because it
+needs the ``triton`` package).
+
+Note [A decode kernel reading the buffers in place]
+    The static step (Note [A decode step with static shapes] in ``core/static_cache.py``) reads,
+    per batch row, the slots of every branch: slot ``m`` of branch ``(w, r)`` is key position
+    ``t0 + s + r * m`` with ``t0 = (p // w) * w`` and ``s = (p - t0) mod r`` for the row's
+    position ``p``, at buffer row ``position mod R``. The key rows of a slot are the same for
+    every head; which heads read it is not (``h mod r == s``). So a program takes one batch row,
+    one key/value head and a run of slots: it computes the slots' buffer rows from ``p`` (read
+    from the positions tensor, so a captured launch serves every position), loads each key and
+    value row once for the query heads that share it (GQA), masks the heads that do not read
+    it and the slots past the token, and keeps an online softmax per head. No gather: each key
+    row crosses memory once per key/value head. The slots are split into runs across programs
+    (a token is a few thousand rows, too few for one program each per head), and the runs
+    merge with :func:`~._triton_merge.merge_splits` into the output and its log-sum-exp. One
+    softmax over every branch's slots is the branches' exact merge (Note [One call per decoded
+    token] in ``core/decode.py``).
+
+Shapes: q (B, 1, H, D); key/value buffers (B, R, Hkv, D), last dim contiguous; mask (B, R) bool;
+positions (B,) int64; slot tables (K,) int64; out (B, 1, H, D); lse (B, H, 1) float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton_merge import merge_splits
+
+_LOG2E = 1.4426950408889634
+#: Slots per block of a program's loop, and the programs a token's slots aim for per key/value
+#: head and batch row (runs of at least one block).
+_BLOCK_SLOTS = 64
+_TARGET_RUNS = 16
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K, V, Mask, Pos, Seg, Rate, Stride, Part, PartLse,
+    num_slots, ring_rows, kv_heads, group, dim, slots_per_run, scale,
+    s_qb, s_qh,
+    s_kb, s_kr, s_kh,
+    s_vb, s_vr, s_vh,
+    s_mb,
+    s_pb, s_ps, s_ph,
+    s_lb, s_lh, s_ls,
+    HAS_MASK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Program (b * Hkv + kv head, run): the run's slots for the query heads of one key/value
+    head of batch row b, into split ``run`` of ``Part`` / ``PartLse``."""
+    pid = tl.program_id(0)
+    run = tl.program_id(1)
+    b = (pid // kv_heads).to(tl.int64)
+    kvh = pid % kv_heads
+    g = tl.arange(0, BLOCK_G)
+    heads = kvh * group + g
+    head_ok = g < group
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < dim
+    q = tl.load(
+        Q + b * s_qb + heads[:, None] * s_qh + d[None, :],
+        mask=head_ok[:, None] & d_ok[None, :], other=0.0,
+    )  # fmt: skip
+    p = tl.load(Pos + b)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    lo = run * slots_per_run
+    hi = tl.minimum(lo + slots_per_run, num_slots)
+    for start in range(lo, hi, BLOCK_K):
+        j = start + tl.arange(0, BLOCK_K)
+        j_ok = j < hi
+        w = tl.load(Seg + j, mask=j_ok, other=1)
+        r = tl.load(Rate + j, mask=j_ok, other=1)
+        step = tl.load(Stride + j, mask=j_ok, other=0)
+        t0 = (p // w) * w
+        offset = p - t0
+        s = offset % r
+        filled = (step <= offset - s) & j_ok
+        row = tl.where(filled, (t0 + s + step) % ring_rows, 0)
+        k = tl.load(
+            K + b * s_kb + row[:, None] * s_kr + kvh * s_kh + d[None, :],
+            mask=filled[:, None] & d_ok[None, :], other=0.0,
+        )  # fmt: skip
+        reads = filled[None, :] & ((heads[:, None] % r[None, :]) == s[None, :])
+        if HAS_MASK:
+            hidden = tl.load(Mask + b * s_mb + row, mask=filled, other=1)
+            reads = reads & (hidden == 0)[None, :]
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        qk = tl.where(reads, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        weights = tl.exp2(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(weights, 1)
+        v = tl.load(
+            V + b * s_vb + row[:, None] * s_vr + kvh * s_vh + d[None, :],
+            mask=filled[:, None] & d_ok[None, :], other=0.0,
+        )  # fmt: skip
+        acc = acc * alpha[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf"))  # fmt: skip
+    tl.store(
+        Part + b * s_pb + run * s_ps + heads[:, None] * s_ph + d[None, :], out,
+        mask=head_ok[:, None] & d_ok[None, :],
+    )  # fmt: skip
+    tl.store(PartLse + b * s_lb + heads * s_lh + run * s_ls, lse, mask=head_ok)
+
+
+def decode_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    positions: torch.Tensor,
+    slots: tuple[torch.Tensor, ...],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The static step's attention (Note [A decode kernel reading the buffers in place]).
+
+    Args:
+        q: (B, 1, H, D), last dim contiguous.
+        k, v: the buffers (B, R, Hkv, D), last dim contiguous, holding the tokens' keys.
+        key_padding_mask: (B, R) bool over the buffer rows, or None.
+        positions: (B,) int64, each row's token position.
+        slots: ``token_slots`` of the step's branches: per slot its ``w``, ``r`` and ``r * m``
+            (K,) int64, and the heads' classes (unused here).
+        scale: the softmax scale.
+
+    Returns:
+        ``out`` (B, 1, H, D) in q's dtype and ``lse`` (B, H, 1) float32.
+    """
+    batch, _, heads, dim = q.shape
+    ring_rows, kv_heads = k.shape[1], k.shape[2]
+    seg, rate, stride = (x.contiguous() for x in slots[:3])
+    num_slots = seg.shape[0]
+    blocks = triton.cdiv(num_slots, _BLOCK_SLOTS)
+    runs = max(1, min(_TARGET_RUNS, blocks))
+    per_run = triton.cdiv(blocks, runs) * _BLOCK_SLOTS
+    runs = triton.cdiv(num_slots, per_run)
+    part = torch.empty(batch, runs, heads, dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, heads, runs, dtype=torch.float32, device=q.device)
+    mask = key_padding_mask if key_padding_mask is not None else positions
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    q3 = q[:, 0]
+    _decode_kernel[(batch * kv_heads, runs)](
+        q3, k, v, mask, positions, seg, rate, stride, part, part_lse,
+        num_slots, ring_rows, kv_heads, heads // kv_heads, dim, per_run, scale * _LOG2E,
+        q3.stride(0), q3.stride(1),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        mask.stride(0) if key_padding_mask is not None else 0,
+        *part.stride()[:3], *part_lse.stride(),
+        HAS_MASK=key_padding_mask is not None,
+        BLOCK_G=max(16, triton.next_power_of_2(heads // kv_heads)), BLOCK_K=_BLOCK_SLOTS,
+        BLOCK_D=max(16, triton.next_power_of_2(dim)), DOT_PRECISION=precision,
+    )  # fmt: skip
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads, 1, dtype=torch.float32, device=q.device)
+    merge_splits(part, part_lse, out, lse)
+    return out, lse
