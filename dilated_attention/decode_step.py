@@ -27,7 +27,7 @@ from .core.static_cache import StaticDilatedKVCache
 from .resolve import DECODE, Request, dilated_operation, resolve
 from .resolve.strategy import StaticDecodeStrategy
 
-__all__ = ["static_decode"]
+__all__ = ["decode_at", "static_decode"]
 
 _SCHEMA = (
     "(Tensor query, Tensor key, Tensor value, Tensor? key_padding_mask, Tensor positions, "
@@ -193,3 +193,28 @@ def _mask_or_none(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor
     if mask is not None:
         return mask
     return torch.zeros(like.shape[:2], dtype=torch.bool, device=like.device)
+
+
+def decode_at(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    schedule: Schedule,
+    *,
+    scale: float | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """The static step's attention over buffers someone else keeps (a transformers static
+    cache): one token per batch row, q (B, 1, H, D) at ``positions`` (B,) int, against k and v
+    (B, R, Hkv, D) holding key position ``x`` at row ``x mod R`` (the token's own already
+    written) -> out (B, 1, H, D). No host synchronization; under a tracer the operator (Note
+    [The decode step under torch.compile])."""
+    fields: dict[str, Any] = dict(
+        is_causal=True, scale=scale, backend=backend, schedule=schedule, static=True
+    )
+    request = Request.of(DECODE, q, k, v, **fields)
+    positions = positions.long()
+    if is_traced(q, k, v, positions):
+        return _traced_step(request, q, k, v, None, positions)[0]
+    return _strategy(request).run_at(q, k, v, None, positions)[0]

@@ -29,6 +29,19 @@ Note [Packed rows from transformers]
     with ``check_positions=False`` they are not read, and rows are taken as one sequence each.
     Offsets with a padding mask that hides tokens are refused.
 
+Note [Decoding with transformers' caches]
+    A decoding call of one new token per row, unpadded, holds in its keys every position up to
+    the token's (a dynamic cache), or the token's cache slots and unfilled ones after them (a
+    static cache), and its position ids say where each row is. That is the static decode step's
+    input (Note [A decode step with static shapes] in ``core/static_cache.py``) with buffers of
+    as many rows as keys, position ``x`` at row ``x``: it computes the call from the position
+    ids on the device, with no host synchronization and the same shapes at every position, so
+    ``torch.compile`` of a static-cache decoding step keeps the attention in its one graph (the
+    sliced keys of the general path read the positions on the host: a graph break per layer
+    and a new graph per length). It is taken under ``torch.compile`` and on CUDA (one launch
+    reading the slots in place); eager CPU calls keep the general path, whose per-branch calls
+    read their rows as views (Note [One call per decoded token] in ``core/decode.py``).
+
 Note [Cross-attention in encoder-decoder models]
     A decoder's cross-attention reads the encoder's keys: query positions and key positions are
     of different sequences, so dilated segments (which pair rows by position) have no meaning
@@ -219,6 +232,28 @@ def packed_documents(
     if starts <= rows:
         return None
     return sorted(starts | rows | {batch * n})
+
+
+def decodes_in_place(
+    q: torch.Tensor,
+    mask: torch.Tensor | None,
+    kwargs: dict[str, Any],
+    causal: bool,
+    dropout: float,
+) -> bool:
+    """Whether a call is one new token per row at its position ids, unpadded, which the static
+    decode step computes over the cache's keys as they are (Note [Decoding with transformers'
+    caches]): q (B, 1, H, D); ``mask`` the call's padding mask."""
+    positions = kwargs.get("position_ids")
+    if q.shape[1] != 1 or mask is not None or not causal or dropout or positions is None:
+        return False
+    if (
+        positions.dim() != 2
+        or positions.shape[-1] != 1
+        or positions.shape[0] not in (1, q.shape[0])
+    ):
+        return False
+    return torch.compiler.is_compiling() or q.is_cuda
 
 
 def unsupported_reason(module: nn.Module, keys: int, kwargs: dict[str, Any]) -> str | None:

@@ -45,6 +45,8 @@ import torch
 from torch import nn
 
 from .. import _validation as V
+from ..core.schedule import Schedule
+from ..decode_step import decode_at
 from ..functional import dilated_attention
 from . import _transformers_paths as P
 
@@ -399,6 +401,10 @@ def attention_forward(
     if documents is not None:
         packed = {**run, "is_causal": causal}
         return _packed_rows(module, (q, k, v), attention_mask, documents, reason, packed), None
+    if reason is None and P.decodes_in_place(q, attention_mask, kwargs, causal, dropout):
+        positions = kwargs["position_ids"][:, -1].expand(q.shape[0])
+        schedule = Schedule(*_layer_schedule(module))
+        return decode_at(q, k, v, positions, schedule, scale=scaling), None
     filled = _filled_keys(attention_mask, kwargs.get("position_ids"), key.shape[2], check)
     key, value = key[:, :, :filled], value[:, :, :filled]  # a static cache's unfilled slots
     if reason is not None:

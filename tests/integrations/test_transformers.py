@@ -318,3 +318,33 @@ def test_a_flattened_batch_gives_each_sequence_its_own_losses(flash_kwargs: bool
         assert (g is None) == (w is None)
         if g is not None:
             torch.testing.assert_close(g, w, atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.slow
+def test_static_cache_decoding_compiles_to_one_graph_for_every_token() -> None:
+    """A static cache's decoding step under ``torch.compile(fullgraph=True)``: the attention
+    runs the static decode step from the position ids (Note [Decoding with transformers'
+    caches]), so one graph serves every token, with the tokens of eager generation."""
+    model = dilated_hf.use_dilated_attention(_llama().float(), *SCHEDULE)
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(4))
+    want = model.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    cache = transformers.StaticCache(config=model.config, max_cache_len=48)
+    compiles = []
+
+    def counting_backend(gm: Any, example_inputs: Any) -> Any:
+        compiles.append(gm)
+        return gm.forward
+
+    def step(token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        return model(token, past_key_values=cache, position_ids=position,
+                     cache_position=position[0], use_cache=True).logits  # fmt: skip
+
+    compiled = torch.compile(step, fullgraph=True, backend=counting_backend)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        tokens = [model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)]
+        for i in range(19):
+            position = torch.full((2, 1), 11 + i)
+            tokens.append(compiled(tokens[-1], position)[:, -1:].argmax(-1))
+    assert torch.equal(torch.cat([ids, *tokens], dim=1), want)
+    assert len(compiles) == 1
