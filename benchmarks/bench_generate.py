@@ -7,15 +7,18 @@ Three parts, in one run, on CUDA when available (else the CPU):
   before ``--contexts`` tokens: multiples of every segment length, so the costliest positions,
   where each branch reads nearly its whole segment. ``dilated + cache``:
   ``dilated_attention(..., cache=DilatedKVCache)``, the cache filled with the context first,
-  each timed call appending its token (what decoding does). ``dense SDPA``:
+  each timed call appending its token (what decoding does); ``static`` / ``captured``: the
+  ``StaticDilatedKVCache`` step, eager and (CUDA) replayed from a CUDA graph, for one row and
+  for ``--batch`` rows at different positions. ``dense SDPA``:
   ``scaled_dot_product_attention`` of the token against every key of the context, already in
   (B, H, N, D) (no concatenation: generous to it). Also the cache's bytes per layer against
   the dense cache's. The first context is run once untimed before the timed rows.
 - ``prefill``: a ``--prefill-len`` prompt of the same layer through a cache in chunks of
   ``--prefill-chunk``, against one causal forward over the whole prompt.
 - ``generate``: ``LongNetLM.generate`` of the "tiny" preset (greedy) after prompts of
-  ``--prompts`` tokens: cached (the default) against recomputing the whole forward for every
-  token (what ``generate`` did before it had caches); tokens per second over the whole call.
+  ``--prompts`` tokens: cached (eager steps, and on CUDA the captured step) against
+  recomputing the whole forward for every token (what ``generate`` did before it had caches);
+  tokens per second over the whole call.
 
 Times: medians of ``--repeats`` runs (CUDA events on CUDA, ``perf_counter`` on the CPU).
 
@@ -43,7 +46,7 @@ from _timing import (
     write_record,
 )
 
-from dilated_attention import DilatedKVCache, dilated_attention
+from dilated_attention import DilatedKVCache, StaticDilatedKVCache, dilated_attention
 from dilated_attention.models import LongNetConfig, LongNetLM
 
 SEGMENTS, RATES = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
@@ -78,12 +81,60 @@ def decode_row(context: int, device: torch.device, args: argparse.Namespace) -> 
         dense_ms = _median_ms(
             lambda: F.scaled_dot_product_attention(q, k, v), device, args.warmup, args.repeats
         )
+    one = static_step_ms(context, 1, device, args)
+    many = static_step_ms(context, args.batch, device, args)
+    fastest = one.get("captured_ms", one["static_ms"])
     return {
         "part": "decode", "context": context, "dtype": str(dtype).removeprefix("torch."),
         "dilated_ms": ms, "dense_sdpa_ms": dense_ms, "dilated_vs_dense": dense_ms / ms,
+        "static_ms": one["static_ms"], "captured_ms": one.get("captured_ms"),
+        "fastest_vs_dense": dense_ms / fastest,
+        f"batch{args.batch}_over_batch1": many.get("captured_ms", many["static_ms"]) / fastest,
         "cache_mib": cache.nbytes / 2**20,
         "dense_cache_mib": 2 * context * keys[0, 0].numel() * keys.element_size() / 2**20,
     }  # fmt: skip
+
+
+def _static_cache(
+    context: int, batch: int, device: torch.device, dtype: torch.dtype, spare: int
+) -> StaticDilatedKVCache:
+    """A static cache whose buffers hold random keys, row ``b`` at position ``context - spare -
+    b`` (rows at different positions, each just before a multiple of every segment length)."""
+    cache = StaticDilatedKVCache(SEGMENTS, RATES)
+    gen = torch.Generator(device=device).manual_seed(2)
+    cache.allocate(torch.empty(batch, 1, HEADS, DIM, device=device, dtype=dtype))
+    for buffer in (cache.key, cache.value):
+        buffer.copy_(torch.randn(buffer.shape, device=device, dtype=dtype, generator=gen))
+    cache.lengths.copy_(context - spare - torch.arange(batch, device=device))
+    return cache
+
+
+def static_step_ms(
+    context: int, batch: int, device: torch.device, args: argparse.Namespace
+) -> dict[str, float]:
+    """One layer's static decode step (``StaticDilatedKVCache``) after ``context`` tokens,
+    ``batch`` rows at different positions: eager, and on CUDA replayed from a CUDA graph."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    spare = 2 * (args.warmup + args.repeats) + batch + 4
+    cache = _static_cache(context, batch, device, dtype, spare)
+    token = [torch.randn(batch, 1, HEADS, DIM, device=device, dtype=dtype) for _ in "qkv"]
+
+    def step() -> torch.Tensor:
+        return dilated_attention(*token, SEGMENTS, RATES, is_causal=True, cache=cache)
+
+    with torch.no_grad():
+        times = {"static_ms": _median_ms(step, device, args.warmup, args.repeats)}
+        if device.type == "cuda":
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            times["captured_ms"] = _median_ms(graph.replay, device, args.warmup, args.repeats)
+    return times
 
 
 def prefill_row(length: int, chunk: int, device: torch.device, args: argparse.Namespace) -> dict:
@@ -127,14 +178,21 @@ def generate_row(
                 nxt = model(out)[:, -1].argmax(-1, keepdim=True)
                 out = torch.cat([out, nxt], dim=1)
 
-    cached_ms = _median_ms(
-        lambda: model.generate(prompt, new, temperature=0), device, 1, args.generate_repeats
-    )
+    def cached(graph: bool) -> float:
+        return _median_ms(
+            lambda: model.generate(prompt, new, temperature=0, cuda_graph=graph), device, 1,
+            args.generate_repeats,
+        )  # fmt: skip
+
+    cached_ms = cached(False)
+    graph_ms = cached(True) if device.type == "cuda" else None
     recompute_ms = _median_ms(recompute, device, 1, args.generate_repeats)
+    fastest = graph_ms or cached_ms
     return {
         "part": "generate", "prompt": length, "new_tokens": new,
         "cached_tokens_per_s": new / cached_ms * 1e3,
-        "recompute_tokens_per_s": new / recompute_ms * 1e3, "speedup": recompute_ms / cached_ms,
+        "graph_tokens_per_s": None if graph_ms is None else new / graph_ms * 1e3,
+        "recompute_tokens_per_s": new / recompute_ms * 1e3, "speedup": recompute_ms / fastest,
     }  # fmt: skip
 
 
@@ -154,6 +212,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=100)
     parser.add_argument("--generate-repeats", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=8, help="rows of the batched static step")
     parser.add_argument("--out", type=Path, default=None, help=OUT_HELP)
     args = parser.parse_args()  # fmt: skip
     device = torch.device("cuda" if cuda else "cpu")
@@ -171,14 +230,19 @@ def main() -> None:
     env = environment()
     out = record_path("generate", args.out)
     decode_cols = ["context", "dtype", "dilated_ms", "dense_sdpa_ms", "dilated_vs_dense",
-                   "dilated_max_over_min", "cache_mib", "dense_cache_mib"]  # fmt: skip
-    generate_cols = ["prompt", "new_tokens", "cached_tokens_per_s", "recompute_tokens_per_s",
-                     "speedup"]  # fmt: skip
+                   "dilated_max_over_min", "static_ms", "captured_ms", "fastest_vs_dense",
+                   f"batch{args.batch}_over_batch1", "cache_mib", "dense_cache_mib"]  # fmt: skip
+    generate_cols = ["prompt", "new_tokens", "cached_tokens_per_s", "graph_tokens_per_s",
+                     "recompute_tokens_per_s", "speedup"]  # fmt: skip
     notes = (
         "decode: one layer's per-token latency after `context` tokens, dilated attention with "
         "a DilatedKVCache against dense SDPA over the whole context, and each cache's MiB; "
-        "prefill: a prompt through a cache in chunks against one causal forward over it; "
-        "generate: LongNetLM 'tiny' greedy tokens/s, cached against recomputing every step"
+        "static_ms / captured_ms: the StaticDilatedKVCache step, eager and replayed from a CUDA "
+        "graph; fastest_vs_dense: dense SDPA's time over the fastest dilated step's; "
+        f"batch{args.batch}_over_batch1: that step with {args.batch} rows at different "
+        "positions over one row; prefill: a prompt through a cache in chunks against one "
+        "causal forward over it; generate: LongNetLM 'tiny' greedy tokens/s, cached (eager "
+        "steps, and on CUDA the captured step) against recomputing every step"
     )
     prefill_cols = ["prefill_len", "chunk", "chunked_ms", "full_forward_ms", "chunked_over_full"]
     columns = ["part", "context", "prompt", *decode_cols[1:], *prefill_cols, *generate_cols[1:]]
