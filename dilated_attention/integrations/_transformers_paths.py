@@ -38,9 +38,8 @@ Note [Decoding with transformers' caches]
     ids on the device, with no host synchronization and the same shapes at every position, so
     ``torch.compile`` of a static-cache decoding step keeps the attention in its one graph (the
     sliced keys of the general path read the positions on the host: a graph break per layer
-    and a new graph per length). It is taken under ``torch.compile`` and on CUDA (one launch
-    reading the slots in place); eager CPU calls keep the general path, whose per-branch calls
-    read their rows as views (Note [One call per decoded token] in ``core/decode.py``).
+    and a new graph per length). It is taken under ``torch.compile`` without gradients (the
+    step has none); eager calls keep the general path.
 
 Note [Cross-attention in encoder-decoder models]
     A decoder's cross-attention reads the encoder's keys: query positions and key positions are
@@ -253,7 +252,7 @@ def decodes_in_place(
         or positions.shape[0] not in (1, q.shape[0])
     ):
         return False
-    return torch.compiler.is_compiling() or q.is_cuda
+    return torch.compiler.is_compiling() and not (torch.is_grad_enabled() and q.requires_grad)
 
 
 def unsupported_reason(module: nn.Module, keys: int, kwargs: dict[str, Any]) -> str | None:

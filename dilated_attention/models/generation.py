@@ -24,7 +24,7 @@ from .config import LongNetConfig
 
 __all__ = ["GenerationMixin"]
 
-#: Devices where :meth:`GenerationMixin.stream` decodes with a captured step by default.
+#: Devices where :meth:`GenerationMixin.stream` can decode with a captured step.
 GRAPH_DEVICE_TYPES = frozenset({"cuda"})
 
 
@@ -76,7 +76,7 @@ class GenerationMixin:
         top_k: int | None = None,
         generator: torch.Generator | None = None,
         stop_token: int | None = None,
-        cuda_graph: bool | None = None,
+        cuda_graph: bool = False,
     ) -> torch.Tensor | list[torch.Tensor]:
         """Sample a continuation, one token at a time: the prompt followed by what
         :meth:`stream` yields.
@@ -122,7 +122,7 @@ class GenerationMixin:
         top_k: int | None = None,
         generator: torch.Generator | None = None,
         stop_token: int | None = None,
-        cuda_graph: bool | None = None,
+        cuda_graph: bool = False,
     ) -> Iterator[torch.Tensor]:
         """Sample a continuation token by token, yielding each step's (B, 1) token ids as soon
         as they are sampled (to print or send them while generation goes on).
@@ -136,10 +136,10 @@ class GenerationMixin:
         every step instead recomputes the forward over the last ``max_seq_len`` tokens. Local
         attention only (not under ring sharding).
 
-        On CUDA the steps after the prompt decode every row at once with
+        With ``cuda_graph=True`` the steps after the prompt decode every row at once with
         :class:`~dilated_attention.StaticDilatedKVCache` caches, as one CUDA graph replayed per
-        token (Note [A captured decoding step]): the same tokens, at a fraction of the host
-        time.
+        token (Note [A captured decoding step]): the same tokens, without the host's work per
+        layer.
 
         Prompts of different lengths come as a list of 1-D token id tensors: each is sampled
         exactly as it would be alone (no padding: the rows of each length share one batch and
@@ -155,10 +155,10 @@ class GenerationMixin:
                 has produced it, its later steps are ``stop_token`` too, and the iterator ends
                 after the step where every sequence has (``None``: run ``max_new_tokens``
                 steps).
-            cuda_graph: decode with the captured step (``None``: on CUDA wherever the caches
-                decode, i.e. not when ``max_seq_len`` makes the steps recompute; ``True``
-                requires a CUDA device and decoding caches; ``False``: one eager forward per
-                step).
+            cuda_graph: decode every row at once with the captured step (needs a CUDA device
+                and decoding caches: every layer local dilated attention, and the longest
+                prompt plus ``max_new_tokens`` within ``max_seq_len``); False: one eager
+                forward per step.
 
         Yields:
             (B, 1) token ids (int64), one step at a time.
@@ -217,26 +217,25 @@ class GenerationMixin:
     def _check_cuda_graph(
         self, cuda_graph: object, groups: list[tuple[torch.Tensor, torch.Tensor]], new: int
     ) -> bool:
-        """Whether the steps run as a captured CUDA graph (``cuda_graph`` checked)."""
-        if cuda_graph is not None and not isinstance(cuda_graph, bool):
-            raise ValueError(f"cuda_graph must be True, False or None, got {cuda_graph!r}")
+        """``cuda_graph``, checked: True needs a CUDA device and decoding caches."""
+        if not isinstance(cuda_graph, bool):
+            raise ValueError(f"cuda_graph must be True or False, got {cuda_graph!r}")
+        if not cuda_graph:
+            return False
         device = groups[0][1].device
-        on_device = device.type in GRAPH_DEVICE_TYPES
-        if cuda_graph is None:
-            return on_device and self._decodes(groups, new)
-        if cuda_graph and not on_device:
+        if device.type not in GRAPH_DEVICE_TYPES:
             raise ValueError(
                 f"cuda_graph=True needs the model and prompt on a CUDA device, got {device}; "
-                f"pass cuda_graph=None (decided by the device) or False"
+                f"pass cuda_graph=False"
             )
-        if cuda_graph and not self._decodes(groups, new):
+        if not self._decodes(groups, new):
             raise ValueError(
                 f"cuda_graph=True needs decoding caches: every layer local dilated attention "
                 f"and the longest prompt plus max_new_tokens={new} within max_seq_len="
                 f"{self.config.max_seq_len} (past it every step recomputes the forward); "
-                f"pass cuda_graph=None or False, or raise max_seq_len"
+                f"pass cuda_graph=False, or raise max_seq_len"
             )
-        return cuda_graph
+        return True
 
     def _prompt_groups(self, prompt: object) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(rows, tokens)`` per prompt length: the batch rows (int64 indices) and their

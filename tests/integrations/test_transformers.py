@@ -348,24 +348,3 @@ def test_static_cache_decoding_compiles_to_one_graph_for_every_token() -> None:
             tokens.append(compiled(tokens[-1], position)[:, -1:].argmax(-1))
     assert torch.equal(torch.cat([ids, *tokens], dim=1), want)
     assert len(compiles) == 1
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_decoding_through_the_static_step_equals_the_full_forward(dtype: torch.dtype) -> None:
-    """On CUDA every unpadded decoding token runs the static decode step (Note [Decoding with
-    transformers' caches]; bfloat16 on our in-place kernel): each step's logits equal the
-    uncached forward's last row, with dynamic and static caches."""
-    model = dilated_hf.use_dilated_attention(_llama().to("cuda", dtype), *SCHEDULE)
-    ids = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(5)).cuda()
-    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.05}
-    for cache in (transformers.DynamicCache(config=model.config),
-                  transformers.StaticCache(config=model.config, max_cache_len=40)):  # fmt: skip
-        with torch.no_grad():
-            model(ids[:, :12], past_key_values=cache, use_cache=True)
-            for t in range(12, 30):
-                position = torch.full((2, 1), t, device="cuda")
-                got = model(ids[:, t : t + 1], past_key_values=cache, position_ids=position,
-                            cache_position=position[0], use_cache=True).logits[:, -1]  # fmt: skip
-                want = model(ids[:, : t + 1]).logits[:, -1]
-                torch.testing.assert_close(got.float(), want.float(), **tol)
