@@ -20,6 +20,10 @@ Three parts, in one run, on CUDA when available (else the CPU):
   recomputing the whole forward for every token (what ``generate`` did before it had caches);
   tokens per second over the whole call.
 
+- ``hf`` (with ``--hf-prompts``): time per new token of a Llama-style model decoding with a
+  static cache and a compiled step (``mode="reduce-overhead"`` on CUDA), dilated against
+  ``sdpa``.
+
 Times: medians of ``--repeats`` runs (CUDA events on CUDA, ``perf_counter`` on the CPU).
 
     python benchmarks/bench_generate.py  # -> benchmarks/results/generate_<device>.{json,md}
@@ -196,6 +200,61 @@ def generate_row(
     }  # fmt: skip
 
 
+def hf_rows(device: torch.device, args: argparse.Namespace) -> list[dict]:
+    """Time per new token of a Llama-style model (``--hf-layers`` layers, hidden 2048, 16 query
+    and 4 key/value heads of 128) decoding with a static cache and a compiled step, through
+    ``use_dilated_attention`` (the LongNet schedule) and on ``sdpa``, after prompts of
+    ``--hf-prompts`` tokens. Empty without ``transformers`` or without ``--hf-prompts``."""
+    try:
+        import transformers
+    except ImportError:
+        return []
+    from dilated_attention.integrations.transformers import use_dilated_attention
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = []
+    for prompt_len in args.hf_prompts:
+        config = transformers.LlamaConfig(
+            vocab_size=32000, hidden_size=args.hf_hidden, intermediate_size=4 * args.hf_hidden,
+            num_hidden_layers=args.hf_layers, num_attention_heads=16, num_key_value_heads=4,
+            head_dim=args.hf_hidden // 16, max_position_embeddings=prompt_len + 64,
+            attn_implementation="sdpa",
+        )  # fmt: skip
+        torch.manual_seed(0)
+        base = transformers.LlamaForCausalLM(config).to(device, dtype).eval()
+        prompt = torch.randint(0, 32000, (1, prompt_len), device=device)
+        row: dict = {"part": "hf", "prompt": prompt_len, "layers": args.hf_layers}
+        row["sdpa_ms"] = _hf_step_ms(base, prompt, device, args)
+        model = use_dilated_attention(base, SEGMENTS, RATES)
+        row["dilated_ms"] = _hf_step_ms(model, prompt, device, args)
+        row["dilated_vs_sdpa"] = row["sdpa_ms"] / row["dilated_ms"]
+        rows.append(row)
+    return rows
+
+
+def _hf_step_ms(
+    model: torch.nn.Module, prompt: torch.Tensor, device: torch.device, args: argparse.Namespace
+) -> float:
+    """ms of one compiled decoding step of a transformers ``model`` with a static cache after
+    ``prompt`` (1, N) (the same position every call: the step's cost, not the cache's growth)."""
+    import transformers
+
+    length = prompt.shape[1]
+    cache = transformers.StaticCache(config=model.config, max_cache_len=length + 32)
+    with torch.no_grad():
+        token = model(prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    position = torch.full((1, 1), length, device=device)
+
+    def step() -> torch.Tensor:
+        return model(token, past_key_values=cache, position_ids=position,
+                     cache_position=position[0], use_cache=True).logits  # fmt: skip
+
+    mode = "reduce-overhead" if device.type == "cuda" else "default"
+    compiled = torch.compile(step, mode=mode, fullgraph=True)
+    with torch.no_grad():
+        return _median_ms(compiled, device, 3, args.hf_repeats)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     cuda = torch.cuda.is_available()
@@ -213,6 +272,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=100)
     parser.add_argument("--generate-repeats", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8, help="rows of the batched static step")
+    parser.add_argument("--hf-prompts", type=int, nargs="*", default=[])
+    parser.add_argument("--hf-layers", type=int, default=4)
+    parser.add_argument("--hf-hidden", type=int, default=2048)
+    parser.add_argument("--hf-repeats", type=int, default=20)
     parser.add_argument("--out", type=Path, default=None, help=OUT_HELP)
     args = parser.parse_args()  # fmt: skip
     device = torch.device("cuda" if cuda else "cpu")
@@ -227,6 +290,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = LongNetLM(LongNetConfig.from_preset("tiny")).to(device).eval()
     rows += [generate_row(model, length, device, args) for length in args.prompts]
+    rows += hf_rows(device, args)
     env = environment()
     out = record_path("generate", args.out)
     decode_cols = ["context", "dtype", "dilated_ms", "dense_sdpa_ms", "dilated_vs_dense",
@@ -245,7 +309,9 @@ def main() -> None:
         "steps, and on CUDA the captured step) against recomputing every step"
     )
     prefill_cols = ["prefill_len", "chunk", "chunked_ms", "full_forward_ms", "chunked_over_full"]
-    columns = ["part", "context", "prompt", *decode_cols[1:], *prefill_cols, *generate_cols[1:]]
+    hf_cols = ["prompt", "layers", "sdpa_ms", "dilated_ms", "dilated_vs_sdpa"]
+    columns = ["part", "context", "prompt", *decode_cols[1:], *prefill_cols, *generate_cols[1:],
+               *hf_cols[1:]]  # fmt: skip
     write_record(out.with_suffix(".json"), env, rows, columns=columns, notes=notes)
     table = (
         record_header(env)
@@ -255,6 +321,8 @@ def main() -> None:
         + "\n\n"
         + markdown_table([r for r in rows if r["part"] == "generate"], generate_cols)
     )
+    if any(r["part"] == "hf" for r in rows):
+        table += "\n\n" + markdown_table([r for r in rows if r["part"] == "hf"], hf_cols)
     out.with_suffix(".md").write_text(table + "\n")
     print(table)
 
