@@ -54,7 +54,42 @@ from .. import _validation as V
 MIN_SPARE_ROWS = 16
 
 
-class DilatedKVCache:
+class LayerCache:
+    """What every decoding cache holds: one layer's schedule and the most tokens it takes.
+
+    Args:
+        segment_lengths: the layer's ``w`` per branch.
+        dilation_rates: the layer's ``r`` per branch.
+        max_length: the most tokens this cache will take (``None``: no limit).
+
+    Raises:
+        ValueError: a bad schedule or ``max_length``.
+    """
+
+    def __init__(
+        self,
+        segment_lengths: list[int] | tuple[int, ...],
+        dilation_rates: list[int] | tuple[int, ...],
+        *,
+        max_length: int | None = None,
+    ) -> None:
+        segs, rates = V.check_branches(segment_lengths, dilation_rates)
+        self.segment_lengths, self.dilation_rates = segs, rates
+        if max_length is not None:
+            max_length = V.check_positive_int("max_length", max_length)
+        self.max_length = max_length
+
+    def check_schedule(self, segments: tuple[int, ...], rates: tuple[int, ...]) -> None:
+        """Raise ``ValueError`` unless ``segments`` / ``rates`` are this cache's layer's."""
+        if (segments, rates) != (self.segment_lengths, self.dilation_rates):
+            raise ValueError(
+                f"cache holds a layer with segment_lengths={list(self.segment_lengths)}, "
+                f"dilation_rates={list(self.dilation_rates)}, got segment_lengths="
+                f"{list(segments)}, dilation_rates={list(rates)}; use one cache per layer"
+            )
+
+
+class DilatedKVCache(LayerCache):
     """Keys and values of one causal dilated attention layer, for decoding.
 
     Pass it as ``cache=`` to :func:`dilated_attention.dilated_attention` with the new tokens'
@@ -86,12 +121,8 @@ class DilatedKVCache:
         *,
         max_length: int | None = None,
     ) -> None:
-        segs, rates = V.check_branches(segment_lengths, dilation_rates)
-        self.segment_lengths, self.dilation_rates = segs, rates
-        if max_length is not None:
-            max_length = V.check_positive_int("max_length", max_length)
-        self.max_length = max_length
-        self.headroom = max(64, max(segs) // 8)
+        super().__init__(segment_lengths, dilation_rates, max_length=max_length)
+        self.headroom = max(64, max(self.segment_lengths) // 8)
         self.length = 0
         self.start = 0
         # Held rows are buffer[:, _lo:_hi] (Note [Bounded dilated cache]); _owned: the buffers
@@ -141,12 +172,7 @@ class DilatedKVCache:
         """Raise ``ValueError`` if ``key`` (B, n, Hkv, D) or the schedule cannot extend this
         cache: another layer's schedule, batch size, key/value heads, head dim, dtype or
         device, more tokens than ``max_length``, or rows no memory of the device holds."""
-        if (segments, rates) != (self.segment_lengths, self.dilation_rates):
-            raise ValueError(
-                f"cache holds a layer with segment_lengths={list(self.segment_lengths)}, "
-                f"dilation_rates={list(self.dilation_rates)}, got segment_lengths="
-                f"{list(segments)}, dilation_rates={list(rates)}; use one cache per layer"
-            )
+        self.check_schedule(segments, rates)
         if self.max_length is not None and self.length + key.shape[1] > self.max_length:
             raise ValueError(
                 f"the cache was made for max_length={self.max_length} tokens and holds "

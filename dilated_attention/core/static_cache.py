@@ -38,11 +38,10 @@ from __future__ import annotations
 import torch
 
 from .. import _validation as V
-from .kv_cache import device_memory
-from .segment import effective_branches
+from .kv_cache import LayerCache, device_memory
 
 
-class StaticDilatedKVCache:
+class StaticDilatedKVCache(LayerCache):
     """Keys and values of one causal dilated attention layer in fixed buffers, for decoding
     with static shapes (Note [A decode step with static shapes]).
 
@@ -75,23 +74,13 @@ class StaticDilatedKVCache:
         *,
         max_length: int | None = None,
     ) -> None:
-        segs, rates = V.check_branches(segment_lengths, dilation_rates)
-        self.segment_lengths, self.dilation_rates = segs, rates
-        if max_length is not None:
-            max_length = V.check_positive_int("max_length", max_length)
-        self.max_length = max_length
-        self.ring_rows = max(segs) if max_length is None else min(max(segs), max_length)
+        super().__init__(segment_lengths, dilation_rates, max_length=max_length)
+        longest = max(self.segment_lengths)
+        self.ring_rows = longest if max_length is None else min(longest, max_length)
         self.key: torch.Tensor | None = None
         self.value: torch.Tensor | None = None
         self.key_padding_mask: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None
-
-    def branches(self, num_heads: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The schedule every step reads: its effective branches over ``ring_rows`` positions
-        (Note [Effective branches])."""
-        return effective_branches(
-            self.ring_rows, num_heads, self.segment_lengths, self.dilation_rates
-        )
 
     @property
     def nbytes(self) -> int:
@@ -104,12 +93,7 @@ class StaticDilatedKVCache:
         cache: another layer's schedule, or (once the buffers exist) another batch size,
         key/value heads, head dim, dtype or device; or buffers no memory of the device holds.
         Shapes only: no synchronization."""
-        if (segments, rates) != (self.segment_lengths, self.dilation_rates):
-            raise ValueError(
-                f"cache holds a layer with segment_lengths={list(self.segment_lengths)}, "
-                f"dilation_rates={list(self.dilation_rates)}, got segment_lengths="
-                f"{list(segments)}, dilation_rates={list(rates)}; use one cache per layer"
-            )
+        self.check_schedule(segments, rates)
         if self.key is None:
             if not torch.compiler.is_compiling():  # a traced prompt is refused after this
                 self._check_memory(key)
