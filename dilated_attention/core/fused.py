@@ -255,6 +255,7 @@ def fused_forward(
     out_dtype: torch.dtype | None = None,
     extra: ForwardExtra | None = None,
     documents: tuple[int, ...] | None = None,
+    first_head: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every branch merged (LongNet Eq. 10), group by group (Note [Fused branch engine]).
 
@@ -266,6 +267,7 @@ def fused_forward(
         extra: merges more results into the float32 running values (Note [Fused branch engine]).
         documents: packed documents' offsets (B = 1; Note [Packed documents in the fused
             engine]), or None.
+        first_head: the layer head that q's head 0 is (Note [Heads from a later layer head]).
 
     Returns:
         ``out`` (B, N, H, D) and ``lse`` (B, H, N) float32 (``-inf`` where no key).
@@ -284,8 +286,9 @@ def fused_forward(
     for start, end, spans in _spans(seq_len, branches, min_group_positions, documents, q.device):
         if len(branches) == 1 and extra is None:
             backend.forward_branch(
-                q, k, v, out, lse, key_mask, spans[0], out_row0=0, merge=False, **options
-            )
+                q, k, v, out, lse, key_mask, spans[0], out_row0=0, merge=False,
+                head0=first_head, **options,
+            )  # fmt: skip
             continue
         groups = head_groups(heads, kv_group, end - start, seq_len, min_group_positions, allowance)
         for h0, h1 in groups:
@@ -302,12 +305,13 @@ def fused_forward(
                         extra(acc, lse, start, end, h0, h1)
                     backend.forward_branch(
                         *qkv, out[:, :, h0:h1], lse_heads, key_mask, span, out_row0=0,
-                        merge=True, head0=h0, merge_from=acc, merge_row0=start, **options,
+                        merge=True, head0=first_head + h0, merge_from=acc, merge_row0=start,
+                        **options,
                     )  # fmt: skip
                 else:
                     backend.forward_branch(
                         *qkv, acc, lse_heads, key_mask, span, out_row0=start,
-                        merge=i > 0 or not covers_all, head0=h0, **options,
+                        merge=i > 0 or not covers_all, head0=first_head + h0, **options,
                     )  # fmt: skip
             if not covers_all:
                 if extra is not None:
@@ -334,6 +338,7 @@ def fused_backward(
     grad_dtype: torch.dtype | None = None,
     extra: BackwardExtra | None = None,
     documents: tuple[int, ...] | None = None,
+    first_head: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact gradients of :func:`fused_forward` with the merged ``out`` and ``lse``.
 
@@ -342,6 +347,7 @@ def fused_backward(
         grad_dtype: dtype of the gradients (default the inputs'; float32 where more add in).
         extra: adds more gradients into the float32 scratch (Note [Fused branch engine]).
         documents: packed documents' offsets, as in :func:`fused_forward`.
+        first_head: as in :func:`fused_forward`.
 
     Returns:
         ``(dq, dk, dv)`` shaped like ``(q, k, v)``.
@@ -362,7 +368,7 @@ def fused_backward(
         if single:
             backend.backward_branch(
                 dout, q, k, v, lse, delta, key_mask, dq, dk, dv, spans[0],
-                delta_row0=start, grad_row0=0, accumulate=False, **options,
+                delta_row0=start, grad_row0=0, accumulate=False, head0=first_head, **options,
             )  # fmt: skip
             continue
         rows = end - start
@@ -380,7 +386,8 @@ def fused_backward(
             for i, span in enumerate(spans):
                 backend.backward_branch(
                     *inputs, key_mask, dq_acc, dk_acc, dv_acc, span, delta_row0=start,
-                    grad_row0=start, accumulate=i > 0 or not covers_all, head0=h0, **options,
+                    grad_row0=start, accumulate=i > 0 or not covers_all,
+                    head0=first_head + h0, **options,
                 )  # fmt: skip
             if extra is not None:
                 extra(dq_acc, dk_acc, dv_acc, start, end, h0, h1)
@@ -447,20 +454,22 @@ class FusedRunner:
     """The dilated registry's plan kernel as a :class:`~dilated_attention.core.autograd.Runner`:
     :func:`fused_forward` / :func:`fused_backward` over ``branches`` ((w, r) pairs); under
     ``create_graph=True`` the recompute over the branches' row groups (Note [Double
-    backward]). ``documents``: packed documents' offsets, or None."""
+    backward]). ``documents``: packed documents' offsets, or None; ``first_head``: the layer
+    head that q's head 0 is (Note [Heads from a later layer head])."""
 
     branches: tuple[tuple[int, int], ...]
     backend: FusedBackend
     is_causal: bool
     scale: float
     documents: tuple[int, ...] | None = None
+    first_head: int = 0
     first_order_message = ""  # every call has its differentiable recompute
 
     def forward(self, x: Inputs) -> Forward:
         q, k, v, key_padding_mask = x
         out, lse = fused_forward(
             q, k, v, key_padding_mask, self.branches, self.backend, is_causal=self.is_causal,
-            scale=self.scale, documents=self.documents,
+            scale=self.scale, documents=self.documents, first_head=self.first_head,
         )  # fmt: skip
         return Forward(out, lse, saved=(k, v, key_padding_mask))
 
@@ -470,6 +479,7 @@ class FusedRunner:
         return fused_backward(
             dout.contiguous(), q, k, v, out, lse, key_padding_mask, self.branches, self.backend,
             is_causal=self.is_causal, scale=self.scale, documents=self.documents,
+            first_head=self.first_head,
         )  # fmt: skip
 
     def differentiable_backward(self, b: Backward) -> Grads:
@@ -477,7 +487,7 @@ class FusedRunner:
         k, v, key_padding_mask = saved
         segs, rates = zip(*self.branches, strict=True)
         if self.documents is None:
-            plan = plan_branches(q.shape[1], q.shape[2], segs, rates)
+            plan = plan_branches(q.shape[1], q.shape[2], segs, rates, self.first_head)
         else:
             plan = document_groups(self.documents, q.shape[2], segs, rates)
         calls = [

@@ -12,6 +12,18 @@ Note [One schedule object]
     the local ones, whose segments each lie inside one rank's chunk, and the spanning ones
     (Note [Local and spanning branches] in ``distributed/ring_dilated.py``), also once.
 
+Note [Heads from a later layer head]
+    A call may hold a slice of a layer's heads: after a head all-to-all (Note [Head
+    all-to-all] in ``distributed/ulysses.py``) a rank computes the layer's heads ``j0 .. j0 +
+    H - 1``, and head ``h`` of the call must keep the layer head's offset ``(j0 + h) mod r``.
+    The layout then takes ``first_head = j0``: the effective rates are clipped for the layer's
+    ``j0 + H`` heads (a rate at or above them leaves every head its own offset), and the row
+    groups carry the shifted offsets, which the gathered calls read (:meth:`RowGroup.index`)
+    and our fused kernels take as the launch's first head. Strided views and branch slots lay
+    head ``h`` at offset ``h mod r``, so a shifted layout gathers its rows instead
+    (``not_strided_reason``). Where ``j0`` is a multiple of every rate nothing moves, and the
+    layout is the unshifted one.
+
 Shape legend: N positions, H query heads, Hkv key/value heads.
 """
 
@@ -38,6 +50,7 @@ class ScheduleLayout:
         dilation_rates: the effective rates.
         groups: the row groups of the effective branches.
         not_slotted: why the branches cannot write into slots merged once (None: they can).
+        first_head: the layer head that head 0 is, where that moves any head's offset (else 0).
     """
 
     seq_len: int
@@ -47,6 +60,7 @@ class ScheduleLayout:
     dilation_rates: tuple[int, ...]
     groups: tuple[RowGroup, ...]
     not_slotted: str | None
+    first_head: int = 0
 
     @property
     def in_slots(self) -> bool:
@@ -91,6 +105,7 @@ class ShardedBranches:
     spanning: tuple[tuple[int, int], ...]
     groups: tuple[RowGroup, ...]
     not_slotted: str | None
+    first_head: int = 0
 
     @property
     def in_slots(self) -> bool:
@@ -114,9 +129,12 @@ class Schedule:
         object.__setattr__(self, "segment_lengths", segs)
         object.__setattr__(self, "dilation_rates", rates)
 
-    def at(self, seq_len: int, num_heads: int, num_kv_heads: int) -> ScheduleLayout:
-        """The geometry over ``seq_len`` positions with these head counts (cached)."""
-        return _layout(self, seq_len, num_heads, num_kv_heads)
+    def at(
+        self, seq_len: int, num_heads: int, num_kv_heads: int, first_head: int = 0
+    ) -> ScheduleLayout:
+        """The geometry over ``seq_len`` positions with these head counts (cached);
+        ``first_head``: the layer head that head 0 is (Note [Heads from a later layer head])."""
+        return _layout(self, seq_len, num_heads, num_kv_heads, first_head)
 
     def __str__(self) -> str:
         return (
@@ -126,11 +144,15 @@ class Schedule:
 
 
 @functools.lru_cache(maxsize=256)
-def _layout(schedule: Schedule, seq_len: int, num_heads: int, num_kv_heads: int) -> ScheduleLayout:
+def _layout(
+    schedule: Schedule, seq_len: int, num_heads: int, num_kv_heads: int, first_head: int
+) -> ScheduleLayout:
     segs, rates = effective_branches(
-        seq_len, num_heads, schedule.segment_lengths, schedule.dilation_rates
+        seq_len, first_head + num_heads, schedule.segment_lengths, schedule.dilation_rates
     )
-    groups = plan_branches(seq_len, num_heads, segs, rates)
+    if all(first_head % r == 0 for r in rates):  # every head keeps its offset h mod r
+        first_head = 0
+    groups = plan_branches(seq_len, num_heads, segs, rates, first_head)
     return ScheduleLayout(
         seq_len=seq_len,
         num_heads=num_heads,
@@ -139,6 +161,7 @@ def _layout(schedule: Schedule, seq_len: int, num_heads: int, num_kv_heads: int)
         dilation_rates=rates,
         groups=groups,
         not_slotted=not_slotted_reason(groups, seq_len, num_kv_heads),
+        first_head=first_head,
     )
 
 

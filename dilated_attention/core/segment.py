@@ -81,7 +81,11 @@ class RowGroup:
 
 @functools.lru_cache(maxsize=256)
 def plan_branches(
-    seq_len: int, num_heads: int, segment_lengths: tuple[int, ...], dilation_rates: tuple[int, ...]
+    seq_len: int,
+    num_heads: int,
+    segment_lengths: tuple[int, ...],
+    dilation_rates: tuple[int, ...],
+    first_head: int = 0,
 ) -> tuple[RowGroup, ...]:
     """Every branch's row groups for a sequence (see Note [Row groups]).
 
@@ -90,6 +94,8 @@ def plan_branches(
         num_heads: H (query heads).
         segment_lengths: w per branch; ``w > N`` means one segment of length N.
         dilation_rates: r per branch.
+        first_head: the layer head that head 0 is (a call on a slice of the layer's heads, as
+            after a head all-to-all): head ``h`` has offset ``(first_head + h) mod r``.
 
     Returns:
         Row groups in branch order; groups of one branch cover disjoint (position, head) pairs.
@@ -104,7 +110,7 @@ def plan_branches(
         for start, count, length in runs:
             by_rows: dict[int, list[int]] = {}
             for head in range(num_heads):
-                offset = head % rate
+                offset = (first_head + head) % rate
                 if offset < length:
                     by_rows.setdefault(-(-(length - offset) // rate), []).append(head)
             for rows, heads in sorted(by_rows.items(), reverse=True):
@@ -115,7 +121,7 @@ def plan_branches(
                         segment_len=length,
                         rate=rate,
                         heads=tuple(heads),
-                        offsets=tuple(h % rate for h in heads),
+                        offsets=tuple((first_head + h) % rate for h in heads),
                         rows=rows,
                         num_heads=num_heads,
                         branch=branch,
@@ -360,6 +366,8 @@ def not_strided_reason(group: RowGroup, num_kv_heads: int) -> str | None:
     rate, heads = group.rate, group.num_heads
     if rate == 1:
         return "rate 1: whole segments (views only when every head reads them)"
+    if group.offsets != tuple(h % rate for h in group.heads):
+        return "the call's heads start at a layer head whose offset is not 0: rows gathered"
     offsets = sorted(set(group.offsets))
     if any(kv_head_slice(s, rate, heads, num_kv_heads) is None for s in offsets):
         return (

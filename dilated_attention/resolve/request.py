@@ -59,6 +59,9 @@ class Request:
         static: ``"decode"`` of one token per batch row at positions given as a tensor, the
             keys being a static cache's ``key_len`` buffer rows (Note [A decode step with
             static shapes] in ``core/static_cache.py``).
+        first_head: ``"dilated"``: the layer head that the call's head 0 is, the call holding
+            a slice of the layer's heads (Note [Heads from a later layer head] in
+            ``core/schedule.py``).
     """
 
     operation: str
@@ -84,6 +87,7 @@ class Request:
     shard: tuple[int, int] | None = None
     documents: tuple[int, ...] | None = None
     static: bool = False
+    first_head: int = 0
 
     @classmethod
     def of(

@@ -82,6 +82,14 @@ def resolve(request: Request) -> Strategy:
     """
     if request.operation not in _RESOLVERS:
         raise ValueError(f"operation must be one of {OPERATIONS}, got {request.operation!r}")
+    sliced = request.first_head != 0
+    if sliced and (request.operation != DILATED or request.documents or request.shard):
+        raise ValueError(
+            f"first_head={request.first_head}: a call on a slice of a layer's heads is "
+            f"dilated attention over one sequence per row only, got a {request.operation} call"
+            f"{' on packed documents' if request.documents else ''}"
+            f"{' over a sharded sequence' if request.shard else ''}"
+        )
     return _RESOLVERS[request.operation](request)
 
 
@@ -135,14 +143,17 @@ def _dilated(request: Request) -> Strategy:
             request, schedule.segment_lengths, schedule.dilation_rates, DILATED_REGISTRY,
             "dilated_attention",
         )  # fmt: skip
-    layout = request.schedule.at(request.query_len, request.num_heads, request.num_kv_heads)
+    layout = request.schedule.at(
+        request.query_len, request.num_heads, request.num_kv_heads, request.first_head
+    )
     inputs = _kernel_inputs(request, branch_slots=layout.in_slots)
     kernel = registry_for(DILATED_REGISTRY).select(inputs, request.backend)
     if kernel.runs_plan:  # the fused kernels run every branch themselves (core/fused.py)
         notes = fused_notes(kernel.backend.name, layout.branches)
         return FusedStrategy(
-            request, kernel, DILATED_REGISTRY, inputs, _summary(kernel), notes, layout.branches
-        )
+            request, kernel, DILATED_REGISTRY, inputs, _summary(kernel), notes, layout.branches,
+            layout.first_head,
+        )  # fmt: skip
     strided, writes = kernel.backend.reads_strided_rows, kernel.backend.writes_into
     hkv, causal = request.num_kv_heads, request.is_causal
     branches = branch_plan(

@@ -227,9 +227,12 @@ class FusedStrategy(Strategy):
 
     Attributes:
         branches: the effective ``(w, r)`` pairs.
+        first_head: the layer head that the call's head 0 is (Note [Heads from a later layer
+            head] in ``core/schedule.py``).
     """
 
     branches: tuple[tuple[int, int], ...] = ()
+    first_head: int = 0
 
     def _run(self, q, k, v, key_padding_mask):  # type: ignore[no-untyped-def]
         assert self.kernel is not None
@@ -242,8 +245,9 @@ class FusedStrategy(Strategy):
             documents=r.documents,
         )  # fmt: skip
         runner = FusedRunner(
-            self.branches, backend, r.is_causal, r.softmax_scale, r.documents  # type: ignore[arg-type]
-        )
+            self.branches, backend, r.is_causal, r.softmax_scale, r.documents,  # type: ignore[arg-type]
+            self.first_head,
+        )  # fmt: skip
         return run_attention(q, k, v, key_padding_mask, runner)
 
 
