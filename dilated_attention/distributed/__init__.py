@@ -9,6 +9,8 @@ never reaches a call (it raised in its own code and goes on) leaves the others w
 process group's timeout: pass ``init_process_group(timeout=...)`` (docs/ring.md, "Timeouts").
 """
 
+from .block_sparse_ring import block_sparse_ring_attention
+from .context import ContextParallel
 from .modules import RingAttention, RingDilatedAttention, RingMultiheadDilatedAttention
 from .packed_ring import RingLoad, ring_load
 from .ring import ring_attention
@@ -16,10 +18,12 @@ from .ring_dilated import ring_dilated_attention
 from .sharding import sequence_positions, shard_sequence, unshard_sequence
 
 __all__ = [
+    "ContextParallel",
     "RingAttention",
     "RingDilatedAttention",
     "RingLoad",
     "RingMultiheadDilatedAttention",
+    "block_sparse_ring_attention",
     "ring_attention",
     "ring_dilated_attention",
     "ring_load",

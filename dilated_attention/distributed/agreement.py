@@ -7,6 +7,7 @@ Shape legend: B batch, n local tokens, H query heads, Hkv key/value heads, D hea
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from ..core.schedule import Schedule
 from ..core.schedule_state import describe_schedule, dilated_schedule
 from ..resolve import DENSE, DILATED, Request, resolve
 from ._comm import check_same_on_all_ranks, global_rank, group_rank_and_size
+from .context import HEAD_FIELDS, ContextParallel
 from .sharding import check_layout, chunks_per_rank
 from .template import RingSetup
 
@@ -229,15 +231,25 @@ def prepare_ring(call: RingArgs, op: RingOperation | None = None) -> PreparedRin
     return PreparedRing(q, k, v, setup, kernel, checked.schedule)
 
 
-def reject_ring_call(error: Exception, group: dist.ProcessGroup | None) -> NoReturn:
+def reject_ring_call(
+    error: Exception, group: dist.ProcessGroup | ContextParallel | None
+) -> NoReturn:
     """Take part in a ring call's agreement (:func:`prepare_ring`) with this rank's ``error``,
     then raise it: for a caller whose own checks rejected this rank's call before the ring
     function was reached, so that the peers already waiting in the agreement raise too instead of
-    waiting until the process group's timeout.
+    waiting until the process group's timeout. Under a :class:`ContextParallel` the head group's
+    agreement comes first (Note [Calls under a head all-to-all]), then the ring's.
 
     Raises:
         Exception: ``error`` on this rank (peers raise ``ValueError`` naming this rank).
     """
+    if isinstance(group, ContextParallel):
+        if group.heads is not None:
+            with contextlib.suppress(Exception):  # this rank's own error is raised below
+                check_same_on_all_ranks([0] * len(HEAD_FIELDS), HEAD_FIELDS, group.heads, error)
+        if group.ring is None:
+            raise error
+        group = group.ring
     names = _field_names(_DILATED_SCHEDULE)
     check_same_on_all_ranks([0] * len(names), names, group, error)
     raise error  # not reached: check_same_on_all_ranks raises the local error

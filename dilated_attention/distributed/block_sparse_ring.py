@@ -56,6 +56,7 @@ from ..core.autograd import run_attention
 from ..core.executor import empty_attention
 from ..core.higher_order import ring_message
 from ..core.schedule_state import block_sparse_schedule, describe_schedule
+from ..functional import block_sparse_attention
 from ..modules import (
     BlockSparseAttention,
     BlockSparseMultiheadAttention,
@@ -64,10 +65,12 @@ from ..modules import (
 from ..patterns import Pattern, check_pattern
 from . import _comm
 from .agreement import AgreedForward, RingArgs, RingOperation, prepare_ring, reject_ring_call
+from .context import ContextParallel, no_documents
 from .exchange import ExchangeStep, SparseSteps, exchange_steps
 from .modules import RingModule
 from .packed_ring import packed_ring
 from .template import RingRunner, StepKernel
+from .ulysses import split_call
 
 __all__ = [
     "BlockSparseRingAttention",
@@ -127,7 +130,7 @@ def block_sparse_ring_attention(
     pattern: Pattern,
     *,
     block_size: int = 128,
-    group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | ContextParallel | None = None,
     is_causal: bool = False,
     scale: float | None = None,
     backend: str | None = None,
@@ -164,6 +167,20 @@ def block_sparse_ring_attention(
             malformed or differ between ranks (shapes, options, grad mode, pattern, block_size;
             as in ``ring_attention``).
     """
+    if isinstance(group, ContextParallel):
+        no_documents(cu_seqlens)
+        options = dict(block_size=block_size, is_causal=is_causal, scale=scale, backend=backend,
+                       return_lse=True)  # fmt: skip
+
+        def local(q, k, v, mask, first):  # type: ignore[no-untyped-def]
+            return block_sparse_attention(q, k, v, pattern, **options)
+
+        def ring(ring_group, q, k, v, mask, first):  # type: ignore[no-untyped-def]
+            return block_sparse_ring_attention(q, k, v, pattern, group=ring_group, **options)
+
+        out, lse = split_call(group, 1, query, key, value, None, local=local, ring=ring,
+                              what="block_sparse_ring_attention")  # fmt: skip
+        return (out, lse) if return_lse else out
     args = RingArgs(query, key, value, group=group, is_causal=is_causal, scale=scale,
                     backend=backend)  # fmt: skip
     if cu_seqlens is not None:

@@ -40,6 +40,7 @@ from ..core.schedule import Schedule
 from ..patterns import Pattern, check_pattern
 from ._comm import group_rank_and_size
 from .agreement import RingArgs, RingOperation, prepare_ring
+from .context import ContextParallel, no_documents
 from .exchange import ExchangeStep, SparseSteps, exchange_steps
 from .template import RingRunner, StepKernel
 
@@ -312,6 +313,8 @@ def shard_offsets(cu_seqlens: object, shard: torch.Tensor, group: Any = None) ->
     Raises:
         ValueError / TypeError: more than one row, or malformed offsets.
     """
+    if isinstance(group, ContextParallel):
+        no_documents(cu_seqlens)
     if shard.shape[0] != 1:
         raise ValueError(
             f"cu_seqlens in a ring layer takes one packed row: a shard of shape (1, n, ...), got "

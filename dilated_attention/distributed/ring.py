@@ -33,10 +33,12 @@ from ..core.calls import SliceCall
 from ..core.executor import empty_attention
 from ..core.hidden import hide_masked_keys
 from ..core.higher_order import ring_message
+from ..functional import attention
 from ._comm import exchange, ring_all_gather
 from .agreement import COMMS, RingArgs, prepare_ring
+from .context import ContextParallel, no_documents
 from .packed_ring import packed_ring
-from .sharding import chunks_of
+from .sharding import check_layout, chunks_of, chunks_per_rank
 from .template import (
     KeyBlock,
     Part,
@@ -47,6 +49,7 @@ from .template import (
     Traffic,
     Transit,
 )
+from .ulysses import split_call
 
 __all__ = ["COMMS", "DenseSteps", "plan_block", "ring_attention"]
 
@@ -273,7 +276,7 @@ def ring_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     *,
-    group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | ContextParallel | None = None,
     is_causal: bool = False,
     scale: float | None = None,
     layout: str = "contiguous",
@@ -289,7 +292,8 @@ def ring_attention(
         query: (B, n, H, D) this rank's shard (``n = N / W``; see ``shard_sequence``).
         key: (B, n, Hkv, D).
         value: (B, n, Hkv, D).
-        group: the process group (default: the world).
+        group: the process group (default: the world), or a :class:`ContextParallel` (a ring
+            group and/or a head all-to-all group, Note [Context parallel groups]).
         is_causal: causal over global positions.
         scale: softmax scale; ``None`` means ``D ** -0.5``.
         layout: ``"contiguous"`` or ``"zigzag"`` (causal only), as the shards were made.
@@ -317,6 +321,19 @@ def ring_attention(
             leaves the others waiting until the process group's timeout: set one
             (``init_process_group(timeout=...)``, docs/ring.md).
     """
+    if isinstance(group, ContextParallel):
+        options = dict(is_causal=is_causal, scale=scale, backend=backend, return_lse=True)
+        ring = functools.partial(_ring_shard, layout=layout, comm=comm, **options)
+
+        def local(q, k, v, mask, first):  # type: ignore[no-untyped-def]
+            return attention(q, k, v, key_padding_mask=mask, **options)
+
+        no_documents(cu_seqlens)
+        out, lse = split_call(
+            group, chunks_per_rank(check_layout(layout)), query, key, value, key_padding_mask,
+            local=local, ring=ring, what="ring_attention",
+        )  # fmt: skip
+        return (out, lse) if return_lse else out
     args = RingArgs(
         query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
         backend=backend, comm=comm, key_padding_mask=key_padding_mask,
@@ -335,3 +352,8 @@ def ring_attention(
         runner = RingRunner(DenseSteps(ring.setup), kernel, message)
         out, lse = run_attention(q, k, v, key_padding_mask, runner)
     return (out, lse) if return_lse else out
+
+
+def _ring_shard(group, q, k, v, mask, first, **options):  # type: ignore[no-untyped-def]
+    """:func:`ring_attention` over the ring group of a context-parallel call."""
+    return ring_attention(q, k, v, group=group, key_padding_mask=mask, **options)

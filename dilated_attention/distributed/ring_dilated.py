@@ -42,7 +42,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..backends.registry import Selection
+from .. import _validation as V
+from ..backends.registry import Selection, check_backend_name
 from ..compiled import eager_only
 from ..core.autograd import Backward, FirstOrderOnly, Forward, Grads, Inputs, run_attention
 from ..core.call_runs import accumulator_dtype, row_lse
@@ -52,9 +53,10 @@ from ..core.fused import fused_backward, fused_forward
 from ..core.hidden import hide_masked_keys
 from ..core.higher_order import ring_message
 from ..core.schedule import Schedule
-from ..resolve import DILATED
+from ..resolve import DILATED, Request, execute
 from ._comm import exchange
 from .agreement import RingArgs, RingOperation, prepare_ring
+from .context import ContextParallel, HeadSplit, no_documents
 from .dilated_plan import (
     CompactCall,
     DilatedRingPlan,
@@ -64,6 +66,7 @@ from .dilated_plan import (
     plan_ring_dilated,
 )
 from .packed_ring import packed_ring
+from .sharding import check_layout, chunks_per_rank
 from .template import (
     KeyBlock,
     RingSetup,
@@ -73,6 +76,7 @@ from .template import (
     ring_backward,
     ring_forward,
 )
+from .ulysses import split_call
 
 
 def _gather(
@@ -309,7 +313,7 @@ def ring_dilated_attention(
     segment_lengths: list[int] | tuple[int, ...],
     dilation_rates: list[int] | tuple[int, ...],
     *,
-    group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | ContextParallel | None = None,
     is_causal: bool = False,
     scale: float | None = None,
     layout: str = "contiguous",
@@ -339,6 +343,17 @@ def ring_dilated_attention(
             or grad modes (as in ``ring_attention``, which also says what the timeout is for).
     """
     schedule = functools.partial(Schedule, segment_lengths, dilation_rates)
+    if isinstance(group, ContextParallel):
+        no_documents(cu_seqlens)
+        options = dict(is_causal=is_causal, scale=scale, backend=backend)
+        out, lse = split_call(
+            group, chunks_per_rank(check_layout(layout)), query, key, value, key_padding_mask,
+            local=functools.partial(_local_heads, schedule(), **options),
+            ring=functools.partial(_ring_shard, schedule(), layout=layout, **options),
+            check=functools.partial(_check_head_offsets, schedule(), group, query),
+            what="ring_dilated_attention",
+        )  # fmt: skip
+        return (out, lse) if return_lse else out
     if cu_seqlens is not None:
         args = RingArgs(
             query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
@@ -362,3 +377,67 @@ def ring_dilated_attention(
     k, v = hide_masked_keys(k, v, mask)  # Note [Hidden keys cannot poison rows]
     out, lse = run_attention(q, k, v, mask, RingDilatedRunner(plan, setup, ring.kernel))
     return (out, lse) if return_lse else out
+
+
+def _local_heads(
+    schedule: Schedule,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    first: int,
+    *,
+    is_causal: object,
+    scale: object,
+    backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dilated attention over the whole sequence of this rank's heads after a head all-to-all,
+    from layer head ``first`` (Note [Heads from a later layer head])."""
+    V.check_bool("is_causal", is_causal)
+    request = Request.of(
+        DILATED, q, k, v, is_causal=is_causal, has_mask=mask is not None,
+        scale=V.check_scale(scale), backend=check_backend_name(backend), schedule=schedule,
+        first_head=first,
+    )  # fmt: skip
+    return execute(request, q, k, v, mask)
+
+
+def _ring_shard(
+    schedule: Schedule,
+    group: dist.ProcessGroup,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    first: int,
+    **options: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ring_dilated_attention` over the ring group of a context-parallel call (the head
+    group's first heads checked by :func:`_check_head_offsets`)."""
+    segs, rates = schedule.segment_lengths, schedule.dilation_rates
+    return ring_dilated_attention(  # type: ignore[return-value]
+        q, k, v, segs, rates, group=group, key_padding_mask=mask, return_lse=True,
+        **options,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def _check_head_offsets(
+    schedule: Schedule, cp: ContextParallel, query: torch.Tensor, split: HeadSplit
+) -> None:
+    """Under a ring, every head rank's first layer head must keep its heads' offsets (Note
+    [Calls under a head all-to-all]); checked alike on every rank from agreed values."""
+    if cp.ring is None:
+        return
+    ring_ranks, _ = cp.sizes()
+    seq_len = ring_ranks * split.ranks * query.shape[1]
+    for a in range(split.ranks):
+        layout = schedule.at(seq_len, split.heads, split.kv_heads, a * split.heads)
+        if layout.first_head:
+            raise ValueError(
+                f"a head all-to-all over {split.ranks} ranks gives rank {a} the layer heads "
+                f"from {a * split.heads}, whose offsets under the rates "
+                f"{list(layout.dilation_rates)} differ from its heads' own, which ring dilated "
+                f"attention cannot shift: use a head group whose heads per rank "
+                f"({split.heads}) are a multiple of every rate, or no ring (the head all-to-all "
+                f"alone runs any schedule)"
+            )

@@ -17,8 +17,10 @@ import zlib
 
 import torch
 import torch.distributed as dist
+from einops import rearrange
 
 from ._comm import check_same_on_all_ranks, group_rank_and_size
+from .context import ContextParallel, mesh_positions
 
 LAYOUTS = ("contiguous", "zigzag")
 #: dtype codes for the agreement of :func:`unshard_sequence` (any other dtype: its own code).
@@ -106,7 +108,7 @@ def _code(value: object, known: tuple[object, ...]) -> int:
 def shard_sequence(
     x: torch.Tensor,
     *,
-    group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | ContextParallel | None = None,
     layout: str = "contiguous",
     seq_dim: int = 1,
 ) -> torch.Tensor:
@@ -118,7 +120,8 @@ def shard_sequence(
 
     Args:
         x: a tensor whose dim ``seq_dim`` is the sequence (length N).
-        group: the process group (default: the world).
+        group: the process group (default: the world), or a :class:`ContextParallel` (its
+            ranks' shares: Note [Context parallel groups]).
         layout: ``"contiguous"`` or ``"zigzag"`` (Note [Sequence layouts]).
         seq_dim: the dim of ``x`` that holds the sequence.
 
@@ -130,18 +133,22 @@ def shard_sequence(
             zigzag), or a ``group`` this process is not in.
     """
     layout = check_layout(layout)
-    rank, size = group_rank_and_size(group)
+    if isinstance(group, ContextParallel):
+        (rank, head_rank), (size, heads) = group.ranks(), group.sizes()
+    else:
+        (rank, size), head_rank, heads = group_rank_and_size(group), 0, 1
     seq_dim = _check_seq_dim(x, seq_dim, "x")
     seq_len = x.shape[seq_dim]
-    _check_divisible(seq_len, size, layout, f"x.shape[{seq_dim}] (seq_len)")
-    pieces = x.chunk(size * chunks_per_rank(layout), dim=seq_dim)
-    return torch.cat([pieces[c] for c in chunks_of(rank, size, layout)], dim=seq_dim).contiguous()
+    _check_divisible(seq_len, size * heads, layout, f"x.shape[{seq_dim}] (seq_len)")
+    pieces = x.chunk(size * chunks_per_rank(layout) * heads, dim=seq_dim)
+    mine = [pieces[c * heads + head_rank] for c in chunks_of(rank, size, layout)]
+    return torch.cat(mine, dim=seq_dim).contiguous()
 
 
 def unshard_sequence(
     x_local: torch.Tensor,
     *,
-    group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | ContextParallel | None = None,
     layout: str = "contiguous",
     seq_dim: int = 1,
 ) -> torch.Tensor:
@@ -167,6 +174,8 @@ def unshard_sequence(
             are malformed or the ranks' shards or options differ. The rank whose arguments were
             rejected raises its own error; the others a ``ValueError`` naming it.
     """
+    if isinstance(group, ContextParallel):
+        return _unshard_context(x_local, group, layout, seq_dim)
     _, size = group_rank_and_size(group)
     names = ("x_local.dim()", "seq_dim", "local seq_len (x_local.shape[seq_dim])", "dtype",
              "device type", "layout")  # fmt: skip
@@ -211,7 +220,7 @@ def unshard_sequence(
 def sequence_positions(
     local_len: int,
     *,
-    group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | ContextParallel | None = None,
     layout: str = "contiguous",
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
@@ -235,6 +244,12 @@ def sequence_positions(
         TypeError / ValueError: on every rank when some rank's arguments are malformed, or the
             ranks' ``local_len`` or ``layout`` differ.
     """
+    if isinstance(group, ContextParallel):
+        check_layout(layout)
+        for part in (group.heads, group.ring):  # each group agrees on the call
+            if part is not None:
+                sequence_positions(local_len, group=part, device=device)
+        return mesh_positions(local_len, group, chunks_per_rank(layout), device)
     rank, size = group_rank_and_size(group)
     names = ("local_len", "layout")
     fields, error = [0, 0], None
@@ -257,3 +272,22 @@ def sequence_positions(
         labels={"layout": LAYOUTS}, fixes={"local_len": _UNEQUAL_SHARDS},
     )  # fmt: skip
     return local_positions(local_len, rank=rank, world_size=size, layout=layout, device=device)
+
+
+def _unshard_context(
+    x_local: torch.Tensor, cp: ContextParallel, layout: str, seq_dim: int
+) -> torch.Tensor:
+    """:func:`unshard_sequence` under a :class:`ContextParallel` (Note [Context parallel
+    groups]): the head group's shares of each ring chunk joined into the ring shard, then the
+    ring's shards joined."""
+    layout = check_layout(layout)
+    shard = x_local
+    if cp.heads is not None:
+        joined = unshard_sequence(x_local, group=cp.heads, seq_dim=seq_dim)
+        _, heads = cp.sizes()
+        moved = joined.movedim(seq_dim, 0)
+        moved = rearrange(moved, "(a p c) ... -> (p a c) ...", a=heads, p=chunks_per_rank(layout))
+        shard = moved.movedim(0, seq_dim)
+    if cp.ring is None:
+        return shard
+    return unshard_sequence(shard, group=cp.ring, layout=layout, seq_dim=seq_dim)

@@ -1,0 +1,123 @@
+"""A ring function's call under a head all-to-all (DeepSpeed-Ulysses), alone or around a ring.
+
+Note [Calls under a head all-to-all]
+    With a head group (Note [Context parallel groups] in ``context.py``) a ring function first
+    exchanges heads for positions (Note [Head all-to-all] in ``alltoall.py``): each rank then
+    holds the ring shard of its head group for ``H / Wh`` heads, the layer heads
+    ``a H / Wh ..``. It runs the operation on them (over the ring group, or in one process
+    where there is no ring) and exchanges the output back; the gradients take the same road
+    in reverse. A dilated call keeps each head's offset from its layer head (Note [Heads from a
+    later layer head] in ``core/schedule.py``); ring dilated attention lays head ``h`` at
+    offset ``h mod r``, so under a ring the head group's first heads must be multiples of every
+    rate (``ValueError`` otherwise, naming the rates and head counts that work).
+
+    Key/value heads split with the query heads: rank ``a`` needs the key/value heads of its
+    query heads. Where ``Hkv`` does not divide by ``Wh`` every key/value head is repeated
+    ``f = Wh / gcd(Hkv, Wh)`` times first (GQA with fewer key/value heads than ranks; their
+    gradients sum back through the repeat), which ``describe_split`` reports.
+
+    Every rank of the head group first agrees on the call's shapes and options (one small
+    all-gather), so that a mismatch raises on every rank instead of hanging the exchange.
+
+Shape legend: B batch, n a rank's positions, H query heads, Hkv key/value heads, D head dim,
+Wh ranks of the head group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..core.executor import empty_attention
+from .agreement import reject_ring_call
+from .alltoall import HeadExchange, heads_of, sequence_of, to_heads, to_sequence
+from .context import ContextParallel, HeadSplit, agree_on_heads
+
+__all__ = ["head_parallel", "split_call"]
+
+#: The operation on this rank's heads: ``(q, k, v, key_padding_mask, first_head) -> (out,
+#: lse)``, q (B, N', H', D), k and v (B, N', Hkv', D), the mask (B, N') or None.
+Operation = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int],
+    tuple[torch.Tensor, torch.Tensor],
+]
+
+
+def head_parallel(
+    run: Operation,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    cp: ContextParallel,
+    parts: int,
+    what: str,
+    check: Callable[[HeadSplit], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``run`` on this rank's heads of the head group's positions (Note [Calls under a head
+    all-to-all]): q (B, n, H, D), k and v (B, n, Hkv, D), key_padding_mask (B, n) or None ->
+    ``(out, lse)``, out (B, n, H, D) differentiable, lse (B, H, n); ``parts``: chunks of the
+    ring's layout per rank (1 or 2); ``check``: raises for a split the operation cannot run,
+    on every rank alike (it sees only what the ranks agreed on)."""
+    try:
+        split = agree_on_heads(q, k, v, key_padding_mask, cp, what)
+        if check is not None:
+            check(split)
+    except Exception as exc:  # the ring's ranks in other head groups must hear of it: no hang
+        if cp.ring is None:
+            raise
+        reject_ring_call(exc, cp.ring)
+    ex = cp.head_exchange(parts)
+    if q.numel() == 0:  # a batch of 0 or 0 heads on every rank: as in one process
+        return empty_attention(q, k, v)
+    if split.kv_repeats > 1:
+        k, v = (x.repeat_interleave(split.kv_repeats, dim=2) for x in (k, v))
+    qh, kh, vh = (heads_of(x, ex) for x in (q, k, v))
+    mask = None if key_padding_mask is None else _mask_of(key_padding_mask, ex)
+    out, lse = run(qh, kh, vh, mask, ex.rank * split.heads)
+    lse_rows = to_sequence(lse.detach().transpose(1, 2).unsqueeze(-1).contiguous(), ex)
+    return sequence_of(out, ex), lse_rows.squeeze(-1).transpose(1, 2)
+
+
+def _mask_of(mask: torch.Tensor, ex: HeadExchange) -> torch.Tensor:
+    """(B, n) bool -> (B, Wh * n): the head group's positions of the mask, for every rank."""
+    rows = mask.to(torch.uint8)[:, :, None, None].expand(-1, -1, ex.size, 1)
+    return to_heads(rows, ex)[:, :, 0, 0].bool()
+
+
+#: The operation over a ring group: ``(ring group, q, k, v, key_padding_mask, first_head) ->
+#: (out, lse)``.
+RingOperation = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def split_call(
+    cp: ContextParallel,
+    parts: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    *,
+    local: Operation,
+    ring: RingOperation,
+    what: str,
+    check: Callable[[HeadSplit], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ring function's call under ``cp`` (Note [Context parallel groups]): ``ring`` over the
+    ring group, ``local`` without one, under the head all-to-all where there is a head group.
+    q (B, n, H, D), k and v (B, n, Hkv, D), key_padding_mask (B, n) or None -> ``(out, lse)``
+    (B, n, H, D) and (B, H, n); ``parts``: chunks of the ring's layout per rank; ``check``: as
+    in :func:`head_parallel`."""
+
+    def run(
+        qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, mask: torch.Tensor | None, first: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if cp.ring is None:
+            return local(qh, kh, vh, mask, first)
+        return ring(cp.ring, qh, kh, vh, mask, first)
+
+    if cp.heads is None:
+        return run(q, k, v, key_padding_mask, 0)
+    return head_parallel(run, q, k, v, key_padding_mask, cp, parts, what, check)
+

@@ -1,0 +1,179 @@
+"""Context parallelism over a mesh (Note [Context parallel groups] in
+``distributed/context.py``): the head all-to-all alone (Ulysses), a ring alone and both (a 2 x 2
+mesh), for dense, dilated and block-sparse attention, on gloo worlds of 2 and 4 processes.
+
+Every rank builds the same full float64 tensors, runs the ring function on its shard
+(``shard_sequence(x, group=cp)``) and checks its output, lse and gradient shards against the
+float64 oracle of the whole sequence. Dilated schedules whose rates do not divide a rank's heads
+exercise the shifted head offsets (Note [Heads from a later layer head]); GQA with fewer
+key/value heads than ranks, the repeat (Note [Calls under a head all-to-all]). Workers assert
+with messages (pytest does not rewrite them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from support.distributed_utils import raises_on_rank, run_world
+from support.oracle import oracle_attention, oracle_dilated_attention
+
+from dilated_attention import patterns
+from dilated_attention.distributed import (
+    ContextParallel,
+    block_sparse_ring_attention,
+    ring_attention,
+    ring_dilated_attention,
+    sequence_positions,
+    shard_sequence,
+    unshard_sequence,
+)
+from dilated_attention.functional import block_sparse_attention
+
+pytestmark = pytest.mark.distributed
+
+BATCH, HEADS, DIM, LOCAL = 2, 8, 8, 6
+TIGHT = {"atol": 1e-10, "rtol": 1e-7}
+
+
+@dataclass(frozen=True)
+class Case:
+    operation: str  # "dense", "dilated", "block_sparse"
+    causal: bool = False
+    kv_heads: int = HEADS
+    layout: str = "contiguous"
+    masked: bool = False
+    schedule: tuple = ((4, 8), (1, 2))
+
+
+def _full(case: Case, seq_len: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(BATCH, seq_len, HEADS, DIM)] + [(BATCH, seq_len, case.kv_heads, DIM)] * 2
+    return [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+
+
+def _mask(seq_len: int) -> torch.Tensor:
+    mask = torch.zeros(BATCH, seq_len, dtype=torch.bool)
+    mask[1, :3] = True
+    mask[0, seq_len // 2] = True
+    return mask
+
+
+def _oracle(case: Case, q, k, v, mask):  # type: ignore[no-untyped-def]
+    if case.operation == "dilated":
+        return oracle_dilated_attention(
+            q, k, v, *case.schedule, is_causal=case.causal, key_padding_mask=mask
+        )
+    if case.operation == "block_sparse":
+        pattern = patterns.LocalWindow(1)
+        return block_sparse_attention(q, k, v, pattern, block_size=4, is_causal=case.causal,
+                                      backend="math", return_lse=True)  # fmt: skip
+    return oracle_attention(q, k, v, is_causal=case.causal, key_padding_mask=mask)
+
+
+def _ring(case: Case, cp: ContextParallel, q, k, v, mask):  # type: ignore[no-untyped-def]
+    options: dict[str, Any] = dict(group=cp, is_causal=case.causal, return_lse=True)
+    if case.operation == "block_sparse":
+        return block_sparse_ring_attention(q, k, v, patterns.LocalWindow(1), block_size=4,
+                                           backend="math", **options)  # fmt: skip
+    options.update(layout=case.layout, key_padding_mask=mask, backend="math")
+    if case.operation == "dilated":
+        return ring_dilated_attention(q, k, v, *case.schedule, **options)
+    return ring_attention(q, k, v, **options)
+
+
+def _check(case: Case, cp: ContextParallel, world: int) -> None:
+    seq_len = LOCAL * world
+    full = [x.requires_grad_() for x in _full(case, seq_len)]
+    mask = _mask(seq_len) if case.masked else None
+    want, want_lse = _oracle(case, *full, mask)
+    weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(3),
+                          dtype=torch.float64)  # fmt: skip
+    want_grads = torch.autograd.grad((want * weights).sum(), full)
+    shard = {"group": cp, "layout": case.layout}
+    mine = [shard_sequence(x.detach(), **shard).requires_grad_() for x in full]
+    my_mask = None if mask is None else shard_sequence(mask, **shard)
+    out, lse = _ring(case, cp, *mine, my_mask)
+    grads = torch.autograd.grad((out * shard_sequence(weights, **shard)).sum(), mine)
+    positions = sequence_positions(LOCAL, group=cp, layout=case.layout)
+    name = f"{case} over {cp}"
+    torch.testing.assert_close(out, want[:, positions].detach(), **TIGHT,
+                               msg=lambda m: f"{name} out: {m}")  # fmt: skip
+    torch.testing.assert_close(lse, want_lse[:, :, positions].detach(), **TIGHT,
+                               msg=lambda m: f"{name} lse: {m}")  # fmt: skip
+    for got, expected, label in zip(grads, want_grads, "qkv", strict=True):
+        torch.testing.assert_close(got, expected[:, positions], **TIGHT,
+                                   msg=lambda m, label=label: f"{name} d{label}: {m}")  # fmt: skip
+    joined = unshard_sequence(out.detach(), **shard)
+    torch.testing.assert_close(joined, want.detach(), **TIGHT,
+                               msg=lambda m: f"{name} unshard: {m}")  # fmt: skip
+
+
+CASES = [
+    Case("dense"),
+    Case("dense", causal=True, kv_heads=2, masked=True),
+    Case("dense", causal=True, layout="zigzag"),
+    Case("dilated", causal=True, schedule=((4, 8, 24), (1, 2, 8)), masked=True),
+    Case("dilated", kv_heads=2, schedule=((6, 12), (3, 4))),
+    Case("dilated", causal=True, layout="zigzag", kv_heads=4),
+    Case("block_sparse", causal=True),
+    Case("block_sparse", kv_heads=2),
+]
+
+
+def _heads_alone(rank: int, world: int) -> None:
+    cp = ContextParallel(heads=dist.group.WORLD)
+    for case in CASES:
+        _check(case, cp, world)
+
+
+def _mesh_2x2(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "heads"))
+    hybrid = ContextParallel.from_mesh(mesh, ring="ring", heads="heads")
+    for case in CASES:
+        shifted = case.operation == "dilated" and any((HEADS // 2) % r for r in case.schedule[1])
+        if shifted:  # ring dilated attention keeps offsets h mod r: refused on every rank
+            with raises_on_rank(f"{case}", "ring dilated attention cannot shift", within_s=30):
+                _check(case, hybrid, world)
+            continue
+        _check(case, hybrid, world)
+    _check(Case("dilated", causal=True, schedule=((4, 8), (1, 4))), hybrid, world)
+    q = torch.randn(1, 4 + (rank == 3), 8, 8, dtype=torch.float64)  # one rank's shard longer
+    with raises_on_rank("one rank's shard longer", "local seq_len", within_s=30):
+        ring_dilated_attention(q, q, q, [4], [1], group=hybrid)
+    ring_only = ContextParallel.from_mesh(mesh, ring="ring")  # a ring of 2 per head rank
+    ring_world = ContextParallel(ring=dist.group.WORLD)
+    for case in CASES[:4]:
+        _check(case, ring_world, world)
+    assert ring_only.sizes() == (2, 1)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_head_all_to_all_alone_equals_one_process(world: int, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    run_world(_heads_alone, world, tmp_path)
+
+
+def test_a_2x2_mesh_of_ring_and_heads_equals_one_process(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    run_world(_mesh_2x2, 4, tmp_path)
+
+
+def _bad_calls(rank: int, world: int) -> None:
+    cp = ContextParallel(heads=dist.group.WORLD)
+    q = torch.randn(1, 4, 6, 8, dtype=torch.float64)  # 6 heads over 4 ranks
+    with raises_on_rank("6 heads over 4 ranks", "query heads \\(6\\) divisible by 4", within_s=30):
+        ring_attention(q, q, q, group=cp)
+    q = torch.randn(1, 4 + (rank == 1), 8, 8, dtype=torch.float64)  # one rank's shard longer
+    with raises_on_rank("unequal shards", "local seq_len", within_s=30):
+        ring_attention(q, q, q, group=cp)
+    q = torch.randn(1, 4, 8, 8, dtype=torch.float64)
+    with raises_on_rank("packed documents", "cu_seqlens .* with a ContextParallel group"):
+        ring_attention(q, q, q, group=cp, cu_seqlens=[0, 16])
+
+
+def test_bad_calls_raise_on_every_rank(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    run_world(_bad_calls, 4, tmp_path)
