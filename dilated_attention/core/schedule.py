@@ -94,6 +94,7 @@ class ShardedBranches:
         groups: the local branches' row groups over a rank's n positions.
         not_slotted: why the local branches cannot write into branch slots merged once (None:
             they can).
+        first_head: the layer head that head 0 is (Note [Heads from a later layer head]).
     """
 
     world_size: int
@@ -105,6 +106,7 @@ class ShardedBranches:
     spanning: tuple[tuple[int, int], ...]
     groups: tuple[RowGroup, ...]
     not_slotted: str | None
+    first_head: int = 0
     first_head: int = 0
 
     @property
@@ -175,7 +177,7 @@ def _sharded(layout: ScheduleLayout, world_size: int, chunk_len: int) -> Sharded
     groups: tuple[RowGroup, ...] = ()
     if local:
         segs, rates = tuple(b[0] for b in local), tuple(b[1] for b in local)
-        groups = plan_branches(local_len, layout.num_heads, segs, rates)
+        groups = plan_branches(local_len, layout.num_heads, segs, rates, layout.first_head)
     not_slotted = (
         not_slotted_reason(groups, local_len, layout.num_kv_heads) if groups else "no local branch"
     )
@@ -189,4 +191,5 @@ def _sharded(layout: ScheduleLayout, world_size: int, chunk_len: int) -> Sharded
         spanning=spanning,
         groups=groups,
         not_slotted=not_slotted,
+        first_head=layout.first_head,
     )

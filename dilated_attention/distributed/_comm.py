@@ -8,7 +8,8 @@ gloo rejects non-contiguous tensors: every buffer sent here is contiguous.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,10 +44,37 @@ def global_rank(group: dist.ProcessGroup | None, rank: int) -> int:
     return dist.get_global_rank(group, rank)
 
 
+class Traffic:
+    """Bytes this process sent through :func:`exchange` while counted (:func:`count_traffic`):
+    every tensor of the attention functions' data (keys, values, rows, gradients, head
+    all-to-alls), not the small agreements before a call."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+
+_COUNTERS: list[Traffic] = []
+
+
+@contextlib.contextmanager
+def count_traffic() -> Iterator[Traffic]:
+    """Count the bytes this process sends in the block (forward or backward of a ring or
+    context-parallel call; nested counts each see them)."""
+    traffic = Traffic()
+    _COUNTERS.append(traffic)
+    try:
+        yield traffic
+    finally:
+        _COUNTERS.remove(traffic)
+
+
 def exchange(
     send: Sequence[tuple[torch.Tensor, int]], recv: Sequence[tuple[torch.Tensor, int]]
 ) -> list[dist.Work]:
     """Post sends and receives (to/from global ranks) as one batch; returns the requests."""
+    sent = sum(t.numel() * t.element_size() for t, _ in send)
+    for counter in _COUNTERS:
+        counter.bytes += sent
     ops = [dist.P2POp(dist.isend, t, peer) for t, peer in send]
     ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recv]
     if not ops:

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import _validation as V
+from ..backends.registry import check_backend_name
 from ..block_sparse import plan as block_plan
 from ..block_sparse.plan import (
     SparseCall,
@@ -169,17 +170,8 @@ def block_sparse_ring_attention(
     """
     if isinstance(group, ContextParallel):
         no_documents(cu_seqlens)
-        options = dict(block_size=block_size, is_causal=is_causal, scale=scale, backend=backend,
-                       return_lse=True)  # fmt: skip
-
-        def local(q, k, v, mask, first):  # type: ignore[no-untyped-def]
-            return block_sparse_attention(q, k, v, pattern, **options)
-
-        def ring(ring_group, q, k, v, mask, first):  # type: ignore[no-untyped-def]
-            return block_sparse_ring_attention(q, k, v, pattern, group=ring_group, **options)
-
-        out, lse = split_call(group, 1, query, key, value, None, local=local, ring=ring,
-                              what="block_sparse_ring_attention")  # fmt: skip
+        out, lse = _over_context(group, query, key, value, pattern, block_size, is_causal,
+                                 scale, backend)  # fmt: skip
         return (out, lse) if return_lse else out
     args = RingArgs(query, key, value, group=group, is_causal=is_causal, scale=scale,
                     backend=backend)  # fmt: skip
@@ -213,6 +205,39 @@ def block_sparse_ring_attention(
 
 
 _FIRST_ORDER = ring_message("block_sparse_ring_attention", "block_sparse_attention()")
+
+
+def _over_context(
+    cp: ContextParallel,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    pattern: Pattern,
+    block_size: int,
+    is_causal: bool,
+    scale: float | None,
+    backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`block_sparse_ring_attention` under a :class:`ContextParallel` (Note [Calls under
+    a head all-to-all] in ``ulysses.py``): ``(out, lse)``."""
+    options = dict(block_size=block_size, is_causal=is_causal, scale=scale, backend=backend,
+                   return_lse=True)  # fmt: skip
+
+    def local(q, k, v, mask, first):  # type: ignore[no-untyped-def]
+        return block_sparse_attention(q, k, v, pattern, **options)
+
+    def ring(group, q, k, v, mask, first):  # type: ignore[no-untyped-def]
+        return block_sparse_ring_attention(q, k, v, pattern, group=group, **options)
+
+    def agreed() -> object:
+        described = _check_schedule(None, pattern, block_size, True, None)
+        ring_size, heads = cp.sizes()
+        blocks = num_blocks(query.shape[1] * heads * ring_size, check_block_size(block_size))
+        check_pattern(pattern).block_mask(blocks, blocks)  # a Custom mask of the wrong size
+        return described, is_causal, V.check_scale(scale), check_backend_name(backend)
+
+    return split_call(cp, 1, query, key, value, None, local=local, ring=ring,
+                      what="block_sparse_ring_attention", options=agreed)  # fmt: skip
 
 
 def _check_schedule(

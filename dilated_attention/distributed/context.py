@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +39,7 @@ __all__ = ["HEAD_FIELDS", "ContextParallel", "HeadSplit", "agree_on_heads", "kv_
 
 #: What the ranks of a head group compare before the exchange.
 HEAD_FIELDS = ("batch", "local seq_len", "query heads", "key/value heads", "head_dim", "dtype",
-               "key_padding_mask given (0/1)")  # fmt: skip
+               "key_padding_mask given (0/1)", "options and schedule")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -164,9 +165,16 @@ class HeadSplit:
 
 
 def agree_on_heads(
-    q: object, k: object, v: object, mask: object, cp: ContextParallel, what: str
+    q: object,
+    k: object,
+    v: object,
+    mask: object,
+    cp: ContextParallel,
+    what: str,
+    options: Callable[[], object] | None = None,
 ) -> HeadSplit:
-    """Check this rank's tensors, then agree on them over the head group (an error on any rank
+    """Check this rank's tensors and ``options()`` (the call's options and schedule, checked;
+    their text is compared), then agree on them over the head group (an error on any rank
     raises on every rank); the call's heads over the group."""
     _, ranks = cp.sizes()
     names = HEAD_FIELDS
@@ -175,8 +183,10 @@ def agree_on_heads(
         qt, kt, _ = V.check_qkv(q, k, v, same_length=True)
         V.check_key_padding_mask(mask, qt.shape[0], qt.shape[1], qt.device)
         split = HeadSplit.of(qt.shape[2], kt.shape[2], ranks)
+        said = "" if options is None else str(options())
         fields = [qt.shape[0], qt.shape[1], qt.shape[2], kt.shape[2], qt.shape[3],
-                  zlib.crc32(str(qt.dtype).encode()), int(mask is not None)]  # fmt: skip
+                  zlib.crc32(str(qt.dtype).encode()), int(mask is not None),
+                  zlib.crc32(said.encode())]  # fmt: skip
     except Exception as exc:  # a rejection on one rank must reach the others: no hang
         error = exc
     check_same_on_all_ranks(fields, names, cp.heads, error, what=f"{what} under a head all-to-all")
@@ -191,3 +201,4 @@ def no_documents(cu_seqlens: object) -> None:
             "cu_seqlens (packed documents) with a ContextParallel group is not supported: pass "
             "the ring's process group (group=cp.ring) for packed documents over ranks"
         )
+

@@ -32,6 +32,8 @@ __all__ = [
     "local_plan",
     "merge_compact",
     "plan_ring_dilated",
+    "span_peers",
+    "span_rows",
 ]
 
 
@@ -145,34 +147,26 @@ def plan_span(
     segment: int,
     rate: int,
     device: torch.device,
+    first_head: int = 0,
 ) -> SpanPlan:
-    """The rows each rank sends and the kernel calls this rank makes for a spanning branch."""
+    """The rows each rank sends and the kernel calls this rank makes for a spanning branch;
+    head ``h`` has offset ``(first_head + h) mod rate`` (Note [Heads from a later layer
+    head])."""
     world = setup.world_size
-    seq_len = local_len * world
-    seg = min(segment, seq_len)
+    seg = min(segment, local_len * world)
     group = num_heads // num_kv_heads
-    positions = [
-        local_positions(local_len, rank=j, world_size=world, layout=setup.layout, device=device)
-        for j in range(world)
-    ]
-    rel = [p % seg for p in positions]  # position inside its segment
-    pairs: list[_Pair] = []
-    start = 0
-    offsets = sorted({h % rate for h in range(num_heads)})
-    for offset in offsets:
-        rows = tuple(torch.nonzero(rj % rate == offset).flatten() for rj in rel)
-        width = max(int(r.numel()) for r in rows)
-        for kv_head in sorted({h // group for h in range(num_heads) if h % rate == offset}):
-            pairs.append(_Pair(kv_head, offset, start, rows))
-            start += width
-    total = start
+    pairs, total, positions = span_rows(
+        world, setup.layout, local_len, num_heads, num_kv_heads, segment, rate, device,
+        first_head,
+    )  # fmt: skip
     calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]] = []
     me = setup.rank
     for pair in pairs:
         heads = torch.tensor(
-            [h for h in range(num_heads) if h % rate == pair.offset and h // group == pair.kv_head],
+            [h for h in range(num_heads)
+             if (first_head + h) % rate == pair.offset and h // group == pair.kv_head],
             device=device,
-        )
+        )  # fmt: skip
         # Every rank's rows of this pair, as flat indices into the gathered (W * R) rows.
         flat = torch.cat(
             [j * total + pair.start + torch.arange(r.numel(), device=device)
@@ -195,8 +189,7 @@ def plan_span(
                 calls.append((q_rows, heads, flat[before], False))
             own = in_seg & (pos >= first) & (pos <= last)
             calls.append((q_rows, heads, flat[own], True))
-    segments = [set((p // seg).tolist()) for p in positions]
-    peers = tuple(j for j in range(world) if j != me and segments[j] & segments[me])
+    peers = span_peers(positions, seg, me)
     my_rows = [pair.local_rows[me] for pair in pairs]
     slots = [
         pair.start + torch.arange(r.numel(), device=device)
@@ -212,6 +205,46 @@ def plan_span(
         torch.cat(heads_of),
         peers,
     )
+
+
+def span_rows(
+    world: int,
+    layout: str,
+    local_len: int,
+    num_heads: int,
+    num_kv_heads: int,
+    segment: int,
+    rate: int,
+    device: torch.device,
+    first_head: int = 0,
+) -> tuple[list[_Pair], int, list[torch.Tensor]]:
+    """A spanning branch's (key/value head, offset) pairs with their rows on every rank, the
+    rows ``R`` each rank sends (every pair padded to its widest rank), and every rank's global
+    positions; head ``h`` has offset ``(first_head + h) mod rate``."""
+    seg = min(segment, local_len * world)
+    group = num_heads // num_kv_heads
+    positions = [
+        local_positions(local_len, rank=j, world_size=world, layout=layout, device=device)
+        for j in range(world)
+    ]
+    rel = [p % seg for p in positions]  # position inside its segment
+    pairs: list[_Pair] = []
+    start = 0
+    offset_of = [(first_head + h) % rate for h in range(num_heads)]
+    for offset in sorted(set(offset_of)):
+        rows = tuple(torch.nonzero(rj % rate == offset).flatten() for rj in rel)
+        width = max(int(r.numel()) for r in rows)
+        for kv_head in sorted({h // group for h in range(num_heads) if offset_of[h] == offset}):
+            pairs.append(_Pair(kv_head, offset, start, rows))
+            start += width
+    return pairs, start, positions
+
+
+def span_peers(positions: list[torch.Tensor], segment: int, rank: int) -> tuple[int, ...]:
+    """The ranks sharing a segment of length ``segment`` with ``rank`` (``positions``: every
+    rank's global positions), not itself."""
+    segments = [set((p // segment).tolist()) for p in positions]
+    return tuple(j for j in range(len(positions)) if j != rank and segments[j] & segments[rank])
 
 
 def _stack_calls(
@@ -259,6 +292,7 @@ class DilatedRingPlan:
     kv_cells: Cells | None = None
     call_cells: tuple[tuple[torch.Tensor, ...], ...] = ()  # per span, per call: (c * P * Hp,)
     send_cells: tuple[torch.Tensor, ...] = ()  # per span: (S,) its sent rows among kv_cells
+    first_head: int = 0  # the layer head that head 0 is (Note [Heads from a later layer head])
 
 
 @functools.lru_cache(maxsize=32)
@@ -271,9 +305,12 @@ def plan_ring_dilated(
     Plans depend on the geometry alone and are cached: building one takes host-device syncs.
     """
     n, heads, kv_heads = split.local_len, split.num_heads, split.num_kv_heads
-    spans = [plan_span(setup, n, heads, kv_heads, w, r, device) for w, r in split.spanning]
+    spans = [
+        plan_span(setup, n, heads, kv_heads, w, r, device, split.first_head)
+        for w, r in split.spanning
+    ]
     if not spans:
-        return DilatedRingPlan(split.local, split.groups, ())
+        return DilatedRingPlan(split.local, split.groups, (), first_head=split.first_head)
     calls = [call for span in spans for call in span.calls]
     q_cells, pieces = Cells.of(
         [c.rows for c in calls], [c.heads.expand_as(c.rows) for c in calls], heads, device
@@ -284,8 +321,9 @@ def plan_ring_dilated(
         [s.send_rows for s in spans], [s.send_heads for s in spans], kv_heads, device
     )
     return DilatedRingPlan(
-        split.local, split.groups, tuple(spans), q_cells, kv_cells, call_cells, tuple(send_cells)
-    )
+        split.local, split.groups, tuple(spans), q_cells, kv_cells, call_cells,
+        tuple(send_cells), split.first_head,
+    )  # fmt: skip
 
 
 def _split(items: list, sizes: list[int]) -> list[list]:

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .. import _validation as V
+from ..backends.registry import check_backend_name
 from ..compiled import eager_only
 from ..core.autograd import run_attention
 from ..core.calls import SliceCall
@@ -332,6 +334,7 @@ def ring_attention(
         out, lse = split_call(
             group, chunks_per_rank(check_layout(layout)), query, key, value, key_padding_mask,
             local=local, ring=ring, what="ring_attention",
+            options=lambda: (is_causal, V.check_scale(scale), check_backend_name(backend), comm),
         )  # fmt: skip
         return (out, lse) if return_lse else out
     args = RingArgs(

@@ -36,6 +36,7 @@ W ranks, R gathered rows per rank for one branch.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +57,7 @@ from ..core.schedule import Schedule
 from ..resolve import DILATED, Request, execute
 from ._comm import exchange
 from .agreement import RingArgs, RingOperation, prepare_ring
-from .context import ContextParallel, HeadSplit, no_documents
+from .context import ContextParallel, no_documents
 from .dilated_plan import (
     CompactCall,
     DilatedRingPlan,
@@ -243,6 +244,7 @@ class RingDilatedRunner(FirstOrderOnly):
             out, lse = fused_forward(
                 q, k, v, key_padding_mask, plan.local_branches, backend,
                 is_causal=setup.is_causal, scale=setup.scale, extra=merge,
+                first_head=plan.first_head,
             )  # fmt: skip
         else:
             if plan.local:
@@ -291,6 +293,7 @@ class RingDilatedRunner(FirstOrderOnly):
             return fused_backward(
                 b.dout, q, k, v, out, lse, key_padding_mask, plan.local_branches, backend,
                 is_causal=setup.is_causal, scale=setup.scale, extra=add,
+                first_head=plan.first_head,
             )  # fmt: skip
         if plan.local:
             local = local_plan(plan.local, q, k, setup, backend)
@@ -348,10 +351,10 @@ def ring_dilated_attention(
         options = dict(is_causal=is_causal, scale=scale, backend=backend)
         out, lse = split_call(
             group, chunks_per_rank(check_layout(layout)), query, key, value, key_padding_mask,
-            local=functools.partial(_local_heads, schedule(), **options),
-            ring=functools.partial(_ring_shard, schedule(), layout=layout, **options),
-            check=functools.partial(_check_head_offsets, schedule(), group, query),
+            local=functools.partial(_local_heads, schedule, **options),
+            ring=functools.partial(_ring_shard, schedule, layout=layout, **options),
             what="ring_dilated_attention",
+            options=lambda: (schedule(), _checked(is_causal, scale, backend), layout),
         )  # fmt: skip
         return (out, lse) if return_lse else out
     if cu_seqlens is not None:
@@ -361,26 +364,40 @@ def ring_dilated_attention(
         )  # fmt: skip
         out, lse = packed_ring(args, cu_seqlens, describe=schedule)
         return (out, lse) if return_lse else out
-    ring = prepare_ring(
-        RingArgs(query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
-                 backend=backend, comm="allgather", key_padding_mask=key_padding_mask),
-        RingOperation(DILATED, schedule),
+    args = RingArgs(
+        query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
+        backend=backend, comm="allgather", key_padding_mask=key_padding_mask,
     )  # fmt: skip
-    q, k, v, setup = ring.q, ring.k, ring.v, ring.setup
-    if ring.empty:  # batch 0 or 0 heads, agreed on every rank: as in one process
-        out, lse = empty_attention(q, k, v)
-        return (out, lse) if return_lse else out
-    assert isinstance(ring.schedule, Schedule)
-    layout_of = ring.schedule.at(setup.world_size * q.shape[1], q.shape[2], k.shape[2])
-    plan = plan_ring_dilated(setup, layout_of.sharded(setup.world_size, setup.chunk_len), q.device)
-    mask = None if key_padding_mask is None else key_padding_mask.contiguous()
-    k, v = hide_masked_keys(k, v, mask)  # Note [Hidden keys cannot poison rows]
-    out, lse = run_attention(q, k, v, mask, RingDilatedRunner(plan, setup, ring.kernel))
+    out, lse = _ring_dilated(args, schedule, 0)
     return (out, lse) if return_lse else out
 
 
+def _ring_dilated(
+    args: RingArgs, schedule: Callable[[], Schedule], first_head: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ring dilated attention of checked-on-every-rank ``args`` (the agreement runs here),
+    head ``h`` being layer head ``first_head + h`` (Note [Heads from a later layer head])."""
+    ring = prepare_ring(args, RingOperation(DILATED, schedule))
+    q, k, v, setup = ring.q, ring.k, ring.v, ring.setup
+    if ring.empty:  # batch 0 or 0 heads, agreed on every rank: as in one process
+        return empty_attention(q, k, v)
+    assert isinstance(ring.schedule, Schedule)
+    layout_of = ring.schedule.at(setup.world_size * q.shape[1], q.shape[2], k.shape[2], first_head)
+    plan = plan_ring_dilated(setup, layout_of.sharded(setup.world_size, setup.chunk_len), q.device)
+    mask = args.key_padding_mask
+    mask = None if mask is None else mask.contiguous()  # type: ignore[attr-defined]
+    k, v = hide_masked_keys(k, v, mask)  # Note [Hidden keys cannot poison rows]
+    return run_attention(q, k, v, mask, RingDilatedRunner(plan, setup, ring.kernel))
+
+
+def _checked(is_causal: object, scale: object, backend: object) -> tuple[object, ...]:
+    """The call's options, checked as one process checks them."""
+    V.check_bool("is_causal", is_causal)
+    return is_causal, V.check_scale(scale), check_backend_name(backend)  # type: ignore[arg-type]
+
+
 def _local_heads(
-    schedule: Schedule,
+    schedule: Callable[[], Schedule],
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -393,51 +410,25 @@ def _local_heads(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dilated attention over the whole sequence of this rank's heads after a head all-to-all,
     from layer head ``first`` (Note [Heads from a later layer head])."""
-    V.check_bool("is_causal", is_causal)
     request = Request.of(
         DILATED, q, k, v, is_causal=is_causal, has_mask=mask is not None,
-        scale=V.check_scale(scale), backend=check_backend_name(backend), schedule=schedule,
+        scale=V.check_scale(scale), backend=check_backend_name(backend), schedule=schedule(),
         first_head=first,
     )  # fmt: skip
     return execute(request, q, k, v, mask)
 
 
 def _ring_shard(
-    schedule: Schedule,
+    schedule: Callable[[], Schedule],
     group: dist.ProcessGroup,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor | None,
     first: int,
-    **options: object,
+    **options: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`ring_dilated_attention` over the ring group of a context-parallel call (the head
-    group's first heads checked by :func:`_check_head_offsets`)."""
-    segs, rates = schedule.segment_lengths, schedule.dilation_rates
-    return ring_dilated_attention(  # type: ignore[return-value]
-        q, k, v, segs, rates, group=group, key_padding_mask=mask, return_lse=True,
-        **options,  # type: ignore[arg-type]
-    )  # fmt: skip
-
-
-def _check_head_offsets(
-    schedule: Schedule, cp: ContextParallel, query: torch.Tensor, split: HeadSplit
-) -> None:
-    """Under a ring, every head rank's first layer head must keep its heads' offsets (Note
-    [Calls under a head all-to-all]); checked alike on every rank from agreed values."""
-    if cp.ring is None:
-        return
-    ring_ranks, _ = cp.sizes()
-    seq_len = ring_ranks * split.ranks * query.shape[1]
-    for a in range(split.ranks):
-        layout = schedule.at(seq_len, split.heads, split.kv_heads, a * split.heads)
-        if layout.first_head:
-            raise ValueError(
-                f"a head all-to-all over {split.ranks} ranks gives rank {a} the layer heads "
-                f"from {a * split.heads}, whose offsets under the rates "
-                f"{list(layout.dilation_rates)} differ from its heads' own, which ring dilated "
-                f"attention cannot shift: use a head group whose heads per rank "
-                f"({split.heads}) are a multiple of every rate, or no ring (the head all-to-all "
-                f"alone runs any schedule)"
-            )
+    """Ring dilated attention over the ring group of a context-parallel call, this rank's heads
+    from layer head ``first``."""
+    args = RingArgs(q, k, v, group=group, comm="allgather", key_padding_mask=mask, **options)
+    return _ring_dilated(args, schedule, first)

@@ -7,9 +7,8 @@ Note [Calls under a head all-to-all]
     ``a H / Wh ..``. It runs the operation on them (over the ring group, or in one process
     where there is no ring) and exchanges the output back; the gradients take the same road
     in reverse. A dilated call keeps each head's offset from its layer head (Note [Heads from a
-    later layer head] in ``core/schedule.py``); ring dilated attention lays head ``h`` at
-    offset ``h mod r``, so under a ring the head group's first heads must be multiples of every
-    rate (``ValueError`` otherwise, naming the rates and head counts that work).
+    later layer head] in ``core/schedule.py``), alone and under the ring, whose local and
+    spanning branches take the slice's first layer head too.
 
     Key/value heads split with the query heads: rank ``a`` needs the key/value heads of its
     query heads. Where ``Hkv`` does not divide by ``Wh`` every key/value head is repeated
@@ -32,7 +31,7 @@ import torch
 from ..core.executor import empty_attention
 from .agreement import reject_ring_call
 from .alltoall import HeadExchange, heads_of, sequence_of, to_heads, to_sequence
-from .context import ContextParallel, HeadSplit, agree_on_heads
+from .context import ContextParallel, agree_on_heads
 
 __all__ = ["head_parallel", "split_call"]
 
@@ -53,17 +52,15 @@ def head_parallel(
     cp: ContextParallel,
     parts: int,
     what: str,
-    check: Callable[[HeadSplit], None] | None = None,
+    options: Callable[[], object] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``run`` on this rank's heads of the head group's positions (Note [Calls under a head
     all-to-all]): q (B, n, H, D), k and v (B, n, Hkv, D), key_padding_mask (B, n) or None ->
     ``(out, lse)``, out (B, n, H, D) differentiable, lse (B, H, n); ``parts``: chunks of the
-    ring's layout per rank (1 or 2); ``check``: raises for a split the operation cannot run,
-    on every rank alike (it sees only what the ranks agreed on)."""
+    ring's layout per rank (1 or 2); ``options()``: checks the call's options and schedule and
+    describes them for the ranks' agreement."""
     try:
-        split = agree_on_heads(q, k, v, key_padding_mask, cp, what)
-        if check is not None:
-            check(split)
+        split = agree_on_heads(q, k, v, key_padding_mask, cp, what, options)
     except Exception as exc:  # the ring's ranks in other head groups must hear of it: no hang
         if cp.ring is None:
             raise
@@ -102,13 +99,13 @@ def split_call(
     local: Operation,
     ring: RingOperation,
     what: str,
-    check: Callable[[HeadSplit], None] | None = None,
+    options: Callable[[], object] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A ring function's call under ``cp`` (Note [Context parallel groups]): ``ring`` over the
     ring group, ``local`` without one, under the head all-to-all where there is a head group.
     q (B, n, H, D), k and v (B, n, Hkv, D), key_padding_mask (B, n) or None -> ``(out, lse)``
-    (B, n, H, D) and (B, H, n); ``parts``: chunks of the ring's layout per rank; ``check``: as
-    in :func:`head_parallel`."""
+    (B, n, H, D) and (B, H, n); ``parts``: chunks of the ring's layout per rank; ``options``:
+    as in :func:`head_parallel`."""
 
     def run(
         qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, mask: torch.Tensor | None, first: int
@@ -119,5 +116,5 @@ def split_call(
 
     if cp.heads is None:
         return run(q, k, v, key_padding_mask, 0)
-    return head_parallel(run, q, k, v, key_padding_mask, cp, parts, what, check)
+    return head_parallel(run, q, k, v, key_padding_mask, cp, parts, what, options)
 

@@ -22,6 +22,7 @@ from support.distributed_utils import raises_on_rank, run_world
 from support.oracle import oracle_attention, oracle_dilated_attention
 
 from dilated_attention import patterns
+from dilated_attention.core.schedule import Schedule
 from dilated_attention.distributed import (
     ContextParallel,
     block_sparse_ring_attention,
@@ -31,6 +32,8 @@ from dilated_attention.distributed import (
     shard_sequence,
     unshard_sequence,
 )
+from dilated_attention.distributed._comm import count_traffic
+from dilated_attention.distributed.cost import Shape, split_volume
 from dilated_attention.functional import block_sparse_attention
 
 pytestmark = pytest.mark.distributed
@@ -135,17 +138,15 @@ def _mesh_2x2(rank: int, world: int) -> None:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "heads"))
     hybrid = ContextParallel.from_mesh(mesh, ring="ring", heads="heads")
-    for case in CASES:
-        shifted = case.operation == "dilated" and any((HEADS // 2) % r for r in case.schedule[1])
-        if shifted:  # ring dilated attention keeps offsets h mod r: refused on every rank
-            with raises_on_rank(f"{case}", "ring dilated attention cannot shift", within_s=30):
-                _check(case, hybrid, world)
-            continue
+    for case in CASES:  # dilated: rates above a rank's 4 heads shift its layer heads' offsets
         _check(case, hybrid, world)
     _check(Case("dilated", causal=True, schedule=((4, 8), (1, 4))), hybrid, world)
     q = torch.randn(1, 4 + (rank == 3), 8, 8, dtype=torch.float64)  # one rank's shard longer
     with raises_on_rank("one rank's shard longer", "local seq_len", within_s=30):
         ring_dilated_attention(q, q, q, [4], [1], group=hybrid)
+    q = torch.randn(1, 4, 8, 8, dtype=torch.float64)
+    with raises_on_rank("one rank's schedule", "options and schedule", within_s=30):
+        ring_dilated_attention(q, q, q, [4], [1 + (rank == 2)], group=hybrid)
     ring_only = ContextParallel.from_mesh(mesh, ring="ring")  # a ring of 2 per head rank
     ring_world = ContextParallel(ring=dist.group.WORLD)
     for case in CASES[:4]:
@@ -177,3 +178,45 @@ def _bad_calls(rank: int, world: int) -> None:
 
 def test_bad_calls_raise_on_every_rank(tmp_path) -> None:  # type: ignore[no-untyped-def]
     run_world(_bad_calls, 4, tmp_path)
+
+
+def _counted(case: Case, cp: ContextParallel, world: int) -> tuple[int, int]:
+    """The most bytes any rank sent in the forward and in the backward of ``case``."""
+    seq_len = LOCAL * world
+    shard = {"group": cp, "layout": case.layout}
+    mine = [shard_sequence(x, **shard).requires_grad_() for x in _full(case, seq_len)]
+    mask = shard_sequence(_mask(seq_len), **shard) if case.masked else None
+    with count_traffic() as forward:
+        out, _ = _ring(case, cp, *mine, mask)
+    with count_traffic() as backward:
+        out.sum().backward()
+    sent = torch.tensor([forward.bytes, backward.bytes])
+    dist.all_reduce(sent, op=dist.ReduceOp.MAX)
+    return int(sent[0]), int(sent[1])
+
+
+def _volumes(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "heads"))
+    splits = {
+        (2, 2): ContextParallel.from_mesh(mesh, ring="ring", heads="heads"),
+        (1, 4): ContextParallel(heads=dist.group.WORLD),
+        (4, 1): ContextParallel(ring=dist.group.WORLD),
+    }
+    for case in [*CASES[:6], Case("dense", masked=True)]:
+        for (ring, heads), cp in splits.items():
+            counted = _counted(case, cp, world)
+            schedule = Schedule(*case.schedule) if case.operation == "dilated" else None
+            shape = Shape(BATCH, LOCAL * world, HEADS, case.kv_heads, DIM, torch.float64,
+                          case.causal, case.layout, case.masked, schedule)  # fmt: skip
+            model = split_volume(shape, ring, heads)
+            assert counted == (model.forward, model.backward), (
+                f"{case} over ring {ring} x heads {heads}: sent {counted}, model {model}"
+            )
+
+
+def test_the_volume_model_counts_the_bytes_sent(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The bytes the cost model gives each split (Note [Choosing the context-parallel split])
+    are the bytes the most loaded rank sends, forward and backward."""
+    run_world(_volumes, 4, tmp_path)

@@ -1,0 +1,46 @@
+"""The cost model of context-parallel splits (Note [Choosing the context-parallel split] in
+``distributed/cost.py``), without processes: what it refuses and why, and what it picks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dilated_attention import longnet_schedule
+from dilated_attention.core.schedule import Schedule
+from dilated_attention.distributed.cost import Shape, Topology, plan_split, split_volume
+
+
+def test_dilated_rows_cost_far_less_than_dense_blocks() -> None:
+    """At 1M tokens on 8 ranks, ring dilated attention sends a few percent of what dense ring
+    attention and the head all-to-all send, and the model picks the ring."""
+    dilated = Shape(1, 1 << 20, 16, 16, 128, torch.bfloat16, True,
+                    schedule=Schedule(*longnet_schedule(1 << 20)))  # fmt: skip
+    dense = Shape(1, 1 << 20, 16, 16, 128, torch.bfloat16, True)
+    ring = split_volume(dilated, 8, 1)
+    assert ring.forward < 0.01 * split_volume(dense, 8, 1).forward
+    assert ring.forward < 0.05 * split_volume(dilated, 1, 8).forward
+    plan = plan_split(dilated, 8)
+    assert (plan.chosen.ring, plan.chosen.heads) == (8, 1)
+    assert "ring 8 (the fastest predicted)" in plan.describe()
+
+
+def test_dense_attention_across_nodes_takes_the_head_all_to_all_inside_them() -> None:
+    """Dense causal attention of 32K tokens over 16 ranks of 8 per node: the ring's blocks cross
+    the network at 50 GB/s slower than their steps compute; head groups inside a node cut that
+    traffic, so a hybrid wins (at 256K the steps' compute hides the ring's transfers)."""
+    dense = Shape(1, 1 << 15, 32, 8, 128, torch.bfloat16, True)
+    plan = plan_split(dense, 16, Topology(ranks_per_node=8))
+    assert plan.chosen.heads > 1 and plan.chosen.ring > 1, plan.describe()
+    longer = plan_split(Shape(1, 1 << 18, 32, 8, 128, torch.bfloat16, True), 16)
+    assert (longer.chosen.ring, longer.chosen.heads) == (16, 1), longer.describe()
+
+
+def test_splits_the_functions_refuse_are_refused_with_the_reason() -> None:
+    shape = Shape(1, 4096, 12, 4, 64)  # 12 heads do not split over 8
+    plan = plan_split(shape, 8)
+    refused = {s.name: s.refused for s in plan.splits if s.refused}
+    assert "head all-to-all 8" in refused and "divisible by 8" in refused["head all-to-all 8"]
+    assert plan.chosen.refused is None
+    with pytest.raises(ValueError, match="no split of 8 ranks runs this call"):
+        plan_split(Shape(1, 4100, 12, 4, 64), 8)  # 4100 positions over 8 chunks
