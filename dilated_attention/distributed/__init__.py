@@ -13,6 +13,7 @@ from .block_sparse_ring import block_sparse_ring_attention
 from .context import ContextParallel
 from .modules import RingAttention, RingDilatedAttention, RingMultiheadDilatedAttention
 from .packed_ring import RingLoad, ring_load
+from .parallelize import context_parallel
 from .ring import ring_attention
 from .ring_dilated import ring_dilated_attention
 from .sharding import sequence_positions, shard_sequence, unshard_sequence
@@ -24,6 +25,7 @@ __all__ = [
     "RingLoad",
     "RingMultiheadDilatedAttention",
     "block_sparse_ring_attention",
+    "context_parallel",
     "ring_attention",
     "ring_dilated_attention",
     "ring_load",

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,8 +34,16 @@ from .. import _validation as V
 from ._comm import check_same_on_all_ranks, global_rank, group_rank_and_size
 from .alltoall import HeadExchange
 
-__all__ = ["HEAD_FIELDS", "ContextParallel", "HeadSplit", "agree_on_heads", "kv_repeats",
-           "mesh_positions", "no_documents"]  # fmt: skip
+__all__ = [
+    "HEAD_FIELDS",
+    "ContextParallel",
+    "HeadSplit",
+    "agree_on_heads",
+    "check_same_everywhere",
+    "kv_repeats",
+    "mesh_positions",
+    "no_documents",
+]  # fmt: skip
 
 #: What the ranks of a head group compare before the exchange.
 HEAD_FIELDS = ("batch", "local seq_len", "query heads", "key/value heads", "head_dim", "dtype",
@@ -202,3 +210,26 @@ def no_documents(cu_seqlens: object) -> None:
             "the ring's process group (group=cp.ring) for packed documents over ranks"
         )
 
+
+def check_same_everywhere(
+    fields: list[int],
+    names: Sequence[str],
+    group: ContextParallel | dist.ProcessGroup | None,
+    error: Exception | None = None,
+    **options: Any,
+) -> None:
+    """``check_same_on_all_ranks`` over a process group, or over both groups of a
+    :class:`ContextParallel` in turn, an error of the first carried into the second: every
+    rank of the mesh's context-parallel ranks raises when any of them does."""
+    if not isinstance(group, ContextParallel):
+        check_same_on_all_ranks(fields, names, group, error, **options)
+        return
+    for part in (group.heads, group.ring):
+        if part is None:
+            continue
+        try:
+            check_same_on_all_ranks(fields, names, part, error, **options)
+        except Exception as exc:  # carried into the next group's check: no hang there
+            error = exc
+    if error is not None:
+        raise error

@@ -118,14 +118,14 @@ class LongNetLM(GenerationMixin, nn.Module):
         ring = self._ring()
         if ring is None:
             return self._check_tokens(tokens)
-        from ..distributed._comm import check_same_on_all_ranks
+        from ..distributed.context import check_same_everywhere
 
         error: Exception | None = None
         try:
             checked = self._check_tokens(tokens)
         except Exception as exc:  # a rejection on one rank must reach the others: no hang
             error = exc
-        check_same_on_all_ranks(
+        check_same_everywhere(
             [0], ["(none)"], getattr(ring, "group", None), error, what="LongNetLM tokens"
         )
         return checked

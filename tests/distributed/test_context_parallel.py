@@ -12,6 +12,7 @@ with messages (pytest does not rewrite them).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ from dilated_attention.core.schedule import Schedule
 from dilated_attention.distributed import (
     ContextParallel,
     block_sparse_ring_attention,
+    context_parallel,
     ring_attention,
     ring_dilated_attention,
     sequence_positions,
@@ -220,3 +222,33 @@ def test_the_volume_model_counts_the_bytes_sent(tmp_path) -> None:  # type: igno
     """The bytes the cost model gives each split (Note [Choosing the context-parallel split])
     are the bytes the most loaded rank sends, forward and backward."""
     run_world(_volumes, 4, tmp_path)
+
+
+def _layers(rank: int, world: int) -> None:
+    """A model of the library's local layers, made context parallel in place, gives each
+    rank its shard of the one-process output and the same parameter gradients (summed)."""
+    from dilated_attention import MultiheadDilatedAttention
+
+    torch.manual_seed(0)
+    layer = MultiheadDilatedAttention(32, 8, [4, 8], [1, 2], num_kv_heads=2).double()
+    model = torch.nn.Sequential(layer)
+    x = torch.randn(2, LOCAL * world, 32, dtype=torch.float64)
+    want = layer(x, is_causal=True)[0]
+    want_grads = torch.autograd.grad((want * want).sum(), list(layer.parameters()))
+    for cp in (ContextParallel(heads=dist.group.WORLD), ContextParallel(ring=dist.group.WORLD)):
+        parallel = context_parallel(copy.deepcopy(model), cp)
+        out = parallel[0](shard_sequence(x, group=cp), is_causal=True)[0]
+        grads = torch.autograd.grad((out * out).sum(), list(parallel.parameters()))
+        positions = sequence_positions(LOCAL, group=cp)
+        torch.testing.assert_close(out, want[:, positions].detach(), **TIGHT,
+                                   msg=lambda m, cp=cp: f"{cp}: {m}")  # fmt: skip
+        for got, expected in zip(grads, want_grads, strict=True):
+            total = got.clone()
+            dist.all_reduce(total)
+            torch.testing.assert_close(total, expected, **TIGHT, msg=lambda m, cp=cp: f"{cp}: {m}")
+    with raises_on_rank("dropout", "has dropout=0.1"):
+        context_parallel(MultiheadDilatedAttention(32, 8, [4], [1], dropout=0.1), None)
+
+
+def test_context_parallel_turns_local_layers_into_ring_layers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    run_world(_layers, 2, tmp_path)

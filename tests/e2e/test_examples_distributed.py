@@ -139,3 +139,27 @@ def test_measure_peak_memory_on_cpu() -> None:
         512, "forward+backward", heads=2, head_dim=16, first_segment=128, device="cpu"
     )
     assert peak is not None and peak >= 0
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("split", ["ring", "heads"])
+def test_fsdp_times_context_parallel_example_gives_the_single_process_losses(
+    split: str, tmp_path: Path
+) -> None:
+    """LongNetLM on a 2 x 2 mesh (FSDP2 over every rank, the sequence over the mesh's ``cp``
+    ranks by a ring or a head all-to-all) trains with the single-process losses (float64)."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+        str(ROOT / "examples" / "context_parallel_fsdp.py"), "--device", "cpu", "--split", split,
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240, check=False
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    pairs = re.findall(r"step \d+: loss (\S+) single_process_loss (\S+)", proc.stdout)
+    assert len(pairs) == 3, proc.stdout
+    for got, want in pairs:
+        assert float(got) == pytest.approx(float(want), rel=1e-12, abs=0), proc.stdout
+    sizes = (2, 1) if split == "ring" else (1, 2)
+    assert f"cp=2 (ring of {sizes[0]} x head all-to-all of {sizes[1]})" in proc.stdout
+
