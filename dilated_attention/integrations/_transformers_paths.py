@@ -41,6 +41,16 @@ Note [Decoding with transformers' caches]
     and a new graph per length). It is taken under ``torch.compile`` without gradients (the
     step has none); eager calls keep the general path.
 
+Note [Context parallel transformers]
+    With ``use_dilated_attention(..., context_parallel=group)`` every self-attention call runs
+    ``ring_dilated_attention`` over ``group`` (Note [Context parallel groups] in
+    ``distributed/context.py``): each rank's model holds its shard of the sequence, rotated by
+    the global ``position_ids`` the caller passes, and the call returns that shard of the exact
+    one-process result. Training and evaluation over whole sequences only: a padding mask, a
+    cache (keys other than the call's own), packed rows and attention dropout raise
+    ``ValueError``, on this rank, before the ring call's agreement (call them on every rank
+    alike).
+
 Note [Cross-attention in encoder-decoder models]
     A decoder's cross-attention reads the encoder's keys: query positions and key positions are
     of different sequences, so dilated segments (which pair rows by position) have no meaning
@@ -70,6 +80,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..distributed import ring_dilated_attention
 from ..functional import attention, dilated_attention
 
 #: Names under which transformers models store cross-attention layers (Note [Cross-attention
@@ -323,3 +334,42 @@ def kept_attention(
             module, query, key, value, bias, dropout=dropout, scaling=scaling, softcap=softcap
         )
     return torch.where(seen[:, 0, :, :, None], out, out.new_zeros(()))
+
+
+def context_parallel_rows(
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None,
+    kwargs: dict[str, Any],
+    group: Any,
+    schedule: tuple[list[int], list[int]],
+    run: dict[str, Any],
+    reason: str | None,
+) -> torch.Tensor:
+    """A self-attention call over a sequence sharded across ``group`` (Note [Context parallel
+    transformers]): q (B, n, H, D), k and v (B, n, Hkv, D) this rank's shard -> (B, n, H, D).
+
+    Raises:
+        ValueError: a call dilated attention cannot compute, a padding mask, a cache, packed
+            rows, or dropout.
+    """
+    q, k, v = qkv
+    refused = reason
+    if attention_mask is not None:
+        refused = "a padding mask (context parallel layers take whole, unpadded sequences)"
+    elif k.shape[1] != q.shape[1]:
+        refused = "cached keys (context parallel layers train and evaluate, they do not decode)"
+    elif kwargs.get("cu_seq_lens_q") is not None:
+        refused = "packed sequences"
+    elif run.get("dropout_p"):
+        refused = f"attention dropout {run['dropout_p']} (the ring functions have none)"
+    if refused is not None:
+        raise ValueError(
+            f"{refused}: a layer made context parallel (use_dilated_attention(..., "
+            f"context_parallel=...)) runs every rank's shard of whole sequences; call it so, "
+            f"or use the model without context_parallel"
+        )
+    out = ring_dilated_attention(
+        q, k, v, *schedule, group=group, is_causal=run["is_causal"], scale=run.get("scale")
+    )
+    assert isinstance(out, torch.Tensor)  # return_lse=False
+    return out

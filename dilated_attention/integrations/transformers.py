@@ -42,11 +42,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .. import _validation as V
 from ..core.schedule import Schedule
 from ..decode_step import decode_at
+from ..distributed import ContextParallel
 from ..functional import dilated_attention
 from . import _transformers_paths as P
 
@@ -60,6 +62,9 @@ CHECK_POSITIONS_ATTR = "dilated_check_positions"
 KEEP_ATTR = "dilated_keep_unsupported_layers"
 #: Config attribute naming the implementation in a saved config (Note [Hugging Face attention]).
 IMPLEMENTATION_ATTR = "attn_implementation"
+#: Attention module attribute: the group its calls run over (Note [Context parallel
+#: transformers]); a module attribute, not config: a process group is not saved with a model.
+CONTEXT_ATTR = "dilated_context_parallel"
 
 
 def register(name: str = NAME) -> str:
@@ -102,6 +107,7 @@ def use_dilated_attention(
     *,
     check_positions: bool = True,
     keep_unsupported_layers: bool = False,
+    context_parallel: ContextParallel | dist.ProcessGroup | None = None,
 ) -> nn.Module:
     """Run every attention layer of a transformers ``model`` as dilated attention; returns the
     model. A decoder's cross-attention runs dense over the encoder's keys (Note
@@ -120,6 +126,10 @@ def use_dilated_attention(
         keep_unsupported_layers: calls that dilated attention cannot compute exactly (a
             sliding window shorter than the call, soft-capped scores) run transformers' SDPA
             attention (the model's eager attention for soft-capping) instead of raising.
+        context_parallel: run the self-attention layers over a sequence sharded across ranks
+            (a :class:`~dilated_attention.distributed.ContextParallel` or a process group;
+            Note [Context parallel transformers]): each rank passes its shard of the tokens
+            and their global ``position_ids`` (``sequence_positions(n, group=...)``).
 
     Raises:
         ValueError: a bad schedule (per layer: the layer is named), a per-layer schedule whose
@@ -148,6 +158,9 @@ def use_dilated_attention(
         for attr, value in settings.items():
             setattr(held, attr, value)
     model.set_attn_implementation(register())
+    for module in model.modules():  # the attention layers (and their blocks) know their index
+        if hasattr(module, "layer_idx"):
+            setattr(module, CONTEXT_ATTR, context_parallel)
     return model
 
 
@@ -397,6 +410,12 @@ def attention_forward(
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     reason = P.unsupported_reason(module, key.shape[2], kwargs)
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, N, H, D) views
+    group = getattr(module, CONTEXT_ATTR, None)
+    if group is not None:
+        run["is_causal"] = causal
+        return P.context_parallel_rows(
+            (q, k, v), attention_mask, kwargs, group, _layer_schedule(module), run, reason
+        ), None  # fmt: skip
     documents = P.packed_documents(kwargs, q, key.shape[2], attention_mask, check)
     if documents is not None:
         packed = {**run, "is_causal": causal}

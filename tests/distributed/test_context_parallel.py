@@ -252,3 +252,42 @@ def _layers(rank: int, world: int) -> None:
 
 def test_context_parallel_turns_local_layers_into_ring_layers(tmp_path) -> None:  # type: ignore[no-untyped-def]
     run_world(_layers, 2, tmp_path)
+
+
+def _llama(rank: int, world: int) -> None:
+    """A Llama-style transformers model through ``use_dilated_attention(...,
+    context_parallel=...)``: each rank's logits are its shard of the one-process logits, and the
+    parameter gradients (summed over ranks) equal the one-process ones."""
+    import transformers
+
+    from dilated_attention.integrations.transformers import use_dilated_attention
+
+    config = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    single = use_dilated_attention(transformers.LlamaForCausalLM(config).double(), [4, 8], [1, 2])
+    ids = torch.randint(0, 97, (2, LOCAL * world), generator=torch.Generator().manual_seed(1))
+    want = single(ids).logits
+    want_grads = torch.autograd.grad(want.square().sum(), list(single.parameters()))
+    for cp in (ContextParallel(heads=dist.group.WORLD), ContextParallel(ring=dist.group.WORLD)):
+        model = copy.deepcopy(single)
+        use_dilated_attention(model, [4, 8], [1, 2], context_parallel=cp)
+        positions = sequence_positions(LOCAL, group=cp)
+        logits = model(shard_sequence(ids, group=cp), position_ids=positions[None]).logits
+        torch.testing.assert_close(logits, want[:, positions].detach(), **TIGHT,
+                                   msg=lambda m, cp=cp: f"{cp}: {m}")  # fmt: skip
+        grads = torch.autograd.grad(logits.square().sum(), list(model.parameters()))
+        for got, expected in zip(grads, want_grads, strict=True):
+            total = got.clone()
+            dist.all_reduce(total)
+            torch.testing.assert_close(total, expected, **TIGHT, msg=lambda m, cp=cp: f"{cp}: {m}")
+        with raises_on_rank("padding", "a padding mask"):
+            model(shard_sequence(ids, group=cp), attention_mask=torch.ones(2, LOCAL))
+
+
+def test_a_transformers_model_runs_context_parallel(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("transformers")
+    run_world(_llama, 2, tmp_path)
