@@ -11,6 +11,7 @@ process group's timeout: pass ``init_process_group(timeout=...)`` (docs/ring.md,
 
 from .block_sparse_ring import block_sparse_ring_attention
 from .context import ContextParallel
+from .cost import SplitPlan, Topology, plan_context_parallel
 from .modules import RingAttention, RingDilatedAttention, RingMultiheadDilatedAttention
 from .packed_ring import RingLoad, ring_load
 from .parallelize import context_parallel
@@ -24,8 +25,11 @@ __all__ = [
     "RingDilatedAttention",
     "RingLoad",
     "RingMultiheadDilatedAttention",
+    "SplitPlan",
+    "Topology",
     "block_sparse_ring_attention",
     "context_parallel",
+    "plan_context_parallel",
     "ring_attention",
     "ring_dilated_attention",
     "ring_load",

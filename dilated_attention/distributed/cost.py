@@ -24,18 +24,24 @@ Shape legend: N positions, B batch, H query heads, Hkv key/value heads, D head d
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from .. import _validation as V
 from ..core.schedule import Schedule
-from .context import kv_repeats
+from .context import ContextParallel, kv_repeats
 from .dilated_plan import span_peers, span_rows
 from .ring import tasks_of
-from .sharding import chunks_per_rank
+from .sharding import check_layout, chunks_per_rank
 from .template import RingSetup
 
-__all__ = ["Split", "SplitPlan", "Topology", "Volume", "plan_split", "split_volume"]
+__all__ = [
+    "Split", "SplitPlan", "Topology", "Volume", "plan_context_parallel", "plan_split",
+    "split_volume",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -205,6 +211,24 @@ class SplitPlan:
     chosen: Split
     splits: tuple[Split, ...] = field(default=())
 
+    def mesh(self, device_type: str, data_parallel: int = 1) -> tuple[Any, ContextParallel]:
+        """The ``(dp, ring, heads)`` ``DeviceMesh`` of the chosen split (head groups on
+        consecutive ranks: inside a node) and its :class:`ContextParallel`; every rank calls
+        it."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        ring, heads = self.chosen.ring, self.chosen.heads
+        mesh = init_device_mesh(
+            device_type, (data_parallel, ring, heads), mesh_dim_names=("dp", "ring", "heads")
+        )
+        cp = ContextParallel.from_mesh(
+            mesh, ring="ring" if ring > 1 else None, heads="heads" if heads > 1 else None
+        )
+        return mesh, cp
+
+    def __str__(self) -> str:
+        return self.describe()
+
     def describe(self) -> str:
         """The choice and, for every split, its bytes, predicted time or why it was refused."""
         lines = [f"context parallel: {self.chosen.name} (the fastest predicted)"]
@@ -256,6 +280,47 @@ def _refused(shape: Shape, ring: int, heads: int) -> str | None:
     except ValueError as exc:
         return str(exc).split(";")[0]
     return None
+
+
+def plan_context_parallel(
+    world_size: int,
+    *,
+    seq_len: int,
+    num_heads: int,
+    head_dim: int,
+    num_kv_heads: int | None = None,
+    batch: int = 1,
+    segment_lengths: Sequence[int] | None = None,
+    dilation_rates: Sequence[int] | None = None,
+    is_causal: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
+    layout: str = "contiguous",
+    topology: Topology | None = None,
+) -> SplitPlan:
+    """The split of ``world_size`` ranks for a layer call of these properties (Note [Choosing
+    the context-parallel split]); ``str(plan)`` says why, ``plan.mesh(device_type)`` builds it.
+
+    Args:
+        world_size: the context-parallel ranks.
+        seq_len, num_heads, head_dim, num_kv_heads, batch: the whole call's shape.
+        segment_lengths, dilation_rates: a dilated schedule (None: dense attention).
+        is_causal, dtype, layout: the call's mask, dtype and sequence layout.
+        topology: links and compute of the ranks (default :class:`Topology`).
+
+    Raises:
+        ValueError / TypeError: a bad argument, or no split runs the call.
+    """
+    world_size = V.check_positive_int("world_size", world_size)
+    num_kv_heads = V.check_heads(head_dim * num_heads, num_heads, num_kv_heads)
+    schedule = None
+    if segment_lengths is not None or dilation_rates is not None:
+        schedule = Schedule(segment_lengths, dilation_rates)  # type: ignore[arg-type]
+    shape = Shape(
+        V.check_positive_int("batch", batch), V.check_positive_int("seq_len", seq_len),
+        num_heads, num_kv_heads, V.check_positive_int("head_dim", head_dim), dtype,
+        V.check_bool("is_causal", is_causal), check_layout(layout), False, schedule,
+    )  # fmt: skip
+    return plan_split(shape, world_size, topology)
 
 
 def plan_split(shape: Shape, world: int, topology: Topology | None = None) -> SplitPlan:
