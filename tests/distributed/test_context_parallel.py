@@ -28,6 +28,7 @@ from dilated_attention.distributed import (
     ContextParallel,
     block_sparse_ring_attention,
     context_parallel,
+    plan_context_parallel,
     ring_attention,
     ring_dilated_attention,
     sequence_positions,
@@ -206,6 +207,10 @@ def _volumes(rank: int, world: int) -> None:
         (1, 4): ContextParallel(heads=dist.group.WORLD),
         (4, 1): ContextParallel(ring=dist.group.WORLD),
     }
+    plan = plan_context_parallel(world, seq_len=1 << 15, num_heads=32, num_kv_heads=8,
+                                 head_dim=128, is_causal=True)  # fmt: skip
+    _, planned = plan.mesh("cpu")
+    assert planned.sizes() == (plan.chosen.ring, plan.chosen.heads), str(plan)
     for case in [*CASES[:6], Case("dense", masked=True)]:
         for (ring, heads), cp in splits.items():
             counted = _counted(case, cp, world)
