@@ -138,17 +138,14 @@ def dilated_attention(
         scale: softmax scale; ``None`` means ``D ** -0.5``.
         dropout_p: dropout on the attention probabilities.
         key_padding_mask: (B, N) bool, ``True`` = ignore that key.
-        backend: a name from :func:`list_backends`, or ``None`` / ``"auto"`` to choose
-            automatically.
+        backend: a name from :func:`list_backends`; ``None`` / ``"auto"``: automatic.
         return_lse: also return the merged log-sum-exp.
-        cache: a :class:`~dilated_attention.DilatedKVCache` of this layer, for decoding with
-            ``is_causal=True``: query, key and value are the next tokens' (same length), their
-            keys appended to the cache; the queries read every key they can see, which the
-            cache keeps within the longest segment (Note [Bounded dilated cache]).
-            ``key_padding_mask`` is then (B, N) over the new keys (the cache keeps the rest).
-            A :class:`~dilated_attention.StaticDilatedKVCache` makes each call of one token
-            per row a step with static shapes, for ``torch.compile`` and CUDA graphs (Note [A
-            decode step with static shapes]).
+        cache: this layer's :class:`~dilated_attention.DilatedKVCache` (Note [Bounded
+            dilated cache]) or :class:`~dilated_attention.StaticDilatedKVCache` (Note [A
+            decode step with static shapes]), for decoding with ``is_causal=True``: query, key
+            and value are the next tokens' (same length), their keys taken by the cache, which
+            holds every key they can read; ``key_padding_mask`` is then (B, N) over the new
+            keys.
         cu_seqlens: packed documents, as in :func:`attention`, each segmented as if alone; with
             an empty ``cache`` a prompt (Note [A packed prompt] in ``core/documents.py``).
 

@@ -324,17 +324,10 @@ def ring_attention(
             (``init_process_group(timeout=...)``, docs/ring.md).
     """
     if isinstance(group, ContextParallel):
-        options = dict(is_causal=is_causal, scale=scale, backend=backend, return_lse=True)
-        ring = functools.partial(_ring_shard, layout=layout, comm=comm, **options)
-
-        def local(q, k, v, mask, first):  # type: ignore[no-untyped-def]
-            return attention(q, k, v, key_padding_mask=mask, **options)
-
         no_documents(cu_seqlens)
-        out, lse = split_call(
-            group, chunks_per_rank(check_layout(layout)), query, key, value, key_padding_mask,
-            local=local, ring=ring, what="ring_attention",
-            options=lambda: (is_causal, V.check_scale(scale), check_backend_name(backend), comm),
+        out, lse = _over_context(
+            group, query, key, value, key_padding_mask, is_causal=is_causal, scale=scale,
+            backend=backend, layout=layout, comm=comm,
         )  # fmt: skip
         return (out, lse) if return_lse else out
     args = RingArgs(
@@ -357,6 +350,32 @@ def ring_attention(
     return (out, lse) if return_lse else out
 
 
-def _ring_shard(group, q, k, v, mask, first, **options):  # type: ignore[no-untyped-def]
-    """:func:`ring_attention` over the ring group of a context-parallel call."""
-    return ring_attention(q, k, v, group=group, key_padding_mask=mask, **options)
+def _over_context(
+    cp: ContextParallel,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    *,
+    is_causal: bool,
+    scale: float | None,
+    backend: str | None,
+    layout: str,
+    comm: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ring_attention` under a :class:`ContextParallel` (Note [Calls under a head
+    all-to-all] in ``ulysses.py``): ``(out, lse)``."""
+    options = dict(is_causal=is_causal, scale=scale, backend=backend, return_lse=True)
+
+    def local(q, k, v, mask, first):  # type: ignore[no-untyped-def]
+        return attention(q, k, v, key_padding_mask=mask, **options)
+
+    def ring(group, q, k, v, mask, first):  # type: ignore[no-untyped-def]
+        return ring_attention(q, k, v, group=group, key_padding_mask=mask, layout=layout,
+                              comm=comm, **options)  # fmt: skip
+
+    return split_call(
+        cp, chunks_per_rank(check_layout(layout)), query, key, value, key_padding_mask,
+        local=local, ring=ring, what="ring_attention",
+        options=lambda: (is_causal, V.check_scale(scale), check_backend_name(backend), comm),
+    )  # fmt: skip

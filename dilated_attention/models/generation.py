@@ -169,39 +169,12 @@ class GenerationMixin:
             TypeError: ``generator`` is not a ``torch.Generator``.
         """
         groups = self._prompt_groups(prompt)
-        graph = self._check_cuda_graph(cuda_graph, groups, max_new_tokens)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-            raise ValueError(
-                f"temperature must be a finite number >= 0, got temperature={temperature!r} "
-                f"({type(temperature).__name__})"
-            )
-        temperature = V.check_positive_float(
-            "temperature", temperature, allow_zero=True,
-            fix="0 is greedy decoding, 1.0 samples from the model's distribution",
-        )  # fmt: skip
-        if top_k is not None:
-            V.check_positive_int("top_k", top_k)
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(
-                f"generator must be a torch.Generator or None, got {generator!r} "
-                f"({type(generator).__name__}); e.g. torch.Generator().manual_seed(0)"
-            )
-        vocab = self.config.vocab_size
-        if stop_token is not None and (
-            isinstance(stop_token, bool)
-            or not isinstance(stop_token, int)
-            or not 0 <= stop_token < vocab
-        ):
-            raise ValueError(
-                f"stop_token must be a token id in [0, {vocab}) or None, got "
-                f"stop_token={stop_token!r}; e.g. the id of your end-of-text token"
-            )
-        sampling = Sampling(temperature, top_k, generator, stop_token)
-        if graph:
+        sampling = Sampling.checked(temperature, top_k, generator, stop_token, self.config)
+        if self._check_cuda_graph(cuda_graph, groups, max_new_tokens):
             return self._sample_static(groups, max_new_tokens, sampling)
         return self._sample(groups, max_new_tokens, sampling)
 
@@ -347,6 +320,50 @@ class Sampling:
     top_k: int | None
     generator: torch.Generator | None
     stop_token: int | None
+
+    @classmethod
+    def checked(
+        cls,
+        temperature: object,
+        top_k: object,
+        generator: object,
+        stop_token: object,
+        config: LongNetConfig,
+    ) -> Sampling:
+        """The arguments of :meth:`GenerationMixin.stream`, checked.
+
+        Raises:
+            ValueError: ``temperature`` negative or not finite, ``top_k < 1``, ``stop_token``
+                not a token id of ``config``'s vocabulary.
+            TypeError: ``generator`` is not a ``torch.Generator``.
+        """
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+            raise ValueError(
+                f"temperature must be a finite number >= 0, got temperature={temperature!r} "
+                f"({type(temperature).__name__})"
+            )
+        temperature = V.check_positive_float(
+            "temperature", temperature, allow_zero=True,
+            fix="0 is greedy decoding, 1.0 samples from the model's distribution",
+        )  # fmt: skip
+        if top_k is not None:
+            V.check_positive_int("top_k", top_k)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(
+                f"generator must be a torch.Generator or None, got {generator!r} "
+                f"({type(generator).__name__}); e.g. torch.Generator().manual_seed(0)"
+            )
+        vocab = config.vocab_size
+        if stop_token is not None and (
+            isinstance(stop_token, bool)
+            or not isinstance(stop_token, int)
+            or not 0 <= stop_token < vocab
+        ):
+            raise ValueError(
+                f"stop_token must be a token id in [0, {vocab}) or None, got "
+                f"stop_token={stop_token!r}; e.g. the id of your end-of-text token"
+            )
+        return cls(temperature, top_k, generator, stop_token)  # type: ignore[arg-type]
 
     def next(self, logits: torch.Tensor, stopped: torch.Tensor) -> torch.Tensor:
         """(B, 1) token ids from (B, V) logits; ``stop_token`` where ``stopped`` (B, 1)."""
