@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 from einops import rearrange
-from torch.autograd.function import once_differentiable
 
 from ._comm import exchange, wait_all
 
@@ -87,35 +86,50 @@ def to_sequence(y: torch.Tensor, ex: HeadExchange) -> torch.Tensor:
     return torch.cat(_swap(list(pieces), ex), dim=2)
 
 
-class _ToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, ex: HeadExchange) -> torch.Tensor:  # type: ignore[override]
-        ctx.ex = ex
-        return to_heads(x, ex)
-
-    @staticmethod
-    @once_differentiable  # the exchange records no graph: a double backward raises
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return to_sequence(grad, ctx.ex), None
+def _exchange(
+    x: torch.Tensor, ranks: list[int], rank: int, parts: int, heads: bool
+) -> torch.Tensor:
+    """:func:`to_heads` (``heads``) or :func:`to_sequence` of ``x`` in the exchange of
+    ``rank`` among ``ranks`` (global ranks) with ``parts`` chunks per shard."""
+    ex = HeadExchange(rank, tuple(ranks), parts)
+    return (to_heads if heads else to_sequence)(x, ex)
 
 
-class _ToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, ex: HeadExchange) -> torch.Tensor:  # type: ignore[override]
-        ctx.ex = ex
-        return to_sequence(y, ex)
+def _exchange_shape(
+    x: torch.Tensor, ranks: list[int], rank: int, parts: int, heads: bool
+) -> torch.Tensor:
+    batch, rows, num_heads, dim = x.shape
+    size = len(ranks)
+    if heads:
+        return x.new_empty(batch, rows * size, num_heads // size, dim)
+    return x.new_empty(batch, rows // size, num_heads * size, dim)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return to_heads(grad, ctx.ex), None
+
+_OPERATOR = torch.library.custom_op(
+    "dilated_attention::head_exchange", _exchange, mutates_args=(),
+    schema="(Tensor x, int[] ranks, int rank, int parts, bool heads) -> Tensor",
+)  # fmt: skip
+_OPERATOR.register_fake(_exchange_shape)
+
+
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.options = inputs[1:]
+
+
+def _backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """The opposite exchange: itself differentiable, so gradients of gradients pass too."""
+    ranks, rank, parts, heads = ctx.options
+    return _OPERATOR(grad.contiguous(), ranks, rank, parts, not heads), None, None, None, None
+
+
+_OPERATOR.register_autograd(_backward, setup_context=_setup)
 
 
 def heads_of(x: torch.Tensor, ex: HeadExchange) -> torch.Tensor:
     """:func:`to_heads`, differentiable (its backward is :func:`to_sequence`)."""
-    return _ToHeads.apply(x, ex)
+    return _OPERATOR(x.contiguous(), list(ex.global_ranks), ex.rank, ex.parts, True)
 
 
 def sequence_of(y: torch.Tensor, ex: HeadExchange) -> torch.Tensor:
     """:func:`to_sequence`, differentiable (its backward is :func:`to_heads`)."""
-    return _ToSequence.apply(y, ex)
+    return _OPERATOR(y.contiguous(), list(ex.global_ranks), ex.rank, ex.parts, False)

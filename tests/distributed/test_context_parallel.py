@@ -134,6 +134,29 @@ def _heads_alone(rank: int, world: int) -> None:
     cp = ContextParallel(heads=dist.group.WORLD)
     for case in CASES:
         _check(case, cp, world)
+    for case in (CASES[1], CASES[3]):
+        _second_order(case, cp, world)
+
+
+def _second_order(case: Case, cp: ContextParallel, world: int) -> None:
+    """Gradients of gradients through the head all-to-all (differentiable to any order) and the
+    local call: the oracle's, shard by shard."""
+    seq_len = LOCAL * world
+    full = [x.requires_grad_() for x in _full(case, seq_len)]
+    mask = _mask(seq_len) if case.masked else None
+    want, _ = _oracle(case, *full, mask)
+    first = torch.autograd.grad(want.square().sum(), full[0], create_graph=True)[0]
+    want_second = torch.autograd.grad(first.square().sum(), full)
+    shard = {"group": cp, "layout": case.layout}
+    mine = [shard_sequence(x.detach(), **shard).requires_grad_() for x in full]
+    my_mask = None if mask is None else shard_sequence(mask, **shard)
+    out, _ = _ring(case, cp, *mine, my_mask)
+    grad = torch.autograd.grad(out.square().sum(), mine[0], create_graph=True)[0]
+    second = torch.autograd.grad(grad.square().sum(), mine)
+    positions = sequence_positions(LOCAL, group=cp, layout=case.layout)
+    for got, expected, label in zip(second, want_second, "qkv", strict=True):
+        torch.testing.assert_close(got, expected[:, positions], **TIGHT,
+                                   msg=lambda m, label=label: f"{case} d2{label}: {m}")  # fmt: skip
 
 
 def _mesh_2x2(rank: int, world: int) -> None:
