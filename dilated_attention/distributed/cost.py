@@ -33,7 +33,7 @@ import torch
 from .. import _validation as V
 from ..core.schedule import Schedule
 from .context import ContextParallel, kv_repeats
-from .dilated_plan import span_peers, span_rows
+from .dilated_plan import span_peers, span_rows, span_segments
 from .ring import tasks_of
 from .sharding import check_layout, chunks_per_rank
 from .template import RingSetup
@@ -102,7 +102,7 @@ def ring_volume(shape: Shape, ranks: int) -> Volume:
         return Volume()
     if shape.schedule is None:
         return max((_dense_ring(shape, ranks, r) for r in range(ranks)), key=_total)
-    return max((_dilated_ring(shape, ranks, r) for r in range(ranks)), key=_total)
+    return max(_dilated_ring(shape, ranks), key=_total)
 
 
 def _total(volume: Volume) -> int:
@@ -132,24 +132,27 @@ def _dense_ring(shape: Shape, ranks: int, rank: int) -> Volume:
     return Volume((ranks - 1) * block, (ranks - 1) * block + home)
 
 
-def _dilated_ring(shape: Shape, ranks: int, rank: int) -> Volume:
-    """Ring dilated attention: each spanning branch's rows to the ranks sharing its segments,
-    and their gradients back (float32 accumulators)."""
+def _dilated_ring(shape: Shape, ranks: int) -> list[Volume]:
+    """Ring dilated attention, every rank's: each spanning branch's rows to the ranks sharing
+    its segments, and their gradients back (float32 accumulators)."""
     assert shape.schedule is not None
     local = shape.seq_len // ranks
     layout = shape.schedule.at(shape.seq_len, shape.heads, shape.kv_heads)
     split = layout.sharded(ranks, local // chunks_per_rank(shape.layout))
     cpu = torch.device("cpu")
-    forward = backward = 0
+    forward, backward = [0] * ranks, [0] * ranks
     for w, r in split.spanning:
         _, rows, positions = span_rows(
             ranks, shape.layout, local, shape.heads, shape.kv_heads, w, r, cpu
         )
-        peers = len(span_peers(positions, min(w, shape.seq_len), rank))
+        segments = span_segments(positions, min(w, shape.seq_len))
         kv = 2 * shape.batch * rows * shape.head_dim
-        forward += peers * (kv * shape.element + (shape.batch * rows if shape.masked else 0))
-        backward += peers * kv * shape.accumulator
-    return Volume(forward, backward)
+        for rank in range(ranks):
+            peers = len(span_peers(segments, rank))
+            mask = shape.batch * rows if shape.masked else 0
+            forward[rank] += peers * (kv * shape.element + mask)
+            backward[rank] += peers * kv * shape.accumulator
+    return [Volume(f, b) for f, b in zip(forward, backward, strict=True)]
 
 
 def split_volume(shape: Shape, ring: int, heads: int) -> Volume:
@@ -194,6 +197,7 @@ class Split:
     volume: Volume | None = None
     predicted_ms: float | None = None
     refused: str | None = None
+    kv_repeats: int = 1  # each key/value head repeated for the head all-to-all (GQA)
 
     @property
     def name(self) -> str:
@@ -237,10 +241,12 @@ class SplitPlan:
                 lines.append(f"  {split.name}: refused ({split.refused})")
                 continue
             assert split.volume is not None and split.predicted_ms is not None
+            repeats = split.kv_repeats
+            repeated = f", each key/value head repeated {repeats}x" if repeats > 1 else ""
             lines.append(
                 f"  {split.name}: {split.volume.forward / 2**20:,.1f} MiB forward, "
                 f"{split.volume.backward / 2**20:,.1f} MiB backward per rank, "
-                f"{split.predicted_ms:,.2f} ms predicted"
+                f"{split.predicted_ms:,.2f} ms predicted{repeated}"
             )
         return "\n".join(lines)
 
@@ -341,7 +347,8 @@ def plan_split(shape: Shape, world: int, topology: Topology | None = None) -> Sp
             continue
         split = Split(ring, heads, split_volume(shape, ring, heads))
         ms = _predicted_ms(shape, split, world, topology)
-        splits.append(Split(ring, heads, split.volume, ms))
+        repeats = kv_repeats(shape.heads, shape.kv_heads, heads)
+        splits.append(Split(ring, heads, split.volume, ms, kv_repeats=repeats))
     runnable = [s for s in splits if s.refused is None]
     if not runnable:
         reasons = "; ".join(f"{s.name}: {s.refused}" for s in splits)

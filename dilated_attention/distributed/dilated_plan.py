@@ -34,6 +34,7 @@ __all__ = [
     "plan_ring_dilated",
     "span_peers",
     "span_rows",
+    "span_segments",
 ]
 
 
@@ -189,7 +190,7 @@ def plan_span(
                 calls.append((q_rows, heads, flat[before], False))
             own = in_seg & (pos >= first) & (pos <= last)
             calls.append((q_rows, heads, flat[own], True))
-    peers = span_peers(positions, seg, me)
+    peers = span_peers(span_segments(positions, seg), me)
     my_rows = [pair.local_rows[me] for pair in pairs]
     slots = [
         pair.start + torch.arange(r.numel(), device=device)
@@ -240,11 +241,15 @@ def span_rows(
     return pairs, start, positions
 
 
-def span_peers(positions: list[torch.Tensor], segment: int, rank: int) -> tuple[int, ...]:
-    """The ranks sharing a segment of length ``segment`` with ``rank`` (``positions``: every
-    rank's global positions), not itself."""
-    segments = [set((p // segment).tolist()) for p in positions]
-    return tuple(j for j in range(len(positions)) if j != rank and segments[j] & segments[rank])
+def span_segments(positions: list[torch.Tensor], segment: int) -> list[set[int]]:
+    """Every rank's segments of length ``segment`` (``positions``: every rank's positions)."""
+    return [set((p // segment).tolist()) for p in positions]
+
+
+def span_peers(segments: list[set[int]], rank: int) -> tuple[int, ...]:
+    """The ranks sharing a segment with ``rank`` (``segments``: :func:`span_segments`), not
+    itself."""
+    return tuple(j for j in range(len(segments)) if j != rank and segments[j] & segments[rank])
 
 
 def _stack_calls(

@@ -274,6 +274,9 @@ def _layers(rank: int, world: int) -> None:
             total = got.clone()
             dist.all_reduce(total)
             torch.testing.assert_close(total, expected, **TIGHT, msg=lambda m, cp=cp: f"{cp}: {m}")
+        compiled = torch.compile(parallel[0])  # the ring call runs eagerly between graphs
+        again = compiled(shard_sequence(x, group=cp), is_causal=True)[0]
+        torch.testing.assert_close(again, out, **TIGHT, msg=lambda m, cp=cp: f"compiled {cp}: {m}")
     with raises_on_rank("dropout", "has dropout=0.1"):
         context_parallel(MultiheadDilatedAttention(32, 8, [4], [1], dropout=0.1), None)
 

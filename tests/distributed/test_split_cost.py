@@ -32,6 +32,7 @@ def test_dense_attention_across_nodes_takes_the_head_all_to_all_inside_them() ->
     dense = Shape(1, 1 << 15, 32, 8, 128, torch.bfloat16, True)
     plan = plan_split(dense, 16, Topology(ranks_per_node=8))
     assert plan.chosen.heads > 1 and plan.chosen.ring > 1, plan.describe()
+    assert "head all-to-all 16: " in str(plan) and "repeated 2x" in str(plan)  # 8 kv heads
     longer = plan_split(Shape(1, 1 << 18, 32, 8, 128, torch.bfloat16, True), 16)
     assert (longer.chosen.ring, longer.chosen.heads) == (16, 1), longer.describe()
 
