@@ -1,5 +1,6 @@
-"""The cost model of context-parallel splits (Note [Choosing the context-parallel split] in
-``distributed/cost.py``), without processes: what it refuses and why, and what it picks."""
+"""Context parallelism without processes: the cost model of the splits (Note [Choosing the
+context-parallel split] in ``distributed/cost.py``: what it refuses and why, what it picks),
+``ContextParallel.from_mesh`` and what ``context_parallel`` refuses."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from dilated_attention import longnet_schedule
 from dilated_attention.core.schedule import Schedule
+from dilated_attention.distributed import ContextParallel, context_parallel
 from dilated_attention.distributed.cost import Shape, Topology, plan_split, split_volume
 
 
@@ -45,3 +47,30 @@ def test_splits_the_functions_refuse_are_refused_with_the_reason() -> None:
     assert plan.chosen.refused is None
     with pytest.raises(ValueError, match="no split of 8 ranks runs this call"):
         plan_split(Shape(1, 4100, 12, 4, 64), 8)  # 4100 positions over 8 chunks
+
+
+def test_context_parallel_from_a_mesh_names_its_dimensions() -> None:
+    class Mesh:  # the two things from_mesh reads of a DeviceMesh
+        mesh_dim_names = ("dp", "cp")
+
+        def get_group(self, name: str) -> str:
+            return f"group {name}"
+
+    cp = ContextParallel.from_mesh(Mesh(), heads="cp")
+    assert (cp.ring, cp.heads) == (None, "group cp")
+    with pytest.raises(ValueError, match="name the mesh dimension"):
+        ContextParallel.from_mesh(Mesh())
+    with pytest.raises(ValueError, match=r"the mesh has dimensions \('dp', 'cp'\), got 'tp'"):
+        ContextParallel.from_mesh(Mesh(), ring="tp")
+
+
+def test_context_parallel_refuses_what_ring_layers_cannot_run() -> None:
+    """Dropout, or block-sparse layers over zigzag shards: refused, the model unchanged."""
+    from dilated_attention import BlockSparseAttention, patterns
+
+    model = torch.nn.Sequential(BlockSparseAttention(patterns.LocalWindow(1), block_size=4))
+    with pytest.raises(ValueError, match="block-sparse, which runs over contiguous shards"):
+        context_parallel(model, None, layout="zigzag")
+    assert type(model[0]) is BlockSparseAttention
+    with pytest.raises(ValueError, match="layout must be one of"):
+        context_parallel(model, None, layout="striped")
