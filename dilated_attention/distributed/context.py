@@ -163,14 +163,6 @@ class HeadSplit:
         repeats = kv_repeats(num_heads, num_kv_heads, ranks)
         return cls(ranks, num_heads // ranks, num_kv_heads * repeats // ranks, repeats)
 
-    def describe(self) -> str:
-        """One line for ``explain``-style reports."""
-        repeat = f", each key/value head repeated {self.kv_repeats}x" if self.kv_repeats > 1 else ""
-        return (
-            f"head all-to-all over {self.ranks} ranks: {self.heads} query and {self.kv_heads} "
-            f"key/value heads per rank{repeat}"
-        )
-
 
 def agree_on_heads(
     q: object,

@@ -13,7 +13,8 @@ Note [Calls under a head all-to-all]
     Key/value heads split with the query heads: rank ``a`` needs the key/value heads of its
     query heads. Where ``Hkv`` does not divide by ``Wh`` every key/value head is repeated
     ``f = Wh / gcd(Hkv, Wh)`` times first (GQA with fewer key/value heads than ranks; their
-    gradients sum back through the repeat), which ``describe_split`` reports.
+    gradients sum back through the repeat), which ``plan_context_parallel``'s description of
+    the split says.
 
     Every rank of the head group first agrees on the call's shapes and options (one small
     all-gather), so that a mismatch raises on every rank instead of hanging the exchange.
