@@ -31,7 +31,8 @@ __all__ = ["decode_at", "static_decode"]
 
 _SCHEMA = (
     "(Tensor query, Tensor key, Tensor value, Tensor? key_padding_mask, Tensor positions, "
-    "int[] segment_lengths, int[] dilation_rates, float? scale, str? backend) -> (Tensor, Tensor)"
+    "Tensor? row_offsets, int[] segment_lengths, int[] dilation_rates, float? scale, "
+    "str? backend) -> (Tensor, Tensor)"
 )
 
 
@@ -47,6 +48,7 @@ def _implementation(
     v: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
     positions: torch.Tensor,
+    row_offsets: torch.Tensor | None,
     segment_lengths: list[int],
     dilation_rates: list[int],
     scale: float | None,
@@ -57,7 +59,7 @@ def _implementation(
         backend=backend, schedule=Schedule(tuple(segment_lengths), tuple(dilation_rates)),
         static=True, requires_grad=False,
     )  # fmt: skip
-    out, lse = _strategy(request).run_at(q, k, v, key_padding_mask, positions)
+    out, lse = _strategy(request).run_at(q, k, v, key_padding_mask, positions, row_offsets)
     return out.contiguous().clone(), lse.contiguous().clone()
 
 
@@ -80,13 +82,14 @@ def _traced_step(
     v: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
     positions: torch.Tensor,
+    row_offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The operator's ``(out, lse)`` of a static decode ``request`` (Note [The decode step
     under torch.compile])."""
     schedule = request.schedule
     assert schedule is not None  # a decode request has one
     return _OPERATOR(
-        q, k, v, key_padding_mask, positions, list(schedule.segment_lengths),
+        q, k, v, key_padding_mask, positions, row_offsets, list(schedule.segment_lengths),
         list(schedule.dilation_rates), request.scale, request.backend,
     )  # fmt: skip
 
@@ -202,19 +205,22 @@ def decode_at(
     positions: torch.Tensor,
     schedule: Schedule,
     *,
+    row_offsets: torch.Tensor | None = None,
     scale: float | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """The static step's attention over buffers someone else keeps (a transformers static
-    cache): one token per batch row, q (B, 1, H, D) at ``positions`` (B,) int, against k and v
-    (B, R, Hkv, D) holding key position ``x`` at row ``x mod R`` (the token's own already
-    written) -> out (B, 1, H, D). No host synchronization; under a tracer the operator (Note
+    """The static step's attention over buffers someone else keeps (a transformers cache):
+    one token per batch row, q (B, 1, H, D) at ``positions`` (B,) int, against k and v
+    (B, R, Hkv, D) holding key position ``x`` of row ``b`` at row ``(x + row_offsets[b]) mod
+    R`` (the token's own already written; ``row_offsets``: a left-padded row's padding slots,
+    None: 0) -> out (B, 1, H, D). No host synchronization; under a tracer the operator (Note
     [The decode step under torch.compile])."""
     fields: dict[str, Any] = dict(
         is_causal=True, scale=scale, backend=backend, schedule=schedule, static=True
     )
     request = Request.of(DECODE, q, k, v, **fields)
     positions = positions.long()
+    shift = None if row_offsets is None else row_offsets.long()
     if is_traced(q, k, v, positions):
-        return _traced_step(request, q, k, v, None, positions)[0]
-    return _strategy(request).run_at(q, k, v, None, positions)[0]
+        return _traced_step(request, q, k, v, None, positions, shift)[0]
+    return _strategy(request).run_at(q, k, v, None, positions, shift)[0]

@@ -19,7 +19,8 @@ Note [A decode kernel reading the buffers in place]
     token] in ``core/decode.py``).
 
 Shapes: q (B, 1, H, D); key/value buffers (B, R, Hkv, D), last dim contiguous; mask (B, R) bool;
-positions (B,) int64; slot tables (K,) int64; out (B, 1, H, D); lse (B, H, 1) float32.
+positions and row offsets (B,) int64; slot tables (K,) int64; out (B, 1, H, D); lse (B, H, 1)
+float32.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ _TARGET_RUNS = 16
 
 @triton.jit
 def _decode_kernel(
-    Q, K, V, Mask, Pos, Seg, Rate, Stride, Part, PartLse,
+    Q, K, V, Mask, Pos, Off, Seg, Rate, Stride, Part, PartLse,
     num_slots, ring_rows, kv_heads, group, dim, slots_per_run, scale,
     s_qb, s_qh,
     s_kb, s_kr, s_kh,
@@ -66,6 +67,7 @@ def _decode_kernel(
         mask=head_ok[:, None] & d_ok[None, :], other=0.0,
     )  # fmt: skip
     p = tl.load(Pos + b)
+    shift = tl.load(Off + b)  # the row's first position's buffer row (left padding)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -81,7 +83,7 @@ def _decode_kernel(
         offset = p - t0
         s = offset % r
         filled = (step <= offset - s) & j_ok
-        row = tl.where(filled, (t0 + s + step) % ring_rows, 0)
+        row = tl.where(filled, (t0 + s + step + shift) % ring_rows, 0)
         k = tl.load(
             K + b * s_kb + row[:, None] * s_kr + kvh * s_kh + d[None, :],
             mask=filled[:, None] & d_ok[None, :], other=0.0,
@@ -122,6 +124,7 @@ def decode_step(
     positions: torch.Tensor,
     slots: tuple[torch.Tensor, ...],
     scale: float,
+    row_offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The static step's attention (Note [A decode kernel reading the buffers in place]).
 
@@ -133,6 +136,7 @@ def decode_step(
         slots: ``token_slots`` of the step's branches: per slot its ``w``, ``r`` and ``r * m``
             (K,) int64, and the heads' classes (unused here).
         scale: the softmax scale.
+        row_offsets: (B,) int64, how many rows further each row's positions lie (None: 0).
 
     Returns:
         ``out`` (B, 1, H, D) in q's dtype and ``lse`` (B, H, 1) float32.
@@ -150,8 +154,9 @@ def decode_step(
     mask = key_padding_mask if key_padding_mask is not None else positions
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     q3 = q[:, 0]
+    shift = torch.zeros_like(positions) if row_offsets is None else row_offsets.contiguous()
     _decode_kernel[(batch * kv_heads, runs)](
-        q3, k, v, mask, positions, seg, rate, stride, part, part_lse,
+        q3, k, v, mask, positions, shift, seg, rate, stride, part, part_lse,
         num_slots, ring_rows, kv_heads, heads // kv_heads, dim, per_run, scale * _LOG2E,
         q3.stride(0), q3.stride(1),
         k.stride(0), k.stride(1), k.stride(2),

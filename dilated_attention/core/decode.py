@@ -302,14 +302,18 @@ def static_token_plan(
     num_heads: int,
     segment_lengths: tuple[int, ...],
     dilation_rates: tuple[int, ...],
+    row_offsets: torch.Tensor | None = None,
 ) -> Plan:
     """The one-call plan of one token per batch row at ``positions`` (B,) int64, against
-    buffers holding key position ``x`` at row ``x mod ring_rows`` (Note [A decode step with
-    static shapes] in ``static_cache.py``); ``segment_lengths`` / ``dilation_rates``: the
+    buffers holding key position ``x`` of row ``b`` at row ``(x + row_offsets[b]) mod
+    ring_rows`` (Note [A decode step with static shapes] in ``static_cache.py``; offsets: a
+    left-padded row's padding slots, None: 0); ``segment_lengths`` / ``dilation_rates``: the
     effective branches every step reads. Device arithmetic only: no host synchronization, and
     the same shapes at every position."""
     slots = token_slots(num_heads, segment_lengths, dilation_rates, positions.device)
     keys, ignore = token_keys(positions.view(-1, 1), slots)  # (B, K), (B, H, K)
+    if row_offsets is not None:
+        keys = keys + row_offsets.view(-1, 1)
     branches = tuple(zip(segment_lengths, dilation_rates, strict=True))
     return Plan((DecodeTokenCall(keys % ring_rows, ignore, positions.shape[0], branches),))
 

@@ -30,12 +30,14 @@ Note [Packed rows from transformers]
     Offsets with a padding mask that hides tokens are refused.
 
 Note [Decoding with transformers' caches]
-    A decoding call of one new token per row, unpadded, holds in its keys every position up to
-    the token's (a dynamic cache), or the token's cache slots and unfilled ones after them (a
-    static cache), and its position ids say where each row is. That is the static decode step's
-    input (Note [A decode step with static shapes] in ``core/static_cache.py``) with buffers of
-    as many rows as keys, position ``x`` at row ``x``: it computes the call from the position
-    ids on the device, with no host synchronization and the same shapes at every position, so
+    A decoding call of one new token per row holds in its keys every slot up to the token's
+    (a dynamic cache), or the token's cache slots and unfilled ones after them (a static cache),
+    and its position ids say where each row is. A left-padded row's real tokens start after
+    its padding slots, which its mask's leading ``False`` count. That is the static decode
+    step's input (Note [A decode step with static shapes] in ``core/static_cache.py``) with
+    buffers of as many rows as keys, position ``x`` of row ``b`` at slot ``x + pad_b``: it
+    computes the call from the position ids and the mask on the device, with no host
+    synchronization and the same shapes at every position, so
     ``torch.compile`` of a static-cache decoding step keeps the attention in its one graph (the
     sliced keys of the general path read the positions on the host: a graph break per layer
     and a new graph per length). It is taken under ``torch.compile`` without gradients (the
@@ -255,7 +257,7 @@ def decodes_in_place(
     decode step computes over the cache's keys as they are (Note [Decoding with transformers'
     caches]): q (B, 1, H, D); ``mask`` the call's padding mask."""
     positions = kwargs.get("position_ids")
-    if q.shape[1] != 1 or mask is not None or not causal or dropout or positions is None:
+    if q.shape[1] != 1 or not causal or dropout or positions is None:
         return False
     if (
         positions.dim() != 2

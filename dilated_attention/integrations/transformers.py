@@ -423,7 +423,8 @@ def attention_forward(
     if reason is None and P.decodes_in_place(q, attention_mask, kwargs, causal, dropout):
         positions = kwargs["position_ids"][:, -1].expand(q.shape[0])
         schedule = Schedule(*_layer_schedule(module))
-        return decode_at(q, k, v, positions, schedule, scale=scaling), None
+        pads = None if attention_mask is None else (attention_mask.cumsum(1) == 0).sum(1)
+        return decode_at(q, k, v, positions, schedule, row_offsets=pads, scale=scaling), None
     filled = _filled_keys(attention_mask, kwargs.get("position_ids"), key.shape[2], check)
     key, value = key[:, :, :filled], value[:, :, :filled]  # a static cache's unfilled slots
     if reason is not None:

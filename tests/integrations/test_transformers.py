@@ -321,13 +321,19 @@ def test_a_flattened_batch_gives_each_sequence_its_own_losses(flash_kwargs: bool
 
 
 @pytest.mark.slow
-def test_static_cache_decoding_compiles_to_one_graph_for_every_token() -> None:
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
+def test_static_cache_decoding_compiles_to_one_graph_for_every_token(padded: bool) -> None:
     """A static cache's decoding step under ``torch.compile(fullgraph=True)``: the attention
-    runs the static decode step from the position ids (Note [Decoding with transformers'
-    caches]), so one graph serves every token, with the tokens of eager generation."""
+    runs the static decode step from the position ids and the padding mask (Note [Decoding
+    with transformers' caches]), so one graph serves every token, with the tokens of eager
+    generation, a left-padded row included."""
     model = dilated_hf.use_dilated_attention(_llama().float(), *SCHEDULE)
-    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(4))
-    want = model.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    ids = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, 11, dtype=torch.long)
+    if padded:
+        mask[1, :4] = 0
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=20, min_new_tokens=20,
+                          do_sample=False, pad_token_id=0)  # fmt: skip
     cache = transformers.StaticCache(config=model.config, max_cache_len=48)
     compiles = []
 
@@ -335,16 +341,26 @@ def test_static_cache_decoding_compiles_to_one_graph_for_every_token() -> None:
         compiles.append(gm)
         return gm.forward
 
-    def step(token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        return model(token, past_key_values=cache, position_ids=position,
-                     cache_position=position[0], use_cache=True).logits  # fmt: skip
+    def step(
+        token: torch.Tensor, position: torch.Tensor, slot: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        run = {"attention_mask": slots} if padded else {}
+        return model(token, past_key_values=cache, position_ids=position, cache_position=slot,
+                     use_cache=True, **run).logits  # fmt: skip
 
     compiled = torch.compile(step, fullgraph=True, backend=counting_backend)
     torch._dynamo.reset()
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    slots = torch.cat([mask, torch.zeros(2, 48 - 11, dtype=torch.long)], dim=1)
     with torch.no_grad():
-        tokens = [model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)]
+        prompt = {"attention_mask": mask} if padded else {}
+        logits = model(ids, past_key_values=cache, use_cache=True, position_ids=positions,
+                       **prompt).logits  # fmt: skip
+        tokens = [logits[:, -1:].argmax(-1)]
         for i in range(19):
-            position = torch.full((2, 1), 11 + i)
-            tokens.append(compiled(tokens[-1], position)[:, -1:].argmax(-1))
+            slots[:, 11 + i] = 1
+            position = positions[:, -1:] + 1 + i
+            slot = torch.tensor([11 + i])
+            tokens.append(compiled(tokens[-1], position, slot, slots)[:, -1:].argmax(-1))
     assert torch.equal(torch.cat([ids, *tokens], dim=1), want)
     assert len(compiles) == 1

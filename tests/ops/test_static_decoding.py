@@ -17,6 +17,8 @@ from support.triton import KERNEL_DEVICES, skip_without_triton
 
 from dilated_attention import DilatedKVCache, StaticDilatedKVCache, dilated_attention
 from dilated_attention.backends import get_backend
+from dilated_attention.core.schedule import Schedule
+from dilated_attention.decode_step import decode_at
 
 F64 = torch.float64
 TIGHT = {"atol": 1e-10, "rtol": 1e-7}
@@ -357,3 +359,34 @@ def test_a_captured_step_replays_at_every_position() -> None:
                                      cache=caches[1])  # fmt: skip
             torch.testing.assert_close(out, want)
     assert caches[0].lengths.tolist() == [90, 90]
+
+
+@pytest.mark.parametrize(
+    ("device", "backend"),
+    [pytest.param("cpu", None, id="cpu"),
+     *[pytest.param(p.values[0], "triton", marks=p.marks, id=f"{p.id}-triton")
+       for p in KERNEL_DEVICES]],
+)  # fmt: skip
+def test_rows_shifted_by_their_padding_read_their_own_positions(device: str, backend) -> None:  # type: ignore[no-untyped-def]
+    """``decode_at`` over buffers someone else keeps (a transformers cache): row ``b``'s
+    position ``x`` at slot ``x + pad_b`` (left padding), each row at its own position; the
+    rows equal the oracle's full causal forward of each row's own sequence."""
+    if backend is not None:
+        skip_without_triton(device)
+    segs, rates, n, pads = (4, 8), (1, 2), 21, [0, 5, 2]
+    q, k, v = (x.float() for x in _tensors(n, 4, 2, seed=13, batch=3))
+    want, _ = oracle_dilated_attention(*(x.double() for x in (q, k, v)), segs, rates,
+                                       is_causal=True)  # fmt: skip
+    slots = n + max(pads)
+    buffers = [torch.zeros(3, slots, 2, 8) for _ in "kv"]
+    for b, pad in enumerate(pads):
+        for buffer, x in zip(buffers, (k, v), strict=True):
+            buffer[b, pad : pad + n] = x[b]
+    positions = torch.tensor([n - 1, 13, 7])
+    token = q[torch.arange(3), positions].unsqueeze(1)
+    with torch.no_grad():
+        out = decode_at(*(x.to(device) for x in (token, *buffers, positions)),
+                        Schedule(segs, rates), row_offsets=torch.tensor(pads).to(device),
+                        backend=backend)  # fmt: skip
+    torch.testing.assert_close(out[:, 0].double().cpu(), want[torch.arange(3), positions],
+                               atol=1e-5, rtol=1e-5)  # fmt: skip
