@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .compiled import is_traced
+from .core.autograd import Inputs
 from .core.hidden import hide_masked_keys
 from .core.schedule import Schedule
 from .core.static_cache import StaticDilatedKVCache
@@ -117,27 +118,25 @@ def static_decode(
             f"a StaticDilatedKVCache decodes without dropout, got dropout_p="
             f"{fields['dropout_p']}; decode in eval mode (dropout_p=0)"
         )
+    new = Inputs(q, k, v, key_padding_mask)
     if cache.key is not None and q.shape[1] == 1:
-        return _token_step(cache, q, k, v, key_padding_mask, fields)
+        return _token_step(cache, new, fields)
     if is_traced(q, k, v, key_padding_mask):
         raise ValueError(
             "a prompt or a chunk of several tokens into a StaticDilatedKVCache runs eagerly "
             "(it reads positions on the host): run the prompt before torch.compile or CUDA "
             "graph capture, and compile or capture the one-token step"
         )
-    return _rows(cache, q, k, v, key_padding_mask, fields)
+    return _rows(cache, new, fields)
 
 
 def _token_step(
-    cache: StaticDilatedKVCache,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    fields: dict[str, Any],
+    cache: StaticDilatedKVCache, new: Inputs, fields: dict[str, Any]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The static step: one token per row at each row's position (no host synchronization)."""
+    """The static step: one token per row at each row's position (no host synchronization);
+    ``new``: the tokens' q (B, 1, H, D), k and v (B, 1, Hkv, D) and mask (B, 1) or None."""
     assert cache.key is not None and cache.value is not None and cache.lengths is not None
+    q, k, v, key_padding_mask = new
     has_mask = key_padding_mask is not None or cache.key_padding_mask is not None
     request = Request.of(
         DECODE, q, cache.key, cache.value, static=True, **{**fields, "has_mask": has_mask}
@@ -154,16 +153,13 @@ def _token_step(
 
 
 def _rows(
-    cache: StaticDilatedKVCache,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    fields: dict[str, Any],
+    cache: StaticDilatedKVCache, new: Inputs, fields: dict[str, Any]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A prompt (an empty cache) or a chunk of tokens, every row at one position: the keys the
-    new tokens read from the buffers joined with theirs, through the decoding plan (a prompt:
-    the causal forward), then their rows into the buffers. Eager."""
+    new tokens (``new``: q (B, n, H, D), k and v (B, n, Hkv, D), mask (B, n) or None) read from
+    the buffers joined with theirs, through the decoding plan (a prompt: the causal forward),
+    then their rows into the buffers. Eager."""
+    q, k, v, key_padding_mask = new
     n = q.shape[1]
     first = 0 if cache.lengths is None else cache.host_length()
     if cache.max_length is not None and first + n > cache.max_length:
