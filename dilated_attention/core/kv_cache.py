@@ -78,6 +78,10 @@ class LayerCache:
         if max_length is not None:
             max_length = V.check_positive_int("max_length", max_length)
         self.max_length = max_length
+        self._start_empty()
+
+    def _start_empty(self) -> None:
+        """Set up an empty cache (each kind sets up its own state)."""
 
     def check_schedule(self, segments: tuple[int, ...], rates: tuple[int, ...]) -> None:
         """Raise ``ValueError`` unless ``segments`` / ``rates`` are this cache's layer's."""
@@ -114,14 +118,8 @@ class DilatedKVCache(LayerCache):
         ValueError: a bad schedule or ``max_length``.
     """
 
-    def __init__(
-        self,
-        segment_lengths: list[int] | tuple[int, ...],
-        dilation_rates: list[int] | tuple[int, ...],
-        *,
-        max_length: int | None = None,
-    ) -> None:
-        super().__init__(segment_lengths, dilation_rates, max_length=max_length)
+    def _start_empty(self) -> None:
+        """An empty cache: no tokens, no buffers."""
         self.headroom = max(64, max(self.segment_lengths) // 8)
         self.length = 0
         self.start = 0

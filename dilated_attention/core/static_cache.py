@@ -67,16 +67,10 @@ class StaticDilatedKVCache(LayerCache):
         ValueError: a bad schedule or ``max_length``.
     """
 
-    def __init__(
-        self,
-        segment_lengths: list[int] | tuple[int, ...],
-        dilation_rates: list[int] | tuple[int, ...],
-        *,
-        max_length: int | None = None,
-    ) -> None:
-        super().__init__(segment_lengths, dilation_rates, max_length=max_length)
-        longest = max(self.segment_lengths)
-        self.ring_rows = longest if max_length is None else min(longest, max_length)
+    def _start_empty(self) -> None:
+        """An empty cache: no buffers yet (the first call allocates them)."""
+        longest, most = max(self.segment_lengths), self.max_length
+        self.ring_rows = longest if most is None else min(longest, most)
         self.key: torch.Tensor | None = None
         self.value: torch.Tensor | None = None
         self.key_padding_mask: torch.Tensor | None = None
