@@ -246,9 +246,14 @@ def sequence_positions(
     """
     if isinstance(group, ContextParallel):
         check_layout(layout)
-        for part in (group.heads, group.ring):  # each group agrees on the call
-            if part is not None:
-                sequence_positions(local_len, group=part, device=device)
+        if group.heads is not None:  # each group agrees on the call; the ring on its layout
+            sequence_positions(local_len, group=group.heads, device=device)
+        if group.ring is not None:
+            sequence_positions(local_len, group=group.ring, layout=layout, device=device)
+        elif local_len % chunks_per_rank(layout):  # the agreed local_len: alike on every rank
+            raise ValueError(
+                f"local_len ({local_len}) must be even for layout='zigzag' (two chunks per rank)"
+            )
         return mesh_positions(local_len, group, chunks_per_rank(layout), device)
     rank, size = group_rank_and_size(group)
     names = ("local_len", "layout")
