@@ -53,11 +53,6 @@ class HeadExchange:
     def size(self) -> int:
         return len(self.global_ranks)
 
-    @property
-    def bytes_per_element(self) -> float:
-        """The share of a tensor an all-to-all sends from each rank: ``(W - 1) / W``."""
-        return (self.size - 1) / self.size
-
 
 def _swap(pieces: list[torch.Tensor], ex: HeadExchange) -> list[torch.Tensor]:
     """Send ``pieces[a]`` to rank ``a``; what each rank sent here, in rank order."""
