@@ -167,7 +167,7 @@ def _rows(
             f"the StaticDilatedKVCache was made for max_length={cache.max_length} tokens, got "
             f"{first + n}; make it with a larger max_length"
         )
-    start = min((first // w) * w for w in cache.segment_lengths)  # the first key they read
+    start = cache.first_read(first)  # the first key the new tokens read
     k, v = hide_masked_keys(k, v, key_padding_mask)
     keys, values, mask = k, v, key_padding_mask
     if first > start:

@@ -83,6 +83,11 @@ class LayerCache:
     def _start_empty(self) -> None:
         """Set up an empty cache (each kind sets up its own state)."""
 
+    def first_read(self, length: int) -> int:
+        """The first position any token after the first ``length`` can read (Note [Bounded
+        dilated cache]): the earliest start of its segments."""
+        return min((length // w) * w for w in self.segment_lengths)
+
     def check_schedule(self, segments: tuple[int, ...], rates: tuple[int, ...]) -> None:
         """Raise ``ValueError`` unless ``segments`` / ``rates`` are this cache's layer's."""
         if (segments, rates) != (self.segment_lengths, self.dilation_rates):
@@ -254,14 +259,10 @@ class DilatedKVCache(LayerCache):
         else:
             read = self._write_in_place(new)
             self.length += rows
-            keep_from = self._keep_from()
+            keep_from = self.first_read(self.length)
             self._lo += keep_from - self.start
             self.start = keep_from
         return read[0], read[1], read[2], start
-
-    def _keep_from(self) -> int:
-        """The first position a token after the ``length`` seen so far can read."""
-        return min((self.length // w) * w for w in self.segment_lengths)
 
     def _capacity(self, rows: int) -> int:
         """Rows of a new buffer that must take ``rows``: twice them (at least
@@ -279,7 +280,7 @@ class DilatedKVCache(LayerCache):
     def _keep(self, read: list[torch.Tensor | None]) -> None:
         """Rebuild the buffers from a call's rows ``read`` (positions ``start`` to ``length``):
         the rows later tokens read, with spare rows; under grad mode, views of ``read``."""
-        keep_from = self._keep_from()
+        keep_from = self.first_read(self.length)
         first = keep_from - self.start
         kept = self.length - keep_from
         if torch.is_grad_enabled():

@@ -86,7 +86,7 @@ def _mask_of(mask: torch.Tensor, ex: HeadExchange) -> torch.Tensor:
 
 #: The operation over a ring group: ``(ring group, q, k, v, key_padding_mask, first_head) ->
 #: (out, lse)``.
-RingOperation = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+RingCall = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def split_call(
@@ -98,7 +98,7 @@ def split_call(
     key_padding_mask: torch.Tensor | None,
     *,
     local: Operation,
-    ring: RingOperation,
+    ring: RingCall,
     what: str,
     options: Callable[[], object] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
