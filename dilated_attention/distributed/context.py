@@ -225,3 +225,14 @@ def check_same_everywhere(
             error = exc
     if error is not None:
         raise error
+
+
+def check_group(group: object, name: str = "group") -> None:
+    """Raise ``TypeError`` unless ``group`` is a :class:`ContextParallel`, a process group or
+    None (the world)."""
+    if group is not None and not isinstance(group, ContextParallel | dist.ProcessGroup):
+        raise TypeError(
+            f"{name} must be a ContextParallel, a torch.distributed process group or None, got "
+            f"{group!r} ({type(group).__name__}); e.g. ContextParallel.from_mesh(mesh, "
+            f"ring='cp')"
+        )

@@ -27,7 +27,7 @@ from ..modules import (
     MultiheadDilatedAttention,
 )
 from .block_sparse_ring import BlockSparseRingAttention, BlockSparseRingMultiheadAttention
-from .context import ContextParallel
+from .context import ContextParallel, check_group
 from .modules import RingDilatedAttention, RingModule, RingMultiheadDilatedAttention
 from .sharding import check_layout
 
@@ -61,7 +61,9 @@ def context_parallel(
     Raises:
         ValueError: a layer with dropout (the ring functions have none), or a bad ``layout``;
             nothing is changed then.
+        TypeError: ``group`` is not a group.
     """
+    check_group(group)
     layout = check_layout(layout)
     changes = []
     for name, module in model.named_modules():

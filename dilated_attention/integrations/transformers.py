@@ -49,6 +49,7 @@ from .. import _validation as V
 from ..core.schedule import Schedule
 from ..decode_step import decode_at
 from ..distributed import ContextParallel
+from ..distributed.context import check_group
 from ..functional import dilated_attention
 from . import _transformers_paths as P
 
@@ -136,7 +137,8 @@ def use_dilated_attention(
             length is not the model's number of layers or in an encoder-decoder model, a model
             whose attention adds a relative position bias (T5), or a cross-attention layer this
             integration cannot recognize.
-        TypeError: ``model`` is not a transformers model, or a flag is not a bool.
+        TypeError: ``model`` is not a transformers model, a flag is not a bool, or
+            ``context_parallel`` is not a group.
     """
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
@@ -149,6 +151,7 @@ def use_dilated_attention(
                         ("keep_unsupported_layers", keep_unsupported_layers)):  # fmt: skip
         if not isinstance(value, bool):
             raise TypeError(f"{flag} must be a bool, got {value!r}")
+    check_group(context_parallel, "context_parallel")
     _check_model(model, config, isinstance(segs[0], list), len(segs))
     settings = {
         SEGMENTS_ATTR: segs, RATES_ATTR: rates, CHECK_POSITIONS_ATTR: check_positions,

@@ -74,3 +74,5 @@ def test_context_parallel_refuses_what_ring_layers_cannot_run() -> None:
     assert type(model[0]) is BlockSparseAttention
     with pytest.raises(ValueError, match="layout must be one of"):
         context_parallel(model, None, layout="striped")
+    with pytest.raises(TypeError, match=r"group must be a ContextParallel, a torch\.distributed"):
+        context_parallel(model, "cp")  # type: ignore[arg-type]

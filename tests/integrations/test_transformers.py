@@ -151,6 +151,8 @@ def test_what_dilated_attention_cannot_run_raises() -> None:
         dilated_hf.use_dilated_attention(torch.nn.Linear(2, 2), [8], [1])
     with pytest.raises(TypeError, match=r"check_positions must be a bool"):
         dilated_hf.use_dilated_attention(_llama(), *SCHEDULE, check_positions=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"context_parallel must be a ContextParallel"):
+        dilated_hf.use_dilated_attention(_llama(), *SCHEDULE, context_parallel=2)  # type: ignore[arg-type]
 
 
 @pytest.mark.slow
