@@ -52,6 +52,7 @@ from dilated_attention import (
 )
 from dilated_attention.backends import KernelInputs
 from dilated_attention.backends.registry import choose
+from dilated_attention.distributed import ContextParallel
 
 
 def dilated_flops(
@@ -71,10 +72,13 @@ def _randn(shape: tuple[int, ...], seed: int, device: torch.device) -> torch.Ten
     return torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
 
 
-def check(device: torch.device, world: int, dilated_backends: list[str | None]) -> None:
+def check(
+    device: torch.device, world: int, dilated_backends: list[str | None], splits: list[str]
+) -> None:
     """Ring results equal single-GPU results (bf16 tolerances) on a small sequence, without and
     with a key padding mask (random keys, and the sequence's last eighth as padding); ring
-    dilated attention on each of ``dilated_backends`` (None: the automatic choice)."""
+    dilated attention on each of ``dilated_backends`` (None: the automatic choice) and each of
+    ``splits`` of the world (``_split_group``)."""
     seq_len, heads, dim = 2048 * world, 8, 64
     q, k, v, dout = (_randn((1, seq_len, heads, dim), s, device) for s in range(4))
     gen = torch.Generator(device=device).manual_seed(7)
@@ -97,17 +101,26 @@ def check(device: torch.device, world: int, dilated_backends: list[str | None]) 
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         ref = dilated_attention(*leaves, segs, rates, is_causal=causal, key_padding_mask=mask)
         grads = torch.autograd.grad(ref, leaves, dout)
-        local_mask = None if mask is None else shard_sequence(mask)
-        for backend in dilated_backends:
-            local = [shard_sequence(t).requires_grad_() for t in (q, k, v)]
+        for backend, split in itertools.product(dilated_backends, splits):
+            cp = _split_group(split)
+            shard = functools.partial(shard_sequence, group=cp)
+            local = [shard(t).requires_grad_() for t in (q, k, v)]
+            local_mask = None if mask is None else shard(mask)
             out = ring_dilated_attention(
                 *local, segs, rates, is_causal=causal, key_padding_mask=local_mask,
-                backend=backend,
+                backend=backend, group=cp,
             )  # fmt: skip
-            lgrads = torch.autograd.grad(out, local, shard_sequence(dout))
-            torch.testing.assert_close(out, shard_sequence(ref), atol=2e-2, rtol=2e-2)
+            lgrads = torch.autograd.grad(out, local, shard(dout))
+            torch.testing.assert_close(out, shard(ref), atol=2e-2, rtol=2e-2)
             for a, b in zip(lgrads, grads, strict=True):
-                torch.testing.assert_close(a, shard_sequence(b), atol=5e-2, rtol=5e-2)
+                torch.testing.assert_close(a, shard(b), atol=5e-2, rtol=5e-2)
+
+
+def _split_group(split: str) -> ContextParallel:
+    """The world as the ring (``ring``) or as the head all-to-all (``heads``: DeepSpeed-Ulysses,
+    every rank then runs the whole sequence on ``H / W`` heads)."""
+    world = dist.group.WORLD
+    return ContextParallel(ring=world) if split == "ring" else ContextParallel(heads=world)
 
 
 def _measure(
@@ -199,19 +212,22 @@ def bench_dilated(args: argparse.Namespace, device: torch.device, world: int) ->
         for causal in (False, True):
             flops = dilated_flops(seq_len, args.heads, args.head_dim, segs, rates, causal)
             q, k, v = (_randn((1, seq_len, args.heads, args.head_dim), s, device) for s in range(3))
-            local = [shard_sequence(t).clone().requires_grad_() for t in (q, k, v)]
-            del q, k, v  # each rank keeps its shard only
-            for backend in _dilated_backends(args):
-                forward = functools.partial(
-                    ring_dilated_attention, *local, segs, rates, is_causal=causal,
-                    backend=backend,
-                )  # fmt: skip
-                impl = "ours (ring dilated)" if backend is None else f"ours ({backend})"
-                row = {"kind": "dilated", "impl": impl, "world": world, "seq_len": seq_len,
-                       "causal": causal, "heads": args.heads, "head_dim": args.head_dim,
-                       "kernel": backend or "auto"}  # fmt: skip
-                rows.append(_measure(row, forward, local, flops, world, args))
-            del local
+            for split in args.splits:
+                cp = _split_group(split)
+                local = [shard_sequence(t, group=cp).clone().requires_grad_() for t in (q, k, v)]
+                for backend in _dilated_backends(args):
+                    forward = functools.partial(
+                        ring_dilated_attention, *local, segs, rates, is_causal=causal,
+                        backend=backend, group=cp,
+                    )  # fmt: skip
+                    impl = "ours (ring dilated)" if backend is None else f"ours ({backend})"
+                    impl = impl if split == "ring" else impl.replace(")", ", head all-to-all)")
+                    row = {"kind": "dilated", "impl": impl, "world": world, "seq_len": seq_len,
+                           "causal": causal, "heads": args.heads, "head_dim": args.head_dim,
+                           "kernel": backend or "auto", "split": split}  # fmt: skip
+                    rows.append(_measure(row, forward, local, flops, world, args))
+                del local
+            del q, k, v
             torch.cuda.empty_cache()
     return rows
 
@@ -237,6 +253,9 @@ def main() -> None:
                         help="tokens per GPU for the dilated weak-scaling runs")  # fmt: skip
     parser.add_argument("--dilated-backends", nargs="+", default=["auto"],
                         help="ring dilated attention's backends (auto: automatic)")  # fmt: skip
+    parser.add_argument("--splits", nargs="+", default=["ring"], choices=["ring", "heads"],
+                        help="how the dilated runs split the world: the ring, or the head "
+                             "all-to-all")  # fmt: skip
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=2)
@@ -261,7 +280,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     device = torch.device("cuda")
-    check(device, world, _dilated_backends(args))
+    check(device, world, _dilated_backends(args), args.splits)
     if rank == 0:
         print(f"world {world}: ring results match single-GPU results", flush=True)
     if args.check_only:
