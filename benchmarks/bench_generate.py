@@ -228,7 +228,7 @@ def hf_rows(device: torch.device, args: argparse.Namespace) -> list[dict]:
         model = use_dilated_attention(base, SEGMENTS, RATES)
         row["dilated_ms"] = _hf_step_ms(model, prompt, device, args)
         row["dilated_vs_sdpa"] = row["sdpa_ms"] / row["dilated_ms"]
-        rows.append(row)
+        rows.append(_shown(row))
     return rows
 
 
@@ -253,6 +253,12 @@ def _hf_step_ms(
     compiled = torch.compile(step, mode=mode, fullgraph=True)
     with torch.no_grad():
         return _median_ms(compiled, device, 3, args.hf_repeats)
+
+
+def _shown(row: dict) -> dict:
+    """``row``, printed as it comes (a run cut short still shows what it measured)."""
+    print(row, flush=True)
+    return row
 
 
 def main() -> None:
@@ -282,14 +288,14 @@ def main() -> None:
     # An untimed pass first: the first row of a fresh process measured slowest in both H100 runs
     # (16K: 2.47 ms against 1.67 at 128K; one call per branch: 7.14 against 6.70).
     decode_row(args.contexts[0], device, args)
-    rows = [decode_row(context, device, args) for context in args.contexts]
+    rows = [_shown(decode_row(context, device, args)) for context in args.contexts]
     flat = max(r["dilated_ms"] for r in rows) / min(r["dilated_ms"] for r in rows)
     for row in rows:
         row["dilated_max_over_min"] = flat
-    rows.append(prefill_row(args.prefill_len, args.prefill_chunk, device, args))
+    rows.append(_shown(prefill_row(args.prefill_len, args.prefill_chunk, device, args)))
     torch.manual_seed(0)
     model = LongNetLM(LongNetConfig.from_preset("tiny")).to(device).eval()
-    rows += [generate_row(model, length, device, args) for length in args.prompts]
+    rows += [_shown(generate_row(model, length, device, args)) for length in args.prompts]
     rows += hf_rows(device, args)
     env = environment()
     out = record_path("generate", args.out)
