@@ -1,16 +1,31 @@
-"""Shared pytest setup: seeds, the ``gpu`` marker skip, per-worker CPU threads, float64
-defaults for the oracle, and ``--require-backends`` (``tests/support/required_backends.py``)."""
+"""Shared pytest setup: seeds, the ``gpu`` marker skip, per-worker CPU threads (and GPUs),
+float64 defaults for the oracle, and ``--require-backends``
+(``tests/support/required_backends.py``)."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-import pytest
-import torch
-from support import required_backends
 
-from dilated_attention.backends import Backend, get_backend
+def _spread_workers_over_gpus() -> None:
+    """Under pytest-xdist with ``DILATED_ATTENTION_TEST_GPUS=G``, worker ``i`` sees GPU ``i % G``
+    alone (set before CUDA starts), so ``-n 24`` on a host of 2 GPUs runs on both."""
+    gpus, worker = (
+        os.environ.get("DILATED_ATTENTION_TEST_GPUS"),
+        os.environ.get("PYTEST_XDIST_WORKER"),
+    )
+    if gpus and worker and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(int(worker.removeprefix("gw")) % int(gpus))
+
+
+_spread_workers_over_gpus()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from support import required_backends  # noqa: E402
+
+from dilated_attention.backends import Backend, get_backend  # noqa: E402
 
 #: pytester runs the ``--require-backends`` tests' inner sessions (tests/backends).
 pytest_plugins = ("pytester",)
