@@ -83,7 +83,9 @@ def _decode_kernel(
         offset = p - t0
         s = offset % r
         filled = (step <= offset - s) & j_ok
-        row = tl.where(filled, (t0 + s + step + shift) % ring_rows, 0)
+        # Unfilled slots' rows are never read (every load below is masked by ``filled``); no
+        # select here: Triton 3.6 fails to lay out one mask feeding both tiles (sm90, D 128).
+        row = (t0 + s + step + shift) % ring_rows
         k = tl.load(
             K + b * s_kb + row[:, None] * s_kr + kvh * s_kh + d[None, :],
             mask=filled[:, None] & d_ok[None, :], other=0.0,

@@ -471,5 +471,7 @@ def test_cuda_ring_dilated_chooses_like_one_gpu(monkeypatch: pytest.MonkeyPatch)
     ref = dilated_attention(*ref_leaves, segs, rates, is_causal=True, backend=one_gpu)
     ref_grads = torch.autograd.grad(ref, ref_leaves, dout)
     torch.testing.assert_close(out, ref)
+    # FlashAttention-4's backward adds dq up with atomics (in any order): a few bf16 roundings
+    # of 67M elements differ between two runs of one call, so gradients agree to bf16's step.
     for got, want in zip(grads, ref_grads, strict=True):
-        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=2e-2)

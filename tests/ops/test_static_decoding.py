@@ -390,3 +390,27 @@ def test_rows_shifted_by_their_padding_read_their_own_positions(device: str, bac
                         backend=backend)  # fmt: skip
     torch.testing.assert_close(out[:, 0].double().cpu(), want[torch.arange(3), positions],
                                atol=1e-5, rtol=1e-5)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(16, 16, 128), (8, 2, 64)],
+                         ids=["mha-d128", "gqa-d64"])  # fmt: skip
+def test_the_decode_kernel_at_model_shapes_matches_the_oracle(
+    dtype: torch.dtype, heads: int, kv_heads: int, dim: int
+) -> None:
+    """Our Triton step at the shapes models decode with (half precision, D 64 and 128, GQA; the
+    interpreter tests run D 8-24 in float32, and tiles of other sizes compile differently):
+    rows at different positions equal the float64 oracle's causal forward there."""
+    segs, rates, n = (64, 256), (1, 4), 300
+    gen = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(2, n, h, dim, generator=gen).to(dtype)
+               for h in (heads, kv_heads, kv_heads))  # fmt: skip
+    want, _ = oracle_dilated_attention(*(x.double() for x in (q, k, v)), segs, rates,
+                                       is_causal=True)  # fmt: skip
+    positions = torch.tensor([n - 1, 200])
+    token = q[torch.arange(2), positions].unsqueeze(1)
+    with torch.no_grad():
+        out = decode_at(*(x.cuda() for x in (token, k, v, positions)), Schedule(segs, rates),
+                        backend="triton")  # fmt: skip
+    _close(out[:, 0].cpu(), want[torch.arange(2), positions], dtype)
