@@ -278,6 +278,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=100)
     parser.add_argument("--generate-repeats", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8, help="rows of the batched static step")
+    parser.add_argument("--parts", nargs="*", default=["decode", "prefill", "generate"],
+                        choices=["decode", "prefill", "generate"],
+                        help="parts to run (transformers rows: --hf-prompts)")  # fmt: skip
     parser.add_argument("--hf-prompts", type=int, nargs="*", default=[])
     parser.add_argument("--hf-layers", type=int, default=4)
     parser.add_argument("--hf-hidden", type=int, default=2048)
@@ -287,15 +290,19 @@ def main() -> None:
     device = torch.device("cuda" if cuda else "cpu")
     # An untimed pass first: the first row of a fresh process measured slowest in both H100 runs
     # (16K: 2.47 ms against 1.67 at 128K; one call per branch: 7.14 against 6.70).
-    decode_row(args.contexts[0], device, args)
-    rows = [_shown(decode_row(context, device, args)) for context in args.contexts]
-    flat = max(r["dilated_ms"] for r in rows) / min(r["dilated_ms"] for r in rows)
-    for row in rows:
-        row["dilated_max_over_min"] = flat
-    rows.append(_shown(prefill_row(args.prefill_len, args.prefill_chunk, device, args)))
-    torch.manual_seed(0)
-    model = LongNetLM(LongNetConfig.from_preset("tiny")).to(device).eval()
-    rows += [_shown(generate_row(model, length, device, args)) for length in args.prompts]
+    rows = []
+    if "decode" in args.parts:
+        decode_row(args.contexts[0], device, args)
+        rows += [_shown(decode_row(context, device, args)) for context in args.contexts]
+        flat = max(r["dilated_ms"] for r in rows) / min(r["dilated_ms"] for r in rows)
+        for row in rows:
+            row["dilated_max_over_min"] = flat
+    if "prefill" in args.parts:
+        rows.append(_shown(prefill_row(args.prefill_len, args.prefill_chunk, device, args)))
+    if "generate" in args.parts:
+        torch.manual_seed(0)
+        model = LongNetLM(LongNetConfig.from_preset("tiny")).to(device).eval()
+        rows += [_shown(generate_row(model, length, device, args)) for length in args.prompts]
     rows += hf_rows(device, args)
     env = environment()
     out = record_path("generate", args.out)

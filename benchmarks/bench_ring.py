@@ -211,10 +211,12 @@ def bench_dilated(args: argparse.Namespace, device: torch.device, world: int) ->
         segs, rates = longnet_schedule(seq_len)
         for causal in (False, True):
             flops = dilated_flops(seq_len, args.heads, args.head_dim, segs, rates, causal)
-            q, k, v = (_randn((1, seq_len, args.heads, args.head_dim), s, device) for s in range(3))
             for split in args.splits:
                 cp = _split_group(split)
-                local = [shard_sequence(t, group=cp).clone().requires_grad_() for t in (q, k, v)]
+                shape = (1, seq_len, args.heads, args.head_dim)
+                local = [shard_sequence(_randn(shape, s, device), group=cp).requires_grad_()
+                         for s in range(3)]  # fmt: skip
+                torch.cuda.empty_cache()  # each rank keeps its shards only
                 for backend in _dilated_backends(args):
                     forward = functools.partial(
                         ring_dilated_attention, *local, segs, rates, is_causal=causal,
@@ -227,7 +229,6 @@ def bench_dilated(args: argparse.Namespace, device: torch.device, world: int) ->
                            "kernel": backend or "auto", "split": split}  # fmt: skip
                     rows.append(_measure(row, forward, local, flops, world, args))
                 del local
-            del q, k, v
             torch.cuda.empty_cache()
     return rows
 

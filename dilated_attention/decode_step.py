@@ -22,8 +22,10 @@ import torch
 
 from .compiled import is_traced
 from .core.autograd import Inputs
+from .core.decode import token_slots
 from .core.hidden import hide_masked_keys
 from .core.schedule import Schedule
+from .core.segment import effective_branches
 from .core.static_cache import StaticDilatedKVCache
 from .resolve import DECODE, Request, dilated_operation, resolve
 from .resolve.strategy import StaticDecodeStrategy
@@ -32,7 +34,8 @@ __all__ = ["decode_at", "static_decode"]
 
 _SCHEMA = (
     "(Tensor query, Tensor key, Tensor value, Tensor? key_padding_mask, Tensor positions, "
-    "Tensor? row_offsets, int[] segment_lengths, int[] dilation_rates, float? scale, "
+    "Tensor? row_offsets, Tensor[] slots, int[] segment_lengths, int[] dilation_rates, "
+    "float? scale, "
     "str? backend) -> (Tensor, Tensor)"
 )
 
@@ -50,6 +53,7 @@ def _implementation(
     key_padding_mask: torch.Tensor | None,
     positions: torch.Tensor,
     row_offsets: torch.Tensor | None,
+    slots: list[torch.Tensor],
     segment_lengths: list[int],
     dilation_rates: list[int],
     scale: float | None,
@@ -60,7 +64,8 @@ def _implementation(
         backend=backend, schedule=Schedule(tuple(segment_lengths), tuple(dilation_rates)),
         static=True, requires_grad=False,
     )  # fmt: skip
-    out, lse = _strategy(request).run_at(q, k, v, key_padding_mask, positions, row_offsets)
+    strategy = _strategy(request)
+    out, lse = strategy.run_at(q, k, v, key_padding_mask, positions, row_offsets, tuple(slots))
     return out.contiguous().clone(), lse.contiguous().clone()
 
 
@@ -90,9 +95,22 @@ def _traced_step(
     schedule = request.schedule
     assert schedule is not None  # a decode request has one
     return _OPERATOR(
-        q, k, v, key_padding_mask, positions, row_offsets, list(schedule.segment_lengths),
-        list(schedule.dilation_rates), request.scale, request.backend,
+        q, k, v, key_padding_mask, positions, row_offsets, _traced_slots(request),
+        list(schedule.segment_lengths), list(schedule.dilation_rates), request.scale,
+        request.backend,
     )  # fmt: skip
+
+
+def _traced_slots(request: Request) -> list[torch.Tensor]:
+    """The step's slots (``token_slots`` of the branches the step reads) made in the traced
+    graph, not by the operator: a graph replays them, while slots the operator made and cached
+    in its first run would live in the CUDA graph pool of ``mode="reduce-overhead"``, which
+    refuses allocations it does not track (Note [The decode step under torch.compile])."""
+    schedule = request.schedule
+    assert schedule is not None  # a decode request has one
+    branches = effective_branches(request.key_len, request.num_heads,
+                                  schedule.segment_lengths, schedule.dilation_rates)  # fmt: skip
+    return list(token_slots.__wrapped__(request.num_heads, *branches, request.device))
 
 
 def static_decode(

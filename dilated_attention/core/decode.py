@@ -299,7 +299,7 @@ def decode_token_plan(
 def static_token_plan(
     positions: torch.Tensor,
     ring_rows: int,
-    num_heads: int,
+    slots: tuple[torch.Tensor, ...],
     segment_lengths: tuple[int, ...],
     dilation_rates: tuple[int, ...],
     row_offsets: torch.Tensor | None = None,
@@ -309,8 +309,7 @@ def static_token_plan(
     ring_rows`` (Note [A decode step with static shapes] in ``static_cache.py``; offsets: a
     left-padded row's padding slots, None: 0); ``segment_lengths`` / ``dilation_rates``: the
     effective branches every step reads. Device arithmetic only: no host synchronization, and
-    the same shapes at every position."""
-    slots = token_slots(num_heads, segment_lengths, dilation_rates, positions.device)
+    the same shapes at every position. ``slots``: :func:`token_slots` of the branches."""
     keys, ignore = token_keys(positions.view(-1, 1), slots)  # (B, K), (B, H, K)
     if row_offsets is not None:
         keys = keys + row_offsets.view(-1, 1)

@@ -203,20 +203,22 @@ class StaticDecodeStrategy(Strategy):
         key_padding_mask: torch.Tensor | None,
         positions: torch.Tensor,
         row_offsets: torch.Tensor | None = None,
+        slots: tuple[torch.Tensor, ...] | None = None,
     ) -> Result:
         """``(out, lse)`` of the tokens q (B, 1, H, D) at ``positions`` (B,) int64, their keys
         and values already written into the buffers k, v (B, R, Hkv, D) (and their mask
         (B, R) bool or None), row ``b``'s positions ``row_offsets[b]`` (B,) rows further (None:
-        0); out (B, 1, H, D), lse (B, H, 1). No host synchronization."""
+        0); out (B, 1, H, D), lse (B, H, 1); ``slots``: ``token_slots`` of the branches
+        (None: made once per schedule and device). No host synchronization."""
         assert self.kernel is not None  # resolve gives it one
         if q.numel() == 0:
             return empty_attention(q, k, v)
         backend = self.kernel.backend
+        slots = slots or token_slots(q.shape[2], *self.branches, q.device)
         if getattr(backend, "reads_decode_buffers", False):  # the rows read in place
-            slots = token_slots(q.shape[2], *self.branches, q.device)
             scale, shift = self.request.softmax_scale, row_offsets
             return backend.decode_step(q, k, v, key_padding_mask, positions, slots, scale, shift)  # type: ignore[attr-defined]
-        plan = static_token_plan(positions, k.shape[1], q.shape[2], *self.branches, row_offsets)
+        plan = static_token_plan(positions, k.shape[1], slots, *self.branches, row_offsets)
         runner = PlanRunner(
             plan, self.kernel.backend, self.request.softmax_scale, 0.0, "dilated_attention"
         )
