@@ -25,6 +25,8 @@ float32.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -32,10 +34,13 @@ import triton.language as tl
 from ._triton_merge import merge_splits
 
 _LOG2E = 1.4426950408889634
-#: Slots per block of a program's loop, and the programs a token's slots aim for per key/value
-#: head and batch row (runs of at least one block).
+#: Slots per block of a program's loop; the programs a step aims for per streaming
+#: multiprocessor (over all batch rows and key/value heads: a short batch splits each row's
+#: slots into more runs, so that enough loads are in flight to reach the memory's bandwidth);
+#: the runs per row and key/value head where the device does not say its multiprocessors.
 _BLOCK_SLOTS = 64
-_TARGET_RUNS = 16
+_PROGRAMS_PER_SM = 4
+_DEFAULT_RUNS = 16
 
 
 @triton.jit
@@ -148,7 +153,7 @@ def decode_step(
     seg, rate, stride = (x.contiguous() for x in slots[:3])
     num_slots = seg.shape[0]
     blocks = triton.cdiv(num_slots, _BLOCK_SLOTS)
-    runs = max(1, min(_TARGET_RUNS, blocks))
+    runs = max(1, min(_runs_wanted(q.device, batch * kv_heads), blocks))
     per_run = triton.cdiv(blocks, runs) * _BLOCK_SLOTS
     runs = triton.cdiv(num_slots, per_run)
     part = torch.empty(batch, runs, heads, dim, dtype=torch.float32, device=q.device)
@@ -173,3 +178,13 @@ def decode_step(
     lse = torch.empty(batch, heads, 1, dtype=torch.float32, device=q.device)
     merge_splits(part, part_lse, out, lse)
     return out, lse
+
+
+@functools.lru_cache(maxsize=16)
+def _runs_wanted(device: torch.device, rows: int) -> int:
+    """Runs per (batch row, key/value head) so that the step's ``rows * runs`` programs fill
+    every multiprocessor ``_PROGRAMS_PER_SM`` times (``_DEFAULT_RUNS`` off CUDA)."""
+    if device.type != "cuda":
+        return _DEFAULT_RUNS
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, -(-_PROGRAMS_PER_SM * sms // rows))
