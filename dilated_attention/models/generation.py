@@ -76,7 +76,7 @@ class GenerationMixin:
         top_k: int | None = None,
         generator: torch.Generator | None = None,
         stop_token: int | None = None,
-        cuda_graph: bool = False,
+        cuda_graph: bool | None = None,
     ) -> torch.Tensor | list[torch.Tensor]:
         """Sample a continuation, one token at a time: the prompt followed by what
         :meth:`stream` yields.
@@ -122,7 +122,7 @@ class GenerationMixin:
         top_k: int | None = None,
         generator: torch.Generator | None = None,
         stop_token: int | None = None,
-        cuda_graph: bool = False,
+        cuda_graph: bool | None = None,
     ) -> Iterator[torch.Tensor]:
         """Sample a continuation token by token, yielding each step's (B, 1) token ids as soon
         as they are sampled (to print or send them while generation goes on).
@@ -136,10 +136,11 @@ class GenerationMixin:
         every step instead recomputes the forward over the last ``max_seq_len`` tokens. Local
         attention only (not under ring sharding).
 
-        With ``cuda_graph=True`` the steps after the prompt decode every row at once with
-        :class:`~dilated_attention.StaticDilatedKVCache` caches, as one CUDA graph replayed per
-        token (Note [A captured decoding step]): the same tokens, without the host's work per
-        layer.
+        On CUDA (``cuda_graph`` None or True) the steps after the prompt decode every row at
+        once with :class:`~dilated_attention.StaticDilatedKVCache` caches, as one CUDA graph
+        replayed per token (Note [A captured decoding step]): the same tokens, without the
+        host's work per layer (6x the tokens per second of eager steps for the tiny preset on
+        an H100).
 
         Prompts of different lengths come as a list of 1-D token id tensors: each is sampled
         exactly as it would be alone (no padding: the rows of each length share one batch and
@@ -155,10 +156,11 @@ class GenerationMixin:
                 has produced it, its later steps are ``stop_token`` too, and the iterator ends
                 after the step where every sequence has (``None``: run ``max_new_tokens``
                 steps).
-            cuda_graph: decode every row at once with the captured step (needs a CUDA device
-                and decoding caches: every layer local dilated attention, and the longest
-                prompt plus ``max_new_tokens`` within ``max_seq_len``); False: one eager
-                forward per step.
+            cuda_graph: True: decode every row at once with the captured step (needs a CUDA
+                device and decoding caches: every layer local dilated attention, and the
+                longest prompt plus ``max_new_tokens`` within ``max_seq_len``); False: one
+                eager forward per step; None (default): the captured step wherever True would
+                run, else eager steps.
 
         Yields:
             (B, 1) token ids (int64), one step at a time.
@@ -190,12 +192,15 @@ class GenerationMixin:
     def _check_cuda_graph(
         self, cuda_graph: object, groups: list[tuple[torch.Tensor, torch.Tensor]], new: int
     ) -> bool:
-        """``cuda_graph``, checked: True needs a CUDA device and decoding caches."""
-        if not isinstance(cuda_graph, bool):
-            raise ValueError(f"cuda_graph must be True or False, got {cuda_graph!r}")
+        """Whether the steps run captured: ``cuda_graph``, checked (True needs a CUDA device
+        and decoding caches; None takes them where they are)."""
+        if cuda_graph is not None and not isinstance(cuda_graph, bool):
+            raise ValueError(f"cuda_graph must be True, False or None, got {cuda_graph!r}")
+        device = groups[0][1].device
+        if cuda_graph is None:
+            return device.type in GRAPH_DEVICE_TYPES and self._decodes(groups, new)
         if not cuda_graph:
             return False
-        device = groups[0][1].device
         if device.type not in GRAPH_DEVICE_TYPES:
             raise ValueError(
                 f"cuda_graph=True needs the model and prompt on a CUDA device, got {device}; "

@@ -94,7 +94,7 @@ def test_cuda_graph_arguments_are_checked() -> None:
     prompt = torch.zeros(1, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="needs the model and prompt on a CUDA device"):
         model.generate(prompt, 3, cuda_graph=True)
-    with pytest.raises(ValueError, match="cuda_graph must be True or False"):
+    with pytest.raises(ValueError, match="cuda_graph must be True, False or None"):
         model.generate(prompt, 3, cuda_graph="yes")  # type: ignore[arg-type]
 
 
@@ -103,6 +103,30 @@ def test_cuda_graph_needs_decoding_caches(graphs_here: None) -> None:
     with pytest.raises(ValueError, match="within max_seq_len=12"):
         model.generate(torch.zeros(1, 4, dtype=torch.long), 9, cuda_graph=True)
     assert model.generate(torch.zeros(1, 4, dtype=torch.long), 9).shape == (1, 13)
+
+
+@pytest.mark.parametrize(
+    ("graph_devices", "max_seq_len", "captured"),
+    [(frozenset({"cuda"}), None, False),  # the CPU: eager steps
+     (frozenset({"cpu", "cuda"}), None, True),  # where graphs run: captured
+     (frozenset({"cpu", "cuda"}), 12, False)],  # past max_seq_len: eager (recomputed) steps
+    ids=["no-graphs-here", "graphs-here", "no-caches"],
+)  # fmt: skip
+def test_the_default_captures_wherever_it_can(
+    monkeypatch: pytest.MonkeyPatch, graph_devices: frozenset, max_seq_len: int | None,
+    captured: bool,
+) -> None:
+    """``cuda_graph=None`` (the default) takes the captured step exactly where ``True`` would
+    run, with the same tokens as eager steps, and never raises where ``True`` would."""
+    monkeypatch.setattr(generation, "GRAPH_DEVICE_TYPES", graph_devices)
+    model = _model(torch.float32, max_seq_len=max_seq_len)
+    took = []
+    sample_static = model._sample_static
+    monkeypatch.setattr(model, "_sample_static", lambda *a: took.append(1) or sample_static(*a))
+    prompt = torch.randint(0, 64, (2, 4), generator=torch.Generator().manual_seed(8))
+    default = model.generate(prompt, 9, temperature=0)
+    assert bool(took) == captured
+    assert torch.equal(default, model.generate(prompt, 9, temperature=0, cuda_graph=False))
 
 
 def test_static_caches_refuse_positions_and_mixed_kinds() -> None:
