@@ -54,9 +54,12 @@ class HeadExchange:
         return len(self.global_ranks)
 
 
-def _swap(pieces: list[torch.Tensor], ex: HeadExchange) -> list[torch.Tensor]:
-    """Send ``pieces[a]`` to rank ``a``; what each rank sent here, in rank order."""
-    got = [p if a == ex.rank else torch.empty_like(p) for a, p in enumerate(pieces)]
+def _swap(pieces: list[torch.Tensor], ex: HeadExchange) -> torch.Tensor:
+    """Send ``pieces[a]`` (all of one shape) to rank ``a``: what each rank sent here, stacked
+    in rank order, received in place into one buffer (W, *piece shape); this rank's own piece
+    is copied in, the others are packed once for their sends."""
+    got = pieces[0].new_empty((ex.size, *pieces[0].shape))
+    got[ex.rank].copy_(pieces[ex.rank])
     others = [a for a in range(ex.size) if a != ex.rank]
     wait_all(
         exchange(
@@ -69,16 +72,16 @@ def _swap(pieces: list[torch.Tensor], ex: HeadExchange) -> list[torch.Tensor]:
 
 def to_heads(x: torch.Tensor, ex: HeadExchange) -> torch.Tensor:
     """(B, n, Hx, E) -> (B, W * n, Hx / W, E): every position of the group for this rank's
-    heads, in the outer shard's order (Note [Head all-to-all]). ``Hx`` divisible by ``W``."""
-    pieces = [piece.contiguous() for piece in x.chunk(ex.size, dim=2)]
-    got = torch.stack(_swap(pieces, ex))  # (W, B, n, Hx / W, E)
+    heads, in the outer shard's order (Note [Head all-to-all]). ``Hx`` divisible by ``W``.
+    With B = 1 and one chunk per shard the result is the receive buffer itself (a view)."""
+    got = _swap(list(x.chunk(ex.size, dim=2)), ex)  # (W, B, n, Hx / W, E)
     return rearrange(got, "a b (p c) h e -> b (p a c) h e", p=ex.parts)
 
 
 def to_sequence(y: torch.Tensor, ex: HeadExchange) -> torch.Tensor:
     """(B, W * n, Hx / W, E) -> (B, n, Hx, E): the inverse of :func:`to_heads`."""
     pieces = rearrange(y, "b (p a c) h e -> a b (p c) h e", p=ex.parts, a=ex.size)
-    return torch.cat(_swap(list(pieces), ex), dim=2)
+    return rearrange(_swap(list(pieces), ex), "a b n h e -> b n (a h) e")
 
 
 def _exchange(

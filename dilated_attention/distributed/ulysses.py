@@ -69,6 +69,9 @@ def head_parallel(
     ex = cp.head_exchange(parts)
     if q.numel() == 0:  # a batch of 0 or 0 heads on every rank: as in one process
         return empty_attention(q, k, v)
+    if ex.size == 1:  # a head group of one rank exchanges nothing
+        out, lse = run(q, k, v, key_padding_mask, 0)
+        return out, lse.detach()  # as the exchanged lse below
     if split.kv_repeats > 1:
         k, v = (x.repeat_interleave(split.kv_repeats, dim=2) for x in (k, v))
     qh, kh, vh = (heads_of(x, ex) for x in (q, k, v))
