@@ -52,12 +52,14 @@ Hkv key/value heads, D head dim, Hc heads of one call, Lq queries and Lk keys of
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
 from .calls import SliceCall, put_view
 from .higher_order import RowCall, flat_rows
 from .plan import Plan
+from .schedule import Schedule
 from .segment import effective_branches
 from .strided import kv_head_slice
 
@@ -315,6 +317,38 @@ def static_token_plan(
         keys = keys + row_offsets.view(-1, 1)
     branches = tuple(zip(segment_lengths, dilation_rates, strict=True))
     return Plan((DecodeTokenCall(keys % ring_rows, ignore, positions.shape[0], branches),))
+
+
+#: A chunk runs as the forward of its window where the window holds at most this many rows
+#: per query of the chunk (Note [A chunk as the forward of its window]).
+WINDOW_ROWS_PER_QUERY = 4
+
+
+def window_start(
+    context: int, query_len: int, num_heads: int, num_kv_heads: int, schedule: Schedule
+) -> int:
+    """The first position of the aligned window of the last ``query_len`` of ``context``
+    positions: the last multiple of every effective segment length at or before the first query.
+
+    Note [A chunk as the forward of its window]
+        Chunked prefill runs the queries at positions ``c .. N - 1`` against the keys so far.
+        Decoding rows (Note [Decoding rows]) cut that into one call per branch, segment and
+        offset class: exact work, but a hundred small calls for an 8K chunk of the LongNet
+        schedule. Every segment starts at a multiple of its length, so at a multiple ``s`` of
+        every effective segment length (their least common multiple) every branch's segments
+        start afresh: position ``s + i`` of the sequence has, in every branch, the keys that
+        position ``i`` has in the sequence ``s .. N - 1`` alone. So the queries' rows are the
+        last rows of the causal forward over that window, one fused launch per direction, with
+        zeros for the window's earlier queries (their rows are computed and dropped). A segment
+        longer than the window is clipped to it there as it is in the whole sequence, whose
+        later positions do not exist yet (Note [Effective branches]). The window costs
+        ``(N - s) / (N - c)`` times the chunk's own rows: the resolver takes it where that is at
+        most ``WINDOW_ROWS_PER_QUERY``, the window's keys are still held, and the forward runs
+        on our fused kernels (its one launch is the gain); else decoding rows.
+    """
+    layout = schedule.at(context, num_heads, num_kv_heads)
+    period = math.lcm(*layout.segment_lengths)
+    return (context - query_len) // period * period
 
 
 @functools.lru_cache(maxsize=64)

@@ -65,6 +65,7 @@ from .strategy import (
     PlanStrategy,
     StaticDecodeStrategy,
     Strategy,
+    WindowStrategy,
     rows_in_place,
 )
 
@@ -123,9 +124,7 @@ def _dense(request: Request) -> Strategy:
     else:
         plan = Plan.dense(request.is_causal)
         how = "one dense call"
-    return PlanStrategy(
-        request, kernel, DENSE_REGISTRY, inputs, how, plan=plan, what="attention"
-    )
+    return PlanStrategy(request, kernel, DENSE_REGISTRY, inputs, how, plan=plan, what="attention")
 
 
 def _dilated(request: Request) -> Strategy:
@@ -216,9 +215,7 @@ def _packed(
         notes = (f"{count} packed documents, each segmented from its own first token: one "
                  f"launch per branch and position group, segments read from a table",
                  *fused_notes(kernel.backend.name, branches))  # fmt: skip
-        return FusedStrategy(
-            request, kernel, operation, inputs, _summary(kernel), notes, branches
-        )
+        return FusedStrategy(request, kernel, operation, inputs, _summary(kernel), notes, branches)
     groups = document_groups(documents, request.num_heads, segment_lengths, dilation_rates)
     plan = dilated_plan(
         groups, request.query_len, request.num_kv_heads, request.device, request.is_causal
@@ -233,7 +230,8 @@ def fused_notes(name: str, branches: tuple[tuple[int, int], ...]) -> tuple[str, 
     """One line per branch run by the plan kernel ``name`` (our fused kernels)."""
     return tuple(
         f"w={w} r={r}: {name}'s plan kernel runs the branch itself (one launch over its rows, "
-        f"read through strides, merged in place)" for w, r in branches
+        f"read through strides, merged in place)"
+        for w, r in branches
     )
 
 
@@ -247,6 +245,9 @@ def _decode(request: Request) -> Strategy:
     if request.static:
         return _static_decode(request)
     chunk = request.query_len > 1
+    window = _chunk_window(request) if chunk else None
+    if window is not None:
+        return window
     shape = {"query_len": 1, "key_len": 1 if chunk else request.key_len}
     registry = registry_for(DENSE_REGISTRY)
     one_call = (
@@ -282,6 +283,39 @@ def _decode(request: Request) -> Strategy:
     return PlanStrategy(
         request, kernel, DENSE_REGISTRY, inputs, how, plan=plan,
         layout=rows_in_place, what="dilated_attention",
+    )  # fmt: skip
+
+
+def _chunk_window(request: Request) -> Strategy | None:
+    """A chunk's queries as the causal forward of their aligned window, where that forward runs
+    on our fused kernels and holds at most ``decode.WINDOW_ROWS_PER_QUERY`` rows per query
+    (Note [A chunk as the forward of its window] in ``core/decode.py``); else None."""
+    assert request.schedule is not None  # _decode checked it
+    start = decode.window_start(
+        request.positions, request.query_len, request.num_heads, request.num_kv_heads,
+        request.schedule,
+    )  # fmt: skip
+    rows = request.positions - start
+    if (
+        not request.is_causal
+        or request.dropout_p
+        or start < request.key_start
+        or rows > decode.WINDOW_ROWS_PER_QUERY * request.query_len
+    ):
+        return None
+    inner = _dilated(
+        replace(request, operation=DILATED, query_len=rows, key_len=rows, key_start=0,
+                context_len=None)
+    )  # fmt: skip
+    if not isinstance(inner, FusedStrategy):  # one launch per direction is what it buys
+        return None
+    how = (
+        f"the causal forward of the chunk's aligned window ({rows} rows from position {start}; "
+        f"the {request.query_len} queries its last rows): {inner.how}"
+    )
+    return WindowStrategy(
+        request, inner.kernel, inner.operation, inner.inputs, how, inner.notes, inner=inner,
+        skip=start - request.key_start,
     )  # fmt: skip
 
 
@@ -421,9 +455,7 @@ def _block_plan(
     budget = max(request.key_len, block_plan.MIN_KV_ROWS_PER_CALL)
 
     def plan_of(q: torch.Tensor) -> Plan:
-        calls, _ = block_plan._local_plan(
-            *shape, request.is_causal, q.device, budget, query_start
-        )
+        calls, _ = block_plan._local_plan(*shape, request.is_causal, q.device, budget, query_start)
         return Plan(tuple(calls))
 
     how = "the kept blocks as stacked calls on this dense kernel (Note [Block-sparse plan])"

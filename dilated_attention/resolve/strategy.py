@@ -185,6 +185,31 @@ class PlanStrategy(Strategy):
 
 
 @dataclass(frozen=True)
+class WindowStrategy(Strategy):
+    """A chunk of queries at the last positions, run as the causal forward of its aligned
+    window (Note [A chunk as the forward of its window] in ``core/decode.py``): ``inner`` runs
+    the window's rows, the chunk's queries its last rows (zeros before them, whose outputs are
+    dropped; their gradients are zero).
+
+    Attributes:
+        inner: the forward's strategy over the window (queries and keys ``window`` rows).
+        skip: the key rows before the window (its first position minus the first key row's).
+    """
+
+    inner: Strategy | None = None
+    skip: int = 0
+
+    def _run(self, q, k, v, key_padding_mask):  # type: ignore[no-untyped-def]
+        assert self.inner is not None  # resolve gives it one
+        n, window = q.shape[1], self.inner.request.query_len
+        k, v = k[:, self.skip :], v[:, self.skip :]
+        mask = None if key_padding_mask is None else key_padding_mask[:, self.skip :]
+        before = q.new_zeros(q.shape[0], window - n, *q.shape[2:])
+        out, lse = self.inner.run(torch.cat([before, q], dim=1), k, v, mask)
+        return out[:, window - n :], lse[..., window - n :]
+
+
+@dataclass(frozen=True)
 class StaticDecodeStrategy(Strategy):
     """One token per batch row against a static cache's buffers (Note [A decode step with
     static shapes] in ``core/static_cache.py``), run by :meth:`run_at` with the rows' positions.
