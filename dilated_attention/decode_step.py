@@ -11,6 +11,12 @@ Note [The decode step under torch.compile]
     buffers, their mask and the positions and returns ``(out, lse)``: its implementation is the
     eager step. The operator has no gradient: a static step decodes without one.
 
+    The slots of the step's branches (``token_slots``: per slot its segment, rate and stride)
+    are an input of the operator, made by the traced graph. The eager step makes them once
+    per schedule and device and keeps them; an operator that did so would keep tensors made
+    in its first run, which under ``mode="reduce-overhead"`` (CUDA graph trees) lie in the
+    graphs' memory pool, and the trees refuse any tensor of their pool they do not track.
+
 Shape legend: B batch, H query heads, R buffer rows, Hkv key/value heads, D head dim.
 """
 
