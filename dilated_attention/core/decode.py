@@ -324,31 +324,50 @@ def static_token_plan(
 WINDOW_ROWS_PER_QUERY = 4
 
 
-def window_start(
-    context: int, query_len: int, num_heads: int, num_kv_heads: int, schedule: Schedule
-) -> int:
-    """The first position of the aligned window of the last ``query_len`` of ``context``
-    positions: the last multiple of every effective segment length at or before the first query.
+def chunk_windows(
+    context: int,
+    query_len: int,
+    num_heads: int,
+    num_kv_heads: int,
+    schedule: Schedule,
+    *,
+    one: bool = False,
+) -> dict[int, Schedule]:
+    """The windows of the last ``query_len`` of ``context`` positions: per first position of a
+    window, the effective branches it runs. Each branch's window starts at the last multiple of
+    its segment length at or before the first query; with ``one``, every branch's at the last
+    multiple of them all (one forward: no merge of windows, so gradients pass).
 
     Note [A chunk as the forward of its window]
         Chunked prefill runs the queries at positions ``c .. N - 1`` against the keys so far.
         Decoding rows (Note [Decoding rows]) cut that into one call per branch, segment and
         offset class: exact work, but a hundred small calls for an 8K chunk of the LongNet
-        schedule. Every segment starts at a multiple of its length, so at a multiple ``s`` of
-        every effective segment length (their least common multiple) every branch's segments
-        start afresh: position ``s + i`` of the sequence has, in every branch, the keys that
-        position ``i`` has in the sequence ``s .. N - 1`` alone. So the queries' rows are the
-        last rows of the causal forward over that window, one fused launch per direction, with
-        zeros for the window's earlier queries (their rows are computed and dropped). A segment
-        longer than the window is clipped to it there as it is in the whole sequence, whose
-        later positions do not exist yet (Note [Effective branches]). The window costs
-        ``(N - s) / (N - c)`` times the chunk's own rows: the resolver takes it where that is at
-        most ``WINDOW_ROWS_PER_QUERY``, the window's keys are still held, and the forward runs
-        on our fused kernels (its one launch is the gain); else decoding rows.
+        schedule. A branch's segments start at multiples of its length ``w``, so from
+        ``s = (c // w) * w`` position ``s + i`` of the sequence has, in that branch, the keys that
+        position ``i`` has in the sequence ``s .. N - 1`` alone: the queries' rows of the
+        branch are the last rows of the causal forward over that window, with zeros for the
+        window's earlier queries (their rows are computed and dropped). The branches that
+        share a start run as one forward (one fused launch per direction) and the windows merge
+        by log-sum-exp, as branches merge; a short branch's window is the chunk itself, a long
+        one's at most ``w - 1`` rows longer, and long branches are the cheap ones (``N w / r**2``
+        products). The windows' lse are detached, so a call that needs gradients runs one
+        window for every branch, from the last multiple of all their lengths. A segment longer
+        than its window is clipped to it there as it is in the whole sequence, whose later
+        positions do not exist yet (Note [Effective branches]). The resolver takes the windows
+        where each holds at most ``WINDOW_ROWS_PER_QUERY`` rows per query, their keys are still
+        held, and the forwards run on our fused kernels (one launch each is the gain); else
+        decoding rows.
     """
     layout = schedule.at(context, num_heads, num_kv_heads)
-    period = math.lcm(*layout.segment_lengths)
-    return (context - query_len) // period * period
+    first, every = context - query_len, math.lcm(*layout.segment_lengths)
+    groups: dict[int, list[tuple[int, int]]] = {}
+    for w, r in zip(layout.segment_lengths, layout.dilation_rates, strict=True):
+        period = every if one else w
+        groups.setdefault(first // period * period, []).append((w, r))
+    return {
+        s: Schedule(tuple(w for w, _ in branches), tuple(r for _, r in branches))
+        for s, branches in sorted(groups.items())
+    }
 
 
 @functools.lru_cache(maxsize=64)

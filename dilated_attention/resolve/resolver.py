@@ -287,36 +287,39 @@ def _decode(request: Request) -> Strategy:
 
 
 def _chunk_window(request: Request) -> Strategy | None:
-    """A chunk's queries as the causal forward of their aligned window, where that forward runs
-    on our fused kernels and holds at most ``decode.WINDOW_ROWS_PER_QUERY`` rows per query
-    (Note [A chunk as the forward of its window] in ``core/decode.py``); else None."""
-    assert request.schedule is not None  # _decode checked it
-    start = decode.window_start(
-        request.positions, request.query_len, request.num_heads, request.num_kv_heads,
-        request.schedule,
+    """A chunk's queries as causal forwards over aligned windows, one per position where a
+    group of branches starts afresh (one window for them all when gradients are needed), where
+    each runs on our fused kernels and holds at most ``decode.WINDOW_ROWS_PER_QUERY`` rows per
+    query (Note [A chunk as the forward of its window] in ``core/decode.py``); else None."""
+    schedule, n = request.schedule, request.query_len
+    assert schedule is not None  # _decode checked it
+    groups = decode.chunk_windows(
+        request.positions, n, request.num_heads, request.num_kv_heads, schedule,
+        one=request.requires_grad,
     )  # fmt: skip
-    rows = request.positions - start
-    if (
-        not request.is_causal
-        or request.dropout_p
-        or start < request.key_start
-        or rows > decode.WINDOW_ROWS_PER_QUERY * request.query_len
-    ):
+    if not request.is_causal or request.dropout_p or min(groups) < request.key_start:
         return None
-    inner = _dilated(
-        replace(request, operation=DILATED, query_len=rows, key_len=rows, key_start=0,
-                context_len=None)
-    )  # fmt: skip
-    if not isinstance(inner, FusedStrategy):  # one launch per direction is what it buys
-        return None
+    windows = []
+    for start, branches in groups.items():
+        rows = request.positions - start
+        if rows > decode.WINDOW_ROWS_PER_QUERY * n:
+            return None
+        inner = _dilated(
+            replace(request, operation=DILATED, query_len=rows, key_len=rows, key_start=0,
+                    context_len=None, schedule=branches)
+        )  # fmt: skip
+        if not isinstance(inner, FusedStrategy):  # one launch per direction is what it buys
+            return None
+        windows.append((start - request.key_start, inner))
     how = (
-        f"the causal forward of the chunk's aligned window ({rows} rows from position {start}; "
-        f"the {request.query_len} queries its last rows): {inner.how}"
+        f"causal forwards over the chunk's aligned windows, its {n} queries their last rows: "
+        + "; ".join(f"{w.request.query_len} rows for {w.request.schedule}" for _, w in windows)
     )
+    first = windows[0][1]
+    notes = tuple(note for _, w in windows for note in w.notes)
     return WindowStrategy(
-        request, inner.kernel, inner.operation, inner.inputs, how, inner.notes, inner=inner,
-        skip=start - request.key_start,
-    )  # fmt: skip
+        request, first.kernel, first.operation, first.inputs, how, notes, windows=tuple(windows)
+    )
 
 
 def _static_decode(request: Request) -> Strategy:

@@ -22,6 +22,7 @@ from ..core.autograd import Runner, run_attention
 from ..core.decode import static_token_plan, token_slots
 from ..core.executor import PlanRunner, empty_attention
 from ..core.fused import FusedRunner, compile_ahead
+from ..core.merge import merge_partial
 from ..core.plan import Plan
 from .request import Request
 
@@ -186,27 +187,37 @@ class PlanStrategy(Strategy):
 
 @dataclass(frozen=True)
 class WindowStrategy(Strategy):
-    """A chunk of queries at the last positions, run as the causal forward of its aligned
-    window (Note [A chunk as the forward of its window] in ``core/decode.py``): ``inner`` runs
-    the window's rows, the chunk's queries its last rows (zeros before them, whose outputs are
-    dropped; their gradients are zero).
+    """A chunk of queries at the last positions, run as causal forwards over aligned windows
+    (Note [A chunk as the forward of its window] in ``core/decode.py``): per group of branches
+    that start afresh at one position, a forward over the window from there (the chunk's
+    queries its last rows, zeros before them, whose outputs are dropped and whose gradients are
+    zero), the groups merged by log-sum-exp (Note [Merging partial softmaxes]).
 
     Attributes:
-        inner: the forward's strategy over the window (queries and keys ``window`` rows).
-        skip: the key rows before the window (its first position minus the first key row's).
+        windows: per group, the key rows before its window and the forward's strategy over the
+            window (queries and keys of the window's rows, the group's branches).
     """
 
-    inner: Strategy | None = None
-    skip: int = 0
+    windows: tuple[tuple[int, Strategy], ...] = ()
 
     def _run(self, q, k, v, key_padding_mask):  # type: ignore[no-untyped-def]
-        assert self.inner is not None  # resolve gives it one
-        n, window = q.shape[1], self.inner.request.query_len
-        k, v = k[:, self.skip :], v[:, self.skip :]
-        mask = None if key_padding_mask is None else key_padding_mask[:, self.skip :]
-        before = q.new_zeros(q.shape[0], window - n, *q.shape[2:])
-        out, lse = self.inner.run(torch.cat([before, q], dim=1), k, v, mask)
-        return out[:, window - n :], lse[..., window - n :]
+        n, result = q.shape[1], None
+        for skip, inner in self.windows:
+            rows = inner.request.query_len
+            mask = None if key_padding_mask is None else key_padding_mask[:, skip:]
+            before = q.new_zeros(q.shape[0], rows - n, *q.shape[2:])
+            out, lse = inner.run(torch.cat([before, q], dim=1), k[:, skip:], v[:, skip:], mask)
+            part = (out[:, rows - n :], lse[..., rows - n :])
+            result = part if result is None else _merged(result, part)
+        assert result is not None  # resolve gives it a window
+        return result
+
+
+def _merged(a: Result, b: Result) -> Result:
+    """Two windows' (out (B, n, H, D), lse (B, H, n)) over disjoint branches, merged in
+    float32 (the rows' lse are detached: the resolver merges windows without gradients)."""
+    out, lse = merge_partial(a[0].float(), a[1].transpose(1, 2), b[0].float(), b[1].transpose(1, 2))
+    return out.to(a[0].dtype), lse.transpose(1, 2)
 
 
 @dataclass(frozen=True)
