@@ -63,6 +63,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from .core.call_runs import accumulator_dtype
 from .core.higher_order import RaiseOnBackward
 from .core.schedule import Schedule
 from .pattern_keys import pattern_key, pattern_of
@@ -186,10 +187,6 @@ def eager_only(what: str) -> Callable[[_F], _F]:
 
 
 # -- running the eager functions inside the operators -------------------------------------------
-def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _get_rng_state(device: torch.device) -> torch.Tensor:
     """The CPU generator's state, then ``device``'s (uint8): kernels on ``device`` draw from its
     generator, and the ``math`` kernel draws its dropout seed from the CPU one."""
@@ -317,14 +314,14 @@ def _forward_impl(kind: str, *args: Any) -> tuple[torch.Tensor, torch.Tensor, to
         leaves = [x.detach().requires_grad_(requires_grad) for x in (q, k, v)]
         out, lse = _eager(kind, *leaves, mask, options)
     out = _fresh(out.detach(), (q, k, v, mask))
-    return out, _fresh(lse.detach().to(_lse_dtype(q.dtype)), (q, k, v, mask, out)), rng_state
+    return out, _fresh(lse.detach().to(accumulator_dtype(q.dtype)), (q, k, v, mask, out)), rng_state
 
 
 def _forward_fake(kind: str, *args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, _, _, _, *options = args
     batch, length, heads, _ = q.shape
     out = q.new_empty(q.shape)
-    lse = q.new_empty((batch, heads, length), dtype=_lse_dtype(q.dtype))
+    lse = q.new_empty((batch, heads, length), dtype=accumulator_dtype(q.dtype))
     numel = _rng_state_numel(q.device) if _dropout_p(kind, options) > 0 else 0
     return out, lse, torch.empty(numel, dtype=torch.uint8, device="cpu")
 
@@ -541,7 +538,12 @@ def _options(request: Request) -> tuple[str, list[Any]]:
             "model, or export dense or dilated attention"
         )
     return "block_sparse", [
-        pattern_key(r.pattern), r.block_size, r.is_causal, r.scale, r.backend, r.requires_grad
+        pattern_key(r.pattern),
+        r.block_size,
+        r.is_causal,
+        r.scale,
+        r.backend,
+        r.requires_grad,
     ]
 
 

@@ -28,12 +28,12 @@ import torch
 
 from .compiled import is_traced
 from .core.autograd import Inputs
+from .core.call_runs import accumulator_dtype
 from .core.decode import token_slots
 from .core.hidden import hide_masked_keys
 from .core.schedule import Schedule
-from .core.segment import effective_branches
 from .core.static_cache import StaticDilatedKVCache
-from .resolve import DECODE, Request, dilated_operation, resolve
+from .resolve import DECODE, Request, dilated_operation, resolve, static_branches
 from .resolve.strategy import StaticDecodeStrategy
 
 __all__ = ["decode_at", "static_decode"]
@@ -77,8 +77,8 @@ def _implementation(
 
 def _fake(q: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     batch, length, heads, _ = q.shape
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return q.new_empty(q.shape), q.new_empty((batch, heads, length), dtype=lse_dtype)
+    lse = q.new_empty((batch, heads, length), dtype=accumulator_dtype(q.dtype))
+    return q.new_empty(q.shape), lse
 
 
 _OPERATOR = torch.library.custom_op(
@@ -112,10 +112,7 @@ def _traced_slots(request: Request) -> list[torch.Tensor]:
     graph, not by the operator: a graph replays them, while slots the operator made and cached
     in its first run would live in the CUDA graph pool of ``mode="reduce-overhead"``, which
     refuses allocations it does not track (Note [The decode step under torch.compile])."""
-    schedule = request.schedule
-    assert schedule is not None  # a decode request has one
-    branches = effective_branches(request.key_len, request.num_heads,
-                                  schedule.segment_lengths, schedule.dilation_rates)  # fmt: skip
+    branches = static_branches(request)
     return list(token_slots.__wrapped__(request.num_heads, *branches, request.device))
 
 

@@ -10,7 +10,7 @@ from .request import (
     Request,
     dilated_operation,
 )
-from .resolver import execute, keeps_every_pair, resolve
+from .resolver import execute, keeps_every_pair, resolve, static_branches
 from .strategy import Strategy
 
 __all__ = [
@@ -25,4 +25,5 @@ __all__ = [
     "execute",
     "keeps_every_pair",
     "resolve",
+    "static_branches",
 ]

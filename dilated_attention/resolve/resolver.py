@@ -69,7 +69,7 @@ from .strategy import (
     rows_in_place,
 )
 
-__all__ = ["execute", "keeps_every_pair", "resolve"]
+__all__ = ["execute", "keeps_every_pair", "resolve", "static_branches"]
 
 
 @torch.compiler.disable  # selection probes kernels and caches: run it eagerly, never traced
@@ -322,6 +322,17 @@ def _chunk_window(request: Request) -> Strategy | None:
     )
 
 
+def static_branches(request: Request) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The effective branches every step of a static decode ``request`` reads: the schedule's
+    over the buffers' ``key_len`` rows (Note [Effective branches]). Plain integers, so the
+    traced step computes them too (``decode_step._traced_slots``)."""
+    schedule = request.schedule
+    assert schedule is not None  # a decode request has one
+    return effective_branches(
+        request.key_len, request.num_heads, schedule.segment_lengths, schedule.dilation_rates
+    )
+
+
 def _static_decode(request: Request) -> Strategy:
     """One token per batch row against a static cache's buffers (Note [A decode step with
     static shapes] in ``core/static_cache.py``): the one call of every branch's slots, on the
@@ -333,10 +344,7 @@ def _static_decode(request: Request) -> Strategy:
             "place); run the step under torch.no_grad(), or decode with a DilatedKVCache to "
             "differentiate through decoding"
         )
-    heads, schedule = request.num_heads, request.schedule
-    segs, rates = effective_branches(
-        request.key_len, heads, schedule.segment_lengths, schedule.dilation_rates
-    )
+    segs, rates = static_branches(request)
     slots = sum(-(-w // r) for w, r in zip(segs, rates, strict=True))
     inputs = _kernel_inputs(request, is_causal=False, has_mask=True, query_len=1, key_len=slots)
     kernel = registry_for(DENSE_REGISTRY).select(inputs, request.backend)
