@@ -19,7 +19,16 @@ def _spread_workers_over_gpus() -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(int(worker.removeprefix("gw")) % int(gpus))
 
 
+def _share_flash_attn4_kernels() -> None:
+    """FlashAttention-4 keeps what it compiles on disk where asked
+    (``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1``): set before it is imported, so the workers of
+    one run (and later runs on this machine) compile each of its kernels once, not once each.
+    An explicit setting is kept."""
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+
+
 _spread_workers_over_gpus()
+_share_flash_attn4_kernels()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
