@@ -5,7 +5,17 @@ float64 defaults for the oracle, and ``--require-backends``
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import warnings
 from typing import Any
+
+
+def _cores() -> int:
+    """The cores this process may run on (its affinity, e.g. under ``taskset``)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _spread_workers_over_gpus() -> None:
@@ -27,8 +37,19 @@ def _share_flash_attn4_kernels() -> None:
     os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
 
 
+def _share_compile_threads() -> None:
+    """Under pytest-xdist, Inductor compiles with each worker's share of the cores (set before
+    torch is imported): its default, a pool of one compile process per core in every worker,
+    oversubscribes the cores as torch's threads would (``pytest_configure``)."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers is not None:
+        share = max(1, _cores() // int(workers))
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(share))
+
+
 _spread_workers_over_gpus()
 _share_flash_attn4_kernels()
+_share_compile_threads()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -60,7 +81,7 @@ def pytest_configure(config: pytest.Config) -> None:
     GPU host at ``-n 16``: 5-19 s tests took 83-199 s). Also: the required backends."""
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers is not None:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+        torch.set_num_threads(max(1, _cores() // int(workers)))
     # Known to pytest-xdist, which may be absent (--strict-markers).
     config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist runs in one worker")
     value = config.getoption(required_backends.OPTION) or os.environ.get(required_backends.ENV)
@@ -83,6 +104,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.stash[_MISSING] = required_backends.failure_message(missing)
             else:
                 item.add_marker(skip)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Under pytest-xdist on a CUDA machine, the controller runs ``python -m dilated_attention
+    info`` once before the workers start: its availability probes compile every compiling
+    backend's probe kernel (FlexAttention through Inductor, FlashAttention-4's CuTe DSL, our
+    Triton kernels) into their disk caches, so each worker's probes load them instead of all
+    workers compiling the same kernels at once."""
+    workers = session.config.getoption("numprocesses", None)
+    if os.environ.get("PYTEST_XDIST_WORKER") or not workers or not torch.cuda.is_available():
+        return
+    command = [sys.executable, "-m", "dilated_attention", "info"]
+    try:
+        subprocess.run(command, capture_output=True, check=True, timeout=600)
+    except (subprocess.SubprocessError, OSError) as exc:
+        warnings.warn(f"warming the kernel caches failed ({exc}); each worker compiles its own",
+                      stacklevel=1)  # fmt: skip
 
 
 @pytest.hookimpl(tryfirst=True)
