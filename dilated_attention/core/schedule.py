@@ -107,7 +107,6 @@ class ShardedBranches:
     groups: tuple[RowGroup, ...]
     not_slotted: str | None
     first_head: int = 0
-    first_head: int = 0
 
     @property
     def in_slots(self) -> bool:

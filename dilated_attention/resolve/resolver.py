@@ -54,6 +54,7 @@ from ..core.documents import document_groups
 from ..core.grouped import grouped_plan
 from ..core.hidden import hide_masked_keys
 from ..core.plan import Plan
+from ..core.schedule import ShardedBranches
 from ..core.segment import branch_plan, describe_plan, dilated_plan, effective_branches
 from ..patterns import Pattern
 from .request import BLOCK_SPARSE, DECODE, DENSE, DILATED, OPERATIONS, Request
@@ -179,15 +180,48 @@ def _shard(request: Request) -> Strategy:
     world, chunk = request.shard
     heads, kv_heads = request.num_heads, request.num_kv_heads
     split = request.schedule.at(world * request.query_len, heads, kv_heads).sharded(world, chunk)
-    inputs = _kernel_inputs(request, branch_slots=split.in_slots)
+    too_large = _float32_beside_spans(request, split) if split.in_slots else None
+    inputs = _kernel_inputs(request, branch_slots=split.in_slots and too_large is None)
     kernel = registry_for(DILATED_REGISTRY).select(inputs, request.backend)
     notes = tuple(f"w={w} r={r}: local, inside one chunk of {chunk}" for w, r in split.local)
     notes += tuple(f"w={w} r={r}: spans ranks, its rows exchanged" for w, r in split.spanning)
+    notes += (too_large,) if too_large else ()
     how = (
         f"ring dilated attention, {world} ranks of {request.query_len} positions: the local "
         "branches on this kernel, the spanning branches' calls on its backend"
     )
     return KernelOnlyStrategy(request, kernel, DILATED_REGISTRY, inputs, how, notes)
+
+
+#: The share of a CUDA device's memory that a shard's whole float32 results may take where its
+#: local branches write into branch slots beside spanning branches.
+SPANNING_FLOAT32_SHARE = 0.25
+
+
+def _float32_beside_spans(request: Request, split: ShardedBranches) -> str | None:
+    """Why a shard's local branches should not write into branch slots, or None.
+
+    Beside spanning branches, a kernel that writes into slots merges the spanning results into
+    float32 results of the whole shard (``out``, and ``dq``, ``dk``, ``dv`` when training;
+    Note [Spanning results stay compact] in ``distributed/ring_dilated.py``), where our fused
+    kernels keep one head group's float32 scratch. On a CUDA device those results may take
+    :data:`SPANNING_FLOAT32_SHARE` of its memory: 8 GiB at 256K positions, 16 heads of 128
+    (FlashAttention-4 1.37-1.42x our fused kernels on two H200s, ``ring_dilated_fa4_h200x2.json``);
+    32 GiB at 1M ran out of memory on two H100s (``ring_dilated_h100x2.json``)."""
+    if not split.spanning or request.device.type != "cuda":
+        return None
+    width = request.num_heads
+    if request.requires_grad:
+        width += request.num_heads + 2 * request.num_kv_heads
+    need = 4 * request.batch * request.query_len * width * request.head_dim
+    total = torch.cuda.get_device_properties(request.device).total_memory
+    if need <= SPANNING_FLOAT32_SHARE * total:
+        return None
+    return (
+        f"local branches not in branch slots: beside the spanning branches a kernel writing "
+        f"into slots would hold the shard's float32 results ({need / 2**30:.1f} GiB), over "
+        f"{SPANNING_FLOAT32_SHARE:.0%} of the device's {total / 2**30:.0f} GiB"
+    )
 
 
 def _packed(
