@@ -8,6 +8,7 @@ record into ``benchmarks/results/README.md``; ``_records.py`` says what a record
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import os
@@ -93,7 +94,7 @@ def time_cuda(
 def time_fwd_and_fwd_bwd(
     forward: Callable[[], torch.Tensor],
     leaves: list[torch.Tensor],
-    dout: torch.Tensor,
+    make_dout: Callable[[], torch.Tensor],
     *,
     warmup: int,
     repeats: int,
@@ -104,7 +105,8 @@ def time_fwd_and_fwd_bwd(
     Args:
         forward: runs the computation and returns its output.
         leaves: the tensors whose gradients the backward computes.
-        dout: the upstream gradient of the output.
+        make_dout: makes the upstream gradient of the output; called after the forward's
+            measurement, so the forward's peak holds only what a forward needs.
         device: where it runs (default CUDA); elsewhere timed with ``perf_counter`` and without
             the peak memory entries.
 
@@ -116,12 +118,13 @@ def time_fwd_and_fwd_bwd(
         with torch.no_grad():
             forward()
 
-    def fwd_bwd() -> None:
+    def fwd_bwd(dout: torch.Tensor) -> None:
         torch.autograd.grad(forward(), leaves, dout)
 
     cuda = device is None or device.type == "cuda"
     result = {}
-    for step, run in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+    for step in ("fwd", "fwd_bwd"):
+        run = fwd if step == "fwd" else functools.partial(fwd_bwd, make_dout())
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()

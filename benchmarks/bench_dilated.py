@@ -33,6 +33,7 @@ host_label``), the latest record of this benchmark on that device.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -93,10 +94,10 @@ def _ceiling(
             for h in (heads, kv_heads, kv_heads)
         )
         q, k, v = (x.requires_grad_() for x in (q, k, v))
-        dout = torch.randn_like(q)
         res = time_fwd_and_fwd_bwd(
             lambda q=q, k=k, v=v: attention(q, k, v, is_causal=causal, backend=backend),
-            [q, k, v], dout, warmup=args.warmup, repeats=args.repeats,
+            [q, k, v], functools.partial(torch.randn_like, q), warmup=args.warmup,
+            repeats=args.repeats,
         )  # fmt: skip
         total["fwd_ms"] += res["fwd_ms"]
         total["fwd_bwd_ms"] += res["fwd_bwd_ms"]
@@ -123,7 +124,6 @@ def bench_config(
         torch.randn(1, seq_len, h, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         for h in (heads, kv_heads, kv_heads)
     )
-    dout = torch.randn_like(q)
     slots = runs_in_slots(seq_len, heads, kv_heads, segs, rates)
     auto = choose(
         KernelInputs.from_tensors(q, k, is_causal=causal, dilated=True, branch_slots=slots)
@@ -132,7 +132,8 @@ def bench_config(
     def library(backend: str | None) -> Callable[[], dict[str, float]]:
         return lambda: time_fwd_and_fwd_bwd(
             lambda: dilated_attention(q, k, v, segs, rates, is_causal=causal, backend=backend),
-            [q, k, v], dout, warmup=args.warmup, repeats=args.repeats,
+            [q, k, v], functools.partial(torch.randn_like, q), warmup=args.warmup,
+            repeats=args.repeats,
         )  # fmt: skip
 
     def ceiling(backend: str) -> Callable[[], dict[str, float]]:

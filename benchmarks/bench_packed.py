@@ -31,6 +31,7 @@ so the packed path and one sequence, which compute different pairs, compare as r
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import math
 import sys
@@ -131,8 +132,9 @@ def rows_for(causal: bool, device: torch.device, args: argparse.Namespace) -> li
     unavoidable = 8 * q.numel() * q.element_size()
     rows = []
     for path, run, kernel in paths:
-        timing = time_fwd_and_fwd_bwd(run, [q, k, v], torch.randn_like(q), warmup=args.warmup,
-                                      repeats=args.repeats, device=device)  # fmt: skip
+        timing = time_fwd_and_fwd_bwd(run, [q, k, v], functools.partial(torch.randn_like, q),
+                                      warmup=args.warmup, repeats=args.repeats,
+                                      device=device)  # fmt: skip
         row = {"causal": causal, "path": path, "kernel": kernel, "documents": len(lengths),
                "total": args.total, **timing}
         row["fwd_tflops"] = flops[path] / timing["fwd_ms"] / 1e9

@@ -136,7 +136,8 @@ def _measure(
     result too)."""
     try:
         res = time_fwd_and_fwd_bwd(
-            forward, leaves, torch.randn_like(leaves[0]), warmup=args.warmup, repeats=args.repeats
+            forward, leaves, functools.partial(torch.randn_like, leaves[0]), warmup=args.warmup,
+            repeats=args.repeats,
         )
         for step, work in (("fwd", flops), ("fwd_bwd", 3.5 * flops)):
             row[f"{step}_ms"] = res[f"{step}_ms"]

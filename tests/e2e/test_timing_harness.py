@@ -1,0 +1,32 @@
+"""The benchmarks' timing harness (``benchmarks/_timing.py``): what is alive while it measures."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from _timing import time_fwd_and_fwd_bwd
+
+
+def test_upstream_gradient_exists_only_for_forward_and_backward() -> None:
+    """The forward's measurement runs before the upstream gradient is made, so its peak memory
+    holds what a forward needs and not ``dout``; forward+backward uses the one ``dout`` made,
+    and differentiates into the leaves."""
+    x = torch.randn(4, 3, requires_grad=True)
+    events: list[str] = []
+
+    def forward() -> torch.Tensor:
+        events.append("grad" if torch.is_grad_enabled() else "no_grad")
+        return x * 2.0
+
+    def make_dout() -> torch.Tensor:
+        events.append("dout")
+        return torch.ones(4, 3)
+
+    result = time_fwd_and_fwd_bwd(forward, [x], make_dout, warmup=1, repeats=2,
+                                  device=torch.device("cpu"))  # fmt: skip
+    assert events == ["no_grad"] * 3 + ["dout"] + ["grad"] * 3
+    assert set(result) == {"fwd_ms", "fwd_bwd_ms"} and x.grad is None
