@@ -154,6 +154,9 @@ class FlexBackend(Backend):
     min_compute_capability = (8, 0)
     min_head_dim = 16  # Inductor's FlexAttention lowering refuses smaller embeddings
     supports_rectangular_causal = True
+    # One-row calls go to the plain-PyTorch kernel: torch.compile specializes a size of 1, so each
+    # would compile graphs of its own (dynamo's 0/1 specialization) for a call that costs nothing.
+    min_rows = 2
 
     def import_reasons(self) -> list[str]:
         try:
