@@ -398,14 +398,15 @@ def test_shard_in_slots_only_where_its_float32_results_fit(
     """Beside spanning branches, a kernel writing into slots holds the shard's float32 results
     (out, and dq, dk, dv when training): on an 80 GB CUDA device (faked) the resolve step tells
     the registry the local branches run in slots only while those take at most a quarter of
-    it, and the strategy's notes (``describe()``) say why not. Without spanning branches they stay in slots."""
+    it, and the strategy's notes (``describe()``) say why not. Without spanning branches they
+    stay in slots."""
     import types
 
     import dilated_attention.resolve.resolver as resolver
 
     total = 80 * 10**9
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda device=None: types.SimpleNamespace(total_memory=total, major=9, minor=0))  # fmt: skip
+    props = types.SimpleNamespace(total_memory=total, major=9, minor=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
     told: list[KernelInputs] = []
 
     class Registry:  # what the resolve step tells the registry; the choice itself is not the point
