@@ -485,6 +485,17 @@ def _dilated_first(inputs: KernelInputs) -> list[str]:
     return [] if inputs.head_dim > rule["max_head_dim"] else list(rule["names"])
 
 
+def float32_share_beside_spanning(device: torch.device) -> float | None:
+    """The share of ``device``'s memory that a shard's float32 results may take where its local
+    branches write into slots beside branches that span ranks (the ``dilated_slots`` rule's
+    ``max_float32_share_beside_spanning``, ``priorities.json``); None where the device has no
+    such rule (nothing puts a kernel that writes into slots first)."""
+    if device.type != "cuda":
+        return None
+    rule = _rule(_device_class(device), "dilated_slots")
+    return None if rule is None else rule.get("max_float32_share_beside_spanning")
+
+
 #: Positions from which FlashAttention-4 writing into branch slots runs dilated calls on sm90
 #: ahead of our fused Triton kernels (the sm90 ``dilated_slots`` rule of ``priorities.json``).
 FA4_DILATED_MIN_LEN: int = _table()["cuda"]["majors"]["9"]["first"]["dilated_slots"][

@@ -47,7 +47,12 @@ from ..backends.base import KernelInputs
 from ..backends.registry import BLOCK_SPARSE as BLOCK_SPARSE_REGISTRY
 from ..backends.registry import DENSE as DENSE_REGISTRY
 from ..backends.registry import DILATED as DILATED_REGISTRY
-from ..backends.registry import Selection, _requested, registry_for
+from ..backends.registry import (
+    Selection,
+    _requested,
+    float32_share_beside_spanning,
+    registry_for,
+)
 from ..block_sparse import plan as block_plan
 from ..core import decode
 from ..core.documents import document_groups
@@ -193,34 +198,28 @@ def _shard(request: Request) -> Strategy:
     return KernelOnlyStrategy(request, kernel, DILATED_REGISTRY, inputs, how, notes)
 
 
-#: The share of a CUDA device's memory that a shard's whole float32 results may take where its
-#: local branches write into branch slots beside spanning branches.
-SPANNING_FLOAT32_SHARE = 0.25
-
-
 def _float32_beside_spans(request: Request, split: ShardedBranches) -> str | None:
     """Why a shard's local branches should not write into branch slots, or None.
 
     Beside spanning branches, a kernel that writes into slots merges the spanning results into
     float32 results of the whole shard (``out``, and ``dq``, ``dk``, ``dv`` when training;
     Note [Spanning results stay compact] in ``distributed/ring_dilated.py``), where our fused
-    kernels keep one head group's float32 scratch. On a CUDA device those results may take
-    :data:`SPANNING_FLOAT32_SHARE` of its memory: 8 GiB at 256K positions, 16 heads of 128
-    (FlashAttention-4 1.37-1.42x our fused kernels on two H200s, ``ring_dilated_fa4_h200x2.json``);
-    32 GiB at 1M ran out of memory on two H100s (``ring_dilated_h100x2.json``)."""
-    if not split.spanning or request.device.type != "cuda":
+    kernels keep one head group's float32 scratch. Those may take the device's
+    ``float32_share_beside_spanning`` of its memory (``priorities.json``)."""
+    share = float32_share_beside_spanning(request.device) if split.spanning else None
+    if share is None:
         return None
     width = request.num_heads
     if request.requires_grad:
         width += request.num_heads + 2 * request.num_kv_heads
     need = 4 * request.batch * request.query_len * width * request.head_dim
     total = torch.cuda.get_device_properties(request.device).total_memory
-    if need <= SPANNING_FLOAT32_SHARE * total:
+    if need <= share * total:
         return None
     return (
         f"local branches not in branch slots: beside the spanning branches a kernel writing "
         f"into slots would hold the shard's float32 results ({need / 2**30:.1f} GiB), over "
-        f"{SPANNING_FLOAT32_SHARE:.0%} of the device's {total / 2**30:.0f} GiB"
+        f"{share:.0%} of the device's {total / 2**30:.0f} GiB"
     )
 
 
