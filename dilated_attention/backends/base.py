@@ -48,7 +48,9 @@ class KernelInputs:
     # A block-sparse call: tokens per block (None otherwise).
     block_size: int | None = None
     # A dilated call whose branches can write into slots merged once (Note [Branch slots merged
-    # once] in core/slots.py): kernels that write into given buffers run it fastest.
+    # once] in core/slots.py): kernels that write into given buffers run it fastest. False also
+    # where the slots' memory rules them out (a ring shard's float32 results beside spanning
+    # branches, resolve/resolver.py).
     branch_slots: bool = False
     # Rows holding packed documents (Note [Packed documents] in core/documents.py): the
     # executor runs each document's segments as their own calls.

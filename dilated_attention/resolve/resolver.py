@@ -199,7 +199,8 @@ def _shard(request: Request) -> Strategy:
 
 
 def _float32_beside_spans(request: Request, split: ShardedBranches) -> str | None:
-    """Why a shard's local branches should not write into branch slots, or None.
+    """Why the automatic choice should not put a kernel that writes into branch slots first for a
+    shard's local branches, or None.
 
     Beside spanning branches, a kernel that writes into slots merges the spanning results into
     float32 results of the whole shard (``out``, and ``dq``, ``dk``, ``dv`` when training;
@@ -217,9 +218,9 @@ def _float32_beside_spans(request: Request, split: ShardedBranches) -> str | Non
     if need <= share * total:
         return None
     return (
-        f"local branches not in branch slots: beside the spanning branches a kernel writing "
-        f"into slots would hold the shard's float32 results ({need / 2**30:.1f} GiB), over "
-        f"{share:.0%} of the device's {total / 2**30:.0f} GiB"
+        f"kernels writing into branch slots not put first: beside the spanning branches they "
+        f"hold the shard's float32 results ({need / 2**30:.1f} GiB), over {share:.0%} of the "
+        f"device's {total / 2**30:.0f} GiB"
     )
 
 
