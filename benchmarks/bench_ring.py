@@ -135,9 +135,9 @@ def _measure(
     forward+backward peak memory; an implementation that cannot run records its error (that is a
     result too)."""
     try:
+        make_dout = functools.partial(torch.randn_like, leaves[0])
         res = time_fwd_and_fwd_bwd(
-            forward, leaves, functools.partial(torch.randn_like, leaves[0]), warmup=args.warmup,
-            repeats=args.repeats,
+            forward, leaves, make_dout, warmup=args.warmup, repeats=args.repeats
         )
         for step, work in (("fwd", flops), ("fwd_bwd", 3.5 * flops)):
             row[f"{step}_ms"] = res[f"{step}_ms"]

@@ -111,13 +111,19 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     info`` once before the workers start: its availability probes compile every compiling
     backend's probe kernel (FlexAttention through Inductor, FlashAttention-4's CuTe DSL, our
     Triton kernels) into their disk caches, so each worker's probes load them instead of all
-    workers compiling the same kernels at once."""
-    workers = session.config.getoption("numprocesses", None)
+    workers compiling the same kernels at once. Not for a run that collects only or deselects
+    the GPU tests; ``DILATED_ATTENTION_TEST_WARMUP=0`` turns it off."""
+    config = session.config
+    workers = config.getoption("numprocesses", None)
     if os.environ.get("PYTEST_XDIST_WORKER") or not workers or not torch.cuda.is_available():
+        return
+    if config.option.collectonly or "not gpu" in (config.option.markexpr or ""):
+        return
+    if os.environ.get("DILATED_ATTENTION_TEST_WARMUP", "1") == "0":
         return
     command = [sys.executable, "-m", "dilated_attention", "info"]
     try:
-        subprocess.run(command, capture_output=True, check=True, timeout=600)
+        subprocess.run(command, capture_output=True, check=True, timeout=300, cwd=config.rootpath)
     except (subprocess.SubprocessError, OSError) as exc:
         warnings.warn(f"warming the kernel caches failed ({exc}); each worker compiles its own",
                       stacklevel=1)  # fmt: skip

@@ -485,6 +485,12 @@ def _dilated_first(inputs: KernelInputs) -> list[str]:
     return [] if inputs.head_dim > rule["max_head_dim"] else list(rule["names"])
 
 
+def puts_slots_first(inputs: KernelInputs) -> bool:
+    """Whether the automatic choice puts a kernel that writes into branch slots first for
+    ``inputs`` (the device's ``dilated_slots`` rule applies, :func:`_dilated_first`)."""
+    return bool(_dilated_first(inputs))
+
+
 def float32_share_beside_spanning(device: torch.device) -> float | None:
     """The share of ``device``'s memory that a shard's float32 results may take where its local
     branches write into slots beside branches that span ranks (the ``dilated_slots`` rule's

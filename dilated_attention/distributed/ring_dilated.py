@@ -20,11 +20,14 @@ Note [Local and spanning branches]
 Note [Spanning results stay compact]
     Spanning branches touch few (row, head) cells of a rank: 1/r of them. Their results are kept
     in float32 for those cells only (``core/cells.py``) and join the local branches' float32
-    running values (the fused engine's scratch, through its ``extra`` callback; the gather
-    engine's float32 output) before the one rounding into the inputs' dtype. Backward likewise:
-    spanning gradients, compact, are added into the local branches' float32 scratch. So the
-    branches mix exactly as in ``dilated_attention``, with float32 accumulation, and no
-    full-size float32 output or gradients exist. The spanning work (exchanges, small kernels,
+    running values (the fused engine's scratch, through its ``extra`` callback; the executor's
+    float32 output, gathered or in slots) before the one rounding into the inputs' dtype.
+    Backward likewise: spanning gradients, compact, are added into the local branches' float32
+    scratch, or the executor's float32 gradients. So the branches mix exactly as in
+    ``dilated_attention``, with float32 accumulation. On the fused engine no full-size float32
+    output or gradients exist; on the executor they do (the whole shard's ``out``, then ``dq``,
+    ``dk``, ``dv``), which is why the resolve step puts kernels writing into slots first only
+    where those fit (``resolve/resolver.py``). The spanning work (exchanges, small kernels,
     many small host-side ops) runs when the fused engine first asks for it, after it has queued
     a head group's kernels, so the host prepares it while the GPU computes. The forward keeps the
     gathered rows for the backward (a few rows per segment): the backward sends only gradients.

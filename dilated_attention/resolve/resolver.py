@@ -51,6 +51,7 @@ from ..backends.registry import (
     Selection,
     _requested,
     float32_share_beside_spanning,
+    puts_slots_first,
     registry_for,
 )
 from ..block_sparse import plan as block_plan
@@ -185,8 +186,9 @@ def _shard(request: Request) -> Strategy:
     world, chunk = request.shard
     heads, kv_heads = request.num_heads, request.num_kv_heads
     split = request.schedule.at(world * request.query_len, heads, kv_heads).sharded(world, chunk)
-    too_large = _float32_beside_spans(request, split) if split.in_slots else None
-    inputs = _kernel_inputs(request, branch_slots=split.in_slots and too_large is None)
+    inputs = _kernel_inputs(request, branch_slots=split.in_slots)
+    too_large = _float32_beside_spans(request, split, inputs)
+    inputs = replace(inputs, branch_slots=split.in_slots and too_large is None)
     kernel = registry_for(DILATED_REGISTRY).select(inputs, request.backend)
     notes = tuple(f"w={w} r={r}: local, inside one chunk of {chunk}" for w, r in split.local)
     notes += tuple(f"w={w} r={r}: spans ranks, its rows exchanged" for w, r in split.spanning)
@@ -198,22 +200,27 @@ def _shard(request: Request) -> Strategy:
     return KernelOnlyStrategy(request, kernel, DILATED_REGISTRY, inputs, how, notes)
 
 
-def _float32_beside_spans(request: Request, split: ShardedBranches) -> str | None:
-    """Why the automatic choice should not put a kernel that writes into branch slots first for a
-    shard's local branches, or None.
+def _float32_beside_spans(
+    request: Request, split: ShardedBranches, inputs: KernelInputs
+) -> str | None:
+    """Why the automatic choice should not put a kernel that writes into branch slots first for
+    a shard's local branches (``inputs``), or None: where it would, beside spanning branches.
 
-    Beside spanning branches, a kernel that writes into slots merges the spanning results into
-    float32 results of the whole shard (``out``, and ``dq``, ``dk``, ``dv`` when training;
-    Note [Spanning results stay compact] in ``distributed/ring_dilated.py``), where our fused
-    kernels keep one head group's float32 scratch. Those may take the device's
-    ``float32_share_beside_spanning`` of its memory (``priorities.json``)."""
-    share = float32_share_beside_spanning(request.device) if split.spanning else None
+    Such a kernel merges the spanning results into float32 results of the whole shard: ``out``
+    (B, n, H, D) in the forward, and ``dq``, ``dk``, ``dv`` in the backward, after that ``out``
+    is rounded and freed (Note [Spanning results stay compact] in
+    ``distributed/ring_dilated.py``); our fused kernels keep one head group's float32 scratch.
+    The larger of the two may take the device's ``float32_share_beside_spanning`` of its memory
+    (``priorities.json``)."""
+    if not split.spanning or request.backend is not None or not puts_slots_first(inputs):
+        return None
+    share = float32_share_beside_spanning(request.device)
     if share is None:
         return None
-    width = request.num_heads
+    heads = request.num_heads  # out; the gradients dq, dk, dv when training
     if request.requires_grad:
-        width += request.num_heads + 2 * request.num_kv_heads
-    need = 4 * request.batch * request.query_len * width * request.head_dim
+        heads += 2 * request.num_kv_heads
+    need = 4 * request.batch * request.query_len * heads * request.head_dim
     total = torch.cuda.get_device_properties(request.device).total_memory
     if need <= share * total:
         return None

@@ -5,7 +5,6 @@ Each spawned world runs many cases, since starting processes dominates the cost 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 from pathlib import Path
@@ -29,7 +28,6 @@ from dilated_attention import (
 )
 from dilated_attention.backends import get_backend
 from dilated_attention.backends.base import KernelInputs
-from dilated_attention.backends.registry import Selection
 from dilated_attention.core.schedule import Schedule
 from dilated_attention.resolve import Request, resolve
 
@@ -381,63 +379,6 @@ def test_local_branches_in_slots(schedule, heads: int, kv_heads: int, world_size
     strategy = resolve(request)
     assert strategy.inputs is not None and strategy.inputs.branch_slots is slotted
     assert strategy.kernel is not None
-
-
-@pytest.mark.parametrize(
-    ("local_len", "requires_grad", "slotted"),
-    [
-        (262144, True, True),  # 8 GiB of float32 results: measured faster in slots
-        (1048576, True, False),  # 32 GiB: ran out of memory on two H100s
-        (1048576, False, True),  # forward only: out alone, 8 GiB
-        (4194304, False, False),  # 32 GiB
-    ],
-)
-def test_shard_in_slots_only_where_its_float32_results_fit(
-    local_len: int, requires_grad: bool, slotted: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Beside spanning branches, a kernel writing into slots holds the shard's float32 results
-    (out, and dq, dk, dv when training): on an 80 GB CUDA device (faked) the resolve step tells
-    the registry the local branches run in slots only while those take at most a quarter of
-    it, and the strategy's notes (``describe()``) say why not. Without spanning branches they
-    stay in slots."""
-    import types
-
-    import dilated_attention.resolve.resolver as resolver
-
-    total = 80 * 10**9
-    props = types.SimpleNamespace(total_memory=total, major=9, minor=0)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
-    told: list[KernelInputs] = []
-
-    class Registry:  # what the resolve step tells the registry; the choice itself is not the point
-        def __init__(self, operation: str) -> None:
-            pass
-
-        def select(self, inputs: KernelInputs, backend: str | None = None) -> Selection:
-            told.append(inputs)
-            return Selection(get_backend("math"), runs_plan=False)
-
-    monkeypatch.setattr(resolver, "registry_for", Registry)
-    world, heads, dim = 2, 16, 128
-    schedule = Schedule((2048, 2 * local_len), (1, 16))  # w = 2048 local, the long one spans
-    q = torch.empty(1, 8, heads, dim, device="meta", dtype=torch.bfloat16)
-    base = Request.of("dilated", q, q, q, schedule=schedule, shard=(world, local_len))
-    request = dataclasses.replace(
-        base, device=torch.device("cuda", 0), query_len=local_len, key_len=local_len,
-        requires_grad=requires_grad,
-    )  # fmt: skip
-    split = schedule.at(world * local_len, heads, heads).sharded(world, local_len)
-    assert split.in_slots and split.spanning
-    need = 4 * local_len * heads * (4 if requires_grad else 1) * dim
-    assert slotted is (need <= total / 4)
-    strategy = resolve(request)
-    assert [inputs.branch_slots for inputs in told] == [slotted]
-    described = "\n".join(strategy.notes)  # the lines describe() prints under the kernel
-    assert (f"float32 results ({need / 2**30:.1f} GiB)" in described) is not slotted
-    if not slotted:
-        assert "over 25% of the device's 75 GiB" in described
-    alone = schedule.at(local_len, heads, heads).sharded(1, local_len)
-    assert not alone.spanning and resolver._float32_beside_spans(request, alone) is None
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
