@@ -1,6 +1,6 @@
-"""Shared pytest setup: seeds, the ``gpu`` marker skip, per-worker CPU threads (and GPUs),
-float64 defaults for the oracle, and ``--require-backends``
-(``tests/support/required_backends.py``)."""
+"""Shared pytest setup: seeds, the ``gpu`` marker skip, per-worker CPU threads, compile threads
+(and GPUs), kernel caches shared between workers and warmed before they start, float64 defaults
+for the oracle, and ``--require-backends`` (``tests/support/required_backends.py``)."""
 
 from __future__ import annotations
 
