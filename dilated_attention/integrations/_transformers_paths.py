@@ -248,14 +248,13 @@ def packed_documents(
 
 def decodes_in_place(
     q: torch.Tensor,
-    mask: torch.Tensor | None,
     kwargs: dict[str, Any],
     causal: bool,
     dropout: float,
 ) -> bool:
-    """Whether a call is one new token per row at its position ids, unpadded, which the static
-    decode step computes over the cache's keys as they are (Note [Decoding with transformers'
-    caches]): q (B, 1, H, D); ``mask`` the call's padding mask."""
+    """Whether a call is one new token per row at its position ids, which the static decode
+    step computes over the cache's keys as they are, a left-padded row's padding slots skipped
+    (Note [Decoding with transformers' caches]): q (B, 1, H, D)."""
     positions = kwargs.get("position_ids")
     if q.shape[1] != 1 or not causal or dropout or positions is None:
         return False

@@ -423,7 +423,7 @@ def attention_forward(
     if documents is not None:
         packed = {**run, "is_causal": causal}
         return _packed_rows(module, (q, k, v), attention_mask, documents, reason, packed), None
-    if reason is None and P.decodes_in_place(q, attention_mask, kwargs, causal, dropout):
+    if reason is None and P.decodes_in_place(q, kwargs, causal, dropout):
         positions = kwargs["position_ids"][:, -1].expand(q.shape[0])
         schedule = Schedule(*_layer_schedule(module))
         pads = None if attention_mask is None else (attention_mask.cumsum(1) == 0).sum(1)

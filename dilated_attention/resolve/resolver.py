@@ -334,11 +334,13 @@ def _chunk_window(request: Request) -> Strategy | None:
     query (Note [A chunk as the forward of its window] in ``core/decode.py``); else None."""
     schedule, n = request.schedule, request.query_len
     assert schedule is not None  # _decode checked it
+    if not request.is_causal or request.dropout_p:
+        return None
     groups = decode.chunk_windows(
         request.positions, n, request.num_heads, request.num_kv_heads, schedule,
         one=request.requires_grad,
     )  # fmt: skip
-    if not request.is_causal or request.dropout_p or min(groups) < request.key_start:
+    if min(groups) < request.key_start:
         return None
     windows = []
     for start, branches in groups.items():
