@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.backend_params import COMPILING
 from support.oracle import oracle_attention, oracle_dilated_attention
 from support.shared_results import shared_result
 from support.tolerances import assert_close_to_oracle
@@ -23,10 +24,6 @@ CUDA_BACKENDS = [
     "flash_attn2", "xformers",
 ]  # fmt: skip
 DTYPES = [torch.bfloat16, torch.float16]
-#: Backends that compile kernels per configuration in each process (FlexAttention through
-#: torch.compile, about 15-20 s for a first dilated call; FlashAttention-4's CuTe DSL JIT): their
-#: tests of one dtype run in one worker, which compiles each kernel once.
-COMPILING = ("flex", "flash_attn4")
 
 CASES = {
     # name: (seq_len, heads, kv_heads, segment_lengths, dilation_rates, is_causal, masked)
@@ -40,9 +37,9 @@ DENSE_CASES = ["gqa-mqa", "key-padding"]
 
 
 def _group(backend: str | None, oracle: str, dtype: torch.dtype) -> pytest.MarkDecorator:
-    """Under ``--dist loadgroup``: a compiling backend's tests of one dtype in one worker (its
-    kernels compiled once), the other backends' tests of one oracle in one worker (computed
-    once)."""
+    """Under ``--dist loadgroup``: a compiling backend's tests (``COMPILING``) of one dtype in
+    one worker (its kernels compiled once), the other backends' tests of one oracle in one worker
+    (computed once)."""
     shared = backend if backend in COMPILING else oracle
     return pytest.mark.xdist_group(f"gpu_backends-{shared}-{dtype}")
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.backend_params import DEVICE_BACKENDS
+from support.backend_params import DEVICE_BACKENDS, compiling_in_one_worker
 from support.block_sparse import token_mask
 from support.grouping import cut_small
 from support.oracle import dilated_multiplicity, masked_attention
@@ -38,7 +38,8 @@ from dilated_attention.patterns import DilatedBlocks, LocalWindow
 H, HKV, D = 4, 2, 16
 EXACT = {"atol": 0.0, "rtol": 0.0}
 #: Dense kernels run packed block-sparse plans (the block-sparse kernels refuse packed rows).
-BLOCK_SPARSE_BACKENDS = [p for p in DEVICE_BACKENDS if p.values[1] not in ("triton",)]
+PACKED_BACKENDS = compiling_in_one_worker(DEVICE_BACKENDS, "packed")
+BLOCK_SPARSE_BACKENDS = [p for p in PACKED_BACKENDS if p.values[1] not in ("triton",)]
 SEGS, RATES = (8, 16, 32), (1, 2, 4)
 #: name: documents of each row (every row holds the same number of positions).
 LAYOUTS = {
@@ -124,7 +125,7 @@ def _dtype(device: str) -> torch.dtype:
     return torch.float64 if device == "cpu" else torch.bfloat16
 
 
-@pytest.mark.parametrize(("device", "backend"), DEVICE_BACKENDS)
+@pytest.mark.parametrize(("device", "backend"), PACKED_BACKENDS)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("masked", [False, True], ids=["", "masked"])
@@ -141,7 +142,7 @@ def test_packed_dilated_equals_each_document_alone(device, backend, layout, is_c
     _check([out, lse, *grads], want, dtype, f"{layout} {backend}")
 
 
-@pytest.mark.parametrize(("device", "backend"), DEVICE_BACKENDS)
+@pytest.mark.parametrize(("device", "backend"), PACKED_BACKENDS)
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 def test_packed_attention_sees_only_its_document(device, backend, is_causal):
     docs, dtype = LAYOUTS["two-rows"], _dtype(device)
@@ -219,9 +220,7 @@ def test_packed_fused_kernels_launch_once_per_branch(device, dtypes, monkeypatch
         with torch.no_grad():
             for _ in range(2):  # the first call of a shape family also compiles it ahead
                 launches.clear()
-                dilated_attention(
-                    *dev, SEGS, RATES, backend="triton", cu_seqlens=_offsets(layout)
-                )
+                dilated_attention(*dev, SEGS, RATES, backend="triton", cu_seqlens=_offsets(layout))
         assert len(launches) == len(SEGS), (layout, len(launches))
 
 

@@ -6,6 +6,8 @@ that uses these lists. A backend that cannot run particular inputs is skipped wi
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import Tensor
@@ -48,6 +50,23 @@ DEVICE_BACKENDS = [
     if runs_on(backend, device)
 ]
 CPU_BACKENDS = [backend for backend in BACKENDS if runs_on(backend, "cpu")]
+#: Backends that JIT-compile a kernel per configuration in each process (FlashAttention-4's CuTe
+#: DSL kernels, FlexAttention through torch.compile).
+COMPILING = ("flash_attn4", "flex")
+
+
+def compiling_in_one_worker(params: list[Any], name: str) -> list[Any]:
+    """``(device, backend)`` params with a compiling backend's tests of one file put in one
+    pytest-xdist worker (``--dist loadgroup``): the first compiles each kernel, the rest reuse
+    it, instead of several workers compiling the same kernels at once."""
+    return [
+        pytest.param(
+            *p.values, id=p.id, marks=[*p.marks, pytest.mark.xdist_group(f"{name}-{p.values[1]}")]
+        )
+        if p.values[1] in COMPILING
+        else p
+        for p in params
+    ]
 
 
 def backend_id(backend: str | None) -> str:

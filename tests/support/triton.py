@@ -12,9 +12,11 @@ from dilated_attention.backends import base, get_backend
 from dilated_attention.backends import triton as triton_backend
 
 INTERPRETING = triton_backend.interpreting()
-# (device, dtypes): the GPU always; the CPU through Triton's interpreter when it is switched on.
+# (device, dtypes): the GPU always, one test per dtype (each compiles its own kernels, so a test
+# pays for one dtype's); the CPU through Triton's interpreter when it is switched on.
 KERNEL_DEVICES = [
-    pytest.param("cuda", [torch.bfloat16, torch.float16], marks=pytest.mark.gpu, id="cuda"),
+    pytest.param("cuda", [dtype], marks=pytest.mark.gpu, id=f"cuda-{name}")
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16"))
 ]
 if INTERPRETING:
     KERNEL_DEVICES.append(pytest.param("cpu", [torch.float32, torch.float16], id="cpu-interpret"))
