@@ -40,11 +40,16 @@ def _share_flash_attn4_kernels() -> None:
 def _share_compile_threads() -> None:
     """Under pytest-xdist, Inductor compiles with each worker's share of the cores (set before
     torch is imported): its default, a pool of one compile process per core in every worker,
-    oversubscribes the cores as torch's threads would (``pytest_configure``)."""
+    oversubscribes the cores as torch's threads would (``pytest_configure``). Our Triton
+    kernels compile in forked children (Note [Compiling in forked processes]): a worker forks
+    at most four times its share, at least 2 (a worker compiles a small part of the time, and
+    one that does compiles a family of 10-20 kernels)."""
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers is not None:
         share = max(1, _cores() // int(workers))
         os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(share))
+        children = min(16, max(2, 4 * share))
+        os.environ.setdefault("DILATED_ATTENTION_COMPILE_PROCESSES", str(children))
 
 
 _spread_workers_over_gpus()

@@ -25,6 +25,15 @@ Note [Compiling in forked processes]
     backward's kernels, recorded last, compile slowest (dK/dV 3.1-3.2 s against 2.2-2.9 s for
     the forward at head dim 128 on an H100), so they start first.
 
+    Several processes of one machine (the ranks of a ``torchrun`` job, test workers) reach the
+    same family at about the same time. Each would compile all of it, forking children of its
+    own: 8 ranks times 16 children on a node. So a family is compiled by one process at a
+    time: it holds an exclusive lock on a file beside the family's marker while it compiles;
+    another process wanting the family waits for the lock (at most ``CHILD_TIMEOUT_S``), finds
+    the marker and loads the kernels from the disk cache. And a process forks at most its share
+    of the cores it may run on: those cores divided by ``LOCAL_WORLD_SIZE`` (the processes
+    ``torchrun`` starts on this machine), at most 16, or ``DILATED_ATTENTION_COMPILE_PROCESSES``.
+
 Note [The compiler's first use]
     The first compile in a process also fills state Triton keeps per process, one piece after
     another: it builds its driver's C helpers with the C compiler (0.6 s on a cold cache), hashes
@@ -50,8 +59,11 @@ from typing import Any
 
 import torch
 
-#: Set to ``0`` to compile in this process only (threads), e.g. where ``fork`` is unwelcome.
+#: The most children one process forks to compile in; ``0``: compile in this process only
+#: (threads), e.g. where ``fork`` is unwelcome. Unset: this process's share of its cores.
 ENV_VAR = "DILATED_ATTENTION_COMPILE_PROCESSES"
+#: Children per process at most, unless ``ENV_VAR`` says otherwise.
+MAX_PROCESSES = 16
 #: A child still running after this long is killed; the parent compiles its kernels itself.
 CHILD_TIMEOUT_S = 300.0
 
@@ -136,29 +148,97 @@ def compile_launches(launches: list[Launch], workers: int | None = None) -> None
     for launch in launches:
         first.setdefault(launch.specialization(), launch)
     distinct = list(first.values())
-    workers = workers or min(16, os.cpu_count() or 1)
+    explicit = workers is not None and os.environ.get(ENV_VAR) != "0"
+    children = workers if explicit else compile_processes()
     marker = _marker(distinct)
+    with _compiling_alone(marker):
+        _compile_distinct(distinct, children, workers or _core_share(), marker)
+
+
+def compile_processes() -> int:
+    """How many children one process compiles in (Note [Compiling in forked processes]):
+    ``DILATED_ATTENTION_COMPILE_PROCESSES`` where set (``0``: none), else this process's share
+    of the cores (``_core_share``)."""
+    value = os.environ.get(ENV_VAR)
+    if value is None:
+        return _core_share()
+    if not value.strip().isdigit():
+        raise ValueError(
+            f"{ENV_VAR} must be a whole number of processes (0: compile in this process only), "
+            f"got {value!r}; unset it to use this process's share of the cores"
+        )
+    return int(value)
+
+
+def _core_share() -> int:
+    """The cores this process may run on divided by ``LOCAL_WORLD_SIZE`` (the processes
+    ``torchrun`` starts on this machine), at least 1 and at most ``MAX_PROCESSES``."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    share = (cores or 1) // int(local) if local.isdigit() and int(local) > 0 else cores or 1
+    return max(1, min(MAX_PROCESSES, share))
+
+
+@contextlib.contextmanager
+def _compiling_alone(marker: str | None) -> Iterator[None]:
+    """Hold the lock file beside ``marker`` (Note [Compiling in forked processes]): another
+    process of this machine compiling the same family finishes first. Waits at most
+    ``CHILD_TIMEOUT_S``; where the lock cannot be had (no ``fcntl``, no such file, a long wait)
+    this process goes on alone, as it would without one."""
+    try:
+        import fcntl
+    except ImportError:
+        fcntl = None  # type: ignore[assignment]
+    if fcntl is None or marker is None or os.path.exists(marker):
+        yield
+        return
+    try:
+        os.makedirs(os.path.dirname(marker), exist_ok=True)
+        handle = os.open(marker + ".lock", os.O_CREAT | os.O_RDWR, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        deadline = time.monotonic() + CHILD_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(handle)  # releases the lock (forked children have exited by now)
+
+
+def _compile_distinct(
+    distinct: list[Launch], children: int, threads: int, marker: str | None
+) -> None:
+    """``compile_launches`` of distinct launches, in up to ``children`` forked processes and
+    then ``threads`` threads here, this process holding the family's lock."""
     started = time.perf_counter()
     forked = (
         len(distinct) > 1
+        and children > 0
         and hasattr(os, "fork")
-        and os.environ.get(ENV_VAR, "1") != "0"
         and not (marker is not None and os.path.exists(marker))
     )
     loaded: set[tuple[Any, ...]] = set()
     if forked:
         # Load each child's kernels as soon as it exits, while the others still compile.
         # Slowest first: the reverse of recording order (Note [Compiling in forked processes]).
-        for share in _compile_in_children(distinct[::-1], workers):
+        for share in _compile_in_children(distinct[::-1], children):
             for launch in share:
                 with contextlib.suppress(Exception):  # _compile_here compiles it again
                     launch.compile()
                     loaded.add(launch.specialization())
     in_children = time.perf_counter() - started
-    _compile_here([x for x in distinct if x.specialization() not in loaded], workers)
+    _compile_here([x for x in distinct if x.specialization() not in loaded], threads)
     _log.debug(
-        "dilated_attention: %d kernel launches, %d distinct: %.2f s in %s, then %.2f s here",
-        len(launches), len(distinct), in_children, "forked children" if forked else "no child",
+        "dilated_attention: %d distinct kernels: %.2f s in %s, then %.2f s here",
+        len(distinct), in_children, "forked children" if forked else "no child",
         time.perf_counter() - started - in_children,
     )  # fmt: skip
     if marker is not None:

@@ -149,6 +149,71 @@ def test_a_set_compiled_once_forks_nothing_in_a_later_process(
     assert kernel.calls() == [(False, "1 64"), (False, "3 64")]
 
 
+def test_a_family_another_process_is_compiling_is_waited_for_then_loaded(
+    tmp_path: Path, fake_driver: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Processes of one machine wanting one family: while one holds the family's lock the
+    other waits, then finds the marker and forks nothing (it only loads)."""
+    fcntl = pytest.importorskip("fcntl")
+    kernel = FakeKernel(tmp_path / "log")
+    launches = _launches(kernel, [1, 3])
+    marker = tc._marker(launches)
+    os.makedirs(os.path.dirname(marker))
+    holder = os.open(marker + ".lock", os.O_CREAT | os.O_RDWR)  # "another process" compiling
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    waiter = threading.Thread(target=tc.compile_launches, args=(launches,), kwargs={"workers": 2})
+    waiter.start()
+    time.sleep(0.5)
+    assert waiter.is_alive() and kernel.calls() == []  # waiting, nothing compiled
+    open(marker, "w").close()  # the other process is done
+    os.close(holder)
+    waiter.join(timeout=30)
+    assert not waiter.is_alive()
+    assert kernel.calls() == [(False, "1 64"), (False, "3 64")]  # loaded here, no child
+
+
+def test_a_lock_held_too_long_is_not_waited_for_forever(
+    tmp_path: Path, fake_driver: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fcntl = pytest.importorskip("fcntl")
+    monkeypatch.setattr(tc, "CHILD_TIMEOUT_S", 0.3)
+    kernel = FakeKernel(tmp_path / "log")
+    launches = _launches(kernel, [1, 3])
+    marker = tc._marker(launches)
+    os.makedirs(os.path.dirname(marker))
+    holder = os.open(marker + ".lock", os.O_CREAT | os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        tc.compile_launches(launches, workers=2)
+    finally:
+        os.close(holder)
+    assert sorted(rest for child, rest in kernel.calls() if child) == ["1 64", "3 64"]
+
+
+@pytest.mark.parametrize(
+    ("env", "local", "cores", "expected"),
+    [(None, None, 16, 16), (None, "4", 16, 4), (None, "32", 16, 1), (None, None, 64, 16),
+     ("3", "4", 16, 3), ("0", None, 16, 0)],
+)  # fmt: skip
+def test_compile_processes_are_this_process_share_of_its_cores(
+    monkeypatch: pytest.MonkeyPatch, env: str | None, local: str | None, cores: int, expected: int
+) -> None:
+    for name, value in ((tc.ENV_VAR, env), ("LOCAL_WORLD_SIZE", local)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    assert tc.compile_processes() == expected
+
+
+def test_a_malformed_process_count_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(tc.ENV_VAR, "many")
+    with pytest.raises(ValueError, match=rf"{tc.ENV_VAR} must be a whole number.*'many'"):
+        tc.compile_processes()
+
+
 def test_children_are_forked_in_the_reverse_of_recording_order(
     tmp_path: Path, fake_driver: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
