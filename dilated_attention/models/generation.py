@@ -139,8 +139,7 @@ class GenerationMixin:
         On CUDA (``cuda_graph`` None or True) the steps after the prompt decode every row at
         once with :class:`~dilated_attention.StaticDilatedKVCache` caches, as one CUDA graph
         replayed per token (Note [A captured decoding step]): the same tokens, without the
-        host's work per layer (6.5x the tokens per second of eager steps for the tiny preset on
-        an H100, record ``generate_static_h100``).
+        host's work per layer (docs/benchmarks.md has the tokens per second of both).
 
         Prompts of different lengths come as a list of 1-D token id tensors: each is sampled
         exactly as it would be alone (no padding: the rows of each length share one batch and
