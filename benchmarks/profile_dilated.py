@@ -3,11 +3,13 @@
     python benchmarks/profile_dilated.py --backend flash_attn4     # one 1M forward+backward
     python benchmarks/profile_dilated.py --decode --context 131072  # one decoded token
     python benchmarks/profile_dilated.py --decode --host            # the host's share of it
+    python benchmarks/profile_dilated.py --decode --static          # the static step, captured
 
 The first profiles one forward+backward of ``dilated_attention`` (LongNet schedule, B = 1,
 H = 16, bf16) after two warm-up calls; the second one token through a filled ``DilatedKVCache``
-(no gradients). Prints the kernels sorted by CUDA time: which part is the attention kernels and
-which is the executor's merging, copying and accumulating around them. With ``--host`` it
+(no gradients), or with ``--static`` one step of a ``StaticDilatedKVCache``, eager and replayed
+from a CUDA graph. Prints the kernels sorted by CUDA time: which part is the attention kernels
+and which is the executor's merging, copying and accumulating around them. With ``--host`` it
 instead prints the host time of a step (a token, or a forward+backward: its Python, launches
 included, not waiting for the GPU) beside its latency, and cProfile's functions by own time over
 100 tokens or 5 forward+backward calls.
@@ -25,7 +27,7 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from dilated_attention import DilatedKVCache, dilated_attention
+from dilated_attention import DilatedKVCache, StaticDilatedKVCache, dilated_attention
 
 SEGMENTS, RATES = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
 #: Decoded tokens: 3 warm-up, 1 profiled, and with ``--host`` 2 x 100 more.
@@ -53,6 +55,41 @@ def _host_profile(step: Callable[[int], None], rows: int, count: int) -> None:
     pstats.Stats(profiler).sort_stats("tottime").print_stats(rows)
 
 
+def _profile_static_step(context: int, rows: int, steps: int = 20) -> None:
+    """``steps`` tokens of one row through a filled ``StaticDilatedKVCache`` after ``context``
+    tokens: eager, then replayed from one CUDA graph; the kernel tables of each."""
+    cache = StaticDilatedKVCache(SEGMENTS, RATES)
+    token = [torch.randn(1, 1, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in "qkv"]
+    cache.allocate(token[1])
+    for buffer in (cache.key, cache.value):
+        buffer.normal_()
+    cache.lengths.fill_(context)
+
+    def step() -> None:
+        dilated_attention(*token, SEGMENTS, RATES, is_causal=True, cache=cache)
+
+    with torch.no_grad():
+        for _ in range(3):
+            step()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for name, run in (("eager", step), ("captured", graph.replay)):
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    run()
+                torch.cuda.synchronize()
+            print(f"== {name}: {steps} steps after {context} tokens")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows,
+                                            max_name_column_width=70))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -65,9 +102,13 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=131072, help="tokens before it")
     parser.add_argument("--rows", type=int, default=20, help="table rows")
     parser.add_argument("--host", action="store_true", help="host time and cProfile")
+    parser.add_argument("--static", action="store_true", help="the static cache's step")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_dilated.py needs a CUDA device")
+    if args.decode and args.static:
+        _profile_static_step(args.context, args.rows)
+        return
     shape = (1, args.context if args.decode else args.seq_len, 16, args.head_dim)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     if args.decode:
