@@ -10,13 +10,14 @@ Note [A decode kernel reading the buffers in place]
     every head; which heads read it is not (``h mod r == s``). So a program takes one batch row,
     one key/value head and a run of slots: it computes the slots' buffer rows from ``p`` (read
     from the positions tensor, so a captured launch serves every position), loads each key and
-    value row once for the query heads that share it (GQA), masks the heads that do not read
-    it and the slots past the token, and keeps an online softmax per head. No gather: each key
-    row crosses memory once per key/value head. The slots are split into runs across programs
-    (a token is a few thousand rows, too few for one program each per head), and the runs
-    merge with :func:`~._triton_merge.merge_splits` into the output and its log-sum-exp. One
-    softmax over every branch's slots is the branches' exact merge (Note [One call per decoded
-    token] in ``core/decode.py``).
+    value row once for the query heads that share it (GQA), and only where one of them reads it
+    (a branch of rate r is read by the heads of one offset class: 1 in r), masks the heads that
+    do not read it and the slots past the token, and keeps an online softmax per head. No
+    gather: each key row crosses memory at most once per key/value head. The slots are split
+    into runs across programs (a token is a few thousand rows, too few for one program each per
+    head), and the runs merge with :func:`~._triton_merge.merge_splits` into the output and its
+    log-sum-exp. One softmax over every branch's slots is the branches' exact merge (Note [One
+    call per decoded token] in ``core/decode.py``).
 
 Shapes: q (B, 1, H, D); key/value buffers (B, R, Hkv, D), last dim contiguous; mask (B, R) bool;
 positions and row offsets (B,) int64; slot tables (K,) int64; out (B, 1, H, D); lse (B, H, 1)
@@ -53,7 +54,7 @@ def _decode_kernel(
     s_mb,
     s_pb, s_ps, s_ph,
     s_lb, s_lh, s_ls,
-    HAS_MASK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_SHIFT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Program (b * Hkv + kv head, run): the run's slots for the query heads of one key/value
@@ -72,7 +73,9 @@ def _decode_kernel(
         mask=head_ok[:, None] & d_ok[None, :], other=0.0,
     )  # fmt: skip
     p = tl.load(Pos + b)
-    shift = tl.load(Off + b)  # the row's first position's buffer row (left padding)
+    shift = 0
+    if HAS_SHIFT:
+        shift = tl.load(Off + b)  # the row's first position's buffer row (left padding)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -88,14 +91,17 @@ def _decode_kernel(
         offset = p - t0
         s = offset % r
         filled = (step <= offset - s) & j_ok
-        # Unfilled slots' rows are never read (every load below is masked by ``filled``); no
-        # select here: Triton 3.6 fails to lay out one mask feeding both tiles (sm90, D 128).
+        reads = filled[None, :] & ((heads[:, None] % r[None, :]) == s[None, :])
+        reads = reads & head_ok[:, None]
+        # Only the rows some head of this program reads are loaded (a branch of rate r is read
+        # by 1 in r heads); the others are never read. No select here: Triton 3.6 fails to lay
+        # out one mask feeding both tiles (sm90, D 128).
+        loaded = tl.max(reads.to(tl.int32), 0) > 0
         row = (t0 + s + step + shift) % ring_rows
         k = tl.load(
             K + b * s_kb + row[:, None] * s_kr + kvh * s_kh + d[None, :],
-            mask=filled[:, None] & d_ok[None, :], other=0.0,
+            mask=loaded[:, None] & d_ok[None, :], other=0.0,
         )  # fmt: skip
-        reads = filled[None, :] & ((heads[:, None] % r[None, :]) == s[None, :])
         if HAS_MASK:
             hidden = tl.load(Mask + b * s_mb + row, mask=filled, other=1)
             reads = reads & (hidden == 0)[None, :]
@@ -108,7 +114,7 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.sum(weights, 1)
         v = tl.load(
             V + b * s_vb + row[:, None] * s_vr + kvh * s_vh + d[None, :],
-            mask=filled[:, None] & d_ok[None, :], other=0.0,
+            mask=loaded[:, None] & d_ok[None, :], other=0.0,
         )  # fmt: skip
         acc = acc * alpha[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -161,7 +167,7 @@ def decode_step(
     mask = key_padding_mask if key_padding_mask is not None else positions
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     q3 = q[:, 0]
-    shift = torch.zeros_like(positions) if row_offsets is None else row_offsets.contiguous()
+    shift = positions if row_offsets is None else row_offsets.contiguous()  # read if given
     _decode_kernel[(batch * kv_heads, runs)](
         q3, k, v, mask, positions, shift, seg, rate, stride, part, part_lse,
         num_slots, ring_rows, kv_heads, heads // kv_heads, dim, per_run, scale * _LOG2E,
@@ -170,7 +176,7 @@ def decode_step(
         v.stride(0), v.stride(1), v.stride(2),
         mask.stride(0) if key_padding_mask is not None else 0,
         *part.stride()[:3], *part_lse.stride(),
-        HAS_MASK=key_padding_mask is not None,
+        HAS_MASK=key_padding_mask is not None, HAS_SHIFT=row_offsets is not None,
         BLOCK_G=max(16, triton.next_power_of_2(heads // kv_heads)), BLOCK_K=_BLOCK_SLOTS,
         BLOCK_D=max(16, triton.next_power_of_2(dim)), DOT_PRECISION=precision,
     )  # fmt: skip
