@@ -204,10 +204,12 @@ def _compiling_alone(marker: str | None) -> Iterator[None]:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
-            except OSError:
+            except BlockingIOError:  # held by another process
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.05)
+            except OSError:  # no locks on this file system: go on alone
+                break
         yield
     finally:
         os.close(handle)  # releases the lock (forked children have exited by now)

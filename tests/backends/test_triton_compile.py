@@ -190,6 +190,23 @@ def test_a_lock_held_too_long_is_not_waited_for_forever(
     assert sorted(rest for child, rest in kernel.calls() if child) == ["1 64", "3 64"]
 
 
+def test_a_file_system_without_locks_is_not_waited_on(
+    tmp_path: Path, fake_driver: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fcntl = pytest.importorskip("fcntl")
+
+    def unsupported(*args: Any) -> None:
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", unsupported)
+    monkeypatch.setattr(tc, "CHILD_TIMEOUT_S", 15.0)  # a wait for the lock would take this long
+    kernel = FakeKernel(tmp_path / "log")
+    started = time.monotonic()
+    tc.compile_launches(_launches(kernel, [1, 3]), workers=2)
+    assert time.monotonic() - started < 10
+    assert sorted(rest for child, rest in kernel.calls() if child) == ["1 64", "3 64"]
+
+
 @pytest.mark.parametrize(
     ("env", "local", "cores", "expected"),
     [(None, None, 16, 16), (None, "4", 16, 4), (None, "32", 16, 1), (None, None, 64, 16),
