@@ -28,6 +28,7 @@ from _records import RESULTS_DIR, device_label, markdown_table
 
 __all__ = [
     "OUT_HELP",
+    "captured",
     "command_line",
     "environment",
     "git_commit",
@@ -50,6 +51,21 @@ _COMMAND_ENV = (
     "CUDA_VISIBLE_DEVICES", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
     "NVSHMEM_DISABLE_NVLS", "TRITON_INTERPRET",
 )  # fmt: skip
+
+
+def captured(step: Callable[[], Any]) -> torch.cuda.CUDAGraph:
+    """``step`` recorded in a CUDA graph (``graph.replay()`` runs it): run once on a side stream
+    first (kernels chosen and compiled, memory settled), then captured. Inside ``no_grad``
+    where the step allocates no autograd state."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
 
 
 def time_cuda(

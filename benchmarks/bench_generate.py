@@ -42,6 +42,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import (
     OUT_HELP,
+    captured,
     environment,
     markdown_table,
     record_header,
@@ -129,14 +130,7 @@ def static_step_ms(
     with torch.no_grad():
         times = {"static_ms": _median_ms(step, device, args.warmup, args.repeats)}
         if device.type == "cuda":
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                step()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
+            graph = captured(step)
             times["captured_ms"] = _median_ms(graph.replay, device, args.warmup, args.repeats)
     return times
 

@@ -21,11 +21,16 @@ import argparse
 import cProfile
 import pstats
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import captured
 
 from dilated_attention import DilatedKVCache, StaticDilatedKVCache, dilated_attention
 
@@ -71,14 +76,7 @@ def _profile_static_step(context: int, rows: int, steps: int = 20) -> None:
     with torch.no_grad():
         for _ in range(3):
             step()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph = captured(step)
         for name, run in (("eager", step), ("captured", graph.replay)):
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
