@@ -12,14 +12,30 @@ Note [A captured decoding step]
     the rows at each row's current position, which the first real step overwrites, and putting
     the positions back). Sampling stays outside the graph: it reads the step's logits.
 
+Note [A captured step kept across calls]
+    Recording costs two eager steps and the capture, and the caches' buffers are allocated per
+    call: for a short continuation, a share of the call comparable to its tokens. So the model
+    keeps its last captured step with the caches it reads (:class:`KeptStep`) and the next call
+    of the same batch size reuses both: the caches are reset (positions back to 0, buffers
+    kept), the prompts run into them, and the step replays as it is. That is valid while every
+    address the graph reads is the same: the parameters and buffers of the model (an optimizer
+    updates them in place; ``to()``, ``half()`` or loading with ``assign=True`` make new ones)
+    and the caches' buffers after the prompts; otherwise the step is recorded anew. The kept
+    step holds the caches' memory and the graph's pool until the model's next call of another
+    batch size or :meth:`~dilated_attention.models.GenerationMixin.release_captured_step`; it
+    is never pickled or deep-copied with the model.
+
 Shape legend: B batch, V vocab_size.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from ..core.static_cache import StaticDilatedKVCache
 
@@ -76,3 +92,34 @@ class CapturedStep:
         self.graph.replay()
         assert self.logits is not None  # recorded with the graph
         return self.logits
+
+
+def model_addresses(model: nn.Module, batch: int, device: torch.device) -> tuple[object, ...]:
+    """What a kept step was recorded for (Note [A captured step kept across calls]): the batch,
+    the device and the address of every parameter and buffer of ``model``."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    return (batch, str(device), *(t.data_ptr() for t in tensors))
+
+
+def cache_addresses(caches: list[StaticDilatedKVCache]) -> tuple[int, ...]:
+    """The addresses of the buffers a step reads from ``caches`` (0 for one not allocated)."""
+    held = (t for c in caches for t in (c.key, c.value, c.lengths, c.key_padding_mask))
+    return tuple(0 if t is None else t.data_ptr() for t in held)
+
+
+@dataclass
+class KeptStep:
+    """A model's last captured step and the caches it reads (Note [A captured step kept across
+    calls]).
+
+    Attributes:
+        model: :func:`model_addresses` when it was recorded.
+        caches: the static caches, one per layer.
+        buffers: :func:`cache_addresses` of ``caches`` when it was recorded.
+        step: the captured step.
+    """
+
+    model: tuple[object, ...]
+    caches: list[StaticDilatedKVCache]
+    buffers: tuple[int, ...]
+    step: CapturedStep

@@ -12,20 +12,24 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from .. import _validation as V
 from ..core.caches import Cache
-from .captured import CapturedStep
+from ..core.static_cache import StaticDilatedKVCache
+from .captured import CapturedStep, KeptStep, cache_addresses, model_addresses
 from .config import LongNetConfig
 
 __all__ = ["GenerationMixin"]
 
 #: Devices where :meth:`GenerationMixin.stream` can decode with a captured step.
 GRAPH_DEVICE_TYPES = frozenset({"cuda"})
+#: The model attribute holding its kept captured step (Note [A captured step kept across calls]
+#: in ``captured.py``).
+_KEPT = "_kept_captured_step"
 
 
 def _next_token(
@@ -159,7 +163,8 @@ class GenerationMixin:
                 device and decoding caches: every layer local dilated attention, and the
                 longest prompt plus ``max_new_tokens`` within ``max_seq_len``); False: one
                 eager forward per step; None (default): the captured step wherever True would
-                run, else eager steps.
+                run, else eager steps. The model keeps the captured step and its caches for its
+                next call of the same batch size (:meth:`release_captured_step` frees them).
 
         Yields:
             (B, 1) token ids (int64), one step at a time.
@@ -295,7 +300,15 @@ class GenerationMixin:
         with _eval_mode(self):
             batch = sum(rows.numel() for rows, _ in groups)
             device = groups[0][1].device
-            caches = self.new_caches(static=True)
+            recorded_for = model_addresses(self, batch, device)
+            kept = self.__dict__.get(_KEPT)
+            if kept is not None and kept.model == recorded_for:
+                caches = kept.caches
+                for cache in caches:
+                    cache.reset()
+            else:
+                kept = None
+                caches = self.new_caches(static=True)
             logits = torch.empty(batch, self.config.vocab_size, device=device)
             for rows, tokens in groups:
                 rows = rows.to(device)
@@ -304,7 +317,7 @@ class GenerationMixin:
                 if own is not caches:
                     for cache, part in zip(caches, own, strict=True):
                         cache.load_rows(rows, part, batch)  # type: ignore[union-attr]
-            step = CapturedStep(self, caches, batch, device) if max_new_tokens > 1 else None
+            step = self._captured_step(kept, recorded_for, caches, max_new_tokens)
             stopped = torch.zeros(batch, 1, dtype=torch.bool, device=device)
             for i in range(max_new_tokens):
                 nxt = sampling.next(logits, stopped).to(device)
@@ -314,6 +327,41 @@ class GenerationMixin:
                     return
                 if step is not None and i + 1 < max_new_tokens:
                     logits = step(nxt)
+
+
+    def _captured_step(
+        self,
+        kept: KeptStep | None,
+        recorded_for: tuple[object, ...],
+        caches: list[Cache],
+        max_new_tokens: int,
+    ) -> CapturedStep | None:
+        """The step of :meth:`_sample_static`: ``kept``'s where it reads these caches' buffers,
+        else a new one, kept for the next call where it is a CUDA graph (Note [A captured step
+        kept across calls]); None for a single new token."""
+        if max_new_tokens <= 1:
+            return None
+        static = cast(list[StaticDilatedKVCache], caches)
+        buffers = cache_addresses(static)
+        if kept is not None and kept.buffers == buffers:
+            return kept.step
+        batch, device = cast(int, recorded_for[0]), static[0].key.device  # type: ignore[union-attr]
+        step = CapturedStep(self, static, batch, device)
+        self.__dict__.pop(_KEPT, None)
+        if step.graph is not None:
+            self.__dict__[_KEPT] = KeptStep(recorded_for, static, buffers, step)
+        return step
+
+    def release_captured_step(self) -> None:
+        """Free the captured decoding step and the caches ``generate`` / ``stream`` keep for
+        their next call (Note [A captured step kept across calls])."""
+        self.__dict__.pop(_KEPT, None)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The module's state without a kept captured step (a CUDA graph is not pickled)."""
+        state = dict(super().__getstate__())  # type: ignore[misc]
+        state.pop(_KEPT, None)
+        return state
 
 
 @dataclass(frozen=True)

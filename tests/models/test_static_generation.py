@@ -143,13 +143,69 @@ def test_static_caches_refuse_positions_and_mixed_kinds() -> None:
 @pytest.mark.gpu
 def test_captured_generation_gives_the_eager_tokens_on_the_gpu() -> None:
     """The captured CUDA graph replays the step: greedy tokens equal eager decoding's, for
-    prompts of one length and of several."""
+    prompts of one length and of several, and in a later call reusing the kept step."""
     model = _model(torch.float32, device="cuda")
     prompt = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(6)).cuda()
     eager = model.generate(prompt, 24, temperature=0, cuda_graph=False)
     captured = model.generate(prompt, 24, temperature=0, cuda_graph=True)
     assert torch.equal(eager, captured)
+    kept = model.__dict__[generation._KEPT]
+    longer = torch.randint(0, 64, (2, 30), generator=torch.Generator().manual_seed(7)).cuda()
+    eager = model.generate(longer, 24, temperature=0, cuda_graph=False)
+    assert torch.equal(model.generate(longer, 24, temperature=0, cuda_graph=True), eager)
+    assert model.__dict__[generation._KEPT] is kept  # replayed, not recorded again
     prompts = [prompt[0, :3], prompt[1]]
     eager_list = model.generate(prompts, 24, temperature=0, cuda_graph=False)
     captured_list = model.generate(prompts, 24, temperature=0, cuda_graph=True)
     assert all(torch.equal(a, b) for a, b in zip(eager_list, captured_list, strict=True))
+
+
+@pytest.fixture
+def kept_steps(graphs_here: None, monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Steps made on the CPU stand for captured ones (their ``graph`` set, run eagerly), so the
+    model keeps them (Note [A captured step kept across calls]); the list of steps made."""
+    made: list[object] = []
+
+    class Recorded(generation.CapturedStep):
+        def __init__(self, *args) -> None:  # type: ignore[no-untyped-def]
+            super().__init__(*args)
+            self.graph = "recorded"  # type: ignore[assignment]
+            made.append(self)
+
+        def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self._eager(tokens)
+
+    monkeypatch.setattr(generation, "CapturedStep", Recorded)
+    return made
+
+
+def test_a_kept_step_serves_the_next_call_of_its_batch(kept_steps: list[object]) -> None:
+    """Later calls of the batch size reuse the first's step and caches (reset, then the new
+    prompts, of one length or several): the tokens of eager decoding each time; another batch
+    size or new parameters (``to()``) record a new step."""
+    import copy
+    import pickle
+
+    model = _model(torch.float32)
+    gen = torch.Generator().manual_seed(8)
+    first, second = (torch.randint(0, 64, (2, n), generator=gen) for n in (9, 23))
+    for prompt in (first, second, first):
+        eager = model.generate(prompt, 12, temperature=0, cuda_graph=False)
+        assert torch.equal(model.generate(prompt, 12, temperature=0, cuda_graph=True), eager)
+    assert len(kept_steps) == 1
+    kept = model.__dict__[generation._KEPT]
+    assert copy.deepcopy(model).__dict__.get(generation._KEPT) is None
+    assert generation._KEPT not in pickle.loads(pickle.dumps(model)).__dict__
+    prompts = [second[0, :4], second[1]]
+    eager_list = model.generate(prompts, 12, temperature=0, cuda_graph=False)
+    got = model.generate(prompts, 12, temperature=0, cuda_graph=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, eager_list, strict=True))
+    assert len(kept_steps) == 1 and model.__dict__[generation._KEPT] is kept
+    model.generate(second[:1], 12, temperature=0, cuda_graph=True)  # another batch size
+    assert len(kept_steps) == 2 and model.__dict__[generation._KEPT] is not kept
+    model.to(torch.float64)
+    eager = model.generate(first[:1], 12, temperature=0, cuda_graph=False)
+    assert torch.equal(model.generate(first[:1], 12, temperature=0, cuda_graph=True), eager)
+    assert len(kept_steps) == 3
+    model.release_captured_step()
+    assert generation._KEPT not in model.__dict__
