@@ -49,7 +49,7 @@ class KernelInputs:
     block_size: int | None = None
     # A dilated call whose branches can write into slots merged once (Note [Branch slots merged
     # once] in core/slots.py): kernels that write into given buffers run it fastest. False also
-    # where the slots' memory rules them out (a ring shard's float32 results beside spanning
+    # where the slots' memory rules them out (a ring shard's float32 output beside spanning
     # branches, resolve/resolver.py).
     branch_slots: bool = False
     # Rows holding packed documents (Note [Packed documents] in core/documents.py): the

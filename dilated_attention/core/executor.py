@@ -41,7 +41,7 @@ from .call_runs import (
 )
 from .calls import GradInputs, KernelArgs
 from .contract import KernelBackend
-from .grouped_runs import grouped_backward, grouped_forward
+from .grouped_runs import ExtraGradients, grouped_backward, grouped_forward
 from .higher_order import differentiable_grads, no_higher_order_message
 from .plan import Plan
 from .slot_runs import batch_rows, slot_backward, slot_forward
@@ -119,6 +119,7 @@ def plan_backward(
     scale: float,
     dropout_p: float = 0.0,
     grad_dtype: torch.dtype | None = None,
+    extra: ExtraGradients | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact gradients of :func:`plan_forward`.
 
@@ -126,6 +127,9 @@ def plan_backward(
         dout: (B, Nq, H, D) upstream gradient of ``out``.
         out: (B, Nq, H, D) merged output; ``lse``: (B, H, Nq) merged log-sum-exp.
         grad_dtype: dtype of the gradients (default: the inputs' dtypes).
+        extra: more gradients added before the rounding (``grouped_runs.ExtraGradients``): a
+            grouped plan calls it per batch element and group on float32 scratch of the group's
+            size, any other on float32 gradients of the whole.
 
     Returns:
         ``(dq, dk, dv)`` shaped like ``(q, k, v)``.
@@ -140,17 +144,19 @@ def plan_backward(
             spanning = sum(len(batch_rows(c, *q.shape[:2])) for c in plan.spanning)
             auxes = [None] * (spanning + cut)
         return grouped_backward(
-            dout, q, k, v, out, lse, key_padding_mask, plan, kernel, auxes, grad_dtype=grad_dtype
-        )
+            dout, q, k, v, out, lse, key_padding_mask, plan, kernel, auxes, grad_dtype=grad_dtype,
+            extra=extra,
+        )  # fmt: skip
+    dtypes = [grad_dtype] * 3 if grad_dtype is not None else [x.dtype for x in (q, k, v)]
+    if extra is not None:
+        grad_dtype = accumulator_dtype(q.dtype)
     if plan.slots:
         grads = [
             torch.empty(x.shape, dtype=grad_dtype or x.dtype, device=x.device) for x in (q, k, v)
         ]
         saved = GradInputs(dout, q, k, v, out, row_lse(lse), key_padding_mask)
         slot_backward(saved, plan.calls, plan.slots, kernel, iter(auxes), grads=grads)
-        dq, dk, dv = grads
-        return dq, dk, dv
-    if plan.whole:
+    elif plan.whole:
         (call,) = plan.calls
         grads = backend.backward(
             dout, q, k, v, out, lse, auxes[0], scale=scale, is_causal=call.causal,
@@ -163,7 +169,9 @@ def plan_backward(
         run_backward(
             saved, plan.calls, kernel, iter(auxes), dq=grads[0], dk=grads[1], dv=grads[2]
         )
-    dtypes = [grad_dtype] * 3 if grad_dtype is not None else [x.dtype for x in (q, k, v)]
+    if extra is not None:
+        grads = [g.to(accumulator_dtype(q.dtype)) for g in grads]
+        extra(*grads, 0, q.shape[1], slice(None))
     dq, dk, dv = (g.to(dtype) for g, dtype in zip(grads, dtypes, strict=True))
     return dq, dk, dv
 

@@ -7,7 +7,7 @@ Shape legend: B batch, N seq_len, H query heads, Hkv key/value heads, D head dim
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +25,12 @@ from .slot_runs import (
     slot_forward,
 )
 from .slots import SlotBuffers
+
+#: ``extra(dq, dk, dv, start, end, rows)``: adds more gradients (float32) into the float32
+#: ``dq`` (B', end - start, H, D), ``dk`` and ``dv`` (B', end - start, Hkv, D) of batch rows
+#: ``rows`` and positions [start, end), before they are rounded (ring dilated attention's
+#: spanning branches: Note [Spanning results stay compact] in ``distributed/ring_dilated.py``).
+ExtraGradients = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int, slice], None]
 
 
 def _pieces(
@@ -93,10 +99,14 @@ def grouped_backward(
     auxes: list[Any],
     *,
     grad_dtype: torch.dtype | None,
+    extra: ExtraGradients | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``plan_backward`` (``executor.py``) of :func:`grouped_forward`: each group's gradients
     summed in float32 scratch (or slots) of its own size, then written once; the gradient slots
-    that span groups are filled first, whole."""
+    that span groups are filled first, whole. With ``extra``, a group's slots are summed into
+    float32 scratch of the group's size, where ``extra`` adds its gradients before the one
+    rounding."""
+    acc = accumulator_dtype(q.dtype)
     grads = [torch.empty(x.shape, dtype=grad_dtype or x.dtype, device=x.device) for x in (q, k, v)]
     saved, aux = GradInputs(dout, q, k, v, out, row_lse(lse), key_padding_mask), iter(auxes)
     slots, spanning = plan.slots, None
@@ -105,21 +115,22 @@ def grouped_backward(
         fill_grad_slots(saved, plan.spanning, spanning, kernel, aux)
     for (rows, positions), group in _pieces(q.shape[0], plan.groups):
         piece = saved.part((rows, positions))
+        dests = [grad[rows, positions] for grad in grads]
         if slots:
             parts = (
                 None
                 if spanning is None
                 else [g.views(rows, group.start, group.end) for g in spanning]
             )
-            slot_backward(
-                piece, group.calls, slots, kernel, aux,
-                grads=[grad[rows, positions] for grad in grads], spanning=parts,
-            )  # fmt: skip
-            continue
-        scratch = [torch.zeros(x.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
-                   for x in (piece.q, piece.k, piece.v)]  # fmt: skip
-        run_backward(piece, group.calls, kernel, aux, dq=scratch[0], dk=scratch[1], dv=scratch[2])
-        for grad, part in zip(grads, scratch, strict=True):
-            grad[rows, positions] = part
+            into = dests if extra is None else [torch.empty_like(d, dtype=acc) for d in dests]
+            slot_backward(piece, group.calls, slots, kernel, aux, grads=into, spanning=parts)
+        else:
+            into = [torch.zeros_like(d, dtype=acc) for d in dests]
+            run_backward(piece, group.calls, kernel, aux, dq=into[0], dk=into[1], dv=into[2])
+        if extra is not None:
+            extra(*into, group.start, group.end, rows)
+        for dest, part in zip(dests, into, strict=True):
+            if part is not dest:
+                dest.copy_(part)
     dq, dk, dv = grads
     return dq, dk, dv

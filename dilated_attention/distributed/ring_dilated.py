@@ -23,11 +23,13 @@ Note [Spanning results stay compact]
     running values (the fused engine's scratch, through its ``extra`` callback; the executor's
     float32 output, gathered or in slots) before the one rounding into the inputs' dtype.
     Backward likewise: spanning gradients, compact, are added into the local branches' float32
-    scratch, or the executor's float32 gradients. So the branches mix exactly as in
-    ``dilated_attention``, with float32 accumulation. On the fused engine no full-size float32
-    output or gradients exist; on the executor they do (the whole shard's ``out``, then ``dq``,
-    ``dk``, ``dv``), which is why the resolve step puts kernels writing into slots first only
-    where those fit (``resolve/resolver.py``). The spanning work (exchanges, small kernels,
+    scratch, or the executor's float32 gradients: those of one position group where its plan is
+    cut (Note [Position-grouped plans] in ``core/grouped.py``, as on a GPU wherever float32
+    gradients of the whole shard would take much memory), else of the whole shard. So the
+    branches mix exactly as in ``dilated_attention``, with float32 accumulation. On the fused
+    engine no full-size float32 output or gradients exist; on the executor the whole shard's
+    float32 ``out`` does, which is why the resolve step puts kernels writing into slots first
+    only where it fits (``resolve/resolver.py``). The spanning work (exchanges, small kernels,
     many small host-side ops) runs when the fused engine first asks for it, after it has queued
     a head group's kernels, so the host prepares it while the GPU computes. The forward keeps the
     gathered rows for the backward (a few rows per segment): the backward sends only gradients.
@@ -54,6 +56,7 @@ from ..core.call_runs import accumulator_dtype, row_lse
 from ..core.cells import add_cells, merge_cells
 from ..core.executor import empty_attention, plan_backward, plan_forward
 from ..core.fused import fused_backward, fused_forward
+from ..core.grouped import grouped_plan
 from ..core.hidden import hide_masked_keys
 from ..core.higher_order import ring_message
 from ..core.schedule import Schedule
@@ -284,11 +287,11 @@ class RingDilatedRunner(FirstOrderOnly):
 
             def add(
                 dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, start: int, end: int,
-                h0: int, h1: int,
+                h0: int, h1: int, rows: slice = slice(None),
             ) -> None:  # fmt: skip
                 cell_dq, cell_dkv = spans()
-                add_cells(plan.q_cells, cell_dq, dq, start, end, h0, h1)
-                for grad, cell_grad in zip((dk, dv), cell_dkv, strict=True):
+                add_cells(plan.q_cells, cell_dq[rows], dq, start, end, h0, h1)
+                for grad, cell_grad in zip((dk, dv), cell_dkv[:, rows], strict=True):
                     add_cells(plan.kv_cells, cell_grad, grad, start, end, h0 // group,
                               h1 // group)  # fmt: skip
 
@@ -300,15 +303,31 @@ class RingDilatedRunner(FirstOrderOnly):
             )  # fmt: skip
         if plan.local:
             local = local_plan(plan.local, q, k, setup, backend)
-            dq, dk, dv = plan_backward(
+            extra = None
+            if add is not None:  # per position group where the plan is cut
+                local = grouped_plan(local, q, _segment_lengths(plan), True, k.shape[2])
+                extra = functools.partial(_by_rows, add, heads)
+            return plan_backward(
                 b.dout, q, k, v, out, lse, key_padding_mask, local, backend, auxes,
-                scale=setup.scale, grad_dtype=acc if add else None,
+                scale=setup.scale, extra=extra,
             )  # fmt: skip
-        else:
-            dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
+        dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
         if add is not None:
             add(dq, dk, dv, 0, q.shape[1], 0, heads)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _by_rows(
+    add: Callable[..., None], heads: int, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+    start: int, end: int, rows: slice,
+) -> None:  # fmt: skip
+    """The executor's ``ExtraGradients`` of the spanning branches' ``add``: every head."""
+    add(dq, dk, dv, start, end, 0, heads, rows)
+
+
+def _segment_lengths(plan: DilatedRingPlan) -> tuple[int, ...]:
+    """The local branches' segment lengths (where the executor's plan may be cut)."""
+    return tuple(w for w, _ in plan.local_branches)
 
 
 @eager_only("ring_dilated_attention")  # torch.compile runs it eagerly; torch.func raises

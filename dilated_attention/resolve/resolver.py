@@ -206,21 +206,17 @@ def _float32_beside_spans(
     """Why the automatic choice should not put a kernel that writes into branch slots first for
     a shard's local branches (``inputs``), or None: where it would, beside spanning branches.
 
-    Such a kernel merges the spanning results into float32 results of the whole shard: ``out``
-    (B, n, H, D) in the forward, and ``dq``, ``dk``, ``dv`` in the backward, after that ``out``
-    is rounded and freed (Note [Spanning results stay compact] in
-    ``distributed/ring_dilated.py``); our fused kernels keep one head group's float32 scratch.
-    The larger of the two may take the device's ``float32_share_beside_spanning`` of its memory
-    (``priorities.json``)."""
+    Such a kernel merges the spanning results into a float32 ``out`` (B, n, H, D) of the whole
+    shard in the forward (its gradients are summed per position group where the whole would
+    not fit: Note [Spanning results stay compact] in ``distributed/ring_dilated.py``); our fused
+    kernels keep one head group's float32 scratch. That ``out`` may take the device's
+    ``float32_share_beside_spanning`` of its memory (``priorities.json``)."""
     if not split.spanning or request.backend is not None or not puts_slots_first(inputs):
         return None
     share = float32_share_beside_spanning(request.device)
     if share is None:
         return None
-    heads = request.num_heads  # out; the gradients dq, dk, dv when training
-    if request.requires_grad:
-        heads += 2 * request.num_kv_heads
-    need = 4 * request.batch * request.query_len * heads * request.head_dim
+    need = 4 * request.batch * request.query_len * request.num_heads * request.head_dim
     total = torch.cuda.get_device_properties(request.device).total_memory
     if need <= share * total:
         return None

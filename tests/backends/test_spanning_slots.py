@@ -1,6 +1,6 @@
 """The resolve step's rule for a ring shard's local branches beside spanning branches: a kernel
-that writes into branch slots holds float32 results of the whole shard there, so the automatic
-choice puts one first only while those fit a share of the device's memory (``priorities.json``,
+that writes into branch slots holds a float32 output of the whole shard there, so the automatic
+choice puts one first only while it fits a share of the device's memory (``priorities.json``,
 the sm90 ``dilated_slots`` rule's ``max_float32_share_beside_spanning``). The device is faked:
 an sm90 GPU of 80 GB."""
 
@@ -57,11 +57,13 @@ def _shard_request(batch: int, local_len: int, kv_heads: int, head_dim: int, req
 @pytest.mark.parametrize(
     ("batch", "local_len", "kv_heads", "requires_grad", "gib"),
     [
-        (1, 262144, 16, True, None),  # dq, dk, dv: 6 GiB, FlashAttention-4 measured faster
-        (1, 1048576, 16, True, "24.0"),  # ran out of memory on two H100s
+        (1, 262144, 16, True, None),  # out: 2 GiB, FlashAttention-4 measured faster
+        (1, 1048576, 16, True, None),  # out 8 GiB; dq, dk, dv (24 GiB) per position group
         (1, 1048576, 16, False, None),  # forward only: out, 8 GiB
-        (1, 1048576, 4, True, None),  # GQA: dk and dv of 4 heads, 12 GiB
-        (2, 1048576, 4, True, "24.0"),  # two rows of it
+        (1, 1048576, 4, True, None),  # GQA: the same out
+        (2, 1048576, 4, True, None),  # two rows: 16 GiB
+        (3, 1048576, 4, True, "24.0"),  # three: over a quarter of 75 GiB
+        (1, 4194304, 16, False, "32.0"),
     ],
 )
 def test_slots_first_only_where_the_float32_results_fit(
@@ -69,8 +71,8 @@ def test_slots_first_only_where_the_float32_results_fit(
     told: list[KernelInputs],
 ) -> None:  # fmt: skip
     """The registry hears that the local branches run in slots (its FlashAttention-4 rule's
-    condition) only while the larger float32 result, ``out`` or dq + dk + dv, takes at most a
-    quarter of the device; else ``describe()``'s notes say why."""
+    condition) only while the shard's float32 ``out`` takes at most a quarter of the device
+    (the gradients are summed per position group); else ``describe()``'s notes say why."""
     split = Schedule((2048, WORLD * local_len), (1, 16)).at(WORLD * local_len, 16, kv_heads)
     assert split.sharded(WORLD, local_len).spanning
     strategy = resolve(_shard_request(batch, local_len, kv_heads, 128, requires_grad))

@@ -194,11 +194,16 @@ def test_ring_dilated_through_the_fused_engine(tmp_path: Path) -> None:
     run_world(_check_fused_engine, 2, tmp_path, timeout_s=900)
 
 
-def _check_slots(rank: int, world_size: int) -> None:
+def _check_slots(rank: int, world_size: int, grouped: bool = False) -> None:
     """The local branches in slots merged once, beside spanning branches (Note [Branch slots
     merged once] in ``core/slots.py``): the math backend writing into the buffers it is handed,
-    as FlashAttention-4 does."""
+    as FlashAttention-4 does. ``grouped``: the backward's plan cut into position groups as on a
+    GPU, the spanning gradients added to each group's float32 scratch (no float32 gradients of
+    the whole shard)."""
     writes = write_into_buffers()
+    extras: list[int] = []
+    if grouped:
+        _cut_in_this_process(extras)
     for (segs, rates), causal in itertools.product(
         [((4, 12), (1, 2)), ((4, 12, 24), (1, 2, 4))], [False, True]
     ):
@@ -217,6 +222,9 @@ def _check_slots(rank: int, world_size: int) -> None:
         grads = torch.autograd.grad(out, local, shard_sequence(dout))
         case = f"rank {rank}/{world_size} {segs} {rates} causal={causal}"
         assert {"forward", "backward"} <= set(writes), (case, writes)
+        if grouped and max(segs) > N // world_size:  # a branch spans: each group got its part
+            assert len(extras) >= 2 * B, (case, extras)
+            extras.clear()
         for name, got, want in (
             ("out", out, shard_sequence(ref)), ("lse", lse, shard_sequence(ref_lse, seq_dim=2)),
             *((f"d{x}", g, shard_sequence(w)) for x, g, w in zip("qkv", grads, ref_grads,
@@ -226,11 +234,36 @@ def _check_slots(rank: int, world_size: int) -> None:
                                        msg=lambda m, n=name, c=case: f"{n} {c}: {m}")  # fmt: skip
 
 
-def test_ring_dilated_local_branches_in_slots(tmp_path: Path) -> None:
+def _cut_in_this_process(extras: list[int]) -> None:
+    """Cut executor plans on the CPU into the smallest groups (``support.grouping.cut_small``,
+    in a spawned rank) and count the groups whose gradients got ``extra`` ones in ``extras``."""
+    import dilated_attention.core.executor as executor
+    import dilated_attention.core.fused as fused
+    import dilated_attention.core.grouped as grouped
+
+    grouped.GROUPED_DEVICES = frozenset({"cpu", "cuda"})  # type: ignore[misc]
+    fused.MIN_GROUP_POSITIONS = 1  # type: ignore[misc]
+    fused.GROUPS_PER_SEQUENCE = 1000  # type: ignore[misc]
+    fused.scratch_allowance = lambda like: 0  # type: ignore[assignment]
+    real = executor.grouped_backward
+
+    def counted(*args: Any, extra: Any = None, **kwargs: Any) -> Any:
+        def added(*grads: Any) -> None:
+            extras.append(grads[-1].start or 0)
+            extra(*grads)
+
+        return real(*args, extra=None if extra is None else added, **kwargs)
+
+    executor.grouped_backward = counted  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["whole", "grouped"])
+def test_ring_dilated_local_branches_in_slots(grouped: bool, tmp_path: Path) -> None:
     """On a kernel that writes into given buffers the local branches run in branch slots, the
     spanning branches' results merged into them (and their gradients added) before the single
-    rounding: equal to the float64 oracle, with a key padding mask, causal and not."""
-    run_world(_check_slots, 2, tmp_path, timeout_s=120)
+    rounding: equal to the float64 oracle, with a key padding mask, causal and not; the
+    backward's plan whole, or cut into position groups."""
+    run_world(_check_slots, 2, tmp_path, grouped, timeout_s=120)
 
 
 def _check_bytes(rank: int, world_size: int) -> None:
