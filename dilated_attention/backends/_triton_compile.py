@@ -60,12 +60,18 @@ from typing import Any
 import torch
 
 #: The most children one process forks to compile in; ``0``: compile in this process only
-#: (threads), e.g. where ``fork`` is unwelcome. Unset: this process's share of its cores.
+#: (threads), e.g. where ``fork`` is unwelcome. Unset: this process's share of its cores (a
+#: ``workers`` argument, given by tests, takes its place unless it is ``0``).
 ENV_VAR = "DILATED_ATTENTION_COMPILE_PROCESSES"
 #: Children per process at most, unless ``ENV_VAR`` says otherwise.
 MAX_PROCESSES = 16
+#: The lock file this process holds while it compiles (closed in its forked children, so that
+#: only this process holds the lock).
+_held_lock: int | None = None
 #: A child still running after this long is killed; the parent compiles its kernels itself.
 CHILD_TIMEOUT_S = 300.0
+#: How long a process waits for another one compiling the same family.
+LOCK_TIMEOUT_S = CHILD_TIMEOUT_S
 
 _log = logging.getLogger("dilated_attention")
 
@@ -148,11 +154,9 @@ def compile_launches(launches: list[Launch], workers: int | None = None) -> None
     for launch in launches:
         first.setdefault(launch.specialization(), launch)
     distinct = list(first.values())
-    explicit = workers is not None and os.environ.get(ENV_VAR) != "0"
-    children = workers if explicit else compile_processes()
     marker = _marker(distinct)
     with _compiling_alone(marker):
-        _compile_distinct(distinct, children, workers or _core_share(), marker)
+        _compile_distinct(distinct, workers, marker)
 
 
 def compile_processes() -> int:
@@ -198,8 +202,9 @@ def _compiling_alone(marker: str | None) -> Iterator[None]:
     except OSError:
         yield
         return
+    global _held_lock
     try:
-        deadline = time.monotonic() + CHILD_TIMEOUT_S
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
         while True:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -210,23 +215,25 @@ def _compiling_alone(marker: str | None) -> Iterator[None]:
                 time.sleep(0.05)
             except OSError:  # no locks on this file system: go on alone
                 break
+        _held_lock = handle
         yield
     finally:
-        os.close(handle)  # releases the lock (forked children have exited by now)
+        _held_lock = None
+        os.close(handle)  # releases the lock: the children closed their copies
 
 
-def _compile_distinct(
-    distinct: list[Launch], children: int, threads: int, marker: str | None
-) -> None:
-    """``compile_launches`` of distinct launches, in up to ``children`` forked processes and
-    then ``threads`` threads here, this process holding the family's lock."""
+def _compile_distinct(distinct: list[Launch], workers: int | None, marker: str | None) -> None:
+    """``compile_launches`` of distinct launches, this process holding the family's lock: in
+    forked children (``workers``, else :func:`compile_processes`; none where that is 0), then in
+    threads here."""
     started = time.perf_counter()
-    forked = (
-        len(distinct) > 1
-        and children > 0
-        and hasattr(os, "fork")
-        and not (marker is not None and os.path.exists(marker))
-    )
+    children = 0
+    compiled = marker is not None and os.path.exists(marker)
+    if len(distinct) > 1 and hasattr(os, "fork") and not compiled:
+        allowed = compile_processes()
+        children = workers if workers is not None and allowed > 0 else allowed
+    forked = children > 0
+    threads = workers or _core_share()
     loaded: set[tuple[Any, ...]] = set()
     if forked:
         # Load each child's kernels as soon as it exits, while the others still compile.
@@ -335,25 +342,28 @@ def _compile_in_children(launches: list[Launch], workers: int) -> Iterator[list[
             if pid == 0:  # the child: compile, never return into the caller's code
                 status = 1
                 try:
+                    if _held_lock is not None:
+                        os.close(_held_lock)
                     _compile_detached(share, device, target)
                     status = 0
                 finally:
                     os._exit(status)
             children[pid] = share
     deadline = time.monotonic() + CHILD_TIMEOUT_S
-    while children:
-        for pid in list(children):
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                share = children.pop(pid)
-                if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
-                    yield share
-        if children and time.monotonic() > deadline:
-            for pid in children:
+    try:
+        while children and time.monotonic() <= deadline:
+            for pid in list(children):
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    share = children.pop(pid)
+                    if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
+                        yield share
+            time.sleep(0.005)
+    finally:  # past the deadline, or the caller stopped early: no child outlives this
+        for pid in children:
+            with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-            return
-        time.sleep(0.005)
 
 
 def answer_device_queries(device: int, target: Any) -> Any:

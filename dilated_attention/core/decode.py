@@ -231,7 +231,7 @@ class DecodeTokenCall:
         )
 
 
-@functools.lru_cache(maxsize=16)
+@functools.cache
 def token_slots(
     num_heads: int,
     segment_lengths: tuple[int, ...],
@@ -240,7 +240,9 @@ def token_slots(
 ) -> tuple[torch.Tensor, ...]:
     """Per slot of the one call (every branch's ``ceil(w / r)`` side by side, slot ``m`` of a
     branch): the branch's ``w`` and ``r`` (K,), ``r * m`` (K,), and ``h mod r`` (H, K); on
-    ``device``, made once per schedule."""
+    ``device``, made once per schedule and kept for the process (a captured decoding step,
+    kept across calls, reads them: Note [A captured step kept across calls] in
+    ``models/captured.py``)."""
     slot, seg, rate = [], [], []
     for w, r in zip(segment_lengths, dilation_rates, strict=True):
         count = -(-w // r)

@@ -19,11 +19,14 @@ Note [A captured step kept across calls]
     of the same batch size reuses both: the caches are reset (positions back to 0, buffers
     kept), the prompts run into them, and the step replays as it is. That is valid while every
     address the graph reads is the same: the parameters and buffers of the model (an optimizer
-    updates them in place; ``to()``, ``half()`` or loading with ``assign=True`` make new ones)
-    and the caches' buffers after the prompts; otherwise the step is recorded anew. The kept
-    step holds the caches' memory and the graph's pool until the model's next call of another
-    batch size or :meth:`~dilated_attention.models.GenerationMixin.release_captured_step`; it
-    is never pickled or deep-copied with the model.
+    updates them in place; ``to()``, ``half()`` or loading with ``assign=True`` make new ones),
+    the caches' buffers after the prompts, and the schedule's slot tables (kept for the
+    process: ``core.decode.token_slots``); otherwise the step is recorded anew. One call at a
+    time uses it: a call takes it from the model and puts its own back when it ends, so a
+    second ``stream`` running meanwhile records a step and caches of its own. The kept step
+    holds the caches' memory and the graph's pool until the model's next call of another batch
+    size or :meth:`~dilated_attention.models.GenerationMixin.release_captured_step`; it is never
+    pickled or deep-copied with the model.
 
 Shape legend: B batch, V vocab_size.
 """

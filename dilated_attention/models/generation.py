@@ -297,11 +297,11 @@ class GenerationMixin:
         """:meth:`_sample` with every row decoded at once by a captured step (Note [A captured
         decoding step]): each prompt group into static caches of its own, their rows loaded
         into the batch's caches, each row at its own position."""
-        with _eval_mode(self):
+        with _eval_mode(self), self._holding_kept_step() as holder:
             batch = sum(rows.numel() for rows, _ in groups)
             device = groups[0][1].device
             recorded_for = model_addresses(self, batch, device)
-            kept = self.__dict__.get(_KEPT)
+            kept = holder[0]
             if kept is not None and kept.model == recorded_for:
                 caches = kept.caches
                 for cache in caches:
@@ -317,7 +317,9 @@ class GenerationMixin:
                 if own is not caches:
                     for cache, part in zip(caches, own, strict=True):
                         cache.load_rows(rows, part, batch)  # type: ignore[union-attr]
-            step = self._captured_step(kept, recorded_for, caches, max_new_tokens)
+            made = self._captured_step(kept, recorded_for, caches, max_new_tokens)
+            holder[0] = made or holder[0]
+            step = None if made is None else made.step
             stopped = torch.zeros(batch, 1, dtype=torch.bool, device=device)
             for i in range(max_new_tokens):
                 nxt = sampling.next(logits, stopped).to(device)
@@ -329,28 +331,37 @@ class GenerationMixin:
                     logits = step(nxt)
 
 
+    @contextlib.contextmanager
+    def _holding_kept_step(self) -> Iterator[list[KeptStep | None]]:
+        """The model's kept step taken out for one call (another call meanwhile, such as a
+        second ``stream`` of the same batch size, records its own instead of sharing these
+        caches), as ``holder[0]``; what the call leaves there is kept when it ends, where it is
+        a CUDA graph (Note [A captured step kept across calls])."""
+        holder: list[KeptStep | None] = [self.__dict__.pop(_KEPT, None)]
+        try:
+            yield holder
+        finally:
+            if holder[0] is not None and holder[0].step.graph is not None:
+                self.__dict__[_KEPT] = holder[0]
+
     def _captured_step(
         self,
         kept: KeptStep | None,
         recorded_for: tuple[object, ...],
         caches: list[Cache],
         max_new_tokens: int,
-    ) -> CapturedStep | None:
-        """The step of :meth:`_sample_static`: ``kept``'s where it reads these caches' buffers,
-        else a new one, kept for the next call where it is a CUDA graph (Note [A captured step
-        kept across calls]); None for a single new token."""
+    ) -> KeptStep | None:
+        """The step of :meth:`_sample_static` with what it reads: ``kept`` where it reads these
+        caches' buffers, else a new one (Note [A captured step kept across calls]); None for a
+        single new token."""
         if max_new_tokens <= 1:
             return None
         static = cast(list[StaticDilatedKVCache], caches)
         buffers = cache_addresses(static)
         if kept is not None and kept.buffers == buffers:
-            return kept.step
+            return kept
         batch, device = cast(int, recorded_for[0]), static[0].key.device  # type: ignore[union-attr]
-        step = CapturedStep(self, static, batch, device)
-        self.__dict__.pop(_KEPT, None)
-        if step.graph is not None:
-            self.__dict__[_KEPT] = KeptStep(recorded_for, static, buffers, step)
-        return step
+        return KeptStep(recorded_for, static, buffers, CapturedStep(self, static, batch, device))
 
     def release_captured_step(self) -> None:
         """Free the captured decoding step and the caches ``generate`` / ``stream`` keep for

@@ -57,11 +57,12 @@ from ..backends.registry import (
 from ..block_sparse import plan as block_plan
 from ..core import decode
 from ..core.documents import document_groups
-from ..core.grouped import grouped_plan
+from ..core.grouped import grouped_plan, slot_group_length
 from ..core.hidden import hide_masked_keys
 from ..core.plan import Plan
 from ..core.schedule import ShardedBranches
 from ..core.segment import branch_plan, describe_plan, dilated_plan, effective_branches
+from ..core.slots import Slot
 from ..patterns import Pattern
 from .request import BLOCK_SPARSE, DECODE, DENSE, DILATED, OPERATIONS, Request
 from .strategy import (
@@ -207,16 +208,22 @@ def _float32_beside_spans(
     a shard's local branches (``inputs``), or None: where it would, beside spanning branches.
 
     Such a kernel merges the spanning results into a float32 ``out`` (B, n, H, D) of the whole
-    shard in the forward (its gradients are summed per position group where the whole would
-    not fit: Note [Spanning results stay compact] in ``distributed/ring_dilated.py``); our fused
-    kernels keep one head group's float32 scratch. That ``out`` may take the device's
-    ``float32_share_beside_spanning`` of its memory (``priorities.json``)."""
+    shard in the forward, and its gradients into float32 scratch of one position group where
+    the local branches' slots can be cut into groups (Note [Spanning results stay compact] in
+    ``distributed/ring_dilated.py``), else into float32 ``dq``, ``dk``, ``dv`` of the whole
+    shard; our fused kernels keep one head group's float32 scratch. The larger whole-shard
+    result may take the device's ``float32_share_beside_spanning`` of its memory
+    (``priorities.json``)."""
     if not split.spanning or request.backend is not None or not puts_slots_first(inputs):
         return None
     share = float32_share_beside_spanning(request.device)
     if share is None:
         return None
-    need = 4 * request.batch * request.query_len * request.num_heads * request.head_dim
+    heads = request.num_heads  # out; the gradients of the whole shard where they are not cut
+    slots = tuple(Slot(w, r) for w, r in split.local)
+    if request.requires_grad and slot_group_length(slots, request.query_len, 1) is None:
+        heads = max(heads, request.num_heads + 2 * request.num_kv_heads)
+    need = 4 * request.batch * request.query_len * heads * request.head_dim
     total = torch.cuda.get_device_properties(request.device).total_memory
     if need <= share * total:
         return None

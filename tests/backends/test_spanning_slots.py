@@ -43,10 +43,13 @@ def told(monkeypatch: pytest.MonkeyPatch) -> list[KernelInputs]:
 
 
 def _shard_request(batch: int, local_len: int, kv_heads: int, head_dim: int, requires_grad: bool,
-                   backend: str | None = None) -> Request:  # fmt: skip
-    """One rank's shard of 16 query heads over ``WORLD`` ranks: w = 2048 local, the longest
-    segment (the whole sequence) spanning the ranks."""
+                   backend: str | None = None, whole: bool = False) -> Request:  # fmt: skip
+    """One rank's shard of 16 query heads over ``WORLD`` ranks: w = 2048 local (``whole``: two
+    branches of one segment each, the whole shard, r = 1 and 2), the longest segment (the whole
+    sequence) spanning the ranks."""
     schedule = Schedule((2048, WORLD * local_len), (1, 16))
+    if whole:
+        schedule = Schedule((local_len, local_len, WORLD * local_len), (1, 2, 16))
     q = torch.empty(batch, local_len, 16, head_dim, device="meta", dtype=torch.bfloat16)
     kv = torch.empty(batch, local_len, kv_heads, head_dim, device="meta", dtype=torch.bfloat16)
     request = Request.of("dilated", q, kv, kv, schedule=schedule, shard=(WORLD, local_len),
@@ -103,3 +106,17 @@ def test_a_shard_without_spanning_branches_keeps_its_slots(told: list[KernelInpu
     strategy = resolve(request)
     assert [inputs.branch_slots for inputs in told] == [True]
     assert not any("branch slots not put first" in note for note in strategy.notes)
+
+
+def test_gradients_of_the_whole_shard_count_where_the_plan_cannot_be_cut(
+    told: list[KernelInputs],
+) -> None:
+    """Local branches whose one segment is the whole shard leave no position group to cut the
+    backward into: their float32 dq, dk, dv of the whole shard (24 GiB at 1M tokens) count."""
+    request = _shard_request(1, 1048576, 16, 128, True, whole=True)
+    notes = "\n".join(resolve(request).notes)
+    assert [inputs.branch_slots for inputs in told] == [False]
+    assert "float32 results (24.0 GiB), over 25% of the device's 75 GiB" in notes
+    told.clear()
+    resolve(_shard_request(1, 1048576, 16, 128, False, whole=True))
+    assert [inputs.branch_slots for inputs in told] == [True]  # forward only: out, 8 GiB

@@ -176,7 +176,7 @@ def test_a_lock_held_too_long_is_not_waited_for_forever(
     tmp_path: Path, fake_driver: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fcntl = pytest.importorskip("fcntl")
-    monkeypatch.setattr(tc, "CHILD_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(tc, "LOCK_TIMEOUT_S", 0.3)
     kernel = FakeKernel(tmp_path / "log")
     launches = _launches(kernel, [1, 3])
     marker = tc._marker(launches)
@@ -199,7 +199,7 @@ def test_a_file_system_without_locks_is_not_waited_on(
         raise OSError(37, "No locks available")
 
     monkeypatch.setattr(fcntl, "flock", unsupported)
-    monkeypatch.setattr(tc, "CHILD_TIMEOUT_S", 15.0)  # a wait for the lock would take this long
+    monkeypatch.setattr(tc, "LOCK_TIMEOUT_S", 15.0)  # a wait for the lock would take this long
     kernel = FakeKernel(tmp_path / "log")
     started = time.monotonic()
     tc.compile_launches(_launches(kernel, [1, 3]), workers=2)
@@ -225,10 +225,26 @@ def test_compile_processes_are_this_process_share_of_its_cores(
     assert tc.compile_processes() == expected
 
 
-def test_a_malformed_process_count_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_malformed_process_count_names_the_variable(
+    tmp_path: Path, fake_driver: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Raised where a compile would fork, not where the kernels are already compiled."""
+    kernel = FakeKernel(tmp_path / "log")
+    tc.compile_launches(_launches(kernel, [1, 3]), workers=2)  # compiled: its marker exists
     monkeypatch.setenv(tc.ENV_VAR, "many")
+    tc.compile_launches(_launches(kernel, [1, 3]), workers=2)
     with pytest.raises(ValueError, match=rf"{tc.ENV_VAR} must be a whole number.*'many'"):
-        tc.compile_processes()
+        tc.compile_launches(_launches(kernel, [1, 5, 32]), workers=2)
+
+
+@pytest.mark.parametrize("zero", ["0", "00", " 0"])
+def test_zero_processes_keep_compiles_here_whatever_its_spelling(
+    tmp_path: Path, fake_driver: SimpleNamespace, monkeypatch: pytest.MonkeyPatch, zero: str
+) -> None:
+    monkeypatch.setenv(tc.ENV_VAR, zero)
+    kernel = FakeKernel(tmp_path / "log")
+    tc.compile_launches(_launches(kernel, [1, 3]), workers=2)
+    assert kernel.calls() == [(False, "1 64"), (False, "3 64")]
 
 
 def test_children_are_forked_in_the_reverse_of_recording_order(

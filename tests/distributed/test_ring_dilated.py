@@ -204,10 +204,10 @@ def _check_slots(rank: int, world_size: int, grouped: bool = False) -> None:
     extras: list[int] = []
     if grouped:
         _cut_in_this_process(extras)
-    for (segs, rates), causal in itertools.product(
-        [((4, 12), (1, 2)), ((4, 12, 24), (1, 2, 4))], [False, True]
+    for (segs, rates), causal, kv_heads in itertools.product(
+        [((4, 12), (1, 2)), ((4, 12, 24), (1, 2, 4))], [False, True], [H, 2]
     ):
-        q, k, v, dout = _tensors(H)
+        q, k, v, dout = _tensors(kv_heads)
         mask = _padding_mask()
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         ref, ref_lse = oracle_dilated_attention(*leaves, segs, rates, is_causal=causal,
@@ -220,7 +220,7 @@ def _check_slots(rank: int, world_size: int, grouped: bool = False) -> None:
             key_padding_mask=shard_sequence(mask),
         )  # fmt: skip
         grads = torch.autograd.grad(out, local, shard_sequence(dout))
-        case = f"rank {rank}/{world_size} {segs} {rates} causal={causal}"
+        case = f"rank {rank}/{world_size} {segs} {rates} causal={causal} Hkv={kv_heads}"
         assert {"forward", "backward"} <= set(writes), (case, writes)
         if grouped and max(segs) > N // world_size:  # a branch spans: each group got its part
             assert len(extras) >= 2 * B, (case, extras)

@@ -209,3 +209,28 @@ def test_a_kept_step_serves_the_next_call_of_its_batch(kept_steps: list[object])
     assert len(kept_steps) == 3
     model.release_captured_step()
     assert generation._KEPT not in model.__dict__
+    # A kept CUDA graph reads the schedule's slot tables: they are never evicted from their cache.
+    from dilated_attention.core.decode import token_slots
+
+    assert token_slots.cache_info().maxsize is None
+
+
+def test_overlapping_calls_do_not_share_a_kept_step(kept_steps: list[object]) -> None:
+    """Two streams of one batch size interleaved (and a generate while one is paused): each
+    records or reuses a step of its own, never the caches another call is decoding in."""
+    model = _model(torch.float32)
+    gen = torch.Generator().manual_seed(9)
+    a, b, c = (torch.randint(0, 64, (2, n), generator=gen) for n in (7, 15, 11))
+    model.generate(a, 4, temperature=0, cuda_graph=True)  # a kept step to start from
+    want = [model.generate(p, 10, temperature=0, cuda_graph=False) for p in (a, b, c)]
+    first = model.stream(a, 10, temperature=0, cuda_graph=True)
+    second = model.stream(b, 10, temperature=0, cuda_graph=True)
+    got_a, got_b = [next(first)], [next(second)]
+    middle = model.generate(c, 10, temperature=0, cuda_graph=True)
+    for _ in range(9):
+        got_a.append(next(first))
+        got_b.append(next(second))
+    assert torch.equal(torch.cat([a, *got_a], dim=1), want[0])
+    assert torch.equal(torch.cat([b, *got_b], dim=1), want[1])
+    assert torch.equal(middle, want[2])
+    assert generation._KEPT in model.__dict__
