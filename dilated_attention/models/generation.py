@@ -330,7 +330,6 @@ class GenerationMixin:
                 if step is not None and i + 1 < max_new_tokens:
                     logits = step(nxt)
 
-
     @contextlib.contextmanager
     def _holding_kept_step(self) -> Iterator[list[KeptStep | None]]:
         """The model's kept step taken out for one call (another call meanwhile, such as a
@@ -370,7 +369,7 @@ class GenerationMixin:
 
     def __getstate__(self) -> dict[str, Any]:
         """The module's state without a kept captured step (a CUDA graph is not pickled)."""
-        state = dict(super().__getstate__())  # type: ignore[misc]
+        state = self.__dict__.copy()
         state.pop(_KEPT, None)
         return state
 
