@@ -118,7 +118,6 @@ def plan_backward(
     *,
     scale: float,
     dropout_p: float = 0.0,
-    grad_dtype: torch.dtype | None = None,
     extra: ExtraGradients | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact gradients of :func:`plan_forward`.
@@ -126,13 +125,12 @@ def plan_backward(
     Args:
         dout: (B, Nq, H, D) upstream gradient of ``out``.
         out: (B, Nq, H, D) merged output; ``lse``: (B, H, Nq) merged log-sum-exp.
-        grad_dtype: dtype of the gradients (default: the inputs' dtypes).
         extra: more gradients added before the rounding (``grouped_runs.ExtraGradients``): a
             grouped plan calls it per batch element and group on float32 scratch of the group's
             size, any other on float32 gradients of the whole.
 
     Returns:
-        ``(dq, dk, dv)`` shaped like ``(q, k, v)``.
+        ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``.
     """
     dout = dout.contiguous()
     kernel = KernelArgs(backend, scale, dropout_p)
@@ -144,15 +142,13 @@ def plan_backward(
             spanning = sum(len(batch_rows(c, *q.shape[:2])) for c in plan.spanning)
             auxes = [None] * (spanning + cut)
         return grouped_backward(
-            dout, q, k, v, out, lse, key_padding_mask, plan, kernel, auxes, grad_dtype=grad_dtype,
-            extra=extra,
-        )  # fmt: skip
-    dtypes = [grad_dtype] * 3 if grad_dtype is not None else [x.dtype for x in (q, k, v)]
-    if extra is not None:
-        grad_dtype = accumulator_dtype(q.dtype)
-    if plan.slots:
+            dout, q, k, v, out, lse, key_padding_mask, plan, kernel, auxes, extra=extra
+        )
+    acc = accumulator_dtype(q.dtype)
+    if plan.slots:  # float32 where extra gradients join, else the inputs' dtypes
         grads = [
-            torch.empty(x.shape, dtype=grad_dtype or x.dtype, device=x.device) for x in (q, k, v)
+            torch.empty(x.shape, dtype=acc if extra else x.dtype, device=x.device)
+            for x in (q, k, v)
         ]
         saved = GradInputs(dout, q, k, v, out, row_lse(lse), key_padding_mask)
         slot_backward(saved, plan.calls, plan.slots, kernel, iter(auxes), grads=grads)
@@ -163,16 +159,15 @@ def plan_backward(
             key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p,
         )  # fmt: skip
     else:
-        acc = grad_dtype or accumulator_dtype(q.dtype)
         grads = tuple(torch.zeros(x.shape, dtype=acc, device=q.device) for x in (q, k, v))
         saved = GradInputs(dout, q, k, v, out, row_lse(lse), key_padding_mask)
         run_backward(
             saved, plan.calls, kernel, iter(auxes), dq=grads[0], dk=grads[1], dv=grads[2]
         )
     if extra is not None:
-        grads = [g.to(accumulator_dtype(q.dtype)) for g in grads]
+        grads = [g.to(acc) for g in grads]
         extra(*grads, 0, q.shape[1], slice(None))
-    dq, dk, dv = (g.to(dtype) for g, dtype in zip(grads, dtypes, strict=True))
+    dq, dk, dv = (g.to(x.dtype) for g, x in zip(grads, (q, k, v), strict=True))
     return dq, dk, dv
 
 

@@ -98,7 +98,6 @@ def grouped_backward(
     kernel: KernelArgs,
     auxes: list[Any],
     *,
-    grad_dtype: torch.dtype | None,
     extra: ExtraGradients | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``plan_backward`` (``executor.py``) of :func:`grouped_forward`: each group's gradients
@@ -107,7 +106,7 @@ def grouped_backward(
     float32 scratch of the group's size, where ``extra`` adds its gradients before the one
     rounding."""
     acc = accumulator_dtype(q.dtype)
-    grads = [torch.empty(x.shape, dtype=grad_dtype or x.dtype, device=x.device) for x in (q, k, v)]
+    grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v)]
     saved, aux = GradInputs(dout, q, k, v, out, row_lse(lse), key_padding_mask), iter(auxes)
     slots, spanning = plan.slots, None
     if plan.spanning:

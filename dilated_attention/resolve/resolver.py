@@ -222,7 +222,7 @@ def _float32_beside_spans(
     heads = request.num_heads  # out; the gradients of the whole shard where they are not cut
     slots = tuple(Slot(w, r) for w, r in split.local)
     if request.requires_grad and slot_group_length(slots, request.query_len, 1) is None:
-        heads = max(heads, request.num_heads + 2 * request.num_kv_heads)
+        heads += 2 * request.num_kv_heads
     need = 4 * request.batch * request.query_len * heads * request.head_dim
     total = torch.cuda.get_device_properties(request.device).total_memory
     if need <= share * total:

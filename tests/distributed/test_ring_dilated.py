@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from support.distributed_utils import count_exchanges, run_world
+from support.grouping import cut_small
 from support.oracle import oracle_dilated_attention
 from support.tolerances import assert_close_to_oracle
 from support.writing_kernel import write_into_buffers
@@ -238,13 +239,8 @@ def _cut_in_this_process(extras: list[int]) -> None:
     """Cut executor plans on the CPU into the smallest groups (``support.grouping.cut_small``,
     in a spawned rank) and count the groups whose gradients got ``extra`` ones in ``extras``."""
     import dilated_attention.core.executor as executor
-    import dilated_attention.core.fused as fused
-    import dilated_attention.core.grouped as grouped
 
-    grouped.GROUPED_DEVICES = frozenset({"cpu", "cuda"})  # type: ignore[misc]
-    fused.MIN_GROUP_POSITIONS = 1  # type: ignore[misc]
-    fused.GROUPS_PER_SEQUENCE = 1000  # type: ignore[misc]
-    fused.scratch_allowance = lambda like: 0  # type: ignore[assignment]
+    cut_small(None)
     real = executor.grouped_backward
 
     def counted(*args: Any, extra: Any = None, **kwargs: Any) -> Any:

@@ -8,10 +8,12 @@ import dilated_attention.core.fused as fused
 import dilated_attention.core.grouped as grouped
 
 
-def cut_small(monkeypatch: pytest.MonkeyPatch) -> None:
+def cut_small(monkeypatch: pytest.MonkeyPatch | None) -> None:
     """Cut plans on the CPU too, into groups as small as the segments allow, whatever the
-    scratch (the allowance is 0 on the CPU already; on a GPU this makes it so)."""
-    monkeypatch.setattr(grouped, "GROUPED_DEVICES", frozenset({"cpu", "cuda"}))
-    monkeypatch.setattr(fused, "MIN_GROUP_POSITIONS", 1)
-    monkeypatch.setattr(fused, "GROUPS_PER_SEQUENCE", 1000)
-    monkeypatch.setattr(fused, "scratch_allowance", lambda like: 0)
+    scratch (the allowance is 0 on the CPU already; on a GPU this makes it so). Without
+    ``monkeypatch`` (a spawned process of its own) the settings stay for the process."""
+    set_ = setattr if monkeypatch is None else monkeypatch.setattr
+    set_(grouped, "GROUPED_DEVICES", frozenset({"cpu", "cuda"}))
+    set_(fused, "MIN_GROUP_POSITIONS", 1)
+    set_(fused, "GROUPS_PER_SEQUENCE", 1000)
+    set_(fused, "scratch_allowance", lambda like: 0)
