@@ -97,38 +97,53 @@ def merge_into(
 @triton.jit
 def _merge_splits_kernel(
     part, part_lse, out, lse,
-    num_rows, seq_len, heads, dim, splits,
+    seq_len, heads, dim, splits,
     s_pb, s_ps, s_pn, s_ph,
     s_qb, s_qh, s_qs, s_qn,
     s_ob, s_on, s_oh,
     s_lb, s_lh, s_ln,
-    BLOCK_ROWS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Each program merges the ``splits`` partial results of ``BLOCK_ROWS`` (batch, position,
-    head) rows: weights normalized by their own sum, NaN carried (Note [Merging partial
-    softmaxes] in ``core/merge.py``)."""
-    valid, b, i, h = _program_rows(num_rows, seq_len, heads, BLOCK_ROWS)
+    """Program (b * n + i) * H + h merges the ``splits`` partial results of one (batch b,
+    position i, head h) row, ``BLOCK_S`` splits a tile: weights normalized by their own sum,
+    NaN carried (Note [Merging partial softmaxes] in ``core/merge.py``)."""
+    row = tl.program_id(0)
+    h = row % heads
+    i = (row // heads) % seq_len
+    b = (row // (heads * seq_len)).to(tl.int64)
     lse_ptr = part_lse + b * s_qb + h * s_qh + i * s_qn
-    top = tl.full([BLOCK_ROWS], float("-inf"), dtype=tl.float32)
-    for s in range(splits):
-        split_lse = tl.load(lse_ptr + s * s_qs, mask=valid, other=float("-inf"))
-        top = tl.maximum(top, split_lse, propagate_nan=tl.PropagateNan.ALL)
-    top = tl.where(top == float("-inf"), 0.0, top)  # every split empty: weights 0, lse -inf
+    tile = tl.arange(0, BLOCK_S)
+    top = tl.full([], float("-inf"), tl.float32)
+    nan = tl.zeros([], tl.int32)
+    for first in range(0, splits, BLOCK_S):
+        split_lse = tl.load(lse_ptr + (first + tile) * s_qs, mask=first + tile < splits,
+                            other=float("-inf"))  # fmt: skip
+        top = tl.maximum(top, tl.max(split_lse, 0))
+        nan += tl.sum((split_lse != split_lse).to(tl.int32), 0)
+    # NaN in, NaN out: a NaN lse (a NaN query row) must not lose to the other splits' maximum;
+    # every split empty: weights 0, lse -inf.
+    top = tl.where(nan > 0, float("nan"), tl.where(top == float("-inf"), 0.0, top))
     cols = tl.arange(0, BLOCK_D)
-    mask = valid[:, None] & (cols < dim)[None, :]
-    part_ptr = part + (b * s_pb + i * s_pn + h * s_ph)[:, None] + cols[None, :]
-    total = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_ROWS, BLOCK_D], dtype=tl.float32)
-    for s in range(splits):
-        weight = tl.exp(tl.load(lse_ptr + s * s_qs, mask=valid, other=float("-inf")) - top)
-        split_out = tl.load(part_ptr + s * s_ps, mask=mask, other=0.0)
-        total += weight
-        acc += split_out * weight[:, None]
+    part_ptr = part + b * s_pb + i * s_pn + h * s_ph + cols[None, :]
+    total = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for first in range(0, splits, BLOCK_S):
+        present = first + tile < splits
+        weight = tl.exp(tl.load(lse_ptr + (first + tile) * s_qs, mask=present,
+                                other=float("-inf")) - top)  # fmt: skip
+        split_out = tl.load(part_ptr + (first + tile)[:, None] * s_ps,
+                            mask=present[:, None] & (cols < dim)[None, :], other=0.0)  # fmt: skip
+        total += tl.sum(weight, 0)
+        acc += tl.sum(split_out * weight[:, None], 0)
     inv = tl.where(total == 0.0, 0.0, 1.0 / total)  # NaN total (NaN or +inf lse) stays NaN
-    out_ptr = out + (b * s_ob + i * s_on + h * s_oh)[:, None] + cols[None, :]
-    tl.store(out_ptr, (acc * inv[:, None]).to(out.dtype.element_ty), mask=mask)
-    tl.store(lse + b * s_lb + h * s_lh + i * s_ln, top + tl.log(total), mask=valid)
+    tl.store(out + b * s_ob + i * s_on + h * s_oh + cols, (acc * inv).to(out.dtype.element_ty),
+             mask=cols < dim)  # fmt: skip
+    tl.store(lse + b * s_lb + h * s_lh + i * s_ln, top + tl.log(total))
+
+
+#: Splits a tile of the split merge (a program per row reads them at once).
+_SPLITS_TILE = 64
 
 
 def merge_splits(
@@ -147,14 +162,14 @@ def merge_splits(
     if num_rows == 0:
         return
     splits = part.shape[1] // seq_len
-    grid = (triton.cdiv(num_rows, _BLOCK_ROWS),)
-    _merge_splits_kernel[grid](
+    _merge_splits_kernel[(num_rows,)](
         part, part_lse, out, lse,
-        num_rows, seq_len, heads, dim, splits,
+        seq_len, heads, dim, splits,
         part.stride(0), seq_len * part.stride(1), part.stride(1), part.stride(2),
         part_lse.stride(0), part_lse.stride(1), seq_len * part_lse.stride(2), part_lse.stride(2),
         *out.stride()[:3], *lse.stride(),
-        BLOCK_ROWS=_BLOCK_ROWS, BLOCK_D=triton.next_power_of_2(dim),
+        BLOCK_S=min(_SPLITS_TILE, max(2, triton.next_power_of_2(splits))),
+        BLOCK_D=triton.next_power_of_2(dim),
     )  # fmt: skip
 
 
@@ -282,7 +297,6 @@ def _segment_constant(segment_len: int, seq_len: int) -> int:
     segment 0, whatever the length: a spanning slot's part of a shorter last group is a run of
     ``N - k G`` positions, which would otherwise compile the kernels anew for every N)."""
     return segment_len if segment_len < seq_len else _ONE_SEGMENT
-
 
 
 def _fits(views: Sequence[Any], dest: torch.Tensor) -> bool:

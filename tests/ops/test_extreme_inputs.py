@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from support.backend_params import CPU_BACKENDS, backend_id, skip_unless_runnable
 from support.oracle import dilated_multiplicity, masked_attention
 from support.tolerances import RATIO, TOLERANCES, max_abs_error, rounding_floor
+from support.triton import KERNEL_DEVICES, skip_without_triton
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -384,6 +385,50 @@ def test_triton_merge_kernel_matches_definition() -> None:
     torch.testing.assert_close(
         lse.view(8).double().cpu(), want_lse, atol=0, rtol=2e-7, equal_nan=True
     )
+
+
+@pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
+def test_triton_split_merge_matches_definition(device: str, dtypes: list[torch.dtype]) -> None:
+    """The split merge (``merge_splits``: a decoded token's or a short call's key runs) over 70
+    splits, two tiles of them: each (position, head) row's splits against the definition in
+    float64 (weights normalized at |lse| = 1e8, every split empty, a NaN or +inf split in the
+    second tile), written in each tested dtype."""
+    from dilated_attention.backends._triton_merge import merge_splits
+
+    skip_without_triton(device)
+    inf, nan = float("inf"), float("nan")
+    splits, n, heads = 70, 3, 2
+    gen = torch.Generator().manual_seed(8)
+    part = torch.randn(1, splits * n, heads, DIM, generator=gen, dtype=torch.float64)
+    part_lse = torch.randn(1, heads, splits * n, generator=gen, dtype=torch.float64) * 4
+    part_lse[0, 0, 0::n] = 1e8 + torch.arange(splits, dtype=torch.float64)  # row (0, 0): huge
+    part_lse[0, 1, 0::n] = -inf  # row (0, 1): every split empty
+    part_lse[0, 0, 1::n][::3] = -inf  # row (1, 0): a third empty
+    part_lse[0, 1, 1 + 66 * n] = nan  # row (1, 1): NaN in the second tile
+    part_lse[0, 0, 2 + 65 * n] = inf  # row (2, 0): +inf in the second tile
+    for dtype in dtypes:
+        out = torch.empty(1, n, heads, DIM, dtype=dtype, device=device)
+        lse = torch.empty(1, heads, n, dtype=torch.float32, device=device)
+        merge_splits(part.float().to(device), part_lse.float().to(device), out, lse)
+        for i in range(n):
+            for h in range(heads):
+                rows = part[0, i::n, h].float().double()  # (S, D): split s at row s * n + i
+                lses = part_lse[0, h, i::n].float().double()
+                if lses.isnan().any() or (lses == inf).any():
+                    want, want_lse = torch.full((DIM,), nan), torch.tensor(nan)
+                elif (lses == -inf).all():
+                    want, want_lse = torch.zeros(DIM), torch.tensor(-inf)
+                else:
+                    weights = torch.softmax(lses, 0)
+                    want, want_lse = weights @ rows, torch.logsumexp(lses, 0)
+                tol = TOLERANCES[dtype]
+                got, got_lse = out[0, i, h].double().cpu(), lse[0, h, i].double().cpu()
+                torch.testing.assert_close(
+                    got, want.double(), equal_nan=True, atol=tol.atol, rtol=tol.rtol
+                )
+                torch.testing.assert_close(
+                    got_lse, want_lse.double(), atol=0, rtol=2e-7, equal_nan=True
+                )
 
 
 # -- NaN and inf rows (item 3) ---------------------------------------------------------------------

@@ -17,6 +17,7 @@ from support.triton import KERNEL_DEVICES, skip_without_triton
 
 from dilated_attention import DilatedKVCache, StaticDilatedKVCache, dilated_attention
 from dilated_attention.backends import get_backend
+from dilated_attention.core.decode import token_slots
 from dilated_attention.core.schedule import Schedule
 from dilated_attention.decode_step import decode_at
 
@@ -414,6 +415,35 @@ def test_the_decode_kernel_at_model_shapes_matches_the_oracle(
         out = decode_at(*(x.cuda() for x in (token, k, v, positions)), Schedule(segs, rates),
                         backend="triton")  # fmt: skip
     _close(out[:, 0].cpu(), want[torch.arange(2), positions], dtype)
+
+
+@pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
+def test_the_decode_kernel_skips_blocks_no_head_of_a_program_reads(
+    device: str, dtypes: list[torch.dtype], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks of 16 slots, two blocks a run, a block mixing two branches: a program skips the
+    blocks none of its heads reads (a branch of rate 4 is read by 1 in 4 heads; each key/value
+    head serves 2) and still gives every row and lse of the float64 oracle, the positions
+    chosen so that each branch is read by other heads."""
+    from dilated_attention.backends import _triton_decode
+
+    skip_without_triton(device)
+    monkeypatch.setattr(_triton_decode, "_TILE_BYTES", 1)  # 16 slots a block
+    monkeypatch.setattr(_triton_decode, "_runs_wanted", lambda device, rows: 2)
+    segs, rates, n = (40, 96), (1, 4), 120  # 40 + 24 slots: 4 blocks, 2 runs
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(4, n, h, 32, generator=gen) for h in (6, 3, 3))
+    want, want_lse = oracle_dilated_attention(*(x.double() for x in (q, k, v)), segs, rates,
+                                              is_causal=True)  # fmt: skip
+    positions = torch.tensor([119, 97, 58, 40])  # rate-4 offset classes 3, 1, 2, 0
+    rows = torch.arange(4)
+    for dtype in dtypes:
+        token, kd, vd = (x.to(device=device, dtype=dtype) for x in (q[rows, positions], k, v))
+        slots = token_slots(6, segs, rates, torch.device(device))
+        out, lse = _triton_decode.decode_step(token.unsqueeze(1), kd, vd, None,
+                                              positions.to(device), slots, 32**-0.5)  # fmt: skip
+        _close(out[:, 0].cpu(), want[rows, positions], dtype)
+        _close(lse[..., 0].cpu(), want_lse[rows, :, positions], dtype)
 
 
 @pytest.mark.gpu
