@@ -14,12 +14,13 @@ Note [A decode kernel reading the buffers in place]
     (a branch of rate r is read by the heads of one offset class: 1 in r), masks the heads that
     do not read it and the slots past the token, and keeps an online softmax per head. A
     block of slots none of the program's heads reads (most blocks of a branch of high rate)
-    is skipped whole, loads and arithmetic (without the skip the step ran 2-6x slower on an
-    H100). No gather: each key row crosses memory at most once per key/value head. The slots are split
-    into runs across programs (a token is a few thousand rows, too few for one program each per
-    head), and the runs merge with :func:`~._triton_merge.merge_splits` into the output and its
-    log-sum-exp. One softmax over every branch's slots is the branches' exact merge (Note [One
-    call per decoded token] in ``core/decode.py``).
+    is skipped whole, loads and arithmetic (without the skip an H100 ran the step up to 1.9x
+    slower where every branch reads nearly its whole segment, 2-6x where few rows are read).
+    No gather: each key row crosses memory at most once per key/value head. The slots are
+    split into runs across programs (a token is a few thousand rows, too few for one program
+    each per head), and the runs merge with :func:`~._triton_merge.merge_splits` into the
+    output and its log-sum-exp. One softmax over every branch's slots is the branches' exact
+    merge (Note [One call per decoded token] in ``core/decode.py``).
 
 Shapes: q (B, 1, H, D); key/value buffers (B, R, Hkv, D), last dim contiguous; mask (B, R) bool;
 positions and row offsets (B,) int64; slot tables (K,) int64; out (B, 1, H, D); lse (B, H, 1)
@@ -43,10 +44,12 @@ _LOG2E = 1.4426950408889634
 #: heads: a short batch splits each row's slots into more runs, so that enough loads are in
 #: flight to reach the memory's bandwidth); the runs per row and key/value head where the device
 #: does not say its multiprocessors. Measured on an H100 (bf16, D = 128, the LongNet schedule's
-#: 10,240 slots): 128 slots a block and 8 programs per multiprocessor came within 1.26x of the
-#: fastest tiling at every batch (1, 8), context (5K-1M) and key/value head count (16, 4) tried.
+#: 10,240 slots, rows just before a multiple of every segment length, where every branch reads
+#: nearly its whole segment): 128 slots a block and 16 programs per multiprocessor came within
+#: 1.04x of the fastest of 60 tilings at every batch (1, 2, 8), context (16K-1M) and key/value
+#: head count (16, 4) tried.
 _TILE_BYTES = 32 * 1024
-_PROGRAMS_PER_SM = 8
+_PROGRAMS_PER_SM = 16
 _DEFAULT_RUNS = 16
 
 
@@ -105,8 +108,13 @@ def _decode_kernel(
         loaded = tl.max(reads.to(tl.int32), 0) > 0
         if tl.max(loaded.to(tl.int32), 0) > 0:
             row = (t0 + s + step + shift) % ring_rows
+            # Both tiles' loads are issued before either is used: twice the bytes in flight.
             k = tl.load(
                 K + b * s_kb + row[:, None] * s_kr + kvh * s_kh + d[None, :],
+                mask=loaded[:, None] & d_ok[None, :], other=0.0,
+            )  # fmt: skip
+            v = tl.load(
+                V + b * s_vb + row[:, None] * s_vr + kvh * s_vh + d[None, :],
                 mask=loaded[:, None] & d_ok[None, :], other=0.0,
             )  # fmt: skip
             if HAS_MASK:
@@ -119,10 +127,6 @@ def _decode_kernel(
             alpha = tl.exp2(m_i - m_safe)
             weights = tl.exp2(qk - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(weights, 1)
-            v = tl.load(
-                V + b * s_vb + row[:, None] * s_vr + kvh * s_vh + d[None, :],
-                mask=loaded[:, None] & d_ok[None, :], other=0.0,
-            )  # fmt: skip
             acc = acc * alpha[:, None] + tl.dot(
                 weights.to(v.dtype), v, input_precision=DOT_PRECISION
             )  # fmt: skip
