@@ -67,6 +67,24 @@ class Cells:
         return self._blocks[key]
 
 
+    def slot_rows(self, rate: int, num_heads: int, seq_len: int) -> torch.Tensor | None:
+        """Where the cells are exactly those of one slot of ``rate`` whose one segment holds the
+        ``seq_len`` positions (position ``(h mod r) + r * m`` of every head ``h``; Note [Branch
+        slots merged once] in ``slots.py``): each cell's row among the slot's ``ceil(N / r) *
+        H`` rows, ``m * H + h`` (M,); else None. Cached, since checking syncs with the
+        device."""
+        key = ("slot", rate, num_heads, seq_len)
+        if key not in self._blocks:
+            offset = self.heads % rate
+            expected = sum(-(-(seq_len - h % rate) // rate) for h in range(num_heads))
+            exact = self.rows.numel() == expected and bool(
+                (((self.rows - offset) % rate == 0) & (self.rows < seq_len)).all()
+            )
+            index = (self.rows - offset) // rate * num_heads + self.heads
+            self._blocks[key] = index if exact else None
+        return self._blocks[key]
+
+
 def merge_cells(
     cells: Cells,
     cell_out: torch.Tensor,

@@ -25,6 +25,8 @@ Shape legend: B batch, N seq_len, H query heads, Hkv key/value heads, D head dim
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +47,7 @@ from .grouped_runs import ExtraGradients, grouped_backward, grouped_forward
 from .higher_order import differentiable_grads, no_higher_order_message
 from .plan import Plan
 from .slot_runs import batch_rows, slot_backward, slot_forward
+from .slots import ExtraSlotGradients, SlotView
 
 
 def plan_forward(
@@ -58,6 +61,7 @@ def plan_forward(
     scale: float,
     dropout_p: float = 0.0,
     out_dtype: torch.dtype | None = None,
+    extra: Callable[[], Sequence[SlotView]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
     """Forward of a whole plan (Note [One executor]).
 
@@ -66,6 +70,8 @@ def plan_forward(
         key_padding_mask: (B, Nk) bool (``True`` = ignore) or None.
         out_dtype: dtype of ``out`` (default ``q.dtype``; float32 keeps the merge unrounded for a
             caller that merges further, e.g. ring dilated attention).
+        extra: more results the slots' merge reads (a plan in slots, forward not grouped):
+            returns their slot views, called once after the plan's calls are queued.
 
     Returns:
         ``out`` (B, Nq, H, D), ``lse`` (B, H, Nq) float32 (float64 for float64 inputs; ``-inf``
@@ -73,7 +79,9 @@ def plan_forward(
     """
     acc = accumulator_dtype(q.dtype)
     kernel = KernelArgs(backend, scale, dropout_p)
-    if plan.groups and plan.grouped_forward:
+    grouped = bool(plan.groups and plan.grouped_forward)
+    assert extra is None or (plan.slots and not grouped)  # the ring's rule (_spanning_results)
+    if grouped:
         return grouped_forward(q, k, v, key_padding_mask, plan, kernel, out_dtype=out_dtype)
     if plan.slots:
         batch, seq_len, heads, _ = q.shape
@@ -82,7 +90,7 @@ def plan_forward(
         auxes: list[Any] = []
         slot_forward(
             q, k, v, key_padding_mask, plan.calls, plan.slots, kernel, out=out, lse=lse,
-            auxes=auxes,
+            auxes=auxes, extra=extra,
         )  # fmt: skip
         return out, lse, auxes
     if plan.one_call:
@@ -118,16 +126,18 @@ def plan_backward(
     *,
     scale: float,
     dropout_p: float = 0.0,
-    extra: ExtraGradients | None = None,
+    extra: ExtraGradients | ExtraSlotGradients | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact gradients of :func:`plan_forward`.
 
     Args:
         dout: (B, Nq, H, D) upstream gradient of ``out``.
         out: (B, Nq, H, D) merged output; ``lse``: (B, H, Nq) merged log-sum-exp.
-        extra: more gradients added before the rounding (``grouped_runs.ExtraGradients``): a
-            grouped plan calls it per batch element and group on float32 scratch of the group's
-            size, any other on float32 gradients of the whole.
+        extra: more gradients joined before the rounding: slots the sums read beside the
+            plan's own (``slots.ExtraSlotGradients``, slotted plans only), or a callback adding
+            them (``grouped_runs.ExtraGradients``), which a grouped plan calls per batch element
+            and group on float32 scratch of the group's size, any other on float32 gradients
+            of the whole.
 
     Returns:
         ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``.
@@ -145,13 +155,20 @@ def plan_backward(
             dout, q, k, v, out, lse, key_padding_mask, plan, kernel, auxes, extra=extra
         )
     acc = accumulator_dtype(q.dtype)
+    in_slots = extra if isinstance(extra, ExtraSlotGradients) else None
+    if in_slots is not None:  # read beside the plan's own slots: no float32 gradients
+        assert plan.slots  # the ring gives extra slots to slotted plans only
+        extra = None
     if plan.slots:  # float32 where extra gradients join, else the inputs' dtypes
         grads = [
             torch.empty(x.shape, dtype=acc if extra else x.dtype, device=x.device)
             for x in (q, k, v)
         ]
         saved = GradInputs(dout, q, k, v, out, row_lse(lse), key_padding_mask)
-        slot_backward(saved, plan.calls, plan.slots, kernel, iter(auxes), grads=grads)
+        views = None
+        if in_slots is not None:
+            views = functools.partial(in_slots.views, slice(None), 0, q.shape[1])
+        slot_backward(saved, plan.calls, plan.slots, kernel, iter(auxes), grads=grads, extra=views)
     elif plan.whole:
         (call,) = plan.calls
         grads = backend.backward(

@@ -7,6 +7,7 @@ Shape legend: B batch, N seq_len, H query heads, Hkv key/value heads, D head dim
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -24,7 +25,7 @@ from .slot_runs import (
     slot_backward,
     slot_forward,
 )
-from .slots import SlotBuffers
+from .slots import ExtraSlotGradients, SlotBuffers
 
 #: ``extra(dq, dk, dv, start, end, rows)``: adds more gradients (float32) into the float32
 #: ``dq`` (B', end - start, H, D), ``dk`` and ``dv`` (B', end - start, Hkv, D) of batch rows
@@ -98,17 +99,19 @@ def grouped_backward(
     kernel: KernelArgs,
     auxes: list[Any],
     *,
-    extra: ExtraGradients | None = None,
+    extra: ExtraGradients | ExtraSlotGradients | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``plan_backward`` (``executor.py``) of :func:`grouped_forward`: each group's gradients
     summed in float32 scratch (or slots) of its own size, then written once; the gradient slots
-    that span groups are filled first, whole. With ``extra``, a group's slots are summed into
-    float32 scratch of the group's size, where ``extra`` adds its gradients before the one
-    rounding."""
+    that span groups are filled first, whole. With ``extra`` gradients in slots, each group's
+    sums read their views too; with an ``extra`` callback, a group's slots are summed into
+    float32 scratch of the group's size, where it adds its gradients before the one rounding."""
     acc = accumulator_dtype(q.dtype)
     grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v)]
     saved, aux = GradInputs(dout, q, k, v, out, row_lse(lse), key_padding_mask), iter(auxes)
     slots, spanning = plan.slots, None
+    in_slots = extra if isinstance(extra, ExtraSlotGradients) else None
+    add = None if in_slots is not None else extra
     if plan.spanning:
         spanning = grad_slots(slots, q, k, v, own_slots(slots, True))
         fill_grad_slots(saved, plan.spanning, spanning, kernel, aux)
@@ -116,20 +119,23 @@ def grouped_backward(
         piece = saved.part((rows, positions))
         dests = [grad[rows, positions] for grad in grads]
         if slots:
-            parts = (
-                None
-                if spanning is None
-                else [g.views(rows, group.start, group.end) for g in spanning]
+            parts = None if spanning is None else [g.views(rows, group.start, group.end)
+                                                   for g in spanning]  # fmt: skip
+            more = None if in_slots is None else functools.partial(
+                in_slots.views, rows, group.start, group.end
             )
-            into = dests if extra is None else [torch.empty_like(d, dtype=acc) for d in dests]
-            slot_backward(piece, group.calls, slots, kernel, aux, grads=into, spanning=parts)
+            into = dests if add is None else [torch.empty_like(d, dtype=acc) for d in dests]
+            slot_backward(piece, group.calls, slots, kernel, aux, grads=into, spanning=parts,
+                          extra=more)  # fmt: skip
         else:
+            assert in_slots is None  # the ring gives extra slots to slotted plans only
             into = [torch.zeros_like(d, dtype=acc) for d in dests]
             run_backward(piece, group.calls, kernel, aux, dq=into[0], dk=into[1], dv=into[2])
-        if extra is not None:
-            extra(*into, group.start, group.end, rows)
+        if add is not None:
+            add(*into, group.start, group.end, rows)
         for dest, part in zip(dests, into, strict=True):
             if part is not dest:
                 dest.copy_(part)
     dq, dk, dv = grads
     return dq, dk, dv
+

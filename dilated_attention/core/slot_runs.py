@@ -10,7 +10,7 @@ Shape legend: B batch, N seq_len, H query heads, Hkv key/value heads, D head dim
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -137,15 +137,18 @@ def slot_forward(
     lse: torch.Tensor,
     auxes: list[Any],
     spanning: Sequence[SlotView] | None = None,
+    extra: Callable[[], Sequence[SlotView]] | None = None,
 ) -> None:
     """Run ``calls`` into slots of their own over q's positions, then merge them once into
     ``out`` (B, N, H, D) and ``lse`` (B, H, N) (Note [Branch slots merged once] in
     ``slots.py``); with ``spanning`` (a position group's part of the slots that span groups),
-    only the other slots are the calls' own, and those views join the merge."""
+    only the other slots are the calls' own, and those views join the merge; so do the views
+    ``extra`` returns (called once the calls are queued)."""
     held = None if spanning is None else own_slots(slots)
     buffers = SlotBuffers(slots, q, q.shape[1], with_lse=True, held=held, dest=out)
     fill_slots(q, k, v, key_padding_mask, calls, buffers, kernel, auxes=auxes)
-    merge_slots([*buffers.views(), *(spanning or ())], out, lse)
+    more = () if extra is None else extra()
+    merge_slots([*buffers.views(), *(spanning or ()), *more], out, lse)
 
 
 def slot_backward(
@@ -157,12 +160,16 @@ def slot_backward(
     *,
     grads: Sequence[torch.Tensor],
     spanning: Sequence[Sequence[Any]] | None = None,
+    extra: Callable[[], Sequence[Sequence[Any]]] | None = None,
 ) -> None:
     """The backward of :func:`slot_forward`: each call's gradients written into slots of three
     gradient buffers (:func:`grad_slots`), each summed (with the ``spanning`` views of that
-    gradient's slots) once into ``grads`` (dq, dk, dv, (B, N, H or Hkv, D))."""
+    gradient's slots, and those ``extra`` returns once the calls are queued) once into
+    ``grads`` (dq, dk, dv, (B, N, H or Hkv, D))."""
     held = None if spanning is None else own_slots(slots)
     buffers = grad_slots(slots, saved.q, saved.k, saved.v, held, grads)
     fill_grad_slots(saved, calls, buffers, kernel, auxes)
-    for own, extra, grad in zip(buffers, spanning or ((), (), ()), grads, strict=True):
-        own.sum_into(grad, extra)
+    more = ((), (), ()) if extra is None else extra()
+    for own, views, added, grad in zip(buffers, spanning or ((), (), ()), more, grads,
+                                       strict=True):  # fmt: skip
+        own.sum_into(grad, [*views, *added])

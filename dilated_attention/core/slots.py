@@ -246,6 +246,32 @@ class SlotBuffers:
         sum_slots([*self.views(), *extra], grad)
 
 
+@dataclass(frozen=True)
+class ExtraSlotGradients:
+    """Gradients of branches beyond a plan's own, laid out as one float32 slot of ``rate``
+    whose one segment holds all N positions of the plan (position ``(h mod r) + r * m`` of head
+    ``h`` at row ``m``): the sums read their views beside the plan's own slots, so they join
+    before the one rounding with no float32 gradients of the positions (ring dilated attention's
+    spanning branches: Note [Spanning results stay compact] in ``distributed/ring_dilated.py``).
+
+    Attributes:
+        make: returns dq, dk, dv, each (B, ceil(N / r), H, D) float32; called once, when the
+            first sum needs them.
+        rate: r; every position group's start is a multiple of it.
+    """
+
+    make: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    rate: int
+
+    def views(self, batch: slice, start: int, end: int) -> list[list[SlotView]]:
+        """Each gradient's view over positions ``[start, end)`` of batch elements ``batch``."""
+        first, count = start // self.rate, -(-(end - start) // self.rate)
+        return [
+            [SlotView(rows[batch, first : first + count], None, end - start, self.rate)]
+            for rows in self.make()
+        ]
+
+
 class KeySlots:
     """The key (or value) gradient slots of a GQA plan, by position (Note [Key slots of GQA
     plans]): slot ``i`` of the ``held`` ones is (B, N', Hkv, D) over the positions of ``like``

@@ -298,6 +298,7 @@ class DilatedRingPlan:
     call_cells: tuple[tuple[torch.Tensor, ...], ...] = ()  # per span, per call: (c * P * Hp,)
     send_cells: tuple[torch.Tensor, ...] = ()  # per span: (S,) its sent rows among kv_cells
     first_head: int = 0  # the layer head that head 0 is (Note [Heads from a later layer head])
+    span_rates: tuple[int, ...] = ()  # per span: its branch's rate
 
 
 @functools.lru_cache(maxsize=32)
@@ -327,7 +328,7 @@ def plan_ring_dilated(
     )
     return DilatedRingPlan(
         split.local, split.groups, tuple(spans), q_cells, kv_cells, call_cells,
-        tuple(send_cells), split.first_head,
+        tuple(send_cells), split.first_head, tuple(r for _, r in split.spanning),
     )  # fmt: skip
 
 

@@ -19,20 +19,23 @@ Note [Local and spanning branches]
 
 Note [Spanning results stay compact]
     Spanning branches touch few (row, head) cells of a rank: 1/r of them. Their results are kept
-    in float32 for those cells only (``core/cells.py``) and join the local branches' float32
-    running values (the fused engine's scratch, through its ``extra`` callback; the executor's
-    float32 output, gathered or in slots) before the one rounding into the inputs' dtype.
-    Backward likewise: spanning gradients, compact, are added into the local branches' float32
-    scratch, or the executor's float32 gradients: those of one position group where its plan is
-    cut (Note [Position-grouped plans] in ``core/grouped.py``, as on a GPU wherever float32
-    gradients of the whole shard would take much memory), else of the whole shard. So the
-    branches mix exactly as in ``dilated_attention``, with float32 accumulation. On the fused
-    engine no full-size float32 output or gradients exist; on the executor the whole shard's
-    float32 ``out`` does, which is why the resolve step puts kernels writing into slots first
-    only where it fits (``resolve/resolver.py``). The spanning work (exchanges, small kernels,
-    many small host-side ops) runs when the fused engine first asks for it, after it has queued
-    a head group's kernels, so the host prepares it while the GPU computes. The forward keeps the
-    gathered rows for the backward (a few rows per segment): the backward sends only gradients.
+    in float32 for those cells only (``core/cells.py``) and join the local branches' running
+    values before the one rounding into the inputs' dtype: on the fused engine its float32
+    scratch, through its ``extra`` callback; on the executor in slots, as one more slot its
+    merge (forward) and its sums (backward) read beside the local branches' own, where the cells
+    are exactly the rows of one slot (LongNet's: their smallest rate r, which every other
+    divides, the shard starting at a multiple of r in their segments; ``_span_slot_rate``), so
+    no float32 output or gradients of the shard exist; elsewhere (and for the key gradients of
+    GQA, by position) they are merged into a float32 output, and added into float32 gradients
+    of one position group where the plan is cut (Note [Position-grouped plans] in
+    ``core/grouped.py``, as on a GPU wherever float32 gradients of the whole shard would take
+    much memory), else of the whole shard. So the branches mix exactly as in
+    ``dilated_attention``, with float32 accumulation. Where the whole shard's float32 ``out``
+    may exist, the resolve step puts kernels writing into slots first only where it fits
+    (``resolve/resolver.py``). The spanning work (exchanges, small kernels, many small
+    host-side ops) runs when the engine first asks for it, after it has queued the local
+    kernels, so the host prepares it while the GPU computes. The forward keeps the gathered
+    rows for the backward (a few rows per segment): the backward sends only gradients.
 
 Shape legend: B batch, n local tokens, H query heads, Hkv key/value heads (G = H / Hkv), D head dim,
 W ranks, R gathered rows per rank for one branch.
@@ -60,6 +63,7 @@ from ..core.grouped import grouped_plan
 from ..core.hidden import hide_masked_keys
 from ..core.higher_order import ring_message
 from ..core.schedule import Schedule
+from ..core.slots import ExtraSlotGradients, SlotView
 from ..resolve import DILATED, Request, execute
 from ._comm import exchange
 from .agreement import RingArgs, RingOperation, prepare_ring
@@ -253,17 +257,21 @@ class RingDilatedRunner(FirstOrderOnly):
                 first_head=plan.first_head,
             )  # fmt: skip
         else:
+            in_slots = None
             if plan.local:
-                # float32 output where the spanning results merge in, else the engine's own
+                # the spanning results as a slot the merge reads, else merged into a float32
+                # output (the engine's own dtype without spanning branches)
                 local = local_plan(plan.local, q, k, setup, backend)
+                if merge is not None:
+                    in_slots = _spanning_results(plan, local, q, spans)
                 out, lse, auxes = plan_forward(
                     q, k, v, key_padding_mask, local, backend, scale=setup.scale,
-                    out_dtype=acc if merge else None,
+                    out_dtype=acc if merge and not in_slots else None, extra=in_slots,
                 )  # fmt: skip
             else:
                 out = torch.zeros(batch, n, heads, dim, dtype=acc, device=q.device)
                 lse = torch.full((batch, heads, n), float("-inf"), dtype=acc, device=q.device)
-            if merge is not None:
+            if merge is not None and in_slots is None:
                 merge(out, lse, 0, n, 0, heads)
             out = out.to(q.dtype)
         kept, span_auxes = spans()[2:] if plan.spans else ([], [])
@@ -303,10 +311,12 @@ class RingDilatedRunner(FirstOrderOnly):
             )  # fmt: skip
         if plan.local:
             local = local_plan(plan.local, q, k, setup, backend)
-            extra = None
+            extra: Any = None
             if add is not None:  # per position group where the plan is cut
                 local = grouped_plan(local, q, _segment_lengths(plan), True, k.shape[2])
-                extra = functools.partial(_by_rows, add, heads)
+                extra = _spanning_slots(plan, local, q, k, spans) or functools.partial(
+                    _by_rows, add, heads
+                )
             return plan_backward(
                 b.dout, q, k, v, out, lse, key_padding_mask, local, backend, auxes,
                 scale=setup.scale, extra=extra,
@@ -323,6 +333,86 @@ def _by_rows(
 ) -> None:  # fmt: skip
     """The executor's ``ExtraGradients`` of the spanning branches' ``add``: every head."""
     add(dq, dk, dv, start, end, 0, heads, rows)
+
+
+def _span_slot_rate(plan: DilatedRingPlan, local: Any, n: int, heads: int) -> int | None:
+    """The rate of the one slot that holds the spanning branches' cells (Note [Spanning results
+    stay compact]): their smallest, where the local plan runs in slots, the rates divide each
+    other, every position group of the local plan starts at a multiple of it, and the cells
+    of the ``n`` positions and ``heads`` query heads are exactly that slot's (the shard starts
+    at a multiple of it in the branches' segments, heads from the first); else None."""
+    if not local.slots or not plan.span_rates or plan.q_cells is None:
+        return None
+    rate = min(plan.span_rates)
+    if any(r % rate for r in plan.span_rates) or any(g.start % rate for g in local.groups):
+        return None
+    return rate if plan.q_cells.slot_rows(rate, heads, n) is not None else None
+
+
+def _spanning_results(
+    plan: DilatedRingPlan,
+    local: Any,
+    q: torch.Tensor,
+    spans: Callable[[], tuple[torch.Tensor, ...]],
+) -> Callable[[], list[SlotView]] | None:
+    """The spanning branches' compact results (``spans()``: out (B, M, D) and lse (B, M)
+    float32 over ``plan.q_cells``) as one slot the local plan's merge reads beside its own
+    (:func:`_span_slot_rate`), made when the merge asks; else None (they are merged into a
+    float32 output)."""
+    batch, n, heads, dim = q.shape
+    rate = _span_slot_rate(plan, local, n, heads)
+    if rate is None or (local.groups and local.grouped_forward):
+        return None
+    assert plan.q_cells is not None  # _span_slot_rate checked it
+    cells = plan.q_cells.slot_rows(rate, heads, n)
+    rows = -(-n // rate)
+
+    def views() -> list[SlotView]:
+        cell_out, cell_lse = spans()[:2]
+        out = cell_out.new_zeros(batch, rows * heads, dim)
+        out.index_copy_(1, cells, cell_out)
+        lse = cell_lse.new_full((batch, heads * rows), float("-inf"))
+        lse.index_copy_(1, cells % heads * rows + cells // heads, cell_lse)
+        return [SlotView(out.view(batch, rows, heads, dim), lse.view(batch, 1, heads, rows), n,
+                         rate)]  # fmt: skip
+
+    return views
+
+
+def _spanning_slots(
+    plan: DilatedRingPlan,
+    local: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    spans: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+) -> ExtraSlotGradients | None:
+    """The spanning branches' compact gradients (``spans()``: dq (B, M, D) over
+    ``plan.q_cells``, dk and dv (2, B, K, D) over ``plan.kv_cells``, float32) as one slot the
+    local plan's sums read beside its own (:func:`_span_slot_rate`; without GQA, where key
+    gradients share the query slots' layout); else None (they are added into float32
+    scratch)."""
+    batch, n, heads, dim = q.shape
+    rate = _span_slot_rate(plan, local, n, heads)
+    if rate is None or k.shape[2] != heads:
+        return None
+    assert plan.q_cells is not None and plan.kv_cells is not None  # a plan with spans has them
+    q_rows = plan.q_cells.slot_rows(rate, heads, n)
+    kv_rows = plan.kv_cells.slot_rows(rate, heads, n)
+    if q_rows is None or kv_rows is None:
+        return None
+
+    @functools.cache
+    def make() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cell_dq, cell_dkv = spans()
+        slots = []
+        for cell_grad, rows in ((cell_dq, q_rows), (cell_dkv[0], kv_rows), (cell_dkv[1], kv_rows)):
+            slot = cell_grad.new_zeros(batch, -(-n // rate) * heads, dim)
+            slot.index_copy_(1, rows, cell_grad)
+            slots.append(slot.view(batch, -1, heads, dim))
+        dq, dk, dv = slots
+        return dq, dk, dv
+
+    return ExtraSlotGradients(make, rate)
 
 
 def _segment_lengths(plan: DilatedRingPlan) -> tuple[int, ...]:

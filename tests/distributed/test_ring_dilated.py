@@ -202,9 +202,18 @@ def _check_slots(rank: int, world_size: int, grouped: bool = False) -> None:
     GPU, the spanning gradients added to each group's float32 scratch (no float32 gradients of
     the whole shard)."""
     writes = write_into_buffers()
-    extras: list[int] = []
+    extras: list[tuple[str, int]] = []
     if grouped:
         _cut_in_this_process(extras)
+    in_slots: list[bool] = []  # per forward with spanning branches: merged as a slot
+    real = ring_dilated_mod._spanning_results
+
+    def counted(*args: Any) -> Any:
+        views = real(*args)
+        in_slots.append(views is not None)
+        return views
+
+    ring_dilated_mod._spanning_results = counted
     for (segs, rates), causal, kv_heads in itertools.product(
         [((4, 12), (1, 2)), ((4, 12, 24), (1, 2, 4))], [False, True], [H, 2]
     ):
@@ -223,8 +232,13 @@ def _check_slots(rank: int, world_size: int, grouped: bool = False) -> None:
         grads = torch.autograd.grad(out, local, shard_sequence(dout))
         case = f"rank {rank}/{world_size} {segs} {rates} causal={causal} Hkv={kv_heads}"
         assert {"forward", "backward"} <= set(writes), (case, writes)
-        if grouped and max(segs) > N // world_size:  # a branch spans: each group got its part
-            assert len(extras) >= 2 * B, (case, extras)
+        spans = max(segs) > N // world_size
+        assert in_slots == ([True] if spans else []), (case, in_slots)  # the cells are a slot's
+        in_slots.clear()
+        if grouped and spans:  # a branch spans: each group got its part
+            # as slots the sums read without GQA (the cells are the rate-4 slot's), else added
+            kind = "slots" if kv_heads == H else "added"
+            assert len(extras) >= 2 * B and {k for k, _ in extras} == {kind}, (case, extras)
             extras.clear()
         for name, got, want in (
             ("out", out, shard_sequence(ref)), ("lse", lse, shard_sequence(ref_lse, seq_dim=2)),
@@ -235,19 +249,29 @@ def _check_slots(rank: int, world_size: int, grouped: bool = False) -> None:
                                        msg=lambda m, n=name, c=case: f"{n} {c}: {m}")  # fmt: skip
 
 
-def _cut_in_this_process(extras: list[int]) -> None:
+def _cut_in_this_process(extras: list[tuple[str, int]]) -> None:
     """Cut executor plans on the CPU into the smallest groups (``support.grouping.cut_small``,
-    in a spawned rank) and count the groups whose gradients got ``extra`` ones in ``extras``."""
+    in a spawned rank) and count in ``extras`` the groups whose gradients got ``extra`` ones:
+    ``("slots", start)`` where the sums read them as slots, ``("added", start)`` where a
+    callback added them into float32 scratch."""
     import dilated_attention.core.executor as executor
+    from dilated_attention.core.slots import ExtraSlotGradients
+
+    class Counted(ExtraSlotGradients):
+        def views(self, batch: slice, start: int, end: int) -> Any:
+            extras.append(("slots", start))
+            return super().views(batch, start, end)
 
     cut_small(None)
     real = executor.grouped_backward
 
     def counted(*args: Any, extra: Any = None, **kwargs: Any) -> Any:
         def added(*grads: Any) -> None:
-            extras.append(grads[-1].start or 0)
+            extras.append(("added", grads[-3]))
             extra(*grads)
 
+        if isinstance(extra, ExtraSlotGradients):
+            return real(*args, extra=Counted(extra.make, extra.rate), **kwargs)
         return real(*args, extra=None if extra is None else added, **kwargs)
 
     executor.grouped_backward = counted  # type: ignore[assignment]
