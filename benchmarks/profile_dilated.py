@@ -70,7 +70,7 @@ def _profile_static_step(context: int, rows: int, steps: int = 20) -> None:
     cache.allocate(token[1])
     for buffer in (cache.key, cache.value):
         buffer.normal_()
-    cache.lengths.fill_(context - 4 * steps)  # warm-up, capture and the steps stay below
+    cache.lengths.fill_(max(0, context - 4 * steps))  # warm-up, capture and the steps below it
 
     def step() -> None:
         dilated_attention(*token, SEGMENTS, RATES, is_causal=True, cache=cache)

@@ -54,6 +54,23 @@ _DEFAULT_RUNS = 16
 
 
 @triton.jit
+def _slots_read(Seg, Rate, Stride, j, hi, p, heads, head_ok):
+    """Slots ``j`` (below ``hi``) for a token at position ``p``: each slot's key position
+    ``t0 + s + r * m``, whether it is filled (at or before ``p``), and which of ``heads`` read
+    it ((G, K): ``h mod r == s``, ``head_ok``)."""
+    j_ok = j < hi
+    w = tl.load(Seg + j, mask=j_ok, other=1)
+    r = tl.load(Rate + j, mask=j_ok, other=1).to(tl.int32)
+    step = tl.load(Stride + j, mask=j_ok, other=0).to(tl.int32)
+    t0 = (p // w) * w
+    offset = (p - t0).to(tl.int32)  # < w: 32-bit from here on (64-bit modulo is slow)
+    s = offset % r
+    filled = (step <= offset - s) & j_ok
+    reads = filled[None, :] & ((heads[:, None] % r[None, :]) == s[None, :]) & head_ok[:, None]
+    return t0 + s + step, filled, reads
+
+
+@triton.jit
 def _decode_kernel(
     Q, K, V, Mask, Pos, Off, Seg, Rate, Stride, Part, PartLse,
     num_slots, ring_rows, kv_heads, group, dim, slots_per_run, scale,
@@ -91,23 +108,14 @@ def _decode_kernel(
     lo = run * slots_per_run
     hi = tl.minimum(lo + slots_per_run, num_slots)
     for start in range(lo, hi, BLOCK_K):
-        j = start + tl.arange(0, BLOCK_K)
-        j_ok = j < hi
-        w = tl.load(Seg + j, mask=j_ok, other=1)
-        r = tl.load(Rate + j, mask=j_ok, other=1).to(tl.int32)
-        step = tl.load(Stride + j, mask=j_ok, other=0).to(tl.int32)
-        t0 = (p // w) * w
-        offset = (p - t0).to(tl.int32)  # < w: 32-bit from here on (64-bit modulo is slow)
-        s = offset % r
-        filled = (step <= offset - s) & j_ok
-        reads = filled[None, :] & ((heads[:, None] % r[None, :]) == s[None, :])
-        reads = reads & head_ok[:, None]
+        first, filled, reads = _slots_read(Seg, Rate, Stride, start + tl.arange(0, BLOCK_K), hi,
+                                           p, heads, head_ok)  # fmt: skip
         # Only the rows some head of this program reads are loaded (a branch of rate r is read
         # by 1 in r heads), and a block none of them reads is skipped whole. No select here:
         # Triton 3.6 fails to lay out one mask feeding both tiles (sm90, D 128).
         loaded = tl.max(reads.to(tl.int32), 0) > 0
         if tl.max(loaded.to(tl.int32), 0) > 0:
-            row = (t0 + s + step + shift) % ring_rows
+            row = (first + shift) % ring_rows
             # Both tiles' loads are issued before either is used: twice the bytes in flight.
             k = tl.load(
                 K + b * s_kb + row[:, None] * s_kr + kvh * s_kh + d[None, :],

@@ -108,22 +108,20 @@ def _merge_splits_kernel(
     """Program (b * n + i) * H + h merges the ``splits`` partial results of one (batch b,
     position i, head h) row, ``BLOCK_S`` splits a tile: weights normalized by their own sum,
     NaN carried (Note [Merging partial softmaxes] in ``core/merge.py``)."""
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     h = row % heads
     i = (row // heads) % seq_len
-    b = (row // (heads * seq_len)).to(tl.int64)
+    b = row // (heads * seq_len)
     lse_ptr = part_lse + b * s_qb + h * s_qh + i * s_qn
-    tile = tl.arange(0, BLOCK_S)
+    tile = tl.arange(0, BLOCK_S).to(tl.int64)
     top = tl.full([], float("-inf"), tl.float32)
-    nan = tl.zeros([], tl.int32)
     for first in range(0, splits, BLOCK_S):
         split_lse = tl.load(lse_ptr + (first + tile) * s_qs, mask=first + tile < splits,
                             other=float("-inf"))  # fmt: skip
         top = tl.maximum(top, tl.max(split_lse, 0))
-        nan += tl.sum((split_lse != split_lse).to(tl.int32), 0)
-    # NaN in, NaN out: a NaN lse (a NaN query row) must not lose to the other splits' maximum;
-    # every split empty: weights 0, lse -inf.
-    top = tl.where(nan > 0, float("nan"), tl.where(top == float("-inf"), 0.0, top))
+    # Every split empty: weights 0, lse -inf. NaN in, NaN out: a NaN (or +inf) lse gives its
+    # split a NaN weight, so the total, the row and its lse are NaN whatever the maximum.
+    top = tl.where(top == float("-inf"), 0.0, top)
     cols = tl.arange(0, BLOCK_D)
     part_ptr = part + b * s_pb + i * s_pn + h * s_ph + cols[None, :]
     total = tl.zeros([], tl.float32)

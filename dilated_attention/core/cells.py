@@ -66,7 +66,6 @@ class Cells:
             self._blocks[key] = (pos, block, heads * seq_len + rows)
         return self._blocks[key]
 
-
     def slot_rows(self, rate: int, num_heads: int, seq_len: int) -> torch.Tensor | None:
         """Where the cells are exactly those of one slot of ``rate`` whose one segment holds the
         ``seq_len`` positions (position ``(h mod r) + r * m`` of every head ``h``; Note [Branch

@@ -121,8 +121,10 @@ def grouped_backward(
         if slots:
             parts = None if spanning is None else [g.views(rows, group.start, group.end)
                                                    for g in spanning]  # fmt: skip
-            more = None if in_slots is None else functools.partial(
-                in_slots.views, rows, group.start, group.end
+            more = (
+                None
+                if in_slots is None
+                else functools.partial(in_slots.views, rows, group.start, group.end)
             )
             into = dests if add is None else [torch.empty_like(d, dtype=acc) for d in dests]
             slot_backward(piece, group.calls, slots, kernel, aux, grads=into, spanning=parts,
@@ -138,4 +140,3 @@ def grouped_backward(
                 dest.copy_(part)
     dq, dk, dv = grads
     return dq, dk, dv
-

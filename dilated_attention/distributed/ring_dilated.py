@@ -23,13 +23,13 @@ Note [Spanning results stay compact]
     values before the one rounding into the inputs' dtype: on the fused engine its float32
     scratch, through its ``extra`` callback; on the executor in slots, as one more slot its
     merge (forward) and its sums (backward) read beside the local branches' own, where the cells
-    are exactly the rows of one slot (LongNet's: their smallest rate r, which every other
-    divides, the shard starting at a multiple of r in their segments; ``_span_slot_rate``), so
-    no float32 output or gradients of the shard exist; elsewhere (and for the key gradients of
-    GQA, by position) they are merged into a float32 output, and added into float32 gradients
-    of one position group where the plan is cut (Note [Position-grouped plans] in
-    ``core/grouped.py``, as on a GPU wherever float32 gradients of the whole shard would take
-    much memory), else of the whole shard. So the branches mix exactly as in
+    are exactly the rows of one slot (LongNet's: their smallest rate r, which divides every
+    other, the shard starting at a multiple of r in their segments; ``_span_slot_rate``), so
+    no float32 output or gradients of the shard exist. Elsewhere they are merged into a float32
+    output and added into float32 gradients (so are the gradients of GQA, whose key gradients
+    are by position): of one position group where the plan is cut (Note [Position-grouped
+    plans] in ``core/grouped.py``, as on a GPU wherever float32 gradients of the whole shard
+    would take much memory), else of the whole shard. So the branches mix exactly as in
     ``dilated_attention``, with float32 accumulation. Where the whole shard's float32 ``out``
     may exist, the resolve step puts kernels writing into slots first only where it fits
     (``resolve/resolver.py``). The spanning work (exchanges, small kernels, many small
@@ -337,8 +337,8 @@ def _by_rows(
 
 def _span_slot_rate(plan: DilatedRingPlan, local: Any, n: int, heads: int) -> int | None:
     """The rate of the one slot that holds the spanning branches' cells (Note [Spanning results
-    stay compact]): their smallest, where the local plan runs in slots, the rates divide each
-    other, every position group of the local plan starts at a multiple of it, and the cells
+    stay compact]): their smallest, where the local plan runs in slots, it divides every other
+    rate, every position group of the local plan starts at a multiple of it, and the cells
     of the ``n`` positions and ``heads`` query heads are exactly that slot's (the shard starts
     at a multiple of it in the branches' segments, heads from the first); else None."""
     if not local.slots or not plan.span_rates or plan.q_cells is None:

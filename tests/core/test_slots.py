@@ -604,35 +604,36 @@ def test_explain_says_whether_branches_go_into_slots() -> None:
     ], lines  # fmt: skip
 
 
-
-def _pairs(positions: int, rate: int, shift: int = 0) -> list[tuple[int, int]]:
-    """The (position, head) cells of 4 heads where position and head share their class."""
-    return [(p, h) for p in range(positions) for h in range(4) if p % rate == (h + shift) % rate]
+def _pairs(positions: int, rate: int, shift: int = 0, heads: int = 4) -> list[tuple[int, int]]:
+    """The (position, head) cells where position and head share their class."""
+    cells = itertools.product(range(positions), range(heads))
+    return [(p, h) for p, h in cells if p % rate == (h + shift) % rate]
 
 
 @pytest.mark.parametrize(
-    ("pairs", "exact"),
+    ("pairs", "heads", "exact"),
     [
-        (_pairs(12, 4), True),
-        (_pairs(13, 4), False),  # a cell at position 12, past the 12 positions
-        (_pairs(12, 4)[1:], False),  # one cell missing
-        (_pairs(12, 4, shift=1), False),  # heads from a later one
-        (_pairs(12, 2), False),  # a finer rate's cells
+        (_pairs(12, 4), 4, True),
+        (_pairs(12, 4, heads=8), 8, True),  # rows m * 8 + h: not the cells' own order
+        (_pairs(13, 4), 4, False),  # a cell at position 12, past the 12 positions
+        (_pairs(12, 4)[1:], 4, False),  # one cell missing
+        (_pairs(12, 4, shift=1), 4, False),  # heads from a later one
+        (_pairs(12, 2), 4, False),  # a finer rate's cells
     ],
-    ids=["exact", "past_the_end", "one_missing", "heads_shifted", "finer_rate"],
+    ids=["exact", "eight_heads", "past_the_end", "one_missing", "heads_shifted", "finer_rate"],
 )
 def test_cells_are_one_slot_only_where_they_are_exactly_its_rows(
-    pairs: list[tuple[int, int]], exact: bool
+    pairs: list[tuple[int, int]], heads: int, exact: bool
 ) -> None:
-    """``Cells.slot_rows``: the cells of a rate-4 class over 12 positions and 4 heads are the
-    slot's rows ``m * H + h`` (a spanning branch's compact results read as a slot); any other
-    set, however close, is not."""
+    """``Cells.slot_rows``: the cells of a rate-4 class over 12 positions are the slot's rows
+    ``m * H + h`` (a spanning branch's compact results read as a slot); any other set, however
+    close, is not."""
     from dilated_attention.core.cells import Cells
 
-    positions, heads = (torch.tensor(x) for x in zip(*pairs, strict=True))
-    cells, _ = Cells.of([positions], [heads], 4)
-    index = cells.slot_rows(4, 4, 12)
+    positions, head_of = (torch.tensor(x) for x in zip(*pairs, strict=True))
+    cells, _ = Cells.of([positions], [head_of], heads)
+    index = cells.slot_rows(4, heads, 12)
     assert (index is not None) == exact
     if exact:
-        want = torch.tensor([(p - h % 4) // 4 * 4 + h for p, h in sorted(pairs)])
+        want = torch.tensor([(p - h % 4) // 4 * heads + h for p, h in sorted(pairs)])
         assert torch.equal(index, want)

@@ -198,9 +198,10 @@ def test_ring_dilated_through_the_fused_engine(tmp_path: Path) -> None:
 def _check_slots(rank: int, world_size: int, grouped: bool = False) -> None:
     """The local branches in slots merged once, beside spanning branches (Note [Branch slots
     merged once] in ``core/slots.py``): the math backend writing into the buffers it is handed,
-    as FlashAttention-4 does. ``grouped``: the backward's plan cut into position groups as on a
-    GPU, the spanning gradients added to each group's float32 scratch (no float32 gradients of
-    the whole shard)."""
+    as FlashAttention-4 does; the spanning results and gradients read as one more slot where
+    their cells are one slot's, else merged into float32 (Note [Spanning results stay compact]
+    in ``distributed/ring_dilated.py``). ``grouped``: the backward's plan cut into position
+    groups as on a GPU (no float32 gradients of the whole shard either way)."""
     writes = write_into_buffers()
     extras: list[tuple[str, int]] = []
     if grouped:
@@ -214,8 +215,17 @@ def _check_slots(rank: int, world_size: int, grouped: bool = False) -> None:
         return views
 
     ring_dilated_mod._spanning_results = counted
-    for (segs, rates), causal, kv_heads in itertools.product(
-        [((4, 12), (1, 2)), ((4, 12, 24), (1, 2, 4))], [False, True], [H, 2]
+    # (segments, rates, whether the spanning cells are one slot's): no branch spans; one
+    # spanning rate equal to the heads; one below them (slot rows m * H + h interleave); two
+    # spanning rates that do not divide each other (merged into float32 instead)
+    schedules = [
+        ((4, 12), (1, 2), False),
+        ((4, 12, 24), (1, 2, 4), True),
+        ((4, 24), (1, 2), True),
+        ((4, 16, 24), (1, 2, 3), False),
+    ]
+    for (segs, rates, one_slot), causal, kv_heads in itertools.product(
+        schedules, [False, True], [H, 2]
     ):
         q, k, v, dout = _tensors(kv_heads)
         mask = _padding_mask()
@@ -233,12 +243,12 @@ def _check_slots(rank: int, world_size: int, grouped: bool = False) -> None:
         case = f"rank {rank}/{world_size} {segs} {rates} causal={causal} Hkv={kv_heads}"
         assert {"forward", "backward"} <= set(writes), (case, writes)
         spans = max(segs) > N // world_size
-        assert in_slots == ([True] if spans else []), (case, in_slots)  # the cells are a slot's
+        assert in_slots == ([one_slot] if spans else []), (case, in_slots)
         in_slots.clear()
         if grouped and spans:  # a branch spans: each group got its part
-            # as slots the sums read without GQA (the cells are the rate-4 slot's), else added
-            kind = "slots" if kv_heads == H else "added"
-            assert len(extras) >= 2 * B and {k for k, _ in extras} == {kind}, (case, extras)
+            # as slots the sums read (without GQA, where the cells are one slot's), else added
+            kind = "slots" if kv_heads == H and one_slot else "added"
+            assert len(extras) >= B and {k for k, _ in extras} == {kind}, (case, extras)
             extras.clear()
         for name, got, want in (
             ("out", out, shard_sequence(ref)), ("lse", lse, shard_sequence(ref_lse, seq_dim=2)),
@@ -280,9 +290,9 @@ def _cut_in_this_process(extras: list[tuple[str, int]]) -> None:
 @pytest.mark.parametrize("grouped", [False, True], ids=["whole", "grouped"])
 def test_ring_dilated_local_branches_in_slots(grouped: bool, tmp_path: Path) -> None:
     """On a kernel that writes into given buffers the local branches run in branch slots, the
-    spanning branches' results merged into them (and their gradients added) before the single
-    rounding: equal to the float64 oracle, with a key padding mask, causal and not; the
-    backward's plan whole, or cut into position groups."""
+    spanning branches' results and gradients joining them (as one more slot, or in float32)
+    before the single rounding: equal to the float64 oracle, with a key padding mask, causal
+    and not, GQA; the backward's plan whole, or cut into position groups."""
     run_world(_check_slots, 2, tmp_path, grouped, timeout_s=120)
 
 
