@@ -44,6 +44,7 @@ W ranks, R gathered rows per rank for one branch.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -369,10 +370,8 @@ def _spanning_results(
 
     def views() -> list[SlotView]:
         cell_out, cell_lse = spans()[:2]
-        out = cell_out.new_zeros(batch, rows * heads, dim)
-        out.index_copy_(1, cells, cell_out)
-        lse = cell_lse.new_full((batch, heads * rows), float("-inf"))
-        lse.index_copy_(1, cells % heads * rows + cells // heads, cell_lse)
+        out = _in_slot(cell_out, cells, rows * heads, 0.0)
+        lse = _in_slot(cell_lse, cells % heads * rows + cells // heads, heads * rows, -math.inf)
         return [SlotView(out.view(batch, rows, heads, dim), lse.view(batch, 1, heads, rows), n,
                          rate)]  # fmt: skip
 
@@ -401,18 +400,25 @@ def _spanning_slots(
     if q_rows is None or kv_rows is None:
         return None
 
+    size = -(-n // rate) * heads
+
     @functools.cache
     def make() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cell_dq, cell_dkv = spans()
-        slots = []
-        for cell_grad, rows in ((cell_dq, q_rows), (cell_dkv[0], kv_rows), (cell_dkv[1], kv_rows)):
-            slot = cell_grad.new_zeros(batch, -(-n // rate) * heads, dim)
-            slot.index_copy_(1, rows, cell_grad)
-            slots.append(slot.view(batch, -1, heads, dim))
-        dq, dk, dv = slots
+        dq, dk, dv = (
+            _in_slot(grad, rows, size, 0.0).view(batch, -1, heads, dim)
+            for grad, rows in ((cell_dq, q_rows), (cell_dkv[0], kv_rows), (cell_dkv[1], kv_rows))
+        )
         return dq, dk, dv
 
     return ExtraSlotGradients(make, rate)
+
+
+def _in_slot(values: torch.Tensor, rows: torch.Tensor, size: int, fill: float) -> torch.Tensor:
+    """Compact cell ``values`` (B, M, ...) at ``rows`` (M,) of a slot of ``size`` rows (the
+    cells' ``Cells.slot_rows``), as (B, size, ...) with ``fill`` in the other rows."""
+    slot = values.new_full((values.shape[0], size, *values.shape[2:]), fill)
+    return slot.index_copy_(1, rows, values)
 
 
 def _segment_lengths(plan: DilatedRingPlan) -> tuple[int, ...]:
