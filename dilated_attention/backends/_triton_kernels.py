@@ -142,8 +142,8 @@ class Branch:
 #     default ``~/.triton/cache``), so a later process only loads them.
 
 _POSITIONS = (
-    "out_row0", "prev_row0", "delta_row0", "grad_row0", "start", "seg_q", "seg_k", "end_q",
-    "end_k", "end", "head0",
+    "out_row0", "prev_row0", "q_row0", "delta_row0", "grad_row0", "start", "seg_q", "seg_k",
+    "end_q", "end_k", "end", "head0",
 )  # fmt: skip
 #: Strides of the (B, H, N) statistics (lse, delta) and mask: N and H * N, so their alignment
 #: class changes with the length (Note [Specialization and first calls]).
@@ -499,8 +499,8 @@ def _forward_kernel(
     stride_pb, stride_pn, stride_ph,
     stride_lb, stride_lh, stride_ln,
     stride_mb, stride_mh, stride_mn,
-    out_row0, prev_row0, start, seg_q, seg_k, end_q, end_k, rate, head0, num_heads, kv_group,
-    qk_scale, sm_scale,
+    out_row0, prev_row0, q_row0, start, seg_q, seg_k, end_q, end_k, rate, head0, num_heads,
+    kv_group, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MERGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr,
@@ -516,15 +516,18 @@ def _forward_kernel(
     )
     if pid_m * BLOCK_M >= rows_q:
         return
+    # Positions before q_row0 have no query (Note [A chunk in one fused forward]).
+    if base_q + ((pid_m + 1) * BLOCK_M - 1) * rate < q_row0:
+        return
     kvh = h // kv_group
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    row_ok = offs_m < rows_q
+    row_ok = (offs_m < rows_q) & (base_q + offs_m * rate >= q_row0)
     if DESCRIPTORS:
         q = _descriptor_rows(QDesc, b32, base_q, rate, h, pid_m * BLOCK_M, BLOCK_M, BLOCK_D)
     else:
-        q_ptr = _row0(Q, b, stride_qb, h, stride_qh, base_q, stride_qn)
+        q_ptr = _row0(Q, b, stride_qb, h, stride_qh, base_q - q_row0, stride_qn)
         q = _load_rows(q_ptr, offs_m, _step(rate, stride_qn, WIDE), row_ok, offs_d, HEAD_DIM)
     k_ptr = _row0(K, b, stride_kb, kvh, stride_kh, base_k, stride_kn)
     v_ptr = _row0(V, b, stride_vb, kvh, stride_vh, base_k, stride_vn)
@@ -554,9 +557,8 @@ def _forward_kernel(
     lse = tl.where(empty, float("-inf"), m_i * sm_scale + tl.log(l_safe))
     out_ptr = _row0(Out, b, stride_ob, h, stride_oh, base_q - out_row0, stride_on)
     out_step = _step(rate, stride_on, WIDE)
-    lse_ptrs = _row0(Lse, b, stride_lb, h, stride_lh, base_q, stride_ln) + offs_m * _step(
-        rate, stride_ln, WIDE
-    )
+    lse_row0 = _row0(Lse, b, stride_lb, h, stride_lh, base_q - q_row0, stride_ln)
+    lse_ptrs = lse_row0 + offs_m * _step(rate, stride_ln, WIDE)
     if MERGE:
         # Rows no earlier branch wrote have lse = -inf and whatever the scratch held: their
         # weight is 0 and their values never enter the sum (Note [Fused branch engine]). A NaN
@@ -868,13 +870,15 @@ def forward_branch(
     merge_from: torch.Tensor | None = None,
     merge_row0: int = 0,
     allow_descriptors: bool = True,
+    q_row0: int = 0,
 ) -> None:
     """One branch's forward, written (or with ``merge``, merged) into ``out`` and ``lse``.
 
     Args:
-        q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D); any strides with stride(-1) == 1.
+        q: (B, Nq, H, D), row ``p - q_row0`` for query position ``p``; k, v: (B, Nk, Hkv, D),
+            row ``p`` for position ``p``; any strides with stride(-1) == 1.
         out: (B, rows, H, D), row ``p - out_row0`` for query position ``p``.
-        lse: (B, H, Nq) float32, natural log.
+        lse: (B, H, Nq) float32, natural log, column ``p - q_row0``.
         key_mask: (B, Hm, Nk) bool, ``True`` = ignore, or None.
         config: tiles of the pointer-load kernel; ``descriptor_config``: tiles when the rows are
             read through tensor descriptors (``_use_descriptors``), default ``config``.
@@ -882,13 +886,16 @@ def forward_branch(
         merge_from: with ``merge``, where the running output is read (B, rows, H, D), row
             ``p - merge_row0``; default ``out`` itself. The merged rows go to ``out``.
         allow_descriptors: ``False`` reads rows through pointers even where descriptors apply.
+        q_row0: the first position with a query (Note [A chunk in one fused forward] in
+            ``core/fused.py``): the branch's rows before it are neither computed nor stored.
+            Such a launch reads rows through pointers.
     """
     batch, _, heads, dim = q.shape
     block_d = _block_d(dim)
     mask, smb, smh, smn = _mask_args(key_mask, q)
     prev, prev_row0 = (out, out_row0) if merge_from is None else (merge_from, merge_row0)
     descriptors: tuple[Any, Any, Any] = (None, None, None)
-    if allow_descriptors and _use_descriptors(q, k, v, branch.rate):
+    if allow_descriptors and q_row0 == 0 and _use_descriptors(q, k, v, branch.rate):
         if _compiling():
             # Lengths that r does not divide read through pointers: compile that variant too,
             # so a new length of the family compiles nothing (Note [Specialization and first
@@ -910,8 +917,8 @@ def forward_branch(
         *descriptors,
         *_bnh(q), *_bnh(k), *_bnh(v), *_bnh(out), *_bnh(prev),
         lse.stride(0), lse.stride(1), lse.stride(2), smb, smh, smn,
-        out_row0, prev_row0, branch.start, branch.seg_q, branch.seg_k, branch.end_q, branch.end_k,
-        branch.rate, head0, heads, heads // k.shape[2], scale * LOG2E, scale,
+        out_row0, prev_row0, q_row0, branch.start, branch.seg_q, branch.seg_k, branch.end_q,
+        branch.end_k, branch.rate, head0, heads, heads // k.shape[2], scale * LOG2E, scale,
         HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         CAUSAL=is_causal, HAS_MASK=key_mask is not None, MERGE=merge,
         DOT_PRECISION=dot_precision(q), WIDE=_wide(branch, q, k, v, out, prev),

@@ -53,13 +53,13 @@ def announcement(family: tuple[Any, ...]) -> tuple[Any, ...]:
 
     Returns:
         ``(device, dtype name, heads, head dim, key/value heads, rate-1 flags, causal, masked,
-        grad, packed)``.
+        grad, packed, chunk)``.
     """
-    device, dtype, (heads, dim), kv_heads, branches, causal, masked, grad, packed = family
+    device, dtype, (heads, dim), kv_heads, branches, causal, masked, grad, packed, chunk = family
     rate_one = tuple(r == 1 for _, r in branches)
     return (
         device, str(dtype).removeprefix("torch."), heads, dim, kv_heads, rate_one, causal, masked,
-        grad, packed,
+        grad, packed, chunk,
     )  # fmt: skip
 
 
@@ -216,7 +216,7 @@ class TritonBackend(Backend):
             return None
         self._families.add(family)
         key = announcement(family)
-        device, dtype, heads, dim, kv_heads, _, causal, masked, grad, packed = key
+        device, dtype, heads, dim, kv_heads, _, causal, masked, grad, packed, chunk = key
         _log.log(
             logging.DEBUG if key in self._announced else logging.WARNING,
             "dilated_attention: compiling the Triton kernels of a new shape family on %s "
@@ -225,7 +225,7 @@ class TritonBackend(Backend):
             "in segment lengths, as a shorter call clips them, at DEBUG), and compiled kernels "
             "are cached on disk by Triton (TRITON_CACHE_DIR)",
             device, dtype, heads, kv_heads, dim, list(family[4]), causal, masked, packed,
-            "forward and backward" if grad else "forward",
+            "a chunk's forward" if chunk else "forward and backward" if grad else "forward",
         )  # fmt: skip
         self._announced.add(key)
         return _kernels().compile_ahead()
@@ -278,6 +278,7 @@ class TritonBackend(Backend):
         head0: int = 0,
         merge_from: torch.Tensor | None = None,
         merge_row0: int = 0,
+        q_row0: int = 0,
     ) -> None:
         """See ``FusedBackend.forward_branch`` in ``core/fused.py``."""
         configs = _tiles(q)
@@ -285,7 +286,7 @@ class TritonBackend(Backend):
             q, k, v, out, lse, key_mask, _branch(span), out_row0=out_row0, scale=scale,
             is_causal=is_causal, merge=merge, config=configs["forward"],
             descriptor_config=configs.get("forward_descriptors"), head0=head0,
-            merge_from=merge_from, merge_row0=merge_row0,
+            merge_from=merge_from, merge_row0=merge_row0, q_row0=q_row0,
         )  # fmt: skip
 
     def row_delta(

@@ -124,6 +124,7 @@ class FusedBackend(KernelBackend, Protocol):
         head0: int = 0,
         merge_from: torch.Tensor | None = None,
         merge_row0: int = 0,
+        q_row0: int = 0,
     ) -> None: ...
 
     def row_delta(

@@ -52,14 +52,12 @@ Hkv key/value heads, D head dim, Hc heads of one call, Lq queries and Lk keys of
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
 from .calls import SliceCall, put_view
 from .higher_order import RowCall, flat_rows
 from .plan import Plan
-from .schedule import Schedule
 from .segment import effective_branches
 from .strided import kv_head_slice
 
@@ -319,57 +317,6 @@ def static_token_plan(
         keys = keys + row_offsets.view(-1, 1)
     branches = tuple(zip(segment_lengths, dilation_rates, strict=True))
     return Plan((DecodeTokenCall(keys % ring_rows, ignore, positions.shape[0], branches),))
-
-
-#: A chunk runs as the forward of its window where the window holds at most this many rows
-#: per query of the chunk (Note [A chunk as the forward of its window]).
-WINDOW_ROWS_PER_QUERY = 4
-
-
-def chunk_windows(
-    context: int,
-    query_len: int,
-    num_heads: int,
-    num_kv_heads: int,
-    schedule: Schedule,
-    *,
-    one: bool = False,
-) -> dict[int, Schedule]:
-    """The windows of the last ``query_len`` of ``context`` positions: per first position of a
-    window, the effective branches it runs. Each branch's window starts at the last multiple of
-    its segment length at or before the first query; with ``one``, every branch's at the last
-    multiple of them all (one forward: no merge of windows, so gradients pass).
-
-    Note [A chunk as the forward of its window]
-        Chunked prefill runs the queries at positions ``c .. N - 1`` against the keys so far.
-        Decoding rows (Note [Decoding rows]) cut that into one call per branch, segment and
-        offset class: exact work, but a hundred small calls for an 8K chunk of the LongNet
-        schedule. A branch's segments start at multiples of its length ``w``, so from
-        ``s = (c // w) * w`` position ``s + i`` of the sequence has, in that branch, the keys that
-        position ``i`` has in the sequence ``s .. N - 1`` alone: the queries' rows of the
-        branch are the last rows of the causal forward over that window, with zeros for the
-        window's earlier queries (their rows are computed and dropped). The branches that
-        share a start run as one forward (one fused launch per direction) and the windows merge
-        by log-sum-exp, as branches merge; a short branch's window is the chunk itself, a long
-        one's at most ``w - 1`` rows longer, and long branches are the cheap ones (``N w / r**2``
-        products). The windows' lse are detached, so a call that needs gradients runs one
-        window for every branch, from the last multiple of all their lengths. A segment longer
-        than its window is clipped to it there as it is in the whole sequence, whose later
-        positions do not exist yet (Note [Effective branches]). The resolver takes the windows
-        where each holds at most ``WINDOW_ROWS_PER_QUERY`` rows per query, their keys are still
-        held, and the forwards run on our fused kernels (one launch each is the gain); else
-        decoding rows.
-    """
-    layout = schedule.at(context, num_heads, num_kv_heads)
-    first, every = context - query_len, math.lcm(*layout.segment_lengths)
-    groups: dict[int, list[tuple[int, int]]] = {}
-    for w, r in zip(layout.segment_lengths, layout.dilation_rates, strict=True):
-        period = every if one else w
-        groups.setdefault(first // period * period, []).append((w, r))
-    return {
-        s: Schedule(tuple(w for w, _ in branches), tuple(r for _, r in branches))
-        for s, branches in sorted(groups.items())
-    }
 
 
 @functools.lru_cache(maxsize=64)

@@ -41,8 +41,22 @@ Note [Fused branch engine]
     Forward, the scratch rows no branch has reached yet hold whatever memory held, with
     ``lse = -inf``; the callback must give them weight zero without reading them.
 
+Note [A chunk in one fused forward]
+    Chunked prefill gives a call the queries at positions ``c .. N - 1`` and the keys so far (a
+    cache's held rows). In branch ``(w, r)`` the query at ``p`` reads the keys of its segment,
+    which starts at ``(p // w) * w``; so each branch's segments, counted from the start of the
+    first query's segment, are the branch's segments of the whole sequence, and the causal mask
+    within a segment compares rows as in the full forward. The kernels take the position of
+    the first query (``q_row0``): tiles wholly before it return at once, rows before it are
+    neither loaded nor stored, and q, out and lse hold the chunk's rows only. So a chunk is one
+    forward of the fused engine: one launch per branch, merged in place as in the whole
+    sequence's forward, reading the earlier keys where they lie, with no work or memory for the
+    positions before the chunk. Such launches read rows through pointers (the tensor
+    descriptors' boxes would start before the chunk's first row). Forward only: a chunk that
+    needs gradients runs decoding rows (Note [Decoding rows] in ``decode.py``).
+
 Shape legend: B batch, N seq_len, H query heads, Hkv key/value heads, D head dim, Nc positions in a
-group.
+group, Nq a chunk's queries.
 """
 
 from __future__ import annotations
@@ -116,16 +130,37 @@ def _group_size(
 Spans = tuple[int, int, tuple[BranchSpan, ...]]
 
 
+@dataclass(frozen=True)
+class ChunkQueries:
+    """Queries at the last positions of the keys (Note [A chunk in one fused forward]): q's row
+    0 is k's row ``first``, and k's row 0 is position ``origin`` of the sequence (a cache's
+    first held row), from which the segments of every branch are counted."""
+
+    first: int
+    origin: int
+
+    def segment_start(self, segment_len: int) -> int:
+        """The k row where the segment of the first query starts in a branch of
+        ``segment_len``."""
+        return (self.origin + self.first) // segment_len * segment_len - self.origin
+
+
 def _spans(
     seq_len: int,
     branches: tuple[tuple[int, int], ...],
     min_positions: int | None,
     documents: tuple[int, ...] | None,
     device: torch.device,
+    chunk: ChunkQueries | None = None,
 ) -> list[Spans]:
     """The position groups of a call and each branch's span over them: equal segments from
-    each group's start, or for packed documents the segments of each document's own
-    (Note [Packed documents in the fused engine])."""
+    each group's start; for packed documents the segments of each document's own (Note
+    [Packed documents in the fused engine]); for a chunk one group of its queries, each
+    branch from the start of the first query's segment (Note [A chunk in one fused
+    forward])."""
+    if chunk is not None:
+        spans = (BranchSpan(chunk.segment_start(w), seq_len, w, r) for w, r in branches)
+        return [(chunk.first, seq_len, tuple(spans))]
     if documents is None:
         segs = tuple(w for w, _ in branches)
         return [
@@ -256,11 +291,12 @@ def fused_forward(
     extra: ForwardExtra | None = None,
     documents: tuple[int, ...] | None = None,
     first_head: int = 0,
+    chunk: ChunkQueries | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every branch merged (LongNet Eq. 10), group by group (Note [Fused branch engine]).
 
     Args:
-        q: (B, N, H, D); k, v: (B, N, Hkv, D); stride(-1) == 1.
+        q: (B, Nq, H, D); k, v: (B, N, Hkv, D); stride(-1) == 1; ``Nq == N`` but for a chunk.
         key_padding_mask: (B, N) bool, ``True`` = ignore, or None.
         branches: ``(segment_len, rate)`` pairs.
         out_dtype: dtype of ``out`` (default q's; float32 where more results merge in later).
@@ -268,25 +304,30 @@ def fused_forward(
         documents: packed documents' offsets (B = 1; Note [Packed documents in the fused
             engine]), or None.
         first_head: the layer head that q's head 0 is (Note [Heads from a later layer head]).
+        chunk: queries at the last ``Nq`` of the ``N`` positions (causal, no ``extra`` or
+            ``documents``; Note [A chunk in one fused forward]), or None.
 
     Returns:
-        ``out`` (B, N, H, D) and ``lse`` (B, H, N) float32 (``-inf`` where no key).
+        ``out`` (B, Nq, H, D) and ``lse`` (B, H, Nq) float32 (``-inf`` where no key).
     """
-    batch, seq_len, heads, dim = q.shape
+    batch, rows, heads, dim = q.shape
+    first = 0 if chunk is None else chunk.first  # the position of q's row 0
+    seq_len = first + rows
     branches = _ordered(branches)
     key_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(1)
-    lse = torch.full((batch, heads, seq_len), float("-inf"), dtype=torch.float32, device=q.device)
+    lse = torch.full((batch, heads, rows), float("-inf"), dtype=torch.float32, device=q.device)
     covers_all = branches[-1][1] == 1
     out = (torch.empty if covers_all else torch.zeros)(
         q.shape, dtype=out_dtype or q.dtype, device=q.device
     )
-    options = {"scale": scale, "is_causal": is_causal}
+    options = {"scale": scale, "is_causal": is_causal, "q_row0": first}
     kv_group = heads // k.shape[2]
     allowance = scratch_allowance(q)
-    for start, end, spans in _spans(seq_len, branches, min_group_positions, documents, q.device):
+    groups_and_spans = _spans(seq_len, branches, min_group_positions, documents, q.device, chunk)
+    for start, end, spans in groups_and_spans:
         if len(branches) == 1 and extra is None:
             backend.forward_branch(
-                q, k, v, out, lse, key_mask, spans[0], out_row0=0, merge=False,
+                q, k, v, out, lse, key_mask, spans[0], out_row0=first, merge=False,
                 head0=first_head, **options,
             )  # fmt: skip
             continue
@@ -304,7 +345,7 @@ def fused_forward(
                     if extra is not None:
                         extra(acc, lse, start, end, h0, h1)
                     backend.forward_branch(
-                        *qkv, out[:, :, h0:h1], lse_heads, key_mask, span, out_row0=0,
+                        *qkv, out[:, :, h0:h1], lse_heads, key_mask, span, out_row0=first,
                         merge=True, head0=first_head + h0, merge_from=acc, merge_row0=start,
                         **options,
                     )  # fmt: skip
@@ -316,7 +357,7 @@ def fused_forward(
             if not covers_all:
                 if extra is not None:
                     extra(acc, lse, start, end, h0, h1)
-                out[:, start:end, h0:h1].copy_(acc)
+                out[:, start - first : end - first, h0:h1].copy_(acc)
             del acc
     return out, lse
 
@@ -411,6 +452,7 @@ def compile_ahead(
     scale: float,
     needs_grad: bool,
     documents: tuple[int, ...] | None = None,
+    chunk: ChunkQueries | None = None,
 ) -> None:
     """Compile every kernel a call of this shape family runs, together, before its first call.
 
@@ -429,10 +471,11 @@ def compile_ahead(
             strides are part of what the kernels specialize on).
         needs_grad: also compile the backward's kernels.
         documents: packed documents' offsets (their kernels read segment tables), or None.
+        chunk: a chunk's queries (Note [A chunk in one fused forward]), or None.
     """
     family = (
         q.device, q.dtype, q.shape[2:], k.shape[2], tuple(branches), is_causal,
-        key_padding_mask is not None, needs_grad, documents is not None,
+        key_padding_mask is not None, needs_grad, documents is not None, chunk is not None,
     )  # fmt: skip
     compiling = backend.begin_compile(family)
     if compiling is None:
@@ -440,7 +483,7 @@ def compile_ahead(
     with torch.no_grad(), compiling:
         out, lse = fused_forward(
             q, k, v, key_padding_mask, branches, backend, is_causal=is_causal, scale=scale,
-            documents=documents,
+            documents=documents, chunk=chunk,
         )  # fmt: skip
         if needs_grad:
             fused_backward(
@@ -455,7 +498,8 @@ class FusedRunner:
     :func:`fused_forward` / :func:`fused_backward` over ``branches`` ((w, r) pairs); under
     ``create_graph=True`` the recompute over the branches' row groups (Note [Double
     backward]). ``documents``: packed documents' offsets, or None; ``first_head``: the layer
-    head that q's head 0 is (Note [Heads from a later layer head])."""
+    head that q's head 0 is (Note [Heads from a later layer head]); ``chunk``: a chunk's
+    queries, forward only (Note [A chunk in one fused forward]), or None."""
 
     branches: tuple[tuple[int, int], ...]
     backend: FusedBackend
@@ -463,6 +507,7 @@ class FusedRunner:
     scale: float
     documents: tuple[int, ...] | None = None
     first_head: int = 0
+    chunk: ChunkQueries | None = None
     first_order_message = ""  # every call has its differentiable recompute
 
     def forward(self, x: Inputs) -> Forward:
@@ -470,10 +515,16 @@ class FusedRunner:
         out, lse = fused_forward(
             q, k, v, key_padding_mask, self.branches, self.backend, is_causal=self.is_causal,
             scale=self.scale, documents=self.documents, first_head=self.first_head,
+            chunk=self.chunk,
         )  # fmt: skip
         return Forward(out, lse, saved=(k, v, key_padding_mask))
 
+    def _check_backward(self) -> None:
+        if self.chunk is not None:  # the resolver runs such chunks without gradients
+            raise RuntimeError("a chunk's fused forward has no backward: run decoding rows")
+
     def backward(self, b: Backward) -> Grads:
+        self._check_backward()
         dout, q, out, lse, saved, _ = b
         k, v, key_padding_mask = saved
         return fused_backward(
@@ -483,6 +534,7 @@ class FusedRunner:
         )  # fmt: skip
 
     def differentiable_backward(self, b: Backward) -> Grads:
+        self._check_backward()
         dout, q, _, lse, saved, _ = b
         k, v, key_padding_mask = saved
         segs, rates = zip(*self.branches, strict=True)

@@ -17,10 +17,16 @@ Note [Bounded dilated cache]
     so single tokens reallocate them a logarithmic number of times, and move the held rows to
     the buffer's start (one copy) only when that leaves at least as many spare rows as held
     ones or the buffers are at their bound (then one copy per ``headroom`` tokens). A call with
-    more rows than the headroom (a prompt, a chunk) reads a concatenation made for it, and the
-    buffers are then rebuilt around the rows later tokens read. Where autograd records (grad
-    mode on), every call concatenates instead, so no tensor a backward saved is ever written in
-    place. ``nbytes`` is the buffers' size.
+    more rows than the headroom (a chunk of a prompt) is written in place too, under a bound of
+    ``2 W`` plus its rows: a buffer then has spare rows for at least the held ones plus twice
+    the chunk, so the held rows (fewer than ``W``) move once per several chunks, fewer rows
+    than the chunks write, rather than being copied for every chunk (a concatenation and a
+    rebuild were most of the GPU time of chunked prefill), and the next call under the usual
+    bound that finds the buffers full moves the rows into buffers of that bound. The first
+    call reads its own rows (nothing is held) and the buffers are then built around the rows
+    later tokens read. Where autograd records (grad mode on), every call
+    concatenates instead, so no tensor a backward saved is ever written in place. ``nbytes``
+    is the buffers' size.
 
     Buffers grow with what they hold, so a long bound costs nothing until tokens fill it. A call
     whose rows, grown into, would not fit the device's memory (the host's RAM for the CPU) is
@@ -160,10 +166,12 @@ class DilatedKVCache(LayerCache):
         held = [t for t in self._buffers if t is not None]
         return sum(t.numel() * t.element_size() for t in held)
 
-    def max_rows(self) -> int:
-        """The most rows a buffer holds: the longest segment plus ``headroom``, or
-        ``max_length`` when smaller (Note [Bounded dilated cache])."""
-        rows = max(self.segment_lengths) + self.headroom
+    def max_rows(self, new_rows: int = 0) -> int:
+        """The most rows a buffer holds while a call writes ``new_rows``: the longest segment
+        plus ``headroom``, twice it plus ``new_rows`` for a call of more rows than the headroom,
+        or ``max_length`` when smaller (Note [Bounded dilated cache])."""
+        longest = max(self.segment_lengths)
+        rows = longest + self.headroom if new_rows <= self.headroom else 2 * longest + new_rows
         return rows if self.max_length is None else min(rows, self.max_length)
 
     def check(
@@ -200,7 +208,7 @@ class DilatedKVCache(LayerCache):
         this refuses a call whose rows no memory of the device holds before the allocator is
         asked for them."""
         batch, new_rows, heads, dim = key.shape
-        rows = self._capacity(self.length - self.start + new_rows)
+        rows = self._capacity(self.length - self.start + new_rows, self.max_rows(new_rows))
         needed = rows * batch * (2 * heads * dim * key.element_size() + 1)  # keys, values, mask
         memory = device_memory(key.device)
         if memory is None or needed <= memory:
@@ -252,7 +260,7 @@ class DilatedKVCache(LayerCache):
                 key.shape[0], keys_held.shape[1], dtype=torch.bool, device=key.device
             )
         rows, start = key.shape[1], self.start
-        if torch.is_grad_enabled() or rows > self.headroom or self._buffers[0] is None:
+        if torch.is_grad_enabled() or self._buffers[0] is None:
             read = [self._joined(i, x) for i, x in enumerate(new)]
             self.length += rows
             self._keep(read)
@@ -264,10 +272,10 @@ class DilatedKVCache(LayerCache):
             self.start = keep_from
         return read[0], read[1], read[2], start
 
-    def _capacity(self, rows: int) -> int:
+    def _capacity(self, rows: int, bound: int) -> int:
         """Rows of a new buffer that must take ``rows``: twice them (at least
-        ``MIN_SPARE_ROWS`` more), at most :meth:`max_rows` (Note [Bounded dilated cache])."""
-        return max(rows, min(self.max_rows(), max(2 * rows, rows + MIN_SPARE_ROWS)))
+        ``MIN_SPARE_ROWS`` more), at most ``bound`` (Note [Bounded dilated cache])."""
+        return max(rows, min(bound, max(2 * rows, rows + MIN_SPARE_ROWS)))
 
     def _joined(self, index: int, new: torch.Tensor | None) -> torch.Tensor | None:
         """The held rows of buffer ``index`` followed by ``new``, as a new tensor (``new``
@@ -286,7 +294,7 @@ class DilatedKVCache(LayerCache):
         if torch.is_grad_enabled():
             self._buffers = [None if x is None else x[:, first:] for x in read]
         else:
-            capacity = self._capacity(kept)
+            capacity = self._capacity(kept, self.max_rows())
             self._buffers = [None if x is None else _in_buffer(x[:, first:], capacity)
                              for x in read]  # fmt: skip
         self._owned = not torch.is_grad_enabled()
@@ -298,22 +306,23 @@ class DilatedKVCache(LayerCache):
         least half held, else moving the held rows to the buffers' start when the rows after
         them are used up); the held rows and ``new`` as views."""
         rows, held = new[0].shape[1], self._hi - self._lo
-        capacity = self._buffers[0].shape[1]
+        capacity, bound = self._buffers[0].shape[1], self.max_rows(rows)
         # Buffers made under torch.inference_mode cannot be written outside it.
         frozen = self._buffers[0].is_inference() and not torch.is_inference_mode_enabled()
         full = self._hi + rows > capacity
         grow = held + rows > capacity or (
-            full and 2 * (held + rows) > capacity and capacity < self.max_rows()
+            full and 2 * (held + rows) > capacity and capacity < bound
         )
-        if not self._owned or frozen or grow:
-            size = self._capacity(held + rows)
+        if not self._owned or frozen or grow or (full and capacity > bound):
+            size = self._capacity(held + rows, bound)
             self._buffers = [None if b is None else _in_buffer(b[:, self._lo : self._hi], size)
                              for b in self._buffers]  # fmt: skip
             self._owned, self._lo, self._hi = True, 0, held
         elif full:
             for b in self._buffers:
                 if b is not None:
-                    b[:, :held] = b[:, self._lo : self._hi].clone()
+                    rows_held = b[:, self._lo : self._hi]
+                    b[:, :held] = rows_held if self._lo >= held else rows_held.clone()
             self._lo, self._hi = 0, held
         for b, x in zip(self._buffers, new, strict=True):
             if b is not None and x is not None:

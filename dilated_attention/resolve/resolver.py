@@ -57,6 +57,7 @@ from ..backends.registry import (
 from ..block_sparse import plan as block_plan
 from ..core import decode
 from ..core.documents import document_groups
+from ..core.fused import ChunkQueries
 from ..core.grouped import grouped_plan, slot_group_length
 from ..core.hidden import hide_masked_keys
 from ..core.plan import Plan
@@ -73,7 +74,6 @@ from .strategy import (
     PlanStrategy,
     StaticDecodeStrategy,
     Strategy,
-    WindowStrategy,
     rows_in_place,
 )
 
@@ -289,9 +289,9 @@ def _decode(request: Request) -> Strategy:
     if request.static:
         return _static_decode(request)
     chunk = request.query_len > 1
-    window = _chunk_window(request) if chunk else None
-    if window is not None:
-        return window
+    fused = _chunk_forward(request) if chunk else None
+    if fused is not None:
+        return fused
     shape = {"query_len": 1, "key_len": 1 if chunk else request.key_len}
     registry = registry_for(DENSE_REGISTRY)
     one_call = (
@@ -330,41 +330,38 @@ def _decode(request: Request) -> Strategy:
     )  # fmt: skip
 
 
-def _chunk_window(request: Request) -> Strategy | None:
-    """A chunk's queries as causal forwards over aligned windows, one per position where a
-    group of branches starts afresh (one window for them all when gradients are needed), where
-    each runs on our fused kernels and holds at most ``decode.WINDOW_ROWS_PER_QUERY`` rows per
-    query (Note [A chunk as the forward of its window] in ``core/decode.py``); else None."""
+def _chunk_forward(request: Request) -> Strategy | None:
+    """A chunk's queries as one forward of our fused kernels, every branch from the start of
+    the first query's segment (Note [A chunk in one fused forward] in ``core/fused.py``), where
+    the call runs without gradients, the keys of those segments are still held and the
+    automatic choice (or the kernel asked for) for a dilated call over the held keys is our
+    fused kernels; else None."""
     schedule, n = request.schedule, request.query_len
     assert schedule is not None  # _decode checked it
-    if not request.is_causal or request.dropout_p:
+    if not request.is_causal or request.dropout_p or request.requires_grad:
         return None
-    groups = decode.chunk_windows(
-        request.positions, n, request.num_heads, request.num_kv_heads, schedule,
-        one=request.requires_grad,
-    )  # fmt: skip
-    if min(groups) < request.key_start:
+    layout = schedule.at(request.positions, request.num_heads, request.num_kv_heads)
+    rows = request.positions - request.key_start  # the keys the call reads
+    chunk = ChunkQueries(rows - n, request.key_start)
+    if min(chunk.segment_start(w) for w in layout.segment_lengths) < 0:
         return None
-    windows = []
-    for start, branches in groups.items():
-        rows = request.positions - start
-        if rows > decode.WINDOW_ROWS_PER_QUERY * n:
-            return None
-        inner = _dilated(
-            replace(request, operation=DILATED, query_len=rows, key_len=rows, key_start=0,
-                    context_len=None, schedule=branches)
-        )  # fmt: skip
-        if not isinstance(inner, FusedStrategy):  # one launch per direction is what it buys
-            return None
-        windows.append((start - request.key_start, inner))
-    how = (
-        f"causal forwards over the chunk's aligned windows, its {n} queries their last rows: "
-        + "; ".join(f"{w.request.query_len} rows for {w.request.schedule}" for _, w in windows)
+    whole = replace(
+        request, operation=DILATED, query_len=rows, key_len=rows, key_start=0, context_len=None
     )
-    first = windows[0][1]
-    notes = tuple(note for _, w in windows for note in w.notes)
-    return WindowStrategy(
-        request, first.kernel, first.operation, first.inputs, how, notes, windows=tuple(windows)
+    inputs = _kernel_inputs(whole)
+    try:
+        kernel = registry_for(DILATED_REGISTRY).select(inputs, request.backend)
+    except ValueError:  # the kernel asked for runs no dilated calls: decoding rows
+        return None
+    if not kernel.runs_plan:  # only our fused kernels take queries after the first key
+        return None
+    how = (
+        f"one forward of the chunk's {n} queries over the {rows} held keys, every branch from "
+        f"the start of the first query's segment"
+    )
+    notes = fused_notes(kernel.backend.name, layout.branches)
+    return FusedStrategy(
+        request, kernel, DILATED_REGISTRY, inputs, how, notes, layout.branches, chunk=chunk
     )
 
 

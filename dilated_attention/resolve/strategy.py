@@ -21,8 +21,7 @@ from ..block_sparse.triton_autograd import TritonBlockSparseRunner, _triton_list
 from ..core.autograd import Runner, run_attention
 from ..core.decode import static_token_plan, token_slots
 from ..core.executor import PlanRunner, empty_attention
-from ..core.fused import FusedRunner, compile_ahead
-from ..core.merge import merge_partial
+from ..core.fused import ChunkQueries, FusedRunner, compile_ahead
 from ..core.plan import Plan
 from .request import Request
 
@@ -186,41 +185,6 @@ class PlanStrategy(Strategy):
 
 
 @dataclass(frozen=True)
-class WindowStrategy(Strategy):
-    """A chunk of queries at the last positions, run as causal forwards over aligned windows
-    (Note [A chunk as the forward of its window] in ``core/decode.py``): per group of branches
-    that start afresh at one position, a forward over the window from there (the chunk's
-    queries its last rows, zeros before them, whose outputs are dropped and whose gradients are
-    zero), the groups merged by log-sum-exp (Note [Merging partial softmaxes]).
-
-    Attributes:
-        windows: per group, the key rows before its window and the forward's strategy over the
-            window (queries and keys of the window's rows, the group's branches).
-    """
-
-    windows: tuple[tuple[int, Strategy], ...] = ()
-
-    def _run(self, q, k, v, key_padding_mask):  # type: ignore[no-untyped-def]
-        n, result = q.shape[1], None
-        for skip, inner in self.windows:
-            rows = inner.request.query_len
-            mask = None if key_padding_mask is None else key_padding_mask[:, skip:]
-            before = q.new_zeros(q.shape[0], rows - n, *q.shape[2:])
-            out, lse = inner.run(torch.cat([before, q], dim=1), k[:, skip:], v[:, skip:], mask)
-            part = (out[:, rows - n :], lse[..., rows - n :])
-            result = part if result is None else _merged(result, part)
-        assert result is not None  # resolve gives it a window
-        return result
-
-
-def _merged(a: Result, b: Result) -> Result:
-    """Two windows' (out (B, n, H, D), lse (B, H, n)) over disjoint branches, merged in
-    float32 (the rows' lse are detached: the resolver merges windows without gradients)."""
-    out, lse = merge_partial(a[0].float(), a[1].transpose(1, 2), b[0].float(), b[1].transpose(1, 2))
-    return out.to(a[0].dtype), lse.transpose(1, 2)
-
-
-@dataclass(frozen=True)
 class StaticDecodeStrategy(Strategy):
     """One token per batch row against a static cache's buffers (Note [A decode step with
     static shapes] in ``core/static_cache.py``), run by :meth:`run_at` with the rows' positions.
@@ -269,10 +233,13 @@ class FusedStrategy(Strategy):
         branches: the effective ``(w, r)`` pairs.
         first_head: the layer head that the call's head 0 is (Note [Heads from a later layer
             head] in ``core/schedule.py``).
+        chunk: the queries are a chunk at the last positions, run without gradients (Note [A
+            chunk in one fused forward] in ``core/fused.py``), or None.
     """
 
     branches: tuple[tuple[int, int], ...] = ()
     first_head: int = 0
+    chunk: ChunkQueries | None = None
 
     def _run(self, q, k, v, key_padding_mask):  # type: ignore[no-untyped-def]
         assert self.kernel is not None
@@ -282,11 +249,11 @@ class FusedStrategy(Strategy):
         compile_ahead(
             q, k, v, key_padding_mask, self.branches, backend,  # type: ignore[arg-type]
             is_causal=r.is_causal, scale=r.softmax_scale, needs_grad=r.requires_grad,
-            documents=r.documents,
+            documents=r.documents, chunk=self.chunk,
         )  # fmt: skip
         runner = FusedRunner(
             self.branches, backend, r.is_causal, r.softmax_scale, r.documents,  # type: ignore[arg-type]
-            self.first_head,
+            self.first_head, self.chunk,
         )  # fmt: skip
         return run_attention(q, k, v, key_padding_mask, runner)
 
