@@ -50,6 +50,7 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -801,14 +802,18 @@ def _bounds(branch: Branch, like: torch.Tensor) -> torch.Tensor:
     return like if branch.bounds is None else branch.bounds
 
 
-def _bnh(x: torch.Tensor) -> tuple[int, int, int]:
-    return x.stride(0), x.stride(1), x.stride(2)
+def _bnh(x: torch.Tensor) -> tuple[int, ...]:
+    return x.stride()[:3]
 
 
 def _wide(branch: Branch, *tensors: torch.Tensor) -> bool:
     """Whether row offsets within one segment can pass 2**31 elements (then 64-bit offsets)."""
-    longest = max(branch.seg_q, branch.seg_k)
-    return longest * max(x.stride(1) for x in tensors) >= 2**31 - 2**20
+    return _wide_rows(branch, max(x.stride(1) for x in tensors))
+
+
+def _wide_rows(branch: Branch, row_stride: int) -> bool:
+    """:func:`_wide` for the largest row stride of a launch's tensors."""
+    return max(branch.seg_q, branch.seg_k) * row_stride >= 2**31 - 2**20
 
 
 def _descriptor_view_ok(x: torch.Tensor, rate: int) -> bool:
@@ -912,16 +917,15 @@ def forward_branch(
             _row_descriptor(v, branch.rate, config.block_n, block_d),
         )
     grid = (triton.cdiv(branch.max_rows_q, config.block_m), branch.num_segments * heads, batch)
+    strides = [_bnh(x) for x in (q, k, v, out, prev)]
     _launch(
         _forward_kernel, grid, q, k, v, out, prev, lse, mask, _bounds(branch, lse),
-        *descriptors,
-        *_bnh(q), *_bnh(k), *_bnh(v), *_bnh(out), *_bnh(prev),
-        lse.stride(0), lse.stride(1), lse.stride(2), smb, smh, smn,
+        *descriptors, *itertools.chain.from_iterable(strides), *lse.stride(), smb, smh, smn,
         out_row0, prev_row0, q_row0, branch.start, branch.seg_q, branch.seg_k, branch.end_q,
         branch.end_k, branch.rate, head0, heads, heads // k.shape[2], scale * LOG2E, scale,
         HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         CAUSAL=is_causal, HAS_MASK=key_mask is not None, MERGE=merge,
-        DOT_PRECISION=dot_precision(q), WIDE=_wide(branch, q, k, v, out, prev),
+        DOT_PRECISION=dot_precision(q), WIDE=_wide_rows(branch, max(s[1] for s in strides)),
         DESCRIPTORS=descriptors[0] is not None, TABLE=branch.bounds is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

@@ -145,8 +145,13 @@ def key_splits(q: torch.Tensor, key_len: int, is_causal: bool) -> int:
 
 def _tiles(x: torch.Tensor) -> Tiles:
     """The tile table's entry for ``x``'s GPU, head dim and dtype (``_triton_tiles.py``)."""
-    capability = _kernels()._capability(x.device.index) if x.is_cuda else None
-    return tile_configs(capability, x.shape[-1], x.dtype)
+    return _tile_entry(x.device.index if x.is_cuda else None, x.shape[-1], x.dtype)
+
+
+@functools.cache  # every launch asks
+def _tile_entry(device_index: int | None, head_dim: int, dtype: torch.dtype) -> Tiles:
+    capability = None if device_index is None else _kernels()._capability(device_index)
+    return tile_configs(capability, head_dim, dtype)
 
 
 class TritonBackend(Backend):

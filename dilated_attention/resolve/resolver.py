@@ -340,10 +340,12 @@ def _chunk_forward(request: Request) -> Strategy | None:
     assert schedule is not None  # _decode checked it
     if not request.is_causal or request.dropout_p or request.requires_grad:
         return None
-    layout = schedule.at(request.positions, request.num_heads, request.num_kv_heads)
+    segs, rates = effective_branches(
+        request.positions, request.num_heads, schedule.segment_lengths, schedule.dilation_rates
+    )
     rows = request.positions - request.key_start  # the keys the call reads
     chunk = ChunkQueries(rows - n, request.key_start)
-    if min(chunk.segment_start(w) for w in layout.segment_lengths) < 0:
+    if min(chunk.segment_start(w) for w in segs) < 0:
         return None
     whole = replace(
         request, operation=DILATED, query_len=rows, key_len=rows, key_start=0, context_len=None
@@ -359,9 +361,10 @@ def _chunk_forward(request: Request) -> Strategy | None:
         f"one forward of the chunk's {n} queries over the {rows} held keys, every branch from "
         f"the start of the first query's segment"
     )
-    notes = fused_notes(kernel.backend.name, layout.branches)
+    branches = tuple(zip(segs, rates, strict=True))
+    notes = fused_notes(kernel.backend.name, branches)
     return FusedStrategy(
-        request, kernel, DILATED_REGISTRY, inputs, how, notes, layout.branches, chunk=chunk
+        request, kernel, DILATED_REGISTRY, inputs, how, notes, branches, chunk=chunk
     )
 
 
