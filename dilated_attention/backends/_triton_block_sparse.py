@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from ._triton_kernels import _block_d, dot_precision, row_delta
+from ._triton_tiles import cdiv
 
 LOG2E = 1.4426950408889634
 
@@ -338,7 +339,7 @@ def forward(
     out = torch.empty_like(q)
     lse = torch.empty(batch, heads, query_len, dtype=torch.float32, device=q.device)
     tiles = _tiles(block_size)["forward"]
-    grid = (triton.cdiv(query_len, tiles.block_m), heads, batch)
+    grid = (cdiv(query_len, tiles.block_m), heads, batch)
     _forward_kernel[grid](
         q, k, v, out, lse, lists.key_start, lists.key_blocks,
         *_strides(q, out), *_strides(k, v), lse.stride(0), lse.stride(1),
@@ -380,13 +381,13 @@ def backward(
         query_len, key_len, heads // kv_heads, scale,
     )  # fmt: skip
     config = tiles["dkdv"]
-    _dkdv_kernel[(triton.cdiv(key_len, config.block_n), kv_heads, batch)](
+    _dkdv_kernel[(cdiv(key_len, config.block_n), kv_heads, batch)](
         q, k, v, dout, lse, delta, dk, dv, lists.query_start, lists.query_blocks, *args,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
         num_stages=config.num_stages, **common,
     )  # fmt: skip
     config = tiles["dq"]
-    _dq_kernel[(triton.cdiv(query_len, config.block_m), heads, batch)](
+    _dq_kernel[(cdiv(query_len, config.block_m), heads, batch)](
         q, k, v, dout, lse, delta, dq, lists.key_start, lists.key_blocks, *args,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
         num_stages=config.num_stages, **common,

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from ._triton_merge import merge_splits
+from ._triton_tiles import cdiv, next_power_of_2
 
 _LOG2E = 1.4426950408889634
 #: The bytes of one key (or value) tile of a program's loop (its slots per block follow from the
@@ -179,12 +180,12 @@ def decode_step(
     ring_rows, kv_heads = k.shape[1], k.shape[2]
     seg, rate, stride = (x.contiguous() for x in slots[:3])
     num_slots = seg.shape[0]
-    block_d = max(16, triton.next_power_of_2(dim))
+    block_d = max(16, next_power_of_2(dim))
     block_k = _block_slots(block_d * k.element_size())
-    blocks = triton.cdiv(num_slots, block_k)
+    blocks = cdiv(num_slots, block_k)
     runs = max(1, min(_runs_wanted(q.device, batch * kv_heads), blocks))
-    per_run = triton.cdiv(blocks, runs) * block_k
-    runs = triton.cdiv(num_slots, per_run)
+    per_run = cdiv(blocks, runs) * block_k
+    runs = cdiv(num_slots, per_run)
     part = torch.empty(batch, runs, heads, dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, heads, runs, dtype=torch.float32, device=q.device)
     mask = key_padding_mask if key_padding_mask is not None else positions
@@ -200,7 +201,7 @@ def decode_step(
         mask.stride(0) if key_padding_mask is not None else 0,
         *part.stride()[:3], *part_lse.stride(),
         HAS_MASK=key_padding_mask is not None, HAS_SHIFT=row_offsets is not None,
-        BLOCK_G=max(16, triton.next_power_of_2(heads // kv_heads)), BLOCK_K=block_k,
+        BLOCK_G=max(16, next_power_of_2(heads // kv_heads)), BLOCK_K=block_k,
         BLOCK_D=block_d, DOT_PRECISION=precision, num_warps=4, num_stages=2,
     )  # fmt: skip
     out = torch.empty_like(q)
@@ -212,7 +213,7 @@ def decode_step(
 def _block_slots(row_bytes: int) -> int:
     """Slots per block of a program's loop: a key tile of at most ``_TILE_BYTES`` (rows of
     ``row_bytes``), between 16 (a dot's smallest side) and 128."""
-    return max(16, min(128, triton.next_power_of_2(_TILE_BYTES // row_bytes + 1) // 2))
+    return max(16, min(128, next_power_of_2(_TILE_BYTES // row_bytes + 1) // 2))
 
 
 @functools.lru_cache(maxsize=16)

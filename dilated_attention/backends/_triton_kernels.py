@@ -62,7 +62,7 @@ import triton.language as tl
 
 from ._compat import _release
 from ._triton_compile import Launch, compile_launches
-from ._triton_tiles import TileConfig
+from ._triton_tiles import TileConfig, cdiv, next_power_of_2
 
 try:  # Triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -105,15 +105,15 @@ class Branch:
     def num_segments(self) -> int:
         if self.bounds is not None:
             return self.bounds.numel() - 1
-        return triton.cdiv(self.end_q - self.start, self.seg_q)
+        return cdiv(self.end_q - self.start, self.seg_q)
 
     @property
     def max_rows_q(self) -> int:
-        return triton.cdiv(min(self.seg_q, self.end_q - self.start), self.rate)
+        return cdiv(min(self.seg_q, self.end_q - self.start), self.rate)
 
     @property
     def max_rows_k(self) -> int:
-        return triton.cdiv(min(self.seg_k, self.end_k - self.start), self.rate)
+        return cdiv(min(self.seg_k, self.end_k - self.start), self.rate)
 
 
 # Note [Specialization and first calls]
@@ -783,7 +783,7 @@ def dot_precision(x: torch.Tensor) -> str:
 
 
 def _block_d(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 def _mask_args(
@@ -916,7 +916,7 @@ def forward_branch(
             _row_descriptor(k, branch.rate, config.block_n, block_d),
             _row_descriptor(v, branch.rate, config.block_n, block_d),
         )
-    grid = (triton.cdiv(branch.max_rows_q, config.block_m), branch.num_segments * heads, batch)
+    grid = (cdiv(branch.max_rows_q, config.block_m), branch.num_segments * heads, batch)
     strides = [_bnh(x) for x in (q, k, v, out, prev)]
     _launch(
         _forward_kernel, grid, q, k, v, out, prev, lse, mask, _bounds(branch, lse),
@@ -936,7 +936,7 @@ def row_delta(out: torch.Tensor, dout: torch.Tensor, start: int, end: int) -> to
     batch, _, heads, dim = out.shape
     delta = torch.empty(batch, heads, end - start, dtype=torch.float32, device=out.device)
     block = 64
-    grid = (triton.cdiv(end - start, block), heads, batch)
+    grid = (cdiv(end - start, block), heads, batch)
     _launch(
         _delta_kernel, grid, out, dout, delta, *_bnh(out), *_bnh(dout), *delta.stride(), start,
         end, heads,
@@ -993,7 +993,7 @@ def backward_branch(
         "TABLE": branch.bounds is not None,
     }  # fmt: skip
     grid = (
-        triton.cdiv(branch.max_rows_k, config_dkdv.block_n),
+        cdiv(branch.max_rows_k, config_dkdv.block_n),
         branch.num_segments * kv_heads * offsets,
         batch,
     )
@@ -1003,7 +1003,7 @@ def backward_branch(
         BLOCK_M=config_dkdv.block_m, BLOCK_N=config_dkdv.block_n,
         num_warps=config_dkdv.num_warps, num_stages=config_dkdv.num_stages, **flags,
     )  # fmt: skip
-    grid = (triton.cdiv(branch.max_rows_q, config_dq.block_m), branch.num_segments * heads, batch)
+    grid = (cdiv(branch.max_rows_q, config_dq.block_m), branch.num_segments * heads, batch)
     _launch(
         _dq_kernel, grid, q, k, v, dout, lse, delta, mask, _bounds(branch, lse), dq, *common,
         *_bnh(dq), delta_row0, grad_row0, *geometry, heads, group, scale,

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ..core.slots import merge_slots_torch, sum_slots_torch
+from ._triton_tiles import cdiv, next_power_of_2
 
 _BLOCK_ROWS = 32
 
@@ -85,12 +86,12 @@ def merge_into(
     num_rows = batch * seq_len * heads
     if num_rows == 0:
         return
-    grid = (triton.cdiv(num_rows, _BLOCK_ROWS),)
+    grid = (cdiv(num_rows, _BLOCK_ROWS),)
     _merge_kernel[grid](
         out, lse, part, part_lse,
         num_rows, seq_len, heads, dim,
         *out.stride()[:3], *lse.stride(), *part.stride()[:3], *part_lse.stride(),
-        BLOCK_ROWS=_BLOCK_ROWS, BLOCK_D=triton.next_power_of_2(dim),
+        BLOCK_ROWS=_BLOCK_ROWS, BLOCK_D=next_power_of_2(dim),
     )  # fmt: skip
 
 
@@ -166,8 +167,8 @@ def merge_splits(
         part.stride(0), seq_len * part.stride(1), part.stride(1), part.stride(2),
         part_lse.stride(0), part_lse.stride(1), seq_len * part_lse.stride(2), part_lse.stride(2),
         *out.stride()[:3], *lse.stride(),
-        BLOCK_S=min(_SPLITS_TILE, max(2, triton.next_power_of_2(splits))),
-        BLOCK_D=triton.next_power_of_2(dim),
+        BLOCK_S=min(_SPLITS_TILE, max(2, next_power_of_2(splits))),
+        BLOCK_D=next_power_of_2(dim),
     )  # fmt: skip
 
 
@@ -311,9 +312,9 @@ def _fits(views: Sequence[Any], dest: torch.Tensor) -> bool:
 def _launch(views: Sequence[Any], dest: torch.Tensor) -> tuple[tuple[int, int], dict[str, Any]]:
     """The grid and the slot arguments of a slot kernel writing ``dest`` (B, N, H, D)."""
     batch, seq_len, heads, dim = dest.shape
-    block_d = triton.next_power_of_2(dim)
+    block_d = next_power_of_2(dim)
     block_cells = max(16, _SLOT_CELLS // block_d)
-    grid = (triton.cdiv(seq_len * heads, block_cells), batch)
+    grid = (cdiv(seq_len * heads, block_cells), batch)
     args = {
         "rows": tuple(v.rows for v in views), "row_b": tuple(v.rows.stride(0) for v in views),
         "SEGS": tuple(_segment_constant(v.segment_len, seq_len) for v in views),

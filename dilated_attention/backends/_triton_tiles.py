@@ -164,3 +164,14 @@ def dkdv_config(tiles: Tiles, *, is_causal: bool, rate: int) -> TileConfig:
     if rate > 1:
         return tiles.get("dkdv_strided", tiles["dkdv"])
     return tiles["dkdv"]
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host-side grids and row counts (``triton.cdiv`` is a constexpr
+    function whose host call costs microseconds per launch)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of two >= ``n`` (``n >= 1``), on the host."""
+    return 1 << max(0, n - 1).bit_length()

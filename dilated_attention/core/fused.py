@@ -270,6 +270,12 @@ def head_groups(
     return [(h0, h0 + width) for h0 in range(0, heads, width)]
 
 
+def _heads(x: torch.Tensor, dim: int, lo: int, hi: int) -> torch.Tensor:
+    """Heads [lo, hi) of ``x`` along ``dim``: ``x`` itself when that is all of them (a slice
+    per tensor and launch costs host time where chunks are host-bound)."""
+    return x if lo == 0 and hi == x.shape[dim] else x.narrow(dim, lo, hi - lo)
+
+
 def _ordered(branches: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
     """Branches with a rate-1 branch last: it covers every row, so its merge can write the
     finished rows straight into the output (Note [Fused branch engine])."""
@@ -338,14 +344,15 @@ def fused_forward(
             acc = (torch.empty if covers_all else torch.zeros)(
                 shape, dtype=torch.float32, device=q.device
             )
-            qkv = (q[:, :, h0:h1], k[:, :, kv], v[:, :, kv])
-            lse_heads = lse[:, h0:h1]
+            qkv = (_heads(q, 2, h0, h1), _heads(k, 2, kv.start, kv.stop),
+                   _heads(v, 2, kv.start, kv.stop))  # fmt: skip
+            lse_heads = _heads(lse, 1, h0, h1)
             for i, span in enumerate(spans):
                 if covers_all and i == len(branches) - 1:  # finished rows go to the output
                     if extra is not None:
                         extra(acc, lse, start, end, h0, h1)
                     backend.forward_branch(
-                        *qkv, out[:, :, h0:h1], lse_heads, key_mask, span, out_row0=first,
+                        *qkv, _heads(out, 2, h0, h1), lse_heads, key_mask, span, out_row0=first,
                         merge=True, head0=first_head + h0, merge_from=acc, merge_row0=start,
                         **options,
                     )  # fmt: skip

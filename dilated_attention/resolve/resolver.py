@@ -347,10 +347,7 @@ def _chunk_forward(request: Request) -> Strategy | None:
     chunk = ChunkQueries(rows - n, request.key_start)
     if min(chunk.segment_start(w) for w in segs) < 0:
         return None
-    whole = replace(
-        request, operation=DILATED, query_len=rows, key_len=rows, key_start=0, context_len=None
-    )
-    inputs = _kernel_inputs(whole)
+    inputs = _kernel_inputs(request, query_len=rows, key_len=rows)  # a dilated call of the keys
     try:
         kernel = registry_for(DILATED_REGISTRY).select(inputs, request.backend)
     except ValueError:  # the kernel asked for runs no dilated calls: decoding rows
@@ -535,20 +532,17 @@ def _kernel_inputs(
     """What the registries judge kernels by: ``request``'s, with a kernel call's own
     shape or flags where they differ from the request's (decoding's one-row calls, a
     chunk's square causal calls)."""
-    inputs = KernelInputs(
+    def given(value: object, default: object) -> object:
+        return default if value is None else value
+
+    return KernelInputs(
         device=request.device, dtype=request.dtype, head_dim=request.head_dim,
         num_heads=request.num_heads, num_kv_heads=request.num_kv_heads,
-        query_len=request.query_len, key_len=request.key_len, is_causal=request.is_causal,
-        has_mask=request.has_mask, dropout_p=request.dropout_p,
-        requires_grad=request.requires_grad, block_size=block_size,
+        query_len=given(query_len, request.query_len), key_len=given(key_len, request.key_len),
+        is_causal=given(is_causal, request.is_causal), has_mask=given(has_mask, request.has_mask),
+        dropout_p=request.dropout_p, requires_grad=request.requires_grad, block_size=block_size,
         branch_slots=branch_slots, documents=request.documents is not None,
     )  # fmt: skip
-    changes: dict[str, object] = {
-        "query_len": query_len, "key_len": key_len, "is_causal": is_causal,
-        "has_mask": has_mask,
-    }  # fmt: skip
-    given = {name: value for name, value in changes.items() if value is not None}
-    return replace(inputs, **given)
 
 
 def _summary(kernel: Selection, operation: str = DILATED) -> str:
