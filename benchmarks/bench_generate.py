@@ -268,7 +268,7 @@ def main() -> None:
         default=[16384, 131072, 1048576] if cuda else [16384, 131072],
     )
     parser.add_argument("--prefill-len", type=int, default=131072 if cuda else 8192)
-    parser.add_argument("--prefill-chunk", type=int, default=8192 if cuda else 1024)
+    parser.add_argument("--prefill-chunk", type=int, nargs="+", default=[8192 if cuda else 1024])
     parser.add_argument("--prompts", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=3)
@@ -295,7 +295,8 @@ def main() -> None:
         for row in rows:
             row["dilated_max_over_min"] = flat
     if "prefill" in args.parts:
-        rows.append(_shown(prefill_row(args.prefill_len, args.prefill_chunk, device, args)))
+        rows += [_shown(prefill_row(args.prefill_len, chunk, device, args))
+                 for chunk in args.prefill_chunk]  # fmt: skip
     if "generate" in args.parts:
         torch.manual_seed(0)
         model = LongNetLM(LongNetConfig.from_preset("tiny")).to(device).eval()

@@ -144,6 +144,12 @@ def run_attention(
     runner: Runner,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of ``runner`` on these inputs, differentiable through
-    :class:`AttentionFunction`: out (B, Nq, H, D), lse (B, H, Nq) detached."""
+    :class:`AttentionFunction`: out (B, Nq, H, D), lse (B, H, Nq) detached. Where autograd
+    records nothing (grad mode off, or no input needs a gradient) the runner's forward is
+    called as it is: the Function adds host time (decoding and chunks are host-bound) and
+    would keep nothing."""
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        result = runner.forward(Inputs(q, k, v, key_padding_mask))
+        return result.out, result.lse
     out, lse = AttentionFunction.apply(q, k, v, key_padding_mask, runner)
     return out, lse

@@ -270,6 +270,7 @@ def _packed(
     return PlanStrategy(request, kernel, operation, inputs, how, notes, plan=plan, what=what)
 
 
+@functools.lru_cache(maxsize=256)  # every chunk of a prompt asks again
 def fused_notes(name: str, branches: tuple[tuple[int, int], ...]) -> tuple[str, ...]:
     """One line per branch run by the plan kernel ``name`` (our fused kernels)."""
     return tuple(
