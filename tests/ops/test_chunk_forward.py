@@ -48,8 +48,15 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("needs_grad", [False, True], ids=["fused", "decoding-rows"])
-@pytest.mark.parametrize("case", list(CASES))
+# Every case as the fused chunk forward; with gradients (decoding rows, whose dense calls
+# compile their own kernels: 15-27 s a case on an H100) the nested case; the CPU tests of the
+# cache run every schedule with gradients on the math kernels (tests/ops/test_decoding.py).
+RUNS = [*((case, False) for case in CASES), ("nested", True)]
+
+
+@pytest.mark.parametrize(
+    ("case", "needs_grad"), RUNS, ids=[f"{c}-{'decoding-rows' if g else 'fused'}" for c, g in RUNS]
+)
 @pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
 def test_a_prompt_in_chunks_equals_the_full_forward(
     device: str,
