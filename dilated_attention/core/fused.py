@@ -24,7 +24,7 @@ Note [Fused branch engine]
     is never split, whatever its share of q (``scratch_allowance``): the forward's one tensor,
     or the backward's dq, dk and dv together (counted one each, 3 * 1/32 of an 80 GB GPU went
     to 1.5x q's bytes at 1M tokens, 16 heads of 128, and the peak to 1.19x the tensors every
-    implementation holds, against 1.09x with the three counted together). Both splits leave every
+    implementation holds, against 1.10x with the three counted together). Both splits leave every
     row's arithmetic as it is (programs tile rows within a segment, segments start at group
     starts), so the results do not depend on them.
 
@@ -54,9 +54,9 @@ Note [A chunk in one fused forward]
     neither loaded nor stored, and q, out and lse hold the chunk's rows only. So a chunk is one
     forward of the fused engine: one launch per branch, merged in place as in the whole
     sequence's forward, reading the earlier keys where they lie, with no work or memory for the
-    positions before the chunk. Such launches read rows through pointers (the tensor
-    descriptors' boxes would start before the chunk's first row). Forward only: a chunk that
-    needs gradients runs decoding rows (Note [Decoding rows] in ``decode.py``).
+    positions before the chunk. A launch whose first query is not its first row reads rows
+    through pointers (the tensor descriptors' boxes would start before it). Forward only: a
+    chunk that needs gradients runs decoding rows (Note [Decoding rows] in ``decode.py``).
 
 Shape legend: B batch, N seq_len, H query heads, Hkv key/value heads, D head dim, Nc positions in a
 group, Nq a chunk's queries.

@@ -18,15 +18,14 @@ Note [Bounded dilated cache]
     the buffer's start (one copy) only when that leaves at least as many spare rows as held
     ones or the buffers are at their bound (then one copy per ``headroom`` tokens). A call with
     more rows than the headroom (a chunk of a prompt) is written in place too, under a bound of
-    ``2 W`` plus its rows: a buffer then has spare rows for at least the held ones plus twice
-    the chunk, so the held rows (fewer than ``W``) move once per several chunks, fewer rows
+    ``2 W`` plus its rows: a buffer then keeps as many spare rows as it holds (up to ``W``
+    more), so the held rows (fewer than ``W``) move only once those are used up, fewer rows
     than the chunks write, rather than being copied for every chunk (a concatenation and a
-    rebuild were most of the GPU time of chunked prefill), and the next call under the usual
-    bound that finds the buffers full moves the rows into buffers of that bound. The first
-    call reads its own rows (nothing is held) and the buffers are then built around the rows
-    later tokens read. Where autograd records (grad mode on), every call
-    concatenates instead, so no tensor a backward saved is ever written in place. ``nbytes``
-    is the buffers' size.
+    rebuild were most of the GPU time of chunked prefill); the next call under the usual bound
+    that finds the buffers full moves the rows into buffers of that bound. The first call
+    reads its own rows (nothing is held) and the buffers are then built around the rows later
+    tokens read. Where autograd records (grad mode on), every call concatenates instead, so no
+    tensor a backward saved is ever written in place. ``nbytes`` is the buffers' size.
 
     Buffers grow with what they hold, so a long bound costs nothing until tokens fill it. A call
     whose rows, grown into, would not fit the device's memory (the host's RAM for the CPU) is

@@ -40,6 +40,7 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import replace
+from typing import TypeVar
 
 import torch
 
@@ -78,6 +79,8 @@ from .strategy import (
 )
 
 __all__ = ["execute", "keeps_every_pair", "resolve", "static_branches"]
+
+_T = TypeVar("_T")
 
 
 @torch.compiler.disable  # selection probes kernels and caches: run it eagerly, never traced
@@ -533,17 +536,19 @@ def _kernel_inputs(
     """What the registries judge kernels by: ``request``'s, with a kernel call's own
     shape or flags where they differ from the request's (decoding's one-row calls, a
     chunk's square causal calls)."""
-    def given(value: object, default: object) -> object:
-        return default if value is None else value
-
     return KernelInputs(
         device=request.device, dtype=request.dtype, head_dim=request.head_dim,
         num_heads=request.num_heads, num_kv_heads=request.num_kv_heads,
-        query_len=given(query_len, request.query_len), key_len=given(key_len, request.key_len),
-        is_causal=given(is_causal, request.is_causal), has_mask=given(has_mask, request.has_mask),
+        query_len=_given(query_len, request.query_len), key_len=_given(key_len, request.key_len),
+        is_causal=_given(is_causal, request.is_causal), has_mask=_given(has_mask, request.has_mask),
         dropout_p=request.dropout_p, requires_grad=request.requires_grad, block_size=block_size,
         branch_slots=branch_slots, documents=request.documents is not None,
     )  # fmt: skip
+
+
+def _given(value: _T | None, default: _T) -> _T:
+    """``value``, or ``default`` where it is None."""
+    return default if value is None else value
 
 
 def _summary(kernel: Selection, operation: str = DILATED) -> str:
