@@ -473,14 +473,20 @@ def _block_sparse_first(inputs: KernelInputs) -> list[str]:
 def _dilated_first(inputs: KernelInputs) -> list[str]:
     """The device's ``dilated_slots`` rule (``priorities.json``; sm90: FlashAttention-4) first
     for dilated calls whose branches write into slots (Note [Branch slots merged once] in
-    core/slots.py), from its ``min_query_len`` positions and up to its ``max_head_dim``, where
-    bench_dilated measured it faster than our fused Triton kernels; elsewhere the device's list,
-    where our fused kernels come first. Where FlashAttention-4 is not installed that is a reason,
-    and the fused kernels run. Masked calls keep the ``masked`` rule's kernels first."""
+    core/slots.py), from its ``min_query_len`` positions (``min_training_query_len`` for calls
+    that need gradients, where given) and up to its ``max_head_dim``, where bench_dilated
+    measured it faster than our fused Triton kernels; elsewhere the device's list, where our
+    fused kernels come first. Where FlashAttention-4 is not installed that is a reason, and the
+    fused kernels run. Masked calls keep the ``masked`` rule's kernels first."""
     if inputs.device.type != "cuda" or not inputs.branch_slots or inputs.has_mask:
         return []
     rule = _rule(_device_class(inputs.device), "dilated_slots")
-    if rule is None or inputs.query_len < rule["min_query_len"]:
+    if rule is None:
+        return []
+    least = rule["min_query_len"]
+    if inputs.requires_grad:
+        least = rule.get("min_training_query_len", least)
+    if inputs.query_len < least:
         return []
     return [] if inputs.head_dim > rule["max_head_dim"] else list(rule["names"])
 
@@ -503,9 +509,13 @@ def float32_share_beside_spanning(device: torch.device) -> float | None:
 
 
 #: Positions from which FlashAttention-4 writing into branch slots runs dilated calls on sm90
-#: ahead of our fused Triton kernels (the sm90 ``dilated_slots`` rule of ``priorities.json``).
+#: ahead of our fused Triton kernels (the sm90 ``dilated_slots`` rule of ``priorities.json``),
+#: and from which it runs those that need gradients.
 FA4_DILATED_MIN_LEN: int = _table()["cuda"]["majors"]["9"]["first"]["dilated_slots"][
     "min_query_len"
+]
+FA4_DILATED_MIN_TRAINING_LEN: int = _table()["cuda"]["majors"]["9"]["first"]["dilated_slots"][
+    "min_training_query_len"
 ]
 
 

@@ -32,7 +32,8 @@ PINNED = Path(__file__).with_name("priority_orders.json")
 DEVICES = ("cpu", "cuda:6", "cuda:7", "cuda:8", "cuda:9", "cuda:10", "cuda:12")
 DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 HEAD_DIMS = (64, 128, 256)
-LENGTHS = (262143, 262144)  # either side of the FlashAttention-4 dilated threshold
+#: Either side of the FlashAttention-4 dilated thresholds (training, then every call).
+LENGTHS = (131071, 131072, 262143, 262144)
 _PRIORITY_FLAGS = [f"dilated={d}/masked={m}" for d in (False, True) for m in (False, True)]
 
 

@@ -197,10 +197,11 @@ def test_flash_attn4_does_not_train_small_head_dims_on_sm90(
 def test_long_slotted_dilated_calls_prefer_flash_attn4_on_sm90(
     monkeypatch: pytest.MonkeyPatch, installed: bool
 ) -> None:
-    """From FA4_DILATED_MIN_LEN positions, a dilated call whose branches run in slots takes
-    FlashAttention-4 first on sm90 (measured); shorter calls, schedules without slots, head dims
-    above 128 and other architectures keep their order; without the package, the fused kernels
-    run and FlashAttention-4's reason says why."""
+    """From FA4_DILATED_MIN_LEN positions (FA4_DILATED_MIN_TRAINING_LEN for calls that need
+    gradients), a dilated call whose branches run in slots takes FlashAttention-4 first on sm90
+    (measured); shorter calls, schedules without slots, head dims above 128 and other
+    architectures keep their order; without the package, the fused kernels run and
+    FlashAttention-4's reason says why."""
     _fake_gpu(monkeypatch, (9, 0), ["flash_attn4"] if installed else [])
     long = registry.FA4_DILATED_MIN_LEN
     slotted = dict(dilated=True, branch_slots=True, query_len=long, key_len=long)
@@ -209,8 +210,14 @@ def test_long_slotted_dilated_calls_prefer_flash_attn4_on_sm90(
     assert choice.order[0] == "flash_attn4"
     if not installed:
         assert "not installed" in " ".join(choice.reasons["flash_attn4"])
+    training = registry.FA4_DILATED_MIN_TRAINING_LEN
+    assert training < long
+    for grad, n in ((True, training), (False, long)):
+        first = dict(slotted, query_len=n, key_len=n, requires_grad=grad)
+        assert choose(_gpu_inputs(**first)).order[0] == "flash_attn4", first
     for other in (
-        dict(slotted, query_len=long // 2, key_len=long // 2),
+        dict(slotted, query_len=long - 1, key_len=long - 1, requires_grad=False),
+        dict(slotted, query_len=training - 1, key_len=training - 1),
         dict(slotted, branch_slots=False),
         dict(slotted, head_dim=256, requires_grad=False),
         dict(slotted, has_mask=True),
