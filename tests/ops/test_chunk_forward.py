@@ -49,8 +49,9 @@ CASES = {
 
 
 # Every case as the fused chunk forward; with gradients (decoding rows, whose dense calls
-# compile their own kernels: 15-27 s a case on an H100) the nested case; the CPU tests of the
-# cache run every schedule with gradients on the math kernels (tests/ops/test_decoding.py).
+# compile their own kernels: 15-29 s a case on an H100 with the mask's kernels too) the nested
+# case without a mask; the CPU tests of the cache run every schedule with gradients, and masks,
+# on the math kernels (tests/ops/test_decoding.py).
 RUNS = [*((case, False) for case in CASES), ("nested", True)]
 
 
@@ -66,8 +67,8 @@ def test_a_prompt_in_chunks_equals_the_full_forward(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Every row, its lse and (with gradients) every gradient of q, k and v against the oracle,
-    GQA, two batch rows, a key padding mask; new buffers start NaN-filled, so a row the chunk
-    forward leaves unwritten shows."""
+    GQA, two batch rows, a key padding mask (without gradients); new buffers start NaN-filled,
+    so a row the chunk forward leaves unwritten shows."""
     skip_without_triton(device)
     poison_new_buffers(monkeypatch)
     runs = _chunk_runs(monkeypatch)
@@ -76,7 +77,7 @@ def test_a_prompt_in_chunks_equals_the_full_forward(
     gen = torch.Generator().manual_seed(31)
     q, k, v = (torch.randn(2, n, h, 16, generator=gen, dtype=torch.float64) for h in (6, 3, 3))
     dout = torch.randn(2, n, 6, 16, generator=gen, dtype=torch.float64)
-    mask = torch.rand(2, n, generator=gen) < 0.2
+    mask = None if needs_grad else torch.rand(2, n, generator=gen) < 0.2
     for dtype in dtypes:
         tol = TOLERANCES[dtype]
         leaves = [x.to(device=device, dtype=dtype).requires_grad_(needs_grad) for x in (q, k, v)]
@@ -85,11 +86,13 @@ def test_a_prompt_in_chunks_equals_the_full_forward(
             *rounded, segs, rates, is_causal=True, key_padding_mask=mask
         )
         cache = DilatedKVCache(segs, rates)
+        masks = [None if mask is None else mask[:, a:b].to(device)
+                 for a, b in itertools.pairwise(cuts)]  # fmt: skip
         parts = [
             dilated_attention(*(x[:, a:b] for x in leaves), segs, rates, is_causal=True,
                               cache=cache, backend="triton", return_lse=True,
-                              key_padding_mask=mask[:, a:b].to(device))
-            for a, b in itertools.pairwise(cuts)
+                              key_padding_mask=part_mask)
+            for (a, b), part_mask in zip(itertools.pairwise(cuts), masks, strict=True)
         ]  # fmt: skip
         out, lse = torch.cat([o for o, _ in parts], dim=1), torch.cat([s for _, s in parts], 2)
         torch.testing.assert_close(out.double().cpu(), want.detach(), atol=tol.atol, rtol=tol.rtol)
