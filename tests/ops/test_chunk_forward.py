@@ -73,6 +73,8 @@ def test_a_prompt_in_chunks_equals_the_full_forward(
     poison_new_buffers(monkeypatch)
     runs = _chunk_runs(monkeypatch)
     segs, rates, cuts = CASES[case]
+    if needs_grad:  # the prompt, an aligned chunk, one from mid-segment (each call compiles)
+        cuts = cuts[:4]
     n = cuts[-1]
     gen = torch.Generator().manual_seed(31)
     q, k, v = (torch.randn(2, n, h, 16, generator=gen, dtype=torch.float64) for h in (6, 3, 3))
