@@ -432,8 +432,8 @@ def fused_backward(
             dk_acc = new(batch, rows, kv.stop - kv.start, dim, **acc)
             dv_acc = new(batch, rows, kv.stop - kv.start, dim, **acc)
             inputs = (
-                dout[:, :, h0:h1], q[:, :, h0:h1], k[:, :, kv], v[:, :, kv], lse[:, h0:h1],
-                delta[:, h0:h1],
+                _heads(dout, 2, h0, h1), _heads(q, 2, h0, h1), _heads(k, 2, kv.start, kv.stop),
+                _heads(v, 2, kv.start, kv.stop), _heads(lse, 1, h0, h1), _heads(delta, 1, h0, h1),
             )  # fmt: skip
             for i, span in enumerate(spans):
                 backend.backward_branch(
