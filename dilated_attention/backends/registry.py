@@ -511,12 +511,9 @@ def float32_share_beside_spanning(device: torch.device) -> float | None:
 #: Positions from which FlashAttention-4 writing into branch slots runs dilated calls on sm90
 #: ahead of our fused Triton kernels (the sm90 ``dilated_slots`` rule of ``priorities.json``),
 #: and from which it runs those that need gradients.
-FA4_DILATED_MIN_LEN: int = _table()["cuda"]["majors"]["9"]["first"]["dilated_slots"][
-    "min_query_len"
-]
-FA4_DILATED_MIN_TRAINING_LEN: int = _table()["cuda"]["majors"]["9"]["first"]["dilated_slots"][
-    "min_training_query_len"
-]
+_SM90_DILATED_SLOTS = _table()["cuda"]["majors"]["9"]["first"]["dilated_slots"]
+FA4_DILATED_MIN_LEN: int = _SM90_DILATED_SLOTS["min_query_len"]
+FA4_DILATED_MIN_TRAINING_LEN: int = _SM90_DILATED_SLOTS["min_training_query_len"]
 
 
 _REGISTRIES = {
