@@ -13,20 +13,20 @@ Note [Fused branch engine]
     straight into the output (in the output's dtype: no cast pass); the scratch rows it reads
     that no earlier branch wrote have ``lse = -inf``, weight zero, and are never summed, so the
     scratch needs no zeroing. Without a rate-1 branch the scratch starts at zero and is cast into
-    the output at the end. When the segments are as long as the sequence, one group is the whole
-    sequence; then the heads are split too (``head_groups``: whole key/value head groups, each
+    the output at the end. Where a group is long against the sequence (segments as long as the
+    sequence make one group of it all; LongNet's 32K segments make two of 64K tokens), the heads
+    are split too (``head_groups``: whole key/value head groups, each
     launch told which layer head it starts at, so offsets stay ``h mod r``) until the scratch of
-    one (position group, head group) is at most 1/SCRATCH_FRACTION of q's elements. The scratch
-    stays a small fraction of q at any length. Splitting has a price where the launches are
-    small: every head group launches every branch again, and at a few hundred thousand tokens
-    those launches (a high-rate branch over two heads is a few dozen programs) cost more host
-    time than GPU time. So scratch that fits in 1/DEVICE_SCRATCH_FRACTION of the GPU's memory
-    is never split, whatever its share of q (``scratch_allowance``): the forward's one tensor,
-    or the backward's dq, dk and dv together (counted one each, 3 * 1/32 of an 80 GB GPU went
-    to 1.5x q's bytes at 1M tokens, 16 heads of 128, and the peak to 1.19x the tensors every
-    implementation holds, against 1.10x with the three counted together). Both splits leave every
-    row's arithmetic as it is (programs tile rows within a segment, segments start at group
-    starts), so the results do not depend on them.
+    one (position group, head group) is at most 1/SCRATCH_FRACTION of q's elements: in float32 a
+    quarter of q's bytes, so a forward holds about 1.06x the four tensors every implementation
+    holds (q, k, v, out) and a backward, with its dq, dk and dv scratch, about 1.10x the eight
+    (with their gradients and dout), at any length and with GQA. Splitting has a price where the
+    launches are small: every head group launches every branch again, and each launch costs
+    host time. So one scratch tensor may always hold MIN_SCRATCH_HEADS heads of
+    MIN_GROUP_POSITIONS rows (enough programs for every branch to fill a GPU; at 64K tokens of
+    16 heads that is the fraction itself): below that the scratch is a larger share of a small q.
+    Both splits leave every row's arithmetic as it is (programs tile rows within a segment,
+    segments start at group starts), so the results do not depend on them.
 
     Backward, the order is reversed: a rate-1 branch runs first and writes (rather than adds)
     every row of the float32 dq, dk, dv scratch, the other branches add into it, and the scratch
@@ -84,11 +84,10 @@ MIN_GROUP_POSITIONS = 32768
 #: ... and at most 1/GROUPS_PER_SEQUENCE of the sequence beyond that (scratch <= q / 8 in bf16).
 GROUPS_PER_SEQUENCE = 16
 #: Heads are split until one scratch tensor holds at most 1/SCRATCH_FRACTION of q's elements (or
-#: one key/value head group, or MIN_GROUP_POSITIONS rows of every head, whichever is more) ...
+#: one key/value head group, or MIN_SCRATCH_HEADS heads of MIN_GROUP_POSITIONS rows, whichever is
+#: more: Note [Fused branch engine]).
 SCRATCH_FRACTION = 8
-#: ... unless one scratch tensor of all the heads fits in 1/DEVICE_SCRATCH_FRACTION of the GPU's
-#: memory (Note [Fused branch engine]).
-DEVICE_SCRATCH_FRACTION = 32
+MIN_SCRATCH_HEADS = 4
 
 
 #: ``extra`` of :func:`fused_forward`: ``(scratch, lse, start, end, h0, h1)``, scratch
@@ -237,34 +236,22 @@ def _packed_spans(
     return spans
 
 
-def scratch_allowance(like: torch.Tensor) -> int:
-    """How many (position, head) cells of float32 scratch shaped like ``like`` (B, N, H, D) fit
-    in 1/DEVICE_SCRATCH_FRACTION of its GPU's memory; 0 off the GPU."""
-    if like.device.type != "cuda":
-        return 0
-    batch, _, _, dim = like.shape
-    total = torch.cuda.get_device_properties(like.device).total_memory
-    return total // (DEVICE_SCRATCH_FRACTION * 4 * max(1, batch * dim))
-
-
 def head_groups(
     heads: int,
     kv_group: int,
     rows: int,
     seq_len: int,
     min_positions: int | None = None,
-    allowance: int = 0,
 ) -> list[tuple[int, int]]:
     """Consecutive ``[h0, h1)`` head ranges for one position group of ``rows`` positions.
 
     Each range holds whole key/value head groups (``kv_group`` query heads each) and all ranges
     are equal; the widest split whose ``rows * (h1 - h0)`` is at most
-    ``max(seq_len / SCRATCH_FRACTION, min_positions) * heads`` or ``allowance`` (from
-    :func:`scratch_allowance`), whichever is more (Note [Fused branch engine]), or one key/value
-    head group where even that is more.
+    ``max(seq_len * heads / SCRATCH_FRACTION, min_positions * MIN_SCRATCH_HEADS)`` (Note [Fused
+    branch engine]), or one key/value head group where even that is more.
     """
     floor = MIN_GROUP_POSITIONS if min_positions is None else min_positions
-    budget = max(seq_len // SCRATCH_FRACTION * heads, floor * heads, allowance)
+    budget = max(seq_len * heads // SCRATCH_FRACTION, floor * MIN_SCRATCH_HEADS)
     kv_heads = heads // kv_group
     per = kv_heads
     while per > 1 and (rows * per * kv_group > budget or kv_heads % per):
@@ -331,7 +318,6 @@ def fused_forward(
     )
     options = {"scale": scale, "is_causal": is_causal, "q_row0": first}
     kv_group = heads // k.shape[2]
-    allowance = scratch_allowance(q)
     groups_and_spans = _spans(seq_len, branches, min_group_positions, documents, q.device, chunk)
     for start, end, spans in groups_and_spans:
         if len(branches) == 1 and extra is None:
@@ -340,7 +326,7 @@ def fused_forward(
                 head0=first_head, **options,
             )  # fmt: skip
             continue
-        groups = head_groups(heads, kv_group, end - start, seq_len, min_group_positions, allowance)
+        groups = head_groups(heads, kv_group, end - start, seq_len, min_group_positions)
         for h0, h1 in groups:
             kv = slice(h0 // kv_group, h1 // kv_group)
             shape = (batch, end - start, h1 - h0, dim)
@@ -413,8 +399,6 @@ def fused_backward(
     dq, dk, dv = (alloc(x, dtype=grad_dtype or x.dtype) for x in (q, k, v))
     options = {"scale": scale, "is_causal": is_causal}
     kv_group = heads // kv_heads
-    # dq, dk and dv share the allowance: (G + 2) / G cells of scratch per query head's cell
-    allowance = scratch_allowance(q) * kv_group // (kv_group + 2)
     for start, end, spans in _spans(seq_len, branches, min_group_positions, documents, q.device):
         delta = backend.row_delta(out, dout, start, end)
         if single:
@@ -426,7 +410,7 @@ def fused_backward(
         rows = end - start
         new = torch.empty if covers_all else torch.zeros
         acc = {"dtype": torch.float32, "device": q.device}
-        for h0, h1 in head_groups(heads, kv_group, rows, seq_len, min_group_positions, allowance):
+        for h0, h1 in head_groups(heads, kv_group, rows, seq_len, min_group_positions):
             kv = slice(h0 // kv_group, h1 // kv_group)
             dq_acc = new(batch, rows, h1 - h0, dim, **acc)
             dk_acc = new(batch, rows, kv.stop - kv.start, dim, **acc)

@@ -13,15 +13,18 @@ Note [Position-grouped plans]
     written. No row's arithmetic changes: a row meets the same calls in the same order. Each batch
     element runs on its own, so the calls' rows stay views (a slice of positions with its batch
     and segment dimensions merged would be a copy). The plan is cut only on a GPU, and only where
-    the whole float32 scratch would not fit in 1/DEVICE_SCRATCH_FRACTION of its memory
-    (``scratch_allowance``): below that the extra launches cost more than the memory is worth.
+    its whole scratch is more than one group of the fused engine may hold (MIN_SCRATCH_HEADS
+    heads of MIN_GROUP_POSITIONS rows): the bound is a share of q, not of the GPU's memory, so
+    the peak stays near the tensors every implementation holds at every length.
 
     Every cut call is a kernel launch with its host work (FlashAttention-4's Python interface
     costs about half a millisecond a call), so the cuts follow the memory: a call that will be
     differentiated runs its forward whole, whose 2x-output scratch stays below what the backward
     needs anyway (q, k, v, out, dout and three gradients), and only the backward in small groups
     (the fused engine's: 6 float32 units of scratch over 16 groups, 1.05x in all at 1M tokens); a
-    call without gradients runs the forward in the fewest groups whose scratch fits the allowance.
+    call without gradients runs the forward in groups whose scratch is what the fused engine's
+    forward holds (2 / SCRATCH_FRACTION units of q: float32 accumulators of an eighth of the
+    positions, or a slotted plan's slots in :func:`forward_slot_groups` groups).
     A grouped backward after a whole forward needs the calls' kernel ``aux`` values to be None
     (they are for kernels without dropout); otherwise the backward runs whole too.
 
@@ -78,8 +81,8 @@ def grouped_plan(
     needs_grad: bool,
     kv_heads: int | None = None,
 ) -> Plan:
-    """``plan`` with its calls cut into position groups where that bounds the float32 scratch
-    (Note [Position-grouped plans]), else ``plan`` itself.
+    """``plan`` with its calls cut into position groups where that bounds the scratch to a share
+    of q (Note [Position-grouped plans]), else ``plan`` itself.
 
     Args:
         plan: a dilated plan over ``like``'s positions.
@@ -94,15 +97,14 @@ def grouped_plan(
     if not all(hasattr(call, "within") for call in plan.calls):
         return plan
     batch, seq_len, heads, _ = like.shape
-    allowance = fused.scratch_allowance(like)
-    if seq_len * heads <= allowance:
-        return plan
-    # Without gradients: groups as long as the scratch allows (fewer launches); with them: the
-    # fused engine's groups (at most 1/GROUPS_PER_SEQUENCE of the sequence) for the backward.
-    longest = None if needs_grad else max(1, allowance // heads)
+    if seq_len * heads <= fused.MIN_GROUP_POSITIONS * fused.MIN_SCRATCH_HEADS:
+        return plan  # the scratch of the whole plan is as small as one group's may be
     if plan.slots:
         group_size = heads // (kv_heads or heads)
-        return _slot_groups(plan, seq_len, batch, longest, needs_grad, group_size)
+        return _slot_groups(plan, seq_len, batch, needs_grad, group_size)
+    # Without gradients: float32 accumulators of at most 1/SCRATCH_FRACTION of the positions;
+    # with them: the fused engine's groups (1/GROUPS_PER_SEQUENCE of the sequence) backward.
+    longest = None if needs_grad else max(1, seq_len // fused.SCRATCH_FRACTION)
     groups = tuple(fused.position_groups(seq_len, segment_lengths, longest))
     if len(groups) == 1 and batch == 1:
         return plan
@@ -127,46 +129,66 @@ def slot_group_length(slots: tuple[Slot, ...], seq_len: int, target: int) -> int
     return None
 
 
-#: The most kernel calls a slotted plan's grouped backward makes per batch element (its groups
+#: The most kernel calls a slotted plan's grouped pass makes per batch element (its groups
 #: times the calls of its first group; each batch element runs the groups on its own, with the
 #: same work per call, so the host's share of the time does not depend on the batch):
 #: FlashAttention-4's Python interface costs about half a millisecond a call, so beyond
 #: this the host, not the GPU, sets the pace. On an H100 at 1M tokens (bf16, H = 16): LongNet's
 #: schedule made 16 groups x 10 calls, whose causal D = 64 step took 99 ms of host time for 96 ms
 #: of kernels (106 ms in all); in 8 groups (:func:`backward_slot_groups`) 51 ms and 94 ms
-#: (``profile_dilated.py --host``); the paper's (r = 6 and 12 over 16 heads: 15 calls a group)
-#: made 16 x 15 = 240 and took 169 ms at D = 64 with causality, slower than the fused Triton
-#: kernels (139 ms); in 8 groups (120 calls) 109 ms, at 1.14x instead of 1.08x the unavoidable
-#: memory (``dilated_paper_h100``).
-MAX_GROUPED_CALLS = 160
+#: (``profile_dilated.py --host``). With 4 key/value heads a group makes 15 calls, and its key
+#: gradient slots (a key/value head's rows per branch) need 16 groups to stay within the
+#: fused engine's scratch (1.17x the unavoidable bytes at 1M tokens in 8 groups): 240 calls.
+MAX_GROUPED_CALLS = 240
+
+#: A slotted plan's group holds at least this many positions: fewer than the fused engine's
+#: (``fused.MIN_GROUP_POSITIONS``), whose launches cover a group's rows of every branch at once,
+#: since its calls fill a GPU by themselves (a rate-1 call over 8K positions of 16 heads is
+#: 1,024 tiles of 128 rows) and a GQA backward at 256K tokens needs 16 groups.
+MIN_SLOT_GROUP_POSITIONS = 8192
+
+
+def slot_share(slots: tuple[Slot, ...]) -> float:
+    """A slotted plan's query slots in units of q (a unit being q's size in its own dtype): a
+    slot of rate ``r`` takes ``1 / r``, a rate-1 slot none (Note [A rate-1 slot is its
+    destination] in ``slots.py``)."""
+    return sum(1 / s.rate for s in slots) - (1 if any(s.rate == 1 for s in slots) else 0)
+
+
+def _power_of_two_at_least(ratio: float) -> int:
+    return 1 << max(0, math.ceil(math.log2(ratio))) if ratio > 1 else 1
+
+
+def forward_slot_groups(slots: tuple[Slot, ...]) -> int:
+    """How many position groups a slotted plan's forward without gradients needs for its slots
+    to take at most what the fused engine's float32 scratch takes (2 / SCRATCH_FRACTION units of
+    q, Note [Fused branch engine] in ``fused.py``): the next power of two."""
+    return _power_of_two_at_least(slot_share(slots) * fused.SCRATCH_FRACTION / 2)
 
 
 def backward_slot_groups(slots: tuple[Slot, ...], group_size: int) -> int:
     """How many position groups a slotted plan's backward needs for its gradient slots to take
     at most what the fused engine's float32 dq, dk and dv take in ``GROUPS_PER_SEQUENCE`` groups
-    (6 / GROUPS_PER_SEQUENCE units of q, a unit being q's size in its own dtype): the next power
-    of two (Note [Position-grouped plans]). A slot of rate ``r`` takes ``1 / r`` units of its
-    gradient, a rate-1 query slot none (Note [A rate-1 slot is its destination] in
-    ``slots.py``), a GQA key slot ``1 / group_size``."""
-    query = sum(1 / s.rate for s in slots) - (1 if any(s.rate == 1 for s in slots) else 0)
+    (6 / GROUPS_PER_SEQUENCE units of q): the next power of two (Note [Position-grouped plans]).
+    Query slots count as in :func:`slot_share`, a GQA key slot ``1 / group_size``."""
+    query = slot_share(slots)
     key = query if group_size == 1 else len(slots) / group_size
-    ratio = (query + 2 * key) * fused.GROUPS_PER_SEQUENCE / 6
-    return 1 << max(0, math.ceil(math.log2(ratio))) if ratio > 1 else 1
+    return _power_of_two_at_least((query + 2 * key) * fused.GROUPS_PER_SEQUENCE / 6)
 
 
 def _slot_groups(
-    plan: Plan, seq_len: int, batch: int, longest: int | None, needs_grad: bool,
-    group_size: int,
+    plan: Plan, seq_len: int, batch: int, needs_grad: bool, group_size: int
 ) -> Plan:  # fmt: skip
-    """``plan`` (slotted) cut into groups of :func:`slot_group_length` (for a backward, as many as
-    :func:`backward_slot_groups`), fewer (longer) where a group's calls times the groups would
-    exceed :data:`MAX_GROUPED_CALLS`; the calls of slots whose segments are longer than a group
-    run whole (``Plan.spanning``)."""
-    floor = fused.MIN_GROUP_POSITIONS if longest is None else longest
-    groups = fused.GROUPS_PER_SEQUENCE
-    if longest is None:
+    """``plan`` (slotted) cut into groups of :func:`slot_group_length`, as many as
+    :func:`backward_slot_groups` (with gradients) or :func:`forward_slot_groups` (without),
+    fewer (longer) where a group's calls times the groups would exceed
+    :data:`MAX_GROUPED_CALLS`; the calls of slots whose segments are longer than a group run
+    whole (``Plan.spanning``)."""
+    if needs_grad:
         groups = backward_slot_groups(plan.slots, group_size)
-    target = max(floor, -(-seq_len // groups))
+    else:
+        groups = forward_slot_groups(plan.slots)
+    target = max(MIN_SLOT_GROUP_POSITIONS, -(-seq_len // groups))
     size = slot_group_length(plan.slots, seq_len, target)
     while size is not None:  # longer groups while there are too many calls (and they exist)
         calls = sum(c.within(0, size) is not None for c in _grouped_calls(plan, size))  # type: ignore[attr-defined]

@@ -92,49 +92,36 @@ def test_position_groups_tile_the_sequence_on_common_boundaries(
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_group", "rows", "seq_len", "min_positions", "allowance"),
+    ("heads", "kv_group", "rows", "seq_len", "min_positions"),
     [
-        (16, 1, 1 << 20, 1 << 20, None, 0),  # one group of the whole sequence: 1/8 of the heads
-        (16, 1, 65536, 1 << 20, None, 0),  # an ordinary position group: every head at once
-        (32, 4, 4 << 20, 4 << 20, None, 0),  # GQA: whole kv head groups (4 query heads each)
-        (6, 3, 1000, 1000, 1, 0),  # even one kv head group is over budget: one kv head group
-        (12, 1, 120, 120, 1, 0),  # budget max(15, 1) * 12 = 180 < 120 * 2: one head at a time
-        (8, 2, 100, 400, 1, 0),
-        # Device memory allows more than 1/8 of q: fewer, wider groups, or none at all.
-        (16, 1, 1 << 18, 1 << 18, None, 16 << 18),
-        (16, 1, 1 << 18, 1 << 18, None, 8 << 18),
-        (16, 2, 1 << 18, 1 << 18, None, (8 << 18) - 1),  # just short of 8 heads: 4 at a time
-        (16, 1, 1 << 20, 1 << 20, None, 1 << 20),  # less than the fraction allows: no effect
+        (16, 1, 1 << 20, 1 << 20, None),  # one group of the whole sequence: 1/8 of the heads
+        (16, 1, 65536, 1 << 20, None),  # an ordinary position group: every head at once
+        (16, 1, 32768, 65536, None),  # LongNet at 64K: two groups of 32K, four heads at a time
+        (16, 1, 8192, 8192, None),  # four heads of MIN_GROUP_POSITIONS rows: every head at once
+        (16, 2, 32768, 32768, None),  # the same floor: 4 heads of 32K rows
+        (32, 4, 4 << 20, 4 << 20, None),  # GQA: whole kv head groups (4 query heads each)
+        (6, 3, 1000, 1000, 1),  # even one kv head group is over budget: one kv head group
+        (12, 1, 120, 120, 1),  # budget 120 * 12 / 8 = 180 < 120 * 2: one head at a time
+        (8, 2, 100, 400, 1),
     ],
 )
 def test_head_groups_split_whole_kv_groups_within_the_scratch_budget(
-    heads: int, kv_group: int, rows: int, seq_len: int, min_positions: int | None, allowance: int
+    heads: int, kv_group: int, rows: int, seq_len: int, min_positions: int | None
 ) -> None:
-    groups = fused.head_groups(heads, kv_group, rows, seq_len, min_positions, allowance)
+    """The float32 scratch of one (position group, head group) holds at most an eighth of q's
+    (position, head) cells, or four heads of the smallest group, at any length."""
+    groups = fused.head_groups(heads, kv_group, rows, seq_len, min_positions)
     widths = {h1 - h0 for h0, h1 in groups}
     assert groups[0][0] == 0 and groups[-1][1] == heads and len(widths) == 1
     assert all(a[1] == b[0] for a, b in itertools.pairwise(groups))
     width = widths.pop()
     assert width % kv_group == 0 and heads % width == 0
     floor = fused.MIN_GROUP_POSITIONS if min_positions is None else min_positions
-    budget = max(max(seq_len // fused.SCRATCH_FRACTION, floor) * heads, allowance)
+    budget = max(seq_len * heads // fused.SCRATCH_FRACTION, floor * fused.MIN_SCRATCH_HEADS)
     assert rows * width <= budget or width == kv_group
     # The widest such split: the next wider one that divides the heads is over budget.
     wider = [w for w in range(width + kv_group, heads + 1, kv_group) if heads % w == 0]
     assert all(rows * w > budget for w in wider)
-
-
-def test_scratch_allowance_is_a_share_of_the_gpu_memory() -> None:
-    """Off the GPU nothing is allowed beyond the fraction of q; on one, a float32 scratch tensor
-    of the allowed cells fills at most 1/DEVICE_SCRATCH_FRACTION of its memory."""
-    assert fused.scratch_allowance(torch.empty(2, 16, 4, 64)) == 0
-    if not torch.cuda.is_available():
-        return
-    like = torch.empty(2, 16, 4, 64, device="cuda")
-    memory = torch.cuda.get_device_properties(like.device).total_memory
-    share = memory / fused.DEVICE_SCRATCH_FRACTION
-    cells = fused.scratch_allowance(like)
-    assert cells * 2 * 64 * 4 <= share < (cells + 1) * 2 * 64 * 4
 
 
 # -- refusal without a GPU or without Triton -------------------------------------------------------
@@ -271,10 +258,9 @@ def test_fused_matches_oracle(
 
 def _split_scratch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make the fused engine split small inputs into position and head groups, as it does very
-    long ones: no smallest group, scratch at most q / 1000, no allowance from device memory."""
+    long ones: no smallest group, scratch at most q / 1000."""
     monkeypatch.setattr(fused, "MIN_GROUP_POSITIONS", 1)
     monkeypatch.setattr(fused, "SCRATCH_FRACTION", 1000)
-    monkeypatch.setattr(fused, "DEVICE_SCRATCH_FRACTION", 1 << 62)
 
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
@@ -353,8 +339,8 @@ def test_fused_engine_results_do_not_depend_on_grouping(
     shape: Shape, device: str, dtypes: list[torch.dtype], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Position and head groups decide which launch computes a row, never how (Note [Fused
-    branch engine]): one group and many give the same bits, forward and backward. Also shows
-    that the device-memory allowance is what keeps small inputs in one head group on a GPU."""
+    branch engine]): one group and many give the same bits, forward and backward. Small inputs
+    stay in one head group: their scratch is below four heads of the smallest group."""
     skip_without_triton(device)
     widths: list[int] = []
     real = fused.head_groups
@@ -385,12 +371,7 @@ def test_fused_engine_results_do_not_depend_on_grouping(
         widths.clear()
 
         # One call of head_groups per position group, forward and backward.
-        with monkeypatch.context() as patch:
-            if device == "cuda" and shape.id == "heads":
-                # Without the device-memory allowance, this scratch would be split by heads.
-                patch.setattr(fused, "MIN_GROUP_POSITIONS", 1)
-                patch.setattr(fused, "SCRATCH_FRACTION", 1 << 62)
-            whole = run()
+        whole = run()
         assert widths == [1, 1]
         widths.clear()
         with monkeypatch.context() as patch:

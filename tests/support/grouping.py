@@ -10,10 +10,11 @@ import dilated_attention.core.grouped as grouped
 
 def cut_small(monkeypatch: pytest.MonkeyPatch | None) -> None:
     """Cut plans on the CPU too, into groups as small as the segments allow, whatever the
-    scratch (the allowance is 0 on the CPU already; on a GPU this makes it so). Without
-    ``monkeypatch`` (a spawned process of its own) the settings stay for the process."""
+    scratch, forward and backward. Without ``monkeypatch`` (a spawned process of its own) the
+    settings stay for the process."""
     set_ = setattr if monkeypatch is None else monkeypatch.setattr
     set_(grouped, "GROUPED_DEVICES", frozenset({"cpu", "cuda"}))
     set_(fused, "MIN_GROUP_POSITIONS", 1)
+    set_(grouped, "MIN_SLOT_GROUP_POSITIONS", 1)
     set_(fused, "GROUPS_PER_SEQUENCE", 1000)
-    set_(fused, "scratch_allowance", lambda like: 0)
+    set_(fused, "SCRATCH_FRACTION", 1000)
