@@ -17,14 +17,14 @@ Note [Fused branch engine]
     sequence make one group of it all; LongNet's 32K segments make two of 64K tokens), the heads
     are split too (``head_groups``: whole key/value head groups, each
     launch told which layer head it starts at, so offsets stay ``h mod r``) until the scratch of
-    one (position group, head group) is at most 1/SCRATCH_FRACTION of q's elements: in float32 a
-    quarter of q's bytes, so a forward holds about 1.06x the four tensors every implementation
-    holds (q, k, v, out) and a backward, with its dq, dk and dv scratch, about 1.10x the eight
-    (with their gradients and dout), at any length and with GQA. Splitting has a price where the
+    one (position group, head group) takes at most 1/SCRATCH_SHARE of the bytes every
+    implementation holds (``scratch_fraction``: q, k, v and out forward, with dout and the three
+    gradients backward), so the peak stays near 1.13x those bytes forward and 1.10x
+    forward+backward at any length, with GQA too. Splitting has a price where the
     launches are small: every head group launches every branch again, and each launch costs
     host time. So one scratch tensor may always hold MIN_SCRATCH_HEADS heads of
-    MIN_GROUP_POSITIONS rows (enough programs for every branch to fill a GPU; at 64K tokens of
-    16 heads that is the fraction itself): below that the scratch is a larger share of a small q.
+    MIN_GROUP_POSITIONS rows (enough programs for every branch to fill a GPU): below 64K tokens
+    of 16 heads the scratch is then a larger share of a small q.
     Both splits leave every row's arithmetic as it is (programs tile rows within a segment,
     segments start at group starts), so the results do not depend on them.
 
@@ -83,10 +83,11 @@ from .segment import group_calls, plan_branches
 MIN_GROUP_POSITIONS = 32768
 #: ... and at most 1/GROUPS_PER_SEQUENCE of the sequence beyond that (scratch <= q / 8 in bf16).
 GROUPS_PER_SEQUENCE = 16
-#: Heads are split until one scratch tensor holds at most 1/SCRATCH_FRACTION of q's elements (or
-#: one key/value head group, or MIN_SCRATCH_HEADS heads of MIN_GROUP_POSITIONS rows, whichever is
-#: more: Note [Fused branch engine]).
-SCRATCH_FRACTION = 8
+#: Heads are split until the float32 scratch takes at most 1/SCRATCH_SHARE of the bytes every
+#: implementation holds (:func:`scratch_fraction`), or one key/value head group, or
+#: MIN_SCRATCH_HEADS heads of MIN_GROUP_POSITIONS rows, whichever is more (Note [Fused branch
+#: engine]).
+SCRATCH_SHARE = 8
 MIN_SCRATCH_HEADS = 4
 
 
@@ -236,22 +237,37 @@ def _packed_spans(
     return spans
 
 
+def scratch_fraction(kv_group: int, backward: bool) -> float:
+    """The share of q's (position, head) cells that float32 scratch may cover at once: 1 /
+    SCRATCH_SHARE of the bytes every implementation holds (q, k, v, out; backward also dout and
+    the three gradients), counted in 16-bit q cells (2 + 2 / G forward, twice that backward, G
+    query heads per key/value head), over the scratch's bytes per cell (a float32 output: 2;
+    float32 dq, dk, dv: 2 + 4 / G). Forward 1/4 of the cells (GQA with G = 4: 0.16), backward
+    1/6 (0.21)."""
+    unavoidable = (2 + 2 / kv_group) * (2 if backward else 1)
+    per_cell = 2 + (4 / kv_group if backward else 0)
+    return unavoidable / SCRATCH_SHARE / per_cell
+
+
 def head_groups(
     heads: int,
     kv_group: int,
     rows: int,
     seq_len: int,
     min_positions: int | None = None,
+    backward: bool = False,
 ) -> list[tuple[int, int]]:
     """Consecutive ``[h0, h1)`` head ranges for one position group of ``rows`` positions.
 
     Each range holds whole key/value head groups (``kv_group`` query heads each) and all ranges
     are equal; the widest split whose ``rows * (h1 - h0)`` is at most
-    ``max(seq_len * heads / SCRATCH_FRACTION, min_positions * MIN_SCRATCH_HEADS)`` (Note [Fused
-    branch engine]), or one key/value head group where even that is more.
+    ``max(seq_len * heads * scratch_fraction(kv_group, backward), min_positions *
+    MIN_SCRATCH_HEADS)`` (Note [Fused branch engine]), or one key/value head group where even
+    that is more.
     """
     floor = MIN_GROUP_POSITIONS if min_positions is None else min_positions
-    budget = max(seq_len * heads // SCRATCH_FRACTION, floor * MIN_SCRATCH_HEADS)
+    share = scratch_fraction(kv_group, backward)
+    budget = max(int(seq_len * heads * share), floor * MIN_SCRATCH_HEADS)
     kv_heads = heads // kv_group
     per = kv_heads
     while per > 1 and (rows * per * kv_group > budget or kv_heads % per):
@@ -410,7 +426,9 @@ def fused_backward(
         rows = end - start
         new = torch.empty if covers_all else torch.zeros
         acc = {"dtype": torch.float32, "device": q.device}
-        for h0, h1 in head_groups(heads, kv_group, rows, seq_len, min_group_positions):
+        for h0, h1 in head_groups(
+            heads, kv_group, rows, seq_len, min_group_positions, backward=True
+        ):
             kv = slice(h0 // kv_group, h1 // kv_group)
             dq_acc = new(batch, rows, h1 - h0, dim, **acc)
             dk_acc = new(batch, rows, kv.stop - kv.start, dim, **acc)

@@ -23,8 +23,8 @@ Note [Position-grouped plans]
     needs anyway (q, k, v, out, dout and three gradients), and only the backward in small groups
     (the fused engine's: 6 float32 units of scratch over 16 groups, 1.05x in all at 1M tokens); a
     call without gradients runs the forward in groups whose scratch is what the fused engine's
-    forward holds (2 / SCRATCH_FRACTION units of q: float32 accumulators of an eighth of the
-    positions, or a slotted plan's slots in :func:`forward_slot_groups` groups).
+    forward may hold (1/SCRATCH_SHARE of q, k, v and out: float32 accumulators of a quarter of
+    the positions, or a slotted plan's slots in :func:`forward_slot_groups` groups).
     A grouped backward after a whole forward needs the calls' kernel ``aux`` values to be None
     (they are for kernels without dropout); otherwise the backward runs whole too.
 
@@ -100,11 +100,11 @@ def grouped_plan(
     if seq_len * heads <= fused.MIN_GROUP_POSITIONS * fused.MIN_SCRATCH_HEADS:
         return plan  # the scratch of the whole plan is as small as one group's may be
     if plan.slots:
-        group_size = heads // (kv_heads or heads)
-        return _slot_groups(plan, seq_len, batch, needs_grad, group_size)
-    # Without gradients: float32 accumulators of at most 1/SCRATCH_FRACTION of the positions;
-    # with them: the fused engine's groups (1/GROUPS_PER_SEQUENCE of the sequence) backward.
-    longest = None if needs_grad else max(1, seq_len // fused.SCRATCH_FRACTION)
+        return _slot_groups(plan, seq_len, batch, needs_grad, heads // (kv_heads or heads))
+    # Without gradients: float32 accumulators of the fused engine's forward share of the
+    # positions; with them: the fused engine's groups (1/GROUPS_PER_SEQUENCE of the sequence).
+    share = fused.scratch_fraction(heads // (kv_heads or heads), False)
+    longest = None if needs_grad else max(1, int(seq_len * share))
     groups = tuple(fused.position_groups(seq_len, segment_lengths, longest))
     if len(groups) == 1 and batch == 1:
         return plan
@@ -159,11 +159,13 @@ def _power_of_two_at_least(ratio: float) -> int:
     return 1 << max(0, math.ceil(math.log2(ratio))) if ratio > 1 else 1
 
 
-def forward_slot_groups(slots: tuple[Slot, ...]) -> int:
+def forward_slot_groups(slots: tuple[Slot, ...], group_size: int) -> int:
     """How many position groups a slotted plan's forward without gradients needs for its slots
-    to take at most what the fused engine's float32 scratch takes (2 / SCRATCH_FRACTION units of
-    q, Note [Fused branch engine] in ``fused.py``): the next power of two."""
-    return _power_of_two_at_least(slot_share(slots) * fused.SCRATCH_FRACTION / 2)
+    to take at most 1/SCRATCH_SHARE of the bytes every implementation holds (q, k, v and out:
+    2 + 2 / ``group_size`` units of q, Note [Fused branch engine] in ``fused.py``): the next
+    power of two. LongNet's schedule: 2 groups, 4 with 4 query heads per key/value head."""
+    unavoidable = 2 + 2 / group_size
+    return _power_of_two_at_least(slot_share(slots) * fused.SCRATCH_SHARE / unavoidable)
 
 
 def backward_slot_groups(slots: tuple[Slot, ...], group_size: int) -> int:
@@ -187,7 +189,7 @@ def _slot_groups(
     if needs_grad:
         groups = backward_slot_groups(plan.slots, group_size)
     else:
-        groups = forward_slot_groups(plan.slots)
+        groups = forward_slot_groups(plan.slots, group_size)
     target = max(MIN_SLOT_GROUP_POSITIONS, -(-seq_len // groups))
     size = slot_group_length(plan.slots, seq_len, target)
     while size is not None:  # longer groups while there are too many calls (and they exist)

@@ -92,32 +92,43 @@ def test_position_groups_tile_the_sequence_on_common_boundaries(
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_group", "rows", "seq_len", "min_positions"),
+    ("heads", "kv_group", "rows", "seq_len", "min_positions", "backward", "width"),
     [
-        (16, 1, 1 << 20, 1 << 20, None),  # one group of the whole sequence: 1/8 of the heads
-        (16, 1, 65536, 1 << 20, None),  # an ordinary position group: every head at once
-        (16, 1, 32768, 65536, None),  # LongNet at 64K: two groups of 32K, four heads at a time
-        (16, 1, 8192, 8192, None),  # four heads of MIN_GROUP_POSITIONS rows: every head at once
-        (16, 2, 32768, 32768, None),  # the same floor: 4 heads of 32K rows
-        (32, 4, 4 << 20, 4 << 20, None),  # GQA: whole kv head groups (4 query heads each)
-        (6, 3, 1000, 1000, 1),  # even one kv head group is over budget: one kv head group
-        (12, 1, 120, 120, 1),  # budget 120 * 12 / 8 = 180 < 120 * 2: one head at a time
-        (8, 2, 100, 400, 1),
+        # One group of the whole sequence: a quarter of the heads forward, a sixth backward.
+        (16, 1, 1 << 20, 1 << 20, None, False, 4),
+        (16, 1, 1 << 20, 1 << 20, None, True, 2),
+        (16, 1, 65536, 1 << 20, None, True, 16),  # an ordinary position group: every head
+        # LongNet at 64K: two groups of 32K; 8 heads forward, 4 (the floor) backward.
+        (16, 1, 32768, 65536, None, False, 8),
+        (16, 1, 32768, 65536, None, True, 4),
+        (16, 1, 8192, 8192, None, True, 16),  # four heads of MIN_GROUP_POSITIONS rows: all
+        (16, 4, 32768, 65536, None, False, 4),  # GQA at 64K: one kv head group (the floor)
+        (32, 4, 4 << 20, 4 << 20, None, False, 4),  # GQA: whole kv head groups (4 query heads)
+        (6, 3, 1000, 1000, 1, True, 3),  # even one kv head group is over budget
+        (12, 1, 120, 120, 1, False, 3),  # budget 120 * 12 / 4 = 360 = 120 * 3
+        (8, 2, 100, 400, 1, True, 4),
     ],
 )
 def test_head_groups_split_whole_kv_groups_within_the_scratch_budget(
-    heads: int, kv_group: int, rows: int, seq_len: int, min_positions: int | None
+    heads: int,
+    kv_group: int,
+    rows: int,
+    seq_len: int,
+    min_positions: int | None,
+    backward: bool,
+    width: int,
 ) -> None:
-    """The float32 scratch of one (position group, head group) holds at most an eighth of q's
-    (position, head) cells, or four heads of the smallest group, at any length."""
-    groups = fused.head_groups(heads, kv_group, rows, seq_len, min_positions)
+    """The float32 scratch of one (position group, head group) takes at most 1/SCRATCH_SHARE of
+    the bytes every implementation holds, or four heads of the smallest group, at any length."""
+    groups = fused.head_groups(heads, kv_group, rows, seq_len, min_positions, backward)
     widths = {h1 - h0 for h0, h1 in groups}
     assert groups[0][0] == 0 and groups[-1][1] == heads and len(widths) == 1
     assert all(a[1] == b[0] for a, b in itertools.pairwise(groups))
-    width = widths.pop()
+    assert widths == {width}
     assert width % kv_group == 0 and heads % width == 0
     floor = fused.MIN_GROUP_POSITIONS if min_positions is None else min_positions
-    budget = max(seq_len * heads // fused.SCRATCH_FRACTION, floor * fused.MIN_SCRATCH_HEADS)
+    share = fused.scratch_fraction(kv_group, backward)
+    budget = max(int(seq_len * heads * share), floor * fused.MIN_SCRATCH_HEADS)
     assert rows * width <= budget or width == kv_group
     # The widest such split: the next wider one that divides the heads is over budget.
     wider = [w for w in range(width + kv_group, heads + 1, kv_group) if heads % w == 0]
@@ -260,7 +271,7 @@ def _split_scratch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make the fused engine split small inputs into position and head groups, as it does very
     long ones: no smallest group, scratch at most q / 1000."""
     monkeypatch.setattr(fused, "MIN_GROUP_POSITIONS", 1)
-    monkeypatch.setattr(fused, "SCRATCH_FRACTION", 1000)
+    monkeypatch.setattr(fused, "SCRATCH_SHARE", 1000)
 
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])

@@ -17,4 +17,4 @@ def cut_small(monkeypatch: pytest.MonkeyPatch | None) -> None:
     set_(fused, "MIN_GROUP_POSITIONS", 1)
     set_(grouped, "MIN_SLOT_GROUP_POSITIONS", 1)
     set_(fused, "GROUPS_PER_SEQUENCE", 1000)
-    set_(fused, "SCRATCH_FRACTION", 1000)
+    set_(fused, "SCRATCH_SHARE", 1000)
