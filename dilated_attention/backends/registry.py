@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .. import _validation as V
+from . import slots_thresholds
 from .base import Backend, KernelInputs
 from .flash_attn2 import FlashAttn2Backend
 from .flash_attn3 import FlashAttn3Backend
@@ -52,19 +53,24 @@ def _table() -> dict[str, Any]:
     return json.loads(package.joinpath(_TABLE_FILE).read_text(encoding="utf-8"))
 
 
+def _major_key(device: torch.device) -> str:
+    """The table's key for a CUDA ``device``: its compute capability major, or for a major the
+    table does not list the ``unlisted_major`` fallback (newer or older)."""
+    cuda = _table()["cuda"]
+    major, _ = torch.cuda.get_device_capability(device)
+    if str(major) in cuda["majors"]:
+        return str(major)
+    newer = major > max(int(listed) for listed in cuda["majors"])
+    return cuda["unlisted_major"]["newer" if newer else "older"]
+
+
 def _device_class(device: torch.device) -> dict[str, Any]:
-    """The table's entry for ``device``: its compute capability major on CUDA (a major the table
-    does not list takes the ``unlisted_major`` fallback: newer or older), the host's otherwise."""
+    """The table's entry for ``device``: its compute capability major's on CUDA
+    (:func:`_major_key`), the host's otherwise."""
     table = _table()
     if device.type != "cuda":
         return table["host"]
-    cuda = table["cuda"]
-    major, _ = torch.cuda.get_device_capability(device)
-    key = str(major)
-    if key not in cuda["majors"]:
-        newer = major > max(int(listed) for listed in cuda["majors"])
-        key = cuda["unlisted_major"]["newer" if newer else "older"]
-    return cuda["majors"][key]
+    return table["cuda"]["majors"][_major_key(device)]
 
 
 def _rule(entry: dict[str, Any], name: str) -> dict[str, Any] | None:
@@ -473,22 +479,18 @@ def _block_sparse_first(inputs: KernelInputs) -> list[str]:
 def _dilated_first(inputs: KernelInputs) -> list[str]:
     """The device's ``dilated_slots`` rule (``priorities.json``; sm90: FlashAttention-4) first
     for dilated calls whose branches write into slots (Note [Branch slots merged once] in
-    core/slots.py), from its ``min_query_len`` positions (``min_training_query_len`` for calls
-    that need gradients, where given) and up to its ``max_head_dim``, where bench_dilated
-    measured it faster than our fused Triton kernels; elsewhere the device's list, where our
-    fused kernels come first. Where FlashAttention-4 is not installed that is a reason, and the
-    fused kernels run. Masked calls keep the ``masked`` rule's kernels first."""
+    core/slots.py), up to its ``max_head_dim``, from the length ``slots_thresholds.json``
+    gives the call's cell (Note [The measured slots table] in ``slots_thresholds.py``), where
+    bench_dilated measured it faster than our fused Triton kernels; elsewhere the device's list,
+    where our fused kernels come first. Where FlashAttention-4 is not installed that is a
+    reason, and the fused kernels run. Masked calls keep the ``masked`` rule's kernels first."""
     if inputs.device.type != "cuda" or not inputs.branch_slots or inputs.has_mask:
         return []
     rule = _rule(_device_class(inputs.device), "dilated_slots")
-    if rule is None:
+    if rule is None or inputs.head_dim > rule["max_head_dim"]:
         return []
-    least = rule["min_query_len"]
-    if inputs.requires_grad:
-        least = rule.get("min_training_query_len", least)
-    if inputs.query_len < least:
-        return []
-    return [] if inputs.head_dim > rule["max_head_dim"] else list(rule["names"])
+    least = slots_thresholds.min_query_len(int(_major_key(inputs.device)), inputs)
+    return [] if least is None or inputs.query_len < least else list(rule["names"])
 
 
 def puts_slots_first(inputs: KernelInputs) -> bool:
@@ -508,12 +510,9 @@ def float32_share_beside_spanning(device: torch.device) -> float | None:
     return None if rule is None else rule.get("max_float32_share_beside_spanning")
 
 
-#: Positions from which FlashAttention-4 writing into branch slots runs dilated calls on sm90
-#: ahead of our fused Triton kernels (the sm90 ``dilated_slots`` rule of ``priorities.json``),
-#: and from which it runs those that need gradients.
-_SM90_DILATED_SLOTS = _table()["cuda"]["majors"]["9"]["first"]["dilated_slots"]
-FA4_DILATED_MIN_LEN: int = _SM90_DILATED_SLOTS["min_query_len"]
-FA4_DILATED_MIN_TRAINING_LEN: int = _SM90_DILATED_SLOTS["min_training_query_len"]
+#: The shortest length from which FlashAttention-4 writing into branch slots runs some dilated
+#: calls on sm90 ahead of our fused Triton kernels (``slots_thresholds.json``).
+FA4_DILATED_MIN_LEN: int | None = slots_thresholds.shortest(9)
 
 
 _REGISTRIES = {

@@ -4,10 +4,11 @@
 (``registry_for(op).order``) and :func:`~dilated_attention.backends.registry.priority` give on
 CUDA compute capability majors 6, 7, 8, 9, 10 and 12 (capability faked, as in test_selection.py)
 and on the CPU, for every combination of the fields that rank backends: dtype, key padding mask,
-gradients, head dim, branch slots and sequence length on both sides of the FlashAttention-4
-threshold. It was written from the registry as it was before its priorities moved into
-``dilated_attention/backends/priorities.json``; a change to any order shows up here as a failure
-naming the inputs, and, if intended, in the diff of the regenerated file:
+gradients, head dim, branch slots, causality, shared key/value heads and sequence length on both
+sides of the FlashAttention-4 thresholds. It was written from the registry as it was before its
+priorities moved into ``dilated_attention/backends/priorities.json``; a change to any order
+shows up here as a failure naming the inputs, and, if intended, in the diff of the regenerated
+file:
 
     python tests/backends/test_priority_orders.py --write
 """
@@ -32,24 +33,27 @@ PINNED = Path(__file__).with_name("priority_orders.json")
 DEVICES = ("cpu", "cuda:6", "cuda:7", "cuda:8", "cuda:9", "cuda:10", "cuda:12")
 DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 HEAD_DIMS = (64, 128, 256)
-#: Either side of the FlashAttention-4 dilated thresholds (training, then every call).
-LENGTHS = (131071, 131072, 262143, 262144)
+#: Either side of the FlashAttention-4 dilated thresholds (``slots_thresholds.json``).
+LENGTHS = (131071, 131072, 262143, 262144, 524287, 524288, 1048576)
 _PRIORITY_FLAGS = [f"dilated={d}/masked={m}" for d in (False, True) for m in (False, True)]
 
 
 def _grid() -> list[tuple[str, dict[str, Any]]]:
     """(case name, KernelInputs fields other than the device) for every combination."""
     cases = []
-    for dtype, mask, grad, head_dim, slots, n in itertools.product(
-        DTYPES, (False, True), (False, True), HEAD_DIMS, (False, True), LENGTHS
-    ):
+    for dtype, mask, grad, head_dim, slots, n, causal, kv_heads in itertools.product(
+        DTYPES, (False, True), (False, True), HEAD_DIMS, (False, True), LENGTHS, (False, True),
+        (8, 2),
+    ):  # fmt: skip
         name = (
             f"{dtype}/{'mask' if mask else 'nomask'}/{'grad' if grad else 'nograd'}/"
-            f"d{head_dim}/{'slots' if slots else 'noslots'}/n{n}"
+            f"d{head_dim}/{'slots' if slots else 'noslots'}/n{n}/"
+            f"{'causal' if causal else 'full'}/kv{kv_heads}"
         )
         fields = dict(
             dtype=DTYPES[dtype], has_mask=mask, requires_grad=grad, head_dim=head_dim,
-            branch_slots=slots, query_len=n, key_len=n, num_heads=8, num_kv_heads=8,
+            branch_slots=slots, query_len=n, key_len=n, num_heads=8, num_kv_heads=kv_heads,
+            is_causal=causal,
         )  # fmt: skip
         cases.append((name, fields))
     return cases

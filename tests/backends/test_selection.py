@@ -24,7 +24,7 @@ from support import REPO
 
 import dilated_attention
 from dilated_attention import backend_reasons, explain, list_backends, use_backend
-from dilated_attention.backends import registry
+from dilated_attention.backends import registry, slots_thresholds
 from dilated_attention.backends.base import Backend, KernelInputs, KernelOutput
 from dilated_attention.backends.registry import ENV_VAR, choose
 
@@ -193,38 +193,50 @@ def test_flash_attn4_does_not_train_small_head_dims_on_sm90(
     assert choose(_gpu_inputs(head_dim=small, requires_grad=True)).backend == "flash_attn4"
 
 
+def _cell_inputs(key: str, **overrides: Any) -> KernelInputs:
+    """A slotted dilated call of a cell of ``slots_thresholds.json`` (``mha/training/d64/full``)."""
+    kv, direction, dim, causal = key.split("/")
+    fields = dict(
+        dilated=True, branch_slots=True, head_dim=int(dim[1:]), is_causal=causal == "causal",
+        requires_grad=direction == "training", num_kv_heads=2 if kv == "gqa" else 8,
+    )  # fmt: skip
+    return _gpu_inputs(**{**fields, **overrides})
+
+
 @pytest.mark.parametrize("installed", [True, False], ids=["fa4", "no-fa4"])
-def test_long_slotted_dilated_calls_prefer_flash_attn4_on_sm90(
+def test_long_slotted_dilated_calls_follow_the_measured_table_on_sm90(
     monkeypatch: pytest.MonkeyPatch, installed: bool
 ) -> None:
-    """From FA4_DILATED_MIN_LEN positions (FA4_DILATED_MIN_TRAINING_LEN for calls that need
-    gradients), a dilated call whose branches run in slots takes FlashAttention-4 first on sm90
-    (measured); shorter calls, schedules without slots, head dims above 128 and other
-    architectures keep their order; without the package, the fused kernels run and
-    FlashAttention-4's reason says why."""
+    """Each cell of ``slots_thresholds.json`` (Note [The measured slots table]): from its length
+    a dilated call whose branches run in slots takes FlashAttention-4 first on sm90, one position
+    shorter it does not, and a cell with no length never does; head dims below a measured one
+    take its cell; schedules without slots, head dims above 128, masks and other architectures
+    keep their order; without the package the fused kernels run and FlashAttention-4's reason
+    says why."""
     _fake_gpu(monkeypatch, (9, 0), ["flash_attn4"] if installed else [])
-    long = registry.FA4_DILATED_MIN_LEN
-    slotted = dict(dilated=True, branch_slots=True, query_len=long, key_len=long)
-    choice = choose(_gpu_inputs(**slotted))
-    assert choice.backend == ("flash_attn4" if installed else "triton"), choice
-    assert choice.order[0] == "flash_attn4"
-    if not installed:
-        assert "not installed" in " ".join(choice.reasons["flash_attn4"])
-    training = registry.FA4_DILATED_MIN_TRAINING_LEN
-    assert training < long
-    for grad, n in ((True, training), (False, long)):
-        first = dict(slotted, query_len=n, key_len=n, requires_grad=grad)
-        assert choose(_gpu_inputs(**first)).order[0] == "flash_attn4", first
-    for other in (
-        dict(slotted, query_len=long - 1, key_len=long - 1, requires_grad=False),
-        dict(slotted, query_len=training - 1, key_len=training - 1),
-        dict(slotted, branch_slots=False),
-        dict(slotted, head_dim=256, requires_grad=False),
-        dict(slotted, has_mask=True),
-    ):
-        assert choose(_gpu_inputs(**other)).order[0] != "flash_attn4", other
+    cells = slots_thresholds.table()["majors"]["9"]
+    assert len(cells) == 16 and registry.FA4_DILATED_MIN_LEN is not None
+    for key, entry in cells.items():
+        least = entry["min_query_len"]
+        if least is None:
+            assert choose(_cell_inputs(key, query_len=1 << 24)).order[0] != "flash_attn4", key
+            continue
+        choice = choose(_cell_inputs(key, query_len=least, key_len=least))
+        assert choice.order[0] == "flash_attn4", key
+        assert choice.backend == ("flash_attn4" if installed else "triton"), choice
+        if not installed:
+            assert "not installed" in " ".join(choice.reasons["flash_attn4"])
+        shorter = _cell_inputs(key, query_len=least - 1, key_len=least - 1)
+        assert choose(shorter).order[0] != "flash_attn4", key
+        smaller = _cell_inputs(key, query_len=least, head_dim=int(key.split("/")[2][1:]) - 8)
+        assert choose(smaller).order[0] == "flash_attn4", key
+        for other in (
+            dict(branch_slots=False), dict(head_dim=256), dict(has_mask=True),
+        ):
+            assert choose(_cell_inputs(key, query_len=least, **other)).order[0] != "flash_attn4"
     _fake_gpu(monkeypatch, (10, 0), ["flash_attn4"] if installed else [])
-    assert registry._dilated_first(_gpu_inputs(**slotted)) == []  # sm100: the device's list
+    long = _cell_inputs("mha/training/d128/full", query_len=1 << 20)
+    assert registry._dilated_first(long) == []  # sm100: the device's list
 
 
 @pytest.mark.parametrize(

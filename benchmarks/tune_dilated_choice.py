@@ -1,0 +1,122 @@
+"""The automatic choice between FlashAttention-4 slots and the fused Triton kernels, from records.
+
+    python benchmarks/tune_dilated_choice.py           # print the table the records give
+    python benchmarks/tune_dilated_choice.py --write   # -> backends/slots_thresholds.json
+
+Reads ``bench_dilated.py`` records (default: ``dilated_h100``, ``dilated_threshold_h100``,
+``dilated_gqa_h100``, ``dilated_threshold_gqa_h100`` under ``benchmarks/results/``, written by
+
+    python benchmarks/bench_dilated.py --schedules longnet --seq-lens 65536 262144 1048576 \\
+        --paths auto triton flash_attn4 'cudnn ceiling' 'fa4 ceiling'
+    python benchmarks/bench_dilated.py --schedules longnet --seq-lens 131072 524288 \\
+        --paths triton flash_attn4 --out benchmarks/results/dilated_threshold_h100
+
+and the same two with ``--kv-heads 4``, to ``dilated_gqa_h100`` and ``dilated_threshold_gqa_h100``).
+For every cell (shared key/value heads or not, forward only or forward+backward, head dim,
+causal or not) and every measured length it takes each path's best time: the ``flash_attn4`` and
+``triton`` rows, and the ``auto`` row under the backend it ran. The cell's threshold is the
+shortest measured length from which FlashAttention-4 was faster at that length and at every
+longer one (``null`` where it was not faster at the longest), and ``--write`` stores the table
+with the records' names and commits (Note [The measured slots table] in
+``dilated_attention/backends/slots_thresholds.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _records import RESULTS_DIR, markdown_table
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from dilated_attention.backends.slots_thresholds import TABLE_FILE, cell_key  # noqa: E402
+
+RECORDS = ("dilated_h100", "dilated_threshold_h100", "dilated_gqa_h100",
+           "dilated_threshold_gqa_h100")  # fmt: skip
+PATHS = ("flash_attn4", "triton")
+STEPS = (("forward", "fwd_ms"), ("training", "fwd_bwd_ms"))
+
+#: {cell: {length: {path: best ms}}}
+Times = dict[str, dict[int, dict[str, float]]]
+
+
+def best_times(records: list[dict[str, Any]], schedule: str) -> Times:
+    """Each path's best time per cell and length over the records' rows of ``schedule``."""
+    times: Times = defaultdict(lambda: defaultdict(dict))
+    for record in records:
+        for row in record["results"]:
+            path = row.get("backend") if row["path"] == "auto" else row["path"]
+            if row.get("schedule") != schedule or path not in PATHS or "error" in row:
+                continue
+            for direction, column in STEPS:
+                if column not in row:
+                    continue
+                shared = row["kv_heads"] < row["heads"]
+                key = cell_key(shared, direction == "training", row["head_dim"], row["causal"])
+                at = times[key][row["seq_len"]]
+                at[path] = min(at.get(path, float("inf")), row[column])
+    return times
+
+
+def thresholds(times: Times) -> dict[str, dict[str, Any]]:
+    """Per cell: the shortest length from which FlashAttention-4 was faster at every measured
+    length on (None: not at the longest), with the times it was read from."""
+    cells = {}
+    for key in sorted(times):
+        measured = {n: t for n, t in sorted(times[key].items()) if set(PATHS) <= t.keys()}
+        least = None
+        for n in sorted(measured, reverse=True):
+            if measured[n]["flash_attn4"] >= measured[n]["triton"]:
+                break
+            least = n
+        times_ms = {str(n): {p: round(t[p], 3) for p in PATHS} for n, t in measured.items()}
+        cells[key] = {"min_query_len": least, "measured_ms": times_ms}
+    return cells
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--records", nargs="+", default=list(RECORDS))
+    parser.add_argument("--schedule", default="longnet")
+    parser.add_argument("--major", type=int, default=9, help="the records' compute capability")
+    parser.add_argument("--write", action="store_true", help=f"store the table in {TABLE_FILE}")
+    args = parser.parse_args()
+    records = [json.loads((RESULTS_DIR / f"{name}.json").read_text()) for name in args.records]
+    cells = thresholds(best_times(records, args.schedule))
+    rows = [{"cell": key, "min_query_len": c["min_query_len"],
+             **{f"{n}: fa4 / triton ms": f"{t['flash_attn4']} / {t['triton']}"
+                for n, t in c["measured_ms"].items()}}
+            for key, c in cells.items()]  # fmt: skip
+    columns = list(dict.fromkeys(col for row in rows for col in row))
+    print(markdown_table(rows, columns))
+    if not args.write:
+        return
+    path = ROOT / "dilated_attention" / "backends" / TABLE_FILE
+    old = json.loads(path.read_text()) if path.exists() else {}
+    about = (
+        "Per device class (compute capability major) and cell, the shortest measured length "
+        "from which FlashAttention-4 writing into branch slots ran faster than our fused Triton "
+        "kernels at that length and every longer one measured (null: at none). Written by "
+        "benchmarks/tune_dilated_choice.py --write from the records in sources; not edited by "
+        "hand (Note [The measured slots table] in slots_thresholds.py)."
+    )
+    table = {"about": about, "majors": old.get("majors", {}), "sources": old.get("sources", {})}
+    table["majors"][str(args.major)] = cells
+    table["sources"][str(args.major)] = {
+        f"{name}.json": record["environment"]["commit"]
+        for name, record in zip(args.records, records, strict=True)
+    }
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

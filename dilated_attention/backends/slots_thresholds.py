@@ -1,0 +1,67 @@
+"""From how many positions a dilated call runs on the kernel that writes into branch slots.
+
+Note [The measured slots table]
+    On sm90 a dilated call whose branches write into slots (Note [Branch slots merged once] in
+    ``core/slots.py``) has two fast paths: FlashAttention-4 writing into the slots, and our fused
+    Triton kernels. Which is faster depends on the length, the head dim, causality, whether the
+    call needs gradients (forward only, or forward and backward) and whether key/value heads are
+    shared (GQA): FlashAttention-4's Python interface costs about half a millisecond a call, and a
+    plan cut into position groups to bound its memory makes more calls, so FlashAttention-4 wins
+    from some length on, a different one per cell. ``slots_thresholds.json`` beside this module
+    holds, per device class and cell, the shortest measured length from which FlashAttention-4
+    was faster at that length and at every longer one measured (``null``: at none). It is written
+    by ``benchmarks/tune_dilated_choice.py`` from ``bench_dilated.py`` records, which it names
+    with their commits; nothing here is edited by hand. A head dim takes the cell of the smallest
+    measured head dim at least as large.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from importlib import resources
+from typing import Any
+
+from .base import KernelInputs
+
+#: The table file, beside this module (package data).
+TABLE_FILE = "slots_thresholds.json"
+
+
+@functools.cache
+def table() -> dict[str, Any]:
+    """The measured table (Note [The measured slots table]), read once."""
+    package = resources.files(__name__.rpartition(".")[0])
+    return json.loads(package.joinpath(TABLE_FILE).read_text(encoding="utf-8"))
+
+
+def cell_key(kv_shared: bool, training: bool, head_dim: int, causal: bool) -> str:
+    """A cell's name in the table: ``"gqa/training/d128/causal"``, ``"mha/forward/d64/full"``."""
+    return "/".join(
+        ("gqa" if kv_shared else "mha", "training" if training else "forward", f"d{head_dim}",
+         "causal" if causal else "full")
+    )  # fmt: skip
+
+
+def min_query_len(major: int, inputs: KernelInputs) -> int | None:
+    """The positions from which ``inputs`` run on the slots kernel on compute capability
+    ``major`` (Note [The measured slots table]); None where no length was measured faster, the
+    head dim is above every measured one, or the major has no table."""
+    cells = table()["majors"].get(str(major))
+    if cells is None:
+        return None
+    dims = sorted({int(key.split("/")[2][1:]) for key in cells})
+    dim = next((d for d in dims if d >= inputs.head_dim), None)
+    if dim is None:
+        return None
+    shared = inputs.num_kv_heads < inputs.num_heads
+    key = cell_key(shared, inputs.requires_grad, dim, inputs.is_causal)
+    entry = cells.get(key)
+    return None if entry is None else entry["min_query_len"]
+
+
+def shortest(major: int) -> int | None:
+    """The shortest length from which any cell of ``major`` runs on the slots kernel."""
+    lengths = [c["min_query_len"] for c in table()["majors"].get(str(major), {}).values()]
+    found = [n for n in lengths if n is not None]
+    return min(found) if found else None

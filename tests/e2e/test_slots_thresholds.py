@@ -1,0 +1,57 @@
+"""The measured slots table is what its records give (Note [The measured slots table]).
+
+``dilated_attention/backends/slots_thresholds.json`` is written by
+``benchmarks/tune_dilated_choice.py --write`` from ``bench_dilated.py`` records: these tests derive
+the table again from the records it names and require the committed one to be identical, so a
+re-measured record without a re-derived table (or a hand edit) fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from support import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import tune_dilated_choice
+
+from dilated_attention.backends import slots_thresholds
+
+
+def test_the_table_is_derived_from_the_records_it_names() -> None:
+    table = slots_thresholds.table()
+    assert table["majors"], "no device class measured"
+    for major, sources in table["sources"].items():
+        records = []
+        for name, commit in sources.items():
+            record = json.loads((tune_dilated_choice.RESULTS_DIR / name).read_text())
+            assert record["environment"]["commit"] == commit, name
+            records.append(record)
+        derived = tune_dilated_choice.thresholds(
+            tune_dilated_choice.best_times(records, "longnet")
+        )  # fmt: skip
+        assert derived == table["majors"][major]
+
+
+def test_thresholds_take_the_shortest_length_faster_from_there_on() -> None:
+    """FlashAttention-4 must be faster at the threshold and at every longer measured length."""
+    times = {
+        "mha/training/d64/full": {
+            1: {"flash_attn4": 2.0, "triton": 1.0},
+            2: {"flash_attn4": 1.0, "triton": 2.0},  # faster here, but not at 3
+            3: {"flash_attn4": 3.0, "triton": 2.0},
+            4: {"flash_attn4": 1.0, "triton": 2.0},
+            5: {"flash_attn4": 1.0, "triton": 2.0},
+        },
+        "mha/forward/d64/full": {
+            1: {"flash_attn4": 1.0, "triton": 2.0},
+            2: {"flash_attn4": 2.0, "triton": 1.0},
+        },
+        "gqa/forward/d64/full": {1: {"flash_attn4": 1.0}, 2: {"flash_attn4": 1.0, "triton": 2.0}},
+    }
+    cells = tune_dilated_choice.thresholds(times)
+    assert cells["mha/training/d64/full"]["min_query_len"] == 4
+    assert cells["mha/forward/d64/full"]["min_query_len"] is None
+    assert cells["gqa/forward/d64/full"]["min_query_len"] == 2  # length 1 lacks a triton time
