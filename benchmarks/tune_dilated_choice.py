@@ -17,7 +17,7 @@ causal or not) and every measured length it takes each path's best time: the ``f
 ``triton`` rows, and the ``auto`` row under the backend it ran. The cell's threshold is the
 shortest measured length from which FlashAttention-4 was faster at that length and at every
 longer one (``null`` where it was not faster at the longest), and ``--write`` stores the table
-with the records' names and commits (Note [The measured slots table] in
+with the records' names and the times it was read from (Note [The measured slots table] in
 ``dilated_attention/backends/slots_thresholds.py``).
 """
 
@@ -110,10 +110,7 @@ def main() -> None:
     )
     table = {"about": about, "majors": old.get("majors", {}), "sources": old.get("sources", {})}
     table["majors"][str(args.major)] = cells
-    table["sources"][str(args.major)] = {
-        f"{name}.json": record["environment"]["commit"]
-        for name, record in zip(args.records, records, strict=True)
-    }
+    table["sources"][str(args.major)] = [f"{name}.json" for name in args.records]
     path.write_text(json.dumps(table, indent=1) + "\n")
     print(f"wrote {path}")
 

@@ -1,21 +1,22 @@
-"""Draw the dilated-attention performance plot: docs/performance_h100.png.
+"""Draw the dilated-attention performance plot (docs/performance_h100.png) and print its tables.
 
     python docs/plot_performance.py
 
-Reads two benchmark records written by ``benchmarks/bench_dilated.py`` on one H100:
+Reads benchmark records written by ``benchmarks/bench_dilated.py`` on one H100:
 
-- ``benchmarks/results/dilated_h100.json``: the fused Triton kernels (what ``dilated_attention``
-  runs on sm90 below 256K tokens, or without ``flash-attn-4``), FlashAttention-4 writing into
-  branch slots (``backend="flash_attn4"``; the automatic choice from 256K tokens), and the cuDNN
-  and FA4 ceilings (each kernel alone on tensors already shaped like every branch's rows), timed
-  side by side in one run;
+- ``benchmarks/results/dilated_auto_h100.json`` (16 key/value heads) and
+  ``dilated_auto_gqa_h100.json`` (4): the automatic choice (``auto``, with the kernel it ran),
+  the fused Triton kernels, FlashAttention-4 writing into branch slots (``backend=
+  "flash_attn4"``) and the cuDNN and FA4 ceilings (each kernel alone on tensors already shaped
+  like every branch's rows), timed side by side in one run each;
 - ``benchmarks/results/dilated_gather_h100.json``: the latest run that also timed the gather +
   cuDNN path (every branch's rows gathered into dense tensors, cuDNN, merged and scattered back).
 
 For the LongNet schedule (w = 2048..32768, r = 1..16, B = 1, H = 16, bf16) at every N measured,
-D = 64 and 128, causal and not, it plots effective TFLOP/s (paper FLOPs / time) of the five paths,
-forward and forward+backward, with each path's ratio to the ceiling of its own run above its bar.
-It also prints the same numbers as a Markdown table (the one in README.md).
+D = 64 and 128, causal and not, it plots effective TFLOP/s (paper FLOPs / time) of the paths
+without GQA, forward and forward+backward, with each path's ratio to the cuDNN ceiling of its
+own run above its bar. It prints the tables of README.md and docs/performance.md: per shape the
+automatic choice against the faster of our two paths and both ceilings, and its peak memory.
 """
 
 from __future__ import annotations
@@ -30,11 +31,14 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-FUSED_RECORD = ROOT / "benchmarks" / "results" / "dilated_h100.json"
-GATHER_RECORD = ROOT / "benchmarks" / "results" / "dilated_gather_h100.json"
+RESULTS = ROOT / "benchmarks" / "results"
+FUSED_RECORD = RESULTS / "dilated_auto_h100.json"
+GQA_RECORD = RESULTS / "dilated_auto_gqa_h100.json"
+GATHER_RECORD = RESULTS / "dilated_gather_h100.json"
 OUT = Path(__file__).resolve().parent / "performance_h100.png"
 
 PATHS = [  # (record, path in the record, label, colour)
+    ("fused", "auto", "automatic choice (this library)", "#d62728"),
     ("fused", "triton", "fused Triton kernels (this library)", "#1f77b4"),
     ("fused", "flash_attn4", "FA4 into branch slots (this library)", "#2ca02c"),
     ("fused", "cudnn ceiling", "cuDNN ceiling (same per-branch shapes)", "#7f7f7f"),
@@ -72,31 +76,34 @@ def value(records: dict, source: str, shape: tuple, path: str, field: str) -> fl
     return float(row[field])
 
 
-def markdown_table(records: dict) -> str:
-    """The README table: TFLOP/s of every path (the faster of the library's two in bold) and
-    peak memory ratios."""
+def markdown_table(rows: dict) -> str:
+    """Per shape: the automatic choice's TFLOP/s and kernel, against the faster of our two paths
+    and the cuDNN and FA4 ceilings of the same run, forward and forward+backward, and its peak
+    memory over the unavoidable bytes."""
     lines = [
-        "| D, causal, N | forward: fused / FA4 slots / cuDNN ceiling / FA4 ceiling / "
-        "gather+cuDNN | forward+backward: the same | peak memory, fused / FA4 slots |",
+        "| D, causal, N | forward: auto TFLOP/s (kernel), vs faster of ours / cuDNN ceiling / "
+        "FA4 ceiling | forward+backward: the same | peak memory, auto: fwd / fwd+bwd |",
         "|---|---|---|---|",
     ]
-    for shape in shapes(records["fused"]):
+    records = {"fused": rows}
+    for shape in shapes(rows):
         head_dim, causal, seq_len = shape
         length = f"{seq_len // 1048576}M" if seq_len >= 1048576 else f"{seq_len // 1024}K"
         cells = [f"{head_dim}, {'yes' if causal else 'no'}, {length}"]
+        kernel = rows[(*shape, "auto")].get("backend", "?")
         for mode, _ in MODES:
-            ours = [value(records, "fused", shape, p, f"{mode}_tflops") or 0.0
-                    for p in ("triton", "flash_attn4")]  # fmt: skip
-            best = max(ours)
-            texts = [f"**{t:.0f}**" if t == best else f"{t:.0f}" for t in ours]
-            for source, path in (("fused", "cudnn ceiling"), ("fused", "fa4 ceiling"),
-                                 ("gather", "gather+cudnn")):  # fmt: skip
-                got = value(records, source, shape, path, f"{mode}_tflops")
-                missing = "-" if (*shape, path) not in records[source] else "out of memory"
-                texts.append(missing if got is None else f"{got:.0f}")
-            cells.append(" / ".join(texts))
-        mems = [value(records, "fused", shape, p, "fwd_bwd_mem_ratio")
-                for p in ("triton", "flash_attn4")]  # fmt: skip
+            auto = value(records, "fused", shape, "auto", f"{mode}_tflops")
+            ours = [value(records, "fused", shape, p, f"{mode}_tflops") for p in
+                    ("triton", "flash_attn4", "auto")]  # fmt: skip
+            tops = [value(records, "fused", shape, p, f"{mode}_tflops") for p in CEILINGS]
+            if auto is None:
+                cells.append("out of memory")
+                continue
+            ratios = [auto / max(t for t in ours if t is not None)]
+            ratios += [auto / t for t in tops if t is not None]
+            short = "fused" if kernel == "triton" else "FA4"
+            cells.append(f"{auto:.0f} ({short}), " + " / ".join(f"{r:.2f}" for r in ratios))
+        mems = [value(records, "fused", shape, "auto", f"{m}_mem_ratio") for m, _ in MODES]
         cells.append(" / ".join("-" if m is None else f"{m:.2f}x" for m in mems))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -107,7 +114,7 @@ def main() -> None:
     env = json.loads(FUSED_RECORD.read_text())["environment"]
     measured = shapes(records["fused"])
     x = np.arange(len(measured))
-    width = 0.17
+    width = 0.14
 
     fig, axes = plt.subplots(2, 1, figsize=(12, 8.2), sharex=True)
     for ax, (mode, title) in zip(axes, MODES, strict=True):
@@ -140,7 +147,10 @@ def main() -> None:
     fig.tight_layout()
     fig.savefig(OUT, dpi=120)
     print(f"wrote {OUT.relative_to(ROOT)}\n")
-    print(markdown_table(records))
+    print("Without GQA (16 key/value heads):\n")
+    print(markdown_table(records["fused"]))
+    print("\nGQA (4 key/value heads):\n")
+    print(markdown_table(load(GQA_RECORD)))
 
 
 if __name__ == "__main__":

@@ -356,8 +356,8 @@ def test_fused_engine_results_do_not_depend_on_grouping(
     widths: list[int] = []
     real = fused.head_groups
 
-    def spy(*args: Any) -> list[tuple[int, int]]:
-        groups = real(*args)
+    def spy(*args: Any, **kwargs: Any) -> list[tuple[int, int]]:
+        groups = real(*args, **kwargs)
         widths.append(len(groups))
         return groups
 

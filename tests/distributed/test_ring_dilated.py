@@ -488,6 +488,9 @@ def _spy_ring_registry(monkeypatch: pytest.MonkeyPatch) -> list[tuple[KernelInpu
             seen.append((inputs, selection))
             return selection
 
+        def __getattr__(self, name: str) -> Any:  # everything else is the registry's
+            return getattr(self.registry, name)
+
     monkeypatch.setattr(resolver, "registry_for", Spy)
     return seen
 
@@ -508,14 +511,22 @@ def test_registry_hears_whether_local_branches_run_in_slots(
 
 @pytest.mark.gpu
 def test_cuda_ring_dilated_chooses_like_one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One rank on CUDA at the length where one GPU's automatic choice may take FlashAttention-4
-    slots (``FA4_DILATED_MIN_LEN``; every branch local): ring dilated attention's automatic
-    choice is one GPU's, and its output and gradients are that backend's on one GPU."""
+    """One rank on CUDA at the length from which one GPU's automatic choice takes
+    FlashAttention-4 slots for this call's cell (``slots_thresholds``; every branch local):
+    ring dilated attention's automatic choice is one GPU's, and its output and gradients are
+    that backend's on one GPU."""
+    from dilated_attention.backends import slots_thresholds
     from dilated_attention.backends.registry import FA4_DILATED_MIN_LEN, choose
     from dilated_attention.core.segment import runs_in_slots
     from dilated_attention.functional import dilated_attention
 
-    n, heads, segs, rates = FA4_DILATED_MIN_LEN, 4, (2048, 4096), (1, 2)
+    heads, segs, rates = 4, (2048, 4096), (1, 2)
+    cell = KernelInputs(
+        device=torch.device("cuda"), dtype=torch.bfloat16, head_dim=64, num_heads=heads,
+        num_kv_heads=heads, query_len=1, key_len=1, is_causal=True, requires_grad=True,
+        dilated=True, branch_slots=True,
+    )  # fmt: skip
+    n = slots_thresholds.min_query_len(9, cell) or FA4_DILATED_MIN_LEN or 1 << 18
     gen = torch.Generator(device="cuda").manual_seed(3)
     q, k, v, dout = (torch.randn(1, n, heads, 64, device="cuda", dtype=torch.bfloat16,
                                  generator=gen) for _ in range(4))  # fmt: skip
