@@ -6,9 +6,10 @@ For each schedule (LongNet: w = 2048..32768 with r = 1, 2, 4, 8, 16; the paper's
 12), head dim, sequence length and causal flag (B = 1, H = 16, bf16; ``--kv-heads`` for GQA), in
 one run:
 
-- ``auto``: ``dilated_attention(..., backend=None)``, what users get (the chosen backend is
-  recorded; on sm90 the fused Triton kernels, ``backend="triton"``, or FlashAttention-4 writing
-  into branch slots from 256K tokens where it is installed);
+- ``auto``: ``dilated_attention(..., backend=None)``, what users get (the chosen backends are
+  recorded: ``fwd_backend`` without gradients, ``backend`` with them; on sm90 the fused Triton
+  kernels, ``backend="triton"``, or FlashAttention-4 writing into branch slots from the length
+  ``slots_thresholds.json`` gives the cell, where it is installed);
 - ``triton``: the same call with ``backend="triton"`` (the fused kernels whatever ``auto`` picks;
   not run by default);
 - ``gather+cudnn``: the same call with ``backend="sdpa_cudnn"``: every branch's rows gathered into
@@ -127,9 +128,14 @@ def bench_config(
         for h in (heads, kv_heads, kv_heads)
     )
     slots = runs_in_slots(seq_len, heads, kv_heads, segs, rates)
-    auto = choose(
-        KernelInputs.from_tensors(q, k, is_causal=causal, dilated=True, branch_slots=slots)
-    ).backend
+    # What ``auto`` runs: the forward-only step without gradients, forward+backward with them.
+    auto = {
+        step: choose(
+            KernelInputs.from_tensors(q, k, is_causal=causal, dilated=True, branch_slots=slots,
+                                      requires_grad=step == "fwd_bwd")
+        ).backend
+        for step in ("fwd", "fwd_bwd")
+    }  # fmt: skip
     resident = torch.cuda.memory_allocated() - q_bytes - 2 * kv_bytes  # not the call's own
 
     def library(backend: str | None) -> Callable[[], dict[str, float]]:
@@ -154,7 +160,7 @@ def bench_config(
     for name in args.paths:
         row: dict[str, object] = {**base, "path": name}
         if name == "auto":
-            row["backend"] = auto
+            row["backend"], row["fwd_backend"] = auto["fwd_bwd"], auto["fwd"]
         try:
             res = paths[name]()
         except torch.OutOfMemoryError:
@@ -242,7 +248,8 @@ def main() -> None:
                     rows += bench_config(schedule, seq_len, dim, causal, args)
     env = environment()
     out = record_path("dilated", args.out)
-    cols = ["schedule", "head_dim", "kv_heads", "causal", "seq_len", "path", "backend", "fwd_ms",
+    cols = ["schedule", "head_dim", "kv_heads", "causal", "seq_len", "path", "fwd_backend",
+            "backend", "fwd_ms",
             "fwd_tflops", "fwd_vs_ceiling", "fwd_vs_fa4_ceiling", "fwd_bwd_ms", "fwd_bwd_tflops",
             "fwd_bwd_vs_ceiling", "fwd_bwd_vs_fa4_ceiling", "fwd_mem_ratio", "fwd_bwd_mem_ratio",
             "error"]  # fmt: skip

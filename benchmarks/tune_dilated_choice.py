@@ -13,8 +13,9 @@ Reads ``bench_dilated.py`` records (default: ``dilated_h100``, ``dilated_thresho
 
 and the same two with ``--kv-heads 4``, to ``dilated_gqa_h100`` and ``dilated_threshold_gqa_h100``).
 For every cell (shared key/value heads or not, forward only or forward+backward, head dim,
-causal or not) and every measured length it takes each path's best time: the ``flash_attn4`` and
-``triton`` rows, and the ``auto`` row under the backend it ran. The cell's threshold is the
+causal or not) and every measured length it takes each path's best time over the records'
+``flash_attn4`` and ``triton`` rows, leaving out runs whose peak memory passed
+:data:`MAX_MEMORY_RATIO` of the unavoidable bytes. The cell's threshold is the
 shortest measured length from which FlashAttention-4 was faster at that length and at every
 longer one (``null`` where it was not faster at the longest), and ``--write`` stores the table
 with the records' names and the times it was read from (Note [The measured slots table] in
@@ -40,7 +41,9 @@ from dilated_attention.backends.slots_thresholds import TABLE_FILE, cell_key  # 
 RECORDS = ("dilated_h100", "dilated_threshold_h100", "dilated_gqa_h100",
            "dilated_threshold_gqa_h100")  # fmt: skip
 PATHS = ("flash_attn4", "triton")
-STEPS = (("forward", "fwd_ms"), ("training", "fwd_bwd_ms"))
+STEPS = (("forward", "fwd"), ("training", "fwd_bwd"))
+#: A path whose peak memory passed this share of the unavoidable bytes is not a candidate.
+MAX_MEMORY_RATIO = 1.15
 
 #: {cell: {length: {path: best ms}}}
 Times = dict[str, dict[int, dict[str, float]]]
@@ -51,11 +54,12 @@ def best_times(records: list[dict[str, Any]], schedule: str) -> Times:
     times: Times = defaultdict(lambda: defaultdict(dict))
     for record in records:
         for row in record["results"]:
-            path = row.get("backend") if row["path"] == "auto" else row["path"]
+            path = row["path"]
             if row.get("schedule") != schedule or path not in PATHS or "error" in row:
                 continue
-            for direction, column in STEPS:
-                if column not in row:
+            for direction, step in STEPS:
+                column = f"{step}_ms"
+                if column not in row or row.get(f"{step}_mem_ratio", 0.0) > MAX_MEMORY_RATIO:
                     continue
                 shared = row["kv_heads"] < row["heads"]
                 key = cell_key(shared, direction == "training", row["head_dim"], row["causal"])

@@ -90,8 +90,9 @@ def markdown_table(rows: dict) -> str:
         head_dim, causal, seq_len = shape
         length = f"{seq_len // 1048576}M" if seq_len >= 1048576 else f"{seq_len // 1024}K"
         cells = [f"{head_dim}, {'yes' if causal else 'no'}, {length}"]
-        kernel = rows[(*shape, "auto")].get("backend", "?")
+        auto_row = rows[(*shape, "auto")]
         for mode, _ in MODES:
+            kernel = auto_row.get("fwd_backend" if mode == "fwd" else "backend", "?")
             auto = value(records, "fused", shape, "auto", f"{mode}_tflops")
             ours = [value(records, "fused", shape, p, f"{mode}_tflops") for p in
                     ("triton", "flash_attn4", "auto")]  # fmt: skip
