@@ -9,24 +9,23 @@ Note [Fused branch engine]
     instead the sequence is cut into position groups that no segment of any branch crosses
     (multiples of the least common multiple of the segment lengths), and each group is finished
     before the next starts: float32 scratch for one group, every branch launched over it. A
-    rate-1 branch covers every row, so it runs last and its merge writes the finished rows
-    straight into the output (in the output's dtype: no cast pass); the scratch rows it reads
-    that no earlier branch wrote have ``lse = -inf``, weight zero, and are never summed, so the
-    scratch needs no zeroing. Without a rate-1 branch the scratch starts at zero and is cast into
-    the output at the end. Where a group is long against the sequence (segments as long as the
-    sequence make one group of it all; LongNet's 32K segments make two of 64K tokens), the heads
-    are split too (``head_groups``: whole key/value head groups, each
-    launch told which layer head it starts at, so offsets stay ``h mod r``) until the scratch of
-    one (position group, head group) takes at most 1/SCRATCH_SHARE of the bytes every
-    implementation holds (``scratch_fraction``: q, k, v and out forward, with dout and the three
-    gradients backward), so the peak stays near 1.13x those bytes forward and 1.10x
-    forward+backward at any length, with GQA too. Splitting has a price where the
-    launches are small: every head group launches every branch again, and each launch costs
-    host time. So one scratch tensor may always hold MIN_SCRATCH_HEADS heads of
-    MIN_GROUP_POSITIONS rows (enough programs for every branch to fill a GPU): below 64K tokens
-    of 16 heads the scratch is then a larger share of a small q.
-    Both splits leave every row's arithmetic as it is (programs tile rows within a segment,
-    segments start at group starts), so the results do not depend on them.
+    rate-1 branch covers every row, so it runs last and its merge writes the finished rows straight
+    into the output (in the output's dtype: no cast pass); the scratch rows it reads that no earlier
+    branch wrote have ``lse = -inf``, weight zero, and are never summed, so the scratch needs no
+    zeroing. Without a rate-1 branch the scratch starts at zero and is cast into the output at the
+    end. Where a group is long against the sequence (segments as long as the sequence make one group
+    of it all; LongNet's 32K segments make two of 64K tokens), the heads are split too
+    (``head_groups``: whole key/value head groups, each launch told which layer head it starts at,
+    so offsets stay ``h mod r``) until the scratch of one (position group, head group) takes at most
+    1/SCRATCH_SHARE of the bytes every implementation holds (``scratch_fraction``: q, k, v and out
+    forward, with dout and the three gradients backward), so the peak stays near 1.13x those bytes
+    forward and 1.10x forward+backward at any length, with GQA too. Splitting has a price where the
+    launches are small: every head group launches every branch again, and each launch costs host
+    time. So one scratch tensor may always hold MIN_SCRATCH_HEADS heads of MIN_GROUP_POSITIONS rows
+    (enough programs for every branch to fill a GPU): below 64K tokens of 16 heads the scratch is
+    then a larger share of a small q. Both splits leave every row's arithmetic as it is (programs
+    tile rows within a segment, segments start at group starts), so the results do not depend on
+    them.
 
     Backward, the order is reversed: a rate-1 branch runs first and writes (rather than adds)
     every row of the float32 dq, dk, dv scratch, the other branches add into it, and the scratch
