@@ -65,8 +65,7 @@ def _major_key(device: torch.device) -> str:
 
 
 def _device_class(device: torch.device) -> dict[str, Any]:
-    """The table's entry for ``device``: its compute capability major's on CUDA
-    (:func:`_major_key`), the host's otherwise."""
+    """The table's entry for ``device``: its major's (:func:`_major_key`), or the host's."""
     table = _table()
     if device.type != "cuda":
         return table["host"]
@@ -486,10 +485,11 @@ def _dilated_first(inputs: KernelInputs) -> list[str]:
     reason, and the fused kernels run. Masked calls keep the ``masked`` rule's kernels first."""
     if inputs.device.type != "cuda" or not inputs.branch_slots or inputs.has_mask:
         return []
-    rule = _rule(_device_class(inputs.device), "dilated_slots")
+    major = _major_key(inputs.device)
+    rule = _rule(_table()["cuda"]["majors"][major], "dilated_slots")
     if rule is None or inputs.head_dim > rule["max_head_dim"]:
         return []
-    least = slots_thresholds.min_query_len(int(_major_key(inputs.device)), inputs)
+    least = slots_thresholds.min_query_len(int(major), inputs)
     return [] if least is None or inputs.query_len < least else list(rule["names"])
 
 

@@ -11,8 +11,8 @@ Note [The measured slots table]
     holds, per device class and cell, the shortest measured length from which FlashAttention-4
     was faster at that length and at every longer one measured (``null``: at none). It is written
     by ``benchmarks/tune_dilated_choice.py`` from ``bench_dilated.py`` records, which it names
-    with their commits; nothing here is edited by hand. A head dim takes the cell of the smallest
-    measured head dim at least as large.
+    beside the times it read; nothing here is edited by hand. A head dim takes the cell of the
+    smallest measured head dim at least as large.
 """
 
 from __future__ import annotations
@@ -43,20 +43,23 @@ def cell_key(kv_shared: bool, training: bool, head_dim: int, causal: bool) -> st
     )  # fmt: skip
 
 
+@functools.cache
+def _head_dims(major: int) -> tuple[int, ...]:
+    """The head dims measured on ``major``, ascending (none where the major has no table)."""
+    cells = table()["majors"].get(str(major), {})
+    return tuple(sorted({int(key.split("/")[2][1:]) for key in cells}))
+
+
 def min_query_len(major: int, inputs: KernelInputs) -> int | None:
     """The positions from which ``inputs`` run on the slots kernel on compute capability
     ``major`` (Note [The measured slots table]); None where no length was measured faster, the
     head dim is above every measured one, or the major has no table."""
-    cells = table()["majors"].get(str(major))
-    if cells is None:
-        return None
-    dims = sorted({int(key.split("/")[2][1:]) for key in cells})
-    dim = next((d for d in dims if d >= inputs.head_dim), None)
+    dim = next((d for d in _head_dims(major) if d >= inputs.head_dim), None)
     if dim is None:
         return None
     shared = inputs.num_kv_heads < inputs.num_heads
     key = cell_key(shared, inputs.requires_grad, dim, inputs.is_causal)
-    entry = cells.get(key)
+    entry = table()["majors"][str(major)].get(key)
     return None if entry is None else entry["min_query_len"]
 
 

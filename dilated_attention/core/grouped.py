@@ -99,11 +99,12 @@ def grouped_plan(
     batch, seq_len, heads, _ = like.shape
     if seq_len * heads <= fused.MIN_GROUP_POSITIONS * fused.MIN_SCRATCH_HEADS:
         return plan  # the scratch of the whole plan is as small as one group's may be
+    group_size = heads // (kv_heads or heads)
     if plan.slots:
-        return _slot_groups(plan, seq_len, batch, needs_grad, heads // (kv_heads or heads))
+        return _slot_groups(plan, seq_len, batch, needs_grad, group_size)
     # Without gradients: float32 accumulators of the fused engine's forward share of the
     # positions; with them: the fused engine's groups (1/GROUPS_PER_SEQUENCE of the sequence).
-    share = fused.scratch_fraction(heads // (kv_heads or heads), False)
+    share = fused.scratch_fraction(group_size, False)
     longest = None if needs_grad else max(1, int(seq_len * share))
     groups = tuple(fused.position_groups(seq_len, segment_lengths, longest))
     if len(groups) == 1 and batch == 1:
