@@ -3,29 +3,36 @@
     python benchmarks/tune_dilated_choice.py           # print the table the records give
     python benchmarks/tune_dilated_choice.py --write   # -> backends/slots_thresholds.json
 
-Reads ``bench_dilated.py`` records (default: ``dilated_h100``, ``dilated_threshold_h100``,
-``dilated_gqa_h100``, ``dilated_threshold_gqa_h100`` under ``benchmarks/results/``, written by
+Reads ``bench_dilated.py`` records under ``benchmarks/results/`` (:data:`RECORDS`): one run
+at 64K, 256K and 1M (``dilated_h100``) and four near the thresholds (``dilated_threshold_h100``
+at 128K and 512K, three ``dilated_tuning<i>_h100`` at 128K, 256K and 512K), each a separate
+process, written by
 
     python benchmarks/bench_dilated.py --schedules longnet --seq-lens 65536 262144 1048576 \\
         --paths auto triton flash_attn4 'cudnn ceiling' 'fa4 ceiling'
     python benchmarks/bench_dilated.py --schedules longnet --seq-lens 131072 524288 \\
         --paths triton flash_attn4 --out benchmarks/results/dilated_threshold_h100
+    python benchmarks/bench_dilated.py --schedules longnet --seq-lens 131072 262144 524288 \\
+        --paths triton flash_attn4 --out benchmarks/results/dilated_tuning1_h100   # 2, 3
 
-and the same two with ``--kv-heads 4``, to ``dilated_gqa_h100`` and ``dilated_threshold_gqa_h100``).
-For every cell (shared key/value heads or not, forward only or forward+backward, head dim,
-causal or not) and every measured length it takes each path's best time over the records'
-``flash_attn4`` and ``triton`` rows, leaving out runs whose peak memory passed
-:data:`MAX_MEMORY_RATIO` of the unavoidable bytes. The cell's threshold is the
-shortest measured length from which FlashAttention-4 was faster at that length and at every
-longer one (``null`` where it was not faster at the longest), and ``--write`` stores the table
-with the records' names and the times it was read from (Note [The measured slots table] in
-``dilated_attention/backends/slots_thresholds.py``).
+and the same with ``--kv-heads 4`` to the ``_gqa`` names (``dilated_tuning_gqa1_h100``). For every
+cell (shared key/value heads or not, forward only or forward+backward, head dim, causal or not) and
+every measured length it takes each path's median time over the runs of its ``flash_attn4`` and
+``triton`` rows, leaving out runs whose peak memory passed :data:`MAX_MEMORY_RATIO` of the
+unavoidable bytes: a median, as FlashAttention-4's times near the thresholds move by up to 2x from
+one process to the next (host-bound: its Python interface), while the fused kernels' move by a few
+percent. The cell's threshold is the shortest measured length from which FlashAttention-4 was
+:data:`MIN_GAIN` times faster at that length and at every longer one (``null`` where it was not at
+the longest): a near tie goes to the fused kernels, whose times are steadier and whose peak memory
+is lower. ``--write`` stores the table with the records' names and the medians it was read from
+(Note [The measured slots table] in ``dilated_attention/backends/slots_thresholds.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -38,20 +45,28 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from dilated_attention.backends.slots_thresholds import TABLE_FILE, cell_key  # noqa: E402
 
-RECORDS = ("dilated_h100", "dilated_threshold_h100", "dilated_gqa_h100",
-           "dilated_threshold_gqa_h100")  # fmt: skip
+RECORDS = tuple(
+    name
+    for kind in ("", "_gqa")
+    for name in (f"dilated{kind}_h100", f"dilated_threshold{kind}_h100",
+                 *(f"dilated_tuning{kind}{run}_h100" for run in (1, 2, 3)))
+)  # fmt: skip
 PATHS = ("flash_attn4", "triton")
 STEPS = (("forward", "fwd"), ("training", "fwd_bwd"))
 #: A path whose peak memory passed this share of the unavoidable bytes is not a candidate.
 MAX_MEMORY_RATIO = 1.15
+#: FlashAttention-4 is chosen where its median time is at most 1/MIN_GAIN of the fused kernels'.
+MIN_GAIN = 1.03
 
-#: {cell: {length: {path: best ms}}}
+#: {cell: {length: {path: median ms}}}
 Times = dict[str, dict[int, dict[str, float]]]
 
 
-def best_times(records: list[dict[str, Any]], schedule: str) -> Times:
-    """Each path's best time per cell and length over the records' rows of ``schedule``."""
-    times: Times = defaultdict(lambda: defaultdict(dict))
+def median_times(records: list[dict[str, Any]], schedule: str) -> Times:
+    """Each path's median time per cell and length over the records' rows of ``schedule``."""
+    runs: dict[str, dict[int, dict[str, list[float]]]] = defaultdict(
+        lambda: defaultdict(lambda: defaultdict(list))
+    )
     for record in records:
         for row in record["results"]:
             path = row["path"]
@@ -63,20 +78,25 @@ def best_times(records: list[dict[str, Any]], schedule: str) -> Times:
                     continue
                 shared = row["kv_heads"] < row["heads"]
                 key = cell_key(shared, direction == "training", row["head_dim"], row["causal"])
-                at = times[key][row["seq_len"]]
-                at[path] = min(at.get(path, float("inf")), row[column])
-    return times
+                runs[key][row["seq_len"]][path].append(row[column])
+    return {
+        key: {
+            n: {path: statistics.median(ms) for path, ms in at.items()} for n, at in lengths.items()
+        }
+        for key, lengths in runs.items()
+    }
 
 
 def thresholds(times: Times) -> dict[str, dict[str, Any]]:
-    """Per cell: the shortest length from which FlashAttention-4 was faster at every measured
-    length on (None: not at the longest), with the times it was read from."""
+    """Per cell: the shortest length from which FlashAttention-4 was :data:`MIN_GAIN` times
+    faster at every measured length on (None: not at the longest), with the times it was read
+    from."""
     cells = {}
     for key in sorted(times):
         measured = {n: t for n, t in sorted(times[key].items()) if set(PATHS) <= t.keys()}
         least = None
         for n in sorted(measured, reverse=True):
-            if measured[n]["flash_attn4"] >= measured[n]["triton"]:
+            if measured[n]["flash_attn4"] * MIN_GAIN > measured[n]["triton"]:
                 break
             least = n
         times_ms = {str(n): {p: round(t[p], 3) for p in PATHS} for n, t in measured.items()}
@@ -94,7 +114,7 @@ def main() -> None:
     parser.add_argument("--write", action="store_true", help=f"store the table in {TABLE_FILE}")
     args = parser.parse_args()
     records = [json.loads((RESULTS_DIR / f"{name}.json").read_text()) for name in args.records]
-    cells = thresholds(best_times(records, args.schedule))
+    cells = thresholds(median_times(records, args.schedule))
     rows = [{"cell": key, "min_query_len": c["min_query_len"],
              **{f"{n}: fa4 / triton ms": f"{t['flash_attn4']} / {t['triton']}"
                 for n, t in c["measured_ms"].items()}}

@@ -9,10 +9,12 @@ Note [The measured slots table]
     plan cut into position groups to bound its memory makes more calls, so FlashAttention-4 wins
     from some length on, a different one per cell. ``slots_thresholds.json`` beside this module
     holds, per device class and cell, the shortest measured length from which FlashAttention-4
-    was faster at that length and at every longer one measured (``null``: at none). It is written
-    by ``benchmarks/tune_dilated_choice.py`` from ``bench_dilated.py`` records, which it names
-    beside the times it read; nothing here is edited by hand. A head dim takes the cell of the
-    smallest measured head dim at least as large.
+    was faster, by a margin, at that length and at every longer one measured (``null``: at
+    none). Each time is the median over several benchmark processes: FlashAttention-4's times
+    near the thresholds move by up to 2x between processes, so one run's table would follow
+    the noise. It is written by ``benchmarks/tune_dilated_choice.py`` from ``bench_dilated.py``
+    records, which it names beside the medians it read; nothing here is edited by hand. A head
+    dim takes the cell of the smallest measured head dim at least as large.
 """
 
 from __future__ import annotations

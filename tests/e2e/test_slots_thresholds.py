@@ -28,13 +28,29 @@ def test_the_table_is_derived_from_the_records_it_names() -> None:
         records = [json.loads((tune_dilated_choice.RESULTS_DIR / name).read_text())
                    for name in sources]  # fmt: skip
         derived = tune_dilated_choice.thresholds(
-            tune_dilated_choice.best_times(records, "longnet")
+            tune_dilated_choice.median_times(records, "longnet")
         )  # fmt: skip
         assert derived == table["majors"][major]
 
 
+def _row(seq_len: int, path: str, fwd_ms: float, mem_ratio: float = 1.1) -> dict[str, object]:
+    return {"schedule": "longnet", "seq_len": seq_len, "head_dim": 64, "heads": 16,
+            "kv_heads": 16, "causal": False, "path": path, "fwd_ms": fwd_ms,
+            "fwd_mem_ratio": mem_ratio}  # fmt: skip
+
+
+def test_times_are_the_median_over_runs_within_the_memory_bound() -> None:
+    runs = [[_row(8, "flash_attn4", ms), _row(8, "triton", 2.0)] for ms in (1.0, 9.0, 3.0)]
+    runs.append([_row(8, "flash_attn4", 0.5, mem_ratio=1.2)])  # over the bound: left out
+    runs.append([{**_row(8, "triton", 0.1), "schedule": "paper"}])  # another schedule
+    times = tune_dilated_choice.median_times([{"results": rows} for rows in runs], "longnet")
+    assert times == {"mha/forward/d64/full": {8: {"flash_attn4": 3.0, "triton": 2.0}}}
+
+
 def test_thresholds_take_the_shortest_length_faster_from_there_on() -> None:
-    """FlashAttention-4 must be faster at the threshold and at every longer measured length."""
+    """FlashAttention-4 must be MIN_GAIN times faster at the threshold and at every longer
+    measured length."""
+    tie = 2.0 / tune_dilated_choice.MIN_GAIN * 1.001  # faster, but by less than MIN_GAIN
     times = {
         "mha/training/d64/full": {
             1: {"flash_attn4": 2.0, "triton": 1.0},
@@ -48,8 +64,13 @@ def test_thresholds_take_the_shortest_length_faster_from_there_on() -> None:
             2: {"flash_attn4": 2.0, "triton": 1.0},
         },
         "gqa/forward/d64/full": {1: {"flash_attn4": 1.0}, 2: {"flash_attn4": 1.0, "triton": 2.0}},
+        "gqa/training/d64/full": {
+            1: {"flash_attn4": 1.0, "triton": 2.0},
+            2: {"flash_attn4": tie, "triton": 2.0},
+        },
     }
     cells = tune_dilated_choice.thresholds(times)
     assert cells["mha/training/d64/full"]["min_query_len"] == 4
     assert cells["mha/forward/d64/full"]["min_query_len"] is None
     assert cells["gqa/forward/d64/full"]["min_query_len"] == 2  # length 1 lacks a triton time
+    assert cells["gqa/training/d64/full"]["min_query_len"] is None  # a near tie at the longest
