@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import shlex
@@ -74,9 +75,12 @@ def time_cuda(
     warmup: int = 3,
     repeats: int = 10,
     device: torch.device | None = None,
+    min_ms: float = 0.0,
 ) -> dict[str, float]:
     """Run ``fn`` ``warmup`` times, then time ``repeats`` runs (ms): with CUDA events, or with
-    ``time.perf_counter`` when ``device`` is given and is not a CUDA device.
+    ``time.perf_counter`` when ``device`` is given and is not a CUDA device. With ``min_ms``,
+    more runs where ``repeats`` of them would take less than ``min_ms`` in all (short calls,
+    whose times move most from run to run), as many as the first timed run says fill it.
 
     Returns:
         ``{"median_ms", "p10_ms", "p90_ms"}``.
@@ -86,19 +90,22 @@ def time_cuda(
         fn()
     if cuda:
         torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
+    times: list[float] = []
+    while len(times) < repeats:
         if not cuda:
             begin = time.perf_counter()
             fn()
             times.append((time.perf_counter() - begin) * 1e3)
-            continue
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
+        else:
+            start = torch.cuda.Event(enable_timing=True)
+            stop = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(stop))
+        if len(times) == 1 and times[0] > 0:
+            repeats = max(repeats, math.ceil(min_ms / times[0]))
     times.sort()
     return {
         "median_ms": statistics.median(times),
@@ -115,8 +122,10 @@ def time_fwd_and_fwd_bwd(
     warmup: int,
     repeats: int,
     device: torch.device | None = None,
+    min_ms: float = 0.0,
 ) -> dict[str, float]:
-    """Median times of a no-grad forward and of forward+backward, with each one's peak memory.
+    """Median times of a no-grad forward and of forward+backward, with each one's peak memory
+    (``warmup``, ``repeats`` and ``min_ms`` as in :func:`time_cuda`).
 
     Args:
         forward: runs the computation and returns its output.
@@ -144,7 +153,7 @@ def time_fwd_and_fwd_bwd(
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        timing = time_cuda(run, warmup=warmup, repeats=repeats, device=device)
+        timing = time_cuda(run, warmup=warmup, repeats=repeats, device=device, min_ms=min_ms)
         result[f"{step}_ms"] = timing["median_ms"]
         if cuda:
             result[f"{step}_peak_bytes"] = torch.cuda.max_memory_allocated()

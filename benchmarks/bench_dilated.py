@@ -28,7 +28,8 @@ Effective TFLOP/s = paper FLOPs / time, with paper FLOPs = 4 * D * sum over head
 less what the process held beside the inputs before the first call (PyTorch's cuBLAS workspace,
 32 MiB on sm90, which the automatic choice's first probe of a kernel allocates for the process's
 life), over the unavoidable bytes (q, k, v, out; with backward also dout, dq, dk, dv). Times are
-the median of ``--repeats`` runs with CUDA events. Writes OUT.json (environment + rows), OUT.md
+the median of ``--repeats`` runs with CUDA events (more where those take less than ``--min-ms``
+in all). Writes OUT.json (environment + rows), OUT.md
 and OUT.png; OUT defaults to ``benchmarks/results/dilated_<device>`` (``h100``, ``h200x2``, ...:
 ``_timing.host_label``), the latest record of this benchmark on that device.
 """
@@ -100,7 +101,7 @@ def _ceiling(
         res = time_fwd_and_fwd_bwd(
             lambda q=q, k=k, v=v: attention(q, k, v, is_causal=causal, backend=backend),
             [q, k, v], functools.partial(torch.randn_like, q), warmup=args.warmup,
-            repeats=args.repeats,
+            repeats=args.repeats, min_ms=args.min_ms,
         )  # fmt: skip
         total["fwd_ms"] += res["fwd_ms"]
         total["fwd_bwd_ms"] += res["fwd_bwd_ms"]
@@ -142,7 +143,7 @@ def bench_config(
         return lambda: time_fwd_and_fwd_bwd(
             lambda: dilated_attention(q, k, v, segs, rates, is_causal=causal, backend=backend),
             [q, k, v], functools.partial(torch.randn_like, q), warmup=args.warmup,
-            repeats=args.repeats,
+            repeats=args.repeats, min_ms=args.min_ms,
         )  # fmt: skip
 
     def ceiling(backend: str) -> Callable[[], dict[str, float]]:
@@ -235,6 +236,10 @@ def main() -> None:
                         choices=PATHS)  # fmt: skip
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--min-ms", type=float, default=0.0,
+        help="time more runs where --repeats of them take less than this (ms) in all",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help=OUT_HELP)
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from _timing import time_fwd_and_fwd_bwd
+from _timing import time_cuda, time_fwd_and_fwd_bwd
 
 
 def test_upstream_gradient_exists_only_for_forward_and_backward() -> None:
@@ -30,3 +31,19 @@ def test_upstream_gradient_exists_only_for_forward_and_backward() -> None:
                                   device=torch.device("cpu"))  # fmt: skip
     assert events == ["no_grad"] * 3 + ["dout"] + ["grad"] * 3
     assert set(result) == {"fwd_ms", "fwd_bwd_ms"} and x.grad is None
+
+
+def test_short_calls_are_timed_until_min_ms_is_filled() -> None:
+    """``min_ms`` adds runs where ``repeats`` would measure less than it; longer calls keep
+    ``repeats``."""
+    calls = {"short": 0, "long": 0}
+
+    def call(kind: str, seconds: float) -> None:
+        calls[kind] += 1
+        time.sleep(seconds)
+
+    cpu = torch.device("cpu")
+    time_cuda(lambda: call("short", 0.002), warmup=0, repeats=3, device=cpu, min_ms=40.0)
+    time_cuda(lambda: call("long", 0.02), warmup=0, repeats=3, device=cpu, min_ms=40.0)
+    assert 5 <= calls["short"] <= 20  # about 40 / 2 (sleep overshoots, never undershoots)
+    assert calls["long"] == 3
