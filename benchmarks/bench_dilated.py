@@ -25,19 +25,23 @@ one run:
 
 Effective TFLOP/s = paper FLOPs / time, with paper FLOPs = 4 * D * sum over heads and branches of
 (N / r) * (w / r), halved when causal, times 3.5 for forward+backward. Memory = peak allocated,
-less what the process held beside the inputs before the first call (PyTorch's cuBLAS workspace,
-32 MiB on sm90, which the automatic choice's first probe of a kernel allocates for the process's
+less what the process held beside the inputs before the first call (PyTorch's cuBLAS workspace, 32
+MiB on sm90, which the automatic choice's first probe of a kernel allocates for the process's
 life), over the unavoidable bytes (q, k, v, out; with backward also dout, dq, dk, dv). Times are
-the median of ``--repeats`` runs with CUDA events (more where those take less than ``--min-ms``
-in all). Writes OUT.json (environment + rows), OUT.md
-and OUT.png; OUT defaults to ``benchmarks/results/dilated_<device>`` (``h100``, ``h200x2``, ...:
-``_timing.host_label``), the latest record of this benchmark on that device.
+the median of ``--repeats`` runs with CUDA events (more where those take less than ``--min-ms`` in
+all); with ``--rounds R`` every path of a cell is measured R times in turn and the median of those
+medians kept, so no path is timed only in the state the one before it left (short calls are bound
+by the host: on an H100 the first path timed after a new shape's compile ran 1.35x slower over its
+next 60 calls). Writes OUT.json (environment + rows), OUT.md and OUT.png; OUT defaults to
+``benchmarks/results/dilated_<device>`` (``h100``, ``h200x2``, ...: ``_timing.host_label``), the
+latest record of this benchmark on that device.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -157,16 +161,15 @@ def bench_config(
         "cudnn ceiling": ceiling("sdpa_cudnn"),
         "fa4 ceiling": ceiling("flash_attn4"),
     }
+    measured = measure_in_rounds({name: paths[name] for name in args.paths}, args.rounds)
     rows = []
     for name in args.paths:
         row: dict[str, object] = {**base, "path": name}
         if name == "auto":
             row["backend"], row["fwd_backend"] = auto["fwd_bwd"], auto["fwd"]
-        try:
-            res = paths[name]()
-        except torch.OutOfMemoryError:
-            row["error"] = "out of memory"
-            torch.cuda.empty_cache()
+        res = measured[name]
+        if isinstance(res, str):
+            row["error"] = res
             rows.append(row)
             print(row, flush=True)
             continue
@@ -186,6 +189,34 @@ def bench_config(
                 for step in ("fwd", "fwd_bwd"):
                     row[f"{step}_{key}"] = row[f"{step}_tflops"] / top[f"{step}_tflops"]
     return rows
+
+
+def measure_in_rounds(
+    paths: dict[str, Callable[[], dict[str, float]]], rounds: int
+) -> dict[str, dict[str, float] | str]:
+    """Each path's measurement, taken ``rounds`` times in turn (every path once per round, so
+    all see the same state of the machine: clocks, the host's load after a compile), combined
+    into the median time and the largest peak per step; ``"out of memory"`` for a path that did
+    not fit (not measured again)."""
+    taken: dict[str, list[dict[str, float]]] = {name: [] for name in paths}
+    failed: dict[str, str] = {}
+    for _ in range(rounds):
+        for name, measure in paths.items():
+            if name in failed:
+                continue
+            try:
+                taken[name].append(measure())
+            except torch.OutOfMemoryError:
+                failed[name] = "out of memory"
+                torch.cuda.empty_cache()
+    combined: dict[str, dict[str, float] | str] = dict(failed)
+    for name, results in taken.items():
+        if name not in failed:
+            combined[name] = {
+                key: (max if key.endswith("_bytes") else statistics.median)(r[key] for r in results)
+                for key in results[0]
+            }
+    return combined
 
 
 def _plot(rows: list[dict[str, object]], path: Path) -> None:
@@ -239,6 +270,10 @@ def main() -> None:
     parser.add_argument(
         "--min-ms", type=float, default=0.0,
         help="time more runs where --repeats of them take less than this (ms) in all",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="measure every path of a cell this many times in turn; the median is kept",
     )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help=OUT_HELP)
     args = parser.parse_args()

@@ -47,3 +47,23 @@ def test_short_calls_are_timed_until_min_ms_is_filled() -> None:
     time_cuda(lambda: call("long", 0.02), warmup=0, repeats=3, device=cpu, min_ms=40.0)
     assert 5 <= calls["short"] <= 20  # about 40 / 2 (sleep overshoots, never undershoots)
     assert calls["long"] == 3
+
+
+def test_rounds_take_every_path_in_turn_and_keep_medians() -> None:
+    """``bench_dilated.measure_in_rounds``: path after path within a round, median times, the
+    largest peak, and a path that ran out of memory is not measured again."""
+    import bench_dilated
+
+    order: list[str] = []
+    counts = {"a": 0, "b": 0}
+
+    def path(name: str) -> dict[str, float]:
+        order.append(name)
+        counts[name] += 1
+        if name == "b" and counts["b"] == 2:
+            raise torch.OutOfMemoryError("test")
+        return {"fwd_ms": float(counts[name] % 3), "fwd_peak_bytes": float(counts[name])}
+
+    measured = bench_dilated.measure_in_rounds({n: lambda n=n: path(n) for n in "ab"}, rounds=3)
+    assert order == ["a", "b", "a", "b", "a"]
+    assert measured == {"a": {"fwd_ms": 1.0, "fwd_peak_bytes": 3.0}, "b": "out of memory"}
