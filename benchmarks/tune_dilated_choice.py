@@ -15,7 +15,8 @@ process, written by
     python benchmarks/bench_dilated.py --schedules longnet --seq-lens 131072 262144 524288 \\
         --paths triton flash_attn4 --out benchmarks/results/dilated_tuning1_h100   # 2, 3
 
-and the same with ``--kv-heads 4`` to the ``_gqa`` names (``dilated_tuning_gqa1_h100``). For every
+and the same with ``--kv-heads 4`` to the ``_gqa`` names (``dilated_tuning_gqa1_h100``), with two
+more GQA runs at 1M (``dilated_tuning_1m_gqa<i>_h100``), where one cell's runs disagreed. For every
 cell (shared key/value heads or not, forward only or forward+backward, head dim, causal or not) and
 every measured length it takes each path's median time over the runs of its ``flash_attn4`` and
 ``triton`` rows, leaving out runs whose peak memory passed :data:`MAX_MEMORY_RATIO` of the
@@ -45,12 +46,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from dilated_attention.backends.slots_thresholds import TABLE_FILE, cell_key  # noqa: E402
 
-RECORDS = tuple(
-    name
-    for kind in ("", "_gqa")
-    for name in (f"dilated{kind}_h100", f"dilated_threshold{kind}_h100",
-                 *(f"dilated_tuning{kind}{run}_h100" for run in (1, 2, 3)))
-)  # fmt: skip
+RECORDS = (
+    *(f"dilated{kind}_h100" for kind in ("", "_gqa")),
+    *(f"dilated_threshold{kind}_h100" for kind in ("", "_gqa")),
+    *(f"dilated_tuning{kind}{run}_h100" for kind in ("", "_gqa") for run in (1, 2, 3)),
+    "dilated_tuning_1m_gqa1_h100",
+    "dilated_tuning_1m_gqa2_h100",
+)
 PATHS = ("flash_attn4", "triton")
 STEPS = (("forward", "fwd"), ("training", "fwd_bwd"))
 #: A path whose peak memory passed this share of the unavoidable bytes is not a candidate.
