@@ -277,6 +277,9 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help=OUT_HELP)
     args = parser.parse_args()
+    if args.rounds < 1 or args.min_ms < 0:
+        parser.error(f"--rounds must be at least 1 and --min-ms at least 0, got {args.rounds} "
+                     f"and {args.min_ms}")  # fmt: skip
     if not torch.cuda.is_available():
         raise SystemExit("bench_dilated.py needs a CUDA device")
     causal_flags = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
