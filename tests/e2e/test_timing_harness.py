@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import sys
-import time
+import types
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import _timing
 from _timing import time_cuda, time_fwd_and_fwd_bwd
 
 
@@ -33,20 +35,23 @@ def test_upstream_gradient_exists_only_for_forward_and_backward() -> None:
     assert set(result) == {"fwd_ms", "fwd_bwd_ms"} and x.grad is None
 
 
-def test_short_calls_are_timed_until_min_ms_is_filled() -> None:
-    """``min_ms`` adds runs where ``repeats`` would measure less than it; longer calls keep
-    ``repeats``."""
+def test_short_calls_are_timed_until_min_ms_is_filled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``min_ms`` adds runs where ``repeats`` would measure less than it, as many as the first
+    timed run says fill it; longer calls keep ``repeats``. Timed on a clock each call advances,
+    so the counts are exact."""
+    now = [0.0]
+    monkeypatch.setattr(_timing, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     calls = {"short": 0, "long": 0}
 
     def call(kind: str, seconds: float) -> None:
         calls[kind] += 1
-        time.sleep(seconds)
+        now[0] += seconds
 
     cpu = torch.device("cpu")
-    time_cuda(lambda: call("short", 0.002), warmup=0, repeats=3, device=cpu, min_ms=40.0)
+    short = time_cuda(lambda: call("short", 0.002), warmup=0, repeats=3, device=cpu, min_ms=40.0)
     time_cuda(lambda: call("long", 0.02), warmup=0, repeats=3, device=cpu, min_ms=40.0)
-    assert 5 <= calls["short"] <= 20  # about 40 / 2 (sleep overshoots, never undershoots)
-    assert calls["long"] == 3
+    assert calls == {"short": 20, "long": 3}  # 40 / 2 runs; 3 runs of 20 already fill 40 ms
+    assert short["median_ms"] == pytest.approx(2.0)
 
 
 def test_rounds_take_every_path_in_turn_and_keep_medians() -> None:
