@@ -72,3 +72,17 @@ def test_rounds_take_every_path_in_turn_and_keep_medians() -> None:
     measured = bench_dilated.measure_in_rounds({n: lambda n=n: path(n) for n in "ab"}, rounds=3)
     assert order == ["a", "b", "a", "b", "a"]
     assert measured == {"a": {"fwd_ms": 1.0, "fwd_peak_bytes": 3.0}, "b": "out of memory"}
+
+
+@pytest.mark.parametrize("argv", [["--rounds", "0"], ["--min-ms", "-1"]])
+def test_bench_dilated_refuses_bad_rounds_and_min_ms(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused by argparse before any work (or the CUDA check), naming both arguments."""
+    import bench_dilated
+
+    monkeypatch.setattr(sys, "argv", ["bench_dilated.py", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        bench_dilated.main()
+    assert exit_info.value.code == 2
+    assert "--rounds must be at least 1 and --min-ms at least 0" in capsys.readouterr().err
