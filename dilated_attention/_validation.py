@@ -382,3 +382,75 @@ def check_heads(embed_dim: object, num_heads: object, num_kv_heads: object | Non
             f"num_kv_heads={kv}; pick num_kv_heads among the divisors of {num_heads}"
         )
     return kv
+
+
+def check_window_size(window_size: object) -> tuple[int, int] | None:
+    """Check a local window ``(left, right)`` (FlashAttention's convention, ``-1`` = unbounded
+    on that side; Note [Local windows, soft-capping and sinks] in ``core/sinks.py``). Returns
+    None for no window (None, or ``(-1, -1)``)."""
+    if window_size is None:
+        return None
+    fix = "e.g. window_size=(W - 1, 0) with is_causal=True for a sliding window of W tokens"
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(
+            f"window_size must be None or a pair (left, right) of ints, got "
+            f"window_size={window_size!r}; {fix}"
+        )
+    for side in window_size:
+        if isinstance(side, bool) or not isinstance(side, numbers.Integral):
+            raise TypeError(
+                f"window_size must be a pair of ints, got window_size={window_size!r}; {fix}"
+            )
+        if side < -1:
+            raise ValueError(
+                f"window_size sides must be >= 0, or -1 for unbounded, got "
+                f"window_size={tuple(window_size)!r}; {fix}"
+            )
+    left, right = (int(side) for side in window_size)
+    return None if (left, right) == (-1, -1) else (left, right)
+
+
+def check_softcap(softcap: object) -> float | None:
+    """Check an optional soft-cap ``c`` of the scores (``s -> c * tanh(s / c)``): a positive
+    finite float, or None (0 also means none, as in FlashAttention)."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(
+            f"softcap must be a positive float or None, got softcap={softcap!r} "
+            f"({type(softcap).__name__}); e.g. softcap=50.0 as in Gemma 2"
+        )
+    if float(softcap) == 0.0:
+        return None
+    if not 0.0 < float(softcap) < math.inf:
+        raise ValueError(
+            f"softcap must be a positive finite float (or None / 0 for no cap), got "
+            f"softcap={softcap!r}; e.g. softcap=50.0 as in Gemma 2"
+        )
+    return float(softcap)
+
+
+def check_sinks(sinks: object, query: torch.Tensor) -> torch.Tensor | None:
+    """Check optional attention sinks: a floating (H,) tensor, one logit per query head of the
+    (B, N, H, D) ``query``, on its device."""
+    if sinks is None:
+        return None
+    heads = query.shape[2]
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(
+            f"sinks must be a tensor of shape (num_heads={heads},) or None, got "
+            f"{type(sinks).__name__}; e.g. sinks=torch.zeros({heads}, requires_grad=True)"
+        )
+    if sinks.shape != (heads,):
+        raise ValueError(
+            f"sinks must have shape (num_heads,) = ({heads},), one logit per query head, got "
+            f"sinks.shape={tuple(sinks.shape)}"
+        )
+    if not sinks.is_floating_point():
+        raise ValueError(f"sinks must be a floating tensor, got sinks.dtype={sinks.dtype}")
+    if sinks.device != query.device:
+        raise ValueError(
+            f"sinks must be on the query's device {query.device}, got sinks.device="
+            f"{sinks.device}; move them with sinks.to(query.device)"
+        )
+    return sinks

@@ -565,9 +565,8 @@ def run(
         ``out`` (B, Nq, H, D) and ``lse`` (B, H, Nq), not differentiable.
 
     Raises:
-        RuntimeError: block-sparse attention under ``torch.export``: the pattern is a key into
-            this process's table (Note [Patterns as operator arguments]), which an exported
-            program cannot carry.
+        RuntimeError: block-sparse attention under ``torch.export``: its pattern is a key into
+            this process's table (Note [Patterns as operator arguments]).
     """
     kind, options = _options(request)
     return _call(kind, q, k, v, key_padding_mask, *options)
@@ -580,6 +579,7 @@ def route(
     v: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
     return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Run a checked request: through its operator where a tracer or a torch.func transform
     sees the call (:func:`is_traced`), else resolved and run eagerly (``resolve.execute``).
@@ -587,13 +587,14 @@ def route(
     Args:
         request: the call, as the public function described it.
         q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D); key_padding_mask: (B, Nk) bool or None.
-        return_lse: also return the merged log-sum-exp.
+        return_lse: also return the merged log-sum-exp; sinks: (H,) attention sinks, or None.
 
     Returns:
         ``out`` (B, Nq, H, D), or ``(out, lse)`` with ``lse`` (B, H, Nq) detached.
     """
-    if is_traced(q, k, v, key_padding_mask):
+    if is_traced(q, k, v, key_padding_mask, sinks):
+        request.check_traceable()
         out, lse = run(request, q, k, v, key_padding_mask)
     else:
-        out, lse = execute(request, q, k, v, key_padding_mask)
+        out, lse = execute(request, q, k, v, key_padding_mask, sinks)
     return (out, lse) if return_lse else out

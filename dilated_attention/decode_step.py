@@ -123,12 +123,13 @@ def static_decode(
     v: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
     fields: dict[str, Any],
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A checked causal dilated call on new tokens with this layer's static cache: q
-    (B, n, H, D), k and v (B, n, Hkv, D), key_padding_mask (B, n) over the new keys ->
-    ``(out, lse)``. One token per row into filled buffers is the static step; a prompt or a
-    chunk runs eagerly (Note [A decode step with static shapes]). Resolved before the cache
-    changes: a refused call leaves it as it was.
+    (B, n, H, D), k and v (B, n, Hkv, D), key_padding_mask (B, n) over the new keys, sinks
+    (H,) or None -> ``(out, lse)``. One token per row into filled buffers is the static step;
+    a prompt or a chunk runs eagerly (Note [A decode step with static shapes]). Resolved
+    before the cache changes: a refused call leaves it as it was.
 
     Raises:
         ValueError: dropout, a prompt or chunk under a tracer, a step that needs gradients,
@@ -141,18 +142,18 @@ def static_decode(
         )
     new = Inputs(q, k, v, key_padding_mask)
     if cache.key is not None and q.shape[1] == 1:
-        return _token_step(cache, new, fields)
+        return _token_step(cache, new, fields, sinks)
     if is_traced(q, k, v, key_padding_mask):
         raise ValueError(
             "a prompt or a chunk of several tokens into a StaticDilatedKVCache runs eagerly "
             "(it reads positions on the host): run the prompt before torch.compile or CUDA "
             "graph capture, and compile or capture the one-token step"
         )
-    return _rows(cache, new, fields)
+    return _rows(cache, new, fields, sinks)
 
 
 def _token_step(
-    cache: StaticDilatedKVCache, new: Inputs, fields: dict[str, Any]
+    cache: StaticDilatedKVCache, new: Inputs, fields: dict[str, Any], sinks: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The static step: one token per row at each row's position (no host synchronization);
     ``new``: the tokens' q (B, 1, H, D), k and v (B, 1, Hkv, D) and mask (B, 1) or None."""
@@ -162,19 +163,26 @@ def _token_step(
     request = Request.of(
         DECODE, q, cache.key, cache.value, static=True, **{**fields, "has_mask": has_mask}
     )
-    traced = is_traced(q, k, v, key_padding_mask)
+    traced = is_traced(q, k, v, key_padding_mask, sinks)
+    if traced and (sinks is not None or fields.get("softcap") is not None):
+        raise ValueError(
+            "softcap and sinks are not supported in a compiled static decode step yet: decode "
+            "eagerly (the eager step reads no host state either, so a CUDA graph can capture it)"
+        )
     strategy = None if traced else _strategy(request)  # refused before the cache changes
     cache.check_capacity(1)
     k, v = hide_masked_keys(k, v, key_padding_mask)
     cache.write_token(k, v, key_padding_mask)
     tensors = (q, cache.key, cache.value, cache.key_padding_mask, cache.lengths)
-    result = strategy.run_at(*tensors) if strategy else _traced_step(request, *tensors)
+    result = (
+        strategy.run_at(*tensors, sinks=sinks) if strategy else _traced_step(request, *tensors)
+    )
     cache.lengths.add_(1)
     return result
 
 
 def _rows(
-    cache: StaticDilatedKVCache, new: Inputs, fields: dict[str, Any]
+    cache: StaticDilatedKVCache, new: Inputs, fields: dict[str, Any], sinks: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A prompt (an empty cache) or a chunk of tokens, every row at one position: the keys the
     new tokens (``new``: q (B, n, H, D), k and v (B, n, Hkv, D), mask (B, n) or None) read from
@@ -205,7 +213,7 @@ def _rows(
     if cache.key is None:
         cache.allocate(k)
     cache.write_rows(k, v, key_padding_mask, first)
-    return strategy.run(q, keys, values, mask)
+    return strategy.run(q, keys, values, mask, sinks)
 
 
 def _mask_or_none(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,9 @@ def attention(
     backend: str | None = None,
     return_lse: bool = False,
     cu_seqlens: torch.Tensor | list[int] | None = None,
+    window_size: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> Output:
     """Dense softmax attention through the backend layer.
 
@@ -63,6 +66,13 @@ def attention(
         cu_seqlens: packed documents, each attending only within itself: their offsets among
             the ``B * N`` positions read row after row, from 0 to ``B * N``, every row start
             among them (Note [Packed documents] in ``core/documents.py``); Nq == Nk.
+        window_size: ``(left, right)``: position ``p`` sees keys ``p - left`` to ``p + right``
+            (``-1``: unbounded on that side; FlashAttention's convention), with causality and
+            every mask; a query shorter than the key holds its last positions. A sliding window
+            of ``W`` tokens is ``(W - 1, 0)`` with ``is_causal=True``.
+        softcap: every scaled score ``s`` becomes ``softcap * tanh(s / softcap)`` (Gemma 2).
+        sinks: (H,) logits, one per query head: a key with zero value in every row's
+            denominator (gpt-oss), with its gradient. The ``lse`` returned includes it.
 
     Returns:
         ``out`` (B, Nq, H, D) in the input dtype, or ``(out, lse)`` with ``lse`` (B, H, Nq) float32
@@ -83,16 +93,18 @@ def attention(
     V.check_bool("return_lse", return_lse)
     V.check_causal_lengths(q, k, is_causal, "attention")
     V.check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[1], q.device)
+    sinks = V.check_sinks(sinks, q)
     fields = dict(
         is_causal=is_causal, has_mask=key_padding_mask is not None,
         dropout_p=V.check_dropout("dropout_p", dropout_p), scale=V.check_scale(scale),
-        backend=check_backend_name(backend),
+        backend=check_backend_name(backend), window=V.check_window_size(window_size),
+        softcap=V.check_softcap(softcap), sinks=sinks is not None,
     )  # fmt: skip
     if cu_seqlens is not None:
         documents = check_cu_seqlens(cu_seqlens, q, k)
-        return _packed(DENSE, documents, q, k, v, key_padding_mask, fields, return_lse)
+        return _packed(DENSE, documents, q, k, v, key_padding_mask, fields, return_lse, sinks)
     request = Request.of(DENSE, q, k, v, **fields)
-    return compiled.route(request, q, k, v, key_padding_mask, return_lse)
+    return compiled.route(request, q, k, v, key_padding_mask, return_lse, sinks)
 
 
 def dilated_attention(
@@ -110,6 +122,9 @@ def dilated_attention(
     return_lse: bool = False,
     cache: Cache | None = None,
     cu_seqlens: torch.Tensor | list[int] | None = None,
+    window_size: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> Output:
     """LongNet dilated attention with exact branch mixing (LongNet Eq. 10) and exact gradients.
 
@@ -148,6 +163,14 @@ def dilated_attention(
             keys.
         cu_seqlens: packed documents, as in :func:`attention`, each segmented as if alone; with
             an empty ``cache`` a prompt (Note [A packed prompt] in ``core/documents.py``).
+        window_size: ``(left, right)``: one more branch, a local window across segments (each
+            position sees keys ``p - left`` to ``p + right``, as in :func:`attention`), joined
+            to the others in the union (Note [A local window as a branch] in
+            ``resolve/windows.py``). Not with ``cache`` or a query shorter than the key yet.
+        softcap: every scaled score ``s`` becomes ``softcap * tanh(s / softcap)``, in every
+            branch.
+        sinks: (H,) logits, as in :func:`attention`: counted once in the denominator of the
+            union of the branches.
 
     Returns:
         As :func:`attention` (``out``, or ``out`` and a detached ``lse`` (B, H, N)); rows no
@@ -164,17 +187,28 @@ def dilated_attention(
     V.check_bool("return_lse", return_lse)
     V.check_decoding_lengths(q, k, is_causal)
     V.check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[1], q.device)
+    sinks = V.check_sinks(sinks, q)
+    window = V.check_window_size(window_size)
+    if window is not None and (cache is not None or q.shape[1] != k.shape[1]):
+        raise ValueError(
+            f"window_size={window_size!r} in dilated_attention runs whole sequences only (no "
+            f"cache, query as long as the key) yet; decode a windowed layer with attention("
+            f"..., window_size=...) over its keys, or call without window_size"
+        )
     fields = dict(
         is_causal=is_causal, has_mask=key_padding_mask is not None,
         dropout_p=V.check_dropout("dropout_p", dropout_p), scale=V.check_scale(scale),
-        backend=check_backend_name(backend), schedule=schedule,
+        backend=check_backend_name(backend), schedule=schedule, window=window,
+        softcap=V.check_softcap(softcap), sinks=sinks is not None,
     )  # fmt: skip
     if cu_seqlens is not None:
-        return _packed_dilated(cu_seqlens, cache, q, k, v, key_padding_mask, fields, return_lse)
+        return _packed_dilated(
+            cu_seqlens, cache, q, k, v, key_padding_mask, fields, return_lse, sinks
+        )
     if cache is not None:
-        return _decode(cache, q, k, v, key_padding_mask, fields, return_lse)
+        return _decode(cache, q, k, v, key_padding_mask, fields, return_lse, sinks)
     request = Request.of(dilated_operation(q.shape[1], k.shape[1]), q, k, v, **fields)
-    return compiled.route(request, q, k, v, key_padding_mask, return_lse)
+    return compiled.route(request, q, k, v, key_padding_mask, return_lse, sinks)
 
 
 def block_sparse_attention(
@@ -189,6 +223,8 @@ def block_sparse_attention(
     backend: str | None = None,
     return_lse: bool = False,
     cu_seqlens: torch.Tensor | list[int] | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> Output:
     """Dense attention restricted to the block pairs ``pattern`` keeps (and causal, when asked).
 
@@ -229,6 +265,7 @@ def block_sparse_attention(
         return_lse: also return the log-sum-exp.
         cu_seqlens: packed documents, as in :func:`attention`: each document's blocks count
             from its own first token, and no block pair crosses documents.
+        softcap, sinks: as in :func:`attention`.
 
     Returns:
         ``out`` (B, Nq, H, D) in the input dtype, or ``(out, lse)`` with ``lse`` (B, H, Nq)
@@ -246,15 +283,17 @@ def block_sparse_attention(
     V.check_bool("is_causal", is_causal)
     V.check_bool("return_lse", return_lse)
     V.check_causal_lengths(q, k, is_causal, "block_sparse_attention")
+    sinks = V.check_sinks(sinks, q)
     fields = dict(
         pattern=pattern, block_size=block_size, is_causal=is_causal, scale=V.check_scale(scale),
-        backend=check_backend_name(backend),
+        backend=check_backend_name(backend), softcap=V.check_softcap(softcap),
+        sinks=sinks is not None,
     )  # fmt: skip
     if cu_seqlens is not None:
         documents = check_cu_seqlens(cu_seqlens, q, k)
-        return _packed(BLOCK_SPARSE, documents, q, k, v, None, fields, return_lse)
+        return _packed(BLOCK_SPARSE, documents, q, k, v, None, fields, return_lse, sinks)
     request = Request.of(BLOCK_SPARSE, q, k, v, **fields)  # type: ignore[arg-type]
-    return compiled.route(request, q, k, v, None, return_lse)
+    return compiled.route(request, q, k, v, None, return_lse, sinks)
 
 
 def _decode(
@@ -265,6 +304,7 @@ def _decode(
     key_padding_mask: torch.Tensor | None,
     fields: dict[str, object],
     return_lse: bool,
+    sinks: torch.Tensor | None = None,
 ) -> Output:
     """A checked dilated call on new tokens with their layer's cache: q (B, n, H, D), k and v
     (B, n, Hkv, D), key_padding_mask (B, n) over the new keys -> ``out`` or ``(out, lse)``.
@@ -274,7 +314,7 @@ def _decode(
     assert isinstance(schedule, Schedule)  # dilated_attention's fields
     check_cache_call(cache, schedule.segment_lengths, schedule.dilation_rates, q, k, is_causal)
     if isinstance(cache, StaticDilatedKVCache):
-        out, lse = decode_step.static_decode(cache, q, k, v, key_padding_mask, fields)
+        out, lse = decode_step.static_decode(cache, q, k, v, key_padding_mask, fields, sinks)
         return (out, lse) if return_lse else out
     if compiled.is_traced(q, k, v, key_padding_mask):
         raise ValueError(
@@ -288,7 +328,7 @@ def _decode(
     strategy = resolve(request)
     k, v = hide_masked_keys(k, v, key_padding_mask)  # the cache keeps them so: no copy per token
     k, v, key_padding_mask, _ = cache.append(k, v, key_padding_mask)
-    out, lse = strategy.run(q, k, v, key_padding_mask)
+    out, lse = strategy.run(q, k, v, key_padding_mask, sinks)
     return (out, lse) if return_lse else out
 
 
@@ -301,19 +341,20 @@ def _packed_dilated(
     key_padding_mask: torch.Tensor | None,
     fields: dict[str, object],
     return_lse: bool,
+    sinks: torch.Tensor | None = None,
 ) -> Output:
     """Checked dilated attention on packed documents; with a ``cache`` a packed prompt (Note [A
     packed prompt] in ``core/documents.py``): the packed call, then each row's last document's
     keys and values into the cache, which is checked first."""
     documents = check_cu_seqlens(cu_seqlens, q, k, cache)
     if cache is None:
-        return _packed(DILATED, documents, q, k, v, key_padding_mask, fields, return_lse)
+        return _packed(DILATED, documents, q, k, v, key_padding_mask, fields, return_lse, sinks)
     schedule = fields["schedule"]
     assert isinstance(schedule, Schedule)  # dilated_attention's fields
     check_cache_call(
         cache, schedule.segment_lengths, schedule.dilation_rates, q, k, bool(fields["is_causal"])
     )
-    result = _packed(DILATED, documents, q, k, v, key_padding_mask, fields, return_lse)
+    result = _packed(DILATED, documents, q, k, v, key_padding_mask, fields, return_lse, sinks)
     tail = slice(q.shape[1] - last_document(documents, *q.shape[:2]), None)
     mask = None if key_padding_mask is None else key_padding_mask[:, tail]
     k, v = hide_masked_keys(k[:, tail], v[:, tail], mask)
@@ -335,6 +376,7 @@ def _packed(
     key_padding_mask: torch.Tensor | None,
     fields: dict[str, object],
     return_lse: bool,
+    sinks: torch.Tensor | None = None,
 ) -> Output:
     """A checked call on packed documents (Note [Packed documents] in ``core/documents.py``):
     q (B, N, H, D), k and v (B, N, Hkv, D) as one row of their documents, run, and the results
@@ -347,6 +389,6 @@ def _packed(
     batch, seq_len = q.shape[:2]
     qf, kf, vf, mask = (flatten(x) for x in (q, k, v, key_padding_mask))
     request = Request.of(operation, qf, kf, vf, documents=documents, **fields)  # type: ignore[arg-type]
-    out, lse = compiled.route(request, qf, kf, vf, mask, return_lse=True)  # type: ignore[arg-type]
+    out, lse = compiled.route(request, qf, kf, vf, mask, True, sinks)  # type: ignore[arg-type]
     out, lse = unflatten(out, lse, batch, seq_len)
     return (out, lse) if return_lse else out

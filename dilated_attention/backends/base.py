@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..core.contract import KernelOutput
+from ..core.contract import KernelOutput, Window
 from ..core.hidden import poisoned
 from ..core.reference import reference_backward, reference_forward
 
@@ -55,6 +55,14 @@ class KernelInputs:
     # Rows holding packed documents (Note [Packed documents] in core/documents.py): the
     # executor runs each document's segments as their own calls.
     documents: bool = False
+    # Soft-capped scores, a local window over the rows (Note [Scores a kernel call transforms]
+    # in core/contract.py).
+    softcap: bool = False
+    window: bool = False
+    # Attention sinks (Note [Local windows, soft-capping and sinks] in core/sinks.py): they join
+    # every path's result under the one autograd Function, so only kernels with an autograd of
+    # their own refuse them.
+    sinks: bool = False
 
     @classmethod
     def from_tensors(
@@ -110,10 +118,25 @@ def _reduce_kv(dx: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return dx.view(batch, rows, num_kv_heads, heads // num_kv_heads, dim).sum(dim=3)
 
 
+def _score_options(softcap: float | None, window: Window | None) -> dict[str, object]:
+    """The ``softcap`` / ``window`` keywords a kernel call passes on: only those asked for, so a
+    backend that applies neither never receives them (Note [Scores a kernel call transforms])."""
+    options: dict[str, object] = {}
+    if softcap is not None:
+        options["softcap"] = softcap
+    if window is not None:
+        options["window"] = window
+    return options
+
+
 def rows_without_keys(
-    key_mask: torch.Tensor, num_heads: int, query_len: int, is_causal: bool
+    key_mask: torch.Tensor,
+    num_heads: int,
+    query_len: int,
+    is_causal: bool,
+    window: Window | None = None,
 ) -> torch.Tensor:
-    """Which query rows see no key at all under ``key_mask`` (and causality).
+    """Which query rows see no key at all under ``key_mask`` (and causality, and ``window``).
 
     Args:
         key_mask: (B, Hm, Nk) bool, ``True`` = ignore.
@@ -122,6 +145,14 @@ def rows_without_keys(
         (B, H, Nq) bool.
     """
     batch, _, key_len = key_mask.shape
+    if window is not None:  # every (row, key) pair: windows are for kernels that take them
+        rows = torch.arange(query_len, device=key_mask.device).view(-1, 1)
+        keys = torch.arange(key_len, device=key_mask.device).view(1, -1)
+        hidden = window.hides(rows, keys, key_len - query_len)
+        if is_causal:
+            hidden = hidden | (torch.arange(key_len, device=key_mask.device) > rows)
+        empty = (key_mask[:, :, None, :] | hidden).all(dim=-1)
+        return empty.expand(batch, num_heads, query_len)
     if is_causal:
         # Row i sees keys 0..i: it is empty when that whole prefix is masked.
         prefix_masked = torch.cummin(key_mask.to(torch.uint8), dim=-1).values.bool()
@@ -156,6 +187,10 @@ class Backend:
     supports_mask: ClassVar[bool] = False
     supports_dropout: ClassVar[bool] = False
     supports_backward: ClassVar[bool] = True
+    # Soft-capped scores and local windows (Note [Scores a kernel call transforms] in
+    # core/contract.py): a kernel that applies them receives ``softcap`` / ``window`` keywords.
+    supports_softcap: ClassVar[bool] = False
+    supports_window: ClassVar[bool] = False
     native_gqa: ClassVar[bool] = True
     # True when the kernel already returns lse = -inf for rows whose keys are all masked.
     empty_rows_have_neg_inf_lse: ClassVar[bool] = False
@@ -241,6 +276,10 @@ class Backend:
             reasons.append("no dropout")
         if inputs.requires_grad and not self.supports_backward:
             reasons.append("no backward (inference only)")
+        if inputs.softcap and not self.supports_softcap:
+            reasons.append("no soft-capping (softcap)")
+        if inputs.window and not self.supports_window:
+            reasons.append("no local window (window_size)")
         return reasons
 
     # -- compute ----------------------------------------------------------------------------------
@@ -255,6 +294,8 @@ class Backend:
         key_mask: torch.Tensor | None = None,
         dropout_p: float = 0.0,
         into: KernelOutput | None = None,
+        softcap: float | None = None,
+        window: Window | None = None,
     ) -> KernelOutput:
         """Attention over these rows.
 
@@ -262,28 +303,31 @@ class Backend:
             q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D); key_mask: (B, Hm, Nk) bool or None.
             into: ``out`` (B, Nq, H, D) and ``lse`` (B, H, Nq) to write the result into where
                 the kernel can (``writes_into``); the result returned may be other tensors.
+            softcap, window: Note [Scores a kernel call transforms] in ``core/contract.py``.
 
         Returns:
             :class:`KernelOutput` with ``out`` (B, Nq, H, D) and ``lse`` (B, H, Nq).
         """
         heads = q.shape[2]
+        scores = _score_options(softcap, window)
         if min(q.shape[1], k.shape[1]) < self.min_rows:
             out, lse = reference_forward(
-                q, k, v, scale=scale, is_causal=is_causal, key_mask=key_mask, dropout_p=dropout_p
-            )
+                q, k, v, scale=scale, is_causal=is_causal, key_mask=key_mask,
+                dropout_p=dropout_p, **scores,
+            )  # fmt: skip
             return KernelOutput(out, lse)
         kk, vv = (k, v) if self.native_gqa else (_expand_kv(k, heads), _expand_kv(v, heads))
         res = self._forward(
             q, kk, vv, scale=scale, is_causal=is_causal, key_mask=key_mask, dropout_p=dropout_p,
-            **self._into(into),
+            **self._into(into), **scores,
         )  # fmt: skip
-        if self._rerun_exact(is_causal, key_mask, dropout_p, res.out):
+        if self._rerun_exact(is_causal, key_mask, dropout_p, res.out, window=window):
             out, lse = reference_forward(
-                q, k, v, scale=scale, is_causal=is_causal, key_mask=key_mask
+                q, k, v, scale=scale, is_causal=is_causal, key_mask=key_mask, **scores
             )
             return KernelOutput(out, lse)
         if key_mask is not None and not self.empty_rows_have_neg_inf_lse:
-            empty = rows_without_keys(key_mask, heads, q.shape[1], is_causal)
+            empty = rows_without_keys(key_mask, heads, q.shape[1], is_causal, window)
             res.lse = res.lse.masked_fill(empty, float("-inf"))
         return res
 
@@ -302,6 +346,8 @@ class Backend:
         key_mask: torch.Tensor | None = None,
         dropout_p: float = 0.0,
         into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        softcap: float | None = None,
+        window: Window | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients for these rows given ``out`` and ``lse``, which may be merged statistics
         (``into``: buffers shaped like ``(q, k, v)`` to write them into, as in :meth:`forward`).
@@ -313,22 +359,25 @@ class Backend:
             ``(dq, dk, dv)`` shaped like ``(q, k, v)``.
         """
         kv_heads = k.shape[2]
+        scores = _score_options(softcap, window)
         if min(q.shape[1], k.shape[1]) < self.min_rows:
             return reference_backward(
-                dout, q, k, v, out, lse, scale=scale, is_causal=is_causal, key_mask=key_mask
-            )
+                dout, q, k, v, out, lse, scale=scale, is_causal=is_causal, key_mask=key_mask,
+                **scores,
+            )  # fmt: skip
         heads = q.shape[2]
         kk, vv = (k, v) if self.native_gqa else (_expand_kv(k, heads), _expand_kv(v, heads))
         dq, dk, dv = self._backward(
             dout, q, kk, vv, out, _finite_lse(lse), aux,
             scale=scale, is_causal=is_causal, key_mask=key_mask, dropout_p=dropout_p,
-            **self._into(into if kk.shape[2] == kv_heads else None),
+            **self._into(into if kk.shape[2] == kv_heads else None), **scores,
         )  # fmt: skip
         dk, dv = _reduce_kv(dk, kv_heads), _reduce_kv(dv, kv_heads)
-        if self._rerun_exact(is_causal, key_mask, dropout_p, dq, dk, dv):
+        if self._rerun_exact(is_causal, key_mask, dropout_p, dq, dk, dv, window=window):
             return reference_backward(
-                dout, q, k, v, out, lse, scale=scale, is_causal=is_causal, key_mask=key_mask
-            )
+                dout, q, k, v, out, lse, scale=scale, is_causal=is_causal, key_mask=key_mask,
+                **scores,
+            )  # fmt: skip
         return dq, dk, dv
 
     def _rerun_exact(
@@ -337,13 +386,15 @@ class Backend:
         key_mask: torch.Tensor | None,
         dropout_p: float,
         *results: torch.Tensor,
+        window: Window | None = None,
     ) -> bool:
         """Whether a masked CPU call's ``results`` hold a NaN or inf that a hidden key may have
         put there: it then reruns on the plain-PyTorch kernel's exact path (Note [Hidden keys
         cannot poison rows] in core/hidden.py)."""
         if self.exact_on_hidden_keys or dropout_p > 0:
             return False
-        return (is_causal or key_mask is not None) and poisoned(*results)
+        hides = is_causal or key_mask is not None or window is not None
+        return hides and poisoned(*results)
 
     def _into(self, into: object) -> dict[str, object]:
         """``into`` as a keyword of ``_forward`` / ``_backward``, for kernels that write there."""

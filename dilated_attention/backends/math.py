@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from ..core.contract import Window
 from ..core.reference import reference_backward, reference_forward
 from .base import Backend, KernelOutput
 
@@ -24,6 +25,8 @@ class MathBackend(Backend):
     dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
     supports_mask = True
     supports_dropout = True
+    supports_softcap = True
+    supports_window = True
     empty_rows_have_neg_inf_lse = True
     exact_on_hidden_keys = True  # core/reference.py takes the exact path itself
 
@@ -37,6 +40,8 @@ class MathBackend(Backend):
         is_causal: bool,
         key_mask: torch.Tensor | None,
         dropout_p: float,
+        softcap: float | None = None,
+        window: Window | None = None,
     ) -> KernelOutput:
         seed = None
         if dropout_p > 0:
@@ -44,7 +49,7 @@ class MathBackend(Backend):
             seed = int(torch.randint(0, 2**62, (1,)).item())
         out, lse = reference_forward(
             q, k, v, scale=scale, is_causal=is_causal, key_mask=key_mask,
-            dropout_p=dropout_p, dropout_seed=seed,
+            dropout_p=dropout_p, dropout_seed=seed, softcap=softcap, window=window,
         )  # fmt: skip
         return KernelOutput(out, lse, seed)
 
@@ -62,8 +67,10 @@ class MathBackend(Backend):
         is_causal: bool,
         key_mask: torch.Tensor | None,
         dropout_p: float,
+        softcap: float | None = None,
+        window: Window | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return reference_backward(
             dout, q, k, v, out, lse, scale=scale, is_causal=is_causal, key_mask=key_mask,
-            dropout_p=dropout_p, dropout_seed=aux,
+            dropout_p=dropout_p, dropout_seed=aux, softcap=softcap, window=window,
         )  # fmt: skip

@@ -454,7 +454,8 @@ def _block_sparse_triton_reasons(inputs: KernelInputs) -> list[str]:
 
 
 def _block_sparse_flex_reasons(inputs: KernelInputs) -> list[str]:
-    return _BACKENDS["flex"].not_supported_reasons(replace(inputs, has_mask=False))
+    sinks = ["no sinks (its autograd is its own)"] if inputs.sinks else []
+    return sinks + _BACKENDS["flex"].not_supported_reasons(replace(inputs, has_mask=False))
 
 
 def _block_sparse_fa4_reasons(inputs: KernelInputs) -> list[str]:

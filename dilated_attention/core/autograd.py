@@ -10,7 +10,9 @@ Note [One autograd Function]
     ``lse`` and what the runner asks for, replays the runner's backward, and under
     ``create_graph=True`` takes the runner's differentiable recompute
     (Note [Double backward] in ``higher_order.py``) or, where there is none (dropout, ring
-    collectives), gradients that raise the runner's message when differentiated.
+    collectives), gradients that raise the runner's message when differentiated. Attention
+    sinks join the runner's result here, once per row, and the runner's backward gets the
+    joined ``out`` and ``lse`` (Note [Local windows, soft-capping and sinks] in ``sinks.py``).
 
 Shape legend: B batch, Nq/Nk query/key rows, H query heads, Hkv key/value heads, D head dim.
 """
@@ -23,7 +25,8 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from .higher_order import first_order_only
+from .higher_order import first_order_only, no_higher_order_message
+from .sinks import fold_sinks, sink_gradient
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -98,9 +101,24 @@ class FirstOrderOnly:
         return None
 
 
+_SINKS_MESSAGE = no_higher_order_message(
+    "attention with sinks",
+    "the sinks' gradient is computed without a graph",
+    "Call it without sinks for a gradient penalty or other double backward.",
+)
+
+
+def _forward(runner: Runner, x: Inputs, sinks: torch.Tensor | None) -> Forward:
+    """The runner's forward, the sinks joined to its result when given."""
+    result = runner.forward(x)
+    if sinks is not None:
+        result.out, result.lse = fold_sinks(result.out, result.lse, sinks)
+    return result
+
+
 class AttentionFunction(torch.autograd.Function):
-    """``(q, k, v, key_padding_mask, runner) -> (out, lse)`` for any :class:`Runner`; ``lse``
-    not differentiable (Note [One autograd Function])."""
+    """``(q, k, v, key_padding_mask, sinks, runner) -> (out, lse)`` for any :class:`Runner`,
+    ``sinks`` (H,) or None; ``lse`` not differentiable (Note [One autograd Function])."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -109,10 +127,11 @@ class AttentionFunction(torch.autograd.Function):
         k: torch.Tensor,
         v: torch.Tensor,
         key_padding_mask: torch.Tensor | None,
+        sinks: torch.Tensor | None,
         runner: Runner,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        result = runner.forward(Inputs(q, k, v, key_padding_mask))
-        ctx.save_for_backward(q, result.out, result.lse, *result.saved)
+        result = _forward(runner, Inputs(q, k, v, key_padding_mask), sinks)
+        ctx.save_for_backward(q, result.out, result.lse, sinks, *result.saved)
         ctx.runner, ctx.state = runner, result.state
         ctx.mark_non_differentiable(result.lse)
         return result.out, result.lse
@@ -121,19 +140,23 @@ class AttentionFunction(torch.autograd.Function):
     def backward(  # type: ignore[override]
         ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
-        q, out, lse, *saved = ctx.saved_tensors
+        q, out, lse, sinks, *saved = ctx.saved_tensors
         runner: Runner = ctx.runner
         b = Backward(dout, q, out, lse, saved, ctx.state)
-        if torch.is_grad_enabled():  # create_graph=True (Note [Double backward])
+        if torch.is_grad_enabled() and sinks is None:  # create_graph=True (Note [Double backward])
             grads = runner.differentiable_backward(b)
             if grads is not None:
-                return *grads, None, None
+                return *grads, None, None, None
         with torch.no_grad():
             grads = runner.backward(b)
+            dsinks = None
+            if sinks is not None and ctx.needs_input_grad[4]:
+                dsinks = sink_gradient(dout, out, lse, sinks)
         # The saved ``out`` leads back to q, k, v (and ``dout`` to the loss): the error node
         # must lie on those paths (Note [Double backward]).
-        grads = first_order_only(grads, runner.first_order_message, anchors=(out, dout))
-        return *grads, None, None
+        message = runner.first_order_message if sinks is None else _SINKS_MESSAGE
+        grads = first_order_only((*grads, dsinks), message, anchors=(out, dout))
+        return *grads[:3], None, grads[3], None
 
 
 def run_attention(
@@ -142,14 +165,16 @@ def run_attention(
     v: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
     runner: Runner,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of ``runner`` on these inputs, differentiable through
-    :class:`AttentionFunction`: out (B, Nq, H, D), lse (B, H, Nq) detached. Where autograd
-    records nothing (grad mode off, or no input needs a gradient) the runner's forward is
-    called as it is: the Function adds host time (decoding and chunks are host-bound) and
-    would keep nothing."""
-    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-        result = runner.forward(Inputs(q, k, v, key_padding_mask))
+    """``(out, lse)`` of ``runner`` on these inputs, the ``sinks`` (H,) joined when given,
+    differentiable through :class:`AttentionFunction`: out (B, Nq, H, D), lse (B, H, Nq)
+    detached. Where autograd records nothing (grad mode off, or no input needs a gradient) the
+    runner's forward is called as it is: the Function adds host time (decoding and chunks are
+    host-bound) and would keep nothing."""
+    inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
+    if not (torch.is_grad_enabled() and any(x.requires_grad for x in inputs)):
+        result = _forward(runner, Inputs(q, k, v, key_padding_mask), sinks)
         return result.out, result.lse
-    out, lse = AttentionFunction.apply(q, k, v, key_padding_mask, runner)
+    out, lse = AttentionFunction.apply(q, k, v, key_padding_mask, sinks, runner)
     return out, lse

@@ -130,6 +130,7 @@ def run_forward(
     auxes: list[Any],
     dropout_p: float = 0.0,
     merge: Merge | None = merge_rows,
+    softcap: float | None = None,
 ) -> None:
     """Run ``calls`` and merge each result into ``out`` / ``lse`` in place.
 
@@ -141,8 +142,9 @@ def run_forward(
             cover disjoint rows).
         auxes: each call's kernel ``aux`` is appended, in call order.
         merge: how a result merges in (:func:`merge_rows`).
+        softcap: every call's scores soft-capped (Note [Scores a kernel call transforms]).
     """
-    kernel = KernelArgs(backend, scale, dropout_p)
+    kernel = KernelArgs(backend, scale, dropout_p, softcap)
     for call in calls:
         res = call_forward(call, q, k, v, key_padding_mask, kernel)
         auxes.append(res.aux)

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from .contract import KernelBackend, KernelOutput
+from .contract import KernelBackend, KernelOutput, Window
 from .higher_order import RowCall
 
 
@@ -26,7 +26,8 @@ class Call(Protocol):
     """One kernel call of a plan: how it reads its rows and writes them back.
 
     A call reads ``G`` pieces of ``Lq`` query rows with ``Hc`` heads against ``Lk`` key/value
-    rows with ``Hkc`` heads each; the pieces are stacked along the batch dimension.
+    rows with ``Hkc`` heads each; the pieces are stacked along the batch dimension. A call that
+    sees a local window of its rows says so in a ``window`` attribute (:func:`window_of`).
     """
 
     causal: bool  # top-left causal within each piece
@@ -56,11 +57,20 @@ class Call(Protocol):
         ...
 
 
+def window_of(call: Call) -> Window | None:
+    """The local window over ``call``'s rows (Note [Scores a kernel call transforms] in
+    ``contract.py``): :class:`WholeCall` and :class:`SliceCall` may carry one; no other kind
+    of call does."""
+    return getattr(call, "window", None)
+
+
 @dataclass(frozen=True)
 class WholeCall:
-    """Every row of q against every row of k and v, as they are (dense attention)."""
+    """Every row of q against every row of k and v, as they are (dense attention), within
+    ``window`` when one is given."""
 
     causal: bool
+    window: Window | None = None
     reads_all_queries: ClassVar[bool] = True  # Plan.one_call
 
     def q_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,11 +95,13 @@ class WholeCall:
 @dataclass(frozen=True)
 class SliceCall:
     """Query rows ``q`` against key/value rows ``kv``, both slices of positions (views, no
-    copies; ring attention's calls against one key/value block)."""
+    copies; ring attention's calls against one key/value block), within ``window`` (in the
+    slices' own rows) when one is given."""
 
     q: slice
     kv: slice
     causal: bool
+    window: Window | None = None
 
     def q_rows(self, x: torch.Tensor) -> torch.Tensor:
         return x[:, self.q]
@@ -136,6 +148,7 @@ class KernelArgs:
     backend: KernelBackend
     scale: float
     dropout_p: float = 0.0
+    softcap: float | None = None
 
 
 @dataclass(frozen=True)
@@ -186,7 +199,7 @@ def call_forward(
     return kernel.backend.forward(
         call.q_rows(q), call.kv_rows(k), call.kv_rows(v), scale=kernel.scale,
         is_causal=call.causal, key_mask=call.key_mask(key_padding_mask),
-        dropout_p=kernel.dropout_p, into=into,
+        dropout_p=kernel.dropout_p, into=into, softcap=kernel.softcap, window=window_of(call),
     )  # fmt: skip
 
 
@@ -205,5 +218,5 @@ def call_backward(
         call.q_rows(s.dout), call.q_rows(s.q), call.kv_rows(s.k), call.kv_rows(s.v),
         call.q_rows(s.out), _call_lse(call, s.lse_rows), aux, scale=kernel.scale,
         is_causal=call.causal, key_mask=call.key_mask(s.key_padding_mask),
-        dropout_p=kernel.dropout_p, into=into,
+        dropout_p=kernel.dropout_p, into=into, softcap=kernel.softcap, window=window_of(call),
     )  # fmt: skip

@@ -28,6 +28,15 @@ Note [The backend contract]
 
 Shape legend: B batch, Nq/Nk query/key rows, H query heads, Hkv key/value heads, D head dim.
 ``key_mask`` is (B, Hm, Nk) bool with Hm in {1, H}, ``True`` = ignore the key.
+
+Note [Scores a kernel call transforms]
+    Besides causality and the key mask, a call may ask two things of its scores (Note [Local
+    windows, soft-capping and sinks] in ``core/sinks.py`` for the public semantics):
+    ``softcap=c`` (every scaled score ``s`` becomes ``c * tanh(s / c)`` before the softmax; its
+    backward multiplies ``dS`` by ``1 - tanh(s / c) ** 2``), and a :class:`Window` over the
+    call's rows. Both are keyword arguments of ``forward`` and ``backward``, ``None`` when not
+    asked; a backend that cannot apply one says so among its reasons (``supports_softcap``,
+    ``supports_window`` in ``backends/base.py``) and never receives it.
 """
 
 from __future__ import annotations
@@ -37,6 +46,29 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
+
+@dataclass(frozen=True)
+class Window:
+    """The key rows each query row of a kernel call sees (Note [Scores a kernel call
+    transforms]): the call's ``Nq`` query rows stand at its last ``Nq`` key rows (bottom-right,
+    as in FlashAttention), so query row ``i``, at key row ``p = i + Nk - Nq``, sees the key rows
+    ``j`` with ``p - left <= j <= p + right``; ``-1`` leaves that side unbounded. Intersected
+    with causality (top-left, ``j <= i``, on square calls) and the key mask."""
+
+    left: int
+    right: int
+
+    def hides(self, query_rows: torch.Tensor, key_rows: torch.Tensor, shift: int) -> torch.Tensor:
+        """Bool, broadcast of (Lq, 1) query row indices and (1, Lk) key row indices, ``shift``
+        = ``Nk - Nq`` of the call: ``True`` where the key lies outside the window."""
+        at = query_rows + shift
+        outside = torch.zeros_like(at < key_rows)
+        if self.left >= 0:
+            outside = outside | (key_rows < at - self.left)
+        if self.right >= 0:
+            outside = outside | (key_rows > at + self.right)
+        return outside
 
 
 @dataclass
@@ -66,6 +98,8 @@ class KernelBackend(Protocol):
         key_mask: torch.Tensor | None = ...,
         dropout_p: float = ...,
         into: KernelOutput | None = ...,
+        softcap: float | None = ...,
+        window: Window | None = ...,
     ) -> KernelOutput: ...
 
     def backward(
@@ -83,6 +117,8 @@ class KernelBackend(Protocol):
         key_mask: torch.Tensor | None = ...,
         dropout_p: float = ...,
         into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = ...,
+        softcap: float | None = ...,
+        window: Window | None = ...,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 

@@ -56,6 +56,7 @@ import functools
 import torch
 
 from .calls import SliceCall, put_view
+from .contract import Window
 from .higher_order import RowCall, flat_rows
 from .plan import Plan
 from .segment import effective_branches
@@ -373,16 +374,27 @@ def decode_plan(
 
 
 @functools.lru_cache(maxsize=64)
-def dense_decode_plan(query_len: int, key_len: int) -> Plan:
+def dense_decode_plan(
+    query_len: int, key_len: int, window: tuple[int, int] | None = None
+) -> Plan:
     """The executor's plan of causal dense attention for queries at the last ``query_len`` of
     ``key_len`` positions (``query_len < key_len``; the public convention, Note [Decoding rows]):
     query row ``i`` is position ``key_len - query_len + i`` and sees the keys up to it. The
     kernels' causal mask is top-left (query ``i`` sees key ``j <= i``), so the keys before the
     first query are one call without a mask and the queries' own positions one square causal
-    call; one query is a single call against every key."""
-    if query_len == 1:
-        return Plan.dense(False)
+    call; one query is a single call against every key. With a local ``window`` ``(left,
+    right)`` over the positions (Note [Local windows, soft-capping and sinks] in ``sinks.py``)
+    it is one call over the keys from ``left`` positions before the first query: a windowed
+    layer's decoding reads its window, not every key."""
     first, rows = key_len - query_len, slice(0, query_len)
-    return Plan(
-        (SliceCall(rows, slice(0, first), False), SliceCall(rows, slice(first, key_len), True))
-    )
+    if window is None:
+        if query_len == 1:
+            return Plan.dense(False)
+        return Plan(
+            (SliceCall(rows, slice(0, first), False), SliceCall(rows, slice(first, key_len), True))
+        )
+    left, right = window
+    low = 0 if left < 0 else max(0, first - left)
+    # One call over the keys the window reaches, causality as the window's right side: the
+    # queries are its last rows (bottom-right, Note [Scores a kernel call transforms]).
+    return Plan((SliceCall(rows, slice(low, key_len), False, Window(left, min(right, 0))),))

@@ -41,7 +41,7 @@ from .call_runs import (
     run_backward,
     run_forward,
 )
-from .calls import GradInputs, KernelArgs
+from .calls import GradInputs, KernelArgs, window_of
 from .contract import KernelBackend
 from .grouped_runs import ExtraGradients, grouped_backward, grouped_forward
 from .higher_order import differentiable_grads, no_higher_order_message
@@ -62,6 +62,7 @@ def plan_forward(
     dropout_p: float = 0.0,
     out_dtype: torch.dtype | None = None,
     extra: Callable[[], Sequence[SlotView]] | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
     """Forward of a whole plan (Note [One executor]).
 
@@ -72,13 +73,14 @@ def plan_forward(
             caller that merges further, e.g. ring dilated attention).
         extra: more results the slots' merge reads (a plan in slots, forward not grouped):
             returns their slot views, called once after the plan's calls are queued.
+        softcap: every call's scores soft-capped (Note [Scores a kernel call transforms]).
 
     Returns:
         ``out`` (B, Nq, H, D), ``lse`` (B, H, Nq) float32 (float64 for float64 inputs; ``-inf``
         where no key is seen), and each call's backend ``aux`` for the backward.
     """
     acc = accumulator_dtype(q.dtype)
-    kernel = KernelArgs(backend, scale, dropout_p)
+    kernel = KernelArgs(backend, scale, dropout_p, softcap)
     grouped = bool(plan.groups and plan.grouped_forward)
     assert extra is None or (plan.slots and not grouped)  # the ring's rule (_spanning_results)
     if grouped:
@@ -97,7 +99,8 @@ def plan_forward(
         (call,) = plan.calls
         res = backend.forward(
             q, call.kv_rows(k), call.kv_rows(v), scale=scale, is_causal=call.causal,
-            key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p,
+            key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p, softcap=softcap,
+            window=window_of(call),
         )  # fmt: skip
         out = res.out.contiguous().to(out_dtype or q.dtype)
         return out, res.lse.to(acc).contiguous(), [res.aux]
@@ -108,6 +111,7 @@ def plan_forward(
     run_forward(
         q, k, v, key_padding_mask, plan.calls, backend, scale=scale, out=out, lse=lse,
         auxes=auxes, dropout_p=dropout_p, merge=merge_rows if merging else None,
+        softcap=softcap,
     )  # fmt: skip
     return out.to(out_dtype or q.dtype), lse.squeeze(-1).transpose(1, 2).contiguous(), auxes
 
@@ -127,6 +131,7 @@ def plan_backward(
     scale: float,
     dropout_p: float = 0.0,
     extra: ExtraGradients | ExtraSlotGradients | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact gradients of :func:`plan_forward`.
 
@@ -143,7 +148,7 @@ def plan_backward(
         ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``.
     """
     dout = dout.contiguous()
-    kernel = KernelArgs(backend, scale, dropout_p)
+    kernel = KernelArgs(backend, scale, dropout_p, softcap)
     # Groups replay the forward's calls cut, so the kernels' aux values (dropout states) must
     # come from the same cut calls; a whole forward's calls with no aux cut freely.
     if plan.groups and (plan.grouped_forward or all(aux is None for aux in auxes)):
@@ -173,7 +178,8 @@ def plan_backward(
         (call,) = plan.calls
         grads = backend.backward(
             dout, q, k, v, out, lse, auxes[0], scale=scale, is_causal=call.causal,
-            key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p,
+            key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p, softcap=softcap,
+            window=window_of(call),
         )  # fmt: skip
     else:
         grads = tuple(torch.zeros(x.shape, dtype=acc, device=q.device) for x in (q, k, v))
@@ -195,6 +201,13 @@ _DROPOUT_MESSAGE = no_higher_order_message(
 )
 
 
+_SCORES_MESSAGE = no_higher_order_message(
+    "{what} with softcap or window_size",
+    "the differentiable recompute of the gradients applies causality and key masks only",
+    "Call it without softcap and window_size for a gradient penalty or other double backward.",
+)
+
+
 @dataclass(frozen=True)
 class PlanRunner:
     """The executor as a :class:`~dilated_attention.core.autograd.Runner`: ``plan`` on
@@ -206,16 +219,19 @@ class PlanRunner:
     scale: float
     dropout_p: float = 0.0
     what: str = "attention"
+    softcap: float | None = None
 
     @property
     def first_order_message(self) -> str:
-        return _DROPOUT_MESSAGE.format(what=self.what)
+        if self.dropout_p:
+            return _DROPOUT_MESSAGE.format(what=self.what)
+        return _SCORES_MESSAGE.format(what=self.what)
 
     def forward(self, x: Inputs) -> Forward:
         q, k, v, key_padding_mask = x
         out, lse, auxes = plan_forward(
             q, k, v, key_padding_mask, self.plan, self.backend, scale=self.scale,
-            dropout_p=self.dropout_p,
+            dropout_p=self.dropout_p, softcap=self.softcap,
         )  # fmt: skip
         return Forward(out, lse, saved=(k, v, key_padding_mask), state=auxes)
 
@@ -224,13 +240,15 @@ class PlanRunner:
         k, v, key_padding_mask = saved
         return plan_backward(
             dout, q, k, v, out, lse, key_padding_mask, self.plan, self.backend, state,
-            scale=self.scale, dropout_p=self.dropout_p,
+            scale=self.scale, dropout_p=self.dropout_p, softcap=self.softcap,
         )  # fmt: skip
 
     def differentiable_backward(self, b: Backward) -> Grads | None:
         dout, q, _, lse, saved, _ = b
         if self.dropout_p:
             return None  # the dropout mask is not replayed differentiably
+        if self.softcap is not None or any(window_of(c) for c in self.plan.calls):
+            return None  # the recompute knows causality and key masks only
         k, v, key_padding_mask = saved
         calls = [call.row_call(q, k) for call in self.plan.calls]
         return differentiable_grads(

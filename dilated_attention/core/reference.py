@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from .contract import Window
 from .hidden import contract_keys, contract_queries, poisoned
 
 _SCORE_ELEMENTS_PER_CHUNK = 1 << 24
@@ -43,6 +44,8 @@ def _bias(
     num_keys: int,
     num_kv_heads: int,
     device: torch.device,
+    window: Window | None = None,
+    shift: int = 0,
 ) -> torch.Tensor | None:
     """Boolean 'ignore' mask broadcastable to scores of shape (B, Hkv, G, rows, Nk)."""
     ignore = None
@@ -54,7 +57,25 @@ def _bias(
         q_pos = torch.arange(rows[0], rows[1], device=device).view(-1, 1)
         future = torch.arange(num_keys, device=device).view(1, -1) > q_pos
         ignore = future if ignore is None else ignore | future
+    if window is not None:
+        q_rows = torch.arange(rows[0], rows[1], device=device).view(-1, 1)
+        key_rows = torch.arange(num_keys, device=device).view(1, -1)
+        outside = window.hides(q_rows, key_rows, shift)
+        ignore = outside if ignore is None else ignore | outside
     return ignore
+
+
+def _scores(
+    qc: torch.Tensor, kc: torch.Tensor, scale: float, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scaled scores (B, Hkv, G, rows, Nk) of (B, rows, Hkv, G, D) queries against (B, Nk,
+    Hkv, D) keys, soft-capped when asked (Note [Scores a kernel call transforms] in
+    ``contract.py``), and ``tanh(s / c)`` for the backward (None without a cap)."""
+    scores = torch.einsum("bqhgd,bkhd->bhgqk", qc, kc) * scale
+    if softcap is None:
+        return scores, None
+    capped = torch.tanh(scores / softcap)
+    return capped * softcap, capped
 
 
 def _dropout_scale(
@@ -87,6 +108,8 @@ def reference_forward(
     key_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
+    softcap: float | None = None,
+    window: Window | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with its log-sum-exp.
 
@@ -100,6 +123,8 @@ def reference_forward(
         dropout_p: dropout on the attention probabilities (the LSE is that of the undropped
         softmax).
         dropout_seed: seed of the dropout mask; the backward regenerates the mask from it.
+        softcap: every scaled score ``s`` becomes ``softcap * tanh(s / softcap)``, or None.
+        window: the key rows each query row sees (``contract.Window``), or None.
 
     Returns:
         ``out`` (B, Nq, H, D) in ``q.dtype`` and ``lse`` (B, H, Nq) in float32 (float64 for float64
@@ -115,8 +140,10 @@ def reference_forward(
     gen = _generator(dropout_seed, q.device) if dropout_p > 0 else None
     for start, stop in _row_chunks(q, num_k):
         qc = q[:, start:stop].to(cdt).view(batch, stop - start, kv_heads, group, dim)
-        scores = torch.einsum("bqhgd,bkhd->bhgqk", qc, kc) * scale
-        ignore = _bias(key_mask, is_causal, (start, stop), num_k, kv_heads, q.device)
+        scores, _ = _scores(qc, kc, scale, softcap)
+        ignore = _bias(
+            key_mask, is_causal, (start, stop), num_k, kv_heads, q.device, window, num_k - num_q
+        )
         if ignore is not None:
             scores = scores.masked_fill(ignore, float("-inf"))
         # Normalized by the sum itself, not by exp(lse): the lse is rounded to the float's
@@ -152,6 +179,8 @@ def reference_backward(
     key_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
+    softcap: float | None = None,
+    window: Window | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of attention given the (possibly merged) ``out`` and ``lse``.
 
@@ -177,8 +206,10 @@ def reference_backward(
         doc = dout[:, start:stop].to(cdt).view(batch, rows, kv_heads, group, dim)
         oc = out[:, start:stop].to(cdt).view(batch, rows, kv_heads, group, dim)
         row_lse = lse[:, :, start:stop].to(cdt).reshape(batch, kv_heads, group, rows, 1)
-        scores = torch.einsum("bqhgd,bkhd->bhgqk", qc, kc) * scale
-        ignore = _bias(key_mask, is_causal, (start, stop), num_k, kv_heads, q.device)
+        scores, capped = _scores(qc, kc, scale, softcap)
+        ignore = _bias(
+            key_mask, is_causal, (start, stop), num_k, kv_heads, q.device, window, num_k - num_q
+        )
         if ignore is not None:
             scores = scores.masked_fill(ignore, float("-inf"))
         # Rows with lse = -inf see no key: exp(-inf - 0) = 0 keeps them out of every gradient.
@@ -192,6 +223,8 @@ def reference_backward(
             probs_kept = probs
         delta = (doc * oc).sum(-1).permute(0, 2, 3, 1).unsqueeze(-1)
         ds = probs * (dp - delta) * scale
+        if capped is not None:  # d(c tanh(s / c)) / ds = 1 - tanh(s / c) ** 2
+            ds = ds * (1 - capped.square())
         dv_part = torch.einsum("bhgqk,bqhgd->bkhd", probs_kept, doc)
         dq_rows = torch.einsum("bhgqk,bkhd->bqhgd", ds, kc)
         dk_part = torch.einsum("bhgqk,bqhgd->bkhd", ds, qc)

@@ -7,15 +7,20 @@ Shape legend: B batch, Nq query rows, Nk key rows, H query heads, Hkv key/value 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
+from ..backends.base import KernelInputs
 from ..core.schedule import Schedule
 from ..patterns import Pattern
 
 __all__ = [
     "BLOCK_SPARSE", "DECODE", "DENSE", "DILATED", "OPERATIONS", "Request", "dilated_operation",
+    "kernel_inputs",
 ]  # fmt: skip
+
+_T = TypeVar("_T")
 
 #: The operations a request can name.
 DENSE, DILATED, BLOCK_SPARSE, DECODE = "dense", "dilated", "block_sparse", "decode"
@@ -62,6 +67,9 @@ class Request:
         first_head: ``"dilated"``: the layer head that the call's head 0 is, the call holding
             a slice of the layer's heads (Note [Heads from a later layer head] in
             ``core/schedule.py``).
+        softcap, window, sinks: soft-capped scores, a local window ``(left, right)`` over the
+            positions, attention sinks given (Note [Local windows, soft-capping and sinks] in
+            ``core/sinks.py``).
     """
 
     operation: str
@@ -88,6 +96,9 @@ class Request:
     documents: tuple[int, ...] | None = None
     static: bool = False
     first_head: int = 0
+    softcap: float | None = None
+    window: tuple[int, int] | None = None
+    sinks: bool = False
 
     @classmethod
     def of(
@@ -121,7 +132,53 @@ class Request:
         """``scale``, or ``D ** -0.5``."""
         return self.scale if self.scale is not None else self.head_dim**-0.5
 
+    def check_traceable(self) -> None:
+        """Refuse what the custom operators of ``compiled.py`` cannot carry yet: a window, a
+        soft-cap, sinks.
+
+        Raises:
+            ValueError: the call asks for one of them.
+        """
+        asked = (("window_size", self.window), ("softcap", self.softcap), ("sinks", self.sinks))
+        names = [name for name, value in asked if value is not None and value is not False]
+        if names:
+            raise ValueError(
+                f"{', '.join(names)} not supported under torch.compile, torch.export or "
+                f"torch.func yet: call the function eagerly (torch.compiler.disable around it), "
+                f"or without it"
+            )
+
     @property
     def empty(self) -> bool:
         """No query rows to compute (a batch of 0 or 0 heads)."""
         return self.batch * self.query_len * self.num_heads * self.head_dim == 0
+
+
+def kernel_inputs(
+    request: Request,
+    *,
+    query_len: int | None = None,
+    key_len: int | None = None,
+    is_causal: bool | None = None,
+    has_mask: bool | None = None,
+    block_size: int | None = None,
+    branch_slots: bool = False,
+) -> KernelInputs:
+    """What the registries judge kernels by: ``request``'s, with a kernel call's own
+    shape or flags where they differ from the request's (decoding's one-row calls, a
+    chunk's square causal calls)."""
+    return KernelInputs(
+        device=request.device, dtype=request.dtype, head_dim=request.head_dim,
+        num_heads=request.num_heads, num_kv_heads=request.num_kv_heads,
+        query_len=given(query_len, request.query_len), key_len=given(key_len, request.key_len),
+        is_causal=given(is_causal, request.is_causal), has_mask=given(has_mask, request.has_mask),
+        dropout_p=request.dropout_p, requires_grad=request.requires_grad, block_size=block_size,
+        branch_slots=branch_slots, documents=request.documents is not None,
+        softcap=request.softcap is not None, window=request.window is not None,
+        sinks=request.sinks,
+    )  # fmt: skip
+
+
+def given(value: _T | None, default: _T) -> _T:
+    """``value``, or ``default`` where it is None."""
+    return default if value is None else value

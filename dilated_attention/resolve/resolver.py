@@ -40,7 +40,6 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import replace
-from typing import TypeVar
 
 import torch
 
@@ -57,6 +56,8 @@ from ..backends.registry import (
 )
 from ..block_sparse import plan as block_plan
 from ..core import decode
+from ..core.calls import WholeCall
+from ..core.contract import Window
 from ..core.documents import document_groups
 from ..core.fused import ChunkQueries
 from ..core.grouped import grouped_plan, slot_group_length
@@ -67,6 +68,7 @@ from ..core.segment import branch_plan, describe_plan, dilated_plan, effective_b
 from ..core.slots import Slot
 from ..patterns import Pattern
 from .request import BLOCK_SPARSE, DECODE, DENSE, DILATED, OPERATIONS, Request
+from .request import kernel_inputs as _kernel_inputs
 from .strategy import (
     BlockSparseKernelStrategy,
     EmptyStrategy,
@@ -77,11 +79,9 @@ from .strategy import (
     Strategy,
     rows_in_place,
 )
+from .windows import packed_windows, windowed_dilated
 
 __all__ = ["execute", "keeps_every_pair", "resolve", "static_branches"]
-
-_T = TypeVar("_T")
-
 
 @torch.compiler.disable  # selection probes kernels and caches: run it eagerly, never traced
 def resolve(request: Request) -> Strategy:
@@ -111,30 +111,37 @@ def execute(
     k: torch.Tensor,
     v: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Resolve and run a checked call: q (B, Nq, H, D), k and v (B, Nk, Hkv, D),
-    key_padding_mask (B, Nk) bool or None -> ``(out, lse)``, out (B, Nq, H, D), lse (B, H, Nq).
-    Keys the mask hides are zeroed first (Note [Hidden keys cannot poison rows])."""
+    key_padding_mask (B, Nk) bool or None, sinks (H,) or None -> ``(out, lse)``, out
+    (B, Nq, H, D), lse (B, H, Nq). Keys the mask hides are zeroed first (Note [Hidden keys
+    cannot poison rows])."""
     strategy = resolve(request)
     k, v = hide_masked_keys(k, v, key_padding_mask)
-    return strategy.run(q, k, v, key_padding_mask)
+    return strategy.run(q, k, v, key_padding_mask, sinks)
 
 
 def _dense(request: Request) -> Strategy:
     """One dense call; a causal query shorter than the key (end-aligned) as a call without a
-    mask and a square causal call (``decode.dense_decode_plan``), the kernel chosen for those."""
-    nq, nk = request.query_len, request.key_len
-    if request.documents is not None:  # each document's one branch (N, 1)
-        return _packed(request, (nq,), (1,), DENSE_REGISTRY, "attention")
+    mask and a square causal call (``decode.dense_decode_plan``), the kernel chosen for those.
+    A local window runs in the calls' kernel (Note [Local windows, soft-capping and sinks])."""
+    nq, nk, window = request.query_len, request.key_len, request.window
+    if request.documents is not None:
+        if window is not None:
+            return packed_windows(request)
+        return _packed(request, (nq,), (1,), DENSE_REGISTRY, "attention")  # one branch (N, 1)
     end_aligned = request.is_causal and nq < nk
     inputs = _kernel_inputs(request, key_len=nq if end_aligned else None)
     kernel = registry_for(DENSE_REGISTRY).select(inputs, request.backend)
     if end_aligned:
-        plan = decode.dense_decode_plan(nq, nk)
+        plan = decode.dense_decode_plan(nq, nk, window)
         how = f"the keys before the query in one call, then one square causal call of {nq} rows"
-    else:
-        plan = Plan.dense(request.is_causal)
-        how = "one dense call"
+        if window is not None:
+            how = f"one call of the {nq} queries over the keys their local window {window} reaches"
+    else:  # a window places the queries at the last positions of the keys
+        plan = Plan((WholeCall(request.is_causal, None if window is None else Window(*window)),))
+        how = "one dense call" + ("" if window is None else f" in a local window {window}")
     return PlanStrategy(request, kernel, DENSE_REGISTRY, inputs, how, plan=plan, what="attention")
 
 
@@ -147,6 +154,8 @@ def _dilated(request: Request) -> Strategy:
         return KernelOnlyStrategy(request, kernel, DILATED_REGISTRY, inputs, _summary(kernel))
     if request.shard is not None:
         return _shard(request)
+    if request.window is not None:
+        return windowed_dilated(request)
     if request.documents is not None:
         schedule = request.schedule
         return _packed(
@@ -521,34 +530,6 @@ def _block_plan(
         request, kernel, operation, inputs, how, plan_of=plan_of,  # type: ignore[arg-type]
         what="block_sparse_attention",
     )  # fmt: skip
-
-
-def _kernel_inputs(
-    request: Request,
-    *,
-    query_len: int | None = None,
-    key_len: int | None = None,
-    is_causal: bool | None = None,
-    has_mask: bool | None = None,
-    block_size: int | None = None,
-    branch_slots: bool = False,
-) -> KernelInputs:
-    """What the registries judge kernels by: ``request``'s, with a kernel call's own
-    shape or flags where they differ from the request's (decoding's one-row calls, a
-    chunk's square causal calls)."""
-    return KernelInputs(
-        device=request.device, dtype=request.dtype, head_dim=request.head_dim,
-        num_heads=request.num_heads, num_kv_heads=request.num_kv_heads,
-        query_len=_given(query_len, request.query_len), key_len=_given(key_len, request.key_len),
-        is_causal=_given(is_causal, request.is_causal), has_mask=_given(has_mask, request.has_mask),
-        dropout_p=request.dropout_p, requires_grad=request.requires_grad, block_size=block_size,
-        branch_slots=branch_slots, documents=request.documents is not None,
-    )  # fmt: skip
-
-
-def _given(value: _T | None, default: _T) -> _T:
-    """``value``, or ``default`` where it is None."""
-    return default if value is None else value
 
 
 def _summary(kernel: Selection, operation: str = DILATED) -> str:

@@ -85,13 +85,18 @@ class Strategy:
         k: torch.Tensor,
         v: torch.Tensor,
         key_padding_mask: torch.Tensor | None,
+        sinks: torch.Tensor | None = None,
     ) -> Result:
         """``(out, lse)`` of the request on these tensors: q (B, Nq, H, D), k and v
-        (B, Nk, Hkv, D), key_padding_mask (B, Nk) bool or None; out (B, Nq, H, D), lse
-        (B, H, Nq) detached. Differentiable through the one autograd Function."""
+        (B, Nk, Hkv, D), key_padding_mask (B, Nk) bool or None, sinks (H,) or None; out
+        (B, Nq, H, D), lse (B, H, Nq) detached. Differentiable through the one autograd
+        Function (the sinks joined there: Note [Local windows, soft-capping and sinks])."""
         if q.numel() == 0:
-            return empty_attention(q, k, v)
-        return self._run(q, k, v, key_padding_mask)
+            out, lse = empty_attention(q, k, v)
+            if sinks is not None:  # the link to sinks gives it an (empty) gradient too
+                out = out + sinks.sum() * 0
+            return out, lse
+        return self._run(q, k, v, key_padding_mask, sinks)
 
     def _run(
         self,
@@ -99,6 +104,7 @@ class Strategy:
         k: torch.Tensor,
         v: torch.Tensor,
         key_padding_mask: torch.Tensor | None,
+        sinks: torch.Tensor | None,
     ) -> Result:
         raise NotImplementedError(f"{type(self).__name__} runs nothing: {self.how}")
 
@@ -125,7 +131,10 @@ class Strategy:
     def _text(self, choice: BackendChoice | None, *, reasons: bool) -> str:
         r = self.request
         flags = [name for name, on in (("causal", r.is_causal), ("key padding mask", r.has_mask),
-                                       ("training", r.requires_grad)) if on]  # fmt: skip
+                                       ("training", r.requires_grad),
+                                       (f"window {r.window}", r.window is not None),
+                                       (f"softcap {r.softcap}", r.softcap is not None),
+                                       ("sinks", r.sinks)) if on]  # fmt: skip
         lines = [
             f"{r.operation} attention: B={r.batch} Nq={r.query_len} Nk={r.key_len} "
             f"H={r.num_heads} Hkv={r.num_kv_heads} D={r.head_dim} "
@@ -172,16 +181,16 @@ class PlanStrategy(Strategy):
     layout: Callable[[torch.Tensor], torch.Tensor] = contiguous
     what: str = "attention"
 
-    def _run(self, q, k, v, key_padding_mask):  # type: ignore[no-untyped-def]
+    def _run(self, q, k, v, key_padding_mask, sinks):  # type: ignore[no-untyped-def]
         assert self.kernel is not None  # resolve gives every plan a kernel
         q, k, v = (self.layout(x) for x in (q, k, v))
         plan = self.plan if self.plan_of is None else self.plan_of(q)
         assert plan is not None  # resolve gives every plan strategy a plan or its rule
         runner = PlanRunner(
             plan, self.kernel.backend, self.request.softmax_scale,
-            self.request.dropout_p, self.what,
+            self.request.dropout_p, self.what, self.request.softcap,
         )  # fmt: skip
-        return run_attention(q, k, v, key_padding_mask, runner)
+        return run_attention(q, k, v, key_padding_mask, runner, sinks)
 
 
 @dataclass(frozen=True)
@@ -204,25 +213,29 @@ class StaticDecodeStrategy(Strategy):
         positions: torch.Tensor,
         row_offsets: torch.Tensor | None = None,
         slots: tuple[torch.Tensor, ...] | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> Result:
         """``(out, lse)`` of the tokens q (B, 1, H, D) at ``positions`` (B,) int64, their keys
         and values already written into the buffers k, v (B, R, Hkv, D) (and their mask
         (B, R) bool or None), row ``b``'s positions ``row_offsets[b]`` (B,) rows further (None:
         0); out (B, 1, H, D), lse (B, H, 1); ``slots``: ``token_slots`` of the branches
-        (None: made once per schedule and device). No host synchronization."""
+        (None: made once per schedule and device); ``sinks`` (H,) or None. No host
+        synchronization."""
         assert self.kernel is not None  # resolve gives it one
         if q.numel() == 0:
             return empty_attention(q, k, v)
         backend = self.kernel.backend
         slots = slots or token_slots(q.shape[2], *self.branches, q.device)
-        if getattr(backend, "reads_decode_buffers", False):  # the rows read in place
+        reads_in_place = getattr(backend, "reads_decode_buffers", False)
+        if reads_in_place and sinks is None and self.request.softcap is None:
             scale, shift = self.request.softmax_scale, row_offsets
             return backend.decode_step(q, k, v, key_padding_mask, positions, slots, scale, shift)  # type: ignore[attr-defined]
         plan = static_token_plan(positions, k.shape[1], slots, *self.branches, row_offsets)
         runner = PlanRunner(
-            plan, self.kernel.backend, self.request.softmax_scale, 0.0, "dilated_attention"
-        )
-        return run_attention(q, k, v, key_padding_mask, runner)
+            plan, self.kernel.backend, self.request.softmax_scale, 0.0, "dilated_attention",
+            self.request.softcap,
+        )  # fmt: skip
+        return run_attention(q, k, v, key_padding_mask, runner, sinks)
 
 
 @dataclass(frozen=True)
@@ -241,7 +254,7 @@ class FusedStrategy(Strategy):
     first_head: int = 0
     chunk: ChunkQueries | None = None
 
-    def _run(self, q, k, v, key_padding_mask):  # type: ignore[no-untyped-def]
+    def _run(self, q, k, v, key_padding_mask, sinks):  # type: ignore[no-untyped-def]
         assert self.kernel is not None
         r = self.request
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
@@ -255,7 +268,7 @@ class FusedStrategy(Strategy):
             self.branches, backend, r.is_causal, r.softmax_scale, r.documents,  # type: ignore[arg-type]
             self.first_head, self.chunk,
         )  # fmt: skip
-        return run_attention(q, k, v, key_padding_mask, runner)
+        return run_attention(q, k, v, key_padding_mask, runner, sinks)
 
 
 @dataclass(frozen=True)
@@ -263,7 +276,7 @@ class BlockSparseKernelStrategy(Strategy):
     """One of the block-sparse operation's own kernels walks the pattern's kept blocks: our
     Triton kernels, FlashAttention-4's block sparsity, or FlexAttention."""
 
-    def _run(self, q, k, v, key_padding_mask):  # type: ignore[no-untyped-def]
+    def _run(self, q, k, v, key_padding_mask, sinks):  # type: ignore[no-untyped-def]
         assert self.kernel is not None and self.request.pattern is not None
         r = self.request
         shape = (r.pattern, r.block_size, r.query_len, r.key_len, r.is_causal, q.device)
@@ -284,4 +297,4 @@ class BlockSparseKernelStrategy(Strategy):
                 self.kernel.backend, fa4_tiles(*shape), r.block_size, r.is_causal,  # type: ignore[arg-type]
                 r.softmax_scale,
             )  # fmt: skip
-        return run_attention(q, k, v, None, runner)
+        return run_attention(q, k, v, None, runner, sinks)

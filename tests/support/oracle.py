@@ -71,13 +71,18 @@ def masked_attention(
     scale: float | None = None,
     key_padding_mask: Tensor | None = None,
     compute_dtype: torch.dtype = torch.float64,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Softmax attention where key ``t`` of row ``(j, p)`` carries weight ``multiplicity[j, p, t]``.
 
     ``q`` is ``(B, Nq, H, D)``, ``k``/``v`` are ``(B, Nk, H_kv, D)``; ``multiplicity`` is
     ``(H, Nq, Nk)`` or ``(B, H, Nq, Nk)``. Returns ``out (B, Nq, H, D)`` and ``lse (B, H, Nq)``
     in ``compute_dtype``, with ``lse = log(sum_t M * exp(score))``; rows with no weight give
-    ``out = 0`` and ``lse = -inf``.
+    ``out = 0`` and ``lse = -inf``. ``softcap``: each scaled score ``s`` becomes
+    ``softcap * tanh(s / softcap)``. ``sinks`` (H,): per head one more term ``exp(sinks[j])``
+    in every row's denominator (a key of weight 1 and value 0), so ``lse`` includes it and an
+    empty row has ``lse = sinks[j]``.
     """
     B, _, H, D = q.shape
     H_kv = k.shape[2]
@@ -105,11 +110,19 @@ def masked_attention(
         scores = (_pairs(q, active, 3) * _pairs(k, active, 2)).sum(-1) * scale
     else:
         scores = torch.einsum("bphd,bthd->bhpt", q, k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     masked_scores = scores.masked_fill(~active, float("-inf"))
     row_max = masked_scores.amax(dim=-1, keepdim=True).detach()
+    sink = None
+    if sinks is not None:
+        sink = sinks.to(compute_dtype).view(1, -1, 1, 1).expand(B, H, scores.shape[2], 1)
+        row_max = torch.maximum(row_max, sink.detach())
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     unnormalised = weight * torch.exp(masked_scores - row_max)
     denom = unnormalised.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        denom = denom + torch.exp(sink - row_max)
     empty = denom == 0
     probs = unnormalised / torch.where(empty, torch.ones_like(denom), denom)
     if pairwise:
@@ -140,8 +153,11 @@ def oracle_dilated_attention(
     scale: float | None = None,
     key_padding_mask: Tensor | None = None,
     compute_dtype: torch.dtype = torch.float64,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Exact LongNet dilated attention (all heads in all branches, Eq. 10 mixing), dense, slow."""
+    """Exact LongNet dilated attention (all heads in all branches, Eq. 10 mixing), dense, slow;
+    ``softcap`` and ``sinks`` as in :func:`masked_attention` (a sink counts once per row)."""
     if q.shape[1] != k.shape[1]:
         raise ValueError("dilated attention is self-attention: q and k need the same seq_len")
     M = dilated_multiplicity(
@@ -155,6 +171,8 @@ def oracle_dilated_attention(
         scale=scale,
         key_padding_mask=key_padding_mask,
         compute_dtype=compute_dtype,
+        softcap=softcap,
+        sinks=sinks,
     )
 
 
@@ -167,14 +185,26 @@ def oracle_attention(
     scale: float | None = None,
     key_padding_mask: Tensor | None = None,
     compute_dtype: torch.dtype = torch.float64,
+    window_size: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Plain softmax attention. Causal is end-aligned, the library's convention: the query rows
     are the last ``Nq`` of the ``Nk`` positions, so query ``p`` sees key ``t <= p + Nk - Nq``
-    (top-left, ``t <= p``, when ``Nq == Nk``)."""
+    (top-left, ``t <= p``, when ``Nq == Nk``). ``window_size=(left, right)``: query row ``i``,
+    at position ``p = i + Nk - Nq``, sees keys ``p - left <= t <= p + right`` (``-1``:
+    unbounded), checked pair by pair. ``softcap``, ``sinks``: as in :func:`masked_attention`."""
     Nq, H, Nk = q.shape[1], q.shape[2], k.shape[1]
     M = torch.ones(H, Nq, Nk, dtype=torch.int64)
     if is_causal:
         M = torch.tril(M, diagonal=Nk - Nq)
+    if window_size is not None:
+        left, right = window_size
+        for i in range(Nq):
+            p = i + Nk - Nq
+            for t in range(Nk):
+                if (left >= 0 and t < p - left) or (right >= 0 and t > p + right):
+                    M[:, i, t] = 0
     return masked_attention(
         q,
         k,
@@ -183,4 +213,6 @@ def oracle_attention(
         scale=scale,
         key_padding_mask=key_padding_mask,
         compute_dtype=compute_dtype,
+        softcap=softcap,
+        sinks=sinks,
     )
