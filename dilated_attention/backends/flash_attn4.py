@@ -66,6 +66,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..core.contract import Window
 from ._compat import (
     _bind,
     _capability,
@@ -205,6 +206,8 @@ class FlashAttn4Backend(Backend):
     supports_mask = True  # through a mask_mod (Note [FlashAttention-4 key padding])
     supports_rectangular_causal = False
     supports_dropout = False
+    supports_softcap = True  # its softcap score_mod, forward and backward
+    supports_window = True  # window_size_left / right, bottom-right aligned like ours
     native_gqa = True
 
     def import_reasons(self) -> list[str]:
@@ -237,9 +240,29 @@ class FlashAttn4Backend(Backend):
                         f"below head_dim {SM90_MIN_TRAINING_HEAD_DIM} (flash-attn-4 4.0.0b36, "
                         f"measured); forward-only calls run"]  # fmt: skip
         reasons = super().not_supported_reasons(inputs)
+        if inputs.has_mask and inputs.window:
+            reasons.append(
+                "a local window with a key padding mask: its mask_mod replaces the window"
+            )
         if inputs.has_mask and not reasons:
             reasons += self._mask_reasons()
+        if (inputs.softcap or inputs.window) and not reasons:
+            reasons += self._score_reasons(inputs)
         return reasons
+
+    def _score_reasons(self, inputs: KernelInputs) -> list[str]:
+        """Why this flash_attn.cute cannot soft-cap or window the scores as asked: its entry
+        points lack the parameters (which ``_bind`` would otherwise drop silently)."""
+        try:
+            interface = _interface()
+            names = _parameters(interface._flash_attn_fwd).keys()
+            names &= _parameters(interface._flash_attn_bwd).keys()
+        except Exception as exc:  # a package that cannot be read is a reason, never a crash
+            return [_import_failure("flash_attn.cute", exc)]
+        wanted = {"softcap"} if inputs.softcap else set()
+        wanted |= {"window_size_left", "window_size_right"} if inputs.window else set()
+        missing = sorted(wanted - names)
+        return [f"this flash_attn.cute lacks {missing}"] if missing else []
 
     def _mask_reasons(self) -> list[str]:
         """Why this flash_attn.cute cannot take a key padding mask (Note [FlashAttention-4 key
@@ -258,6 +281,8 @@ class FlashAttn4Backend(Backend):
         """Why FA4's block sparsity cannot run ``inputs`` (with ``inputs.block_size``) here."""
         # Top-left causal comes from our mask_mod, so rectangular causal calls are fine.
         reasons = self.not_supported_reasons(replace(inputs, is_causal=False))
+        if inputs.softcap:
+            reasons.append("no soft-capping in its block sparsity here")
         cc = _capability(inputs)
         if cc is not None and cc[0] != 9:
             reasons.append(
@@ -343,11 +368,13 @@ class FlashAttn4Backend(Backend):
         key_mask: torch.Tensor | None,
         dropout_p: float,
         into: KernelOutput | None = None,
+        softcap: float | None = None,
+        window: Window | None = None,
     ) -> KernelOutput:
         fwd = _interface()._flash_attn_fwd
         q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
         values = {"q": q, "k": k, "v": v, "softmax_scale": scale, "causal": is_causal,
-                  "return_lse": True}  # fmt: skip
+                  "return_lse": True, "softcap": softcap, **_window_sizes(window)}  # fmt: skip
         if into is not None:
             values.update(out=into.out, lse=into.lse)
         _masked(values, key_mask, is_causal)
@@ -375,6 +402,8 @@ class FlashAttn4Backend(Backend):
         key_mask: torch.Tensor | None,
         dropout_p: float,
         into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        softcap: float | None = None,
+        window: Window | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         bwd = _interface()._flash_attn_bwd
         dout, out = dout.to(q.dtype), out.to(q.dtype)
@@ -386,7 +415,19 @@ class FlashAttn4Backend(Backend):
         values = {
             "q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse.contiguous(),
             "softmax_scale": scale, "causal": is_causal, "dq": dq, "dk": dk, "dv": dv,
+            "softcap": softcap or 0.0, **_window_sizes(window),
         }  # fmt: skip
         _masked(values, key_mask, is_causal)
         res = bwd(**_bind(bwd, values))
         return _grads_from(res, dq, dk, dv)
+
+
+def _window_sizes(window: Window | None) -> dict[str, int | None]:
+    """``window`` as FA4's ``window_size_left`` / ``window_size_right`` (None: unbounded). Its
+    local window is bottom-right aligned, as the contract's (``core/contract.py``)."""
+    if window is None:
+        return {}
+    return {
+        "window_size_left": None if window.left < 0 else window.left,
+        "window_size_right": None if window.right < 0 else window.right,
+    }
