@@ -343,6 +343,9 @@ def explain(
     block_size: int = 128,
     segment_lengths: Sequence[int] | None = None,
     dilation_rates: Sequence[int] | None = None,
+    window_size: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    sinks: bool = False,
 ) -> BackendChoice:
     """Which kernel would run an attention operation with these properties, and why no other.
 
@@ -362,6 +365,8 @@ def explain(
         segment_lengths, dilation_rates: a dilated schedule over ``seq_len`` positions (implies
             ``operation="dilated"``): the choice then also says how each branch runs on the
             chosen kernel (``.branches``).
+        window_size, softcap, sinks: a local window, soft-capped scores, attention sinks
+            (Note [Local windows, soft-capping and sinks] in ``core/sinks.py``).
 
     Returns:
         The resolve step's choice (:class:`BackendChoice`): ``.backend``, ``.reasons`` (every
@@ -382,7 +387,7 @@ def explain(
     num_kv_heads = V.check_heads(head_dim * num_heads, num_heads, num_kv_heads)
     seq_len = V.check_positive_int("seq_len", seq_len)
     flags = {"is_causal": is_causal, "key_padding_mask": key_padding_mask,
-             "requires_grad": requires_grad, "dilated": dilated}  # fmt: skip
+             "requires_grad": requires_grad, "dilated": dilated, "sinks": sinks}  # fmt: skip
     for name, flag in flags.items():
         V.check_bool(name, flag)
     dropout_p = V.check_dropout("dropout_p", dropout_p)
@@ -401,7 +406,8 @@ def explain(
         key_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         is_causal=is_causal, has_mask=key_padding_mask, dropout_p=dropout_p,
         requires_grad=requires_grad, backend=backend, block_size=block_size,
-        schedule=schedule,
+        schedule=schedule, window=V.check_window_size(window_size),
+        softcap=V.check_softcap(softcap), sinks=sinks,
     )  # fmt: skip
     return resolve(request).choice()
 

@@ -360,3 +360,16 @@ def test_dilated_window_with_a_cache_is_refused() -> None:
     with pytest.raises(ValueError, match=r"window_size=.* runs whole sequences only"):
         dilated_attention(q, q, q, [4], [1], is_causal=True, window_size=(2, 0),
                           cache=DilatedKVCache([4], [1]))  # fmt: skip
+
+
+def test_explain_names_them() -> None:
+    """explain() takes the three and says which kernel applies them and why others do not."""
+    from dilated_attention import explain
+
+    choice = explain(device="cpu", is_causal=True, window_size=(127, 0), softcap=30.0, sinks=True)
+    text = str(choice)
+    assert "window (127, 0)" in text and "softcap 30.0" in text and "sinks" in text
+    assert choice.backend == "math"
+    assert "no soft-capping (softcap)" in "; ".join(choice.reasons["cpu_flash"])
+    with pytest.raises(ValueError, match="softcap must be a positive finite float"):
+        explain(device="cpu", softcap=-2.0)
