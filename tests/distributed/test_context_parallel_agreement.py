@@ -118,6 +118,10 @@ def _one_rank_cases(rank: int, world_size: int) -> list[tuple[str, str, Callable
          lambda call=call: _forward_backward(call, no_grad=r1))
         for name, call in _calls(heads)
     ]  # fmt: skip
+    # Before: rank 1 rejected the layout before the agreement; rank 0 waited for it.
+    cases.append((f"ring_attention over {heads}, layout 'striped' on rank 1",
+                  "layout must be one of" if r1 else REJECTED,
+                  lambda: _calls(heads)[0][1](*_qkv(), layout="striped" if r1 else "contiguous")))
     cases.append(("stream on a context-parallel LongNetLM", REFUSED,
                   lambda: _model(heads).stream(_tokens(5), 2)))  # fmt: skip
     return cases
