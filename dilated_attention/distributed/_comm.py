@@ -119,6 +119,23 @@ def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
+#: The agreement field of grad mode (:func:`backward_follows`), and its advice on a mismatch.
+GRAD_MODE = "grad mode (1: grad enabled and an input requires grad, so a backward may follow)"
+GRAD_MODE_FIX = (
+    "every rank must call in the same grad mode: all under torch.no_grad() (or with inputs that "
+    "do not require grad), or all with grad enabled and inputs that require grad; the backward "
+    "exchanges gradients between the ranks, so it cannot run on some ranks only"
+)
+
+
+def backward_follows(*tensors: torch.Tensor) -> bool:
+    """Whether a call on ``tensors`` records a graph that a backward may run through (grad
+    enabled and one of them requires grad). Ranks agree on it before a call whose backward
+    communicates: a rank that records no graph never runs that backward, and its peers' backward
+    would wait for it until the process group's timeout."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def check_same_on_all_ranks(
     values: Sequence[int],
     names: Sequence[str],

@@ -18,25 +18,26 @@ import torch.distributed as dist
 
 from .. import _validation as V
 from ..backends.registry import Selection, check_backend_name
+from ..core.documents import check_offsets
 from ..core.schedule import Schedule
 from ..core.schedule_state import describe_schedule, dilated_schedule
 from ..resolve import DENSE, DILATED, Request, resolve
-from ._comm import check_same_on_all_ranks, global_rank, group_rank_and_size
-from .context import HEAD_FIELDS, ContextParallel
-from .sharding import check_layout, chunks_per_rank
+from ._comm import (
+    GRAD_MODE,
+    GRAD_MODE_FIX,
+    backward_follows,
+    check_same_on_all_ranks,
+    global_rank,
+    group_rank_and_size,
+)
+from .context import DOCUMENTS, DOCUMENTS_FIX, HEAD_FIELDS, ContextParallel, no_documents
+from .sharding import check_layout, chunks_per_rank, rank_positions
 from .template import RingSetup
 
 COMMS = ("ring", "allgather")
 
-_GRAD_MODE = "grad mode (1: grad enabled and an input requires grad, so a backward may follow)"
 _DILATED_SCHEDULE = "schedule (segment_lengths, dilation_rates)"
-_FIXES = {
-    _GRAD_MODE: (
-        "every rank must call in the same grad mode: all under torch.no_grad() (or with inputs "
-        "that do not require grad), or all with grad enabled and inputs that require grad; the "
-        "backward exchanges gradients between the ranks, so it cannot run on some ranks only"
-    ),
-}
+_FIXES = {GRAD_MODE: GRAD_MODE_FIX, DOCUMENTS: DOCUMENTS_FIX}
 
 
 def _field_names(schedule_name: str) -> tuple[str, ...]:
@@ -44,14 +45,15 @@ def _field_names(schedule_name: str) -> tuple[str, ...]:
     return (
         "local seq_len", "batch", "query heads", "key/value heads", "head_dim", "dtype",
         "is_causal", "layout", "comm", "scale", "backend", schedule_name,
-        "key_padding_mask given (0/1)", "device type", _GRAD_MODE,
+        "key_padding_mask given (0/1)", "device type", GRAD_MODE, DOCUMENTS,
     )  # fmt: skip
 
 
 @dataclass(frozen=True)
 class RingArgs:
     """A ring call's arguments as the public function received them (unchecked): query (B, n,
-    H, D), key and value (B, n, Hkv, D), key_padding_mask (B, n) bool or None, and options."""
+    H, D), key and value (B, n, Hkv, D), key_padding_mask (B, n) bool or None, options, and
+    ``cu_seqlens``: packed documents over the whole sharded row (B = 1), or None."""
 
     query: object
     key: object
@@ -63,6 +65,7 @@ class RingArgs:
     backend: str | None = None
     comm: object = "ring"
     key_padding_mask: object = None
+    cu_seqlens: object = None
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,8 @@ class RingOperation:
 @dataclass(frozen=True)
 class PreparedRing:
     """A ring call every rank agreed on: contiguous q (B, n, H, D), k and v (B, n, Hkv, D),
-    where this rank sits (``setup``), the per-step kernel and the checked schedule."""
+    where this rank sits (``setup``), the per-step kernel, the checked schedule and the checked
+    offsets of packed documents over the whole row (None without)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -94,6 +98,7 @@ class PreparedRing:
     setup: RingSetup
     kernel: Selection
     schedule: object = None
+    documents: tuple[int, ...] | None = None
 
     @property
     def empty(self) -> bool:
@@ -112,6 +117,7 @@ class _Checked:
     layout: str
     scale: float | None
     chunk_len: int
+    documents: tuple[int, ...] | None
 
 
 def _digest(value: object) -> int:
@@ -132,7 +138,7 @@ def _schedule_text(schedule: object) -> str | None:
     return describe_schedule(dilated_schedule(schedule.segment_lengths, schedule.dilation_rates))
 
 
-def _check(call: RingArgs, op: RingOperation) -> _Checked:
+def _check(call: RingArgs, op: RingOperation, world_size: int) -> _Checked:
     """This rank's inputs, checked in the order one process checks them."""
     q, k, v = V.check_qkv(call.query, call.key, call.value, same_length=True)
     schedule = op.check_schedule() if op.check_schedule is not None else None
@@ -155,7 +161,24 @@ def _check(call: RingArgs, op: RingOperation) -> _Checked:
             f"the local seq_len ({n}) must be even for layout='zigzag' (two chunks per rank); "
             "shard a sequence divisible by 2 x world size with shard_sequence"
         )
-    return _Checked(q, k, v, schedule, layout, scale, n // parts)
+    documents = None if call.cu_seqlens is None else _check_documents(call, q, world_size)
+    return _Checked(q, k, v, schedule, layout, scale, n // parts, documents)
+
+
+def _check_documents(call: RingArgs, q: torch.Tensor, world_size: int) -> tuple[int, ...]:
+    """The offsets of packed documents over the whole row of ``world_size`` shards like ``q``
+    (1, n, H, D), checked (Note [Packed documents across ranks] in ``packed_ring.py``)."""
+    if call.key_padding_mask is not None or call.layout != "contiguous" or call.comm != "ring":
+        raise ValueError(
+            "cu_seqlens in a ring takes contiguous shards (layout='contiguous', "
+            "comm='ring') and no key_padding_mask: packed documents need no padding"
+        )
+    if q.shape[0] != 1:
+        raise ValueError(
+            f"cu_seqlens in a ring takes one packed row: query of shape (1, n, H, D), got "
+            f"{tuple(q.shape)}; pack the batch's documents into one row"
+        )
+    return check_offsets(call.cu_seqlens, 1, q.shape[1] * world_size, q.device)
 
 
 def _kernel(checked: _Checked, call: RingArgs, op: RingOperation, world_size: int) -> Selection:
@@ -176,14 +199,12 @@ def _kernel(checked: _Checked, call: RingArgs, op: RingOperation, world_size: in
 def _shown(checked: _Checked, call: RingArgs) -> list[object]:
     """This rank's summary, readable (the mismatch message shows it)."""
     q, k = checked.q, checked.k
-    # A rank that records no graph never runs the ring backward: its peers' backward would
-    # wait for it until the process group's timeout.
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, checked.v))
+    documents = None if checked.documents is None else list(checked.documents)
     return [
         q.shape[1], q.shape[0], q.shape[2], k.shape[2], q.shape[3], str(q.dtype), call.is_causal,
         checked.layout, call.comm, checked.scale, check_backend_name(call.backend) or "auto",
         _schedule_text(checked.schedule), int(call.key_padding_mask is not None), q.device.type,
-        int(needs_grad),
+        int(backward_follows(q, k, checked.v)), documents,
     ]  # fmt: skip
 
 
@@ -194,11 +215,12 @@ def prepare_ring(call: RingArgs, op: RingOperation | None = None) -> PreparedRin
     one or none.
 
     Each rank checks its own inputs, then all ranks exchange one small summary (a fixed number of
-    integers: an error flag, shapes, dtype, device type, options, grad mode, a hash of what
-    ``check_schedule`` validates and returns, e.g. the dilated branches; where a field differs,
-    the message shows every rank's value readably, schedules included). A rank whose
-    inputs were rejected raises its own error and every other rank a ``ValueError`` naming it, and
-    any field that differs between ranks raises on every rank: never a hang. Grad mode (grad
+    integers: an error flag, shapes, dtype, device type, options, grad mode, the packed
+    documents' offsets, a hash of what ``check_schedule`` validates and returns, e.g. the dilated
+    branches; where a field differs, the message shows every rank's value readably, schedules
+    and offsets included). A rank whose inputs were rejected raises its own error and every
+    other rank a ``ValueError`` naming it, and any field that differs between ranks raises on
+    every rank: never a hang. Grad mode (grad
     enabled and an input requires grad) is part of the summary because the backward communicates:
     a backward on some ranks only would wait for the others until the timeout. The kernel
     comes from the resolve step, as for a call in one process (``resolve(Request.of(...))``):
@@ -213,7 +235,7 @@ def prepare_ring(call: RingArgs, op: RingOperation | None = None) -> PreparedRin
     fields: list[int] = [0] * len(names)
     shown: list[object] | None = None  # readable, for a mismatch message
     try:
-        checked = _check(call, op)
+        checked = _check(call, op, size)
         kernel = _kernel(checked, call, op, size)
         shown = _shown(checked, call)
         fields = [_digest(x) for x in shown]
@@ -228,7 +250,7 @@ def prepare_ring(call: RingArgs, op: RingOperation | None = None) -> PreparedRin
         comm=str(call.comm),
     )  # fmt: skip
     q, k, v = (x.contiguous() for x in (checked.q, checked.k, checked.v))
-    return PreparedRing(q, k, v, setup, kernel, checked.schedule)
+    return PreparedRing(q, k, v, setup, kernel, checked.schedule, checked.documents)
 
 
 def reject_ring_call(
@@ -255,6 +277,21 @@ def reject_ring_call(
     raise error  # not reached: check_same_on_all_ranks raises the local error
 
 
+def refuse_documents(cu_seqlens: object, cp: ContextParallel) -> None:
+    """Packed documents under ``cp`` are not supported (:func:`~.context.no_documents`): a rank
+    that passes them takes part in the call's agreement with that error
+    (:func:`reject_ring_call`), so that every rank raises, including those that passed none and
+    wait in the agreement.
+
+    Raises:
+        ValueError: ``cu_seqlens`` given (its peers raise ``ValueError`` naming this rank).
+    """
+    try:
+        no_documents(cu_seqlens)
+    except ValueError as exc:
+        reject_ring_call(exc, cp)
+
+
 class AgreedForward:
     """Mixin for a multihead layer whose ``attention`` is a ring module (with ``group`` and a
     ``ring_calls`` counter of the calls that reached a ring function, and so its agreement).
@@ -262,13 +299,22 @@ class AgreedForward:
     The layer's forward (its own checks and projections, then the ring call) runs as in the
     next class of the MRO; an error raised before the ring call was reached takes part in that
     call's agreement (:func:`reject_ring_call`), so that it raises on every rank instead of
-    leaving the others waiting.
+    leaving the others waiting. Its rotary positions default to the shard's global positions
+    (:meth:`_default_positions`), computed without communication.
 
     Raises:
         Exception: what the forward raised, on this rank; ``ValueError`` on the other ranks.
     """
 
     attention: Any
+
+    def _default_positions(self, n: int, device: torch.device) -> torch.Tensor:
+        """This rank's global positions in the sharded sequence, for rotary (the multihead
+        layer's default when ``forward`` is given none), with no collective of their own
+        (``rank_positions``): the ring call that follows agrees on the shards, and a rank whose
+        call this layer rejected meets its peers there."""
+        layout = getattr(self.attention, "layout", "contiguous")
+        return rank_positions(n, group=self.attention.group, layout=layout, device=device)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         reached = self.attention.ring_calls

@@ -65,8 +65,15 @@ from ..modules import (
 )
 from ..patterns import Pattern, check_pattern
 from . import _comm
-from .agreement import AgreedForward, RingArgs, RingOperation, prepare_ring, reject_ring_call
-from .context import ContextParallel, no_documents
+from .agreement import (
+    AgreedForward,
+    RingArgs,
+    RingOperation,
+    prepare_ring,
+    refuse_documents,
+    reject_ring_call,
+)
+from .context import ContextParallel
 from .exchange import ExchangeStep, SparseSteps, exchange_steps
 from .modules import RingModule
 from .packed_ring import packed_ring
@@ -169,26 +176,22 @@ def block_sparse_ring_attention(
             as in ``ring_attention``).
     """
     if isinstance(group, ContextParallel):
-        no_documents(cu_seqlens)
+        refuse_documents(cu_seqlens, group)
         out, lse = _over_context(group, query, key, value, pattern, block_size, is_causal,
                                  scale, backend)  # fmt: skip
         return (out, lse) if return_lse else out
     args = RingArgs(query, key, value, group=group, is_causal=is_causal, scale=scale,
-                    backend=backend)  # fmt: skip
-    if cu_seqlens is not None:
-        describe = functools.partial(_check_schedule, query, pattern, block_size, return_lse, group)
-        out, lse = packed_ring(args, cu_seqlens, pattern=pattern, block_size=block_size,
-                               describe=describe)  # fmt: skip
-        return (out, lse) if return_lse else out
-    ring = prepare_ring(
-        args,
-        RingOperation(
-            check_schedule=functools.partial(
-                _check_schedule, query, pattern, block_size, return_lse, group
-            ),
-            schedule_name="schedule (pattern, block_size)",
+                    backend=backend, cu_seqlens=cu_seqlens)  # fmt: skip
+    operation = RingOperation(
+        check_schedule=functools.partial(
+            _check_schedule, query, pattern, block_size, return_lse, group
         ),
+        schedule_name="schedule (pattern, block_size)",
     )
+    if cu_seqlens is not None:
+        out, lse = packed_ring(args, operation, pattern=pattern, block_size=block_size)
+        return (out, lse) if return_lse else out
+    ring = prepare_ring(args, operation)
     q, k, v, setup = ring.q, ring.k, ring.v, ring.setup
     if ring.empty:  # batch 0 or 0 heads, agreed on every rank: as in one process
         out, lse = empty_attention(q, k, v)
@@ -236,7 +239,7 @@ def _over_context(
         check_pattern(pattern).block_mask(blocks, blocks)  # a Custom mask of the wrong size
         return described, is_causal, V.check_scale(scale), check_backend_name(backend)
 
-    return split_call(cp, 1, query, key, value, None, local=local, ring=ring,
+    return split_call(cp, "contiguous", query, key, value, None, local=local, ring=ring,
                       what="block_sparse_ring_attention", options=agreed)  # fmt: skip
 
 

@@ -16,6 +16,20 @@ Note [Context parallel groups]
     all-to-all it holds ring shard ``r`` whole, in the ring's layout
     (:func:`mesh_positions`; ``shard_sequence(x, group=cp)`` cuts it so).
 
+Note [One answer on every rank of a mesh]
+    On a mesh a call's ranks agree in two steps: each head group, then each ring group (a
+    collective needs all of its group's ranks, and the ranks of one group are those that meet
+    next). Both steps must give every rank of the mesh the same answer, or some ranks raise
+    while others wait for them in a later collective until the process group's timeout:
+
+    - an error in the first step is carried into the second (:func:`check_same_everywhere`,
+      ``reject_ring_call``), where the ranks of the other head groups wait;
+    - the head group compares everything the ring's agreement compares (shapes, dtype, device
+      type, grad mode, layout, options, schedule, mask), so a ring group that finds a
+      difference is never alone: every ring group meets ranks that differ alike, and all raise
+      together. (A ring group that raised while another went on would leave the ranks of the
+      one waiting in the exchange back to the others' heads.)
+
 Shape legend: N positions, n a rank's positions, H query heads, Hkv key/value heads.
 """
 
@@ -31,10 +45,19 @@ import torch
 import torch.distributed as dist
 
 from .. import _validation as V
-from ._comm import check_same_on_all_ranks, global_rank, group_rank_and_size
+from ._comm import (
+    GRAD_MODE,
+    GRAD_MODE_FIX,
+    backward_follows,
+    check_same_on_all_ranks,
+    global_rank,
+    group_rank_and_size,
+)
 from .alltoall import HeadExchange
 
 __all__ = [
+    "DOCUMENTS",
+    "DOCUMENTS_FIX",
     "HEAD_FIELDS",
     "ContextParallel",
     "HeadSplit",
@@ -45,9 +68,19 @@ __all__ = [
     "no_documents",
 ]  # fmt: skip
 
-#: What the ranks of a head group compare before the exchange.
+#: The agreement field of packed documents' offsets (the ring's, ``LongNetLM``'s), and its
+#: advice on a mismatch.
+DOCUMENTS = "cu_seqlens (packed documents' offsets)"
+DOCUMENTS_FIX = (
+    "every rank must pass the same cu_seqlens (the offsets of the documents over the whole "
+    "sharded row), or every rank none"
+)
+
+#: What the ranks of a head group compare before the exchange (Note [One answer on every rank
+#: of a mesh]).
 HEAD_FIELDS = ("batch", "local seq_len", "query heads", "key/value heads", "head_dim", "dtype",
-               "key_padding_mask given (0/1)", "options and schedule")  # fmt: skip
+               "key_padding_mask given (0/1)", "options and schedule", "device type",
+               GRAD_MODE)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -175,21 +208,25 @@ def agree_on_heads(
 ) -> HeadSplit:
     """Check this rank's tensors and ``options()`` (the call's options and schedule, checked;
     their text is compared), then agree on them over the head group (an error on any rank
-    raises on every rank); the call's heads over the group."""
+    raises on every rank); the call's heads over the group. Grad mode is compared because the
+    exchange's backward is itself an exchange: a rank that records no graph would leave its
+    peers' backward waiting."""
     _, ranks = cp.sizes()
     names = HEAD_FIELDS
     fields, error, split = [0] * len(names), None, None
     try:
-        qt, kt, _ = V.check_qkv(q, k, v, same_length=True)
+        qt, kt, vt = V.check_qkv(q, k, v, same_length=True)
         V.check_key_padding_mask(mask, qt.shape[0], qt.shape[1], qt.device)
         split = HeadSplit.of(qt.shape[2], kt.shape[2], ranks)
         said = "" if options is None else str(options())
         fields = [qt.shape[0], qt.shape[1], qt.shape[2], kt.shape[2], qt.shape[3],
                   zlib.crc32(str(qt.dtype).encode()), int(mask is not None),
-                  zlib.crc32(said.encode())]  # fmt: skip
+                  zlib.crc32(said.encode()), zlib.crc32(qt.device.type.encode()),
+                  int(backward_follows(qt, kt, vt))]  # fmt: skip
     except Exception as exc:  # a rejection on one rank must reach the others: no hang
         error = exc
-    check_same_on_all_ranks(fields, names, cp.heads, error, what=f"{what} under a head all-to-all")
+    check_same_on_all_ranks(fields, names, cp.heads, error, what=f"{what} under a head all-to-all",
+                            fixes={GRAD_MODE: GRAD_MODE_FIX})  # fmt: skip
     assert split is not None  # check_same_on_all_ranks raised otherwise
     return split
 

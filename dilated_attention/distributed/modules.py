@@ -20,7 +20,7 @@ from .agreement import COMMS, AgreedForward
 from .packed_ring import shard_offsets, shard_positions
 from .ring import ring_attention
 from .ring_dilated import ring_dilated_attention
-from .sharding import check_layout, sequence_positions
+from .sharding import check_layout
 
 __all__ = ["RingAttention", "RingDilatedAttention", "RingModule", "RingMultiheadDilatedAttention"]
 
@@ -212,12 +212,6 @@ class RingMultiheadDilatedAttention(AgreedForward, MultiheadDilatedAttention):
     ) -> torch.Tensor:
         """This rank's shard of the row's positions within their documents."""
         return shard_positions(documents, query, self.attention.group)
-
-    def _default_positions(self, n: int, device: torch.device) -> torch.Tensor:
-        """This rank's global positions in the sharded sequence (``sequence_positions``)."""
-        return sequence_positions(
-            n, group=self.attention.group, layout=self.attention.layout, device=device
-        )
 
     def _check_key_padding_mask(self, mask: object, query: torch.Tensor) -> None:
         """Left to the ring call, which checks the mask on every rank together: a mask rejected

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -354,52 +354,30 @@ def _check_divides(total: int, world_size: int) -> None:
 
 def packed_ring(
     call: RingArgs,
-    cu_seqlens: object,
+    op: RingOperation | None = None,
     *,
     pattern: Pattern | None = None,
     block_size: int = 128,
-    describe: Callable[[], object] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of ``ring_attention`` (with ``pattern``, ``block_sparse_ring_attention``;
-    with ``describe`` returning a :class:`~dilated_attention.core.schedule.Schedule`,
+    with ``op.check_schedule`` returning a :class:`~dilated_attention.core.schedule.Schedule`,
     ``ring_dilated_attention``) on one packed row: this rank's shard (B = 1, n positions) of the
-    documents ``cu_seqlens`` over the whole row of ``W * n`` (Note [Packed documents across
-    ranks]).
+    documents ``call.cu_seqlens`` over the whole row of ``W * n`` (Note [Packed documents
+    across ranks]).
 
-    ``describe`` checks the caller's own arguments inside the agreement and returns what the
-    ranks compare with the offsets (the pattern's text, or the schedule).
+    ``op`` is the function's own (its schedule checked and compared as without documents, its
+    per-step kernel the dense one): the ranks' agreement compares the offsets besides, so a call
+    with documents on some ranks only names them as what differs.
     """
-    checked: dict[str, tuple[int, ...]] = {}
-
-    def check_schedule() -> str:
-        q = call.query
-        if call.key_padding_mask is not None or call.layout != "contiguous" or call.comm != "ring":
-            raise ValueError(
-                "cu_seqlens in a ring takes contiguous shards (layout='contiguous', "
-                "comm='ring') and no key_padding_mask: packed documents need no padding"
-            )
-        if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != 1:
-            shape = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
-            raise ValueError(
-                f"cu_seqlens in a ring takes one packed row: query of shape (1, n, H, D), got "
-                f"{shape}; pack the batch's documents into one row"
-            )
-        world = group_rank_and_size(call.group)[1]
-        documents = check_offsets(cu_seqlens, 1, q.shape[1] * world, q.device)
-        checked["documents"] = documents
-        extra = None if describe is None else describe()
-        if isinstance(extra, Schedule):
-            checked["schedule"] = extra
-        return f"cu_seqlens={list(documents)} {'' if extra is None else extra}"
-
-    ring = prepare_ring(call, RingOperation(check_schedule=check_schedule,
-                                            schedule_name="cu_seqlens"))  # fmt: skip
+    assert call.cu_seqlens is not None  # the caller's branch
+    ring = prepare_ring(call, op)
     q, k, v, setup = ring.q, ring.k, ring.v, ring.setup
     if ring.empty:
         return empty_attention(q, k, v)
-    schedule = checked.get("schedule")
+    assert ring.documents is not None  # checked, as cu_seqlens was given
+    schedule = ring.schedule if isinstance(ring.schedule, Schedule) else None
     dilated = None if schedule is None else (schedule, q.shape[2], k.shape[2])
-    plan = (checked["documents"], bool(call.is_causal), pattern, block_size, dilated)
+    plan = (ring.documents, bool(call.is_causal), pattern, block_size, dilated)
     steps = _steps(plan, (setup.world_size, setup.rank), q.device)
     what = "ring_attention" if pattern is None else "block_sparse_ring_attention"
     what = "ring_dilated_attention" if dilated is not None else what
@@ -407,4 +385,3 @@ def packed_ring(
     runner = RingRunner(SparseSteps(steps, setup), StepKernel(ring.kernel.backend, setup.scale),
                         message)  # fmt: skip
     return run_attention(q, k, v, None, runner)
-

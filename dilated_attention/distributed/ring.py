@@ -37,10 +37,10 @@ from ..core.hidden import hide_masked_keys
 from ..core.higher_order import ring_message
 from ..functional import attention
 from ._comm import exchange, ring_all_gather
-from .agreement import COMMS, RingArgs, prepare_ring
-from .context import ContextParallel, no_documents
+from .agreement import COMMS, RingArgs, prepare_ring, refuse_documents
+from .context import ContextParallel
 from .packed_ring import packed_ring
-from .sharding import check_layout, chunks_of, chunks_per_rank
+from .sharding import chunks_of
 from .template import (
     KeyBlock,
     Part,
@@ -324,7 +324,7 @@ def ring_attention(
             (``init_process_group(timeout=...)``, docs/ring.md).
     """
     if isinstance(group, ContextParallel):
-        no_documents(cu_seqlens)
+        refuse_documents(cu_seqlens, group)
         out, lse = _over_context(
             group, query, key, value, key_padding_mask, is_causal=is_causal, scale=scale,
             backend=backend, layout=layout, comm=comm,
@@ -332,10 +332,10 @@ def ring_attention(
         return (out, lse) if return_lse else out
     args = RingArgs(
         query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
-        backend=backend, comm=comm, key_padding_mask=key_padding_mask,
+        backend=backend, comm=comm, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens,
     )  # fmt: skip
     if cu_seqlens is not None:
-        out, lse = packed_ring(args, cu_seqlens)
+        out, lse = packed_ring(args)
         return (out, lse) if return_lse else out
     ring = prepare_ring(args)
     q, k, v = ring.q, ring.k, ring.v
@@ -375,7 +375,7 @@ def _over_context(
                               comm=comm, **options)  # fmt: skip
 
     return split_call(
-        cp, chunks_per_rank(check_layout(layout)), query, key, value, key_padding_mask,
-        local=local, ring=ring, what="ring_attention",
+        cp, layout, query, key, value, key_padding_mask, local=local, ring=ring,
+        what="ring_attention",
         options=lambda: (is_causal, V.check_scale(scale), check_backend_name(backend), comm),
     )  # fmt: skip

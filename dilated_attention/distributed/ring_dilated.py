@@ -67,8 +67,8 @@ from ..core.schedule import Schedule
 from ..core.slots import ExtraSlotGradients, SlotView
 from ..resolve import DILATED, Request, execute
 from ._comm import exchange
-from .agreement import RingArgs, RingOperation, prepare_ring
-from .context import ContextParallel, no_documents
+from .agreement import RingArgs, RingOperation, prepare_ring, refuse_documents
+from .context import ContextParallel
 from .dilated_plan import (
     CompactCall,
     DilatedRingPlan,
@@ -78,7 +78,6 @@ from .dilated_plan import (
     plan_ring_dilated,
 )
 from .packed_ring import packed_ring
-from .sharding import check_layout, chunks_per_rank
 from .template import (
     KeyBlock,
     RingSetup,
@@ -465,27 +464,25 @@ def ring_dilated_attention(
     """
     schedule = functools.partial(Schedule, segment_lengths, dilation_rates)
     if isinstance(group, ContextParallel):
-        no_documents(cu_seqlens)
+        refuse_documents(cu_seqlens, group)
         options = dict(is_causal=is_causal, scale=scale, backend=backend)
         out, lse = split_call(
-            group, chunks_per_rank(check_layout(layout)), query, key, value, key_padding_mask,
+            group, layout, query, key, value, key_padding_mask,
             local=functools.partial(_local_heads, schedule, **options),
             ring=functools.partial(_ring_shard, schedule, layout=layout, **options),
             what="ring_dilated_attention",
-            options=lambda: (schedule(), _checked(is_causal, scale, backend), layout),
+            options=lambda: (schedule(), _checked(is_causal, scale, backend)),
         )  # fmt: skip
         return (out, lse) if return_lse else out
-    if cu_seqlens is not None:
-        args = RingArgs(
-            query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
-            backend=backend, key_padding_mask=key_padding_mask,
-        )  # fmt: skip
-        out, lse = packed_ring(args, cu_seqlens, describe=schedule)
-        return (out, lse) if return_lse else out
+    # The dilated ring has no comm option: its calls keep RingArgs' default, with documents or
+    # without, so that the ranks' agreement compares only what the caller passed.
     args = RingArgs(
         query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
-        backend=backend, comm="allgather", key_padding_mask=key_padding_mask,
+        backend=backend, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens,
     )  # fmt: skip
+    if cu_seqlens is not None:  # the packed ring's dense per-step kernel, this schedule
+        out, lse = packed_ring(args, RingOperation(check_schedule=schedule))
+        return (out, lse) if return_lse else out
     out, lse = _ring_dilated(args, schedule, 0)
     return (out, lse) if return_lse else out
 
@@ -548,5 +545,5 @@ def _ring_shard(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring dilated attention over the ring group of a context-parallel call, this rank's heads
     from layer head ``first``."""
-    args = RingArgs(q, k, v, group=group, comm="allgather", key_padding_mask=mask, **options)
+    args = RingArgs(q, k, v, group=group, key_padding_mask=mask, **options)
     return _ring_dilated(args, schedule, first)

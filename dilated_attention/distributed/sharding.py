@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from einops import rearrange
 
-from ._comm import check_same_on_all_ranks, group_rank_and_size
-from .context import ContextParallel, mesh_positions
+from ._comm import group_rank_and_size
+from .context import ContextParallel, check_same_everywhere, mesh_positions
 
 LAYOUTS = ("contiguous", "zigzag")
 #: dtype codes for the agreement of :func:`unshard_sequence` (any other dtype: its own code).
@@ -158,11 +158,13 @@ def unshard_sequence(
     Before the all-gather every rank checks its own arguments and the ranks agree on them (like
     the ring functions): a shard rejected on one rank, or shards of another shape, dtype, device
     type, ``seq_dim`` or ``layout`` on some rank, raise on every rank instead of aborting or
-    hanging the all-gather.
+    hanging the all-gather. Under a :class:`ContextParallel` the head group agrees first and
+    carries its error into the ring group's agreement (Note [One answer on every rank of a
+    mesh] in ``context.py``), so every rank of the mesh raises.
 
     Args:
         x_local: this rank's shard, ``n`` tokens along ``seq_dim`` (``n`` even for zigzag).
-        group: the process group (default: the world).
+        group: the process group (default: the world), or a :class:`ContextParallel`.
         layout: the layout the shards were made with (Note [Sequence layouts]).
         seq_dim: the dim of ``x_local`` that holds the sequence (the same dim on every rank).
 
@@ -174,15 +176,34 @@ def unshard_sequence(
             are malformed or the ranks' shards or options differ. The rank whose arguments were
             rejected raises its own error; the others a ``ValueError`` naming it.
     """
-    if isinstance(group, ContextParallel):
-        return _unshard_context(x_local, group, layout, seq_dim)
-    _, size = group_rank_and_size(group)
+    layout, dim = _agree_on_shards(x_local, group, layout, seq_dim)
+    if not isinstance(group, ContextParallel):
+        return _gather(x_local, group, layout, dim)
+    shard = x_local
+    if group.heads is not None:  # the head group's shares of each ring chunk, joined
+        joined = _gather(x_local, group.heads, "contiguous", dim)
+        _, heads = group.sizes()
+        moved = joined.movedim(dim, 0)
+        moved = rearrange(moved, "(a p c) ... -> (p a c) ...", a=heads, p=chunks_per_rank(layout))
+        shard = moved.movedim(0, dim)
+    if group.ring is None:
+        return shard
+    return _gather(shard, group.ring, layout, dim)
+
+
+def _agree_on_shards(
+    x_local: object, group: dist.ProcessGroup | ContextParallel | None, layout: object,
+    seq_dim: object,
+) -> tuple[str, int]:  # fmt: skip
+    """:func:`unshard_sequence`'s arguments checked and agreed on by every rank of ``group``
+    (the shards' shapes included); the checked layout and ``seq_dim``."""
     names = ("x_local.dim()", "seq_dim", "local seq_len (x_local.shape[seq_dim])", "dtype",
              "device type", "layout")  # fmt: skip
-    fields, error = [0] * len(names), None
+    fields, error, dim = [0] * len(names), None, 0
     try:
         layout = check_layout(layout)
         dim = _check_seq_dim(x_local, seq_dim, "x_local")
+        assert isinstance(x_local, torch.Tensor)  # _check_seq_dim raised otherwise
         n = x_local.shape[dim]
         if n % chunks_per_rank(layout):
             raise ValueError(
@@ -193,19 +214,29 @@ def unshard_sequence(
                   _code(x_local.device.type, _DEVICE_TYPES), LAYOUTS.index(layout)]  # fmt: skip
     except Exception as exc:  # a rejection on one rank must reach the others: no hang
         error = exc
-    check_same_on_all_ranks(
+    check_same_everywhere(
         fields, names, group, error, what="unshard_sequence arguments",
         labels={"dtype": [str(t) for t in _DTYPES], "device type": _DEVICE_TYPES,
                 "layout": LAYOUTS},
         fixes={names[2]: _UNEQUAL_SHARDS},
     )  # fmt: skip
-    if size == 1:
-        return x_local
+    assert isinstance(x_local, torch.Tensor)
     # The number of dims agrees: now the whole shape (all-gather needs equal sizes everywhere).
     shape_names = [f"x_local.shape[{d}]" for d in range(x_local.dim())]
-    check_same_on_all_ranks(
+    check_same_everywhere(
         list(x_local.shape), shape_names, group, what="unshard_sequence arguments"
     )
+    return str(layout), dim
+
+
+def _gather(
+    x_local: torch.Tensor, group: dist.ProcessGroup | None, layout: str, dim: int
+) -> torch.Tensor:
+    """Every rank's shard of ``group`` (agreed on: :func:`_agree_on_shards`), joined in global
+    order along ``dim``."""
+    _, size = group_rank_and_size(group)
+    if size == 1:
+        return x_local
     local = x_local.contiguous()
     gathered = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(gathered, local, group=group)
@@ -227,13 +258,14 @@ def sequence_positions(
     """Global positions of this rank's ``local_len`` tokens (for rotary embeddings and masks).
 
     Every rank of ``group`` must call it (it agrees on ``local_len`` and ``layout`` with one
-    small all-gather): shards of unequal length have no positions here, as the ring functions
-    take none, and a rank whose ``local_len`` differs would otherwise get positions that overlap
-    its neighbours'.
+    small all-gather; under a :class:`ContextParallel` one per group, an error of the head
+    group's carried into the ring group's): shards of unequal length have no positions here, as
+    the ring functions take none, and a rank whose ``local_len`` differs would otherwise get
+    positions that overlap its neighbours'.
 
     Args:
         local_len: this rank's number of tokens ``n`` (the same on every rank; even for zigzag).
-        group: the process group (default: the world).
+        group: the process group (default: the world), or a :class:`ContextParallel`.
         layout: the layout the shards were made with (Note [Sequence layouts]).
         device: where to put the positions.
 
@@ -244,20 +276,8 @@ def sequence_positions(
         TypeError / ValueError: on every rank when some rank's arguments are malformed, or the
             ranks' ``local_len`` or ``layout`` differ.
     """
-    if isinstance(group, ContextParallel):
-        check_layout(layout)
-        if group.heads is not None:  # each group agrees on the call; the ring on its layout
-            sequence_positions(local_len, group=group.heads, device=device)
-        if group.ring is not None:
-            sequence_positions(local_len, group=group.ring, layout=layout, device=device)
-        elif local_len % chunks_per_rank(layout):  # the agreed local_len: alike on every rank
-            raise ValueError(
-                f"local_len ({local_len}) must be even for layout='zigzag' (two chunks per rank)"
-            )
-        return mesh_positions(local_len, group, chunks_per_rank(layout), device)
-    rank, size = group_rank_and_size(group)
     names = ("local_len", "layout")
-    fields, error = [0, 0], None
+    fields, error, positions = [0, 0], None, None
     try:
         layout = check_layout(layout)
         if isinstance(local_len, bool):
@@ -268,31 +288,39 @@ def sequence_positions(
             raise TypeError(f"local_len must be an int, got {local_len!r}") from None
         if local_len < 0:
             raise ValueError(f"local_len must be a non-negative int, got {local_len}")
-        _check_divisible(local_len * size, size, layout, "local_len * world_size")
+        positions = rank_positions(local_len, group=group, layout=layout, device=device)
         fields = [local_len, LAYOUTS.index(layout)]
     except Exception as exc:  # a rejection on one rank must reach the others: no hang
         error = exc
-    check_same_on_all_ranks(
+    check_same_everywhere(
         fields, names, group, error, what="sequence_positions arguments",
         labels={"layout": LAYOUTS}, fixes={"local_len": _UNEQUAL_SHARDS},
     )  # fmt: skip
-    return local_positions(local_len, rank=rank, world_size=size, layout=layout, device=device)
+    assert positions is not None  # check_same_everywhere raised otherwise
+    return positions
 
 
-def _unshard_context(
-    x_local: torch.Tensor, cp: ContextParallel, layout: str, seq_dim: int
+def rank_positions(
+    local_len: int,
+    *,
+    group: dist.ProcessGroup | ContextParallel | None = None,
+    layout: str = "contiguous",
+    device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """:func:`unshard_sequence` under a :class:`ContextParallel` (Note [Context parallel
-    groups]): the head group's shares of each ring chunk joined into the ring shard, then the
-    ring's shards joined."""
+    """:func:`sequence_positions` without its agreement (no communication), for a caller whose
+    next collective compares the shards' lengths anyway: a ring layer's rotary positions, whose
+    ring call agrees on its shards; ``LongNetLM``, which agrees on its inputs. A collective of
+    its own there would meet a peer's other collective (the agreement of a call that peer
+    rejected) and abort the process group.
+
+    Raises:
+        ValueError: a ``local_len`` that no layout of ``group``'s ranks holds (odd for zigzag).
+    """
     layout = check_layout(layout)
-    shard = x_local
-    if cp.heads is not None:
-        joined = unshard_sequence(x_local, group=cp.heads, seq_dim=seq_dim)
-        _, heads = cp.sizes()
-        moved = joined.movedim(seq_dim, 0)
-        moved = rearrange(moved, "(a p c) ... -> (p a c) ...", a=heads, p=chunks_per_rank(layout))
-        shard = moved.movedim(0, seq_dim)
-    if cp.ring is None:
-        return shard
-    return unshard_sequence(shard, group=cp.ring, layout=layout, seq_dim=seq_dim)
+    if isinstance(group, ContextParallel):
+        (ring, heads) = group.sizes()
+        _check_divisible(local_len * ring * heads, ring * heads, layout, "local_len * world_size")
+        return mesh_positions(local_len, group, chunks_per_rank(layout), device)
+    rank, size = group_rank_and_size(group)
+    _check_divisible(local_len * size, size, layout, "local_len * world_size")
+    return local_positions(local_len, rank=rank, world_size=size, layout=layout, device=device)

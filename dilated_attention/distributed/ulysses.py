@@ -17,7 +17,10 @@ Note [Calls under a head all-to-all]
     the split says.
 
     Every rank of the head group first agrees on the call's shapes and options (one small
-    all-gather), so that a mismatch raises on every rank instead of hanging the exchange.
+    all-gather), so that a mismatch raises on every rank instead of hanging the exchange; an
+    error there is carried into the ring group's agreement (the ranks of other head groups wait
+    there), and the head group compares everything the ring's agreement does (Note [One answer
+    on every rank of a mesh] in ``context.py``).
 
 Shape legend: B batch, n a rank's positions, H query heads, Hkv key/value heads, D head dim,
 Wh ranks of the head group.
@@ -33,6 +36,7 @@ from ..core.executor import empty_attention
 from .agreement import reject_ring_call
 from .alltoall import HeadExchange, heads_of, sequence_of, to_heads, to_sequence
 from .context import ContextParallel, agree_on_heads
+from .sharding import check_layout, chunks_per_rank
 
 __all__ = ["head_parallel", "split_call"]
 
@@ -51,22 +55,26 @@ def head_parallel(
     v: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
     cp: ContextParallel,
-    parts: int,
+    layout: object,
     what: str,
     options: Callable[[], object] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``run`` on this rank's heads of the head group's positions (Note [Calls under a head
     all-to-all]): q (B, n, H, D), k and v (B, n, Hkv, D), key_padding_mask (B, n) or None ->
-    ``(out, lse)``, out (B, n, H, D) differentiable, lse (B, H, n); ``parts``: chunks of the
-    ring's layout per rank (1 or 2); ``options()``: checks the call's options and schedule and
-    describes them for the ranks' agreement."""
+    ``(out, lse)``, out (B, n, H, D) differentiable, lse (B, H, n); ``layout``: the ring's
+    layout (checked in the agreement); ``options()``: checks the call's options and schedule
+    and describes them for the ranks' agreement."""
+
+    def agreed() -> object:
+        return check_layout(layout), None if options is None else options()
+
     try:
-        split = agree_on_heads(q, k, v, key_padding_mask, cp, what, options)
+        split = agree_on_heads(q, k, v, key_padding_mask, cp, what, agreed)
     except Exception as exc:  # the ring's ranks in other head groups must hear of it: no hang
         if cp.ring is None:
             raise
         reject_ring_call(exc, cp.ring)
-    ex = cp.head_exchange(parts)
+    ex = cp.head_exchange(chunks_per_rank(str(layout)))
     if q.numel() == 0:  # a batch of 0 or 0 heads on every rank: as in one process
         return empty_attention(q, k, v)
     if ex.size == 1:  # a head group of one rank exchanges nothing
@@ -94,7 +102,7 @@ RingCall = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 def split_call(
     cp: ContextParallel,
-    parts: int,
+    layout: object,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -108,8 +116,8 @@ def split_call(
     """A ring function's call under ``cp`` (Note [Context parallel groups]): ``ring`` over the
     ring group, ``local`` without one, under the head all-to-all where there is a head group.
     q (B, n, H, D), k and v (B, n, Hkv, D), key_padding_mask (B, n) or None -> ``(out, lse)``
-    (B, n, H, D) and (B, H, n); ``parts``: chunks of the ring's layout per rank; ``options``:
-    as in :func:`head_parallel`."""
+    (B, n, H, D) and (B, H, n); ``layout``: the ring's layout (``"contiguous"`` or
+    ``"zigzag"``, checked on every rank together); ``options``: as in :func:`head_parallel`."""
 
     def run(
         qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, mask: torch.Tensor | None, first: int
@@ -120,5 +128,4 @@ def split_call(
 
     if cp.heads is None:
         return run(q, k, v, key_padding_mask, 0)
-    return head_parallel(run, q, k, v, key_padding_mask, cp, parts, what, options)
-
+    return head_parallel(run, q, k, v, key_padding_mask, cp, layout, what, options)

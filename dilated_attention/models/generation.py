@@ -69,6 +69,7 @@ class GenerationMixin:
         def train(self, mode: bool = True) -> nn.Module: ...
         def new_caches(self, *, static: bool = False) -> list[Cache]: ...
         def _check_tokens(self, tokens: object) -> torch.Tensor: ...
+        def _ring(self) -> Any | None: ...
 
     @torch.no_grad()
     def generate(
@@ -138,7 +139,8 @@ class GenerationMixin:
         rows]): the same logits as recomputing the whole forward, at a per-token cost set by the
         schedule, not the length. When ``max_seq_len`` is set and the sequence would outgrow it,
         every step instead recomputes the forward over the last ``max_seq_len`` tokens. Local
-        attention only (not under ring sharding).
+        attention only: a context-parallel model (ring layers, ``kind="ring"`` or
+        ``context_parallel(model, group)``) raises (Note [Generating from a sharded model]).
 
         On CUDA (``cuda_graph`` None or True) the steps after the prompt decode every row at
         once with :class:`~dilated_attention.StaticDilatedKVCache` caches, as one CUDA graph
@@ -170,10 +172,12 @@ class GenerationMixin:
             (B, 1) token ids (int64), one step at a time.
 
         Raises:
-            ValueError: bad prompt, ``max_new_tokens < 0``, ``temperature`` negative or not
-                finite, ``top_k < 1``, ``stop_token`` not a token id.
+            ValueError: a context-parallel model; bad prompt, ``max_new_tokens < 0``,
+                ``temperature`` negative or not finite, ``top_k < 1``, ``stop_token`` not a
+                token id.
             TypeError: ``generator`` is not a ``torch.Generator``.
         """
+        self._refuse_context_parallel()
         groups = self._prompt_groups(prompt)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
@@ -183,6 +187,38 @@ class GenerationMixin:
         if self._check_cuda_graph(cuda_graph, groups, max_new_tokens):
             return self._sample_static(groups, max_new_tokens, sampling)
         return self._sample(groups, max_new_tokens, sampling)
+
+    def _refuse_context_parallel(self) -> None:
+        """Raise ``ValueError`` for a model whose attention runs over ranks, before anything
+        communicates.
+
+        Note [Generating from a sharded model]
+            A context-parallel model's forward takes each rank's shard of one sequence: every
+            rank would take its whole prompt as a shard of a longer sequence (other tokens than
+            the local model's), and a rank that generates alone would wait for its peers in the
+            first collective. Decoding is one sequence in one process, so it needs the local
+            model of the same weights; ``generate`` refuses the sharded one on the rank that
+            calls it, without a collective, so a rank calling it alone raises too.
+        """
+        ring = self._ring()
+        if ring is None:
+            return
+        from ..distributed.context import ContextParallel
+
+        group = getattr(ring, "group", None)
+        over = "the world" if group is None else (
+            str(group) if isinstance(group, ContextParallel) else "a process group"
+        )  # fmt: skip
+        raise ValueError(
+            f"generate and stream decode one sequence in one process, but this model's "
+            f"attention layers are context parallel ({type(ring).__name__} over {over}): "
+            f"each rank would take its prompt "
+            f"as a shard of one longer sequence. Generate with a local model of the same "
+            f"weights: build one without the group (LongNetLM(dataclasses.replace("
+            f"model.config, kind='dilated')), not passed through context_parallel) and load "
+            f"these weights into it (local.load_state_dict(model.state_dict())), or load the "
+            f"same checkpoint with load_checkpoint(path, overrides={{'kind': 'dilated'}})"
+        )
 
     def _decodes(self, groups: list[tuple[torch.Tensor, torch.Tensor]], new: int) -> bool:
         """Whether the steps decode with caches: every layer takes one, and the longest prompt

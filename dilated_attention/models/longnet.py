@@ -9,6 +9,7 @@ vocab_size.
 from __future__ import annotations
 
 import math
+import zlib
 from typing import Any
 
 import torch
@@ -76,10 +77,10 @@ class LongNetLM(GenerationMixin, nn.Module):
 
     def _default_positions(self, seq_len: int, device: torch.device) -> torch.Tensor:
         ring = self._ring()
-        if ring is not None:  # ring attention: this rank's global positions
-            from ..distributed.sharding import sequence_positions
+        if ring is not None:  # this rank's global positions; the shards' lengths agreed next
+            from ..distributed.sharding import rank_positions
 
-            return sequence_positions(
+            return rank_positions(
                 seq_len, group=getattr(ring, "group", None), layout=ring.layout, device=device
             )
         return torch.arange(seq_len, device=device)
@@ -111,24 +112,59 @@ class LongNetLM(GenerationMixin, nn.Module):
         documents = check_cu_seqlens(cu_seqlens, tokens, tokens, caches)
         return documents, document_positions(documents, tokens.device)
 
-    def _check_tokens_on_all_ranks(self, tokens: object) -> torch.Tensor:
-        """:meth:`_check_tokens`; under ring attention every rank then learns whether any rank's
-        tokens were rejected (one small all-gather), so a rejection raises on every rank instead
-        of leaving the others waiting in the first layer's ring call."""
+    def _inputs_on_all_ranks(
+        self, tokens: object, positions: object, caches: object, cu_seqlens: object
+    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...] | None]:
+        """:meth:`_inputs`; under ring attention every rank then learns whether any rank's
+        inputs were rejected, and the ranks compare their shards' lengths and packed documents
+        (one small all-gather per group), so a rejection or a mismatch raises on every rank
+        instead of leaving the others waiting in the first layer's ring call. Nothing before it
+        communicates (the positions of a shard are computed, not agreed on:
+        ``rank_positions``)."""
         ring = self._ring()
         if ring is None:
-            return self._check_tokens(tokens)
-        from ..distributed.context import check_same_everywhere
+            return self._inputs(tokens, positions, caches, cu_seqlens)
+        from ..distributed.context import DOCUMENTS, DOCUMENTS_FIX, check_same_everywhere
 
+        names = ("local seq_len", DOCUMENTS)
         error: Exception | None = None
+        fields, shown = [0, 0], None
         try:
-            checked = self._check_tokens(tokens)
+            inputs = self._inputs(tokens, positions, caches, cu_seqlens)
+            documents = None if inputs[2] is None else list(inputs[2])
+            shown = [inputs[0].shape[1], documents]
+            fields = [inputs[0].shape[1], zlib.crc32(repr(documents).encode())]
         except Exception as exc:  # a rejection on one rank must reach the others: no hang
             error = exc
         check_same_everywhere(
-            [0], ["(none)"], getattr(ring, "group", None), error, what="LongNetLM tokens"
-        )
-        return checked
+            fields, names, getattr(ring, "group", None), error, what="LongNetLM inputs",
+            shown=shown, fixes={DOCUMENTS: DOCUMENTS_FIX},
+        )  # fmt: skip
+        return inputs
+
+    def _inputs(
+        self, tokens: object, positions: object, caches: object, cu_seqlens: object
+    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...] | None]:
+        """:meth:`forward`'s checked ``tokens`` (B, N), the tokens' positions ((N,), (B * N,)
+        with packed documents, or None for a static step: the caches check theirs) and the
+        packed documents' offsets (or None)."""
+        tokens = self._check_tokens(tokens)
+        N, documents = tokens.shape[1], None
+        if cu_seqlens is not None:
+            documents, positions = self._packed(cu_seqlens, tokens, caches, positions)
+        elif caches is not None:  # one cache per layer, before any work: Note [One cache per layer]
+            schedule = (self.config.segment_lengths, self.config.dilation_rates)
+            positions = check_caches(caches, len(self.blocks), schedule, tokens, positions)
+        elif positions is None:
+            positions = self._default_positions(N, tokens.device)
+        else:
+            if not isinstance(positions, torch.Tensor) or positions.shape != (N,):
+                got = tuple(positions.shape) if isinstance(positions, torch.Tensor) else positions
+                raise ValueError(f"positions must be a ({N},) int tensor, got {got}")
+            positions = positions.to(tokens.device)
+        if positions is not None:  # else a static step: the caches check their positions
+            self._check_positions_fit(positions)
+        return tokens, positions, documents  # type: ignore[return-value]
 
     def _check_tokens(self, tokens: object) -> torch.Tensor:
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
@@ -197,22 +233,9 @@ class LongNetLM(GenerationMixin, nn.Module):
             ValueError: token ids out of range, N (or a position) beyond ``max_seq_len``, bad
                 ``positions``; ``caches`` not distinct caches of this model at one length.
         """
-        tokens = self._check_tokens_on_all_ranks(tokens)
-        N, documents = tokens.shape[1], None
-        if cu_seqlens is not None:
-            documents, positions = self._packed(cu_seqlens, tokens, caches, positions)
-        elif caches is not None:  # one cache per layer, before any work: Note [One cache per layer]
-            schedule = (self.config.segment_lengths, self.config.dilation_rates)
-            positions = check_caches(caches, len(self.blocks), schedule, tokens, positions)
-        elif positions is None:
-            positions = self._default_positions(N, tokens.device)
-        else:
-            if not isinstance(positions, torch.Tensor) or positions.shape != (N,):
-                got = tuple(positions.shape) if isinstance(positions, torch.Tensor) else positions
-                raise ValueError(f"positions must be a ({N},) int tensor, got {got}")
-            positions = positions.to(tokens.device)
-        if positions is not None:  # else a static step: the caches check their positions
-            self._check_positions_fit(positions)
+        tokens, positions, documents = self._inputs_on_all_ranks(
+            tokens, positions, caches, cu_seqlens
+        )
         x = self.dropout(self.embed(tokens.long()))
         use_ckpt = self.config.activation_checkpointing and self.training
         for i, block in enumerate(self.blocks):

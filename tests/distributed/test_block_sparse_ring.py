@@ -180,6 +180,15 @@ def _check_modules(rank: int, world_size: int) -> None:
         torch.testing.assert_close(
             grad, p_local.grad, **TIGHT, msg=lambda m, name=name: f"rank {rank} {name}: {m}"
         )
+    # With rotary positions: each rank's shard rotates at its global positions (before: at
+    # 0..n-1 on every rank, so every rank but the first got another result).
+    ring.use_rotary(100.0)
+    local_layer.use_rotary(100.0)
+    with torch.no_grad():
+        out, _ = ring(shard_sequence(x), is_causal=True)
+        full, _ = local_layer(x, is_causal=True)
+    torch.testing.assert_close(out, shard_sequence(full), **TIGHT,
+                               msg=lambda m: f"rank {rank} rotary: {m}")  # fmt: skip
     # The (B, n, H, D) module equals the functional.
     module = BlockSparseRingAttention(pattern, block_size=4, scale=0.5)
     q, k, v, _ = _tensors(n * world_size, 2, seed=3)

@@ -326,3 +326,107 @@ def _readable_mismatch_worker(rank: int, world_size: int) -> None:
 
 def test_mismatch_shows_each_ranks_values(tmp_path: Path) -> None:
     run_world(_readable_mismatch_worker, 2, tmp_path, timeout_s=TIMEOUT_S)
+
+
+# -- rotary positions and packed documents on one rank only ----------------------------------------
+
+
+def _rotary_cases(rank: int, world_size: int) -> list[tuple[str, str, Callable[[], object]]]:
+    """(what, the error expected, call) of a ring layer with rotary positions, and a ring
+    LongNetLM, rejecting the last rank's call (the layer's own checks, or packed documents
+    there only). Before, the healthy ranks died of SIGABRT (gloo EnforceNotMet): their rotary
+    positions' own collective met the rejected rank's agreement."""
+    r_last = rank == world_size - 1
+    torch.manual_seed(0)
+    layer = RingMultiheadDilatedAttention(EMBED, 2, [4, 16], [1, 2], dtype=torch.float64)
+    layer.use_rotary()
+    x = torch.randn(BATCH, LOCAL_LEN, EMBED, dtype=torch.float64)
+    row = [0, 3, LOCAL_LEN * world_size] if r_last else None
+    float_mask = torch.full((BATCH, LOCAL_LEN), float(r_last), dtype=torch.float64)
+    model = LongNetLM(
+        LongNetConfig(
+            vocab_size=32, embed_dim=EMBED, num_heads=2, num_layers=1, ffn_dim=32,
+            segment_lengths=(4, 16), dilation_rates=(1, 2), kind="ring",
+        )
+    )  # fmt: skip
+    tokens = torch.randint(0, 32, (BATCH, LOCAL_LEN))
+    documents = r"cu_seqlens \(packed documents' offsets\) differs across ranks"
+    return [
+        ("need_weights=True on the last rank", r"(rejected|need_weights=True is not supported)",
+         lambda: layer(x, need_weights=r_last)),
+        ("a non-causal attn_mask on the last rank", r"(rejected|is not the causal mask)",
+         lambda: layer(x, attn_mask=torch.zeros(LOCAL_LEN, LOCAL_LEN) if r_last else None)),
+        ("a float key_padding_mask of 1.0 on the last rank", r"(rejected|as a float tensor)",
+         lambda: layer(x, key_padding_mask=float_mask)),
+        ("cu_seqlens on the last rank", documents,
+         lambda: layer(x, is_causal=True, cu_seqlens=row)),
+        ("a ring LongNetLM, cu_seqlens on the last rank", documents,
+         lambda: model(tokens, cu_seqlens=row)),
+    ]  # fmt: skip
+
+
+def _rotary_worker(rank: int, world_size: int) -> None:
+    """Every case of :func:`_rotary_cases` raises a clear error on every rank."""
+    for what, match, call in _rotary_cases(rank, world_size):
+        with _raises(f"rank {rank}/{world_size}: {what}", match):
+            call()
+    torch.manual_seed(0)
+    layer = RingMultiheadDilatedAttention(EMBED, 2, [4, 16], [1, 2]).use_rotary()
+    x = torch.randn(BATCH, LOCAL_LEN, EMBED)
+    out, _ = layer(x, is_causal=True)  # still in step
+    assert out.shape == x.shape, f"rank {rank}: out.shape {tuple(out.shape)}"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_rotary_ring_layer_faults_raise_on_every_rank(world_size: int, tmp_path: Path) -> None:
+    run_world(_rotary_worker, world_size, tmp_path, timeout_s=TIMEOUT_S)
+
+
+def _packed_cases(rank: int, world_size: int) -> list[tuple[str, str, Callable[[], object]]]:
+    """(what, the error expected, call) of cu_seqlens on one rank only, or other offsets there,
+    for every ring function: named as what differs, with each rank's offsets, and no other
+    field. Before: "comm differs across ranks" (ring_dilated_attention has no comm), or
+    "schedule (segment_lengths, dilation_rates) differs" for dense attention."""
+    q, k, v = _qkv()
+    x = torch.ones(BATCH, LOCAL_LEN, EMBED)
+    torch.manual_seed(0)
+    layer = RingMultiheadDilatedAttention(EMBED, 2, [4, 16], [1, 2])
+    calls: list[tuple[str, Callable[..., object]]] = [
+        ("ring_attention", lambda **kw: ring_attention(q, k, v, **kw)),
+        ("ring_dilated_attention",
+         lambda **kw: ring_dilated_attention(q, k, v, [4, 16], [1, 2], is_causal=True, **kw)),
+        ("block_sparse_ring_attention",
+         lambda **kw: block_sparse_ring_attention(q, k, v, patterns.LocalWindow(1), block_size=4,
+                                                  **kw)),
+        ("RingMultiheadDilatedAttention", lambda **kw: layer(x, is_causal=True, **kw)),
+    ]  # fmt: skip
+    row = [0, 5, world_size * LOCAL_LEN]
+    cases: list[tuple[str, str, Callable[[], object]]] = []
+    for name, call in calls:
+        for mine in (None, [0, 3, world_size * LOCAL_LEN]):
+            match = (
+                rf"^cu_seqlens \(packed documents' offsets\) differs across ranks "
+                rf"\(\[{_listed(mine)}, {_listed(row)}\] by rank\): every rank"
+            )
+            offsets = row if rank == 1 else mine
+            cases.append((f"{name}, cu_seqlens {mine} / {row}", match,
+                          lambda call=call, offsets=offsets: call(cu_seqlens=offsets)))
+    return cases
+
+
+def _listed(offsets: list[int] | None) -> str:
+    """How the mismatch message shows ``offsets``, as a regular expression."""
+    return "None" if offsets is None else r"\[" + ", ".join(map(str, offsets)) + r"\]"
+
+
+def _packed_mismatch_worker(rank: int, world_size: int) -> None:
+    assert world_size == 2, world_size
+    for what, match, call in _packed_cases(rank, world_size):
+        with _raises(f"rank {rank}: {what}", match):
+            call()
+    x = _qkv()[0]
+    ring_attention(x, x, x, cu_seqlens=[0, 5, 2 * LOCAL_LEN])  # still in step
+
+
+def test_a_packed_mismatch_names_cu_seqlens(tmp_path: Path) -> None:
+    run_world(_packed_mismatch_worker, 2, tmp_path, timeout_s=TIMEOUT_S)

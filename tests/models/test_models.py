@@ -173,6 +173,26 @@ def test_generate_crops_to_max_seq_len() -> None:
     assert out.shape == (1, 11)
 
 
+def test_generate_refuses_a_context_parallel_model_and_names_the_local_one() -> None:
+    """A ring model (``kind="ring"`` or ``context_parallel``) would take each rank's prompt as
+    a shard of a longer sequence: generate and stream refuse it before anything runs, and the
+    local model the message names generates from the same weights."""
+    from dilated_attention.distributed import ContextParallel, context_parallel
+
+    prompt = torch.randint(0, 61, (1, 5), generator=torch.Generator().manual_seed(3))
+    ring = small_model(kind="ring").eval()
+    parallel = context_parallel(small_model(kind="dilated"), ContextParallel())
+    refused = r"generate and stream .*context parallel \(RingDilatedAttention over"
+    for model in (ring, parallel):
+        with pytest.raises(ValueError, match=refused + r".*kind='dilated'.*load_state_dict"):
+            model.generate(prompt, 2)
+        with pytest.raises(ValueError, match=refused):
+            model.stream(prompt, 2)
+    local = LongNetLM(dataclasses.replace(ring.config, kind="dilated"))
+    local.load_state_dict(ring.state_dict())
+    assert local.generate(prompt, 3, temperature=0).shape == (1, 8)
+
+
 def test_presets() -> None:
     tiny = LongNetConfig.from_preset("tiny")
     assert (tiny.vocab_size, tiny.embed_dim, tiny.num_heads) == (256, 128, 4)
