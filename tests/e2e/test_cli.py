@@ -93,8 +93,13 @@ def test_help_through_the_module_entry_point() -> None:
 
 
 def test_missing_or_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = _run(capsys)
-    assert code == 2 and "required: COMMAND" in err
+    # No command: the whole help, so every command is listed with its summary, then the error.
+    code, out, err = _run(capsys)
+    assert code == 2 and out == ""
+    assert err.startswith("usage: python -m dilated_attention ")
+    for command in ("demo", "generate", "layer", "warmup", "info"):
+        assert re.search(rf"^\s+{command}\s+\S", err, re.M), err
+    assert err.rstrip().endswith("error: name a command: demo, generate, layer, warmup, info")
     code, _, err = _run(capsys, "train")
     assert code == 2 and "invalid choice: 'train'" in err
 
