@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import REPO
 
 from dilated_attention.__main__ import main
 from dilated_attention.demo import format_sample
@@ -115,6 +116,23 @@ def test_layer_and_info_run_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     assert "input gradient finite: True" in out
     code, out, _ = _run(capsys, "info")
     assert code == 0 and "cpu:" in out and "backend" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the sample is a CPU-only machine's")
+def test_info_sample_in_the_docs_is_what_info_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/kernels.md shows ``info``'s output on a CPU-only machine: the same text, but for the
+    versions line and the thread count, which are the machine's own."""
+    doc = (REPO / "docs" / "kernels.md").read_text()
+    sample = re.search(r"The output\s+of a CPU-only machine \(.*?\):\n\n```\n(.*?)```", doc, re.S)
+    assert sample, "docs/kernels.md: no info sample of a CPU-only machine"
+    code, out, _ = _run(capsys, "info")
+    assert code == 0
+
+    def body(text: str) -> list[str]:
+        lines = [line.rstrip() for line in text.splitlines()[1:]]  # without the versions line
+        return [re.sub(r"^cpu: \d+ threads$", "cpu: N threads", line) for line in lines]
+
+    assert body(sample.group(1)) == body(out), "docs/kernels.md's info sample is stale"
 
 
 def test_warmup_on_cpu_compiles_nothing(capsys: pytest.CaptureFixture[str]) -> None:
