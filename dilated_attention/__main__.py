@@ -25,7 +25,7 @@ from . import demo
 from ._version import __version__
 from .backends.registry import get_backend, list_backends
 from .config import longnet_schedule
-from .demo import _HelpFormatter
+from .demo import HelpFormatter
 from .factory import _resolve_device, explain
 from .functional import dilated_attention
 from .modules import MultiheadDilatedAttention
@@ -316,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", dest="command")
     for name, (summary, add_arguments, func, description) in _COMMANDS.items():
         sub = commands.add_parser(
-            name, help=summary, description=description, formatter_class=_HelpFormatter
+            name, help=summary, description=description, formatter_class=HelpFormatter
         )
         add_arguments(sub)
         sub.set_defaults(_run=func, _parser=sub)

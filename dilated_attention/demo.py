@@ -33,6 +33,8 @@ from .models import load_checkpoint as _load_checkpoint
 from .models import save_checkpoint as _save_checkpoint
 
 __all__ = [
+    "MIN_CORPUS_BYTES",
+    "HelpFormatter",
     "add_demo_arguments",
     "add_generate_arguments",
     "bits_per_byte",
@@ -45,13 +47,25 @@ __all__ = [
 ]
 
 _MAX_CORPUS_BYTES = 24 << 20
+#: The least ``max_bytes`` :func:`load_corpus` takes (``--corpus-bytes``): every tenth file is
+#: held out, and a smaller read may hold out none.
+MIN_CORPUS_BYTES = 1 << 20
 
 
 def load_corpus(max_bytes: int = _MAX_CORPUS_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
     """Training and held-out bytes (uint8 tensors) from the installed torch's ``.py`` files.
 
     Every tenth file by path hash is held out; files are read in sorted order until ``max_bytes``.
+
+    Raises:
+        ValueError: ``max_bytes`` is below :data:`MIN_CORPUS_BYTES`, or reads too few files to
+            hold one out.
     """
+    if max_bytes < MIN_CORPUS_BYTES:
+        raise ValueError(
+            f"max_bytes (--corpus-bytes) must be >= {MIN_CORPUS_BYTES} (1 MiB: every tenth file "
+            f"is held out, and a smaller read may hold out none), got {max_bytes}"
+        )
     root = Path(torch.__file__).resolve().parent
     train, held_out, total = [], [], 0
     for path in sorted(root.rglob("*.py")):
@@ -174,9 +188,10 @@ def _sample_head(prompt: bytes, length: int, how: str) -> str:
     )
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Keeps the description's layout and states each flag's default, except ``None`` (the help
-    text says what it means) and ``False`` of an on/off switch."""
+    text says what it means) and ``False`` of an on/off switch. The command line's and the
+    examples' parsers use it."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         switch = action.nargs == 0 and action.const is True and action.default is False
@@ -217,7 +232,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--corpus-bytes", type=int, default=_MAX_CORPUS_BYTES,
-        help="read at most this many bytes of source; less starts faster "
+        help=f"read at most this many bytes of source; less starts faster; at least "
+        f"{MIN_CORPUS_BYTES} (1 MiB), since every tenth file is held out "
         "(default: %(default)s = 24 MiB)",
     )  # fmt: skip
     parser.add_argument(
@@ -243,8 +259,12 @@ def _check_demo_flags(parser: argparse.ArgumentParser, args: argparse.Namespace)
         parser.error(f"--steps must be >= 0, got {args.steps}")
     _check_positive(
         parser, args, "batch_size", "seq_len", "eval_windows", "sample_bytes",
-        "corpus_bytes",
     )  # fmt: skip
+    if args.corpus_bytes < MIN_CORPUS_BYTES:
+        parser.error(
+            f"--corpus-bytes must be >= {MIN_CORPUS_BYTES} (1 MiB: every tenth file is held "
+            f"out), got {args.corpus_bytes}"
+        )
     if args.seq_len < 2:
         parser.error(
             f"--seq-len must be >= 2 (the sample's prompt is the first half of a window), "
@@ -274,7 +294,7 @@ def run(argv: list[str] | None = None) -> dict[str, float]:
         ``seconds``.
     """
     parser = argparse.ArgumentParser(
-        prog="python -m dilated_attention demo", description=__doc__, formatter_class=_HelpFormatter
+        prog="python -m dilated_attention demo", description=__doc__, formatter_class=HelpFormatter
     )
     add_demo_arguments(parser)
     return run_demo(parser.parse_args(argv), parser)

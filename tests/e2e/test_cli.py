@@ -61,7 +61,8 @@ def test_top_level_help_lists_every_command(capsys: pytest.CaptureFixture[str]) 
                                "--first-segment", "(default: 2048)", "--device", "--dtype",
                                "--repeats", "--causal, --no-causal"]),
         (["demo", "-h"], ["--steps STEPS", "(default: 700)", "--save PATH", "--seq-len",
-                          "--corpus-bytes", "--device", "--preset {base,tiny}"]),
+                          "--corpus-bytes", "at least 1048576 (1 MiB)", "--device",
+                          "--preset {base,tiny}"]),
         (["generate", "--help"], ["--checkpoint PATH", "--prompt PROMPT", "--max-new-tokens N",
                                   "(default: 200)", "--temperature T", "(default: 0.8)",
                                   "--top-k K", "(default: 20)", "--seed S", "--device"]),
@@ -233,6 +234,7 @@ def test_generate_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixtur
         (["--seq-len", "1"], "--seq-len must be >= 2"),
         (["--time-budget", "nan"], "--time-budget must be a finite number of seconds >= 0"),
         (["--time-budget", "-5"], "--time-budget must be a finite number of seconds >= 0"),
+        (["--corpus-bytes", "500000"], "--corpus-bytes must be >= 1048576 (1 MiB: every tenth"),
     ],
 )
 def test_demo_refuses_bad_flags_in_one_line(

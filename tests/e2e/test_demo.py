@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from dilated_attention.demo import load_corpus, sample_windows
+from dilated_attention.demo import MIN_CORPUS_BYTES, load_corpus, sample_windows
 
 
 @pytest.mark.slow  # trains for 30 steps in a subprocess
@@ -41,3 +41,11 @@ def test_corpus_split_is_disjoint_and_deterministic() -> None:
     assert held_out.numel() > 0 and train.numel() > 5 * held_out.numel()
     windows = sample_windows(train, 4, 32, torch.Generator().manual_seed(0))
     assert windows.shape == (4, 33) and windows.dtype == torch.int64 and int(windows.max()) < 256
+
+
+def test_corpus_below_its_minimum_is_refused_before_reading() -> None:
+    message = rf"max_bytes \(--corpus-bytes\) must be >= {MIN_CORPUS_BYTES} \(1 MiB: every tenth"
+    with pytest.raises(ValueError, match=message + r".*got 500000"):
+        load_corpus(max_bytes=500_000)
+    train, held_out = load_corpus(max_bytes=MIN_CORPUS_BYTES)  # the minimum holds some out
+    assert train.numel() > 0 and held_out.numel() > 0
