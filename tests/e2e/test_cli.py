@@ -182,6 +182,14 @@ def test_demo_save_then_generate(tmp_path: Path, capsys: pytest.CaptureFixture[s
     )  # fmt: skip
     assert sample, out
     assert sample.group(1) == "16" and sample.group(3) == "4"  # seq_len // 2 and --sample-bytes
+    # How good the figure is: the scale, measured on the same held-out text.
+    scale = re.search(
+        r"\n  for scale: 8 = random bytes; on this held-out text byte frequencies alone give "
+        r"(\d\.\d\d),\n  gzip -9 (\d\.\d\d); well-trained byte-level models go well below gzip",
+        out,
+    )  # fmt: skip
+    assert scale, out
+    assert 4.0 < float(scale.group(1)) < 5.5 and 1.0 < float(scale.group(2)) < 2.5, out
     assert f"model saved to {path}" in out and "generate --checkpoint" in out
     assert path.exists()
 
