@@ -3,7 +3,7 @@
 The data is the demo's byte-level corpus (the Python source of the installed ``torch`` package,
 with held-out files for evaluation; see ``dilated_attention.demo``).
 
-    python examples/train_longnet.py                                   # < 1 min on a CPU
+    python examples/train_longnet.py                   # CPU: 3.6-6 min on 2 shared cores
     python examples/train_longnet.py --steps 2000 --batch-size 32 --seq-len 1024 --compile
     python examples/train_longnet.py --stop-after 60                   # stop half-way...
     python examples/train_longnet.py --resume                          # ...and continue
