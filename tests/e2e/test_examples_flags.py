@@ -1,5 +1,5 @@
-"""The examples' flags: every ``--help`` explains every flag and shows its default, and bad values
-are refused with the fix before any work.
+"""The examples' command lines: every ``--help`` explains every flag and shows its default, bad
+values are refused with the fix before any work, and the output reads right.
 
 For the help, each script runs as ``__main__`` (``runpy``) with its ``parse_args`` intercepted,
 so the parser it builds is inspected without training anything."""
@@ -120,3 +120,12 @@ def test_mesh_that_does_not_fit_the_world_names_its_size_and_a_pair_that_fits(
             f"--dp {dp} x --cp {cp} = {dp * cp} ranks, but the world has {world} processes; "
         ), message
         assert fix in message, message
+
+
+def test_swap_attention_counts_one_layer_in_the_singular(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _load_example("swap_attention.py").main(
+        ["--layers", "1", "--seq-len", "16", "--steps", "1", "--batch-size", "2", "--device", "cpu"]
+    )
+    assert "swapped: MultiheadDilatedAttention in 1 layer\n" in capsys.readouterr().out
