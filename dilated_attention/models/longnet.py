@@ -260,7 +260,7 @@ class LongNetLM(GenerationMixin, nn.Module):
         """Refuse ``positions`` (N,) at or past ``max_seq_len`` (a device assertion when traced,
         see :meth:`_check_tokens`)."""
         cap = self.config.max_seq_len
-        if cap is None:
+        if cap is None or positions.numel() == 0:  # none: a packed batch of 0 sequences
             return
         if V.values_unreadable():
             torch._assert_async(

@@ -164,6 +164,26 @@ def test_a_packed_training_batch_of_longnet_gives_each_document_its_own_losses(
         torch.testing.assert_close(g, w, atol=1e-11, rtol=1e-9)
 
 
+def test_an_empty_packed_batch_through_the_layer_and_longnet_is_empty() -> None:
+    """A batch of 0 sequences packs no documents (cu_seqlens=[0]): empty results and gradients,
+    as unpacked, for training and for a packed prompt into caches."""
+    layer = _layer(rotary=True)
+    x = torch.randn(0, 10, E, dtype=torch.float64, requires_grad=True)
+    out, _ = layer(x, is_causal=True, cu_seqlens=[0])
+    assert out.shape == x.shape and torch.autograd.grad(out.sum(), x)[0].shape == x.shape
+    torch.manual_seed(0)
+    model = LongNetLM(LongNetConfig(vocab_size=61, embed_dim=E, num_heads=H, num_layers=2,
+                                    segment_lengths=SEGS, dilation_rates=RATES, ffn_dim=64,
+                                    max_seq_len=32))  # fmt: skip
+    tokens = torch.zeros(0, 10, dtype=torch.long)
+    assert model(tokens, cu_seqlens=[0]).shape == (0, 10, 61)
+    caches = model.new_caches()
+    assert model(tokens, cu_seqlens=[0], caches=caches).shape == (0, 10, 61)
+    assert [c.length for c in caches] == [10, 10]
+    with pytest.raises(ValueError, match=r"a batch of 0 sequences holds no documents"):
+        model(tokens, cu_seqlens=[0, 10])
+
+
 def test_longnet_refuses_positions_with_packed_documents() -> None:
     torch.manual_seed(0)
     model = LongNetLM(LongNetConfig(vocab_size=61, embed_dim=E, num_heads=H, num_layers=1,
