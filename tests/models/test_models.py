@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -504,3 +505,20 @@ def test_bad_prompt_lists_raise_before_sampling(prompts: list, match: str) -> No
     model = small_model()
     with pytest.raises(ValueError, match=match):
         model.stream(prompts, 3)
+
+
+@pytest.mark.parametrize("shape", [(5,), (1, 1, 5)], ids=["1-D", "3-D"])
+def test_a_prompt_tensor_of_another_rank_is_told_the_accepted_forms(shape) -> None:  # type: ignore[no-untyped-def]
+    """A 1-D prompt (one sequence) is told that a (batch, seq_len) tensor or a list of 1-D
+    prompts is accepted, and how to pass it."""
+    model = small_model()
+    prompt = torch.zeros(shape, dtype=torch.long)
+    with pytest.raises(ValueError, match=re.escape(
+        f"prompt must be a (batch, seq_len) tensor of token ids or a list of 1-D token id "
+        f"tensors (prompts of any lengths), got a {len(shape)}-D tensor of shape {shape}; for one "
+        f"prompt pass prompt.unsqueeze(0) (or [prompt], which returns a list)"
+    )):  # fmt: skip
+        model.generate(prompt, 3)
+    if len(shape) == 1:  # the fixes run
+        assert model.generate(prompt.unsqueeze(0), 2, temperature=0).shape == (1, 7)
+        assert model.generate([prompt], 2, temperature=0)[0].shape == (7,)
