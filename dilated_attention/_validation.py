@@ -152,6 +152,13 @@ def _shape_problem(
     return None
 
 
+def counted(n: int, noun: str, plural: str = "") -> str:
+    """``n`` and ``noun`` agreeing in number, for messages: ``counted(1, "layer")`` is
+    ``"1 layer"``, ``counted(2, "layer")`` is ``"2 layers"`` (``plural``: the plural where it
+    is not ``noun + "s"``)."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def check_positive_int(name: str, value: object) -> int:
     """Return ``value`` as an int if it is a positive integer (not a bool) of at most
     :data:`MAX_INT`, else raise ``ValueError``."""

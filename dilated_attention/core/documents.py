@@ -32,6 +32,7 @@ from dataclasses import replace
 
 import torch
 
+from .. import _validation as V
 from .segment import RowGroup, effective_branches, plan_branches
 
 __all__ = [
@@ -202,7 +203,8 @@ def _check_prompt_cache(
     if any(isinstance(n, int) and n > 0 for n in held):
         raise ValueError(
             f"a packed prompt (cu_seqlens with cache=) starts its documents, so its caches must "
-            f"be empty, got one holding {max(held)} positions; decode the tokens that follow "
+            f"be empty, got one holding {V.counted(max(held), 'position')}; decode the tokens "
+            f"that follow "
             f"without cu_seqlens, or start from new caches"
         )
     last_document(documents, batch, seq_len)

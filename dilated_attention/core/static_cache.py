@@ -276,7 +276,8 @@ class StaticDilatedKVCache(LayerCache):
         ):  # fmt: skip
             raise ValueError(
                 f"source holds a layer with segment_lengths={list(source.segment_lengths)}, "
-                f"dilation_rates={list(source.dilation_rates)} in {source.ring_rows} rows, this "
+                f"dilation_rates={list(source.dilation_rates)} in "
+                f"{V.counted(source.ring_rows, 'row')}, this "
                 f"cache segment_lengths={list(self.segment_lengths)}, dilation_rates="
                 f"{list(self.dilation_rates)} in {self.ring_rows}; load caches of one layer"
             )
@@ -311,7 +312,8 @@ class StaticDilatedKVCache(LayerCache):
         if rows.shape != (key.shape[0],):
             raise ValueError(
                 f"rows must be {form}, one per row of source, got shape {tuple(rows.shape)}; "
-                f"pass the batch rows the source's {key.shape[0]} prompts take"
+                f"pass {V.counted(key.shape[0], 'index', 'indices')}, one per prompt the source "
+                f"holds"
             )
         if rows.device.type != "cpu" and rows.device != key.device:
             raise ValueError(

@@ -377,7 +377,7 @@ def test_one_cache_for_two_layers_or_a_step_ahead_is_refused_before_any_work() -
             model(tokens[:, :1], caches=[model.new_caches()[0], {}])
         with pytest.raises(ValueError, match=r"caches hold keys of a batch of 2"):
             model(tokens[:1, 3:4], caches=ahead)
-        with pytest.raises(ValueError, match=r"positions must be the 1 positions after the 3"):
+        with pytest.raises(ValueError, match=r"positions must be the 1 position after the 3"):
             model(tokens[:, 3:4], caches=ahead, positions=torch.tensor([5]))
         assert [c.length for c in ahead] == [3, 3] and mixed[0].length == 0
         caches = model.new_caches()
@@ -396,7 +396,7 @@ def test_a_layer_refuses_positions_its_cache_is_past() -> None:
     cache = DilatedKVCache(SMALL["segment_lengths"], SMALL["dilation_rates"])
     with torch.no_grad():
         layer(x[:, :3], is_causal=True, cache=cache, positions=torch.arange(3))
-        with pytest.raises(ValueError, match=r"positions must be the 1 positions after the 3"):
+        with pytest.raises(ValueError, match=r"positions must be the 1 position after the 3"):
             layer(x[:, 3:], is_causal=True, cache=cache, positions=torch.tensor([2]))
         assert cache.length == 3
         layer(x[:, 3:], is_causal=True, cache=cache, positions=torch.tensor([3]))

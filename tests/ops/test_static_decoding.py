@@ -265,7 +265,7 @@ BAD_LOADS = {
     "rows list": ([0, 1], None, 3, None, TypeError, r"rows must be a \(2,\) int64 tensor"),
     "rows float": (torch.tensor([0.0, 1.0]), None, 3, None, TypeError, "got dtype torch.float32"),
     "rows short": (torch.tensor([0]), None, 3, None, ValueError,
-                   r"one per row of source, got shape \(1,\)"),
+                   r"one per row of source, got shape \(1,\); pass 2 indices"),
     "rows range": (torch.tensor([0, 3]), None, 3, None, ValueError,
                    r"got \[0, 3\] \(3 is out of range\)"),
     "rows repeat": (torch.tensor([1, 1]), None, 3, None, ValueError, "an index repeats"),
