@@ -169,8 +169,8 @@ def _sample_head(prompt: bytes, length: int, how: str) -> str:
     """:func:`format_sample`'s lines before the continuation."""
     how = f", {how}" if how else ""
     return (
-        f"----- prompt ({len(prompt)} bytes) -----\n{_printable(prompt)}\n"
-        f"----- continuation ({length} bytes{how}) -----"
+        f"----- prompt ({len(prompt)} byte{'s' * (len(prompt) != 1)}) -----\n"
+        f"{_printable(prompt)}\n----- continuation ({length} byte{'s' * (length != 1)}{how}) -----"
     )
 
 

@@ -12,6 +12,7 @@ import torch
 from dilated_attention import DilatedKVCache, StaticDilatedKVCache, dilated_attention, explain
 from dilated_attention._validation import counted
 from dilated_attention.core.caches import check_caches
+from dilated_attention.demo import format_sample
 from dilated_attention.distributed.context import kv_repeats
 from dilated_attention.models import CheckpointError, load_checkpoint
 from dilated_attention.resolve import DENSE, Request, resolve
@@ -83,3 +84,9 @@ def test_a_checkpoint_of_one_byte(tmp_path: Path) -> None:
     path.write_bytes(b"D")  # the first byte of the checkpoint header
     with pytest.raises(CheckpointError, match=r"is truncated: only 1 byte, cut short inside"):
         load_checkpoint(path)
+
+
+def test_the_demo_sample_of_one_byte_each() -> None:
+    text = format_sample(b"a", b"b", how="greedy")
+    assert text.startswith("----- prompt (1 byte) -----\na\n----- continuation (1 byte, greedy)")
+    assert "(2 bytes)" in format_sample(b"ab", b"")
