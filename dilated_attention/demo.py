@@ -346,8 +346,7 @@ def run_demo(
     )  # fmt: skip
     print(
         f"LongNet '{args.preset}': {model.num_parameters() / 1e6:.2f}M parameters, "
-        f"{config.num_layers} layer{'s' if config.num_layers != 1 else ''}, segments "
-        f"{list(config.segment_lengths)}, rates "
+        f"layers {config.num_layers}, segments {list(config.segment_lengths)}, rates "
         f"{list(config.dilation_rates)}; kernel {choice.backend} on {device}"
     )
     print(
