@@ -110,8 +110,7 @@ def main(argv: list[str] | None = None) -> float:
 
     # 2-3. Swap in dilated attention with one branch covering the whole sequence: plain attention.
     swap_attention(encoder, [N], [1])
-    layers = f"{args.layers} layer{'' if args.layers == 1 else 's'}"
-    print(f"swapped: {type(encoder.layers[0].self_attn).__name__} in {layers}")
+    print(f"swapped: {type(encoder.layers[0].self_attn).__name__} in {args.layers} layers")
     with torch.no_grad():
         got = encoder(x, mask=causal, is_causal=True)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
