@@ -227,7 +227,8 @@ def info(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             major, minor = torch.cuda.get_device_capability(dev)
             label = f"{dev}: {torch.cuda.get_device_name(dev)} (sm{major}{minor})"
         else:
-            label = f"{dev}: {torch.get_num_threads()} threads"
+            threads = torch.get_num_threads()
+            label = f"{dev}: {threads} thread{'s' if threads != 1 else ''}"
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
         print(f"\n{label}")
         try:

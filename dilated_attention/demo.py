@@ -221,8 +221,8 @@ def _sample_head(prompt: bytes, length: int, how: str) -> str:
     """:func:`format_sample`'s lines before the continuation."""
     how = f", {how}" if how else ""
     return (
-        f"----- prompt ({len(prompt)} bytes) -----\n{_printable(prompt)}\n"
-        f"----- continuation ({length} bytes{how}) -----"
+        f"----- prompt ({len(prompt)} byte{'s' * (len(prompt) != 1)}) -----\n"
+        f"{_printable(prompt)}\n----- continuation ({length} byte{'s' * (length != 1)}{how}) -----"
     )
 
 
@@ -406,7 +406,7 @@ def run_demo(
     )  # fmt: skip
     print(
         f"LongNet '{args.preset}': {model.num_parameters() / 1e6:.2f}M parameters, "
-        f"{config.num_layers} layers, segments {list(config.segment_lengths)}, rates "
+        f"layers {config.num_layers}, segments {list(config.segment_lengths)}, rates "
         f"{list(config.dilation_rates)}; kernel {choice.backend} on {device}"
     )
     print(

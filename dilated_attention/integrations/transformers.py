@@ -248,8 +248,9 @@ def _check_model(model: nn.Module, config: Any, per_layer: bool, lists: int) -> 
     layers = getattr(config, "num_hidden_layers", None)
     if per_layer and layers is not None and lists != layers:
         raise ValueError(
-            f"a per-layer schedule needs one list per layer: the model has {layers} layers, got "
-            f"{lists} lists of segment_lengths; or pass one list for every layer"
+            f"a per-layer schedule needs one list per layer: the model has "
+            f"{V.counted(layers, 'layer')}, got {V.counted(lists, 'list')} of segment_lengths; "
+            f"or pass one list for every layer"
         )
 
 

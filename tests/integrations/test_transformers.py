@@ -147,6 +147,12 @@ def test_what_dilated_attention_cannot_run_raises() -> None:
         dilated_hf.use_dilated_attention(_llama(), [[8], [8, 16]], [[1], [1]])
     with pytest.raises(ValueError, match=r"one list per layer: the model has 2 layers"):
         dilated_hf.use_dilated_attention(_llama(), [[8]] * 3, [[1]] * 3)
+    one_layer = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa",
+    ))  # fmt: skip
+    with pytest.raises(ValueError, match=r"the model has 1 layer, got 2 lists of segment_"):
+        dilated_hf.use_dilated_attention(one_layer, [[8]] * 2, [[1]] * 2)
     with pytest.raises(TypeError, match=r"transformers PreTrainedModel"):
         dilated_hf.use_dilated_attention(torch.nn.Linear(2, 2), [8], [1])
     with pytest.raises(TypeError, match=r"check_positions must be a bool"):
