@@ -49,6 +49,7 @@ from .modules import (
     BlockSparseAttention,
     BlockSparseMultiheadAttention,
     DilatedAttention,
+    LocalAttention,
     MultiheadAttention,
     MultiheadDilatedAttention,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "DilatedAttention",
     "DilatedConfig",
     "DilatedKVCache",
+    "LocalAttention",
     "LongNetConfig",
     "LongNetLM",
     "MultiheadAttention",
