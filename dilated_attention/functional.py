@@ -111,16 +111,11 @@ def attention(
         softcap=V.check_softcap(softcap), sinks=sinks is not None,
     )  # fmt: skip
     if cache is not None:
-        check_window_cache_call(cache, fields["window"], q, k, is_causal)  # type: ignore[arg-type]
-    if cu_seqlens is not None:
-        documents = check_cu_seqlens(cu_seqlens, q, k, cache)
-        result = _packed(DENSE, documents, q, k, v, key_padding_mask, fields, return_lse, sinks)
-        _prompt_into(cache, documents, k, v, key_padding_mask)
-        return result
-    if cache is not None:
         new = Inputs(q, k, v, key_padding_mask)
-        out, lse = window_decode.window_decode(cache, new, fields, sinks)  # type: ignore[arg-type]
-        return (out, lse) if return_lse else out
+        return _window_cache_call(cache, cu_seqlens, new, fields, return_lse, sinks)
+    if cu_seqlens is not None:
+        documents = check_cu_seqlens(cu_seqlens, q, k)
+        return _packed(DENSE, documents, q, k, v, key_padding_mask, fields, return_lse, sinks)
     request = Request.of(DENSE, q, k, v, **fields)
     return compiled.route(request, q, k, v, key_padding_mask, return_lse, sinks)
 
@@ -350,6 +345,30 @@ def _decode(
     k, v, key_padding_mask, _ = cache.append(k, v, key_padding_mask)
     out, lse = strategy.run(q, k, v, key_padding_mask, sinks)
     return (out, lse) if return_lse else out
+
+
+def _window_cache_call(
+    cache: Cache,
+    cu_seqlens: object,
+    new: Inputs,
+    fields: dict[str, object],
+    return_lse: bool,
+    sinks: torch.Tensor | None,
+) -> Output:
+    """A checked dense call on new tokens with a windowed layer's cache (Note [A window cache]
+    in ``core/window_cache.py``): ``new`` holds q (B, n, H, D), k and v (B, n, Hkv, D) and the
+    mask (B, n) over the new keys. With ``cu_seqlens`` a packed prompt (each row's last
+    document into the cache), else the cache's decoding (``window_decode``)."""
+    q, k, v, key_padding_mask = new
+    window, is_causal = fields["window"], bool(fields["is_causal"])
+    cache = check_window_cache_call(cache, window, q, k, is_causal)  # type: ignore[arg-type]
+    if cu_seqlens is None:
+        out, lse = window_decode.window_decode(cache, new, fields, sinks)
+        return (out, lse) if return_lse else out
+    documents = check_cu_seqlens(cu_seqlens, q, k, cache)
+    result = _packed(DENSE, documents, q, k, v, key_padding_mask, fields, return_lse, sinks)
+    _prompt_into(cache, documents, k, v, key_padding_mask)
+    return result
 
 
 def _packed_dilated(
