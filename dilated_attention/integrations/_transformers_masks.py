@@ -18,9 +18,11 @@ Note [What the mask function passes on]
       query is after them) and are left out, and positions before them that the call lacks
       give the keys' absolute offset (a sliding cache dropped them; a chunk's boundaries count
       from the row's first real token). Reading a static cache's count is a host
-      synchronization; under ``torch.compile`` the mask covers the cache's slots instead,
-      (B, ``kv_length``), ``False`` at unfilled ones, which the one-token decoding step takes
-      (Note [Decoding with transformers' caches] in ``_transformers_paths.py``).
+      synchronization; under ``torch.compile`` a one-token call without gradients (the
+      decoding step) gets a mask over the cache's slots instead, (B, ``kv_length``), ``False``
+      at unfilled ones, which the static decode step takes (Note [Decoding with transformers'
+      caches] in ``_transformers_paths.py``: with no window or chunk, a layer kept on
+      transformers' attention computes it too); other calls read the count (a graph break).
     - Packed sequences (no padding mask, no cached tokens, ``check_positions``): each token's
       sequence index in its row, (B, N) int64, read from the mask function itself: a query that
       cannot see the token before it starts a sequence. transformers finds packing from position
@@ -39,12 +41,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .._validation import values_unreadable
-
 #: Config attribute: whether position ids and masks are checked for packed sequences.
 CHECK_POSITIONS_ATTR = "dilated_check_positions"
-
-
 #: The fix that :func:`host_read` names by default: the checks that read values on the host.
 SKIP_CHECKS = (
     "use_dilated_attention(..., check_positions=False) skips these checks for one graph "
@@ -82,12 +80,9 @@ def padding_mask(
         kwargs: transformers' further arguments (``config``, ``device``, ``local_size``, ...).
 
     Returns:
-        A causal mask: (B, q_offset + q_length) bool (under ``torch.compile`` with a static
-        cache (B, kv_length)), (B, N) int64 sequence indices of packed rows, or None. A
+        A causal mask: (B, q_offset + q_length) bool (a compiled one-token step on a static
+        cache: (B, kv_length)), (B, N) int64 sequence indices of packed rows, or None. A
         bidirectional one: (B, kv_length) bool or None.
-
-    Raises:
-        ValueError: under ``torch.compile``, a call of several tokens into a static cache.
     """
     if "allow_is_bidirectional_skip" in kwargs:  # an encoder's or cross-attention's mask
         return None if attention_mask is None else attention_mask[:, -kv_length:].bool()
@@ -95,8 +90,13 @@ def padding_mask(
     mask = None if attention_mask is None else attention_mask.bool()
     end = q_offset + q_length  # one past the last query's absolute position
     if isinstance(end, torch.Tensor):
-        if values_unreadable():
-            return _cache_slots(mask, batch_size, q_length, kv_length, kv_offset, end)
+        if torch.compiler.is_compiling() and q_length == 1 and not torch.is_grad_enabled():
+            return _cache_slots(mask, batch_size, kv_length, kv_offset, end)
+        host_read(
+            "a static cache's length (a call of several tokens into it)",
+            "run the prompt eagerly and compile the one-token decoding step (as transformers' "
+            "generate does)",
+        )
         end = int(end)
     if mask is None and kv_offset == 0 and kv_length == end:
         return _sequence_ids(batch_size, kv_length, q_offset, mask_function, kwargs)
@@ -114,18 +114,11 @@ def _fit(mask: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def _cache_slots(
-    mask: torch.Tensor | None, batch_size: int, q_length: int, kv_length: int, kv_offset: int,
+    mask: torch.Tensor | None, batch_size: int, kv_length: int, kv_offset: int,
     end: torch.Tensor,
 ) -> torch.Tensor:  # fmt: skip
-    """A static cache's slots under ``torch.compile``: (B, kv_length), ``True`` for a filled
-    slot of a real token."""
-    if q_length != 1:
-        raise ValueError(
-            f"a call of {q_length} tokens into a static cache under torch.compile: dilated "
-            f"attention finds the cache's filled slots from its length, which a graph cannot "
-            f"read; run the prompt eagerly and compile the one-token decoding step (as "
-            f"transformers' generate does)"
-        )
+    """A static cache's slots for a one-token call under ``torch.compile``: (B, kv_length),
+    ``True`` for a filled slot of a real token."""
     slots = torch.arange(kv_length, device=end.device) + kv_offset
     filled = (slots < end)[None].expand(batch_size, -1)
     if mask is None:
