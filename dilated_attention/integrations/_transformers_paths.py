@@ -430,14 +430,15 @@ def kept_layers(model: nn.Module) -> tuple[list[tuple[str, str, bool]], int]:
     transformers' attention, as ``(name, which calls, every call)``, and the number of
     self-attention layers; from the layers' attributes, as :func:`unsupported_reason` finds them
     in each call's arguments."""
-    kept, layers = [], set()
+    kept: list[tuple[str, str, bool]] = []
+    layers = 0
     for name, module in model.named_modules():
         if getattr(module, "layer_idx", None) is None or "Attention" not in type(module).__name__:
             continue
+        if is_cross_attention(module):
+            continue
+        layers += 1
         config = getattr(module, "config", None)
-        if is_cross_attention(module) or (id(config), module.layer_idx) in layers:
-            continue  # (BERT's attention block and its self-attention share a layer)
-        layers.add((id(config), module.layer_idx))
         softcap = getattr(module, "attn_logit_softcapping", None)
         window = getattr(module, "sliding_window", getattr(config, "sliding_window", None))
         chunk = chunk_size(module)
@@ -449,7 +450,7 @@ def kept_layers(model: nn.Module) -> tuple[list[tuple[str, str, bool]], int]:
             kept.append((name, f"calls of more than {window} keys: a sliding window", False))
         elif chunk is not None:
             kept.append((name, f"calls beyond its first {chunk}-token chunk", False))
-    return kept, len(layers)
+    return kept, layers
 
 
 def context_parallel_rows(
