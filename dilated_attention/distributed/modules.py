@@ -62,6 +62,12 @@ class RingModule:
         """The module's arguments to :attr:`ring_function` besides the call's own."""
         raise NotImplementedError
 
+    def score_options(self) -> dict[str, object]:
+        """The module's local window and soft-cap (``window_size``, ``softcap`` attributes;
+        a local module made a ring module by ``context_parallel`` keeps its own), those set."""
+        given = {name: getattr(self, name, None) for name in ("window_size", "softcap")}
+        return {name: value for name, value in given.items() if value is not None}
+
     def forward(
         self,
         query: torch.Tensor,
@@ -71,14 +77,18 @@ class RingModule:
         is_causal: bool = False,
         key_padding_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | list[int] | tuple[int, ...] | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query (B, n, H, D), key/value (B, n, Hkv, D), key_padding_mask (B, n) bool or None:
-        local shards -> (B, n, H, D); cu_seqlens: packed documents over the whole row."""
+        local shards -> (B, n, H, D); cu_seqlens: packed documents over the whole row; sinks:
+        (H,) attention sinks, the same on every rank (a rank's gradient is its rows' share)."""
         self.ring_calls += 1
-        documents = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+        extra: dict[str, object] = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+        if sinks is not None:
+            extra["sinks"] = sinks
         out = self.ring_function(
             query, key, value, is_causal=is_causal, key_padding_mask=key_padding_mask,
-            **self.ring_options(), **documents,
+            **self.ring_options(), **self.score_options(), **extra,
         )  # fmt: skip
         assert isinstance(out, torch.Tensor)  # return_lse=False: for the type checker
         return out
@@ -93,6 +103,8 @@ class RingAttention(RingModule, nn.Module):
         layout: ``"contiguous"`` or ``"zigzag"`` (causal only).
         backend: kernel name or ``None``.
         comm: ``"ring"`` or ``"allgather"``.
+        window_size: a local window ``(left, right)`` (only its halo travels), or None.
+        softcap: soft-capped scores, or None.
     """
 
     ring_function = staticmethod(ring_attention)
@@ -105,8 +117,12 @@ class RingAttention(RingModule, nn.Module):
         layout: str = "contiguous",
         backend: str | None = None,
         comm: str = "ring",
+        window_size: tuple[int, int] | None = None,
+        softcap: float | None = None,
     ) -> None:
         super().__init__()
+        self.window_size = V.check_window_size(window_size)
+        self.softcap = V.check_softcap(softcap)
         self.scale = V.check_scale(scale)
         self.layout = check_layout(layout)
         if comm not in COMMS:
@@ -129,6 +145,8 @@ class RingDilatedAttention(RingModule, DilatedAttention):
         group: process group (default: the world).
         dropout: must be 0 (no dropout across ranks).
         layout: ``"contiguous"`` or ``"zigzag"`` (causal only).
+        window_size: a local window ``(left, right)`` as one more branch, or None.
+        softcap: soft-capped scores in every branch, or None.
     """
 
     decodes_with_cache = False  # a sharded sequence has no single cache
@@ -145,11 +163,15 @@ class RingDilatedAttention(RingModule, DilatedAttention):
         dropout: float = 0.0,
         backend: str | None = None,
         layout: str = "contiguous",
+        window_size: tuple[int, int] | None = None,
+        softcap: float | None = None,
     ) -> None:
         super().__init__(
             segment_lengths, dilation_rates, scale=scale, dropout=dropout, backend=backend
         )
         _no_dropout(dropout)
+        self.window_size = V.check_window_size(window_size)
+        self.softcap = V.check_softcap(softcap)
         self.layout = check_layout(layout)
         self._init_ring(group)
 
@@ -168,7 +190,8 @@ class RingMultiheadDilatedAttention(AgreedForward, MultiheadDilatedAttention):
 
     A call rejected on one rank, by the layer's own checks or by the ring call's agreement,
     raises on every rank (:class:`~dilated_attention.distributed.agreement.AgreedForward`): the rank
-    whose call was rejected its own error, the others ``ValueError`` naming that rank."""
+    whose call was rejected its own error, the others ``ValueError`` naming that rank.
+    ``window_size`` and ``softcap`` go to its :class:`RingDilatedAttention`."""
 
     attention: RingDilatedAttention
 
@@ -190,6 +213,8 @@ class RingMultiheadDilatedAttention(AgreedForward, MultiheadDilatedAttention):
         backend: str | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        window_size: tuple[int, int] | None = None,
+        softcap: float | None = None,
     ) -> None:
         config = MultiheadDilatedConfig(
             embed_dim=embed_dim, num_heads=num_heads, segment_lengths=segment_lengths,
@@ -199,7 +224,7 @@ class RingMultiheadDilatedAttention(AgreedForward, MultiheadDilatedAttention):
         )  # fmt: skip
         attention = RingDilatedAttention(
             config.segment_lengths, config.dilation_rates, group=group, dropout=config.dropout,
-            backend=config.backend, layout=layout,
+            backend=config.backend, layout=layout, window_size=window_size, softcap=softcap,
         )  # fmt: skip
         self._init_layer(config, attention, batch_first=True, device=device, dtype=dtype)
 
