@@ -83,6 +83,7 @@ CASES = [
     Case("dilated", causal=True, window=(2, 0), softcap=1.5, documents=True),
     Case("block_sparse", causal=True, kv_heads=2, softcap=1.5),
     Case("block_sparse", softcap=1.5, documents=True),
+    Case(window=(1, -1), kv_heads=2),  # every later row: unbounded on the right
 ]
 
 
