@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -24,7 +25,7 @@ from . import demo
 from ._version import __version__
 from .backends.registry import get_backend, list_backends
 from .config import longnet_schedule
-from .demo import _HelpFormatter
+from .demo import HelpFormatter
 from .factory import _resolve_device, explain
 from .functional import dilated_attention
 from .modules import MultiheadDilatedAttention
@@ -226,7 +227,8 @@ def info(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             major, minor = torch.cuda.get_device_capability(dev)
             label = f"{dev}: {torch.cuda.get_device_name(dev)} (sm{major}{minor})"
         else:
-            label = f"{dev}: {torch.get_num_threads()} threads"
+            threads = torch.get_num_threads()
+            label = f"{dev}: {threads} thread{'s' if threads != 1 else ''}"
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
         print(f"\n{label}")
         try:
@@ -310,11 +312,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"dilated_attention {__version__}")
+    # Not `required`: without a command, main prints the whole help (the commands), not
+    # argparse's bare "arguments are required: COMMAND".
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", dest="command")
-    commands.required = True
     for name, (summary, add_arguments, func, description) in _COMMANDS.items():
         sub = commands.add_parser(
-            name, help=summary, description=description, formatter_class=_HelpFormatter
+            name, help=summary, description=description, formatter_class=HelpFormatter
         )
         add_arguments(sub)
         sub.set_defaults(_run=func, _parser=sub)
@@ -323,7 +326,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     """Run ``python -m dilated_attention <command> [flags]`` (``sys.argv[1:]`` when ``None``)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        parser.exit(2, f"\n{parser.prog}: error: name a command: {', '.join(_COMMANDS)}\n")
     args._run(args, args._parser)
 
 

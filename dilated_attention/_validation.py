@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -60,9 +60,6 @@ def check_qkv(
     q = check_tensor("query", query)
     k = check_tensor("key", key)
     v = check_tensor("value", value)
-    shapes = (
-        f"query.shape={tuple(q.shape)}, key.shape={tuple(k.shape)}, value.shape={tuple(v.shape)}"
-    )
     for name, t in (("key", k), ("value", v)):
         if t.dtype != q.dtype:
             raise TypeError(
@@ -74,38 +71,92 @@ def check_qkv(
                 f"{name} must be on the same device as query, got {name}.device={t.device} and "
                 f"query.device={q.device}; move it with .to(query.device)"
             )
-    if k.shape != v.shape:
-        raise ValueError(f"key and value must have the same shape, got {shapes}")
-    if k.shape[0] != q.shape[0]:
-        raise ValueError(f"key must have the same batch size as query (dim 0), got {shapes}")
-    if k.shape[3] != q.shape[3]:
-        raise ValueError(f"key must have the same head_dim as query (dim 3), got {shapes}")
-    if same_length and k.shape[1] != q.shape[1]:
-        raise ValueError(
+    problem = _shape_problem(q.shape, k.shape, v.shape, same_length)
+    if problem is not None:
+
+        def fits(q_shape: Sequence[int], k_shape: Sequence[int]) -> bool:
+            return _shape_problem(q_shape, k_shape, _swap(v.shape), same_length) is None
+
+        raise ValueError(problem + _layout_hint(q.shape, k.shape, fits))
+    return q, k, v
+
+
+# Note [A hint for the (B, H, N, D) layout]
+#     Many attention APIs (SDPA, FlashAttention's internals, most model code before the
+#     projection's reshape) hold tensors as (batch, num_heads, seq_len, head_dim); passed here by
+#     mistake they fail a shape check under another name (heads that do not divide, lengths that
+#     differ, a causal query longer than its key). Where the same check passes with dims 1 and 2
+#     swapped, and the key's dim 1 is shorter than its dim 2 (heads are few, positions many), the
+#     message adds that this library takes (batch, seq_len, num_heads, head_dim) and that
+#     ``.transpose(1, 2)`` converts. It is worded as a condition ("if these are ..."), so that it
+#     stays true for the rare tensors of the right layout that happen to fit it.
+
+_TRANSPOSED = (
+    f"; if these are (batch, num_heads, seq_len, head_dim), note that this library takes "
+    f"{_LAYOUT}: pass query.transpose(1, 2), key.transpose(1, 2) and value.transpose(1, 2)"
+)
+
+
+def _swap(shape: Sequence[int]) -> tuple[int, ...]:
+    """``shape`` with dims 1 and 2 swapped: (B, H, N, D) read as (B, N, H, D)."""
+    return (shape[0], shape[2], shape[1], *shape[3:])
+
+
+def _layout_hint(
+    q_shape: Sequence[int], k_shape: Sequence[int], fits: Callable[..., bool]
+) -> str:
+    """:data:`_TRANSPOSED` where the shapes look like the (B, H, N, D) layout (Note [A hint
+    for the (B, H, N, D) layout]): ``fits(swapped query shape, swapped key shape)`` and the
+    key's dim 1 shorter than its dim 2; else ``""``."""
+    if len(q_shape) != 4 or len(k_shape) != 4 or k_shape[1] >= k_shape[2]:
+        return ""
+    return _TRANSPOSED if fits(_swap(q_shape), _swap(k_shape)) else ""
+
+
+def _shape_problem(
+    q: Sequence[int], k: Sequence[int], v: Sequence[int], same_length: bool
+) -> str | None:
+    """What is wrong with the shapes of query (B, Nq, H, D), key and value (B, Nk, Hkv, D), or
+    None (:func:`check_qkv`)."""
+    shapes = f"query.shape={tuple(q)}, key.shape={tuple(k)}, value.shape={tuple(v)}"
+    if tuple(k) != tuple(v):
+        return f"key and value must have the same shape, got {shapes}"
+    if k[0] != q[0]:
+        return f"key must have the same batch size as query (dim 0), got {shapes}"
+    if k[3] != q[3]:
+        return f"key must have the same head_dim as query (dim 3), got {shapes}"
+    if same_length and k[1] != q[1]:
+        return (
             f"key must have the same seq_len as query (dim 1) for dilated attention, got {shapes}"
         )
-    if q.shape[3] == 0:
-        raise ValueError(
+    if q[3] == 0:
+        return (
             f"head_dim (dim 3) must be at least 1, got {shapes}; every head needs at least one "
             f"channel"
         )
-    if k.shape[2] == 0 and q.shape[2] != 0:
-        raise ValueError(
-            f"key must have at least one head (dim 2) when query has {q.shape[2]}, got {shapes}; "
-            f"use a kv head count that divides {q.shape[2]}"
+    if k[2] == 0 and q[2] != 0:
+        return (
+            f"key must have at least one head (dim 2) when query has {q[2]}, got {shapes}; "
+            f"use a kv head count that divides {q[2]}"
         )
-    if k.shape[2] != 0 and q.shape[2] % k.shape[2] != 0:
-        raise ValueError(
-            f"query heads must be a multiple of key/value heads (GQA), got {q.shape[2]} query "
-            f"heads and {k.shape[2]} key heads ({shapes}); use a kv head count that divides "
-            f"{q.shape[2]}"
+    if k[2] != 0 and q[2] % k[2] != 0:
+        return (
+            f"query heads must be a multiple of key/value heads (GQA), got {q[2]} query "
+            f"heads and {k[2]} key heads ({shapes}); use a kv head count that divides {q[2]}"
         )
-    if q.shape[1] == 0 or k.shape[1] == 0:
-        raise ValueError(
+    if q[1] == 0 or k[1] == 0:
+        return (
             f"seq_len (dim 1) must be at least 1, got {shapes}; skip the call for an empty "
             f"sequence (a batch of 0 sequences, or 0 heads, is fine and gives an empty result)"
         )
-    return q, k, v
+    return None
+
+
+def counted(n: int, noun: str, plural: str = "") -> str:
+    """``n`` and ``noun`` agreeing in number, for messages: ``counted(1, "layer")`` is
+    ``"1 layer"``, ``counted(2, "layer")`` is ``"2 layers"`` (``plural``: the plural where it
+    is not ``noun + "s"``)."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
 def check_positive_int(name: str, value: object) -> int:
@@ -159,7 +210,20 @@ def check_causal_lengths(q: torch.Tensor, k: torch.Tensor, is_causal: bool, func
             f"positions (end-aligned, as for decoding), so the query cannot be longer than the "
             f"key, got query.shape={tuple(q.shape)}, key.shape={tuple(k.shape)}; pass keys and "
             f"values for every query position, or is_causal=False"
+            + _layout_hint(q.shape, k.shape, _fits_lengths(is_causal, same_length=False))
         )
+
+
+def _fits_lengths(is_causal: bool, *, same_length: bool) -> Callable[..., bool]:
+    """Whether query and key shapes pass :func:`check_qkv` (without ``same_length``: a
+    query may be shorter than its key only when causal, and never longer)."""
+
+    def fits(q: Sequence[int], k: Sequence[int]) -> bool:
+        if _shape_problem(q, k, k, same_length=same_length) is not None:
+            return False
+        return q[1] == k[1] or (is_causal and q[1] < k[1])
+
+    return fits
 
 
 def check_decoding_lengths(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> None:
@@ -168,16 +232,18 @@ def check_decoding_lengths(q: torch.Tensor, k: torch.Tensor, is_causal: bool) ->
     if q.shape[1] == k.shape[1]:
         return
     shapes = f"query.shape={tuple(q.shape)}, key.shape={tuple(k.shape)}"
+    hint = _layout_hint(q.shape, k.shape, _fits_lengths(is_causal, same_length=False))
     if q.shape[1] > k.shape[1]:
         raise ValueError(
             f"query may be shorter than key (its rows are then the last key positions, for "
             f"decoding) but not longer, got {shapes}; pass keys and values for every position"
+            f"{hint}"
         )
     if not is_causal:
         raise ValueError(
             f"a query shorter than key (decoding: its rows are the last {q.shape[1]} of "
             f"{k.shape[1]} positions) needs is_causal=True, got {shapes} with is_causal=False; "
-            f"for non-causal attention pass queries for every position"
+            f"for non-causal attention pass queries for every position{hint}"
         )
 
 

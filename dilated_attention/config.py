@@ -40,6 +40,18 @@ def _check_backend(backend: object) -> None:
         )
 
 
+def _check_scores(config: Any, *, sinks_flag: bool = False) -> None:
+    """Check and normalise a config's ``window_size``, ``softcap`` and ``sinks`` fields (Note
+    [Local windows, soft-capping and sinks] in ``core/sinks.py``): ``sinks`` a head count or
+    None, or with ``sinks_flag`` a bool (the multihead layer makes one per head)."""
+    object.__setattr__(config, "window_size", V.check_window_size(config.window_size))
+    object.__setattr__(config, "softcap", V.check_softcap(config.softcap))
+    if sinks_flag:
+        V.check_bool("sinks", config.sinks)
+    elif config.sinks is not None:
+        object.__setattr__(config, "sinks", V.check_positive_int("sinks", config.sinks))
+
+
 @dataclass(frozen=True, kw_only=True)
 class DilatedConfig:
     """Dilated attention over (B, N, H, D) tensors: see ``DilatedAttention``.
@@ -50,6 +62,9 @@ class DilatedConfig:
         scale: softmax scale (``None``: head_dim ** -0.5).
         dropout: attention-probability dropout in training mode.
         backend: kernel name, or ``None`` for the automatic choice.
+        window_size, softcap: a local window as one more branch, soft-capped scores (Note
+            [Local windows, soft-capping and sinks] in ``core/sinks.py``).
+        sinks: learnable attention sinks for this many query heads, or None.
     """
 
     segment_lengths: tuple[int, ...]
@@ -57,6 +72,9 @@ class DilatedConfig:
     scale: float | None = None
     dropout: float = 0.0
     backend: str | None = None
+    window_size: tuple[int, int] | None = None
+    softcap: float | None = None
+    sinks: int | None = None
 
     def __post_init__(self) -> None:
         segs, rates = V.check_branches(self.segment_lengths, self.dilation_rates)
@@ -65,6 +83,7 @@ class DilatedConfig:
         object.__setattr__(self, "scale", V.check_scale(self.scale))
         object.__setattr__(self, "dropout", V.check_dropout("dropout", self.dropout))
         _check_backend(self.backend)
+        _check_scores(self)
 
     def kwargs(self) -> dict[str, Any]:
         """The fields as keyword arguments."""
@@ -89,6 +108,9 @@ class MultiheadDilatedConfig:
     layer_norm_eps: float = 1e-5
     gamma_init: float = 1.0
     backend: str | None = None
+    window_size: tuple[int, int] | None = None
+    softcap: float | None = None
+    sinks: bool = False
 
     def __post_init__(self) -> None:
         V.check_heads(self.embed_dim, self.num_heads, self.num_kv_heads)
@@ -103,6 +125,7 @@ class MultiheadDilatedConfig:
         gamma = V.check_positive_float("gamma_init", self.gamma_init, fix=V.GAMMA_FIX)
         object.__setattr__(self, "gamma_init", gamma)
         _check_backend(self.backend)
+        _check_scores(self, sinks_flag=True)
 
     def kwargs(self) -> dict[str, Any]:
         """The fields as keyword arguments."""

@@ -383,8 +383,12 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
         help="memory budget (default 2 on CPU; on GPU none: run until out of memory)",
     )  # fmt: skip
     parser.add_argument("--bisect", type=int, default=2, help="bisection steps after doubling")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--modes", nargs="+", choices=MODES, default=list(MODES), help="what to run at each length"
+    )
+    parser.add_argument(
+        "--causal", action=argparse.BooleanOptionalAction, default=True, help="causal attention"
+    )
     parser.add_argument("--no-plot", action="store_true", help="write no PNG")
 
 

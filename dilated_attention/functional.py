@@ -387,6 +387,9 @@ def _packed(
             "call the packed batch eagerly, or give each document its own row"
         )
     batch, seq_len = q.shape[:2]
+    if batch == 0:  # no document: the empty batch unpacked (Note [An empty packed batch])
+        request = Request.of(operation, q, k, v, **fields)  # type: ignore[arg-type]
+        return compiled.route(request, q, k, v, key_padding_mask, return_lse)
     qf, kf, vf, mask = (flatten(x) for x in (q, k, v, key_padding_mask))
     request = Request.of(operation, qf, kf, vf, documents=documents, **fields)  # type: ignore[arg-type]
     out, lse = compiled.route(request, qf, kf, vf, mask, True, sinks)  # type: ignore[arg-type]

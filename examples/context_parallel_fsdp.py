@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from dilated_attention.demo import HelpFormatter
 from dilated_attention.distributed import ContextParallel, context_parallel, shard_sequence
 from dilated_attention.models import LongNetConfig, LongNetLM
 
@@ -42,19 +43,46 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--device", choices=["cpu", "cuda"], default=None)
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float64")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default=None,
+        help="default: cuda (NCCL) when available, else cpu (gloo)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--dtype", choices=sorted(_DTYPES), default="float64",
+        help="parameters and activations (float64: the losses equal one process's to rounding)",
+    )  # fmt: skip
     parser.add_argument("--dp", type=int, default=2, help="data parallel ranks")
     parser.add_argument("--cp", type=int, default=2, help="context parallel ranks")
-    parser.add_argument("--split", choices=["ring", "heads"], default="ring")
-    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument(
+        "--split", choices=["ring", "heads"], default="ring",
+        help="how the cp ranks split attention: a ring over the sequence, or a head all-to-all",
+    )  # fmt: skip
+    parser.add_argument(
+        "--seq-len", type=int, default=64, help="tokens per sequence (split over the cp ranks)"
+    )
     parser.add_argument("--batch", type=int, default=2, help="rows per data parallel rank")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--steps", type=int, default=3, help="training steps")
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (AdamW)")
     return parser.parse_args(argv)
+
+
+def mesh_mismatch(dp: int, cp: int, world_size: int) -> str | None:
+    """Why a ``dp`` x ``cp`` mesh does not fit ``world_size`` processes, with a pair that does
+    (the same ``cp`` where it divides the world), or None when it fits."""
+    if dp * cp == world_size:
+        return None
+    if world_size % cp == 0:
+        fit = (world_size // cp, cp)
+    elif world_size % dp == 0:
+        fit = (dp, world_size // dp)
+    else:
+        fit = (1, world_size)
+    return (
+        f"--dp {dp} x --cp {cp} = {dp * cp} ranks, but the world has {world_size} processes; "
+        f"use --dp {fit[0]} --cp {fit[1]}, or start {dp * cp} processes "
+        f"(torchrun --nproc_per_node={dp * cp})"
+    )
 
 
 def _model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> LongNetLM:
@@ -86,8 +114,10 @@ def main(argv: list[str] | None = None) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             timeout=timedelta(seconds=120))  # fmt: skip
-    if dist.get_world_size() != args.dp * args.cp:
-        raise SystemExit(f"--dp {args.dp} x --cp {args.cp} must equal the world size")
+    mismatch = mesh_mismatch(args.dp, args.cp, dist.get_world_size())
+    if mismatch:
+        dist.destroy_process_group()
+        raise SystemExit(mismatch)  # on every rank: each has the same world size
     mesh = init_device_mesh(device.type, (args.dp, args.cp), mesh_dim_names=("dp", "cp"))
     cp = ContextParallel.from_mesh(mesh, **{args.split: "cp"})
     dtype = _DTYPES[args.dtype]
@@ -108,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         reference_optimizer.zero_grad()
         reference_loss.backward()
         reference_optimizer.step()
+        single = reference_loss.detach().item()
         # This rank: its data parallel rows, its shard of their sequence.
         rows = tokens[data_rank * args.batch : (data_rank + 1) * args.batch]
         inputs, targets = (shard_sequence(x, group=cp) for x in (rows[:, :-1], rows[:, 1:]))
@@ -118,10 +149,10 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.zero_grad()
         total = token_losses.detach().clone()
         dist.all_reduce(total)
-        loss = float(total) / tokens[:, 1:].numel()
-        worst = max(worst, abs(loss - float(reference_loss)))
+        loss = total.item() / tokens[:, 1:].numel()
+        worst = max(worst, abs(loss - single))
         if dist.get_rank() == 0:
-            print(f"step {step}: loss {loss:.12f} single_process_loss {float(reference_loss):.12f}")
+            print(f"step {step}: loss {loss:.12f} single_process_loss {single:.12f}")
     if dist.get_rank() == 0:
         print(f"mesh dp={args.dp} x cp={args.cp} ({cp}): max |loss - single process| {worst:.3e}")
     dist.destroy_process_group()

@@ -24,17 +24,16 @@ from typing import Any
 import torch
 
 import dilated_attention
+from dilated_attention.demo import HelpFormatter
 from dilated_attention.extreme import add_search_arguments, plot_peak_memory, search_from_arguments
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_search_arguments(parser)
     parser.add_argument(
         "--output-dir", type=Path, default=Path("outputs/extreme_length"),
-        help="where extreme_length.json/.png go (default: outputs/extreme_length)",
+        help="where extreme_length.json/.png go",
     )  # fmt: skip
     return parser.parse_args(argv)
 

@@ -25,24 +25,34 @@ from dilated_attention import (
     longnet_schedule,
     shard_sequence,
 )
+from dilated_attention.demo import HelpFormatter
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default=None,
+        help="default: cuda (NCCL) when available, else cpu (gloo)",
+    )  # fmt: skip
     parser.add_argument(
         "--seq-len", type=int, default=None, help="global tokens (default 16K CPU, 1M GPU)"
     )
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--first-segment", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--heads", type=int, default=16, help="attention heads")
+    parser.add_argument("--head-dim", type=int, default=64, help="dimension of each head")
+    parser.add_argument(
+        "--first-segment", type=int, default=2048,
+        help="first segment length; segments double (rates 1, 2, 4, ...) until one covers "
+        "--seq-len (LongNet schedule)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--steps", type=int, default=3, help="timed steps after one warm-up step (median shown)"
+    )
+    parser.add_argument(
+        "--causal", action=argparse.BooleanOptionalAction, default=True, help="causal attention"
+    )
     parser.add_argument(
         "--timeout", type=float, default=300.0,
-        help="seconds a rank waits in a collective for the others before failing (default 300)",
+        help="seconds a rank waits in a collective for the others before failing",
     )  # fmt: skip
     args = parser.parse_args()
     if args.timeout <= 0:

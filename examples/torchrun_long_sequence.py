@@ -41,36 +41,40 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dilated_attention import shard_sequence
-from dilated_attention.demo import load_corpus, sample_windows
+from dilated_attention.demo import MIN_CORPUS_BYTES, HelpFormatter, load_corpus, sample_windows
 from dilated_attention.models import LongNetConfig, LongNetLM
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default=None,
+        help="default: cuda (NCCL) when available, else cpu (gloo)",
+    )  # fmt: skip
     parser.add_argument(
         "--dtype", choices=sorted(_DTYPES), default=None, help="default bfloat16 GPU, float32 CPU"
     )
-    parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--num-layers", type=int, default=None, help="override the preset")
-    parser.add_argument("--embed-dim", type=int, default=None, help="override the preset")
-    parser.add_argument("--num-heads", type=int, default=None, help="override the preset")
+    parser.add_argument("--preset", default="tiny", help="LongNetConfig preset (tiny, base)")
+    for flag in ("--num-layers", "--embed-dim", "--num-heads"):
+        parser.add_argument(flag, type=int, default=None, help="default: the preset's")
     parser.add_argument("--seq-len", type=int, default=512, help="global tokens per sequence")
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=2, help="sequences per step")
+    parser.add_argument("--steps", type=int, default=5, help="training steps")
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (AdamW)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
     parser.add_argument(
         "--extend-schedule",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="double segment and rate until one segment covers --seq-len",
     )
-    parser.add_argument("--corpus-bytes", type=int, default=4 << 20)
+    parser.add_argument(
+        "--corpus-bytes", type=int, default=4 << 20,
+        help=f"read at most this many bytes of source; at least {MIN_CORPUS_BYTES} (1 MiB), "
+        "since every tenth file is held out",
+    )  # fmt: skip
     parser.add_argument(
         "--check-tolerance",
         type=float,
@@ -80,11 +84,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--timeout", type=float, default=300.0,
-        help="seconds a rank waits in a collective for the others before failing (default 300)",
+        help="seconds a rank waits in a collective for the others before failing",
     )  # fmt: skip
     args = parser.parse_args(argv)
     if args.timeout <= 0:
         parser.error(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if args.corpus_bytes < MIN_CORPUS_BYTES:
+        parser.error(
+            f"--corpus-bytes must be >= {MIN_CORPUS_BYTES} (1 MiB), got {args.corpus_bytes}"
+        )
     return args
 
 

@@ -3,7 +3,7 @@
 The data is the demo's byte-level corpus (the Python source of the installed ``torch`` package,
 with held-out files for evaluation; see ``dilated_attention.demo``).
 
-    python examples/train_longnet.py                                   # < 1 min on a CPU
+    python examples/train_longnet.py                   # CPU: 3.6-6 min on 2 shared cores
     python examples/train_longnet.py --steps 2000 --batch-size 32 --seq-len 1024 --compile
     python examples/train_longnet.py --stop-after 60                   # stop half-way...
     python examples/train_longnet.py --resume                          # ...and continue
@@ -47,29 +47,43 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from dilated_attention import LongNetConfig, LongNetLM
-from dilated_attention.demo import bits_per_byte, load_corpus, sample_windows
+from dilated_attention.demo import (
+    MIN_CORPUS_BYTES,
+    HelpFormatter,
+    bits_per_byte,
+    load_corpus,
+    sample_windows,
+)
 from dilated_attention.models import CheckpointError, load_checkpoint, save_checkpoint
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--preset", default="tiny", help="LongNetConfig preset (tiny, base)")
-    p.add_argument("--steps", type=int, default=120, help="total optimizer steps (schedule)")
-    p.add_argument("--stop-after", type=int, default=None, help="stop after this step")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument(
+        "--steps", type=int, default=120,
+        help="total optimizer steps (the learning-rate schedule spans them)",
+    )  # fmt: skip
+    p.add_argument(
+        "--stop-after", type=int, default=None,
+        help="stop after this step, as if interrupted (default: run all --steps)",
+    )  # fmt: skip
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=256, help="bytes per training sequence")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
-    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     p.add_argument("--warmup", type=int, default=10, help="linear warmup steps")
     p.add_argument("--grad-clip", type=float, default=1.0, help="max grad norm (0: off)")
     p.add_argument("--eval-every", type=int, default=40, help="steps between evaluations")
     p.add_argument("--eval-windows", type=int, default=16, help="held-out windows per eval")
-    p.add_argument("--corpus-bytes", type=int, default=24 << 20, help="corpus size cap")
+    p.add_argument(
+        "--corpus-bytes", type=int, default=24 << 20,
+        help=f"read at most this many bytes of source; at least {MIN_CORPUS_BYTES} (1 MiB), "
+        "since every tenth file is held out",
+    )  # fmt: skip
     p.add_argument(
         "--output-dir", type=Path, default=Path("outputs/train_longnet"),
-        help="where the checkpoint and the plot go (default: outputs/train_longnet)",
+        help="where the checkpoint and the plot go",
     )  # fmt: skip
     p.add_argument(
         "--checkpoint", type=Path, default=None,
@@ -78,17 +92,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-checkpoint", action="store_true", help="write no checkpoint")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--activation-checkpointing", action="store_true",
+        help="recompute each block in the backward pass (less memory, more time)",
+    )  # fmt: skip
+    p.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu, cuda or cuda:N (CUDA when available)",
+    )  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
     p.add_argument(
         "--plot",
         type=Path,
         default=None,
         help="loss-curve PNG (default: OUTPUT_DIR/loss_curve.png)",
     )
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--log", type=Path, default=None, help="JSON-lines log of losses")
+    p.add_argument("--no-plot", action="store_true", help="write no loss-curve PNG")
+    p.add_argument(
+        "--log", type=Path, default=None, help="JSON-lines log of losses (default: none)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if args.resume and args.no_checkpoint:
@@ -101,6 +123,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.plot = args.output_dir / "loss_curve.png"
     if args.steps < 1 or args.batch_size < 1 or args.seq_len < 1 or args.eval_every < 1:
         p.error("--steps, --batch-size, --seq-len and --eval-every must be >= 1")
+    if args.corpus_bytes < MIN_CORPUS_BYTES:
+        p.error(f"--corpus-bytes must be >= {MIN_CORPUS_BYTES} (1 MiB), got {args.corpus_bytes}")
     return args
 
 

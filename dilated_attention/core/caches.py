@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _validation as V
 from .kv_cache import DilatedKVCache
 from .static_cache import StaticDilatedKVCache
 
@@ -141,6 +142,7 @@ def _check_each(caches: list, schedule: tuple[tuple[int, ...], tuple[int, ...]],
         if kind is DilatedKVCache and cache.length != caches[0].length:
             raise ValueError(
                 f"caches must all have seen the same tokens, but caches[{i}] has seen "
-                f"{cache.length} tokens and caches[0] {caches[0].length} (a cache another "
+                f"{V.counted(cache.length, 'token')} and caches[0] {caches[0].length} (a cache "
+                f"another "
                 f"model, layer or sequence has advanced); pass {fix}"
             )

@@ -32,6 +32,7 @@ from dataclasses import replace
 
 import torch
 
+from .. import _validation as V
 from .segment import RowGroup, effective_branches, plan_branches
 
 __all__ = [
@@ -93,14 +94,16 @@ def check_cu_seqlens(
             [A packed prompt]), or None.
 
     Returns:
-        The offsets as a tuple of ints: 0, each document's end, ``B * N``.
+        The offsets as a tuple of ints: 0, each document's end, ``B * N``; ``(0,)`` for a batch
+        of 0 sequences (Note [An empty packed batch]).
 
     Raises:
         TypeError: not ints, or not a tensor or a sequence.
         ValueError: not 1-D, on another device, not starting at 0, not increasing, not
-            ending at ``B * N``, a document crossing from one row into the next, or a query
-            of another length than the key; with a ``cache``, one that holds positions
-            already, or rows whose last documents differ in length.
+            ending at ``B * N`` (other than ``[0]`` for a batch of 0), a document crossing
+            from one row into the next, or a query of another length than the key; with a
+            ``cache``, one that holds positions already, or rows whose last documents differ
+            in length.
     """
     if q.shape[1] != k.shape[1]:
         raise ValueError(
@@ -122,6 +125,14 @@ def check_offsets(
     (a ring checks the offsets of the whole sharded row)."""
     offsets = _values(cu_seqlens, device)
     total = batch * seq_len
+    if batch == 0:  # Note [An empty packed batch]
+        if offsets != [0]:
+            raise ValueError(
+                f"a batch of 0 sequences holds no documents, so its cu_seqlens is [0] (the "
+                f"offsets start and end at B * N = 0), got {_shown(offsets)}; pass "
+                f"cu_seqlens=[0] (the result is empty, as for any batch of 0), or skip the call"
+            )
+        return (0,)
     if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != total:
         raise ValueError(
             f"cu_seqlens must start at 0 and end at B * N = {batch} * {seq_len} = {total} (the "
@@ -146,6 +157,14 @@ def check_offsets(
     return tuple(offsets)
 
 
+# Note [An empty packed batch]
+#     A batch of 0 sequences gives empty results everywhere in the library, and so it does
+#     packed: its offsets start and end at B * N = 0, which is ``[0]``, no document at all (a
+#     document of 0 tokens, ``[0, 0]``, is refused as anywhere else). The call then runs as the
+#     same empty batch unpacked (there is nothing a document could change), and a packed prompt
+#     into caches is the empty prompt of each row's whole length.
+
+
 # Note [A packed prompt]
 #     A packed batch given with decoding caches is a prompt: every document is computed as
 #     alone, and each row's cache takes the keys and values of the row's *last* document, from
@@ -162,6 +181,8 @@ def last_document(documents: tuple[int, ...], batch: int, seq_len: int) -> int:
     Raises:
         ValueError: rows whose last documents differ in length.
     """
+    if batch == 0:  # Note [An empty packed batch]
+        return seq_len
     ends = [row * seq_len for row in range(1, batch + 1)]
     lengths = [end - documents[bisect.bisect_left(documents, end) - 1] for end in ends]
     if len(set(lengths)) > 1:
@@ -182,7 +203,8 @@ def _check_prompt_cache(
     if any(isinstance(n, int) and n > 0 for n in held):
         raise ValueError(
             f"a packed prompt (cu_seqlens with cache=) starts its documents, so its caches must "
-            f"be empty, got one holding {max(held)} positions; decode the tokens that follow "
+            f"be empty, got one holding {V.counted(max(held), 'position')}; decode the tokens "
+            f"that follow "
             f"without cu_seqlens, or start from new caches"
         )
     last_document(documents, batch, seq_len)
@@ -223,7 +245,7 @@ def document_positions(
     ring rank's shard): int64 (B * N,) or (hi - lo,)."""
     lo, hi = (0, documents[-1]) if span is None else span
     positions = torch.arange(lo, hi, device=device)
-    starts = torch.tensor(documents[:-1], device=device)
+    starts = torch.tensor(documents[:-1], dtype=torch.int64, device=device)
     return positions - starts[torch.searchsorted(starts, positions, right=True) - 1]
 
 

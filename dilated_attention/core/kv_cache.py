@@ -233,7 +233,8 @@ class DilatedKVCache(LayerCache):
             return
         shown = positions[:8].tolist()
         raise ValueError(
-            f"with {given_with}, positions must be the {n} positions after the {length} the "
+            f"with {given_with}, positions must be the {V.counted(n, 'position')} after the "
+            f"{length} the "
             f"cache has seen ({length} to {length + n - 1}: the new tokens' positions must "
             f"increase by 1 from there), got positions={shown}{'...' if n > 8 else ''}; a "
             f"cache past them has taken these or other tokens already (one cache per layer and "

@@ -11,6 +11,14 @@ Note [Schedule in the state dict]
     tensors takes it (``safetensors``, ``torch.distributed.checkpoint``, FSDP's state dicts,
     ``torch.load(weights_only=True)``); JSON, so that a later version can read it.
 
+    A state dict is often cast as a whole (``{k: v.half() for k, v in sd.items()}``, or
+    ``.double()``, ``.to(torch.bfloat16)``), which casts this entry too. Its bytes are ASCII
+    (0..127), which the integer dtypes and the floating-point ones of 16 bits or more hold
+    exactly, so an entry of another dtype loads when each of its values is a whole number in
+    0..255 (the cast back to uint8 is then exact). A cast that changed a byte (float8) leaves
+    text that is not the schedule, and is refused like any malformed entry; a cast entry of
+    another schedule is refused as the uint8 one is.
+
     Loading an entry that names another schedule raises ``ValueError`` naming both, strict or
     not (``strict`` is about which keys are present; a wrong schedule is never what a load
     means). A state dict without the entry (saved before schedules were stored, or with the
@@ -93,9 +101,10 @@ def decode_schedule(state: object, where: str) -> Schedule:
     Raises:
         ValueError: ``state`` is not such a tensor (``where`` names the entry).
     """
-    if isinstance(state, torch.Tensor) and state.dtype == torch.uint8 and state.dim() == 1:
+    data = _schedule_bytes(state)
+    if data is not None:
         try:
-            schedule = json.loads(bytes(state.cpu().tolist()).decode())
+            schedule = json.loads(data.decode())
         except (UnicodeDecodeError, json.JSONDecodeError):
             schedule = None
         if isinstance(schedule, dict):
@@ -107,9 +116,28 @@ def decode_schedule(state: object, where: str) -> Schedule:
     )
     raise ValueError(
         f"{where} must hold the layer's schedule as saved by this library's state_dict() (a 1-D "
-        f"uint8 tensor of JSON), got {shown}; save the state dict again with state_dict(), or "
-        f"leave the entry out to load the weights without checking their schedule"
+        f"uint8 tensor of JSON, or a cast of it that keeps every byte, such as .double(), "
+        f".half() or .to(torch.bfloat16)), got {shown}; save the state dict again with "
+        f"state_dict(), cast only its floating-point entries ({{k: v.half() if "
+        f"v.is_floating_point() else v for k, v in sd.items()}}), or leave the entry out to load "
+        f"the weights without checking their schedule"
     )
+
+
+def _schedule_bytes(state: object) -> bytes | None:
+    """The bytes of a stored schedule: a 1-D uint8 tensor, or a cast of one whose values are
+    all whole numbers in 0..255 (Note [Schedule in the state dict]); None for anything else."""
+    if not isinstance(state, torch.Tensor) or state.dim() != 1:
+        return None
+    if state.dtype in (torch.bool, torch.complex64, torch.complex128, torch.complex32):
+        return None
+    if state.dtype != torch.uint8:
+        values = state.detach().cpu().double()
+        exact = (values >= 0) & (values <= 255) & (values == values.round())
+        if not bool(exact.all()):
+            return None
+        state = values.to(torch.uint8)
+    return bytes(state.cpu().tolist())
 
 
 class ScheduleState:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .. import _validation as V
 from .calls import put_view
 from .higher_order import RowCall
 from .plan import Plan
@@ -436,7 +437,7 @@ def describe_plan(
     gathered, and why; on one that also writes into given buffers (``writes_into``), whether
     the results go into branch slots merged once (:func:`slot_plan`) or why not."""
     if covers_all_once(groups, seq_len):
-        return (f"w={seq_len} r=1: one dense call over all {seq_len} positions",)
+        return (f"w={seq_len} r=1: one dense call over all {V.counted(seq_len, 'position')}",)
     merge, slotted = "", False
     if strided and writes_into:
         reason = not_slotted_reason(groups, seq_len, num_kv_heads)

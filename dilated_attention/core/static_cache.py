@@ -232,22 +232,25 @@ class StaticDilatedKVCache(LayerCache):
         """Take ``source``'s rows (each at its own position) as this cache's batch ``rows``
         (int64 indices), allocating buffers for ``batch`` rows on first use: prompts of
         different lengths, each prefilled in a cache of its own, decoded together. Both caches
-        hold position ``x`` at row ``x mod R``, so the rows copy as they are.
+        hold position ``x`` at row ``x mod R``, so the rows copy as they are. Eager (it reads
+        ``rows`` on the host to check them).
+
+        Args:
+            rows: (b,) distinct integer indices in ``[0, batch)``, one per row of ``source``,
+                on the CPU or the buffers' device.
+            source: a prefilled cache of the same layer, (b, R, Hkv, D) buffers.
+            batch: B, the rows of this cache's buffers (theirs once they exist).
 
         Raises:
-            ValueError: ``source`` of another schedule or ``max_length``, or empty.
+            TypeError: ``source`` is not a StaticDilatedKVCache, ``rows`` not an int tensor.
+            ValueError: ``source`` of another schedule or ``max_length``, or empty; ``batch``
+                not a positive int or not the buffers'; ``rows`` not one distinct index in
+                ``[0, batch)`` per row of ``source``; keys of other heads, head dim, dtype or
+                device than the buffers'. Checked before anything is written.
         """
-        if (source.segment_lengths, source.dilation_rates, source.ring_rows) != (
-            self.segment_lengths, self.dilation_rates, self.ring_rows
-        ):  # fmt: skip
-            raise ValueError(
-                f"source holds a layer with segment_lengths={list(source.segment_lengths)}, "
-                f"dilation_rates={list(source.dilation_rates)} in {source.ring_rows} rows, this "
-                f"cache segment_lengths={list(self.segment_lengths)}, dilation_rates="
-                f"{list(self.dilation_rates)} in {self.ring_rows}; load caches of one layer"
-            )
-        if source.key is None or source.value is None or source.lengths is None:
-            raise ValueError("source holds no tokens: run the prompt into it first")
+        self._check_load(rows, source, batch)
+        assert source.key is not None and source.value is not None
+        assert source.lengths is not None
         if self.key is None:
             self.allocate(source.key.new_empty(batch, 1, *source.key.shape[2:]))
         assert self.key is not None and self.value is not None and self.lengths is not None
@@ -259,6 +262,73 @@ class StaticDilatedKVCache(LayerCache):
         if self.key_padding_mask is not None:
             mask = source.key_padding_mask
             self.key_padding_mask[rows] = False if mask is None else mask
+
+    def _check_load(self, rows: object, source: object, batch: object) -> None:
+        """:meth:`load_rows`'s arguments, checked (its Raises)."""
+        if not isinstance(source, StaticDilatedKVCache):
+            raise TypeError(
+                f"source must be a StaticDilatedKVCache prefilled with a prompt, got "
+                f"{type(source).__name__}; run the prompt into a new StaticDilatedKVCache of "
+                f"this layer first"
+            )
+        if (source.segment_lengths, source.dilation_rates, source.ring_rows) != (
+            self.segment_lengths, self.dilation_rates, self.ring_rows
+        ):  # fmt: skip
+            raise ValueError(
+                f"source holds a layer with segment_lengths={list(source.segment_lengths)}, "
+                f"dilation_rates={list(source.dilation_rates)} in "
+                f"{V.counted(source.ring_rows, 'row')}, this "
+                f"cache segment_lengths={list(self.segment_lengths)}, dilation_rates="
+                f"{list(self.dilation_rates)} in {self.ring_rows}; load caches of one layer"
+            )
+        if source.key is None or source.lengths is None:
+            raise ValueError("source holds no tokens: run the prompt into it first")
+        batch = V.check_positive_int("batch", batch)
+        if self.key is not None and batch != self.key.shape[0]:
+            raise ValueError(
+                f"batch must be the rows of this cache's buffers, {self.key.shape[0]}, got "
+                f"batch={batch}; pass batch={self.key.shape[0]}, or cache.reset(drop=True) "
+                f"first to allocate buffers for another batch"
+            )
+        self._check_rows(rows, source.key, batch)
+        if self.key is not None:
+            held = (*self.key.shape[2:], self.key.dtype, self.key.device)
+            new = (*source.key.shape[2:], source.key.dtype, source.key.device)
+            if held != new:
+                raise ValueError(
+                    f"source holds keys of (kv heads, head_dim, dtype, device) = {new}, this "
+                    f"cache's buffers {held}; load caches of one layer of one model"
+                )
+
+    @staticmethod
+    def _check_rows(rows: object, key: torch.Tensor, batch: int) -> None:
+        """``rows``: one distinct index in ``[0, batch)`` per row of ``key`` (b, R, Hkv, D)."""
+        form = f"a ({key.shape[0]},) int64 tensor of distinct indices in [0, batch={batch})"
+        if not isinstance(rows, torch.Tensor) or rows.is_floating_point() or rows.is_complex() or (
+            rows.dtype == torch.bool
+        ):
+            got = f"dtype {rows.dtype}" if isinstance(rows, torch.Tensor) else type(rows).__name__
+            raise TypeError(f"rows must be {form}, got {got}; e.g. torch.tensor([0, 2])")
+        if rows.shape != (key.shape[0],):
+            raise ValueError(
+                f"rows must be {form}, one per row of source, got shape {tuple(rows.shape)}; "
+                f"pass {V.counted(key.shape[0], 'index', 'indices')}, one per prompt the source "
+                f"holds"
+            )
+        if rows.device.type != "cpu" and rows.device != key.device:
+            raise ValueError(
+                f"rows must be on the CPU or the caches' device {key.device}, got {rows.device}"
+            )
+        if V.values_unreadable():
+            return
+        values = rows.tolist()
+        bad = [x for x in values if not 0 <= x < batch]
+        if bad or len(set(values)) != len(values):
+            why = f"{bad[0]} is out of range" if bad else "an index repeats"
+            raise ValueError(
+                f"rows must be {form}, got {values[:16]} ({why}); give each prompt its own row "
+                f"of the batch"
+            )
 
     def _new_mask(self) -> None:
         assert self.key is not None

@@ -390,6 +390,6 @@ FACTORY_KINDS = {
 }
 
 
-#: The earlier package's names (README, "Coming from another package"): aliases, not subclasses.
+#: The earlier package's names (docs/migration.md): aliases, not subclasses.
 BlockSparseRingDilatedAttention = BlockSparseRingAttention
 BlockSparseRingMultiheadDilatedAttention = BlockSparseRingMultiheadAttention

@@ -174,9 +174,9 @@ def kv_repeats(num_heads: int, num_kv_heads: int, ranks: int) -> int:
     repeats = ranks // math.gcd(num_kv_heads, ranks)
     if num_heads % (num_kv_heads * repeats):
         raise ValueError(
-            f"{num_kv_heads} key/value heads repeated {repeats} times to split over {ranks} "
-            f"ranks do not divide the {num_heads} query heads; use a head group of a size "
-            f"that divides both"
+            f"{num_kv_heads} x {repeats} = {num_kv_heads * repeats} key/value heads (the "
+            f"{num_kv_heads} repeated to split over {ranks} ranks) do not divide the "
+            f"{V.counted(num_heads, 'query head')}; use a head group of a size that divides both"
         )
     return repeats
 

@@ -318,7 +318,7 @@ def _refused(shape: Shape, ring: int, heads: int) -> str | None:
     """Why a ring of ``ring`` around head groups of ``heads`` cannot run ``shape``, or None."""
     parts = ring * heads * chunks_per_rank(shape.layout)
     if shape.seq_len % parts:
-        return f"{shape.seq_len} positions do not divide into {parts} chunks"
+        return f"seq_len {shape.seq_len} does not divide into {parts} chunks"
     try:
         kv_repeats(shape.heads, shape.kv_heads, heads)
     except ValueError as exc:

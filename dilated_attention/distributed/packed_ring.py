@@ -344,7 +344,8 @@ def _row_length(cu_seqlens: object) -> int:
 def _check_divides(total: int, world_size: int) -> None:
     if total % world_size:
         raise ValueError(
-            f"a packed row of {total} positions cannot be sharded over {world_size} ranks: "
+            f"a packed row of {total} position{'s' if total != 1 else ''} cannot be sharded "
+            f"over {world_size} ranks: "
             f"shards are equal (shard_sequence); pad the row's last document to a multiple of "
             f"{world_size} positions"
         )

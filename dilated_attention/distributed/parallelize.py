@@ -59,8 +59,8 @@ def context_parallel(
         layout: the sequence layout the shards are made with (``"zigzag"``: causal models).
 
     Raises:
-        ValueError: a layer with dropout (the ring functions have none), or a bad ``layout``;
-            nothing is changed then.
+        ValueError: a layer with dropout (the ring functions have none), with a window,
+            soft-cap or sinks, or a bad ``layout``; nothing is changed then.
         TypeError: ``group`` is not a group.
     """
     check_group(group)
@@ -75,6 +75,15 @@ def context_parallel(
             raise ValueError(
                 f"{name or 'model'} ({type(module).__name__}) has dropout={dropout}: context "
                 f"parallel layers have no dropout; build the model with dropout=0"
+            )
+        inner = getattr(module, "attention", module)
+        asked = [option for option in ("window_size", "softcap", "sinks")
+                 if getattr(inner, option, None) is not None]  # fmt: skip
+        if asked:
+            raise ValueError(
+                f"{name or 'model'} ({type(module).__name__}) has {', '.join(asked)}: its ring "
+                f"layer does not apply them yet; build the model without them for context "
+                f"parallelism"
             )
         sparse = isinstance(module, BlockSparseAttention | BlockSparseMultiheadAttention)
         if sparse and layout != "contiguous":

@@ -76,9 +76,9 @@ class LongNetAttention(nn.Module):
         cache: Cache | None = None,
         documents: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
-        """x (B, N, E), positions (N,) global int positions (or (B * N,) with packed
-        ``documents``) -> (B, N, E); ``cache``: this layer's decoding cache (x then holds the
-        new tokens, or with ``documents`` a packed prompt)."""
+        """x (B, N, E), positions (N,) global int positions (None with packed ``documents``:
+        the layer's own, 0 at each document's start) -> (B, N, E); ``cache``: this layer's
+        decoding cache (x then holds the new tokens, or with ``documents`` a packed prompt)."""
         if documents is not None:
             return self.mha(
                 x, is_causal=True, positions=positions, cu_seqlens=documents, cache=cache
@@ -117,7 +117,7 @@ class LongNetBlock(nn.Module):
         cache: Cache | None = None,
         documents: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
-        """x (B, N, E), positions (N,) (or (B * N,) with packed ``documents``) -> (B, N, E);
+        """x (B, N, E), positions (N,) (None with packed ``documents``) -> (B, N, E);
         ``cache``: the attention's decoding cache."""
         x = x + self.dropout(self.attn(self.attn_norm(x), positions, cache, documents))
         h = self.dropout(F.gelu(self.fc1(self.ffn_norm(x))))

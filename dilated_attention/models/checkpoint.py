@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from .. import _validation as V
 from .._version import __version__
 from ..factory import _resolve_device
 from .config import LongNetConfig
@@ -229,7 +230,8 @@ def _read_payload(path: Path) -> memoryview:
     if not data.startswith(_MAGIC):
         if _MAGIC.startswith(data):
             raise CheckpointError(
-                f"{where} is truncated: only {len(data)} bytes, cut short inside the header; "
+                f"{where} is truncated: only {V.counted(len(data), 'byte')}, cut short inside the "
+                f"header; "
                 f"{_REWRITE}"
             )
         raise CheckpointError(f"{where} is {_describe_foreign(data)}")
@@ -237,7 +239,8 @@ def _read_payload(path: Path) -> memoryview:
     if end < 0:
         if len(data) < len(_MAGIC) + _MAX_HEADER_BYTES:
             raise CheckpointError(
-                f"{where} is truncated: only {len(data)} bytes, cut short inside the header; "
+                f"{where} is truncated: only {V.counted(len(data), 'byte')}, cut short inside the "
+                f"header; "
                 f"{_REWRITE}"
             )
         raise CheckpointError(f"{where} is corrupted: its header line has no end; {_REWRITE}")

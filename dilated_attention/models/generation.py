@@ -259,6 +259,13 @@ class GenerationMixin:
         """``(rows, tokens)`` per prompt length: the batch rows (int64 indices) and their
         (b, N0) int64 token ids, after checking every prompt."""
         if isinstance(prompt, torch.Tensor):
+            if prompt.dim() != 2:
+                raise ValueError(
+                    f"prompt must be a (batch, seq_len) tensor of token ids or a list of 1-D "
+                    f"token id tensors (prompts of any lengths), got a {prompt.dim()}-D tensor of "
+                    f"shape {tuple(prompt.shape)}; for one prompt pass prompt.unsqueeze(0) (or "
+                    f"[prompt], which returns a list)"
+                )
             tokens = self._check_tokens(prompt).long()
             return [(torch.arange(tokens.shape[0]), tokens)]
         if not isinstance(prompt, (list, tuple)) or not prompt:

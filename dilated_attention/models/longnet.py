@@ -236,6 +236,8 @@ class LongNetLM(GenerationMixin, nn.Module):
         tokens, positions, documents = self._inputs_on_all_ranks(
             tokens, positions, caches, cu_seqlens
         )
+        if documents is not None:  # Note [Packed positions are the layers' own]
+            positions = None
         x = self.dropout(self.embed(tokens.long()))
         use_ckpt = self.config.activation_checkpointing and self.training
         for i, block in enumerate(self.blocks):
@@ -246,11 +248,19 @@ class LongNetLM(GenerationMixin, nn.Module):
                 x = block(x, positions, cache, documents)
         return self.lm_head(self.final_norm(x))
 
+    # Note [Packed positions are the layers' own]
+    #     With packed documents every layer computes its rotary positions itself from the
+    #     offsets (0 at each document's first token, over the flattened batch, or over this
+    #     rank's shard of the row under ring attention), as it does for any caller of the layer;
+    #     the model's own copy of them only checks ``max_seq_len``. Handing the layers the
+    #     (B * N,) positions would be the (N,) positions of a row at B = 1 only, and a static
+    #     cache takes no positions at all.
+
     def _check_positions_fit(self, positions: torch.Tensor) -> None:
         """Refuse ``positions`` (N,) at or past ``max_seq_len`` (a device assertion when traced,
         see :meth:`_check_tokens`)."""
         cap = self.config.max_seq_len
-        if cap is None:
+        if cap is None or positions.numel() == 0:  # none: a packed batch of 0 sequences
             return
         if V.values_unreadable():
             torch._assert_async(

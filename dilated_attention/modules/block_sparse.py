@@ -19,6 +19,7 @@ from ..core.schedule_state import BlockSparseScheduleState
 from ..functional import block_sparse_attention
 from ..patterns import Pattern, check_pattern
 from .multihead import MultiheadAttention
+from .scores import learnable_sinks, score_repr
 
 __all__ = [
     "FACTORY_KINDS",
@@ -37,10 +38,13 @@ class BlockSparseAttention(BlockSparseScheduleState, nn.Module):
         scale: softmax scale; ``None`` means ``D ** -0.5``.
         backend: ``None`` or ``"auto"`` (FlexAttention on CUDA where it runs, else the
             registry's choice), ``"flex"``, or a kernel name for the fallback.
+        softcap: soft-capped scores ``c * tanh(s / c)``, or None.
+        sinks: learnable attention sinks for this many query heads, or None (Note [Local
+            windows, soft-capping and sinks] in ``core/sinks.py``).
 
     Raises:
         TypeError: ``pattern`` is not a Pattern.
-        ValueError: ``block_size < 1``, an unknown backend.
+        ValueError: ``block_size < 1``, an unknown backend, a bad soft-cap or sink count.
     """
 
     def __init__(
@@ -50,12 +54,17 @@ class BlockSparseAttention(BlockSparseScheduleState, nn.Module):
         block_size: int = 128,
         scale: float | None = None,
         backend: str | None = None,
+        softcap: float | None = None,
+        sinks: int | None = None,
     ) -> None:
         super().__init__()
         self.pattern = check_pattern(pattern)
         self.block_size = check_block_size(block_size)
         self.scale = V.check_scale(scale)
         self.backend = check_backend_name(backend)
+        self.softcap = V.check_softcap(softcap)
+        heads = None if sinks is None else V.check_positive_int("sinks", sinks)
+        self.sinks = learnable_sinks(heads)
 
     def forward(
         self,
@@ -75,13 +84,16 @@ class BlockSparseAttention(BlockSparseScheduleState, nn.Module):
         V.check_no_key_padding_mask(key_padding_mask)
         out = block_sparse_attention(
             query, key, value, self.pattern, block_size=self.block_size, is_causal=is_causal,
-            scale=self.scale, backend=self.backend,
+            scale=self.scale, backend=self.backend, softcap=self.softcap, sinks=self.sinks,
         )  # fmt: skip
         assert isinstance(out, torch.Tensor)  # return_lse=False: for the type checker
         return out
 
     def extra_repr(self) -> str:
-        return f"pattern={self.pattern!r}, block_size={self.block_size}, backend={self.backend!r}"
+        return (
+            f"pattern={self.pattern!r}, block_size={self.block_size}, backend={self.backend!r}"
+            + score_repr(None, self.softcap, self.sinks)
+        )
 
 
 class BlockSparseMultiheadAttention(MultiheadAttention):
@@ -101,6 +113,8 @@ class BlockSparseMultiheadAttention(MultiheadAttention):
         scale: softmax scale (``None``: head_dim ** -0.5).
         backend: as in :class:`BlockSparseAttention`.
         device, dtype: factory kwargs for the parameters.
+        softcap: as in :class:`BlockSparseAttention`.
+        sinks: learnable attention sinks, one logit per query head (``attention.sinks``).
 
     ``forward(query, key=None, value=None, key_padding_mask=None, need_weights=False,
     attn_mask=None, average_attn_weights=True, is_causal=False) -> (out, None)`` with (B, N, E)
@@ -125,10 +139,13 @@ class BlockSparseMultiheadAttention(MultiheadAttention):
         backend: str | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        softcap: float | None = None,
+        sinks: bool = False,
     ) -> None:
         attention = BlockSparseAttention(
-            pattern, block_size=block_size, scale=scale, backend=backend
-        )
+            pattern, block_size=block_size, scale=scale, backend=backend, softcap=softcap,
+            sinks=num_heads if V.check_bool("sinks", sinks) else None,
+        )  # fmt: skip
         self._init_layer(
             embed_dim, num_heads, attention, num_kv_heads=num_kv_heads, bias=bias,
             layer_norm=layer_norm, layer_norm_eps=layer_norm_eps, gamma_init=gamma_init,

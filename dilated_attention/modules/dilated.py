@@ -16,6 +16,7 @@ from ..core.caches import Cache
 from ..core.schedule_state import DilatedScheduleState
 from ..functional import dilated_attention
 from .multihead import MultiheadAttention
+from .scores import learnable_sinks, score_repr
 
 __all__ = ["DilatedAttention", "MultiheadDilatedAttention"]
 
@@ -29,9 +30,16 @@ class DilatedAttention(DilatedScheduleState, nn.Module):
         scale: softmax scale; ``None`` means ``D ** -0.5``.
         dropout: attention-probability dropout, applied in training mode only.
         backend: kernel name, or ``None`` / ``"auto"`` to choose per call.
+        window_size: ``(left, right)``: a local window as one more branch (Note [A local window
+            as a branch] in ``resolve/windows.py``), or None.
+        softcap: soft-capped scores ``c * tanh(s / c)``, or None.
+        sinks: learnable attention sinks (a parameter of one logit per query head, initialised
+            to 0) for this many query heads, or None (Note [Local windows, soft-capping and
+            sinks] in ``core/sinks.py``).
 
     Raises:
-        ValueError / TypeError: a bad schedule, scale, dropout or backend name.
+        ValueError / TypeError: a bad schedule, scale, dropout, backend name, window, soft-cap
+            or sink count.
     """
 
     #: Its forward takes ``cache=`` (decoding); a subclass whose forward does not says False.
@@ -47,16 +55,22 @@ class DilatedAttention(DilatedScheduleState, nn.Module):
         scale: float | None = None,
         dropout: float = 0.0,
         backend: str | None = None,
+        window_size: tuple[int, int] | None = None,
+        softcap: float | None = None,
+        sinks: int | None = None,
     ) -> None:
         super().__init__()
         backend = check_backend_name(backend)  # "auto" -> None
         self.config = DilatedConfig(
             segment_lengths=segment_lengths, dilation_rates=dilation_rates, scale=scale,
-            dropout=dropout, backend=backend,
+            dropout=dropout, backend=backend, window_size=window_size, softcap=softcap,
+            sinks=sinks,
         )  # fmt: skip
         self.segment_lengths = self.config.segment_lengths
         self.dilation_rates = self.config.dilation_rates
         self.scale, self.dropout, self.backend = self.config.scale, self.config.dropout, backend
+        self.window_size, self.softcap = self.config.window_size, self.config.softcap
+        self.sinks = learnable_sinks(self.config.sinks)
 
     @classmethod
     def from_config(cls, config: DilatedConfig) -> DilatedAttention:
@@ -87,7 +101,8 @@ class DilatedAttention(DilatedScheduleState, nn.Module):
             is_causal=is_causal, scale=self.scale,
             dropout_p=self.dropout if self.training else 0.0,
             key_padding_mask=key_padding_mask, backend=self.backend, cache=cache,
-            cu_seqlens=cu_seqlens,
+            cu_seqlens=cu_seqlens, window_size=self.window_size, softcap=self.softcap,
+            sinks=self.sinks,
         )  # fmt: skip
         assert isinstance(out, torch.Tensor)  # return_lse=False: for the type checker
         return out
@@ -96,7 +111,7 @@ class DilatedAttention(DilatedScheduleState, nn.Module):
         return (
             f"segment_lengths={list(self.segment_lengths)}, "
             f"dilation_rates={list(self.dilation_rates)}, dropout={self.dropout}, "
-            f"backend={self.backend!r}"
+            f"backend={self.backend!r}" + score_repr(self.window_size, self.softcap, self.sinks)
         )
 
 
@@ -141,6 +156,8 @@ class MultiheadDilatedAttention(MultiheadAttention):
             layer built with ``batch_first=False`` (the layer passes seq-first tensors then, which
             a batch-first module would silently misread).
         device, dtype: factory kwargs for the parameters.
+        window_size, softcap: as in :class:`DilatedAttention`.
+        sinks: learnable attention sinks, one logit per query head (``attention.sinks``).
 
     Raises:
         ValueError: bad sizes, schedule, dropout, ``layer_norm_eps``, ``gamma_init`` or backend.
@@ -166,16 +183,21 @@ class MultiheadDilatedAttention(MultiheadAttention):
         batch_first: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        window_size: tuple[int, int] | None = None,
+        softcap: float | None = None,
+        sinks: bool = False,
     ) -> None:
         config = MultiheadDilatedConfig(
             embed_dim=embed_dim, num_heads=num_heads, segment_lengths=segment_lengths,
             dilation_rates=dilation_rates, num_kv_heads=num_kv_heads, dropout=dropout, bias=bias,
             layer_norm=layer_norm, layer_norm_eps=layer_norm_eps, gamma_init=gamma_init,
             backend=check_backend_name(backend),  # "auto" -> None
+            window_size=window_size, softcap=softcap, sinks=sinks,
         )  # fmt: skip
         attention = DilatedAttention(
             config.segment_lengths, config.dilation_rates, dropout=config.dropout,
-            backend=config.backend,
+            backend=config.backend, window_size=config.window_size, softcap=config.softcap,
+            sinks=num_heads if config.sinks else None,
         )  # fmt: skip
         self._init_layer(config, attention, batch_first=batch_first, device=device, dtype=dtype)
 

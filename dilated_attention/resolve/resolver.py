@@ -43,6 +43,7 @@ from dataclasses import replace
 
 import torch
 
+from .. import _validation as V
 from ..backends.base import KernelInputs
 from ..backends.registry import BLOCK_SPARSE as BLOCK_SPARSE_REGISTRY
 from ..backends.registry import DENSE as DENSE_REGISTRY
@@ -136,9 +137,15 @@ def _dense(request: Request) -> Strategy:
     kernel = registry_for(DENSE_REGISTRY).select(inputs, request.backend)
     if end_aligned:
         plan = decode.dense_decode_plan(nq, nk, window)
-        how = f"the keys before the query in one call, then one square causal call of {nq} rows"
+        how = (
+            f"the keys before the query in one call, then one square causal call of "
+            f"{V.counted(nq, 'row')}"
+        )
         if window is not None:
-            how = f"one call of the {nq} queries over the keys their local window {window} reaches"
+            how = (
+                f"one call of the {V.counted(nq, 'query', 'queries')} over the keys their local "
+                f"window {window} reaches"
+            )
     else:  # a window places the queries at the last positions of the keys
         plan = Plan((WholeCall(request.is_causal, None if window is None else Window(*window)),))
         how = "one dense call" + ("" if window is None else f" in a local window {window}")
@@ -207,7 +214,8 @@ def _shard(request: Request) -> Strategy:
     notes += tuple(f"w={w} r={r}: spans ranks, its rows exchanged" for w, r in split.spanning)
     notes += (too_large,) if too_large else ()
     how = (
-        f"ring dilated attention, {world} ranks of {request.query_len} positions: the local "
+        f"ring dilated attention, {V.counted(world, 'rank')} of "
+        f"{V.counted(request.query_len, 'position')}: the local "
         "branches on this kernel, the spanning branches' calls on its backend"
     )
     return KernelOnlyStrategy(request, kernel, DILATED_REGISTRY, inputs, how, notes)
@@ -368,8 +376,9 @@ def _chunk_forward(request: Request) -> Strategy | None:
     if not kernel.runs_plan:  # only our fused kernels take queries after the first key
         return None
     how = (
-        f"one forward of the chunk's {n} queries over the {rows} held keys, every branch from "
-        f"the start of the first query's segment"
+        f"one forward of the chunk's {V.counted(n, 'query', 'queries')} over the "
+        f"{V.counted(rows, 'held key')}, every branch from the start of the first query's "
+        f"segment"
     )
     branches = tuple(zip(segs, rates, strict=True))
     notes = fused_notes(kernel.backend.name, branches)
@@ -405,13 +414,15 @@ def _static_decode(request: Request) -> Strategy:
     inputs = _kernel_inputs(request, is_causal=False, has_mask=True, query_len=1, key_len=slots)
     kernel = registry_for(DENSE_REGISTRY).select(inputs, request.backend)
     how = (
-        f"a static decode step: one call per token, every branch's {slots} slots read from the "
-        f"buffers at positions computed on the device, against a per-head key mask"
+        f"a static decode step: one call per token, every branch's {V.counted(slots, 'slot')} "
+        f"read from the buffers at positions computed on the device, against a per-head key "
+        f"mask"
     )
     if getattr(kernel.backend, "reads_decode_buffers", False):
         how = (
-            f"a static decode step: one launch per token reading every branch's {slots} slots "
-            f"in place from the buffers at positions computed on the device"
+            f"a static decode step: one launch per token reading every branch's "
+            f"{V.counted(slots, 'slot')} in place from the buffers at positions computed on the "
+            f"device"
         )
     return StaticDecodeStrategy(
         request, kernel, DENSE_REGISTRY, inputs, how, branches=(segs, rates)

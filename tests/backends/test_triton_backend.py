@@ -7,7 +7,8 @@ oracle, the multi-group path of the fused engine, poisoned buffers that expose r
 to write or writes by mistake, and the clean refusal when Triton or a GPU is missing.
 
 On a machine without a GPU, ``TRITON_INTERPRET=1 pytest tests/backends/test_triton_backend.py``
-runs the kernel tests through Triton's interpreter (float32 and float16; slow).
+runs the kernel tests through Triton's interpreter (float32 and float16; slow; needs ``pip install
+triton``).
 """
 
 from __future__ import annotations
@@ -21,10 +22,17 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import support.triton
 import torch
 from support.oracle import branch_positions, masked_attention, oracle_dilated_attention
 from support.tolerances import LOW_PRECISION, TOLERANCES, assert_close_to_oracle
-from support.triton import INTERPRETING, KERNEL_DEVICES, poison_new_buffers, skip_without_triton
+from support.triton import (
+    INTERPRETING,
+    KERNEL_DEVICES,
+    poison_new_buffers,
+    require_triton,
+    skip_without_triton,
+)
 from torch import Tensor
 
 from dilated_attention import dilated_attention
@@ -516,10 +524,24 @@ def test_64_bit_row_offsets(
             _compare(shape, dtype, device, is_causal)
 
 
+def test_skips_for_a_missing_triton_package_say_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CPU wheels of torch come without ``triton``: the skip says to install it (and how the
+    kernels then run on a CPU), not only that the import failed."""
+    monkeypatch.setattr(support.triton, "triton_installed", lambda: False)
+    message = r"triton is not installed: pip install triton .*TRITON_INTERPRET=1"
+    with pytest.raises(pytest.skip.Exception, match=message):
+        require_triton()
+    for device in ("cpu", "cuda"):
+        with pytest.raises(pytest.skip.Exception, match=message):
+            skip_without_triton(device)
+
+
 def test_descriptor_rows_only_where_the_layout_allows() -> None:
     """Tensor descriptors need 16-bit data, 16-byte aligned base and positive strides, and a
     length the rate divides; anything else reads through pointers."""
-    pytest.importorskip("triton")
+    require_triton()
     view_ok = triton_backend._kernels()._descriptor_view_ok
     x = torch.zeros(1, 64, 4, 32, dtype=torch.float16)
     assert view_ok(x, 1) and view_ok(x, 4)
@@ -668,7 +690,7 @@ def test_key_splits_only_for_few_non_causal_rows_that_leave_the_gpu_idle() -> No
     """Causal calls, calls of more than ``SPLIT_KEY_ROWS`` rows, calls with too few keys and
     calls whose (head, batch) programs already fill the GPU are not split; a split leaves no
     empty run."""
-    pytest.importorskip("triton")
+    require_triton()
     splits = triton_backend.key_splits
     one = torch.zeros(1, 1, 2, 8)
     assert splits(one, 4096, True) == 1

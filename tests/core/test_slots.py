@@ -19,7 +19,7 @@ from support.grouping import cut_small
 from support.oracle import oracle_dilated_attention
 from support.shared_results import shared_result
 from support.tolerances import assert_close_to_oracle
-from support.triton import KERNEL_DEVICES, poison_new_buffers, skip_without_triton
+from support.triton import KERNEL_DEVICES, poison_new_buffers, require_triton, skip_without_triton
 from support.writing_kernel import write_into_buffers
 
 import dilated_attention.core.executor as executor
@@ -502,7 +502,7 @@ def test_slot_kernels_compile_once_for_every_shorter_last_group() -> None:
     """A spanning slot's part of a shorter last group is a run of N - k G positions inside one
     of its segments; the kernels get one compile-time segment length for such runs whatever N,
     so sequences of 44, 45 and 46 positions share their compiled merge."""
-    pytest.importorskip("triton")
+    require_triton()
     from dilated_attention.backends._triton_merge import _launch
 
     slots = (Slot(8, 1), Slot(32, 4, spanning=True))

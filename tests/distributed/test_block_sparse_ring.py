@@ -253,7 +253,7 @@ def test_ring_module_bad_input() -> None:
 
 
 def test_earlier_names_are_aliases() -> None:
-    """The names the migration table promises (README, "Coming from another package") are the
+    """The names the migration table promises (docs/migration.md) are the
     renamed classes themselves, at the top level and in their module."""
     import dilated_attention
     import dilated_attention.distributed.block_sparse_ring as bsr

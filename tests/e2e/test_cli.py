@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import REPO
 
 from dilated_attention.__main__ import main
 from dilated_attention.demo import format_sample
@@ -60,7 +61,8 @@ def test_top_level_help_lists_every_command(capsys: pytest.CaptureFixture[str]) 
                                "--first-segment", "(default: 2048)", "--device", "--dtype",
                                "--repeats", "--causal, --no-causal"]),
         (["demo", "-h"], ["--steps STEPS", "(default: 700)", "--save PATH", "--seq-len",
-                          "--corpus-bytes", "--device", "--preset {base,tiny}"]),
+                          "--corpus-bytes", "at least 1048576 (1 MiB)", "--device",
+                          "--preset {base,tiny}"]),
         (["generate", "--help"], ["--checkpoint PATH", "--prompt PROMPT", "--max-new-tokens N",
                                   "(default: 200)", "--temperature T", "(default: 0.8)",
                                   "--top-k K", "(default: 20)", "--seed S", "--device"]),
@@ -93,8 +95,13 @@ def test_help_through_the_module_entry_point() -> None:
 
 
 def test_missing_or_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = _run(capsys)
-    assert code == 2 and "required: COMMAND" in err
+    # No command: the whole help, so every command is listed with its summary, then the error.
+    code, out, err = _run(capsys)
+    assert code == 2 and out == ""
+    assert err.startswith("usage: python -m dilated_attention ")
+    for command in ("demo", "generate", "layer", "warmup", "info"):
+        assert re.search(rf"^\s+{command}\s+\S", err, re.M), err
+    assert err.rstrip().endswith("error: name a command: demo, generate, layer, warmup, info")
     code, _, err = _run(capsys, "train")
     assert code == 2 and "invalid choice: 'train'" in err
 
@@ -110,6 +117,23 @@ def test_layer_and_info_run_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     assert "input gradient finite: True" in out
     code, out, _ = _run(capsys, "info")
     assert code == 0 and "cpu:" in out and "backend" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the sample is a CPU-only machine's")
+def test_info_sample_in_the_docs_is_what_info_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/kernels.md shows ``info``'s output on a CPU-only machine: the same text, but for the
+    versions line and the thread count, which are the machine's own."""
+    doc = (REPO / "docs" / "kernels.md").read_text()
+    sample = re.search(r"The output\s+of a CPU-only machine \(.*?\):\n\n```\n(.*?)```", doc, re.S)
+    assert sample, "docs/kernels.md: no info sample of a CPU-only machine"
+    code, out, _ = _run(capsys, "info")
+    assert code == 0
+
+    def body(text: str) -> list[str]:
+        lines = [line.rstrip() for line in text.splitlines()[1:]]  # without the versions line
+        return [re.sub(r"^cpu: \d+ threads$", "cpu: N threads", line) for line in lines]
+
+    assert body(sample.group(1)) == body(out), "docs/kernels.md's info sample is stale"
 
 
 def test_warmup_on_cpu_compiles_nothing(capsys: pytest.CaptureFixture[str]) -> None:
@@ -158,6 +182,14 @@ def test_demo_save_then_generate(tmp_path: Path, capsys: pytest.CaptureFixture[s
     )  # fmt: skip
     assert sample, out
     assert sample.group(1) == "16" and sample.group(3) == "4"  # seq_len // 2 and --sample-bytes
+    # How good the figure is: the scale, measured on the same held-out text.
+    scale = re.search(
+        r"\n  for scale: 8 = random bytes; on this held-out text byte frequencies alone give "
+        r"(\d\.\d\d),\n  gzip -9 (\d\.\d\d); well-trained byte-level models go well below gzip",
+        out,
+    )  # fmt: skip
+    assert scale, out
+    assert 4.0 < float(scale.group(1)) < 5.5 and 1.0 < float(scale.group(2)) < 2.5, out
     assert f"model saved to {path}" in out and "generate --checkpoint" in out
     assert path.exists()
 
@@ -210,6 +242,7 @@ def test_generate_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixtur
         (["--seq-len", "1"], "--seq-len must be >= 2"),
         (["--time-budget", "nan"], "--time-budget must be a finite number of seconds >= 0"),
         (["--time-budget", "-5"], "--time-budget must be a finite number of seconds >= 0"),
+        (["--corpus-bytes", "500000"], "--corpus-bytes must be >= 1048576 (1 MiB: every tenth"),
     ],
 )
 def test_demo_refuses_bad_flags_in_one_line(

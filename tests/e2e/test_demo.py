@@ -9,7 +9,12 @@ import sys
 import pytest
 import torch
 
-from dilated_attention.demo import load_corpus, sample_windows
+from dilated_attention.demo import (
+    MIN_CORPUS_BYTES,
+    load_corpus,
+    reference_bits_per_byte,
+    sample_windows,
+)
 
 
 @pytest.mark.slow  # trains for 30 steps in a subprocess
@@ -41,3 +46,22 @@ def test_corpus_split_is_disjoint_and_deterministic() -> None:
     assert held_out.numel() > 0 and train.numel() > 5 * held_out.numel()
     windows = sample_windows(train, 4, 32, torch.Generator().manual_seed(0))
     assert windows.shape == (4, 33) and windows.dtype == torch.int64 and int(windows.max()) < 256
+
+
+def test_corpus_below_its_minimum_is_refused_before_reading() -> None:
+    message = rf"max_bytes \(--corpus-bytes\) must be >= {MIN_CORPUS_BYTES} \(1 MiB: every tenth"
+    with pytest.raises(ValueError, match=message + r".*got 500000"):
+        load_corpus(max_bytes=500_000)
+    train, held_out = load_corpus(max_bytes=MIN_CORPUS_BYTES)  # the minimum holds some out
+    assert train.numel() > 0 and held_out.numel() > 0
+
+
+def test_reference_bits_per_byte_of_random_and_of_constant_bytes() -> None:
+    """The scale the demo prints: random bytes give 8 bits (gzip cannot shrink them), one byte
+    repeated gives 0 by its histogram and almost 0 by gzip."""
+    random = torch.randint(0, 256, (1 << 18,), generator=torch.Generator().manual_seed(0))
+    scale = reference_bits_per_byte(random.to(torch.uint8))
+    assert scale["unigram"] == pytest.approx(8.0, abs=0.01)
+    assert 8.0 <= scale["gzip"] < 8.1
+    scale = reference_bits_per_byte(torch.full((1 << 18,), 65, dtype=torch.uint8))
+    assert scale["unigram"] == 0.0 and scale["gzip"] < 0.01

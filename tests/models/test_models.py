@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -376,7 +377,7 @@ def test_one_cache_for_two_layers_or_a_step_ahead_is_refused_before_any_work() -
             model(tokens[:, :1], caches=[model.new_caches()[0], {}])
         with pytest.raises(ValueError, match=r"caches hold keys of a batch of 2"):
             model(tokens[:1, 3:4], caches=ahead)
-        with pytest.raises(ValueError, match=r"positions must be the 1 positions after the 3"):
+        with pytest.raises(ValueError, match=r"positions must be the 1 position after the 3"):
             model(tokens[:, 3:4], caches=ahead, positions=torch.tensor([5]))
         assert [c.length for c in ahead] == [3, 3] and mixed[0].length == 0
         caches = model.new_caches()
@@ -395,7 +396,7 @@ def test_a_layer_refuses_positions_its_cache_is_past() -> None:
     cache = DilatedKVCache(SMALL["segment_lengths"], SMALL["dilation_rates"])
     with torch.no_grad():
         layer(x[:, :3], is_causal=True, cache=cache, positions=torch.arange(3))
-        with pytest.raises(ValueError, match=r"positions must be the 1 positions after the 3"):
+        with pytest.raises(ValueError, match=r"positions must be the 1 position after the 3"):
             layer(x[:, 3:], is_causal=True, cache=cache, positions=torch.tensor([2]))
         assert cache.length == 3
         layer(x[:, 3:], is_causal=True, cache=cache, positions=torch.tensor([3]))
@@ -504,3 +505,20 @@ def test_bad_prompt_lists_raise_before_sampling(prompts: list, match: str) -> No
     model = small_model()
     with pytest.raises(ValueError, match=match):
         model.stream(prompts, 3)
+
+
+@pytest.mark.parametrize("shape", [(5,), (1, 1, 5)], ids=["1-D", "3-D"])
+def test_a_prompt_tensor_of_another_rank_is_told_the_accepted_forms(shape) -> None:  # type: ignore[no-untyped-def]
+    """A 1-D prompt (one sequence) is told that a (batch, seq_len) tensor or a list of 1-D
+    prompts is accepted, and how to pass it."""
+    model = small_model()
+    prompt = torch.zeros(shape, dtype=torch.long)
+    with pytest.raises(ValueError, match=re.escape(
+        f"prompt must be a (batch, seq_len) tensor of token ids or a list of 1-D token id "
+        f"tensors (prompts of any lengths), got a {len(shape)}-D tensor of shape {shape}; for one "
+        f"prompt pass prompt.unsqueeze(0) (or [prompt], which returns a list)"
+    )):  # fmt: skip
+        model.generate(prompt, 3)
+    if len(shape) == 1:  # the fixes run
+        assert model.generate(prompt.unsqueeze(0), 2, temperature=0).shape == (1, 7)
+        assert model.generate([prompt], 2, temperature=0)[0].shape == (7,)

@@ -98,50 +98,90 @@ def test_a_packed_prompt_through_the_layer_continues_its_last_document() -> None
         layer(x, is_causal=True, cache=packed, cu_seqlens=[0, 4, 30])
 
 
-def test_longnet_generates_after_a_packed_prompt_as_after_its_last_document() -> None:
+def _logits_alone(model: LongNetLM, tokens: torch.Tensor, rows: list[list[int]]) -> torch.Tensor:
+    """Each document's logits in a row of its own, concatenated back in the packed layout."""
+    out = []
+    for b, row in enumerate(rows):
+        starts = [0, *itertools.accumulate(row)]
+        out.append(torch.cat([model(tokens[b : b + 1, a:e])
+                              for a, e in itertools.pairwise(starts)], dim=1))  # fmt: skip
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("rows", [[[7, 18]], [[7, 18], [2, 5, 18]]], ids=["one-row", "two-rows"])
+def test_longnet_generates_after_a_packed_prompt_as_after_its_last_document(rows, static):
+    """Every document of the prompt gets its logits alone, and the tokens after it continue
+    each row's last document (rows of one batch, documents in both)."""
     torch.manual_seed(0)
     model = LongNetLM(LongNetConfig(vocab_size=61, embed_dim=E, num_heads=H, num_layers=2,
                                     segment_lengths=SEGS, dilation_rates=RATES, ffn_dim=64))
     model = model.double().eval()
-    tokens = torch.randint(0, 61, (1, 25))
-    packed, alone = model.new_caches(), model.new_caches()
+    tokens = torch.randint(0, 61, (len(rows), 25))
+    offsets = [0, *itertools.accumulate(n for row in rows for n in row)]
+    packed, alone = model.new_caches(static=static), model.new_caches(static=static)
     with torch.no_grad():
-        logits = model(tokens, cu_seqlens=[0, 7, 25], caches=packed)
-        torch.testing.assert_close(logits[:, 7:], model(tokens[:, 7:], caches=alone))
+        logits = model(tokens, cu_seqlens=offsets, caches=packed)
+        torch.testing.assert_close(logits, _logits_alone(model, tokens, rows),
+                                   atol=1e-12, rtol=1e-10)  # fmt: skip
+        torch.testing.assert_close(logits[:, 7:], model(tokens[:, 7:], caches=alone),
+                                   atol=1e-12, rtol=1e-10)  # fmt: skip
         for _ in range(3):
             nxt = logits[:, -1:].argmax(-1)
             logits = model(nxt, caches=packed)
-            torch.testing.assert_close(logits, model(nxt, caches=alone))
+            torch.testing.assert_close(logits, model(nxt, caches=alone), atol=1e-12, rtol=1e-10)
     with pytest.raises(ValueError, match="caches must be empty"):
-        model(tokens, cu_seqlens=[0, 7, 25], caches=packed)
+        model(tokens, cu_seqlens=offsets, caches=packed)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["", "checkpointed"])
-def test_a_packed_training_batch_of_longnet_gives_each_document_its_own_losses(checkpointing):
+@pytest.mark.parametrize("rows", [[[3, 17, 1, 19]], [[3, 17], [1, 12, 7]]],
+                         ids=["one-row", "two-rows"])  # fmt: skip
+def test_a_packed_training_batch_of_longnet_gives_each_document_its_own_losses(
+    checkpointing, rows
+):
     """Per-token losses and every gradient of a packed batch equal those of the documents in
-    rows of their own (float64, dropout off)."""
+    rows of their own (float64, dropout off), with documents in every row of the batch."""
     config = LongNetConfig(
         vocab_size=61, embed_dim=E, num_heads=H, num_layers=2, segment_lengths=SEGS,
         dilation_rates=RATES, ffn_dim=64, activation_checkpointing=checkpointing,
     )  # fmt: skip
     torch.manual_seed(0)
     model = LongNetLM(config).double().train()
-    docs = [3, 17, 1, 19]
-    offsets = [0, *itertools.accumulate(docs)]
-    tokens = torch.randint(0, 61, (1, sum(docs)))
-    # Each row's logits scored against the row's own tokens (a stand-in target: the point is
+    offsets = [0, *itertools.accumulate(n for row in rows for n in row)]
+    tokens = torch.randint(0, 61, (len(rows), sum(rows[0])))
+    # Each token's logits scored against the token itself (a stand-in target: the point is
     # that every token's loss and gradient is the one it has alone).
-    packed = F.cross_entropy(model(tokens, cu_seqlens=offsets)[0], tokens[0], reduction="none")
-    alone = torch.cat([
-        F.cross_entropy(model(tokens[:, a:b])[0], tokens[0, a:b], reduction="none")
-        for a, b in itertools.pairwise(offsets)
-    ])  # fmt: skip
-    torch.testing.assert_close(packed, alone, atol=1e-12, rtol=1e-10)
+    logits = model(tokens, cu_seqlens=offsets)
+    alone_logits = _logits_alone(model, tokens, rows)
+    torch.testing.assert_close(logits, alone_logits, atol=1e-12, rtol=1e-10)
+    packed = F.cross_entropy(logits.flatten(0, 1), tokens.flatten(), reduction="none")
+    alone = F.cross_entropy(alone_logits.flatten(0, 1), tokens.flatten(), reduction="none")
     params = list(model.parameters())
     got = torch.autograd.grad(packed.sum(), params)
     want = torch.autograd.grad(alone.sum(), params)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=1e-11, rtol=1e-9)
+
+
+def test_an_empty_packed_batch_through_the_layer_and_longnet_is_empty() -> None:
+    """A batch of 0 sequences packs no documents (cu_seqlens=[0]): empty results and gradients,
+    as unpacked, for training and for a packed prompt into caches."""
+    layer = _layer(rotary=True)
+    x = torch.randn(0, 10, E, dtype=torch.float64, requires_grad=True)
+    out, _ = layer(x, is_causal=True, cu_seqlens=[0])
+    assert out.shape == x.shape and torch.autograd.grad(out.sum(), x)[0].shape == x.shape
+    torch.manual_seed(0)
+    model = LongNetLM(LongNetConfig(vocab_size=61, embed_dim=E, num_heads=H, num_layers=2,
+                                    segment_lengths=SEGS, dilation_rates=RATES, ffn_dim=64,
+                                    max_seq_len=32))  # fmt: skip
+    tokens = torch.zeros(0, 10, dtype=torch.long)
+    assert model(tokens, cu_seqlens=[0]).shape == (0, 10, 61)
+    caches = model.new_caches()
+    assert model(tokens, cu_seqlens=[0], caches=caches).shape == (0, 10, 61)
+    assert [c.length for c in caches] == [10, 10]
+    with pytest.raises(ValueError, match=r"a batch of 0 sequences holds no documents"):
+        model(tokens, cu_seqlens=[0, 10])
 
 
 def test_longnet_refuses_positions_with_packed_documents() -> None:

@@ -142,6 +142,40 @@ def test_malformed_schedule_entry_raises() -> None:
             layer.load_state_dict({"_extra_state": bad})
 
 
+#: The "cast the checkpoint" idiom's casts, applied to every entry of a state dict.
+CASTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "double": lambda v: v.double(), "half": lambda v: v.half(),
+    "bfloat16": lambda v: v.to(torch.bfloat16), "float32": lambda v: v.float(),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("cast", list(CASTS))
+@pytest.mark.parametrize("name", list(BUILDS))
+def test_a_cast_state_dict_loads_and_another_schedule_is_still_refused(name, cast) -> None:
+    """A state dict cast as a whole (its schedule entry too) loads into a layer of its schedule,
+    with the cast weights, and is refused by a layer of another schedule."""
+    build, (saved_text, _) = BUILDS[name]
+    torch.manual_seed(0)
+    saved, same, other = build(0), build(0), build(1)
+    state = {k: CASTS[cast](v) for k, v in saved.state_dict().items()}
+    assert str(same.load_state_dict(state)) == "<All keys matched successfully>"
+    for key, tensor in same.state_dict().items():
+        want = saved.state_dict()[key] if key.endswith("_extra_state") else state[key]
+        assert torch.equal(tensor, want.to(tensor.dtype)), key
+    with pytest.raises(ValueError, match="saved from a layer with " + re.escape(saved_text)):
+        other.load_state_dict(state)
+
+
+def test_a_cast_that_changes_the_schedule_bytes_is_refused() -> None:
+    """float8 cannot hold every byte of the entry: the text is no schedule, and the message
+    names the casts that keep it and how to cast the weights alone."""
+    state = DilatedAttention([4, 8], [1, 2]).state_dict()
+    for bad in (state["_extra_state"].to(torch.float8_e4m3fn), state["_extra_state"] + 0.5):
+        with pytest.raises(ValueError, match=r"a cast of it that keeps every byte.*"
+                           r"v\.is_floating_point\(\)"):  # fmt: skip
+            DilatedAttention([4, 8], [1, 2]).load_state_dict({"_extra_state": bad})
+
+
 def test_ring_and_local_layers_share_checkpoints() -> None:
     """The ring layer stores the same schedule as the local one: checkpoints move between."""
     torch.manual_seed(0)
@@ -213,6 +247,25 @@ def test_longnet_state_dict_refuses_another_schedule() -> None:
     )):  # fmt: skip
         _model(segment_lengths=(8, 32)).load_state_dict(state)
     _model(segment_lengths=(8, 32)).load_state_dict(_without_schedule(state))  # on purpose
+
+
+@pytest.mark.parametrize("cast", ["double", "half", "bfloat16"])
+def test_longnet_loads_a_cast_state_dict(cast: str) -> None:
+    """The cast-the-checkpoint idiom, and a model cast with .half() / .to(bfloat16) whose
+    state dict goes to a model cast alike; another schedule is still refused."""
+    model = _model()
+    state = {k: CASTS[cast](v) for k, v in model.state_dict().items()}
+    twin = _model().to(state["embed.weight"].dtype)
+    assert str(twin.load_state_dict(state)) == "<All keys matched successfully>"
+    assert torch.equal(twin.embed.weight, state["embed.weight"])
+    with pytest.raises(ValueError, match="saved from a layer with segment_lengths=\\[8, 16\\]"):
+        _model(segment_lengths=(8, 32)).load_state_dict(state)
+    dtype = state["embed.weight"].dtype
+    cast_model, loaded = _model().to(dtype), _model().to(dtype)
+    nn.init.normal_(cast_model.embed.weight)  # weights the load must bring over
+    assert str(loaded.load_state_dict(cast_model.state_dict())) == "<All keys matched successfully>"
+    for key, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, cast_model.state_dict()[key]), key
 
 
 def test_checkpoint_keeps_the_schedule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

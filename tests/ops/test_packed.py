@@ -11,6 +11,7 @@ token, shorter than the smallest segment, between, longer than the largest, odd.
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -254,6 +255,42 @@ def test_bad_cu_seqlens_is_a_clear_error(cu_seqlens, error, match) -> None:
     with pytest.raises(error, match=match):
         dilated_attention(q, k, v, SEGS, RATES, cu_seqlens=cu_seqlens)
     with pytest.raises(error, match=match):
+        attention(q, k, v, cu_seqlens=cu_seqlens)
+
+
+@pytest.mark.parametrize("cu_seqlens", [[0], torch.tensor([0], dtype=torch.int32)],
+                         ids=["list", "tensor"])  # fmt: skip
+def test_an_empty_batch_packs_no_documents_and_gives_empty_results(cu_seqlens) -> None:
+    """A batch of 0 sequences: offsets [0] (no document) give what the unpacked empty batch
+    gives, as every function does for B = 0 (Note [An empty packed batch])."""
+    q = torch.randn(0, N_BAD, H, D, requires_grad=True)
+    k = v = torch.randn(0, N_BAD, HKV, D)
+    calls: dict[str, Callable[..., Any]] = {
+        "dilated": lambda **kw: dilated_attention(q, k, v, SEGS, RATES, is_causal=True, **kw),
+        "dense": lambda **kw: attention(q, k, v, **kw),
+        "block-sparse": lambda **kw: block_sparse_attention(q, k, v, LocalWindow(1),
+                                                            block_size=4, **kw),
+    }
+    for name, call in calls.items():
+        out, lse = call(cu_seqlens=cu_seqlens, return_lse=True)
+        want, want_lse = call(return_lse=True)
+        for got, expected in ((out, want), (lse, want_lse)):
+            assert (got.shape, got.dtype) == (expected.shape, expected.dtype), name
+        (grad,) = torch.autograd.grad(out.sum(), q)
+        assert grad.shape == q.shape, name
+    cache = DilatedKVCache(SEGS, RATES)  # a packed prompt: each row's whole (empty) length
+    out = dilated_attention(q, k, v, SEGS, RATES, is_causal=True, cache=cache, cu_seqlens=[0])
+    assert out.shape == q.shape and cache.length == N_BAD
+
+
+@pytest.mark.parametrize("cu_seqlens", [[0, 0], [0, 10], []], ids=["empty-document", "10", "none"])
+def test_an_empty_batch_with_documents_is_a_clear_error(cu_seqlens) -> None:
+    q = torch.randn(0, N_BAD, H, D)
+    k = v = torch.randn(0, N_BAD, HKV, D)
+    match = r"a batch of 0 sequences holds no documents, so its cu_seqlens is \[0\].*got "
+    with pytest.raises(ValueError, match=match + re.escape(str(cu_seqlens))):
+        dilated_attention(q, k, v, SEGS, RATES, cu_seqlens=cu_seqlens)
+    with pytest.raises(ValueError, match=match):
         attention(q, k, v, cu_seqlens=cu_seqlens)
 
 

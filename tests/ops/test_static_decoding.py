@@ -247,6 +247,48 @@ def test_load_rows_refuses_another_layer_or_an_empty_cache() -> None:
         )
 
 
+def _held(cache: StaticDilatedKVCache) -> list:
+    """Copies of a cache's buffers (None before they exist)."""
+    held = (cache.key, cache.value, cache.lengths, cache.key_padding_mask)
+    return [None if t is None else t.clone() for t in held]
+
+
+#: (rows, source, batch, target, error, match): the source is a prompted cache of 2 rows (F64,
+#: 2 kv heads of 8) unless named; the target a new cache, or one whose buffers a prompt of
+#: (batch, dtype) made.
+BAD_LOADS = {
+    "source": ([0, 1], "a cache", 3, None, TypeError, "source must be a StaticDilatedKVCache"),
+    "batch 0": ([0, 1], None, 0, None, ValueError, "batch must be a positive int, got 0"),
+    "batch bool": ([0, 1], None, True, None, ValueError, "batch must be a positive int"),
+    "other batch": ([0, 1], None, 3, (4, F64), ValueError,
+                    r"batch must be the rows of this cache's buffers, 4, got batch=3"),
+    "rows list": ([0, 1], None, 3, None, TypeError, r"rows must be a \(2,\) int64 tensor"),
+    "rows float": (torch.tensor([0.0, 1.0]), None, 3, None, TypeError, "got dtype torch.float32"),
+    "rows short": (torch.tensor([0]), None, 3, None, ValueError,
+                   r"one per row of source, got shape \(1,\); pass 2 indices"),
+    "rows range": (torch.tensor([0, 3]), None, 3, None, ValueError,
+                   r"got \[0, 3\] \(3 is out of range\)"),
+    "rows repeat": (torch.tensor([1, 1]), None, 3, None, ValueError, "an index repeats"),
+    "other dtype": (torch.tensor([0, 1]), None, 3, (3, torch.float32), ValueError,
+                    r"source holds keys of \(kv heads, head_dim, dtype, device\)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_LOADS))
+def test_load_rows_checks_its_arguments_before_any_work(case: str) -> None:
+    rows, source, batch, made, error, match = BAD_LOADS[case]
+    target = StaticDilatedKVCache([8, 16], [1, 2])
+    if made is not None:  # buffers of its own, from a prompt of (batch, dtype)
+        x = [t.to(made[1]) for t in _tensors(5, 4, 2, batch=made[0])]
+        with torch.no_grad():
+            dilated_attention(*x, [8, 16], [1, 2], is_causal=True, cache=target)
+    before = _held(target)
+    with pytest.raises(error, match=match):
+        target.load_rows(rows, _prompted()[0] if source is None else source, batch)
+    for got, want in zip(_held(target), before, strict=True):
+        assert (got is None and want is None) or torch.equal(got, want)
+
+
 def test_reset_keeps_the_buffers_and_forgets_the_tokens() -> None:
     cache, q, k, v = _prompted()
     key = cache.key

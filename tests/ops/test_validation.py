@@ -195,6 +195,54 @@ def test_key_value_head_count_mismatch(fn: Callable[..., Any]) -> None:
     _assert_mentions(excinfo, _number(3), _number(6))
 
 
+#: Calls that (batch, num_heads, seq_len, head_dim) tensors fail: 8 query heads over 2 key/value
+#: heads (GQA), 64 positions; or cross-attention of 48 queries over 32 keys.
+TRANSPOSED_CALLS = {
+    "dilated": lambda q, k, v: _dilated(q, k, v),
+    "dilated causal": lambda q, k, v: _dilated(q, k, v, is_causal=True),
+    "attention causal": lambda q, k, v: attention(q, k, v, is_causal=True),
+    "block-sparse causal": lambda q, k, v: block_sparse_attention(
+        q, k, v, patterns.LocalWindow(1), block_size=16, is_causal=True
+    ),
+}
+
+
+@pytest.mark.parametrize("call", list(TRANSPOSED_CALLS))
+def test_tensors_in_the_heads_first_layout_are_told_the_layout(call: str) -> None:
+    q, k, v = _qkv((B, 8, 64, 16), (B, 2, 64, 16))
+    with pytest.raises(ValueError, match=re.escape(
+        "if these are (batch, num_heads, seq_len, head_dim), note that this library takes "
+        "(batch, seq_len, num_heads, head_dim): pass query.transpose(1, 2)"
+    )):  # fmt: skip
+        TRANSPOSED_CALLS[call](q, k, v)
+    TRANSPOSED_CALLS[call](*(x.transpose(1, 2) for x in (q, k, v)))  # the fix runs
+
+
+def test_heads_first_cross_attention_is_told_the_layout() -> None:
+    """48 queries over 32 keys, 4 heads, read as 48 query heads over 32 key heads."""
+    q, k, v = _qkv((B, 4, 48, D), (B, 4, 32, D))
+    with pytest.raises(ValueError, match=r"query heads must be a multiple.*\.transpose\(1, 2\)"):
+        attention(q, k, v)
+    attention(*(x.transpose(1, 2) for x in (q, k, v)))
+
+
+@pytest.mark.parametrize(
+    ("shapes", "call"),
+    [
+        (((B, N, 6, D), (B, N, 4, D)), _dense),  # heads that do not divide
+        (((B, N, H, D), (B, 12, H, D)), _dilated),  # lengths that differ
+        (((B, 10, H, D), (B, 5, H, D)), _dilated),  # swapped, they would fit: key dim 1 > dim 2
+        (((B, 8, 64, 16), (B, 2, 64, 16), (B, 2, 32, 16)), _dense),  # key and value differ
+    ],
+    ids=["heads", "lengths", "long-heads", "key-value"],
+)
+def test_other_shape_mistakes_get_no_layout_hint(shapes, call) -> None:  # type: ignore[no-untyped-def]
+    q, k, v = _qkv(*shapes)
+    with pytest.raises(ValueError) as info:
+        call(q, k, v)
+    assert "transpose" not in str(info.value), str(info.value)
+
+
 # ----------------------------------------------------------------------------------- dtypes, types
 
 

@@ -4,6 +4,8 @@ where Triton cannot run."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from torch import Tensor
@@ -34,7 +36,25 @@ def poison_new_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poisoned(real_empty_like(*a, **kw)))
 
 
+#: Appended to the skip reason where the ``triton`` package is missing: CUDA builds of PyTorch
+#: ship it, CPU wheels do not.
+INSTALL_TRITON = "pip install triton to run these tests (on a CPU with TRITON_INTERPRET=1)"
+
+
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def require_triton() -> None:
+    """Skip, saying how to install it, where the ``triton`` package is missing."""
+    if not triton_installed():
+        pytest.skip(f"triton is not installed: {INSTALL_TRITON}")
+
+
 def skip_without_triton(device: str) -> None:
+    """Skip where our Triton kernels cannot run on ``device``, with the backend's reasons (and
+    how to install Triton where it is missing)."""
+    require_triton()
     reasons = get_backend("triton").not_supported_reasons(
         base.KernelInputs(
             device=torch.device(device),
