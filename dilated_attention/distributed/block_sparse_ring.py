@@ -304,7 +304,8 @@ class BlockSparseRingAttention(RingModule, BlockSparseAttention):
         group: process group (default: the world).
         scale: softmax scale (``None``: head_dim ** -0.5).
         backend: kernel name for the per-step calls, or ``None``.
-        softcap: soft-capped scores, or None.
+        softcap, sinks: as in ``BlockSparseAttention`` (soft-capped scores, learnable sinks for
+            this many query heads).
 
     Its forward takes (B, n, ...) local shards, as :class:`~.modules.RingModule`'s;
     ``key_padding_mask`` must be None (a mask on any rank raises on every rank).
@@ -321,9 +322,10 @@ class BlockSparseRingAttention(RingModule, BlockSparseAttention):
         scale: float | None = None,
         backend: str | None = None,
         softcap: float | None = None,
+        sinks: int | None = None,
     ) -> None:
-        super().__init__(pattern, block_size=block_size, scale=scale, backend=backend)
-        self.softcap = V.check_softcap(softcap)
+        super().__init__(pattern, block_size=block_size, scale=scale, backend=backend,
+                         softcap=softcap, sinks=sinks)  # fmt: skip
         self._init_ring(group)
 
     def ring_options(self) -> dict[str, object]:
@@ -336,8 +338,8 @@ class BlockSparseRingAttention(RingModule, BlockSparseAttention):
 class BlockSparseRingMultiheadAttention(AgreedForward, BlockSparseMultiheadAttention):
     """:class:`~dilated_attention.BlockSparseMultiheadAttention` over a sharded sequence: same
     constructor (plus ``group``) and forward; each rank passes its (B, n, E) shard. Parameters
-    are replicated: wrap the model in DDP/FSDP as usual for data parallelism; ``softcap`` goes
-    to its :class:`BlockSparseRingAttention`.
+    are replicated: wrap the model in DDP/FSDP as usual for data parallelism; ``softcap`` and
+    ``sinks`` as in the local layer (``attention.sinks``).
 
     A call rejected on one rank, by the layer's own checks or by the ring call's agreement,
     raises on every rank (:class:`~dilated_attention.distributed.agreement.AgreedForward`): the rank
@@ -361,10 +363,11 @@ class BlockSparseRingMultiheadAttention(AgreedForward, BlockSparseMultiheadAtten
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         softcap: float | None = None,
+        sinks: bool = False,
     ) -> None:
         attention = BlockSparseRingAttention(
             pattern, block_size=block_size, group=group, scale=scale, backend=backend,
-            softcap=softcap,
+            softcap=softcap, sinks=num_heads if V.check_bool("sinks", sinks) else None,
         )
         self._init_layer(
             embed_dim, num_heads, attention, num_kv_heads=num_kv_heads, bias=bias,

@@ -24,7 +24,9 @@ from support.oracle import oracle_attention
 
 import dilated_attention.distributed._comm as comm_mod
 from dilated_attention import (
+    BlockSparseMultiheadAttention,
     BlockSparseRingAttention,
+    MultiheadDilatedAttention,
     attention,
     block_sparse_attention,
     dilated_attention,
@@ -245,34 +247,60 @@ def _check_halo_bytes(rank: int, world: int) -> None:
 
 
 def _check_modules(rank: int, world: int) -> None:
-    """The ring modules pass their window and soft-cap on, and the sinks of their forward;
-    ``context_parallel`` keeps them."""
+    """The ring modules apply their window, cap and learnable sinks; local layers with them,
+    made context parallel (a ring, a head all-to-all), give each rank its shard of the local
+    output and, summed over the ranks, the local gradients (the sinks' included)."""
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(BATCH, LOCAL, HEADS, DIM, generator=gen, dtype=torch.float64)
                for _ in range(3))  # fmt: skip
     sinks = torch.randn(HEADS, generator=gen, dtype=torch.float64)
-    module = RingAttention(window_size=(2, 1), softcap=1.5)
-    want = ring_attention(q, k, v, window_size=(2, 1), softcap=1.5, sinks=sinks)
-    _close(module(q, k, v, sinks=sinks), want, "RingAttention(window_size, softcap)")
-    dilated = RingDilatedAttention(*SCHEDULE, window_size=(3, 0), softcap=1.5)
-    want = ring_dilated_attention(q, k, v, *SCHEDULE, is_causal=True, window_size=(3, 0),
-                                  softcap=1.5, sinks=sinks)  # fmt: skip
-    _close(dilated(q, k, v, is_causal=True, sinks=sinks), want, "RingDilatedAttention")
-    again = context_parallel(dilated, ContextParallel(ring=dist.group.WORLD))
-    _close(again(q, k, v, is_causal=True, sinks=sinks), want, "after context_parallel")
-    sparse = BlockSparseRingAttention(LocalWindow(1), block_size=4, softcap=1.5)
-    want = block_sparse_ring_attention(q, k, v, LocalWindow(1), block_size=4, softcap=1.5,
-                                       sinks=sinks)  # fmt: skip
-    _close(sparse(q, k, v, sinks=sinks), want, "BlockSparseRingAttention(softcap)")
+    modules = [
+        (RingAttention(window_size=(2, 1), softcap=1.5, sinks=HEADS),
+         ring_attention(q, k, v, window_size=(2, 1), softcap=1.5, sinks=sinks)),
+        (RingDilatedAttention(*SCHEDULE, window_size=(3, 0), softcap=1.5, sinks=HEADS),
+         ring_dilated_attention(q, k, v, *SCHEDULE, window_size=(3, 0), softcap=1.5,
+                                sinks=sinks)),
+        (BlockSparseRingAttention(LocalWindow(1), block_size=4, softcap=1.5, sinks=HEADS),
+         block_sparse_ring_attention(q, k, v, LocalWindow(1), block_size=4, softcap=1.5,
+                                     sinks=sinks)),
+    ]  # fmt: skip
+    for module, want in modules:
+        module.double()
+        with torch.no_grad():
+            module.sinks.copy_(sinks)
+        _close(module(q, k, v), want, type(module).__name__)
     torch.manual_seed(0)
-    layer = RingMultiheadDilatedAttention(32, HEADS, *SCHEDULE, window_size=(3, 0), softcap=1.5)
-    plain = copy.deepcopy(layer)
-    plain.attention.window_size = plain.attention.softcap = None
-    x = torch.randn(BATCH, LOCAL, 32, generator=gen)
-    assert layer.attention.score_options() == {"window_size": (3, 0), "softcap": 1.5}
-    assert not torch.allclose(layer(x, is_causal=True)[0], plain(x, is_causal=True)[0]), (
-        "RingMultiheadDilatedAttention ignored its window_size and softcap"
-    )
+    layers = [
+        MultiheadDilatedAttention(32, HEADS, *SCHEDULE, num_kv_heads=2, window_size=(3, 0),
+                                  softcap=1.5, sinks=True),
+        BlockSparseMultiheadAttention(32, HEADS, LocalWindow(1), block_size=4, softcap=1.5,
+                                      sinks=True),
+    ]  # fmt: skip
+    x = torch.randn(BATCH, LOCAL * world, 32, generator=gen, dtype=torch.float64)
+    for local in layers:
+        local.double()
+        with torch.no_grad():
+            local.attention.sinks.copy_(sinks)
+        want = local(x, is_causal=True)[0]
+        want_grads = torch.autograd.grad(want.square().sum(), list(local.parameters()))
+        for cp in (ContextParallel(ring=dist.group.WORLD), ContextParallel(heads=dist.group.WORLD)):
+            layer = context_parallel(copy.deepcopy(local), cp)
+            out = layer(shard_sequence(x, group=cp), is_causal=True)[0]
+            name = f"{type(local).__name__} over {cp}"
+            _close(out, want[:, sequence_positions(LOCAL, group=cp)].detach(), name)
+            grads = torch.autograd.grad(out.square().sum(), list(layer.parameters()))
+            for (label, _), got, expected in zip(local.named_parameters(), grads, want_grads,
+                                                 strict=True):  # fmt: skip
+                total = got.clone()
+                dist.all_reduce(total)
+                _close(total, expected, f"{name} d{label} summed over the ranks")
+    direct = RingMultiheadDilatedAttention(32, HEADS, *SCHEDULE, num_kv_heads=2,
+                                           window_size=(3, 0), softcap=1.5, sinks=True).double()
+    direct.load_state_dict(layers[0].state_dict())
+    again = context_parallel(copy.deepcopy(layers[0]), None)
+    mine = shard_sequence(x)
+    _close(direct(mine, is_causal=True)[0], again(mine, is_causal=True)[0],
+           "RingMultiheadDilatedAttention(window_size, softcap, sinks)")  # fmt: skip
 
 
 def _check_errors(rank: int, world: int) -> None:
