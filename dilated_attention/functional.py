@@ -11,6 +11,10 @@ Shape legend: B batch, N seq_len, H query heads, Hkv key/value heads (H % Hkv ==
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import torch
 
 from . import _validation as V
@@ -29,8 +33,41 @@ from .resolve import BLOCK_SPARSE, DENSE, DILATED, Request, dilated_operation, r
 __all__ = ["attention", "block_sparse_attention", "dilated_attention"]
 
 Output = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+# Note [Eager calls under torch.compile]
+#     The custom operators (``compiled.py``) carry a call's tensors and plain options, not yet
+#     packed documents' offsets (read on the host), a local window, a soft-cap or sinks (a
+#     tensor with a gradient of its own). A traced call that asks for one of those runs the
+#     public function eagerly instead: a graph break, the rest of the model still compiled,
+#     the call's result and gradients the eager ones. ``fullgraph=True`` raises there, with
+#     this reason. Under torch.func transforms they raise ``ValueError`` (nothing runs eagerly
+#     inside a transform).
+_EAGER_OPTIONS = ("cu_seqlens", "window_size", "softcap", "sinks")
+_EAGER_REASON = (
+    "dilated_attention: packed documents (cu_seqlens), window_size, softcap and sinks run "
+    "eagerly under torch.compile (the custom operators do not carry them yet): compile without "
+    "fullgraph=True to run such calls eagerly between graphs, or call without them"
+)
 
 
+def _eager_under_compile(fn: _F) -> _F:
+    """``fn`` run eagerly when ``torch.compile`` traces a call that asks for one of
+    ``_EAGER_OPTIONS`` (Note [Eager calls under torch.compile])."""
+    eager = torch.compiler.disable(fn, reason=_EAGER_REASON)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() and any(
+            kwargs.get(name) is not None for name in _EAGER_OPTIONS
+        ):
+            return eager(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return call  # type: ignore[return-value]
+
+
+@_eager_under_compile
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -120,6 +157,7 @@ def attention(
     return compiled.route(request, q, k, v, key_padding_mask, return_lse, sinks)
 
 
+@_eager_under_compile
 def dilated_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -226,6 +264,7 @@ def dilated_attention(
     return compiled.route(request, q, k, v, key_padding_mask, return_lse, sinks)
 
 
+@_eager_under_compile
 def block_sparse_attention(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -7,10 +7,12 @@ Note [Parallelizing a model]
     [One ring template] in ``template.py``; ``RingModule``). So a local layer becomes a ring
     layer by taking the ring class and those two attributes, with its parameters and schedule
     state untouched (the way ``fully_shard`` re-classes a module), and a ring layer just takes
-    the new group. Layers that cannot run over ranks raise before anything changes: dropout
-    (the ring functions have none) and decoding caches. After it, each rank passes its shard
-    (``shard_sequence(x, group=group)``); rotary positions follow the group
-    (``sequence_positions``), and ``LongNetLM`` finds them itself.
+    the new group; a local window, soft-cap and learnable sinks go with the layer (the ring
+    layer passes them on; each rank's sinks gradient is its shard's share). Layers that cannot
+    run over ranks raise before anything changes: dropout (the ring functions have none) and
+    decoding caches. After it, each rank passes its shard (``shard_sequence(x, group=group)``);
+    rotary positions follow the group (``sequence_positions``), and ``LongNetLM`` finds them
+    itself.
 
 Shape legend: B batch, n a rank's positions, E embed_dim.
 """
@@ -59,8 +61,8 @@ def context_parallel(
         layout: the sequence layout the shards are made with (``"zigzag"``: causal models).
 
     Raises:
-        ValueError: a layer with dropout (the ring functions have none), with a window,
-            soft-cap or sinks, or a bad ``layout``; nothing is changed then.
+        ValueError: a layer with dropout (the ring functions have none), or a bad ``layout``;
+            nothing is changed then.
         TypeError: ``group`` is not a group.
     """
     check_group(group)
@@ -75,15 +77,6 @@ def context_parallel(
             raise ValueError(
                 f"{name or 'model'} ({type(module).__name__}) has dropout={dropout}: context "
                 f"parallel layers have no dropout; build the model with dropout=0"
-            )
-        inner = getattr(module, "attention", module)
-        asked = [option for option in ("window_size", "softcap", "sinks")
-                 if getattr(inner, option, None) is not None]  # fmt: skip
-        if asked:
-            raise ValueError(
-                f"{name or 'model'} ({type(module).__name__}) has {', '.join(asked)}: its ring "
-                f"layer does not apply them yet; build the model without them for context "
-                f"parallelism"
             )
         sparse = isinstance(module, BlockSparseAttention | BlockSparseMultiheadAttention)
         if sparse and layout != "contiguous":

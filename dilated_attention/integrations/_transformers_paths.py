@@ -27,12 +27,19 @@ Note [Packed rows from transformers]
     read on the host (where they step by anything but 1, a sequence starts; every row starts
     one) unless a padding mask hides tokens (padded rows' position ids follow the padding);
     with ``check_positions=False`` they are not read, and rows are taken as one sequence each.
-    Offsets with a padding mask that hides tokens are refused.
+    Some models (Llama 4) give the attention no position ids: their packing comes from the mask
+    function (Note [What the mask function passes on] in ``_transformers_masks.py``), which
+    transformers gives it without a cache only (``use_cache=False``); with a cache such a model
+    mixes the sequences on its stock attention too. Offsets with a padding mask that hides
+    tokens are refused. Under ``torch.compile`` every such host read is a graph break whose
+    message names the read and the fix, which ``fullgraph=True`` raises.
 
 Note [Decoding with transformers' caches]
     A decoding call of one new token per row holds in its keys every slot up to the token's
     (a dynamic cache), or the token's cache slots and unfilled ones after them (a static cache),
-    and its position ids say where each row is. A left-padded row's real tokens start after
+    and its position ids say where each row is (in a model whose attention gets none, Llama 4,
+    the mask function's slots do: a row's real filled slots, minus one). A left-padded row's
+    real tokens start after
     its padding slots, which its mask's leading ``False`` count. That is the static decode
     step's input (Note [A decode step with static shapes] in ``core/static_cache.py``) with
     buffers of as many rows as keys, position ``x`` of row ``b`` at slot ``x + pad_b``: it
@@ -64,14 +71,22 @@ Note [Cross-attention in encoder-decoder models]
     refused up front, so that no cross-attention runs as dilated self-attention.
 
 Note [Layers kept on transformers' attention]
-    A sliding window covers the whole call when the call has fewer keys than the window (a
-    cache that dropped tokens holds at least ``window`` keys), and the layer is then plain
-    causal attention: it runs dilated. A longer call, or soft-capped scores, cannot be computed
-    by dilated attention; with ``keep_unsupported_layers`` such a call runs transformers' SDPA
-    attention (the model's own eager attention for soft-capping) with the mask the layer would
-    get from transformers: key ``j`` is seen by query ``i`` (both tensor positions, the queries
-    being the last ones) when it is real, ``j <= i`` if causal, and ``i - j < window``. Query
-    rows that see no key are padding and give zeros, as on the dilated path.
+    transformers' ``sliding_window=W`` lets a query see the W keys ending at itself, so a window
+    covers the whole call when the call has at most W keys, and the layer is then plain causal
+    attention: it runs dilated. A chunked layer (Llama 4: ``config.layer_types[layer_idx] ==
+    "chunked_attention"``, chunks of ``config.attention_chunk_size`` tokens counted from each
+    row's first real token) is plain causal attention when its keys start at the sequence's
+    first position (no cache dropped any) and fit in one chunk. A longer call, soft-capped
+    scores (Gemma 2) or attention sinks (gpt-oss: ``s_aux``, the layer's ``sinks``) cannot be
+    computed by dilated attention (:func:`unsupported_reason` decides it, in one place); with
+    ``keep_unsupported_layers`` such a call runs transformers' SDPA attention (the model's own
+    eager attention for soft-capping and sinks) with the mask the layer would get from
+    transformers: key ``j`` is seen by query ``i`` (both tensor positions, the queries being the
+    last ones) when it is real, ``j <= i`` if causal, ``i - j < window``, and both lie in one
+    chunk (counted from the row's first real token, whose tensor position is negative where a
+    cache dropped it). Query rows that see no key are padding and give zeros, as on the dilated
+    path. :func:`use_dilated_attention` warns which layers this concerns, from the layers'
+    attributes (:func:`kept_layers`).
 """
 
 from __future__ import annotations
@@ -84,6 +99,7 @@ from torch import nn
 
 from ..distributed import ring_dilated_attention
 from ..functional import attention, dilated_attention
+from ._transformers_masks import host_read, is_sequence_ids, sequence_offsets
 
 #: Names under which transformers models store cross-attention layers (Note [Cross-attention
 #: in encoder-decoder models]).
@@ -138,6 +154,7 @@ def _spans(mask: torch.Tensor, check: bool) -> tuple[torch.Tensor, torch.Tensor]
     count = mask.sum(dim=1)
     start = torch.where(mask, index, keys).amin(dim=1) % keys
     if check:
+        host_read("the attention mask (a check that each row's real tokens are one span)")
         end = torch.where(mask, index + 1, 0).amax(dim=1)
         broken = (end - start != count) & (count > 0)
         if bool(broken.any()):
@@ -195,6 +212,10 @@ def _grouped_rows(
     first_query = k.shape[1] - q.shape[1]
     out = q.new_zeros(q.shape)
     spans = torch.stack([start, start + count], dim=1)
+    host_read(
+        "the spans of padded rows (a call of several new tokens per row after a cache)",
+        "decode one new token per row, or call the model eagerly",
+    )
     for span in torch.unique(spans, dim=0).tolist():
         s, e = span
         rows = (spans == spans.new_tensor(span)).all(dim=1).nonzero().flatten()
@@ -218,24 +239,30 @@ def packed_documents(
 ) -> list[int] | None:
     """The packed sequences' offsets over the batch's ``B * N`` positions (Note [Packed rows
     from transformers]) for q (B, Nq, H, D) and ``keys`` keys, or None for rows of one sequence.
-    ``mask``: the call's (B, Nk) padding mask; where it hides tokens, position ids follow the
-    padding and say nothing of packing.
+    ``mask``: the call's (B, Nk) padding mask (where it hides tokens, position ids follow the
+    padding and say nothing of packing), or the (B, N) sequence indices the mask function found
+    (Note [What the mask function passes on] in ``_transformers_masks.py``).
 
     Raises:
         ValueError: ``cu_seq_lens_q`` and ``cu_seq_lens_k`` differ (or one is missing).
     """
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None or cu_k is not None:
+        host_read("cu_seq_lens_q / cu_seq_lens_k", "run packed batches eagerly")
         if cu_q is None or cu_k is None or cu_q.tolist() != cu_k.tolist():
             raise ValueError(
                 "cu_seq_lens_q and cu_seq_lens_k must both be given and equal (self-attention "
                 f"over packed sequences), got {cu_q!r} and {cu_k!r}"
             )
         return [int(x) for x in cu_q.tolist()]
+    if mask is not None and is_sequence_ids(mask):
+        host_read("the packed rows' sequence indices")
+        return sequence_offsets(mask)
     positions = kwargs.get("position_ids")
     batch, n = query.shape[:2]
     if not check or positions is None or n != keys or n < 2:
         return None
+    host_read("position_ids (a check for packed sequences)")
     if mask is not None and not bool(mask.all()):
         return None
     flat = positions.expand(batch, n).reshape(-1)
@@ -246,48 +273,112 @@ def packed_documents(
     return sorted(starts | rows | {batch * n})
 
 
-def decodes_in_place(
+def in_place_positions(
     q: torch.Tensor,
     kwargs: dict[str, Any],
+    mask: torch.Tensor | None,
     causal: bool,
     dropout: float,
-) -> bool:
-    """Whether a call is one new token per row at its position ids, which the static decode
-    step computes over the cache's keys as they are, a left-padded row's padding slots skipped
-    (Note [Decoding with transformers' caches]): q (B, 1, H, D)."""
+) -> torch.Tensor | None:
+    """The (B,) positions of a call that is one new token per row, which the static decode step
+    computes over the cache's keys as they are, a left-padded row's padding slots skipped (Note
+    [Decoding with transformers' caches]), or None: q (B, 1, H, D), ``mask`` the call's (B, Nk)
+    padding mask (its real keys up to the query: the positions when no position ids came)."""
+    if q.shape[1] != 1 or not causal or dropout:
+        return None
+    if not torch.compiler.is_compiling() or (torch.is_grad_enabled() and q.requires_grad):
+        return None
     positions = kwargs.get("position_ids")
-    if q.shape[1] != 1 or not causal or dropout or positions is None:
-        return False
-    if (
-        positions.dim() != 2
-        or positions.shape[-1] != 1
-        or positions.shape[0] not in (1, q.shape[0])
-    ):
-        return False
-    return torch.compiler.is_compiling() and not (torch.is_grad_enabled() and q.requires_grad)
+    if positions is None:
+        return None if mask is None else mask.sum(dim=1) - 1
+    if positions.dim() != 2 or positions.shape[-1] != 1:
+        return None
+    if positions.shape[0] not in (1, q.shape[0]):
+        return None
+    return positions[:, -1].expand(q.shape[0])
 
 
-def unsupported_reason(module: nn.Module, keys: int, kwargs: dict[str, Any]) -> str | None:
+def chunk_size(module: nn.Module) -> int | None:
+    """The chunk of ``module``'s layer when it attends within chunks (Llama 4's chunked
+    attention: ``config.layer_types[layer_idx] == "chunked_attention"``), else None."""
+    config = getattr(module, "config", None)
+    layer = getattr(module, "layer_idx", None)
+    types = getattr(config, "layer_types", None)
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk is None or layer is None or not types or layer >= len(types):
+        return None
+    return int(chunk) if types[layer] == "chunked_attention" else None
+
+
+def layer_name(module: nn.Module) -> str:
+    """``module``'s class and layer index, for messages."""
+    layer = getattr(module, "layer_idx", None)
+    return type(module).__name__ + ("" if layer is None else f" (layer {layer})")
+
+
+def unsupported_reason(
+    module: nn.Module, keys: int, kwargs: dict[str, Any], offset: int = 0
+) -> str | None:
     """Why dilated attention cannot compute this call of ``module`` exactly (Note [Layers kept on
-    transformers' attention]), or ``None``; ``keys``: the keys (cache slots included) the call
-    gets."""
-    name = type(module).__name__
+    transformers' attention]), or ``None``. The one place that decides it.
+
+    Args:
+        keys: the call's filled keys.
+        kwargs: the call's keyword arguments (``softcap``, ``s_aux``, ``sliding_window``).
+        offset: the absolute position of the first key (a sliding cache dropped the ones
+            before it).
+    """
+    name = layer_name(module)
     if kwargs.get("softcap") is not None:
         return f"{name} soft-caps its attention scores (softcap={kwargs['softcap']})"
+    if kwargs.get("s_aux") is not None:
+        return (
+            f"{name} adds attention sinks to its softmax (s_aux, the layer's sinks: one logit "
+            f"per head in every row's denominator)"
+        )
     window = kwargs.get("sliding_window")
-    if window is not None and keys >= window:
+    if window is not None and keys > window:
         return (
             f"{name} attends within a sliding window of {window} tokens, and this call has "
-            f"{keys} keys (a window longer than the keys is plain causal attention, which runs "
-            f"dilated)"
+            f"{keys} keys (a window as long as the keys or longer is plain causal attention, "
+            f"which runs dilated)"
+        )
+    chunk = chunk_size(module)
+    if chunk is not None and (offset != 0 or keys > chunk):
+        return (
+            f"{name} attends within chunks of {chunk} tokens (attention_chunk_size), and this "
+            f"call's {keys} keys are not all in its first chunk (keys within one chunk are "
+            f"plain causal attention, which runs dilated)"
         )
     return None
+
+
+def _visible(
+    module: nn.Module, batch: int, nq: int, nk: int, mask: torch.Tensor | None,
+    first: torch.Tensor | None, causal: bool, window: int | None, device: torch.device,
+) -> torch.Tensor:  # fmt: skip
+    """(B, 1, Nq, Nk) bool: key ``j`` seen by query ``i`` (Note [Layers kept on transformers'
+    attention]); ``first``: (B,) each row's first real token's key index."""
+    q_pos = torch.arange(nq, device=device)[:, None] + (nk - nq)
+    k_pos = torch.arange(nk, device=device)[None]
+    visible = k_pos <= q_pos if causal else torch.ones(nq, nk, dtype=torch.bool, device=device)
+    if window is not None:
+        visible = visible & (k_pos > q_pos - window)
+    visible = visible[None].expand(batch, nq, nk)
+    chunk = chunk_size(module)
+    if chunk is not None:
+        start = torch.zeros(batch, dtype=torch.long, device=device) if first is None else first
+        start = start[:, None, None]
+        visible = visible & ((k_pos[None] - start) // chunk == (q_pos[None] - start) // chunk)
+    if mask is not None:
+        visible = visible & mask[:, None, :]
+    return visible[:, None]
 
 
 def kept_attention(
     module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     mask: torch.Tensor | None, *, causal: bool, dropout: float, scaling: float | None,
-    kwargs: dict[str, Any],
+    kwargs: dict[str, Any], first: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """A call of a kept layer on transformers' attention (Note [Layers kept on transformers'
     attention]).
@@ -295,46 +386,71 @@ def kept_attention(
     Args:
         query: (B, H, Nq, D); key, value: (B, Hkv, Nk, D) (transformers' layout), Nq <= Nk.
         mask: (B, Nk) bool, ``True`` for a real token, or None.
-        kwargs: the call's keyword arguments (``sliding_window``, ``softcap``).
+        kwargs: the call's keyword arguments (``sliding_window``, ``softcap``, ``s_aux``).
+        first: (B,) int, the key index of each row's first real token (negative where a
+            sliding cache dropped it), from which chunks count; None: 0.
 
     Returns:
         (B, Nq, H, D), zeros at query rows that see no key.
 
     Raises:
-        ValueError: soft-capped scores in a model whose module has no ``eager_attention_forward``.
+        ValueError: soft-capped scores or sinks in a model whose module has no
+            ``eager_attention_forward``.
     """
-    nq, nk, device = query.shape[2], key.shape[2], query.device
-    q_pos = torch.arange(nq, device=device)[:, None] + (nk - nq)
-    k_pos = torch.arange(nk, device=device)[None]
-    visible = k_pos <= q_pos if causal else torch.ones(nq, nk, dtype=torch.bool, device=device)
-    window = kwargs.get("sliding_window")
-    if window is not None:
-        visible = visible & (k_pos > q_pos - window)
-    visible = visible[None, None].expand(query.shape[0], 1, nq, nk)
-    if mask is not None:
-        visible = visible & mask[:, None, None, :]
+    nq, nk = query.shape[2], key.shape[2]
+    visible = _visible(
+        module, query.shape[0], nq, nk, mask, first, causal, kwargs.get("sliding_window"),
+        query.device,
+    )  # fmt: skip
     seen = visible.any(dim=-1, keepdim=True)  # (B, 1, Nq, 1)
     visible = visible | ~seen  # a row that sees nothing is padding: finite here, zero below
     softcap = kwargs.get("softcap")
-    if softcap is None:
+    if softcap is None and kwargs.get("s_aux") is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         out, _ = sdpa_attention_forward(
             module, query, key, value, visible, dropout=dropout, scaling=scaling, is_causal=False
         )
-    else:
+    else:  # the model's eager attention, which soft-caps and adds its sinks
         eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
         if eager is None:
             raise ValueError(
-                f"{type(module).__name__} soft-caps its scores and its module has no "
+                f"{layer_name(module)} soft-caps its scores or adds sinks, and its module has no "
                 f"eager_attention_forward to run it on; keep this model on its own attention"
             )
-        bias = torch.zeros(visible.shape, dtype=query.dtype, device=device)
+        bias = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
         bias = bias.masked_fill(~visible, torch.finfo(query.dtype).min)
-        out, _ = eager(
-            module, query, key, value, bias, dropout=dropout, scaling=scaling, softcap=softcap
-        )
+        extra = {} if softcap is None else {"softcap": softcap}
+        out, _ = eager(module, query, key, value, bias, dropout=dropout, scaling=scaling, **extra)
     return torch.where(seen[:, 0, :, :, None], out, out.new_zeros(()))
+
+
+def kept_layers(model: nn.Module) -> tuple[list[tuple[str, str, bool]], int]:
+    """The self-attention layers of ``model`` that ``keep_unsupported_layers`` runs on
+    transformers' attention, as ``(name, which calls, every call)``, and the number of
+    self-attention layers; from the layers' attributes, as :func:`unsupported_reason` finds them
+    in each call's arguments."""
+    kept: list[tuple[str, str, bool]] = []
+    layers = 0
+    for name, module in model.named_modules():
+        if getattr(module, "layer_idx", None) is None or "Attention" not in type(module).__name__:
+            continue
+        if is_cross_attention(module):
+            continue
+        layers += 1
+        config = getattr(module, "config", None)
+        softcap = getattr(module, "attn_logit_softcapping", None)
+        window = getattr(module, "sliding_window", getattr(config, "sliding_window", None))
+        chunk = chunk_size(module)
+        if softcap is not None:
+            kept.append((name, f"every call: soft-capped scores, softcap={softcap}", True))
+        elif isinstance(getattr(module, "sinks", None), torch.Tensor):
+            kept.append((name, "every call: attention sinks", True))
+        elif isinstance(window, int):
+            kept.append((name, f"calls of more than {window} keys: a sliding window", False))
+        elif chunk is not None:
+            kept.append((name, f"calls beyond its first {chunk}-token chunk", False))
+    return kept, layers
 
 
 def context_parallel_rows(

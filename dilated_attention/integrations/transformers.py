@@ -11,9 +11,11 @@ Note [Hugging Face attention]
     transformers calls an attention function per layer with (B, H, Nq, D) queries and
     (B, Hkv, Nk, D) keys and values (in decoding, the cache's), and the mask that the mask
     function registered under the same name built. :func:`register` adds
-    :func:`attention_forward` with :func:`padding_mask`: the mask arrives as (B, Nk) bool,
-    ``True`` for a real token, or ``None`` when no mask was given. The (B, H, N, D) tensors are
-    read as (B, N, H, D) views, without a copy.
+    :func:`attention_forward` with :func:`padding_mask`, which passes on what transformers tells
+    it of the call (Note [What the mask function passes on] in ``_transformers_masks.py``): a
+    causal layer's mask arrives as (B, n) bool, ``True`` for a real token, covering every
+    position up to the last query, or ``None``; packed rows as their sequence indices. The
+    (B, H, N, D) tensors are read as (B, N, H, D) views, without a copy.
 
     A dilated layer cuts segments by position, so a padded row is computed on its own tokens
     (Note [Padded rows shifted to the start] in ``_transformers_paths.py``; left padding would
@@ -21,7 +23,7 @@ Note [Hugging Face attention]
     last ``Nq`` key positions (prefill: all of them; decoding: the new tokens); query rows
     outside their span are padding and give zeros. A mask whose real keys do not form one span
     raises ``ValueError``; packed sequences run as packed documents (Note [Packed rows from
-    transformers] in ``_transformers_paths.py``). A static cache's slots past the mask's length are
+    transformers] in ``_transformers_paths.py``). A static cache's slots past the last query are
     unfilled and are left out. A decoder's cross-attention runs dense over the encoder's keys
     (Note [Cross-attention in encoder-decoder models]); layers dilated attention cannot compute
     raise, or with ``keep_unsupported_layers`` run transformers' attention (Note [Layers kept
@@ -30,14 +32,19 @@ Note [Hugging Face attention]
     The schedule lives in the model's config (every config object its modules hold: an
     encoder-decoder model may give each half a copy): ``dilated_segment_lengths`` and
     ``dilated_dilation_rates``, one list for every layer or one list per layer (read at
-    ``module.layer_idx``), so a saved model keeps it. The config also names this implementation
-    (``attn_implementation``), so that ``from_pretrained`` of a saved model asks for it (an
-    unregistered name is transformers' ``ValueError``) instead of running SDPA silently;
-    :func:`load_dilated_pretrained` registers it and loads.
+    ``module.layer_idx``), so a saved model keeps it. :func:`use_dilated_attention` gives the
+    model and its modules their own copies of the config objects, so that another model built
+    from the same config stays as it was. The saved config also names this implementation
+    (``attn_implementation``, :data:`SAVED_NAME`), so that ``from_pretrained`` of a saved model
+    asks for it instead of running SDPA silently: transformers' ``ValueError`` for an
+    unregistered name quotes it, and the name says to load with
+    :func:`load_dilated_pretrained`, which registers the implementation and loads.
 """
 
 from __future__ import annotations
 
+import copy
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,14 +58,19 @@ from ..decode_step import decode_at
 from ..distributed import ContextParallel
 from ..distributed.context import check_group
 from ..functional import dilated_attention
+from . import _transformers_masks as M
 from . import _transformers_paths as P
+from ._transformers_masks import CHECK_POSITIONS_ATTR, padding_mask
 
 #: The attention implementation name under which :func:`register` adds the functions.
 NAME = "dilated"
+#: The implementation a saved config names (Note [Hugging Face attention]): never registered,
+#: so that transformers' error for it, which quotes it, says how to load the model.
+SAVED_NAME = (
+    f"{NAME} (load with dilated_attention.integrations.transformers.load_dilated_pretrained)"
+)
 #: Config attributes holding the schedule (Note [Hugging Face attention]).
 SEGMENTS_ATTR, RATES_ATTR = "dilated_segment_lengths", "dilated_dilation_rates"
-#: Config attribute: whether position ids and masks are checked for packed sequences.
-CHECK_POSITIONS_ATTR = "dilated_check_positions"
 #: Config attribute: whether layers dilated attention cannot compute run transformers' attention.
 KEEP_ATTR = "dilated_keep_unsupported_layers"
 #: Config attribute naming the implementation in a saved config (Note [Hugging Face attention]).
@@ -66,6 +78,9 @@ IMPLEMENTATION_ATTR = "attn_implementation"
 #: Attention module attribute: the group its calls run over (Note [Context parallel
 #: transformers]); a module attribute, not config: a process group is not saved with a model.
 CONTEXT_ATTR = "dilated_context_parallel"
+#: Attention module attribute: what messages offer to keep the model on instead (sdpa, or the
+#: model's own attention where it has no sdpa).
+OWN_ATTR = "dilated_own_attention"
 
 
 def register(name: str = NAME) -> str:
@@ -88,19 +103,6 @@ def register(name: str = NAME) -> str:
     return name
 
 
-def padding_mask(
-    batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-    mask_function: Any = None, attention_mask: torch.Tensor | None = None, **kwargs: Any,
-) -> torch.Tensor | None:  # fmt: skip
-    """transformers' mask-function contract: the (B, kv_length) bool padding mask (``True`` for
-    a real token; a static cache's mask may be shorter), or ``None`` without one. Unlike
-    transformers' flash-attention mask it never reads the mask's values, which would break a
-    ``torch.compile`` graph; :func:`attention_forward` checks them where it runs eagerly."""
-    if attention_mask is None:
-        return None
-    return attention_mask[:, -kv_length:].bool()
-
-
 def use_dilated_attention(
     model: nn.Module,
     segment_lengths: Sequence[int] | Sequence[Sequence[int]],
@@ -121,12 +123,14 @@ def use_dilated_attention(
         check_positions: refuse packed sequences (position ids that restart within a row,
             masks whose real tokens have gaps), which dilated attention would segment wrongly.
             The checks read the ids and masks, so under ``torch.compile`` they break the graph
-            in every layer; pass False, only for models that never see packed rows, for one
-            graph (``fullgraph=True``), padded batches included. Eager calls check masks
-            anyway.
+            in every layer (``fullgraph=True`` raises an error naming this flag); pass False,
+            only for models that never see packed rows, for one graph, padded batches
+            included. Eager calls check masks anyway.
         keep_unsupported_layers: calls that dilated attention cannot compute exactly (a
-            sliding window shorter than the call, soft-capped scores) run transformers' SDPA
-            attention (the model's eager attention for soft-capping) instead of raising.
+            sliding window shorter than the call, a chunked layer's call beyond its first
+            chunk, soft-capped scores, attention sinks) run transformers' SDPA attention (the
+            model's eager attention for soft-capping and sinks) instead of raising; a warning
+            lists the layers this concerns.
         context_parallel: run the self-attention layers over a sequence sharded across ranks
             (a :class:`~dilated_attention.distributed.ContextParallel` or a process group;
             Note [Context parallel transformers]): each rank passes its shard of the tokens
@@ -153,17 +157,21 @@ def use_dilated_attention(
             raise TypeError(f"{flag} must be a bool, got {value!r}")
     check_group(context_parallel, "context_parallel")
     _check_model(model, config, isinstance(segs[0], list), len(segs))
+    if keep_unsupported_layers:
+        _warn_kept_layers(model)
     settings = {
         SEGMENTS_ATTR: segs, RATES_ATTR: rates, CHECK_POSITIONS_ATTR: check_positions,
-        KEEP_ATTR: keep_unsupported_layers, IMPLEMENTATION_ATTR: NAME,
+        KEEP_ATTR: keep_unsupported_layers, IMPLEMENTATION_ATTR: SAVED_NAME,
     }  # fmt: skip
-    for held in _configs(model):
+    for held in _own_configs(model):
         for attr, value in settings.items():
             setattr(held, attr, value)
     model.set_attn_implementation(register())
+    own = _own_attention(model)
     for module in model.modules():  # the attention layers (and their blocks) know their index
         if hasattr(module, "layer_idx"):
             setattr(module, CONTEXT_ATTR, context_parallel)
+            setattr(module, OWN_ATTR, own)
     return model
 
 
@@ -223,22 +231,67 @@ def _configs(model: nn.Module) -> list[Any]:
     return list(found.values())
 
 
+def _own_configs(model: nn.Module) -> list[Any]:
+    """Give ``model`` and its modules their own copies of its config objects (one deep copy,
+    so that a config and its sub-configs stay linked), so that changing them leaves any other
+    model built from the same config as it was; returns the copies."""
+    originals = _configs(model)
+    copies = copy.deepcopy(originals)
+    swap = {id(held): mine for held, mine in zip(originals, copies, strict=True)}
+    for module in model.modules():  # the model itself included
+        held = getattr(module, "config", None)
+        if id(held) in swap:
+            module.config = swap[id(held)]
+    return copies
+
+
+def _own_attention(model: nn.Module) -> str:
+    """What messages offer to keep ``model`` on when dilated attention cannot run it."""
+    if getattr(model, "_supports_sdpa", False):
+        return "sdpa"
+    return "its own attention (attn_implementation='eager'; it has no sdpa)"
+
+
+def _warn_kept_layers(model: nn.Module) -> None:
+    """Warn once that ``keep_unsupported_layers`` runs some layers of ``model`` on transformers'
+    attention, naming them; plainly so when that is every layer, for every call."""
+    kept, layers = P.kept_layers(model)
+    if not kept:
+        return
+    listed = "; ".join(f"{name} ({calls})" for name, calls, _ in kept)
+    if sum(every for *_, every in kept) == layers:
+        warnings.warn(
+            f"keep_unsupported_layers=True: every attention layer of {type(model).__name__} "
+            f"({layers} of {layers}) runs on transformers' attention for every call, so none "
+            f"runs dilated attention: {listed}",
+            UserWarning, stacklevel=3,
+        )  # fmt: skip
+        return
+    warnings.warn(
+        f"keep_unsupported_layers=True: {len(kept)} of {layers} attention layers of "
+        f"{type(model).__name__} run on transformers' attention for the calls named, the rest "
+        f"on dilated attention: {listed}",
+        UserWarning, stacklevel=3,
+    )  # fmt: skip
+
+
 def _check_model(model: nn.Module, config: Any, per_layer: bool, lists: int) -> None:
     """Refuse what :func:`use_dilated_attention` cannot run, before any change."""
     name = type(model).__name__
+    own = _own_attention(model)
     if any(isinstance(getattr(m, "relative_attention_bias", None), nn.Module)
            for m in model.modules()):  # fmt: skip
         raise ValueError(
             f"{name}'s attention adds a learned relative position bias to its scores "
             f"(T5-style position_bias), which dilated attention does not compute; no layer of "
-            f"it can run dilated exactly: keep this model on sdpa"
+            f"it can run dilated exactly: keep this model on {own}"
         )
     unmarked = P.unmarked_cross_attention(model)
     if unmarked is not None:
         raise ValueError(
             f"{name}'s layer {unmarked} looks like cross-attention but does not say so "
             f"(is_cross_attention, or is_decoder without is_causal): it would run as dilated "
-            f"self-attention; keep this model on sdpa"
+            f"self-attention; keep this model on {own}"
         )
     if per_layer and getattr(config, "is_encoder_decoder", False):
         raise ValueError(
@@ -313,6 +366,8 @@ def _filled_keys(
         return min(mask.shape[1], keys)
     if positions is None or positions.numel() == 0:
         return keys
+    if check and positions.shape[-1] > 1:
+        M.host_read("position_ids (a check for packed sequences)")
     if check and positions.shape[-1] > 1 and bool((positions.diff(dim=-1) != 1).any()):
         raise ValueError(
             "dilated attention cannot run packed sequences (position_ids restart within a row): "
@@ -320,6 +375,11 @@ def _filled_keys(
         )
     if positions.shape[-1] == keys:  # every slot is one of these positions: no cache beyond them
         return keys
+    M.host_read(
+        "position_ids (the filled length of a cache that came without a mask)",
+        "let transformers build the mask with the registered mask function "
+        "(use_dilated_attention registers it)",
+    )
     return min(int(positions[..., -1].max()) + 1, keys)
 
 
@@ -335,7 +395,7 @@ def _refuse_call(module: nn.Module, attention_mask: torch.Tensor | None, kwargs:
     if kwargs.get("position_bias") is not None:
         raise ValueError(
             f"{name} adds a position bias (position_bias) to its scores, which dilated "
-            f"attention does not compute; keep this model on sdpa"
+            f"attention does not compute; keep this model on {_kept_on(module)}"
         )
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(
@@ -389,8 +449,11 @@ def attention_forward(
             and ``layer_idx`` are read when present).
         query: (B, H, Nq, D); key, value: (B, Hkv, Nk, D), Nq <= Nk (the queries are the last
             positions; for cross-attention, the encoder's keys).
-        attention_mask: (B, Nk') bool, ``True`` for real tokens (Nk' <= Nk: a static cache's
-            filled slots), or None.
+        attention_mask: what :func:`padding_mask` passes on (Note [What the mask function
+            passes on]): (B, n) bool, ``True`` for real tokens, covering the positions up to
+            the last query (the keys are the last of them that the call holds; a static
+            cache's slots after them are unfilled), (B, N) int64 sequence indices of packed
+            rows, or None.
         dropout, scaling: attention-probability dropout and softmax scale.
         is_causal: overrides ``module.is_causal`` (default True).
 
@@ -398,54 +461,107 @@ def attention_forward(
         ``(out, None)`` with out (B, Nq, H, D).
 
     Raises:
-        ValueError: ``output_attentions=True``, a position bias, a 4-D mask, a sliding window
-            shorter than the call or soft-capped scores (unless the model keeps such layers),
-            a padding mask with gaps, or (from :func:`~dilated_attention.dilated_attention`)
-            non-causal queries shorter than the keys.
+        ValueError: ``output_attentions=True``, a position bias, a 4-D mask, a call dilated
+            attention cannot compute exactly (a sliding window shorter than the call, a chunk
+            it spans, soft-capped scores, sinks) unless the model keeps such layers, a padding
+            mask with gaps, or (from :func:`~dilated_attention.dilated_attention`) non-causal
+            queries shorter than the keys.
     """
     _refuse_call(module, attention_mask, kwargs)
-    config = getattr(module, "config", None)
-    check = getattr(config, CHECK_POSITIONS_ATTR, True)
-    run = {"scale": scaling, "dropout_p": dropout}
+    run: dict[str, Any] = {"scale": scaling, "dropout_p": dropout}
     if P.is_cross_attention(module):
         filled = _filled_keys(attention_mask, None, key.shape[2])
         q, k, v = (x.transpose(1, 2) for x in (query, key[:, :, :filled], value[:, :, :filled]))
         return P.cross_attention(q, k, v, attention_mask, run), None
-    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
-    reason = P.unsupported_reason(module, key.shape[2], kwargs)
-    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, N, H, D) views
+    run["is_causal"] = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    return _self_attention(module, (query, key, value), attention_mask, run, kwargs), None
+
+
+def _call_keys(
+    mask: torch.Tensor | None, slots: int
+) -> tuple[torch.Tensor | None, int, int]:
+    """The call's keys from what the mask function passed on (Note [What the mask function
+    passes on]): the padding mask of its filled keys (B, filled) (or the packed rows' sequence
+    indices, or None), how many of its ``slots`` key slots are filled, and the absolute position
+    of the first."""
+    if mask is None or M.is_sequence_ids(mask):
+        return mask, slots, 0
+    filled = min(mask.shape[1], slots)
+    offset = mask.shape[1] - filled
+    return mask[:, offset:], filled, offset
+
+
+def _self_attention(
+    module: nn.Module,
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    passed: torch.Tensor | None,
+    run: dict[str, Any],
+    kwargs: dict[str, Any],
+) -> torch.Tensor:
+    """A self-attention call of :func:`attention_forward`: ``qkv`` query (B, H, Nq, D), key and
+    value (B, Hkv, Nk, D); ``passed``: the mask function's mask; ``run``: the call's options
+    -> (B, Nq, H, D)."""
+    query, key, value = qkv
+    check = getattr(getattr(module, "config", None), CHECK_POSITIONS_ATTR, True)
+    mask, filled, offset = _call_keys(passed, key.shape[2])
+    reason = P.unsupported_reason(module, filled, kwargs, offset)
     group = getattr(module, CONTEXT_ATTR, None)
     if group is not None:
-        run["is_causal"] = causal
-        return P.context_parallel_rows(
-            (q, k, v), attention_mask, kwargs, group, _layer_schedule(module), run, reason
-        ), None  # fmt: skip
-    documents = P.packed_documents(kwargs, q, key.shape[2], attention_mask, check)
-    if documents is not None:
-        packed = {**run, "is_causal": causal}
-        return _packed_rows(module, (q, k, v), attention_mask, documents, reason, packed), None
-    if reason is None and P.decodes_in_place(q, kwargs, causal, dropout):
-        positions = kwargs["position_ids"][:, -1].expand(q.shape[0])
-        schedule = Schedule(*_layer_schedule(module))
-        pads = None if attention_mask is None else (attention_mask.cumsum(1) == 0).sum(1)
-        return decode_at(q, k, v, positions, schedule, row_offsets=pads, scale=scaling), None
-    filled = _filled_keys(attention_mask, kwargs.get("position_ids"), key.shape[2], check)
+        q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, N, H, D) views
+        padding = None if M.is_sequence_ids(mask) else mask  # a shard's positions jump
+        schedule = _layer_schedule(module)
+        return P.context_parallel_rows((q, k, v), padding, kwargs, group, schedule, run, reason)
     key, value = key[:, :, :filled], value[:, :, :filled]  # a static cache's unfilled slots
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    documents = P.packed_documents(kwargs, q, filled, mask, check)
+    if documents is not None:
+        padding = None if M.is_sequence_ids(mask) else mask
+        return _packed_rows(module, (q, k, v), padding, documents, reason, run)
+    positions = None
+    if reason is None and offset == 0:
+        positions = P.in_place_positions(q, kwargs, mask, run["is_causal"], run["dropout_p"])
+    if positions is not None:
+        pads = None if mask is None else (mask.cumsum(1) == 0).sum(1)
+        schedule = Schedule(*_layer_schedule(module))
+        return decode_at(q, k, v, positions, schedule, row_offsets=pads, scale=run["scale"])
+    filled = _filled_keys(mask, kwargs.get("position_ids"), filled, check)
+    key, value = key[:, :, :filled], value[:, :, :filled]
     if reason is not None:
-        if not getattr(config, KEEP_ATTR, False):
-            raise ValueError(
-                f"{reason}: dilated attention cannot compute this call exactly; pass "
-                f"keep_unsupported_layers=True to use_dilated_attention to run such calls on "
-                f"transformers' attention, or keep the model on sdpa"
-            )
-        return P.kept_attention(
-            module, query, key, value, attention_mask, causal=causal, dropout=dropout,
-            scaling=scaling, kwargs=kwargs,
-        ), None  # fmt: skip
+        first = None if passed is None else (passed.cumsum(1) == 0).sum(1) - offset
+        return _kept(module, (query, key, value), mask, first, reason, run, kwargs)
     schedule = _layer_schedule(module)
-    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, N, H, D) views
-    run["is_causal"] = causal
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
     compiling = torch.compiler.is_compiling()
-    if attention_mask is None or (not compiling and bool(attention_mask.all())):
-        return dilated_attention(q, k, v, *schedule, **run), None
-    return P.padded_rows(q, k, v, attention_mask, schedule, run, check or not compiling), None
+    if mask is None or (not compiling and bool(mask.all())):
+        return dilated_attention(q, k, v, *schedule, **run)
+    return P.padded_rows(q, k, v, mask, schedule, run, check or not compiling)
+
+
+def _kept_on(module: nn.Module) -> str:
+    """What messages offer to keep ``module``'s model on (set by :func:`use_dilated_attention`)."""
+    return getattr(module, OWN_ATTR, None) or "its own attention"
+
+
+def _kept(
+    module: nn.Module, qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    mask: torch.Tensor | None, first: torch.Tensor | None, reason: str, run: dict[str, Any],
+    kwargs: dict[str, Any],
+) -> torch.Tensor:  # fmt: skip
+    """A call dilated attention cannot compute, for ``reason``: on transformers' attention if the
+    model keeps such layers (Note [Layers kept on transformers' attention]), else an error.
+    ``qkv`` in transformers' layout, ``mask`` (B, Nk) or None, ``first`` (B,) each row's first
+    real key (chunks count from it) or None -> (B, Nq, H, D).
+
+    Raises:
+        ValueError: the model does not keep such layers.
+    """
+    if not getattr(getattr(module, "config", None), KEEP_ATTR, False):
+        raise ValueError(
+            f"{reason}: dilated attention cannot compute this call exactly; pass "
+            f"keep_unsupported_layers=True to use_dilated_attention to run such calls on "
+            f"transformers' attention, or keep the model on {_kept_on(module)}"
+        )
+    return P.kept_attention(
+        module, *qkv, mask, causal=run["is_causal"], dropout=run["dropout_p"],
+        scaling=run["scale"], kwargs=kwargs, first=first,
+    )  # fmt: skip

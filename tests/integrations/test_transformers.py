@@ -185,6 +185,17 @@ def test_compiles_to_one_graph_without_the_position_check() -> None:
     with torch.no_grad():
         assert torch._dynamo.explain(checked)(ids).graph_break_count > 0
         assert torch._dynamo.explain(checked)(ids, **padded).graph_break_count > 0
+        # fullgraph=True: an error that names the read and the fix, not torch's guard error
+        for run in ({}, padded):
+            torch._dynamo.reset()
+            with pytest.raises(Exception, match=r"dilated attention reads .* on the host.*"
+                                                r"check_positions=False"):  # fmt: skip
+                torch.compile(checked, fullgraph=True)(ids, **run)
+        offsets = torch.tensor([0, 10, 40, 80, 120])
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=r"reads cu_seq_lens_q / cu_seq_lens_k on the host"
+                                            r".*run packed batches eagerly"):  # fmt: skip
+            torch.compile(model, fullgraph=True)(ids, cu_seq_lens_q=offsets, cu_seq_lens_k=offsets)
 
 
 def test_output_attentions_is_refused() -> None:
@@ -200,8 +211,9 @@ def test_a_saved_model_reloads_dilated_by_one_line_and_never_silently_on_sdpa(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``load_dilated_pretrained`` gives the logits of the model before saving; a plain
-    ``from_pretrained`` without the registration raises transformers' ValueError naming the
-    implementation (it ran SDPA silently before); an explicit ``attn_implementation`` is
+    ``from_pretrained`` raises transformers' ValueError, whose quote of the saved
+    implementation names ``load_dilated_pretrained`` (as in a fresh process: the saved name is
+    never registered; it ran SDPA silently before); an explicit ``attn_implementation`` is
     obeyed."""
     model = dilated_hf.use_dilated_attention(
         _llama(), [[8, 16], [64]], [[1, 2], [1]], keep_unsupported_layers=True
@@ -215,10 +227,13 @@ def test_a_saved_model_reloads_dilated_by_one_line_and_never_silently_on_sdpa(
     assert getattr(loaded.config, dilated_hf.KEEP_ATTR) is True
     sdpa = cls.from_pretrained(tmp_path, dtype=torch.float64, attn_implementation="sdpa")
     assert not torch.allclose(sdpa(ids).logits, before)
+    load_with = r"load with dilated_attention.integrations.transformers.load_dilated_pretrained"
+    with pytest.raises(ValueError, match=load_with):  # transformers' message quotes the name
+        cls.from_pretrained(tmp_path)
     for interface in (transformers.AttentionInterface,
                       transformers.masking_utils.AttentionMaskInterface):  # fmt: skip
         monkeypatch.delitem(interface._global_mapping, dilated_hf.NAME)
-    with pytest.raises(ValueError, match=r"dilated"):  # transformers' message names it
+    with pytest.raises(ValueError, match=load_with):
         cls.from_pretrained(tmp_path)
     with pytest.raises(TypeError, match=r"load_dilated_pretrained sets attn_implementation"):
         dilated_hf.load_dilated_pretrained(cls, tmp_path, attn_implementation="sdpa")
@@ -230,6 +245,31 @@ def test_a_saved_model_reloads_dilated_by_one_line_and_never_silently_on_sdpa(
     monkeypatch.setattr(cls, "from_pretrained", no_weights)
     with pytest.raises(ValueError, match=r"holds no dilated_segment_lengths"):
         dilated_hf.load_dilated_pretrained(cls, tmp_path / "plain")
+
+
+def test_a_model_built_from_the_same_config_stays_as_it_was() -> None:
+    """``use_dilated_attention`` gives the model its own config copy: another model built from
+    the same config object, before or after, keeps its attention (SDPA), and the config holds
+    no schedule."""
+    config = _llama().config
+
+    def build() -> Any:
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(config).double().eval()
+
+    before = build()
+    dilated = dilated_hf.use_dilated_attention(build(), *SCHEDULE)
+    after = build()
+    ids = torch.randint(0, VOCAB, (1, 30))
+    for other in (before, after):
+        assert other.config is config
+        assert other.config._attn_implementation == "sdpa"
+        assert not hasattr(config, dilated_hf.SEGMENTS_ATTR)
+        assert not torch.allclose(other(ids).logits, dilated(ids).logits)
+    assert dilated.config is not config and dilated.model.config is dilated.config
+    reference = _llama()
+    torch.testing.assert_close(before(ids).logits, reference(ids).logits, rtol=0, atol=0)
+    torch.testing.assert_close(after(ids).logits, reference(ids).logits, rtol=0, atol=0)
 
 
 def test_per_layer_schedules_are_read_at_each_layer() -> None:

@@ -254,6 +254,17 @@ def test_a_sliding_window_longer_than_the_call_runs_dilated() -> None:
     torch.testing.assert_close(dilated(ids).logits, reference(ids).logits, rtol=1e-9, atol=1e-9)
 
 
+def test_a_sliding_window_as_long_as_the_call_runs_dilated_one_token_longer_is_refused() -> None:
+    """HF's ``sliding_window=W`` lets each query see the W keys ending at itself: a call of W
+    keys is plain causal attention and runs dilated, equal to SDPA; W + 1 keys is refused."""
+    sdpa = _mistral()
+    ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(9))
+    dilated = _twin(sdpa, _mistral)
+    torch.testing.assert_close(dilated(ids[:, :16]).logits, sdpa(ids[:, :16]).logits, **TIGHT)
+    with pytest.raises(ValueError, match=r"sliding window of 16 tokens, and this call has 17 keys"):
+        dilated(ids)
+
+
 def _left_padded(batch: int, length: int, short: int) -> dict[str, torch.Tensor]:
     ids = torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(10))
     mask = torch.ones(batch, length, dtype=torch.long)
@@ -267,9 +278,14 @@ def test_a_shorter_sliding_window_is_refused_or_kept_on_sdpa() -> None:
     sdpa = _mistral()
     run = _left_padded(2, 40, 31)
     with pytest.raises(ValueError, match=r"sliding window of 16 tokens, and this call has 40 "
-                                         r"keys.*keep_unsupported_layers=True"):  # fmt: skip
+                                         r"keys.*keep_unsupported_layers=True.*or keep the "
+                                         r"model on sdpa"):  # fmt: skip
         _twin(sdpa, _mistral)(**run)
-    kept = _twin(sdpa, _mistral, keep_unsupported_layers=True)
+    with pytest.warns(UserWarning, match=r"2 of 2 attention layers of MistralForCausalLM run on "
+                                         r"transformers' attention for the calls named.*"
+                                         r"model.layers.1.self_attn \(calls of more than 16 "
+                                         r"keys: a sliding window\)"):  # fmt: skip
+        kept = _twin(sdpa, _mistral, keep_unsupported_layers=True)
     real = run["attention_mask"].bool()
     torch.testing.assert_close(kept(**run).logits[real], sdpa(**run).logits[real], **TIGHT)
     prompt = _left_padded(2, 10, 7)  # 10 + 12 tokens cross the window while decoding
@@ -282,9 +298,17 @@ def test_soft_capped_layers_are_kept_on_the_models_eager_attention() -> None:
     eager attention, in a forward and in cached generation."""
     eager = _gemma2()
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(11))
-    with pytest.raises(ValueError, match=r"soft-caps its attention scores \(softcap=50.0\)"):
+    with pytest.raises(ValueError, match=r"Gemma2Attention \(layer 0\) soft-caps its attention "
+                                         r"scores \(softcap=50.0\).*keep the model on its own "
+                                         r"attention \(attn_implementation='eager'; it has no "
+                                         r"sdpa\)"):  # fmt: skip
         _twin(eager, _gemma2)(ids)
-    kept = _twin(eager, _gemma2, keep_unsupported_layers=True)
+    with pytest.warns(UserWarning, match=r"every attention layer of Gemma2ForCausalLM \(2 of 2\) "
+                                         r"runs on transformers' attention for every call, so "
+                                         r"none runs dilated attention: model.layers.0.self_attn "
+                                         r"\(every call: soft-capped scores, softcap=50.0\); "
+                                         r"model.layers.1.self_attn"):  # fmt: skip
+        kept = _twin(eager, _gemma2, keep_unsupported_layers=True)
     torch.testing.assert_close(kept(ids).logits, eager(ids).logits, **TIGHT)
     greedy = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
     assert torch.equal(kept.generate(ids, **greedy), eager.generate(ids, **greedy))
@@ -302,7 +326,10 @@ def test_only_the_calls_a_window_does_not_cover_are_kept(monkeypatch: pytest.Mon
         return kept_attention(module, *args, **kwargs)
 
     monkeypatch.setattr(paths, "kept_attention", spy)
-    model = _twin(sdpa, _qwen2, keep_unsupported_layers=True)
+    with pytest.warns(UserWarning, match=r"1 of 2 attention layers of Qwen2ForCausalLM.*: "
+                                         r"model.layers.1.self_attn \(calls of more than 16 "
+                                         r"keys: a sliding window\)$"):  # fmt: skip
+        model = _twin(sdpa, _qwen2, keep_unsupported_layers=True)
     for length, want in ((40, [1]), (12, [])):
         kept_layers.clear()
         ids = torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(12))
