@@ -27,6 +27,7 @@ from .core.documents import check_cu_seqlens, flatten, last_document, unflatten
 from .core.hidden import hide_masked_keys
 from .core.schedule import Schedule
 from .core.static_cache import StaticDilatedKVCache
+from .core.window_cache import StaticWindowKVCache
 from .patterns import Pattern, check_pattern
 from .resolve import BLOCK_SPARSE, DENSE, DILATED, Request, dilated_operation, resolve
 
@@ -42,7 +43,10 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 #     public function eagerly instead: a graph break, the rest of the model still compiled,
 #     the call's result and gradients the eager ones. ``fullgraph=True`` raises there, with
 #     this reason. Under torch.func transforms they raise ``ValueError`` (nothing runs eagerly
-#     inside a transform).
+#     inside a transform). One call with a window traces: the one-token step of a
+#     ``StaticWindowKVCache`` without soft-cap or sinks, which reads its ring through a key mask
+#     and no window (Note [A window cache] in ``core/window_cache.py``): the dense operator
+#     carries it, so a hybrid model's static step compiles into one graph.
 _EAGER_OPTIONS = ("cu_seqlens", "window_size", "softcap", "sinks")
 _EAGER_REASON = (
     "dilated_attention: packed documents (cu_seqlens), window_size, softcap and sinks run "
@@ -58,13 +62,23 @@ def _eager_under_compile(fn: _F) -> _F:
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling() and any(
-            kwargs.get(name) is not None for name in _EAGER_OPTIONS
-        ):
+        if torch.compiler.is_compiling() and _runs_eagerly(args, kwargs):
             return eager(*args, **kwargs)
         return fn(*args, **kwargs)
 
     return call  # type: ignore[return-value]
+
+
+def _runs_eagerly(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a traced call asks for one of ``_EAGER_OPTIONS``, other than a window read by a
+    static window cache's one-token step (Note [Eager calls under torch.compile])."""
+    asked = [name for name in _EAGER_OPTIONS if kwargs.get(name) is not None]
+    cache, query = kwargs.get("cache"), args[0] if args else kwargs.get("query")
+    step = (
+        isinstance(cache, StaticWindowKVCache) and cache.key is not None
+        and isinstance(query, torch.Tensor) and query.dim() == 4 and query.shape[1] == 1
+    )  # fmt: skip
+    return bool(asked) and not (asked == ["window_size"] and step)
 
 
 @_eager_under_compile

@@ -8,8 +8,9 @@ Note [Hybrid stacks]
     schedule (``segment_lengths``, ``dilation_rates``) and a local layer a sliding window
     (``local_window``), placed by ``global_every``; ``softcap`` and ``sinks`` apply to
     every layer. Decoding gives each layer its own kind of cache (``new_caches``): a local
-    layer's holds only its window. Local layers run in one process: the options need a
-    local ``kind`` (``"auto"``, ``"dilated"``) until the ring layers apply them.
+    layer's holds only its window. Local layers run in one process: a hybrid stack needs a
+    local ``kind`` (``"auto"`` in one process, ``"dilated"``) until they have a ring form
+    (the ring layers take ``softcap`` and ``sinks``).
 """
 
 from __future__ import annotations
@@ -157,13 +158,11 @@ class LongNetConfig:
         except TypeError as exc:
             raise ValueError(str(exc)) from None
         _bool("sinks", self.sinks)
-        asked = [name for name in ("local_window", "softcap") if getattr(self, name) is not None]
-        asked += ["sinks"] if self.sinks else []
-        if asked and KIND_ALIASES.get(self.kind, self.kind) == "ring":
+        if self.local_window is not None and KIND_ALIASES.get(self.kind, self.kind) == "ring":
             raise ValueError(
-                f"kind={self.kind!r} with {', '.join(asked)}: the ring layers do not apply "
-                f"local windows, soft-capping or sinks yet; pass kind='dilated' (or 'auto' in "
-                f"one process)"
+                f"kind={self.kind!r} with local_window={self.local_window}: the local layers "
+                f"have no ring form yet (they run in one process); pass kind='dilated' (or "
+                f"'auto' in one process), or drop local_window for a ring model"
             )
 
     def is_global(self, layer: int) -> bool:

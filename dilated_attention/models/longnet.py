@@ -310,18 +310,16 @@ class LongNetLM(GenerationMixin, nn.Module):
 
 
 def _refuse_ring_options(config: LongNetConfig) -> None:
-    """Raise ``ValueError`` for local windows, soft-capping or sinks where ``kind="auto"``
-    picks ring attention (a process group of several ranks): the ring layers do not apply
-    them yet (Note [Hybrid stacks] in ``config.py``)."""
-    asked = [name for name in ("local_window", "softcap") if getattr(config, name) is not None]
-    asked += ["sinks"] if config.sinks else []
+    """Raise ``ValueError`` for local layers where ``kind="auto"`` picks ring attention (a
+    process group of several ranks): they have no ring form yet (Note [Hybrid stacks] in
+    ``config.py``)."""
     dist = torch.distributed
-    if not asked or config.kind != "auto" or not (dist.is_available() and dist.is_initialized()):
+    if config.local_window is None or config.kind != "auto":
         return
-    if dist.get_world_size() > 1:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise ValueError(
             f"kind='auto' picks ring attention in this process group of "
-            f"{dist.get_world_size()} ranks, whose layers do not apply {', '.join(asked)} yet; "
-            f"pass kind='dilated' to run every layer in each process, or build the model "
-            f"without them"
+            f"{dist.get_world_size()} ranks, but local_window={config.local_window}'s local "
+            f"layers have no ring form yet; pass kind='dilated' to run every layer in each "
+            f"process, or drop local_window"
         )

@@ -221,7 +221,7 @@ def test_the_hybrid_preset() -> None:
         (dict(softcap=-2.0), "softcap must be a positive finite float"),
         (dict(softcap="4"), "softcap must be a positive float"),
         (dict(sinks=1), "sinks must be True or False"),
-        (dict(kind="ring"), "kind='ring' with local_window, softcap, sinks: the ring layers"),
+        (dict(kind="ring"), "kind='ring' with local_window=5: the local layers have no ring"),
     ],
 )
 def test_bad_configurations_are_clear_errors(overrides: dict, match: str) -> None:
@@ -229,14 +229,16 @@ def test_bad_configurations_are_clear_errors(overrides: dict, match: str) -> Non
         LongNetConfig(**{**HYBRID, **overrides})
 
 
-def test_a_ring_world_refuses_local_options(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``kind="auto"`` in a process group of several ranks would build ring layers, which do
-    not apply windows, soft-caps or sinks: a clear error before any layer is built."""
+def test_a_ring_world_refuses_local_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kind="auto"`` in a process group of several ranks would build ring layers, and the
+    local layers have no ring form: a clear error before any layer is built."""
     dist = torch.distributed
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     with pytest.raises(ValueError, match=r"kind='auto' picks ring attention .* 2 ranks"):
         LongNetLM(LongNetConfig(**HYBRID))
+    ring = LongNetConfig(**{**HYBRID, "local_window": None, "global_every": None, "kind": "ring"})
+    assert ring.softcap == 4.0 and ring.sinks  # the ring layers take soft-caps and sinks
 
 
 def test_context_parallel_global_layers_beside_local_ones_are_refused() -> None:
@@ -244,7 +246,7 @@ def test_context_parallel_global_layers_beside_local_ones_are_refused() -> None:
     the model refuses to run such a mix (its local layers would read a shard as a sequence)."""
     from dilated_attention.distributed import ContextParallel, context_parallel
 
-    model = context_parallel(_model(softcap=None, sinks=False), ContextParallel())
+    model = context_parallel(_model(), ContextParallel())
     with pytest.raises(ValueError, match=r"local window layers \[0, 1\] do not"):
         model(torch.zeros(1, 4, dtype=torch.long))
 

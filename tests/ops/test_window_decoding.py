@@ -208,27 +208,35 @@ def test_the_static_step_compiles_once_into_one_graph() -> None:
     assert caches[0].lengths is not None and caches[0].lengths.tolist() == [40, 40]
 
 
-def test_a_traced_step_with_softcap_or_sinks_is_refused_before_the_cache_changes() -> None:
-    """Under torch.compile the step's operator takes no soft-cap or sinks yet: a clear error,
-    the cache as it was (a CUDA graph captures the eager step with them instead)."""
-    q, k, v, sinks = (x.float() for x in _tensors(6))
-    cache = StaticWindowKVCache((3, 0))
+def test_a_compiled_step_with_softcap_or_sinks_runs_eagerly() -> None:
+    """Under torch.compile the operators take no soft-cap or sinks yet: the step runs eagerly
+    between graphs (the eager rows), and ``fullgraph=True`` names the reason before the cache
+    changes (a CUDA graph captures the eager step with them instead)."""
+    q, k, v, sinks = (x.float() for x in _tensors(8))
+    caches = [StaticWindowKVCache((3, 0)) for _ in range(3)]
+
+    def step(cache, q, k, v):  # type: ignore[no-untyped-def]
+        return attention(q, k, v, is_causal=True, window_size=(3, 0), cache=cache, sinks=sinks,
+                         softcap=2.0)  # fmt: skip
+
     with torch.no_grad():
-        attention(q[:, :5], k[:, :5], v[:, :5], is_causal=True, window_size=(3, 0), cache=cache)
-        before = cache.key.clone()  # type: ignore[union-attr]
+        for cache in caches:
+            step(cache, q[:, :5], k[:, :5], v[:, :5])
+        before = caches[0].key.clone()  # type: ignore[union-attr]
+        with pytest.raises(Exception, match=r"run eagerly under torch\.compile"):
+            torch.compile(step, fullgraph=True, backend="eager")(caches[0], q[:, 5:6], k[:, 5:6],
+                                                                 v[:, 5:6])  # fmt: skip
+        assert caches[0].length == 5 and torch.equal(caches[0].key, before)
+        compiled = torch.compile(step, backend="eager")
+        for t in range(5, 8):
+            token = (q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1])
+            torch.testing.assert_close(compiled(caches[1], *token), step(caches[2], *token))
 
-        def step(q, k, v):  # type: ignore[no-untyped-def]
-            return attention(q, k, v, is_causal=True, window_size=(3, 0), cache=cache,
-                             sinks=sinks)  # fmt: skip
 
-        with pytest.raises(Exception, match=r"sinks not supported under torch\.compile"):
-            torch.compile(step, fullgraph=True, backend="eager")(q[:, 5:], k[:, 5:], v[:, 5:])
-    assert cache.length == 5 and torch.equal(cache.key, before)
-
-
-def test_a_static_dilated_step_under_torch_compile_refuses_softcap_and_sinks() -> None:
-    """The dilated static step's operator refuses soft-capping and sinks with a clear error
-    before the cache changes; eagerly the same step applies them (the CUDA graph's path)."""
+def test_the_traced_dilated_step_refuses_softcap_and_sinks() -> None:
+    """Where the static dilated step itself is traced (a torch.func transform: nothing runs
+    eagerly inside one), soft-capping and sinks are a clear error before the cache changes;
+    eagerly the same step applies them (the CUDA graph's path)."""
     q, k, v, sinks = (x.float() for x in _tensors(9))
     cache = StaticDilatedKVCache([4, 8], [1, 2])
     options = {"is_causal": True, "cache": cache, "softcap": 2.0, "sinks": sinks}
@@ -238,8 +246,8 @@ def test_a_static_dilated_step_under_torch_compile_refuses_softcap_and_sinks() -
         def step(q, k, v):  # type: ignore[no-untyped-def]
             return dilated_attention(q, k, v, [4, 8], [1, 2], **options)
 
-        with pytest.raises(Exception, match="softcap and sinks are not supported in a compiled"):
-            torch.compile(step, fullgraph=True, backend="eager")(q[:, 8:], k[:, 8:], v[:, 8:])
+        with pytest.raises(ValueError, match="softcap and sinks are not supported in a compiled"):
+            torch.func.vmap(step, in_dims=(None, None, 0))(q[:, 8:], k[:, 8:], v[:, 8:][None])
         assert cache.length == 8
         got = step(q[:, 8:], k[:, 8:], v[:, 8:])
     want = dilated_attention(q, k, v, [4, 8], [1, 2], is_causal=True, softcap=2.0, sinks=sinks)
@@ -302,10 +310,8 @@ def test_a_static_cache_refuses_dropout_gradients_and_a_traced_prompt() -> None:
     with pytest.raises(ValueError, match="decodes without gradients"):
         attention(q.requires_grad_(), k, v, **options)
     q = q.detach()
-    with pytest.raises(Exception, match="runs eagerly"):
-        torch.compile(lambda *x: attention(*x, **options), backend="eager", fullgraph=True)(
-            q, k, v
-        )
+    with pytest.raises(ValueError, match="runs eagerly"):  # a prompt under a torch.func transform
+        torch.func.vmap(lambda x: attention(x, k, v, **options))(q[None])
     assert cache.key is None
     with pytest.raises(ValueError, match=r"was made for max_length=3 tokens"), torch.no_grad():
         attention(q, k, v, **{**options, "cache": StaticWindowKVCache((2, 0), max_length=3)})
