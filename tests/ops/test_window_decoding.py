@@ -278,7 +278,7 @@ def test_bad_calls_raise_before_the_cache_changes(kind: type, call: dict, error,
     keys = k[:, 4:] if call.pop("longer_key", False) else k[:, 4:5]
     options.update(call)
     with pytest.raises(error, match=match), torch.no_grad():
-        attention(q[:, 4:5], keys, v[:, 4:4 + keys.shape[1]], **options)
+        attention(q[:, 4:5], keys, v[:, 4 : 4 + keys.shape[1]], **options)
     assert cache.length == 4
 
 
@@ -317,3 +317,47 @@ def test_a_static_cache_refuses_dropout_gradients_and_a_traced_prompt() -> None:
         attention(q, k, v, **{**options, "cache": StaticWindowKVCache((2, 0), max_length=3)})
     with pytest.raises(ValueError, match=r"was made for max_length=3 tokens"), torch.no_grad():
         attention(q, k, v, **{**options, "cache": WindowKVCache((2, 0), max_length=3)})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scores", ["plain", "capped_sinks"])
+@pytest.mark.parametrize("kind", ["window", "dilated"])
+def test_a_captured_step_replays_at_every_position(kind: str, scores: str) -> None:
+    """The static step (a window cache's ring, or a dilated cache's, with soft-capping and
+    sinks) captured once in a CUDA graph and replayed at later positions: each replay equals
+    the eager step there (positions on the device, nothing read on the host)."""
+    q, k, v, sinks = (x.to("cuda", torch.bfloat16) for x in _tensors(70, heads=8, seed=12))
+    options: dict = {"is_causal": True}
+    options |= {"softcap": 3.0, "sinks": sinks.float()} if scores == "capped_sinks" else {}
+    if kind == "window":
+        caches: list = [StaticWindowKVCache((15, 0)) for _ in range(2)]
+
+        def call(cache, *x):  # type: ignore[no-untyped-def]
+            return attention(*x, window_size=(15, 0), cache=cache, **options)
+    else:
+        caches = [StaticDilatedKVCache((16, 32), (1, 2)) for _ in range(2)]
+
+        def call(cache, *x):  # type: ignore[no-untyped-def]
+            return dilated_attention(*x, [16, 32], [1, 2], cache=cache, **options)
+
+    with torch.no_grad():
+        for cache in caches:
+            call(cache, q[:, :20], k[:, :20], v[:, :20])
+        static = [torch.zeros_like(x[:, :1]) for x in (q, k, v)]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            before = caches[0].lengths.clone()
+            call(caches[0], *static)
+            caches[0].lengths.copy_(before)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call(caches[0], *static)
+        for t in range(20, 70):
+            for buffer, x in zip(static, (q, k, v), strict=True):
+                buffer.copy_(x[:, t : t + 1])
+            graph.replay()
+            want = call(caches[1], q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1])
+            torch.testing.assert_close(out, want)
+    assert caches[0].lengths.tolist() == [70, 70]
