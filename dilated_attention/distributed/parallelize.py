@@ -26,6 +26,7 @@ from ..modules import (
     BlockSparseAttention,
     BlockSparseMultiheadAttention,
     DilatedAttention,
+    LocalAttention,
     MultiheadDilatedAttention,
 )
 from .block_sparse_ring import BlockSparseRingAttention, BlockSparseRingMultiheadAttention
@@ -61,14 +62,22 @@ def context_parallel(
         layout: the sequence layout the shards are made with (``"zigzag"``: causal models).
 
     Raises:
-        ValueError: a layer with dropout (the ring functions have none), or a bad ``layout``;
-            nothing is changed then.
+        ValueError: a layer with dropout (the ring functions have none), a local
+            (sliding-window) layer, which has no ring layer yet, or a bad ``layout``; nothing
+            is changed then.
         TypeError: ``group`` is not a group.
     """
     check_group(group)
     layout = check_layout(layout)
     changes = []
     for name, module in model.named_modules():
+        if isinstance(module, LocalAttention):
+            raise ValueError(
+                f"{name or 'model'} is a local (sliding-window) layer, which has no ring layer "
+                f"yet: run the model in one process, or use the ring functions' window "
+                f"(RingAttention(window_size=...), ring_attention(..., window_size=...)); "
+                f"nothing was changed"
+            )
         ring_class = _RING_CLASSES.get(type(module))
         if ring_class is None and not isinstance(module, RingModule):
             continue

@@ -108,3 +108,14 @@ def test_context_parallel_keeps_them() -> None:
     (want_grad,) = torch.autograd.grad(want.square().sum(), local.attention.sinks)
     (grad,) = torch.autograd.grad(got.square().sum(), model[0].attention.sinks)
     torch.testing.assert_close(grad, want_grad, rtol=0, atol=1e-12)
+
+
+def test_context_parallel_refuses_local_layers() -> None:
+    """A local (sliding-window) layer has no ring layer yet: context_parallel raises rather
+    than leave it attending within each rank's shard alone."""
+    from dilated_attention import create_multihead_dilated_attention
+
+    layer = create_multihead_dilated_attention("local", embed_dim=32, num_heads=4, window=8)
+    model = torch.nn.Sequential(layer)
+    with pytest.raises(ValueError, match="local \\(sliding-window\\) layer, which has no ring"):
+        context_parallel(model, None)
