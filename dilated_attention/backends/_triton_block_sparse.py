@@ -19,10 +19,10 @@ Note [Block-sparse Triton kernels]
     Rows past the end of the query or key tensor load as zeros: the forward gives them ``-inf``
     scores; in the backward a zero key row adds nothing to dQ (``ds * k``) and its own dK/dV rows
     are never stored, and a zero query row has ``dout = 0`` and adds nothing to dK/dV (Note [Rows
-    past the end] in ``_triton_kernels.py``). Under the causal mask only the diagonal block's
+    past the end] in ``_triton_device.py``). Under the causal mask only the diagonal block's
     tiles need the ``q >= kv`` test, but it is applied to every tile of a causal call: cheaper
     than a branch in the pipelined loop. Exponents and NaN rows follow Note [Exponents at large
-    logits] and Note [NaN through the kernels] in ``_triton_kernels.py``.
+    logits] and Note [NaN through the kernels] in ``_triton_device.py``.
 
 Shapes: q, dout, out, dq (B, Nq, H, D); k, v, dk, dv (B, Nk, Hkv, D); lse, delta (B, H, Nq)
 float32, natural log.

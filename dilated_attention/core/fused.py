@@ -184,7 +184,7 @@ def _packed_spans(
     """Note [Packed documents in the fused engine]
         Packed documents (Note [Packed documents] in ``documents.py``) run on the fused kernels
         with each branch's segments read from a table (Note [Segments from a table] in
-        ``backends/_triton_kernels.py``). The position groups are each document's own
+        ``backends/_triton_device.py``). The position groups are each document's own
         (:func:`position_groups` of its length), consecutive ones joined while the joined group
         stays within the size of the groups of one sequence of the batch's length (the whole
         row where that sequence's segments allow no cut, the heads then split to bound the
