@@ -12,41 +12,58 @@ import triton
 import triton.language as tl
 
 from ._triton_device import (
+    _backward_probabilities,
     _jit,
     _keep_keys,
     _key_bias,
     _key_ranges,
     _load_rows,
     _load_tile,
+    _query_ranges,
     _row0,
     _segment_rows,
     _step,
     _store_rows,
+    _visible,
 )
 
 
 @triton.jit
 def _dq_blocks(
-    dq, q, do, lse, delta, k_ptr, v_ptr, mask_ptr, lo, hi, offs_m, offs_n0, offs_d, rows_k,
-    k_step, v_step, mask_step, sm_scale,
+    dq, q, do, lse, delta, k_ptr, v_ptr, mask_ptr, lo, hi, gap_at, gap, offs_m, offs_n0, offs_d,
+    rows_k, k_step, v_step, mask_step, sm_scale, win_lo, win_hi, softcap,
     HEAD_DIM: tl.constexpr, ON_DIAGONAL: tl.constexpr, HAS_MASK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, CHECK: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
-    """dQ contributions of key blocks [lo, hi) (Note [Full blocks])."""
-    for start_n in range(lo, hi, BLOCK_N):
+    """dQ contributions of key blocks [lo, hi), those from ``gap_at`` on ``gap`` rows later with
+    ``WINDOW`` (Note [Full blocks], Note [Local windows in the kernels])."""
+    for i in range(lo, hi, BLOCK_N):
+        start_n = i
+        if WINDOW:  # noqa: SIM102 (a constexpr test apart: no select without a window)
+            if i >= gap_at:
+                start_n = i + gap
         offs_n = start_n + offs_n0
         k_ok = offs_n < rows_k
         k = _load_tile(k_ptr, offs_n, k_step, k_ok, offs_d, HEAD_DIM, CHECK)
         v = _load_tile(v_ptr, offs_n, v_step, k_ok, offs_d, HEAD_DIM, CHECK)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if CHECK or HAS_MASK:
-            qk += _key_bias(mask_ptr, offs_n, mask_step, k_ok, HAS_MASK)[None, :]
-        # Note [Exponents at large logits]
-        p = tl.exp2((qk * sm_scale - lse[:, None]) * 1.4426950408889634)
-        if ON_DIAGONAL:
-            p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
+        if SOFTCAP:  # the mask after the cap: tanh(-inf) would be -1
+            p, slope = _backward_probabilities(qk, lse[:, None], sm_scale, softcap, True)
+            if CHECK or HAS_MASK:
+                keep = _keep_keys(mask_ptr, offs_n, mask_step, k_ok, HAS_MASK)
+                p = tl.where(keep[None, :], p, 0.0)
+        else:
+            if CHECK or HAS_MASK:
+                qk += _key_bias(mask_ptr, offs_n, mask_step, k_ok, HAS_MASK)[None, :]
+            p, slope = _backward_probabilities(qk, lse[:, None], sm_scale, softcap, False)
+        if ON_DIAGONAL or WINDOW:
+            seen = _visible(offs_m[:, None], offs_n[None, :], win_lo, win_hi, ON_DIAGONAL, WINDOW)
+            p = tl.where(seen, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * slope
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
     return dq
 
@@ -54,14 +71,17 @@ def _dq_blocks(
 @triton.jit
 def _dkdv_blocks(
     dk, dv, k, v, keep, q_ptr, do_ptr, lse_ptr, delta_ptr, lo, hi, gap_at, gap, offs_n,
-    offs_m0, offs_d, rows_q, q_step, do_step, lse_step, delta_step, sm_scale,
+    offs_m0, offs_d, rows_q, q_step, do_step, lse_step, delta_step, sm_scale, win_lo, win_hi,
+    softcap,
     HEAD_DIM: tl.constexpr, ON_DIAGONAL: tl.constexpr, HAS_MASK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, CHECK: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """dK, dV contributions of query blocks [lo, hi) of one head, where the blocks from
     ``gap_at`` on start ``gap`` rows later: two ranges in one loop (Note [Full blocks]). Key
     rows past the end are never stored and each key row's gradient depends on that row alone
-    (Note [Rows past the end]), so only padding masks and the diagonal mask scores here."""
+    (Note [Rows past the end]), so only padding masks, the diagonal and the window mask scores
+    here."""
     for i in range(lo, hi, BLOCK_M):
         start_m = i
         if i >= gap_at:
@@ -78,15 +98,19 @@ def _dkdv_blocks(
             delta = tl.load(delta_ptr + offs_m * delta_step)
         lse = tl.where(lse == float("-inf"), 0.0, lse)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-        p_t = tl.exp2((qk_t * sm_scale - lse[None, :]) * 1.4426950408889634)  # Note [Exponents...]
-        if HAS_MASK or ON_DIAGONAL:
+        p_t, slope_t = _backward_probabilities(qk_t, lse[None, :], sm_scale, softcap, SOFTCAP)
+        if HAS_MASK or ON_DIAGONAL or WINDOW:
             valid_t = keep[:, None]
-            if ON_DIAGONAL:
-                valid_t = valid_t & (offs_m[None, :] >= offs_n[:, None])
+            if ON_DIAGONAL or WINDOW:
+                valid_t = valid_t & _visible(
+                    offs_m[None, :], offs_n[:, None], win_lo, win_hi, ON_DIAGONAL, WINDOW
+                )
             p_t = tl.where(valid_t, p_t, 0.0)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:
+            ds_t = ds_t * slope_t
         dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
     return dk, dv
 
@@ -128,10 +152,11 @@ def _dkdv_kernel(
     stride_mb, stride_mh, stride_mn,
     stride_gb, stride_gn, stride_gh,
     delta_row0, grad_row0, start, seg_q, seg_k, end_q, end_k, rate, head0, num_kv_heads, kv_group,
-    num_offsets, sm_scale,
+    num_offsets, sm_scale, win_lo, win_hi, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCUMULATE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr, TABLE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr, TABLE: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """dK, dV of one key tile of key/value head ``g`` at offset ``s``: every query head of ``g``
     with that offset contributes (heads ``g*G + j + t*r``)."""
@@ -157,19 +182,12 @@ def _dkdv_kernel(
     v = _load_rows(v_ptr, offs_n, _step(rate, stride_vn, WIDE), k_ok, offs_d, HEAD_DIM)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    # Query blocks [lo, diagonal_end) straddle the causal diagonal (none when not causal); after
-    # it every row follows every key of the tile, unchecked up to ``full`` (Note [Full blocks]);
-    # ``full`` is a multiple of BLOCK_M or ``diagonal_end``, so the checked blocks after it
-    # continue the diagonal's on the same grid.
-    lo = 0
-    diagonal_end = 0
-    if CAUSAL:
-        lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
-        diagonal_end = tl.minimum(tl.cdiv((pid_n + 1) * BLOCK_N - 1, BLOCK_M) * BLOCK_M, rows_q)
-    full = tl.maximum(diagonal_end, rows_q // BLOCK_M * BLOCK_M)
+    lo, f0, f1, hi = _query_ranges(
+        pid_n, rows_q, rows_k, win_lo, win_hi, CAUSAL, WINDOW, BLOCK_M, BLOCK_N
+    )  # Note [Full blocks]
     args = (offs_n, offs_m0, offs_d, rows_q, _step(rate, stride_qn, WIDE),
             _step(rate, stride_dn, WIDE), _step(rate, stride_ln, WIDE),
-            _step(rate, stride_en, WIDE), sm_scale)  # fmt: skip
+            _step(rate, stride_en, WIDE), sm_scale, win_lo, win_hi, softcap)  # fmt: skip
     mask_step = _step(rate, stride_mn, WIDE)
     for h in range(h0, (g + 1) * kv_group, rate):
         q_ptr = _row0(Q, b, stride_qb, h, stride_qh, base_q, stride_qn)
@@ -180,14 +198,14 @@ def _dkdv_kernel(
         keep = _keep_keys(mask_ptr, offs_n, mask_step, k_ok, HAS_MASK)
         ptrs = (k, v, keep, q_ptr, do_ptr, lse_ptr, delta_ptr)
         dk, dv = _dkdv_blocks(
-            dk, dv, *ptrs, diagonal_end, full, full, 0, *args,
-            HEAD_DIM, False, HAS_MASK, DOT_PRECISION, BLOCK_M, False,
+            dk, dv, *ptrs, f0, f1, f1, 0, *args,
+            HEAD_DIM, False, HAS_MASK, DOT_PRECISION, BLOCK_M, False, False, SOFTCAP,
         )  # fmt: skip
-        # The checked blocks: those across the diagonal, then the one cut by the end of the
-        # rows, which every row past ``diagonal_end`` sees whole (so the diagonal mask is moot).
+        # The checked blocks: [lo, f0) (across the diagonal, the window's edge), then [f1, hi)
+        # (the window's other edge, the one cut by the end of the rows).
         dk, dv = _dkdv_blocks(
-            dk, dv, *ptrs, lo, diagonal_end + rows_q - full, diagonal_end, full - diagonal_end,
-            *args, HEAD_DIM, CAUSAL, HAS_MASK, DOT_PRECISION, BLOCK_M, True,
+            dk, dv, *ptrs, lo, f0 + hi - f1, f0, f1 - f0, *args,
+            HEAD_DIM, CAUSAL, HAS_MASK, DOT_PRECISION, BLOCK_M, True, WINDOW, SOFTCAP,
         )  # fmt: skip
     grad_step = _step(rate, stride_gn, WIDE)
     dk_ptr = _row0(DK, b, stride_gb, g, stride_gh, base_k - grad_row0, stride_gn)
@@ -208,10 +226,11 @@ def _dq_kernel(
     stride_mb, stride_mh, stride_mn,
     stride_gb, stride_gn, stride_gh,
     delta_row0, grad_row0, start, seg_q, seg_k, end_q, end_k, rate, head0, num_heads, kv_group,
-    sm_scale,
+    sm_scale, win_lo, win_hi, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCUMULATE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr, TABLE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr, TABLE: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query tile of head ``h``."""
     pid_m = tl.program_id(0)
@@ -241,16 +260,19 @@ def _dq_kernel(
     v_ptr = _row0(V, b, stride_vb, kvh, stride_vh, base_k, stride_vn)
     mask_ptr = _row0(Mask, b, stride_mb, h, stride_mh, base_k, stride_mn)
     args = (offs_m, offs_n0, offs_d, rows_k, _step(rate, stride_kn, WIDE),
-            _step(rate, stride_vn, WIDE), _step(rate, stride_mn, WIDE), sm_scale)  # fmt: skip
+            _step(rate, stride_vn, WIDE), _step(rate, stride_mn, WIDE), sm_scale, win_lo,
+            win_hi, softcap)  # fmt: skip
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    full, hi = _key_ranges(pid_m, rows_k, CAUSAL, BLOCK_M, BLOCK_N)  # Note [Full blocks]
+    f0, f1, lo, hi, gap_at, gap = _key_ranges(
+        pid_m, rows_q, rows_k, win_lo, win_hi, CAUSAL, WINDOW, BLOCK_M, BLOCK_N
+    )  # Note [Full blocks]
     dq = _dq_blocks(
-        dq, q, do, lse, delta, k_ptr, v_ptr, mask_ptr, 0, full, *args,
-        HEAD_DIM, False, HAS_MASK, DOT_PRECISION, BLOCK_N, False,
+        dq, q, do, lse, delta, k_ptr, v_ptr, mask_ptr, f0, f1, f1, 0, *args,
+        HEAD_DIM, False, HAS_MASK, DOT_PRECISION, BLOCK_N, False, False, SOFTCAP,
     )  # fmt: skip
     dq = _dq_blocks(
-        dq, q, do, lse, delta, k_ptr, v_ptr, mask_ptr, full, hi, *args,
-        HEAD_DIM, CAUSAL, HAS_MASK, DOT_PRECISION, BLOCK_N, True,
+        dq, q, do, lse, delta, k_ptr, v_ptr, mask_ptr, lo, hi, gap_at, gap, *args,
+        HEAD_DIM, CAUSAL, HAS_MASK, DOT_PRECISION, BLOCK_N, True, WINDOW, SOFTCAP,
     )  # fmt: skip
     dq_ptr = _row0(DQ, b, stride_gb, h, stride_gh, base_q - grad_row0, stride_gn)
     _store_rows(dq_ptr, offs_m, _step(rate, stride_gn, WIDE), dq * sm_scale, q_ok, offs_d,

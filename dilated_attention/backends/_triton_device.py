@@ -21,7 +21,7 @@ import triton.language as tl
 #: ``_triton_kernels.py``).
 _POSITIONS = (
     "out_row0", "prev_row0", "q_row0", "delta_row0", "grad_row0", "start", "seg_q", "seg_k",
-    "end_q", "end_k", "end", "head0",
+    "end_q", "end_k", "end", "head0", "win_lo", "win_hi",
 )  # fmt: skip
 #: Strides of the (B, H, N) statistics (lse, delta) and mask: N and H * N, so their alignment
 #: class changes with the length (Note [Specialization and first calls]).
@@ -199,6 +199,42 @@ def _key_bias(mask_ptr, offs_n, mask_step, k_ok, HAS_MASK: tl.constexpr):
 #     never store them; in dK/dV their probabilities are exp2(0 - 0) = 1 but dout = 0 gives
 #     dp = 0, so they add exactly zero to dV (p * dout) and dK (p * (dp - delta) * q). So only
 #     the key side is masked inside the loops.
+#
+# Note [Local windows in the kernels]
+#     A dense launch (one segment, rate 1) may see a local window of its rows (Note [Scores a
+#     kernel call transforms] in ``core/contract.py``): key row ``j`` is visible to query row
+#     ``i`` iff ``win_lo <= j - i <= win_hi`` (``win_lo = shift - left``, ``win_hi = shift +
+#     right``, ``shift = Nk - Nq``; an unbounded side is clamped past the rows), intersected
+#     with the causal mask and the key mask. The loops visit only the blocks some row of the
+#     tile sees (``_key_ranges``, ``_query_ranges``): for query tile [m0, m1] the key blocks
+#     from the one holding key ``m0 + win_lo`` to key ``m1 + win_hi`` (and the diagonal), for
+#     key tile [n0, n1] in dK/dV the query blocks from row ``n0 - win_hi`` to row ``n1 -
+#     win_lo``. A block outside is never loaded: a window of ``W`` keys costs about ``W /
+#     BLOCK_N + 1`` blocks per tile, whatever the call's length, and a NaN or inf key there
+#     reaches no row (only the blocks a window's edge cuts keep ``0 * NaN``, as the causal
+#     diagonal does: Note [Hidden keys cannot poison rows] in ``core/hidden.py``). Of the
+#     visited blocks, those every row of the tile sees whole (inside the window, below the
+#     diagonal, all rows present) run unchecked, with no mask but the key padding mask (Note
+#     [Full blocks]); the rest, on either edge of the window, run checked in the second loop,
+#     which walks its two ranges with one jump (``gap_at``, ``gap``) as dK/dV's loop walks the
+#     diagonal's and the end's. ``WINDOW`` is a constexpr: calls without a window compile the
+#     loops as before. The fused dilated branches take no window (a window is a call of its
+#     own: Note [A local window as a branch] in ``resolve/windows.py``).
+#
+# Note [Soft-capped scores in the kernels]
+#     With ``SOFTCAP`` (a constexpr: no cost without a cap) every score becomes ``s = c *
+#     tanh(qk * scale / c)`` before any mask is applied (a ``-inf`` mask would otherwise come
+#     out ``-c``). The scores are then bounded by ``c``, so Note [Exponents at large logits]
+#     needs nothing more: the forward's running max is over ``s`` itself, ``p = exp2((s - m) *
+#     log2(e))`` and ``lse = m + log(l)`` (the launcher passes ``qk_scale = log2(e)``,
+#     ``sm_scale = 1``, ``cap_in = scale / c``). The backward recomputes ``t = tanh(qk * scale /
+#     c)``, ``p = exp2((c t - lse) * log2(e))``, and multiplies ``dS`` by ``1 - t**2`` before
+#     ``dQ`` and ``dK`` take their ``scale``. ``tanh`` is built from ``exp2`` (:func:`_tanh`:
+#     libdevice's cannot run in Triton's interpreter), accurate to a few float32 ulps: an odd
+#     Taylor polynomial to ``x**9`` below ``|x| = 0.25`` (truncation below 1e-8 relative), else
+#     ``(1 - e) / (1 + e)`` with ``e = exp(-2|x|) <= 0.61``, whose subtraction loses at most a
+#     factor 1.6 of ``e``'s rounding. ``1 - t**2`` is exact where it matters: near 0 it is 1,
+#     and where ``t`` rounds to 1 the true factor is below 1e-7.
 
 
 @triton.jit
@@ -213,13 +249,119 @@ def _store_rows(ptr, rows, step, value, row_ok, offs_d, HEAD_DIM: tl.constexpr,
 
 
 @triton.jit
-def _key_ranges(pid_m, rows_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``(full, hi)`` for query tile ``pid_m``: key blocks [0, full) hold no row past the end and
-    are visible to every row of the tile; [full, hi) are the rest of the tile's keys, cut by the
-    end of the rows or by the causal diagonal (Note [Full blocks])."""
-    hi = rows_k
-    full = rows_k // BLOCK_N * BLOCK_N
-    if CAUSAL:
-        hi = tl.minimum(rows_k, (pid_m + 1) * BLOCK_M)
-        full = tl.minimum(full, (pid_m * BLOCK_M) // BLOCK_N * BLOCK_N)
-    return full, hi
+def _key_ranges(
+    pid_m, rows_q, rows_k, win_lo, win_hi,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The key blocks of query tile ``pid_m`` (Note [Full blocks]): ``(f0, f1, lo, hi, gap_at,
+    gap)``, blocks [f0, f1) visible whole to every row of the tile (no row past the end), and
+    the rest in one checked loop from ``lo`` to ``hi`` whose blocks from ``gap_at`` on start
+    ``gap`` rows later. Without ``WINDOW`` the full blocks start at key 0 and the checked ones
+    are those cut by the end of the rows or the causal diagonal; with it, only the blocks the
+    window reaches (Note [Local windows in the kernels])."""
+    if WINDOW:
+        m0 = pid_m * BLOCK_M
+        m1 = tl.minimum(m0 + BLOCK_M, rows_q) - 1  # the tile's last row
+        hi = tl.minimum(rows_k, m1 + win_hi + 1)
+        top = tl.minimum(rows_k, m0 + win_hi + 1)  # every row sees the keys below ``top``
+        if CAUSAL:
+            hi = tl.minimum(hi, m1 + 1)
+            top = tl.minimum(top, m0 + 1)
+        lo = tl.maximum(m0 + win_lo, 0) // BLOCK_N * BLOCK_N
+        hi = tl.maximum(hi, lo)
+        f0 = tl.minimum(tl.cdiv(tl.maximum(m1 + win_lo, 0), BLOCK_N) * BLOCK_N, hi)
+        f1 = tl.maximum(tl.maximum(top, 0) // BLOCK_N * BLOCK_N, f0)
+        gap_at = f0
+        gap = f1 - f0
+        hi = f0 + hi - f1
+    else:
+        hi = rows_k
+        f1 = rows_k // BLOCK_N * BLOCK_N
+        if CAUSAL:
+            hi = tl.minimum(rows_k, (pid_m + 1) * BLOCK_M)
+            f1 = tl.minimum(f1, (pid_m * BLOCK_M) // BLOCK_N * BLOCK_N)
+        f0 = 0
+        lo = f1
+        gap_at = hi
+        gap = 0
+    return f0, f1, lo, hi, gap_at, gap
+
+
+@triton.jit
+def _query_ranges(
+    pid_n, rows_q, rows_k, win_lo, win_hi,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The query blocks of key tile ``pid_n`` in dK/dV: ``(lo, f0, f1, hi)``, blocks [f0, f1)
+    in which every row sees every key of the tile (all rows exist), and [lo, f0) and [f1, hi)
+    the rest (Note [Full blocks]); with ``WINDOW`` only the rows the window reaches (Note [Local
+    windows in the kernels])."""
+    n0 = pid_n * BLOCK_N
+    if WINDOW:
+        n1 = tl.minimum(n0 + BLOCK_N, rows_k) - 1  # the tile's last key
+        first = tl.maximum(n0 - win_hi, 0)  # the first row that sees a key of the tile
+        whole = tl.maximum(n1 - win_hi, 0)  # rows from here see the last key
+        if CAUSAL:
+            first = tl.maximum(first, n0)
+            whole = tl.maximum(whole, n1)
+        lo = first // BLOCK_M * BLOCK_M
+        hi = tl.maximum(tl.minimum(rows_q, n1 - win_lo + 1), lo)
+        f0 = tl.minimum(tl.cdiv(whole, BLOCK_M) * BLOCK_M, hi)
+        top = tl.maximum(tl.minimum(rows_q, n0 - win_lo + 1), 0)  # rows below see the first key
+        f1 = tl.maximum(top // BLOCK_M * BLOCK_M, f0)
+    else:
+        # Without a window: the blocks across the diagonal (none when not causal), then every row
+        # follows every key of the tile, unchecked up to ``f1``; ``f1`` is a multiple of BLOCK_M
+        # or ``f0``, so the checked blocks after it continue the diagonal's on the same grid.
+        lo = 0
+        f0 = 0
+        if CAUSAL:
+            lo = n0 // BLOCK_M * BLOCK_M
+            f0 = tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, rows_q)
+        hi = rows_q
+        f1 = tl.maximum(f0, rows_q // BLOCK_M * BLOCK_M)
+    return lo, f0, f1, hi
+
+
+@triton.jit
+def _visible(rows, keys, win_lo, win_hi, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Bool, broadcast of query rows and key rows: the causal mask (``keys <= rows``) and the
+    window (``win_lo <= keys - rows <= win_hi``) as asked (at least one of them)."""
+    if WINDOW:
+        diff = keys - rows
+        ok = (diff >= win_lo) & (diff <= win_hi)
+        if CAUSAL:
+            ok = ok & (diff <= 0)
+    else:
+        ok = rows >= keys
+    return ok
+
+
+@triton.jit
+def _tanh(x):
+    """``tanh(x)`` in float32 from ``exp2`` (Note [Soft-capped scores in the kernels]): an odd
+    Taylor polynomial below ``|x| = 0.25``, else ``(1 - e) / (1 + e)`` with ``e = exp(-2|x|)``
+    (no overflow); NaN stays NaN, ``+-inf`` gives ``+-1``."""
+    a = tl.abs(x)
+    e = tl.exp2(a * -2.8853900817779268)  # exp(-2|x|)
+    x2 = x * x
+    series = a * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (
+        -0.05396825396825397 + x2 * 0.021869488536155203))))  # fmt: skip
+    r = tl.where(a < 0.25, series, (1.0 - e) / (1.0 + e))
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def _backward_probabilities(qk, lse, sm_scale, softcap, SOFTCAP: tl.constexpr):
+    """``p = exp(s - lse)`` of unscaled scores ``qk`` (``lse`` broadcast to them) with ``s``
+    the scaled score, soft-capped with ``SOFTCAP``; and the factor of ``dS`` (``1 - tanh**2``
+    of the capped score; with no cap ``p`` itself, unused). Note [Exponents at large logits],
+    Note [Soft-capped scores in the kernels]."""
+    if SOFTCAP:
+        t = _tanh(qk * (sm_scale / softcap))
+        p = tl.exp2((t * softcap - lse) * 1.4426950408889634)
+        slope = 1.0 - t * t
+    else:
+        p = tl.exp2((qk * sm_scale - lse) * 1.4426950408889634)
+        slope = p
+    return p, slope

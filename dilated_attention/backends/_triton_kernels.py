@@ -60,6 +60,7 @@ from typing import Any
 import torch
 import triton
 
+from ..core.contract import Window
 from ._compat import _release
 from ._triton_backward import _delta_kernel, _dkdv_kernel, _dq_kernel
 from ._triton_compile import Launch, compile_launches
@@ -282,6 +283,47 @@ def _row_descriptor(x: torch.Tensor, rate: int, rows: int, block_d: int) -> Any:
     )
 
 
+@dataclass(frozen=True)
+class _Scores:
+    """What a launch passes for its scores' soft-cap and window (Note [Soft-capped scores in the
+    kernels], Note [Local windows in the kernels] in ``_triton_device.py``): the window as the
+    offsets ``win_lo <= j - i <= win_hi`` of key row ``j`` from query row ``i``."""
+
+    softcap: float | None
+    win_lo: int = 0
+    win_hi: int = 0
+    window: bool = False
+
+    def forward(self, scale: float) -> tuple[float, ...]:
+        """``(qk_scale, sm_scale, win_lo, win_hi, cap_in, softcap)`` of the forward kernel:
+        with a cap, the capped scores are scaled already (exponents in log2(e), lse in 1)."""
+        if self.softcap is None:
+            return (scale * LOG2E, scale, self.win_lo, self.win_hi, 1.0, 1.0)
+        return (LOG2E, 1.0, self.win_lo, self.win_hi, scale / self.softcap, self.softcap)
+
+    def backward(self) -> tuple[float, ...]:
+        """``(win_lo, win_hi, softcap)`` of the backward kernels."""
+        return (self.win_lo, self.win_hi, 1.0 if self.softcap is None else self.softcap)
+
+    def flags(self) -> dict[str, bool]:
+        return {"WINDOW": self.window, "SOFTCAP": self.softcap is not None}
+
+
+def _scores(branch: Branch, softcap: float | None, window: Window | None) -> _Scores:
+    """A launch's :class:`_Scores`. The window is the call's (Note [Scores a kernel call
+    transforms] in ``core/contract.py``): query row ``i`` stands at key row ``i + Nk - Nq``; an
+    unbounded side (``-1``), or one reaching past the rows, is clamped to the rows' span."""
+    if window is None:
+        return _Scores(softcap)
+    if branch.rate != 1 or branch.num_segments != 1 or branch.bounds is not None:
+        raise ValueError(f"a local window needs a dense launch (one segment, rate 1): {branch}")
+    rows_q, rows_k = branch.max_rows_q, branch.max_rows_k
+    shift = rows_k - rows_q
+    low = -rows_q if window.left < 0 else max(shift - window.left, -rows_q)
+    high = rows_k if window.right < 0 else min(shift + window.right, rows_k)
+    return _Scores(softcap, low, high, True)
+
+
 def forward_branch(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -302,6 +344,8 @@ def forward_branch(
     merge_row0: int = 0,
     allow_descriptors: bool = True,
     q_row0: int = 0,
+    softcap: float | None = None,
+    window: Window | None = None,
 ) -> None:
     """One branch's forward, written (or with ``merge``, merged) into ``out`` and ``lse``.
 
@@ -320,8 +364,11 @@ def forward_branch(
         q_row0: the first position with a query (Note [A chunk in one fused forward] in
             ``core/fused.py``): the branch's rows before it are neither computed nor stored.
             Such a launch reads rows through pointers.
+        softcap, window: Note [Scores a kernel call transforms] in ``core/contract.py``; a
+            window only on a dense branch (one segment, rate 1).
     """
     batch, _, heads, dim = q.shape
+    scores = _scores(branch, softcap, window)
     block_d = _block_d(dim)
     mask, smb, smh, smn = _mask_args(key_mask, q)
     prev, prev_row0 = (out, out_row0) if merge_from is None else (merge_from, merge_row0)
@@ -335,6 +382,7 @@ def forward_branch(
                 q, k, v, out, lse, key_mask, branch, out_row0=out_row0, scale=scale,
                 is_causal=is_causal, merge=merge, config=config, head0=head0,
                 merge_from=merge_from, merge_row0=merge_row0, allow_descriptors=False,
+                softcap=softcap, window=window,
             )  # fmt: skip
         config = descriptor_config or config
         descriptors = (
@@ -348,12 +396,12 @@ def forward_branch(
         _forward_kernel, grid, q, k, v, out, prev, lse, mask, _bounds(branch, lse),
         *descriptors, *itertools.chain.from_iterable(strides), *lse.stride(), smb, smh, smn,
         out_row0, prev_row0, q_row0, branch.start, branch.seg_q, branch.seg_k, branch.end_q,
-        branch.end_k, branch.rate, head0, heads, heads // k.shape[2], scale * LOG2E, scale,
-        HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        CAUSAL=is_causal, HAS_MASK=key_mask is not None, MERGE=merge,
+        branch.end_k, branch.rate, head0, heads, heads // k.shape[2],
+        *scores.forward(scale), HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, CAUSAL=is_causal, HAS_MASK=key_mask is not None, MERGE=merge,
         DOT_PRECISION=dot_precision(q), WIDE=_wide_rows(branch, max(s[1] for s in strides)),
         DESCRIPTORS=descriptors[0] is not None, TABLE=branch.bounds is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        **scores.flags(), num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
 
 
@@ -392,6 +440,8 @@ def backward_branch(
     config_dkdv: TileConfig,
     config_dq: TileConfig,
     head0: int = 0,
+    softcap: float | None = None,
+    window: Window | None = None,
 ) -> None:
     """One branch's gradients, written (or with ``accumulate``, added) into dq, dk, dv.
 
@@ -400,7 +450,9 @@ def backward_branch(
         lse: (B, H, Nq) merged log-sum-exp; delta: (B, H, rows), row ``p - delta_row0``.
         dq: (B, rows, H, D); dk, dv: (B, rows, Hkv, D); row ``p - grad_row0`` for position ``p``.
         head0: the layer head that ``q``'s head 0 is (a call on a slice of the heads).
+        softcap, window: as in :func:`forward_branch`.
     """
+    scores = _scores(branch, softcap, window)
     batch, _, heads, dim = q.shape
     kv_heads = k.shape[2]
     group = heads // kv_heads
@@ -416,7 +468,7 @@ def backward_branch(
         "HEAD_DIM": dim, "BLOCK_D": _block_d(dim), "CAUSAL": is_causal,
         "HAS_MASK": key_mask is not None, "ACCUMULATE": accumulate,
         "DOT_PRECISION": dot_precision(q), "WIDE": _wide(branch, q, k, v, dout, dq, dk),
-        "TABLE": branch.bounds is not None,
+        "TABLE": branch.bounds is not None, **scores.flags(),
     }  # fmt: skip
     grid = (
         cdiv(branch.max_rows_k, config_dkdv.block_n),
@@ -426,13 +478,13 @@ def backward_branch(
     _launch(
         _dkdv_kernel, grid, q, k, v, dout, lse, delta, mask, _bounds(branch, lse), dk, dv,
         *common, *_bnh(dk), delta_row0, grad_row0, *geometry, kv_heads, group, offsets, scale,
-        BLOCK_M=config_dkdv.block_m, BLOCK_N=config_dkdv.block_n,
+        *scores.backward(), BLOCK_M=config_dkdv.block_m, BLOCK_N=config_dkdv.block_n,
         num_warps=config_dkdv.num_warps, num_stages=config_dkdv.num_stages, **flags,
     )  # fmt: skip
     grid = (cdiv(branch.max_rows_q, config_dq.block_m), branch.num_segments * heads, batch)
     _launch(
         _dq_kernel, grid, q, k, v, dout, lse, delta, mask, _bounds(branch, lse), dq, *common,
-        *_bnh(dq), delta_row0, grad_row0, *geometry, heads, group, scale,
+        *_bnh(dq), delta_row0, grad_row0, *geometry, heads, group, scale, *scores.backward(),
         BLOCK_M=config_dq.block_m, BLOCK_N=config_dq.block_n,
         num_warps=config_dq.num_warps, num_stages=config_dq.num_stages, **flags,
     )  # fmt: skip

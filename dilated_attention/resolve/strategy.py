@@ -262,11 +262,11 @@ class FusedStrategy(Strategy):
         compile_ahead(
             q, k, v, key_padding_mask, self.branches, backend,  # type: ignore[arg-type]
             is_causal=r.is_causal, scale=r.softmax_scale, needs_grad=r.requires_grad,
-            documents=r.documents, chunk=self.chunk,
+            documents=r.documents, chunk=self.chunk, softcap=r.softcap,
         )  # fmt: skip
         runner = FusedRunner(
             self.branches, backend, r.is_causal, r.softmax_scale, r.documents,  # type: ignore[arg-type]
-            self.first_head, self.chunk,
+            self.first_head, self.chunk, r.softcap,
         )  # fmt: skip
         return run_attention(q, k, v, key_padding_mask, runner, sinks)
 
@@ -289,7 +289,7 @@ class BlockSparseKernelStrategy(Strategy):
         runner: Runner
         if name == "triton":
             runner = TritonBlockSparseRunner(
-                _triton_lists(*shape), r.block_size, r.is_causal, r.softmax_scale
+                _triton_lists(*shape), r.block_size, r.is_causal, r.softmax_scale, r.softcap
             )
             q, k, v = (x.contiguous() for x in (q, k, v))
         else:  # FlashAttention-4 reads strided rows
