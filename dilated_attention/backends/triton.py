@@ -260,16 +260,21 @@ class TritonBackend(Backend):
         slots: tuple[torch.Tensor, ...],
         scale: float,
         row_offsets: torch.Tensor | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per batch row against a static cache's buffers, every branch in one
         launch reading the rows in place (Note [A decode kernel reading the buffers in place]
         in ``_triton_decode.py``): q (B, 1, H, D), k and v (B, R, Hkv, D), key_padding_mask
         (B, R) bool or None, positions (B,) int64, ``slots`` the step's ``token_slots``,
-        row_offsets (B,) int64 or None -> out (B, 1, H, D), lse (B, H, 1) float32."""
+        row_offsets (B,) int64 or None, ``softcap`` or None, sinks (H,) or None (joined, no
+        gradient) -> out (B, 1, H, D), lse (B, H, 1) float32."""
         from ._triton_decode import decode_step
 
         q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-        return decode_step(q, k, v, key_padding_mask, positions, slots, scale, row_offsets)
+        return decode_step(
+            q, k, v, key_padding_mask, positions, slots, scale, row_offsets, softcap, sinks
+        )
 
     # -- fused dilated branches (core/fused.py) ---------------------------------------------------
     def forward_branch(
