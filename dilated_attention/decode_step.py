@@ -160,9 +160,14 @@ def _token_step(
     assert cache.key is not None and cache.value is not None and cache.lengths is not None
     q, k, v, key_padding_mask = new
     has_mask = key_padding_mask is not None or cache.key_padding_mask is not None
-    request = Request.of(
-        DECODE, q, cache.key, cache.value, static=True, **{**fields, "has_mask": has_mask}
+    # Sinks that need a gradient are refused with the rest (the step runs without autograd).
+    grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, cache.key, cache.value, sinks)
     )
+    request = Request.of(
+        DECODE, q, cache.key, cache.value, static=True, requires_grad=grad,
+        **{**fields, "has_mask": has_mask},
+    )  # fmt: skip
     traced = is_traced(q, k, v, key_padding_mask, sinks)
     if traced and (sinks is not None or fields.get("softcap") is not None):
         raise ValueError(
