@@ -96,10 +96,11 @@ def _cell(family: str, n: int, heads: int, kv_heads: int, dim: int, window: int,
     k = torch.randn(1, n, kv_heads, dim, **shape).requires_grad_()
     v = torch.randn(1, n, kv_heads, dim, **shape).requires_grad_()
     sinks = torch.zeros(heads, device="cuda", requires_grad=True) if with_sinks else None
-    leaves = [q, k, v] + ([sinks] if sinks is not None else [])
     rows = []
     for name, fn in _paths(window, sinks, n <= args.dense_max).items():
-        pairs = window_pairs(n, None if name.startswith("dense") else window)
+        dense = name.startswith("dense")  # no window, no sinks
+        leaves = [q, k, v] + ([sinks] if sinks is not None and not dense else [])
+        pairs = window_pairs(n, None if dense else window)
         row: dict[str, Any] = {"family": family, "seq_len": n, "heads": heads,
                                "kv_heads": kv_heads, "head_dim": dim, "window": window,
                                "sinks": with_sinks, "path": name, "pairs": pairs}  # fmt: skip

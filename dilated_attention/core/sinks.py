@@ -48,7 +48,10 @@ def fold_sinks(
     joined = torch.logaddexp(lse, z)
     # exp(-inf - finite) = 0 for rows without keys; a NaN lse stays NaN.
     weight = torch.exp(lse - joined).transpose(1, 2).unsqueeze(-1)
-    scaled = (out.to(lse.dtype) * weight).to(out.dtype)
+    # One pass, computed in the weight's precision and rounded once to out's dtype (a float32
+    # copy of out would cost three more passes over the largest tensor of the call).
+    scaled = torch.empty_like(out)
+    torch.mul(out, weight, out=scaled)
     return scaled, joined
 
 
@@ -57,6 +60,8 @@ def sink_gradient(
 ) -> torch.Tensor:
     """``d loss / d sinks`` (H,) in ``sinks``' dtype, from the upstream gradient ``dout`` and
     the sink-joined ``out`` (B, Nq, H, D) and ``lse`` (B, H, Nq) of :func:`fold_sinks`."""
-    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1).transpose(1, 2)  # (B, H, Nq)
+    delta = torch.einsum(  # (B, H, Nq), accumulated in lse's precision
+        "bnhd,bnhd->bhn", dout.to(lse.dtype), out.to(lse.dtype)
+    )
     share = torch.exp(sinks.detach().to(lse.dtype)[None, :, None] - lse)
     return -(share * delta).sum(dim=(0, 2)).to(sinks.dtype)
