@@ -1,7 +1,7 @@
 """The hybrid families on this library (``integrations/_transformers_layer.py``): Mistral (a
-32-token window on 128 tokens), Gemma 2 (soft-capped scores, local and global layers), Gemma 3
-(local and global layers), gpt-oss (local and global layers, attention sinks) and Llama 4
-(32-token chunks), tiny models built from their configs, in float32.
+32-token window on 128 tokens), Qwen2 (a global and a local layer), Gemma 2 (soft-capped scores,
+local and global layers), Gemma 3 (local and global layers), gpt-oss (local and global layers,
+attention sinks) and Llama 4 (32-token chunks), tiny models built from their configs, in float32.
 
 With a dense schedule (one branch longer than every input) every layer computes exactly what
 the model's eager attention computes: logits, every parameter's gradient (the sinks' included),
@@ -36,6 +36,15 @@ SIZES = dict(
 
 def _mistral() -> Any:
     return transformers.MistralForCausalLM(transformers.MistralConfig(**SIZES, sliding_window=32))
+
+
+def _qwen2() -> Any:
+    """Layer 0 global, layer 1 within a 32-token window."""
+    config = transformers.Qwen2Config(
+        **SIZES, use_sliding_window=True, sliding_window=32, max_window_layers=1,
+        layer_types=["full_attention", "sliding_attention"],
+    )  # fmt: skip
+    return transformers.Qwen2ForCausalLM(config)
 
 
 def _gemma2() -> Any:
@@ -78,6 +87,7 @@ LOCAL, GLOBAL = ((31, 0), None, None, False), (None, None, None, False)
 #: Each family and what its layers pass the library: window_size, the chunk, softcap, sinks.
 FAMILIES: dict[str, tuple[Callable[[], Any], list[tuple[Any, ...]]]] = {
     "mistral": (_mistral, [LOCAL, LOCAL]),
+    "qwen2": (_qwen2, [GLOBAL, LOCAL]),
     "gemma2": (_gemma2, [((31, 0), None, 2.0, False), (None, None, 2.0, False)]),
     "gemma3": (_gemma3, [LOCAL, GLOBAL, LOCAL]),
     "gpt_oss": (_gpt_oss, [((31, 0), None, None, True), (None, None, None, True)]),
