@@ -16,7 +16,8 @@ Note [What each layer computes]
       token) keeps its chunks: dilated attention's one branch ``(C, 1)``, whose segments are the
       chunks wherever position 0 of the call is a chunk's first token (Note [Padded rows shifted
       to the start] and Note [Chunks after a cache] in ``_transformers_paths.py``).
-    - Every other layer (a global one) runs the dilated schedule of the config.
+    - Every other layer (a global one) runs the dilated schedule of the config. A model whose
+      layers are all local (Mistral with a window) runs its windows and no schedule.
 
     Each takes the call's soft-cap (``softcap=``, Gemma 2) and attention sinks (``s_aux=`` or
     ``sinks=``, one logit per query head: gpt-oss), with their gradients (Note [Local windows,
