@@ -16,6 +16,7 @@ from .backends.registry import (
 from .config import DilatedConfig, MultiheadDilatedConfig, longnet_schedule
 from .core.kv_cache import DilatedKVCache
 from .core.static_cache import StaticDilatedKVCache
+from .core.window_cache import StaticWindowKVCache, WindowKVCache
 from .distributed import (
     RingAttention,
     RingDilatedAttention,
@@ -48,6 +49,7 @@ from .modules import (
     BlockSparseAttention,
     BlockSparseMultiheadAttention,
     DilatedAttention,
+    LocalAttention,
     MultiheadAttention,
     MultiheadDilatedAttention,
 )
@@ -64,6 +66,7 @@ __all__ = [
     "DilatedAttention",
     "DilatedConfig",
     "DilatedKVCache",
+    "LocalAttention",
     "LongNetConfig",
     "LongNetLM",
     "MultiheadAttention",
@@ -73,6 +76,8 @@ __all__ = [
     "RingDilatedAttention",
     "RingMultiheadDilatedAttention",
     "StaticDilatedKVCache",
+    "StaticWindowKVCache",
+    "WindowKVCache",
     "__version__",
     "attention",
     "backend_reasons",

@@ -160,9 +160,14 @@ def _token_step(
     assert cache.key is not None and cache.value is not None and cache.lengths is not None
     q, k, v, key_padding_mask = new
     has_mask = key_padding_mask is not None or cache.key_padding_mask is not None
-    request = Request.of(
-        DECODE, q, cache.key, cache.value, static=True, **{**fields, "has_mask": has_mask}
+    # Sinks that need a gradient are refused with the rest (the step runs without autograd).
+    grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, cache.key, cache.value, sinks)
     )
+    request = Request.of(
+        DECODE, q, cache.key, cache.value, static=True, requires_grad=grad,
+        **{**fields, "has_mask": has_mask},
+    )  # fmt: skip
     traced = is_traced(q, k, v, key_padding_mask, sinks)
     if traced and (sinks is not None or fields.get("softcap") is not None):
         raise ValueError(
@@ -190,37 +195,17 @@ def _rows(
     then their rows into the buffers. Eager."""
     q, k, v, key_padding_mask = new
     n = q.shape[1]
-    first = 0 if cache.lengths is None else cache.host_length()
-    if cache.max_length is not None and first + n > cache.max_length:
-        raise ValueError(
-            f"the StaticDilatedKVCache was made for max_length={cache.max_length} tokens, got "
-            f"{first + n}; make it with a larger max_length"
-        )
-    start = cache.first_read(first)  # the first key the new tokens read
+    first = cache.chunk_start(n)
     k, v = hide_masked_keys(k, v, key_padding_mask)
-    keys, values, mask = k, v, key_padding_mask
-    if first > start:
-        held_k, held_v, held_mask = cache.read_rows(start, first)
-        keys, values = torch.cat([held_k, k], dim=1), torch.cat([held_v, v], dim=1)
-        if mask is not None or held_mask is not None:
-            mask = torch.cat([_mask_or_none(held_mask, held_k), _mask_or_none(mask, k)], dim=1)
+    keys, values, mask, start = cache.with_held(k, v, key_padding_mask, first)
     fields = {**fields, "has_mask": mask is not None}
     request = Request.of(
         dilated_operation(n, keys.shape[1], first), q, keys, values, key_start=start,
         context_len=first + n, **fields,
     )  # fmt: skip
     strategy = resolve(request)
-    if cache.key is None:
-        cache.allocate(k)
     cache.write_rows(k, v, key_padding_mask, first)
     return strategy.run(q, keys, values, mask, sinks)
-
-
-def _mask_or_none(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """``mask`` (B, n) bool, or no key hidden for ``like``'s (B, n, ...) rows."""
-    if mask is not None:
-        return mask
-    return torch.zeros(like.shape[:2], dtype=torch.bool, device=like.device)
 
 
 def decode_at(

@@ -372,6 +372,13 @@ def _train(
             bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tok_s:,.0f}")
 
 
+def _layers_text(config: LongNetConfig) -> str:
+    """``"layers 4"``, or for a hybrid stack ``"layers 6 (4 local, window 64)"``."""
+    local = sum(not config.is_global(i) for i in range(config.num_layers))
+    hybrid = f" ({local} local, window {config.local_window})" if local else ""
+    return f"layers {config.num_layers}{hybrid}"
+
+
 def run_demo(
     args: argparse.Namespace, parser: argparse.ArgumentParser | None = None
 ) -> dict[str, float]:
@@ -403,10 +410,11 @@ def run_demo(
     choice = explain(
         device=device, dtype=torch.float32, head_dim=head_dim, num_heads=config.num_heads,
         seq_len=min(config.segment_lengths[0], args.seq_len), is_causal=True,
+        softcap=config.softcap, sinks=config.sinks,
     )  # fmt: skip
     print(
         f"LongNet '{args.preset}': {model.num_parameters() / 1e6:.2f}M parameters, "
-        f"layers {config.num_layers}, segments {list(config.segment_lengths)}, rates "
+        f"{_layers_text(config)}, segments {list(config.segment_lengths)}, rates "
         f"{list(config.dilation_rates)}; kernel {choice.backend} on {device}"
     )
     print(

@@ -1,6 +1,8 @@
 """Build attention modules by kind, and explain which kernel runs them.
 
-Kinds are registered by name with :func:`register_kind`. The local kind ``"dilated"`` is built in;
+Kinds are registered by name with :func:`register_kind`. The kinds ``"dilated"`` and ``"local"``
+(sliding-window attention, :class:`~dilated_attention.modules.LocalAttention`: pass ``window=W``
+or ``window_size=(left, right)`` instead of a schedule) are built in;
 ring and block-sparse kinds live in modules the factory never imports at load time: a kind listed in
 ``_PROVIDERS`` is imported the first time it is asked for, and that import registers it.
 
@@ -47,6 +49,8 @@ from .modules import (
     DilatedAttention,
     MultiheadAttention,
     MultiheadDilatedAttention,
+    build_local,
+    build_local_multihead,
 )
 from .patterns import Pattern, check_pattern
 from .resolve import Request, resolve
@@ -80,6 +84,7 @@ class _Kind:
 
 _KINDS: dict[str, _Kind] = {
     "dilated": _Kind(dilated=DilatedAttention, multihead=MultiheadDilatedAttention),
+    "local": _Kind(dilated=build_local, multihead=build_local_multihead),
 }
 
 #: kind -> module that provides it, imported on first request only. The module either calls
@@ -210,8 +215,9 @@ def create_dilated_attention(
 
     Args:
         kind: ``"auto"`` (ring when a process group of more than one rank is initialised and ring
-            attention is available, else ``"dilated"``), ``"dilated"``, or another registered kind
-            or alias (see the module docstring).
+            attention is available, else ``"dilated"``), ``"dilated"``, ``"local"`` (a sliding
+            window: ``window=W`` or ``window_size=(left, right)`` instead of a schedule), or
+            another registered kind or alias (see the module docstring).
         segment_lengths: w per branch (or give ``config``).
         dilation_rates: r per branch.
         backend: ``"auto"`` or a kernel name from ``list_backends()``.
@@ -366,7 +372,9 @@ def explain(
             ``operation="dilated"``): the choice then also says how each branch runs on the
             chosen kernel (``.branches``).
         window_size, softcap, sinks: a local window, soft-capped scores, attention sinks
-            (Note [Local windows, soft-capping and sinks] in ``core/sinks.py``).
+            (Note [Local windows, soft-capping and sinks] in ``core/sinks.py``). A layer of
+            kind ``"local"`` runs ``operation="dense"`` with its ``window_size`` (``(W - 1,
+            0)`` for ``window=W``, with ``is_causal=True`` in a decoder).
 
     Returns:
         The resolve step's choice (:class:`BackendChoice`): ``.backend``, ``.reasons`` (every

@@ -11,25 +11,77 @@ Shape legend: B batch, N seq_len, H query heads, Hkv key/value heads (H % Hkv ==
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import torch
 
 from . import _validation as V
-from . import compiled, decode_step
+from . import compiled, decode_step, window_decode
 from .backends.registry import check_backend_name
 from .block_sparse.plan import check_block_size
-from .core.caches import Cache, check_cache_call
+from .core.autograd import Inputs
+from .core.caches import Cache, check_cache_call, check_window_cache_call
 from .core.documents import check_cu_seqlens, flatten, last_document, unflatten
 from .core.hidden import hide_masked_keys
 from .core.schedule import Schedule
 from .core.static_cache import StaticDilatedKVCache
+from .core.window_cache import StaticWindowKVCache
 from .patterns import Pattern, check_pattern
 from .resolve import BLOCK_SPARSE, DENSE, DILATED, Request, dilated_operation, resolve
 
 __all__ = ["attention", "block_sparse_attention", "dilated_attention"]
 
 Output = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+# Note [Eager calls under torch.compile]
+#     The custom operators (``compiled.py``) carry a call's tensors and plain options, not yet
+#     packed documents' offsets (read on the host), a local window, a soft-cap or sinks (a
+#     tensor with a gradient of its own). A traced call that asks for one of those runs the
+#     public function eagerly instead: a graph break, the rest of the model still compiled,
+#     the call's result and gradients the eager ones. ``fullgraph=True`` raises there, with
+#     this reason. Under torch.func transforms they raise ``ValueError`` (nothing runs eagerly
+#     inside a transform). One call with a window traces: the one-token step of a
+#     ``StaticWindowKVCache`` without soft-cap or sinks, which reads its ring through a key mask
+#     and no window (Note [A window cache] in ``core/window_cache.py``): the dense operator
+#     carries it, so a hybrid model's static step compiles into one graph.
+_EAGER_OPTIONS = ("cu_seqlens", "window_size", "softcap", "sinks")
+_EAGER_REASON = (
+    "dilated_attention: packed documents (cu_seqlens), window_size, softcap and sinks run "
+    "eagerly under torch.compile (the custom operators do not carry them yet): compile without "
+    "fullgraph=True to run such calls eagerly between graphs, or call without them"
+)
 
 
+def _eager_under_compile(fn: _F) -> _F:
+    """``fn`` run eagerly when ``torch.compile`` traces a call that asks for one of
+    ``_EAGER_OPTIONS`` (Note [Eager calls under torch.compile])."""
+    eager = torch.compiler.disable(fn, reason=_EAGER_REASON)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() and _runs_eagerly(args, kwargs):
+            return eager(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return call  # type: ignore[return-value]
+
+
+def _runs_eagerly(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a traced call asks for one of ``_EAGER_OPTIONS``, other than a window read by a
+    static window cache's one-token step (Note [Eager calls under torch.compile])."""
+    asked = [name for name in _EAGER_OPTIONS if kwargs.get(name) is not None]
+    cache, query = kwargs.get("cache"), args[0] if args else kwargs.get("query")
+    step = (
+        isinstance(cache, StaticWindowKVCache) and cache.key is not None
+        and isinstance(query, torch.Tensor) and query.dim() == 4 and query.shape[1] == 1
+    )  # fmt: skip
+    return bool(asked) and not (asked == ["window_size"] and step)
+
+
+@_eager_under_compile
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -45,6 +97,7 @@ def attention(
     window_size: tuple[int, int] | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    cache: Cache | None = None,
 ) -> Output:
     """Dense softmax attention through the backend layer.
 
@@ -73,6 +126,14 @@ def attention(
         softcap: every scaled score ``s`` becomes ``softcap * tanh(s / softcap)`` (Gemma 2).
         sinks: (H,) logits, one per query head: a key with zero value in every row's
             denominator (gpt-oss), with its gradient. The ``lse`` returned includes it.
+        cache: decoding a layer of local windowed attention: its
+            :class:`~dilated_attention.WindowKVCache` or
+            :class:`~dilated_attention.StaticWindowKVCache` (Note [A window cache] in
+            ``core/window_cache.py``), with ``is_causal=True`` and the layer's
+            ``window_size``: query, key and value are the next tokens' (same length), their
+            keys taken by the cache, which holds the window they read; ``key_padding_mask`` is
+            then (B, N) over the new keys. With ``cu_seqlens`` and an empty cache, a packed
+            prompt (each row's last document into the cache).
 
     Returns:
         ``out`` (B, Nq, H, D) in the input dtype, or ``(out, lse)`` with ``lse`` (B, H, Nq) float32
@@ -100,6 +161,9 @@ def attention(
         backend=check_backend_name(backend), window=V.check_window_size(window_size),
         softcap=V.check_softcap(softcap), sinks=sinks is not None,
     )  # fmt: skip
+    if cache is not None:
+        new = Inputs(q, k, v, key_padding_mask)
+        return _window_cache_call(cache, cu_seqlens, new, fields, return_lse, sinks)
     if cu_seqlens is not None:
         documents = check_cu_seqlens(cu_seqlens, q, k)
         return _packed(DENSE, documents, q, k, v, key_padding_mask, fields, return_lse, sinks)
@@ -107,6 +171,7 @@ def attention(
     return compiled.route(request, q, k, v, key_padding_mask, return_lse, sinks)
 
 
+@_eager_under_compile
 def dilated_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -166,7 +231,8 @@ def dilated_attention(
         window_size: ``(left, right)``: one more branch, a local window across segments (each
             position sees keys ``p - left`` to ``p + right``, as in :func:`attention`), joined
             to the others in the union (Note [A local window as a branch] in
-            ``resolve/windows.py``). Not with ``cache`` or a query shorter than the key yet.
+            ``resolve/windows.py``). Not with ``cache`` or a query shorter than the key yet
+            (a layer of local windows alone decodes with ``attention(..., cache=...)``).
         softcap: every scaled score ``s`` becomes ``softcap * tanh(s / softcap)``, in every
             branch.
         sinks: (H,) logits, as in :func:`attention`: counted once in the denominator of the
@@ -192,8 +258,9 @@ def dilated_attention(
     if window is not None and (cache is not None or q.shape[1] != k.shape[1]):
         raise ValueError(
             f"window_size={window_size!r} in dilated_attention runs whole sequences only (no "
-            f"cache, query as long as the key) yet; decode a windowed layer with attention("
-            f"..., window_size=...) over its keys, or call without window_size"
+            f"cache, query as long as the key) yet; decode a layer of local windows alone with "
+            f"attention(..., window_size=..., cache=WindowKVCache(window_size)), or call "
+            f"without window_size"
         )
     fields = dict(
         is_causal=is_causal, has_mask=key_padding_mask is not None,
@@ -211,6 +278,7 @@ def dilated_attention(
     return compiled.route(request, q, k, v, key_padding_mask, return_lse, sinks)
 
 
+@_eager_under_compile
 def block_sparse_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -332,6 +400,30 @@ def _decode(
     return (out, lse) if return_lse else out
 
 
+def _window_cache_call(
+    cache: Cache,
+    cu_seqlens: object,
+    new: Inputs,
+    fields: dict[str, object],
+    return_lse: bool,
+    sinks: torch.Tensor | None,
+) -> Output:
+    """A checked dense call on new tokens with a windowed layer's cache (Note [A window cache]
+    in ``core/window_cache.py``): ``new`` holds q (B, n, H, D), k and v (B, n, Hkv, D) and the
+    mask (B, n) over the new keys. With ``cu_seqlens`` a packed prompt (each row's last
+    document into the cache), else the cache's decoding (``window_decode``)."""
+    q, k, v, key_padding_mask = new
+    window, is_causal = fields["window"], bool(fields["is_causal"])
+    cache = check_window_cache_call(cache, window, q, k, is_causal)  # type: ignore[arg-type]
+    if cu_seqlens is None:
+        out, lse = window_decode.window_decode(cache, new, fields, sinks)
+        return (out, lse) if return_lse else out
+    documents = check_cu_seqlens(cu_seqlens, q, k, cache)
+    result = _packed(DENSE, documents, q, k, v, key_padding_mask, fields, return_lse, sinks)
+    _prompt_into(cache, documents, k, v, key_padding_mask)
+    return result
+
+
 def _packed_dilated(
     cu_seqlens: object,
     cache: Cache | None,
@@ -347,24 +439,32 @@ def _packed_dilated(
     packed prompt] in ``core/documents.py``): the packed call, then each row's last document's
     keys and values into the cache, which is checked first."""
     documents = check_cu_seqlens(cu_seqlens, q, k, cache)
-    if cache is None:
-        return _packed(DILATED, documents, q, k, v, key_padding_mask, fields, return_lse, sinks)
-    schedule = fields["schedule"]
-    assert isinstance(schedule, Schedule)  # dilated_attention's fields
-    check_cache_call(
-        cache, schedule.segment_lengths, schedule.dilation_rates, q, k, bool(fields["is_causal"])
-    )
+    if cache is not None:
+        schedule = fields["schedule"]
+        assert isinstance(schedule, Schedule)  # dilated_attention's fields
+        segs, rates, causal = schedule.segment_lengths, schedule.dilation_rates, fields["is_causal"]
+        check_cache_call(cache, segs, rates, q, k, bool(causal))
     result = _packed(DILATED, documents, q, k, v, key_padding_mask, fields, return_lse, sinks)
-    tail = slice(q.shape[1] - last_document(documents, *q.shape[:2]), None)
+    _prompt_into(cache, documents, k, v, key_padding_mask)
+    return result
+
+
+def _prompt_into(
+    cache: Cache | None,
+    documents: tuple[int, ...],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+) -> None:
+    """A packed prompt's cache (checked; Note [A packed prompt] in ``core/documents.py``) takes
+    each row's last document's keys and values (B, n, Hkv, D) and mask (B, n), from the
+    packed rows k, v (B, N, Hkv, D); nothing without a cache."""
+    if cache is None:
+        return
+    tail = slice(k.shape[1] - last_document(documents, *k.shape[:2]), None)
     mask = None if key_padding_mask is None else key_padding_mask[:, tail]
     k, v = hide_masked_keys(k[:, tail], v[:, tail], mask)
-    if isinstance(cache, StaticDilatedKVCache):
-        if cache.key is None:
-            cache.allocate(k)
-        cache.write_rows(k, v, mask, 0)
-    else:
-        cache.append(k, v, mask)
-    return result
+    cache.take_prompt(k, v, mask)
 
 
 def _packed(

@@ -19,10 +19,11 @@ Note [Block-sparse Triton kernels]
     Rows past the end of the query or key tensor load as zeros: the forward gives them ``-inf``
     scores; in the backward a zero key row adds nothing to dQ (``ds * k``) and its own dK/dV rows
     are never stored, and a zero query row has ``dout = 0`` and adds nothing to dK/dV (Note [Rows
-    past the end] in ``_triton_kernels.py``). Under the causal mask only the diagonal block's
+    past the end] in ``_triton_device.py``). Under the causal mask only the diagonal block's
     tiles need the ``q >= kv`` test, but it is applied to every tile of a causal call: cheaper
     than a branch in the pipelined loop. Exponents and NaN rows follow Note [Exponents at large
-    logits] and Note [NaN through the kernels] in ``_triton_kernels.py``.
+    logits] and Note [NaN through the kernels] in ``_triton_device.py``, soft-capped scores
+    (``SOFTCAP``) Note [Soft-capped scores in the kernels] there.
 
 Shapes: q, dout, out, dq (B, Nq, H, D); k, v, dk, dv (B, Nk, Hkv, D); lse, delta (B, H, Nq)
 float32, natural log.
@@ -36,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._triton_device import _backward_probabilities, _tanh
 from ._triton_kernels import _block_d, dot_precision, row_delta
 from ._triton_tiles import cdiv
 
@@ -142,10 +144,13 @@ def _row_stats(lse_ptr, delta_ptr, rows, limit, EVEN: tl.constexpr):
 def _forward_kernel(
     Q, K, V, Out, Lse, KeyStart, KeyBlocks,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_lb, stride_lh,
-    query_len, key_len, kv_group, qk_scale, scale,
+    query_len, key_len, kv_group, qk_scale, scale, cap_in, softcap,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, EVEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):  # fmt: skip
+    """Out and lse of ``BLOCK_M`` query rows of one head (with ``SOFTCAP``: ``qk_scale`` is
+    log2(e), ``scale`` 1 and ``cap_in`` the scale over the cap)."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -168,6 +173,8 @@ def _forward_kernel(
         k = _tile(K + kv_row0, kv_offsets, offs_n, key_len, offs_d, HEAD_DIM, EVEN)
         v = _tile(V + kv_row0, kv_offsets, offs_n, key_len, offs_d, HEAD_DIM, EVEN)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if SOFTCAP:  # before the masks
+            qk = softcap * _tanh(qk * cap_in)
         if CAUSAL or not EVEN:
             valid = (offs_n < key_len)[None, :]
             if CAUSAL:
@@ -198,9 +205,10 @@ def _forward_kernel(
 def _dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV, QueryStart, QueryBlocks,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_lb, stride_lh,
-    query_len, key_len, kv_group, scale,
+    query_len, key_len, kv_group, scale, softcap,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, EVEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """dK and dV of ``BLOCK_N`` key rows of one key/value head."""
     pid_n = tl.program_id(0)
@@ -229,12 +237,14 @@ def _dkdv_kernel(
             do = _tile(DO + q_row0, q_offsets, offs_m, query_len, offs_d, HEAD_DIM, EVEN)
             lse, delta = _row_stats(Lse + stats_row0, Delta + stats_row0, offs_m, query_len, EVEN)
             qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-            p_t = tl.exp2((qk_t * scale - lse[None, :]) * 1.4426950408889634)
+            p_t, slope_t = _backward_probabilities(qk_t, lse[None, :], scale, softcap, SOFTCAP)
             if CAUSAL:
                 p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
             dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
             ds_t = p_t * (dp_t - delta[None, :])
+            if SOFTCAP:
+                ds_t = ds_t * slope_t
             dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
     _store_tile(DK + kv_row0, kv_offsets, offs_n, key_len, offs_d, dk * scale, HEAD_DIM, EVEN)
     _store_tile(DV + kv_row0, kv_offsets, offs_n, key_len, offs_d, dv, HEAD_DIM, EVEN)
@@ -244,9 +254,10 @@ def _dkdv_kernel(
 def _dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ, KeyStart, KeyBlocks,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_lb, stride_lh,
-    query_len, key_len, kv_group, scale,
+    query_len, key_len, kv_group, scale, softcap,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, EVEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """dQ of ``BLOCK_M`` query rows of one head."""
     pid_m = tl.program_id(0)
@@ -272,11 +283,13 @@ def _dq_kernel(
         k = _tile(K + kv_row0, kv_offsets, offs_n, key_len, offs_d, HEAD_DIM, EVEN)
         v = _tile(V + kv_row0, kv_offsets, offs_n, key_len, offs_d, HEAD_DIM, EVEN)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        p = tl.exp2((qk * scale - lse[:, None]) * 1.4426950408889634)
+        p, slope = _backward_probabilities(qk, lse[:, None], scale, softcap, SOFTCAP)
         if CAUSAL:
             p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * slope
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
     _store_tile(DQ + q_row0, q_offsets, offs_m, query_len, offs_d, dq * scale, HEAD_DIM, EVEN)
 
@@ -323,6 +336,14 @@ def _strides(first: torch.Tensor, *others: torch.Tensor) -> tuple[int, int, int]
     return first.stride(0), first.stride(1), first.stride(2)
 
 
+def _forward_scales(scale: float, softcap: float | None) -> tuple[float, float, float, float]:
+    """``(qk_scale, scale, cap_in, softcap)`` of the forward kernel: with a cap, the capped
+    scores are scaled already (Note [Soft-capped scores in the kernels])."""
+    if softcap is None:
+        return scale * LOG2E, scale, 1.0, 1.0
+    return LOG2E, 1.0, scale / softcap, softcap
+
+
 def forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -332,9 +353,11 @@ def forward(
     block_size: int,
     is_causal: bool,
     scale: float,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention forward: ``out`` (B, Nq, H, D) in q's dtype, ``lse`` (B, H, Nq)
-    float32 (``-inf`` for rows that see no key, whose ``out`` is 0). Inputs contiguous."""
+    float32 (``-inf`` for rows that see no key, whose ``out`` is 0). Inputs contiguous;
+    ``softcap``: the scores soft-capped (Note [Scores a kernel call transforms]), or None."""
     batch, query_len, heads, dim = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(batch, heads, query_len, dtype=torch.float32, device=q.device)
@@ -343,10 +366,10 @@ def forward(
     _forward_kernel[grid](
         q, k, v, out, lse, lists.key_start, lists.key_blocks,
         *_strides(q, out), *_strides(k, v), lse.stride(0), lse.stride(1),
-        query_len, k.shape[1], heads // k.shape[2], scale * LOG2E, scale,
+        query_len, k.shape[1], heads // k.shape[2], *_forward_scales(scale, softcap),
         BLOCK=block_size, HEAD_DIM=dim, BLOCK_D=_block_d(dim), BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, CAUSAL=is_causal, EVEN=_even(q, k),
-        DOT_PRECISION=dot_precision(q), num_warps=tiles.num_warps,
+        DOT_PRECISION=dot_precision(q), SOFTCAP=softcap is not None, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )  # fmt: skip
     return out, lse
@@ -364,9 +387,10 @@ def backward(
     block_size: int,
     is_causal: bool,
     scale: float,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact gradients ``(dq, dk, dv)`` in the inputs' dtypes from the forward's ``out`` and
-    ``lse`` (B, H, Nq). Inputs contiguous."""
+    ``lse`` (B, H, Nq). Inputs contiguous; ``softcap`` as in :func:`forward`."""
     batch, query_len, heads, dim = q.shape
     key_len, kv_heads = k.shape[1], k.shape[2]
     delta = row_delta(out, dout, 0, query_len)
@@ -374,11 +398,11 @@ def backward(
     tiles = _tiles(block_size)
     common = dict(
         BLOCK=block_size, HEAD_DIM=dim, BLOCK_D=_block_d(dim), CAUSAL=is_causal,
-        EVEN=_even(q, k), DOT_PRECISION=dot_precision(q),
+        EVEN=_even(q, k), DOT_PRECISION=dot_precision(q), SOFTCAP=softcap is not None,
     )  # fmt: skip
     args = (
         *_strides(q, dout, dq), *_strides(k, v, dk, dv), *_strides(lse, delta)[:2],
-        query_len, key_len, heads // kv_heads, scale,
+        query_len, key_len, heads // kv_heads, scale, 1.0 if softcap is None else softcap,
     )  # fmt: skip
     config = tiles["dkdv"]
     _dkdv_kernel[(cdiv(key_len, config.block_n), kv_heads, batch)](

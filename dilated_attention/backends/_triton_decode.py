@@ -20,7 +20,11 @@ Note [A decode kernel reading the buffers in place]
     split into runs across programs (a token is a few thousand rows, too few for one program
     each per head), and the runs merge with :func:`~._triton_merge.merge_splits` into the
     output and its log-sum-exp. One softmax over every branch's slots is the branches' exact
-    merge (Note [One call per decoded token] in ``core/decode.py``).
+    merge (Note [One call per decoded token] in ``core/decode.py``). Soft-capped scores
+    (``SOFTCAP``) are capped before the heads' masks (Note [Soft-capped scores in the kernels]
+    in ``_triton_device.py``); attention sinks join the merge as one more run whose output is 0
+    and whose log-sum-exp is the head's sink, which is exactly how a sink joins a call's result
+    (Note [Local windows, soft-capping and sinks] in ``core/sinks.py``).
 
 Shapes: q (B, 1, H, D); key/value buffers (B, R, Hkv, D), last dim contiguous; mask (B, R) bool;
 positions and row offsets (B,) int64; slot tables (K,) int64; out (B, 1, H, D); lse (B, H, 1)
@@ -35,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._triton_device import _tanh
 from ._triton_merge import merge_splits
 from ._triton_tiles import cdiv, next_power_of_2
 
@@ -74,7 +79,7 @@ def _slots_read(Seg, Rate, Stride, j, hi, p, heads, head_ok):
 @triton.jit
 def _decode_kernel(
     Q, K, V, Mask, Pos, Off, Seg, Rate, Stride, Part, PartLse,
-    num_slots, ring_rows, kv_heads, group, dim, slots_per_run, scale,
+    num_slots, ring_rows, kv_heads, group, dim, slots_per_run, scale, cap_in, cap_out,
     s_qb, s_qh,
     s_kb, s_kr, s_kh,
     s_vb, s_vr, s_vh,
@@ -82,10 +87,13 @@ def _decode_kernel(
     s_pb, s_ps, s_ph,
     s_lb, s_lh, s_ls,
     HAS_MASK: tl.constexpr, HAS_SHIFT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """Program (b * Hkv + kv head, run): the run's slots for the query heads of one key/value
-    head of batch row b, into split ``run`` of ``Part`` / ``PartLse``."""
+    head of batch row b, into split ``run`` of ``Part`` / ``PartLse``. Scores in log2 units:
+    ``scale`` is the softmax scale times log2(e); with ``SOFTCAP`` each score is ``cap_out *
+    tanh(dot * cap_in)`` (``cap_in`` the scale over the cap, ``cap_out`` the cap times
+    log2(e))."""
     pid = tl.program_id(0)
     run = tl.program_id(1)
     b = (pid // kv_heads).to(tl.int64)
@@ -129,7 +137,11 @@ def _decode_kernel(
             if HAS_MASK:
                 hidden = tl.load(Mask + b * s_mb + row, mask=filled, other=1)
                 reads = reads & (hidden == 0)[None, :]
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            if SOFTCAP:  # noqa: SIM108 (a constexpr branch); before the mask, tanh(-inf) is -1
+                qk = cap_out * _tanh(qk * cap_in)
+            else:
+                qk = qk * scale
             qk = tl.where(reads, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -160,6 +172,8 @@ def decode_step(
     slots: tuple[torch.Tensor, ...],
     scale: float,
     row_offsets: torch.Tensor | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The static step's attention (Note [A decode kernel reading the buffers in place]).
 
@@ -172,9 +186,11 @@ def decode_step(
             (K,) int64, and the heads' classes (unused here).
         scale: the softmax scale.
         row_offsets: (B,) int64, how many rows further each row's positions lie (None: 0).
+        softcap: the scores soft-capped, or None; sinks: (H,) logits joined to every row, or
+            None (no gradient reaches them here).
 
     Returns:
-        ``out`` (B, 1, H, D) in q's dtype and ``lse`` (B, H, 1) float32.
+        ``out`` (B, 1, H, D) in q's dtype and ``lse`` (B, H, 1) float32 (the sinks' included).
     """
     batch, _, heads, dim = q.shape
     ring_rows, kv_heads = k.shape[1], k.shape[2]
@@ -186,8 +202,12 @@ def decode_step(
     runs = max(1, min(_runs_wanted(q.device, batch * kv_heads), blocks))
     per_run = cdiv(blocks, runs) * block_k
     runs = cdiv(num_slots, per_run)
-    part = torch.empty(batch, runs, heads, dim, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(batch, heads, runs, dtype=torch.float32, device=q.device)
+    extra = 0 if sinks is None else 1  # the sinks' run: output 0, log-sum-exp the sink
+    part = torch.empty(batch, runs + extra, heads, dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, heads, runs + extra, dtype=torch.float32, device=q.device)
+    if sinks is not None:
+        part[:, runs].zero_()
+        part_lse[:, :, runs].copy_(sinks.detach().to(torch.float32).expand(batch, heads))
     mask = key_padding_mask if key_padding_mask is not None else positions
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     q3 = q[:, 0]
@@ -195,6 +215,7 @@ def decode_step(
     _decode_kernel[(batch * kv_heads, runs)](
         q3, k, v, mask, positions, shift, seg, rate, stride, part, part_lse,
         num_slots, ring_rows, kv_heads, heads // kv_heads, dim, per_run, scale * _LOG2E,
+        scale / (softcap or 1.0), (softcap or 1.0) * _LOG2E,
         q3.stride(0), q3.stride(1),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -202,7 +223,8 @@ def decode_step(
         *part.stride()[:3], *part_lse.stride(),
         HAS_MASK=key_padding_mask is not None, HAS_SHIFT=row_offsets is not None,
         BLOCK_G=max(16, next_power_of_2(heads // kv_heads)), BLOCK_K=block_k,
-        BLOCK_D=block_d, DOT_PRECISION=precision, num_warps=4, num_stages=2,
+        BLOCK_D=block_d, DOT_PRECISION=precision, SOFTCAP=softcap is not None, num_warps=4,
+        num_stages=2,
     )  # fmt: skip
     out = torch.empty_like(q)
     lse = torch.empty(batch, heads, 1, dtype=torch.float32, device=q.device)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..core.call_runs import register_in_place_merge
-from ..core.contract import BranchSpan
+from ..core.contract import BranchSpan, Window
 from ..core.slots import register_slot_kernels
 from ._compat import _import_failure, _last_dim_contiguous, _release
 from ._triton_compile import prepare_compiler
@@ -53,13 +53,15 @@ def announcement(family: tuple[Any, ...]) -> tuple[Any, ...]:
 
     Returns:
         ``(device, dtype name, heads, head dim, key/value heads, rate-1 flags, causal, masked,
-        grad, packed, chunk)``.
+        grad, packed, chunk, softcap)``.
     """
-    device, dtype, (heads, dim), kv_heads, branches, causal, masked, grad, packed, chunk = family
+    device, dtype, (heads, dim), kv_heads, branches, causal, masked, grad, packed, chunk, cap = (
+        family
+    )
     rate_one = tuple(r == 1 for _, r in branches)
     return (
         device, str(dtype).removeprefix("torch."), heads, dim, kv_heads, rate_one, causal, masked,
-        grad, packed, chunk,
+        grad, packed, chunk, cap,
     )  # fmt: skip
 
 
@@ -169,6 +171,10 @@ class TritonBackend(Backend):
     min_compute_capability = (8, 0)
     supports_rectangular_causal = True
     supports_mask = True
+    # Forward and backward, dense and fused (Note [Soft-capped scores in the kernels]); windows
+    # on dense calls, tiles outside skipped (Note [Local windows in the kernels]).
+    supports_softcap = True
+    supports_window = True
     native_gqa = True
     empty_rows_have_neg_inf_lse = True
 
@@ -221,15 +227,15 @@ class TritonBackend(Backend):
             return None
         self._families.add(family)
         key = announcement(family)
-        device, dtype, heads, dim, kv_heads, _, causal, masked, grad, packed, chunk = key
+        device, dtype, heads, dim, kv_heads, _, causal, masked, grad, packed, chunk, cap = key
         _log.log(
             logging.DEBUG if key in self._announced else logging.WARNING,
             "dilated_attention: compiling the Triton kernels of a new shape family on %s "
             "(%s, %d heads, %d key/value heads, head dim %d, branches %s, causal=%s, mask=%s, "
-            "packed documents=%s, %s); once per process and family (families that differ only "
-            "in segment lengths, as a shorter call clips them, at DEBUG), and compiled kernels "
-            "are cached on disk by Triton (TRITON_CACHE_DIR)",
-            device, dtype, heads, kv_heads, dim, list(family[4]), causal, masked, packed,
+            "packed documents=%s, softcap=%s, %s); once per process and family (families that "
+            "differ only in segment lengths, as a shorter call clips them, at DEBUG), and "
+            "compiled kernels are cached on disk by Triton (TRITON_CACHE_DIR)",
+            device, dtype, heads, kv_heads, dim, list(family[4]), causal, masked, packed, cap,
             "a chunk's forward" if chunk else "forward and backward" if grad else "forward",
         )  # fmt: skip
         self._announced.add(key)
@@ -254,16 +260,21 @@ class TritonBackend(Backend):
         slots: tuple[torch.Tensor, ...],
         scale: float,
         row_offsets: torch.Tensor | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per batch row against a static cache's buffers, every branch in one
         launch reading the rows in place (Note [A decode kernel reading the buffers in place]
         in ``_triton_decode.py``): q (B, 1, H, D), k and v (B, R, Hkv, D), key_padding_mask
         (B, R) bool or None, positions (B,) int64, ``slots`` the step's ``token_slots``,
-        row_offsets (B,) int64 or None -> out (B, 1, H, D), lse (B, H, 1) float32."""
+        row_offsets (B,) int64 or None, ``softcap`` or None, sinks (H,) or None (joined, no
+        gradient) -> out (B, 1, H, D), lse (B, H, 1) float32."""
         from ._triton_decode import decode_step
 
         q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-        return decode_step(q, k, v, key_padding_mask, positions, slots, scale, row_offsets)
+        return decode_step(
+            q, k, v, key_padding_mask, positions, slots, scale, row_offsets, softcap, sinks
+        )
 
     # -- fused dilated branches (core/fused.py) ---------------------------------------------------
     def forward_branch(
@@ -284,6 +295,7 @@ class TritonBackend(Backend):
         merge_from: torch.Tensor | None = None,
         merge_row0: int = 0,
         q_row0: int = 0,
+        softcap: float | None = None,
     ) -> None:
         """See ``FusedBackend.forward_branch`` in ``core/fused.py``."""
         configs = _tiles(q)
@@ -291,7 +303,7 @@ class TritonBackend(Backend):
             q, k, v, out, lse, key_mask, _branch(span), out_row0=out_row0, scale=scale,
             is_causal=is_causal, merge=merge, config=configs["forward"],
             descriptor_config=configs.get("forward_descriptors"), head0=head0,
-            merge_from=merge_from, merge_row0=merge_row0, q_row0=q_row0,
+            merge_from=merge_from, merge_row0=merge_row0, q_row0=q_row0, softcap=softcap,
         )  # fmt: skip
 
     def row_delta(
@@ -320,13 +332,14 @@ class TritonBackend(Backend):
         is_causal: bool,
         accumulate: bool,
         head0: int = 0,
+        softcap: float | None = None,
     ) -> None:
         """See ``FusedBackend.backward_branch`` in ``core/fused.py``."""
         configs = _tiles(q)
         _kernels().backward_branch(
             dout, q, k, v, lse, delta, key_mask, dq, dk, dv, _branch(span),
             delta_row0=delta_row0, grad_row0=grad_row0, scale=scale, is_causal=is_causal,
-            accumulate=accumulate, config_dq=configs["dq"], head0=head0,
+            accumulate=accumulate, config_dq=configs["dq"], head0=head0, softcap=softcap,
             config_dkdv=dkdv_config(configs, is_causal=is_causal, rate=span.rate),
         )  # fmt: skip
 
@@ -341,20 +354,24 @@ class TritonBackend(Backend):
         is_causal: bool,
         key_mask: torch.Tensor | None,
         dropout_p: float,
+        softcap: float | None = None,
+        window: Window | None = None,
     ) -> KernelOutput:
         q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
         batch, query_len, heads, _ = q.shape
         out = torch.empty_like(q)
         lse = torch.empty(batch, heads, query_len, dtype=torch.float32, device=q.device)
         configs = _tiles(q)
-        splits = key_splits(q, k.shape[1], is_causal)
+        # A window reads only the keys it reaches: no split (its runs would each need a window)
+        splits = 1 if window is not None else key_splits(q, k.shape[1], is_causal)
         if splits > 1:
-            _split_key_forward(q, k, v, key_mask, out, lse, splits, scale, configs)
+            _split_key_forward(q, k, v, key_mask, out, lse, splits, scale, configs, softcap)
             return KernelOutput(out, lse)
         _kernels().forward_branch(
             q, k, v, out, lse, key_mask, _dense_branch(query_len, k.shape[1]), out_row0=0,
             scale=scale, is_causal=is_causal, merge=False, config=configs["forward"],
-            descriptor_config=configs.get("forward_descriptors"),
+            descriptor_config=configs.get("forward_descriptors"), softcap=softcap,
+            window=window,
         )  # fmt: skip
         return KernelOutput(out, lse)
 
@@ -372,6 +389,8 @@ class TritonBackend(Backend):
         is_causal: bool,
         key_mask: torch.Tensor | None,
         dropout_p: float,
+        softcap: float | None = None,
+        window: Window | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))
         lse = lse.float()
@@ -383,7 +402,7 @@ class TritonBackend(Backend):
             dout, q, k, v, lse, delta, key_mask, dq, dk, dv, _dense_branch(q.shape[1], k.shape[1]),
             delta_row0=0, grad_row0=0, scale=scale, is_causal=is_causal, accumulate=False,
             config_dkdv=dkdv_config(configs, is_causal=is_causal, rate=1),
-            config_dq=configs["dq"],
+            config_dq=configs["dq"], softcap=softcap, window=window,
         )  # fmt: skip
         return dq, dk, dv
 
@@ -398,6 +417,7 @@ def _split_key_forward(
     splits: int,
     scale: float,
     configs: Tiles,
+    softcap: float | None = None,
 ) -> None:
     """A non-causal forward with its keys in ``splits`` runs (Note [Split keys for few
     queries]), written into ``out`` (B, Nq, H, D) and ``lse`` (B, H, Nq)."""
@@ -414,7 +434,7 @@ def _split_key_forward(
     branch = kernels.Branch(0, query_len, run, splits * query_len, k.shape[1], 1)
     kernels.forward_branch(
         rows, k, v, part, part_lse, key_mask, branch, out_row0=0, scale=scale, is_causal=False,
-        merge=False, config=split_key_config(configs), allow_descriptors=False,
+        merge=False, config=split_key_config(configs), allow_descriptors=False, softcap=softcap,
     )  # fmt: skip
     merge_splits(part, part_lse, out, lse)
 
@@ -439,6 +459,8 @@ def block_sparse_reasons(backend: Backend, inputs: KernelInputs) -> list[str]:
     per block); empty when they can. ``backend``: the registered ``triton`` backend, whose
     device, compiler and probe reasons come first."""
     reasons = backend.not_supported_reasons(replace(inputs, is_causal=False, has_mask=False))
+    if inputs.window:  # soft-capping they take (Note [Soft-capped scores in the kernels])
+        reasons.append("no local window in the block-sparse Triton kernels")
     if inputs.block_size is None or inputs.block_size % BLOCK_SPARSE_TILE_ROWS:
         reasons.append(
             f"block_size {inputs.block_size} is not a multiple of {BLOCK_SPARSE_TILE_ROWS} (the "

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..core.autograd import Backward, Forward, Grads, Inputs
+from ..core.higher_order import no_higher_order_message
 from ..patterns import Pattern
 from .plan import causal_block_mask, num_blocks, recomputed_grads
 
@@ -40,24 +41,36 @@ def _triton_lists(
     return _triton_block_sparse().block_lists(mask, device)
 
 
+_SOFTCAP_MESSAGE = no_higher_order_message(
+    "block_sparse_attention with softcap",
+    "the differentiable recompute of the gradients applies causality only",
+    "Call it without softcap for a gradient penalty or other double backward.",
+)
+
+
 @dataclass(frozen=True)
 class TritonBlockSparseRunner:
     """Our block-sparse Triton kernels as a :class:`~dilated_attention.core.autograd.Runner`
     over ``lists`` (the pattern's ``BlockLists``, causal applied); under ``create_graph=True``
     the recompute over the fallback's calls for the same block pairs (Note [Double
-    backward])."""
+    backward]), except with ``softcap`` (the scores soft-capped; Note [Scores a kernel call
+    transforms] in ``core/contract.py``)."""
 
     lists: Any
     block_size: int
     is_causal: bool
     scale: float
-    first_order_message = ""  # every call has its differentiable recompute
+    softcap: float | None = None
+
+    @property
+    def first_order_message(self) -> str:
+        return "" if self.softcap is None else _SOFTCAP_MESSAGE
 
     def forward(self, x: Inputs) -> Forward:
         q, k, v, _ = x  # no key padding mask here
         out, lse = _triton_block_sparse().forward(
             q, k, v, self.lists, block_size=self.block_size, is_causal=self.is_causal,
-            scale=self.scale,
+            scale=self.scale, softcap=self.softcap,
         )  # fmt: skip
         return Forward(out, lse, saved=(k, v))
 
@@ -66,10 +79,12 @@ class TritonBlockSparseRunner:
         k, v = saved
         return _triton_block_sparse().backward(  # type: ignore[no-any-return]
             dout.contiguous(), q, k, v, out, lse, self.lists, block_size=self.block_size,
-            is_causal=self.is_causal, scale=self.scale,
+            is_causal=self.is_causal, scale=self.scale, softcap=self.softcap,
         )  # fmt: skip
 
-    def differentiable_backward(self, b: Backward) -> Grads:
+    def differentiable_backward(self, b: Backward) -> Grads | None:
+        if self.softcap is not None:
+            return None  # the recompute knows causality only
         # The same pairs as the fallback's calls, from the kernels' block lists.
         lists, block_size = self.lists, self.block_size
         nq, nk = num_blocks(b.q.shape[1], block_size), num_blocks(b.saved[0].shape[1], block_size)

@@ -19,7 +19,8 @@ Note [The backend contract]
     A backend that can also run whole dilated branches in place (reading rows through strides,
     merging into a running ``(out, lse)``, adding gradients into dq, dk, dv) is a
     :class:`FusedBackend`, the same contract with those methods added; the fused engine
-    (``fused.py``) drives it over a :class:`BranchSpan` at a time. The registries
+    (``fused.py``) drives it over a :class:`BranchSpan` at a time, with the call's ``softcap``
+    (its branches take no window: a window is a call of its own). The registries
     (``backends/registry.py``) say which backend serves which operation; nothing else tests what
     a backend is.
 
@@ -129,7 +130,7 @@ class BranchSpan:
 
     ``bounds`` (packed documents): the segments are instead ``[bounds[i], bounds[i + 1])``, an
     int32 tensor on the inputs' device from ``start`` to ``end``, and ``segment_len`` is the
-    longest of them (Note [Segments from a table] in ``backends/_triton_kernels.py``).
+    longest of them (Note [Segments from a table] in ``backends/_triton_device.py``).
     """
 
     start: int
@@ -161,6 +162,7 @@ class FusedBackend(KernelBackend, Protocol):
         merge_from: torch.Tensor | None = None,
         merge_row0: int = 0,
         q_row0: int = 0,
+        softcap: float | None = None,
     ) -> None: ...
 
     def row_delta(
@@ -187,6 +189,7 @@ class FusedBackend(KernelBackend, Protocol):
         is_causal: bool,
         accumulate: bool,
         head0: int = 0,
+        softcap: float | None = None,
     ) -> None: ...
 
     def begin_compile(self, family: tuple[Any, ...]) -> AbstractContextManager[None] | None:

@@ -75,7 +75,7 @@ import torch
 from .autograd import Backward, Forward, Grads, Inputs
 from .contract import BranchSpan, FusedBackend
 from .documents import document_groups
-from .higher_order import differentiable_grads
+from .higher_order import differentiable_grads, no_higher_order_message
 from .segment import group_calls, plan_branches
 
 #: A group holds at least this many positions (enough programs per launch to fill a GPU) ...
@@ -89,6 +89,12 @@ GROUPS_PER_SEQUENCE = 16
 SCRATCH_SHARE = 8
 MIN_SCRATCH_HEADS = 4
 
+
+_SOFTCAP_MESSAGE = no_higher_order_message(
+    "dilated_attention with softcap",
+    "the differentiable recompute of the gradients applies causality and key masks only",
+    "Call it without softcap for a gradient penalty or other double backward.",
+)
 
 #: ``extra`` of :func:`fused_forward`: ``(scratch, lse, start, end, h0, h1)``, scratch
 #: (B, end - start, h1 - h0, D) float32 for positions [start, end) and heads [h0, h1), lse the
@@ -184,7 +190,7 @@ def _packed_spans(
     """Note [Packed documents in the fused engine]
         Packed documents (Note [Packed documents] in ``documents.py``) run on the fused kernels
         with each branch's segments read from a table (Note [Segments from a table] in
-        ``backends/_triton_kernels.py``). The position groups are each document's own
+        ``backends/_triton_device.py``). The position groups are each document's own
         (:func:`position_groups` of its length), consecutive ones joined while the joined group
         stays within the size of the groups of one sequence of the batch's length (the whole
         row where that sequence's segments allow no cut, the heads then split to bound the
@@ -303,6 +309,7 @@ def fused_forward(
     documents: tuple[int, ...] | None = None,
     first_head: int = 0,
     chunk: ChunkQueries | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every branch merged (LongNet Eq. 10), group by group (Note [Fused branch engine]).
 
@@ -317,6 +324,7 @@ def fused_forward(
         first_head: the layer head that q's head 0 is (Note [Heads from a later layer head]).
         chunk: queries at the last ``Nq`` of the ``N`` positions (causal, no ``extra`` or
             ``documents``; Note [A chunk in one fused forward]), or None.
+        softcap: every branch's scores soft-capped (Note [Scores a kernel call transforms]).
 
     Returns:
         ``out`` (B, Nq, H, D) and ``lse`` (B, H, Nq) float32 (``-inf`` where no key).
@@ -331,7 +339,7 @@ def fused_forward(
     out = (torch.empty if covers_all else torch.zeros)(
         q.shape, dtype=out_dtype or q.dtype, device=q.device
     )
-    options = {"scale": scale, "is_causal": is_causal, "q_row0": first}
+    options = {"scale": scale, "is_causal": is_causal, "q_row0": first, "softcap": softcap}
     kv_group = heads // k.shape[2]
     groups_and_spans = _spans(seq_len, branches, min_group_positions, documents, q.device, chunk)
     for start, end, spans in groups_and_spans:
@@ -391,6 +399,7 @@ def fused_backward(
     extra: BackwardExtra | None = None,
     documents: tuple[int, ...] | None = None,
     first_head: int = 0,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact gradients of :func:`fused_forward` with the merged ``out`` and ``lse``.
 
@@ -398,8 +407,7 @@ def fused_backward(
         dout, out: (B, N, H, D); lse: (B, H, N) merged.
         grad_dtype: dtype of the gradients (default the inputs'; float32 where more add in).
         extra: adds more gradients into the float32 scratch (Note [Fused branch engine]).
-        documents: packed documents' offsets, as in :func:`fused_forward`.
-        first_head: as in :func:`fused_forward`.
+        documents, first_head, softcap: as in :func:`fused_forward`.
 
     Returns:
         ``(dq, dk, dv)`` shaped like ``(q, k, v)``.
@@ -412,7 +420,7 @@ def fused_backward(
     single = len(branches) == 1 and extra is None
     alloc = torch.empty_like if covers_all or not single else torch.zeros_like
     dq, dk, dv = (alloc(x, dtype=grad_dtype or x.dtype) for x in (q, k, v))
-    options = {"scale": scale, "is_causal": is_causal}
+    options = {"scale": scale, "is_causal": is_causal, "softcap": softcap}
     kv_group = heads // kv_heads
     for start, end, spans in _spans(seq_len, branches, min_group_positions, documents, q.device):
         delta = backend.row_delta(out, dout, start, end)
@@ -465,6 +473,7 @@ def compile_ahead(
     needs_grad: bool,
     documents: tuple[int, ...] | None = None,
     chunk: ChunkQueries | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Compile every kernel a call of this shape family runs, together, before its first call.
 
@@ -484,10 +493,12 @@ def compile_ahead(
         needs_grad: also compile the backward's kernels.
         documents: packed documents' offsets (their kernels read segment tables), or None.
         chunk: a chunk's queries (Note [A chunk in one fused forward]), or None.
+        softcap: the scores' soft-cap, or None (a family of its own).
     """
     family = (
         q.device, q.dtype, q.shape[2:], k.shape[2], tuple(branches), is_causal,
         key_padding_mask is not None, needs_grad, documents is not None, chunk is not None,
+        softcap is not None,
     )  # fmt: skip
     compiling = backend.begin_compile(family)
     if compiling is None:
@@ -495,12 +506,12 @@ def compile_ahead(
     with torch.no_grad(), compiling:
         out, lse = fused_forward(
             q, k, v, key_padding_mask, branches, backend, is_causal=is_causal, scale=scale,
-            documents=documents, chunk=chunk,
+            documents=documents, chunk=chunk, softcap=softcap,
         )  # fmt: skip
         if needs_grad:
             fused_backward(
                 out, q, k, v, out, lse, key_padding_mask, branches, backend,
-                is_causal=is_causal, scale=scale, documents=documents,
+                is_causal=is_causal, scale=scale, documents=documents, softcap=softcap,
             )  # fmt: skip
 
 
@@ -511,7 +522,9 @@ class FusedRunner:
     ``create_graph=True`` the recompute over the branches' row groups (Note [Double
     backward]). ``documents``: packed documents' offsets, or None; ``first_head``: the layer
     head that q's head 0 is (Note [Heads from a later layer head]); ``chunk``: a chunk's
-    queries, forward only (Note [A chunk in one fused forward]), or None."""
+    queries, forward only (Note [A chunk in one fused forward]), or None; ``softcap``: every
+    branch's scores soft-capped, or None (then no differentiable recompute: it knows causality
+    and key masks only)."""
 
     branches: tuple[tuple[int, int], ...]
     backend: FusedBackend
@@ -520,14 +533,18 @@ class FusedRunner:
     documents: tuple[int, ...] | None = None
     first_head: int = 0
     chunk: ChunkQueries | None = None
-    first_order_message = ""  # every call has its differentiable recompute
+    softcap: float | None = None
+
+    @property
+    def first_order_message(self) -> str:
+        return "" if self.softcap is None else _SOFTCAP_MESSAGE
 
     def forward(self, x: Inputs) -> Forward:
         q, k, v, key_padding_mask = x
         out, lse = fused_forward(
             q, k, v, key_padding_mask, self.branches, self.backend, is_causal=self.is_causal,
             scale=self.scale, documents=self.documents, first_head=self.first_head,
-            chunk=self.chunk,
+            chunk=self.chunk, softcap=self.softcap,
         )  # fmt: skip
         return Forward(out, lse, saved=(k, v, key_padding_mask))
 
@@ -542,11 +559,13 @@ class FusedRunner:
         return fused_backward(
             dout.contiguous(), q, k, v, out, lse, key_padding_mask, self.branches, self.backend,
             is_causal=self.is_causal, scale=self.scale, documents=self.documents,
-            first_head=self.first_head,
+            first_head=self.first_head, softcap=self.softcap,
         )  # fmt: skip
 
-    def differentiable_backward(self, b: Backward) -> Grads:
+    def differentiable_backward(self, b: Backward) -> Grads | None:
         self._check_backward()
+        if self.softcap is not None:
+            return None  # the recompute knows causality and key masks only
         dout, q, _, lse, saved, _ = b
         k, v, key_padding_mask = saved
         segs, rates = zip(*self.branches, strict=True)

@@ -1,4 +1,6 @@
-"""The keys and values causal dilated attention still needs while decoding: a bounded cache.
+"""The keys and values a causal layer still needs while decoding: bounded caches whose buffers
+grow with what they hold (:class:`GrowingKVCache`), and the dilated layer's
+(:class:`DilatedKVCache`); a local window's is ``WindowKVCache`` in ``window_cache.py``.
 
 Note [Bounded dilated cache]
     A token at position ``p`` reads, in branch ``(w, r)``, only keys of its own segment, from
@@ -6,7 +8,10 @@ Note [Bounded dilated cache]
     ``N`` tokens, no later token reads a key before ``min over branches of (N // w) * w``, which
     is less than the longest segment ``W`` behind ``N``: after each call the cache keeps the rows
     from there on, fewer than ``W`` of them, whatever ``N`` is. (Segments of different lengths
-    need not nest: with ``w = 10`` and ``16`` the token at 17 reads from 10.)
+    need not nest: with ``w = 10`` and ``16`` the token at 17 reads from 10.) Which rows a
+    layer reads is its kind's (``first_read``, ``reach``: the longest segment here, a local
+    window's ``left + 1`` for ``WindowKVCache``, Note [A window cache] in ``window_cache.py``);
+    the buffers below serve every kind.
 
     Decoding appends a few rows per call, so the rows live in buffers with spare rows and new
     rows are written in place: the rows a call reads are a view of the buffer, not a
@@ -60,7 +65,55 @@ MIN_SPARE_ROWS = 16
 
 
 class LayerCache:
-    """What every decoding cache holds: one layer's schedule and the most tokens it takes.
+    """What every decoding cache holds: what its layer reads (a layer kind: :class:`DilatedLayer`
+    here, ``WindowLayer`` in ``window_cache.py``) and the most tokens it takes. How the rows
+    are kept is the other half of a cache: :class:`GrowingKVCache` (buffers that grow with what
+    they hold) or ``StaticKVCache`` in ``static_cache.py`` (a ring of fixed buffers).
+
+    Args:
+        max_length: the most tokens this cache will take (``None``: no limit).
+
+    Raises:
+        ValueError: a bad ``max_length``.
+    """
+
+    #: How the errors name the rows one token reads at most, and the fix for too many.
+    _reach_words = "the rows one token reads"
+    _shorter = "use a layer that reads fewer rows"
+
+    def __init__(self, *, max_length: int | None = None) -> None:
+        if max_length is not None:
+            max_length = V.check_positive_int("max_length", max_length)
+        self.max_length = max_length
+        self._start_empty()
+
+    def _start_empty(self) -> None:
+        """Set up an empty cache (each kind sets up its own state)."""
+
+    @property
+    def layer(self) -> tuple[object, ...]:
+        """What the layer reads, comparable between caches: ``("dilated", segment_lengths,
+        dilation_rates)`` or ``("window", window_size)`` (``check_caches`` in ``caches.py``)."""
+        raise NotImplementedError
+
+    @property
+    def reach(self) -> int:
+        """The most positions one token reads, its own included (the longest segment; a
+        window's left side plus one): the rows a ring of fixed buffers needs."""
+        raise NotImplementedError
+
+    def first_read(self, length: int) -> int:
+        """The first position any token after the first ``length`` can read."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """The layer in words, for error messages (``segment_lengths=[...], ...``)."""
+        raise NotImplementedError
+
+
+class DilatedLayer(LayerCache):
+    """The reads of a causal dilated attention layer (Note [Bounded dilated cache]): a token reads
+    keys of its own segments only.
 
     Args:
         segment_lengths: the layer's ``w`` per branch.
@@ -71,6 +124,9 @@ class LayerCache:
         ValueError: a bad schedule or ``max_length``.
     """
 
+    _reach_words = "the longest segment's rows"
+    _shorter = "use shorter segments"
+
     def __init__(
         self,
         segment_lengths: list[int] | tuple[int, ...],
@@ -80,18 +136,26 @@ class LayerCache:
     ) -> None:
         segs, rates = V.check_branches(segment_lengths, dilation_rates)
         self.segment_lengths, self.dilation_rates = segs, rates
-        if max_length is not None:
-            max_length = V.check_positive_int("max_length", max_length)
-        self.max_length = max_length
-        self._start_empty()
+        super().__init__(max_length=max_length)
 
-    def _start_empty(self) -> None:
-        """Set up an empty cache (each kind sets up its own state)."""
+    @property
+    def layer(self) -> tuple[object, ...]:
+        return ("dilated", self.segment_lengths, self.dilation_rates)
+
+    @property
+    def reach(self) -> int:
+        return max(self.segment_lengths)
 
     def first_read(self, length: int) -> int:
-        """The first position any token after the first ``length`` can read (Note [Bounded
-        dilated cache]): the earliest start of its segments."""
+        """The earliest start of the segments of position ``length`` (Note [Bounded dilated
+        cache])."""
         return min((length // w) * w for w in self.segment_lengths)
+
+    def describe(self) -> str:
+        return (
+            f"segment_lengths={list(self.segment_lengths)}, "
+            f"dilation_rates={list(self.dilation_rates)}"
+        )
 
     def check_schedule(self, segments: tuple[int, ...], rates: tuple[int, ...]) -> None:
         """Raise ``ValueError`` unless ``segments`` / ``rates`` are this cache's layer's."""
@@ -103,34 +167,22 @@ class LayerCache:
             )
 
 
-class DilatedKVCache(LayerCache):
-    """Keys and values of one causal dilated attention layer, for decoding.
-
-    Pass it as ``cache=`` to :func:`dilated_attention.dilated_attention` with the new tokens'
-    queries, keys and values: the call appends the keys and values, attends the new queries to
-    every key they can read (exactly the rows of the full causal forward), and drops the rows no
-    later token can read (Note [Bounded dilated cache]). One cache per layer (Note [One cache
-    per layer]).
-
-    Args:
-        segment_lengths: the layer's ``w`` per branch.
-        dilation_rates: the layer's ``r`` per branch.
-        max_length: the most tokens this cache will take (``None``: no limit); the buffers then
-            hold at most that many rows, and a call past it raises ``ValueError``.
+class GrowingKVCache(LayerCache):
+    """Keys and values of one causal decoding layer in buffers that grow with what they hold
+    and keep only the rows later tokens read (Note [Bounded dilated cache]): the machinery of
+    :class:`DilatedKVCache` and ``WindowKVCache``, whose layer kind says which rows those are
+    (``first_read``, ``reach``).
 
     Attributes:
         length: tokens seen so far (the position of the next token).
         start: position of the first row still held.
         headroom: the most rows a call writes in place, and the buffers' spare rows at their
             bound (Note [Bounded dilated cache]).
-
-    Raises:
-        ValueError: a bad schedule or ``max_length``.
     """
 
     def _start_empty(self) -> None:
         """An empty cache: no tokens, no buffers."""
-        self.headroom = max(64, max(self.segment_lengths) // 8)
+        self.headroom = max(64, self.reach // 8)
         self.length = 0
         self.start = 0
         # Held rows are buffer[:, _lo:_hi] (Note [Bounded dilated cache]); _owned: the buffers
@@ -166,27 +218,24 @@ class DilatedKVCache(LayerCache):
         return sum(t.numel() * t.element_size() for t in held)
 
     def max_rows(self, new_rows: int = 0) -> int:
-        """The most rows a buffer holds while a call writes ``new_rows``: the longest segment
-        plus ``headroom``, twice it plus ``new_rows`` for a call of more rows than the headroom,
-        or ``max_length`` when smaller (Note [Bounded dilated cache])."""
-        longest = max(self.segment_lengths)
-        rows = longest + self.headroom if new_rows <= self.headroom else 2 * longest + new_rows
+        """The most rows a buffer holds while a call writes ``new_rows``: the layer's reach
+        (the longest segment, the window) plus ``headroom``, twice it plus ``new_rows`` for a
+        call of more rows than the headroom, or ``max_length`` when smaller (Note [Bounded
+        dilated cache])."""
+        reach = self.reach
+        rows = reach + self.headroom if new_rows <= self.headroom else 2 * reach + new_rows
         return rows if self.max_length is None else min(rows, self.max_length)
 
-    def check(
-        self,
-        segments: tuple[int, ...],
-        rates: tuple[int, ...],
-        key: torch.Tensor,
-    ) -> None:
-        """Raise ``ValueError`` if ``key`` (B, n, Hkv, D) or the schedule cannot extend this
-        cache: another layer's schedule, batch size, key/value heads, head dim, dtype or
-        device, more tokens than ``max_length``, or rows no memory of the device holds."""
-        self.check_schedule(segments, rates)
+    def check(self, key: torch.Tensor) -> None:
+        """Raise ``ValueError`` if ``key`` (B, n, Hkv, D) cannot extend this cache: another
+        batch size, key/value heads, head dim, dtype or device, more tokens than
+        ``max_length``, or rows no memory of the device holds (the layer is checked by its
+        kind: ``check_schedule``, ``check_window``)."""
+        name = type(self).__name__
         if self.max_length is not None and self.length + key.shape[1] > self.max_length:
             raise ValueError(
                 f"the cache was made for max_length={self.max_length} tokens and holds "
-                f"{self.length}, got {key.shape[1]} more; start a new DilatedKVCache, or make "
+                f"{self.length}, got {key.shape[1]} more; start a new {name}, or make "
                 f"it with a larger max_length"
             )
         self._check_growth(key)
@@ -197,7 +246,7 @@ class DilatedKVCache(LayerCache):
         if held != new:
             raise ValueError(
                 f"cache holds keys of (batch, kv heads, head_dim, dtype, device) = {held}, got "
-                f"{new}; use a new DilatedKVCache for another batch or model"
+                f"{new}; use a new {name} for another batch or model"
             )
 
     def _check_growth(self, key: torch.Tensor) -> None:
@@ -212,14 +261,14 @@ class DilatedKVCache(LayerCache):
         memory = device_memory(key.device)
         if memory is None or needed <= memory:
             return
+        name = type(self).__name__
         raise ValueError(
-            f"segment_lengths={list(self.segment_lengths)}: this call makes the DilatedKVCache "
-            f"hold {rows:,} rows (it keeps up to the longest segment's rows plus "
-            f"{self.headroom} spare), {needed:,} bytes ({needed / 1e9:,.1f} GB) for these keys "
-            f"(batch {batch}, {heads} key/value heads of {dim}, {key.dtype}), more than the "
-            f"{memory:,} bytes ({memory / 1e9:,.1f} GB) of {key.device}; decode fewer tokens "
-            f"per call, bound the cache with DilatedKVCache(..., max_length=the most tokens "
-            f"you decode), or use shorter segments"
+            f"{self.describe()}: this call makes the {name} hold {rows:,} rows (it keeps up "
+            f"to {self._reach_words} plus {self.headroom} spare), {needed:,} bytes "
+            f"({needed / 1e9:,.1f} GB) for these keys (batch {batch}, {heads} key/value heads "
+            f"of {dim}, {key.dtype}), more than the {memory:,} bytes ({memory / 1e9:,.1f} GB) "
+            f"of {key.device}; decode fewer tokens per call, bound the cache with {name}(..., "
+            f"max_length=the most tokens you decode), or {self._shorter}"
         )
 
     def check_positions(self, positions: torch.Tensor, given_with: str = "cache=") -> None:
@@ -271,6 +320,13 @@ class DilatedKVCache(LayerCache):
             self._lo += keep_from - self.start
             self.start = keep_from
         return read[0], read[1], read[2], start
+
+    def take_prompt(
+        self, key: torch.Tensor, value: torch.Tensor, key_padding_mask: torch.Tensor | None
+    ) -> None:
+        """Hold a prompt's ``key``/``value`` (B, n, Hkv, D) and mask (B, n), computed elsewhere
+        (a packed prompt's last documents), as the positions after those held."""
+        self.append(key, value, key_padding_mask)
 
     def _capacity(self, rows: int, bound: int) -> int:
         """Rows of a new buffer that must take ``rows``: twice them (at least
@@ -329,6 +385,30 @@ class DilatedKVCache(LayerCache):
                 b[:, self._hi : self._hi + rows] = x
         self._hi += rows
         return [self._held(i) for i in range(3)]
+
+
+class DilatedKVCache(DilatedLayer, GrowingKVCache):
+    """Keys and values of one causal dilated attention layer, for decoding.
+
+    Pass it as ``cache=`` to :func:`dilated_attention.dilated_attention` with the new tokens'
+    queries, keys and values: the call appends the keys and values, attends the new queries to
+    every key they can read (exactly the rows of the full causal forward), and drops the rows no
+    later token can read (Note [Bounded dilated cache]). One cache per layer (Note [One cache
+    per layer]).
+
+    Args:
+        segment_lengths: the layer's ``w`` per branch.
+        dilation_rates: the layer's ``r`` per branch.
+        max_length: the most tokens this cache will take (``None``: no limit); the buffers then
+            hold at most that many rows, and a call past it raises ``ValueError``.
+
+    Attributes:
+        length, start, headroom: as in :class:`GrowingKVCache`.
+
+    Raises:
+        ValueError: a bad schedule or ``max_length``.
+    """
+
 
 
 def _in_buffer(rows: torch.Tensor, capacity: int) -> torch.Tensor:

@@ -8,7 +8,9 @@ Note [A decode step with static shapes]
     ``x mod R`` (a ring) holds every key any later token reads: the token at ``p`` overwrites
     position ``p - R``, which no token from ``p`` on reads. A segment longer than every position
     the cache will take (``max_length``) is one segment of them (Note [Effective branches]), so
-    ``R`` is at most ``max_length``.
+    ``R`` is at most ``max_length``. The ring serves any layer whose tokens read a bounded
+    span of positions back: ``R`` is the layer kind's ``reach`` (a local window's ``left + 1``
+    rows in ``StaticWindowKVCache``, Note [A window cache] in ``window_cache.py``).
 
     One step (one new token per batch row) then writes the row's key and value at row
     ``p mod R`` of the buffers, runs the one call of Note [One call per decoded token] with the
@@ -38,39 +40,25 @@ from __future__ import annotations
 import torch
 
 from .. import _validation as V
-from .kv_cache import LayerCache, device_memory
+from .kv_cache import DilatedLayer, LayerCache, device_memory
 
 
-class StaticDilatedKVCache(LayerCache):
-    """Keys and values of one causal dilated attention layer in fixed buffers, for decoding
-    with static shapes (Note [A decode step with static shapes]).
-
-    Pass it as ``cache=`` to :func:`dilated_attention.dilated_attention` (or a layer) exactly
-    like a :class:`~dilated_attention.DilatedKVCache`: the first call (the prompt) allocates the
-    buffers for its batch, heads, head dim, dtype and device; each later call of one token per
-    row is one static step, which can run inside ``torch.compile`` or be captured in a CUDA
-    graph. One cache per layer.
-
-    Args:
-        segment_lengths: the layer's ``w`` per branch.
-        dilation_rates: the layer's ``r`` per branch.
-        max_length: the most tokens a row will take (``None``: no limit); segments longer than
-            it need only that many rows.
+class StaticKVCache(LayerCache):
+    """Keys and values of one causal decoding layer in fixed buffers, a ring of the rows one
+    token reads at most (the layer kind's ``reach``; Note [A decode step with static shapes]):
+    the machinery of :class:`StaticDilatedKVCache` and ``StaticWindowKVCache``.
 
     Attributes:
         ring_rows: R, the rows of the buffers.
         key, value: (B, R, Hkv, D) buffers (None before the first call).
         key_padding_mask: (B, R) bool, ``True`` = ignore (None while no call passed a mask).
         lengths: (B,) int64 tokens each row has seen, on the buffers' device.
-
-    Raises:
-        ValueError: a bad schedule or ``max_length``.
     """
 
     def _start_empty(self) -> None:
         """An empty cache: no buffers yet (the first call allocates them)."""
-        longest, most = max(self.segment_lengths), self.max_length
-        self.ring_rows = longest if most is None else min(longest, most)
+        reach, most = self.reach, self.max_length
+        self.ring_rows = reach if most is None else min(reach, most)
         self.key: torch.Tensor | None = None
         self.value: torch.Tensor | None = None
         self.key_padding_mask: torch.Tensor | None = None
@@ -82,12 +70,11 @@ class StaticDilatedKVCache(LayerCache):
         held = (self.key, self.value, self.key_padding_mask, self.lengths)
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
-    def check(self, segments: tuple[int, ...], rates: tuple[int, ...], key: torch.Tensor) -> None:
-        """Raise ``ValueError`` if ``key`` (B, n, Hkv, D) or the schedule cannot extend this
-        cache: another layer's schedule, or (once the buffers exist) another batch size,
-        key/value heads, head dim, dtype or device; or buffers no memory of the device holds.
-        Shapes only: no synchronization."""
-        self.check_schedule(segments, rates)
+    def check(self, key: torch.Tensor) -> None:
+        """Raise ``ValueError`` if ``key`` (B, n, Hkv, D) cannot extend this cache: (once the
+        buffers exist) another batch size, key/value heads, head dim, dtype or device; or
+        buffers no memory of the device holds (the layer is checked by its kind). Shapes only:
+        no synchronization."""
         if self.key is None:
             if not torch.compiler.is_compiling():  # a traced prompt is refused after this
                 self._check_memory(key)
@@ -95,11 +82,11 @@ class StaticDilatedKVCache(LayerCache):
         held = (self.key.shape[0], *self.key.shape[2:], self.key.dtype, self.key.device)
         new = (key.shape[0], *key.shape[2:], key.dtype, key.device)
         if held != new:
+            name = type(self).__name__
             raise ValueError(
-                f"the StaticDilatedKVCache's buffers hold keys of (batch, kv heads, head_dim, "
-                f"dtype, device) = {held}, got {new}: a static step keeps its shapes; use a "
-                f"new StaticDilatedKVCache for another batch or model, or cache.reset(drop="
-                f"True) first"
+                f"the {name}'s buffers hold keys of (batch, kv heads, head_dim, dtype, device) "
+                f"= {held}, got {new}: a static step keeps its shapes; use a new {name} for "
+                f"another batch or model, or cache.reset(drop=True) first"
             )
 
     def _check_memory(self, key: torch.Tensor) -> None:
@@ -109,11 +96,10 @@ class StaticDilatedKVCache(LayerCache):
         if memory is None or needed <= memory:
             return
         raise ValueError(
-            f"segment_lengths={list(self.segment_lengths)}: a StaticDilatedKVCache holds "
-            f"{self.ring_rows:,} rows (the longest segment) for these keys (batch {batch}, "
-            f"{heads} key/value heads of {dim}, {key.dtype}): {needed:,} bytes, more than the "
-            f"{memory:,} bytes of {key.device}; pass max_length=the most tokens you decode, "
-            f"or use shorter segments"
+            f"{self.describe()}: a {type(self).__name__} holds {self.ring_rows:,} rows "
+            f"({self._reach_words}) for these keys (batch {batch}, {heads} key/value heads of "
+            f"{dim}, {key.dtype}): {needed:,} bytes, more than the {memory:,} bytes of "
+            f"{key.device}; pass max_length=the most tokens you decode, or {self._shorter}"
         )
 
     def allocate(self, key: torch.Tensor) -> None:
@@ -155,7 +141,7 @@ class StaticDilatedKVCache(LayerCache):
         low, high = (int(x) for x in torch.aminmax(self.lengths))
         if low != high:
             raise ValueError(
-                f"the StaticDilatedKVCache's rows are at different positions ({low} to {high}): "
+                f"the {type(self).__name__}'s rows are at different positions ({low} to {high}): "
                 f"extend them one token per row per call, or give the rows of one length a "
                 f"cache of their own"
             )
@@ -170,16 +156,31 @@ class StaticDilatedKVCache(LayerCache):
         if V.values_unreadable():
             torch._assert_async(
                 (self.lengths + new_tokens <= self.max_length).all(),
-                f"a StaticDilatedKVCache of max_length={self.max_length} got more tokens",
+                f"a {type(self).__name__} of max_length={self.max_length} got more tokens",
             )
             return
         most = int(self.lengths.max())
         if most + new_tokens > self.max_length:
             raise ValueError(
-                f"the StaticDilatedKVCache was made for max_length={self.max_length} tokens and "
+                f"the {type(self).__name__} was made for max_length={self.max_length} tokens and "
                 f"a row holds {most}, got {new_tokens} more; start a new cache (or "
                 f"cache.reset()), or make it with a larger max_length"
             )
+
+    def chunk_start(self, new_tokens: int) -> int:
+        """The position of the first of ``new_tokens`` given together (a prompt or a chunk):
+        the one every row is at (one synchronization).
+
+        Raises:
+            ValueError: rows at different positions, or positions past ``max_length``.
+        """
+        first = 0 if self.lengths is None else self.host_length()
+        if self.max_length is not None and first + new_tokens > self.max_length:
+            raise ValueError(
+                f"the {type(self).__name__} was made for max_length={self.max_length} tokens, "
+                f"got {first + new_tokens}; make it with a larger max_length"
+            )
+        return first
 
     def write_token(
         self, key: torch.Tensor, value: torch.Tensor, key_padding_mask: torch.Tensor | None
@@ -205,8 +206,10 @@ class StaticDilatedKVCache(LayerCache):
         first: int,
     ) -> None:
         """Write ``key``/``value`` (B, n, Hkv, D) and ``key_padding_mask`` (B, n) of positions
-        ``first .. first + n - 1`` (every row at ``first``), keeping the last ``R``, and move
-        every row to ``first + n``. Eager."""
+        ``first .. first + n - 1`` (every row at ``first``; the buffers allocated on first use),
+        keeping the last ``R``, and move every row to ``first + n``. Eager."""
+        if self.key is None:
+            self.allocate(key)
         assert self.key is not None and self.value is not None and self.lengths is not None
         n = key.shape[1]
         kept = min(n, self.ring_rows)
@@ -228,7 +231,35 @@ class StaticDilatedKVCache(LayerCache):
         mask = self.key_padding_mask
         return self.key[:, rows], self.value[:, rows], None if mask is None else mask[:, rows]
 
-    def load_rows(self, rows: torch.Tensor, source: StaticDilatedKVCache, batch: int) -> None:
+    def with_held(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
+        first: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+        """The keys, values and mask (None where neither has one) that new tokens at positions
+        ``first ..`` read: the held rows from the layer's ``first_read(first)`` to ``first``
+        followed by ``key``/``value`` (B, n, Hkv, D) and ``key_padding_mask`` (B, n), and the
+        position of their first row. Eager (every row at ``first``)."""
+        start = self.first_read(first)
+        if first <= start:
+            return key, value, key_padding_mask, start
+        held_k, held_v, held_mask = self.read_rows(start, first)
+        keys, values = torch.cat([held_k, key], dim=1), torch.cat([held_v, value], dim=1)
+        mask = key_padding_mask
+        if mask is not None or held_mask is not None:
+            mask = torch.cat([_mask_or_none(held_mask, held_k), _mask_or_none(mask, key)], dim=1)
+        return keys, values, mask, start
+
+    def take_prompt(
+        self, key: torch.Tensor, value: torch.Tensor, key_padding_mask: torch.Tensor | None
+    ) -> None:
+        """Hold a prompt's ``key``/``value`` (B, n, Hkv, D) and mask (B, n), computed elsewhere
+        (a packed prompt's last documents), as the positions from 0. Eager."""
+        self.write_rows(key, value, key_padding_mask, 0)
+
+    def load_rows(self, rows: torch.Tensor, source: StaticKVCache, batch: int) -> None:
         """Take ``source``'s rows (each at its own position) as this cache's batch ``rows``
         (int64 indices), allocating buffers for ``batch`` rows on first use: prompts of
         different lengths, each prefilled in a cache of its own, decoded together. Both caches
@@ -242,8 +273,8 @@ class StaticDilatedKVCache(LayerCache):
             batch: B, the rows of this cache's buffers (theirs once they exist).
 
         Raises:
-            TypeError: ``source`` is not a StaticDilatedKVCache, ``rows`` not an int tensor.
-            ValueError: ``source`` of another schedule or ``max_length``, or empty; ``batch``
+            TypeError: ``source`` is not a cache of this kind, ``rows`` not an int tensor.
+            ValueError: ``source`` of another layer or ``max_length``, or empty; ``batch``
                 not a positive int or not the buffers'; ``rows`` not one distinct index in
                 ``[0, batch)`` per row of ``source``; keys of other heads, head dim, dtype or
                 device than the buffers'. Checked before anything is written.
@@ -265,21 +296,19 @@ class StaticDilatedKVCache(LayerCache):
 
     def _check_load(self, rows: object, source: object, batch: object) -> None:
         """:meth:`load_rows`'s arguments, checked (its Raises)."""
-        if not isinstance(source, StaticDilatedKVCache):
+        name = type(self).__name__
+        if type(source) is not type(self):
             raise TypeError(
-                f"source must be a StaticDilatedKVCache prefilled with a prompt, got "
-                f"{type(source).__name__}; run the prompt into a new StaticDilatedKVCache of "
+                f"source must be a {name} prefilled with a prompt, got "
+                f"{type(source).__name__}; run the prompt into a new {name} of "
                 f"this layer first"
             )
-        if (source.segment_lengths, source.dilation_rates, source.ring_rows) != (
-            self.segment_lengths, self.dilation_rates, self.ring_rows
-        ):  # fmt: skip
+        assert isinstance(source, StaticKVCache)
+        if (source.layer, source.ring_rows) != (self.layer, self.ring_rows):
             raise ValueError(
-                f"source holds a layer with segment_lengths={list(source.segment_lengths)}, "
-                f"dilation_rates={list(source.dilation_rates)} in "
-                f"{V.counted(source.ring_rows, 'row')}, this "
-                f"cache segment_lengths={list(self.segment_lengths)}, dilation_rates="
-                f"{list(self.dilation_rates)} in {self.ring_rows}; load caches of one layer"
+                f"source holds a layer with {source.describe()} in "
+                f"{V.counted(source.ring_rows, 'row')}, this cache {self.describe()} in "
+                f"{self.ring_rows}; load caches of one layer"
             )
         if source.key is None or source.lengths is None:
             raise ValueError("source holds no tokens: run the prompt into it first")
@@ -336,6 +365,37 @@ class StaticDilatedKVCache(LayerCache):
             self.key.shape[:2], dtype=torch.bool, device=self.key.device
         )
         _mark_static(self.key_padding_mask)
+
+
+class StaticDilatedKVCache(DilatedLayer, StaticKVCache):
+    """Keys and values of one causal dilated attention layer in fixed buffers, for decoding
+    with static shapes (Note [A decode step with static shapes]).
+
+    Pass it as ``cache=`` to :func:`dilated_attention.dilated_attention` (or a layer) exactly
+    like a :class:`~dilated_attention.DilatedKVCache`: the first call (the prompt) allocates the
+    buffers for its batch, heads, head dim, dtype and device; each later call of one token per
+    row is one static step, which can run inside ``torch.compile`` or be captured in a CUDA
+    graph. One cache per layer.
+
+    Args:
+        segment_lengths: the layer's ``w`` per branch.
+        dilation_rates: the layer's ``r`` per branch.
+        max_length: the most tokens a row will take (``None``: no limit); segments longer than
+            it need only that many rows.
+
+    Attributes:
+        ring_rows, key, value, key_padding_mask, lengths: as in :class:`StaticKVCache`.
+
+    Raises:
+        ValueError: a bad schedule or ``max_length``.
+    """
+
+
+def _mask_or_none(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """``mask`` (B, n) bool, or no key hidden for ``like``'s (B, n, ...) rows."""
+    if mask is not None:
+        return mask
+    return torch.zeros(like.shape[:2], dtype=torch.bool, device=like.device)
 
 
 def _mark_static(buffer: torch.Tensor) -> None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from .. import _validation as V
 from ..backends.registry import Selection, check_backend_name
 from ..core.documents import check_offsets
+from ..core.executor import empty_attention
 from ..core.schedule import Schedule
 from ..core.schedule_state import describe_schedule, dilated_schedule
 from ..resolve import DENSE, DILATED, Request, resolve
@@ -45,15 +46,18 @@ def _field_names(schedule_name: str) -> tuple[str, ...]:
     return (
         "local seq_len", "batch", "query heads", "key/value heads", "head_dim", "dtype",
         "is_causal", "layout", "comm", "scale", "backend", schedule_name,
-        "key_padding_mask given (0/1)", "device type", GRAD_MODE, DOCUMENTS,
+        "key_padding_mask given (0/1)", "device type", GRAD_MODE, DOCUMENTS, "window_size",
+        "softcap", "sinks given (0/1)",
     )  # fmt: skip
 
 
 @dataclass(frozen=True)
 class RingArgs:
     """A ring call's arguments as the public function received them (unchecked): query (B, n,
-    H, D), key and value (B, n, Hkv, D), key_padding_mask (B, n) bool or None, options, and
-    ``cu_seqlens``: packed documents over the whole sharded row (B = 1), or None."""
+    H, D), key and value (B, n, Hkv, D), key_padding_mask (B, n) bool or None, options,
+    ``cu_seqlens``: packed documents over the whole sharded row (B = 1), or None, and the
+    scores' options (Note [Local windows, soft-capping and sinks] in ``core/sinks.py``): a local
+    window ``(left, right)`` over global positions, a soft-cap, sinks (H,)."""
 
     query: object
     key: object
@@ -66,6 +70,9 @@ class RingArgs:
     comm: object = "ring"
     key_padding_mask: object = None
     cu_seqlens: object = None
+    window_size: object = None
+    softcap: object = None
+    sinks: object = None
 
 
 @dataclass(frozen=True)
@@ -89,8 +96,9 @@ class RingOperation:
 @dataclass(frozen=True)
 class PreparedRing:
     """A ring call every rank agreed on: contiguous q (B, n, H, D), k and v (B, n, Hkv, D),
-    where this rank sits (``setup``), the per-step kernel, the checked schedule and the checked
-    offsets of packed documents over the whole row (None without)."""
+    where this rank sits (``setup``), the per-step kernel, the checked schedule, the checked
+    offsets of packed documents over the whole row (None without), and the checked local
+    window ``(left, right)``, soft-cap and sinks (H,) (None where not asked)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -99,11 +107,22 @@ class PreparedRing:
     kernel: Selection
     schedule: object = None
     documents: tuple[int, ...] | None = None
+    window: tuple[int, int] | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
 
     @property
     def empty(self) -> bool:
         """A batch of 0 or 0 heads, on every rank: empty results, as in one process."""
         return self.q.numel() == 0
+
+    def empty_result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` of an :attr:`empty` call, as in one process: empty tensors, linked to
+        the sinks where given (their gradient is then zeros, not None)."""
+        out, lse = empty_attention(self.q, self.k, self.v)
+        if self.sinks is not None:
+            out = out + (self.sinks.sum() * 0).to(out.dtype)
+        return out, lse
 
 
 @dataclass(frozen=True)
@@ -118,6 +137,9 @@ class _Checked:
     scale: float | None
     chunk_len: int
     documents: tuple[int, ...] | None
+    window: tuple[int, int] | None
+    softcap: float | None
+    sinks: torch.Tensor | None
 
 
 def _digest(value: object) -> int:
@@ -162,7 +184,24 @@ def _check(call: RingArgs, op: RingOperation, world_size: int) -> _Checked:
             "shard a sequence divisible by 2 x world size with shard_sequence"
         )
     documents = None if call.cu_seqlens is None else _check_documents(call, q, world_size)
-    return _Checked(q, k, v, schedule, layout, scale, n // parts, documents)
+    window, softcap, sinks = _check_scores(call, q)
+    return _Checked(q, k, v, schedule, layout, scale, n // parts, documents, window, softcap, sinks)
+
+
+def _check_scores(
+    call: RingArgs, q: torch.Tensor
+) -> tuple[tuple[int, int] | None, float | None, torch.Tensor | None]:
+    """The call's local window, soft-cap and sinks (H,), checked as one process checks them; a
+    window travels as its halo only (Note [Halo exchange] in ``halo.py``), never with
+    ``comm='allgather'``."""
+    window = V.check_window_size(call.window_size)
+    if window is not None and call.comm != "ring":
+        raise ValueError(
+            f"window_size={call.window_size!r} exchanges only the window's halo between "
+            f"neighbours, never whole blocks: comm={call.comm!r} does not apply; pass "
+            f"comm='ring' (the default)"
+        )
+    return window, V.check_softcap(call.softcap), V.check_sinks(call.sinks, q)
 
 
 def _check_documents(call: RingArgs, q: torch.Tensor, world_size: int) -> tuple[int, ...]:
@@ -189,7 +228,8 @@ def _kernel(checked: _Checked, call: RingArgs, op: RingOperation, world_size: in
         fields = {"schedule": checked.schedule, "shard": (world_size, checked.chunk_len)}
     request = Request.of(
         op.operation, checked.q, checked.k, checked.v, is_causal=call.is_causal,
-        has_mask=call.key_padding_mask is not None, backend=call.backend, **fields,
+        has_mask=call.key_padding_mask is not None, backend=call.backend, window=checked.window,
+        softcap=checked.softcap, sinks=checked.sinks is not None, **fields,
     )  # fmt: skip
     kernel = resolve(request).kernel
     assert kernel is not None  # dense and sharded dilated requests always name one
@@ -198,13 +238,15 @@ def _kernel(checked: _Checked, call: RingArgs, op: RingOperation, world_size: in
 
 def _shown(checked: _Checked, call: RingArgs) -> list[object]:
     """This rank's summary, readable (the mismatch message shows it)."""
-    q, k = checked.q, checked.k
+    q, k, sinks = checked.q, checked.k, checked.sinks
     documents = None if checked.documents is None else list(checked.documents)
+    inputs = (q, k, checked.v) if sinks is None else (q, k, checked.v, sinks)
     return [
         q.shape[1], q.shape[0], q.shape[2], k.shape[2], q.shape[3], str(q.dtype), call.is_causal,
         checked.layout, call.comm, checked.scale, check_backend_name(call.backend) or "auto",
         _schedule_text(checked.schedule), int(call.key_padding_mask is not None), q.device.type,
-        int(backward_follows(q, k, checked.v)), documents,
+        int(backward_follows(*inputs)), documents, checked.window, checked.softcap,
+        int(sinks is not None),
     ]  # fmt: skip
 
 
@@ -215,13 +257,14 @@ def prepare_ring(call: RingArgs, op: RingOperation | None = None) -> PreparedRin
     one or none.
 
     Each rank checks its own inputs, then all ranks exchange one small summary (a fixed number of
-    integers: an error flag, shapes, dtype, device type, options, grad mode, the packed
-    documents' offsets, a hash of what ``check_schedule`` validates and returns, e.g. the dilated
-    branches; where a field differs, the message shows every rank's value readably, schedules
-    and offsets included). A rank whose inputs were rejected raises its own error and every
-    other rank a ``ValueError`` naming it, and any field that differs between ranks raises on
-    every rank: never a hang. Grad mode (grad
-    enabled and an input requires grad) is part of the summary because the backward communicates:
+    integers: an error flag, shapes, dtype, device type, options (the local window, soft-cap and
+    whether sinks are given among them), grad mode, the packed documents' offsets, a hash of
+    what ``check_schedule`` validates and returns, e.g. the dilated branches; where a field
+    differs, the message shows every rank's value readably, schedules and offsets included). A
+    rank whose inputs were rejected raises its own error and every other rank a ``ValueError``
+    naming it, and any field that differs between ranks raises on every rank: never a hang.
+    Grad mode (grad enabled and an input, sinks included, requires grad) is part of the summary
+    because the backward communicates:
     a backward on some ranks only would wait for the others until the timeout. The kernel
     comes from the resolve step, as for a call in one process (``resolve(Request.of(...))``):
     for ``"dilated"`` the request carries the schedule and ``shard=(world_size, chunk_len)``, so
@@ -250,7 +293,10 @@ def prepare_ring(call: RingArgs, op: RingOperation | None = None) -> PreparedRin
         comm=str(call.comm),
     )  # fmt: skip
     q, k, v = (x.contiguous() for x in (checked.q, checked.k, checked.v))
-    return PreparedRing(q, k, v, setup, kernel, checked.schedule, checked.documents)
+    return PreparedRing(
+        q, k, v, setup, kernel, checked.schedule, checked.documents, checked.window,
+        checked.softcap, checked.sinks,
+    )  # fmt: skip
 
 
 def reject_ring_call(

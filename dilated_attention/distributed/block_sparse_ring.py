@@ -53,8 +53,7 @@ from ..block_sparse.plan import (
     plan_calls,
 )
 from ..compiled import eager_only
-from ..core.autograd import run_attention
-from ..core.executor import empty_attention
+from ..core.autograd import Runner, run_attention
 from ..core.higher_order import ring_message
 from ..core.schedule_state import block_sparse_schedule, describe_schedule
 from ..functional import block_sparse_attention
@@ -76,9 +75,9 @@ from .agreement import (
 from .context import ContextParallel
 from .exchange import ExchangeStep, SparseSteps, exchange_steps
 from .modules import RingModule
-from .packed_ring import packed_ring
+from .packed_ring import packed_runner
 from .template import RingRunner, StepKernel
-from .ulysses import split_call
+from .ulysses import heads_sinks, score_options, split_call
 
 __all__ = [
     "BlockSparseRingAttention",
@@ -144,6 +143,8 @@ def block_sparse_ring_attention(
     backend: str | None = None,
     return_lse: bool = False,
     cu_seqlens: torch.Tensor | list[int] | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention over a sequence sharded across ``group``; this rank's shard.
 
@@ -165,6 +166,7 @@ def block_sparse_ring_attention(
         cu_seqlens: packed documents of the whole row (B = 1), as in ``ring_attention``: each
             document's blocks count from its own first token (Note [Packed documents across
             ranks] in ``packed_ring.py``).
+        softcap, sinks: as in ``ring_attention``.
 
     Returns:
         ``out`` (B, n, H, D), or ``(out, lse)``. A batch of 0 (or 0 heads) gives empty tensors,
@@ -178,32 +180,34 @@ def block_sparse_ring_attention(
     if isinstance(group, ContextParallel):
         refuse_documents(cu_seqlens, group)
         out, lse = _over_context(group, query, key, value, pattern, block_size, is_causal,
-                                 scale, backend)  # fmt: skip
+                                 scale, backend, softcap, sinks)  # fmt: skip
         return (out, lse) if return_lse else out
     args = RingArgs(query, key, value, group=group, is_causal=is_causal, scale=scale,
-                    backend=backend, cu_seqlens=cu_seqlens)  # fmt: skip
+                    backend=backend, cu_seqlens=cu_seqlens, softcap=softcap,
+                    sinks=sinks)  # fmt: skip
     operation = RingOperation(
         check_schedule=functools.partial(
             _check_schedule, query, pattern, block_size, return_lse, group
         ),
         schedule_name="schedule (pattern, block_size)",
     )
-    if cu_seqlens is not None:
-        out, lse = packed_ring(args, operation, pattern=pattern, block_size=block_size)
-        return (out, lse) if return_lse else out
     ring = prepare_ring(args, operation)
     q, k, v, setup = ring.q, ring.k, ring.v, ring.setup
     if ring.empty:  # batch 0 or 0 heads, agreed on every rank: as in one process
-        out, lse = empty_attention(q, k, v)
+        out, lse = ring.empty_result()
         return (out, lse) if return_lse else out
-    n = q.shape[1]
-    steps = _schedule(
-        pattern, int(block_size), n, setup.world_size, setup.rank, is_causal, q.device,
-        max(n, block_plan.MIN_KV_ROWS_PER_CALL),
-    )  # fmt: skip
-    kernel = StepKernel(ring.kernel.backend, setup.scale)
-    runner = RingRunner(SparseSteps(steps, setup), kernel, _FIRST_ORDER)
-    out, lse = run_attention(q, k, v, None, runner)
+    runner: Runner
+    if ring.documents is not None:
+        runner = packed_runner(ring, pattern=pattern, block_size=block_size)
+    else:
+        n = q.shape[1]
+        steps = _schedule(
+            pattern, int(block_size), n, setup.world_size, setup.rank, is_causal, q.device,
+            max(n, block_plan.MIN_KV_ROWS_PER_CALL),
+        )  # fmt: skip
+        kernel = StepKernel(ring.kernel.backend, setup.scale, softcap=ring.softcap)
+        runner = RingRunner(SparseSteps(steps, setup), kernel, _FIRST_ORDER)
+    out, lse = run_attention(q, k, v, None, runner, ring.sinks)
     return (out, lse) if return_lse else out
 
 
@@ -220,24 +224,30 @@ def _over_context(
     is_causal: bool,
     scale: float | None,
     backend: str | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`block_sparse_ring_attention` under a :class:`ContextParallel` (Note [Calls under
-    a head all-to-all] in ``ulysses.py``): ``(out, lse)``."""
+    a head all-to-all] in ``ulysses.py``, each rank with the sinks of its heads): ``(out,
+    lse)``."""
     options = dict(block_size=block_size, is_causal=is_causal, scale=scale, backend=backend,
-                   return_lse=True)  # fmt: skip
+                   return_lse=True, softcap=softcap)  # fmt: skip
 
     def local(q, k, v, mask, first):  # type: ignore[no-untyped-def]
-        return block_sparse_attention(q, k, v, pattern, **options)
+        return block_sparse_attention(q, k, v, pattern, sinks=heads_sinks(sinks, first, q),
+                                      **options)  # fmt: skip
 
     def ring(group, q, k, v, mask, first):  # type: ignore[no-untyped-def]
-        return block_sparse_ring_attention(q, k, v, pattern, group=group, **options)
+        own = heads_sinks(sinks, first, q)
+        return block_sparse_ring_attention(q, k, v, pattern, group=group, sinks=own, **options)
 
     def agreed() -> object:
         described = _check_schedule(None, pattern, block_size, True, None)
         ring_size, heads = cp.sizes()
         blocks = num_blocks(query.shape[1] * heads * ring_size, check_block_size(block_size))
         check_pattern(pattern).block_mask(blocks, blocks)  # a Custom mask of the wrong size
-        return described, is_causal, V.check_scale(scale), check_backend_name(backend)
+        return (described, is_causal, V.check_scale(scale), check_backend_name(backend),
+                *score_options(None, softcap, sinks, query))  # fmt: skip
 
     return split_call(cp, "contiguous", query, key, value, None, local=local, ring=ring,
                       what="block_sparse_ring_attention", options=agreed)  # fmt: skip
@@ -294,6 +304,8 @@ class BlockSparseRingAttention(RingModule, BlockSparseAttention):
         group: process group (default: the world).
         scale: softmax scale (``None``: head_dim ** -0.5).
         backend: kernel name for the per-step calls, or ``None``.
+        softcap, sinks: as in ``BlockSparseAttention`` (soft-capped scores, learnable sinks for
+            this many query heads).
 
     Its forward takes (B, n, ...) local shards, as :class:`~.modules.RingModule`'s;
     ``key_padding_mask`` must be None (a mask on any rank raises on every rank).
@@ -309,8 +321,11 @@ class BlockSparseRingAttention(RingModule, BlockSparseAttention):
         group: dist.ProcessGroup | None = None,
         scale: float | None = None,
         backend: str | None = None,
+        softcap: float | None = None,
+        sinks: int | None = None,
     ) -> None:
-        super().__init__(pattern, block_size=block_size, scale=scale, backend=backend)
+        super().__init__(pattern, block_size=block_size, scale=scale, backend=backend,
+                         softcap=softcap, sinks=sinks)  # fmt: skip
         self._init_ring(group)
 
     def ring_options(self) -> dict[str, object]:
@@ -323,7 +338,8 @@ class BlockSparseRingAttention(RingModule, BlockSparseAttention):
 class BlockSparseRingMultiheadAttention(AgreedForward, BlockSparseMultiheadAttention):
     """:class:`~dilated_attention.BlockSparseMultiheadAttention` over a sharded sequence: same
     constructor (plus ``group``) and forward; each rank passes its (B, n, E) shard. Parameters
-    are replicated: wrap the model in DDP/FSDP as usual for data parallelism.
+    are replicated: wrap the model in DDP/FSDP as usual for data parallelism; ``softcap`` and
+    ``sinks`` as in the local layer (``attention.sinks``).
 
     A call rejected on one rank, by the layer's own checks or by the ring call's agreement,
     raises on every rank (:class:`~dilated_attention.distributed.agreement.AgreedForward`): the rank
@@ -346,9 +362,12 @@ class BlockSparseRingMultiheadAttention(AgreedForward, BlockSparseMultiheadAtten
         backend: str | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        softcap: float | None = None,
+        sinks: bool = False,
     ) -> None:
         attention = BlockSparseRingAttention(
-            pattern, block_size=block_size, group=group, scale=scale, backend=backend
+            pattern, block_size=block_size, group=group, scale=scale, backend=backend,
+            softcap=softcap, sinks=num_heads if V.check_bool("sinks", sinks) else None,
         )
         self._init_layer(
             embed_dim, num_heads, attention, num_kv_heads=num_kv_heads, bias=bias,

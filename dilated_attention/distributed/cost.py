@@ -10,7 +10,9 @@ Note [Choosing the context-parallel split]
     ring passes every other rank's keys and values (and the key gradients home); ring dilated
     attention sends only the dilated rows of the branches whose segments cross ranks, to the
     ranks sharing those segments (Note [Local and spanning branches] in ``ring_dilated.py``),
-    so short segments cost nothing and long sparse ones little. The model
+    so short segments cost nothing and long sparse ones little; a local window sends only its
+    halo, the rows it reaches on other ranks (Note [Halo exchange] in ``halo.py``), and their
+    gradients back. The model
     (:func:`plan_split`) prices a split as ``compute + all-to-all + max(0, ring - compute)``:
     the ring's transfers overlap the steps' compute, the all-to-alls do not; compute is the
     attention pairs of a rank at ``Topology.tflops``; a head group inside a node exchanges at
@@ -34,6 +36,7 @@ from .. import _validation as V
 from ..core.schedule import Schedule
 from .context import ContextParallel, kv_repeats
 from .dilated_plan import span_peers, span_rows, span_segments
+from .halo import Halo, halo_rows
 from .ring import tasks_of
 from .sharding import check_layout, chunks_per_rank
 from .template import RingSetup
@@ -58,7 +61,8 @@ class Volume:
 @dataclass(frozen=True)
 class Shape:
     """The layer call: batch, positions, heads, key/value heads, head dim, dtype, causal,
-    sequence layout, key padding mask, and the dilated schedule (None: dense)."""
+    sequence layout, key padding mask, the dilated schedule (None: dense), and a local window
+    ``(left, right)`` (None: none; with a schedule, one more branch)."""
 
     batch: int
     seq_len: int
@@ -70,6 +74,7 @@ class Shape:
     layout: str = "contiguous"
     masked: bool = False
     schedule: Schedule | None = None
+    window: tuple[int, int] | None = None
 
     @property
     def element(self) -> int:
@@ -100,9 +105,15 @@ def ring_volume(shape: Shape, ranks: int) -> Volume:
     """A ring over ``ranks`` of the call's shards: the most any rank sends."""
     if ranks == 1:
         return Volume()
-    if shape.schedule is None:
-        return max((_dense_ring(shape, ranks, r) for r in range(ranks)), key=_total)
-    return max(_dilated_ring(shape, ranks), key=_total)
+    if shape.schedule is not None:
+        volumes = _dilated_ring(shape, ranks)
+    elif shape.window is None:
+        volumes = [_dense_ring(shape, ranks, r) for r in range(ranks)]
+    else:
+        volumes = [Volume()] * ranks  # the window alone: its halo below
+    if shape.window is not None:
+        volumes = [v + h for v, h in zip(volumes, _halo_ring(shape, ranks), strict=True)]
+    return max(volumes, key=_total)
 
 
 def _total(volume: Volume) -> int:
@@ -155,6 +166,24 @@ def _dilated_ring(shape: Shape, ranks: int) -> list[Volume]:
     return [Volume(f, b) for f, b in zip(forward, backward, strict=True)]
 
 
+def _halo_ring(shape: Shape, ranks: int) -> list[Volume]:
+    """A local window's halo, every rank's (Note [Halo exchange] in ``halo.py``): the rows the
+    others' windows reach of its shard forward (with their mask), and float32 dK/dV of the rows
+    it received backward."""
+    assert shape.window is not None
+    left, right = shape.window
+    halo = Halo(ranks, shape.seq_len // ranks, shape.layout, left, 0 if shape.is_causal else right)
+    kv_row = 2 * shape.batch * shape.kv_heads * shape.head_dim
+    mask = shape.batch if shape.masked else 0
+    volumes = []
+    for rank in range(ranks):
+        sent, received = halo_rows(halo, rank)
+        volumes.append(
+            Volume(sent * (kv_row * shape.element + mask), received * kv_row * shape.accumulator)
+        )
+    return volumes
+
+
 def split_volume(shape: Shape, ring: int, heads: int) -> Volume:
     """Bytes a rank sends per layer call under a ring of ``ring`` around head groups of
     ``heads`` (Note [Choosing the context-parallel split])."""
@@ -164,6 +193,7 @@ def split_volume(shape: Shape, ring: int, heads: int) -> Volume:
     inner = Shape(
         shape.batch, shape.seq_len, shape.heads // heads, shape.kv_heads * repeats // heads,
         shape.head_dim, shape.dtype, shape.is_causal, shape.layout, shape.masked, shape.schedule,
+        shape.window,
     )  # fmt: skip
     local = shape.seq_len // (ring * heads)
     return head_volume(shape, heads, local) + ring_volume(inner, ring)
@@ -214,6 +244,7 @@ class SplitPlan:
 
     chosen: Split
     splits: tuple[Split, ...] = field(default=())
+    note: str = ""
 
     def mesh(self, device_type: str, data_parallel: int = 1) -> tuple[Any, ContextParallel]:
         """The ``(dp, ring, heads)`` ``DeviceMesh`` of the chosen split (head groups on
@@ -236,6 +267,8 @@ class SplitPlan:
     def describe(self) -> str:
         """The choice and, for every split, its bytes, predicted time or why it was refused."""
         lines = [f"context parallel: {self.chosen.name} (the fastest predicted)"]
+        if self.note:
+            lines.append(f"  {self.note}")
         for split in self.splits:
             if split.refused is not None:
                 lines.append(f"  {split.name}: refused ({split.refused})")
@@ -252,14 +285,19 @@ class SplitPlan:
 
 
 def _pairs(shape: Shape) -> float:
-    """Query-key pairs of the whole call (a causal call half of them)."""
+    """Query-key pairs of the whole call (a causal call half of them; a local window's rows
+    as many as it reaches, edges counted whole)."""
     n = shape.seq_len
     if shape.schedule is None:
-        pairs = shape.heads * n * n
+        pairs = 0.0 if shape.window is not None else shape.heads * n * n
     else:
         branches = shape.schedule.at(n, shape.heads, shape.kv_heads).branches
         pairs = shape.heads * n * sum(min(w, n) / (r * r) for w, r in branches)
-    return shape.batch * pairs * (0.5 if shape.is_causal else 1.0)
+    pairs *= 0.5 if shape.is_causal else 1.0
+    if shape.window is not None:
+        left, right = (n if side < 0 else side for side in shape.window)
+        pairs += shape.heads * n * min(n, left + (0 if shape.is_causal else right) + 1)
+    return shape.batch * pairs
 
 
 def _predicted_ms(shape: Shape, split: Split, world: int, topology: Topology) -> float:
@@ -302,6 +340,7 @@ def plan_context_parallel(
     dtype: torch.dtype = torch.bfloat16,
     layout: str = "contiguous",
     topology: Topology | None = None,
+    window_size: tuple[int, int] | None = None,
 ) -> SplitPlan:
     """The split of ``world_size`` ranks for a layer call of these properties (Note [Choosing
     the context-parallel split]); ``str(plan)`` says why, ``plan.mesh(device_type)`` builds it.
@@ -312,6 +351,8 @@ def plan_context_parallel(
         segment_lengths, dilation_rates: a dilated schedule (None: dense attention).
         is_causal, dtype, layout: the call's mask, dtype and sequence layout.
         topology: links and compute of the ranks (default :class:`Topology`).
+        window_size: a local window ``(left, right)`` (with a schedule, one more branch): a ring
+            then sends only its halo (Note [Halo exchange] in ``halo.py``), which the plan says.
 
     Raises:
         ValueError / TypeError: a bad argument, or no split runs the call.
@@ -325,6 +366,7 @@ def plan_context_parallel(
         V.check_positive_int("batch", batch), V.check_positive_int("seq_len", seq_len),
         num_heads, num_kv_heads, V.check_positive_int("head_dim", head_dim), dtype,
         V.check_bool("is_causal", is_causal), check_layout(layout), False, schedule,
+        V.check_window_size(window_size),
     )  # fmt: skip
     return plan_split(shape, world_size, topology)
 
@@ -354,4 +396,8 @@ def plan_split(shape: Shape, world: int, topology: Topology | None = None) -> Sp
         reasons = "; ".join(f"{s.name}: {s.refused}" for s in splits)
         raise ValueError(f"no split of {world} ranks runs this call: {reasons}")
     chosen = min(runnable, key=lambda s: (round(s.predicted_ms or 0.0, 6), -s.ring))
-    return SplitPlan(chosen, tuple(splits))
+    note = ""
+    if shape.window is not None:
+        note = (f"local window {shape.window}: a ring sends each rank only the key rows the "
+                f"window reaches on other ranks (its halo), and their gradients back")  # fmt: skip
+    return SplitPlan(chosen, tuple(splits), note)

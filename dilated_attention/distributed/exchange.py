@@ -9,8 +9,9 @@ a pair of ranks.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -30,15 +31,15 @@ class ExchangeStep:
         dst: group rank this step sends to (this rank at step 0).
         recv_len: positions received from ``src`` (0: nothing to receive or compute).
         send_index: (m,) int64 local rows sent to ``dst`` (empty: nothing to send).
-        calls: kernel calls; ``kv_index`` counts rows of the local shard (step 0) or of the
-            received buffer.
+        calls: kernel calls (``SparseCall``, or any executor ``Call``); their key rows count
+            rows of the local shard (step 0) or of the received buffer.
     """
 
     src: int
     dst: int
     recv_len: int
     send_index: torch.Tensor
-    calls: list[SparseCall]
+    calls: list[Any]
 
 
 #: ``needs(dst, src)``: the global key positions of ``src``'s shard that ``dst``'s queries need,
@@ -73,33 +74,39 @@ def exchange_steps(
     )
 
 
-def _post_kv(kv: torch.Tensor, step: ExchangeStep, setup: RingSetup) -> Transit[KeyBlock | None]:
+def _post_kv(local: KeyBlock, step: ExchangeStep, setup: RingSetup) -> Transit[KeyBlock | None]:
     """Start the K/V exchange of ``step``: send the rows ``step.dst`` needs, receive those from
-    ``step.src`` (None: nothing to receive)."""
+    ``step.src`` (None: nothing to receive); a key padding mask travels with its rows."""
+    kv, mask = local.kv, local.mask
     send, recv = [], []
-    payload = buffer = None
+    payload: tuple[torch.Tensor, ...] = ()
     if step.send_index.numel():
-        payload = kv.index_select(2, step.send_index).contiguous()
-        send.append((payload, setup.global_ranks[step.dst]))
+        payload = (kv.index_select(2, step.send_index).contiguous(),)
+        if mask is not None:
+            payload += (mask.index_select(1, step.send_index).contiguous(),)
+        send += [(t, setup.global_ranks[step.dst]) for t in payload]
+    received = None
     if step.recv_len:
         buffer = torch.empty(
             (2, kv.shape[1], step.recv_len, *kv.shape[3:]), dtype=kv.dtype, device=kv.device
         )
-        recv.append((buffer, setup.global_ranks[step.src]))
-    received = None if buffer is None else KeyBlock(buffer)
-    sent = () if payload is None else (payload,)
-    return Transit(_comm.exchange(send, recv), lambda: received, sent)
+        rows = None if mask is None else mask.new_empty((mask.shape[0], step.recv_len))
+        received = KeyBlock(buffer, rows)
+        recv += [(t, setup.global_ranks[step.src]) for t in received.tensors()]
+    return Transit(_comm.exchange(send, recv), lambda: received, payload)
 
 
 @dataclass(frozen=True)
 class _Exchange:
     """One pass of Note [Block-sparse exchange] over this rank's keys ``local`` (kv
-    (2, B, n, Hkv, D)); ``dkv``: their gradients' float32 accumulators (backward)."""
+    (2, B, n, Hkv, D)); ``dkv``: their gradients' float32 accumulators (backward); ``kept``:
+    the keys each step received in the forward (backward: nothing travels but gradients)."""
 
     schedule: tuple[ExchangeStep, ...]
     setup: RingSetup
     local: KeyBlock
     dkv: torch.Tensor | None = None
+    kept: Sequence[KeyBlock | None] | None = None
 
     @property
     def steps(self) -> int:
@@ -108,9 +115,11 @@ class _Exchange:
     def fetch(self, step: int, held: KeyBlock | None) -> Transit[KeyBlock | None]:
         if step == 0:
             return Transit.done(self.local)
-        return _post_kv(self.local.kv, self.schedule[step], self.setup)
+        if self.kept is not None:
+            return Transit.done(self.kept[step])
+        return _post_kv(self.local, self.schedule[step], self.setup)
 
-    def calls(self, step: int) -> list[SparseCall]:
+    def calls(self, step: int) -> list[Any]:
         return self.schedule[step].calls
 
     def grads(self, step: int, keys: KeyBlock) -> StepGrads:
@@ -155,6 +164,11 @@ class SparseSteps:
     schedule: tuple[ExchangeStep, ...]
     setup: RingSetup
 
-    def open(self, local: KeyBlock, dkv: torch.Tensor | None = None) -> Traffic:
+    def open(
+        self,
+        local: KeyBlock,
+        dkv: torch.Tensor | None = None,
+        kept: Sequence[KeyBlock | None] | None = None,
+    ) -> Traffic:
         """The traffic of one pass over this rank's keys (:class:`~.template.Steps`)."""
-        return _Exchange(self.schedule, self.setup, local, dkv)
+        return _Exchange(self.schedule, self.setup, local, dkv, kept)

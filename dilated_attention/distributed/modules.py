@@ -16,6 +16,7 @@ from .. import _validation as V
 from ..backends.registry import check_backend_name
 from ..config import MultiheadDilatedConfig
 from ..modules import DilatedAttention, MultiheadDilatedAttention
+from ..modules.scores import learnable_sinks
 from .agreement import COMMS, AgreedForward
 from .packed_ring import shard_offsets, shard_positions
 from .ring import ring_attention
@@ -62,6 +63,14 @@ class RingModule:
         """The module's arguments to :attr:`ring_function` besides the call's own."""
         raise NotImplementedError
 
+    def score_options(self) -> dict[str, object]:
+        """The module's local window, soft-cap and learnable sinks (its ``window_size``,
+        ``softcap`` and ``sinks`` attributes, as the local modules keep them: a local module
+        made a ring module by ``context_parallel`` passes its own on), those set."""
+        names = ("window_size", "softcap", "sinks")
+        given = {name: getattr(self, name, None) for name in names}
+        return {name: value for name, value in given.items() if value is not None}
+
     def forward(
         self,
         query: torch.Tensor,
@@ -78,7 +87,7 @@ class RingModule:
         documents = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
         out = self.ring_function(
             query, key, value, is_causal=is_causal, key_padding_mask=key_padding_mask,
-            **self.ring_options(), **documents,
+            **self.ring_options(), **self.score_options(), **documents,
         )  # fmt: skip
         assert isinstance(out, torch.Tensor)  # return_lse=False: for the type checker
         return out
@@ -93,6 +102,10 @@ class RingAttention(RingModule, nn.Module):
         layout: ``"contiguous"`` or ``"zigzag"`` (causal only).
         backend: kernel name or ``None``.
         comm: ``"ring"`` or ``"allgather"``.
+        window_size: a local window ``(left, right)`` (only its halo travels), or None.
+        softcap: soft-capped scores, or None.
+        sinks: learnable attention sinks for this many query heads (a parameter initialised to
+            0, replicated: a rank's gradient is its rows' share), or None.
     """
 
     ring_function = staticmethod(ring_attention)
@@ -105,8 +118,15 @@ class RingAttention(RingModule, nn.Module):
         layout: str = "contiguous",
         backend: str | None = None,
         comm: str = "ring",
+        window_size: tuple[int, int] | None = None,
+        softcap: float | None = None,
+        sinks: int | None = None,
     ) -> None:
         super().__init__()
+        self.window_size = V.check_window_size(window_size)
+        self.softcap = V.check_softcap(softcap)
+        heads = None if sinks is None else V.check_positive_int("sinks", sinks)
+        self.sinks = learnable_sinks(heads)
         self.scale = V.check_scale(scale)
         self.layout = check_layout(layout)
         if comm not in COMMS:
@@ -129,6 +149,8 @@ class RingDilatedAttention(RingModule, DilatedAttention):
         group: process group (default: the world).
         dropout: must be 0 (no dropout across ranks).
         layout: ``"contiguous"`` or ``"zigzag"`` (causal only).
+        window_size, softcap, sinks: as in ``DilatedAttention`` (a local window as one more
+            branch, soft-capped scores, learnable sinks for this many query heads).
     """
 
     decodes_with_cache = False  # a sharded sequence has no single cache
@@ -145,10 +167,14 @@ class RingDilatedAttention(RingModule, DilatedAttention):
         dropout: float = 0.0,
         backend: str | None = None,
         layout: str = "contiguous",
+        window_size: tuple[int, int] | None = None,
+        softcap: float | None = None,
+        sinks: int | None = None,
     ) -> None:
         super().__init__(
-            segment_lengths, dilation_rates, scale=scale, dropout=dropout, backend=backend
-        )
+            segment_lengths, dilation_rates, scale=scale, dropout=dropout, backend=backend,
+            window_size=window_size, softcap=softcap, sinks=sinks,
+        )  # fmt: skip
         _no_dropout(dropout)
         self.layout = check_layout(layout)
         self._init_ring(group)
@@ -168,7 +194,8 @@ class RingMultiheadDilatedAttention(AgreedForward, MultiheadDilatedAttention):
 
     A call rejected on one rank, by the layer's own checks or by the ring call's agreement,
     raises on every rank (:class:`~dilated_attention.distributed.agreement.AgreedForward`): the rank
-    whose call was rejected its own error, the others ``ValueError`` naming that rank."""
+    whose call was rejected its own error, the others ``ValueError`` naming that rank.
+    ``window_size``, ``softcap`` and ``sinks`` as in the local layer (``attention.sinks``)."""
 
     attention: RingDilatedAttention
 
@@ -190,16 +217,21 @@ class RingMultiheadDilatedAttention(AgreedForward, MultiheadDilatedAttention):
         backend: str | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        window_size: tuple[int, int] | None = None,
+        softcap: float | None = None,
+        sinks: bool = False,
     ) -> None:
         config = MultiheadDilatedConfig(
             embed_dim=embed_dim, num_heads=num_heads, segment_lengths=segment_lengths,
             dilation_rates=dilation_rates, num_kv_heads=num_kv_heads, dropout=dropout, bias=bias,
             layer_norm=layer_norm, layer_norm_eps=layer_norm_eps, gamma_init=gamma_init,
             backend=check_backend_name(backend),  # "auto" -> None
+            window_size=window_size, softcap=softcap, sinks=sinks,
         )  # fmt: skip
         attention = RingDilatedAttention(
             config.segment_lengths, config.dilation_rates, group=group, dropout=config.dropout,
-            backend=config.backend, layout=layout,
+            backend=config.backend, layout=layout, window_size=config.window_size,
+            softcap=config.softcap, sinks=num_heads if config.sinks else None,
         )  # fmt: skip
         self._init_layer(config, attention, batch_first=True, device=device, dtype=dtype)
 

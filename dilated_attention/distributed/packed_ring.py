@@ -32,19 +32,17 @@ from typing import Any
 import torch
 
 from ..block_sparse.plan import SparseCall, call_positions, check_block_size, document_calls
-from ..core.autograd import run_attention
 from ..core.documents import check_offsets, document_groups, document_positions
-from ..core.executor import empty_attention
 from ..core.higher_order import ring_message
 from ..core.schedule import Schedule
 from ..patterns import Pattern, check_pattern
 from ._comm import group_rank_and_size
-from .agreement import RingArgs, RingOperation, prepare_ring
+from .agreement import PreparedRing
 from .context import ContextParallel, no_documents
 from .exchange import ExchangeStep, SparseSteps, exchange_steps
 from .template import RingRunner, StepKernel
 
-__all__ = ["RingLoad", "packed_ring", "restricted_calls", "ring_load", "shard_offsets",
+__all__ = ["RingLoad", "packed_runner", "restricted_calls", "ring_load", "shard_offsets",
            "shard_positions"]  # fmt: skip
 
 
@@ -353,36 +351,27 @@ def _check_divides(total: int, world_size: int) -> None:
         )
 
 
-def packed_ring(
-    call: RingArgs,
-    op: RingOperation | None = None,
-    *,
-    pattern: Pattern | None = None,
-    block_size: int = 128,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of ``ring_attention`` (with ``pattern``, ``block_sparse_ring_attention``;
-    with ``op.check_schedule`` returning a :class:`~dilated_attention.core.schedule.Schedule`,
-    ``ring_dilated_attention``) on one packed row: this rank's shard (B = 1, n positions) of the
-    documents ``call.cu_seqlens`` over the whole row of ``W * n`` (Note [Packed documents
-    across ranks]).
+def packed_runner(
+    ring: PreparedRing, *, pattern: Pattern | None = None, block_size: int = 128
+) -> RingRunner:
+    """The runner of ``ring_attention`` (with ``pattern``, ``block_sparse_ring_attention``;
+    with a :class:`~dilated_attention.core.schedule.Schedule` agreed on,
+    ``ring_dilated_attention``) on one packed row: an agreed call (``prepare_ring``) on this
+    rank's shard (B = 1, n positions) of the documents over the whole row of ``W * n`` (Note
+    [Packed documents across ranks]), on the call's per-step kernel and soft-cap.
 
-    ``op`` is the function's own (its schedule checked and compared as without documents, its
-    per-step kernel the dense one): the ranks' agreement compares the offsets besides, so a call
-    with documents on some ranks only names them as what differs.
+    The function's own ``RingOperation`` (its schedule checked and compared as without
+    documents, its per-step kernel the dense one) made the agreement, which compares the offsets
+    besides, so a call with documents on some ranks only names them as what differs.
     """
-    assert call.cu_seqlens is not None  # the caller's branch
-    ring = prepare_ring(call, op)
-    q, k, v, setup = ring.q, ring.k, ring.v, ring.setup
-    if ring.empty:
-        return empty_attention(q, k, v)
+    q, k, setup = ring.q, ring.k, ring.setup
     assert ring.documents is not None  # checked, as cu_seqlens was given
     schedule = ring.schedule if isinstance(ring.schedule, Schedule) else None
     dilated = None if schedule is None else (schedule, q.shape[2], k.shape[2])
-    plan = (ring.documents, bool(call.is_causal), pattern, block_size, dilated)
+    plan = (ring.documents, setup.is_causal, pattern, block_size, dilated)
     steps = _steps(plan, (setup.world_size, setup.rank), q.device)
     what = "ring_attention" if pattern is None else "block_sparse_ring_attention"
     what = "ring_dilated_attention" if dilated is not None else what
     message = ring_message(what, what.replace("ring_", "") + "()")
-    runner = RingRunner(SparseSteps(steps, setup), StepKernel(ring.kernel.backend, setup.scale),
-                        message)  # fmt: skip
-    return run_attention(q, k, v, None, runner)
+    kernel = StepKernel(ring.kernel.backend, setup.scale, softcap=ring.softcap)
+    return RingRunner(SparseSteps(steps, setup), kernel, message)

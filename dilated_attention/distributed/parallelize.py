@@ -7,10 +7,12 @@ Note [Parallelizing a model]
     [One ring template] in ``template.py``; ``RingModule``). So a local layer becomes a ring
     layer by taking the ring class and those two attributes, with its parameters and schedule
     state untouched (the way ``fully_shard`` re-classes a module), and a ring layer just takes
-    the new group. Layers that cannot run over ranks raise before anything changes: dropout
-    (the ring functions have none) and decoding caches. After it, each rank passes its shard
-    (``shard_sequence(x, group=group)``); rotary positions follow the group
-    (``sequence_positions``), and ``LongNetLM`` finds them itself.
+    the new group; a local window, soft-cap and learnable sinks go with the layer (the ring
+    layer passes them on; each rank's sinks gradient is its shard's share). Layers that cannot
+    run over ranks raise before anything changes: dropout (the ring functions have none) and
+    decoding caches. After it, each rank passes its shard (``shard_sequence(x, group=group)``);
+    rotary positions follow the group (``sequence_positions``), and ``LongNetLM`` finds them
+    itself.
 
 Shape legend: B batch, n a rank's positions, E embed_dim.
 """
@@ -24,6 +26,7 @@ from ..modules import (
     BlockSparseAttention,
     BlockSparseMultiheadAttention,
     DilatedAttention,
+    LocalAttention,
     MultiheadDilatedAttention,
 )
 from .block_sparse_ring import BlockSparseRingAttention, BlockSparseRingMultiheadAttention
@@ -59,14 +62,22 @@ def context_parallel(
         layout: the sequence layout the shards are made with (``"zigzag"``: causal models).
 
     Raises:
-        ValueError: a layer with dropout (the ring functions have none), with a window,
-            soft-cap or sinks, or a bad ``layout``; nothing is changed then.
+        ValueError: a layer with dropout (the ring functions have none), a local
+            (sliding-window) layer, which has no ring layer yet, or a bad ``layout``; nothing
+            is changed then.
         TypeError: ``group`` is not a group.
     """
     check_group(group)
     layout = check_layout(layout)
     changes = []
     for name, module in model.named_modules():
+        if isinstance(module, LocalAttention):
+            raise ValueError(
+                f"{name or 'model'} is a local (sliding-window) layer, which has no ring layer "
+                f"yet: run the model in one process, or use the ring functions' window "
+                f"(RingAttention(window_size=...), ring_attention(..., window_size=...)); "
+                f"nothing was changed"
+            )
         ring_class = _RING_CLASSES.get(type(module))
         if ring_class is None and not isinstance(module, RingModule):
             continue
@@ -75,15 +86,6 @@ def context_parallel(
             raise ValueError(
                 f"{name or 'model'} ({type(module).__name__}) has dropout={dropout}: context "
                 f"parallel layers have no dropout; build the model with dropout=0"
-            )
-        inner = getattr(module, "attention", module)
-        asked = [option for option in ("window_size", "softcap", "sinks")
-                 if getattr(inner, option, None) is not None]  # fmt: skip
-        if asked:
-            raise ValueError(
-                f"{name or 'model'} ({type(module).__name__}) has {', '.join(asked)}: its ring "
-                f"layer does not apply them yet; build the model without them for context "
-                f"parallelism"
             )
         sparse = isinstance(module, BlockSparseAttention | BlockSparseMultiheadAttention)
         if sparse and layout != "contiguous":

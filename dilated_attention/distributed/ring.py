@@ -22,6 +22,7 @@ Shape legend: B batch, n local tokens, H query heads, Hkv key/value heads, D hea
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -30,16 +31,16 @@ import torch.distributed as dist
 from .. import _validation as V
 from ..backends.registry import check_backend_name
 from ..compiled import eager_only
-from ..core.autograd import run_attention
+from ..core.autograd import Runner, run_attention
 from ..core.calls import SliceCall
-from ..core.executor import empty_attention
 from ..core.hidden import hide_masked_keys
 from ..core.higher_order import ring_message
 from ..functional import attention
 from ._comm import exchange, ring_all_gather
-from .agreement import COMMS, RingArgs, prepare_ring, refuse_documents
+from .agreement import COMMS, PreparedRing, RingArgs, prepare_ring, refuse_documents
 from .context import ContextParallel
-from .packed_ring import packed_ring
+from .halo import windowed_runner
+from .packed_ring import packed_runner
 from .sharding import chunks_of
 from .template import (
     KeyBlock,
@@ -51,7 +52,7 @@ from .template import (
     Traffic,
     Transit,
 )
-from .ulysses import split_call
+from .ulysses import heads_sinks, score_options, split_call
 
 __all__ = ["COMMS", "DenseSteps", "plan_block", "ring_attention"]
 
@@ -266,8 +267,14 @@ class DenseSteps:
 
     setup: RingSetup
 
-    def open(self, local: KeyBlock, dkv: torch.Tensor | None = None) -> Traffic:
-        """The traffic of one pass over this rank's block (:class:`~.template.Steps`)."""
+    def open(
+        self,
+        local: KeyBlock,
+        dkv: torch.Tensor | None = None,
+        kept: Sequence[KeyBlock | None] | None = None,
+    ) -> Traffic:
+        """The traffic of one pass over this rank's block (:class:`~.template.Steps`; every
+        block travels again in the backward: nothing is ``kept``)."""
         kind = _Gathered if self.setup.comm == "allgather" else _Passed
         return kind(self.setup, local, dkv)
 
@@ -287,6 +294,9 @@ def ring_attention(
     comm: str = "ring",
     key_padding_mask: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | list[int] | None = None,
+    window_size: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence sharded across ``group``; this rank's shard of the result.
 
@@ -309,6 +319,11 @@ def ring_attention(
             any length spanning shards (Note [Packed documents across ranks] in
             ``packed_ring.py``; :func:`~dilated_attention.distributed.ring_load` tells the
             work per rank).
+        window_size: ``(left, right)`` over global positions, as in ``attention``: only the
+            key rows it reaches on other ranks travel (Note [Halo exchange] in ``halo.py``).
+        softcap: every scaled score ``s`` becomes ``softcap * tanh(s / softcap)``.
+        sinks: (H,) logits, as in ``attention``, alike on every rank; a rank's gradient is its
+            rows' share (the shares sum to the one-process gradient).
 
     Returns:
         ``out`` (B, n, H, D): this rank's shard of ``attention`` on the gathered sequence, with
@@ -323,31 +338,39 @@ def ring_attention(
             leaves the others waiting until the process group's timeout: set one
             (``init_process_group(timeout=...)``, docs/ring.md).
     """
+    scores = dict(window_size=window_size, softcap=softcap, sinks=sinks)
     if isinstance(group, ContextParallel):
         refuse_documents(cu_seqlens, group)
         out, lse = _over_context(
             group, query, key, value, key_padding_mask, is_causal=is_causal, scale=scale,
-            backend=backend, layout=layout, comm=comm,
+            backend=backend, layout=layout, comm=comm, **scores,
         )  # fmt: skip
         return (out, lse) if return_lse else out
     args = RingArgs(
         query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
         backend=backend, comm=comm, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens,
+        **scores,
     )  # fmt: skip
-    if cu_seqlens is not None:
-        out, lse = packed_ring(args)
-        return (out, lse) if return_lse else out
     ring = prepare_ring(args)
     q, k, v = ring.q, ring.k, ring.v
     if ring.empty:  # batch 0 or 0 heads, agreed on every rank: as in one process
-        out, lse = empty_attention(q, k, v)
+        out, lse = ring.empty_result()
     else:
         k, v = hide_masked_keys(k, v, key_padding_mask)  # Note [Hidden keys cannot poison rows]
-        kernel = StepKernel(ring.kernel.backend, ring.setup.scale)
-        message = ring_message("ring_attention", "attention()")
-        runner = RingRunner(DenseSteps(ring.setup), kernel, message)
-        out, lse = run_attention(q, k, v, key_padding_mask, runner)
+        out, lse = run_attention(q, k, v, key_padding_mask, _runner(ring), ring.sinks)
     return (out, lse) if return_lse else out
+
+
+def _runner(ring: PreparedRing) -> Runner:
+    """What runs an agreed :func:`ring_attention` call: its local window over the halo, its
+    packed documents' exchange, or whole blocks around the ring."""
+    message = ring_message("ring_attention", "attention()")
+    if ring.window is not None:
+        return windowed_runner(ring, message)
+    if ring.documents is not None:
+        return packed_runner(ring)
+    kernel = StepKernel(ring.kernel.backend, ring.setup.scale, softcap=ring.softcap)
+    return RingRunner(DenseSteps(ring.setup), kernel, message)
 
 
 def _over_context(
@@ -362,20 +385,28 @@ def _over_context(
     backend: str | None,
     layout: str,
     comm: str,
+    window_size: object,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`ring_attention` under a :class:`ContextParallel` (Note [Calls under a head
-    all-to-all] in ``ulysses.py``): ``(out, lse)``."""
-    options = dict(is_causal=is_causal, scale=scale, backend=backend, return_lse=True)
+    all-to-all] in ``ulysses.py``, each rank with the sinks of its heads): ``(out, lse)``."""
+    options = dict(is_causal=is_causal, scale=scale, backend=backend, return_lse=True,
+                   window_size=window_size, softcap=softcap)  # fmt: skip
 
     def local(q, k, v, mask, first):  # type: ignore[no-untyped-def]
-        return attention(q, k, v, key_padding_mask=mask, **options)
+        return attention(q, k, v, key_padding_mask=mask, sinks=heads_sinks(sinks, first, q),
+                         **options)  # fmt: skip
 
     def ring(group, q, k, v, mask, first):  # type: ignore[no-untyped-def]
         return ring_attention(q, k, v, group=group, key_padding_mask=mask, layout=layout,
-                              comm=comm, **options)  # fmt: skip
+                              comm=comm, sinks=heads_sinks(sinks, first, q), **options)  # fmt: skip
+
+    def agreed() -> object:
+        checked = (V.check_scale(scale), check_backend_name(backend), comm)
+        return (is_causal, *checked, *score_options(window_size, softcap, sinks, query))
 
     return split_call(
         cp, layout, query, key, value, key_padding_mask, local=local, ring=ring,
-        what="ring_attention",
-        options=lambda: (is_causal, V.check_scale(scale), check_backend_name(backend), comm),
+        what="ring_attention", options=agreed,
     )  # fmt: skip

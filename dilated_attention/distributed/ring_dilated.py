@@ -55,17 +55,25 @@ import torch.distributed as dist
 from .. import _validation as V
 from ..backends.registry import Selection, check_backend_name
 from ..compiled import eager_only
-from ..core.autograd import Backward, FirstOrderOnly, Forward, Grads, Inputs, run_attention
+from ..core.autograd import (
+    Backward,
+    FirstOrderOnly,
+    Forward,
+    Grads,
+    Inputs,
+    Runner,
+    run_attention,
+)
 from ..core.call_runs import accumulator_dtype, row_lse
 from ..core.cells import add_cells, merge_cells
-from ..core.executor import empty_attention, plan_backward, plan_forward
+from ..core.executor import plan_backward, plan_forward
 from ..core.fused import fused_backward, fused_forward
 from ..core.grouped import grouped_plan
 from ..core.hidden import hide_masked_keys
 from ..core.higher_order import ring_message
 from ..core.schedule import Schedule
 from ..core.slots import ExtraSlotGradients, SlotView
-from ..resolve import DILATED, Request, execute
+from ..resolve import DENSE, DILATED, Request, execute
 from ._comm import exchange
 from .agreement import RingArgs, RingOperation, prepare_ring, refuse_documents
 from .context import ContextParallel
@@ -77,7 +85,8 @@ from .dilated_plan import (
     merge_compact,
     plan_ring_dilated,
 )
-from .packed_ring import packed_ring
+from .halo import UnionRunner, windowed_runner
+from .packed_ring import packed_runner
 from .template import (
     KeyBlock,
     RingSetup,
@@ -87,7 +96,7 @@ from .template import (
     ring_backward,
     ring_forward,
 )
-from .ulysses import split_call
+from .ulysses import heads_sinks, score_options, split_call
 
 
 def _gather(
@@ -182,25 +191,35 @@ class _Spans:
         return Transit.done(None)
 
 
+_MESSAGE = ring_message("ring_dilated_attention", "dilated_attention()")
+
+
 @dataclass(frozen=True)
 class RingDilatedRunner(FirstOrderOnly):
     """Ring dilated attention as a :class:`~dilated_attention.core.autograd.Runner`: the local
     branches on this rank's rows, the spanning ones through the peer exchange, merged.
 
     ``kernel``: the resolve step's choice for the local branches; when it is the plan kernel
-    (the fused branches, ``kernel.runs_plan``) it runs the local branches, and its backend the
-    spanning branches' calls.
+    (the fused branches, ``kernel.runs_plan``) it runs the local branches (scores not
+    soft-capped: those run on the executor's plan), and its backend the spanning branches'
+    calls. ``softcap``: every call's scores soft-capped.
     """
 
     plan: DilatedRingPlan
     setup: RingSetup
     kernel: Selection
-    first_order_message: str = ring_message("ring_dilated_attention", "dilated_attention()")
+    first_order_message: str = _MESSAGE
+    softcap: float | None = None
 
     @property
     def _step_kernel(self) -> StepKernel:
         """The spanning branches' per-step kernel: merged into their compact cells."""
-        return StepKernel(self.kernel.backend, self.setup.scale, merge_compact)
+        return StepKernel(self.kernel.backend, self.setup.scale, merge_compact, self.softcap)
+
+    @property
+    def _fused(self) -> bool:
+        """The plan kernel runs the local branches (it takes no soft-cap)."""
+        return bool(self.plan.local) and self.kernel.runs_plan and self.softcap is None
 
     def _span_forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
@@ -250,7 +269,7 @@ class RingDilatedRunner(FirstOrderOnly):
                 cell_out, cell_lse, _, _ = spans()
                 merge_cells(plan.q_cells, cell_out, cell_lse, out, lse, *block)
 
-        if plan.local and kernel.runs_plan:
+        if self._fused:
             out, lse = fused_forward(
                 q, k, v, key_padding_mask, plan.local_branches, backend,
                 is_causal=setup.is_causal, scale=setup.scale, extra=merge,
@@ -267,6 +286,7 @@ class RingDilatedRunner(FirstOrderOnly):
                 out, lse, auxes = plan_forward(
                     q, k, v, key_padding_mask, local, backend, scale=setup.scale,
                     out_dtype=acc if merge and not in_slots else None, extra=in_slots,
+                    softcap=self.softcap,
                 )  # fmt: skip
             else:
                 out = torch.zeros(batch, n, heads, dim, dtype=acc, device=q.device)
@@ -303,7 +323,7 @@ class RingDilatedRunner(FirstOrderOnly):
                     add_cells(plan.kv_cells, cell_grad, grad, start, end, h0 // group,
                               h1 // group)  # fmt: skip
 
-        if plan.local and self.kernel.runs_plan:
+        if self._fused:
             return fused_backward(
                 b.dout, q, k, v, out, lse, key_padding_mask, plan.local_branches, backend,
                 is_causal=setup.is_causal, scale=setup.scale, extra=add,
@@ -319,7 +339,7 @@ class RingDilatedRunner(FirstOrderOnly):
                 )
             return plan_backward(
                 b.dout, q, k, v, out, lse, key_padding_mask, local, backend, auxes,
-                scale=setup.scale, extra=extra,
+                scale=setup.scale, extra=extra, softcap=self.softcap,
             )  # fmt: skip
         dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
         if add is not None:
@@ -441,6 +461,9 @@ def ring_dilated_attention(
     return_lse: bool = False,
     key_padding_mask: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | list[int] | None = None,
+    window_size: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact dilated attention over a sequence sharded across ``group``: this rank's shard of
     ``dilated_attention`` on the gathered sequence (Note [Local and spanning branches]).
@@ -453,6 +476,12 @@ def ring_dilated_attention(
         cu_seqlens: packed documents of the whole row (B = 1), each segmented from its own
             first token, as in ``dilated_attention`` (Note [Packed documents across ranks] in
             ``packed_ring.py``: every key head of the positions a rank's calls read travels).
+        window_size: ``(left, right)``: one more branch, a local window over global positions,
+            joined to the others as in ``dilated_attention`` (Note [A local window as a
+            branch] in ``resolve/windows.py``); only its halo travels (Note [Halo exchange] in
+            ``halo.py``).
+        softcap, sinks: as in ``ring_attention`` (soft-capped scores in every branch; the
+            sinks counted once in the denominator of the union of the branches).
 
     Returns:
         ``out`` (B, n, H, D), or ``(out, lse)`` with ``lse`` (B, H, n); exact gradients for the
@@ -463,26 +492,25 @@ def ring_dilated_attention(
             or grad modes (as in ``ring_attention``, which also says what the timeout is for).
     """
     schedule = functools.partial(Schedule, segment_lengths, dilation_rates)
+    options = dict(is_causal=is_causal, scale=scale, backend=backend, window_size=window_size,
+                   softcap=softcap)  # fmt: skip
     if isinstance(group, ContextParallel):
         refuse_documents(cu_seqlens, group)
-        options = dict(is_causal=is_causal, scale=scale, backend=backend)
         out, lse = split_call(
             group, layout, query, key, value, key_padding_mask,
-            local=functools.partial(_local_heads, schedule, **options),
-            ring=functools.partial(_ring_shard, schedule, layout=layout, **options),
+            local=functools.partial(_local_heads, schedule, sinks=sinks, **options),
+            ring=functools.partial(_ring_shard, schedule, layout=layout, sinks=sinks, **options),
             what="ring_dilated_attention",
-            options=lambda: (schedule(), _checked(is_causal, scale, backend)),
+            options=lambda: (schedule(), _checked(is_causal, scale, backend),
+                             *score_options(window_size, softcap, sinks, query)),
         )  # fmt: skip
         return (out, lse) if return_lse else out
     # The dilated ring has no comm option: its calls keep RingArgs' default, with documents or
     # without, so that the ranks' agreement compares only what the caller passed.
     args = RingArgs(
-        query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
-        backend=backend, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens,
+        query, key, value, group=group, layout=layout, key_padding_mask=key_padding_mask,
+        cu_seqlens=cu_seqlens, sinks=sinks, **options,  # type: ignore[arg-type]
     )  # fmt: skip
-    if cu_seqlens is not None:  # the packed ring's dense per-step kernel, this schedule
-        out, lse = packed_ring(args, RingOperation(check_schedule=schedule))
-        return (out, lse) if return_lse else out
     out, lse = _ring_dilated(args, schedule, 0)
     return (out, lse) if return_lse else out
 
@@ -491,18 +519,30 @@ def _ring_dilated(
     args: RingArgs, schedule: Callable[[], Schedule], first_head: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring dilated attention of checked-on-every-rank ``args`` (the agreement runs here),
-    head ``h`` being layer head ``first_head + h`` (Note [Heads from a later layer head])."""
-    ring = prepare_ring(args, RingOperation(DILATED, schedule))
+    head ``h`` being layer head ``first_head + h`` (Note [Heads from a later layer head]):
+    packed documents on the packed ring's dense per-step kernel, and a local window as one more
+    branch over its halo."""
+    packed = args.cu_seqlens is not None
+    ring = prepare_ring(args, RingOperation(DENSE if packed else DILATED, schedule))
     q, k, v, setup = ring.q, ring.k, ring.v, ring.setup
     if ring.empty:  # batch 0 or 0 heads, agreed on every rank: as in one process
-        return empty_attention(q, k, v)
+        return ring.empty_result()
     assert isinstance(ring.schedule, Schedule)
-    layout_of = ring.schedule.at(setup.world_size * q.shape[1], q.shape[2], k.shape[2], first_head)
-    plan = plan_ring_dilated(setup, layout_of.sharded(setup.world_size, setup.chunk_len), q.device)
+    runner: Runner
+    if packed:
+        runner = packed_runner(ring)
+    else:
+        layout_of = ring.schedule.at(setup.world_size * q.shape[1], q.shape[2], k.shape[2],
+                                     first_head)  # fmt: skip
+        plan = plan_ring_dilated(setup, layout_of.sharded(setup.world_size, setup.chunk_len),
+                                 q.device)  # fmt: skip
+        runner = RingDilatedRunner(plan, setup, ring.kernel, softcap=ring.softcap)
+    if ring.window is not None:
+        runner = UnionRunner(runner, windowed_runner(ring, _MESSAGE), _MESSAGE)
     mask = args.key_padding_mask
     mask = None if mask is None else mask.contiguous()  # type: ignore[attr-defined]
     k, v = hide_masked_keys(k, v, mask)  # Note [Hidden keys cannot poison rows]
-    return run_attention(q, k, v, mask, RingDilatedRunner(plan, setup, ring.kernel))
+    return run_attention(q, k, v, mask, runner, ring.sinks)
 
 
 def _checked(is_causal: object, scale: object, backend: object) -> tuple[object, ...]:
@@ -522,15 +562,20 @@ def _local_heads(
     is_causal: object,
     scale: object,
     backend: str | None,
+    window_size: object,
+    softcap: object,
+    sinks: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dilated attention over the whole sequence of this rank's heads after a head all-to-all,
-    from layer head ``first`` (Note [Heads from a later layer head])."""
+    from layer head ``first`` (Note [Heads from a later layer head]), with their sinks."""
+    own = heads_sinks(sinks, first, q)
     request = Request.of(
         DILATED, q, k, v, is_causal=is_causal, has_mask=mask is not None,
         scale=V.check_scale(scale), backend=check_backend_name(backend), schedule=schedule(),
-        first_head=first,
+        first_head=first, window=V.check_window_size(window_size),
+        softcap=V.check_softcap(softcap), sinks=own is not None,
     )  # fmt: skip
-    return execute(request, q, k, v, mask)
+    return execute(request, q, k, v, mask, own)
 
 
 def _ring_shard(
@@ -541,9 +586,12 @@ def _ring_shard(
     v: torch.Tensor,
     mask: torch.Tensor | None,
     first: int,
+    *,
+    sinks: torch.Tensor | None,
     **options: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring dilated attention over the ring group of a context-parallel call, this rank's heads
-    from layer head ``first``."""
-    args = RingArgs(q, k, v, group=group, key_padding_mask=mask, **options)
+    from layer head ``first`` with their sinks."""
+    args = RingArgs(q, k, v, group=group, key_padding_mask=mask,
+                    sinks=heads_sinks(sinks, first, q), **options)  # fmt: skip
     return _ring_dilated(args, schedule, first)

@@ -18,9 +18,10 @@ Note [One ring template]
     on around the ring or gathers them at once (``ring.py``); block-sparse ring attention
     sends each rank only the kept blocks' keys it needs (``block_sparse_ring.py``); ring
     dilated attention sends only the dilated rows of its spanning branches, to the ranks that
-    share their segments, and keeps them for the backward (``ring_dilated.py``). The per-step
-    kernel is a :class:`StepKernel`: the backend the resolve step chose, the softmax scale and
-    how a call's result merges.
+    share their segments, and keeps them for the backward (``ring_dilated.py``); a local window
+    sends each rank only the rows it reaches on other ranks, its halo, kept for the backward too
+    (``halo.py``). The per-step kernel is a :class:`StepKernel`: the backend the resolve step
+    chose, the softmax scale, the scores' soft-cap and how a call's result merges.
 
 Shape legend: B batch, n local tokens, H query heads, Hkv key/value heads, D head dim, W ranks,
 m key rows a step holds.
@@ -130,11 +131,14 @@ class Transit(Generic[T]):
 class StepKernel:
     """The per-step kernel: ``backend`` (the resolve step's choice) with softmax ``scale``;
     ``merge``: how a call's result merges into the forward's accumulators (the executor's
-    :func:`~dilated_attention.core.call_runs.merge_rows` for (B, n, H, D) ones)."""
+    :func:`~dilated_attention.core.call_runs.merge_rows` for (B, n, H, D) ones); ``softcap``:
+    every call's scores soft-capped (Note [Scores a kernel call transforms] in
+    ``core/contract.py``)."""
 
     backend: Backend
     scale: float
     merge: Merge = merge_rows
+    softcap: float | None = None
 
 
 @dataclass(frozen=True)
@@ -216,7 +220,7 @@ def ring_forward(
             run_forward(
                 q, keys.kv[0], keys.kv[1], keys.key_padding_mask, traffic.calls(step),
                 kernel.backend, scale=kernel.scale, out=out, lse=lse, auxes=auxes,
-                merge=kernel.merge,
+                merge=kernel.merge, softcap=kernel.softcap,
             )  # fmt: skip
     return auxes, kept
 
@@ -240,7 +244,8 @@ def ring_backward(
         auxes: the forward's kernel ``aux`` values, in call order.
         dq: the accumulator the calls add dQ into.
     """
-    aux_iter, step_args = iter(auxes), KernelArgs(kernel.backend, kernel.scale)
+    aux_iter = iter(auxes)
+    step_args = KernelArgs(kernel.backend, kernel.scale, softcap=kernel.softcap)
     returning: Transit[None] = Transit.done(None)
     transit = traffic.fetch(0, None) if traffic.steps else None
     for step in range(traffic.steps):
@@ -267,9 +272,16 @@ def ring_backward(
 class Steps(Protocol):
     """A ring operation's description of what travels: a :class:`Traffic` per pass."""
 
-    def open(self, local: KeyBlock, dkv: torch.Tensor | None = None) -> Traffic:
+    def open(
+        self,
+        local: KeyBlock,
+        dkv: torch.Tensor | None = None,
+        kept: Sequence[KeyBlock | None] | None = None,
+    ) -> Traffic:
         """The traffic of one pass over this rank's keys ``local``; ``dkv`` (2, B, n, Hkv, D):
-        the backward's accumulators of their gradients (None in the forward)."""
+        the backward's accumulators of their gradients (None in the forward); ``kept``: every
+        step's keys as the forward held them, for a backward that fetches nothing again (only
+        for steps that keep them, :attr:`RingRunner.keep`)."""
         ...
 
 
@@ -290,31 +302,42 @@ def finished_grads(q: torch.Tensor, dq: torch.Tensor, dkv: torch.Tensor) -> Grad
 
 @dataclass(frozen=True)
 class RingRunner(FirstOrderOnly):
-    """A ring operation whose result is the ring's alone (dense, block-sparse) as a
+    """A ring operation whose result is the ring's alone (dense, block-sparse, windowed) as a
     :class:`~dilated_attention.core.autograd.Runner`: :func:`ring_forward` and
     :func:`ring_backward` over this rank's keys, with the traffic of ``steps`` and ``kernel``.
 
     Attributes:
         first_order_message: the double-backward error (``ring_message``).
+        keep: the forward keeps every step's keys and the backward reads them instead of
+            fetching them again (few keys: a window's halo); else they travel again.
     """
 
     steps: Steps
     kernel: StepKernel
     first_order_message: str
+    keep: bool = False
 
     def forward(self, x: Inputs) -> Forward:
         q, k, v, key_padding_mask = x
         local = KeyBlock.of(k, v, key_padding_mask)
         out, lse = new_accumulators(q)
-        auxes, _ = ring_forward(q, self.steps.open(local), self.kernel, out, lse)
-        return finished_forward(q, out, lse, (local.kv, local.mask), auxes)
+        auxes, kept = ring_forward(
+            q, self.steps.open(local), self.kernel, out, lse, keep=self.keep
+        )
+        held = tuple(None if block is None else block.kv for block in kept)
+        masks = [None if block is None else block.mask for block in kept]  # bytes, no grads
+        return finished_forward(q, out, lse, (local.kv, local.mask, *held), (auxes, masks))
 
     def backward(self, b: Backward) -> Grads:
-        dout, q, out, lse, saved, auxes = b
-        local = KeyBlock(*saved)
+        dout, q, out, lse, saved, (auxes, masks) = b
+        local = KeyBlock(saved[0], saved[1])
+        kept = None
+        if self.keep:
+            kept = [None if kv is None else KeyBlock(kv, mask)
+                    for kv, mask in zip(saved[2:], masks, strict=True)]  # fmt: skip
         acc = accumulator_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv = torch.zeros(local.kv.shape, dtype=acc, device=q.device)
-        traffic = self.steps.open(local, dkv)
+        traffic = self.steps.open(local, dkv, kept)
         ring_backward(dout.contiguous(), q, out, row_lse(lse), traffic, self.kernel, auxes, dq)
         return finished_grads(q, dq, dkv)

@@ -16,6 +16,10 @@ Note [Calls under a head all-to-all]
     gradients sum back through the repeat), which ``plan_context_parallel``'s description of
     the split says.
 
+    Attention sinks are per query head: each rank takes the sinks of the heads it holds
+    (:func:`heads_sinks`), so its sinks' gradient is that of its heads' rows, and the ranks'
+    gradients sum to the one-process gradient (as the ring's own shares do).
+
     Every rank of the head group first agrees on the call's shapes and options (one small
     all-gather), so that a mismatch raises on every rank instead of hanging the exchange; an
     error there is carried into the ring group's agreement (the ranks of other head groups wait
@@ -32,13 +36,15 @@ from collections.abc import Callable
 
 import torch
 
+from .. import _validation as V
 from ..core.executor import empty_attention
+from ._comm import backward_follows
 from .agreement import reject_ring_call
 from .alltoall import HeadExchange, heads_of, sequence_of, to_heads, to_sequence
 from .context import ContextParallel, agree_on_heads
 from .sharding import check_layout, chunks_per_rank
 
-__all__ = ["head_parallel", "split_call"]
+__all__ = ["head_parallel", "heads_sinks", "score_options", "split_call"]
 
 #: The operation on this rank's heads: ``(q, k, v, key_padding_mask, first_head) -> (out,
 #: lse)``, q (B, N', H', D), k and v (B, N', Hkv', D), the mask (B, N') or None.
@@ -93,6 +99,25 @@ def _mask_of(mask: torch.Tensor, ex: HeadExchange) -> torch.Tensor:
     """(B, n) bool -> (B, Wh * n): the head group's positions of the mask, for every rank."""
     rows = mask.to(torch.uint8)[:, :, None, None].expand(-1, -1, ex.size, 1)
     return to_heads(rows, ex)[:, :, 0, 0].bool()
+
+
+def heads_sinks(
+    sinks: torch.Tensor | None, first: int, q: torch.Tensor
+) -> torch.Tensor | None:
+    """The sinks (H,) of the query heads ``q`` (B, N', H', D) holds from layer head ``first``
+    on (Note [Calls under a head all-to-all]): (H',), or None without sinks."""
+    return None if sinks is None else sinks[first : first + q.shape[2]]
+
+
+def score_options(
+    window_size: object, softcap: object, sinks: object, query: object
+) -> tuple[object, ...]:
+    """A call's local window, soft-cap and sinks checked as one process checks them (``query``
+    (B, n, H, D), already checked), for the head group's agreement: the window, the cap, and
+    whether sinks are given and a backward runs through them."""
+    checked = V.check_sinks(sinks, query)  # type: ignore[arg-type]
+    given = None if checked is None else ("sinks", backward_follows(checked))
+    return V.check_window_size(window_size), V.check_softcap(softcap), given
 
 
 #: The operation over a ring group: ``(ring group, q, k, v, key_padding_mask, first_head) ->

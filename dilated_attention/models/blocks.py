@@ -27,6 +27,8 @@ Note [Block structure]
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,27 +41,44 @@ __all__ = ["LongNetAttention", "LongNetBlock"]
 
 
 class LongNetAttention(nn.Module):
-    """Causal self-attention with rotary positions: a factory-built multihead layer.
+    """Causal self-attention with rotary positions: a factory-built multihead layer, global
+    (the dilated schedule, ``config.kind``) or local (a sliding window, kind ``"local"``; Note
+    [Hybrid stacks] in ``config.py``).
 
     See Note [Rotary inside a factory-built attention layer].
 
     Args:
         config: the model configuration.
         gamma_init: MAGNETO gain on the value and output projections.
+        is_global: a global layer; else a local one (``config.local_window``).
 
     Raises:
         TypeError: the factory kind's layer cannot apply rotary positions (no ``use_rotary``).
     """
 
-    def __init__(self, config: LongNetConfig, *, gamma_init: float = 1.0) -> None:
+    def __init__(
+        self, config: LongNetConfig, *, gamma_init: float = 1.0, is_global: bool = True
+    ) -> None:
         super().__init__()
-        mha = create_multihead_dilated_attention(
-            kind=config.kind, embed_dim=config.embed_dim, num_heads=config.num_heads,
-            segment_lengths=list(config.segment_lengths),
-            dilation_rates=list(config.dilation_rates), num_kv_heads=config.num_kv_heads,
-            dropout=config.dropout, layer_norm=True, layer_norm_eps=config.layer_norm_eps,
-            gamma_init=gamma_init, backend=config.backend or "auto",
+        common: dict[str, Any] = dict(
+            embed_dim=config.embed_dim, num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads, dropout=config.dropout, layer_norm=True,
+            layer_norm_eps=config.layer_norm_eps, gamma_init=gamma_init,
+            backend=config.backend or "auto",
         )  # fmt: skip
+        # Soft-capping and sinks are passed only when asked: kinds without them (the ring
+        # layers, a registered kind) keep their constructors.
+        common.update({"softcap": config.softcap} if config.softcap is not None else {})
+        common.update({"sinks": True} if config.sinks else {})
+        if is_global:
+            mha = create_multihead_dilated_attention(
+                kind=config.kind, segment_lengths=list(config.segment_lengths),
+                dilation_rates=list(config.dilation_rates), **common,
+            )  # fmt: skip
+        else:
+            mha = create_multihead_dilated_attention(
+                kind="local", window_size=config.local_window_size, **common
+            )
         if not callable(getattr(mha, "use_rotary", None)):
             raise TypeError(
                 f"kind {config.kind!r} built {type(mha).__name__}, which has no use_rotary(); "
@@ -94,13 +113,16 @@ class LongNetBlock(nn.Module):
     Args:
         config: the model configuration.
         gamma_init: MAGNETO gain.
+        is_global: a global (dilated) attention layer; else a local one.
     """
 
-    def __init__(self, config: LongNetConfig, *, gamma_init: float = 1.0) -> None:
+    def __init__(
+        self, config: LongNetConfig, *, gamma_init: float = 1.0, is_global: bool = True
+    ) -> None:
         super().__init__()
         E, eps = config.embed_dim, config.layer_norm_eps
         self.attn_norm = nn.LayerNorm(E, eps=eps)
-        self.attn = LongNetAttention(config, gamma_init=gamma_init)
+        self.attn = LongNetAttention(config, gamma_init=gamma_init, is_global=is_global)
         self.ffn_norm = nn.LayerNorm(E, eps=eps)
         self.fc1 = nn.Linear(E, config.ffn_dim)
         self.ffn_sub_norm = nn.LayerNorm(config.ffn_dim, eps=eps)

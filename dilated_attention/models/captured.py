@@ -2,11 +2,14 @@
 token instead of the Python of every layer.
 
 Note [A captured decoding step]
-    With :class:`~dilated_attention.StaticDilatedKVCache` caches a step of one token per row
-    has the same shapes, kernels and buffers at every position and reads nothing on the host
-    (Note [A decode step with static shapes] in ``core/static_cache.py``), so the whole model
-    step (embedding, every layer's projections, rotary, cache writes and attention, the head)
-    is recorded once in a CUDA graph and replayed per token: the host then costs one replay,
+    With static caches (:class:`~dilated_attention.StaticDilatedKVCache`, and
+    :class:`~dilated_attention.StaticWindowKVCache` for the local layers of a hybrid stack) a
+    step of one token per row has the same shapes, kernels and buffers at every position and
+    reads nothing on the host (Note [A decode step with static shapes] in
+    ``core/static_cache.py``, Note [A window cache] in ``core/window_cache.py``), soft-capping
+    and sinks included (the eager step's plan applies them), so the whole model step
+    (embedding, every layer's projections, rotary, cache writes and attention, the head) is
+    recorded once in a CUDA graph and replayed per token: the host then costs one replay,
     not one pass over the model's Python. Recording needs every kernel chosen, compiled and
     its memory pool settled beforehand, so the step first runs twice on a side stream (writing
     the rows at each row's current position, which the first real step overwrites, and putting
@@ -40,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..core.static_cache import StaticDilatedKVCache
+from ..core.static_cache import StaticKVCache
 
 Step = Callable[[torch.Tensor], torch.Tensor]
 
@@ -60,7 +63,7 @@ class CapturedStep:
     def __init__(
         self,
         model: Callable[..., torch.Tensor],
-        caches: list[StaticDilatedKVCache],
+        caches: list[StaticKVCache],
         batch: int,
         device: torch.device,
     ) -> None:
@@ -104,7 +107,7 @@ def model_addresses(model: nn.Module, batch: int, device: torch.device) -> tuple
     return (batch, str(device), *(t.data_ptr() for t in tensors))
 
 
-def cache_addresses(caches: list[StaticDilatedKVCache]) -> tuple[int, ...]:
+def cache_addresses(caches: list[StaticKVCache]) -> tuple[int, ...]:
     """The addresses of the buffers a step reads from ``caches`` (0 for one not allocated)."""
     held = (t for c in caches for t in (c.key, c.value, c.lengths, c.key_padding_mask))
     return tuple(0 if t is None else t.data_ptr() for t in held)
@@ -123,6 +126,6 @@ class KeptStep:
     """
 
     model: tuple[object, ...]
-    caches: list[StaticDilatedKVCache]
+    caches: list[StaticKVCache]
     buffers: tuple[int, ...]
     step: CapturedStep

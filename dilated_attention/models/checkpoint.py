@@ -280,12 +280,20 @@ def _read_payload(path: Path) -> memoryview:
     return payload
 
 
+#: The config fields that shape the attention the weights were trained for (Note [Hybrid
+#: stacks] in ``config.py``): overrides may not change them.
+_ATTENTION_FIELDS = (
+    "segment_lengths", "dilation_rates", "local_window", "global_every", "softcap", "sinks"
+)  # fmt: skip
+
+
 def _keeping_schedule(saved: LongNetConfig, config: LongNetConfig, where: str) -> LongNetConfig:
-    """``config`` (``saved`` with the overrides), if it keeps the saved attention schedule: the
-    weights were trained for it (Note [Schedule in the state dict] in core/schedule_state.py).
+    """``config`` (``saved`` with the overrides), if it keeps the saved attention: the schedule
+    (Note [Schedule in the state dict] in core/schedule_state.py), the local layers, soft-cap
+    and sinks, which the weights were trained for.
 
     Raises:
-        ValueError: the overrides change ``segment_lengths`` or ``dilation_rates``.
+        ValueError: the overrides change one of them.
     """
     before = (saved.segment_lengths, saved.dilation_rates)
     after = (config.segment_lengths, config.dilation_rates)
@@ -298,6 +306,16 @@ def _keeping_schedule(saved: LongNetConfig, config: LongNetConfig, where: str) -
             f"the new schedule and copy the weights without their stored schedules: "
             f"new.load_state_dict({{k: v for k, v in ckpt.model.state_dict().items() if not "
             f"k.endswith('_extra_state')}})"
+        )
+    changed = [
+        f"{name}={getattr(saved, name)!r} to {getattr(config, name)!r}"
+        for name in _ATTENTION_FIELDS[2:]
+        if getattr(saved, name) != getattr(config, name)
+    ]
+    if changed:
+        raise ValueError(
+            f"overrides change the attention of {where} from {', '.join(changed)}; its weights "
+            f"were trained for its local layers, soft-cap and sinks: load it as saved"
         )
     return config
 
@@ -330,8 +348,9 @@ def load_checkpoint(
             mismatch), not a checkpoint, or its contents do not fit a :class:`LongNetLM`; the
             message says which and what to do.
         ValueError: ``overrides`` names an unknown field, gives an invalid value or changes
-            the attention schedule (``segment_lengths``, ``dilation_rates``), or ``device`` is
-            not a device available here.
+            the attention the weights were trained for (``segment_lengths``,
+            ``dilation_rates``, ``local_window``, ``global_every``, ``softcap``, ``sinks``), or
+            ``device`` is not a device available here.
         TypeError: ``path`` is not a path.
     """
     path = _as_path("path", path)

@@ -1,5 +1,16 @@
 """Configuration of the LongNet language model: :class:`LongNetConfig` (frozen, validated on
 construction) and the named :data:`PRESETS`.
+
+Note [Hybrid stacks]
+    The open long-context models mix local and global layers: Gemma 3 has five sliding-
+    window layers per global one, gpt-oss alternates windows of 128 tokens with full
+    layers, Mistral slides a window on every layer. Here a global layer is the dilated
+    schedule (``segment_lengths``, ``dilation_rates``) and a local layer a sliding window
+    (``local_window``), placed by ``global_every``; ``softcap`` and ``sinks`` apply to
+    every layer. Decoding gives each layer its own kind of cache (``new_caches``): a local
+    layer's holds only its window. Local layers run in one process: a hybrid stack needs a
+    local ``kind`` (``"auto"`` in one process, ``"dilated"``) until they have a ring form
+    (the ring layers take ``softcap`` and ``sinks``).
 """
 
 from __future__ import annotations
@@ -9,6 +20,7 @@ from typing import Any
 
 from .. import _validation as V
 from ..backends.registry import check_backend_name
+from ..factory import KIND_ALIASES
 
 __all__ = ["PRESETS", "LongNetConfig"]
 
@@ -53,7 +65,16 @@ class LongNetConfig:
         tie_embeddings: share the LM head weight with the token embedding.
         activation_checkpointing: recompute each block in the backward pass (training only).
         backend: attention kernel name, or ``None`` / ``"auto"`` for the automatic choice.
-        kind: factory kind: ``"auto"``, ``"dilated"``, ``"ring"``, ...
+        kind: factory kind of the global layers: ``"auto"``, ``"dilated"``, ``"ring"``, ...
+        local_window: ``W``: a hybrid stack (Note [Hybrid stacks]) whose local layers attend
+            within a sliding window of ``W`` tokens (factory kind ``"local"``, ``window_size=
+            (W - 1, 0)``); ``None``: every layer global (dilated).
+        global_every: with ``local_window``, every ``k``-th layer (layers ``k - 1``,
+            ``2k - 1``, ...) is global, the others local (Gemma 3: ``k = 6``, gpt-oss:
+            ``k = 2``); ``None``: every layer local.
+        softcap: soft-capped attention scores ``c * tanh(s / c)`` in every layer (Gemma 2), or
+            None.
+        sinks: a learnable attention sink per head in every layer (gpt-oss).
 
     Raises:
         ValueError: a field is invalid; the message names it.
@@ -75,6 +96,10 @@ class LongNetConfig:
     activation_checkpointing: bool = False
     backend: str | None = None
     kind: str = "auto"
+    local_window: int | None = None
+    global_every: int | None = None
+    softcap: float | None = None
+    sinks: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "embed_dim", "num_heads", "num_layers", "ffn_dim"):
@@ -108,6 +133,49 @@ class LongNetConfig:
         check_backend_name(self.backend)  # ValueError naming the registered backends
         if not isinstance(self.kind, str):
             raise ValueError(f"kind must be a factory kind name, got kind={self.kind!r}")
+        self._check_hybrid()
+
+    def _check_hybrid(self) -> None:
+        """``local_window``, ``global_every``, ``softcap`` and ``sinks`` (Note [Hybrid
+        stacks]), checked and normalised."""
+        for name in ("local_window", "global_every"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
+        if self.global_every is not None and self.local_window is None:
+            raise ValueError(
+                f"global_every={self.global_every} places global layers among local ones, but "
+                f"local_window is None (no local layers); pass local_window=W (the local "
+                f"layers' sliding window), or drop global_every for an all-dilated stack"
+            )
+        if self.global_every is not None and self.global_every > self.num_layers:
+            raise ValueError(
+                f"global_every={self.global_every} is more than num_layers={self.num_layers}, "
+                f"so no layer would be global; pass global_every <= num_layers, or drop it for "
+                f"an all-local stack"
+            )
+        try:
+            object.__setattr__(self, "softcap", V.check_softcap(self.softcap))
+        except TypeError as exc:
+            raise ValueError(str(exc)) from None
+        _bool("sinks", self.sinks)
+        if self.local_window is not None and KIND_ALIASES.get(self.kind, self.kind) == "ring":
+            raise ValueError(
+                f"kind={self.kind!r} with local_window={self.local_window}: the local layers "
+                f"have no ring form yet (they run in one process); pass kind='dilated' (or "
+                f"'auto' in one process), or drop local_window for a ring model"
+            )
+
+    def is_global(self, layer: int) -> bool:
+        """Whether block ``layer`` (0-based) is a global (dilated) layer: every layer without
+        ``local_window``, else every ``global_every``-th (Note [Hybrid stacks])."""
+        if self.local_window is None:
+            return True
+        return self.global_every is not None and (layer + 1) % self.global_every == 0
+
+    @property
+    def local_window_size(self) -> tuple[int, int] | None:
+        """The local layers' ``window_size``, ``(local_window - 1, 0)``, or None."""
+        return None if self.local_window is None else (self.local_window - 1, 0)
 
     @property
     def head_dim(self) -> int:
@@ -119,9 +187,11 @@ class LongNetConfig:
         """A named configuration (see :data:`PRESETS`), with fields overridden by keyword.
 
         Args:
-            name: ``"tiny"`` (byte-level, trains on a laptop CPU in minutes) or ``"base"`` (the
-                paper's 768 hidden, 12 heads, 12 layers, FFN 3072, w = 2048..32768,
-                r = 1, 2, 4, 6, 12; vocab 100277 = cl100k unless overridden).
+            name: ``"tiny"`` (byte-level, trains on a laptop CPU in minutes), ``"tiny_hybrid"``
+                (``"tiny"`` as a hybrid stack: six layers, every third global, the others a
+                sliding window of 64 tokens, learnable sinks) or ``"base"`` (the paper's 768
+                hidden, 12 heads, 12 layers, FFN 3072, w = 2048..32768, r = 1, 2, 4, 6, 12;
+                vocab 100277 = cl100k unless overridden).
             **overrides: any field, e.g. ``num_layers=2`` or ``vocab_size=50257``.
 
         Raises:
@@ -141,6 +211,11 @@ PRESETS: dict[str, LongNetConfig] = {
     "tiny": LongNetConfig(
         vocab_size=256, embed_dim=128, num_heads=4, num_layers=4,
         segment_lengths=(64, 128, 256), dilation_rates=(1, 2, 4), ffn_dim=512,
+    ),
+    "tiny_hybrid": LongNetConfig(
+        vocab_size=256, embed_dim=128, num_heads=4, num_layers=6,
+        segment_lengths=(64, 128, 256), dilation_rates=(1, 2, 4), ffn_dim=512,
+        local_window=64, global_every=3, sinks=True,
     ),
     "base": LongNetConfig(
         vocab_size=100277, embed_dim=768, num_heads=12, num_layers=12,

@@ -2,7 +2,8 @@
 :class:`~dilated_attention.models.LongNetLM` its :meth:`~GenerationMixin.generate` and
 :meth:`~GenerationMixin.stream`, which decode with one
 :class:`~dilated_attention.DilatedKVCache` per layer, or on CUDA with a captured step over
-:class:`~dilated_attention.StaticDilatedKVCache` caches.
+:class:`~dilated_attention.StaticDilatedKVCache` caches (and their windowed forms for the
+local layers of a hybrid stack).
 
 Shape legend: B batch, N0 prompt length, V vocab_size.
 """
@@ -19,7 +20,7 @@ from torch import nn
 
 from .. import _validation as V
 from ..core.caches import Cache
-from ..core.static_cache import StaticDilatedKVCache
+from ..core.static_cache import StaticKVCache
 from .captured import CapturedStep, KeptStep, cache_addresses, model_addresses
 from .config import LongNetConfig
 
@@ -143,7 +144,8 @@ class GenerationMixin:
         ``context_parallel(model, group)``) raises (Note [Generating from a sharded model]).
 
         On CUDA (``cuda_graph`` None or True) the steps after the prompt decode every row at
-        once with :class:`~dilated_attention.StaticDilatedKVCache` caches, as one CUDA graph
+        once with static caches (:class:`~dilated_attention.StaticDilatedKVCache`,
+        :class:`~dilated_attention.StaticWindowKVCache` for a local layer), as one CUDA graph
         replayed per token (Note [A captured decoding step]): the same tokens, without the
         host's work per layer (docs/benchmarks.md has the tokens per second of both).
 
@@ -162,11 +164,12 @@ class GenerationMixin:
                 after the step where every sequence has (``None``: run ``max_new_tokens``
                 steps).
             cuda_graph: True: decode every row at once with the captured step (needs a CUDA
-                device and decoding caches: every layer local dilated attention, and the
-                longest prompt plus ``max_new_tokens`` within ``max_seq_len``); False: one
-                eager forward per step; None (default): the captured step wherever True would
-                run, else eager steps. The model keeps the captured step and its caches for its
-                next call of the same batch size (:meth:`release_captured_step` frees them).
+                device and decoding caches: every layer local (dilated or windowed) attention,
+                and the longest prompt plus ``max_new_tokens`` within ``max_seq_len``); False:
+                one eager forward per step; None (default): the captured step wherever True
+                would run, else eager steps. The model keeps the captured step and its caches
+                for its next call of the same batch size (:meth:`release_captured_step` frees
+                them).
 
         Yields:
             (B, 1) token ids (int64), one step at a time.
@@ -248,7 +251,8 @@ class GenerationMixin:
             )
         if not self._decodes(groups, new):
             raise ValueError(
-                f"cuda_graph=True needs decoding caches: every layer local dilated attention "
+                f"cuda_graph=True needs decoding caches: every layer local (dilated or windowed) "
+                f"attention "
                 f"and the longest prompt plus max_new_tokens={new} within max_seq_len="
                 f"{self.config.max_seq_len} (past it every step recomputes the forward); "
                 f"pass cuda_graph=False, or raise max_seq_len"
@@ -398,7 +402,7 @@ class GenerationMixin:
         single new token."""
         if max_new_tokens <= 1:
             return None
-        static = cast(list[StaticDilatedKVCache], caches)
+        static = cast(list[StaticKVCache], caches)
         buffers = cache_addresses(static)
         if kept is not None and kept.buffers == buffers:
             return kept

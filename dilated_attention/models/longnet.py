@@ -21,6 +21,7 @@ from ..core.caches import Cache, check_caches
 from ..core.documents import check_cu_seqlens, document_positions
 from ..core.kv_cache import DilatedKVCache
 from ..core.static_cache import StaticDilatedKVCache
+from ..core.window_cache import StaticWindowKVCache, WindowKVCache
 from .blocks import LongNetBlock
 from .config import LongNetConfig
 from .generation import GenerationMixin
@@ -57,13 +58,17 @@ class LongNetLM(GenerationMixin, nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.embed_dim)
         nn.init.normal_(self.embed.weight, std=config.embed_dim**-0.5)
         self.dropout = nn.Dropout(config.dropout)
+        _refuse_ring_options(config)
         self.blocks = nn.ModuleList(
-            LongNetBlock(config, gamma_init=gamma) for _ in range(config.num_layers)
+            LongNetBlock(config, gamma_init=gamma, is_global=config.is_global(i))
+            for i in range(config.num_layers)
         )
         self.final_norm = nn.LayerNorm(config.embed_dim, eps=config.layer_norm_eps)
         self.lm_head = nn.Linear(config.embed_dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+        # What each layer's decoding cache holds (``LayerCache.layer``), for check_caches.
+        self._cache_layers = tuple(cache.layer for cache in self.new_caches())
 
     def num_parameters(self, *, trainable_only: bool = False) -> int:
         """Number of parameters, counting a tied weight once."""
@@ -71,9 +76,12 @@ class LongNetLM(GenerationMixin, nn.Module):
         return sum(p.numel() for p in params if p.requires_grad or not trainable_only)
 
     def _ring(self) -> Any | None:
-        """The first layer's ring attention module, or ``None`` for local attention."""
-        inner = self.blocks[0].attn.mha.attention
-        return inner if hasattr(inner, "layout") else None
+        """The first ring attention module of the layers, or ``None`` for local attention."""
+        for block in self.blocks:
+            inner = block.attn.mha.attention
+            if hasattr(inner, "layout"):
+                return inner
+        return None
 
     def _default_positions(self, seq_len: int, device: torch.device) -> torch.Tensor:
         ring = self._ring()
@@ -107,8 +115,7 @@ class LongNetLM(GenerationMixin, nn.Module):
             documents = shard_offsets(cu_seqlens, tokens, group)
             return documents, shard_positions(documents, tokens, group)
         if caches is not None:  # a packed prompt (Note [A packed prompt])
-            schedule = (self.config.segment_lengths, self.config.dilation_rates)
-            check_caches(caches, len(self.blocks), schedule, tokens, None)
+            check_caches(caches, self._cache_layers, tokens, None)
         documents = check_cu_seqlens(cu_seqlens, tokens, tokens, caches)
         return documents, document_positions(documents, tokens.device)
 
@@ -124,6 +131,14 @@ class LongNetLM(GenerationMixin, nn.Module):
         ring = self._ring()
         if ring is None:
             return self._inputs(tokens, positions, caches, cu_seqlens)
+        local = [i for i in range(len(self.blocks)) if not self.config.is_global(i)]
+        if local:  # the same on every rank (one model): every rank raises, none waits
+            raise ValueError(
+                f"this model's global layers run over ranks ({type(ring).__name__}) but its "
+                f"local window layers {local[:8]} do not (they have no ring layer yet) and "
+                f"would take each rank's shard as a whole sequence; run the hybrid model in "
+                f"one process"
+            )
         from ..distributed.context import DOCUMENTS, DOCUMENTS_FIX, check_same_everywhere
 
         names = ("local seq_len", DOCUMENTS)
@@ -153,8 +168,7 @@ class LongNetLM(GenerationMixin, nn.Module):
         if cu_seqlens is not None:
             documents, positions = self._packed(cu_seqlens, tokens, caches, positions)
         elif caches is not None:  # one cache per layer, before any work: Note [One cache per layer]
-            schedule = (self.config.segment_lengths, self.config.dilation_rates)
-            positions = check_caches(caches, len(self.blocks), schedule, tokens, positions)
+            positions = check_caches(caches, self._cache_layers, tokens, positions)
         elif positions is None:
             positions = self._default_positions(N, tokens.device)
         else:
@@ -273,10 +287,39 @@ class LongNetLM(GenerationMixin, nn.Module):
             )
 
     def new_caches(self, *, static: bool = False) -> list[Cache]:
-        """Empty decoding caches, one per layer, for ``forward(tokens, caches=...)``;
-        ``static``: :class:`~dilated_attention.StaticDilatedKVCache` (fixed buffers, a decode
-        step with static shapes) instead of :class:`~dilated_attention.DilatedKVCache`."""
-        config = self.config
-        schedule, most = (config.segment_lengths, config.dilation_rates), config.max_seq_len
-        kind = StaticDilatedKVCache if static else DilatedKVCache
-        return [kind(*schedule, max_length=most) for _ in self.blocks]
+        """Empty decoding caches, one per layer and of its kind, for ``forward(tokens,
+        caches=...)``: a :class:`~dilated_attention.DilatedKVCache` for a global layer, a
+        :class:`~dilated_attention.WindowKVCache` (holding only the window) for a local one
+        (Note [Hybrid stacks] in ``config.py``); ``static``: their static forms
+        (:class:`~dilated_attention.StaticDilatedKVCache`,
+        :class:`~dilated_attention.StaticWindowKVCache`: fixed buffers, a decode step with
+        static shapes)."""
+        config, most = self.config, self.config.max_seq_len
+        caches: list[Cache] = []
+        for i in range(len(self.blocks)):
+            if config.is_global(i):
+                kind = StaticDilatedKVCache if static else DilatedKVCache
+                caches.append(
+                    kind(config.segment_lengths, config.dilation_rates, max_length=most)
+                )
+            else:
+                assert config.local_window_size is not None  # a local layer has one
+                window = StaticWindowKVCache if static else WindowKVCache
+                caches.append(window(config.local_window_size, max_length=most))
+        return caches
+
+
+def _refuse_ring_options(config: LongNetConfig) -> None:
+    """Raise ``ValueError`` for local layers where ``kind="auto"`` picks ring attention (a
+    process group of several ranks): they have no ring form yet (Note [Hybrid stacks] in
+    ``config.py``)."""
+    dist = torch.distributed
+    if config.local_window is None or config.kind != "auto":
+        return
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            f"kind='auto' picks ring attention in this process group of "
+            f"{dist.get_world_size()} ranks, but local_window={config.local_window}'s local "
+            f"layers have no ring form yet; pass kind='dilated' to run every layer in each "
+            f"process, or drop local_window"
+        )

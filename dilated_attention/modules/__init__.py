@@ -8,6 +8,8 @@ modules it wraps.
 - :mod:`.dilated`: :class:`DilatedAttention` and :class:`MultiheadDilatedAttention`.
 - :mod:`.block_sparse`: :class:`BlockSparseAttention`, :class:`BlockSparseMultiheadAttention`
   and the factory's constructors of kind ``"block_sparse"`` (``FACTORY_KINDS``).
+- :mod:`.local`: :class:`LocalAttention` (sliding windows) and the factory's constructors of
+  kind ``"local"`` (the library's :class:`MultiheadAttention` around it).
 
 Nothing here imports :mod:`dilated_attention.distributed`: the ring layers wrap these from outside.
 """
@@ -19,6 +21,7 @@ from .block_sparse import (
     build_block_sparse_kind,
 )
 from .dilated import DilatedAttention, MultiheadDilatedAttention
+from .local import LocalAttention, build_local, build_local_multihead
 from .multihead import LAYER_ARGUMENTS, MultiheadAttention
 
 __all__ = [
@@ -27,7 +30,10 @@ __all__ = [
     "BlockSparseAttention",
     "BlockSparseMultiheadAttention",
     "DilatedAttention",
+    "LocalAttention",
     "MultiheadAttention",
     "MultiheadDilatedAttention",
     "build_block_sparse_kind",
+    "build_local",
+    "build_local_multihead",
 ]

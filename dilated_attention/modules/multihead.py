@@ -16,7 +16,7 @@ from torch import nn
 from .. import _validation as V
 from ..core.caches import Cache, check_cache_type
 from ..core.documents import check_cu_seqlens, document_positions, flatten
-from ..core.static_cache import StaticDilatedKVCache
+from ..core.static_cache import StaticKVCache
 from ..rotary import RotaryEmbedding
 from .torch_compat import NO_PACKED_PROJECTION, bool_key_padding_mask, is_causal_mask
 
@@ -253,15 +253,17 @@ class MultiheadAttention(nn.Module):
                 :meth:`use_rotary` (default ``0..N-1``; a rank holding a shard of a sequence
                 passes its global positions, :func:`dilated_attention.sequence_positions`).
                 Only with rotary.
-            cache: a :class:`~dilated_attention.DilatedKVCache` of this layer, for decoding
-                (``is_causal=True``, ``query`` the new tokens; with rotary their positions
-                default to the ones after those the cache has seen, and ``positions`` given must
-                be those: checked on the host). Only with an inner module that takes one
-                (``DilatedAttention``).
+            cache: this layer's decoding cache (a :class:`~dilated_attention.DilatedKVCache`
+                or static one for a dilated layer, a :class:`~dilated_attention.WindowKVCache`
+                or static one for a local layer), for decoding (``is_causal=True``, ``query``
+                the new tokens; with rotary their positions default to the ones after those
+                the cache has seen, and ``positions`` given must be those: checked on the
+                host). Only with an inner module that takes one (``DilatedAttention``,
+                ``LocalAttention``).
             cu_seqlens: packed documents, as in :func:`dilated_attention.dilated_attention`
                 (offsets over the batch's rows read one after another); with rotary and no
                 ``positions``, each document's positions start at 0. Only with an inner module
-                that takes them (``DilatedAttention``).
+                that takes them (``DilatedAttention``, ``LocalAttention``).
 
         Returns:
             ``(out, None)``, ``out`` shaped like ``query``.
@@ -365,7 +367,8 @@ class MultiheadAttention(nn.Module):
         if not getattr(self.attention, "takes_documents", False):
             raise ValueError(
                 f"cu_seqlens (packed documents) needs a layer whose inner module takes them "
-                f"(DilatedAttention), got {type(self.attention).__name__}; give each document "
+                f"(DilatedAttention, LocalAttention), got {type(self.attention).__name__}; give "
+                f"each document "
                 f"its own row"
             )
         if cache is not None:
@@ -397,12 +400,13 @@ class MultiheadAttention(nn.Module):
         check_cache_type(cache)
         if cache is not None and not getattr(self.attention, "decodes_with_cache", False):
             raise ValueError(
-                f"cache= needs a layer whose inner module decodes (DilatedAttention), got "
-                f"{type(self.attention).__name__}; decode with a local dilated layer"
+                f"cache= needs a layer whose inner module decodes (DilatedAttention, "
+                f"LocalAttention), got {type(self.attention).__name__}; decode with a local "
+                f"dilated or windowed layer"
             )
         if documents is not None and positions is None and self.rotary is not None:
             return self._document_positions(documents, query)  # a packed prompt's too
-        if isinstance(cache, StaticDilatedKVCache):
+        if isinstance(cache, StaticKVCache):
             return self._static_positions(cache, positions, n, device)
         if cache is not None and positions is not None and documents is None:
             cache.check_positions(self._check_positions(positions, n, device))
@@ -411,15 +415,15 @@ class MultiheadAttention(nn.Module):
         return self._check_positions(positions, n, device)
 
     def _static_positions(
-        self, cache: StaticDilatedKVCache, positions: object, n: int, device: torch.device
+        self, cache: StaticKVCache, positions: object, n: int, device: torch.device
     ) -> torch.Tensor | None:
         """Rotary positions of new tokens with a static cache (None without rotary): one token
         per row at each row's own position, (B,) on the device (no synchronization: Note [A
         decode step with static shapes]); several tokens at the positions after the cache's."""
         if positions is not None:
             raise ValueError(
-                "with a StaticDilatedKVCache the new tokens' positions are the cache's (each "
-                "row's next one, kept on the device); pass positions=None"
+                f"with a {type(cache).__name__} the new tokens' positions are the cache's (each "
+                f"row's next one, kept on the device); pass positions=None"
             )
         if self.rotary is None:
             return None

@@ -226,10 +226,11 @@ class StaticDecodeStrategy(Strategy):
             return empty_attention(q, k, v)
         backend = self.kernel.backend
         slots = slots or token_slots(q.shape[2], *self.branches, q.device)
-        reads_in_place = getattr(backend, "reads_decode_buffers", False)
-        if reads_in_place and sinks is None and self.request.softcap is None:
-            scale, shift = self.request.softmax_scale, row_offsets
-            return backend.decode_step(q, k, v, key_padding_mask, positions, slots, scale, shift)  # type: ignore[attr-defined]
+        if getattr(backend, "reads_decode_buffers", False):  # softcap and sinks in the kernel
+            scale, shift, cap = self.request.softmax_scale, row_offsets, self.request.softcap
+            return backend.decode_step(  # type: ignore[attr-defined, no-any-return]
+                q, k, v, key_padding_mask, positions, slots, scale, shift, cap, sinks
+            )
         plan = static_token_plan(positions, k.shape[1], slots, *self.branches, row_offsets)
         runner = PlanRunner(
             plan, self.kernel.backend, self.request.softmax_scale, 0.0, "dilated_attention",
@@ -262,11 +263,11 @@ class FusedStrategy(Strategy):
         compile_ahead(
             q, k, v, key_padding_mask, self.branches, backend,  # type: ignore[arg-type]
             is_causal=r.is_causal, scale=r.softmax_scale, needs_grad=r.requires_grad,
-            documents=r.documents, chunk=self.chunk,
+            documents=r.documents, chunk=self.chunk, softcap=r.softcap,
         )  # fmt: skip
         runner = FusedRunner(
             self.branches, backend, r.is_causal, r.softmax_scale, r.documents,  # type: ignore[arg-type]
-            self.first_head, self.chunk,
+            self.first_head, self.chunk, r.softcap,
         )  # fmt: skip
         return run_attention(q, k, v, key_padding_mask, runner, sinks)
 
@@ -289,7 +290,7 @@ class BlockSparseKernelStrategy(Strategy):
         runner: Runner
         if name == "triton":
             runner = TritonBlockSparseRunner(
-                _triton_lists(*shape), r.block_size, r.is_causal, r.softmax_scale
+                _triton_lists(*shape), r.block_size, r.is_causal, r.softmax_scale, r.softcap
             )
             q, k, v = (x.contiguous() for x in (q, k, v))
         else:  # FlashAttention-4 reads strided rows

@@ -30,7 +30,7 @@ def _family(seq_len: int, grad: bool = False) -> tuple[Any, ...]:
     segs, rates = effective_branches(seq_len, HEADS, (8, 16), (1, 2))
     branches = tuple(zip(segs, rates, strict=True))
     return (torch.device("cuda", 0), torch.float16, torch.Size([HEADS, DIM]), HEADS, branches,
-            True, False, grad, False, False)  # fmt: skip
+            True, False, grad, False, False, False)  # fmt: skip
 
 
 def test_recompute_generation_logs_one_compile_line(

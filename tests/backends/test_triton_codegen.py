@@ -16,6 +16,7 @@ import torch
 
 from dilated_attention.backends import triton as triton_backend
 from dilated_attention.backends._triton_tiles import tile_configs
+from dilated_attention.core.contract import Window
 from dilated_attention.core.fused import compile_ahead
 
 pytest.importorskip("triton.backends.nvidia.compiler", reason="needs Triton's NVIDIA compiler")
@@ -55,9 +56,16 @@ class _DriverForSM90:
 
 
 def _sm90_ptx(
-    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, head_dim: int, kv_heads: int, causal: bool
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: torch.dtype,
+    head_dim: int,
+    kv_heads: int,
+    causal: bool,
+    softcap: float | None = None,
+    window: Window | None = None,
 ) -> list[tuple[str, str]]:
-    """(kernel name, PTX) of every distinct kernel of a family's forward and backward."""
+    """(kernel name, PTX) of every distinct kernel of a family's forward and backward: the
+    fused engine's, or with a ``window`` a dense call's (the window's kernels)."""
     kernels = triton_backend._kernels()
     recorded: list[Any] = []
     monkeypatch.setattr(
@@ -68,10 +76,19 @@ def _sm90_ptx(
     )
     q = torch.randn(2, SEQ_LEN, 4, head_dim, dtype=dtype)
     k, v = (torch.randn(2, SEQ_LEN, kv_heads, head_dim, dtype=dtype) for _ in "kv")
-    compile_ahead(
-        q, k, v, None, BRANCHES, triton_backend.TritonBackend(), is_causal=causal,
-        scale=head_dim**-0.5, needs_grad=True,
-    )  # fmt: skip
+    backend, scale = triton_backend.TritonBackend(), head_dim**-0.5
+    if window is None:
+        compile_ahead(
+            q, k, v, None, BRANCHES, backend, is_causal=causal, scale=scale, needs_grad=True,
+            softcap=softcap,
+        )  # fmt: skip
+    else:
+        scores = {"softcap": softcap, "window": window}
+        with kernels.compile_ahead():  # the launches recorded, not run
+            res = backend._forward(q, k, v, scale=scale, is_causal=causal, key_mask=None,
+                                   dropout_p=0.0, **scores)  # fmt: skip
+            backend._backward(q, q, k, v, q, res.lse, None, scale=scale, is_causal=causal,
+                              key_mask=None, dropout_p=0.0, **scores)  # fmt: skip
     assert {launch.kernel.__name__ for launch in recorded} >= {"_forward_kernel", "_dq_kernel"}
     monkeypatch.setattr(driver, "_active", _DriverForSM90())
     distinct = {launch.specialization(): launch for launch in recorded}
@@ -96,3 +113,27 @@ def test_rows_load_and_store_as_16_byte_vectors(
         assert not scalar, f"{name}: {len(scalar)} scalar 16-bit global accesses ({scalar[0]})"
         vectors = re.findall(VECTOR_ACCESS, ptx)
         assert vectors, f"{name}: no 16-byte global access at all"
+
+
+@pytest.mark.parametrize(
+    ("causal", "softcap", "window"),
+    [(False, 30.0, None), (True, 30.0, Window(127, 0)), (False, None, Window(64, 63))],
+    ids=["fused-softcap", "dense-causal-window-softcap", "dense-window"],
+)
+def test_soft_capped_and_windowed_kernels_compile_with_16_byte_vectors(
+    monkeypatch: pytest.MonkeyPatch, causal: bool, softcap: float | None, window: Window | None
+) -> None:
+    """The ``SOFTCAP`` and ``WINDOW`` variants (Note [Soft-capped scores in the kernels], Note
+    [Local windows in the kernels]) compile for sm90 and keep every row access a 16-byte
+    vector; soft-capping adds ``ex2`` (the tanh) to the forward."""
+    ptx = _sm90_ptx(monkeypatch, torch.bfloat16, 64, 2, causal, softcap, window)
+    for name, code in ptx:
+        assert not re.findall(SCALAR_16_BIT_ACCESS, code), name
+        assert re.findall(VECTOR_ACCESS, code), name
+    if softcap is not None:
+        plain = _sm90_ptx(monkeypatch, torch.bfloat16, 64, 2, causal, None, window)
+
+        def exponents(kernels: list[tuple[str, str]]) -> int:
+            return sum(code.count("ex2.approx") for name, code in kernels if "forward" in name)
+
+        assert exponents(ptx) > exponents(plain)

@@ -49,7 +49,7 @@ def test_caches_at_other_lengths_count_one_token() -> None:
     q, k, v = _qkv(1, 1)
     dilated_attention(q, k, v, SEGS, RATES, is_causal=True, cache=caches[1])
     with pytest.raises(ValueError, match=r"caches\[1\] has seen 1 token and caches\[0\] 0"):
-        check_caches(caches, 2, (SEGS, RATES), torch.zeros(1, 1, dtype=torch.long), None)
+        check_caches(caches, [c.layer for c in caches], torch.zeros(1, 1, dtype=torch.long), None)
 
 
 def test_a_packed_prompt_into_a_cache_holding_one_position() -> None:

@@ -62,7 +62,7 @@ def test_top_level_help_lists_every_command(capsys: pytest.CaptureFixture[str]) 
                                "--repeats", "--causal, --no-causal"]),
         (["demo", "-h"], ["--steps STEPS", "(default: 700)", "--save PATH", "--seq-len",
                           "--corpus-bytes", "at least 1048576 (1 MiB)", "--device",
-                          "--preset {base,tiny}"]),
+                          "--preset {base,tiny,tiny_hybrid}"]),
         (["generate", "--help"], ["--checkpoint PATH", "--prompt PROMPT", "--max-new-tokens N",
                                   "(default: 200)", "--temperature T", "(default: 0.8)",
                                   "--top-k K", "(default: 20)", "--seed S", "--device"]),

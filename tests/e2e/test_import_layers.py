@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("backends", ("backends",)),
     ("kernels", ("block_sparse",)),
     ("resolve", ("resolve",)),
-    ("compiled", ("compiled", "pattern_keys", "decode_step")),
+    ("compiled", ("compiled", "pattern_keys", "decode_step", "window_decode")),
     ("operations", ("functional",)),
     ("modules", ("modules", "rotary")),
     ("distributed", ("distributed",)),

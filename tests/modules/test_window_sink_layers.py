@@ -1,10 +1,11 @@
 """The layers with local windows, soft-capping and learnable sinks: they compute what the
 functions compute with those options (checked against the float64 oracle through the
 functional tests), their sinks are parameters with gradients, the factory builds them, bad
-values fail at construction, and context parallelism refuses them until its ring layers apply
-them."""
+values fail at construction, and context parallelism keeps them."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from dilated_attention import (
     BlockSparseMultiheadAttention,
     DilatedAttention,
     MultiheadDilatedAttention,
+    RingMultiheadDilatedAttention,
     create_block_sparse_attention,
     create_multihead_dilated_attention,
 )
@@ -89,10 +91,31 @@ def test_inner_sinks_count_checked() -> None:
         DilatedAttention([8], [1], sinks=0)
 
 
-def test_context_parallel_refuses_them() -> None:
-    """Until the ring layers apply them, turning such a layer into a ring layer raises rather
-    than dropping them."""
-    model = torch.nn.Sequential(MultiheadDilatedAttention(32, 4, [8], [1], softcap=5.0))
-    with pytest.raises(ValueError, match="has softcap: its ring layer does not apply them"):
+def test_context_parallel_keeps_them() -> None:
+    """Turned into a ring layer, a layer keeps its window, cap and sinks parameter and applies
+    them (one process: the ring of one rank gives the local layer's output and gradients; over
+    ranks: tests/distributed/test_ring_windows.py)."""
+    torch.manual_seed(0)
+    local = MultiheadDilatedAttention(32, 4, [8], [1], window_size=(3, 0), softcap=5.0,
+                                      sinks=True).double()  # fmt: skip
+    with torch.no_grad():
+        local.attention.sinks.copy_(torch.tensor([0.5, -1.0, 0.0, 2.0]))
+    model = context_parallel(torch.nn.Sequential(copy.deepcopy(local)), None)
+    assert type(model[0]) is RingMultiheadDilatedAttention
+    x = torch.randn(2, 16, 32, dtype=torch.float64)
+    want, got = local(x, is_causal=True)[0], model[0](x, is_causal=True)[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    (want_grad,) = torch.autograd.grad(want.square().sum(), local.attention.sinks)
+    (grad,) = torch.autograd.grad(got.square().sum(), model[0].attention.sinks)
+    torch.testing.assert_close(grad, want_grad, rtol=0, atol=1e-12)
+
+
+def test_context_parallel_refuses_local_layers() -> None:
+    """A local (sliding-window) layer has no ring layer yet: context_parallel raises rather
+    than leave it attending within each rank's shard alone."""
+    from dilated_attention import create_multihead_dilated_attention
+
+    layer = create_multihead_dilated_attention("local", embed_dim=32, num_heads=4, window=8)
+    model = torch.nn.Sequential(layer)
+    with pytest.raises(ValueError, match="local \\(sliding-window\\) layer, which has no ring"):
         context_parallel(model, None)
-    assert type(model[0]) is MultiheadDilatedAttention

@@ -40,16 +40,17 @@ def _tensors(n: int, heads: int, kv_heads: int, seed: int = 0, batch: int = 2) -
     return [torch.randn(s, generator=gen, dtype=F64) for s in shapes]
 
 
-def _decode(cache: object, q, k, v, mask, segs, rates, cuts, backend=None) -> tuple:  # type: ignore[no-untyped-def]
+def _decode(cache: object, q, k, v, mask, segs, rates, cuts, backend=None, **scores) -> tuple:  # type: ignore[no-untyped-def]
     """Every position through ``cache``: positions [0, cuts[0]) as a prompt, then one call per
-    span [cuts[i], cuts[i+1]) (one token: a step); the rows' outputs and lse joined."""
+    span [cuts[i], cuts[i+1]) (one token: a step); the rows' outputs and lse joined.
+    ``scores``: ``softcap`` and ``sinks``, when given."""
     outs, lses = [], []
     bounds = [0, *cuts, q.shape[1]]
     for lo, hi in itertools.pairwise(bounds):
         out, lse = dilated_attention(
             q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], list(segs), list(rates), is_causal=True,
             key_padding_mask=None if mask is None else mask[:, lo:hi], cache=cache,
-            backend=backend, return_lse=True,
+            backend=backend, return_lse=True, **scores,
         )  # fmt: skip
         outs.append(out)
         lses.append(lse)
@@ -508,3 +509,57 @@ def test_a_step_compiled_with_cuda_graphs_equals_the_eager_step() -> None:
             got = compiled(caches[0], *token).clone()
             torch.testing.assert_close(got, step(caches[1], *token))
     assert caches[0].lengths.tolist() == [60, 60]
+
+
+# -- soft-capping and sinks ------------------------------------------------------------------------
+@pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
+def test_the_triton_step_takes_softcap_and_sinks(
+    device: str, dtypes: list[torch.dtype], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With soft-capping and sinks the static step still runs our one-launch kernel (the cap
+    before the heads' masks, the sinks as one more run of the merge): every token's out and lse
+    equal the float64 oracle's causal forward at its position (GQA, a padding mask, a head dim
+    that is no power of two)."""
+    skip_without_triton(device)
+    backend = get_backend("triton")
+    calls: list[int] = []
+    real = backend.decode_step
+    monkeypatch.setattr(backend, "decode_step", lambda *a: calls.append(1) or real(*a))
+    segs, rates, n, prompt = (16, 48), (1, 3), 70, 20
+    q, k, v = (torch.nn.functional.pad(x, (0, 16)) + 0.1 for x in _tensors(n, 6, 2, seed=2))
+    sinks = torch.randn(6, generator=torch.Generator().manual_seed(2), dtype=F64)
+    mask = torch.zeros(2, n, dtype=torch.bool)
+    mask[1, 3:9] = True
+    for dtype in dtypes:
+        exact = [x.to(dtype).to(F64) for x in (q, k, v)]
+        want, want_lse = oracle_dilated_attention(
+            *exact, segs, rates, is_causal=True, key_padding_mask=mask, softcap=3.0, sinks=sinks
+        )
+        cache = StaticDilatedKVCache(segs, rates, max_length=n)
+        calls.clear()
+        tensors = (x.to(device, dtype) for x in exact)
+        with torch.no_grad():
+            out, lse = _decode(cache, *tensors, mask.to(device), segs, rates,
+                               list(range(prompt, n)), backend="triton",
+                               softcap=3.0, sinks=sinks.to(device, torch.float32))  # fmt: skip
+        assert len(calls) == n - prompt, "a step did not run the decode kernel"
+        _close(out.cpu(), want, dtype)
+        _close(lse.cpu(), want_lse, dtype)
+
+
+def test_a_step_refuses_sinks_that_need_a_gradient() -> None:
+    """The static step runs without autograd (its buffers are written in place): sinks that
+    need a gradient are refused like a query that does, before the cache changes, never given
+    none silently."""
+    q, k, v = _tensors(12, 2, 2, seed=1, batch=1)
+    learned = torch.zeros(2, dtype=F64, requires_grad=True)
+    cache = StaticDilatedKVCache([4], [1], max_length=12)
+    with torch.no_grad():
+        dilated_attention(q[:, :11], k[:, :11], v[:, :11], [4], [1], is_causal=True,
+                          cache=cache, sinks=learned)  # fmt: skip
+    assert cache.lengths is not None
+    before = cache.lengths.clone()
+    with pytest.raises(ValueError, match="decodes without gradients"):
+        dilated_attention(q[:, 11:], k[:, 11:], v[:, 11:], [4], [1], is_causal=True,
+                          cache=cache, sinks=learned)  # fmt: skip
+    assert torch.equal(cache.lengths, before)

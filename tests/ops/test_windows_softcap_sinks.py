@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from support.backend_params import CPU_BACKENDS, backend_id
+from support.backend_params import CPU_BACKENDS, backend_id, skip_unless_runnable
 from support.oracle import (
     dilated_multiplicity,
     masked_attention,
@@ -97,6 +97,9 @@ def test_every_cpu_kernel(backend: str | None, dtype: torch.dtype) -> None:
     mask = torch.zeros(2, 19, dtype=torch.bool)
     mask[1, 3:7] = True
     options = dict(is_causal=True, window_size=(5, 0), softcap=2.0, key_padding_mask=mask)
+    # Refused for another reason (a dtype, say): nothing to learn about these options here.
+    skip_unless_runnable(backend, q.to(dtype), k.to(dtype), v.to(dtype), is_causal=True,
+                         key_padding_mask=mask)  # fmt: skip
     takes = backend is None or (
         get_backend(backend).supports_window and get_backend(backend).supports_softcap
     )
@@ -373,3 +376,28 @@ def test_explain_names_them() -> None:
     assert "no soft-capping (softcap)" in "; ".join(choice.reasons["cpu_flash"])
     with pytest.raises(ValueError, match="softcap must be a positive finite float"):
         explain(device="cpu", softcap=-2.0)
+
+
+@pytest.mark.slow
+def test_under_torch_compile_they_run_eagerly_between_graphs() -> None:
+    """torch.compile runs calls with a window, a soft-cap, sinks or packed documents eagerly (a
+    graph break): the eager result and gradients; fullgraph=True names the reason."""
+    q = torch.randn(1, 16, 2, 8, dtype=torch.float64, requires_grad=True)
+    sinks = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        return dilated_attention(
+            x, x, x, [8], [1], cu_seqlens=[0, 5, 16], window_size=(2, 0), softcap=3.0,
+            sinks=sinks, is_causal=True,
+        ).square().sum()  # fmt: skip
+
+    got = torch.compile(loss)(q)
+    grads = torch.autograd.grad(got, (q, sinks))
+    want = loss(q)
+    want_grads = torch.autograd.grad(want, (q, sinks))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, w in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    whole = torch.compile(lambda x: attention(x, x, x, softcap=3.0), fullgraph=True)
+    with pytest.raises(Exception, match=r"run eagerly under torch\.compile"):
+        whole(q)
