@@ -59,11 +59,13 @@ Note [Context parallel transformers]
     ``ring_dilated_attention`` over ``group`` (Note [Context parallel groups] in
     ``distributed/context.py``): each rank's model holds its shard of the sequence, rotated by
     the global ``position_ids`` the caller passes, and the call returns that shard of the exact
-    one-process result; a chunked layer is its branch ``(C, 1)`` over global positions. Training
-    and evaluation over whole sequences only: a local window, soft-capping and sinks (which the
-    ring functions do not apply yet), a padding mask, a cache (keys other than the call's own),
-    packed rows and attention dropout raise ``ValueError``, on this rank, before the ring
-    call's agreement (call them on every rank alike).
+    one-process result: a global layer's schedule, a chunked layer's branch ``(C, 1)`` and a
+    local layer's window (``ring_attention``, which sends only the window's halo) over global
+    positions, each with its soft-cap and sinks (a rank's sinks gradient is its rows' share:
+    the shares sum to the one-process gradient). Training and evaluation over whole sequences
+    only: a padding mask, a cache (keys other than the call's own), packed rows and attention
+    dropout raise ``ValueError``, on this rank, before the ring call's agreement (call them on
+    every rank alike).
 
 Note [Cross-attention in encoder-decoder models]
     A decoder's cross-attention reads the encoder's keys: query positions and key positions are
@@ -108,7 +110,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..distributed import ring_dilated_attention
+from ..distributed import ring_attention, ring_dilated_attention
 from ..functional import attention
 from ._transformers_layer import LayerAttention, layer_name
 from ._transformers_masks import host_read, is_sequence_ids, sequence_offsets
@@ -420,17 +422,11 @@ def context_parallel_rows(
     transformers]): q (B, n, H, D), k and v (B, n, Hkv, D) this rank's shard -> (B, n, H, D).
 
     Raises:
-        ValueError: a local window, soft-capped scores or sinks (the ring functions do not
-            apply them yet), a padding mask, a cache, packed rows, or dropout.
+        ValueError: a padding mask, a cache, packed rows, or dropout.
     """
     q, k, v = qkv
     refused = None
-    if layer.schedule is None or not layer.traceable:
-        what = [name for name, value in (("a local window", layer.window),
-                ("soft-capped scores", layer.softcap), ("attention sinks", layer.sinks))
-                if value is not None]  # fmt: skip
-        refused = f"{layer.name} computes {' and '.join(what)}, which the ring functions do not yet"
-    elif attention_mask is not None:
+    if attention_mask is not None:
         refused = "a padding mask (context parallel layers take whole, unpadded sequences)"
     elif k.shape[1] != q.shape[1]:
         refused = "cached keys (context parallel layers train and evaluate, they do not decode)"
@@ -444,8 +440,14 @@ def context_parallel_rows(
             f"context_parallel=...)) runs every rank's shard of whole sequences; call it so, "
             f"or use the model without context_parallel"
         )
-    out = ring_dilated_attention(
-        q, k, v, *layer.schedule, group=group, is_causal=run["is_causal"], scale=run.get("scale")
-    )
+    options = {
+        "group": group, "is_causal": run["is_causal"], "scale": run.get("scale"),
+        "softcap": layer.softcap, "sinks": layer.sinks,
+    }  # fmt: skip
+    if layer.schedule is None:
+        assert layer.window is not None  # a local layer
+        out = ring_attention(q, k, v, window_size=(layer.window - 1, 0), **options)
+    else:
+        out = ring_dilated_attention(q, k, v, *layer.schedule, **options)
     assert isinstance(out, torch.Tensor)  # return_lse=False
     return out

@@ -1,8 +1,8 @@
 """Models whose attention calls carry more than a padding mask (``integrations/transformers.py``,
-``_transformers_masks.py``): context parallel chunked layers (and sinks and windows refused
-there), compiled decoding with chunks, windows, soft-capping and sinks, static caches in models
-whose attention gets no position ids (Llama 4, Whisper's decoder), and Llama 4 rows packed by
-restarting position ids. Tiny models built from configs, in float64.
+``_transformers_masks.py``): context parallel chunked and local layers with sinks, compiled
+decoding with chunks, windows, soft-capping and sinks, static caches in models whose attention
+gets no position ids (Llama 4, Whisper's decoder), and Llama 4 rows packed by restarting
+position ids. Tiny models built from configs, in float64.
 
 A one-branch schedule longer than every input is dense attention, so every model equals its
 stock self (SDPA, or eager where it has none) within float64 rounding. Skipped where
@@ -107,35 +107,32 @@ def _left_padded(batch: int, length: int, pad: int) -> torch.Tensor:
 # -- context parallel ------------------------------------------------------------------------------
 def _context_parallel(rank: int, world: int) -> None:
     """Llama 4's chunked layer (chunks of 8 over 24 tokens) runs on the ring as the branch
-    (8, 1): each rank's logits are its shard of the one-process logits, and the parameter
-    gradients (summed over ranks) equal the one-process ones; gpt-oss's sinks and windows, which
-    the ring functions do not apply yet, raise on every rank."""
+    (8, 1), gpt-oss's local layer (a window of 8) as a windowed ring, both its layers with their
+    sinks: each rank's logits are its shard of the one-process logits, and the parameter
+    gradients (the sinks' included), summed over ranks, equal the one-process ones."""
     import torch.distributed as dist
 
     from dilated_attention.distributed import ContextParallel, sequence_positions, shard_sequence
 
-    single = _twin(_llama4(), _llama4)
-    ids = _ids(2, 12 * world)
-    want = single(ids).logits
-    want_grads = torch.autograd.grad(want.square().sum(), list(single.parameters()))
     cp = ContextParallel(ring=dist.group.WORLD)
-    model = _twin(single, _llama4, context_parallel=cp)
     positions = sequence_positions(12, group=cp)
-    logits = model(shard_sequence(ids, group=cp), position_ids=positions[None]).logits
-    torch.testing.assert_close(logits, want[:, positions].detach(), **TIGHT)
-    grads = torch.autograd.grad(logits.square().sum(), list(model.parameters()))
-    for got, expected in zip(grads, want_grads, strict=True):
-        total = got.clone()
-        dist.all_reduce(total)
-        torch.testing.assert_close(total, expected, **TIGHT)
-    gpt_oss = _twin(_gpt_oss(), _gpt_oss, context_parallel=cp)
-    match = r"GptOssAttention \(layer 0\) computes a local window and attention sinks, which "
-    with pytest.raises(ValueError, match=match + r"the ring functions do not yet.*without "
-                                              r"context_parallel"):  # fmt: skip
-        gpt_oss(shard_sequence(ids, group=cp), position_ids=positions[None])
+    ids = _ids(2, 12 * world)
+    for build in (_llama4, _gpt_oss):
+        single = _twin(build(), build)
+        want = single(ids).logits
+        want_grads = torch.autograd.grad(want.square().sum(), list(single.parameters()))
+        model = _twin(single, build, context_parallel=cp)
+        logits = model(shard_sequence(ids, group=cp), position_ids=positions[None]).logits
+        torch.testing.assert_close(logits, want[:, positions].detach(), **TIGHT)
+        grads = torch.autograd.grad(logits.square().sum(), list(model.parameters()))
+        for (name, _), got, expected in zip(model.named_parameters(), grads, want_grads,
+                                            strict=True):  # fmt: skip
+            total = got.clone()
+            dist.all_reduce(total)
+            torch.testing.assert_close(total, expected, **TIGHT, msg=name)
 
 
-def test_context_parallel_runs_chunked_layers_and_refuses_sinks_and_windows(tmp_path: Any) -> None:
+def test_context_parallel_runs_chunks_windows_and_sinks(tmp_path: Any) -> None:
     from support.distributed_utils import run_world
 
     run_world(_context_parallel, 2, tmp_path)
