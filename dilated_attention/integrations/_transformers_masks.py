@@ -1,5 +1,6 @@
 """The mask function of the transformers integration (``integrations/transformers.py``): what
-transformers tells a layer about its call, passed on to the attention function.
+transformers tells a layer about its call, passed on to the attention function, and read back
+there (:func:`call_keys`, :func:`filled_keys`).
 
 Note [What the mask function passes on]
     transformers builds each layer type's mask once per forward with the registered mask
@@ -21,8 +22,10 @@ Note [What the mask function passes on]
       synchronization; under ``torch.compile`` a one-token call without gradients (the
       decoding step) gets a mask over the cache's slots instead, (B, ``kv_length``), ``False``
       at unfilled ones, which the static decode step takes (Note [Decoding with transformers'
-      caches] in ``_transformers_paths.py``: with no window or chunk, a layer kept on
-      transformers' attention computes it too); other calls read the count (a graph break).
+      caches] in ``_transformers_paths.py``; a layer kept on transformers' attention computes
+      it too, and a layer the step does not take, one with a window, a soft-cap or sinks, runs
+      eagerly and cuts it after its last filled slot, the query's: :func:`trim_unfilled`);
+      other calls read the count (a graph break).
     - Packed sequences (no padding mask, no cached tokens, ``check_positions``): each token's
       sequence index in its row, (B, N) int64, read from the mask function itself: a query that
       cannot see the token before it starts a sequence. transformers finds packing from position
@@ -126,6 +129,14 @@ def _cache_slots(
     return filled & _fit(mask, kv_offset + kv_length)[:, kv_offset:].to(end.device)
 
 
+def trim_unfilled(mask: torch.Tensor) -> torch.Tensor:
+    """A one-token call's (B, n) mask cut after its last ``True`` column, the query's slot
+    (Note [What the mask function passes on]: under ``torch.compile`` a static cache's unfilled
+    slots follow it); a host read, in eager code."""
+    filled = int(mask.any(dim=0).nonzero().max()) + 1 if bool(mask.any()) else mask.shape[1]
+    return mask[:, :filled]
+
+
 def _sequence_ids(
     batch_size: int, n: int, q_offset: int, mask_function: Any, kwargs: dict[str, Any]
 ) -> torch.Tensor | None:
@@ -160,3 +171,50 @@ def sequence_offsets(ids: torch.Tensor) -> list[int]:
     starts = (ids.diff(dim=1) != 0).nonzero()
     inner = (starts[:, 0] * n + starts[:, 1] + 1).tolist()
     return sorted({*inner, *(row * n for row in range(batch)), batch * n})
+
+
+def call_keys(
+    mask: torch.Tensor | None, slots: int
+) -> tuple[torch.Tensor | None, int, int]:
+    """The call's keys from what the mask function passed on (Note [What the mask function
+    passes on]): the padding mask of its filled keys (B, filled) (or the packed rows' sequence
+    indices, or None), how many of its ``slots`` key slots are filled, and the absolute position
+    of the first."""
+    if mask is None or is_sequence_ids(mask):
+        return mask, slots, 0
+    filled = min(mask.shape[1], slots)
+    offset = mask.shape[1] - filled
+    return mask[:, offset:], filled, offset
+
+
+def filled_keys(
+    mask: torch.Tensor | None, positions: torch.Tensor | None, keys: int, check: bool = True
+) -> int:
+    """How many of the ``keys`` slots hold tokens: the mask's length, else one past the last
+    query's position (a static cache has more slots than tokens and, unpadded, no mask); all of
+    them when the queries are as many as the slots (no cache beyond them). ``check``: refuse
+    position ids that restart within a row (a data-dependent test: ``torch.compile`` breaks the
+    graph there, in every layer).
+
+    Raises:
+        ValueError: position ids that restart within a row (packed sequences), with ``check``.
+    """
+    if mask is not None:
+        return min(mask.shape[1], keys)
+    if positions is None or positions.numel() == 0:
+        return keys
+    if check and positions.shape[-1] > 1:
+        host_read("position_ids (a check for packed sequences)")
+    if check and positions.shape[-1] > 1 and bool((positions.diff(dim=-1) != 1).any()):
+        raise ValueError(
+            "dilated attention cannot run packed sequences (position_ids restart within a row): "
+            "segments follow each sequence's positions; give each sequence its own row"
+        )
+    if positions.shape[-1] == keys:  # every slot is one of these positions: no cache beyond them
+        return keys
+    host_read(
+        "position_ids (the filled length of a cache that came without a mask)",
+        "let transformers build the mask with the registered mask function "
+        "(use_dilated_attention registers it)",
+    )
+    return min(int(positions[..., -1].max()) + 1, keys)

@@ -1,7 +1,8 @@
 """The computing paths of the transformers integration (``integrations/transformers.py``):
-self-attention on padded rows, cross-attention over an encoder's keys, and layers kept on
-transformers' own attention. Tensors: q (B, Nq, H, D) and k, v (B, Nk, Hkv, D) views unless a
-function says it takes transformers' (B, H, N, D) layout.
+self-attention on padded, packed and cached rows, cross-attention over an encoder's keys,
+context parallel rows, and layers kept on transformers' own attention. Tensors: q (B, Nq, H,
+D) and k, v (B, Nk, Hkv, D) views unless a function says it takes transformers' (B, H, N, D)
+layout.
 
 Note [Padded rows shifted to the start]
     Dilated attention cuts segments by position, so a padded row is computed on its own tokens:
@@ -16,7 +17,9 @@ Note [Padded rows shifted to the start]
 
     A decoding call (fewer queries than keys) cannot be rotated this way, since its queries are
     the last key positions of every row: its rows are grouped by span instead, one call per
-    group on that span (which reads the spans on the host).
+    group on that span (which reads the spans on the host). A local layer's window is relative
+    (Note [What each layer computes] in ``_transformers_layer.py``): its padded rows, prefill
+    or decoding, run as they are, the key padding mask hiding the padding.
 
 Note [Packed rows from transformers]
     transformers packs sequences into one row (``DataCollatorWithFlattening``) and says where
@@ -39,26 +42,30 @@ Note [Decoding with transformers' caches]
     (a dynamic cache), or the token's cache slots and unfilled ones after them (a static cache),
     and its position ids say where each row is (in a model whose attention gets none, Llama 4,
     the mask function's slots do: a row's real filled slots, minus one). A left-padded row's
-    real tokens start after
-    its padding slots, which its mask's leading ``False`` count. That is the static decode
-    step's input (Note [A decode step with static shapes] in ``core/static_cache.py``) with
-    buffers of as many rows as keys, position ``x`` of row ``b`` at slot ``x + pad_b``: it
-    computes the call from the position ids and the mask on the device, with no host
-    synchronization and the same shapes at every position, so
-    ``torch.compile`` of a static-cache decoding step keeps the attention in its one graph (the
-    sliced keys of the general path read the positions on the host: a graph break per layer
-    and a new graph per length). It is taken under ``torch.compile`` without gradients (the
-    step has none); eager calls keep the general path.
+    real tokens start after its padding slots, which its mask's leading ``False`` count. That
+    is the static decode step's input (Note [A decode step with static shapes] in
+    ``core/static_cache.py``) with buffers of as many rows as keys, position ``x`` of row ``b``
+    at slot ``x + pad_b`` (``x + pad_b - offset`` modulo the slots where a sliding cache
+    dropped ``offset`` keys and rolled the rest: a chunked layer's): it computes the call from
+    the position ids and the mask on the device, with no host synchronization and the same
+    shapes at every position, so ``torch.compile`` of a static-cache decoding step keeps the
+    attention in its one graph (the sliced keys of the general path read the positions on the
+    host: a graph break per layer and a new graph per length). It is taken under
+    ``torch.compile`` without gradients (the step has none) by global and chunked layers
+    without soft-capping or sinks; eager calls keep the general path.
 
 Note [Context parallel transformers]
     With ``use_dilated_attention(..., context_parallel=group)`` every self-attention call runs
     ``ring_dilated_attention`` over ``group`` (Note [Context parallel groups] in
     ``distributed/context.py``): each rank's model holds its shard of the sequence, rotated by
     the global ``position_ids`` the caller passes, and the call returns that shard of the exact
-    one-process result. Training and evaluation over whole sequences only: a padding mask, a
-    cache (keys other than the call's own), packed rows and attention dropout raise
-    ``ValueError``, on this rank, before the ring call's agreement (call them on every rank
-    alike).
+    one-process result: a global layer's schedule, a chunked layer's branch ``(C, 1)`` and a
+    local layer's window (``ring_attention``, which sends only the window's halo) over global
+    positions, each with its soft-cap and sinks (a rank's sinks gradient is its rows' share:
+    the shares sum to the one-process gradient). Training and evaluation over whole sequences
+    only: a padding mask, a cache (keys other than the call's own), packed rows and attention
+    dropout raise ``ValueError``, on this rank, before the ring call's agreement (call them on
+    every rank alike).
 
 Note [Cross-attention in encoder-decoder models]
     A decoder's cross-attention reads the encoder's keys: query positions and key positions are
@@ -70,35 +77,42 @@ Note [Cross-attention in encoder-decoder models]
     cross-attention name (``encoder_attn``, ``crossattention``, ...) that none of these marks is
     refused up front, so that no cross-attention runs as dilated self-attention.
 
+Note [Chunks after a cache]
+    A chunked layer's chunks count from each row's first real token, and its call computes the
+    one branch ``(C, 1)`` over keys whose position 0 is a chunk's first token. A call of as
+    many queries as keys (no cache before it) is rotated so (Note [Padded rows shifted to the
+    start]). A call after a cache has its queries at the last key positions, and its keys may
+    start after the row's first token (a sliding cache dropped the older ones: the mask
+    function passes their offset) or at different tensor positions per row (left padding):
+    its rows are grouped by their span and first token, and each group's keys are cut from the
+    first chunk boundary at or before its first query, the queries staying the last positions
+    (keys that a chunk reaches but the call lacks are masked, as transformers' mask leaves them
+    out). Under ``torch.compile`` a one-token step without gradients is the static decode
+    step instead, row ``b``'s position ``x`` at slot ``x + pad_b - offset`` modulo the slots
+    (Note [Decoding with transformers' caches]).
+
 Note [Layers kept on transformers' attention]
-    transformers' ``sliding_window=W`` lets a query see the W keys ending at itself, so a window
-    covers the whole call when the call has at most W keys, and the layer is then plain causal
-    attention: it runs dilated. A chunked layer (Llama 4: ``config.layer_types[layer_idx] ==
-    "chunked_attention"``, chunks of ``config.attention_chunk_size`` tokens counted from each
-    row's first real token) is plain causal attention when its keys start at the sequence's
-    first position (no cache dropped any) and fit in one chunk. A longer call, soft-capped
-    scores (Gemma 2) or attention sinks (gpt-oss: ``s_aux``, the layer's ``sinks``) cannot be
-    computed by dilated attention (:func:`unsupported_reason` decides it, in one place); with
-    ``keep_unsupported_layers`` such a call runs transformers' SDPA attention (the model's own
-    eager attention for soft-capping and sinks) with the mask the layer would get from
-    transformers: key ``j`` is seen by query ``i`` (both tensor positions, the queries being the
-    last ones) when it is real, ``j <= i`` if causal, ``i - j < window``, and both lie in one
-    chunk (counted from the row's first real token, whose tensor position is negative where a
-    cache dropped it). Query rows that see no key are padding and give zeros, as on the dilated
-    path. :func:`use_dilated_attention` warns which layers this concerns, from the layers'
-    attributes (:func:`kept_layers`).
+    Local windows, chunks, soft-capping and sinks run on this library (Note [What each layer
+    computes] in ``_transformers_layer.py``). What remains is a learned position bias added to
+    the scores (T5's ``position_bias``), which dilated attention does not compute: such a model
+    is refused, or with ``keep_unsupported_layers`` its calls run transformers' SDPA attention
+    with the bias and the mask the layer would get from transformers: key ``j`` is seen by
+    query ``i`` (both tensor positions, the queries being the last ones) when it is real and,
+    if causal, ``j <= i``. Query rows that see no key are padding and give zeros, as on the
+    dilated path. :func:`use_dilated_attention` warns which layers this concerns, from the
+    model's modules (:func:`kept_layers`).
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..distributed import ring_dilated_attention
-from ..functional import attention, dilated_attention
+from ..distributed import ring_attention, ring_dilated_attention
+from ..functional import attention
+from ._transformers_layer import LayerAttention, layer_name
 from ._transformers_masks import host_read, is_sequence_ids, sequence_offsets
 
 #: Names under which transformers models store cross-attention layers (Note [Cross-attention
@@ -174,58 +188,70 @@ def _rotate(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def padded_rows(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-    schedule: tuple[list[int], list[int]], run: dict[str, Any], check: bool,
+    layer: LayerAttention, run: dict[str, Any], check: bool, first: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """Dilated attention of a padded batch, each row on its own tokens (Note [Padded rows
-    shifted to the start]).
+    """A layer's attention over a padded batch, each row on its own tokens (Note [Padded rows
+    shifted to the start]; a local layer: Note [What each layer computes]).
 
     Args:
         q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D), Nq <= Nk (the queries are the last positions).
         mask: (B, Nk) bool, ``True`` for a real token.
-        schedule: ``(segment_lengths, dilation_rates)``.
-        run: keyword arguments of :func:`~dilated_attention.dilated_attention`.
+        layer: what the layer computes.
+        run: the call's ``is_causal``, ``scale`` and ``dropout_p``.
         check: refuse masks with gaps.
+        first: (B,) the key index of each row's first real token (negative where a sliding
+            cache dropped it), from which a chunked layer's chunks count; None: the mask's.
 
     Returns:
         (B, Nq, H, D), zeros at padding query rows.
     """
+    if layer.schedule is None:  # a window is relative: the mask alone is exact
+        out = layer(q, k, v, key_padding_mask=~mask, **run)
+        real = mask[:, k.shape[1] - q.shape[1] :, None, None]
+        return torch.where(real, out, out.new_zeros(()))
     if q.shape[1] != k.shape[1]:
-        return _grouped_rows(q, k, v, mask, schedule, run, check)
+        return _grouped_rows(q, k, v, mask, layer, run, check, first)
     start, count = _spans(mask, check)
     n = mask.shape[1]
     index = torch.arange(n, device=mask.device)
     real = index[None] < count[:, None]  # (B, N) after the rotation
     src = (index[None] + start[:, None]) % n
     q, k, v = (_rotate(x, src) for x in (q, k, v))
-    out = dilated_attention(q, k, v, *schedule, key_padding_mask=~real, **run)
+    out = layer(q, k, v, key_padding_mask=~real, **run)
     out = torch.where(real[:, :, None, None], out, out.new_zeros(()))
     return _rotate(out, (index[None] - start[:, None]) % n)
 
 
 def _grouped_rows(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-    schedule: tuple[list[int], list[int]], run: dict[str, Any], check: bool,
+    layer: LayerAttention, run: dict[str, Any], check: bool, first: torch.Tensor | None,
 ) -> torch.Tensor:  # fmt: skip
-    """Decoding rows grouped by the span of their real keys, one call per group on that span
-    (Note [Padded rows shifted to the start]); arguments as :func:`padded_rows`."""
+    """Decoding rows grouped by the span of their real keys (and their first token), one call
+    per group on that span (Note [Padded rows shifted to the start], Note [Chunks after a
+    cache]); arguments as :func:`padded_rows`."""
     start, count = _spans(mask, check)
     first_query = k.shape[1] - q.shape[1]
     out = q.new_zeros(q.shape)
-    spans = torch.stack([start, start + count], dim=1)
+    spans = torch.stack([start, start + count, start if first is None else first], dim=1)
     host_read(
         "the spans of padded rows (a call of several new tokens per row after a cache)",
         "decode one new token per row, or call the model eagerly",
     )
     for span in torch.unique(spans, dim=0).tolist():
-        s, e = span
+        s, e, head = span
         rows = (spans == spans.new_tensor(span)).all(dim=1).nonzero().flatten()
         q_lo = max(first_query, s)
         if q_lo >= e:
             continue  # every query of these rows is padding
-        part = dilated_attention(
-            q[rows, q_lo - first_query : e - first_query], k[rows, s:e], v[rows, s:e],
-            *schedule, **run,
-        )  # fmt: skip
+        lo = s if layer.chunk is None else q_lo - (q_lo - head) % layer.chunk
+        keys = [x[rows, max(lo, 0) : e] for x in (k, v)]
+        hidden = None
+        if lo < 0:  # keys of the chunk that the call lacks: masked, as transformers does
+            keys = [torch.nn.functional.pad(x, (0, 0, 0, 0, -lo, 0)) for x in keys]
+            hidden = torch.arange(e - lo, device=k.device).expand(len(rows), -1) < -lo
+        part = layer(
+            q[rows, q_lo - first_query : e - first_query], *keys, key_padding_mask=hidden, **run
+        )
         out[rows, q_lo - first_query : e - first_query] = part
     return out
 
@@ -273,6 +299,30 @@ def packed_documents(
     return sorted(starts | rows | {batch * n})
 
 
+def packed_rows(
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    mask: torch.Tensor | None,
+    documents: list[int],
+    layer: LayerAttention,
+    run: dict[str, Any],
+) -> torch.Tensor:
+    """Packed sequences (Note [Packed rows from transformers]): ``qkv`` q (B, N, H, D), k, v
+    (B, N, Hkv, D) -> (B, N, H, D), each sequence as alone (its window, chunks and segments
+    from its first token); ``mask``: the call's (B, N) padding mask or None; ``run``: the
+    call's options.
+
+    Raises:
+        ValueError: a padding mask that hides tokens.
+    """
+    if mask is not None and not bool(mask.all()):
+        raise ValueError(
+            "packed sequences (cu_seq_lens or restarting position_ids) with a padding mask "
+            "that hides tokens: pack without padding (DataCollatorWithFlattening does), or "
+            "give each sequence its own row"
+        )
+    return layer(*qkv, cu_seqlens=documents, **run)
+
+
 def in_place_positions(
     q: torch.Tensor,
     kwargs: dict[str, Any],
@@ -298,159 +348,66 @@ def in_place_positions(
     return positions[:, -1].expand(q.shape[0])
 
 
-def chunk_size(module: nn.Module) -> int | None:
-    """The chunk of ``module``'s layer when it attends within chunks (Llama 4's chunked
-    attention: ``config.layer_types[layer_idx] == "chunked_attention"``), else None."""
-    config = getattr(module, "config", None)
-    layer = getattr(module, "layer_idx", None)
-    types = getattr(config, "layer_types", None)
-    chunk = getattr(config, "attention_chunk_size", None)
-    if chunk is None or layer is None or not types or layer >= len(types):
-        return None
-    return int(chunk) if types[layer] == "chunked_attention" else None
-
-
-def layer_name(module: nn.Module) -> str:
-    """``module``'s class and layer index, for messages."""
-    layer = getattr(module, "layer_idx", None)
-    return type(module).__name__ + ("" if layer is None else f" (layer {layer})")
-
-
-def unsupported_reason(
-    module: nn.Module, keys: int, kwargs: dict[str, Any], offset: int = 0
-) -> str | None:
-    """Why dilated attention cannot compute this call of ``module`` exactly (Note [Layers kept on
-    transformers' attention]), or ``None``. The one place that decides it.
-
-    Args:
-        keys: the call's filled keys.
-        kwargs: the call's keyword arguments (``softcap``, ``s_aux``, ``sliding_window``).
-        offset: the absolute position of the first key (a sliding cache dropped the ones
-            before it).
-    """
-    name = layer_name(module)
-    if kwargs.get("softcap") is not None:
-        return f"{name} soft-caps its attention scores (softcap={kwargs['softcap']})"
-    if kwargs.get("s_aux") is not None:
+def kept_reason(module: nn.Module, kwargs: dict[str, Any]) -> str | None:
+    """Why dilated attention cannot compute this call of ``module`` (Note [Layers kept on
+    transformers' attention]), or ``None``: the one place that decides it. ``kwargs``: the
+    call's keyword arguments (``position_bias``)."""
+    if kwargs.get("position_bias") is not None:
         return (
-            f"{name} adds attention sinks to its softmax (s_aux, the layer's sinks: one logit "
-            f"per head in every row's denominator)"
-        )
-    window = kwargs.get("sliding_window")
-    if window is not None and keys > window:
-        return (
-            f"{name} attends within a sliding window of {window} tokens, and this call has "
-            f"{keys} keys (a window as long as the keys or longer is plain causal attention, "
-            f"which runs dilated)"
-        )
-    chunk = chunk_size(module)
-    if chunk is not None and (offset != 0 or keys > chunk):
-        return (
-            f"{name} attends within chunks of {chunk} tokens (attention_chunk_size), and this "
-            f"call's {keys} keys are not all in its first chunk (keys within one chunk are "
-            f"plain causal attention, which runs dilated)"
+            f"{layer_name(module)} adds a learned position bias (position_bias) to its scores, "
+            f"which dilated attention does not compute"
         )
     return None
-
-
-def _visible(
-    module: nn.Module, batch: int, nq: int, nk: int, mask: torch.Tensor | None,
-    first: torch.Tensor | None, causal: bool, window: int | None, device: torch.device,
-) -> torch.Tensor:  # fmt: skip
-    """(B, 1, Nq, Nk) bool: key ``j`` seen by query ``i`` (Note [Layers kept on transformers'
-    attention]); ``first``: (B,) each row's first real token's key index."""
-    q_pos = torch.arange(nq, device=device)[:, None] + (nk - nq)
-    k_pos = torch.arange(nk, device=device)[None]
-    visible = k_pos <= q_pos if causal else torch.ones(nq, nk, dtype=torch.bool, device=device)
-    if window is not None:
-        visible = visible & (k_pos > q_pos - window)
-    visible = visible[None].expand(batch, nq, nk)
-    chunk = chunk_size(module)
-    if chunk is not None:
-        start = torch.zeros(batch, dtype=torch.long, device=device) if first is None else first
-        start = start[:, None, None]
-        visible = visible & ((k_pos[None] - start) // chunk == (q_pos[None] - start) // chunk)
-    if mask is not None:
-        visible = visible & mask[:, None, :]
-    return visible[:, None]
 
 
 def kept_attention(
     module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     mask: torch.Tensor | None, *, causal: bool, dropout: float, scaling: float | None,
-    kwargs: dict[str, Any], first: torch.Tensor | None = None,
+    kwargs: dict[str, Any],
 ) -> torch.Tensor:  # fmt: skip
-    """A call of a kept layer on transformers' attention (Note [Layers kept on transformers'
-    attention]).
+    """A call of a kept layer on transformers' SDPA attention (Note [Layers kept on
+    transformers' attention]).
 
     Args:
         query: (B, H, Nq, D); key, value: (B, Hkv, Nk, D) (transformers' layout), Nq <= Nk.
         mask: (B, Nk) bool, ``True`` for a real token, or None.
-        kwargs: the call's keyword arguments (``sliding_window``, ``softcap``, ``s_aux``).
-        first: (B,) int, the key index of each row's first real token (negative where a
-            sliding cache dropped it), from which chunks count; None: 0.
+        kwargs: the call's keyword arguments (``position_bias`` (1 or B, H, Nq, >= Nk)).
 
     Returns:
         (B, Nq, H, D), zeros at query rows that see no key.
-
-    Raises:
-        ValueError: soft-capped scores or sinks in a model whose module has no
-            ``eager_attention_forward``.
     """
-    nq, nk = query.shape[2], key.shape[2]
-    visible = _visible(
-        module, query.shape[0], nq, nk, mask, first, causal, kwargs.get("sliding_window"),
-        query.device,
-    )  # fmt: skip
-    seen = visible.any(dim=-1, keepdim=True)  # (B, 1, Nq, 1)
-    visible = visible | ~seen  # a row that sees nothing is padding: finite here, zero below
-    softcap = kwargs.get("softcap")
-    if softcap is None and kwargs.get("s_aux") is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        out, _ = sdpa_attention_forward(
-            module, query, key, value, visible, dropout=dropout, scaling=scaling, is_causal=False
-        )
-    else:  # the model's eager attention, which soft-caps and adds its sinks
-        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-        if eager is None:
-            raise ValueError(
-                f"{layer_name(module)} soft-caps its scores or adds sinks, and its module has no "
-                f"eager_attention_forward to run it on; keep this model on its own attention"
-            )
-        bias = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
-        bias = bias.masked_fill(~visible, torch.finfo(query.dtype).min)
-        extra = {} if softcap is None else {"softcap": softcap}
-        out, _ = eager(module, query, key, value, bias, dropout=dropout, scaling=scaling, **extra)
+    nq, nk = query.shape[2], key.shape[2]
+    q_pos = torch.arange(nq, device=query.device)[:, None] + (nk - nq)
+    k_pos = torch.arange(nk, device=query.device)[None]
+    visible = (k_pos <= q_pos if causal else torch.ones_like(k_pos, dtype=torch.bool))[None]
+    visible = visible.expand(query.shape[0], nq, nk)
+    if mask is not None:
+        visible = visible & mask[:, None, :]
+    seen = visible.any(dim=-1)[:, None, :, None]  # (B, 1, Nq, 1)
+    visible = visible[:, None] | ~seen  # a row that sees nothing is padding: zero below
+    bias = kwargs.get("position_bias")
+    bias = None if bias is None else bias[..., :nk]  # a static cache's unfilled slots
+    out, _ = sdpa_attention_forward(
+        module, query, key, value, visible, dropout=dropout, scaling=scaling, is_causal=False,
+        position_bias=bias,
+    )  # fmt: skip
     return torch.where(seen[:, 0, :, :, None], out, out.new_zeros(()))
 
 
-def kept_layers(model: nn.Module) -> tuple[list[tuple[str, str, bool]], int]:
-    """The self-attention layers of ``model`` that ``keep_unsupported_layers`` runs on
-    transformers' attention, as ``(name, which calls, every call)``, and the number of
-    self-attention layers; from the layers' attributes, as :func:`unsupported_reason` finds them
-    in each call's arguments."""
-    kept: list[tuple[str, str, bool]] = []
-    layers = 0
-    for name, module in model.named_modules():
-        if getattr(module, "layer_idx", None) is None or "Attention" not in type(module).__name__:
-            continue
-        if is_cross_attention(module):
-            continue
-        layers += 1
-        config = getattr(module, "config", None)
-        softcap = getattr(module, "attn_logit_softcapping", None)
-        window = getattr(module, "sliding_window", getattr(config, "sliding_window", None))
-        chunk = chunk_size(module)
-        if softcap is not None:
-            kept.append((name, f"every call: soft-capped scores, softcap={softcap}", True))
-        elif isinstance(getattr(module, "sinks", None), torch.Tensor):
-            kept.append((name, "every call: attention sinks", True))
-        elif isinstance(window, int):
-            kept.append((name, f"calls of more than {window} keys: a sliding window", False))
-        elif chunk is not None:
-            kept.append((name, f"calls beyond its first {chunk}-token chunk", False))
-    return kept, layers
+def kept_layers(model: nn.Module) -> tuple[list[str], int]:
+    """The attention layers of ``model`` that ``keep_unsupported_layers`` runs on transformers'
+    attention (every one of a model that adds a learned position bias, as
+    :func:`kept_reason` finds it in each call's arguments), and the number of attention
+    layers."""
+    layers = [
+        name for name, module in model.named_modules()
+        if getattr(module, "layer_idx", None) is not None and "Attention" in type(module).__name__
+    ]  # fmt: skip
+    biased = any(isinstance(getattr(m, "relative_attention_bias", None), nn.Module)
+                 for m in model.modules())  # fmt: skip
+    return (layers if biased else []), len(layers)
 
 
 def context_parallel_rows(
@@ -458,19 +415,17 @@ def context_parallel_rows(
     attention_mask: torch.Tensor | None,
     kwargs: dict[str, Any],
     group: Any,
-    schedule: tuple[list[int], list[int]],
+    layer: LayerAttention,
     run: dict[str, Any],
-    reason: str | None,
 ) -> torch.Tensor:
     """A self-attention call over a sequence sharded across ``group`` (Note [Context parallel
     transformers]): q (B, n, H, D), k and v (B, n, Hkv, D) this rank's shard -> (B, n, H, D).
 
     Raises:
-        ValueError: a call dilated attention cannot compute, a padding mask, a cache, packed
-            rows, or dropout.
+        ValueError: a padding mask, a cache, packed rows, or dropout.
     """
     q, k, v = qkv
-    refused = reason
+    refused = None
     if attention_mask is not None:
         refused = "a padding mask (context parallel layers take whole, unpadded sequences)"
     elif k.shape[1] != q.shape[1]:
@@ -485,8 +440,14 @@ def context_parallel_rows(
             f"context_parallel=...)) runs every rank's shard of whole sequences; call it so, "
             f"or use the model without context_parallel"
         )
-    out = ring_dilated_attention(
-        q, k, v, *schedule, group=group, is_causal=run["is_causal"], scale=run.get("scale")
-    )
+    options = {
+        "group": group, "is_causal": run["is_causal"], "scale": run.get("scale"),
+        "softcap": layer.softcap, "sinks": layer.sinks,
+    }  # fmt: skip
+    if layer.schedule is None:
+        assert layer.window is not None  # a local layer
+        out = ring_attention(q, k, v, window_size=(layer.window - 1, 0), **options)
+    else:
+        out = ring_dilated_attention(q, k, v, *layer.schedule, **options)
     assert isinstance(out, torch.Tensor)  # return_lse=False
     return out

@@ -17,17 +17,19 @@ Note [Hugging Face attention]
     position up to the last query, or ``None``; packed rows as their sequence indices. The
     (B, H, N, D) tensors are read as (B, N, H, D) views, without a copy.
 
-    A dilated layer cuts segments by position, so a padded row is computed on its own tokens
-    (Note [Padded rows shifted to the start] in ``_transformers_paths.py``; left padding would
-    otherwise shift every segment: logits off by 20 in a first attempt). The queries are the
-    last ``Nq`` key positions (prefill: all of them; decoding: the new tokens); query rows
-    outside their span are padding and give zeros. A mask whose real keys do not form one span
-    raises ``ValueError``; packed sequences run as packed documents (Note [Packed rows from
-    transformers] in ``_transformers_paths.py``). A static cache's slots past the last query are
-    unfilled and are left out. A decoder's cross-attention runs dense over the encoder's keys
-    (Note [Cross-attention in encoder-decoder models]); layers dilated attention cannot compute
-    raise, or with ``keep_unsupported_layers`` run transformers' attention (Note [Layers kept
-    on transformers' attention]).
+    Each layer computes what the model does: a local window, a chunk, or (a global layer) the
+    dilated schedule, with the call's soft-cap and sinks (Note [What each layer computes] in
+    ``_transformers_layer.py``). A dilated or chunked layer cuts segments by position, so a
+    padded row is computed on its own tokens (Note [Padded rows shifted to the start] in
+    ``_transformers_paths.py``; left padding would otherwise shift every segment: logits off
+    by 20 in a first attempt). The queries are the last ``Nq`` key positions (prefill: all of
+    them; decoding: the new tokens); query rows outside their span are padding and give zeros.
+    A mask whose real keys do not form one span raises ``ValueError``; packed sequences run as
+    packed documents (Note [Packed rows from transformers] in ``_transformers_paths.py``). A
+    static cache's slots past the last query are unfilled and are left out. A decoder's
+    cross-attention runs dense over the encoder's keys (Note [Cross-attention in encoder-decoder
+    models]); a learned position bias (T5) raises, or with ``keep_unsupported_layers`` runs
+    transformers' attention (Note [Layers kept on transformers' attention]).
 
     The schedule lives in the model's config (every config object its modules hold: an
     encoder-decoder model may give each half a copy): ``dilated_segment_lengths`` and
@@ -57,7 +59,7 @@ from ..core.schedule import Schedule
 from ..decode_step import decode_at
 from ..distributed import ContextParallel
 from ..distributed.context import check_group
-from ..functional import dilated_attention
+from . import _transformers_layer as L
 from . import _transformers_masks as M
 from . import _transformers_paths as P
 from ._transformers_masks import CHECK_POSITIONS_ATTR, padding_mask
@@ -112,9 +114,11 @@ def use_dilated_attention(
     keep_unsupported_layers: bool = False,
     context_parallel: ContextParallel | dist.ProcessGroup | None = None,
 ) -> nn.Module:
-    """Run every attention layer of a transformers ``model`` as dilated attention; returns the
-    model. A decoder's cross-attention runs dense over the encoder's keys (Note
-    [Cross-attention in encoder-decoder models]).
+    """Run every attention layer of a transformers ``model`` on this library; returns the
+    model. Global layers take the dilated schedule; local (sliding-window) and chunked layers
+    keep their window or chunk; soft-capping and sinks are computed with their gradients (Note
+    [What each layer computes] in ``_transformers_layer.py``). A decoder's cross-attention runs
+    dense over the encoder's keys (Note [Cross-attention in encoder-decoder models]).
 
     Args:
         model: a transformers ``PreTrainedModel``.
@@ -126,11 +130,10 @@ def use_dilated_attention(
             in every layer (``fullgraph=True`` raises an error naming this flag); pass False,
             only for models that never see packed rows, for one graph, padded batches
             included. Eager calls check masks anyway.
-        keep_unsupported_layers: calls that dilated attention cannot compute exactly (a
-            sliding window shorter than the call, a chunked layer's call beyond its first
-            chunk, soft-capped scores, attention sinks) run transformers' SDPA attention (the
-            model's eager attention for soft-capping and sinks) instead of raising; a warning
-            lists the layers this concerns.
+        keep_unsupported_layers: calls that dilated attention cannot compute (a learned
+            position bias: T5) run transformers' SDPA attention instead of raising; a warning
+            lists the layers this concerns. Local windows, chunks, soft-capping and sinks run
+            on this library (Note [What each layer computes] in ``_transformers_layer.py``).
         context_parallel: run the self-attention layers over a sequence sharded across ranks
             (a :class:`~dilated_attention.distributed.ContextParallel` or a process group;
             Note [Context parallel transformers]): each rank passes its shard of the tokens
@@ -139,8 +142,9 @@ def use_dilated_attention(
     Raises:
         ValueError: a bad schedule (per layer: the layer is named), a per-layer schedule whose
             length is not the model's number of layers or in an encoder-decoder model, a model
-            whose attention adds a relative position bias (T5), or a cross-attention layer this
-            integration cannot recognize.
+            whose attention adds a relative position bias (T5) without
+            ``keep_unsupported_layers``, or a cross-attention layer this integration cannot
+            recognize.
         TypeError: ``model`` is not a transformers model, a flag is not a bool, or
             ``context_parallel`` is not a group.
     """
@@ -156,7 +160,7 @@ def use_dilated_attention(
         if not isinstance(value, bool):
             raise TypeError(f"{flag} must be a bool, got {value!r}")
     check_group(context_parallel, "context_parallel")
-    _check_model(model, config, isinstance(segs[0], list), len(segs))
+    _check_model(model, config, isinstance(segs[0], list), len(segs), keep_unsupported_layers)
     if keep_unsupported_layers:
         _warn_kept_layers(model)
     settings = {
@@ -253,38 +257,30 @@ def _own_attention(model: nn.Module) -> str:
 
 
 def _warn_kept_layers(model: nn.Module) -> None:
-    """Warn once that ``keep_unsupported_layers`` runs some layers of ``model`` on transformers'
-    attention, naming them; plainly so when that is every layer, for every call."""
+    """Warn once that ``keep_unsupported_layers`` runs layers of ``model`` on transformers'
+    attention (Note [Layers kept on transformers' attention]), naming them."""
     kept, layers = P.kept_layers(model)
     if not kept:
         return
-    listed = "; ".join(f"{name} ({calls})" for name, calls, _ in kept)
-    if sum(every for *_, every in kept) == layers:
-        warnings.warn(
-            f"keep_unsupported_layers=True: every attention layer of {type(model).__name__} "
-            f"({layers} of {layers}) runs on transformers' attention for every call, so none "
-            f"runs dilated attention: {listed}",
-            UserWarning, stacklevel=3,
-        )  # fmt: skip
-        return
+    none = ", so none runs on dilated attention" if len(kept) == layers else ""
     warnings.warn(
         f"keep_unsupported_layers=True: {len(kept)} of {layers} attention layers of "
-        f"{type(model).__name__} run on transformers' attention for the calls named, the rest "
-        f"on dilated attention: {listed}",
+        f"{type(model).__name__} add a learned position bias to their scores and run on "
+        f"transformers' attention for every call{none}: {', '.join(kept)}",
         UserWarning, stacklevel=3,
     )  # fmt: skip
 
 
-def _check_model(model: nn.Module, config: Any, per_layer: bool, lists: int) -> None:
+def _check_model(model: nn.Module, config: Any, per_layer: bool, lists: int, keep: bool) -> None:
     """Refuse what :func:`use_dilated_attention` cannot run, before any change."""
     name = type(model).__name__
     own = _own_attention(model)
-    if any(isinstance(getattr(m, "relative_attention_bias", None), nn.Module)
-           for m in model.modules()):  # fmt: skip
+    if not keep and P.kept_layers(model)[0]:
         raise ValueError(
             f"{name}'s attention adds a learned relative position bias to its scores "
             f"(T5-style position_bias), which dilated attention does not compute; no layer of "
-            f"it can run dilated exactly: keep this model on {own}"
+            f"it can run dilated exactly: keep this model on {own} (keep_unsupported_layers="
+            f"True runs every layer there)"
         )
     unmarked = P.unmarked_cross_attention(model)
     if unmarked is not None:
@@ -350,41 +346,8 @@ def _layer_schedule(module: nn.Module) -> tuple[list[int], list[int]]:
     return segs, rates
 
 
-def _filled_keys(
-    mask: torch.Tensor | None, positions: torch.Tensor | None, keys: int, check: bool = True
-) -> int:
-    """How many of the ``keys`` slots hold tokens: the mask's length, else one past the last
-    query's position (a static cache has more slots than tokens and, unpadded, no mask); all of
-    them when the queries are as many as the slots (no cache beyond them). ``check``: refuse
-    position ids that restart within a row (a data-dependent test: ``torch.compile`` breaks the
-    graph there, in every layer).
-
-    Raises:
-        ValueError: position ids that restart within a row (packed sequences), with ``check``.
-    """
-    if mask is not None:
-        return min(mask.shape[1], keys)
-    if positions is None or positions.numel() == 0:
-        return keys
-    if check and positions.shape[-1] > 1:
-        M.host_read("position_ids (a check for packed sequences)")
-    if check and positions.shape[-1] > 1 and bool((positions.diff(dim=-1) != 1).any()):
-        raise ValueError(
-            "dilated attention cannot run packed sequences (position_ids restart within a row): "
-            "segments follow each sequence's positions; give each sequence its own row"
-        )
-    if positions.shape[-1] == keys:  # every slot is one of these positions: no cache beyond them
-        return keys
-    M.host_read(
-        "position_ids (the filled length of a cache that came without a mask)",
-        "let transformers build the mask with the registered mask function "
-        "(use_dilated_attention registers it)",
-    )
-    return min(int(positions[..., -1].max()) + 1, keys)
-
-
 def _refuse_call(module: nn.Module, attention_mask: torch.Tensor | None, kwargs: Any) -> None:
-    """What no layer runs: attention weights, a position bias, a 4-D mask."""
+    """What no layer runs: attention weights, a 4-D mask."""
     name = type(module).__name__
     if kwargs.get("output_attentions"):
         raise ValueError(
@@ -392,42 +355,12 @@ def _refuse_call(module: nn.Module, attention_mask: torch.Tensor | None, kwargs:
             f"attention weights to return; call without output_attentions, or load the model "
             f"with attn_implementation='eager' for dense attention's weights"
         )
-    if kwargs.get("position_bias") is not None:
-        raise ValueError(
-            f"{name} adds a position bias (position_bias) to its scores, which dilated "
-            f"attention does not compute; keep this model on {_kept_on(module)}"
-        )
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(
             f"dilated attention takes a 2-D padding mask, got a {attention_mask.dim()}-D mask; "
             f"enable it with use_dilated_attention(...) (which registers the mask function "
             f"too), not by setting the attention implementation alone"
         )
-
-
-def _packed_rows(
-    module: nn.Module,
-    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    attention_mask: torch.Tensor | None,
-    documents: list[int],
-    reason: str | None,
-    run: dict[str, Any],
-) -> torch.Tensor:
-    """Packed sequences (Note [Packed rows from transformers]): ``qkv`` q (B, N, H, D), k, v
-    (B, N, Hkv, D) -> (B, N, H, D), each sequence as alone; ``run``: the call's options."""
-    if reason is not None:
-        raise ValueError(
-            f"{reason}: packed sequences cannot run on this layer (dilated attention cannot "
-            f"compute it, and transformers' attention would cross the sequences); give each "
-            f"sequence its own row"
-        )
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise ValueError(
-            "packed sequences (cu_seq_lens or restarting position_ids) with a padding mask "
-            "that hides tokens: pack without padding (DataCollatorWithFlattening does), or "
-            "give each sequence its own row"
-        )
-    return dilated_attention(*qkv, *_layer_schedule(module), cu_seqlens=documents, **run)
 
 
 def attention_forward(
@@ -441,7 +374,7 @@ def attention_forward(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention function contract, computed as dilated attention (Note [Hugging
+    """transformers' attention function contract, computed on this library (Note [Hugging
     Face attention]).
 
     Args:
@@ -456,39 +389,32 @@ def attention_forward(
             rows, or None.
         dropout, scaling: attention-probability dropout and softmax scale.
         is_causal: overrides ``module.is_causal`` (default True).
+        kwargs: transformers' further arguments; ``sliding_window``, ``softcap`` and ``s_aux``
+            / ``sinks`` (H,) are computed (Note [What each layer computes] in
+            ``_transformers_layer.py``), ``position_bias`` is not (Note [Layers kept on
+            transformers' attention] in ``_transformers_paths.py``).
 
     Returns:
         ``(out, None)`` with out (B, Nq, H, D).
 
     Raises:
-        ValueError: ``output_attentions=True``, a position bias, a 4-D mask, a call dilated
-            attention cannot compute exactly (a sliding window shorter than the call, a chunk
-            it spans, soft-capped scores, sinks) unless the model keeps such layers, a padding
-            mask with gaps, or (from :func:`~dilated_attention.dilated_attention`) non-causal
+        ValueError: ``output_attentions=True``, a 4-D mask, a position bias unless the model
+            keeps such layers, a bidirectional window, sinks other than (H,), a padding mask
+            with gaps, or (from :func:`~dilated_attention.dilated_attention`) non-causal
             queries shorter than the keys.
     """
     _refuse_call(module, attention_mask, kwargs)
     run: dict[str, Any] = {"scale": scaling, "dropout_p": dropout}
     if P.is_cross_attention(module):
-        filled = _filled_keys(attention_mask, None, key.shape[2])
-        q, k, v = (x.transpose(1, 2) for x in (query, key[:, :, :filled], value[:, :, :filled]))
+        filled = M.filled_keys(attention_mask, None, key.shape[2])
+        key, value = key[:, :, :filled], value[:, :, :filled]
+        reason = P.kept_reason(module, kwargs)
+        if reason is not None:
+            return _kept(module, (query, key, value), attention_mask, reason, run, kwargs), None
+        q, k, v = (x.transpose(1, 2) for x in (query, key, value))
         return P.cross_attention(q, k, v, attention_mask, run), None
     run["is_causal"] = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     return _self_attention(module, (query, key, value), attention_mask, run, kwargs), None
-
-
-def _call_keys(
-    mask: torch.Tensor | None, slots: int
-) -> tuple[torch.Tensor | None, int, int]:
-    """The call's keys from what the mask function passed on (Note [What the mask function
-    passes on]): the padding mask of its filled keys (B, filled) (or the packed rows' sequence
-    indices, or None), how many of its ``slots`` key slots are filled, and the absolute position
-    of the first."""
-    if mask is None or M.is_sequence_ids(mask):
-        return mask, slots, 0
-    filled = min(mask.shape[1], slots)
-    offset = mask.shape[1] - filled
-    return mask[:, offset:], filled, offset
 
 
 def _self_attention(
@@ -502,39 +428,75 @@ def _self_attention(
     value (B, Hkv, Nk, D); ``passed``: the mask function's mask; ``run``: the call's options
     -> (B, Nq, H, D)."""
     query, key, value = qkv
-    check = getattr(getattr(module, "config", None), CHECK_POSITIONS_ATTR, True)
-    mask, filled, offset = _call_keys(passed, key.shape[2])
-    reason = P.unsupported_reason(module, filled, kwargs, offset)
+    reason = P.kept_reason(module, kwargs)
+    if reason is not None:
+        check = getattr(getattr(module, "config", None), CHECK_POSITIONS_ATTR, True)
+        mask, filled, _ = M.call_keys(passed, key.shape[2])
+        filled = M.filled_keys(mask, kwargs.get("position_ids"), filled, check)
+        kept = (query, key[:, :, :filled], value[:, :, :filled])
+        return _kept(module, kept, mask, reason, run, kwargs)
+    layer = L.layer_attention(
+        module, query.shape[1], run["is_causal"], kwargs, _layer_schedule(module)
+    )
     group = getattr(module, CONTEXT_ATTR, None)
     if group is not None:
+        mask = M.call_keys(passed, key.shape[2])[0]
         q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, N, H, D) views
         padding = None if M.is_sequence_ids(mask) else mask  # a shard's positions jump
-        schedule = _layer_schedule(module)
-        return P.context_parallel_rows((q, k, v), padding, kwargs, group, schedule, run, reason)
-    key, value = key[:, :, :filled], value[:, :, :filled]  # a static cache's unfilled slots
-    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+        return P.context_parallel_rows((q, k, v), padding, kwargs, group, layer, run)
+    if layer.traceable or not torch.compiler.is_compiling():
+        return _rows(module, layer, qkv, passed, run, kwargs)
+    slots = query.shape[2] == 1 and passed is not None  # a static cache's slots may follow
+    return _eager_rows(module, layer, qkv, passed, run, kwargs, slots)
+
+
+def _rows(
+    module: nn.Module,
+    layer: L.LayerAttention,
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    passed: torch.Tensor | None,
+    run: dict[str, Any],
+    kwargs: dict[str, Any],
+    trim: bool = False,
+) -> torch.Tensor:
+    """``layer``'s rows of a self-attention call (arguments as :func:`_self_attention`);
+    ``trim``: cut ``passed`` after its last filled slot (Note [What the mask function passes
+    on])."""
+    query, key, value = qkv
+    check = getattr(getattr(module, "config", None), CHECK_POSITIONS_ATTR, True)
+    if trim and not M.is_sequence_ids(passed):
+        passed = M.trim_unfilled(passed)
+    mask, filled, offset = M.call_keys(passed, key.shape[2])
+    q, k, v = (x.transpose(1, 2) for x in (query, key[:, :, :filled], value[:, :, :filled]))
     documents = P.packed_documents(kwargs, q, filled, mask, check)
     if documents is not None:
         padding = None if M.is_sequence_ids(mask) else mask
-        return _packed_rows(module, (q, k, v), padding, documents, reason, run)
-    positions = None
-    if reason is None and offset == 0:
-        positions = P.in_place_positions(q, kwargs, mask, run["is_causal"], run["dropout_p"])
-    if positions is not None:
-        pads = None if mask is None else (mask.cumsum(1) == 0).sum(1)
-        schedule = Schedule(*_layer_schedule(module))
-        return decode_at(q, k, v, positions, schedule, row_offsets=pads, scale=run["scale"])
-    filled = _filled_keys(mask, kwargs.get("position_ids"), filled, check)
-    key, value = key[:, :, :filled], value[:, :, :filled]
-    if reason is not None:
-        first = None if passed is None else (passed.cumsum(1) == 0).sum(1) - offset
-        return _kept(module, (query, key, value), mask, first, reason, run, kwargs)
-    schedule = _layer_schedule(module)
-    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+        return P.packed_rows((q, k, v), padding, documents, layer, run)
+    pads = None if passed is None else (passed.cumsum(1) == 0).sum(1)
+    if layer.traceable and layer.schedule is not None:
+        positions = P.in_place_positions(q, kwargs, passed, run["is_causal"], run["dropout_p"])
+        if positions is not None:
+            shift = pads if pads is None or not offset else pads - offset
+            schedule = Schedule(*layer.schedule)
+            return decode_at(q, k, v, positions, schedule, row_offsets=shift, scale=run["scale"])
+    filled = M.filled_keys(mask, kwargs.get("position_ids"), filled, check)
+    k, v = k[:, :filled], v[:, :filled]
     compiling = torch.compiler.is_compiling()
-    if mask is None or (not compiling and bool(mask.all())):
-        return dilated_attention(q, k, v, *schedule, **run)
-    return P.padded_rows(q, k, v, mask, schedule, run, check or not compiling)
+    whole = mask is None or (not compiling and bool(mask.all()))
+    if whole and (offset == 0 or layer.chunk is None):
+        return layer(q, k, v, **run)
+    first = None if pads is None else pads - offset  # a chunk's start: Note [Chunks after a cache]
+    return P.padded_rows(q, k, v, mask, layer, run, check or not compiling, first)
+
+
+#: Under torch.compile, a layer with a window, a soft-cap or sinks runs eagerly (Note [What
+#: each layer computes] in ``_transformers_layer.py``).
+_eager_rows = torch.compiler.disable(
+    _rows,
+    reason="dilated attention runs a layer with a local window, soft-capped scores or attention "
+    "sinks eagerly under torch.compile (the library's compiled operators do not carry them "
+    "yet): a graph break; compile without fullgraph=True, or leave this model eager",
+)
 
 
 def _kept_on(module: nn.Module) -> str:
@@ -544,16 +506,15 @@ def _kept_on(module: nn.Module) -> str:
 
 def _kept(
     module: nn.Module, qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    mask: torch.Tensor | None, first: torch.Tensor | None, reason: str, run: dict[str, Any],
-    kwargs: dict[str, Any],
+    mask: torch.Tensor | None, reason: str, run: dict[str, Any], kwargs: dict[str, Any],
 ) -> torch.Tensor:  # fmt: skip
     """A call dilated attention cannot compute, for ``reason``: on transformers' attention if the
     model keeps such layers (Note [Layers kept on transformers' attention]), else an error.
-    ``qkv`` in transformers' layout, ``mask`` (B, Nk) or None, ``first`` (B,) each row's first
-    real key (chunks count from it) or None -> (B, Nq, H, D).
+    ``qkv`` in transformers' layout, ``mask`` (B, Nk) or None -> (B, Nq, H, D).
 
     Raises:
-        ValueError: the model does not keep such layers.
+        ValueError: the model does not keep such layers, the layer is context parallel, or
+            the rows are packed.
     """
     if not getattr(getattr(module, "config", None), KEEP_ATTR, False):
         raise ValueError(
@@ -561,7 +522,14 @@ def _kept(
             f"keep_unsupported_layers=True to use_dilated_attention to run such calls on "
             f"transformers' attention, or keep the model on {_kept_on(module)}"
         )
+    packed = M.is_sequence_ids(mask) or kwargs.get("cu_seq_lens_q") is not None
+    if packed or getattr(module, CONTEXT_ATTR, None) is not None:
+        raise ValueError(
+            f"{reason}: this layer runs on transformers' attention (keep_unsupported_layers), "
+            f"which would cross {'packed sequences' if packed else 'the ranks of its group'}; "
+            f"give each sequence its own row, without context_parallel"
+        )
     return P.kept_attention(
-        module, *qkv, mask, causal=run["is_causal"], dropout=run["dropout_p"],
-        scaling=run["scale"], kwargs=kwargs, first=first,
+        module, *qkv, mask, causal=bool(run.get("is_causal", False)), dropout=run["dropout_p"],
+        scaling=run["scale"], kwargs=kwargs,
     )  # fmt: skip

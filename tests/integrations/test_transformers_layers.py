@@ -1,13 +1,14 @@
-"""Layers of transformers models beyond a decoder's self-attention
-(``integrations/_transformers_paths.py``): a decoder's cross-attention in encoder-decoder models
-(BART, Whisper, a BERT-to-BERT ``EncoderDecoderModel``), models refused up front (T5), and
-layers dilated attention cannot compute (a sliding window shorter than the call, soft-capped
-scores), refused or kept on transformers' attention. Tiny models built from configs, in float64.
+"""Layers of transformers models beyond plain self-attention
+(``integrations/_transformers_paths.py``, ``_transformers_layer.py``): a decoder's
+cross-attention in encoder-decoder models (BART, Whisper, a BERT-to-BERT
+``EncoderDecoderModel``), T5 (refused up front, or every layer kept on SDPA), hybrid models
+whose global layers take a LongNet schedule while local ones keep their windows (with sinks or
+soft-capping), chunked calls after a cache, and what no layer computes. Tiny models built from
+configs, in float64.
 
 A one-branch schedule covering the sequence is dense attention, so every model equals its stock
 SDPA (or eager) self within float64 rounding; a LongNet schedule is checked against the float64
-oracle. Skipped where transformers is not installed.
-"""
+oracle. Skipped where transformers is not installed."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.oracle import oracle_attention, oracle_dilated_attention
+from support.oracle import masked_attention, oracle_attention, oracle_dilated_attention
 
 transformers = pytest.importorskip("transformers")
 
@@ -71,35 +72,6 @@ def _bert_to_bert() -> Any:
     config.decoder_start_token_id, config.pad_token_id = 1, 0
     config._attn_implementation = "sdpa"
     return _seeded(lambda c: transformers.EncoderDecoderModel(config=c), config)
-
-
-def _mistral(window: int = 16) -> Any:
-    config = transformers.MistralConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        sliding_window=window, attn_implementation="sdpa",
-    )  # fmt: skip
-    return _seeded(transformers.MistralForCausalLM, config)
-
-
-def _qwen2() -> Any:
-    """Layer 0 full attention, layer 1 within a 16-token sliding window."""
-    config = transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        use_sliding_window=True, sliding_window=16, max_window_layers=1,
-        attn_implementation="sdpa",
-    )  # fmt: skip
-    return _seeded(transformers.Qwen2ForCausalLM, config)
-
-
-def _gemma2() -> Any:
-    config = transformers.Gemma2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        sliding_window=16, attn_logit_softcapping=50.0, attn_implementation="eager",
-    )  # fmt: skip
-    return _seeded(transformers.Gemma2ForCausalLM, config)
 
 
 def _twin(model: Any, build: Any, schedule: Any = DENSE, **flags: Any) -> Any:
@@ -213,19 +185,40 @@ def test_cross_attention_of_the_attention_function_is_the_dense_oracle_with_grad
 
 
 # -- refused up front -----------------------------------------------------------------------------
-def test_t5_is_refused_before_any_change() -> None:
-    """T5 adds a learned relative position bias to its scores, which dilated attention cannot
-    add: refused, the model left as it was (its halves' own config copies included)."""
+def _t5() -> Any:
     config = transformers.T5Config(
         vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
         dropout_rate=0.0, attn_implementation="sdpa", decoder_start_token_id=0,
     )  # fmt: skip
-    model = _seeded(transformers.T5ForConditionalGeneration, config)
-    with pytest.raises(ValueError, match=r"relative position bias .* keep this model on sdpa"):
+    return _seeded(transformers.T5ForConditionalGeneration, config)
+
+
+def test_t5_is_refused_before_any_change_or_kept_on_sdpa_naming_every_layer() -> None:
+    """T5 adds a learned relative position bias to its scores, which dilated attention cannot
+    add: refused, the model left as it was (its halves' own config copies included); with
+    ``keep_unsupported_layers`` every layer, cross-attention included, runs on SDPA with its
+    bias (padded encoder rows, a forward and cached generation equal T5 on SDPA), with a
+    warning that names them."""
+    model = _t5()
+    with pytest.raises(ValueError, match=r"relative position bias .* keep this model on sdpa "
+                                         r"\(keep_unsupported_layers=True runs every layer "
+                                         r"there\)"):  # fmt: skip
         dilated_hf.use_dilated_attention(model, *DENSE)
     for held in (model.config, model.encoder.config, model.decoder.config):
         assert held._attn_implementation == "sdpa"
         assert not hasattr(held, dilated_hf.SEGMENTS_ATTR)
+    with pytest.warns(UserWarning, match=r"6 of 6 attention layers of T5ForConditionalGeneration "
+                                         r"add a learned position bias .* so none runs on "
+                                         r"dilated attention: encoder.block.0.layer.0."
+                                         r"SelfAttention, .*decoder.block.1.layer.1."
+                                         r"EncDecAttention$"):  # fmt: skip
+        kept = _twin(model, _t5, keep_unsupported_layers=True)
+    ids, mask = _padded_encoder_batch()
+    dec = torch.randint(3, VOCAB, (3, 9), generator=torch.Generator().manual_seed(2))
+    run = {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": dec}
+    torch.testing.assert_close(kept(**run).logits, model(**run).logits, **TIGHT)
+    want = model.generate(ids, attention_mask=mask, **GREEDY)
+    assert torch.equal(kept.generate(ids, attention_mask=mask, **GREEDY), want)
 
 
 def test_what_encoder_decoder_models_cannot_take_is_refused() -> None:
@@ -239,99 +232,107 @@ def test_what_encoder_decoder_models_cannot_take_is_refused() -> None:
     assert model.config._attn_implementation == "sdpa"
 
 
-# -- sliding windows and soft-capping -------------------------------------------------------------
-def test_a_sliding_window_longer_than_the_call_runs_dilated() -> None:
-    """Mistral's stock window (4096) on 40 tokens is plain causal attention: it runs dilated,
-    equal to SDPA with one dense branch and to the oracle with a LongNet schedule."""
-    sdpa = _mistral(4096)
+# -- local and global layers ----------------------------------------------------------------------
+def _hybrid_reference(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Any, scaling: float | None = None,
+                      **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """Float64 oracles of a hybrid model (no padding): a local layer's window, a global layer's
+    dilated schedule, each with the call's soft-cap and sinks."""
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    window, sinks = kwargs.get("sliding_window"), kwargs.get("s_aux")
+    extra = {"scale": scaling, "softcap": kwargs.get("softcap"), "sinks": sinks, "is_causal": True}
+    if window is not None:
+        return oracle_attention(q, k, v, window_size=(window - 1, 0), **extra)[0], None
+    return oracle_dilated_attention(q, k, v, *SCHEDULE, **extra)[0], None
+
+
+def _gpt_oss() -> Any:
+    """Layer 0 within a 16-token sliding window, layer 1 global; sinks in both."""
+    config = transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
+        num_experts_per_tok=1, sliding_window=16, experts_implementation="eager",
+        attn_implementation="eager", rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+    )  # fmt: skip
+    model = _seeded(transformers.GptOssForCausalLM, config)
+    with torch.no_grad():
+        for block in model.model.layers:
+            block.self_attn.sinks.normal_(0.0, 2.0)
+    return model
+
+
+def _gemma2() -> Any:
+    """Layer 0 within a 16-token sliding window, layer 1 global; soft-capped scores in both."""
+    config = transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=16,
+        attn_logit_softcapping=2.0, attn_implementation="eager",
+    )  # fmt: skip
+    return _seeded(transformers.Gemma2ForCausalLM, config)
+
+
+@pytest.mark.parametrize("build", [_gpt_oss, _gemma2], ids=["gpt_oss", "gemma2"])
+def test_global_layers_take_the_schedule_and_local_layers_keep_their_window(build: Any) -> None:
+    """A LongNet schedule on 40 tokens: the global layer is the dilated oracle, the local one
+    the oracle of its 16-token window, both with the model's sinks or soft-cap; logits and every
+    gradient (the sinks' included) equal those oracles' in float64."""
+    transformers.AttentionInterface.register("hybrid_reference", _hybrid_reference)
+    dilated = _twin(build(), build, SCHEDULE)
+    reference = _twin(dilated, build)
+    reference.set_attn_implementation("hybrid_reference")
     ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(9))
-    torch.testing.assert_close(_twin(sdpa, lambda: _mistral(4096))(ids).logits, sdpa(ids).logits,
-                               **TIGHT)  # fmt: skip
-    transformers.AttentionInterface.register("dilated_reference", _reference_attention)
-    dilated = _twin(sdpa, lambda: _mistral(4096), SCHEDULE)
-    reference = _twin(sdpa, lambda: _mistral(4096))
-    reference.set_attn_implementation("dilated_reference")
-    torch.testing.assert_close(dilated(ids).logits, reference(ids).logits, rtol=1e-9, atol=1e-9)
+    got, want = dilated(ids).logits, reference(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    assert not torch.allclose(got, _twin(dilated, build)(ids).logits)  # the schedule matters
+    got.square().sum().backward()
+    want.square().sum().backward()
+    pairs = zip(dilated.named_parameters(), reference.parameters(), strict=True)
+    for (name, mine), theirs in pairs:
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-8, atol=1e-9, msg=name)
 
 
-def test_a_sliding_window_as_long_as_the_call_runs_dilated_one_token_longer_is_refused() -> None:
-    """HF's ``sliding_window=W`` lets each query see the W keys ending at itself: a call of W
-    keys is plain causal attention and runs dilated, equal to SDPA; W + 1 keys is refused."""
-    sdpa = _mistral()
-    ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(9))
-    dilated = _twin(sdpa, _mistral)
-    torch.testing.assert_close(dilated(ids[:, :16]).logits, sdpa(ids[:, :16]).logits, **TIGHT)
-    with pytest.raises(ValueError, match=r"sliding window of 16 tokens, and this call has 17 keys"):
-        dilated(ids)
+def _attention_module(**config: Any) -> Any:
+    """A stand-in for a transformers attention module: layer 0 of a config with ``config``."""
+    settings = {dilated_hf.SEGMENTS_ATTR: [64], dilated_hf.RATES_ATTR: [1], **config}
+    return type("Attention", (), {"config": type("Config", (), settings)(), "layer_idx": 0,
+                                  "is_causal": True})()  # fmt: skip
 
 
-def _left_padded(batch: int, length: int, short: int) -> dict[str, torch.Tensor]:
-    ids = torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(10))
-    mask = torch.ones(batch, length, dtype=torch.long)
-    mask[1, : length - short] = 0
-    return {"input_ids": ids, "attention_mask": mask}
+def test_a_chunked_call_after_a_cache_that_dropped_keys_equals_the_chunked_oracle() -> None:
+    """A chunked layer (8 tokens) called with the last 6 of 30 positions as keys and 3 queries
+    (Note [Chunks after a cache]): row 1, left-padded by 5, has its chunk start among the
+    dropped keys; each real query sees the keys of its chunk that the call holds, outputs and
+    gradients as the float64 oracle."""
+    module = _attention_module(layer_types=["chunked_attention"], attention_chunk_size=8)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 3, 8, generator=gen, dtype=torch.float64).requires_grad_()
+    k, v = (torch.randn(2, 2, 6, 8, generator=gen, dtype=torch.float64).requires_grad_()
+            for _ in "kv")  # fmt: skip
+    mask = torch.ones(2, 30, dtype=torch.bool)
+    mask[1, :5] = False
+    out, _ = dilated_hf.attention_forward(module, q, k, v, mask)
+    q_abs, k_abs = torch.arange(27, 30)[:, None], torch.arange(24, 30)[None]
+    first = torch.tensor([0, 5])[:, None, None]
+    visible = (k_abs <= q_abs) & ((k_abs - first) // 8 == (q_abs - first) // 8)  # (B, 3, 6)
+    pick = [x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v)]
+    want, _ = masked_attention(*pick, visible[:, None].expand(2, 4, 3, 6).long())
+    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(out, want, **TIGHT)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for got, expected in zip(grads, torch.autograd.grad(want, pick, dout), strict=True):
+        torch.testing.assert_close(got, expected.transpose(1, 2), **TIGHT)
 
 
-def test_a_shorter_sliding_window_is_refused_or_kept_on_sdpa() -> None:
-    """A 16-token window on 40 tokens: refused by default, naming the flag; kept, the padded
-    batch and cached generation across the window equal Mistral on SDPA."""
-    sdpa = _mistral()
-    run = _left_padded(2, 40, 31)
-    with pytest.raises(ValueError, match=r"sliding window of 16 tokens, and this call has 40 "
-                                         r"keys.*keep_unsupported_layers=True.*or keep the "
-                                         r"model on sdpa"):  # fmt: skip
-        _twin(sdpa, _mistral)(**run)
-    with pytest.warns(UserWarning, match=r"2 of 2 attention layers of MistralForCausalLM run on "
-                                         r"transformers' attention for the calls named.*"
-                                         r"model.layers.1.self_attn \(calls of more than 16 "
-                                         r"keys: a sliding window\)"):  # fmt: skip
-        kept = _twin(sdpa, _mistral, keep_unsupported_layers=True)
-    real = run["attention_mask"].bool()
-    torch.testing.assert_close(kept(**run).logits[real], sdpa(**run).logits[real], **TIGHT)
-    prompt = _left_padded(2, 10, 7)  # 10 + 12 tokens cross the window while decoding
-    greedy = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
-    assert torch.equal(kept.generate(**prompt, **greedy), sdpa.generate(**prompt, **greedy))
-
-
-def test_soft_capped_layers_are_kept_on_the_models_eager_attention() -> None:
-    """Gemma2 soft-caps every layer's scores: refused by default; kept, equal to Gemma2 on its
-    eager attention, in a forward and in cached generation."""
-    eager = _gemma2()
-    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(11))
-    with pytest.raises(ValueError, match=r"Gemma2Attention \(layer 0\) soft-caps its attention "
-                                         r"scores \(softcap=50.0\).*keep the model on its own "
-                                         r"attention \(attn_implementation='eager'; it has no "
-                                         r"sdpa\)"):  # fmt: skip
-        _twin(eager, _gemma2)(ids)
-    with pytest.warns(UserWarning, match=r"every attention layer of Gemma2ForCausalLM \(2 of 2\) "
-                                         r"runs on transformers' attention for every call, so "
-                                         r"none runs dilated attention: model.layers.0.self_attn "
-                                         r"\(every call: soft-capped scores, softcap=50.0\); "
-                                         r"model.layers.1.self_attn"):  # fmt: skip
-        kept = _twin(eager, _gemma2, keep_unsupported_layers=True)
-    torch.testing.assert_close(kept(ids).logits, eager(ids).logits, **TIGHT)
-    greedy = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
-    assert torch.equal(kept.generate(ids, **greedy), eager.generate(ids, **greedy))
-
-
-def test_only_the_calls_a_window_does_not_cover_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Qwen2 with a full layer (0) and a 16-token sliding one (1): on 40 tokens only layer 1 is
-    kept, on 12 none is; the results equal Qwen2 on SDPA."""
-    sdpa = _qwen2()
-    kept_layers: list[int] = []
-    kept_attention = paths.kept_attention
-
-    def spy(module: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        kept_layers.append(module.layer_idx)
-        return kept_attention(module, *args, **kwargs)
-
-    monkeypatch.setattr(paths, "kept_attention", spy)
-    with pytest.warns(UserWarning, match=r"1 of 2 attention layers of Qwen2ForCausalLM.*: "
-                                         r"model.layers.1.self_attn \(calls of more than 16 "
-                                         r"keys: a sliding window\)$"):  # fmt: skip
-        model = _twin(sdpa, _qwen2, keep_unsupported_layers=True)
-    for length, want in ((40, [1]), (12, [])):
-        kept_layers.clear()
-        ids = torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(12))
-        torch.testing.assert_close(model(ids).logits, sdpa(ids).logits, **TIGHT)
-        assert kept_layers == want
+def test_what_no_layer_computes_is_refused() -> None:
+    """A bidirectional window (each model defines its width in its own mask) and sinks that are
+    not one logit per query head raise, naming the layer."""
+    module = _attention_module()
+    module.is_causal = False
+    q = k = v = torch.randn(1, 4, 6, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"Attention \(layer 0\) attends within a bidirectional "
+                                         r"sliding window of 4 tokens"):  # fmt: skip
+        dilated_hf.attention_forward(module, q, k, v, None, sliding_window=4)
+    module.is_causal = True
+    with pytest.raises(ValueError, match=r"sinks of shape \(1, 4, 6, 1\); dilated attention "
+                                         r"takes one logit per query head, shape \(4,\)"):
+        dilated_hf.attention_forward(module, q, k, v, None, sinks=torch.zeros(1, 4, 6, 1))

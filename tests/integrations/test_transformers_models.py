@@ -1,13 +1,12 @@
 """Models whose attention calls carry more than a padding mask (``integrations/transformers.py``,
-``_transformers_masks.py``): gpt-oss's attention sinks, Llama 4's chunked layers, static caches
-in models whose attention gets no position ids (Llama 4, Whisper's decoder), and Llama 4 rows
-packed by restarting position ids. Tiny models built from configs, in float64.
+``_transformers_masks.py``): context parallel chunked and local layers with sinks, compiled
+decoding with chunks, windows, soft-capping and sinks, static caches in models whose attention
+gets no position ids (Llama 4, Whisper's decoder), and Llama 4 rows packed by restarting
+position ids. Tiny models built from configs, in float64.
 
 A one-branch schedule longer than every input is dense attention, so every model equals its
-stock self (SDPA, or eager for gpt-oss, which has no SDPA) within float64 rounding; what dilated
-attention cannot compute is refused, or with ``keep_unsupported_layers`` equals the stock model.
-Skipped where transformers is not installed.
-"""
+stock self (SDPA, or eager where it has none) within float64 rounding. Skipped where
+transformers is not installed."""
 
 from __future__ import annotations
 
@@ -47,6 +46,15 @@ def _gpt_oss() -> Any:
         for layer in model.model.layers:
             layer.self_attn.sinks.normal_(0.0, 2.0)
     return model
+
+
+def _gemma2() -> Any:
+    """Layer 0 within an 8-token sliding window, layer 1 full; soft-capped scores in both."""
+    config = transformers.Gemma2Config(
+        **{k: v for k, v in SIZES.items() if "expert" not in k}, intermediate_size=64,
+        sliding_window=8, attn_logit_softcapping=2.0, attn_implementation="eager",
+    )  # fmt: skip
+    return _seeded(transformers.Gemma2ForCausalLM, config)
 
 
 def _llama4(chunk: int = 8, types: list[str] | None = None) -> Any:
@@ -96,60 +104,89 @@ def _left_padded(batch: int, length: int, pad: int) -> torch.Tensor:
     return mask
 
 
-# -- gpt-oss: attention sinks ----------------------------------------------------------------------
-def test_gpt_oss_sinks_are_refused_or_kept_on_its_eager_attention_with_their_gradient() -> None:
-    """Sinks are refused by default, naming the layer, the sinks and what to do (gpt-oss has no
-    SDPA, so not "sdpa"); kept, logits and every gradient (the sinks' included) equal gpt-oss
-    on its eager attention, with a warning that no layer runs dilated."""
-    eager = _gpt_oss()
-    ids = _ids(2, 20)
-    with pytest.raises(ValueError, match=r"GptOssAttention \(layer 0\) adds attention sinks.*"
-                                         r"keep_unsupported_layers=True.*its own attention "
-                                         r"\(attn_implementation='eager'") as info:  # fmt: skip
-        _twin(eager, _gpt_oss)(ids)
-    assert "sdpa" not in str(info.value).replace("it has no sdpa", "")
-    with pytest.warns(UserWarning, match=r"every attention layer of GptOssForCausalLM \(2 of 2\) "
-                                         r"runs on transformers' attention for every call.*"
-                                         r"model.layers.0.self_attn \(every call: attention "
-                                         r"sinks\)"):  # fmt: skip
-        kept = _twin(eager, _gpt_oss, keep_unsupported_layers=True)
-    got, want = kept(ids).logits, eager(ids).logits
-    torch.testing.assert_close(got, want, **TIGHT)
-    got.square().sum().backward()
-    want.square().sum().backward()
-    for (name, mine), theirs in zip(kept.named_parameters(), eager.parameters(), strict=True):
-        assert (mine.grad is None) == (theirs.grad is None), name
-        if "sinks" in name:
-            assert mine.grad is not None and bool(mine.grad.abs().sum() > 0), name
-        if mine.grad is not None:
-            torch.testing.assert_close(mine.grad, theirs.grad, **TIGHT, msg=name)
+# -- context parallel ------------------------------------------------------------------------------
+def _context_parallel(rank: int, world: int) -> None:
+    """Llama 4's chunked layer (chunks of 8 over 24 tokens) runs on the ring as the branch
+    (8, 1), gpt-oss's local layer (a window of 8) as a windowed ring, both its layers with their
+    sinks: each rank's logits are its shard of the one-process logits, and the parameter
+    gradients (the sinks' included), summed over ranks, equal the one-process ones."""
+    import torch.distributed as dist
+
+    from dilated_attention.distributed import ContextParallel, sequence_positions, shard_sequence
+
+    cp = ContextParallel(ring=dist.group.WORLD)
+    positions = sequence_positions(12, group=cp)
+    ids = _ids(2, 12 * world)
+    for build in (_llama4, _gpt_oss):
+        single = _twin(build(), build)
+        want = single(ids).logits
+        want_grads = torch.autograd.grad(want.square().sum(), list(single.parameters()))
+        model = _twin(single, build, context_parallel=cp)
+        logits = model(shard_sequence(ids, group=cp), position_ids=positions[None]).logits
+        torch.testing.assert_close(logits, want[:, positions].detach(), **TIGHT)
+        grads = torch.autograd.grad(logits.square().sum(), list(model.parameters()))
+        for (name, _), got, expected in zip(model.named_parameters(), grads, want_grads,
+                                            strict=True):  # fmt: skip
+            total = got.clone()
+            dist.all_reduce(total)
+            torch.testing.assert_close(total, expected, **TIGHT, msg=name)
 
 
-# -- Llama 4: chunked attention --------------------------------------------------------------------
-def test_llama4_calls_beyond_one_chunk_are_refused_or_kept_on_sdpa() -> None:
-    """A chunked layer (8 tokens) over 30 keys is refused by default; kept, a left-padded
-    batch and generation across chunk boundaries (a dynamic cache that drops keys, a static one)
-    equal Llama 4 on SDPA; a call within one chunk runs dilated, equal to SDPA."""
-    sdpa = _llama4()
-    ids, mask = _ids(2, 30), _left_padded(2, 30, 5)
-    with pytest.raises(ValueError, match=r"Llama4TextAttention \(layer 0\) attends within chunks "
-                                         r"of 8 tokens .*30 keys.*keep_unsupported_layers="
-                                         r"True.*or keep the model on sdpa"):  # fmt: skip
-        _twin(sdpa, _llama4)(ids)
-    within = _ids(2, 8, seed=2)
-    torch.testing.assert_close(_twin(sdpa, _llama4)(within).logits, sdpa(within).logits, **TIGHT)
-    with pytest.warns(UserWarning, match=r"1 of 2 attention layers of Llama4ForCausalLM.*"
-                                         r"model.layers.0.self_attn \(calls beyond its first "
-                                         r"8-token chunk\)"):  # fmt: skip
-        kept = _twin(sdpa, _llama4, keep_unsupported_layers=True)
-    real = mask.bool()
-    got, want = kept(ids, attention_mask=mask).logits, sdpa(ids, attention_mask=mask).logits
-    torch.testing.assert_close(got[real], want[real], **TIGHT)
-    prompt = {"input_ids": ids[:, :6], "attention_mask": _left_padded(2, 6, 2)}
-    run = {**GREEDY, "max_new_tokens": 13}
-    expected = sdpa.generate(**prompt, **run)
-    assert torch.equal(kept.generate(**prompt, **run), expected)
-    assert torch.equal(kept.generate(**prompt, cache_implementation="static", **run), expected)
+def test_context_parallel_runs_chunks_windows_and_sinks(tmp_path: Any) -> None:
+    from support.distributed_utils import run_world
+
+    run_world(_context_parallel, 2, tmp_path)
+
+
+# -- compiled decoding with windows, sinks and chunks ---------------------------------------------
+def _static_decode(model: Any, step: Any, cache: Any, new: int = 13) -> torch.Tensor:
+    """Greedy decoding of a left-padded 11-token batch, one token per ``step(cache, token,
+    position, slots)`` after an eager prompt."""
+    ids, mask = _ids(2, 11, seed=4), _left_padded(2, 11, 4)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    slots = torch.cat([mask, torch.zeros(2, 48 - 11, dtype=torch.long)], dim=1)
+    logits = model(ids, cache=cache, position_ids=positions, attention_mask=mask).logits
+    tokens = [logits[:, -1:].argmax(-1)]
+    for i in range(new):
+        slots[:, 11 + i] = 1
+        seen = slots if isinstance(cache, transformers.StaticCache) else slots[:, : 12 + i]
+        logits = step(cache, tokens[-1], positions[:, -1:] + 1 + i, seen)
+        tokens.append(logits[:, -1:].argmax(-1))
+    return torch.cat(tokens, dim=1)
+
+
+def _stepper(model: Any) -> Any:
+    """One decoding step of ``model``: ``step(cache, token, position, slots) -> logits``."""
+
+    def step(cache: Any, token: torch.Tensor, position: Any, slots: torch.Tensor) -> Any:
+        return model(token, cache=cache, position_ids=position, attention_mask=slots).logits
+
+    return step
+
+
+@pytest.mark.slow
+def test_compiled_static_decoding_with_chunks_windows_and_sinks() -> None:
+    """Under ``torch.compile`` Llama 4's chunked layer (chunks of 8, a static sliding cache
+    that drops keys) stays in the graph (``fullgraph=True``: the static decode step, Note
+    [Chunks after a cache]); gpt-oss's windows and sinks run eagerly between graphs (Note [What
+    each layer computes]), and ``fullgraph=True`` raises naming what breaks the graph and the
+    fix. The tokens equal eager decoding with a dynamic cache."""
+    for build, fullgraph, new in ((_llama4, True, 13), (_gemma2, False, 4)):
+        model = _twin(build(), build)
+        torch._dynamo.reset()
+        compiled = torch.compile(_stepper(model), fullgraph=fullgraph, backend="eager")
+        with torch.no_grad():
+            dynamic = transformers.DynamicCache(config=model.config)
+            want = _static_decode(model, _stepper(model), dynamic, new)
+            static = transformers.StaticCache(config=model.config, max_cache_len=48)
+            assert torch.equal(_static_decode(model, compiled, static, new), want), build.__name__
+    torch._dynamo.reset()
+    static = transformers.StaticCache(config=model.config, max_cache_len=48)
+    eager = r"local window, soft-capped scores or attention sinks eagerly under torch.compile"
+    fix = r".*compile without fullgraph=True"
+    with torch.no_grad(), pytest.raises(Exception, match=eager + fix):
+        step = torch.compile(_stepper(model), fullgraph=True, backend="eager")
+        _static_decode(model, step, static, new=1)
 
 
 # -- static caches without position ids ------------------------------------------------------------
