@@ -125,8 +125,7 @@ class RingAttention(RingModule, nn.Module):
         super().__init__()
         self.window_size = V.check_window_size(window_size)
         self.softcap = V.check_softcap(softcap)
-        heads = None if sinks is None else V.check_positive_int("sinks", sinks)
-        self.sinks = learnable_sinks(heads)
+        self.sinks = learnable_sinks(sinks)
         self.scale = V.check_scale(scale)
         self.layout = check_layout(layout)
         if comm not in COMMS:

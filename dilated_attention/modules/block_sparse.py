@@ -63,8 +63,7 @@ class BlockSparseAttention(BlockSparseScheduleState, nn.Module):
         self.scale = V.check_scale(scale)
         self.backend = check_backend_name(backend)
         self.softcap = V.check_softcap(softcap)
-        heads = None if sinks is None else V.check_positive_int("sinks", sinks)
-        self.sinks = learnable_sinks(heads)
+        self.sinks = learnable_sinks(sinks)
 
     def forward(
         self,

@@ -80,8 +80,7 @@ class LocalAttention(nn.Module):
         self.dropout = V.check_dropout("dropout", dropout)
         self.backend = check_backend_name(backend)  # "auto" -> None
         self.softcap = V.check_softcap(softcap)
-        heads = None if sinks is None else V.check_positive_int("sinks", sinks)
-        self.sinks = learnable_sinks(heads)
+        self.sinks = learnable_sinks(sinks)
 
     def new_cache(
         self, *, static: bool = False, max_length: int | None = None

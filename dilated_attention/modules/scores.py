@@ -7,13 +7,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import _validation as V
+
 __all__ = ["learnable_sinks", "score_repr"]
 
 
-def learnable_sinks(heads: int | None) -> nn.Parameter | None:
+def learnable_sinks(heads: object) -> nn.Parameter | None:
     """A (heads,) parameter of sink logits initialised to 0 (each row's denominator gains
-    ``e^0 = 1``: a learned way to attend to nothing), or None for ``heads=None``."""
-    return None if heads is None else nn.Parameter(torch.zeros(heads))
+    ``e^0 = 1``: a learned way to attend to nothing), or None for ``heads=None``.
+
+    Raises:
+        ValueError / TypeError: ``heads`` is not a positive int (nor None).
+    """
+    if heads is None:
+        return None
+    return nn.Parameter(torch.zeros(V.check_positive_int("sinks", heads)))
 
 
 def score_repr(
