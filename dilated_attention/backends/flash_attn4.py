@@ -253,29 +253,17 @@ class FlashAttn4Backend(Backend):
     def _score_reasons(self, inputs: KernelInputs) -> list[str]:
         """Why this flash_attn.cute cannot soft-cap or window the scores as asked: its entry
         points lack the parameters (which ``_bind`` would otherwise drop silently)."""
-        try:
-            interface = _interface()
-            names = _parameters(interface._flash_attn_fwd).keys()
-            names &= _parameters(interface._flash_attn_bwd).keys()
-        except Exception as exc:  # a package that cannot be read is a reason, never a crash
-            return [_import_failure("flash_attn.cute", exc)]
         wanted = {"softcap"} if inputs.softcap else set()
         wanted |= {"window_size_left", "window_size_right"} if inputs.window else set()
-        missing = sorted(wanted - names)
-        return [f"this flash_attn.cute lacks {missing}"] if missing else []
+        return _lacking(wanted, "this flash_attn.cute lacks {missing}")
 
     def _mask_reasons(self) -> list[str]:
         """Why this flash_attn.cute cannot take a key padding mask (Note [FlashAttention-4 key
         padding]): its entry points lack ``mask_mod`` / ``aux_tensors``."""
-        try:
-            interface = _interface()
-            names = _parameters(interface._flash_attn_fwd).keys()
-            names &= _parameters(interface._flash_attn_bwd).keys()
-        except Exception as exc:  # a package that cannot be read is a reason, never a crash
-            return [_import_failure("flash_attn.cute", exc)]
-        if not {"mask_mod", "aux_tensors"} <= names:
-            return ["no key padding mask: this flash_attn.cute has no mask_mod / aux_tensors"]
-        return []
+        return _lacking(
+            {"mask_mod", "aux_tensors"},
+            "no key padding mask: this flash_attn.cute has no mask_mod / aux_tensors",
+        )
 
     def block_sparse_reasons(self, inputs: KernelInputs) -> list[str]:
         """Why FA4's block sparsity cannot run ``inputs`` (with ``inputs.block_size``) here."""
@@ -420,6 +408,20 @@ class FlashAttn4Backend(Backend):
         _masked(values, key_mask, is_causal)
         res = bwd(**_bind(bwd, values))
         return _grads_from(res, dq, dk, dv)
+
+
+def _lacking(names: set[str], reason: str) -> list[str]:
+    """``[reason]`` (formatted with the sorted ``missing`` names) where the installed forward or
+    backward entry point lacks one of ``names``, the import failure where the package cannot be
+    read (a reason, never a crash), else nothing."""
+    try:
+        interface = _interface()
+        found = _parameters(interface._flash_attn_fwd).keys()
+        found &= _parameters(interface._flash_attn_bwd).keys()
+    except Exception as exc:  # a package that cannot be read is a reason, never a crash
+        return [_import_failure("flash_attn.cute", exc)]
+    missing = sorted(names - found)
+    return [reason.format(missing=missing)] if missing else []
 
 
 def _window_sizes(window: Window | None) -> dict[str, int | None]:

@@ -654,6 +654,42 @@ def test_flash_attn4_key_padding_through_mask_mod(monkeypatch: pytest.MonkeyPatc
     assert mods[-1] == (True, False)
 
 
+def test_flash_attn4_softcap_and_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A soft-cap and a window reach FA4's softcap and window_size_left / right (-1: None),
+    forward and backward; a window beside a key padding mask, an interface without the
+    parameters, and FA4's block sparsity with a soft-cap are reasons instead."""
+    from dilated_attention.core.contract import Window
+
+    calls = _install_fa4(monkeypatch)
+    assert _reasons(FlashAttn4Backend, (9, 0), monkeypatch, softcap=True, window=True) == []
+    both = " ".join(
+        _reasons(FlashAttn4Backend, (9, 0), monkeypatch, window=True, has_mask=True)
+    )
+    assert "its mask_mod replaces the window" in both
+    assert "no soft-capping in its block sparsity" in " ".join(
+        FlashAttn4Backend().block_sparse_reasons(_cuda_inputs(softcap=True, block_size=128))
+    )
+    q, k, v, dout = _inputs()
+    backend = FlashAttn4Backend()
+    res = backend.forward(q, k, v, scale=SCALE, softcap=30.0, window=Window(7, -1))
+    fwd = calls["fwd"]
+    assert fwd["softcap"] == 30.0
+    assert fwd["window_size_left"] == 7 and fwd["window_size_right"] is None
+    backend.backward(dout, q, k, v, res.out, res.lse, res.aux, scale=SCALE, softcap=30.0,
+                     window=Window(7, 0))  # fmt: skip
+    bwd = calls["bwd"]
+    assert bwd["softcap"] == 30.0 and bwd["window_size_left"] == 7
+    assert bwd["window_size_right"] == 0
+    interface = sys.modules["flash_attn.cute.interface"]
+
+    def bare(q, k, v, softmax_scale=None, causal=False, return_lse=False):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(interface, "_flash_attn_fwd", bare)
+    lacks = " ".join(_reasons(FlashAttn4Backend, (9, 0), monkeypatch, softcap=True))
+    assert "lacks ['softcap']" in lacks
+
+
 def test_xformers_argument_mapping(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _install_xformers(monkeypatch)
     q, k, v, dout = _inputs()
