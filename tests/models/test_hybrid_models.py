@@ -242,13 +242,15 @@ def test_a_ring_world_refuses_local_layers(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_context_parallel_global_layers_beside_local_ones_are_refused() -> None:
-    """``context_parallel`` makes the global layers ring layers and leaves the local ones:
-    the model refuses to run such a mix (its local layers would read a shard as a sequence)."""
+    """``context_parallel`` refuses a model with local layers (they have no ring layer yet and
+    would read a shard as a sequence), before it changes any layer."""
     from dilated_attention.distributed import ContextParallel, context_parallel
 
-    model = context_parallel(_model(), ContextParallel())
-    with pytest.raises(ValueError, match=r"local window layers \[0, 1\] do not"):
-        model(torch.zeros(1, 4, dtype=torch.long))
+    model = _model()
+    kinds = [type(m) for m in model.modules()]
+    with pytest.raises(ValueError, match=r"local \(sliding-window\) layer, which has no ring"):
+        context_parallel(model, ContextParallel())
+    assert [type(m) for m in model.modules()] == kinds
 
 
 @pytest.mark.gpu
