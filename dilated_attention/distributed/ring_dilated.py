@@ -200,9 +200,8 @@ class RingDilatedRunner(FirstOrderOnly):
     branches on this rank's rows, the spanning ones through the peer exchange, merged.
 
     ``kernel``: the resolve step's choice for the local branches; when it is the plan kernel
-    (the fused branches, ``kernel.runs_plan``) it runs the local branches (scores not
-    soft-capped: those run on the executor's plan), and its backend the spanning branches'
-    calls. ``softcap``: every call's scores soft-capped.
+    (the fused branches, ``kernel.runs_plan``) it runs the local branches, and its backend the
+    spanning branches' calls. ``softcap``: every call's and branch launch's scores soft-capped.
     """
 
     plan: DilatedRingPlan
@@ -218,8 +217,9 @@ class RingDilatedRunner(FirstOrderOnly):
 
     @property
     def _fused(self) -> bool:
-        """The plan kernel runs the local branches (it takes no soft-cap)."""
-        return bool(self.plan.local) and self.kernel.runs_plan and self.softcap is None
+        """The plan kernel runs the local branches (soft-capped too: Note [Soft-capped scores
+        in the kernels] in ``backends/_triton_device.py``)."""
+        return bool(self.plan.local) and self.kernel.runs_plan
 
     def _span_forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
@@ -273,7 +273,7 @@ class RingDilatedRunner(FirstOrderOnly):
             out, lse = fused_forward(
                 q, k, v, key_padding_mask, plan.local_branches, backend,
                 is_causal=setup.is_causal, scale=setup.scale, extra=merge,
-                first_head=plan.first_head,
+                first_head=plan.first_head, softcap=self.softcap,
             )  # fmt: skip
         else:
             in_slots = None
@@ -327,7 +327,7 @@ class RingDilatedRunner(FirstOrderOnly):
             return fused_backward(
                 b.dout, q, k, v, out, lse, key_padding_mask, plan.local_branches, backend,
                 is_causal=setup.is_causal, scale=setup.scale, extra=add,
-                first_head=plan.first_head,
+                first_head=plan.first_head, softcap=self.softcap,
             )  # fmt: skip
         if plan.local:
             local = local_plan(plan.local, q, k, setup, backend)

@@ -195,6 +195,61 @@ def test_ring_dilated_through_the_fused_engine(tmp_path: Path) -> None:
     run_world(_check_fused_engine, 2, tmp_path, timeout_s=900)
 
 
+def _check_fused_engine_softcap(rank: int, world_size: int) -> None:
+    """Soft-capped scores on the fused engine beside spanning branches: every local launch
+    capped (the engine is asked with the cap), the spanning calls too, against the oracle."""
+    caps: list[float | None] = []
+    real = ring_dilated_mod.fused_forward
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        caps.append(kwargs.get("softcap"))
+        return real(*args, **kwargs)
+
+    ring_dilated_mod.fused_forward = spy  # this rank's process only
+    n, gen = 48, torch.Generator().manual_seed(1)
+    mask = torch.rand(1, n, generator=gen) < 0.3
+    for causal, layout in [(False, "contiguous"), (True, "zigzag")]:
+        shapes = [(1, n, h, 16) for h in (4, 2, 2, 4)]
+        q, k, v, dout = (torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        options = {"is_causal": causal, "softcap": 1.5}
+        want, want_lse = oracle_dilated_attention(
+            *leaves, (12, 48), (1, 4), key_padding_mask=mask, **options
+        )
+        want_grads = torch.autograd.grad(want, leaves, dout)
+        shard = functools.partial(shard_sequence, layout=layout)
+        local = [shard(t).float().requires_grad_() for t in (q, k, v)]
+        caps.clear()
+        out, lse = ring_dilated_attention(
+            *local, (12, 48), (1, 4), layout=layout, backend="triton", return_lse=True,
+            key_padding_mask=shard(mask), **options,
+        )  # fmt: skip
+        grads = torch.autograd.grad(out, local, shard(dout).float())
+        assert caps == [1.5], caps
+        case = f"rank {rank}/{world_size} causal={causal} {layout}"
+        fp32 = {"atol": 1e-5, "rtol": 1e-5}
+        torch.testing.assert_close(out.double(), shard(want), **fp32, msg=case)
+        torch.testing.assert_close(lse.double(), shard(want_lse, seq_dim=2), **fp32, msg=case)
+        for name, got, exact in zip("qkv", grads, want_grads, strict=True):
+            torch.testing.assert_close(
+                got.double(), shard(exact), atol=2e-5, rtol=2e-5, msg=f"d{name} {case}"
+            )
+
+
+def test_ring_dilated_softcap_through_the_fused_engine(tmp_path: Path) -> None:
+    """With a soft-cap the local branches still run on the fused engine (its launches cap the
+    scores), the spanning ones on its backend's capped calls: equal to the float64 oracle.
+    Runs where Triton runs on CPU tensors (its interpreter)."""
+    inputs = KernelInputs(
+        device=torch.device("cpu"), dtype=torch.float32, head_dim=16, num_heads=4,
+        num_kv_heads=2, query_len=24, key_len=24, dilated=True, softcap=True,
+    )  # fmt: skip
+    reasons = get_backend("triton").not_supported_reasons(inputs)
+    if reasons:
+        pytest.skip("triton on CPU tensors: " + "; ".join(reasons))
+    run_world(_check_fused_engine_softcap, 2, tmp_path, timeout_s=600)
+
+
 def _check_slots(rank: int, world_size: int, grouped: bool = False) -> None:
     """The local branches in slots merged once, beside spanning branches (Note [Branch slots
     merged once] in ``core/slots.py``): the math backend writing into the buffers it is handed,
