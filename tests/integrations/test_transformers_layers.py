@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.hf_models import seeded, tiny_whisper
 from support.oracle import masked_attention, oracle_attention, oracle_dilated_attention
 
 transformers = pytest.importorskip("transformers")
@@ -30,11 +31,6 @@ GREEDY = {"max_new_tokens": 10, "do_sample": False, "num_beams": 1}
 TIGHT = {"rtol": 1e-10, "atol": 1e-10}
 
 
-def _seeded(cls: Any, config: Any) -> Any:
-    torch.manual_seed(0)
-    return cls(config).double().eval()
-
-
 def _bart() -> Any:
     config = transformers.BartConfig(
         vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
@@ -44,19 +40,11 @@ def _bart() -> Any:
         pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2,
         forced_eos_token_id=None,
     )  # fmt: skip
-    return _seeded(transformers.BartForConditionalGeneration, config)
+    return seeded(transformers.BartForConditionalGeneration, config)
 
 
 def _whisper() -> Any:
-    config = transformers.WhisperConfig(
-        vocab_size=VOCAB, num_mel_bins=8, encoder_layers=2, decoder_layers=2,
-        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
-        decoder_ffn_dim=64, d_model=32, max_source_positions=24, max_target_positions=64,
-        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, init_std=0.3,
-        attn_implementation="sdpa", pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        decoder_start_token_id=1, suppress_tokens=None, begin_suppress_tokens=None,
-    )  # fmt: skip
-    return _seeded(transformers.WhisperForConditionalGeneration, config)
+    return tiny_whisper(VOCAB)
 
 
 def _bert_to_bert() -> Any:
@@ -71,7 +59,7 @@ def _bert_to_bert() -> Any:
     )
     config.decoder_start_token_id, config.pad_token_id = 1, 0
     config._attn_implementation = "sdpa"
-    return _seeded(lambda c: transformers.EncoderDecoderModel(config=c), config)
+    return seeded(lambda c: transformers.EncoderDecoderModel(config=c), config)
 
 
 def _twin(model: Any, build: Any, schedule: Any = DENSE, **flags: Any) -> Any:
@@ -190,7 +178,7 @@ def _t5() -> Any:
         vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
         dropout_rate=0.0, attn_implementation="sdpa", decoder_start_token_id=0,
     )  # fmt: skip
-    return _seeded(transformers.T5ForConditionalGeneration, config)
+    return seeded(transformers.T5ForConditionalGeneration, config)
 
 
 def test_t5_is_refused_before_any_change_or_kept_on_sdpa_naming_every_layer() -> None:
@@ -254,7 +242,7 @@ def _gpt_oss() -> Any:
         num_experts_per_tok=1, sliding_window=16, experts_implementation="eager",
         attn_implementation="eager", rope_parameters={"rope_type": "default", "rope_theta": 1e4},
     )  # fmt: skip
-    model = _seeded(transformers.GptOssForCausalLM, config)
+    model = seeded(transformers.GptOssForCausalLM, config)
     with torch.no_grad():
         for block in model.model.layers:
             block.self_attn.sinks.normal_(0.0, 2.0)
@@ -268,7 +256,7 @@ def _gemma2() -> Any:
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=16,
         attn_logit_softcapping=2.0, attn_implementation="eager",
     )  # fmt: skip
-    return _seeded(transformers.Gemma2ForCausalLM, config)
+    return seeded(transformers.Gemma2ForCausalLM, config)
 
 
 @pytest.mark.parametrize("build", [_gpt_oss, _gemma2], ids=["gpt_oss", "gemma2"])

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.hf_models import seeded, tiny_whisper
 
 transformers = pytest.importorskip("transformers")
 
@@ -30,18 +31,13 @@ SIZES = dict(
 )  # fmt: skip
 
 
-def _seeded(cls: Any, config: Any) -> Any:
-    torch.manual_seed(0)
-    return cls(config).double().eval()
-
-
 def _gpt_oss() -> Any:
     """Layer 0 within an 8-token sliding window, layer 1 full; sinks in both."""
     config = transformers.GptOssConfig(
         **SIZES, intermediate_size=32, num_experts_per_tok=1, sliding_window=8,
         attn_implementation="eager", rope_parameters={"rope_type": "default", "rope_theta": 1e4},
     )  # fmt: skip
-    model = _seeded(transformers.GptOssForCausalLM, config)
+    model = seeded(transformers.GptOssForCausalLM, config)
     with torch.no_grad():  # sinks that matter
         for layer in model.model.layers:
             layer.self_attn.sinks.normal_(0.0, 2.0)
@@ -54,7 +50,7 @@ def _gemma2() -> Any:
         **{k: v for k, v in SIZES.items() if "expert" not in k}, intermediate_size=64,
         sliding_window=8, attn_logit_softcapping=2.0, attn_implementation="eager",
     )  # fmt: skip
-    return _seeded(transformers.Gemma2ForCausalLM, config)
+    return seeded(transformers.Gemma2ForCausalLM, config)
 
 
 def _llama4(chunk: int = 8, types: list[str] | None = None) -> Any:
@@ -63,19 +59,11 @@ def _llama4(chunk: int = 8, types: list[str] | None = None) -> Any:
         **SIZES, intermediate_size=64, intermediate_size_mlp=64, attention_chunk_size=chunk,
         no_rope_layer_interval=2, layer_types=types, attn_implementation="sdpa",
     )  # fmt: skip
-    return _seeded(transformers.Llama4ForCausalLM, config)
+    return seeded(transformers.Llama4ForCausalLM, config)
 
 
 def _whisper() -> Any:
-    config = transformers.WhisperConfig(
-        vocab_size=VOCAB, num_mel_bins=8, encoder_layers=2, decoder_layers=2,
-        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
-        decoder_ffn_dim=64, d_model=32, max_source_positions=24, max_target_positions=64,
-        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, init_std=0.3,
-        attn_implementation="sdpa", pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        decoder_start_token_id=1, suppress_tokens=None, begin_suppress_tokens=None,
-    )  # fmt: skip
-    return _seeded(transformers.WhisperForConditionalGeneration, config)
+    return tiny_whisper(VOCAB)
 
 
 def _llama() -> Any:
@@ -84,7 +72,7 @@ def _llama() -> Any:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         attn_implementation="sdpa",
     )  # fmt: skip
-    return _seeded(transformers.LlamaForCausalLM, config)
+    return seeded(transformers.LlamaForCausalLM, config)
 
 
 def _twin(model: Any, build: Any, schedule: Any = DENSE, **flags: Any) -> Any:
