@@ -115,3 +115,13 @@ def assert_close_to_oracle(
             f"{name} ({dtype}): max error {err:.3e} vs float64 oracle exceeds {RATIO} x the "
             f"error of a naive {dtype} reference ({ref_err:.3e}) + floor {floor:.1e}"
         )
+
+
+def assert_rows(
+    out: Tensor, lse: Tensor, want: Tensor, want_lse: Tensor, *, atol: float, rtol: float
+) -> None:
+    """Decoded rows against the full forward's: ``out`` within (atol, rtol), ``-inf`` lse on
+    the same rows, the finite lse within torch's default tolerance for its dtype."""
+    torch.testing.assert_close(out, want, atol=atol, rtol=rtol)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    torch.testing.assert_close(lse[~torch.isneginf(lse)], want_lse[~torch.isneginf(want_lse)])
