@@ -61,6 +61,7 @@ import torch  # noqa: E402
 from support import required_backends  # noqa: E402
 
 from dilated_attention.backends import Backend, get_backend  # noqa: E402
+from dilated_attention.resolve.resolver import clear_resolved  # noqa: E402
 
 #: pytester runs the ``--require-backends`` tests' inner sessions (tests/backends).
 pytest_plugins = ("pytester",)
@@ -160,6 +161,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_choices() -> None:
+    """Every test resolves its calls anew: tests change kernels' reasons, priorities and
+    probes (monkeypatch), which a strategy kept from an earlier test would not see (Note
+    [Resolved once per request] in ``resolve/resolver.py``)."""
+    clear_resolved()
 
 
 @pytest.fixture

@@ -39,6 +39,7 @@ import triton.language as tl
 
 from ._triton_device import _backward_probabilities, _tanh
 from ._triton_kernels import _block_d, dot_precision, row_delta
+from ._triton_launch import launch
 from ._triton_tiles import cdiv
 
 LOG2E = 1.4426950408889634
@@ -363,15 +364,16 @@ def forward(
     lse = torch.empty(batch, heads, query_len, dtype=torch.float32, device=q.device)
     tiles = _tiles(block_size)["forward"]
     grid = (cdiv(query_len, tiles.block_m), heads, batch)
-    _forward_kernel[grid](
+    launch(_forward_kernel, grid, (
         q, k, v, out, lse, lists.key_start, lists.key_blocks,
         *_strides(q, out), *_strides(k, v), lse.stride(0), lse.stride(1),
         query_len, k.shape[1], heads // k.shape[2], *_forward_scales(scale, softcap),
+    ), dict(
         BLOCK=block_size, HEAD_DIM=dim, BLOCK_D=_block_d(dim), BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, CAUSAL=is_causal, EVEN=_even(q, k),
         DOT_PRECISION=dot_precision(q), SOFTCAP=softcap is not None, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
-    )  # fmt: skip
+    ))  # fmt: skip
     return out, lse
 
 
@@ -405,15 +407,17 @@ def backward(
         query_len, key_len, heads // kv_heads, scale, 1.0 if softcap is None else softcap,
     )  # fmt: skip
     config = tiles["dkdv"]
-    _dkdv_kernel[(cdiv(key_len, config.block_n), kv_heads, batch)](
+    launch(_dkdv_kernel, (cdiv(key_len, config.block_n), kv_heads, batch), (
         q, k, v, dout, lse, delta, dk, dv, lists.query_start, lists.query_blocks, *args,
+    ), dict(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
         num_stages=config.num_stages, **common,
-    )  # fmt: skip
+    ))  # fmt: skip
     config = tiles["dq"]
-    _dq_kernel[(cdiv(query_len, config.block_m), heads, batch)](
+    launch(_dq_kernel, (cdiv(query_len, config.block_m), heads, batch), (
         q, k, v, dout, lse, delta, dq, lists.key_start, lists.key_blocks, *args,
+    ), dict(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
         num_stages=config.num_stages, **common,
-    )  # fmt: skip
+    ))  # fmt: skip
     return dq, dk, dv

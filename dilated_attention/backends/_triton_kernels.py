@@ -65,6 +65,7 @@ from ._compat import _release
 from ._triton_backward import _delta_kernel, _dkdv_kernel, _dq_kernel
 from ._triton_compile import Launch, compile_launches
 from ._triton_forward import _forward_kernel
+from ._triton_launch import launch
 from ._triton_tiles import TileConfig, cdiv, next_power_of_2
 
 try:  # Triton >= 3.4
@@ -161,7 +162,7 @@ def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> No
     if recorded is not None:
         recorded.append(Launch.record(kernel, grid, args, kwargs))
     else:
-        kernel[grid](*args, **kwargs)
+        launch(kernel, grid, args, kwargs)
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ..core.slots import merge_slots_torch, sum_slots_torch
+from ._triton_launch import launch
 from ._triton_tiles import cdiv, next_power_of_2
 
 _BLOCK_ROWS = 32
@@ -87,12 +88,11 @@ def merge_into(
     if num_rows == 0:
         return
     grid = (cdiv(num_rows, _BLOCK_ROWS),)
-    _merge_kernel[grid](
+    launch(_merge_kernel, grid, (
         out, lse, part, part_lse,
         num_rows, seq_len, heads, dim,
         *out.stride()[:3], *lse.stride(), *part.stride()[:3], *part_lse.stride(),
-        BLOCK_ROWS=_BLOCK_ROWS, BLOCK_D=next_power_of_2(dim),
-    )  # fmt: skip
+    ), dict(BLOCK_ROWS=_BLOCK_ROWS, BLOCK_D=next_power_of_2(dim)))  # fmt: skip
 
 
 @triton.jit

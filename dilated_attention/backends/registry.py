@@ -108,6 +108,7 @@ def _order(inputs: KernelInputs) -> list[str]:
 
 
 _BACKENDS: dict[str, Backend] = {}
+_GENERATION = [0]
 
 
 def register_backend(backend: Backend) -> None:
@@ -133,22 +134,21 @@ def register_backend(backend: Backend) -> None:
             f"attribute name = 'my_kernel'"
         )
     _BACKENDS[name] = backend
+    _GENERATION[0] += 1
 
 
 for _backend in (
-    MathBackend(),
-    CpuFlashBackend(),
-    SdpaFlashBackend(),
-    SdpaEfficientBackend(),
-    SdpaCudnnBackend(),
-    FlashAttn2Backend(),
-    FlashAttn3Backend(),
-    FlashAttn4Backend(),
-    XformersBackend(),
-    FlexBackend(),
-    TritonBackend(),
-):
+    MathBackend(), CpuFlashBackend(), SdpaFlashBackend(), SdpaEfficientBackend(),
+    SdpaCudnnBackend(), FlashAttn2Backend(), FlashAttn3Backend(), FlashAttn4Backend(),
+    XformersBackend(), FlexBackend(), TritonBackend(),
+):  # fmt: skip
     register_backend(_backend)
+
+
+def generation() -> int:
+    """How many times a backend was registered: changes whenever the kernels to choose from
+    do (what a cached choice is kept under)."""
+    return _GENERATION[0]
 
 
 def list_backends() -> list[str]:

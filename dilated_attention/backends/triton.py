@@ -440,9 +440,16 @@ def _split_key_forward(
 
 
 def _branch(span: BranchSpan) -> Any:
+    if span.bounds is None:
+        return _sequence_branch(span.start, span.end, span.segment_len, span.rate)
     return _kernels().Branch(
         span.start, span.segment_len, span.segment_len, span.end, span.end, span.rate, span.bounds
     )
+
+
+@functools.lru_cache(maxsize=1024)  # every launch asks
+def _sequence_branch(start: int, end: int, segment_len: int, rate: int) -> Any:
+    return _kernels().Branch(start, segment_len, segment_len, end, end, rate)
 
 
 def _dense_branch(query_len: int, key_len: int) -> Any:

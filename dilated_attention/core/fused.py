@@ -170,13 +170,26 @@ def _spans(
         spans = (BranchSpan(chunk.segment_start(w), seq_len, w, r) for w, r in branches)
         return [(chunk.first, seq_len, tuple(spans))]
     if documents is None:
-        segs = tuple(w for w, _ in branches)
-        return [
-            (start, end, tuple(BranchSpan(start, end, min(w, seq_len), r) for w, r in branches))
-            for start, end in position_groups(seq_len, segs, min_positions)
-        ]
+        limits = (MIN_GROUP_POSITIONS, GROUPS_PER_SEQUENCE)  # the cache sees changed limits
+        return _sequence_spans(seq_len, branches, min_positions, limits)
     floor = MIN_GROUP_POSITIONS if min_positions is None else min_positions
     return _packed_spans(documents, branches, floor, GROUPS_PER_SEQUENCE, device)
+
+
+@functools.lru_cache(maxsize=256)  # every call of a shape asks again
+def _sequence_spans(
+    seq_len: int,
+    branches: tuple[tuple[int, int], ...],
+    min_positions: int | None,
+    limits: tuple[int, int],
+) -> list[Spans]:
+    """The position groups of one sequence per row and each branch's span over them: equal
+    segments from each group's start. ``limits``: the module's group limits when asked."""
+    segs = tuple(w for w, _ in branches)
+    return [
+        (start, end, tuple(BranchSpan(start, end, min(w, seq_len), r) for w, r in branches))
+        for start, end in position_groups(seq_len, segs, min_positions)
+    ]
 
 
 @functools.lru_cache(maxsize=32)

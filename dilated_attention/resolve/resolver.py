@@ -52,6 +52,7 @@ from ..backends.registry import (
     Selection,
     _requested,
     float32_share_beside_spanning,
+    generation,
     puts_slots_first,
     registry_for,
 )
@@ -82,11 +83,29 @@ from .strategy import (
 )
 from .windows import packed_windows, windowed_dilated
 
-__all__ = ["execute", "keeps_every_pair", "resolve", "static_branches"]
+__all__ = ["clear_resolved", "execute", "keeps_every_pair", "resolve", "static_branches"]
+
+#: Strategies already resolved: (request, the backend asked for by name and from where, the
+#: registry's generation) -> strategy (Note [Resolved once per request]).
+_RESOLVED: dict[tuple[object, ...], Strategy] = {}
+#: Requests remembered at most; the oldest is dropped first.
+RESOLVED_LIMIT = 512
+
 
 @torch.compiler.disable  # selection probes kernels and caches: run it eagerly, never traced
 def resolve(request: Request) -> Strategy:
-    """The strategy that runs ``request`` (Note [One resolve step]).
+    """The strategy that runs ``request`` (Note [One resolve step]), resolved once per request.
+
+    Note [Resolved once per request]
+        A strategy depends on the request (plain values), on the kernel asked for by name
+        (the argument, :func:`~dilated_attention.use_backend` or the environment) and on the
+        registered kernels, whose probes and priority tables are cached for the process.
+        So each strategy is kept under those three (``registry.generation()`` changes when a
+        kernel is registered) and a later call with the same request takes it at the cost of
+        one dictionary lookup: at short lengths the choice alone (the registry walking the
+        priority list, asking every kernel for its reasons) cost more host time than the
+        kernels' launches. :func:`clear_resolved` forgets them (tests that change a kernel's
+        reasons mid-process).
 
     Raises:
         ValueError: ``request.operation`` is unknown; a kernel asked for by name cannot run the
@@ -103,7 +122,19 @@ def resolve(request: Request) -> Strategy:
             f"{' on packed documents' if request.documents else ''}"
             f"{' over a sharded sequence' if request.shard else ''}"
         )
-    return _RESOLVERS[request.operation](request)
+    key = (request, _requested(request.backend), generation())
+    strategy = _RESOLVED.get(key)
+    if strategy is None:
+        strategy = _RESOLVERS[request.operation](request)
+        if len(_RESOLVED) >= RESOLVED_LIMIT:
+            del _RESOLVED[next(iter(_RESOLVED))]
+        _RESOLVED[key] = strategy
+    return strategy
+
+
+def clear_resolved() -> None:
+    """Forget every resolved strategy (Note [Resolved once per request])."""
+    _RESOLVED.clear()
 
 
 def execute(
