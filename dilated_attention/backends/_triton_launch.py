@@ -56,6 +56,13 @@ def _value_key(x: Any) -> Any:
     return x  # anything else by value (hashable, or the key raises and the JIT launches)
 
 
+def _hooked() -> bool:
+    """Whether a launch hook is installed (Triton >= 3.5 keeps them in chains, empty when
+    none is; earlier versions hold None)."""
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(hook is not None and getattr(hook, "calls", True) for hook in hooks)
+
+
 #: kernel -> how many leading parameters are not constexprs.
 _LEADING: dict[Any, int] = {}
 
@@ -79,8 +86,7 @@ def launch(
         kernel: a ``triton.jit`` function; ``args`` its leading parameters, ``kwargs`` the rest
             (constexprs) and the launch options (``num_warps``, ``num_stages``).
     """
-    hooks = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    if hooks != (None, None) or not hasattr(kernel, "device_caches"):  # a hook, or interpreted
+    if _hooked() or not hasattr(kernel, "device_caches"):  # a profiler's hook, or interpreted
         kernel[grid](*args, **kwargs)
         return
     if _constexpr_among(kernel, len(args)):  # a constexpr passed by position: keyed by type
