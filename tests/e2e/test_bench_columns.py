@@ -1,5 +1,5 @@
 """What the benchmarks compute beside their timings: ``bench_dilated.py``'s FLOP ratio and
-speedup columns."""
+speedup columns, ``bench_compile.py``'s rows (against eager, a failing path) and its stack."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 from support.oracle import dilated_multiplicity
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import bench_compile
 import bench_dilated
 
-from dilated_attention import longnet_schedule
+from dilated_attention import MultiheadDilatedAttention, longnet_schedule
 
 #: The FLOP ratios of the LongNet schedule at 4K-64K, causal, as the issue's H100 table gives
 #: them (rounded there to two places at 4K, one above).
@@ -81,3 +83,52 @@ def test_speedups_are_dense_cudnn_time_over_each_rows() -> None:
     del alone[0]["fwd_speedup"], alone[0]["fwd_bwd_speedup"]
     bench_dilated.relative_columns(alone)
     assert "fwd_speedup" not in alone[0]
+
+
+def test_compile_rows_against_eager_and_a_failing_path() -> None:
+    """``bench_compile.measure_cell`` on a tiny CPU module: every path timed with its host time,
+    ``vs_eager`` = eager's time over the path's, the loss and gradient differences against
+    eager's (a path that scales the output by 1.01 scales the loss and every gradient by
+    1.0201), and a path that fails records its error while the paths after it still run."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    x = torch.randn(1, 4, 8)
+    args = bench_compile.parse_args(["--warmup", "0", "--repeats", "2"])
+
+    def broken(m: nn.Module) -> nn.Module:
+        raise RuntimeError("Detected 4 tensor(s) in the cudagraph pool\nnot tracked")
+
+    wraps = {"eager": (lambda m: m, False), "broken": (broken, False),
+             "scaled": (lambda m: lambda x: m(x) * 1.01, False)}  # fmt: skip
+    rows = bench_compile.measure_cell(model, x, ["eager", "broken", "scaled"], args, wraps)
+    eager, failed, scaled = rows
+    assert failed["error"] == "RuntimeError: Detected 4 tensor(s) in the cudagraph pool"
+    assert "fwd_bwd_ms" not in failed and "vs_eager" not in failed
+    for row in (eager, scaled):
+        assert row["fwd_bwd_host_ms"] == row["fwd_bwd_ms"] > 0  # the CPU: wall time
+    assert eager["vs_eager"] == 1.0
+    assert scaled["vs_eager"] == eager["fwd_bwd_ms"] / scaled["fwd_bwd_ms"]
+    assert scaled["loss_rel_diff"] == pytest.approx(0.0201, rel=1e-4)
+    assert scaled["grad_rel_diff"] == pytest.approx(0.0201, rel=1e-4)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_compile_stack_is_four_longnet_layers() -> None:
+    """The stack holds ``--layers`` multihead dilated layers on ``longnet_schedule(N)``."""
+    stack = bench_compile.Stack(4, 32, 4, 8192, device=torch.device("cpu"), dtype=torch.float32)
+    assert len(stack.layers) == 4
+    for layer in stack.layers:
+        assert isinstance(layer, MultiheadDilatedAttention)
+        config = layer.config
+        assert (list(config.segment_lengths), list(config.dilation_rates)) == longnet_schedule(8192)
+
+
+def test_bench_compile_arguments() -> None:
+    """The default run is 4K-64K with every path, eager first; and a value it cannot run is
+    refused before any work, naming the argument."""
+    args = bench_compile.parse_args([])
+    assert args.seq_lens == [4096, 8192, 16384, 32768, 65536]
+    assert args.paths == ["eager", "compile", "compile fullgraph", "reduce-overhead"]
+    assert (args.layers, args.embed_dim, args.heads) == (4, 2048, 16)
+    with pytest.raises(SystemExit):
+        bench_compile.parse_args(["--embed-dim", "100"])
