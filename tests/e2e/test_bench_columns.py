@@ -17,18 +17,18 @@ import bench_dilated
 
 from dilated_attention import MultiheadDilatedAttention, longnet_schedule
 
-#: The FLOP ratios of the LongNet schedule at 4K-64K, causal, as the issue's H100 table gives
-#: them (rounded there to two places at 4K, one above).
+#: The FLOP ratios of ``longnet_schedule(N)`` at 4K-64K, causal, as the short-length comparison
+#: quotes them (to two places at 4K, one above): ``(value, places)``.
 TABLE = {4096: (1.33, 2), 8192: (2.3, 1), 16384: (4.3, 1), 32768: (8.3, 1), 65536: (16.3, 1)}
 
 
 @pytest.mark.parametrize("seq_len", sorted(TABLE))
 def test_flop_ratio_of_the_longnet_schedule(seq_len: int) -> None:
     """``longnet_n`` is ``longnet_schedule(N)``, and its FLOP ratio at each length is the
-    table's. The table halves the causal pair counts (N * N / 2 over the sum of m * m / 2: the
-    ratio without the causal flag); the exact causal counts (N (N + 1) / 2 over the sum of
-    m (m + 1) / 2) differ from that by under 0.1% (16.246 against 16.254 at 64K, which the
-    table rounds to 16.3)."""
+    quoted one. The quoted values halve the causal pair counts (N * N / 2 over the sum of
+    m * m / 2: the ratio without the causal flag); the exact causal counts (N (N + 1) / 2 over
+    the sum of m (m + 1) / 2) differ from that by under 0.1% (16.246 against 16.254 at 64K,
+    quoted as 16.3)."""
     segs, rates = bench_dilated.schedule_at("longnet_n", seq_len)
     assert (list(segs), list(rates)) == longnet_schedule(seq_len)
     value, places = TABLE[seq_len]
