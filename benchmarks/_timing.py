@@ -32,14 +32,18 @@ __all__ = [
     "captured",
     "command_line",
     "environment",
+    "error_text",
     "git_commit",
     "host_label",
     "markdown_table",
     "package_versions",
     "record_header",
     "record_path",
+    "recover",
+    "time_captured_fwd_and_fwd_bwd",
     "time_cuda",
     "time_fwd_and_fwd_bwd",
+    "timed_call",
     "write_record",
 ]
 
@@ -47,6 +51,8 @@ __all__ = [
 PACKAGES = ("triton", "flash-attn", "flash-attn-3", "flash-attn-4", "xformers")
 #: ``--out`` help of the benchmark scripts.
 OUT_HELP = "path without suffix (default: benchmarks/results/<benchmark>_<device>)"
+#: Longest error message a row keeps (:func:`error_text`).
+ERROR_CHARS = 300
 #: Environment variables that change what a benchmark measures; recorded in the command line.
 _COMMAND_ENV = (
     "CUDA_VISIBLE_DEVICES", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
@@ -69,6 +75,31 @@ def captured(step: Callable[[], Any]) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def timed_call(fn: Callable[[], object], *, cuda: bool = True) -> tuple[float, float]:
+    """One run of ``fn``: ``(ms, host_ms)``.
+
+    On CUDA ``ms`` is the time between two CUDA events recorded around the call, and
+    ``host_ms`` the wall time (``time.perf_counter``) of the Python call alone: what the host
+    spends issuing the work, the ``torch.cuda.synchronize()`` that follows it not counted. A call
+    that waits for the device itself (a synchronisation inside it) has that wait in its host
+    time. Elsewhere (``cuda=False``) the call runs on the host, and both are its wall time.
+    """
+    if not cuda:
+        begin = time.perf_counter()
+        fn()
+        elapsed = (time.perf_counter() - begin) * 1e3
+        return elapsed, elapsed
+    start = torch.cuda.Event(enable_timing=True)
+    stop = torch.cuda.Event(enable_timing=True)
+    start.record()
+    begin = time.perf_counter()
+    fn()
+    host_ms = (time.perf_counter() - begin) * 1e3
+    stop.record()
+    torch.cuda.synchronize()  # not in host_ms
+    return start.elapsed_time(stop), host_ms
+
+
 def time_cuda(
     fn: Callable[[], object],
     *,
@@ -77,13 +108,14 @@ def time_cuda(
     device: torch.device | None = None,
     min_ms: float = 0.0,
 ) -> dict[str, float]:
-    """Run ``fn`` ``warmup`` times, then time ``repeats`` runs (ms): with CUDA events, or with
-    ``time.perf_counter`` when ``device`` is given and is not a CUDA device. With ``min_ms``,
-    more runs where ``repeats`` of them would take less than ``min_ms`` in all (short calls,
-    whose times move most from run to run), as many as the first timed run says fill it.
+    """Run ``fn`` ``warmup`` times, then time ``repeats`` runs (ms) with :func:`timed_call`:
+    CUDA events and the host's share of each run, or ``time.perf_counter`` alone when ``device``
+    is given and is not a CUDA device. With ``min_ms``, more runs where ``repeats`` of them
+    would take less than ``min_ms`` in all (short calls, whose times move most from run to run),
+    as many as the first timed run says fill it.
 
     Returns:
-        ``{"median_ms", "p10_ms", "p90_ms"}``.
+        ``{"median_ms", "p10_ms", "p90_ms", "host_ms"}``, ``host_ms`` the median host time.
     """
     cuda = device is None or device.type == "cuda"
     for _ in range(warmup):
@@ -91,19 +123,11 @@ def time_cuda(
     if cuda:
         torch.cuda.synchronize()
     times: list[float] = []
+    host: list[float] = []
     while len(times) < repeats:
-        if not cuda:
-            begin = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - begin) * 1e3)
-        else:
-            start = torch.cuda.Event(enable_timing=True)
-            stop = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(stop))
+        ms, host_ms = timed_call(fn, cuda=cuda)
+        times.append(ms)
+        host.append(host_ms)
         if len(times) == 1 and times[0] > 0:
             repeats = max(repeats, math.ceil(min_ms / times[0]))
     times.sort()
@@ -111,6 +135,7 @@ def time_cuda(
         "median_ms": statistics.median(times),
         "p10_ms": times[max(0, len(times) // 10)],
         "p90_ms": times[min(len(times) - 1, (9 * len(times)) // 10)],
+        "host_ms": statistics.median(host),
     }
 
 
@@ -124,8 +149,8 @@ def time_fwd_and_fwd_bwd(
     device: torch.device | None = None,
     min_ms: float = 0.0,
 ) -> dict[str, float]:
-    """Median times of a no-grad forward and of forward+backward, with each one's peak memory
-    (``warmup``, ``repeats`` and ``min_ms`` as in :func:`time_cuda`).
+    """Median times of a no-grad forward and of forward+backward, with each one's host time and
+    peak memory (``warmup``, ``repeats`` and ``min_ms`` as in :func:`time_cuda`).
 
     Args:
         forward: runs the computation and returns its output.
@@ -136,7 +161,8 @@ def time_fwd_and_fwd_bwd(
             the peak memory entries.
 
     Returns:
-        ``{"fwd_ms", "fwd_peak_bytes", "fwd_bwd_ms", "fwd_bwd_peak_bytes"}``.
+        ``{"fwd_ms", "fwd_host_ms", "fwd_peak_bytes"}`` and the same for ``fwd_bwd``: the
+        host times are medians of the host's share of each run (:func:`timed_call`).
     """
 
     def fwd() -> None:
@@ -155,9 +181,77 @@ def time_fwd_and_fwd_bwd(
             torch.cuda.reset_peak_memory_stats()
         timing = time_cuda(run, warmup=warmup, repeats=repeats, device=device, min_ms=min_ms)
         result[f"{step}_ms"] = timing["median_ms"]
+        result[f"{step}_host_ms"] = timing["host_ms"]
         if cuda:
             result[f"{step}_peak_bytes"] = torch.cuda.max_memory_allocated()
     return result
+
+
+def time_captured_fwd_and_fwd_bwd(
+    forward: Callable[[], torch.Tensor],
+    leaves: list[torch.Tensor],
+    make_dout: Callable[[], torch.Tensor],
+    *,
+    warmup: int,
+    repeats: int,
+    min_ms: float = 0.0,
+) -> dict[str, float]:
+    """:func:`time_fwd_and_fwd_bwd`'s measurements (CUDA only) of ``forward`` captured once in a
+    CUDA graph (:func:`captured`) and timed by replaying it: the forward captured under
+    ``no_grad``; the forward and ``out.backward(dout)`` captured as one graph, the leaves'
+    gradients set to None before each run of it, so that the captured backward allocates them
+    from the graph's pool and every replay writes them afresh (none accumulates). Times and host
+    times are those of ``graph.replay()``; peaks include the graph's pool.
+
+    Returns:
+        ``{"fwd_ms", "fwd_host_ms", "fwd_peak_bytes"}`` and the same for ``fwd_bwd``.
+    """
+    result = {}
+    for step in ("fwd", "fwd_bwd"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        if step == "fwd":
+            with torch.no_grad():
+                graph = captured(forward)
+        else:
+            dout = make_dout()
+
+            def forward_backward(dout: torch.Tensor = dout) -> None:
+                for leaf in leaves:
+                    leaf.grad = None
+                forward().backward(dout)
+
+            graph = captured(forward_backward)
+        timing = time_cuda(graph.replay, warmup=warmup, repeats=repeats, min_ms=min_ms)
+        result[f"{step}_ms"] = timing["median_ms"]
+        result[f"{step}_host_ms"] = timing["host_ms"]
+        result[f"{step}_peak_bytes"] = torch.cuda.max_memory_allocated()
+        for leaf in leaves:  # they hold the graph's pool
+            leaf.grad = None
+        del graph
+    return result
+
+
+def error_text(exc: BaseException) -> str:
+    """A failed measurement as its row records it: ``"out of memory"``, or the exception's type
+    and the first line of its message, at most :data:`ERROR_CHARS` characters."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return "out of memory"
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:ERROR_CHARS]
+
+
+def recover() -> None:
+    """After a failed measurement: let the device finish what was queued and drop the cached
+    blocks the failed call left, so the next measurement starts as the others do (nothing to do
+    where CUDA was never used)."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return
+    try:
+        torch.cuda.synchronize()
+    except Exception:  # a sticky device error: the next measurement's own call reports it
+        return
+    torch.cuda.empty_cache()
 
 
 def git_commit() -> str:

@@ -61,16 +61,7 @@ def check_qkv(
     k = check_tensor("key", key)
     v = check_tensor("value", value)
     for name, t in (("key", k), ("value", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(
-                f"{name} must have the same dtype as query, got {name}.dtype={t.dtype} and "
-                f"query.dtype={q.dtype}; cast with .to(query.dtype)"
-            )
-        if t.device != q.device:
-            raise ValueError(
-                f"{name} must be on the same device as query, got {name}.device={t.device} and "
-                f"query.device={q.device}; move it with .to(query.device)"
-            )
+        _check_like_query(name, t, q)
     problem = _shape_problem(q.shape, k.shape, v.shape, same_length)
     if problem is not None:
 
@@ -79,6 +70,42 @@ def check_qkv(
 
         raise ValueError(problem + _layout_hint(q.shape, k.shape, fits))
     return q, k, v
+
+
+def check_query_key(query: object, key: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`check_qkv` for a function of the query and key alone (no value): they agree on
+    batch, head_dim, dtype and device, the query's heads are a multiple of the key's (GQA), and
+    the lengths may differ.
+
+    Args:
+        query: (B, Nq, H, D).
+        key: (B, Nk, Hkv, D).
+    """
+    q = check_tensor("query", query)
+    k = check_tensor("key", key)
+    _check_like_query("key", k, q)
+    problem = _shape_problem(q.shape, k.shape, None, same_length=False)
+    if problem is not None:
+
+        def fits(q_shape: Sequence[int], k_shape: Sequence[int]) -> bool:
+            return _shape_problem(q_shape, k_shape, None, same_length=False) is None
+
+        raise ValueError(problem + _layout_hint(q.shape, k.shape, fits))
+    return q, k
+
+
+def _check_like_query(name: str, t: torch.Tensor, q: torch.Tensor) -> None:
+    """``t`` (the argument ``name``) has the query's dtype and device."""
+    if t.dtype != q.dtype:
+        raise TypeError(
+            f"{name} must have the same dtype as query, got {name}.dtype={t.dtype} and "
+            f"query.dtype={q.dtype}; cast with .to(query.dtype)"
+        )
+    if t.device != q.device:
+        raise ValueError(
+            f"{name} must be on the same device as query, got {name}.device={t.device} and "
+            f"query.device={q.device}; move it with .to(query.device)"
+        )
 
 
 # Note [A hint for the (B, H, N, D) layout]
@@ -114,13 +141,16 @@ def _layout_hint(
 
 
 def _shape_problem(
-    q: Sequence[int], k: Sequence[int], v: Sequence[int], same_length: bool
+    q: Sequence[int], k: Sequence[int], v: Sequence[int] | None, same_length: bool
 ) -> str | None:
     """What is wrong with the shapes of query (B, Nq, H, D), key and value (B, Nk, Hkv, D), or
-    None (:func:`check_qkv`)."""
-    shapes = f"query.shape={tuple(q)}, key.shape={tuple(k)}, value.shape={tuple(v)}"
-    if tuple(k) != tuple(v):
-        return f"key and value must have the same shape, got {shapes}"
+    None (:func:`check_qkv`); ``v`` None for a function without a value
+    (:func:`check_query_key`)."""
+    shapes = f"query.shape={tuple(q)}, key.shape={tuple(k)}"
+    if v is not None:
+        shapes += f", value.shape={tuple(v)}"
+        if tuple(k) != tuple(v):
+            return f"key and value must have the same shape, got {shapes}"
     if k[0] != q[0]:
         return f"key must have the same batch size as query (dim 0), got {shapes}"
     if k[3] != q[3]:

@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("kernels", ("block_sparse",)),
     ("resolve", ("resolve",)),
     ("compiled", ("compiled", "pattern_keys", "decode_step", "window_decode")),
-    ("operations", ("functional",)),
+    ("operations", ("functional", "sparse")),
     ("modules", ("modules", "rotary")),
     ("distributed", ("distributed",)),
     ("factory", ("factory",)),

@@ -1,0 +1,296 @@
+"""Block masks chosen from the content at run time: each query block keeps the key blocks its
+queries match best (MoBA's gate), as a bool tensor on the inputs' device.
+
+Note [MoBA's gate for a block of queries]
+    MoBA (Moonshot, "MoBA: Mixture of Block Attention for Long-Context LLMs", arXiv 2502.13189)
+    gates each query token: its affinity with key block ``j`` is ``q_t . kbar_j``, ``kbar_j``
+    the mean of the block's keys, and the token keeps its top-k blocks. Block-sparse kernels
+    (FlashAttention-4's ``block_sparse_tensors``, FlexAttention's ``BlockMask``, ours) take one
+    set of key blocks per query *block*, so the gate is aggregated over the block's queries,
+    here by the mean over its real rows ``I``::
+
+        affinity(I, j) = mean_{t in I} q_t . kbar_j = qbar_I . kbar_j
+
+    By linearity it is one product of mean-pooled queries with mean-pooled keys: (B, H, Mq, Mk)
+    from (Mq + Mk) pooled vectors, never the (Nq, Mk) gate of every token, so the selection
+    stays a small part of the attention it prunes. (The max over the block's queries would
+    favour a block that one query wants strongly, closer to MoBA's per-token choice, but needs
+    that (Nq, Mk) gate.) A block shorter than ``block_size`` (the last one) is the mean of its
+    real rows; nothing is padded. The ranking does not depend on the softmax scale. An affinity
+    that is not a number (NaN input) ranks below every real one; ties go either way.
+
+    What is kept, for query block ``i`` (query rows ``[i * bs, (i + 1) * bs)``):
+
+    - causal: its *own* blocks, the key blocks that hold its positions (the diagonal: MoBA
+      always keeps the query's current block, with the causal mask inside it), plus the
+      ``topk`` key blocks with the highest affinity among the blocks before its first position
+      (every one of its queries sees those whole). Key blocks after its last position are never
+      kept. ``topk`` does not count the own block: MoBA's ``moba_topk = k`` is ``topk = k - 1``.
+    - not causal: the ``topk`` key blocks with the highest affinity.
+
+    Only blocks of the query block's document are candidates (packed documents). Exactly
+    ``min(topk, candidates)`` blocks are chosen besides the own ones.
+
+    With GQA the choice is per query head (``per="head"``, MoBA's: it repeats K/V for every
+    query head), or per key/value head (``per="kv_head"``, NSA's: the query heads of a group
+    share one choice, ranked by the sum of their affinities, so a kernel loads each K/V block
+    once for the group). The sum over the group's heads is again linear:
+    ``(sum_h qbar_h) . kbar``.
+
+    Gradients do not flow through the choice (as in MoBA and NSA, the selection is a discrete
+    top-k): the function runs under ``torch.no_grad()`` and returns a bool tensor. The gate's
+    inputs learn through the attention over the chosen blocks.
+
+Note [Own blocks of an end-aligned query]
+    A causal query shorter than the key holds the last ``Nq`` of the ``Nk`` positions (row
+    ``i`` is position ``Nk - Nq + i``), as in ``attention`` and ``block_sparse_attention``; the
+    mask has ``Mq = ceil(Nq / bs)`` rows over the query's rows. When ``Nk - Nq`` is a multiple
+    of ``bs`` each query block lies in one key block, its diagonal. Otherwise a query block's
+    positions span two key blocks and both are its own: each of its queries then sees at least
+    the keys of its own key block up to itself (a query never attends nothing).
+
+Note [Selection without host synchronisation]
+    The mask is made by tensor operations on the inputs' device (pooling, one einsum, top-k,
+    scatter), with no value read on the host: no ``.item()``, no data-dependent shape, no Python
+    loop over blocks or rows, so it runs under ``torch.cuda.set_sync_debug_mode("error")`` and
+    on tensors without data (the meta device). The arguments' checks read metadata only.
+    Packed documents are the exception the library makes everywhere: ``cu_seqlens`` is checked
+    on the host (``check_cu_seqlens``), free as a list or a CPU tensor, one read of a device
+    tensor; its offsets reach the device by a non-blocking copy from pinned memory (a copy
+    from pageable memory may wait for the stream).
+
+Shape legend: B batch, Nq query rows, Nk key positions, H query heads, Hkv key/value heads,
+D head dim, bs block size, Mq = ceil(Nq / bs), Mk = ceil(Nk / bs).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from .. import _validation as V
+from ..block_sparse.plan import check_block_size, num_blocks
+from ..core.documents import check_cu_seqlens
+from .compression import window_means
+
+__all__ = ["PER", "select_blocks"]
+
+#: The values of ``select_blocks(per=...)``: a choice per query head or per key/value head.
+PER = ("head", "kv_head")
+
+
+@torch.no_grad()
+def select_blocks(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    *,
+    block_size: int,
+    topk: int,
+    is_causal: bool,
+    cu_seqlens: torch.Tensor | list[int] | None = None,
+    per: str = "head",
+) -> torch.Tensor:
+    """The key blocks each query block attends, chosen by MoBA's gate (Note [MoBA's gate for a
+    block of queries]): a bool block mask for block-sparse attention.
+
+    Each query block keeps, when causal, its own (diagonal) block, and the ``topk`` key blocks
+    it sees whole with the highest affinity: the mean over its queries of their dot product
+    with the block's mean key. Nothing after a causal query is kept; without ``is_causal``
+    the ``topk`` best of all key blocks are. For example, 4 blocks, ``topk=1``, causal
+    (``o`` own, ``x`` chosen)::
+
+        key block    0 1 2 3
+        query 0      o . . .
+        query 1      x o . .
+        query 2      . x o .
+        query 3      x . . o
+
+    Gradients do not flow through the choice (as in MoBA and NSA): it runs under
+    ``torch.no_grad()``. No host synchronisation (Note [Selection without host
+    synchronisation]).
+
+    Args:
+        query: (B, Nq, H, D).
+        key: (B, Nk, Hkv, D), H % Hkv == 0 (GQA).
+        block_size: positions per block ``bs``, for queries and keys; the last block may be
+            shorter (its mean is over its real rows).
+        topk: key blocks chosen per query block besides the own block (MoBA's ``moba_topk``
+            minus 1); fewer where fewer are candidates. 0 keeps the own block alone (causal).
+        is_causal: query position ``p`` sees keys ``t <= p``; a query shorter than the key
+            holds the last ``Nq`` of the ``Nk`` positions (end-aligned, Note [Own blocks of an
+            end-aligned query]).
+        cu_seqlens: packed documents as in ``attention`` (offsets over the ``B * N``
+            positions, Note [Packed documents] in ``core/documents.py``): a key block is a
+            candidate only in the query block's document. Every document must start at a
+            multiple of ``block_size`` within its row, so that no block crosses documents.
+        per: ``"head"`` (default): a choice per query head, (B, H, Mq, Mk); ``"kv_head"``: one
+            per key/value head, shared by its group of query heads and ranked by the sum of
+            their affinities (NSA), (B, Hkv, Mq, Mk).
+
+    Returns:
+        (B, H, Mq, Mk) bool (``per="head"``) or (B, Hkv, Mq, Mk) (``per="kv_head"``) on the
+        inputs' device, ``True`` = the block pair attends; ``Mq = ceil(Nq / block_size)``,
+        ``Mk = ceil(Nk / block_size)``.
+
+    Raises:
+        TypeError: not tensors, not floating, different dtypes; ``block_size``, ``topk``,
+            ``is_causal`` or ``per`` of the wrong type.
+        ValueError: malformed shapes or devices, ``block_size < 1``, ``topk < 0`` (or 0
+            without ``is_causal``), an unknown ``per``, a causal query longer than the key,
+            malformed ``cu_seqlens`` or a document that does not start at a multiple of
+            ``block_size``.
+    """
+    q, k = V.check_query_key(query, key)
+    block_size = check_block_size(block_size)
+    V.check_bool("is_causal", is_causal)
+    topk = _check_topk(topk, is_causal)
+    _check_per(per)
+    V.check_causal_lengths(q, k, is_causal, "select_blocks")
+    documents = None
+    if cu_seqlens is not None:
+        documents = check_cu_seqlens(cu_seqlens, q, k)
+        _check_aligned(documents, q.shape[1], block_size)
+    return _select(q, k, block_size, topk, is_causal, documents, per)
+
+
+def _select(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    block_size: int,
+    topk: int,
+    is_causal: bool,
+    documents: tuple[int, ...] | None,
+    per: str,
+) -> torch.Tensor:
+    """:func:`select_blocks` of checked arguments (``documents``: the offsets, or None)."""
+    batch, nq, heads, _ = q.shape
+    nk, kv_heads = k.shape[1], k.shape[2]
+    shape = (batch, heads if per == "head" else kv_heads, num_blocks(nq, block_size),
+             num_blocks(nk, block_size))  # fmt: skip
+    if q.numel() == 0 or k.numel() == 0:  # a batch of 0, or 0 heads: nothing to choose
+        return torch.zeros(shape, dtype=torch.bool, device=q.device)
+    affinity = _affinity(q, k, block_size, per)
+    candidates, own = _candidates(nq, nk, block_size, is_causal, q.device)
+    if documents is not None:
+        same = _same_document(documents, batch, nq, block_size, q.device)
+        candidates, own = candidates & same, own & same
+    return _top_blocks(affinity, candidates, topk) | own
+
+
+def _check_topk(topk: object, is_causal: bool) -> int:
+    if isinstance(topk, bool) or not isinstance(topk, numbers.Integral):
+        raise TypeError(
+            f"topk must be an int (key blocks chosen per query block besides its own), got "
+            f"topk={topk!r} ({type(topk).__name__}); e.g. topk=3"
+        )
+    if topk < 0 or (topk == 0 and not is_causal):
+        what = "selects no block" if topk == 0 else "is negative"
+        raise ValueError(
+            f"topk must be >= 1 (>= 0 with is_causal=True, which keeps each query block's own "
+            f"block), got topk={topk}, is_causal={is_causal}, which {what}; e.g. topk=3"
+        )
+    return int(topk)
+
+
+def _check_per(per: object) -> None:
+    if not isinstance(per, str):
+        raise TypeError(f"per must be one of {PER}, got {per!r} ({type(per).__name__})")
+    if per not in PER:
+        raise ValueError(
+            f"per must be one of {PER}, got per={per!r}: 'head' chooses per query head "
+            f"(MoBA), 'kv_head' once per key/value head for its group of query heads (NSA)"
+        )
+
+
+def _check_aligned(documents: tuple[int, ...], seq_len: int, block_size: int) -> None:
+    """Every document starts at a multiple of ``block_size`` within its row, so that no block
+    holds positions of two documents (a row's last block may be shorter)."""
+    bad = [offset for offset in documents if offset % seq_len % block_size]
+    if bad:
+        row, start = divmod(bad[0], seq_len)
+        raise ValueError(
+            f"select_blocks with cu_seqlens needs every document to start at a multiple of "
+            f"block_size={block_size} within its row (blocks never cross a document), got a "
+            f"document starting at position {start} of row {row} (offset {bad[0]} in "
+            f"cu_seqlens); pad each document to a multiple of block_size, or use a block_size "
+            f"that divides every document's start"
+        )
+
+
+def _affinity(q: torch.Tensor, k: torch.Tensor, block_size: int, per: str) -> torch.Tensor:
+    """MoBA's gate per block pair (Note [MoBA's gate for a block of queries]): q (B, Nq, H, D),
+    k (B, Nk, Hkv, D) -> (B, H or Hkv, Mq, Mk) float32 (float64 for float64 input)."""
+    q_mean, k_mean = _block_means(q, block_size), _block_means(k, block_size)
+    batch, mq, heads, dim = q_mean.shape
+    kv_heads = k_mean.shape[2]
+    q_grouped = q_mean.view(batch, mq, kv_heads, heads // kv_heads, dim)
+    if per == "kv_head":
+        return torch.einsum("bihd,bjhd->bhij", q_grouped.sum(3), k_mean)
+    scores = torch.einsum("bihgd,bjhd->bhgij", q_grouped, k_mean)
+    return scores.reshape(batch, heads, mq, k_mean.shape[1])
+
+
+def _block_means(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """x (B, N, H, D) -> (B, ceil(N / bs), H, D): each block's mean over its real rows."""
+    n = x.shape[1]
+    full = n // block_size * block_size
+    means = window_means(x[:, :full], block_size, block_size)
+    if full == n:
+        return means
+    return torch.cat([means, x[:, full:].mean(1, keepdim=True, dtype=means.dtype)], dim=1)
+
+
+def _candidates(
+    nq: int, nk: int, block_size: int, is_causal: bool, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key blocks each query block may choose among, and its own blocks (Note [MoBA's gate
+    for a block of queries], Note [Own blocks of an end-aligned query]): two (Mq, Mk) bool."""
+    mq, mk = num_blocks(nq, block_size), num_blocks(nk, block_size)
+    if not is_causal:
+        return (torch.ones(mq, mk, dtype=torch.bool, device=device),
+                torch.zeros(mq, mk, dtype=torch.bool, device=device))  # fmt: skip
+    first = torch.arange(mq, device=device) * block_size + (nk - nq)  # each block's first position
+    last = (first + block_size - 1).clamp(max=nk - 1)
+    lo, hi = (first // block_size)[:, None], (last // block_size)[:, None]
+    key_blocks = torch.arange(mk, device=device)[None, :]
+    return key_blocks < lo, (key_blocks >= lo) & (key_blocks <= hi)
+
+
+def _same_document(
+    documents: tuple[int, ...], batch: int, seq_len: int, block_size: int, device: torch.device
+) -> torch.Tensor:
+    """(B, 1, M, M) bool: whether query block ``i`` and key block ``j`` of a row lie in one
+    document (their first positions do; blocks start documents, ``_check_aligned``)."""
+    m = num_blocks(seq_len, block_size)
+    offsets = torch.tensor(documents, dtype=torch.int64)
+    if device.type == "cuda":  # a copy from pageable memory may wait for the stream
+        offsets = offsets.pin_memory()
+    offsets = offsets.to(device, non_blocking=True)
+    starts = (torch.arange(batch, device=device)[:, None] * seq_len
+              + torch.arange(m, device=device)[None, :] * block_size)  # fmt: skip
+    document = torch.searchsorted(offsets, starts, right=True)  # (B, M)
+    return (document[:, :, None] == document[:, None, :])[:, None]
+
+
+def _top_blocks(affinity: torch.Tensor, candidates: torch.Tensor, topk: int) -> torch.Tensor:
+    """The ``min(topk, candidates)`` candidate key blocks of highest affinity in every row.
+
+    Args:
+        affinity: (B, Hs, Mq, Mk) float.
+        candidates: bool, broadcastable to ``affinity``.
+
+    Returns:
+        (B, Hs, Mq, Mk) bool.
+    """
+    count = min(topk, affinity.shape[-1])
+    chosen = torch.zeros(affinity.shape, dtype=torch.bool, device=affinity.device)
+    if count == 0:
+        return chosen
+    # Every candidate's score is finite and above every other block's -inf, so the top
+    # ``count`` holds all the candidates a row has, up to ``count`` (the rest are not).
+    info = torch.finfo(affinity.dtype)
+    score = torch.nan_to_num(affinity, nan=info.min, posinf=info.max, neginf=info.min)
+    score = score.masked_fill(~candidates, -torch.inf)
+    index = score.topk(count, dim=-1, sorted=False).indices
+    return chosen.scatter_(-1, index, candidates.expand(affinity.shape).gather(-1, index))
