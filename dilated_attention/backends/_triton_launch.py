@@ -3,9 +3,9 @@
 Note [Launches without the JIT's dispatch]
     ``kernel[grid](*args)`` binds every argument, computes Triton's specialization key (each
     pointer's 16-byte alignment, each integer's width and divisibility by 16), looks the
-    compiled kernel up and launches it: about 50 us of host time per launch on an H100 host
-    for our kernels' 50 arguments, against 10 us for the compiled kernel's own launcher
-    (``benchmarks/profile_dilated.py --host``). A forward+backward of a dilated call makes
+    compiled kernel up and launches it: about 50 us of host time per launch of our forward
+    kernel (50 arguments) on the lent H100's host, against 10 us through the compiled kernel's
+    own launcher. A forward+backward of a dilated call makes
     7 to 150 launches, which at 4K-64K tokens cost more host time than the GPU's work.
 
     So :func:`launch` keeps, per kernel, the compiled kernel under a key of its own that
@@ -34,6 +34,8 @@ _COMPILED: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
 #: Keys kept at most; the oldest is dropped first.
 COMPILED_LIMIT = 4096
 _I32 = 2**31
+#: Arguments kept in the key by value: more than Triton specializes on, and cheaper to take.
+_BY_VALUE = frozenset({int, float, bool, type(None), str})
 
 
 def _value_key(x: Any) -> Any:
@@ -94,7 +96,8 @@ def launch(
         return
     device = driver.active.get_current_device()
     try:
-        key = (kernel, grid, device, tuple(map(_value_key, args)), tuple(kwargs.items()))
+        values = tuple([x if type(x) in _BY_VALUE else _value_key(x) for x in args])
+        key = (kernel, grid, device, values, tuple(kwargs.items()))
         known = _COMPILED.get(key)
     except TypeError:  # an unhashable argument: nothing to keep
         kernel[grid](*args, **kwargs)
