@@ -1,5 +1,5 @@
-"""``torch.compile``, ``torch.export`` and ``torch.func`` support: the public functions as custom
-operators.
+"""The public functions as custom operators: their definitions, implementations, fake
+functions and gradients, and torch.func's autograd around them.
 
 Note [Custom operators for torch.compile and torch.func]
     An eager call chooses a kernel (selection probes kernels and caches its answers), builds a
@@ -7,7 +7,7 @@ Note [Custom operators for torch.compile and torch.func]
     whose context holds Python objects (the plan, the kernel, each call's ``aux``). None of that
     can be traced: Dynamo stops at the choice, and torch.func needs Functions with
     ``setup_context``. So when Dynamo traces a call (``torch.compile``, ``torch.export``) or an
-    input is wrapped by a torch.func transform (:func:`is_traced`), the public function checks
+    input is wrapped by a torch.func transform (``tracing.is_traced``), the public function checks
     its arguments as usual (plain Python on shapes, dtypes and devices: it traces without graph
     breaks) and then calls one of these operators, which the tracers keep opaque:
 
@@ -44,146 +44,35 @@ Note [Custom operators for torch.compile and torch.func]
     ``torch.compile`` or ``torch.export``), and block-sparse attention under ``torch.export``
     (its pattern does not survive serialization). The ring functions communicate between ranks
     from Python: ``torch.compile`` runs them eagerly between graphs (so ``fullgraph=True``
-    raises, with the reason), and torch.func and ``torch.jit.trace`` raise (:func:`eager_only`).
+    raises, with the reason), and torch.func and ``torch.jit.trace`` raise
+    (``tracing.eager_only``).
 
     ``torch.func.vmap`` folds the mapped dimension into the batch dimension (dim 0 of every input
-    is the batch), runs the operator once, and unfolds the results.
+    is the batch), runs the operator once, and unfolds the results (``vmap.py``).
 
 Shape legend: B batch, Nq/Nk query/key tokens (N when equal), H query heads, Hkv key/value heads,
-D head dim, V the size of a vmapped dimension.
+D head dim.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import threading
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
-from .core.call_runs import accumulator_dtype
-from .core.higher_order import RaiseOnBackward
-from .core.schedule import Schedule
-from .pattern_keys import pattern_key, pattern_of
-from .resolve import BLOCK_SPARSE, DECODE, DENSE, DILATED, Request, dilated_operation, execute
+from ..core.call_runs import accumulator_dtype
+from ..core.higher_order import RaiseOnBackward
+from ..resolve import execute
+from .options import DROPOUT_INDEX, OPTIONS, PUBLIC_NAME, dropout_p, request_of
+from .tracing import eager_calls, wrapped
+from .vmap import backward_rule, forward_rule
 
-__all__ = ["eager_only", "is_traced", "pattern_key", "reject_traced", "route", "run"]
+__all__ = ["call"]
 
 _NAMESPACE = "dilated_attention"
 _TENSORS = "Tensor query, Tensor key, Tensor value, Tensor? key_padding_mask"
-#: Each operator's options after the tensors, in the eager function's terms. ``requires_grad``
-#: (last) is whether the traced call needed gradients: the eager kernel choice depends on it.
-_OPTIONS = {
-    "dense": "bool is_causal, float? scale, float dropout_p, str? backend, bool requires_grad",
-    "dilated": (
-        "int[] segment_lengths, int[] dilation_rates, bool is_causal, float? scale, "
-        "float dropout_p, str? backend, bool requires_grad"
-    ),
-    "block_sparse": (
-        "int pattern, int block_size, bool is_causal, float? scale, str? backend, "
-        "bool requires_grad"
-    ),
-}
-#: Where ``dropout_p`` sits among an operator's options (None: the operator has no dropout).
-_DROPOUT_INDEX = {"dense": 2, "dilated": 4, "block_sparse": None}
-_PUBLIC_NAME = {
-    "dense": "attention",
-    "dilated": "dilated_attention",
-    "block_sparse": "block_sparse_attention",
-}
-
-
-# -- when to use the operators --------------------------------------------------------------------
-_LOCAL = threading.local()
-
-
-@contextlib.contextmanager
-def _eager_calls() -> Iterator[None]:
-    """Inside an operator's implementation: the public functions run eagerly (no re-routing)."""
-    previous = getattr(_LOCAL, "eager", False)
-    _LOCAL.eager = True
-    try:
-        yield
-    finally:
-        _LOCAL.eager = previous
-
-
-def _wrapped(tensors: Sequence[torch.Tensor | None]) -> bool:
-    is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    return any(t is not None and is_wrapped(t) for t in tensors)
-
-
-def is_traced(*tensors: torch.Tensor | None) -> bool:
-    """Whether a public function must run through the custom operators.
-
-    True while Dynamo traces the call (``torch.compile``, ``torch.export``) and when a torch.func
-    transform wraps one of ``tensors``, except inside an operator's own implementation.
-
-    Raises:
-        RuntimeError: under ``torch.jit.trace``, which cannot record the library's Python
-            control flow; the message names ``torch.compile`` and ``torch.export``.
-    """
-    if torch.compiler.is_compiling():
-        return True
-    if getattr(_LOCAL, "eager", False):
-        return False
-    if torch.jit.is_tracing():
-        raise RuntimeError(
-            "dilated_attention's attention functions do not support torch.jit.trace: kernel "
-            "selection, planning and the branch merge are Python control flow that a trace "
-            "would freeze to the example inputs' shapes and kernel. Use torch.compile(model) "
-            "(fullgraph=True works), or torch.export.export(model, args) for an exported "
-            "graph; both keep the attention as one custom operator"
-        )
-    return _wrapped(tensors)
-
-
-def _ring_reason(what: str) -> str:
-    return (
-        f"{what} communicates between ranks from Python (an agreement on every call, then the "
-        "ring steps), which cannot be captured in a graph: compile without fullgraph=True, and "
-        "Dynamo runs the ring call eagerly between the compiled graphs"
-    )
-
-
-def reject_traced(what: str, *tensors: object) -> None:
-    """Raise a clear error when the ring function ``what`` runs under a torch.func transform or
-    ``torch.jit.trace`` (``torch.compile`` never traces it: :func:`eager_only`).
-
-    Raises:
-        RuntimeError: a tensor among ``tensors`` is wrapped by a torch.func transform, or
-            ``torch.jit.trace`` is tracing.
-    """
-    if torch.jit.is_tracing():
-        raise RuntimeError(f"{what} does not support torch.jit.trace: {_ring_reason(what)}")
-    if _wrapped([t for t in tensors if isinstance(t, torch.Tensor)]):
-        raise RuntimeError(
-            f"{what} does not support torch.func transforms (grad, vjp, vmap, jacrev, ...): its "
-            "calls communicate between ranks from Python and its backward exchanges gradients "
-            "around the ring, which the transforms cannot capture. Use torch.autograd "
-            "(loss.backward() or torch.autograd.grad) for the local shards' gradients"
-        )
-
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def eager_only(what: str) -> Callable[[_F], _F]:
-    """Decorate a ring function: ``torch.compile`` runs it eagerly between graphs (with
-    ``fullgraph=True`` Dynamo raises, naming the reason), and torch.func transforms and
-    ``torch.jit.trace`` raise :func:`reject_traced`'s error."""
-
-    def decorate(fn: _F) -> _F:
-        @functools.wraps(fn)
-        def checked(*args: Any, **kwargs: Any) -> Any:
-            reject_traced(what, *args, *kwargs.values())
-            return fn(*args, **kwargs)
-
-        return torch.compiler.disable(checked, reason=_ring_reason(what))  # type: ignore[return-value]
-
-    return decorate
 
 
 # -- running the eager functions inside the operators -------------------------------------------
@@ -250,37 +139,8 @@ def _eager(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The eager ``(out, lse)`` of operator ``kind``'s call: its request, resolved and run as
     the public function runs it; q: (B, Nq, H, D), k, v: (B, Nk, Hkv, D)."""
-    with _eager_calls():
-        return execute(_request(kind, q, k, v, mask, options), q, k, v, mask)
-
-
-def _request(
-    kind: str,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    options: Sequence[Any],
-) -> Request:
-    """The request an operator's options describe (the inverse of :func:`_options`)."""
-    if kind == "dense":
-        is_causal, scale, dropout_p, backend, _ = options
-        return Request.of(
-            DENSE, q, k, v, is_causal=is_causal, has_mask=mask is not None,
-            dropout_p=dropout_p, scale=scale, backend=backend,
-        )  # fmt: skip
-    if kind == "dilated":
-        segs, rates, is_causal, scale, dropout_p, backend, _ = options
-        return Request.of(
-            dilated_operation(q.shape[1], k.shape[1]), q, k, v, is_causal=is_causal,
-            has_mask=mask is not None, dropout_p=dropout_p, scale=scale, backend=backend,
-            schedule=Schedule(tuple(segs), tuple(rates)),
-        )  # fmt: skip
-    key, block_size, is_causal, scale, backend, _ = options
-    return Request.of(
-        BLOCK_SPARSE, q, k, v, pattern=pattern_of(key), block_size=block_size,
-        is_causal=is_causal, scale=scale, backend=backend,
-    )  # fmt: skip
+    with eager_calls():
+        return execute(request_of(kind, q, k, v, mask, options), q, k, v, mask)
 
 
 def _fresh(x: torch.Tensor, others: Sequence[torch.Tensor | None]) -> torch.Tensor:
@@ -295,15 +155,10 @@ def _fresh(x: torch.Tensor, others: Sequence[torch.Tensor | None]) -> torch.Tens
     return x
 
 
-def _dropout_p(kind: str, options: Sequence[Any]) -> float:
-    index = _DROPOUT_INDEX[kind]
-    return 0.0 if index is None else float(options[index])
-
-
 def _forward_impl(kind: str, *args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v, mask, *options = args
     requires_grad = bool(options[-1])
-    if _dropout_p(kind, options) > 0:
+    if dropout_p(kind, options) > 0:
         rng_state = _get_rng_state(q.device)
     else:
         rng_state = torch.empty(0, dtype=torch.uint8, device="cpu")
@@ -322,7 +177,7 @@ def _forward_fake(kind: str, *args: Any) -> tuple[torch.Tensor, torch.Tensor, to
     batch, length, heads, _ = q.shape
     out = q.new_empty(q.shape)
     lse = q.new_empty((batch, heads, length), dtype=accumulator_dtype(q.dtype))
-    numel = _rng_state_numel(q.device) if _dropout_p(kind, options) > 0 else 0
+    numel = _rng_state_numel(q.device) if dropout_p(kind, options) > 0 else 0
     return out, lse, torch.empty(numel, dtype=torch.uint8, device="cpu")
 
 
@@ -347,61 +202,10 @@ def _backward_fake(kind: str, *args: Any) -> tuple[torch.Tensor, torch.Tensor, t
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-# -- vmap: fold the mapped dimension into the batch ------------------------------------------------
-def _fold(x: torch.Tensor | None, dim: int | None, size: int) -> torch.Tensor | None:
-    """(..V at dim.., B, ...) or unmapped (B, ...) -> (V * B, ...)."""
-    if x is None:
-        return None
-    x = x.movedim(dim, 0) if dim is not None else x.unsqueeze(0).expand(size, *x.shape)
-    return x.reshape(size * x.shape[1], *x.shape[2:])
-
-
-def _unfold(x: torch.Tensor, size: int) -> torch.Tensor:
-    """(V * B, ...) -> (V, B, ...)."""
-    return x.view(size, x.shape[0] // size, *x.shape[1:])
-
-
-def _check_vmap(kind: str, info: Any, options: Sequence[Any]) -> None:
-    if _dropout_p(kind, options) > 0 and info.randomness != "different":
-        raise RuntimeError(
-            f"{_PUBLIC_NAME[kind]} with dropout_p > 0 under torch.func.vmap needs "
-            f"randomness='different' (each mapped element draws its own dropout mask), got "
-            f"randomness={info.randomness!r}; pass torch.func.vmap(..., randomness='different'), "
-            "or dropout_p=0 (module.eval())"
-        )
-
-
-def _forward_vmap(op: Any, kind: str) -> Callable[..., Any]:
-    def rule(info: Any, in_dims: Sequence[int | None], *args: Any) -> tuple[Any, Any]:
-        _check_vmap(kind, info, args[4:])
-        size = info.batch_size
-        tensors = [_fold(x, d, size) for x, d in zip(args[:4], in_dims[:4], strict=True)]
-        out, lse, rng_state = op(*tensors, *args[4:])
-        return (_unfold(out, size), _unfold(lse, size), rng_state), (0, 0, None)
-
-    return rule
-
-
-def _backward_vmap(op: Any, kind: str) -> Callable[..., Any]:
-    def rule(info: Any, in_dims: Sequence[int | None], *args: Any) -> tuple[Any, Any]:
-        if in_dims[5] is not None:
-            raise RuntimeError(
-                f"torch.func.vmap over the backward of {_PUBLIC_NAME[kind]}: the dropout RNG "
-                "state cannot be mapped; map over the forward too"
-            )
-        _check_vmap(kind, info, args[6:])
-        size = info.batch_size
-        tensors = [_fold(x, d, size) for x, d in zip(args[:5], in_dims[:5], strict=True)]
-        grads = op(*tensors, args[5], *args[6:])
-        return tuple(_unfold(g, size) for g in grads), (0, 0, 0)
-
-    return rule
-
-
 # -- the operators ------------------------------------------------------------------------------
 def _second_order_message(kind: str) -> str:
     return (
-        f"{_PUBLIC_NAME[kind]} under torch.compile / torch.export / torch.func has first-order "
+        f"{PUBLIC_NAME[kind]} under torch.compile / torch.export / torch.func has first-order "
         "gradients only: its custom operator's backward is not differentiable again. For a "
         "gradient penalty, Hessian or other higher-order gradient, run it in eager mode with "
         "torch.autograd.grad(..., create_graph=True), which supports double backward"
@@ -410,8 +214,8 @@ def _second_order_message(kind: str) -> str:
 
 def _define(kind: str) -> tuple[Any, Any]:
     """Define, implement and differentiate ``dilated_attention::{kind}`` and its backward."""
-    options = _OPTIONS[kind]
-    tags = (torch.Tag.nondeterministic_seeded,) if _DROPOUT_INDEX[kind] is not None else ()
+    options = OPTIONS[kind]
+    tags = (torch.Tag.nondeterministic_seeded,) if DROPOUT_INDEX[kind] is not None else ()
 
     def forward_impl(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return _forward_impl(kind, *args)
@@ -458,12 +262,12 @@ def _define(kind: str) -> tuple[Any, Any]:
 
     forward.register_autograd(differentiate, setup_context=setup_context)
     backward.register_autograd(no_second_order, setup_context=no_context)
-    torch.library.register_vmap(forward, _forward_vmap(forward, kind))
-    torch.library.register_vmap(backward, _backward_vmap(backward, kind))
+    torch.library.register_vmap(forward, forward_rule(forward, kind))
+    torch.library.register_vmap(backward, backward_rule(backward, kind))
     return forward, backward
 
 
-_OPS = {kind: _define(kind) for kind in _OPTIONS}
+_OPS = {kind: _define(kind) for kind in OPTIONS}
 
 
 # -- torch.func ------------------------------------------------------------------------------------
@@ -491,7 +295,7 @@ class _TransformedCall(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, *_: Any) -> Any:
         raise RuntimeError(
-            f"{_PUBLIC_NAME[ctx.kind]} does not support forward-mode AD (torch.func.jvp, "
+            f"{PUBLIC_NAME[ctx.kind]} does not support forward-mode AD (torch.func.jvp, "
             "torch.func.jacfwd, torch.autograd.forward_ad): its kernels have no forward "
             "derivative. Use reverse mode: torch.func.vjp, torch.func.jacrev or torch.func.grad"
         )
@@ -508,93 +312,10 @@ class _TransformedCall(torch.autograd.Function):
         return (None, dq, dk, dv) + (None,) * (1 + len(ctx.options))
 
 
-def _call(kind: str, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def call(kind: str, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of operator ``kind`` on ``(q, k, v, key_padding_mask, *options)``."""
-    if not torch.compiler.is_compiling() and _wrapped(args[:4]):
+    if not torch.compiler.is_compiling() and wrapped(args[:4]):
         out, lse, _ = _TransformedCall.apply(kind, *args)
     else:
         out, lse, _ = _OPS[kind][0](*args)
     return out, lse
-
-
-def _options(request: Request) -> tuple[str, list[Any]]:
-    """Operator and options of a request (the inverse of :func:`_request`); the last option is
-    whether the call needs gradients (the eager kernel choice depends on it)."""
-    r = request
-    if r.operation == DENSE:
-        return "dense", [r.is_causal, r.scale, r.dropout_p, r.backend, r.requires_grad]
-    if r.operation in (DILATED, DECODE):
-        assert r.schedule is not None
-        return "dilated", [
-            list(r.schedule.segment_lengths), list(r.schedule.dilation_rates), r.is_causal,
-            r.scale, r.dropout_p, r.backend, r.requires_grad,
-        ]  # fmt: skip
-    assert r.pattern is not None
-    if torch.compiler.is_exporting():
-        raise RuntimeError(
-            "block_sparse_attention cannot be exported (torch.export): its pattern is a Python "
-            "object that reaches the compiled operator as a key into this process's table, "
-            "which a saved program cannot carry. Use torch.compile in the process that runs the "
-            "model, or export dense or dilated attention"
-        )
-    return "block_sparse", [
-        pattern_key(r.pattern),
-        r.block_size,
-        r.is_causal,
-        r.scale,
-        r.backend,
-        r.requires_grad,
-    ]
-
-
-def run(
-    request: Request,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A checked request through its operator (Note [Custom operators for torch.compile and
-    torch.func]).
-
-    Args:
-        request: the call, as the public function described it.
-        q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D); key_padding_mask: (B, Nk) bool or None.
-
-    Returns:
-        ``out`` (B, Nq, H, D) and ``lse`` (B, H, Nq), not differentiable.
-
-    Raises:
-        RuntimeError: block-sparse attention under ``torch.export``: its pattern is a key into
-            this process's table (Note [Patterns as operator arguments]).
-    """
-    kind, options = _options(request)
-    return _call(kind, q, k, v, key_padding_mask, *options)
-
-
-def route(
-    request: Request,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    return_lse: bool = False,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Run a checked request: through its operator where a tracer or a torch.func transform
-    sees the call (:func:`is_traced`), else resolved and run eagerly (``resolve.execute``).
-
-    Args:
-        request: the call, as the public function described it.
-        q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D); key_padding_mask: (B, Nk) bool or None.
-        return_lse: also return the merged log-sum-exp; sinks: (H,) attention sinks, or None.
-
-    Returns:
-        ``out`` (B, Nq, H, D), or ``(out, lse)`` with ``lse`` (B, H, Nq) detached.
-    """
-    if is_traced(q, k, v, key_padding_mask, sinks):
-        request.check_traceable()
-        out, lse = run(request, q, k, v, key_padding_mask)
-    else:
-        out, lse = execute(request, q, k, v, key_padding_mask, sinks)
-    return (out, lse) if return_lse else out
