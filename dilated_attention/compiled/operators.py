@@ -20,22 +20,33 @@ Note [Custom operators for torch.compile and torch.func]
     in :mod:`dilated_attention.pattern_keys`), and returns ``(out, lse, rng_state)``: ``out`` (B,
     Nq, H, D) in the input dtype and ``lse`` (B, H, Nq) float32 (float64 for float64 inputs), both
     contiguous, as the fake implementation promises, and ``rng_state`` (below). The real
-    implementation is the eager function itself, run with gradients enabled exactly when the
-    traced call needed them, so the same kernel is chosen and the result is the eager result.
+    implementation is the eager function itself, run without autograd (no graph, nothing kept
+    beyond its results) on the request the traced call made, which says whether it needs
+    gradients, so the same kernel is chosen and the result is the eager result.
 
-    Gradients: each operator has a backward operator that recomputes the forward in eager mode on
-    detached inputs and differentiates it with ``torch.autograd.grad``. The gradients are the
-    eager ones (the library's exact gradients, Note [Exact gradients through the branch mix]);
-    the price is one more forward per backward (the kernels' backward needs each call's ``aux``
-    and plan, which cannot cross an operator boundary). Operator implementations run beneath
-    autograd's dispatch keys; the recompute turns them back on (:func:`_autograd_dispatch`), as
-    ``torch.utils.checkpoint`` does for its views. With dropout the forward returns the RNG
-    states (CPU, then the inputs' device) from before its draw (``rng_state``; empty without
-    dropout) and the backward replays them inside ``torch.random.fork_rng``, so the recompute
-    draws the same mask and the caller's RNG stream is left as the forward left it: compiled
-    and eager calls from one seed give the same output and gradients. The dense and dilated
-    operators are tagged ``nondeterministic_seeded`` with a ``dropout_p`` argument, so the
-    compiler neither merges two calls nor recomputes one when ``dropout_p > 0``.
+    Gradients: each operator has a backward operator, which takes the upstream gradient, the
+    inputs and the forward's ``out``, ``lse`` and ``rng_state`` (saved by the compiled graph, as
+    SDPA's are). Where the call's runner can run its backward from those alone (Note [Backward
+    without the forward] in ``core/autograd.py``: our fused dilated and block-sparse kernels, and
+    plans on kernels that keep no ``aux`` without dropout), it builds the runner the eager call
+    builds (``Strategy.prepare``) and calls its backward, as eager autograd does: the same
+    gradients, no forward again. Otherwise (dropout, a kernel whose backward needs its forward's
+    ``aux``, FlexAttention's block sparsity) it runs the forward again in eager mode on detached
+    inputs and differentiates it with ``torch.autograd.grad``; the gradients are still the eager
+    ones, for one more forward. Operator implementations run beneath autograd's dispatch keys;
+    that recompute turns them back on (:func:`_autograd_dispatch`), as ``torch.utils.checkpoint``
+    does for its views. With dropout the forward returns the RNG states (CPU, then the inputs'
+    device) from before its draw (``rng_state``) and the recompute replays them inside
+    ``torch.random.fork_rng``, so it draws the same mask and the caller's RNG stream is left as
+    the forward left it: compiled and eager calls from one seed give the same output and
+    gradients. The dense and dilated operators are tagged ``nondeterministic_seeded`` with a
+    ``dropout_p`` argument, so the compiler neither merges two calls nor recomputes one when
+    ``dropout_p > 0``.
+
+    CUDA graphs (``torch.compile(mode="reduce-overhead")``): without dropout both operators
+    read and write the inputs' device only (``rng_state`` is then an empty tensor there; Inductor
+    leaves an operator touching two devices out of its graphs), and nothing of a call outlives
+    it but its results (the trees refuse a tensor of their memory pool that no output tracks).
 
     Not supported, with an error that says so: gradients of gradients through the operators
     (torch.func.grad of torch.func.grad, or a double backward of a torch.func.vjp; eager
@@ -62,9 +73,11 @@ from typing import Any
 
 import torch
 
+from ..core.autograd import Backward
 from ..core.call_runs import accumulator_dtype
+from ..core.hidden import hide_masked_keys
 from ..core.higher_order import RaiseOnBackward
-from ..resolve import execute
+from ..resolve import execute, resolve
 from .options import DROPOUT_INDEX, OPTIONS, PUBLIC_NAME, dropout_p, request_of
 from .tracing import eager_calls, wrapped
 from .vmap import backward_rule, forward_rule
@@ -129,20 +142,6 @@ def _autograd_dispatch() -> Iterator[None]:
         yield
 
 
-def _eager(
-    kind: str,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    options: Sequence[Any],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The eager ``(out, lse)`` of operator ``kind``'s call: its request, resolved and run as
-    the public function runs it; q: (B, Nq, H, D), k, v: (B, Nk, Hkv, D)."""
-    with eager_calls():
-        return execute(request_of(kind, q, k, v, mask, options), q, k, v, mask)
-
-
 def _fresh(x: torch.Tensor, others: Sequence[torch.Tensor | None]) -> torch.Tensor:
     """``x`` contiguous and sharing memory with none of ``others`` (an operator's outputs may not
     alias its inputs or each other; empty results, e.g. of a batch of 0, are always copied)."""
@@ -157,19 +156,16 @@ def _fresh(x: torch.Tensor, others: Sequence[torch.Tensor | None]) -> torch.Tens
 
 def _forward_impl(kind: str, *args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v, mask, *options = args
-    requires_grad = bool(options[-1])
     if dropout_p(kind, options) > 0:
         rng_state = _get_rng_state(q.device)
-    else:
-        rng_state = torch.empty(0, dtype=torch.uint8, device="cpu")
-    # Gradients on exactly when the traced call needed them: the eager choice of kernel depends
-    # on it (and with dropout the backward's recompute must draw from the same kernel).
-    grad_mode = _autograd_dispatch() if requires_grad else contextlib.nullcontext()
-    with grad_mode, torch.set_grad_enabled(requires_grad):
-        leaves = [x.detach().requires_grad_(requires_grad) for x in (q, k, v)]
-        out, lse = _eager(kind, *leaves, mask, options)
-    out = _fresh(out.detach(), (q, k, v, mask))
-    return out, _fresh(lse.detach().to(accumulator_dtype(q.dtype)), (q, k, v, mask, out)), rng_state
+    else:  # on the inputs' device: an operator on one device is one CUDA graphs capture
+        rng_state = torch.empty(0, dtype=torch.uint8, device=q.device)
+    # No graph, nothing kept but the results: the backward starts from them. The request needs
+    # gradients exactly when the traced call did (the eager kernel choice depends on it).
+    with torch.no_grad(), eager_calls():
+        out, lse = execute(request_of(kind, q, k, v, mask, options), q, k, v, mask)
+    out = _fresh(out, (q, k, v, mask))
+    return out, _fresh(lse.to(accumulator_dtype(q.dtype)), (q, k, v, mask, out)), rng_state
 
 
 def _forward_fake(kind: str, *args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -177,22 +173,81 @@ def _forward_fake(kind: str, *args: Any) -> tuple[torch.Tensor, torch.Tensor, to
     batch, length, heads, _ = q.shape
     out = q.new_empty(q.shape)
     lse = q.new_empty((batch, heads, length), dtype=accumulator_dtype(q.dtype))
-    numel = _rng_state_numel(q.device) if dropout_p(kind, options) > 0 else 0
-    return out, lse, torch.empty(numel, dtype=torch.uint8, device="cpu")
+    if dropout_p(kind, options) > 0:
+        rng_state = torch.empty(_rng_state_numel(q.device), dtype=torch.uint8, device="cpu")
+    else:
+        rng_state = q.new_empty(0, dtype=torch.uint8)
+    return out, lse, rng_state
+
+
+_Grads = tuple[torch.Tensor | None, ...]
+
+
+def _runner_backward(
+    kind: str,
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    options: Sequence[Any],
+) -> _Grads | None:
+    """dq, dk, dv from the runner's backward on the forward's ``out`` and ``lse``, as eager
+    autograd takes them (Note [Backward without the forward] in ``core/autograd.py``); None
+    where the runner needs its forward's state."""
+    request = request_of(kind, q, k, v, mask, options)
+    if request.empty:
+        return None
+    strategy = resolve(request)
+    hidden_k, hidden_v = hide_masked_keys(k, v, mask)  # as resolve.execute runs the call
+    prepared = strategy.prepare(q, hidden_k, hidden_v, mask)
+    if prepared is None:
+        return None
+    runner, x = prepared
+    saved = runner.saved_without_forward(x)
+    if saved is None:
+        return None
+    dq, dk, dv = runner.backward(Backward(grad_out, x.q, out, lse, saved, None))
+    # Through hide_masked_keys, a masked_fill: its gradient is the same fill of the gradient.
+    dk, dv = hide_masked_keys(dk, dv, mask)
+    return dq, dk, dv
+
+
+def _recomputed_backward(
+    kind: str,
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    rng_state: torch.Tensor,
+    options: Sequence[Any],
+) -> _Grads:
+    """dq, dk, dv from the forward run again, its RNG state replayed, and differentiated."""
+    with _autograd_dispatch(), torch.enable_grad(), _replayed_rng(rng_state, q.device):
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        with eager_calls():
+            out, _ = execute(request_of(kind, *leaves, mask, options), *leaves, mask)
+        return torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
 
 
 def _backward_impl(kind: str, *args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    grad_out, q, k, v, mask, rng_state, *options = args
-    with _autograd_dispatch(), torch.enable_grad(), _replayed_rng(rng_state, q.device):
-        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-        out, _ = _eager(kind, *leaves, mask, options)
-        grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
+    grad_out, q, k, v, mask, out, lse, rng_state, *options = args
+    grads = None
+    if options[-1]:  # the forward ran the request that needs gradients: its runner's
+        with torch.no_grad(), eager_calls():
+            grads = _runner_backward(kind, grad_out, q, k, v, mask, out, lse, options)
+    if grads is None:
+        needs_grad = [*options[:-1], True]
+        grads = _recomputed_backward(kind, grad_out, q, k, v, mask, rng_state, needs_grad)
     results: list[torch.Tensor] = []
     for grad, x in zip(grads, (q, k, v), strict=True):
         if grad is None:  # an input the call did not use (a kernel skipping empty work)
             results.append(torch.zeros_like(x, memory_format=torch.contiguous_format))
         else:
-            results.append(_fresh(grad, (grad_out, q, k, v, mask, *results)))
+            results.append(_fresh(grad, (grad_out, q, k, v, mask, out, lse, *results)))
     dq, dk, dv = results
     return dq, dk, dv
 
@@ -235,8 +290,8 @@ def _define(kind: str) -> tuple[Any, Any]:
         backward_impl,
         mutates_args=(),
         schema=(
-            f"(Tensor grad_out, {_TENSORS}, Tensor rng_state, {options}) -> "
-            "(Tensor, Tensor, Tensor)"
+            f"(Tensor grad_out, {_TENSORS}, Tensor out, Tensor lse, Tensor rng_state, "
+            f"{options}) -> (Tensor, Tensor, Tensor)"
         ),
         tags=tags,
     )
@@ -245,13 +300,12 @@ def _define(kind: str) -> tuple[Any, Any]:
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
         q, k, v, mask, *opts = inputs
-        ctx.save_for_backward(q, k, v, mask, output[2])
+        ctx.save_for_backward(q, k, v, mask, *output)  # output: out, lse, rng_state
         ctx.options = opts
         ctx.mark_non_differentiable(output[1], output[2])
 
     def differentiate(ctx: Any, grad_out: torch.Tensor, *_: Any) -> tuple[Any, ...]:
-        q, k, v, mask, rng_state = ctx.saved_tensors
-        dq, dk, dv = backward(grad_out, q, k, v, mask, rng_state, *ctx.options)
+        dq, dk, dv = backward(grad_out, *ctx.saved_tensors, *ctx.options)
         return (dq, dk, dv) + (None,) * (1 + len(ctx.options))
 
     def no_second_order(ctx: Any, *_: Any) -> tuple[Any, ...]:
@@ -288,7 +342,7 @@ class _TransformedCall(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         kind, q, k, v, mask, *options = inputs
-        ctx.save_for_backward(q, k, v, mask, output[2])
+        ctx.save_for_backward(q, k, v, mask, *output)  # output: out, lse, rng_state
         ctx.kind, ctx.options = kind, options
         ctx.mark_non_differentiable(output[1], output[2])
 
@@ -302,12 +356,11 @@ class _TransformedCall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor, *_: Any) -> tuple[Any, ...]:  # type: ignore[override]
-        q, k, v, mask, rng_state = ctx.saved_tensors
         # Differentiating these gradients raises the second-order error (Note [Custom operators
         # for torch.compile and torch.func]).
         dq, dk, dv = RaiseOnBackward.apply(
-            _second_order_message(ctx.kind), _OPS[ctx.kind][1], grad_out, q, k, v, mask,
-            rng_state, *ctx.options,
+            _second_order_message(ctx.kind), _OPS[ctx.kind][1], grad_out, *ctx.saved_tensors,
+            *ctx.options,
         )  # fmt: skip
         return (None, dq, dk, dv) + (None,) * (1 + len(ctx.options))
 

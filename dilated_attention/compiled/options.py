@@ -53,24 +53,25 @@ def request_of(
     mask: torch.Tensor | None,
     options: Sequence[Any],
 ) -> Request:
-    """The request an operator's options describe (the inverse of :func:`options_of`)."""
+    """The request an operator's options describe (the inverse of :func:`options_of`), needing
+    gradients as the last option says."""
     if kind == "dense":
-        is_causal, scale, dropout_p, backend, _ = options
+        is_causal, scale, dropout_p, backend, grad = options
         return Request.of(
             DENSE, q, k, v, is_causal=is_causal, has_mask=mask is not None,
-            dropout_p=dropout_p, scale=scale, backend=backend,
+            dropout_p=dropout_p, scale=scale, backend=backend, requires_grad=bool(grad),
         )  # fmt: skip
     if kind == "dilated":
-        segs, rates, is_causal, scale, dropout_p, backend, _ = options
+        segs, rates, is_causal, scale, dropout_p, backend, grad = options
         return Request.of(
             dilated_operation(q.shape[1], k.shape[1]), q, k, v, is_causal=is_causal,
             has_mask=mask is not None, dropout_p=dropout_p, scale=scale, backend=backend,
-            schedule=Schedule(tuple(segs), tuple(rates)),
+            schedule=Schedule(tuple(segs), tuple(rates)), requires_grad=bool(grad),
         )  # fmt: skip
-    key, block_size, is_causal, scale, backend, _ = options
+    key, block_size, is_causal, scale, backend, grad = options
     return Request.of(
         BLOCK_SPARSE, q, k, v, pattern=pattern_of(key), block_size=block_size,
-        is_causal=is_causal, scale=scale, backend=backend,
+        is_causal=is_causal, scale=scale, backend=backend, requires_grad=bool(grad),
     )  # fmt: skip
 
 

@@ -56,15 +56,16 @@ def backward_rule(op: Any, kind: str) -> Callable[..., Any]:
     """The vmap rule of operator ``kind``'s backward ``op``."""
 
     def rule(info: Any, in_dims: Sequence[int | None], *args: Any) -> tuple[Any, Any]:
-        if in_dims[5] is not None:
+        # args: grad_out, q, k, v, key_padding_mask, out, lse, rng_state, options...
+        if in_dims[7] is not None:
             raise RuntimeError(
                 f"torch.func.vmap over the backward of {PUBLIC_NAME[kind]}: the dropout RNG "
                 "state cannot be mapped; map over the forward too"
             )
-        _check_vmap(kind, info, args[6:])
+        _check_vmap(kind, info, args[8:])
         size = info.batch_size
-        tensors = [_fold(x, d, size) for x, d in zip(args[:5], in_dims[:5], strict=True)]
-        grads = op(*tensors, args[5], *args[6:])
+        tensors = [_fold(x, d, size) for x, d in zip(args[:7], in_dims[:7], strict=True)]
+        grads = op(*tensors, args[7], *args[8:])
         return tuple(_unfold(g, size) for g in grads), (0, 0, 0)
 
     return rule
