@@ -7,9 +7,10 @@ Note [The decode step under torch.compile]
     the move are plain tensor operations on the cache's buffers, which Dynamo traces (in-place
     updates of tensors it guards). The attention chooses a kernel and builds its plan, which
     cannot be traced (Note [Custom operators for torch.compile and torch.func] in
-    ``compiled.py``); it runs as ``dilated_attention::decode_step``, which takes the query, the
-    buffers, their mask and the positions and returns ``(out, lse)``: its implementation is the
-    eager step. The operator has no gradient: a static step decodes without one.
+    ``compiled/operators.py``); it runs as ``dilated_attention::decode_step``, which takes the
+    query, the buffers, their mask and the positions and returns ``(out, lse)``: its
+    implementation is the eager step. The operator has no gradient: a static step decodes
+    without one.
 
     The slots of the step's branches (``token_slots``: per slot its segment, rate and stride)
     are an input of the operator, made by the traced graph. The eager step makes them once

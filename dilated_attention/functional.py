@@ -4,7 +4,7 @@
 arguments (``_validation.py``), describe the call as a :class:`~dilated_attention.resolve.Request`
 and hand it to the resolve step, which chooses the kernel and how the work is cut and runs it
 (Note [One resolve step] in ``resolve/resolver.py``). Under ``torch.compile``, ``torch.export``
-and ``torch.func`` the same request runs inside a custom operator (``compiled.py``).
+and ``torch.func`` the same request runs inside a custom operator (``compiled/``).
 
 Shape legend: B batch, N seq_len, H query heads, Hkv key/value heads (H % Hkv == 0), D head dim.
 """
@@ -37,7 +37,7 @@ Output = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 # Note [Eager calls under torch.compile]
-#     The custom operators (``compiled.py``) carry a call's tensors and plain options, not yet
+#     The custom operators (``compiled/``) carry a call's tensors and plain options, not yet
 #     packed documents' offsets (read on the host), a local window, a soft-cap or sinks (a
 #     tensor with a gradient of its own). A traced call that asks for one of those runs the
 #     public function eagerly instead: a graph break, the rest of the model still compiled,

@@ -208,6 +208,11 @@ class Backend:
     # contract] in core/contract.py): dilated plans then merge their branches once (Note [Branch
     # slots merged once] in core/slots.py). ``_forward`` / ``_backward`` take ``into`` then.
     writes_into: ClassVar[bool] = False
+    # Whether ``_forward`` returns ``aux`` None whenever ``dropout_p`` is 0: its backward then
+    # needs nothing of the forward but the merged ``out`` and ``lse``, and the custom operators'
+    # backward runs it without repeating the forward (Note [Custom operators for torch.compile
+    # and torch.func] in compiled/operators.py). False (the forward is repeated) unless declared.
+    aux_only_for_dropout: ClassVar[bool] = False
     # Whether this project's GPU tests have run the kernel on real hardware against the float64
     # oracle. A backend that has not is never chosen automatically, only by name.
     verified_on_hardware: ClassVar[bool] = True

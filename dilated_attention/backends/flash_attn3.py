@@ -82,6 +82,7 @@ class FlashAttn3Backend(Backend):
     min_compute_capability = (9, 0)
     supports_rectangular_causal = False
     supports_dropout = False
+    aux_only_for_dropout = True  # no aux at all
     native_gqa = True
 
     def import_reasons(self) -> list[str]:

@@ -206,6 +206,7 @@ class FlashAttn4Backend(Backend):
     supports_mask = True  # through a mask_mod (Note [FlashAttention-4 key padding])
     supports_rectangular_causal = False
     supports_dropout = False
+    aux_only_for_dropout = True  # no aux at all
     supports_softcap = True  # its softcap score_mod, forward and backward
     supports_window = True  # window_size_left / right, bottom-right aligned like ours
     native_gqa = True

@@ -157,6 +157,7 @@ class FlexBackend(Backend):
     # One-row calls go to the plain-PyTorch kernel: torch.compile specializes a size of 1, so each
     # would compile graphs of its own (dynamo's 0/1 specialization) for a call that costs nothing.
     min_rows = 2
+    aux_only_for_dropout = True  # no aux at all
 
     def import_reasons(self) -> list[str]:
         try:

@@ -25,6 +25,7 @@ class MathBackend(Backend):
     dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
     supports_mask = True
     supports_dropout = True
+    aux_only_for_dropout = True  # the dropout seed
     supports_softcap = True
     supports_window = True
     empty_rows_have_neg_inf_lse = True

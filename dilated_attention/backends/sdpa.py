@@ -123,6 +123,7 @@ class CpuFlashBackend(Backend):
     # The kernel's own GQA backward sums dk/dv over query heads in the input dtype, which loses
     # bf16 precision; expanding and reducing with one float32-accumulated sum is exact to rounding.
     native_gqa = False
+    aux_only_for_dropout = True  # no aux at all
 
     def import_reasons(self) -> list[str]:
         return _has_op("_scaled_dot_product_flash_attention_for_cpu")

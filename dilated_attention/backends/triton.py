@@ -176,6 +176,7 @@ class TritonBackend(Backend):
     supports_softcap = True
     supports_window = True
     native_gqa = True
+    aux_only_for_dropout = True  # no aux at all
     empty_rows_have_neg_inf_lse = True
 
     def import_reasons(self) -> list[str]:

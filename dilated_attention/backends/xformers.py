@@ -55,6 +55,7 @@ class XformersBackend(Backend):
     head_dim_multiple = 8
     min_compute_capability = (6, 0)
     supports_dropout = False  # the non-autograd forward/backward refuse p > 0
+    aux_only_for_dropout = True  # no aux at all
     native_gqa = False
 
     def import_reasons(self) -> list[str]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backends.flash_attn4 import FlashAttn4Backend, SparseTiles
-from ..core.autograd import Backward, Forward, Grads, Inputs
+from ..core.autograd import Backward, Forward, Grads, Inputs, Saved
 from ..patterns import Pattern
 from .plan import causal_block_mask, num_blocks, recomputed_grads
 from .tiles import kernel_tiles, tile_lists
@@ -114,6 +114,9 @@ class FlashAttn4BlockSparseRunner:
             if unreached is not None:
                 grad.masked_fill_(unreached.view(1, -1, 1, 1), 0.0)
         return dq, dk, dv
+
+    def saved_without_forward(self, x: Inputs) -> Saved:
+        return x.k, x.v
 
     def differentiable_backward(self, b: Backward) -> Grads:
         return recomputed_grads(b, self.tiles.mask, self.block_size, self.is_causal, self.scale)

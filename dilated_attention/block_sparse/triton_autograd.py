@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..core.autograd import Backward, Forward, Grads, Inputs
+from ..core.autograd import Backward, Forward, Grads, Inputs, Saved
 from ..core.higher_order import no_higher_order_message
 from ..patterns import Pattern
 from .plan import causal_block_mask, num_blocks, recomputed_grads
@@ -81,6 +81,9 @@ class TritonBlockSparseRunner:
             dout.contiguous(), q, k, v, out, lse, self.lists, block_size=self.block_size,
             is_causal=self.is_causal, scale=self.scale, softcap=self.softcap,
         )  # fmt: skip
+
+    def saved_without_forward(self, x: Inputs) -> Saved:
+        return x.k, x.v
 
     def differentiable_backward(self, b: Backward) -> Grads | None:
         if self.softcap is not None:

@@ -14,6 +14,17 @@ Note [One autograd Function]
     sinks join the runner's result here, once per row, and the runner's backward gets the
     joined ``out`` and ``lse`` (Note [Local windows, soft-capping and sinks] in ``sinks.py``).
 
+Note [Backward without the forward]
+    A runner's backward reads ``q``, its forward's ``out`` and ``lse``, and the forward's
+    ``saved`` and ``state``. Where the state is empty (no kernel ``aux``, no plan made from the
+    call's tensors) and ``saved`` are among the forward's inputs, the backward can run from the
+    inputs, ``out`` and ``lse`` alone, with no graph kept from a forward: the runner says so
+    with :meth:`Runner.saved_without_forward`. The custom operators of ``compiled/operators.py``
+    rely on it: their forward runs without autograd and returns ``out`` and ``lse``, which the
+    compiled graph keeps, and their backward calls the runner's backward on them, as
+    :class:`AttentionFunction` does. A runner that needs its forward's state (a dropout RNG
+    state, a ring's per-step values) says None, and the operators repeat the forward there.
+
 Shape legend: B batch, Nq/Nk query/key rows, H query heads, Hkv key/value heads, D head dim.
 """
 
@@ -29,6 +40,7 @@ from .higher_order import first_order_only, no_higher_order_message
 from .sinks import fold_sinks, sink_gradient
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+Saved = tuple[torch.Tensor | None, ...]
 
 
 @dataclass
@@ -45,7 +57,7 @@ class Forward:
 
     out: torch.Tensor
     lse: torch.Tensor
-    saved: tuple[torch.Tensor | None, ...] = ()
+    saved: Saved = ()
     state: Any = None
 
 
@@ -92,12 +104,23 @@ class Runner(Protocol):
         None where the runner has no such recompute."""
         ...
 
+    def saved_without_forward(self, x: Inputs) -> Saved | None:
+        """The ``saved`` that :meth:`forward` on ``x`` returns, where :meth:`backward` needs
+        nothing else of the forward (it then takes ``state`` None): a backward from the inputs,
+        ``out`` and ``lse`` alone, with no forward run before it (Note [Backward without the
+        forward]); None where it needs the forward's state (a kernel's dropout RNG state)."""
+        ...
+
 
 class FirstOrderOnly:
     """Mixin for runners without a differentiable recompute (their backward communicates):
-    their gradients raise ``first_order_message`` when differentiated."""
+    their gradients raise ``first_order_message`` when differentiated, and their backward
+    needs their forward's state."""
 
     def differentiable_backward(self, b: Backward) -> None:
+        return None
+
+    def saved_without_forward(self, x: Inputs) -> None:
         return None
 
 

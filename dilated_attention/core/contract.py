@@ -88,6 +88,12 @@ class KernelBackend(Protocol):
     """A kernel backend: attention over the rows it is given, and its backward with external
     statistics. What the executor calls (``backends.base.Backend`` provides it)."""
 
+    @property
+    def aux_only_for_dropout(self) -> bool:
+        """Whether :meth:`forward` returns ``aux`` None whenever ``dropout_p`` is 0, so that a
+        backward without dropout needs nothing of its forward but the merged statistics."""
+        ...
+
     def forward(
         self,
         q: torch.Tensor,

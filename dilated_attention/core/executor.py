@@ -26,13 +26,14 @@ Shape legend: B batch, N seq_len, H query heads, Hkv key/value heads, D head dim
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .autograd import Backward, Forward, Grads, Inputs
+from .autograd import Backward, Forward, Grads, Inputs, Saved
 from .call_runs import (
     accumulator_dtype,
     merge_rows,
@@ -46,7 +47,7 @@ from .contract import KernelBackend
 from .grouped_runs import ExtraGradients, grouped_backward, grouped_forward
 from .higher_order import differentiable_grads, no_higher_order_message
 from .plan import Plan
-from .slot_runs import batch_rows, slot_backward, slot_forward
+from .slot_runs import slot_backward, slot_forward
 from .slots import ExtraSlotGradients, SlotView
 
 
@@ -126,7 +127,7 @@ def plan_backward(
     key_padding_mask: torch.Tensor | None,
     plan: Plan,
     backend: KernelBackend,
-    auxes: list[Any],
+    auxes: list[Any] | None,
     *,
     scale: float,
     dropout_p: float = 0.0,
@@ -138,6 +139,8 @@ def plan_backward(
     Args:
         dout: (B, Nq, H, D) upstream gradient of ``out``.
         out: (B, Nq, H, D) merged output; ``lse``: (B, H, Nq) merged log-sum-exp.
+        auxes: the forward's kernel ``aux`` values, or None where each of them is None (a kernel
+            that keeps none: Note [Backward without the forward] in ``autograd.py``).
         extra: more gradients joined before the rounding: slots the sums read beside the
             plan's own (``slots.ExtraSlotGradients``, slotted plans only), or a callback adding
             them (``grouped_runs.ExtraGradients``), which a grouped plan calls per batch element
@@ -149,15 +152,14 @@ def plan_backward(
     """
     dout = dout.contiguous()
     kernel = KernelArgs(backend, scale, dropout_p, softcap)
+    aux: Iterable[Any] = itertools.repeat(None) if auxes is None else auxes
     # Groups replay the forward's calls cut, so the kernels' aux values (dropout states) must
     # come from the same cut calls; a whole forward's calls with no aux cut freely.
-    if plan.groups and (plan.grouped_forward or all(aux is None for aux in auxes)):
+    if plan.groups and (plan.grouped_forward or all(a is None for a in auxes or ())):
         if not plan.grouped_forward:
-            cut = sum(len(group.calls) for group in plan.groups) * q.shape[0]
-            spanning = sum(len(batch_rows(c, *q.shape[:2])) for c in plan.spanning)
-            auxes = [None] * (spanning + cut)
+            aux = itertools.repeat(None)
         return grouped_backward(
-            dout, q, k, v, out, lse, key_padding_mask, plan, kernel, auxes, extra=extra
+            dout, q, k, v, out, lse, key_padding_mask, plan, kernel, aux, extra=extra
         )
     acc = accumulator_dtype(q.dtype)
     in_slots = extra if isinstance(extra, ExtraSlotGradients) else None
@@ -173,20 +175,18 @@ def plan_backward(
         views = None
         if in_slots is not None:
             views = functools.partial(in_slots.views, slice(None), 0, q.shape[1])
-        slot_backward(saved, plan.calls, plan.slots, kernel, iter(auxes), grads=grads, extra=views)
+        slot_backward(saved, plan.calls, plan.slots, kernel, iter(aux), grads=grads, extra=views)
     elif plan.whole:
         (call,) = plan.calls
         grads = backend.backward(
-            dout, q, k, v, out, lse, auxes[0], scale=scale, is_causal=call.causal,
+            dout, q, k, v, out, lse, next(iter(aux)), scale=scale, is_causal=call.causal,
             key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p, softcap=softcap,
             window=window_of(call),
         )  # fmt: skip
     else:
         grads = tuple(torch.zeros(x.shape, dtype=acc, device=q.device) for x in (q, k, v))
         saved = GradInputs(dout, q, k, v, out, row_lse(lse), key_padding_mask)
-        run_backward(
-            saved, plan.calls, kernel, iter(auxes), dq=grads[0], dk=grads[1], dv=grads[2]
-        )
+        run_backward(saved, plan.calls, kernel, iter(aux), dq=grads[0], dk=grads[1], dv=grads[2])
     if extra is not None:
         grads = [g.to(acc) for g in grads]
         extra(*grads, 0, q.shape[1], slice(None))
@@ -254,6 +254,11 @@ class PlanRunner:
         return differentiable_grads(
             dout, q, k, v, lse, calls, scale=self.scale, key_padding_mask=key_padding_mask
         )
+
+    def saved_without_forward(self, x: Inputs) -> Saved | None:
+        if self.dropout_p or not self.backend.aux_only_for_dropout:
+            return None  # the kernel's aux (its dropout state, its metadata) comes from forward
+        return x.k, x.v, x.key_padding_mask
 
 
 def empty_attention(

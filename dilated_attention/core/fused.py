@@ -72,7 +72,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .autograd import Backward, Forward, Grads, Inputs
+from .autograd import Backward, Forward, Grads, Inputs, Saved
 from .contract import BranchSpan, FusedBackend
 from .documents import document_groups
 from .higher_order import differentiable_grads, no_higher_order_message
@@ -574,6 +574,9 @@ class FusedRunner:
             is_causal=self.is_causal, scale=self.scale, documents=self.documents,
             first_head=self.first_head, softcap=self.softcap,
         )  # fmt: skip
+
+    def saved_without_forward(self, x: Inputs) -> Saved | None:
+        return None if self.chunk is not None else (x.k, x.v, x.key_padding_mask)
 
     def differentiable_backward(self, b: Backward) -> Grads | None:
         self._check_backward()

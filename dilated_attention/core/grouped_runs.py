@@ -8,7 +8,7 @@ Shape legend: B batch, N seq_len, H query heads, Hkv key/value heads, D head dim
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -97,7 +97,7 @@ def grouped_backward(
     key_padding_mask: torch.Tensor | None,
     plan: Plan,
     kernel: KernelArgs,
-    auxes: list[Any],
+    auxes: Iterable[Any],
     *,
     extra: ExtraGradients | ExtraSlotGradients | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

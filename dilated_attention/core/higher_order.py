@@ -60,7 +60,7 @@ class RaiseOnBackward(torch.autograd.Function):
     which the node lies on every path from the results back to the inputs, so autograd runs it
     (and raises) whichever inputs a later ``torch.autograd.grad`` asks for. Composable with
     torch.func (a generated vmap rule): the custom operators' backward under the transforms
-    runs through it (``compiled.py``)."""
+    runs through it (``compiled/operators.py``)."""
 
     generate_vmap_rule = True
 

@@ -133,7 +133,7 @@ class Request:
         return self.scale if self.scale is not None else self.head_dim**-0.5
 
     def check_traceable(self) -> None:
-        """Refuse what the custom operators of ``compiled.py`` cannot carry yet: a window, a
+        """Refuse what the custom operators of ``compiled/`` cannot carry yet: a window, a
         soft-cap, sinks.
 
         Raises:

@@ -8,7 +8,7 @@ Note [One resolve step]
     (the registries only say what each kernel can run and in which order they are tried), and
     how the work is cut into kernel calls; :meth:`Strategy.run` runs it under the one autograd
     Function. ``explain()`` and ``python -m dilated_attention info`` describe the same strategy
-    (:meth:`Strategy.describe`), the custom operators of ``compiled.py`` run it, and the ring
+    (:meth:`Strategy.describe`), the custom operators of ``compiled/`` run it, and the ring
     asks it for the kernel of its steps. A new operation, kernel family or mask kind is one
     resolver here (and a kernel in ``backends/``), not a change in every public function.
 

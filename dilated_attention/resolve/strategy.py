@@ -18,7 +18,7 @@ from ..backends.registry import BackendChoice, Selection, registry_for
 from ..block_sparse.fa4 import FlashAttn4BlockSparseRunner, fa4_tiles
 from ..block_sparse.flex import _flex_forward
 from ..block_sparse.triton_autograd import TritonBlockSparseRunner, _triton_lists
-from ..core.autograd import Runner, run_attention
+from ..core.autograd import Inputs, Runner, run_attention
 from ..core.decode import static_token_plan, token_slots
 from ..core.executor import PlanRunner, empty_attention
 from ..core.fused import ChunkQueries, FusedRunner, compile_ahead
@@ -31,12 +31,16 @@ __all__ = [
     "FusedStrategy",
     "KernelOnlyStrategy",
     "PlanStrategy",
+    "Prepared",
     "StaticDecodeStrategy",
     "Strategy",
 ]
 
 Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 Result = tuple[torch.Tensor, torch.Tensor]
+#: What runs a call: the runner, and the inputs as it reads them (q, k, v laid out for its
+#: kernels, the key padding mask).
+Prepared = tuple[Runner, Inputs]
 
 
 def contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -106,7 +110,25 @@ class Strategy:
         key_padding_mask: torch.Tensor | None,
         sinks: torch.Tensor | None,
     ) -> Result:
-        raise NotImplementedError(f"{type(self).__name__} runs nothing: {self.how}")
+        prepared = self.prepare(q, k, v, key_padding_mask)
+        if prepared is None:
+            raise NotImplementedError(f"{type(self).__name__} runs nothing: {self.how}")
+        runner, x = prepared
+        return run_attention(*x, runner, sinks)
+
+    def prepare(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
+    ) -> Prepared | None:
+        """The runner of the request on these tensors (q (B, Nq, H, D) with query rows, k and v
+        (B, Nk, Hkv, D), key_padding_mask (B, Nk) bool or None) and the inputs as it reads
+        them, without running it: what :meth:`run` runs under the one autograd Function, and
+        what the custom operators' backward differentiates from saved results (Note [Backward
+        without the forward] in ``core/autograd.py``). None where no runner runs the call."""
+        return None
 
     def choice(self) -> BackendChoice:
         """The kernel and, for every other kernel of its registry, why it was not taken (every
@@ -181,7 +203,7 @@ class PlanStrategy(Strategy):
     layout: Callable[[torch.Tensor], torch.Tensor] = contiguous
     what: str = "attention"
 
-    def _run(self, q, k, v, key_padding_mask, sinks):  # type: ignore[no-untyped-def]
+    def prepare(self, q, k, v, key_padding_mask):  # type: ignore[no-untyped-def]
         assert self.kernel is not None  # resolve gives every plan a kernel
         q, k, v = (self.layout(x) for x in (q, k, v))
         plan = self.plan if self.plan_of is None else self.plan_of(q)
@@ -190,7 +212,7 @@ class PlanStrategy(Strategy):
             plan, self.kernel.backend, self.request.softmax_scale,
             self.request.dropout_p, self.what, self.request.softcap,
         )  # fmt: skip
-        return run_attention(q, k, v, key_padding_mask, runner, sinks)
+        return runner, Inputs(q, k, v, key_padding_mask)
 
 
 @dataclass(frozen=True)
@@ -255,7 +277,7 @@ class FusedStrategy(Strategy):
     first_head: int = 0
     chunk: ChunkQueries | None = None
 
-    def _run(self, q, k, v, key_padding_mask, sinks):  # type: ignore[no-untyped-def]
+    def prepare(self, q, k, v, key_padding_mask):  # type: ignore[no-untyped-def]
         assert self.kernel is not None
         r = self.request
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
@@ -269,7 +291,7 @@ class FusedStrategy(Strategy):
             self.branches, backend, r.is_causal, r.softmax_scale, r.documents,  # type: ignore[arg-type]
             self.first_head, self.chunk, r.softcap,
         )  # fmt: skip
-        return run_attention(q, k, v, key_padding_mask, runner, sinks)
+        return runner, Inputs(q, k, v, key_padding_mask)
 
 
 @dataclass(frozen=True)
@@ -280,14 +302,21 @@ class BlockSparseKernelStrategy(Strategy):
     def _run(self, q, k, v, key_padding_mask, sinks):  # type: ignore[no-untyped-def]
         assert self.kernel is not None and self.request.pattern is not None
         r = self.request
-        shape = (r.pattern, r.block_size, r.query_len, r.key_len, r.is_causal, q.device)
-        name = self.kernel.backend.name
-        if name == "flex":
+        if self.kernel.backend.name == "flex":  # differentiable by itself: no runner
             return _flex_forward(
                 q, k, v, r.pattern, block_size=r.block_size, is_causal=r.is_causal,
                 scale=r.softmax_scale,
             )  # fmt: skip
+        return super()._run(q, k, v, key_padding_mask, sinks)
+
+    def prepare(self, q, k, v, key_padding_mask):  # type: ignore[no-untyped-def]
+        assert self.kernel is not None and self.request.pattern is not None
+        r = self.request
+        shape = (r.pattern, r.block_size, r.query_len, r.key_len, r.is_causal, q.device)
         runner: Runner
+        name = self.kernel.backend.name
+        if name == "flex":
+            return None
         if name == "triton":
             runner = TritonBlockSparseRunner(
                 _triton_lists(*shape), r.block_size, r.is_causal, r.softmax_scale, r.softcap
@@ -298,4 +327,4 @@ class BlockSparseKernelStrategy(Strategy):
                 self.kernel.backend, fa4_tiles(*shape), r.block_size, r.is_causal,  # type: ignore[arg-type]
                 r.softmax_scale,
             )  # fmt: skip
-        return run_attention(q, k, v, None, runner, sinks)
+        return runner, Inputs(q, k, v, None)  # no key padding mask here

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from support.grouping import cut_small
+from support.triton import KERNEL_DEVICES, skip_without_triton
+from support.writing_kernel import write_into_buffers
 
 from dilated_attention import (
     BlockSparseAttention,
@@ -32,6 +35,8 @@ from dilated_attention import (
     ring_attention,
     ring_dilated_attention,
 )
+from dilated_attention.core.executor import PlanRunner
+from dilated_attention.core.fused import FusedRunner
 
 F64 = torch.float64
 EXACT = {"atol": 1e-12, "rtol": 0.0}
@@ -41,12 +46,37 @@ N, SEGS, RATES = 37, [8, 16], [1, 2]
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo() -> None:
-    torch._dynamo.reset()  # each test compiles its own functions from scratch
+def _fresh_dynamo() -> Iterator[None]:
+    """Each test compiles its own functions from scratch, never from Inductor's on-disk caches:
+    their keys do not cover a custom operator's autograd, so a cache written by another version
+    of this library would hand back that version's compiled backward."""
+    torch._dynamo.reset()
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
+        yield
 
 
-def _compile(fn: Callable[..., Any], backend: str = "aot_eager") -> Callable[..., Any]:
-    return torch.compile(fn, fullgraph=True, backend=backend)
+def _compile(
+    fn: Callable[..., Any], backend: str = "aot_eager", fullgraph: bool = True
+) -> Callable[..., Any]:
+    return torch.compile(fn, fullgraph=fullgraph, backend=backend)
+
+
+@pytest.fixture
+def plan_forwards(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the executor's forwards (``PlanRunner.forward``, what every CPU call runs): one
+    entry per call."""
+    forwards: list[int] = []
+    real = PlanRunner.forward
+
+    def counted(self: PlanRunner, x: Any) -> Any:
+        forwards.append(1)
+        return real(self, x)
+
+    monkeypatch.setattr(PlanRunner, "forward", counted)
+    return forwards
 
 
 def _qkv(n: int = N, dtype: torch.dtype = F64, device: str = "cpu") -> list[torch.Tensor]:
@@ -61,9 +91,14 @@ def _run(fn: Callable[..., Any], tensors: list[torch.Tensor]) -> tuple[Any, list
     leaves = [t.detach().clone().requires_grad_() for t in tensors]
     result = fn(*leaves)
     out = result[0] if isinstance(result, tuple) else result
-    weights = torch.linspace(-1, 1, out.numel(), device=out.device).bfloat16().to(out.dtype)
-    (out * weights.view_as(out)).sum().backward()
+    (out * _weights(out)).sum().backward()
     return result, [t.grad for t in leaves]
+
+
+def _weights(out: torch.Tensor) -> torch.Tensor:
+    """Weights of :func:`_run`'s sum, shaped like ``out``."""
+    weights = torch.linspace(-1, 1, out.numel(), device=out.device).bfloat16().to(out.dtype)
+    return weights.view_as(out)
 
 
 def _inductor_cpu_works() -> bool:
@@ -90,11 +125,19 @@ CALLS: dict[str, Callable[..., Any]] = {
 }  # fmt: skip
 
 
+@pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "default"])
 @pytest.mark.parametrize("name", list(CALLS))
-def test_functions_compile_fullgraph_and_match_eager(name: str) -> None:
+def test_functions_compile_and_match_eager(
+    name: str, fullgraph: bool, plan_forwards: list[int]
+) -> None:
+    """Outputs and gradients equal eager ones, and the compiled backward runs the plan's
+    backward on the forward's saved results: one forward per step, as in eager (Note [Backward
+    without the forward] in ``core/autograd.py``)."""
     call = CALLS[name]
-    (out, lse), grads = _run(_compile(call), _qkv())
+    (out, lse), grads = _run(_compile(call, fullgraph=fullgraph), _qkv())
+    assert len(plan_forwards) == 1
     (ref_out, ref_lse), ref_grads = _run(call, _qkv())
+    assert len(plan_forwards) == 2
     torch.testing.assert_close(out, ref_out, **EXACT)
     torch.testing.assert_close(lse, ref_lse, **EXACT)
     assert lse.dtype == F64 and not lse.requires_grad  # as eager: float64 in, detached
@@ -112,16 +155,19 @@ def test_block_sparse_pattern_is_guarded() -> None:
         torch.testing.assert_close(fn(q, k, v, pattern), expected, **EXACT)
 
 
-def test_dropout_under_compile_is_exact() -> None:
-    """The backward replays the forward's RNG state: output and gradients equal eager ones drawn
-    from the same seed, and the RNG stream after the call is the same."""
+def test_dropout_under_compile_is_exact(plan_forwards: list[int]) -> None:
+    """The backward runs the forward again, replaying its RNG state (the kernel's dropout state
+    comes from its forward): output and gradients equal eager ones drawn from the same seed,
+    and the RNG stream after the call is the same."""
     call: Callable[..., Any] = lambda q, k, v: dilated_attention(  # noqa: E731
         q, k, v, SEGS, RATES, dropout_p=0.3
     )
     results = []
-    for fn in (_compile(call), call):
+    for fn, forwards in ((_compile(call), 2), (call, 1)):
         torch.manual_seed(7)
+        plan_forwards.clear()
         out, grads = _run(fn, _qkv(dtype=torch.float32))
+        assert len(plan_forwards) == forwards
         results.append((out, grads, torch.rand(4)))
     (out, grads, after), (ref_out, ref_grads, ref_after) = results
     torch.testing.assert_close(out, ref_out, **CLOSE32)
@@ -237,6 +283,78 @@ def test_func_grad_matches_autograd() -> None:
     expected = torch.autograd.grad(loss(*leaves), leaves)
     for got, want in zip(grads, expected, strict=True):
         torch.testing.assert_close(got, want, **EXACT)
+
+
+@pytest.mark.parametrize("plan", ["gathered", "slots", "grouped slots"])
+def test_func_backward_runs_the_plan_backward_on_the_forward_results(
+    plan: str, plan_forwards: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch.func runs the same operators: their backward runs the plan's backward on the
+    forward's ``out`` and ``lse``, with no kernel ``aux`` (Note [Backward without the forward]),
+    on calls gathered, written into branch slots, and in slots cut into position groups; one
+    forward, and the gradients of eager autograd."""
+    if plan != "gathered":
+        write_into_buffers(monkeypatch)
+    if plan == "grouped slots":
+        cut_small(monkeypatch)
+    n = 64
+    mask = torch.zeros(2, n, dtype=torch.bool)
+    mask[1, 3::5] = True
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return dilated_attention(
+            q, k, v, SEGS, RATES, is_causal=True, key_padding_mask=mask, backend="math"
+        )
+
+    tensors = _qkv(n=n)
+    dout = torch.randn(tensors[0].shape, generator=torch.Generator().manual_seed(1), dtype=F64)
+    out, vjp = torch.func.vjp(call, *tensors)
+    grads = vjp(dout)
+    assert len(plan_forwards) == 1
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    ref_out = call(*leaves)
+    ref_grads = torch.autograd.grad(ref_out, leaves, dout)
+    assert len(plan_forwards) == 2
+    torch.testing.assert_close(out, ref_out, **EXACT)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, **EXACT)
+
+
+@pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
+def test_fused_kernels_backward_runs_no_forward_again(
+    device: str, dtypes: list[torch.dtype], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Our fused dilated kernels under torch.compile and torch.func: the backward operator runs
+    their backward on the forward's ``out`` and ``lse`` (Note [Backward without the forward]),
+    one forward per step as in eager, and the gradients are eager autograd's, bit for bit."""
+    skip_without_triton(device)
+    forwards: list[int] = []
+    real = FusedRunner.forward
+    monkeypatch.setattr(FusedRunner, "forward", lambda r, x: forwards.append(1) or real(r, x))
+    n = 64
+    mask = torch.zeros(2, n, dtype=torch.bool, device=device)
+    mask[1, 3::5] = True
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return dilated_attention(
+            q, k, v, [16, 32], [1, 2], is_causal=True, key_padding_mask=mask, backend="triton"
+        )
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(2, n, 4, 16), (2, n, 2, 16), (2, n, 2, 16)]
+    tensors = [torch.randn(s, generator=gen).to(device, dtypes[0]) for s in shapes]
+    ref_out, ref_grads = _run(call, tensors)
+    assert len(forwards) == 1
+    forwards.clear()
+    out, grads = _run(_compile(call), tensors)
+    assert len(forwards) == 1
+    forwards.clear()
+    func_out, vjp = torch.func.vjp(call, *tensors)
+    func_grads = vjp(_weights(func_out))
+    assert len(forwards) == 1
+    got = [out, *grads, func_out, *func_grads]
+    for value, want in zip(got, [ref_out, *ref_grads] * 2, strict=True):
+        torch.testing.assert_close(value, want, atol=0, rtol=0)
 
 
 def test_func_vmap_folds_into_batch() -> None:
@@ -384,3 +502,115 @@ def test_inductor_cuda_bf16_multihead_module() -> None:
         eager_error = (eager_value.double() - exact_value).abs().max().item()
         compiled_error = (compiled_value.double() - exact_value).abs().max().item()
         assert compiled_error <= 2 * eager_error + 1e-3, (compiled_error, eager_error)
+
+
+class _Stack(torch.nn.Module):
+    """Multihead dilated layers with residual connections, as a model stacks them."""
+
+    def __init__(self, layers: int, **kwargs: Any) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            MultiheadDilatedAttention(**kwargs) for _ in range(layers)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x, is_causal=True)[0]
+        return x
+
+
+@pytest.fixture
+def runner_forwards(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the forwards of the runners that dilated calls run (fused kernels or a plan)."""
+    forwards: list[int] = []
+    for runner in (FusedRunner, PlanRunner):
+        real = runner.forward
+        counted = lambda r, x, real=real: forwards.append(1) or real(r, x)  # noqa: E731
+        monkeypatch.setattr(runner, "forward", counted)
+    return forwards
+
+
+@pytest.mark.gpu
+def test_reduce_overhead_trains_a_multihead_stack(runner_forwards: list[int]) -> None:
+    """``torch.compile(mode="reduce-overhead", fullgraph=True)`` (CUDA graph trees) of a stack
+    of two layers trains 3 steps: compiled before any eager call, so whatever the first calls
+    make lies in the trees' memory pool, which they check holds nothing but tracked outputs;
+    the attention runs inside the graphs (no Python of it runs once they replay, and no graph
+    was skipped); each step's output and gradients equal eager ones (float32: Inductor's
+    kernels around the attention round like eager ones to about 1e-6)."""
+    torch.manual_seed(0)
+    model = _Stack(
+        2, embed_dim=128, num_heads=4, segment_lengths=[256, 512], dilation_rates=[1, 2],
+        device="cuda",
+    )  # fmt: skip
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(twin, mode="reduce-overhead", fullgraph=True)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    xs = [torch.randn(2, 1024, 128, device="cuda", generator=gen) for _ in range(3)]
+    torch._dynamo.utils.counters.clear()
+    steps, per_step = [], []
+    for x in xs:
+        torch.compiler.cudagraph_mark_step_begin()
+        runner_forwards.clear()
+        out, (dx,) = _run(compiled, [x])  # the graphs' outputs are reused: copied at once
+        steps.append((out.clone(), dx.clone(), [p.grad.clone() for p in twin.parameters()]))
+        per_step.append(len(runner_forwards))
+        twin.zero_grad(set_to_none=True)
+    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
+    # One forward per layer (the backward runs none), and none once the graphs replay.
+    assert per_step[0] == 2 and per_step[-1] == 0, per_step
+    tol = {"atol": 1e-4, "rtol": 1e-4}
+    for x, (out, dx, grads) in zip(xs, steps, strict=True):
+        ref_out, (ref_dx,) = _run(model, [x])
+        torch.testing.assert_close(out, ref_out, **tol)
+        torch.testing.assert_close(dx, ref_dx, **tol)
+        for got, p in zip(grads, model.parameters(), strict=True):
+            torch.testing.assert_close(got, p.grad, **tol)
+        model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
+def test_cuda_graph_captures_dilated_attention_forward_and_backward(masked: bool) -> None:
+    """A ``torch.cuda.graph`` capture of ``dilated_attention``'s forward and backward, after
+    the usual warm-up on a side stream (where the kernel is chosen and compiled), replayed on new
+    inputs copied into the captured ones: outputs and gradients equal eager calls on those
+    inputs, bit for bit (the same kernels)."""
+    n = 1024
+    mask = torch.zeros(2, n, dtype=torch.bool, device="cuda")
+    mask[1, -100:] = masked
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return dilated_attention(
+            q, k, v, [256, 512], [1, 2], is_causal=True, key_padding_mask=mask if masked else None
+        )
+
+    static = [t.requires_grad_() for t in _qkv(n=n, dtype=torch.bfloat16, device="cuda")]
+    dout = torch.randn_like(static[0])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            for t in static:
+                t.grad = None
+            call(*static).backward(dout)
+    torch.cuda.current_stream().wait_stream(side)
+    for t in static:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call(*static)
+        out.backward(dout)
+    for seed in (1, 2):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        new = [torch.randn(t.shape, device="cuda", generator=gen).bfloat16() for t in static]
+        with torch.no_grad():
+            for t, value in zip(static, new, strict=True):
+                t.copy_(value)
+        graph.replay()
+        leaves = [t.clone().requires_grad_() for t in new]
+        ref_out = call(*leaves)
+        ref_out.backward(dout)
+        torch.testing.assert_close(out, ref_out, atol=0, rtol=0)
+        for t, leaf in zip(static, leaves, strict=True):
+            torch.testing.assert_close(t.grad, leaf.grad, atol=0, rtol=0)

@@ -1,0 +1,110 @@
+"""A checked call as a custom operator's arguments, and back: each operator's options (ints,
+floats, bools and strings after the tensors) and the :class:`Request` they describe.
+
+Shape legend: B batch, Nq/Nk query/key tokens, H query heads, Hkv key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..core.schedule import Schedule
+from ..pattern_keys import pattern_key, pattern_of
+from ..resolve import BLOCK_SPARSE, DECODE, DENSE, DILATED, Request, dilated_operation
+
+__all__ = ["DROPOUT_INDEX", "OPTIONS", "PUBLIC_NAME", "dropout_p", "options_of", "request_of"]
+
+#: Each operator's options after the tensors, in the eager function's terms. ``requires_grad``
+#: (last) is whether the traced call needed gradients: the eager kernel choice depends on it.
+OPTIONS = {
+    "dense": "bool is_causal, float? scale, float dropout_p, str? backend, bool requires_grad",
+    "dilated": (
+        "int[] segment_lengths, int[] dilation_rates, bool is_causal, float? scale, "
+        "float dropout_p, str? backend, bool requires_grad"
+    ),
+    "block_sparse": (
+        "int pattern, int block_size, bool is_causal, float? scale, str? backend, "
+        "bool requires_grad"
+    ),
+}
+#: Where ``dropout_p`` sits among an operator's options (None: the operator has no dropout).
+DROPOUT_INDEX = {"dense": 2, "dilated": 4, "block_sparse": None}
+PUBLIC_NAME = {
+    "dense": "attention",
+    "dilated": "dilated_attention",
+    "block_sparse": "block_sparse_attention",
+}
+
+
+def dropout_p(kind: str, options: Sequence[Any]) -> float:
+    """The ``dropout_p`` among operator ``kind``'s ``options`` (0 where it has none)."""
+    index = DROPOUT_INDEX[kind]
+    return 0.0 if index is None else float(options[index])
+
+
+def request_of(
+    kind: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    options: Sequence[Any],
+) -> Request:
+    """The request an operator's options describe (the inverse of :func:`options_of`), needing
+    gradients as the last option says."""
+    if kind == "dense":
+        is_causal, scale, dropout_p, backend, grad = options
+        return Request.of(
+            DENSE, q, k, v, is_causal=is_causal, has_mask=mask is not None,
+            dropout_p=dropout_p, scale=scale, backend=backend, requires_grad=bool(grad),
+        )  # fmt: skip
+    if kind == "dilated":
+        segs, rates, is_causal, scale, dropout_p, backend, grad = options
+        return Request.of(
+            dilated_operation(q.shape[1], k.shape[1]), q, k, v, is_causal=is_causal,
+            has_mask=mask is not None, dropout_p=dropout_p, scale=scale, backend=backend,
+            schedule=Schedule(tuple(segs), tuple(rates)), requires_grad=bool(grad),
+        )  # fmt: skip
+    key, block_size, is_causal, scale, backend, grad = options
+    return Request.of(
+        BLOCK_SPARSE, q, k, v, pattern=pattern_of(key), block_size=block_size,
+        is_causal=is_causal, scale=scale, backend=backend, requires_grad=bool(grad),
+    )  # fmt: skip
+
+
+def options_of(request: Request) -> tuple[str, list[Any]]:
+    """Operator and options of a request (the inverse of :func:`request_of`); the last option
+    is whether the call needs gradients (the eager kernel choice depends on it).
+
+    Raises:
+        RuntimeError: block-sparse attention under ``torch.export``: its pattern is a key into
+            this process's table (Note [Patterns as operator arguments]).
+    """
+    r = request
+    if r.operation == DENSE:
+        return "dense", [r.is_causal, r.scale, r.dropout_p, r.backend, r.requires_grad]
+    if r.operation in (DILATED, DECODE):
+        assert r.schedule is not None
+        return "dilated", [
+            list(r.schedule.segment_lengths), list(r.schedule.dilation_rates), r.is_causal,
+            r.scale, r.dropout_p, r.backend, r.requires_grad,
+        ]  # fmt: skip
+    assert r.pattern is not None
+    if torch.compiler.is_exporting():
+        raise RuntimeError(
+            "block_sparse_attention cannot be exported (torch.export): its pattern is a Python "
+            "object that reaches the compiled operator as a key into this process's table, "
+            "which a saved program cannot carry. Use torch.compile in the process that runs the "
+            "model, or export dense or dilated attention"
+        )
+    return "block_sparse", [
+        pattern_key(r.pattern),
+        r.block_size,
+        r.is_causal,
+        r.scale,
+        r.backend,
+        r.requires_grad,
+    ]

@@ -1,0 +1,71 @@
+"""``torch.func.vmap`` rules of the custom operators: the mapped dimension folded into the batch
+dimension (dim 0 of every input is the batch), the operator run once, the results unfolded.
+
+Shape legend: B batch, V the size of a vmapped dimension.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .options import PUBLIC_NAME, dropout_p
+
+__all__ = ["backward_rule", "forward_rule"]
+
+
+def _fold(x: torch.Tensor | None, dim: int | None, size: int) -> torch.Tensor | None:
+    """(..V at dim.., B, ...) or unmapped (B, ...) -> (V * B, ...)."""
+    if x is None:
+        return None
+    x = x.movedim(dim, 0) if dim is not None else x.unsqueeze(0).expand(size, *x.shape)
+    return x.reshape(size * x.shape[1], *x.shape[2:])
+
+
+def _unfold(x: torch.Tensor, size: int) -> torch.Tensor:
+    """(V * B, ...) -> (V, B, ...)."""
+    return x.view(size, x.shape[0] // size, *x.shape[1:])
+
+
+def _check_vmap(kind: str, info: Any, options: Sequence[Any]) -> None:
+    if dropout_p(kind, options) > 0 and info.randomness != "different":
+        raise RuntimeError(
+            f"{PUBLIC_NAME[kind]} with dropout_p > 0 under torch.func.vmap needs "
+            f"randomness='different' (each mapped element draws its own dropout mask), got "
+            f"randomness={info.randomness!r}; pass torch.func.vmap(..., randomness='different'), "
+            "or dropout_p=0 (module.eval())"
+        )
+
+
+def forward_rule(op: Any, kind: str) -> Callable[..., Any]:
+    """The vmap rule of operator ``kind``'s forward ``op``."""
+
+    def rule(info: Any, in_dims: Sequence[int | None], *args: Any) -> tuple[Any, Any]:
+        _check_vmap(kind, info, args[4:])
+        size = info.batch_size
+        tensors = [_fold(x, d, size) for x, d in zip(args[:4], in_dims[:4], strict=True)]
+        out, lse, rng_state = op(*tensors, *args[4:])
+        return (_unfold(out, size), _unfold(lse, size), rng_state), (0, 0, None)
+
+    return rule
+
+
+def backward_rule(op: Any, kind: str) -> Callable[..., Any]:
+    """The vmap rule of operator ``kind``'s backward ``op``."""
+
+    def rule(info: Any, in_dims: Sequence[int | None], *args: Any) -> tuple[Any, Any]:
+        # args: grad_out, q, k, v, key_padding_mask, out, lse, rng_state, options...
+        if in_dims[7] is not None:
+            raise RuntimeError(
+                f"torch.func.vmap over the backward of {PUBLIC_NAME[kind]}: the dropout RNG "
+                "state cannot be mapped; map over the forward too"
+            )
+        _check_vmap(kind, info, args[8:])
+        size = info.batch_size
+        tensors = [_fold(x, d, size) for x, d in zip(args[:7], in_dims[:7], strict=True)]
+        grads = op(*tensors, args[7], *args[8:])
+        return tuple(_unfold(g, size) for g in grads), (0, 0, 0)
+
+    return rule
