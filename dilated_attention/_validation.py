@@ -146,9 +146,11 @@ def _shape_problem(
     """What is wrong with the shapes of query (B, Nq, H, D), key and value (B, Nk, Hkv, D), or
     None (:func:`check_qkv`); ``v`` None for a function without a value
     (:func:`check_query_key`)."""
-    shapes = f"query.shape={tuple(q)}, key.shape={tuple(k)}"
-    if v is not None:
-        shapes += f", value.shape={tuple(v)}"
+    # One f-string each: Dynamo traces this on every compiled call and cannot join strings.
+    if v is None:
+        shapes = f"query.shape={tuple(q)}, key.shape={tuple(k)}"
+    else:
+        shapes = f"query.shape={tuple(q)}, key.shape={tuple(k)}, value.shape={tuple(v)}"
         if tuple(k) != tuple(v):
             return f"key and value must have the same shape, got {shapes}"
     if k[0] != q[0]:

@@ -536,8 +536,8 @@ def test_reduce_overhead_trains_a_multihead_stack(runner_forwards: list[int]) ->
     of two layers trains 3 steps: compiled before any eager call, so whatever the first calls
     make lies in the trees' memory pool, which they check holds nothing but tracked outputs;
     the attention runs inside the graphs (no Python of it runs once they replay, and no graph
-    was skipped); each step's output and gradients equal eager ones (float32: Inductor's
-    kernels around the attention round like eager ones to about 1e-6)."""
+    was skipped); each step's output and gradients are as close to float64 as eager's
+    (Inductor sums the float32 projections in its own order)."""
     torch.manual_seed(0)
     model = _Stack(
         2, embed_dim=128, num_heads=4, segment_lengths=[256, 512], dilation_rates=[1, 2],
@@ -559,14 +559,24 @@ def test_reduce_overhead_trains_a_multihead_stack(runner_forwards: list[int]) ->
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
     # One forward per layer (the backward runs none), and none once the graphs replay.
     assert per_step[0] == 2 and per_step[-1] == 0, per_step
-    tol = {"atol": 1e-4, "rtol": 1e-4}
+    exact_model = copy.deepcopy(model).double()
     for x, (out, dx, grads) in zip(xs, steps, strict=True):
         ref_out, (ref_dx,) = _run(model, [x])
-        torch.testing.assert_close(out, ref_out, **tol)
-        torch.testing.assert_close(dx, ref_dx, **tol)
-        for got, p in zip(grads, model.parameters(), strict=True):
-            torch.testing.assert_close(got, p.grad, **tol)
+        exact_out, (exact_dx,) = _run(exact_model, [x.double()])
+        pairs = [(out, ref_out, exact_out), (dx, ref_dx, exact_dx)]
+        pairs += [
+            (got, p.grad, e.grad)
+            for got, p, e in zip(grads, model.parameters(), exact_model.parameters(), strict=True)
+        ]
+        for compiled_value, eager_value, exact_value in pairs:
+            # Inductor sums the projections' float32 products in its own order: the compiled
+            # step is held to eager's distance from float64, not to eager's rounding.
+            eager_error = (eager_value.double() - exact_value).abs().max().item()
+            compiled_error = (compiled_value.double() - exact_value).abs().max().item()
+            scale = exact_value.abs().max().item()
+            assert compiled_error <= 2 * eager_error + 1e-5 * scale, (compiled_error, eager_error)
         model.zero_grad(set_to_none=True)
+        exact_model.zero_grad(set_to_none=True)
 
 
 @pytest.mark.gpu
