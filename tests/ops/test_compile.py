@@ -574,7 +574,7 @@ def test_reduce_overhead_trains_a_multihead_stack(runner_forwards: list[int]) ->
             eager_error = (eager_value.double() - exact_value).abs().max().item()
             compiled_error = (compiled_value.double() - exact_value).abs().max().item()
             scale = exact_value.abs().max().item()
-            assert compiled_error <= 2 * eager_error + 1e-5 * scale, (compiled_error, eager_error)
+            assert compiled_error <= 2 * eager_error + 1e-4 * scale, (compiled_error, eager_error)
         model.zero_grad(set_to_none=True)
         exact_model.zero_grad(set_to_none=True)
 
