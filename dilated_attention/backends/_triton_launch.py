@@ -33,22 +33,15 @@ __all__ = ["launch"]
 _COMPILED: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
 #: Keys kept at most; the oldest is dropped first.
 COMPILED_LIMIT = 4096
-_I32 = 2**31
 #: Arguments kept in the key by value: more than Triton specializes on, and cheaper to take.
 _BY_VALUE = frozenset({int, float, bool, type(None), str})
 
 
 def _value_key(x: Any) -> Any:
-    """What of one argument decides Triton's specialization, or more of it."""
+    """What of one argument (other than the :data:`_BY_VALUE` types) decides Triton's
+    specialization, or more of it."""
     if isinstance(x, torch.Tensor):
         return (x.dtype, x.data_ptr() % 16 == 0)
-    if isinstance(x, bool) or x is None:
-        return x
-    if isinstance(x, int):
-        wide = 0 if -_I32 <= x < _I32 else (1 if x < 2**63 else 2)
-        return (wide, x == 1, x % 16 == 0)
-    if isinstance(x, float):
-        return float
     base = getattr(x, "base", None)  # a host tensor descriptor
     if isinstance(base, torch.Tensor):
         return (
