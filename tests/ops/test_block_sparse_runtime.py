@@ -180,6 +180,18 @@ def test_empty_rows_give_zeros_lse_minus_inf_and_zero_gradients() -> None:
         assert torch.equal(dq[1, 32:], torch.zeros_like(dq[1, 32:]))
 
 
+@pytest.mark.parametrize(("batch", "heads"), [(0, H), (B, 0)])
+def test_no_query_rows(batch: int, heads: int) -> None:
+    """A batch of 0, or 0 heads: empty results and gradients, a mask shared by every row."""
+    q = torch.randn(batch, 16, heads, D, dtype=F64, requires_grad=True)
+    k = torch.randn(batch, 16, heads // 2, D, dtype=F64, requires_grad=True)
+    out, lse = block_sparse_attention(q, k, k, torch.ones(1, 1, 2, 2, dtype=torch.bool),
+                                      block_size=8, is_causal=True, return_lse=True)  # fmt: skip
+    assert out.shape == q.shape and lse.shape == (batch, heads, 16)
+    dq, dk = torch.autograd.grad(out.sum(), (q, k))
+    assert dq.shape == q.shape and dk.shape == k.shape
+
+
 def test_all_empty_mask() -> None:
     q, k, v, dout = _inputs(20, 20, 4)
     mask = torch.zeros(B, H, 3, 3, dtype=torch.bool)
