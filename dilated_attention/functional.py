@@ -394,6 +394,7 @@ def block_sparse_attention(
     if cu_seqlens is not None:
         documents = check_cu_seqlens(cu_seqlens, q, k)
         if mask is not None:
+            check_documents_aligned(documents, q.shape[1], block_size, "block_sparse_attention")
             return _packed_block_mask(documents, q, k, v, mask, fields, return_lse, sinks)
         return _packed(BLOCK_SPARSE, documents, q, k, v, None, fields, return_lse, sinks)
     request = Request.of(BLOCK_SPARSE, q, k, v, **fields)  # type: ignore[arg-type]
@@ -432,12 +433,9 @@ def _packed_block_mask(
     return_lse: bool,
     sinks: torch.Tensor | None,
 ) -> Output:
-    """A checked block-sparse call with a run-time mask on packed documents: the rows run as
-    they are, the pairs of two documents dropped from the mask's blocks (Note [Run-time block
-    masks] in ``block_sparse/runtime.py``); documents must start at blocks."""
-    check_documents_aligned(
-        documents, q.shape[1], int(fields["block_size"]), "block_sparse_attention"  # type: ignore[call-overload]
-    )
+    """A checked block-sparse call with a run-time mask on packed documents (aligned to its
+    blocks): the rows run as they are, the pairs of two documents dropped from the mask's
+    blocks (Note [Run-time block masks] in ``block_sparse/runtime.py``)."""
     if compiled.is_traced(q, k, v, mask):
         raise ValueError(
             "cu_seqlens is not supported under torch.compile, torch.export or torch.func yet: "
