@@ -555,3 +555,24 @@ def test_gpu_select_forward_backward_without_host_synchronisation(name: str | No
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(bool(torch.isfinite(g).all()) for g in grads)
+
+
+@pytest.mark.gpu
+def test_gpu_flex_takes_a_new_mask_without_recompiling() -> None:
+    """A new mask of the same shape each step: a new BlockMask, the same compiled kernel (Note
+    [FlexAttention block masks])."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    q, k, v, dout = (t.cuda() for t in _cuda_case(torch.bfloat16, 1024, 2, seed=7))
+    masks = [_bool_mask((2, 2, 8, 8), seed=s).cuda() for s in range(3)]
+    _skip_unless_runs("flex", q, masks[0])
+
+    def step(mask: torch.Tensor) -> torch.Tensor:
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = block_sparse_attention(*leaves, mask, block_size=128, backend="flex")
+        return torch.autograd.grad(out, leaves, dout)[0]
+
+    first = step(masks[0])
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        others = [step(mask) for mask in masks[1:]]
+    assert not torch.equal(first, others[0])  # each step ran its own mask
