@@ -517,7 +517,7 @@ def test_gpu_kernels_match_oracle(name: str, is_causal: bool) -> None:
     for shape in ((2, 4), (1, 2), (2, 1)):
         mask = _bool_mask((*shape, 8, 8), seed=sum(shape), density=0.4)
         dev = [t.cuda().requires_grad_() for t in (q, k, v)]
-        _skip_unless_runs(name, dev[0], mask)
+        _skip_unless_runs(name, dev[0], mask.cuda())
         out, lse = block_sparse_attention(*dev, mask.cuda(), block_size=128, is_causal=is_causal,
                                           return_lse=True, backend=name)  # fmt: skip
         grads = [g.cpu() for g in torch.autograd.grad(out, dev, dout.cuda())]
