@@ -497,7 +497,7 @@ def _skip_unless_runs(name: str, q: torch.Tensor, mask: torch.Tensor) -> None:
     layout = check_block_mask(mask, q, q[:, :, :2], 128)
     request = Request.of(BLOCK_SPARSE, q, q, q, block_mask=layout, block_size=128,
                          requires_grad=True)  # fmt: skip
-    reasons = registry_for("block_sparse").reasons(name, kernel_inputs(request))
+    reasons = registry_for("block_sparse").reasons(name, kernel_inputs(request, block_size=128))
     if reasons and name != "math":
         pytest.skip(f"{name} cannot run here: {reasons}")
 
