@@ -69,6 +69,7 @@ from ..core.schedule import ShardedBranches
 from ..core.segment import branch_plan, describe_plan, dilated_plan, effective_branches
 from ..core.slots import Slot
 from ..patterns import Pattern
+from .block_masks import refuse_end_aligned_kernels, runtime_blocks
 from .request import BLOCK_SPARSE, DECODE, DENSE, DILATED, OPERATIONS, Request
 from .request import kernel_inputs as _kernel_inputs
 from .strategy import (
@@ -142,16 +143,17 @@ def execute(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
+    mask: torch.Tensor | None,
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Resolve and run a checked call: q (B, Nq, H, D), k and v (B, Nk, Hkv, D),
-    key_padding_mask (B, Nk) bool or None, sinks (H,) or None -> ``(out, lse)``, out
-    (B, Nq, H, D), lse (B, H, Nq). Keys the mask hides are zeroed first (Note [Hidden keys
-    cannot poison rows])."""
+    """Resolve and run a checked call: q (B, Nq, H, D), k and v (B, Nk, Hkv, D), the call's
+    mask tensor (Note [The call's mask tensor]: a key padding mask (B, Nk) bool, a run-time
+    block mask, or None), sinks (H,) or None -> ``(out, lse)``, out (B, Nq, H, D), lse
+    (B, H, Nq). Keys a key padding mask hides are zeroed first (Note [Hidden keys cannot
+    poison rows])."""
     strategy = resolve(request)
-    k, v = hide_masked_keys(k, v, key_padding_mask)
-    return strategy.run(q, k, v, key_padding_mask, sinks)
+    k, v = hide_masked_keys(k, v, request.key_padding_mask(mask))
+    return strategy.run(q, k, v, mask, sinks)
 
 
 def _dense(request: Request) -> Strategy:
@@ -486,6 +488,8 @@ def _block_sparse(request: Request) -> Strategy:
     (Note [Block-sparse plan]); an end-aligned causal query always runs the plan (Note
     [End-aligned causal blocks])."""
     pattern, size = request.pattern, request.block_size
+    if request.block_mask is not None:  # Note [Run-time block masks]
+        return runtime_blocks(request)
     if pattern is None:  # explain() of a kernel call's shape: the registry's answer
         inputs = _kernel_inputs(request, block_size=size)
         kernel = registry_for(BLOCK_SPARSE_REGISTRY).select(inputs, request.backend)
@@ -520,17 +524,7 @@ def _block_sparse(request: Request) -> Strategy:
 def _end_aligned_blocks(request: Request, query_start: int) -> Strategy:
     """The plan of an end-aligned causal block-sparse call on the dense kernel chosen for its
     square causal calls; a block-sparse kernel asked for by name raises ``ValueError``."""
-    requested, source = _requested(request.backend)
-    if requested in registry_for(BLOCK_SPARSE_REGISTRY).plan_kernels:
-        nq, nk = request.query_len, request.key_len
-        raise ValueError(
-            f"backend {requested!r} (from {source}) cannot run block_sparse_attention with "
-            f"is_causal=True and a query shorter than the key (query length {nq}, key length "
-            f"{nk}): its causal mask is top-left aligned, and such a query holds the last {nq} "
-            f"of the {nk} positions (end-aligned). Let the library choose (backend=None), "
-            f"which runs the block-sparse plan on a dense kernel, or name a dense kernel from "
-            f"list_backends()"
-        )
+    refuse_end_aligned_kernels(request)
     inputs = _kernel_inputs(request, key_len=request.query_len, is_causal=True)
     kernel = registry_for(DENSE_REGISTRY).select(inputs, request.backend)
     return _block_plan(request, kernel, inputs, DENSE_REGISTRY, query_start)

@@ -165,6 +165,8 @@ class Strategy:
         ]
         if r.schedule is not None:
             lines.append(f"  schedule: {r.schedule}")
+        if r.block_mask is not None:
+            lines.append(f"  blocks: a {r.block_mask.describe()}, block_size {r.block_size}")
         if self.kernel is None:
             return "\n".join([*lines, f"  {self.how}"])
         source = f" ({choice.source})" if choice is not None else ""
