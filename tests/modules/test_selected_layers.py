@@ -173,6 +173,18 @@ def test_explain_describes_the_layers() -> None:
         explain(kind="moba", device="cpu", block_mask=True)
 
 
+@pytest.mark.parametrize("kind", ["moba", "nsa"])
+def test_context_parallel_refuses_selected_layers(kind: str) -> None:
+    """No ring form yet: context_parallel raises rather than leave each rank selecting and
+    attending within its shard alone."""
+    from dilated_attention.distributed import context_parallel
+
+    sizes = MOBA if kind == "moba" else NSA
+    layer = create_multihead_dilated_attention(kind, embed_dim=32, num_heads=4, **sizes)
+    with pytest.raises(ValueError, match="selects blocks from the content, which has no ring"):
+        context_parallel(nn.Sequential(layer), None)
+
+
 # -- LongNetLM ----------------------------------------------------------------------------------
 def _config(**fields: Any) -> LongNetConfig:
     base = dict(vocab_size=32, embed_dim=32, num_heads=4, num_kv_heads=2, num_layers=2,
