@@ -34,7 +34,8 @@ Note [A differentiable log-sum-exp]
     and backward, per branch: where only the gates are asked for (NSA's combination) nothing
     of it runs, and without gradients (inference) neither. The engine's own merge does without
     it (its backward reads the merged statistics, Note [Backward with external statistics]);
-    branches from different key sources would need that inside the engine.
+    branches from different key sources would need that inside the engine. The two lines hold
+    for plain scaled dot-product scores (no soft-cap, no sinks), which the branches here are.
 
 Shape legend: B batch, N query rows, Nk key rows, H query heads, Hkv key/value heads, D head dim.
 """

@@ -160,8 +160,8 @@ def nsa_attention(
     )
     if g is not None:
         return gated_sum([out for out, _ in calls], g)
-    # The window branch first: every row sees its own key there (Note [A differentiable
-    # log-sum-exp]), so no merge step divides by an empty total.
+    # The window branch first: every row sees its own key there, so no merge step meets two
+    # empty sides (merge_branches: their gradient would be NaN).
     return merge_branches([calls[2], calls[1], calls[0]])  # type: ignore[list-item]
 
 
