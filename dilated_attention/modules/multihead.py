@@ -73,7 +73,9 @@ class MultiheadAttention(nn.Module):
         num_heads: H; E must be divisible by H.
         attention: the inner module, called as ``attention(q, k, v, is_causal=...,
             key_padding_mask=...)`` on (B, N, H, D) / (B, N, Hkv, D) tensors, returning
-            (B, N, H, D).
+            (B, N, H, D). One that declares ``gates_per_head = C`` (NSA-style branches) also
+            gets ``gates=`` (B, N, H, C) from the layer's ``gate_proj`` (Note [Gates from the
+            layer input]).
         num_kv_heads, bias, layer_norm, layer_norm_eps, gamma_init, batch_first, device, dtype:
             as in :class:`MultiheadDilatedAttention`.
 
@@ -86,6 +88,7 @@ class MultiheadAttention(nn.Module):
     _what = "attention"
     attention: nn.Module
     rotary: RotaryEmbedding | None
+    gate_proj: nn.Linear | None
     # Read by nn.TransformerEncoder(Layer): see Note [torch fast paths].
     _qkv_same_embed_dim = False
     in_proj_weight = NO_PACKED_PROJECTION
@@ -135,6 +138,11 @@ class MultiheadAttention(nn.Module):
         self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
         self.norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps, **factory) if layer_norm else None
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        # Note [Gates from the layer input]: per-head gates for an inner module that takes them.
+        gates = _gates_per_head(attention)
+        self.gate_proj = (
+            nn.Linear(embed_dim, num_heads * gates, bias=bias, **factory) if gates else None
+        )
         # Rotary positions applied to q and k between the projections and attention
         # (use_rotary); None: none.
         self.rotary = None
@@ -152,6 +160,10 @@ class MultiheadAttention(nn.Module):
                 nn.init.zeros_(proj.bias)
         if self.norm is not None:
             self.norm.reset_parameters()
+        if self.gate_proj is not None:  # every gate starts at sigmoid(0) = 1/2
+            nn.init.zeros_(self.gate_proj.weight)
+            if self.gate_proj.bias is not None:
+                nn.init.zeros_(self.gate_proj.bias)
 
     def use_rotary(self, base: float = 10000.0) -> MultiheadAttention:
         """Rotate q and k by their positions (RoPE, :class:`~dilated_attention.rotary.
@@ -460,6 +472,10 @@ class MultiheadAttention(nn.Module):
             masks["cu_seqlens"] = inputs.documents  # with a cache: a packed prompt
         if inputs.block_mask is not None:
             masks["block_mask"] = inputs.block_mask
+        if self.gate_proj is not None:
+            gates = torch.sigmoid(self.gate_proj(inputs.query))
+            gates = rearrange(gates, "b n (h c) -> b n h c", h=self.num_heads)
+            masks["gates"] = gates.to(q.dtype)
         if inputs.cache is None:
             return self.attention(q, k, v, **masks)
         return self.attention(q, k, v, **masks, cache=inputs.cache)
@@ -486,6 +502,27 @@ class MultiheadAttention(nn.Module):
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"batch_first={self.batch_first}"
         )
+
+
+def _gates_per_head(attention: nn.Module) -> int:
+    """How many gates per head ``attention`` takes in each call (its ``gates_per_head``; 0:
+    none).
+
+    Note [Gates from the layer input]
+        NSA weighs its branches by gates computed from the layer's input, ``g = sigmoid(x
+        W_g)``, one per branch and head. An inner module that combines branches so says
+        ``gates_per_head = C``; this layer then holds ``gate_proj``, a linear map from the
+        query input (B, N, E) to ``H * C`` gates, and passes ``gates=sigmoid(gate_proj(x))``
+        as (B, N, H, C) in the query's dtype to every call. Its weights start at zero: every
+        gate starts at 1/2, and learns from the gradient ``dout . o_c`` of its branch.
+    """
+    gates = getattr(attention, "gates_per_head", 0)
+    if isinstance(gates, bool) or not isinstance(gates, int) or gates < 0:
+        raise TypeError(
+            f"{type(attention).__name__}.gates_per_head must be an int >= 0 (gates per head "
+            f"each call takes), got {gates!r}"
+        )
+    return gates
 
 
 #: The multihead layer's own constructor arguments; the factory passes the others to the inner
