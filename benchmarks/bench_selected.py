@@ -115,17 +115,25 @@ def measure(seq_len: int, args: argparse.Namespace) -> list[dict[str, Any]]:
         sel = time_cuda(lambda: select_blocks(q, k, block_size=bs, topk=topk, is_causal=True),
                         warmup=3, repeats=args.repeats, min_ms=20)["median_ms"]  # fmt: skip
     rows.append({"seq_len": seq_len, "path": "selection", "fwd_ms": sel})
+    derive(rows, sel)
+    return rows
+
+
+def derive(rows: list[dict[str, Any]], selection_ms: float) -> None:
+    """Speedups over dense cuDNN (the first row), the MoBA rows' rate on the pairs they visit
+    (speedup / pair ratio) and the selection's share of the MoBA call, in place."""
     base = rows[0]
     for row in rows[1:]:
+        if row["path"] == "selection":
+            continue
         for step in ("fwd", "fwd_bwd"):
             if f"{step}_ms" in row and f"{step}_ms" in base:
                 row[f"{step}_speedup"] = base[f"{step}_ms"] / row[f"{step}_ms"]
                 if row["path"].startswith("moba"):
-                    row[f"visited_rate_{step}"] = row[f"{step}_speedup"] * pair_ratio
+                    row[f"visited_rate_{step}"] = row[f"{step}_speedup"] / row["pair_ratio"]
     moba = next(r for r in rows if r["path"] == "moba")
     if "fwd_ms" in moba:
-        moba["selection_share"] = sel / moba["fwd_ms"]
-    return rows
+        moba["selection_share"] = selection_ms / moba["fwd_ms"]
 
 
 def main() -> None:
