@@ -42,6 +42,7 @@ from .backends.registry import (
     BackendChoice,
     check_backend_name,
 )
+from .block_sparse.runtime import MaskLayout
 from .config import DilatedConfig, MultiheadDilatedConfig
 from .core.schedule import Schedule
 from .modules import (
@@ -352,6 +353,7 @@ def explain(
     window_size: tuple[int, int] | None = None,
     softcap: float | None = None,
     sinks: bool = False,
+    block_mask: bool = False,
 ) -> BackendChoice:
     """Which kernel would run an attention operation with these properties, and why no other.
 
@@ -375,6 +377,9 @@ def explain(
             (Note [Local windows, soft-capping and sinks] in ``core/sinks.py``). A layer of
             kind ``"local"`` runs ``operation="dense"`` with its ``window_size`` (``(W - 1,
             0)`` for ``window=W``, with ``is_causal=True`` in a decoder).
+        block_mask: block-sparse attention on a run-time block mask (a bool mask per batch row
+            and head, Note [Run-time block masks]) instead of a pattern; implies
+            ``operation="block_sparse"``.
 
     Returns:
         The resolve step's choice (:class:`BackendChoice`): ``.backend``, ``.reasons`` (every
@@ -395,13 +400,23 @@ def explain(
     num_kv_heads = V.check_heads(head_dim * num_heads, num_heads, num_kv_heads)
     seq_len = V.check_positive_int("seq_len", seq_len)
     flags = {"is_causal": is_causal, "key_padding_mask": key_padding_mask,
-             "requires_grad": requires_grad, "dilated": dilated, "sinks": sinks}  # fmt: skip
+             "requires_grad": requires_grad, "dilated": dilated, "sinks": sinks,
+             "block_mask": block_mask}  # fmt: skip
     for name, flag in flags.items():
         V.check_bool(name, flag)
     dropout_p = V.check_dropout("dropout_p", dropout_p)
     backend = check_backend_name(backend)
     block_size = V.check_positive_int("block_size", block_size)
+    if block_mask and operation is None and not dilated:
+        operation = BLOCK_SPARSE
     schedule, operation = _explained_operation(operation, dilated, segment_lengths, dilation_rates)
+    if block_mask and operation != BLOCK_SPARSE:
+        raise ValueError(
+            f"block_mask=True explains block-sparse attention on a run-time block mask, got "
+            f"operation={operation!r}; leave operation, dilated and the schedule out, or pass "
+            f"operation='block_sparse'"
+        )
+    layout = MaskLayout(False, 1, num_heads, -(-seq_len // block_size)) if block_mask else None
     if operation == BLOCK_SPARSE and (key_padding_mask or dropout_p):
         raise ValueError(
             f"block-sparse attention takes no key_padding_mask and no dropout (got "
@@ -415,7 +430,7 @@ def explain(
         is_causal=is_causal, has_mask=key_padding_mask, dropout_p=dropout_p,
         requires_grad=requires_grad, backend=backend, block_size=block_size,
         schedule=schedule, window=V.check_window_size(window_size),
-        softcap=V.check_softcap(softcap), sinks=sinks,
+        softcap=V.check_softcap(softcap), sinks=sinks, block_mask=layout,
     )  # fmt: skip
     return resolve(request).choice()
 

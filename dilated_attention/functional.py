@@ -24,12 +24,13 @@ from . import _validation as V
 from . import compiled
 from .backends.registry import check_backend_name
 from .block_sparse.plan import check_block_size
+from .block_sparse.runtime import MaskLayout, check_block_mask, check_documents_aligned
 from .core.autograd import Inputs
 from .core.caches import Cache, check_cache_call, check_window_cache_call
 from .core.documents import check_cu_seqlens
 from .core.schedule import Schedule
 from .core.window_cache import StaticWindowKVCache
-from .patterns import Pattern, check_pattern
+from .patterns import Pattern
 from .resolve import BLOCK_SPARSE, DENSE, Request, dilated_operation
 from .resolve.caches import cache_fields
 
@@ -285,7 +286,7 @@ def block_sparse_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    pattern: Pattern,
+    pattern: Pattern | torch.Tensor,
     *,
     block_size: int = 128,
     is_causal: bool = False,
@@ -304,9 +305,32 @@ def block_sparse_attention(
     positions (end-aligned, as in :func:`~dilated_attention.attention`): query row ``i`` is
     position ``p = Nk - Nq + i``, in block ``p // block_size`` (Note [End-aligned causal
     blocks] in ``resolve/resolver.py``). Query rows that attend no key give 0 (and
-    ``lse = -inf``). Gradients are exact, and so are higher-order ones (``create_graph=True``)
-    on every kernel but FlexAttention, for which torch.compile raises on double backward: pass
-    ``backend="triton"`` or a fallback kernel name for a gradient penalty on CUDA.
+    ``lse = -inf``, or the sink's logit with ``sinks``). Gradients are exact, and so are
+    higher-order ones (``create_graph=True``) on every kernel but FlexAttention, for which
+    torch.compile raises on double backward: pass ``backend="triton"`` or a fallback kernel
+    name for a gradient penalty on CUDA.
+
+    Run-time block masks (Note [Run-time block masks] in ``block_sparse/runtime.py``): in place
+    of a pattern, a tensor on the inputs' device chooses the block pairs per batch row and head
+    at run time (content-selected sparsity, e.g. from
+    :func:`~dilated_attention.sparse.select_blocks`): bool ``(Bm, Hm, Mq, Mk)`` (``True`` =
+    the pair attends) or int block indices ``(Bm, Hm, Mq, K)`` (each query block's key blocks,
+    ``-1`` = none), with ``Bm`` B or 1, ``Hm`` H, Hkv (one mask per key/value head, serving its
+    group of query heads) or 1, ``Mq = ceil(Nq / block_size)``, ``Mk = ceil(Nk / block_size)``.
+    Mask row ``i`` covers query *rows* ``[i * block_size, (i + 1) * block_size)`` (a pattern's
+    rows are blocks of positions; the same unless an end-aligned causal query is shorter than
+    the key), and query row ``r`` attends key ``t`` when the mask keeps
+    ``(r // block_size, t // block_size)`` and, if causal, ``t <= Nk - Nq + r``. An index
+    outside ``[0, Mk)`` keeps nothing and a repeated index counts once (neither is checked:
+    that would read the mask on the host). The mask is used without host synchronisation
+    (its checks read its shape, dtype and device) and gets no gradient; gradients through the
+    call are exact, first order only. For example, 4 blocks, causal, a per-head mask::
+
+        mask[b, h] = [[1, 0, 0, 0],     key block  0 1 2 3
+                      [1, 1, 0, 0],     query 0    x . . .
+                      [0, 1, 1, 0],     query 1    x x . .
+                      [1, 0, 0, 1]]     query 2    . x x .   (x: attends, causal inside)
+                                        query 3    x . . x
 
     Args:
         query: (B, Nq, H, D).
@@ -315,7 +339,8 @@ def block_sparse_attention(
         pattern: a :mod:`dilated_attention.patterns` pattern; it is asked for the block mask
             ``(ceil(Nq / block_size), ceil(Nk / block_size))``, or with ``is_causal=True``
             ``(ceil(Nk / block_size), ceil(Nk / block_size))`` (the blocks of the key
-            positions, which the query's positions are among).
+            positions, which the query's positions are among). Or a run-time block mask: bool
+            (Bm, Hm, Mq, Mk) or int (Bm, Hm, Mq, K) on the inputs' device (above).
         block_size: tokens per block; the last block may be shorter.
         is_causal: query position ``p`` sees keys ``t <= p`` (end-aligned when the query is
             shorter than the key; a longer query raises ``ValueError``).
@@ -331,10 +356,16 @@ def block_sparse_attention(
             block pair runs dense ``attention`` with the same ``backend`` (Note [Dense
             fallback]), except under ``"flex"``. An end-aligned causal call (a query shorter
             than the key) always runs the plan (the three kernels named above raise
-            ``ValueError`` there).
+            ``ValueError`` there). A run-time mask goes to the same three kernels, their lists
+            made on the device; its plan runs one query block at a time on a dense kernel
+            that takes key masks (Note [Run-time masks on a dense kernel] in
+            ``block_sparse/rows.py``).
         return_lse: also return the log-sum-exp.
         cu_seqlens: packed documents, as in :func:`attention`: each document's blocks count
-            from its own first token, and no block pair crosses documents.
+            from its own first token, and no block pair crosses documents. With a run-time
+            mask every document must start at a multiple of ``block_size`` within its row
+            (as for :func:`~dilated_attention.sparse.select_blocks`), the mask's blocks being
+            the row's.
         softcap, sinks: as in :func:`attention`.
 
     Returns:
@@ -342,23 +373,50 @@ def block_sparse_attention(
         float32 (float64 for float64 inputs on the fallback), detached.
 
     Raises:
-        TypeError: ``pattern`` is not a Pattern; wrong argument types.
+        TypeError: ``pattern`` is neither a Pattern nor a tensor, a run-time mask of another
+            dtype than bool or int; wrong argument types.
         ValueError: malformed tensors, ``block_size < 1``, a ``Custom`` mask of another block
-            count, a causal query longer than the key, or a backend that cannot run the
-            inputs.
+            count, a run-time mask of another rank, size or device, a causal query longer than
+            the key, documents not aligned to blocks with a run-time mask, or a backend that
+            cannot run the inputs.
     """
     q, k, v = V.check_qkv(query, key, value, same_length=False)
-    pattern = check_pattern(pattern)
     block_size = check_block_size(block_size)
+    layout = _check_blocks(pattern, q, k, block_size)
     V.check_bool("is_causal", is_causal)
     V.check_bool("return_lse", return_lse)
     V.check_causal_lengths(q, k, is_causal, "block_sparse_attention")
     sinks = V.check_sinks(sinks, q)
     fields = dict(
-        pattern=pattern, block_size=block_size, is_causal=is_causal, scale=V.check_scale(scale),
-        backend=check_backend_name(backend), softcap=V.check_softcap(softcap),
-        sinks=sinks is not None,
+        pattern=None if layout else pattern, block_mask=layout, block_size=block_size,
+        is_causal=is_causal, scale=V.check_scale(scale), backend=check_backend_name(backend),
+        softcap=V.check_softcap(softcap), sinks=sinks is not None,
     )  # fmt: skip
+    mask = pattern if layout is not None else None  # the call's mask tensor
     documents = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, q, k)
+    if documents is not None and mask is not None:
+        check_documents_aligned(documents, q.shape[1], block_size, "block_sparse_attention")
     request = Request.of(BLOCK_SPARSE, q, k, v, documents=documents, **fields)  # type: ignore[arg-type]
-    return compiled.route(request, q, k, v, None, return_lse, sinks)
+    return compiled.route(request, q, k, v, mask, return_lse, sinks)
+
+
+def _check_blocks(
+    pattern: object, q: torch.Tensor, k: torch.Tensor, block_size: int
+) -> MaskLayout | None:
+    """A run-time block mask's layout (Note [Run-time block masks]), None for a pattern.
+
+    Raises:
+        TypeError: neither a Pattern nor a tensor; a mask of another dtype.
+        ValueError: a mask of another rank, size or device.
+    """
+    if isinstance(pattern, torch.Tensor):
+        return check_block_mask(pattern, q, k, block_size)
+    if not isinstance(pattern, Pattern):
+        raise TypeError(
+            f"pattern must be a dilated_attention.patterns.Pattern (LocalWindow, GlobalLocal, "
+            f"DilatedBlocks, Random, Custom, or a | / & of them) or a run-time block mask on "
+            f"the inputs' device (bool (B or 1, H, Hkv or 1, Mq, Mk), or int block indices "
+            f"(B or 1, H, Hkv or 1, Mq, K)), got {type(pattern).__name__}; e.g. "
+            f"patterns.LocalWindow(1), or the mask of dilated_attention.sparse.select_blocks"
+        )
+    return None

@@ -37,6 +37,7 @@ class LayerInputs:
         cache: the layer's decoding cache, or None.
         documents: packed documents' offsets (Note [Packed documents] in
             ``core/documents.py``), or None.
+        block_mask: a run-time block mask for a block-sparse inner module, or None.
     """
 
     query: torch.Tensor
@@ -47,6 +48,7 @@ class LayerInputs:
     positions: torch.Tensor | None
     cache: Cache | None
     documents: tuple[int, ...] | None = None
+    block_mask: torch.Tensor | None = None
 
 
 class MultiheadAttention(nn.Module):
@@ -230,6 +232,7 @@ class MultiheadAttention(nn.Module):
         positions: torch.Tensor | None = None,
         cache: Cache | None = None,
         cu_seqlens: torch.Tensor | list[int] | tuple[int, ...] | None = None,
+        block_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, None]:
         """Attention over ``query``, with ``nn.MultiheadAttention.forward``'s arguments.
 
@@ -264,6 +267,9 @@ class MultiheadAttention(nn.Module):
                 (offsets over the batch's rows read one after another); with rotary and no
                 ``positions``, each document's positions start at 0. Only with an inner module
                 that takes them (``DilatedAttention``, ``LocalAttention``).
+            block_mask: this call's run-time block mask (Note [Run-time block masks] in
+                ``block_sparse/runtime.py``), over the projected heads. Only with an inner
+                module that takes one (``BlockSparseAttention``).
 
         Returns:
             ``(out, None)``, ``out`` shaped like ``query``.
@@ -289,9 +295,19 @@ class MultiheadAttention(nn.Module):
             is_causal=self._is_causal(attn_mask, is_causal, query),
             key_padding_mask=self._checked_key_padding_mask(key_padding_mask, query),
             positions=self._cache_positions(cache, positions, query, documents),
-            cache=cache, documents=documents,
+            cache=cache, documents=documents, block_mask=self._block_mask(block_mask),
         )  # fmt: skip
         return self._output(self._attend(inputs)), None
+
+    def _block_mask(self, block_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """``block_mask`` where the inner module takes one (checked there), else it raises."""
+        if block_mask is not None and not getattr(self.attention, "takes_block_mask", False):
+            raise ValueError(
+                f"block_mask (a run-time block mask) needs a layer whose inner module takes one "
+                f"(BlockSparseAttention), got {type(self.attention).__name__}; call without "
+                f"block_mask, or use a block-sparse layer"
+            )
+        return block_mask
 
     def _refuse_weights(self, need_weights: bool) -> None:
         """``need_weights=True`` raises: the (N x N) weights are never materialised."""
@@ -442,6 +458,8 @@ class MultiheadAttention(nn.Module):
         masks = {"is_causal": inputs.is_causal, "key_padding_mask": inputs.key_padding_mask}
         if inputs.documents is not None:
             masks["cu_seqlens"] = inputs.documents  # with a cache: a packed prompt
+        if inputs.block_mask is not None:
+            masks["block_mask"] = inputs.block_mask
         if inputs.cache is None:
             return self.attention(q, k, v, **masks)
         return self.attention(q, k, v, **masks, cache=inputs.cache)

@@ -1,6 +1,16 @@
 """What one attention call asks for: the operation, shapes, dtype, device, flags, schedule or
 pattern, and gradient needs, as plain values (no tensors): the input of the resolve step.
 
+Note [The call's mask tensor]
+    Besides query, key and value, a call carries at most one mask tensor, and every layer
+    passes it on in the same place (``route``, ``execute``, a custom operator's fourth input,
+    ``Strategy.run`` and ``prepare``): a dense or dilated call's key padding mask (B, Nk), or a
+    block-sparse call's run-time block mask (Note [Run-time block masks] in
+    ``block_sparse/runtime.py``; a block-sparse call takes no key padding mask). The request
+    says which it is (``has_mask``, ``block_mask``) and describes it by plain values, so that a
+    mask made each step resolves to the strategy kept for its request
+    (:meth:`Request.key_padding_mask` picks the key padding mask out).
+
 Shape legend: B batch, Nq query rows, Nk key rows, H query heads, Hkv key/value heads, D head dim.
 """
 
@@ -12,6 +22,7 @@ from typing import TypeVar
 import torch
 
 from ..backends.base import KernelInputs
+from ..block_sparse.runtime import MaskLayout
 from ..core.schedule import Schedule
 from ..patterns import Pattern
 
@@ -50,6 +61,9 @@ class Request:
             ``use_backend`` or the environment names).
         schedule: the dilated schedule (``"dilated"``, ``"decode"``).
         pattern, block_size: the block-sparse pattern and its block size.
+        block_mask: a block-sparse call's run-time block mask, described (the tensor is the
+            call's mask tensor: Note [The call's mask tensor]); None: ``pattern`` gives the
+            blocks.
         key_start, context_len: ``"decode"`` (and a call with a cache): the position of the
             first key row this call reads and the positions so far, this call's included (with
             a cache its held rows plus the new ones; None: ``key_len``).
@@ -61,8 +75,8 @@ class Request:
         documents: packed documents: the offsets of the documents among the ``batch *
             query_len`` positions read row after row (Note [Packed documents] in
             ``core/documents.py``; the resolve step runs the batch as one row of them, Note
-            [Packed documents as one row] in ``resolve/packed.py``). None: each row is one
-            sequence.
+            [Packed documents as one row] in ``resolve/packed.py``, but with a run-time block
+            mask, whose blocks are the rows'). None: each row is one sequence.
         static: ``"decode"`` of one token per batch row at positions given as a tensor, the
             keys being a static cache's ``key_len`` buffer rows (Note [A decode step with
             static shapes] in ``core/static_cache.py``); with a static ``cache``, its one-token
@@ -107,6 +121,7 @@ class Request:
     softcap: float | None = None
     window: tuple[int, int] | None = None
     sinks: bool = False
+    block_mask: MaskLayout | None = None
     cache: str | None = None
 
     @classmethod
@@ -132,6 +147,11 @@ class Request:
             query_len=query_len, num_heads=num_heads, num_kv_heads=k.shape[2],
             head_dim=head_dim, **fields,  # type: ignore[arg-type]
         )  # fmt: skip
+
+    def key_padding_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The call's mask tensor as a key padding mask: None where it is a run-time block mask
+        (Note [The call's mask tensor])."""
+        return None if self.block_mask is not None else mask
 
     @property
     def positions(self) -> int:

@@ -112,18 +112,19 @@ class Strategy:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        key_padding_mask: torch.Tensor | None,
+        mask: torch.Tensor | None,
         sinks: torch.Tensor | None = None,
         cache: object = None,
     ) -> Result:
         """``(out, lse)`` of the request on a checked call's tensors as the public function got
-        them (shapes as in :meth:`run`): the keys the mask hides zeroed (Note [Hidden keys
+        them (shapes as in :meth:`run`; ``mask`` the call's mask tensor, Note [The call's mask
+        tensor] in ``request.py``): the keys a key padding mask hides zeroed (Note [Hidden keys
         cannot poison rows] in ``core/hidden.py``), then :meth:`run`. ``cache``: the decoding
         cache beside the tensors, which the strategies of cache calls take
         (``resolve/caches.py``); None here."""
         assert cache is None, "a request without a cache resolves to a strategy without one"
-        k, v = hide_masked_keys(k, v, key_padding_mask)
-        return self.run(q, k, v, key_padding_mask, sinks)
+        k, v = hide_masked_keys(k, v, self.request.key_padding_mask(mask))
+        return self.run(q, k, v, mask, sinks)
 
     def _run(
         self,
@@ -188,6 +189,8 @@ class Strategy:
         ]
         if r.schedule is not None:
             lines.append(f"  schedule: {r.schedule}")
+        if r.block_mask is not None:
+            lines.append(f"  blocks: a {r.block_mask.describe()}, block_size {r.block_size}")
         if self.kernel is None:
             return "\n".join([*lines, f"  {self.how}"])
         source = f" ({choice.source})" if choice is not None else ""

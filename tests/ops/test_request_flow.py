@@ -20,9 +20,11 @@ import pytest
 import torch
 
 import dilated_attention as da
+from dilated_attention.block_sparse.runtime import check_block_mask
 from dilated_attention.modules import DilatedAttention
 from dilated_attention.patterns import LocalWindow
 from dilated_attention.resolve import Request, resolver
+from dilated_attention.resolve.packed import PackedStrategy
 
 PACKAGE = Path(da.__file__).parent
 FUNCTIONAL = str(PACKAGE / "functional.py")
@@ -169,13 +171,14 @@ def test_a_plain_call_is_one_request_and_one_route(case: str) -> None:
 
 
 def test_functional_holds_no_packed_or_decoding_execution() -> None:
-    """``functional.py`` defines the public functions and its compile wrapper only, and reaches
-    the layers below through ``compiled.route`` alone: nothing that flattens documents,
-    resolves, runs a strategy or changes a cache."""
+    """``functional.py`` defines the public functions, their checks and its compile wrapper
+    only, and reaches the layers below through ``compiled.route`` alone: nothing that flattens
+    documents, resolves, runs a strategy or changes a cache."""
     tree = ast.parse(Path(FUNCTIONAL).read_text())
     defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
     public = {"attention", "dilated_attention", "block_sparse_attention"}
-    assert defined == public | {"_eager_under_compile", "_runs_eagerly"}
+    checks = {name for name in defined if name.startswith("_check")}
+    assert defined - checks == public | {"_eager_under_compile", "_runs_eagerly"}
     imported = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
                 for a in n.names}  # fmt: skip
     running = {"resolve", "execute", "flatten", "unflatten", "last_document", "hide_masked_keys",
@@ -184,3 +187,18 @@ def test_functional_holds_no_packed_or_decoding_execution() -> None:
     on_compiled = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
                    and isinstance(n.value, ast.Name) and n.value.id == "compiled"}  # fmt: skip
     assert on_compiled == {"route"}
+
+
+def test_a_packed_call_with_a_run_time_block_mask_runs_its_rows_whole() -> None:
+    """A run-time block mask's blocks are the rows' (Note [Run-time block masks]): its packed
+    call is one request and one route as well, resolved without the flattening of Note [Packed
+    documents as one row]."""
+    q, k, v = _qkv()
+    mask = torch.ones(1, 1, N // 2, N // 2, dtype=torch.bool)
+    cu = [0, 4, 8, 12, 16]  # documents start at multiples of the block size in their rows
+    flow = _traced(lambda: da.block_sparse_attention(q, k, v, mask, block_size=2, cu_seqlens=cu))
+    _check_flow(flow)
+    layout = check_block_mask(mask, q, k, 2)
+    request = Request.of("block_sparse", q, k, v, block_mask=layout, block_size=2,
+                         documents=tuple(cu))  # fmt: skip
+    assert not isinstance(resolver.resolve(request), PackedStrategy)
