@@ -1,10 +1,13 @@
 """The public attention functions: validate, resolve, run.
 
 ``attention`` (dense), ``dilated_attention`` and ``block_sparse_attention`` check their
-arguments (``_validation.py``), describe the call as a :class:`~dilated_attention.resolve.Request`
-and hand it to the resolve step, which chooses the kernel and how the work is cut and runs it
-(Note [One resolve step] in ``resolve/resolver.py``). Under ``torch.compile``, ``torch.export``
-and ``torch.func`` the same request runs inside a custom operator (``compiled/``).
+arguments (``_validation.py``), describe the call as one
+:class:`~dilated_attention.resolve.Request` (packed documents and a decoding cache included:
+Note [A cache call is one request] in ``resolve/caches.py``) and hand it to ``compiled.route``,
+the one call they make after their checks: the resolve step chooses the kernel and how the
+work is cut and runs it (Note [One resolve step] in ``resolve/resolver.py``). Under
+``torch.compile``, ``torch.export`` and ``torch.func`` the same request runs inside a custom
+operator (``compiled/``).
 
 Shape legend: B batch, N seq_len, H query heads, Hkv key/value heads (H % Hkv == 0), D head dim.
 """
@@ -18,19 +21,18 @@ from typing import Any, TypeVar
 import torch
 
 from . import _validation as V
-from . import compiled, decode_step, window_decode
+from . import compiled
 from .backends.registry import check_backend_name
 from .block_sparse.plan import check_block_size
 from .block_sparse.runtime import MaskLayout, check_block_mask, check_documents_aligned
 from .core.autograd import Inputs
 from .core.caches import Cache, check_cache_call, check_window_cache_call
-from .core.documents import check_cu_seqlens, flatten, last_document, unflatten
-from .core.hidden import hide_masked_keys
+from .core.documents import check_cu_seqlens
 from .core.schedule import Schedule
-from .core.static_cache import StaticDilatedKVCache
 from .core.window_cache import StaticWindowKVCache
 from .patterns import Pattern
-from .resolve import BLOCK_SPARSE, DENSE, DILATED, Request, dilated_operation, resolve
+from .resolve import BLOCK_SPARSE, DENSE, Request, dilated_operation
+from .resolve.caches import cache_fields
 
 __all__ = ["attention", "block_sparse_attention", "dilated_attention"]
 
@@ -163,13 +165,13 @@ def attention(
         softcap=V.check_softcap(softcap), sinks=sinks is not None,
     )  # fmt: skip
     if cache is not None:
+        check_window_cache_call(cache, fields["window"], q, k, is_causal)  # type: ignore[arg-type]
+    documents = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, q, k, cache)
+    if cache is not None:  # what it holds, in the request (Note [A cache call is one request])
         new = Inputs(q, k, v, key_padding_mask)
-        return _window_cache_call(cache, cu_seqlens, new, fields, return_lse, sinks)
-    if cu_seqlens is not None:
-        documents = check_cu_seqlens(cu_seqlens, q, k)
-        return _packed(DENSE, documents, q, k, v, key_padding_mask, fields, return_lse, sinks)
-    request = Request.of(DENSE, q, k, v, **fields)
-    return compiled.route(request, q, k, v, key_padding_mask, return_lse, sinks)
+        fields |= cache_fields(cache, new, sinks, fields, packed=documents is not None)
+    request = Request.of(DENSE, q, k, v, documents=documents, **fields)
+    return compiled.route(request, q, k, v, key_padding_mask, return_lse, sinks, cache)
 
 
 @_eager_under_compile
@@ -269,14 +271,14 @@ def dilated_attention(
         backend=check_backend_name(backend), schedule=schedule, window=window,
         softcap=V.check_softcap(softcap), sinks=sinks is not None,
     )  # fmt: skip
-    if cu_seqlens is not None:
-        return _packed_dilated(
-            cu_seqlens, cache, q, k, v, key_padding_mask, fields, return_lse, sinks
-        )
-    if cache is not None:
-        return _decode(cache, q, k, v, key_padding_mask, fields, return_lse, sinks)
-    request = Request.of(dilated_operation(q.shape[1], k.shape[1]), q, k, v, **fields)
-    return compiled.route(request, q, k, v, key_padding_mask, return_lse, sinks)
+    documents = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, q, k, cache)
+    if cache is not None:  # what it holds, in the request (Note [A cache call is one request])
+        check_cache_call(cache, schedule.segment_lengths, schedule.dilation_rates, q, k, is_causal)
+        new = Inputs(q, k, v, key_padding_mask)
+        fields |= cache_fields(cache, new, sinks, fields, packed=documents is not None)
+    operation = dilated_operation(q.shape[1], k.shape[1])
+    request = Request.of(operation, q, k, v, documents=documents, **fields)
+    return compiled.route(request, q, k, v, key_padding_mask, return_lse, sinks, cache)
 
 
 @_eager_under_compile
@@ -391,13 +393,10 @@ def block_sparse_attention(
         softcap=V.check_softcap(softcap), sinks=sinks is not None,
     )  # fmt: skip
     mask = pattern if layout is not None else None  # the call's mask tensor
-    if cu_seqlens is not None:
-        documents = check_cu_seqlens(cu_seqlens, q, k)
-        if mask is not None:
-            check_documents_aligned(documents, q.shape[1], block_size, "block_sparse_attention")
-            return _packed_block_mask(documents, q, k, v, mask, fields, return_lse, sinks)
-        return _packed(BLOCK_SPARSE, documents, q, k, v, None, fields, return_lse, sinks)
-    request = Request.of(BLOCK_SPARSE, q, k, v, **fields)  # type: ignore[arg-type]
+    documents = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, q, k)
+    if documents is not None and mask is not None:
+        check_documents_aligned(documents, q.shape[1], block_size, "block_sparse_attention")
+    request = Request.of(BLOCK_SPARSE, q, k, v, documents=documents, **fields)  # type: ignore[arg-type]
     return compiled.route(request, q, k, v, mask, return_lse, sinks)
 
 
@@ -421,158 +420,3 @@ def _check_blocks(
             f"patterns.LocalWindow(1), or the mask of dilated_attention.sparse.select_blocks"
         )
     return None
-
-
-def _packed_block_mask(
-    documents: tuple[int, ...],
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor,
-    fields: dict[str, object],
-    return_lse: bool,
-    sinks: torch.Tensor | None,
-) -> Output:
-    """A checked block-sparse call with a run-time mask on packed documents (aligned to its
-    blocks): the rows run as they are, the pairs of two documents dropped from the mask's
-    blocks (Note [Run-time block masks] in ``block_sparse/runtime.py``)."""
-    if compiled.is_traced(q, k, v, mask):
-        raise ValueError(
-            "cu_seqlens is not supported under torch.compile, torch.export or torch.func yet: "
-            "call the packed batch eagerly, or give each document its own row"
-        )
-    request = Request.of(BLOCK_SPARSE, q, k, v, documents=documents, **fields)  # type: ignore[arg-type]
-    return compiled.route(request, q, k, v, mask, return_lse, sinks)
-
-
-def _decode(
-    cache: Cache,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    fields: dict[str, object],
-    return_lse: bool,
-    sinks: torch.Tensor | None = None,
-) -> Output:
-    """A checked dilated call on new tokens with their layer's cache: q (B, n, H, D), k and v
-    (B, n, Hkv, D), key_padding_mask (B, n) over the new keys -> ``out`` or ``(out, lse)``.
-    Resolved before the cache changes (a refused call leaves it as it was); then the new keys
-    join the ones they read (positions ``cache.start`` to ``cache.length + n``)."""
-    schedule, is_causal = fields["schedule"], bool(fields["is_causal"])
-    assert isinstance(schedule, Schedule)  # dilated_attention's fields
-    check_cache_call(cache, schedule.segment_lengths, schedule.dilation_rates, q, k, is_causal)
-    if isinstance(cache, StaticDilatedKVCache):
-        out, lse = decode_step.static_decode(cache, q, k, v, key_padding_mask, fields, sinks)
-        return (out, lse) if return_lse else out
-    if compiled.is_traced(q, k, v, key_padding_mask):
-        raise ValueError(
-            "cache= is not supported under torch.compile, torch.export or torch.func yet: "
-            "decode eagerly (the cache is Python state the compiled operator cannot update)"
-        )
-    request = Request.of(
-        dilated_operation(q.shape[1], k.shape[1], cache.length), q, k, v,
-        key_start=cache.start, context_len=cache.length + k.shape[1], **fields,
-    )  # fmt: skip
-    strategy = resolve(request)
-    k, v = hide_masked_keys(k, v, key_padding_mask)  # the cache keeps them so: no copy per token
-    k, v, key_padding_mask, _ = cache.append(k, v, key_padding_mask)
-    out, lse = strategy.run(q, k, v, key_padding_mask, sinks)
-    return (out, lse) if return_lse else out
-
-
-def _window_cache_call(
-    cache: Cache,
-    cu_seqlens: object,
-    new: Inputs,
-    fields: dict[str, object],
-    return_lse: bool,
-    sinks: torch.Tensor | None,
-) -> Output:
-    """A checked dense call on new tokens with a windowed layer's cache (Note [A window cache]
-    in ``core/window_cache.py``): ``new`` holds q (B, n, H, D), k and v (B, n, Hkv, D) and the
-    mask (B, n) over the new keys. With ``cu_seqlens`` a packed prompt (each row's last
-    document into the cache), else the cache's decoding (``window_decode``)."""
-    q, k, v, key_padding_mask = new
-    window, is_causal = fields["window"], bool(fields["is_causal"])
-    cache = check_window_cache_call(cache, window, q, k, is_causal)  # type: ignore[arg-type]
-    if cu_seqlens is None:
-        out, lse = window_decode.window_decode(cache, new, fields, sinks)
-        return (out, lse) if return_lse else out
-    documents = check_cu_seqlens(cu_seqlens, q, k, cache)
-    result = _packed(DENSE, documents, q, k, v, key_padding_mask, fields, return_lse, sinks)
-    _prompt_into(cache, documents, k, v, key_padding_mask)
-    return result
-
-
-def _packed_dilated(
-    cu_seqlens: object,
-    cache: Cache | None,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    fields: dict[str, object],
-    return_lse: bool,
-    sinks: torch.Tensor | None = None,
-) -> Output:
-    """Checked dilated attention on packed documents; with a ``cache`` a packed prompt (Note [A
-    packed prompt] in ``core/documents.py``): the packed call, then each row's last document's
-    keys and values into the cache, which is checked first."""
-    documents = check_cu_seqlens(cu_seqlens, q, k, cache)
-    if cache is not None:
-        schedule = fields["schedule"]
-        assert isinstance(schedule, Schedule)  # dilated_attention's fields
-        segs, rates, causal = schedule.segment_lengths, schedule.dilation_rates, fields["is_causal"]
-        check_cache_call(cache, segs, rates, q, k, bool(causal))
-    result = _packed(DILATED, documents, q, k, v, key_padding_mask, fields, return_lse, sinks)
-    _prompt_into(cache, documents, k, v, key_padding_mask)
-    return result
-
-
-def _prompt_into(
-    cache: Cache | None,
-    documents: tuple[int, ...],
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-) -> None:
-    """A packed prompt's cache (checked; Note [A packed prompt] in ``core/documents.py``) takes
-    each row's last document's keys and values (B, n, Hkv, D) and mask (B, n), from the
-    packed rows k, v (B, N, Hkv, D); nothing without a cache."""
-    if cache is None:
-        return
-    tail = slice(k.shape[1] - last_document(documents, *k.shape[:2]), None)
-    mask = None if key_padding_mask is None else key_padding_mask[:, tail]
-    k, v = hide_masked_keys(k[:, tail], v[:, tail], mask)
-    cache.take_prompt(k, v, mask)
-
-
-def _packed(
-    operation: str,
-    documents: tuple[int, ...],
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    fields: dict[str, object],
-    return_lse: bool,
-    sinks: torch.Tensor | None = None,
-) -> Output:
-    """A checked call on packed documents (Note [Packed documents] in ``core/documents.py``):
-    q (B, N, H, D), k and v (B, N, Hkv, D) as one row of their documents, run, and the results
-    in the batch's shape."""
-    if compiled.is_traced(q, k, v, key_padding_mask):
-        raise ValueError(
-            "cu_seqlens is not supported under torch.compile, torch.export or torch.func yet: "
-            "call the packed batch eagerly, or give each document its own row"
-        )
-    batch, seq_len = q.shape[:2]
-    if batch == 0:  # no document: the empty batch unpacked (Note [An empty packed batch])
-        request = Request.of(operation, q, k, v, **fields)  # type: ignore[arg-type]
-        return compiled.route(request, q, k, v, key_padding_mask, return_lse)
-    qf, kf, vf, mask = (flatten(x) for x in (q, k, v, key_padding_mask))
-    request = Request.of(operation, qf, kf, vf, documents=documents, **fields)  # type: ignore[arg-type]
-    out, lse = compiled.route(request, qf, kf, vf, mask, True, sinks)  # type: ignore[arg-type]
-    out, lse = unflatten(out, lse, batch, seq_len)
-    return (out, lse) if return_lse else out

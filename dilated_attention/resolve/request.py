@@ -64,20 +64,28 @@ class Request:
         block_mask: a block-sparse call's run-time block mask, described (the tensor is the
             call's mask tensor: Note [The call's mask tensor]); None: ``pattern`` gives the
             blocks.
-        key_start, context_len: ``"decode"``: the position of the first key row this call reads
-            and the positions so far, this call's included (with a cache its held rows plus the
-            new ones; None: ``key_len``).
+        key_start, context_len: ``"decode"`` (and a call with a cache): the position of the
+            first key row this call reads and the positions so far, this call's included (with
+            a cache its held rows plus the new ones; None: ``key_len``).
         shard: ``"dilated"`` over a sequence sharded across ranks (ring dilated attention):
             ``(world_size, chunk_len)``, this call's rows being one rank's ``query_len`` of the
             ``world_size * query_len`` positions, in chunks of ``chunk_len`` (one per rank, two
             under the zigzag layout). The kernel is then chosen for the local branches, whose
             segments lie inside one chunk (``ScheduleLayout.sharded``). None: one process.
-        documents: ``"dense"``, ``"dilated"`` on packed documents: the offsets of the documents
-            among the ``query_len`` positions of a batch of one row (Note [Packed documents] in
-            ``core/documents.py``). None: each row is one sequence.
+        documents: packed documents: the offsets of the documents among the ``batch *
+            query_len`` positions read row after row (Note [Packed documents] in
+            ``core/documents.py``; the resolve step runs the batch as one row of them, Note
+            [Packed documents as one row] in ``resolve/packed.py``, but with a run-time block
+            mask, whose blocks are the rows'). None: each row is one sequence.
         static: ``"decode"`` of one token per batch row at positions given as a tensor, the
             keys being a static cache's ``key_len`` buffer rows (Note [A decode step with
-            static shapes] in ``core/static_cache.py``).
+            static shapes] in ``core/static_cache.py``); with a static ``cache``, its one-token
+            step.
+        cache: the kind of decoding cache the call's new tokens extend (its class name, e.g.
+            ``"DilatedKVCache"``; the cache itself travels beside the tensors), with what it
+            holds in ``key_len``, ``key_start``, ``context_len``, ``static`` (Note [A cache call
+            is one request] in ``resolve/caches.py``). With ``documents``: a packed prompt into
+            it. None: no cache.
         first_head: ``"dilated"``: the layer head that the call's head 0 is, the call holding
             a slice of the layer's heads (Note [Heads from a later layer head] in
             ``core/schedule.py``).
@@ -114,6 +122,7 @@ class Request:
     window: tuple[int, int] | None = None
     sinks: bool = False
     block_mask: MaskLayout | None = None
+    cache: str | None = None
 
     @classmethod
     def of(
@@ -125,16 +134,18 @@ class Request:
         **fields: object,
     ) -> Request:
         """The request of a call on q (B, Nq, H, D), k and v (B, Nk, Hkv, D); ``fields`` are the
-        remaining attributes. ``requires_grad`` defaults to grad mode and the inputs'."""
+        remaining attributes. ``requires_grad`` defaults to grad mode and the inputs', and
+        ``key_len`` to ``Nk`` (a cache call reads more keys than it is given)."""
         if "requires_grad" not in fields:
             fields["requires_grad"] = torch.is_grad_enabled() and any(
                 x.requires_grad for x in (q, k, v)
             )
+        fields.setdefault("key_len", k.shape[1])
         batch, query_len, num_heads, head_dim = q.shape
         return cls(
             operation=operation, device=q.device, dtype=q.dtype, batch=batch,
-            query_len=query_len, key_len=k.shape[1], num_heads=num_heads,
-            num_kv_heads=k.shape[2], head_dim=head_dim, **fields,  # type: ignore[arg-type]
+            query_len=query_len, num_heads=num_heads, num_kv_heads=k.shape[2],
+            head_dim=head_dim, **fields,  # type: ignore[arg-type]
         )  # fmt: skip
 
     def key_padding_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:

@@ -11,6 +11,11 @@ Note [One resolve step]
     (:meth:`Strategy.describe`), the custom operators of ``compiled/`` run it, and the ring
     asks it for the kernel of its steps. A new operation, kernel family or mask kind is one
     resolver here (and a kernel in ``backends/``), not a change in every public function.
+    Packed documents and decoding caches are part of the request too, and the public
+    functions hand every call to one route: a packed batch resolves as one row around which
+    it is flattened (Note [Packed documents as one row] in ``packed.py``), a cache call as the
+    keys it reads inside a strategy that joins them with the cache (Note [A cache call is one
+    request] in ``caches.py``).
 
 Note [Dense fallback]
     A pattern whose block mask keeps every block pair (every pair at or below the diagonal when
@@ -63,13 +68,14 @@ from ..core.contract import Window
 from ..core.documents import document_groups
 from ..core.fused import ChunkQueries
 from ..core.grouped import grouped_plan, slot_group_length
-from ..core.hidden import hide_masked_keys
 from ..core.plan import Plan
 from ..core.schedule import ShardedBranches
 from ..core.segment import branch_plan, describe_plan, dilated_plan, effective_branches
 from ..core.slots import Slot
 from ..patterns import Pattern
 from .block_masks import refuse_end_aligned_kernels, runtime_blocks
+from .caches import cache_call, static_branches
+from .packed import packed_call
 from .request import BLOCK_SPARSE, DECODE, DENSE, DILATED, OPERATIONS, Request
 from .request import kernel_inputs as _kernel_inputs
 from .strategy import (
@@ -126,11 +132,22 @@ def resolve(request: Request) -> Strategy:
     key = (request, _requested(request.backend), generation())
     strategy = _RESOLVED.get(key)
     if strategy is None:
-        strategy = _RESOLVERS[request.operation](request)
+        strategy = _resolve(request)
         if len(_RESOLVED) >= RESOLVED_LIMIT:
             del _RESOLVED[next(iter(_RESOLVED))]
         _RESOLVED[key] = strategy
     return strategy
+
+
+def _resolve(request: Request) -> Strategy:
+    """A cache call around the strategy of the keys it reads (Note [A cache call is one
+    request] in ``caches.py``), a packed batch around its row's (Note [Packed documents as one
+    row] in ``packed.py``), else the operation's resolver."""
+    if request.cache is not None:
+        return cache_call(request, _resolve)
+    if request.documents is not None and request.block_mask is None:  # a mask's blocks: rows'
+        return packed_call(request, lambda row: _RESOLVERS[row.operation](row))
+    return _RESOLVERS[request.operation](request)
 
 
 def clear_resolved() -> None:
@@ -145,15 +162,14 @@ def execute(
     v: torch.Tensor,
     mask: torch.Tensor | None,
     sinks: torch.Tensor | None = None,
+    cache: object = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Resolve and run a checked call: q (B, Nq, H, D), k and v (B, Nk, Hkv, D), the call's
     mask tensor (Note [The call's mask tensor]: a key padding mask (B, Nk) bool, a run-time
-    block mask, or None), sinks (H,) or None -> ``(out, lse)``, out (B, Nq, H, D), lse
-    (B, H, Nq). Keys a key padding mask hides are zeroed first (Note [Hidden keys cannot
-    poison rows])."""
-    strategy = resolve(request)
-    k, v = hide_masked_keys(k, v, request.key_padding_mask(mask))
-    return strategy.run(q, k, v, mask, sinks)
+    block mask, or None), sinks (H,) or None, the decoding cache the request names (or None)
+    -> ``(out, lse)``, out (B, Nq, H, D), lse (B, H, Nq). Keys a key padding mask hides are
+    zeroed first (Note [Hidden keys cannot poison rows]); ``Strategy.call``."""
+    return resolve(request).call(q, k, v, mask, sinks, cache)
 
 
 def _dense(request: Request) -> Strategy:
@@ -417,17 +433,6 @@ def _chunk_forward(request: Request) -> Strategy | None:
     notes = fused_notes(kernel.backend.name, branches)
     return FusedStrategy(
         request, kernel, DILATED_REGISTRY, inputs, how, notes, branches, chunk=chunk
-    )
-
-
-def static_branches(request: Request) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The effective branches every step of a static decode ``request`` reads: the schedule's
-    over the buffers' ``key_len`` rows (Note [Effective branches]). Plain integers, so the
-    traced step computes them too (``decode_step._traced_slots``)."""
-    schedule = request.schedule
-    assert schedule is not None  # a decode request has one
-    return effective_branches(
-        request.key_len, request.num_heads, schedule.segment_lengths, schedule.dilation_rates
     )
 
 
