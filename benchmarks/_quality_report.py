@@ -19,43 +19,23 @@ from _records import check_record, markdown_table
 from _timing import environment, record_header, write_record
 
 #: The record's main table (``benchmarks/results/README.md``).
-COLUMNS = [
-    "method",
-    "seed",
-    "context",
-    "steps",
-    "bpb",
-    "bpb_far",
-    "retrieval_accuracy",
-    "retrieval_far",
-    "tokens_per_s",
-    "tflops",
-    "peak_memory_gib",
-    "train_seconds",
-    "wall_seconds",
-]
+COLUMNS = ["method", "seed", "context", "steps", "bpb", "bpb_far", "retrieval_accuracy",
+           "retrieval_far", "retrieval_value_accuracy", "tokens_per_s", "tflops",
+           "peak_memory_gib", "train_seconds", "wall_seconds"]  # fmt: skip
 #: What every row carries (``tests/e2e/test_bench_quality.py`` holds the rows to it).
-REQUIRED = (
-    "method",
-    "seed",
-    "context",
-    "steps",
-    "bpb",
-    "bpb_by_position",
-    "retrieval_accuracy",
-    "retrieval_by_distance",
-    "wall_seconds",
-    "train_seconds",
-    "peak_memory_gib",
-    "tokens_per_s",
-    "tflops",
-    "loss_first",
-    "loss_last",
-    "settings",
-    "commit",
-    "date",
-    "command",
-)
+REQUIRED = ("method", "seed", "context", "steps", "bpb", "bpb_by_position", "retrieval_accuracy",
+            "retrieval_value_accuracy", "retrieval_by_distance", "wall_seconds", "train_seconds",
+            "peak_memory_gib", "tokens_per_s", "tflops", "loss_first", "loss_last", "settings",
+            "commit", "date", "command")  # fmt: skip
+#: The by-method table's columns: the mean over seeds, min-max in brackets.
+SUMMARY = ["bpb", "bpb_far", "retrieval_accuracy", "retrieval_far", "retrieval_value_accuracy",
+           "tokens_per_s", "tflops", "peak_memory_gib", "train_seconds"]  # fmt: skip
+#: The tables by bucket: (title, row field, entry of a bucket or None for the value itself).
+BUCKETS = [
+    ("Bits per byte by position", "bpb_by_position", None),
+    ("Retrieval accuracy (exact match) by distance", "retrieval_by_distance", "accuracy"),
+    ("Retrieval values right by distance", "retrieval_by_distance", "value_accuracy"),
+]
 
 
 def key(row: dict[str, Any]) -> tuple[str, int, int]:
@@ -182,27 +162,14 @@ def markdown(record: dict[str, Any]) -> str:
     rows, lines = record["results"], [record_header(record["environment"])]
     if record.get("notes"):
         lines += [record["notes"], ""]
-    scalars = [
-        "bpb",
-        "bpb_far",
-        "retrieval_accuracy",
-        "retrieval_far",
-        "tokens_per_s",
-        "tflops",
-        "peak_memory_gib",
-        "train_seconds",
-    ]
     lines += [
-        "| context | method | seeds | " + " | ".join(scalars) + " |",
-        "|" + "---|" * (len(scalars) + 3),
+        "| context | method | seeds | " + " | ".join(SUMMARY) + " |",
+        "|" + "---|" * (len(SUMMARY) + 3),
     ]
     for (context, method), group in _groups(rows).items():
-        cells = [_cell([r.get(c) for r in group]) for c in scalars]
+        cells = [_cell([r.get(c) for r in group]) for c in SUMMARY]
         lines.append(f"| {context} | {method} | {len(group)} | " + " | ".join(cells) + " |")
-    for title, field, inner in (
-        ("Bits per byte by position", "bpb_by_position", None),
-        ("Retrieval accuracy by distance", "retrieval_by_distance", "accuracy"),
-    ):
+    for title, field, inner in BUCKETS:
         for context in sorted({r["context"] for r in rows}):
             some = next(r for r in rows if r["context"] == context)
             buckets = list(some[field])
@@ -267,6 +234,8 @@ def plot(record: dict[str, Any], stem: Path) -> list[Path]:
                 ax.set_xticks(range(len(buckets)), buckets, rotation=30)
             x_label = "position in the context" if inner is None else "distance (tokens)"
             ax.set(xlabel=x_label, ylabel=ylabel, title=f"context {context}")
+            if inner is not None:
+                ax.set_ylim(-0.02, 1.02)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
         fig.suptitle(f"{record['environment'].get('device', '')}: mean over seeds, bars min-max")

@@ -6,16 +6,18 @@ Shape legend: R rows, N tokens per row (the context; a row is N + 1 tokens with 
 M key-value pairs.
 
 Note [Retrieval rows]
-    Tokens 0-255 are bytes; two marker tokens beyond them, ``KEY`` (256) and ``VALUE`` (257),
-    never occur in text. A pair is ``KEY k1 k2 k3 k4 VALUE v1 v2 v3 v4`` with random lowercase
-    letters. A retrieval row is a window of real text with ``pairs`` such needles written over
-    it, and at its end a block of queries: each pair again, in the same format, so the model
-    must copy the four value bytes it saw after that key earlier in the row. The distance of a
-    pair is the query's position minus its needle's; each is drawn log-uniformly from the
-    distances that fit (the shortest puts the needle just before the query block, the longest
-    at token 0, i.e. up to the full context), so every distance scale gets as many pairs, and
-    needles never overlap. Accuracy is exact match of a pair's four value bytes, each the
-    model's most likely next token given the true prefix (teacher forcing).
+    Tokens 0-255 are bytes; 256 symbol tokens beyond them (256-511) never occur in text. A pair
+    is a key symbol followed by four value symbols, ``k v1 v2 v3 v4``, all five drawn without
+    replacement for the whole row, so no symbol appears in two pairs. A retrieval row is a
+    window of real text with ``pairs`` such needles written over it, and at its end a block of
+    queries: each pair again, so after a query's key the model must copy the four values it
+    saw after that key earlier in the row (multi-query associative recall; one match of the
+    token before each value finds it, as an induction head does, however far back it lies).
+    The distance of a pair is the query's position minus its needle's; each is drawn
+    log-uniformly from the distances that fit (the shortest puts the needle just before the
+    query block, the longest at token 0, i.e. up to the full context), so every distance scale
+    gets as many pairs, and needles never overlap. Accuracy is exact match of a pair's four
+    values, each the model's most likely next token given the true prefix (teacher forcing).
 
 Note [One token stream]
     Every method and every resumed call sees the same rows: the rows of step ``s`` come from a
@@ -39,11 +41,11 @@ import torch.nn.functional as F
 
 from dilated_attention.models.training import bits_per_position, sample_windows
 
-KEY, VALUE = 256, 257
-#: Bytes, and the two marker tokens of the retrieval task.
-VOCAB_SIZE = 258
-KEY_LEN = VALUE_LEN = 4
-PAIR_LEN = 2 + KEY_LEN + VALUE_LEN
+#: Bytes (0-255) and the retrieval task's symbols (256-511), which never occur in text.
+VOCAB_SIZE = 512
+SYMBOLS = 256
+KEY_LEN, VALUE_LEN = 1, 4
+PAIR_LEN = KEY_LEN + VALUE_LEN
 
 
 def stream_generator(*parts: object) -> torch.Generator:
@@ -55,7 +57,7 @@ def stream_generator(*parts: object) -> torch.Generator:
 @dataclass(frozen=True)
 class Batch:
     """Rows (R, N + 1) int64 and the pairs' answers: ``answers`` (R, N) bool marks the inputs
-    whose next token is a value byte of a query; ``pair_row``, ``pair_start`` (M,) the row and
+    whose next token is a value of a query; ``pair_row``, ``pair_start`` (M,) the row and
     the input position predicting each pair's first value byte; ``distance`` (M,) its distance
     (Note [Retrieval rows])."""
 
@@ -71,17 +73,14 @@ def min_context(pairs: int) -> int:
     return 4 * pairs * PAIR_LEN
 
 
+#: The most pairs a row holds: each takes PAIR_LEN of the symbols, none twice.
+MAX_PAIRS = SYMBOLS // PAIR_LEN
+
+
 def _keys(pairs: int, gen: torch.Generator) -> list[list[int]]:
-    """``pairs`` distinct random keys and their values, as the pair's tokens."""
-    seen: set[tuple[int, ...]] = set()
-    out = []
-    while len(out) < pairs:
-        letters = (torch.randint(0, 26, (KEY_LEN + VALUE_LEN,), generator=gen) + ord("a")).tolist()
-        if tuple(letters[:KEY_LEN]) in seen:
-            continue
-        seen.add(tuple(letters[:KEY_LEN]))
-        out.append([KEY, *letters[:KEY_LEN], VALUE, *letters[KEY_LEN:]])
-    return out
+    """``pairs`` pairs of a key and its value, as their tokens: symbols, none used twice."""
+    symbols = (torch.randperm(SYMBOLS, generator=gen)[: pairs * PAIR_LEN] + 256).tolist()
+    return [symbols[i * PAIR_LEN : (i + 1) * PAIR_LEN] for i in range(pairs)]
 
 
 def _needle_start(query: int, last: int, placed: list[int], gen: torch.Generator) -> int:
@@ -108,7 +107,8 @@ def retrieval_row(
 
     Returns:
         The row (N + 1,), and per pair ``(start, distance)``: the input position predicting its
-        first value byte in the query block, and the query's position minus the needle's.
+        first value in the query block (its key's), and the query's position minus the
+        needle's.
     """
     row = text.clone()
     first_query = row.numel() - pairs * PAIR_LEN
@@ -121,7 +121,7 @@ def retrieval_row(
         pair = torch.tensor(tokens)
         row[start : start + PAIR_LEN] = pair
         row[query : query + PAIR_LEN] = pair
-        out.append((query + 1 + KEY_LEN, query - start))
+        out.append((query + KEY_LEN - 1, query - start))
     return row, out
 
 
@@ -186,7 +186,7 @@ def loss_terms(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The training objective and its language-model part, from ``logits`` (R, N, V): the mean
     next-token cross-entropy over every target, plus ``answer_weight`` times the mean over the
-    queries' value bytes where the batch has any."""
+    queries' values where the batch has any."""
     targets = batch.rows[:, 1:].to(logits.device)
     nats = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
     lm = nats.mean()
@@ -241,7 +241,8 @@ def measure(
     autocast: Callable[[], object],
 ) -> dict[str, object]:
     """Held-out bits per byte (overall and by position bucket) and retrieval accuracy (overall
-    and by distance bucket) of ``model``; see Note [Retrieval rows]."""
+    and by distance bucket) of ``model``: exact match of a pair's values, and the fraction of
+    values right (graded, for models that get some); see Note [Retrieval rows]."""
     with autocast():  # type: ignore[attr-defined]
         bits = bits_per_position(model, text, device, batch=batch)
     context = text.shape[1] - 1
@@ -258,11 +259,18 @@ def measure(
         model.train()
     ok = torch.cat(correct)
     span = retrieval.pair_start[:, None] + torch.arange(VALUE_LEN)
-    exact = ok[retrieval.pair_row[:, None], span].all(1).double()
-    buckets = by_bucket(exact, retrieval.distance, distance_edges(context))
+    right = ok[retrieval.pair_row[:, None], span].double()  # (M, VALUE_LEN)
+    exact, values = right.all(1).double(), right.mean(1)
+    edges = distance_edges(context)
+    buckets = by_bucket(exact, retrieval.distance, edges)
+    graded = by_bucket(values, retrieval.distance, edges)
     return {
         "bpb": float(bits.mean()),
         "bpb_by_position": bpb,
         "retrieval_accuracy": float(exact.mean()),
-        "retrieval_by_distance": {k: {"accuracy": a, "pairs": n} for k, (a, n) in buckets.items()},
+        "retrieval_value_accuracy": float(values.mean()),
+        "retrieval_by_distance": {
+            k: {"accuracy": a, "value_accuracy": graded[k][0], "pairs": n}
+            for k, (a, n) in buckets.items()
+        },
     }

@@ -535,8 +535,8 @@ def run_one(
 #: Defaults of the GPU runs and of ``--smoke`` (tiny, CPU, every method in under a minute).
 DEFAULTS: dict[str, Any] = dict(
     context=16384, steps=600, batch=None, embed_dim=512, num_heads=8, num_layers=6, ffn_dim=2048,
-    lr=1e-3, window=2048, global_every=6, first_segment=2048, block_size=128, pairs=32,
-    retrieval_fraction=0.25, answer_weight=1.0, eval_rows=32, retrieval_eval_rows=64,
+    lr=1e-3, window=2048, global_every=6, first_segment=2048, block_size=128, pairs=48,
+    retrieval_fraction=0.5, answer_weight=1.0, eval_rows=32, retrieval_eval_rows=64,
     corpus_bytes=64 << 20,
 )  # fmt: skip
 SMOKE: dict[str, Any] = dict(
@@ -567,7 +567,7 @@ _HELP = {
     "block_size": "block_sparse's block (tokens)",
     "pairs": "key-value pairs per retrieval row",
     "retrieval_fraction": "fraction of the training rows that are retrieval rows",
-    "answer_weight": "weight of the queries' value bytes' mean loss added to the LM loss",
+    "answer_weight": "weight of the mean loss on the queries' values, added to the LM loss",
     "eval_rows": "held-out text rows for bits per byte",
     "retrieval_eval_rows": "fresh retrieval rows for accuracy by distance",
     "corpus_bytes": "bytes of torch's Python source to read (train + held out)",
@@ -681,6 +681,11 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(
             f"--retrieval-fraction must be in [0, 1] and --answer-weight >= 0, got "
             f"{args.retrieval_fraction} and {args.answer_weight}"
+        )
+    if args.pairs > tasks.MAX_PAIRS:
+        parser.error(
+            f"--pairs must be <= {tasks.MAX_PAIRS} (each pair takes "
+            f"{tasks.PAIR_LEN} of the {tasks.SYMBOLS} symbols), got {args.pairs}"
         )
     if args.context < tasks.min_context(args.pairs):
         parser.error(

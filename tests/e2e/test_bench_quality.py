@@ -156,30 +156,32 @@ def test_pending_methods_are_listed_once_their_kind_exists(tmp_path: Path) -> No
 
 
 def test_retrieval_rows_hold_each_pair_twice_at_its_distance() -> None:
-    """Each needle is its query's tokens, ``distance`` before it, needles never overlap, and the
-    answers mark the inputs that predict the queries' value bytes."""
+    """Each needle is its query's tokens, ``distance`` before it, needles never overlap, no
+    symbol serves two pairs, and the answers mark the inputs that predict the queries' values
+    (the key and the first three values)."""
     text = torch.randint(0, 128, (3, 513), generator=torch.Generator().manual_seed(1))
     batch = tasks.make_batch(text, [True, False, True], 8, torch.Generator().manual_seed(2))
     assert torch.equal(batch.rows[1], text[1])  # a plain text row
     assert batch.answers[1].sum() == 0 and batch.answers.sum() == 2 * 8 * tasks.VALUE_LEN
     for r in (0, 2):
-        starts = []
         mine = batch.pair_row == r
+        needles = []
         for start, distance in zip(
             batch.pair_start[mine].tolist(), batch.distance[mine].tolist(), strict=True
         ):
-            query = start - 1 - tasks.KEY_LEN
+            query = start + 1 - tasks.KEY_LEN
             needle = query - distance
             pair = batch.rows[r, query : query + tasks.PAIR_LEN]
-            assert pair[0] == tasks.KEY and pair[1 + tasks.KEY_LEN] == tasks.VALUE
+            assert (pair >= 256).all() and (pair < tasks.VOCAB_SIZE).all()
             assert torch.equal(batch.rows[r, needle : needle + tasks.PAIR_LEN], pair)
             assert batch.answers[r, start : start + tasks.VALUE_LEN].all()
             assert 0 <= needle <= 513 - 8 * tasks.PAIR_LEN - tasks.PAIR_LEN
-            starts.append(needle)
-        starts.sort()
-        assert all(b - a >= tasks.PAIR_LEN for a, b in itertools.pairwise(starts))
-        keys = [tuple(batch.rows[r, s + 1 : s + 1 + tasks.KEY_LEN].tolist()) for s in starts]
-        assert len(set(keys)) == len(keys)
+            needles.append(needle)
+        needles.sort()
+        assert all(b - a >= tasks.PAIR_LEN for a, b in itertools.pairwise(needles))
+        symbols = batch.rows[r][batch.rows[r] >= 256]
+        assert symbols.numel() == 2 * 8 * tasks.PAIR_LEN
+        assert symbols.unique().numel() == 8 * tasks.PAIR_LEN  # each once as needle, once queried
 
 
 def test_token_stream_is_the_same_for_every_call_and_mixes_the_fraction() -> None:
@@ -193,37 +195,42 @@ def test_token_stream_is_the_same_for_every_call_and_mixes_the_fraction() -> Non
 
 
 class _Perfect(nn.Module):
-    """The right next token of every row it was built with, except (``miss``) the answers."""
+    """The right next token of every row it was built with, except (``miss``) the last value of
+    every query."""
 
     def __init__(self, batch: tasks.Batch, miss: bool) -> None:
         super().__init__()
-        self.nxt = {tuple(row[:-1].tolist()): row[1:] for row in batch.rows}
-        self.answers = {tuple(row[:-1].tolist()): a for row, a in zip(batch.rows, batch.answers,
-                                                                     strict=True)}  # fmt: skip
-        self.miss = miss
+        self.nxt = {}
+        for row, answers in zip(batch.rows, batch.answers, strict=True):
+            target = row[1:].clone()
+            last = answers & ~torch.cat([answers[1:], torch.tensor([False])])
+            if miss:
+                target[last] = 0  # a byte, never a value
+            self.nxt[tuple(row[:-1].tolist())] = target
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         logits = torch.zeros(*tokens.shape, tasks.VOCAB_SIZE)
         for i, row in enumerate(tokens):
-            target = self.nxt[tuple(row.tolist())].clone()
-            if self.miss:
-                target[self.answers[tuple(row.tolist())]] = 0
-            logits[i].scatter_(1, target[:, None], 30.0)
+            logits[i].scatter_(1, self.nxt[tuple(row.tolist())][:, None], 30.0)
         return logits
 
 
 @pytest.mark.parametrize("miss", [False, True])
 def test_retrieval_accuracy_reads_the_answers(miss: bool) -> None:
-    """A model right everywhere scores 1 at every distance; one wrong only at the answers, 0."""
+    """A model right everywhere scores 1 at every distance; one wrong only at each query's last
+    value gets no pair exactly but 3 values in 4."""
     text = torch.randint(0, 128, (4, 1025), generator=torch.Generator().manual_seed(0))
     retrieval = tasks.make_batch(text, [True] * 4, 8, torch.Generator().manual_seed(1))
     model = _Perfect(retrieval, miss)
-    measured = tasks.measure(model, retrieval.rows, retrieval, torch.device("cpu"), 2,
-                             lambda: torch.no_grad())  # fmt: skip
+    measured = tasks.measure(
+        model, retrieval.rows, retrieval, torch.device("cpu"), 2, lambda: torch.no_grad()
+    )
     assert measured["retrieval_accuracy"] == (0.0 if miss else 1.0)
+    assert measured["retrieval_value_accuracy"] == (0.75 if miss else 1.0)
     buckets = measured["retrieval_by_distance"]
     assert sum(b["pairs"] for b in buckets.values()) == 32
-    assert list(buckets) == ["0-64", "64-128", "128-256", "256-512", "512-1K"]
+    assert list(buckets) == ["0-32", "32-64", "64-128", "128-256", "256-512", "512-1K"]
+    assert all(b["value_accuracy"] in (None, 0.75 if miss else 1.0) for b in buckets.values())
     assert measured["bpb"] < 0.1 if not miss else measured["bpb"] > 0.1
 
 
