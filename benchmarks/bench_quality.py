@@ -68,6 +68,7 @@ from dilated_attention import (
 )
 from dilated_attention.models import LongNetConfig, LongNetLM
 from dilated_attention.models.training import (
+    MIN_CORPUS_BYTES,
     load_corpus,
     reference_bits_per_byte,
     warmup_cosine,
@@ -677,6 +678,12 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not (math.isfinite(args.lr) and args.lr > 0):
         parser.error(f"--lr must be a finite number > 0, got {args.lr}")
+    if args.corpus_bytes < MIN_CORPUS_BYTES:
+        parser.error(
+            f"--corpus-bytes must be >= {MIN_CORPUS_BYTES} (1 MiB), got {args.corpus_bytes}"
+        )
+    if not args.checkpoint_every_s > 0:
+        parser.error(f"--checkpoint-every-s must be > 0, got {args.checkpoint_every_s}")
     if not 0 <= args.retrieval_fraction <= 1 or not args.answer_weight >= 0:
         parser.error(
             f"--retrieval-fraction must be in [0, 1] and --answer-weight >= 0, got "
@@ -721,9 +728,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Setti
     if args.batch is None:
         args.batch = max(1, 65536 // args.context)
     _check(parser, args)
-    args.device = torch.device(
-        args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    )
+    try:
+        args.device = torch.device(
+            args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+        )
+    except RuntimeError as exc:
+        parser.error(f"--device: {exc}")
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here; pass --device cpu")
     if args.require_loss_fall is None:
         args.require_loss_fall = args.smoke
     settings = Settings(
@@ -809,6 +821,11 @@ def run_all(
     start = time.perf_counter()
     methods = available_methods()
     train, held_out = load_corpus(s.corpus_bytes)
+    if min(train.numel(), held_out.numel()) <= s.context + 1:
+        raise SystemExit(
+            f"--corpus-bytes {s.corpus_bytes} reads too little held-out text for rows of "
+            f"--context {s.context}; raise --corpus-bytes"
+        )
     evaluation = tasks.evaluation_rows(
         held_out, context=s.context, text_rows=s.eval_rows,
         retrieval_rows=s.retrieval_eval_rows, pairs=s.pairs,

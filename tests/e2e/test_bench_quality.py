@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -69,6 +70,29 @@ def test_smoke_fails_when_a_loss_does_not_fall(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match=r"training loss did not fall by 5%: dense seed 0"):
         bench_quality.main(["--smoke", "--methods", "dense", "--steps", "3", "--lr", "1e-12",
                             *QUIET, *_paths(tmp_path, "runs")])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--pairs", "60"], r"--pairs must be <= 51"),
+        (["--context", "64", "--pairs", "4"], r"--context 64 is too short for --pairs 4"),
+        (["--embed-dim", "30", "--num-heads", "4"], r"--embed-dim \(30\) must be --num-heads"),
+        (["--global-every", "4"], r"--global-every \(4\) must be <= --num-layers \(3\)"),
+        (["--lr", "nan"], r"--lr must be a finite number > 0"),
+        (["--retrieval-fraction", "1.5"], r"--retrieval-fraction must be in \[0, 1\]"),
+        (["--steps", "0"], r"--steps must be >= 1, got 0"),
+        (["--corpus-bytes", "1000"], r"--corpus-bytes must be >= 1048576"),
+    ],
+)
+def test_bad_flags_are_usage_errors_before_any_work(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench_quality.main(["--smoke", *flags, *_paths(tmp_path, "runs")])
+    assert exc.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not (tmp_path / "runs").exists()
 
 
 def _losses(run_dir: Path) -> list[float]:
