@@ -1,8 +1,7 @@
 """The main job: train a tiny LongNet as a byte-level language model on real text.
 
-The text is the Python source of the installed ``torch`` package, which every install has (LongNet
-itself was trained on source code). Files are split into training and held-out sets by a hash of
-their path, so the split is the same on every machine with the same torch. The demo reports
+The text is the Python source of the installed ``torch`` package, which every install has (Note
+[The corpus] in ``models/training.py``). The demo reports
 held-out bits per byte before and after training, with what simple models reach on the same
 text for scale (byte frequencies alone, gzip -9), the kernel chosen, and a sample: a held-out
 prompt and the model's continuation of it.
@@ -17,12 +16,10 @@ from __future__ import annotations
 
 import argparse
 import codecs
-import hashlib
 import math
 import shlex
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import torch
@@ -34,6 +31,15 @@ from .factory import explain
 from .models import PRESETS, CheckpointError, LongNetConfig, LongNetLM
 from .models import load_checkpoint as _load_checkpoint
 from .models import save_checkpoint as _save_checkpoint
+from .models.training import (
+    DEFAULT_CORPUS_BYTES,
+    MIN_CORPUS_BYTES,
+    bits_per_byte,
+    load_corpus,
+    reference_bits_per_byte,
+    sample_windows,
+    warmup_cosine,
+)
 
 __all__ = [
     "MIN_CORPUS_BYTES",
@@ -50,76 +56,9 @@ __all__ = [
     "run_demo",
     "sample_windows",
 ]
-
-_MAX_CORPUS_BYTES = 24 << 20
-#: The least ``max_bytes`` :func:`load_corpus` takes (``--corpus-bytes``): every tenth file is
-#: held out, and a smaller read may hold out none.
-MIN_CORPUS_BYTES = 1 << 20
-
-
-def load_corpus(max_bytes: int = _MAX_CORPUS_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
-    """Training and held-out bytes (uint8 tensors) from the installed torch's ``.py`` files.
-
-    Every tenth file by path hash is held out; files are read in sorted order until ``max_bytes``.
-
-    Raises:
-        ValueError: ``max_bytes`` is below :data:`MIN_CORPUS_BYTES`, or reads too few files to
-            hold one out.
-    """
-    if max_bytes < MIN_CORPUS_BYTES:
-        raise ValueError(
-            f"max_bytes (--corpus-bytes) must be >= {MIN_CORPUS_BYTES} (1 MiB: every tenth file "
-            f"is held out, and a smaller read may hold out none), got {max_bytes}"
-        )
-    root = Path(torch.__file__).resolve().parent
-    train, held_out, total = [], [], 0
-    for path in sorted(root.rglob("*.py")):
-        data = path.read_bytes()
-        if not data:
-            continue
-        digest = hashlib.sha1(str(path.relative_to(root)).encode()).digest()
-        (held_out if digest[0] % 10 == 0 else train).append(data + b"\n\n")
-        total += len(data)
-        if total >= max_bytes:
-            break
-    if not train or not held_out:
-        if total >= max_bytes:
-            raise ValueError(
-                f"max_bytes={max_bytes} reads too few files to hold some out (every tenth file "
-                f"is held out); raise it (--corpus-bytes), e.g. to 2000000"
-            )
-        raise RuntimeError(f"found too little Python source under {root} to train on")
-
-    def as_tensor(parts: list[bytes]) -> torch.Tensor:
-        return torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)
-
-    return as_tensor(train), as_tensor(held_out)
-
-
-def sample_windows(
-    data: torch.Tensor, batch: int, length: int, generator: torch.Generator
-) -> torch.Tensor:
-    """(batch, length + 1) int64 windows at random offsets."""
-    starts = torch.randint(0, data.numel() - length - 1, (batch,), generator=generator)
-    return torch.stack([data[s : s + length + 1] for s in starts.tolist()]).long()
-
-
-def reference_bits_per_byte(data: torch.Tensor) -> dict[str, float]:
-    """Bits per byte of two simple models of ``data``, the scale for a trained model's.
-
-    Args:
-        data: (N,) uint8 bytes, N >= 1.
-
-    Returns:
-        ``"unigram"``: the entropy of the byte histogram (a model that knows which bytes are
-        common and nothing else); ``"gzip"``: the size zlib compresses ``data`` to at level 9
-        (gzip -9's DEFLATE), in bits per byte. Random bytes give 8 (gzip slightly more).
-    """
-    counts = torch.bincount(data.long(), minlength=256).double()
-    p = counts[counts > 0] / data.numel()
-    unigram = float(-(p * p.log2()).sum())
-    gzip = 8 * len(zlib.compress(data.numpy().tobytes(), 9)) / data.numel()
-    return {"unigram": unigram, "gzip": gzip}
+# load_corpus, sample_windows, bits_per_byte, reference_bits_per_byte and MIN_CORPUS_BYTES live
+# in models/training.py (shared with the examples and the quality benchmark); the demo's names
+# for them stay.
 
 
 def format_scale(scale: dict[str, float]) -> str:
@@ -136,36 +75,6 @@ def format_scale(scale: dict[str, float]) -> str:
         f"models go well below gzip (enwik8, English\n  Wikipedia: about 1.1 for "
         f"40M-parameter transformers, gzip 2.9)"
     )
-
-
-@torch.no_grad()
-def bits_per_byte(model: LongNetLM, windows: torch.Tensor, device: torch.device) -> float:
-    """Mean next-byte cross-entropy on fixed windows, in bits."""
-    model.eval()
-    total, count = 0.0, 0
-    for chunk in windows.split(8):
-        chunk = chunk.to(device)
-        logits = model(chunk[:, :-1])
-        targets = chunk[:, 1:].flatten()
-        total += float(F.cross_entropy(logits.float().flatten(0, 1), targets, reduction="sum"))
-        count += chunk[:, 1:].numel()
-    model.train()
-    return total / count / math.log(2)
-
-
-_WARMUP_FRACTION = 0.05
-
-
-def _lr(progress: float, peak: float) -> float:
-    """Linear warm-up over the first 5% of training, then a cosine decay to zero.
-
-    ``progress`` is the fraction of training done, in [0, 1]: of the steps or of the time
-    budget, whichever is further along (see :func:`_progress`).
-    """
-    if progress < _WARMUP_FRACTION:
-        return peak * max(progress, 1e-3) / _WARMUP_FRACTION
-    decay = (progress - _WARMUP_FRACTION) / (1 - _WARMUP_FRACTION)
-    return peak * 0.5 * (1 + math.cos(math.pi * min(decay, 1.0)))
 
 
 def _progress(step: int, steps: int, elapsed: float, budget: float) -> float:
@@ -270,7 +179,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         "--preset", default="tiny", choices=sorted(PRESETS), help="LongNetConfig preset"
     )
     parser.add_argument(
-        "--corpus-bytes", type=int, default=_MAX_CORPUS_BYTES,
+        "--corpus-bytes", type=int, default=DEFAULT_CORPUS_BYTES,
         help=f"read at most this many bytes of source; less starts faster; at least "
         f"{MIN_CORPUS_BYTES} (1 MiB), since every tenth file is held out "
         "(default: %(default)s = 24 MiB)",
@@ -359,7 +268,7 @@ def _train(
             if progress >= 1:
                 return step
             for group in optimizer.param_groups:
-                group["lr"] = _lr(progress, args.lr)
+                group["lr"] = warmup_cosine(progress, args.lr)
             batch = sample_windows(train, args.batch_size, args.seq_len, gen).to(device)
             logits = model(batch[:, :-1])
             loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())

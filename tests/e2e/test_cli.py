@@ -275,7 +275,8 @@ def test_demo_with_zero_steps_trains_nothing(capsys: pytest.CaptureFixture[str])
 
 
 def test_demo_learning_rate_follows_the_budget_or_the_steps() -> None:
-    from dilated_attention.demo import _lr, _progress
+    from dilated_attention.demo import _progress
+    from dilated_attention.models.training import warmup_cosine as _lr
 
     assert _progress(50, 100, elapsed=10.0, budget=0.0) == 0.5  # no budget: steps only
     assert _progress(50, 100, elapsed=90.0, budget=120.0) == 0.75  # time is further along
