@@ -559,6 +559,8 @@ def test_dkdv_tiles_follow_causality_and_rate(monkeypatch: pytest.MonkeyPatch) -
     fake_kernels = SimpleNamespace(
         Branch=lambda *geometry: geometry,
         backward_branch=lambda *args, **kwargs: launched.append(kwargs["config_dkdv"]),
+        site_key=lambda *args: args,
+        run_bound=lambda site, roles, body, constants=(): body(),
     )
     monkeypatch.setattr(triton_backend, "_kernels", lambda: fake_kernels)
     tiles = triton_backend._tiles(torch.zeros(1, 1, 1, 128, dtype=torch.bfloat16))
