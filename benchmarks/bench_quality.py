@@ -783,7 +783,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     """Run (or continue) every requested run, merging each finished one into the record.
 
     Returns:
-        The record as written, or None when no run has finished yet.
+        The record as written, or None when this call finished no run.
 
     Raises:
         SystemExit: a usage error; with ``--require-loss-fall`` (``--smoke``), a run whose
@@ -791,7 +791,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     """
     args, s = parse_args(argv)
     run_dir = args.run_dir or (SMOKE_DIR / "runs" if args.smoke else Path("outputs/quality"))
-    if args.smoke and args.run_dir is None:  # --smoke trains from scratch in its own directory
+    if args.smoke and args.run_dir is None and not args.merge:  # a smoke run starts afresh
         shutil.rmtree(SMOKE_DIR, ignore_errors=True)
     out = _default_out(args, host_label())
     if args.merge:
