@@ -13,7 +13,13 @@ from .backends.registry import (
     register_backend,
     use_backend,
 )
-from .config import DilatedConfig, MultiheadDilatedConfig, longnet_schedule
+from .config import (
+    BlockSelectedConfig,
+    CompressedSelectedWindowConfig,
+    DilatedConfig,
+    MultiheadDilatedConfig,
+    longnet_schedule,
+)
 from .core.kv_cache import DilatedKVCache
 from .core.static_cache import StaticDilatedKVCache
 from .core.window_cache import StaticWindowKVCache, WindowKVCache
@@ -46,8 +52,10 @@ from .factory import (
 from .functional import attention, block_sparse_attention, dilated_attention
 from .models import LongNetConfig, LongNetLM
 from .modules import (
+    BlockSelectedAttention,
     BlockSparseAttention,
     BlockSparseMultiheadAttention,
+    CompressedSelectedWindowAttention,
     DilatedAttention,
     LocalAttention,
     MultiheadAttention,
@@ -57,12 +65,16 @@ from .modules import (
 __all__ = [
     "KIND_ALIASES",
     "BackendChoice",
+    "BlockSelectedAttention",
+    "BlockSelectedConfig",
     "BlockSparseAttention",
     "BlockSparseMultiheadAttention",
     "BlockSparseRingAttention",
     "BlockSparseRingDilatedAttention",
     "BlockSparseRingMultiheadAttention",
     "BlockSparseRingMultiheadDilatedAttention",
+    "CompressedSelectedWindowAttention",
+    "CompressedSelectedWindowConfig",
     "DilatedAttention",
     "DilatedConfig",
     "DilatedKVCache",

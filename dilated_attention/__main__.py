@@ -25,8 +25,9 @@ from . import demo
 from ._version import __version__
 from .backends.registry import get_backend, list_backends
 from .config import longnet_schedule
+from .core.devices import resolve_device
 from .demo import HelpFormatter
-from .factory import _resolve_device, explain
+from .factory import explain
 from .functional import dilated_attention
 from .modules import MultiheadDilatedAttention
 
@@ -78,7 +79,7 @@ def _shape_from_args(
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     try:
-        device = _resolve_device(args.device, name="--device")
+        device = resolve_device(args.device, name="--device")
     except ValueError as exc:
         parser.error(str(exc))
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))

@@ -130,3 +130,95 @@ class MultiheadDilatedConfig:
     def kwargs(self) -> dict[str, Any]:
         """The fields as keyword arguments."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+#: The values of ``combine`` for NSA-style attention: gates (``o = sum_c g_c o_c``) or the exact
+#: log-sum-exp merge (one softmax over the branches' keys).
+COMBINE = ("gates", "lse")
+
+
+def _check_topk(topk: object) -> int:
+    """``topk`` as an int >= 0 (key blocks chosen per query block besides its own; 0 is
+    checked against ``is_causal`` where a call gives it)."""
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 0:
+        raise ValueError(
+            f"topk must be an int >= 0 (key blocks chosen per query block besides its own), got "
+            f"topk={topk!r} ({type(topk).__name__}); e.g. topk=3"
+        )
+    return topk
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockSelectedConfig:
+    """MoBA-style attention (factory kind ``"moba"``): see ``BlockSelectedAttention``.
+
+    Args:
+        block_size: positions per block (MoBA's ``moba_chunk_size``; 512 in its experiments).
+        topk: key blocks chosen per query block besides its own (MoBA's ``moba_topk`` minus
+            1: its experiments' top-3 counts the own block).
+        scale: softmax scale (``None``: head_dim ** -0.5).
+        backend: kernel name, or ``None`` for the automatic choice.
+    """
+
+    block_size: int = 512
+    topk: int = 2
+    scale: float | None = None
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_size", V.check_positive_int("block_size", self.block_size))
+        object.__setattr__(self, "topk", _check_topk(self.topk))
+        object.__setattr__(self, "scale", V.check_scale(self.scale))
+        _check_backend(self.backend)
+
+    def kwargs(self) -> dict[str, Any]:
+        """The fields as keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompressedSelectedWindowConfig:
+    """NSA-style attention (factory kind ``"nsa"``): see ``CompressedSelectedWindowAttention``.
+    The defaults are the paper's (DeepSeek, arXiv 2502.11089, section 4.1).
+
+    Args:
+        compress_block: positions per compressed window (NSA's ``l``).
+        compress_stride: positions between the windows' starts (NSA's ``d``), at most
+            ``compress_block``.
+        select_block: positions per selected block (NSA's ``l'``).
+        topk: selected blocks per query block besides its own (NSA's ``n = 16`` counts the
+            blocks it always keeps).
+        window: the sliding window's length (NSA's ``w``).
+        combine: ``"gates"`` (NSA's gated sum, the multihead layer's gate projection) or
+            ``"lse"`` (the branches merged into one softmax).
+        scale: softmax scale (``None``: head_dim ** -0.5).
+        backend: kernel name, or ``None`` for the automatic choice.
+    """
+
+    compress_block: int = 32
+    compress_stride: int = 16
+    select_block: int = 64
+    topk: int = 15
+    window: int = 512
+    combine: str = "gates"
+    scale: float | None = None
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("compress_block", "compress_stride", "select_block", "window"):
+            object.__setattr__(self, name, V.check_positive_int(name, getattr(self, name)))
+        if self.compress_stride > self.compress_block:
+            raise ValueError(
+                f"compress_stride must be at most compress_block (every position in a window), "
+                f"got compress_stride={self.compress_stride}, compress_block="
+                f"{self.compress_block}; e.g. NSA's compress_block=32, compress_stride=16"
+            )
+        object.__setattr__(self, "topk", _check_topk(self.topk))
+        if self.combine not in COMBINE:
+            raise ValueError(f"combine must be one of {COMBINE}, got combine={self.combine!r}")
+        object.__setattr__(self, "scale", V.check_scale(self.scale))
+        _check_backend(self.backend)
+
+    def kwargs(self) -> dict[str, Any]:
+        """The fields as keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -27,17 +27,14 @@ from typing import Any
 
 import torch
 
-from .compiled import is_traced
-from .core.autograd import Inputs
+from .compiled.tracing import is_traced
 from .core.call_runs import accumulator_dtype
 from .core.decode import token_slots
-from .core.hidden import hide_masked_keys
 from .core.schedule import Schedule
-from .core.static_cache import StaticDilatedKVCache
-from .resolve import DECODE, Request, dilated_operation, resolve, static_branches
+from .resolve import DECODE, Request, resolve, static_branches
 from .resolve.strategy import StaticDecodeStrategy
 
-__all__ = ["decode_at", "static_decode"]
+__all__ = ["decode_at", "traced_step"]
 
 _SCHEMA = (
     "(Tensor query, Tensor key, Tensor value, Tensor? key_padding_mask, Tensor positions, "
@@ -88,7 +85,7 @@ _OPERATOR = torch.library.custom_op(
 _OPERATOR.register_fake(_fake)
 
 
-def _traced_step(
+def traced_step(
     request: Request,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -117,98 +114,6 @@ def _traced_slots(request: Request) -> list[torch.Tensor]:
     return list(token_slots.__wrapped__(request.num_heads, *branches, request.device))
 
 
-def static_decode(
-    cache: StaticDilatedKVCache,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    fields: dict[str, Any],
-    sinks: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A checked causal dilated call on new tokens with this layer's static cache: q
-    (B, n, H, D), k and v (B, n, Hkv, D), key_padding_mask (B, n) over the new keys, sinks
-    (H,) or None -> ``(out, lse)``. One token per row into filled buffers is the static step;
-    a prompt or a chunk runs eagerly (Note [A decode step with static shapes]). Resolved
-    before the cache changes: a refused call leaves it as it was.
-
-    Raises:
-        ValueError: dropout, a prompt or chunk under a tracer, a step that needs gradients,
-            rows at different positions given several tokens, positions past ``max_length``.
-    """
-    if fields["dropout_p"]:
-        raise ValueError(
-            f"a StaticDilatedKVCache decodes without dropout, got dropout_p="
-            f"{fields['dropout_p']}; decode in eval mode (dropout_p=0)"
-        )
-    new = Inputs(q, k, v, key_padding_mask)
-    if cache.key is not None and q.shape[1] == 1:
-        return _token_step(cache, new, fields, sinks)
-    if is_traced(q, k, v, key_padding_mask):
-        raise ValueError(
-            "a prompt or a chunk of several tokens into a StaticDilatedKVCache runs eagerly "
-            "(it reads positions on the host): run the prompt before torch.compile or CUDA "
-            "graph capture, and compile or capture the one-token step"
-        )
-    return _rows(cache, new, fields, sinks)
-
-
-def _token_step(
-    cache: StaticDilatedKVCache, new: Inputs, fields: dict[str, Any], sinks: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The static step: one token per row at each row's position (no host synchronization);
-    ``new``: the tokens' q (B, 1, H, D), k and v (B, 1, Hkv, D) and mask (B, 1) or None."""
-    assert cache.key is not None and cache.value is not None and cache.lengths is not None
-    q, k, v, key_padding_mask = new
-    has_mask = key_padding_mask is not None or cache.key_padding_mask is not None
-    # Sinks that need a gradient are refused with the rest (the step runs without autograd).
-    grad = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, cache.key, cache.value, sinks)
-    )
-    request = Request.of(
-        DECODE, q, cache.key, cache.value, static=True, requires_grad=grad,
-        **{**fields, "has_mask": has_mask},
-    )  # fmt: skip
-    traced = is_traced(q, k, v, key_padding_mask, sinks)
-    if traced and (sinks is not None or fields.get("softcap") is not None):
-        raise ValueError(
-            "softcap and sinks are not supported in a compiled static decode step yet: decode "
-            "eagerly (the eager step reads no host state either, so a CUDA graph can capture it)"
-        )
-    strategy = None if traced else _strategy(request)  # refused before the cache changes
-    cache.check_capacity(1)
-    k, v = hide_masked_keys(k, v, key_padding_mask)
-    cache.write_token(k, v, key_padding_mask)
-    tensors = (q, cache.key, cache.value, cache.key_padding_mask, cache.lengths)
-    result = (
-        strategy.run_at(*tensors, sinks=sinks) if strategy else _traced_step(request, *tensors)
-    )
-    cache.lengths.add_(1)
-    return result
-
-
-def _rows(
-    cache: StaticDilatedKVCache, new: Inputs, fields: dict[str, Any], sinks: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A prompt (an empty cache) or a chunk of tokens, every row at one position: the keys the
-    new tokens (``new``: q (B, n, H, D), k and v (B, n, Hkv, D), mask (B, n) or None) read from
-    the buffers joined with theirs, through the decoding plan (a prompt: the causal forward),
-    then their rows into the buffers. Eager."""
-    q, k, v, key_padding_mask = new
-    n = q.shape[1]
-    first = cache.chunk_start(n)
-    k, v = hide_masked_keys(k, v, key_padding_mask)
-    keys, values, mask, start = cache.with_held(k, v, key_padding_mask, first)
-    fields = {**fields, "has_mask": mask is not None}
-    request = Request.of(
-        dilated_operation(n, keys.shape[1], first), q, keys, values, key_start=start,
-        context_len=first + n, **fields,
-    )  # fmt: skip
-    strategy = resolve(request)
-    cache.write_rows(k, v, key_padding_mask, first)
-    return strategy.run(q, keys, values, mask, sinks)
-
-
 def decode_at(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -233,5 +138,5 @@ def decode_at(
     positions = positions.long()
     shift = None if row_offsets is None else row_offsets.long()
     if is_traced(q, k, v, positions):
-        return _traced_step(request, q, k, v, None, positions, shift)[0]
+        return traced_step(request, q, k, v, None, positions, shift)[0]
     return _strategy(request).run_at(q, k, v, None, positions, shift)[0]

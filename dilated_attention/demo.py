@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .factory import _resolve_device, explain
+from .core.devices import resolve_device
+from .factory import explain
 from .models import PRESETS, CheckpointError, LongNetConfig, LongNetLM
 from .models import load_checkpoint as _load_checkpoint
 from .models import save_checkpoint as _save_checkpoint
@@ -228,7 +229,7 @@ def _check_demo_flags(parser: argparse.ArgumentParser, args: argparse.Namespace)
 
 def _device_or_exit(parser: argparse.ArgumentParser, device: str) -> torch.device:
     try:
-        return _resolve_device(device, name="--device")
+        return resolve_device(device, name="--device")
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
 

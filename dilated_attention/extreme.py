@@ -44,7 +44,7 @@ import torch
 
 from . import _validation as V
 from .config import longnet_schedule
-from .factory import _resolve_device
+from .core.devices import resolve_device
 from .functional import dilated_attention
 
 __all__ = [
@@ -140,7 +140,7 @@ def measure_peak_memory(
     for name, value in (("seq_len", seq_len), ("heads", heads), ("head_dim", head_dim)):
         V.check_positive_int(name, value)
     mode = _check_mode(mode)
-    dev = _resolve_device(device)
+    dev = resolve_device(device)
     cuda = dev.type == "cuda"
     dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
     segments, rates = longnet_schedule(seq_len, first_segment)
@@ -319,7 +319,7 @@ def find_max_seq_len(
         ValueError: an unknown mode, a non-positive size or budget, or a device not available
             here.
     """
-    dev = _resolve_device(device)
+    dev = resolve_device(device)
     cuda = dev.type == "cuda"
     modes = [_check_mode(m) for m in modes]
     if dtype is not None and not isinstance(dtype, torch.dtype):

@@ -2,7 +2,14 @@
 
 Kinds are registered by name with :func:`register_kind`. The kinds ``"dilated"`` and ``"local"``
 (sliding-window attention, :class:`~dilated_attention.modules.LocalAttention`: pass ``window=W``
-or ``window_size=(left, right)`` instead of a schedule) are built in;
+or ``window_size=(left, right)`` instead of a schedule) are built in, and so are the kinds of
+blocks selected from the content: ``"moba"`` (MoBA-style,
+:class:`~dilated_attention.modules.BlockSelectedAttention`: ``block_size=``, ``topk=``) and
+``"nsa"`` (NSA-style, :class:`~dilated_attention.modules.CompressedSelectedWindowAttention`:
+``compress_block=``, ``compress_stride=``, ``select_block=``, ``topk=``, ``window=``; its
+multihead layer computes NSA's gates from its input), or their configs
+(:class:`~dilated_attention.config.BlockSelectedConfig`,
+:class:`~dilated_attention.config.CompressedSelectedWindowConfig`) as ``config=``;
 ring and block-sparse kinds live in modules the factory never imports at load time: a kind listed in
 ``_PROVIDERS`` is imported the first time it is asked for, and that import registers it.
 
@@ -25,6 +32,7 @@ earlier name                                 kind here
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,10 +50,18 @@ from .backends.registry import (
     BackendChoice,
     check_backend_name,
 )
-from .config import DilatedConfig, MultiheadDilatedConfig
+from .block_sparse.runtime import MaskLayout
+from .config import (
+    BlockSelectedConfig,
+    CompressedSelectedWindowConfig,
+    DilatedConfig,
+    MultiheadDilatedConfig,
+)
+from .core.devices import resolve_device
 from .core.schedule import Schedule
 from .modules import (
     LAYER_ARGUMENTS,
+    SELECTED_KINDS,
     DilatedAttention,
     MultiheadAttention,
     MultiheadDilatedAttention,
@@ -54,6 +70,7 @@ from .modules import (
 )
 from .patterns import Pattern, check_pattern
 from .resolve import Request, resolve
+from .sparse.explain import explain_layer
 
 __all__ = [
     "KIND_ALIASES",
@@ -85,6 +102,7 @@ class _Kind:
 _KINDS: dict[str, _Kind] = {
     "dilated": _Kind(dilated=DilatedAttention, multihead=MultiheadDilatedAttention),
     "local": _Kind(dilated=build_local, multihead=build_local_multihead),
+    **{name: _Kind(*builders) for name, builders in SELECTED_KINDS.items()},
 }
 
 #: kind -> module that provides it, imported on first request only. The module either calls
@@ -97,6 +115,11 @@ _PROVIDERS: dict[str, str] = {
 
 #: The kinds :func:`create_block_sparse_attention` builds (besides ``"auto"``).
 BLOCK_SPARSE_KINDS = ("block_sparse", "block_sparse_ring")
+
+#: The configs ``config=`` takes.
+KindConfig = (
+    DilatedConfig | MultiheadDilatedConfig | BlockSelectedConfig | CompressedSelectedWindowConfig
+)
 
 KIND_ALIASES: dict[str, str] = {
     "standard": "dilated",
@@ -180,7 +203,7 @@ def _resolve_kind(kind: object) -> _Kind:
 
 
 def _merge_config(
-    config: DilatedConfig | MultiheadDilatedConfig | None,
+    config: KindConfig | None,
     fields: dict[str, Any],
     backend: object,
     kwargs: dict[str, Any],
@@ -190,13 +213,16 @@ def _merge_config(
     chosen_backend = check_backend_name(backend)
     if config is None:
         return {**fields, **kwargs, "backend": chosen_backend}
-    given = sorted(name for name, value in fields.items() if value is not None)
+    # A field the config does not hold (the layer's embed_dim around a MoBA config) is given.
+    held = {f.name for f in dataclasses.fields(config)}
+    given = sorted(name for name, value in fields.items() if value is not None and name in held)
     if given:
         raise ValueError(
             f"pass either config= or {given} as arguments, not both; to change a field of a "
             f"config use dataclasses.replace(config, ...)"
         )
-    params = {**config.kwargs(), **kwargs}
+    outside = {name: value for name, value in fields.items() if name not in held}
+    params = {**outside, **config.kwargs(), **kwargs}
     if chosen_backend is not None:
         params["backend"] = chosen_backend
     return params
@@ -208,7 +234,7 @@ def create_dilated_attention(
     segment_lengths: list[int] | tuple[int, ...] | None = None,
     dilation_rates: list[int] | tuple[int, ...] | None = None,
     backend: str = "auto",
-    config: DilatedConfig | None = None,
+    config: DilatedConfig | BlockSelectedConfig | CompressedSelectedWindowConfig | None = None,
     **kwargs: Any,
 ) -> nn.Module:
     """A dilated attention module over (B, N, H, D) tensors.
@@ -221,7 +247,8 @@ def create_dilated_attention(
         segment_lengths: w per branch (or give ``config``).
         dilation_rates: r per branch.
         backend: ``"auto"`` or a kernel name from ``list_backends()``.
-        config: a :class:`DilatedConfig` instead of the keyword arguments.
+        config: a :class:`DilatedConfig` instead of the keyword arguments (kind ``"moba"``: a
+            :class:`BlockSelectedConfig`, ``"nsa"``: a :class:`CompressedSelectedWindowConfig`).
         **kwargs: further constructor arguments (``scale``, ``dropout``, ...).
 
     Returns:
@@ -241,7 +268,7 @@ def create_multihead_dilated_attention(
     segment_lengths: list[int] | tuple[int, ...] | None = None,
     dilation_rates: list[int] | tuple[int, ...] | None = None,
     backend: str = "auto",
-    config: MultiheadDilatedConfig | None = None,
+    config: KindConfig | None = None,
     **kwargs: Any,
 ) -> nn.Module:
     """A batch-first multihead dilated attention layer (drop-in for ``nn.MultiheadAttention``).
@@ -251,7 +278,9 @@ def create_multihead_dilated_attention(
         embed_dim, num_heads, segment_lengths, dilation_rates: as in ``MultiheadDilatedAttention``
             (or give ``config``).
         backend: ``"auto"`` or a kernel name.
-        config: a :class:`MultiheadDilatedConfig` instead of the keyword arguments.
+        config: a :class:`MultiheadDilatedConfig` instead of the keyword arguments (kinds
+            ``"moba"`` and ``"nsa"``: their inner module's config, next to ``embed_dim`` and
+            ``num_heads``).
         **kwargs: further constructor arguments (``num_kv_heads``, ``dropout``, ``device``, ...).
 
     Returns:
@@ -352,6 +381,8 @@ def explain(
     window_size: tuple[int, int] | None = None,
     softcap: float | None = None,
     sinks: bool = False,
+    block_mask: bool = False,
+    kind: str | None = None,
 ) -> BackendChoice:
     """Which kernel would run an attention operation with these properties, and why no other.
 
@@ -375,6 +406,17 @@ def explain(
             (Note [Local windows, soft-capping and sinks] in ``core/sinks.py``). A layer of
             kind ``"local"`` runs ``operation="dense"`` with its ``window_size`` (``(W - 1,
             0)`` for ``window=W``, with ``is_causal=True`` in a decoder).
+        block_mask: block-sparse attention on a run-time block mask (a bool mask per batch row
+            and head, Note [Run-time block masks]) instead of a pattern; implies
+            ``operation="block_sparse"``.
+        kind: ``"moba"`` or ``"nsa"``: the calls of a layer of that factory kind over
+            ``seq_len`` positions (Note [Explaining a selected-block layer]): MoBA's
+            block-sparse call on a run-time mask of ``block_size`` blocks (one per query head);
+            NSA's three branches, ``.branches`` one line each: the compressed keys (causal:
+            calls of about ``seq_len / 16`` rows over as many compressed keys, the default
+            ``compress_stride``), the selected ``block_size`` blocks (a mask per key/value
+            head) and the window (``window_size``, default ``(511, 0)``). Leave
+            ``operation``, ``dilated``, the schedule and ``block_mask`` out.
 
     Returns:
         The resolve step's choice (:class:`BackendChoice`): ``.backend``, ``.reasons`` (every
@@ -388,20 +430,36 @@ def explain(
             unknown or cannot run these inputs, or no backend can.
         TypeError: ``device``, ``dtype``, ``backend`` or a flag has the wrong type.
     """
-    dev = _resolve_device(device)
+    dev = resolve_device(device)
     head_dim = V.check_positive_int("head_dim", head_dim)
     num_heads = V.check_positive_int("num_heads", num_heads)
     # embed_dim = head_dim * num_heads always divides: this checks num_kv_heads only.
     num_kv_heads = V.check_heads(head_dim * num_heads, num_heads, num_kv_heads)
     seq_len = V.check_positive_int("seq_len", seq_len)
     flags = {"is_causal": is_causal, "key_padding_mask": key_padding_mask,
-             "requires_grad": requires_grad, "dilated": dilated, "sinks": sinks}  # fmt: skip
+             "requires_grad": requires_grad, "dilated": dilated, "sinks": sinks,
+             "block_mask": block_mask}  # fmt: skip
     for name, flag in flags.items():
         V.check_bool(name, flag)
     dropout_p = V.check_dropout("dropout_p", dropout_p)
     backend = check_backend_name(backend)
     block_size = V.check_positive_int("block_size", block_size)
+    if kind is not None and (operation or dilated or segment_lengths or block_mask):
+        raise ValueError(
+            f"kind={kind!r} explains a layer of that kind (its calls' operations are its "
+            f"own), got operation={operation!r}, dilated={dilated}, segment_lengths="
+            f"{segment_lengths!r}, block_mask={block_mask}; leave them out"
+        )
+    if block_mask and operation is None and not dilated:
+        operation = BLOCK_SPARSE
     schedule, operation = _explained_operation(operation, dilated, segment_lengths, dilation_rates)
+    if block_mask and operation != BLOCK_SPARSE:
+        raise ValueError(
+            f"block_mask=True explains block-sparse attention on a run-time block mask, got "
+            f"operation={operation!r}; leave operation, dilated and the schedule out, or pass "
+            f"operation='block_sparse'"
+        )
+    layout = MaskLayout(False, 1, num_heads, -(-seq_len // block_size)) if block_mask else None
     if operation == BLOCK_SPARSE and (key_padding_mask or dropout_p):
         raise ValueError(
             f"block-sparse attention takes no key_padding_mask and no dropout (got "
@@ -415,9 +473,9 @@ def explain(
         is_causal=is_causal, has_mask=key_padding_mask, dropout_p=dropout_p,
         requires_grad=requires_grad, backend=backend, block_size=block_size,
         schedule=schedule, window=V.check_window_size(window_size),
-        softcap=V.check_softcap(softcap), sinks=sinks,
+        softcap=V.check_softcap(softcap), sinks=sinks, block_mask=layout,
     )  # fmt: skip
-    return resolve(request).choice()
+    return resolve(request).choice() if kind is None else explain_layer(kind, request)
 
 
 def _explained_dtype(device: torch.device, dtype: object) -> torch.dtype:
@@ -470,94 +528,3 @@ def _explained_operation(
             f"'dense'), got operation={operation!r} with dilated={dilated!r}"
         )
     return None, operation
-
-
-def _default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _cuda_answers(device: torch.device) -> bool:
-    """Whether ``device``'s compute capability can be read although CUDA reports no device: only
-    where ``torch.cuda.get_device_capability`` is stubbed (kernel-selection tests that pretend to
-    be on a GPU); on a real machine without a GPU it raises and this is False."""
-    try:
-        torch.cuda.get_device_capability(device)
-    except Exception:  # AssertionError (CPU-only build), RuntimeError (no GPU), ...
-        return False
-    return True
-
-
-def _accelerator_available(device: torch.device) -> bool | None:
-    """Whether ``device``'s type exists here; ``None`` where torch offers no check."""
-    device_type = device.type
-    if device_type == "cuda":
-        return torch.cuda.is_available() or _cuda_answers(device)
-    if device_type == "mps":
-        return torch.backends.mps.is_available()
-    module = getattr(torch, device_type, None)
-    is_available = getattr(module, "is_available", None)
-    return bool(is_available()) if callable(is_available) else None
-
-
-def _resolve_device(device: object, *, name: str = "device") -> torch.device:
-    """``device`` as a ``torch.device``, checked to exist on this machine.
-
-    Args:
-        device: a ``torch.device``, a string such as ``"cpu"``, ``"cuda"`` or ``"cuda:1"``, a CUDA
-            device index, or ``None`` for CUDA when available, else CPU.
-        name: the argument's name, for the error messages.
-
-    Returns:
-        The ``torch.device``.
-
-    Raises:
-        ValueError: not a device string, or a device this machine does not have (``"cuda"``
-            without a GPU or a CUDA build of torch, ``"cuda:3"`` with two GPUs).
-        TypeError: ``device`` is not a ``torch.device``, str, int or None.
-    """
-    if device is None:
-        return torch.device(_default_device())
-    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
-        raise TypeError(
-            f"{name} must be a torch.device, a string such as 'cpu' or 'cuda:0', a CUDA index or "
-            f"None, got {name}={device!r} ({type(device).__name__})"
-        )
-    if isinstance(device, int):
-        device = f"cuda:{device}"
-    cli = name.startswith("--")  # a command-line flag: say "--device cpu", not "device='cpu'"
-    shown = f"{name} {device}" if cli else f"{name}={device!r}"
-    use_cpu = f"{name} cpu" if cli else f"{name}='cpu' (or None: CUDA when available, else CPU)"
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise ValueError(
-            f"{shown} is not a device; use cpu, cuda or cuda:N (N = GPU index)"
-            f"{'' if cli else ', or a torch.device'}"
-        ) from None
-    available = _accelerator_available(dev)
-    if available is False:
-        if dev.type == "cuda":
-            why = (
-                f"torch {torch.__version__} is built for CUDA {torch.version.cuda} but finds no "
-                f"GPU (check nvidia-smi and CUDA_VISIBLE_DEVICES)"
-                if torch.version.cuda
-                else f"torch {torch.__version__} is a CPU-only build"
-            )
-            raise ValueError(
-                f"{shown}: no CUDA device is available here: {why}. Use {use_cpu}, or run on a "
-                f"machine with an NVIDIA GPU and a CUDA build of torch "
-                f"(https://pytorch.org/get-started)"
-            )
-        raise ValueError(f"{shown}: no {dev.type} device is available here; use {use_cpu}")
-    if (
-        dev.type == "cuda"
-        and dev.index is not None
-        and torch.cuda.is_available()
-        and dev.index >= torch.cuda.device_count()
-    ):
-        count = torch.cuda.device_count()
-        raise ValueError(
-            f"{shown}: this machine has {count} CUDA device(s), indices 0 to {count - 1}; use "
-            f"one of those (or cuda for the current one)"
-        )
-    return dev

@@ -1,10 +1,13 @@
 """The public attention functions: validate, resolve, run.
 
 ``attention`` (dense), ``dilated_attention`` and ``block_sparse_attention`` check their
-arguments (``_validation.py``), describe the call as a :class:`~dilated_attention.resolve.Request`
-and hand it to the resolve step, which chooses the kernel and how the work is cut and runs it
-(Note [One resolve step] in ``resolve/resolver.py``). Under ``torch.compile``, ``torch.export``
-and ``torch.func`` the same request runs inside a custom operator (``compiled/``).
+arguments (``_validation.py``), describe the call as one
+:class:`~dilated_attention.resolve.Request` (packed documents and a decoding cache included:
+Note [A cache call is one request] in ``resolve/caches.py``) and hand it to ``compiled.route``,
+the one call they make after their checks: the resolve step chooses the kernel and how the
+work is cut and runs it (Note [One resolve step] in ``resolve/resolver.py``). Under
+``torch.compile``, ``torch.export`` and ``torch.func`` the same request runs inside a custom
+operator (``compiled/``).
 
 Shape legend: B batch, N seq_len, H query heads, Hkv key/value heads (H % Hkv == 0), D head dim.
 """
@@ -18,18 +21,18 @@ from typing import Any, TypeVar
 import torch
 
 from . import _validation as V
-from . import compiled, decode_step, window_decode
+from . import compiled
 from .backends.registry import check_backend_name
 from .block_sparse.plan import check_block_size
+from .block_sparse.runtime import MaskLayout, check_block_mask, check_documents_aligned
 from .core.autograd import Inputs
 from .core.caches import Cache, check_cache_call, check_window_cache_call
-from .core.documents import check_cu_seqlens, flatten, last_document, unflatten
-from .core.hidden import hide_masked_keys
+from .core.documents import check_cu_seqlens
 from .core.schedule import Schedule
-from .core.static_cache import StaticDilatedKVCache
 from .core.window_cache import StaticWindowKVCache
-from .patterns import Pattern, check_pattern
-from .resolve import BLOCK_SPARSE, DENSE, DILATED, Request, dilated_operation, resolve
+from .patterns import Pattern
+from .resolve import BLOCK_SPARSE, DENSE, Request, dilated_operation
+from .resolve.caches import cache_fields
 
 __all__ = ["attention", "block_sparse_attention", "dilated_attention"]
 
@@ -162,13 +165,13 @@ def attention(
         softcap=V.check_softcap(softcap), sinks=sinks is not None,
     )  # fmt: skip
     if cache is not None:
+        check_window_cache_call(cache, fields["window"], q, k, is_causal)  # type: ignore[arg-type]
+    documents = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, q, k, cache)
+    if cache is not None:  # what it holds, in the request (Note [A cache call is one request])
         new = Inputs(q, k, v, key_padding_mask)
-        return _window_cache_call(cache, cu_seqlens, new, fields, return_lse, sinks)
-    if cu_seqlens is not None:
-        documents = check_cu_seqlens(cu_seqlens, q, k)
-        return _packed(DENSE, documents, q, k, v, key_padding_mask, fields, return_lse, sinks)
-    request = Request.of(DENSE, q, k, v, **fields)
-    return compiled.route(request, q, k, v, key_padding_mask, return_lse, sinks)
+        fields |= cache_fields(cache, new, sinks, fields, packed=documents is not None)
+    request = Request.of(DENSE, q, k, v, documents=documents, **fields)
+    return compiled.route(request, q, k, v, key_padding_mask, return_lse, sinks, cache)
 
 
 @_eager_under_compile
@@ -268,14 +271,14 @@ def dilated_attention(
         backend=check_backend_name(backend), schedule=schedule, window=window,
         softcap=V.check_softcap(softcap), sinks=sinks is not None,
     )  # fmt: skip
-    if cu_seqlens is not None:
-        return _packed_dilated(
-            cu_seqlens, cache, q, k, v, key_padding_mask, fields, return_lse, sinks
-        )
-    if cache is not None:
-        return _decode(cache, q, k, v, key_padding_mask, fields, return_lse, sinks)
-    request = Request.of(dilated_operation(q.shape[1], k.shape[1]), q, k, v, **fields)
-    return compiled.route(request, q, k, v, key_padding_mask, return_lse, sinks)
+    documents = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, q, k, cache)
+    if cache is not None:  # what it holds, in the request (Note [A cache call is one request])
+        check_cache_call(cache, schedule.segment_lengths, schedule.dilation_rates, q, k, is_causal)
+        new = Inputs(q, k, v, key_padding_mask)
+        fields |= cache_fields(cache, new, sinks, fields, packed=documents is not None)
+    operation = dilated_operation(q.shape[1], k.shape[1])
+    request = Request.of(operation, q, k, v, documents=documents, **fields)
+    return compiled.route(request, q, k, v, key_padding_mask, return_lse, sinks, cache)
 
 
 @_eager_under_compile
@@ -283,7 +286,7 @@ def block_sparse_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    pattern: Pattern,
+    pattern: Pattern | torch.Tensor,
     *,
     block_size: int = 128,
     is_causal: bool = False,
@@ -302,9 +305,32 @@ def block_sparse_attention(
     positions (end-aligned, as in :func:`~dilated_attention.attention`): query row ``i`` is
     position ``p = Nk - Nq + i``, in block ``p // block_size`` (Note [End-aligned causal
     blocks] in ``resolve/resolver.py``). Query rows that attend no key give 0 (and
-    ``lse = -inf``). Gradients are exact, and so are higher-order ones (``create_graph=True``)
-    on every kernel but FlexAttention, for which torch.compile raises on double backward: pass
-    ``backend="triton"`` or a fallback kernel name for a gradient penalty on CUDA.
+    ``lse = -inf``, or the sink's logit with ``sinks``). Gradients are exact, and so are
+    higher-order ones (``create_graph=True``) on every kernel but FlexAttention, for which
+    torch.compile raises on double backward: pass ``backend="triton"`` or a fallback kernel
+    name for a gradient penalty on CUDA.
+
+    Run-time block masks (Note [Run-time block masks] in ``block_sparse/runtime.py``): in place
+    of a pattern, a tensor on the inputs' device chooses the block pairs per batch row and head
+    at run time (content-selected sparsity, e.g. from
+    :func:`~dilated_attention.sparse.select_blocks`): bool ``(Bm, Hm, Mq, Mk)`` (``True`` =
+    the pair attends) or int block indices ``(Bm, Hm, Mq, K)`` (each query block's key blocks,
+    ``-1`` = none), with ``Bm`` B or 1, ``Hm`` H, Hkv (one mask per key/value head, serving its
+    group of query heads) or 1, ``Mq = ceil(Nq / block_size)``, ``Mk = ceil(Nk / block_size)``.
+    Mask row ``i`` covers query *rows* ``[i * block_size, (i + 1) * block_size)`` (a pattern's
+    rows are blocks of positions; the same unless an end-aligned causal query is shorter than
+    the key), and query row ``r`` attends key ``t`` when the mask keeps
+    ``(r // block_size, t // block_size)`` and, if causal, ``t <= Nk - Nq + r``. An index
+    outside ``[0, Mk)`` keeps nothing and a repeated index counts once (neither is checked:
+    that would read the mask on the host). The mask is used without host synchronisation
+    (its checks read its shape, dtype and device) and gets no gradient; gradients through the
+    call are exact, first order only. For example, 4 blocks, causal, a per-head mask::
+
+        mask[b, h] = [[1, 0, 0, 0],     key block  0 1 2 3
+                      [1, 1, 0, 0],     query 0    x . . .
+                      [0, 1, 1, 0],     query 1    x x . .
+                      [1, 0, 0, 1]]     query 2    . x x .   (x: attends, causal inside)
+                                        query 3    x . . x
 
     Args:
         query: (B, Nq, H, D).
@@ -313,7 +339,8 @@ def block_sparse_attention(
         pattern: a :mod:`dilated_attention.patterns` pattern; it is asked for the block mask
             ``(ceil(Nq / block_size), ceil(Nk / block_size))``, or with ``is_causal=True``
             ``(ceil(Nk / block_size), ceil(Nk / block_size))`` (the blocks of the key
-            positions, which the query's positions are among).
+            positions, which the query's positions are among). Or a run-time block mask: bool
+            (Bm, Hm, Mq, Mk) or int (Bm, Hm, Mq, K) on the inputs' device (above).
         block_size: tokens per block; the last block may be shorter.
         is_causal: query position ``p`` sees keys ``t <= p`` (end-aligned when the query is
             shorter than the key; a longer query raises ``ValueError``).
@@ -329,10 +356,16 @@ def block_sparse_attention(
             block pair runs dense ``attention`` with the same ``backend`` (Note [Dense
             fallback]), except under ``"flex"``. An end-aligned causal call (a query shorter
             than the key) always runs the plan (the three kernels named above raise
-            ``ValueError`` there).
+            ``ValueError`` there). A run-time mask goes to the same three kernels, their lists
+            made on the device; its plan runs one query block at a time on a dense kernel
+            that takes key masks (Note [Run-time masks on a dense kernel] in
+            ``block_sparse/rows.py``).
         return_lse: also return the log-sum-exp.
         cu_seqlens: packed documents, as in :func:`attention`: each document's blocks count
-            from its own first token, and no block pair crosses documents.
+            from its own first token, and no block pair crosses documents. With a run-time
+            mask every document must start at a multiple of ``block_size`` within its row
+            (as for :func:`~dilated_attention.sparse.select_blocks`), the mask's blocks being
+            the row's.
         softcap, sinks: as in :func:`attention`.
 
     Returns:
@@ -340,158 +373,50 @@ def block_sparse_attention(
         float32 (float64 for float64 inputs on the fallback), detached.
 
     Raises:
-        TypeError: ``pattern`` is not a Pattern; wrong argument types.
+        TypeError: ``pattern`` is neither a Pattern nor a tensor, a run-time mask of another
+            dtype than bool or int; wrong argument types.
         ValueError: malformed tensors, ``block_size < 1``, a ``Custom`` mask of another block
-            count, a causal query longer than the key, or a backend that cannot run the
-            inputs.
+            count, a run-time mask of another rank, size or device, a causal query longer than
+            the key, documents not aligned to blocks with a run-time mask, or a backend that
+            cannot run the inputs.
     """
     q, k, v = V.check_qkv(query, key, value, same_length=False)
-    pattern = check_pattern(pattern)
     block_size = check_block_size(block_size)
+    layout = _check_blocks(pattern, q, k, block_size)
     V.check_bool("is_causal", is_causal)
     V.check_bool("return_lse", return_lse)
     V.check_causal_lengths(q, k, is_causal, "block_sparse_attention")
     sinks = V.check_sinks(sinks, q)
     fields = dict(
-        pattern=pattern, block_size=block_size, is_causal=is_causal, scale=V.check_scale(scale),
-        backend=check_backend_name(backend), softcap=V.check_softcap(softcap),
-        sinks=sinks is not None,
+        pattern=None if layout else pattern, block_mask=layout, block_size=block_size,
+        is_causal=is_causal, scale=V.check_scale(scale), backend=check_backend_name(backend),
+        softcap=V.check_softcap(softcap), sinks=sinks is not None,
     )  # fmt: skip
-    if cu_seqlens is not None:
-        documents = check_cu_seqlens(cu_seqlens, q, k)
-        return _packed(BLOCK_SPARSE, documents, q, k, v, None, fields, return_lse, sinks)
-    request = Request.of(BLOCK_SPARSE, q, k, v, **fields)  # type: ignore[arg-type]
-    return compiled.route(request, q, k, v, None, return_lse, sinks)
+    mask = pattern if layout is not None else None  # the call's mask tensor
+    documents = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, q, k)
+    if documents is not None and mask is not None:
+        check_documents_aligned(documents, q.shape[1], block_size, "block_sparse_attention")
+    request = Request.of(BLOCK_SPARSE, q, k, v, documents=documents, **fields)  # type: ignore[arg-type]
+    return compiled.route(request, q, k, v, mask, return_lse, sinks)
 
 
-def _decode(
-    cache: Cache,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    fields: dict[str, object],
-    return_lse: bool,
-    sinks: torch.Tensor | None = None,
-) -> Output:
-    """A checked dilated call on new tokens with their layer's cache: q (B, n, H, D), k and v
-    (B, n, Hkv, D), key_padding_mask (B, n) over the new keys -> ``out`` or ``(out, lse)``.
-    Resolved before the cache changes (a refused call leaves it as it was); then the new keys
-    join the ones they read (positions ``cache.start`` to ``cache.length + n``)."""
-    schedule, is_causal = fields["schedule"], bool(fields["is_causal"])
-    assert isinstance(schedule, Schedule)  # dilated_attention's fields
-    check_cache_call(cache, schedule.segment_lengths, schedule.dilation_rates, q, k, is_causal)
-    if isinstance(cache, StaticDilatedKVCache):
-        out, lse = decode_step.static_decode(cache, q, k, v, key_padding_mask, fields, sinks)
-        return (out, lse) if return_lse else out
-    if compiled.is_traced(q, k, v, key_padding_mask):
-        raise ValueError(
-            "cache= is not supported under torch.compile, torch.export or torch.func yet: "
-            "decode eagerly (the cache is Python state the compiled operator cannot update)"
+def _check_blocks(
+    pattern: object, q: torch.Tensor, k: torch.Tensor, block_size: int
+) -> MaskLayout | None:
+    """A run-time block mask's layout (Note [Run-time block masks]), None for a pattern.
+
+    Raises:
+        TypeError: neither a Pattern nor a tensor; a mask of another dtype.
+        ValueError: a mask of another rank, size or device.
+    """
+    if isinstance(pattern, torch.Tensor):
+        return check_block_mask(pattern, q, k, block_size)
+    if not isinstance(pattern, Pattern):
+        raise TypeError(
+            f"pattern must be a dilated_attention.patterns.Pattern (LocalWindow, GlobalLocal, "
+            f"DilatedBlocks, Random, Custom, or a | / & of them) or a run-time block mask on "
+            f"the inputs' device (bool (B or 1, H, Hkv or 1, Mq, Mk), or int block indices "
+            f"(B or 1, H, Hkv or 1, Mq, K)), got {type(pattern).__name__}; e.g. "
+            f"patterns.LocalWindow(1), or the mask of dilated_attention.sparse.select_blocks"
         )
-    request = Request.of(
-        dilated_operation(q.shape[1], k.shape[1], cache.length), q, k, v,
-        key_start=cache.start, context_len=cache.length + k.shape[1], **fields,
-    )  # fmt: skip
-    strategy = resolve(request)
-    k, v = hide_masked_keys(k, v, key_padding_mask)  # the cache keeps them so: no copy per token
-    k, v, key_padding_mask, _ = cache.append(k, v, key_padding_mask)
-    out, lse = strategy.run(q, k, v, key_padding_mask, sinks)
-    return (out, lse) if return_lse else out
-
-
-def _window_cache_call(
-    cache: Cache,
-    cu_seqlens: object,
-    new: Inputs,
-    fields: dict[str, object],
-    return_lse: bool,
-    sinks: torch.Tensor | None,
-) -> Output:
-    """A checked dense call on new tokens with a windowed layer's cache (Note [A window cache]
-    in ``core/window_cache.py``): ``new`` holds q (B, n, H, D), k and v (B, n, Hkv, D) and the
-    mask (B, n) over the new keys. With ``cu_seqlens`` a packed prompt (each row's last
-    document into the cache), else the cache's decoding (``window_decode``)."""
-    q, k, v, key_padding_mask = new
-    window, is_causal = fields["window"], bool(fields["is_causal"])
-    cache = check_window_cache_call(cache, window, q, k, is_causal)  # type: ignore[arg-type]
-    if cu_seqlens is None:
-        out, lse = window_decode.window_decode(cache, new, fields, sinks)
-        return (out, lse) if return_lse else out
-    documents = check_cu_seqlens(cu_seqlens, q, k, cache)
-    result = _packed(DENSE, documents, q, k, v, key_padding_mask, fields, return_lse, sinks)
-    _prompt_into(cache, documents, k, v, key_padding_mask)
-    return result
-
-
-def _packed_dilated(
-    cu_seqlens: object,
-    cache: Cache | None,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    fields: dict[str, object],
-    return_lse: bool,
-    sinks: torch.Tensor | None = None,
-) -> Output:
-    """Checked dilated attention on packed documents; with a ``cache`` a packed prompt (Note [A
-    packed prompt] in ``core/documents.py``): the packed call, then each row's last document's
-    keys and values into the cache, which is checked first."""
-    documents = check_cu_seqlens(cu_seqlens, q, k, cache)
-    if cache is not None:
-        schedule = fields["schedule"]
-        assert isinstance(schedule, Schedule)  # dilated_attention's fields
-        segs, rates, causal = schedule.segment_lengths, schedule.dilation_rates, fields["is_causal"]
-        check_cache_call(cache, segs, rates, q, k, bool(causal))
-    result = _packed(DILATED, documents, q, k, v, key_padding_mask, fields, return_lse, sinks)
-    _prompt_into(cache, documents, k, v, key_padding_mask)
-    return result
-
-
-def _prompt_into(
-    cache: Cache | None,
-    documents: tuple[int, ...],
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-) -> None:
-    """A packed prompt's cache (checked; Note [A packed prompt] in ``core/documents.py``) takes
-    each row's last document's keys and values (B, n, Hkv, D) and mask (B, n), from the
-    packed rows k, v (B, N, Hkv, D); nothing without a cache."""
-    if cache is None:
-        return
-    tail = slice(k.shape[1] - last_document(documents, *k.shape[:2]), None)
-    mask = None if key_padding_mask is None else key_padding_mask[:, tail]
-    k, v = hide_masked_keys(k[:, tail], v[:, tail], mask)
-    cache.take_prompt(k, v, mask)
-
-
-def _packed(
-    operation: str,
-    documents: tuple[int, ...],
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    fields: dict[str, object],
-    return_lse: bool,
-    sinks: torch.Tensor | None = None,
-) -> Output:
-    """A checked call on packed documents (Note [Packed documents] in ``core/documents.py``):
-    q (B, N, H, D), k and v (B, N, Hkv, D) as one row of their documents, run, and the results
-    in the batch's shape."""
-    if compiled.is_traced(q, k, v, key_padding_mask):
-        raise ValueError(
-            "cu_seqlens is not supported under torch.compile, torch.export or torch.func yet: "
-            "call the packed batch eagerly, or give each document its own row"
-        )
-    batch, seq_len = q.shape[:2]
-    if batch == 0:  # no document: the empty batch unpacked (Note [An empty packed batch])
-        request = Request.of(operation, q, k, v, **fields)  # type: ignore[arg-type]
-        return compiled.route(request, q, k, v, key_padding_mask, return_lse)
-    qf, kf, vf, mask = (flatten(x) for x in (q, k, v, key_padding_mask))
-    request = Request.of(operation, qf, kf, vf, documents=documents, **fields)  # type: ignore[arg-type]
-    out, lse = compiled.route(request, qf, kf, vf, mask, True, sinks)  # type: ignore[arg-type]
-    out, lse = unflatten(out, lse, batch, seq_len)
-    return (out, lse) if return_lse else out
+    return None

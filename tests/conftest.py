@@ -167,8 +167,12 @@ def _seed() -> None:
 def _fresh_choices() -> None:
     """Every test resolves its calls anew: tests change kernels' reasons, priorities and
     probes (monkeypatch), which a strategy kept from an earlier test would not see (Note
-    [Resolved once per request] in ``resolve/resolver.py``)."""
+    [Resolved once per request] in ``resolve/resolver.py``), and no launch bound by an
+    earlier test is replayed (tests change kernel settings between calls)."""
     clear_resolved()
+    bound = sys.modules.get("dilated_attention.backends._triton_launch")
+    if bound is not None:
+        bound.clear_bound()
 
 
 @pytest.fixture

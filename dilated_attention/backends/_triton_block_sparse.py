@@ -3,11 +3,16 @@
 Imported on first use (it needs the ``triton`` package); ``block_sparse.py`` drives it.
 
 Note [Block-sparse Triton kernels]
-    The block mask (causal already applied) becomes two lists in CSR form (``block_lists``): for
+    The block mask (causal already applied) becomes two sets of lists (:class:`BlockLists`): for
     every query block the key blocks it keeps, and for every key block the query blocks that keep
-    it. A forward program owns ``BLOCK_M`` query rows of one head and walks the key list of their
-    block in ``BLOCK_N``-row tiles with the online softmax, then writes its rows of ``out`` and
-    ``lse`` once. The backward is the FlashAttention-2 split: a dK/dV program owns ``BLOCK_N``
+    it, each list a ``(start, count)`` into a flat array of block indices. A pattern's lists are
+    one set in CSR form (``block_lists``, made on the host); a run-time mask's are one set per
+    batch row and mask head (Note [Run-time block masks] in ``block_sparse/runtime.py``), rows of
+    a padded array made on the device, query head ``h`` reading mask head ``h // list_group``
+    (a size-1 batch or head dimension has stride 0). A forward program owns ``BLOCK_M`` query
+    rows of one head and walks the key list of their block (of their batch row and head) in
+    ``BLOCK_N``-row tiles with the online softmax, then writes its rows of ``out`` and ``lse``
+    once. The backward is the FlashAttention-2 split: a dK/dV program owns ``BLOCK_N``
     key rows of one key/value head and walks, for every query head of its GQA group, the query
     blocks that keep its key block; a dQ program owns ``BLOCK_M`` query rows and walks the key
     list again. Every program writes its own rows once, so no output needs zero-filling and no
@@ -50,31 +55,68 @@ TILE_ROWS = 64
 
 @dataclass(frozen=True)
 class BlockLists:
-    """The kept block pairs as CSR lists (int32, on the kernels' device).
+    """The kept block pairs as lists per (batch row, mask head), on the kernels' device.
 
     Attributes:
-        key_start, key_blocks: key blocks of query block ``i`` are
-            ``key_blocks[key_start[i]:key_start[i + 1]]``, ascending.
-        query_start, query_blocks: query blocks that keep key block ``j``, likewise.
+        key_start, key_count: (Bl, Hl, Mq) int64 and int32: the key blocks of query block ``i``
+            of batch row ``b`` and mask head ``g`` are ``key_blocks[s : s + c]`` with ``s =
+            key_start[b, g, i]`` and ``c = key_count[b, g, i]``, ascending. ``Bl`` is 1 (every
+            row) or B, ``Hl`` 1, Hkv or H (query head ``h`` reads mask head ``h // (H // Hl)``).
+        key_blocks: flat int32.
+        query_start, query_count, query_blocks: the query blocks that keep key block ``j``,
+            likewise ((Bl, Hl, Mk)).
     """
 
     key_start: torch.Tensor
+    key_count: torch.Tensor
     key_blocks: torch.Tensor
     query_start: torch.Tensor
+    query_count: torch.Tensor
     query_blocks: torch.Tensor
 
+    def layout(self, heads: int, *, by_key: bool = False) -> tuple[int, int, int]:
+        """A kernel's ``(list_sb, list_sh, list_group)`` for the lists of query blocks (or,
+        ``by_key``, of key blocks): the batch and head strides of their (Bl, Hl, M) starts and
+        counts (0 for a size-1 dimension), and ``H // Hl``."""
+        start, count = (self.query_start, self.query_count) if by_key else (
+            self.key_start, self.key_count)  # fmt: skip
+        if start.shape != count.shape or start.stride() != count.stride():
+            raise RuntimeError(
+                f"block-sparse Triton kernels: list starts {tuple(start.shape)} and counts "
+                f"{tuple(count.shape)} must share shape and strides"
+            )
+        batch, list_heads, _ = start.shape
+        sb = start.stride(0) if batch > 1 else 0
+        return sb, (start.stride(1) if list_heads > 1 else 0), heads // list_heads
 
-def _csr(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    start = torch.zeros(mask.shape[0] + 1, dtype=torch.int32)
-    start[1:] = mask.sum(1).cumsum(0)
-    return start, mask.nonzero()[:, 1].to(torch.int32)
+
+def _csr(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    count = mask.sum(1)
+    start = torch.zeros(mask.shape[0], dtype=torch.int64)
+    start[1:] = count.cumsum(0)[:-1]
+    blocks = mask.nonzero()[:, 1].to(torch.int32)
+    return start.view(1, 1, -1), count.to(torch.int32).view(1, 1, -1), blocks
 
 
 def block_lists(mask: torch.Tensor, device: torch.device) -> BlockLists:
-    """``BlockLists`` of a (query blocks, key blocks) bool mask (causal already applied)."""
-    key_start, key_blocks = _csr(mask)
-    query_start, query_blocks = _csr(mask.t())
-    return BlockLists(*(t.to(device) for t in (key_start, key_blocks, query_start, query_blocks)))
+    """``BlockLists`` of a pattern's (query blocks, key blocks) bool mask (causal already
+    applied), one set for every row and head, in CSR form."""
+    lists = (*_csr(mask), *_csr(mask.t()))
+    return BlockLists(*(t.to(device) for t in lists))
+
+
+def padded_lists(
+    forward: tuple[torch.Tensor, torch.Tensor], backward: tuple[torch.Tensor, torch.Tensor]
+) -> BlockLists:
+    """``BlockLists`` of a run-time mask's lists on the device, ``(count, index)`` per direction:
+    counts (Bl, Hl, M) int32, indices (Bl, Hl, M, W) int32 contiguous (``compact_rows`` in
+    ``block_sparse/runtime.py``); every row of indices starts ``W`` entries after the last."""
+    lists: list[torch.Tensor] = []
+    for count, index in (forward, backward):
+        width = index.shape[-1]
+        start = torch.arange(count.numel(), dtype=torch.int64, device=count.device) * width
+        lists += [start.view(count.shape), count.contiguous(), index.flatten()]
+    return BlockLists(*lists)
 
 
 # -- device helpers --------------------------------------------------------------------------------
@@ -114,9 +156,11 @@ def _store_tile(ptr, offsets, rows, limit, offs_d, value, HEAD_DIM: tl.constexpr
 
 
 @triton.jit
-def _list_tiles(Start, block, TILES: tl.constexpr):
-    """``[lo, hi)``: the tiles of block ``block``'s CSR list, ``TILES`` per listed block."""
-    return tl.load(Start + block) * TILES, tl.load(Start + block + 1) * TILES
+def _list_tiles(Start, Count, row, TILES: tl.constexpr):
+    """``[lo, hi)``: the tiles of list ``row`` (an offset into the starts and counts), ``TILES``
+    per listed block."""
+    lo = tl.load(Start + row) * TILES
+    return lo, lo + tl.load(Count + row) * TILES
 
 
 @triton.jit
@@ -143,9 +187,9 @@ def _row_stats(lse_ptr, delta_ptr, rows, limit, EVEN: tl.constexpr):
 # ``stride_l*`` of lse and delta (B, H, Nq).
 @triton.jit
 def _forward_kernel(
-    Q, K, V, Out, Lse, KeyStart, KeyBlocks,
+    Q, K, V, Out, Lse, KeyStart, KeyCount, KeyBlocks,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_lb, stride_lh,
-    query_len, key_len, kv_group, qk_scale, scale, cap_in, softcap,
+    list_sb, list_sh, list_group, query_len, key_len, kv_group, qk_scale, scale, cap_in, softcap,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, EVEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
@@ -157,7 +201,8 @@ def _forward_kernel(
     b = tl.program_id(2).to(tl.int64)
     m0 = pid_m * BLOCK_M
     TILES: tl.constexpr = BLOCK // BLOCK_N
-    lo, hi = _list_tiles(KeyStart, m0 // BLOCK, TILES)
+    row = b * list_sb + (h // list_group) * list_sh + m0 // BLOCK
+    lo, hi = _list_tiles(KeyStart, KeyCount, row, TILES)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -204,9 +249,9 @@ def _forward_kernel(
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, QueryStart, QueryBlocks,
+    Q, K, V, DO, Lse, Delta, DK, DV, QueryStart, QueryCount, QueryBlocks,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_lb, stride_lh,
-    query_len, key_len, kv_group, scale, softcap,
+    list_sb, list_sh, list_group, query_len, key_len, kv_group, scale, softcap,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, EVEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
@@ -217,7 +262,6 @@ def _dkdv_kernel(
     b = tl.program_id(2).to(tl.int64)
     n0 = pid_n * BLOCK_N
     TILES: tl.constexpr = BLOCK // BLOCK_M
-    lo, hi = _list_tiles(QueryStart, n0 // BLOCK, TILES)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -229,6 +273,8 @@ def _dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     for g in range(0, kv_group):
         h = kvh * kv_group + g
+        row = b * list_sb + (h // list_group) * list_sh + n0 // BLOCK
+        lo, hi = _list_tiles(QueryStart, QueryCount, row, TILES)
         q_row0 = b * stride_qb + h * stride_qh
         stats_row0 = b * stride_lb + h * stride_lh
         for t in range(lo, hi):
@@ -253,9 +299,9 @@ def _dkdv_kernel(
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, Lse, Delta, DQ, KeyStart, KeyBlocks,
+    Q, K, V, DO, Lse, Delta, DQ, KeyStart, KeyCount, KeyBlocks,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_lb, stride_lh,
-    query_len, key_len, kv_group, scale, softcap,
+    list_sb, list_sh, list_group, query_len, key_len, kv_group, scale, softcap,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, EVEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
@@ -266,7 +312,8 @@ def _dq_kernel(
     b = tl.program_id(2).to(tl.int64)
     m0 = pid_m * BLOCK_M
     TILES: tl.constexpr = BLOCK // BLOCK_N
-    lo, hi = _list_tiles(KeyStart, m0 // BLOCK, TILES)
+    row = b * list_sb + (h // list_group) * list_sh + m0 // BLOCK
+    lo, hi = _list_tiles(KeyStart, KeyCount, row, TILES)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -365,8 +412,8 @@ def forward(
     tiles = _tiles(block_size)["forward"]
     grid = (cdiv(query_len, tiles.block_m), heads, batch)
     launch(_forward_kernel, grid, (
-        q, k, v, out, lse, lists.key_start, lists.key_blocks,
-        *_strides(q, out), *_strides(k, v), lse.stride(0), lse.stride(1),
+        q, k, v, out, lse, lists.key_start, lists.key_count, lists.key_blocks,
+        *_strides(q, out), *_strides(k, v), lse.stride(0), lse.stride(1), *lists.layout(heads),
         query_len, k.shape[1], heads // k.shape[2], *_forward_scales(scale, softcap),
     ), dict(
         BLOCK=block_size, HEAD_DIM=dim, BLOCK_D=_block_d(dim), BLOCK_M=tiles.block_m,
@@ -402,20 +449,20 @@ def backward(
         BLOCK=block_size, HEAD_DIM=dim, BLOCK_D=_block_d(dim), CAUSAL=is_causal,
         EVEN=_even(q, k), DOT_PRECISION=dot_precision(q), SOFTCAP=softcap is not None,
     )  # fmt: skip
-    args = (
-        *_strides(q, dout, dq), *_strides(k, v, dk, dv), *_strides(lse, delta)[:2],
-        query_len, key_len, heads // kv_heads, scale, 1.0 if softcap is None else softcap,
-    )  # fmt: skip
+    args = (*_strides(q, dout, dq), *_strides(k, v, dk, dv), *_strides(lse, delta)[:2])
+    sizes = (query_len, key_len, heads // kv_heads, scale, 1.0 if softcap is None else softcap)
     config = tiles["dkdv"]
     launch(_dkdv_kernel, (cdiv(key_len, config.block_n), kv_heads, batch), (
-        q, k, v, dout, lse, delta, dk, dv, lists.query_start, lists.query_blocks, *args,
+        q, k, v, dout, lse, delta, dk, dv, lists.query_start, lists.query_count,
+        lists.query_blocks, *args, *lists.layout(heads, by_key=True), *sizes,
     ), dict(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
         num_stages=config.num_stages, **common,
     ))  # fmt: skip
     config = tiles["dq"]
     launch(_dq_kernel, (cdiv(query_len, config.block_m), heads, batch), (
-        q, k, v, dout, lse, delta, dq, lists.key_start, lists.key_blocks, *args,
+        q, k, v, dout, lse, delta, dq, lists.key_start, lists.key_count, lists.key_blocks,
+        *args, *lists.layout(heads), *sizes,
     ), dict(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
         num_stages=config.num_stages, **common,

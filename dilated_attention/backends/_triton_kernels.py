@@ -53,7 +53,7 @@ import contextvars
 import functools
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +65,7 @@ from ._compat import _release
 from ._triton_backward import _delta_kernel, _dkdv_kernel, _dq_kernel
 from ._triton_compile import Launch, compile_launches
 from ._triton_forward import _forward_kernel
-from ._triton_launch import launch
+from ._triton_launch import binding, current_binding, launch, replay, site_key  # noqa: F401
 from ._triton_tiles import TileConfig, cdiv, next_power_of_2
 
 try:  # Triton >= 3.4
@@ -161,8 +161,29 @@ def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> No
     recorded = _RECORDED.get()
     if recorded is not None:
         recorded.append(Launch.record(kernel, grid, args, kwargs))
-    else:
-        launch(kernel, grid, args, kwargs)
+        return
+    compiled = launch(kernel, grid, args, kwargs)
+    record = current_binding()
+    if record is not None:
+        record.add(compiled, grid, args)
+
+
+def run_bound(
+    site: tuple[Any, ...],
+    roles: tuple[torch.Tensor | None, ...],
+    body: Callable[[], None],
+    constants: tuple[torch.Tensor, ...] = (),
+) -> None:
+    """Run the launches ``body`` makes, or where ``site`` ran before, their bound copies with
+    ``roles`` (Note [Bound launches] in ``_triton_launch.py``); ``constants``: tensors the
+    launches take that the key keeps alive (a segment table)."""
+    if _compiling():
+        body()
+        return
+    if replay(site, roles):
+        return
+    with binding(site, roles, constants):
+        body()
 
 
 @contextlib.contextmanager
@@ -406,10 +427,18 @@ def forward_branch(
     )  # fmt: skip
 
 
-def row_delta(out: torch.Tensor, dout: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """``rowsum(out * dout)`` for positions [start, end): (B, H, end - start) float32."""
+def row_delta(
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    start: int,
+    end: int,
+    delta: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``rowsum(out * dout)`` for positions [start, end): (B, H, end - start) float32, written
+    into ``delta`` where given."""
     batch, _, heads, dim = out.shape
-    delta = torch.empty(batch, heads, end - start, dtype=torch.float32, device=out.device)
+    if delta is None:
+        delta = torch.empty(batch, heads, end - start, dtype=torch.float32, device=out.device)
     block = 64
     grid = (cdiv(end - start, block), heads, batch)
     _launch(

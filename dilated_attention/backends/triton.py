@@ -298,20 +298,38 @@ class TritonBackend(Backend):
         q_row0: int = 0,
         softcap: float | None = None,
     ) -> None:
-        """See ``FusedBackend.forward_branch`` in ``core/fused.py``."""
-        configs = _tiles(q)
-        _kernels().forward_branch(
-            q, k, v, out, lse, key_mask, _branch(span), out_row0=out_row0, scale=scale,
-            is_causal=is_causal, merge=merge, config=configs["forward"],
-            descriptor_config=configs.get("forward_descriptors"), head0=head0,
-            merge_from=merge_from, merge_row0=merge_row0, q_row0=q_row0, softcap=softcap,
+        """See ``FusedBackend.forward_branch`` in ``core/fused.py``; launched through bound
+        launches (Note [Bound launches] in ``_triton_launch.py``)."""
+        kernels = _kernels()
+        roles = (q, k, v, out, lse, key_mask, merge_from)
+        site = kernels.site_key(
+            "forward_branch", roles, _span_key(span), out_row0, scale, is_causal, merge, head0,
+            merge_row0, q_row0, softcap, kernels.DESCRIPTOR_POLICY,
         )  # fmt: skip
+
+        def body() -> None:
+            configs = _tiles(q)
+            kernels.forward_branch(
+                q, k, v, out, lse, key_mask, _branch(span), out_row0=out_row0, scale=scale,
+                is_causal=is_causal, merge=merge, config=configs["forward"],
+                descriptor_config=configs.get("forward_descriptors"), head0=head0,
+                merge_from=merge_from, merge_row0=merge_row0, q_row0=q_row0, softcap=softcap,
+            )  # fmt: skip
+
+        kernels.run_bound(site, roles, body, _span_constants(span))
 
     def row_delta(
         self, out: torch.Tensor, dout: torch.Tensor, start: int, end: int
     ) -> torch.Tensor:
         """(B, H, end - start) float32 ``rowsum(out * dout)``."""
-        return _kernels().row_delta(out, dout, start, end)
+        kernels = _kernels()
+        delta = torch.empty(
+            out.shape[0], out.shape[2], end - start, dtype=torch.float32, device=out.device
+        )
+        roles = (out, dout, delta)
+        site = kernels.site_key("row_delta", roles, start, end)
+        kernels.run_bound(site, roles, lambda: kernels.row_delta(out, dout, start, end, delta))
+        return delta
 
     def backward_branch(
         self,
@@ -335,14 +353,25 @@ class TritonBackend(Backend):
         head0: int = 0,
         softcap: float | None = None,
     ) -> None:
-        """See ``FusedBackend.backward_branch`` in ``core/fused.py``."""
-        configs = _tiles(q)
-        _kernels().backward_branch(
-            dout, q, k, v, lse, delta, key_mask, dq, dk, dv, _branch(span),
-            delta_row0=delta_row0, grad_row0=grad_row0, scale=scale, is_causal=is_causal,
-            accumulate=accumulate, config_dq=configs["dq"], head0=head0, softcap=softcap,
-            config_dkdv=dkdv_config(configs, is_causal=is_causal, rate=span.rate),
+        """See ``FusedBackend.backward_branch`` in ``core/fused.py``; launched through bound
+        launches (Note [Bound launches] in ``_triton_launch.py``)."""
+        kernels = _kernels()
+        roles = (dout, q, k, v, lse, delta, key_mask, dq, dk, dv)
+        site = kernels.site_key(
+            "backward_branch", roles, _span_key(span), delta_row0, grad_row0, scale, is_causal,
+            accumulate, head0, softcap,
         )  # fmt: skip
+
+        def body() -> None:
+            configs = _tiles(q)
+            kernels.backward_branch(
+                dout, q, k, v, lse, delta, key_mask, dq, dk, dv, _branch(span),
+                delta_row0=delta_row0, grad_row0=grad_row0, scale=scale, is_causal=is_causal,
+                accumulate=accumulate, config_dq=configs["dq"], head0=head0, softcap=softcap,
+                config_dkdv=dkdv_config(configs, is_causal=is_causal, rate=span.rate),
+            )  # fmt: skip
+
+        kernels.run_bound(site, roles, body, _span_constants(span))
 
     # -- dense calls ------------------------------------------------------------------------------
     def _forward(
@@ -438,6 +467,15 @@ def _split_key_forward(
         merge=False, config=split_key_config(configs), allow_descriptors=False, softcap=softcap,
     )  # fmt: skip
     merge_splits(part, part_lse, out, lse)
+
+
+def _span_key(span: BranchSpan) -> tuple[int, ...]:
+    """A span as a key: its segment table by identity (kept alive by the bound launches)."""
+    return (span.start, span.end, span.segment_len, span.rate, id(span.bounds))
+
+
+def _span_constants(span: BranchSpan) -> tuple[torch.Tensor, ...]:
+    return () if span.bounds is None else (span.bounds,)
 
 
 def _branch(span: BranchSpan) -> Any:

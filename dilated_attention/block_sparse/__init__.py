@@ -19,10 +19,14 @@ kernels (Note [Block-sparse Triton kernels] in ``backends/_triton_block_sparse.p
 step chooses among them (``resolve/resolver.py``), and ``block_sparse_attention`` in
 ``functional.py`` is the public function.
 
+In place of a pattern, a call may give a run-time block mask, per batch row and head, on the
+inputs' device (Note [Run-time block masks] in ``runtime.py``).
+
 The package: ``plan.py`` (block geometry and kernel calls, which the one executor runs on any
-dense kernel), ``tiles.py`` (the 128 x 128 tiles FlexAttention and FA4 walk), ``fa4.py`` (FA4's
-tile lists and runner), ``flex.py`` (FlexAttention block masks), ``triton_autograd.py`` (our
-block-sparse Triton kernels).
+dense kernel), ``runtime.py`` (run-time masks: checks, kept pairs, lists made on the device),
+``rows.py`` (a run-time mask on any dense kernel), ``tiles.py`` (the 128 x 128 tiles
+FlexAttention and FA4 walk), ``fa4.py`` (FA4's tile lists and runner), ``flex.py``
+(FlexAttention block masks), ``triton_autograd.py`` (our block-sparse Triton kernels).
 """
 
 from .plan import SparseCall, plan_calls

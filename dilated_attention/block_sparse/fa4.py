@@ -1,5 +1,6 @@
 """Block-sparse attention through FlashAttention-4's block sparsity (Note [FlashAttention-4
-block sparsity] in ``backends/flash_attn4.py``): the pattern's tile lists, and their runner.
+block sparsity] in ``backends/flash_attn4.py``): the tile lists of a pattern (on the host, once)
+or of a run-time mask (per batch row and query head, on the device, per call), and their runner.
 
 Rows whose block row keeps no key block are left out of every tile list; the runner gives them
 ``out = 0`` and ``lse = -inf``, and zero gradients to them and to keys no query reads, whatever
@@ -17,23 +18,27 @@ from ..backends.flash_attn4 import FlashAttn4Backend, SparseTiles
 from ..core.autograd import Backward, Forward, Grads, Inputs, Saved
 from ..patterns import Pattern
 from .plan import causal_block_mask, num_blocks, recomputed_grads
+from .runtime import FIRST_ORDER_MESSAGE, compact_rows, per_query_head, token_rows
 from .tiles import kernel_tiles, tile_lists
 
 
 @dataclass(frozen=True)
 class FlashAttn4Tiles:
-    """A pattern's tiles at one shape, for FA4.
+    """The tiles of a pattern, or of a run-time mask, at one shape, for FA4.
 
     Attributes:
         forward: per query tile, its key tiles; backward: per key tile, its query tiles.
-        mask: (ceil(Nq / block_size), ceil(Nk / block_size)) bool on the CPU, causal applied.
-        empty_rows: (Nq,) bool on the device, the query rows that see no key, or None if none.
-        unread_keys: (Nk,) bool on the device, the keys no query reads, or None if none.
+        mask: a pattern's (ceil(Nq / block_size), ceil(Nk / block_size)) bool on the CPU,
+            causal applied; None for a run-time mask (no differentiable recompute).
+        empty_rows: bool on the device broadcasting to (B, Nq, H, 1), the query rows that see
+            no key, or None if none.
+        unread_keys: bool on the device broadcasting to (B, Nk, Hkv, 1), the keys no query
+            reads, or None if none.
     """
 
     forward: SparseTiles
     backward: SparseTiles
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     empty_rows: torch.Tensor | None
     unread_keys: torch.Tensor | None
 
@@ -49,7 +54,7 @@ def _unreached(kept: torch.Tensor, block_size: int, length: int, device: torch.d
     False, or None when every block is kept."""
     if bool(kept.all()):
         return None
-    return (~kept).repeat_interleave(block_size)[:length].to(device)
+    return (~kept).repeat_interleave(block_size)[:length].to(device).view(1, -1, 1, 1)
 
 
 @torch.compiler.disable
@@ -77,18 +82,53 @@ def fa4_tiles(
     )
 
 
+def runtime_fa4_tiles(
+    kept: torch.Tensor,
+    block_size: int,
+    query_len: int,
+    key_len: int,
+    is_causal: bool,
+    num_kv_heads: int,
+    num_heads: int,
+) -> FlashAttn4Tiles:
+    """The FA4 tile lists of a run-time mask's kept blocks (Bm, Hm, Mq, Mk) bool, causal
+    applied (Note [Run-time block masks] in ``runtime.py``), made on their device: per batch
+    row and query head (FA4 takes 1 or H heads), every list as wide as its tile count."""
+    kept = per_query_head(kept, num_heads)
+    full, partial = kernel_tiles(
+        kept, block_size=block_size, query_len=query_len, key_len=key_len, is_causal=is_causal
+    )
+    forward = SparseTiles(*compact_rows(partial), *compact_rows(full))
+    backward = SparseTiles(*compact_rows(partial.transpose(-1, -2)),
+                           *compact_rows(full.transpose(-1, -2)))  # fmt: skip
+    empty = token_rows(~kept.any(-1), block_size, query_len)  # (Bm, Hq, Nq)
+    read = kept.any(-2)  # (Bm, Hq, Mk)
+    if read.shape[1] != 1 and num_heads != num_kv_heads:  # a key is read by its group's heads
+        read = read.view(read.shape[0], num_kv_heads, -1, read.shape[-1]).any(2)
+    unread = token_rows(~read, block_size, key_len)  # (Bm, Hkv or 1, Nk)
+    return FlashAttn4Tiles(
+        forward, backward, None, empty.transpose(1, 2).unsqueeze(-1),
+        unread.transpose(1, 2).unsqueeze(-1),
+    )  # fmt: skip
+
+
 @dataclass(frozen=True)
 class FlashAttn4BlockSparseRunner:
     """FA4's block sparsity as a :class:`~dilated_attention.core.autograd.Runner` over the
-    pattern's ``tiles``; under ``create_graph=True`` the recompute over the fallback's calls for
-    the same block pairs (Note [Double backward])."""
+    ``tiles``; under ``create_graph=True`` a pattern's calls take the recompute over the
+    fallback's calls for the same block pairs (Note [Double backward]), a run-time mask's
+    gradients are first order only."""
 
     backend: FlashAttn4Backend
     tiles: FlashAttn4Tiles
     block_size: int
     is_causal: bool
     scale: float
-    first_order_message = ""  # every call has its differentiable recompute
+
+    @property
+    def first_order_message(self) -> str:
+        # A pattern's calls have their differentiable recompute.
+        return FIRST_ORDER_MESSAGE if self.tiles.mask is None else ""
 
     def forward(self, x: Inputs) -> Forward:
         q, k, v, _ = x  # no key padding mask here
@@ -98,8 +138,8 @@ class FlashAttn4BlockSparseRunner:
         out, lse = res.out, res.lse
         empty = self.tiles.empty_rows
         if empty is not None:
-            out = out.masked_fill(empty.view(1, -1, 1, 1), 0.0)
-            lse = lse.masked_fill(empty, float("-inf"))
+            out = out.masked_fill(empty, 0.0)
+            lse = lse.masked_fill(empty.squeeze(-1).transpose(1, 2), float("-inf"))
         return Forward(out, lse, saved=(k, v))
 
     def backward(self, b: Backward) -> Grads:
@@ -112,11 +152,13 @@ class FlashAttn4BlockSparseRunner:
         for grad, unreached in ((dq, self.tiles.empty_rows), (dk, self.tiles.unread_keys),
                                 (dv, self.tiles.unread_keys)):  # fmt: skip
             if unreached is not None:
-                grad.masked_fill_(unreached.view(1, -1, 1, 1), 0.0)
+                grad.masked_fill_(unreached, 0.0)
         return dq, dk, dv
 
     def saved_without_forward(self, x: Inputs) -> Saved:
         return x.k, x.v
 
-    def differentiable_backward(self, b: Backward) -> Grads:
+    def differentiable_backward(self, b: Backward) -> Grads | None:
+        if self.tiles.mask is None:
+            return None  # a run-time mask: first order only
         return recomputed_grads(b, self.tiles.mask, self.block_size, self.is_causal, self.scale)

@@ -6,6 +6,13 @@ Note [FlexAttention block masks]
     tiles evaluate ``mask_mod``: ``allowed[q // block_size, kv // block_size]`` and, when causal,
     ``q >= kv``, so any block size is exact. ``seq_lengths`` carries the ragged ends. Gradients
     are FlexAttention's own autograd.
+
+    A run-time mask (Note [Run-time block masks] in ``runtime.py``) becomes a ``BlockMask`` per
+    call, on the device, per batch row and query head (FlexAttention takes 1 or H heads); its
+    ``mask_mod`` reads the kept blocks of the row and head. Its tensors are inputs of the
+    compiled graph and its ``mask_mod`` a closure of one code object over a tensor and plain
+    values, which Dynamo guards on by code, metadata and value: a new mask of the same shape
+    runs the same compiled kernel.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import torch
 
 from ..patterns import Pattern
 from .plan import causal_block_mask, num_blocks
+from .runtime import compact_rows, per_query_head, token_rows
 from .tiles import KERNEL_TILE, kernel_tiles, tile_lists
 
 
@@ -70,6 +78,51 @@ def flex_block_mask(
     return block_mask, empty_rows
 
 
+def runtime_flex_block_mask(
+    kept: torch.Tensor,
+    block_size: int,
+    query_len: int,
+    key_len: int,
+    is_causal: bool,
+    num_heads: int,
+) -> tuple[Any, torch.Tensor]:
+    """A FlexAttention ``BlockMask`` of a run-time mask's kept blocks (Bm, Hm, Mq, Mk) bool,
+    causal applied, made on their device (Note [FlexAttention block masks]), and the
+    (Bm, 1 or H, Nq) bool "row sees no key"."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    kept = per_query_head(kept, num_heads)
+    full, partial = kernel_tiles(
+        kept, block_size=block_size, query_len=query_len, key_len=key_len, is_causal=is_causal
+    )
+    batch, heads, rows, cols = kept.shape
+    # Padded by one tile so that any index the kernel may form stays in bounds.
+    pad_q = num_blocks(query_len + KERNEL_TILE, block_size)
+    pad_k = num_blocks(key_len + KERNEL_TILE, block_size)
+    lookup = kept.new_zeros(batch, heads, pad_q, pad_k)
+    lookup[..., :rows, :cols] = kept
+    mask_mod = _kept_blocks_mod(lookup, block_size, is_causal, batch > 1, heads > 1)
+    block_mask = BlockMask.from_kv_blocks(
+        *compact_rows(partial), *compact_rows(full), BLOCK_SIZE=KERNEL_TILE, mask_mod=mask_mod,
+        seq_lengths=(query_len, key_len),
+    )  # fmt: skip
+    return block_mask, token_rows(~kept.any(-1), block_size, query_len)
+
+
+def _kept_blocks_mod(
+    lookup: torch.Tensor, block_size: int, is_causal: bool, per_row: bool, per_head: bool
+) -> Any:
+    """The ``mask_mod`` of a run-time mask: ``lookup`` (Bm, Hm, blocks, blocks) of its batch
+    row and head (index 0 of a size-1 dimension), and causality."""
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        keep = lookup[b if per_row else 0, h if per_head else 0, q_idx // block_size,
+                      kv_idx // block_size]  # fmt: skip
+        return keep & (q_idx >= kv_idx) if is_causal else keep
+
+    return mask_mod
+
+
 #: FlexAttention kernel options per (compute capability, head dim) for bf16/fp16 block-sparse
 #: calls; anything not listed keeps Inductor's defaults. Measured with
 #: ``benchmarks/tune_flex_block_sparse.py`` on an H100 80GB (record
@@ -107,18 +160,22 @@ def _flex_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    pattern: Pattern,
+    blocks: Pattern | torch.Tensor,
     *,
     block_size: int,
     is_causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-sparse attention through compiled FlexAttention; (B, N, H, D) in and out."""
+    """Block-sparse attention through compiled FlexAttention; (B, N, H, D) in and out.
+    ``blocks``: the pattern, or a run-time mask's kept blocks (Bm, Hm, Mq, Mk) bool, causal
+    applied."""
     from ..backends.flex import compiled_flex_attention
 
-    block_mask, empty_rows = flex_block_mask(
-        pattern, block_size, q.shape[1], k.shape[1], is_causal, q.device
-    )
+    shape = (block_size, q.shape[1], k.shape[1], is_causal)
+    if isinstance(blocks, torch.Tensor):
+        block_mask, empty_rows = runtime_flex_block_mask(blocks, *shape, q.shape[2])
+    else:
+        block_mask, empty_rows = flex_block_mask(blocks, *shape, q.device)
     out, lse = compiled_flex_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
         scale=scale, kernel_options=flex_kernel_options(q.device, q.shape[-1], q.dtype),

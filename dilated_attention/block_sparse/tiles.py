@@ -22,9 +22,11 @@ from .plan import num_blocks
 KERNEL_TILE = 128
 
 
-def _tile_block_ranges(length: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _tile_block_ranges(
+    length: int, block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """First and last block index (inclusive) touched by each KERNEL_TILE tile of ``length``."""
-    starts = torch.arange(num_blocks(length, KERNEL_TILE)) * KERNEL_TILE
+    starts = torch.arange(num_blocks(length, KERNEL_TILE), device=device) * KERNEL_TILE
     ends = torch.clamp(starts + KERNEL_TILE, max=length) - 1
     return starts // block_size, ends // block_size
 
@@ -32,28 +34,31 @@ def _tile_block_ranges(length: int, block_size: int) -> tuple[torch.Tensor, torc
 def kernel_tiles(
     mask: torch.Tensor, *, block_size: int, query_len: int, key_len: int, is_causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Classify the kernels' tiles from a block mask (causal already applied).
+    """Classify the kernels' tiles from a block mask (causal already applied), on its device.
 
     Args:
-        mask: (ceil(Nq / block_size), ceil(Nk / block_size)) bool, the kept block pairs.
+        mask: (..., ceil(Nq / block_size), ceil(Nk / block_size)) bool, the kept block pairs
+            (a pattern's on the host; a run-time mask's per batch row and head on the device).
 
     Returns:
-        ``(full, partial)``: bool (query tiles, key tiles); ``full`` tiles have every token pair
-        allowed, ``partial`` ones some but not all.
+        ``(full, partial)``: bool (..., query tiles, key tiles); ``full`` tiles have every
+        token pair allowed, ``partial`` ones some but not all.
     """
-    qa, qb = _tile_block_ranges(query_len, block_size)
-    ka, kb = _tile_block_ranges(key_len, block_size)
+    device = mask.device
+    qa, qb = _tile_block_ranges(query_len, block_size, device)
+    ka, kb = _tile_block_ranges(key_len, block_size, device)
     # 2-D prefix sums: allowed block pairs in each tile's block rectangle.
-    sums = torch.zeros(mask.shape[0] + 1, mask.shape[1] + 1, dtype=torch.int64)
-    sums[1:, 1:] = mask.to(torch.int64).cumsum(0).cumsum(1)
+    *batch, rows, cols = mask.shape
+    sums = torch.zeros(*batch, rows + 1, cols + 1, dtype=torch.int64, device=device)
+    sums[..., 1:, 1:] = mask.to(torch.int64).cumsum(-2).cumsum(-1)
     qa, qb1, ka, kb1 = qa.view(-1, 1), (qb + 1).view(-1, 1), ka.view(1, -1), (kb + 1).view(1, -1)
-    count = sums[qb1, kb1] - sums[qa, kb1] - sums[qb1, ka] + sums[qa, ka]
+    count = sums[..., qb1, kb1] - sums[..., qa, kb1] - sums[..., qb1, ka] + sums[..., qa, ka]
     every = count == (qb1 - qa) * (kb1 - ka)
     some = count > 0
     if is_causal:
-        q_first = torch.arange(every.shape[0]).view(-1, 1) * KERNEL_TILE
+        q_first = torch.arange(every.shape[-2], device=device).view(-1, 1) * KERNEL_TILE
         q_last = torch.clamp(q_first + KERNEL_TILE, max=query_len) - 1
-        k_first = torch.arange(every.shape[1]).view(1, -1) * KERNEL_TILE
+        k_first = torch.arange(every.shape[-1], device=device).view(1, -1) * KERNEL_TILE
         k_last = torch.clamp(k_first + KERNEL_TILE, max=key_len) - 1
         every = every & (k_last <= q_first)  # every key precedes every query
         some = some & (k_first <= q_last)  # some key precedes some query

@@ -15,9 +15,12 @@ Note [Custom operators for torch.compile and torch.func]
         dilated_attention::dilated        dilated_attention()
         dilated_attention::block_sparse   block_sparse_attention()
 
-    Each takes ``query, key, value, key_padding_mask`` and the call's options as ints, floats,
-    bools and strings (a block-sparse pattern as an int key: Note [Patterns as operator arguments]
-    in :mod:`dilated_attention.pattern_keys`), and returns ``(out, lse, rng_state)``: ``out`` (B,
+    Each takes ``query, key, value`` and the call's mask tensor (a key padding mask, or the
+    block-sparse operator's ``block_mask``, a run-time block mask: Note [The call's mask
+    tensor] in ``resolve/request.py``), and the call's options as ints, floats, bools and
+    strings (a block-sparse pattern as an int key: Note [Patterns as operator arguments] in
+    :mod:`dilated_attention.pattern_keys`; ``-1`` where the run-time mask gives the blocks),
+    and returns ``(out, lse, rng_state)``: ``out`` (B,
     Nq, H, D) in the input dtype and ``lse`` (B, H, Nq) float32 (float64 for float64 inputs), both
     contiguous, as the fake implementation promises, and ``rng_state`` (below). The real
     implementation is the eager function itself, run without autograd (no graph, nothing kept
@@ -52,8 +55,9 @@ Note [Custom operators for torch.compile and torch.func]
     (torch.func.grad of torch.func.grad, or a double backward of a torch.func.vjp; eager
     autograd supports them, Note [Double backward]), forward-mode AD (torch.func.jvp), dropout
     under ``torch.func.vmap`` unless ``randomness="different"``, ``torch.jit.trace`` (use
-    ``torch.compile`` or ``torch.export``), and block-sparse attention under ``torch.export``
-    (its pattern does not survive serialization). The ring functions communicate between ranks
+    ``torch.compile`` or ``torch.export``), and block-sparse attention on a pattern under
+    ``torch.export`` (the pattern does not survive serialization; a run-time mask, a tensor
+    input, does). The ring functions communicate between ranks
     from Python: ``torch.compile`` runs them eagerly between graphs (so ``fullgraph=True``
     raises, with the reason), and torch.func and ``torch.jit.trace`` raise
     (``tracing.eager_only``).
@@ -78,14 +82,14 @@ from ..core.call_runs import accumulator_dtype
 from ..core.hidden import hide_masked_keys
 from ..core.higher_order import RaiseOnBackward
 from ..resolve import execute, resolve
-from .options import DROPOUT_INDEX, OPTIONS, PUBLIC_NAME, dropout_p, request_of
+from .options import DROPOUT_INDEX, MASK_NAME, OPTIONS, PUBLIC_NAME, dropout_p, request_of
 from .tracing import eager_calls, wrapped
 from .vmap import backward_rule, forward_rule
 
 __all__ = ["call"]
 
 _NAMESPACE = "dilated_attention"
-_TENSORS = "Tensor query, Tensor key, Tensor value, Tensor? key_padding_mask"
+_TENSORS = "Tensor query, Tensor key, Tensor value, Tensor? {mask}"
 
 
 # -- running the eager functions inside the operators -------------------------------------------
@@ -201,7 +205,8 @@ def _runner_backward(
     if request.empty:
         return None
     strategy = resolve(request)
-    hidden_k, hidden_v = hide_masked_keys(k, v, mask)  # as resolve.execute runs the call
+    padding = request.key_padding_mask(mask)  # Note [The call's mask tensor]
+    hidden_k, hidden_v = hide_masked_keys(k, v, padding)  # as resolve.execute runs the call
     prepared = strategy.prepare(q, hidden_k, hidden_v, mask)
     if prepared is None:
         return None
@@ -211,7 +216,7 @@ def _runner_backward(
         return None
     dq, dk, dv = runner.backward(Backward(grad_out, x.q, out, lse, saved, None))
     # Through hide_masked_keys, a masked_fill: its gradient is the same fill of the gradient.
-    dk, dv = hide_masked_keys(dk, dv, mask)
+    dk, dv = hide_masked_keys(dk, dv, padding)
     return dq, dk, dv
 
 
@@ -269,7 +274,7 @@ def _second_order_message(kind: str) -> str:
 
 def _define(kind: str) -> tuple[Any, Any]:
     """Define, implement and differentiate ``dilated_attention::{kind}`` and its backward."""
-    options = OPTIONS[kind]
+    options, tensors = OPTIONS[kind], _TENSORS.format(mask=MASK_NAME[kind])
     tags = (torch.Tag.nondeterministic_seeded,) if DROPOUT_INDEX[kind] is not None else ()
 
     def forward_impl(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -282,7 +287,7 @@ def _define(kind: str) -> tuple[Any, Any]:
         f"{_NAMESPACE}::{kind}",
         forward_impl,
         mutates_args=(),
-        schema=f"({_TENSORS}, {options}) -> (Tensor, Tensor, Tensor)",
+        schema=f"({tensors}, {options}) -> (Tensor, Tensor, Tensor)",
         tags=tags,
     )
     backward = torch.library.custom_op(
@@ -290,7 +295,7 @@ def _define(kind: str) -> tuple[Any, Any]:
         backward_impl,
         mutates_args=(),
         schema=(
-            f"(Tensor grad_out, {_TENSORS}, Tensor out, Tensor lse, Tensor rng_state, "
+            f"(Tensor grad_out, {tensors}, Tensor out, Tensor lse, Tensor rng_state, "
             f"{options}) -> (Tensor, Tensor, Tensor)"
         ),
         tags=tags,

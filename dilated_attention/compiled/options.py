@@ -11,11 +11,15 @@ from typing import Any
 
 import torch
 
+from ..block_sparse.runtime import MaskLayout
 from ..core.schedule import Schedule
 from ..pattern_keys import pattern_key, pattern_of
 from ..resolve import BLOCK_SPARSE, DECODE, DENSE, DILATED, Request, dilated_operation
 
-__all__ = ["DROPOUT_INDEX", "OPTIONS", "PUBLIC_NAME", "dropout_p", "options_of", "request_of"]
+__all__ = [
+    "DROPOUT_INDEX", "MASK_NAME", "OPTIONS", "PUBLIC_NAME", "RUN_TIME_MASK", "dropout_p",
+    "options_of", "request_of",
+]  # fmt: skip
 
 #: Each operator's options after the tensors, in the eager function's terms. ``requires_grad``
 #: (last) is whether the traced call needed gradients: the eager kernel choice depends on it.
@@ -30,6 +34,12 @@ OPTIONS = {
         "bool requires_grad"
     ),
 }
+#: The name of each operator's fourth tensor, the call's mask tensor (Note [The call's mask
+#: tensor] in ``resolve/request.py``).
+MASK_NAME = {"dense": "key_padding_mask", "dilated": "key_padding_mask",
+             "block_sparse": "block_mask"}  # fmt: skip
+#: The ``pattern`` option of a block-sparse call whose blocks its run-time mask gives.
+RUN_TIME_MASK = -1
 #: Where ``dropout_p`` sits among an operator's options (None: the operator has no dropout).
 DROPOUT_INDEX = {"dense": 2, "dilated": 4, "block_sparse": None}
 PUBLIC_NAME = {
@@ -69,9 +79,15 @@ def request_of(
             schedule=Schedule(tuple(segs), tuple(rates)), requires_grad=bool(grad),
         )  # fmt: skip
     key, block_size, is_causal, scale, backend, grad = options
+    if key == RUN_TIME_MASK:  # its layout from the mask tensor's metadata
+        assert mask is not None  # the operator was called with the call's mask
+        batch, heads, _, width = mask.shape
+        blocks = {"block_mask": MaskLayout(mask.dtype != torch.bool, batch, heads, width)}
+    else:
+        blocks = {"pattern": pattern_of(key)}
     return Request.of(
-        BLOCK_SPARSE, q, k, v, pattern=pattern_of(key), block_size=block_size,
-        is_causal=is_causal, scale=scale, backend=backend, requires_grad=bool(grad),
+        BLOCK_SPARSE, q, k, v, block_size=block_size, is_causal=is_causal, scale=scale,
+        backend=backend, requires_grad=bool(grad), **blocks,
     )  # fmt: skip
 
 
@@ -91,6 +107,10 @@ def options_of(request: Request) -> tuple[str, list[Any]]:
         return "dilated", [
             list(r.schedule.segment_lengths), list(r.schedule.dilation_rates), r.is_causal,
             r.scale, r.dropout_p, r.backend, r.requires_grad,
+        ]  # fmt: skip
+    if r.block_mask is not None:  # a tensor input of the operator: it exports too
+        return "block_sparse", [
+            RUN_TIME_MASK, r.block_size, r.is_causal, r.scale, r.backend, r.requires_grad,
         ]  # fmt: skip
     assert r.pattern is not None
     if torch.compiler.is_exporting():

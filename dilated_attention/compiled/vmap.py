@@ -24,6 +24,32 @@ def _fold(x: torch.Tensor | None, dim: int | None, size: int) -> torch.Tensor | 
     return x.reshape(size * x.shape[1], *x.shape[2:])
 
 
+def _fold_block_mask(
+    x: torch.Tensor | None, dim: int | None, size: int, batch: int
+) -> torch.Tensor | None:
+    """A run-time block mask (..V at dim.., Bm, Hm, Mq, W) or unmapped, with Bm 1 or B ->
+    (V * B, Hm, Mq, W): a mask of one batch row serves each of the B rows it is mapped with."""
+    if x is None:
+        return None
+    x = x.movedim(dim, 0) if dim is not None else x.unsqueeze(0).expand(size, *x.shape)
+    x = x.expand(size, batch, *x.shape[2:])
+    return x.reshape(size * batch, *x.shape[2:])
+
+
+def _fold_all(
+    kind: str, args: Sequence[Any], in_dims: Sequence[int | None], size: int, query: int
+) -> list[torch.Tensor | None]:
+    """Every tensor of ``args`` folded (:func:`_fold`); ``args[query]`` is the query and
+    ``args[query + 3]`` the call's mask, a block-sparse call's run-time block mask folded by
+    :func:`_fold_block_mask`."""
+    tensors = [_fold(x, d, size) for x, d in zip(args, in_dims, strict=True)]
+    mask = query + 3
+    if kind == "block_sparse" and args[mask] is not None:
+        batch = tensors[query].shape[0] // size  # type: ignore[union-attr]
+        tensors[mask] = _fold_block_mask(args[mask], in_dims[mask], size, batch)
+    return tensors
+
+
 def _unfold(x: torch.Tensor, size: int) -> torch.Tensor:
     """(V * B, ...) -> (V, B, ...)."""
     return x.view(size, x.shape[0] // size, *x.shape[1:])
@@ -45,7 +71,7 @@ def forward_rule(op: Any, kind: str) -> Callable[..., Any]:
     def rule(info: Any, in_dims: Sequence[int | None], *args: Any) -> tuple[Any, Any]:
         _check_vmap(kind, info, args[4:])
         size = info.batch_size
-        tensors = [_fold(x, d, size) for x, d in zip(args[:4], in_dims[:4], strict=True)]
+        tensors = _fold_all(kind, args[:4], in_dims[:4], size, 0)
         out, lse, rng_state = op(*tensors, *args[4:])
         return (_unfold(out, size), _unfold(lse, size), rng_state), (0, 0, None)
 
@@ -64,7 +90,7 @@ def backward_rule(op: Any, kind: str) -> Callable[..., Any]:
             )
         _check_vmap(kind, info, args[8:])
         size = info.batch_size
-        tensors = [_fold(x, d, size) for x, d in zip(args[:7], in_dims[:7], strict=True)]
+        tensors = _fold_all(kind, args[:7], in_dims[:7], size, 1)
         grads = op(*tensors, args[7], *args[8:])
         return tuple(_unfold(g, size) for g in grads), (0, 0, 0)
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from .. import _validation as V
+from .hidden import hide_masked_keys
 from .kv_cache import DilatedLayer, LayerCache, device_memory
 
 
@@ -197,6 +198,18 @@ class StaticKVCache(LayerCache):
         if self.key_padding_mask is not None:
             hidden = False if key_padding_mask is None else key_padding_mask[:, 0]
             self.key_padding_mask[batch, rows] = hidden
+
+    def take_token(
+        self, key: torch.Tensor, value: torch.Tensor, key_padding_mask: torch.Tensor | None
+    ) -> None:
+        """A step's new token, ``key``/``value`` (B, 1, Hkv, D) and ``key_padding_mask`` (B, 1)
+        bool: refused past ``max_length`` (:meth:`check_capacity`), its hidden keys zeroed
+        (Note [Hidden keys cannot poison rows] in ``hidden.py``) and written at each row's
+        position (:meth:`write_token`). The step's attention runs next, then
+        ``lengths.add_(1)``."""
+        self.check_capacity(1)
+        key, value = hide_masked_keys(key, value, key_padding_mask)
+        self.write_token(key, value, key_padding_mask)
 
     def write_rows(
         self,

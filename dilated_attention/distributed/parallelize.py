@@ -23,8 +23,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..modules import (
+    BlockSelectedAttention,
     BlockSparseAttention,
     BlockSparseMultiheadAttention,
+    CompressedSelectedWindowAttention,
     DilatedAttention,
     LocalAttention,
     MultiheadDilatedAttention,
@@ -63,8 +65,8 @@ def context_parallel(
 
     Raises:
         ValueError: a layer with dropout (the ring functions have none), a local
-            (sliding-window) layer, which has no ring layer yet, or a bad ``layout``; nothing
-            is changed then.
+            (sliding-window) or selected-block (MoBA- or NSA-style) layer, which has no ring
+            layer yet, or a bad ``layout``; nothing is changed then.
         TypeError: ``group`` is not a group.
     """
     check_group(group)
@@ -77,6 +79,12 @@ def context_parallel(
                 f"yet: run the model in one process, or use the ring functions' window "
                 f"(RingAttention(window_size=...), ring_attention(..., window_size=...)); "
                 f"nothing was changed"
+            )
+        if isinstance(module, BlockSelectedAttention | CompressedSelectedWindowAttention):
+            raise ValueError(
+                f"{name or 'model'} ({type(module).__name__}) selects blocks from the content, "
+                f"which has no ring layer yet (each rank would select within its shard alone): "
+                f"run the model in one process; nothing was changed"
             )
         ring_class = _RING_CLASSES.get(type(module))
         if ring_class is None and not isinstance(module, RingModule):

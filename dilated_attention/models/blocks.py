@@ -70,7 +70,11 @@ class LongNetAttention(nn.Module):
         # layers, a registered kind) keep their constructors.
         common.update({"softcap": config.softcap} if config.softcap is not None else {})
         common.update({"sinks": True} if config.sinks else {})
-        if is_global:
+        if is_global and config.sparse is not None:  # kind "moba" or "nsa"
+            mha = create_multihead_dilated_attention(
+                kind=config.kind, config=config.sparse, **common
+            )
+        elif is_global:
             mha = create_multihead_dilated_attention(
                 kind=config.kind, segment_lengths=list(config.segment_lengths),
                 dilation_rates=list(config.dilation_rates), **common,

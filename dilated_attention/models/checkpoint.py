@@ -50,7 +50,7 @@ import torch
 
 from .. import _validation as V
 from .._version import __version__
-from ..factory import _resolve_device
+from ..core.devices import resolve_device
 from .config import LongNetConfig
 from .longnet import LongNetLM
 
@@ -283,7 +283,8 @@ def _read_payload(path: Path) -> memoryview:
 #: The config fields that shape the attention the weights were trained for (Note [Hybrid
 #: stacks] in ``config.py``): overrides may not change them.
 _ATTENTION_FIELDS = (
-    "segment_lengths", "dilation_rates", "local_window", "global_every", "softcap", "sinks"
+    "segment_lengths", "dilation_rates", "local_window", "global_every", "softcap", "sinks",
+    "sparse",
 )  # fmt: skip
 
 
@@ -315,7 +316,8 @@ def _keeping_schedule(saved: LongNetConfig, config: LongNetConfig, where: str) -
     if changed:
         raise ValueError(
             f"overrides change the attention of {where} from {', '.join(changed)}; its weights "
-            f"were trained for its local layers, soft-cap and sinks: load it as saved"
+            f"were trained for its local layers, soft-cap, sinks and selected-block sizes: load "
+            f"it as saved"
         )
     return config
 
@@ -356,7 +358,7 @@ def load_checkpoint(
     path = _as_path("path", path)
     payload_bytes = _read_payload(path)
     where = f"checkpoint {path}"
-    map_location = _resolve_device("cpu" if device is None else device)
+    map_location = resolve_device("cpu" if device is None else device)
     try:
         payload = torch.load(
             io.BytesIO(payload_bytes), map_location=map_location, weights_only=True

@@ -11,6 +11,16 @@ Note [Hybrid stacks]
     layer's holds only its window. Local layers run in one process: a hybrid stack needs a
     local ``kind`` (``"auto"`` in one process, ``"dilated"``) until they have a ring form
     (the ring layers take ``softcap`` and ``sinks``).
+
+    The global layers may instead select their blocks from the content: ``kind="moba"``
+    (MoBA-style, :class:`~dilated_attention.modules.BlockSelectedAttention`) or ``kind="nsa"``
+    (NSA-style, :class:`~dilated_attention.modules.CompressedSelectedWindowAttention`), with
+    their sizes in ``sparse`` (a :class:`~dilated_attention.config.BlockSelectedConfig` or
+    :class:`~dilated_attention.config.CompressedSelectedWindowConfig`; None: the defaults).
+    Every layer is such a layer without ``local_window``, or every ``global_every``-th between
+    windowed ones with it. They run in one process and decode without caches (``generate``
+    runs the whole prefix per token); they take no soft-cap, sinks or attention dropout. The
+    dilated schedule is then unused.
 """
 
 from __future__ import annotations
@@ -20,7 +30,14 @@ from typing import Any
 
 from .. import _validation as V
 from ..backends.registry import check_backend_name
+from ..config import BlockSelectedConfig, CompressedSelectedWindowConfig
 from ..factory import KIND_ALIASES
+
+#: The kinds whose options ``LongNetConfig.sparse`` holds, and their configs.
+SPARSE_KINDS: dict[str, type[BlockSelectedConfig] | type[CompressedSelectedWindowConfig]] = {
+    "moba": BlockSelectedConfig,
+    "nsa": CompressedSelectedWindowConfig,
+}
 
 __all__ = ["PRESETS", "LongNetConfig"]
 
@@ -65,7 +82,8 @@ class LongNetConfig:
         tie_embeddings: share the LM head weight with the token embedding.
         activation_checkpointing: recompute each block in the backward pass (training only).
         backend: attention kernel name, or ``None`` / ``"auto"`` for the automatic choice.
-        kind: factory kind of the global layers: ``"auto"``, ``"dilated"``, ``"ring"``, ...
+        kind: factory kind of the global layers: ``"auto"``, ``"dilated"``, ``"ring"``,
+            ``"moba"``, ``"nsa"`` (Note [Hybrid stacks]), ...
         local_window: ``W``: a hybrid stack (Note [Hybrid stacks]) whose local layers attend
             within a sliding window of ``W`` tokens (factory kind ``"local"``, ``window_size=
             (W - 1, 0)``); ``None``: every layer global (dilated).
@@ -75,6 +93,10 @@ class LongNetConfig:
         softcap: soft-capped attention scores ``c * tanh(s / c)`` in every layer (Gemma 2), or
             None.
         sinks: a learnable attention sink per head in every layer (gpt-oss).
+        sparse: with ``kind="moba"``, a :class:`~dilated_attention.config.BlockSelectedConfig`;
+            with ``kind="nsa"``, a :class:`~dilated_attention.config.
+            CompressedSelectedWindowConfig` (or its fields as a dict, as a checkpoint stores
+            it); None: that config's defaults. None with any other kind.
 
     Raises:
         ValueError: a field is invalid; the message names it.
@@ -100,6 +122,7 @@ class LongNetConfig:
     global_every: int | None = None
     softcap: float | None = None
     sinks: bool = False
+    sparse: BlockSelectedConfig | CompressedSelectedWindowConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "embed_dim", "num_heads", "num_layers", "ffn_dim"):
@@ -134,6 +157,7 @@ class LongNetConfig:
         if not isinstance(self.kind, str):
             raise ValueError(f"kind must be a factory kind name, got kind={self.kind!r}")
         self._check_hybrid()
+        self._check_sparse()
 
     def _check_hybrid(self) -> None:
         """``local_window``, ``global_every``, ``softcap`` and ``sinks`` (Note [Hybrid
@@ -163,6 +187,39 @@ class LongNetConfig:
                 f"kind={self.kind!r} with local_window={self.local_window}: the local layers "
                 f"have no ring form yet (they run in one process); pass kind='dilated' (or "
                 f"'auto' in one process), or drop local_window for a ring model"
+            )
+
+    def _check_sparse(self) -> None:
+        """``sparse``, checked against ``kind`` and made a config (Note [Hybrid stacks])."""
+        kind = KIND_ALIASES.get(self.kind, self.kind)
+        wanted = SPARSE_KINDS.get(kind)
+        if wanted is None:
+            if self.sparse is not None:
+                raise ValueError(
+                    f"sparse={self.sparse!r} sizes layers of kind 'moba' or 'nsa', but "
+                    f"kind={self.kind!r}; pass kind='moba' (a BlockSelectedConfig) or kind='nsa' "
+                    f"(a CompressedSelectedWindowConfig), or sparse=None"
+                )
+            return
+        sparse = self.sparse
+        if isinstance(sparse, dict):  # as a checkpoint stores it (dataclasses.asdict)
+            sparse = wanted(**sparse)
+        if sparse is None:
+            sparse = wanted()
+        if not isinstance(sparse, wanted):
+            raise ValueError(
+                f"kind={self.kind!r} takes sparse=dilated_attention.config.{wanted.__name__}"
+                f"(...) or None, got {type(sparse).__name__}"
+            )
+        object.__setattr__(self, "sparse", sparse)
+        given = {"softcap": self.softcap is not None, "sinks": self.sinks,
+                 "dropout": self.dropout > 0}  # fmt: skip
+        refused = [name for name, on in given.items() if on]
+        if refused:
+            raise ValueError(
+                f"kind={self.kind!r} layers take no soft-cap, sinks or attention dropout, got "
+                f"{', '.join(f'{n}={getattr(self, n)!r}' for n in refused)}; leave them out "
+                f"(softcap=None, sinks=False, dropout=0.0)"
             )
 
     def is_global(self, layer: int) -> bool:

@@ -10,6 +10,9 @@ modules it wraps.
   and the factory's constructors of kind ``"block_sparse"`` (``FACTORY_KINDS``).
 - :mod:`.local`: :class:`LocalAttention` (sliding windows) and the factory's constructors of
   kind ``"local"`` (the library's :class:`MultiheadAttention` around it).
+- :mod:`.selected`: :class:`BlockSelectedAttention` (MoBA-style, kind ``"moba"``) and
+  :class:`CompressedSelectedWindowAttention` (NSA-style, kind ``"nsa"``), blocks selected from
+  the content; the factory's constructors of those kinds (``SELECTED_KINDS``).
 
 Nothing here imports :mod:`dilated_attention.distributed`: the ring layers wrap these from outside.
 """
@@ -23,12 +26,17 @@ from .block_sparse import (
 from .dilated import DilatedAttention, MultiheadDilatedAttention
 from .local import LocalAttention, build_local, build_local_multihead
 from .multihead import LAYER_ARGUMENTS, MultiheadAttention
+from .selected import FACTORY_KINDS as SELECTED_KINDS
+from .selected import BlockSelectedAttention, CompressedSelectedWindowAttention
 
 __all__ = [
     "FACTORY_KINDS",
     "LAYER_ARGUMENTS",
+    "SELECTED_KINDS",
+    "BlockSelectedAttention",
     "BlockSparseAttention",
     "BlockSparseMultiheadAttention",
+    "CompressedSelectedWindowAttention",
     "DilatedAttention",
     "LocalAttention",
     "MultiheadAttention",

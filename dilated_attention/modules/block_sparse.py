@@ -32,8 +32,13 @@ __all__ = [
 class BlockSparseAttention(BlockSparseScheduleState, nn.Module):
     """Block-sparse attention over (B, N, H, D) tensors; see :func:`block_sparse_attention`.
 
+    A call may pass a run-time block mask (``forward(..., block_mask=mask)``): the blocks of
+    that call, in place of the pattern (Note [Run-time block masks] in
+    ``block_sparse/runtime.py``).
+
     Args:
-        pattern: a :mod:`dilated_attention.patterns` pattern.
+        pattern: a :mod:`dilated_attention.patterns` pattern, the blocks of calls without a
+            run-time mask.
         block_size: tokens per block (the last block may be shorter).
         scale: softmax scale; ``None`` means ``D ** -0.5``.
         backend: ``None`` or ``"auto"`` (FlexAttention on CUDA where it runs, else the
@@ -46,6 +51,9 @@ class BlockSparseAttention(BlockSparseScheduleState, nn.Module):
         TypeError: ``pattern`` is not a Pattern.
         ValueError: ``block_size < 1``, an unknown backend, a bad soft-cap or sink count.
     """
+
+    #: Its calls take a run-time block mask (the multihead layer passes ``block_mask`` on).
+    takes_block_mask = True
 
     def __init__(
         self,
@@ -73,16 +81,21 @@ class BlockSparseAttention(BlockSparseScheduleState, nn.Module):
         *,
         is_causal: bool = False,
         key_padding_mask: torch.Tensor | None = None,
+        block_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Args: query (B, Nq, H, D); key, value (B, Nk, Hkv, D); ``key_padding_mask`` must be
-        None (it exists for the multihead layer's call signature).
+        None (it exists for the multihead layer's call signature); ``block_mask``: this call's
+        run-time block mask in place of the pattern, bool (B or 1, H, Hkv or 1, Mq, Mk) or int
+        block indices (B or 1, H, Hkv or 1, Mq, K) on the inputs' device, or None (the
+        pattern).
 
         Returns:
             (B, Nq, H, D).
         """
         V.check_no_key_padding_mask(key_padding_mask)
+        blocks = self.pattern if block_mask is None else block_mask
         out = block_sparse_attention(
-            query, key, value, self.pattern, block_size=self.block_size, is_causal=is_causal,
+            query, key, value, blocks, block_size=self.block_size, is_causal=is_causal,
             scale=self.scale, backend=self.backend, softcap=self.softcap, sinks=self.sinks,
         )  # fmt: skip
         assert isinstance(out, torch.Tensor)  # return_lse=False: for the type checker
@@ -116,8 +129,10 @@ class BlockSparseMultiheadAttention(MultiheadAttention):
         sinks: learnable attention sinks, one logit per query head (``attention.sinks``).
 
     ``forward(query, key=None, value=None, key_padding_mask=None, need_weights=False,
-    attn_mask=None, average_attn_weights=True, is_causal=False) -> (out, None)`` with (B, N, E)
-    tensors, as :meth:`MultiheadDilatedAttention.forward`; ``key_padding_mask`` must be None.
+    attn_mask=None, average_attn_weights=True, is_causal=False, *, block_mask=None) -> (out,
+    None)`` with (B, N, E) tensors, as :meth:`MultiheadDilatedAttention.forward`;
+    ``key_padding_mask`` must be None; ``block_mask``: a run-time block mask for this call, as
+    in :class:`BlockSparseAttention`.
     """
 
     _what = "block-sparse attention"

@@ -37,6 +37,7 @@ class LayerInputs:
         cache: the layer's decoding cache, or None.
         documents: packed documents' offsets (Note [Packed documents] in
             ``core/documents.py``), or None.
+        block_mask: a run-time block mask for a block-sparse inner module, or None.
     """
 
     query: torch.Tensor
@@ -47,6 +48,7 @@ class LayerInputs:
     positions: torch.Tensor | None
     cache: Cache | None
     documents: tuple[int, ...] | None = None
+    block_mask: torch.Tensor | None = None
 
 
 class MultiheadAttention(nn.Module):
@@ -71,7 +73,9 @@ class MultiheadAttention(nn.Module):
         num_heads: H; E must be divisible by H.
         attention: the inner module, called as ``attention(q, k, v, is_causal=...,
             key_padding_mask=...)`` on (B, N, H, D) / (B, N, Hkv, D) tensors, returning
-            (B, N, H, D).
+            (B, N, H, D). One that declares ``gates_per_head = C`` (NSA-style branches) also
+            gets ``gates=`` (B, N, H, C) from the layer's ``gate_proj`` (Note [Gates from the
+            layer input]).
         num_kv_heads, bias, layer_norm, layer_norm_eps, gamma_init, batch_first, device, dtype:
             as in :class:`MultiheadDilatedAttention`.
 
@@ -84,6 +88,7 @@ class MultiheadAttention(nn.Module):
     _what = "attention"
     attention: nn.Module
     rotary: RotaryEmbedding | None
+    gate_proj: nn.Linear | None
     # Read by nn.TransformerEncoder(Layer): see Note [torch fast paths].
     _qkv_same_embed_dim = False
     in_proj_weight = NO_PACKED_PROJECTION
@@ -133,6 +138,11 @@ class MultiheadAttention(nn.Module):
         self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
         self.norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps, **factory) if layer_norm else None
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        # Note [Gates from the layer input]: per-head gates for an inner module that takes them.
+        gates = _gates_per_head(attention)
+        self.gate_proj = (
+            nn.Linear(embed_dim, num_heads * gates, bias=bias, **factory) if gates else None
+        )
         # Rotary positions applied to q and k between the projections and attention
         # (use_rotary); None: none.
         self.rotary = None
@@ -150,6 +160,10 @@ class MultiheadAttention(nn.Module):
                 nn.init.zeros_(proj.bias)
         if self.norm is not None:
             self.norm.reset_parameters()
+        if self.gate_proj is not None:  # every gate starts at sigmoid(0) = 1/2
+            nn.init.zeros_(self.gate_proj.weight)
+            if self.gate_proj.bias is not None:
+                nn.init.zeros_(self.gate_proj.bias)
 
     def use_rotary(self, base: float = 10000.0) -> MultiheadAttention:
         """Rotate q and k by their positions (RoPE, :class:`~dilated_attention.rotary.
@@ -230,6 +244,7 @@ class MultiheadAttention(nn.Module):
         positions: torch.Tensor | None = None,
         cache: Cache | None = None,
         cu_seqlens: torch.Tensor | list[int] | tuple[int, ...] | None = None,
+        block_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, None]:
         """Attention over ``query``, with ``nn.MultiheadAttention.forward``'s arguments.
 
@@ -264,6 +279,9 @@ class MultiheadAttention(nn.Module):
                 (offsets over the batch's rows read one after another); with rotary and no
                 ``positions``, each document's positions start at 0. Only with an inner module
                 that takes them (``DilatedAttention``, ``LocalAttention``).
+            block_mask: this call's run-time block mask (Note [Run-time block masks] in
+                ``block_sparse/runtime.py``), over the projected heads. Only with an inner
+                module that takes one (``BlockSparseAttention``).
 
         Returns:
             ``(out, None)``, ``out`` shaped like ``query``.
@@ -289,9 +307,19 @@ class MultiheadAttention(nn.Module):
             is_causal=self._is_causal(attn_mask, is_causal, query),
             key_padding_mask=self._checked_key_padding_mask(key_padding_mask, query),
             positions=self._cache_positions(cache, positions, query, documents),
-            cache=cache, documents=documents,
+            cache=cache, documents=documents, block_mask=self._block_mask(block_mask),
         )  # fmt: skip
         return self._output(self._attend(inputs)), None
+
+    def _block_mask(self, block_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """``block_mask`` where the inner module takes one (checked there), else it raises."""
+        if block_mask is not None and not getattr(self.attention, "takes_block_mask", False):
+            raise ValueError(
+                f"block_mask (a run-time block mask) needs a layer whose inner module takes one "
+                f"(BlockSparseAttention), got {type(self.attention).__name__}; call without "
+                f"block_mask, or use a block-sparse layer"
+            )
+        return block_mask
 
     def _refuse_weights(self, need_weights: bool) -> None:
         """``need_weights=True`` raises: the (N x N) weights are never materialised."""
@@ -442,6 +470,12 @@ class MultiheadAttention(nn.Module):
         masks = {"is_causal": inputs.is_causal, "key_padding_mask": inputs.key_padding_mask}
         if inputs.documents is not None:
             masks["cu_seqlens"] = inputs.documents  # with a cache: a packed prompt
+        if inputs.block_mask is not None:
+            masks["block_mask"] = inputs.block_mask
+        if self.gate_proj is not None:
+            gates = torch.sigmoid(self.gate_proj(inputs.query))
+            gates = rearrange(gates, "b n (h c) -> b n h c", h=self.num_heads)
+            masks["gates"] = gates.to(q.dtype)
         if inputs.cache is None:
             return self.attention(q, k, v, **masks)
         return self.attention(q, k, v, **masks, cache=inputs.cache)
@@ -468,6 +502,27 @@ class MultiheadAttention(nn.Module):
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"batch_first={self.batch_first}"
         )
+
+
+def _gates_per_head(attention: nn.Module) -> int:
+    """How many gates per head ``attention`` takes in each call (its ``gates_per_head``; 0:
+    none).
+
+    Note [Gates from the layer input]
+        NSA weighs its branches by gates computed from the layer's input, ``g = sigmoid(x
+        W_g)``, one per branch and head. An inner module that combines branches so says
+        ``gates_per_head = C``; this layer then holds ``gate_proj``, a linear map from the
+        query input (B, N, E) to ``H * C`` gates, and passes ``gates=sigmoid(gate_proj(x))``
+        as (B, N, H, C) in the query's dtype to every call. Its weights start at zero: every
+        gate starts at 1/2, and learns from the gradient ``dout . o_c`` of its branch.
+    """
+    gates = getattr(attention, "gates_per_head", 0)
+    if isinstance(gates, bool) or not isinstance(gates, int) or gates < 0:
+        raise TypeError(
+            f"{type(attention).__name__}.gates_per_head must be an int >= 0 (gates per head "
+            f"each call takes), got {gates!r}"
+        )
+    return gates
 
 
 #: The multihead layer's own constructor arguments; the factory passes the others to the inner

@@ -1,6 +1,7 @@
 """The resolve step: a :class:`Request` describes one attention call, :func:`resolve` returns
 the :class:`Strategy` that runs it (Note [One resolve step] in ``resolve/resolver.py``)."""
 
+from .caches import static_branches
 from .request import (
     BLOCK_SPARSE,
     DECODE,
@@ -10,7 +11,7 @@ from .request import (
     Request,
     dilated_operation,
 )
-from .resolver import execute, keeps_every_pair, resolve, static_branches
+from .resolver import execute, keeps_every_pair, resolve
 from .strategy import Strategy
 
 __all__ = [

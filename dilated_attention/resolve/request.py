@@ -1,6 +1,16 @@
 """What one attention call asks for: the operation, shapes, dtype, device, flags, schedule or
 pattern, and gradient needs, as plain values (no tensors): the input of the resolve step.
 
+Note [The call's mask tensor]
+    Besides query, key and value, a call carries at most one mask tensor, and every layer
+    passes it on in the same place (``route``, ``execute``, a custom operator's fourth input,
+    ``Strategy.run`` and ``prepare``): a dense or dilated call's key padding mask (B, Nk), or a
+    block-sparse call's run-time block mask (Note [Run-time block masks] in
+    ``block_sparse/runtime.py``; a block-sparse call takes no key padding mask). The request
+    says which it is (``has_mask``, ``block_mask``) and describes it by plain values, so that a
+    mask made each step resolves to the strategy kept for its request
+    (:meth:`Request.key_padding_mask` picks the key padding mask out).
+
 Shape legend: B batch, Nq query rows, Nk key rows, H query heads, Hkv key/value heads, D head dim.
 """
 
@@ -12,6 +22,7 @@ from typing import TypeVar
 import torch
 
 from ..backends.base import KernelInputs
+from ..block_sparse.runtime import MaskLayout
 from ..core.schedule import Schedule
 from ..patterns import Pattern
 
@@ -50,20 +61,31 @@ class Request:
             ``use_backend`` or the environment names).
         schedule: the dilated schedule (``"dilated"``, ``"decode"``).
         pattern, block_size: the block-sparse pattern and its block size.
-        key_start, context_len: ``"decode"``: the position of the first key row this call reads
-            and the positions so far, this call's included (with a cache its held rows plus the
-            new ones; None: ``key_len``).
+        block_mask: a block-sparse call's run-time block mask, described (the tensor is the
+            call's mask tensor: Note [The call's mask tensor]); None: ``pattern`` gives the
+            blocks.
+        key_start, context_len: ``"decode"`` (and a call with a cache): the position of the
+            first key row this call reads and the positions so far, this call's included (with
+            a cache its held rows plus the new ones; None: ``key_len``).
         shard: ``"dilated"`` over a sequence sharded across ranks (ring dilated attention):
             ``(world_size, chunk_len)``, this call's rows being one rank's ``query_len`` of the
             ``world_size * query_len`` positions, in chunks of ``chunk_len`` (one per rank, two
             under the zigzag layout). The kernel is then chosen for the local branches, whose
             segments lie inside one chunk (``ScheduleLayout.sharded``). None: one process.
-        documents: ``"dense"``, ``"dilated"`` on packed documents: the offsets of the documents
-            among the ``query_len`` positions of a batch of one row (Note [Packed documents] in
-            ``core/documents.py``). None: each row is one sequence.
+        documents: packed documents: the offsets of the documents among the ``batch *
+            query_len`` positions read row after row (Note [Packed documents] in
+            ``core/documents.py``; the resolve step runs the batch as one row of them, Note
+            [Packed documents as one row] in ``resolve/packed.py``, but with a run-time block
+            mask, whose blocks are the rows'). None: each row is one sequence.
         static: ``"decode"`` of one token per batch row at positions given as a tensor, the
             keys being a static cache's ``key_len`` buffer rows (Note [A decode step with
-            static shapes] in ``core/static_cache.py``).
+            static shapes] in ``core/static_cache.py``); with a static ``cache``, its one-token
+            step.
+        cache: the kind of decoding cache the call's new tokens extend (its class name, e.g.
+            ``"DilatedKVCache"``; the cache itself travels beside the tensors), with what it
+            holds in ``key_len``, ``key_start``, ``context_len``, ``static`` (Note [A cache call
+            is one request] in ``resolve/caches.py``). With ``documents``: a packed prompt into
+            it. None: no cache.
         first_head: ``"dilated"``: the layer head that the call's head 0 is, the call holding
             a slice of the layer's heads (Note [Heads from a later layer head] in
             ``core/schedule.py``).
@@ -99,6 +121,8 @@ class Request:
     softcap: float | None = None
     window: tuple[int, int] | None = None
     sinks: bool = False
+    block_mask: MaskLayout | None = None
+    cache: str | None = None
 
     @classmethod
     def of(
@@ -110,17 +134,24 @@ class Request:
         **fields: object,
     ) -> Request:
         """The request of a call on q (B, Nq, H, D), k and v (B, Nk, Hkv, D); ``fields`` are the
-        remaining attributes. ``requires_grad`` defaults to grad mode and the inputs'."""
+        remaining attributes. ``requires_grad`` defaults to grad mode and the inputs', and
+        ``key_len`` to ``Nk`` (a cache call reads more keys than it is given)."""
         if "requires_grad" not in fields:
             fields["requires_grad"] = torch.is_grad_enabled() and any(
                 x.requires_grad for x in (q, k, v)
             )
+        fields.setdefault("key_len", k.shape[1])
         batch, query_len, num_heads, head_dim = q.shape
         return cls(
             operation=operation, device=q.device, dtype=q.dtype, batch=batch,
-            query_len=query_len, key_len=k.shape[1], num_heads=num_heads,
-            num_kv_heads=k.shape[2], head_dim=head_dim, **fields,  # type: ignore[arg-type]
+            query_len=query_len, num_heads=num_heads, num_kv_heads=k.shape[2],
+            head_dim=head_dim, **fields,  # type: ignore[arg-type]
         )  # fmt: skip
+
+    def key_padding_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The call's mask tensor as a key padding mask: None where it is a run-time block mask
+        (Note [The call's mask tensor])."""
+        return None if self.block_mask is not None else mask
 
     @property
     def positions(self) -> int:

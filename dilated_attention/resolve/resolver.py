@@ -11,6 +11,11 @@ Note [One resolve step]
     (:meth:`Strategy.describe`), the custom operators of ``compiled/`` run it, and the ring
     asks it for the kernel of its steps. A new operation, kernel family or mask kind is one
     resolver here (and a kernel in ``backends/``), not a change in every public function.
+    Packed documents and decoding caches are part of the request too, and the public
+    functions hand every call to one route: a packed batch resolves as one row around which
+    it is flattened (Note [Packed documents as one row] in ``packed.py``), a cache call as the
+    keys it reads inside a strategy that joins them with the cache (Note [A cache call is one
+    request] in ``caches.py``).
 
 Note [Dense fallback]
     A pattern whose block mask keeps every block pair (every pair at or below the diagonal when
@@ -63,12 +68,14 @@ from ..core.contract import Window
 from ..core.documents import document_groups
 from ..core.fused import ChunkQueries
 from ..core.grouped import grouped_plan, slot_group_length
-from ..core.hidden import hide_masked_keys
 from ..core.plan import Plan
 from ..core.schedule import ShardedBranches
 from ..core.segment import branch_plan, describe_plan, dilated_plan, effective_branches
 from ..core.slots import Slot
 from ..patterns import Pattern
+from .block_masks import refuse_end_aligned_kernels, runtime_blocks
+from .caches import cache_call, static_branches
+from .packed import packed_call
 from .request import BLOCK_SPARSE, DECODE, DENSE, DILATED, OPERATIONS, Request
 from .request import kernel_inputs as _kernel_inputs
 from .strategy import (
@@ -125,11 +132,22 @@ def resolve(request: Request) -> Strategy:
     key = (request, _requested(request.backend), generation())
     strategy = _RESOLVED.get(key)
     if strategy is None:
-        strategy = _RESOLVERS[request.operation](request)
+        strategy = _resolve(request)
         if len(_RESOLVED) >= RESOLVED_LIMIT:
             del _RESOLVED[next(iter(_RESOLVED))]
         _RESOLVED[key] = strategy
     return strategy
+
+
+def _resolve(request: Request) -> Strategy:
+    """A cache call around the strategy of the keys it reads (Note [A cache call is one
+    request] in ``caches.py``), a packed batch around its row's (Note [Packed documents as one
+    row] in ``packed.py``), else the operation's resolver."""
+    if request.cache is not None:
+        return cache_call(request, _resolve)
+    if request.documents is not None and request.block_mask is None:  # a mask's blocks: rows'
+        return packed_call(request, lambda row: _RESOLVERS[row.operation](row))
+    return _RESOLVERS[request.operation](request)
 
 
 def clear_resolved() -> None:
@@ -142,16 +160,16 @@ def execute(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
+    mask: torch.Tensor | None,
     sinks: torch.Tensor | None = None,
+    cache: object = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Resolve and run a checked call: q (B, Nq, H, D), k and v (B, Nk, Hkv, D),
-    key_padding_mask (B, Nk) bool or None, sinks (H,) or None -> ``(out, lse)``, out
-    (B, Nq, H, D), lse (B, H, Nq). Keys the mask hides are zeroed first (Note [Hidden keys
-    cannot poison rows])."""
-    strategy = resolve(request)
-    k, v = hide_masked_keys(k, v, key_padding_mask)
-    return strategy.run(q, k, v, key_padding_mask, sinks)
+    """Resolve and run a checked call: q (B, Nq, H, D), k and v (B, Nk, Hkv, D), the call's
+    mask tensor (Note [The call's mask tensor]: a key padding mask (B, Nk) bool, a run-time
+    block mask, or None), sinks (H,) or None, the decoding cache the request names (or None)
+    -> ``(out, lse)``, out (B, Nq, H, D), lse (B, H, Nq). Keys a key padding mask hides are
+    zeroed first (Note [Hidden keys cannot poison rows]); ``Strategy.call``."""
+    return resolve(request).call(q, k, v, mask, sinks, cache)
 
 
 def _dense(request: Request) -> Strategy:
@@ -418,17 +436,6 @@ def _chunk_forward(request: Request) -> Strategy | None:
     )
 
 
-def static_branches(request: Request) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The effective branches every step of a static decode ``request`` reads: the schedule's
-    over the buffers' ``key_len`` rows (Note [Effective branches]). Plain integers, so the
-    traced step computes them too (``decode_step._traced_slots``)."""
-    schedule = request.schedule
-    assert schedule is not None  # a decode request has one
-    return effective_branches(
-        request.key_len, request.num_heads, schedule.segment_lengths, schedule.dilation_rates
-    )
-
-
 def _static_decode(request: Request) -> Strategy:
     """One token per batch row against a static cache's buffers (Note [A decode step with
     static shapes] in ``core/static_cache.py``): the one call of every branch's slots, on the
@@ -486,6 +493,8 @@ def _block_sparse(request: Request) -> Strategy:
     (Note [Block-sparse plan]); an end-aligned causal query always runs the plan (Note
     [End-aligned causal blocks])."""
     pattern, size = request.pattern, request.block_size
+    if request.block_mask is not None:  # Note [Run-time block masks]
+        return runtime_blocks(request)
     if pattern is None:  # explain() of a kernel call's shape: the registry's answer
         inputs = _kernel_inputs(request, block_size=size)
         kernel = registry_for(BLOCK_SPARSE_REGISTRY).select(inputs, request.backend)
@@ -520,17 +529,7 @@ def _block_sparse(request: Request) -> Strategy:
 def _end_aligned_blocks(request: Request, query_start: int) -> Strategy:
     """The plan of an end-aligned causal block-sparse call on the dense kernel chosen for its
     square causal calls; a block-sparse kernel asked for by name raises ``ValueError``."""
-    requested, source = _requested(request.backend)
-    if requested in registry_for(BLOCK_SPARSE_REGISTRY).plan_kernels:
-        nq, nk = request.query_len, request.key_len
-        raise ValueError(
-            f"backend {requested!r} (from {source}) cannot run block_sparse_attention with "
-            f"is_causal=True and a query shorter than the key (query length {nq}, key length "
-            f"{nk}): its causal mask is top-left aligned, and such a query holds the last {nq} "
-            f"of the {nk} positions (end-aligned). Let the library choose (backend=None), "
-            f"which runs the block-sparse plan on a dense kernel, or name a dense kernel from "
-            f"list_backends()"
-        )
+    refuse_end_aligned_kernels(request)
     inputs = _kernel_inputs(request, key_len=request.query_len, is_causal=True)
     kernel = registry_for(DENSE_REGISTRY).select(inputs, request.backend)
     return _block_plan(request, kernel, inputs, DENSE_REGISTRY, query_start)

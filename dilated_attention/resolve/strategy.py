@@ -1,7 +1,9 @@
 """Strategies: what the resolve step returns. A strategy knows which kernel runs a request, how
 the work is cut (one dense call, a plan of branch calls gathered, read as views or written into
 slots, our fused kernels, decoding rows, a block-sparse kernel), why every other kernel was not
-taken, and runs it under the one autograd Function.
+taken, and runs it under the one autograd Function. A packed batch's or a cache call's
+strategy wraps the one that runs the kernels (:class:`WrappedStrategy`: ``packed.py``,
+``caches.py``).
 
 Shape legend: B batch, Nq query rows, Nk key rows, H query heads, Hkv key/value heads, D head dim.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import torch
 
@@ -22,6 +25,7 @@ from ..core.autograd import Inputs, Runner, run_attention
 from ..core.decode import static_token_plan, token_slots
 from ..core.executor import PlanRunner, empty_attention
 from ..core.fused import ChunkQueries, FusedRunner, compile_ahead
+from ..core.hidden import hide_masked_keys
 from ..core.plan import Plan
 from .request import Request
 
@@ -34,6 +38,7 @@ __all__ = [
     "Prepared",
     "StaticDecodeStrategy",
     "Strategy",
+    "WrappedStrategy",
 ]
 
 Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -102,6 +107,25 @@ class Strategy:
             return out, lse
         return self._run(q, k, v, key_padding_mask, sinks)
 
+    def call(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        sinks: torch.Tensor | None = None,
+        cache: object = None,
+    ) -> Result:
+        """``(out, lse)`` of the request on a checked call's tensors as the public function got
+        them (shapes as in :meth:`run`; ``mask`` the call's mask tensor, Note [The call's mask
+        tensor] in ``request.py``): the keys a key padding mask hides zeroed (Note [Hidden keys
+        cannot poison rows] in ``core/hidden.py``), then :meth:`run`. ``cache``: the decoding
+        cache beside the tensors, which the strategies of cache calls take
+        (``resolve/caches.py``); None here."""
+        assert cache is None, "a request without a cache resolves to a strategy without one"
+        k, v = hide_masked_keys(k, v, self.request.key_padding_mask(mask))
+        return self.run(q, k, v, mask, sinks)
+
     def _run(
         self,
         q: torch.Tensor,
@@ -165,6 +189,8 @@ class Strategy:
         ]
         if r.schedule is not None:
             lines.append(f"  schedule: {r.schedule}")
+        if r.block_mask is not None:
+            lines.append(f"  blocks: a {r.block_mask.describe()}, block_size {r.block_size}")
         if self.kernel is None:
             return "\n".join([*lines, f"  {self.how}"])
         source = f" ({choice.source})" if choice is not None else ""
@@ -174,6 +200,26 @@ class Strategy:
             why_not = choice.reasons.items()
             lines += [f"  {name}: not used ({'; '.join(why)})" for name, why in why_not]
         return "\n".join(lines)
+
+
+_W = TypeVar("_W", bound="WrappedStrategy")
+
+
+@dataclass(frozen=True)
+class WrappedStrategy(Strategy):
+    """A strategy around the one that runs the kernels (``inner``): it lays a call's inputs out
+    for it (packed documents as one row) or joins them with a decoding cache. The kernel, its
+    registry, what it was judged by and the notes are ``inner``'s."""
+
+    inner: Strategy | None = None
+
+    @classmethod
+    def around(cls: type[_W], request: Request, inner: Strategy, how: str) -> _W:
+        """``request`` run around ``inner``, ``how`` saying what this strategy adds."""
+        return cls(
+            request, inner.kernel, inner.operation, inner.inputs, f"{how}: {inner.how}",
+            inner.notes, inner=inner,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

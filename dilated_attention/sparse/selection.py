@@ -71,6 +71,7 @@ import torch
 
 from .. import _validation as V
 from ..block_sparse.plan import check_block_size, num_blocks
+from ..block_sparse.runtime import check_documents_aligned, same_document
 from ..core.documents import check_cu_seqlens
 from .compression import window_means
 
@@ -150,7 +151,7 @@ def select_blocks(
     documents = None
     if cu_seqlens is not None:
         documents = check_cu_seqlens(cu_seqlens, q, k)
-        _check_aligned(documents, q.shape[1], block_size)
+        check_documents_aligned(documents, q.shape[1], block_size, "select_blocks")
     return _select(q, k, block_size, topk, is_causal, documents, per)
 
 
@@ -173,7 +174,7 @@ def _select(
     affinity = _affinity(q, k, block_size, per)
     candidates, own = _candidates(nq, nk, block_size, is_causal, q.device)
     if documents is not None:
-        same = _same_document(documents, batch, nq, block_size, q.device)
+        same = same_document(documents, batch, nq, block_size, q.device)
         candidates, own = candidates & same, own & same
     return _top_blocks(affinity, candidates, topk) | own
 
@@ -200,21 +201,6 @@ def _check_per(per: object) -> None:
         raise ValueError(
             f"per must be one of {PER}, got per={per!r}: 'head' chooses per query head "
             f"(MoBA), 'kv_head' once per key/value head for its group of query heads (NSA)"
-        )
-
-
-def _check_aligned(documents: tuple[int, ...], seq_len: int, block_size: int) -> None:
-    """Every document starts at a multiple of ``block_size`` within its row, so that no block
-    holds positions of two documents (a row's last block may be shorter)."""
-    bad = [offset for offset in documents if offset % seq_len % block_size]
-    if bad:
-        row, start = divmod(bad[0], seq_len)
-        raise ValueError(
-            f"select_blocks with cu_seqlens needs every document to start at a multiple of "
-            f"block_size={block_size} within its row (blocks never cross a document), got a "
-            f"document starting at position {start} of row {row} (offset {bad[0]} in "
-            f"cu_seqlens); pad each document to a multiple of block_size, or use a block_size "
-            f"that divides every document's start"
         )
 
 
@@ -255,22 +241,6 @@ def _candidates(
     lo, hi = (first // block_size)[:, None], (last // block_size)[:, None]
     key_blocks = torch.arange(mk, device=device)[None, :]
     return key_blocks < lo, (key_blocks >= lo) & (key_blocks <= hi)
-
-
-def _same_document(
-    documents: tuple[int, ...], batch: int, seq_len: int, block_size: int, device: torch.device
-) -> torch.Tensor:
-    """(B, 1, M, M) bool: whether query block ``i`` and key block ``j`` of a row lie in one
-    document (their first positions do; blocks start documents, ``_check_aligned``)."""
-    m = num_blocks(seq_len, block_size)
-    offsets = torch.tensor(documents, dtype=torch.int64)
-    if device.type == "cuda":  # a copy from pageable memory may wait for the stream
-        offsets = offsets.pin_memory()
-    offsets = offsets.to(device, non_blocking=True)
-    starts = (torch.arange(batch, device=device)[:, None] * seq_len
-              + torch.arange(m, device=device)[None, :] * block_size)  # fmt: skip
-    document = torch.searchsorted(offsets, starts, right=True)  # (B, M)
-    return (document[:, :, None] == document[:, None, :])[:, None]
 
 
 def _top_blocks(affinity: torch.Tensor, candidates: torch.Tensor, topk: int) -> torch.Tensor:

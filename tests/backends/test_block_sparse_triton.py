@@ -3,7 +3,8 @@ dense masked oracle: outputs, lse and all gradients; causal and not, ragged last
 and key lengths that differ, GQA, rows that see no key, head dims that are not powers of two.
 Every output buffer starts NaN-filled, so a row no kernel writes shows.
 
-The tests ask for ``backend="triton"`` (on CUDA the kernels are also the automatic choice for
+Run-time block masks (per batch row and head, lists made on the device) have cases of their
+own. The tests ask for ``backend="triton"`` (on CUDA the kernels are also the automatic choice for
 calls without gradients); on a machine without a GPU, ``TRITON_INTERPRET=1 pytest
 tests/backends/test_block_sparse_triton.py`` runs them through Triton's interpreter (float32 and
 float16).
@@ -19,6 +20,7 @@ from support.block_sparse import (
     chosen_kernel,
     token_mask,
 )
+from support.runtime_masks import runtime_token_mask
 from support.triton import KERNEL_DEVICES, poison_new_buffers, skip_without_triton
 
 from dilated_attention import block_sparse_attention
@@ -70,6 +72,53 @@ def test_triton_kernels_match_oracle(
             )  # fmt: skip
             grads = [g.cpu() for g in torch.autograd.grad(out, leaves, dout.to(device))]
         check_kernel_result(q, k, v, dout, mask, out.detach().cpu(), lse.cpu(), grads)
+
+
+# Run-time block masks (Note [Run-time block masks]): (Nq, Nk, block_size, kv_heads, head_dim,
+# mask batch, mask heads, index lists). Few and small: the interpreter is slow.
+RUNTIME_CASES = [
+    (200, 200, 64, 2, 32, 2, 4, False),  # per query head, ragged
+    (256, 256, 128, 2, 32, 1, 2, True),  # per key/value head, shared by the batch, indices
+    (192, 320, 64, 1, 32, 2, 1, False),  # rectangular, MQA, shared by every head
+]
+# Causal calls of a query shorter than the key are end-aligned: the fallback runs them
+# (tests/ops/test_block_sparse_runtime.py).
+RUNTIME_PARAMS = [
+    (case, causal) for case, c in enumerate(RUNTIME_CASES) for causal in (False, True)
+    if not causal or c[0] == c[1]
+]
+
+
+@pytest.mark.parametrize(("case", "is_causal"), RUNTIME_PARAMS)
+@pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
+def test_triton_kernels_take_run_time_masks(
+    device: str, dtypes: list[torch.dtype], case: int, is_causal: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Per-(batch row, head) lists made on the device from a bool mask or index lists (with -1
+    and repeats), forward and backward, against the float64 oracle; new buffers NaN-filled."""
+    skip_without_triton(device)
+    nq, nk, block_size, kv_heads, dim, mask_batch, mask_heads, indices = RUNTIME_CASES[case]
+    mq, mk = -(-nq // block_size), -(-nk // block_size)
+    gen = torch.Generator().manual_seed(case)
+    if indices:
+        mask = torch.randint(-1, mk, (mask_batch, mask_heads, mq, 3), generator=gen)
+    else:
+        mask = torch.rand(mask_batch, mask_heads, mq, mk, generator=gen) < 0.5
+    tokens = runtime_token_mask(mask, block_size, batch=2, heads=4, query_len=nq, key_len=nk,
+                                is_causal=is_causal)  # fmt: skip
+    for dtype in dtypes[:1] if device == "cpu" else dtypes:
+        shapes = [(2, nq, 4, dim), (2, nk, kv_heads, dim), (2, nk, kv_heads, dim), (2, nq, 4, dim)]
+        q, k, v, dout = (torch.randn(s, generator=gen).to(dtype) for s in shapes)
+        leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
+        with monkeypatch.context() as patch:
+            poison_new_buffers(patch)
+            out, lse = block_sparse_attention(
+                *leaves, mask.to(device), block_size=block_size, is_causal=is_causal,
+                backend="triton", return_lse=True,
+            )  # fmt: skip
+            grads = [g.cpu() for g in torch.autograd.grad(out, leaves, dout.to(device))]
+        check_kernel_result(q, k, v, dout, tokens, out.detach().cpu(), lse.cpu(), grads)
 
 
 def test_reasons_name_the_block_size_and_head_dim() -> None:

@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("backends", ("backends",)),
     ("kernels", ("block_sparse",)),
     ("resolve", ("resolve",)),
-    ("compiled", ("compiled", "pattern_keys", "decode_step", "window_decode")),
+    ("compiled", ("compiled", "pattern_keys", "decode_step")),
     ("operations", ("functional", "sparse")),
     ("modules", ("modules", "rotary")),
     ("distributed", ("distributed",)),

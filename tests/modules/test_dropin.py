@@ -155,13 +155,14 @@ def no_fused_kernels(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def test_forward_signature_is_torchs() -> None:
     """Same parameter names, in the same (positional) order, as nn.MultiheadAttention.forward;
-    ours adds only keyword-only ``positions`` (rotary), ``cache`` (decoding) and
-    ``cu_seqlens`` (packed documents) after them."""
+    ours adds only keyword-only ``positions`` (rotary), ``cache`` (decoding), ``cu_seqlens``
+    (packed documents) and ``block_mask`` (a block-sparse layer's run-time mask) after them."""
     params = inspect.signature(MultiheadDilatedAttention.forward).parameters
     torchs = list(inspect.signature(nn.MultiheadAttention.forward).parameters)
+    ours = ["positions", "cache", "cu_seqlens", "block_mask"]
     assert list(params)[: len(torchs)] == torchs
-    assert list(params)[len(torchs) :] == ["positions", "cache", "cu_seqlens"]
-    for name in ("positions", "cache", "cu_seqlens"):
+    assert list(params)[len(torchs) :] == ours
+    for name in ours:
         assert params[name].kind is inspect.Parameter.KEYWORD_ONLY
         assert params[name].default is None
 

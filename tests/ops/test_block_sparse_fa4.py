@@ -6,11 +6,14 @@ tile by tile as FA4 does (full tiles whole, partial tiles through the ``mask_mod
 rows past the sequence end dropped), and computes attention in float64; rows and keys no tile
 reaches come back as NaN, the way uninitialised kernel memory might. So these tests check the
 tile lists in both directions, the causal ``mask_mod``, the runner's handling of unreached rows
-and keys, and the choice; the GPU tests (marked) run the real kernel.
+and keys, and the choice; the GPU tests (marked) run the real kernel. Run-time block masks' lists
+(per batch row and query head, made on the device) run through the same fake.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import sys
 import types
 from typing import Any, NamedTuple
@@ -23,15 +26,19 @@ from support.block_sparse import (
     oracle_with_grads,
     token_mask,
 )
+from support.runtime_masks import runtime_token_mask
 from support.triton import poison_new_buffers
 
 from dilated_attention import block_sparse_attention
 from dilated_attention import patterns as P
 from dilated_attention.backends.base import KernelInputs
 from dilated_attention.backends.flash_attn4 import FlashAttn4Backend
-from dilated_attention.backends.registry import get_backend, registry_for
+from dilated_attention.backends.registry import Selection, get_backend, registry_for
 from dilated_attention.block_sparse.fa4 import FlashAttn4BlockSparseRunner, fa4_tiles
+from dilated_attention.block_sparse.runtime import check_block_mask
 from dilated_attention.core.autograd import run_attention
+from dilated_attention.resolve import BLOCK_SPARSE, Request
+from dilated_attention.resolve.block_masks import RuntimeMaskStrategy
 
 F64 = torch.float64
 TILE = 128
@@ -61,25 +68,27 @@ class _SparseTensors(NamedTuple):
 def _reach(
     tiles: _SparseTensors, mask_mod: Any, rows: int, cols: int, by_key: bool = False
 ) -> torch.Tensor:
-    """(rows, cols) bool: the token pairs the lists reach (rows are the listing side: query
-    tiles, or key tiles when ``by_key``; ``mask_mod`` always takes query, then key)."""
+    """(Bl, Hl, rows, cols) bool: the token pairs the lists of each batch row and head reach
+    (rows are the listing side: query tiles, or key tiles when ``by_key``; ``mask_mod`` always
+    takes query, then key)."""
     assert tiles.block_size == (TILE, TILE)
-    reach = torch.zeros(rows, cols, dtype=torch.bool)
+    batch, heads = tiles.mask_block_cnt.shape[:2]
+    reach = torch.zeros(batch, heads, rows, cols, dtype=torch.bool)
     lists = ((tiles.mask_block_cnt, tiles.mask_block_idx, True),
              (tiles.full_block_cnt, tiles.full_block_idx, False))  # fmt: skip
     for count, index, partial in lists:
-        assert count.dtype == index.dtype == torch.int32 and count.shape[:2] == (1, 1)
-        for r in range(count.shape[-1]):
-            for c in index[0, 0, r, : int(count[0, 0, r])].tolist():
+        assert count.dtype == index.dtype == torch.int32 and count.shape[:2] == (batch, heads)
+        for b, h, r in itertools.product(range(batch), range(heads), range(count.shape[-1])):
+            for c in index[b, h, r, : int(count[b, h, r])].tolist():
                 rs, cs = slice(r * TILE, (r + 1) * TILE), slice(c * TILE, (c + 1) * TILE)
-                assert not bool(reach[rs, cs].any()), "a tile listed twice"
-                block = torch.ones_like(reach[rs, cs])
+                assert not bool(reach[b, h, rs, cs].any()), "a tile listed twice"
+                block = torch.ones_like(reach[b, h, rs, cs])
                 if partial and mask_mod is not None:
                     m = torch.arange(rows)[rs].view(-1, 1)
                     n = torch.arange(cols)[cs].view(1, -1)
                     m, n = (n, m) if by_key else (m, n)
                     block = mask_mod(0, 0, m, n, None, None).expand_as(block)
-                reach[rs, cs] = block
+                reach[b, h, rs, cs] = block
     return reach
 
 
@@ -88,6 +97,11 @@ def _scores(q, k, reach):
     kd = k.double().repeat_interleave(heads // k.shape[2], dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q.double(), kd) * SCALE
     return s.masked_fill(~reach, float("-inf")), kd
+
+
+def _by_row(unreached: torch.Tensor) -> torch.Tensor:
+    """(Bl, Hl, N) -> (Bl, N, Hl, 1), to poison (B, N, H, D) rows."""
+    return unreached.transpose(1, 2).unsqueeze(-1)
 
 
 def _install_fake_fa4(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
@@ -104,8 +118,8 @@ def _install_fake_fa4(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         heads = q.shape[2]
         vd = v.double().repeat_interleave(heads // v.shape[2], dim=2)
         o = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), vd)
-        empty = ~reach.any(1)
-        o[:, empty], lse_[:, :, empty] = float("nan"), float("nan")  # poison
+        empty = ~reach.any(-1)  # poison what no tile reaches
+        o, lse_ = o.masked_fill(_by_row(empty), float("nan")), lse_.masked_fill(empty, math.nan)
         return o.to(q.dtype), lse_.to(torch.promote_types(q.dtype, torch.float32))
 
     def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False,
@@ -113,7 +127,8 @@ def _install_fake_fa4(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
                         dk=None, dv=None):  # fmt: skip
         calls["bwd"] = dict(locals())
         assert causal is False and pack_gqa is False
-        reach = _reach(block_sparse_tensors, mask_mod, k.shape[1], q.shape[1], by_key=True).T
+        by_key = _reach(block_sparse_tensors, mask_mod, k.shape[1], q.shape[1], by_key=True)
+        reach = by_key.transpose(-1, -2)
         s, kd = _scores(q, k, reach)
         heads, kv_heads = q.shape[2], k.shape[2]
         p = torch.exp(s - lse.double().unsqueeze(-1)).nan_to_num(0.0)
@@ -128,8 +143,11 @@ def _install_fake_fa4(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         b, n = k.shape[:2]
         dk_ = dk_.view(b, n, kv_heads, heads // kv_heads, -1).sum(3)
         dv_ = dv_.view(b, n, kv_heads, heads // kv_heads, -1).sum(3)
-        dq_[:, ~reach.any(1)] = float("nan")  # poison what no tile writes
-        dk_[:, ~reach.any(0)], dv_[:, ~reach.any(0)] = float("nan"), float("nan")
+        read = reach.any(-2)  # (Bl, Hl, Nk): keys some query of the head reads
+        if read.shape[1] > 1:  # a key/value head's keys: read by a head of its group
+            read = read.view(read.shape[0], kv_heads, -1, read.shape[-1]).any(2)
+        dq_ = dq_.masked_fill(_by_row(~reach.any(-1)), math.nan)  # poison what no tile writes
+        dk_, dv_ = (g.masked_fill(_by_row(~read), math.nan) for g in (dk_, dv_))
         dq.copy_(dq_), dk.copy_(dk_), dv.copy_(dv_)
         return dq, dk, dv
 
@@ -209,8 +227,8 @@ def test_unreached_rows_and_keys_are_marked() -> None:
     pattern = CASES[4][4]
     tiles = fa4_tiles(pattern, 128, 400, 400, True, torch.device("cpu"))
     assert tiles.empty_rows is not None and tiles.unread_keys is not None
-    assert tiles.empty_rows.nonzero().flatten().tolist() == list(range(384))
-    assert tiles.unread_keys.nonzero().flatten().tolist() == list(range(128, 400))
+    assert tiles.empty_rows.flatten().nonzero().flatten().tolist() == list(range(384))
+    assert tiles.unread_keys.flatten().nonzero().flatten().tolist() == list(range(128, 400))
     full = fa4_tiles(P.LocalWindow(1), 128, 384, 384, False, torch.device("cpu"))
     assert full.empty_rows is None and full.unread_keys is None
 
@@ -348,3 +366,59 @@ def test_fa4_block_sparse_is_the_automatic_choice_for_training() -> None:
     inputs = KernelInputs.from_tensors(q, q, requires_grad=True, block_size=128)
     choice = registry_for("block_sparse").choose(inputs)
     assert choice.backend == "flash_attn4" and choice.runs_plan, choice
+
+
+# -- run-time block masks: per batch row and head, lists made on the device ------------------------
+# (query_len, key_len, block_size, kv_heads, mask batch, mask heads, index lists)
+RUNTIME_CASES = [
+    (384, 384, 128, 2, 2, 4, False),  # per query head
+    (300, 300, 128, 2, 1, 2, False),  # per key/value head (expanded to the query heads), ragged
+    (256, 520, 128, 1, 2, 1, False),  # rectangular, MQA, shared by every head
+    (512, 512, 256, 4, 1, 4, True),  # index lists, blocks of two tiles
+]
+# Causal calls of a query shorter than the key are end-aligned: the fallback runs them
+# (tests/ops/test_block_sparse_runtime.py).
+RUNTIME_PARAMS = [
+    (case, causal) for case, c in enumerate(RUNTIME_CASES) for causal in (False, True)
+    if not causal or c[0] == c[1]
+]
+
+
+@pytest.mark.parametrize(("case", "is_causal"), RUNTIME_PARAMS)
+def test_run_time_masks_through_the_strategy(
+    case: int, is_causal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The strategy of a run-time mask on FA4 (its fake): per-(batch row, query head) tile
+    lists in both directions, unreached rows and keys per row and head; out, lse and every
+    gradient against the float64 oracle."""
+    calls = _install_fake_fa4(monkeypatch)
+    nq, nk, block_size, kv_heads, mask_batch, mask_heads, indices = RUNTIME_CASES[case]
+    q, k, v, dout = _inputs(nq, nk, kv_heads, seed=case)
+    mq, mk = -(-nq // block_size), -(-nk // block_size)
+    gen = torch.Generator().manual_seed(case)
+    if indices:
+        mask = torch.randint(-1, mk, (mask_batch, mask_heads, mq, 2), generator=gen)
+    else:
+        mask = torch.rand(mask_batch, mask_heads, mq, mk, generator=gen) < 0.5
+    layout = check_block_mask(mask, q, k, block_size)
+    request = Request.of(BLOCK_SPARSE, q, k, v, block_mask=layout, block_size=block_size,
+                         is_causal=is_causal, scale=SCALE)  # fmt: skip
+    selection = Selection(FlashAttn4Backend(), runs_plan=True)
+    strategy = RuntimeMaskStrategy(request, selection, "block_sparse", None, "FA4")
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse = strategy.run(*leaves, mask, None)
+    grads = torch.autograd.grad(out, leaves, dout)
+    tokens = runtime_token_mask(mask, block_size, batch=2, heads=4, query_len=nq, key_len=nk,
+                                is_causal=is_causal)  # fmt: skip
+    ref_out, ref_lse, ref_grads = oracle_with_grads(q, k, v, dout, tokens, scale=SCALE)
+    tight = {"atol": 1e-10, "rtol": 1e-7}
+    torch.testing.assert_close(out, ref_out, **tight)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    torch.testing.assert_close(lse, ref_lse, **tight)
+    for name, g, rg in zip("qkv", grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, rg, **tight, msg=lambda m, n=name: f"d{n}: {m}")
+    forward = calls["fwd"]["block_sparse_tensors"]
+    heads = 1 if mask_heads == 1 else 4  # FA4 takes 1 or H heads: a key/value-head mask repeated
+    assert forward.mask_block_cnt.shape == (mask_batch, heads, -(-nq // TILE))
+    backward = calls["bwd"]["block_sparse_tensors"]
+    assert backward.full_block_idx.shape == (mask_batch, heads, -(-nk // TILE), -(-nq // TILE))

@@ -113,6 +113,8 @@ def _inductor_cpu_works() -> bool:
 
 MASK = torch.zeros(2, N, dtype=torch.bool)
 MASK[:, -5:] = True
+# A run-time block mask per batch row and key/value head (Note [Run-time block masks]).
+BLOCK_MASK = torch.rand(2, 2, 10, 10, generator=torch.Generator().manual_seed(1)) < 0.5
 CALLS: dict[str, Callable[..., Any]] = {
     "dilated": lambda q, k, v: dilated_attention(
         q, k, v, SEGS, RATES, is_causal=True, key_padding_mask=MASK, return_lse=True
@@ -121,6 +123,9 @@ CALLS: dict[str, Callable[..., Any]] = {
     "block_sparse": lambda q, k, v: block_sparse_attention(
         q, k, v, patterns.LocalWindow(1) | patterns.GlobalLocal(1, 0), block_size=4,
         is_causal=True, return_lse=True,
+    ),
+    "block_mask": lambda q, k, v: block_sparse_attention(
+        q, k, v, BLOCK_MASK, block_size=4, is_causal=True, return_lse=True
     ),
 }  # fmt: skip
 
@@ -153,6 +158,55 @@ def test_block_sparse_pattern_is_guarded() -> None:
     for pattern in (patterns.LocalWindow(0), patterns.DilatedBlocks([2]), patterns.LocalWindow(0)):
         expected = block_sparse_attention(q, k, v, pattern, block_size=4)
         torch.testing.assert_close(fn(q, k, v, pattern), expected, **EXACT)
+
+
+def test_block_mask_is_an_input_of_the_graph() -> None:
+    """A run-time mask reaches the operator as a tensor input (Note [The call's mask tensor]):
+    a new mask of the same shape reruns the compiled graph without recompiling; int block
+    indices (another dtype and width) compile their own."""
+    q, k, v = _qkv(n=24)
+    fn = _compile(lambda q, k, v, m: block_sparse_attention(q, k, v, m, block_size=4,
+                                                              is_causal=True))  # fmt: skip
+    gen = torch.Generator().manual_seed(2)
+    masks = [torch.rand(2, 4, 6, 6, generator=gen) < 0.5 for _ in range(3)]
+    torch.testing.assert_close(fn(q, k, v, masks[0]), block_sparse_attention(
+        q, k, v, masks[0], block_size=4, is_causal=True), **EXACT)  # fmt: skip
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for mask in masks[1:]:
+            expected = block_sparse_attention(q, k, v, mask, block_size=4, is_causal=True)
+            torch.testing.assert_close(fn(q, k, v, mask), expected, **EXACT)
+    indices = torch.randint(-1, 6, (1, 2, 6, 2), generator=gen)
+    expected = block_sparse_attention(q, k, v, indices, block_size=4, is_causal=True)
+    torch.testing.assert_close(fn(q, k, v, indices), expected, **EXACT)
+
+
+def test_block_mask_under_vmap_and_export(tmp_path: Any) -> None:
+    """torch.func.vmap folds a mask of one batch row into every mapped row, or maps the masks
+    with the queries; torch.export keeps a run-time mask as an input of the saved program."""
+    q_mapped = torch.randn(3, 2, 16, 4, 8, dtype=F64)
+    k, v = _qkv(n=16)[1:]
+    gen = torch.Generator().manual_seed(3)
+    shared = torch.rand(1, 2, 4, 4, generator=gen) < 0.5
+    masks = torch.rand(3, 2, 4, 4, 4, generator=gen) < 0.5
+
+    def call(q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return block_sparse_attention(q, k, v, mask, block_size=4, is_causal=True)
+
+    mapped = torch.func.vmap(call, in_dims=(0, None))(q_mapped, shared)
+    torch.testing.assert_close(mapped, torch.stack([call(q, shared) for q in q_mapped]), **EXACT)
+    mapped = torch.func.vmap(call)(q_mapped, masks)
+    expected = torch.stack([call(q, m) for q, m in zip(q_mapped, masks, strict=True)])
+    torch.testing.assert_close(mapped, expected, **EXACT)
+
+    class Masked(torch.nn.Module):
+        def forward(self, q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return call(q, mask)
+
+    path = tmp_path / "masked.pt2"
+    torch.export.save(torch.export.export(Masked(), (q_mapped[0], masks[0])), path)
+    loaded = torch.export.load(path).module()
+    torch.testing.assert_close(loaded(q_mapped[1], masks[1]), call(q_mapped[1], masks[1]),
+                               **EXACT)  # fmt: skip
 
 
 def test_dropout_under_compile_is_exact(plan_forwards: list[int]) -> None:

@@ -102,10 +102,9 @@ def oracle_with_grads(
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
     """float64 ``(out, lse, (dq, dk, dv))`` of the dense masked oracle under the token ``mask``
-    (Nq, Nk) 0/1, shared by every head."""
+    (Nq, Nk) 0/1, shared by every head, or (B, H, Nq, Nk) (a run-time mask's)."""
     leaves = [t.detach().to(F64).requires_grad_() for t in (q, k, v)]
-    heads = q.shape[2]
-    out, lse = masked_attention(*leaves, mask.expand(heads, -1, -1), scale=scale)
+    out, lse = masked_attention(*leaves, _per_head(mask, q.shape[2]), scale=scale)
     grads = torch.autograd.grad(out, leaves, dout.to(F64))
     return out.detach(), lse.detach(), grads
 
@@ -122,22 +121,29 @@ def check_kernel_result(
 ) -> None:
     """A kernel's ``out``, ``lse`` and gradients (on the CPU) against the float64 oracle of the
     same inputs (``q``, ``k``, ``v``, ``dout`` in the kernel's dtype, 4 query heads) under the
-    token ``mask``; bf16/fp16 error within 2x a naive same-dtype reference
-    (tests/support/tolerances.py). Rows that see no key give zeros and ``lse = -inf``."""
+    token ``mask`` (Nq, Nk), or (B, H, Nq, Nk); bf16/fp16 error within 2x a naive same-dtype
+    reference (tests/support/tolerances.py). Rows that see no key give zeros and
+    ``lse = -inf``."""
     dtype = q.dtype
     ref_out, ref_lse, ref_grads = oracle_with_grads(q, k, v, dout, mask)
     low_out = low_lse = None
     low_grads: list[torch.Tensor | None] = [None, None, None]
     if dtype in LOW_PRECISION:
         low = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        low_out, low_lse = masked_attention(*low, mask.expand(4, -1, -1), compute_dtype=dtype)
+        low_out, low_lse = masked_attention(*low, _per_head(mask, 4), compute_dtype=dtype)
         low_grads = list(torch.autograd.grad(low_out, low, dout))
     assert out.dtype == dtype and lse.dtype == torch.float32
     assert_close_to_oracle(out, ref_out, low_out, name="out", dtype=dtype)
     assert_close_to_oracle(lse, ref_lse, low_lse, name="lse", dtype=dtype)
     for name, g, rg, lg in zip("qkv", grads, ref_grads, low_grads, strict=True):
         assert_close_to_oracle(g, rg, lg, name=f"d{name}", dtype=dtype, grad=True)
-    empty = mask.sum(1) == 0
+    empty = (_per_head(mask, q.shape[2]).sum(-1) == 0).expand(*lse.shape)  # (B, H, Nq)
     if bool(empty.any()):
-        assert torch.equal(out[:, empty], torch.zeros_like(out[:, empty]))
-        assert bool(torch.isneginf(lse[:, :, empty]).all())
+        rows = out.transpose(1, 2)[empty]
+        assert torch.equal(rows, torch.zeros_like(rows))
+        assert bool(torch.isneginf(lse[empty]).all())
+
+
+def _per_head(mask: torch.Tensor, heads: int) -> torch.Tensor:
+    """A token mask (Nq, Nk) shared by every head as (H, Nq, Nk); (B, H, Nq, Nk) as it is."""
+    return mask if mask.dim() == 4 else mask.expand(heads, -1, -1)

@@ -1,0 +1,121 @@
+"""Branches together: attention results over different key sets combined by per-branch gates
+or merged exactly through their log-sum-exp, with exact gradients either way.
+
+A branch is which keys a query sees, from which key/value source (a sliding window, selected
+blocks, compressed keys). Each runs through the library's public calls (``attention``,
+``block_sparse_attention``) and gives ``(out, lse)``; this module combines them.
+
+Note [Gated branches]
+    NSA combines its branches by gates computed from the input: ``o = sum_c g_c * o_c``, each
+    ``g_c`` (B, N, H) already activated (a sigmoid: the gates do not sum to 1). Every term is a
+    product of differentiable tensors, so autograd gives the exact gradients of the branches'
+    outputs (``g_c * dout``, through each call's own backward) and of the gates
+    (``dout . o_c``). No log-sum-exp is needed: the calls run without ``return_lse``.
+
+Note [A differentiable log-sum-exp]
+    Merging branches through their log-sum-exp (Note [Merging partial softmaxes] in
+    ``core/merge.py``) gives one softmax over the union of their keys (the multiset union, as
+    in LongNet's Eq. 10: a key two branches see counts twice). Its gradient needs each branch's
+    ``lse`` as a function of q and k: ``d out / d lse_c = w_c (o_c - out)`` (Note [Merged
+    gradients through a kernel's own autograd] in ``backends/flex.py``). The library's calls
+    return ``lse`` detached (their backward takes the merged statistics inside the engine,
+    not a gradient of ``lse``), so :func:`lse_with_gradient` adds it from the public calls
+    alone. With ``P`` the call's attention probabilities and ``s_ij = scale * q_i . k_j``::
+
+        d lse_i / d q_i = scale * sum_j P_ij k_j        (the call with values = keys)
+        d lse_i / d k_j = scale * P_ij q_i              (that call's value gradient, fed
+                                                         scale * g_i q_i)
+
+    so one more call of the branch, on the detached query and key with the key as its value,
+    gives both: ``lse + scale * ((q - sg(q)) . sg(a) + sg(q) . (a - sg(a)))`` with ``a`` that
+    call's output and ``sg`` the detached value. The added term is exactly zero in value; its
+    gradient is the two lines above (to the key through the value slot, so through whatever
+    made the key: compressed keys back through their pooling). The price is that call, forward
+    and backward, per branch: where only the gates are asked for (NSA's combination) nothing
+    of it runs, and without gradients (inference) neither. The engine's own merge does without
+    it (its backward reads the merged statistics, Note [Backward with external statistics]);
+    branches from different key sources would need that inside the engine. The two lines hold
+    for plain scaled dot-product scores (no soft-cap, no sinks), which the branches here are.
+
+Shape legend: B batch, N query rows, Nk key rows, H query heads, Hkv key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..core.merge import merge_partial
+
+__all__ = ["BranchCall", "gated_sum", "lse_with_gradient", "merge_branches"]
+
+#: A branch's attention call on (query, key, value) -> out (B, N, H, D): the same keys seen
+#: by the same queries whatever tensors are passed (:func:`lse_with_gradient` passes the key
+#: as the value).
+BranchCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def lse_with_gradient(
+    call: BranchCall, query: torch.Tensor, key: torch.Tensor, lse: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``lse`` of ``call(query, key, value)`` as a differentiable function of ``query`` and
+    ``key`` (Note [A differentiable log-sum-exp]); ``lse`` itself where no gradient is recorded.
+
+    Args:
+        call: the branch's attention call (without ``return_lse``).
+        query: (B, N, H, D), as the branch's call took it.
+        key: (B, Nk, Hkv, D), likewise.
+        lse: (B, H, N) that call's detached log-sum-exp.
+        scale: its softmax scale.
+
+    Returns:
+        (B, H, N) equal to ``lse`` in value, in its dtype.
+    """
+    if not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)):
+        return lse
+    q0 = query.detach()
+    keys_out = call(q0, key.detach(), key)  # sum_j P_ij k_j, differentiable in the value slot
+    a0 = keys_out.detach()
+    dtype = lse.dtype
+    term = (query.to(dtype) - q0.to(dtype)) * a0.to(dtype)
+    term = term + q0.to(dtype) * (keys_out.to(dtype) - a0.to(dtype))
+    return lse + (term.sum(-1) * scale).transpose(1, 2)
+
+
+def gated_sum(outs: Sequence[torch.Tensor], gates: torch.Tensor) -> torch.Tensor:
+    """``sum_c gates[..., c] * outs[c]`` (Note [Gated branches]).
+
+    Args:
+        outs: C tensors (B, N, H, D).
+        gates: (B, N, H, C), already activated.
+
+    Returns:
+        (B, N, H, D) in the outputs' dtype.
+    """
+    total = gates[..., 0, None] * outs[0]
+    for c in range(1, len(outs)):
+        total = total + gates[..., c, None] * outs[c]
+    return total
+
+
+def merge_branches(results: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The branches' results merged into one softmax over the (multiset) union of their keys,
+    through the library's merge (Note [Merging partial softmaxes] in ``core/merge.py``),
+    differentiable in every ``out`` and ``lse``.
+
+    Args:
+        results: ``(out, lse)`` per branch, out (B, N, H, D), lse (B, H, N) (differentiable
+            where :func:`lse_with_gradient` made it so). The first branch must see a key in
+            every row (a row no branch sees has no gradient to give: NaN).
+
+    Returns:
+        (B, N, H, D) in the first ``out``'s dtype.
+    """
+    out, lse = results[0]
+    dtype = out.dtype
+    acc_dtype = torch.promote_types(dtype, torch.float32)
+    acc, acc_lse = out.to(acc_dtype), lse.transpose(1, 2).to(acc_dtype)
+    for out_c, lse_c in results[1:]:
+        acc, acc_lse = merge_partial(acc, acc_lse, out_c, lse_c.transpose(1, 2))
+    return acc.to(dtype)

@@ -1,0 +1,331 @@
+"""NSA-style attention: three branches over one query (compressed keys, selected blocks, a
+sliding window), each on the library's kernels, combined by gates or merged exactly.
+
+Note [NSA's three branches]
+    Native Sparse Attention (DeepSeek, arXiv 2502.11089) gives every query three views of the
+    keys, each an attention of its own:
+
+    - *compressed*: the keys and values pooled over windows of ``l`` positions every ``d``
+      (:func:`~dilated_attention.sparse.compress_kv`), a compressed key visible to the query
+      at ``p`` once its whole window lies at or before ``p`` (Note [Compressed keys]);
+    - *selected*: the ``topk`` key blocks of ``l'`` positions that matter most to the query,
+      attended at full resolution, and the query's own block (causal);
+    - *window*: the last ``w`` keys (a sliding window).
+
+    The outputs are combined by gates from the input, ``o = g_cmp o_cmp + g_slc o_slc + g_win
+    o_win`` (Note [Gated branches] in ``branches.py``), or, with ``combine="lse"``, merged
+    into one softmax over the three key sets (Note [A differentiable log-sum-exp]).
+
+    The selection: NSA ranks key blocks by the compressed branch's attention probabilities,
+    summed over the compressed keys that overlap each block and over a group's query heads.
+    Those probabilities are an (N x Nc) tensor per head, which the library's kernels never
+    form (they return ``out`` and ``lse`` only; N = 64K with d = 16 would be 256M entries per
+    head). Here the blocks are chosen by MoBA's gate
+    (:func:`~dilated_attention.sparse.select_blocks`: each query block's mean query against
+    each key block's mean key), one choice per key/value head shared by its group of query
+    heads (``per="kv_head"``, NSA's sharing, so a kernel loads each key block once per
+    group), made from ``(Mq + Mk)`` pooled vectors. Both are a query's affinity with a block
+    through its mean key (NSA's compressed keys are pooled keys too); NSA's is per token and
+    softmax-weighted, this one per query block (block-sparse kernels take one set of key
+    blocks per query block). Gradients do not flow through the choice (in NSA neither).
+
+Note [The compressed branch exactly, per residue class]
+    Compressed key ``c`` (window ``[c d, c d + l)``) is visible to position ``p`` when
+    ``c d + l - 1 <= p``, i.e. ``c <= floor((p - l + 1) / d)``: not a block-aligned rule, so
+    not a block mask. For the positions ``p = r + m d`` of one residue class ``r`` (mod
+    ``d``) it is ``c <= m + t_r`` with ``t_r = floor((r - l + 1) / d)``: query ``m`` of the
+    class sees a causal prefix of the compressed keys, shifted by the constant ``t_r``. So
+    each class is one end-aligned causal :func:`~dilated_attention.attention` call: its
+    queries a strided view of the query rows (every ``d``-th, from the first that sees a
+    compressed key), its keys the first ``m_end + t_r`` compressed keys. ``d`` calls of
+    ``~N / d`` rows and at most ``Nc`` keys each: exact per token, on the library's kernels,
+    no (N x Nc) score tensor. Rows that see no compressed key (before the end of the first
+    window) give 0 (and ``lse = -inf``). Without ``is_causal`` every query sees every
+    compressed key: one call.
+
+Shape legend: B batch, Nq query rows, Nk key rows, H query heads, Hkv key/value heads, D head
+dim, Nc compressed keys, l compress_block, d compress_stride.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from .. import _validation as V
+from ..backends.registry import check_backend_name
+from ..config import COMBINE
+from ..functional import attention, block_sparse_attention
+from .branches import gated_sum, lse_with_gradient, merge_branches
+from .compression import compress_kv
+from .selection import _check_topk, select_blocks
+
+__all__ = ["BRANCHES", "COMBINE", "nsa_attention"]
+
+#: The branches of :func:`nsa_attention`, in the order of the gates' last dimension.
+BRANCHES = ("compressed", "selected", "window")
+
+Result = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def nsa_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    gates: torch.Tensor | None,
+    *,
+    compress_block: int,
+    compress_stride: int,
+    select_block: int,
+    topk: int,
+    window: int,
+    is_causal: bool = True,
+    combine: str = "gates",
+    scale: float | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """NSA (Native Sparse Attention): compressed keys, selected blocks and a sliding window,
+    each an exact attention on the library's kernels, combined by ``gates`` (Note [NSA's three
+    branches]). Example of what query position 9 sees, ``compress_block=4,
+    compress_stride=2``, ``select_block=4``, ``topk=1``, ``window=3`` (``x`` seen)::
+
+        position     0 1 2 3 4 5 6 7 8 9
+        compressed   [0..3] [2..5] [4..7] [6..9]     four windows, each ending by 9
+        selected     x x x x . . . . x x       block 0 chosen, block 2 its own (causal)
+        window       . . . . . . . x x x
+
+    Gradients are exact for ``query``, ``key``, ``value`` (the compressed keys' back through
+    their pooling) and ``gates``; none flows through the selection (Note [NSA's three
+    branches]). Runs on the inputs' device without host synchronisation.
+
+    Args:
+        query: (B, Nq, H, D).
+        key: (B, Nk, Hkv, D), H % Hkv == 0 (GQA).
+        value: (B, Nk, Hkv, D).
+        gates: (B, Nq, H, 3), the branches' gates in the order of :data:`BRANCHES`
+            (compressed, selected, window), already activated (NSA: a sigmoid of a linear map
+            of the input), in the query's dtype and on its device; None with
+            ``combine="lse"``.
+        compress_block: positions per compressed window (NSA's ``l``, 32 in the paper).
+        compress_stride: positions between the windows' starts (NSA's ``d``, 16), at most
+            ``compress_block``.
+        select_block: positions per selected block (NSA's ``l'``, 64).
+        topk: selected blocks per query block besides its own (NSA's ``n`` = 16 counts the
+            initial and local blocks; here only the own block is forced); fewer where fewer
+            are visible. 0 keeps the own block alone (causal only).
+        window: the sliding window's length ``w`` (512 in the paper): the query and the
+            ``w - 1`` keys before it (causal), or the keys within ``w - 1`` positions on either
+            side (not causal).
+        is_causal: position ``p`` sees keys ``t <= p``; a query shorter than the key holds its
+            last ``Nq`` positions (end-aligned). Not causal: ``Nq == Nk``, and every query sees
+            every compressed key.
+        combine: ``"gates"`` (NSA: ``o = sum_c g_c o_c``) or ``"lse"`` (one softmax over the
+            multiset union of the three key sets, through their log-sum-exp: Note [A
+            differentiable log-sum-exp] in ``branches.py``, which says what its gradient costs).
+        scale: softmax scale of every branch; ``None`` means ``D ** -0.5``.
+        backend: the kernel of every branch, as ``backend`` of
+            :func:`~dilated_attention.attention` and
+            :func:`~dilated_attention.block_sparse_attention`; ``None``: each call's automatic
+            choice.
+
+    Returns:
+        (B, Nq, H, D) in the input dtype.
+
+    Raises:
+        TypeError: tensors of the wrong type or dtype; an argument of the wrong type.
+        ValueError: malformed shapes or devices, a size not a positive int, ``compress_stride >
+            compress_block``, ``topk < 0`` (or 0 without ``is_causal``), an unknown
+            ``combine``, ``gates`` missing or given where not used, a causal query longer than
+            the key or a non-causal one of another length; all before any work.
+    """
+    q, k, v = V.check_qkv(query, key, value, same_length=False)
+    V.check_bool("is_causal", is_causal)
+    sizes = _check_sizes(compress_block, compress_stride, select_block, topk, window, is_causal)
+    _check_combine(combine)
+    g = _check_gates(gates, q, combine)
+    _check_lengths(q, k, is_causal)
+    scale = V.check_scale(scale)
+    run = _Run(
+        q.shape[-1] ** -0.5 if scale is None else scale, check_backend_name(backend),
+        is_causal, combine == "lse",
+    )  # fmt: skip
+    block, stride, select, topk, window = sizes
+    calls = (
+        _compressed(q, k, v, block, stride, run),
+        _selected(q, k, v, select, topk, run),
+        _window(q, k, v, window, run),
+    )
+    if g is not None:
+        return gated_sum([out for out, _ in calls], g)
+    # The window branch first: every row sees its own key there, so no merge step meets two
+    # empty sides (merge_branches: their gradient would be NaN).
+    return merge_branches([calls[2], calls[1], calls[0]])  # type: ignore[list-item]
+
+
+def _check_sizes(
+    block: object, stride: object, select: object, topk: object, window: object, is_causal: bool
+) -> tuple[int, int, int, int, int]:
+    """The branches' sizes, checked: (compress_block, compress_stride, select_block, topk,
+    window)."""
+    block = V.check_positive_int("compress_block", block)
+    stride = V.check_positive_int("compress_stride", stride)
+    if stride > block:
+        raise ValueError(
+            f"compress_stride must be at most compress_block (windows of compress_block="
+            f"{block} positions every compress_stride positions, so that every position lies in "
+            f"a window), got compress_stride={stride}; e.g. NSA's compress_block=32, "
+            f"compress_stride=16"
+        )
+    select = V.check_positive_int("select_block", select)
+    window = V.check_positive_int("window", window)
+    return block, stride, select, _check_topk(topk, is_causal), window
+
+
+def _check_combine(combine: object) -> None:
+    if not isinstance(combine, str):
+        raise TypeError(f"combine must be one of {COMBINE}, got {combine!r}")
+    if combine not in COMBINE:
+        raise ValueError(
+            f"combine must be one of {COMBINE}, got combine={combine!r}: 'gates' sums the "
+            f"branches weighted by gates (NSA), 'lse' merges them into one softmax"
+        )
+
+
+def _check_gates(gates: object, q: torch.Tensor, combine: str) -> torch.Tensor | None:
+    """``gates`` (B, Nq, H, 3) in the query's dtype and device, or None for ``combine="lse"``."""
+    expected = (*q.shape[:3], len(BRANCHES))
+    if combine == "lse":
+        if gates is not None:
+            raise ValueError(
+                "gates are not used with combine='lse' (the branches merge through their "
+                "log-sum-exp); pass gates=None, or combine='gates'"
+            )
+        return None
+    if not isinstance(gates, torch.Tensor):
+        raise TypeError(
+            f"gates must be a tensor {expected} (batch, seq_len, num_heads, 3: compressed, "
+            f"selected, window; activated, e.g. a sigmoid) with combine='gates', got "
+            f"{type(gates).__name__}; or pass combine='lse'"
+        )
+    if gates.dtype != q.dtype:
+        raise TypeError(
+            f"gates must have the query's dtype {q.dtype}, got gates.dtype={gates.dtype}; "
+            f"cast with .to(query.dtype)"
+        )
+    if gates.device != q.device:
+        raise ValueError(
+            f"gates must be on the query's device {q.device}, got gates.device={gates.device}"
+        )
+    if tuple(gates.shape) != expected:
+        raise ValueError(
+            f"gates must have shape (batch, seq_len, num_heads, 3) = {expected} (one gate per "
+            f"branch: compressed, selected, window), got gates.shape={tuple(gates.shape)}"
+        )
+    return gates
+
+
+def _check_lengths(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> None:
+    V.check_causal_lengths(q, k, is_causal, "nsa_attention")
+    if not is_causal and q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"nsa_attention with is_causal=False needs a query for every key position (the "
+            f"window is centred on the query), got query.shape={tuple(q.shape)}, "
+            f"key.shape={tuple(k.shape)}; pass is_causal=True for a shorter, end-aligned query"
+        )
+
+
+class _Run(NamedTuple):
+    """What every branch's calls share: the softmax scale, the kernel asked for (None:
+    automatic), causality, and whether ``lse`` is needed (``combine="lse"``)."""
+
+    scale: float
+    backend: str | None
+    is_causal: bool
+    need_lse: bool
+
+
+def _branch(
+    call: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _Run
+) -> Result:
+    """One branch's ``(out, lse)`` from its call (``call(q, k, v, return_lse=...)``): ``lse``
+    None unless asked for, else differentiable (Note [A differentiable log-sum-exp])."""
+    if not run.need_lse:
+        return call(q, k, v), None
+    out, lse = call(q, k, v, return_lse=True)
+    return out, lse_with_gradient(call, q, k, lse, run.scale)
+
+
+def _window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, run: _Run) -> Result:
+    """The sliding window branch: ``attention`` with ``window_size=(w - 1, 0)`` (causal) or
+    ``(w - 1, w - 1)``."""
+    size = (window - 1, 0 if run.is_causal else window - 1)
+    call = functools.partial(
+        attention, is_causal=run.is_causal, window_size=size, scale=run.scale,
+        backend=run.backend,
+    )  # fmt: skip
+    return _branch(call, q, k, v, run)
+
+
+def _selected(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, topk: int, run: _Run
+) -> Result:
+    """The selected branch: blocks chosen per key/value head (Note [NSA's three branches]),
+    run on that run-time block mask."""
+    mask = select_blocks(q, k, block_size=block, topk=topk, is_causal=run.is_causal,
+                         per="kv_head")  # fmt: skip
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **lse: bool) -> Any:
+        return block_sparse_attention(
+            q, k, v, mask, block_size=block, is_causal=run.is_causal, scale=run.scale,
+            backend=run.backend, **lse,
+        )  # fmt: skip
+
+    return _branch(call, q, k, v, run)
+
+
+def _compressed(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, stride: int, run: _Run
+) -> Result:
+    """The compressed branch, exact per token (Note [The compressed branch exactly, per
+    residue class]): ``(out (B, Nq, H, D), lse (B, H, Nq) or None)``."""
+    k_cmp, v_cmp = compress_kv(k, v, block=block, stride=stride)
+    batch, nq, heads, _ = q.shape
+    out = q.new_zeros(batch, nq, heads, v.shape[-1])
+    lse_dtype = torch.promote_types(q.dtype, torch.float32)
+    lse = torch.full((batch, heads, nq), -torch.inf, dtype=lse_dtype, device=q.device)
+    call = functools.partial(
+        attention, is_causal=run.is_causal, scale=run.scale, backend=run.backend
+    )
+    step = stride if run.is_causal else 1
+    for start, keys in _class_calls(nq, k.shape[1], block, stride, run.is_causal,
+                                    k_cmp.shape[1]):  # fmt: skip
+        o_r, lse_r = _branch(call, q[:, start::step], k_cmp[:, :keys], v_cmp[:, :keys], run)
+        out[:, start::step] = o_r
+        if lse_r is not None:
+            lse[:, :, start::step] = lse_r.to(lse_dtype)
+    return out, lse if run.need_lse else None
+
+
+def _class_calls(
+    nq: int, nk: int, block: int, stride: int, is_causal: bool, count: int
+) -> list[tuple[int, int]]:
+    """``(first query row, compressed keys)`` of each call of the compressed branch: one per
+    residue class with a row that sees a compressed key (causal), else one of every row and
+    key; rows ``first, first + stride, ...`` (causal) or all. Note [The compressed branch
+    exactly, per residue class]."""
+    if count == 0:
+        return []
+    if not is_causal:
+        return [(0, count)]
+    offset = nk - nq  # the position of query row 0 (end-aligned)
+    calls = []
+    for r in range(stride):
+        shift = (r - block + 1) // stride  # t_r: query m of the class sees keys c <= m + t_r
+        first = max(0, -shift, -((r - offset) // stride))  # seeing a key, among the rows
+        end = -((r - nk) // stride)  # one past the class's last position below nk
+        if end > first:
+            calls.append((r + first * stride - offset, end + shift))
+    return calls
