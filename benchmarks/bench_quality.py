@@ -12,13 +12,15 @@ then measures, on held-out text and fresh retrieval rows, the same for every run
 
 beside wall time, training time, peak memory (CUDA), tokens/s and TFLOP/s. The methods are the
 rows of ``METHODS`` (``--help`` lists them): dense, a sliding window, windows with a dense layer
-every few (Gemma 3), LongNet's dilated schedule, windows with dilated layers, static block-sparse.
+every few (Gemma 3), LongNet's dilated schedule, windows with dilated layers, static block-sparse,
+MoBA- and NSA-style content-selected blocks.
 
 TFLOP/s are model FLOPs over the timed training steps (each call's first two steps, which choose
 and compile kernels, not timed): 6 FLOPs per weight of every matmul (projections, FFN, LM head)
 per token, and 3.5 times 4 * D FLOPs per (query, key) pair each attention layer visits per head
 (its forward, and a backward 2.5 times the forward, as the other benchmarks count it): exact pair
-counts of each layer's schedule, window or block mask, causal.
+counts of each layer's schedule, window or block mask, causal (MoBA's and NSA's: the blocks they
+keep, NSA's three branches summed; their selection and gates not counted).
 
 Runs are resumable: each (method, seed, context) keeps a checkpoint (model, optimizer, step, RNG
 states, times, losses) in ``--run-dir`` while it trains, saved every ``--checkpoint-every-s``, when
@@ -60,6 +62,8 @@ from bench_dilated import schedule_pairs
 from bench_windows import FWD_BWD_FACTOR, window_pairs
 
 from dilated_attention import (
+    BlockSelectedConfig,
+    CompressedSelectedWindowConfig,
     create_block_sparse_attention,
     list_kinds,
     longnet_schedule,
@@ -137,61 +141,51 @@ def _block_sparse_pattern(s: Settings) -> patterns.Pattern:
     return patterns.GlobalLocal(num_global=1, window=blocks) | patterns.DilatedBlocks((blocks,))
 
 
+def _moba(s: Settings) -> dict[str, Any]:
+    """MoBA-style layers with a window's budget: blocks of ``window / 4`` tokens (at least
+    ``block_size``), each query block its own and the 3 most affine before it (4 blocks: the
+    ``window`` keys of the window methods)."""
+    sparse = BlockSelectedConfig(block_size=max(s.block_size, s.window // 4), topk=3)
+    return {"kind": "moba", "sparse": sparse}
+
+
+def _nsa(s: Settings) -> dict[str, Any]:
+    """NSA-style layers at the paper's sizes for the GPU defaults (block 128, window 2048):
+    compressed windows of ``block / 4`` every ``block / 8``, 15 selected blocks of ``block /
+    2`` besides the own, a sliding window of ``window / 4``, gated."""
+    b = s.block_size
+    sparse = CompressedSelectedWindowConfig(
+        compress_block=max(1, b // 4), compress_stride=max(1, b // 8),
+        select_block=max(1, b // 2), topk=15, window=max(1, s.window // 4),
+    )  # fmt: skip
+    return {"kind": "nsa", "sparse": sparse}
+
+
 METHODS: tuple[Method, ...] = (
     Method("dense", "causal full attention in every layer", lambda s: {}),
-    Method(
-        "window",
-        "a sliding window of --window tokens in every layer",
-        lambda s: {"local_window": s.window},
-    ),
-    Method(
-        "window_global",
-        "sliding windows, every --global-every-th layer dense (Gemma 3: 6)",
-        lambda s: {"local_window": s.window, "global_every": s.global_every},
-    ),
-    Method(
-        "dilated",
-        "LongNet's schedule (longnet_schedule from --first-segment) in every layer",
-        _dilated,
-    ),
-    Method(
-        "window_dilated",
-        "sliding windows, every --global-every-th layer LongNet's schedule",
-        lambda s: {"local_window": s.window, "global_every": s.global_every, **_dilated(s)},
-    ),
-    Method(
-        "block_sparse",
-        "static blocks: a --window local band, block 0 global, every "
-        "(window / block)-th block before (Sparse Transformer)",
-        lambda s: {"kind": BLOCK_SPARSE_KIND},
-        pattern=_block_sparse_pattern,
-    ),
-)
-#: Methods whose layers are factory kinds still to come: each is listed by
-#: ``available_methods`` once ``list_kinds()`` names its kind (check its config then: options
-#: such as top-k, and a pair count for TFLOP/s in ``attention_pairs``).
-PENDING_METHODS: tuple[Method, ...] = (
-    Method(
-        "moba",
-        "MoBA-style content-selected blocks (factory kind 'moba')",
-        lambda s: {"kind": "moba"},
-        kind="moba",
-    ),
-    Method(
-        "nsa",
-        "NSA-style compressed, selected and window branches (factory kind 'nsa')",
-        lambda s: {"kind": "nsa"},
-        kind="nsa",
-    ),
-)
+    Method("window", "a sliding window of --window tokens in every layer",
+           lambda s: {"local_window": s.window}),
+    Method("window_global", "sliding windows, every --global-every-th layer dense (Gemma 3: 6)",
+           lambda s: {"local_window": s.window, "global_every": s.global_every}),
+    Method("dilated", "LongNet's schedule (longnet_schedule from --first-segment) in every layer",
+           _dilated),
+    Method("window_dilated", "sliding windows, every --global-every-th layer LongNet's schedule",
+           lambda s: {"local_window": s.window, "global_every": s.global_every, **_dilated(s)}),
+    Method("block_sparse", "static blocks: a --window local band, block 0 global, every "
+           "(window / block)-th block before (Sparse Transformer)",
+           lambda s: {"kind": BLOCK_SPARSE_KIND}, pattern=_block_sparse_pattern),
+    Method("moba", "MoBA-style: blocks of window/4, each query block its own and the 3 of "
+           "highest mean-key affinity (window's keys)", _moba, kind="moba"),
+    Method("nsa", "NSA-style: compressed keys, 15 selected blocks of block/2, a window/4 "
+           "window, gated (NSA's sizes at the defaults)", _nsa, kind="nsa"),
+)  # fmt: skip
 
 
 def available_methods(kinds: list[str] | None = None) -> dict[str, Method]:
-    """The methods that can run here, by name: ``METHODS`` and those of ``PENDING_METHODS``
-    whose kind is in ``kinds`` (default ``list_kinds()``)."""
+    """The methods of ``METHODS`` that can run here, by name: those without a ``kind`` and
+    those whose kind is in ``kinds`` (default ``list_kinds()``)."""
     kinds = list_kinds() if kinds is None else kinds
-    pending = [m for m in PENDING_METHODS if m.kind in kinds]
-    return {m.name: m for m in (*METHODS, *pending)}
+    return {m.name: m for m in METHODS if m.kind is None or m.kind in kinds}
 
 
 # Note [Block-sparse layers in LongNetLM]
@@ -238,20 +232,48 @@ def _pattern_pairs(pattern: patterns.Pattern, n: int, block: int) -> int:
     return int(size @ mask @ size + (diagonal * size * (size + 1) / 2).sum())
 
 
+def _selected_pairs(n: int, block: int, topk: int) -> int:
+    """Causal pairs of content-selected blocks: each query block its own block (causal) and
+    ``min(topk, blocks before it)`` whole blocks, whichever they are."""
+    count = -(-n // block)
+    sizes = [block] * (count - 1) + [n - block * (count - 1)]
+    return sum(min(topk, i) * block * m + m * (m + 1) // 2 for i, m in enumerate(sizes))
+
+
+def _compressed_pairs(n: int, block: int, stride: int) -> int:
+    """Pairs of NSA's compressed branch: position ``p`` sees the windows ``[c d, c d + l)``
+    with ``c d + l - 1 <= p``."""
+    if n < block:
+        return 0
+    return int(((torch.arange(n - block + 1) // stride) + 1).sum())
+
+
+def _layer_pairs(method: Method, config: LongNetConfig, s: Settings) -> int | None:
+    """(query, key) pairs of one global layer per row, summed over heads; None for a kind
+    without a count here."""
+    n, heads, sparse = s.context, config.num_heads, config.sparse
+    if method.pattern is not None:
+        return heads * _pattern_pairs(method.pattern(s), n, s.block_size)
+    if isinstance(sparse, BlockSelectedConfig):
+        return heads * _selected_pairs(n, sparse.block_size, sparse.topk)
+    if isinstance(sparse, CompressedSelectedWindowConfig):
+        compressed = _compressed_pairs(n, sparse.compress_block, sparse.compress_stride)
+        selected = _selected_pairs(n, sparse.select_block, sparse.topk)
+        return heads * (compressed + selected + window_pairs(n, sparse.window))
+    if config.kind in ("auto", "dilated"):
+        return schedule_pairs(n, heads, config.segment_lengths, config.dilation_rates, True)
+    return None
+
+
 def attention_pairs(method: Method, config: LongNetConfig, s: Settings) -> int | None:
     """(query, key) pairs a row's attention visits, summed over layers and heads; None for a
     layer kind without a count here."""
-    total, heads, n = 0, config.num_heads, s.context
-    for layer in range(config.num_layers):
-        if not config.is_global(layer):
-            total += heads * window_pairs(n, config.local_window)
-        elif method.pattern is not None:
-            total += heads * _pattern_pairs(method.pattern(s), n, s.block_size)
-        elif config.kind in ("auto", "dilated"):
-            total += schedule_pairs(n, heads, config.segment_lengths, config.dilation_rates, True)
-        else:
-            return None
-    return total
+    glob = _layer_pairs(method, config, s)
+    local = config.num_heads * window_pairs(s.context, config.local_window)
+    layers = [config.is_global(i) for i in range(config.num_layers)]
+    if glob is None and any(layers):
+        return None
+    return sum(glob if is_global else local for is_global in layers)
 
 
 def step_flops(model: LongNetLM, pairs: int | None, s: Settings) -> float | None:
@@ -464,6 +486,8 @@ def describe(config: LongNetConfig, method: Method, s: Settings) -> str:
     local = [i for i in range(config.num_layers) if not config.is_global(i)]
     if method.pattern is not None:
         glob = f"block-sparse {method.pattern(s)!r}, block {s.block_size}"
+    elif config.sparse is not None:
+        glob = f"{config.kind} {config.sparse!r}"
     else:
         glob = (
             f"segments {list(config.segment_lengths)} rates {list(config.dilation_rates)}"
@@ -783,7 +807,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     """Run (or continue) every requested run, merging each finished one into the record.
 
     Returns:
-        The record as written, or None when no run has finished yet.
+        The record as written, or None when this call finished no run.
 
     Raises:
         SystemExit: a usage error; with ``--require-loss-fall`` (``--smoke``), a run whose
@@ -791,7 +815,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     """
     args, s = parse_args(argv)
     run_dir = args.run_dir or (SMOKE_DIR / "runs" if args.smoke else Path("outputs/quality"))
-    if args.smoke and args.run_dir is None:  # --smoke trains from scratch in its own directory
+    if args.smoke and args.run_dir is None and not args.merge:  # a smoke run starts afresh
         shutil.rmtree(SMOKE_DIR, ignore_errors=True)
     out = _default_out(args, host_label())
     if args.merge:

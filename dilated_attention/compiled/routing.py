@@ -34,7 +34,9 @@ def run(
 
     Args:
         request: the call, as the public function described it.
-        q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D); key_padding_mask: (B, Nk) bool or None.
+        q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D); key_padding_mask: the call's mask tensor
+            (Note [The call's mask tensor] in ``resolve/request.py``): (B, Nk) bool, a
+            run-time block mask, or None.
 
     Returns:
         ``out`` (B, Nq, H, D) and ``lse`` (B, H, Nq), not differentiable.
@@ -62,7 +64,9 @@ def route(
 
     Args:
         request: the call, as the public function described it.
-        q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D); key_padding_mask: (B, Nk) bool or None.
+        q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D); key_padding_mask: the call's mask tensor
+            (Note [The call's mask tensor] in ``resolve/request.py``): (B, Nk) bool, a
+            run-time block mask, or None.
         return_lse: also return the merged log-sum-exp; sinks: (H,) attention sinks, or None.
         cache: the decoding cache ``request.cache`` names (Note [A cache call is one request]
             in ``resolve/caches.py``), or None.

@@ -146,7 +146,8 @@ def test_a_time_budget_pauses_runs_with_a_checkpoint(
 
 
 def test_methods_share_their_weights_and_differ_in_attention() -> None:
-    """The same seed gives every method the same parameters: only the attention differs."""
+    """The same seed gives every method the same parameters: only the attention differs. NSA's
+    layers add their gate projections (attention parameters), drawn before the later blocks'."""
     _, settings = bench_quality.parse_args(["--smoke"])
     params = {}
     for name, method in bench_quality.available_methods().items():
@@ -154,29 +155,32 @@ def test_methods_share_their_weights_and_differ_in_attention() -> None:
         config = bench_quality.model_config(method, settings)
         params[name] = dict(bench_quality.LongNetLM(config).named_parameters())
     dense = params.pop("dense")
+    nsa = params.pop("nsa")
+    assert set(nsa) > set(dense) and all(".attn." in k for k in set(nsa) - set(dense))
     for name, named in params.items():
         assert named.keys() == dense.keys(), name
         assert all(torch.equal(named[k], dense[k]) for k in dense), name
 
 
-def test_pending_methods_are_listed_once_their_kind_exists(tmp_path: Path) -> None:
-    """``moba`` and ``nsa`` are offered only where the factory has their kinds; a method of a
-    kind registered later runs like the others (no pair count for it: TFLOP/s None)."""
-    assert not {"moba", "nsa"} & set(bench_quality.available_methods())
+def test_methods_are_listed_where_their_kind_exists(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A method of a factory kind is offered only where the factory has the kind (``--methods``
+    refuses it elsewhere); a kind without a pair count here gets no TFLOP/s."""
+    names = [m.name for m in bench_quality.METHODS]
+    assert list(bench_quality.available_methods()) == names  # moba and nsa are here
+    assert "moba" not in bench_quality.available_methods(["auto", "dilated", "nsa"])
+    monkeypatch.setattr(bench_quality, "list_kinds", lambda: ["auto", "dilated", "nsa"])
     with pytest.raises(SystemExit) as exc:
         bench_quality.main(["--smoke", "--methods", "moba", *QUIET, *_paths(tmp_path, "no")])
     assert exc.value.code == 2  # a usage error: no such method here
-    assert "moba" in bench_quality.available_methods(["auto", "dilated", "moba"])
-    register_kind("moba", dilated=nn.Identity, multihead=MultiheadDilatedAttention)
-    assert list(bench_quality.available_methods()) == [
-        *(m.name for m in bench_quality.METHODS),
-        "moba",
-    ]
-    args = ["--smoke", "--methods", "moba", "--steps", "4", "--no-require-loss-fall", *QUIET]
-    record = bench_quality.main(args + _paths(tmp_path, "runs"))
-    [row] = record["results"]
-    assert row["method"] == "moba" and "kind moba" in row["attention"]
-    assert row["tflops"] is None and row["tokens_per_s"] > 0
+    register_kind("stand_in", dilated=nn.Identity, multihead=MultiheadDilatedAttention)
+    method = bench_quality.Method("stand_in", "", lambda s: {"kind": "stand_in"}, kind="stand_in")
+    _, s = bench_quality.parse_args(["--smoke"])
+    config = bench_quality.model_config(method, s)
+    assert bench_quality.attention_pairs(method, config, s) is None
+    model = bench_quality.LongNetLM(config)
+    assert bench_quality.step_flops(model, None, s) is None
 
 
 def test_retrieval_rows_hold_each_pair_twice_at_its_distance() -> None:
@@ -270,3 +274,13 @@ def test_pair_counts() -> None:
     blocks = pattern.block_mask(5, 5).repeat_interleave(16, 0).repeat_interleave(16, 1)
     tokens = blocks[:70, :70].tril()
     assert bench_quality._pattern_pairs(pattern, 70, 16) == int(tokens.sum())
+    # Selected blocks: any min(topk, i) whole blocks before block i, and its own causally.
+    chosen = torch.zeros(5, 5, dtype=torch.bool)
+    for i in range(5):
+        chosen[i, i] = True
+        chosen[i, torch.randperm(i)[: min(2, i)]] = True
+    tokens = chosen.repeat_interleave(16, 0).repeat_interleave(16, 1)[:70, :70].tril()
+    assert bench_quality._selected_pairs(70, 16, 2) == int(tokens.sum())
+    # Compressed keys: windows [c d, c d + l) inside the row, seen once wholly at or before p.
+    seen = sum(1 for p in range(70) for c in range(70) if c * 3 + 8 <= min(p + 1, 70))
+    assert bench_quality._compressed_pairs(70, 8, 3) == seen
