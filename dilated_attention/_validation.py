@@ -61,7 +61,7 @@ def check_qkv(
     k = check_tensor("key", key)
     v = check_tensor("value", value)
     for name, t in (("key", k), ("value", v)):
-        _check_like_query(name, t, q)
+        check_like_query(name, t, q)
     problem = _shape_problem(q.shape, k.shape, v.shape, same_length)
     if problem is not None:
 
@@ -83,7 +83,7 @@ def check_query_key(query: object, key: object) -> tuple[torch.Tensor, torch.Ten
     """
     q = check_tensor("query", query)
     k = check_tensor("key", key)
-    _check_like_query("key", k, q)
+    check_like_query("key", k, q)
     problem = _shape_problem(q.shape, k.shape, None, same_length=False)
     if problem is not None:
 
@@ -94,7 +94,7 @@ def check_query_key(query: object, key: object) -> tuple[torch.Tensor, torch.Ten
     return q, k
 
 
-def _check_like_query(name: str, t: torch.Tensor, q: torch.Tensor) -> None:
+def check_like_query(name: str, t: torch.Tensor, q: torch.Tensor) -> None:
     """``t`` (the argument ``name``) has the query's dtype and device."""
     if t.dtype != q.dtype:
         raise TypeError(

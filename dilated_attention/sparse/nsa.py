@@ -210,15 +210,7 @@ def _check_gates(gates: object, q: torch.Tensor, combine: str) -> torch.Tensor |
             f"selected, window; activated, e.g. a sigmoid) with combine='gates', got "
             f"{type(gates).__name__}; or pass combine='lse'"
         )
-    if gates.dtype != q.dtype:
-        raise TypeError(
-            f"gates must have the query's dtype {q.dtype}, got gates.dtype={gates.dtype}; "
-            f"cast with .to(query.dtype)"
-        )
-    if gates.device != q.device:
-        raise ValueError(
-            f"gates must be on the query's device {q.device}, got gates.device={gates.device}"
-        )
+    V.check_like_query("gates", gates, q)
     if tuple(gates.shape) != expected:
         raise ValueError(
             f"gates must have shape (batch, seq_len, num_heads, 3) = {expected} (one gate per "
