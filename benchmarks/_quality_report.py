@@ -20,21 +20,25 @@ from _timing import environment, record_header, write_record
 
 #: The record's main table (``benchmarks/results/README.md``).
 COLUMNS = ["method", "seed", "context", "steps", "bpb", "bpb_far", "retrieval_accuracy",
-           "retrieval_far", "retrieval_value_accuracy", "tokens_per_s", "tflops",
+           "retrieval_far", "retrieval_value_accuracy", "copy_bpb", "copy_bpb_far",
+           "copy_source_bpb", "tokens_per_s", "tflops",
            "peak_memory_gib", "train_seconds", "wall_seconds"]  # fmt: skip
 #: What every row carries (``tests/e2e/test_bench_quality.py`` holds the rows to it).
 REQUIRED = ("method", "seed", "context", "steps", "bpb", "bpb_by_position", "retrieval_accuracy",
-            "retrieval_value_accuracy", "retrieval_by_distance", "wall_seconds", "train_seconds",
+            "retrieval_value_accuracy", "retrieval_by_distance", "copy_bpb", "copy_source_bpb",
+            "copy_by_distance", "wall_seconds", "train_seconds",
             "peak_memory_gib", "tokens_per_s", "tflops", "loss_first", "loss_last", "settings",
             "commit", "date", "command")  # fmt: skip
 #: The by-method table's columns: the mean over seeds, min-max in brackets.
 SUMMARY = ["bpb", "bpb_far", "retrieval_accuracy", "retrieval_far", "retrieval_value_accuracy",
+           "copy_bpb", "copy_bpb_far", "copy_source_bpb",
            "tokens_per_s", "tflops", "peak_memory_gib", "train_seconds"]  # fmt: skip
 #: The tables by bucket: (title, row field, entry of a bucket or None for the value itself).
 BUCKETS = [
     ("Bits per byte by position", "bpb_by_position", None),
     ("Retrieval accuracy (exact match) by distance", "retrieval_by_distance", "accuracy"),
     ("Retrieval values right by distance", "retrieval_by_distance", "value_accuracy"),
+    ("Bits per byte on repeated passages by distance", "copy_by_distance", "bpb"),
 ]
 
 
@@ -193,8 +197,9 @@ def markdown(record: dict[str, Any]) -> str:
 
 
 def plot(record: dict[str, Any], stem: Path) -> list[Path]:
-    """``<stem>_bpb_by_position.png`` and ``<stem>_retrieval.png``: one line per method (the
-    mean over seeds, bars from the lowest to the highest seed), one panel per context."""
+    """``<stem>_bpb_by_position.png``, ``<stem>_retrieval.png`` and ``<stem>_copy.png``: one
+    line per method (the mean over seeds, bars from the lowest to the highest seed), one panel
+    per context."""
     try:
         import matplotlib
 
@@ -208,6 +213,7 @@ def plot(record: dict[str, Any], stem: Path) -> list[Path]:
     for suffix, field, inner, ylabel in (
         ("bpb_by_position", "bpb_by_position", None, "held-out bits per byte"),
         ("retrieval", "retrieval_by_distance", "accuracy", "retrieval accuracy (exact match)"),
+        ("copy", "copy_by_distance", "bpb", "bits per byte on a repeated passage"),
     ):
         fig, axes = plt.subplots(
             1, len(contexts), figsize=(6.5 * len(contexts), 4.2), squeeze=False
@@ -234,7 +240,7 @@ def plot(record: dict[str, Any], stem: Path) -> list[Path]:
                 ax.set_xticks(range(len(buckets)), buckets, rotation=30)
             x_label = "position in the context" if inner is None else "distance (tokens)"
             ax.set(xlabel=x_label, ylabel=ylabel, title=f"context {context}")
-            if inner is not None:
+            if inner == "accuracy":
                 ax.set_ylim(-0.02, 1.02)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)

@@ -19,6 +19,17 @@ Note [Retrieval rows]
     gets as many pairs, and needles never overlap. Accuracy is exact match of a pair's four
     values, each the model's most likely next token given the true prefix (teacher forcing).
 
+Note [Repeated passages]
+    Recall of needles needs a copying mechanism that small models trained for a few hundred
+    steps may not have learned (every method is at chance then). A repeated passage needs only
+    what text teaches: a held-out text row whose last ``copies * length`` bytes are replaced by
+    copies of earlier passages of the same row, each of ``length`` bytes from a log-uniform
+    distance (from the shortest that keeps the source before the copies to the copy's own
+    position, i.e. up to the full context). The bits per byte a model spends on a copy's bytes
+    after its first ``skip`` (which say which passage it is), against the distance, show how
+    far back it finds and reuses text: near 0 where it copies, near its bits on the same bytes
+    at their source (recorded beside them) where it cannot see or find the source.
+
 Note [One token stream]
     Every method and every resumed call sees the same rows: the rows of step ``s`` come from a
     generator seeded by ``(seed, s)`` alone, so a resumed run needs no data state and two
@@ -148,6 +159,45 @@ def make_batch(
     return Batch(stacked, answers, as_long(pair_row), as_long(pair_start), as_long(distance))
 
 
+@dataclass(frozen=True)
+class Passages:
+    """Rows (R, N + 1) int64 with repeated passages (Note [Repeated passages]); per copy (M,):
+    ``row``, ``copy_start`` and ``source_start`` (the input positions predicting its first
+    scored byte and the same byte at the source), ``distance``; ``scored`` bytes of each."""
+
+    rows: torch.Tensor
+    row: torch.Tensor
+    copy_start: torch.Tensor
+    source_start: torch.Tensor
+    distance: torch.Tensor
+    scored: int
+
+
+def passage_sizes(context: int) -> tuple[int, int, int]:
+    """``(length, skip, copies)`` of the repeated passages of rows of ``context`` tokens: 64, 8
+    and 16 from 16K; shorter rows get shorter and fewer passages (at 128: 8, 1 and 2)."""
+    length = max(8, min(64, context // 16))
+    return length, max(1, length // 8), max(1, min(16, context // (8 * length)))
+
+
+def passage_rows(texts: torch.Tensor, gen: torch.Generator) -> Passages:
+    """``texts`` (R, N + 1) with the end of each row made repeated passages."""
+    rows = texts.clone()
+    length, skip, copies = passage_sizes(texts.shape[1] - 1)
+    first_copy = rows.shape[1] - copies * length
+    found: list[tuple[int, int, int, int]] = []
+    for r in range(rows.shape[0]):
+        for j in range(copies):
+            copy = first_copy + j * length
+            lo, hi = copy - (first_copy - length), copy
+            distance = round(lo * (hi / lo) ** float(torch.rand((), generator=gen)))
+            source = copy - distance
+            rows[r, copy : copy + length] = texts[r, source : source + length]
+            found.append((r, copy + skip - 1, source + skip - 1, distance))
+    row, copy_start, source_start, distance = torch.tensor(found, dtype=torch.long).unbind(1)
+    return Passages(rows, row, copy_start, source_start, distance, length - skip)
+
+
 def is_retrieval(row: int, fraction: float) -> bool:
     """Whether row ``row`` of the stream is a retrieval row (Note [One token stream])."""
     return math.floor((row + 1) * fraction) > math.floor(row * fraction)
@@ -170,15 +220,28 @@ def training_batch(
     return make_batch(texts, kinds, pairs, gen)
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """The held-out rows every run is measured on: ``text`` (text_rows, N + 1) plain text,
+    ``retrieval`` rows with needles and ``passages`` rows with repeated passages."""
+
+    text: torch.Tensor
+    retrieval: Batch
+    passages: Passages
+
+
 def evaluation_rows(
     held_out: torch.Tensor, *, context: int, text_rows: int, retrieval_rows: int, pairs: int
-) -> tuple[torch.Tensor, Batch]:
-    """The held-out rows every run is measured on: ``text_rows`` windows of plain text
-    (text_rows, N + 1) and ``retrieval_rows`` retrieval rows, from fixed seeds."""
+) -> Evaluation:
+    """The held-out rows every run is measured on, from fixed seeds: ``text_rows`` windows of
+    plain text and ``retrieval_rows`` rows each of needles and of repeated passages."""
     text = sample_windows(held_out, text_rows, context, stream_generator("eval text"))
     gen = stream_generator("eval retrieval")
     hay = sample_windows(held_out, retrieval_rows, context, gen)
-    return text, make_batch(hay, [True] * retrieval_rows, pairs, gen)
+    retrieval = make_batch(hay, [True] * retrieval_rows, pairs, gen)
+    gen = stream_generator("eval passages")
+    texts = sample_windows(held_out, retrieval_rows, context, gen)
+    return Evaluation(text, retrieval, passage_rows(texts, gen))
 
 
 def loss_terms(
@@ -232,38 +295,60 @@ def by_bucket(values: torch.Tensor, keys: torch.Tensor, edges: list[int]) -> dic
     return out
 
 
+def _next_token_bits(
+    model: torch.nn.Module, rows: torch.Tensor, device: torch.device, batch: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per input position of ``rows`` (R, N + 1): whether the model's most likely next token is
+    the true one (R, N) bool, and the bits it spends on the true one (R, N) float64 (teacher
+    forcing, eval mode)."""
+    correct, bits = [], []
+    model.eval()
+    try:
+        with torch.no_grad():
+            for chunk in rows.split(batch):
+                chunk = chunk.to(device)
+                logits = model(chunk[:, :-1]).float()
+                correct.append((logits.argmax(-1) == chunk[:, 1:]).cpu())
+                nats = F.cross_entropy(logits.transpose(1, 2), chunk[:, 1:], reduction="none")
+                bits.append(nats.double().cpu() / math.log(2))
+    finally:
+        model.train()
+    return torch.cat(correct), torch.cat(bits)
+
+
+def _span_mean(
+    values: torch.Tensor, row: torch.Tensor, start: torch.Tensor, n: int
+) -> torch.Tensor:
+    """(M,) the mean of ``values`` (R, N) over positions ``start .. start + n - 1`` of ``row``."""
+    return values[row[:, None], start[:, None] + torch.arange(n)].double().mean(1)
+
+
 def measure(
     model: torch.nn.Module,
-    text: torch.Tensor,
-    retrieval: Batch,
+    evaluation: Evaluation,
     device: torch.device,
     batch: int,
     autocast: Callable[[], object],
 ) -> dict[str, object]:
-    """Held-out bits per byte (overall and by position bucket) and retrieval accuracy (overall
-    and by distance bucket) of ``model``: exact match of a pair's values, and the fraction of
-    values right (graded, for models that get some); see Note [Retrieval rows]."""
+    """Held-out bits per byte (overall and by position bucket), retrieval accuracy (exact match
+    of a pair's values, and the fraction of values right, graded) and bits per byte on
+    repeated passages (Note [Repeated passages]), the last two overall and by distance bucket."""
     with autocast():  # type: ignore[attr-defined]
-        bits = bits_per_position(model, text, device, batch=batch)
-    context = text.shape[1] - 1
+        bits = bits_per_position(model, evaluation.text, device, batch=batch)
+        ok, _ = _next_token_bits(model, evaluation.retrieval.rows, device, batch)
+        _, passage_bits = _next_token_bits(model, evaluation.passages.rows, device, batch)
+    context = evaluation.text.shape[1] - 1
     positions = torch.arange(context)
     bpb = {k: v for k, (v, _) in by_bucket(bits, positions, position_edges(context)).items()}
-    correct = []
-    model.eval()
-    try:
-        with torch.no_grad(), autocast():  # type: ignore[attr-defined]
-            for chunk in retrieval.rows.split(batch):
-                chunk = chunk.to(device)
-                correct.append((model(chunk[:, :-1]).argmax(-1) == chunk[:, 1:]).cpu())
-    finally:
-        model.train()
-    ok = torch.cat(correct)
-    span = retrieval.pair_start[:, None] + torch.arange(VALUE_LEN)
-    right = ok[retrieval.pair_row[:, None], span].double()  # (M, VALUE_LEN)
-    exact, values = right.all(1).double(), right.mean(1)
+    retrieval, passages = evaluation.retrieval, evaluation.passages
+    right = ok[retrieval.pair_row[:, None], retrieval.pair_start[:, None] + torch.arange(VALUE_LEN)]
+    exact, values = right.all(1).double(), right.double().mean(1)
+    copy = _span_mean(passage_bits, passages.row, passages.copy_start, passages.scored)
+    source = _span_mean(passage_bits, passages.row, passages.source_start, passages.scored)
     edges = distance_edges(context)
     buckets = by_bucket(exact, retrieval.distance, edges)
     graded = by_bucket(values, retrieval.distance, edges)
+    copied = by_bucket(copy, passages.distance, edges)
     return {
         "bpb": float(bits.mean()),
         "bpb_by_position": bpb,
@@ -273,4 +358,7 @@ def measure(
             k: {"accuracy": a, "value_accuracy": graded[k][0], "pairs": n}
             for k, (a, n) in buckets.items()
         },
+        "copy_bpb": float(copy.mean()),
+        "copy_source_bpb": float(source.mean()),
+        "copy_by_distance": {k: {"bpb": b, "copies": n} for k, (b, n) in copied.items()},
     }

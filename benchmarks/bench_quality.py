@@ -9,6 +9,8 @@ then measures, on held-out text and fresh retrieval rows, the same for every run
   N/2-N: at 32K, 0-1K, 1K-4K, 4K-16K, 16K-32K): whether a method uses distant context at all;
 - retrieval accuracy against distance: key-value needles at log-uniform distances up to the
   full context, queried at the row's end (Note [Retrieval rows] in ``_quality_tasks.py``);
+- bits per byte on repeated passages against distance: held-out text whose end repeats
+  passages from log-uniform distances up to the full context (Note [Repeated passages]);
 
 beside wall time, training time, peak memory (CUDA), tokens/s and TFLOP/s. The methods are the
 rows of ``METHODS`` (``--help`` lists them): dense, a sliding window, windows with a dense layer
@@ -27,7 +29,8 @@ states, times, losses) in ``--run-dir`` while it trains, saved every ``--checkpo
 ``--time-budget-s`` runs out and at ``--stop-after``; the same command again continues every
 unfinished run and skips finished ones. Every finished run is merged into the record
 (``benchmarks/results/quality_<device>.json``: one row per run) with the rows already there, and
-its table (``.md``) and plots (``_bpb_by_position.png``, ``_retrieval.png``) rewritten.
+its table (``.md``) and plots (``_bpb_by_position.png``, ``_retrieval.png``, ``_copy.png``)
+rewritten.
 
     python benchmarks/bench_quality.py --smoke          # every method, tiny, CPU, < 1 minute
     python benchmarks/bench_quality.py --context 16384 --seeds 0 1 --time-budget-s 520
@@ -394,7 +397,7 @@ def _reserve(s: Settings, step_seconds: list[float]) -> float:
     if not step_seconds:
         return 30.0
     per_row = sorted(step_seconds)[len(step_seconds) // 2] / s.batch / 3
-    return 15.0 + 2 * per_row * (s.eval_rows + s.retrieval_eval_rows)
+    return 15.0 + 2 * per_row * (s.eval_rows + 2 * s.retrieval_eval_rows)  # needles, passages
 
 
 def _train(
@@ -504,7 +507,7 @@ def describe(config: LongNetConfig, method: Method, s: Settings) -> str:
 def run_one(
     run: Run,
     train: torch.Tensor,
-    evaluation: tuple[torch.Tensor, tasks.Batch],
+    evaluation: tasks.Evaluation,
     device: torch.device,
     limits: Limits,
 ) -> dict[str, Any] | None:
@@ -523,7 +526,7 @@ def run_one(
     if not _train(run, model, optimizer, state, train, device, limits):
         return None
     begin = time.perf_counter()
-    measured = tasks.measure(model, *evaluation, device, s.batch, _autocast(device))
+    measured = tasks.measure(model, evaluation, device, s.batch, _autocast(device))
     eval_seconds = time.perf_counter() - begin
     _note_peak(state, device)
     pairs = attention_pairs(run.method, config, s)
@@ -539,6 +542,7 @@ def run_one(
         **measured,
         "bpb_far": list(measured["bpb_by_position"].values())[-1],
         "retrieval_far": list(measured["retrieval_by_distance"].values())[-1]["accuracy"],
+        "copy_bpb_far": list(measured["copy_by_distance"].values())[-1]["bpb"],
         "tokens_per_s": None if timed is None else state.timed_steps * s.batch * s.context / timed,
         "tflops": None if None in (flops, timed) else state.timed_steps * flops / timed / 1e12,
         "train_seconds": state.train_seconds,
@@ -774,6 +778,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Setti
 def _notes(held_out: torch.Tensor, s: Settings) -> str:
     """What the record measures, in a paragraph, with the held-out text's simple references."""
     scale = reference_bits_per_byte(held_out)
+    length, skip, copies = tasks.passage_sizes(s.context)
     return (
         f"Byte-level LongNetLM models identical except for their attention (width {s.embed_dim}, "
         f"{s.num_layers} layers, {s.num_heads} heads), the same seed's token stream for every "
@@ -782,7 +787,10 @@ def _notes(held_out: torch.Tensor, s: Settings) -> str:
         f"each). bpb: held-out bits per byte ({s.eval_rows} rows), bpb_far in the last "
         f"position bucket; retrieval_accuracy: exact match of the values of "
         f"{s.retrieval_eval_rows * s.pairs} fresh pairs, retrieval_far at the longest "
-        f"distances. For scale, on this held-out text byte frequencies alone give "
+        f"distances; copy_bpb: bits per byte on {s.retrieval_eval_rows * copies} passages of "
+        f"{length} bytes repeated in held-out text (the {length - skip} after their first {skip}), "
+        f"copy_bpb_far at the longest distances, copy_source_bpb on the same bytes at their "
+        f"source. For scale, on this held-out text byte frequencies alone give "
         f"{scale['unigram']:.2f} bits per byte and gzip -9 {scale['gzip']:.2f}."
     )
 
@@ -890,7 +898,7 @@ def run_all(
         )
     if record is not None:
         report.plot(record, out.with_suffix(""))
-        print(f"record: {out} (+ .md, _bpb_by_position.png, _retrieval.png)")
+        print(f"record: {out} (+ .md, _bpb_by_position.png, _retrieval.png, _copy.png)")
     return rows, record
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 import sys
 from collections.abc import Iterator
@@ -57,12 +58,13 @@ def test_smoke_trains_every_method_and_writes_a_complete_record(tmp_path: Path) 
         assert 0 < row["bpb"] < 9 and 0 <= row["retrieval_accuracy"] <= 1
         assert row["tokens_per_s"] > 0 and row["tflops"] > 0 and row["peak_memory_gib"] is None
         assert len(row["bpb_by_position"]) == 4 and row["bpb_far"] is not None
+        assert 0 < row["copy_bpb"] < 10 and 0 < row["copy_source_bpb"] < 10
     path = tmp_path / f"quality_{host_label()}.json"
     assert check_record(path, json.loads(path.read_text())) == []
     assert json.loads(path.read_text()) == record
     assert "| dense |" in path.with_suffix(".md").read_text()
     pytest.importorskip("matplotlib")
-    for suffix in ("bpb_by_position", "retrieval"):
+    for suffix in ("bpb_by_position", "retrieval", "copy"):
         assert (tmp_path / f"quality_{host_label()}_{suffix}.png").stat().st_size > 0
 
 
@@ -226,9 +228,9 @@ class _Perfect(nn.Module):
     """The right next token of every row it was built with, except (``miss``) the last value of
     every query."""
 
-    def __init__(self, batch: tasks.Batch, miss: bool) -> None:
+    def __init__(self, batch: tasks.Batch, miss: bool, others: torch.Tensor) -> None:
         super().__init__()
-        self.nxt = {}
+        self.nxt = {tuple(row[:-1].tolist()): row[1:] for row in others}
         for row, answers in zip(batch.rows, batch.answers, strict=True):
             target = row[1:].clone()
             last = answers & ~torch.cat([answers[1:], torch.tensor([False])])
@@ -249,10 +251,10 @@ def test_retrieval_accuracy_reads_the_answers(miss: bool) -> None:
     value gets no pair exactly but 3 values in 4."""
     text = torch.randint(0, 128, (4, 1025), generator=torch.Generator().manual_seed(0))
     retrieval = tasks.make_batch(text, [True] * 4, 8, torch.Generator().manual_seed(1))
-    model = _Perfect(retrieval, miss)
-    measured = tasks.measure(
-        model, retrieval.rows, retrieval, torch.device("cpu"), 2, lambda: torch.no_grad()
-    )
+    passages = tasks.passage_rows(text, torch.Generator().manual_seed(2))
+    model = _Perfect(retrieval, miss, passages.rows)
+    evaluation = tasks.Evaluation(retrieval.rows, retrieval, passages)
+    measured = tasks.measure(model, evaluation, torch.device("cpu"), 2, lambda: torch.no_grad())
     assert measured["retrieval_accuracy"] == (0.0 if miss else 1.0)
     assert measured["retrieval_value_accuracy"] == (0.75 if miss else 1.0)
     buckets = measured["retrieval_by_distance"]
@@ -260,6 +262,74 @@ def test_retrieval_accuracy_reads_the_answers(miss: bool) -> None:
     assert list(buckets) == ["0-32", "32-64", "64-128", "128-256", "256-512", "512-1K"]
     assert all(b["value_accuracy"] in (None, 0.75 if miss else 1.0) for b in buckets.values())
     assert measured["bpb"] < 0.1 if not miss else measured["bpb"] > 0.1
+
+
+def test_passages_repeat_earlier_text_at_their_distance() -> None:
+    """Each copy is its source's bytes, ``distance`` before it, its source lies before the
+    copies, every row's end is copies and the rest of the row is untouched."""
+    text = torch.randint(0, 256, (3, 4097), generator=torch.Generator().manual_seed(3))
+    passages = tasks.passage_rows(text, torch.Generator().manual_seed(4))
+    length, skip, copies = tasks.passage_sizes(4096)
+    assert (length, skip, copies, passages.scored) == (64, 8, 8, 56)
+    first_copy = 4097 - copies * length
+    assert torch.equal(passages.rows[:, :first_copy], text[:, :first_copy])
+    assert passages.row.tolist() == [r for r in range(3) for _ in range(copies)]
+    for r, copy, source, distance in zip(
+        *(t.tolist() for t in (passages.row, passages.copy_start, passages.source_start,
+                                passages.distance)),
+        strict=True,
+    ):  # fmt: skip
+        copy, source = copy + 1 - skip, source + 1 - skip  # the passages' first bytes
+        assert copy - source == distance and 0 <= source <= first_copy - length
+        repeated = passages.rows[r, copy : copy + length]
+        assert torch.equal(repeated, text[r, source : source + length])
+    assert passages.distance.max() > 2048 and passages.distance.min() < 256  # log-uniform
+
+
+class _Copier(nn.Module):
+    """Certain of the scored bytes of every copy at most ``reach`` from its source, uniform
+    over the vocabulary everywhere else."""
+
+    def __init__(self, passages: tasks.Passages, reach: int) -> None:
+        super().__init__()
+        self.sure = {}
+        for r, row in enumerate(passages.rows):
+            sure = torch.full((row.numel() - 1,), -1)
+            for i in (passages.row == r).nonzero().flatten().tolist():
+                if passages.distance[i] <= reach:
+                    span = passages.copy_start[i] + torch.arange(passages.scored)
+                    sure[span] = row[span + 1]
+            self.sure[tuple(row[:-1].tolist())] = sure
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = torch.zeros(*tokens.shape, tasks.VOCAB_SIZE)
+        for i, row in enumerate(tokens):
+            sure = self.sure.get(tuple(row.tolist()), torch.full((row.numel(),), -1))
+            logits[i][sure >= 0] = logits[i][sure >= 0].scatter(1, sure[sure >= 0, None], 60.0)
+        return logits
+
+
+def test_passage_bits_read_the_copies_by_distance() -> None:
+    """A model that copies passages from at most 512 tokens back spends no bits on their
+    scored bytes there and log2(V) bits further back and at every source."""
+    text = torch.randint(0, 256, (4, 4097), generator=torch.Generator().manual_seed(5))
+    passages = tasks.passage_rows(text, torch.Generator().manual_seed(6))
+    retrieval = tasks.make_batch(text, [True] * 4, 8, torch.Generator().manual_seed(7))
+    evaluation = tasks.Evaluation(text, retrieval, passages)
+    measured = tasks.measure(
+        _Copier(passages, 512), evaluation, torch.device("cpu"), 2, lambda: torch.no_grad()
+    )
+    uniform = math.log2(tasks.VOCAB_SIZE)
+    buckets = measured["copy_by_distance"]
+    assert sum(b["copies"] for b in buckets.values()) == passages.row.numel()
+    assert list(buckets) == ["0-128", "128-256", "256-512", "512-1K", "1K-2K", "2K-4K"]
+    for name, expected in zip(buckets, [0, 0, 0, uniform, uniform, uniform], strict=True):
+        bucket = buckets[name]
+        assert bucket["bpb"] == (None if not bucket["copies"] else pytest.approx(expected)), name
+    assert buckets["256-512"]["copies"] and buckets["2K-4K"]["copies"]
+    assert measured["copy_source_bpb"] == pytest.approx(uniform)
+    near = (passages.distance <= 512).double().mean()
+    assert measured["copy_bpb"] == pytest.approx(float(1 - near) * uniform)
 
 
 def test_pair_counts() -> None:
