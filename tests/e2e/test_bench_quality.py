@@ -26,6 +26,7 @@ from _timing import host_label
 import dilated_attention.factory as factory
 from dilated_attention import MultiheadDilatedAttention, patterns, register_kind
 
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 #: Every run of these tests: quiet, its own directories.
 QUIET = ["--no-progress"]
 
@@ -354,3 +355,18 @@ def test_pair_counts() -> None:
     # Compressed keys: windows [c d, c d + l) inside the row, seen once wholly at or before p.
     seen = sum(1 for p in range(70) for c in range(70) if c * 3 + 8 <= min(p + 1, 70))
     assert bench_quality._compressed_pairs(70, 8, 3) == seen
+
+
+def test_the_demo_quotes_the_committed_record() -> None:
+    """The demo's scale line names the range of held-out bits per byte that the committed H100
+    record's methods reach (each method's mean over its seeds)."""
+    from dilated_attention.demo import QUALITY_BPB
+
+    record = json.loads((RESULTS / "quality_h100.json").read_text())
+    means: dict[str, list[float]] = {}
+    for row in record["results"]:
+        means.setdefault(row["method"], []).append(row["bpb"])
+    per_method = [sum(v) / len(v) for v in means.values()]
+    assert len(per_method) == len(bench_quality.METHODS)
+    low, high = QUALITY_BPB
+    assert low <= min(per_method) < low + 0.1 and high - 0.1 < max(per_method) <= high
