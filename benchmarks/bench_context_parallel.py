@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import OUT_HELP, environment, markdown_table, record_header, record_path, write_record
 
 from dilated_attention import longnet_schedule
-from dilated_attention.core.schedule import Schedule
+from dilated_attention.core.geometry.schedule import Schedule
 from dilated_attention.distributed.cost import Shape, plan_split, split_volume
 
 MIB = 2**20

@@ -96,7 +96,7 @@ from _timing import (
 from dilated_attention import attention, dilated_attention, longnet_schedule
 from dilated_attention.backends import KernelInputs
 from dilated_attention.backends.registry import choose
-from dilated_attention.core.segment import runs_in_slots
+from dilated_attention.core.geometry.segment import runs_in_slots
 
 Schedule = tuple[tuple[int, ...], tuple[int, ...]]
 #: Fixed (segments, rates), or None for ``longnet_schedule(N)`` at each length N.

@@ -1,5 +1,5 @@
 """float32 products in the Triton kernels: "tf32x3" against "ieee" (Note [float32 products] in
-``dilated_attention/backends/_triton_kernels.py``).
+``dilated_attention/backends/triton_kernels/launchers.py``).
 
 For each product precision, in one process: the error of a float32 forward+backward against the
 float64 math backend (N = 4,096), its time (N = 16,384, median of 10, CUDA events) and each

@@ -5,12 +5,12 @@
 One dilated branch ``(w, r)`` over N positions, launched alone (``forward_branch``, no merge),
 B = 1, H = 16, bf16, with the rows read (a) through per-thread pointers with the pointer tiles,
 (b) through tensor descriptors with the descriptor tiles (Note [Rows through tensor descriptors]
-in ``dilated_attention/backends/_triton_kernels.py``), and (c) the dense cuDNN kernel on the same
-per-branch shape (N / w segments of w / r rows each), the ceiling. Median of CUDA-event timings;
-TFLOP/s count 4 * D * H * (N / r) * (w / r), halved when causal. With ``--tiles``, also every
-candidate descriptor tile (the sweep behind ``forward_descriptors`` in ``_triton_tiles.py``) as
-extra rows. Writes OUT.json and OUT.md; OUT defaults to ``benchmarks/results/tma_forward_<device>``
-(``h100``, ``h200x2``, ...: ``_timing.host_label``).
+in ``dilated_attention/backends/triton_kernels/launchers.py``), and (c) the dense cuDNN kernel on
+the same per-branch shape (N / w segments of w / r rows each), the ceiling. Median of CUDA-event
+timings; TFLOP/s count 4 * D * H * (N / r) * (w / r), halved when causal. With ``--tiles``, also
+every candidate descriptor tile (the sweep behind ``forward_descriptors`` in
+``triton_kernels/tiles.py``) as extra rows. Writes OUT.json and OUT.md; OUT defaults to
+``benchmarks/results/tma_forward_<device>`` (``h100``, ``h200x2``, ...: ``_timing.host_label``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from _timing import (
 )
 
 from dilated_attention.backends import triton as triton_backend
-from dilated_attention.backends._triton_tiles import TileConfig
+from dilated_attention.backends.triton_kernels.tiles import TileConfig
 
 HEADS = 16
 #: (head_dim, seq_len, segment, rate, causal): whole-sequence segments and LongNet-sized ones.

@@ -52,8 +52,8 @@ from _timing import (
 )
 
 from dilated_attention import dilated_attention, longnet_schedule
-from dilated_attention.core.documents import document_groups
-from dilated_attention.core.schedule import Schedule
+from dilated_attention.core.geometry.documents import document_groups
+from dilated_attention.core.geometry.schedule import Schedule
 from dilated_attention.resolve import DILATED, Request, resolve
 
 HEADS = 16

@@ -1,6 +1,6 @@
 """Check that the Triton tile tables fit each compute capability's shared memory.
 
-For every capability with a table in ``dilated_attention/backends/_triton_tiles.py`` (and the
+For every capability with a table in ``dilated_attention/backends/triton_kernels/tiles.py`` (and the
 GPUs that share it), every dtype and head-dim row: record the kernels of a causal and a
 non-causal dilated schedule (rates 1 to 16), compile each for that capability (no launch, so one
 GPU of any kind compiles for all of them) and compare the shared memory Triton reports with what
@@ -29,8 +29,8 @@ from _timing import environment, markdown_table, record_header, record_path, wri
 
 from dilated_attention.backends import get_backend
 from dilated_attention.backends import triton as triton_backend
-from dilated_attention.backends._triton_compile import answer_device_queries
-from dilated_attention.backends._triton_tiles import (
+from dilated_attention.backends.triton_kernels.compile import answer_device_queries
+from dilated_attention.backends.triton_kernels.tiles import (
     SM90,
     TABLES,
     TileConfig,
@@ -38,7 +38,7 @@ from dilated_attention.backends._triton_tiles import (
     table_for,
     tile_configs,
 )
-from dilated_attention.core.fused import compile_ahead
+from dilated_attention.core.execution.fused import compile_ahead
 
 #: Shared memory a block may use (opt-in bytes) per capability checked, and the GPUs with it.
 SHARED_MEMORY = {

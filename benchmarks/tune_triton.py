@@ -1,4 +1,5 @@
-"""Sweep the Triton kernels' tile sizes on the dilated workload (tables: ``_triton_tiles.py``).
+"""Sweep the Triton kernels' tile sizes on the dilated workload (tables:
+``triton_kernels/tiles.py``).
 
     python benchmarks/tune_triton.py   # -> benchmarks/results/tune_triton_<device>.{json,md}
 
@@ -34,7 +35,7 @@ from _timing import (
 
 from dilated_attention import dilated_attention
 from dilated_attention.backends import triton as triton_backend
-from dilated_attention.backends._triton_tiles import TileConfig
+from dilated_attention.backends.triton_kernels.tiles import TileConfig
 
 SEGMENTS, RATES = (2048, 4096, 8192, 16384, 32768), (1, 2, 4, 8, 16)
 

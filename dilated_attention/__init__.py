@@ -20,9 +20,9 @@ from .config import (
     MultiheadDilatedConfig,
     longnet_schedule,
 )
-from .core.kv_cache import DilatedKVCache
-from .core.static_cache import StaticDilatedKVCache
-from .core.window_cache import StaticWindowKVCache, WindowKVCache
+from .core.decoding.kv_cache import DilatedKVCache
+from .core.decoding.static_cache import StaticDilatedKVCache
+from .core.decoding.window_cache import StaticWindowKVCache, WindowKVCache
 from .distributed import (
     RingAttention,
     RingDilatedAttention,

@@ -2,7 +2,7 @@
 
 Note [The decode step under torch.compile]
     A step on a :class:`~dilated_attention.StaticDilatedKVCache` (Note [A decode step with
-    static shapes] in ``core/static_cache.py``) has three parts: writing the new keys and
+    static shapes] in ``core/decoding/static_cache.py``) has three parts: writing the new keys and
     values at each row's position, the attention, and moving the positions on. The writes and
     the move are plain tensor operations on the cache's buffers, which Dynamo traces (in-place
     updates of tensors it guards). The attention chooses a kernel and builds its plan, which
@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from .compiled.tracing import is_traced
-from .core.call_runs import accumulator_dtype
-from .core.decode import token_slots
-from .core.schedule import Schedule
+from .core.decoding.decode import token_slots
+from .core.execution.call_runs import accumulator_dtype
+from .core.geometry.schedule import Schedule
 from .resolve import DECODE, Request, resolve, static_branches
 from .resolve.strategy import StaticDecodeStrategy
 

@@ -58,7 +58,7 @@ from .config import (
     MultiheadDilatedConfig,
 )
 from .core.devices import resolve_device
-from .core.schedule import Schedule
+from .core.geometry.schedule import Schedule
 from .modules import (
     LAYER_ARGUMENTS,
     SELECTED_KINDS,

@@ -26,10 +26,10 @@ from .backends.registry import check_backend_name
 from .block_sparse.plan import check_block_size
 from .block_sparse.runtime import MaskLayout, check_block_mask, check_documents_aligned
 from .core.autograd import Inputs
-from .core.caches import Cache, check_cache_call, check_window_cache_call
-from .core.documents import check_cu_seqlens
-from .core.schedule import Schedule
-from .core.window_cache import StaticWindowKVCache
+from .core.decoding.caches import Cache, check_cache_call, check_window_cache_call
+from .core.decoding.window_cache import StaticWindowKVCache
+from .core.geometry.documents import check_cu_seqlens
+from .core.geometry.schedule import Schedule
 from .patterns import Pattern
 from .resolve import BLOCK_SPARSE, DENSE, Request, dilated_operation
 from .resolve.caches import cache_fields
@@ -48,7 +48,7 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 #     this reason. Under torch.func transforms they raise ``ValueError`` (nothing runs eagerly
 #     inside a transform). One call with a window traces: the one-token step of a
 #     ``StaticWindowKVCache`` without soft-cap or sinks, which reads its ring through a key mask
-#     and no window (Note [A window cache] in ``core/window_cache.py``): the dense operator
+#     and no window (Note [A window cache] in ``core/decoding/window_cache.py``): the dense operator
 #     carries it, so a hybrid model's static step compiles into one graph.
 _EAGER_OPTIONS = ("cu_seqlens", "window_size", "softcap", "sinks")
 _EAGER_REASON = (
@@ -121,7 +121,7 @@ def attention(
         return_lse: also return the log-sum-exp.
         cu_seqlens: packed documents, each attending only within itself: their offsets among
             the ``B * N`` positions read row after row, from 0 to ``B * N``, every row start
-            among them (Note [Packed documents] in ``core/documents.py``); Nq == Nk.
+            among them (Note [Packed documents] in ``core/geometry/documents.py``); Nq == Nk.
         window_size: ``(left, right)``: position ``p`` sees keys ``p - left`` to ``p + right``
             (``-1``: unbounded on that side; FlashAttention's convention), with causality and
             every mask; a query shorter than the key holds its last positions. A sliding window
@@ -132,7 +132,7 @@ def attention(
         cache: decoding a layer of local windowed attention: its
             :class:`~dilated_attention.WindowKVCache` or
             :class:`~dilated_attention.StaticWindowKVCache` (Note [A window cache] in
-            ``core/window_cache.py``), with ``is_causal=True`` and the layer's
+            ``core/decoding/window_cache.py``), with ``is_causal=True`` and the layer's
             ``window_size``: query, key and value are the next tokens' (same length), their
             keys taken by the cache, which holds the window they read; ``key_padding_mask`` is
             then (B, N) over the new keys. With ``cu_seqlens`` and an empty cache, a packed
@@ -209,7 +209,7 @@ def dilated_attention(
     Decoding: with ``is_causal=True`` the query may be shorter than the key: its ``Nq`` rows are
     the last ``Nq`` of the ``N`` key positions, each equal to that row of the causal call over
     all ``N`` positions; a new token reads at most ``ceil(w / r)`` keys per branch (Note
-    [Decoding rows] in ``core/decode.py``).
+    [Decoding rows] in ``core/decoding/decode.py``).
 
     Args:
         query: (B, N, H, D); with ``is_causal=True`` also (B, Nq, H, D), Nq <= N (decoding).
@@ -230,7 +230,7 @@ def dilated_attention(
             holds every key they can read; ``key_padding_mask`` is then (B, N) over the new
             keys.
         cu_seqlens: packed documents, as in :func:`attention`, each segmented as if alone; with
-            an empty ``cache`` a prompt (Note [A packed prompt] in ``core/documents.py``).
+            an empty ``cache`` a prompt (Note [A packed prompt] in ``core/geometry/documents.py``).
         window_size: ``(left, right)``: one more branch, a local window across segments (each
             position sees keys ``p - left`` to ``p + right``, as in :func:`attention`), joined
             to the others in the union (Note [A local window as a branch] in

@@ -170,7 +170,7 @@ def _fresh_choices() -> None:
     [Resolved once per request] in ``resolve/resolver.py``), and no launch bound by an
     earlier test is replayed (tests change kernel settings between calls)."""
     clear_resolved()
-    bound = sys.modules.get("dilated_attention.backends._triton_launch")
+    bound = sys.modules.get("dilated_attention.backends.triton_kernels.launch")
     if bound is not None:
         bound.clear_bound()
 

@@ -10,8 +10,8 @@ Shape legend: B batch, Nq/Nk query/key rows, H query heads, Hkv key/value heads,
 ``key_mask`` is (B, Hm, Nk) bool with Hm in {1, H}, ``True`` = ignore the key. Causal masking is
 top-left aligned (query ``i`` sees keys ``j <= i``): the kernels' contract. The public functions'
 causal queries shorter than the key are end-aligned (their last positions); the engine runs them
-as square causal calls and calls without a mask (``core/decode.py``), never as a rectangular
-causal kernel call.
+as square causal calls and calls without a mask (``core/decoding/decode.py``), never as a
+rectangular causal kernel call.
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ class KernelInputs:
     # A block-sparse call: tokens per block (None otherwise).
     block_size: int | None = None
     # A dilated call whose branches can write into slots merged once (Note [Branch slots merged
-    # once] in core/slots.py): kernels that write into given buffers run it fastest. False also
-    # where the slots' memory rules them out (a ring shard's float32 output beside spanning
+    # once] in core/geometry/slots.py): kernels that write into given buffers run it fastest. False
+    # also where the slots' memory rules them out (a ring shard's float32 output beside spanning
     # branches, resolve/resolver.py).
     branch_slots: bool = False
-    # Rows holding packed documents (Note [Packed documents] in core/documents.py): the
+    # Rows holding packed documents (Note [Packed documents] in core/geometry/documents.py): the
     # executor runs each document's segments as their own calls.
     documents: bool = False
     # Soft-capped scores, a local window over the rows (Note [Scores a kernel call transforms]
@@ -202,11 +202,12 @@ class Backend:
     exact_on_hidden_keys: ClassVar[bool] = False
     # Whether the kernel reads q, k, v given as strided views (last dim contiguous, any other
     # strides) as they are: dilated rows then reach it as views, not gathers (Note [Strided row
-    # calls] in core/strided.py).
+    # calls] in core/geometry/strided.py).
     reads_strided_rows: ClassVar[bool] = False
     # Whether the kernel writes its result into the buffers ``into`` hands it (Note [The backend
     # contract] in core/contract.py): dilated plans then merge their branches once (Note [Branch
-    # slots merged once] in core/slots.py). ``_forward`` / ``_backward`` take ``into`` then.
+    # slots merged once] in core/geometry/slots.py). ``_forward`` / ``_backward`` take ``into``
+    # then.
     writes_into: ClassVar[bool] = False
     # Whether ``_forward`` returns ``aux`` None whenever ``dropout_p`` is 0: its backward then
     # needs nothing of the forward but the merged ``out`` and ``lse``, and the custom operators'

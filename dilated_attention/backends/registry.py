@@ -291,15 +291,15 @@ OPERATIONS = (DENSE, DILATED, BLOCK_SPARSE)
 @dataclass(frozen=True)
 class PlanKernel:
     """A kernel that runs a whole plan of one operation itself instead of the executor calling a
-    backend once per kernel call (Note [One executor] in ``core/executor.py``). In its operation's
-    registry it answers to a backend's name, which there means this kernel.
+    backend once per kernel call (Note [One executor] in ``core/execution/executor.py``). In its
+    operation's registry it answers to a backend's name, which there means this kernel.
 
     Attributes:
         name: the backend name it answers to.
         summary: what it runs, for ``explain`` and ``python -m dilated_attention info``.
         reasons: why it cannot run some inputs (empty: it can).
         takes_documents: it runs packed documents itself (Note [Packed documents] in
-            ``core/documents.py``); others are refused them.
+            ``core/geometry/documents.py``); others are refused them.
     """
 
     name: str
@@ -318,7 +318,8 @@ class Selection:
 
 
 #: Why an operation's own kernels do not run packed documents (Note [Packed documents] in
-#: core/documents.py): they take whole rows; the executor's plan runs each document's calls.
+#: core/geometry/documents.py): they take whole rows; the executor's plan runs each document's
+#: calls.
 _PACKED_REASON = (
     "packed documents (cu_seqlens): this kernel runs each row as one sequence; the executor's "
     "plan runs each document's calls on a dense kernel"
@@ -479,7 +480,7 @@ def _block_sparse_first(inputs: KernelInputs) -> list[str]:
 def _dilated_first(inputs: KernelInputs) -> list[str]:
     """The device's ``dilated_slots`` rule (``priorities.json``; sm90: FlashAttention-4) first
     for dilated calls whose branches write into slots (Note [Branch slots merged once] in
-    core/slots.py), up to its ``max_head_dim``, from the length ``slots_thresholds.json``
+    core/geometry/slots.py), up to its ``max_head_dim``, from the length ``slots_thresholds.json``
     gives the call's cell (Note [The measured slots table] in ``slots_thresholds.py``), where
     bench_dilated measured it faster than our fused Triton kernels; elsewhere the device's list,
     where our fused kernels come first. Where FlashAttention-4 is not installed that is a
@@ -521,7 +522,8 @@ _REGISTRIES = {
     DILATED: OperationRegistry(
         DILATED,
         [PlanKernel("triton", "our fused dilated kernels: every branch from the full q, k, v "
-                    "through strides, merged in place (core/fused.py)", _fused_dilated_reasons,
+                    "through strides, merged in place (core/execution/fused.py)",
+                    _fused_dilated_reasons,
                     takes_documents=True)],
         first=_dilated_first,
     ),

@@ -2,9 +2,9 @@
 
 Note [The measured slots table]
     On sm90 a dilated call whose branches write into slots (Note [Branch slots merged once] in
-    ``core/slots.py``) has two fast paths: FlashAttention-4 writing into the slots, and our fused
-    Triton kernels. Which is faster depends on the length, the head dim, causality, whether the
-    call needs gradients (forward only, or forward and backward) and whether key/value heads are
+    ``core/geometry/slots.py``) has two fast paths: FlashAttention-4 writing into the slots, and our
+    fused Triton kernels. Which is faster depends on the length, the head dim, causality, whether
+    the call needs gradients (forward only, or forward and backward) and whether key/value heads are
     shared (GQA): FlashAttention-4's Python interface costs about half a millisecond a call, and a
     plan cut into position groups to bound its memory makes more calls, so FlashAttention-4 wins
     from some length on, a different one per cell. ``slots_thresholds.json`` beside this module

@@ -1,9 +1,9 @@
 """``triton``: our own Triton kernels, reading dilated rows through strides (no gathers).
 
-The kernels (``_triton_kernels.py``, imported on first use because it needs the ``triton``
+The kernels (``triton_kernels/launchers.py``, imported on first use because it needs the ``triton``
 package) run a whole dilated branch per launch and merge into the running output in place
-(Note [Strided dilated rows]); ``core/fused.py`` drives them branch by branch (Note [Fused branch
-engine]). Dense calls (ring steps, block-sparse pieces, ``attention``) are the one-segment,
+(Note [Strided dilated rows]); ``core/execution/fused.py`` drives them branch by branch (Note [Fused
+branch engine]). Dense calls (ring steps, block-sparse pieces, ``attention``) are the one-segment,
 rate-1 case of the same kernels.
 
 With ``TRITON_INTERPRET=1`` in the environment (before the first use), Triton's interpreter runs
@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-from ..core.call_runs import register_in_place_merge
 from ..core.contract import BranchSpan, Window
-from ..core.slots import register_slot_kernels
+from ..core.execution.call_runs import register_in_place_merge
+from ..core.geometry.slots import register_slot_kernels
 from ._compat import _import_failure, _last_dim_contiguous, _release
-from ._triton_compile import prepare_compiler
-from ._triton_tiles import SPLIT_KEY_ROWS, Tiles, dkdv_config, split_key_config, tile_configs
 from .base import Backend, KernelInputs, KernelOutput
+from .triton_kernels.compile import prepare_compiler
+from .triton_kernels.tiles import SPLIT_KEY_ROWS, Tiles, dkdv_config, split_key_config, tile_configs
 
 _log = logging.getLogger("dilated_attention")
 
@@ -47,9 +47,10 @@ def interpreting() -> bool:
 def announcement(family: tuple[Any, ...]) -> tuple[Any, ...]:
     """What the compile message of a shape family tells apart: the family without its segment
     lengths and with each rate only as "1 or not" (the kernels' own classes; Note
-    [Specialization and first calls] in ``_triton_kernels.py``). A call shorter than a segment
-    runs it clipped to its length (Note [Effective branches] in ``core/segment.py``), so
-    generation that recomputes every step makes a new family per length: these get one line.
+    [Specialization and first calls] in ``triton_kernels/launchers.py``). A call shorter than a
+    segment runs it clipped to its length (Note [Effective branches] in
+    ``core/geometry/segment.py``), so generation that recomputes every step makes a new family per
+    length: these get one line.
 
     Returns:
         ``(device, dtype name, heads, head dim, key/value heads, rate-1 flags, causal, masked,
@@ -67,7 +68,7 @@ def announcement(family: tuple[Any, ...]) -> tuple[Any, ...]:
 
 @functools.cache
 def _kernels() -> ModuleType:
-    from . import _triton_kernels
+    from .triton_kernels import launchers as _triton_kernels
 
     return _triton_kernels
 
@@ -77,7 +78,7 @@ def merge_kernel() -> Callable[..., None] | None:
     """The one-kernel in-place merge of a partial result into float32 accumulators on CUDA
     (``_triton_merge.merge_into``), or ``None`` where Triton cannot be imported."""
     try:
-        from ._triton_merge import merge_into
+        from .triton_kernels.merge import merge_into
     except Exception:
         return None
     return merge_into
@@ -88,10 +89,10 @@ register_in_place_merge("cuda", merge_kernel)
 
 def slot_kernels() -> Any:
     """The one-pass merge and sum of branch slots on CUDA (``_triton_merge.SlotKernels``; Note
-    [Branch slots merged once] in ``core/slots.py``), or ``None`` where Triton cannot be
+    [Branch slots merged once] in ``core/geometry/slots.py``), or ``None`` where Triton cannot be
     imported."""
     try:
-        from ._triton_merge import SlotKernels
+        from .triton_kernels.merge import SlotKernels
     except Exception:
         return None
     return SlotKernels()
@@ -146,7 +147,7 @@ def key_splits(q: torch.Tensor, key_len: int, is_causal: bool) -> int:
 
 
 def _tiles(x: torch.Tensor) -> Tiles:
-    """The tile table's entry for ``x``'s GPU, head dim and dtype (``_triton_tiles.py``)."""
+    """The tile table's entry for ``x``'s GPU, head dim and dtype (``triton_kernels/tiles.py``)."""
     return _tile_entry(x.device.index if x.is_cuda else None, x.shape[-1], x.dtype)
 
 
@@ -158,7 +159,7 @@ def _tile_entry(device_index: int | None, head_dim: int, dtype: torch.dtype) -> 
 
 class TritonBackend(Backend):
     """Our Triton kernels: strided dilated rows, in-place branch merging, GQA, causal, key padding
-    masks; fused dilated branches through ``core/fused.py``."""
+    masks; fused dilated branches through ``core/execution/fused.py``."""
 
     name = "triton"
     reads_strided_rows = True  # any strides with the last dim contiguous (decoding's row views)
@@ -206,7 +207,8 @@ class TritonBackend(Backend):
         forward-and-backward probe of ``Backend.probe`` compiled four more kernels first, 3 s of
         a fresh process's first call on an H100 (``benchmarks/results/first_call_h100.json``).
         Triton's once-per-process state is filled first, side by side (Note [The compiler's
-        first use] in ``_triton_compile.py``). Elsewhere (the interpreter): ``Backend.probe``."""
+        first use] in ``triton_kernels/compile.py``). Elsewhere (the interpreter):
+        ``Backend.probe``."""
         if device.type != "cuda" or interpreting():
             super().probe(device)
             return
@@ -220,9 +222,9 @@ class TritonBackend(Backend):
             raise RuntimeError(f"Triton's row-delta kernel computed wrong numbers on {device}")
 
     def begin_compile(self, family: tuple[Any, ...]) -> AbstractContextManager[None] | None:
-        """See ``FusedBackend.begin_compile`` in ``core/fused.py``: once per family and process,
-        returns the kernels' compile-only context (none under the interpreter, which compiles
-        nothing), and logs a line: at WARNING for the first family of its
+        """See ``FusedBackend.begin_compile`` in ``core/execution/fused.py``: once per family and
+        process, returns the kernels' compile-only context (none under the interpreter, which
+        compiles nothing), and logs a line: at WARNING for the first family of its
         :func:`announcement` (the family up to segment lengths), at DEBUG after that."""
         if interpreting() or family in self._families:
             return None
@@ -248,7 +250,8 @@ class TritonBackend(Backend):
             reasons.append("Triton's interpreter cannot compute bfloat16 (numpy has none)")
         return reasons
 
-    # -- the static decode step (core/static_cache.py) --------------------------------------------
+    # -- the static decode step (core/decoding/static_cache.py)
+    # --------------------------------------------
     reads_decode_buffers = True  # decode_step: a static step's keys read in place
 
     def decode_step(
@@ -266,18 +269,19 @@ class TritonBackend(Backend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per batch row against a static cache's buffers, every branch in one
         launch reading the rows in place (Note [A decode kernel reading the buffers in place]
-        in ``_triton_decode.py``): q (B, 1, H, D), k and v (B, R, Hkv, D), key_padding_mask
+        in ``triton_kernels/decode.py``): q (B, 1, H, D), k and v (B, R, Hkv, D), key_padding_mask
         (B, R) bool or None, positions (B,) int64, ``slots`` the step's ``token_slots``,
         row_offsets (B,) int64 or None, ``softcap`` or None, sinks (H,) or None (joined, no
         gradient) -> out (B, 1, H, D), lse (B, H, 1) float32."""
-        from ._triton_decode import decode_step
+        from .triton_kernels.decode import decode_step
 
         q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
         return decode_step(
             q, k, v, key_padding_mask, positions, slots, scale, row_offsets, softcap, sinks
         )
 
-    # -- fused dilated branches (core/fused.py) ---------------------------------------------------
+    # -- fused dilated branches (core/execution/fused.py)
+    # ---------------------------------------------------
     def forward_branch(
         self,
         q: torch.Tensor,
@@ -298,8 +302,8 @@ class TritonBackend(Backend):
         q_row0: int = 0,
         softcap: float | None = None,
     ) -> None:
-        """See ``FusedBackend.forward_branch`` in ``core/fused.py``; launched through bound
-        launches (Note [Bound launches] in ``_triton_launch.py``)."""
+        """See ``FusedBackend.forward_branch`` in ``core/execution/fused.py``; launched through
+        bound launches (Note [Bound launches] in ``triton_kernels/launch.py``)."""
         kernels = _kernels()
         roles = (q, k, v, out, lse, key_mask, merge_from)
         site = kernels.site_key(
@@ -353,8 +357,8 @@ class TritonBackend(Backend):
         head0: int = 0,
         softcap: float | None = None,
     ) -> None:
-        """See ``FusedBackend.backward_branch`` in ``core/fused.py``; launched through bound
-        launches (Note [Bound launches] in ``_triton_launch.py``)."""
+        """See ``FusedBackend.backward_branch`` in ``core/execution/fused.py``; launched through
+        bound launches (Note [Bound launches] in ``triton_kernels/launch.py``)."""
         kernels = _kernels()
         roles = (dout, q, k, v, lse, delta, key_mask, dq, dk, dv)
         site = kernels.site_key(
@@ -451,7 +455,7 @@ def _split_key_forward(
 ) -> None:
     """A non-causal forward with its keys in ``splits`` runs (Note [Split keys for few
     queries]), written into ``out`` (B, Nq, H, D) and ``lse`` (B, H, Nq)."""
-    from ._triton_merge import merge_splits
+    from .triton_kernels.merge import merge_splits
 
     batch, query_len, heads, dim = q.shape
     run = -(-k.shape[1] // splits)
@@ -495,7 +499,7 @@ def _dense_branch(query_len: int, key_len: int) -> Any:
     return _kernels().Branch(0, query_len, key_len, query_len, key_len, 1)
 
 
-#: Query/key rows of the block-sparse kernels' tiles (``_triton_block_sparse.py``).
+#: Query/key rows of the block-sparse kernels' tiles (``triton_kernels/block_sparse.py``).
 BLOCK_SPARSE_TILE_ROWS = 64
 BLOCK_SPARSE_MAX_HEAD_DIM = 128
 

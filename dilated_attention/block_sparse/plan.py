@@ -79,7 +79,7 @@ class SparseCall:
     def to(self, device: torch.device) -> SparseCall:
         return SparseCall(self.q_index.to(device), self.kv_index.to(device), self.causal)
 
-    # The executor's ``Call`` (``core/calls.py``): every head, rows picked by position.
+    # The executor's ``Call`` (``core/geometry/calls.py``): every head, rows picked by position.
     def q_rows(self, x: torch.Tensor) -> torch.Tensor:
         return _rows(x, self.q_index)
 
@@ -243,8 +243,8 @@ def document_calls(
     is_causal: bool,
     device: torch.device,
 ) -> tuple[SparseCall, ...]:
-    """The calls of packed documents (Note [Packed documents] in ``core/documents.py``): each
-    document's kept blocks, counted from its own first token, at the positions it holds among
+    """The calls of packed documents (Note [Packed documents] in ``core/geometry/documents.py``):
+    each document's kept blocks, counted from its own first token, at the positions it holds among
     the ``documents[-1]`` positions of the flattened batch. ``documents``: their offsets."""
     calls: list[SparseCall] = []
     spans = list(itertools.pairwise(documents))

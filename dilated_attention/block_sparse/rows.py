@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import torch
 
 from ..core.autograd import Backward, Forward, Grads, Inputs, Saved
-from ..core.calls import put_view
-from ..core.executor import PlanRunner
+from ..core.execution.executor import PlanRunner
+from ..core.geometry.calls import put_view
+from ..core.geometry.plan import Plan
 from ..core.higher_order import RowCall
-from ..core.plan import Plan
 from .plan import num_blocks
 from .runtime import FIRST_ORDER_MESSAGE
 

@@ -1,6 +1,6 @@
 """Block-sparse attention through our Triton kernels (Note [Block-sparse Triton kernels] in
-``backends/_triton_block_sparse.py``): their block lists, of a pattern (on the host, once) or of
-a run-time mask (on the device, per call), and their autograd.
+``backends/triton_kernels/block_sparse.py``): their block lists, of a pattern (on the host, once) or
+of a run-time mask (on the device, per call), and their autograd.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .runtime import FIRST_ORDER_MESSAGE, compact_rows
 
 @functools.cache
 def _triton_block_sparse() -> ModuleType:
-    from ..backends import _triton_block_sparse
+    from ..backends.triton_kernels import block_sparse as _triton_block_sparse
 
     return _triton_block_sparse
 

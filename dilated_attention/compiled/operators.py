@@ -78,7 +78,7 @@ from typing import Any
 import torch
 
 from ..core.autograd import Backward
-from ..core.call_runs import accumulator_dtype
+from ..core.execution.call_runs import accumulator_dtype
 from ..core.hidden import hide_masked_keys
 from ..core.higher_order import RaiseOnBackward
 from ..resolve import execute, resolve

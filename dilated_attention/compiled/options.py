@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..block_sparse.runtime import MaskLayout
-from ..core.schedule import Schedule
+from ..core.geometry.schedule import Schedule
 from ..pattern_keys import pattern_key, pattern_of
 from ..resolve import BLOCK_SPARSE, DECODE, DENSE, DILATED, Request, dilated_operation
 

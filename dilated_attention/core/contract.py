@@ -136,7 +136,7 @@ class BranchSpan:
 
     ``bounds`` (packed documents): the segments are instead ``[bounds[i], bounds[i + 1])``, an
     int32 tensor on the inputs' device from ``start`` to ``end``, and ``segment_len`` is the
-    longest of them (Note [Segments from a table] in ``backends/_triton_device.py``).
+    longest of them (Note [Segments from a table] in ``backends/triton_kernels/device.py``).
     """
 
     start: int

@@ -18,10 +18,10 @@ import torch.distributed as dist
 
 from .. import _validation as V
 from ..backends.registry import Selection, check_backend_name
-from ..core.documents import check_offsets
-from ..core.executor import empty_attention
-from ..core.schedule import Schedule
-from ..core.schedule_state import describe_schedule, dilated_schedule
+from ..core.execution.executor import empty_attention
+from ..core.geometry.documents import check_offsets
+from ..core.geometry.schedule import Schedule
+from ..core.geometry.schedule_state import describe_schedule, dilated_schedule
 from ..resolve import DENSE, DILATED, Request, resolve
 from ._comm import (
     GRAD_MODE,
@@ -83,8 +83,8 @@ class RingOperation:
         operation: the resolve step's operation for its per-step kernel (``"dense"``, or
             ``"dilated"``: the request then carries the schedule and the shard).
         check_schedule: checks the function's own arguments and returns the schedule the ranks
-            compare (a :class:`~dilated_attention.core.schedule.Schedule`, or its text); None
-            without one.
+            compare (a :class:`~dilated_attention.core.geometry.schedule.Schedule`, or its text);
+            None without one.
         schedule_name: the schedule's name in a mismatch message.
     """
 

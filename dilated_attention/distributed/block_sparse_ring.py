@@ -54,8 +54,8 @@ from ..block_sparse.plan import (
 )
 from ..compiled import eager_only
 from ..core.autograd import Runner, run_attention
+from ..core.geometry.schedule_state import block_sparse_schedule, describe_schedule
 from ..core.higher_order import ring_message
-from ..core.schedule_state import block_sparse_schedule, describe_schedule
 from ..functional import block_sparse_attention
 from ..modules import (
     BlockSparseAttention,

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from .. import _validation as V
-from ..core.schedule import Schedule
+from ..core.geometry.schedule import Schedule
 from .context import ContextParallel, kv_repeats
 from .dilated_plan import span_peers, span_rows, span_segments
 from .halo import Halo, halo_rows

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import torch
 
 from ..backends.base import Backend
-from ..core.cells import Cells
+from ..core.geometry.cells import Cells
+from ..core.geometry.plan import Plan
+from ..core.geometry.schedule import ShardedBranches
+from ..core.geometry.segment import RowGroup, branch_plan
 from ..core.higher_order import RowCall, ring_message
 from ..core.merge import merge_partial
-from ..core.plan import Plan
-from ..core.schedule import ShardedBranches
-from ..core.segment import RowGroup, branch_plan
 from .sharding import local_positions
 from .template import RingSetup
 
@@ -65,7 +65,7 @@ class _Call:
 
 @dataclass(frozen=True)
 class CompactCall:
-    """A spanning branch's call as the executor's ``Call`` (``core/calls.py``): query-side
+    """A spanning branch's call as the executor's ``Call`` (``core/geometry/calls.py``): query-side
     rows read from (B, n, H, E) tensors and written to compact (B, M, E) ones at ``cells``
     (Note [Spanning results stay compact]); key/value rows read from and added to the gathered
     (B, W * R, D) rows."""

@@ -45,8 +45,8 @@ from dataclasses import dataclass
 import torch
 
 from ..core.autograd import Backward, FirstOrderOnly, Forward, Grads, Inputs, Runner
-from ..core.calls import SliceCall
 from ..core.contract import Window
+from ..core.geometry.calls import SliceCall
 from ..core.merge import merge_partial
 from .agreement import PreparedRing
 from .exchange import ExchangeStep, SparseSteps
@@ -211,8 +211,8 @@ class UnionRunner(FirstOrderOnly):
     """Two runners over the same inputs as one: their results merged through their
     log-sum-exp, one softmax over the union of their keys (LongNet Eq. 10); each backward reads
     the merged ``out`` and ``lse`` (Note [Exact gradients through the branch mix] in
-    ``core/call_runs.py``), and the gradients add. Ring dilated attention with a local window
-    as one more branch (Note [A local window as a branch] in ``resolve/windows.py``)."""
+    ``core/execution/call_runs.py``), and the gradients add. Ring dilated attention with a local
+    window as one more branch (Note [A local window as a branch] in ``resolve/windows.py``)."""
 
     first: Runner
     second: Runner

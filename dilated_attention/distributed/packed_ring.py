@@ -1,10 +1,10 @@
 """Packed documents over a row sharded across ranks: ring attention on packed batches.
 
 Note [Packed documents across ranks]
-    A packed row (Note [Packed documents] in ``core/documents.py``) is sharded like any sequence:
-    rank ``r`` holds positions ``[r * n, (r + 1) * n)`` of the one row, whatever the documents'
-    lengths, so a document may lie inside one shard or span several. Attention within each
-    document is a plan of position calls over the whole row: for dense attention one call per
+    A packed row (Note [Packed documents] in ``core/geometry/documents.py``) is sharded like any
+    sequence: rank ``r`` holds positions ``[r * n, (r + 1) * n)`` of the one row, whatever the
+    documents' lengths, so a document may lie inside one shard or span several. Attention within
+    each document is a plan of position calls over the whole row: for dense attention one call per
     document (causal or not), for block-sparse attention each document's kept blocks counted
     from its own first token (``block_sparse/plan.document_calls``). Each rank keeps, for every
     other rank, the part of that plan with its queries and that rank's keys
@@ -32,9 +32,9 @@ from typing import Any
 import torch
 
 from ..block_sparse.plan import SparseCall, call_positions, check_block_size, document_calls
-from ..core.documents import check_offsets, document_groups, document_positions
+from ..core.geometry.documents import check_offsets, document_groups, document_positions
+from ..core.geometry.schedule import Schedule
 from ..core.higher_order import ring_message
-from ..core.schedule import Schedule
 from ..patterns import Pattern, check_pattern
 from ._comm import group_rank_and_size
 from .agreement import PreparedRing
@@ -125,7 +125,8 @@ def _dilated_calls(
     documents: tuple[int, ...], heads: tuple[int, int], schedule: Schedule, is_causal: bool
 ) -> tuple[HeadCall, ...]:
     """Packed dilated attention as position calls (CPU, global positions): every document's row
-    groups (Note [Packed documents] in ``core/documents.py``), one call per offset class."""
+    groups (Note [Packed documents] in ``core/geometry/documents.py``), one call per offset
+    class."""
     num_heads, kv_heads = heads
     group = num_heads // kv_heads
     calls = []
@@ -355,7 +356,7 @@ def packed_runner(
     ring: PreparedRing, *, pattern: Pattern | None = None, block_size: int = 128
 ) -> RingRunner:
     """The runner of ``ring_attention`` (with ``pattern``, ``block_sparse_ring_attention``;
-    with a :class:`~dilated_attention.core.schedule.Schedule` agreed on,
+    with a :class:`~dilated_attention.core.geometry.schedule.Schedule` agreed on,
     ``ring_dilated_attention``) on one packed row: an agreed call (``prepare_ring``) on this
     rank's shard (B = 1, n positions) of the documents over the whole row of ``W * n`` (Note
     [Packed documents across ranks]), on the call's per-step kernel and soft-cap.

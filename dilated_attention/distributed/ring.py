@@ -32,7 +32,7 @@ from .. import _validation as V
 from ..backends.registry import check_backend_name
 from ..compiled import eager_only
 from ..core.autograd import Runner, run_attention
-from ..core.calls import SliceCall
+from ..core.geometry.calls import SliceCall
 from ..core.hidden import hide_masked_keys
 from ..core.higher_order import ring_message
 from ..functional import attention

@@ -19,8 +19,8 @@ Note [Local and spanning branches]
 
 Note [Spanning results stay compact]
     Spanning branches touch few (row, head) cells of a rank: 1/r of them. Their results are kept
-    in float32 for those cells only (``core/cells.py``) and join the local branches' running
-    values before the one rounding into the inputs' dtype: on the fused engine its float32
+    in float32 for those cells only (``core/geometry/cells.py``) and join the local branches'
+    running values before the one rounding into the inputs' dtype: on the fused engine its float32
     scratch, through its ``extra`` callback; on the executor in slots, as one more slot its
     merge (forward) and its sums (backward) read beside the local branches' own, where the cells
     are exactly the rows of one slot (LongNet's: their smallest rate r, which divides every
@@ -28,8 +28,8 @@ Note [Spanning results stay compact]
     no float32 output or gradients of the shard exist. Elsewhere they are merged into a float32
     output and added into float32 gradients (so are the gradients of GQA, whose key gradients
     are by position): of one position group where the plan is cut (Note [Position-grouped
-    plans] in ``core/grouped.py``, as on a GPU wherever float32 gradients of the whole shard
-    would take much memory), else of the whole shard. So the branches mix exactly as in
+    plans] in ``core/geometry/grouped.py``, as on a GPU wherever float32 gradients of the whole
+    shard would take much memory), else of the whole shard. So the branches mix exactly as in
     ``dilated_attention``, with float32 accumulation. Where the whole shard's float32 ``out``
     may exist, the resolve step puts kernels writing into slots first only where it fits
     (``resolve/resolver.py``). The spanning work (exchanges, small kernels, many small
@@ -64,15 +64,15 @@ from ..core.autograd import (
     Runner,
     run_attention,
 )
-from ..core.call_runs import accumulator_dtype, row_lse
-from ..core.cells import add_cells, merge_cells
-from ..core.executor import plan_backward, plan_forward
-from ..core.fused import fused_backward, fused_forward
-from ..core.grouped import grouped_plan
+from ..core.execution.call_runs import accumulator_dtype, row_lse
+from ..core.execution.executor import plan_backward, plan_forward
+from ..core.execution.fused import fused_backward, fused_forward
+from ..core.geometry.cells import add_cells, merge_cells
+from ..core.geometry.grouped import grouped_plan
+from ..core.geometry.schedule import Schedule
+from ..core.geometry.slots import ExtraSlotGradients, SlotView
 from ..core.hidden import hide_masked_keys
 from ..core.higher_order import ring_message
-from ..core.schedule import Schedule
-from ..core.slots import ExtraSlotGradients, SlotView
 from ..resolve import DENSE, DILATED, Request, execute
 from ._comm import exchange
 from .agreement import RingArgs, RingOperation, prepare_ring, refuse_documents
@@ -218,7 +218,7 @@ class RingDilatedRunner(FirstOrderOnly):
     @property
     def _fused(self) -> bool:
         """The plan kernel runs the local branches (soft-capped too: Note [Soft-capped scores
-        in the kernels] in ``backends/_triton_device.py``)."""
+        in the kernels] in ``backends/triton_kernels/device.py``)."""
         return bool(self.plan.local) and self.kernel.runs_plan
 
     def _span_forward(

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from ..backends.base import Backend
 from ..core.autograd import Backward, FirstOrderOnly, Forward, Grads, Inputs
-from ..core.call_runs import (
+from ..core.execution.call_runs import (
     Merge,
     accumulator_dtype,
     merge_rows,
@@ -47,7 +47,7 @@ from ..core.call_runs import (
     run_backward,
     run_forward,
 )
-from ..core.calls import Call, GradInputs, KernelArgs
+from ..core.geometry.calls import Call, GradInputs, KernelArgs
 from ._comm import wait_all
 
 T = TypeVar("T")
@@ -131,8 +131,8 @@ class Transit(Generic[T]):
 class StepKernel:
     """The per-step kernel: ``backend`` (the resolve step's choice) with softmax ``scale``;
     ``merge``: how a call's result merges into the forward's accumulators (the executor's
-    :func:`~dilated_attention.core.call_runs.merge_rows` for (B, n, H, D) ones); ``softcap``:
-    every call's scores soft-capped (Note [Scores a kernel call transforms] in
+    :func:`~dilated_attention.core.execution.call_runs.merge_rows` for (B, n, H, D) ones);
+    ``softcap``: every call's scores soft-capped (Note [Scores a kernel call transforms] in
     ``core/contract.py``)."""
 
     backend: Backend
@@ -199,7 +199,8 @@ def ring_forward(
     Args:
         q: (B, n, H, D) local queries.
         out, lse: the accumulators ``kernel.merge`` merges into (for the executor's merge
-            :func:`~dilated_attention.core.call_runs.new_accumulators`: (B, n, H, D), (B, n, H, 1)).
+            :func:`~dilated_attention.core.execution.call_runs.new_accumulators`: (B, n, H, D), (B,
+            n, H, 1)).
         keep: also return every step's keys (for a backward that does not fetch them again).
 
     Returns:
@@ -240,7 +241,8 @@ def ring_backward(
 
     Args:
         dout, q: (B, n, H, D); out, lse_rows: the final statistics as the calls read them
-            ((B, n, H, D) and :func:`~dilated_attention.core.call_runs.row_lse`'s (B, n, H, 1)).
+            ((B, n, H, D) and :func:`~dilated_attention.core.execution.call_runs.row_lse`'s (B, n,
+            H, 1)).
         auxes: the forward's kernel ``aux`` values, in call order.
         dq: the accumulator the calls add dQ into.
     """

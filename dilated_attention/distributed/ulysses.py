@@ -7,7 +7,7 @@ Note [Calls under a head all-to-all]
     ``a H / Wh ..``. It runs the operation on them (over the ring group, or in one process
     where there is no ring) and exchanges the output back; the gradients take the same road
     in reverse. A dilated call keeps each head's offset from its layer head (Note [Heads from a
-    later layer head] in ``core/schedule.py``), alone and under the ring, whose local and
+    later layer head] in ``core/geometry/schedule.py``), alone and under the ring, whose local and
     spanning branches take the slice's first layer head too.
 
     Key/value heads split with the query heads: rank ``a`` needs the key/value heads of its
@@ -37,7 +37,7 @@ from collections.abc import Callable
 import torch
 
 from .. import _validation as V
-from ..core.executor import empty_attention
+from ..core.execution.executor import empty_attention
 from ._comm import backward_follows
 from .agreement import reject_ring_call
 from .alltoall import HeadExchange, heads_of, sequence_of, to_heads, to_sequence

@@ -11,8 +11,8 @@ Note [Padded rows shifted to the start]
     its padding rows set to zero. Each real row then equals its sequence alone: segments start
     at the row's first real token, and a segment that reaches into the hidden tail holds the
     same real rows as the shorter last segment of the sequence alone (Note [Effective
-    branches] in ``core/segment.py``: ``w`` past the end is one segment). Nothing here reads a
-    tensor's values on the host, so ``torch.compile`` keeps one graph; the check that a mask
+    branches] in ``core/geometry/segment.py``: ``w`` past the end is one segment). Nothing here
+    reads a tensor's values on the host, so ``torch.compile`` keeps one graph; the check that a mask
     has no gaps does read them.
 
     A decoding call (fewer queries than keys) cannot be rotated this way, since its queries are
@@ -26,8 +26,8 @@ Note [Packed rows from transformers]
     they start in two ways: FlashAttention's offsets as ``cu_seq_lens_q`` / ``cu_seq_lens_k``
     (``return_flash_attn_kwargs=True``), or position ids that restart at each sequence. Either
     becomes the ``cu_seqlens`` of dilated attention (Note [Packed documents] in
-    ``core/documents.py``), so each sequence gets exactly what it gets alone. Position ids are
-    read on the host (where they step by anything but 1, a sequence starts; every row starts
+    ``core/geometry/documents.py``), so each sequence gets exactly what it gets alone. Position ids
+    are read on the host (where they step by anything but 1, a sequence starts; every row starts
     one) unless a padding mask hides tokens (padded rows' position ids follow the padding);
     with ``check_positions=False`` they are not read, and rows are taken as one sequence each.
     Some models (Llama 4) give the attention no position ids: their packing comes from the mask
@@ -44,8 +44,8 @@ Note [Decoding with transformers' caches]
     the mask function's slots do: a row's real filled slots, minus one). A left-padded row's
     real tokens start after its padding slots, which its mask's leading ``False`` count. That
     is the static decode step's input (Note [A decode step with static shapes] in
-    ``core/static_cache.py``) with buffers of as many rows as keys, position ``x`` of row ``b``
-    at slot ``x + pad_b`` (``x + pad_b - offset`` modulo the slots where a sliding cache
+    ``core/decoding/static_cache.py``) with buffers of as many rows as keys, position ``x`` of row
+    ``b`` at slot ``x + pad_b`` (``x + pad_b - offset`` modulo the slots where a sliding cache
     dropped ``offset`` keys and rolled the rest: a chunked layer's): it computes the call from
     the position ids and the mask on the device, with no host synchronization and the same
     shapes at every position, so ``torch.compile`` of a static-cache decoding step keeps the

@@ -55,7 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import _validation as V
-from ..core.schedule import Schedule
+from ..core.geometry.schedule import Schedule
 from ..decode_step import decode_at
 from ..distributed import ContextParallel
 from ..distributed.context import check_group

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.caches import Cache
+from ..core.decoding.caches import Cache
 from ..factory import create_multihead_dilated_attention
 from .config import LongNetConfig
 

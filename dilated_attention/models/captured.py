@@ -6,8 +6,8 @@ Note [A captured decoding step]
     :class:`~dilated_attention.StaticWindowKVCache` for the local layers of a hybrid stack) a
     step of one token per row has the same shapes, kernels and buffers at every position and
     reads nothing on the host (Note [A decode step with static shapes] in
-    ``core/static_cache.py``, Note [A window cache] in ``core/window_cache.py``), soft-capping
-    and sinks included (the eager step's plan applies them), so the whole model step
+    ``core/decoding/static_cache.py``, Note [A window cache] in ``core/decoding/window_cache.py``),
+    soft-capping and sinks included (the eager step's plan applies them), so the whole model step
     (embedding, every layer's projections, rotary, cache writes and attention, the head) is
     recorded once in a CUDA graph and replayed per token: the host then costs one replay,
     not one pass over the model's Python. Recording needs every kernel chosen, compiled and
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..core.static_cache import StaticKVCache
+from ..core.decoding.static_cache import StaticKVCache
 
 Step = Callable[[torch.Tensor], torch.Tensor]
 

@@ -290,8 +290,8 @@ _ATTENTION_FIELDS = (
 
 def _keeping_schedule(saved: LongNetConfig, config: LongNetConfig, where: str) -> LongNetConfig:
     """``config`` (``saved`` with the overrides), if it keeps the saved attention: the schedule
-    (Note [Schedule in the state dict] in core/schedule_state.py), the local layers, soft-cap
-    and sinks, which the weights were trained for.
+    (Note [Schedule in the state dict] in core/geometry/schedule_state.py), the local layers,
+    soft-cap and sinks, which the weights were trained for.
 
     Raises:
         ValueError: the overrides change one of them.

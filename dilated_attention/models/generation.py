@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from .. import _validation as V
-from ..core.caches import Cache
-from ..core.static_cache import StaticKVCache
+from ..core.decoding.caches import Cache
+from ..core.decoding.static_cache import StaticKVCache
 from .captured import CapturedStep, KeptStep, cache_addresses, model_addresses
 from .config import LongNetConfig
 

@@ -17,11 +17,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import _validation as V
-from ..core.caches import Cache, check_caches
-from ..core.documents import check_cu_seqlens, document_positions
-from ..core.kv_cache import DilatedKVCache
-from ..core.static_cache import StaticDilatedKVCache
-from ..core.window_cache import StaticWindowKVCache, WindowKVCache
+from ..core.decoding.caches import Cache, check_caches
+from ..core.decoding.kv_cache import DilatedKVCache
+from ..core.decoding.static_cache import StaticDilatedKVCache
+from ..core.decoding.window_cache import StaticWindowKVCache, WindowKVCache
+from ..core.geometry.documents import check_cu_seqlens, document_positions
 from .blocks import LongNetBlock
 from .config import LongNetConfig
 from .generation import GenerationMixin

@@ -15,7 +15,7 @@ from torch import nn
 from .. import _validation as V
 from ..backends.registry import check_backend_name
 from ..block_sparse.plan import check_block_size
-from ..core.schedule_state import BlockSparseScheduleState
+from ..core.geometry.schedule_state import BlockSparseScheduleState
 from ..functional import block_sparse_attention
 from ..patterns import Pattern, check_pattern
 from .multihead import MultiheadAttention

@@ -12,8 +12,8 @@ from torch import nn
 
 from ..backends.registry import check_backend_name
 from ..config import DilatedConfig, MultiheadDilatedConfig
-from ..core.caches import Cache
-from ..core.schedule_state import DilatedScheduleState
+from ..core.decoding.caches import Cache
+from ..core.geometry.schedule_state import DilatedScheduleState
 from ..functional import dilated_attention
 from .multihead import MultiheadAttention
 from .scores import learnable_sinks, score_repr

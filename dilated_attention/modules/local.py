@@ -14,8 +14,8 @@ from torch import nn
 
 from .. import _validation as V
 from ..backends.registry import check_backend_name
-from ..core.caches import Cache
-from ..core.window_cache import StaticWindowKVCache, WindowKVCache, check_layer_window
+from ..core.decoding.caches import Cache
+from ..core.decoding.window_cache import StaticWindowKVCache, WindowKVCache, check_layer_window
 from ..functional import attention
 from .multihead import LAYER_ARGUMENTS, MultiheadAttention
 from .scores import learnable_sinks, score_repr

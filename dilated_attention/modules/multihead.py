@@ -14,9 +14,9 @@ from einops import rearrange
 from torch import nn
 
 from .. import _validation as V
-from ..core.caches import Cache, check_cache_type
-from ..core.documents import check_cu_seqlens, document_positions, flatten
-from ..core.static_cache import StaticKVCache
+from ..core.decoding.caches import Cache, check_cache_type
+from ..core.decoding.static_cache import StaticKVCache
+from ..core.geometry.documents import check_cu_seqlens, document_positions, flatten
 from ..rotary import RotaryEmbedding
 from .torch_compat import NO_PACKED_PROJECTION, bool_key_padding_mask, is_causal_mask
 
@@ -36,7 +36,7 @@ class LayerInputs:
             with packed documents; None without rotary.
         cache: the layer's decoding cache, or None.
         documents: packed documents' offsets (Note [Packed documents] in
-            ``core/documents.py``), or None.
+            ``core/geometry/documents.py``), or None.
         block_mask: a run-time block mask for a block-sparse inner module, or None.
     """
 

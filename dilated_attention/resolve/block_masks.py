@@ -31,7 +31,7 @@ from ..block_sparse.rows import MaskedRowsRunner, row_plan
 from ..block_sparse.runtime import kept_blocks, per_query_head, same_document
 from ..block_sparse.triton_autograd import TritonBlockSparseRunner, runtime_lists
 from ..core.autograd import Inputs, Runner
-from ..core.executor import PlanRunner
+from ..core.execution.executor import PlanRunner
 from .request import Request, kernel_inputs
 from .strategy import EmptyStrategy, Prepared, Strategy
 

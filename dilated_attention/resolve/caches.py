@@ -16,8 +16,8 @@ Note [A cache call is one request]
     its strategy in one that joins them with the cache: appended to a growing cache
     (:class:`AppendStrategy`), written into a static cache's ring (:class:`StaticStepStrategy`)
     or rows (:class:`HeldRowsStrategy`), or a packed prompt's last documents taken
-    (:class:`PackedPromptStrategy`, Note [A packed prompt] in ``core/documents.py``). What can
-    refuse the call (the checks, a static cache's rows at different positions or past
+    (:class:`PackedPromptStrategy`, Note [A packed prompt] in ``core/geometry/documents.py``). What
+    can refuse the call (the checks, a static cache's rows at different positions or past
     ``max_length``, the kernel choice) comes before the cache changes: a refused call leaves
     it as it was. Under a tracer a static cache's step runs through the custom operators and
     every other cache call is refused (``decode_step.py``).
@@ -35,13 +35,13 @@ from typing import Any
 import torch
 
 from ..core.autograd import Inputs
-from ..core.caches import CACHE_TYPES, Cache
-from ..core.documents import last_document
+from ..core.decoding.caches import CACHE_TYPES, Cache
+from ..core.decoding.kv_cache import GrowingKVCache
+from ..core.decoding.static_cache import StaticKVCache
+from ..core.decoding.window_cache import StaticWindowKVCache, WindowKVCache
+from ..core.geometry.documents import last_document
+from ..core.geometry.segment import effective_branches
 from ..core.hidden import hide_masked_keys
-from ..core.kv_cache import GrowingKVCache
-from ..core.segment import effective_branches
-from ..core.static_cache import StaticKVCache
-from ..core.window_cache import StaticWindowKVCache, WindowKVCache
 from .request import DECODE, Request, dilated_operation
 from .strategy import StaticDecodeStrategy, Strategy, WrappedStrategy
 
@@ -143,7 +143,7 @@ def static_branches(request: Request) -> tuple[tuple[int, ...], tuple[int, ...]]
 
 def window_step(request: Request) -> Request:
     """The request of a static window cache's one-token step (Note [A window cache] in
-    ``core/window_cache.py``): the token against every ring row, not causal, no window, the
+    ``core/decoding/window_cache.py``): the token against every ring row, not causal, no window, the
     rows it must not read hidden by a key mask."""
     return replace(
         request, cache=None, static=False, is_causal=False, window=None, has_mask=True,
@@ -216,8 +216,8 @@ class HeldRowsStrategy(CacheStrategy):
 @dataclass(frozen=True)
 class StaticStepStrategy(CacheStrategy):
     """A static cache's one-token step (Note [A decode step with static shapes] in
-    ``core/static_cache.py``): the token written at each row's position, one call against the
-    buffers, the positions moved on; no host synchronization."""
+    ``core/decoding/static_cache.py``): the token written at each row's position, one call against
+    the buffers, the positions moved on; no host synchronization."""
 
     def call(self, q, k, v, key_padding_mask, sinks=None, cache=None):  # type: ignore[no-untyped-def]
         assert self.inner is not None and isinstance(cache, StaticKVCache)
@@ -235,8 +235,8 @@ class StaticStepStrategy(CacheStrategy):
 
 @dataclass(frozen=True)
 class PackedPromptStrategy(CacheStrategy):
-    """A packed prompt (Note [A packed prompt] in ``core/documents.py``): the packed call, then
-    each row's last document's keys and values into the cache."""
+    """A packed prompt (Note [A packed prompt] in ``core/geometry/documents.py``): the packed call,
+    then each row's last document's keys and values into the cache."""
 
     def call(self, q, k, v, key_padding_mask, sinks=None, cache=None):  # type: ignore[no-untyped-def]
         assert self.inner is not None and self.request.documents is not None

@@ -4,7 +4,8 @@ Note [Packed documents as one row]
     A call on packed documents (``cu_seqlens``) is one request over the batch as the caller
     shaped it, (B, N), with the documents' offsets among its ``B * N`` positions (read on the
     host once, where they are checked: plain ints). Rows hold their documents independently
-    (Note [Packed documents] in ``core/documents.py``), so the resolve step runs the batch as one
+    (Note [Packed documents] in ``core/geometry/documents.py``), so the resolve step runs the batch
+    as one
     row: the request of ``(1, B * N)`` positions is resolved as any packed call (every
     document's row groups where it starts, our fused kernels over a table of segments, each
     document's kept blocks), and the strategy around it flattens the tensors into that row,
@@ -22,7 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import _validation as V
-from ..core.documents import flatten, unflatten
+from ..core.geometry.documents import flatten, unflatten
 from .request import Request
 from .strategy import Strategy, WrappedStrategy
 

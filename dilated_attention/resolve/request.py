@@ -23,7 +23,7 @@ import torch
 
 from ..backends.base import KernelInputs
 from ..block_sparse.runtime import MaskLayout
-from ..core.schedule import Schedule
+from ..core.geometry.schedule import Schedule
 from ..patterns import Pattern
 
 __all__ = [
@@ -74,13 +74,13 @@ class Request:
             segments lie inside one chunk (``ScheduleLayout.sharded``). None: one process.
         documents: packed documents: the offsets of the documents among the ``batch *
             query_len`` positions read row after row (Note [Packed documents] in
-            ``core/documents.py``; the resolve step runs the batch as one row of them, Note
+            ``core/geometry/documents.py``; the resolve step runs the batch as one row of them, Note
             [Packed documents as one row] in ``resolve/packed.py``, but with a run-time block
             mask, whose blocks are the rows'). None: each row is one sequence.
         static: ``"decode"`` of one token per batch row at positions given as a tensor, the
             keys being a static cache's ``key_len`` buffer rows (Note [A decode step with
-            static shapes] in ``core/static_cache.py``); with a static ``cache``, its one-token
-            step.
+            static shapes] in ``core/decoding/static_cache.py``); with a static ``cache``, its
+            one-token step.
         cache: the kind of decoding cache the call's new tokens extend (its class name, e.g.
             ``"DilatedKVCache"``; the cache itself travels beside the tensors), with what it
             holds in ``key_len``, ``key_start``, ``context_len``, ``static`` (Note [A cache call
@@ -88,7 +88,7 @@ class Request:
             it. None: no cache.
         first_head: ``"dilated"``: the layer head that the call's head 0 is, the call holding
             a slice of the layer's heads (Note [Heads from a later layer head] in
-            ``core/schedule.py``).
+            ``core/geometry/schedule.py``).
         softcap, window, sinks: soft-capped scores, a local window ``(left, right)`` over the
             positions, attention sinks given (Note [Local windows, soft-capping and sinks] in
             ``core/sinks.py``).

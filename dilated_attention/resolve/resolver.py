@@ -62,16 +62,16 @@ from ..backends.registry import (
     registry_for,
 )
 from ..block_sparse import plan as block_plan
-from ..core import decode
-from ..core.calls import WholeCall
 from ..core.contract import Window
-from ..core.documents import document_groups
-from ..core.fused import ChunkQueries
-from ..core.grouped import grouped_plan, slot_group_length
-from ..core.plan import Plan
-from ..core.schedule import ShardedBranches
-from ..core.segment import branch_plan, describe_plan, dilated_plan, effective_branches
-from ..core.slots import Slot
+from ..core.decoding import decode
+from ..core.execution.fused import ChunkQueries
+from ..core.geometry.calls import WholeCall
+from ..core.geometry.documents import document_groups
+from ..core.geometry.grouped import grouped_plan, slot_group_length
+from ..core.geometry.plan import Plan
+from ..core.geometry.schedule import ShardedBranches
+from ..core.geometry.segment import branch_plan, describe_plan, dilated_plan, effective_branches
+from ..core.geometry.slots import Slot
 from ..patterns import Pattern
 from .block_masks import refuse_end_aligned_kernels, runtime_blocks
 from .caches import cache_call, static_branches
@@ -223,7 +223,7 @@ def _dilated(request: Request) -> Strategy:
     )
     inputs = _kernel_inputs(request, branch_slots=layout.in_slots)
     kernel = registry_for(DILATED_REGISTRY).select(inputs, request.backend)
-    if kernel.runs_plan:  # the fused kernels run every branch themselves (core/fused.py)
+    if kernel.runs_plan:  # the fused kernels run every branch themselves (core/execution/fused.py)
         notes = fused_notes(kernel.backend.name, layout.branches)
         return FusedStrategy(
             request, kernel, DILATED_REGISTRY, inputs, _summary(kernel), notes, layout.branches,
@@ -311,8 +311,8 @@ def _packed(
     what: str,
 ) -> Strategy:
     """Packed documents (Note [Packed documents]): our fused kernels over every document's
-    segments at once (Note [Packed documents in the fused engine] in ``core/fused.py``), or
-    every document's row groups, where it starts, as the executor's plan on the operation's
+    segments at once (Note [Packed documents in the fused engine] in ``core/execution/fused.py``),
+    or every document's row groups, where it starts, as the executor's plan on the operation's
     kernel."""
     documents = request.documents
     assert documents is not None
@@ -350,8 +350,8 @@ def fused_notes(name: str, branches: tuple[tuple[int, int], ...]) -> tuple[str, 
 
 
 def _decode(request: Request) -> Strategy:
-    """Queries at the last positions (Note [Decoding rows] in ``core/decode.py``): one call per
-    token with a per-head key mask where it can (Note [One call per decoded token]), else one
+    """Queries at the last positions (Note [Decoding rows] in ``core/decoding/decode.py``): one call
+    per token with a per-head key mask where it can (Note [One call per decoded token]), else one
     call per branch and offset class, on the dense registry's kernel chosen for those calls'
     shapes (one query row; a chunk's square causal calls)."""
     if request.schedule is None:
@@ -402,8 +402,8 @@ def _decode(request: Request) -> Strategy:
 
 def _chunk_forward(request: Request) -> Strategy | None:
     """A chunk's queries as one forward of our fused kernels, every branch from the start of
-    the first query's segment (Note [A chunk in one fused forward] in ``core/fused.py``), where
-    the call runs without gradients, the keys of those segments are still held and the
+    the first query's segment (Note [A chunk in one fused forward] in ``core/execution/fused.py``),
+    where the call runs without gradients, the keys of those segments are still held and the
     automatic choice (or the kernel asked for) for a dilated call over the held keys is our
     fused kernels; else None."""
     schedule, n = request.schedule, request.query_len
@@ -438,8 +438,8 @@ def _chunk_forward(request: Request) -> Strategy | None:
 
 def _static_decode(request: Request) -> Strategy:
     """One token per batch row against a static cache's buffers (Note [A decode step with
-    static shapes] in ``core/static_cache.py``): the one call of every branch's slots, on the
-    dense registry's kernel for one query row against them with a per-head key mask."""
+    static shapes] in ``core/decoding/static_cache.py``): the one call of every branch's slots, on
+    the dense registry's kernel for one query row against them with a per-head key mask."""
     assert request.schedule is not None  # _decode checked it
     if request.requires_grad:
         raise ValueError(

@@ -22,11 +22,11 @@ from ..block_sparse.fa4 import FlashAttn4BlockSparseRunner, fa4_tiles
 from ..block_sparse.flex import _flex_forward
 from ..block_sparse.triton_autograd import TritonBlockSparseRunner, _triton_lists
 from ..core.autograd import Inputs, Runner, run_attention
-from ..core.decode import static_token_plan, token_slots
-from ..core.executor import PlanRunner, empty_attention
-from ..core.fused import ChunkQueries, FusedRunner, compile_ahead
+from ..core.decoding.decode import static_token_plan, token_slots
+from ..core.execution.executor import PlanRunner, empty_attention
+from ..core.execution.fused import ChunkQueries, FusedRunner, compile_ahead
+from ..core.geometry.plan import Plan
 from ..core.hidden import hide_masked_keys
-from ..core.plan import Plan
 from .request import Request
 
 __all__ = [
@@ -264,7 +264,8 @@ class PlanStrategy(Strategy):
 @dataclass(frozen=True)
 class StaticDecodeStrategy(Strategy):
     """One token per batch row against a static cache's buffers (Note [A decode step with
-    static shapes] in ``core/static_cache.py``), run by :meth:`run_at` with the rows' positions.
+    static shapes] in ``core/decoding/static_cache.py``), run by :meth:`run_at` with the rows'
+    positions.
 
     Attributes:
         branches: the effective segment lengths and rates every step reads.
@@ -314,9 +315,9 @@ class FusedStrategy(Strategy):
     Attributes:
         branches: the effective ``(w, r)`` pairs.
         first_head: the layer head that the call's head 0 is (Note [Heads from a later layer
-            head] in ``core/schedule.py``).
+            head] in ``core/geometry/schedule.py``).
         chunk: the queries are a chunk at the last positions, run without gradients (Note [A
-            chunk in one fused forward] in ``core/fused.py``), or None.
+            chunk in one fused forward] in ``core/execution/fused.py``), or None.
     """
 
     branches: tuple[tuple[int, int], ...] = ()

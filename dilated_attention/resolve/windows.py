@@ -23,11 +23,11 @@ import itertools
 from ..backends.registry import DENSE as DENSE_REGISTRY
 from ..backends.registry import DILATED as DILATED_REGISTRY
 from ..backends.registry import registry_for
-from ..core.calls import Call, SliceCall, WholeCall
 from ..core.contract import Window
-from ..core.documents import document_groups
-from ..core.plan import Plan
-from ..core.segment import describe_plan, dilated_plan
+from ..core.geometry.calls import Call, SliceCall, WholeCall
+from ..core.geometry.documents import document_groups
+from ..core.geometry.plan import Plan
+from ..core.geometry.segment import describe_plan, dilated_plan
 from .request import Request, kernel_inputs
 from .strategy import PlanStrategy, Strategy
 
@@ -55,7 +55,7 @@ def describe_window(request: Request) -> str:
 
 def packed_windows(request: Request) -> Strategy:
     """Packed documents under a local window: each document's positions against its own keys,
-    one call each (Note [Packed documents] in ``core/documents.py``)."""
+    one call each (Note [Packed documents] in ``core/geometry/documents.py``)."""
     inputs = kernel_inputs(request)
     kernel = registry_for(DENSE_REGISTRY).select(inputs, request.backend)
     plan = Plan(window_calls(request))

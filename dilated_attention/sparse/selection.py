@@ -72,7 +72,7 @@ import torch
 from .. import _validation as V
 from ..block_sparse.plan import check_block_size, num_blocks
 from ..block_sparse.runtime import check_documents_aligned, same_document
-from ..core.documents import check_cu_seqlens
+from ..core.geometry.documents import check_cu_seqlens
 from .compression import window_means
 
 __all__ = ["PER", "select_blocks"]
@@ -122,7 +122,7 @@ def select_blocks(
             holds the last ``Nq`` of the ``Nk`` positions (end-aligned, Note [Own blocks of an
             end-aligned query]).
         cu_seqlens: packed documents as in ``attention`` (offsets over the ``B * N``
-            positions, Note [Packed documents] in ``core/documents.py``): a key block is a
+            positions, Note [Packed documents] in ``core/geometry/documents.py``): a key block is a
             candidate only in the query block's document. Every document must start at a
             multiple of ``block_size`` within its row, so that no block crosses documents.
         per: ``"head"`` (default): a choice per query head, (B, H, Mq, Mk); ``"kv_head"``: one

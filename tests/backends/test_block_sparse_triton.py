@@ -1,4 +1,4 @@
-"""The block-sparse Triton kernels (``backends/_triton_block_sparse.py``) against the float64
+"""The block-sparse Triton kernels (``backends/triton_kernels/block_sparse.py``) against the float64
 dense masked oracle: outputs, lse and all gradients; causal and not, ragged last blocks, query
 and key lengths that differ, GQA, rows that see no key, head dims that are not powers of two.
 Every output buffer starts NaN-filled, so a row no kernel writes shows.

@@ -19,7 +19,7 @@ import torch
 
 from dilated_attention.backends import flash_attn4
 from dilated_attention.backends import triton as triton_backend
-from dilated_attention.core.segment import effective_branches
+from dilated_attention.core.geometry.segment import effective_branches
 
 HEADS, DIM = 4, 64
 

@@ -16,7 +16,7 @@ import dilated_attention.resolve.resolver as resolver
 from dilated_attention.backends import get_backend
 from dilated_attention.backends.base import KernelInputs
 from dilated_attention.backends.registry import Selection
-from dilated_attention.core.schedule import Schedule
+from dilated_attention.core.geometry.schedule import Schedule
 from dilated_attention.resolve import Request, resolve
 
 WORLD = 2

@@ -1,4 +1,4 @@
-"""The ``triton`` backend and the fused engine (``core/fused.py``).
+"""The ``triton`` backend and the fused engine (``core/execution/fused.py``).
 
 The registry-wide suites (test_dilated_correctness.py, test_attention_correctness.py) already run
 this backend on every small case wherever it is available; this file adds what they miss: GPU-sized
@@ -40,8 +40,8 @@ from dilated_attention.backends import base, get_backend
 from dilated_attention.backends import triton as triton_backend
 from dilated_attention.backends.registry import choose
 from dilated_attention.core import fused
-from dilated_attention.core.cells import Cells, add_cells, merge_cells
-from dilated_attention.core.fused import BranchSpan, position_groups
+from dilated_attention.core.execution.fused import BranchSpan, position_groups
+from dilated_attention.core.geometry.cells import Cells, add_cells, merge_cells
 
 #: How the forward reads q, k, v rows (Note [Rows through tensor descriptors]): both ways are
 #: forced in turn, wherever the layout allows descriptors.
@@ -164,7 +164,8 @@ def test_cpu_choice_explains_why_not_triton() -> None:
 
 def test_missing_triton_is_a_reason_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "triton", None)  # import triton -> ImportError
-    monkeypatch.delitem(sys.modules, "dilated_attention.backends._triton_kernels", raising=False)
+    launchers = "dilated_attention.backends.triton_kernels.launchers"
+    monkeypatch.delitem(sys.modules, launchers, raising=False)
     triton_backend._kernels.cache_clear()
     try:
         reasons = triton_backend.TritonBackend().import_reasons()
@@ -554,7 +555,8 @@ def test_descriptor_rows_only_where_the_layout_allows() -> None:
 
 def test_dkdv_tiles_follow_causality_and_rate(monkeypatch: pytest.MonkeyPatch) -> None:
     """The dK/dV launch takes ``dkdv_causal`` tiles when causal, ``dkdv_strided`` at rate > 1
-    and ``dkdv`` otherwise (Triton compiles a rate of 1 as a constant; ``_triton_tiles.py``)."""
+    and ``dkdv`` otherwise (Triton compiles a rate of 1 as a constant;
+    ``triton_kernels/tiles.py``)."""
     launched: list[Any] = []
     fake_kernels = SimpleNamespace(
         Branch=lambda *geometry: geometry,

@@ -1,7 +1,7 @@
-"""Bound launches (Note [Bound launches] in ``backends/_triton_launch.py``): a site's launches
-recorded once with its tensors as roles, replayed with a later call's tensors. The recording
-is checked here against a stand-in compiled kernel (no GPU); the GPU tests run the fused engine
-through replayed launches against the float64 oracle."""
+"""Bound launches (Note [Bound launches] in ``backends/triton_kernels/launch.py``): a site's
+launches recorded once with its tensors as roles, replayed with a later call's tensors. The
+recording is checked here against a stand-in compiled kernel (no GPU); the GPU tests run the fused
+engine through replayed launches against the float64 oracle."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ NVIDIA compiler: compiling for a GPU needs no GPU (Triton's device queries are a
 
 Catches code generation that the numbers cannot show: row loads and stores that lost their
 16-byte vectors run the same arithmetic, correctly, at half the speed (Note [Specialization and
-first calls] in ``backends/_triton_kernels.py``).
+first calls] in ``backends/triton_kernels/launchers.py``).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from dilated_attention.backends import triton as triton_backend
-from dilated_attention.backends._triton_tiles import tile_configs
+from dilated_attention.backends.triton_kernels.tiles import tile_configs
 from dilated_attention.core.contract import Window
-from dilated_attention.core.fused import compile_ahead
+from dilated_attention.core.execution.fused import compile_ahead
 
 pytest.importorskip("triton.backends.nvidia.compiler", reason="needs Triton's NVIDIA compiler")
 from triton.backends.compiler import GPUTarget

@@ -1,5 +1,5 @@
-"""Compiling a shape family ahead (``backends/_triton_compile.py``): recorded launches keep no
-tensor alive, distinct specializations compile once, forked children compile into the cache
+"""Compiling a shape family ahead (``backends/triton_kernels/compile.py``): recorded launches keep
+no tensor alive, distinct specializations compile once, forked children compile into the cache
 and the parent always compiles everything itself as well (so a failed, hung or disabled child
 costs time, never a kernel). Fake kernels stand in for Triton's: no GPU or Triton needed."""
 

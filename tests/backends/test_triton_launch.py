@@ -1,6 +1,6 @@
 """Launches through the compiled kernel's launcher (Note [Launches without the JIT's dispatch] in
-``backends/_triton_launch.py``): a known key launches the kernel Triton would have chosen, and
-every property Triton specializes on gives a key of its own (CUDA only: the interpreter has no
+``backends/triton_kernels/launch.py``): a known key launches the kernel Triton would have chosen,
+and every property Triton specializes on gives a key of its own (CUDA only: the interpreter has no
 compiled kernels)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def _scaled_copy(src, dst, n, step, factor, BLOCK: tl.constexpr):
 
 
 def _launch_copy(src: torch.Tensor, dst: torch.Tensor, step: int, factor: float) -> None:
-    from dilated_attention.backends._triton_launch import launch
+    from dilated_attention.backends.triton_kernels.launch import launch
 
     n = dst.numel()
     launch(_scaled_copy, (triton.cdiv(n, 64),), (src, dst, n, step, factor), {"BLOCK": 64})

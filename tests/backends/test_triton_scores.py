@@ -1,9 +1,10 @@
 """Soft-capped scores, local windows and attention sinks on our Triton kernels (Note [Soft-capped
-scores in the kernels], Note [Local windows in the kernels] in ``backends/_triton_device.py``):
-the dense kernels (windows, soft-capping), the fused dilated engine and the block-sparse kernels
-(soft-capping), against the float64 oracle on out, lse and every gradient (the sinks' too);
-tiles outside a window are skipped, not masked; a window wider than the call runs the very
-blocks of no window. The static decode step's are in ``tests/ops/test_static_decoding.py``.
+scores in the kernels], Note [Local windows in the kernels] in
+``backends/triton_kernels/device.py``): the dense kernels (windows, soft-capping), the fused dilated
+engine and the block-sparse kernels (soft-capping), against the float64 oracle on out, lse and every
+gradient (the sinks' too); tiles outside a window are skipped, not masked; a window wider than the
+call runs the very blocks of no window. The static decode step's are in
+``tests/ops/test_static_decoding.py``.
 
 On a GPU the tests run in bfloat16 and float16 (``-m gpu``); on a machine without one,
 ``TRITON_INTERPRET=1 pytest tests/backends/test_triton_scores.py`` runs them through Triton's

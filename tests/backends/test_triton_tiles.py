@@ -1,4 +1,4 @@
-"""The Triton tile tables (``backends/_triton_tiles.py``): which table a GPU gets, that every
+"""The Triton tile tables (``backends/triton_kernels/tiles.py``): which table a GPU gets, that every
 row covers every head dim the backend accepts, and that the committed fit check
 (``benchmarks/check_tile_fit.py``) was run on the tables as they are now and found every tile
 fitting its GPUs' shared memory. No GPU or Triton needed."""
@@ -11,7 +11,8 @@ import pytest
 import torch
 from support import REPO
 
-from dilated_attention.backends._triton_tiles import (
+from dilated_attention.backends.triton import TritonBackend
+from dilated_attention.backends.triton_kernels.tiles import (
     SM90,
     SM120,
     TABLES,
@@ -19,7 +20,6 @@ from dilated_attention.backends._triton_tiles import (
     table_for,
     tile_configs,
 )
-from dilated_attention.backends.triton import TritonBackend
 
 RECORD = REPO / "benchmarks" / "results" / "tile_fit_h100.json"
 

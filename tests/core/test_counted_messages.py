@@ -11,7 +11,7 @@ import torch
 
 from dilated_attention import DilatedKVCache, StaticDilatedKVCache, dilated_attention, explain
 from dilated_attention._validation import counted
-from dilated_attention.core.caches import check_caches
+from dilated_attention.core.decoding.caches import check_caches
 from dilated_attention.demo import format_sample
 from dilated_attention.distributed.context import kv_repeats
 from dilated_attention.models import CheckpointError, load_checkpoint

@@ -1,8 +1,8 @@
-"""The one executor (``core/executor.py``, Note [One executor]) on plans no public function builds:
-calls of different kinds in one plan, key rows repeated inside a call, a key padding mask on
-block-sparse calls, GQA. Each is compared with the float64 oracle (``tests/support/oracle.py``:
-dense attention weighted by how often each (query, key) pair occurs in the plan), on outputs, lse,
-gradients and second-order gradients."""
+"""The one executor (``core/execution/executor.py``, Note [One executor]) on plans no public
+function builds: calls of different kinds in one plan, key rows repeated inside a call, a key
+padding mask on block-sparse calls, GQA. Each is compared with the float64 oracle
+(``tests/support/oracle.py``: dense attention weighted by how often each (query, key) pair occurs in
+the plan), on outputs, lse, gradients and second-order gradients."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from support.triton import KERNEL_DEVICES, skip_without_triton
 from dilated_attention.backends import get_backend
 from dilated_attention.block_sparse.plan import SparseCall
 from dilated_attention.core.autograd import run_attention
-from dilated_attention.core.calls import WholeCall
-from dilated_attention.core.executor import PlanRunner
-from dilated_attention.core.plan import Plan
+from dilated_attention.core.execution.executor import PlanRunner
+from dilated_attention.core.geometry.calls import WholeCall
+from dilated_attention.core.geometry.plan import Plan
 
 B, N, H, HKV, D = 2, 24, 4, 2, 8
 
@@ -161,9 +161,9 @@ def test_in_place_merge_gets_the_rows_of_view_calls(
 def _calls_of_every_kind(device: str) -> dict[str, object]:
     """(B, 12, 4, D) rows: a slice, an offset class (w = 4, r = 2), a diagonal (w = 8, r = 4)
     and a gathered group (w = 6, r = 4, ragged)."""
-    from dilated_attention.core.calls import SliceCall
-    from dilated_attention.core.segment import GroupCall, plan_branches
-    from dilated_attention.core.strided import DiagonalCall, StridedCall
+    from dilated_attention.core.geometry.calls import SliceCall
+    from dilated_attention.core.geometry.segment import GroupCall, plan_branches
+    from dilated_attention.core.geometry.strided import DiagonalCall, StridedCall
 
     ragged = plan_branches(12, 4, (6,), (4,))[0]
     return {

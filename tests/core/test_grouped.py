@@ -1,6 +1,6 @@
-"""Position-grouped plans (Note [Position-grouped plans] in ``core/grouped.py``): cut calls cover
-exactly what the whole calls do, and a grouped plan equals the float64 oracle on outputs, lse and
-every gradient (causal, GQA, ragged segments, key padding, batches), run on the CPU with the
+"""Position-grouped plans (Note [Position-grouped plans] in ``core/geometry/grouped.py``): cut calls
+cover exactly what the whole calls do, and a grouped plan equals the float64 oracle on outputs, lse
+and every gradient (causal, GQA, ragged segments, key padding, batches), run on the CPU with the
 grouping switched on there and groups made small. The GPU test checks the memory it saves."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import torch
 from support.grouping import cut_small
 from support.oracle import oracle_dilated_attention
 
-import dilated_attention.core.executor as executor
-import dilated_attention.core.fused as fused
-import dilated_attention.core.grouped as grouped
+import dilated_attention.core.execution.executor as executor
+import dilated_attention.core.execution.fused as fused
+import dilated_attention.core.geometry.grouped as grouped
 from dilated_attention import dilated_attention
-from dilated_attention.core.segment import dilated_plan, plan_branches
+from dilated_attention.core.geometry.segment import dilated_plan, plan_branches
 
 F64 = torch.float64
 TIGHT = {"atol": 1e-10, "rtol": 1e-7}

@@ -1,12 +1,12 @@
-"""Branch geometry (``core/segment.py``) and the (out, lse) merge (``core/merge.py``)."""
+"""Branch geometry (``core/geometry/segment.py``) and the (out, lse) merge (``core/merge.py``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from dilated_attention.core.geometry.segment import gather_rows, plan_branches, scatter_rows
 from dilated_attention.core.merge import merge_partial
-from dilated_attention.core.segment import gather_rows, plan_branches, scatter_rows
 
 
 @pytest.mark.parametrize(
@@ -80,7 +80,7 @@ def test_merge_matches_joint_softmax_and_handles_empty_sides() -> None:
 def test_fused_ring_merge_matches_joint_softmax() -> None:
     """The ring's one-kernel Triton merge (CUDA) equals the float64 joint softmax, in place on a
     row slice of the accumulators, with empty sides on either or both ends and a 16-bit part."""
-    from dilated_attention.backends._triton_merge import merge_into
+    from dilated_attention.backends.triton_kernels.merge import merge_into
 
     batch, seq_len, heads, dim, keys = 2, 37, 3, 40, 24
     gen = torch.Generator().manual_seed(0)

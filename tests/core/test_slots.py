@@ -1,4 +1,4 @@
-"""Branch slots merged once (Note [Branch slots merged once] in ``core/slots.py``).
+"""Branch slots merged once (Note [Branch slots merged once] in ``core/geometry/slots.py``).
 
 On the CPU the math backend stands in for a kernel that writes into the buffers it is given (as
 FlashAttention-4 does): slotted plans, whole and position-grouped, against the float64 oracle on
@@ -22,13 +22,13 @@ from support.tolerances import assert_close_to_oracle
 from support.triton import KERNEL_DEVICES, poison_new_buffers, require_triton, skip_without_triton
 from support.writing_kernel import write_into_buffers
 
-import dilated_attention.core.executor as executor
-import dilated_attention.core.grouped as grouped
-import dilated_attention.core.grouped_runs as grouped_runs
-import dilated_attention.core.slot_runs as slot_runs
+import dilated_attention.core.execution.executor as executor
+import dilated_attention.core.execution.grouped_runs as grouped_runs
+import dilated_attention.core.execution.slot_runs as slot_runs
+import dilated_attention.core.geometry.grouped as grouped
 from dilated_attention import backend_reasons, dilated_attention
-from dilated_attention.core.segment import not_slotted_reason, plan_branches, slot_plan
-from dilated_attention.core.slots import (
+from dilated_attention.core.geometry.segment import not_slotted_reason, plan_branches, slot_plan
+from dilated_attention.core.geometry.slots import (
     KeySlots,
     Slot,
     SlotBuffers,
@@ -337,7 +337,7 @@ def test_slot_kernels_match_the_torch_passes(
     :func:`sum_slots_torch`, into strided views of NaN-filled outputs: equal up to float32
     summation order, NaN carried, empty rows 0 with lse -inf."""
     skip_without_triton(device)
-    from dilated_attention.backends._triton_merge import SlotKernels
+    from dilated_attention.backends.triton_kernels.merge import SlotKernels
 
     poison_new_buffers(monkeypatch)
     _, n, slots, regions = case
@@ -411,7 +411,7 @@ def test_slot_kernels_merge_and_sum_in_place_over_the_rate_one_slot(
     """Note [A rate-1 slot is its destination]: each program of the Triton merge and sum reads
     its cells of every slot, the output's own included, before writing them."""
     skip_without_triton(device)
-    from dilated_attention.backends._triton_merge import SlotKernels
+    from dilated_attention.backends.triton_kernels.merge import SlotKernels
 
     for dtype in dtypes:
         _in_place_matches_separate(SlotKernels.merge, SlotKernels.sum, device, dtype)
@@ -503,7 +503,7 @@ def test_slot_kernels_compile_once_for_every_shorter_last_group() -> None:
     of its segments; the kernels get one compile-time segment length for such runs whatever N,
     so sequences of 44, 45 and 46 positions share their compiled merge."""
     require_triton()
-    from dilated_attention.backends._triton_merge import _launch
+    from dilated_attention.backends.triton_kernels.merge import _launch
 
     slots = (Slot(8, 1), Slot(32, 4, spanning=True))
     segs = set()
@@ -584,7 +584,7 @@ def test_explain_says_whether_branches_go_into_slots() -> None:
     """``describe_plan`` (``explain``'s lines) on a kernel that writes into given buffers: every
     group of a slotted schedule says it goes into its slot, a GQA one where its key gradients
     go; a GQA schedule whose offset classes' key heads are no strided slice says why not."""
-    from dilated_attention.core.segment import describe_plan
+    from dilated_attention.core.geometry.segment import describe_plan
 
     lines = describe_plan(plan_branches(64, 8, (8, 16, 32), (1, 2, 4)), 64, 8, True, True)
     assert len(lines) == 3
@@ -628,7 +628,7 @@ def test_cells_are_one_slot_only_where_they_are_exactly_its_rows(
     """``Cells.slot_rows``: the cells of a rate-4 class over 12 positions are the slot's rows
     ``m * H + h`` (a spanning branch's compact results read as a slot); any other set, however
     close, is not."""
-    from dilated_attention.core.cells import Cells
+    from dilated_attention.core.geometry.cells import Cells
 
     positions, head_of = (torch.tensor(x) for x in zip(*pairs, strict=True))
     cells, _ = Cells.of([positions], [head_of], heads)

@@ -1,5 +1,5 @@
-"""Dilated rows as strided views (``core/strided.py``): which groups become view calls, that the
-views are views, and that a plan of them equals the float64 oracle on outputs, lse, every
+"""Dilated rows as strided views (``core/geometry/strided.py``): which groups become view calls,
+that the views are views, and that a plan of them equals the float64 oracle on outputs, lse, every
 gradient and double backward, with GQA, causality, masks and ragged segments beside them."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from support.oracle import oracle_dilated_attention
 
 from dilated_attention import dilated_attention
 from dilated_attention.backends import get_backend
-from dilated_attention.core.segment import GroupCall, dilated_plan, plan_branches
-from dilated_attention.core.strided import DiagonalCall, StridedCall, kv_head_slice
+from dilated_attention.core.geometry.segment import GroupCall, dilated_plan, plan_branches
+from dilated_attention.core.geometry.strided import DiagonalCall, StridedCall, kv_head_slice
 
 F64 = torch.float64
 TIGHT = {"atol": 1e-10, "rtol": 1e-7}

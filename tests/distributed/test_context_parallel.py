@@ -23,7 +23,7 @@ from support.distributed_utils import raises_on_rank, run_world
 from support.oracle import oracle_attention, oracle_dilated_attention
 
 from dilated_attention import patterns
-from dilated_attention.core.schedule import Schedule
+from dilated_attention.core.geometry.schedule import Schedule
 from dilated_attention.distributed import (
     ContextParallel,
     block_sparse_ring_attention,

@@ -246,7 +246,7 @@ def _visible(calls, q_lo: int, k_lo: int, heads: tuple[int, ...]) -> set[tuple[i
 def test_restricted_calls_cover_the_plan_exactly_once(dilated: bool, causal: bool) -> None:
     """Cut per rank pair, the packed plan's calls compute exactly its (query, key, head)
     triples: none lost at a shard boundary, none added, none twice."""
-    from dilated_attention.core.schedule import Schedule
+    from dilated_attention.core.geometry.schedule import Schedule
     from dilated_attention.distributed.packed_ring import _global_calls, restricted_calls
 
     world, n = 3, 12

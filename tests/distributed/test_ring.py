@@ -640,7 +640,7 @@ def test_every_ring_function_asks_the_resolve_step(monkeypatch: pytest.MonkeyPat
     attention; a kernel named by the caller reaches the request."""
     import dilated_attention.distributed.agreement as agreement
     from dilated_attention import block_sparse_ring_attention, patterns, ring_dilated_attention
-    from dilated_attention.core.schedule import Schedule
+    from dilated_attention.core.geometry.schedule import Schedule
 
     seen: list[Any] = []
     real = agreement.resolve

@@ -29,7 +29,7 @@ from dilated_attention import (
 )
 from dilated_attention.backends import get_backend
 from dilated_attention.backends.base import KernelInputs
-from dilated_attention.core.schedule import Schedule
+from dilated_attention.core.geometry.schedule import Schedule
 from dilated_attention.resolve import Request, resolve
 
 pytestmark = pytest.mark.distributed
@@ -252,8 +252,8 @@ def test_ring_dilated_softcap_through_the_fused_engine(tmp_path: Path) -> None:
 
 def _check_slots(rank: int, world_size: int, grouped: bool = False) -> None:
     """The local branches in slots merged once, beside spanning branches (Note [Branch slots
-    merged once] in ``core/slots.py``): the math backend writing into the buffers it is handed,
-    as FlashAttention-4 does; the spanning results and gradients read as one more slot where
+    merged once] in ``core/geometry/slots.py``): the math backend writing into the buffers it is
+    handed, as FlashAttention-4 does; the spanning results and gradients read as one more slot where
     their cells are one slot's, else merged into float32 (Note [Spanning results stay compact]
     in ``distributed/ring_dilated.py``). ``grouped``: the backward's plan cut into position
     groups as on a GPU (no float32 gradients of the whole shard either way)."""
@@ -319,8 +319,8 @@ def _cut_in_this_process(extras: list[tuple[str, int]]) -> None:
     in a spawned rank) and count in ``extras`` the groups whose gradients got ``extra`` ones:
     ``("slots", start)`` where the sums read them as slots, ``("added", start)`` where a
     callback added them into float32 scratch."""
-    import dilated_attention.core.executor as executor
-    from dilated_attention.core.slots import ExtraSlotGradients
+    import dilated_attention.core.execution.executor as executor
+    from dilated_attention.core.geometry.slots import ExtraSlotGradients
 
     class Counted(ExtraSlotGradients):
         def views(self, batch: slice, start: int, end: int) -> Any:
@@ -506,7 +506,7 @@ def test_sharded_split_is_the_chunk_rule(schedule, world_size: int, chunks: int)
     """``ScheduleLayout.sharded`` splits the effective branches (``w > N`` clipped, huge rates
     reduced) into the local ones, whose segment length divides the chunk, and the spanning
     ones, each in schedule order; the local ones' row groups are over a rank's positions."""
-    from dilated_attention.core.segment import effective_branches, plan_branches
+    from dilated_attention.core.geometry.segment import effective_branches, plan_branches
 
     n, heads, kv_heads = 24, 6, 3
     seq_len, chunk = world_size * n, n // chunks
@@ -572,7 +572,7 @@ def test_cuda_ring_dilated_chooses_like_one_gpu(monkeypatch: pytest.MonkeyPatch)
     that backend's on one GPU."""
     from dilated_attention.backends import slots_thresholds
     from dilated_attention.backends.registry import FA4_DILATED_MIN_LEN, choose
-    from dilated_attention.core.segment import runs_in_slots
+    from dilated_attention.core.geometry.segment import runs_in_slots
     from dilated_attention.functional import dilated_attention
 
     heads, segs, rates = 4, (2048, 4096), (1, 2)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dilated_attention import longnet_schedule
-from dilated_attention.core.schedule import Schedule
+from dilated_attention.core.geometry.schedule import Schedule
 from dilated_attention.distributed import ContextParallel, context_parallel
 from dilated_attention.distributed.cost import Shape, Topology, plan_split, split_volume
 

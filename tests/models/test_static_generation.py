@@ -210,7 +210,7 @@ def test_a_kept_step_serves_the_next_call_of_its_batch(kept_steps: list[object])
     model.release_captured_step()
     assert generation._KEPT not in model.__dict__
     # A kept CUDA graph reads the schedule's slot tables: they are never evicted from their cache.
-    from dilated_attention.core.decode import token_slots
+    from dilated_attention.core.decoding.decode import token_slots
 
     assert token_slots.cache_info().maxsize is None
 

@@ -606,7 +606,11 @@ def test_explain_says_how_each_branch_runs_as_the_plan_runs_it(
     """With a schedule, ``explain`` gives one line per row group, and each says what the
     executor's plan does with that group on the chosen kernel: the number and kind of view calls,
     a reshape, or a gather with its reason."""
-    from dilated_attention.core.segment import dilated_plan, effective_branches, plan_branches
+    from dilated_attention.core.geometry.segment import (
+        dilated_plan,
+        effective_branches,
+        plan_branches,
+    )
 
     seq_len = 1000
     choice = dilated_attention.explain(
@@ -642,8 +646,8 @@ def test_explain_schedule_on_a_kernel_without_strided_rows_and_the_fused_kernels
     """On a kernel that does not read strided rows every group that is not a whole segment is
     gathered, saying so; the fused plan kernel runs every branch itself, one line per branch;
     a schedule with another operation, or half a schedule, is a clear error."""
-    from dilated_attention.core.schedule import Schedule
-    from dilated_attention.core.segment import describe_plan, plan_branches
+    from dilated_attention.core.geometry.schedule import Schedule
+    from dilated_attention.core.geometry.segment import describe_plan, plan_branches
     from dilated_attention.resolve.resolver import fused_notes
 
     groups = plan_branches(1000, 8, (100, 1000), (1, 4))

@@ -1,8 +1,8 @@
 """Packed documents through the layers: a packed batch equals each document in its own row.
 
 The multihead layer projects every token alone, so with packed documents (Note [Packed
-documents] in ``core/documents.py``) its output and every parameter's gradient must equal those
-of the documents run one per row; with rotary, each document's positions start at 0 as they do
+documents] in ``core/geometry/documents.py``) its output and every parameter's gradient must equal
+those of the documents run one per row; with rotary, each document's positions start at 0 as they do
 in its own row. Compared in float64 against the unpacked layer (itself checked against the
 oracle by the layer suites).
 """

@@ -1,8 +1,8 @@
 """Chunked prefill as one forward of our fused kernels per chunk (Note [A chunk in one fused
-forward] in ``core/fused.py``): the rows of a prompt fed in chunks through a ``DilatedKVCache``
-equal the float64 oracle's full causal forward, outputs and lse, on our fused kernels (CUDA, or
-Triton's interpreter on the CPU); with gradients the chunks run decoding rows, and every
-gradient matches too."""
+forward] in ``core/execution/fused.py``): the rows of a prompt fed in chunks through a
+``DilatedKVCache`` equal the float64 oracle's full causal forward, outputs and lse, on our fused
+kernels (CUDA, or Triton's interpreter on the CPU); with gradients the chunks run decoding rows, and
+every gradient matches too."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from support.tolerances import TOLERANCES
 from support.triton import KERNEL_DEVICES, poison_new_buffers, skip_without_triton
 
 from dilated_attention import DilatedKVCache, dilated_attention
-from dilated_attention.core.fused import ChunkQueries
+from dilated_attention.core.execution.fused import ChunkQueries
 from dilated_attention.resolve import strategy as strategies
 
 

@@ -35,8 +35,8 @@ from dilated_attention import (
     ring_attention,
     ring_dilated_attention,
 )
-from dilated_attention.core.executor import PlanRunner
-from dilated_attention.core.fused import FusedRunner
+from dilated_attention.core.execution.executor import PlanRunner
+from dilated_attention.core.execution.fused import FusedRunner
 
 F64 = torch.float64
 EXACT = {"atol": 1e-12, "rtol": 0.0}

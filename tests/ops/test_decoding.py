@@ -1,7 +1,7 @@
 """Decoding: queries shorter than the keys are the last positions of the causal call (Note
-[Decoding rows] in ``core/decode.py``). Every row, its lse and every gradient equal the float64
-oracle's rows of the full causal forward over all the keys; ragged segments, ``w > N``, ``r > H``,
-GQA, left padding, token-by-token growth and double backward."""
+[Decoding rows] in ``core/decoding/decode.py``). Every row, its lse and every gradient equal the
+float64 oracle's rows of the full causal forward over all the keys; ragged segments, ``w > N``, ``r
+> H``, GQA, left padding, token-by-token growth and double backward."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from support.tolerances import assert_close_to_oracle
 
 from dilated_attention import DilatedKVCache, dilated_attention
 from dilated_attention.core import decode
-from dilated_attention.core.decode import DecodeTokenCall, decode_plan, decode_token_plan
-from dilated_attention.core.segment import effective_branches
+from dilated_attention.core.decoding.decode import DecodeTokenCall, decode_plan, decode_token_plan
+from dilated_attention.core.geometry.segment import effective_branches
 
 F64 = torch.float64
 TIGHT = {"atol": 1e-10, "rtol": 1e-7}
@@ -450,7 +450,7 @@ def test_decoding_calls_read_views_for_kernels_that_take_strided_rows() -> None:
     r-th position and head, their own key/value heads), except where the GQA grouping has no
     strided key/value slice (H = 6, Hkv = 2, r = 2): those gather. Either way the rows equal the
     full forward (the backend tests above run both)."""
-    from dilated_attention.core.decode import DecodeCall, DecodeViewCall
+    from dilated_attention.core.decoding.decode import DecodeCall, DecodeViewCall
 
     plan = decode_plan(3, 40, 6, 2, (8, 16), (2, 3), torch.device("cpu"), 0, True)
     kinds = {type(call) for call in plan.calls}

@@ -367,8 +367,8 @@ def test_merge_partial_exact_and_propagates_nan(dtype: torch.dtype) -> None:
 
 @pytest.mark.gpu
 def test_triton_merge_kernel_matches_definition() -> None:
-    """The ring's fused CUDA merge (``backends/_triton_merge.py``) on the same rows."""
-    from dilated_attention.backends._triton_merge import merge_into
+    """The ring's fused CUDA merge (``backends/triton_kernels/merge.py``) on the same rows."""
+    from dilated_attention.backends.triton_kernels.merge import merge_into
 
     out_a, lse_a, out_b, lse_b = _merge_cases("cuda")
     out = out_a.float().view(1, 8, 1, DIM).contiguous()
@@ -393,7 +393,7 @@ def test_triton_split_merge_matches_definition(device: str, dtypes: list[torch.d
     splits, two tiles of them: each (position, head) row's splits against the definition in
     float64 (weights normalized at |lse| = 1e8, every split empty, a NaN or +inf split in the
     second tile), written in each tested dtype."""
-    from dilated_attention.backends._triton_merge import merge_splits
+    from dilated_attention.backends.triton_kernels.merge import merge_splits
 
     skip_without_triton(device)
     inf, nan = float("inf"), float("nan")

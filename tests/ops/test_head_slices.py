@@ -1,7 +1,7 @@
 """A dilated call on a slice of a layer's heads (Note [Heads from a later layer head] in
-``core/schedule.py``): with ``first_head = j0`` the call's head ``h`` keeps the layer head's
-offset ``(j0 + h) mod r``, so the slices a head all-to-all hands each rank give the layer's rows
-of those heads exactly, outputs and every gradient (float64 oracle of the whole layer)."""
+``core/geometry/schedule.py``): with ``first_head = j0`` the call's head ``h`` keeps the layer
+head's offset ``(j0 + h) mod r``, so the slices a head all-to-all hands each rank give the layer's
+rows of those heads exactly, outputs and every gradient (float64 oracle of the whole layer)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from support.oracle import oracle_dilated_attention
 from support.tolerances import TOLERANCES
 from support.triton import KERNEL_DEVICES, skip_without_triton
 
-from dilated_attention.core.schedule import Schedule
+from dilated_attention.core.geometry.schedule import Schedule
 from dilated_attention.resolve import DECODE, DILATED, Request, execute, resolve
 
 TIGHT = {"atol": 1e-10, "rtol": 1e-7}

@@ -1,7 +1,7 @@
 """Packed documents (``cu_seqlens``): a packed batch equals each document run alone.
 
-Note [Packed documents] in ``core/documents.py``: every document is segmented from its own first
-token and attends only within itself. The float64 oracle is block-diagonal: each document's
+Note [Packed documents] in ``core/geometry/documents.py``: every document is segmented from its own
+first token and attends only within itself. The float64 oracle is block-diagonal: each document's
 dilated multiplicity (``tests/support/oracle.py``, built for the document's length alone) on
 the diagonal, nothing between documents. Outputs, lse and dq, dk, dv are compared on every
 backend that runs the inputs, causal and not, with GQA, a key padding mask, and documents of 1
@@ -426,7 +426,7 @@ def test_a_gathered_calls_key_mask_reaches_fa4_with_one_stride_1_dimension() -> 
     dimension") on packed masked calls, and a one-key call's mask has stride 1 everywhere.
     Its aux tensor has row-major strides and names its key dimension as the stride-1 one."""
     from dilated_attention.backends.flash_attn4 import aux_mask
-    from dilated_attention.core.segment import GroupCall, plan_branches
+    from dilated_attention.core.geometry.segment import GroupCall, plan_branches
 
     (group,) = plan_branches(12, 2, (4,), (1,))
     key_mask = GroupCall(group, 2, torch.device("cpu"), False).key_mask(torch.zeros(1, 12) > 0)

@@ -115,7 +115,7 @@ def _traced(call: Callable[..., Any]) -> _Flow:
 
 #: What ``functional.py`` may call before the route: checks and the request's description.
 _DESCRIBING = {
-    ("core/schedule.py", "__init__"), ("resolve/request.py", "of"),
+    ("core/geometry/schedule.py", "__init__"), ("resolve/request.py", "of"),
     ("resolve/request.py", "dilated_operation"), ("resolve/caches.py", "cache_fields"),
 }  # fmt: skip
 ROUTE = ("compiled/routing.py", "route")

@@ -1,8 +1,8 @@
 """Decoding with a :class:`StaticDilatedKVCache` (Note [A decode step with static shapes] in
-``core/static_cache.py``): a prompt, one-token steps and chunks give every row and lse of the
-full causal forward (float64 oracle), with the buffers wrapping around many times, GQA, a padding
-mask, and batch rows at different positions; the step compiles into one graph that is reused at
-every position; bad input raises before the cache changes."""
+``core/decoding/static_cache.py``): a prompt, one-token steps and chunks give every row and lse of
+the full causal forward (float64 oracle), with the buffers wrapping around many times, GQA, a
+padding mask, and batch rows at different positions; the step compiles into one graph that is reused
+at every position; bad input raises before the cache changes."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from support.triton import KERNEL_DEVICES, skip_without_triton
 
 from dilated_attention import DilatedKVCache, StaticDilatedKVCache, dilated_attention
 from dilated_attention.backends import get_backend
-from dilated_attention.core.decode import token_slots
-from dilated_attention.core.schedule import Schedule
+from dilated_attention.core.decoding.decode import token_slots
+from dilated_attention.core.geometry.schedule import Schedule
 from dilated_attention.decode_step import decode_at
 
 F64 = torch.float64

@@ -726,7 +726,7 @@ def test_empty_batch_or_heads(
     fn: Callable[..., Any], batch: int, heads: int, kv_heads: int
 ) -> None:
     """A batch of 0 (or 0 heads) gives empty outputs and empty gradients, as SDPA does (dilated
-    attention failed in core/segment.py; every function failed on 0 heads)."""
+    attention failed in core/geometry/segment.py; every function failed on 0 heads)."""
     q = torch.randn(batch, 12, heads, 8, requires_grad=True)
     k = torch.randn(batch, 12, kv_heads, 8, requires_grad=True)
     v = torch.randn(batch, 12, kv_heads, 8, requires_grad=True)

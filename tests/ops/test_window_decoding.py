@@ -1,5 +1,5 @@
 """Decoding a layer of local windowed attention with its window cache (Note [A window cache] in
-``core/window_cache.py``): a prompt, chunks and one token at a time through
+``core/decoding/window_cache.py``): a prompt, chunks and one token at a time through
 :class:`WindowKVCache` and :class:`StaticWindowKVCache` give every row and lse of the full
 causal windowed forward (the float64 oracle, which shares no code with the caches), with
 soft-capping, sinks, GQA, a padding mask, packed prompts and rows at different positions; the

@@ -1,11 +1,12 @@
-"""Position-grouped plans on the CPU (Note [Position-grouped plans] in ``core/grouped.py``)."""
+"""Position-grouped plans on the CPU (Note [Position-grouped plans] in
+``core/geometry/grouped.py``)."""
 
 from __future__ import annotations
 
 import pytest
 
-import dilated_attention.core.fused as fused
-import dilated_attention.core.grouped as grouped
+import dilated_attention.core.execution.fused as fused
+import dilated_attention.core.geometry.grouped as grouped
 
 
 def cut_small(monkeypatch: pytest.MonkeyPatch | None) -> None:

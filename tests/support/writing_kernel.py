@@ -1,6 +1,6 @@
 """The math backend as a kernel that writes its results into the buffers it is handed (the
 contract's ``into``, as FlashAttention-4 does), so that branch slots (Note [Branch slots merged
-once] in ``core/slots.py``) run on the CPU."""
+once] in ``core/geometry/slots.py``) run on the CPU."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""Our Triton kernels: their device code, launchers, tiles, compiles and bound launches."""

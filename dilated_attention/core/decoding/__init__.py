@@ -1,0 +1,1 @@
+"""Decoding: caches of keys and values and the calls of queries at the last positions."""

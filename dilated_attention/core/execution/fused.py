@@ -1,0 +1,597 @@
+"""The engine of the dilated registry's plan kernel: whole dilated branches run in place.
+
+Note [Fused branch engine]
+    A fused backend reads every branch's rows straight from q, k, v through strides (no gather),
+    merges its result into the running ``(out, lse)`` and, backward, adds its gradients into dq,
+    dk, dv itself (Note [Strided dilated rows] in ``backends/triton_kernels/launchers.py``). What is
+    left to the engine is where those running values live. Keeping them in float32 for the whole
+    sequence would cost 2x the output (and 2x dq, dk, dv) on top of the tensors that cannot be
+    avoided; instead the sequence is cut into position groups that no segment of any branch crosses
+    (multiples of the least common multiple of the segment lengths), and each group is finished
+    before the next starts: float32 scratch for one group, every branch launched over it. A
+    rate-1 branch covers every row, so it runs last and its merge writes the finished rows straight
+    into the output (in the output's dtype: no cast pass); the scratch rows it reads that no earlier
+    branch wrote have ``lse = -inf``, weight zero, and are never summed, so the scratch needs no
+    zeroing. Without a rate-1 branch the scratch starts at zero and is cast into the output at the
+    end. Where a group is long against the sequence (segments as long as the sequence make one group
+    of it all; LongNet's 32K segments make two of 64K tokens), the heads are split too
+    (``head_groups``: whole key/value head groups, each launch told which layer head it starts at,
+    so offsets stay ``h mod r``) until the scratch of one (position group, head group) takes at most
+    1/SCRATCH_SHARE of the bytes every implementation holds (``scratch_fraction``: q, k, v and out
+    forward, with dout and the three gradients backward), so the peak stays near 1.13x those bytes
+    forward and 1.10x forward+backward at any length, with GQA too. Splitting has a price where the
+    launches are small: every head group launches every branch again, and each launch costs host
+    time. So one scratch tensor may always hold MIN_SCRATCH_HEADS heads of MIN_GROUP_POSITIONS rows
+    (enough programs for every branch to fill a GPU): below 64K tokens of 16 heads the scratch is
+    then a larger share of a small q. Both splits leave every row's arithmetic as it is (programs
+    tile rows within a segment, segments start at group starts), so the results do not depend on
+    them.
+
+    Backward, the order is reversed: a rate-1 branch runs first and writes (rather than adds)
+    every row of the float32 dq, dk, dv scratch, the other branches add into it, and the scratch
+    is cast into the gradients at the end. So no buffer is zero-filled when a rate-1 branch
+    exists (Note [Strided dilated rows]: each row of a launch is written by one program); without
+    one the scratch starts at zero. The gradients themselves are written whole, group by group.
+
+    Special cases: a single branch writes straight into the output (each row is written once); the
+    merged ``lse`` is float32 already and is written in place for the whole sequence.
+
+    A caller with more results for some rows (ring dilated attention's branches that span ranks)
+    passes ``extra``: it is called once per (position group, head group) with the float32 scratch,
+    after every branch but a final rate-1 one (forward) or after every branch (backward), so
+    those results join the running values before the single rounding into the output's dtype.
+    Forward, the scratch rows no branch has reached yet hold whatever memory held, with
+    ``lse = -inf``; the callback must give them weight zero without reading them.
+
+Note [A chunk in one fused forward]
+    Chunked prefill gives a call the queries at positions ``c .. N - 1`` and the keys so far (a
+    cache's held rows). In branch ``(w, r)`` the query at ``p`` reads the keys of its segment,
+    which starts at ``(p // w) * w``; so each branch's segments, counted from the start of the
+    first query's segment, are the branch's segments of the whole sequence, and the causal mask
+    within a segment compares rows as in the full forward. The kernels take the position of
+    the first query (``q_row0``): tiles wholly before it return at once, rows before it are
+    neither loaded nor stored, and q, out and lse hold the chunk's rows only. So a chunk is one
+    forward of the fused engine: one launch per branch, merged in place as in the whole
+    sequence's forward, reading the earlier keys where they lie, with no work or memory for the
+    positions before the chunk. A launch whose first query is not its first row reads rows
+    through pointers (the tensor descriptors' boxes would start before it). Forward only: a
+    chunk that needs gradients runs decoding rows (Note [Decoding rows] in ``decode.py``).
+
+Shape legend: B batch, N seq_len, H query heads, Hkv key/value heads, D head dim, Nc positions in a
+group, Nq a chunk's queries.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..autograd import Backward, Forward, Grads, Inputs, Saved
+from ..contract import BranchSpan, FusedBackend
+from ..geometry.documents import document_groups
+from ..geometry.segment import group_calls, plan_branches
+from ..higher_order import differentiable_grads, no_higher_order_message
+
+#: A group holds at least this many positions (enough programs per launch to fill a GPU) ...
+MIN_GROUP_POSITIONS = 32768
+#: ... and at most 1/GROUPS_PER_SEQUENCE of the sequence beyond that (scratch <= q / 8 in bf16).
+GROUPS_PER_SEQUENCE = 16
+#: Heads are split until the float32 scratch takes at most 1/SCRATCH_SHARE of the bytes every
+#: implementation holds (:func:`scratch_fraction`), or one key/value head group, or
+#: MIN_SCRATCH_HEADS heads of MIN_GROUP_POSITIONS rows, whichever is more (Note [Fused branch
+#: engine]).
+SCRATCH_SHARE = 8
+MIN_SCRATCH_HEADS = 4
+
+
+_SOFTCAP_MESSAGE = no_higher_order_message(
+    "dilated_attention with softcap",
+    "the differentiable recompute of the gradients applies causality and key masks only",
+    "Call it without softcap for a gradient penalty or other double backward.",
+)
+
+#: ``extra`` of :func:`fused_forward`: ``(scratch, lse, start, end, h0, h1)``, scratch
+#: (B, end - start, h1 - h0, D) float32 for positions [start, end) and heads [h0, h1), lse the
+#: whole (B, H, N) merged lse; merges more results into both in place.
+ForwardExtra = Callable[[torch.Tensor, torch.Tensor, int, int, int, int], None]
+#: ``extra`` of :func:`fused_backward`: ``(dq, dk, dv, start, end, h0, h1)``, float32 scratch
+#: (B, end - start, h1 - h0, D) and (B, end - start, (h1 - h0) / G, D); adds more gradients in.
+BackwardExtra = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int, int], None]
+
+
+def position_groups(
+    seq_len: int, segment_lengths: tuple[int, ...], min_positions: int | None = None
+) -> list[tuple[int, int]]:
+    """Consecutive ``[start, end)`` ranges covering ``[0, seq_len)`` that no segment crosses.
+
+    Every start is a multiple of every (clipped) segment length, so each branch's segments inside
+    a group start at the group's start. ``min_positions`` (default :data:`MIN_GROUP_POSITIONS`)
+    sets the smallest group; tests lower it.
+    """
+    floor = MIN_GROUP_POSITIONS if min_positions is None else min_positions
+    size = _group_size(seq_len, segment_lengths, floor, GROUPS_PER_SEQUENCE)
+    if size >= seq_len:
+        return [(0, seq_len)]
+    return [(start, min(start + size, seq_len)) for start in range(0, seq_len, size)]
+
+
+def _group_size(
+    seq_len: int, segment_lengths: tuple[int, ...], floor: int, groups_per_sequence: int
+) -> int:
+    """Positions per group of :func:`position_groups` (``seq_len``: one group)."""
+    lcm = 1
+    for seg in segment_lengths:
+        lcm = math.lcm(lcm, min(seg, seq_len))
+        if lcm >= seq_len:
+            return seq_len
+    wanted = max(floor, -(-seq_len // groups_per_sequence))
+    return -(-wanted // lcm) * lcm
+
+
+#: One position group and every branch's span over it, in the order of the branches.
+Spans = tuple[int, int, tuple[BranchSpan, ...]]
+
+
+@dataclass(frozen=True)
+class ChunkQueries:
+    """Queries at the last positions of the keys (Note [A chunk in one fused forward]): q's row
+    0 is k's row ``first``, and k's row 0 is position ``origin`` of the sequence (a cache's
+    first held row), from which the segments of every branch are counted."""
+
+    first: int
+    origin: int
+
+    def segment_start(self, segment_len: int) -> int:
+        """The k row where the segment of the first query starts in a branch of
+        ``segment_len``."""
+        return (self.origin + self.first) // segment_len * segment_len - self.origin
+
+
+def _spans(
+    seq_len: int,
+    branches: tuple[tuple[int, int], ...],
+    min_positions: int | None,
+    documents: tuple[int, ...] | None,
+    device: torch.device,
+    chunk: ChunkQueries | None = None,
+) -> list[Spans]:
+    """The position groups of a call and each branch's span over them: equal segments from
+    each group's start; for packed documents the segments of each document's own (Note
+    [Packed documents in the fused engine]); for a chunk one group of its queries, each
+    branch from the start of the first query's segment (Note [A chunk in one fused
+    forward])."""
+    if chunk is not None:
+        spans = (BranchSpan(chunk.segment_start(w), seq_len, w, r) for w, r in branches)
+        return [(chunk.first, seq_len, tuple(spans))]
+    if documents is None:
+        limits = (MIN_GROUP_POSITIONS, GROUPS_PER_SEQUENCE)  # the cache sees changed limits
+        return _sequence_spans(seq_len, branches, min_positions, limits)
+    floor = MIN_GROUP_POSITIONS if min_positions is None else min_positions
+    return _packed_spans(documents, branches, floor, GROUPS_PER_SEQUENCE, device)
+
+
+@functools.lru_cache(maxsize=256)  # every call of a shape asks again
+def _sequence_spans(
+    seq_len: int,
+    branches: tuple[tuple[int, int], ...],
+    min_positions: int | None,
+    limits: tuple[int, int],
+) -> list[Spans]:
+    """The position groups of one sequence per row and each branch's span over them: equal
+    segments from each group's start. ``limits``: the module's group limits when asked."""
+    segs = tuple(w for w, _ in branches)
+    return [
+        (start, end, tuple(BranchSpan(start, end, min(w, seq_len), r) for w, r in branches))
+        for start, end in position_groups(seq_len, segs, min_positions)
+    ]
+
+
+@functools.lru_cache(maxsize=32)
+def _packed_spans(
+    documents: tuple[int, ...],
+    branches: tuple[tuple[int, int], ...],
+    floor: int,
+    groups_per_sequence: int,
+    device: torch.device,
+) -> list[Spans]:
+    """Note [Packed documents in the fused engine]
+        Packed documents (Note [Packed documents] in ``documents.py``) run on the fused kernels
+        with each branch's segments read from a table (Note [Segments from a table] in
+        ``backends/triton_kernels/device.py``). The position groups are each document's own
+        (:func:`position_groups` of its length), consecutive ones joined while the joined group
+        stays within the size of the groups of one sequence of the batch's length (the whole
+        row where that sequence's segments allow no cut, the heads then split to bound the
+        scratch as for that sequence); so no segment of any branch crosses a group, and a
+        group of many documents is one launch per branch. A branch's table in a group lists,
+        document by document, the starts of its segments (``min(w, length)`` apart from the
+        document's first token) and then the group's end.
+        The tables of a call are one int32 tensor on the device (cached: every layer of a packed
+        batch asks again).
+
+    Returns:
+        ``(start, end, spans)`` per position group.
+    """
+    total = documents[-1]
+    if total >= 2**31:
+        raise ValueError(
+            f"packed documents of {total} positions in all: the fused kernels index them in 32 "
+            "bits; pass fewer than 2**31 positions per call"
+        )
+    segs = tuple(w for w, _ in branches)
+    size = _group_size(total, segs, floor, groups_per_sequence)
+    groups: list[tuple[int, int]] = []
+    for a, b in itertools.pairwise(documents):
+        for start, end in position_groups(b - a, segs, floor):
+            if groups and end + a - groups[-1][0] <= size:
+                groups[-1] = (groups[-1][0], end + a)
+            else:
+                groups.append((start + a, end + a))
+    tables: list[list[int]] = []
+    for start, end in groups:
+        first = bisect.bisect_right(documents, start) - 1
+        for w, _ in branches:
+            table = []
+            for a, b in itertools.pairwise(documents[first:]):
+                if a >= end:
+                    break
+                table.extend(range(max(a, start), min(b, end), min(w, b - a)))
+            tables.append([*table, end])
+    flat = torch.tensor(list(itertools.chain.from_iterable(tables)), dtype=torch.int32,
+                        device=device).split([len(t) for t in tables])  # fmt: skip
+    spans: list[Spans] = []
+    for i, (start, end) in enumerate(groups):
+        row = []
+        for j, (_, r) in enumerate(branches):
+            table = tables[i * len(branches) + j]
+            longest = max(b - a for a, b in itertools.pairwise(table))
+            row.append(BranchSpan(start, end, longest, r, flat[i * len(branches) + j]))
+        spans.append((start, end, tuple(row)))
+    return spans
+
+
+def scratch_fraction(kv_group: int, backward: bool) -> float:
+    """The share of q's (position, head) cells that float32 scratch may cover at once: 1 /
+    SCRATCH_SHARE of the bytes every implementation holds (q, k, v, out; backward also dout and
+    the three gradients), counted in 16-bit q cells (2 + 2 / G forward, twice that backward, G
+    query heads per key/value head), over the scratch's bytes per cell (a float32 output: 2;
+    float32 dq, dk, dv: 2 + 4 / G). Forward 1/4 of the cells (GQA with G = 4: 0.16), backward
+    1/6 (0.21)."""
+    unavoidable = (2 + 2 / kv_group) * (2 if backward else 1)
+    per_cell = 2 + (4 / kv_group if backward else 0)
+    return unavoidable / SCRATCH_SHARE / per_cell
+
+
+def head_groups(
+    heads: int,
+    kv_group: int,
+    rows: int,
+    seq_len: int,
+    min_positions: int | None = None,
+    backward: bool = False,
+) -> list[tuple[int, int]]:
+    """Consecutive ``[h0, h1)`` head ranges for one position group of ``rows`` positions.
+
+    Each range holds whole key/value head groups (``kv_group`` query heads each) and all ranges
+    are equal; the widest split whose ``rows * (h1 - h0)`` is at most
+    ``max(seq_len * heads * scratch_fraction(kv_group, backward), min_positions *
+    MIN_SCRATCH_HEADS)`` (Note [Fused branch engine]), or one key/value head group where even
+    that is more.
+    """
+    floor = MIN_GROUP_POSITIONS if min_positions is None else min_positions
+    share = scratch_fraction(kv_group, backward)
+    budget = max(int(seq_len * heads * share), floor * MIN_SCRATCH_HEADS)
+    kv_heads = heads // kv_group
+    per = kv_heads
+    while per > 1 and (rows * per * kv_group > budget or kv_heads % per):
+        per -= 1
+    width = per * kv_group
+    return [(h0, h0 + width) for h0 in range(0, heads, width)]
+
+
+def _heads(x: torch.Tensor, dim: int, lo: int, hi: int) -> torch.Tensor:
+    """Heads [lo, hi) of ``x`` along ``dim``: ``x`` itself when that is all of them (a slice
+    per tensor and launch costs host time where chunks are host-bound)."""
+    return x if lo == 0 and hi == x.shape[dim] else x.narrow(dim, lo, hi - lo)
+
+
+def _ordered(branches: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """Branches with a rate-1 branch last: it covers every row, so its merge can write the
+    finished rows straight into the output (Note [Fused branch engine])."""
+    return tuple(sorted(branches, key=lambda wr: wr[1] == 1))
+
+
+def fused_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    branches: tuple[tuple[int, int], ...],
+    backend: FusedBackend,
+    *,
+    is_causal: bool,
+    scale: float,
+    min_group_positions: int | None = None,
+    out_dtype: torch.dtype | None = None,
+    extra: ForwardExtra | None = None,
+    documents: tuple[int, ...] | None = None,
+    first_head: int = 0,
+    chunk: ChunkQueries | None = None,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every branch merged (LongNet Eq. 10), group by group (Note [Fused branch engine]).
+
+    Args:
+        q: (B, Nq, H, D); k, v: (B, N, Hkv, D); stride(-1) == 1; ``Nq == N`` but for a chunk.
+        key_padding_mask: (B, N) bool, ``True`` = ignore, or None.
+        branches: ``(segment_len, rate)`` pairs.
+        out_dtype: dtype of ``out`` (default q's; float32 where more results merge in later).
+        extra: merges more results into the float32 running values (Note [Fused branch engine]).
+        documents: packed documents' offsets (B = 1; Note [Packed documents in the fused
+            engine]), or None.
+        first_head: the layer head that q's head 0 is (Note [Heads from a later layer head]).
+        chunk: queries at the last ``Nq`` of the ``N`` positions (causal, no ``extra`` or
+            ``documents``; Note [A chunk in one fused forward]), or None.
+        softcap: every branch's scores soft-capped (Note [Scores a kernel call transforms]).
+
+    Returns:
+        ``out`` (B, Nq, H, D) and ``lse`` (B, H, Nq) float32 (``-inf`` where no key).
+    """
+    batch, rows, heads, dim = q.shape
+    first = 0 if chunk is None else chunk.first  # the position of q's row 0
+    seq_len = first + rows
+    branches = _ordered(branches)
+    key_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(1)
+    lse = torch.full((batch, heads, rows), float("-inf"), dtype=torch.float32, device=q.device)
+    covers_all = branches[-1][1] == 1
+    out = (torch.empty if covers_all else torch.zeros)(
+        q.shape, dtype=out_dtype or q.dtype, device=q.device
+    )
+    options = {"scale": scale, "is_causal": is_causal, "q_row0": first, "softcap": softcap}
+    kv_group = heads // k.shape[2]
+    groups_and_spans = _spans(seq_len, branches, min_group_positions, documents, q.device, chunk)
+    for start, end, spans in groups_and_spans:
+        if len(branches) == 1 and extra is None:
+            backend.forward_branch(
+                q, k, v, out, lse, key_mask, spans[0], out_row0=first, merge=False,
+                head0=first_head, **options,
+            )  # fmt: skip
+            continue
+        groups = head_groups(heads, kv_group, end - start, seq_len, min_group_positions)
+        for h0, h1 in groups:
+            kv = slice(h0 // kv_group, h1 // kv_group)
+            shape = (batch, end - start, h1 - h0, dim)
+            acc = (torch.empty if covers_all else torch.zeros)(
+                shape, dtype=torch.float32, device=q.device
+            )
+            qkv = (_heads(q, 2, h0, h1), _heads(k, 2, kv.start, kv.stop),
+                   _heads(v, 2, kv.start, kv.stop))  # fmt: skip
+            lse_heads = _heads(lse, 1, h0, h1)
+            for i, span in enumerate(spans):
+                if covers_all and i == len(branches) - 1:  # finished rows go to the output
+                    if extra is not None:
+                        extra(acc, lse, start, end, h0, h1)
+                    backend.forward_branch(
+                        *qkv, _heads(out, 2, h0, h1), lse_heads, key_mask, span, out_row0=first,
+                        merge=True, head0=first_head + h0, merge_from=acc, merge_row0=start,
+                        **options,
+                    )  # fmt: skip
+                else:
+                    backend.forward_branch(
+                        *qkv, acc, lse_heads, key_mask, span, out_row0=start,
+                        merge=i > 0 or not covers_all, head0=first_head + h0, **options,
+                    )  # fmt: skip
+            if not covers_all:
+                if extra is not None:
+                    extra(acc, lse, start, end, h0, h1)
+                out[:, start - first : end - first, h0:h1].copy_(acc)
+            del acc
+    return out, lse
+
+
+def fused_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    branches: tuple[tuple[int, int], ...],
+    backend: FusedBackend,
+    *,
+    is_causal: bool,
+    scale: float,
+    min_group_positions: int | None = None,
+    grad_dtype: torch.dtype | None = None,
+    extra: BackwardExtra | None = None,
+    documents: tuple[int, ...] | None = None,
+    first_head: int = 0,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact gradients of :func:`fused_forward` with the merged ``out`` and ``lse``.
+
+    Args:
+        dout, out: (B, N, H, D); lse: (B, H, N) merged.
+        grad_dtype: dtype of the gradients (default the inputs'; float32 where more add in).
+        extra: adds more gradients into the float32 scratch (Note [Fused branch engine]).
+        documents, first_head, softcap: as in :func:`fused_forward`.
+
+    Returns:
+        ``(dq, dk, dv)`` shaped like ``(q, k, v)``.
+    """
+    batch, seq_len, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    branches = _ordered(branches)[::-1]  # a rate-1 branch first (Note [Fused branch engine])
+    covers_all = branches[0][1] == 1
+    key_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(1)
+    single = len(branches) == 1 and extra is None
+    alloc = torch.empty_like if covers_all or not single else torch.zeros_like
+    dq, dk, dv = (alloc(x, dtype=grad_dtype or x.dtype) for x in (q, k, v))
+    options = {"scale": scale, "is_causal": is_causal, "softcap": softcap}
+    kv_group = heads // kv_heads
+    for start, end, spans in _spans(seq_len, branches, min_group_positions, documents, q.device):
+        delta = backend.row_delta(out, dout, start, end)
+        if single:
+            backend.backward_branch(
+                dout, q, k, v, lse, delta, key_mask, dq, dk, dv, spans[0],
+                delta_row0=start, grad_row0=0, accumulate=False, head0=first_head, **options,
+            )  # fmt: skip
+            continue
+        rows = end - start
+        new = torch.empty if covers_all else torch.zeros
+        acc = {"dtype": torch.float32, "device": q.device}
+        for h0, h1 in head_groups(
+            heads, kv_group, rows, seq_len, min_group_positions, backward=True
+        ):
+            kv = slice(h0 // kv_group, h1 // kv_group)
+            dq_acc = new(batch, rows, h1 - h0, dim, **acc)
+            dk_acc = new(batch, rows, kv.stop - kv.start, dim, **acc)
+            dv_acc = new(batch, rows, kv.stop - kv.start, dim, **acc)
+            inputs = (
+                _heads(dout, 2, h0, h1), _heads(q, 2, h0, h1), _heads(k, 2, kv.start, kv.stop),
+                _heads(v, 2, kv.start, kv.stop), _heads(lse, 1, h0, h1), _heads(delta, 1, h0, h1),
+            )  # fmt: skip
+            for i, span in enumerate(spans):
+                backend.backward_branch(
+                    *inputs, key_mask, dq_acc, dk_acc, dv_acc, span, delta_row0=start,
+                    grad_row0=start, accumulate=i > 0 or not covers_all,
+                    head0=first_head + h0, **options,
+                )  # fmt: skip
+            if extra is not None:
+                extra(dq_acc, dk_acc, dv_acc, start, end, h0, h1)
+            dq[:, start:end, h0:h1].copy_(dq_acc)
+            dk[:, start:end, kv].copy_(dk_acc)
+            dv[:, start:end, kv].copy_(dv_acc)
+            del dq_acc, dk_acc, dv_acc
+    return dq, dk, dv
+
+
+@torch.compiler.disable  # a host-side dry run, once per shape family: never traced
+def compile_ahead(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    branches: tuple[tuple[int, int], ...],
+    backend: FusedBackend,
+    *,
+    is_causal: bool,
+    scale: float,
+    needs_grad: bool,
+    documents: tuple[int, ...] | None = None,
+    chunk: ChunkQueries | None = None,
+    softcap: float | None = None,
+) -> None:
+    """Compile every kernel a call of this shape family runs, together, before its first call.
+
+    Note [Compiling a shape family ahead]
+        A backend that compiles its kernels on first use (Triton) would otherwise compile them
+        one after another as the engine reaches each launch: 12 to 15 kernels for a LongNet
+        schedule, 23-29 s in bfloat16 on an H100 (``benchmarks/bench_first_call.py``). Instead
+        the engine runs once with the backend's launches turned into compiles, which the backend
+        runs concurrently, and then runs for real. A family is what the kernels specialize on,
+        not the sequence length (Note [Specialization and first calls] in
+        ``backends/triton_kernels/launchers.py``). The dry run writes into buffers of its own, which
+        it drops; the inputs are only read.
+
+    Args:
+        q: (B, N, H, D); k, v: (B, N, Hkv, D): the call's own inputs (their alignment and
+            strides are part of what the kernels specialize on).
+        needs_grad: also compile the backward's kernels.
+        documents: packed documents' offsets (their kernels read segment tables), or None.
+        chunk: a chunk's queries (Note [A chunk in one fused forward]), or None.
+        softcap: the scores' soft-cap, or None (a family of its own).
+    """
+    family = (
+        q.device, q.dtype, q.shape[2:], k.shape[2], tuple(branches), is_causal,
+        key_padding_mask is not None, needs_grad, documents is not None, chunk is not None,
+        softcap is not None,
+    )  # fmt: skip
+    compiling = backend.begin_compile(family)
+    if compiling is None:
+        return
+    with torch.no_grad(), compiling:
+        out, lse = fused_forward(
+            q, k, v, key_padding_mask, branches, backend, is_causal=is_causal, scale=scale,
+            documents=documents, chunk=chunk, softcap=softcap,
+        )  # fmt: skip
+        if needs_grad:
+            fused_backward(
+                out, q, k, v, out, lse, key_padding_mask, branches, backend,
+                is_causal=is_causal, scale=scale, documents=documents, softcap=softcap,
+            )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class FusedRunner:
+    """The dilated registry's plan kernel as a :class:`~dilated_attention.core.autograd.Runner`:
+    :func:`fused_forward` / :func:`fused_backward` over ``branches`` ((w, r) pairs); under
+    ``create_graph=True`` the recompute over the branches' row groups (Note [Double
+    backward]). ``documents``: packed documents' offsets, or None; ``first_head``: the layer
+    head that q's head 0 is (Note [Heads from a later layer head]); ``chunk``: a chunk's
+    queries, forward only (Note [A chunk in one fused forward]), or None; ``softcap``: every
+    branch's scores soft-capped, or None (then no differentiable recompute: it knows causality
+    and key masks only)."""
+
+    branches: tuple[tuple[int, int], ...]
+    backend: FusedBackend
+    is_causal: bool
+    scale: float
+    documents: tuple[int, ...] | None = None
+    first_head: int = 0
+    chunk: ChunkQueries | None = None
+    softcap: float | None = None
+
+    @property
+    def first_order_message(self) -> str:
+        return "" if self.softcap is None else _SOFTCAP_MESSAGE
+
+    def forward(self, x: Inputs) -> Forward:
+        q, k, v, key_padding_mask = x
+        out, lse = fused_forward(
+            q, k, v, key_padding_mask, self.branches, self.backend, is_causal=self.is_causal,
+            scale=self.scale, documents=self.documents, first_head=self.first_head,
+            chunk=self.chunk, softcap=self.softcap,
+        )  # fmt: skip
+        return Forward(out, lse, saved=(k, v, key_padding_mask))
+
+    def _check_backward(self) -> None:
+        if self.chunk is not None:  # the resolver runs such chunks without gradients
+            raise RuntimeError("a chunk's fused forward has no backward: run decoding rows")
+
+    def backward(self, b: Backward) -> Grads:
+        self._check_backward()
+        dout, q, out, lse, saved, _ = b
+        k, v, key_padding_mask = saved
+        return fused_backward(
+            dout.contiguous(), q, k, v, out, lse, key_padding_mask, self.branches, self.backend,
+            is_causal=self.is_causal, scale=self.scale, documents=self.documents,
+            first_head=self.first_head, softcap=self.softcap,
+        )  # fmt: skip
+
+    def saved_without_forward(self, x: Inputs) -> Saved | None:
+        return None if self.chunk is not None else (x.k, x.v, x.key_padding_mask)
+
+    def differentiable_backward(self, b: Backward) -> Grads | None:
+        self._check_backward()
+        if self.softcap is not None:
+            return None  # the recompute knows causality and key masks only
+        dout, q, _, lse, saved, _ = b
+        k, v, key_padding_mask = saved
+        segs, rates = zip(*self.branches, strict=True)
+        if self.documents is None:
+            plan = plan_branches(q.shape[1], q.shape[2], segs, rates, self.first_head)
+        else:
+            plan = document_groups(self.documents, q.shape[2], segs, rates)
+        calls = [
+            call.row_call(q, k) for call in group_calls(plan, k.shape[2], q.device, self.is_causal)
+        ]
+        return differentiable_grads(
+            dout, q, k, v, lse, calls, scale=self.scale, key_padding_mask=key_padding_mask
+        )

@@ -1,0 +1,1 @@
+"""Which rows each kernel call reads: schedules, branch rows, documents, plans and slots."""
