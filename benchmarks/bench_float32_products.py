@@ -30,8 +30,8 @@ from _timing import (
 )
 
 import dilated_attention as da
-from dilated_attention.backends import _triton_kernels as kernels
 from dilated_attention.backends import get_backend
+from dilated_attention.backends.triton_kernels import launchers as kernels
 
 SEGMENTS, RATES, HEADS, DIM = [512, 1024, 2048, 4096], [1, 2, 4, 8], 8, 64
 PRECISIONS = ("tf32x3", "ieee")

@@ -83,7 +83,7 @@ def _key(tiles: Tiles, role: str) -> str:
 
 def _record(capability: tuple[int, int], dtype: torch.dtype, dim: int, tiles: Tiles) -> list:
     """The launches of a causal and a non-causal schedule with ``tiles``, as on ``capability``."""
-    from dilated_attention.backends import _triton_kernels as kernels
+    from dilated_attention.backends.triton_kernels import launchers as kernels
 
     recorded: list[Any] = []
     saved = kernels._capability, kernels.compile_launches, triton_backend._tiles

@@ -39,7 +39,7 @@ from dilated_attention import dilated_attention
 from dilated_attention.backends import base, get_backend
 from dilated_attention.backends import triton as triton_backend
 from dilated_attention.backends.registry import choose
-from dilated_attention.core import fused
+from dilated_attention.core.execution import fused
 from dilated_attention.core.execution.fused import BranchSpan, position_groups
 from dilated_attention.core.geometry.cells import Cells, add_cells, merge_cells
 

@@ -13,8 +13,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from dilated_attention.backends import _triton_launch as L
 from dilated_attention.backends import triton as triton_backend
+from dilated_attention.backends.triton_kernels import launch as L
 from dilated_attention.functional import dilated_attention
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from dilated_attention.backends import _triton_compile as tc
+from dilated_attention.backends.triton_kernels import compile as tc
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 

@@ -31,7 +31,7 @@ def _launch_copy(src: torch.Tensor, dst: torch.Tensor, step: int, factor: float)
 
 @pytest.fixture
 def fresh_cache(monkeypatch: pytest.MonkeyPatch) -> dict:
-    from dilated_attention.backends import _triton_launch
+    from dilated_attention.backends.triton_kernels import launch as _triton_launch
 
     cache: dict = {}
     monkeypatch.setattr(_triton_launch, "_COMPILED", cache)

@@ -30,8 +30,8 @@ from dilated_attention import attention, block_sparse_attention, dilated_attenti
 from dilated_attention import patterns as P
 from dilated_attention.backends import KernelInputs, get_backend
 from dilated_attention.backends import triton as triton_backend
-from dilated_attention.core import fused
 from dilated_attention.core.contract import Window
+from dilated_attention.core.execution import fused
 
 F64 = torch.float64
 #: Oracle of a case: (q, k, v, sinks or None, compute dtype) -> (out, lse).

@@ -120,7 +120,7 @@ def test_in_place_merge_gets_the_rows_of_view_calls(
     from support.oracle import oracle_dilated_attention
 
     from dilated_attention import dilated_attention
-    from dilated_attention.core import call_runs
+    from dilated_attention.core.execution import call_runs
     from dilated_attention.core.merge import merge_partial
 
     merged: list[tuple[int, ...]] = []
@@ -184,7 +184,7 @@ def test_triton_in_place_merge_writes_the_calls_rows_like_the_torch_merge(
     call's rows change, to the torch merge's values; empty (-inf) accumulator rows take the
     part as it is; a strided 16-bit part (as a backend may return) is read right."""
     from dilated_attention.backends.triton import merge_kernel
-    from dilated_attention.core import call_runs
+    from dilated_attention.core.execution import call_runs
 
     skip_without_triton(device)
     monkeypatch.setitem(call_runs._IN_PLACE_MERGES, device, merge_kernel)

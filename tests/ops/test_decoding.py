@@ -15,7 +15,7 @@ from support.oracle import oracle_dilated_attention
 from support.tolerances import assert_close_to_oracle
 
 from dilated_attention import DilatedKVCache, dilated_attention
-from dilated_attention.core import decode
+from dilated_attention.core.decoding import decode
 from dilated_attention.core.decoding.decode import DecodeTokenCall, decode_plan, decode_token_plan
 from dilated_attention.core.geometry.segment import effective_branches
 
@@ -90,7 +90,7 @@ def test_token_by_token_equals_the_full_forward(
     full, full_lse = oracle_dilated_attention(
         q, k, v, segs, rates, is_causal=True, key_padding_mask=mask
     )
-    from dilated_attention.core import decode
+    from dilated_attention.core.decoding import decode
 
     plans: list[int] = []
     monkeypatch.setattr(
@@ -363,7 +363,7 @@ def test_cache_refuses_rows_no_memory_holds_before_any_work(
     and ``max_length``, leaving the cache as it was. With ``max_length`` the cache is bounded
     by it and decodes as the full forward (the segment is one segment of the sequence); a call
     past it raises."""
-    from dilated_attention.core import kv_cache
+    from dilated_attention.core.decoding import kv_cache
 
     q, k, v = _tensors(24, 4, 2, seed=29)
     cache = DilatedKVCache([8, 2**40], [1, 2])

@@ -466,7 +466,7 @@ def test_the_decode_kernel_skips_blocks_no_head_of_a_program_reads(
     blocks none of its heads reads (a branch of rate 4 is read by 1 in 4 heads; each key/value
     head serves 2) and still gives every row and lse of the float64 oracle, the positions
     chosen so that each branch is read by other heads."""
-    from dilated_attention.backends import _triton_decode
+    from dilated_attention.backends.triton_kernels import decode as _triton_decode
 
     skip_without_triton(device)
     monkeypatch.setattr(_triton_decode, "_TILE_BYTES", 1)  # 16 slots a block
