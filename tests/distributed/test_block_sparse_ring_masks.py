@@ -147,3 +147,45 @@ def _check_bad_calls(rank: int, world_size: int) -> None:
 
 def test_bad_calls_raise_on_every_rank(tmp_path: Path) -> None:
     run_world(_check_bad_calls, 2, tmp_path, timeout_s=20)
+
+
+def _check_moba(rank: int, world_size: int) -> None:
+    from dilated_attention.distributed import moba_ring_attention
+    from dilated_attention.sparse import moba_attention
+
+    seq_len = N_LOCAL * world_size
+    for causal, kv_heads, topk in ((True, 2, 1), (False, 4, 2), (True, 1, 2)):
+        q, k, v, dout = _tensors(seq_len, kv_heads, seed=kv_heads)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = moba_attention(*leaves, block_size=BS, topk=topk, is_causal=causal)
+        ref_grads = torch.autograd.grad(ref, leaves, dout)
+        local = [shard_sequence(t).requires_grad_() for t in (q, k, v)]
+        with count_exchanges(comm=comm, ring=ring_module) as log:
+            out = moba_ring_attention(*local, block_size=BS, topk=topk, is_causal=causal)
+        grads = torch.autograd.grad(out, local, shard_sequence(dout))
+        case = f"rank {rank}/{world_size} causal={causal} Hkv={kv_heads} topk={topk}"
+        torch.testing.assert_close(out, shard_sequence(ref), **TIGHT,
+                                   msg=lambda m, c=case: f"out {c}: {m}")  # fmt: skip
+        for x, got, want in zip("qkv", grads, ref_grads, strict=True):
+            torch.testing.assert_close(got, shard_sequence(want), **TIGHT,
+                                       msg=lambda m, x=x, c=case: f"d{x} {c}: {m}")  # fmt: skip
+        # The all-gather of the key blocks' means (one (B, n / bs, Hkv, D) per step), then the
+        # shards of the masked ring.
+        means = B * (N_LOCAL // BS) * kv_heads * D * 8
+        setup = RingSetup(rank, world_size, tuple(range(world_size)), "contiguous", N_LOCAL,
+                          causal, 1.0, "ring")  # fmt: skip
+        shards = masked_ring_volume(local[1], setup, torch.float64).forward
+        assert log["comm_sent"][: world_size - 1] == [means] * (world_size - 1), (case, log)
+        sent = sum(log["comm_sent"]) + sum(log["ring_sent"])
+        assert sent == (world_size - 1) * means + shards, (case, sent, means, shards)
+    bad_topk = 0 if rank == 1 else 1
+    with raises_on_rank("topk=0 without causal on rank 1", r"topk|rank 1"):
+        moba_ring_attention(*local, block_size=BS, topk=bad_topk, is_causal=False)
+    with raises_on_rank("shards not whole blocks", r"whole blocks"):
+        moba_ring_attention(*local, block_size=3, topk=1)
+
+
+def test_moba_over_the_ring_equals_one_process(tmp_path: Path) -> None:
+    """Each rank's shard of ``moba_attention`` (outputs, dq/dk/dv) with the means all-gathered:
+    the bytes it adds are (W - 1) key-block means per rank."""
+    run_world(_check_moba, 2, tmp_path, timeout_s=30)
