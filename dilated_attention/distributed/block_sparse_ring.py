@@ -66,6 +66,7 @@ from ..patterns import Pattern, check_pattern
 from . import _comm
 from .agreement import (
     AgreedForward,
+    PreparedRing,
     RingArgs,
     RingOperation,
     prepare_ring,
@@ -158,13 +159,9 @@ def block_sparse_ring_attention(
         value: (B, n, Hkv, D).
         pattern: a :mod:`dilated_attention.patterns` pattern over the global blocks
             ``ceil(N / block_size)``; or a run-time block mask as ``block_sparse_attention``
-            takes (bool ``(Bm, Hm, Mq, M)`` or int block indices ``(Bm, Hm, Mq, K)``, ``-1`` =
-            none, on the inputs' device) over the whole sequence's ``M = N / block_size`` key
-            blocks, its rows every query block (``Mq = M``, the same mask on every rank) or
-            this rank's (``Mq = n / block_size``: ``shard_sequence(mask, seq_dim=2)``). The
-            shards then travel as in ``ring_attention`` (Note [Run-time masks over the ring]
-            in ``masked_ring.py``); shards must be whole blocks, and ``cu_seqlens`` and a
-            :class:`ContextParallel` group are not supported with a mask.
+            takes, over the ``M = N / block_size`` key blocks, its rows all ``M`` query blocks
+            or this rank's (``shard_sequence(mask, seq_dim=2)``): shards must be whole blocks,
+            no ``cu_seqlens`` or ContextParallel (Note [Run-time masks over the ring]).
         block_size: tokens per block; with a pattern, blocks may straddle shards and the last
             may be shorter.
         group: the process group (default: the world).
@@ -207,29 +204,33 @@ def block_sparse_ring_attention(
     operation = RingOperation(check_schedule=check, schedule_name="schedule (pattern, block_size)",
                               key_masks=masked)  # fmt: skip
     ring = prepare_ring(args, operation)
-    q, k, v, setup = ring.q, ring.k, ring.v, ring.setup
+    q, k, v = ring.q, ring.k, ring.v
     if ring.empty:  # batch 0 or 0 heads, agreed on every rank: as in one process
         out, lse = ring.empty_result()
         return (out, lse) if return_lse else out
-    runner: Runner
-    kernel = StepKernel(ring.kernel.backend, setup.scale, softcap=ring.softcap)
-    if isinstance(pattern, torch.Tensor):
-        kept = local_rows(pattern, q, setup, int(block_size))
-        runner = RingRunner(MaskedSteps(setup, kept, int(block_size)), kernel, _FIRST_ORDER)
-    elif ring.documents is not None:
-        runner = packed_runner(ring, pattern=pattern, block_size=block_size)
-    else:
-        n = q.shape[1]
-        steps = _schedule(
-            pattern, int(block_size), n, setup.world_size, setup.rank, is_causal, q.device,
-            max(n, block_plan.MIN_KV_ROWS_PER_CALL),
-        )  # fmt: skip
-        runner = RingRunner(SparseSteps(steps, setup), kernel, _FIRST_ORDER)
-    out, lse = run_attention(q, k, v, None, runner, ring.sinks)
+    out, lse = run_attention(q, k, v, None, _runner(ring, pattern, int(block_size)), ring.sinks)
     return (out, lse) if return_lse else out
 
 
 _FIRST_ORDER = ring_message("block_sparse_ring_attention", "block_sparse_attention()")
+
+
+def _runner(ring: PreparedRing, pattern: Pattern | torch.Tensor, block_size: int) -> Runner:
+    """What runs an agreed call: a run-time mask's masked ring (Note [Run-time masks over
+    the ring]), packed documents' exchange, or a pattern's (Note [Block-sparse exchange])."""
+    q, setup = ring.q, ring.setup
+    kernel = StepKernel(ring.kernel.backend, setup.scale, softcap=ring.softcap)
+    if isinstance(pattern, torch.Tensor):
+        kept = local_rows(pattern, q, setup, block_size)
+        return RingRunner(MaskedSteps(setup, kept, block_size), kernel, _FIRST_ORDER)
+    if ring.documents is not None:
+        return packed_runner(ring, pattern=pattern, block_size=block_size)
+    n = q.shape[1]
+    steps = _schedule(
+        pattern, block_size, n, setup.world_size, setup.rank, setup.is_causal, q.device,
+        max(n, block_plan.MIN_KV_ROWS_PER_CALL),
+    )  # fmt: skip
+    return RingRunner(SparseSteps(steps, setup), kernel, _FIRST_ORDER)
 
 
 def _over_context(
