@@ -23,7 +23,7 @@ size, Mq/Mk query/key blocks, Lq/Lk rows of a call.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,13 +42,16 @@ __all__ = ["BlockRowCall", "MaskedRowsRunner", "row_plan"]
 class BlockRowCall:
     """Query rows ``q`` (of query block ``block``) against key rows ``kv``, both slices of
     positions, top-left causal when ``causal``; the executor's ``Call`` whose key mask is the
-    block's row of the kept blocks it is given in place of a key padding mask."""
+    block's row of the kept blocks it is given in place of a key padding mask, or of ``kept``
+    where the call carries its own (a ring step's columns of the kept blocks, its keys being
+    another rank's: Note [Run-time masks over the ring] in ``distributed/masked_ring.py``)."""
 
     q: slice
     kv: slice
     causal: bool
     block: int
     block_size: int
+    kept: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def q_rows(self, x: torch.Tensor) -> torch.Tensor:
         return x[:, self.q]
@@ -57,7 +60,10 @@ class BlockRowCall:
         return x[:, self.kv]
 
     def key_mask(self, kept: torch.Tensor | None) -> torch.Tensor | None:
-        """``kept`` (B, 1 or H, Mq, Mk) bool -> the call's (B, 1 or H, Lk), True = ignore."""
+        """``kept`` (B, 1 or H, Mq, Mk) bool (the call's own where it carries one) -> the
+        call's (B, 1 or H, Lk), True = ignore."""
+        if self.kept is not None:
+            kept = self.kept
         assert kept is not None  # MaskedRowsRunner runs these calls with the kept blocks
         start, stop, size = self.kv.start, self.kv.stop, self.block_size
         first = start // size

@@ -12,6 +12,7 @@ process group's timeout: pass ``init_process_group(timeout=...)`` (docs/ring.md,
 from .block_sparse_ring import block_sparse_ring_attention
 from .context import ContextParallel
 from .cost import SplitPlan, Topology, plan_context_parallel
+from .moba_ring import moba_ring_attention
 from .modules import RingAttention, RingDilatedAttention, RingMultiheadDilatedAttention
 from .packed_ring import RingLoad, ring_load
 from .parallelize import context_parallel
@@ -29,6 +30,7 @@ __all__ = [
     "Topology",
     "block_sparse_ring_attention",
     "context_parallel",
+    "moba_ring_attention",
     "plan_context_parallel",
     "ring_attention",
     "ring_dilated_attention",

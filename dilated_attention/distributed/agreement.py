@@ -86,11 +86,14 @@ class RingOperation:
             compare (a :class:`~dilated_attention.core.geometry.schedule.Schedule`, or its text);
             None without one.
         schedule_name: the schedule's name in a mismatch message.
+        key_masks: the per-step calls read key masks of their own (a run-time block mask's
+            rows), so the kernel must take one even without a key padding mask.
     """
 
     operation: str = DENSE
     check_schedule: Callable[[], object] | None = None
     schedule_name: str = _DILATED_SCHEDULE
+    key_masks: bool = False
 
 
 @dataclass(frozen=True)
@@ -228,8 +231,9 @@ def _kernel(checked: _Checked, call: RingArgs, op: RingOperation, world_size: in
         fields = {"schedule": checked.schedule, "shard": (world_size, checked.chunk_len)}
     request = Request.of(
         op.operation, checked.q, checked.k, checked.v, is_causal=call.is_causal,
-        has_mask=call.key_padding_mask is not None, backend=call.backend, window=checked.window,
-        softcap=checked.softcap, sinks=checked.sinks is not None, **fields,
+        has_mask=call.key_padding_mask is not None or op.key_masks, backend=call.backend,
+        window=checked.window, softcap=checked.softcap, sinks=checked.sinks is not None,
+        **fields,
     )  # fmt: skip
     kernel = resolve(request).kernel
     assert kernel is not None  # dense and sharded dilated requests always name one

@@ -66,6 +66,7 @@ from ..patterns import Pattern, check_pattern
 from . import _comm
 from .agreement import (
     AgreedForward,
+    PreparedRing,
     RingArgs,
     RingOperation,
     prepare_ring,
@@ -74,6 +75,7 @@ from .agreement import (
 )
 from .context import ContextParallel
 from .exchange import ExchangeStep, SparseSteps, exchange_steps
+from .masked_ring import MaskedSteps, check_ring_mask, local_rows
 from .modules import RingModule
 from .packed_ring import packed_runner
 from .template import RingRunner, StepKernel
@@ -134,7 +136,7 @@ def block_sparse_ring_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    pattern: Pattern,
+    pattern: Pattern | torch.Tensor,
     *,
     block_size: int = 128,
     group: dist.ProcessGroup | ContextParallel | None = None,
@@ -156,8 +158,12 @@ def block_sparse_ring_attention(
         key: (B, n, Hkv, D).
         value: (B, n, Hkv, D).
         pattern: a :mod:`dilated_attention.patterns` pattern over the global blocks
-            ``ceil(N / block_size)``.
-        block_size: tokens per block; blocks may straddle shards and the last may be shorter.
+            ``ceil(N / block_size)``; or a run-time block mask as ``block_sparse_attention``
+            takes, over the ``M = N / block_size`` key blocks, its rows all ``M`` query blocks
+            or this rank's (``shard_sequence(mask, seq_dim=2)``): shards must be whole blocks,
+            no ``cu_seqlens`` or ContextParallel (Note [Run-time masks over the ring]).
+        block_size: tokens per block; with a pattern, blocks may straddle shards and the last
+            may be shorter.
         group: the process group (default: the world).
         is_causal: causal over global positions.
         scale: softmax scale; ``None`` means ``D ** -0.5``.
@@ -179,39 +185,52 @@ def block_sparse_ring_attention(
     """
     if isinstance(group, ContextParallel):
         refuse_documents(cu_seqlens, group)
+        if isinstance(pattern, torch.Tensor):
+            reject_ring_call(ValueError(
+                "block_sparse_ring_attention with a run-time block mask takes a process group, "
+                "not a ContextParallel: pass group=cp.ring (no head all-to-all), or a pattern"
+            ), group)  # fmt: skip
         out, lse = _over_context(group, query, key, value, pattern, block_size, is_causal,
                                  scale, backend, softcap, sinks)  # fmt: skip
         return (out, lse) if return_lse else out
     args = RingArgs(query, key, value, group=group, is_causal=is_causal, scale=scale,
                     backend=backend, cu_seqlens=cu_seqlens, softcap=softcap,
                     sinks=sinks)  # fmt: skip
-    operation = RingOperation(
-        check_schedule=functools.partial(
-            _check_schedule, query, pattern, block_size, return_lse, group
-        ),
-        schedule_name="schedule (pattern, block_size)",
-    )
+    masked = isinstance(pattern, torch.Tensor)
+    check = functools.partial(_check_schedule, query, pattern, block_size, return_lse, group)
+    if masked:
+        check = functools.partial(_check_masked, query, key, pattern, block_size, return_lse,
+                                  group, cu_seqlens)  # fmt: skip
+    operation = RingOperation(check_schedule=check, schedule_name="schedule (pattern, block_size)",
+                              key_masks=masked)  # fmt: skip
     ring = prepare_ring(args, operation)
-    q, k, v, setup = ring.q, ring.k, ring.v, ring.setup
+    q, k, v = ring.q, ring.k, ring.v
     if ring.empty:  # batch 0 or 0 heads, agreed on every rank: as in one process
         out, lse = ring.empty_result()
         return (out, lse) if return_lse else out
-    runner: Runner
-    if ring.documents is not None:
-        runner = packed_runner(ring, pattern=pattern, block_size=block_size)
-    else:
-        n = q.shape[1]
-        steps = _schedule(
-            pattern, int(block_size), n, setup.world_size, setup.rank, is_causal, q.device,
-            max(n, block_plan.MIN_KV_ROWS_PER_CALL),
-        )  # fmt: skip
-        kernel = StepKernel(ring.kernel.backend, setup.scale, softcap=ring.softcap)
-        runner = RingRunner(SparseSteps(steps, setup), kernel, _FIRST_ORDER)
-    out, lse = run_attention(q, k, v, None, runner, ring.sinks)
+    out, lse = run_attention(q, k, v, None, _runner(ring, pattern, int(block_size)), ring.sinks)
     return (out, lse) if return_lse else out
 
 
 _FIRST_ORDER = ring_message("block_sparse_ring_attention", "block_sparse_attention()")
+
+
+def _runner(ring: PreparedRing, pattern: Pattern | torch.Tensor, block_size: int) -> Runner:
+    """What runs an agreed call: a run-time mask's masked ring (Note [Run-time masks over
+    the ring]), packed documents' exchange, or a pattern's (Note [Block-sparse exchange])."""
+    q, setup = ring.q, ring.setup
+    kernel = StepKernel(ring.kernel.backend, setup.scale, softcap=ring.softcap)
+    if isinstance(pattern, torch.Tensor):
+        kept = local_rows(pattern, q, setup, block_size)
+        return RingRunner(MaskedSteps(setup, kept, block_size), kernel, _FIRST_ORDER)
+    if ring.documents is not None:
+        return packed_runner(ring, pattern=pattern, block_size=block_size)
+    n = q.shape[1]
+    steps = _schedule(
+        pattern, block_size, n, setup.world_size, setup.rank, setup.is_causal, q.device,
+        max(n, block_plan.MIN_KV_ROWS_PER_CALL),
+    )  # fmt: skip
+    return RingRunner(SparseSteps(steps, setup), kernel, _FIRST_ORDER)
 
 
 def _over_context(
@@ -269,6 +288,18 @@ def _check_schedule(
         blocks = num_blocks(query.shape[1] * _comm.group_rank_and_size(group)[1], size)
         checked.block_mask(blocks, blocks)  # a Custom mask of the wrong size fails here
     return describe_schedule(block_sparse_schedule(checked, size))
+
+
+def _check_masked(
+    query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor, block_size: object,
+    return_lse: object, group: dist.ProcessGroup | None, cu_seqlens: object,
+) -> str:  # fmt: skip
+    """:func:`_check_schedule` for a run-time block mask (:func:`~.masked_ring.check_ring_mask`;
+    query and key already checked): the ranks compare its layout and the block size."""
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
+    layout = check_ring_mask(query, key, mask, block_size, group, cu_seqlens)
+    return f"{layout.describe()}, block_size={block_size}"
 
 
 def _without_mask(

@@ -54,7 +54,7 @@ from .template import (
 )
 from .ulysses import heads_sinks, score_options, split_call
 
-__all__ = ["COMMS", "DenseSteps", "plan_block", "ring_attention"]
+__all__ = ["COMMS", "DenseSteps", "pass_on", "plan_block", "ring_attention"]
 
 
 def plan_block(
@@ -107,7 +107,7 @@ def tasks_of(setup: RingSetup, rank: int, src: int) -> list[SliceCall]:
     return plan_block(me, other, setup.chunk_len, setup.is_causal)
 
 
-def _pass_on(block: KeyBlock, setup: RingSetup) -> Transit[KeyBlock | None]:
+def pass_on(block: KeyBlock, setup: RingSetup) -> Transit[KeyBlock | None]:
     """Post ``block`` to the next rank and the receive of the previous rank's block."""
     incoming = KeyBlock(*(torch.empty_like(t) for t in block.tensors()))
     pending = exchange(
@@ -205,7 +205,7 @@ class _Passed(_Blocks):
         if step == 0:
             return Transit.done(self.local)
         assert held is not None  # every step of the dense ring holds a block
-        return _pass_on(held, self.setup)
+        return pass_on(held, self.setup)
 
     def home(self, step: int, grads: StepGrads | None) -> Transit[None]:
         if step == 0:

@@ -75,7 +75,8 @@ from ..block_sparse.runtime import check_documents_aligned, same_document
 from ..core.geometry.documents import check_cu_seqlens
 from .compression import window_means
 
-__all__ = ["PER", "select_blocks"]
+__all__ = ["PER", "block_means", "candidate_blocks", "check_selection", "chosen_blocks",
+           "select_blocks"]  # fmt: skip
 
 #: The values of ``select_blocks(per=...)``: a choice per query head or per key/value head.
 PER = ("head", "kv_head")
@@ -143,10 +144,7 @@ def select_blocks(
             ``block_size``.
     """
     q, k = V.check_query_key(query, key)
-    block_size = check_block_size(block_size)
-    V.check_bool("is_causal", is_causal)
-    topk = _check_topk(topk, is_causal)
-    _check_per(per)
+    block_size, topk = check_selection(block_size, topk, is_causal, per)
     V.check_causal_lengths(q, k, is_causal, "select_blocks")
     documents = None
     if cu_seqlens is not None:
@@ -171,12 +169,51 @@ def _select(
              num_blocks(nk, block_size))  # fmt: skip
     if q.numel() == 0 or k.numel() == 0:  # a batch of 0, or 0 heads: nothing to choose
         return torch.zeros(shape, dtype=torch.bool, device=q.device)
-    affinity = _affinity(q, k, block_size, per)
-    candidates, own = _candidates(nq, nk, block_size, is_causal, q.device)
+    candidates, own = candidate_blocks(nq, nk, block_size, is_causal, q.device)
     if documents is not None:
         same = same_document(documents, batch, nq, block_size, q.device)
         candidates, own = candidates & same, own & same
-    return _top_blocks(affinity, candidates, topk) | own
+    q_mean, k_mean = block_means(q, block_size), block_means(k, block_size)
+    return chosen_blocks(q_mean, k_mean, candidates, own, topk, per)
+
+
+def check_selection(block_size: object, topk: object, is_causal: object, per: object) -> tuple[
+    int, int
+]:
+    """:func:`select_blocks`' options checked (the tensors are the caller's): ``(block_size,
+    topk)``.
+
+    Raises:
+        TypeError / ValueError: as :func:`select_blocks` says.
+    """
+    size = check_block_size(block_size)
+    V.check_bool("is_causal", is_causal)
+    count = _check_topk(topk, bool(is_causal))
+    _check_per(per)
+    return size, count
+
+
+def chosen_blocks(
+    q_mean: torch.Tensor,
+    k_mean: torch.Tensor,
+    candidates: torch.Tensor,
+    own: torch.Tensor,
+    topk: int,
+    per: str,
+) -> torch.Tensor:
+    """MoBA's rule (Note [MoBA's gate for a block of queries]) on block means: each query
+    block's own blocks and its ``topk`` candidates of highest affinity. One process passes every
+    block's means; a ring rank its own query blocks' and every rank's key blocks' (gathered).
+
+    Args:
+        q_mean: (B, Mq, H, D) and k_mean (B, Mk, Hkv, D) from :func:`block_means`.
+        candidates, own: bool, broadcastable to (B, 1, Mq, Mk) (:func:`candidate_blocks`).
+        topk, per: checked, as :func:`select_blocks` takes them.
+
+    Returns:
+        (B, H or Hkv, Mq, Mk) bool.
+    """
+    return _top_blocks(_affinity(q_mean, k_mean, per), candidates, topk) | own
 
 
 def _check_topk(topk: object, is_causal: bool) -> int:
@@ -204,10 +241,10 @@ def _check_per(per: object) -> None:
         )
 
 
-def _affinity(q: torch.Tensor, k: torch.Tensor, block_size: int, per: str) -> torch.Tensor:
-    """MoBA's gate per block pair (Note [MoBA's gate for a block of queries]): q (B, Nq, H, D),
-    k (B, Nk, Hkv, D) -> (B, H or Hkv, Mq, Mk) float32 (float64 for float64 input)."""
-    q_mean, k_mean = _block_means(q, block_size), _block_means(k, block_size)
+def _affinity(q_mean: torch.Tensor, k_mean: torch.Tensor, per: str) -> torch.Tensor:
+    """MoBA's gate per block pair (Note [MoBA's gate for a block of queries]): block means
+    q_mean (B, Mq, H, D), k_mean (B, Mk, Hkv, D) -> (B, H or Hkv, Mq, Mk) float32 (float64 for
+    float64 input)."""
     batch, mq, heads, dim = q_mean.shape
     kv_heads = k_mean.shape[2]
     q_grouped = q_mean.view(batch, mq, kv_heads, heads // kv_heads, dim)
@@ -217,7 +254,7 @@ def _affinity(q: torch.Tensor, k: torch.Tensor, block_size: int, per: str) -> to
     return scores.reshape(batch, heads, mq, k_mean.shape[1])
 
 
-def _block_means(x: torch.Tensor, block_size: int) -> torch.Tensor:
+def block_means(x: torch.Tensor, block_size: int) -> torch.Tensor:
     """x (B, N, H, D) -> (B, ceil(N / bs), H, D): each block's mean over its real rows."""
     n = x.shape[1]
     full = n // block_size * block_size
@@ -227,7 +264,7 @@ def _block_means(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return torch.cat([means, x[:, full:].mean(1, keepdim=True, dtype=means.dtype)], dim=1)
 
 
-def _candidates(
+def candidate_blocks(
     nq: int, nk: int, block_size: int, is_causal: bool, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The key blocks each query block may choose among, and its own blocks (Note [MoBA's gate

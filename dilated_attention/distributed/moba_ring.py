@@ -1,0 +1,120 @@
+"""MoBA-style attention over a sequence sharded across the ranks of a process group: the selection
+of :func:`~dilated_attention.sparse.select_blocks` made on every rank for its own query blocks,
+then block-sparse ring attention on that run-time mask.
+
+Note [MoBA's selection over the ring]
+    MoBA's gate (Note [MoBA's gate for a block of queries] in ``sparse/selection.py``) scores a
+    query block against every key block's mean key. A rank holds its own key blocks only, so the
+    ranks first gather every key block's mean: one small all-gather of ``(B, n / bs, Hkv, D)``
+    per rank, ``1 / bs`` of a key shard, sent to each other rank in ``W - 1`` steps around the
+    ring (``ring_all_gather``). Each rank then chooses its own query blocks' rows with the
+    one-process rule (:func:`~dilated_attention.sparse.selection.chosen_blocks`, the rows of the
+    whole sequence's candidates), and runs :func:`block_sparse_ring_attention` on those rows
+    (Note [Run-time masks over the ring] in ``masked_ring.py``). The choice gets no gradient, as
+    in one process. Before the all-gather the ranks agree on the call's shapes and options (a
+    gather of unequal tensors would abort), so a bad call raises on every rank.
+
+Shape legend: B batch, n local tokens, H query heads, Hkv key/value heads, D head dim, W ranks,
+bs block size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import _validation as V
+from ..sparse.selection import block_means, candidate_blocks, check_selection, chosen_blocks
+from . import _comm
+from .block_sparse_ring import block_sparse_ring_attention
+
+__all__ = ["moba_ring_attention"]
+
+_FIELDS = ("local seq_len", "batch", "key/value heads", "head_dim", "bytes per element",
+           "block_size", "topk", "is_causal")  # fmt: skip
+
+
+def _agreed(
+    query: object, key: object, value: object, block_size: object, topk: object,
+    is_causal: object, group: dist.ProcessGroup | None,
+) -> tuple[int, int]:  # fmt: skip
+    """This rank's checks, then the agreement of every rank (before the all-gather):
+    ``(block_size, topk)``.
+
+    Raises:
+        TypeError / ValueError: this rank's own error; ``ValueError`` naming the rank on the
+            others, or on every rank where the fields differ.
+    """
+    error: Exception | None = None
+    fields = [0] * len(_FIELDS)
+    size = count = 0
+    try:
+        q, k, _ = V.check_qkv(query, key, value, same_length=True)
+        size, count = check_selection(block_size, topk, is_causal, "head")
+        if q.shape[1] % size:
+            raise ValueError(
+                f"moba_ring_attention needs every shard to be whole blocks: the local seq_len "
+                f"({q.shape[1]}) must be a multiple of block_size={size}; pad the sequence or "
+                f"use a block_size that divides {q.shape[1]}"
+            )
+        fields = [q.shape[1], q.shape[0], k.shape[2], q.shape[3], q.element_size(), size,
+                  count, int(bool(is_causal))]  # fmt: skip
+    except Exception as exc:  # any rejection on one rank must reach the others: no hang
+        error = exc
+    _comm.check_same_on_all_ranks(fields, _FIELDS, group, error, what="moba_ring_attention inputs")
+    return size, count
+
+
+def moba_ring_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    block_size: int,
+    topk: int,
+    is_causal: bool = True,
+    group: dist.ProcessGroup | None = None,
+    scale: float | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """:func:`~dilated_attention.sparse.moba_attention` over a sequence sharded across
+    ``group``: this rank's shard of the one-process result, with exact gradients for the local
+    q, k, v (Note [MoBA's selection over the ring]).
+
+    Args:
+        query: (B, n, H, D) this rank's contiguous shard (``shard_sequence(x)``, N = W * n).
+        key: (B, n, Hkv, D), H % Hkv == 0 (GQA).
+        value: (B, n, Hkv, D).
+        block_size: positions per block; ``n`` must be a multiple of it.
+        topk: key blocks chosen per query block besides its own, as in ``moba_attention``.
+        is_causal: causal over global positions.
+        group: the process group (default: the world).
+        scale: softmax scale; ``None`` means ``D ** -0.5``.
+        backend: the per-step kernel, as in :func:`block_sparse_ring_attention`.
+
+    Returns:
+        (B, n, H, D) in the input dtype.
+
+    Raises:
+        TypeError / ValueError: on every rank, before any other communication: malformed
+            tensors or options (as ``moba_attention``), shards that are not whole blocks, or
+            shapes and options that differ between ranks.
+    """
+    size, count = _agreed(query, key, value, block_size, topk, is_causal, group)
+    rank, world = _comm.group_rank_and_size(group)
+    ranks = tuple(_comm.global_rank(group, r) for r in range(world))
+    mq = query.shape[1] // size
+    with torch.no_grad():  # the choice gets no gradient (Note [MoBA's gate for a block ...])
+        gathered = _comm.ring_all_gather((block_means(key, size),), ranks, rank)
+        k_mean = torch.cat([means for (means,) in gathered], dim=1)  # (B, W n / bs, Hkv, D)
+        seq_len = query.shape[1] * world
+        candidates, own = candidate_blocks(seq_len, seq_len, size, bool(is_causal), query.device)
+        rows = slice(rank * mq, (rank + 1) * mq)
+        mask = chosen_blocks(block_means(query, size), k_mean, candidates[rows], own[rows],
+                             count, "head")  # fmt: skip
+    out = block_sparse_ring_attention(
+        query, key, value, mask, block_size=size, group=group, is_causal=bool(is_causal),
+        scale=scale, backend=backend,
+    )  # fmt: skip
+    assert isinstance(out, torch.Tensor)  # return_lse=False: for the type checker
+    return out
