@@ -4,6 +4,8 @@
     from dilated_attention.integrations.transformers import use_dilated_attention
 
     use_dilated_attention(model, segment_lengths=[2048, 4096], dilation_rates=[1, 2])
+    # or MoBA in the global layers, with the model's own weights:
+    # use_dilated_attention(model, sparse=BlockSelectedConfig(block_size=512, topk=2))
     model.save_pretrained(path)
     model = load_dilated_pretrained(AutoModelForCausalLM, path)  # reloads it dilated
 
@@ -34,9 +36,10 @@ Note [Hugging Face attention]
     The schedule lives in the model's config (every config object its modules hold: an
     encoder-decoder model may give each half a copy): ``dilated_segment_lengths`` and
     ``dilated_dilation_rates``, one list for every layer or one list per layer (read at
-    ``module.layer_idx``), so a saved model keeps it. :func:`use_dilated_attention` gives the
-    model and its modules their own copies of the config objects, so that another model built
-    from the same config stays as it was. The saved config also names this implementation
+    ``module.layer_idx``), or ``dilated_block_selected`` (MoBA's settings, a dict), so a saved
+    model keeps it. :func:`use_dilated_attention` gives the model and its modules their own
+    copies of the config objects, so that another model built from the same config stays as it
+    was. The saved config also names this implementation
     (``attn_implementation``, :data:`SAVED_NAME`), so that ``from_pretrained`` of a saved model
     asks for it instead of running SDPA silently: transformers' ``ValueError`` for an
     unregistered name quotes it, and the name says to load with
@@ -55,6 +58,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import _validation as V
+from ..config import BlockSelectedConfig
 from ..core.geometry.schedule import Schedule
 from ..decode_step import decode_at
 from ..distributed import ContextParallel
@@ -73,6 +77,9 @@ SAVED_NAME = (
 )
 #: Config attributes holding the schedule (Note [Hugging Face attention]).
 SEGMENTS_ATTR, RATES_ATTR = "dilated_segment_lengths", "dilated_dilation_rates"
+#: Config attribute holding MoBA's settings instead of a schedule (Note [MoBA in a pretrained
+#: model] in ``_transformers_layer.py``): a dict of :class:`BlockSelectedConfig`'s fields.
+SELECTED_ATTR = L.SELECTED_ATTR
 #: Config attribute: whether layers dilated attention cannot compute run transformers' attention.
 KEEP_ATTR = "dilated_keep_unsupported_layers"
 #: Config attribute naming the implementation in a saved config (Note [Hugging Face attention]).
@@ -107,15 +114,17 @@ def register(name: str = NAME) -> str:
 
 def use_dilated_attention(
     model: nn.Module,
-    segment_lengths: Sequence[int] | Sequence[Sequence[int]],
-    dilation_rates: Sequence[int] | Sequence[Sequence[int]],
+    segment_lengths: Sequence[int] | Sequence[Sequence[int]] | None = None,
+    dilation_rates: Sequence[int] | Sequence[Sequence[int]] | None = None,
     *,
     check_positions: bool = True,
     keep_unsupported_layers: bool = False,
     context_parallel: ContextParallel | dist.ProcessGroup | None = None,
+    sparse: BlockSelectedConfig | None = None,
 ) -> nn.Module:
     """Run every attention layer of a transformers ``model`` on this library; returns the
-    model. Global layers take the dilated schedule; local (sliding-window) and chunked layers
+    model. Global layers take the dilated schedule, or with ``sparse`` MoBA (Note [MoBA in a
+    pretrained model] in ``_transformers_layer.py``); local (sliding-window) and chunked layers
     keep their window or chunk; soft-capping and sinks are computed with their gradients (Note
     [What each layer computes] in ``_transformers_layer.py``). A decoder's cross-attention runs
     dense over the encoder's keys (Note [Cross-attention in encoder-decoder models]).
@@ -138,15 +147,22 @@ def use_dilated_attention(
             (a :class:`~dilated_attention.distributed.ContextParallel` or a process group;
             Note [Context parallel transformers]): each rank passes its shard of the tokens
             and their global ``position_ids`` (``sequence_positions(n, group=...)``).
+        sparse: a :class:`~dilated_attention.config.BlockSelectedConfig` instead of a schedule:
+            the global layers run :func:`~dilated_attention.sparse.moba_attention` on the
+            model's own q, k, v and softmax scale (so ``sparse.scale`` stays None). Causal
+            decoders only, called on unpadded, unpacked rows without a cache; other calls
+            raise before any work. NSA (``CompressedSelectedWindowConfig``) is refused: its
+            gates and compressed branch are weights a pretrained model lacks.
 
     Raises:
         ValueError: a bad schedule (per layer: the layer is named), a per-layer schedule whose
             length is not the model's number of layers or in an encoder-decoder model, a model
             whose attention adds a relative position bias (T5) without
             ``keep_unsupported_layers``, or a cross-attention layer this integration cannot
-            recognize.
-        TypeError: ``model`` is not a transformers model, a flag is not a bool, or
-            ``context_parallel`` is not a group.
+            recognize; with ``sparse``: a schedule as well, NSA's config, a ``scale``, an
+            encoder-decoder model or ``context_parallel``; without it: no schedule.
+        TypeError: ``model`` is not a transformers model, a flag is not a bool,
+            ``context_parallel`` is not a group, or ``sparse`` is not a BlockSelectedConfig.
     """
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
@@ -154,18 +170,23 @@ def use_dilated_attention(
             f"model must be a transformers PreTrainedModel, got {type(model).__name__}; for "
             f"this library's own layers use dilated_attention.create_multihead_dilated_attention"
         )
-    segs, rates = _schedule_lists(segment_lengths, dilation_rates)
+    selected = L.check_sparse(model, sparse, segment_lengths, dilation_rates, context_parallel)
+    segs, rates = (
+        (None, None) if selected is not None else _schedule_lists(segment_lengths, dilation_rates)
+    )
     for flag, value in (("check_positions", check_positions),
                         ("keep_unsupported_layers", keep_unsupported_layers)):  # fmt: skip
         if not isinstance(value, bool):
             raise TypeError(f"{flag} must be a bool, got {value!r}")
     check_group(context_parallel, "context_parallel")
-    _check_model(model, config, isinstance(segs[0], list), len(segs), keep_unsupported_layers)
+    per_layer = segs is not None and isinstance(segs[0], list)
+    _check_model(model, config, per_layer, len(segs or ()), keep_unsupported_layers)
     if keep_unsupported_layers:
         _warn_kept_layers(model)
     settings = {
         SEGMENTS_ATTR: segs, RATES_ATTR: rates, CHECK_POSITIONS_ATTR: check_positions,
         KEEP_ATTR: keep_unsupported_layers, IMPLEMENTATION_ATTR: SAVED_NAME,
+        SELECTED_ATTR: selected,
     }  # fmt: skip
     for held in _own_configs(model):
         for attr, value in settings.items():
@@ -211,7 +232,8 @@ def load_dilated_pretrained(cls: Any, path: Any, **kwargs: Any) -> nn.Module:
     where = {key: kwargs[key] for key in _CONFIG_LOCATION_KWARGS if key in kwargs}
     config = AutoConfig.from_pretrained(path, **where)
     segs, rates = getattr(config, SEGMENTS_ATTR, None), getattr(config, RATES_ATTR, None)
-    if segs is None or rates is None:
+    selected = getattr(config, SELECTED_ATTR, None)
+    if (segs is None or rates is None) and selected is None:
         raise ValueError(
             f"{path} holds no {SEGMENTS_ATTR} / {RATES_ATTR} in its config: save a model "
             f"prepared with use_dilated_attention, or call use_dilated_attention(model, "
@@ -221,6 +243,7 @@ def load_dilated_pretrained(cls: Any, path: Any, **kwargs: Any) -> nn.Module:
     return use_dilated_attention(
         model, segs, rates, check_positions=getattr(config, CHECK_POSITIONS_ATTR, True),
         keep_unsupported_layers=getattr(config, KEEP_ATTR, False),
+        sparse=None if selected is None else BlockSelectedConfig(**selected),
     )  # fmt: skip
 
 
@@ -325,9 +348,12 @@ def _schedule_lists(segment_lengths: Any, dilation_rates: Any) -> tuple[list, li
     return [list(s) for s, _ in checked], [list(r) for _, r in checked]
 
 
-def _layer_schedule(module: nn.Module) -> tuple[list[int], list[int]]:
-    """The schedule of ``module``'s layer from its config (Note [Hugging Face attention])."""
+def _layer_schedule(module: nn.Module) -> tuple[list[int], list[int]] | None:
+    """The schedule of ``module``'s layer from its config (Note [Hugging Face attention]), or
+    None where its global layers run MoBA."""
     config = getattr(module, "config", None)
+    if L.layer_selected(module) is not None:
+        return None
     segs, rates = getattr(config, SEGMENTS_ATTR, None), getattr(config, RATES_ATTR, None)
     if segs is None or rates is None:
         raise ValueError(
@@ -406,6 +432,12 @@ def attention_forward(
     _refuse_call(module, attention_mask, kwargs)
     run: dict[str, Any] = {"scale": scaling, "dropout_p": dropout}
     if P.is_cross_attention(module):
+        if L.layer_selected(module) is not None:
+            raise ValueError(
+                f"{L.layer_name(module)} is cross-attention, and use_dilated_attention(sparse="
+                f"...) runs MoBA in a decoder's causal self-attention only; keep this model on "
+                f"{_kept_on(module)}"
+            )
         filled = M.filled_keys(attention_mask, None, key.shape[2])
         key, value = key[:, :, :filled], value[:, :, :filled]
         reason = P.kept_reason(module, kwargs)
@@ -436,8 +468,9 @@ def _self_attention(
         kept = (query, key[:, :, :filled], value[:, :, :filled])
         return _kept(module, kept, mask, reason, run, kwargs)
     layer = L.layer_attention(
-        module, query.shape[1], run["is_causal"], kwargs, _layer_schedule(module)
-    )
+        module, query.shape[1], run["is_causal"], kwargs, _layer_schedule(module),
+        L.layer_selected(module),
+    )  # fmt: skip
     group = getattr(module, CONTEXT_ATTR, None)
     if group is not None:
         mask = M.call_keys(passed, key.shape[2])[0]
@@ -469,6 +502,11 @@ def _rows(
     mask, filled, offset = M.call_keys(passed, key.shape[2])
     q, k, v = (x.transpose(1, 2) for x in (query, key[:, :, :filled], value[:, :, :filled]))
     documents = P.packed_documents(kwargs, q, filled, mask, check)
+    if layer.moba is not None:  # Note [MoBA in a pretrained model] in _transformers_layer.py
+        packed = documents is not None or M.is_sequence_ids(mask)
+        whole = mask is None or packed or bool(mask.all())
+        L.check_moba_call(layer, q.shape[1], filled, whole, packed, run["dropout_p"])
+        return layer(q, k, v, **run)
     if documents is not None:
         padding = None if M.is_sequence_ids(mask) else mask
         return P.packed_rows((q, k, v), padding, documents, layer, run)
@@ -489,12 +527,12 @@ def _rows(
     return P.padded_rows(q, k, v, mask, layer, run, check or not compiling, first)
 
 
-#: Under torch.compile, a layer with a window, a soft-cap or sinks runs eagerly (Note [What
+#: Under torch.compile, a layer with a window, a soft-cap, sinks or MoBA runs eagerly (Note [What
 #: each layer computes] in ``_transformers_layer.py``).
 _eager_rows = torch.compiler.disable(
     _rows,
-    reason="dilated attention runs a layer with a local window, soft-capped scores or attention "
-    "sinks eagerly under torch.compile (the library's compiled operators do not carry them "
+    reason="dilated attention runs a layer with a local window, soft-capped scores, attention "
+    "sinks or MoBA eagerly under torch.compile (the library's compiled operators do not carry them "
     "yet): a graph break; compile without fullgraph=True, or leave this model eager",
 )
 

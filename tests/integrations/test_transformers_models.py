@@ -170,7 +170,7 @@ def test_compiled_static_decoding_with_chunks_windows_and_sinks() -> None:
             assert torch.equal(_static_decode(model, compiled, static, new), want), build.__name__
     torch._dynamo.reset()
     static = transformers.StaticCache(config=model.config, max_cache_len=48)
-    eager = r"local window, soft-capped scores or attention sinks eagerly under torch.compile"
+    eager = r"local window, soft-capped scores, attention sinks or MoBA eagerly under torch.compile"
     fix = r".*compile without fullgraph=True"
     with torch.no_grad(), pytest.raises(Exception, match=eager + fix):
         step = torch.compile(_stepper(model), fullgraph=True, backend="eager")

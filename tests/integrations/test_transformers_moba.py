@@ -1,0 +1,188 @@
+"""MoBA in a transformers model's global layers (``use_dilated_attention(model,
+sparse=BlockSelectedConfig(...))``, Note [MoBA in a pretrained model] in
+``integrations/_transformers_layer.py``): a tiny Llama (GQA, rotary) built from a config, in
+float64. Its logits and parameter gradients equal the same model whose every layer calls
+``moba_attention`` directly on that layer's q, k, v; with ``topk`` covering every block they
+equal the stock SDPA model (dense causal attention); a Gemma 2's local layer keeps its window
+beside a MoBA layer; and what MoBA cannot compute exactly is refused before any work. Skipped
+where transformers is not installed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from support.oracle import oracle_attention  # noqa: E402
+
+from dilated_attention.config import (  # noqa: E402
+    BlockSelectedConfig,
+    CompressedSelectedWindowConfig,
+)
+from dilated_attention.integrations import transformers as dilated_hf  # noqa: E402
+from dilated_attention.sparse import moba_attention  # noqa: E402
+
+VOCAB = 97
+MOBA = BlockSelectedConfig(block_size=4, topk=1)
+TIGHT = {"rtol": 1e-10, "atol": 1e-10}
+
+
+def _llama(**overrides: Any) -> Any:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        attn_implementation="sdpa", **overrides,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).double().eval()
+
+
+def _twin(model: Any) -> Any:
+    """A second tiny Llama with ``model``'s weights, on SDPA."""
+    other = _llama()
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+def _moba_reference(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: Any, scaling: float | None = None,
+                    **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """Each global layer's attention: ``moba_attention`` called directly on its (B, N, H, D) q,
+    k, v; a local layer's: the float64 oracle of its window."""
+    assert attention_mask is None or bool(attention_mask.all())
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    window = kwargs.get("sliding_window")
+    if window is not None:
+        local = oracle_attention(q, k, v, window_size=(window - 1, 0), is_causal=True,
+                                 scale=scaling)  # fmt: skip
+        return local[0], None
+    out = moba_attention(q, k, v, block_size=MOBA.block_size, topk=MOBA.topk, scale=scaling)
+    return out, None
+
+
+def _logits_and_grads(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model.zero_grad()
+    logits = model(ids).logits
+    weights = torch.linspace(-1, 1, logits.numel(), dtype=logits.dtype).view_as(logits)
+    (logits * weights).sum().backward()
+    return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_global_layers_run_moba_on_their_own_q_k_v_with_gradients() -> None:
+    transformers.AttentionInterface.register("moba_reference", _moba_reference)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    moba = dilated_hf.use_dilated_attention(_llama(), sparse=MOBA)
+    reference = _twin(moba)
+    reference.set_attn_implementation("moba_reference")
+    got, got_grads = _logits_and_grads(moba, ids)
+    want, want_grads = _logits_and_grads(reference, ids)
+    torch.testing.assert_close(got, want, **TIGHT)
+    for got_grad, want_grad in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(got_grad, want_grad, **TIGHT)
+    dense = _twin(moba)(ids).logits
+    assert not torch.allclose(got, dense, atol=1e-6)  # 4 blocks, at most 2 kept: sparse
+
+
+def _gemma2(softcap: float | None = None) -> Any:
+    """Layer 0 within a 6-token sliding window, layer 1 global."""
+    config = transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=6,
+        attn_logit_softcapping=softcap, final_logit_softcapping=None, attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Gemma2ForCausalLM(config).double().eval()
+
+
+def test_a_local_layer_keeps_its_window_beside_a_moba_layer() -> None:
+    transformers.AttentionInterface.register("moba_reference", _moba_reference)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
+    moba = dilated_hf.use_dilated_attention(_gemma2(), sparse=MOBA)
+    reference = _gemma2()
+    reference.load_state_dict(moba.state_dict())
+    reference.set_attn_implementation("moba_reference")
+    torch.testing.assert_close(moba(ids).logits, reference(ids).logits, **TIGHT)
+    softcapped = dilated_hf.use_dilated_attention(_gemma2(softcap=2.0), sparse=MOBA)
+    with pytest.raises(ValueError, match=r"Gemma2Attention \(layer 1\) adds soft-capped"):
+        softcapped(ids)
+
+
+def test_topk_covering_every_block_is_the_dense_causal_model() -> None:
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    every = BlockSelectedConfig(block_size=4, topk=3)  # 4 blocks: all kept
+    moba = dilated_hf.use_dilated_attention(_llama(), sparse=every)
+    sdpa = _twin(moba)
+    got, got_grads = _logits_and_grads(moba, ids)
+    want, want_grads = _logits_and_grads(sdpa, ids)
+    torch.testing.assert_close(got, want, **TIGHT)
+    for got_grad, want_grad in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(got_grad, want_grad, **TIGHT)
+
+
+def test_a_saved_moba_model_reloads_with_its_settings(tmp_path: Any) -> None:
+    model = dilated_hf.use_dilated_attention(_llama(), sparse=MOBA)
+    ids = torch.randint(0, VOCAB, (1, 13), generator=torch.Generator().manual_seed(2))
+    before = model(ids).logits
+    model.save_pretrained(tmp_path)
+    cls = transformers.LlamaForCausalLM
+    loaded = dilated_hf.load_dilated_pretrained(cls, tmp_path, dtype=torch.float64)
+    assert getattr(loaded.config, dilated_hf.SELECTED_ATTR) == MOBA.kwargs()
+    assert torch.equal(loaded(ids).logits, before)
+    # a dilated schedule set afterwards replaces MoBA
+    dilated_hf.use_dilated_attention(loaded, [64], [1])
+    torch.testing.assert_close(loaded(ids).logits, _twin(model)(ids).logits, **TIGHT)
+
+
+def test_what_moba_cannot_run_in_a_pretrained_model_is_refused_before_any_change() -> None:
+    model = _llama()
+    cases = [
+        (dict(sparse=CompressedSelectedWindowConfig()), ValueError, r"NSA.*gate projections"),
+        (dict(sparse=MOBA, segment_lengths=[8], dilation_rates=[1]), ValueError,
+         r"a dilated schedule as well"),
+        (dict(sparse=BlockSelectedConfig(block_size=4, topk=1, scale=0.5)), ValueError,
+         r"scale=0.5: the layers keep the model's own softmax scale"),
+        (dict(sparse={"block_size": 4}), TypeError, r"sparse must be a .*BlockSelectedConfig"),
+        ({}, ValueError, r"needs segment_lengths and dilation_rates .* or sparse="),
+    ]  # fmt: skip
+    for kwargs, error, match in cases:
+        with pytest.raises(error, match=match):
+            dilated_hf.use_dilated_attention(model, **kwargs)
+    assert model.config._attn_implementation == "sdpa"
+    bart = transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=16,
+        decoder_ffn_dim=16, max_position_embeddings=32,
+    ))  # fmt: skip
+    with pytest.raises(ValueError, match=r"encoder-decoder model \(BartForConditionalGeneration"):
+        dilated_hf.use_dilated_attention(bart, sparse=MOBA)
+
+
+def test_calls_moba_cannot_compute_exactly_raise_naming_the_layer_and_the_fix() -> None:
+    model = dilated_hf.use_dilated_attention(_llama(), sparse=MOBA)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    padded = torch.ones(2, 12, dtype=torch.long)
+    padded[1, :3] = 0
+    with pytest.raises(ValueError, match=r"LlamaAttention \(layer 0\) runs MoBA.*padding mask"):
+        model(ids, attention_mask=padded)
+    packed = torch.cat([torch.arange(8), torch.arange(4)])[None].expand(2, -1)
+    with pytest.raises(ValueError, match=r"layer 0\) runs MoBA.*packed sequences"):
+        model(ids, position_ids=packed)
+    with pytest.raises(ValueError, match=r"1 queries after a cache of 13 keys.*use_cache=False"):
+        model.generate(ids, max_new_tokens=2, do_sample=False)
+    out = model.generate(ids, max_new_tokens=2, do_sample=False, use_cache=False)
+    assert out.shape == (2, 14)
+    layer = model.model.layers[0].self_attn
+    q = torch.randn(1, 4, 8, 8, dtype=torch.float64)
+    kv = torch.randn(1, 2, 8, 8, dtype=torch.float64)
+    refused = [
+        ({"softcap": 30.0}, r"soft-capped scores \(softcap\)"),
+        ({"s_aux": torch.zeros(4)}, r"attention sinks"),
+        ({"is_causal": False}, r"non-causal \(an encoder's\)"),
+        ({"dropout": 0.1}, r"no attention dropout, got dropout=0.1"),
+    ]
+    for kwargs, match in refused:
+        with pytest.raises(ValueError, match=r"LlamaAttention \(layer 0\).*" + match):
+            dilated_hf.attention_forward(layer, q, kv, kv, None, **kwargs)
