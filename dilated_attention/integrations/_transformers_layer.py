@@ -43,10 +43,11 @@ Note [MoBA in a pretrained model]
     with the fix: a non-causal or cross-attention layer (MoBA here is a decoder's), a call after
     a cache (its query block would hold only the new tokens and choose other blocks than the
     whole sequence's; ``use_cache=False``), padding or packed rows (the pads would join a
-    block's gate; one sequence per call), soft-capping, sinks and dropout (``moba_attention``
-    takes none of them), and a context-parallel group. Local and chunked layers keep their
-    window or chunk. NSA is not offered: its gates and compressed branch are weights a
-    pretrained model lacks (a ``LongNetLM`` with the factory's ``kind="nsa"`` trains them).
+    block's gate; one sequence per call), dropout (``moba_attention`` takes none), and a
+    context-parallel group. The call's soft-cap and sinks are computed (they change the scores
+    of the chosen blocks, not the choice). Local and chunked layers keep their window or chunk.
+    NSA is not offered: its gates and compressed branch are weights a pretrained model lacks (a
+    ``LongNetLM`` with the factory's ``kind="nsa"`` trains them).
 """
 
 from __future__ import annotations
@@ -133,13 +134,13 @@ class LayerAttention:
         """This layer's attention of q (B, Nq, H, D) over k, v (B, Nk, Hkv, D) -> (B, Nq, H,
         D); ``run``: the keyword arguments every kind shares (``is_causal``, ``scale``,
         ``dropout_p``, ``key_padding_mask``, ``cu_seqlens``)."""
+        extra = {"softcap": self.softcap, "sinks": self.sinks}
         moba = self.moba
         if moba is not None:  # the call was checked: check_moba_call
             return moba_attention(
                 q, k, v, block_size=moba.block_size, topk=moba.topk, is_causal=True,
-                scale=run.get("scale"), backend=moba.backend,
+                scale=run.get("scale"), backend=moba.backend, **extra,
             )  # fmt: skip
-        extra = {"softcap": self.softcap, "sinks": self.sinks}
         schedule = self.schedule
         if schedule is None:
             assert self.window is not None  # a local layer
@@ -162,7 +163,7 @@ def layer_attention(
 
     Raises:
         ValueError: a bidirectional sliding window, sinks that are not one logit per query
-            head, or a MoBA layer that is not causal or has a soft-cap or sinks.
+            head, or a MoBA layer that is not causal.
     """
     name = layer_name(module)
     window = kwargs.get("sliding_window")
@@ -198,13 +199,6 @@ def _check_moba_layer(layer: LayerAttention, causal: bool) -> None:
         raise ValueError(
             f"{layer.name} is non-causal (an encoder's), and use_dilated_attention(sparse=...) "
             f"runs MoBA in a decoder's causal self-attention only: {_MOBA_FIX}"
-        )
-    named = (("soft-capped scores (softcap)", layer.softcap), ("attention sinks", layer.sinks))
-    extras = [what for what, value in named if value is not None]
-    if extras:
-        raise ValueError(
-            f"{layer.name} adds {' and '.join(extras)}, which moba_attention does not compute: "
-            f"{_MOBA_FIX}"
         )
 
 

@@ -29,6 +29,8 @@ def moba_attention(
     cu_seqlens: torch.Tensor | list[int] | None = None,
     scale: float | None = None,
     backend: str | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MoBA (Mixture of Block Attention): each query block attends its own key block (causal,
     with the causal mask inside it) and the ``topk`` key blocks of highest affinity with its
@@ -65,6 +67,12 @@ def moba_attention(
         scale: softmax scale; ``None`` means ``D ** -0.5``.
         backend: the attention's kernel, as in
             :func:`~dilated_attention.block_sparse_attention`; ``None``: the automatic choice.
+        softcap: the attention's scores soft-capped, as in
+            :func:`~dilated_attention.block_sparse_attention` (Gemma 2); the choice of blocks
+            is made on the plain affinities.
+        sinks: (H,) logits, one per query head, as in
+            :func:`~dilated_attention.block_sparse_attention` (gpt-oss); the choice is
+            unaffected.
 
     Returns:
         (B, Nq, H, D) in the input dtype.
@@ -72,7 +80,8 @@ def moba_attention(
     Raises:
         TypeError / ValueError: as :func:`~dilated_attention.sparse.select_blocks` and
             :func:`~dilated_attention.block_sparse_attention` (tensors, ``block_size``,
-            ``topk``, ``is_causal``, ``cu_seqlens``, ``scale``, ``backend``), before any work.
+            ``topk``, ``is_causal``, ``cu_seqlens``, ``scale``, ``backend``, ``softcap``,
+            ``sinks``), before any work.
     """
     V.check_qkv(query, key, value, same_length=False)
     scale = V.check_scale(scale)
@@ -82,7 +91,7 @@ def moba_attention(
     )
     out = block_sparse_attention(
         query, key, value, mask, block_size=block_size, is_causal=is_causal, scale=scale,
-        backend=backend, cu_seqlens=cu_seqlens,
+        backend=backend, cu_seqlens=cu_seqlens, softcap=softcap, sinks=sinks,
     )  # fmt: skip
     assert isinstance(out, torch.Tensor)  # return_lse=False: for the type checker
     return out

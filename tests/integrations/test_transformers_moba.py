@@ -51,15 +51,16 @@ def _moba_reference(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
                     attention_mask: Any, scaling: float | None = None,
                     **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
     """Each global layer's attention: ``moba_attention`` called directly on its (B, N, H, D) q,
-    k, v; a local layer's: the float64 oracle of its window."""
+    k, v; a local layer's: the float64 oracle of its window; both with the call's soft-cap and
+    sinks."""
     assert attention_mask is None or bool(attention_mask.all())
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    extra = {"scale": scaling, "softcap": kwargs.get("softcap"), "sinks": kwargs.get("s_aux")}
     window = kwargs.get("sliding_window")
     if window is not None:
-        local = oracle_attention(q, k, v, window_size=(window - 1, 0), is_causal=True,
-                                 scale=scaling)  # fmt: skip
+        local = oracle_attention(q, k, v, window_size=(window - 1, 0), is_causal=True, **extra)
         return local[0], None
-    out = moba_attention(q, k, v, block_size=MOBA.block_size, topk=MOBA.topk, scale=scaling)
+    out = moba_attention(q, k, v, block_size=MOBA.block_size, topk=MOBA.topk, **extra)
     return out, None
 
 
@@ -86,28 +87,54 @@ def test_global_layers_run_moba_on_their_own_q_k_v_with_gradients() -> None:
     assert not torch.allclose(got, dense, atol=1e-6)  # 4 blocks, at most 2 kept: sparse
 
 
-def _gemma2(softcap: float | None = None) -> Any:
-    """Layer 0 within a 6-token sliding window, layer 1 global."""
+def _gemma2() -> Any:
+    """Layer 0 within a 6-token sliding window, layer 1 global; soft-capped scores in both."""
     config = transformers.Gemma2Config(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=6,
-        attn_logit_softcapping=softcap, final_logit_softcapping=None, attn_implementation="eager",
+        attn_logit_softcapping=2.0, final_logit_softcapping=None, attn_implementation="eager",
     )  # fmt: skip
     torch.manual_seed(0)
     return transformers.Gemma2ForCausalLM(config).double().eval()
 
 
-def test_a_local_layer_keeps_its_window_beside_a_moba_layer() -> None:
+def _gpt_oss() -> Any:
+    """Layer 0 within a 6-token sliding window, layer 1 global; sinks in both."""
+    config = transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
+        num_experts_per_tok=1, sliding_window=6, experts_implementation="eager",
+        attn_implementation="eager", rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config).double().eval()
+    with torch.no_grad():
+        for block in model.model.layers:
+            block.self_attn.sinks.normal_(0.0, 2.0)
+    return model
+
+
+@pytest.mark.parametrize("build", [_gemma2, _gpt_oss], ids=["gemma2", "gpt_oss"])
+def test_local_layers_keep_their_window_and_moba_takes_the_softcap_and_sinks(build: Any) -> None:
+    """Logits and gradients (the sinks' included) equal the reference's: MoBA in the global
+    layer, the window's oracle in the local one, both with the model's soft-cap or sinks; with
+    every block kept, the model's own eager attention (within Gemma 2's float32 softmax)."""
     transformers.AttentionInterface.register("moba_reference", _moba_reference)
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
-    moba = dilated_hf.use_dilated_attention(_gemma2(), sparse=MOBA)
-    reference = _gemma2()
+    moba = dilated_hf.use_dilated_attention(build(), sparse=MOBA)
+    reference = build()
     reference.load_state_dict(moba.state_dict())
     reference.set_attn_implementation("moba_reference")
-    torch.testing.assert_close(moba(ids).logits, reference(ids).logits, **TIGHT)
-    softcapped = dilated_hf.use_dilated_attention(_gemma2(softcap=2.0), sparse=MOBA)
-    with pytest.raises(ValueError, match=r"Gemma2Attention \(layer 1\) adds soft-capped"):
-        softcapped(ids)
+    got, got_grads = _logits_and_grads(moba, ids)
+    want, want_grads = _logits_and_grads(reference, ids)
+    torch.testing.assert_close(got, want, **TIGHT)
+    for got_grad, want_grad in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(got_grad, want_grad, **TIGHT)
+    every = BlockSelectedConfig(block_size=4, topk=3)  # 4 blocks: all kept
+    every = dilated_hf.use_dilated_attention(build(), sparse=every)
+    eager = build()  # Gemma 2's eager softmax runs in float32
+    torch.testing.assert_close(every(ids).logits, eager(ids).logits, rtol=1e-5, atol=1e-6)
+    assert (got - eager(ids).logits).abs().max() > 1e-3  # 4 blocks, at most 2 kept: sparse
 
 
 def test_topk_covering_every_block_is_the_dense_causal_model() -> None:
@@ -178,8 +205,6 @@ def test_calls_moba_cannot_compute_exactly_raise_naming_the_layer_and_the_fix() 
     q = torch.randn(1, 4, 8, 8, dtype=torch.float64)
     kv = torch.randn(1, 2, 8, 8, dtype=torch.float64)
     refused = [
-        ({"softcap": 30.0}, r"soft-capped scores \(softcap\)"),
-        ({"s_aux": torch.zeros(4)}, r"attention sinks"),
         ({"is_causal": False}, r"non-causal \(an encoder's\)"),
         ({"dropout": 0.1}, r"no attention dropout, got dropout=0.1"),
     ]

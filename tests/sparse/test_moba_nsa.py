@@ -11,7 +11,14 @@ from typing import Any
 
 import pytest
 import torch
-from support.sparse_oracle import document_ids, moba_reference, nsa_reference
+from support.sparse_oracle import (
+    blocks_mask,
+    document_ids,
+    heads_first,
+    moba_reference,
+    nsa_reference,
+    selected_blocks,
+)
 from torch import Tensor
 
 import dilated_attention.sparse.moba as moba_module
@@ -69,6 +76,23 @@ def test_moba_matches_the_reference(case: dict[str, Any]) -> None:
     ref = moba_reference(q, k, v, block=case["block"], topk=case["topk"],
                          is_causal=case["causal"])  # fmt: skip
     _assert_same_with_gradients(out, ref, [q, k, v])
+
+
+def test_moba_soft_caps_the_chosen_blocks_scores_and_adds_sinks() -> None:
+    """Gemma 2's soft-cap and gpt-oss's sinks (one logit per query head, counted once in each
+    row's denominator) on the blocks the plain affinities choose, against explicit scores."""
+    q, k, v = _leaves(2, 29, 4, 2)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(3), dtype=F64)
+    sinks.requires_grad_()
+    out = moba_attention(q, k, v, block_size=8, topk=1, softcap=2.0, sinks=sinks)
+    chosen = selected_blocks(q, k, block=8, topk=1, is_causal=True, per_kv_head=False)
+    mask = blocks_mask(chosen, block=8, nq=29, nk=29, is_causal=True)
+    scores = q.transpose(1, 2) @ heads_first(k, 4).transpose(-1, -2) * 8**-0.5
+    scores = (2.0 * torch.tanh(scores / 2.0)).masked_fill(~mask, float("-inf"))
+    sink = sinks[None, :, None, None].expand(*scores.shape[:3], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    ref = (probs @ heads_first(v, 4)).transpose(1, 2)
+    _assert_same_with_gradients(out, ref, [q, k, v, sinks])
 
 
 def test_moba_packed_documents_choose_within_each() -> None:
