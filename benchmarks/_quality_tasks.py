@@ -50,7 +50,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dilated_attention.models.training import bits_per_position, sample_windows
+from dilated_attention.models.training import (
+    bits_per_position,
+    next_token_scores,
+    sample_windows,
+)
 
 #: Bytes (0-255) and the retrieval task's symbols (256-511), which never occur in text.
 VOCAB_SIZE = 512
@@ -295,27 +299,6 @@ def by_bucket(values: torch.Tensor, keys: torch.Tensor, edges: list[int]) -> dic
     return out
 
 
-def _next_token_bits(
-    model: torch.nn.Module, rows: torch.Tensor, device: torch.device, batch: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per input position of ``rows`` (R, N + 1): whether the model's most likely next token is
-    the true one (R, N) bool, and the bits it spends on the true one (R, N) float64 (teacher
-    forcing, eval mode)."""
-    correct, bits = [], []
-    model.eval()
-    try:
-        with torch.no_grad():
-            for chunk in rows.split(batch):
-                chunk = chunk.to(device)
-                logits = model(chunk[:, :-1]).float()
-                correct.append((logits.argmax(-1) == chunk[:, 1:]).cpu())
-                nats = F.cross_entropy(logits.transpose(1, 2), chunk[:, 1:], reduction="none")
-                bits.append(nats.double().cpu() / math.log(2))
-    finally:
-        model.train()
-    return torch.cat(correct), torch.cat(bits)
-
-
 def _span_mean(
     values: torch.Tensor, row: torch.Tensor, start: torch.Tensor, n: int
 ) -> torch.Tensor:
@@ -335,8 +318,8 @@ def measure(
     repeated passages (Note [Repeated passages]), the last two overall and by distance bucket."""
     with autocast():  # type: ignore[attr-defined]
         bits = bits_per_position(model, evaluation.text, device, batch=batch)
-        ok, _ = _next_token_bits(model, evaluation.retrieval.rows, device, batch)
-        _, passage_bits = _next_token_bits(model, evaluation.passages.rows, device, batch)
+        ok, _ = next_token_scores(model, evaluation.retrieval.rows, device, batch=batch)
+        _, passage_bits = next_token_scores(model, evaluation.passages.rows, device, batch=batch)
     context = evaluation.text.shape[1] - 1
     positions = torch.arange(context)
     bpb = {k: v for k, (v, _) in by_bucket(bits, positions, position_edges(context)).items()}

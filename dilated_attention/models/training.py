@@ -29,6 +29,7 @@ __all__ = [
     "bits_per_byte",
     "bits_per_position",
     "load_corpus",
+    "next_token_scores",
     "reference_bits_per_byte",
     "sample_windows",
     "warmup_cosine",
@@ -109,10 +110,10 @@ def reference_bits_per_byte(data: torch.Tensor) -> dict[str, float]:
 
 
 @torch.no_grad()
-def bits_per_position(
+def next_token_scores(
     model: nn.Module, windows: torch.Tensor, device: torch.device, *, batch: int = 8
-) -> torch.Tensor:
-    """Next-byte cross-entropy in bits at each position, averaged over the windows.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """How the model scores the true next token at every position of every window.
 
     Args:
         model: maps (B, N) token ids to (B, N, V) logits (a :class:`LongNetLM`); put in eval
@@ -123,20 +124,29 @@ def bits_per_position(
         batch: windows per forward call.
 
     Returns:
-        (N,) float64 on the CPU: the mean over the windows of the bits spent on the byte after
-        each position.
+        ``(correct, bits)`` on the CPU: (W, N) bool, whether the model's most likely next token
+        is the true one, and (W, N) float64, the bits it spends on the true one.
     """
     model.eval()
-    total = torch.zeros(windows.shape[1] - 1, dtype=torch.float64)
+    correct, bits = [], []
     try:
         for chunk in windows.split(batch):
             chunk = chunk.to(device)
             logits = model(chunk[:, :-1]).float()
+            correct.append((logits.argmax(-1) == chunk[:, 1:]).cpu())
             nats = F.cross_entropy(logits.transpose(1, 2), chunk[:, 1:], reduction="none")
-            total += nats.double().sum(0).cpu()
+            bits.append(nats.double().cpu() / math.log(2))
     finally:
         model.train()
-    return total / windows.shape[0] / math.log(2)
+    return torch.cat(correct), torch.cat(bits)
+
+
+def bits_per_position(
+    model: nn.Module, windows: torch.Tensor, device: torch.device, *, batch: int = 8
+) -> torch.Tensor:
+    """Next-byte cross-entropy in bits at each position, averaged over the windows: (N,)
+    float64 on the CPU (arguments as :func:`next_token_scores`)."""
+    return next_token_scores(model, windows, device, batch=batch)[1].mean(0)
 
 
 def bits_per_byte(model: nn.Module, windows: torch.Tensor, device: torch.device) -> float:
