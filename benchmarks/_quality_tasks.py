@@ -299,11 +299,9 @@ def by_bucket(values: torch.Tensor, keys: torch.Tensor, edges: list[int]) -> dic
     return out
 
 
-def _span_mean(
-    values: torch.Tensor, row: torch.Tensor, start: torch.Tensor, n: int
-) -> torch.Tensor:
-    """(M,) the mean of ``values`` (R, N) over positions ``start .. start + n - 1`` of ``row``."""
-    return values[row[:, None], start[:, None] + torch.arange(n)].double().mean(1)
+def _spans(values: torch.Tensor, row: torch.Tensor, start: torch.Tensor, n: int) -> torch.Tensor:
+    """(M, n): ``values`` (R, N) at positions ``start .. start + n - 1`` of row ``row``, (M,)."""
+    return values[row[:, None], start[:, None] + torch.arange(n)]
 
 
 def measure(
@@ -324,10 +322,10 @@ def measure(
     positions = torch.arange(context)
     bpb = {k: v for k, (v, _) in by_bucket(bits, positions, position_edges(context)).items()}
     retrieval, passages = evaluation.retrieval, evaluation.passages
-    right = ok[retrieval.pair_row[:, None], retrieval.pair_start[:, None] + torch.arange(VALUE_LEN)]
+    right = _spans(ok, retrieval.pair_row, retrieval.pair_start, VALUE_LEN)
     exact, values = right.all(1).double(), right.double().mean(1)
-    copy = _span_mean(passage_bits, passages.row, passages.copy_start, passages.scored)
-    source = _span_mean(passage_bits, passages.row, passages.source_start, passages.scored)
+    copy = _spans(passage_bits, passages.row, passages.copy_start, passages.scored).mean(1)
+    source = _spans(passage_bits, passages.row, passages.source_start, passages.scored).mean(1)
     edges = distance_edges(context)
     buckets = by_bucket(exact, retrieval.distance, edges)
     graded = by_bucket(values, retrieval.distance, edges)
