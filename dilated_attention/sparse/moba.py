@@ -86,6 +86,8 @@ def moba_attention(
     V.check_qkv(query, key, value, same_length=False)
     scale = V.check_scale(scale)
     backend = check_backend_name(backend)
+    softcap = V.check_softcap(softcap)  # the attention's own checks, before the selection
+    V.check_sinks(sinks, query)
     mask = select_blocks(
         query, key, block_size=block_size, topk=topk, is_causal=is_causal, cu_seqlens=cu_seqlens
     )

@@ -256,3 +256,25 @@ def test_nsa_lengths_checked_before_any_work() -> None:
         nsa_attention(q, k, v, None, combine="lse", **kw)
     with pytest.raises(ValueError, match="is_causal=False needs a query for every key"):
         nsa_attention(q, k, v, None, combine="lse", is_causal=False, **kw)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        (dict(softcap=-1.0), r"softcap must be a positive finite float"),
+        (dict(sinks=torch.zeros(3)), r"sinks"),
+    ],
+)
+def test_moba_rejects_a_bad_softcap_or_sinks_before_choosing_blocks(
+    monkeypatch: pytest.MonkeyPatch, options: dict, match: str
+) -> None:
+    """A bad soft-cap or sinks is named before any work: the selection never runs."""
+    import dilated_attention.sparse.moba as moba_module
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("select_blocks ran before the arguments were checked")
+
+    monkeypatch.setattr(moba_module, "select_blocks", never)
+    q = torch.randn(1, 16, 4, 8)
+    with pytest.raises(ValueError, match=match):
+        moba_attention(q, q[:, :, :2], q[:, :, :2], block_size=8, topk=1, **options)
