@@ -11,13 +11,20 @@ For each length N (B = 1, H = 16, 4 key/value heads, D = 128, bf16, causal), in 
   mask, the automatic kernel choice); ``moba, given mask``: ``block_sparse_attention`` on a mask
   selected once (the attention alone);
 - ``nsa``: ``nsa_attention`` with gates (compressed keys of ``32`` pooled every ``16``, the same
-  selected blocks, a 512-token window).
+  selected blocks, a 512-token window);
+- ``all blocks``: ``block_sparse_attention`` on a mask that keeps every causal block pair: the
+  kernel the run-time masks take, run dense.
+
+Above ``--dense-up-to`` (default 262,144) the two dense rows are not run (dense cuDNN takes
+30 s a step at 1M); that length's rates use the dense rows of the longest length measured,
+their time scaled by the ratio of the lengths' dense pairs (``dense_from`` names it).
 
 Every row carries ``keys_per_query`` (the selected keys a query block attends: (topk + 1) *
 block size), ``pair_ratio`` (dense causal pairs over the pairs the mask keeps, counted on the
-mask), and, for the MoBA rows, ``visited_rate`` = dense cuDNN's time / the row's time x the
+mask), and, for the MoBA rows, ``visited_rate`` = dense cuDNN's time / the row's time / the
 pair ratio: the kernel's rate on the pairs it visits relative to dense cuDNN's rate on all of
-its pairs (1.0 = as fast per pair as dense). Times are medians of CUDA-event timings
+its pairs (1.0 = as fast per pair as dense), and ``kernel_rate`` the same relative to the
+``all blocks`` row (the same kernel's dense rate). Times are medians of CUDA-event timings
 (``_timing.time_fwd_and_fwd_bwd``: no-grad forward, and forward+backward), peak memory over the
 unavoidable bytes (q, k, v, out; with backward dout and the three gradients).
 """
@@ -51,9 +58,12 @@ from dilated_attention.sparse import moba_attention, nsa_attention, select_block
 
 COLUMNS = [
     "seq_len", "path", "keys_per_query", "pair_ratio", "fwd_ms", "fwd_bwd_ms", "fwd_speedup",
-    "fwd_bwd_speedup", "visited_rate_fwd", "visited_rate_fwd_bwd", "fwd_mem_ratio",
-    "fwd_bwd_mem_ratio", "selection_share",
+    "fwd_bwd_speedup", "visited_rate_fwd", "visited_rate_fwd_bwd", "kernel_rate_fwd",
+    "kernel_rate_fwd_bwd", "fwd_mem_ratio", "fwd_bwd_mem_ratio", "selection_share", "dense_from",
 ]  # fmt: skip
+
+#: The rows that time dense attention, skipped above ``--dense-up-to``.
+DENSE = ("dense cudnn", "all blocks")
 
 
 def _unavoidable(q: torch.Tensor, k: torch.Tensor, backward: bool) -> int:
@@ -62,7 +72,9 @@ def _unavoidable(q: torch.Tensor, k: torch.Tensor, backward: bool) -> int:
     return 2 * once if backward else once
 
 
-def measure(seq_len: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+def measure(
+    seq_len: int, args: argparse.Namespace, earlier: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
     """Every path at one length (rows of :data:`COLUMNS`)."""
     torch.manual_seed(0)
     dev, bf16 = torch.device("cuda"), torch.bfloat16
@@ -77,6 +89,7 @@ def measure(seq_len: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     dense_pairs = blocks * (blocks + 1) / 2 * args.heads
     pair_ratio = dense_pairs / float(mask.sum())
     gates = torch.rand(*shape, args.heads, 3, device=dev, dtype=bf16, requires_grad=True)
+    every = torch.ones(1, 1, blocks, blocks, dtype=torch.bool, device=dev)
 
     def dense() -> torch.Tensor:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -96,7 +109,12 @@ def measure(seq_len: int, args: argparse.Namespace) -> list[dict[str, Any]]:
                                   select_block=bs, topk=topk, window=512),
             [*leaves, gates],
         ),
+        "all blocks": (
+            lambda: block_sparse_attention(q, k, v, every, block_size=bs, is_causal=True), leaves
+        ),
     }
+    if seq_len > args.dense_up_to:
+        paths = {name: path for name, path in paths.items() if name not in DENSE}
     rows: list[dict[str, Any]] = []
     for name, (fn, inputs) in paths.items():
         row: dict[str, Any] = {"seq_len": seq_len, "path": name,
@@ -115,25 +133,49 @@ def measure(seq_len: int, args: argparse.Namespace) -> list[dict[str, Any]]:
         sel = time_cuda(lambda: select_blocks(q, k, block_size=bs, topk=topk, is_causal=True),
                         warmup=3, repeats=args.repeats, min_ms=20)["median_ms"]  # fmt: skip
     rows.append({"seq_len": seq_len, "path": "selection", "fwd_ms": sel})
-    derive(rows, sel)
+    derive(rows, sel, earlier)
     return rows
 
 
-def derive(rows: list[dict[str, Any]], selection_ms: float) -> None:
-    """Speedups over dense cuDNN (the first row), the MoBA rows' rate on the pairs they visit
-    (speedup / pair ratio) and the selection's share of the MoBA call, in place."""
-    base = rows[0]
-    for row in rows[1:]:
-        if row["path"] == "selection":
+def derive(rows: list[dict[str, Any]], selection_ms: float, earlier: list[dict[str, Any]]) -> None:
+    """Speedups over dense cuDNN, the MoBA rows' rates on the pairs they visit (speedup / pair
+    ratio) against dense cuDNN and against the same kernel run dense (``all blocks``), and the
+    selection's share of the MoBA call, in place. Where this length ran no dense rows, the
+    longest of ``earlier`` that did serves, scaled by the dense pairs."""
+    seq_len = rows[0]["seq_len"]
+    reference = {r["path"]: r for r in rows if r["path"] in DENSE}
+    scale, source = 1.0, None
+    if not reference:
+        done = [r for r in earlier if r["path"] in DENSE]
+        if done:
+            source = max(r["seq_len"] for r in done)
+            reference = {r["path"]: r for r in done if r["seq_len"] == source}
+            scale = _dense_pairs(seq_len) / _dense_pairs(source)
+    for row in rows:
+        if row["path"] in (*DENSE, "selection"):
             continue
+        if source is not None:
+            row["dense_from"] = source
         for step in ("fwd", "fwd_bwd"):
-            if f"{step}_ms" in row and f"{step}_ms" in base:
-                row[f"{step}_speedup"] = base[f"{step}_ms"] / row[f"{step}_ms"]
+            if f"{step}_ms" not in row:
+                continue
+            for name, column in (("dense cudnn", "visited_rate"), ("all blocks", "kernel_rate")):
+                base = reference.get(name, {}).get(f"{step}_ms")
+                if base is None:
+                    continue
+                speedup = base * scale / row[f"{step}_ms"]
+                if name == "dense cudnn":
+                    row[f"{step}_speedup"] = speedup
                 if row["path"].startswith("moba"):
-                    row[f"visited_rate_{step}"] = row[f"{step}_speedup"] / row["pair_ratio"]
-    moba = next(r for r in rows if r["path"] == "moba")
+                    row[f"{column}_{step}"] = speedup / row["pair_ratio"]
+    moba = next((r for r in rows if r["path"] == "moba"), {})
     if "fwd_ms" in moba:
         moba["selection_share"] = selection_ms / moba["fwd_ms"]
+
+
+def _dense_pairs(seq_len: int) -> float:
+    """Causal query-key pairs of one head at ``seq_len``."""
+    return seq_len * (seq_len + 1) / 2
 
 
 def main() -> None:
@@ -144,12 +186,15 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--topk", type=int, default=15, help="blocks beside a query's own")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dense-up-to", type=int, default=262144,
+                        help="the longest length whose dense rows run")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
     for seq_len in args.seq_lens:
-        rows += measure(seq_len, args)
-        print(markdown_table(rows[-5:], COLUMNS), flush=True)
+        new = measure(seq_len, args, rows)
+        rows += new
+        print(markdown_table(new, COLUMNS), flush=True)
     env = environment()
     out = record_path("selected", args.out)
     write_record(out.with_suffix(".json"), env, rows, columns=COLUMNS)

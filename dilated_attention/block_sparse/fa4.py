@@ -10,6 +10,7 @@ the kernel leaves there.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,8 +18,9 @@ import torch
 from ..backends.flash_attn4 import FlashAttn4Backend, SparseTiles
 from ..core.autograd import Backward, Forward, Grads, Inputs, Saved
 from ..patterns import Pattern
+from .lists import runtime_tile_lists
 from .plan import causal_block_mask, num_blocks, recomputed_grads
-from .runtime import FIRST_ORDER_MESSAGE, compact_rows, per_query_head, token_rows
+from .runtime import FIRST_ORDER_MESSAGE, per_query_head, token_rows
 from .tiles import kernel_tiles, tile_lists
 
 
@@ -27,7 +29,9 @@ class FlashAttn4Tiles:
     """The tiles of a pattern, or of a run-time mask, at one shape, for FA4.
 
     Attributes:
-        forward: per query tile, its key tiles; backward: per key tile, its query tiles.
+        forward: per query tile, its key tiles; backward: per key tile, its query tiles, or
+            None where ``make_backward`` makes them when the backward runs (a run-time mask:
+            a forward without gradients never holds them).
         mask: a pattern's (ceil(Nq / block_size), ceil(Nk / block_size)) bool on the CPU,
             causal applied; None for a run-time mask (no differentiable recompute).
         empty_rows: bool on the device broadcasting to (B, Nq, H, 1), the query rows that see
@@ -37,10 +41,18 @@ class FlashAttn4Tiles:
     """
 
     forward: SparseTiles
-    backward: SparseTiles
+    backward: SparseTiles | None
     mask: torch.Tensor | None
     empty_rows: torch.Tensor | None
     unread_keys: torch.Tensor | None
+    make_backward: Callable[[], SparseTiles] | None = None
+
+    def backward_lists(self) -> SparseTiles:
+        """The backward's tile lists, made now where they were left for the backward."""
+        if self.backward is not None:
+            return self.backward
+        assert self.make_backward is not None  # one of the two is always set
+        return self.make_backward()
 
 
 def _lists(tiles: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> SparseTiles:
@@ -93,22 +105,21 @@ def runtime_fa4_tiles(
 ) -> FlashAttn4Tiles:
     """The FA4 tile lists of a run-time mask's kept blocks (Bm, Hm, Mq, Mk) bool, causal
     applied (Note [Run-time block masks] in ``runtime.py``), made on their device: per batch
-    row and query head (FA4 takes 1 or H heads), every list as wide as its tile count."""
-    kept = per_query_head(kept, num_heads)
-    full, partial = kernel_tiles(
-        kept, block_size=block_size, query_len=query_len, key_len=key_len, is_causal=is_causal
-    )
-    forward = SparseTiles(*compact_rows(partial), *compact_rows(full))
-    backward = SparseTiles(*compact_rows(partial.transpose(-1, -2)),
-                           *compact_rows(full.transpose(-1, -2)))  # fmt: skip
-    empty = token_rows(~kept.any(-1), block_size, query_len)  # (Bm, Hq, Nq)
-    read = kept.any(-2)  # (Bm, Hq, Mk)
-    if read.shape[1] != 1 and num_heads != num_kv_heads:  # a key is read by its group's heads
+    row and query head (FA4 takes 1 or H heads; :func:`~.lists.runtime_tile_lists`), every
+    list as wide as its tile count."""
+    lists = functools.partial(
+        runtime_tile_lists, kept, block_size=block_size, query_len=query_len, key_len=key_len,
+        is_causal=is_causal, num_heads=num_heads,
+    )  # fmt: skip
+    empty = per_query_head(~kept.any(-1), num_heads)  # (Bm, Hq or 1, Mq)
+    empty = token_rows(empty, block_size, query_len)  # (Bm, Hq or 1, Nq)
+    read = kept.any(-2)  # (Bm, Hm, Mk)
+    if read.shape[1] == num_heads != num_kv_heads:  # a key is read by its group's heads
         read = read.view(read.shape[0], num_kv_heads, -1, read.shape[-1]).any(2)
     unread = token_rows(~read, block_size, key_len)  # (Bm, Hkv or 1, Nk)
     return FlashAttn4Tiles(
-        forward, backward, None, empty.transpose(1, 2).unsqueeze(-1),
-        unread.transpose(1, 2).unsqueeze(-1),
+        SparseTiles(*lists()), None, None, empty.transpose(1, 2).unsqueeze(-1),
+        unread.transpose(1, 2).unsqueeze(-1), lambda: SparseTiles(*lists(backward=True)),
     )  # fmt: skip
 
 
@@ -146,7 +157,7 @@ class FlashAttn4BlockSparseRunner:
         dout, q, out, lse, saved, _ = b
         k, v = saved
         dq, dk, dv = self.backend.block_sparse_backward(
-            dout, q, k, v, out, lse, self.tiles.backward, scale=self.scale,
+            dout, q, k, v, out, lse, self.tiles.backward_lists(), scale=self.scale,
             is_causal=self.is_causal,
         )  # fmt: skip
         for grad, unreached in ((dq, self.tiles.empty_rows), (dk, self.tiles.unread_keys),

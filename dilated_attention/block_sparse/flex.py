@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from ..patterns import Pattern
+from .lists import runtime_tile_lists
 from .plan import causal_block_mask, num_blocks
-from .runtime import compact_rows, per_query_head, token_rows
+from .runtime import per_query_head, token_rows
 from .tiles import KERNEL_TILE, kernel_tiles, tile_lists
 
 
@@ -91,10 +92,16 @@ def runtime_flex_block_mask(
     (Bm, 1 or H, Nq) bool "row sees no key"."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    kept = per_query_head(kept, num_heads)
-    full, partial = kernel_tiles(
-        kept, block_size=block_size, query_len=query_len, key_len=key_len, is_causal=is_causal
+    forward = runtime_tile_lists(
+        kept, block_size=block_size, query_len=query_len, key_len=key_len,
+        is_causal=is_causal, num_heads=num_heads,
+    )  # fmt: skip
+    # FlexAttention reads a list's width as the key tiles' count: the partial lists in full.
+    key_tiles = forward.full_index.shape[-1]
+    partial_index = torch.nn.functional.pad(
+        forward.partial_index, (0, key_tiles - forward.partial_index.shape[-1])
     )
+    kept = per_query_head(kept, num_heads)
     batch, heads, rows, cols = kept.shape
     # Padded by one tile so that any index the kernel may form stays in bounds.
     pad_q = num_blocks(query_len + KERNEL_TILE, block_size)
@@ -103,8 +110,8 @@ def runtime_flex_block_mask(
     lookup[..., :rows, :cols] = kept
     mask_mod = _kept_blocks_mod(lookup, block_size, is_causal, batch > 1, heads > 1)
     block_mask = BlockMask.from_kv_blocks(
-        *compact_rows(partial), *compact_rows(full), BLOCK_SIZE=KERNEL_TILE, mask_mod=mask_mod,
-        seq_lengths=(query_len, key_len),
+        forward.partial_count, partial_index, forward.full_count, forward.full_index,
+        BLOCK_SIZE=KERNEL_TILE, mask_mod=mask_mod, seq_lengths=(query_len, key_len),
     )  # fmt: skip
     return block_mask, token_rows(~kept.any(-1), block_size, query_len)
 

@@ -58,7 +58,7 @@ from .plan import num_blocks
 
 __all__ = [
     "FIRST_ORDER_MESSAGE", "MaskLayout", "check_block_mask", "check_documents_aligned",
-    "compact_rows", "kept_blocks", "per_query_head", "same_document", "token_rows",
+    "kept_blocks", "per_query_head", "same_document", "token_rows",
 ]  # fmt: skip
 
 #: The integer dtypes of block indices.
@@ -256,26 +256,6 @@ def _causal_pairs(nq: int, nk: int, block_size: int, device: torch.device) -> to
     last = (nk - nq) + torch.clamp((rows + 1) * block_size, max=nq) - 1
     first_key = torch.arange(num_blocks(nk, block_size), device=device) * block_size
     return first_key[None, :] <= last[:, None]
-
-
-def compact_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's kept columns in increasing order, as the kernels' lists: a cumulative sum and
-    a scatter on the rows' device (no host read, no sort).
-
-    Args:
-        rows: (..., R, C) bool.
-
-    Returns:
-        ``count`` (..., R) int32 and ``index`` (..., R, C) int32, contiguous: row ``r``'s
-        columns in ``index[..., r, :count[..., r]]`` (the entries after them are 0).
-    """
-    cols = rows.shape[-1]
-    count = rows.sum(-1, dtype=torch.int32)
-    slot = torch.where(rows, rows.cumsum(-1) - 1, cols)  # an unkept column: the spare slot
-    index = torch.zeros(*rows.shape[:-1], cols + 1, dtype=torch.int32, device=rows.device)
-    column = torch.arange(cols, dtype=torch.int32, device=rows.device).expand(rows.shape)
-    index.scatter_(-1, slot, column)
-    return count, index[..., :cols].contiguous()
 
 
 def per_query_head(kept: torch.Tensor, num_heads: int) -> torch.Tensor:

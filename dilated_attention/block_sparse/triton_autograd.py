@@ -15,8 +15,9 @@ import torch
 from ..core.autograd import Backward, Forward, Grads, Inputs, Saved
 from ..core.higher_order import no_higher_order_message
 from ..patterns import Pattern
+from .lists import compact_rows
 from .plan import causal_block_mask, num_blocks, recomputed_grads
-from .runtime import FIRST_ORDER_MESSAGE, compact_rows
+from .runtime import FIRST_ORDER_MESSAGE
 
 
 @functools.cache

@@ -58,6 +58,9 @@ def window_means(x: torch.Tensor, block: int, stride: int) -> torch.Tensor:
     dtype = torch.promote_types(x.dtype, torch.float32)
     if x.shape[1] < block:
         return x[:, :0].to(dtype)
+    if stride == block:  # windows side by side: a reduction over a middle dim, rows contiguous
+        whole = x.shape[1] // block * block
+        return x[:, :whole].unflatten(1, (-1, block)).mean(2, dtype=dtype)
     return x.unfold(1, block, stride).mean(-1, dtype=dtype)
 
 

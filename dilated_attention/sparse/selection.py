@@ -65,7 +65,9 @@ D head dim, bs block size, Mq = ceil(Nq / bs), Mk = ceil(Nk / bs).
 
 from __future__ import annotations
 
+import functools
 import numbers
+from typing import Any
 
 import torch
 
@@ -213,7 +215,32 @@ def chosen_blocks(
     Returns:
         (B, H or Hkv, Mq, Mk) bool.
     """
-    return _top_blocks(_affinity(q_mean, k_mean, per), candidates, topk) | own
+    affinity = _affinity(q_mean, k_mean, per)
+    kernel = _device_top_blocks(affinity)
+    if kernel is not None:
+        return kernel(affinity, candidates, own, topk)  # type: ignore[no-any-return]
+    return _top_blocks(affinity, candidates, topk) | own
+
+
+@functools.cache
+def _top_blocks_kernel() -> Any:
+    """The one-pass Triton choice (Note [Top blocks in registers] in
+    ``backends/triton_kernels/top_blocks.py``), or None where Triton cannot be imported."""
+    try:
+        from ..backends.triton_kernels import top_blocks
+    except Exception:
+        return None
+    return top_blocks
+
+
+def _device_top_blocks(affinity: torch.Tensor) -> Any:
+    """The Triton choice where it takes ``affinity`` (on the GPU, rows it can hold), else None."""
+    if not affinity.is_cuda or affinity.dtype != torch.float32:
+        return None
+    module = _top_blocks_kernel()
+    if module is None or affinity.shape[-1] > module.MAX_COLUMNS:
+        return None
+    return module.top_blocks
 
 
 def _check_topk(topk: object, is_causal: bool) -> int:

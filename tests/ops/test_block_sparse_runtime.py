@@ -32,7 +32,8 @@ from dilated_attention import patterns as P
 from dilated_attention.backends.registry import Selection, get_backend, registry_for
 from dilated_attention.block_sparse.fa4 import runtime_fa4_tiles
 from dilated_attention.block_sparse.flex import runtime_flex_block_mask
-from dilated_attention.block_sparse.runtime import check_block_mask, compact_rows, kept_blocks
+from dilated_attention.block_sparse.lists import compact_rows
+from dilated_attention.block_sparse.runtime import check_block_mask, kept_blocks
 from dilated_attention.resolve import BLOCK_SPARSE, Request
 from dilated_attention.resolve import block_masks as resolve_masks
 from dilated_attention.resolve.block_masks import RuntimeMaskStrategy
