@@ -83,6 +83,9 @@ __all__ = ["PER", "block_means", "candidate_blocks", "check_selection", "chosen_
 #: The values of ``select_blocks(per=...)``: a choice per query head or per key/value head.
 PER = ("head", "kv_head")
 
+#: The float32 affinities the GPU's choice holds at once (query blocks a chunk at a time).
+AFFINITY_BYTES = 256 * 2**20
+
 
 @torch.no_grad()
 def select_blocks(
@@ -215,11 +218,27 @@ def chosen_blocks(
     Returns:
         (B, H or Hkv, Mq, Mk) bool.
     """
-    affinity = _affinity(q_mean, k_mean, per)
-    kernel = _device_top_blocks(affinity)
-    if kernel is not None:
-        return kernel(affinity, candidates, own, topk)  # type: ignore[no-any-return]
-    return _top_blocks(affinity, candidates, topk) | own
+    kernel = _device_top_blocks(q_mean, k_mean)
+    if kernel is None:
+        return _top_blocks(_affinity(q_mean, k_mean, per), candidates, topk) | own
+    batch, mq, heads, _ = q_mean.shape
+    mk = k_mean.shape[1]
+    chosen = torch.empty(batch, heads if per == "head" else k_mean.shape[2], mq, mk,
+                         dtype=torch.bool, device=q_mean.device)  # fmt: skip
+    # Query blocks a chunk at a time: the float32 affinities stay near AFFINITY_BYTES.
+    step = max(1, AFFINITY_BYTES // max(1, 4 * chosen.shape[1] * mk * batch))
+    for start in range(0, mq, step):
+        rows = slice(start, start + step)
+        affinity = _affinity(q_mean[:, rows], k_mean, per)
+        kernel(affinity, _rows(candidates, rows), _rows(own, rows), topk,
+               out=chosen[:, :, rows])  # fmt: skip
+    return chosen
+
+
+def _rows(mask: torch.Tensor, rows: slice) -> torch.Tensor:
+    """Query blocks ``rows`` of a mask broadcastable to (B, 1, Mq, Mk) (itself where it has
+    one row for all)."""
+    return mask if mask.shape[-2] == 1 else mask[..., rows, :]
 
 
 @functools.cache
@@ -233,12 +252,13 @@ def _top_blocks_kernel() -> Any:
     return top_blocks
 
 
-def _device_top_blocks(affinity: torch.Tensor) -> Any:
-    """The Triton choice where it takes ``affinity`` (on the GPU, rows it can hold), else None."""
-    if not affinity.is_cuda or affinity.dtype != torch.float32:
+def _device_top_blocks(q_mean: torch.Tensor, k_mean: torch.Tensor) -> Any:
+    """The Triton choice where it takes these blocks (on the GPU, rows it can hold), else
+    None."""
+    if not q_mean.is_cuda or q_mean.dtype != torch.float32:
         return None
     module = _top_blocks_kernel()
-    if module is None or affinity.shape[-1] > module.MAX_COLUMNS:
+    if module is None or k_mean.shape[1] > module.MAX_COLUMNS:
         return None
     return module.top_blocks
 

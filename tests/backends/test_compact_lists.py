@@ -123,12 +123,14 @@ def test_aligned_tile_lists_cover_the_kept_tiles(device, block_size, length, is_
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    ("rows", "cols", "topk", "per_row"), [(7, 9, 3, False), (40, 300, 15, True)]
+    ("rows", "cols", "topk", "per_row"),
+    [(7, 9, 3, False), (40, 300, 15, True), (6, 1000, 3, True), (3, 2100, 5, False)],
 )
 def test_device_top_blocks_match_the_torch_choice(device, rows, cols, topk, per_row) -> None:
     """The one-pass choice against ``topk`` over the masked affinities (the CPU path): its own
-    blocks and the same best candidates, a NaN affinity below every number yet still chosen
-    when fewer numbers are candidates."""
+    blocks and the same best candidates, found among the best groups of columns where a row
+    has many, a NaN affinity below every number yet still chosen when fewer numbers are
+    candidates."""
     skip_without_triton(device)
     from dilated_attention.backends.triton_kernels.top_blocks import top_blocks
     from dilated_attention.sparse.selection import _top_blocks
