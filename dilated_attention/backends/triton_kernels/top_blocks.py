@@ -30,7 +30,7 @@ from .tiles import next_power_of_2
 MAX_COLUMNS = 16384
 
 
-_LOWEST = -3.4028234663852886e38  # a NaN affinity ranks here: below every number
+_LOWEST = tl.constexpr(-3.4028234663852886e38)  # a NaN affinity ranks here: below every number
 
 
 @triton.jit
