@@ -15,6 +15,7 @@ Shapes: (B, N, H, D) in and out; ``lse`` (B, H, N) float32.
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import os
 from collections.abc import Callable
@@ -74,14 +75,20 @@ def _kernels() -> ModuleType:
 
 
 @functools.cache
+def kernel_module(name: str) -> ModuleType | None:
+    """Our Triton kernel module ``triton_kernels.<name>``, imported on first use, or ``None``
+    where it cannot be imported (no ``triton`` package): its callers fall back to torch."""
+    try:
+        return importlib.import_module(f"{__package__}.triton_kernels.{name}")
+    except Exception:
+        return None
+
+
 def merge_kernel() -> Callable[..., None] | None:
     """The one-kernel in-place merge of a partial result into float32 accumulators on CUDA
     (``_triton_merge.merge_into``), or ``None`` where Triton cannot be imported."""
-    try:
-        from .triton_kernels.merge import merge_into
-    except Exception:
-        return None
-    return merge_into
+    module = kernel_module("merge")
+    return None if module is None else module.merge_into
 
 
 register_in_place_merge("cuda", merge_kernel)
@@ -91,11 +98,8 @@ def slot_kernels() -> Any:
     """The one-pass merge and sum of branch slots on CUDA (``_triton_merge.SlotKernels``; Note
     [Branch slots merged once] in ``core/geometry/slots.py``), or ``None`` where Triton cannot be
     imported."""
-    try:
-        from .triton_kernels.merge import SlotKernels
-    except Exception:
-        return None
-    return SlotKernels()
+    module = kernel_module("merge")
+    return None if module is None else module.SlotKernels()
 
 
 register_slot_kernels("cuda", slot_kernels)

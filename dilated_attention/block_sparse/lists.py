@@ -9,11 +9,11 @@ key blocks, Tq / Tk query / key tiles.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import torch
 
+from ..backends.triton import kernel_module
 from .plan import num_blocks
 from .runtime import per_query_head
 from .tiles import KERNEL_TILE, kernel_tiles
@@ -32,18 +32,10 @@ class TileLists(NamedTuple):
     full_index: torch.Tensor
 
 
-@functools.cache
-def _device_compaction() -> Any:
-    """The one-pass Triton compaction, or None where Triton cannot be imported."""
-    try:
-        from ..backends.triton_kernels.compact import compact
-    except Exception:
-        return None
-    return compact
-
-
 def _on_gpu(x: torch.Tensor) -> Any:
-    return _device_compaction() if x.is_cuda and x.dim() == 4 else None
+    """The one-pass Triton compaction where it takes ``x`` (4-D, on the GPU), else None."""
+    module = kernel_module("compact") if x.is_cuda and x.dim() == 4 else None
+    return None if module is None else module.compact
 
 
 def compact_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -65,13 +65,13 @@ D head dim, bs block size, Mq = ceil(Nq / bs), Mk = ceil(Nk / bs).
 
 from __future__ import annotations
 
-import functools
 import numbers
 from typing import Any
 
 import torch
 
 from .. import _validation as V
+from ..backends.triton import kernel_module
 from ..block_sparse.plan import check_block_size, num_blocks
 from ..block_sparse.runtime import check_documents_aligned, same_document
 from ..core.geometry.documents import check_cu_seqlens
@@ -241,23 +241,12 @@ def _rows(mask: torch.Tensor, rows: slice) -> torch.Tensor:
     return mask if mask.shape[-2] == 1 else mask[..., rows, :]
 
 
-@functools.cache
-def _top_blocks_kernel() -> Any:
-    """The one-pass Triton choice (Note [Top blocks in registers] in
-    ``backends/triton_kernels/top_blocks.py``), or None where Triton cannot be imported."""
-    try:
-        from ..backends.triton_kernels import top_blocks
-    except Exception:
-        return None
-    return top_blocks
-
-
 def _device_top_blocks(q_mean: torch.Tensor, k_mean: torch.Tensor) -> Any:
     """The Triton choice where it takes these blocks (on the GPU, rows it can hold), else
     None."""
     if not q_mean.is_cuda or q_mean.dtype != torch.float32:
         return None
-    module = _top_blocks_kernel()
+    module = kernel_module("top_blocks")
     if module is None or k_mean.shape[1] > module.MAX_COLUMNS:
         return None
     return module.top_blocks
