@@ -8,8 +8,9 @@ For each length N (B = 1, H = 16, 4 key/value heads, D = 128, bf16, causal), in 
 - ``selection``: ``select_blocks`` alone (MoBA's gate, ``--block-size`` blocks, ``--topk``
   blocks per query block beside its own), the share of the MoBA call it takes;
 - ``moba``: ``moba_attention`` (the selection, then ``block_sparse_attention`` on its run-time
-  mask, the automatic kernel choice); ``moba, given mask``: ``block_sparse_attention`` on a mask
-  selected once (the attention alone);
+  block indices, the automatic kernel choice); ``moba, given blocks``: ``block_sparse_attention``
+  on block indices selected once (the attention alone); ``moba, given mask``: the same blocks as
+  a bool mask (its lists as wide as the key blocks);
 - ``nsa``: ``nsa_attention`` with gates (compressed keys of ``32`` pooled every ``16``, the same
   selected blocks, a 512-token window);
 - ``all blocks``: ``block_sparse_attention`` on a mask that keeps every causal block pair: the
@@ -85,6 +86,8 @@ def measure(
     leaves = [q, k, v]
     bs, topk = args.block_size, args.topk
     mask = select_blocks(q, k, block_size=bs, topk=topk, is_causal=True)
+    blocks_chosen = select_blocks(q, k, block_size=bs, topk=topk, is_causal=True,
+                                  return_indices=True)  # fmt: skip
     blocks = -(-seq_len // bs)
     dense_pairs = blocks * (blocks + 1) / 2 * args.heads
     pair_ratio = dense_pairs / float(mask.sum())
@@ -101,6 +104,12 @@ def measure(
     paths = {
         "dense cudnn": (dense, leaves),
         "moba": (lambda: moba_attention(q, k, v, block_size=bs, topk=topk), leaves),
+        "moba, given blocks": (
+            lambda: block_sparse_attention(
+                q, k, v, blocks_chosen, block_size=bs, is_causal=True
+            ),
+            leaves,
+        ),
         "moba, given mask": (
             lambda: block_sparse_attention(q, k, v, mask, block_size=bs, is_causal=True), leaves
         ),
@@ -130,7 +139,8 @@ def measure(
             recover()
         rows.append(row)
     with torch.no_grad():
-        sel = time_cuda(lambda: select_blocks(q, k, block_size=bs, topk=topk, is_causal=True),
+        sel = time_cuda(lambda: select_blocks(q, k, block_size=bs, topk=topk, is_causal=True,
+                                              return_indices=True),
                         warmup=3, repeats=args.repeats, min_ms=20)["median_ms"]  # fmt: skip
     rows.append({"seq_len": seq_len, "path": "selection", "fwd_ms": sel})
     derive(rows, sel, earlier)

@@ -18,9 +18,9 @@ import torch
 from ..backends.flash_attn4 import FlashAttn4Backend, SparseTiles
 from ..core.autograd import Backward, Forward, Grads, Inputs, Saved
 from ..patterns import Pattern
-from .lists import runtime_tile_lists
+from .lists import index_tile_lists, runtime_tile_lists
 from .plan import causal_block_mask, num_blocks, recomputed_grads
-from .runtime import FIRST_ORDER_MESSAGE, per_query_head, token_rows
+from .runtime import FIRST_ORDER_MESSAGE, KeptIndices, per_query_head, token_rows
 from .tiles import kernel_tiles, tile_lists
 
 
@@ -95,7 +95,7 @@ def fa4_tiles(
 
 
 def runtime_fa4_tiles(
-    kept: torch.Tensor,
+    kept: torch.Tensor | KeptIndices,
     block_size: int,
     query_len: int,
     key_len: int,
@@ -103,23 +103,33 @@ def runtime_fa4_tiles(
     num_kv_heads: int,
     num_heads: int,
 ) -> FlashAttn4Tiles:
-    """The FA4 tile lists of a run-time mask's kept blocks (Bm, Hm, Mq, Mk) bool, causal
-    applied (Note [Run-time block masks] in ``runtime.py``), made on their device: per batch
-    row and query head (FA4 takes 1 or H heads; :func:`~.lists.runtime_tile_lists`), every
-    list as wide as its tile count."""
-    lists = functools.partial(
-        runtime_tile_lists, kept, block_size=block_size, query_len=query_len, key_len=key_len,
-        is_causal=is_causal, num_heads=num_heads,
-    )  # fmt: skip
-    empty = per_query_head(~kept.any(-1), num_heads)  # (Bm, Hq or 1, Mq)
-    empty = token_rows(empty, block_size, query_len)  # (Bm, Hq or 1, Nq)
-    read = kept.any(-2)  # (Bm, Hm, Mk)
+    """The FA4 tile lists of a run-time mask's kept blocks, causal applied (Note [Run-time block
+    masks] in ``runtime.py``), made on their device: per batch row and query head (FA4 takes 1
+    or H heads; :func:`~.lists.runtime_tile_lists`). From a bool (Bm, Hm, Mq, Mk) every list
+    is as wide as its tile count; from kept indices (where :func:`~.lists.tiles_aligned`) the
+    forward's are ``K`` blocks wide (Note [Narrow lists of block indices])."""
+    if isinstance(kept, KeptIndices):
+        forward = index_tile_lists(kept, block_size=block_size, query_len=query_len,
+                                   key_len=key_len, is_causal=is_causal, num_heads=num_heads)
+        empty, read, mask = kept.count() == 0, kept.read(), kept.as_mask
+    else:
+        forward = runtime_tile_lists(kept, block_size=block_size, query_len=query_len,
+                                     key_len=key_len, is_causal=is_causal, num_heads=num_heads)
+        empty, read, mask = ~kept.any(-1), kept.any(-2), lambda: kept
+    empty = token_rows(per_query_head(empty, num_heads), block_size, query_len)  # (Bm, Hq|1, Nq)
     if read.shape[1] == num_heads != num_kv_heads:  # a key is read by its group's heads
         read = read.view(read.shape[0], num_kv_heads, -1, read.shape[-1]).any(2)
     unread = token_rows(~read, block_size, key_len)  # (Bm, Hkv or 1, Nk)
+
+    def backward() -> SparseTiles:
+        return SparseTiles(*runtime_tile_lists(
+            mask(), block_size=block_size, query_len=query_len, key_len=key_len,
+            is_causal=is_causal, num_heads=num_heads, backward=True,
+        ))  # fmt: skip
+
     return FlashAttn4Tiles(
-        SparseTiles(*lists()), None, None, empty.transpose(1, 2).unsqueeze(-1),
-        unread.transpose(1, 2).unsqueeze(-1), lambda: SparseTiles(*lists(backward=True)),
+        SparseTiles(*forward), None, None, empty.transpose(1, 2).unsqueeze(-1),
+        unread.transpose(1, 2).unsqueeze(-1), backward,
     )  # fmt: skip
 
 
@@ -148,9 +158,9 @@ class FlashAttn4BlockSparseRunner:
         )
         out, lse = res.out, res.lse
         empty = self.tiles.empty_rows
-        if empty is not None:
-            out = out.masked_fill(empty, 0.0)
-            lse = lse.masked_fill(empty.squeeze(-1).transpose(1, 2), float("-inf"))
+        if empty is not None:  # in place: the kernel's own new tensors, no second output
+            out.masked_fill_(empty, 0.0)
+            lse.masked_fill_(empty.squeeze(-1).transpose(1, 2), float("-inf"))
         return Forward(out, lse, saved=(k, v))
 
     def backward(self, b: Backward) -> Grads:

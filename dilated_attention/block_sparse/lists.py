@@ -3,8 +3,20 @@
 (:func:`runtime_tile_lists`). On the GPU one Triton pass makes each (Note [Lists of a run-time
 mask in one pass] in ``backends/triton_kernels/compact.py``); elsewhere torch operations do.
 
+Note [Narrow lists of block indices]
+    From a bool mask each forward list is as wide as the key tiles, ``Tk`` int32 per query tile
+    and head: at 1M tokens and 16 heads 4 GiB, whatever the mask keeps. Int block indices
+    ``(Bm, Hm, Mq, K)`` bound every row by ``K`` blocks, so where tiles lie inside blocks
+    (``r = bs / 128`` tiles a side) the forward lists are ``K r`` wide and made from the indices
+    alone (:func:`index_tile_lists`): block ``j`` of query tile ``(i, s)`` (tile ``s`` of block
+    ``i``) gives key tiles ``j r + t``, full off the diagonal; causal, its own block ``i`` gives
+    the tiles ``t < s`` full and ``t = s`` partial. A few sorts of ``K r`` entries per row put
+    each list in increasing order. The backward's lists (per key tile, its query tiles) have no
+    such bound, any number of query blocks may keep a key block, so they are made from the bool
+    form when a backward runs.
+
 Shape legend: Bm batch rows of the mask (1 or B), Hm its heads, H query heads, Mq / Mk query /
-key blocks, Tq / Tk query / key tiles.
+key blocks, Tq / Tk query / key tiles, K indices per row.
 """
 
 from __future__ import annotations
@@ -15,10 +27,10 @@ import torch
 
 from ..backends.triton import kernel_module
 from .plan import num_blocks
-from .runtime import per_query_head
+from .runtime import KeptIndices, per_query_head
 from .tiles import KERNEL_TILE, kernel_tiles
 
-__all__ = ["TileLists", "compact_rows", "runtime_tile_lists"]
+__all__ = ["TileLists", "compact_rows", "index_tile_lists", "runtime_tile_lists", "tiles_aligned"]
 
 
 class TileLists(NamedTuple):
@@ -65,6 +77,59 @@ def _heads(kept: torch.Tensor, num_heads: int) -> int:
     return 1 if kept.shape[1] == 1 else num_heads
 
 
+def tiles_aligned(block_size: int, query_len: int, key_len: int, is_causal: bool) -> bool:
+    """Whether the kernels' 128 x 128 tiles lie inside blocks, the diagonal tiles on the
+    diagonal blocks (causal: queries and keys of one length)."""
+    return block_size % KERNEL_TILE == 0 and (not is_causal or query_len == key_len)
+
+
+def index_tile_lists(
+    kept: KeptIndices,
+    *,
+    block_size: int,
+    query_len: int,
+    key_len: int,
+    is_causal: bool,
+    num_heads: int,
+) -> TileLists:
+    """The forward tile lists of kept block indices (Note [Narrow lists of block indices]),
+    where :func:`tiles_aligned`: per query tile, ``K r`` wide.
+
+    Args:
+        kept: (Bm, Hm, Mq, K) from :func:`~.runtime.kept_indices`, causal applied.
+
+    Returns:
+        :class:`TileLists` (Bm, 1 or H, Tq[, K r]).
+    """
+    blocks, mk = kept.index, kept.key_blocks
+    repeat = block_size // KERNEL_TILE
+    rows = num_blocks(query_len, KERNEL_TILE)
+    cols = num_blocks(key_len, KERNEL_TILE)
+    device = blocks.device
+    step = torch.arange(repeat, device=device)
+    tile = blocks[..., None] * repeat + step  # (Bm, Hm, Mq, K, r): key tiles of each block
+    live = (blocks < mk)[..., None] & (tile < cols)  # a short last block has fewer tiles
+    row_block = torch.arange(blocks.shape[2], device=device).view(-1, 1, 1)
+    own = (blocks[..., None] == row_block).unsqueeze(3)  # (Bm, Hm, Mq, 1, K, 1)
+    live = live.unsqueeze(3)  # (Bm, Hm, Mq, 1, K, r): rows of query tiles s at dim 3
+    s, t = step.view(-1, 1, 1), step.view(1, 1, -1)
+    full = live & (~own | (t < s)) if is_causal else live.expand(-1, -1, -1, repeat, -1, -1)
+    full = full.flatten(-2).flatten(2, 3)[:, :, :rows]  # (Bm, Hm, Tq, K r)
+    tiles = tile.flatten(-2).repeat_interleave(repeat, 2)[:, :, :rows]
+    listed = tiles.masked_fill(~full, cols).sort(-1).values
+    full_count = full.sum(-1, dtype=torch.int32)
+    full_index = listed.masked_fill(listed == cols, 0).to(torch.int32)
+    diagonal = torch.arange(rows, dtype=torch.int32, device=device)
+    partial_index = diagonal.view(1, 1, rows, 1).expand(*full_count.shape, 1)
+    if is_causal:
+        partial_count = own.squeeze(3).any(-1).any(-1).repeat_interleave(repeat, -1)[..., :rows]
+    else:
+        partial_count = torch.zeros_like(full_count, dtype=torch.bool)
+    heads = _heads(blocks, num_heads)
+    lists = (partial_count.to(torch.int32), partial_index, full_count, full_index)
+    return TileLists(*(per_query_head(x, heads).contiguous() for x in lists))
+
+
 def runtime_tile_lists(
     kept: torch.Tensor,
     *,
@@ -91,8 +156,7 @@ def runtime_tile_lists(
         :class:`TileLists`, rows of query tiles (forward) or key tiles (backward).
     """
     heads = _heads(kept, num_heads)
-    aligned = block_size % KERNEL_TILE == 0 and (not is_causal or query_len == key_len)
-    if not aligned:
+    if not tiles_aligned(block_size, query_len, key_len, is_causal):
         full, partial = kernel_tiles(
             per_query_head(kept, num_heads), block_size=block_size, query_len=query_len,
             key_len=key_len, is_causal=is_causal,

@@ -18,6 +18,7 @@ Shape legend: B batch, Nq query rows, Nk key rows, H query heads, Hkv key/value 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -27,8 +28,15 @@ from ..backends.registry import DENSE as DENSE_REGISTRY
 from ..backends.registry import _requested, registry_for
 from ..block_sparse.fa4 import FlashAttn4BlockSparseRunner, runtime_fa4_tiles
 from ..block_sparse.flex import _flex_forward
+from ..block_sparse.lists import tiles_aligned
 from ..block_sparse.rows import MaskedRowsRunner, row_plan
-from ..block_sparse.runtime import kept_blocks, per_query_head, same_document
+from ..block_sparse.runtime import (
+    KeptIndices,
+    kept_blocks,
+    kept_indices,
+    per_query_head,
+    same_document,
+)
 from ..block_sparse.triton_autograd import TritonBlockSparseRunner, runtime_lists
 from ..core.autograd import Inputs, Runner
 from ..core.execution.executor import PlanRunner
@@ -103,21 +111,39 @@ class RuntimeMaskStrategy(Strategy):
 
     def _kept(self, mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
         """The kept blocks (Bm, Hm, Mq, Mk) bool of the call's mask, for q (B, Nq, H, D)."""
+        return kept_blocks(self._checked(mask), **self._geometry(q))
+
+    def _kept_narrow(
+        self, mask: torch.Tensor | None, q: torch.Tensor
+    ) -> torch.Tensor | KeptIndices:
+        """:meth:`_kept`, but int indices stay indices where the kernel's tiles lie inside
+        blocks (Note [Narrow lists of block indices] in ``block_sparse/lists.py``)."""
+        mask, r = self._checked(mask), self.request
+        if mask.dtype == torch.bool or not tiles_aligned(
+            r.block_size, r.query_len, r.key_len, r.is_causal
+        ):
+            return kept_blocks(mask, **self._geometry(q))
+        return kept_indices(mask, **self._geometry(q))
+
+    @staticmethod
+    def _checked(mask: torch.Tensor | None) -> torch.Tensor:
         if mask is None:
             raise ValueError(
                 "a block-sparse request with a run-time block mask runs with the mask tensor "
                 "(the call's mask: block_sparse_attention passes it); got None"
             )
+        return mask
+
+    def _geometry(self, q: torch.Tensor) -> dict[str, Any]:
+        """The keywords of :func:`kept_blocks` / :func:`kept_indices` for q (B, Nq, H, D)."""
         r = self.request
         documents = None
         if r.documents is not None:
             documents = same_document(
                 r.documents, q.shape[0], r.query_len, r.block_size, q.device
             )
-        return kept_blocks(
-            mask, block_size=r.block_size, query_len=r.query_len, key_len=r.key_len,
-            is_causal=r.is_causal, documents=documents,
-        )  # fmt: skip
+        return {"block_size": r.block_size, "query_len": r.query_len, "key_len": r.key_len,
+                "is_causal": r.is_causal, "documents": documents}  # fmt: skip
 
     def _run(self, q, k, v, mask, sinks):  # type: ignore[no-untyped-def]
         if self._kernel_name() == "flex":  # differentiable by itself: no runner
@@ -133,22 +159,23 @@ class RuntimeMaskStrategy(Strategy):
         name, r = self._kernel_name(), self.request
         if name == "flex":
             return None
-        kept = self._kept(mask, q)
         runner: Runner
+        if name == "flash_attn4":  # FlashAttention-4 reads strided rows
+            tiles = runtime_fa4_tiles(
+                self._kept_narrow(mask, q), r.block_size, r.query_len, r.key_len,
+                r.is_causal, k.shape[2], q.shape[2],
+            )  # fmt: skip
+            runner = FlashAttn4BlockSparseRunner(
+                self.kernel.backend, tiles, r.block_size, r.is_causal, r.softmax_scale,  # type: ignore[arg-type]
+            )  # fmt: skip
+            return runner, Inputs(q, k, v, None)
+        kept = self._kept(mask, q)
         if name == "triton":
             runner = TritonBlockSparseRunner(
                 runtime_lists(kept), r.block_size, r.is_causal, r.softmax_scale, r.softcap,
                 run_time=True,
             )  # fmt: skip
             return runner, Inputs(*(x.contiguous() for x in (q, k, v)), None)
-        if name == "flash_attn4":  # FlashAttention-4 reads strided rows
-            tiles = runtime_fa4_tiles(
-                kept, r.block_size, r.query_len, r.key_len, r.is_causal, k.shape[2], q.shape[2]
-            )
-            runner = FlashAttn4BlockSparseRunner(
-                self.kernel.backend, tiles, r.block_size, r.is_causal, r.softmax_scale,  # type: ignore[arg-type]
-            )  # fmt: skip
-            return runner, Inputs(q, k, v, None)
         plan = row_plan(r.query_len, r.key_len, r.block_size, r.is_causal)
         plan_runner = PlanRunner(
             plan, self.kernel.backend, r.softmax_scale, 0.0, "block_sparse_attention", r.softcap

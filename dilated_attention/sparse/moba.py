@@ -88,9 +88,10 @@ def moba_attention(
     backend = check_backend_name(backend)
     softcap = V.check_softcap(softcap)  # the attention's own checks, before the selection
     V.check_sinks(sinks, query)
-    mask = select_blocks(
-        query, key, block_size=block_size, topk=topk, is_causal=is_causal, cu_seqlens=cu_seqlens
-    )
+    mask = select_blocks(  # block indices: the kernels' lists K wide, not Mk
+        query, key, block_size=block_size, topk=topk, is_causal=is_causal,
+        cu_seqlens=cu_seqlens, return_indices=True,
+    )  # fmt: skip
     out = block_sparse_attention(
         query, key, value, mask, block_size=block_size, is_causal=is_causal, scale=scale,
         backend=backend, cu_seqlens=cu_seqlens, softcap=softcap, sinks=sinks,

@@ -267,7 +267,7 @@ def _selected(
     """The selected branch: blocks chosen per key/value head (Note [NSA's three branches]),
     run on that run-time block mask."""
     mask = select_blocks(q, k, block_size=block, topk=topk, is_causal=run.is_causal,
-                         per="kv_head")  # fmt: skip
+                         per="kv_head", return_indices=True)  # fmt: skip
 
     def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **lse: bool) -> Any:
         return block_sparse_attention(

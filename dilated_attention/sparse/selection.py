@@ -72,13 +72,14 @@ import torch
 
 from .. import _validation as V
 from ..backends.triton import kernel_module
+from ..block_sparse.lists import compact_rows
 from ..block_sparse.plan import check_block_size, num_blocks
 from ..block_sparse.runtime import check_documents_aligned, same_document
 from ..core.geometry.documents import check_cu_seqlens
 from .compression import window_means
 
 __all__ = ["PER", "block_means", "candidate_blocks", "check_selection", "chosen_blocks",
-           "select_blocks"]  # fmt: skip
+           "own_blocks_width", "select_blocks"]  # fmt: skip
 
 #: The values of ``select_blocks(per=...)``: a choice per query head or per key/value head.
 PER = ("head", "kv_head")
@@ -97,6 +98,7 @@ def select_blocks(
     is_causal: bool,
     cu_seqlens: torch.Tensor | list[int] | None = None,
     per: str = "head",
+    return_indices: bool = False,
 ) -> torch.Tensor:
     """The key blocks each query block attends, chosen by MoBA's gate (Note [MoBA's gate for a
     block of queries]): a bool block mask for block-sparse attention.
@@ -134,11 +136,17 @@ def select_blocks(
         per: ``"head"`` (default): a choice per query head, (B, H, Mq, Mk); ``"kv_head"``: one
             per key/value head, shared by its group of query heads and ranked by the sum of
             their affinities (NSA), (B, Hkv, Mq, Mk).
+        return_indices: return the chosen blocks as int32 block indices instead of a bool
+            mask: (B, H or Hkv, Mq, K), ``K = min(topk, Mk)`` plus the own blocks' 1 (2 when
+            ``Nk - Nq`` is not a multiple of ``block_size``, 0 without ``is_causal``), ``-1``
+            where a row has fewer, in no order. ``block_sparse_attention`` takes either; from
+            indices its kernels' lists are ``K`` wide rather than ``Mk`` (less memory and
+            work at long lengths: Note [Chosen blocks as indices]).
 
     Returns:
         (B, H, Mq, Mk) bool (``per="head"``) or (B, Hkv, Mq, Mk) (``per="kv_head"``) on the
         inputs' device, ``True`` = the block pair attends; ``Mq = ceil(Nq / block_size)``,
-        ``Mk = ceil(Nk / block_size)``.
+        ``Mk = ceil(Nk / block_size)``. With ``return_indices``, (B, H or Hkv, Mq, K) int32.
 
     Raises:
         TypeError: not tensors, not floating, different dtypes; ``block_size``, ``topk``,
@@ -151,11 +159,22 @@ def select_blocks(
     q, k = V.check_query_key(query, key)
     block_size, topk = check_selection(block_size, topk, is_causal, per)
     V.check_causal_lengths(q, k, is_causal, "select_blocks")
+    V.check_bool("return_indices", return_indices)
     documents = None
     if cu_seqlens is not None:
         documents = check_cu_seqlens(cu_seqlens, q, k)
         check_documents_aligned(documents, q.shape[1], block_size, "select_blocks")
-    return _select(q, k, block_size, topk, is_causal, documents, per)
+    own_width = own_blocks_width(q.shape[1], k.shape[1], block_size, is_causal)
+    return _select(q, k, block_size, topk, is_causal, documents, per,
+                   own_width if return_indices else None)  # fmt: skip
+
+
+def own_blocks_width(nq: int, nk: int, block_size: int, is_causal: bool) -> int:
+    """The most own blocks a query block has (Note [Own blocks of an end-aligned query]): 0
+    without ``is_causal``, 1 where every query block lies in one key block, else 2."""
+    if not is_causal:
+        return 0
+    return 1 if (nk - nq) % block_size == 0 else 2
 
 
 def _select(
@@ -166,20 +185,25 @@ def _select(
     is_causal: bool,
     documents: tuple[int, ...] | None,
     per: str,
+    own_width: int | None,
 ) -> torch.Tensor:
-    """:func:`select_blocks` of checked arguments (``documents``: the offsets, or None)."""
+    """:func:`select_blocks` of checked arguments (``documents``: the offsets, or None;
+    ``own_width``: None for a bool mask, else the indices' own blocks)."""
     batch, nq, heads, _ = q.shape
     nk, kv_heads = k.shape[1], k.shape[2]
-    shape = (batch, heads if per == "head" else kv_heads, num_blocks(nq, block_size),
-             num_blocks(nk, block_size))  # fmt: skip
+    mk = num_blocks(nk, block_size)
+    shape = (batch, heads if per == "head" else kv_heads, num_blocks(nq, block_size), mk)
     if q.numel() == 0 or k.numel() == 0:  # a batch of 0, or 0 heads: nothing to choose
-        return torch.zeros(shape, dtype=torch.bool, device=q.device)
+        if own_width is None:
+            return torch.zeros(shape, dtype=torch.bool, device=q.device)
+        width = min(topk, mk) + own_width
+        return torch.full((*shape[:3], width), -1, dtype=torch.int32, device=q.device)
     candidates, own = candidate_blocks(nq, nk, block_size, is_causal, q.device)
     if documents is not None:
         same = same_document(documents, batch, nq, block_size, q.device)
         candidates, own = candidates & same, own & same
     q_mean, k_mean = block_means(q, block_size), block_means(k, block_size)
-    return chosen_blocks(q_mean, k_mean, candidates, own, topk, per)
+    return chosen_blocks(q_mean, k_mean, candidates, own, topk, per, own_width)
 
 
 def check_selection(block_size: object, topk: object, is_causal: object, per: object) -> tuple[
@@ -205,6 +229,7 @@ def chosen_blocks(
     own: torch.Tensor,
     topk: int,
     per: str,
+    own_width: int | None = None,
 ) -> torch.Tensor:
     """MoBA's rule (Note [MoBA's gate for a block of queries]) on block means: each query
     block's own blocks and its ``topk`` candidates of highest affinity. One process passes every
@@ -214,25 +239,40 @@ def chosen_blocks(
         q_mean: (B, Mq, H, D) and k_mean (B, Mk, Hkv, D) from :func:`block_means`.
         candidates, own: bool, broadcastable to (B, 1, Mq, Mk) (:func:`candidate_blocks`).
         topk, per: checked, as :func:`select_blocks` takes them.
+        own_width: None for a bool mask; else block indices, every row's own blocks a run of
+            at most ``own_width`` (:func:`own_blocks_width`).
 
     Returns:
-        (B, H or Hkv, Mq, Mk) bool.
+        (B, H or Hkv, Mq, Mk) bool, or (B, H or Hkv, Mq, min(topk, Mk) + own_width) int32
+        block indices, ``-1`` = none.
     """
+    mk = k_mean.shape[1]
+    topk = min(topk, mk)
     kernel = _device_top_blocks(q_mean, k_mean)
     if kernel is None:
-        return _top_blocks(_affinity(q_mean, k_mean, per), candidates, topk) | own
+        chosen = _top_blocks(_affinity(q_mean, k_mean, per), candidates, topk) | own
+        return chosen if own_width is None else _as_indices(chosen, topk + own_width)
     batch, mq, heads, _ = q_mean.shape
-    mk = k_mean.shape[1]
-    chosen = torch.empty(batch, heads if per == "head" else k_mean.shape[2], mq, mk,
-                         dtype=torch.bool, device=q_mean.device)  # fmt: skip
+    width, dtype = (mk, torch.bool) if own_width is None else (topk + own_width, torch.int32)
+    chosen = torch.empty(batch, heads if per == "head" else k_mean.shape[2], mq, width,
+                         dtype=dtype, device=q_mean.device)  # fmt: skip
     # Query blocks a chunk at a time: the float32 affinities stay near AFFINITY_BYTES.
     step = max(1, AFFINITY_BYTES // max(1, 4 * chosen.shape[1] * mk * batch))
     for start in range(0, mq, step):
         rows = slice(start, start + step)
         affinity = _affinity(q_mean[:, rows], k_mean, per)
         kernel(affinity, _rows(candidates, rows), _rows(own, rows), topk,
-               out=chosen[:, :, rows])  # fmt: skip
+               out=chosen[:, :, rows], own_width=own_width)  # fmt: skip
     return chosen
+
+
+def _as_indices(chosen: torch.Tensor, width: int) -> torch.Tensor:
+    """(..., Mk) bool with at most ``width`` per row -> (..., width) int32 block indices,
+    increasing, ``-1`` after a row's last."""
+    count, index = compact_rows(chosen)
+    index = torch.nn.functional.pad(index, (0, max(0, width - index.shape[-1])))[..., :width]
+    slot = torch.arange(width, device=chosen.device)
+    return index.masked_fill(slot >= count.unsqueeze(-1), -1)
 
 
 def _rows(mask: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -282,12 +322,40 @@ def _affinity(q_mean: torch.Tensor, k_mean: torch.Tensor, per: str) -> torch.Ten
     q_mean (B, Mq, H, D), k_mean (B, Mk, Hkv, D) -> (B, H or Hkv, Mq, Mk) float32 (float64 for
     float64 input)."""
     batch, mq, heads, dim = q_mean.shape
-    kv_heads = k_mean.shape[2]
+    mk, kv_heads = k_mean.shape[1], k_mean.shape[2]
     q_grouped = q_mean.view(batch, mq, kv_heads, heads // kv_heads, dim)
     if per == "kv_head":
-        return torch.einsum("bihd,bjhd->bhij", q_grouped.sum(3), k_mean)
-    scores = torch.einsum("bihgd,bjhd->bhgij", q_grouped, k_mean)
-    return scores.reshape(batch, heads, mq, k_mean.shape[1])
+        q_grouped = q_grouped.sum(3, keepdim=True)
+    group = q_grouped.shape[3]
+    rows = q_grouped.permute(0, 2, 3, 1, 4).reshape(batch * kv_heads, group * mq, dim)
+    cols = k_mean.permute(0, 2, 1, 3).reshape(batch * kv_heads, mk, dim)
+    scores = _products(rows, cols)  # (B Hkv, g Mq, Mk)
+    return scores.view(batch, kv_heads * group, mq, mk)
+
+
+def _products(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """(N, R, D) x (N, C, D) -> (N, R, C) dot products (Note [Affinities on tensor cores]).
+
+    Note [Affinities on tensor cores]
+        The affinities are one batched product of block means, (Mq x D) by (D x Mk) per head:
+        at 1M tokens, 16 heads and blocks of 128, 275 GFLOP, 6.7 ms in float32 on an H100's
+        CUDA cores, half the selection. On the GPU each float32 operand is split into
+        bfloat16 parts, ``x = hi + lo`` with ``lo = bf16(x - hi)`` (16 of float32's 24
+        significand bits), and ``a . b ~ hi_a . hi_b + hi_a . lo_b + lo_a . hi_b`` is one
+        bfloat16 product over ``3 D`` with float32 accumulation and output on the tensor cores:
+        the dropped ``lo_a . lo_b`` is ``2^-16`` of the product, under the rounding of the
+        block means themselves. Elsewhere (the CPU, float64) it is a plain ``matmul``.
+    """
+    if not rows.is_cuda or rows.dtype != torch.float32:
+        return rows @ cols.transpose(-1, -2)
+    parts = []
+    for x in (rows, cols):
+        high = x.bfloat16()
+        parts.append((high, (x - high.float()).bfloat16()))
+    (row_hi, row_lo), (col_hi, col_lo) = parts
+    left = torch.cat([row_hi, row_hi, row_lo], dim=-1)
+    right = torch.cat([col_hi, col_lo, col_hi], dim=-1)
+    return torch.bmm(left, right.transpose(-1, -2), out_dtype=torch.float32)
 
 
 def block_means(x: torch.Tensor, block_size: int) -> torch.Tensor:

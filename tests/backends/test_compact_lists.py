@@ -3,11 +3,18 @@ readable loop, and the tile lists of aligned tiles against the prefix-sum classi
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
-from dilated_attention.block_sparse.lists import compact_rows, runtime_tile_lists
-from dilated_attention.block_sparse.runtime import per_query_head
+from dilated_attention.block_sparse.lists import compact_rows, index_tile_lists, runtime_tile_lists
+from dilated_attention.block_sparse.runtime import (
+    kept_blocks,
+    kept_indices,
+    per_query_head,
+    same_document,
+)
 from dilated_attention.block_sparse.tiles import kernel_tiles
 from tests.support.triton import INTERPRETING, skip_without_triton
 
@@ -145,3 +152,77 @@ def test_device_top_blocks_match_the_torch_choice(device, rows, cols, topk, per_
     expected = _top_blocks(affinity, candidates, topk) | own
     got = top_blocks(affinity.to(device), candidates.to(device), own.to(device), topk)
     assert got.dtype == torch.bool and torch.equal(got.cpu(), expected)
+
+
+def _increasing(count: torch.Tensor, index: torch.Tensor) -> bool:
+    count, index = count.cpu().reshape(-1), index.cpu().reshape(-1, index.shape[-1])
+    rows = zip(index, count.tolist(), strict=True)
+    return all(bool((row[1:n] > row[: max(n - 1, 0)]).all()) for row, n in rows)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(
+    ("block_size", "query_len", "key_len", "is_causal", "mask_heads", "documents"),
+    [
+        (128, 1000, 1000, True, 2, None),
+        (256, 900, 900, True, 1, None),
+        (256, 700, 500, False, 4, None),  # a short last key block: fewer tiles
+        (128, 129, 129, True, 4, None),
+        (128, 1024, 1024, True, 2, (0, 384, 1024, 1408, 2048)),  # packed documents
+    ],
+)
+def test_index_lists_match_the_bool_lists(
+    device, block_size, query_len, key_len, is_causal, mask_heads, documents
+) -> None:
+    """Block indices (repeated, -1, out of range, after a causal row, across documents) kept as
+    indices scatter to the bool form's kept blocks, and their narrow forward lists list the
+    same tiles as the bool form's wide ones, full and partial alike, each in increasing order
+    and ``K r`` wide (Note [Narrow lists of block indices])."""
+    mq, mk = -(-query_len // block_size), -(-key_len // block_size)
+    g = torch.Generator().manual_seed(query_len + mask_heads)
+    indices = torch.randint(-2, mk + 2, (2, mask_heads, mq, 5), generator=g).to(device)
+    indices[..., 1] = indices[..., 0]  # a repeat
+    geometry = {"block_size": block_size, "query_len": query_len, "key_len": key_len,
+                "is_causal": is_causal}  # fmt: skip
+    if documents is not None:
+        geometry["documents"] = same_document(documents, 2, query_len, block_size,
+                                              torch.device(device))  # fmt: skip
+    narrow = kept_indices(indices, **geometry)
+    kept = kept_blocks(indices, **geometry)
+    assert torch.equal(narrow.as_mask(), kept)
+    assert torch.equal(narrow.count(), kept.sum(-1, dtype=torch.int32))
+    lists = {"block_size": block_size, "query_len": query_len, "key_len": key_len,
+             "is_causal": is_causal, "num_heads": 4}  # fmt: skip
+    got = index_tile_lists(narrow, **lists)
+    want = runtime_tile_lists(kept, **lists)
+    assert got.full_index.shape[-1] == 5 * (block_size // 128)
+    for field in ("partial", "full"):
+        counts = (getattr(got, f"{field}_count"), getattr(want, f"{field}_count"))
+        indexes = (getattr(got, f"{field}_index"), getattr(want, f"{field}_index"))
+        assert torch.equal(*counts)
+        assert _pairs(counts[0], indexes[0]) == _pairs(counts[1], indexes[1])
+        assert _increasing(counts[0], indexes[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("rows", "cols", "topk", "own_width"), [(7, 9, 3, 1), (40, 300, 15, 2),
+                                                                  (5, 70, 4, 0)])
+def test_device_top_blocks_as_indices(device, rows, cols, topk, own_width) -> None:
+    """The choice written as block indices (Note [Chosen blocks as indices]): each row's
+    indices, -1 dropped, are exactly the columns of the bool choice, each once."""
+    skip_without_triton(device)
+    from dilated_attention.backends.triton_kernels.top_blocks import top_blocks
+
+    g = torch.Generator().manual_seed(rows * cols)
+    affinity = torch.randn(2, 3, rows, cols, generator=g).to(device)
+    candidates = (torch.rand(rows, cols, generator=g) < 0.6).to(device)
+    first = torch.randint(0, cols - 1, (rows, 1), generator=g)
+    run = torch.arange(cols)[None, :] - first
+    own = ((run >= 0) & (run < own_width) & (torch.rand(rows, 1, generator=g) < 0.8)).to(device)
+    candidates &= ~own
+    expected = top_blocks(affinity, candidates, own, topk)
+    got = top_blocks(affinity, candidates, own, topk, own_width=own_width)
+    assert got.shape == (2, 3, rows, topk + own_width) and got.dtype == torch.int32
+    for key in itertools.product(range(2), range(3), range(rows)):
+        listed = [j for j in got[key].tolist() if j >= 0]
+        assert sorted(listed) == torch.nonzero(expected[key]).flatten().tolist()

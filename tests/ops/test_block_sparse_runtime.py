@@ -503,13 +503,28 @@ def _skip_unless_runs(name: str, q: torch.Tensor, mask: torch.Tensor) -> None:
         pytest.skip(f"{name} cannot run here: {reasons}")
 
 
+def _index_rows(mask: torch.Tensor) -> torch.Tensor:
+    """A bool (Bm, Hm, Mq, Mk) mask as block indices, each row's kept blocks in decreasing
+    order, its first listed twice, then -1 and an index past Mk."""
+    count, index = compact_rows(mask)
+    width = mask.shape[-1]
+    rows = torch.full((*mask.shape[:-1], width + 3), -1, dtype=torch.int64)
+    for key in itertools.product(*map(range, mask.shape[:-1])):
+        kept = index[key][: count[key]].flip(0).tolist()
+        listed = kept + kept[:1] + [width + 2]
+        rows[key][: len(listed)] = torch.tensor(listed)
+    return rows
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", ["bool", "indices"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("name", GPU_KERNELS)
-def test_gpu_kernels_match_oracle(name: str, is_causal: bool) -> None:
+def test_gpu_kernels_match_oracle(name: str, is_causal: bool, form: str) -> None:
     """Each kernel by name on bf16 (B, 1, Hkv and per-head masks, a ragged length, GQA)
     against the float64 oracle, error within 2x a naive same-dtype reference; lists made on
-    the device."""
+    the device, from a bool mask or from block indices (unordered, repeated, out of range:
+    FlashAttention-4's narrow lists)."""
     from support.block_sparse import check_kernel_result
 
     if not torch.cuda.is_available():
@@ -517,10 +532,12 @@ def test_gpu_kernels_match_oracle(name: str, is_causal: bool) -> None:
     q, k, v, dout = _cuda_case(torch.bfloat16, 1000, 2, seed=3)
     for shape in ((2, 4), (1, 2), (2, 1)):
         mask = _bool_mask((*shape, 8, 8), seed=sum(shape), density=0.4)
+        given = mask if form == "bool" else _index_rows(mask)
         dev = [t.cuda().requires_grad_() for t in (q, k, v)]
-        _skip_unless_runs(name, dev[0], mask.cuda())
-        out, lse = block_sparse_attention(*dev, mask.cuda(), block_size=128, is_causal=is_causal,
-                                          return_lse=True, backend=name)  # fmt: skip
+        _skip_unless_runs(name, dev[0], given.cuda())
+        out, lse = block_sparse_attention(*dev, given.cuda(), block_size=128,
+                                          is_causal=is_causal, return_lse=True,
+                                          backend=name)  # fmt: skip
         grads = [g.cpu() for g in torch.autograd.grad(out, dev, dout.cuda())]
         tokens = runtime_token_mask(mask, 128, batch=2, heads=4, query_len=1000, key_len=1000,
                                     is_causal=is_causal)  # fmt: skip
@@ -528,22 +545,26 @@ def test_gpu_kernels_match_oracle(name: str, is_causal: bool) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("indices", [False, True], ids=["bool", "indices"])
 @pytest.mark.parametrize("name", ["triton", "flex", "flash_attn4", None])
-def test_gpu_select_forward_backward_without_host_synchronisation(name: str | None) -> None:
-    """A training step's attention: select_blocks on the GPU, the forward and backward on its
-    mask, under ``torch.cuda.set_sync_debug_mode("error")`` (a first step outside it compiles
-    the kernels)."""
+def test_gpu_select_forward_backward_without_host_synchronisation(
+    name: str | None, indices: bool
+) -> None:
+    """A training step's attention: select_blocks on the GPU (a bool mask or block indices),
+    the forward and backward on its mask, under ``torch.cuda.set_sync_debug_mode("error")``
+    (a first step outside it compiles the kernels)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     q, k, v, dout = (t.cuda() for t in _cuda_case(torch.bfloat16, 2048, 2, seed=5))
-    mask = select_blocks(q, k, block_size=128, topk=3, is_causal=True, per="kv_head")
+    mask = select_blocks(q, k, block_size=128, topk=3, is_causal=True, per="kv_head",
+                         return_indices=indices)  # fmt: skip
     if name is not None:
         _skip_unless_runs(name, q, mask)
 
     def step(x: torch.Tensor) -> list[torch.Tensor]:
         leaves = [t.detach().requires_grad_() for t in (x, k, v)]
         blocks = select_blocks(leaves[0], leaves[1], block_size=128, topk=3, is_causal=True,
-                               per="kv_head")  # fmt: skip
+                               per="kv_head", return_indices=indices)  # fmt: skip
         out = block_sparse_attention(*leaves, blocks, block_size=128, is_causal=True,
                                      backend=name)  # fmt: skip
         return list(torch.autograd.grad(out, leaves, dout))

@@ -7,6 +7,7 @@ documents, end-aligned causal queries; bad arguments; no value read on the host.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -98,14 +99,39 @@ CASES = {
 }
 
 
+def _as_mask(indices: Tensor, key_blocks: int) -> Tensor:
+    """(..., K) block indices, -1 = none, as the (..., Mk) bool mask they list; no block
+    listed twice."""
+    mask = torch.zeros(*indices.shape[:-1], key_blocks, dtype=torch.bool)
+    for key in torch.nonzero(indices >= 0).tolist():
+        block = int(indices[tuple(key)])
+        assert not mask[(*key[:-1], block)], "a block listed twice"
+        mask[(*key[:-1], block)] = True
+    return mask
+
+
+def _selected(q: Tensor, k: Tensor, bs: int, indices: bool, **options) -> Tensor:
+    """select_blocks' bool mask, or its block indices as the mask they list (their width
+    checked: topk and the own blocks)."""
+    chosen = select_blocks(q, k, block_size=bs, return_indices=indices, **options)
+    if not indices:
+        assert chosen.dtype == torch.bool
+        return chosen
+    mk = math.ceil(k.shape[1] / bs)
+    own = 0 if not options["is_causal"] else 1 if (k.shape[1] - q.shape[1]) % bs == 0 else 2
+    assert chosen.dtype == torch.int32 and chosen.shape[-1] == min(options["topk"], mk) + own
+    return _as_mask(chosen.cpu(), mk)
+
+
+@pytest.mark.parametrize("indices", [False, True], ids=["bool", "indices"])
 @pytest.mark.parametrize("per", ["head", "kv_head"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_matches_the_float64_oracle(case: tuple, per: str) -> None:
+def test_matches_the_float64_oracle(case: tuple, per: str, indices: bool) -> None:
     batch, nq, nk, heads, kv_heads, bs, topk, causal = case
     q, k = _inputs(batch, nq, nk, heads, kv_heads)
-    mask = select_blocks(q, k, block_size=bs, topk=topk, is_causal=causal, per=per)
+    mask = _selected(q, k, bs, indices, topk=topk, is_causal=causal, per=per)
     expected = oracle(q, k, bs, topk, causal, per=per)
-    assert mask.dtype == torch.bool and mask.shape == expected.shape
+    assert mask.shape == expected.shape
     assert torch.equal(mask, expected)
 
 
@@ -219,14 +245,15 @@ PACKED = {
 }
 
 
+@pytest.mark.parametrize("indices", [False, True], ids=["bool", "indices"])
 @pytest.mark.parametrize("per", ["head", "kv_head"])
 @pytest.mark.parametrize("is_causal", [True, False])
 @pytest.mark.parametrize("case", PACKED.values(), ids=PACKED.keys())
-def test_packed_documents(case: tuple, is_causal: bool, per: str) -> None:
+def test_packed_documents(case: tuple, is_causal: bool, per: str, indices: bool) -> None:
     batch, n, bs, cu_seqlens = case
     q, k = _inputs(batch, n, n, 4, 2)
-    mask = select_blocks(q, k, block_size=bs, topk=2, is_causal=is_causal,
-                         cu_seqlens=cu_seqlens, per=per)  # fmt: skip
+    mask = _selected(q, k, bs, indices, topk=2, is_causal=is_causal, cu_seqlens=cu_seqlens,
+                     per=per)  # fmt: skip
     offsets = cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else cu_seqlens
     expected = oracle(q, k, bs, 2, is_causal, cu_seqlens=offsets, per=per)
     assert torch.equal(mask, expected)
@@ -343,8 +370,25 @@ def test_cuda_choice_in_chunks_matches_the_oracle(
     monkeypatch.setattr(selection, "AFFINITY_BYTES", 4 * 4 * 24 * 3)  # 1-3 query blocks a chunk
     q = torch.randn(2, 1536, 4, 64, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(2, 1536, 2, 64, device="cuda", dtype=torch.bfloat16)
-    for is_causal in (True, False):
-        mask = select_blocks(q, k, block_size=64, topk=3, is_causal=is_causal, per=per)
+    for is_causal, indices in itertools.product((True, False), (False, True)):
+        mask = _selected(q, k, 64, indices, topk=3, is_causal=is_causal, per=per)
         expected = oracle(q.cpu(), k.cpu(), 64, 3, is_causal, per=per)
         # The oracle ranks in float64, the selection in float32: a near-tie may swap a pair.
         assert mask.shape == expected.shape and (mask.cpu() != expected).sum() <= 4
+
+
+@pytest.mark.gpu
+def test_cuda_affinities_on_tensor_cores_keep_float32_accuracy() -> None:
+    """The GPU's affinities from bfloat16 parts (Note [Affinities on tensor cores]) against
+    float64: within 2^-14 of the products' magnitudes, where one bfloat16 product is 2^-9 off."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from dilated_attention.sparse.selection import _products
+
+    g = torch.Generator().manual_seed(0)
+    rows, cols = torch.randn(3, 50, 128, generator=g), torch.randn(3, 70, 128, generator=g) * 1e3
+    got = _products(rows.cuda(), cols.cuda())
+    assert got.dtype == torch.float32 and got.shape == (3, 50, 70)
+    want = rows.double() @ cols.double().transpose(-1, -2)
+    size = (rows.double().abs() @ cols.double().abs().transpose(-1, -2)).max()
+    assert float((got.cpu().double() - want).abs().max() / size) < 2**-14

@@ -15,6 +15,15 @@ Note [Top blocks in registers]
     lowest column among equal ones each time: ``topk * (Mk / 64 + 64 topk)`` comparisons for a
     row, not ``topk * Mk``. A NaN affinity ranks below every number and above the
     non-candidates, as the torch path ranks it.
+
+Note [Chosen blocks as indices]
+    Block-sparse kernels walk lists of key blocks; a bool (B, H, Mq, Mk) mask makes every
+    list as wide as ``Mk`` (its longest row is not known without reading it on the host).
+    The choice knows its widths: ``topk`` picks and the row's own blocks, a run of at most
+    ``own_width`` consecutive columns (the blocks a query block overlaps, 1 or 2). So the
+    program can write its row as ``topk + own_width`` int32 block indices instead, picks
+    first, then the own run, ``-1`` where a row has fewer, in no particular order: no bool
+    mask, no compaction, and lists of ``topk + own_width`` entries per row downstream.
 """
 
 from __future__ import annotations
@@ -64,12 +73,16 @@ def _top_blocks_kernel(
     s_cb, s_ch, s_cr,
     s_ob, s_oh, s_or,
     s_xb, s_xh, s_xr,
+    own_width,
     BLOCK: tl.constexpr,
     GROUP: tl.constexpr,
     PICKS: tl.constexpr,
+    OWN: tl.constexpr,
+    INDICES: tl.constexpr,
 ):  # fmt: skip
     """Program ``bh * rows + r``: row ``r`` of batch row and head ``bh`` (Note [Top blocks in
-    registers])."""
+    registers]); ``INDICES``: the row as block indices (Note [Chosen blocks as indices]),
+    else as a bool row."""
     program = tl.program_id(0).to(tl.int64)
     bh, r = program // rows, program % rows
     b, h = bh // heads, bh % heads
@@ -79,7 +92,13 @@ def _top_blocks_kernel(
     inside = col < cols
     chosen += b * s_xb + h * s_xh + r * s_xr
     keep = tl.load(own + b * s_ob + h * s_oh + r * s_or + col, mask=inside, other=0) != 0
-    tl.store(chosen + col, keep.to(tl.int8), mask=inside)
+    if INDICES:
+        first = tl.min(tl.where(keep, col, BLOCK), axis=0)
+        run = tl.arange(0, OWN)
+        ours = tl.where(run < tl.sum(keep.to(tl.int32), axis=0), first + run, -1)
+        tl.store(chosen + topk + run, ours, mask=run < own_width)
+    else:
+        tl.store(chosen + col, keep.to(tl.int8), mask=inside)
     score = _scores(affinity, candidates, col, inside)
     GROUPS: tl.constexpr = BLOCK // GROUP
     slot = tl.arange(0, PICKS)
@@ -93,8 +112,11 @@ def _top_blocks_kernel(
     score = _scores(affinity, candidates, where, where < cols)
     picked = _take_best(score, where, slot, tl.full((PICKS,), BLOCK, tl.int32), topk, BLOCK,
                         PICKS)  # fmt: skip
-    tl.debug_barrier()  # the row's own blocks are stored before the picks are set
-    tl.store(chosen + picked, tl.full((PICKS,), 1, tl.int8), mask=picked < cols)
+    if INDICES:
+        tl.store(chosen + slot, tl.where(picked < cols, picked, -1), mask=slot < topk)
+    else:
+        tl.debug_barrier()  # the row's own blocks are stored before the picks are set
+        tl.store(chosen + picked, tl.full((PICKS,), 1, tl.int8), mask=picked < cols)
 
 
 def _columns_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -109,33 +131,44 @@ def top_blocks(
     own: torch.Tensor,
     topk: int,
     out: torch.Tensor | None = None,
+    *,
+    own_width: int | None = None,
 ) -> torch.Tensor:
     """Each row's own blocks and its ``min(topk, candidates)`` candidates of highest affinity.
 
     Args:
         affinity: (B, Hs, Mq, Mk) float32, Mk <= :data:`MAX_COLUMNS`.
         candidates, own: bool broadcastable to it.
-        out: (B, Hs, Mq, Mk) bool with contiguous columns to write (a slice of a larger
-            mask), or None for a new one.
+        out: where to write (a slice of a larger result, contiguous columns), or None for a
+            new tensor: (B, Hs, Mq, Mk) bool, or with ``own_width`` (B, Hs, Mq,
+            topk + own_width) int32.
+        own_width: None for a bool mask; else the rows as block indices (Note [Chosen blocks
+            as indices]), each row's own blocks a run of at most ``own_width`` columns.
 
     Returns:
-        (B, Hs, Mq, Mk) bool: ``out``, or a new tensor.
+        (B, Hs, Mq, Mk) bool, or (B, Hs, Mq, topk + own_width) int32 with ``-1`` = none:
+        ``out``, or a new tensor.
     """
     batch, heads, rows, cols = affinity.shape
-    chosen = torch.empty(affinity.shape, dtype=torch.bool, device=affinity.device)
-    chosen = chosen if out is None else out
-    if chosen.numel() == 0:
-        return chosen
+    indices = own_width is not None
+    width = topk + own_width if own_width is not None else cols
+    if out is None:
+        out = torch.empty(batch, heads, rows, width, device=affinity.device,
+                          dtype=torch.int32 if indices else torch.bool)  # fmt: skip
+    if out.numel() == 0:
+        return out
     shape = tuple(affinity.shape)
     affinity, candidates, own = (_columns_contiguous(x.expand(shape))
                                  for x in (affinity, candidates, own))  # fmt: skip
     block = next_power_of_2(cols)
     picks = next_power_of_2(topk)
     group = max(1, min(64, block // picks))  # at least PICKS groups
-    args = (affinity, candidates.view(torch.uint8), own.view(torch.uint8),
-            chosen.view(torch.int8), cols, heads, rows, topk, *affinity.stride()[:3],
-            *candidates.stride()[:3], *own.stride()[:3], *chosen.stride()[:3])  # fmt: skip
+    written = out if indices else out.view(torch.int8)
+    args = (affinity, candidates.view(torch.uint8), own.view(torch.uint8), written, cols, heads,
+            rows, topk, *affinity.stride()[:3], *candidates.stride()[:3], *own.stride()[:3],
+            *out.stride()[:3], own_width or 0)  # fmt: skip
     options = {"BLOCK": block, "GROUP": group, "PICKS": picks,
+               "OWN": next_power_of_2(max(1, own_width or 0)), "INDICES": indices,
                "num_warps": max(1, min(8, block // 512))}  # fmt: skip
     launch(_top_blocks_kernel, (batch * heads * rows,), args, options)
-    return chosen
+    return out
