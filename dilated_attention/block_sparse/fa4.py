@@ -16,11 +16,12 @@ from dataclasses import dataclass
 import torch
 
 from ..backends.flash_attn4 import FlashAttn4Backend, SparseTiles
+from ..backends.triton import kernel_module
 from ..core.autograd import Backward, Forward, Grads, Inputs, Saved
 from ..patterns import Pattern
-from .lists import index_tile_lists, runtime_tile_lists
+from .lists import narrow_tile_lists, runtime_tile_lists
 from .plan import causal_block_mask, num_blocks, recomputed_grads
-from .runtime import FIRST_ORDER_MESSAGE, KeptIndices, per_query_head, token_rows
+from .runtime import FIRST_ORDER_MESSAGE, BlockIndices, per_query_head, token_rows
 from .tiles import kernel_tiles, tile_lists
 
 
@@ -34,10 +35,10 @@ class FlashAttn4Tiles:
             a forward without gradients never holds them).
         mask: a pattern's (ceil(Nq / block_size), ceil(Nk / block_size)) bool on the CPU,
             causal applied; None for a run-time mask (no differentiable recompute).
-        empty_rows: bool on the device broadcasting to (B, Nq, H, 1), the query rows that see
-            no key, or None if none.
-        unread_keys: bool on the device broadcasting to (B, Nk, Hkv, 1), the keys no query
-            reads, or None if none.
+        empty_rows: (1 or B, 1 or H, Mq) bool on the device, the query blocks that see no
+            key, or None if none.
+        unread_keys: (1 or B, 1 or Hkv, Mk) bool on the device, the key blocks no query reads,
+            or None if none.
     """
 
     forward: SparseTiles
@@ -61,12 +62,27 @@ def _lists(tiles: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> Sp
     return SparseTiles(*(t.to(device) for t in lists))
 
 
-def _unreached(kept: torch.Tensor, block_size: int, length: int, device: torch.device):
-    """(length,) bool on ``device``: tokens of the blocks ``kept`` (one bool per block) marks
-    False, or None when every block is kept."""
+def _unreached(kept: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """(1, 1, M) bool on ``device``: the blocks ``kept`` (M,) marks False, or None when every
+    block is kept."""
     if bool(kept.all()):
         return None
-    return (~kept).repeat_interleave(block_size)[:length].to(device).view(1, -1, 1, 1)
+    return (~kept).to(device).view(1, 1, -1)
+
+
+def fill_blocks(x: torch.Tensor, flags: torch.Tensor | None, block_size: int, value: float) -> None:
+    """Set, in place, the rows of ``x`` (B, N, H, D) in the blocks ``flags`` (1 or B, 1 or a
+    divisor of H, ceil(N / block_size)) marks to ``value``: one Triton launch on the GPU
+    writing the flagged blocks only (Note [Filling flagged blocks]), a masked fill
+    elsewhere."""
+    if flags is None:
+        return
+    module = kernel_module("fill") if x.is_cuda else None
+    if module is not None:
+        module.fill_blocks(x, flags, block_size, value)
+        return
+    rows = token_rows(per_query_head(flags, x.shape[2]), block_size, x.shape[1])
+    x.masked_fill_(rows.transpose(1, 2).unsqueeze(-1), value)
 
 
 @torch.compiler.disable
@@ -89,13 +105,13 @@ def fa4_tiles(
         forward=_lists((full, partial), device),
         backward=_lists((full.T, partial.T), device),
         mask=mask,
-        empty_rows=_unreached(mask.any(1), block_size, query_len, device),
-        unread_keys=_unreached(mask.any(0), block_size, key_len, device),
+        empty_rows=_unreached(mask.any(1), device),
+        unread_keys=_unreached(mask.any(0), device),
     )
 
 
 def runtime_fa4_tiles(
-    kept: torch.Tensor | KeptIndices,
+    kept: torch.Tensor | BlockIndices,
     block_size: int,
     query_len: int,
     key_len: int,
@@ -106,31 +122,25 @@ def runtime_fa4_tiles(
     """The FA4 tile lists of a run-time mask's kept blocks, causal applied (Note [Run-time block
     masks] in ``runtime.py``), made on their device: per batch row and query head (FA4 takes 1
     or H heads; :func:`~.lists.runtime_tile_lists`). From a bool (Bm, Hm, Mq, Mk) every list
-    is as wide as its tile count; from kept indices (where :func:`~.lists.tiles_aligned`) the
+    is as wide as its tile count; from block indices (where :func:`~.lists.tiles_aligned`) the
     forward's are ``K`` blocks wide (Note [Narrow lists of block indices])."""
-    if isinstance(kept, KeptIndices):
-        forward = index_tile_lists(kept, block_size=block_size, query_len=query_len,
-                                   key_len=key_len, is_causal=is_causal, num_heads=num_heads)
-        empty, read, mask = kept.count() == 0, kept.read(), kept.as_mask
+    if isinstance(kept, BlockIndices):
+        forward, empty, read = narrow_tile_lists(kept, num_heads)
     else:
         forward = runtime_tile_lists(kept, block_size=block_size, query_len=query_len,
                                      key_len=key_len, is_causal=is_causal, num_heads=num_heads)
-        empty, read, mask = ~kept.any(-1), kept.any(-2), lambda: kept
-    empty = token_rows(per_query_head(empty, num_heads), block_size, query_len)  # (Bm, Hq|1, Nq)
+        empty, read = ~kept.any(-1), kept.any(-2)
     if read.shape[1] == num_heads != num_kv_heads:  # a key is read by its group's heads
         read = read.view(read.shape[0], num_kv_heads, -1, read.shape[-1]).any(2)
-    unread = token_rows(~read, block_size, key_len)  # (Bm, Hkv or 1, Nk)
 
     def backward() -> SparseTiles:
+        mask = kept.as_mask() if isinstance(kept, BlockIndices) else kept
         return SparseTiles(*runtime_tile_lists(
-            mask(), block_size=block_size, query_len=query_len, key_len=key_len,
+            mask, block_size=block_size, query_len=query_len, key_len=key_len,
             is_causal=is_causal, num_heads=num_heads, backward=True,
         ))  # fmt: skip
 
-    return FlashAttn4Tiles(
-        SparseTiles(*forward), None, None, empty.transpose(1, 2).unsqueeze(-1),
-        unread.transpose(1, 2).unsqueeze(-1), backward,
-    )  # fmt: skip
+    return FlashAttn4Tiles(SparseTiles(*forward), None, None, empty, ~read, backward)
 
 
 @dataclass(frozen=True)
@@ -157,10 +167,9 @@ class FlashAttn4BlockSparseRunner:
             q, k, v, self.tiles.forward, scale=self.scale, is_causal=self.is_causal
         )
         out, lse = res.out, res.lse
-        empty = self.tiles.empty_rows
-        if empty is not None:  # in place: the kernel's own new tensors, no second output
-            out.masked_fill_(empty, 0.0)
-            lse.masked_fill_(empty.squeeze(-1).transpose(1, 2), float("-inf"))
+        empty = self.tiles.empty_rows  # in place: the kernel's own new tensors
+        fill_blocks(out, empty, self.block_size, 0.0)
+        fill_blocks(lse.transpose(1, 2).unsqueeze(-1), empty, self.block_size, float("-inf"))
         return Forward(out, lse, saved=(k, v))
 
     def backward(self, b: Backward) -> Grads:
@@ -172,8 +181,7 @@ class FlashAttn4BlockSparseRunner:
         )  # fmt: skip
         for grad, unreached in ((dq, self.tiles.empty_rows), (dk, self.tiles.unread_keys),
                                 (dv, self.tiles.unread_keys)):  # fmt: skip
-            if unreached is not None:
-                grad.masked_fill_(unreached, 0.0)
+            fill_blocks(grad, unreached, self.block_size, 0.0)
         return dq, dk, dv
 
     def saved_without_forward(self, x: Inputs) -> Saved:

@@ -27,10 +27,11 @@ import torch
 
 from ..backends.triton import kernel_module
 from .plan import num_blocks
-from .runtime import KeptIndices, per_query_head
+from .runtime import BlockIndices, kept_indices, per_query_head
 from .tiles import KERNEL_TILE, kernel_tiles
 
-__all__ = ["TileLists", "compact_rows", "index_tile_lists", "runtime_tile_lists", "tiles_aligned"]
+__all__ = ["NarrowLists", "TileLists", "compact_rows", "index_tile_lists", "narrow_tile_lists",
+           "runtime_tile_lists", "tiles_aligned"]  # fmt: skip
 
 
 class TileLists(NamedTuple):
@@ -83,8 +84,44 @@ def tiles_aligned(block_size: int, query_len: int, key_len: int, is_causal: bool
     return block_size % KERNEL_TILE == 0 and (not is_causal or query_len == key_len)
 
 
+class NarrowLists(NamedTuple):
+    """The forward of block indices: its tile lists (Bl, 1 or H, Tq[, W]), the query blocks
+    that keep nothing ``empty`` (Bl, Hl, Mq) bool, and the key blocks some row keeps ``read``
+    (Bl, Hm, Mk) bool; Bl = B with packed documents, else Bm."""
+
+    lists: TileLists
+    empty: torch.Tensor
+    read: torch.Tensor
+
+
+def narrow_tile_lists(blocks: BlockIndices, num_heads: int) -> NarrowLists:
+    """The forward lists of block indices where :func:`tiles_aligned` (Note [Narrow lists of
+    block indices]): one Triton launch on the GPU (Note [Narrow lists in one launch] in
+    ``backends/triton_kernels/index_lists.py``), torch operations elsewhere."""
+    indices, size = blocks.indices, blocks.block_size
+    heads = _heads(indices, num_heads)
+    module = kernel_module("index_lists") if indices.is_cuda else None
+    if module is not None:
+        lists, empty, read = module.index_lists(
+            indices, repeat=size // KERNEL_TILE, key_blocks=num_blocks(blocks.key_len, size),
+            row_tiles=num_blocks(blocks.query_len, KERNEL_TILE),
+            key_tiles=num_blocks(blocks.key_len, KERNEL_TILE), is_causal=blocks.is_causal,
+            heads=heads, same=blocks.documents,
+        )  # fmt: skip
+        return NarrowLists(TileLists(*lists), empty, read)
+    index, mk = kept_indices(blocks), num_blocks(blocks.key_len, size)
+    lists = index_tile_lists(index, mk, block_size=size, query_len=blocks.query_len,
+                             key_len=blocks.key_len, is_causal=blocks.is_causal,
+                             num_heads=num_heads)  # fmt: skip
+    flat = index.flatten(-2)
+    read = torch.zeros(*flat.shape[:-1], mk + 1, dtype=torch.bool, device=flat.device)
+    read = read.scatter_(-1, flat, True)[..., :mk]
+    return NarrowLists(lists, per_query_head((index < mk).sum(-1) == 0, heads), read)
+
+
 def index_tile_lists(
-    kept: KeptIndices,
+    index: torch.Tensor,
+    key_blocks: int,
     *,
     block_size: int,
     query_len: int,
@@ -93,15 +130,16 @@ def index_tile_lists(
     num_heads: int,
 ) -> TileLists:
     """The forward tile lists of kept block indices (Note [Narrow lists of block indices]),
-    where :func:`tiles_aligned`: per query tile, ``K r`` wide.
+    where :func:`tiles_aligned`: per query tile, ``min(K r, Tk)`` wide.
 
     Args:
-        kept: (Bm, Hm, Mq, K) from :func:`~.runtime.kept_indices`, causal applied.
+        index: (Bm, Hm, Mq, K) from :func:`~.runtime.kept_indices`, causal applied;
+            ``key_blocks`` (Mk) where a row's list ends.
 
     Returns:
-        :class:`TileLists` (Bm, 1 or H, Tq[, K r]).
+        :class:`TileLists` (Bm, 1 or H, Tq[, W]).
     """
-    blocks, mk = kept.index, kept.key_blocks
+    blocks, mk = index, key_blocks
     repeat = block_size // KERNEL_TILE
     rows = num_blocks(query_len, KERNEL_TILE)
     cols = num_blocks(key_len, KERNEL_TILE)
@@ -116,7 +154,7 @@ def index_tile_lists(
     full = live & (~own | (t < s)) if is_causal else live.expand(-1, -1, -1, repeat, -1, -1)
     full = full.flatten(-2).flatten(2, 3)[:, :, :rows]  # (Bm, Hm, Tq, K r)
     tiles = tile.flatten(-2).repeat_interleave(repeat, 2)[:, :, :rows]
-    listed = tiles.masked_fill(~full, cols).sort(-1).values
+    listed = tiles.masked_fill(~full, cols).sort(-1).values[..., :cols]  # each tile once
     full_count = full.sum(-1, dtype=torch.int32)
     full_index = listed.masked_fill(listed == cols, 0).to(torch.int32)
     diagonal = torch.arange(rows, dtype=torch.int32, device=device)

@@ -57,9 +57,16 @@ from ..core.higher_order import no_higher_order_message
 from .plan import num_blocks
 
 __all__ = [
-    "FIRST_ORDER_MESSAGE", "KeptIndices", "MaskLayout", "check_block_mask",
-    "check_documents_aligned", "kept_blocks", "kept_indices", "per_query_head",
-    "same_document", "token_rows",
+    "FIRST_ORDER_MESSAGE",
+    "BlockIndices",
+    "MaskLayout",
+    "check_block_mask",
+    "check_documents_aligned",
+    "kept_blocks",
+    "kept_indices",
+    "per_query_head",
+    "same_document",
+    "token_rows",
 ]  # fmt: skip
 
 #: The integer dtypes of block indices.
@@ -242,68 +249,56 @@ def kept_blocks(
 
 
 @dataclass(frozen=True)
-class KeptIndices:
-    """The kept blocks of int block indices, still as indices (Note [Narrow lists of block
-    indices] in ``lists.py``).
+class BlockIndices:
+    """A call's int block indices with what makes them kept blocks, for kernels whose lists
+    are made from the indices themselves (Note [Narrow lists of block indices] in
+    ``lists.py``).
 
     Attributes:
-        index: (Bm, Hm, Mq, K) int64, each row's kept key blocks increasing, then
-            ``key_blocks`` (none) to its end.
-        key_blocks: Mk.
+        indices: checked (Bm, Hm, Mq, K) int block indices.
+        documents: (B, 1, Mq, Mk) bool from :func:`same_document`, or None.
     """
 
-    index: torch.Tensor
-    key_blocks: int
-
-    def count(self) -> torch.Tensor:
-        """(Bm, Hm, Mq) int32: each row's kept blocks."""
-        return (self.index < self.key_blocks).sum(-1, dtype=torch.int32)
-
-    def read(self) -> torch.Tensor:
-        """(Bm, Hm, Mk) bool: the key blocks some row keeps."""
-        index = self.index.flatten(-2)
-        read = torch.zeros(*index.shape[:-1], self.key_blocks + 1, dtype=torch.bool,
-                           device=index.device)  # fmt: skip
-        return read.scatter_(-1, index, True)[..., : self.key_blocks]
+    indices: torch.Tensor
+    block_size: int
+    query_len: int
+    key_len: int
+    is_causal: bool
+    documents: torch.Tensor | None = None
 
     def as_mask(self) -> torch.Tensor:
-        """(Bm, Hm, Mq, Mk) bool, as :func:`kept_blocks` makes it."""
-        return _scattered(self.index, self.key_blocks)
+        """(Bm or B, Hm, Mq, Mk) bool: :func:`kept_blocks` of the indices."""
+        return kept_blocks(self.indices, block_size=self.block_size, query_len=self.query_len,
+                           key_len=self.key_len, is_causal=self.is_causal,
+                           documents=self.documents)  # fmt: skip
 
 
-def kept_indices(
-    indices: torch.Tensor,
-    *,
-    block_size: int,
-    query_len: int,
-    key_len: int,
-    is_causal: bool,
-    documents: torch.Tensor | None = None,
-) -> KeptIndices:
+def kept_indices(blocks: BlockIndices) -> torch.Tensor:
     """:func:`kept_blocks` of int block indices, kept as indices: the entries outside
     ``[0, Mk)``, after a causal row or in another document dropped, each block once, every row
     increasing (sorted on the device: rows of ``K`` entries).
 
-    Args:
-        indices: checked (Bm, Hm, Mq, K) int block indices.
-        documents: (B, 1, Mq, Mk) bool from :func:`same_document`, or None.
+    Returns:
+        (Bm or B, Hm, Mq, K) int64: each row's kept key blocks increasing, then ``Mk`` (none).
     """
-    mk = num_blocks(key_len, block_size)
-    index = indices.long()
+    mk = num_blocks(blocks.key_len, blocks.block_size)
+    index = blocks.indices.long()
     valid = (index >= 0) & (index < mk)
     visible = []
-    if is_causal:
-        visible.append(_causal_pairs(query_len, key_len, block_size, index.device))
-    if documents is not None:
-        visible.append(documents)
-        index, valid = (x.expand(documents.shape[0], *x.shape[1:]) for x in (index, valid))
+    if blocks.is_causal:
+        visible.append(_causal_pairs(blocks.query_len, blocks.key_len, blocks.block_size,
+                                     index.device))  # fmt: skip
+    if blocks.documents is not None:
+        visible.append(blocks.documents)
+        batch = blocks.documents.shape[0]
+        index, valid = (x.expand(batch, *x.shape[1:]) for x in (index, valid))
     for pairs in visible:
         pairs = pairs.expand(*index.shape[:-1], mk)
         valid = valid & pairs.gather(-1, index.clamp(0, mk - 1))
     index = index.masked_fill(~valid, mk).sort(-1).values
     repeated = index[..., 1:] == index[..., :-1]
     index = torch.cat([index[..., :1], index[..., 1:].masked_fill(repeated, mk)], -1)
-    return KeptIndices(index.sort(-1).values, mk)
+    return index.sort(-1).values
 
 
 def _scattered(indices: torch.Tensor, mk: int) -> torch.Tensor:

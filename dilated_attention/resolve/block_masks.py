@@ -31,9 +31,8 @@ from ..block_sparse.flex import _flex_forward
 from ..block_sparse.lists import tiles_aligned
 from ..block_sparse.rows import MaskedRowsRunner, row_plan
 from ..block_sparse.runtime import (
-    KeptIndices,
+    BlockIndices,
     kept_blocks,
-    kept_indices,
     per_query_head,
     same_document,
 )
@@ -115,7 +114,7 @@ class RuntimeMaskStrategy(Strategy):
 
     def _kept_narrow(
         self, mask: torch.Tensor | None, q: torch.Tensor
-    ) -> torch.Tensor | KeptIndices:
+    ) -> torch.Tensor | BlockIndices:
         """:meth:`_kept`, but int indices stay indices where the kernel's tiles lie inside
         blocks (Note [Narrow lists of block indices] in ``block_sparse/lists.py``)."""
         mask, r = self._checked(mask), self.request
@@ -123,7 +122,7 @@ class RuntimeMaskStrategy(Strategy):
             r.block_size, r.query_len, r.key_len, r.is_causal
         ):
             return kept_blocks(mask, **self._geometry(q))
-        return kept_indices(mask, **self._geometry(q))
+        return BlockIndices(mask, **self._geometry(q))
 
     @staticmethod
     def _checked(mask: torch.Tensor | None) -> torch.Tensor:

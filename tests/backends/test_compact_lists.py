@@ -8,8 +8,13 @@ import itertools
 import pytest
 import torch
 
-from dilated_attention.block_sparse.lists import compact_rows, index_tile_lists, runtime_tile_lists
+from dilated_attention.block_sparse.lists import (
+    compact_rows,
+    narrow_tile_lists,
+    runtime_tile_lists,
+)
 from dilated_attention.block_sparse.runtime import (
+    BlockIndices,
     kept_blocks,
     kept_indices,
     per_query_head,
@@ -154,6 +159,18 @@ def test_device_top_blocks_match_the_torch_choice(device, rows, cols, topk, per_
     assert got.dtype == torch.bool and torch.equal(got.cpu(), expected)
 
 
+def _as_mask(index: torch.Tensor, key_blocks: int) -> torch.Tensor:
+    """Sorted kept indices ((..., K), ``key_blocks`` = none) as the bool mask they list,
+    checking each row increasing with no repeat."""
+    mask = torch.zeros(*index.shape[:-1], key_blocks, dtype=torch.bool)
+    for key in itertools.product(*map(range, index.shape[:-1])):
+        row = [j for j in index[key].tolist() if j != key_blocks]
+        assert row == sorted(set(row)) and index[key].tolist()[len(row):] == [key_blocks] * (
+            index.shape[-1] - len(row))
+        mask[key][row] = True
+    return mask.to(index.device)
+
+
 def _increasing(count: torch.Tensor, index: torch.Tensor) -> bool:
     count, index = count.cpu().reshape(-1), index.cpu().reshape(-1, index.shape[-1])
     rows = zip(index, count.tolist(), strict=True)
@@ -175,9 +192,10 @@ def test_index_lists_match_the_bool_lists(
     device, block_size, query_len, key_len, is_causal, mask_heads, documents
 ) -> None:
     """Block indices (repeated, -1, out of range, after a causal row, across documents) kept as
-    indices scatter to the bool form's kept blocks, and their narrow forward lists list the
-    same tiles as the bool form's wide ones, full and partial alike, each in increasing order
-    and ``K r`` wide (Note [Narrow lists of block indices])."""
+    indices list the bool form's kept blocks, and their narrow forward lists (torch operations
+    on the CPU, one Triton launch on the GPU) list the same tiles as the bool form's wide ones,
+    full and partial alike, each in increasing order and ``min(K r, Tk)`` wide, with the same
+    empty rows and read key blocks (Note [Narrow lists of block indices])."""
     mq, mk = -(-query_len // block_size), -(-key_len // block_size)
     g = torch.Generator().manual_seed(query_len + mask_heads)
     indices = torch.randint(-2, mk + 2, (2, mask_heads, mq, 5), generator=g).to(device)
@@ -187,15 +205,18 @@ def test_index_lists_match_the_bool_lists(
     if documents is not None:
         geometry["documents"] = same_document(documents, 2, query_len, block_size,
                                               torch.device(device))  # fmt: skip
-    narrow = kept_indices(indices, **geometry)
+    blocks = BlockIndices(indices, **geometry)
     kept = kept_blocks(indices, **geometry)
-    assert torch.equal(narrow.as_mask(), kept)
-    assert torch.equal(narrow.count(), kept.sum(-1, dtype=torch.int32))
-    lists = {"block_size": block_size, "query_len": query_len, "key_len": key_len,
-             "is_causal": is_causal, "num_heads": 4}  # fmt: skip
-    got = index_tile_lists(narrow, **lists)
-    want = runtime_tile_lists(kept, **lists)
-    assert got.full_index.shape[-1] == 5 * (block_size // 128)
+    assert torch.equal(blocks.as_mask(), kept)
+    mk = kept.shape[-1]
+    index = kept_indices(blocks)
+    assert torch.equal(_as_mask(index, mk), kept)
+    got, empty, read = narrow_tile_lists(blocks, 4)
+    want = runtime_tile_lists(kept, block_size=block_size, query_len=query_len,
+                              key_len=key_len, is_causal=is_causal, num_heads=4)  # fmt: skip
+    assert got.full_index.shape[-1] == min(5 * (block_size // 128), -(-key_len // 128))
+    assert torch.equal(empty, per_query_head(~kept.any(-1), got.full_count.shape[1]))
+    assert torch.equal(read, kept.any(-2))
     for field in ("partial", "full"):
         counts = (getattr(got, f"{field}_count"), getattr(want, f"{field}_count"))
         indexes = (getattr(got, f"{field}_index"), getattr(want, f"{field}_index"))
@@ -226,3 +247,60 @@ def test_device_top_blocks_as_indices(device, rows, cols, topk, own_width) -> No
     for key in itertools.product(range(2), range(3), range(rows)):
         listed = [j for j in got[key].tolist() if j >= 0]
         assert sorted(listed) == torch.nonzero(expected[key]).flatten().tolist()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("block_size", "length", "key_len", "is_causal", "mask_shape", "documents"),
+    [
+        (128, 1000, 1000, True, (2, 2), None),
+        (256, 900, 900, True, (1, 1), None),
+        (256, 700, 500, False, (2, 4), None),
+        (128, 1024, 1024, True, (1, 2), (0, 384, 1024, 1408, 2048)),
+    ],
+)
+def test_device_index_lists_match_the_torch_path(
+    device, block_size, length, key_len, is_causal, mask_shape, documents
+) -> None:
+    """The one-launch narrow lists (Note [Narrow lists in one launch]) equal the torch
+    operations' lists entry for entry, with the same empty rows and read key blocks."""
+    skip_without_triton(device)
+    from dilated_attention.backends.triton_kernels.index_lists import index_lists
+
+    mq, mk = -(-length // block_size), -(-key_len // block_size)
+    g = torch.Generator().manual_seed(length + mask_shape[1])
+    indices = torch.randint(-2, mk + 2, (*mask_shape, mq, 6), generator=g)
+    indices[..., 2] = indices[..., 4]
+    same = None if documents is None else same_document(documents, 2, length, block_size,
+                                                        torch.device("cpu"))  # fmt: skip
+    blocks = BlockIndices(indices, block_size, length, key_len, is_causal, same)
+    want = narrow_tile_lists(blocks, 4)
+    heads = want.lists.full_count.shape[1]
+    lists, empty, read = index_lists(
+        indices.to(device).transpose(-1, -2).contiguous().transpose(-1, -2),  # other strides
+        repeat=block_size // 128, key_blocks=mk, row_tiles=-(-length // 128),
+        key_tiles=-(-key_len // 128), is_causal=is_causal, heads=heads,
+        same=None if same is None else same.to(device),
+    )  # fmt: skip
+    for got, expected in zip((*lists, empty, read), (*want.lists, want.empty, want.read),
+                             strict=True):  # fmt: skip
+        assert got.shape == expected.shape and torch.equal(got.cpu(), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("shape", "flag_shape", "block_size"),
+                         [((2, 300, 4, 24), (2, 2, 5), 64), ((1, 129, 2, 8), (1, 1, 2), 128)])
+def test_device_fill_blocks_matches_masked_fill(device, shape, flag_shape, block_size) -> None:
+    """The flagged blocks' rows set, through any strides (an lse view), and nothing else."""
+    skip_without_triton(device)
+    from dilated_attention.backends.triton_kernels.fill import fill_blocks
+
+    g = torch.Generator().manual_seed(shape[1])
+    flags = torch.rand(flag_shape, generator=g) < 0.5
+    x = torch.randn(shape[0], shape[2], shape[1], shape[3], generator=g)  # (B, H, N, D)
+    expected = x.clone()
+    rows = per_query_head(flags, shape[2]).repeat_interleave(block_size, -1)[..., : shape[1]]
+    expected.masked_fill_(rows.unsqueeze(-1), -3.5)
+    got = x.to(device)
+    fill_blocks(got.transpose(1, 2), flags.to(device), block_size, -3.5)
+    assert torch.equal(got.cpu(), expected)
