@@ -101,20 +101,40 @@ def moba_ring_attention(
             shapes and options that differ between ranks.
     """
     size, count = _agreed(query, key, value, block_size, topk, is_causal, group)
-    rank, world = _comm.group_rank_and_size(group)
-    ranks = tuple(_comm.global_rank(group, r) for r in range(world))
-    mq = query.shape[1] // size
-    with torch.no_grad():  # the choice gets no gradient (Note [MoBA's gate for a block ...])
-        gathered = _comm.ring_all_gather((block_means(key, size),), ranks, rank)
-        k_mean = torch.cat([means for (means,) in gathered], dim=1)  # (B, W n / bs, Hkv, D)
-        seq_len = query.shape[1] * world
-        candidates, own = candidate_blocks(seq_len, seq_len, size, bool(is_causal), query.device)
-        rows = slice(rank * mq, (rank + 1) * mq)
-        mask = chosen_blocks(block_means(query, size), k_mean, candidates[rows], own[rows],
-                             count, "head")  # fmt: skip
+    mask = selected_rows(query, key, size, count, bool(is_causal), "head", group)
     out = block_sparse_ring_attention(
         query, key, value, mask, block_size=size, group=group, is_causal=bool(is_causal),
         scale=scale, backend=backend,
     )  # fmt: skip
     assert isinstance(out, torch.Tensor)  # return_lse=False: for the type checker
     return out
+
+
+@torch.no_grad()  # the choice gets no gradient (Note [MoBA's gate for a block of queries])
+def selected_rows(
+    query: torch.Tensor, key: torch.Tensor, block_size: int, topk: int, is_causal: bool,
+    per: str, group: dist.ProcessGroup | None,
+) -> torch.Tensor:  # fmt: skip
+    """This rank's rows of :func:`~dilated_attention.sparse.select_blocks`' mask over the
+    whole sequence (Note [MoBA's selection over the ring]): every key block's mean gathered,
+    then the one-process rule on this rank's query blocks. Every rank of ``group`` calls it
+    (the arguments checked and agreed).
+
+    Args:
+        query: (B, n, H, D) this rank's contiguous shard, ``n`` a multiple of ``block_size``.
+        key: (B, n, Hkv, D).
+        per: ``"head"`` (MoBA) or ``"kv_head"`` (NSA), as in ``select_blocks``.
+
+    Returns:
+        (B, H or Hkv, n / bs, W n / bs) bool, this rank's query blocks' rows.
+    """
+    rank, world = _comm.group_rank_and_size(group)
+    ranks = tuple(_comm.global_rank(group, r) for r in range(world))
+    mq = query.shape[1] // block_size
+    gathered = _comm.ring_all_gather((block_means(key, block_size),), ranks, rank)
+    k_mean = torch.cat([means for (means,) in gathered], dim=1)  # (B, W n / bs, Hkv, D)
+    seq_len = query.shape[1] * world
+    candidates, own = candidate_blocks(seq_len, seq_len, block_size, is_causal, query.device)
+    rows = slice(rank * mq, (rank + 1) * mq)
+    return chosen_blocks(block_means(query, block_size), k_mean, candidates[rows], own[rows],
+                         topk, per)  # fmt: skip
