@@ -14,6 +14,7 @@ from .context import ContextParallel
 from .cost import SplitPlan, Topology, plan_context_parallel
 from .moba_ring import moba_ring_attention
 from .modules import RingAttention, RingDilatedAttention, RingMultiheadDilatedAttention
+from .nsa_ring import nsa_ring_attention
 from .packed_ring import RingLoad, ring_load
 from .parallelize import context_parallel
 from .ring import ring_attention
@@ -31,6 +32,7 @@ __all__ = [
     "block_sparse_ring_attention",
     "context_parallel",
     "moba_ring_attention",
+    "nsa_ring_attention",
     "plan_context_parallel",
     "ring_attention",
     "ring_dilated_attention",
