@@ -20,15 +20,20 @@ bs block size.
 
 from __future__ import annotations
 
+from typing import Any, NoReturn
+
 import torch
 import torch.distributed as dist
 
 from .. import _validation as V
+from ..modules import BlockSelectedAttention
 from ..sparse.selection import block_means, candidate_blocks, check_selection, chosen_blocks
 from . import _comm
 from .block_sparse_ring import block_sparse_ring_attention
+from .context import ContextParallel
+from .modules import RingModule
 
-__all__ = ["moba_ring_attention"]
+__all__ = ["BlockSelectedRingAttention", "moba_ring_attention", "selected_rows"]
 
 _FIELDS = ("local seq_len", "batch", "key/value heads", "head_dim", "bytes per element",
            "block_size", "topk", "is_causal")  # fmt: skip
@@ -45,6 +50,7 @@ def _agreed(
         TypeError / ValueError: this rank's own error; ``ValueError`` naming the rank on the
             others, or on every rank where the fields differ.
     """
+    refuse_context_parallel(group, "moba_ring_attention")
     error: Exception | None = None
     fields = [0] * len(_FIELDS)
     size = count = 0
@@ -63,6 +69,28 @@ def _agreed(
         error = exc
     _comm.check_same_on_all_ranks(fields, _FIELDS, group, error, what="moba_ring_attention inputs")
     return size, count
+
+
+def refuse_context_parallel(group: object, function: str) -> None:
+    """A selection over the ring takes a process group: a :class:`ContextParallel` raises at
+    once, on every rank that passed one.
+
+    Raises:
+        ValueError: ``group`` is a ``ContextParallel``.
+    """
+    if isinstance(group, ContextParallel):
+        raise ValueError(
+            f"{function} takes a process group, not a ContextParallel (it selects blocks and "
+            f"pools keys over a ring, with no head all-to-all): pass group=cp.ring"
+        )
+
+
+def reject_call(error: Exception, group: dist.ProcessGroup | None) -> NoReturn:
+    """Take part in :func:`moba_ring_attention`'s agreement with this rank's ``error``, then
+    raise it: the peers already waiting there raise too."""
+    _comm.check_same_on_all_ranks([0] * len(_FIELDS), _FIELDS, group, error,
+                                  what="moba_ring_attention inputs")  # fmt: skip
+    raise error  # not reached: check_same_on_all_ranks raises the local error
 
 
 def moba_ring_attention(
@@ -138,3 +166,65 @@ def selected_rows(
     rows = slice(rank * mq, (rank + 1) * mq)
     return chosen_blocks(block_means(query, block_size), k_mean, candidates[rows], own[rows],
                          topk, per)  # fmt: skip
+
+
+def _layer_call(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    key_padding_mask: torch.Tensor | None = None,
+    cu_seqlens: object = None,
+    group: dist.ProcessGroup | None = None,
+    **options: Any,
+) -> torch.Tensor:
+    """:func:`moba_ring_attention` as :class:`BlockSelectedRingAttention` calls it: a key
+    padding mask or packed documents on any rank raise on every rank."""
+    try:
+        V.check_no_key_padding_mask(key_padding_mask)
+        if cu_seqlens is not None:
+            raise ValueError(
+                "a MoBA-style layer over ranks takes no cu_seqlens (packed documents): give "
+                "each document its own row, or run the layer in one process"
+            )
+    except ValueError as exc:
+        reject_call(exc, group)
+    return moba_ring_attention(query, key, value, group=group, **options)
+
+
+class BlockSelectedRingAttention(RingModule, BlockSelectedAttention):
+    """:class:`~dilated_attention.modules.BlockSelectedAttention` (MoBA-style) over a
+    sequence sharded across ``group`` in contiguous shards of whole blocks
+    (:func:`moba_ring_attention`); what ``context_parallel`` makes of that layer.
+
+    Args:
+        block_size, topk, scale, backend, dropout: as in ``BlockSelectedAttention``.
+        group: the process group (default: the world).
+
+    Its forward takes (B, n, ...) local shards, as :class:`~.modules.RingModule`'s;
+    ``key_padding_mask`` and ``cu_seqlens`` must be None (on any rank: every rank raises).
+    """
+
+    ring_function = staticmethod(_layer_call)
+    takes_documents = False
+    layout = "contiguous"
+
+    def __init__(
+        self,
+        block_size: int,
+        topk: int,
+        *,
+        group: dist.ProcessGroup | None = None,
+        scale: float | None = None,
+        backend: str | None = None,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__(block_size, topk, scale=scale, backend=backend, dropout=dropout)
+        self._init_ring(group)
+
+    def ring_options(self) -> dict[str, object]:
+        return {"block_size": self.block_size, "topk": self.topk, "group": self.group,
+                "scale": self.scale, "backend": self.backend}  # fmt: skip
+
+    def reject_call(self, error: Exception) -> NoReturn:
+        reject_call(error, self.group)

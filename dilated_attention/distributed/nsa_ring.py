@@ -40,11 +40,14 @@ exchange.
 from __future__ import annotations
 
 import math
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
+from .. import _validation as V
 from ..core.execution.call_runs import accumulator_dtype
+from ..modules import CompressedSelectedWindowAttention
 from ..sparse.compression import num_windows, window_means
 from ..sparse.nsa import (
     Checked,
@@ -56,15 +59,16 @@ from ..sparse.nsa import (
 )
 from . import _comm
 from .block_sparse_ring import block_sparse_ring_attention
-from .context import ContextParallel
 from .cost import Shape, Volume, halo_volumes
 from .gather import gather_prefix, joined
 from .masked_ring import masked_ring_volume
-from .moba_ring import selected_rows
+from .moba_ring import refuse_context_parallel, selected_rows
+from .modules import RingModule
 from .ring import ring_attention
 from .template import RingSetup
 
-__all__ = ["compressed_needs", "nsa_ring_attention", "nsa_ring_volume"]
+__all__ = ["CompressedSelectedWindowRingAttention", "compressed_needs", "nsa_ring_attention",
+           "nsa_ring_volume"]  # fmt: skip
 
 _FIELDS = ("local seq_len", "batch", "heads", "key/value heads", "head_dim",
            "bytes per element", "compress_block", "compress_stride", "select_block", "topk",
@@ -142,12 +146,7 @@ def _agreed(
         TypeError / ValueError: this rank's own error; ``ValueError`` naming the rank on the
             others, or on every rank where the fields differ.
     """
-    if isinstance(group, ContextParallel):
-        raise ValueError(
-            "nsa_ring_attention takes a process group, not a ContextParallel (its selection "
-            "and compressed keys run over a ring, with no head all-to-all): pass "
-            "group=cp.ring"
-        )
+    refuse_context_parallel(group, "nsa_ring_attention")
     error: Exception | None = None
     fields = [0] * len(_FIELDS)
     checked = None
@@ -260,3 +259,101 @@ def nsa_ring_volume(
     calls = 2 if combine == "lse" else 1
     return Volume(readers * chunks + means + calls * rings.forward,
                   sources * chunks + calls * rings.backward)  # fmt: skip
+
+
+def reject_call(error: Exception, group: dist.ProcessGroup | None) -> NoReturn:
+    """Take part in :func:`nsa_ring_attention`'s agreement with this rank's ``error``, then
+    raise it: the peers already waiting there raise too."""
+    _comm.check_same_on_all_ranks([0] * len(_FIELDS), _FIELDS, group, error,
+                                  what="nsa_ring_attention inputs")  # fmt: skip
+    raise error  # not reached: check_same_on_all_ranks raises the local error
+
+
+def _layer_call(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    gates: torch.Tensor | None,
+    *,
+    key_padding_mask: torch.Tensor | None = None,
+    group: dist.ProcessGroup | None = None,
+    **options: Any,
+) -> torch.Tensor:
+    """:func:`nsa_ring_attention` as :class:`CompressedSelectedWindowRingAttention` calls it:
+    a key padding mask on any rank raises on every rank."""
+    try:
+        V.check_no_key_padding_mask(key_padding_mask)
+    except ValueError as exc:
+        reject_call(exc, group)
+    return nsa_ring_attention(query, key, value, gates, group=group, **options)
+
+
+class CompressedSelectedWindowRingAttention(RingModule, CompressedSelectedWindowAttention):
+    """:class:`~dilated_attention.modules.CompressedSelectedWindowAttention` (NSA-style) over
+    a sequence sharded across ``group`` in contiguous shards of whole selected blocks
+    (:func:`nsa_ring_attention`); what ``context_parallel`` makes of that layer.
+
+    Args:
+        compress_block, compress_stride, select_block, topk, window, combine, scale, backend,
+            dropout: as in ``CompressedSelectedWindowAttention``.
+        group: the process group (default: the world).
+
+    Its forward takes (B, n, ...) local shards and this rank's rows of the gates;
+    ``key_padding_mask`` must be None (on any rank: every rank raises).
+    """
+
+    ring_function = staticmethod(_layer_call)
+    takes_documents = False
+    layout = "contiguous"
+
+    def __init__(
+        self,
+        *,
+        compress_block: int,
+        compress_stride: int,
+        select_block: int,
+        topk: int,
+        window: int,
+        combine: str = "gates",
+        group: dist.ProcessGroup | None = None,
+        scale: float | None = None,
+        backend: str | None = None,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__(
+            compress_block=compress_block, compress_stride=compress_stride,
+            select_block=select_block, topk=topk, window=window, combine=combine, scale=scale,
+            backend=backend, dropout=dropout,
+        )  # fmt: skip
+        self._init_ring(group)
+
+    def ring_options(self) -> dict[str, object]:
+        c = self.config
+        return {"compress_block": c.compress_block, "compress_stride": c.compress_stride,
+                "select_block": c.select_block, "topk": c.topk, "window": c.window,
+                "combine": c.combine, "group": self.group, "scale": c.scale,
+                "backend": c.backend}  # fmt: skip
+
+    def forward(  # type: ignore[override]
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        is_causal: bool = False,
+        key_padding_mask: torch.Tensor | None = None,
+        gates: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Args: query (B, n, H, D), key and value (B, n, Hkv, D) this rank's shards; gates
+        (B, n, H, 3) its rows of the gates with ``combine="gates"``, else None.
+
+        Returns:
+            (B, n, H, D).
+        """
+        self.ring_calls += 1
+        return self.ring_function(query, key, value, gates, is_causal=is_causal,
+                                  key_padding_mask=key_padding_mask,
+                                  **self.ring_options())  # fmt: skip
+
+    def reject_call(self, error: Exception) -> NoReturn:
+        reject_call(error, self.group)

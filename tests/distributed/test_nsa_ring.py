@@ -154,3 +154,57 @@ def _check_bad_calls(rank: int, world_size: int) -> None:
 
 def test_bad_calls_raise_on_every_rank(tmp_path: Path) -> None:
     run_world(_check_bad_calls, 2, tmp_path, timeout_s=20)
+
+
+def _check_models(rank: int, world_size: int) -> None:
+    """``context_parallel`` of a LongNetLM whose layers are MoBA- or NSA-style (both
+    combinations): each rank's logits are its shard of the one-process logits, and the
+    parameters' gradients summed over the ranks are the one-process ones. A layer's call
+    rejected on one rank raises on every rank; a head all-to-all is refused, nothing changed."""
+    import copy
+
+    from dilated_attention import LongNetConfig, LongNetLM, create_multihead_dilated_attention
+    from dilated_attention.config import BlockSelectedConfig, CompressedSelectedWindowConfig
+    from dilated_attention.distributed import context_parallel
+
+    nsa = dict(compress_block=4, compress_stride=2, select_block=4, topk=1, window=3)
+    models = (("moba", BlockSelectedConfig(block_size=4, topk=1)),
+              ("nsa", CompressedSelectedWindowConfig(**nsa)),
+              ("nsa", CompressedSelectedWindowConfig(**nsa, combine="lse")))  # fmt: skip
+    for kind, sparse in models:
+        torch.manual_seed(0)
+        config = LongNetConfig(vocab_size=32, embed_dim=32, num_heads=4, num_kv_heads=2,
+                               num_layers=2, segment_lengths=(16,), dilation_rates=(1,),
+                               ffn_dim=64, kind=kind, sparse=sparse)  # fmt: skip
+        model = LongNetLM(config).double()
+        tokens = torch.randint(0, 32, (2, N_LOCAL * world_size),
+                               generator=torch.Generator().manual_seed(1))  # fmt: skip
+        want = model(tokens)
+        want_grads = torch.autograd.grad(want.square().sum(), list(model.parameters()))
+        parallel = context_parallel(copy.deepcopy(model), None)
+        logits = parallel(shard_sequence(tokens))
+        case = f"rank {rank}/{world_size} {kind} {sparse}"
+        torch.testing.assert_close(logits, shard_sequence(want).detach(), **TIGHT,
+                                   msg=lambda m, c=case: f"logits {c}: {m}")  # fmt: skip
+        grads = torch.autograd.grad(logits.square().sum(), list(parallel.parameters()))
+        for got, expected in zip(grads, want_grads, strict=True):
+            total = got.clone()
+            dist.all_reduce(total)
+            torch.testing.assert_close(total, expected, **TIGHT,
+                                       msg=lambda m, c=case: f"grads {c}: {m}")  # fmt: skip
+    layer = create_multihead_dilated_attention("nsa", embed_dim=32, num_heads=4, **nsa).double()
+    with raises_on_rank("a head all-to-all", r"no head all-to-all"):
+        context_parallel(layer, ContextParallel(heads=dist.group.WORLD))
+    assert type(layer.attention).__name__ == "CompressedSelectedWindowAttention"
+    context_parallel(layer, ContextParallel(ring=dist.group.WORLD))
+    x = torch.randn(2, N_LOCAL, 32, dtype=torch.float64)
+    mask = torch.zeros(2, N_LOCAL, dtype=torch.bool) if rank == 0 else None
+    with raises_on_rank("a key padding mask on rank 0", r"key_padding_mask|rank 0", within_s=10):
+        layer(x, key_padding_mask=mask, is_causal=True)
+    wide = torch.randn(2, N_LOCAL, 16 if rank == 1 else 32, dtype=torch.float64)
+    with raises_on_rank("a wrong embed_dim on rank 1", r"embed_dim|rank 1", within_s=10):
+        layer(wide, is_causal=True)
+
+
+def test_context_parallel_models_of_selected_layers_equal_one_process(tmp_path: Path) -> None:
+    run_world(_check_models, 2, tmp_path, timeout_s=60)
