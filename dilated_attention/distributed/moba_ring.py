@@ -33,7 +33,8 @@ from .block_sparse_ring import block_sparse_ring_attention
 from .context import ContextParallel
 from .modules import RingModule
 
-__all__ = ["BlockSelectedRingAttention", "moba_ring_attention", "selected_rows"]
+__all__ = ["BlockSelectedRingAttention", "moba_ring_attention", "selected_rows",
+           "selection_group"]  # fmt: skip
 
 _FIELDS = ("local seq_len", "batch", "key/value heads", "head_dim", "bytes per element",
            "block_size", "topk", "is_causal")  # fmt: skip
@@ -85,6 +86,27 @@ def refuse_context_parallel(group: object, function: str) -> None:
         )
 
 
+def selection_group(
+    group: ContextParallel | dist.ProcessGroup | None, what: str
+) -> dist.ProcessGroup | None:
+    """The process group a layer that selects blocks (MoBA- or NSA-style) runs over, given
+    the group a model is made context parallel over: ``group`` itself, or a
+    ``ContextParallel``'s ring.
+
+    Raises:
+        ValueError: a ``ContextParallel`` with a head all-to-all, or without a ring
+            (``what``: the layer or call, for the message).
+    """
+    if not isinstance(group, ContextParallel):
+        return group
+    if group.heads is not None or group.ring is None:
+        raise ValueError(
+            f"{what} selects blocks from the content over a ring of ranks, with no head "
+            f"all-to-all: pass a process group or ContextParallel(ring=...) alone, got {group}"
+        )
+    return group.ring
+
+
 def reject_call(error: Exception, group: dist.ProcessGroup | None) -> NoReturn:
     """Take part in :func:`moba_ring_attention`'s agreement with this rank's ``error``, then
     raise it: the peers already waiting there raise too."""
@@ -104,6 +126,8 @@ def moba_ring_attention(
     group: dist.ProcessGroup | None = None,
     scale: float | None = None,
     backend: str | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`~dilated_attention.sparse.moba_attention` over a sequence sharded across
     ``group``: this rank's shard of the one-process result, with exact gradients for the local
@@ -119,20 +143,26 @@ def moba_ring_attention(
         group: the process group (default: the world).
         scale: softmax scale; ``None`` means ``D ** -0.5``.
         backend: the per-step kernel, as in :func:`block_sparse_ring_attention`.
+        softcap: the attention's scores soft-capped, as in ``moba_attention`` (the choice is
+            made on the plain affinities).
+        sinks: (H,) logits, alike on every rank, as in ``moba_attention``; a rank's gradient
+            is its rows' share (the shares sum to the one-process gradient).
 
     Returns:
         (B, n, H, D) in the input dtype.
 
     Raises:
         TypeError / ValueError: on every rank, before any other communication: malformed
-            tensors or options (as ``moba_attention``), shards that are not whole blocks, or
-            shapes and options that differ between ranks.
+            tensors or selection options (as ``moba_attention``), shards that are not whole
+            blocks, or shapes and options that differ between ranks; the attention's options
+            (``scale``, ``backend``, ``softcap``, ``sinks``) in the ring call's agreement,
+            after the means' exchange (whose shapes do not depend on them).
     """
     size, count = _agreed(query, key, value, block_size, topk, is_causal, group)
     mask = selected_rows(query, key, size, count, bool(is_causal), "head", group)
     out = block_sparse_ring_attention(
         query, key, value, mask, block_size=size, group=group, is_causal=bool(is_causal),
-        scale=scale, backend=backend,
+        scale=scale, backend=backend, softcap=softcap, sinks=sinks,
     )  # fmt: skip
     assert isinstance(out, torch.Tensor)  # return_lse=False: for the type checker
     return out

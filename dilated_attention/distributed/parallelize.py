@@ -38,7 +38,7 @@ from ..modules import (
 )
 from .block_sparse_ring import BlockSparseRingAttention, BlockSparseRingMultiheadAttention
 from .context import ContextParallel, check_group
-from .moba_ring import BlockSelectedRingAttention
+from .moba_ring import BlockSelectedRingAttention, selection_group
 from .modules import (
     RingDilatedAttention,
     RingModule,
@@ -105,7 +105,8 @@ def context_parallel(
         if isinstance(module, RingModule):
             module.layout = layout
             selected = isinstance(module, _SELECTED)
-            module._init_ring(_ring_group(group) if selected else group)  # type: ignore[arg-type]
+            ring = selection_group(group, type(module).__name__) if selected else group
+            module._init_ring(ring)  # type: ignore[arg-type]
     return model
 
 
@@ -145,25 +146,5 @@ def _ring_class(
             f"are the sequence's); pass layout='contiguous'"
         )
     if isinstance(module, _SELECTED_LOCAL):  # their ring layers too
-        _ring_group(group, name)  # refused under a head all-to-all, before any change
+        selection_group(group, f"{name} ({type(module).__name__})")  # before any change
     return ring_class
-
-
-def _ring_group(
-    group: ContextParallel | dist.ProcessGroup | None, name: str = "a selected-block layer"
-) -> dist.ProcessGroup | None:
-    """The process group a selected-block layer runs over: ``group``, or a
-    ``ContextParallel``'s ring.
-
-    Raises:
-        ValueError: a ``ContextParallel`` with a head all-to-all or without a ring.
-    """
-    if not isinstance(group, ContextParallel):
-        return group
-    if group.heads is not None or group.ring is None:
-        raise ValueError(
-            f"{name} selects blocks from the content over a ring of ranks, with no head "
-            f"all-to-all: pass a process group or ContextParallel(ring=...) alone, got {group}; "
-            f"nothing was changed"
-        )
-    return group.ring
