@@ -139,12 +139,14 @@ def _ring_class(
             f"{name} ({type(module).__name__}) has dropout={dropout}: context parallel layers "
             f"have no dropout; build the model with dropout=0"
         )
-    contiguous = (BlockSparseAttention, BlockSparseMultiheadAttention, *_SELECTED_LOCAL)
-    if isinstance(module, contiguous) and layout != "contiguous":
+    sparse = isinstance(module, BlockSparseAttention | BlockSparseMultiheadAttention)
+    selected = isinstance(module, _SELECTED_LOCAL)
+    if (sparse or selected) and layout != "contiguous":
+        what = "block-sparse" if sparse else "a selected-block (MoBA- or NSA-style) layer"
         raise ValueError(
-            f"{name} ({type(module).__name__}) runs over contiguous shards only (its blocks "
-            f"are the sequence's); pass layout='contiguous'"
+            f"{name} ({type(module).__name__}) is {what}, which runs over contiguous shards "
+            f"only; pass layout='contiguous'"
         )
-    if isinstance(module, _SELECTED_LOCAL):  # their ring layers too
+    if selected:  # their ring layers too
         selection_group(group, f"{name} ({type(module).__name__})")  # before any change
     return ring_class
