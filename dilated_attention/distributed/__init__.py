@@ -13,7 +13,13 @@ from .block_sparse_ring import block_sparse_ring_attention
 from .context import ContextParallel
 from .cost import SplitPlan, Topology, plan_context_parallel
 from .moba_ring import moba_ring_attention
-from .modules import RingAttention, RingDilatedAttention, RingMultiheadDilatedAttention
+from .modules import (
+    RingAttention,
+    RingDilatedAttention,
+    RingMultiheadAttention,
+    RingMultiheadDilatedAttention,
+)
+from .nsa_ring import nsa_ring_attention
 from .packed_ring import RingLoad, ring_load
 from .parallelize import context_parallel
 from .ring import ring_attention
@@ -25,12 +31,14 @@ __all__ = [
     "RingAttention",
     "RingDilatedAttention",
     "RingLoad",
+    "RingMultiheadAttention",
     "RingMultiheadDilatedAttention",
     "SplitPlan",
     "Topology",
     "block_sparse_ring_attention",
     "context_parallel",
     "moba_ring_attention",
+    "nsa_ring_attention",
     "plan_context_parallel",
     "ring_attention",
     "ring_dilated_attention",

@@ -348,7 +348,8 @@ class AgreedForward:
 
     The layer's forward (its own checks and projections, then the ring call) runs as in the
     next class of the MRO; an error raised before the ring call was reached takes part in that
-    call's agreement (:func:`reject_ring_call`), so that it raises on every rank instead of
+    call's agreement (the ring module's ``reject_call``: :func:`reject_ring_call`, or the
+    agreement of its own ring function), so that it raises on every rank instead of
     leaving the others waiting. Its rotary positions default to the shard's global positions
     (:meth:`_default_positions`), computed without communication.
 
@@ -373,4 +374,4 @@ class AgreedForward:
         except Exception as exc:
             if self.attention.ring_calls != reached:
                 raise  # the ring call's agreement already ran on every rank
-            reject_ring_call(exc, self.attention.group)
+            self.attention.reject_call(exc)  # its ring function's agreement, with this error

@@ -112,7 +112,7 @@ def ring_volume(shape: Shape, ranks: int) -> Volume:
     else:
         volumes = [Volume()] * ranks  # the window alone: its halo below
     if shape.window is not None:
-        volumes = [v + h for v, h in zip(volumes, _halo_ring(shape, ranks), strict=True)]
+        volumes = [v + h for v, h in zip(volumes, halo_volumes(shape, ranks), strict=True)]
     return max(volumes, key=_total)
 
 
@@ -166,7 +166,7 @@ def _dilated_ring(shape: Shape, ranks: int) -> list[Volume]:
     return [Volume(f, b) for f, b in zip(forward, backward, strict=True)]
 
 
-def _halo_ring(shape: Shape, ranks: int) -> list[Volume]:
+def halo_volumes(shape: Shape, ranks: int) -> list[Volume]:
     """A local window's halo, every rank's (Note [Halo exchange] in ``halo.py``): the rows the
     others' windows reach of its shard forward (with their mask), and float32 dK/dV of the rows
     it received backward."""

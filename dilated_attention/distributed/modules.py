@@ -6,7 +6,7 @@ result. They wrap the local modules from outside (``modules.py`` never imports t
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -15,15 +15,16 @@ from torch import nn
 from .. import _validation as V
 from ..backends.registry import check_backend_name
 from ..config import MultiheadDilatedConfig
-from ..modules import DilatedAttention, MultiheadDilatedAttention
+from ..modules import DilatedAttention, MultiheadAttention, MultiheadDilatedAttention
 from ..modules.scores import learnable_sinks
-from .agreement import COMMS, AgreedForward
+from .agreement import COMMS, AgreedForward, reject_ring_call
 from .packed_ring import shard_offsets, shard_positions
 from .ring import ring_attention
 from .ring_dilated import ring_dilated_attention
 from .sharding import check_layout
 
-__all__ = ["RingAttention", "RingDilatedAttention", "RingModule", "RingMultiheadDilatedAttention"]
+__all__ = ["RingAttention", "RingDilatedAttention", "RingModule", "RingMultiheadAttention",
+           "RingMultiheadDilatedAttention"]  # fmt: skip
 
 
 def _no_dropout(dropout: float) -> None:
@@ -62,6 +63,12 @@ class RingModule:
     def ring_options(self) -> dict[str, object]:
         """The module's arguments to :attr:`ring_function` besides the call's own."""
         raise NotImplementedError
+
+    def reject_call(self, error: Exception) -> NoReturn:
+        """Take part in :attr:`ring_function`'s agreement across ranks with this rank's
+        ``error``, then raise it (:func:`~.agreement.reject_ring_call`): a call rejected
+        before the ring function was reached raises on every rank."""
+        reject_ring_call(error, self.group)
 
     def score_options(self) -> dict[str, object]:
         """The module's local window, soft-cap and learnable sinks (its ``window_size``,
@@ -247,6 +254,17 @@ class RingMultiheadDilatedAttention(AgreedForward, MultiheadDilatedAttention):
     def _check_key_padding_mask(self, mask: object, query: torch.Tensor) -> None:
         """Left to the ring call, which checks the mask on every rank together: a mask rejected
         on one rank alone must raise on all of them, not leave the others waiting."""
+
+
+class RingMultiheadAttention(AgreedForward, MultiheadAttention):
+    """The library's :class:`~dilated_attention.modules.MultiheadAttention` around a ring
+    module: what ``context_parallel`` makes of that layer when it turns its inner module into
+    a ring module (the factory's MoBA- and NSA-style layers are this layer around their inner
+    modules). The same constructor and forward; each rank passes its (B, n, E) shard.
+
+    A call rejected on one rank, by the layer's own checks or by the ring call's agreement,
+    raises on every rank (:class:`~dilated_attention.distributed.agreement.AgreedForward`); the
+    rotary positions default to the shard's global positions."""
 
 
 #: Read by the factory when kind="ring" is first requested (``factory._PROVIDERS``).

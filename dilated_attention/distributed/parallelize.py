@@ -8,7 +8,11 @@ Note [Parallelizing a model]
     layer by taking the ring class and those two attributes, with its parameters and schedule
     state untouched (the way ``fully_shard`` re-classes a module), and a ring layer just takes
     the new group; a local window, soft-cap and learnable sinks go with the layer (the ring
-    layer passes them on; each rank's sinks gradient is its shard's share). Layers that cannot
+    layer passes them on; each rank's sinks gradient is its shard's share). The library's
+    multihead layer around an inner module that becomes a ring module (the factory's MoBA- and
+    NSA-style layers) becomes a ``RingMultiheadAttention``: its checks agree across ranks and
+    its rotary positions are the shard's. Selected-block layers run over a ring alone (their
+    selection and pooled keys need every rank's key blocks, no head all-to-all). Layers that cannot
     run over ranks raise before anything changes: dropout (the ring functions have none) and
     decoding caches. After it, each rank passes its shard (``shard_sequence(x, group=group)``);
     rotary positions follow the group (``sequence_positions``), and ``LongNetLM`` finds them
@@ -29,11 +33,19 @@ from ..modules import (
     CompressedSelectedWindowAttention,
     DilatedAttention,
     LocalAttention,
+    MultiheadAttention,
     MultiheadDilatedAttention,
 )
 from .block_sparse_ring import BlockSparseRingAttention, BlockSparseRingMultiheadAttention
 from .context import ContextParallel, check_group
-from .modules import RingDilatedAttention, RingModule, RingMultiheadDilatedAttention
+from .moba_ring import BlockSelectedRingAttention, selection_group
+from .modules import (
+    RingDilatedAttention,
+    RingModule,
+    RingMultiheadAttention,
+    RingMultiheadDilatedAttention,
+)
+from .nsa_ring import CompressedSelectedWindowRingAttention
 from .sharding import check_layout
 
 __all__ = ["context_parallel"]
@@ -44,7 +56,13 @@ _RING_CLASSES: dict[type, type] = {
     MultiheadDilatedAttention: RingMultiheadDilatedAttention,
     BlockSparseAttention: BlockSparseRingAttention,
     BlockSparseMultiheadAttention: BlockSparseRingMultiheadAttention,
+    BlockSelectedAttention: BlockSelectedRingAttention,
+    CompressedSelectedWindowAttention: CompressedSelectedWindowRingAttention,
 }
+
+#: The selected-block layers (MoBA- and NSA-style): local, and their ring layers.
+_SELECTED_LOCAL = (BlockSelectedAttention, CompressedSelectedWindowAttention)
+_SELECTED = (BlockSelectedRingAttention, CompressedSelectedWindowRingAttention)
 
 
 def context_parallel(
@@ -54,58 +72,81 @@ def context_parallel(
     layout: str = "contiguous",
 ) -> nn.Module:
     """Make every attention layer of ``model`` run over ``group`` (Note [Parallelizing a
-    model]): local dilated and block-sparse layers become their ring layers, ring layers take
-    ``group``; other modules are left as they are. Returns ``model``.
+    model]): local dilated, block-sparse and selected-block (MoBA- and NSA-style) layers become
+    their ring layers, the library's multihead layer around one of them a
+    :class:`~.modules.RingMultiheadAttention`, ring layers take ``group``; other modules are
+    left as they are. Returns ``model``.
 
     Args:
         model: any module; ``LongNetLM`` and models built from the library's layers included.
         group: a :class:`ContextParallel` (a ring and/or a head all-to-all, e.g. from a
-            ``DeviceMesh``), a process group, or None (the world).
-        layout: the sequence layout the shards are made with (``"zigzag"``: causal models).
+            ``DeviceMesh``), a process group, or None (the world). Selected-block layers run
+            over a ring only: a ``ContextParallel`` with a head all-to-all is refused for them.
+        layout: the sequence layout the shards are made with (``"zigzag"``: causal models;
+            block-sparse and selected-block layers take contiguous shards only).
 
     Raises:
         ValueError: a layer with dropout (the ring functions have none), a local
-            (sliding-window) or selected-block (MoBA- or NSA-style) layer, which has no ring
-            layer yet, or a bad ``layout``; nothing is changed then.
+            (sliding-window) layer, which has no ring layer yet, a block-sparse or
+            selected-block layer with ``layout="zigzag"``, a selected-block layer under a
+            head all-to-all, or a bad ``layout``; nothing is changed then.
         TypeError: ``group`` is not a group.
     """
     check_group(group)
     layout = check_layout(layout)
     changes = []
     for name, module in model.named_modules():
-        if isinstance(module, LocalAttention):
-            raise ValueError(
-                f"{name or 'model'} is a local (sliding-window) layer, which has no ring layer "
-                f"yet: run the model in one process, or use the ring functions' window "
-                f"(RingAttention(window_size=...), ring_attention(..., window_size=...)); "
-                f"nothing was changed"
-            )
-        if isinstance(module, BlockSelectedAttention | CompressedSelectedWindowAttention):
-            raise ValueError(
-                f"{name or 'model'} ({type(module).__name__}) selects blocks from the content, "
-                f"which has no ring layer yet (each rank would select within its shard alone): "
-                f"run the model in one process; nothing was changed"
-            )
-        ring_class = _RING_CLASSES.get(type(module))
-        if ring_class is None and not isinstance(module, RingModule):
-            continue
-        dropout = getattr(module, "dropout", 0.0)
-        if isinstance(dropout, float) and dropout > 0:
-            raise ValueError(
-                f"{name or 'model'} ({type(module).__name__}) has dropout={dropout}: context "
-                f"parallel layers have no dropout; build the model with dropout=0"
-            )
-        sparse = isinstance(module, BlockSparseAttention | BlockSparseMultiheadAttention)
-        if sparse and layout != "contiguous":
-            raise ValueError(
-                f"{name or 'model'} ({type(module).__name__}) is block-sparse, which runs over "
-                f"contiguous shards only; pass layout='contiguous'"
-            )
-        changes.append((module, ring_class))
+        ring_class = _ring_class(name or "model", module, layout, group)
+        if ring_class is not None or isinstance(module, RingModule):
+            changes.append((module, ring_class))
     for module, ring_class in changes:
         if ring_class is not None:
             module.__class__ = ring_class
         if isinstance(module, RingModule):
             module.layout = layout
-            module._init_ring(group)  # type: ignore[arg-type]
+            selected = isinstance(module, _SELECTED)
+            ring = selection_group(group, type(module).__name__) if selected else group
+            module._init_ring(ring)  # type: ignore[arg-type]
     return model
+
+
+def _ring_class(
+    name: str, module: nn.Module, layout: str, group: ContextParallel | dist.ProcessGroup | None
+) -> type | None:
+    """The ring class ``module`` becomes (None: it stays as it is; a ring layer only takes the
+    group), checked.
+
+    Raises:
+        ValueError: as :func:`context_parallel` says.
+    """
+    if isinstance(module, LocalAttention):
+        raise ValueError(
+            f"{name} is a local (sliding-window) layer, which has no ring layer yet: run the "
+            f"model in one process, or use the ring functions' window "
+            f"(RingAttention(window_size=...), ring_attention(..., window_size=...)); nothing "
+            f"was changed"
+        )
+    if type(module) is MultiheadAttention:  # the library's layer around an inner module
+        inner = module.attention
+        ring = isinstance(inner, RingModule) or type(inner) in _RING_CLASSES
+        return RingMultiheadAttention if ring else None
+    ring_class = _RING_CLASSES.get(type(module))
+    if ring_class is None and not isinstance(module, RingModule):
+        return None
+    dropout = getattr(module, "dropout", 0.0)
+    if isinstance(dropout, float) and dropout > 0:
+        raise ValueError(
+            f"{name} ({type(module).__name__}) has dropout={dropout}: context parallel layers "
+            f"have no dropout; build the model with dropout=0"
+        )
+    sparse = isinstance(module, BlockSparseAttention | BlockSparseMultiheadAttention)
+    selected = isinstance(module, _SELECTED_LOCAL)
+    if (sparse or selected) and layout != "contiguous":
+        what = "block-sparse" if sparse else "a selected-block (MoBA- or NSA-style) layer"
+        raise ValueError(
+            f"{name} ({type(module).__name__}) is {what}, which runs over contiguous shards "
+            f"only; pass layout='contiguous'"
+        )
+    if selected:  # their ring layers too
+        selection_group(group, f"{name} ({type(module).__name__})")  # before any change
+    return ring_class

@@ -43,9 +43,13 @@ Note [MoBA in a pretrained model]
     with the fix: a non-causal or cross-attention layer (MoBA here is a decoder's), a call after
     a cache (its query block would hold only the new tokens and choose other blocks than the
     whole sequence's; ``use_cache=False``), padding or packed rows (the pads would join a
-    block's gate; one sequence per call), dropout (``moba_attention`` takes none), and a
-    context-parallel group. The call's soft-cap and sinks are computed (they change the scores
-    of the chosen blocks, not the choice). Local and chunked layers keep their window or chunk.
+    block's gate; one sequence per call) and dropout (``moba_attention`` takes none). The
+    call's soft-cap and sinks are computed (they change the scores of the chosen blocks, not
+    the choice). Local and chunked layers keep their window or chunk. Over a context-parallel
+    group each rank's shard runs :func:`~dilated_attention.distributed.moba_ring_attention`
+    (Note [Context parallel transformers] in ``_transformers_paths.py``): shards of whole
+    blocks, over a process group or a ``ContextParallel``'s ring (no head all-to-all: block
+    masks made at run time travel a ring only, Note [Run-time masks over the ring]).
     NSA is not offered: its gates and compressed branch are weights a pretrained model lacks (a
     ``LongNetLM`` with the factory's ``kind="nsa"`` trains them).
 """
@@ -59,6 +63,7 @@ import torch
 from torch import nn
 
 from ..config import BlockSelectedConfig, CompressedSelectedWindowConfig
+from ..distributed.moba_ring import selection_group
 from ..functional import attention, dilated_attention
 from ..sparse import moba_attention
 
@@ -248,7 +253,8 @@ def check_sparse(
 
     Raises:
         ValueError: no schedule and no ``sparse``; NSA's config; with ``sparse``, a schedule
-            as well, a ``scale``, an encoder-decoder model, or a context-parallel ``group``.
+            as well, a ``scale``, an encoder-decoder model, or a ``ContextParallel`` with a
+            head all-to-all (MoBA runs over a ring).
         TypeError: ``sparse`` is not a :class:`BlockSelectedConfig`.
     """
     if sparse is None:
@@ -279,8 +285,7 @@ def check_sparse(
     elif getattr(model.config, "is_encoder_decoder", False):
         problem = (f"an encoder-decoder model ({type(model).__name__}): MoBA runs in a "
                    f"decoder's causal self-attention only; {_MOBA_FIX}")  # fmt: skip
-    elif group is not None:
-        problem = "context_parallel: MoBA layers run on one process; leave it None"
     if problem is not None:
         raise ValueError(f"use_dilated_attention(sparse=BlockSelectedConfig) got {problem}")
+    selection_group(group, "use_dilated_attention(sparse=BlockSelectedConfig) (MoBA)")
     return sparse.kwargs()

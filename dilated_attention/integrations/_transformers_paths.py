@@ -59,13 +59,14 @@ Note [Context parallel transformers]
     ``ring_dilated_attention`` over ``group`` (Note [Context parallel groups] in
     ``distributed/context.py``): each rank's model holds its shard of the sequence, rotated by
     the global ``position_ids`` the caller passes, and the call returns that shard of the exact
-    one-process result: a global layer's schedule, a chunked layer's branch ``(C, 1)`` and a
-    local layer's window (``ring_attention``, which sends only the window's halo) over global
-    positions, each with its soft-cap and sinks (a rank's sinks gradient is its rows' share:
-    the shares sum to the one-process gradient). Training and evaluation over whole sequences
-    only: a padding mask, a cache (keys other than the call's own), packed rows and attention
-    dropout raise ``ValueError``, on this rank, before the ring call's agreement (call them on
-    every rank alike).
+    one-process result: a global layer's schedule (or MoBA, ``moba_ring_attention`` over the
+    group's ring: Note [MoBA in a pretrained model] in ``_transformers_layer.py``), a chunked
+    layer's branch ``(C, 1)`` and a local layer's window (``ring_attention``, which sends only
+    the window's halo) over global positions, each with its soft-cap and sinks (a rank's sinks
+    gradient is its rows' share: the shares sum to the one-process gradient). Training and
+    evaluation over whole sequences only: a padding mask, a cache (keys other than the call's
+    own), packed rows and attention dropout raise ``ValueError``, on this rank, before the ring
+    call's agreement (call them on every rank alike).
 
 Note [Cross-attention in encoder-decoder models]
     A decoder's cross-attention reads the encoder's keys: query positions and key positions are
@@ -110,7 +111,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..distributed import ring_attention, ring_dilated_attention
+from ..distributed import moba_ring_attention, ring_attention, ring_dilated_attention
+from ..distributed.moba_ring import selection_group
 from ..functional import attention
 from ._transformers_layer import LayerAttention, layer_name
 from ._transformers_masks import host_read, is_sequence_ids, sequence_offsets
@@ -444,6 +446,11 @@ def context_parallel_rows(
         "group": group, "is_causal": run["is_causal"], "scale": run.get("scale"),
         "softcap": layer.softcap, "sinks": layer.sinks,
     }  # fmt: skip
+    moba = layer.moba
+    if moba is not None:  # causal (layer_attention checked it): Note [MoBA in a pretrained model]
+        options["group"] = selection_group(group, layer.name)
+        return moba_ring_attention(q, k, v, block_size=moba.block_size, topk=moba.topk,
+                                   backend=moba.backend, **options)  # fmt: skip
     if layer.schedule is None:
         assert layer.window is not None  # a local layer
         out = ring_attention(q, k, v, window_size=(layer.window - 1, 0), **options)

@@ -151,8 +151,11 @@ def use_dilated_attention(
             the global layers run :func:`~dilated_attention.sparse.moba_attention` on the
             model's own q, k, v and softmax scale (so ``sparse.scale`` stays None). Causal
             decoders only, called on unpadded, unpacked rows without a cache; other calls
-            raise before any work. NSA (``CompressedSelectedWindowConfig``) is refused: its
-            gates and compressed branch are weights a pretrained model lacks.
+            raise before any work. With ``context_parallel`` (a process group, or a
+            ``ContextParallel`` with a ring alone) each rank's shard, whole blocks, runs
+            :func:`~dilated_attention.distributed.moba_ring_attention`. NSA
+            (``CompressedSelectedWindowConfig``) is refused: its gates and compressed branch
+            are weights a pretrained model lacks.
 
     Raises:
         ValueError: a bad schedule (per layer: the layer is named), a per-layer schedule whose
@@ -160,7 +163,8 @@ def use_dilated_attention(
             whose attention adds a relative position bias (T5) without
             ``keep_unsupported_layers``, or a cross-attention layer this integration cannot
             recognize; with ``sparse``: a schedule as well, NSA's config, a ``scale``, an
-            encoder-decoder model or ``context_parallel``; without it: no schedule.
+            encoder-decoder model or a ``context_parallel`` with a head all-to-all; without
+            it: no schedule.
         TypeError: ``model`` is not a transformers model, a flag is not a bool,
             ``context_parallel`` is not a group, or ``sparse`` is not a BlockSelectedConfig.
     """

@@ -141,25 +141,76 @@ def nsa_attention(
             ``combine``, ``gates`` missing or given where not used, a causal query longer than
             the key or a non-causal one of another length; all before any work.
     """
+    c = check_call(query, key, value, gates, (compress_block, compress_stride, select_block,
+                   topk, window), is_causal, combine, scale, backend)  # fmt: skip
+    block, stride, select, topk, window = c.sizes
+    mask = select_blocks(c.q, c.k, block_size=select, topk=topk, is_causal=c.run.is_causal,
+                         per="kv_head", return_indices=True)  # fmt: skip
+    k_cmp, v_cmp = compress_kv(c.k, c.v, block=block, stride=stride)
+    return combine_branches(
+        (
+            compressed_branch(c.q, k_cmp, v_cmp, c.k.shape[1], block, stride, c.run),
+            selected_branch(c.q, c.k, c.v, mask, select, c.run),
+            window_branch(c.q, c.k, c.v, window, c.run),
+        ),
+        c.gates,
+    )
+
+
+class Run(NamedTuple):
+    """What every branch's calls share: the softmax scale, the kernel asked for (None:
+    automatic), causality, and whether ``lse`` is needed (``combine="lse"``)."""
+
+    scale: float
+    backend: str | None
+    is_causal: bool
+    need_lse: bool
+
+
+class Checked(NamedTuple):
+    """A checked call of :func:`nsa_attention`: its tensors, gates (None with
+    ``combine="lse"``), sizes ``(compress_block, compress_stride, select_block, topk,
+    window)`` and what every branch shares."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    gates: torch.Tensor | None
+    sizes: tuple[int, int, int, int, int]
+    run: Run
+
+
+def check_call(
+    query: object, key: object, value: object, gates: object, sizes: tuple[object, ...],
+    is_causal: object, combine: object, scale: object, backend: object,
+) -> Checked:  # fmt: skip
+    """:func:`nsa_attention`'s arguments checked, before any work (``sizes``: compress_block,
+    compress_stride, select_block, topk, window as given).
+
+    Raises:
+        TypeError / ValueError: as :func:`nsa_attention` says.
+    """
     q, k, v = V.check_qkv(query, key, value, same_length=False)
     V.check_bool("is_causal", is_causal)
-    sizes = _check_sizes(compress_block, compress_stride, select_block, topk, window, is_causal)
+    checked = _check_sizes(*sizes, bool(is_causal))
     _check_combine(combine)
-    g = _check_gates(gates, q, combine)
-    _check_lengths(q, k, is_causal)
+    g = _check_gates(gates, q, str(combine))
+    _check_lengths(q, k, bool(is_causal))
     scale = V.check_scale(scale)
-    run = _Run(
+    run = Run(
         q.shape[-1] ** -0.5 if scale is None else scale, check_backend_name(backend),
-        is_causal, combine == "lse",
+        bool(is_causal), combine == "lse",
     )  # fmt: skip
-    block, stride, select, topk, window = sizes
-    calls = (
-        _compressed(q, k, v, block, stride, run),
-        _selected(q, k, v, select, topk, run),
-        _window(q, k, v, window, run),
-    )
-    if g is not None:
-        return gated_sum([out for out, _ in calls], g)
+    return Checked(q, k, v, g, checked, run)
+
+
+def combine_branches(calls: tuple[Result, Result, Result], gates: torch.Tensor | None) -> (
+    torch.Tensor
+):
+    """The branches' results (compressed, selected, window) combined: summed by ``gates``
+    (B, N, H, 3), or merged through their log-sum-exp where ``gates`` is None."""
+    if gates is not None:
+        return gated_sum([out for out, _ in calls], gates)
     # The window branch first: every row sees its own key there, so no merge step meets two
     # empty sides (merge_branches: their gradient would be NaN).
     return merge_branches([calls[2], calls[1], calls[0]])  # type: ignore[list-item]
@@ -229,18 +280,8 @@ def _check_lengths(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> None:
         )
 
 
-class _Run(NamedTuple):
-    """What every branch's calls share: the softmax scale, the kernel asked for (None:
-    automatic), causality, and whether ``lse`` is needed (``combine="lse"``)."""
-
-    scale: float
-    backend: str | None
-    is_causal: bool
-    need_lse: bool
-
-
 def _branch(
-    call: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _Run
+    call: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: Run
 ) -> Result:
     """One branch's ``(out, lse)`` from its call (``call(q, k, v, return_lse=...)``): ``lse``
     None unless asked for, else differentiable (Note [A differentiable log-sum-exp])."""
@@ -250,49 +291,60 @@ def _branch(
     return out, lse_with_gradient(call, q, k, lse, run.scale)
 
 
-def _window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, run: _Run) -> Result:
-    """The sliding window branch: ``attention`` with ``window_size=(w - 1, 0)`` (causal) or
-    ``(w - 1, w - 1)``."""
+def window_branch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, run: Run,
+    attend: Callable[..., Any] | None = None, **where: Any,
+) -> Result:  # fmt: skip
+    """The sliding window branch: ``attend`` (:func:`~dilated_attention.attention`, or the
+    ring's with ``where``: its group) with ``window_size=(w - 1, 0)`` (causal) or ``(w - 1,
+    w - 1)``."""
     size = (window - 1, 0 if run.is_causal else window - 1)
     call = functools.partial(
-        attention, is_causal=run.is_causal, window_size=size, scale=run.scale,
-        backend=run.backend,
+        attend or attention, is_causal=run.is_causal, window_size=size, scale=run.scale,
+        backend=run.backend, **where,
     )  # fmt: skip
     return _branch(call, q, k, v, run)
 
 
-def _selected(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, topk: int, run: _Run
-) -> Result:
-    """The selected branch: blocks chosen per key/value head (Note [NSA's three branches]),
-    run on that run-time block mask."""
-    mask = select_blocks(q, k, block_size=block, topk=topk, is_causal=run.is_causal,
-                         per="kv_head", return_indices=True)  # fmt: skip
+def selected_branch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, block: int,
+    run: Run, attend: Callable[..., Any] | None = None, **where: Any,
+) -> Result:  # fmt: skip
+    """The selected branch: ``attend`` (:func:`~dilated_attention.block_sparse_attention`, or
+    the ring's with ``where``) on the run-time block ``mask`` of the blocks chosen per
+    key/value head (Note [NSA's three branches])."""
 
     def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **lse: bool) -> Any:
-        return block_sparse_attention(
+        return (attend or block_sparse_attention)(
             q, k, v, mask, block_size=block, is_causal=run.is_causal, scale=run.scale,
-            backend=run.backend, **lse,
+            backend=run.backend, **where, **lse,
         )  # fmt: skip
 
     return _branch(call, q, k, v, run)
 
 
-def _compressed(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, stride: int, run: _Run
-) -> Result:
+def compressed_branch(
+    q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, key_len: int, block: int,
+    stride: int, run: Run,
+) -> Result:  # fmt: skip
     """The compressed branch, exact per token (Note [The compressed branch exactly, per
-    residue class]): ``(out (B, Nq, H, D), lse (B, H, Nq) or None)``."""
-    k_cmp, v_cmp = compress_kv(k, v, block=block, stride=stride)
+    residue class]): ``(out (B, Nq, H, D), lse (B, H, Nq) or None)``.
+
+    Args:
+        q: (B, Nq, H, D), the last ``Nq`` of ``key_len`` positions (end-aligned).
+        k_cmp, v_cmp: (B, Nc, Hkv, D) the compressed keys and values of those positions
+            (:func:`~dilated_attention.sparse.compress_kv`), or of a prefix holding every
+            window the queries see (the ring's: the keys a rank's queries see).
+    """
     batch, nq, heads, _ = q.shape
-    out = q.new_zeros(batch, nq, heads, v.shape[-1])
+    out = q.new_zeros(batch, nq, heads, v_cmp.shape[-1])
     lse_dtype = torch.promote_types(q.dtype, torch.float32)
     lse = torch.full((batch, heads, nq), -torch.inf, dtype=lse_dtype, device=q.device)
     call = functools.partial(
         attention, is_causal=run.is_causal, scale=run.scale, backend=run.backend
     )
     step = stride if run.is_causal else 1
-    for start, keys in _class_calls(nq, k.shape[1], block, stride, run.is_causal,
+    for start, keys in _class_calls(nq, key_len, block, stride, run.is_causal,
                                     k_cmp.shape[1]):  # fmt: skip
         o_r, lse_r = _branch(call, q[:, start::step], k_cmp[:, :keys], v_cmp[:, :keys], run)
         out[:, start::step] = o_r

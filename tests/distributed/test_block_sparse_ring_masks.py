@@ -178,6 +178,22 @@ def _check_moba(rank: int, world_size: int) -> None:
         assert log["comm_sent"][: world_size - 1] == [means] * (world_size - 1), (case, log)
         sent = sum(log["comm_sent"]) + sum(log["ring_sent"])
         assert sent == (world_size - 1) * means + shards, (case, sent, means, shards)
+    # Soft-capped scores and sinks (the choice unaffected): the sinks' gradient is each rank's
+    # rows' share of the one-process one.
+    q, k, v, dout = _tensors(seq_len, 2, seed=5)
+    sinks = torch.randn(H, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    ref = moba_attention(*leaves[:3], block_size=BS, topk=1, softcap=2.0, sinks=leaves[3])
+    ref_grads = torch.autograd.grad(ref, leaves, dout)
+    mine = [shard_sequence(t).requires_grad_() for t in (q, k, v)] + [sinks.clone()]
+    mine[3].requires_grad_()
+    out = moba_ring_attention(*mine[:3], block_size=BS, topk=1, softcap=2.0, sinks=mine[3])
+    grads = list(torch.autograd.grad(out, mine, shard_sequence(dout)))
+    dist.all_reduce(grads[3])
+    torch.testing.assert_close(out, shard_sequence(ref), **TIGHT, msg="out, softcap and sinks")
+    for x, got, want in zip(["q", "k", "v", "sinks"], grads, ref_grads, strict=True):
+        want = want if x == "sinks" else shard_sequence(want)
+        torch.testing.assert_close(got, want, **TIGHT, msg=lambda m, x=x: f"d{x}, sinks: {m}")
     bad_topk = 0 if rank == 1 else 1
     with raises_on_rank("topk=0 without causal on rank 1", r"topk|rank 1"):
         moba_ring_attention(*local, block_size=BS, topk=bad_topk, is_causal=False)

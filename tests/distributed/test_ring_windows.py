@@ -43,8 +43,7 @@ from dilated_attention.distributed import (
     sequence_positions,
     shard_sequence,
 )
-from dilated_attention.distributed.cost import Shape, Volume, split_volume
-from dilated_attention.distributed.cost import _halo_ring as halo_volumes
+from dilated_attention.distributed.cost import Shape, Volume, halo_volumes, split_volume
 from dilated_attention.patterns import LocalWindow
 
 pytestmark = pytest.mark.distributed

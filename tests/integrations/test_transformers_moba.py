@@ -137,6 +137,54 @@ def test_local_layers_keep_their_window_and_moba_takes_the_softcap_and_sinks(bui
     assert (got - eager(ids).logits).abs().max() > 1e-3  # 4 blocks, at most 2 kept: sparse
 
 
+def _context_parallel(rank: int, world: int) -> None:
+    """Each rank's logits are its shard of the one-process MoBA model's, and the parameter
+    gradients (sinks included) summed over the ranks are the one-process ones: Llama over the
+    world's process group, Gemma 2 (soft-capped scores, a local window beside MoBA) and gpt-oss
+    (sinks) over a ContextParallel's ring. Shards that are not whole blocks raise on every
+    rank; a head all-to-all is refused."""
+    import torch.distributed as dist
+    from support.distributed_utils import raises_on_rank
+
+    from dilated_attention.distributed import ContextParallel, sequence_positions, shard_sequence
+
+    ids = torch.randint(0, VOCAB, (2, 8 * world), generator=torch.Generator().manual_seed(4))
+    positions = sequence_positions(8)[None]
+    ring = ContextParallel(ring=dist.group.WORLD)
+    for build, cp in ((_llama, dist.group.WORLD), (_gemma2, ring), (_gpt_oss, ring)):
+        single = dilated_hf.use_dilated_attention(build(), sparse=MOBA)
+        want = single(ids).logits
+        want_grads = torch.autograd.grad(want.square().sum(), list(single.parameters()))
+        model = build()
+        model.load_state_dict(single.state_dict())
+        dilated_hf.use_dilated_attention(model, sparse=MOBA, context_parallel=cp)
+        logits = model(shard_sequence(ids), position_ids=positions).logits
+        name = build.__name__
+        torch.testing.assert_close(logits, shard_sequence(want).detach(), **TIGHT, msg=name)
+        grads = torch.autograd.grad(logits.square().sum(), list(model.parameters()))
+        for (param, _), got, expected in zip(model.named_parameters(), grads, want_grads,
+                                             strict=True):  # fmt: skip
+            total = got.clone()
+            dist.all_reduce(total)
+            close = TIGHT
+            if build is _gemma2:  # its RMSNorm runs in float32: shares summed in another order
+                close = {"rtol": 0.0, "atol": 1e-6 * float(expected.abs().max())}
+            torch.testing.assert_close(total, expected, **close, msg=f"{name} {param}")
+    with raises_on_rank("shards not whole blocks", r"whole blocks", within_s=10):
+        model(shard_sequence(ids)[:, :6], position_ids=positions[:, :6])
+    with raises_on_rank("a head all-to-all", r"no head all-to-all"):
+        dilated_hf.use_dilated_attention(
+            _llama(), sparse=MOBA, context_parallel=ContextParallel(heads=dist.group.WORLD)
+        )
+
+
+@pytest.mark.distributed
+def test_moba_runs_context_parallel(tmp_path: Any) -> None:
+    from support.distributed_utils import run_world
+
+    run_world(_context_parallel, 2, tmp_path, timeout_s=60)
+
+
 def test_topk_covering_every_block_is_the_dense_causal_model() -> None:
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
     every = BlockSelectedConfig(block_size=4, topk=3)  # 4 blocks: all kept

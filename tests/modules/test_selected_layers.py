@@ -174,15 +174,29 @@ def test_explain_describes_the_layers() -> None:
 
 
 @pytest.mark.parametrize("kind", ["moba", "nsa"])
-def test_context_parallel_refuses_selected_layers(kind: str) -> None:
-    """No ring form yet: context_parallel raises rather than leave each rank selecting and
-    attending within its shard alone."""
-    from dilated_attention.distributed import context_parallel
+def test_context_parallel_makes_selected_layers_ring_layers(kind: str) -> None:
+    """context_parallel turns the layer into the library's ring multihead layer around the
+    kind's ring module, with its parameters; in one process (a world of one) it computes what
+    the local layer does. Contiguous shards only: layout='zigzag' changes nothing."""
+    from dilated_attention.distributed import RingMultiheadAttention, context_parallel
+    from dilated_attention.distributed.moba_ring import BlockSelectedRingAttention
+    from dilated_attention.distributed.nsa_ring import CompressedSelectedWindowRingAttention
 
     sizes = MOBA if kind == "moba" else NSA
-    layer = create_multihead_dilated_attention(kind, embed_dim=32, num_heads=4, **sizes)
-    with pytest.raises(ValueError, match="selects blocks from the content, which has no ring"):
-        context_parallel(nn.Sequential(layer), None)
+    torch.manual_seed(0)
+    layer = create_multihead_dilated_attention(kind, embed_dim=32, num_heads=4, num_kv_heads=2,
+                                               **sizes).double().use_rotary()  # fmt: skip
+    x = torch.randn(2, 16, 32, dtype=F64)
+    want = layer(x, is_causal=True)[0]
+    model = nn.Sequential(layer)
+    with pytest.raises(ValueError, match="contiguous shards only"):
+        context_parallel(model, None, layout="zigzag")
+    assert type(layer) is MultiheadAttention
+    assert context_parallel(model, None) is model
+    ring = (BlockSelectedRingAttention if kind == "moba" else
+            CompressedSelectedWindowRingAttention)  # fmt: skip
+    assert type(layer) is RingMultiheadAttention and type(layer.attention) is ring
+    torch.testing.assert_close(layer(x, is_causal=True)[0], want, **TIGHT)
 
 
 # -- LongNetLM ----------------------------------------------------------------------------------
