@@ -258,9 +258,11 @@ def chosen_blocks(
                          dtype=dtype, device=q_mean.device)  # fmt: skip
     # Query blocks a chunk at a time: the float32 affinities stay near AFFINITY_BYTES.
     step = max(1, AFFINITY_BYTES // max(1, 4 * chosen.shape[1] * mk * batch))
+    left, right = _operands(q_mean, k_mean, per)  # (B Hkv, g, Mq, D'), (B Hkv, Mk, D')
     for start in range(0, mq, step):
         rows = slice(start, start + step)
-        affinity = _affinity(q_mean[:, rows], k_mean, per)
+        part = left if step >= mq else left[:, :, rows]
+        affinity = _products(part.flatten(1, 2), right).view(*chosen.shape[:2], -1, mk)
         kernel(affinity, _rows(candidates, rows), _rows(own, rows), topk,
                out=chosen[:, :, rows], own_width=own_width)  # fmt: skip
     return chosen
@@ -321,20 +323,43 @@ def _affinity(q_mean: torch.Tensor, k_mean: torch.Tensor, per: str) -> torch.Ten
     """MoBA's gate per block pair (Note [MoBA's gate for a block of queries]): block means
     q_mean (B, Mq, H, D), k_mean (B, Mk, Hkv, D) -> (B, H or Hkv, Mq, Mk) float32 (float64 for
     float64 input)."""
+    left, right = _operands(q_mean, k_mean, per)
+    batch, mq = q_mean.shape[:2]
+    return _products(left.flatten(1, 2), right).view(batch, -1, mq, k_mean.shape[1])
+
+
+def _operands(
+    q_mean: torch.Tensor, k_mean: torch.Tensor, per: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The affinities' operands per key/value head: the query means (B Hkv, g, Mq, D'), g the
+    group's heads (1 for ``per="kv_head"``, their sum), and the key means (B Hkv, Mk, D'); on
+    the GPU in float32 as bfloat16 parts (Note [Affinities on tensor cores]), ``D' = 3 D``."""
     batch, mq, heads, dim = q_mean.shape
     mk, kv_heads = k_mean.shape[1], k_mean.shape[2]
     q_grouped = q_mean.view(batch, mq, kv_heads, heads // kv_heads, dim)
     if per == "kv_head":
         q_grouped = q_grouped.sum(3, keepdim=True)
-    group = q_grouped.shape[3]
-    rows = q_grouped.permute(0, 2, 3, 1, 4).reshape(batch * kv_heads, group * mq, dim)
-    cols = k_mean.permute(0, 2, 1, 3).reshape(batch * kv_heads, mk, dim)
-    scores = _products(rows, cols)  # (B Hkv, g Mq, Mk)
-    return scores.view(batch, kv_heads * group, mq, mk)
+    left = q_grouped.permute(0, 2, 3, 1, 4).flatten(0, 1)
+    right = k_mean.permute(0, 2, 1, 3).reshape(batch * kv_heads, mk, dim)
+    if not _on_tensor_cores(left):
+        return left, right
+    return _parts(left, (0, 0, 1)), _parts(right, (0, 1, 0))
+
+
+def _on_tensor_cores(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype == torch.float32
+
+
+def _parts(x: torch.Tensor, order: tuple[int, int, int]) -> torch.Tensor:
+    """x (..., D) float32 as bfloat16 parts ``hi = bf16(x)``, ``lo = bf16(x - hi)`` laid side
+    by side in ``order`` (0 = hi, 1 = lo): (..., 3 D)."""
+    high = x.bfloat16()
+    parts = (high, (x - high.float()).bfloat16())
+    return torch.cat([parts[i] for i in order], dim=-1)
 
 
 def _products(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """(N, R, D) x (N, C, D) -> (N, R, C) dot products (Note [Affinities on tensor cores]).
+    """(N, R, D') x (N, C, D') -> (N, R, C) dot products (Note [Affinities on tensor cores]).
 
     Note [Affinities on tensor cores]
         The affinities are one batched product of block means, (Mq x D) by (D x Mk) per head:
@@ -342,20 +367,14 @@ def _products(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         CUDA cores, half the selection. On the GPU each float32 operand is split into
         bfloat16 parts, ``x = hi + lo`` with ``lo = bf16(x - hi)`` (16 of float32's 24
         significand bits), and ``a . b ~ hi_a . hi_b + hi_a . lo_b + lo_a . hi_b`` is one
-        bfloat16 product over ``3 D`` with float32 accumulation and output on the tensor cores:
-        the dropped ``lo_a . lo_b`` is ``2^-16`` of the product, under the rounding of the
-        block means themselves. Elsewhere (the CPU, float64) it is a plain ``matmul``.
+        bfloat16 product over ``3 D`` (the parts laid ``[hi, hi, lo]`` against ``[hi, lo,
+        hi]``) with float32 accumulation and output on the tensor cores: 2 ms. The dropped
+        ``lo_a . lo_b`` is ``2^-16`` of the product, under the rounding of the block means
+        themselves. Elsewhere (the CPU, float64) it is a plain ``matmul`` of the means.
     """
-    if not rows.is_cuda or rows.dtype != torch.float32:
+    if rows.dtype != torch.bfloat16:
         return rows @ cols.transpose(-1, -2)
-    parts = []
-    for x in (rows, cols):
-        high = x.bfloat16()
-        parts.append((high, (x - high.float()).bfloat16()))
-    (row_hi, row_lo), (col_hi, col_lo) = parts
-    left = torch.cat([row_hi, row_hi, row_lo], dim=-1)
-    right = torch.cat([col_hi, col_lo, col_hi], dim=-1)
-    return torch.bmm(left, right.transpose(-1, -2), out_dtype=torch.float32)
+    return torch.bmm(rows, cols.transpose(-1, -2), out_dtype=torch.float32)
 
 
 def block_means(x: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -378,17 +378,23 @@ def test_cuda_choice_in_chunks_matches_the_oracle(
 
 
 @pytest.mark.gpu
-def test_cuda_affinities_on_tensor_cores_keep_float32_accuracy() -> None:
+@pytest.mark.parametrize("per", ["head", "kv_head"])
+def test_cuda_affinities_on_tensor_cores_keep_float32_accuracy(per: str) -> None:
     """The GPU's affinities from bfloat16 parts (Note [Affinities on tensor cores]) against
     float64: within 2^-14 of the products' magnitudes, where one bfloat16 product is 2^-9 off."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from dilated_attention.sparse.selection import _products
+    from dilated_attention.sparse.selection import _affinity
 
     g = torch.Generator().manual_seed(0)
-    rows, cols = torch.randn(3, 50, 128, generator=g), torch.randn(3, 70, 128, generator=g) * 1e3
-    got = _products(rows.cuda(), cols.cuda())
-    assert got.dtype == torch.float32 and got.shape == (3, 50, 70)
-    want = rows.double() @ cols.double().transpose(-1, -2)
-    size = (rows.double().abs() @ cols.double().abs().transpose(-1, -2)).max()
+    q_mean = torch.randn(2, 50, 4, 128, generator=g)
+    k_mean = torch.randn(2, 70, 2, 128, generator=g) * 1e3
+    got = _affinity(q_mean.cuda(), k_mean.cuda(), per)
+
+    def exact(q: Tensor, k: Tensor) -> Tensor:  # (B, H or Hkv, Mq, Mk) in float64
+        products = torch.einsum("bihd,bjhd->bhij", q.double(), k.double().repeat_interleave(2, 2))
+        return products if per == "head" else products.view(2, 2, 2, 50, 70).sum(2)
+
+    want, size = exact(q_mean, k_mean), exact(q_mean.abs(), k_mean.abs()).max()
+    assert got.dtype == torch.float32 and got.shape == want.shape
     assert float((got.cpu().double() - want).abs().max() / size) < 2**-14

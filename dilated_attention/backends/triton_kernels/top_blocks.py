@@ -6,15 +6,17 @@ Note [Top blocks in registers]
     highest affinity (Note [MoBA's gate for a block of queries] in ``sparse/selection.py``).
     With torch operations that is a NaN clean-up, a masked fill and ``topk`` over the whole
     (B, H, Mq, Mk) float32 affinity, then a scatter: 2 ms of a 3.3 ms selection on an H100 at
-    262,144 tokens, 24 of 36 ms at 1M. Here one program holds a row of affinities in
-    registers (``Mk`` up to :data:`MAX_COLUMNS`), reads only its candidates and writes its own
-    blocks. The ``topk`` best columns lie in the ``topk`` groups of 64 columns with the best
-    maxima (each better column's group has a better maximum; equal ones go to the lower column,
-    as the lower group), so the program takes the maximum ``topk`` times among the group
+    262,144 tokens, 24 of 36 ms at 1M. Here one program takes a row: the ``topk`` best columns
+    lie in the ``topk`` groups of 64 columns with the best maxima (each better column's group
+    has a better maximum; equal ones go to the lower column, as the lower group). A first pass
+    reads the row ``CHUNK`` columns at a time (its candidates only) and stores each group's
+    maximum to a scratch row; the second takes the maximum ``topk`` times among the group
     maxima, then ``topk`` times among those groups' columns, read again (from the cache), the
     lowest column among equal ones each time: ``topk * (Mk / 64 + 64 topk)`` comparisons for a
-    row, not ``topk * Mk``. A NaN affinity ranks below every number and above the
-    non-candidates, as the torch path ranks it.
+    row, not ``topk * Mk``. A program is two warps: every maximum is a reduction across its
+    threads, and a wider program spends its time waiting on them (one program of 8 warps holding
+    the whole row took 6.5 ms at 1M tokens). A NaN affinity ranks below every number and above
+    the non-candidates, as the torch path ranks it.
 
 Note [Chosen blocks as indices]
     Block-sparse kernels walk lists of key blocks; a bool (B, H, Mq, Mk) mask makes every
@@ -35,8 +37,12 @@ import triton.language as tl
 from .launch import launch
 from .tiles import next_power_of_2
 
-#: The widest row a program holds (key blocks): 32 float32 per thread at 16 warps.
+#: The most key blocks a row may have: its group maxima are held at once (256 of 64 columns).
 MAX_COLUMNS = 16384
+
+#: Columns a program reads at a time in its first pass, and its warps (one row per program).
+_CHUNK = 1024
+_WARPS = 2
 
 
 _LOWEST = tl.constexpr(-3.4028234663852886e38)  # a NaN affinity ranks here: below every number
@@ -67,51 +73,62 @@ def _take_best(score, cols, slot, taken, topk, NONE: tl.constexpr, PICKS: tl.con
 
 @triton.jit
 def _top_blocks_kernel(
-    affinity, candidates, own, chosen,
+    affinity, candidates, own, chosen, maxima,
     cols, heads, rows, topk,
     s_ab, s_ah, s_ar,
     s_cb, s_ch, s_cr,
     s_ob, s_oh, s_or,
     s_xb, s_xh, s_xr,
     own_width,
-    BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
     GROUP: tl.constexpr,
+    GROUPS: tl.constexpr,
     PICKS: tl.constexpr,
     OWN: tl.constexpr,
     INDICES: tl.constexpr,
 ):  # fmt: skip
     """Program ``bh * rows + r``: row ``r`` of batch row and head ``bh`` (Note [Top blocks in
     registers]); ``INDICES``: the row as block indices (Note [Chosen blocks as indices]),
-    else as a bool row."""
+    else as a bool row. ``maxima``: (programs, GROUPS) float32 scratch."""
     program = tl.program_id(0).to(tl.int64)
     bh, r = program // rows, program % rows
     b, h = bh // heads, bh % heads
     affinity += b * s_ab + h * s_ah + r * s_ar
     candidates += b * s_cb + h * s_ch + r * s_cr
-    col = tl.arange(0, BLOCK)
-    inside = col < cols
+    own += b * s_ob + h * s_oh + r * s_or
     chosen += b * s_xb + h * s_xh + r * s_xr
-    keep = tl.load(own + b * s_ob + h * s_oh + r * s_or + col, mask=inside, other=0) != 0
+    maxima += program * GROUPS
+    first = cols
+    owned = 0
+    # Pass 1, CHUNK columns at a time: the row's own blocks, and each group's maximum.
+    for start in range(0, GROUPS * GROUP, CHUNK):  # every group's maximum, -inf past cols
+        col = start + tl.arange(0, CHUNK)
+        inside = col < cols
+        keep = tl.load(own + col, mask=inside, other=0) != 0
+        if INDICES:
+            first = tl.minimum(first, tl.min(tl.where(keep, col, cols), axis=0))
+            owned += tl.sum(keep.to(tl.int32), axis=0)
+        else:
+            tl.store(chosen + col, keep.to(tl.int8), mask=inside)
+        score = _scores(affinity, candidates, col, inside)
+        group = start // GROUP + tl.arange(0, CHUNK // GROUP)
+        best = tl.max(tl.reshape(score, (CHUNK // GROUP, GROUP)), axis=1)
+        tl.store(maxima + group, best, mask=group < GROUPS)
     if INDICES:
-        first = tl.min(tl.where(keep, col, BLOCK), axis=0)
         run = tl.arange(0, OWN)
-        ours = tl.where(run < tl.sum(keep.to(tl.int32), axis=0), first + run, -1)
-        tl.store(chosen + topk + run, ours, mask=run < own_width)
-    else:
-        tl.store(chosen + col, keep.to(tl.int8), mask=inside)
-    score = _scores(affinity, candidates, col, inside)
-    GROUPS: tl.constexpr = BLOCK // GROUP
+        tl.store(chosen + topk + run, tl.where(run < owned, first + run, -1), mask=run < own_width)
+    tl.debug_barrier()  # the maxima are stored before they are read back
     slot = tl.arange(0, PICKS)
-    # The best PICKS groups of GROUP columns by their maxima hold the row's best PICKS.
-    best = tl.max(tl.reshape(score, (GROUPS, GROUP)), axis=1)
+    # Pass 2: the best PICKS groups by their maxima hold the row's best PICKS columns.
     group = tl.arange(0, GROUPS)
+    best = tl.load(maxima + group)
     taken = _take_best(best, group, slot, tl.full((PICKS,), GROUPS, tl.int32), topk, GROUPS,
                        PICKS)  # fmt: skip
     where = taken[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # (PICKS, GROUP) columns
     where = tl.reshape(where, (PICKS * GROUP,))
     score = _scores(affinity, candidates, where, where < cols)
-    picked = _take_best(score, where, slot, tl.full((PICKS,), BLOCK, tl.int32), topk, BLOCK,
-                        PICKS)  # fmt: skip
+    picked = _take_best(score, where, slot, tl.full((PICKS,), GROUPS * GROUP, tl.int32), topk,
+                        GROUPS * GROUP, PICKS)  # fmt: skip
     if INDICES:
         tl.store(chosen + slot, tl.where(picked < cols, picked, -1), mask=slot < topk)
     else:
@@ -163,12 +180,14 @@ def top_blocks(
     block = next_power_of_2(cols)
     picks = next_power_of_2(topk)
     group = max(1, min(64, block // picks))  # at least PICKS groups
+    maxima = torch.empty(batch * heads * rows, block // group, dtype=torch.float32,
+                         device=affinity.device)  # fmt: skip
     written = out if indices else out.view(torch.int8)
-    args = (affinity, candidates.view(torch.uint8), own.view(torch.uint8), written, cols, heads,
-            rows, topk, *affinity.stride()[:3], *candidates.stride()[:3], *own.stride()[:3],
-            *out.stride()[:3], own_width or 0)  # fmt: skip
-    options = {"BLOCK": block, "GROUP": group, "PICKS": picks,
-               "OWN": next_power_of_2(max(1, own_width or 0)), "INDICES": indices,
-               "num_warps": max(1, min(8, block // 512))}  # fmt: skip
+    args = (affinity, candidates.view(torch.uint8), own.view(torch.uint8), written, maxima, cols,
+            heads, rows, topk, *affinity.stride()[:3], *candidates.stride()[:3],
+            *own.stride()[:3], *out.stride()[:3], own_width or 0)  # fmt: skip
+    options = {"CHUNK": min(block, _CHUNK), "GROUP": group, "GROUPS": block // group,
+               "PICKS": picks, "OWN": next_power_of_2(max(1, own_width or 0)),
+               "INDICES": indices, "num_warps": _WARPS}  # fmt: skip
     launch(_top_blocks_kernel, (batch * heads * rows,), args, options)
     return out
