@@ -2,10 +2,10 @@
 all-to-all, both), from the plans the functions run, and the split the cost model picks.
 
 Computed, not measured: no process group is needed, so any world size runs on one CPU. The
-bytes are what ``dilated_attention.distributed.cost.split_volume`` counts from the same plans
+bytes are what ``dilated_attention.distributed.layout.cost.split_volume`` counts from the same plans
 the ring functions run (a gloo test checks them against the bytes really sent,
 ``tests/distributed/test_context_parallel.py``); the predicted times are the model's
-(Note [Choosing the context-parallel split] in ``distributed/cost.py``; ``Topology``'s
+(Note [Choosing the context-parallel split] in ``distributed/layout/cost.py``; ``Topology``'s
 defaults: 8 ranks per node, 400 GB/s inside a node, 50 GB/s between nodes, 400 TFLOP/s).
 
 Rows: the LongNet schedule over ``--seq-len`` tokens (``longnet_schedule``: w = 2048 doubling
@@ -28,7 +28,7 @@ from _timing import OUT_HELP, environment, markdown_table, record_header, record
 
 from dilated_attention import longnet_schedule
 from dilated_attention.core.geometry.schedule import Schedule
-from dilated_attention.distributed.cost import Shape, plan_split, split_volume
+from dilated_attention.distributed.layout.cost import Shape, plan_split, split_volume
 
 MIB = 2**20
 

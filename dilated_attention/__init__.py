@@ -33,7 +33,7 @@ from .distributed import (
     shard_sequence,
     unshard_sequence,
 )
-from .distributed.block_sparse_ring import (
+from .distributed.rings.block_sparse_ring import (
     BlockSparseRingAttention,
     BlockSparseRingDilatedAttention,
     BlockSparseRingMultiheadAttention,

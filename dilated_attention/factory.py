@@ -110,7 +110,7 @@ _KINDS: dict[str, _Kind] = {
 _PROVIDERS: dict[str, str] = {
     "ring": "dilated_attention.distributed.modules",
     "block_sparse": "dilated_attention.modules",
-    "block_sparse_ring": "dilated_attention.distributed.block_sparse_ring",
+    "block_sparse_ring": "dilated_attention.distributed.rings.block_sparse_ring",
 }
 
 #: The kinds :func:`create_block_sparse_attention` builds (besides ``"auto"``).

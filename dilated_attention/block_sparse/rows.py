@@ -44,7 +44,7 @@ class BlockRowCall:
     positions, top-left causal when ``causal``; the executor's ``Call`` whose key mask is the
     block's row of the kept blocks it is given in place of a key padding mask, or of ``kept``
     where the call carries its own (a ring step's columns of the kept blocks, its keys being
-    another rank's: Note [Run-time masks over the ring] in ``distributed/masked_ring.py``)."""
+    another rank's: Note [Run-time masks over the ring] in ``distributed/rings/masked_ring.py``)."""
 
     q: slice
     kv: slice

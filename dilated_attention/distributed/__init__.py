@@ -9,22 +9,22 @@ never reaches a call (it raised in its own code and goes on) leaves the others w
 process group's timeout: pass ``init_process_group(timeout=...)`` (docs/ring.md, "Timeouts").
 """
 
-from .block_sparse_ring import block_sparse_ring_attention
 from .context import ContextParallel
-from .cost import SplitPlan, Topology, plan_context_parallel
-from .moba_ring import moba_ring_attention
+from .layout.cost import SplitPlan, Topology, plan_context_parallel
+from .layout.sharding import sequence_positions, shard_sequence, unshard_sequence
 from .modules import (
     RingAttention,
     RingDilatedAttention,
     RingMultiheadAttention,
     RingMultiheadDilatedAttention,
 )
-from .nsa_ring import nsa_ring_attention
-from .packed_ring import RingLoad, ring_load
 from .parallelize import context_parallel
-from .ring import ring_attention
-from .ring_dilated import ring_dilated_attention
-from .sharding import sequence_positions, shard_sequence, unshard_sequence
+from .rings.block_sparse_ring import block_sparse_ring_attention
+from .rings.moba_ring import moba_ring_attention
+from .rings.nsa_ring import nsa_ring_attention
+from .rings.packed_ring import RingLoad, ring_load
+from .rings.ring import ring_attention
+from .rings.ring_dilated import ring_dilated_attention
 
 __all__ = [
     "ContextParallel",

@@ -45,7 +45,8 @@ import torch
 import torch.distributed as dist
 
 from .. import _validation as V
-from ._comm import (
+from .comm.alltoall import HeadExchange
+from .comm.collectives import (
     GRAD_MODE,
     GRAD_MODE_FIX,
     backward_follows,
@@ -53,7 +54,6 @@ from ._comm import (
     global_rank,
     group_rank_and_size,
 )
-from .alltoall import HeadExchange
 
 __all__ = [
     "DOCUMENTS",

@@ -17,11 +17,11 @@ from ..backends.registry import check_backend_name
 from ..config import MultiheadDilatedConfig
 from ..modules import DilatedAttention, MultiheadAttention, MultiheadDilatedAttention
 from ..modules.scores import learnable_sinks
-from .agreement import COMMS, AgreedForward, reject_ring_call
-from .packed_ring import shard_offsets, shard_positions
-from .ring import ring_attention
-from .ring_dilated import ring_dilated_attention
-from .sharding import check_layout
+from .comm.agreement import COMMS, AgreedForward, reject_ring_call
+from .layout.sharding import check_layout
+from .rings.packed_ring import shard_offsets, shard_positions
+from .rings.ring import ring_attention
+from .rings.ring_dilated import ring_dilated_attention
 
 __all__ = ["RingAttention", "RingDilatedAttention", "RingModule", "RingMultiheadAttention",
            "RingMultiheadDilatedAttention"]  # fmt: skip
@@ -45,7 +45,7 @@ class RingModule:
             taking ``(query, key, value, *, is_causal, key_padding_mask, **ring_options())``.
         group: the process group (None: the world).
         ring_calls: calls that reached the ring function, and so its agreement across ranks
-            (read by :class:`~dilated_attention.distributed.agreement.AgreedForward` to tell a
+            (read by :class:`~dilated_attention.distributed.comm.agreement.AgreedForward` to tell a
             layer's own errors from the ring call's).
     """
 
@@ -199,8 +199,8 @@ class RingMultiheadDilatedAttention(AgreedForward, MultiheadDilatedAttention):
     Parameters are replicated: wrap the model in DDP/FSDP as usual for data parallelism.
 
     A call rejected on one rank, by the layer's own checks or by the ring call's agreement,
-    raises on every rank (:class:`~dilated_attention.distributed.agreement.AgreedForward`): the rank
-    whose call was rejected its own error, the others ``ValueError`` naming that rank.
+    raises on every rank (:class:`~dilated_attention.distributed.comm.agreement.AgreedForward`): the
+    rank whose call was rejected its own error, the others ``ValueError`` naming that rank.
     ``window_size``, ``softcap`` and ``sinks`` as in the local layer (``attention.sinks``)."""
 
     attention: RingDilatedAttention
@@ -263,7 +263,7 @@ class RingMultiheadAttention(AgreedForward, MultiheadAttention):
     modules). The same constructor and forward; each rank passes its (B, n, E) shard.
 
     A call rejected on one rank, by the layer's own checks or by the ring call's agreement,
-    raises on every rank (:class:`~dilated_attention.distributed.agreement.AgreedForward`); the
+    raises on every rank (:class:`~dilated_attention.distributed.comm.agreement.AgreedForward`); the
     rotary positions default to the shard's global positions."""
 
 

@@ -36,17 +36,17 @@ from ..modules import (
     MultiheadAttention,
     MultiheadDilatedAttention,
 )
-from .block_sparse_ring import BlockSparseRingAttention, BlockSparseRingMultiheadAttention
 from .context import ContextParallel, check_group
-from .moba_ring import BlockSelectedRingAttention, selection_group
+from .layout.sharding import check_layout
 from .modules import (
     RingDilatedAttention,
     RingModule,
     RingMultiheadAttention,
     RingMultiheadDilatedAttention,
 )
-from .nsa_ring import CompressedSelectedWindowRingAttention
-from .sharding import check_layout
+from .rings.block_sparse_ring import BlockSparseRingAttention, BlockSparseRingMultiheadAttention
+from .rings.moba_ring import BlockSelectedRingAttention, selection_group
+from .rings.nsa_ring import CompressedSelectedWindowRingAttention
 
 __all__ = ["context_parallel"]
 

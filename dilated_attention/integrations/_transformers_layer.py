@@ -63,7 +63,7 @@ import torch
 from torch import nn
 
 from ..config import BlockSelectedConfig, CompressedSelectedWindowConfig
-from ..distributed.moba_ring import selection_group
+from ..distributed.rings.moba_ring import selection_group
 from ..functional import attention, dilated_attention
 from ..sparse import moba_attention
 

@@ -112,7 +112,7 @@ import torch
 from torch import nn
 
 from ..distributed import moba_ring_attention, ring_attention, ring_dilated_attention
-from ..distributed.moba_ring import selection_group
+from ..distributed.rings.moba_ring import selection_group
 from ..functional import attention
 from ._transformers_layer import LayerAttention, layer_name
 from ._transformers_masks import host_read, is_sequence_ids, sequence_offsets

@@ -86,7 +86,7 @@ class LongNetLM(GenerationMixin, nn.Module):
     def _default_positions(self, seq_len: int, device: torch.device) -> torch.Tensor:
         ring = self._ring()
         if ring is not None:  # this rank's global positions; the shards' lengths agreed next
-            from ..distributed.sharding import rank_positions
+            from ..distributed.layout.sharding import rank_positions
 
             return rank_positions(
                 seq_len, group=getattr(ring, "group", None), layout=ring.layout, device=device
@@ -109,7 +109,7 @@ class LongNetLM(GenerationMixin, nn.Module):
             )
         ring = self._ring()
         if ring is not None:  # a sharded packed row (Note [Packed documents across ranks])
-            from ..distributed.packed_ring import shard_offsets, shard_positions
+            from ..distributed.rings.packed_ring import shard_offsets, shard_positions
 
             group = getattr(ring, "group", None)
             documents = shard_offsets(cu_seqlens, tokens, group)

@@ -250,7 +250,7 @@ def _shard(request: Request) -> Strategy:
     """One rank's shard of ring dilated attention (``request.shard``): the kernel for its local
     branches, told whether they write into branch slots (``ScheduleLayout.sharded``). The ring
     runs them and the spanning branches itself (Note [Local and spanning branches] in
-    ``distributed/ring_dilated.py``); this strategy names its kernel and runs nothing."""
+    ``distributed/rings/ring_dilated.py``); this strategy names its kernel and runs nothing."""
     assert request.schedule is not None and request.shard is not None
     world, chunk = request.shard
     heads, kv_heads = request.num_heads, request.num_kv_heads
@@ -279,7 +279,7 @@ def _float32_beside_spans(
     Such a kernel merges the spanning results into a float32 ``out`` (B, n, H, D) of the whole
     shard in the forward, and its gradients into float32 scratch of one position group where
     the local branches' slots can be cut into groups (Note [Spanning results stay compact] in
-    ``distributed/ring_dilated.py``), else into float32 ``dq``, ``dk``, ``dv`` of the whole
+    ``distributed/rings/ring_dilated.py``), else into float32 ``dq``, ``dk``, ``dv`` of the whole
     shard; our fused kernels keep one head group's float32 scratch. The larger whole-shard
     result may take the device's ``float32_share_beside_spanning`` of its memory
     (``priorities.json``)."""

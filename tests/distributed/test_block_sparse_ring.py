@@ -17,7 +17,7 @@ from support.block_sparse import token_mask
 from support.distributed_utils import count_exchanges, run_world
 from support.oracle import masked_attention
 
-import dilated_attention.distributed._comm as comm
+import dilated_attention.distributed.comm.collectives as comm
 from dilated_attention import (
     BlockSparseMultiheadAttention,
     BlockSparseRingAttention,
@@ -256,7 +256,7 @@ def test_earlier_names_are_aliases() -> None:
     """The names the migration table promises (docs/migration.md) are the
     renamed classes themselves, at the top level and in their module."""
     import dilated_attention
-    import dilated_attention.distributed.block_sparse_ring as bsr
+    import dilated_attention.distributed.rings.block_sparse_ring as bsr
 
     assert dilated_attention.BlockSparseRingDilatedAttention is BlockSparseRingAttention
     assert dilated_attention.BlockSparseRingMultiheadDilatedAttention is (

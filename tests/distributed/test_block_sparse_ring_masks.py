@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 from support.distributed_utils import count_exchanges, raises_on_rank, run_world
 
-import dilated_attention.distributed._comm as comm
-import dilated_attention.distributed.ring as ring_module
+import dilated_attention.distributed.comm.collectives as comm
+import dilated_attention.distributed.rings.ring as ring_module
 from dilated_attention import block_sparse_attention, block_sparse_ring_attention, shard_sequence
 from dilated_attention.distributed import ContextParallel
-from dilated_attention.distributed.masked_ring import masked_ring_volume
-from dilated_attention.distributed.template import RingSetup
+from dilated_attention.distributed.rings.masked_ring import masked_ring_volume
+from dilated_attention.distributed.rings.template import RingSetup
 
 pytestmark = pytest.mark.distributed
 

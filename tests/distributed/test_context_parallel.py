@@ -35,8 +35,8 @@ from dilated_attention.distributed import (
     shard_sequence,
     unshard_sequence,
 )
-from dilated_attention.distributed._comm import count_traffic
-from dilated_attention.distributed.cost import Shape, split_volume
+from dilated_attention.distributed.comm.collectives import count_traffic
+from dilated_attention.distributed.layout.cost import Shape, split_volume
 from dilated_attention.functional import block_sparse_attention
 
 pytestmark = pytest.mark.distributed

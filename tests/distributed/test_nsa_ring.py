@@ -14,12 +14,12 @@ import torch
 import torch.distributed as dist
 from support.distributed_utils import count_exchanges, raises_on_rank, run_world
 
-import dilated_attention.distributed._comm as comm
-import dilated_attention.distributed.ring as ring_module
+import dilated_attention.distributed.comm.collectives as comm
+import dilated_attention.distributed.rings.ring as ring_module
 from dilated_attention import shard_sequence
 from dilated_attention.distributed import ContextParallel, nsa_ring_attention
-from dilated_attention.distributed.nsa_ring import compressed_needs, nsa_ring_volume
-from dilated_attention.distributed.template import RingSetup
+from dilated_attention.distributed.rings.nsa_ring import compressed_needs, nsa_ring_volume
+from dilated_attention.distributed.rings.template import RingSetup
 from dilated_attention.sparse import nsa_attention
 
 pytestmark = pytest.mark.distributed

@@ -1,5 +1,5 @@
 """Packed documents over ranks (Note [Packed documents across ranks] in
-``distributed/packed_ring.py``) on CPU/gloo, 2 and 4 ranks: ``ring_attention`` and
+``distributed/rings/packed_ring.py``) on CPU/gloo, 2 and 4 ranks: ``ring_attention`` and
 ``block_sparse_ring_attention`` with ``cu_seqlens`` against the float64 block-diagonal oracle
 (outputs, lse, dq, dk, dv), for documents of 1 token, inside one shard, spanning two or every
 shard, of lengths that divide nothing; pairs of ranks that share no document exchange nothing.
@@ -19,7 +19,7 @@ from support.block_sparse import token_mask
 from support.distributed_utils import count_exchanges, run_world
 from support.oracle import masked_attention
 
-import dilated_attention.distributed._comm as comm
+import dilated_attention.distributed.comm.collectives as comm
 from dilated_attention import (
     MultiheadDilatedAttention,
     RingMultiheadDilatedAttention,
@@ -247,7 +247,7 @@ def test_restricted_calls_cover_the_plan_exactly_once(dilated: bool, causal: boo
     """Cut per rank pair, the packed plan's calls compute exactly its (query, key, head)
     triples: none lost at a shard boundary, none added, none twice."""
     from dilated_attention.core.geometry.schedule import Schedule
-    from dilated_attention.distributed.packed_ring import _global_calls, restricted_calls
+    from dilated_attention.distributed.rings.packed_ring import _global_calls, restricted_calls
 
     world, n = 3, 12
     documents = (0, 1, 7, 20, 21, 36)

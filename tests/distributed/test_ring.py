@@ -26,8 +26,8 @@ from support.oracle import oracle_attention, oracle_dilated_attention
 from support.tolerances import assert_close_to_oracle
 
 import dilated_attention
-import dilated_attention.distributed._comm as comm_mod
-import dilated_attention.distributed.ring as ring_mod
+import dilated_attention.distributed.comm.collectives as comm_mod
+import dilated_attention.distributed.rings.ring as ring_mod
 from dilated_attention.backends.registry import get_backend
 from dilated_attention.distributed import (
     ring_attention,
@@ -638,7 +638,7 @@ def test_every_ring_function_asks_the_resolve_step(monkeypatch: pytest.MonkeyPat
     call as a one-process call makes it: ``"dense"`` for dense and block-sparse ring attention,
     ``"dilated"`` with the schedule and the shard (world size, chunk length) for ring dilated
     attention; a kernel named by the caller reaches the request."""
-    import dilated_attention.distributed.agreement as agreement
+    import dilated_attention.distributed.comm.agreement as agreement
     from dilated_attention import block_sparse_ring_attention, patterns, ring_dilated_attention
     from dilated_attention.core.geometry.schedule import Schedule
 

@@ -19,8 +19,8 @@ from support.oracle import oracle_dilated_attention
 from support.tolerances import assert_close_to_oracle
 from support.writing_kernel import write_into_buffers
 
-import dilated_attention.distributed._comm as comm
-import dilated_attention.distributed.ring_dilated as ring_dilated_mod
+import dilated_attention.distributed.comm.collectives as comm
+import dilated_attention.distributed.rings.ring_dilated as ring_dilated_mod
 from dilated_attention import (
     MultiheadDilatedAttention,
     RingMultiheadDilatedAttention,
@@ -255,7 +255,7 @@ def _check_slots(rank: int, world_size: int, grouped: bool = False) -> None:
     merged once] in ``core/geometry/slots.py``): the math backend writing into the buffers it is
     handed, as FlashAttention-4 does; the spanning results and gradients read as one more slot where
     their cells are one slot's, else merged into float32 (Note [Spanning results stay compact]
-    in ``distributed/ring_dilated.py``). ``grouped``: the backward's plan cut into position
+    in ``distributed/rings/ring_dilated.py``). ``grouped``: the backward's plan cut into position
     groups as on a GPU (no float32 gradients of the whole shard either way)."""
     writes = write_into_buffers()
     extras: list[tuple[str, int]] = []

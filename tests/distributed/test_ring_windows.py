@@ -3,7 +3,7 @@ processes: every ring function (dense, dilated, block-sparse; contiguous and zig
 packed documents, key padding, GQA) and every context-parallel split (a ring, a head
 all-to-all, both) against the one-process float64 call: outputs, lse, dq, dk, dv, and the
 sinks' gradient summed over the ranks. A windowed ring sends only its halo (Note [Halo
-exchange] in ``distributed/halo.py``), counted by a spy on the exchange and by the cost model;
+exchange] in ``distributed/rings/halo.py``), counted by a spy on the exchange and by the cost model;
 a call that differs between ranks raises on every rank.
 
 One spawned world per world size runs every case. Workers assert with messages.
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from support.distributed_utils import count_exchanges, raises_on_rank, run_world
 from support.oracle import oracle_attention
 
-import dilated_attention.distributed._comm as comm_mod
+import dilated_attention.distributed.comm.collectives as comm_mod
 from dilated_attention import (
     BlockSparseMultiheadAttention,
     BlockSparseRingAttention,
@@ -43,7 +43,7 @@ from dilated_attention.distributed import (
     sequence_positions,
     shard_sequence,
 )
-from dilated_attention.distributed.cost import Shape, Volume, halo_volumes, split_volume
+from dilated_attention.distributed.layout.cost import Shape, Volume, halo_volumes, split_volume
 from dilated_attention.patterns import LocalWindow
 
 pytestmark = pytest.mark.distributed

@@ -1,5 +1,5 @@
 """Context parallelism without processes: the cost model of the splits (Note [Choosing the
-context-parallel split] in ``distributed/cost.py``: what it refuses and why, what it picks),
+context-parallel split] in ``distributed/layout/cost.py``: what it refuses and why, what it picks),
 ``ContextParallel.from_mesh`` and what ``context_parallel`` refuses."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from dilated_attention import longnet_schedule
 from dilated_attention.core.geometry.schedule import Schedule
 from dilated_attention.distributed import ContextParallel, context_parallel
-from dilated_attention.distributed.cost import Shape, Topology, plan_split, split_volume
+from dilated_attention.distributed.layout.cost import Shape, Topology, plan_split, split_volume
 
 
 def test_dilated_rows_cost_far_less_than_dense_blocks() -> None:

@@ -179,8 +179,8 @@ def test_context_parallel_makes_selected_layers_ring_layers(kind: str) -> None:
     kind's ring module, with its parameters; in one process (a world of one) it computes what
     the local layer does. Contiguous shards only: layout='zigzag' changes nothing."""
     from dilated_attention.distributed import RingMultiheadAttention, context_parallel
-    from dilated_attention.distributed.moba_ring import BlockSelectedRingAttention
-    from dilated_attention.distributed.nsa_ring import CompressedSelectedWindowRingAttention
+    from dilated_attention.distributed.rings.moba_ring import BlockSelectedRingAttention
+    from dilated_attention.distributed.rings.nsa_ring import CompressedSelectedWindowRingAttention
 
     sizes = MOBA if kind == "moba" else NSA
     torch.manual_seed(0)

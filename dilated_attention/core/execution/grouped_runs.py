@@ -30,7 +30,8 @@ from .slot_runs import (
 #: ``extra(dq, dk, dv, start, end, rows)``: adds more gradients (float32) into the float32
 #: ``dq`` (B', end - start, H, D), ``dk`` and ``dv`` (B', end - start, Hkv, D) of batch rows
 #: ``rows`` and positions [start, end), before they are rounded (ring dilated attention's
-#: spanning branches: Note [Spanning results stay compact] in ``distributed/ring_dilated.py``).
+#: spanning branches: Note [Spanning results stay compact] in
+#: ``distributed/rings/ring_dilated.py``).
 ExtraGradients = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int, slice], None]
 
 

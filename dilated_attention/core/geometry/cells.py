@@ -3,8 +3,8 @@
 Note [Compact cell results]
     Some results touch few (row, head) cells of a sequence: ring dilated attention's branches that
     span ranks reach 1/r of a rank's cells (Note [Spanning results stay compact] in
-    ``distributed/ring_dilated.py``). Such results are kept as one row of D per cell, in float32,
-    and merged into the running (out, lse), or added into float32 gradients, one block of
+    ``distributed/rings/ring_dilated.py``). Such results are kept as one row of D per cell, in
+    float32, and merged into the running (out, lse), or added into float32 gradients, one block of
     positions and heads at a time: the blocks the fused engine's scratch holds (its ``extra``
     callback, Note [Fused branch engine]) or the whole sequence.
 

@@ -10,11 +10,11 @@ Note [One schedule object]
     ring's split of local and spanning branches all read it, so no two of them can disagree.
     :meth:`ScheduleLayout.sharded` splits the branches of a sequence sharded across ranks into
     the local ones, whose segments each lie inside one rank's chunk, and the spanning ones
-    (Note [Local and spanning branches] in ``distributed/ring_dilated.py``), also once.
+    (Note [Local and spanning branches] in ``distributed/rings/ring_dilated.py``), also once.
 
 Note [Heads from a later layer head]
     A call may hold a slice of a layer's heads: after a head all-to-all (Note [Head
-    all-to-all] in ``distributed/ulysses.py``) a rank computes the layer's heads ``j0 .. j0 +
+    all-to-all] in ``distributed/rings/ulysses.py``) a rank computes the layer's heads ``j0 .. j0 +
     H - 1``, and head ``h`` of the call must keep the layer head's offset ``(j0 + h) mod r``.
     The layout then takes ``first_head = j0``: the effective rates are clipped for the layer's
     ``j0 + H`` heads (a rate at or above them leaves every head its own offset), and the row

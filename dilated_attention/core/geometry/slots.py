@@ -252,7 +252,8 @@ class ExtraSlotGradients:
     whose one segment holds all N positions of the plan (position ``(h mod r) + r * m`` of head
     ``h`` at row ``m``): the sums read their views beside the plan's own slots, so they join
     before the one rounding with no float32 gradients of the positions (ring dilated attention's
-    spanning branches: Note [Spanning results stay compact] in ``distributed/ring_dilated.py``).
+    spanning branches: Note [Spanning results stay compact] in
+    ``distributed/rings/ring_dilated.py``).
 
     Attributes:
         make: returns dq, dk, dv, each (B, ceil(N / r), H, D) float32; called once, when the

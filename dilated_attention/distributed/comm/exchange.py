@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from ..block_sparse.plan import SparseCall
-from . import _comm
-from .template import KeyBlock, RingSetup, StepGrads, Traffic, Transit
+from ...block_sparse.plan import SparseCall
+from ..rings.template import KeyBlock, RingSetup, StepGrads, Traffic, Transit
+from . import collectives as _comm
 
 __all__ = ["ExchangeStep", "Needs", "SparseSteps", "exchange_steps"]
 

@@ -45,11 +45,11 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from .. import _validation as V
-from ..core.execution.call_runs import accumulator_dtype
-from ..modules import CompressedSelectedWindowAttention
-from ..sparse.compression import num_windows, window_means
-from ..sparse.nsa import (
+from ... import _validation as V
+from ...core.execution.call_runs import accumulator_dtype
+from ...modules import CompressedSelectedWindowAttention
+from ...sparse.compression import num_windows, window_means
+from ...sparse.nsa import (
     Checked,
     check_call,
     combine_branches,
@@ -57,13 +57,13 @@ from ..sparse.nsa import (
     selected_branch,
     window_branch,
 )
-from . import _comm
+from ..comm import collectives as _comm
+from ..comm.gather import gather_prefix, joined
+from ..layout.cost import Shape, Volume, halo_volumes
+from ..modules import RingModule
 from .block_sparse_ring import block_sparse_ring_attention
-from .cost import Shape, Volume, halo_volumes
-from .gather import gather_prefix, joined
 from .masked_ring import masked_ring_volume
 from .moba_ring import refuse_context_parallel, selected_rows
-from .modules import RingModule
 from .ring import ring_attention
 from .template import RingSetup
 

@@ -25,13 +25,13 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from .. import _validation as V
-from ..modules import BlockSelectedAttention
-from ..sparse.selection import block_means, candidate_blocks, check_selection, chosen_blocks
-from . import _comm
+from ... import _validation as V
+from ...modules import BlockSelectedAttention
+from ...sparse.selection import block_means, candidate_blocks, check_selection, chosen_blocks
+from ..comm import collectives as _comm
+from ..context import ContextParallel
+from ..modules import RingModule
 from .block_sparse_ring import block_sparse_ring_attention
-from .context import ContextParallel
-from .modules import RingModule
 
 __all__ = ["BlockSelectedRingAttention", "moba_ring_attention", "selected_rows",
            "selection_group"]  # fmt: skip

@@ -16,14 +16,17 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from .. import _validation as V
-from ..backends.registry import Selection, check_backend_name
-from ..core.execution.executor import empty_attention
-from ..core.geometry.documents import check_offsets
-from ..core.geometry.schedule import Schedule
-from ..core.geometry.schedule_state import describe_schedule, dilated_schedule
-from ..resolve import DENSE, DILATED, Request, resolve
-from ._comm import (
+from ... import _validation as V
+from ...backends.registry import Selection, check_backend_name
+from ...core.execution.executor import empty_attention
+from ...core.geometry.documents import check_offsets
+from ...core.geometry.schedule import Schedule
+from ...core.geometry.schedule_state import describe_schedule, dilated_schedule
+from ...resolve import DENSE, DILATED, Request, resolve
+from ..context import DOCUMENTS, DOCUMENTS_FIX, HEAD_FIELDS, ContextParallel, no_documents
+from ..layout.sharding import check_layout, chunks_per_rank, rank_positions
+from ..rings.template import RingSetup
+from .collectives import (
     GRAD_MODE,
     GRAD_MODE_FIX,
     backward_follows,
@@ -31,9 +34,6 @@ from ._comm import (
     global_rank,
     group_rank_and_size,
 )
-from .context import DOCUMENTS, DOCUMENTS_FIX, HEAD_FIELDS, ContextParallel, no_documents
-from .sharding import check_layout, chunks_per_rank, rank_positions
-from .template import RingSetup
 
 COMMS = ("ring", "allgather")
 

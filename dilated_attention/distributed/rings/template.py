@@ -36,9 +36,9 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..backends.base import Backend
-from ..core.autograd import Backward, FirstOrderOnly, Forward, Grads, Inputs
-from ..core.execution.call_runs import (
+from ...backends.base import Backend
+from ...core.autograd import Backward, FirstOrderOnly, Forward, Grads, Inputs
+from ...core.execution.call_runs import (
     Merge,
     accumulator_dtype,
     merge_rows,
@@ -47,8 +47,8 @@ from ..core.execution.call_runs import (
     run_backward,
     run_forward,
 )
-from ..core.geometry.calls import Call, GradInputs, KernelArgs
-from ._comm import wait_all
+from ...core.geometry.calls import Call, GradInputs, KernelArgs
+from ..comm.collectives import wait_all
 
 T = TypeVar("T")
 

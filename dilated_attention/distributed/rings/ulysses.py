@@ -36,13 +36,13 @@ from collections.abc import Callable
 
 import torch
 
-from .. import _validation as V
-from ..core.execution.executor import empty_attention
-from ._comm import backward_follows
-from .agreement import reject_ring_call
-from .alltoall import HeadExchange, heads_of, sequence_of, to_heads, to_sequence
-from .context import ContextParallel, agree_on_heads
-from .sharding import check_layout, chunks_per_rank
+from ... import _validation as V
+from ...core.execution.executor import empty_attention
+from ..comm.agreement import reject_ring_call
+from ..comm.alltoall import HeadExchange, heads_of, sequence_of, to_heads, to_sequence
+from ..comm.collectives import backward_follows
+from ..context import ContextParallel, agree_on_heads
+from ..layout.sharding import check_layout, chunks_per_rank
 
 __all__ = ["head_parallel", "heads_sinks", "score_options", "split_call"]
 

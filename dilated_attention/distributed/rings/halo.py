@@ -44,13 +44,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.autograd import Backward, FirstOrderOnly, Forward, Grads, Inputs, Runner
-from ..core.contract import Window
-from ..core.geometry.calls import SliceCall
-from ..core.merge import merge_partial
-from .agreement import PreparedRing
-from .exchange import ExchangeStep, SparseSteps
-from .sharding import chunks_of, chunks_per_rank
+from ...core.autograd import Backward, FirstOrderOnly, Forward, Grads, Inputs, Runner
+from ...core.contract import Window
+from ...core.geometry.calls import SliceCall
+from ...core.merge import merge_partial
+from ..comm.agreement import PreparedRing
+from ..comm.exchange import ExchangeStep, SparseSteps
+from ..layout.sharding import chunks_of, chunks_per_rank
 from .template import RingRunner, StepKernel
 
 __all__ = ["Halo", "UnionRunner", "halo_rows", "halo_steps", "windowed_runner"]

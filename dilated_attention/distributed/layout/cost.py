@@ -32,14 +32,14 @@ from typing import Any
 
 import torch
 
-from .. import _validation as V
-from ..core.geometry.schedule import Schedule
-from .context import ContextParallel, kv_repeats
+from ... import _validation as V
+from ...core.geometry.schedule import Schedule
+from ..context import ContextParallel, kv_repeats
+from ..rings.halo import Halo, halo_rows
+from ..rings.ring import tasks_of
+from ..rings.template import RingSetup
 from .dilated_plan import span_peers, span_rows, span_segments
-from .halo import Halo, halo_rows
-from .ring import tasks_of
 from .sharding import check_layout, chunks_per_rank
-from .template import RingSetup
 
 __all__ = [
     "Split", "SplitPlan", "Topology", "Volume", "plan_context_parallel", "plan_split",

@@ -15,15 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backends.base import Backend
-from ..core.geometry.cells import Cells
-from ..core.geometry.plan import Plan
-from ..core.geometry.schedule import ShardedBranches
-from ..core.geometry.segment import RowGroup, branch_plan
-from ..core.higher_order import RowCall, ring_message
-from ..core.merge import merge_partial
+from ...backends.base import Backend
+from ...core.geometry.cells import Cells
+from ...core.geometry.plan import Plan
+from ...core.geometry.schedule import ShardedBranches
+from ...core.geometry.segment import RowGroup, branch_plan
+from ...core.higher_order import RowCall, ring_message
+from ...core.merge import merge_partial
+from ..rings.template import RingSetup
 from .sharding import local_positions
-from .template import RingSetup
 
 __all__ = [
     "CompactCall",

@@ -28,20 +28,20 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .. import _validation as V
-from ..backends.registry import check_backend_name
-from ..compiled import eager_only
-from ..core.autograd import Runner, run_attention
-from ..core.geometry.calls import SliceCall
-from ..core.hidden import hide_masked_keys
-from ..core.higher_order import ring_message
-from ..functional import attention
-from ._comm import exchange, ring_all_gather
-from .agreement import COMMS, PreparedRing, RingArgs, prepare_ring, refuse_documents
-from .context import ContextParallel
+from ... import _validation as V
+from ...backends.registry import check_backend_name
+from ...compiled import eager_only
+from ...core.autograd import Runner, run_attention
+from ...core.geometry.calls import SliceCall
+from ...core.hidden import hide_masked_keys
+from ...core.higher_order import ring_message
+from ...functional import attention
+from ..comm.agreement import COMMS, PreparedRing, RingArgs, prepare_ring, refuse_documents
+from ..comm.collectives import exchange, ring_all_gather
+from ..context import ContextParallel
+from ..layout.sharding import chunks_of
 from .halo import windowed_runner
 from .packed_ring import packed_runner
-from .sharding import chunks_of
 from .template import (
     KeyBlock,
     Part,

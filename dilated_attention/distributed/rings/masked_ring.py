@@ -36,11 +36,11 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from ..block_sparse.plan import check_block_size
-from ..block_sparse.rows import BlockRowCall, row_plan
-from ..block_sparse.runtime import MaskLayout, check_block_mask, kept_blocks, per_query_head
-from . import _comm
-from .cost import Volume
+from ...block_sparse.plan import check_block_size
+from ...block_sparse.rows import BlockRowCall, row_plan
+from ...block_sparse.runtime import MaskLayout, check_block_mask, kept_blocks, per_query_head
+from ..comm import collectives as _comm
+from ..layout.cost import Volume
 from .ring import pass_on
 from .template import KeyBlock, RingSetup, StepGrads, Traffic, Transit
 

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from einops import rearrange
 
-from ._comm import group_rank_and_size
-from .context import ContextParallel, check_same_everywhere, mesh_positions
+from ..comm.collectives import group_rank_and_size
+from ..context import ContextParallel, check_same_everywhere, mesh_positions
 
 LAYOUTS = ("contiguous", "zigzag")
 #: dtype codes for the agreement of :func:`unshard_sequence` (any other dtype: its own code).

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from . import _comm
+from . import collectives as _comm
 
 __all__ = ["gather_prefix", "joined"]
 

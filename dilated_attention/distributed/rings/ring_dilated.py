@@ -52,10 +52,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _validation as V
-from ..backends.registry import Selection, check_backend_name
-from ..compiled import eager_only
-from ..core.autograd import (
+from ... import _validation as V
+from ...backends.registry import Selection, check_backend_name
+from ...compiled import eager_only
+from ...core.autograd import (
     Backward,
     FirstOrderOnly,
     Forward,
@@ -64,20 +64,20 @@ from ..core.autograd import (
     Runner,
     run_attention,
 )
-from ..core.execution.call_runs import accumulator_dtype, row_lse
-from ..core.execution.executor import plan_backward, plan_forward
-from ..core.execution.fused import fused_backward, fused_forward
-from ..core.geometry.cells import add_cells, merge_cells
-from ..core.geometry.grouped import grouped_plan
-from ..core.geometry.schedule import Schedule
-from ..core.geometry.slots import ExtraSlotGradients, SlotView
-from ..core.hidden import hide_masked_keys
-from ..core.higher_order import ring_message
-from ..resolve import DENSE, DILATED, Request, execute
-from ._comm import exchange
-from .agreement import RingArgs, RingOperation, prepare_ring, refuse_documents
-from .context import ContextParallel
-from .dilated_plan import (
+from ...core.execution.call_runs import accumulator_dtype, row_lse
+from ...core.execution.executor import plan_backward, plan_forward
+from ...core.execution.fused import fused_backward, fused_forward
+from ...core.geometry.cells import add_cells, merge_cells
+from ...core.geometry.grouped import grouped_plan
+from ...core.geometry.schedule import Schedule
+from ...core.geometry.slots import ExtraSlotGradients, SlotView
+from ...core.hidden import hide_masked_keys
+from ...core.higher_order import ring_message
+from ...resolve import DENSE, DILATED, Request, execute
+from ..comm.agreement import RingArgs, RingOperation, prepare_ring, refuse_documents
+from ..comm.collectives import exchange
+from ..context import ContextParallel
+from ..layout.dilated_plan import (
     CompactCall,
     DilatedRingPlan,
     SpanPlan,

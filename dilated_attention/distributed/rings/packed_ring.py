@@ -31,15 +31,15 @@ from typing import Any
 
 import torch
 
-from ..block_sparse.plan import SparseCall, call_positions, check_block_size, document_calls
-from ..core.geometry.documents import check_offsets, document_groups, document_positions
-from ..core.geometry.schedule import Schedule
-from ..core.higher_order import ring_message
-from ..patterns import Pattern, check_pattern
-from ._comm import group_rank_and_size
-from .agreement import PreparedRing
-from .context import ContextParallel, no_documents
-from .exchange import ExchangeStep, SparseSteps, exchange_steps
+from ...block_sparse.plan import SparseCall, call_positions, check_block_size, document_calls
+from ...core.geometry.documents import check_offsets, document_groups, document_positions
+from ...core.geometry.schedule import Schedule
+from ...core.higher_order import ring_message
+from ...patterns import Pattern, check_pattern
+from ..comm.agreement import PreparedRing
+from ..comm.collectives import group_rank_and_size
+from ..comm.exchange import ExchangeStep, SparseSteps, exchange_steps
+from ..context import ContextParallel, no_documents
 from .template import RingRunner, StepKernel
 
 __all__ = ["RingLoad", "packed_runner", "restricted_calls", "ring_load", "shard_offsets",

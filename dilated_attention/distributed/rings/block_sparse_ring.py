@@ -41,10 +41,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import _validation as V
-from ..backends.registry import check_backend_name
-from ..block_sparse import plan as block_plan
-from ..block_sparse.plan import (
+from ... import _validation as V
+from ...backends.registry import check_backend_name
+from ...block_sparse import plan as block_plan
+from ...block_sparse.plan import (
     SparseCall,
     call_positions,
     causal_block_mask,
@@ -52,19 +52,19 @@ from ..block_sparse.plan import (
     num_blocks,
     plan_calls,
 )
-from ..compiled import eager_only
-from ..core.autograd import Runner, run_attention
-from ..core.geometry.schedule_state import block_sparse_schedule, describe_schedule
-from ..core.higher_order import ring_message
-from ..functional import block_sparse_attention
-from ..modules import (
+from ...compiled import eager_only
+from ...core.autograd import Runner, run_attention
+from ...core.geometry.schedule_state import block_sparse_schedule, describe_schedule
+from ...core.higher_order import ring_message
+from ...functional import block_sparse_attention
+from ...modules import (
     BlockSparseAttention,
     BlockSparseMultiheadAttention,
     build_block_sparse_kind,
 )
-from ..patterns import Pattern, check_pattern
-from . import _comm
-from .agreement import (
+from ...patterns import Pattern, check_pattern
+from ..comm import collectives as _comm
+from ..comm.agreement import (
     AgreedForward,
     PreparedRing,
     RingArgs,
@@ -73,10 +73,10 @@ from .agreement import (
     refuse_documents,
     reject_ring_call,
 )
-from .context import ContextParallel
-from .exchange import ExchangeStep, SparseSteps, exchange_steps
+from ..comm.exchange import ExchangeStep, SparseSteps, exchange_steps
+from ..context import ContextParallel
+from ..modules import RingModule
 from .masked_ring import MaskedSteps, check_ring_mask, local_rows
-from .modules import RingModule
 from .packed_ring import packed_runner
 from .template import RingRunner, StepKernel
 from .ulysses import heads_sinks, score_options, split_call
@@ -373,8 +373,8 @@ class BlockSparseRingMultiheadAttention(AgreedForward, BlockSparseMultiheadAtten
     ``sinks`` as in the local layer (``attention.sinks``).
 
     A call rejected on one rank, by the layer's own checks or by the ring call's agreement,
-    raises on every rank (:class:`~dilated_attention.distributed.agreement.AgreedForward`): the rank
-    whose call was rejected its own error, the others ``ValueError`` naming that rank."""
+    raises on every rank (:class:`~dilated_attention.distributed.comm.agreement.AgreedForward`): the
+    rank whose call was rejected its own error, the others ``ValueError`` naming that rank."""
 
     def __init__(
         self,

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from einops import rearrange
 
-from ._comm import exchange, wait_all
+from .collectives import exchange, wait_all
 
 __all__ = ["HeadExchange", "to_heads", "to_sequence"]
 
