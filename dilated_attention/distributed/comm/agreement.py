@@ -33,6 +33,7 @@ from .collectives import (
     check_same_on_all_ranks,
     global_rank,
     group_rank_and_size,
+    raise_on_all_ranks,
 )
 
 COMMS = ("ring", "allgather")
@@ -322,9 +323,7 @@ def reject_ring_call(
         if group.ring is None:
             raise error
         group = group.ring
-    names = _field_names(_DILATED_SCHEDULE)
-    check_same_on_all_ranks([0] * len(names), names, group, error)
-    raise error  # not reached: check_same_on_all_ranks raises the local error
+    raise_on_all_ranks(error, _field_names(_DILATED_SCHEDULE), group)
 
 
 def refuse_documents(cu_seqlens: object, cp: ContextParallel) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -200,6 +201,25 @@ def check_same_on_all_ranks(
         dist.all_gather_object(everyone, None if shown is None else list(shown), group=group)
         raise ValueError(_mismatch_message(table, differ, names, everyone, labels, fixes))
 
+
+
+def raise_on_all_ranks(
+    error: Exception,
+    names: Sequence[str],
+    group: dist.ProcessGroup | None,
+    *,
+    what: str = "ring attention inputs",
+) -> NoReturn:
+    """Take part in an agreement over ``names`` (:func:`check_same_on_all_ranks`) with this
+    rank's ``error``, then raise it: for a call rejected on this rank before its ring function's
+    own agreement was reached, so that the peers already waiting there raise too, instead of
+    waiting until the process group's timeout.
+
+    Raises:
+        Exception: ``error`` on this rank (peers raise ``ValueError`` naming this rank).
+    """
+    check_same_on_all_ranks([0] * len(names), names, group, error, what=what)
+    raise error  # not reached: check_same_on_all_ranks raises the local error
 
 def _mismatch_message(
     table: torch.Tensor,

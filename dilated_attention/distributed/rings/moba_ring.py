@@ -110,9 +110,7 @@ def selection_group(
 def reject_call(error: Exception, group: dist.ProcessGroup | None) -> NoReturn:
     """Take part in :func:`moba_ring_attention`'s agreement with this rank's ``error``, then
     raise it: the peers already waiting there raise too."""
-    _comm.check_same_on_all_ranks([0] * len(_FIELDS), _FIELDS, group, error,
-                                  what="moba_ring_attention inputs")  # fmt: skip
-    raise error  # not reached: check_same_on_all_ranks raises the local error
+    _comm.raise_on_all_ranks(error, _FIELDS, group, what="moba_ring_attention inputs")
 
 
 def moba_ring_attention(
