@@ -35,8 +35,8 @@ class FlashAttn4Tiles:
             a forward without gradients never holds them).
         mask: a pattern's (ceil(Nq / block_size), ceil(Nk / block_size)) bool on the CPU,
             causal applied; None for a run-time mask (no differentiable recompute).
-        empty_rows: (1 or B, 1 or H, Mq) bool on the device, the query blocks that see no
-            key, or None if none.
+        empty_rows: (1 or B, 1, Hkv or H, Mq) bool on the device, the query blocks that see
+            no key (a key/value head's flag serves its group), or None if none.
         unread_keys: (1 or B, 1 or Hkv, Mk) bool on the device, the key blocks no query reads,
             or None if none.
     """

@@ -10,10 +10,12 @@ Note [Narrow lists of block indices]
     (``r = bs / 128`` tiles a side) the forward lists are ``K r`` wide and made from the indices
     alone (:func:`index_tile_lists`): block ``j`` of query tile ``(i, s)`` (tile ``s`` of block
     ``i``) gives key tiles ``j r + t``, full off the diagonal; causal, its own block ``i`` gives
-    the tiles ``t < s`` full and ``t = s`` partial. A few sorts of ``K r`` entries per row put
-    each list in increasing order. The backward's lists (per key tile, its query tiles) have no
-    such bound, any number of query blocks may keep a key block, so they are made from the bool
-    form when a backward runs.
+    the tiles ``t < s`` full and ``t = s`` partial, each list in increasing order: one Triton
+    launch on the GPU (Note [Narrow lists in one launch] in
+    ``backends/triton_kernels/index_lists.py``), a few sorts of ``K r`` entries per row
+    elsewhere (:func:`~.runtime.kept_indices`). The backward's lists (per key tile, its query tiles)
+    have no such bound, any number of query blocks may keep a key block, so they are made from the
+    bool form when a backward runs.
 
 Shape legend: Bm batch rows of the mask (1 or B), Hm its heads, H query heads, Mq / Mk query /
 key blocks, Tq / Tk query / key tiles, K indices per row.

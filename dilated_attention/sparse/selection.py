@@ -372,9 +372,9 @@ def _products(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         ``lo_a . lo_b`` is ``2^-16`` of the product, under the rounding of the block means
         themselves. Elsewhere (the CPU, float64) it is a plain ``matmul`` of the means.
     """
-    if rows.dtype != torch.bfloat16:
-        return rows @ cols.transpose(-1, -2)
-    return torch.bmm(rows, cols.transpose(-1, -2), out_dtype=torch.float32)
+    if rows.dtype == torch.bfloat16 and rows.is_cuda:  # the parts of _operands
+        return torch.bmm(rows, cols.transpose(-1, -2), out_dtype=torch.float32)
+    return rows @ cols.transpose(-1, -2)
 
 
 def block_means(x: torch.Tensor, block_size: int) -> torch.Tensor:
