@@ -29,7 +29,7 @@ import torch
 
 from ..backends.triton import kernel_module
 from .plan import num_blocks
-from .runtime import BlockIndices, kept_indices, per_query_head
+from .runtime import BlockIndices, kept_indices, listed_blocks, per_query_head
 from .tiles import KERNEL_TILE, kernel_tiles
 
 __all__ = ["NarrowLists", "TileLists", "compact_rows", "index_tile_lists", "narrow_tile_lists",
@@ -115,9 +115,7 @@ def narrow_tile_lists(blocks: BlockIndices, num_heads: int) -> NarrowLists:
     lists = index_tile_lists(index, mk, block_size=size, query_len=blocks.query_len,
                              key_len=blocks.key_len, is_causal=blocks.is_causal,
                              num_heads=num_heads)  # fmt: skip
-    flat = index.flatten(-2)
-    read = torch.zeros(*flat.shape[:-1], mk + 1, dtype=torch.bool, device=flat.device)
-    read = read.scatter_(-1, flat, True)[..., :mk]
+    read = listed_blocks(index.flatten(-2), mk)  # every row's blocks, as one list per head
     return NarrowLists(lists, per_query_head((index < mk).sum(-1) == 0, heads), read)
 
 
@@ -141,16 +139,15 @@ def index_tile_lists(
     Returns:
         :class:`TileLists` (Bm, 1 or H, Tq[, W]).
     """
-    blocks, mk = index, key_blocks
     repeat = block_size // KERNEL_TILE
     rows = num_blocks(query_len, KERNEL_TILE)
     cols = num_blocks(key_len, KERNEL_TILE)
-    device = blocks.device
+    device = index.device
     step = torch.arange(repeat, device=device)
-    tile = blocks[..., None] * repeat + step  # (Bm, Hm, Mq, K, r): key tiles of each block
-    live = (blocks < mk)[..., None] & (tile < cols)  # a short last block has fewer tiles
-    row_block = torch.arange(blocks.shape[2], device=device).view(-1, 1, 1)
-    own = (blocks[..., None] == row_block).unsqueeze(3)  # (Bm, Hm, Mq, 1, K, 1)
+    tile = index[..., None] * repeat + step  # (Bm, Hm, Mq, K, r): key tiles of each block
+    live = (index < key_blocks)[..., None] & (tile < cols)  # a short last block has fewer tiles
+    row_block = torch.arange(index.shape[2], device=device).view(-1, 1, 1)
+    own = (index[..., None] == row_block).unsqueeze(3)  # (Bm, Hm, Mq, 1, K, 1)
     live = live.unsqueeze(3)  # (Bm, Hm, Mq, 1, K, r): rows of query tiles s at dim 3
     s, t = step.view(-1, 1, 1), step.view(1, 1, -1)
     full = live & (~own | (t < s)) if is_causal else live.expand(-1, -1, -1, repeat, -1, -1)
@@ -165,7 +162,7 @@ def index_tile_lists(
         partial_count = own.squeeze(3).any(-1).any(-1).repeat_interleave(repeat, -1)[..., :rows]
     else:
         partial_count = torch.zeros_like(full_count, dtype=torch.bool)
-    heads = _heads(blocks, num_heads)
+    heads = _heads(index, num_heads)
     lists = (partial_count.to(torch.int32), partial_index, full_count, full_index)
     return TileLists(*(per_query_head(x, heads).contiguous() for x in lists))
 

@@ -64,6 +64,7 @@ __all__ = [
     "check_documents_aligned",
     "kept_blocks",
     "kept_indices",
+    "listed_blocks",
     "per_query_head",
     "same_document",
     "token_rows",
@@ -240,12 +241,25 @@ def kept_blocks(
         where nothing changes it.
     """
     mk = num_blocks(key_len, block_size)
-    kept = mask if mask.dtype == torch.bool else _scattered(mask, mk)
-    if is_causal:
-        kept = kept & _causal_pairs(query_len, key_len, block_size, mask.device)
-    if documents is not None:
-        kept = kept & documents
+    kept = mask if mask.dtype == torch.bool else listed_blocks(mask, mk)
+    for pairs in _visible_pairs(block_size, query_len, key_len, is_causal, documents,
+                                mask.device):  # fmt: skip
+        kept = kept & pairs
     return kept
+
+
+def _visible_pairs(
+    block_size: int,
+    query_len: int,
+    key_len: int,
+    is_causal: bool,
+    documents: torch.Tensor | None,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """The block pairs a call may keep, as the masks every kept pair lies in: the causal pairs
+    (Mq, Mk) when causal, the pairs of one document (B, 1, Mq, Mk) with ``documents``."""
+    visible = [_causal_pairs(query_len, key_len, block_size, device)] if is_causal else []
+    return visible if documents is None else [*visible, documents]
 
 
 @dataclass(frozen=True)
@@ -284,15 +298,11 @@ def kept_indices(blocks: BlockIndices) -> torch.Tensor:
     mk = num_blocks(blocks.key_len, blocks.block_size)
     index = blocks.indices.long()
     valid = (index >= 0) & (index < mk)
-    visible = []
-    if blocks.is_causal:
-        visible.append(_causal_pairs(blocks.query_len, blocks.key_len, blocks.block_size,
-                                     index.device))  # fmt: skip
-    if blocks.documents is not None:
-        visible.append(blocks.documents)
+    if blocks.documents is not None:  # a row per batch row
         batch = blocks.documents.shape[0]
         index, valid = (x.expand(batch, *x.shape[1:]) for x in (index, valid))
-    for pairs in visible:
+    for pairs in _visible_pairs(blocks.block_size, blocks.query_len, blocks.key_len,
+                                blocks.is_causal, blocks.documents, index.device):  # fmt: skip
         pairs = pairs.expand(*index.shape[:-1], mk)
         valid = valid & pairs.gather(-1, index.clamp(0, mk - 1))
     index = index.masked_fill(~valid, mk).sort(-1).values
@@ -301,7 +311,7 @@ def kept_indices(blocks: BlockIndices) -> torch.Tensor:
     return index.sort(-1).values
 
 
-def _scattered(indices: torch.Tensor, mk: int) -> torch.Tensor:
+def listed_blocks(indices: torch.Tensor, mk: int) -> torch.Tensor:
     """(..., K) block indices -> (..., Mk) bool: the indices in ``[0, Mk)`` set, each once;
     any other entry (``-1``) lands in a spare column, dropped."""
     index = indices.long()

@@ -117,12 +117,12 @@ class RuntimeMaskStrategy(Strategy):
     ) -> torch.Tensor | BlockIndices:
         """:meth:`_kept`, but int indices stay indices where the kernel's tiles lie inside
         blocks (Note [Narrow lists of block indices] in ``block_sparse/lists.py``)."""
-        mask, r = self._checked(mask), self.request
-        if mask.dtype == torch.bool or not tiles_aligned(
+        given, r = self._checked(mask), self.request
+        if given.dtype == torch.bool or not tiles_aligned(
             r.block_size, r.query_len, r.key_len, r.is_causal
         ):
-            return kept_blocks(mask, **self._geometry(q))
-        return BlockIndices(mask, **self._geometry(q))
+            return self._kept(given, q)
+        return BlockIndices(given, **self._geometry(q))
 
     @staticmethod
     def _checked(mask: torch.Tensor | None) -> torch.Tensor:
