@@ -341,6 +341,8 @@ BAD = {
     "is-causal-int": ({"is_causal": 1}, TypeError, "is_causal must be True or False"),
     "per-unknown": ({"per": "query"}, ValueError, "per must be one of"),
     "per-not-a-str": ({"per": 1}, TypeError, "per must be one of"),
+    "return-indices-str": ({"return_indices": "yes"}, TypeError,
+                           "return_indices must be True or False"),
     "causal-query-longer": ({"key": torch.randn(1, 4, 2, 4)}, ValueError,
                             "cannot be longer than the key"),
     "packed-lengths-differ": ({"key": torch.randn(1, 12, 2, 4), "cu_seqlens": [0, 8]},
