@@ -66,6 +66,7 @@ D head dim, bs block size, Mq = ceil(Nq / bs), Mk = ceil(Nk / bs).
 from __future__ import annotations
 
 import numbers
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -78,8 +79,8 @@ from ..block_sparse.runtime import check_documents_aligned, same_document
 from ..core.geometry.documents import check_cu_seqlens
 from .compression import window_means
 
-__all__ = ["PER", "block_means", "candidate_blocks", "check_selection", "chosen_blocks",
-           "own_blocks_width", "select_blocks"]  # fmt: skip
+__all__ = ["PER", "CandidateRanges", "block_means", "candidate_blocks", "check_selection",
+           "chosen_blocks", "own_blocks_width", "select_blocks"]  # fmt: skip
 
 #: The values of ``select_blocks(per=...)``: a choice per query head or per key/value head.
 PER = ("head", "kv_head")
@@ -198,12 +199,44 @@ def _select(
             return torch.zeros(shape, dtype=torch.bool, device=q.device)
         width = min(topk, mk) + own_width
         return torch.full((*shape[:3], width), -1, dtype=torch.int32, device=q.device)
-    candidates, own = candidate_blocks(nq, nk, block_size, is_causal, q.device)
+    candidates: Candidates = CandidateRanges(nq, nk, block_size, is_causal)
     if documents is not None:
         same = same_document(documents, batch, nq, block_size, q.device)
-        candidates, own = candidates & same, own & same
+        cand, own = candidate_blocks(nq, nk, block_size, is_causal, q.device)
+        candidates = (cand & same, own & same)
     q_mean, k_mean = block_means(q, block_size), block_means(k, block_size)
-    return chosen_blocks(q_mean, k_mean, candidates, own, topk, per, own_width)
+    return chosen_blocks(q_mean, k_mean, candidates, topk, per, own_width)
+
+
+@dataclass(frozen=True)
+class CandidateRanges:
+    """Which key blocks query blocks may choose, and which are their own, from positions alone
+    (no packed documents): as :func:`candidate_blocks` gives them, for the query blocks from
+    ``first_row`` on (Note [Candidates by position] in ``triton_kernels/top_blocks.py``).
+
+    Attributes:
+        query_len, key_len, block_size, is_causal: the whole call's.
+        first_row: the first query block of the rows chosen (a ring rank's own).
+    """
+
+    query_len: int
+    key_len: int
+    block_size: int
+    is_causal: bool
+    first_row: int = 0
+
+    def masks(self, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The candidates and own blocks of ``rows`` query blocks from ``first_row``: two
+        (rows, Mk) bool."""
+        candidates, own = candidate_blocks(self.query_len, self.key_len, self.block_size,
+                                           self.is_causal, device)  # fmt: skip
+        chosen = slice(self.first_row, self.first_row + rows)
+        return candidates[chosen], own[chosen]
+
+
+#: A choice's candidates: by position, or as (candidates, own) bool masks broadcastable to
+#: (B, 1, Mq, Mk).
+Candidates = CandidateRanges | tuple[torch.Tensor, torch.Tensor]
 
 
 def check_selection(block_size: object, topk: object, is_causal: object, per: object) -> tuple[
@@ -225,8 +258,7 @@ def check_selection(block_size: object, topk: object, is_causal: object, per: ob
 def chosen_blocks(
     q_mean: torch.Tensor,
     k_mean: torch.Tensor,
-    candidates: torch.Tensor,
-    own: torch.Tensor,
+    candidates: Candidates,
     topk: int,
     per: str,
     own_width: int | None = None,
@@ -237,7 +269,8 @@ def chosen_blocks(
 
     Args:
         q_mean: (B, Mq, H, D) and k_mean (B, Mk, Hkv, D) from :func:`block_means`.
-        candidates, own: bool, broadcastable to (B, 1, Mq, Mk) (:func:`candidate_blocks`).
+        candidates: the rows' :class:`CandidateRanges`, or ``(candidates, own)`` bool masks
+            broadcastable to (B, 1, Mq, Mk) (:func:`candidate_blocks`, packed documents').
         topk, per: checked, as :func:`select_blocks` takes them.
         own_width: None for a bool mask; else block indices, every row's own blocks a run of
             at most ``own_width`` (:func:`own_blocks_width`).
@@ -246,13 +279,14 @@ def chosen_blocks(
         (B, H or Hkv, Mq, Mk) bool, or (B, H or Hkv, Mq, min(topk, Mk) + own_width) int32
         block indices, ``-1`` = none.
     """
+    batch, mq, heads, _ = q_mean.shape
     mk = k_mean.shape[1]
     topk = min(topk, mk)
-    kernel = _device_top_blocks(q_mean, k_mean)
-    if kernel is None:
-        chosen = _top_blocks(_affinity(q_mean, k_mean, per), candidates, topk) | own
+    module = _device_top_blocks(q_mean, k_mean)
+    if module is None:
+        cand, own = _masks(candidates, mq, q_mean.device)
+        chosen = _top_blocks(_affinity(q_mean, k_mean, per), cand, topk) | own
         return chosen if own_width is None else _as_indices(chosen, topk + own_width)
-    batch, mq, heads, _ = q_mean.shape
     width, dtype = (mk, torch.bool) if own_width is None else (topk + own_width, torch.int32)
     chosen = torch.empty(batch, heads if per == "head" else k_mean.shape[2], mq, width,
                          dtype=dtype, device=q_mean.device)  # fmt: skip
@@ -263,9 +297,25 @@ def chosen_blocks(
         rows = slice(start, start + step)
         part = left if step >= mq else left[:, :, rows]
         affinity = _products(part.flatten(1, 2), right).view(*chosen.shape[:2], -1, mk)
-        kernel(affinity, _rows(candidates, rows), _rows(own, rows), topk,
-               out=chosen[:, :, rows], own_width=own_width)  # fmt: skip
+        if isinstance(candidates, CandidateRanges):
+            row_args = (module.RowRanges(candidates.first_row + start,
+                                         candidates.key_len - candidates.query_len,
+                                         candidates.block_size, candidates.key_len,
+                                         candidates.is_causal), None)  # fmt: skip
+        else:
+            row_args = (_rows(candidates[0], rows), _rows(candidates[1], rows))
+        module.top_blocks(affinity, *row_args, topk, out=chosen[:, :, rows],
+                          own_width=own_width)  # fmt: skip
     return chosen
+
+
+def _masks(
+    candidates: Candidates, rows: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``candidates`` as (candidates, own) bool masks of ``rows`` query blocks."""
+    if isinstance(candidates, CandidateRanges):
+        return candidates.masks(rows, device)
+    return candidates
 
 
 def _as_indices(chosen: torch.Tensor, width: int) -> torch.Tensor:
@@ -284,14 +334,14 @@ def _rows(mask: torch.Tensor, rows: slice) -> torch.Tensor:
 
 
 def _device_top_blocks(q_mean: torch.Tensor, k_mean: torch.Tensor) -> Any:
-    """The Triton choice where it takes these blocks (on the GPU, rows it can hold), else
-    None."""
+    """The Triton choice's module (``top_blocks``, ``RowRanges``) where it takes these blocks
+    (on the GPU, rows it can hold), else None."""
     if not q_mean.is_cuda or q_mean.dtype != torch.float32:
         return None
     module = kernel_module("top_blocks")
     if module is None or k_mean.shape[1] > module.MAX_COLUMNS:
         return None
-    return module.top_blocks
+    return module
 
 
 def _check_topk(topk: object, is_causal: bool) -> int:
@@ -333,9 +383,15 @@ def _operands(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The affinities' operands per key/value head: the query means (B Hkv, g, Mq, D'), g the
     group's heads (1 for ``per="kv_head"``, their sum), and the key means (B Hkv, Mk, D'); on
-    the GPU in float32 as bfloat16 parts (Note [Affinities on tensor cores]), ``D' = 3 D``."""
+    the GPU in float32 as bfloat16 parts (Note [Affinities on tensor cores]), ``D' = 3 D``,
+    in one launch each where Triton runs (Note [Parts in one launch])."""
     batch, mq, heads, dim = q_mean.shape
     mk, kv_heads = k_mean.shape[1], k_mean.shape[2]
+    summed = heads // kv_heads if per == "kv_head" else 1
+    module = kernel_module("mean_parts") if _on_tensor_cores(q_mean) else None
+    if module is not None:
+        left = module.mean_parts(q_mean, summed, 2).view(batch * kv_heads, -1, mq, 3 * dim)
+        return left, module.mean_parts(k_mean, 1, 1).flatten(0, 1)
     q_grouped = q_mean.view(batch, mq, kv_heads, heads // kv_heads, dim)
     if per == "kv_head":
         q_grouped = q_grouped.sum(3, keepdim=True)

@@ -26,9 +26,21 @@ Note [Chosen blocks as indices]
     program can write its row as ``topk + own_width`` int32 block indices instead, picks
     first, then the own run, ``-1`` where a row has fewer, in no particular order: no bool
     mask, no compaction, and lists of ``topk + own_width`` entries per row downstream.
+
+Note [Candidates by position]
+    Without packed documents a query block's candidates and own blocks follow from its
+    position alone: causal, the key blocks before the one holding its first position, and
+    the blocks from there to the one holding its last; not causal, every block and none.
+    Made as (Mq, Mk) masks they cost ten small launches per choice (at 64K tokens more host
+    time than the GPU spends on them) and a read of two mask rows per row. So the program
+    takes the positions instead (:class:`RowRanges`: the first query block's index, the
+    query's shift against the keys, the block size, the key length) and compares columns
+    with its row's two bounds; masks are read only where documents cut the rows.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -49,10 +61,23 @@ _LOWEST = tl.constexpr(-3.4028234663852886e38)  # a NaN affinity ranks here: bel
 
 
 @triton.jit
-def _scores(affinity, candidates, cols, valid):
-    """A row's affinities at ``cols`` (any shape), ``-inf`` where not a candidate, the lowest
+def _row_masks(candidates, own, cols, valid, lo, hi, RANGES: tl.constexpr):
+    """Which of a row's ``cols`` are candidates and which its own blocks: read from the
+    ``candidates`` and ``own`` rows, or with ``RANGES`` the columns below ``lo`` and those from
+    ``lo`` to ``hi`` (Note [Candidates by position])."""
+    if RANGES:
+        allowed = valid & (cols < lo)
+        keep = valid & (cols >= lo) & (cols <= hi)
+    else:
+        allowed = tl.load(candidates + cols, mask=valid, other=0) != 0
+        keep = tl.load(own + cols, mask=valid, other=0) != 0
+    return allowed, keep
+
+
+@triton.jit
+def _scores(affinity, allowed, cols):
+    """A row's affinities at ``cols`` (any shape), ``-inf`` where not ``allowed``, the lowest
     number where NaN."""
-    allowed = tl.load(candidates + cols, mask=valid, other=0) != 0
     score = tl.load(affinity + cols, mask=allowed, other=0.0)
     score = tl.where(score != score, _LOWEST, score)
     return tl.where(allowed, score, float("-inf"))
@@ -79,17 +104,20 @@ def _top_blocks_kernel(
     s_cb, s_ch, s_cr,
     s_ob, s_oh, s_or,
     s_xb, s_xh, s_xr,
-    own_width,
+    own_width, first_row, shift, block_size, key_len, causal,
     CHUNK: tl.constexpr,
     GROUP: tl.constexpr,
     GROUPS: tl.constexpr,
     PICKS: tl.constexpr,
     OWN: tl.constexpr,
     INDICES: tl.constexpr,
+    RANGES: tl.constexpr,
 ):  # fmt: skip
     """Program ``bh * rows + r``: row ``r`` of batch row and head ``bh`` (Note [Top blocks in
     registers]); ``INDICES``: the row as block indices (Note [Chosen blocks as indices]),
-    else as a bool row. ``maxima``: (programs, GROUPS) float32 scratch."""
+    else as a bool row. ``maxima``: (programs, GROUPS) float32 scratch. ``RANGES``: the
+    candidates and own blocks by position, query block ``first_row + r`` (Note [Candidates
+    by position]), else read from ``candidates`` and ``own``."""
     program = tl.program_id(0).to(tl.int64)
     bh, r = program // rows, program % rows
     b, h = bh // heads, bh % heads
@@ -98,19 +126,23 @@ def _top_blocks_kernel(
     own += b * s_ob + h * s_oh + r * s_or
     chosen += b * s_xb + h * s_xh + r * s_xr
     maxima += program * GROUPS
+    position = (first_row + r) * block_size + shift  # the query block's first position
+    lo = tl.where(causal != 0, position // block_size, cols)
+    hi = tl.where(causal != 0, tl.minimum(position + block_size - 1, key_len - 1) // block_size,
+                  -1)  # fmt: skip
     first = cols
     owned = 0
     # Pass 1, CHUNK columns at a time: the row's own blocks, and each group's maximum.
     for start in range(0, GROUPS * GROUP, CHUNK):  # every group's maximum, -inf past cols
         col = start + tl.arange(0, CHUNK)
         inside = col < cols
-        keep = tl.load(own + col, mask=inside, other=0) != 0
+        allowed, keep = _row_masks(candidates, own, col, inside, lo, hi, RANGES)
         if INDICES:
             first = tl.minimum(first, tl.min(tl.where(keep, col, cols), axis=0))
             owned += tl.sum(keep.to(tl.int32), axis=0)
         else:
             tl.store(chosen + col, keep.to(tl.int8), mask=inside)
-        score = _scores(affinity, candidates, col, inside)
+        score = _scores(affinity, allowed, col)
         group = start // GROUP + tl.arange(0, CHUNK // GROUP)
         best = tl.max(tl.reshape(score, (CHUNK // GROUP, GROUP)), axis=1)
         tl.store(maxima + group, best, mask=group < GROUPS)
@@ -126,7 +158,8 @@ def _top_blocks_kernel(
                        PICKS)  # fmt: skip
     where = taken[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # (PICKS, GROUP) columns
     where = tl.reshape(where, (PICKS * GROUP,))
-    score = _scores(affinity, candidates, where, where < cols)
+    allowed, _ = _row_masks(candidates, own, where, where < cols, lo, hi, RANGES)
+    score = _scores(affinity, allowed, where)
     picked = _take_best(score, where, slot, tl.full((PICKS,), GROUPS * GROUP, tl.int32), topk,
                         GROUPS * GROUP, PICKS)  # fmt: skip
     if INDICES:
@@ -142,10 +175,24 @@ def _columns_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+class RowRanges(NamedTuple):
+    """A row's candidates and own blocks by its position (Note [Candidates by position]): query
+    block ``first_row + r`` starts at position ``(first_row + r) * block_size + shift``; with
+    ``causal`` its candidates are the key blocks before that position's and its own blocks
+    those up to its last position (at most ``key_len - 1``); without, every block is a
+    candidate and none its own."""
+
+    first_row: int
+    shift: int
+    block_size: int
+    key_len: int
+    causal: bool
+
+
 def top_blocks(
     affinity: torch.Tensor,
-    candidates: torch.Tensor,
-    own: torch.Tensor,
+    candidates: torch.Tensor | RowRanges,
+    own: torch.Tensor | None,
     topk: int,
     out: torch.Tensor | None = None,
     *,
@@ -155,7 +202,8 @@ def top_blocks(
 
     Args:
         affinity: (B, Hs, Mq, Mk) float32, Mk <= :data:`MAX_COLUMNS`.
-        candidates, own: bool broadcastable to it.
+        candidates, own: bool broadcastable to it; or ``candidates`` the rows'
+            :class:`RowRanges` and ``own`` None (no mask read).
         out: where to write (a slice of a larger result, contiguous columns), or None for a
             new tensor: (B, Hs, Mq, Mk) bool, or with ``own_width`` (B, Hs, Mq,
             topk + own_width) int32.
@@ -175,19 +223,26 @@ def top_blocks(
     if out.numel() == 0:
         return out
     shape = tuple(affinity.shape)
-    affinity, candidates, own = (_columns_contiguous(x.expand(shape))
-                                 for x in (affinity, candidates, own))  # fmt: skip
+    affinity = _columns_contiguous(affinity)
+    ranges = candidates if isinstance(candidates, RowRanges) else None
+    if ranges is None:
+        masks = [_columns_contiguous(x.expand(shape)).view(torch.uint8) for x in (candidates, own)]
+    else:  # not read: any tensor of the right layout stands in
+        masks = [affinity.view(torch.uint8)] * 2
     block = next_power_of_2(cols)
     picks = next_power_of_2(topk)
     group = max(1, min(64, block // picks))  # at least PICKS groups
     maxima = torch.empty(batch * heads * rows, block // group, dtype=torch.float32,
                          device=affinity.device)  # fmt: skip
     written = out if indices else out.view(torch.int8)
-    args = (affinity, candidates.view(torch.uint8), own.view(torch.uint8), written, maxima, cols,
-            heads, rows, topk, *affinity.stride()[:3], *candidates.stride()[:3],
-            *own.stride()[:3], *out.stride()[:3], own_width or 0)  # fmt: skip
+    where = ranges or RowRanges(0, 0, 1, 1, False)
+    args = (affinity, *masks, written, maxima, cols, heads, rows, topk, *affinity.stride()[:3],
+            *masks[0].stride()[:3], *masks[1].stride()[:3], *out.stride()[:3], own_width or 0,
+            where.first_row, where.shift, where.block_size, where.key_len,
+            int(where.causal))  # fmt: skip
     options = {"CHUNK": min(block, _CHUNK), "GROUP": group, "GROUPS": block // group,
                "PICKS": picks, "OWN": next_power_of_2(max(1, own_width or 0)),
-               "INDICES": indices, "num_warps": _WARPS}  # fmt: skip
+               "INDICES": indices, "RANGES": ranges is not None,
+               "num_warps": _WARPS}  # fmt: skip
     launch(_top_blocks_kernel, (batch * heads * rows,), args, options)
     return out

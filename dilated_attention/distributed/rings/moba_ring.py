@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ... import _validation as V
 from ...modules import BlockSelectedAttention
-from ...sparse.selection import block_means, candidate_blocks, check_selection, chosen_blocks
+from ...sparse.selection import CandidateRanges, block_means, check_selection, chosen_blocks
 from ..comm import collectives as _comm
 from ..context import ContextParallel
 from ..modules import RingModule
@@ -190,10 +190,8 @@ def selected_rows(
     gathered = _comm.ring_all_gather((block_means(key, block_size),), ranks, rank)
     k_mean = torch.cat([means for (means,) in gathered], dim=1)  # (B, W n / bs, Hkv, D)
     seq_len = query.shape[1] * world
-    candidates, own = candidate_blocks(seq_len, seq_len, block_size, is_causal, query.device)
-    rows = slice(rank * mq, (rank + 1) * mq)
-    return chosen_blocks(block_means(query, block_size), k_mean, candidates[rows], own[rows],
-                         topk, per)  # fmt: skip
+    rows = CandidateRanges(seq_len, seq_len, block_size, is_causal, first_row=rank * mq)
+    return chosen_blocks(block_means(query, block_size), k_mean, rows, topk, per)
 
 
 def _layer_call(
