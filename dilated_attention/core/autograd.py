@@ -157,12 +157,16 @@ class AttentionFunction(torch.autograd.Function):
         ctx.save_for_backward(q, result.out, result.lse, sinks, *result.saved)
         ctx.runner, ctx.state = runner, result.state
         ctx.mark_non_differentiable(result.lse)
+        # No zero-filled gradient of the lse per backward: a launch and its host time.
+        ctx.set_materialize_grads(False)
         return result.out, result.lse
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
+        if dout is None:  # the loss does not use ``out`` (gradients are not materialized)
+            return None, None, None, None, None, None
         q, out, lse, sinks, *saved = ctx.saved_tensors
         runner: Runner = ctx.runner
         b = Backward(dout, q, out, lse, saved, ctx.state)
