@@ -233,6 +233,13 @@ class CandidateRanges:
         chosen = slice(self.first_row, self.first_row + rows)
         return candidates[chosen], own[chosen]
 
+    def kernel_rows(self, start: int, row_ranges: Any) -> Any:
+        """The rows from ``start`` on (counted from ``first_row``) as the top-blocks kernel's
+        ``row_ranges`` (its ``RowRanges`` class: first row, query shift, block size, key
+        length, causal)."""
+        return row_ranges(self.first_row + start, self.key_len - self.query_len, self.block_size,
+                          self.key_len, self.is_causal)  # fmt: skip
+
 
 #: A choice's candidates: by position, or as (candidates, own) bool masks broadcastable to
 #: (B, 1, Mq, Mk).
@@ -298,10 +305,7 @@ def chosen_blocks(
         part = left if step >= mq else left[:, :, rows]
         affinity = _products(part.flatten(1, 2), right).view(*chosen.shape[:2], -1, mk)
         if isinstance(candidates, CandidateRanges):
-            row_args = (module.RowRanges(candidates.first_row + start,
-                                         candidates.key_len - candidates.query_len,
-                                         candidates.block_size, candidates.key_len,
-                                         candidates.is_causal), None)  # fmt: skip
+            row_args = (candidates.kernel_rows(start, module.RowRanges), None)
         else:
             row_args = (_rows(candidates[0], rows), _rows(candidates[1], rows))
         module.top_blocks(affinity, *row_args, topk, out=chosen[:, :, rows],
