@@ -212,7 +212,7 @@ def _select(
 class CandidateRanges:
     """Which key blocks query blocks may choose, and which are their own, from positions alone
     (no packed documents): as :func:`candidate_blocks` gives them, for the query blocks from
-    ``first_row`` on (Note [Candidates by position] in ``triton_kernels/top_blocks.py``).
+    ``first_row`` on (Note [Candidates by position] in ``triton_kernels/selection/top_blocks.py``).
 
     Attributes:
         query_len, key_len, block_size, is_causal: the whole call's.
@@ -342,7 +342,7 @@ def _device_top_blocks(q_mean: torch.Tensor, k_mean: torch.Tensor) -> Any:
     (on the GPU, rows it can hold), else None."""
     if not q_mean.is_cuda or q_mean.dtype != torch.float32:
         return None
-    module = kernel_module("top_blocks")
+    module = kernel_module("selection.top_blocks")
     if module is None or k_mean.shape[1] > module.MAX_COLUMNS:
         return None
     return module
@@ -392,7 +392,7 @@ def _operands(
     batch, mq, heads, dim = q_mean.shape
     mk, kv_heads = k_mean.shape[1], k_mean.shape[2]
     summed = heads // kv_heads if per == "kv_head" else 1
-    module = kernel_module("mean_parts") if _on_tensor_cores(q_mean) else None
+    module = kernel_module("selection.mean_parts") if _on_tensor_cores(q_mean) else None
     if module is not None:
         left = module.mean_parts(q_mean, summed, 2).view(batch * kv_heads, -1, mq, 3 * dim)
         return left, module.mean_parts(k_mean, 1, 1).flatten(0, 1)

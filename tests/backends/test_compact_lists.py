@@ -144,7 +144,7 @@ def test_device_top_blocks_match_the_torch_choice(device, rows, cols, topk, per_
     has many, a NaN affinity below every number yet still chosen when fewer numbers are
     candidates."""
     skip_without_triton(device)
-    from dilated_attention.backends.triton_kernels.top_blocks import top_blocks
+    from dilated_attention.backends.triton_kernels.selection.top_blocks import top_blocks
     from dilated_attention.sparse.selection import _top_blocks
 
     g = torch.Generator().manual_seed(rows + cols)
@@ -232,7 +232,7 @@ def test_device_top_blocks_as_indices(device, rows, cols, topk, own_width) -> No
     """The choice written as block indices (Note [Chosen blocks as indices]): each row's
     indices, -1 dropped, are exactly the columns of the bool choice, each once."""
     skip_without_triton(device)
-    from dilated_attention.backends.triton_kernels.top_blocks import top_blocks
+    from dilated_attention.backends.triton_kernels.selection.top_blocks import top_blocks
 
     g = torch.Generator().manual_seed(rows * cols)
     affinity = torch.randn(2, 3, rows, cols, generator=g).to(device)

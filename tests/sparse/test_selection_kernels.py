@@ -33,7 +33,7 @@ def test_candidates_by_position_match_their_masks(
     """The choice given :class:`RowRanges` (Note [Candidates by position]) is the choice given
     :func:`candidate_blocks`' masks for the same rows, bool and as indices, NaN included."""
     skip_without_triton(device)
-    from dilated_attention.backends.triton_kernels.top_blocks import RowRanges, top_blocks
+    from dilated_attention.backends.triton_kernels.selection.top_blocks import RowRanges, top_blocks
 
     if own_width is not None and not is_causal:
         own_width = 0
@@ -60,7 +60,7 @@ def test_mean_parts_match_the_torch_parts(device, heads, group, dim, blocks, tra
     """One launch's parts (Note [Parts in one launch]) are the torch parts of the group's sum,
     for both orders, any strides and head dims that are not powers of two."""
     skip_without_triton(device)
-    from dilated_attention.backends.triton_kernels.mean_parts import mean_parts
+    from dilated_attention.backends.triton_kernels.selection.mean_parts import mean_parts
 
     g = torch.Generator().manual_seed(heads * dim + blocks)
     x = torch.randn(2, heads, blocks, dim, generator=g) * 1e3

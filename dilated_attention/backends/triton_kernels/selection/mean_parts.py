@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import launch
-from .tiles import cdiv, next_power_of_2
+from ..launch import launch
+from ..tiles import cdiv, next_power_of_2
 
 _ROWS = 16
 

@@ -46,8 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import launch
-from .tiles import next_power_of_2
+from ..launch import launch
+from ..tiles import next_power_of_2
 
 #: The most key blocks a row may have: its group maxima are held at once (256 of 64 columns).
 MAX_COLUMNS = 16384
