@@ -297,9 +297,12 @@ def chosen_blocks(
     width, dtype = (mk, torch.bool) if own_width is None else (topk + own_width, torch.int32)
     chosen = torch.empty(batch, heads if per == "head" else k_mean.shape[2], mq, width,
                          dtype=dtype, device=q_mean.device)  # fmt: skip
+    left, right = _operands(q_mean, k_mean, per)  # (B Hkv, g, Mq, D'), (B Hkv, Mk, D')
+    tiles = _tiles_module(candidates, left, mk, topk)
+    if tiles is not None:
+        return _chosen_by_tiles(tiles, left, right, candidates, topk, chosen, own_width)
     # Query blocks a chunk at a time: the float32 affinities stay near AFFINITY_BYTES.
     step = max(1, AFFINITY_BYTES // max(1, 4 * chosen.shape[1] * mk * batch))
-    left, right = _operands(q_mean, k_mean, per)  # (B Hkv, g, Mq, D'), (B Hkv, Mk, D')
     for start in range(0, mq, step):
         rows = slice(start, start + step)
         part = left if step >= mq else left[:, :, rows]
@@ -310,6 +313,39 @@ def chosen_blocks(
             row_args = (_rows(candidates[0], rows), _rows(candidates[1], rows))
         module.top_blocks(affinity, *row_args, topk, out=chosen[:, :, rows],
                           own_width=own_width)  # fmt: skip
+    return chosen
+
+
+def _tiles_module(candidates: Candidates, left: torch.Tensor, mk: int, topk: int) -> Any:
+    """The choice from the means' parts a tile at a time (``affinity_tiles``, Note
+    [Affinities a tile at a time] there) where it takes the call: candidates by position, the
+    parts on the GPU, ``Mk`` key blocks it runs; else None."""
+    if not isinstance(candidates, CandidateRanges) or left.dtype != torch.bfloat16:
+        return None
+    module = kernel_module("selection.affinity_tiles")
+    return module if module is not None and module.takes(mk, topk) else None
+
+
+def _chosen_by_tiles(
+    module: Any,
+    left: torch.Tensor,
+    right: torch.Tensor,
+    candidates: CandidateRanges,
+    topk: int,
+    chosen: torch.Tensor,
+    own_width: int | None,
+) -> torch.Tensor:
+    """``chosen`` (B, Hs, Mq, width) written by ``module`` from the parts ``left`` (B Hkv, g,
+    Mq, D') and ``right`` (B Hkv, Mk, D'), query blocks a chunk at a time: its float32 scratch
+    (``topk`` groups' values and every group's maximum per row) stays near AFFINITY_BYTES."""
+    batch, heads, mq = chosen.shape[:3]
+    per_row = 4 * batch * heads * module.scratch_per_row(right.shape[1], topk)
+    step = max(1, AFFINITY_BYTES // per_row)
+    for start in range(0, mq, step):
+        rows = slice(start, start + step)
+        module.top_blocks_from_parts(left[:, :, rows].flatten(0, 1), right,
+                                     candidates.kernel_rows(start, module.RowRanges), topk,
+                                     chosen[:, :, rows], own_width=own_width)  # fmt: skip
     return chosen
 
 

@@ -400,3 +400,32 @@ def test_cuda_affinities_on_tensor_cores_keep_float32_accuracy(per: str) -> None
     want, size = exact(q_mean, k_mean), exact(q_mean.abs(), k_mean.abs()).max()
     assert got.dtype == torch.float32 and got.shape == want.shape
     assert float((got.cpu().double() - want).abs().max() / size) < 2**-14
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per", ["head", "kv_head"])
+def test_cuda_choice_from_tiles_matches_the_stored_product(
+    monkeypatch: pytest.MonkeyPatch, per: str
+) -> None:
+    """The choice from affinities made a tile at a time (Note [Affinities a tile at a time]),
+    its query blocks in chunks, against the choice from the stored product: the same blocks
+    but for a near tie (the two sum the parts' products in different orders)."""
+    from dilated_attention.backends.triton_kernels.selection import affinity_tiles
+    from dilated_attention.sparse import selection
+
+    monkeypatch.setattr(selection, "AFFINITY_BYTES", 300_000)  # several chunks in both
+    q = torch.randn(2, 4000, 4, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 4100, 2, 64, device="cuda", dtype=torch.bfloat16)
+    calls = []
+    run = affinity_tiles.top_blocks_from_parts
+    monkeypatch.setattr(affinity_tiles, "top_blocks_from_parts",
+                        lambda *a, **kw: calls.append(1) or run(*a, **kw))  # fmt: skip
+    for is_causal, indices in itertools.product((True, False), (False, True)):
+        options = {"topk": 5, "is_causal": is_causal, "per": per}
+        monkeypatch.setattr(affinity_tiles, "MIN_COLUMNS", 10**9)  # the stored product
+        want = _selected(q, k, 16, indices, **options)
+        monkeypatch.setattr(affinity_tiles, "MIN_COLUMNS", 1)  # tiles
+        before = len(calls)
+        got = _selected(q, k, 16, indices, **options)
+        assert len(calls) > before + 1  # the tiles ran, in more than one chunk
+        assert got.shape == want.shape and (got != want).sum() <= 8

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dilated_attention.sparse.selection import CandidateRanges, _parts
+from dilated_attention.sparse.selection import CandidateRanges, _parts, own_blocks_width
 from tests.support.triton import INTERPRETING, skip_without_triton
 
 DEVICES = [pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
@@ -82,3 +82,80 @@ def test_mean_parts_match_the_torch_parts(device, heads, group, dim, blocks, tra
             torch.testing.assert_close(high[~finite], exact[~finite], equal_nan=True)
             torch.testing.assert_close((high + low)[finite], exact[finite], rtol=2**-15,
                                        atol=0)  # fmt: skip
+
+
+def _affinity64(left: torch.Tensor, right: torch.Tensor, dim: int) -> torch.Tensor:
+    """The parts' products in float64, as the tiles make them: ``hi.hi + hi.lo + lo.hi``,
+    (B Hs, Mq, D') x (B Hkv, Mk, D') -> (B Hs, Mq, Mk), query head ``h`` on key head
+    ``h // (Hs / Hkv)``."""
+    keys = right.double().repeat_interleave(left.shape[0] // right.shape[0], dim=0)
+    return left.double() @ keys.transpose(-1, -2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("as_indices", [False, True], ids=["bool", "indices"])
+@pytest.mark.parametrize(
+    ("query_len", "key_len", "block_size", "is_causal", "first_row", "rows", "topk", "dim"),
+    [
+        (2560, 2560, 8, True, 0, 70, 5, 32),  # aligned, a row tile and a part
+        (2500, 2600, 8, True, 0, 40, 3, 48),  # end-aligned, straddling; head dim 48
+        (2560, 2560, 8, True, 200, 20, 7, 16),  # a ring rank's rows: many candidates
+        (1000, 1400, 8, False, 3, 10, 4, 32),  # not causal: every block a candidate
+        (2600, 2600, 4, True, 500, 12, 3, 16),  # 650 key blocks, 4 groups held: many given up
+    ],
+)
+@pytest.mark.parametrize("keys", ["random", "rising", "equal"])
+def test_choice_from_tiles_keeps_the_best_blocks(
+    device, as_indices, query_len, key_len, block_size, is_causal, first_row, rows, topk, dim, keys
+) -> None:
+    """The choice made from the means' parts a tile at a time (Note [Affinities a tile at a
+    time]) keeps, in every row, blocks of the best affinities (float64 products of the same
+    parts; a near tie may go either way), only candidates, ``min(topk, candidates)`` of them,
+    and the row's own blocks; NaN means included; GQA heads on their key head. Keys whose
+    affinity rises with the column make every group better than those held before it; equal
+    keys tie everywhere, and the lowest blocks are kept."""
+    skip_without_triton(device)
+    from dilated_attention.backends.triton_kernels.selection.affinity_tiles import (
+        top_blocks_from_parts,
+    )
+    from dilated_attention.backends.triton_kernels.selection.top_blocks import RowRanges
+
+    own_width = own_blocks_width(query_len, key_len, block_size, is_causal) if as_indices else None
+    ranges = CandidateRanges(query_len, key_len, block_size, is_causal, first_row=first_row)
+    candidates, own = ranges.masks(rows, torch.device("cpu"))
+    cols = candidates.shape[-1]
+    g = torch.Generator().manual_seed(query_len + rows)
+    batch, heads, kv_heads = 2, 4, 2
+    left = _parts(torch.randn(batch * heads, rows, dim, generator=g), (0, 0, 1))
+    means = torch.randn(batch * kv_heads, cols, dim, generator=g)
+    if keys == "rising":  # with positive queries, each column's affinity above the last's
+        left = left.abs()
+        means = (1 + torch.arange(cols) / 8).view(1, cols, 1).expand_as(means)
+    elif keys == "equal":
+        means = means[:, :1].expand_as(means)
+    right = _parts(means, (0, 1, 0))
+    left[1, 2, :dim] = float("nan")  # a NaN row: its affinities rank below every number
+    width = cols if own_width is None else topk + own_width
+    out = torch.empty(batch, heads, rows, width, device=device,
+                      dtype=torch.bool if own_width is None else torch.int32)  # fmt: skip
+    top_blocks_from_parts(left.to(device), right.to(device),
+                          ranges.kernel_rows(0, RowRanges), topk, out,
+                          own_width=own_width)  # fmt: skip
+    chosen = out.cpu()
+    if own_width is not None:  # indices -> a bool mask (-1: none)
+        mask = torch.zeros(batch, heads, rows, cols + 1, dtype=torch.bool)
+        chosen = mask.scatter_(-1, chosen.long().where(chosen >= 0, cols), True)[..., :cols]
+    chosen = chosen.view(batch * heads, rows, cols)
+    affinity = _affinity64(left, right, dim).nan_to_num(nan=-1e300)
+    assert torch.equal(chosen & own, own.expand_as(chosen))  # every own block kept
+    picks = chosen & ~own
+    assert not (picks & ~candidates).any()  # nothing else but candidates
+    count = candidates.sum(-1).clamp(max=topk)
+    assert torch.equal(picks.sum(-1), count.expand_as(picks[..., 0]))
+    best = affinity.masked_fill(~candidates, -torch.inf).sort(-1, descending=True).values
+    got = affinity.masked_fill(~picks, -torch.inf).sort(-1, descending=True).values
+    slots = torch.arange(cols) < count[:, None]
+    torch.testing.assert_close(got.where(slots, 0), best.where(slots, 0), rtol=1e-5, atol=1e-5)
+    if keys == "equal":  # the lowest candidates
+        lowest = candidates & (candidates.cumsum(-1) <= count[:, None])
+        assert torch.equal(picks[0], lowest)

@@ -84,16 +84,39 @@ def _scores(affinity, allowed, cols):
 
 
 @triton.jit
-def _take_best(score, cols, slot, taken, topk, NONE: tl.constexpr, PICKS: tl.constexpr):
-    """The ``topk`` (at most ``PICKS``) best of ``score`` (1-D), the lowest column among equal
-    ones each time: their ``cols`` in ``taken`` (``NONE`` where fewer are above ``-inf``)."""
+def _take_best(score, key, topk, NONE: tl.constexpr, PICKS: tl.constexpr):
+    """Each row's ``topk`` (at most ``PICKS``) best of ``score`` (R, C), the lowest ``key``
+    among equal ones each time: their keys (R, PICKS), ``NONE`` where fewer are above
+    ``-inf``."""
+    slot = tl.arange(0, PICKS)[None, :]
+    taken = tl.full((score.shape[0], PICKS), NONE, tl.int32)
     for t in range(PICKS):
-        top = tl.max(score, axis=0)
-        first = tl.min(tl.where(score == top, cols, NONE), axis=0)
-        first = tl.where(top > float("-inf"), tl.where(t < topk, first, NONE), NONE)
-        taken = tl.where(slot == t, first, taken)
-        score = tl.where(cols == first, float("-inf"), score)
+        top = tl.max(score, axis=1)
+        first = tl.min(tl.where(score == top[:, None], key, NONE), axis=1)
+        first = tl.where((top > float("-inf")) & (t < topk), first, NONE)
+        taken = tl.where(slot == t, first[:, None], taken)
+        score = tl.where(key == first[:, None], float("-inf"), score)
     return taken
+
+
+@triton.jit
+def _take_best_of_row(score, key, topk, NONE: tl.constexpr, PICKS: tl.constexpr):
+    """:func:`_take_best` of one row: ``score`` and ``key`` (C,) -> (PICKS,)."""
+    size: tl.constexpr = score.shape[0]
+    taken = _take_best(tl.reshape(score, (1, size)), tl.reshape(key, (1, size)), topk, NONE,
+                       PICKS)  # fmt: skip
+    return tl.reshape(taken, (PICKS,))
+
+
+@triton.jit
+def _row_bounds(row, first_row, shift, block_size, key_len, cols, causal):
+    """Query blocks ``row`` (any shape): their candidates are the columns below ``lo``, their
+    own blocks ``lo .. hi`` (Note [Candidates by position])."""
+    position = (first_row + row) * block_size + shift  # the query block's first position
+    lo = tl.where(causal != 0, position // block_size, cols)
+    hi = tl.where(causal != 0, tl.minimum(position + block_size - 1, key_len - 1) // block_size,
+                  -1)  # fmt: skip
+    return lo, hi
 
 
 @triton.jit
@@ -126,10 +149,7 @@ def _top_blocks_kernel(
     own += b * s_ob + h * s_oh + r * s_or
     chosen += b * s_xb + h * s_xh + r * s_xr
     maxima += program * GROUPS
-    position = (first_row + r) * block_size + shift  # the query block's first position
-    lo = tl.where(causal != 0, position // block_size, cols)
-    hi = tl.where(causal != 0, tl.minimum(position + block_size - 1, key_len - 1) // block_size,
-                  -1)  # fmt: skip
+    lo, hi = _row_bounds(r, first_row, shift, block_size, key_len, cols, causal)
     first = cols
     owned = 0
     # Pass 1, CHUNK columns at a time: the row's own blocks, and each group's maximum.
@@ -154,14 +174,12 @@ def _top_blocks_kernel(
     # Pass 2: the best PICKS groups by their maxima hold the row's best PICKS columns.
     group = tl.arange(0, GROUPS)
     best = tl.load(maxima + group)
-    taken = _take_best(best, group, slot, tl.full((PICKS,), GROUPS, tl.int32), topk, GROUPS,
-                       PICKS)  # fmt: skip
+    taken = _take_best_of_row(best, group, topk, GROUPS, PICKS)
     where = taken[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # (PICKS, GROUP) columns
     where = tl.reshape(where, (PICKS * GROUP,))
     allowed, _ = _row_masks(candidates, own, where, where < cols, lo, hi, RANGES)
     score = _scores(affinity, allowed, where)
-    picked = _take_best(score, where, slot, tl.full((PICKS,), GROUPS * GROUP, tl.int32), topk,
-                        GROUPS * GROUP, PICKS)  # fmt: skip
+    picked = _take_best_of_row(score, where, topk, GROUPS * GROUP, PICKS)
     if INDICES:
         tl.store(chosen + slot, tl.where(picked < cols, picked, -1), mask=slot < topk)
     else:
