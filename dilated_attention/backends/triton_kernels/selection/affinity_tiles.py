@@ -196,15 +196,14 @@ def _write_rows(chosen, best, lo, hi, inside, cols, topk, own_width, CHUNK: tl.c
     """The rows' picks ``best`` (R, PICKS) and own blocks ``lo .. hi`` into their ``chosen``
     rows (R, 1) pointers, as ``top_blocks.top_blocks`` writes a row."""
     slot = tl.arange(0, best.shape[1])[None, :]
+    inside = inside[:, None]
     if INDICES:
-        inside = inside[:, None]
         tl.store(chosen + slot, tl.where(best < cols, best, -1), mask=inside & (slot < topk))
         run = tl.arange(0, OWN)[None, :]
         owned = tl.maximum(hi - lo + 1, 0)[:, None]
         tl.store(chosen + topk + run, tl.where(run < owned, lo[:, None] + run, -1),
                  mask=inside & (run < own_width))  # fmt: skip
     else:
-        inside = inside[:, None]
         for start in range(0, cols, CHUNK):
             col = start + tl.arange(0, CHUNK)[None, :]
             own = (col >= lo[:, None]) & (col <= hi[:, None])
