@@ -28,7 +28,7 @@ from ..patterns import Pattern
 
 __all__ = [
     "BLOCK_SPARSE", "DECODE", "DENSE", "DILATED", "OPERATIONS", "Request", "dilated_operation",
-    "kernel_inputs",
+    "forget_requests", "kernel_inputs",
 ]  # fmt: skip
 
 _T = TypeVar("_T")
@@ -135,18 +135,30 @@ class Request:
     ) -> Request:
         """The request of a call on q (B, Nq, H, D), k and v (B, Nk, Hkv, D); ``fields`` are the
         remaining attributes. ``requires_grad`` defaults to grad mode and the inputs', and
-        ``key_len`` to ``Nk`` (a cache call reads more keys than it is given)."""
+        ``key_len`` to ``Nk`` (a cache call reads more keys than it is given). The same
+        description gives the same request object (Note [One request per description])."""
         if "requires_grad" not in fields:
-            fields["requires_grad"] = torch.is_grad_enabled() and any(
-                x.requires_grad for x in (q, k, v)
+            fields["requires_grad"] = torch.is_grad_enabled() and (
+                q.requires_grad or k.requires_grad or v.requires_grad
             )
         fields.setdefault("key_len", k.shape[1])
-        batch, query_len, num_heads, head_dim = q.shape
-        return cls(
-            operation=operation, device=q.device, dtype=q.dtype, batch=batch,
-            query_len=query_len, num_heads=num_heads, num_kv_heads=k.shape[2],
-            head_dim=head_dim, **fields,  # type: ignore[arg-type]
-        )  # fmt: skip
+        described = _description(cls, operation, q, k, fields)
+        try:
+            request = _DESCRIBED.get(described) if described is not None else None
+        except TypeError:  # a symbolic size, or a value that is no key: not kept
+            described = request = None
+        if request is None:
+            batch, query_len, num_heads, head_dim = q.shape
+            request = cls(
+                operation=operation, device=q.device, dtype=q.dtype, batch=batch,
+                query_len=query_len, num_heads=num_heads, num_kv_heads=k.shape[2],
+                head_dim=head_dim, **fields,  # type: ignore[arg-type]
+            )  # fmt: skip
+            if described is not None:
+                if len(_DESCRIBED) >= DESCRIBED_LIMIT:
+                    del _DESCRIBED[next(iter(_DESCRIBED))]
+                _DESCRIBED[described] = request
+        return request
 
     def key_padding_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
         """The call's mask tensor as a key padding mask: None where it is a run-time block mask
@@ -183,6 +195,39 @@ class Request:
     def empty(self) -> bool:
         """No query rows to compute (a batch of 0 or 0 heads)."""
         return self.batch * self.query_len * self.num_heads * self.head_dim == 0
+
+
+# Note [One request per description]
+#     A Request is plain values, so the same call described again (the same shapes, dtype,
+#     device and fields) is an equal Request; building one (a frozen dataclass of some thirty
+#     fields) took more host time than resolving it (Note [Resolved once per request] in
+#     ``resolver.py``). :meth:`Request.of` keeps each description's Request and returns it for
+#     an equal description, at the cost of one tuple and one dictionary lookup. Not kept:
+#     packed documents and cache calls (their offsets and positions change from call to call),
+#     descriptions with a value that cannot be a key (a symbolic size), and calls traced by
+#     torch.compile.
+#: Descriptions -> their Request (Note [One request per description]).
+_DESCRIBED: dict[tuple[object, ...], Request] = {}
+#: Descriptions kept at most; the oldest is dropped first.
+DESCRIBED_LIMIT = 512
+
+
+def _description(
+    cls: type[Request], operation: str, q: torch.Tensor, k: torch.Tensor, fields: dict[str, object]
+) -> tuple[object, ...] | None:
+    """What :meth:`Request.of` builds a request from, as a dictionary key, or None where it is
+    not kept (Note [One request per description])."""
+    if fields.get("documents") is not None or fields.get("cache") is not None:
+        return None
+    if torch.compiler.is_compiling():
+        return None
+    names, values = tuple(fields), tuple(fields.values())
+    return (cls, operation, q.shape, k.shape[2], q.dtype, q.device, names, values)
+
+
+def forget_requests() -> None:
+    """Forget every kept request (Note [One request per description])."""
+    _DESCRIBED.clear()
 
 
 def kernel_inputs(
