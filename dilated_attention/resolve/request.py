@@ -16,19 +16,21 @@ Shape legend: B batch, Nq query rows, Nk key rows, H query heads, Hkv key/value 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 
 from ..backends.base import KernelInputs
+from ..backends.registry import generation
 from ..block_sparse.runtime import MaskLayout
 from ..core.geometry.schedule import Schedule
 from ..patterns import Pattern
 
 __all__ = [
-    "BLOCK_SPARSE", "DECODE", "DENSE", "DILATED", "OPERATIONS", "Request", "dilated_operation",
-    "forget_requests", "kernel_inputs",
+    "BLOCK_SPARSE", "DECODE", "DENSE", "DILATED", "OPERATIONS", "CheckedCalls", "Request",
+    "dilated_operation", "forget_requests", "kernel_inputs",
 ]  # fmt: skip
 
 _T = TypeVar("_T")
@@ -226,8 +228,87 @@ def _description(
 
 
 def forget_requests() -> None:
-    """Forget every kept request (Note [One request per description])."""
+    """Forget every kept request (Note [One request per description], Note [Checked once per
+    call signature])."""
     _DESCRIBED.clear()
+    for calls in _CHECKED_CALLS:
+        calls.clear()
+
+
+# Note [Checked once per call signature]
+#     A public function's checks, and the Request it describes, read metadata only: the tensors'
+#     types, shapes, dtypes, devices and whether they require gradients, grad mode, the
+#     registered kernels (for a name given as ``backend``) and the values of the other
+#     arguments. So a call with the metadata of one already checked passes the same checks and
+#     describes the same Request: the function keeps the Request of each call signature it has
+#     checked (:class:`CheckedCalls`) and takes it for such a call, at the cost of one tuple and
+#     one dictionary lookup (at short lengths, ``attention``'s checks and description were a
+#     third of its host time over SDPA's). A signature holds each option's type beside its value
+#     (``1 == True``, and only the bool passes ``check_bool``; a tuple's items likewise), and
+#     only calls that passed every check are kept, so a bad call always runs the checks and
+#     raises. Not kept: calls whose checks read more than metadata (packed documents' offsets, a
+#     cache's state: the caller passes no signature), options that are no dictionary key (a
+#     list), and calls traced by torch.compile (the checks are traced there).
+#: Every :class:`CheckedCalls`, so that :func:`forget_requests` forgets them all.
+_CHECKED_CALLS: list[CheckedCalls] = []
+#: Call signatures kept at most per function; the oldest is dropped first.
+CHECKED_LIMIT = 512
+
+
+class CheckedCalls:
+    """The Request of each call signature a public function has checked (Note [Checked once
+    per call signature])."""
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[object, ...], Request] = {}
+        _CHECKED_CALLS.append(self)
+
+    @staticmethod
+    def signature(
+        tensors: Sequence[object], options: Sequence[object]
+    ) -> tuple[object, ...] | None:
+        """A call's signature: its tensor arguments' metadata (each a tensor or None) and its
+        other arguments' types and values; None while torch.compile traces, or where a tensor
+        argument is not a tensor (the checks raise)."""
+        if torch.compiler.is_compiling():
+            return None
+        key: list[object] = [torch.is_grad_enabled(), generation()]
+        for x in tensors:
+            if x is None:
+                key.append(None)
+            elif isinstance(x, torch.Tensor):
+                key += (type(x), x.shape, x.dtype, x.device, x.requires_grad)
+            else:
+                return None
+        for value in options:
+            key += (type(value), value)
+            if type(value) is tuple:
+                key.append(tuple(type(item) for item in value))
+        return tuple(key)
+
+    def get(self, signature: tuple[object, ...] | None) -> Request | None:
+        """The Request kept for ``signature``, or None (not checked yet, or not kept)."""
+        if signature is None:
+            return None
+        try:
+            return self._kept.get(signature)
+        except TypeError:  # an option that is no dictionary key
+            return None
+
+    def keep(self, signature: tuple[object, ...] | None, request: Request) -> None:
+        """Keep ``request`` for ``signature``, a call that passed every check."""
+        if signature is None:
+            return
+        try:
+            self._kept[signature] = request
+        except TypeError:  # an option that is no dictionary key
+            return
+        if len(self._kept) > CHECKED_LIMIT:
+            del self._kept[next(iter(self._kept))]
+
+    def clear(self) -> None:
+        """Forget every kept signature."""
+        self._kept.clear()
 
 
 def kernel_inputs(
