@@ -146,42 +146,50 @@ def _shape_problem(
     """What is wrong with the shapes of query (B, Nq, H, D), key and value (B, Nk, Hkv, D), or
     None (:func:`check_qkv`); ``v`` None for a function without a value
     (:func:`check_query_key`)."""
-    # One f-string each: Dynamo traces this on every compiled call and cannot join strings.
-    if v is None:
-        shapes = f"query.shape={tuple(q)}, key.shape={tuple(k)}"
-    else:
-        shapes = f"query.shape={tuple(q)}, key.shape={tuple(k)}, value.shape={tuple(v)}"
-        if tuple(k) != tuple(v):
-            return f"key and value must have the same shape, got {shapes}"
+    # One f-string each: Dynamo traces this on every compiled call and cannot join strings. The
+    # shapes are written out only for a message (every call runs this, at least once per
+    # request).
+    if v is not None and tuple(k) != tuple(v):
+        return f"key and value must have the same shape, got {_shapes(q, k, v)}"
     if k[0] != q[0]:
-        return f"key must have the same batch size as query (dim 0), got {shapes}"
+        return f"key must have the same batch size as query (dim 0), got {_shapes(q, k, v)}"
     if k[3] != q[3]:
-        return f"key must have the same head_dim as query (dim 3), got {shapes}"
+        return f"key must have the same head_dim as query (dim 3), got {_shapes(q, k, v)}"
     if same_length and k[1] != q[1]:
         return (
-            f"key must have the same seq_len as query (dim 1) for dilated attention, got {shapes}"
+            f"key must have the same seq_len as query (dim 1) for dilated attention, got "
+            f"{_shapes(q, k, v)}"
         )
     if q[3] == 0:
         return (
-            f"head_dim (dim 3) must be at least 1, got {shapes}; every head needs at least one "
-            f"channel"
+            f"head_dim (dim 3) must be at least 1, got {_shapes(q, k, v)}; every head needs at "
+            f"least one channel"
         )
     if k[2] == 0 and q[2] != 0:
         return (
-            f"key must have at least one head (dim 2) when query has {q[2]}, got {shapes}; "
-            f"use a kv head count that divides {q[2]}"
+            f"key must have at least one head (dim 2) when query has {q[2]}, got "
+            f"{_shapes(q, k, v)}; use a kv head count that divides {q[2]}"
         )
     if k[2] != 0 and q[2] % k[2] != 0:
         return (
             f"query heads must be a multiple of key/value heads (GQA), got {q[2]} query "
-            f"heads and {k[2]} key heads ({shapes}); use a kv head count that divides {q[2]}"
+            f"heads and {k[2]} key heads ({_shapes(q, k, v)}); use a kv head count that "
+            f"divides {q[2]}"
         )
     if q[1] == 0 or k[1] == 0:
         return (
-            f"seq_len (dim 1) must be at least 1, got {shapes}; skip the call for an empty "
-            f"sequence (a batch of 0 sequences, or 0 heads, is fine and gives an empty result)"
+            f"seq_len (dim 1) must be at least 1, got {_shapes(q, k, v)}; skip the call for an "
+            f"empty sequence (a batch of 0 sequences, or 0 heads, is fine and gives an empty "
+            f"result)"
         )
     return None
+
+
+def _shapes(q: Sequence[int], k: Sequence[int], v: Sequence[int] | None) -> str:
+    """The shapes of query, key (and value) as :func:`_shape_problem`'s messages show them."""
+    if v is None:
+        return f"query.shape={tuple(q)}, key.shape={tuple(k)}"
+    return f"query.shape={tuple(q)}, key.shape={tuple(k)}, value.shape={tuple(v)}"
 
 
 def counted(n: int, noun: str, plural: str = "") -> str:

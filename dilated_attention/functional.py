@@ -31,7 +31,7 @@ from .core.decoding.window_cache import StaticWindowKVCache
 from .core.geometry.documents import check_cu_seqlens
 from .core.geometry.schedule import Schedule
 from .patterns import Pattern
-from .resolve import BLOCK_SPARSE, DENSE, Request, dilated_operation
+from .resolve import BLOCK_SPARSE, DENSE, CheckedCalls, Request, dilated_operation
 from .resolve.caches import cache_fields
 
 __all__ = ["attention", "block_sparse_attention", "dilated_attention"]
@@ -152,26 +152,60 @@ def attention(
             ValueError when ``backend`` is unknown or cannot run the inputs (the message lists
             the reasons).
     """
+    options = (is_causal, scale, dropout_p, backend, return_lse, window_size, softcap)
+    signature = None
+    if cu_seqlens is None and cache is None:  # Note [Checked once per call signature]
+        signature = _ATTENTION.signature((query, key, value, key_padding_mask, sinks), options)
+    request = _ATTENTION.get(signature)
+    if request is None:
+        request = _check_attention(
+            query, key, value, key_padding_mask, sinks, cu_seqlens, cache, *options
+        )
+        _ATTENTION.keep(signature, request)
+    return compiled.route(request, query, key, value, key_padding_mask, return_lse, sinks, cache)
+
+
+#: The requests of the call signatures ``attention`` has checked (Note [Checked once per call
+#: signature] in ``resolve/request.py``).
+_ATTENTION = CheckedCalls()
+
+
+def _check_attention(
+    query: object,
+    key: object,
+    value: object,
+    key_padding_mask: object,
+    sinks: object,
+    cu_seqlens: torch.Tensor | list[int] | None,
+    cache: Cache | None,
+    is_causal: bool,
+    scale: float | None,
+    dropout_p: float,
+    backend: str | None,
+    return_lse: bool,
+    window_size: tuple[int, int] | None,
+    softcap: float | None,
+) -> Request:
+    """:func:`attention`'s checks of its arguments, then the call described as its request."""
     q, k, v = V.check_qkv(query, key, value, same_length=False)
     V.check_bool("is_causal", is_causal)
     V.check_bool("return_lse", return_lse)
     V.check_causal_lengths(q, k, is_causal, "attention")
     V.check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[1], q.device)
-    sinks = V.check_sinks(sinks, q)
+    checked_sinks = V.check_sinks(sinks, q)
     fields = dict(
         is_causal=is_causal, has_mask=key_padding_mask is not None,
         dropout_p=V.check_dropout("dropout_p", dropout_p), scale=V.check_scale(scale),
         backend=check_backend_name(backend), window=V.check_window_size(window_size),
-        softcap=V.check_softcap(softcap), sinks=sinks is not None,
+        softcap=V.check_softcap(softcap), sinks=checked_sinks is not None,
     )  # fmt: skip
     if cache is not None:
         check_window_cache_call(cache, fields["window"], q, k, is_causal)  # type: ignore[arg-type]
     documents = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, q, k, cache)
     if cache is not None:  # what it holds, in the request (Note [A cache call is one request])
-        new = Inputs(q, k, v, key_padding_mask)
-        fields |= cache_fields(cache, new, sinks, fields, packed=documents is not None)
-    request = Request.of(DENSE, q, k, v, documents=documents, **fields)
-    return compiled.route(request, q, k, v, key_padding_mask, return_lse, sinks, cache)
+        new = Inputs(q, k, v, key_padding_mask)  # type: ignore[arg-type]
+        fields |= cache_fields(cache, new, checked_sinks, fields, packed=documents is not None)
+    return Request.of(DENSE, q, k, v, documents=documents, **fields)
 
 
 @_eager_under_compile

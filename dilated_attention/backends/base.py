@@ -118,9 +118,16 @@ def _reduce_kv(dx: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return dx.view(batch, rows, num_kv_heads, heads // num_kv_heads, dim).sum(dim=3)
 
 
+#: No keywords: what a kernel call without a soft-cap, a window or buffers to write into passes
+#: (shared, never changed: most calls pass it).
+_NO_OPTIONS: dict[str, object] = {}
+
+
 def _score_options(softcap: float | None, window: Window | None) -> dict[str, object]:
     """The ``softcap`` / ``window`` keywords a kernel call passes on: only those asked for, so a
     backend that applies neither never receives them (Note [Scores a kernel call transforms])."""
+    if softcap is None and window is None:
+        return _NO_OPTIONS
     options: dict[str, object] = {}
     if softcap is not None:
         options["softcap"] = softcap
@@ -404,7 +411,7 @@ class Backend:
 
     def _into(self, into: object) -> dict[str, object]:
         """``into`` as a keyword of ``_forward`` / ``_backward``, for kernels that write there."""
-        return {"into": into} if into is not None and self.writes_into else {}
+        return {"into": into} if into is not None and self.writes_into else _NO_OPTIONS
 
     def _forward(
         self,

@@ -184,7 +184,7 @@ class CpuFlashBackend(Backend):
                 q, k, v, scale=scale, is_causal=is_causal, key_mask=key_mask
             )
             return KernelOutput(out, lse)
-        bias = self._bias(key_mask, q, k, route)
+        bias = None if key_mask is None and route == "kernel" else self._bias(key_mask, q, k, route)
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             _bhnd(q), _bhnd(k), _bhnd(v), 0.0, is_causal, attn_mask=bias, scale=scale
         )
@@ -210,7 +210,7 @@ class CpuFlashBackend(Backend):
             return reference_backward(
                 dout, q, k, v, out, lse, scale=scale, is_causal=is_causal, key_mask=key_mask
             )
-        bias = self._bias(key_mask, q, k, route)
+        bias = None if key_mask is None and route == "kernel" else self._bias(key_mask, q, k, route)
         grads = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             _bhnd(dout), _bhnd(q), _bhnd(k), _bhnd(v), _bhnd(out), lse,
             0.0, is_causal, attn_mask=bias, scale=scale,

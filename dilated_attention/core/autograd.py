@@ -170,15 +170,17 @@ class AttentionFunction(torch.autograd.Function):
         q, out, lse, sinks, *saved = ctx.saved_tensors
         runner: Runner = ctx.runner
         b = Backward(dout, q, out, lse, saved, ctx.state)
-        if torch.is_grad_enabled() and sinks is None:  # create_graph=True (Note [Double backward])
+        wants_sinks = sinks is not None and ctx.needs_input_grad[4]
+        if not torch.is_grad_enabled():  # a plain backward: no graph to record
+            dsinks = sink_gradient(dout, out, lse, sinks) if wants_sinks else None
+            return *runner.backward(b), None, dsinks, None
+        if sinks is None:  # create_graph=True (Note [Double backward])
             grads = runner.differentiable_backward(b)
             if grads is not None:
                 return *grads, None, None, None
         with torch.no_grad():
             grads = runner.backward(b)
-            dsinks = None
-            if sinks is not None and ctx.needs_input_grad[4]:
-                dsinks = sink_gradient(dout, out, lse, sinks)
+            dsinks = sink_gradient(dout, out, lse, sinks) if wants_sinks else None
         # The saved ``out`` leads back to q, k, v (and ``dout`` to the loss): the error node
         # must lie on those paths (Note [Double backward]).
         message = runner.first_order_message if sinks is None else _SINKS_MESSAGE
@@ -199,8 +201,10 @@ def run_attention(
     detached. Where autograd records nothing (grad mode off, or no input needs a gradient) the
     runner's forward is called as it is: the Function adds host time (decoding and chunks are
     host-bound) and would keep nothing."""
-    inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
-    if not (torch.is_grad_enabled() and any(x.requires_grad for x in inputs)):
+    recorded = q.requires_grad or k.requires_grad or v.requires_grad  # not any(): every call asks
+    if sinks is not None:
+        recorded = recorded or sinks.requires_grad
+    if not (recorded and torch.is_grad_enabled()):
         result = _forward(runner, Inputs(q, k, v, key_padding_mask), sinks)
         return result.out, result.lse
     out, lse = AttentionFunction.apply(q, k, v, key_padding_mask, sinks, runner)

@@ -8,6 +8,7 @@ from .request import (
     DENSE,
     DILATED,
     OPERATIONS,
+    CheckedCalls,
     Request,
     dilated_operation,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "DENSE",
     "DILATED",
     "OPERATIONS",
+    "CheckedCalls",
     "Request",
     "Strategy",
     "dilated_operation",

@@ -16,19 +16,21 @@ Shape legend: B batch, Nq query rows, Nk key rows, H query heads, Hkv key/value 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 
 from ..backends.base import KernelInputs
+from ..backends.registry import generation
 from ..block_sparse.runtime import MaskLayout
 from ..core.geometry.schedule import Schedule
 from ..patterns import Pattern
 
 __all__ = [
-    "BLOCK_SPARSE", "DECODE", "DENSE", "DILATED", "OPERATIONS", "Request", "dilated_operation",
-    "kernel_inputs",
+    "BLOCK_SPARSE", "DECODE", "DENSE", "DILATED", "OPERATIONS", "CheckedCalls", "Request",
+    "dilated_operation", "forget_requests", "kernel_inputs",
 ]  # fmt: skip
 
 _T = TypeVar("_T")
@@ -135,18 +137,30 @@ class Request:
     ) -> Request:
         """The request of a call on q (B, Nq, H, D), k and v (B, Nk, Hkv, D); ``fields`` are the
         remaining attributes. ``requires_grad`` defaults to grad mode and the inputs', and
-        ``key_len`` to ``Nk`` (a cache call reads more keys than it is given)."""
+        ``key_len`` to ``Nk`` (a cache call reads more keys than it is given). The same
+        description gives the same request object (Note [One request per description])."""
         if "requires_grad" not in fields:
-            fields["requires_grad"] = torch.is_grad_enabled() and any(
-                x.requires_grad for x in (q, k, v)
+            fields["requires_grad"] = torch.is_grad_enabled() and (
+                q.requires_grad or k.requires_grad or v.requires_grad
             )
         fields.setdefault("key_len", k.shape[1])
-        batch, query_len, num_heads, head_dim = q.shape
-        return cls(
-            operation=operation, device=q.device, dtype=q.dtype, batch=batch,
-            query_len=query_len, num_heads=num_heads, num_kv_heads=k.shape[2],
-            head_dim=head_dim, **fields,  # type: ignore[arg-type]
-        )  # fmt: skip
+        described = _description(cls, operation, q, k, fields)
+        try:
+            request = _DESCRIBED.get(described) if described is not None else None
+        except TypeError:  # a symbolic size, or a value that is no key: not kept
+            described = request = None
+        if request is None:
+            batch, query_len, num_heads, head_dim = q.shape
+            request = cls(
+                operation=operation, device=q.device, dtype=q.dtype, batch=batch,
+                query_len=query_len, num_heads=num_heads, num_kv_heads=k.shape[2],
+                head_dim=head_dim, **fields,  # type: ignore[arg-type]
+            )  # fmt: skip
+            if described is not None:
+                if len(_DESCRIBED) >= DESCRIBED_LIMIT:
+                    del _DESCRIBED[next(iter(_DESCRIBED))]
+                _DESCRIBED[described] = request
+        return request
 
     def key_padding_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
         """The call's mask tensor as a key padding mask: None where it is a run-time block mask
@@ -183,6 +197,118 @@ class Request:
     def empty(self) -> bool:
         """No query rows to compute (a batch of 0 or 0 heads)."""
         return self.batch * self.query_len * self.num_heads * self.head_dim == 0
+
+
+# Note [One request per description]
+#     A Request is plain values, so the same call described again (the same shapes, dtype,
+#     device and fields) is an equal Request; building one (a frozen dataclass of some thirty
+#     fields) took more host time than resolving it (Note [Resolved once per request] in
+#     ``resolver.py``). :meth:`Request.of` keeps each description's Request and returns it for
+#     an equal description, at the cost of one tuple and one dictionary lookup. Not kept:
+#     packed documents and cache calls (their offsets and positions change from call to call),
+#     descriptions with a value that cannot be a key (a symbolic size), and calls traced by
+#     torch.compile.
+#: Descriptions -> their Request (Note [One request per description]).
+_DESCRIBED: dict[tuple[object, ...], Request] = {}
+#: Descriptions kept at most; the oldest is dropped first.
+DESCRIBED_LIMIT = 512
+
+
+def _description(
+    cls: type[Request], operation: str, q: torch.Tensor, k: torch.Tensor, fields: dict[str, object]
+) -> tuple[object, ...] | None:
+    """What :meth:`Request.of` builds a request from, as a dictionary key, or None where it is
+    not kept (Note [One request per description])."""
+    if fields.get("documents") is not None or fields.get("cache") is not None:
+        return None
+    if torch.compiler.is_compiling():
+        return None
+    names, values = tuple(fields), tuple(fields.values())
+    return (cls, operation, q.shape, k.shape[2], q.dtype, q.device, names, values)
+
+
+def forget_requests() -> None:
+    """Forget every kept request (Note [One request per description], Note [Checked once per
+    call signature])."""
+    _DESCRIBED.clear()
+    for calls in _CHECKED_CALLS:
+        calls.clear()
+
+
+# Note [Checked once per call signature]
+#     A public function's checks, and the Request it describes, read metadata only: the tensors'
+#     types, shapes, dtypes, devices and whether they require gradients, grad mode, the
+#     registered kernels (for a name given as ``backend``) and the values of the other
+#     arguments. So a call with the metadata of one already checked passes the same checks and
+#     describes the same Request: the function keeps the Request of each call signature it has
+#     checked (:class:`CheckedCalls`) and takes it for such a call, at the cost of one tuple and
+#     one dictionary lookup (at short lengths, ``attention``'s checks and description were a
+#     third of its host time over SDPA's). A signature holds each option's type beside its value
+#     (``1 == True``, and only the bool passes ``check_bool``; a tuple's items likewise), and
+#     only calls that passed every check are kept, so a bad call always runs the checks and
+#     raises. Not kept: calls whose checks read more than metadata (packed documents' offsets, a
+#     cache's state: the caller passes no signature), options that are no dictionary key (a
+#     list), and calls traced by torch.compile (the checks are traced there).
+#: Every :class:`CheckedCalls`, so that :func:`forget_requests` forgets them all.
+_CHECKED_CALLS: list[CheckedCalls] = []
+#: Call signatures kept at most per function; the oldest is dropped first.
+CHECKED_LIMIT = 512
+
+
+class CheckedCalls:
+    """The Request of each call signature a public function has checked (Note [Checked once
+    per call signature])."""
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[object, ...], Request] = {}
+        _CHECKED_CALLS.append(self)
+
+    @staticmethod
+    def signature(
+        tensors: Sequence[object], options: Sequence[object]
+    ) -> tuple[object, ...] | None:
+        """A call's signature: its tensor arguments' metadata (each a tensor or None) and its
+        other arguments' types and values; None while torch.compile traces, or where a tensor
+        argument is not a tensor (the checks raise)."""
+        if torch.compiler.is_compiling():
+            return None
+        key: list[object] = [torch.is_grad_enabled(), generation()]
+        for x in tensors:
+            if x is None:
+                key.append(None)
+            elif isinstance(x, torch.Tensor):
+                key += (type(x), x.shape, x.dtype, x.device, x.requires_grad)
+            else:
+                return None
+        for value in options:
+            key += (type(value), value)
+            if type(value) is tuple:
+                key.append(tuple(type(item) for item in value))
+        return tuple(key)
+
+    def get(self, signature: tuple[object, ...] | None) -> Request | None:
+        """The Request kept for ``signature``, or None (not checked yet, or not kept)."""
+        if signature is None:
+            return None
+        try:
+            return self._kept.get(signature)
+        except TypeError:  # an option that is no dictionary key
+            return None
+
+    def keep(self, signature: tuple[object, ...] | None, request: Request) -> None:
+        """Keep ``request`` for ``signature``, a call that passed every check."""
+        if signature is None:
+            return
+        try:
+            self._kept[signature] = request
+        except TypeError:  # an option that is no dictionary key
+            return
+        if len(self._kept) > CHECKED_LIMIT:
+            del self._kept[next(iter(self._kept))]
+
+    def clear(self) -> None:
+        """Forget every kept signature."""
+        self._kept.clear()
 
 
 def kernel_inputs(

@@ -76,7 +76,7 @@ from ..patterns import Pattern
 from .block_masks import refuse_end_aligned_kernels, runtime_blocks
 from .caches import cache_call, static_branches
 from .packed import packed_call
-from .request import BLOCK_SPARSE, DECODE, DENSE, DILATED, OPERATIONS, Request
+from .request import BLOCK_SPARSE, DECODE, DENSE, DILATED, OPERATIONS, Request, forget_requests
 from .request import kernel_inputs as _kernel_inputs
 from .strategy import (
     BlockSparseKernelStrategy,
@@ -151,8 +151,10 @@ def _resolve(request: Request) -> Strategy:
 
 
 def clear_resolved() -> None:
-    """Forget every resolved strategy (Note [Resolved once per request])."""
+    """Forget every resolved strategy (Note [Resolved once per request]) and every kept request
+    (Note [One request per description] in ``request.py``)."""
     _RESOLVED.clear()
+    forget_requests()
 
 
 def execute(

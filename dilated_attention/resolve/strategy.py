@@ -10,6 +10,7 @@ Shape legend: B batch, Nq query rows, Nk key rows, H query heads, Hkv key/value 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
@@ -250,15 +251,25 @@ class PlanStrategy(Strategy):
     what: str = "attention"
 
     def prepare(self, q, k, v, key_padding_mask):  # type: ignore[no-untyped-def]
+        layout = self.layout
+        q, k, v = layout(q), layout(k), layout(v)
+        if self.plan_of is None:
+            return self._runner, Inputs(q, k, v, key_padding_mask)
+        return self._runner_of(self.plan_of(q)), Inputs(q, k, v, key_padding_mask)
+
+    @functools.cached_property
+    def _runner(self) -> PlanRunner:
+        """The runner of a plan known before the call's tensors: made once, for every call of
+        the request (Note [Resolved once per request] in ``resolver.py``)."""
+        assert self.plan is not None  # resolve gives every plan strategy a plan or its rule
+        return self._runner_of(self.plan)
+
+    def _runner_of(self, plan: Plan) -> PlanRunner:
         assert self.kernel is not None  # resolve gives every plan a kernel
-        q, k, v = (self.layout(x) for x in (q, k, v))
-        plan = self.plan if self.plan_of is None else self.plan_of(q)
-        assert plan is not None  # resolve gives every plan strategy a plan or its rule
-        runner = PlanRunner(
+        return PlanRunner(
             plan, self.kernel.backend, self.request.softmax_scale,
             self.request.dropout_p, self.what, self.request.softcap,
         )  # fmt: skip
-        return runner, Inputs(q, k, v, key_padding_mask)
 
 
 @dataclass(frozen=True)

@@ -113,20 +113,25 @@ def _traced(call: Callable[..., Any]) -> _Flow:
     return flow
 
 
-#: What ``functional.py`` may call before the route: checks and the request's description.
+#: What ``functional.py`` may call before the route: checks and the request's description, and
+#: the requests kept for call signatures already checked (Note [Checked once per call
+#: signature] in ``resolve/request.py``).
 _DESCRIBING = {
     ("core/geometry/schedule.py", "__init__"), ("resolve/request.py", "of"),
     ("resolve/request.py", "dilated_operation"), ("resolve/caches.py", "cache_fields"),
 }  # fmt: skip
+_KEPT = {("resolve/request.py", name) for name in ("signature", "get", "keep")}
 ROUTE = ("compiled/routing.py", "route")
 
 
-def _check_flow(flow: _Flow) -> None:
+def _check_flow(flow: _Flow, *, requests: int = 1) -> None:
     assert flow.calls[-1] == ROUTE, flow.calls
     assert flow.calls.count(ROUTE) == 1, flow.calls
-    others = [c for c in flow.calls[:-1] if c[1].startswith("check") or c in _DESCRIBING]
+    others = [
+        c for c in flow.calls[:-1] if c[1].startswith("check") or c in _DESCRIBING | _KEPT
+    ]
     assert others == flow.calls[:-1], f"functional.py runs more than checks: {flow.calls}"
-    assert flow.requests_before_route == 1
+    assert flow.requests_before_route == requests
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -168,6 +173,22 @@ def test_a_plain_call_is_one_request_and_one_route(case: str) -> None:
     q, k, v = _qkv()
     call = {"dense": da.attention, "dilated": _dilated, "block_sparse": _block_sparse}[case]
     _check_flow(_traced(lambda: call(q, k, v, is_causal=True)))
+
+
+def test_a_call_signature_already_checked_takes_its_request() -> None:
+    """A dense call with the metadata of one already checked runs no check and describes no
+    request again: it takes the one kept for its signature (Note [Checked once per call
+    signature]), and routes it once; a call that differs in any argument is checked anew."""
+    q, k, v = _qkv()
+    first = _traced(lambda: da.attention(q, k, v, is_causal=True))
+    _check_flow(first)
+    again = _traced(lambda: da.attention(*_qkv(), is_causal=True))  # same metadata, new tensors
+    _check_flow(again, requests=0)
+    assert not [c for c in again.calls if c[1].startswith("check")], again.calls
+    for changed in ({"is_causal": False}, {"scale": 0.5}, {"backend": "math"}):
+        other = _traced(lambda changed=changed: da.attention(q, k, v, **changed))
+        _check_flow(other)
+        assert ("_validation.py", "check_qkv") in other.calls
 
 
 def test_functional_holds_no_packed_or_decoding_execution() -> None:

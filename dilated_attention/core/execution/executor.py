@@ -80,6 +80,9 @@ def plan_forward(
         ``out`` (B, Nq, H, D), ``lse`` (B, H, Nq) float32 (float64 for float64 inputs; ``-inf``
         where no key is seen), and each call's backend ``aux`` for the backward.
     """
+    if plan.one_call and not plan.slots and not (plan.groups and plan.grouped_forward):
+        return _one_call_forward(q, k, v, key_padding_mask, plan, backend, scale, dropout_p,
+                                 out_dtype, softcap)  # fmt: skip
     acc = accumulator_dtype(q.dtype)
     kernel = KernelArgs(backend, scale, dropout_p, softcap)
     grouped = bool(plan.groups and plan.grouped_forward)
@@ -96,15 +99,6 @@ def plan_forward(
             auxes=auxes, extra=extra,
         )  # fmt: skip
         return out, lse, auxes
-    if plan.one_call:
-        (call,) = plan.calls
-        res = backend.forward(
-            q, call.kv_rows(k), call.kv_rows(v), scale=scale, is_causal=call.causal,
-            key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p, softcap=softcap,
-            window=window_of(call),
-        )  # fmt: skip
-        out = res.out.contiguous().to(out_dtype or q.dtype)
-        return out, res.lse.to(acc).contiguous(), [res.aux]
     merging = len(plan.calls) > 1
     # One call: its rows are written as they come, so out needs no float32 copy.
     out, lse = new_accumulators(q, None if merging else q.dtype)
@@ -115,6 +109,34 @@ def plan_forward(
         softcap=softcap,
     )  # fmt: skip
     return out.to(out_dtype or q.dtype), lse.squeeze(-1).transpose(1, 2).contiguous(), auxes
+
+
+def _one_call_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    plan: Plan,
+    backend: KernelBackend,
+    scale: float,
+    dropout_p: float,
+    out_dtype: torch.dtype | None,
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
+    """:func:`plan_forward` of a plan of one call that reads every query row as it is (dense
+    attention, a decoded token): the kernel's results are the plan's, with no accumulators. The
+    dense path runs this on every call, so it only converts what needs converting."""
+    (call,) = plan.calls
+    res = backend.forward(
+        q, call.kv_rows(k), call.kv_rows(v), scale=scale, is_causal=call.causal,
+        key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p, softcap=softcap,
+        window=window_of(call),
+    )  # fmt: skip
+    out, lse, dtype = res.out, res.lse, out_dtype or q.dtype
+    out = out if out.dtype == dtype else out.to(dtype)
+    acc = accumulator_dtype(q.dtype)
+    lse = lse if lse.dtype == acc else lse.to(acc)
+    return out.contiguous(), lse.contiguous(), [res.aux]
 
 
 def plan_backward(
@@ -151,6 +173,14 @@ def plan_backward(
         ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``.
     """
     dout = dout.contiguous()
+    if plan.whole and extra is None and not (plan.groups or plan.slots):  # dense attention
+        (call,) = plan.calls
+        grads = backend.backward(
+            dout, q, k, v, out, lse, None if auxes is None else auxes[0], scale=scale,
+            is_causal=call.causal, key_mask=call.key_mask(key_padding_mask),
+            dropout_p=dropout_p, softcap=softcap, window=window_of(call),
+        )  # fmt: skip
+        return _typed_like(grads, (q, k, v))
     kernel = KernelArgs(backend, scale, dropout_p, softcap)
     aux: Iterable[Any] = itertools.repeat(None) if auxes is None else auxes
     # Groups replay the forward's calls cut, so the kernels' aux values (dropout states) must
@@ -176,7 +206,7 @@ def plan_backward(
         if in_slots is not None:
             views = functools.partial(in_slots.views, slice(None), 0, q.shape[1])
         slot_backward(saved, plan.calls, plan.slots, kernel, iter(aux), grads=grads, extra=views)
-    elif plan.whole:
+    elif plan.whole:  # with extra gradients joined
         (call,) = plan.calls
         grads = backend.backward(
             dout, q, k, v, out, lse, next(iter(aux)), scale=scale, is_causal=call.causal,
@@ -190,7 +220,14 @@ def plan_backward(
     if extra is not None:
         grads = [g.to(acc) for g in grads]
         extra(*grads, 0, q.shape[1], slice(None))
-    dq, dk, dv = (g.to(x.dtype) for g, x in zip(grads, (q, k, v), strict=True))
+    return _typed_like(grads, (q, k, v))
+
+
+def _typed_like(grads: Sequence[torch.Tensor], inputs: Grads) -> Grads:
+    """``grads`` (dq, dk, dv) in the dtypes of ``inputs`` (q, k, v), converting only those
+    that differ (a no-op ``.to`` still costs host time on every call)."""
+    pairs = zip(grads, inputs, strict=True)
+    dq, dk, dv = (g if g.dtype == x.dtype else g.to(x.dtype) for g, x in pairs)
     return dq, dk, dv
 
 

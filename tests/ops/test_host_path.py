@@ -1,0 +1,113 @@
+"""What a dense call derives from its metadata is derived once and kept: its checks and request
+(Note [Checked once per call signature], Note [One request per description] in
+``resolve/request.py``) and its runner (Note [Resolved once per request]). A call that takes
+what was kept computes what a fresh call computes, and a bad call still raises its error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+from support.backend_params import CPU_BACKENDS, backend_id, skip_unless_runnable
+from support.oracle import oracle_attention
+from support.tolerances import assert_close_to_oracle
+
+import dilated_attention as da
+from dilated_attention.resolve import Request, resolve
+
+B, N, H, HKV, D = 2, 9, 4, 2, 8
+
+
+def _qkv(dtype: torch.dtype = torch.float32, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = ((B, N, H, D), (B, N, HKV, D), (B, N, HKV, D))
+    return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
+
+
+def test_an_equal_description_is_the_same_request() -> None:
+    """Describing the same call again gives the request already made, not an equal copy; a
+    description that differs (a flag, grad mode, a dtype) gives its own. Packed documents are
+    described anew each time (their offsets change from call to call)."""
+    q, k, v = (x.requires_grad_() for x in _qkv())
+    first = Request.of("dense", q, k, v, is_causal=True)
+    again = Request.of("dense", *(x.detach().clone().requires_grad_() for x in (q, k, v)),
+                       is_causal=True)  # fmt: skip
+    assert again is first
+    with torch.no_grad():
+        inference = Request.of("dense", q, k, v, is_causal=True)
+    assert inference == replace(first, requires_grad=False)
+    assert Request.of("dense", q, k, v, is_causal=False) != first
+    doubles = [x.double() for x in (q, k, v)]
+    assert Request.of("dense", *doubles, is_causal=True).dtype == torch.float64
+    packed = [Request.of("dense", q, k, v, documents=(0, 4, 18)) for _ in range(2)]
+    assert packed[0] == packed[1] and packed[0] is not packed[1]
+
+
+def test_a_dense_strategy_makes_its_runner_once() -> None:
+    """The dense strategy's runner depends on the request alone: every call of the request
+    runs the same runner object (plan once, run many)."""
+    q, k, v = _qkv()
+    strategy = resolve(Request.of("dense", q, k, v, is_causal=True))
+    first, _ = strategy.prepare(q, k, v, None)  # type: ignore[misc]
+    again, _ = strategy.prepare(*_qkv(seed=1), None)  # type: ignore[misc]
+    assert again is first
+
+
+#: Arguments equal (``==``) to a valid one that the checks still refuse.
+BAD_EQUALS: dict[str, tuple[dict[str, Any], dict[str, Any], type[Exception]]] = {
+    "is_causal=1": ({"is_causal": True}, {"is_causal": 1}, TypeError),
+    "return_lse=0": ({"return_lse": False}, {"return_lse": 0}, TypeError),
+    "scale=True": ({"scale": 1.0}, {"scale": True}, TypeError),
+    "dropout_p=False": ({"dropout_p": 0.0}, {"dropout_p": False}, TypeError),
+    "window_size=(True, 0)": ({"window_size": (1, 0)}, {"window_size": (True, 0)}, TypeError),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_EQUALS))
+def test_a_checked_signature_never_passes_a_bad_call(case: str) -> None:
+    """A call whose arguments equal those of a call already checked but would fail a check
+    (``1 == True``, and only the bool passes) still raises the check's error."""
+    good, bad, error = BAD_EQUALS[case]
+    q, k, v = _qkv()
+    da.attention(q, k, v, **good)
+    with pytest.raises(error, match=next(iter(bad))):
+        da.attention(q, k, v, **bad)
+
+
+def test_calls_differing_only_in_metadata_are_checked_anew() -> None:
+    """Metadata the checks read is part of the signature: the same shapes on another dtype, or
+    a key padding mask of another shape, are checked again (and a bad one raises)."""
+    q, k, v = _qkv()
+    mask = torch.zeros(B, N, dtype=torch.bool)
+    da.attention(q, k, v, key_padding_mask=mask)
+    with pytest.raises(ValueError, match="key_padding_mask must have shape"):
+        da.attention(q, k, v, key_padding_mask=mask[:, :-1])
+    with pytest.raises(TypeError, match="same dtype as query"):
+        da.attention(q, k.double(), v)
+    window = da.attention(q, k, v, window_size=[2, 0])  # a list is no key: checked each call
+    torch.testing.assert_close(da.attention(q, k, v, window_size=[2, 0]), window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS, ids=backend_id)
+def test_a_kept_call_matches_the_oracle(
+    backend: str | None, is_causal: bool, dtype: torch.dtype
+) -> None:
+    """The second call of a signature (checks, request, strategy and runner all kept) gives
+    the float64 oracle's output and gradients, as the first does, on new inputs."""
+    for seed in (0, 1):  # the second call takes what the first kept
+        q64, k64, v64 = (x.requires_grad_() for x in _qkv(torch.float64, seed))
+        q, k, v = (x.detach().to(dtype).requires_grad_() for x in (q64, k64, v64))
+        skip_unless_runnable(backend, q, k, v, is_causal=is_causal, key_padding_mask=None)
+        out = da.attention(q, k, v, is_causal=is_causal, backend=backend)
+        want, _ = oracle_attention(q64, k64, v64, is_causal=is_causal)
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 7))
+        grads = torch.autograd.grad(out, (q, k, v), dout.to(dtype))
+        want_grads = torch.autograd.grad(want, (q64, k64, v64), dout.double())
+        assert_close_to_oracle(out.detach(), want.detach(), name="out", dtype=dtype)
+        for name, g, w in zip(("dq", "dk", "dv"), grads, want_grads, strict=True):
+            assert_close_to_oracle(g, w, name=name, dtype=dtype, grad=True)
