@@ -80,11 +80,10 @@ def plan_forward(
         ``out`` (B, Nq, H, D), ``lse`` (B, H, Nq) float32 (float64 for float64 inputs; ``-inf``
         where no key is seen), and each call's backend ``aux`` for the backward.
     """
-    if plan.one_call and not plan.slots and not (plan.groups and plan.grouped_forward):
-        return _one_call_forward(q, k, v, key_padding_mask, plan, backend, scale, dropout_p,
-                                 out_dtype, softcap)  # fmt: skip
-    acc = accumulator_dtype(q.dtype)
     kernel = KernelArgs(backend, scale, dropout_p, softcap)
+    if plan.one_call and not plan.slots and not (plan.groups and plan.grouped_forward):
+        return _one_call_forward(q, k, v, key_padding_mask, plan, kernel, out_dtype)
+    acc = accumulator_dtype(q.dtype)
     grouped = bool(plan.groups and plan.grouped_forward)
     assert extra is None or (plan.slots and not grouped)  # the ring's rule (_spanning_results)
     if grouped:
@@ -117,20 +116,17 @@ def _one_call_forward(
     v: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
     plan: Plan,
-    backend: KernelBackend,
-    scale: float,
-    dropout_p: float,
+    kernel: KernelArgs,
     out_dtype: torch.dtype | None,
-    softcap: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
     """:func:`plan_forward` of a plan of one call that reads every query row as it is (dense
     attention, a decoded token): the kernel's results are the plan's, with no accumulators. The
     dense path runs this on every call, so it only converts what needs converting."""
     (call,) = plan.calls
-    res = backend.forward(
-        q, call.kv_rows(k), call.kv_rows(v), scale=scale, is_causal=call.causal,
-        key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p, softcap=softcap,
-        window=window_of(call),
+    res = kernel.backend.forward(
+        q, call.kv_rows(k), call.kv_rows(v), scale=kernel.scale, is_causal=call.causal,
+        key_mask=call.key_mask(key_padding_mask), dropout_p=kernel.dropout_p,
+        softcap=kernel.softcap, window=window_of(call),
     )  # fmt: skip
     out, lse, dtype = res.out, res.lse, out_dtype or q.dtype
     out = out if out.dtype == dtype else out.to(dtype)
