@@ -336,10 +336,11 @@ def _chosen_by_tiles(
     own_width: int | None,
 ) -> torch.Tensor:
     """``chosen`` (B, Hs, Mq, width) written by ``module`` from the parts ``left`` (B Hkv, g,
-    Mq, D') and ``right`` (B Hkv, Mk, D'), query blocks a chunk at a time: its float32 scratch
-    (``topk`` groups' values and every group's maximum per row) stays near AFFINITY_BYTES."""
+    Mq, D') and ``right`` (B Hkv, Mk, D'), query blocks a chunk at a time: its scratch (the
+    values of the groups each row holds, their parts' maxima and two lists) stays near
+    AFFINITY_BYTES."""
     batch, heads, mq = chosen.shape[:3]
-    per_row = 4 * batch * heads * module.scratch_per_row(right.shape[1], topk)
+    per_row = 4 * batch * heads * module.scratch_per_row(topk)
     step = max(1, AFFINITY_BYTES // per_row)
     for start in range(0, mq, step):
         rows = slice(start, start + step)

@@ -43,7 +43,7 @@ import triton.language as tl
 from ...triton import interpreting
 from ..launch import launch
 from ..tiles import cdiv, next_power_of_2
-from .top_blocks import RowRanges, _row_bounds, _take_best
+from .top_blocks import _LOWEST, RowRanges, _row_bounds, _take_best
 
 #: Query blocks a program takes, columns per group (one tile), columns per part of a group,
 #: the most picks per row, and a program's warps and pipeline stages.
@@ -59,7 +59,6 @@ _STAGES = 3
 MIN_COLUMNS = 1024
 
 _EMPTY = tl.constexpr(2**16)  # a slot that holds no group (above every group's index)
-_LOWEST = tl.constexpr(-3.4028234663852886e38)  # a NaN affinity ranks here: below every number
 
 
 @triton.jit
@@ -218,11 +217,14 @@ def takes(cols: int, topk: int) -> bool:
     return cols >= MIN_COLUMNS and 1 <= topk <= _MAX_PICKS
 
 
-def scratch_per_row(cols: int, topk: int) -> int:
-    """The scratch of a row of :func:`top_blocks_from_parts`, in 4-byte words: the values of
-    the groups it holds and their parts' maxima, and two lists of ``PICKS`` int32."""
-    picks = next_power_of_2(max(1, topk))
-    return picks * (_GROUP + _GROUP // _PART + 2)
+#: A row's scratch per pick, (4-byte words, dtype) of each part: the values of the groups it
+#: holds, their parts' maxima, and two lists of int32 (the groups held, the parts taken).
+_SCRATCH = ((_GROUP, torch.float32), (_GROUP // _PART, torch.float32), (2, torch.int32))
+
+
+def scratch_per_row(topk: int) -> int:
+    """The scratch of a row of :func:`top_blocks_from_parts`, in 4-byte words."""
+    return next_power_of_2(max(1, topk)) * sum(words for words, _ in _SCRATCH)
 
 
 def top_blocks_from_parts(
@@ -259,10 +261,9 @@ def top_blocks_from_parts(
         return out
     picks = next_power_of_2(max(1, topk))
     values, maxima, picked = (
-        torch.empty(batch * heads * rows, picks * width, dtype=dtype, device=left.device)
-        for width, dtype in ((_GROUP, torch.float32), (_GROUP // _PART, torch.float32),
-                             (2, torch.int32))
-    )  # fmt: skip
+        torch.empty(batch * heads * rows, picks * words, dtype=dtype, device=left.device)
+        for words, dtype in _SCRATCH
+    )
     written = out if own_width is not None else out.view(torch.int8)
     args = (left, right, values, maxima, picked, written, rows, cols, heads,
             heads // (right.shape[0] // batch), dim, topk, left.stride(0), left.stride(1),
