@@ -169,15 +169,10 @@ def plan_backward(
         ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``.
     """
     dout = dout.contiguous()
-    if plan.whole and extra is None and not (plan.groups or plan.slots):  # dense attention
-        (call,) = plan.calls
-        grads = backend.backward(
-            dout, q, k, v, out, lse, None if auxes is None else auxes[0], scale=scale,
-            is_causal=call.causal, key_mask=call.key_mask(key_padding_mask),
-            dropout_p=dropout_p, softcap=softcap, window=window_of(call),
-        )  # fmt: skip
-        return _typed_like(grads, (q, k, v))
     kernel = KernelArgs(backend, scale, dropout_p, softcap)
+    whole = (dout, q, k, v, out, lse, key_padding_mask, plan, kernel)
+    if plan.whole and extra is None and not (plan.groups or plan.slots):  # dense attention
+        return _typed_like(_whole_backward(*whole, None if auxes is None else auxes[0]), (q, k, v))
     aux: Iterable[Any] = itertools.repeat(None) if auxes is None else auxes
     # Groups replay the forward's calls cut, so the kernels' aux values (dropout states) must
     # come from the same cut calls; a whole forward's calls with no aux cut freely.
@@ -203,12 +198,7 @@ def plan_backward(
             views = functools.partial(in_slots.views, slice(None), 0, q.shape[1])
         slot_backward(saved, plan.calls, plan.slots, kernel, iter(aux), grads=grads, extra=views)
     elif plan.whole:  # with extra gradients joined
-        (call,) = plan.calls
-        grads = backend.backward(
-            dout, q, k, v, out, lse, next(iter(aux)), scale=scale, is_causal=call.causal,
-            key_mask=call.key_mask(key_padding_mask), dropout_p=dropout_p, softcap=softcap,
-            window=window_of(call),
-        )  # fmt: skip
+        grads = _whole_backward(*whole, next(iter(aux)))
     else:
         grads = tuple(torch.zeros(x.shape, dtype=acc, device=q.device) for x in (q, k, v))
         saved = GradInputs(dout, q, k, v, out, row_lse(lse), key_padding_mask)
@@ -217,6 +207,28 @@ def plan_backward(
         grads = [g.to(acc) for g in grads]
         extra(*grads, 0, q.shape[1], slice(None))
     return _typed_like(grads, (q, k, v))
+
+
+def _whole_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    plan: Plan,
+    kernel: KernelArgs,
+    aux: Any,
+) -> Grads:
+    """The gradients of a plan of one call over every row (``plan.whole``), from the kernel's
+    backward with the forward's ``aux``, in the kernel's dtypes."""
+    (call,) = plan.calls
+    return kernel.backend.backward(
+        dout, q, k, v, out, lse, aux, scale=kernel.scale, is_causal=call.causal,
+        key_mask=call.key_mask(key_padding_mask), dropout_p=kernel.dropout_p,
+        softcap=kernel.softcap, window=window_of(call),
+    )  # fmt: skip
 
 
 def _typed_like(grads: Sequence[torch.Tensor], inputs: Grads) -> Grads:
