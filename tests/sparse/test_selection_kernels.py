@@ -1,6 +1,7 @@
 """The selection's Triton kernels against its torch operations: the choice with candidates by
-position against the same choice reading their masks, and the block means' bfloat16 parts made
-in one launch against the torch parts."""
+position against the same choice reading their masks, the block means' bfloat16 parts made in
+one launch against the torch parts, and the parts made from the rows against float64 block
+means."""
 
 from __future__ import annotations
 
@@ -82,6 +83,78 @@ def test_mean_parts_match_the_torch_parts(device, heads, group, dim, blocks, tra
             torch.testing.assert_close(high[~finite], exact[~finite], equal_nan=True)
             torch.testing.assert_close((high + low)[finite], exact[finite], rtol=2**-15,
                                        atol=0)  # fmt: skip
+
+
+def _rows(shape: tuple[int, int, int, int], dtype: torch.dtype, layout: str,
+          g: torch.Generator) -> torch.Tensor:  # fmt: skip
+    """Random rows (B, N, H, D) of ``dtype``: contiguous, head-major (a transposed (B, H, N, D)
+    tensor) or a view into a NaN-filled buffer with more rows, heads and columns (any read
+    outside the rows shows as NaN)."""
+    batch, length, heads, dim = shape
+    x = (torch.randn(shape, generator=g) * 4).to(dtype)
+    if layout == "head-major":
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+    if layout == "padded":
+        buffer = torch.full((batch, length + 9, heads + 1, dim + 16), float("nan"), dtype=dtype)
+        buffer[:, :length, :heads, :dim] = x
+        return buffer[:, :length, :heads, :dim]
+    return x
+
+
+def _block_parts64(x: torch.Tensor, block_size: int, group: int) -> torch.Tensor:
+    """The fused parts' values in float64: each block's mean over its real rows (the last may
+    be shorter), summed over ``group`` consecutive heads: (B, H / group, M, D)."""
+    means = [x[:, start : start + block_size].double().mean(1)
+             for start in range(0, x.shape[1], block_size)]  # fmt: skip
+    summed = torch.stack(means, 1) if means else x[:, :0].double()
+    return summed.unflatten(2, (x.shape[2] // group, group)).sum(3).transpose(1, 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("heads", "group", "length", "block_size", "dim", "dtype", "layout"),
+    [
+        (4, 1, 300, 64, 64, torch.bfloat16, "contiguous"),  # a partial last block
+        (8, 4, 100, 32, 48, torch.float32, "padded"),  # GQA sums, D 48, strided
+        (4, 2, 20, 64, 128, torch.bfloat16, "head-major"),  # N < block_size
+        (3, 1, 256, 128, 128, torch.float16, "padded"),  # whole blocks of two chunks
+        (2, 1, 250, 100, 128, torch.bfloat16, "contiguous"),  # a chunk partly in the block
+        (4, 2, 77, 5, 32, torch.bfloat16, "padded"),  # blocks of 5: many a program
+        (2, 2, 0, 16, 32, torch.bfloat16, "contiguous"),  # no rows: no blocks
+    ],
+)
+def test_block_parts_match_the_float64_means(
+    device, heads, group, length, block_size, dim, dtype, layout
+) -> None:
+    """The parts made from the rows in one launch (Note [Block means in the parts' launch])
+    against float64 block means summed over the group: ``hi + lo`` within float32 rounding,
+    ``lo`` below half of ``hi``'s last bit, ``hi`` in both of its slots, in either order; a
+    NaN or inf row makes its block's mean NaN or inf and no other."""
+    skip_without_triton(device)
+    from dilated_attention.backends.triton_kernels.selection.mean_parts import mean_parts
+
+    g = torch.Generator().manual_seed(length + dim)
+    x = _rows((2, length, heads, dim), dtype, layout, g)
+    if length > block_size:  # a NaN in the first block, an inf in the last
+        x[0, 1, 0, 3], x[1, -1, heads - 1, 2] = float("nan"), float("inf")
+    exact = _block_parts64(x, block_size, group)
+    scale = _block_parts64(x.abs(), block_size, group)  # the sums' terms' size
+    blocks = -(-length // block_size)
+    for low_at, high_at in ((2, (0, 1)), (1, (0, 2))):
+        got = mean_parts(x.to(device), group, low_at, block_size).cpu()
+        assert got.shape == (2, heads // group, blocks, 3 * dim) and got.dtype == torch.bfloat16
+        assert got.is_contiguous()
+        parts = got.double().unflatten(-1, (3, dim))
+        high, low = parts[..., high_at[0], :], parts[..., low_at, :]
+        torch.testing.assert_close(parts[..., high_at[1], :], high, rtol=0, atol=0,
+                                   equal_nan=True)  # fmt: skip
+        finite = exact.isfinite()
+        torch.testing.assert_close(high[~finite], exact[~finite], rtol=0, atol=0, equal_nan=True)
+        assert bool((low[finite].abs() <= high[finite].abs() * 2**-8).all())
+        # hi + lo holds 16 bits of the float32 mean, whose sum of block_size rows and then
+        # group heads rounds up to (block_size + group) float32 ulps of the terms' size
+        bound = 2**-16 * exact.abs() + (block_size + group) * 2**-24 * scale
+        assert bool(((high + low) - exact)[finite].abs().le(bound[finite]).all())
 
 
 def _affinity64(left: torch.Tensor, right: torch.Tensor, dim: int) -> torch.Tensor:
