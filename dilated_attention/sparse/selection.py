@@ -204,8 +204,7 @@ def _select(
         same = same_document(documents, batch, nq, block_size, q.device)
         cand, own = candidate_blocks(nq, nk, block_size, is_causal, q.device)
         candidates = (cand & same, own & same)
-    q_mean, k_mean = block_means(q, block_size), block_means(k, block_size)
-    return chosen_blocks(q_mean, k_mean, candidates, topk, per, own_width)
+    return chosen_blocks(q, k, candidates, topk, per, own_width, block_size)
 
 
 @dataclass(frozen=True)
@@ -263,41 +262,48 @@ def check_selection(block_size: object, topk: object, is_causal: object, per: ob
 
 
 def chosen_blocks(
-    q_mean: torch.Tensor,
-    k_mean: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
     candidates: Candidates,
     topk: int,
     per: str,
     own_width: int | None = None,
+    block_size: int = 1,
 ) -> torch.Tensor:
-    """MoBA's rule (Note [MoBA's gate for a block of queries]) on block means: each query
-    block's own blocks and its ``topk`` candidates of highest affinity. One process passes every
-    block's means; a ring rank its own query blocks' and every rank's key blocks' (gathered).
+    """MoBA's rule (Note [MoBA's gate for a block of queries]) on the means of blocks of
+    ``block_size`` rows: each query block's own blocks and its ``topk`` candidates of highest
+    affinity. One process passes the rows themselves (on the GPU their means are made on the
+    way to the product's parts: Note [Block means in the parts' launch] in
+    ``triton_kernels/selection/mean_parts.py``); a ring rank the block means of its own query
+    blocks and of every rank's key blocks (gathered), blocks of one.
 
     Args:
-        q_mean: (B, Mq, H, D) and k_mean (B, Mk, Hkv, D) from :func:`block_means`.
+        q: (B, Nq, H, D) and k (B, Nk, Hkv, D): rows, or with ``block_size=1`` block means
+            from :func:`block_means`, (B, Mq, H, D) and (B, Mk, Hkv, D).
         candidates: the rows' :class:`CandidateRanges`, or ``(candidates, own)`` bool masks
             broadcastable to (B, 1, Mq, Mk) (:func:`candidate_blocks`, packed documents').
         topk, per: checked, as :func:`select_blocks` takes them.
         own_width: None for a bool mask; else block indices, every row's own blocks a run of
             at most ``own_width`` (:func:`own_blocks_width`).
+        block_size: rows per block, ``Mq = ceil(Nq / block_size)``; the last block may be
+            shorter (its mean is over its real rows).
 
     Returns:
         (B, H or Hkv, Mq, Mk) bool, or (B, H or Hkv, Mq, min(topk, Mk) + own_width) int32
         block indices, ``-1`` = none.
     """
-    batch, mq, heads, _ = q_mean.shape
-    mk = k_mean.shape[1]
+    batch, heads = q.shape[0], q.shape[2]
+    mq, mk = num_blocks(q.shape[1], block_size), num_blocks(k.shape[1], block_size)
     topk = min(topk, mk)
-    module = _device_top_blocks(q_mean, k_mean)
+    module = _device_top_blocks(q, mk)
     if module is None:
-        cand, own = _masks(candidates, mq, q_mean.device)
-        chosen = _top_blocks(_affinity(q_mean, k_mean, per), cand, topk) | own
+        cand, own = _masks(candidates, mq, q.device)
+        chosen = _top_blocks(_affinity(q, k, per, block_size), cand, topk) | own
         return chosen if own_width is None else _as_indices(chosen, topk + own_width)
     width, dtype = (mk, torch.bool) if own_width is None else (topk + own_width, torch.int32)
-    chosen = torch.empty(batch, heads if per == "head" else k_mean.shape[2], mq, width,
-                         dtype=dtype, device=q_mean.device)  # fmt: skip
-    left, right = _operands(q_mean, k_mean, per)  # (B Hkv, g, Mq, D'), (B Hkv, Mk, D')
+    chosen = torch.empty(batch, heads if per == "head" else k.shape[2], mq, width,
+                         dtype=dtype, device=q.device)  # fmt: skip
+    left, right = _operands(q, k, per, block_size)  # (B Hkv, g, Mq, D'), (B Hkv, Mk, D')
     tiles = _tiles_module(candidates, left, mk, topk)
     if tiles is not None:
         return _chosen_by_tiles(tiles, left, right, candidates, topk, chosen, own_width)
@@ -374,13 +380,13 @@ def _rows(mask: torch.Tensor, rows: slice) -> torch.Tensor:
     return mask if mask.shape[-2] == 1 else mask[..., rows, :]
 
 
-def _device_top_blocks(q_mean: torch.Tensor, k_mean: torch.Tensor) -> Any:
-    """The Triton choice's module (``top_blocks``, ``RowRanges``) where it takes these blocks
-    (on the GPU, rows it can hold), else None."""
-    if not q_mean.is_cuda or q_mean.dtype != torch.float32:
+def _device_top_blocks(q: torch.Tensor, mk: int) -> Any:
+    """The Triton choice's module (``top_blocks``, ``RowRanges``) where it takes the blocks of
+    ``q`` (on the GPU, means in float32) and ``mk`` key blocks (rows it can hold), else None."""
+    if not _on_tensor_cores(q):
         return None
     module = kernel_module("selection.top_blocks")
-    if module is None or k_mean.shape[1] > module.MAX_COLUMNS:
+    if module is None or mk > module.MAX_COLUMNS:
         return None
     return module
 
@@ -410,29 +416,35 @@ def _check_per(per: object) -> None:
         )
 
 
-def _affinity(q_mean: torch.Tensor, k_mean: torch.Tensor, per: str) -> torch.Tensor:
-    """MoBA's gate per block pair (Note [MoBA's gate for a block of queries]): block means
-    q_mean (B, Mq, H, D), k_mean (B, Mk, Hkv, D) -> (B, H or Hkv, Mq, Mk) float32 (float64 for
-    float64 input)."""
-    left, right = _operands(q_mean, k_mean, per)
-    batch, mq = q_mean.shape[:2]
-    return _products(left.flatten(1, 2), right).view(batch, -1, mq, k_mean.shape[1])
+def _affinity(q: torch.Tensor, k: torch.Tensor, per: str, block_size: int = 1) -> torch.Tensor:
+    """MoBA's gate per block pair (Note [MoBA's gate for a block of queries]): q (B, Nq, H, D)
+    and k (B, Nk, Hkv, D) rows pooled by blocks of ``block_size`` (1: block means) -> (B, H or
+    Hkv, Mq, Mk) float32 (float64 for float64 input)."""
+    left, right = _operands(q, k, per, block_size)  # (B Hkv, g, Mq, D'), (B Hkv, Mk, D')
+    shape = (q.shape[0], -1, left.shape[2], right.shape[1])
+    return _products(left.flatten(1, 2), right).view(shape)
 
 
 def _operands(
-    q_mean: torch.Tensor, k_mean: torch.Tensor, per: str
+    q: torch.Tensor, k: torch.Tensor, per: str, block_size: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The affinities' operands per key/value head: the query means (B Hkv, g, Mq, D'), g the
-    group's heads (1 for ``per="kv_head"``, their sum), and the key means (B Hkv, Mk, D'); on
-    the GPU in float32 as bfloat16 parts (Note [Affinities on tensor cores]), ``D' = 3 D``,
-    in one launch each where Triton runs (Note [Parts in one launch])."""
-    batch, mq, heads, dim = q_mean.shape
-    mk, kv_heads = k_mean.shape[1], k_mean.shape[2]
+    """The affinities' operands per key/value head from the rows q (B, Nq, H, D) and k (B, Nk,
+    Hkv, D) pooled by blocks of ``block_size`` (1: block means): the query means (B Hkv, g,
+    Mq, D'), g the group's heads (1 for ``per="kv_head"``, their sum), and the key means (B
+    Hkv, Mk, D'); on the GPU as bfloat16 parts of the float32 means (Note [Affinities on
+    tensor cores]), ``D' = 3 D``, made from the rows in one launch each where Triton runs
+    (Note [Parts in one launch] and Note [Block means in the parts' launch] in
+    ``triton_kernels/selection/mean_parts.py``): the means are not stored there."""
+    batch, _, heads, dim = q.shape
+    kv_heads = k.shape[2]
     summed = heads // kv_heads if per == "kv_head" else 1
-    module = kernel_module("selection.mean_parts") if _on_tensor_cores(q_mean) else None
+    module = kernel_module("selection.mean_parts") if _on_tensor_cores(q) else None
     if module is not None:
-        left = module.mean_parts(q_mean, summed, 2).view(batch * kv_heads, -1, mq, 3 * dim)
-        return left, module.mean_parts(k_mean, 1, 1).flatten(0, 1)
+        left = module.mean_parts(q, summed, 2, block_size)
+        right = module.mean_parts(k, 1, 1, block_size)
+        return left.view(batch * kv_heads, -1, *left.shape[2:]), right.flatten(0, 1)
+    q_mean, k_mean = block_means(q, block_size), block_means(k, block_size)
+    mq, mk = q_mean.shape[1], k_mean.shape[1]
     q_grouped = q_mean.view(batch, mq, kv_heads, heads // kv_heads, dim)
     if per == "kv_head":
         q_grouped = q_grouped.sum(3, keepdim=True)
@@ -444,7 +456,14 @@ def _operands(
 
 
 def _on_tensor_cores(x: torch.Tensor) -> bool:
-    return x.is_cuda and x.dtype == torch.float32
+    """Whether the block means of ``x`` (rows or means) are float32 on the GPU, where the
+    affinities are products of their bfloat16 parts (float64 stays a float64 product)."""
+    return x.is_cuda and _means_dtype(x) == torch.float32
+
+
+def _means_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of the block means of ``x``: float32, float64 for float64 input."""
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 def _parts(x: torch.Tensor, order: tuple[int, int, int]) -> torch.Tensor:
@@ -475,7 +494,11 @@ def _products(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
 
 
 def block_means(x: torch.Tensor, block_size: int) -> torch.Tensor:
-    """x (B, N, H, D) -> (B, ceil(N / bs), H, D): each block's mean over its real rows."""
+    """x (B, N, H, D) -> (B, ceil(N / bs), H, D): each block's mean over its real rows, in
+    float32 (float64 for float64 input); blocks of one row are the rows (means already made
+    stay as they are, no copy)."""
+    if block_size == 1:
+        return x.to(_means_dtype(x))
     n = x.shape[1]
     full = n // block_size * block_size
     means = window_means(x[:, :full], block_size, block_size)
