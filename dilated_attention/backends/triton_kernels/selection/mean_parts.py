@@ -14,28 +14,31 @@ Note [Parts in one launch]
     the group's heads aside) in one launch.
 
 Note [Block means in the parts' launch]
-    The means themselves were three more torch launches per operand (a float32 mean over the
-    whole blocks, one over the short last block, their concatenation) and a float32 (B, M, H,
-    D) copy written and read back; at 1M tokens they took 1.8 of a choice's 4.6 ms on an H100,
-    and at 64K the five launches of the choice's operands made it host-bound. So the kernel
-    takes the rows (B, N, H, D), in any float dtype and strides, and the block size, and
-    makes the means on the way to the parts: for each of the group's heads a program reads
-    its blocks ``CHUNK`` rows at a time as (BLOCKS, CHUNK, DIM) tiles, loads along the head
-    dim (one row of a head is contiguous), adds them up in float32 and divides each block's
-    sum by its real rows (the last block may be shorter; nothing is padded); the heads' means
-    are summed as before. The means are never stored: the operand is read once and only its
-    parts are written, one launch from input to parts.
+    The means themselves were more torch launches per operand (a float32 mean over the whole
+    blocks; where the last block is short, its mean and a concatenation) and a float32 (B, M,
+    H, D) copy written and read back: at 1M tokens 1.8 of a choice's 4.6 ms on an H100, and at
+    64K the choice, five launches, was bound by the host. So the kernel takes the rows (B, N,
+    H, D), in any float dtype and strides, and the block size, and makes the means on the way
+    to the parts: for each of the group's heads a program reads its blocks ``CHUNK`` rows at
+    a time as (BLOCKS, CHUNK, DIM) tiles, loads along the head dim (a row of one head is
+    contiguous), adds them up in float32 and divides each block's sum by its real rows (the
+    last block may be shorter; nothing is padded); the heads' means are summed as before. The
+    means are never stored: the operand is read once, only its parts are written, one launch
+    from input to parts.
 
-    A tile holds ``_TILE`` elements: at head dim 128, 64 rows (a block of 128 in two chunks,
-    one block a program; blocks of 8, eight blocks of one chunk), 64 float32 sums per thread
-    in 4 warps, each chunk of each head one 16 KiB load of 256-byte rows. The grid is 1-D
-    with the output heads fastest (then the batch rows, then the block tiles), so that the
-    programs in flight read the heads of the same rows side by side, and it holds 2^31
-    programs (a 2-D grid's second dimension holds 65,535, 8M tokens in blocks of 128).
-    Offsets are int64: at 1M tokens, 16 heads of 128 the query holds 2^31 elements. Block
-    means already made (a ring rank gathers every rank's key means) are blocks of one row:
-    the same kernel with ``block_size=1``, which divides by 1 and adds the heads in the same
-    order, the parts of those means bit for bit.
+    A tile holds ``_TILE`` elements and at most ``_MOST_BLOCKS`` blocks. At head dim 128 that
+    is 64 rows (a block of 128 in two chunks, one block a program; blocks of 8, eight blocks
+    of one chunk): 64 float32 sums a thread in 4 warps, each chunk of each head one 16 KiB
+    load of 256-byte rows, 128 registers a thread by ptxas for sm_90 (4 programs an SM) and
+    no spill. More blocks take more registers than their rows do (64 blocks of one row, 254;
+    16, 78). A program's chunks stop at its blocks' most rows (a query shorter than a block
+    reads one chunk). The grid is 1-D with the output heads fastest, then the batch rows,
+    then the block tiles, so that the programs in flight read the heads of the same rows side
+    by side; it holds 2^31 programs (a 2-D grid's second dimension holds 65,535: 8M tokens in
+    blocks of 128). Offsets are int64: at 1M tokens the query's 16 heads of 128 are 2^31
+    elements. Block means already made (a ring rank gathers every rank's key means) are
+    blocks of one row: the same kernel with ``block_size=1``, which divides by 1 and adds the
+    heads in the same order, gives the parts of those means bit for bit.
 """
 
 from __future__ import annotations
@@ -47,9 +50,10 @@ import triton.language as tl
 from ..launch import launch
 from ..tiles import cdiv, next_power_of_2
 
-#: Elements of a program's tile of rows, (BLOCKS x CHUNK) x DIM (Note [Block means in the
-#: parts' launch]).
+#: Elements of a program's tile of rows, (BLOCKS x CHUNK) x DIM, and its most blocks (Note
+#: [Block means in the parts' launch]).
 _TILE = 8192
+_MOST_BLOCKS = 16
 
 
 @triton.jit
@@ -64,16 +68,16 @@ def _bfloat16_nearest(x):
 
 @triton.jit
 def _head_means(
-    x, first, count, block_size, dim, s_xn, s_xd,
+    x, first, count, span, dim, s_xn, s_xd,
     BLOCKS: tl.constexpr, CHUNK: tl.constexpr, DIM: tl.constexpr,
 ):  # fmt: skip
     """One head's mean over each block's real rows, (BLOCKS, DIM) float32: block ``i`` is
     rows ``first[i] .. first[i] + count[i] - 1`` of ``x`` (count <= 0: none, a block past the
-    end)."""
+    end), ``count`` at most ``span``."""
     within = tl.arange(0, CHUNK)
     col = tl.arange(0, DIM)
     total = tl.zeros((BLOCKS, CHUNK, DIM), tl.float32)
-    for start in range(0, block_size, CHUNK):
+    for start in range(0, span, CHUNK):
         row = start + within
         where = (row[None, :] < count[:, None])[:, :, None] & (col < dim)[None, None, :]
         at = (first[:, None] + row[None, :])[:, :, None] * s_xn + col[None, None, :] * s_xd
@@ -84,7 +88,7 @@ def _head_means(
 @triton.jit
 def _mean_parts_kernel(
     x, out,
-    length, block_size, blocks, pairs, heads_out, group, dim,
+    length, block_size, span, blocks, pairs, heads_out, group, dim,
     s_xb, s_xn, s_xh, s_xd,
     s_ob, s_oh, s_om,
     LOW_AT: tl.constexpr,
@@ -93,8 +97,9 @@ def _mean_parts_kernel(
     DIM: tl.constexpr,
 ):  # fmt: skip
     """Program ``tile * pairs + b * heads_out + h``: blocks ``tile * BLOCKS ..`` of output
-    head ``h``, the sum of the means of input heads ``h * group .. h * group + group - 1``;
-    parts laid ``[hi, hi, lo]`` (``LOW_AT`` 2) or ``[hi, lo, hi]`` (``LOW_AT`` 1)."""
+    head ``h``, the sum of the means of input heads ``h * group .. h * group + group - 1``
+    (``span``: a block's most rows, ``min(block_size, length)``); parts laid ``[hi, hi,
+    lo]`` (``LOW_AT`` 2) or ``[hi, lo, hi]`` (``LOW_AT`` 1)."""
     program = tl.program_id(0).to(tl.int64)
     tile, bh = program // pairs, program % pairs
     b, h = bh // heads_out, bh % heads_out
@@ -104,7 +109,7 @@ def _mean_parts_kernel(
     base = x + b * s_xb + h * group * s_xh
     total = tl.zeros((BLOCKS, DIM), tl.float32)
     for i in range(group):
-        total += _head_means(base + i * s_xh, first, count, block_size, dim, s_xn, s_xd,
+        total += _head_means(base + i * s_xh, first, count, span, dim, s_xn, s_xd,
                              BLOCKS, CHUNK, DIM)  # fmt: skip
     high = _bfloat16_nearest(total)
     low = _bfloat16_nearest(total - high).to(tl.bfloat16)
@@ -140,10 +145,10 @@ def mean_parts(x: torch.Tensor, group: int, low_at: int, block_size: int = 1) ->
         return out
     width = next_power_of_2(dim)
     chunk = min(next_power_of_2(block_size), max(1, _TILE // width))
-    per_tile = max(1, _TILE // (width * chunk))
+    per_tile = min(_MOST_BLOCKS, max(1, _TILE // (width * chunk)))
     pairs = batch * heads_out
-    args = (x, out, length, block_size, blocks, pairs, heads_out, group, dim, *x.stride(),
-            *out.stride()[:3])  # fmt: skip
+    args = (x, out, length, block_size, min(block_size, length), blocks, pairs, heads_out,
+            group, dim, *x.stride(), *out.stride()[:3])  # fmt: skip
     options = {"LOW_AT": low_at, "BLOCKS": per_tile, "CHUNK": chunk, "DIM": width,
                "num_warps": 4}  # fmt: skip
     launch(_mean_parts_kernel, (cdiv(blocks, per_tile) * pairs,), args, options)
