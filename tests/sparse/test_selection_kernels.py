@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dilated_attention.block_sparse.runtime import same_document
 from dilated_attention.sparse import select_blocks, selection
 from dilated_attention.sparse.selection import CandidateRanges, _parts, own_blocks_width
 from tests.support.triton import INTERPRETING, skip_without_triton
@@ -159,48 +160,57 @@ def test_block_parts_match_the_float64_means(
 
 
 def _clear_rows(q: torch.Tensor, k: torch.Tensor, bs: int, topk: int, is_causal: bool,
-                per: str) -> torch.Tensor:  # fmt: skip
-    """(B, Hs, Mq) bool: the rows whose choice is clear in float64, their ``topk``-th best
-    candidate's affinity and the next one's (or -inf) apart by more than 2^-10 of the row's
-    largest affinity."""
+                per: str, cu_seqlens: list[int] | None) -> torch.Tensor:  # fmt: skip
+    """(B, Hs, Mq) bool: the rows whose choice is clear in float64: every candidate chosen, or
+    the ``topk``-th best candidate's affinity and the next one's (or -inf) apart by more than
+    2^-10 of the row's largest affinity."""
     affinity = selection._affinity(q.double(), k.double(), per, bs)
     cand, _ = selection.candidate_blocks(q.shape[1], k.shape[1], bs, is_causal, q.device)
+    if cu_seqlens is not None:
+        cand = cand & same_document(tuple(cu_seqlens), q.shape[0], q.shape[1], bs, q.device)
     ranked = affinity.masked_fill(~cand, -torch.inf).sort(-1, descending=True).values
     ranked = torch.nn.functional.pad(ranked, (0, 1), value=-torch.inf)
     size = affinity.abs().amax(-1)
-    return (ranked[..., topk - 1] - ranked[..., topk] > 2**-10 * size) | (size == 0)
+    every = cand.sum(-1) <= topk
+    return (ranked[..., topk - 1] - ranked[..., topk] > 2**-10 * size) | every | (size == 0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("route", ["tiles", "product"])
 @pytest.mark.parametrize(
-    ("batch", "nq", "nk", "heads", "kv_heads", "bs", "topk", "is_causal", "per"),
+    ("batch", "nq", "nk", "heads", "kv_heads", "bs", "topk", "is_causal", "per", "cu_seqlens"),
     [
-        (2, 640, 640, 4, 2, 16, 3, True, "head"),  # aligned
-        (1, 500, 660, 4, 2, 32, 2, True, "kv_head"),  # end-aligned, straddling; GQA sums
-        (1, 450, 520, 2, 1, 16, 4, False, "kv_head"),  # not causal, partial last blocks
+        (2, 640, 640, 4, 2, 16, 3, True, "head", None),  # aligned
+        (1, 500, 660, 4, 2, 32, 2, True, "kv_head", None),  # end-aligned, straddling; GQA sums
+        (1, 450, 520, 2, 1, 16, 4, False, "kv_head", None),  # not causal, partial last blocks
+        (2, 640, 640, 4, 2, 16, 3, True, "kv_head", [0, 128, 512, 640, 1024, 1280]),  # packed
     ],
 )
 def test_choice_from_the_rows_parts_matches_the_float64_choice(
-    monkeypatch, device, route, batch, nq, nk, heads, kv_heads, bs, topk, is_causal, per
-) -> None:
+    monkeypatch, device, route, batch, nq, nk, heads, kv_heads, bs, topk, is_causal, per,
+    cu_seqlens,
+) -> None:  # fmt: skip
     """``select_blocks`` with the means made on the way to the parts from the rows, one launch
     per operand (Note [Block means in the parts' launch]; never :func:`block_means`), picks the
     blocks of the float64 choice in every row whose choice is clear (bf16 rows: the means and
     the parts' products in float32), as a bool mask and as indices. On the CPU the GPU's path
-    runs through Triton's interpreter, the choice a tile at a time."""
+    runs through Triton's interpreter, the choice a tile at a time; packed documents (their
+    candidates as masks) take the stored product on the GPU."""
     skip_without_triton(device)
     from dilated_attention.backends.triton_kernels.selection import affinity_tiles
 
     if device == "cpu" and route == "product":
         pytest.skip("the stored product runs on the GPU's tensor cores only")
+    if cu_seqlens is not None and route == "tiles":
+        pytest.skip("packed documents' candidates are masks: the stored product takes them")
     g = torch.Generator().manual_seed(nq + nk)
     q = torch.randn(batch, nq, heads, 64, generator=g).bfloat16()
     k = torch.randn(batch, nk, kv_heads, 64, generator=g).bfloat16()
-    options = {"block_size": bs, "topk": topk, "is_causal": is_causal, "per": per}
+    options = {"block_size": bs, "topk": topk, "is_causal": is_causal, "per": per,
+               "cu_seqlens": cu_seqlens}  # fmt: skip
     want = select_blocks(q.double(), k.double(), **options)
-    clear = _clear_rows(q, k, bs, topk, is_causal, per)
-    assert clear.float().mean() > 0.8  # most rows are a clear choice
+    clear = _clear_rows(q, k, bs, topk, is_causal, per, cu_seqlens)
+    assert clear.float().mean() > 0.9  # most rows are a clear choice
     if device == "cpu":  # the GPU's route on the CPU
         monkeypatch.setattr(selection, "_on_tensor_cores", lambda x: x.dtype != torch.float64)
     monkeypatch.setattr(affinity_tiles, "MIN_COLUMNS", 1 if route == "tiles" else 10**9)
