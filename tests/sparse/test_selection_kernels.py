@@ -159,6 +159,12 @@ def test_block_parts_match_the_float64_means(
         assert bool(((high + low) - exact)[finite].abs().le(bound[finite]).all())
 
 
+def _indices_mask(indices: torch.Tensor, cols: int) -> torch.Tensor:
+    """(..., K) int32 block indices, -1 = none, as the (..., cols) bool mask they list."""
+    mask = torch.zeros(*indices.shape[:-1], cols + 1, dtype=torch.bool)
+    return mask.scatter_(-1, indices.long().where(indices >= 0, cols), True)[..., :cols]
+
+
 def _clear_rows(q: torch.Tensor, k: torch.Tensor, bs: int, topk: int, is_causal: bool,
                 per: str, cu_seqlens: list[int] | None) -> torch.Tensor:  # fmt: skip
     """(B, Hs, Mq) bool: the rows whose choice is clear in float64: every candidate chosen, or
@@ -218,9 +224,7 @@ def test_choice_from_the_rows_parts_matches_the_float64_choice(
     got = select_blocks(q.to(device), k.to(device), **options).cpu()
     assert got.shape == want.shape and torch.equal(got[clear], want[clear])
     indices = select_blocks(q.to(device), k.to(device), return_indices=True, **options).cpu()
-    mask = torch.zeros(*indices.shape[:-1], want.shape[-1] + 1, dtype=torch.bool)
-    mask = mask.scatter_(-1, indices.long().where(indices >= 0, want.shape[-1]), True)
-    assert torch.equal(mask[..., :-1][clear], want[clear])
+    assert torch.equal(_indices_mask(indices, want.shape[-1])[clear], want[clear])
 
 
 def _affinity64(left: torch.Tensor, right: torch.Tensor, dim: int) -> torch.Tensor:
@@ -282,8 +286,7 @@ def test_choice_from_tiles_keeps_the_best_blocks(
                           own_width=own_width)  # fmt: skip
     chosen = out.cpu()
     if own_width is not None:  # indices -> a bool mask (-1: none)
-        mask = torch.zeros(batch, heads, rows, cols + 1, dtype=torch.bool)
-        chosen = mask.scatter_(-1, chosen.long().where(chosen >= 0, cols), True)[..., :cols]
+        chosen = _indices_mask(chosen, cols)
     chosen = chosen.view(batch * heads, rows, cols)
     affinity = _affinity64(left, right, dim).nan_to_num(nan=-1e300)
     assert torch.equal(chosen & own, own.expand_as(chosen))  # every own block kept
