@@ -123,6 +123,7 @@ def _block_parts64(x: torch.Tensor, block_size: int, group: int) -> torch.Tensor
         (2, 1, 250, 100, 128, torch.bfloat16, "contiguous"),  # a chunk partly in the block
         (4, 2, 77, 5, 32, torch.bfloat16, "padded"),  # blocks of 5: many a program
         (2, 2, 0, 16, 32, torch.bfloat16, "contiguous"),  # no rows: no blocks
+        (12, 2, 200, 64, 128, torch.bfloat16, "padded"),  # 6 heads: a partial tile of heads
     ],
 )
 def test_block_parts_match_the_float64_means(

@@ -19,26 +19,30 @@ Note [Block means in the parts' launch]
     H, D) copy written and read back: at 1M tokens 1.8 of a choice's 4.6 ms on an H100, and at
     64K the choice, five launches, was bound by the host. So the kernel takes the rows (B, N,
     H, D), in any float dtype and strides, and the block size, and makes the means on the way
-    to the parts: for each of the group's heads a program reads its blocks ``CHUNK`` rows at
-    a time as (BLOCKS, CHUNK, DIM) tiles, loads along the head dim (a row of one head is
-    contiguous), adds them up in float32 and divides each block's sum by its real rows (the
-    last block may be shorter; nothing is padded); the heads' means are summed as before. The
-    means are never stored: the operand is read once, only its parts are written, one launch
-    from input to parts.
+    to the parts: a program takes ``HEADS`` output heads of its blocks and, for each of the
+    group's heads, reads its rows ``CHUNK`` at a time as (BLOCKS, CHUNK, HEADS x DIM) tiles,
+    adds them up in float32 and divides each block's sum by its real rows (the last block may
+    be shorter; nothing is padded); the heads' means are summed as before. The means are
+    never stored: the operand is read once, only its parts are written, one launch from
+    input to parts.
 
-    A tile holds ``_TILE`` elements and at most ``_MOST_BLOCKS`` blocks. At head dim 128 that
-    is 64 rows (a block of 128 in two chunks, one block a program; blocks of 8, eight blocks
-    of one chunk): 64 float32 sums a thread in 4 warps, each chunk of each head one 16 KiB
-    load of 256-byte rows, 128 registers a thread by ptxas for sm_90 (4 programs an SM) and
-    no spill. More blocks take more registers than their rows do (64 blocks of one row, 254;
-    16, 78). A program's chunks stop at its blocks' most rows (a query shorter than a block
-    reads one chunk). The grid is 1-D with the output heads fastest, then the batch rows,
-    then the block tiles, so that the programs in flight read the heads of the same rows side
-    by side; it holds 2^31 programs (a 2-D grid's second dimension holds 65,535: 8M tokens in
-    blocks of 128). Offsets are int64: at 1M tokens the query's 16 heads of 128 are 2^31
-    elements. Block means already made (a ring rank gathers every rank's key means) are
-    blocks of one row: the same kernel with ``block_size=1``, which divides by 1 and adds the
-    heads in the same order, gives the parts of those means bit for bit.
+    A row of a tile spans ``_ROW_COLUMNS`` elements (8 heads of 128: 2 KiB of a bfloat16
+    row with one key/value head a group, as a row of the input lays them): a program reading
+    one head (256-byte pieces of rows 4 KiB apart) ran the operands at 1.6-2.0 TB/s on an
+    H100 where torch's mean over whole rows ran at 2.7; 8 heads a program run them at 2.8
+    (1.93 ms at 1M tokens, 16 query and 4 key/value heads of 128, against 2.0 for the torch
+    mean alone). A tile holds ``_TILE`` elements and at most ``_MOST_BLOCKS`` blocks, in 4
+    warps: at 8 heads of 128, 8 rows a chunk (64 float32 sums a thread), a block of 128 in
+    16 chunks. More blocks take more registers than their rows do (64 blocks of one row, 254
+    registers by ptxas for sm_90; 16, 78). A program's chunks stop at its blocks' most rows
+    (a query shorter than a block reads one chunk). The grid is 1-D with the head tiles
+    fastest, then the batch rows, then the block tiles; it holds 2^31 programs (a 2-D grid's
+    second dimension holds 65,535: 8M tokens in blocks of 128). Offsets are int64 to a
+    program's first row and head and int32 within its tile, int64 there too only where a
+    tile spans 2^31 elements (``WIDE``: a view into a larger tensor). Block means already
+    made (a ring rank gathers every rank's key means) are blocks of one row: the same kernel
+    with ``block_size=1``, which divides by 1 and adds the heads in the same order, gives the
+    parts of those means bit for bit.
 """
 
 from __future__ import annotations
@@ -50,10 +54,12 @@ import triton.language as tl
 from ..launch import launch
 from ..tiles import cdiv, next_power_of_2
 
-#: Elements of a program's tile of rows, (BLOCKS x CHUNK) x DIM, and its most blocks (Note
-#: [Block means in the parts' launch]).
+#: Elements of a program's tile of rows, (BLOCKS x CHUNK) x (HEADS x DIM), its most blocks,
+#: the elements of a row it spans, and its warps (Note [Block means in the parts' launch]).
 _TILE = 8192
 _MOST_BLOCKS = 16
+_ROW_COLUMNS = 1024
+_WARPS = 4
 
 
 @triton.jit
@@ -68,19 +74,22 @@ def _bfloat16_nearest(x):
 
 @triton.jit
 def _head_means(
-    x, first, count, span, dim, s_xn, s_xd,
-    BLOCKS: tl.constexpr, CHUNK: tl.constexpr, DIM: tl.constexpr,
+    x, first, count, span, col_at, col_ok, s_xn,
+    BLOCKS: tl.constexpr, CHUNK: tl.constexpr, COLS: tl.constexpr, WIDE: tl.constexpr,
 ):  # fmt: skip
-    """One head's mean over each block's real rows, (BLOCKS, DIM) float32: block ``i`` is
-    rows ``first[i] .. first[i] + count[i] - 1`` of ``x`` (count <= 0: none, a block past the
-    end), ``count`` at most ``span``."""
+    """The mean over each block's real rows of the columns ``col_at`` (COLS,) offsets of a
+    row (``col_ok`` the real ones), (BLOCKS, COLS) float32: block ``i`` is rows ``first[i] ..
+    first[i] + count[i] - 1`` from ``x`` (the tile's first row; count <= 0: none, a block
+    past the end), ``count`` at most ``span``. Offsets from ``x`` are int32 unless ``WIDE``
+    (Note [Block means in the parts' launch])."""
     within = tl.arange(0, CHUNK)
-    col = tl.arange(0, DIM)
-    total = tl.zeros((BLOCKS, CHUNK, DIM), tl.float32)
+    if WIDE:
+        first, col_at = first.to(tl.int64), col_at.to(tl.int64)
+    total = tl.zeros((BLOCKS, CHUNK, COLS), tl.float32)
     for start in range(0, span, CHUNK):
         row = start + within
-        where = (row[None, :] < count[:, None])[:, :, None] & (col < dim)[None, None, :]
-        at = (first[:, None] + row[None, :])[:, :, None] * s_xn + col[None, None, :] * s_xd
+        where = (row[None, :] < count[:, None])[:, :, None] & col_ok[None, None, :]
+        at = (first[:, None] + row[None, :])[:, :, None] * s_xn + col_at[None, None, :]
         total += tl.load(x + at, mask=where, other=0.0).to(tl.float32)
     return tl.sum(total, axis=1) / tl.maximum(count, 1).to(tl.float32)[:, None]
 
@@ -88,35 +97,41 @@ def _head_means(
 @triton.jit
 def _mean_parts_kernel(
     x, out,
-    length, block_size, span, blocks, pairs, heads_out, group, dim,
+    length, block_size, span, blocks, pairs, head_tiles, heads_out, group, dim,
     s_xb, s_xn, s_xh, s_xd,
     s_ob, s_oh, s_om,
     LOW_AT: tl.constexpr,
     BLOCKS: tl.constexpr,
     CHUNK: tl.constexpr,
+    HEADS: tl.constexpr,
     DIM: tl.constexpr,
+    WIDE: tl.constexpr,
 ):  # fmt: skip
-    """Program ``tile * pairs + b * heads_out + h``: blocks ``tile * BLOCKS ..`` of output
-    head ``h``, the sum of the means of input heads ``h * group .. h * group + group - 1``
-    (``span``: a block's most rows, ``min(block_size, length)``); parts laid ``[hi, hi,
-    lo]`` (``LOW_AT`` 2) or ``[hi, lo, hi]`` (``LOW_AT`` 1)."""
+    """Program ``tile * pairs + b * head_tiles + t``: blocks ``tile * BLOCKS ..`` of output
+    heads ``t * HEADS ..``, each the sum of the means of its input heads ``h * group .. h *
+    group + group - 1`` (``span``: a block's most rows, ``min(block_size, length)``); parts
+    laid ``[hi, hi, lo]`` (``LOW_AT`` 2) or ``[hi, lo, hi]`` (``LOW_AT`` 1)."""
     program = tl.program_id(0).to(tl.int64)
-    tile, bh = program // pairs, program % pairs
-    b, h = bh // heads_out, bh % heads_out
+    tile, bt = program // pairs, program % pairs
+    b, first_head = bt // head_tiles, bt % head_tiles * HEADS
     block = tile * BLOCKS + tl.arange(0, BLOCKS)
-    first = block * block_size
-    count = tl.minimum(length - first, block_size)
-    base = x + b * s_xb + h * group * s_xh
-    total = tl.zeros((BLOCKS, DIM), tl.float32)
+    first = tl.arange(0, BLOCKS) * block_size  # from the tile's first row
+    count = tl.minimum(length - block * block_size, block_size).to(tl.int32)
+    col = tl.arange(0, HEADS * DIM)  # (head in the tile, head dim)
+    head, d = col // DIM, col % DIM
+    col_ok = (d < dim) & (first_head + head < heads_out)
+    col_at = head * group * s_xh + d * s_xd
+    base = x + b * s_xb + first_head * group * s_xh + tile * BLOCKS * block_size * s_xn
+    total = tl.zeros((BLOCKS, HEADS * DIM), tl.float32)
     for i in range(group):
-        total += _head_means(base + i * s_xh, first, count, span, dim, s_xn, s_xd,
-                             BLOCKS, CHUNK, DIM)  # fmt: skip
+        total += _head_means(base + i * s_xh, first, count, span, col_at, col_ok, s_xn,
+                             BLOCKS, CHUNK, HEADS * DIM, WIDE)  # fmt: skip
     high = _bfloat16_nearest(total)
     low = _bfloat16_nearest(total - high).to(tl.bfloat16)
     high = high.to(tl.bfloat16)
-    col = tl.arange(0, DIM)
-    where = (block < blocks)[:, None] & (col < dim)[None, :]
-    target = out + b * s_ob + h * s_oh + block[:, None] * s_om + col[None, :]
+    where = (block < blocks)[:, None] & col_ok[None, :]
+    target = (out + b * s_ob + first_head * s_oh + block[:, None] * s_om
+              + (head * s_oh + d)[None, :])  # fmt: skip
     for part in tl.static_range(3):
         value = low if part == LOW_AT else high
         tl.store(target + part * dim, value, mask=where)
@@ -144,12 +159,21 @@ def mean_parts(x: torch.Tensor, group: int, low_at: int, block_size: int = 1) ->
     if out.numel() == 0:
         return out
     width = next_power_of_2(dim)
-    chunk = min(next_power_of_2(block_size), max(1, _TILE // width))
-    per_tile = min(_MOST_BLOCKS, max(1, _TILE // (width * chunk)))
-    pairs = batch * heads_out
-    args = (x, out, length, block_size, min(block_size, length), blocks, pairs, heads_out,
-            group, dim, *x.stride(), *out.stride()[:3])  # fmt: skip
-    options = {"LOW_AT": low_at, "BLOCKS": per_tile, "CHUNK": chunk, "DIM": width,
-               "num_warps": 4}  # fmt: skip
+    per_program = min(next_power_of_2(heads_out), max(1, _ROW_COLUMNS // width))
+    cols = per_program * width
+    chunk = min(next_power_of_2(block_size), max(1, _TILE // cols))
+    per_tile = min(_MOST_BLOCKS, max(1, _TILE // (cols * chunk)))
+    head_tiles = cdiv(heads_out, per_program)
+    pairs = batch * head_tiles
+    args = (x, out, length, block_size, min(block_size, length), blocks, pairs, head_tiles,
+            heads_out, group, dim, *x.stride(), *out.stride()[:3])  # fmt: skip
+    # A tile's offsets from its first row and first head: its rows, heads and head dim.
+    reach = (
+        per_tile * block_size * abs(x.stride(1))
+        + (per_program * group - 1) * abs(x.stride(2))
+        + (dim - 1) * abs(x.stride(3))
+    )
+    options = {"LOW_AT": low_at, "BLOCKS": per_tile, "CHUNK": chunk, "HEADS": per_program,
+               "DIM": width, "WIDE": reach >= 2**31, "num_warps": _WARPS}  # fmt: skip
     launch(_mean_parts_kernel, (cdiv(blocks, per_tile) * pairs,), args, options)
     return out
