@@ -81,6 +81,21 @@ def plan_forward(
         where no key is seen), and each call's backend ``aux`` for the backward.
     """
     kernel = KernelArgs(backend, scale, dropout_p, softcap)
+    return _forward_plan(q, k, v, key_padding_mask, plan, kernel, out_dtype, extra)
+
+
+def _forward_plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    plan: Plan,
+    kernel: KernelArgs,
+    out_dtype: torch.dtype | None = None,
+    extra: Callable[[], Sequence[SlotView]] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
+    """:func:`plan_forward` with the plan's kernel arguments made (a :class:`PlanRunner` makes
+    them once)."""
     if plan.one_call and not plan.slots and not (plan.groups and plan.grouped_forward):
         return _one_call_forward(q, k, v, key_padding_mask, plan, kernel, out_dtype)
     acc = accumulator_dtype(q.dtype)
@@ -103,9 +118,9 @@ def plan_forward(
     out, lse = new_accumulators(q, None if merging else q.dtype)
     auxes = []
     run_forward(
-        q, k, v, key_padding_mask, plan.calls, backend, scale=scale, out=out, lse=lse,
-        auxes=auxes, dropout_p=dropout_p, merge=merge_rows if merging else None,
-        softcap=softcap,
+        q, k, v, key_padding_mask, plan.calls, kernel.backend, scale=kernel.scale, out=out,
+        lse=lse, auxes=auxes, dropout_p=kernel.dropout_p, merge=merge_rows if merging else None,
+        softcap=kernel.softcap,
     )  # fmt: skip
     return out.to(out_dtype or q.dtype), lse.squeeze(-1).transpose(1, 2).contiguous(), auxes
 
@@ -168,8 +183,26 @@ def plan_backward(
     Returns:
         ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``.
     """
-    dout = dout.contiguous()
     kernel = KernelArgs(backend, scale, dropout_p, softcap)
+    return _backward_plan(dout, q, k, v, out, lse, key_padding_mask, plan, kernel, auxes, extra)
+
+
+def _backward_plan(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    plan: Plan,
+    kernel: KernelArgs,
+    auxes: list[Any] | None,
+    extra: ExtraGradients | ExtraSlotGradients | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`plan_backward` with the plan's kernel arguments made (a :class:`PlanRunner` makes
+    them once)."""
+    dout = dout.contiguous()
     whole = (dout, q, k, v, out, lse, key_padding_mask, plan, kernel)
     if plan.whole and extra is None and not (plan.groups or plan.slots):  # dense attention
         return _typed_like(_whole_backward(*whole, None if auxes is None else auxes[0]), (q, k, v))
@@ -234,9 +267,15 @@ def _whole_backward(
 def _typed_like(grads: Sequence[torch.Tensor], inputs: Grads) -> Grads:
     """``grads`` (dq, dk, dv) in the dtypes of ``inputs`` (q, k, v), converting only those
     that differ (a no-op ``.to`` still costs host time on every call)."""
-    pairs = zip(grads, inputs, strict=True)
-    dq, dk, dv = (g if g.dtype == x.dtype else g.to(x.dtype) for g, x in pairs)
-    return dq, dk, dv
+    dq, dk, dv = grads
+    q, k, v = inputs
+    if dq.dtype == q.dtype and dk.dtype == k.dtype and dv.dtype == v.dtype:
+        return dq, dk, dv  # the dense path's case: nothing to convert
+    return _typed(dq, q.dtype), _typed(dk, k.dtype), _typed(dv, v.dtype)
+
+
+def _typed(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 _DROPOUT_MESSAGE = no_higher_order_message(
@@ -272,21 +311,22 @@ class PlanRunner:
             return _DROPOUT_MESSAGE.format(what=self.what)
         return _SCORES_MESSAGE.format(what=self.what)
 
+    @functools.cached_property
+    def kernel(self) -> KernelArgs:
+        """The kernel and the arguments every call passes it: made once per runner (a dense
+        request's runner is made once: Note [Resolved once per request] in ``resolver.py``)."""
+        return KernelArgs(self.backend, self.scale, self.dropout_p, self.softcap)
+
     def forward(self, x: Inputs) -> Forward:
         q, k, v, key_padding_mask = x
-        out, lse, auxes = plan_forward(
-            q, k, v, key_padding_mask, self.plan, self.backend, scale=self.scale,
-            dropout_p=self.dropout_p, softcap=self.softcap,
-        )  # fmt: skip
+        out, lse, auxes = _forward_plan(q, k, v, key_padding_mask, self.plan, self.kernel)
         return Forward(out, lse, saved=(k, v, key_padding_mask), state=auxes)
 
     def backward(self, b: Backward) -> Grads:
-        dout, q, out, lse, saved, state = b
-        k, v, key_padding_mask = saved
-        return plan_backward(
-            dout, q, k, v, out, lse, key_padding_mask, self.plan, self.backend, state,
-            scale=self.scale, dropout_p=self.dropout_p, softcap=self.softcap,
-        )  # fmt: skip
+        dout, q, out, lse, (k, v, key_padding_mask), state = b
+        return _backward_plan(
+            dout, q, k, v, out, lse, key_padding_mask, self.plan, self.kernel, state
+        )
 
     def differentiable_backward(self, b: Backward) -> Grads | None:
         dout, q, _, lse, saved, _ = b
