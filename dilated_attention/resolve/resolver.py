@@ -129,7 +129,7 @@ def resolve(request: Request) -> Strategy:
             f"{' on packed documents' if request.documents else ''}"
             f"{' over a sharded sequence' if request.shard else ''}"
         )
-    key = (request, _requested(request.backend), generation())
+    key = _resolved_key(request)
     strategy = _RESOLVED.get(key)
     if strategy is None:
         strategy = _resolve(request)
@@ -137,6 +137,11 @@ def resolve(request: Request) -> Strategy:
             del _RESOLVED[next(iter(_RESOLVED))]
         _RESOLVED[key] = strategy
     return strategy
+
+
+def _resolved_key(request: Request) -> tuple[object, ...]:
+    """What a strategy is kept under (Note [Resolved once per request])."""
+    return (request, _requested(request.backend), generation())
 
 
 def _resolve(request: Request) -> Strategy:
@@ -170,8 +175,15 @@ def execute(
     mask tensor (Note [The call's mask tensor]: a key padding mask (B, Nk) bool, a run-time
     block mask, or None), sinks (H,) or None, the decoding cache the request names (or None)
     -> ``(out, lse)``, out (B, Nq, H, D), lse (B, H, Nq). Keys a key padding mask hides are
-    zeroed first (Note [Hidden keys cannot poison rows]); ``Strategy.call``."""
-    return resolve(request).call(q, k, v, mask, sinks, cache)
+    zeroed first (Note [Hidden keys cannot poison rows]); ``Strategy.call``.
+
+    Never traced (``compiled.route`` sends traced calls to the custom operators, whose
+    implementations run eagerly), so a strategy already kept is taken here without
+    :func:`resolve`'s guard against tracing, whose frame switch costs host time per call."""
+    strategy = _RESOLVED.get(_resolved_key(request))
+    if strategy is None:
+        strategy = resolve(request)
+    return strategy.call(q, k, v, mask, sinks, cache)
 
 
 def _dense(request: Request) -> Strategy:
