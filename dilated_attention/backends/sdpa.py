@@ -7,6 +7,13 @@ memory-efficient kernel) and ``sdpa_cudnn`` (cuDNN's fused attention). The publi
 ``logsumexp`` as inputs: the hook for merged statistics. The ops take (B, H, N, D); our (B, N, H, D)
 rows go in as transposed views, with no copy.
 
+Note [Forward ops through torch's bindings]
+    The forward ops also have generated Python bindings (``torch._scaled_dot_product_*``): the
+    same dispatcher entry and kernel as ``torch.ops.aten``, whose Python-side packet call and
+    schema matching of the arguments cost about 2 us more per call on the host, on every dense
+    call. So the forwards call those bindings where torch has them (:func:`_binding`); the
+    backward ops have none and go through ``torch.ops.aten``.
+
 Note [NaN rows in the CPU flash kernel]
     ``_scaled_dot_product_flash_attention_for_cpu`` without a mask takes each row's maximum score
     over vectors of the CPU's SIMD width and finishes the remainder with a scalar maximum that
@@ -42,10 +49,8 @@ _HALF = frozenset({torch.float16, torch.bfloat16})
 
 
 def _binding(name: str) -> Callable[..., Any]:
-    """The forward op ``aten::<name>`` through its generated binding ``torch.<name>`` where torch
-    has one: the same kernel, without ``torch.ops``' Python dispatch and schema matching (about
-    2 us per call, on every dense call), else through ``torch.ops.aten`` when called (a torch
-    without the op says so in the backend's ``import_reasons``)."""
+    """The forward op ``aten::<name>`` through ``torch.<name>`` where torch has that binding,
+    else through ``torch.ops.aten`` when called (Note [Forward ops through torch's bindings])."""
     direct = getattr(torch, name, None)
     if direct is not None:
         return direct  # type: ignore[no-any-return]
