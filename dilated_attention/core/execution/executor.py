@@ -57,45 +57,28 @@ def plan_forward(
     v: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
     plan: Plan,
-    backend: KernelBackend,
+    kernel: KernelArgs,
     *,
-    scale: float,
-    dropout_p: float = 0.0,
     out_dtype: torch.dtype | None = None,
     extra: Callable[[], Sequence[SlotView]] | None = None,
-    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
     """Forward of a whole plan (Note [One executor]).
 
     Args:
         q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D), contiguous.
         key_padding_mask: (B, Nk) bool (``True`` = ignore) or None.
+        kernel: the kernel and what every call passes it: the scale, dropout, the soft-cap of
+            every call's scores (Note [Scores a kernel call transforms]); a
+            :class:`PlanRunner` makes it once.
         out_dtype: dtype of ``out`` (default ``q.dtype``; float32 keeps the merge unrounded for a
             caller that merges further, e.g. ring dilated attention).
         extra: more results the slots' merge reads (a plan in slots, forward not grouped):
             returns their slot views, called once after the plan's calls are queued.
-        softcap: every call's scores soft-capped (Note [Scores a kernel call transforms]).
 
     Returns:
         ``out`` (B, Nq, H, D), ``lse`` (B, H, Nq) float32 (float64 for float64 inputs; ``-inf``
         where no key is seen), and each call's backend ``aux`` for the backward.
     """
-    kernel = KernelArgs(backend, scale, dropout_p, softcap)
-    return _forward_plan(q, k, v, key_padding_mask, plan, kernel, out_dtype, extra)
-
-
-def _forward_plan(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    plan: Plan,
-    kernel: KernelArgs,
-    out_dtype: torch.dtype | None = None,
-    extra: Callable[[], Sequence[SlotView]] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
-    """:func:`plan_forward` with the plan's kernel arguments made (a :class:`PlanRunner` makes
-    them once)."""
     if plan.one_call and not plan.slots and not (plan.groups and plan.grouped_forward):
         return _one_call_forward(q, k, v, key_padding_mask, plan, kernel, out_dtype)
     acc = accumulator_dtype(q.dtype)
@@ -159,19 +142,17 @@ def plan_backward(
     lse: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
     plan: Plan,
-    backend: KernelBackend,
+    kernel: KernelArgs,
     auxes: list[Any] | None,
     *,
-    scale: float,
-    dropout_p: float = 0.0,
     extra: ExtraGradients | ExtraSlotGradients | None = None,
-    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact gradients of :func:`plan_forward`.
 
     Args:
         dout: (B, Nq, H, D) upstream gradient of ``out``.
         out: (B, Nq, H, D) merged output; ``lse``: (B, H, Nq) merged log-sum-exp.
+        kernel: as in :func:`plan_forward`.
         auxes: the forward's kernel ``aux`` values, or None where each of them is None (a kernel
             that keeps none: Note [Backward without the forward] in ``autograd.py``).
         extra: more gradients joined before the rounding: slots the sums read beside the
@@ -183,25 +164,6 @@ def plan_backward(
     Returns:
         ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``.
     """
-    kernel = KernelArgs(backend, scale, dropout_p, softcap)
-    return _backward_plan(dout, q, k, v, out, lse, key_padding_mask, plan, kernel, auxes, extra)
-
-
-def _backward_plan(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    plan: Plan,
-    kernel: KernelArgs,
-    auxes: list[Any] | None,
-    extra: ExtraGradients | ExtraSlotGradients | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`plan_backward` with the plan's kernel arguments made (a :class:`PlanRunner` makes
-    them once)."""
     dout = dout.contiguous()
     whole = (dout, q, k, v, out, lse, key_padding_mask, plan, kernel)
     if plan.whole and extra is None and not (plan.groups or plan.slots):  # dense attention
@@ -319,12 +281,12 @@ class PlanRunner:
 
     def forward(self, x: Inputs) -> Forward:
         q, k, v, key_padding_mask = x
-        out, lse, auxes = _forward_plan(q, k, v, key_padding_mask, self.plan, self.kernel)
+        out, lse, auxes = plan_forward(q, k, v, key_padding_mask, self.plan, self.kernel)
         return Forward(out, lse, saved=(k, v, key_padding_mask), state=auxes)
 
     def backward(self, b: Backward) -> Grads:
         dout, q, out, lse, (k, v, key_padding_mask), state = b
-        return _backward_plan(
+        return plan_backward(
             dout, q, k, v, out, lse, key_padding_mask, self.plan, self.kernel, state
         )
 
