@@ -237,6 +237,7 @@ def _typed_like(grads: Sequence[torch.Tensor], inputs: Grads) -> Grads:
 
 
 def _typed(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype``, converted only where it differs."""
     return x if x.dtype == dtype else x.to(dtype)
 
 
