@@ -321,26 +321,28 @@ class Backend:
         Returns:
             :class:`KernelOutput` with ``out`` (B, Nq, H, D) and ``lse`` (B, H, Nq).
         """
-        heads = q.shape[2]
-        scores = _score_options(softcap, window)
-        if min(q.shape[1], k.shape[1]) < self.min_rows:
+        heads, rows = q.shape[2], q.shape[1]
+        if rows < self.min_rows or k.shape[1] < self.min_rows:
             out, lse = reference_forward(
                 q, k, v, scale=scale, is_causal=is_causal, key_mask=key_mask,
-                dropout_p=dropout_p, **scores,
+                dropout_p=dropout_p, **_score_options(softcap, window),
             )  # fmt: skip
             return KernelOutput(out, lse)
-        kk, vv = (k, v) if self.native_gqa else (_expand_kv(k, heads), _expand_kv(v, heads))
+        expand = not self.native_gqa and heads != k.shape[2]
+        kk, vv = (_expand_kv(k, heads), _expand_kv(v, heads)) if expand else (k, v)
         res = self._forward(
             q, kk, vv, scale=scale, is_causal=is_causal, key_mask=key_mask, dropout_p=dropout_p,
-            **self._into(into), **scores,
+            **self._options(softcap, window, into),
         )  # fmt: skip
-        if self._rerun_exact(is_causal, key_mask, dropout_p, res.out, window=window):
+        hides = is_causal or key_mask is not None or window is not None
+        if hides and self._rerun_exact(dropout_p, res.out):
             out, lse = reference_forward(
-                q, k, v, scale=scale, is_causal=is_causal, key_mask=key_mask, **scores
-            )
+                q, k, v, scale=scale, is_causal=is_causal, key_mask=key_mask,
+                **_score_options(softcap, window),
+            )  # fmt: skip
             return KernelOutput(out, lse)
         if key_mask is not None and not self.empty_rows_have_neg_inf_lse:
-            empty = rows_without_keys(key_mask, heads, q.shape[1], is_causal, window)
+            empty = rows_without_keys(key_mask, heads, rows, is_causal, window)
             res.lse = res.lse.masked_fill(empty, float("-inf"))
         return res
 
@@ -372,46 +374,48 @@ class Backend:
             ``(dq, dk, dv)`` shaped like ``(q, k, v)``.
         """
         kv_heads = k.shape[2]
-        scores = _score_options(softcap, window)
-        if min(q.shape[1], k.shape[1]) < self.min_rows:
+        if q.shape[1] < self.min_rows or k.shape[1] < self.min_rows:
             return reference_backward(
                 dout, q, k, v, out, lse, scale=scale, is_causal=is_causal, key_mask=key_mask,
-                **scores,
+                **_score_options(softcap, window),
             )  # fmt: skip
         heads = q.shape[2]
-        kk, vv = (k, v) if self.native_gqa else (_expand_kv(k, heads), _expand_kv(v, heads))
+        expand = not self.native_gqa and heads != kv_heads
+        kk, vv = (_expand_kv(k, heads), _expand_kv(v, heads)) if expand else (k, v)
         dq, dk, dv = self._backward(
             dout, q, kk, vv, out, _finite_lse(lse), aux,
             scale=scale, is_causal=is_causal, key_mask=key_mask, dropout_p=dropout_p,
-            **self._into(into if kk.shape[2] == kv_heads else None), **scores,
+            **self._options(softcap, window, None if expand else into),
         )  # fmt: skip
-        dk, dv = _reduce_kv(dk, kv_heads), _reduce_kv(dv, kv_heads)
-        if self._rerun_exact(is_causal, key_mask, dropout_p, dq, dk, dv, window=window):
+        if expand:
+            dk, dv = _reduce_kv(dk, kv_heads), _reduce_kv(dv, kv_heads)
+        hides = is_causal or key_mask is not None or window is not None
+        if hides and self._rerun_exact(dropout_p, dq, dk, dv):
             return reference_backward(
                 dout, q, k, v, out, lse, scale=scale, is_causal=is_causal, key_mask=key_mask,
-                **scores,
+                **_score_options(softcap, window),
             )  # fmt: skip
         return dq, dk, dv
 
-    def _rerun_exact(
-        self,
-        is_causal: bool,
-        key_mask: torch.Tensor | None,
-        dropout_p: float,
-        *results: torch.Tensor,
-        window: Window | None = None,
-    ) -> bool:
-        """Whether a masked CPU call's ``results`` hold a NaN or inf that a hidden key may have
-        put there: it then reruns on the plain-PyTorch kernel's exact path (Note [Hidden keys
-        cannot poison rows] in core/hidden.py)."""
-        if self.exact_on_hidden_keys or dropout_p > 0:
+    def _rerun_exact(self, dropout_p: float, *results: torch.Tensor) -> bool:
+        """Whether the ``results`` of a call that hides keys from some rows (causality, a key
+        mask or a window) hold a NaN or inf that a hidden key may have put there: a CPU
+        call's then reruns on the plain-PyTorch kernel's exact path (Note [Hidden keys cannot
+        poison rows] in core/hidden.py). A backend that runs on CUDA only is never checked
+        (:func:`~dilated_attention.core.hidden.poisoned` reads CPU results only)."""
+        if self.exact_on_hidden_keys or dropout_p > 0 or "cpu" not in self.devices:
             return False
-        hides = is_causal or key_mask is not None or window is not None
-        return hides and poisoned(*results)
+        return poisoned(*results)
 
-    def _into(self, into: object) -> dict[str, object]:
-        """``into`` as a keyword of ``_forward`` / ``_backward``, for kernels that write there."""
-        return {"into": into} if into is not None and self.writes_into else _NO_OPTIONS
+    def _options(
+        self, softcap: float | None, window: Window | None, into: object
+    ) -> dict[str, object]:
+        """The keywords of ``_forward`` / ``_backward`` besides the call's own: ``softcap`` and
+        ``window`` where asked for (:func:`_score_options`), ``into`` for kernels that write
+        there; the shared empty dict for most calls."""
+        if into is not None and self.writes_into:
+            return {"into": into, **_score_options(softcap, window)}
+        return _score_options(softcap, window)
 
     def _forward(
         self,

@@ -7,6 +7,13 @@ memory-efficient kernel) and ``sdpa_cudnn`` (cuDNN's fused attention). The publi
 ``logsumexp`` as inputs: the hook for merged statistics. The ops take (B, H, N, D); our (B, N, H, D)
 rows go in as transposed views, with no copy.
 
+Note [Forward ops through torch's bindings]
+    The forward ops also have generated Python bindings (``torch._scaled_dot_product_*``): the
+    same dispatcher entry and kernel as ``torch.ops.aten``, whose Python-side packet call and
+    schema matching of the arguments cost about 2 us more per call on the host, on every dense
+    call. So the forwards call those bindings where torch has them (:func:`_binding`); the
+    backward ops have none and go through ``torch.ops.aten``.
+
 Note [NaN rows in the CPU flash kernel]
     ``_scaled_dot_product_flash_attention_for_cpu`` without a mask takes each row's maximum score
     over vectors of the CPU's SIMD width and finishes the remainder with a scalar maximum that
@@ -28,6 +35,7 @@ Note [NaN rows in the CPU flash kernel]
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +46,22 @@ from .base import Backend, KernelInputs, KernelOutput
 
 _aten = torch.ops.aten
 _HALF = frozenset({torch.float16, torch.bfloat16})
+
+
+def _binding(name: str) -> Callable[..., Any]:
+    """The forward op ``aten::<name>`` through ``torch.<name>`` where torch has that binding,
+    else through ``torch.ops.aten`` when called (Note [Forward ops through torch's bindings])."""
+    direct = getattr(torch, name, None)
+    if direct is not None:
+        return direct  # type: ignore[no-any-return]
+    return lambda *args, **kwargs: getattr(_aten, name)(*args, **kwargs)
+
+
+_CPU_FLASH = _binding("_scaled_dot_product_flash_attention_for_cpu")
+_FLASH = _binding("_scaled_dot_product_flash_attention")
+_EFFICIENT = _binding("_scaled_dot_product_efficient_attention")
+_CUDNN = _binding("_scaled_dot_product_cudnn_attention")
+
 #: Key counts probed for Note [NaN rows in the CPU flash kernel] (a vector of 64 float32 is
 #: 2048 bits, SVE's maximum).
 _NAN_PROBE_MAX_KEYS = 128
@@ -185,7 +209,7 @@ class CpuFlashBackend(Backend):
             )
             return KernelOutput(out, lse)
         bias = None if key_mask is None and route == "kernel" else self._bias(key_mask, q, k, route)
-        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+        out, lse = _CPU_FLASH(
             _bhnd(q), _bhnd(k), _bhnd(v), 0.0, is_causal, attn_mask=bias, scale=scale
         )
         return KernelOutput(_bhnd(out), lse)
@@ -211,12 +235,11 @@ class CpuFlashBackend(Backend):
                 dout, q, k, v, out, lse, scale=scale, is_causal=is_causal, key_mask=key_mask
             )
         bias = None if key_mask is None and route == "kernel" else self._bias(key_mask, q, k, route)
-        grads = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             _bhnd(dout), _bhnd(q), _bhnd(k), _bhnd(v), _bhnd(out), lse,
             0.0, is_causal, attn_mask=bias, scale=scale,
         )  # fmt: skip
-        dq, dk, dv = (_bhnd(g) for g in grads)
-        return dq, dk, dv
+        return _bhnd(dq), _bhnd(dk), _bhnd(dv)
 
 
 class _CudaSdpaBackend(Backend):
@@ -257,9 +280,7 @@ class SdpaFlashBackend(_CudaSdpaBackend):
         key_mask: torch.Tensor | None,
         dropout_p: float,
     ) -> KernelOutput:
-        res = _aten._scaled_dot_product_flash_attention(
-            _bhnd(q), _bhnd(k), _bhnd(v), dropout_p, is_causal, False, scale=scale
-        )
+        res = _FLASH(_bhnd(q), _bhnd(k), _bhnd(v), dropout_p, is_causal, False, scale=scale)
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = res
         return KernelOutput(_bhnd(out), lse, (cum_q, cum_k, max_q, max_k, seed, offset))
 
@@ -279,12 +300,11 @@ class SdpaFlashBackend(_CudaSdpaBackend):
         dropout_p: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cum_q, cum_k, max_q, max_k, seed, offset = aux
-        grads = _aten._scaled_dot_product_flash_attention_backward(
+        dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
             _bhnd(dout), _bhnd(q), _bhnd(k), _bhnd(v), _bhnd(out), lse.contiguous(),
             cum_q, cum_k, max_q, max_k, dropout_p, is_causal, seed, offset, scale=scale,
         )  # fmt: skip
-        dq, dk, dv = (_bhnd(g) for g in grads)
-        return dq, dk, dv
+        return _bhnd(dq), _bhnd(dk), _bhnd(dv)
 
 
 class SdpaEfficientBackend(_CudaSdpaBackend):
@@ -326,7 +346,7 @@ class SdpaEfficientBackend(_CudaSdpaBackend):
         dropout_p: float,
     ) -> KernelOutput:
         bias = _additive_bias(key_mask, q.shape[2], q.shape[1], q.dtype, 16)
-        out, lse, seed, offset = _aten._scaled_dot_product_efficient_attention(
+        out, lse, seed, offset = _EFFICIENT(
             _bhnd(q), _bhnd(k), _bhnd(v), bias, True, dropout_p, is_causal, scale=scale
         )
         return KernelOutput(_bhnd(out), lse[..., : q.shape[1]], (seed, offset))
@@ -391,9 +411,7 @@ class SdpaCudnnBackend(_CudaSdpaBackend):
         key_mask: torch.Tensor | None,
         dropout_p: float,
     ) -> KernelOutput:
-        res = _aten._scaled_dot_product_cudnn_attention(
-            _bhnd(q), _bhnd(k), _bhnd(v), None, True, 0.0, is_causal, False, scale=scale
-        )
+        res = _CUDNN(_bhnd(q), _bhnd(k), _bhnd(v), None, True, 0.0, is_causal, False, scale=scale)
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = res
         if lse.dim() == 4:
             lse = lse.squeeze(-1)
@@ -420,9 +438,8 @@ class SdpaCudnnBackend(_CudaSdpaBackend):
         if dout_t.stride() != out_t.stride():
             # cuDNN's backward wants dout laid out like out; empty_like keeps out's strides.
             dout_t = torch.empty_like(out_t).copy_(dout_t)
-        grads = _aten._scaled_dot_product_cudnn_attention_backward(
+        dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(
             dout_t, _bhnd(q), _bhnd(k), _bhnd(v), out_t, lse.unsqueeze(-1).contiguous(),
             seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, is_causal, scale=scale,
         )  # fmt: skip
-        dq, dk, dv = (_bhnd(g) for g in grads)
-        return dq, dk, dv
+        return _bhnd(dq), _bhnd(dk), _bhnd(dv)

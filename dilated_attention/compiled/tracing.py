@@ -16,13 +16,21 @@ import torch
 
 __all__ = ["eager_calls", "eager_only", "is_traced", "reject_traced", "wrapped"]
 
-_LOCAL = threading.local()
+
+class _Local(threading.local):
+    """This thread's state: inside an operator's implementation (:func:`eager_calls`)."""
+
+    #: Read on every public call: a class default, so reading it never misses an attribute.
+    eager = False
+
+
+_LOCAL = _Local()
 
 
 @contextlib.contextmanager
 def eager_calls() -> Iterator[None]:
     """Inside an operator's implementation: the public functions run eagerly (no re-routing)."""
-    previous = getattr(_LOCAL, "eager", False)
+    previous = _LOCAL.eager
     _LOCAL.eager = True
     try:
         yield
@@ -33,7 +41,10 @@ def eager_calls() -> Iterator[None]:
 def wrapped(tensors: Sequence[torch.Tensor | None]) -> bool:
     """Whether a torch.func transform wraps one of ``tensors``."""
     is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    return any(t is not None and is_wrapped(t) for t in tensors)
+    for t in tensors:  # noqa: SIM110 (a loop, not any() over a generator: every call asks)
+        if t is not None and is_wrapped(t):
+            return True
+    return False
 
 
 def is_traced(*tensors: torch.Tensor | None) -> bool:
@@ -48,7 +59,7 @@ def is_traced(*tensors: torch.Tensor | None) -> bool:
     """
     if torch.compiler.is_compiling():
         return True
-    if getattr(_LOCAL, "eager", False):
+    if _LOCAL.eager:
         return False
     if torch.jit.is_tracing():
         raise RuntimeError(

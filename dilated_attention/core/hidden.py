@@ -74,7 +74,7 @@ def poisoned(*results: torch.Tensor) -> bool:
     reads results, not inputs: one pass of ``aminmax`` each, no allocation. CUDA results are
     never checked (a host synchronization per call)."""
     for x in results:
-        if x.device.type != "cpu" or x.numel() == 0:
+        if not x.is_cpu or x.numel() == 0:
             continue
         low, high = torch.aminmax(x.detach())
         if not (math.isfinite(float(low)) and math.isfinite(float(high))):

@@ -273,17 +273,20 @@ class CheckedCalls:
         if torch.compiler.is_compiling():
             return None
         key: list[object] = [torch.is_grad_enabled(), generation()]
+        append = key.append  # every call of the public function builds this key
         for x in tensors:
             if x is None:
-                key.append(None)
+                append(None)
             elif isinstance(x, torch.Tensor):
-                key += (type(x), x.shape, x.dtype, x.device, x.requires_grad)
+                append((type(x), x.shape, x.dtype, x.device, x.requires_grad))
             else:
                 return None
         for value in options:
-            key += (type(value), value)
-            if type(value) is tuple:
-                key.append(tuple(type(item) for item in value))
+            kind = type(value)
+            append(kind)
+            append(value)
+            if kind is tuple:
+                append(tuple(map(type, value)))
         return tuple(key)
 
     def get(self, signature: tuple[object, ...] | None) -> Request | None:

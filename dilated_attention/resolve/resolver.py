@@ -112,7 +112,12 @@ def resolve(request: Request) -> Strategy:
         one dictionary lookup: at short lengths the choice alone (the registry walking the
         priority list, asking every kernel for its reasons) cost more host time than the
         kernels' launches. :func:`clear_resolved` forgets them (tests that change a kernel's
-        reasons mid-process).
+        reasons mid-process). The eager route (:func:`execute`) looks a kept strategy up
+        itself, under the same key, and calls this function only when there is none:
+        ``resolve`` runs outside any trace (``torch.compiler.disable``), and switching frames
+        for that on every call cost host time though ``execute`` is never traced (a strategy
+        is kept only once resolved, so a request that fails this function's checks is never
+        found there).
 
     Raises:
         ValueError: ``request.operation`` is unknown; a kernel asked for by name cannot run the
@@ -129,7 +134,7 @@ def resolve(request: Request) -> Strategy:
             f"{' on packed documents' if request.documents else ''}"
             f"{' over a sharded sequence' if request.shard else ''}"
         )
-    key = (request, _requested(request.backend), generation())
+    key = _resolved_key(request)
     strategy = _RESOLVED.get(key)
     if strategy is None:
         strategy = _resolve(request)
@@ -137,6 +142,11 @@ def resolve(request: Request) -> Strategy:
             del _RESOLVED[next(iter(_RESOLVED))]
         _RESOLVED[key] = strategy
     return strategy
+
+
+def _resolved_key(request: Request) -> tuple[object, ...]:
+    """What a strategy is kept under (Note [Resolved once per request])."""
+    return (request, _requested(request.backend), generation())
 
 
 def _resolve(request: Request) -> Strategy:
@@ -170,8 +180,14 @@ def execute(
     mask tensor (Note [The call's mask tensor]: a key padding mask (B, Nk) bool, a run-time
     block mask, or None), sinks (H,) or None, the decoding cache the request names (or None)
     -> ``(out, lse)``, out (B, Nq, H, D), lse (B, H, Nq). Keys a key padding mask hides are
-    zeroed first (Note [Hidden keys cannot poison rows]); ``Strategy.call``."""
-    return resolve(request).call(q, k, v, mask, sinks, cache)
+    zeroed first (Note [Hidden keys cannot poison rows]); ``Strategy.call``. A strategy
+    already kept is taken without :func:`resolve` (Note [Resolved once per request]): this runs
+    eagerly only, ``compiled.route`` sending traced calls to the custom operators, whose
+    implementations run eagerly."""
+    strategy = _RESOLVED.get(_resolved_key(request))
+    if strategy is None:
+        strategy = resolve(request)
+    return strategy.call(q, k, v, mask, sinks, cache)
 
 
 def _dense(request: Request) -> Strategy:

@@ -124,7 +124,8 @@ class Strategy:
         cache beside the tensors, which the strategies of cache calls take
         (``resolve/caches.py``); None here."""
         assert cache is None, "a request without a cache resolves to a strategy without one"
-        k, v = hide_masked_keys(k, v, self.request.key_padding_mask(mask))
+        if mask is not None:
+            k, v = hide_masked_keys(k, v, self.request.key_padding_mask(mask))
         return self.run(q, k, v, mask, sinks)
 
     def _run(

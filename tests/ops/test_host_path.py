@@ -17,6 +17,7 @@ from support.tolerances import assert_close_to_oracle
 
 import dilated_attention as da
 from dilated_attention.resolve import Request, resolve
+from dilated_attention.resolve.resolver import clear_resolved
 
 B, N, H, HKV, D = 2, 9, 4, 2, 8
 
@@ -111,3 +112,92 @@ def test_a_kept_call_matches_the_oracle(
         assert_close_to_oracle(out.detach(), want.detach(), name="out", dtype=dtype)
         for name, g, w in zip(("dq", "dk", "dv"), grads, want_grads, strict=True):
             assert_close_to_oracle(g, w, name=name, dtype=dtype, grad=True)
+
+
+def _fresh(call: Any) -> Any:
+    """``call()`` with nothing kept: every check, request and strategy made anew."""
+    clear_resolved()
+    return call()
+
+
+def test_a_kept_strategy_follows_the_kernel_asked_for(
+    kernel_calls: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The eager route takes a kept strategy by the request and the kernel asked for from
+    outside the call (``use_backend``, the environment): a call of a kept request under another
+    kernel runs that kernel, and the automatic choice again after it."""
+    q, k, v = _qkv()
+    want = da.attention(q, k, v, is_causal=True)
+    assert kernel_calls == ["cpu_flash"]
+    with da.use_backend("math"):
+        by_name = da.attention(q, k, v, is_causal=True)
+    monkeypatch.setenv("DILATED_ATTENTION_BACKEND", "math")
+    by_env = da.attention(q, k, v, is_causal=True)
+    monkeypatch.delenv("DILATED_ATTENTION_BACKEND")
+    again = da.attention(q, k, v, is_causal=True)
+    assert kernel_calls == ["cpu_flash", "math", "math", "cpu_flash"]
+    torch.testing.assert_close(by_name, want)
+    torch.testing.assert_close(by_env, want)
+    assert torch.equal(again, want)
+    monkeypatch.setenv("DILATED_ATTENTION_BACKEND", "no_such_kernel")
+    with pytest.raises(ValueError, match="names no backend"):
+        da.attention(q, k, v, is_causal=True)
+
+
+#: Calls that differ from a kept one only in what the kept checks, request and strategy must
+#: not mix up: strides, dtype, whether the inputs require gradients, grad mode.
+VARIANTS: dict[str, Any] = {
+    "strided": lambda q, k, v: [x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v)],
+    "float64": lambda q, k, v: [x.double() for x in (q, k, v)],
+    "no grad inputs": lambda q, k, v: [x.detach() for x in (q, k, v)],
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_a_call_after_a_kept_one_matches_a_fresh_call(variant: str, is_causal: bool) -> None:
+    """After a call whose checks, request, strategy and runner were kept, a call that differs
+    in strides, dtype or gradient needs gives bit for bit what the same call gives with nothing
+    kept: its output and, where it has them, its gradients."""
+    q, k, v = (x.requires_grad_() for x in _qkv())
+    dout = torch.randn(B, N, H, D, generator=torch.Generator().manual_seed(3))
+
+    def run() -> list[torch.Tensor]:
+        x = [t.detach().requires_grad_(t.requires_grad) for t in VARIANTS[variant](q, k, v)]
+        out = da.attention(*x, is_causal=is_causal)
+        if not out.requires_grad:
+            return [out]
+        return [out, *torch.autograd.grad(out, x, dout.to(out.dtype))]
+
+    # The kept call: contiguous float32 inputs that require gradients, differentiated.
+    da.attention(q, k, v, is_causal=is_causal).sum().backward()
+    kept = run()
+    fresh = _fresh(run)
+    assert len(kept) == len(fresh)
+    for got, want in zip(kept, fresh, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_a_bad_call_after_a_kept_one_still_raises() -> None:
+    """A call that fails a check raises its error before any work, though a good call of the
+    same function was kept, and the good call runs again after it."""
+    q, k, v = _qkv()
+    want = da.attention(q, k, v)
+    with pytest.raises(ValueError, match="must be a multiple of key/value heads"):
+        da.attention(q, k[:, :, :1].expand(B, N, 3, D), v[:, :, :1].expand(B, N, 3, D))
+    with pytest.raises(ValueError, match="must have the same shape"):
+        da.attention(q, k[:, :-1], v)
+    with pytest.raises(TypeError, match="is_causal"):
+        da.attention(q, k, v, is_causal="yes")  # type: ignore[arg-type]
+    assert torch.equal(da.attention(q, k, v), want)
+
+
+def test_a_runner_makes_its_kernel_arguments_once() -> None:
+    """A plan runner's kernel arguments (kernel, scale, dropout, soft-cap) are made once and
+    are the request's."""
+    q, k, v = _qkv()
+    strategy = resolve(Request.of("dense", q, k, v, scale=0.25, softcap=3.0))
+    runner, _ = strategy.prepare(q, k, v, None)  # type: ignore[misc]
+    assert runner.kernel is runner.kernel
+    assert (runner.kernel.scale, runner.kernel.softcap) == (0.25, 3.0)
+    assert runner.kernel.backend is strategy.kernel.backend  # type: ignore[union-attr]

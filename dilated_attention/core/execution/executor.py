@@ -57,30 +57,28 @@ def plan_forward(
     v: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
     plan: Plan,
-    backend: KernelBackend,
+    kernel: KernelArgs,
     *,
-    scale: float,
-    dropout_p: float = 0.0,
     out_dtype: torch.dtype | None = None,
     extra: Callable[[], Sequence[SlotView]] | None = None,
-    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
     """Forward of a whole plan (Note [One executor]).
 
     Args:
         q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D), contiguous.
         key_padding_mask: (B, Nk) bool (``True`` = ignore) or None.
+        kernel: the kernel and what every call passes it: the scale, dropout, the soft-cap of
+            every call's scores (Note [Scores a kernel call transforms]); a
+            :class:`PlanRunner` makes it once.
         out_dtype: dtype of ``out`` (default ``q.dtype``; float32 keeps the merge unrounded for a
             caller that merges further, e.g. ring dilated attention).
         extra: more results the slots' merge reads (a plan in slots, forward not grouped):
             returns their slot views, called once after the plan's calls are queued.
-        softcap: every call's scores soft-capped (Note [Scores a kernel call transforms]).
 
     Returns:
         ``out`` (B, Nq, H, D), ``lse`` (B, H, Nq) float32 (float64 for float64 inputs; ``-inf``
         where no key is seen), and each call's backend ``aux`` for the backward.
     """
-    kernel = KernelArgs(backend, scale, dropout_p, softcap)
     if plan.one_call and not plan.slots and not (plan.groups and plan.grouped_forward):
         return _one_call_forward(q, k, v, key_padding_mask, plan, kernel, out_dtype)
     acc = accumulator_dtype(q.dtype)
@@ -103,9 +101,9 @@ def plan_forward(
     out, lse = new_accumulators(q, None if merging else q.dtype)
     auxes = []
     run_forward(
-        q, k, v, key_padding_mask, plan.calls, backend, scale=scale, out=out, lse=lse,
-        auxes=auxes, dropout_p=dropout_p, merge=merge_rows if merging else None,
-        softcap=softcap,
+        q, k, v, key_padding_mask, plan.calls, kernel.backend, scale=kernel.scale, out=out,
+        lse=lse, auxes=auxes, dropout_p=kernel.dropout_p, merge=merge_rows if merging else None,
+        softcap=kernel.softcap,
     )  # fmt: skip
     return out.to(out_dtype or q.dtype), lse.squeeze(-1).transpose(1, 2).contiguous(), auxes
 
@@ -144,19 +142,17 @@ def plan_backward(
     lse: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
     plan: Plan,
-    backend: KernelBackend,
+    kernel: KernelArgs,
     auxes: list[Any] | None,
     *,
-    scale: float,
-    dropout_p: float = 0.0,
     extra: ExtraGradients | ExtraSlotGradients | None = None,
-    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact gradients of :func:`plan_forward`.
 
     Args:
         dout: (B, Nq, H, D) upstream gradient of ``out``.
         out: (B, Nq, H, D) merged output; ``lse``: (B, H, Nq) merged log-sum-exp.
+        kernel: as in :func:`plan_forward`.
         auxes: the forward's kernel ``aux`` values, or None where each of them is None (a kernel
             that keeps none: Note [Backward without the forward] in ``autograd.py``).
         extra: more gradients joined before the rounding: slots the sums read beside the
@@ -169,7 +165,6 @@ def plan_backward(
         ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``.
     """
     dout = dout.contiguous()
-    kernel = KernelArgs(backend, scale, dropout_p, softcap)
     whole = (dout, q, k, v, out, lse, key_padding_mask, plan, kernel)
     if plan.whole and extra is None and not (plan.groups or plan.slots):  # dense attention
         return _typed_like(_whole_backward(*whole, None if auxes is None else auxes[0]), (q, k, v))
@@ -234,9 +229,16 @@ def _whole_backward(
 def _typed_like(grads: Sequence[torch.Tensor], inputs: Grads) -> Grads:
     """``grads`` (dq, dk, dv) in the dtypes of ``inputs`` (q, k, v), converting only those
     that differ (a no-op ``.to`` still costs host time on every call)."""
-    pairs = zip(grads, inputs, strict=True)
-    dq, dk, dv = (g if g.dtype == x.dtype else g.to(x.dtype) for g, x in pairs)
-    return dq, dk, dv
+    dq, dk, dv = grads
+    q, k, v = inputs
+    if dq.dtype == q.dtype and dk.dtype == k.dtype and dv.dtype == v.dtype:
+        return dq, dk, dv  # the dense path's case: nothing to convert
+    return _typed(dq, q.dtype), _typed(dk, k.dtype), _typed(dv, v.dtype)
+
+
+def _typed(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype``, converted only where it differs."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 _DROPOUT_MESSAGE = no_higher_order_message(
@@ -272,21 +274,22 @@ class PlanRunner:
             return _DROPOUT_MESSAGE.format(what=self.what)
         return _SCORES_MESSAGE.format(what=self.what)
 
+    @functools.cached_property
+    def kernel(self) -> KernelArgs:
+        """The kernel and the arguments every call passes it: made once per runner (a dense
+        request's runner is made once: Note [Resolved once per request] in ``resolver.py``)."""
+        return KernelArgs(self.backend, self.scale, self.dropout_p, self.softcap)
+
     def forward(self, x: Inputs) -> Forward:
         q, k, v, key_padding_mask = x
-        out, lse, auxes = plan_forward(
-            q, k, v, key_padding_mask, self.plan, self.backend, scale=self.scale,
-            dropout_p=self.dropout_p, softcap=self.softcap,
-        )  # fmt: skip
+        out, lse, auxes = plan_forward(q, k, v, key_padding_mask, self.plan, self.kernel)
         return Forward(out, lse, saved=(k, v, key_padding_mask), state=auxes)
 
     def backward(self, b: Backward) -> Grads:
-        dout, q, out, lse, saved, state = b
-        k, v, key_padding_mask = saved
+        dout, q, out, lse, (k, v, key_padding_mask), state = b
         return plan_backward(
-            dout, q, k, v, out, lse, key_padding_mask, self.plan, self.backend, state,
-            scale=self.scale, dropout_p=self.dropout_p, softcap=self.softcap,
-        )  # fmt: skip
+            dout, q, k, v, out, lse, key_padding_mask, self.plan, self.kernel, state
+        )
 
     def differentiable_backward(self, b: Backward) -> Grads | None:
         dout, q, _, lse, saved, _ = b

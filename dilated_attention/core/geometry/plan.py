@@ -3,6 +3,7 @@ executor] in ``executor.py``)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from .calls import Call, WholeCall
@@ -47,11 +48,12 @@ class Plan:
     slots: tuple[Slot, ...] = ()
     spanning: tuple[Call, ...] = ()
 
-    @property
+    # Read on every run of the plan (a dense request's plan is made once): derived once.
+    @functools.cached_property
     def whole(self) -> bool:
         return len(self.calls) == 1 and isinstance(self.calls[0], WholeCall)
 
-    @property
+    @functools.cached_property
     def one_call(self) -> bool:
         return len(self.calls) == 1 and getattr(self.calls[0], "reads_all_queries", False)
 

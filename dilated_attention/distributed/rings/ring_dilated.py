@@ -67,6 +67,7 @@ from ...core.autograd import (
 from ...core.execution.call_runs import accumulator_dtype, row_lse
 from ...core.execution.executor import plan_backward, plan_forward
 from ...core.execution.fused import fused_backward, fused_forward
+from ...core.geometry.calls import KernelArgs
 from ...core.geometry.cells import add_cells, merge_cells
 from ...core.geometry.grouped import grouped_plan
 from ...core.geometry.schedule import Schedule
@@ -216,6 +217,11 @@ class RingDilatedRunner(FirstOrderOnly):
         return StepKernel(self.kernel.backend, self.setup.scale, merge_compact, self.softcap)
 
     @property
+    def _local_kernel(self) -> KernelArgs:
+        """The executor's kernel arguments for the local branches' plan."""
+        return KernelArgs(self.kernel.backend, self.setup.scale, softcap=self.softcap)
+
+    @property
     def _fused(self) -> bool:
         """The plan kernel runs the local branches (soft-capped too: Note [Soft-capped scores
         in the kernels] in ``backends/triton_kernels/device.py``)."""
@@ -284,9 +290,8 @@ class RingDilatedRunner(FirstOrderOnly):
                 if merge is not None:
                     in_slots = _spanning_results(plan, local, q, spans)
                 out, lse, auxes = plan_forward(
-                    q, k, v, key_padding_mask, local, backend, scale=setup.scale,
+                    q, k, v, key_padding_mask, local, self._local_kernel,
                     out_dtype=acc if merge and not in_slots else None, extra=in_slots,
-                    softcap=self.softcap,
                 )  # fmt: skip
             else:
                 out = torch.zeros(batch, n, heads, dim, dtype=acc, device=q.device)
@@ -338,8 +343,8 @@ class RingDilatedRunner(FirstOrderOnly):
                     _by_rows, add, heads
                 )
             return plan_backward(
-                b.dout, q, k, v, out, lse, key_padding_mask, local, backend, auxes,
-                scale=setup.scale, extra=extra, softcap=self.softcap,
+                b.dout, q, k, v, out, lse, key_padding_mask, local, self._local_kernel, auxes,
+                extra=extra,
             )  # fmt: skip
         dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
         if add is not None:
