@@ -334,8 +334,7 @@ class Backend:
             q, kk, vv, scale=scale, is_causal=is_causal, key_mask=key_mask, dropout_p=dropout_p,
             **self._options(softcap, window, into),
         )  # fmt: skip
-        hides = is_causal or key_mask is not None or window is not None
-        if hides and self._rerun_exact(dropout_p, res.out):
+        if self._rerun_exact(is_causal, key_mask, window, dropout_p, res.out):
             out, lse = reference_forward(
                 q, k, v, scale=scale, is_causal=is_causal, key_mask=key_mask,
                 **_score_options(softcap, window),
@@ -389,15 +388,21 @@ class Backend:
         )  # fmt: skip
         if expand:
             dk, dv = _reduce_kv(dk, kv_heads), _reduce_kv(dv, kv_heads)
-        hides = is_causal or key_mask is not None or window is not None
-        if hides and self._rerun_exact(dropout_p, dq, dk, dv):
+        if self._rerun_exact(is_causal, key_mask, window, dropout_p, dq, dk, dv):
             return reference_backward(
                 dout, q, k, v, out, lse, scale=scale, is_causal=is_causal, key_mask=key_mask,
                 **_score_options(softcap, window),
             )  # fmt: skip
         return dq, dk, dv
 
-    def _rerun_exact(self, dropout_p: float, *results: torch.Tensor) -> bool:
+    def _rerun_exact(
+        self,
+        is_causal: bool,
+        key_mask: torch.Tensor | None,
+        window: Window | None,
+        dropout_p: float,
+        *results: torch.Tensor,
+    ) -> bool:
         """Whether the ``results`` of a call that hides keys from some rows (causality, a key
         mask or a window) hold a NaN or inf that a hidden key may have put there: a CPU
         call's then reruns on the plain-PyTorch kernel's exact path (Note [Hidden keys cannot
@@ -405,7 +410,8 @@ class Backend:
         (:func:`~dilated_attention.core.hidden.poisoned` reads CPU results only)."""
         if self.exact_on_hidden_keys or dropout_p > 0 or "cpu" not in self.devices:
             return False
-        return poisoned(*results)
+        hides = is_causal or key_mask is not None or window is not None
+        return hides and poisoned(*results)
 
     def _options(
         self, softcap: float | None, window: Window | None, into: object
