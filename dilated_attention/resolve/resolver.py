@@ -329,9 +329,9 @@ def _packed(
     what: str,
 ) -> Strategy:
     """Packed documents (Note [Packed documents]): our fused kernels over every document's
-    segments at once (Note [Packed documents in the fused engine] in ``core/execution/fused.py``),
-    or every document's row groups, where it starts, as the executor's plan on the operation's
-    kernel."""
+    segments at once (Note [Packed documents in the fused engine] in
+    ``core/execution/packed_spans.py``), or every document's row groups, where it starts, as the
+    executor's plan on the operation's kernel."""
     documents = request.documents
     assert documents is not None
     inputs = _kernel_inputs(request)

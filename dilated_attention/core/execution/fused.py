@@ -63,10 +63,7 @@ group, Nq a chunk's queries.
 
 from __future__ import annotations
 
-import bisect
 import functools
-import itertools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -77,6 +74,7 @@ from ..contract import BranchSpan, FusedBackend
 from ..geometry.documents import document_groups
 from ..geometry.segment import group_calls, plan_branches
 from ..higher_order import differentiable_grads, no_higher_order_message
+from .packed_spans import Spans, group_size, packed_spans
 
 #: A group holds at least this many positions (enough programs per launch to fill a GPU) ...
 MIN_GROUP_POSITIONS = 32768
@@ -115,27 +113,10 @@ def position_groups(
     sets the smallest group; tests lower it.
     """
     floor = MIN_GROUP_POSITIONS if min_positions is None else min_positions
-    size = _group_size(seq_len, segment_lengths, floor, GROUPS_PER_SEQUENCE)
+    size = group_size(seq_len, segment_lengths, floor, GROUPS_PER_SEQUENCE)
     if size >= seq_len:
         return [(0, seq_len)]
     return [(start, min(start + size, seq_len)) for start in range(0, seq_len, size)]
-
-
-def _group_size(
-    seq_len: int, segment_lengths: tuple[int, ...], floor: int, groups_per_sequence: int
-) -> int:
-    """Positions per group of :func:`position_groups` (``seq_len``: one group)."""
-    lcm = 1
-    for seg in segment_lengths:
-        lcm = math.lcm(lcm, min(seg, seq_len))
-        if lcm >= seq_len:
-            return seq_len
-    wanted = max(floor, -(-seq_len // groups_per_sequence))
-    return -(-wanted // lcm) * lcm
-
-
-#: One position group and every branch's span over it, in the order of the branches.
-Spans = tuple[int, int, tuple[BranchSpan, ...]]
 
 
 @dataclass(frozen=True)
@@ -163,9 +144,9 @@ def _spans(
 ) -> list[Spans]:
     """The position groups of a call and each branch's span over them: equal segments from
     each group's start; for packed documents the segments of each document's own (Note
-    [Packed documents in the fused engine]); for a chunk one group of its queries, each
-    branch from the start of the first query's segment (Note [A chunk in one fused
-    forward])."""
+    [Packed documents in the fused engine] in ``packed_spans.py``); for a chunk one group of
+    its queries, each branch from the start of the first query's segment (Note [A chunk in
+    one fused forward])."""
     if chunk is not None:
         spans = (BranchSpan(chunk.segment_start(w), seq_len, w, r) for w, r in branches)
         return [(chunk.first, seq_len, tuple(spans))]
@@ -173,7 +154,7 @@ def _spans(
         limits = (MIN_GROUP_POSITIONS, GROUPS_PER_SEQUENCE)  # the cache sees changed limits
         return _sequence_spans(seq_len, branches, min_positions, limits)
     floor = MIN_GROUP_POSITIONS if min_positions is None else min_positions
-    return _packed_spans(documents, branches, floor, GROUPS_PER_SEQUENCE, device)
+    return packed_spans(documents, branches, floor, GROUPS_PER_SEQUENCE, device)
 
 
 @functools.lru_cache(maxsize=256)  # every call of a shape asks again
@@ -190,69 +171,6 @@ def _sequence_spans(
         (start, end, tuple(BranchSpan(start, end, min(w, seq_len), r) for w, r in branches))
         for start, end in position_groups(seq_len, segs, min_positions)
     ]
-
-
-@functools.lru_cache(maxsize=32)
-def _packed_spans(
-    documents: tuple[int, ...],
-    branches: tuple[tuple[int, int], ...],
-    floor: int,
-    groups_per_sequence: int,
-    device: torch.device,
-) -> list[Spans]:
-    """Note [Packed documents in the fused engine]
-        Packed documents (Note [Packed documents] in ``documents.py``) run on the fused kernels
-        with each branch's segments read from a table (Note [Segments from a table] in
-        ``backends/triton_kernels/device.py``). The position groups are each document's own
-        (:func:`position_groups` of its length), consecutive ones joined while the joined group
-        stays within the size of the groups of one sequence of the batch's length (the whole
-        row where that sequence's segments allow no cut, the heads then split to bound the
-        scratch as for that sequence); so no segment of any branch crosses a group, and a
-        group of many documents is one launch per branch. A branch's table in a group lists,
-        document by document, the starts of its segments (``min(w, length)`` apart from the
-        document's first token) and then the group's end.
-        The tables of a call are one int32 tensor on the device (cached: every layer of a packed
-        batch asks again).
-
-    Returns:
-        ``(start, end, spans)`` per position group.
-    """
-    total = documents[-1]
-    if total >= 2**31:
-        raise ValueError(
-            f"packed documents of {total} positions in all: the fused kernels index them in 32 "
-            "bits; pass fewer than 2**31 positions per call"
-        )
-    segs = tuple(w for w, _ in branches)
-    size = _group_size(total, segs, floor, groups_per_sequence)
-    groups: list[tuple[int, int]] = []
-    for a, b in itertools.pairwise(documents):
-        for start, end in position_groups(b - a, segs, floor):
-            if groups and end + a - groups[-1][0] <= size:
-                groups[-1] = (groups[-1][0], end + a)
-            else:
-                groups.append((start + a, end + a))
-    tables: list[list[int]] = []
-    for start, end in groups:
-        first = bisect.bisect_right(documents, start) - 1
-        for w, _ in branches:
-            table = []
-            for a, b in itertools.pairwise(documents[first:]):
-                if a >= end:
-                    break
-                table.extend(range(max(a, start), min(b, end), min(w, b - a)))
-            tables.append([*table, end])
-    flat = torch.tensor(list(itertools.chain.from_iterable(tables)), dtype=torch.int32,
-                        device=device).split([len(t) for t in tables])  # fmt: skip
-    spans: list[Spans] = []
-    for i, (start, end) in enumerate(groups):
-        row = []
-        for j, (_, r) in enumerate(branches):
-            table = tables[i * len(branches) + j]
-            longest = max(b - a for a, b in itertools.pairwise(table))
-            row.append(BranchSpan(start, end, longest, r, flat[i * len(branches) + j]))
-        spans.append((start, end, tuple(row)))
-    return spans
 
 
 def scratch_fraction(kv_group: int, backward: bool) -> float:
