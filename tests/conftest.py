@@ -61,6 +61,7 @@ import torch  # noqa: E402
 from support import required_backends  # noqa: E402
 
 from dilated_attention.backends import Backend, get_backend  # noqa: E402
+from dilated_attention.core.execution import graphs  # noqa: E402
 from dilated_attention.resolve.resolver import clear_resolved  # noqa: E402
 
 #: pytester runs the ``--require-backends`` tests' inner sessions (tests/backends).
@@ -168,11 +169,13 @@ def _fresh_choices() -> None:
     """Every test resolves its calls anew: tests change kernels' reasons, priorities and
     probes (monkeypatch), which a strategy kept from an earlier test would not see (Note
     [Resolved once per request] in ``resolve/resolver.py``), and no launch bound by an
-    earlier test is replayed (tests change kernel settings between calls)."""
+    earlier test is replayed, bound or from a CUDA graph (tests change kernel settings between
+    calls)."""
     clear_resolved()
     bound = sys.modules.get("dilated_attention.backends.triton_kernels.launch")
     if bound is not None:
         bound.clear_bound()
+    graphs.clear()
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import functools
 import importlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from types import ModuleType
@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..core.contract import BranchSpan, Window
+from ..core.execution import graphs
 from ..core.execution.call_runs import register_in_place_merge
 from ..core.geometry.slots import register_slot_kernels
 from ._compat import _import_failure, _last_dim_contiguous, _release
@@ -327,17 +328,33 @@ class TritonBackend(Backend):
         kernels.run_bound(site, roles, body, _span_constants(span))
 
     def row_delta(
-        self, out: torch.Tensor, dout: torch.Tensor, start: int, end: int
-    ) -> torch.Tensor:
-        """(B, H, end - start) float32 ``rowsum(out * dout)``."""
+        self, out: torch.Tensor, dout: torch.Tensor, start: int, end: int, delta: torch.Tensor
+    ) -> None:
+        """``delta`` (B, H, end - start) float32 := ``rowsum(out * dout)`` of rows
+        ``[start, end)``."""
         kernels = _kernels()
-        delta = torch.empty(
-            out.shape[0], out.shape[2], end - start, dtype=torch.float32, device=out.device
-        )
         roles = (out, dout, delta)
         site = kernels.site_key("row_delta", roles, start, end)
         kernels.run_bound(site, roles, lambda: kernels.row_delta(out, dout, start, end, delta))
-        return delta
+
+    def run_launches(
+        self,
+        key: tuple[Any, ...] | None,
+        tensors: Sequence[torch.Tensor | None],
+        launches: Callable[[], None],
+        keep: object = None,
+    ) -> None:
+        """See ``FusedBackend.run_launches`` in ``core/contract.py``: CUDA graphs for CUDA
+        tensors, outside the compile-only dry run and with no profiler's launch hook."""
+        first = tensors[0]
+        if key is None or first is None or not first.is_cuda or interpreting():
+            launches()
+            return
+        kernels = _kernels()
+        if not kernels.graphable():
+            launches()
+            return
+        graphs.run_launches((*key, kernels.DESCRIPTOR_POLICY), tensors, launches, keep)
 
     def backward_branch(
         self,

@@ -42,6 +42,7 @@ Note [Scores a kernel call transforms]
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -172,8 +173,11 @@ class FusedBackend(KernelBackend, Protocol):
     ) -> None: ...
 
     def row_delta(
-        self, out: torch.Tensor, dout: torch.Tensor, start: int, end: int
-    ) -> torch.Tensor: ...
+        self, out: torch.Tensor, dout: torch.Tensor, start: int, end: int, delta: torch.Tensor
+    ) -> None:
+        """``delta`` (B, H, end - start) float32 := ``rowsum(out * dout)`` of rows
+        ``[start, end)``."""
+        ...
 
     def backward_branch(
         self,
@@ -202,4 +206,16 @@ class FusedBackend(KernelBackend, Protocol):
         """A context inside which the branch calls compile their kernels instead of running
         them, or ``None`` when ``family``'s kernels are ready (Note [Compiling a shape family
         ahead])."""
+        ...
+
+    def run_launches(
+        self,
+        key: tuple[Any, ...] | None,
+        tensors: Sequence[torch.Tensor | None],
+        launches: Callable[[], None],
+        keep: object = None,
+    ) -> None:
+        """Run ``launches`` (branch calls and in-place ops on ``tensors``, allocating
+        nothing), replayed from a CUDA graph where the backend can (Note [A call's launches
+        from a CUDA graph] in ``execution/graphs.py``); ``key`` None: run them as they are."""
         ...

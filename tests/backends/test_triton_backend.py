@@ -769,7 +769,8 @@ def test_kernels_write_exactly_the_covered_rows(device: str, dtypes: list[torch.
             assert torch.equal(out[0].isfinite().all(-1).cpu(), covered_q)
             assert torch.equal(lse[0].isfinite().t().cpu(), covered_q)
             grads = [torch.full(x.shape, float("nan"), device=device) for x in (q, k, v)]
-            delta = backend.row_delta(out.to(dtype), dout, 0, seq_len)
+            delta = torch.empty(1, heads, seq_len, device=device)
+            backend.row_delta(out.to(dtype), dout, 0, seq_len, delta)
             backend.backward_branch(
                 dout, q, k, v, lse, delta, None, *grads, span, delta_row0=0, grad_row0=0,
                 scale=0.2, is_causal=is_causal, accumulate=False,

@@ -66,7 +66,7 @@ from .._compat import _release
 from .backward import _delta_kernel, _dkdv_kernel, _dq_kernel
 from .compile import Launch, compile_launches
 from .forward import _forward_kernel
-from .launch import binding, current_binding, launch, replay, site_key  # noqa: F401
+from .launch import _hooked, binding, current_binding, launch, replay, site_key  # noqa: F401
 from .tiles import TileConfig, cdiv, next_power_of_2
 
 try:  # Triton >= 3.4
@@ -167,6 +167,13 @@ def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> No
     record = current_binding()
     if record is not None:
         record.add(compiled, grid, args)
+
+
+def graphable() -> bool:
+    """Whether launches may be captured into a CUDA graph now (Note [A call's launches from a
+    CUDA graph] in ``core/execution/graphs.py``): not recorded for :func:`compile_ahead`, and no
+    launch hook installed (a profiler's must see every launch)."""
+    return not _compiling() and not _hooked()
 
 
 def run_bound(

@@ -64,6 +64,7 @@ group, Nq a chunk's queries.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -224,6 +225,45 @@ def _ordered(branches: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ..
     return tuple(sorted(branches, key=lambda wr: wr[1] == 1))
 
 
+#: One position group, its branches' spans and its head groups (none for a single branch).
+Group = tuple[int, int, tuple[BranchSpan, ...], list[tuple[int, int]]]
+
+
+def _groups(
+    spans: list[Spans], heads: int, kv_group: int, seq_len: int, single: bool,
+    min_positions: int | None, backward: bool,
+) -> list[Group]:  # fmt: skip
+    """Each position group with its head groups (:func:`head_groups`; none where a single
+    branch writes the output itself)."""
+    return [
+        (start, end, group_spans, [] if single else
+         head_groups(heads, kv_group, end - start, seq_len, min_positions, backward))
+        for start, end, group_spans in spans
+    ]  # fmt: skip
+
+
+def _scratch(groups: list[Group], per_head: int, *widths: int) -> list[int]:
+    """The float32 cells of the largest (position group, head group) of each scratch tensor:
+    ``per_head`` cells per row and head, ``widths[i]`` heads of scratch ``i`` per query head
+    (1 for out and dq; 1 / G for dk and dv, given as G)."""
+    sizes = [0] * len(widths)
+    for start, end, _, ranges in groups:
+        for h0, h1 in ranges:
+            for i, width in enumerate(widths):
+                sizes[i] = max(sizes[i], (end - start) * (h1 - h0) // width * per_head)
+    return sizes
+
+
+def _view(buffer: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """``shape`` cells of the flat ``buffer`` from ``offset``, as a contiguous tensor."""
+    return buffer.narrow(0, offset, math.prod(shape)).view(shape)
+
+
+def _limits() -> tuple[int, int, int, int]:
+    """The module's group limits, part of every graph key (tests change them)."""
+    return (MIN_GROUP_POSITIONS, GROUPS_PER_SEQUENCE, SCRATCH_SHARE, MIN_SCRATCH_HEADS)
+
+
 def fused_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -242,7 +282,9 @@ def fused_forward(
     chunk: ChunkQueries | None = None,
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every branch merged (LongNet Eq. 10), group by group (Note [Fused branch engine]).
+    """Every branch merged (LongNet Eq. 10), group by group (Note [Fused branch engine]); the
+    buffers allocated first, then the launches, replayed from a CUDA graph where the backend
+    can (Note [A call's launches from a CUDA graph] in ``graphs.py``).
 
     Args:
         q: (B, Nq, H, D); k, v: (B, N, Hkv, D); stride(-1) == 1; ``Nq == N`` but for a chunk.
@@ -265,50 +307,60 @@ def fused_forward(
     seq_len = first + rows
     branches = _ordered(branches)
     key_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(1)
-    lse = torch.full((batch, heads, rows), float("-inf"), dtype=torch.float32, device=q.device)
     covers_all = branches[-1][1] == 1
-    out = (torch.empty if covers_all else torch.zeros)(
-        q.shape, dtype=out_dtype or q.dtype, device=q.device
-    )
+    single = len(branches) == 1 and extra is None
+    spans = _spans(seq_len, branches, min_group_positions, documents, q.device, chunk)
+    groups = _groups(spans, heads, heads // k.shape[2], seq_len, single, min_group_positions,
+                     backward=False)  # fmt: skip
+    lse = torch.empty((batch, heads, rows), dtype=torch.float32, device=q.device)
+    out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
+    (cells,) = _scratch(groups, batch * dim, 1)
+    scratch = torch.empty(cells, dtype=torch.float32, device=q.device) if cells else None
     options = {"scale": scale, "is_causal": is_causal, "q_row0": first, "softcap": softcap}
-    kv_group = heads // k.shape[2]
-    groups_and_spans = _spans(seq_len, branches, min_group_positions, documents, q.device, chunk)
-    for start, end, spans in groups_and_spans:
-        if len(branches) == 1 and extra is None:
-            backend.forward_branch(
-                q, k, v, out, lse, key_mask, spans[0], out_row0=first, merge=False,
-                head0=first_head, **options,
-            )  # fmt: skip
-            continue
-        groups = head_groups(heads, kv_group, end - start, seq_len, min_group_positions)
-        for h0, h1 in groups:
-            kv = slice(h0 // kv_group, h1 // kv_group)
-            shape = (batch, end - start, h1 - h0, dim)
-            acc = (torch.empty if covers_all else torch.zeros)(
-                shape, dtype=torch.float32, device=q.device
-            )
-            qkv = (_heads(q, 2, h0, h1), _heads(k, 2, kv.start, kv.stop),
-                   _heads(v, 2, kv.start, kv.stop))  # fmt: skip
-            lse_heads = _heads(lse, 1, h0, h1)
-            for i, span in enumerate(spans):
-                if covers_all and i == len(branches) - 1:  # finished rows go to the output
+
+    def launches() -> None:
+        lse.fill_(float("-inf"))
+        if single and not covers_all:
+            out.zero_()
+        kv_group = heads // k.shape[2]
+        for start, end, group_spans, ranges in groups:
+            if single:
+                backend.forward_branch(
+                    q, k, v, out, lse, key_mask, group_spans[0], out_row0=first, merge=False,
+                    head0=first_head, **options,
+                )  # fmt: skip
+            for h0, h1 in ranges:
+                kv = slice(h0 // kv_group, h1 // kv_group)
+                acc = _view(scratch, 0, (batch, end - start, h1 - h0, dim))  # type: ignore[arg-type]
+                if not covers_all:
+                    acc.zero_()
+                qkv = (_heads(q, 2, h0, h1), _heads(k, 2, kv.start, kv.stop),
+                       _heads(v, 2, kv.start, kv.stop))  # fmt: skip
+                lse_heads = _heads(lse, 1, h0, h1)
+                for i, span in enumerate(group_spans):
+                    if covers_all and i == len(branches) - 1:  # finished rows go to the output
+                        if extra is not None:
+                            extra(acc, lse, start, end, h0, h1)
+                        backend.forward_branch(
+                            *qkv, _heads(out, 2, h0, h1), lse_heads, key_mask, span,
+                            out_row0=first, merge=True, head0=first_head + h0, merge_from=acc,
+                            merge_row0=start, **options,
+                        )  # fmt: skip
+                    else:
+                        backend.forward_branch(
+                            *qkv, acc, lse_heads, key_mask, span, out_row0=start,
+                            merge=i > 0 or not covers_all, head0=first_head + h0, **options,
+                        )  # fmt: skip
+                if not covers_all:
                     if extra is not None:
                         extra(acc, lse, start, end, h0, h1)
-                    backend.forward_branch(
-                        *qkv, _heads(out, 2, h0, h1), lse_heads, key_mask, span, out_row0=first,
-                        merge=True, head0=first_head + h0, merge_from=acc, merge_row0=start,
-                        **options,
-                    )  # fmt: skip
-                else:
-                    backend.forward_branch(
-                        *qkv, acc, lse_heads, key_mask, span, out_row0=start,
-                        merge=i > 0 or not covers_all, head0=first_head + h0, **options,
-                    )  # fmt: skip
-            if not covers_all:
-                if extra is not None:
-                    extra(acc, lse, start, end, h0, h1)
-                out[:, start - first : end - first, h0:h1].copy_(acc)
-            del acc
+                    out[:, start - first : end - first, h0:h1].copy_(acc)
+
+    key = None if extra is not None else (
+        "fused_forward", branches, is_causal, scale, chunk, documents, first_head, softcap,
+        min_group_positions, _limits(),
+    )  # fmt: skip
+    backend.run_launches(key, (q, k, v, key_mask, out, lse, scratch), launches, keep=spans)
     return out, lse
 
 
@@ -332,7 +384,8 @@ def fused_backward(
     first_head: int = 0,
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Exact gradients of :func:`fused_forward` with the merged ``out`` and ``lse``.
+    """Exact gradients of :func:`fused_forward` with the merged ``out`` and ``lse``; buffers
+    first, then the launches, as in :func:`fused_forward`.
 
     Args:
         dout, out: (B, N, H, D); lse: (B, H, N) merged.
@@ -344,49 +397,68 @@ def fused_backward(
         ``(dq, dk, dv)`` shaped like ``(q, k, v)``.
     """
     batch, seq_len, heads, dim = q.shape
-    kv_heads = k.shape[2]
+    kv_group = heads // k.shape[2]
     branches = _ordered(branches)[::-1]  # a rate-1 branch first (Note [Fused branch engine])
     covers_all = branches[0][1] == 1
     key_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(1)
     single = len(branches) == 1 and extra is None
-    alloc = torch.empty_like if covers_all or not single else torch.zeros_like
-    dq, dk, dv = (alloc(x, dtype=grad_dtype or x.dtype) for x in (q, k, v))
+    dq, dk, dv = (torch.empty_like(x, dtype=grad_dtype or x.dtype) for x in (q, k, v))
+    spans = _spans(seq_len, branches, min_group_positions, documents, q.device)
+    groups = _groups(spans, heads, kv_group, seq_len, single, min_group_positions, backward=True)
+    longest = max(end - start for start, end, _, _ in groups)
+    delta = torch.empty(batch, heads, longest, dtype=torch.float32, device=q.device)
+    q_cells, kv_cells = _scratch(groups, batch * dim, 1, kv_group)
+    scratch = (
+        torch.empty(q_cells + 2 * kv_cells, dtype=torch.float32, device=q.device)
+        if q_cells else None
+    )  # fmt: skip
     options = {"scale": scale, "is_causal": is_causal, "softcap": softcap}
-    kv_group = heads // kv_heads
-    for start, end, spans in _spans(seq_len, branches, min_group_positions, documents, q.device):
-        delta = backend.row_delta(out, dout, start, end)
-        if single:
-            backend.backward_branch(
-                dout, q, k, v, lse, delta, key_mask, dq, dk, dv, spans[0],
-                delta_row0=start, grad_row0=0, accumulate=False, head0=first_head, **options,
-            )  # fmt: skip
-            continue
-        rows = end - start
-        new = torch.empty if covers_all else torch.zeros
-        acc = {"dtype": torch.float32, "device": q.device}
-        for h0, h1 in head_groups(
-            heads, kv_group, rows, seq_len, min_group_positions, backward=True
-        ):
-            kv = slice(h0 // kv_group, h1 // kv_group)
-            dq_acc = new(batch, rows, h1 - h0, dim, **acc)
-            dk_acc = new(batch, rows, kv.stop - kv.start, dim, **acc)
-            dv_acc = new(batch, rows, kv.stop - kv.start, dim, **acc)
-            inputs = (
-                _heads(dout, 2, h0, h1), _heads(q, 2, h0, h1), _heads(k, 2, kv.start, kv.stop),
-                _heads(v, 2, kv.start, kv.stop), _heads(lse, 1, h0, h1), _heads(delta, 1, h0, h1),
-            )  # fmt: skip
-            for i, span in enumerate(spans):
+
+    def launches() -> None:
+        if single and not covers_all:
+            for grad in (dq, dk, dv):
+                grad.zero_()
+        for start, end, group_spans, ranges in groups:
+            rows = end - start
+            group_delta = delta[:, :, :rows]
+            backend.row_delta(out, dout, start, end, group_delta)
+            if single:
                 backend.backward_branch(
-                    *inputs, key_mask, dq_acc, dk_acc, dv_acc, span, delta_row0=start,
-                    grad_row0=start, accumulate=i > 0 or not covers_all,
-                    head0=first_head + h0, **options,
+                    dout, q, k, v, lse, group_delta, key_mask, dq, dk, dv, group_spans[0],
+                    delta_row0=start, grad_row0=0, accumulate=False, head0=first_head, **options,
                 )  # fmt: skip
-            if extra is not None:
-                extra(dq_acc, dk_acc, dv_acc, start, end, h0, h1)
-            dq[:, start:end, h0:h1].copy_(dq_acc)
-            dk[:, start:end, kv].copy_(dk_acc)
-            dv[:, start:end, kv].copy_(dv_acc)
-            del dq_acc, dk_acc, dv_acc
+            for h0, h1 in ranges:
+                kv = slice(h0 // kv_group, h1 // kv_group)
+                kv_shape = (batch, rows, kv.stop - kv.start, dim)
+                dq_acc = _view(scratch, 0, (batch, rows, h1 - h0, dim))  # type: ignore[arg-type]
+                dk_acc = _view(scratch, q_cells, kv_shape)  # type: ignore[arg-type]
+                dv_acc = _view(scratch, q_cells + kv_cells, kv_shape)  # type: ignore[arg-type]
+                if not covers_all:
+                    for acc in (dq_acc, dk_acc, dv_acc):
+                        acc.zero_()
+                inputs = (
+                    _heads(dout, 2, h0, h1), _heads(q, 2, h0, h1),
+                    _heads(k, 2, kv.start, kv.stop), _heads(v, 2, kv.start, kv.stop),
+                    _heads(lse, 1, h0, h1), _heads(group_delta, 1, h0, h1),
+                )  # fmt: skip
+                for i, span in enumerate(group_spans):
+                    backend.backward_branch(
+                        *inputs, key_mask, dq_acc, dk_acc, dv_acc, span, delta_row0=start,
+                        grad_row0=start, accumulate=i > 0 or not covers_all,
+                        head0=first_head + h0, **options,
+                    )  # fmt: skip
+                if extra is not None:
+                    extra(dq_acc, dk_acc, dv_acc, start, end, h0, h1)
+                dq[:, start:end, h0:h1].copy_(dq_acc)
+                dk[:, start:end, kv].copy_(dk_acc)
+                dv[:, start:end, kv].copy_(dv_acc)
+
+    key = None if extra is not None else (
+        "fused_backward", branches, is_causal, scale, documents, first_head, softcap,
+        min_group_positions, _limits(),
+    )  # fmt: skip
+    tensors = (dout, q, k, v, out, lse, key_mask, dq, dk, dv, delta, scratch)
+    backend.run_launches(key, tensors, launches, keep=spans)
     return dq, dk, dv
 
 
