@@ -56,12 +56,13 @@ host: on an H100 the first path timed after a new shape's compile ran 1.35x slow
 ``benchmarks/results/dilated_<device>`` (``h100``, ``h200x2``, ...: ``_timing.host_label``), the
 latest record of this benchmark on that device.
 
-The short lengths, where the host's time decides (the record ``dilated_short_h100``):
+The short lengths, where the host's time decides (the record ``dilated_short_h100``: one such
+run per head dim, ``--head-dims 64`` and ``--head-dims 128``, their rows joined):
 
     python benchmarks/bench_dilated.py --schedules longnet_n \\
         --seq-lens 4096 8192 16384 32768 65536 --head-dims 64 128 --kv-heads 16 4 \\
-        --paths auto 'auto captured' 'dense cudnn' 'dense attention' \\
-        --warmup 3 --min-ms 100 --rounds 3 --out benchmarks/results/dilated_short_h100
+        --causal both --paths auto 'auto captured' 'dense cudnn' 'dense attention' \\
+        --warmup 3 --min-ms 50 --rounds 2 --out benchmarks/results/dilated_short_h100
 """
 
 from __future__ import annotations
