@@ -10,7 +10,9 @@ Note [Gated branches]
     ``g_c`` (B, N, H) already activated (a sigmoid: the gates do not sum to 1). Every term is a
     product of differentiable tensors, so autograd gives the exact gradients of the branches'
     outputs (``g_c * dout``, through each call's own backward) and of the gates
-    (``dout . o_c``). No log-sum-exp is needed: the calls run without ``return_lse``.
+    (``dout . o_c``). No log-sum-exp is needed: the calls run without ``return_lse``. Where
+    no gradient is recorded (inference), each branch's output is added as soon as it is made
+    (:func:`gated_sum_of`): one branch output besides the sum in memory instead of three.
 
 Note [A differentiable log-sum-exp]
     Merging branches through their log-sum-exp (Note [Merging partial softmaxes] in
@@ -48,7 +50,7 @@ import torch
 
 from ..core.merge import merge_partial
 
-__all__ = ["BranchCall", "gated_sum", "lse_with_gradient", "merge_branches"]
+__all__ = ["BranchCall", "gated_sum", "gated_sum_of", "lse_with_gradient", "merge_branches"]
 
 #: A branch's attention call on (query, key, value) -> out (B, N, H, D): the same keys seen
 #: by the same queries whatever tensors are passed (:func:`lse_with_gradient` passes the key
@@ -96,6 +98,27 @@ def gated_sum(outs: Sequence[torch.Tensor], gates: torch.Tensor) -> torch.Tensor
     total = gates[..., 0, None] * outs[0]
     for c in range(1, len(outs)):
         total = total + gates[..., c, None] * outs[c]
+    return total
+
+
+def gated_sum_of(
+    calls: Sequence[Callable[[], torch.Tensor]], gates: torch.Tensor
+) -> torch.Tensor:
+    """:func:`gated_sum` of the outputs of ``calls``, each made and added before the next call
+    runs: one branch's output besides the sum is held at a time, not all of them. The same
+    bits as :func:`gated_sum` (each product, then each sum, rounded once in the outputs'
+    dtype); in place, so for calls that record no gradient (the caller's to know).
+
+    Args:
+        calls: C functions, each returning a new (B, N, H, D) tensor that nothing else holds.
+        gates: (B, N, H, C), already activated.
+
+    Returns:
+        (B, N, H, D) in the outputs' dtype.
+    """
+    total = calls[0]().mul_(gates[..., 0, None])
+    for c in range(1, len(calls)):
+        total.add_(calls[c]().mul_(gates[..., c, None]))
     return total
 
 

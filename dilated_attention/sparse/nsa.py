@@ -59,7 +59,7 @@ from .. import _validation as V
 from ..backends.registry import check_backend_name
 from ..config import COMBINE
 from ..functional import attention, block_sparse_attention
-from .branches import gated_sum, lse_with_gradient, merge_branches
+from .branches import gated_sum, gated_sum_of, lse_with_gradient, merge_branches
 from .compression import compress_kv
 from .selection import _check_topk, select_blocks
 
@@ -147,14 +147,20 @@ def nsa_attention(
     mask = select_blocks(c.q, c.k, block_size=select, topk=topk, is_causal=c.run.is_causal,
                          per="kv_head", return_indices=True)  # fmt: skip
     k_cmp, v_cmp = compress_kv(c.k, c.v, block=block, stride=stride)
-    return combine_branches(
-        (
-            compressed_branch(c.q, k_cmp, v_cmp, c.k.shape[1], block, stride, c.run),
-            selected_branch(c.q, c.k, c.v, mask, select, c.run),
-            window_branch(c.q, c.k, c.v, window, c.run),
-        ),
-        c.gates,
+    branches = (
+        lambda: compressed_branch(c.q, k_cmp, v_cmp, c.k.shape[1], block, stride, c.run),
+        lambda: selected_branch(c.q, c.k, c.v, mask, select, c.run),
+        lambda: window_branch(c.q, c.k, c.v, window, c.run),
     )
+    if c.gates is not None and not _records_gradient(c.q, c.k, c.v, c.gates):
+        # Inference: one branch output at a time besides the sum (Note [Gated branches]).
+        return gated_sum_of([lambda b=b: b()[0] for b in branches], c.gates)
+    return combine_branches(tuple(branch() for branch in branches), c.gates)
+
+
+def _records_gradient(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records a graph through any of ``tensors``."""
+    return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
 
 
 class Run(NamedTuple):

@@ -243,7 +243,8 @@ def test_bench_dilated_accepts_the_documented_short_record_command() -> None:
     assert args.seq_lens == [4096, 8192, 16384, 32768, 65536]
     assert args.head_dims == [64, 128] and args.kv_heads == [16, 4]
     assert args.paths == ["auto", "auto captured", "dense cudnn", "dense attention"]
-    assert args.out == Path("benchmarks/results/dilated_short_h100") and args.rounds == 3
+    assert args.out == Path("benchmarks/results/dilated_short_h100") and args.rounds == 2
+    assert args.causal == "both" and args.min_ms == 50
     defaults = bench_dilated.parse_args([])
     assert defaults.seq_lens == [65536, 262144, 1048576]
     assert defaults.schedules == ["longnet", "paper"] and defaults.kv_heads == [16]

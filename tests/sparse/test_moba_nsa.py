@@ -7,6 +7,7 @@ ways of combining NSA's branches; every bad argument raises, naming it, before a
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import pytest
@@ -136,6 +137,43 @@ def test_nsa_matches_the_reference(case: dict[str, Any], combine: str) -> None:
     out = nsa_attention(q, k, v, gates, combine=combine, **kw)
     ref = nsa_reference(q, k, v, gates, **kw)
     _assert_same_with_gradients(out, ref, [q, k, v] + ([gates] if gates is not None else []))
+
+
+@pytest.mark.parametrize("case", NSA_CASES.values(), ids=NSA_CASES.keys())
+def test_nsa_without_gradients_adds_each_branch_as_it_comes(
+    case: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inference (no gradient recorded): each branch's output is added to the gated sum before
+    the next branch runs (one branch output held besides the sum), with the bits of the gated
+    sum that training computes; the reference agrees."""
+    q, k, v = (x.detach().bfloat16() for x in _leaves(2, case["nq"], case["heads"], case["kv"],
+                                                      nk=case["nk"], seed=6))  # fmt: skip
+    gates = _gates(q.double()).detach().bfloat16()
+    kw = _nsa_kwargs(case)
+    outputs: list[weakref.ref[Tensor]] = []
+    alive: list[int] = []  # earlier branch outputs still held as each branch starts
+    real = nsa_module.gated_sum_of
+
+    def spy(calls: list[Any], g: Tensor) -> Tensor:
+        def counted(call: Any) -> Any:
+            def run() -> Tensor:
+                alive.append(sum(ref() is not None for ref in outputs))
+                out = call()
+                outputs.append(weakref.ref(out))
+                return out
+
+            return run
+
+        return real([counted(call) for call in calls], g)
+
+    monkeypatch.setattr(nsa_module, "gated_sum_of", spy)
+    with torch.no_grad():
+        streamed = nsa_attention(q, k, v, gates, **kw)
+    assert alive == [0, 1, 1]  # the sum (the first output, scaled in place) and nothing else
+    trained = nsa_attention(*(x.requires_grad_() for x in (q, k, v)), gates, **kw)
+    assert torch.equal(streamed, trained.detach())
+    ref = nsa_reference(*(x.double() for x in (q, k, v)), gates.double(), **kw)
+    torch.testing.assert_close(streamed.double(), ref, atol=3e-2, rtol=3e-2)
 
 
 def test_nsa_compressed_keys_get_gradients_through_their_pooling() -> None:
