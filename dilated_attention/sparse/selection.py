@@ -78,7 +78,6 @@ from ..block_sparse.plan import check_block_size, num_blocks
 from ..block_sparse.runtime import check_documents_aligned, same_document
 from ..core.geometry.documents import check_cu_seqlens
 from .compression import window_means
-from .selection_graph import choose_in_graph
 
 __all__ = ["PER", "CandidateRanges", "block_means", "candidate_blocks", "check_selection",
            "chosen_blocks", "own_blocks_width", "select_blocks"]  # fmt: skip
@@ -304,16 +303,12 @@ def chosen_blocks(
     width, dtype = (mk, torch.bool) if own_width is None else (topk + own_width, torch.int32)
     chosen = torch.empty(batch, heads if per == "head" else k.shape[2], mq, width,
                          dtype=dtype, device=q.device)  # fmt: skip
-    # Query blocks a chunk at a time: the float32 affinities stay near AFFINITY_BYTES.
-    step = max(1, AFFINITY_BYTES // max(1, 4 * chosen.shape[1] * mk * batch))
-    if step >= mq and isinstance(candidates, CandidateRanges) and choose_in_graph(
-        q, k, candidates, topk, per, own_width, block_size, chosen, module
-    ):  # Note [The selection from a CUDA graph]
-        return chosen
     left, right = _operands(q, k, per, block_size)  # (B Hkv, g, Mq, D'), (B Hkv, Mk, D')
     tiles = _tiles_module(candidates, left, mk, topk)
     if tiles is not None:
         return _chosen_by_tiles(tiles, left, right, candidates, topk, chosen, own_width)
+    # Query blocks a chunk at a time: the float32 affinities stay near AFFINITY_BYTES.
+    step = max(1, AFFINITY_BYTES // max(1, 4 * chosen.shape[1] * mk * batch))
     for start in range(0, mq, step):
         rows = slice(start, start + step)
         part = left if step >= mq else left[:, :, rows]

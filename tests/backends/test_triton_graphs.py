@@ -203,29 +203,3 @@ def test_a_replayed_step_runs_no_launcher(monkeypatch: pytest.MonkeyPatch) -> No
     step()
     assert launched == []
 
-
-@pytest.mark.parametrize("per", ["head", "kv_head"])
-@pytest.mark.parametrize("indices", [False, True], ids=["mask", "indices"])
-def test_the_selection_replays_its_choice(
-    per: str, indices: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``select_blocks`` on the same tensors four times (Note [The selection from a CUDA
-    graph]): from the second on a graph replays the choice, which equals the launches'."""
-    _needs_cuda()
-    from dilated_attention.sparse import select_blocks
-
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    q = torch.randn(2, 3000, 8, 64, device="cuda", generator=gen, dtype=torch.bfloat16)
-    k = torch.randn(2, 3000, 2, 64, device="cuda", generator=gen, dtype=torch.bfloat16)
-    options = {"block_size": 128, "topk": 5, "is_causal": True, "per": per,
-               "return_indices": indices}  # fmt: skip
-    monkeypatch.setenv(graphs.ENV_VAR, "0")
-    expected = select_blocks(q, k, **options)
-    monkeypatch.delenv(graphs.ENV_VAR)
-    replays = _replays(monkeypatch)
-    stored = [torch.empty_like(expected) for _ in range(4)]
-    for into in stored:
-        into.copy_(select_blocks(q, k, **options))
-    for got in stored:
-        assert torch.equal(got, expected)
-    assert len(replays) >= 2

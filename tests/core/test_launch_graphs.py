@@ -115,6 +115,10 @@ def test_the_least_recently_used_graph_goes_first(
     for _ in range(2):
         graphs.run_launches(("c",), [x], calls.launches)
     assert {pair[0] for pair in graphs._GRAPHS} == {("a",), ("c",)}
+    captures = calls.captures
+    for _ in range(3):  # a dropped pair launches as it is: no capture every other loop
+        graphs.run_launches(("b",), [x], calls.launches)
+    assert calls.captures == captures and ("b",) not in {pair[0] for pair in graphs._GRAPHS}
 
 
 def test_a_graph_keeps_what_its_launches_read(calls: _Calls) -> None:

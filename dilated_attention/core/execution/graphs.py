@@ -27,12 +27,15 @@ Note [A call's launches from a CUDA graph]
     alive what its launches read that the key does not name (``keep``: segment tables). A
     capture that fails runs the launches as usual, and its key is not captured again. At most
     :data:`GRAPH_LIMIT` graphs are kept, the least recently used dropped (a graph dropped while
-    it runs is freed when it finishes).
+    it runs is freed when it finishes); a dropped pair launches as usual from then on, so a
+    loop of more pairs than the limit does not capture again and again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -55,7 +58,8 @@ _NEVER = -1
 
 _GRAPHS: OrderedDict[tuple[Any, ...], tuple[Any, object]] = OrderedDict()
 _RUNS: OrderedDict[tuple[Any, ...], int] = OrderedDict()
-_STREAMS: dict[int, torch.cuda.Stream] = {}
+#: Each thread's side streams to capture on (two threads never capture on one stream).
+_STREAMS = threading.local()
 
 
 def enabled() -> bool:
@@ -93,7 +97,8 @@ def run_launches(
     pair = (key, addresses(tensors))
     found = _GRAPHS.get(pair)
     if found is not None:
-        _GRAPHS.move_to_end(pair)
+        with contextlib.suppress(KeyError):  # another thread dropped it meanwhile
+            _GRAPHS.move_to_end(pair)
         found[0].replay()
         return
     runs = _RUNS.pop(pair, 0)
@@ -108,8 +113,9 @@ def run_launches(
         launches()
         return
     _GRAPHS[pair] = (graph, keep)
-    if len(_GRAPHS) > GRAPH_LIMIT:
-        _GRAPHS.popitem(last=False)
+    if len(_GRAPHS) > GRAPH_LIMIT:  # a dropped pair launches as usual from now on: a loop of
+        dropped, _ = _GRAPHS.popitem(last=False)  # more pairs than the limit never recaptures
+        _count(dropped, _NEVER)
     graph.replay()
 
 
@@ -123,9 +129,12 @@ def _capture(launches: Callable[[], None], device: torch.device) -> Any | None:
     """A CUDA graph of ``launches`` captured on a side stream of ``device`` (nothing runs), or
     None where the capture failed."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _STREAMS.get(index)
+    streams = getattr(_STREAMS, "by_device", None)  # this thread's, per device
+    if streams is None:
+        streams = _STREAMS.by_device = {}
+    stream = streams.get(index)
     if stream is None:
-        stream = _STREAMS[index] = torch.cuda.Stream(index)
+        stream = streams[index] = torch.cuda.Stream(index)
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.stream(stream):
@@ -135,6 +144,8 @@ def _capture(launches: Callable[[], None], device: torch.device) -> Any | None:
             finally:
                 graph.capture_end()
     except Exception:  # a launch that cannot be captured: run as usual from now on
+        with contextlib.suppress(Exception):
+            graph.reset()  # its memory pool, where the capture got that far
         return None
     return graph
 

@@ -137,9 +137,7 @@ def _mean_parts_kernel(
         tl.store(target + part * dim, value, mask=where)
 
 
-def mean_parts(
-    x: torch.Tensor, group: int, low_at: int, block_size: int = 1, out: torch.Tensor | None = None
-) -> torch.Tensor:
+def mean_parts(x: torch.Tensor, group: int, low_at: int, block_size: int = 1) -> torch.Tensor:
     """Block means as bfloat16 parts, from the rows in one launch (Note [Parts in one launch],
     Note [Block means in the parts' launch]).
 
@@ -151,16 +149,13 @@ def mean_parts(
             ``[hi, lo, hi]``.
         block_size: rows per block ``bs``; the last block may be shorter (its mean is over
             its real rows).
-        out: where to write them (:func:`parts_shape`, contiguous), or None for a new tensor.
 
     Returns:
-        (B, H / group, ceil(N / bs), 3 D) bfloat16, contiguous: ``out``, or a new tensor.
+        (B, H / group, ceil(N / bs), 3 D) bfloat16, contiguous.
     """
     batch, length, heads, dim = x.shape
     heads_out, blocks = heads // group, cdiv(length, block_size)
-    if out is None:
-        out = torch.empty(parts_shape(x, group, block_size), dtype=torch.bfloat16,
-                          device=x.device)  # fmt: skip
+    out = torch.empty(batch, heads_out, blocks, 3 * dim, dtype=torch.bfloat16, device=x.device)
     if out.numel() == 0:
         return out
     width = next_power_of_2(dim)
@@ -182,9 +177,3 @@ def mean_parts(
                "DIM": width, "WIDE": reach >= 2**31, "num_warps": _WARPS}  # fmt: skip
     launch(_mean_parts_kernel, (cdiv(blocks, per_tile) * pairs,), args, options)
     return out
-
-
-def parts_shape(x: torch.Tensor, group: int, block_size: int = 1) -> tuple[int, int, int, int]:
-    """The shape :func:`mean_parts` gives ``x`` (B, N, H, D): (B, H / group, ceil(N / bs), 3 D)."""
-    batch, length, heads, dim = x.shape
-    return (batch, heads // group, cdiv(length, block_size), 3 * dim)
