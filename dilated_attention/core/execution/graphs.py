@@ -53,7 +53,7 @@ GRAPH_LIMIT = 256
 CAPTURE_AFTER = 2
 #: (key, addresses) pairs counted at most.
 _COUNTED_LIMIT = 4096
-#: What a pair whose capture failed counts as.
+#: What a pair whose capture failed, or whose graph was dropped, counts as: never captured.
 _NEVER = -1
 
 _GRAPHS: OrderedDict[tuple[Any, ...], tuple[Any, object]] = OrderedDict()
