@@ -46,13 +46,6 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def graphable_launches(x: torch.Tensor) -> bool:
-    """Whether our kernels' launches on ``x``'s device may be captured into a CUDA graph now
-    (Note [A call's launches from a CUDA graph] in ``core/execution/graphs.py``): CUDA, not
-    interpreted, not recorded for compiling ahead, no profiler's launch hook."""
-    return x.is_cuda and not interpreting() and _kernels().graphable()
-
-
 def announcement(family: tuple[Any, ...]) -> tuple[Any, ...]:
     """What the compile message of a shape family tells apart: the family without its segment
     lengths and with each rate only as "1 or not" (the kernels' own classes; Note
@@ -354,7 +347,8 @@ class TritonBackend(Backend):
         """See ``FusedBackend.run_launches`` in ``core/contract.py``: CUDA graphs for CUDA
         tensors, outside the compile-only dry run and with no profiler's launch hook."""
         first = tensors[0]
-        if key is None or first is None or not graphable_launches(first):
+        plain = key is None or first is None or not first.is_cuda or interpreting()
+        if plain or not _kernels().graphable():  # compiling ahead, or a profiler's launch hook
             launches()
             return
         graphs.run_launches((*key, _kernels().DESCRIPTOR_POLICY), tensors, launches, keep)

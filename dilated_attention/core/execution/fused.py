@@ -309,8 +309,9 @@ def fused_forward(
     key_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(1)
     covers_all = branches[-1][1] == 1
     single = len(branches) == 1 and extra is None
+    kv_group = heads // k.shape[2]
     spans = _spans(seq_len, branches, min_group_positions, documents, q.device, chunk)
-    groups = _groups(spans, heads, heads // k.shape[2], seq_len, single, min_group_positions,
+    groups = _groups(spans, heads, kv_group, seq_len, single, min_group_positions,
                      backward=False)  # fmt: skip
     lse = torch.empty((batch, heads, rows), dtype=torch.float32, device=q.device)
     out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
@@ -322,7 +323,6 @@ def fused_forward(
         lse.fill_(float("-inf"))
         if single and not covers_all:
             out.zero_()
-        kv_group = heads // k.shape[2]
         for start, end, group_spans, ranges in groups:
             if single:
                 backend.forward_branch(
