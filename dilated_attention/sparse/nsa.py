@@ -61,6 +61,7 @@ from ..config import COMBINE
 from ..functional import attention, block_sparse_attention
 from .branches import gated_sum, gated_sum_of, lse_with_gradient, merge_branches
 from .compression import compress_kv
+from .residue_rows import ResidueRows
 from .selection import _check_topk, select_blocks
 
 __all__ = ["BRANCHES", "COMBINE", "nsa_attention"]
@@ -334,7 +335,8 @@ def compressed_branch(
     stride: int, run: Run,
 ) -> Result:  # fmt: skip
     """The compressed branch, exact per token (Note [The compressed branch exactly, per
-    residue class]): ``(out (B, Nq, H, D), lse (B, H, Nq) or None)``.
+    residue class]; the classes' rows taken and put back as Note [Residue classes gathered
+    once] in ``residue_rows.py`` says): ``(out (B, Nq, H, D), lse (B, H, Nq) or None)``.
 
     Args:
         q: (B, Nq, H, D), the last ``Nq`` of ``key_len`` positions (end-aligned).
@@ -343,20 +345,25 @@ def compressed_branch(
             window the queries see (the ring's: the keys a rank's queries see).
     """
     batch, nq, heads, _ = q.shape
-    out = q.new_zeros(batch, nq, heads, v_cmp.shape[-1])
     lse_dtype = torch.promote_types(q.dtype, torch.float32)
-    lse = torch.full((batch, heads, nq), -torch.inf, dtype=lse_dtype, device=q.device)
+    calls = _class_calls(nq, key_len, block, stride, run.is_causal, k_cmp.shape[1])
+    if not calls:
+        out = q.new_zeros(batch, nq, heads, v_cmp.shape[-1])
+        lse = torch.full((batch, heads, nq), -torch.inf, dtype=lse_dtype, device=q.device)
+        return out, lse if run.need_lse else None
     call = functools.partial(
         attention, is_causal=run.is_causal, scale=run.scale, backend=run.backend
     )
     step = stride if run.is_causal else 1
-    for start, keys in _class_calls(nq, key_len, block, stride, run.is_causal,
-                                    k_cmp.shape[1]):  # fmt: skip
-        o_r, lse_r = _branch(call, q[:, start::step], k_cmp[:, :keys], v_cmp[:, :keys], run)
-        out[:, start::step] = o_r
-        if lse_r is not None:
-            lse[:, :, start::step] = lse_r.to(lse_dtype)
-    return out, lse if run.need_lse else None
+    starts = tuple(start for start, _ in calls)
+    classes = ResidueRows(starts, step, nq)
+    results = [_branch(call, q_r, k_cmp[:, :keys], v_cmp[:, :keys], run)
+               for q_r, (_, keys) in zip(classes.gather(q, 1), calls, strict=True)]  # fmt: skip
+    out = classes.scatter([o for o, _ in results], 1, 0.0)
+    if not run.need_lse:
+        return out, None
+    lses = [x.to(lse_dtype) for _, x in results]  # type: ignore[union-attr]
+    return out, classes.scatter(lses, 2, -torch.inf)
 
 
 def _class_calls(

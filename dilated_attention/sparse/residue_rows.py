@@ -1,0 +1,97 @@
+"""The rows of residue classes (every ``step``-th row from a start) taken out of a tensor and
+put back, each class one tensor, with gradients that cost one full-size tensor per direction.
+
+Note [Residue classes gathered once]
+    The compressed branch of NSA runs one attention call per residue class of the query rows
+    (Note [The compressed branch exactly, per residue class] in ``nsa.py``): 16 classes for
+    NSA's stride. Taken as strided slices of the query and written into strided slices of the
+    output, each class costs a full-size tensor in the backward (a slice's gradient is zeros
+    of the whole query with the slice filled; a write's is a clone of the whole output's
+    gradient), 16 of each. Here the classes are taken in one autograd step and put back in
+    another: the gradient of the taking is one tensor, each class's gradient copied into its
+    rows; the gradient of each put-back class is a strided view of the output's gradient, no
+    copy. Values and gradients are the slices' own, bit for bit.
+
+Shape legend: any tensor; the classes run along one dimension ``dim``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["ResidueRows"]
+
+
+@dataclass(frozen=True)
+class ResidueRows:
+    """Classes of rows ``start, start + step, ...`` below ``length``, one per start.
+
+    Attributes:
+        starts: each class's first row, in the order its tensors go.
+        step: rows between a class's rows.
+        length: the rows along the dimension the classes run.
+    """
+
+    starts: tuple[int, ...]
+    step: int
+    length: int
+
+    def every_row(self) -> bool:
+        """Whether the classes are one class of every row, in order."""
+        return self.starts == (0,) and self.step == 1
+
+    def gather(self, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, ...]:
+        """Each class's rows of ``x`` along ``dim``, a strided view each (``x`` itself for one
+        class of every row); differentiable in ``x``."""
+        if self.every_row():
+            return (x,)
+        return _Gather.apply(x, dim, self)  # type: ignore[no-any-return]
+
+    def scatter(self, parts: list[torch.Tensor], dim: int, fill: float) -> torch.Tensor:
+        """``parts`` (one per class, as :meth:`gather` gives them) put back along ``dim``
+        into ``length`` rows, ``fill`` in the rows no class holds; differentiable in every
+        part."""
+        if self.every_row():
+            return parts[0]
+        return _Scatter.apply(dim, self, fill, *parts)  # type: ignore[no-any-return]
+
+    def rows(self, dim: int, start: int) -> tuple[slice, ...]:
+        """The index of class ``start``'s rows along ``dim``."""
+        return (slice(None),) * dim + (slice(start, self.length, self.step),)
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, classes: ResidueRows) -> Any:
+        ctx.shape, ctx.dim, ctx.classes = x.shape, dim, classes
+        return tuple(x[classes.rows(dim, start)] for start in classes.starts)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        classes = ctx.classes
+        grad = grads[0].new_zeros(ctx.shape)
+        for start, part in zip(classes.starts, grads, strict=True):
+            grad[classes.rows(ctx.dim, start)] = part
+        return grad, None, None
+
+
+class _Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, dim: int, classes: ResidueRows, fill: float,
+                *parts: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        ctx.dim, ctx.classes = dim, classes
+        shape = list(parts[0].shape)
+        shape[dim] = classes.length
+        out = parts[0].new_full(shape, fill)
+        for start, part in zip(classes.starts, parts, strict=True):
+            out[classes.rows(dim, start)] = part
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        classes = ctx.classes
+        views = tuple(grad[classes.rows(ctx.dim, start)] for start in classes.starts)
+        return (None, None, None, *views)
