@@ -43,6 +43,14 @@ Note [The compressed branch exactly, per residue class]
     window) give 0 (and ``lse = -inf``). Without ``is_causal`` every query sees every
     compressed key: one call.
 
+Note [Residue classes as heads]
+    Classes with as many rows and compressed keys see the keys alike (query ``m`` of each sees
+    ``c <= m + (keys - rows)``), so they run as one call: their queries side by side as more
+    heads, query head ``(j, class, i)`` read by key/value head ``j`` (GQA), the compressed
+    keys and values read once. With ``l = 2 d`` (NSA's 32 and 16) and a length divisible by
+    ``d`` that is two calls instead of ``d``: a call of the compressed branch at 64K tokens
+    is ~4K rows over at most ~4K keys, too short to hide its host time.
+
 Shape legend: B batch, Nq query rows, Nk key rows, H query heads, Hkv key/value heads, D head
 dim, Nc compressed keys, l compress_block, d compress_stride.
 """
@@ -336,7 +344,8 @@ def compressed_branch(
 ) -> Result:  # fmt: skip
     """The compressed branch, exact per token (Note [The compressed branch exactly, per
     residue class]; the classes' rows taken and put back as Note [Residue classes gathered
-    once] in ``residue_rows.py`` says): ``(out (B, Nq, H, D), lse (B, H, Nq) or None)``.
+    once] in ``residue_rows.py`` says, classes alike run as one call: Note [Residue classes as
+    heads]): ``(out (B, Nq, H, D), lse (B, H, Nq) or None)``.
 
     Args:
         q: (B, Nq, H, D), the last ``Nq`` of ``key_len`` positions (end-aligned).
@@ -355,15 +364,56 @@ def compressed_branch(
         attention, is_causal=run.is_causal, scale=run.scale, backend=run.backend
     )
     step = stride if run.is_causal else 1
-    starts = tuple(start for start, _ in calls)
-    classes = ResidueRows(starts, step, nq)
-    results = [_branch(call, q_r, k_cmp[:, :keys], v_cmp[:, :keys], run)
-               for q_r, (_, keys) in zip(classes.gather(q, 1), calls, strict=True)]  # fmt: skip
-    out = classes.scatter([o for o, _ in results], 1, 0.0)
+    classes = ResidueRows(tuple(start for start, _ in calls), step, nq)
+    views = classes.gather(q, 1)
+    outs: list[Any] = [None] * len(calls)
+    lses: list[Any] = [None] * len(calls)
+    for members in _same_calls(calls, [x.shape[1] for x in views]):
+        keys = calls[members[0]][1]
+        q_g = _classes_as_heads([views[i] for i in members], k_cmp.shape[2])
+        o_g, lse_g = _branch(call, q_g, k_cmp[:, :keys], v_cmp[:, :keys], run)
+        split = _heads_as_classes(o_g, lse_g, len(members), k_cmp.shape[2])
+        for i, o_c, lse_c in zip(members, *split, strict=True):
+            outs[i], lses[i] = o_c, lse_c
+    out = classes.scatter(outs, 1, 0.0)
     if not run.need_lse:
         return out, None
-    lses = [x.to(lse_dtype) for _, x in results]  # type: ignore[union-attr]
-    return out, classes.scatter(lses, 2, -torch.inf)
+    return out, classes.scatter([x.to(lse_dtype) for x in lses], 2, -torch.inf)
+
+
+def _same_calls(calls: list[tuple[int, int]], sizes: list[int]) -> list[list[int]]:
+    """The classes' calls in groups of the same rows and compressed keys (Note [Residue
+    classes as heads]), each group's classes in order."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, ((_, keys), size) in enumerate(zip(calls, sizes, strict=True)):
+        groups.setdefault((size, keys), []).append(i)
+    return list(groups.values())
+
+
+def _classes_as_heads(parts: list[torch.Tensor], kv_heads: int) -> torch.Tensor:
+    """G classes' queries, each (B, n, H, D), as one query (B, n, Hkv * G * g, D) whose
+    key/value head ``j`` serves the G classes' heads of group ``j`` (``g = H / Hkv``) (Note
+    [Residue classes as heads]); one class stays as it is."""
+    if len(parts) == 1:
+        return parts[0]
+    stacked = torch.stack(parts, dim=2)  # (B, n, G, H, D)
+    grouped = stacked.unflatten(3, (kv_heads, -1)).transpose(2, 3)  # (B, n, Hkv, G, g, D)
+    return grouped.flatten(2, 4)
+
+
+def _heads_as_classes(
+    out: torch.Tensor, lse: torch.Tensor | None, count: int, kv_heads: int
+) -> tuple[list[torch.Tensor], list[Any]]:
+    """:func:`_classes_as_heads` undone: ``out`` (B, n, Hkv * G * g, D) and ``lse`` (B, Hkv
+    * G * g, n) or None -> each class's (B, n, H, D) and (B, H, n) (or None)."""
+    if count == 1:
+        return [out], [lse]
+    shape = (kv_heads, count, -1)
+    outs = out.unflatten(2, shape).transpose(2, 3).contiguous().flatten(3, 4).unbind(2)
+    if lse is None:
+        return list(outs), [None] * count
+    lses = lse.unflatten(1, shape).transpose(1, 2).flatten(2, 3).unbind(1)
+    return list(outs), list(lses)
 
 
 def _class_calls(
