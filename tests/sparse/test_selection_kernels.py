@@ -302,3 +302,31 @@ def test_choice_from_tiles_keeps_the_best_blocks(
     if keys == "equal":  # the lowest candidates
         lowest = candidates & (candidates.cumsum(-1) <= count[:, None])
         assert torch.equal(picks[0], lowest)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("documents", [None, [0, 256, 512, 640, 1024]], ids=["by-position", "packed"])
+@pytest.mark.parametrize("return_indices", [False, True], ids=["bool", "indices"])
+def test_choice_launches_replay_with_the_new_tensors(documents, return_indices) -> None:
+    """The choice's launches (block means' parts, top blocks) are bound on the first call of a
+    layout and replayed after (Note [Bound launches]): a later call on other tensors gives the
+    bits a fresh call gives, not the first call's."""
+    skip_without_triton("cuda")
+    from dilated_attention.backends.triton_kernels import launch as L
+
+    def choose(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return select_blocks(q, k, block_size=64, topk=3, is_causal=True, cu_seqlens=documents,
+                             return_indices=return_indices)  # fmt: skip
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q1, q2 = (torch.randn(2, 512, 8, 64, device="cuda", generator=g) for _ in range(2))
+    k1, k2 = (torch.randn(2, 512, 2, 64, device="cuda", generator=g) for _ in range(2))
+    L.clear_bound()
+    first = choose(q1.bfloat16(), k1.bfloat16())
+    names = {site[0] for site in L._BOUND}
+    assert {"mean_parts", "top_blocks"} <= names
+    replayed = choose(q2.bfloat16(), k2.bfloat16())
+    L.clear_bound()
+    fresh = choose(q2.bfloat16(), k2.bfloat16())
+    assert torch.equal(replayed, fresh)
+    assert not torch.equal(replayed, first)

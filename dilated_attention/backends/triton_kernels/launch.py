@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -44,7 +44,10 @@ import torch
 from triton import knobs
 from triton.runtime import driver
 
-__all__ = ["Binding", "binding", "clear_bound", "launch", "replay", "site_key"]
+__all__ = [
+    "Binding", "binding", "clear_bound", "launch", "launch_recorded", "replay", "run_site",
+    "site_key",
+]  # fmt: skip
 
 #: (kernel, grid, device, argument key, options) -> (compiled kernel, constexpr values).
 _COMPILED: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
@@ -285,6 +288,30 @@ def binding(
         if len(_BOUND) >= COMPILED_LIMIT:
             del _BOUND[next(iter(_BOUND))]
         _BOUND[site] = tuple(record.bound)
+
+
+def launch_recorded(
+    kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """:func:`launch`, recorded into the :func:`binding` being made, if any."""
+    compiled = launch(kernel, grid, args, kwargs)
+    record = _BINDING.get()
+    if record is not None:
+        record.add(compiled, grid, args)
+
+
+def run_site(
+    site: tuple[Any, ...],
+    roles: Sequence[Any],
+    body: Callable[[], None],
+    constants: Sequence[torch.Tensor] = (),
+) -> None:
+    """The launches ``body`` makes (through :func:`launch_recorded`), or where ``site`` ran
+    before, their bound copies with ``roles`` in their roles (Note [Bound launches])."""
+    if replay(site, roles):
+        return
+    with binding(site, roles, constants):
+        body()
 
 
 def clear_bound() -> None:

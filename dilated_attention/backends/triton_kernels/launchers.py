@@ -66,7 +66,16 @@ from .._compat import _release
 from .backward import _delta_kernel, _dkdv_kernel, _dq_kernel
 from .compile import Launch, compile_launches
 from .forward import _forward_kernel
-from .launch import _hooked, binding, current_binding, launch, replay, site_key  # noqa: F401
+from .launch import (  # noqa: F401
+    _hooked,
+    binding,
+    current_binding,
+    launch,
+    launch_recorded,
+    replay,
+    run_site,
+    site_key,
+)
 from .tiles import TileConfig, cdiv, next_power_of_2
 
 try:  # Triton >= 3.4
@@ -163,10 +172,7 @@ def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> No
     if recorded is not None:
         recorded.append(Launch.record(kernel, grid, args, kwargs))
         return
-    compiled = launch(kernel, grid, args, kwargs)
-    record = current_binding()
-    if record is not None:
-        record.add(compiled, grid, args)
+    launch_recorded(kernel, grid, args, kwargs)
 
 
 def graphable() -> bool:
@@ -188,10 +194,7 @@ def run_bound(
     if _compiling():
         body()
         return
-    if replay(site, roles):
-        return
-    with binding(site, roles, constants):
-        body()
+    run_site(site, roles, body, constants)
 
 
 @contextlib.contextmanager

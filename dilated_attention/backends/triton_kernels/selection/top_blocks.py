@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import launch
+from ..launch import launch_recorded, run_site, site_key
 from ..tiles import next_power_of_2
 
 #: The most key blocks a row may have: its group maxima are held at once (256 of 64 columns).
@@ -248,19 +248,41 @@ def top_blocks(
     else:  # not read: any tensor of the right layout stands in
         masks = [affinity.view(torch.uint8)] * 2
     block = next_power_of_2(cols)
-    picks = next_power_of_2(topk)
-    group = max(1, min(64, block // picks))  # at least PICKS groups
+    group = max(1, min(64, block // next_power_of_2(topk)))  # at least PICKS groups
     maxima = torch.empty(batch * heads * rows, block // group, dtype=torch.float32,
                          device=affinity.device)  # fmt: skip
     written = out if indices else out.view(torch.int8)
+    # A known layout replays its launch (Note [Bound launches] in launch.py); the masks are
+    # roles only where they are read.
+    roles = (affinity, written, maxima) if ranges is not None else (
+        affinity, *masks, written, maxima)  # fmt: skip
+    site = site_key("top_blocks", roles, topk, own_width, ranges)
+    run_site(site, roles, lambda: _launch(affinity, masks, written, maxima, topk, own_width,
+                                          ranges))  # fmt: skip
+    return out
+
+
+def _launch(
+    affinity: torch.Tensor,
+    masks: list[torch.Tensor],
+    written: torch.Tensor,
+    maxima: torch.Tensor,
+    topk: int,
+    own_width: int | None,
+    ranges: RowRanges | None,
+) -> None:
+    """The launch of :func:`top_blocks` into ``written`` (its ``out``, bool as int8)."""
+    batch, heads, rows, cols = affinity.shape
+    block = next_power_of_2(cols)
+    picks = next_power_of_2(topk)
+    group = block // maxima.shape[1]
     where = ranges or RowRanges(0, 0, 1, 1, False)
     args = (affinity, *masks, written, maxima, cols, heads, rows, topk, *affinity.stride()[:3],
-            *masks[0].stride()[:3], *masks[1].stride()[:3], *out.stride()[:3], own_width or 0,
-            where.first_row, where.shift, where.block_size, where.key_len,
+            *masks[0].stride()[:3], *masks[1].stride()[:3], *written.stride()[:3],
+            own_width or 0, where.first_row, where.shift, where.block_size, where.key_len,
             int(where.causal))  # fmt: skip
     options = {"CHUNK": min(block, _CHUNK), "GROUP": group, "GROUPS": block // group,
                "PICKS": picks, "OWN": next_power_of_2(max(1, own_width or 0)),
-               "INDICES": indices, "RANGES": ranges is not None,
+               "INDICES": own_width is not None, "RANGES": ranges is not None,
                "num_warps": _WARPS}  # fmt: skip
-    launch(_top_blocks_kernel, (batch * heads * rows,), args, options)
-    return out
+    launch_recorded(_top_blocks_kernel, (batch * heads * rows,), args, options)
