@@ -13,9 +13,11 @@ Note [Top blocks in registers]
     maximum to a scratch row; the second takes the maximum ``topk`` times among the group
     maxima, then ``topk`` times among those groups' columns, read again (from the cache), the
     lowest column among equal ones each time: ``topk * (Mk / 64 + 64 topk)`` comparisons for a
-    row, not ``topk * Mk``. A program is two warps: every maximum is a reduction across its
-    threads, and a wider program spends its time waiting on them (one program of 8 warps holding
-    the whole row took 6.5 ms at 1M tokens). A NaN affinity ranks below every number and above
+    row, not ``topk * Mk``. A program is one warp up to 1,024 columns and two above: every
+    maximum is a reduction across its threads, and a wider program spends its time waiting on
+    them (one program of 8 warps holding the whole row took 6.5 ms at 1M tokens; on an H100, 16
+    heads, ``topk`` 15, one warp took 33 / 53 / 182 us at 256 / 512 / 1,024 columns and rows,
+    two warps 56 / 73 / 203 us). A NaN affinity ranks below every number and above
     the non-candidates, as the torch path ranks it.
 
 Note [Chosen blocks as indices]
@@ -52,9 +54,11 @@ from ..tiles import next_power_of_2
 #: The most key blocks a row may have: its group maxima are held at once (256 of 64 columns).
 MAX_COLUMNS = 16384
 
-#: Columns a program reads at a time in its first pass, and its warps (one row per program).
+#: Columns a program reads at a time in its first pass, and its warps (one row per program):
+#: one up to ``_ONE_WARP_COLUMNS`` columns, else ``_WARPS``.
 _CHUNK = 1024
 _WARPS = 2
+_ONE_WARP_COLUMNS = 1024
 
 
 _LOWEST = tl.constexpr(-3.4028234663852886e38)  # a NaN affinity ranks here: below every number
@@ -284,5 +288,5 @@ def _launch(
     options = {"CHUNK": min(block, _CHUNK), "GROUP": group, "GROUPS": block // group,
                "PICKS": picks, "OWN": next_power_of_2(max(1, own_width or 0)),
                "INDICES": own_width is not None, "RANGES": ranges is not None,
-               "num_warps": _WARPS}  # fmt: skip
+               "num_warps": 1 if cols <= _ONE_WARP_COLUMNS else _WARPS}  # fmt: skip
     launch_recorded(_top_blocks_kernel, (batch * heads * rows,), args, options)
