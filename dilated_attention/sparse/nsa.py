@@ -46,10 +46,12 @@ Note [The compressed branch exactly, per residue class]
 Note [Residue classes as heads]
     Classes with as many rows and compressed keys see the keys alike (query ``m`` of each sees
     ``c <= m + (keys - rows)``), so they run as one call: their queries side by side as more
-    heads, query head ``(j, class, i)`` read by key/value head ``j`` (GQA), the compressed
-    keys and values read once. With ``l = 2 d`` (NSA's 32 and 16) and a length divisible by
-    ``d`` that is two calls instead of ``d``: a call of the compressed branch at 64K tokens
-    is ~4K rows over at most ~4K keys, too short to hide its host time.
+    heads, head ``h`` of class ``c`` as head ``h * G + c`` of G classes, so that key/value
+    head ``j`` serves its group's heads of every class (GQA) and the compressed keys and values
+    are read once; each class's output and lse are strided views of the call's. With ``l =
+    2 d`` (NSA's 32 and 16) and a length divisible by ``d`` that is two calls instead of
+    ``d``: a call of one class at 64K tokens is ~4K rows over at most ~4K keys, too short to
+    hide its host time.
 
 Shape legend: B batch, Nq query rows, Nk key rows, H query heads, Hkv key/value heads, D head
 dim, Nc compressed keys, l compress_block, d compress_stride.
@@ -370,9 +372,10 @@ def compressed_branch(
     lses: list[Any] = [None] * len(calls)
     for members in _same_calls(calls, [x.shape[1] for x in views]):
         keys = calls[members[0]][1]
-        q_g = _classes_as_heads([views[i] for i in members], k_cmp.shape[2])
+        q_g = _classes_as_heads([views[i] for i in members])
         o_g, lse_g = _branch(call, q_g, k_cmp[:, :keys], v_cmp[:, :keys], run)
-        split = _heads_as_classes(o_g, lse_g, len(members), k_cmp.shape[2])
+        del q_g  # not held past its call (without gradients nothing else holds it)
+        split = _heads_as_classes(o_g, lse_g, len(members))
         for i, o_c, lse_c in zip(members, *split, strict=True):
             outs[i], lses[i] = o_c, lse_c
     out = classes.scatter(outs, 1, 0.0)
@@ -390,29 +393,24 @@ def _same_calls(calls: list[tuple[int, int]], sizes: list[int]) -> list[list[int
     return list(groups.values())
 
 
-def _classes_as_heads(parts: list[torch.Tensor], kv_heads: int) -> torch.Tensor:
-    """G classes' queries, each (B, n, H, D), as one query (B, n, Hkv * G * g, D) whose
-    key/value head ``j`` serves the G classes' heads of group ``j`` (``g = H / Hkv``) (Note
-    [Residue classes as heads]); one class stays as it is."""
+def _classes_as_heads(parts: list[torch.Tensor]) -> torch.Tensor:
+    """G classes' queries, each (B, n, H, D), as one query (B, n, H * G, D), head ``h * G +
+    c`` class ``c``'s head ``h``: key/value head ``j`` serves the G classes' heads of its
+    group (Note [Residue classes as heads]); one class stays as it is."""
     if len(parts) == 1:
         return parts[0]
-    stacked = torch.stack(parts, dim=2)  # (B, n, G, H, D)
-    grouped = stacked.unflatten(3, (kv_heads, -1)).transpose(2, 3)  # (B, n, Hkv, G, g, D)
-    return grouped.flatten(2, 4)
+    return torch.stack(parts, dim=3).flatten(2, 3)
 
 
 def _heads_as_classes(
-    out: torch.Tensor, lse: torch.Tensor | None, count: int, kv_heads: int
+    out: torch.Tensor, lse: torch.Tensor | None, count: int
 ) -> tuple[list[torch.Tensor], list[Any]]:
-    """:func:`_classes_as_heads` undone: ``out`` (B, n, Hkv * G * g, D) and ``lse`` (B, Hkv
-    * G * g, n) or None -> each class's (B, n, H, D) and (B, H, n) (or None)."""
+    """:func:`_classes_as_heads` undone, as views: ``out`` (B, n, H * G, D) and ``lse`` (B,
+    H * G, n) or None -> each class's (B, n, H, D) and (B, H, n) (or None)."""
     if count == 1:
         return [out], [lse]
-    shape = (kv_heads, count, -1)
-    outs = out.unflatten(2, shape).transpose(2, 3).contiguous().flatten(3, 4).unbind(2)
-    if lse is None:
-        return list(outs), [None] * count
-    lses = lse.unflatten(1, shape).transpose(1, 2).flatten(2, 3).unbind(1)
+    outs = out.unflatten(2, (-1, count)).unbind(3)
+    lses = [None] * count if lse is None else lse.unflatten(1, (-1, count)).unbind(2)
     return list(outs), list(lses)
 
 
