@@ -305,7 +305,9 @@ def test_choice_from_tiles_keeps_the_best_blocks(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("documents", [None, [0, 256, 512, 640, 1024]], ids=["by-position", "packed"])
+@pytest.mark.parametrize(
+    "documents", [None, [0, 256, 512, 640, 1024]], ids=["by-position", "packed"]
+)
 @pytest.mark.parametrize("return_indices", [False, True], ids=["bool", "indices"])
 def test_choice_launches_replay_with_the_new_tensors(documents, return_indices) -> None:
     """The choice's launches (block means' parts, top blocks) are bound on the first call of a
