@@ -1,0 +1,71 @@
+"""NSA's compressed branch runs residue classes alike as one call (Note [Residue classes as
+heads]): fewer calls than classes, and the same outputs, lse and gradients as one plain
+``attention`` call per class on strided views of the queries (the branch as first written)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import dilated_attention.sparse.nsa as nsa
+from dilated_attention import attention
+from dilated_attention.sparse import compress_kv
+
+F64 = torch.float64
+
+
+def _per_class(q, k_cmp, v_cmp, key_len, block, stride, run):
+    """One ``attention`` call per residue class on a strided view, written into a strided
+    slice of the output: the branch without grouping."""
+    batch, nq, heads, _ = q.shape
+    out = q.new_zeros(batch, nq, heads, v_cmp.shape[-1])
+    lse = torch.full((batch, heads, nq), -torch.inf, dtype=F64)
+    call = functools.partial(attention, is_causal=run.is_causal, scale=run.scale,
+                             return_lse=True)  # fmt: skip
+    step = stride if run.is_causal else 1
+    for start, keys in nsa._class_calls(nq, key_len, block, stride, run.is_causal,
+                                        k_cmp.shape[1]):  # fmt: skip
+        o_r, lse_r = call(q[:, start::step], k_cmp[:, :keys], v_cmp[:, :keys])
+        out[:, start::step] = o_r
+        lse[:, :, start::step] = lse_r
+    return out, lse
+
+
+@pytest.mark.parametrize(
+    ("nq", "nk", "block", "stride", "heads", "kv_heads"),
+    [
+        (64, 64, 8, 4, 4, 2),  # l = 2 d: classes 0-2 alike, class 3 apart
+        (61, 61, 8, 4, 4, 1),  # a length not divisible by d
+        (20, 45, 5, 3, 2, 2),  # end-aligned, l not a multiple of d
+    ],
+)
+def test_alike_classes_run_as_one_call(monkeypatch, nq, nk, block, stride, heads,
+                                       kv_heads) -> None:  # fmt: skip
+    g = torch.Generator().manual_seed(nq + nk)
+    q = torch.randn(2, nq, heads, 8, generator=g, dtype=F64, requires_grad=True)
+    k = torch.randn(2, nk, kv_heads, 8, generator=g, dtype=F64, requires_grad=True)
+    v = torch.randn(2, nk, kv_heads, 8, generator=g, dtype=F64, requires_grad=True)
+    k_cmp, v_cmp = compress_kv(k, v, block=block, stride=stride)
+    run = nsa.Run(scale=0.3, backend=None, is_causal=True, need_lse=True)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return attention(*args, **kwargs)
+
+    monkeypatch.setattr(nsa, "attention", counted)
+    out, lse = nsa.compressed_branch(q, k_cmp, v_cmp, nk, block, stride, run)
+    per_class = nsa._class_calls(nq, nk, block, stride, True, k_cmp.shape[1])
+    kinds = {(len(range(start, nq, stride)), keys) for start, keys in per_class}
+    # need_lse makes each call twice (Note [A differentiable log-sum-exp])
+    assert len(calls) == 2 * len(kinds) and len(kinds) < len(per_class)
+    want_out, want_lse = _per_class(q, k_cmp, v_cmp, nk, block, stride, run)
+    torch.testing.assert_close(out, want_out, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(lse.detach(), want_lse, atol=1e-12, rtol=1e-12)
+    dout = torch.randn(out.shape, generator=g, dtype=F64)
+    got = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    want = torch.autograd.grad(want_out, (q, k, v), dout)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
