@@ -66,16 +66,7 @@ from .._compat import _release
 from .backward import _delta_kernel, _dkdv_kernel, _dq_kernel
 from .compile import Launch, compile_launches
 from .forward import _forward_kernel
-from .launch import (  # noqa: F401
-    _hooked,
-    binding,
-    current_binding,
-    launch,
-    launch_recorded,
-    replay,
-    run_site,
-    site_key,
-)
+from .launch import _hooked, launch_recorded, run_site, site_key  # noqa: F401 (site_key)
 from .tiles import TileConfig, cdiv, next_power_of_2
 
 try:  # Triton >= 3.4
