@@ -303,10 +303,13 @@ class FlashAttn4Backend(Backend):
         *,
         scale: float,
         is_causal: bool,
+        into: KernelOutput | None = None,
     ) -> KernelOutput:
         """Attention over the tiles of ``tiles`` (forward lists; Note [FlashAttention-4 block
         sparsity]). q (B, Nq, H, D), k/v (B, Nk, Hkv, D) -> out (B, Nq, H, D), lse (B, H, Nq);
-        rows whose tiles list nothing are not defined here (the caller sets them)."""
+        rows whose tiles list nothing are not defined here (the caller sets them). ``into``:
+        contiguous out and lse to write (then, with q, k and v of a contiguous last dim, the
+        call allocates nothing)."""
         fwd = _interface()._flash_attn_fwd
         q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
         values = {
@@ -314,7 +317,13 @@ class FlashAttn4Backend(Backend):
             "mask_mod": _top_left_causal() if is_causal else None,
             "block_sparse_tensors": _sparse_tensors(tiles), "pack_gqa": False, "return_lse": True,
         }  # fmt: skip
+        if into is not None:
+            values.update(out=into.out, lse=into.lse)
         out, lse = fwd(**_bind(fwd, values))[:2]
+        if into is not None and out is not into.out:  # a release without ``out=``
+            into.out.copy_(out)
+            into.lse.copy_(lse)
+            return into
         return KernelOutput(out, lse)
 
     def block_sparse_backward(

@@ -95,6 +95,25 @@ def merge_kernel() -> Callable[..., None] | None:
 register_in_place_merge("cuda", merge_kernel)
 
 
+def run_launches(
+    key: tuple[Any, ...] | None,
+    tensors: Sequence[torch.Tensor | None],
+    launches: Callable[[], None],
+    keep: object = None,
+) -> None:
+    """``launches`` (kernels into ``tensors``, allocating nothing), replayed from a CUDA graph
+    once the same call has run (Note [A call's launches from a CUDA graph] in
+    ``core/execution/graphs.py``): for CUDA tensors with Triton importable, outside the
+    interpreter, the compile-only dry run and a profiler's launch hook; else launched now.
+    ``key`` None: launched now."""
+    first = tensors[0]
+    plain = key is None or first is None or not first.is_cuda or interpreting()
+    if plain or kernel_module("launchers") is None or not _kernels().graphable():
+        launches()
+        return
+    graphs.run_launches((*key, _kernels().DESCRIPTOR_POLICY), tensors, launches, keep)
+
+
 def slot_kernels() -> Any:
     """The one-pass merge and sum of branch slots on CUDA (``_triton_merge.SlotKernels``; Note
     [Branch slots merged once] in ``core/geometry/slots.py``), or ``None`` where Triton cannot be
@@ -344,14 +363,8 @@ class TritonBackend(Backend):
         launches: Callable[[], None],
         keep: object = None,
     ) -> None:
-        """See ``FusedBackend.run_launches`` in ``core/contract.py``: CUDA graphs for CUDA
-        tensors, outside the compile-only dry run and with no profiler's launch hook."""
-        first = tensors[0]
-        plain = key is None or first is None or not first.is_cuda or interpreting()
-        if plain or not _kernels().graphable():  # compiling ahead, or a profiler's launch hook
-            launches()
-            return
-        graphs.run_launches((*key, _kernels().DESCRIPTOR_POLICY), tensors, launches, keep)
+        """See ``FusedBackend.run_launches`` in ``core/contract.py``: :func:`run_launches`."""
+        run_launches(key, tensors, launches, keep)
 
     def backward_branch(
         self,

@@ -5,6 +5,18 @@ or of a run-time mask (per batch row and query head, on the device, per call), a
 Rows whose block row keeps no key block are left out of every tile list; the runner gives them
 ``out = 0`` and ``lse = -inf``, and zero gradients to them and to keys no query reads, whatever
 the kernel leaves there.
+
+Note [A run-time mask's forward in one graph]
+    FA4's entry point spends ~0.3 ms of Python per call on the host, and a run-time mask's
+    lists take a launch of their own before it: at 64K tokens the forward's kernel started
+    ~0.85 ms after the call did (H100), a third of the call. So the forward allocates
+    everything first (out, lse, the lists, the empty rows and unread keys) and then runs one
+    closure that only launches into them: the lists' kernel (:class:`ListLaunches`), FA4's
+    kernel, and the fills of the empty rows. That closure goes through
+    ``backends.triton.run_launches``, which replays it from a CUDA graph once the same call
+    (the same addresses) has run before (Note [A call's launches from a CUDA graph] in
+    ``core/execution/graphs.py``): the host then only checks, allocates and replays. A backward
+    that runs without this forward (``saved_without_forward``) runs the lists' launch itself.
 """
 
 from __future__ import annotations
@@ -16,13 +28,36 @@ from dataclasses import dataclass
 import torch
 
 from ..backends.flash_attn4 import FlashAttn4Backend, SparseTiles
-from ..backends.triton import kernel_module
+from ..backends.triton import kernel_module, run_launches
 from ..core.autograd import Backward, Forward, Grads, Inputs, Saved
+from ..core.contract import KernelOutput
 from ..patterns import Pattern
-from .lists import narrow_tile_lists, runtime_tile_lists
+from .lists import planned_narrow_lists, runtime_tile_lists
 from .plan import causal_block_mask, num_blocks, recomputed_grads
 from .runtime import FIRST_ORDER_MESSAGE, BlockIndices, per_query_head, token_rows
 from .tiles import kernel_tiles, tile_lists
+
+
+class ListLaunches:
+    """The launches that fill a run-time mask's list buffers in place (allocating nothing):
+    run inside the forward's launches, or by a backward without that forward (Note [A
+    run-time mask's forward in one graph]).
+
+    Attributes:
+        tensors: what the launches read and write (for the forward's graph key).
+        done: whether they have run for this call.
+    """
+
+    def __init__(self, launches: Callable[[], None], tensors: tuple[torch.Tensor | None, ...]):
+        self.launches = launches
+        self.tensors = tensors
+        self.done = False
+
+    def ensure(self) -> None:
+        """Run the launches unless this call's forward ran them."""
+        if not self.done:
+            self.launches()
+            self.done = True
 
 
 @dataclass(frozen=True)
@@ -39,6 +74,8 @@ class FlashAttn4Tiles:
             no key (a key/value head's flag serves its group), or None if none.
         unread_keys: (1 or B, 1 or Hkv, Mk) bool on the device, the key blocks no query reads,
             or None if none.
+        pending: where the lists, ``empty_rows`` and ``unread_keys`` are buffers still to be
+            filled, the launches that fill them; else None.
     """
 
     forward: SparseTiles
@@ -47,6 +84,7 @@ class FlashAttn4Tiles:
     empty_rows: torch.Tensor | None
     unread_keys: torch.Tensor | None
     make_backward: Callable[[], SparseTiles] | None = None
+    pending: ListLaunches | None = None
 
     def backward_lists(self) -> SparseTiles:
         """The backward's tile lists, made now where they were left for the backward."""
@@ -124,14 +162,20 @@ def runtime_fa4_tiles(
     or H heads; :func:`~.lists.runtime_tile_lists`). From a bool (Bm, Hm, Mq, Mk) every list
     is as wide as its tile count; from block indices (where :func:`~.lists.tiles_aligned`) the
     forward's are ``K`` blocks wide (Note [Narrow lists of block indices])."""
+    fill = None
     if isinstance(kept, BlockIndices):
-        forward, empty, read = narrow_tile_lists(kept, num_heads)
+        (forward, empty, read), fill = planned_narrow_lists(kept, num_heads)
     else:
         forward = runtime_tile_lists(kept, block_size=block_size, query_len=query_len,
                                      key_len=key_len, is_causal=is_causal, num_heads=num_heads)
         empty, read = ~kept.any(-1), kept.any(-2)
-    if read.shape[1] == num_heads != num_kv_heads:  # a key is read by its group's heads
-        read = read.view(read.shape[0], num_kv_heads, -1, read.shape[-1]).any(2)
+    pending = None
+    if fill is None:
+        unread = ~_by_kv_head(read, num_kv_heads, num_heads)
+    else:
+        assert isinstance(kept, BlockIndices)  # only block indices' lists are left to fill
+        read_by = (kept.indices, kept.documents, *forward, empty)
+        pending, unread = _list_launches(fill, read_by, read, num_kv_heads, num_heads)
 
     def backward() -> SparseTiles:
         mask = kept.as_mask() if isinstance(kept, BlockIndices) else kept
@@ -140,7 +184,39 @@ def runtime_fa4_tiles(
             is_causal=is_causal, num_heads=num_heads, backward=True,
         ))  # fmt: skip
 
-    return FlashAttn4Tiles(SparseTiles(*forward), None, None, empty, ~read, backward)
+    return FlashAttn4Tiles(SparseTiles(*forward), None, None, empty, unread, backward, pending)
+
+
+def _by_kv_head(read: torch.Tensor, num_kv_heads: int, num_heads: int) -> torch.Tensor:
+    """(B, Hm, Mk) key blocks read per mask head -> per key/value head where Hm is H: a key is
+    read by its group's heads."""
+    if read.shape[1] == num_heads != num_kv_heads:
+        return read.view(read.shape[0], num_kv_heads, -1, read.shape[-1]).any(2)
+    return read
+
+
+def _list_launches(
+    fill: Callable[[], None],
+    lists: tuple[torch.Tensor | None, ...],
+    read: torch.Tensor,
+    num_kv_heads: int,
+    num_heads: int,
+) -> tuple[ListLaunches, torch.Tensor]:
+    """The launches of the lists' ``fill`` (which reads and writes ``lists`` and ``read``), then
+    of the unread key blocks from ``read``, and the unread blocks' buffer (1 or B, 1 or Hkv, Mk)
+    bool they write; nothing runs yet."""
+    grouped = read.shape[1] == num_heads != num_kv_heads
+    shape = (read.shape[0], num_kv_heads if grouped else read.shape[1], read.shape[-1])
+    any_read = torch.empty(shape, dtype=torch.bool, device=read.device) if grouped else read
+    unread = torch.empty(shape, dtype=torch.bool, device=read.device)
+
+    def launches() -> None:
+        fill()
+        if grouped:  # a key is read by its group's heads
+            torch.any(read.view(shape[0], shape[1], -1, shape[2]), dim=2, out=any_read)
+        torch.logical_not(any_read, out=unread)
+
+    return ListLaunches(launches, (*lists, read, any_read, unread)), unread
 
 
 @dataclass(frozen=True)
@@ -162,19 +238,39 @@ class FlashAttn4BlockSparseRunner:
         return FIRST_ORDER_MESSAGE if self.tiles.mask is None else ""
 
     def forward(self, x: Inputs) -> Forward:
-        q, k, v, _ = x  # no key padding mask here
-        res = self.backend.block_sparse_forward(
-            q, k, v, self.tiles.forward, scale=self.scale, is_causal=self.is_causal
-        )
-        out, lse = res.out, res.lse
-        empty = self.tiles.empty_rows  # in place: the kernel's own new tensors
-        fill_blocks(out, empty, self.block_size, 0.0)
-        fill_blocks(lse.transpose(1, 2).unsqueeze(-1), empty, self.block_size, float("-inf"))
+        # FA4 reads strided rows; a copy here, not inside the launches. No key padding mask.
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in x[:3])
+        batch, length, heads = q.shape[:3]
+        out = q.new_empty(batch, length, heads, v.shape[-1])
+        lse_dtype = torch.promote_types(q.dtype, torch.float32)  # as KernelOutput's lse
+        lse = torch.empty(batch, heads, length, dtype=lse_dtype, device=q.device)
+        tiles = self.tiles
+
+        def launches() -> None:  # into the buffers, allocating nothing
+            if tiles.pending is not None:
+                tiles.pending.launches()
+            self.backend.block_sparse_forward(
+                q, k, v, tiles.forward, scale=self.scale, is_causal=self.is_causal,
+                into=KernelOutput(out, lse),
+            )  # fmt: skip
+            empty = tiles.empty_rows
+            fill_blocks(out, empty, self.block_size, 0.0)
+            fill_blocks(lse.transpose(1, 2).unsqueeze(-1), empty, self.block_size, float("-inf"))
+
+        key = ("fa4 block-sparse forward", self.block_size, self.is_causal, self.scale,
+               tiles.pending is not None)  # fmt: skip
+        pending = tiles.pending.tensors if tiles.pending is not None else ()
+        run_launches(key, (q, k, v, out, lse, *tiles.forward, tiles.empty_rows, *pending),
+                     launches)  # fmt: skip
+        if tiles.pending is not None:
+            tiles.pending.done = True
         return Forward(out, lse, saved=(k, v))
 
     def backward(self, b: Backward) -> Grads:
         dout, q, out, lse, saved, _ = b
         k, v = saved
+        if self.tiles.pending is not None:
+            self.tiles.pending.ensure()
         dq, dk, dv = self.backend.block_sparse_backward(
             dout, q, k, v, out, lse, self.tiles.backward_lists(), scale=self.scale,
             is_causal=self.is_causal,

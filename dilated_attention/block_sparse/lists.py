@@ -23,6 +23,7 @@ key blocks, Tq / Tk query / key tiles, K indices per row.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -33,7 +34,7 @@ from .runtime import BlockIndices, kept_indices, listed_blocks, per_query_head
 from .tiles import KERNEL_TILE, kernel_tiles
 
 __all__ = ["NarrowLists", "TileLists", "compact_rows", "index_tile_lists", "narrow_tile_lists",
-           "runtime_tile_lists", "tiles_aligned"]  # fmt: skip
+           "planned_narrow_lists", "runtime_tile_lists", "tiles_aligned"]  # fmt: skip
 
 
 class TileLists(NamedTuple):
@@ -100,23 +101,34 @@ def narrow_tile_lists(blocks: BlockIndices, num_heads: int) -> NarrowLists:
     """The forward lists of block indices where :func:`tiles_aligned` (Note [Narrow lists of
     block indices]): one Triton launch on the GPU (Note [Narrow lists in one launch] in
     ``backends/triton_kernels/index_lists.py``), torch operations elsewhere."""
+    lists, fill = planned_narrow_lists(blocks, num_heads)
+    if fill is not None:
+        fill()
+    return lists
+
+
+def planned_narrow_lists(
+    blocks: BlockIndices, num_heads: int
+) -> tuple[NarrowLists, Callable[[], None] | None]:
+    """:func:`narrow_tile_lists` as buffers and the launch that fills them in place (on the
+    GPU: the caller runs it, inside its own launches), or made now (``None``: elsewhere)."""
     indices, size = blocks.indices, blocks.block_size
     heads = _heads(indices, num_heads)
     module = kernel_module("index_lists") if indices.is_cuda else None
     if module is not None:
-        lists, empty, read = module.index_lists(
+        planned = module.planned_index_lists(
             indices, repeat=size // KERNEL_TILE, key_blocks=num_blocks(blocks.key_len, size),
             row_tiles=num_blocks(blocks.query_len, KERNEL_TILE),
             key_tiles=num_blocks(blocks.key_len, KERNEL_TILE), is_causal=blocks.is_causal,
             heads=heads, same=blocks.documents,
         )  # fmt: skip
-        return NarrowLists(TileLists(*lists), empty, read)
+        return NarrowLists(TileLists(*planned.lists), planned.empty, planned.read), planned.launch
     index, mk = kept_indices(blocks), num_blocks(blocks.key_len, size)
     lists = index_tile_lists(index, mk, block_size=size, query_len=blocks.query_len,
                              key_len=blocks.key_len, is_causal=blocks.is_causal,
                              num_heads=num_heads)  # fmt: skip
     read = listed_blocks(index.flatten(-2), mk)  # every row's blocks, as one list per head
-    return NarrowLists(lists, per_query_head((index < mk).sum(-1) == 0, heads), read)
+    return NarrowLists(lists, per_query_head((index < mk).sum(-1) == 0, heads), read), None
 
 
 def index_tile_lists(

@@ -19,6 +19,9 @@ Note [Narrow lists in one launch]
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -81,6 +84,17 @@ def _index_lists_kernel(
             tl.store(partial_index + bh * row_tiles + row, row.to(tl.int32))
 
 
+class PlannedIndexLists(NamedTuple):
+    """The buffers of :func:`planned_index_lists` and ``launch``, which fills them in place and
+    allocates nothing (so that a CUDA graph of the call can take it: Note [A call's launches
+    from a CUDA graph] in ``core/execution/graphs.py``)."""
+
+    lists: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    empty: torch.Tensor
+    read: torch.Tensor
+    launch: Callable[[], None]
+
+
 def index_lists(
     indices: torch.Tensor,
     *,
@@ -92,7 +106,7 @@ def index_lists(
     heads: int,
     same: torch.Tensor | None = None,
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
-    """The forward tile lists of block indices (Note [Narrow lists in one launch]).
+    """The forward tile lists of block indices (Note [Narrow lists in one launch]), made now.
 
     Args:
         indices: (Bm, Hm, Mq, K) int block indices on the GPU, any strides; ``heads`` (1 or
@@ -107,16 +121,43 @@ def index_lists(
         Mq) bool, the query blocks that keep nothing; ``read`` (Bl, Hm, Mk) bool, the key
         blocks some row keeps.
     """
+    planned = planned_index_lists(
+        indices, repeat=repeat, key_blocks=key_blocks, row_tiles=row_tiles,
+        key_tiles=key_tiles, is_causal=is_causal, heads=heads, same=same,
+    )  # fmt: skip
+    planned.launch()
+    return planned.lists, planned.empty, planned.read
+
+
+def planned_index_lists(
+    indices: torch.Tensor,
+    *,
+    repeat: int,
+    key_blocks: int,
+    row_tiles: int,
+    key_tiles: int,
+    is_causal: bool,
+    heads: int,
+    same: torch.Tensor | None = None,
+) -> PlannedIndexLists:
+    """:func:`index_lists`' buffers, allocated now, and the launch that fills them (later:
+    inside the forward's launches)."""
     batch, mask_heads, query_blocks, k = indices.shape
     batch = batch if same is None else same.shape[0]
     width = min(k * repeat, key_tiles)
     device = indices.device
-    lists = tuple(torch.zeros(batch, heads, row_tiles, *last, dtype=torch.int32, device=device)
+    lists = tuple(torch.empty(batch, heads, row_tiles, *last, dtype=torch.int32, device=device)
                   for last in ((), (1,), (), (width,)))  # fmt: skip
-    read = torch.zeros(batch, mask_heads, key_blocks, dtype=torch.bool, device=device)
-    empty = torch.ones(batch, heads, query_blocks, dtype=torch.bool, device=device)
+    read = torch.empty(batch, mask_heads, key_blocks, dtype=torch.bool, device=device)
+    empty = torch.empty(batch, heads, query_blocks, dtype=torch.bool, device=device)
     if empty.numel() == 0 or k == 0:
-        return lists, empty, read
+
+        def nothing_kept() -> None:
+            for x in (*lists, read):
+                x.zero_()
+            empty.fill_(True)
+
+        return PlannedIndexLists(lists, empty, read, nothing_kept)  # type: ignore[arg-type]
     s_ib, s_ih, s_ir, s_ik = indices.stride()
     s_ib, s_ih = (0 if indices.shape[0] == 1 else s_ib), (0 if mask_heads == 1 else s_ih)
     s_sb, _, s_sr, s_sc = same.stride() if same is not None else (0, 0, 0, 0)
@@ -126,5 +167,10 @@ def index_lists(
             s_ib, s_ih, s_ir, s_ik, s_sb, s_sr, s_sc, read.stride(0), read.stride(1))  # fmt: skip
     options = {"CAUSAL": is_causal, "DOCUMENTS": same is not None, "K": k,
                "KP": next_power_of_2(k), "num_warps": 1 if k <= 32 else 4}  # fmt: skip
-    launch(_index_lists_kernel, (batch * heads * query_blocks,), args, options)
-    return lists, empty, read
+
+    def fill() -> None:  # every count and flag is written; a list's tail and `read` are not
+        lists[3].zero_()
+        read.zero_()
+        launch(_index_lists_kernel, (batch * heads * query_blocks,), args, options)
+
+    return PlannedIndexLists(lists, empty, read, fill)  # type: ignore[arg-type]
