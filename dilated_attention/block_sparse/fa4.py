@@ -32,7 +32,7 @@ from ..backends.triton import kernel_module, run_launches
 from ..core.autograd import Backward, Forward, Grads, Inputs, Saved
 from ..core.contract import KernelOutput
 from ..patterns import Pattern
-from .lists import planned_narrow_lists, runtime_tile_lists
+from .lists import kept_mask, planned_narrow_lists, runtime_tile_lists
 from .plan import causal_block_mask, num_blocks, recomputed_grads
 from .runtime import FIRST_ORDER_MESSAGE, BlockIndices, per_query_head, token_rows
 from .tiles import kernel_tiles, tile_lists
@@ -178,7 +178,7 @@ def runtime_fa4_tiles(
         pending, unread = _list_launches(fill, read_by, read, num_kv_heads, num_heads)
 
     def backward() -> SparseTiles:
-        mask = kept.as_mask() if isinstance(kept, BlockIndices) else kept
+        mask = kept_mask(kept) if isinstance(kept, BlockIndices) else kept
         return SparseTiles(*runtime_tile_lists(
             mask, block_size=block_size, query_len=query_len, key_len=key_len,
             is_causal=is_causal, num_heads=num_heads, backward=True,

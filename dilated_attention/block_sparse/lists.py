@@ -33,8 +33,9 @@ from .plan import num_blocks
 from .runtime import BlockIndices, kept_indices, listed_blocks, per_query_head
 from .tiles import KERNEL_TILE, kernel_tiles
 
-__all__ = ["NarrowLists", "TileLists", "compact_rows", "index_tile_lists", "narrow_tile_lists",
-           "planned_narrow_lists", "runtime_tile_lists", "tiles_aligned"]  # fmt: skip
+__all__ = ["NarrowLists", "TileLists", "compact_rows", "index_tile_lists", "kept_mask",
+           "narrow_tile_lists", "planned_narrow_lists", "runtime_tile_lists",
+           "tiles_aligned"]  # fmt: skip
 
 
 class TileLists(NamedTuple):
@@ -129,6 +130,20 @@ def planned_narrow_lists(
                              num_heads=num_heads)  # fmt: skip
     read = listed_blocks(index.flatten(-2), mk)  # every row's blocks, as one list per head
     return NarrowLists(lists, per_query_head((index < mk).sum(-1) == 0, heads), read), None
+
+
+def kept_mask(blocks: BlockIndices) -> torch.Tensor:
+    """``blocks.as_mask()`` (Bm or B, Hm, Mq, Mk) bool: on the GPU in one launch after a zero
+    fill where causal queries and keys have one length (the kernel's diagonal), else torch
+    operations (some fifteen launches)."""
+    aligned = not blocks.is_causal or blocks.query_len == blocks.key_len
+    module = kernel_module("index_lists") if blocks.indices.is_cuda and aligned else None
+    if module is None:
+        return blocks.as_mask()
+    return module.index_mask(  # type: ignore[no-any-return]
+        blocks.indices, key_blocks=num_blocks(blocks.key_len, blocks.block_size),
+        is_causal=blocks.is_causal, same=blocks.documents,
+    )  # fmt: skip
 
 
 def index_tile_lists(

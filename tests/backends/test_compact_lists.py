@@ -10,6 +10,7 @@ import torch
 
 from dilated_attention.block_sparse.lists import (
     compact_rows,
+    kept_mask,
     narrow_tile_lists,
     runtime_tile_lists,
 )
@@ -285,6 +286,42 @@ def test_device_index_lists_match_the_torch_path(
     for got, expected in zip((*lists, empty, read), (*want.lists, want.empty, want.read),
                              strict=True):  # fmt: skip
         assert got.shape == expected.shape and torch.equal(got.cpu(), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("block_size", "length", "key_len", "is_causal", "mask_shape", "documents"),
+    [
+        (128, 1000, 1000, True, (2, 2), None),
+        (256, 900, 900, True, (1, 1), None),
+        (256, 700, 500, False, (2, 4), None),
+        (128, 1024, 1024, True, (1, 2), (0, 384, 1024, 1408, 2048)),
+    ],
+)
+def test_device_index_mask_matches_the_torch_path(
+    device, block_size, length, key_len, is_causal, mask_shape, documents
+) -> None:
+    """The kept blocks of block indices in one launch equal ``BlockIndices.as_mask``'s torch
+    operations: out of range, after a causal diagonal, in another document, repeated."""
+    skip_without_triton(device)
+    from dilated_attention.backends.triton_kernels.index_lists import index_mask
+
+    mq, mk = -(-length // block_size), -(-key_len // block_size)
+    g = torch.Generator().manual_seed(length + mask_shape[0])
+    indices = torch.randint(-2, mk + 2, (*mask_shape, mq, 6), generator=g)
+    indices[..., 2] = indices[..., 4]
+    same = None if documents is None else same_document(documents, 2, length, block_size,
+                                                        torch.device("cpu"))  # fmt: skip
+    blocks = BlockIndices(indices, block_size, length, key_len, is_causal, same)
+    got = index_mask(
+        indices.to(device).transpose(-1, -2).contiguous().transpose(-1, -2),  # other strides
+        key_blocks=mk, is_causal=is_causal, same=None if same is None else same.to(device),
+    )  # fmt: skip
+    assert torch.equal(got.cpu(), blocks.as_mask())
+    if device == "cuda":
+        on_device = BlockIndices(indices.cuda(), block_size, length, key_len, is_causal,
+                                 None if same is None else same.cuda())  # fmt: skip
+        assert torch.equal(kept_mask(on_device).cpu(), blocks.as_mask())
 
 
 @pytest.mark.parametrize("device", DEVICES)

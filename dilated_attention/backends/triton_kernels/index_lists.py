@@ -31,6 +31,44 @@ from .tiles import next_power_of_2
 
 
 @triton.jit
+def _kept(row, s_ik, same, s_sr, s_sc, i, key_blocks, CAUSAL: tl.constexpr,
+          DOCUMENTS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr):  # fmt: skip
+    """Query block ``i``'s ``K`` indices at ``row`` (``KP`` wide, past ``K`` none): ``(j,
+    valid)``, ``j`` the index where ``valid`` (in ``[0, key_blocks)``, not after a causal
+    diagonal, in the query block's document) and -1 elsewhere; repeats stay valid."""
+    e = tl.arange(0, KP)
+    j = tl.load(row + e * s_ik, mask=e < K, other=-1).to(tl.int64)
+    valid = (j >= 0) & (j < key_blocks)
+    if CAUSAL:
+        valid = valid & (j <= i)
+    if DOCUMENTS:
+        ours = tl.load(same + i * s_sr + j * s_sc, mask=valid, other=0)
+        valid = valid & (ours != 0)
+    return tl.where(valid, j, -1), valid
+
+
+@triton.jit
+def _index_mask_kernel(
+    indices, same, mask, key_blocks, mask_heads, query_blocks,
+    s_ib, s_ih, s_ir, s_ik,
+    s_sb, s_sr, s_sc,
+    s_mb, s_mh, s_mr,
+    CAUSAL: tl.constexpr,
+    DOCUMENTS: tl.constexpr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+):  # fmt: skip
+    """Program ``bh * query_blocks + i``: the kept key blocks of query block ``i`` of batch
+    row and mask head ``bh`` set in its row of ``mask`` (zeroed before)."""
+    program = tl.program_id(0).to(tl.int64)
+    bh, i = program // query_blocks, program % query_blocks
+    b, h = bh // mask_heads, bh % mask_heads
+    j, valid = _kept(indices + b * s_ib + h * s_ih + i * s_ir, s_ik, same + b * s_sb, s_sr, s_sc,
+                     i, key_blocks, CAUSAL, DOCUMENTS, K, KP)  # fmt: skip
+    tl.store(mask + b * s_mb + h * s_mh + i * s_mr + j, tl.full((KP,), 1, tl.int8), mask=valid)
+
+
+@triton.jit
 def _index_lists_kernel(
     indices, same, partial_count, partial_index, full_count, full_index, read, empty,
     width, key_blocks, row_tiles, key_tiles, repeat, heads, group, query_blocks,
@@ -48,15 +86,8 @@ def _index_lists_kernel(
     bh, i = program // query_blocks, program % query_blocks
     b, h = bh // heads, bh % heads
     e = tl.arange(0, KP)
-    j = tl.load(indices + b * s_ib + (h // group) * s_ih + i * s_ir + e * s_ik, mask=e < K,
-                other=-1).to(tl.int64)  # fmt: skip
-    valid = (j >= 0) & (j < key_blocks)
-    if CAUSAL:
-        valid = valid & (j <= i)
-    if DOCUMENTS:
-        ours = tl.load(same + b * s_sb + i * s_sr + j * s_sc, mask=valid, other=0)
-        valid = valid & (ours != 0)
-    j = tl.where(valid, j, -1)
+    j, valid = _kept(indices + b * s_ib + (h // group) * s_ih + i * s_ir, s_ik, same + b * s_sb,
+                     s_sr, s_sc, i, key_blocks, CAUSAL, DOCUMENTS, K, KP)  # fmt: skip
     earlier = (j[:, None] == j[None, :]) & (e[None, :] < e[:, None]) & valid[None, :]
     valid = valid & (tl.max(earlier.to(tl.int32), axis=1) == 0)
     rank = tl.sum(((j[None, :] < j[:, None]) & valid[None, :]).to(tl.int32), axis=1)
@@ -174,3 +205,35 @@ def planned_index_lists(
         launch(_index_lists_kernel, (batch * heads * query_blocks,), args, options)
 
     return PlannedIndexLists(lists, empty, read, fill)  # type: ignore[arg-type]
+
+
+def index_mask(
+    indices: torch.Tensor, *, key_blocks: int, is_causal: bool, same: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The kept blocks of block indices as a bool mask, in one launch after a zero fill.
+
+    Args:
+        indices: (Bm, Hm, Mq, K) int block indices on the GPU, any strides.
+        key_blocks: Mk; is_causal: queries and keys of one length (a key block after the
+            query block is not kept).
+        same: (B, 1, Mq, Mk) bool, whether two blocks lie in one document, or None.
+
+    Returns:
+        (Bl, Hm, Mq, Mk) bool, Bl = B with ``same`` else Bm: ``kept_blocks`` of the indices.
+    """
+    batch, mask_heads, query_blocks, k = indices.shape
+    batch = batch if same is None else same.shape[0]
+    mask = torch.zeros(batch, mask_heads, query_blocks, key_blocks, dtype=torch.bool,
+                       device=indices.device)  # fmt: skip
+    if mask.numel() == 0 or k == 0:
+        return mask
+    s_ib, s_ih, s_ir, s_ik = indices.stride()
+    s_ib, s_ih = (0 if indices.shape[0] == 1 else s_ib), (0 if indices.shape[1] == 1 else s_ih)
+    s_sb, _, s_sr, s_sc = same.stride() if same is not None else (0, 0, 0, 0)
+    same_bytes = (same if same is not None else mask).view(torch.uint8)  # else unread
+    args = (indices, same_bytes, mask.view(torch.int8), key_blocks, mask_heads, query_blocks,
+            s_ib, s_ih, s_ir, s_ik, s_sb, s_sr, s_sc, *mask.stride()[:3])  # fmt: skip
+    options = {"CAUSAL": is_causal, "DOCUMENTS": same is not None, "K": k,
+               "KP": next_power_of_2(k), "num_warps": 1 if k <= 32 else 4}  # fmt: skip
+    launch(_index_mask_kernel, (batch * mask_heads * query_blocks,), args, options)
+    return mask
