@@ -320,11 +320,16 @@ class FlashAttn4Backend(Backend):
         if into is not None:
             values.update(out=into.out, lse=into.lse)
         out, lse = fwd(**_bind(fwd, values))[:2]
-        if into is not None and out is not into.out:  # a release without ``out=``
+        if into is not None and (out is not into.out or lse is not into.lse):  # no ``out=``
             into.out.copy_(out)
             into.lse.copy_(lse)
             return into
         return KernelOutput(out, lse)
+
+    def forward_takes_outputs(self) -> bool:
+        """Whether the installed forward takes ``out`` and ``lse`` to write (then
+        :meth:`block_sparse_forward` with ``into`` allocates nothing)."""
+        return {"out", "lse"} <= _parameters(_interface()._flash_attn_fwd).keys()
 
     def block_sparse_backward(
         self,

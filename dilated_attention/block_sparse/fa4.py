@@ -257,14 +257,16 @@ class FlashAttn4BlockSparseRunner:
             fill_blocks(out, empty, self.block_size, 0.0)
             fill_blocks(lse.transpose(1, 2).unsqueeze(-1), empty, self.block_size, float("-inf"))
 
-        key = ("fa4 block-sparse forward", self.block_size, self.is_causal, self.scale,
-               tiles.pending is not None)  # fmt: skip
+        key = None  # a release without ``out=`` would allocate inside a graph: no graph
+        if self.backend.forward_takes_outputs():
+            key = ("fa4 block-sparse forward", self.block_size, self.is_causal, self.scale,
+                   tiles.pending is not None)  # fmt: skip
         pending = tiles.pending.tensors if tiles.pending is not None else ()
         run_launches(key, (q, k, v, out, lse, *tiles.forward, tiles.empty_rows, *pending),
                      launches)  # fmt: skip
         if tiles.pending is not None:
             tiles.pending.done = True
-        return Forward(out, lse, saved=(k, v))
+        return Forward(out, lse, saved=(x.k, x.v))  # the backward makes its own copies
 
     def backward(self, b: Backward) -> Grads:
         dout, q, out, lse, saved, _ = b
