@@ -20,7 +20,7 @@ Note [Narrow lists in one launch]
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -189,15 +189,10 @@ def planned_index_lists(
             empty.fill_(True)
 
         return PlannedIndexLists(lists, empty, read, nothing_kept)  # type: ignore[arg-type]
-    s_ib, s_ih, s_ir, s_ik = indices.stride()
-    s_ib, s_ih = (0 if indices.shape[0] == 1 else s_ib), (0 if mask_heads == 1 else s_ih)
-    s_sb, _, s_sr, s_sc = same.stride() if same is not None else (0, 0, 0, 0)
-    same_bytes = (same if same is not None else empty).view(torch.uint8)  # else unread
+    same_bytes, strides, options = _index_operands(indices, same, empty, is_causal)
     args = (indices, same_bytes, *lists, read.view(torch.int8), empty.view(torch.int8), width,
             key_blocks, row_tiles, key_tiles, repeat, heads, heads // mask_heads, query_blocks,
-            s_ib, s_ih, s_ir, s_ik, s_sb, s_sr, s_sc, read.stride(0), read.stride(1))  # fmt: skip
-    options = {"CAUSAL": is_causal, "DOCUMENTS": same is not None, "K": k,
-               "KP": next_power_of_2(k), "num_warps": 1 if k <= 32 else 4}  # fmt: skip
+            *strides, read.stride(0), read.stride(1))  # fmt: skip
 
     def fill() -> None:  # every count and flag is written; a list's tail and `read` are not
         lists[3].zero_()
@@ -227,13 +222,24 @@ def index_mask(
                        device=indices.device)  # fmt: skip
     if mask.numel() == 0 or k == 0:
         return mask
+    same_bytes, strides, options = _index_operands(indices, same, mask, is_causal)
+    args = (indices, same_bytes, mask.view(torch.int8), key_blocks, mask_heads, query_blocks,
+            *strides, *mask.stride()[:3])  # fmt: skip
+    launch(_index_mask_kernel, (batch * mask_heads * query_blocks,), args, options)
+    return mask
+
+
+def _index_operands(
+    indices: torch.Tensor, same: torch.Tensor | None, spare: torch.Tensor, is_causal: bool
+) -> tuple[torch.Tensor, tuple[int, ...], dict[str, Any]]:
+    """What both kernels take of the indices (Bm, Hm, Mq, K) and the documents ``same``:
+    ``same`` as bytes (``spare``'s where there are none: never read), the indices' four
+    strides (0 over a batch or head of one) and ``same``'s three, and the launch options."""
     s_ib, s_ih, s_ir, s_ik = indices.stride()
     s_ib, s_ih = (0 if indices.shape[0] == 1 else s_ib), (0 if indices.shape[1] == 1 else s_ih)
     s_sb, _, s_sr, s_sc = same.stride() if same is not None else (0, 0, 0, 0)
-    same_bytes = (same if same is not None else mask).view(torch.uint8)  # else unread
-    args = (indices, same_bytes, mask.view(torch.int8), key_blocks, mask_heads, query_blocks,
-            s_ib, s_ih, s_ir, s_ik, s_sb, s_sr, s_sc, *mask.stride()[:3])  # fmt: skip
+    same_bytes = (same if same is not None else spare).view(torch.uint8)
+    k = indices.shape[-1]
     options = {"CAUSAL": is_causal, "DOCUMENTS": same is not None, "K": k,
                "KP": next_power_of_2(k), "num_warps": 1 if k <= 32 else 4}  # fmt: skip
-    launch(_index_mask_kernel, (batch * mask_heads * query_blocks,), args, options)
-    return mask
+    return same_bytes, (s_ib, s_ih, s_ir, s_ik, s_sb, s_sr, s_sc), options
