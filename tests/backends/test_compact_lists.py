@@ -250,16 +250,37 @@ def test_device_top_blocks_as_indices(device, rows, cols, topk, own_width) -> No
         assert sorted(listed) == torch.nonzero(expected[key]).flatten().tolist()
 
 
+#: Block indices on a device: (block size, lengths, causal, mask (batch, heads), documents).
+INDEX_FIELDS = ("block_size", "length", "key_len", "is_causal", "mask_shape", "documents")
+INDEX_CASES = [
+    (128, 1000, 1000, True, (2, 2), None),
+    (256, 900, 900, True, (1, 1), None),
+    (256, 700, 500, False, (2, 4), None),
+    (128, 1024, 1024, True, (1, 2), (0, 384, 1024, 1408, 2048)),
+]
+
+
+def _index_blocks(block_size, length, key_len, is_causal, mask_shape, documents, *, seed):
+    """Six block indices per query block on the CPU, out of range, repeated (index 2 is index
+    4), with two rows' documents where given."""
+    mq, mk = -(-length // block_size), -(-key_len // block_size)
+    g = torch.Generator().manual_seed(seed)
+    indices = torch.randint(-2, mk + 2, (*mask_shape, mq, 6), generator=g)
+    indices[..., 2] = indices[..., 4]
+    same = None if documents is None else same_document(documents, 2, length, block_size,
+                                                        torch.device("cpu"))  # fmt: skip
+    return BlockIndices(indices, block_size, length, key_len, is_causal, same)
+
+
+def _strided_on(device, blocks):
+    """The indices on ``device`` with other strides, and the documents there (or None)."""
+    indices = blocks.indices.to(device).transpose(-1, -2).contiguous().transpose(-1, -2)
+    same = None if blocks.documents is None else blocks.documents.to(device)
+    return indices, same
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(
-    ("block_size", "length", "key_len", "is_causal", "mask_shape", "documents"),
-    [
-        (128, 1000, 1000, True, (2, 2), None),
-        (256, 900, 900, True, (1, 1), None),
-        (256, 700, 500, False, (2, 4), None),
-        (128, 1024, 1024, True, (1, 2), (0, 384, 1024, 1408, 2048)),
-    ],
-)
+@pytest.mark.parametrize(INDEX_FIELDS, INDEX_CASES)
 def test_device_index_lists_match_the_torch_path(
     device, block_size, length, key_len, is_causal, mask_shape, documents
 ) -> None:
@@ -268,20 +289,15 @@ def test_device_index_lists_match_the_torch_path(
     skip_without_triton(device)
     from dilated_attention.backends.triton_kernels.index_lists import index_lists
 
-    mq, mk = -(-length // block_size), -(-key_len // block_size)
-    g = torch.Generator().manual_seed(length + mask_shape[1])
-    indices = torch.randint(-2, mk + 2, (*mask_shape, mq, 6), generator=g)
-    indices[..., 2] = indices[..., 4]
-    same = None if documents is None else same_document(documents, 2, length, block_size,
-                                                        torch.device("cpu"))  # fmt: skip
-    blocks = BlockIndices(indices, block_size, length, key_len, is_causal, same)
+    blocks = _index_blocks(block_size, length, key_len, is_causal, mask_shape, documents,
+                           seed=length + mask_shape[1])  # fmt: skip
     want = narrow_tile_lists(blocks, 4)
     heads = want.lists.full_count.shape[1]
+    indices, same = _strided_on(device, blocks)
     lists, empty, read = index_lists(
-        indices.to(device).transpose(-1, -2).contiguous().transpose(-1, -2),  # other strides
-        repeat=block_size // 128, key_blocks=mk, row_tiles=-(-length // 128),
-        key_tiles=-(-key_len // 128), is_causal=is_causal, heads=heads,
-        same=None if same is None else same.to(device),
+        indices, repeat=block_size // 128, key_blocks=-(-key_len // block_size),
+        row_tiles=-(-length // 128), key_tiles=-(-key_len // 128), is_causal=is_causal,
+        heads=heads, same=same,
     )  # fmt: skip
     for got, expected in zip((*lists, empty, read), (*want.lists, want.empty, want.read),
                              strict=True):  # fmt: skip
@@ -289,15 +305,7 @@ def test_device_index_lists_match_the_torch_path(
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(
-    ("block_size", "length", "key_len", "is_causal", "mask_shape", "documents"),
-    [
-        (128, 1000, 1000, True, (2, 2), None),
-        (256, 900, 900, True, (1, 1), None),
-        (256, 700, 500, False, (2, 4), None),
-        (128, 1024, 1024, True, (1, 2), (0, 384, 1024, 1408, 2048)),
-    ],
-)
+@pytest.mark.parametrize(INDEX_FIELDS, INDEX_CASES)
 def test_device_index_mask_matches_the_torch_path(
     device, block_size, length, key_len, is_causal, mask_shape, documents
 ) -> None:
@@ -306,21 +314,14 @@ def test_device_index_mask_matches_the_torch_path(
     skip_without_triton(device)
     from dilated_attention.backends.triton_kernels.index_lists import index_mask
 
-    mq, mk = -(-length // block_size), -(-key_len // block_size)
-    g = torch.Generator().manual_seed(length + mask_shape[0])
-    indices = torch.randint(-2, mk + 2, (*mask_shape, mq, 6), generator=g)
-    indices[..., 2] = indices[..., 4]
-    same = None if documents is None else same_document(documents, 2, length, block_size,
-                                                        torch.device("cpu"))  # fmt: skip
-    blocks = BlockIndices(indices, block_size, length, key_len, is_causal, same)
-    got = index_mask(
-        indices.to(device).transpose(-1, -2).contiguous().transpose(-1, -2),  # other strides
-        key_blocks=mk, is_causal=is_causal, same=None if same is None else same.to(device),
-    )  # fmt: skip
+    blocks = _index_blocks(block_size, length, key_len, is_causal, mask_shape, documents,
+                           seed=length + mask_shape[0])  # fmt: skip
+    indices, same = _strided_on(device, blocks)
+    got = index_mask(indices, key_blocks=-(-key_len // block_size), is_causal=is_causal,
+                     same=same)  # fmt: skip
     assert torch.equal(got.cpu(), blocks.as_mask())
     if device == "cuda":
-        on_device = BlockIndices(indices.cuda(), block_size, length, key_len, is_causal,
-                                 None if same is None else same.cuda())  # fmt: skip
+        on_device = BlockIndices(indices, block_size, length, key_len, is_causal, same)
         assert torch.equal(kept_mask(on_device).cpu(), blocks.as_mask())
 
 
