@@ -15,18 +15,13 @@ from torch import Tensor
 
 pytest.importorskip("triton")
 
+from support.graphs import count_replays, keep
+
 from dilated_attention.backends.triton_kernels import launch as L
 from dilated_attention.core.execution import fused, graphs
 from dilated_attention.functional import dilated_attention
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def _no_graphs_of_earlier_tests() -> None:
-    """Every test starts with no graph and no count: an earlier test's call may have left a
-    failed capture (never retried) at the addresses this test's tensors get."""
-    graphs.clear()
 
 
 #: (id, length, heads, kv heads, head dim, segments, rates, causal, options)
@@ -68,26 +63,6 @@ def _step(case: tuple[Any, ...], seed: int = 0) -> tuple[Callable[[], list[Tenso
     return step, leaves
 
 
-def _replays(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """A list that grows by one at each replay of a graph of ours."""
-    seen: list[int] = []
-    real = torch.cuda.CUDAGraph.replay
-
-    def replay(graph: torch.cuda.CUDAGraph) -> None:
-        seen.append(1)
-        real(graph)
-
-    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", replay)
-    return seen
-
-
-def _keep(results: list[Tensor], stored: list[Tensor]) -> None:
-    """Copy a step's results into buffers made before the steps (a copy allocates nothing, so
-    the next step's tensors find the addresses this step's leave)."""
-    for into, result in zip(stored, results, strict=True):
-        into.copy_(result)
-
-
 def _split(monkeypatch: pytest.MonkeyPatch) -> None:
     """Many position and head groups on a small input (what very long sequences get)."""
     monkeypatch.setattr(fused, "MIN_GROUP_POSITIONS", 1)
@@ -109,10 +84,10 @@ def test_replayed_calls_compute_the_launches_bits(
     monkeypatch.setenv(graphs.ENV_VAR, "0")
     expected = step()
     monkeypatch.delenv(graphs.ENV_VAR)
-    replays = _replays(monkeypatch)
+    replays = count_replays(monkeypatch)
     steps = [[torch.empty_like(t) for t in expected] for _ in range(6)]
     for stored in steps:  # nothing else allocates between the steps: their addresses repeat
-        _keep(step(), stored)
+        keep(step(), stored)
     for i, got in enumerate(steps):
         for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, expected, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"step {i}: {name}")
@@ -135,14 +110,14 @@ def test_a_replay_reads_what_its_tensors_hold_now(monkeypatch: pytest.MonkeyPatc
                 leaf.copy_(value)
         expected.append([t.clone() for t in step()])
     monkeypatch.delenv(graphs.ENV_VAR)
-    replays = _replays(monkeypatch)
+    replays = count_replays(monkeypatch)
     rounds = [[[torch.empty_like(t) for t in want] for want in expected] for _ in range(3)]
     for stored_round in rounds:  # the later rounds replay
         for values, stored in zip(contents, stored_round, strict=True):
             with torch.no_grad():
                 for leaf, value in zip(leaves, values, strict=True):
                     leaf.copy_(value)
-            _keep(step(), stored)
+            keep(step(), stored)
     for stored_round in rounds:
         for stored, want in zip(stored_round, expected, strict=True):
             for a, b in zip(stored, want, strict=True):
@@ -155,7 +130,7 @@ def test_steps_through_graphs_never_synchronise(monkeypatch: pytest.MonkeyPatch)
     _needs_cuda()
     step, _ = _step(CASES[0])
     step()  # compiled and bound first: the first call of a shape family may synchronise
-    replays = _replays(monkeypatch)
+    replays = count_replays(monkeypatch)
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(4):

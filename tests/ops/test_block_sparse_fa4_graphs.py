@@ -14,6 +14,8 @@ from torch import Tensor
 
 pytest.importorskip("triton")
 
+from support.graphs import count_replays, keep
+
 from dilated_attention import block_sparse_attention
 from dilated_attention.backends.base import KernelInputs
 from dilated_attention.backends.registry import Selection, get_backend
@@ -25,13 +27,6 @@ from dilated_attention.resolve import BLOCK_SPARSE, Request
 from dilated_attention.resolve.block_masks import RuntimeMaskStrategy
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def _no_graphs_of_earlier_tests() -> None:
-    """Every test starts with no graph and no count: an earlier test's call may have left a
-    failed capture (never retried) at the addresses this test's tensors get."""
-    graphs.clear()
 
 
 #: (id, length, heads, kv heads, head dim, block size, mask heads, indices, causal, documents);
@@ -88,19 +83,6 @@ class _Call:
         return [out.detach(), lse.detach(), *grads]
 
 
-def _replays(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """A list that grows by one at each replay of a graph of ours."""
-    seen: list[int] = []
-    real = torch.cuda.CUDAGraph.replay
-
-    def replay(graph: torch.cuda.CUDAGraph) -> None:
-        seen.append(1)
-        real(graph)
-
-    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", replay)
-    return seen
-
-
 def _assert_same(got: list[Tensor], want: list[Tensor], what: str = "") -> None:
     """out and lse bit for bit; the gradients to a few units of the last place (FA4's backward
     adds dq up with atomics, in an order that varies from run to run)."""
@@ -108,13 +90,6 @@ def _assert_same(got: list[Tensor], want: list[Tensor], what: str = "") -> None:
                                          strict=True)):  # fmt: skip
         tol = 0.0 if i < 2 else 1e-2
         torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=f"{what}{name}")
-
-
-def _keep(results: list[Tensor], stored: list[Tensor]) -> None:
-    """Copy a step's results into buffers made before the steps (the next step's tensors then
-    find the addresses this step's leave)."""
-    for into, result in zip(stored, results, strict=True):
-        into.copy_(result)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -129,10 +104,10 @@ def test_replayed_forwards_compute_the_launches_bits(
     monkeypatch.setenv(graphs.ENV_VAR, "0")
     expected = step()
     monkeypatch.delenv(graphs.ENV_VAR)
-    replays = _replays(monkeypatch)
+    replays = count_replays(monkeypatch)
     steps = [[torch.empty_like(t) for t in expected] for _ in range(6)]
     for stored in steps:
-        _keep(step(), stored)
+        keep(step(), stored)
     for i, got in enumerate(steps):
         _assert_same(got, expected, f"step {i}: ")
     assert graphs._GRAPHS, "no forward was captured"
@@ -162,12 +137,12 @@ def test_a_replay_reads_the_indices_its_tensor_holds_now(monkeypatch: pytest.Mon
         load(values, blocks)
         expected.append([t.clone() for t in step()])
     monkeypatch.delenv(graphs.ENV_VAR)
-    replays = _replays(monkeypatch)
+    replays = count_replays(monkeypatch)
     rounds = [[[torch.empty_like(t) for t in want] for want in expected] for _ in range(3)]
     for stored_round in rounds:
         for (values, blocks), stored in zip(contents, stored_round, strict=True):
             load(values, blocks)
-            _keep(step(), stored)
+            keep(step(), stored)
     for stored_round in rounds:
         for stored, want in zip(stored_round, expected, strict=True):
             _assert_same(stored, want)
@@ -179,7 +154,7 @@ def test_replayed_steps_never_synchronise(monkeypatch: pytest.MonkeyPatch) -> No
     _needs_fa4()
     step = _Call(CASES[0]).step
     step()  # compiled first: a first call of a shape may synchronise
-    replays = _replays(monkeypatch)
+    replays = count_replays(monkeypatch)
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(4):
