@@ -34,8 +34,7 @@ from .runtime import BlockIndices, kept_indices, listed_blocks, per_query_head
 from .tiles import KERNEL_TILE, kernel_tiles
 
 __all__ = ["NarrowLists", "TileLists", "compact_rows", "index_tile_lists", "kept_mask",
-           "narrow_tile_lists", "planned_narrow_lists", "runtime_tile_lists",
-           "tiles_aligned"]  # fmt: skip
+           "planned_narrow_lists", "runtime_tile_lists", "tiles_aligned"]  # fmt: skip
 
 
 class TileLists(NamedTuple):
@@ -98,21 +97,14 @@ class NarrowLists(NamedTuple):
     read: torch.Tensor
 
 
-def narrow_tile_lists(blocks: BlockIndices, num_heads: int) -> NarrowLists:
-    """The forward lists of block indices where :func:`tiles_aligned` (Note [Narrow lists of
-    block indices]): one Triton launch on the GPU (Note [Narrow lists in one launch] in
-    ``backends/triton_kernels/index_lists.py``), torch operations elsewhere."""
-    lists, fill = planned_narrow_lists(blocks, num_heads)
-    if fill is not None:
-        fill()
-    return lists
-
-
 def planned_narrow_lists(
     blocks: BlockIndices, num_heads: int
 ) -> tuple[NarrowLists, Callable[[], None] | None]:
-    """:func:`narrow_tile_lists` as buffers and the launch that fills them in place (on the
-    GPU: the caller runs it, inside its own launches), or made now (``None``: elsewhere)."""
+    """The forward lists of block indices where :func:`tiles_aligned` (Note [Narrow lists of
+    block indices]), and the launch that fills them in place: on the GPU buffers filled by one
+    Triton launch (Note [Narrow lists in one launch] in ``backends/triton_kernels/index_lists.py``)
+    that the caller runs, inside its own launches; elsewhere made now by torch operations, and
+    ``None``."""
     indices, size = blocks.indices, blocks.block_size
     heads = _heads(indices, num_heads)
     module = kernel_module("index_lists") if indices.is_cuda else None

@@ -11,7 +11,7 @@ import torch
 from dilated_attention.block_sparse.lists import (
     compact_rows,
     kept_mask,
-    narrow_tile_lists,
+    planned_narrow_lists,
     runtime_tile_lists,
 )
 from dilated_attention.block_sparse.runtime import (
@@ -212,7 +212,8 @@ def test_index_lists_match_the_bool_lists(
     mk = kept.shape[-1]
     index = kept_indices(blocks)
     assert torch.equal(_as_mask(index, mk), kept)
-    got, empty, read = narrow_tile_lists(blocks, 4)
+    (got, empty, read), fill = planned_narrow_lists(blocks, 4)  # made now on the CPU
+    assert fill is None
     want = runtime_tile_lists(kept, block_size=block_size, query_len=query_len,
                               key_len=key_len, is_causal=is_causal, num_heads=4)  # fmt: skip
     assert got.full_index.shape[-1] == min(5 * (block_size // 128), -(-key_len // 128))
@@ -287,18 +288,22 @@ def test_device_index_lists_match_the_torch_path(
     """The one-launch narrow lists (Note [Narrow lists in one launch]) equal the torch
     operations' lists entry for entry, with the same empty rows and read key blocks."""
     skip_without_triton(device)
-    from dilated_attention.backends.triton_kernels.index_lists import index_lists
+    from dilated_attention.backends.triton_kernels.index_lists import planned_index_lists
 
     blocks = _index_blocks(block_size, length, key_len, is_causal, mask_shape, documents,
                            seed=length + mask_shape[1])  # fmt: skip
-    want = narrow_tile_lists(blocks, 4)
+    want, _ = planned_narrow_lists(blocks, 4)  # the torch operations, on the CPU
     heads = want.lists.full_count.shape[1]
     indices, same = _strided_on(device, blocks)
-    lists, empty, read = index_lists(
+    planned = planned_index_lists(
         indices, repeat=block_size // 128, key_blocks=-(-key_len // block_size),
         row_tiles=-(-length // 128), key_tiles=-(-key_len // 128), is_causal=is_causal,
         heads=heads, same=same,
     )  # fmt: skip
+    for buffer in (*planned.lists, planned.empty, planned.read):  # what the launch must write
+        buffer.view(torch.uint8).fill_(0x55)
+    planned.launch()
+    lists, empty, read = planned.lists, planned.empty, planned.read
     for got, expected in zip((*lists, empty, read), (*want.lists, want.empty, want.read),
                              strict=True):  # fmt: skip
         assert got.shape == expected.shape and torch.equal(got.cpu(), expected)

@@ -126,40 +126,6 @@ class PlannedIndexLists(NamedTuple):
     launch: Callable[[], None]
 
 
-def index_lists(
-    indices: torch.Tensor,
-    *,
-    repeat: int,
-    key_blocks: int,
-    row_tiles: int,
-    key_tiles: int,
-    is_causal: bool,
-    heads: int,
-    same: torch.Tensor | None = None,
-) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
-    """The forward tile lists of block indices (Note [Narrow lists in one launch]), made now.
-
-    Args:
-        indices: (Bm, Hm, Mq, K) int block indices on the GPU, any strides; ``heads`` (1 or
-            H, the lists' heads) a multiple of Hm.
-        repeat: tiles a block side; key_blocks: Mk; row_tiles / key_tiles: Tq / Tk.
-        is_causal: queries and keys of one length, the diagonal blocks the own ones.
-        same: (B, 1, Mq, Mk) bool, whether two blocks lie in one document, or None.
-
-    Returns:
-        ``(partial_count, partial_index, full_count, full_index)`` (Bl, heads, Tq[, 1 or W])
-        int32 with ``W = min(K r, Tk)``, Bl = B with ``same`` else Bm; ``empty`` (Bl, heads,
-        Mq) bool, the query blocks that keep nothing; ``read`` (Bl, Hm, Mk) bool, the key
-        blocks some row keeps.
-    """
-    planned = planned_index_lists(
-        indices, repeat=repeat, key_blocks=key_blocks, row_tiles=row_tiles,
-        key_tiles=key_tiles, is_causal=is_causal, heads=heads, same=same,
-    )  # fmt: skip
-    planned.launch()
-    return planned.lists, planned.empty, planned.read
-
-
 def planned_index_lists(
     indices: torch.Tensor,
     *,
@@ -171,8 +137,23 @@ def planned_index_lists(
     heads: int,
     same: torch.Tensor | None = None,
 ) -> PlannedIndexLists:
-    """:func:`index_lists`' buffers, allocated now, and the launch that fills them (later:
-    inside the forward's launches)."""
+    """The forward tile lists of block indices (Note [Narrow lists in one launch]): their
+    buffers, allocated now, and the launch that fills them (the caller runs it, inside its own
+    launches).
+
+    Args:
+        indices: (Bm, Hm, Mq, K) int block indices on the GPU, any strides; ``heads`` (1 or
+            H, the lists' heads) a multiple of Hm.
+        repeat: tiles a block side; key_blocks: Mk; row_tiles / key_tiles: Tq / Tk.
+        is_causal: queries and keys of one length, the diagonal blocks the own ones.
+        same: (B, 1, Mq, Mk) bool, whether two blocks lie in one document, or None.
+
+    Returns:
+        :class:`PlannedIndexLists`: ``lists`` ``(partial_count, partial_index, full_count,
+        full_index)`` (Bl, heads, Tq[, 1 or W]) int32 with ``W = min(K r, Tk)``, Bl = B with
+        ``same`` else Bm; ``empty`` (Bl, heads, Mq) bool, the query blocks that keep nothing;
+        ``read`` (Bl, Hm, Mk) bool, the key blocks some row keeps; ``launch``.
+    """
     batch, mask_heads, query_blocks, k = indices.shape
     batch = batch if same is None else same.shape[0]
     width = min(k * repeat, key_tiles)
