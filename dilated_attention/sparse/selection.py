@@ -78,16 +78,13 @@ from ..block_sparse.plan import check_block_size, num_blocks
 from ..block_sparse.runtime import check_documents_aligned, same_document
 from ..core.geometry.documents import check_cu_seqlens
 from .compression import window_means
+from .device_choice import choose_on_device, device_modules, on_tensor_cores
 
 __all__ = ["PER", "CandidateRanges", "block_means", "candidate_blocks", "check_selection",
            "chosen_blocks", "own_blocks_width", "select_blocks"]  # fmt: skip
 
 #: The values of ``select_blocks(per=...)``: a choice per query head or per key/value head.
 PER = ("head", "kv_head")
-
-#: The float32 affinities the GPU's choice holds at once (query blocks a chunk at a time).
-AFFINITY_BYTES = 256 * 2**20
-
 
 @torch.no_grad()
 def select_blocks(
@@ -292,68 +289,14 @@ def chosen_blocks(
         (B, H or Hkv, Mq, Mk) bool, or (B, H or Hkv, Mq, min(topk, Mk) + own_width) int32
         block indices, ``-1`` = none.
     """
-    batch, heads = q.shape[0], q.shape[2]
     mq, mk = num_blocks(q.shape[1], block_size), num_blocks(k.shape[1], block_size)
     topk = min(topk, mk)
-    module = _device_top_blocks(q, mk)
-    if module is None:
-        cand, own = _masks(candidates, mq, q.device)
-        chosen = _top_blocks(_affinity(q, k, per, block_size), cand, topk) | own
-        return chosen if own_width is None else _as_indices(chosen, topk + own_width)
-    width, dtype = (mk, torch.bool) if own_width is None else (topk + own_width, torch.int32)
-    chosen = torch.empty(batch, heads if per == "head" else k.shape[2], mq, width,
-                         dtype=dtype, device=q.device)  # fmt: skip
-    left, right = _operands(q, k, per, block_size)  # (B Hkv, g, Mq, D'), (B Hkv, Mk, D')
-    tiles = _tiles_module(candidates, left, mk, topk)
-    if tiles is not None:
-        return _chosen_by_tiles(tiles, left, right, candidates, topk, chosen, own_width)
-    # Query blocks a chunk at a time: the float32 affinities stay near AFFINITY_BYTES.
-    step = max(1, AFFINITY_BYTES // max(1, 4 * chosen.shape[1] * mk * batch))
-    for start in range(0, mq, step):
-        rows = slice(start, start + step)
-        part = left if step >= mq else left[:, :, rows]
-        affinity = _products(part.flatten(1, 2), right).view(*chosen.shape[:2], -1, mk)
-        if isinstance(candidates, CandidateRanges):
-            row_args = (candidates.kernel_rows(start, module.RowRanges), None)
-        else:
-            row_args = (_rows(candidates[0], rows), _rows(candidates[1], rows))
-        module.top_blocks(affinity, *row_args, topk, out=chosen[:, :, rows],
-                          own_width=own_width)  # fmt: skip
-    return chosen
-
-
-def _tiles_module(candidates: Candidates, left: torch.Tensor, mk: int, topk: int) -> Any:
-    """The choice from the means' parts a tile at a time (``affinity_tiles``, Note
-    [Affinities a tile at a time] there) where it takes the call: candidates by position, the
-    parts on the GPU, ``Mk`` key blocks it runs; else None."""
-    if not isinstance(candidates, CandidateRanges) or left.dtype != torch.bfloat16:
-        return None
-    module = kernel_module("selection.affinity_tiles")
-    return module if module is not None and module.takes(mk, topk) else None
-
-
-def _chosen_by_tiles(
-    module: Any,
-    left: torch.Tensor,
-    right: torch.Tensor,
-    candidates: CandidateRanges,
-    topk: int,
-    chosen: torch.Tensor,
-    own_width: int | None,
-) -> torch.Tensor:
-    """``chosen`` (B, Hs, Mq, width) written by ``module`` from the parts ``left`` (B Hkv, g,
-    Mq, D') and ``right`` (B Hkv, Mk, D'), query blocks a chunk at a time: its scratch (the
-    values of the groups each row holds, their parts' maxima and two lists) stays near
-    AFFINITY_BYTES."""
-    batch, heads, mq = chosen.shape[:3]
-    per_row = 4 * batch * heads * module.scratch_per_row(topk)
-    step = max(1, AFFINITY_BYTES // per_row)
-    for start in range(0, mq, step):
-        rows = slice(start, start + step)
-        module.top_blocks_from_parts(left[:, :, rows].flatten(0, 1), right,
-                                     candidates.kernel_rows(start, module.RowRanges), topk,
-                                     chosen[:, :, rows], own_width=own_width)  # fmt: skip
-    return chosen
+    modules = device_modules(q, mk)
+    if modules is not None:
+        return choose_on_device(modules, q, k, candidates, topk, per, own_width, block_size)
+    cand, own = _masks(candidates, mq, q.device)
+    chosen = _top_blocks(_affinity(q, k, per, block_size), cand, topk) | own
+    return chosen if own_width is None else _as_indices(chosen, topk + own_width)
 
 
 def _masks(
@@ -372,23 +315,6 @@ def _as_indices(chosen: torch.Tensor, width: int) -> torch.Tensor:
     index = torch.nn.functional.pad(index, (0, max(0, width - index.shape[-1])))[..., :width]
     slot = torch.arange(width, device=chosen.device)
     return index.masked_fill(slot >= count.unsqueeze(-1), -1)
-
-
-def _rows(mask: torch.Tensor, rows: slice) -> torch.Tensor:
-    """Query blocks ``rows`` of a mask broadcastable to (B, 1, Mq, Mk) (itself where it has
-    one row for all)."""
-    return mask if mask.shape[-2] == 1 else mask[..., rows, :]
-
-
-def _device_top_blocks(q: torch.Tensor, mk: int) -> Any:
-    """The Triton choice's module (``top_blocks``, ``RowRanges``) where it takes the blocks of
-    ``q`` (on the GPU, means in float32) and ``mk`` key blocks (rows it can hold), else None."""
-    if not _on_tensor_cores(q):
-        return None
-    module = kernel_module("selection.top_blocks")
-    if module is None or mk > module.MAX_COLUMNS:
-        return None
-    return module
 
 
 def _check_topk(topk: object, is_causal: bool) -> int:
@@ -438,7 +364,7 @@ def _operands(
     batch, _, heads, dim = q.shape
     kv_heads = k.shape[2]
     summed = heads // kv_heads if per == "kv_head" else 1
-    module = kernel_module("selection.mean_parts") if _on_tensor_cores(q) else None
+    module = kernel_module("selection.mean_parts") if on_tensor_cores(q) else None
     if module is not None:
         left = module.mean_parts(q, summed, 2, block_size)
         right = module.mean_parts(k, 1, 1, block_size)
@@ -450,15 +376,9 @@ def _operands(
         q_grouped = q_grouped.sum(3, keepdim=True)
     left = q_grouped.permute(0, 2, 3, 1, 4).flatten(0, 1)
     right = k_mean.permute(0, 2, 1, 3).reshape(batch * kv_heads, mk, dim)
-    if not _on_tensor_cores(left):
+    if not on_tensor_cores(left):
         return left, right
     return _parts(left, (0, 0, 1)), _parts(right, (0, 1, 0))
-
-
-def _on_tensor_cores(x: torch.Tensor) -> bool:
-    """Whether the block means of ``x`` (rows or means) are float32 on the GPU, where the
-    affinities are products of their bfloat16 parts (float64 stays a float64 product)."""
-    return x.is_cuda and _means_dtype(x) == torch.float32
 
 
 def _means_dtype(x: torch.Tensor) -> torch.dtype:

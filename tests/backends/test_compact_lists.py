@@ -347,3 +347,36 @@ def test_device_fill_blocks_matches_masked_fill(device, shape, flag_shape, block
     got = x.to(device)
     fill_blocks(got.transpose(1, 2), flags.to(device), block_size, -3.5)
     assert torch.equal(got.cpu(), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("cols", "topk"), [(100, 5), (300, 15), (40, 9)])
+def test_device_top_blocks_pick_the_same_blocks_at_every_group_width(device, cols, topk) -> None:
+    """The top-k kernel's groups hold every row's best columns whatever their width (Note [Top
+    blocks in registers]): each width from one column to the widest gives the row's ``topk``
+    best candidates, the lowest columns among equal affinities (many ties here), as a stable
+    float64 sort gives them; the default width is among them."""
+    skip_without_triton(device)
+    from dilated_attention.backends.triton_kernels.selection.top_blocks import (
+        group_width,
+        scratch_shape,
+        top_blocks,
+    )
+
+    g = torch.Generator().manual_seed(cols)
+    affinity = torch.randint(0, 6, (2, 3, 4, cols), generator=g).float()
+    candidates = torch.rand(4, cols, generator=g) < 0.7
+    own = torch.zeros(4, cols, dtype=torch.bool)
+    score = affinity.double().masked_fill(~candidates, -torch.inf)
+    order = torch.sort(-score, dim=-1, stable=True).indices[..., :topk]
+    kept = torch.gather(score, -1, order) > -torch.inf
+    block, picks = 1 << (cols - 1).bit_length(), 1 << (topk - 1).bit_length()
+    widths = [1 << i for i in range(7) if block >> i >= picks]
+    assert group_width(cols, topk) in widths and scratch_shape(24, cols, topk)[0] == 24
+    for width in widths:
+        scratch = torch.empty(24, block // width, device=device)
+        got = top_blocks(affinity.to(device), candidates.to(device), own.to(device), topk,
+                         own_width=0, scratch=scratch).cpu()  # fmt: skip
+        for key in itertools.product(range(2), range(3), range(4)):
+            listed = sorted(j for j in got[key].tolist() if j >= 0)
+            assert listed == sorted(order[key][kept[key]].tolist()), f"width {width}, {key}"

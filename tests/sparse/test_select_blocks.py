@@ -367,9 +367,9 @@ def test_cuda_choice_in_chunks_matches_the_oracle(
 ) -> None:
     """The GPU's one-pass choice, its query blocks a few at a time (a tiny affinity budget),
     against the float64 oracle."""
-    from dilated_attention.sparse import selection
+    from dilated_attention.sparse import device_choice
 
-    monkeypatch.setattr(selection, "AFFINITY_BYTES", 4 * 4 * 24 * 3)  # 1-3 query blocks a chunk
+    monkeypatch.setattr(device_choice, "AFFINITY_BYTES", 4 * 4 * 24 * 3)  # 1-3 query blocks a chunk
     q = torch.randn(2, 1536, 4, 64, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(2, 1536, 2, 64, device="cuda", dtype=torch.bfloat16)
     for is_causal, indices in itertools.product((True, False), (False, True)):
@@ -411,9 +411,9 @@ def test_cuda_choice_from_tiles_matches_the_stored_product(
     its query blocks in chunks, against the choice from the stored product: the same blocks
     but for a near tie (the two sum the parts' products in different orders)."""
     from dilated_attention.backends.triton_kernels.selection import affinity_tiles
-    from dilated_attention.sparse import selection
+    from dilated_attention.sparse import device_choice
 
-    monkeypatch.setattr(selection, "AFFINITY_BYTES", 300_000)  # several chunks in both
+    monkeypatch.setattr(device_choice, "AFFINITY_BYTES", 300_000)  # several chunks in both
     q = torch.randn(2, 4000, 4, 64, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(2, 4100, 2, 64, device="cuda", dtype=torch.bfloat16)
     calls = []

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from dilated_attention.block_sparse.runtime import same_document
-from dilated_attention.sparse import select_blocks, selection
+from dilated_attention.core.execution import graphs
+from dilated_attention.sparse import device_choice, select_blocks, selection
 from dilated_attention.sparse.selection import CandidateRanges, _parts, own_blocks_width
+from tests.support.graphs import count_replays, keep
 from tests.support.triton import INTERPRETING, skip_without_triton
 
 DEVICES = [pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
@@ -219,7 +221,7 @@ def test_choice_from_the_rows_parts_matches_the_float64_choice(
     clear = _clear_rows(q, k, bs, topk, is_causal, per, cu_seqlens)
     assert clear.float().mean() > 0.9  # most rows are a clear choice
     if device == "cpu":  # the GPU's route on the CPU
-        monkeypatch.setattr(selection, "_on_tensor_cores", lambda x: x.dtype != torch.float64)
+        monkeypatch.setattr(device_choice, "on_tensor_cores", lambda x: x.dtype != torch.float64)
     monkeypatch.setattr(affinity_tiles, "MIN_COLUMNS", 1 if route == "tiles" else 10**9)
     monkeypatch.setattr(selection, "block_means", None)  # the means are not made apart
     got = select_blocks(q.to(device), k.to(device), **options).cpu()
@@ -332,3 +334,46 @@ def test_choice_launches_replay_with_the_new_tensors(documents, return_indices) 
     fresh = choose(q2.bfloat16(), k2.bfloat16())
     assert torch.equal(replayed, fresh)
     assert not torch.equal(replayed, first)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "documents", [None, [0, 256, 512, 640, 1024]], ids=["by-position", "packed"]
+)
+@pytest.mark.parametrize("route", ["tiles", "product"])
+@pytest.mark.parametrize("return_indices", [False, True], ids=["bool", "indices"])
+def test_repeated_choices_replay_their_launches_from_one_graph(
+    monkeypatch, documents, route, return_indices
+) -> None:
+    """Once a choice repeats at the same addresses its launches (the parts, the product or
+    the tiles, the top-k) replay from one CUDA graph (Note [A choice's launches in one graph]),
+    and each replay chooses from what q and k hold now, bit for bit the choice of the launches
+    without graphs."""
+    skip_without_triton("cuda")
+    from dilated_attention.backends.triton_kernels.selection import affinity_tiles
+
+    if documents is not None and route == "tiles":
+        pytest.skip("packed documents' candidates are masks: the stored product takes them")
+    monkeypatch.setattr(affinity_tiles, "MIN_COLUMNS", 1 if route == "tiles" else 10**9)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.empty(2, 512, 8, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.empty(2, 512, 2, 64, device="cuda", dtype=torch.bfloat16)
+    contents = [[torch.randn(x.shape, device="cuda", generator=g).bfloat16() for x in (q, k)]
+                for _ in range(4)]  # fmt: skip
+
+    def choose(values: list[torch.Tensor]) -> torch.Tensor:
+        q.copy_(values[0])
+        k.copy_(values[1])
+        return select_blocks(q, k, block_size=64, topk=3, is_causal=True, cu_seqlens=documents,
+                             return_indices=return_indices)  # fmt: skip
+
+    monkeypatch.setenv(graphs.ENV_VAR, "0")
+    expected = [choose(values).clone() for values in contents]
+    monkeypatch.delenv(graphs.ENV_VAR)
+    replays = count_replays(monkeypatch)
+    stored = [torch.empty_like(x) for x in expected]
+    for values, into in zip(contents, stored, strict=True):
+        keep([choose(values)], [into])
+    assert all(torch.equal(a, b) for a, b in zip(stored, expected, strict=True))
+    assert len({tuple(x.flatten().tolist()) for x in expected}) > 1  # the contents matter
+    assert len(replays) >= 3, f"{len(replays)} replays in four choices"

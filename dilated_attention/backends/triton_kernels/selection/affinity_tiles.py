@@ -227,6 +227,15 @@ def scratch_per_row(topk: int) -> int:
     return next_power_of_2(max(1, topk)) * sum(words for words, _ in _SCRATCH)
 
 
+def empty_scratch(rows: int, topk: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The scratch of :func:`top_blocks_from_parts` for ``rows`` rows (every batch row and
+    head's), uninitialised: three tensors of ``rows`` rows, any leading rows of which serve
+    fewer."""
+    picks = next_power_of_2(max(1, topk))
+    return tuple(torch.empty(rows, picks * words, dtype=dtype, device=device)
+                 for words, dtype in _SCRATCH)  # fmt: skip
+
+
 def top_blocks_from_parts(
     left: torch.Tensor,
     right: torch.Tensor,
@@ -235,6 +244,7 @@ def top_blocks_from_parts(
     out: torch.Tensor,
     *,
     own_width: int | None = None,
+    scratch: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """Each row's own blocks and its ``min(topk, candidates)`` candidates of highest affinity,
     the affinities made from the block means' parts (Note [Affinities a tile at a time]).
@@ -251,6 +261,7 @@ def top_blocks_from_parts(
             contiguous columns: written in place.
         own_width: None for a bool mask; else block indices (Note [Chosen blocks as indices]
             in ``top_blocks.py``).
+        scratch: :func:`empty_scratch` of at least B Hs Mq rows; None for a new one.
 
     Returns:
         ``out``.
@@ -259,11 +270,11 @@ def top_blocks_from_parts(
     cols, dim = right.shape[1], right.shape[2] // 3
     if out.numel() == 0:
         return out
+    needed = batch * heads * rows
+    if scratch is None:
+        scratch = empty_scratch(needed, topk, left.device)
+    values, maxima, picked = (x[:needed] for x in scratch)
     picks = next_power_of_2(max(1, topk))
-    values, maxima, picked = (
-        torch.empty(batch * heads * rows, picks * words, dtype=dtype, device=left.device)
-        for words, dtype in _SCRATCH
-    )
     written = out if own_width is not None else out.view(torch.int8)
     args = (left, right, values, maxima, picked, written, rows, cols, heads,
             heads // (right.shape[0] // batch), dim, topk, left.stride(0), left.stride(1),

@@ -137,7 +137,21 @@ def _mean_parts_kernel(
         tl.store(target + part * dim, value, mask=where)
 
 
-def mean_parts(x: torch.Tensor, group: int, low_at: int, block_size: int = 1) -> torch.Tensor:
+def empty_parts(x: torch.Tensor, group: int, block_size: int = 1) -> torch.Tensor:
+    """The uninitialised result of :func:`mean_parts` of ``x`` (B, N, H, D): (B, H / group,
+    ceil(N / bs), 3 D) bfloat16, contiguous."""
+    batch, length, heads, dim = x.shape
+    return torch.empty(batch, heads // group, cdiv(length, block_size), 3 * dim,
+                       dtype=torch.bfloat16, device=x.device)  # fmt: skip
+
+
+def mean_parts(
+    x: torch.Tensor,
+    group: int,
+    low_at: int,
+    block_size: int = 1,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Block means as bfloat16 parts, from the rows in one launch (Note [Parts in one launch],
     Note [Block means in the parts' launch]).
 
@@ -149,13 +163,13 @@ def mean_parts(x: torch.Tensor, group: int, low_at: int, block_size: int = 1) ->
             ``[hi, lo, hi]``.
         block_size: rows per block ``bs``; the last block may be shorter (its mean is over
             its real rows).
+        out: where to write, :func:`empty_parts` of the same arguments; None for a new tensor.
 
     Returns:
-        (B, H / group, ceil(N / bs), 3 D) bfloat16, contiguous.
+        (B, H / group, ceil(N / bs), 3 D) bfloat16, contiguous: ``out`` or a new tensor.
     """
-    batch, length, heads, dim = x.shape
-    out = torch.empty(batch, heads // group, cdiv(length, block_size), 3 * dim,
-                      dtype=torch.bfloat16, device=x.device)  # fmt: skip
+    if out is None:
+        out = empty_parts(x, group, block_size)
     if out.numel() == 0:
         return out
     roles = (x, out)  # a known layout replays its launch (Note [Bound launches] in launch.py)

@@ -7,13 +7,17 @@ Note [Top blocks in registers]
     With torch operations that is a NaN clean-up, a masked fill and ``topk`` over the whole
     (B, H, Mq, Mk) float32 affinity, then a scatter: 2 ms of a 3.3 ms selection on an H100 at
     262,144 tokens, 24 of 36 ms at 1M. Here one program takes a row: the ``topk`` best columns
-    lie in the ``topk`` groups of 64 columns with the best maxima (each better column's group
+    lie in the ``topk`` groups of ``G`` columns with the best maxima (each better column's group
     has a better maximum; equal ones go to the lower column, as the lower group). A first pass
     reads the row ``CHUNK`` columns at a time (its candidates only) and stores each group's
     maximum to a scratch row; the second takes the maximum ``topk`` times among the group
     maxima, then ``topk`` times among those groups' columns, read again (from the cache), the
-    lowest column among equal ones each time: ``topk * (Mk / 64 + 64 topk)`` comparisons for a
-    row, not ``topk * Mk``. A program is one warp up to 1,024 columns and two above: every
+    lowest column among equal ones each time: ``topk * (Mk / G + G topk)`` comparisons for a
+    row, not ``topk * Mk``. ``G`` is the power of two that makes the fewest (``Mk / G`` groups
+    between ``topk`` and 256, ``G`` at most 64; :func:`group_width`): on an H100, 16 heads,
+    ``topk`` 15 of 512 columns and rows took 27 us in groups of 8 against 52 in groups of 32,
+    ``topk`` 63 of 2,048 1.05 ms in groups of 8 against 2.37 in groups of 32, the same picks.
+    A program is one warp up to 1,024 columns and two above: every
     maximum is a reduction across its threads, and a wider program spends its time waiting on
     them (one program of 8 warps holding the whole row took 6.5 ms at 1M tokens; on an H100, 16
     heads, ``topk`` 15, one warp took 33 / 53 / 182 us at 256 / 512 / 1,024 columns and rows,
@@ -59,6 +63,9 @@ MAX_COLUMNS = 16384
 _CHUNK = 1024
 _WARPS = 2
 _ONE_WARP_COLUMNS = 1024
+#: The most groups a row holds and the widest group (Note [Top blocks in registers]).
+_MOST_GROUPS = 256
+_MOST_GROUP = 64
 
 
 _LOWEST = tl.constexpr(-3.4028234663852886e38)  # a NaN affinity ranks here: below every number
@@ -191,6 +198,26 @@ def _top_blocks_kernel(
         tl.store(chosen + picked, tl.full((PICKS,), 1, tl.int8), mask=picked < cols)
 
 
+def group_width(cols: int, topk: int) -> int:
+    """Columns per group of a row of ``cols`` for ``topk`` picks (Note [Top blocks in
+    registers]): the power of two ``G`` with the fewest ``cols / G + picks * G`` (the larger
+    of equal ones), ``picks`` the picks rounded up to a power of two, among those that leave
+    between ``picks`` and ``_MOST_GROUPS`` groups with ``G <= _MOST_GROUP``; the widest that
+    leaves ``picks`` groups where none does."""
+    block, picks = next_power_of_2(cols), next_power_of_2(max(1, topk))
+    widths = [1 << i for i in range(_MOST_GROUP.bit_length())]
+    fits = [g for g in widths if picks <= block // g <= _MOST_GROUPS]
+    if not fits:
+        return max(1, min(_MOST_GROUP, block // picks))
+    return min(fits, key=lambda g: (block // g + picks * g, -g))
+
+
+def scratch_shape(rows: int, cols: int, topk: int) -> tuple[int, int]:
+    """The float32 scratch of :func:`top_blocks` for ``rows`` rows (every batch row and head's)
+    of ``cols`` columns: a row's group maxima."""
+    return rows, next_power_of_2(cols) // group_width(cols, topk)
+
+
 def _columns_contiguous(x: torch.Tensor) -> torch.Tensor:
     """``x`` itself where its columns are contiguous (a broadcast keeps its stride 0 rows),
     else a contiguous copy."""
@@ -219,6 +246,7 @@ def top_blocks(
     out: torch.Tensor | None = None,
     *,
     own_width: int | None = None,
+    scratch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each row's own blocks and its ``min(topk, candidates)`` candidates of highest affinity.
 
@@ -231,6 +259,8 @@ def top_blocks(
             topk + own_width) int32.
         own_width: None for a bool mask; else the rows as block indices (Note [Chosen blocks
             as indices]), each row's own blocks a run of at most ``own_width`` columns.
+        scratch: float32 of :func:`scratch_shape` (B Hs Mq rows), contiguous; None for a new
+            one.
 
     Returns:
         (B, Hs, Mq, Mk) bool, or (B, Hs, Mq, topk + own_width) int32 with ``-1`` = none:
@@ -251,10 +281,10 @@ def top_blocks(
         masks = [_columns_contiguous(x.expand(shape)).view(torch.uint8) for x in (candidates, own)]
     else:  # not read: any tensor of the right layout stands in
         masks = [affinity.view(torch.uint8)] * 2
-    block = next_power_of_2(cols)
-    group = max(1, min(64, block // next_power_of_2(topk)))  # at least PICKS groups
-    maxima = torch.empty(batch * heads * rows, block // group, dtype=torch.float32,
-                         device=affinity.device)  # fmt: skip
+    maxima = scratch
+    if maxima is None:
+        maxima = torch.empty(scratch_shape(batch * heads * rows, cols, topk),
+                             dtype=torch.float32, device=affinity.device)  # fmt: skip
     written = out if indices else out.view(torch.int8)
     # A known layout replays its launch (Note [Bound launches] in launch.py); the masks are
     # roles only where they are read.

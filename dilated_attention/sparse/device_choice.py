@@ -1,0 +1,193 @@
+"""MoBA's choice of key blocks on the GPU: its buffers allocated first, then its launches in
+one closure, replayed from a CUDA graph once the same call has run (Note [A choice's launches in
+one graph]).
+
+Note [A choice's launches in one graph]
+    On the GPU a choice is three or four launches: the bfloat16 parts of the query and key
+    block means (``mean_parts``), then, query blocks a chunk at a time, either the affinities'
+    product (cuBLAS's ``bmm``) and the top-k kernel (``top_blocks``), or from ``MIN_COLUMNS``
+    key blocks on the kernel that makes the affinities a tile at a time (``affinity_tiles``).
+    At 64K tokens (16 query and 4 key/value heads of 128, blocks of 128) the GPU spends ~0.17
+    ms on them, and an eager call took 0.25-0.39 ms on an H100: the host's checks,
+    allocations and launches came between them. So the choice allocates everything first (the
+    parts, the affinities of a chunk, the kernels' scratch, the result) and runs one closure
+    that only launches into them, through ``backends.triton.run_launches``: once the same call
+    (the same addresses) has run, the host checks, allocates and replays one CUDA graph (Note
+    [A call's launches from a CUDA graph] in ``core/execution/graphs.py``). The product writes
+    into its chunk's buffer (``out=``); every chunk reuses the same buffer and scratch, as the
+    launches run in order on one stream.
+
+Shape legend: B batch, Nq query rows, Nk key positions, H query heads, Hkv key/value heads,
+Hs the heads chosen for (H, or Hkv with ``per="kv_head"``), D head dim, Mq and Mk the query
+and key blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..backends.triton import kernel_module, run_launches
+
+__all__ = ["AFFINITY_BYTES", "choose_on_device", "device_modules", "on_tensor_cores"]
+
+#: The float32 affinities (or the tiles kernel's scratch) a choice holds at once: query blocks
+#: a chunk at a time.
+AFFINITY_BYTES = 256 * 2**20
+
+
+def on_tensor_cores(x: torch.Tensor) -> bool:
+    """Whether the block means of ``x`` (rows or means) are float32 on the GPU, where the
+    affinities are products of their bfloat16 parts (float64 stays a float64 product)."""
+    return x.is_cuda and torch.promote_types(x.dtype, torch.float32) == torch.float32
+
+
+def device_modules(q: torch.Tensor, mk: int) -> tuple[Any, Any] | None:
+    """The Triton choice's modules ``(mean_parts, top_blocks)`` where they take the blocks of
+    ``q`` (:func:`on_tensor_cores`) and ``mk`` key blocks (rows the top-k kernel can hold),
+    else None (the torch choice)."""
+    if not on_tensor_cores(q):
+        return None
+    parts, top = kernel_module("selection.mean_parts"), kernel_module("selection.top_blocks")
+    if parts is None or top is None or mk > top.MAX_COLUMNS:
+        return None
+    return parts, top
+
+
+def choose_on_device(
+    modules: tuple[Any, Any],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    candidates: Any,
+    topk: int,
+    per: str,
+    own_width: int | None,
+    block_size: int,
+) -> torch.Tensor:
+    """MoBA's rule on the GPU (Note [A choice's launches in one graph]).
+
+    Args:
+        modules: :func:`device_modules` of ``q``.
+        q: (B, Nq, H, D) and k (B, Nk, Hkv, D): rows, or block means with ``block_size=1``.
+        candidates: the rows' ``CandidateRanges`` (``sparse/selection.py``), or ``(candidates,
+            own)`` bool masks broadcastable to (B, 1, Mq, Mk).
+        topk: picks per row, at most Mk; ``per``: ``"head"`` or ``"kv_head"``.
+        own_width: None for a bool mask, else block indices with own runs this wide.
+        block_size: rows per block (the last may be shorter).
+
+    Returns:
+        (B, Hs, Mq, Mk) bool, or (B, Hs, Mq, topk + own_width) int32 block indices.
+    """
+    parts, top = modules
+    heads, kv_heads = q.shape[2], k.shape[2]
+    summed = heads // kv_heads if per == "kv_head" else 1
+    left = parts.empty_parts(q, summed, block_size)  # (B, Hs, Mq, 3 D)
+    right = parts.empty_parts(k, 1, block_size)  # (B, Hkv, Mk, 3 D)
+    mq, mk = left.shape[2], right.shape[2]
+    width, dtype = (mk, torch.bool) if own_width is None else (topk + own_width, torch.int32)
+    chosen = torch.empty(*left.shape[:3], width, dtype=dtype, device=q.device)
+    ranges = None if isinstance(candidates, tuple) else candidates
+    tiles = _tiles_module(ranges, mk, topk)
+    if tiles is not None:
+        step, scratch, chunks = _tile_chunks(tiles, left, right, ranges, topk, chosen, own_width)
+    else:
+        step, scratch, chunks = _stored_chunks(top, left, right, candidates, topk, chosen,
+                                               own_width)  # fmt: skip
+
+    def launches() -> None:
+        parts.mean_parts(q, summed, 2, block_size, out=left)
+        parts.mean_parts(k, 1, 1, block_size, out=right)
+        for start in range(0, mq, step):
+            chunks(start, slice(start, start + step))
+
+    masks = () if ranges is not None else candidates
+    key = ("select_blocks", block_size, topk, per, own_width, ranges, step, tiles is not None)
+    run_launches(key, (q, k, left, right, chosen, *scratch, *masks), launches)
+    return chosen
+
+
+Chunk = Callable[[int, slice], None]
+
+
+def _tiles_module(ranges: Any, mk: int, topk: int) -> Any:
+    """The choice from the means' parts a tile at a time (``affinity_tiles``, Note
+    [Affinities a tile at a time] there) where it takes the call: candidates by position,
+    ``Mk`` key blocks it runs; else None."""
+    if ranges is None:
+        return None
+    module = kernel_module("selection.affinity_tiles")
+    return module if module is not None and module.takes(mk, topk) else None
+
+
+def _tile_chunks(
+    module: Any,
+    left: torch.Tensor,
+    right: torch.Tensor,
+    ranges: Any,
+    topk: int,
+    chosen: torch.Tensor,
+    own_width: int | None,
+) -> tuple[int, tuple[torch.Tensor, ...], Chunk]:
+    """The tiles kernel's chunks of query blocks, ``(rows a chunk, scratch, the launch of a
+    chunk)``: its scratch (the values of the groups each row holds, their parts' maxima and
+    two lists) stays near :data:`AFFINITY_BYTES`. ``left`` (B, Hs, Mq, 3 D) and ``right`` (B,
+    Hkv, Mk, 3 D) are the parts, ``chosen`` (B, Hs, Mq, width) the result."""
+    batch, heads, mq = chosen.shape[:3]
+    step = max(1, AFFINITY_BYTES // (4 * batch * heads * module.scratch_per_row(topk)))
+    scratch = module.empty_scratch(batch * heads * min(step, mq), topk, left.device)
+    rows_of_heads, keys = left.flatten(0, 1), right.flatten(0, 1)
+
+    def chunk(start: int, rows: slice) -> None:
+        module.top_blocks_from_parts(rows_of_heads[:, rows], keys,
+                                     ranges.kernel_rows(start, module.RowRanges), topk,
+                                     chosen[:, :, rows], own_width=own_width,
+                                     scratch=scratch)  # fmt: skip
+
+    return step, scratch, chunk
+
+
+def _stored_chunks(
+    module: Any,
+    left: torch.Tensor,
+    right: torch.Tensor,
+    candidates: Any,
+    topk: int,
+    chosen: torch.Tensor,
+    own_width: int | None,
+) -> tuple[int, tuple[torch.Tensor, ...], Chunk]:
+    """The stored product's chunks of query blocks, ``(rows a chunk, scratch, the launch of a
+    chunk)``: a chunk's float32 affinities (B, Hs, rows, Mk) stay near
+    :data:`AFFINITY_BYTES`; the product (Note [Affinities on tensor cores] in
+    ``sparse/selection.py``), then the top-k kernel (``top_blocks``)."""
+    batch, heads, mq = chosen.shape[:3]
+    kv_heads, mk = right.shape[1], right.shape[2]
+    step = max(1, AFFINITY_BYTES // max(1, 4 * heads * mk * batch))
+    most = min(step, mq)
+    affinity = torch.empty(batch * heads * most * mk, dtype=torch.float32, device=left.device)
+    maxima = torch.empty(module.scratch_shape(batch * heads * most, mk, topk),
+                         dtype=torch.float32, device=left.device)  # fmt: skip
+    grouped = left.view(batch * kv_heads, heads // kv_heads, mq, left.shape[-1])
+    keys = right.flatten(0, 1).transpose(-1, -2)  # (B Hkv, 3 D, Mk)
+
+    def chunk(start: int, rows: slice) -> None:
+        count = len(range(mq)[rows])
+        part = grouped if count == mq else grouped[:, :, rows]
+        product = affinity[: batch * heads * count * mk].view(batch * kv_heads, -1, mk)
+        torch.bmm(part.flatten(1, 2), keys, out_dtype=torch.float32, out=product)
+        if isinstance(candidates, tuple):
+            row_args = (_rows(candidates[0], rows), _rows(candidates[1], rows))
+        else:
+            row_args = (candidates.kernel_rows(start, module.RowRanges), None)
+        module.top_blocks(product.view(batch, heads, count, mk), *row_args, topk,
+                          out=chosen[:, :, rows], own_width=own_width,
+                          scratch=maxima[: batch * heads * count])  # fmt: skip
+
+    return step, (affinity, maxima), chunk
+
+
+def _rows(mask: torch.Tensor, rows: slice) -> torch.Tensor:
+    """Query blocks ``rows`` of a mask broadcastable to (B, 1, Mq, Mk) (itself where it has
+    one row for all)."""
+    return mask if mask.shape[-2] == 1 else mask[..., rows, :]
