@@ -6,7 +6,11 @@ For each length N (B = 1, H = 16, 4 key/value heads, D = 128, bf16, causal), in 
 
 - ``dense cudnn``: PyTorch's SDPA forced to cuDNN on the whole sequence (``enable_gqa``);
 - ``selection``: ``select_blocks`` alone (MoBA's gate, ``--block-size`` blocks, ``--topk``
-  blocks per query block beside its own), the share of the MoBA call it takes;
+  blocks per query block beside its own), the share of the MoBA call it takes: an eager call
+  on an idle GPU (``selection_share``: the host's checks and allocations before its first
+  launch included), and the GPU's own time, the same call replayed from a CUDA graph
+  (``selection_gpu_share``: what it costs where the host runs ahead of the GPU, as in a
+  model's forward);
 - ``moba``: ``moba_attention`` (the selection, then ``block_sparse_attention`` on its run-time
   block indices, the automatic kernel choice); ``moba, given blocks``: ``block_sparse_attention``
   on block indices selected once (the attention alone); ``moba, given mask``: the same blocks as
@@ -44,6 +48,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _records import markdown_table
 from _timing import (
+    captured,
     environment,
     error_text,
     record_header,
@@ -60,7 +65,8 @@ from dilated_attention.sparse import moba_attention, nsa_attention, select_block
 COLUMNS = [
     "seq_len", "path", "keys_per_query", "pair_ratio", "fwd_ms", "fwd_bwd_ms", "fwd_speedup",
     "fwd_bwd_speedup", "visited_rate_fwd", "visited_rate_fwd_bwd", "kernel_rate_fwd",
-    "kernel_rate_fwd_bwd", "fwd_mem_ratio", "fwd_bwd_mem_ratio", "selection_share", "dense_from",
+    "kernel_rate_fwd_bwd", "fwd_mem_ratio", "fwd_bwd_mem_ratio", "selection_share",
+    "selection_gpu_share", "dense_from",
 ]  # fmt: skip
 
 #: The rows that time dense attention, skipped above ``--dense-up-to``.
@@ -138,20 +144,27 @@ def measure(
             row["error"] = error_text(exc)
             recover()
         rows.append(row)
+    def selection() -> torch.Tensor:
+        return select_blocks(q, k, block_size=bs, topk=topk, is_causal=True, return_indices=True)
+
     with torch.no_grad():
-        sel = time_cuda(lambda: select_blocks(q, k, block_size=bs, topk=topk, is_causal=True,
-                                              return_indices=True),
-                        warmup=3, repeats=args.repeats, min_ms=20)["median_ms"]  # fmt: skip
+        sel = time_cuda(selection, warmup=3, repeats=args.repeats, min_ms=20)["median_ms"]
+        graph = captured(selection)
+        sel_gpu = time_cuda(graph.replay, warmup=3, repeats=args.repeats, min_ms=20)["median_ms"]
     rows.append({"seq_len": seq_len, "path": "selection", "fwd_ms": sel})
-    derive(rows, sel, earlier)
+    rows.append({"seq_len": seq_len, "path": "selection, replayed", "fwd_ms": sel_gpu})
+    derive(rows, (sel, sel_gpu), earlier)
     return rows
 
 
-def derive(rows: list[dict[str, Any]], selection_ms: float, earlier: list[dict[str, Any]]) -> None:
+def derive(
+    rows: list[dict[str, Any]], selection_ms: tuple[float, float], earlier: list[dict[str, Any]]
+) -> None:
     """Speedups over dense cuDNN, the MoBA rows' rates on the pairs they visit (speedup / pair
     ratio) against dense cuDNN and against the same kernel run dense (``all blocks``), and the
-    selection's share of the MoBA call, in place. Where this length ran no dense rows, the
-    longest of ``earlier`` that did serves, scaled by the dense pairs."""
+    selection's share of the MoBA call (``selection_ms``: eager, and replayed), in place.
+    Where this length ran no dense rows, the longest of ``earlier`` that did serves, scaled by
+    the dense pairs."""
     seq_len = rows[0]["seq_len"]
     reference = {r["path"]: r for r in rows if r["path"] in DENSE}
     scale, source = 1.0, None
@@ -162,7 +175,7 @@ def derive(rows: list[dict[str, Any]], selection_ms: float, earlier: list[dict[s
             reference = {r["path"]: r for r in done if r["seq_len"] == source}
             scale = _dense_pairs(seq_len) / _dense_pairs(source)
     for row in rows:
-        if row["path"] in (*DENSE, "selection"):
+        if row["path"] in DENSE or row["path"].startswith("selection"):
             continue
         if source is not None:
             row["dense_from"] = source
@@ -180,7 +193,8 @@ def derive(rows: list[dict[str, Any]], selection_ms: float, earlier: list[dict[s
                     row[f"{column}_{step}"] = speedup / row["pair_ratio"]
     moba = next((r for r in rows if r["path"] == "moba"), {})
     if "fwd_ms" in moba:
-        moba["selection_share"] = selection_ms / moba["fwd_ms"]
+        moba["selection_share"] = selection_ms[0] / moba["fwd_ms"]
+        moba["selection_gpu_share"] = selection_ms[1] / moba["fwd_ms"]
 
 
 def _dense_pairs(seq_len: int) -> float:

@@ -7,15 +7,17 @@ Note [A choice's launches in one graph]
     block means (``mean_parts``), then, query blocks a chunk at a time, either the affinities'
     product (cuBLAS's ``bmm``) and the top-k kernel (``top_blocks``), or from ``MIN_COLUMNS``
     key blocks on the kernel that makes the affinities a tile at a time (``affinity_tiles``).
-    At 64K tokens (16 query and 4 key/value heads of 128, blocks of 128) the GPU spends ~0.17
-    ms on them, and an eager call took 0.25-0.39 ms on an H100: the host's checks,
-    allocations and launches came between them. So the choice allocates everything first (the
-    parts, the affinities of a chunk, the kernels' scratch, the result) and runs one closure
-    that only launches into them, through ``backends.triton.run_launches``: once the same call
-    (the same addresses) has run, the host checks, allocates and replays one CUDA graph (Note
-    [A call's launches from a CUDA graph] in ``core/execution/graphs.py``). The product writes
-    into its chunk's buffer (``out=``); every chunk reuses the same buffer and scratch, as the
-    launches run in order on one stream.
+    Each launch costs the host 20-40 us on the lent H100's, about what the GPU spends on the
+    key means, the product or the top-k at 64K tokens. So the choice launches the query means
+    (the longest kernel: the query is the largest operand) as soon as their parts are
+    allocated, then allocates the rest (the key parts, the affinities of a chunk, the kernels'
+    scratch, the result) while the GPU runs them, and runs the other launches in one closure
+    through ``backends.triton.run_launches``: once the same call (the same addresses) has run,
+    that closure replays as one CUDA graph (Note [A call's launches from a CUDA graph] in
+    ``core/execution/graphs.py``). Everything in one graph would start the GPU only after all
+    of the host's work: at 64K an eager call then took the host's 0.18-0.28 ms plus the GPU's
+    0.19. The product writes into its chunk's buffer (``out=``); every chunk reuses the same
+    buffer and scratch, as the launches run in order on one stream.
 
 Shape legend: B batch, Nq query rows, Nk key positions, H query heads, Hkv key/value heads,
 Hs the heads chosen for (H, or Hkv with ``per="kv_head"``), D head dim, Mq and Mk the query
@@ -84,6 +86,7 @@ def choose_on_device(
     heads, kv_heads = q.shape[2], k.shape[2]
     summed = heads // kv_heads if per == "kv_head" else 1
     left = parts.empty_parts(q, summed, block_size)  # (B, Hs, Mq, 3 D)
+    parts.mean_parts(q, summed, 2, block_size, out=left)  # the GPU starts on the longest
     right = parts.empty_parts(k, 1, block_size)  # (B, Hkv, Mk, 3 D)
     mq, mk = left.shape[2], right.shape[2]
     width, dtype = (mk, torch.bool) if own_width is None else (topk + own_width, torch.int32)
@@ -97,7 +100,6 @@ def choose_on_device(
                                                own_width)  # fmt: skip
 
     def launches() -> None:
-        parts.mean_parts(q, summed, 2, block_size, out=left)
         parts.mean_parts(k, 1, 1, block_size, out=right)
         for start in range(0, mq, step):
             chunks(start, slice(start, start + step))
