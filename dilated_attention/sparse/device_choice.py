@@ -5,7 +5,7 @@ one graph]).
 Note [A choice's launches in one graph]
     On the GPU a choice is three or four launches: the bfloat16 parts of the query and key
     block means (``mean_parts``), then, query blocks a chunk at a time, either the affinities'
-    product (cuBLAS's ``bmm``) and the top-k kernel (``top_blocks``), or from ``MIN_COLUMNS``
+    product (``parts_product``) and the top-k kernel (``top_blocks``), or from ``MIN_COLUMNS``
     key blocks on the kernel that makes the affinities a tile at a time (``affinity_tiles``).
     Each launch costs the host 20-40 us on the lent H100's, about what the GPU spends on the
     key means, the product or the top-k at 64K tokens. So the choice launches the query means
@@ -16,8 +16,9 @@ Note [A choice's launches in one graph]
     that closure replays as one CUDA graph (Note [A call's launches from a CUDA graph] in
     ``core/execution/graphs.py``). Everything in one graph would start the GPU only after all
     of the host's work: at 64K an eager call then took the host's 0.18-0.28 ms plus the GPU's
-    0.19. The product writes into its chunk's buffer (``out=``); every chunk reuses the same
-    buffer and scratch, as the launches run in order on one stream.
+    0.19. Every chunk's product and top-k reuse the same buffer and scratch, as the launches
+    run in order on one stream. The product is a Triton kernel rather than cuBLAS's ``bmm``,
+    whose graphs would each keep a cuBLAS workspace (Note [The parts' product in Triton]).
 
 Shape legend: B batch, Nq query rows, Nk key positions, H query heads, Hkv key/value heads,
 Hs the heads chosen for (H, or Hkv with ``per="kv_head"``), D head dim, Mq and Mk the query
@@ -27,13 +28,14 @@ and key blocks.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ..backends.triton import kernel_module, run_launches
 
-__all__ = ["AFFINITY_BYTES", "choose_on_device", "device_modules", "on_tensor_cores"]
+__all__ = ["AFFINITY_BYTES", "ChoiceKernels", "choose_on_device", "device_modules",
+           "on_tensor_cores"]  # fmt: skip
 
 #: The float32 affinities (or the tiles kernel's scratch) a choice holds at once: query blocks
 #: a chunk at a time.
@@ -46,20 +48,29 @@ def on_tensor_cores(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.promote_types(x.dtype, torch.float32) == torch.float32
 
 
-def device_modules(q: torch.Tensor, mk: int) -> tuple[Any, Any] | None:
-    """The Triton choice's modules ``(mean_parts, top_blocks)`` where they take the blocks of
-    ``q`` (:func:`on_tensor_cores`) and ``mk`` key blocks (rows the top-k kernel can hold),
-    else None (the torch choice)."""
+class ChoiceKernels(NamedTuple):
+    """The Triton choice's modules: the means' parts, the top-k kernel, the parts' product."""
+
+    parts: Any
+    top: Any
+    product: Any
+
+
+def device_modules(q: torch.Tensor, mk: int) -> ChoiceKernels | None:
+    """The Triton choice's modules where they take the blocks of ``q``
+    (:func:`on_tensor_cores`) and ``mk`` key blocks (rows the top-k kernel can hold), else
+    None (the torch choice)."""
     if not on_tensor_cores(q):
         return None
-    parts, top = kernel_module("selection.mean_parts"), kernel_module("selection.top_blocks")
-    if parts is None or top is None or mk > top.MAX_COLUMNS:
+    names = ("mean_parts", "top_blocks", "parts_product")
+    kernels = ChoiceKernels(*(kernel_module(f"selection.{name}") for name in names))
+    if any(module is None for module in kernels) or mk > kernels.top.MAX_COLUMNS:
         return None
-    return parts, top
+    return kernels
 
 
 def choose_on_device(
-    modules: tuple[Any, Any],
+    kernels: ChoiceKernels,
     q: torch.Tensor,
     k: torch.Tensor,
     candidates: Any,
@@ -71,7 +82,7 @@ def choose_on_device(
     """MoBA's rule on the GPU (Note [A choice's launches in one graph]).
 
     Args:
-        modules: :func:`device_modules` of ``q``.
+        kernels: :func:`device_modules` of ``q``.
         q: (B, Nq, H, D) and k (B, Nk, Hkv, D): rows, or block means with ``block_size=1``.
         candidates: the rows' ``CandidateRanges`` (``sparse/selection.py``), or ``(candidates,
             own)`` bool masks broadcastable to (B, 1, Mq, Mk).
@@ -82,7 +93,7 @@ def choose_on_device(
     Returns:
         (B, Hs, Mq, Mk) bool, or (B, Hs, Mq, topk + own_width) int32 block indices.
     """
-    parts, top = modules
+    parts = kernels.parts
     heads, kv_heads = q.shape[2], k.shape[2]
     summed = heads // kv_heads if per == "kv_head" else 1
     left = parts.empty_parts(q, summed, block_size)  # (B, Hs, Mq, 3 D)
@@ -96,7 +107,7 @@ def choose_on_device(
     if tiles is not None:
         step, scratch, chunks = _tile_chunks(tiles, left, right, ranges, topk, chosen, own_width)
     else:
-        step, scratch, chunks = _stored_chunks(top, left, right, candidates, topk, chosen,
+        step, scratch, chunks = _stored_chunks(kernels, left, right, candidates, topk, chosen,
                                                own_width)  # fmt: skip
 
     def launches() -> None:
@@ -151,7 +162,7 @@ def _tile_chunks(
 
 
 def _stored_chunks(
-    module: Any,
+    kernels: ChoiceKernels,
     left: torch.Tensor,
     right: torch.Tensor,
     candidates: Any,
@@ -161,30 +172,30 @@ def _stored_chunks(
 ) -> tuple[int, tuple[torch.Tensor, ...], Chunk]:
     """The stored product's chunks of query blocks, ``(rows a chunk, scratch, the launch of a
     chunk)``: a chunk's float32 affinities (B, Hs, rows, Mk) stay near
-    :data:`AFFINITY_BYTES`; the product (Note [Affinities on tensor cores] in
-    ``sparse/selection.py``), then the top-k kernel (``top_blocks``)."""
+    :data:`AFFINITY_BYTES`; the product of the parts (Note [The parts' product in Triton] in
+    ``triton_kernels/selection/parts_product.py``), then the top-k kernel (``top_blocks``)."""
     batch, heads, mq = chosen.shape[:3]
     kv_heads, mk = right.shape[1], right.shape[2]
     step = max(1, AFFINITY_BYTES // max(1, 4 * heads * mk * batch))
     most = min(step, mq)
     affinity = torch.empty(batch * heads * most * mk, dtype=torch.float32, device=left.device)
-    maxima = torch.empty(module.scratch_shape(batch * heads * most, mk, topk),
+    top = kernels.top
+    maxima = torch.empty(top.scratch_shape(batch * heads * most, mk, topk),
                          dtype=torch.float32, device=left.device)  # fmt: skip
     grouped = left.view(batch * kv_heads, heads // kv_heads, mq, left.shape[-1])
-    keys = right.flatten(0, 1).transpose(-1, -2)  # (B Hkv, 3 D, Mk)
+    keys = right.flatten(0, 1)  # (B Hkv, Mk, 3 D)
 
     def chunk(start: int, rows: slice) -> None:
         count = len(range(mq)[rows])
-        part = grouped if count == mq else grouped[:, :, rows]
         product = affinity[: batch * heads * count * mk].view(batch * kv_heads, -1, mk)
-        torch.bmm(part.flatten(1, 2), keys, out_dtype=torch.float32, out=product)
+        kernels.product.parts_product(grouped[:, :, rows], keys, product)
         if isinstance(candidates, tuple):
             row_args = (_rows(candidates[0], rows), _rows(candidates[1], rows))
         else:
-            row_args = (candidates.kernel_rows(start, module.RowRanges), None)
-        module.top_blocks(product.view(batch, heads, count, mk), *row_args, topk,
-                          out=chosen[:, :, rows], own_width=own_width,
-                          scratch=maxima[: batch * heads * count])  # fmt: skip
+            row_args = (candidates.kernel_rows(start, top.RowRanges), None)
+        top.top_blocks(product.view(batch, heads, count, mk), *row_args, topk,
+                       out=chosen[:, :, rows], own_width=own_width,
+                       scratch=maxima[: batch * heads * count])  # fmt: skip
 
     return step, (affinity, maxima), chunk
 

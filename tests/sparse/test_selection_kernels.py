@@ -162,6 +162,31 @@ def test_block_parts_match_the_float64_means(
         assert bool(((high + low) - exact)[finite].abs().le(bound[finite]).all())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("groups", "rows", "chunk", "cols", "depth"),
+                         [(1, 70, None, 90, 192), (4, 33, (5, 29), 130, 96), (2, 200, None, 7, 48)])
+def test_parts_product_matches_the_float64_product(device, groups, rows, chunk, cols,
+                                                   depth) -> None:  # fmt: skip
+    """The parts' product in Triton (Note [The parts' product in Triton]), its rows a chunk of
+    each group's (a strided view), against the float64 product: bfloat16 inputs, float32
+    accumulation, within float32's rounding of the sum; nothing outside ``out`` written."""
+    skip_without_triton(device)
+    from dilated_attention.backends.triton_kernels.selection.parts_product import parts_product
+
+    g = torch.Generator().manual_seed(rows + cols)
+    left = torch.randn(3, groups, rows, depth, generator=g).bfloat16()
+    right = torch.randn(3, cols, depth, generator=g).bfloat16()
+    part = left if chunk is None else left[:, :, chunk[0]:chunk[1]]
+    count = part.shape[2]
+    want = torch.einsum("ngrk,nck->ngrc", part.double(), right.double()).flatten(1, 2)
+    store = torch.full((3 * groups * count * cols + 5,), float("nan"), device=device)
+    out = store[: 3 * groups * count * cols].view(3, groups * count, cols)
+    got = parts_product(part.to(device), right.to(device), out)
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(got.cpu().double(), want, rtol=0, atol=2e-5 * depth**0.5)
+    assert store[-5:].isnan().all()
+
+
 def _indices_mask(indices: torch.Tensor, cols: int) -> torch.Tensor:
     """(..., K) int32 block indices, -1 = none, as the (..., cols) bool mask they list."""
     mask = torch.zeros(*indices.shape[:-1], cols + 1, dtype=torch.bool)
@@ -203,13 +228,11 @@ def test_choice_from_the_rows_parts_matches_the_float64_choice(
     per operand (Note [Block means in the parts' launch]; never :func:`block_means`), picks the
     blocks of the float64 choice in every row whose choice is clear (bf16 rows: the means and
     the parts' products in float32), as a bool mask and as indices. On the CPU the GPU's path
-    runs through Triton's interpreter, the choice a tile at a time; packed documents (their
-    candidates as masks) take the stored product on the GPU."""
+    runs through Triton's interpreter; packed documents (their candidates as masks) take the
+    stored product."""
     skip_without_triton(device)
     from dilated_attention.backends.triton_kernels.selection import affinity_tiles
 
-    if device == "cpu" and route == "product":
-        pytest.skip("the stored product runs on the GPU's tensor cores only")
     if cu_seqlens is not None and route == "tiles":
         pytest.skip("packed documents' candidates are masks: the stored product takes them")
     g = torch.Generator().manual_seed(nq + nk)
