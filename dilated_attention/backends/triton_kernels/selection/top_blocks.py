@@ -46,6 +46,7 @@ Note [Candidates by position]
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -198,6 +199,7 @@ def _top_blocks_kernel(
         tl.store(chosen + picked, tl.full((PICKS,), 1, tl.int8), mask=picked < cols)
 
 
+@functools.cache
 def group_width(cols: int, topk: int) -> int:
     """Columns per group of a row of ``cols`` for ``topk`` picks (Note [Top blocks in
     registers]): the power of two ``G`` with the fewest ``cols / G + picks * G`` (the larger
