@@ -247,6 +247,10 @@ def test_choice_from_the_rows_parts_matches_the_float64_choice(
         monkeypatch.setattr(device_choice, "on_tensor_cores", lambda x: x.dtype != torch.float64)
     monkeypatch.setattr(affinity_tiles, "MIN_COLUMNS", 1 if route == "tiles" else 10**9)
     monkeypatch.setattr(selection, "block_means", None)  # the means are not made apart
+    # Seven query blocks at a time: the product's rows a strided chunk of each head group's.
+    words = affinity_tiles.scratch_per_row(topk) if route == "tiles" else -(-nk // bs)
+    per_row = 4 * batch * (heads if per == "head" else kv_heads) * words
+    monkeypatch.setattr(device_choice, "AFFINITY_BYTES", 7 * per_row)
     got = select_blocks(q.to(device), k.to(device), **options).cpu()
     assert got.shape == want.shape and torch.equal(got[clear], want[clear])
     indices = select_blocks(q.to(device), k.to(device), return_indices=True, **options).cpu()
