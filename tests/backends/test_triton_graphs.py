@@ -15,7 +15,7 @@ from torch import Tensor
 
 pytest.importorskip("triton")
 
-from support.graphs import count_replays, keep
+from support.graphs import assert_steps_never_synchronise, count_replays, keep
 
 from dilated_attention.backends.triton_kernels import launch as L
 from dilated_attention.core.execution import fused, graphs
@@ -129,15 +129,7 @@ def test_steps_through_graphs_never_synchronise(monkeypatch: pytest.MonkeyPatch)
     """Capturing and replaying pass ``torch.cuda.set_sync_debug_mode("error")``."""
     _needs_cuda()
     step, _ = _step(CASES[0])
-    step()  # compiled and bound first: the first call of a shape family may synchronise
-    replays = count_replays(monkeypatch)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(4):
-            step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    assert replays
+    assert_steps_never_synchronise(step, monkeypatch)
 
 
 def test_a_callers_capture_takes_the_launches(monkeypatch: pytest.MonkeyPatch) -> None:

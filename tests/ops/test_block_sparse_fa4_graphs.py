@@ -14,7 +14,7 @@ from torch import Tensor
 
 pytest.importorskip("triton")
 
-from support.graphs import count_replays, keep
+from support.graphs import assert_steps_never_synchronise, count_replays, keep
 
 from dilated_attention import block_sparse_attention
 from dilated_attention.backends.base import KernelInputs
@@ -152,16 +152,7 @@ def test_a_replay_reads_the_indices_its_tensor_holds_now(monkeypatch: pytest.Mon
 def test_replayed_steps_never_synchronise(monkeypatch: pytest.MonkeyPatch) -> None:
     """Capturing and replaying pass ``torch.cuda.set_sync_debug_mode("error")``."""
     _needs_fa4()
-    step = _Call(CASES[0]).step
-    step()  # compiled first: a first call of a shape may synchronise
-    replays = count_replays(monkeypatch)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(4):
-            step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    assert replays
+    assert_steps_never_synchronise(_Call(CASES[0]).step, monkeypatch)
 
 
 def test_a_backward_without_its_forward_fills_the_lists() -> None:

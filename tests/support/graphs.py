@@ -3,6 +3,8 @@ graph] in ``core/execution/graphs.py``). Every test starts with no graph (``test
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import Tensor
@@ -26,3 +28,18 @@ def keep(results: list[Tensor], stored: list[Tensor]) -> None:
     the next step's tensors find the addresses this step's leave)."""
     for into, result in zip(stored, results, strict=True):
         into.copy_(result)
+
+
+def assert_steps_never_synchronise(step: Callable[[], object], monkeypatch: pytest.MonkeyPatch,
+                                   steps: int = 4) -> None:  # fmt: skip
+    """``steps`` calls of ``step``, after a first one that compiles and binds, pass
+    ``torch.cuda.set_sync_debug_mode("error")``, and at least one replays a graph."""
+    step()  # compiled and bound first: the first call of a shape family may synchronise
+    replays = count_replays(monkeypatch)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(steps):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert replays
