@@ -30,12 +30,14 @@ class _Calls:
         self.runs = 0
         self.captures = 0
         self.fail = False
+        self.streams: list[int | None] = []
 
     def launches(self) -> None:
         self.runs += 1
 
-    def capture(self, launches: Any, device: torch.device) -> _Graph | None:
+    def capture(self, launches: Any, device: torch.device, stream: int | None) -> _Graph | None:
         self.captures += 1
+        self.streams.append(stream)
         return None if self.fail else _Graph()
 
 
@@ -49,8 +51,8 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> _Calls:
     return record
 
 
-def _graph(key: tuple[Any, ...], tensors: list[torch.Tensor]) -> _Graph:
-    return graphs._GRAPHS[(key, graphs.addresses(tensors))][0]
+def _graph(key: tuple[Any, ...], tensors: list[torch.Tensor], stream: int | None = None) -> _Graph:
+    return graphs._GRAPHS[(key, stream, graphs.addresses(tensors))][0]
 
 
 def test_the_second_run_captures_and_later_runs_replay(calls: _Calls) -> None:
@@ -126,6 +128,23 @@ def test_a_graph_keeps_what_its_launches_read(calls: _Calls) -> None:
     x, table = torch.zeros(4), torch.arange(3)
     for _ in range(2):
         graphs.run_launches(("call",), [x], calls.launches, keep=table)
-    assert graphs._GRAPHS[(("call",), graphs.addresses([x]))][1] is table
+    assert graphs._GRAPHS[(("call",), None, graphs.addresses([x]))][1] is table
     graphs.clear()
     assert not graphs._GRAPHS and not graphs._RUNS
+
+
+def test_a_call_on_another_stream_finds_another_graph(
+    calls: _Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stream a call runs on is part of its key (Note [Graphs share one memory pool per
+    stream]): graphs of one pool are only replayed on the stream they share."""
+    stream = [7]
+    monkeypatch.setattr(graphs, "_stream_of", lambda device: stream[0])
+    x = torch.zeros(4)
+    for _ in range(3):
+        graphs.run_launches(("call",), [x], calls.launches)
+    stream[0] = 9
+    for _ in range(3):
+        graphs.run_launches(("call",), [x], calls.launches)
+    assert calls.streams == [7, 9] and calls.runs == 2
+    assert _graph(("call",), [x], 7).replays == 2 and _graph(("call",), [x], 9).replays == 2

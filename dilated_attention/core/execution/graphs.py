@@ -29,6 +29,19 @@ Note [A call's launches from a CUDA graph]
     :data:`GRAPH_LIMIT` graphs are kept, the least recently used dropped (a graph dropped while
     it runs is freed when it finishes); a dropped pair launches as usual from then on, so a
     loop of more pairs than the limit does not capture again and again.
+
+Note [Graphs share one memory pool per stream]
+    Launches may allocate what they free before they return (a kernel's own workspace:
+    FlashAttention-4's backward allocates a float32 dQ accumulator, twice q's bytes, per call).
+    Inside a capture that memory comes from the graph's pool and stays reserved as long as the
+    graph lives: with a pool per graph, every layer's backward would hold its own workspace for
+    good. So every graph replayed on one stream of one device is captured into one shared pool:
+    a capture reuses what earlier captures freed, and the pool holds about the largest
+    workspace of any one call. Sharing is sound because nothing allocated inside the launches
+    outlives them (what a call returns is allocated before its launches run), so a graph's
+    workspace is dead between its replays, and replays on one stream never overlap. The
+    stream a call runs on is therefore part of its key: a call on another stream finds other
+    graphs, in another pool, and two streams never replay graphs of one pool at once.
 """
 
 from __future__ import annotations
@@ -60,6 +73,8 @@ _GRAPHS: OrderedDict[tuple[Any, ...], tuple[Any, object]] = OrderedDict()
 _RUNS: OrderedDict[tuple[Any, ...], int] = OrderedDict()
 #: Each thread's side streams to capture on (two threads never capture on one stream).
 _STREAMS = threading.local()
+#: The memory pool of the graphs replayed on each (device index, stream).
+_POOLS: dict[tuple[int | None, int | None], Any] = {}
 
 
 def enabled() -> bool:
@@ -94,7 +109,9 @@ def run_launches(
     if not enabled() or torch.cuda.is_current_stream_capturing():
         launches()
         return
-    pair = (key, addresses(tensors))
+    device = next(x for x in tensors if x is not None).device
+    stream = _stream_of(device)
+    pair = (key, stream, addresses(tensors))
     found = _GRAPHS.get(pair)
     if found is not None:
         with contextlib.suppress(KeyError):  # another thread dropped it meanwhile
@@ -106,8 +123,7 @@ def run_launches(
         _count(pair, runs if runs == _NEVER else runs + 1)
         launches()
         return
-    device = next(x for x in tensors if x is not None).device
-    graph = _capture(launches, device)
+    graph = _capture(launches, device, stream)
     if graph is None:
         _count(pair, _NEVER)
         launches()
@@ -125,20 +141,38 @@ def _count(pair: tuple[Any, ...], runs: int) -> None:
         _RUNS.popitem(last=False)
 
 
-def _capture(launches: Callable[[], None], device: torch.device) -> Any | None:
-    """A CUDA graph of ``launches`` captured on a side stream of ``device`` (nothing runs), or
-    None where the capture failed."""
+def _stream_of(device: torch.device) -> int | None:
+    """The handle of the stream a call on ``device`` runs on (None off CUDA): graphs replay
+    there, and share its pool (Note [Graphs share one memory pool per stream])."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _pool(device: torch.device, stream: int | None) -> Any:
+    """The memory pool of every graph replayed on ``stream`` of ``device`` (Note [Graphs share
+    one memory pool per stream])."""
+    pool = _POOLS.get((device.index, stream))
+    if pool is None:
+        pool = _POOLS[device.index, stream] = torch.cuda.graph_pool_handle()
+    return pool
+
+
+def _capture(launches: Callable[[], None], device: torch.device, stream: int | None) -> Any | None:
+    """A CUDA graph of ``launches`` captured on a side stream of ``device`` (nothing runs) into
+    the pool of the graphs replayed on ``stream``, or None where the capture failed."""
     index = device.index if device.index is not None else torch.cuda.current_device()
+    device = torch.device("cuda", index)
     streams = getattr(_STREAMS, "by_device", None)  # this thread's, per device
     if streams is None:
         streams = _STREAMS.by_device = {}
-    stream = streams.get(index)
-    if stream is None:
-        stream = streams[index] = torch.cuda.Stream(index)
+    side = streams.get(index)
+    if side is None:
+        side = streams[index] = torch.cuda.Stream(index)
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.stream(stream):
-            graph.capture_begin(capture_error_mode="thread_local")
+        with torch.cuda.stream(side):
+            graph.capture_begin(pool=_pool(device, stream), capture_error_mode="thread_local")
             try:
                 launches()
             finally:
@@ -154,3 +188,4 @@ def clear() -> None:
     """Forget every graph and count (tests that change kernel settings between calls)."""
     _GRAPHS.clear()
     _RUNS.clear()
+    _POOLS.clear()
