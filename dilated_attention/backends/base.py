@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -394,6 +395,17 @@ class Backend:
                 **_score_options(softcap, window),
             )  # fmt: skip
         return dq, dk, dv
+
+    def run_launches(
+        self,
+        key: tuple[Any, ...] | None,
+        tensors: Sequence[torch.Tensor | None],
+        launches: Callable[[], None],
+        keep: object = None,
+    ) -> None:
+        """See ``KernelBackend.run_launches`` in ``core/contract.py``: run now (a backend whose
+        kernels a CUDA graph can hold replays them instead)."""
+        launches()
 
     def _rerun_exact(
         self,

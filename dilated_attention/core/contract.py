@@ -129,6 +129,19 @@ class KernelBackend(Protocol):
         window: Window | None = ...,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
+    def run_launches(
+        self,
+        key: tuple[Any, ...] | None,
+        tensors: Sequence[torch.Tensor | None],
+        launches: Callable[[], None],
+        keep: object = None,
+    ) -> None:
+        """Run ``launches`` (kernel calls and in-place ops on ``tensors``; what they allocate
+        they free before returning), replayed from a CUDA graph where the backend can (Note [A
+        call's launches from a CUDA graph] in ``execution/graphs.py``); ``key`` None: run them
+        as they are."""
+        ...
+
 
 @dataclass(frozen=True)
 class BranchSpan:
@@ -206,16 +219,4 @@ class FusedBackend(KernelBackend, Protocol):
         """A context inside which the branch calls compile their kernels instead of running
         them, or ``None`` when ``family``'s kernels are ready (Note [Compiling a shape family
         ahead])."""
-        ...
-
-    def run_launches(
-        self,
-        key: tuple[Any, ...] | None,
-        tensors: Sequence[torch.Tensor | None],
-        launches: Callable[[], None],
-        keep: object = None,
-    ) -> None:
-        """Run ``launches`` (branch calls and in-place ops on ``tensors``, allocating
-        nothing), replayed from a CUDA graph where the backend can (Note [A call's launches
-        from a CUDA graph] in ``execution/graphs.py``); ``key`` None: run them as they are."""
         ...

@@ -234,6 +234,10 @@ class EmptyStrategy(Strategy):
     """No query rows (a batch of 0 or 0 heads): empty outputs, no kernel."""
 
 
+#: Plans a :class:`PlanStrategy` keeps, one per query size and device.
+PLANS_PER_REQUEST = 8
+
+
 @dataclass(frozen=True)
 class PlanStrategy(Strategy):
     """The executor runs a plan of kernel calls on ``kernel.backend`` (Note [One executor]).
@@ -241,7 +245,10 @@ class PlanStrategy(Strategy):
     Attributes:
         plan: the plan of kernel calls, when it is known before the call's tensors are.
         plan_of: else the plan for this call's query (B, Nq, H, D): position groups depend on
-            its size and device (Note [Position-grouped plans]).
+            its size and device (Note [Position-grouped plans]); made once per size and
+            device, so that every call of the request runs one plan object (what a slotted
+            call's graph is keyed by: Note [A slotted call's launches from a CUDA graph] in
+            ``core/execution/executor.py``).
         layout: how q, k and v are laid out for the plan's calls.
         what: the public function's name, for the double-backward error under dropout.
     """
@@ -250,13 +257,28 @@ class PlanStrategy(Strategy):
     plan_of: Callable[[torch.Tensor], Plan] | None = None
     layout: Callable[[torch.Tensor], torch.Tensor] = contiguous
     what: str = "attention"
+    _runners: dict[tuple[torch.Size, torch.device], PlanRunner] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def prepare(self, q, k, v, key_padding_mask):  # type: ignore[no-untyped-def]
         layout = self.layout
         q, k, v = layout(q), layout(k), layout(v)
         if self.plan_of is None:
             return self._runner, Inputs(q, k, v, key_padding_mask)
-        return self._runner_of(self.plan_of(q)), Inputs(q, k, v, key_padding_mask)
+        return self._runner_for(q), Inputs(q, k, v, key_padding_mask)
+
+    def _runner_for(self, q: torch.Tensor) -> PlanRunner:
+        """The runner of ``plan_of(q)``, made once per query size and device (all the plan
+        depends on)."""
+        key = (q.shape, q.device)
+        runner = self._runners.get(key)
+        if runner is None:
+            if len(self._runners) >= PLANS_PER_REQUEST:
+                self._runners.clear()
+            assert self.plan_of is not None
+            runner = self._runners[key] = self._runner_of(self.plan_of(q))
+        return runner
 
     @functools.cached_property
     def _runner(self) -> PlanRunner:

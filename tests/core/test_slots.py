@@ -36,6 +36,7 @@ from dilated_attention.core.geometry.slots import (
     merge_slots_torch,
     sum_slots_torch,
 )
+from dilated_attention.resolve.resolver import clear_resolved
 
 F64 = torch.float64
 TIGHT = {"atol": 1e-10, "rtol": 1e-7}
@@ -190,6 +191,7 @@ def test_grouped_backward_takes_longer_groups_where_calls_would_be_too_many(
     counts = []
     for cap in (1000, 4):
         monkeypatch.setattr(grouped, "MAX_GROUPED_CALLS", cap)
+        clear_resolved()  # a request's plans are made once: made again under the new bound
         runs = _spy(monkeypatch, ("slot_backward",))
         q, k, v, dout = _inputs(n, heads)
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -637,3 +639,91 @@ def test_cells_are_one_slot_only_where_they_are_exactly_its_rows(
     if exact:
         want = torch.tensor([(p - h % 4) // 4 * heads + h for p, h in sorted(pairs)])
         assert torch.equal(index, want)
+
+
+class _RecordedRuns:
+    """``MathBackend.run_launches`` as a stand-in for a replay (Note [A slotted call's launches
+    from a CUDA graph] in ``core/execution/executor.py``): each call's launches run, then the
+    outputs they write are poisoned with NaN and the launches run again, as a replay into
+    fresh buffers at the same addresses would; the keys seen are kept."""
+
+    def __init__(self) -> None:
+        self.keys: list[tuple[object, ...]] = []
+
+    def __call__(self, key: tuple[object, ...], tensors: list[torch.Tensor | None],
+                 launches: object, keep: object = None) -> None:  # fmt: skip
+        self.keys.append(key)
+        launches()  # type: ignore[operator]
+        # forward: (q, k, v, mask, out, lse, slots, slot lse); backward: (dout, q, k, v, out,
+        # lse rows, mask, dq, dk, dv, slots...): the outputs the launches must write whole
+        outputs = tensors[4:8] if key[0] == "slot_forward" else tensors[7:10]
+        for x in outputs:
+            if x is not None and x.is_floating_point():
+                x.fill_(float("nan"))
+        launches()  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("cut", [False, True], ids=["whole", "grouped"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "schedule", [SLOTTED[0], SLOTTED[5], *GQA_SCHEDULES[:2]], ids=lambda s: s[0]
+)
+def test_slotted_calls_launch_through_the_backend_runner(
+    schedule, is_causal: bool, cut: bool, writing_kernel: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """A slotted plan's forward and backward, whole or in position groups, run their calls and
+    merges through the backend's ``run_launches``, keyed by the step and the plan, and the
+    launches write every output afresh: run a second time over outputs poisoned with NaN (a
+    replay's fresh buffers), they give the float64 oracle's results, outputs and all gradients,
+    with gradients and without."""
+    from dilated_attention.backends.math import MathBackend
+
+    _, n, heads, kv_heads, segs, rates = schedule
+    if cut:
+        cut_small(monkeypatch)
+    runs = _RecordedRuns()
+    monkeypatch.setattr(MathBackend, "run_launches", lambda self, *args, **kw: runs(*args, **kw))
+    q, k, v, dout = _inputs(n, heads)
+    k, v = k[:, :, :kv_heads], v[:, :, :kv_heads]
+    mask = _mask(n)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = dilated_attention(*leaves, segs, rates, is_causal=is_causal, backend="math",
+                                 key_padding_mask=mask, return_lse=True)  # fmt: skip
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_out, ref_lse, ref_grads = _oracle(q, k, v, dout, segs, rates, is_causal, mask)
+    torch.testing.assert_close(out, ref_out, **TIGHT)
+    torch.testing.assert_close(lse, ref_lse, **TIGHT)
+    for name, g, rg in zip("qkv", grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, rg, **TIGHT, msg=lambda m, x=name: f"d{x}: {m}")
+    # a differentiated forward runs whole; a cut plan's backward runs in groups
+    steps = ["slot_forward", "grouped_backward" if cut else "slot_backward"]
+    assert [key[0] for key in runs.keys] == steps
+    again = dilated_attention(*leaves, segs, rates, is_causal=is_causal, backend="math",
+                              key_padding_mask=mask)  # fmt: skip
+    torch.autograd.grad(again, leaves, dout)
+    # one plan for every call of the request, named by its identity: the calls' keys repeat
+    assert runs.keys[2:] == runs.keys[:2] and runs.keys[0][1] == runs.keys[1][1]
+    with torch.no_grad():
+        out, lse = dilated_attention(q, k, v, segs, rates, is_causal=is_causal, backend="math",
+                                     key_padding_mask=mask, return_lse=True)  # fmt: skip
+    torch.testing.assert_close(out, ref_out.detach(), **TIGHT)
+    torch.testing.assert_close(lse, ref_lse, **TIGHT)
+    assert runs.keys[-1][0] == ("grouped_forward" if cut else "slot_forward")
+
+
+def test_slotted_calls_with_dropout_launch_as_they_are(
+    writing_kernel: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Calls that keep an ``aux`` (dropout's state) never go through ``run_launches``: a replay
+    would make none."""
+    from dilated_attention.backends.math import MathBackend
+
+    runs = _RecordedRuns()
+    monkeypatch.setattr(MathBackend, "run_launches", lambda self, *args, **kw: runs(*args, **kw))
+    _, n, heads, _, segs, rates = SLOTTED[0]
+    q, k, v, dout = _inputs(n, heads)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = dilated_attention(*leaves, segs, rates, backend="math", dropout_p=0.1)
+    torch.autograd.grad(out, leaves, dout)
+    assert runs.keys == [] and {"forward", "backward"} <= set(writing_kernel)

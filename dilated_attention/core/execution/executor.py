@@ -20,6 +20,23 @@ Note [One executor]
     own, which own the communication; kernels that run a whole plan themselves (the fused
     dilated Triton kernels, ``fused.py``; our block-sparse Triton kernels) are runners too.
 
+Note [A slotted call's launches from a CUDA graph]
+    A slotted plan on FlashAttention-4 makes one kernel call per branch and offset class
+    (dozens at 64K tokens for LongNet's schedule), and FA4's Python interface spends ~0.1-0.4
+    ms of host time on each: measured on an H100 at 64K (H = 16, D = 128, causal), a forward
+    took 5.6 ms and a forward+backward 53 ms, nearly all of it host time, where the same calls
+    replayed from one CUDA graph took 2.5 and 12.2 ms (the fused Triton kernels: 4.0 and
+    19.3). So a
+    slotted plan allocates its outputs and slot buffers first and then runs its calls and the
+    merge (backward: the calls and the sums) as one closure through the kernel backend's
+    ``run_launches``, which replays them from a CUDA graph once the same call has run at the
+    same addresses (Note [A call's launches from a CUDA graph] in ``graphs.py``; FA4's
+    workspace lives in the stream's shared pool: Note [Graphs share one memory pool per
+    stream]). The key is the plan (which the graph keeps alive, so its identity names it) and
+    the kernel's arguments. Only calls whose kernels keep no ``aux`` take this route (without
+    dropout, on a backend whose aux is only for dropout: a replay makes none), and only
+    without a ring's spanning results, which the closure would read without naming them.
+
 Shape legend: B batch, N seq_len, H query heads, Hkv key/value heads, D head dim.
 """
 
@@ -48,7 +65,18 @@ from .call_runs import (
     run_forward,
 )
 from .grouped_runs import ExtraGradients, grouped_backward, grouped_forward
-from .slot_runs import slot_backward, slot_forward
+from .slot_runs import LaunchRunner, slot_backward, slot_forward
+
+
+def _replayed(plan: Plan, kernel: KernelArgs, step: str) -> LaunchRunner | None:
+    """How a slotted ``plan``'s launches of ``step`` run: through the backend's
+    ``run_launches`` (Note [A slotted call's launches from a CUDA graph]), or None where its
+    kernel calls keep an ``aux`` (dropout)."""
+    if kernel.dropout_p or not kernel.backend.aux_only_for_dropout:
+        return None
+    key = (step, id(plan), kernel)
+    run = kernel.backend.run_launches
+    return lambda tensors, launches: run(key, tensors, launches, keep=plan)
 
 
 def plan_forward(
@@ -85,17 +113,20 @@ def plan_forward(
     grouped = bool(plan.groups and plan.grouped_forward)
     assert extra is None or (plan.slots and not grouped)  # the ring's rule (_spanning_results)
     if grouped:
-        return grouped_forward(q, k, v, key_padding_mask, plan, kernel, out_dtype=out_dtype)
+        return grouped_forward(q, k, v, key_padding_mask, plan, kernel, out_dtype=out_dtype,
+                               runner=_replayed(plan, kernel, "grouped_forward"))  # fmt: skip
     if plan.slots:
         batch, seq_len, heads, _ = q.shape
         out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
         lse = torch.empty(batch, heads, seq_len, dtype=acc, device=q.device)
         auxes: list[Any] = []
+        runner = None if extra is not None else _replayed(plan, kernel, "slot_forward")
         slot_forward(
             q, k, v, key_padding_mask, plan.calls, plan.slots, kernel, out=out, lse=lse,
-            auxes=auxes, extra=extra,
+            auxes=auxes, extra=extra, runner=runner,
         )  # fmt: skip
-        return out, lse, auxes
+        # Through a runner every aux is None, and a replay makes none: the backward's repeat.
+        return out, lse, (auxes if runner is None else None)
     merging = len(plan.calls) > 1
     # One call: its rows are written as they come, so out needs no float32 copy.
     out, lse = new_accumulators(q, None if merging else q.dtype)
@@ -174,9 +205,11 @@ def plan_backward(
     if plan.groups and (plan.grouped_forward or all(a is None for a in auxes or ())):
         if not plan.grouped_forward:
             aux = itertools.repeat(None)
+        runner = None if extra is not None else _replayed(plan, kernel, "grouped_backward")
         return grouped_backward(
-            dout, q, k, v, out, lse, key_padding_mask, plan, kernel, aux, extra=extra
-        )
+            dout, q, k, v, out, lse, key_padding_mask, plan, kernel, aux, extra=extra,
+            runner=runner,
+        )  # fmt: skip
     acc = accumulator_dtype(q.dtype)
     in_slots = extra if isinstance(extra, ExtraSlotGradients) else None
     if in_slots is not None:  # read beside the plan's own slots: no float32 gradients
@@ -191,7 +224,9 @@ def plan_backward(
         views = None
         if in_slots is not None:
             views = functools.partial(in_slots.views, slice(None), 0, q.shape[1])
-        slot_backward(saved, plan.calls, plan.slots, kernel, iter(aux), grads=grads, extra=views)
+        runner = None if views is not None else _replayed(plan, kernel, "slot_backward")
+        slot_backward(saved, plan.calls, plan.slots, kernel, iter(aux), grads=grads, extra=views,
+                      runner=runner)  # fmt: skip
     elif plan.whole:  # with extra gradients joined
         grads = _whole_backward(*whole, next(iter(aux)))
     else:

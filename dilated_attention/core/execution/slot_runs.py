@@ -19,6 +19,20 @@ from ..contract import KernelOutput
 from ..geometry.calls import Call, GradInputs, KernelArgs, call_backward, call_forward
 from ..geometry.slots import KeySlots, Slot, SlotBuffers, SlotCall, SlotView, merge_slots
 
+#: Runs a call's launches (kernel calls and in-place ops on the tensors it is given, which name
+#: everything the launches read or write): now, or replayed from a CUDA graph
+#: (``KernelBackend.run_launches``, bound to the call's key).
+LaunchRunner = Callable[[Sequence[torch.Tensor | None], Callable[[], None]], None]
+
+
+def run_through(runner: LaunchRunner | None, tensors: Sequence[torch.Tensor | None],
+                launches: Callable[[], None]) -> None:  # fmt: skip
+    """``launches`` through ``runner`` (told of ``tensors``), or run now without one."""
+    if runner is None:
+        launches()
+    else:
+        runner(tensors, launches)
+
 
 def _fill(dest: torch.Tensor, result: torch.Tensor) -> None:
     """Copy a kernel's ``result`` into ``dest``, unless the kernel wrote it there."""
@@ -138,17 +152,26 @@ def slot_forward(
     auxes: list[Any],
     spanning: Sequence[SlotView] | None = None,
     extra: Callable[[], Sequence[SlotView]] | None = None,
+    runner: LaunchRunner | None = None,
 ) -> None:
     """Run ``calls`` into slots of their own over q's positions, then merge them once into
     ``out`` (B, N, H, D) and ``lse`` (B, H, N) (Note [Branch slots merged once] in
     ``slots.py``); with ``spanning`` (a position group's part of the slots that span groups),
     only the other slots are the calls' own, and those views join the merge; so do the views
-    ``extra`` returns (called once the calls are queued)."""
+    ``extra`` returns (called once the calls are queued). The slots are allocated first, then
+    the calls and the merge run through ``runner`` (Note [A slotted call's launches from a CUDA
+    graph]; only without ``spanning`` and ``extra``, whose tensors the runner is not told of)."""
+    assert runner is None or (spanning is None and extra is None)
     held = None if spanning is None else own_slots(slots)
     buffers = SlotBuffers(slots, q, q.shape[1], with_lse=True, held=held, dest=out)
-    fill_slots(q, k, v, key_padding_mask, calls, buffers, kernel, auxes=auxes)
-    more = () if extra is None else extra()
-    merge_slots([*buffers.views(), *(spanning or ()), *more], out, lse)
+
+    def launches() -> None:
+        fill_slots(q, k, v, key_padding_mask, calls, buffers, kernel, auxes=auxes)
+        more = () if extra is None else extra()
+        merge_slots([*buffers.views(), *(spanning or ()), *more], out, lse)
+
+    tensors = (q, k, v, key_padding_mask, out, lse, buffers.flat, buffers.lse_flat)
+    run_through(runner, tensors, launches)
 
 
 def slot_backward(
@@ -161,15 +184,24 @@ def slot_backward(
     grads: Sequence[torch.Tensor],
     spanning: Sequence[Sequence[Any]] | None = None,
     extra: Callable[[], Sequence[Sequence[Any]]] | None = None,
+    runner: LaunchRunner | None = None,
 ) -> None:
     """The backward of :func:`slot_forward`: each call's gradients written into slots of three
     gradient buffers (:func:`grad_slots`), each summed (with the ``spanning`` views of that
     gradient's slots, and those ``extra`` returns once the calls are queued) once into
-    ``grads`` (dq, dk, dv, (B, N, H or Hkv, D))."""
+    ``grads`` (dq, dk, dv, (B, N, H or Hkv, D)); the buffers are allocated first, then the
+    calls and the sums run through ``runner``, as in :func:`slot_forward`."""
+    assert runner is None or (spanning is None and extra is None)
     held = None if spanning is None else own_slots(slots)
     buffers = grad_slots(slots, saved.q, saved.k, saved.v, held, grads)
-    fill_grad_slots(saved, calls, buffers, kernel, auxes)
-    more = ((), (), ()) if extra is None else extra()
-    for own, views, added, grad in zip(buffers, spanning or ((), (), ()), more, grads,
-                                       strict=True):  # fmt: skip
-        own.sum_into(grad, [*views, *added])
+
+    def launches() -> None:
+        fill_grad_slots(saved, calls, buffers, kernel, auxes)
+        more = ((), (), ()) if extra is None else extra()
+        for own, views, added, grad in zip(buffers, spanning or ((), (), ()), more, grads,
+                                           strict=True):  # fmt: skip
+            own.sum_into(grad, [*views, *added])
+
+    tensors = (saved.dout, saved.q, saved.k, saved.v, saved.out, saved.lse_rows,
+               saved.key_padding_mask, *grads, *(own.flat for own in buffers))  # fmt: skip
+    run_through(runner, tensors, launches)
