@@ -16,7 +16,21 @@ process, written by
         --paths triton flash_attn4 --out benchmarks/results/dilated_tuning1_h100   # 2, 3
 
 and the same with ``--kv-heads 4`` to the ``_gqa`` names (``dilated_tuning_gqa1_h100``), with two
-more GQA runs at 1M (``dilated_tuning_1m_gqa<i>_h100``), where one cell's runs disagreed. For every
+more GQA runs at 1M (``dilated_tuning_1m_gqa<i>_h100``), where one cell's runs disagreed. These
+were measured before FlashAttention-4's slotted calls replayed from CUDA graphs (Note [A slotted
+call's launches from a CUDA graph] in ``core/execution/executor.py``); the records of
+:data:`REPLAYED_RECORDS` were measured with them, at 16K-128K, where the host decided:
+
+    python benchmarks/bench_dilated.py --schedules longnet --seq-lens 16384 32768 65536 \\
+        --kv-heads 16 --paths triton flash_attn4 --warmup 3 --repeats 10 --min-ms 30 \\
+        --out benchmarks/results/dilated_tuning_short_h100
+
+and the same with ``--kv-heads 4`` to ``dilated_tuning_short_gqa_h100``, then both again with
+``--seq-lens 131072`` to ``dilated_tuning_128k_h100`` and ``dilated_tuning_128k_gqa_h100``. Where
+they measured a
+cell at a length, their times replace the older records' (whose FlashAttention-4 times include
+the host time a replay removes); the older records alone give each cell's
+``min_query_len_without_graphs``, the threshold used where the graphs are turned off. For every
 cell (shared key/value heads or not, forward only or forward+backward, head dim, causal or not) and
 every measured length it takes each path's median time over the runs of its ``flash_attn4`` and
 ``triton`` rows, leaving out runs whose peak memory passed :data:`MAX_MEMORY_RATIO` of the
@@ -53,6 +67,11 @@ RECORDS = (
     "dilated_tuning_1m_gqa1_h100",
     "dilated_tuning_1m_gqa2_h100",
 )
+#: Records measured with FlashAttention-4's slotted calls replayed from CUDA graphs.
+REPLAYED_RECORDS = (
+    "dilated_tuning_short_h100", "dilated_tuning_short_gqa_h100",
+    "dilated_tuning_128k_h100", "dilated_tuning_128k_gqa_h100",
+)  # fmt: skip
 PATHS = ("flash_attn4", "triton")
 STEPS = (("forward", "fwd"), ("training", "fwd_bwd"))
 #: A path whose peak memory passed this share of the unavoidable bytes is not a candidate.
@@ -106,18 +125,44 @@ def thresholds(times: Times) -> dict[str, dict[str, Any]]:
     return cells
 
 
+def overlaid(older: Times, newer: Times) -> Times:
+    """``older``'s times with each (cell, length) that ``newer`` measured taken from ``newer``."""
+    cells = {key: dict(lengths) for key, lengths in older.items()}
+    for key, lengths in newer.items():
+        cells.setdefault(key, {}).update(lengths)
+    return cells
+
+
+def derived_cells(eager: list[dict[str, Any]], replayed: list[dict[str, Any]],
+                  schedule: str = "longnet") -> dict[str, dict[str, Any]]:  # fmt: skip
+    """The table's cells: :func:`thresholds` of the ``replayed`` records' times over the
+    ``eager`` ones' (:func:`overlaid`), each with ``min_query_len_without_graphs``, the
+    threshold of the ``eager`` records alone."""
+    older = median_times(eager, schedule)
+    cells = thresholds(overlaid(older, median_times(replayed, schedule)))
+    without = thresholds(older)
+    for key, cell in cells.items():
+        cell["min_query_len_without_graphs"] = without.get(key, {}).get("min_query_len")
+    return cells
+
+
+def _load(names: list[str]) -> list[dict[str, Any]]:
+    return [json.loads((RESULTS_DIR / f"{name}.json").read_text()) for name in names]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--records", nargs="+", default=list(RECORDS))
+    parser.add_argument("--replayed-records", nargs="*", default=list(REPLAYED_RECORDS))
     parser.add_argument("--schedule", default="longnet")
     parser.add_argument("--major", type=int, default=9, help="the records' compute capability")
     parser.add_argument("--write", action="store_true", help=f"store the table in {TABLE_FILE}")
     args = parser.parse_args()
-    records = [json.loads((RESULTS_DIR / f"{name}.json").read_text()) for name in args.records]
-    cells = thresholds(median_times(records, args.schedule))
+    cells = derived_cells(_load(args.records), _load(args.replayed_records), args.schedule)
     rows = [{"cell": key, "min_query_len": c["min_query_len"],
+             "without graphs": c["min_query_len_without_graphs"],
              **{f"{n}: fa4 / triton ms": f"{t['flash_attn4']} / {t['triton']}"
                 for n, t in c["measured_ms"].items()}}
             for key, c in cells.items()]  # fmt: skip
@@ -130,13 +175,17 @@ def main() -> None:
     about = (
         "Per device class (compute capability major) and cell, the shortest measured length "
         "from which FlashAttention-4 writing into branch slots ran faster than our fused Triton "
-        "kernels at that length and every longer one measured (null: at none). Written by "
-        "benchmarks/tune_dilated_choice.py --write from the records in sources; not edited by "
-        "hand (Note [The measured slots table] in slots_thresholds.py)."
+        "kernels at that length and every longer one measured (null: at none): min_query_len "
+        "with its calls replayed from CUDA graphs (the records in replayed_sources, over those "
+        "in sources where they measured a length), min_query_len_without_graphs from the "
+        "records in sources alone. Written by benchmarks/tune_dilated_choice.py --write; not "
+        "edited by hand (Note [The measured slots table] in slots_thresholds.py)."
     )
-    table = {"about": about, "majors": old.get("majors", {}), "sources": old.get("sources", {})}
+    table = {"about": about, "majors": old.get("majors", {}), "sources": old.get("sources", {}),
+             "replayed_sources": old.get("replayed_sources", {})}  # fmt: skip
     table["majors"][str(args.major)] = cells
     table["sources"][str(args.major)] = [f"{name}.json" for name in args.records]
+    table["replayed_sources"][str(args.major)] = [f"{n}.json" for n in args.replayed_records]
     path.write_text(json.dumps(table, indent=1) + "\n")
     print(f"wrote {path}")
 

@@ -15,6 +15,15 @@ Note [The measured slots table]
     the noise. It is written by ``benchmarks/tune_dilated_choice.py`` from ``bench_dilated.py``
     records, which it names beside the medians it read; nothing here is edited by hand. A head
     dim takes the cell of the smallest measured head dim at least as large.
+
+    FlashAttention-4's slotted calls replay from CUDA graphs once a call repeats at the same
+    addresses (Note [A slotted call's launches from a CUDA graph] in
+    ``core/execution/executor.py``), which removes the host time that decided below 128K tokens:
+    ``min_query_len`` is measured so (at 16K-128K; the older records, whose FlashAttention-4
+    times include that host time, at the lengths the newer ones did not measure), and
+    ``min_query_len_without_graphs``, from the older records alone, applies where
+    ``DILATED_ATTENTION_CUDA_GRAPHS=0`` turns the graphs off. A call at addresses that never
+    repeat runs FlashAttention-4's calls one by one, as without graphs.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import json
 from importlib import resources
 from typing import Any
 
+from ..core.execution import graphs
 from .base import KernelInputs
 
 #: The table file, beside this module (package data).
@@ -62,11 +72,17 @@ def min_query_len(major: int, inputs: KernelInputs) -> int | None:
     shared = inputs.num_kv_heads < inputs.num_heads
     key = cell_key(shared, inputs.requires_grad, dim, inputs.is_causal)
     entry = table()["majors"][str(major)].get(key)
-    return None if entry is None else entry["min_query_len"]
+    return None if entry is None else entry[_column()]
+
+
+def _column() -> str:
+    """The thresholds that apply now: with the graphs, or without (the environment's say)."""
+    return "min_query_len" if graphs.enabled() else "min_query_len_without_graphs"
 
 
 def shortest(major: int) -> int | None:
     """The shortest length from which any cell of ``major`` runs on the slots kernel."""
-    lengths = [c["min_query_len"] for c in table()["majors"].get(str(major), {}).values()]
+    column = _column()
+    lengths = [c[column] for c in table()["majors"].get(str(major), {}).values()]
     found = [n for n in lengths if n is not None]
     return min(found) if found else None

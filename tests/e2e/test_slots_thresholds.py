@@ -25,12 +25,27 @@ def test_the_table_is_derived_from_the_records_it_names() -> None:
     table = slots_thresholds.table()
     assert table["majors"], "no device class measured"
     for major, sources in table["sources"].items():
-        records = [json.loads((tune_dilated_choice.RESULTS_DIR / name).read_text())
-                   for name in sources]  # fmt: skip
-        derived = tune_dilated_choice.thresholds(
-            tune_dilated_choice.median_times(records, "longnet")
+        eager, replayed = (
+            [json.loads((tune_dilated_choice.RESULTS_DIR / name).read_text()) for name in names]
+            for names in (sources, table["replayed_sources"][major])
         )  # fmt: skip
+        derived = tune_dilated_choice.derived_cells(eager, replayed)
         assert derived == table["majors"][major]
+
+
+def test_newer_records_replace_the_older_times_where_they_measured() -> None:
+    """The thresholds with graphs read the replayed records' times where they measured a length
+    and the older ones elsewhere; without graphs, the older ones alone."""
+    older = [[_row(n, "flash_attn4", 3.0), _row(n, "triton", 2.0)] for n in (8, 16)]
+    older.append([_row(32, "flash_attn4", 1.0), _row(32, "triton", 2.0)])
+    newer = [[_row(n, "flash_attn4", 1.0), _row(n, "triton", 2.0)] for n in (8, 16)]
+    cells = tune_dilated_choice.derived_cells(
+        [{"results": rows} for rows in older], [{"results": rows} for rows in newer]
+    )  # fmt: skip
+    cell = cells["mha/forward/d64/full"]
+    assert cell["min_query_len"] == 8 and cell["min_query_len_without_graphs"] == 32
+    assert cell["measured_ms"]["8"] == {"flash_attn4": 1.0, "triton": 2.0}
+    assert cell["measured_ms"]["32"] == {"flash_attn4": 1.0, "triton": 2.0}
 
 
 def _row(seq_len: int, path: str, fwd_ms: float, mem_ratio: float = 1.1) -> dict[str, object]:
