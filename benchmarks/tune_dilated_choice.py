@@ -26,8 +26,8 @@ call's launches from a CUDA graph] in ``core/execution/executor.py``); the recor
         --out benchmarks/results/dilated_tuning_short_h100
 
 and the same with ``--kv-heads 4`` to ``dilated_tuning_short_gqa_h100``, then both again with
-``--seq-lens 131072`` to ``dilated_tuning_128k_h100`` and ``dilated_tuning_128k_gqa_h100``. Where
-they measured a
+``--seq-lens 131072`` to ``dilated_tuning_128k_h100`` and ``dilated_tuning_128k_gqa_h100``, and
+with ``--seq-lens 262144 --kv-heads 16`` to ``dilated_tuning_256k_h100``. Where they measured a
 cell at a length, their times replace the older records' (whose FlashAttention-4 times include
 the host time a replay removes); the older records alone give each cell's
 ``min_query_len_without_graphs``, the threshold used where the graphs are turned off. For every
@@ -70,7 +70,7 @@ RECORDS = (
 #: Records measured with FlashAttention-4's slotted calls replayed from CUDA graphs.
 REPLAYED_RECORDS = (
     "dilated_tuning_short_h100", "dilated_tuning_short_gqa_h100",
-    "dilated_tuning_128k_h100", "dilated_tuning_128k_gqa_h100",
+    "dilated_tuning_128k_h100", "dilated_tuning_128k_gqa_h100", "dilated_tuning_256k_h100",
 )  # fmt: skip
 PATHS = ("flash_attn4", "triton")
 STEPS = (("forward", "fwd"), ("training", "fwd_bwd"))
