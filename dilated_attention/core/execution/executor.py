@@ -26,16 +26,17 @@ Note [A slotted call's launches from a CUDA graph]
     ms of host time on each: measured on an H100 at 64K (H = 16, D = 128, causal), a forward
     took 5.6 ms and a forward+backward 53 ms, nearly all of it host time, where the same calls
     replayed from one CUDA graph took 2.5 and 12.2 ms (the fused Triton kernels: 4.0 and
-    19.3). So a
-    slotted plan allocates its outputs and slot buffers first and then runs its calls and the
-    merge (backward: the calls and the sums) as one closure through the kernel backend's
-    ``run_launches``, which replays them from a CUDA graph once the same call has run at the
-    same addresses (Note [A call's launches from a CUDA graph] in ``graphs.py``; FA4's
-    workspace lives in the stream's shared pool: Note [Graphs share one memory pool per
-    stream]). The key is the plan (which the graph keeps alive, so its identity names it) and
-    the kernel's arguments. Only calls whose kernels keep no ``aux`` take this route (without
-    dropout, on a backend whose aux is only for dropout: a replay makes none), and only
-    without a ring's spanning results, which the closure would read without naming them.
+    19.3). So a slotted plan, whole or in position groups, allocates its outputs (and slot
+    buffers) first and then runs its calls and the merge (backward: the calls and the sums)
+    as one closure through the kernel backend's ``run_launches``, which replays them from a
+    CUDA graph once the same call has run at the same addresses (Note [A call's launches from
+    a CUDA graph] in ``graphs.py``; the groups' slots and FA4's workspace, allocated and freed
+    inside, live in the stream's shared pool: Note [Graphs share one memory pool per
+    stream]). The key is the plan (which the graph keeps alive, so its identity names it; a
+    request makes its plan once per query size) and the kernel's arguments. Only calls whose
+    kernels keep no ``aux`` take this route (without dropout, on a backend whose aux is only
+    for dropout: a replay makes none), and only without a ring's spanning results, which the
+    closure would read without naming them.
 
 Shape legend: B batch, N seq_len, H query heads, Hkv key/value heads, D head dim.
 """
