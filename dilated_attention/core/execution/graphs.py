@@ -42,6 +42,13 @@ Note [Graphs share one memory pool per stream]
     workspace is dead between its replays, and replays on one stream never overlap. The
     stream a call runs on is therefore part of its key: a call on another stream finds other
     graphs, in another pool, and two streams never replay graphs of one pool at once.
+
+    The cost: what the pool holds (the largest transient memory of any one call: for
+    FlashAttention-4 in branch slots, its float32 workspace and, for a plan cut into position
+    groups, one group's slots and the slots that span groups) stays reserved for the graphs
+    while they live, where an eager call's would go back to the caching allocator for other
+    work. The fused Triton engine's launches allocate nothing, so its graphs add nothing to
+    the pool. ``DILATED_ATTENTION_CUDA_GRAPHS=0`` trades the replays for that memory.
 """
 
 from __future__ import annotations
