@@ -60,7 +60,6 @@ from __future__ import annotations
 import functools
 import importlib
 import warnings
-from collections.abc import Callable, Sequence
 from dataclasses import replace
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -77,7 +76,7 @@ from ._compat import (
     _parameters,
 )
 from .base import Backend, KernelInputs, KernelOutput
-from .triton import run_launches
+from .triton import TritonBackend
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
 _MAJORS = (9, 10)
@@ -328,18 +327,11 @@ class FlashAttn4Backend(Backend):
             return into
         return KernelOutput(out, lse)
 
-    def run_launches(
-        self,
-        key: tuple[Any, ...] | None,
-        tensors: Sequence[torch.Tensor | None],
-        launches: Callable[[], None],
-        keep: object = None,
-    ) -> None:
-        """See ``KernelBackend.run_launches`` in ``core/contract.py``: replayed from a CUDA
-        graph once the same call has run at the same addresses (FA4 launches on the current
-        stream, so a capture holds its kernels; Note [A slotted call's launches from a CUDA
-        graph] in ``core/execution/executor.py``)."""
-        run_launches(key, tensors, launches, keep)
+    # Replayed from a CUDA graph once the same call has run at the same addresses, by the one
+    # graph policy our Triton kernels follow (FA4 launches on the current stream, so a capture
+    # holds its kernels; Note [A slotted call's launches from a CUDA graph] in
+    # core/execution/executor.py).
+    run_launches = TritonBackend.run_launches
 
     def forward_takes_outputs(self) -> bool:
         """Whether the installed forward takes ``out`` and ``lse`` to write (then

@@ -363,7 +363,7 @@ class TritonBackend(Backend):
         launches: Callable[[], None],
         keep: object = None,
     ) -> None:
-        """See ``FusedBackend.run_launches`` in ``core/contract.py``: :func:`run_launches`."""
+        """See ``KernelBackend.run_launches`` in ``core/contract.py``: :func:`run_launches`."""
         run_launches(key, tensors, launches, keep)
 
     def backward_branch(
