@@ -17,7 +17,12 @@ from torch import Tensor
 
 pytest.importorskip("triton")
 
-from support.graphs import assert_steps_never_synchronise, count_replays, keep
+from support.graphs import (
+    assert_steps_never_synchronise,
+    count_replays,
+    eager_then_replayed,
+    keep,
+)
 
 from dilated_attention import backend_reasons
 from dilated_attention.core.execution import graphs
@@ -71,13 +76,7 @@ def test_replayed_slot_calls_compute_the_launches_bits(
     rounding, as FA4's backward adds a key/value head's query heads in float32 atomically (in
     no fixed order, graphs or not)."""
     step, _ = _step(case)
-    monkeypatch.setenv(graphs.ENV_VAR, "0")
-    expected = step()
-    monkeypatch.delenv(graphs.ENV_VAR)
-    replays = count_replays(monkeypatch)
-    steps = [[torch.empty_like(t) for t in expected] for _ in range(6)]
-    for stored in steps:  # nothing else allocates between the steps: their addresses repeat
-        keep(step(), stored)
+    expected, steps, replays = eager_then_replayed(step, monkeypatch)
     shared = case[3] < case[2]
     for i, got in enumerate(steps):
         for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, expected, strict=True):

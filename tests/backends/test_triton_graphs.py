@@ -15,7 +15,12 @@ from torch import Tensor
 
 pytest.importorskip("triton")
 
-from support.graphs import assert_steps_never_synchronise, count_replays, keep
+from support.graphs import (
+    assert_steps_never_synchronise,
+    count_replays,
+    eager_then_replayed,
+    keep,
+)
 
 from dilated_attention.backends.triton_kernels import launch as L
 from dilated_attention.core.execution import fused, graphs
@@ -81,13 +86,7 @@ def test_replayed_calls_compute_the_launches_bits(
     if case[-1].get("split"):
         _split(monkeypatch)
     step, _ = _step(case)
-    monkeypatch.setenv(graphs.ENV_VAR, "0")
-    expected = step()
-    monkeypatch.delenv(graphs.ENV_VAR)
-    replays = count_replays(monkeypatch)
-    steps = [[torch.empty_like(t) for t in expected] for _ in range(6)]
-    for stored in steps:  # nothing else allocates between the steps: their addresses repeat
-        keep(step(), stored)
+    expected, steps, replays = eager_then_replayed(step, monkeypatch)
     for i, got in enumerate(steps):
         for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, expected, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"step {i}: {name}")

@@ -12,6 +12,7 @@ runs FlashAttention-4 itself into the slots.
 from __future__ import annotations
 
 import itertools
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -125,20 +126,22 @@ def _oracle(q, k, v, dout, segs, rates, is_causal, mask):
     return out, lse, torch.autograd.grad(out, leaves, dout.to(F64))
 
 
-@pytest.mark.parametrize("cut", [False, True], ids=["whole", "grouped"])
-@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("schedule", SLOTTED, ids=[s[0] for s in SLOTTED])
-def test_slotted_plan_matches_oracle(
-    schedule, is_causal: bool, cut: bool, writing_kernel: list[str],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
-    """out, lse, dq, dk, dv of a slotted plan (the kernel writing every call into its slot)
-    equal the float64 oracle, with gradients and without, whole and in position groups, with
-    and without GQA."""
+class _Trained(NamedTuple):
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    dout: torch.Tensor
+    mask: torch.Tensor
+    leaves: list[torch.Tensor]
+    ref_out: torch.Tensor
+    ref_lse: torch.Tensor
+
+
+def _trained_like_the_oracle(schedule, is_causal: bool) -> _Trained:  # type: ignore[no-untyped-def]
+    """A forward+backward of ``schedule`` (its N, H, Hkv, segments, rates) on the math backend,
+    with the key padding mask of :func:`_mask`, checked against the float64 oracle on out, lse
+    and every gradient; returns its inputs, leaves and the oracle's out and lse."""
     _, n, heads, kv_heads, segs, rates = schedule
-    if cut:
-        cut_small(monkeypatch)
-    runs = _spy(monkeypatch, ("slot_forward", "slot_backward", "run_forward", "run_backward"))
     q, k, v, dout = _inputs(n, heads)
     k, v = k[:, :, :kv_heads], v[:, :, :kv_heads]
     mask = _mask(n)
@@ -151,6 +154,24 @@ def test_slotted_plan_matches_oracle(
     torch.testing.assert_close(lse, ref_lse, **TIGHT)
     for name, g, rg in zip("qkv", grads, ref_grads, strict=True):
         torch.testing.assert_close(g, rg, **TIGHT, msg=lambda m, x=name: f"d{x}: {m}")
+    return _Trained(q, k, v, dout, mask, leaves, ref_out, ref_lse)
+
+
+@pytest.mark.parametrize("cut", [False, True], ids=["whole", "grouped"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("schedule", SLOTTED, ids=[s[0] for s in SLOTTED])
+def test_slotted_plan_matches_oracle(
+    schedule, is_causal: bool, cut: bool, writing_kernel: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """out, lse, dq, dk, dv of a slotted plan (the kernel writing every call into its slot)
+    equal the float64 oracle, with gradients and without, whole and in position groups, with
+    and without GQA."""
+    _, n, _, _, segs, rates = schedule
+    if cut:
+        cut_small(monkeypatch)
+    runs = _spy(monkeypatch, ("slot_forward", "slot_backward", "run_forward", "run_backward"))
+    q, k, v, _, mask, _, ref_out, ref_lse = _trained_like_the_oracle(schedule, is_causal)
     assert set(runs) == {"slot_forward", "slot_backward"}, runs
     assert runs.count("slot_forward") == 1  # a differentiated forward runs whole
     if cut:  # groups of the shortest segment (the longer branches' slots span them), or none
@@ -679,23 +700,12 @@ def test_slotted_calls_launch_through_the_backend_runner(
     with gradients and without."""
     from dilated_attention.backends.math import MathBackend
 
-    _, n, heads, kv_heads, segs, rates = schedule
+    segs, rates = schedule[4:]
     if cut:
         cut_small(monkeypatch)
     runs = _RecordedRuns()
     monkeypatch.setattr(MathBackend, "run_launches", lambda self, *args, **kw: runs(*args, **kw))
-    q, k, v, dout = _inputs(n, heads)
-    k, v = k[:, :, :kv_heads], v[:, :, :kv_heads]
-    mask = _mask(n)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = dilated_attention(*leaves, segs, rates, is_causal=is_causal, backend="math",
-                                 key_padding_mask=mask, return_lse=True)  # fmt: skip
-    grads = torch.autograd.grad(out, leaves, dout)
-    ref_out, ref_lse, ref_grads = _oracle(q, k, v, dout, segs, rates, is_causal, mask)
-    torch.testing.assert_close(out, ref_out, **TIGHT)
-    torch.testing.assert_close(lse, ref_lse, **TIGHT)
-    for name, g, rg in zip("qkv", grads, ref_grads, strict=True):
-        torch.testing.assert_close(g, rg, **TIGHT, msg=lambda m, x=name: f"d{x}: {m}")
+    q, k, v, dout, mask, leaves, ref_out, ref_lse = _trained_like_the_oracle(schedule, is_causal)
     # a differentiated forward runs whole; a cut plan's backward runs in groups
     steps = ["slot_forward", "grouped_backward" if cut else "slot_backward"]
     assert [key[0] for key in runs.keys] == steps

@@ -14,7 +14,12 @@ from torch import Tensor
 
 pytest.importorskip("triton")
 
-from support.graphs import assert_steps_never_synchronise, count_replays, keep
+from support.graphs import (
+    assert_steps_never_synchronise,
+    count_replays,
+    eager_then_replayed,
+    keep,
+)
 
 from dilated_attention import block_sparse_attention
 from dilated_attention.backends.base import KernelInputs
@@ -101,13 +106,7 @@ def test_replayed_forwards_compute_the_launches_bits(
     graphs (out and lse bit for bit)."""
     _needs_fa4()
     step = _Call(case).step
-    monkeypatch.setenv(graphs.ENV_VAR, "0")
-    expected = step()
-    monkeypatch.delenv(graphs.ENV_VAR)
-    replays = count_replays(monkeypatch)
-    steps = [[torch.empty_like(t) for t in expected] for _ in range(6)]
-    for stored in steps:
-        keep(step(), stored)
+    expected, steps, replays = eager_then_replayed(step, monkeypatch)
     for i, got in enumerate(steps):
         _assert_same(got, expected, f"step {i}: ")
     assert graphs._GRAPHS, "no forward was captured"

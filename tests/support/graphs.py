@@ -9,6 +9,8 @@ import pytest
 import torch
 from torch import Tensor
 
+from dilated_attention.core.execution import graphs
+
 
 def count_replays(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """A list that grows by one at each replay of a graph of ours."""
@@ -43,3 +45,19 @@ def assert_steps_never_synchronise(step: Callable[[], object], monkeypatch: pyte
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert replays
+
+
+def eager_then_replayed(
+    step: Callable[[], list[Tensor]], monkeypatch: pytest.MonkeyPatch, steps: int = 6
+) -> tuple[list[Tensor], list[list[Tensor]], list[int]]:
+    """``step``'s results with the graphs turned off, then ``steps`` runs with them, each run's
+    results kept in buffers made before the runs (nothing else allocates between them, so
+    their addresses repeat), and the list of replays seen during those runs."""
+    monkeypatch.setenv(graphs.ENV_VAR, "0")
+    expected = step()
+    monkeypatch.delenv(graphs.ENV_VAR)
+    replays = count_replays(monkeypatch)
+    runs = [[torch.empty_like(t) for t in expected] for _ in range(steps)]
+    for stored in runs:
+        keep(step(), stored)
+    return expected, runs, replays
