@@ -153,15 +153,13 @@ def attention(
             the reasons).
     """
     options = (is_causal, scale, dropout_p, backend, return_lse, window_size, softcap)
-    signature = None
-    if cu_seqlens is None and cache is None:  # Note [Checked once per call signature]
-        signature = _ATTENTION.signature((query, key, value, key_padding_mask, sinks), options)
-    request = _ATTENTION.get(signature)
-    if request is None:
-        request = _check_attention(
-            query, key, value, key_padding_mask, sinks, cu_seqlens, cache, *options
-        )
-        _ATTENTION.keep(signature, request)
+    tensors = (query, key, value, key_padding_mask, sinks)
+    request = _ATTENTION.request(  # Note [Checked once per call signature]
+        tensors,
+        options,
+        lambda: _check_attention(*tensors, cu_seqlens, cache, *options),
+        kept=cu_seqlens is None and cache is None,
+    )
     return compiled.route(request, query, key, value, key_padding_mask, return_lse, sinks, cache)
 
 
@@ -284,13 +282,51 @@ def dilated_attention(
             ValueError when ``backend`` is unknown or cannot run the inputs (the message lists
             the reasons).
     """
+    options = (
+        segment_lengths, dilation_rates, is_causal, scale, dropout_p, backend, return_lse,
+        window_size, softcap,
+    )  # fmt: skip
+    tensors = (query, key, value, key_padding_mask, sinks)
+    request = _DILATED.request(  # Note [Checked once per call signature]
+        tensors,
+        options,
+        lambda: _check_dilated(*tensors, cu_seqlens, cache, *options),
+        kept=cu_seqlens is None and cache is None,
+    )
+    return compiled.route(request, query, key, value, key_padding_mask, return_lse, sinks, cache)
+
+
+#: The requests of the call signatures ``dilated_attention`` has checked.
+_DILATED = CheckedCalls()
+
+
+def _check_dilated(
+    query: object,
+    key: object,
+    value: object,
+    key_padding_mask: object,
+    sinks: object,
+    cu_seqlens: torch.Tensor | list[int] | None,
+    cache: Cache | None,
+    segment_lengths: list[int] | tuple[int, ...],
+    dilation_rates: list[int] | tuple[int, ...],
+    is_causal: bool,
+    scale: float | None,
+    dropout_p: float,
+    backend: str | None,
+    return_lse: bool,
+    window_size: tuple[int, int] | None,
+    softcap: float | None,
+) -> Request:
+    """:func:`dilated_attention`'s checks of its arguments, then the call described as its
+    request."""
     schedule = Schedule(segment_lengths, dilation_rates)  # checks them
     q, k, v = V.check_qkv(query, key, value, same_length=False)
     V.check_bool("is_causal", is_causal)
     V.check_bool("return_lse", return_lse)
     V.check_decoding_lengths(q, k, is_causal)
     V.check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[1], q.device)
-    sinks = V.check_sinks(sinks, q)
+    checked_sinks = V.check_sinks(sinks, q)
     window = V.check_window_size(window_size)
     if window is not None and (cache is not None or q.shape[1] != k.shape[1]):
         raise ValueError(
@@ -303,16 +339,15 @@ def dilated_attention(
         is_causal=is_causal, has_mask=key_padding_mask is not None,
         dropout_p=V.check_dropout("dropout_p", dropout_p), scale=V.check_scale(scale),
         backend=check_backend_name(backend), schedule=schedule, window=window,
-        softcap=V.check_softcap(softcap), sinks=sinks is not None,
+        softcap=V.check_softcap(softcap), sinks=checked_sinks is not None,
     )  # fmt: skip
     documents = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, q, k, cache)
     if cache is not None:  # what it holds, in the request (Note [A cache call is one request])
         check_cache_call(cache, schedule.segment_lengths, schedule.dilation_rates, q, k, is_causal)
         new = Inputs(q, k, v, key_padding_mask)
-        fields |= cache_fields(cache, new, sinks, fields, packed=documents is not None)
+        fields |= cache_fields(cache, new, checked_sinks, fields, packed=documents is not None)
     operation = dilated_operation(q.shape[1], k.shape[1])
-    request = Request.of(operation, q, k, v, documents=documents, **fields)
-    return compiled.route(request, q, k, v, key_padding_mask, return_lse, sinks, cache)
+    return Request.of(operation, q, k, v, documents=documents, **fields)
 
 
 @_eager_under_compile

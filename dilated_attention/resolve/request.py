@@ -16,7 +16,7 @@ Shape legend: B batch, Nq query rows, Nk key rows, H query heads, Hkv key/value 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -251,6 +251,9 @@ def forget_requests() -> None:
 #     list), and calls traced by torch.compile (the checks are traced there).
 #: Every :class:`CheckedCalls`, so that :func:`forget_requests` forgets them all.
 _CHECKED_CALLS: list[CheckedCalls] = []
+#: The option types a signature holds by value (a tuple or list of them too); a call with any
+#: other option (a tensor, a NumPy integer) is checked every time.
+_PLAIN = frozenset({bool, int, float, str, type(None)})
 #: Call signatures kept at most per function; the oldest is dropped first.
 CHECKED_LIMIT = 512
 
@@ -264,7 +267,7 @@ class CheckedCalls:
         _CHECKED_CALLS.append(self)
 
     @staticmethod
-    def signature(
+    def _signature(
         tensors: Sequence[object], options: Sequence[object]
     ) -> tuple[object, ...] | None:
         """A call's signature: its tensor arguments' metadata (each a tensor or None) and its
@@ -283,29 +286,44 @@ class CheckedCalls:
                 return None
         for value in options:
             kind = type(value)
+            if kind is tuple or kind is list:
+                value = tuple(value)
+                items = tuple(map(type, value))
+                if not _PLAIN.issuperset(items):
+                    return None
+                append(items)
+            elif kind not in _PLAIN:
+                return None
             append(kind)
             append(value)
-            if kind is tuple:
-                append(tuple(map(type, value)))
         return tuple(key)
 
-    def get(self, signature: tuple[object, ...] | None) -> Request | None:
-        """The Request kept for ``signature``, or None (not checked yet, or not kept)."""
-        if signature is None:
-            return None
-        try:
-            return self._kept.get(signature)
-        except TypeError:  # an option that is no dictionary key
-            return None
+    def request(
+        self,
+        tensors: Sequence[object],
+        options: Sequence[object],
+        check: Callable[[], Request],
+        kept: bool = True,
+    ) -> Request:
+        """The Request of a call: the one kept for its signature, else ``check()``'s (the
+        function's checks, which raise on bad input), kept where ``kept`` (the checks read
+        metadata only)."""
+        signature = self._signature(tensors, options) if kept else None
+        request = self._get(signature)
+        if request is None:
+            request = check()
+            self._keep(signature, request)
+        return request
 
-    def keep(self, signature: tuple[object, ...] | None, request: Request) -> None:
+    def _get(self, signature: tuple[object, ...] | None) -> Request | None:
+        """The Request kept for ``signature``, or None (not checked yet, or not kept)."""
+        return None if signature is None else self._kept.get(signature)
+
+    def _keep(self, signature: tuple[object, ...] | None, request: Request) -> None:
         """Keep ``request`` for ``signature``, a call that passed every check."""
         if signature is None:
             return
-        try:
-            self._kept[signature] = request
-        except TypeError:  # an option that is no dictionary key
-            return
+        self._kept[signature] = request
         if len(self._kept) > CHECKED_LIMIT:
             del self._kept[next(iter(self._kept))]
 

@@ -67,15 +67,46 @@ BAD_EQUALS: dict[str, tuple[dict[str, Any], dict[str, Any], type[Exception]]] = 
 }
 
 
+#: Dilated calls' own: schedules equal to a valid one that the checks still refuse.
+BAD_SCHEDULES: dict[str, tuple[list[Any], list[Any], type[Exception]]] = {
+    "segment_lengths=[4.0, 8]": ([4, 8], [4.0, 8], ValueError),
+    "dilation_rates=[True, 2]": ([1, 2], [True, 2], ValueError),
+}
+
+
+def _dilated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
+    return da.dilated_attention(q, k, v, [4, 8], [1, 2], **kw)
+
+
+@pytest.mark.parametrize("call", [da.attention, _dilated], ids=["dense", "dilated"])
 @pytest.mark.parametrize("case", list(BAD_EQUALS))
-def test_a_checked_signature_never_passes_a_bad_call(case: str) -> None:
+def test_a_checked_signature_never_passes_a_bad_call(case: str, call: Any) -> None:
     """A call whose arguments equal those of a call already checked but would fail a check
     (``1 == True``, and only the bool passes) still raises the check's error."""
     good, bad, error = BAD_EQUALS[case]
     q, k, v = _qkv()
-    da.attention(q, k, v, **good)
+    call(q, k, v, **good)
     with pytest.raises(error, match=next(iter(bad))):
-        da.attention(q, k, v, **bad)
+        call(q, k, v, **bad)
+
+
+@pytest.mark.parametrize("case", list(BAD_SCHEDULES))
+def test_a_checked_schedule_never_passes_a_bad_one(case: str) -> None:
+    """Segment lengths and rates are part of a dilated call's signature by type and value: a
+    schedule equal to a checked one but of other item types raises, and so does a list changed
+    in place after a call."""
+    good, bad, error = BAD_SCHEDULES[case]
+    q, k, v = _qkv()
+    argument = case.split("=")[0]
+    schedule = {"segment_lengths": [4, 8], "dilation_rates": [1, 2]}
+    da.dilated_attention(q, k, v, **{**schedule, argument: good})
+    with pytest.raises(error, match=argument):
+        da.dilated_attention(q, k, v, **{**schedule, argument: bad})
+    segments = [4, 8]
+    da.dilated_attention(q, k, v, segments, [1, 2])
+    segments[1] = 0
+    with pytest.raises(ValueError, match="segment_lengths"):
+        da.dilated_attention(q, k, v, segments, [1, 2])
 
 
 def test_calls_differing_only_in_metadata_are_checked_anew() -> None:
@@ -88,7 +119,7 @@ def test_calls_differing_only_in_metadata_are_checked_anew() -> None:
         da.attention(q, k, v, key_padding_mask=mask[:, :-1])
     with pytest.raises(TypeError, match="same dtype as query"):
         da.attention(q, k.double(), v)
-    window = da.attention(q, k, v, window_size=[2, 0])  # a list is no key: checked each call
+    window = da.attention(q, k, v, window_size=[2, 0])  # a list: kept by its items' values
     torch.testing.assert_close(da.attention(q, k, v, window_size=[2, 0]), window)
 
 

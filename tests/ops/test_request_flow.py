@@ -120,7 +120,7 @@ _DESCRIBING = {
     ("core/geometry/schedule.py", "__init__"), ("resolve/request.py", "of"),
     ("resolve/request.py", "dilated_operation"), ("resolve/caches.py", "cache_fields"),
 }  # fmt: skip
-_KEPT = {("resolve/request.py", name) for name in ("signature", "get", "keep")}
+_KEPT = {("resolve/request.py", name) for name in ("request", "_signature", "_get", "_keep")}
 ROUTE = ("compiled/routing.py", "route")
 
 
@@ -175,18 +175,20 @@ def test_a_plain_call_is_one_request_and_one_route(case: str) -> None:
     _check_flow(_traced(lambda: call(q, k, v, is_causal=True)))
 
 
-def test_a_call_signature_already_checked_takes_its_request() -> None:
-    """A dense call with the metadata of one already checked runs no check and describes no
-    request again: it takes the one kept for its signature (Note [Checked once per call
-    signature]), and routes it once; a call that differs in any argument is checked anew."""
+@pytest.mark.parametrize("case", ["dense", "dilated"])
+def test_a_call_signature_already_checked_takes_its_request(case: str) -> None:
+    """A dense or dilated call with the metadata of one already checked runs no check and
+    describes no request again: it takes the one kept for its signature (Note [Checked once per
+    call signature]), and routes it once; a call that differs in any argument is checked anew."""
+    call = {"dense": da.attention, "dilated": _dilated}[case]
     q, k, v = _qkv()
-    first = _traced(lambda: da.attention(q, k, v, is_causal=True))
+    first = _traced(lambda: call(q, k, v, is_causal=True))
     _check_flow(first)
-    again = _traced(lambda: da.attention(*_qkv(), is_causal=True))  # same metadata, new tensors
+    again = _traced(lambda: call(*_qkv(), is_causal=True))  # same metadata, new tensors
     _check_flow(again, requests=0)
     assert not [c for c in again.calls if c[1].startswith("check")], again.calls
     for changed in ({"is_causal": False}, {"scale": 0.5}, {"backend": "math"}):
-        other = _traced(lambda changed=changed: da.attention(q, k, v, **changed))
+        other = _traced(lambda changed=changed: call(q, k, v, **changed))
         _check_flow(other)
         assert ("_validation.py", "check_qkv") in other.calls
 
