@@ -28,15 +28,16 @@ call's launches from a CUDA graph] in ``core/execution/executor.py``); the recor
 and the same with ``--kv-heads 4`` to ``dilated_tuning_short_gqa_h100``, then both again with
 ``--seq-lens 131072`` to ``dilated_tuning_128k_h100`` and ``dilated_tuning_128k_gqa_h100``, and
 with ``--seq-lens 262144 --kv-heads 16`` to ``dilated_tuning_256k_h100``. Where they measured a
-cell at a length, their times replace the older records' (whose FlashAttention-4 times include
-the host time a replay removes); the older records alone give each cell's
+cell at a length, their times replace the older records' (whose FlashAttention-4 times include the
+host time a replay removes); the older records alone give each cell's
 ``min_query_len_without_graphs``, the threshold used where the graphs are turned off. For every
 cell (shared key/value heads or not, forward only or forward+backward, head dim, causal or not) and
 every measured length it takes each path's median time over the runs of its ``flash_attn4`` and
-``triton`` rows, leaving out runs whose peak memory passed :data:`MAX_MEMORY_RATIO` of the
-unavoidable bytes: a median, as FlashAttention-4's times near the thresholds move by up to 2x from
-one process to the next (host-bound: its Python interface), while the fused kernels' move by a few
-percent. The cell's threshold is the shortest measured length from which FlashAttention-4 was
+``triton`` rows, leaving out FlashAttention-4 runs whose peak memory passed both
+:data:`MAX_MEMORY_RATIO` of the unavoidable bytes and the fused kernels' peak in the same record
+(:data:`MEMORY_SLACK`): a median, as FlashAttention-4's times near the thresholds move by up to 2x
+from one process to the next (host-bound: its Python interface), while the fused kernels' move by a
+few percent. The cell's threshold is the shortest measured length from which FlashAttention-4 was
 :data:`MIN_GAIN` times faster at that length and at every longer one (``null`` where it was not at
 the longest): a near tie goes to the fused kernels, whose times are steadier and whose peak memory
 is lower. ``--write`` stores the table with the records' names and the medians it was read from
@@ -74,8 +75,12 @@ REPLAYED_RECORDS = (
 )  # fmt: skip
 PATHS = ("flash_attn4", "triton")
 STEPS = (("forward", "fwd"), ("training", "fwd_bwd"))
-#: A path whose peak memory passed this share of the unavoidable bytes is not a candidate.
+#: FlashAttention-4 is not a candidate where its peak memory passed this share of the
+#: unavoidable bytes and, by more than MEMORY_SLACK, the fused kernels' peak in the same record
+#: (at 16K-32K tokens the fused kernels' own scratch passes the share: they are the fallback,
+#: always a candidate, and a path that needs no more than they do costs no memory).
 MAX_MEMORY_RATIO = 1.15
+MEMORY_SLACK = 1.02
 #: FlashAttention-4 is chosen where its median time is at most 1/MIN_GAIN of the fused kernels'.
 MIN_GAIN = 1.03
 
@@ -89,13 +94,17 @@ def median_times(records: list[dict[str, Any]], schedule: str) -> Times:
         lambda: defaultdict(lambda: defaultdict(list))
     )
     for record in records:
+        fused = _fused_peaks(record)
         for row in record["results"]:
             path = row["path"]
             if row.get("schedule") != schedule or path not in PATHS or "error" in row:
                 continue
             for direction, step in STEPS:
                 column = f"{step}_ms"
-                if column not in row or row.get(f"{step}_mem_ratio", 0.0) > MAX_MEMORY_RATIO:
+                bound = max(MAX_MEMORY_RATIO, fused.get(_at(row, step), 0.0) * MEMORY_SLACK)
+                if column not in row or (
+                    path != "triton" and row.get(f"{step}_mem_ratio", 0.0) > bound
+                ):
                     continue
                 shared = row["kv_heads"] < row["heads"]
                 key = cell_key(shared, direction == "training", row["head_dim"], row["causal"])
@@ -106,6 +115,24 @@ def median_times(records: list[dict[str, Any]], schedule: str) -> Times:
         }
         for key, lengths in runs.items()
     }
+
+
+def _at(row: dict[str, Any], step: str) -> tuple[object, ...]:
+    """A row's measured cell and length, for one step."""
+    return (row.get("schedule"), row["heads"], row["kv_heads"], row["head_dim"], row["causal"],
+            row["seq_len"], step)  # fmt: skip
+
+
+def _fused_peaks(record: dict[str, Any]) -> dict[tuple[object, ...], float]:
+    """The fused kernels' (``triton`` rows') peak memory ratio per cell, length and step of one
+    record."""
+    peaks: dict[tuple[object, ...], float] = {}
+    for row in record["results"]:
+        for _, step in STEPS:
+            ratio = row.get(f"{step}_mem_ratio")
+            if row["path"] == "triton" and ratio is not None and "error" not in row:
+                peaks[_at(row, step)] = max(peaks.get(_at(row, step), 0.0), ratio)
+    return peaks
 
 
 def thresholds(times: Times) -> dict[str, dict[str, Any]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
 from support import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -60,6 +61,21 @@ def test_times_are_the_median_over_runs_within_the_memory_bound() -> None:
     runs.append([{**_row(8, "triton", 0.1), "schedule": "paper"}])  # another schedule
     times = tune_dilated_choice.median_times([{"results": rows} for rows in runs], "longnet")
     assert times == {"mha/forward/d64/full": {8: {"flash_attn4": 3.0, "triton": 2.0}}}
+
+
+@pytest.mark.parametrize(
+    ("fa4_ratio", "fused_ratio", "kept"),
+    [(1.2, 1.19, True), (1.2, 1.1, False), (1.3, 1.2, False), (1.14, 1.0, True)],
+)
+def test_fa4_may_take_what_the_fused_kernels_take(
+    fa4_ratio: float, fused_ratio: float, kept: bool
+) -> None:
+    """Past the memory bound, FlashAttention-4 stays a candidate where the fused kernels in the
+    same record took as much (within MEMORY_SLACK); the fused kernels always are."""
+    rows = [_row(8, "flash_attn4", 1.0, fa4_ratio), _row(8, "triton", 2.0, fused_ratio)]
+    times = tune_dilated_choice.median_times([{"results": rows}], "longnet")
+    expected = {"triton": 2.0, **({"flash_attn4": 1.0} if kept else {})}
+    assert times == {"mha/forward/d64/full": {8: expected}}
 
 
 def test_thresholds_take_the_shortest_length_faster_from_there_on() -> None:
