@@ -477,6 +477,21 @@ def _block_sparse_first(inputs: KernelInputs) -> list[str]:
     return list(rule["training" if inputs.requires_grad else "inference"])
 
 
+def _dense_first(inputs: KernelInputs) -> list[str]:
+    """The device's ``short_dense`` rule (``priorities.json``; sm90: cuDNN) first for square
+    dense calls without a key padding mask up to its ``max_query_len`` (its
+    ``max_training_query_len`` with gradients), where a kernel whose Python interface costs more
+    host time was measured slower through ``attention()``; elsewhere the device's list."""
+    square = inputs.query_len == inputs.key_len and not inputs.has_mask
+    if inputs.device.type != "cuda" or not square:
+        return []
+    rule = _rule(_device_class(inputs.device), "short_dense")
+    if rule is None:
+        return []
+    longest = rule["max_training_query_len" if inputs.requires_grad else "max_query_len"]
+    return list(rule["names"]) if inputs.query_len <= longest else []
+
+
 def _dilated_first(inputs: KernelInputs) -> list[str]:
     """The device's ``dilated_slots`` rule (``priorities.json``; sm90: FlashAttention-4) first
     for dilated calls whose branches write into slots (Note [Branch slots merged once] in
@@ -518,7 +533,7 @@ FA4_DILATED_MIN_LEN: int | None = slots_thresholds.shortest(9)
 
 
 _REGISTRIES = {
-    DENSE: OperationRegistry(DENSE),
+    DENSE: OperationRegistry(DENSE, first=_dense_first),
     DILATED: OperationRegistry(
         DILATED,
         [PlanKernel("triton", "our fused dilated kernels: every branch from the full q, k, v "

@@ -17,6 +17,8 @@ from support.shared_results import shared_result
 from support.tolerances import assert_close_to_oracle
 
 from dilated_attention import attention, backend_reasons, dilated_attention
+from dilated_attention.backends.base import KernelInputs
+from dilated_attention.backends.registry import registry_for
 
 # The optional kernel packages skip with their reason where they are not installed.
 CUDA_BACKENDS = [
@@ -189,14 +191,18 @@ def test_hopper_prefers_triton_for_masked_16bit_calls() -> None:
 
 @pytest.mark.gpu
 def test_hopper_dense_choice() -> None:
-    """On sm90+ the automatic choice for plain bf16 inputs is FlashAttention-4 where it is
-    installed and working, else cuDNN (fastest there: ``benchmarks/results/kernels_h100.json``)."""
+    """On sm90+ the device's order for plain bf16 inputs puts FlashAttention-4 first where it
+    is installed and working, else cuDNN (fastest there: ``benchmarks/results/kernels_h100.json``);
+    on sm90 a short square call takes cuDNN first (``short_dense`` in ``priorities.json``)."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("not a Hopper-or-newer GPU")
     q = torch.randn(1, 256, 4, 64, device="cuda", dtype=torch.bfloat16)
     reasons = backend_reasons(q, q, q, is_causal=True)
     expected = "sdpa_cudnn" if reasons["flash_attn4"] else "flash_attn4"
     assert next(name for name, why in reasons.items() if not why) == expected, reasons
+    if torch.cuda.get_device_capability()[0] == 9:
+        short = KernelInputs.from_tensors(q, q, is_causal=True)
+        assert registry_for("dense").choose(short).backend == "sdpa_cudnn"
 
 
 @pytest.mark.gpu

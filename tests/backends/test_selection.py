@@ -52,8 +52,8 @@ def _gpu_inputs(**overrides: Any) -> KernelInputs:
         "head_dim": 64,
         "num_heads": 8,
         "num_kv_heads": 8,
-        "query_len": 256,
-        "key_len": 256,
+        "query_len": 65536,  # past the short_dense rule's lengths (priorities.json)
+        "key_len": 65536,
         "is_causal": True,
         "requires_grad": True,
     }
@@ -123,6 +123,33 @@ def _check_order(choice: registry.BackendChoice) -> None:
 
 
 # -- priority per architecture --------------------------------------------------------------------
+#: (query_len, key_len, requires_grad, the dense choice on sm90 with FlashAttention-4 installed):
+#: square calls shorter than the ``short_dense`` rule's lengths take cuDNN first.
+SHORT_DENSE = [
+    (256, 256, True, "sdpa_cudnn"),
+    (8191, 8191, True, "sdpa_cudnn"),
+    (8192, 8192, True, "flash_attn4"),
+    (16383, 16383, False, "sdpa_cudnn"),
+    (16384, 16384, False, "flash_attn4"),
+    (1, 4096, False, "flash_attn4"),  # decoding: not a square call, the device's order
+]
+
+
+@pytest.mark.parametrize(("query_len", "key_len", "grad", "expected"), SHORT_DENSE)
+def test_short_square_dense_calls_take_cudnn_first(
+    monkeypatch: pytest.MonkeyPatch, query_len: int, key_len: int, grad: bool, expected: str
+) -> None:
+    """FlashAttention-4's host time per call loses to cuDNN through ``attention()`` below the
+    lengths ``priorities.json`` names (``short_dense``); longer calls, and other shapes, keep
+    the device's order."""
+    _fake_gpu(monkeypatch, (9, 0), ("flash_attn4",))
+    inputs = _gpu_inputs(query_len=query_len, key_len=key_len, requires_grad=grad,
+                         is_causal=False)  # fmt: skip
+    choice = choose(inputs)
+    assert choice.backend == expected, choice
+    _check_order(choice)
+
+
 CASES = [
     # (capability, optional packages faked installed, expected choice)
     ((10, 0), (), "sdpa_cudnn"),
