@@ -243,12 +243,14 @@ def forget_requests() -> None:
 #     describes the same Request: the function keeps the Request of each call signature it has
 #     checked (:class:`CheckedCalls`) and takes it for such a call, at the cost of one tuple and
 #     one dictionary lookup (at short lengths, ``attention``'s checks and description were a
-#     third of its host time over SDPA's). A signature holds each option's type beside its value
-#     (``1 == True``, and only the bool passes ``check_bool``; a tuple's items likewise), and
-#     only calls that passed every check are kept, so a bad call always runs the checks and
-#     raises. Not kept: calls whose checks read more than metadata (packed documents' offsets, a
-#     cache's state: the caller passes no signature), options that are no dictionary key (a
-#     list), and calls traced by torch.compile (the checks are traced there).
+#     third of its host time over SDPA's; ``dilated_attention``'s checked its schedule on every
+#     call). A signature holds each option's type beside its value (``1 == True``, and only the
+#     bool passes ``check_bool``; a tuple's or list's items likewise, a list by the values it
+#     holds at the call), and only calls that passed every check are kept, so a bad call always
+#     runs the checks and raises. Not kept: calls whose checks read more than metadata (packed
+#     documents' offsets, a cache's state: ``kept=False``), options of other types than
+#     :data:`_PLAIN` (a tensor, a NumPy integer), and calls traced by torch.compile (the checks
+#     are traced there).
 #: Every :class:`CheckedCalls`, so that :func:`forget_requests` forgets them all.
 _CHECKED_CALLS: list[CheckedCalls] = []
 #: The option types a signature holds by value (a tuple or list of them too); a call with any
