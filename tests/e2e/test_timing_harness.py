@@ -3,6 +3,7 @@ what the host's time counts, and how ``bench_dilated.py`` takes its paths and it
 
 from __future__ import annotations
 
+import collections
 import shlex
 import sys
 import types
@@ -75,6 +76,26 @@ def test_rounds_take_every_path_in_turn_and_keep_medians() -> None:
     measured = bench_dilated.measure_in_rounds({n: lambda n=n: path(n) for n in "ab"}, rounds=3)
     assert order == ["a", "b", "a", "b", "a"]
     assert measured == {"a": {"fwd_ms": 1.0, "fwd_peak_bytes": 3.0}, "b": "out of memory"}
+
+
+def test_rounds_count_the_graphs_a_path_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench_dilated.measure_in_rounds``: graphs that failed to capture or were dropped while
+    a path was measured (its calls then launch as usual) are that path's ``graphs_lost``, summed
+    over the rounds; a path that lost none has no such entry."""
+    import bench_dilated
+
+    from dilated_attention.core.execution import graphs
+
+    monkeypatch.setattr(graphs, "_EVENTS", collections.Counter())
+
+    def path(name: str) -> dict[str, float]:
+        if name == "lossy":
+            graphs._EVENTS.update(failed=1, dropped=2, captured=5)
+        return {"fwd_ms": 1.0}
+
+    measured = bench_dilated.measure_in_rounds({n: lambda n=n: path(n) for n in ("a", "lossy")},
+                                               rounds=2)  # fmt: skip
+    assert measured == {"a": {"fwd_ms": 1.0}, "lossy": {"fwd_ms": 1.0, "graphs_lost": 6}}
 
 
 @pytest.mark.parametrize("argv", [["--rounds", "0"], ["--min-ms", "-1"]])

@@ -56,13 +56,13 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["CAPTURE_AFTER", "GRAPH_LIMIT", "clear", "enabled", "run_launches"]
+__all__ = ["CAPTURE_AFTER", "GRAPH_LIMIT", "clear", "enabled", "events", "run_launches"]
 
 #: The environment variable that turns the graphs off (``0``).
 ENV_VAR = "DILATED_ATTENTION_CUDA_GRAPHS"
@@ -82,11 +82,21 @@ _RUNS: OrderedDict[tuple[Any, ...], int] = OrderedDict()
 _STREAMS = threading.local()
 #: The memory pool of the graphs replayed on each (device index, stream).
 _POOLS: dict[tuple[int | None, int | None], Any] = {}
+#: Graphs captured, captures that failed and graphs dropped past GRAPH_LIMIT (:func:`events`).
+_EVENTS: Counter[str] = Counter()
 
 
 def enabled() -> bool:
     """Whether calls may replay their launches from CUDA graphs (the environment's say)."""
     return os.environ.get(ENV_VAR, "1").strip() != "0"
+
+
+def events() -> dict[str, int]:
+    """How many graphs were ``captured``, how many captures ``failed`` and how many graphs were
+    ``dropped`` past :data:`GRAPH_LIMIT` since the process started (or :func:`clear`): a pair
+    whose capture failed or whose graph was dropped launches as usual from then on, so a
+    benchmark reads these around a measurement to tell a replayed call from one that is not."""
+    return {name: _EVENTS[name] for name in ("captured", "failed", "dropped")}
 
 
 def addresses(tensors: Sequence[torch.Tensor | None]) -> tuple[Any, ...]:
@@ -132,12 +142,15 @@ def run_launches(
         return
     graph = _capture(launches, device, stream)
     if graph is None:
+        _EVENTS["failed"] += 1
         _count(pair, _NEVER)
         launches()
         return
+    _EVENTS["captured"] += 1
     _GRAPHS[pair] = (graph, keep)
     if len(_GRAPHS) > GRAPH_LIMIT:  # a dropped pair launches as usual from now on: a loop of
         dropped, _ = _GRAPHS.popitem(last=False)  # more pairs than the limit never recaptures
+        _EVENTS["dropped"] += 1
         _count(dropped, _NEVER)
     graph.replay()
 
@@ -196,3 +209,4 @@ def clear() -> None:
     _GRAPHS.clear()
     _RUNS.clear()
     _POOLS.clear()
+    _EVENTS.clear()
