@@ -479,17 +479,25 @@ def _block_sparse_first(inputs: KernelInputs) -> list[str]:
 
 def _dense_first(inputs: KernelInputs) -> list[str]:
     """The device's ``short_dense`` rule (``priorities.json``; sm90: cuDNN) first for square
-    dense calls without a key padding mask up to its ``max_query_len`` (its
-    ``max_training_query_len`` with gradients), where a kernel whose Python interface costs more
-    host time was measured slower through ``attention()``; elsewhere the device's list."""
-    square = inputs.query_len == inputs.key_len and not inputs.has_mask
-    if inputs.device.type != "cuda" or not square:
+    dense kernel calls like those it was measured on (``attention()`` at 4K-8K tokens, where a
+    kernel whose Python interface costs more host time ran slower): from its ``min_query_len``
+    up to its ``max_query_len`` (``max_training_query_len`` with gradients), in its ``dtypes``,
+    up to ``max_heads`` and ``max_head_dim``, with nothing the measured calls lacked (a key
+    padding mask, packed documents, a window, soft-capping, sinks); elsewhere the device's
+    list."""
+    plain = not (inputs.has_mask or inputs.documents or inputs.window or inputs.softcap
+                 or inputs.sinks)  # fmt: skip
+    if inputs.device.type != "cuda" or inputs.query_len != inputs.key_len or not plain:
         return []
     rule = _rule(_device_class(inputs.device), "short_dense")
-    if rule is None:
+    if rule is None or str(inputs.dtype).removeprefix("torch.") not in rule["dtypes"]:
         return []
     longest = rule["max_training_query_len" if inputs.requires_grad else "max_query_len"]
-    return list(rule["names"]) if inputs.query_len <= longest else []
+    measured = (
+        rule["min_query_len"] <= inputs.query_len <= longest
+        and inputs.num_heads <= rule["max_heads"] and inputs.head_dim <= rule["max_head_dim"]
+    )  # fmt: skip
+    return list(rule["names"]) if measured else []
 
 
 def _dilated_first(inputs: KernelInputs) -> list[str]:

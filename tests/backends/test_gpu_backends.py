@@ -193,7 +193,8 @@ def test_hopper_prefers_triton_for_masked_16bit_calls() -> None:
 def test_hopper_dense_choice() -> None:
     """On sm90+ the device's order for plain bf16 inputs puts FlashAttention-4 first where it
     is installed and working, else cuDNN (fastest there: ``benchmarks/results/kernels_h100.json``);
-    on sm90 a short square call takes cuDNN first (``short_dense`` in ``priorities.json``)."""
+    on sm90 a square bf16 call of 4K tokens takes cuDNN first (``short_dense`` in
+    ``priorities.json``)."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("not a Hopper-or-newer GPU")
     q = torch.randn(1, 256, 4, 64, device="cuda", dtype=torch.bfloat16)
@@ -201,7 +202,8 @@ def test_hopper_dense_choice() -> None:
     expected = "sdpa_cudnn" if reasons["flash_attn4"] else "flash_attn4"
     assert next(name for name, why in reasons.items() if not why) == expected, reasons
     if torch.cuda.get_device_capability()[0] == 9:
-        short = KernelInputs.from_tensors(q, q, is_causal=True)
+        q4k = torch.randn(1, 4096, 4, 64, device="cuda", dtype=torch.bfloat16)
+        short = KernelInputs.from_tensors(q4k, q4k, is_causal=True)
         assert registry_for("dense").choose(short).backend == "sdpa_cudnn"
 
 

@@ -123,30 +123,42 @@ def _check_order(choice: registry.BackendChoice) -> None:
 
 
 # -- priority per architecture --------------------------------------------------------------------
-#: (query_len, key_len, requires_grad, the dense choice on sm90 with FlashAttention-4 installed):
-#: square calls shorter than the ``short_dense`` rule's lengths take cuDNN first.
-SHORT_DENSE = [
-    (256, 256, True, "sdpa_cudnn"),
-    (8191, 8191, True, "sdpa_cudnn"),
-    (8192, 8192, True, "flash_attn4"),
-    (16383, 16383, False, "sdpa_cudnn"),
-    (16384, 16384, False, "flash_attn4"),
-    (1, 4096, False, "flash_attn4"),  # decoding: not a square call, the device's order
-]
+#: (the kernel inputs, the dense choice on sm90 with FlashAttention-4 installed): square calls
+#: like those the ``short_dense`` rule was measured on (bf16, 4K up to its lengths, at most 16
+#: heads of at most 128) take cuDNN first; everything else keeps the device's order (where
+#: neither FlashAttention-4 nor cuDNN soft-caps, our Triton kernels run).
+SHORT_DENSE: dict[str, tuple[dict[str, Any], str]] = {
+    "4K training": ({"query_len": 4096, "key_len": 4096}, "sdpa_cudnn"),
+    "8191 training": ({"query_len": 8191, "key_len": 8191}, "sdpa_cudnn"),
+    "8K training": ({"query_len": 8192, "key_len": 8192}, "flash_attn4"),
+    "16383 forward": ({"query_len": 16383, "key_len": 16383, "requires_grad": False},
+                      "sdpa_cudnn"),
+    "16K forward": ({"query_len": 16384, "key_len": 16384, "requires_grad": False},
+                    "flash_attn4"),
+    "shorter than measured": ({"query_len": 256, "key_len": 256}, "flash_attn4"),
+    "a decoding row": ({"query_len": 1, "key_len": 1}, "flash_attn4"),
+    "not square": ({"query_len": 4096, "key_len": 8192, "is_causal": False}, "flash_attn4"),
+    "float16": ({"query_len": 4096, "key_len": 4096, "dtype": torch.float16}, "flash_attn4"),
+    "32 heads": ({"query_len": 4096, "key_len": 4096, "num_heads": 32, "num_kv_heads": 32},
+                 "flash_attn4"),
+    "packed documents": ({"query_len": 4096, "key_len": 4096, "documents": True},
+                         "flash_attn4"),
+    "soft-capped": ({"query_len": 4096, "key_len": 4096, "softcap": True}, "triton"),
+}
 
 
-@pytest.mark.parametrize(("query_len", "key_len", "grad", "expected"), SHORT_DENSE)
+@pytest.mark.parametrize("case", list(SHORT_DENSE))
 def test_short_square_dense_calls_take_cudnn_first(
-    monkeypatch: pytest.MonkeyPatch, query_len: int, key_len: int, grad: bool, expected: str
+    monkeypatch: pytest.MonkeyPatch, case: str
 ) -> None:
-    """FlashAttention-4's host time per call loses to cuDNN through ``attention()`` below the
-    lengths ``priorities.json`` names (``short_dense``); longer calls, and other shapes, keep
-    the device's order."""
+    """FlashAttention-4's host time per call lost to cuDNN through ``attention()`` at 4K-8K
+    (``short_dense`` in ``priorities.json``); longer, shorter and other calls keep the device's
+    order."""
     _fake_gpu(monkeypatch, (9, 0), ("flash_attn4",))
-    inputs = _gpu_inputs(query_len=query_len, key_len=key_len, requires_grad=grad,
-                         is_causal=False)  # fmt: skip
-    choice = choose(inputs)
+    fields, expected = SHORT_DENSE[case]
+    choice = choose(_gpu_inputs(**fields))
     assert choice.backend == expected, choice
+    assert (choice.order[0] == "sdpa_cudnn") == (expected == "sdpa_cudnn"), choice.order
     _check_order(choice)
 
 
