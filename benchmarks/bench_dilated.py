@@ -40,10 +40,10 @@ sparsity promises; and ``fwd_host_ms`` / ``fwd_bwd_host_ms``: the median wall ti
 Python call, the synchronisation after it not counted (``_timing.timed_call``; for ``auto
 captured`` the replay's). Where ``dense cudnn`` was measured, every row of the cell has
 ``fwd_speedup`` / ``fwd_bwd_speedup``: dense cuDNN's time over the row's. A path that fails
-records its error in its row (``error``) and the run goes on. A path during whose measurement
-a CUDA graph of the library's calls failed to capture or was dropped past the graphs' limit
-(whose calls then launch as usual: Note [A call's launches from a CUDA graph]) says how many
-in ``graphs_lost``.
+records its error in its row (``error``) and the run goes on. A path whose measurement made
+calls that launched as usual because their CUDA graph had failed to capture or had been dropped
+past the graphs' limit (Note [A call's launches from a CUDA graph]) says how many in
+``uncaptured_calls``.
 
 Effective TFLOP/s = paper FLOPs / time, with paper FLOPs = 4 * D * sum over heads and branches of
 (N / r) * (w / r), halved when causal, times 3.5 for forward+backward (the dense paths too: their
@@ -316,8 +316,8 @@ def bench_config(
                 row[f"{step}_peak_gib"] = res[f"{step}_peak_bytes"] / GIB
                 held = res[f"{step}_peak_bytes"] - resident
                 row[f"{step}_mem_ratio"] = held / unavoidable[step]
-        if "graphs_lost" in res:
-            row["graphs_lost"] = res["graphs_lost"]
+        if "uncaptured_calls" in res:
+            row["uncaptured_calls"] = res["uncaptured_calls"]
         rows.append(_shown(row))
     relative_columns(rows)
     return rows
@@ -358,7 +358,7 @@ def measure_in_rounds(
     again."""
     taken: dict[str, list[dict[str, float]]] = {name: [] for name in paths}
     failed: dict[str, str] = {}
-    lost = dict.fromkeys(paths, 0)  # graphs that failed to capture or were dropped meanwhile
+    uncaptured = dict.fromkeys(paths, 0)  # calls whose graph failed or was dropped
     for _ in range(rounds):
         for name, measure in paths.items():
             if name in failed:
@@ -368,8 +368,7 @@ def measure_in_rounds(
                 taken[name].append(measure())
             except Exception as exc:  # recorded in the path's row; the other paths go on
                 failed[name] = error_text(exc)
-            after = graphs.events()
-            lost[name] += sum(after[event] - before[event] for event in ("failed", "dropped"))
+            uncaptured[name] += graphs.events()["uncaptured"] - before["uncaptured"]
             if name in failed:  # out of the handler: its traceback no longer holds the tensors
                 recover()
     combined: dict[str, dict[str, float] | str] = dict(failed)
@@ -379,8 +378,8 @@ def measure_in_rounds(
                 key: (max if key.endswith("_bytes") else statistics.median)(r[key] for r in results)
                 for key in results[0]
             }
-            if lost[name]:
-                combined[name]["graphs_lost"] = lost[name]  # type: ignore[index]
+            if uncaptured[name]:
+                combined[name]["uncaptured_calls"] = uncaptured[name]  # type: ignore[index]
     return combined
 
 
@@ -483,7 +482,7 @@ def main(argv: list[str] | None = None) -> None:
             "fwd_backend", "backend", "fwd_ms", "fwd_host_ms", "fwd_speedup", "fwd_tflops",
             "fwd_vs_ceiling", "fwd_vs_fa4_ceiling", "fwd_bwd_ms", "fwd_bwd_host_ms",
             "fwd_bwd_speedup", "fwd_bwd_tflops", "fwd_bwd_vs_ceiling", "fwd_bwd_vs_fa4_ceiling",
-            "fwd_mem_ratio", "fwd_bwd_mem_ratio", "graphs_lost", "error"]  # fmt: skip
+            "fwd_mem_ratio", "fwd_bwd_mem_ratio", "uncaptured_calls", "error"]  # fmt: skip
     cols = [c for c in cols if any(c in r for r in rows)]  # those no path run gives: left out
     write_record(out.with_suffix(".json"), env, rows, columns=cols)
     table = record_header(env) + markdown_table(rows, cols)

@@ -88,7 +88,7 @@ def test_a_failed_capture_runs_the_launches_and_never_captures_again(calls: _Cal
     for _ in range(5):
         graphs.run_launches(("call",), [x], calls.launches)
     assert calls.captures == 1 and calls.runs == 5 and not graphs._GRAPHS
-    assert graphs.events() == {"captured": 0, "failed": 1, "dropped": 0}
+    assert graphs.events() == {"captured": 0, "failed": 1, "dropped": 0, "uncaptured": 3}
 
 
 @pytest.mark.parametrize("why", ["environment", "capturing"])
@@ -122,9 +122,9 @@ def test_the_least_recently_used_graph_goes_first(
     for _ in range(3):  # a dropped pair launches as it is: no capture every other loop
         graphs.run_launches(("b",), [x], calls.launches)
     assert calls.captures == captures and ("b",) not in {pair[0] for pair in graphs._GRAPHS}
-    assert graphs.events() == {"captured": 3, "failed": 0, "dropped": 1}
+    assert graphs.events() == {"captured": 3, "failed": 0, "dropped": 1, "uncaptured": 3}
     graphs.clear()
-    assert graphs.events() == {"captured": 0, "failed": 0, "dropped": 0}
+    assert graphs.events() == {"captured": 0, "failed": 0, "dropped": 0, "uncaptured": 0}
 
 
 def test_a_graph_keeps_what_its_launches_read(calls: _Calls) -> None:

@@ -78,10 +78,11 @@ def test_rounds_take_every_path_in_turn_and_keep_medians() -> None:
     assert measured == {"a": {"fwd_ms": 1.0, "fwd_peak_bytes": 3.0}, "b": "out of memory"}
 
 
-def test_rounds_count_the_graphs_a_path_lost(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``bench_dilated.measure_in_rounds``: graphs that failed to capture or were dropped while
-    a path was measured (its calls then launch as usual) are that path's ``graphs_lost``, summed
-    over the rounds; a path that lost none has no such entry."""
+def test_rounds_count_a_paths_calls_without_their_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench_dilated.measure_in_rounds``: calls that launched as usual while a path was
+    measured because their graph had failed to capture or had been dropped are that path's
+    ``uncaptured_calls``, summed over the rounds (a capture or a drop another path's calls
+    cause is not); a path without such calls has no such entry."""
     import bench_dilated
 
     from dilated_attention.core.execution import graphs
@@ -90,12 +91,14 @@ def test_rounds_count_the_graphs_a_path_lost(monkeypatch: pytest.MonkeyPatch) ->
 
     def path(name: str) -> dict[str, float]:
         if name == "lossy":
+            graphs._EVENTS.update(uncaptured=3)
+        else:  # its captures push out the other path's graphs
             graphs._EVENTS.update(failed=1, dropped=2, captured=5)
         return {"fwd_ms": 1.0}
 
     measured = bench_dilated.measure_in_rounds({n: lambda n=n: path(n) for n in ("a", "lossy")},
                                                rounds=2)  # fmt: skip
-    assert measured == {"a": {"fwd_ms": 1.0}, "lossy": {"fwd_ms": 1.0, "graphs_lost": 6}}
+    assert measured == {"a": {"fwd_ms": 1.0}, "lossy": {"fwd_ms": 1.0, "uncaptured_calls": 6}}
 
 
 @pytest.mark.parametrize("argv", [["--rounds", "0"], ["--min-ms", "-1"]])

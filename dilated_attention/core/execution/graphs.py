@@ -82,7 +82,8 @@ _RUNS: OrderedDict[tuple[Any, ...], int] = OrderedDict()
 _STREAMS = threading.local()
 #: The memory pool of the graphs replayed on each (device index, stream).
 _POOLS: dict[tuple[int | None, int | None], Any] = {}
-#: Graphs captured, captures that failed and graphs dropped past GRAPH_LIMIT (:func:`events`).
+#: Graphs captured, captures that failed, graphs dropped past GRAPH_LIMIT, and calls launched
+#: as usual because their pair's capture failed or its graph was dropped (:func:`events`).
 _EVENTS: Counter[str] = Counter()
 
 
@@ -92,11 +93,13 @@ def enabled() -> bool:
 
 
 def events() -> dict[str, int]:
-    """How many graphs were ``captured``, how many captures ``failed`` and how many graphs were
-    ``dropped`` past :data:`GRAPH_LIMIT` since the process started (or :func:`clear`): a pair
-    whose capture failed or whose graph was dropped launches as usual from then on, so a
-    benchmark reads these around a measurement to tell a replayed call from one that is not."""
-    return {name: _EVENTS[name] for name in ("captured", "failed", "dropped")}
+    """Since the process started (or :func:`clear`): how many graphs were ``captured``, how
+    many captures ``failed``, how many graphs were ``dropped`` past :data:`GRAPH_LIMIT`, and how
+    many calls launched as usual because their pair's capture had failed or its graph had been
+    dropped (``uncaptured``: such a pair never captures again). A benchmark reads them around a
+    measurement to tell a replayed call from one that is not; the counts are the process's,
+    so that reading assumes no other thread runs calls meanwhile."""
+    return {name: _EVENTS[name] for name in ("captured", "failed", "dropped", "uncaptured")}
 
 
 def addresses(tensors: Sequence[torch.Tensor | None]) -> tuple[Any, ...]:
@@ -138,6 +141,8 @@ def run_launches(
     runs = _RUNS.pop(pair, 0)
     if runs == _NEVER or runs + 1 < CAPTURE_AFTER:
         _count(pair, runs if runs == _NEVER else runs + 1)
+        if runs == _NEVER:
+            _EVENTS["uncaptured"] += 1
         launches()
         return
     graph = _capture(launches, device, stream)
