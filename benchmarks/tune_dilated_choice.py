@@ -80,8 +80,10 @@ PATHS = ("flash_attn4", "triton")
 STEPS = (("forward", "fwd"), ("training", "fwd_bwd"))
 #: FlashAttention-4 is not a candidate where its peak memory passed this share of the
 #: unavoidable bytes and, by more than MEMORY_SLACK, the fused kernels' peak in the same record
-#: (at 16K-32K tokens the fused kernels' own scratch passes the share: they are the fallback,
-#: always a candidate, and a path that needs no more than they do costs no memory).
+#: (with gradients at 8K-32K tokens the fused kernels' own scratch passes the share: they are
+#: the fallback, always a candidate, and a path whose peak is no higher than theirs allocates
+#: no more; the records' peaks count allocated bytes, not the pool FA4's CUDA graphs keep
+#: reserved, Note [Graphs share one memory pool per stream]).
 MAX_MEMORY_RATIO = 1.15
 MEMORY_SLACK = 1.02
 #: FlashAttention-4 is chosen where its median time is at most 1/MIN_GAIN of the fused kernels'.

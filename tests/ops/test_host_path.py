@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from support.backend_params import CPU_BACKENDS, backend_id, skip_unless_runnable
-from support.oracle import oracle_attention
+from support.oracle import oracle_attention, oracle_dilated_attention
 from support.tolerances import assert_close_to_oracle
 
 import dilated_attention as da
@@ -123,20 +123,33 @@ def test_calls_differing_only_in_metadata_are_checked_anew() -> None:
     torch.testing.assert_close(da.attention(q, k, v, window_size=[2, 0]), window)
 
 
+#: Each public function kept per signature, with its float64 oracle: (call, oracle).
+KEPT_CALLS: dict[str, tuple[Any, Any]] = {
+    "dense": (da.attention, oracle_attention),
+    "dilated": (
+        lambda q, k, v, **kw: da.dilated_attention(q, k, v, [4, 8], [1, 2], **kw),
+        lambda q, k, v, **kw: oracle_dilated_attention(q, k, v, [4, 8], [1, 2], **kw),
+    ),
+}
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("backend", CPU_BACKENDS, ids=backend_id)
+@pytest.mark.parametrize("operation", list(KEPT_CALLS))
 def test_a_kept_call_matches_the_oracle(
-    backend: str | None, is_causal: bool, dtype: torch.dtype
+    operation: str, backend: str | None, is_causal: bool, dtype: torch.dtype
 ) -> None:
     """The second call of a signature (checks, request, strategy and runner all kept) gives
-    the float64 oracle's output and gradients, as the first does, on new inputs."""
+    the float64 oracle's output and gradients, as the first does, on new inputs; dense and
+    dilated (an odd length: a partial last segment), with GQA."""
+    call, oracle = KEPT_CALLS[operation]
     for seed in (0, 1):  # the second call takes what the first kept
         q64, k64, v64 = (x.requires_grad_() for x in _qkv(torch.float64, seed))
         q, k, v = (x.detach().to(dtype).requires_grad_() for x in (q64, k64, v64))
         skip_unless_runnable(backend, q, k, v, is_causal=is_causal, key_padding_mask=None)
-        out = da.attention(q, k, v, is_causal=is_causal, backend=backend)
-        want, _ = oracle_attention(q64, k64, v64, is_causal=is_causal)
+        out = call(q, k, v, is_causal=is_causal, backend=backend)
+        want, _ = oracle(q64, k64, v64, is_causal=is_causal)
         dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 7))
         grads = torch.autograd.grad(out, (q, k, v), dout.to(dtype))
         want_grads = torch.autograd.grad(want, (q64, k64, v64), dout.double())
