@@ -189,6 +189,30 @@ def _check_attention(
     V.check_bool("is_causal", is_causal)
     V.check_bool("return_lse", return_lse)
     V.check_causal_lengths(q, k, is_causal, "attention")
+    fields, checked_sinks = _check_options(
+        q, k, key_padding_mask, sinks, is_causal, dropout_p, scale, backend, window_size, softcap
+    )
+    if cache is not None:
+        check_window_cache_call(cache, fields["window"], q, k, is_causal)  # type: ignore[arg-type]
+    return _check_request(DENSE, q, k, v, key_padding_mask, checked_sinks, cu_seqlens, cache,
+                          fields)  # fmt: skip
+
+
+def _check_options(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    key_padding_mask: object,
+    sinks: object,
+    is_causal: bool,
+    dropout_p: float,
+    scale: float | None,
+    backend: str | None,
+    window_size: tuple[int, int] | None,
+    softcap: float | None,
+) -> tuple[dict[str, Any], torch.Tensor | None]:
+    """The checks ``attention`` and ``dilated_attention`` share, of the key padding mask (B, Nk),
+    the sinks (H,) and the options, for q (B, Nq, H, D) and k (B, Nk, Hkv, D): the request's
+    fields they give, and the checked sinks."""
     V.check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[1], q.device)
     checked_sinks = V.check_sinks(sinks, q)
     fields = dict(
@@ -197,13 +221,27 @@ def _check_attention(
         backend=check_backend_name(backend), window=V.check_window_size(window_size),
         softcap=V.check_softcap(softcap), sinks=checked_sinks is not None,
     )  # fmt: skip
-    if cache is not None:
-        check_window_cache_call(cache, fields["window"], q, k, is_causal)  # type: ignore[arg-type]
+    return fields, checked_sinks
+
+
+def _check_request(
+    operation: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: object,
+    checked_sinks: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | list[int] | None,
+    cache: Cache | None,
+    fields: dict[str, Any],
+) -> Request:
+    """Packed documents' offsets checked, then the call described as its request: ``fields``
+    with what a decoding cache holds (Note [A cache call is one request])."""
     documents = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, q, k, cache)
-    if cache is not None:  # what it holds, in the request (Note [A cache call is one request])
+    if cache is not None:
         new = Inputs(q, k, v, key_padding_mask)  # type: ignore[arg-type]
         fields |= cache_fields(cache, new, checked_sinks, fields, packed=documents is not None)
-    return Request.of(DENSE, q, k, v, documents=documents, **fields)
+    return Request.of(operation, q, k, v, documents=documents, **fields)
 
 
 @_eager_under_compile
@@ -325,29 +363,21 @@ def _check_dilated(
     V.check_bool("is_causal", is_causal)
     V.check_bool("return_lse", return_lse)
     V.check_decoding_lengths(q, k, is_causal)
-    V.check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[1], q.device)
-    checked_sinks = V.check_sinks(sinks, q)
-    window = V.check_window_size(window_size)
-    if window is not None and (cache is not None or q.shape[1] != k.shape[1]):
+    fields, checked_sinks = _check_options(
+        q, k, key_padding_mask, sinks, is_causal, dropout_p, scale, backend, window_size, softcap
+    )
+    if fields["window"] is not None and (cache is not None or q.shape[1] != k.shape[1]):
         raise ValueError(
             f"window_size={window_size!r} in dilated_attention runs whole sequences only (no "
             f"cache, query as long as the key) yet; decode a layer of local windows alone with "
             f"attention(..., window_size=..., cache=WindowKVCache(window_size)), or call "
             f"without window_size"
         )
-    fields = dict(
-        is_causal=is_causal, has_mask=key_padding_mask is not None,
-        dropout_p=V.check_dropout("dropout_p", dropout_p), scale=V.check_scale(scale),
-        backend=check_backend_name(backend), schedule=schedule, window=window,
-        softcap=V.check_softcap(softcap), sinks=checked_sinks is not None,
-    )  # fmt: skip
-    documents = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, q, k, cache)
-    if cache is not None:  # what it holds, in the request (Note [A cache call is one request])
+    if cache is not None:
         check_cache_call(cache, schedule.segment_lengths, schedule.dilation_rates, q, k, is_causal)
-        new = Inputs(q, k, v, key_padding_mask)
-        fields |= cache_fields(cache, new, checked_sinks, fields, packed=documents is not None)
     operation = dilated_operation(q.shape[1], k.shape[1])
-    return Request.of(operation, q, k, v, documents=documents, **fields)
+    return _check_request(operation, q, k, v, key_padding_mask, checked_sinks, cu_seqlens, cache,
+                          {**fields, "schedule": schedule})  # fmt: skip
 
 
 @_eager_under_compile
