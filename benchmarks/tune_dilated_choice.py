@@ -133,10 +133,13 @@ def _fused_peaks(record: dict[str, Any]) -> dict[tuple[object, ...], float]:
     record."""
     peaks: dict[tuple[object, ...], float] = {}
     for row in record["results"]:
+        if row["path"] != "triton" or "error" in row:
+            continue
         for _, step in STEPS:
             ratio = row.get(f"{step}_mem_ratio")
-            if row["path"] == "triton" and ratio is not None and "error" not in row:
-                peaks[_at(row, step)] = max(peaks.get(_at(row, step), 0.0), ratio)
+            if ratio is not None:
+                at = _at(row, step)
+                peaks[at] = max(peaks.get(at, 0.0), ratio)
     return peaks
 
 

@@ -490,7 +490,7 @@ def _dense_first(inputs: KernelInputs) -> list[str]:
     if inputs.device.type != "cuda" or inputs.query_len != inputs.key_len or not plain:
         return []
     rule = _rule(_device_class(inputs.device), "short_dense")
-    if rule is None or str(inputs.dtype).removeprefix("torch.") not in rule["dtypes"]:
+    if rule is None or not _rule_measured(rule, inputs):  # its dtypes
         return []
     longest = rule["max_training_query_len" if inputs.requires_grad else "max_query_len"]
     measured = (
