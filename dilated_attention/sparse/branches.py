@@ -14,6 +14,18 @@ Note [Gated branches]
     no gradient is recorded (inference), each branch's output is added as soon as it is made
     (:func:`gated_sum_of`): one branch output besides the sum in memory instead of three.
 
+Note [Branches joined as they come]
+    With gradients, each branch's output is kept for its own backward and the gates' gradient,
+    but the upstream gradients of the branches need not all live at once. Autograd runs the
+    ready nodes made last first. Where every branch ran before the sum, its terms' nodes are the
+    newest, so the backward made all three branch gradients (``g_c * dout``, each the size of
+    the output) before any branch's backward ran. :func:`gated_sum` and
+    :func:`merge_branches` therefore take the branches as calls and run each just before it
+    joins: a branch's attention node is then newer than the earlier terms' nodes, and its
+    backward runs as soon as its term's has, while one branch gradient is alive, not three.
+    Each term after the first joins through one fused multiply-add (``addcmul``), in training
+    as in :func:`gated_sum_of`, so both give the same bits.
+
 Note [A differentiable log-sum-exp]
     Merging branches through their log-sum-exp (Note [Merging partial softmaxes] in
     ``core/merge.py``) gives one softmax over the union of their keys (the multiset union, as
@@ -85,19 +97,22 @@ def lse_with_gradient(
     return lse + (term.sum(-1) * scale).transpose(1, 2)
 
 
-def gated_sum(outs: Sequence[torch.Tensor], gates: torch.Tensor) -> torch.Tensor:
-    """``sum_c gates[..., c] * outs[c]`` (Note [Gated branches]).
+def gated_sum(
+    calls: Sequence[Callable[[], torch.Tensor]], gates: torch.Tensor
+) -> torch.Tensor:
+    """``sum_c gates[..., c] * calls[c]()``, each call run just before its term joins the sum
+    (Note [Branches joined as they come]); differentiable (Note [Gated branches]).
 
     Args:
-        outs: C tensors (B, N, H, D).
+        calls: C functions, each returning a (B, N, H, D) branch output.
         gates: (B, N, H, C), already activated.
 
     Returns:
         (B, N, H, D) in the outputs' dtype.
     """
-    total = gates[..., 0, None] * outs[0]
-    for c in range(1, len(outs)):
-        total = total + gates[..., c, None] * outs[c]
+    total = gates[..., 0, None] * calls[0]()
+    for c in range(1, len(calls)):
+        total = torch.addcmul(total, gates[..., c, None], calls[c]())
     return total
 
 
@@ -106,8 +121,9 @@ def gated_sum_of(
 ) -> torch.Tensor:
     """:func:`gated_sum` of the outputs of ``calls``, each made and added before the next call
     runs: one branch's output besides the sum is held at a time, not all of them. The same
-    bits as :func:`gated_sum` (each product, then each sum, rounded once in the outputs'
-    dtype); in place, so for calls that record no gradient (the caller's to know).
+    bits as :func:`gated_sum` (the first product, then each further term added by one fused
+    multiply-add, each rounded once in the outputs' dtype); in place, so for calls that record
+    no gradient (the caller's to know).
 
     Args:
         calls: C functions, each returning a new (B, N, H, D) tensor that nothing else holds.
@@ -118,27 +134,31 @@ def gated_sum_of(
     """
     total = calls[0]().mul_(gates[..., 0, None])
     for c in range(1, len(calls)):
-        total.add_(calls[c]().mul_(gates[..., c, None]))
+        total.addcmul_(gates[..., c, None], calls[c]())
     return total
 
 
-def merge_branches(results: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+def merge_branches(
+    calls: Sequence[Callable[[], tuple[torch.Tensor, torch.Tensor]]],
+) -> torch.Tensor:
     """The branches' results merged into one softmax over the (multiset) union of their keys,
     through the library's merge (Note [Merging partial softmaxes] in ``core/merge.py``),
-    differentiable in every ``out`` and ``lse``.
+    differentiable in every ``out`` and ``lse``; each call run just before it joins (Note
+    [Branches joined as they come]).
 
     Args:
-        results: ``(out, lse)`` per branch, out (B, N, H, D), lse (B, H, N) (differentiable
-            where :func:`lse_with_gradient` made it so). The first branch must see a key in
-            every row (a row no branch sees has no gradient to give: NaN).
+        calls: per branch a function returning ``(out, lse)``, out (B, N, H, D), lse (B, H,
+            N) (differentiable where :func:`lse_with_gradient` made it so). The first branch
+            must see a key in every row (a row no branch sees has no gradient to give: NaN).
 
     Returns:
         (B, N, H, D) in the first ``out``'s dtype.
     """
-    out, lse = results[0]
+    out, lse = calls[0]()
     dtype = out.dtype
     acc_dtype = torch.promote_types(dtype, torch.float32)
     acc, acc_lse = out.to(acc_dtype), lse.transpose(1, 2).to(acc_dtype)
-    for out_c, lse_c in results[1:]:
+    for call in calls[1:]:
+        out_c, lse_c = call()
         acc, acc_lse = merge_partial(acc, acc_lse, out_c, lse_c.transpose(1, 2))
     return acc.to(dtype)

@@ -166,7 +166,7 @@ def nsa_attention(
     if c.gates is not None and not _records_gradient(c.q, c.k, c.v, c.gates):
         # Inference: one branch output at a time besides the sum (Note [Gated branches]).
         return gated_sum_of([lambda b=b: b()[0] for b in branches], c.gates)
-    return combine_branches(tuple(branch() for branch in branches), c.gates)
+    return combine_branches(branches, c.gates)
 
 
 def _records_gradient(*tensors: torch.Tensor) -> bool:
@@ -221,16 +221,18 @@ def check_call(
     return Checked(q, k, v, g, checked, run)
 
 
-def combine_branches(calls: tuple[Result, Result, Result], gates: torch.Tensor | None) -> (
-    torch.Tensor
-):
-    """The branches' results (compressed, selected, window) combined: summed by ``gates``
-    (B, N, H, 3), or merged through their log-sum-exp where ``gates`` is None."""
+def combine_branches(
+    branches: tuple[Callable[[], Result], Callable[[], Result], Callable[[], Result]],
+    gates: torch.Tensor | None,
+) -> torch.Tensor:
+    """The branches (compressed, selected, window), each a call run just before its result
+    joins (Note [Branches joined as they come] in ``branches.py``), combined: summed by
+    ``gates`` (B, N, H, 3), or merged through their log-sum-exp where ``gates`` is None."""
     if gates is not None:
-        return gated_sum([out for out, _ in calls], gates)
+        return gated_sum([lambda b=b: b()[0] for b in branches], gates)
     # The window branch first: every row sees its own key there, so no merge step meets two
     # empty sides (merge_branches: their gradient would be NaN).
-    return merge_branches([calls[2], calls[1], calls[0]])  # type: ignore[list-item]
+    return merge_branches([branches[2], branches[1], branches[0]])  # type: ignore[list-item]
 
 
 def _check_sizes(

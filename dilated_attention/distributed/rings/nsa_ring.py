@@ -128,11 +128,13 @@ def nsa_ring_attention(
     k_cmp, v_cmp, chunks = _compressed_keys(c.k, c.v, block, stride, causal, group)
     key_len = (rank + 1) * n if causal else world * n  # the queries end-aligned at their end
     mask = selected_rows(c.q, c.k, select, count, causal, "kv_head", group)
-    compressed = compressed_branch(c.q, k_cmp, v_cmp, key_len, block, stride, c.run)
-    selected = selected_branch(c.q, c.k, c.v, mask, select, c.run, block_sparse_ring_attention,
-                               group=group)  # fmt: skip
-    windowed = window_branch(c.q, c.k, c.v, size, c.run, ring_attention, group=group)
-    return joined(combine_branches((compressed, selected, windowed), c.gates), chunks)
+    branches = (
+        lambda: compressed_branch(c.q, k_cmp, v_cmp, key_len, block, stride, c.run),
+        lambda: selected_branch(c.q, c.k, c.v, mask, select, c.run, block_sparse_ring_attention,
+                                group=group),
+        lambda: window_branch(c.q, c.k, c.v, size, c.run, ring_attention, group=group),
+    )  # fmt: skip
+    return joined(combine_branches(branches, c.gates), chunks)
 
 
 def _agreed(
