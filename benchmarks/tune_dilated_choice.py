@@ -27,7 +27,8 @@ call's launches from a CUDA graph] in ``core/execution/executor.py``); the recor
 
 and the same with ``--kv-heads 4`` to ``dilated_tuning_short_gqa_h100``, then both again with
 ``--seq-lens 131072`` to ``dilated_tuning_128k_h100`` and ``dilated_tuning_128k_gqa_h100``, and
-with ``--seq-lens 262144 --kv-heads 16`` to ``dilated_tuning_256k_h100``, and ``--schedules longnet
+with ``--seq-lens 262144 --kv-heads 16`` to ``dilated_tuning_256k_h100`` (``--kv-heads 4 --warmup 2
+--repeats 5`` to ``dilated_tuning_256k_gqa_h100``), and ``--schedules longnet
 longnet_n --seq-lens 8192 --kv-heads 16 --paths triton flash_attn4 'dense cudnn'`` to
 ``dilated_tuning_8k_h100``. Where they measured a
 cell at a length, their times replace the older records' (whose FlashAttention-4 times include the
@@ -74,7 +75,7 @@ RECORDS = (
 REPLAYED_RECORDS = (
     "dilated_tuning_short_h100", "dilated_tuning_short_gqa_h100",
     "dilated_tuning_128k_h100", "dilated_tuning_128k_gqa_h100", "dilated_tuning_256k_h100",
-    "dilated_tuning_8k_h100",
+    "dilated_tuning_8k_h100", "dilated_tuning_256k_gqa_h100",
 )  # fmt: skip
 PATHS = ("flash_attn4", "triton")
 STEPS = (("forward", "fwd"), ("training", "fwd_bwd"))
