@@ -23,8 +23,13 @@ Note [Branches joined as they come]
     :func:`merge_branches` therefore take the branches as calls and run each just before it
     joins: a branch's attention node is then newer than the earlier terms' nodes, and its
     backward runs as soon as its term's has, while one branch gradient is alive, not three.
-    Each term after the first joins through one fused multiply-add (``addcmul``), in training
-    as in :func:`gated_sum_of`, so both give the same bits.
+    The branch that joins last has its backward run first, and what its call saved is freed
+    before the other branches' backwards run: NSA's compressed branch, which saves the most
+    (its classes' queries as heads, their output, and that output put back in rows), joins
+    last (``order``).
+    A term is a product, then a sum, as in :func:`gated_sum_of`, so that both give the same
+    bits (a fused ``addcmul`` would save a temporary forward but cost one, the size of the
+    output, in its backward).
 
 Note [A differentiable log-sum-exp]
     Merging branches through their log-sum-exp (Note [Merging partial softmaxes] in
@@ -98,7 +103,9 @@ def lse_with_gradient(
 
 
 def gated_sum(
-    calls: Sequence[Callable[[], torch.Tensor]], gates: torch.Tensor
+    calls: Sequence[Callable[[], torch.Tensor]],
+    gates: torch.Tensor,
+    order: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """``sum_c gates[..., c] * calls[c]()``, each call run just before its term joins the sum
     (Note [Branches joined as they come]); differentiable (Note [Gated branches]).
@@ -106,35 +113,42 @@ def gated_sum(
     Args:
         calls: C functions, each returning a (B, N, H, D) branch output.
         gates: (B, N, H, C), already activated.
+        order: the branches' indices in the order they run and join (default: as given);
+            autograd runs their backwards in the reverse order.
 
     Returns:
         (B, N, H, D) in the outputs' dtype.
     """
-    total = gates[..., 0, None] * calls[0]()
-    for c in range(1, len(calls)):
-        total = torch.addcmul(total, gates[..., c, None], calls[c]())
+    first, *rest = range(len(calls)) if order is None else order
+    total = gates[..., first, None] * calls[first]()
+    for c in rest:
+        total = total + gates[..., c, None] * calls[c]()
     return total
 
 
 def gated_sum_of(
-    calls: Sequence[Callable[[], torch.Tensor]], gates: torch.Tensor
+    calls: Sequence[Callable[[], torch.Tensor]],
+    gates: torch.Tensor,
+    order: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """:func:`gated_sum` of the outputs of ``calls``, each made and added before the next call
     runs: one branch's output besides the sum is held at a time, not all of them. The same
-    bits as :func:`gated_sum` (the first product, then each further term added by one fused
-    multiply-add, each rounded once in the outputs' dtype); in place, so for calls that record
-    no gradient (the caller's to know).
+    bits as :func:`gated_sum` in the same ``order`` (each product, then each sum, rounded once
+    in the outputs' dtype); in place, so for calls that record no gradient (the caller's to
+    know).
 
     Args:
         calls: C functions, each returning a new (B, N, H, D) tensor that nothing else holds.
         gates: (B, N, H, C), already activated.
+        order: as in :func:`gated_sum`.
 
     Returns:
         (B, N, H, D) in the outputs' dtype.
     """
-    total = calls[0]().mul_(gates[..., 0, None])
-    for c in range(1, len(calls)):
-        total.addcmul_(gates[..., c, None], calls[c]())
+    first, *rest = range(len(calls)) if order is None else order
+    total = calls[first]().mul_(gates[..., first, None])
+    for c in rest:
+        total.add_(calls[c]().mul_(gates[..., c, None]))
     return total
 
 

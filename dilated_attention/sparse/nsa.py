@@ -165,7 +165,7 @@ def nsa_attention(
     )
     if c.gates is not None and not _records_gradient(c.q, c.k, c.v, c.gates):
         # Inference: one branch output at a time besides the sum (Note [Gated branches]).
-        return gated_sum_of([lambda b=b: b()[0] for b in branches], c.gates)
+        return gated_sum_of([lambda b=b: b()[0] for b in branches], c.gates, JOIN_ORDER)
     return combine_branches(branches, c.gates)
 
 
@@ -221,6 +221,12 @@ def check_call(
     return Checked(q, k, v, g, checked, run)
 
 
+#: The order in which the branches (compressed, selected, window) run and join the gated sum:
+#: the compressed branch, which saves the most, last, so that its backward runs first (Note
+#: [Branches joined as they come] in ``branches.py``).
+JOIN_ORDER = (1, 2, 0)
+
+
 def combine_branches(
     branches: tuple[Callable[[], Result], Callable[[], Result], Callable[[], Result]],
     gates: torch.Tensor | None,
@@ -229,7 +235,7 @@ def combine_branches(
     joins (Note [Branches joined as they come] in ``branches.py``), combined: summed by
     ``gates`` (B, N, H, 3), or merged through their log-sum-exp where ``gates`` is None."""
     if gates is not None:
-        return gated_sum([lambda b=b: b()[0] for b in branches], gates)
+        return gated_sum([lambda b=b: b()[0] for b in branches], gates, JOIN_ORDER)
     # The window branch first: every row sees its own key there, so no merge step meets two
     # empty sides (merge_branches: their gradient would be NaN).
     return merge_branches([branches[2], branches[1], branches[0]])  # type: ignore[list-item]

@@ -4,6 +4,8 @@ autograd runs the branches' backwards (one branch gradient alive at a time)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -30,14 +32,17 @@ def test_gated_sum_matches_the_formula_and_gradchecks() -> None:
     assert torch.autograd.gradgradcheck(fn, (gates, *outs))
 
 
+@pytest.mark.parametrize("order", [None, (1, 2, 0)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_inference_sum_has_the_bits_of_the_trained_one(dtype: torch.dtype) -> None:
+def test_inference_sum_has_the_bits_of_the_trained_one(dtype: torch.dtype, order: Any) -> None:
     torch.manual_seed(1)
     outs = [x.detach() for x in _outs(dtype)]
     gates = torch.rand(*SHAPE[:3], 3, dtype=dtype)
-    trained = gated_sum([lambda x=x: x.clone().requires_grad_() for x in outs], gates)
-    streamed = gated_sum_of([lambda x=x: x.clone() for x in outs], gates)
+    trained = gated_sum([lambda x=x: x.clone().requires_grad_() for x in outs], gates, order)
+    streamed = gated_sum_of([lambda x=x: x.clone() for x in outs], gates, order)
     assert torch.equal(trained.detach(), streamed)
+    want = sum(gates[..., c, None].double() * outs[c].double() for c in range(3))
+    torch.testing.assert_close(streamed.double(), want, atol=1e-2, rtol=1e-2)
 
 
 def _branch(x: torch.Tensor, c: int, events: list[str]) -> torch.Tensor:
@@ -60,6 +65,12 @@ def test_each_branch_backward_runs_before_the_next_branch_gradient() -> None:
     total = gated_sum([lambda c=c: _branch(outs[c], c, events) for c in range(3)], gates)
     total.backward(torch.randn_like(total))
     assert events == [f"{kind} {c}" for c in (2, 1, 0) for kind in ("gradient", "backward")]
+
+    events.clear()  # in a given order: the branch that joins last runs its backward first
+    total = gated_sum([lambda c=c: _branch(outs[c], c, events) for c in range(3)], gates,
+                      (1, 2, 0))  # fmt: skip
+    total.backward(torch.randn_like(total))
+    assert events == [f"{kind} {c}" for c in (0, 2, 1) for kind in ("gradient", "backward")]
 
     events.clear()
     calls = [lambda c=c: (_branch(outs[c], c, events), outs[c].sum(-1).transpose(1, 2))

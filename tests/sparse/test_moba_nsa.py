@@ -154,7 +154,7 @@ def test_nsa_without_gradients_adds_each_branch_as_it_comes(
     alive: list[int] = []  # earlier branch outputs still held as each branch starts
     real = nsa_module.gated_sum_of
 
-    def spy(calls: list[Any], g: Tensor) -> Tensor:
+    def spy(calls: list[Any], g: Tensor, order: Any) -> Tensor:
         def counted(call: Any) -> Any:
             def run() -> Tensor:
                 alive.append(sum(ref() is not None for ref in outputs))
@@ -164,7 +164,7 @@ def test_nsa_without_gradients_adds_each_branch_as_it_comes(
 
             return run
 
-        return real([counted(call) for call in calls], g)
+        return real([counted(call) for call in calls], g, order)
 
     monkeypatch.setattr(nsa_module, "gated_sum_of", spy)
     with torch.no_grad():
@@ -174,6 +174,33 @@ def test_nsa_without_gradients_adds_each_branch_as_it_comes(
     assert torch.equal(streamed, trained.detach())
     ref = nsa_reference(*(x.double() for x in (q, k, v)), gates.double(), **kw)
     torch.testing.assert_close(streamed.double(), ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("combine", ["gates", "lse"])
+def test_nsa_training_runs_the_compressed_branch_last(
+    combine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With gradients the branches run in the order they join, the compressed branch (which
+    saves the most) last, so that autograd runs its backward first and frees what it saved
+    before the other branches' backwards (Note [Branches joined as they come]); the result
+    still matches the reference."""
+    case = NSA_CASES["causal-gqa-odd"]
+    q, k, v = _leaves(2, case["nq"], case["heads"], case["kv"], nk=case["nk"], seed=7)
+    gates = _gates(q) if combine == "gates" else None
+    ran: list[str] = []
+    for name in ("compressed_branch", "selected_branch", "window_branch"):
+        real = getattr(nsa_module, name)
+
+        def spy(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            ran.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(nsa_module, name, spy)
+    kw = _nsa_kwargs(case)
+    out = nsa_attention(q, k, v, gates, combine=combine, **kw)
+    assert ran[-1] == "compressed_branch" and len(ran) == 3
+    ref = nsa_reference(q, k, v, gates, **kw)
+    _assert_same_with_gradients(out, ref, [q, k, v] + ([gates] if gates is not None else []))
 
 
 def test_nsa_compressed_keys_get_gradients_through_their_pooling() -> None:
