@@ -19,7 +19,7 @@ Note [The measured slots table]
     FlashAttention-4's slotted calls replay from CUDA graphs once a call repeats at the same
     addresses (Note [A slotted call's launches from a CUDA graph] in
     ``core/execution/executor.py``), which removes the host time that decided below 128K tokens:
-    ``min_query_len`` is measured so (at 16K-128K; the older records, whose FlashAttention-4
+    ``min_query_len`` is measured so (at 8K-256K; the older records, whose FlashAttention-4
     times include that host time, at the lengths the newer ones did not measure), and
     ``min_query_len_without_graphs``, from the older records alone, applies where
     ``DILATED_ATTENTION_CUDA_GRAPHS=0`` turns the graphs off. A call at addresses that never

@@ -22,7 +22,8 @@ Note [Branches joined as they come]
     the output) before any branch's backward ran. :func:`gated_sum` and
     :func:`merge_branches` therefore take the branches as calls and run each just before it
     joins: a branch's attention node is then newer than the earlier terms' nodes, and its
-    backward runs as soon as its term's has, while one branch gradient is alive, not three.
+    backward runs as soon as its term's has, while one branch gradient is alive, not three
+    (two in the merge, whose first step joins the first two branches).
     The branch that joins last has its backward run first, and what its call saved is freed
     before the other branches' backwards run: NSA's compressed branch, which saves the most
     (its classes' queries as heads, their output, and that output put back in rows), joins
@@ -102,6 +103,18 @@ def lse_with_gradient(
     return lse + (term.sum(-1) * scale).transpose(1, 2)
 
 
+def _join_order(order: Sequence[int] | None, count: int) -> list[int]:
+    """``order`` (every index below ``count`` once), or ``0 .. count - 1`` where None."""
+    if order is None:
+        return list(range(count))
+    if sorted(order) != list(range(count)):
+        raise ValueError(
+            f"order: expected each of the {count} branch indices 0..{count - 1} once, got "
+            f"{tuple(order)}; pass a permutation such as {tuple(range(count))}"
+        )
+    return list(order)
+
+
 def gated_sum(
     calls: Sequence[Callable[[], torch.Tensor]],
     gates: torch.Tensor,
@@ -119,7 +132,7 @@ def gated_sum(
     Returns:
         (B, N, H, D) in the outputs' dtype.
     """
-    first, *rest = range(len(calls)) if order is None else order
+    first, *rest = _join_order(order, len(calls))
     total = gates[..., first, None] * calls[first]()
     for c in rest:
         total = total + gates[..., c, None] * calls[c]()
@@ -145,7 +158,7 @@ def gated_sum_of(
     Returns:
         (B, N, H, D) in the outputs' dtype.
     """
-    first, *rest = range(len(calls)) if order is None else order
+    first, *rest = _join_order(order, len(calls))
     total = calls[first]().mul_(gates[..., first, None])
     for c in rest:
         total.add_(calls[c]().mul_(gates[..., c, None]))

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.branch_order import backward_order, most_pending, watch
 
 from dilated_attention.sparse.branches import gated_sum, gated_sum_of, merge_branches
 
@@ -45,36 +46,43 @@ def test_inference_sum_has_the_bits_of_the_trained_one(dtype: torch.dtype, order
     torch.testing.assert_close(streamed.double(), want, atol=1e-2, rtol=1e-2)
 
 
-def _branch(x: torch.Tensor, c: int, events: list[str]) -> torch.Tensor:
-    """A branch output with a node of its own (as a branch's attention call has), logging when
-    its gradient arrives and when its backward has run."""
-    out = x.exp()
-    out.register_hook(lambda g: events.append(f"gradient {c}"))
-    out.grad_fn.register_hook(lambda *_: events.append(f"backward {c}"))
-    return out
-
-
 def test_each_branch_backward_runs_before_the_next_branch_gradient() -> None:
-    """Each branch's backward runs right after its gradient is made, so one branch gradient
-    (the size of the output) is alive at a time, not three (Note [Branches joined as they
-    come])."""
+    """One branch gradient (the size of the output) is alive at a time, not three (two in the
+    log-sum-exp merge, whose first step joins two branches): each branch's backward starts
+    before the next branch's gradient is made, and the branch that joins last runs its
+    backward first (Note [Branches joined as they come])."""
     torch.manual_seed(2)
     outs = _outs()
     gates = torch.rand(*SHAPE[:3], 3, dtype=torch.float64, requires_grad=True)
-    events: list[str] = []
-    total = gated_sum([lambda c=c: _branch(outs[c], c, events) for c in range(3)], gates)
-    total.backward(torch.randn_like(total))
-    assert events == [f"{kind} {c}" for c in (2, 1, 0) for kind in ("gradient", "backward")]
+    made: dict[int, torch.Tensor] = {}
 
-    events.clear()  # in a given order: the branch that joins last runs its backward first
-    total = gated_sum([lambda c=c: _branch(outs[c], c, events) for c in range(3)], gates,
-                      (1, 2, 0))  # fmt: skip
-    total.backward(torch.randn_like(total))
-    assert events == [f"{kind} {c}" for c in (0, 2, 1) for kind in ("gradient", "backward")]
+    def branch(c: int) -> torch.Tensor:  # a node of its own, made when called, as a branch's
+        made[c] = outs[c].exp()
+        return made[c]
 
-    events.clear()
-    calls = [lambda c=c: (_branch(outs[c], c, events), outs[c].sum(-1).transpose(1, 2))
-             for c in range(3)]  # fmt: skip
+    for order, backwards in ((None, [2, 1, 0]), ((1, 2, 0), [0, 2, 1])):
+        total = gated_sum([lambda c=c: branch(c) for c in range(3)], gates, order)
+        events: list[str] = []
+        watch(total, {c: made[c].grad_fn for c in range(3)}, events)
+        total.backward(torch.randn_like(total))
+        assert most_pending(events) == 1, events
+        assert backward_order(events) == [str(c) for c in backwards]
+
+    calls = [lambda c=c: (branch(c), outs[c].sum(-1).transpose(1, 2)) for c in range(3)]
     merged = merge_branches(calls)
+    events = []
+    watch(merged, {c: made[c].grad_fn for c in range(3)}, events)
     merged.backward(torch.randn_like(merged))
-    assert events == [f"{kind} {c}" for c in (2, 1, 0) for kind in ("gradient", "backward")]
+    # The first merge step joins branches 0 and 1, so its backward makes both their gradients.
+    assert most_pending(events) == 2, events
+    assert backward_order(events) == ["2", "1", "0"]
+
+
+def test_a_bad_order_raises() -> None:
+    outs = [x.detach() for x in _outs()]
+    gates = torch.rand(*SHAPE[:3], 3, dtype=torch.float64)
+    for order in ((0, 1), (0, 1, 1), (0, 1, 3)):
+        with pytest.raises(ValueError, match="order"):
+            gated_sum([lambda x=x: x.clone() for x in outs], gates, order)
+        with pytest.raises(ValueError, match="order"):
+            gated_sum_of([lambda x=x: x.clone() for x in outs], gates, order)

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.branch_order import backward_order, most_pending, watch
 from support.sparse_oracle import (
     blocks_mask,
     document_ids,
@@ -177,30 +178,35 @@ def test_nsa_without_gradients_adds_each_branch_as_it_comes(
 
 
 @pytest.mark.parametrize("combine", ["gates", "lse"])
-def test_nsa_training_runs_the_compressed_branch_last(
+def test_nsa_training_runs_the_compressed_branch_backward_first(
     combine: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With gradients the branches run in the order they join, the compressed branch (which
-    saves the most) last, so that autograd runs its backward first and frees what it saved
-    before the other branches' backwards (Note [Branches joined as they come]); the result
-    still matches the reference."""
+    """With gradients the compressed branch (which saves the most) joins last, so that autograd
+    runs its backward first and frees what it saved before the other branches' backwards, and
+    each branch's backward starts before the next branch's gradient is made (Note [Branches
+    joined as they come]); the result still matches the reference."""
     case = NSA_CASES["causal-gqa-odd"]
     q, k, v = _leaves(2, case["nq"], case["heads"], case["kv"], nk=case["nk"], seed=7)
     gates = _gates(q) if combine == "gates" else None
-    ran: list[str] = []
-    for name in ("compressed_branch", "selected_branch", "window_branch"):
-        real = getattr(nsa_module, name)
+    nodes: dict[str, Any] = {}
+    for name in ("compressed", "selected", "window"):
+        real = getattr(nsa_module, f"{name}_branch")
 
         def spy(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
-            ran.append(_name)
-            return _real(*args, **kwargs)
+            out, lse = _real(*args, **kwargs)
+            nodes[_name] = out.grad_fn
+            return out, lse
 
-        monkeypatch.setattr(nsa_module, name, spy)
+        monkeypatch.setattr(nsa_module, f"{name}_branch", spy)
     kw = _nsa_kwargs(case)
     out = nsa_attention(q, k, v, gates, combine=combine, **kw)
-    assert ran[-1] == "compressed_branch" and len(ran) == 3
+    events: list[str] = []
+    watch(out, nodes, events)
     ref = nsa_reference(q, k, v, gates, **kw)
     _assert_same_with_gradients(out, ref, [q, k, v] + ([gates] if gates is not None else []))
+    assert backward_order(events)[0] == "compressed", events
+    # The merge's first step joins two branches (window and selected), so two there.
+    assert most_pending(events) == (1 if combine == "gates" else 2), events
 
 
 def test_nsa_compressed_keys_get_gradients_through_their_pooling() -> None:
