@@ -153,13 +153,32 @@ def attention(
             the reasons).
     """
     options = (is_causal, scale, dropout_p, backend, return_lse, window_size, softcap)
-    tensors = (query, key, value, key_padding_mask, sinks)
-    request = _ATTENTION.request(  # Note [Checked once per call signature]
+    return _checked_route(
+        _ATTENTION, _check_attention, (query, key, value, key_padding_mask, sinks), options,
+        cu_seqlens, cache, return_lse,
+    )  # fmt: skip
+
+
+def _checked_route(
+    calls: CheckedCalls,
+    check: Callable[..., Request],
+    tensors: tuple[Any, ...],
+    options: tuple[Any, ...],
+    cu_seqlens: torch.Tensor | list[int] | None,
+    cache: Cache | None,
+    return_lse: bool,
+) -> Any:
+    """``check(*tensors, cu_seqlens, cache, *options)``'s request, kept per call signature in
+    ``calls`` where the call has no packed documents or cache (Note [Checked once per call
+    signature] in ``resolve/request.py``), routed with ``tensors`` (query, key, value, key
+    padding mask, sinks)."""
+    request = calls.request(
         tensors,
         options,
-        lambda: _check_attention(*tensors, cu_seqlens, cache, *options),
+        lambda: check(*tensors, cu_seqlens, cache, *options),
         kept=cu_seqlens is None and cache is None,
     )
+    query, key, value, key_padding_mask, sinks = tensors
     return compiled.route(request, query, key, value, key_padding_mask, return_lse, sinks, cache)
 
 
@@ -324,14 +343,10 @@ def dilated_attention(
         segment_lengths, dilation_rates, is_causal, scale, dropout_p, backend, return_lse,
         window_size, softcap,
     )  # fmt: skip
-    tensors = (query, key, value, key_padding_mask, sinks)
-    request = _DILATED.request(  # Note [Checked once per call signature]
-        tensors,
-        options,
-        lambda: _check_dilated(*tensors, cu_seqlens, cache, *options),
-        kept=cu_seqlens is None and cache is None,
-    )
-    return compiled.route(request, query, key, value, key_padding_mask, return_lse, sinks, cache)
+    return _checked_route(
+        _DILATED, _check_dilated, (query, key, value, key_padding_mask, sinks), options,
+        cu_seqlens, cache, return_lse,
+    )  # fmt: skip
 
 
 #: The requests of the call signatures ``dilated_attention`` has checked.
