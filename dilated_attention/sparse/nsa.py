@@ -164,8 +164,10 @@ def nsa_attention(
         lambda: window_branch(c.q, c.k, c.v, window, c.run),
     )
     if c.gates is not None and not _records_gradient(c.q, c.k, c.v, c.gates):
-        # Inference: one branch output at a time besides the sum (Note [Gated branches]).
-        return gated_sum_of([lambda b=b: b()[0] for b in branches], c.gates, JOIN_ORDER)
+        # Inference: one branch output at a time besides the sum (Note [Gated branches]), the
+        # compressed branch first (INFERENCE_ORDER).
+        calls = [lambda b=b: b()[0] for b in branches]
+        return gated_sum_of(calls, c.gates, INFERENCE_ORDER)
     return combine_branches(branches, c.gates)
 
 
@@ -221,10 +223,14 @@ def check_call(
     return Checked(q, k, v, g, checked, run)
 
 
-#: The order in which the branches (compressed, selected, window) run and join the gated sum:
-#: the compressed branch, which saves the most, last, so that its backward runs first (Note
-#: [Branches joined as they come] in ``branches.py``).
+#: The order in which the branches (compressed, selected, window) run and join the gated sum
+#: with gradients: the compressed branch, which saves the most, last, so that its backward runs
+#: first (Note [Branches joined as they come] in ``branches.py``).
 JOIN_ORDER = (1, 2, 0)
+#: Without gradients: the compressed branch first, while no sum is held beside its classes'
+#: stacked queries and output (last, it would hold one output-sized tensor more at its peak).
+#: The sum's terms then add in another order than with gradients: the two agree to rounding.
+INFERENCE_ORDER = (0, 1, 2)
 
 
 def combine_branches(
