@@ -159,6 +159,7 @@ def test_nsa_without_gradients_adds_each_branch_as_it_comes(
 
     def spy(calls: list[Any], g: Tensor, order: Any) -> Tensor:
         orders.append(tuple(order))
+
         def counted(call: Any) -> Any:
             def run() -> Tensor:
                 alive.append(sum(ref() is not None for ref in outputs))
