@@ -54,6 +54,16 @@ def row_lse(lse: torch.Tensor) -> torch.Tensor:
     return lse.transpose(1, 2).contiguous().unsqueeze(-1)
 
 
+def row_lse_later(lse: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+    """:func:`row_lse` of ``lse`` (B, H, N) as an empty (B, N, H, 1) tensor and the copy that
+    fills it, for a backward to run among its launches: a replayed graph then copies too, and
+    the copy is not one more launch of its own (Note [A call's launches from a CUDA graph] in
+    ``graphs.py``)."""
+    batch, heads, rows = lse.shape
+    lse_rows = torch.empty(batch, rows, heads, 1, dtype=lse.dtype, device=lse.device)
+    return lse_rows, lambda: lse_rows.copy_(lse.transpose(1, 2).unsqueeze(-1))
+
+
 #: How a call's result merges into the accumulators: ``(call, out, lse, part_out, part_lse)``
 #: with ``out`` (B, Nq, H, D), ``lse`` (B, Nq, H, 1), ``part_out`` (B * G, Lq, Hc, D) and
 #: ``part_lse`` (B * G, Hc, Lq) as the kernel returned them.

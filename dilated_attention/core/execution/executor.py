@@ -62,11 +62,12 @@ from .call_runs import (
     merge_rows,
     new_accumulators,
     row_lse,
+    row_lse_later,
     run_backward,
     run_forward,
 )
 from .grouped_runs import ExtraGradients, grouped_backward, grouped_forward
-from .slot_runs import LaunchRunner, slot_backward, slot_forward
+from .slot_runs import LaunchRunner, first_then, slot_backward, slot_forward
 
 
 def _replayed(plan: Plan, kernel: KernelArgs, step: str) -> LaunchRunner | None:
@@ -221,11 +222,16 @@ def plan_backward(
             torch.empty(x.shape, dtype=acc if extra else x.dtype, device=x.device)
             for x in (q, k, v)
         ]
-        saved = GradInputs(dout, q, k, v, out, row_lse(lse), key_padding_mask)
+        lse_rows, fill_rows = row_lse_later(lse)
+        saved = GradInputs(dout, q, k, v, out, lse_rows, key_padding_mask)
         views = None
         if in_slots is not None:
             views = functools.partial(in_slots.views, slice(None), 0, q.shape[1])
         runner = None if views is not None else _replayed(plan, kernel, "slot_backward")
+        if runner is None:
+            fill_rows()
+        else:  # the copy among the replayed launches
+            runner = first_then(fill_rows, (lse,), runner)
         slot_backward(saved, plan.calls, plan.slots, kernel, iter(aux), grads=grads, extra=views,
                       runner=runner)  # fmt: skip
     elif plan.whole:  # with extra gradients joined

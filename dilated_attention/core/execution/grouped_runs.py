@@ -16,7 +16,13 @@ import torch
 from ..geometry.calls import GradInputs, KernelArgs
 from ..geometry.plan import Plan, PositionGroup
 from ..geometry.slots import ExtraSlotGradients, SlotBuffers
-from .call_runs import accumulator_dtype, new_accumulators, row_lse, run_backward, run_forward
+from .call_runs import (
+    accumulator_dtype,
+    new_accumulators,
+    row_lse_later,
+    run_backward,
+    run_forward,
+)
 from .slot_runs import (
     LaunchRunner,
     fill_grad_slots,
@@ -123,11 +129,13 @@ def grouped_backward(
     assert runner is None or extra is None
     acc = accumulator_dtype(q.dtype)
     grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v)]
-    saved = GradInputs(dout, q, k, v, out, row_lse(lse), key_padding_mask)
+    lse_rows, fill_rows = row_lse_later(lse)
+    saved = GradInputs(dout, q, k, v, out, lse_rows, key_padding_mask)
     in_slots = extra if isinstance(extra, ExtraSlotGradients) else None
     add = None if in_slots is not None else extra
 
     def launches() -> None:
+        fill_rows()
         slots, spanning, aux = plan.slots, None, iter(auxes)
         if plan.spanning:
             spanning = grad_slots(slots, q, k, v, own_slots(slots, True))
@@ -156,7 +164,7 @@ def grouped_backward(
                 if part is not dest:
                     dest.copy_(part)
 
-    tensors = (dout, q, k, v, out, saved.lse_rows, key_padding_mask, *grads)
+    tensors = (dout, q, k, v, out, lse, saved.lse_rows, key_padding_mask, *grads)
     run_through(runner, tensors, launches)
     dq, dk, dv = grads
     return dq, dk, dv

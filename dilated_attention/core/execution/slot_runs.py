@@ -34,6 +34,22 @@ def run_through(runner: LaunchRunner | None, tensors: Sequence[torch.Tensor | No
         runner(tensors, launches)
 
 
+def first_then(
+    first: Callable[[], None], reads: Sequence[torch.Tensor], runner: LaunchRunner
+) -> LaunchRunner:
+    """A runner that runs ``first`` (in-place ops that also read ``reads``) before each call's
+    launches, both through ``runner`` as one closure (a replayed graph's)."""
+
+    def run(tensors: Sequence[torch.Tensor | None], launches: Callable[[], None]) -> None:
+        def both() -> None:
+            first()
+            launches()
+
+        run_through(runner, (*tensors, *reads), both)
+
+    return run
+
+
 def _fill(dest: torch.Tensor, result: torch.Tensor) -> None:
     """Copy a kernel's ``result`` into ``dest``, unless the kernel wrote it there."""
     same = result.data_ptr() == dest.data_ptr() and result.stride() == dest.stride()
