@@ -32,6 +32,15 @@ Note [Branches joined as they come]
     bits (a fused ``addcmul`` would save a temporary forward but cost one, the size of the
     output, in its backward).
 
+Note [A branch that gates its own rows]
+    The product ``g_c * o_c`` keeps ``o_c`` for the gate's gradient. Where a branch makes its
+    output from parts put back in rows (NSA's compressed branch: its residue classes' outputs,
+    which its kernel call keeps anyway), that output is one more tensor the size of the output
+    kept until the backward. Such a branch takes its gate and returns its term itself
+    (``self_gated`` of :func:`gated_sum`): each part times its rows' gates, written into the
+    rows (``ResidueRows.scatter`` with ``scale``), the same bits as the product, keeping only
+    the parts and the gates for the gradients.
+
 Note [A differentiable log-sum-exp]
     Merging branches through their log-sum-exp (Note [Merging partial softmaxes] in
     ``core/merge.py``) gives one softmax over the union of their keys (the multiset union, as
@@ -116,9 +125,11 @@ def _join_order(order: Sequence[int] | None, count: int) -> list[int]:
 
 
 def gated_sum(
-    calls: Sequence[Callable[[], torch.Tensor]],
+    calls: Sequence[Callable[..., torch.Tensor]],
     gates: torch.Tensor,
     order: Sequence[int] | None = None,
+    *,
+    self_gated: Sequence[int] = (),
 ) -> torch.Tensor:
     """``sum_c gates[..., c] * calls[c]()``, each call run just before its term joins the sum
     (Note [Branches joined as they come]); differentiable (Note [Gated branches]).
@@ -128,14 +139,22 @@ def gated_sum(
         gates: (B, N, H, C), already activated.
         order: the branches' indices in the order they run and join (default: as given);
             autograd runs their backwards in the reverse order.
+        self_gated: the indices of calls that take their gate, (B, N, H, 1), and return their
+            term ``gate * out`` themselves, with its bits (Note [A branch that gates its own
+            rows]).
 
     Returns:
         (B, N, H, D) in the outputs' dtype.
     """
+
+    def term(c: int) -> torch.Tensor:
+        gate = gates[..., c, None]
+        return calls[c](gate) if c in self_gated else gate * calls[c]()
+
     first, *rest = _join_order(order, len(calls))
-    total = gates[..., first, None] * calls[first]()
+    total = term(first)
     for c in rest:
-        total = total + gates[..., c, None] * calls[c]()
+        total = total + term(c)
     return total
 
 

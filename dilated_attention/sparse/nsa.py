@@ -159,7 +159,8 @@ def nsa_attention(
                          per="kv_head", return_indices=True)  # fmt: skip
     k_cmp, v_cmp = compress_kv(c.k, c.v, block=block, stride=stride)
     branches = (
-        lambda: compressed_branch(c.q, k_cmp, v_cmp, c.k.shape[1], block, stride, c.run),
+        lambda gate=None: compressed_branch(c.q, k_cmp, v_cmp, c.k.shape[1], block, stride,
+                                            c.run, gate),
         lambda: selected_branch(c.q, c.k, c.v, mask, select, c.run),
         lambda: window_branch(c.q, c.k, c.v, window, c.run),
     )
@@ -234,14 +235,18 @@ INFERENCE_ORDER = (0, 1, 2)
 
 
 def combine_branches(
-    branches: tuple[Callable[[], Result], Callable[[], Result], Callable[[], Result]],
+    branches: tuple[Callable[..., Result], Callable[[], Result], Callable[[], Result]],
     gates: torch.Tensor | None,
 ) -> torch.Tensor:
     """The branches (compressed, selected, window), each a call run just before its result
     joins (Note [Branches joined as they come] in ``branches.py``), combined: summed by
-    ``gates`` (B, N, H, 3), or merged through their log-sum-exp where ``gates`` is None."""
+    ``gates`` (B, N, H, 3), or merged through their log-sum-exp where ``gates`` is None. The
+    compressed branch's call takes an optional gate (B, N, H, 1) and then returns its term
+    (Note [A branch that gates its own rows])."""
     if gates is not None:
-        return gated_sum([lambda b=b: b()[0] for b in branches], gates, JOIN_ORDER)
+        compressed, *others = branches
+        calls = [lambda gate: compressed(gate)[0], *(lambda b=b: b()[0] for b in others)]
+        return gated_sum(calls, gates, JOIN_ORDER, self_gated=(0,))
     # The window branch first: every row sees its own key there, so no merge step meets two
     # empty sides (merge_branches: their gradient would be NaN).
     return merge_branches([branches[2], branches[1], branches[0]])  # type: ignore[list-item]
@@ -356,7 +361,7 @@ def selected_branch(
 
 def compressed_branch(
     q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, key_len: int, block: int,
-    stride: int, run: Run,
+    stride: int, run: Run, gate: torch.Tensor | None = None,
 ) -> Result:  # fmt: skip
     """The compressed branch, exact per token (Note [The compressed branch exactly, per
     residue class]; the classes' rows taken and put back as Note [Residue classes gathered
@@ -368,12 +373,16 @@ def compressed_branch(
         k_cmp, v_cmp: (B, Nc, Hkv, D) the compressed keys and values of those positions
             (:func:`~dilated_attention.sparse.compress_kv`), or of a prefix holding every
             window the queries see (the ring's: the keys a rank's queries see).
+        gate: (B, Nq, H, 1) or None: ``out`` is then ``gate * out``, its classes' outputs
+            gated as they are put back (Note [A branch that gates its own rows] in
+            ``branches.py``); ``lse`` is not asked for.
     """
     batch, nq, heads, _ = q.shape
     lse_dtype = torch.promote_types(q.dtype, torch.float32)
     calls = _class_calls(nq, key_len, block, stride, run.is_causal, k_cmp.shape[1])
     if not calls:
         out = q.new_zeros(batch, nq, heads, v_cmp.shape[-1])
+        out = out if gate is None else gate * out
         lse = torch.full((batch, heads, nq), -torch.inf, dtype=lse_dtype, device=q.device)
         return out, lse if run.need_lse else None
     call = functools.partial(
@@ -392,7 +401,7 @@ def compressed_branch(
         split = _heads_as_classes(o_g, lse_g, len(members))
         for i, o_c, lse_c in zip(members, *split, strict=True):
             outs[i], lses[i] = o_c, lse_c
-    out = classes.scatter(outs, 1, 0.0)
+    out = classes.scatter(outs, 1, 0.0, scale=gate)
     if not run.need_lse:
         return out, None
     return out, classes.scatter([x.to(lse_dtype) for x in lses], 2, -torch.inf)

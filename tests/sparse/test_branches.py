@@ -86,3 +86,26 @@ def test_a_bad_order_raises() -> None:
             gated_sum([lambda x=x: x.clone() for x in outs], gates, order)
         with pytest.raises(ValueError, match="order"):
             gated_sum_of([lambda x=x: x.clone() for x in outs], gates, order)
+
+
+def test_a_self_gated_call_gets_its_gate_and_gives_its_term() -> None:
+    """``self_gated``: that call is given its gate (B, N, H, 1) and its return is the term as
+    it is; the sum and its gradients are those of the plain gated sum."""
+    torch.manual_seed(3)
+    outs = _outs()
+    gates = torch.rand(*SHAPE[:3], 3, dtype=torch.float64, requires_grad=True)
+    given: list[tuple[int, ...]] = []
+
+    def own(gate: torch.Tensor) -> torch.Tensor:
+        given.append(tuple(gate.shape))
+        return gate * outs[1].exp()
+
+    calls = [lambda: outs[0].exp(), own, lambda: outs[2].exp()]
+    total = gated_sum(calls, gates, (1, 2, 0), self_gated=(1,))
+    want = gated_sum([lambda c=c: outs[c].exp() for c in range(3)], gates, (1, 2, 0))
+    assert given == [(*SHAPE[:3], 1)]
+    assert torch.equal(total, want)
+    dout = torch.randn_like(total)
+    for a, b in zip(torch.autograd.grad(total, [gates, *outs], dout),
+                    torch.autograd.grad(want, [gates, *outs], dout), strict=True):  # fmt: skip
+        assert torch.equal(a, b)

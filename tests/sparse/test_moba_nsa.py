@@ -218,6 +218,29 @@ def test_nsa_training_runs_the_compressed_branch_backward_first(
     assert most_pending(events) == (1 if combine == "gates" else 2), events
 
 
+def test_nsa_training_keeps_no_put_back_compressed_output() -> None:
+    """With gates the compressed branch gates its classes' outputs as it puts them back (Note
+    [A branch that gates its own rows]): what autograd keeps for the backward holds the
+    query-sized tensors of the query and of the selected and window branches' outputs, not
+    one more for the compressed branch's rows (its classes' outputs are its call's own);
+    values and gradients still match the reference."""
+    case = NSA_CASES["causal-gqa-odd"]
+    q, k, v = _leaves(2, case["nq"], case["heads"], case["kv"], nk=case["nk"], seed=8)
+    gates = _gates(q)
+    kept: dict[int, int] = {}
+
+    def pack(x: Tensor) -> Tensor:
+        storage = x.untyped_storage()
+        kept[storage.data_ptr()] = storage.nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = nsa_attention(q, k, v, gates, **_nsa_kwargs(case))
+    assert sorted(kept.values()).count(q.nbytes) == 3, kept  # q, o_selected, o_window
+    ref = nsa_reference(q, k, v, gates, **_nsa_kwargs(case))
+    _assert_same_with_gradients(out, ref, [q, k, v, gates])
+
+
 def test_nsa_compressed_keys_get_gradients_through_their_pooling() -> None:
     """Only the compressed branch gated on: the keys' and values' gradients are the pooling's
     (every position of a window gets a share), as in the reference."""

@@ -66,3 +66,61 @@ def test_one_class_of_every_row_is_the_tensor_itself():
     (part,) = classes.gather(x, 1)
     assert part is x
     assert classes.scatter([x], 1, 0.0) is x
+
+
+@pytest.mark.parametrize(
+    ("length", "step", "starts"),
+    [(37, 4, (5, 2, 3, 4)), (32, 16, tuple(range(3, 16))), (20, 3, (2, 4)), (9, 1, (0,))],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_scaled_scatter_has_the_bits_and_gradients_of_the_product(length, step, starts, dtype):
+    """``scatter(parts, scale=s)`` against ``s * scatter(parts)``: the same bits, the same
+    gradients of every part and of ``s``, with non-finite scales in rows no class holds (NaN
+    there, as the product gives) and a non-finite upstream gradient in such a row."""
+    torch.manual_seed(2)
+    classes = ResidueRows(starts, step, length)
+    x = torch.randn(2, length, 3, 5, dtype=dtype)
+    scale = torch.rand(2, length, 3, 1, dtype=dtype)
+    held = torch.zeros(length, dtype=torch.bool)
+    for s in starts:
+        held[s::step] = True
+    free = (~held).nonzero().flatten().tolist()
+    if free:
+        scale[0, free[0], 1] = float("inf")
+        scale[1, free[-1], 0] = float("nan")
+    dout = torch.randn(2, length, 3, 5, dtype=dtype)
+    if free:
+        dout[1, free[0], 2, 3] = float("inf")
+
+    def run(scaled: bool) -> tuple[torch.Tensor, ...]:
+        s = scale.clone().requires_grad_()
+        parts = [p.clone().requires_grad_() for p in classes.gather(x, 1)]
+        out = (classes.scatter(parts, 1, 0.0, scale=s) if scaled
+               else s * classes.scatter(parts, 1, 0.0))  # fmt: skip
+        return (out.detach(), *torch.autograd.grad(out, [s, *parts], dout))
+
+    for got, want in zip(run(True), run(False), strict=True):
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert (not free) or run(True)[0][1, free[-1], 0].isnan().all()
+
+
+def test_scaled_scatter_gradchecks_float64():
+    torch.manual_seed(3)
+    x = torch.randn(1, 11, 2, 3, dtype=torch.float64, requires_grad=True)
+    scale = torch.rand(1, 11, 2, 1, dtype=torch.float64, requires_grad=True)
+    classes = ResidueRows((2, 4, 6), 3, 11)
+
+    def fn(x, scale):
+        a, b, c = classes.gather(x, 1)
+        return classes.scatter([a.sin(), b * 2, c], 1, 0.5, scale=scale)
+
+    assert torch.autograd.gradcheck(fn, (x, scale))
+    assert torch.autograd.gradgradcheck(fn, (x, scale))
+
+
+def test_scaled_scatter_rejects_a_broadcast_scale():
+    classes = ResidueRows((1, 0), 2, 6)
+    parts = list(classes.gather(torch.randn(1, 6, 2, 3), 1))
+    with pytest.raises(ValueError, match=r"scale: expected 6 rows along dim 1.*\(1, 1, 2, 1\)"):
+        classes.scatter(parts, 1, 0.0, scale=torch.ones(1, 1, 2, 1))
