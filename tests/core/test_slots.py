@@ -666,7 +666,8 @@ class _RecordedRuns:
     """``MathBackend.run_launches`` as a stand-in for a replay (Note [A slotted call's launches
     from a CUDA graph] in ``core/execution/executor.py``): each call's launches run, then the
     outputs they write are poisoned with NaN and the launches run again, as a replay into
-    fresh buffers at the same addresses would; the keys seen are kept."""
+    fresh buffers at the same addresses would (a backward's lse rows too: its launches copy
+    them, so a replay does); the keys seen are kept."""
 
     def __init__(self) -> None:
         self.keys: list[tuple[object, ...]] = []
@@ -676,8 +677,8 @@ class _RecordedRuns:
         self.keys.append(key)
         launches()  # type: ignore[operator]
         # forward: (q, k, v, mask, out, lse, slots, slot lse); backward: (dout, q, k, v, out,
-        # lse rows, mask, dq, dk, dv, slots...): the outputs the launches must write whole
-        outputs = tensors[4:8] if key[0] == "slot_forward" else tensors[7:10]
+        # lse rows, mask, dq, dk, dv, slots..., lse): what the launches must write whole
+        outputs = tensors[4:8] if key[0] == "slot_forward" else [tensors[5], *tensors[7:10]]
         for x in outputs:
             if x is not None and x.is_floating_point():
                 x.fill_(float("nan"))

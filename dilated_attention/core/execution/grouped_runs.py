@@ -164,7 +164,7 @@ def grouped_backward(
                 if part is not dest:
                     dest.copy_(part)
 
-    tensors = (dout, q, k, v, out, lse, saved.lse_rows, key_padding_mask, *grads)
+    tensors = (dout, q, k, v, out, saved.lse_rows, key_padding_mask, *grads, lse)
     run_through(runner, tensors, launches)
     dq, dk, dv = grads
     return dq, dk, dv
