@@ -204,6 +204,9 @@ class Backend:
     empty_rows_have_neg_inf_lse: ClassVar[bool] = False
     # Calls with fewer query or key rows go to the plain-PyTorch kernel (cuDNN refuses 1 x 1).
     min_rows: ClassVar[int] = 1
+    # Whether the kernel's op is one that torch's autograd differentiates, run by
+    # ``recorded_forward`` (Note [Dense calls on torch's autograd] in core/higher_order.py).
+    records_autograd: ClassVar[bool] = False
     # Whether the kernel keeps a NaN or inf of a hidden key out of the rows it is hidden from. A
     # CPU backend that does not reruns a masked call whose results hold one on the plain-PyTorch
     # kernel, which does (Note [Hidden keys cannot poison rows] in core/hidden.py).
@@ -395,6 +398,29 @@ class Backend:
                 **_score_options(softcap, window),
             )  # fmt: skip
         return dq, dk, dv
+
+    def recorded_forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        grads: Callable[[torch.Tensor], Sequence[torch.Tensor]],
+        *,
+        scale: float,
+        is_causal: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One call as torch's autograd records the kernel's op (``records_autograd``; Note
+        [Dense calls on torch's autograd] in ``core/higher_order.py``), ``grads`` hung on its
+        node for ``create_graph=True`` (``CreateGraphSwap`` there).
+
+        Args:
+            q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D), at least ``min_rows`` rows each.
+            grads: dout (B, Nq, H, D) -> dq, dk, dv, differentiable, shaped like q, k, v.
+
+        Returns:
+            ``out`` (B, Nq, H, D), differentiable; ``lse`` (B, H, Nq), not.
+        """
+        raise NotImplementedError(f"{self.name}: torch's autograd does not record its op")
 
     def run_launches(
         self,

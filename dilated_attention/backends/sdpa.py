@@ -35,12 +35,13 @@ Note [NaN rows in the CPU flash kernel]
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..core.higher_order import CreateGraphSwap
 from ..core.reference import reference_backward, reference_forward
 from .base import Backend, KernelInputs, KernelOutput
 
@@ -398,6 +399,7 @@ class SdpaCudnnBackend(_CudaSdpaBackend):
     # cost several times their idle host time) and 1 ms of GPU time at 64K.
     native_gqa = True
     min_rows = 2
+    records_autograd = True
 
     def import_reasons(self) -> list[str]:
         reasons = _has_op("_scaled_dot_product_cudnn_attention")
@@ -421,6 +423,23 @@ class SdpaCudnnBackend(_CudaSdpaBackend):
         if lse.dim() == 4:
             lse = lse.squeeze(-1)
         return KernelOutput(_bhnd(out), lse, (cum_q, cum_k, max_q, max_k, seed, offset))
+
+    def recorded_forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        grads: Callable[[torch.Tensor], Sequence[torch.Tensor]],
+        *,
+        scale: float,
+        is_causal: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse, *_ = _CUDNN(
+            _bhnd(q), _bhnd(k), _bhnd(v), None, True, 0.0, is_causal, False, scale=scale
+        )  # fmt: skip
+        if out.grad_fn is not None:
+            out.grad_fn.register_hook(CreateGraphSwap(grads, _bhnd, _bhnd))
+        return _bhnd(out), lse.squeeze(-1) if lse.dim() == 4 else lse
 
     def _backward(
         self,

@@ -30,7 +30,7 @@ Shape legend: B batch, Nq/Nk query/key rows, H query heads, Hkv key/value heads,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -101,7 +101,8 @@ class Runner(Protocol):
 
     def differentiable_backward(self, b: Backward) -> Grads | None:
         """dq, dk, dv as differentiable functions of the inputs (``create_graph=True``), or
-        None where the runner has no such recompute."""
+        None where the runner has no such recompute. It reads no ``b.out`` (the recompute
+        makes its own: Note [Double backward] in ``higher_order.py``)."""
         ...
 
     def saved_without_forward(self, x: Inputs) -> Saved | None:
@@ -208,4 +209,33 @@ def run_attention(
         result = _forward(runner, Inputs(q, k, v, key_padding_mask), sinks)
         return result.out, result.lse
     out, lse = AttentionFunction.apply(q, k, v, key_padding_mask, sinks, runner)
+    return out, lse
+
+
+#: ``record(q, k, v, grads)``: one kernel op on the inputs, recorded by torch's autograd, with
+#: ``grads`` (the upstream gradient -> dq, dk, dv, differentiable) hung on its node for
+#: ``create_graph=True`` -> ``(out, lse)`` (Note [Dense calls on torch's autograd]).
+Record = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, Callable[[torch.Tensor], Grads]],
+    tuple[torch.Tensor, torch.Tensor],
+]
+
+
+def run_recorded(runner: Runner, record: Record, x: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of a call whose one kernel op torch's autograd records instead of
+    :class:`AttentionFunction` (Note [Dense calls on torch's autograd] in ``higher_order.py``):
+    out (B, Nq, H, D), lse (B, H, Nq) not differentiable. Under ``create_graph=True`` the node's
+    hook takes the runner's differentiable recompute, which reads no ``out``: none is held (the
+    output holds the node, which would hold it back through the hook)."""
+    held: list[torch.Tensor] = []
+
+    def grads(dout: torch.Tensor) -> Grads:
+        saved = (x.k, x.v, x.key_padding_mask)
+        b = Backward(dout, x.q, None, held[0], saved, None)  # type: ignore[arg-type]
+        recomputed = runner.differentiable_backward(b)
+        assert recomputed is not None, "a recorded call's runner has a recompute"
+        return recomputed
+
+    out, lse = record(x.q, x.k, x.v, grads)
+    held.append(lse)
     return out, lse

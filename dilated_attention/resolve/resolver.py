@@ -216,7 +216,27 @@ def _dense(request: Request) -> Strategy:
     else:  # a window places the queries at the last positions of the keys
         plan = Plan((WholeCall(request.is_causal, None if window is None else Window(*window)),))
         how = "one dense call" + ("" if window is None else f" in a local window {window}")
-    return PlanStrategy(request, kernel, DENSE_REGISTRY, inputs, how, plan=plan, what="attention")
+    recorded = _recorded(request, kernel)
+    if recorded:
+        how += ", recorded by torch's autograd"
+    return PlanStrategy(
+        request, kernel, DENSE_REGISTRY, inputs, how, plan=plan, what="attention",
+        recorded=recorded,
+    )  # fmt: skip
+
+
+def _recorded(request: Request, kernel: Selection) -> bool:
+    """Whether a dense training call runs its kernel's op as torch's autograd records it (Note
+    [Dense calls on torch's autograd] in ``core/higher_order.py``): one call with nothing
+    around it (no mask, window, soft-cap, sinks or dropout, square when causal) of at least
+    the kernel's ``min_rows`` rows, on a kernel that ``records_autograd``."""
+    r, backend = request, kernel.backend
+    plain = not (
+        r.has_mask or r.window is not None or r.softcap is not None or r.sinks or r.dropout_p
+        or r.documents is not None or (r.is_causal and r.query_len != r.key_len)
+    )  # fmt: skip
+    rows = min(r.query_len, r.key_len) >= backend.min_rows
+    return r.requires_grad and plain and rows and backend.records_autograd
 
 
 def _dilated(request: Request) -> Strategy:

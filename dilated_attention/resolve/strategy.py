@@ -22,7 +22,7 @@ from ..backends.registry import BackendChoice, Selection, registry_for
 from ..block_sparse.fa4 import FlashAttn4BlockSparseRunner, fa4_tiles
 from ..block_sparse.flex import _flex_forward
 from ..block_sparse.triton_autograd import TritonBlockSparseRunner, _triton_lists
-from ..core.autograd import Inputs, Runner, run_attention
+from ..core.autograd import Inputs, Record, Runner, run_attention, run_recorded
 from ..core.decoding.decode import static_token_plan, token_slots
 from ..core.execution.executor import PlanRunner, empty_attention
 from ..core.execution.fused import ChunkQueries, FusedRunner, compile_ahead
@@ -251,12 +251,16 @@ class PlanStrategy(Strategy):
             ``core/execution/executor.py``).
         layout: how q, k and v are laid out for the plan's calls.
         what: the public function's name, for the double-backward error under dropout.
+        recorded: the plan is one plain call on a kernel whose op torch's autograd
+            differentiates: a call that autograd records runs that op as torch records it
+            (Note [Dense calls on torch's autograd] in ``core/higher_order.py``).
     """
 
     plan: Plan | None = None
     plan_of: Callable[[torch.Tensor], Plan] | None = None
     layout: Callable[[torch.Tensor], torch.Tensor] = contiguous
     what: str = "attention"
+    recorded: bool = False
     _runners: dict[tuple[torch.Size, torch.device], PlanRunner] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -267,6 +271,21 @@ class PlanStrategy(Strategy):
         if self.plan_of is None:
             return self._runner, Inputs(q, k, v, key_padding_mask)
         return self._runner_for(q), Inputs(q, k, v, key_padding_mask)
+
+    def _run(self, q, k, v, key_padding_mask, sinks):  # type: ignore[no-untyped-def]
+        if not (self.recorded and torch.is_grad_enabled()):
+            return super()._run(q, k, v, key_padding_mask, sinks)
+        runner, x = self.prepare(q, k, v, key_padding_mask)
+        return run_recorded(runner, self._record, x)
+
+    @functools.cached_property
+    def _record(self) -> Record:
+        """The kernel's recorded op with the request's scale and causality."""
+        assert self.kernel is not None
+        r = self.request
+        return functools.partial(
+            self.kernel.backend.recorded_forward, scale=r.softmax_scale, is_causal=r.is_causal
+        )
 
     def _runner_for(self, q: torch.Tensor) -> PlanRunner:
         """The runner of ``plan_of(q)``, made once per query size and device (all the plan

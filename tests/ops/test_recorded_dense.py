@@ -1,0 +1,268 @@
+"""Dense calls on torch's autograd (Note [Dense calls on torch's autograd] in
+``core/higher_order.py``): a plain dense training call on a kernel whose op torch's autograd
+differentiates runs that op as torch records it, and a hook on its node swaps in the
+differentiable recompute under ``create_graph=True``.
+
+On the CPU the path runs on the CPU flash kernel made to record (``_recording_cpu_flash``: the
+library keeps that kernel under its own Function, for its NaN handling); on CUDA on cuDNN, which
+records in the library itself. Every value is compared with the float64 oracle
+(``tests/support/oracle.py``, no code shared with the library).
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
+
+import pytest
+import torch
+from support.oracle import oracle_attention
+
+import dilated_attention as da
+from dilated_attention.backends.sdpa import CpuFlashBackend
+from dilated_attention.core.higher_order import CreateGraphSwap
+from dilated_attention.resolve import Request
+from dilated_attention.resolve.resolver import _recorded
+
+F64 = torch.float64
+
+
+def _bhnd(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 2)
+
+
+def _record_on_cpu(
+    self: CpuFlashBackend,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grads: Callable[[torch.Tensor], Sequence[torch.Tensor]],
+    *,
+    scale: float,
+    is_causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU flash op as torch records it, key/value heads repeated for GQA (differentiably)."""
+    group = q.shape[2] // k.shape[2]
+    k, v = (x.repeat_interleave(group, dim=2) for x in (k, v))
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out, lse = op(_bhnd(q), _bhnd(k), _bhnd(v), 0.0, is_causal, scale=scale)
+    out.grad_fn.register_hook(CreateGraphSwap(grads, _bhnd, _bhnd))
+    return _bhnd(out), lse
+
+
+@pytest.fixture
+def _recording_cpu_flash(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(CpuFlashBackend, "records_autograd", True)
+    monkeypatch.setattr(CpuFlashBackend, "recorded_forward", _record_on_cpu)
+
+
+def _qkv(
+    n: int, heads: int, kv_heads: int, dtype: torch.dtype, seed: int = 0, device: str = "cpu"
+) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = ((2, n, heads, 8), (2, n, kv_heads, 8), (2, n, kv_heads, 8))
+    return [torch.randn(s, generator=gen, dtype=F64).to(device, dtype) for s in shapes]
+
+
+def _against_oracle(
+    out: torch.Tensor, lse: torch.Tensor, inputs: Sequence[torch.Tensor], causal: bool
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(out, lse, dq, dk, dv) of the call, on the CPU in float64, and the oracle's on the same
+    rounded inputs and upstream gradient."""
+    exact = [x.detach().cpu().to(F64).requires_grad_() for x in inputs]
+    want_out, want_lse = oracle_attention(*exact, is_causal=causal)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
+    dout = dout.to(out.dtype).to(F64)
+    got = torch.autograd.grad(out, inputs, dout.to(out.device, out.dtype))
+    want = torch.autograd.grad(want_out, exact, dout)
+    return (
+        [x.detach().cpu().to(F64) for x in (out, lse, *got)],
+        [want_out.detach(), want_lse, *want],
+    )
+
+
+def _node_names(out: torch.Tensor) -> set[str]:
+    """The names of every node in ``out``'s graph."""
+    names, todo = set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node.name() not in names:
+            names.add(node.name())
+            todo += [n for n, _ in node.next_functions]
+    return names
+
+
+def _grad_fn_name(out: torch.Tensor) -> str:
+    node = out.grad_fn
+    while node is not None and "Transpose" in node.name():  # the (B, H, N, D) view back
+        node = node.next_functions[0][0]
+    return "" if node is None else node.name()
+
+
+@pytest.mark.usefixtures("_recording_cpu_flash")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_a_recorded_call_matches_the_oracle(
+    causal: bool, kv_heads: int, dtype: torch.dtype
+) -> None:
+    """Output, lse and every gradient of a recorded call (odd length) against float64, and the
+    call is the recorded op's node, not the library's Function."""
+    q, k, v = (x.requires_grad_() for x in _qkv(13, 4, kv_heads, dtype))
+    out, lse = da.attention(q, k, v, is_causal=causal, backend="cpu_flash", return_lse=True)
+    assert _grad_fn_name(out) == "ScaledDotProductFlashAttentionForCpuBackward0"
+    got, want = _against_oracle(out, lse, (q, k, v), causal)
+    tol = 1e-10 if dtype == F64 else 2e-5
+    for name, g, e in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True):
+        torch.testing.assert_close(g, e, atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.usefixtures("_recording_cpu_flash")
+def test_the_strategy_says_it_is_recorded() -> None:
+    """``explain`` says so for a training call, not for inference."""
+    options = dict(device="cpu", dtype=torch.float32, head_dim=8, num_heads=4, seq_len=13,
+                   is_causal=True, backend="cpu_flash", operation="dense")  # fmt: skip
+    assert "recorded by torch's autograd" in da.explain(**options).description
+    assert "recorded" not in da.explain(**options, requires_grad=False).description
+
+
+_NOT_RECORDED: dict[str, Callable[..., torch.Tensor]] = {
+    "key padding mask": lambda q, k, v: da.attention(
+        q, k, v, key_padding_mask=torch.zeros(2, 13, dtype=torch.bool), backend="cpu_flash"
+    ),
+    "sinks": lambda q, k, v: da.attention(q, k, v, sinks=torch.zeros(4), backend="cpu_flash"),
+    "end-aligned causal": lambda q, k, v: da.attention(
+        q[:, 5:], k, v, is_causal=True, backend="cpu_flash"
+    ),
+    "packed documents": lambda q, k, v: da.attention(
+        q, k, v, cu_seqlens=[0, 6, 13, 26], backend="cpu_flash"
+    ),
+}
+
+
+@pytest.mark.usefixtures("_recording_cpu_flash")
+@pytest.mark.parametrize("name", list(_NOT_RECORDED))
+def test_calls_with_something_around_the_kernel_keep_the_function(name: str) -> None:
+    """What the kernel's op alone does not do keeps the call under the library's Function."""
+    q, k, v = (x.requires_grad_() for x in _qkv(13, 4, 4, torch.float32))
+    names = _node_names(_NOT_RECORDED[name](q, k, v))
+    assert "AttentionFunctionBackward" in names
+    assert not [n for n in names if "ScaledDotProduct" in n]
+
+
+@pytest.mark.usefixtures("_recording_cpu_flash")
+@pytest.mark.parametrize(
+    "fields",
+    [{"window": (4, 0)}, {"softcap": 5.0}, {"dropout_p": 0.1}, {"min_rows": 14}, {}],
+    ids=["window", "softcap", "dropout", "too few rows", "plain"],
+)
+def test_the_rule_refuses_what_the_op_does_not_do(fields: dict[str, object]) -> None:
+    """The resolver's rule on requests the CPU kernel cannot run itself (a window, soft-capping,
+    dropout; fewer rows than the kernel takes): only the plain call is recorded."""
+    q, k, v = (x.requires_grad_() for x in _qkv(13, 4, 4, torch.float32))
+    backend = CpuFlashBackend()
+    if "min_rows" in fields:
+        backend.min_rows = fields.pop("min_rows")  # type: ignore[misc]
+    request = Request.of("dense", q, k, v, is_causal=True, **fields)
+    assert _recorded(request, SimpleNamespace(backend=backend)) == (fields == {} and
+                                                                   backend.min_rows == 1)
+
+
+def _penalty_grads(
+    fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], w: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """d/d(q, k, v) of sum_i |d((out * w).sum()) / d input_i|^2."""
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    grads = torch.autograd.grad((fn(*leaves) * w).sum(), leaves, create_graph=True)
+    return torch.autograd.grad(sum((g.to(F64) ** 2).sum() for g in grads), leaves)
+
+
+def _assert_penalty_matches(
+    fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], tol: float, causal: bool
+) -> None:
+    """``fn``'s gradient-penalty gradients (on the inputs' device and dtype) against the float64
+    oracle's on the same rounded inputs and weights, on the CPU."""
+    w = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(4), dtype=F64)
+    w = w.to(inputs[0].dtype).to(F64)  # the same rounded weights for both
+    oracle = lambda q, k, v: oracle_attention(q, k, v, is_causal=causal)[0]  # noqa: E731
+    want = _penalty_grads(oracle, [x.detach().cpu().to(F64) for x in inputs], w)
+    got = _penalty_grads(fn, inputs, w.to(inputs[0].device, inputs[0].dtype))
+    for label, g, e in zip("qkv", got, want, strict=True):
+        scale = float(e.abs().max())
+        torch.testing.assert_close(
+            g.cpu().to(F64), e, atol=tol * scale, rtol=tol,
+            msg=lambda m, label=label: f"d(penalty)/d{label}: {m}",
+        )  # fmt: skip
+
+
+@pytest.mark.usefixtures("_recording_cpu_flash")
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_a_recorded_call_has_exact_second_order_gradients(dtype: torch.dtype) -> None:
+    """Under create_graph=True the node's hook swaps in the differentiable recompute: a gradient
+    penalty's gradients match float64 (torch's own backward op has no derivative)."""
+    fn = lambda q, k, v: da.attention(q, k, v, is_causal=True, backend="cpu_flash")  # noqa: E731
+    tol = 1e-10 if dtype == F64 else 2e-5
+    _assert_penalty_matches(fn, _qkv(13, 4, 4, dtype, seed=3), tol, causal=True)
+
+
+@pytest.mark.usefixtures("_recording_cpu_flash")
+def test_a_plain_backward_lets_the_inputs_go() -> None:
+    """After a plain backward the hook holds no input: a query that only the graph still
+    references is freed while the output (and so the node) lives on."""
+    leaf, k, v = (x.requires_grad_() for x in _qkv(13, 4, 4, torch.float32))
+    q = leaf * 1.0  # not a leaf: nothing but the call refers to it
+    held = weakref.ref(q)
+    out = da.attention(q, k, v, is_causal=True, backend="cpu_flash")
+    del q
+    out.sum().backward()
+    gc.collect()
+    assert held() is None
+    assert out.grad_fn is not None
+
+
+@pytest.mark.usefixtures("_recording_cpu_flash")
+def test_create_graph_after_a_plain_backward_raises() -> None:
+    """A plain backward with retain_graph=True, then one with create_graph=True through the same
+    node: a clear error, not gradients that cannot be differentiated."""
+    q, k, v = (x.requires_grad_() for x in _qkv(13, 4, 4, torch.float32))
+    out = da.attention(q, k, v, is_causal=True, backend="cpu_flash")
+    torch.autograd.grad(out.sum(), (q, k, v), retain_graph=True)
+    with pytest.raises(RuntimeError, match="Run the create_graph=True backward first"):
+        torch.autograd.grad(out.sum(), (q, k, v), create_graph=True)
+
+
+# -- cuDNN, recorded by the library itself ---------------------------------------------------
+
+
+def _cudnn_runs() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    return "sdpa_cudnn" in da.list_backends(available_only=True)
+
+
+cudnn_only = pytest.mark.skipif(not _cudnn_runs(), reason="needs CUDA with cuDNN attention")
+
+
+@pytest.mark.gpu
+@cudnn_only
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("kv_heads", [4, 1], ids=["mha", "gqa"])
+def test_cudnn_records_and_matches_the_oracle(causal: bool, kv_heads: int) -> None:
+    q, k, v = (x.requires_grad_() for x in _qkv(77, 4, kv_heads, torch.bfloat16, device="cuda"))
+    out, lse = da.attention(q, k, v, is_causal=causal, backend="sdpa_cudnn", return_lse=True)
+    assert "Cudnn" in _grad_fn_name(out)
+    got, want = _against_oracle(out, lse, (q, k, v), causal)
+    for name, g, e in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True):
+        torch.testing.assert_close(
+            g, e, atol=3e-2 * float(e.abs().max()), rtol=3e-2, msg=lambda m, n=name: f"{n}: {m}"
+        )  # fmt: skip
+
+
+@pytest.mark.gpu
+@cudnn_only
+def test_cudnn_recorded_second_order_gradients_match_the_oracle() -> None:
+    fn = lambda q, k, v: da.attention(q, k, v, is_causal=True, backend="sdpa_cudnn")  # noqa: E731
+    inputs = _qkv(77, 4, 2, torch.bfloat16, seed=3, device="cuda")
+    _assert_penalty_matches(fn, inputs, 3e-2, causal=True)
