@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from support.backend_params import runs_on
 from support.oracle import oracle_attention
 
 import dilated_attention as da
@@ -236,13 +237,10 @@ def test_create_graph_after_a_plain_backward_raises() -> None:
 # -- cuDNN, recorded by the library itself ---------------------------------------------------
 
 
-def _cudnn_runs() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    return "sdpa_cudnn" in da.list_backends(available_only=True)
-
-
-cudnn_only = pytest.mark.skipif(not _cudnn_runs(), reason="needs CUDA with cuDNN attention")
+cudnn_only = pytest.mark.skipif(
+    not (torch.cuda.is_available() and runs_on("sdpa_cudnn", "cuda")),
+    reason="needs CUDA with cuDNN attention (or --require-backends sdpa_cudnn)",
+)
 
 
 @pytest.mark.gpu
