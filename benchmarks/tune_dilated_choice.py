@@ -30,13 +30,13 @@ and the same with ``--kv-heads 4`` to ``dilated_tuning_short_gqa_h100``, then bo
 with ``--seq-lens 262144 --kv-heads 16`` to ``dilated_tuning_256k_h100`` (``--kv-heads 4 --warmup 2
 --repeats 5`` to ``dilated_tuning_256k_gqa_h100``), and ``--schedules longnet
 longnet_n --seq-lens 8192 --kv-heads 16 --paths triton flash_attn4 'dense cudnn'`` to
-``dilated_tuning_8k_h100``. Where they measured a
-cell at a length, their times replace the older records' (whose FlashAttention-4 times include the
-host time a replay removes); the older records alone give each cell's
-``min_query_len_without_graphs``, the threshold used where the graphs are turned off. For every
-cell (shared key/value heads or not, forward only or forward+backward, head dim, causal or not) and
-every measured length it takes each path's median time over the runs of its ``flash_attn4`` and
-``triton`` rows, leaving out FlashAttention-4 runs whose peak memory passed both
+``dilated_tuning_8k_h100``, and the same at ``--seq-lens 4096`` to ``dilated_tuning_4k_h100``.
+Where they measured a cell at a length, their times replace the older records' (whose
+FlashAttention-4 times include the host time a replay removes); the older records alone give each
+cell's ``min_query_len_without_graphs``, the threshold used where the graphs are turned off. For
+every cell (shared key/value heads or not, forward only or forward+backward, head dim, causal or
+not) and every measured length it takes each path's median time over the runs of its
+``flash_attn4`` and ``triton`` rows, leaving out FlashAttention-4 runs whose peak memory passed both
 :data:`MAX_MEMORY_RATIO` of the unavoidable bytes and the fused kernels' peak in the same record
 (:data:`MEMORY_SLACK`): a median, as FlashAttention-4's times near the thresholds move by up to 2x
 from one process to the next (host-bound: its Python interface), while the fused kernels' move by a
@@ -75,7 +75,7 @@ RECORDS = (
 REPLAYED_RECORDS = (
     "dilated_tuning_short_h100", "dilated_tuning_short_gqa_h100",
     "dilated_tuning_128k_h100", "dilated_tuning_128k_gqa_h100", "dilated_tuning_256k_h100",
-    "dilated_tuning_8k_h100", "dilated_tuning_256k_gqa_h100",
+    "dilated_tuning_8k_h100", "dilated_tuning_256k_gqa_h100", "dilated_tuning_4k_h100",
 )  # fmt: skip
 PATHS = ("flash_attn4", "triton")
 STEPS = (("forward", "fwd"), ("training", "fwd_bwd"))
