@@ -26,25 +26,25 @@ call's launches from a CUDA graph] in ``core/execution/executor.py``); the recor
         --out benchmarks/results/dilated_tuning_short_h100
 
 and the same with ``--kv-heads 4`` to ``dilated_tuning_short_gqa_h100``, then both again with
-``--seq-lens 131072`` to ``dilated_tuning_128k_h100`` and ``dilated_tuning_128k_gqa_h100``, and
-with ``--seq-lens 262144 --kv-heads 16`` to ``dilated_tuning_256k_h100`` (``--kv-heads 4 --warmup 2
---repeats 5`` to ``dilated_tuning_256k_gqa_h100``), and ``--schedules longnet
-longnet_n --seq-lens 8192 --kv-heads 16 --paths triton flash_attn4 'dense cudnn'`` to
-``dilated_tuning_8k_h100``, and the same at ``--seq-lens 4096`` to ``dilated_tuning_4k_h100``.
-Where they measured a cell at a length, their times replace the older records' (whose
-FlashAttention-4 times include the host time a replay removes); the older records alone give each
-cell's ``min_query_len_without_graphs``, the threshold used where the graphs are turned off. For
-every cell (shared key/value heads or not, forward only or forward+backward, head dim, causal or
-not) and every measured length it takes each path's median time over the runs of its
-``flash_attn4`` and ``triton`` rows, leaving out FlashAttention-4 runs whose peak memory passed both
-:data:`MAX_MEMORY_RATIO` of the unavoidable bytes and the fused kernels' peak in the same record
-(:data:`MEMORY_SLACK`): a median, as FlashAttention-4's times near the thresholds move by up to 2x
-from one process to the next (host-bound: its Python interface), while the fused kernels' move by a
-few percent. The cell's threshold is the shortest measured length from which FlashAttention-4 was
-:data:`MIN_GAIN` times faster at that length and at every longer one (``null`` where it was not at
-the longest): a near tie goes to the fused kernels, whose times are steadier and whose peak memory
-is lower. ``--write`` stores the table with the records' names and the medians it was read from
-(Note [The measured slots table] in ``dilated_attention/backends/slots_thresholds.py``).
+``--seq-lens 131072`` to ``dilated_tuning_128k_h100`` and ``dilated_tuning_128k_gqa_h100``, and with
+``--seq-lens 262144 --kv-heads 16`` to ``dilated_tuning_256k_h100`` (``--kv-heads 4 --warmup 2
+--repeats 5`` to ``dilated_tuning_256k_gqa_h100``), and ``--schedules longnet longnet_n --seq-lens
+8192 --kv-heads 16 --paths triton flash_attn4 'dense cudnn'`` to ``dilated_tuning_8k_h100``, and the
+same at ``--seq-lens 4096 --rounds 2`` to ``dilated_tuning_4k_h100``. Where they measured a cell at
+a length, their times replace the older records' (whose FlashAttention-4 times include the host time
+a replay removes); the older records alone give each cell's ``min_query_len_without_graphs``, the
+threshold used where the graphs are turned off. For every cell (shared key/value heads or not,
+forward only or forward+backward, head dim, causal or not) and every measured length it takes each
+path's median time over the runs of its ``flash_attn4`` and ``triton`` rows, leaving out
+FlashAttention-4 runs whose peak memory passed both :data:`MAX_MEMORY_RATIO` of the unavoidable
+bytes and the fused kernels' peak in the same record (:data:`MEMORY_SLACK`): a median, as
+FlashAttention-4's times near the thresholds move by up to 2x from one process to the next
+(host-bound: its Python interface), while the fused kernels' move by a few percent. The cell's
+threshold is the shortest measured length from which FlashAttention-4 was :data:`MIN_GAIN` times
+faster at that length and at every longer one (``null`` where it was not at the longest): a near tie
+goes to the fused kernels, whose times are steadier and whose peak memory is lower. ``--write``
+stores the table with the records' names and the medians it was read from (Note [The measured slots
+table] in ``dilated_attention/backends/slots_thresholds.py``).
 """
 
 from __future__ import annotations
