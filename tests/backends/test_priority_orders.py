@@ -35,8 +35,8 @@ DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 HEAD_DIMS = (64, 128, 256)
 #: Either side of the FlashAttention-4 dilated thresholds (``slots_thresholds.json``) and of
 #: the ``short_dense`` rule's lengths (``priorities.json``).
-LENGTHS = (8191, 8192, 16383, 16384, 32767, 32768, 65535, 65536, 131071, 131072, 262143, 262144,
-           524287, 524288, 1048576)  # fmt: skip
+LENGTHS = (4095, 4096, 8191, 8192, 16383, 16384, 32767, 32768, 65535, 65536, 131071, 131072,
+           262143, 262144, 524287, 524288, 1048576)  # fmt: skip
 _PRIORITY_FLAGS = [f"dilated={d}/masked={m}" for d in (False, True) for m in (False, True)]
 
 
