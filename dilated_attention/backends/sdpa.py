@@ -383,6 +383,31 @@ class SdpaEfficientBackend(_CudaSdpaBackend):
         return dq, dk, dv
 
 
+class _UpstreamLike:
+    """A pre-hook for the node of cuDNN's recorded forward: the upstream gradient laid out like
+    the output, as cuDNN's backward reads it (the backward of :class:`SdpaCudnnBackend` copies it
+    so too). Torch's own backward of the op takes another layout, but on an H100 (torch 2.11,
+    cuDNN 9.19) it gave wrong gradients for an upstream gradient in (B, H, N, D) memory order
+    in a process where calls of the same shape had run with the output's layout before (the
+    same test passed alone; tests/ops/test_recorded_dense.py runs both in one process).
+
+    Args:
+        strides: the output's strides, (B, H, N, D) as the op returned it.
+    """
+
+    def __init__(self, strides: tuple[int, ...]) -> None:
+        self.strides = strides
+
+    def __call__(
+        self, grad_outputs: tuple[torch.Tensor | None, ...]
+    ) -> tuple[torch.Tensor | None, ...] | None:
+        dout = grad_outputs[0]
+        if dout is None or dout.stride() == self.strides:
+            return None
+        like = torch.empty_strided(dout.shape, self.strides, dtype=dout.dtype, device=dout.device)
+        return (like.copy_(dout), *grad_outputs[1:])
+
+
 class SdpaCudnnBackend(_CudaSdpaBackend):
     """``aten::_scaled_dot_product_cudnn_attention``: cuDNN's fused attention, fastest on Hopper."""
 
@@ -437,8 +462,10 @@ class SdpaCudnnBackend(_CudaSdpaBackend):
         out, lse, *_ = _CUDNN(
             _bhnd(q), _bhnd(k), _bhnd(v), None, True, 0.0, is_causal, False, scale=scale
         )  # fmt: skip
-        if out.grad_fn is not None:
-            out.grad_fn.register_hook(CreateGraphSwap(grads, _bhnd, _bhnd))
+        node = out.grad_fn
+        if node is not None:
+            node.register_prehook(_UpstreamLike(out.stride()))
+            node.register_hook(CreateGraphSwap(grads, _bhnd, _bhnd))
         return _bhnd(out), lse.squeeze(-1) if lse.dim() == 4 else lse
 
     def _backward(

@@ -67,16 +67,41 @@ def _qkv(
     return [torch.randn(s, generator=gen, dtype=F64).to(device, dtype) for s in shapes]
 
 
+def _upstream(out: torch.Tensor, layout: str) -> torch.Tensor:
+    """An upstream gradient shaped like ``out`` (B, N, H, D), float64 on the CPU: random in
+    (B, N, H, D) or (B, H, N, D) memory order, or ones (what ``out.sum()`` sends, as an
+    expanded stride-0 tensor on the device)."""
+    if layout == "ones":
+        return torch.ones(out.shape, dtype=F64)
+    gen = torch.Generator().manual_seed(1)
+    if layout == "bhnd":
+        b, n, h, d = out.shape
+        return torch.randn(b, h, n, d, generator=gen, dtype=F64).transpose(1, 2)
+    return torch.randn(out.shape, generator=gen, dtype=F64)
+
+
+def _on_device(dout: torch.Tensor, like: torch.Tensor, layout: str) -> torch.Tensor:
+    """``dout`` as the call's upstream gradient, in ``layout``'s memory order."""
+    if layout == "ones":
+        return torch.ones((), device=like.device, dtype=like.dtype).expand(like.shape)
+    if layout == "bhnd":
+        return dout.transpose(1, 2).to(like.device, like.dtype).transpose(1, 2)
+    return dout.to(like.device, like.dtype)
+
+
 def _against_oracle(
-    out: torch.Tensor, lse: torch.Tensor, inputs: Sequence[torch.Tensor], causal: bool
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    inputs: Sequence[torch.Tensor],
+    causal: bool,
+    layout: str = "bnhd",
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(out, lse, dq, dk, dv) of the call, on the CPU in float64, and the oracle's on the same
-    rounded inputs and upstream gradient."""
+    rounded inputs and upstream gradient (in ``layout``: :func:`_upstream`)."""
     exact = [x.detach().cpu().to(F64).requires_grad_() for x in inputs]
     want_out, want_lse = oracle_attention(*exact, is_causal=causal)
-    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
-    dout = dout.to(out.dtype).to(F64)
-    got = torch.autograd.grad(out, inputs, dout.to(out.device, out.dtype))
+    dout = _upstream(out, layout).to(out.dtype).to(F64)
+    got = torch.autograd.grad(out, inputs, _on_device(dout, out, layout))
     want = torch.autograd.grad(want_out, exact, dout)
     return (
         [x.detach().cpu().to(F64) for x in (out, lse, *got)],
@@ -103,18 +128,19 @@ def _grad_fn_name(out: torch.Tensor) -> str:
 
 
 @pytest.mark.usefixtures("_recording_cpu_flash")
+@pytest.mark.parametrize("layout", ["bnhd", "bhnd", "ones"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("dtype", [F64, torch.float32])
 def test_a_recorded_call_matches_the_oracle(
-    causal: bool, kv_heads: int, dtype: torch.dtype
+    causal: bool, kv_heads: int, dtype: torch.dtype, layout: str
 ) -> None:
     """Output, lse and every gradient of a recorded call (odd length) against float64, and the
     call is the recorded op's node, not the library's Function."""
     q, k, v = (x.requires_grad_() for x in _qkv(13, 4, kv_heads, dtype))
     out, lse = da.attention(q, k, v, is_causal=causal, backend="cpu_flash", return_lse=True)
     assert _grad_fn_name(out) == "ScaledDotProductFlashAttentionForCpuBackward0"
-    got, want = _against_oracle(out, lse, (q, k, v), causal)
+    got, want = _against_oracle(out, lse, (q, k, v), causal, layout)
     tol = 1e-10 if dtype == F64 else 2e-5
     for name, g, e in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True):
         torch.testing.assert_close(g, e, atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}")
@@ -245,13 +271,17 @@ cudnn_only = pytest.mark.skipif(
 
 @pytest.mark.gpu
 @cudnn_only
+@pytest.mark.parametrize("layout", ["bnhd", "bhnd", "ones"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("kv_heads", [4, 1], ids=["mha", "gqa"])
-def test_cudnn_records_and_matches_the_oracle(causal: bool, kv_heads: int) -> None:
+def test_cudnn_records_and_matches_the_oracle(causal: bool, kv_heads: int, layout: str) -> None:
+    """cuDNN's recorded call against float64, with upstream gradients laid out like the output,
+    in another memory order, and expanded from one value (``out.sum()``): torch's own backward
+    takes each."""
     q, k, v = (x.requires_grad_() for x in _qkv(77, 4, kv_heads, torch.bfloat16, device="cuda"))
     out, lse = da.attention(q, k, v, is_causal=causal, backend="sdpa_cudnn", return_lse=True)
     assert "Cudnn" in _grad_fn_name(out)
-    got, want = _against_oracle(out, lse, (q, k, v), causal)
+    got, want = _against_oracle(out, lse, (q, k, v), causal, layout)
     for name, g, e in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True):
         torch.testing.assert_close(
             g, e, atol=3e-2 * float(e.abs().max()), rtol=3e-2, msg=lambda m, n=name: f"{n}: {m}"
