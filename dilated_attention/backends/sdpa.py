@@ -466,7 +466,8 @@ class SdpaCudnnBackend(_CudaSdpaBackend):
         if node is not None:
             node.register_prehook(_UpstreamLike(out.stride()))
             node.register_hook(CreateGraphSwap(grads, _bhnd, _bhnd))
-        return _bhnd(out), lse.squeeze(-1) if lse.dim() == 4 else lse
+        out, lse = _bhnd(out), lse.squeeze(-1) if lse.dim() == 4 else lse
+        return out.contiguous(), lse.contiguous()  # views as the other paths' results take
 
     def _backward(
         self,

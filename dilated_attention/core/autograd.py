@@ -221,6 +221,19 @@ Record = Callable[
 ]
 
 
+#: torch's query for the saved-tensor hooks in force (None where this torch has none).
+_TOP_SAVED_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks are in force (non-reentrant activation checkpointing,
+    ``torch.autograd.graph.save_on_cpu``, any ``saved_tensors_hooks``): a recorded call's node
+    hook holds its inputs outside them (Note [Dense calls on torch's autograd] in
+    ``higher_order.py``), so such calls keep :class:`AttentionFunction`, whose saved tensors go
+    through the hooks. True where torch cannot say."""
+    return _TOP_SAVED_HOOKS is None or _TOP_SAVED_HOOKS(False) is not None
+
+
 def run_recorded(runner: Runner, record: Record, x: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of a call whose one kernel op torch's autograd records instead of
     :class:`AttentionFunction` (Note [Dense calls on torch's autograd] in ``higher_order.py``):

@@ -51,10 +51,14 @@ Note [Dense calls on torch's autograd]
     backward op has no derivative, so under
     ``create_graph=True`` a post-hook on the node (:class:`CreateGraphSwap`) returns the
     runner's differentiable recompute (Note [Double backward]) in place of its gradients: exact
-    to any order, as on every other path. The hook holds q, k, v and the lse for that until a
-    plain backward runs through the node, which lets them go (held as long as the graph, they
-    would outlive the step into the next one's forward); a ``create_graph=True`` backward after
-    that raises. It holds no ``out``, which holds the node.
+    to any order, as on every other path (torch's backward has run by then, and its gradients
+    are dropped: a double backward does that kernel's work once more than under the Function).
+    The hook holds q, k, v and the lse for that until a plain backward runs through the node,
+    which lets them go (held as long as the graph, they would outlive the step into the next
+    one's forward); a ``create_graph=True`` backward after that raises. It holds no ``out``,
+    which holds the node. Held so, they bypass saved-tensor hooks: under non-reentrant
+    activation checkpointing, ``save_on_cpu`` or any ``saved_tensors_hooks`` the call keeps the
+    Function (``autograd.saved_tensor_hooks_active``), whose saved tensors go through them.
 
 Shape legend: B batch, Nq/Nk query/key positions, H query heads, Hkv key/value heads, D head dim;
 per call G pieces of Lq query and Lk key rows with Hc query and Hkc key/value heads.

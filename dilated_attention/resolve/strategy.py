@@ -22,7 +22,14 @@ from ..backends.registry import BackendChoice, Selection, registry_for
 from ..block_sparse.fa4 import FlashAttn4BlockSparseRunner, fa4_tiles
 from ..block_sparse.flex import _flex_forward
 from ..block_sparse.triton_autograd import TritonBlockSparseRunner, _triton_lists
-from ..core.autograd import Inputs, Record, Runner, run_attention, run_recorded
+from ..core.autograd import (
+    Inputs,
+    Record,
+    Runner,
+    run_attention,
+    run_recorded,
+    saved_tensor_hooks_active,
+)
 from ..core.decoding.decode import static_token_plan, token_slots
 from ..core.execution.executor import PlanRunner, empty_attention
 from ..core.execution.fused import ChunkQueries, FusedRunner, compile_ahead
@@ -100,7 +107,9 @@ class Strategy:
         """``(out, lse)`` of the request on these tensors: q (B, Nq, H, D), k and v
         (B, Nk, Hkv, D), key_padding_mask (B, Nk) bool or None, sinks (H,) or None; out
         (B, Nq, H, D), lse (B, H, Nq) detached. Differentiable through the one autograd
-        Function (the sinks joined there: Note [Local windows, soft-capping and sinks])."""
+        Function (the sinks joined there: Note [Local windows, soft-capping and sinks]), or a
+        plain dense call through its op's node as torch's autograd records it (Note [Dense
+        calls on torch's autograd] in ``core/higher_order.py``)."""
         if q.numel() == 0:
             out, lse = empty_attention(q, k, v)
             if sinks is not None:  # the link to sinks gives it an (empty) gradient too
@@ -273,7 +282,11 @@ class PlanStrategy(Strategy):
         return self._runner_for(q), Inputs(q, k, v, key_padding_mask)
 
     def _run(self, q, k, v, key_padding_mask, sinks):  # type: ignore[no-untyped-def]
-        if not (self.recorded and torch.is_grad_enabled()):
+        recorded = (
+            self.recorded and sinks is None and key_padding_mask is None
+            and torch.is_grad_enabled() and not saved_tensor_hooks_active()
+        )  # fmt: skip
+        if not recorded:
             return super()._run(q, k, v, key_padding_mask, sinks)
         runner, x = self.prepare(q, k, v, key_padding_mask)
         return run_recorded(runner, self._record, x)

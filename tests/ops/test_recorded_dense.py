@@ -22,7 +22,7 @@ from support.backend_params import runs_on
 from support.oracle import oracle_attention
 
 import dilated_attention as da
-from dilated_attention.backends.sdpa import CpuFlashBackend
+from dilated_attention.backends.sdpa import CpuFlashBackend, _UpstreamLike
 from dilated_attention.core.higher_order import CreateGraphSwap
 from dilated_attention.resolve import Request
 from dilated_attention.resolve.resolver import _recorded
@@ -44,13 +44,14 @@ def _record_on_cpu(
     scale: float,
     is_causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CPU flash op as torch records it, key/value heads repeated for GQA (differentiably)."""
-    group = q.shape[2] // k.shape[2]
-    k, v = (x.repeat_interleave(group, dim=2) for x in (k, v))
+    """The CPU flash op as torch records it, with the hooks cuDNN's recorded call hangs on its
+    node. The op takes as many key/value heads as query heads (``native_gqa`` is False: the
+    rule records no GQA call on it)."""
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     out, lse = op(_bhnd(q), _bhnd(k), _bhnd(v), 0.0, is_causal, scale=scale)
+    out.grad_fn.register_prehook(_UpstreamLike(out.stride()))
     out.grad_fn.register_hook(CreateGraphSwap(grads, _bhnd, _bhnd))
-    return _bhnd(out), lse
+    return _bhnd(out).contiguous(), lse
 
 
 @pytest.fixture
@@ -136,10 +137,12 @@ def test_a_recorded_call_matches_the_oracle(
     causal: bool, kv_heads: int, dtype: torch.dtype, layout: str
 ) -> None:
     """Output, lse and every gradient of a recorded call (odd length) against float64, and the
-    call is the recorded op's node, not the library's Function."""
+    call is the recorded op's node, not the library's Function; with fewer key/value heads,
+    which this op does not take, the Function's."""
     q, k, v = (x.requires_grad_() for x in _qkv(13, 4, kv_heads, dtype))
     out, lse = da.attention(q, k, v, is_causal=causal, backend="cpu_flash", return_lse=True)
-    assert _grad_fn_name(out) == "ScaledDotProductFlashAttentionForCpuBackward0"
+    recorded = "ScaledDotProductFlashAttentionForCpuBackward0"
+    assert _grad_fn_name(out) == (recorded if kv_heads == 4 else "AttentionFunctionBackward")
     got, want = _against_oracle(out, lse, (q, k, v), causal, layout)
     tol = 1e-10 if dtype == F64 else 2e-5
     for name, g, e in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True):
@@ -232,6 +235,85 @@ def test_a_recorded_call_has_exact_second_order_gradients(dtype: torch.dtype) ->
     fn = lambda q, k, v: da.attention(q, k, v, is_causal=True, backend="cpu_flash")  # noqa: E731
     tol = 1e-10 if dtype == F64 else 2e-5
     _assert_penalty_matches(fn, _qkv(13, 4, 4, dtype, seed=3), tol, causal=True)
+
+
+@pytest.mark.usefixtures("_recording_cpu_flash")
+@pytest.mark.parametrize("needs", ["qkv", "q", "kv"])
+def test_second_order_gradients_of_a_rectangular_call(needs: str) -> None:
+    """A non-causal call with fewer queries than keys, some inputs needing no gradient: the
+    penalty's gradients of those that do match float64."""
+    q, k, v = _qkv(13, 4, 4, F64, seed=5)
+    q = q[:, :9]
+
+    def penalty(fn: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        inputs = [
+            x.detach().clone().requires_grad_(name in needs)
+            for name, x in zip("qkv", (q, k, v), strict=True)
+        ]
+        wanted = [x for x in inputs if x.requires_grad]
+        out = fn(*inputs)
+        w = torch.linspace(-1, 1, out.numel(), dtype=F64).view(out.shape)
+        grads = torch.autograd.grad((out * w).sum(), wanted, create_graph=True)
+        return torch.autograd.grad(sum((g**2).sum() for g in grads), wanted)
+
+    got = penalty(lambda q, k, v: da.attention(q, k, v, backend="cpu_flash"))
+    want = penalty(lambda q, k, v: oracle_attention(q, k, v)[0])
+    for g, e in zip(got, want, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.usefixtures("_recording_cpu_flash")
+def test_saved_tensor_hooks_keep_the_function() -> None:
+    """Under saved-tensor hooks (here a counting pair; checkpointing and save_on_cpu install such
+    hooks) the call keeps the library's Function, whose saved tensors go through them: the
+    recorded node's hook would hold q, k and v outside them."""
+    q, k, v = (x.requires_grad_() for x in _qkv(13, 4, 4, torch.float32))
+    packed: list[int] = []
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        packed.append(x.numel())
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = da.attention(q, k, v, is_causal=True, backend="cpu_flash")
+    assert _grad_fn_name(out) == "AttentionFunctionBackward"
+    assert q.numel() in packed
+    want = oracle_attention(*(x.detach().to(F64) for x in (q, k, v)), is_causal=True)[0]
+    torch.testing.assert_close(out.detach().to(F64), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.usefixtures("_recording_cpu_flash")
+def test_checkpointing_frees_the_inputs_and_keeps_the_gradients() -> None:
+    """Non-reentrant activation checkpointing: the query made inside the checkpointed function is
+    freed after the forward (not held by a hook), and the gradients equal the call's without
+    checkpointing."""
+    leaf, k, v = (x.requires_grad_() for x in _qkv(13, 4, 4, torch.float32))
+    held: list[weakref.ref[torch.Tensor]] = []
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        q = x * 2.0
+        held.append(weakref.ref(q))
+        return da.attention(q, k, v, is_causal=True, backend="cpu_flash")
+
+    out = torch.utils.checkpoint.checkpoint(layer, leaf, use_reentrant=False)
+    gc.collect()
+    assert held[0]() is None
+    got = torch.autograd.grad(out.sum(), (leaf, k, v))
+    want = torch.autograd.grad(layer(leaf).sum(), (leaf, k, v))
+    for g, e in zip(got, want, strict=True):
+        torch.testing.assert_close(g, e)
+
+
+@pytest.mark.usefixtures("_recording_cpu_flash")
+def test_a_recorded_output_is_freed_without_a_backward() -> None:
+    """The node's hooks hold no output: an output never differentiated is freed once dropped."""
+    q, k, v = (x.requires_grad_() for x in _qkv(13, 4, 4, torch.float32))
+    out = da.attention(q, k, v, is_causal=True, backend="cpu_flash")
+    assert _grad_fn_name(out) == "ScaledDotProductFlashAttentionForCpuBackward0"
+    held = weakref.ref(out)
+    del out
+    gc.collect()
+    assert held() is None
 
 
 @pytest.mark.usefixtures("_recording_cpu_flash")
