@@ -40,25 +40,26 @@ Note [Double backward]
       with ``allow_unused=True``); connected, autograd runs it, and it raises, on every route.
 
 Note [Dense calls on torch's autograd]
-    A dense training call with nothing around its one kernel call (no key mask, window,
-    soft-cap, sinks, dropout or packed documents; square when causal) on a kernel whose aten op
-    torch's autograd differentiates (cuDNN's: ``Backend.records_autograd``) runs that op as
-    torch records it, not under the one autograd Function (Note [One autograd Function] in
-    ``autograd.py``). Torch's C++ node then runs the op's backward, the kernel the runner's
-    backward would call, with none of the Function's Python in either direction: on an H100
-    (bf16, H = 16, D = 128, 4K-64K tokens) a forward+backward's host time over SDPA's, called
-    from the same (B, N, H, D) tensors, fell from 0.22-0.55 ms to 0.11-0.21 ms. Torch's
-    backward op has no derivative, so under
-    ``create_graph=True`` a post-hook on the node (:class:`CreateGraphSwap`) returns the
-    runner's differentiable recompute (Note [Double backward]) in place of its gradients: exact
-    to any order, as on every other path (torch's backward has run by then, and its gradients
-    are dropped: a double backward does that kernel's work once more than under the Function).
-    The hook holds q, k, v and the lse for that until a plain backward runs through the node,
-    which lets them go (held as long as the graph, they would outlive the step into the next
-    one's forward); a ``create_graph=True`` backward after that raises. It holds no ``out``,
-    which holds the node. Held so, they bypass saved-tensor hooks: under non-reentrant
-    activation checkpointing, ``save_on_cpu`` or any ``saved_tensors_hooks`` the call keeps the
-    Function (``autograd.saved_tensor_hooks_active``), whose saved tensors go through them.
+    A dense training call with nothing around its one kernel call (no key mask, window, soft-cap,
+    sinks, dropout or packed documents; square when causal) on a kernel whose aten op torch's
+    autograd differentiates (cuDNN's: ``Backend.records_autograd``) runs that op as torch records
+    it, not under the one autograd Function (Note [One autograd Function] in ``autograd.py``).
+    Torch's C++ node then runs the op's backward, the kernel the runner's backward would call, with
+    none of the Function's Python in either direction: on an H100 (bf16, H = 16, D = 128, 4K-64K
+    tokens) a forward+backward's host time over SDPA's, called from the same (B, N, H, D) tensors,
+    fell from 0.22-0.55 ms to 0.11-0.21 ms. Torch's backward op has no derivative, so under
+    ``create_graph=True`` a post-hook on the node (:class:`CreateGraphSwap`) returns the runner's
+    differentiable recompute (Note [Double backward]) in place of its gradients: exact to any order,
+    as on every other path (torch's backward has run by then, and its gradients are dropped: a
+    double backward does that kernel's work once more than under the Function). The hook holds q, k,
+    v and the lse for that until a plain backward runs through the node, which lets them go (held as
+    long as the graph, they would outlive the step into the next one's forward); a
+    ``create_graph=True`` backward after that raises. It holds no ``out``, which holds the node.
+    cuDNN's node also gets a pre-hook that lays the upstream gradient out like the output, as the
+    library's own backward did (``_UpstreamLike`` in ``backends/sdpa.py``). Held by the hook, q, k
+    and v bypass saved-tensor hooks: under non-reentrant activation checkpointing, ``save_on_cpu``
+    or any ``saved_tensors_hooks`` the call keeps the Function
+    (``autograd.saved_tensor_hooks_active``), whose saved tensors go through them.
 
 Shape legend: B batch, Nq/Nk query/key positions, H query heads, Hkv key/value heads, D head dim;
 per call G pieces of Lq query and Lk key rows with Hc query and Hkc key/value heads.
