@@ -231,7 +231,12 @@ def saved_tensor_hooks_active() -> bool:
     hook holds its inputs outside them (Note [Dense calls on torch's autograd] in
     ``higher_order.py``), so such calls keep :class:`AttentionFunction`, whose saved tensors go
     through the hooks. True where torch cannot say."""
-    return _TOP_SAVED_HOOKS is None or _TOP_SAVED_HOOKS(False) is not None
+    if _TOP_SAVED_HOOKS is None:
+        return True
+    try:
+        return _TOP_SAVED_HOOKS(False) is not None
+    except (RuntimeError, TypeError):  # a torch whose query takes other arguments, or refuses
+        return True
 
 
 def run_recorded(runner: Runner, record: Record, x: Inputs) -> tuple[torch.Tensor, torch.Tensor]:

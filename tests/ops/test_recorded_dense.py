@@ -23,6 +23,7 @@ from support.oracle import oracle_attention
 
 import dilated_attention as da
 from dilated_attention.backends.sdpa import CpuFlashBackend, _UpstreamLike
+from dilated_attention.core import autograd
 from dilated_attention.core.higher_order import CreateGraphSwap
 from dilated_attention.resolve import Request
 from dilated_attention.resolve.resolver import _recorded
@@ -280,6 +281,23 @@ def test_saved_tensor_hooks_keep_the_function() -> None:
     assert q.numel() in packed
     want = oracle_attention(*(x.detach().to(F64) for x in (q, k, v)), is_causal=True)[0]
     torch.testing.assert_close(out.detach().to(F64), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.usefixtures("_recording_cpu_flash")
+@pytest.mark.parametrize("query", ["missing", "refuses"])
+def test_a_torch_that_cannot_say_keeps_the_function(
+    query: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where torch has no query for the saved-tensor hooks in force, or it raises, the call keeps
+    the Function (which honours any hooks) instead of failing."""
+
+    def refuses(_: bool) -> None:
+        raise TypeError("takes no arguments")
+
+    monkeypatch.setattr(autograd, "_TOP_SAVED_HOOKS", None if query == "missing" else refuses)
+    q, k, v = (x.requires_grad_() for x in _qkv(13, 4, 4, torch.float32))
+    out = da.attention(q, k, v, is_causal=True, backend="cpu_flash")
+    assert _grad_fn_name(out) == "AttentionFunctionBackward"
 
 
 @pytest.mark.usefixtures("_recording_cpu_flash")
