@@ -145,9 +145,7 @@ def attention(
         Higher-order gradients (``create_graph=True``) are exact on every backend in eager mode
         (``torch.compile`` cannot take them, a torch limit; it raises); with ``dropout_p > 0``
         differentiating the gradients raises ``RuntimeError`` (Note [Double backward] in
-        ``core/higher_order.py``), and so does a ``create_graph=True`` backward through a plain
-        cuDNN training call after a plain backward through it (Note [Dense calls on torch's
-        autograd] there).
+        ``core/higher_order.py``).
 
     Raises:
         ValueError / TypeError: malformed inputs (including ``seq_len`` 0), before any work;

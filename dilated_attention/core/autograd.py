@@ -30,6 +30,7 @@ Shape legend: B batch, Nq/Nk query/key rows, H query heads, Hkv key/value heads,
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -244,12 +245,22 @@ def run_recorded(runner: Runner, record: Record, x: Inputs) -> tuple[torch.Tenso
     :class:`AttentionFunction` (Note [Dense calls on torch's autograd] in ``higher_order.py``):
     out (B, Nq, H, D), lse (B, H, Nq) not differentiable. Under ``create_graph=True`` the node's
     hook takes the runner's differentiable recompute, which reads no ``out``: none is held (the
-    output holds the node, which would hold it back through the hook)."""
+    output holds the node, which would hold it back through the hook). q, k and v are held
+    weakly: the node's saved tensors keep them alive while its graph can run backward, and no
+    longer."""
+    refs = [weakref.ref(t) for t in (x.q, x.k, x.v)]
+    key_padding_mask = x.key_padding_mask
     held: list[torch.Tensor] = []
 
     def grads(dout: torch.Tensor) -> Grads:
-        saved = (x.k, x.v, x.key_padding_mask)
-        b = Backward(dout, x.q, None, held[0], saved, None)  # type: ignore[arg-type]
+        q, k, v = (ref() for ref in refs)
+        if q is None or k is None or v is None:
+            raise RuntimeError(
+                "dense attention: its gradients cannot be differentiated (create_graph=True): "
+                "the inputs of the call were freed (saved-tensor hooks or a released graph). "
+                "Run the create_graph=True backward on a graph whose saved tensors are kept"
+            )
+        b = Backward(dout, q, None, held[0], (k, v, key_padding_mask), None)  # type: ignore[arg-type]
         recomputed = runner.differentiable_backward(b)
         assert recomputed is not None, "a recorded call's runner has a recompute"
         return recomputed

@@ -51,15 +51,15 @@ Note [Dense calls on torch's autograd]
     ``create_graph=True`` a post-hook on the node (:class:`CreateGraphSwap`) returns the runner's
     differentiable recompute (Note [Double backward]) in place of its gradients: exact to any order,
     as on every other path (torch's backward has run by then, and its gradients are dropped: a
-    double backward does that kernel's work once more than under the Function). The hook holds q, k,
-    v and the lse for that until a plain backward runs through the node, which lets them go (held as
-    long as the graph, they would outlive the step into the next one's forward); a
-    ``create_graph=True`` backward after that raises. It holds no ``out``, which holds the node.
-    cuDNN's node also gets a pre-hook that lays the upstream gradient out like the output, as the
-    library's own backward did (``_UpstreamLike`` in ``backends/sdpa.py``). Held by the hook, q, k
-    and v bypass saved-tensor hooks: under non-reentrant activation checkpointing, ``save_on_cpu``
-    or any ``saved_tensors_hooks`` the call keeps the Function
-    (``autograd.saved_tensor_hooks_active``), whose saved tensors go through them.
+    double backward does that kernel's work once more than under the Function). The recompute holds
+    q, k and v weakly (the node's saved tensors keep them alive as long as its graph can run
+    backward, retained or not, and no longer: nothing outlives the step into the next one's forward)
+    and the lse (2 / D of q's bytes in 16 bits); it holds no ``out``, which holds the node. cuDNN's
+    node also gets a pre-hook that lays the upstream gradient out like the output, as the library's
+    own backward did (``_UpstreamLike`` in ``backends/sdpa.py``). Saved-tensor hooks would free or
+    move q, k and v behind the weak references: under non-reentrant activation checkpointing,
+    ``save_on_cpu`` or any ``saved_tensors_hooks`` the call keeps the Function
+    (``autograd.saved_tensor_hooks_active``), whose saved tensors go through the hooks.
 
 Shape legend: B batch, Nq/Nk query/key positions, H query heads, Hkv key/value heads, D head dim;
 per call G pieces of Lq query and Lk key rows with Hc query and Hkc key/value heads.
@@ -159,12 +159,12 @@ def first_order_only(
 # -- a node torch's autograd recorded -------------------------------------------------------------
 class CreateGraphSwap:
     """A post-hook for the node of a kernel op that torch's autograd recorded (Note [Dense calls
-    on torch's autograd]): in a plain backward it keeps torch's gradients and lets go of the
-    inputs it held; under ``create_graph=True`` it returns ``grads(dout)`` in their place.
+    on torch's autograd]): in a plain backward it keeps torch's gradients; under
+    ``create_graph=True`` it returns ``grads(dout)`` in their place.
 
     Args:
         grads: the upstream gradient of the call's output (B, Nq, H, D) -> dq, dk, dv as
-            differentiable functions of the inputs it closes over, shaped like q, k and v.
+            differentiable functions of the call's inputs, shaped like q, k and v.
         to_node: a gradient (B, N, heads, D) -> the layout of the node's input it replaces (the
             op's (B, heads, N, D) view).
         from_node: the node's output gradient -> (B, Nq, H, D).
@@ -176,26 +176,15 @@ class CreateGraphSwap:
         to_node: Callable[[torch.Tensor], torch.Tensor],
         from_node: Callable[[torch.Tensor], torch.Tensor],
     ) -> None:
-        self._grads: Callable[[torch.Tensor], Sequence[torch.Tensor]] | None = grads
-        self._to_node, self._from_node = to_node, from_node
+        self._grads, self._to_node, self._from_node = grads, to_node, from_node
 
     def __call__(
         self,
         grad_inputs: Sequence[torch.Tensor | None],
         grad_outputs: Sequence[torch.Tensor | None],
     ) -> tuple[torch.Tensor | None, ...] | None:
-        if not torch.is_grad_enabled():  # a plain backward: torch's gradients are exact
-            self._grads = None  # hold no inputs past it (the next step's forward would)
-            return None
-        if self._grads is None:
-            raise RuntimeError(
-                "dense attention: its gradients cannot be differentiated (create_graph=True) "
-                "after a plain backward through the same graph (retain_graph=True): that "
-                "backward let go of the inputs the recompute reads. Run the create_graph=True "
-                "backward first"
-            )
         dout = grad_outputs[0]
-        if dout is None:
+        if not torch.is_grad_enabled() or dout is None:  # a plain backward: torch's are exact
             return None
         swapped = list(grad_inputs)
         for i, g in enumerate(self._grads(self._from_node(dout))):

@@ -350,14 +350,22 @@ def test_a_plain_backward_lets_the_inputs_go() -> None:
 
 
 @pytest.mark.usefixtures("_recording_cpu_flash")
-def test_create_graph_after_a_plain_backward_raises() -> None:
-    """A plain backward with retain_graph=True, then one with create_graph=True through the same
-    node: a clear error, not gradients that cannot be differentiated."""
-    q, k, v = (x.requires_grad_() for x in _qkv(13, 4, 4, torch.float32))
-    out = da.attention(q, k, v, is_causal=True, backend="cpu_flash")
-    torch.autograd.grad(out.sum(), (q, k, v), retain_graph=True)
-    with pytest.raises(RuntimeError, match="Run the create_graph=True backward first"):
-        torch.autograd.grad(out.sum(), (q, k, v), create_graph=True)
+def test_create_graph_after_a_retained_plain_backward_is_exact() -> None:
+    """A plain backward with retain_graph=True, then a gradient penalty through the same node
+    (the query made inside, held by nothing but the graph): the node's saved tensors keep the
+    weakly held inputs, and the penalty's gradients match float64."""
+    leaf, k, v = (x.requires_grad_() for x in _qkv(13, 4, 4, F64, seed=3))
+    out = da.attention(leaf * 1.0, k, v, is_causal=True, backend="cpu_flash")
+    w = torch.linspace(-1, 1, out.numel(), dtype=F64).view(out.shape)
+    torch.autograd.grad((out * w).sum(), (leaf, k, v), retain_graph=True)
+    grads = torch.autograd.grad((out * w).sum(), (leaf, k, v), create_graph=True)
+    got = torch.autograd.grad(sum((g**2).sum() for g in grads), (leaf, k, v))
+    exact = [x.detach().clone().requires_grad_() for x in (leaf, k, v)]
+    want_out = oracle_attention(*exact, is_causal=True)[0]
+    grads = torch.autograd.grad((want_out * w).sum(), exact, create_graph=True)
+    want = torch.autograd.grad(sum((g**2).sum() for g in grads), exact)
+    for g, e in zip(got, want, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-10, rtol=1e-10)
 
 
 # -- cuDNN, recorded by the library itself ---------------------------------------------------
