@@ -229,9 +229,10 @@ _TOP_SAVED_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks
 def saved_tensor_hooks_active() -> bool:
     """Whether saved-tensor hooks are in force (non-reentrant activation checkpointing,
     ``torch.autograd.graph.save_on_cpu``, any ``saved_tensors_hooks``): a recorded call's node
-    hook holds its inputs outside them (Note [Dense calls on torch's autograd] in
-    ``higher_order.py``), so such calls keep :class:`AttentionFunction`, whose saved tensors go
-    through the hooks. True where torch cannot say."""
+    hook reaches its inputs through weak references that such hooks would free or move (Note
+    [Dense calls on torch's autograd] in ``higher_order.py``), so such calls keep
+    :class:`AttentionFunction`, whose saved tensors go through the hooks. True where torch
+    cannot say."""
     if _TOP_SAVED_HOOKS is None:
         return True
     try:
