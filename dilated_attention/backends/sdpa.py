@@ -404,8 +404,30 @@ class _UpstreamLike:
         dout = grad_outputs[0]
         if dout is None or dout.stride() == self.strides:
             return None
-        like = torch.empty_strided(dout.shape, self.strides, dtype=dout.dtype, device=dout.device)
-        return (like.copy_(dout), *grad_outputs[1:])
+        return (_laid_out(dout, self.strides), *grad_outputs[1:])
+
+
+def _laid_out(x: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
+    """``x`` itself where it has ``strides``, else a copy that has them (cuDNN's backward reads
+    the upstream gradient laid out like the output)."""
+    if x.stride() == strides:
+        return x
+    return torch.empty_strided(x.shape, strides, dtype=x.dtype, device=x.device).copy_(x)
+
+
+def recorded_node_hooks(
+    out: torch.Tensor, grads: Callable[[torch.Tensor], Sequence[torch.Tensor]]
+) -> torch.Tensor:
+    """Hang a recorded call's hooks on the node of ``out`` (the op's (B, H, N, D) output): the
+    upstream gradient laid out like it (:class:`_UpstreamLike`) and ``grads`` under
+    ``create_graph=True`` (``CreateGraphSwap``); returns ``out`` as (B, N, H, D), contiguous
+    as the other paths' results (Note [Dense calls on torch's autograd] in
+    ``core/higher_order.py``)."""
+    node = out.grad_fn
+    if node is not None:
+        node.register_prehook(_UpstreamLike(out.stride()))
+        node.register_hook(CreateGraphSwap(grads, _bhnd, _bhnd))
+    return _bhnd(out).contiguous()
 
 
 class SdpaCudnnBackend(_CudaSdpaBackend):
@@ -462,12 +484,8 @@ class SdpaCudnnBackend(_CudaSdpaBackend):
         out, lse, *_ = _CUDNN(
             _bhnd(q), _bhnd(k), _bhnd(v), None, True, 0.0, is_causal, False, scale=scale
         )  # fmt: skip
-        node = out.grad_fn
-        if node is not None:
-            node.register_prehook(_UpstreamLike(out.stride()))
-            node.register_hook(CreateGraphSwap(grads, _bhnd, _bhnd))
-        out, lse = _bhnd(out), lse.squeeze(-1) if lse.dim() == 4 else lse
-        return out.contiguous(), lse.contiguous()  # views as the other paths' results take
+        lse = lse.squeeze(-1) if lse.dim() == 4 else lse
+        return recorded_node_hooks(out, grads), lse.contiguous()
 
     def _backward(
         self,
@@ -486,10 +504,7 @@ class SdpaCudnnBackend(_CudaSdpaBackend):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cum_q, cum_k, max_q, max_k, seed, offset = aux
         out_t = _bhnd(out)
-        dout_t = _bhnd(dout)
-        if dout_t.stride() != out_t.stride():
-            # cuDNN's backward wants dout laid out like out; empty_like keeps out's strides.
-            dout_t = torch.empty_like(out_t).copy_(dout_t)
+        dout_t = _laid_out(_bhnd(dout), out_t.stride())
         dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(
             dout_t, _bhnd(q), _bhnd(k), _bhnd(v), out_t, lse.unsqueeze(-1).contiguous(),
             seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, is_causal, scale=scale,

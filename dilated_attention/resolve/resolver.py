@@ -226,13 +226,14 @@ def _dense(request: Request) -> Strategy:
 def _recorded(request: Request, kernel: Selection) -> bool:
     """Whether a dense training call runs its kernel's op as torch's autograd records it (Note
     [Dense calls on torch's autograd] in ``core/higher_order.py``): one call with nothing
-    around it (no mask, window, soft-cap, sinks or dropout, square when causal) of at least
+    around it (no mask, window, soft-cap, sinks or dropout, square when causal; packed
+    documents never reach here) of at least
     the kernel's ``min_rows`` rows, its key/value heads as the op takes them (the node's
     inputs are the call's q, k and v), on a kernel that ``records_autograd``."""
     r, backend = request, kernel.backend
     plain = not (
         r.has_mask or r.window is not None or r.softcap is not None or r.sinks or r.dropout_p
-        or r.documents is not None or (r.is_causal and r.query_len != r.key_len)
+        or (r.is_causal and r.query_len != r.key_len)
     )  # fmt: skip
     rows = min(r.query_len, r.key_len) >= backend.min_rows
     heads = backend.native_gqa or r.num_heads == r.num_kv_heads

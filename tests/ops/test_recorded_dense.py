@@ -22,9 +22,8 @@ from support.backend_params import runs_on
 from support.oracle import oracle_attention
 
 import dilated_attention as da
-from dilated_attention.backends.sdpa import CpuFlashBackend, _UpstreamLike
+from dilated_attention.backends.sdpa import CpuFlashBackend, recorded_node_hooks
 from dilated_attention.core import autograd
-from dilated_attention.core.higher_order import CreateGraphSwap
 from dilated_attention.resolve import Request
 from dilated_attention.resolve.resolver import _recorded
 
@@ -50,9 +49,7 @@ def _record_on_cpu(
     rule records no GQA call on it)."""
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     out, lse = op(_bhnd(q), _bhnd(k), _bhnd(v), 0.0, is_causal, scale=scale)
-    out.grad_fn.register_prehook(_UpstreamLike(out.stride()))
-    out.grad_fn.register_hook(CreateGraphSwap(grads, _bhnd, _bhnd))
-    return _bhnd(out).contiguous(), lse
+    return recorded_node_hooks(out, grads), lse
 
 
 @pytest.fixture
