@@ -50,17 +50,11 @@ import torch
 
 from .. import _validation as V
 from ..backends.base import KernelInputs
+from ..backends.priority_rules import float32_share_beside_spanning, puts_slots_first
 from ..backends.registry import BLOCK_SPARSE as BLOCK_SPARSE_REGISTRY
 from ..backends.registry import DENSE as DENSE_REGISTRY
 from ..backends.registry import DILATED as DILATED_REGISTRY
-from ..backends.registry import (
-    Selection,
-    _requested,
-    float32_share_beside_spanning,
-    generation,
-    puts_slots_first,
-    registry_for,
-)
+from ..backends.registry import Selection, _requested, generation, registry_for
 from ..block_sparse import plan as block_plan
 from ..core.contract import Window
 from ..core.decoding import decode

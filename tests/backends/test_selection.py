@@ -24,7 +24,7 @@ from support import REPO
 
 import dilated_attention
 from dilated_attention import backend_reasons, explain, list_backends, use_backend
-from dilated_attention.backends import registry, slots_thresholds
+from dilated_attention.backends import priority_rules, registry, slots_thresholds
 from dilated_attention.backends.base import Backend, KernelInputs, KernelOutput
 from dilated_attention.backends.registry import ENV_VAR, choose
 
@@ -254,7 +254,7 @@ def test_long_slotted_dilated_calls_follow_the_measured_table_on_sm90(
     says why."""
     _fake_gpu(monkeypatch, (9, 0), ["flash_attn4"] if installed else [])
     cells = slots_thresholds.table()["majors"]["9"]
-    assert len(cells) == 16 and registry.FA4_DILATED_MIN_LEN is not None
+    assert len(cells) == 16 and priority_rules.FA4_DILATED_MIN_LEN is not None
     for key, entry in cells.items():
         least = entry["min_query_len"]
         if least is None:
@@ -275,7 +275,7 @@ def test_long_slotted_dilated_calls_follow_the_measured_table_on_sm90(
             assert choose(_cell_inputs(key, query_len=least, **other)).order[0] != "flash_attn4"
     _fake_gpu(monkeypatch, (10, 0), ["flash_attn4"] if installed else [])
     long = _cell_inputs("mha/training/d128/full", query_len=1 << 20)
-    assert registry._dilated_first(long) == []  # sm100: the device's list
+    assert priority_rules.dilated_first(long) == []  # sm100: the device's list
 
 
 @pytest.mark.parametrize(
@@ -477,13 +477,13 @@ class _FakeMissing(_FakeBroken):
 
 def _set_host_order(m: pytest.MonkeyPatch, names: list[str]) -> None:
     """Make the priority table's host order ``names`` (restored with ``m``)."""
-    table = copy.deepcopy(registry._table())
+    table = copy.deepcopy(priority_rules.table())
     table["host"]["order"]["names"] = names
-    m.setattr(registry, "_table", lambda: table)
+    m.setattr(priority_rules, "table", lambda: table)
 
 
 def _host_order() -> list[str]:
-    return list(registry._table()["host"]["order"]["names"])
+    return list(priority_rules.table()["host"]["order"]["names"])
 
 
 @contextlib.contextmanager

@@ -262,14 +262,14 @@ def _check_slots(rank: int, world_size: int, grouped: bool = False) -> None:
     if grouped:
         _cut_in_this_process(extras)
     in_slots: list[bool] = []  # per forward with spanning branches: merged as a slot
-    real = ring_dilated_mod._spanning_results
+    real = ring_dilated_mod.spanning_results
 
     def counted(*args: Any) -> Any:
         views = real(*args)
         in_slots.append(views is not None)
         return views
 
-    ring_dilated_mod._spanning_results = counted
+    ring_dilated_mod.spanning_results = counted
     # (segments, rates, whether the spanning cells are one slot's): no branch spans; one
     # spanning rate equal to the heads; one below them (slot rows m * H + h interleave); two
     # spanning rates that do not divide each other (merged into float32 instead)
@@ -571,7 +571,8 @@ def test_cuda_ring_dilated_chooses_like_one_gpu(monkeypatch: pytest.MonkeyPatch)
     ring dilated attention's automatic choice is one GPU's, and its output and gradients are
     that backend's on one GPU."""
     from dilated_attention.backends import slots_thresholds
-    from dilated_attention.backends.registry import FA4_DILATED_MIN_LEN, choose
+    from dilated_attention.backends.priority_rules import FA4_DILATED_MIN_LEN
+    from dilated_attention.backends.registry import choose
     from dilated_attention.core.geometry.segment import runs_in_slots
     from dilated_attention.functional import dilated_attention
 

@@ -113,7 +113,7 @@ def plan_forward(
         return _one_call_forward(q, k, v, key_padding_mask, plan, kernel, out_dtype)
     acc = accumulator_dtype(q.dtype)
     grouped = bool(plan.groups and plan.grouped_forward)
-    assert extra is None or (plan.slots and not grouped)  # the ring's rule (_spanning_results)
+    assert extra is None or (plan.slots and not grouped)  # the ring's rule (spanning_results)
     if grouped:
         return grouped_forward(q, k, v, key_padding_mask, plan, kernel, out_dtype=out_dtype,
                                runner=_replayed(plan, kernel, "grouped_forward"))  # fmt: skip

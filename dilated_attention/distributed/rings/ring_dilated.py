@@ -24,7 +24,7 @@ Note [Spanning results stay compact]
     scratch, through its ``extra`` callback; on the executor in slots, as one more slot its
     merge (forward) and its sums (backward) read beside the local branches' own, where the cells
     are exactly the rows of one slot (LongNet's: their smallest rate r, which divides every
-    other, the shard starting at a multiple of r in their segments; ``_span_slot_rate``), so
+    other, the shard starting at a multiple of r in their segments; ``spanning_slots.py``), so
     no float32 output or gradients of the shard exist. Elsewhere they are merged into a float32
     output and added into float32 gradients (so are the gradients of GQA, whose key gradients
     are by position): of one position group where the plan is cut (Note [Position-grouped
@@ -44,7 +44,6 @@ W ranks, R gathered rows per rank for one branch.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -71,7 +70,6 @@ from ...core.geometry.calls import KernelArgs
 from ...core.geometry.cells import add_cells, merge_cells
 from ...core.geometry.grouped import grouped_plan
 from ...core.geometry.schedule import Schedule
-from ...core.geometry.slots import ExtraSlotGradients, SlotView
 from ...core.hidden import hide_masked_keys
 from ...core.higher_order import ring_message
 from ...resolve import DENSE, DILATED, Request, execute
@@ -88,6 +86,7 @@ from ..layout.dilated_plan import (
 )
 from .halo import UnionRunner, windowed_runner
 from .packed_ring import packed_runner
+from .spanning_slots import spanning_results, spanning_slots
 from .template import (
     KeyBlock,
     RingSetup,
@@ -288,7 +287,7 @@ class RingDilatedRunner(FirstOrderOnly):
                 # output (the engine's own dtype without spanning branches)
                 local = local_plan(plan.local, q, k, setup, backend)
                 if merge is not None:
-                    in_slots = _spanning_results(plan, local, q, spans)
+                    in_slots = spanning_results(plan, local, q, spans)
                 out, lse, auxes = plan_forward(
                     q, k, v, key_padding_mask, local, self._local_kernel,
                     out_dtype=acc if merge and not in_slots else None, extra=in_slots,
@@ -339,7 +338,7 @@ class RingDilatedRunner(FirstOrderOnly):
             extra: Any = None
             if add is not None:  # per position group where the plan is cut
                 local = grouped_plan(local, q, _segment_lengths(plan), True, k.shape[2])
-                extra = _spanning_slots(plan, local, q, k, spans) or functools.partial(
+                extra = spanning_slots(plan, local, q, k, spans) or functools.partial(
                     _by_rows, add, heads
                 )
             return plan_backward(
@@ -358,91 +357,6 @@ def _by_rows(
 ) -> None:  # fmt: skip
     """The executor's ``ExtraGradients`` of the spanning branches' ``add``: every head."""
     add(dq, dk, dv, start, end, 0, heads, rows)
-
-
-def _span_slot_rate(plan: DilatedRingPlan, local: Any, n: int, heads: int) -> int | None:
-    """The rate of the one slot that holds the spanning branches' cells (Note [Spanning results
-    stay compact]): their smallest, where the local plan runs in slots, it divides every other
-    rate, every position group of the local plan starts at a multiple of it, and the cells
-    of the ``n`` positions and ``heads`` query heads are exactly that slot's (the shard starts
-    at a multiple of it in the branches' segments, heads from the first); else None."""
-    if not local.slots or not plan.span_rates or plan.q_cells is None:
-        return None
-    rate = min(plan.span_rates)
-    if any(r % rate for r in plan.span_rates) or any(g.start % rate for g in local.groups):
-        return None
-    return rate if plan.q_cells.slot_rows(rate, heads, n) is not None else None
-
-
-def _spanning_results(
-    plan: DilatedRingPlan,
-    local: Any,
-    q: torch.Tensor,
-    spans: Callable[[], tuple[torch.Tensor, ...]],
-) -> Callable[[], list[SlotView]] | None:
-    """The spanning branches' compact results (``spans()``: out (B, M, D) and lse (B, M)
-    float32 over ``plan.q_cells``) as one slot the local plan's merge reads beside its own
-    (:func:`_span_slot_rate`), made when the merge asks; else None (they are merged into a
-    float32 output)."""
-    batch, n, heads, dim = q.shape
-    rate = _span_slot_rate(plan, local, n, heads)
-    if rate is None or (local.groups and local.grouped_forward):
-        return None
-    assert plan.q_cells is not None  # _span_slot_rate checked it
-    cells = plan.q_cells.slot_rows(rate, heads, n)
-    rows = -(-n // rate)
-
-    def views() -> list[SlotView]:
-        cell_out, cell_lse = spans()[:2]
-        out = _in_slot(cell_out, cells, rows * heads, 0.0)
-        lse = _in_slot(cell_lse, cells % heads * rows + cells // heads, heads * rows, -math.inf)
-        return [SlotView(out.view(batch, rows, heads, dim), lse.view(batch, 1, heads, rows), n,
-                         rate)]  # fmt: skip
-
-    return views
-
-
-def _spanning_slots(
-    plan: DilatedRingPlan,
-    local: Any,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    spans: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-) -> ExtraSlotGradients | None:
-    """The spanning branches' compact gradients (``spans()``: dq (B, M, D) over
-    ``plan.q_cells``, dk and dv (2, B, K, D) over ``plan.kv_cells``, float32) as one slot the
-    local plan's sums read beside its own (:func:`_span_slot_rate`; without GQA, where key
-    gradients share the query slots' layout); else None (they are added into float32
-    scratch)."""
-    batch, n, heads, dim = q.shape
-    rate = _span_slot_rate(plan, local, n, heads)
-    if rate is None or k.shape[2] != heads:
-        return None
-    assert plan.q_cells is not None and plan.kv_cells is not None  # a plan with spans has them
-    q_rows = plan.q_cells.slot_rows(rate, heads, n)
-    kv_rows = plan.kv_cells.slot_rows(rate, heads, n)
-    if q_rows is None or kv_rows is None:
-        return None
-
-    size = -(-n // rate) * heads
-
-    @functools.cache
-    def make() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        cell_dq, cell_dkv = spans()
-        dq, dk, dv = (
-            _in_slot(grad, rows, size, 0.0).view(batch, -1, heads, dim)
-            for grad, rows in ((cell_dq, q_rows), (cell_dkv[0], kv_rows), (cell_dkv[1], kv_rows))
-        )
-        return dq, dk, dv
-
-    return ExtraSlotGradients(make, rate)
-
-
-def _in_slot(values: torch.Tensor, rows: torch.Tensor, size: int, fill: float) -> torch.Tensor:
-    """Compact cell ``values`` (B, M, ...) at ``rows`` (M,) of a slot of ``size`` rows (the
-    cells' ``Cells.slot_rows``), as (B, size, ...) with ``fill`` in the other rows."""
-    slot = values.new_full((values.shape[0], size, *values.shape[2:]), fill)
-    return slot.index_copy_(1, rows, values)
 
 
 def _segment_lengths(plan: DilatedRingPlan) -> tuple[int, ...]:
