@@ -40,6 +40,7 @@ __all__ = [
     "record_header",
     "record_path",
     "recover",
+    "steady_host_ms",
     "time_captured_fwd_and_fwd_bwd",
     "time_cuda",
     "time_fwd_and_fwd_bwd",
@@ -53,6 +54,9 @@ PACKAGES = ("triton", "flash-attn", "flash-attn-3", "flash-attn-4", "xformers")
 OUT_HELP = "path without suffix (default: benchmarks/results/<benchmark>_<device>)"
 #: Longest error message a row keeps (:func:`error_text`).
 ERROR_CHARS = 300
+#: Most calls :func:`steady_host_ms` makes for :func:`time_cuda` (each call's work queues behind
+#: the others' on the device; the host never waits for them).
+STEADY_CALLS = 30
 #: Environment variables that change what a benchmark measures; recorded in the command line.
 _COMMAND_ENV = (
     "CUDA_VISIBLE_DEVICES", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
@@ -100,6 +104,33 @@ def timed_call(fn: Callable[[], object], *, cuda: bool = True) -> tuple[float, f
     return start.elapsed_time(stop), host_ms
 
 
+def steady_host_ms(fn: Callable[[], object], *, calls: int) -> float:
+    """The median wall time (ms) of ``calls`` calls of ``fn`` issued back to back on CUDA, with
+    no synchronisation between them: each call meets a device busy with the earlier ones' work
+    and a host that has not waited, as every call of a training loop but its first does.
+
+    Note [Host time after a wait]
+        :func:`timed_call` synchronizes after every call, so each timed call starts on a host
+        that has just waited for the device. On the lent H100 machines a call made after the
+        host waited several milliseconds (in ``torch.cuda.synchronize()``, or asleep) spends
+        2-4x the host time of the same call made while the host was busy: a dilated forward at
+        4K took 118 us after a short wait and 470-560 us after a 15 ms one, also with 2 ms of
+        Python spinning in between, while a plain Python loop took the same time either way
+        (``findings_h100.json``, "Host time after the host waited"). So ``host_ms`` grows with
+        the length of the device's work before it (dense cuDNN's own forward: 56 us at 4K, 292
+        us at 64K), and the steady time is the host cost a loop pays once it runs.
+    """
+    for _ in range(2):  # the host busy, the device queued
+        fn()
+    times = []
+    for _ in range(calls):
+        begin = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - begin)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e3
+
+
 def time_cuda(
     fn: Callable[[], object],
     *,
@@ -107,15 +138,19 @@ def time_cuda(
     repeats: int = 10,
     device: torch.device | None = None,
     min_ms: float = 0.0,
+    steady: bool = False,
 ) -> dict[str, float]:
     """Run ``fn`` ``warmup`` times, then time ``repeats`` runs (ms) with :func:`timed_call`:
     CUDA events and the host's share of each run, or ``time.perf_counter`` alone when ``device``
     is given and is not a CUDA device. With ``min_ms``, more runs where ``repeats`` of them
     would take less than ``min_ms`` in all (short calls, whose times move most from run to run),
-    as many as the first timed run says fill it.
+    as many as the first timed run says fill it. With ``steady`` (CUDA), also the host time of
+    calls issued back to back (:func:`steady_host_ms`, as many as were timed, at most
+    :data:`STEADY_CALLS`).
 
     Returns:
-        ``{"median_ms", "p10_ms", "p90_ms", "host_ms"}``, ``host_ms`` the median host time.
+        ``{"median_ms", "p10_ms", "p90_ms", "host_ms"}``, ``host_ms`` the median host time;
+        with ``steady``, ``"steady_host_ms"`` too.
     """
     cuda = device is None or device.type == "cuda"
     for _ in range(warmup):
@@ -131,12 +166,15 @@ def time_cuda(
         if len(times) == 1 and times[0] > 0:
             repeats = max(repeats, math.ceil(min_ms / times[0]))
     times.sort()
-    return {
+    result = {
         "median_ms": statistics.median(times),
         "p10_ms": times[max(0, len(times) // 10)],
         "p90_ms": times[min(len(times) - 1, (9 * len(times)) // 10)],
         "host_ms": statistics.median(host),
     }
+    if steady and cuda:
+        result["steady_host_ms"] = steady_host_ms(fn, calls=min(len(times), STEADY_CALLS))
+    return result
 
 
 def time_fwd_and_fwd_bwd(
@@ -162,7 +200,9 @@ def time_fwd_and_fwd_bwd(
 
     Returns:
         ``{"fwd_ms", "fwd_host_ms", "fwd_peak_bytes"}`` and the same for ``fwd_bwd``: the
-        host times are medians of the host's share of each run (:func:`timed_call`).
+        host times are medians of the host's share of each run (:func:`timed_call`); on CUDA
+        also ``{step}_host_steady_ms``, the host time of calls issued back to back
+        (:func:`steady_host_ms`).
     """
 
     def fwd() -> None:
@@ -179,10 +219,12 @@ def time_fwd_and_fwd_bwd(
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        timing = time_cuda(run, warmup=warmup, repeats=repeats, device=device, min_ms=min_ms)
+        timing = time_cuda(run, warmup=warmup, repeats=repeats, device=device, min_ms=min_ms,
+                           steady=cuda)  # fmt: skip
         result[f"{step}_ms"] = timing["median_ms"]
         result[f"{step}_host_ms"] = timing["host_ms"]
         if cuda:
+            result[f"{step}_host_steady_ms"] = timing["steady_host_ms"]
             result[f"{step}_peak_bytes"] = torch.cuda.max_memory_allocated()
     return result
 
@@ -204,7 +246,8 @@ def time_captured_fwd_and_fwd_bwd(
     times are those of ``graph.replay()``; peaks include the graph's pool.
 
     Returns:
-        ``{"fwd_ms", "fwd_host_ms", "fwd_peak_bytes"}`` and the same for ``fwd_bwd``.
+        ``{"fwd_ms", "fwd_host_ms", "fwd_host_steady_ms", "fwd_peak_bytes"}`` and the same
+        for ``fwd_bwd``.
     """
     result = {}
     for step in ("fwd", "fwd_bwd"):
@@ -222,9 +265,11 @@ def time_captured_fwd_and_fwd_bwd(
                 forward().backward(dout)
 
             graph = captured(forward_backward)
-        timing = time_cuda(graph.replay, warmup=warmup, repeats=repeats, min_ms=min_ms)
+        timing = time_cuda(graph.replay, warmup=warmup, repeats=repeats, min_ms=min_ms,
+                           steady=True)  # fmt: skip
         result[f"{step}_ms"] = timing["median_ms"]
         result[f"{step}_host_ms"] = timing["host_ms"]
+        result[f"{step}_host_steady_ms"] = timing["steady_host_ms"]
         result[f"{step}_peak_bytes"] = torch.cuda.max_memory_allocated()
         for leaf in leaves:  # they hold the graph's pool
             leaf.grad = None

@@ -35,13 +35,15 @@ run:
 - ``fa4 ceiling``: the same with FlashAttention-4 (not run by default).
 
 Every row carries ``flop_ratio``: the dense call's (query, key) pairs over the schedule's (each
-branch's pairs counted, causal or not as the row; :func:`schedule_pairs`), the speedup the
-sparsity promises; and ``fwd_host_ms`` / ``fwd_bwd_host_ms``: the median wall time of the
-Python call, the synchronisation after it not counted (``_timing.timed_call``; for ``auto
-captured`` the replay's). Where ``dense cudnn`` was measured, every row of the cell has
-``fwd_speedup`` / ``fwd_bwd_speedup``: dense cuDNN's time over the row's. A path that fails
-records its error in its row (``error``) and the run goes on. A path whose measurement made
-calls that launched as usual because their CUDA graph had failed to capture or had been dropped
+branch's pairs counted, causal or not as the row; :func:`schedule_pairs`), the speedup the sparsity
+promises; and ``fwd_host_ms`` / ``fwd_bwd_host_ms``: the median wall time of the Python call, the
+synchronisation after it not counted (``_timing.timed_call``; for ``auto captured`` the replay's),
+and ``fwd_host_steady_ms`` / ``fwd_bwd_host_steady_ms``: the same for calls issued back to back, as
+a training loop issues them (``_timing.steady_host_ms``: on the lent machines a call right after the
+host waited for the device takes 2-4x longer on the host). Where ``dense cudnn`` was measured, every
+row of the cell has ``fwd_speedup`` / ``fwd_bwd_speedup``: dense cuDNN's time over the row's. A path
+that fails records its error in its row (``error``) and the run goes on. A path whose measurement
+made calls that launched as usual because their CUDA graph had failed to capture or had been dropped
 past the graphs' limit (Note [A call's launches from a CUDA graph]) says how many in
 ``uncaptured_calls``.
 
@@ -311,6 +313,8 @@ def bench_config(
         for step, work in (("fwd", flops), ("fwd_bwd", 3.5 * flops)):
             row[f"{step}_ms"] = res[f"{step}_ms"]
             row[f"{step}_host_ms"] = res[f"{step}_host_ms"]
+            if f"{step}_host_steady_ms" in res:
+                row[f"{step}_host_steady_ms"] = res[f"{step}_host_steady_ms"]
             row[f"{step}_tflops"] = work / (res[f"{step}_ms"] * 1e-3) / 1e12
             if f"{step}_peak_bytes" in res:
                 row[f"{step}_peak_gib"] = res[f"{step}_peak_bytes"] / GIB
@@ -479,10 +483,11 @@ def main(argv: list[str] | None = None) -> None:
     env = environment()
     out = record_path("dilated", args.out)
     cols = ["schedule", "head_dim", "kv_heads", "causal", "seq_len", "flop_ratio", "path",
-            "fwd_backend", "backend", "fwd_ms", "fwd_host_ms", "fwd_speedup", "fwd_tflops",
-            "fwd_vs_ceiling", "fwd_vs_fa4_ceiling", "fwd_bwd_ms", "fwd_bwd_host_ms",
-            "fwd_bwd_speedup", "fwd_bwd_tflops", "fwd_bwd_vs_ceiling", "fwd_bwd_vs_fa4_ceiling",
-            "fwd_mem_ratio", "fwd_bwd_mem_ratio", "uncaptured_calls", "error"]  # fmt: skip
+            "fwd_backend", "backend", "fwd_ms", "fwd_host_ms", "fwd_host_steady_ms",
+            "fwd_speedup", "fwd_tflops", "fwd_vs_ceiling", "fwd_vs_fa4_ceiling", "fwd_bwd_ms",
+            "fwd_bwd_host_ms", "fwd_bwd_host_steady_ms", "fwd_bwd_speedup", "fwd_bwd_tflops",
+            "fwd_bwd_vs_ceiling", "fwd_bwd_vs_fa4_ceiling", "fwd_mem_ratio", "fwd_bwd_mem_ratio",
+            "uncaptured_calls", "error"]  # fmt: skip
     cols = [c for c in cols if any(c in r for r in rows)]  # those no path run gives: left out
     write_record(out.with_suffix(".json"), env, rows, columns=cols)
     table = record_header(env) + markdown_table(rows, cols)

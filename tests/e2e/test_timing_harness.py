@@ -39,6 +39,24 @@ def test_upstream_gradient_exists_only_for_forward_and_backward() -> None:
     assert x.grad is None
 
 
+def test_steady_host_time_issues_calls_back_to_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``steady_host_ms`` (Note [Host time after a wait]): two untimed calls, then ``calls``
+    timed ones, none separated by a synchronisation (one after the last); the median of the
+    timed calls' own wall times, in ms. Timed on a clock each call advances."""
+    now = [0.0]
+    events: list[str] = []
+    monkeypatch.setattr(_timing, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(_timing.torch.cuda, "synchronize", lambda: events.append("sync"))
+    durations = iter([0.5, 0.5, 0.001, 0.004, 0.002, 0.003, 0.100])
+
+    def call() -> None:
+        events.append("call")
+        now[0] += next(durations)
+
+    assert _timing.steady_host_ms(call, calls=5) == pytest.approx(3.0)
+    assert events == ["call"] * 7 + ["sync"]
+
+
 def test_short_calls_are_timed_until_min_ms_is_filled(monkeypatch: pytest.MonkeyPatch) -> None:
     """``min_ms`` adds runs where ``repeats`` would measure less than it, as many as the first
     timed run says fill it; longer calls keep ``repeats``. Timed on a clock each call advances,
@@ -217,10 +235,13 @@ def test_captured_steps_write_fresh_gradients(
                                            repeats=2)  # fmt: skip
     assert [grad for grad, _ in seen] == [False, False, True, True]
     assert all(g is None for _, g in seen)  # the second backward starts from no gradient
-    assert len(replays) == 2 * (1 + 2)
+    # per step: 1 warm-up, 2 timed, then the steady host time's 2 untimed and 2 timed replays
+    assert len(replays) == 2 * (1 + 2 + 2 + 2)
     assert x.grad is None
-    assert result == {"fwd_ms": 7.0, "fwd_host_ms": pytest.approx(0.0), "fwd_peak_bytes": 0,
+    assert result == {"fwd_ms": 7.0, "fwd_host_ms": pytest.approx(0.0),
+                      "fwd_host_steady_ms": pytest.approx(0.0), "fwd_peak_bytes": 0,
                       "fwd_bwd_ms": 7.0, "fwd_bwd_host_ms": pytest.approx(0.0),
+                      "fwd_bwd_host_steady_ms": pytest.approx(0.0),
                       "fwd_bwd_peak_bytes": 0}  # fmt: skip
 
 
