@@ -259,9 +259,11 @@ def test_each_key_slot_row_is_written_by_one_call(
     schedule, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With GQA, adding one through every call's key rows of its key slot (new buffers start
-    NaN: a write counts as one) fills each (position, key/value head) that some query head of
-    the group reads in that branch with one exactly, and leaves the others at the zero
-    :class:`KeySlots` gives them (Note [Key slots of GQA plans])."""
+    NaN: a write counts as one) fills, by position, each (position, key/value head) that some
+    query head of the group reads in that branch with one exactly, and leaves the others at the
+    zero :class:`KeySlots` gives them; in the query layout (rates that are multiples of the
+    group), each slot row a position of the branch owns with one exactly, the others unwritten
+    (Note [Key slots of GQA plans])."""
     _, n, heads, kv_heads, segs, rates = schedule
     segs = tuple(min(w, n) for w in segs)
     plan = slot_plan(plan_branches(n, heads, segs, rates), n, kv_heads, False)
@@ -273,7 +275,14 @@ def test_each_key_slot_row_is_written_by_one_call(
         for batch in rows:
             view = slots.call_rows(call, batch)  # type: ignore[arg-type]
             view.copy_(torch.where(view.isnan(), 1.0, view + 1))
+    assert slots.query_layout == {i for i, s in enumerate(plan.slots) if s.rate % group == 0}
     for index, slot in enumerate(plan.slots):
+        if index in slots.query_layout:
+            used = _used_rows(slot, n, heads)
+            expected = torch.where(used, 1.0, torch.nan).expand(2, -1, -1)[..., None]
+            torch.testing.assert_close(slots.out(index), expected.expand(-1, -1, -1, 3),
+                                       equal_nan=True)  # fmt: skip
+            continue
         read = torch.zeros(n, kv_heads)
         for position, head in itertools.product(range(n), range(heads)):
             if (position % slot.segment_len) % slot.rate == head % slot.rate:
@@ -282,11 +291,14 @@ def test_each_key_slot_row_is_written_by_one_call(
         torch.testing.assert_close(slots.out(index), expected, msg=lambda m, i=index: f"{i}: {m}")
 
 
-def test_key_slots_sum_in_float32_and_round_once() -> None:
+@pytest.mark.parametrize("rate", [1, 2], ids=["by_position", "query_layout"])
+def test_key_slots_sum_in_float32_and_round_once(rate: int) -> None:
     """bfloat16 key slots holding 1, 2**-8 and (a spanning slot) 2**-9 sum to 1 + 2**-7: 0.75 of
     1's spacing, rounded once, up; adding in bfloat16 as it goes would stay at 1 (1 + 2**-8 is a
-    tie that rounds to even)."""
-    slots = tuple(Slot(8, 1) for _ in range(3))
+    tie that rounds to even). The last two slots by position, or (``rate`` 2, a multiple of the
+    group of 2) in the query layout, whose two offsets cover every key row of a key/value
+    head once."""
+    slots = (Slot(8, 1), Slot(8, rate), Slot(8, rate))
     like = torch.empty(1, 8, 2, 4, dtype=torch.bfloat16)
     own = KeySlots(slots, like, 2, held=[0, 1])
     spanning = KeySlots(slots, like, 2, held=[2])
@@ -463,10 +475,14 @@ def test_backward_groups_follow_the_gradient_slots_memory() -> None:
     """Note [Position-grouped plans]: as many groups (a power of two) as bring the gradient
     slots to the fused engine's 6 / 16 units of q; LongNet's rate-1 slots are the gradients
     (8 groups), with GQA its key slots are one per branch (16), without a rate-1 branch the
-    slots take 1.94 units a gradient (16)."""
+    slots take 1.94 units a gradient (16); with GQA (4 query heads a key/value head) its key
+    slots take 1 / 4 of q by position for rates 1 and 2 and 1 / r in the query layout for rates
+    4-16 (8; 16 when every key slot was by position), with 8 query heads 1 / 8 for rates 1-4 and
+    1 / r for 8 and 16 (8)."""
     longnet = tuple(Slot(2048 << i, 1 << i) for i in range(5))
     assert grouped.backward_slot_groups(longnet, 1) == 8
-    assert grouped.backward_slot_groups(longnet, 4) == 16
+    assert grouped.backward_slot_groups(longnet, 4) == 8
+    assert grouped.backward_slot_groups(longnet, 8) == 8
     assert grouped.backward_slot_groups(tuple(Slot(s.segment_len, 2 * s.rate) for s in longnet),
                                         1) == 8  # fmt: skip
     assert grouped.backward_slot_groups((Slot(2048, 1), Slot(4096, 2)), 1) == 4
@@ -606,14 +622,16 @@ def test_gpu_oracles_are_the_oracle_computed_once() -> None:
 def test_explain_says_whether_branches_go_into_slots() -> None:
     """``describe_plan`` (``explain``'s lines) on a kernel that writes into given buffers: every
     group of a slotted schedule says it goes into its slot, a GQA one where its key gradients
-    go; a GQA schedule whose offset classes' key heads are no strided slice says why not."""
+    go (by position below the group of 4 query heads, in the query layout from it); a GQA
+    schedule whose offset classes' key heads are no strided slice says why not."""
     from dilated_attention.core.geometry.segment import describe_plan
 
     lines = describe_plan(plan_branches(64, 8, (8, 16, 32), (1, 2, 4)), 64, 8, True, True)
     assert len(lines) == 3
     assert all(line.endswith("merged once with the other branches") for line in lines), lines
-    lines = describe_plan(plan_branches(64, 8, (8, 16), (1, 2)), 64, 4, True, True)
-    assert all(line.endswith("(GQA: dk, dv in key slots by position)") for line in lines), lines
+    lines = describe_plan(plan_branches(64, 8, (8, 16, 32), (1, 2, 4)), 64, 2, True, True)
+    layouts = [line.rpartition(" (GQA: dk, dv in key slots by ")[2] for line in lines]
+    assert layouts == ["position)", "position)", "the query slots' layout)"], lines
     lines = describe_plan(plan_branches(36, 8, (12, 36), (1, 3)), 36, 2, True, True)
     assert all("merged as it comes (no branch slots: w=36 r=3: GQA" in line for line in lines)
     assert not any("slot" in line for line in describe_plan(

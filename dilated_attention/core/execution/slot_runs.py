@@ -218,6 +218,7 @@ def slot_backward(
                                            strict=True):  # fmt: skip
             own.sum_into(grad, [*views, *added])
 
+    slot_tensors = [t for own in buffers for t in own.tensors]
     tensors = (saved.dout, saved.q, saved.k, saved.v, saved.out, saved.lse_rows,
-               saved.key_padding_mask, *grads, *(own.flat for own in buffers))  # fmt: skip
+               saved.key_padding_mask, *grads, *slot_tensors)  # fmt: skip
     run_through(runner, tensors, launches)

@@ -59,7 +59,7 @@ import torch
 from ..execution import fused
 from .calls import Call
 from .plan import Plan, PositionGroup
-from .slots import Slot
+from .slots import Slot, query_layout
 
 #: Devices whose plans are cut (tests add "cpu" to run the grouped executor there).
 GROUPED_DEVICES = frozenset({"cuda"})
@@ -137,15 +137,16 @@ def slot_group_length(slots: tuple[Slot, ...], seq_len: int, target: int) -> int
 #: this the host, not the GPU, sets the pace. On an H100 at 1M tokens (bf16, H = 16): LongNet's
 #: schedule made 16 groups x 10 calls, whose causal D = 64 step took 99 ms of host time for 96 ms
 #: of kernels (106 ms in all); in 8 groups (:func:`backward_slot_groups`) 51 ms and 94 ms
-#: (``profile_dilated.py --host``). With 4 key/value heads a group makes 15 calls, and its key
-#: gradient slots (a key/value head's rows per branch) need 16 groups to stay within the
-#: fused engine's scratch (1.17x the unavoidable bytes at 1M tokens in 8 groups): 240 calls.
+#: (``profile_dilated.py --host``). With 4 key/value heads a group makes 15 calls; its key
+#: gradient slots, a key/value head's rows per branch when all were by position, needed 16
+#: groups to stay within the fused engine's scratch: 240 calls (in the query layout from the
+#: group's rate on, Note [Key slots of GQA plans] in ``slots.py``, 8 groups).
 MAX_GROUPED_CALLS = 240
 
 #: A slotted plan's group holds at least this many positions: fewer than the fused engine's
 #: (``fused.MIN_GROUP_POSITIONS``), whose launches cover a group's rows of every branch at once,
 #: since its calls fill a GPU by themselves (a rate-1 call over 8K positions of 16 heads is
-#: 1,024 tiles of 128 rows) and a GQA backward at 256K tokens needs 16 groups.
+#: 1,024 tiles of 128 rows) and a GQA backward at 256K tokens takes 8 groups.
 MIN_SLOT_GROUP_POSITIONS = 8192
 
 
@@ -173,9 +174,12 @@ def backward_slot_groups(slots: tuple[Slot, ...], group_size: int) -> int:
     """How many position groups a slotted plan's backward needs for its gradient slots to take
     at most what the fused engine's float32 dq, dk and dv take in ``GROUPS_PER_SEQUENCE`` groups
     (6 / GROUPS_PER_SEQUENCE units of q): the next power of two (Note [Position-grouped plans]).
-    Query slots count as in :func:`slot_share`, a GQA key slot ``1 / group_size``."""
+    Query slots count as in :func:`slot_share`, a GQA key slot ``1 / group_size`` by position
+    and ``1 / r`` in the query layout (Note [Key slots of GQA plans] in ``slots.py``)."""
     query = slot_share(slots)
-    key = query if group_size == 1 else len(slots) / group_size
+    key = query if group_size == 1 else sum(
+        1 / s.rate if query_layout(s.rate, group_size) else 1 / group_size for s in slots
+    )
     return _power_of_two_at_least((query + 2 * key) * fused.GROUPS_PER_SEQUENCE / 6)
 
 

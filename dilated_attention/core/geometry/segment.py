@@ -31,7 +31,7 @@ from ... import _validation as V
 from ..higher_order import RowCall
 from .calls import put_view
 from .plan import Plan
-from .slots import Slot
+from .slots import Slot, query_layout
 from .strided import DiagonalCall, StridedCall, kv_head_slice
 
 
@@ -447,8 +447,7 @@ def describe_plan(
             if slotted
             else f"; merged as it comes (no branch slots: {reason})"
         )
-        if slotted and groups and groups[0].num_heads != num_kv_heads:
-            merge += " (GQA: dk, dv in key slots by position)"
+    group_size = groups[0].num_heads // num_kv_heads if groups else 1
     lines = []
     for group in groups:
         where = (
@@ -474,8 +473,17 @@ def describe_plan(
                 ", one batch element at a time (whole segments before a shorter last one are "
                 "one view only within a batch element)"
             )
-        lines.append(f"{where}: {path}{merge}")
+        key_slots = ""
+        if slotted and group_size > 1:  # Note [Key slots of GQA plans] in slots.py
+            by_queries = query_layout(group.rate, group_size)
+            key_slots = f" (GQA: dk, dv in key slots by {_KEY_LAYOUTS[by_queries]})"
+        lines.append(f"{where}: {path}{merge}{key_slots}")
     return tuple(lines)
+
+
+#: How a GQA plan's key slot of a branch is laid out (Note [Key slots of GQA plans]), by
+#: whether its rate is a multiple of the group.
+_KEY_LAYOUTS = {False: "position", True: "the query slots' layout"}
 
 
 def _heads(heads: tuple[int, ...]) -> str:

@@ -49,18 +49,29 @@ Note [Branch slots merged once]
 Note [Key slots of GQA plans]
     Without GQA a key row of head ``h`` meets one call per branch, that of query head ``h``'s
     offset class, so dk and dv share the query slots' layout. With GQA (``g = H / Hkv`` query
-    heads per key/value head) the query heads of one key/value head have several offsets, so
-    one key row meets the calls of several offset classes, and the kernel itself sums the query
-    heads of one call (native GQA). The strided calls of a branch still write each (position,
+    heads per key/value head) the strided calls of a branch still write each (position,
     key/value head) at most once: an offset class ``s`` reads the key rows ``s + r * m`` only
-    (Note [Strided row calls]). So dk and dv get *key slots* by position instead, (B, N, Hkv, D)
-    per branch (:class:`KeySlots`), each call writing its key rows through the same view it
-    read them with, and one pass sums a position's slots over the branches in float32 and
-    rounds once. Where ``r`` divides ``g`` every offset class holds query heads of every
-    key/value head, so every key row is written; elsewhere (``r > g``) a key/value head's query
-    heads take ``g`` of the ``r`` offsets and the rest of its rows stay zero, so those slots are
-    zeroed first. Key slots take ``n_branches / g`` units of q per buffer (1.25 for LongNet's five
-    branches at ``g = 4``) and are cut into position groups with the query slots.
+    (Note [Strided row calls]). Two layouts follow, per branch (:class:`KeySlots`):
+
+    - ``r`` a multiple of ``g``: a key/value head's ``g`` query heads have ``g`` distinct
+      offsets, and each call runs one key/value head per query head (a strided slice of step
+      ``r / g``, or a diagonal call's shared head read one position further per head), so the
+      key rows of query head ``h`` at offset ``h mod r`` are key/value head ``h // g``'s alone:
+      the key slot has the query slots' layout, (B, S * C, H, D), each call writing its key
+      gradients through the rows it writes dq through. It takes ``1 / r`` of q, where a slot by
+      position takes ``1 / g``, only ``g / r`` of it written (the rest zeros): at 256K tokens
+      LongNet's rates 8-128 at ``g = 4`` held 3 units of q of zeros in dk's and dv's slots.
+    - otherwise (``r`` below ``g``, or not a multiple of it): by position, (B, N, Hkv, D), each
+      call writing its key rows through the same view it read them with (the kernel sums the
+      query heads of one key/value head: native GQA). Where ``r`` divides ``g`` every offset
+      class holds query heads of every key/value head, so every key row is written; elsewhere
+      the slot is zeroed first.
+
+    One pass sums a position's slots over the branches in float32 and rounds once: the slots by
+    position as a stack, then each slot in the query layout, its offset class ``s`` adding into
+    the positions ``s + r * m`` of the key/value heads ``s // g, s // g + r / g, ...``. Key slots
+    take ``1 / g`` of q per branch by position and ``1 / r`` per branch in the query layout, and
+    are cut into position groups with the query slots.
 
 Note [A rate-1 slot is its destination]
     A branch of rate 1 whose segments end with the positions (``L`` divides N, or the last
@@ -189,6 +200,11 @@ class SlotBuffers:
             torch.empty(sum(sizes), dtype=lse_dtype, device=like.device) if with_lse else None
         )
 
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The buffers the calls write and the merge or sum reads."""
+        return (self.flat,) if self.lse_flat is None else (self.flat, self.lse_flat)
+
     def out(self, index: int) -> torch.Tensor:
         """Slot ``index``'s rows, (B, S * C, H, D)."""
         if index == self.in_dest and self._dest is not None:
@@ -274,12 +290,14 @@ class ExtraSlotGradients:
 
 
 class KeySlots:
-    """The key (or value) gradient slots of a GQA plan, by position (Note [Key slots of GQA
-    plans]): slot ``i`` of the ``held`` ones is (B, N', Hkv, D) over the positions of ``like``
-    (B, N', Hkv, D), zeroed where its branch's calls leave rows unwritten.
+    """The key (or value) gradient slots of a GQA plan (Note [Key slots of GQA plans]): slot
+    ``i`` of the ``held`` ones is (B, N', Hkv, D) by position over the positions of ``like``
+    (B, N', Hkv, D), zeroed where its branch's calls leave rows unwritten, or, where its rate is
+    a multiple of ``group_size``, (B, S * C, H, D) in the query slots' layout.
 
     Attributes:
-        flat: (len(held), B, N', Hkv, D).
+        flat: the slots by position, (len, B, N', Hkv, D).
+        by_queries: the slots in the query slots' layout.
     """
 
     def __init__(
@@ -289,37 +307,63 @@ class KeySlots:
         group_size: int,
         held: Sequence[int] | None = None,
     ) -> None:
-        self.held = tuple(range(len(slots))) if held is None else tuple(held)
+        held = tuple(range(len(slots))) if held is None else tuple(held)
+        self.group_size = group_size
+        self.query_layout = {i for i in held if query_layout(slots[i].rate, group_size)}
+        self.held = tuple(i for i in held if i not in self.query_layout)
         self._index = {slot: i for i, slot in enumerate(self.held)}
         self.flat = torch.empty((len(self.held), *like.shape), dtype=like.dtype, device=like.device)
         for i, slot in enumerate(self.held):
             if not key_rows_covered(slots[slot].rate, group_size):
                 self.flat[i].zero_()
+        batch, positions, kv_heads, dim = like.shape
+        queries = like[:, :, :1].expand(batch, positions, kv_heads * group_size, dim)
+        self.by_queries = SlotBuffers(slots, queries, positions, with_lse=False,
+                                      held=sorted(self.query_layout))  # fmt: skip
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The buffers the calls write and the sum reads."""
+        return self.flat, self.by_queries.flat
 
     def out(self, index: int) -> torch.Tensor:
-        """Slot ``index``, (B, N', Hkv, D)."""
+        """Slot ``index``: (B, N', Hkv, D) by position, or (B, S * C, H, D) in the query
+        layout."""
+        if index in self.query_layout:
+            return self.by_queries.out(index)
         return self.flat[self._index[index]]
 
     def call_rows(self, call: SlotCall, batch: slice) -> torch.Tensor:
         """The key rows ``call`` writes of its slot, for batch elements ``batch``: (B' * n, c,
         Hkc, D), a view."""
+        if call.slot in self.query_layout:
+            return self.by_queries.call_rows(call, batch)
         return call.kv_slot_rows(self.out(call.slot)[batch])
 
     def views(
         self, batch: slice = slice(None), start: int = 0, end: int | None = None
-    ) -> list[torch.Tensor]:
-        """The held slots over positions ``[start, end)`` of batch elements ``batch``, one
-        (len(held), B', N'', Hkv, D) view."""
-        return [self.flat[:, batch, start:end]]
+    ) -> list[torch.Tensor | SlotView]:
+        """The held slots over positions ``[start, end)`` of batch elements ``batch``: one
+        (len, B', N'', Hkv, D) view of the slots by position, and a :class:`SlotView` of each
+        slot in the query layout."""
+        return [self.flat[:, batch, start:end], *self.by_queries.views(batch, start, end)]
 
-    def sum_into(self, grad: torch.Tensor, extra: Sequence[torch.Tensor] = ()) -> None:
-        """Write the float32 sum of every held slot and the ``extra`` stacks (``views`` of the
+    def sum_into(self, grad: torch.Tensor, extra: Sequence[torch.Tensor | SlotView] = ()) -> None:
+        """Write the float32 sum of every held slot and the ``extra`` views (``views`` of the
         spanning slots) into ``grad`` (B, N', Hkv, D), one rounding."""
         dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
-        own, *others = (*self.views(), *extra)
-        total = own.sum(0, dtype=dtype)  # zeros where no slot is held
-        for stack in others:
+        views = [*self.views(), *extra]
+        stacks = [v for v in views if not isinstance(v, SlotView) and v.shape[0]]
+        if stacks:
+            total = stacks[0].sum(0, dtype=dtype)
+        else:
+            total = torch.zeros(grad.shape, dtype=dtype, device=grad.device)
+        for stack in stacks[1:]:
             total.add_(stack.sum(0, dtype=dtype))
+        for view in views:
+            if isinstance(view, SlotView):
+                for dest, part in _offset_views(view, total, self.group_size):
+                    dest.add_(part)
         grad.copy_(total)
 
 
@@ -355,6 +399,13 @@ def key_rows_covered(rate: int, group_size: int) -> bool:
     return group_size % rate == 0
 
 
+def query_layout(rate: int, group_size: int) -> bool:
+    """Whether a GQA plan's key slot of a branch of ``rate`` has the query slots' layout: its
+    rate is a multiple of the ``group_size`` query heads of a key/value head (Note [Key slots of
+    GQA plans])."""
+    return rate % group_size == 0
+
+
 def _starts(sizes: Sequence[int]) -> list[int]:
     starts, total = [], 0
     for size in sizes:
@@ -387,11 +438,17 @@ class SlotCall(Protocol):
 
 
 # -- the torch passes ------------------------------------------------------------------------------
-def _offset_views(view: SlotView, dest: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _offset_views(
+    view: SlotView, dest: torch.Tensor, group: int = 1
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(dest rows, slot rows)`` pairs, one per run of segments (the whole ones, then a shorter
     last one) and offset class ``s`` of ``view``: the rows ``seg * L + s + r * m`` of the heads
-    ``s, s + r, ...`` of ``dest`` (B, Np, H, E) and of the view's rows, both (B, n, c, Hc, E)."""
-    batch, positions, heads, dim = dest.shape
+    ``s, s + r, ...`` of ``dest`` (B, Np, H, E) and of the view's rows, both (B, n, c, Hc, E).
+    With ``group`` > 1, ``dest`` holds the H / group key/value heads and the view is a key slot
+    in the query layout (Note [Key slots of GQA plans]): the offset class's heads go to key/value
+    heads ``s // group, s // group + r / group, ...``."""
+    batch, positions, dest_heads, dim = dest.shape
+    heads = dest_heads * group
     length, rate, per_segment = view.segment_len, view.rate, view.segment_rows
     full, rest = divmod(positions, length)
     compact = view.rows.reshape(batch, -(-positions // length), per_segment, heads, -1)
@@ -400,11 +457,12 @@ def _offset_views(view: SlotView, dest: torch.Tensor) -> list[tuple[torch.Tensor
         if count == 0 or run == 0:
             continue
         by_offset = dest[:, first * length : first * length + count * run]
-        by_offset = by_offset.view(batch, count, run, heads, dim)
+        by_offset = by_offset.view(batch, count, run, dest_heads, dim)
         part = compact[:, first : first + count]
         for s in range(min(rate, heads, run)):
             rows = len(range(s, run, rate))
-            pairs.append((by_offset[:, :, s::rate, s::rate], part[:, :, :rows, s::rate]))
+            kv = slice(s // group, None, max(1, rate // group))
+            pairs.append((by_offset[:, :, s::rate, kv], part[:, :, :rows, s::rate]))
     return pairs
 
 
