@@ -312,6 +312,26 @@ def test_key_slots_sum_in_float32_and_round_once(rate: int) -> None:
     assert one + 2.0**-8 + 2.0**-9 == 1.0  # in bfloat16 as it goes
 
 
+def test_rate_one_key_slot_is_the_key_gradient() -> None:
+    """Note [A rate-1 slot is its destination]: a GQA key slot of rate 1 is by position, the
+    gradient's layout, so with the gradient given it is the gradient itself (no buffer of its
+    own), and the sum reads it whole before writing the gradient: in float32, one rounding."""
+    slots = (Slot(8, 1), Slot(8, 2), Slot(8, 4))
+    like = torch.empty(1, 8, 2, 4, dtype=torch.bfloat16)
+    grad = torch.empty(1, 8, 2, 4, dtype=torch.bfloat16)
+    own = KeySlots(slots, like, 4, dest=grad)
+    assert own.in_dest == 0 and own.out(0) is grad and own.flat.shape[0] == 1
+    assert own.query_layout == {2}
+    own.out(0).fill_(1.0)
+    own.out(1).fill_(2.0**-8)
+    own.out(2).fill_(2.0**-9)  # every key row of a key/value head: its 4 heads' offsets
+    own.sum_into(grad)
+    assert torch.all(grad == 1.0 + 2.0**-7), grad
+    assert KeySlots(slots, like, 4, dest=grad.float()).in_dest is None  # another dtype
+    assert KeySlots(slots, like, 4, dest=grad.transpose(1, 2).contiguous().transpose(1, 2)
+                    ).in_dest is None  # fmt: skip
+
+
 @pytest.mark.parametrize("case", UNSLOTTED, ids=[c[0] for c in UNSLOTTED])
 def test_plans_without_slots_say_why_and_merge_as_they_go(
     case, writing_kernel: list[str], monkeypatch: pytest.MonkeyPatch
@@ -476,9 +496,9 @@ def test_backward_groups_follow_the_gradient_slots_memory() -> None:
     slots to the fused engine's 6 / 16 units of q; LongNet's rate-1 slots are the gradients
     (8 groups), with GQA its key slots are one per branch (16), without a rate-1 branch the
     slots take 1.94 units a gradient (16); with GQA (4 query heads a key/value head) its key
-    slots take 1 / 4 of q by position for rates 1 and 2 and 1 / r in the query layout for rates
-    4-16 (8; 16 when every key slot was by position), with 8 query heads 1 / 8 for rates 1-4 and
-    1 / r for 8 and 16 (8)."""
+    slots take 1 / 4 of q by position for rate 2 (rate 1's is the gradient) and 1 / r in the
+    query layout for rates 4-16 (8; 16 when every key slot was by position), with 8 query heads
+    1 / 8 for rates 2 and 4 and 1 / r for 8 and 16 (8)."""
     longnet = tuple(Slot(2048 << i, 1 << i) for i in range(5))
     assert grouped.backward_slot_groups(longnet, 1) == 8
     assert grouped.backward_slot_groups(longnet, 4) == 8

@@ -146,7 +146,8 @@ def grad_slots(
         return [dq, *(SlotBuffers(slots, x, x.shape[1], with_lse=False, held=held, dest=grad)
                       for x, grad in zip((k, v), grads[1:], strict=True))]  # fmt: skip
     group_size = q.shape[2] // k.shape[2]
-    return [dq, *(KeySlots(slots, x, group_size, held=held) for x in (k, v))]
+    return [dq, *(KeySlots(slots, x, group_size, held=held, dest=grad)
+                  for x, grad in zip((k, v), grads[1:], strict=True))]  # fmt: skip
 
 
 def own_slots(slots: Sequence[Slot], spanning: bool = False) -> list[int]:

@@ -175,11 +175,12 @@ def backward_slot_groups(slots: tuple[Slot, ...], group_size: int) -> int:
     at most what the fused engine's float32 dq, dk and dv take in ``GROUPS_PER_SEQUENCE`` groups
     (6 / GROUPS_PER_SEQUENCE units of q): the next power of two (Note [Position-grouped plans]).
     Query slots count as in :func:`slot_share`, a GQA key slot ``1 / group_size`` by position
-    and ``1 / r`` in the query layout (Note [Key slots of GQA plans] in ``slots.py``)."""
+    (none for a rate-1 slot, the gradient itself) and ``1 / r`` in the query layout (Note [Key
+    slots of GQA plans] in ``slots.py``)."""
     query = slot_share(slots)
     key = query if group_size == 1 else sum(
         1 / s.rate if query_layout(s.rate, group_size) else 1 / group_size for s in slots
-    )
+    ) - (1 / group_size if any(s.rate == 1 for s in slots) else 0)  # the rate-1 slot is dk
     return _power_of_two_at_least((query + 2 * key) * fused.GROUPS_PER_SEQUENCE / 6)
 
 

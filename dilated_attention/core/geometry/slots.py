@@ -85,9 +85,10 @@ Note [A rate-1 slot is its destination]
     branch's unit of q out of every buffer (LongNet's r = 1..16: 0.94 units instead of 1.94),
     which the grouped backward spends on fewer, longer position groups (Note
     [Position-grouped plans] in ``grouped.py``): half the FlashAttention-4 calls for the same
-    memory. Only the first such branch, only where ``dest`` has the input's dtype and a slot's
-    row layout (a float32 output that ring dilated attention merges further does not), and
-    not for GQA key slots (by position already, one per branch).
+    memory. Only the first such branch, and only where ``dest`` has the input's dtype and a
+    slot's row layout (a float32 output that ring dilated attention merges further does not).
+    A GQA key slot of rate 1 is by position, the layout of dk and dv, so it is their
+    destination too.
 
 Shape legend: B batch, N positions of the plan (or of a position group), H heads, D head dim,
 L segment length, r rate, S segments, C slot rows per segment, n segments and c rows of a call.
@@ -293,11 +294,14 @@ class KeySlots:
     """The key (or value) gradient slots of a GQA plan (Note [Key slots of GQA plans]): slot
     ``i`` of the ``held`` ones is (B, N', Hkv, D) by position over the positions of ``like``
     (B, N', Hkv, D), zeroed where its branch's calls leave rows unwritten, or, where its rate is
-    a multiple of ``group_size``, (B, S * C, H, D) in the query slots' layout.
+    a multiple of ``group_size``, (B, S * C, H, D) in the query slots' layout; with ``dest``,
+    the slot of the first rate-1 branch that covers every position is ``dest`` itself (Note [A
+    rate-1 slot is its destination]).
 
     Attributes:
-        flat: the slots by position, (len, B, N', Hkv, D).
+        flat: the other slots by position, (len, B, N', Hkv, D).
         by_queries: the slots in the query slots' layout.
+        in_dest: the index of the slot that is ``dest``, or None.
     """
 
     def __init__(
@@ -306,11 +310,17 @@ class KeySlots:
         like: torch.Tensor,
         group_size: int,
         held: Sequence[int] | None = None,
+        dest: torch.Tensor | None = None,
     ) -> None:
         held = tuple(range(len(slots))) if held is None else tuple(held)
         self.group_size = group_size
         self.query_layout = {i for i in held if query_layout(slots[i].rate, group_size)}
-        self.held = tuple(i for i in held if i not in self.query_layout)
+        by_position = [i for i in held if i not in self.query_layout]
+        positions = like.shape[1]
+        self.in_dest = None if dest is None else dest_slot(slots, by_position, positions, like,
+                                                           dest)  # fmt: skip
+        self._dest = dest
+        self.held = tuple(i for i in by_position if i != self.in_dest)
         self._index = {slot: i for i, slot in enumerate(self.held)}
         self.flat = torch.empty((len(self.held), *like.shape), dtype=like.dtype, device=like.device)
         for i, slot in enumerate(self.held):
@@ -327,10 +337,12 @@ class KeySlots:
         return self.flat, self.by_queries.flat
 
     def out(self, index: int) -> torch.Tensor:
-        """Slot ``index``: (B, N', Hkv, D) by position, or (B, S * C, H, D) in the query
-        layout."""
+        """Slot ``index``: (B, N', Hkv, D) by position (``dest`` itself for the rate-1 slot
+        that is it), or (B, S * C, H, D) in the query layout."""
         if index in self.query_layout:
             return self.by_queries.out(index)
+        if index == self.in_dest and self._dest is not None:
+            return self._dest
         return self.flat[self._index[index]]
 
     def call_rows(self, call: SlotCall, batch: slice) -> torch.Tensor:
@@ -354,6 +366,8 @@ class KeySlots:
         dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
         views = [*self.views(), *extra]
         stacks = [v for v in views if not isinstance(v, SlotView) and v.shape[0]]
+        if self.in_dest is not None and self._dest is not None:
+            stacks.insert(0, self._dest.unsqueeze(0))  # read whole before grad is written
         if stacks:
             total = stacks[0].sum(0, dtype=dtype)
         else:
