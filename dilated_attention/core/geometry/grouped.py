@@ -139,8 +139,9 @@ def slot_group_length(slots: tuple[Slot, ...], seq_len: int, target: int) -> int
 #: of kernels (106 ms in all); in 8 groups (:func:`backward_slot_groups`) 51 ms and 94 ms
 #: (``profile_dilated.py --host``). With 4 key/value heads a group makes 15 calls; its key
 #: gradient slots, a key/value head's rows per branch when all were by position, needed 16
-#: groups to stay within the fused engine's scratch: 240 calls (in the query layout from the
-#: group's rate on, Note [Key slots of GQA plans] in ``slots.py``, 8 groups).
+#: groups to stay within the fused engine's scratch: 240 calls (8 groups with the slots of
+#: rates that are multiples of the group in the query layout, Note [Key slots of GQA plans] in
+#: ``slots.py``).
 MAX_GROUPED_CALLS = 240
 
 #: A slotted plan's group holds at least this many positions: fewer than the fused engine's
