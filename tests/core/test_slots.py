@@ -33,6 +33,7 @@ from dilated_attention.core.geometry.slots import (
     KeySlots,
     Slot,
     SlotBuffers,
+    SlotView,
     dest_slot,
     merge_slots_torch,
     sum_slots_torch,
@@ -310,6 +311,38 @@ def test_key_slots_sum_in_float32_and_round_once(rate: int) -> None:
     assert torch.all(grad == 1.0 + 2.0**-7), grad
     one = torch.tensor(1.0, dtype=torch.bfloat16)
     assert one + 2.0**-8 + 2.0**-9 == 1.0  # in bfloat16 as it goes
+
+
+@pytest.mark.parametrize(
+    ("heads", "group", "rate", "length", "positions"),
+    [(16, 4, 4, 32, 128), (16, 4, 8, 32, 64), (16, 4, 32, 64, 128), (8, 2, 2, 8, 24),
+     (4, 4, 4, 12, 48), (8, 4, 8, 32, 72), (8, 2, 4, 10, 25), (16, 4, 12, 48, 96)],
+    ids=["below-heads", "below-heads-2", "above-heads", "group-2", "mqa", "ragged-last",
+         "ragged-rows", "rate-not-dividing-heads"],
+)  # fmt: skip
+def test_query_layout_key_slot_sums_into_its_key_rows(
+    heads: int, group: int, rate: int, length: int, positions: int
+) -> None:
+    """A key slot in the query layout adds row ``seg * C + m`` of head ``h`` into position
+    ``seg * L + (h mod r) + r * m`` of key/value head ``h // g`` (Note [Key slots of GQA
+    plans]): checked cell by cell against a loop, on whole segments (one strided view) and on
+    ragged ones (the offset classes)."""
+    per_segment = -(-length // rate)
+    segments = -(-positions // length)
+    rows = torch.randn(2, segments * per_segment, heads, 3, dtype=F64)
+    kv_heads = heads // group
+    expected = torch.zeros(2, positions, kv_heads, 3, dtype=F64)
+    for seg, m, h in itertools.product(range(segments), range(per_segment), range(heads)):
+        offset = h % rate + rate * m
+        if offset < length and seg * length + offset < positions:
+            expected[:, seg * length + offset, h // group] += rows[:, seg * per_segment + m, h]
+    slots = KeySlots((Slot(length, rate),), torch.empty(2, positions, kv_heads, 3, dtype=F64),
+                     group)  # fmt: skip
+    slots.out(0).copy_(rows)
+    grad = torch.empty(2, positions, kv_heads, 3, dtype=F64)
+    slots.sum_into(grad)
+    torch.testing.assert_close(grad, expected, rtol=0, atol=0)
+    assert isinstance(slots.views()[1], SlotView)
 
 
 def test_rate_one_key_slot_is_the_key_gradient() -> None:
