@@ -542,6 +542,25 @@ def test_backward_groups_follow_the_gradient_slots_memory() -> None:
     assert grouped.backward_slot_groups((Slot(2048, 1),), 1) == 1
 
 
+@pytest.mark.parametrize("kv_heads", [8, 4, 2, 1])
+def test_gradient_slot_share_is_what_the_slots_allocate(kv_heads: int) -> None:
+    """``gradient_slot_share``, which sets the backward's position groups, counts the bytes the
+    gradient slots of a LongNet-like plan allocate (query slots, key slots by position and in
+    the query layout, the rate-1 slots being the gradients), in units of q, for 1-8 query heads
+    per key/value head."""
+    from dilated_attention.core.execution.slot_runs import grad_slots
+
+    n, heads = 256, 8
+    slots = tuple(Slot(16 << i, 1 << i) for i in range(5))
+    q = torch.empty(2, n, heads, 4)
+    k, v = torch.empty(2, n, kv_heads, 4), torch.empty(2, n, kv_heads, 4)
+    grads = [torch.empty_like(x) for x in (q, k, v)]
+    buffers = grad_slots(slots, q, k, v, None, grads)
+    held = sum(t.numel() for own in buffers for t in own.tensors)
+    share = grouped.gradient_slot_share(slots, heads // kv_heads)
+    assert held / q.numel() == pytest.approx(share), (held / q.numel(), share)
+
+
 #: (id, N, H, segments, rates) of the GPU test: LongNet-like; ragged (r = 3 does not divide
 #: w = 256, shorter last segments, whole segments before them one batch element at a time).
 #: (id, N, H, Hkv, segments, rates).

@@ -171,18 +171,25 @@ def forward_slot_groups(slots: tuple[Slot, ...], group_size: int) -> int:
     return _power_of_two_at_least(slot_share(slots) * fused.SCRATCH_SHARE / unavoidable)
 
 
-def backward_slot_groups(slots: tuple[Slot, ...], group_size: int) -> int:
-    """How many position groups a slotted plan's backward needs for its gradient slots to take
-    at most what the fused engine's float32 dq, dk and dv take in ``GROUPS_PER_SEQUENCE`` groups
-    (6 / GROUPS_PER_SEQUENCE units of q): the next power of two (Note [Position-grouped plans]).
-    Query slots count as in :func:`slot_share`, a GQA key slot ``1 / group_size`` by position
-    (none for a rate-1 slot, the gradient itself) and ``1 / r`` in the query layout (Note [Key
-    slots of GQA plans] in ``slots.py``)."""
+def gradient_slot_share(slots: tuple[Slot, ...], group_size: int) -> float:
+    """A slotted plan's gradient slots (dq's, dk's and dv's) in units of q: query slots as in
+    :func:`slot_share`, a GQA key slot ``1 / group_size`` by position (none for a rate-1 slot,
+    the gradient itself) and ``1 / r`` in the query layout (Note [Key slots of GQA plans] in
+    ``slots.py``)."""
     query = slot_share(slots)
     key = query if group_size == 1 else sum(
         1 / s.rate if query_layout(s.rate, group_size) else 1 / group_size for s in slots
     ) - (1 / group_size if any(s.rate == 1 for s in slots) else 0)  # the rate-1 slot is dk
-    return _power_of_two_at_least((query + 2 * key) * fused.GROUPS_PER_SEQUENCE / 6)
+    return query + 2 * key
+
+
+def backward_slot_groups(slots: tuple[Slot, ...], group_size: int) -> int:
+    """How many position groups a slotted plan's backward needs for its gradient slots
+    (:func:`gradient_slot_share`) to take at most what the fused engine's float32 dq, dk and dv
+    take in ``GROUPS_PER_SEQUENCE`` groups (6 / GROUPS_PER_SEQUENCE units of q): the next power
+    of two (Note [Position-grouped plans])."""
+    share = gradient_slot_share(slots, group_size)
+    return _power_of_two_at_least(share * fused.GROUPS_PER_SEQUENCE / 6)
 
 
 def _slot_groups(
