@@ -28,9 +28,9 @@ import dilated_attention.core.execution.grouped_runs as grouped_runs
 import dilated_attention.core.execution.slot_runs as slot_runs
 import dilated_attention.core.geometry.grouped as grouped
 from dilated_attention import backend_reasons, dilated_attention
+from dilated_attention.core.geometry.key_slots import KeySlots
 from dilated_attention.core.geometry.segment import not_slotted_reason, plan_branches, slot_plan
 from dilated_attention.core.geometry.slots import (
-    KeySlots,
     Slot,
     SlotBuffers,
     SlotView,

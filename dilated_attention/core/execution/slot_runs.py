@@ -17,7 +17,8 @@ import torch
 
 from ..contract import KernelOutput
 from ..geometry.calls import Call, GradInputs, KernelArgs, call_backward, call_forward
-from ..geometry.slots import KeySlots, Slot, SlotBuffers, SlotCall, SlotView, merge_slots
+from ..geometry.key_slots import KeySlots
+from ..geometry.slots import Slot, SlotBuffers, SlotCall, SlotView, merge_slots
 
 #: Runs a call's launches (kernel calls and in-place ops on the tensors it is given, which name
 #: everything the launches read or write): now, or replayed from a CUDA graph
@@ -138,7 +139,7 @@ def grad_slots(
 ) -> list[SlotBuffers | KeySlots]:
     """The gradient slots of a slotted plan's backward over the positions of q, k, v (B, N',
     H or Hkv, D): query slots for dq, and for dk and dv the query slots' layout without GQA,
-    else key slots by position (Note [Key slots of GQA plans] in ``slots.py``); a rate-1 query
+    else key slots by position (Note [Key slots of GQA plans] in ``key_slots.py``); a rate-1 query
     slot is the gradient of ``grads`` it sums into, where given (Note [A rate-1 slot is its
     destination])."""
     dq = SlotBuffers(slots, q, q.shape[1], with_lse=False, held=held, dest=grads[0])

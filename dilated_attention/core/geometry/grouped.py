@@ -58,8 +58,9 @@ import torch
 
 from ..execution import fused
 from .calls import Call
+from .key_slots import query_layout
 from .plan import Plan, PositionGroup
-from .slots import Slot, query_layout
+from .slots import Slot
 
 #: Devices whose plans are cut (tests add "cpu" to run the grouped executor there).
 GROUPED_DEVICES = frozenset({"cuda"})
@@ -141,7 +142,7 @@ def slot_group_length(slots: tuple[Slot, ...], seq_len: int, target: int) -> int
 #: gradient slots, a key/value head's rows per branch when all were by position, needed 16
 #: groups to stay within the fused engine's scratch: 240 calls (8 groups with the slots of
 #: rates that are multiples of the group in the query layout, Note [Key slots of GQA plans] in
-#: ``slots.py``).
+#: ``key_slots.py``).
 MAX_GROUPED_CALLS = 240
 
 #: A slotted plan's group holds at least this many positions: fewer than the fused engine's
@@ -175,7 +176,7 @@ def gradient_slot_share(slots: tuple[Slot, ...], group_size: int) -> float:
     """A slotted plan's gradient slots (dq's, dk's and dv's) in units of q: query slots as in
     :func:`slot_share`, a GQA key slot ``1 / group_size`` by position (none for a rate-1 slot,
     the gradient itself) and ``1 / r`` in the query layout (Note [Key slots of GQA plans] in
-    ``slots.py``)."""
+    ``key_slots.py``)."""
     query = slot_share(slots)
     key = query if group_size == 1 else sum(
         1 / s.rate if query_layout(s.rate, group_size) else 1 / group_size for s in slots

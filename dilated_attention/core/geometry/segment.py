@@ -30,8 +30,9 @@ import torch
 from ... import _validation as V
 from ..higher_order import RowCall
 from .calls import put_view
+from .key_slots import query_layout
 from .plan import Plan
-from .slots import Slot, query_layout
+from .slots import Slot
 from .strided import DiagonalCall, StridedCall, kv_head_slice
 
 
@@ -474,7 +475,7 @@ def describe_plan(
                 "one view only within a batch element)"
             )
         key_slots = ""
-        if slotted and group_size > 1:  # Note [Key slots of GQA plans] in slots.py
+        if slotted and group_size > 1:  # Note [Key slots of GQA plans] in key_slots.py
             by_queries = query_layout(group.rate, group_size)
             key_slots = f" (GQA: dk, dv in key slots by {_KEY_LAYOUTS[by_queries]})"
         lines.append(f"{where}: {path}{merge}{key_slots}")

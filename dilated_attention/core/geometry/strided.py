@@ -43,7 +43,7 @@ Note [Diagonal head calls]
     key/value heads: 4 calls of 4 heads instead of 16 of one). Only where the group size ``g``
     is at most ``r``: above it a key/value head's ``g`` query heads repeat offsets, so several
     of its runs would read and write the same key rows, whose gradients must add up (a key
-    slot takes one write per row, Note [Key slots of GQA plans] in ``slots.py``); its offset
+    slot takes one write per row, Note [Key slots of GQA plans] in ``key_slots.py``); its offset
     classes (the kernel's native GQA) sum them instead. Key masks become per head
     ((B * n, k, c)).
 
@@ -126,7 +126,7 @@ class StridedCall:
         return self._slot_block(buffer, 1).squeeze(1)[:, self.slot_heads, : self.rows]
 
     def kv_slot_rows(self, buffer: torch.Tensor) -> torch.Tensor:
-        """(B, N, Hkv, E) key slot (Note [Key slots of GQA plans] in ``slots.py``) -> the call's
+        """(B, N, Hkv, E) key slot (Note [Key slots of GQA plans] in ``key_slots.py``) -> the call's
         key rows (B * n, c, Hkc, E): the view :meth:`kv_rows` reads of k (``view`` raises where
         the run's batch elements are not one stride, see :meth:`whole_batch`)."""
         rows = self._rows(buffer, self.kv_heads)
