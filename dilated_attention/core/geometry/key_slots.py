@@ -7,7 +7,8 @@ Note [Key slots of GQA plans]
     offset class, so dk and dv share the query slots' layout. With GQA (``g = H / Hkv`` query
     heads per key/value head) the strided calls of a branch still write each (position,
     key/value head) at most once: an offset class ``s`` reads the key rows ``s + r * m`` only
-    (Note [Strided row calls]). Two layouts follow, per branch (:class:`KeySlots`):
+    (Note [Strided row calls] in ``strided.py``). Two layouts follow, per branch
+    (:class:`KeySlots`):
 
     - ``r`` a multiple of ``g``: a key/value head's ``g`` query heads have ``g`` distinct
       offsets, and each call runs one key/value head per query head (a strided slice of step
@@ -30,9 +31,9 @@ Note [Key slots of GQA plans]
     slot's segments are whole and its rate divides them, all classes at once through one
     strided view of the sum. (With one add per class, up to 16 small launches per slot and
     group, FA4's GQA training at 16K-64K ran 7-10% slower than in the records before the query
-    layout, where the fused kernels' times held within 3%.) Key slots
-    take ``1 / g`` of q per branch by position and ``1 / r`` per branch in the query layout, and
-    are cut into position groups with the query slots.
+    layout, where the fused kernels' times held within 3%.) Key slots take ``1 / g`` of q per
+    branch by position and ``1 / r`` per branch in the query layout, and are cut into position
+    groups with the query slots.
 
 Shape legend: B batch, N' positions, H query heads, Hkv key/value heads (g = H / Hkv), D head
 dim, S segments of a branch, C rows of a segment in its slot, r the branch's rate.
@@ -55,7 +56,7 @@ class KeySlots:
     (B, N', Hkv, D), zeroed where its branch's calls leave rows unwritten, or, where its rate is
     a multiple of ``group_size``, (B, S * C, H, D) in the query slots' layout; with ``dest``,
     the slot of the first rate-1 branch that covers every position is ``dest`` itself (Note [A
-    rate-1 slot is its destination]).
+    rate-1 slot is its destination] in ``slots.py``).
 
     Attributes:
         flat: the other slots by position, (len, B, N', Hkv, D).
