@@ -188,7 +188,7 @@ def slot_forward(
         more = () if extra is None else extra()
         merge_slots([*buffers.views(), *(spanning or ()), *more], out, lse)
 
-    tensors = (q, k, v, key_padding_mask, out, lse, buffers.flat, buffers.lse_flat)
+    tensors = (q, k, v, key_padding_mask, out, lse, *buffers.tensors)
     run_through(runner, tensors, launches)
 
 

@@ -72,21 +72,20 @@ class KeySlots:
         held: Sequence[int] | None = None,
         dest: torch.Tensor | None = None,
     ) -> None:
+        batch, positions, kv_heads, dim = like.shape
         held = tuple(range(len(slots))) if held is None else tuple(held)
         self.group_size = group_size
         self.query_layout = {i for i in held if query_layout(slots[i].rate, group_size)}
         by_position = [i for i in held if i not in self.query_layout]
-        positions = like.shape[1]
         self.in_dest = None if dest is None else dest_slot(slots, by_position, positions, like,
                                                            dest)  # fmt: skip
-        self._dest = dest
+        self._dest = dest if self.in_dest is not None else None
         self.held = tuple(i for i in by_position if i != self.in_dest)
         self._index = {slot: i for i, slot in enumerate(self.held)}
         self.flat = torch.empty((len(self.held), *like.shape), dtype=like.dtype, device=like.device)
         for i, slot in enumerate(self.held):
             if not key_rows_covered(slots[slot].rate, group_size):
                 self.flat[i].zero_()
-        batch, positions, kv_heads, dim = like.shape
         queries = like[:, :, :1].expand(batch, positions, kv_heads * group_size, dim)
         self.by_queries = SlotBuffers(slots, queries, positions, with_lse=False,
                                       held=sorted(self.query_layout))  # fmt: skip
@@ -101,7 +100,7 @@ class KeySlots:
         that is it), or (B, S * C, H, D) in the query layout."""
         if index in self.query_layout:
             return self.by_queries.out(index)
-        if index == self.in_dest and self._dest is not None:
+        if index == self.in_dest and self._dest is not None:  # (in_dest is set with it)
             return self._dest
         return self.flat[self._index[index]]
 
@@ -116,18 +115,19 @@ class KeySlots:
         self, batch: slice = slice(None), start: int = 0, end: int | None = None
     ) -> list[torch.Tensor | SlotView]:
         """The held slots over positions ``[start, end)`` of batch elements ``batch``: one
-        (len, B', N'', Hkv, D) view of the slots by position, and a :class:`SlotView` of each
-        slot in the query layout."""
-        return [self.flat[:, batch, start:end], *self.by_queries.views(batch, start, end)]
+        (len, B', N'', Hkv, D) view of the slots by position (the one that is ``dest`` as a
+        stack of its own), and a :class:`SlotView` of each slot in the query layout."""
+        by_position = [self.flat[:, batch, start:end]]
+        if self._dest is not None:
+            by_position.append(self._dest[batch, start:end].unsqueeze(0))
+        return [*by_position, *self.by_queries.views(batch, start, end)]
 
     def sum_into(self, grad: torch.Tensor, extra: Sequence[torch.Tensor | SlotView] = ()) -> None:
         """Write the float32 sum of every held slot and the ``extra`` views (``views`` of the
         spanning slots) into ``grad`` (B, N', Hkv, D), one rounding."""
         dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
-        views = [*self.views(), *extra]
+        views = [*self.views(), *extra]  # every read before grad (maybe dest) is written
         stacks = [v for v in views if not isinstance(v, SlotView) and v.shape[0]]
-        if self.in_dest is not None and self._dest is not None:
-            stacks.insert(0, self._dest.unsqueeze(0))  # read whole before grad is written
         if stacks:
             total = stacks[0].sum(0, dtype=dtype)
         else:
