@@ -30,7 +30,9 @@ and the same with ``--kv-heads 4`` to ``dilated_tuning_short_gqa_h100``, then bo
 ``--seq-lens 262144 --kv-heads 16`` to ``dilated_tuning_256k_h100`` (``--kv-heads 4 --warmup 2
 --repeats 5`` to ``dilated_tuning_256k_gqa_h100``), and ``--schedules longnet longnet_n --seq-lens
 8192 --kv-heads 16 --paths triton flash_attn4 'dense cudnn'`` to ``dilated_tuning_8k_h100``, and the
-same at ``--seq-lens 4096 --rounds 2`` to ``dilated_tuning_4k_h100``. Where they measured a cell at
+same at ``--seq-lens 4096 --rounds 2`` to ``dilated_tuning_4k_h100``; three GQA runs after the key
+slots took the query slots' layout (``--seq-lens 16384 65536 131072 262144 --kv-heads 4 --warmup 2
+--repeats 5`` to ``dilated_tuning_gqa_keyslots<i>_h100``). Where they measured a cell at
 a length, their times replace the older records' (whose FlashAttention-4 times include the host time
 a replay removes); the older records alone give each cell's ``min_query_len_without_graphs``, the
 threshold used where the graphs are turned off. For every cell (shared key/value heads or not,
@@ -76,6 +78,8 @@ REPLAYED_RECORDS = (
     "dilated_tuning_short_h100", "dilated_tuning_short_gqa_h100",
     "dilated_tuning_128k_h100", "dilated_tuning_128k_gqa_h100", "dilated_tuning_256k_h100",
     "dilated_tuning_8k_h100", "dilated_tuning_256k_gqa_h100", "dilated_tuning_4k_h100",
+    "dilated_tuning_gqa_keyslots1_h100", "dilated_tuning_gqa_keyslots2_h100",
+    "dilated_tuning_gqa_keyslots3_h100",
 )  # fmt: skip
 PATHS = ("flash_attn4", "triton")
 STEPS = (("forward", "fwd"), ("training", "fwd_bwd"))
