@@ -40,7 +40,7 @@ __all__ = [
     "record_header",
     "record_path",
     "recover",
-    "steady_host_ms",
+    "steady_calls",
     "time_captured_fwd_and_fwd_bwd",
     "time_cuda",
     "time_fwd_and_fwd_bwd",
@@ -54,9 +54,10 @@ PACKAGES = ("triton", "flash-attn", "flash-attn-3", "flash-attn-4", "xformers")
 OUT_HELP = "path without suffix (default: benchmarks/results/<benchmark>_<device>)"
 #: Longest error message a row keeps (:func:`error_text`).
 ERROR_CHARS = 300
-#: Most calls :func:`steady_host_ms` makes for :func:`time_cuda` (each call's work queues behind
-#: the others' on the device; the host never waits for them).
+#: Most calls :func:`steady_calls` makes for :func:`time_cuda` (each call's work queues behind
+#: the others' on the device; the host never waits for them), in STEADY_ROUNDS rounds.
 STEADY_CALLS = 30
+STEADY_ROUNDS = 3
 #: Environment variables that change what a benchmark measures; recorded in the command line.
 _COMMAND_ENV = (
     "CUDA_VISIBLE_DEVICES", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
@@ -104,10 +105,17 @@ def timed_call(fn: Callable[[], object], *, cuda: bool = True) -> tuple[float, f
     return start.elapsed_time(stop), host_ms
 
 
-def steady_host_ms(fn: Callable[[], object], *, calls: int) -> float:
-    """The median wall time (ms) of ``calls`` calls of ``fn`` issued back to back on CUDA, with
-    no synchronisation between them: each call meets a device busy with the earlier ones' work
-    and a host that has not waited, as every call of a training loop but its first does.
+def steady_calls(fn: Callable[[], object], *, calls: int) -> dict[str, float]:
+    """``calls`` calls of ``fn`` issued back to back on CUDA, with no synchronisation between
+    them: each call meets a device busy with the earlier ones' work and a host that has not
+    waited, as every call of a training loop but its first does. They run in
+    :data:`STEADY_ROUNDS` rounds (of ``calls // STEADY_ROUNDS`` calls, at least one), each
+    between two CUDA events.
+
+    Returns:
+        ``{"host_ms": the median wall time of one call, "ms": the median over the rounds of
+        the device time per call}``: the time a call adds to a loop that issues it over and
+        over, its host time hidden behind the device's work wherever the device is the slower.
 
     Note [Host time after a wait]
         :func:`timed_call` synchronizes after every call, so each timed call starts on a host
@@ -118,17 +126,29 @@ def steady_host_ms(fn: Callable[[], object], *, calls: int) -> float:
         Python spinning in between, while a plain Python loop took the same time either way
         (``findings_h100.json``, "Host time after the host waited"). So ``host_ms`` grows with
         the length of the device's work before it (dense cuDNN's own forward: 56 us at 4K, 292
-        us at 64K), and the steady time is the host cost a loop pays once it runs.
+        us at 64K), and the steady time is the host cost a loop pays once it runs. The events
+        of :func:`timed_call` count that host time too (the device idles until the first launch
+        arrives), so a call whose host time passes its device time is timed slower there than a
+        loop runs it: the steady ``ms`` is the loop's.
     """
     for _ in range(2):  # the host busy, the device queued
         fn()
-    times = []
-    for _ in range(calls):
-        begin = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - begin)
+    per_round = max(1, calls // STEADY_ROUNDS)
+    host: list[float] = []
+    rounds = []
+    for _ in range(STEADY_ROUNDS):
+        start = torch.cuda.Event(enable_timing=True)
+        stop = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(per_round):
+            begin = time.perf_counter()
+            fn()
+            host.append(time.perf_counter() - begin)
+        stop.record()
+        rounds.append((start, stop))
     torch.cuda.synchronize()
-    return statistics.median(times) * 1e3
+    device_ms = [start.elapsed_time(stop) / per_round for start, stop in rounds]
+    return {"host_ms": statistics.median(host) * 1e3, "ms": statistics.median(device_ms)}
 
 
 def time_cuda(
@@ -144,13 +164,13 @@ def time_cuda(
     CUDA events and the host's share of each run, or ``time.perf_counter`` alone when ``device``
     is given and is not a CUDA device. With ``min_ms``, more runs where ``repeats`` of them
     would take less than ``min_ms`` in all (short calls, whose times move most from run to run),
-    as many as the first timed run says fill it. With ``steady`` (CUDA), also the host time of
-    calls issued back to back (:func:`steady_host_ms`, as many as were timed, at most
-    :data:`STEADY_CALLS`).
+    as many as the first timed run says fill it. With ``steady`` (CUDA), also the host and
+    device times of calls issued back to back (:func:`steady_calls`, as many as were timed, at
+    most :data:`STEADY_CALLS`).
 
     Returns:
         ``{"median_ms", "p10_ms", "p90_ms", "host_ms"}``, ``host_ms`` the median host time;
-        with ``steady``, ``"steady_host_ms"`` too.
+        with ``steady``, ``"steady_host_ms"`` and ``"steady_ms"`` too.
     """
     cuda = device is None or device.type == "cuda"
     for _ in range(warmup):
@@ -173,7 +193,9 @@ def time_cuda(
         "host_ms": statistics.median(host),
     }
     if steady and cuda:
-        result["steady_host_ms"] = steady_host_ms(fn, calls=min(len(times), STEADY_CALLS))
+        loop = steady_calls(fn, calls=min(len(times), STEADY_CALLS))
+        result["steady_host_ms"] = loop["host_ms"]
+        result["steady_ms"] = loop["ms"]
     return result
 
 
@@ -201,8 +223,8 @@ def time_fwd_and_fwd_bwd(
     Returns:
         ``{"fwd_ms", "fwd_host_ms", "fwd_peak_bytes"}`` and the same for ``fwd_bwd``: the
         host times are medians of the host's share of each run (:func:`timed_call`); on CUDA
-        also ``{step}_host_steady_ms``, the host time of calls issued back to back
-        (:func:`steady_host_ms`).
+        also ``{step}_host_steady_ms`` and ``{step}_steady_ms``, the host and device time of
+        one of the calls issued back to back (:func:`steady_calls`).
     """
 
     def fwd() -> None:
@@ -225,6 +247,7 @@ def time_fwd_and_fwd_bwd(
         result[f"{step}_host_ms"] = timing["host_ms"]
         if cuda:
             result[f"{step}_host_steady_ms"] = timing["steady_host_ms"]
+            result[f"{step}_steady_ms"] = timing["steady_ms"]
             result[f"{step}_peak_bytes"] = torch.cuda.max_memory_allocated()
     return result
 
@@ -246,7 +269,8 @@ def time_captured_fwd_and_fwd_bwd(
     times are those of ``graph.replay()``; peaks include the graph's pool.
 
     Returns:
-        ``{"fwd_ms", "fwd_host_ms", "fwd_host_steady_ms", "fwd_peak_bytes"}`` and the same
+        ``{"fwd_ms", "fwd_host_ms", "fwd_host_steady_ms", "fwd_steady_ms", "fwd_peak_bytes"}``
+        and the same
         for ``fwd_bwd``.
     """
     result = {}
@@ -270,6 +294,7 @@ def time_captured_fwd_and_fwd_bwd(
         result[f"{step}_ms"] = timing["median_ms"]
         result[f"{step}_host_ms"] = timing["host_ms"]
         result[f"{step}_host_steady_ms"] = timing["steady_host_ms"]
+        result[f"{step}_steady_ms"] = timing["steady_ms"]
         result[f"{step}_peak_bytes"] = torch.cuda.max_memory_allocated()
         for leaf in leaves:  # they hold the graph's pool
             leaf.grad = None

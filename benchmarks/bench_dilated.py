@@ -39,9 +39,13 @@ branch's pairs counted, causal or not as the row; :func:`schedule_pairs`), the s
 promises; and ``fwd_host_ms`` / ``fwd_bwd_host_ms``: the median wall time of the Python call, the
 synchronisation after it not counted (``_timing.timed_call``; for ``auto captured`` the replay's),
 and ``fwd_host_steady_ms`` / ``fwd_bwd_host_steady_ms``: the same for calls issued back to back, as
-a training loop issues them (``_timing.steady_host_ms``: on the lent machines a call right after the
-host waited for the device takes 2-4x longer on the host). Where ``dense cudnn`` was measured, every
-row of the cell has ``fwd_speedup`` / ``fwd_bwd_speedup``: dense cuDNN's time over the row's. A path
+a training loop issues them (``_timing.steady_calls``: on the lent machines a call right after the
+host waited for the device takes 2-4x longer on the host), with ``fwd_steady_ms`` /
+``fwd_bwd_steady_ms`` the device time one of those calls adds to the loop (CUDA events around
+rounds of them; ``fwd_ms`` times each call alone, after a synchronisation, its host time after the
+wait included where it passes the device's). Where ``dense cudnn`` was measured, every row of the
+cell has ``fwd_speedup`` / ``fwd_bwd_speedup``: dense cuDNN's time over the row's, and
+``fwd_steady_speedup`` / ``fwd_bwd_steady_speedup`` the same for the back-to-back times. A path
 that fails records its error in its row (``error``) and the run goes on. A path whose measurement
 made calls that launched as usual because their CUDA graph had failed to capture or had been dropped
 past the graphs' limit (Note [A call's launches from a CUDA graph]) says how many in
@@ -313,8 +317,9 @@ def bench_config(
         for step, work in (("fwd", flops), ("fwd_bwd", 3.5 * flops)):
             row[f"{step}_ms"] = res[f"{step}_ms"]
             row[f"{step}_host_ms"] = res[f"{step}_host_ms"]
-            if f"{step}_host_steady_ms" in res:
-                row[f"{step}_host_steady_ms"] = res[f"{step}_host_steady_ms"]
+            for steady in (f"{step}_host_steady_ms", f"{step}_steady_ms"):
+                if steady in res:
+                    row[steady] = res[steady]
             row[f"{step}_tflops"] = work / (res[f"{step}_ms"] * 1e-3) / 1e12
             if f"{step}_peak_bytes" in res:
                 row[f"{step}_peak_gib"] = res[f"{step}_peak_bytes"] / GIB
@@ -329,7 +334,8 @@ def bench_config(
 
 def relative_columns(rows: list[dict[str, Any]]) -> None:
     """Each measured row's ratios to the cell's references, where those were measured:
-    ``fwd_speedup`` / ``fwd_bwd_speedup`` = ``dense cudnn``'s time over the row's;
+    ``fwd_speedup`` / ``fwd_bwd_speedup`` = ``dense cudnn``'s time over the row's, and
+    ``*_steady_speedup`` the same for the calls issued back to back;
     ``*_vs_ceiling`` / ``*_vs_fa4_ceiling`` = the row's TFLOP/s over the ceiling's."""
     dense = next((r for r in rows if r["path"] == "dense cudnn" and "fwd_ms" in r), None)
     ceilings = {key: next((r for r in rows if r["path"] == name and "fwd_ms" in r), None)
@@ -341,6 +347,9 @@ def relative_columns(rows: list[dict[str, Any]]) -> None:
         for step in ("fwd", "fwd_bwd"):
             if dense is not None:
                 row[f"{step}_speedup"] = dense[f"{step}_ms"] / row[f"{step}_ms"]
+                if f"{step}_steady_ms" in row and f"{step}_steady_ms" in dense:
+                    steady = dense[f"{step}_steady_ms"] / row[f"{step}_steady_ms"]
+                    row[f"{step}_steady_speedup"] = steady
             for key, top in ceilings.items():
                 if top is not None:
                     row[f"{step}_{key}"] = row[f"{step}_tflops"] / top[f"{step}_tflops"]
@@ -484,8 +493,9 @@ def main(argv: list[str] | None = None) -> None:
     out = record_path("dilated", args.out)
     cols = ["schedule", "head_dim", "kv_heads", "causal", "seq_len", "flop_ratio", "path",
             "fwd_backend", "backend", "fwd_ms", "fwd_host_ms", "fwd_host_steady_ms",
-            "fwd_speedup", "fwd_tflops", "fwd_vs_ceiling", "fwd_vs_fa4_ceiling", "fwd_bwd_ms",
-            "fwd_bwd_host_ms", "fwd_bwd_host_steady_ms", "fwd_bwd_speedup", "fwd_bwd_tflops",
+            "fwd_steady_ms", "fwd_speedup", "fwd_steady_speedup", "fwd_tflops", "fwd_vs_ceiling",
+            "fwd_vs_fa4_ceiling", "fwd_bwd_ms", "fwd_bwd_host_ms", "fwd_bwd_host_steady_ms",
+            "fwd_bwd_steady_ms", "fwd_bwd_speedup", "fwd_bwd_steady_speedup", "fwd_bwd_tflops",
             "fwd_bwd_vs_ceiling", "fwd_bwd_vs_fa4_ceiling", "fwd_mem_ratio", "fwd_bwd_mem_ratio",
             "uncaptured_calls", "error"]  # fmt: skip
     cols = [c for c in cols if any(c in r for r in rows)]  # those no path run gives: left out

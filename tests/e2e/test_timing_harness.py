@@ -39,22 +39,40 @@ def test_upstream_gradient_exists_only_for_forward_and_backward() -> None:
     assert x.grad is None
 
 
-def test_steady_host_time_issues_calls_back_to_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``steady_host_ms`` (Note [Host time after a wait]): two untimed calls, then ``calls``
-    timed ones, none separated by a synchronisation (one after the last); the median of the
-    timed calls' own wall times, in ms. Timed on a clock each call advances."""
+def test_steady_calls_are_issued_back_to_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``steady_calls`` (Note [Host time after a wait]): two untimed calls, then ``calls`` timed
+    ones in rounds between CUDA events, none separated by a synchronisation (one after the
+    last); the median of the timed calls' own wall times and the median over the rounds of the
+    device time per call, in ms. Timed on a clock each call advances, the events reading it."""
     now = [0.0]
     events: list[str] = []
+
+    class Event:
+        def __init__(self, enable_timing: bool) -> None:
+            assert enable_timing
+            self.at = None
+
+        def record(self) -> None:
+            events.append("event")
+            self.at = now[0]
+
+        def elapsed_time(self, stop: Event) -> float:
+            return (stop.at - self.at) * 1e3
+
     monkeypatch.setattr(_timing, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     monkeypatch.setattr(_timing.torch.cuda, "synchronize", lambda: events.append("sync"))
-    durations = iter([0.5, 0.5, 0.001, 0.004, 0.002, 0.003, 0.100])
+    monkeypatch.setattr(_timing.torch.cuda, "Event", Event)
+    durations = iter([0.5, 0.5, 0.001, 0.004, 0.002, 0.003, 0.012, 0.006, 0.004, 0.004, 0.004])
 
     def call() -> None:
         events.append("call")
         now[0] += next(durations)
 
-    assert _timing.steady_host_ms(call, calls=5) == pytest.approx(3.0)
-    assert events == ["call"] * 7 + ["sync"]
+    loop = _timing.steady_calls(call, calls=10)  # 3 rounds of 3 calls
+    assert loop["host_ms"] == pytest.approx(4.0)
+    assert loop["ms"] == pytest.approx(4.0)  # rounds of 7, 21 and 12 ms
+    round_events = ["event"] + ["call"] * 3 + ["event"]
+    assert events == ["call"] * 2 + round_events * 3 + ["sync"]
 
 
 def test_short_calls_are_timed_until_min_ms_is_filled(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -235,13 +253,14 @@ def test_captured_steps_write_fresh_gradients(
                                            repeats=2)  # fmt: skip
     assert [grad for grad, _ in seen] == [False, False, True, True]
     assert all(g is None for _, g in seen)  # the second backward starts from no gradient
-    # per step: 1 warm-up, 2 timed, then the steady host time's 2 untimed and 2 timed replays
-    assert len(replays) == 2 * (1 + 2 + 2 + 2)
+    # per step: 1 warm-up, 2 timed, then the steady calls' 2 untimed replays and 3 rounds of one
+    assert len(replays) == 2 * (1 + 2 + 2 + 3)
     assert x.grad is None
     assert result == {"fwd_ms": 7.0, "fwd_host_ms": pytest.approx(0.0),
-                      "fwd_host_steady_ms": pytest.approx(0.0), "fwd_peak_bytes": 0,
-                      "fwd_bwd_ms": 7.0, "fwd_bwd_host_ms": pytest.approx(0.0),
-                      "fwd_bwd_host_steady_ms": pytest.approx(0.0),
+                      "fwd_host_steady_ms": pytest.approx(0.0), "fwd_steady_ms": 7.0,
+                      "fwd_peak_bytes": 0, "fwd_bwd_ms": 7.0,
+                      "fwd_bwd_host_ms": pytest.approx(0.0),
+                      "fwd_bwd_host_steady_ms": pytest.approx(0.0), "fwd_bwd_steady_ms": 7.0,
                       "fwd_bwd_peak_bytes": 0}  # fmt: skip
 
 
