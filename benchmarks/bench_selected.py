@@ -10,7 +10,8 @@ For each length N (B = 1, H = 16, 4 key/value heads, D = 128, bf16, causal), in 
   on an idle GPU (``selection_share``: the host's checks and allocations before its first
   launch included), and the GPU's own time, the same call replayed from a CUDA graph
   (``selection_gpu_share``: what it costs where the host runs ahead of the GPU, as in a
-  model's forward);
+  model's forward), and of calls issued back to back, both the selection's and MoBA's
+  (``selection_steady_share``: the share a training loop sees, ``_timing.steady_calls``);
 - ``moba``: ``moba_attention`` (the selection, then ``block_sparse_attention`` on its run-time
   block indices, the automatic kernel choice); ``moba, given blocks``: ``block_sparse_attention``
   on block indices selected once (the attention alone); ``moba, given mask``: the same blocks as
@@ -65,10 +66,13 @@ from dilated_attention.sparse import moba_attention, nsa_attention, select_block
 COLUMNS = [
     "seq_len", "path", "keys_per_query", "pair_ratio", "fwd_ms", "fwd_bwd_ms", "fwd_speedup",
     "fwd_bwd_speedup", "visited_rate_fwd", "visited_rate_fwd_bwd", "kernel_rate_fwd",
-    "kernel_rate_fwd_bwd", "fwd_mem_ratio", "fwd_bwd_mem_ratio", "selection_share",
-    "selection_gpu_share", "dense_from",
+    "kernel_rate_fwd_bwd", "fwd_mem_ratio", "fwd_bwd_mem_ratio", "fwd_steady_ms",
+    "fwd_bwd_steady_ms", "selection_share", "selection_gpu_share", "selection_steady_share",
+    "dense_from",
 ]  # fmt: skip
 
+#: A path's times: one call at a time after a synchronisation, and calls issued back to back.
+STEP_TIMES = ("fwd_ms", "fwd_bwd_ms", "fwd_steady_ms", "fwd_bwd_steady_ms")
 #: The rows that time dense attention, skipped above ``--dense-up-to``.
 DENSE = ("dense cudnn", "all blocks")
 
@@ -130,6 +134,8 @@ def measure(
     }
     if seq_len > args.dense_up_to:
         paths = {name: path for name, path in paths.items() if name not in DENSE}
+    if args.paths:
+        paths = {name: path for name, path in paths.items() if name in args.paths}
     rows: list[dict[str, Any]] = []
     for name, (fn, inputs) in paths.items():
         row: dict[str, Any] = {"seq_len": seq_len, "path": name,
@@ -137,7 +143,7 @@ def measure(
         try:
             t = time_fwd_and_fwd_bwd(fn, inputs, lambda: torch.randn_like(q), warmup=3,
                                      repeats=args.repeats, min_ms=50)  # fmt: skip
-            row.update(fwd_ms=t["fwd_ms"], fwd_bwd_ms=t["fwd_bwd_ms"])
+            row.update({key: t[key] for key in STEP_TIMES})
             row["fwd_mem_ratio"] = t["fwd_peak_bytes"] / _unavoidable(q, k, False)
             row["fwd_bwd_mem_ratio"] = t["fwd_bwd_peak_bytes"] / _unavoidable(q, k, True)
         except Exception as exc:  # a path that fails records why; the run goes on
@@ -148,21 +154,24 @@ def measure(
         return select_blocks(q, k, block_size=bs, topk=topk, is_causal=True, return_indices=True)
 
     with torch.no_grad():
-        sel = time_cuda(selection, warmup=3, repeats=args.repeats, min_ms=20)["median_ms"]
+        eager = time_cuda(selection, warmup=3, repeats=args.repeats, min_ms=20, steady=True)
         graph = captured(selection)
         sel_gpu = time_cuda(graph.replay, warmup=3, repeats=args.repeats, min_ms=20)["median_ms"]
-    rows.append({"seq_len": seq_len, "path": "selection", "fwd_ms": sel})
+    sel, sel_steady = eager["median_ms"], eager["steady_ms"]
+    rows.append({"seq_len": seq_len, "path": "selection", "fwd_ms": sel,
+                 "fwd_steady_ms": sel_steady})  # fmt: skip
     rows.append({"seq_len": seq_len, "path": "selection, replayed", "fwd_ms": sel_gpu})
-    derive(rows, (sel, sel_gpu), earlier)
+    derive(rows, {"eager": sel, "gpu": sel_gpu, "steady": sel_steady}, earlier)
     return rows
 
 
 def derive(
-    rows: list[dict[str, Any]], selection_ms: tuple[float, float], earlier: list[dict[str, Any]]
+    rows: list[dict[str, Any]], selection_ms: dict[str, float], earlier: list[dict[str, Any]]
 ) -> None:
     """Speedups over dense cuDNN, the MoBA rows' rates on the pairs they visit (speedup / pair
     ratio) against dense cuDNN and against the same kernel run dense (``all blocks``), and the
-    selection's share of the MoBA call (``selection_ms``: eager, and replayed), in place.
+    selection's share of the MoBA call (``selection_ms``: ``"eager"`` and ``"gpu"`` (replayed)
+    over MoBA's ``fwd_ms``, ``"steady"`` over its ``fwd_steady_ms``), in place.
     Where this length ran no dense rows, the longest of ``earlier`` that did serves, scaled by
     the dense pairs."""
     seq_len = rows[0]["seq_len"]
@@ -193,8 +202,10 @@ def derive(
                     row[f"{column}_{step}"] = speedup / row["pair_ratio"]
     moba = next((r for r in rows if r["path"] == "moba"), {})
     if "fwd_ms" in moba:
-        moba["selection_share"] = selection_ms[0] / moba["fwd_ms"]
-        moba["selection_gpu_share"] = selection_ms[1] / moba["fwd_ms"]
+        moba["selection_share"] = selection_ms["eager"] / moba["fwd_ms"]
+        moba["selection_gpu_share"] = selection_ms["gpu"] / moba["fwd_ms"]
+    if "fwd_steady_ms" in moba and "steady" in selection_ms:
+        moba["selection_steady_share"] = selection_ms["steady"] / moba["fwd_steady_ms"]
 
 
 def _dense_pairs(seq_len: int) -> float:
@@ -212,6 +223,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dense-up-to", type=int, default=262144,
                         help="the longest length whose dense rows run")  # fmt: skip
+    parser.add_argument("--paths", nargs="+", default=None,
+                        help="measure only these paths (the selection always runs)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
