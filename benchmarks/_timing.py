@@ -270,8 +270,7 @@ def time_captured_fwd_and_fwd_bwd(
 
     Returns:
         ``{"fwd_ms", "fwd_host_ms", "fwd_host_steady_ms", "fwd_steady_ms", "fwd_peak_bytes"}``
-        and the same
-        for ``fwd_bwd``.
+        and the same for ``fwd_bwd``.
     """
     result = {}
     for step in ("fwd", "fwd_bwd"):
