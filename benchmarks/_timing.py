@@ -57,6 +57,8 @@ ERROR_CHARS = 300
 #: Most calls :func:`steady_calls` makes for :func:`time_cuda` (each call's work queues behind
 #: the others' on the device; the host never waits for them), in STEADY_ROUNDS rounds.
 STEADY_CALLS = 30
+#: Rounds of back-to-back calls :func:`steady_calls` times, each between two CUDA events; its
+#: device time is the median round's.
 STEADY_ROUNDS = 3
 #: Environment variables that change what a benchmark measures; recorded in the command line.
 _COMMAND_ENV = (
@@ -106,11 +108,11 @@ def timed_call(fn: Callable[[], object], *, cuda: bool = True) -> tuple[float, f
 
 
 def steady_calls(fn: Callable[[], object], *, calls: int) -> dict[str, float]:
-    """``calls`` calls of ``fn`` issued back to back on CUDA, with no synchronisation between
-    them: each call meets a device busy with the earlier ones' work and a host that has not
-    waited, as every call of a training loop but its first does. They run in
-    :data:`STEADY_ROUNDS` rounds (of ``calls // STEADY_ROUNDS`` calls, at least one), each
-    between two CUDA events.
+    """Calls of ``fn`` issued back to back on CUDA, with no synchronisation between them: each
+    call meets a device busy with the earlier ones' work and a host that has not waited, as
+    every call of a training loop but its first does. Two untimed calls, then
+    :data:`STEADY_ROUNDS` rounds of ``max(1, calls // STEADY_ROUNDS)`` calls, each round between
+    two CUDA events (about ``calls`` timed calls; three where ``calls`` is below three).
 
     Returns:
         ``{"host_ms": the median wall time of one call, "ms": the median over the rounds of
@@ -165,8 +167,8 @@ def time_cuda(
     is given and is not a CUDA device. With ``min_ms``, more runs where ``repeats`` of them
     would take less than ``min_ms`` in all (short calls, whose times move most from run to run),
     as many as the first timed run says fill it. With ``steady`` (CUDA), also the host and
-    device times of calls issued back to back (:func:`steady_calls`, as many as were timed, at
-    most :data:`STEADY_CALLS`).
+    device times of calls issued back to back (:func:`steady_calls`, about as many as were
+    timed, at most :data:`STEADY_CALLS`).
 
     Returns:
         ``{"median_ms", "p10_ms", "p90_ms", "host_ms"}``, ``host_ms`` the median host time;

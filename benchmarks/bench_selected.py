@@ -73,6 +73,8 @@ COLUMNS = [
 
 #: A path's times: one call at a time after a synchronisation, and calls issued back to back.
 STEP_TIMES = ("fwd_ms", "fwd_bwd_ms", "fwd_steady_ms", "fwd_bwd_steady_ms")
+#: The paths ``--paths`` may name (every one by default).
+PATHS = ("dense cudnn", "moba", "moba, given blocks", "moba, given mask", "nsa", "all blocks")
 #: The rows that time dense attention, skipped above ``--dense-up-to``.
 DENSE = ("dense cudnn", "all blocks")
 
@@ -223,7 +225,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dense-up-to", type=int, default=262144,
                         help="the longest length whose dense rows run")  # fmt: skip
-    parser.add_argument("--paths", nargs="+", default=None,
+    parser.add_argument("--paths", nargs="+", default=None, choices=PATHS,
                         help="measure only these paths (the selection always runs)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

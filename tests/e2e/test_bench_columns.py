@@ -67,18 +67,23 @@ def test_flop_ratio_counts_what_the_oracle_visits(
 
 def test_speedups_are_dense_cudnn_time_over_each_rows() -> None:
     """``fwd_speedup`` / ``fwd_bwd_speedup``: the cell's ``dense cudnn`` time over the row's
-    (dense cuDNN's own row 1); none on a failed row, none where dense cuDNN failed."""
+    (dense cuDNN's own row 1), and ``*_steady_speedup`` the same for the back-to-back times
+    where both rows have them; none on a failed row, none where dense cuDNN failed."""
     rows = [
         {"path": "auto", "fwd_ms": 2.0, "fwd_bwd_ms": 5.0, "fwd_tflops": 1.0,
-         "fwd_bwd_tflops": 1.0},
+         "fwd_bwd_tflops": 1.0, "fwd_steady_ms": 1.0, "fwd_bwd_steady_ms": 8.0},
         {"path": "dense cudnn", "fwd_ms": 4.0, "fwd_bwd_ms": 20.0, "fwd_tflops": 1.0,
+         "fwd_bwd_tflops": 1.0, "fwd_steady_ms": 3.0, "fwd_bwd_steady_ms": 12.0},
+        {"path": "dense attention", "fwd_ms": 4.0, "fwd_bwd_ms": 20.0, "fwd_tflops": 1.0,
          "fwd_bwd_tflops": 1.0},
         {"path": "auto captured", "error": "RuntimeError: capture failed"},
     ]  # fmt: skip
     bench_dilated.relative_columns(rows)
     assert (rows[0]["fwd_speedup"], rows[0]["fwd_bwd_speedup"]) == (2.0, 4.0)
+    assert (rows[0]["fwd_steady_speedup"], rows[0]["fwd_bwd_steady_speedup"]) == (3.0, 1.5)
     assert (rows[1]["fwd_speedup"], rows[1]["fwd_bwd_speedup"]) == (1.0, 1.0)
-    assert "fwd_speedup" not in rows[2]
+    assert "fwd_steady_speedup" not in rows[2]  # timed one call at a time only
+    assert "fwd_speedup" not in rows[3]
     alone = [dict(rows[0]), {"path": "dense cudnn", "error": "out of memory"}]
     del alone[0]["fwd_speedup"], alone[0]["fwd_bwd_speedup"]
     bench_dilated.relative_columns(alone)

@@ -26,11 +26,11 @@ def test_the_selection_share_is_taken_per_timing() -> None:
     """Eager and replayed selection over MoBA's per-call forward, the back-to-back selection
     over MoBA's back-to-back forward; rates = speedup / pair ratio."""
     rows = _rows()
-    bench_selected.derive(rows, {"eager": 0.4, "gpu": 0.2, "steady": 0.1}, [])
+    bench_selected.derive(rows, {"eager": 0.4, "gpu": 0.2, "steady": 0.06}, [])
     moba = rows[2]
     assert moba["selection_share"] == pytest.approx(0.1)
     assert moba["selection_gpu_share"] == pytest.approx(0.05)
-    assert moba["selection_steady_share"] == pytest.approx(0.05)
+    assert moba["selection_steady_share"] == pytest.approx(0.03)
     assert moba["fwd_speedup"] == pytest.approx(2.0)
     assert moba["visited_rate_fwd"] == pytest.approx(0.5)
     assert moba["kernel_rate_fwd_bwd"] == pytest.approx(30.0 / 12.0 / 4.0)

@@ -43,8 +43,11 @@ def test_steady_calls_are_issued_back_to_back(monkeypatch: pytest.MonkeyPatch) -
     """``steady_calls`` (Note [Host time after a wait]): two untimed calls, then ``calls`` timed
     ones in rounds between CUDA events, none separated by a synchronisation (one after the
     last); the median of the timed calls' own wall times and the median over the rounds of the
-    device time per call, in ms. Timed on a clock each call advances, the events reading it."""
+    device time per call, in ms. Timed on two clocks each call advances, the host's by its
+    wall time and the device's (which the events read) by twice that plus 1 ms, so a device
+    time taken from the host's clock, or a host time from the device's, fails."""
     now = [0.0]
+    device_now = [0.0]
     events: list[str] = []
 
     class Event:
@@ -54,7 +57,7 @@ def test_steady_calls_are_issued_back_to_back(monkeypatch: pytest.MonkeyPatch) -
 
         def record(self) -> None:
             events.append("event")
-            self.at = now[0]
+            self.at = device_now[0]
 
         def elapsed_time(self, stop: Event) -> float:
             return (stop.at - self.at) * 1e3
@@ -66,11 +69,13 @@ def test_steady_calls_are_issued_back_to_back(monkeypatch: pytest.MonkeyPatch) -
 
     def call() -> None:
         events.append("call")
-        now[0] += next(durations)
+        seconds = next(durations)
+        now[0] += seconds
+        device_now[0] += 2 * seconds + 0.001
 
     loop = _timing.steady_calls(call, calls=10)  # 3 rounds of 3 calls
     assert loop["host_ms"] == pytest.approx(4.0)
-    assert loop["ms"] == pytest.approx(4.0)  # rounds of 7, 21 and 12 ms
+    assert loop["ms"] == pytest.approx(9.0)  # device rounds of 17, 45 and 27 ms
     round_events = ["event"] + ["call"] * 3 + ["event"]
     assert events == ["call"] * 2 + round_events * 3 + ["sync"]
 
