@@ -201,6 +201,18 @@ def time_cuda(
     return result
 
 
+#: A step's entries (``{step}_<entry>``) and the :func:`time_cuda` keys they are read from.
+_STEP_ENTRIES = (
+    ("ms", "median_ms"), ("host_ms", "host_ms"), ("host_steady_ms", "steady_host_ms"),
+    ("steady_ms", "steady_ms"),
+)  # fmt: skip
+
+
+def _step_times(step: str, timing: dict[str, float]) -> dict[str, float]:
+    """``step``'s entries of a :func:`time_cuda` result (the steady ones where it has them)."""
+    return {f"{step}_{entry}": timing[key] for entry, key in _STEP_ENTRIES if key in timing}
+
+
 def time_fwd_and_fwd_bwd(
     forward: Callable[[], torch.Tensor],
     leaves: list[torch.Tensor],
@@ -245,11 +257,8 @@ def time_fwd_and_fwd_bwd(
             torch.cuda.reset_peak_memory_stats()
         timing = time_cuda(run, warmup=warmup, repeats=repeats, device=device, min_ms=min_ms,
                            steady=cuda)  # fmt: skip
-        result[f"{step}_ms"] = timing["median_ms"]
-        result[f"{step}_host_ms"] = timing["host_ms"]
+        result.update(_step_times(step, timing))
         if cuda:
-            result[f"{step}_host_steady_ms"] = timing["steady_host_ms"]
-            result[f"{step}_steady_ms"] = timing["steady_ms"]
             result[f"{step}_peak_bytes"] = torch.cuda.max_memory_allocated()
     return result
 
@@ -292,10 +301,7 @@ def time_captured_fwd_and_fwd_bwd(
             graph = captured(forward_backward)
         timing = time_cuda(graph.replay, warmup=warmup, repeats=repeats, min_ms=min_ms,
                            steady=True)  # fmt: skip
-        result[f"{step}_ms"] = timing["median_ms"]
-        result[f"{step}_host_ms"] = timing["host_ms"]
-        result[f"{step}_host_steady_ms"] = timing["steady_host_ms"]
-        result[f"{step}_steady_ms"] = timing["steady_ms"]
+        result.update(_step_times(step, timing))
         result[f"{step}_peak_bytes"] = torch.cuda.max_memory_allocated()
         for leaf in leaves:  # they hold the graph's pool
             leaf.grad = None

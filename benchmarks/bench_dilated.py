@@ -345,11 +345,10 @@ def relative_columns(rows: list[dict[str, Any]]) -> None:
         if "fwd_ms" not in row:
             continue
         for step in ("fwd", "fwd_bwd"):
-            if dense is not None:
-                row[f"{step}_speedup"] = dense[f"{step}_ms"] / row[f"{step}_ms"]
-                if f"{step}_steady_ms" in row and f"{step}_steady_ms" in dense:
-                    steady = dense[f"{step}_steady_ms"] / row[f"{step}_steady_ms"]
-                    row[f"{step}_steady_speedup"] = steady
+            for kind in ("", "_steady"):  # one call at a time, back to back
+                timed = f"{step}{kind}_ms"
+                if dense is not None and timed in row and timed in dense:
+                    row[f"{step}{kind}_speedup"] = dense[timed] / row[timed]
             for key, top in ceilings.items():
                 if top is not None:
                     row[f"{step}_{key}"] = row[f"{step}_tflops"] / top[f"{step}_tflops"]
