@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from ..backends.flash_attn4 import FlashAttn4Backend, SparseTiles
+from ..backends.flash_attn4 import FlashAttn4Backend, SparseTiles, tiles_of_heads
 from ..backends.triton import kernel_module, run_launches
 from ..core.autograd import Backward, Forward, Grads, Inputs, Saved
 from ..core.contract import KernelOutput
@@ -83,15 +83,17 @@ class FlashAttn4Tiles:
     mask: torch.Tensor | None
     empty_rows: torch.Tensor | None
     unread_keys: torch.Tensor | None
-    make_backward: Callable[[], SparseTiles] | None = None
+    make_backward: Callable[[slice, slice], SparseTiles] | None = None
     pending: ListLaunches | None = None
 
-    def backward_lists(self) -> SparseTiles:
-        """The backward's tile lists, made now where they were left for the backward."""
+    def backward_lists(self, heads: slice, kv_heads: slice) -> SparseTiles:
+        """The backward's tile lists of query heads ``heads`` (of key/value heads ``kv_heads``),
+        made now where they were left for the backward (then one chunk of heads at a time:
+        Note [FlashAttention-4's accumulators by head chunks] in ``backends/flash_attn4.py``)."""
         if self.backward is not None:
-            return self.backward
+            return tiles_of_heads(self.backward, heads)
         assert self.make_backward is not None  # one of the two is always set
-        return self.make_backward()
+        return self.make_backward(heads, kv_heads)
 
 
 def _lists(tiles: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> SparseTiles:
@@ -177,14 +179,27 @@ def runtime_fa4_tiles(
         read_by = (kept.indices, kept.documents, *forward, empty)
         pending, unread = _list_launches(fill, read_by, read, num_kv_heads, num_heads)
 
-    def backward() -> SparseTiles:
-        mask = kept_mask(kept) if isinstance(kept, BlockIndices) else kept
+    def backward(heads: slice, kv_heads: slice) -> SparseTiles:
+        chunk = _of_heads(kept, heads, kv_heads, num_heads)
+        mask = kept_mask(chunk) if isinstance(chunk, BlockIndices) else chunk
         return SparseTiles(*runtime_tile_lists(
             mask, block_size=block_size, query_len=query_len, key_len=key_len,
-            is_causal=is_causal, num_heads=num_heads, backward=True,
+            is_causal=is_causal, num_heads=heads.stop - heads.start, backward=True,
         ))  # fmt: skip
 
     return FlashAttn4Tiles(SparseTiles(*forward), None, None, empty, unread, backward, pending)
+
+
+def _of_heads(
+    kept: torch.Tensor | BlockIndices, heads: slice, kv_heads: slice, num_heads: int
+) -> torch.Tensor | BlockIndices:
+    """The rows of a run-time mask's kept blocks (Bm, Hm, Mq, Mk or K) that query heads
+    ``heads`` of key/value heads ``kv_heads`` read: whole where Hm is 1, else the rows of the
+    query heads (Hm = H) or of their key/value heads (Hm = Hkv)."""
+    rows = kept.indices if isinstance(kept, BlockIndices) else kept
+    if rows.shape[1] > 1:
+        rows = rows[:, heads] if rows.shape[1] == num_heads else rows[:, kv_heads]
+    return replace(kept, indices=rows) if isinstance(kept, BlockIndices) else rows
 
 
 def _by_kv_head(read: torch.Tensor, num_kv_heads: int, num_heads: int) -> torch.Tensor:
@@ -274,7 +289,7 @@ class FlashAttn4BlockSparseRunner:
         if self.tiles.pending is not None:
             self.tiles.pending.ensure()
         dq, dk, dv = self.backend.block_sparse_backward(
-            dout, q, k, v, out, lse, self.tiles.backward_lists(), scale=self.scale,
+            dout, q, k, v, out, lse, self.tiles.backward_lists, scale=self.scale,
             is_causal=self.is_causal,
         )  # fmt: skip
         for grad, unreached in ((dq, self.tiles.empty_rows), (dk, self.tiles.unread_keys),

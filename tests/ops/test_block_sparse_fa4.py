@@ -32,7 +32,11 @@ from support.triton import poison_new_buffers
 from dilated_attention import block_sparse_attention
 from dilated_attention import patterns as P
 from dilated_attention.backends.base import KernelInputs
-from dilated_attention.backends.flash_attn4 import FlashAttn4Backend
+from dilated_attention.backends.flash_attn4 import (
+    FlashAttn4Backend,
+    accumulator_chunks,
+    head_chunks,
+)
 from dilated_attention.backends.registry import Selection, get_backend, registry_for
 from dilated_attention.block_sparse.fa4 import FlashAttn4BlockSparseRunner, fa4_tiles
 from dilated_attention.block_sparse.runtime import check_block_mask
@@ -126,6 +130,7 @@ def _install_fake_fa4(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
                         mask_mod=None, block_sparse_tensors=None, pack_gqa=None, dq=None,
                         dk=None, dv=None):  # fmt: skip
         calls["bwd"] = dict(locals())
+        calls.setdefault("bwd chunks", []).append(calls["bwd"])
         assert causal is False and pack_gqa is False
         by_key = _reach(block_sparse_tensors, mask_mod, k.shape[1], q.shape[1], by_key=True)
         reach = by_key.transpose(-1, -2)
@@ -181,6 +186,18 @@ def _fresh_mask_mod():
     fa4_module._top_left_causal.cache_clear()
 
 
+@pytest.fixture(params=["by the share", "per kv head"])
+def chunked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """The backward in the chunks ACCUMULATOR_SHARE gives (in float64 one call, or two with
+    GQA), or forced into one call per key/value head (Note [FlashAttention-4's accumulators by
+    head chunks]): a share no chunk meets."""
+    import dilated_attention.backends.flash_attn4 as fa4_module
+
+    if request.param == "per kv head":
+        monkeypatch.setattr(fa4_module, "ACCUMULATOR_SHARE", 0.0)
+    return request.param == "per kv head"
+
+
 def _inputs(nq: int, nk: int, kv_heads: int, dtype: torch.dtype = F64, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     shapes = [(2, nq, 4, 8), (2, nk, kv_heads, 8), (2, nk, kv_heads, 8), (2, nq, 4, 8)]
@@ -200,7 +217,7 @@ def _run_fake(q, k, v, dout, pattern, block_size, is_causal, create_graph=False)
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_tile_lists_and_runner_match_oracle(
-    case: int, is_causal: bool, monkeypatch: pytest.MonkeyPatch
+    case: int, is_causal: bool, chunked: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Outputs, lse and every gradient against the float64 oracle; unreached rows give 0 and
     -inf, unreached rows and keys zero gradients (the fake poisons them with NaN)."""
@@ -219,6 +236,34 @@ def test_tile_lists_and_runner_match_oracle(
         torch.testing.assert_close(g, rg, **tight, msg=lambda m, n=name: f"d{n}: {m}")
     # Non-causal calls of blocks made of whole tiles have no partial tile, hence no mask_mod.
     assert (calls["fwd"]["mask_mod"] is None) == (not is_causal)
+    assert len(calls["bwd chunks"]) == (kv_heads if chunked else accumulator_chunks(q, k))
+
+
+@pytest.mark.parametrize("case", [0, 1])  # MHA, GQA
+def test_chunked_backward_from_a_release_returning_its_own_grads(
+    case: int, chunked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A release whose backward returns tensors of its own instead of writing dq, dk and dv:
+    each chunk's gradients are copied into its heads' rows, the whole against the oracle."""
+    calls = _install_fake_fa4(monkeypatch)
+    interface = sys.modules["flash_attn.cute.interface"]
+    writes = interface._flash_attn_bwd
+
+    def returns_own(q, k, v, out, dout, lse, softmax_scale=None, causal=False, mask_mod=None,
+                    block_sparse_tensors=None, pack_gqa=None):  # fmt: skip
+        own = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        return writes(q, k, v, out, dout, lse, softmax_scale, causal, mask_mod,
+                      block_sparse_tensors, pack_gqa, *own)  # fmt: skip
+
+    monkeypatch.setattr(interface, "_flash_attn_bwd", returns_own)
+    nq, nk, block_size, kv_heads, pattern = CASES[case]
+    q, k, v, dout = _inputs(nq, nk, kv_heads, seed=case)
+    _, _, grads, _ = _run_fake(q, k, v, dout, pattern, block_size, True)
+    assert len(calls["bwd chunks"]) == (kv_heads if chunked else accumulator_chunks(q, k))
+    mask = token_mask(pattern, block_size, nq, nk, True, query_start=0)
+    _, _, ref_grads = oracle_with_grads(q, k, v, dout, mask, scale=SCALE)
+    for name, g, rg in zip("qkv", grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, rg, atol=1e-10, rtol=1e-7, msg=lambda m, n=name: f"d{n}: {m}")
 
 
 def test_unreached_rows_and_keys_are_marked() -> None:
@@ -259,6 +304,29 @@ def test_double_backward_matches_oracle(monkeypatch: pytest.MonkeyPatch) -> None
     ref_second = torch.autograd.grad(sum(g.square().sum() for g in ref_grads), ref_leaves)
     for got, want in zip(second, ref_second, strict=True):
         torch.testing.assert_close(got, want, atol=1e-9, rtol=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "chunks"),
+    [(16, 16, 2), (16, 4, 4), (16, 8, 8), (16, 1, 1), (8, 2, 2), (4, 4, 2)],
+)
+def test_backward_accumulators_by_head_chunks(heads: int, kv_heads: int, chunks: int) -> None:
+    """Note [FlashAttention-4's accumulators by head chunks]: the fewest chunks of key/value heads
+    whose float32 accumulators (dq's, and dk's and dv's with grouped heads) take at most
+    ACCUMULATOR_SHARE of q, k, v, out, dout, dq, dk and dv (one per key/value head at most), and
+    chunks that cover each query head once, beside its key/value head."""
+    q = torch.empty(1, 64, heads, 8, dtype=torch.bfloat16)
+    k = torch.empty(1, 64, kv_heads, 8, dtype=torch.bfloat16)
+    assert accumulator_chunks(q, k) == chunks
+    parts = head_chunks(q, k)
+    assert len(parts) == chunks
+    query_heads = [h for part, _ in parts for h in range(heads)[part]]
+    assert query_heads == list(range(heads))
+    group = heads // kv_heads
+    for part, kv_part in parts:
+        assert [h // group for h in range(heads)[part]] == sorted(
+            list(range(kv_heads)[kv_part]) * group
+        )
 
 
 # -- the choice, on a fake sm90 CUDA device -------------------------------------------------------
@@ -386,7 +454,7 @@ RUNTIME_PARAMS = [
 
 @pytest.mark.parametrize(("case", "is_causal"), RUNTIME_PARAMS)
 def test_run_time_masks_through_the_strategy(
-    case: int, is_causal: bool, monkeypatch: pytest.MonkeyPatch
+    case: int, is_causal: bool, chunked: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The strategy of a run-time mask on FA4 (its fake): per-(batch row, query head) tile
     lists in both directions, unreached rows and keys per row and head; out, lse and every
@@ -420,5 +488,10 @@ def test_run_time_masks_through_the_strategy(
     forward = calls["fwd"]["block_sparse_tensors"]
     heads = 1 if mask_heads == 1 else 4  # FA4 takes 1 or H heads: a key/value-head mask repeated
     assert forward.mask_block_cnt.shape == (mask_batch, heads, -(-nq // TILE))
-    backward = calls["bwd"]["block_sparse_tensors"]
-    assert backward.full_block_idx.shape == (mask_batch, heads, -(-nk // TILE), -(-nq // TILE))
+    chunks = calls["bwd chunks"]  # one backward call per chunk of heads, each head once
+    assert len(chunks) == (kv_heads if chunked else accumulator_chunks(q, k))
+    assert sum(c["q"].shape[2] for c in chunks) == 4
+    for chunk in chunks:  # a chunk's lists: 1 or its query heads
+        lists = chunk["block_sparse_tensors"].full_block_idx
+        chunk_heads = 1 if mask_heads == 1 or lists.shape[1] == 1 else chunk["q"].shape[2]
+        assert lists.shape == (mask_batch, chunk_heads, -(-nk // TILE), -(-nq // TILE))
