@@ -54,12 +54,14 @@ Note [FlashAttention-4's accumulators by head chunks]
     query heads and its rows of the lists, writing into its heads' rows of dq, dk and dv: the
     fewest chunks whose accumulators take at most :data:`ACCUMULATOR_SHARE` of the unavoidable
     bytes (:func:`accumulator_chunks`; 4 at 16 / 4 heads, 2 with 16 of each). Each chunk is one
-    more call of FA4's Python on the host. Measured (H100, MoBA's blocks of 128, 2,048 keys per
-    query, 16 / 4 heads, D = 128): the training peak went from 1.63x / 1.68x / 1.87x the
-    unavoidable bytes to 1.17x / 1.19x / 1.26x at 64K / 256K / 1M tokens (the backward lists,
-    made per chunk, are most of the rest), forward+backward within 2%. Dense calls keep one
-    call: the slotted plans' calls are short, and split the same way a GQA dilated training
-    step at 16K took 5.4 ms instead of 3.6.
+    more call of FA4's Python on the host (~0.4 ms), so a backward whose accumulators take less
+    than :data:`MIN_CHUNKED_ACCUMULATOR_BYTES` stays one call. Measured (H100, MoBA's blocks of
+    128, 2,048 keys per query, 16 / 4 heads, D = 128): the training peak went from 1.63x / 1.68x
+    / 1.87x the unavoidable bytes to 1.17x / 1.19x / 1.26x at 64K / 256K / 1M tokens (the backward
+    lists, made per chunk, are most of the rest); forward+backward issued back to back took 2-3%
+    longer at 64K and the same at 256K, but at 16K (192 MiB of accumulators, ~2 ms on the GPU)
+    1.9 ms became 2.4-4.1. Dense calls keep one call: the slotted plans' calls are short, and
+    split the same way a GQA dilated training step at 16K took 5.4 ms instead of 3.6.
 
 Note [FlashAttention-4's compile warnings]
     Compiling a kernel, the CuTe DSL warns (``UserWarning``) that FA4's ``aux_data`` argument
@@ -204,15 +206,20 @@ def _masked(values: dict[str, Any], key_mask: torch.Tensor | None, is_causal: bo
 #: one block-sparse backward call's float32 accumulators may take (Note [FlashAttention-4's
 #: accumulators by head chunks]).
 ACCUMULATOR_SHARE = 0.15
+#: Below this many bytes of float32 accumulators a block-sparse backward runs as one call: each
+#: chunk costs FA4's Python on the host, which a short call does not hide.
+MIN_CHUNKED_ACCUMULATOR_BYTES = 512 << 20
 
 
 def accumulator_chunks(q: torch.Tensor, k: torch.Tensor) -> int:
     """How many chunks of key/value heads a block-sparse backward of q (B, Nq, H, D) and k/v
-    (B, Nk, Hkv, D) runs in: the fewest (a divisor of Hkv) whose calls' float32 accumulators
-    each take at most :data:`ACCUMULATOR_SHARE` of the unavoidable bytes, else one per key/value
-    head."""
+    (B, Nk, Hkv, D) runs in: one below :data:`MIN_CHUNKED_ACCUMULATOR_BYTES` of float32
+    accumulators, else the fewest (a divisor of Hkv) whose calls' accumulators each take at most
+    :data:`ACCUMULATOR_SHARE` of the unavoidable bytes, else one per key/value head."""
     heads, kv_heads = q.shape[2], k.shape[2]
     accumulators = 4 * q.numel() + (8 * k.numel() if heads > kv_heads else 0)
+    if accumulators < MIN_CHUNKED_ACCUMULATOR_BYTES:
+        return 1
     unavoidable = 4 * (q.numel() + k.numel()) * q.element_size()
     for chunks in range(1, kv_heads + 1):
         if kv_heads % chunks == 0 and accumulators <= ACCUMULATOR_SHARE * unavoidable * chunks:

@@ -193,6 +193,7 @@ def chunked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     head chunks]): a share no chunk meets."""
     import dilated_attention.backends.flash_attn4 as fa4_module
 
+    monkeypatch.setattr(fa4_module, "MIN_CHUNKED_ACCUMULATOR_BYTES", 0)  # tiny tensors too
     if request.param == "per kv head":
         monkeypatch.setattr(fa4_module, "ACCUMULATOR_SHARE", 0.0)
     return request.param == "per kv head"
@@ -310,13 +311,22 @@ def test_double_backward_matches_oracle(monkeypatch: pytest.MonkeyPatch) -> None
     ("heads", "kv_heads", "chunks"),
     [(16, 16, 2), (16, 4, 4), (16, 8, 8), (16, 1, 1), (8, 2, 2), (4, 4, 2)],
 )
-def test_backward_accumulators_by_head_chunks(heads: int, kv_heads: int, chunks: int) -> None:
+def test_backward_accumulators_by_head_chunks(
+    heads: int, kv_heads: int, chunks: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Note [FlashAttention-4's accumulators by head chunks]: the fewest chunks of key/value heads
     whose float32 accumulators (dq's, and dk's and dv's with grouped heads) take at most
     ACCUMULATOR_SHARE of q, k, v, out, dout, dq, dk and dv (one per key/value head at most), and
-    chunks that cover each query head once, beside its key/value head."""
+    chunks that cover each query head once, beside its key/value head; one call below
+    MIN_CHUNKED_ACCUMULATOR_BYTES of accumulators."""
+    import dilated_attention.backends.flash_attn4 as fa4_module
+
     q = torch.empty(1, 64, heads, 8, dtype=torch.bfloat16)
     k = torch.empty(1, 64, kv_heads, 8, dtype=torch.bfloat16)
+    accumulators = 4 * q.numel() + (8 * k.numel() if heads > kv_heads else 0)
+    monkeypatch.setattr(fa4_module, "MIN_CHUNKED_ACCUMULATOR_BYTES", accumulators + 1)
+    assert accumulator_chunks(q, k) == len(head_chunks(q, k)) == 1
+    monkeypatch.setattr(fa4_module, "MIN_CHUNKED_ACCUMULATOR_BYTES", accumulators)
     assert accumulator_chunks(q, k) == chunks
     parts = head_chunks(q, k)
     assert len(parts) == chunks
@@ -405,11 +415,12 @@ GPU_CASES = [
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", range(len(GPU_CASES)))
 def test_fa4_block_sparse_matches_oracle(
-    case: int, is_causal: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    case: int, is_causal: bool, dtype: torch.dtype, chunked: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The real kernel by name against the float64 oracle (computed on the CPU from the same
     rounded inputs): out, lse, dq, dk, dv, with bf16/fp16 error within 2x a naive same-dtype
-    reference; every new buffer starts NaN-filled (what the kernel leaves unwritten shows)."""
+    reference; every new buffer starts NaN-filled (what the kernel leaves unwritten shows). The
+    backward in chunks of heads by the share, and one call per key/value head."""
     nq, nk, block_size, kv_heads, dim, pattern = GPU_CASES[case]
     _needs_fa4_block_sparsity(block_size)
     if is_causal and nq != nk:
