@@ -195,10 +195,10 @@ def _of_heads(
 ) -> torch.Tensor | BlockIndices:
     """The rows of a run-time mask's kept blocks (Bm, Hm, Mq, Mk or K) that query heads
     ``heads`` of key/value heads ``kv_heads`` read: whole where Hm is 1, else the rows of the
-    query heads (Hm = H) or of their key/value heads (Hm = Hkv)."""
+    query heads (Hm = H) or of their key/value heads (Hm = Hkv), contiguous."""
     rows = kept.indices if isinstance(kept, BlockIndices) else kept
-    if rows.shape[1] > 1:
-        rows = rows[:, heads] if rows.shape[1] == num_heads else rows[:, kv_heads]
+    if rows.shape[1] > 1:  # a copy only with several batch rows, as the lists' kernels read
+        rows = (rows[:, heads] if rows.shape[1] == num_heads else rows[:, kv_heads]).contiguous()
     return replace(kept, indices=rows) if isinstance(kept, BlockIndices) else rows
 
 

@@ -506,3 +506,38 @@ def test_run_time_masks_through_the_strategy(
         lists = chunk["block_sparse_tensors"].full_block_idx
         chunk_heads = 1 if mask_heads == 1 or lists.shape[1] == 1 else chunk["q"].shape[2]
         assert lists.shape == (mask_batch, chunk_heads, -(-nk // TILE), -(-nq // TILE))
+
+
+@pytest.mark.parametrize("indices", [False, True], ids=["bool", "indices"])
+def test_chunks_of_several_grouped_heads(indices: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of two key/value heads, each with its four query heads, over a run-time mask of
+    one row per key/value head and batch row (the rows each chunk's lists come from are a
+    strided slice): out and every gradient against the float64 oracle."""
+    import dilated_attention.backends.flash_attn4 as fa4_module
+
+    calls = _install_fake_fa4(monkeypatch)
+    monkeypatch.setattr(fa4_module, "accumulator_chunks", lambda q, k: 2)
+    nq, block_size, heads, kv_heads = 384, 128, 8, 4
+    gen = torch.Generator().manual_seed(5)
+    q, dout = (torch.randn(2, nq, heads, 8, generator=gen, dtype=F64) for _ in "qo")
+    k, v = (torch.randn(2, nq, kv_heads, 8, generator=gen, dtype=F64) for _ in "kv")
+    m = nq // block_size
+    if indices:
+        mask = torch.randint(-1, m, (2, kv_heads, m, 2), generator=gen)
+    else:
+        mask = torch.rand(2, kv_heads, m, m, generator=gen) < 0.5
+    layout = check_block_mask(mask, q, k, block_size)
+    request = Request.of(BLOCK_SPARSE, q, k, v, block_mask=layout, block_size=block_size,
+                         is_causal=True, scale=SCALE)  # fmt: skip
+    strategy = RuntimeMaskStrategy(request, Selection(FlashAttn4Backend(), runs_plan=True),
+                                   "block_sparse", None, "FA4")  # fmt: skip
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, _ = strategy.run(*leaves, mask, None)
+    grads = torch.autograd.grad(out, leaves, dout)
+    assert [c["q"].shape[2] for c in calls["bwd chunks"]] == [4, 4]
+    tokens = runtime_token_mask(mask, block_size, batch=2, heads=heads, query_len=nq,
+                                key_len=nq, is_causal=True)  # fmt: skip
+    ref_out, _, ref_grads = oracle_with_grads(q, k, v, dout, tokens, scale=SCALE)
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=1e-7)
+    for name, g, rg in zip("qkv", grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, rg, atol=1e-10, rtol=1e-7, msg=lambda m, n=name: f"d{n}: {m}")
