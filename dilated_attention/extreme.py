@@ -269,16 +269,21 @@ def search(
                 break
             ok, _ = attempt(mid)
             lo, hi = (mid, hi) if ok else (lo, mid)
+    return _summary(mode, stopped_by, attempts, best)
+
+
+def _summary(
+    mode: str, stopped_by: str, attempts: list[dict[str, Any]], best: dict[str, Any] | None
+) -> dict[str, Any]:
+    """:func:`search`'s result from its attempts and the longest length that fit (``best``:
+    ``{"seq_len", "peak_bytes"}``, None when none did)."""
     summary: dict[str, Any] = {"mode": mode, "stopped_by": stopped_by, "attempts": attempts}
     if best is None:
-        summary.update(max_seq_len=0, peak_gib=None, bytes_per_token=None)
-    else:
-        summary.update(
-            max_seq_len=best["seq_len"],
-            peak_gib=best["peak_bytes"] / GIB,
-            bytes_per_token=best["peak_bytes"] / best["seq_len"],
-        )
-    return summary
+        return {**summary, "max_seq_len": 0, "peak_gib": None, "bytes_per_token": None}
+    return {
+        **summary, "max_seq_len": best["seq_len"], "peak_gib": best["peak_bytes"] / GIB,
+        "bytes_per_token": best["peak_bytes"] / best["seq_len"],
+    }  # fmt: skip
 
 
 def find_max_seq_len(

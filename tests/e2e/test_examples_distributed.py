@@ -73,6 +73,23 @@ def _check_record(path: Path, max_len: int) -> None:
             assert row["peak_gib"] >= 0 and row["bytes_per_token"] >= 0
 
 
+def test_search_summaries_when_nothing_fits_and_when_the_cap_stops_it() -> None:
+    """A budget below any peak: length 0, no peak, stopped by the budget; a generous budget
+    stopped by the cap: the longest length tried, its peak per token."""
+    common = {"modes": ("forward",), "device": "cpu", "heads": 2, "head_dim": 8,
+              "first_segment": 64, "start_len": 128, "max_seq_len": 256, "bisect": 1,
+              "log": None}  # fmt: skip
+    (none,) = find_max_seq_len(max_memory_gib=1e-9, **common)["results"]
+    assert none["max_seq_len"] == 0 and none["peak_gib"] is None
+    assert none["bytes_per_token"] is None and none["stopped_by"] == "memory budget"
+    (capped,) = find_max_seq_len(max_memory_gib=64.0, **common)["results"]
+    assert capped["stopped_by"] == "max_seq_len" and capped["max_seq_len"] == 256
+    last = capped["attempts"][-1]
+    assert last["seq_len"] == 256 and last["fits"]
+    assert capped["peak_gib"] == last["peak_gib"] > 0
+    assert capped["bytes_per_token"] == last["bytes_per_token"]
+
+
 def test_bench_extreme_cpu_writes_record(tmp_path: Path) -> None:
     out = tmp_path / "extreme"
     cmd = [
