@@ -15,6 +15,7 @@ import pytest
 import torch
 from support import REPO
 
+from dilated_attention import extreme
 from dilated_attention.extreme import find_max_seq_len, measure_peak_memory
 
 pytestmark = pytest.mark.slow  # subprocesses and training runs: seconds each
@@ -73,21 +74,29 @@ def _check_record(path: Path, max_len: int) -> None:
             assert row["peak_gib"] >= 0 and row["bytes_per_token"] >= 0
 
 
-def test_search_summaries_when_nothing_fits_and_when_the_cap_stops_it() -> None:
-    """A budget below any peak: length 0, no peak, stopped by the budget; a generous budget
-    stopped by the cap: the longest length tried, its peak per token."""
-    common = {"modes": ("forward",), "device": "cpu", "heads": 2, "head_dim": 8,
-              "first_segment": 64, "start_len": 128, "max_seq_len": 256, "bisect": 1,
-              "log": None}  # fmt: skip
-    (none,) = find_max_seq_len(max_memory_gib=1e-9, **common)["results"]
+def test_search_summaries_when_nothing_fits_and_when_the_cap_stops_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With peaks of 1 KiB per token (a stand-in for the measurement, which on the CPU reads
+    the process's resident set): a budget below the first length's peak gives length 0, no
+    peak, stopped by the budget; a generous one is stopped by the cap at the longest length
+    tried, with its peak per token; one in between (on the CPU a length whose peak the last one
+    predicts over the budget is skipped) bisects to the longest length within it."""
+    monkeypatch.setattr(extreme, "measure_peak_memory", lambda seq_len, mode, **_: seq_len * 1024)
+    common = {"heads": 2, "head_dim": 8, "first_segment": 64, "is_causal": True,
+              "device": torch.device("cpu"), "dtype": torch.float32, "start_len": 128,
+              "max_seq_len": 1024, "bisect": 1, "log": None}  # fmt: skip
+    none = extreme.search("forward", budget_bytes=1000 * 128, **common)
     assert none["max_seq_len"] == 0 and none["peak_gib"] is None
     assert none["bytes_per_token"] is None and none["stopped_by"] == "memory budget"
-    (capped,) = find_max_seq_len(max_memory_gib=64.0, **common)["results"]
-    assert capped["stopped_by"] == "max_seq_len" and capped["max_seq_len"] == 256
-    last = capped["attempts"][-1]
-    assert last["seq_len"] == 256 and last["fits"]
-    assert capped["peak_gib"] == last["peak_gib"] > 0
-    assert capped["bytes_per_token"] == last["bytes_per_token"]
+    capped = extreme.search("forward", budget_bytes=2.0**40, **common)
+    assert capped["stopped_by"] == "max_seq_len" and capped["max_seq_len"] == 1024
+    assert capped["bytes_per_token"] == 1024
+    assert capped["peak_gib"] == pytest.approx(1024 * 1024 / 2**30)
+    within = extreme.search("forward", budget_bytes=1024 * 400, **common)  # 512 predicted over
+    assert [a["seq_len"] for a in within["attempts"]] == [128, 256, 512, 384]
+    assert "predicted_gib" in within["attempts"][2] and within["attempts"][3]["fits"]
+    assert within["max_seq_len"] == 384 and within["stopped_by"] == "memory budget (predicted)"
 
 
 def test_bench_extreme_cpu_writes_record(tmp_path: Path) -> None:
