@@ -41,6 +41,7 @@ __all__ = [
     "record_path",
     "recover",
     "steady_calls",
+    "step_columns",
     "time_captured_fwd_and_fwd_bwd",
     "time_cuda",
     "time_fwd_and_fwd_bwd",
@@ -206,6 +207,13 @@ _STEP_ENTRIES = (
     ("ms", "median_ms"), ("host_ms", "host_ms"), ("host_steady_ms", "steady_host_ms"),
     ("steady_ms", "steady_ms"),
 )  # fmt: skip
+
+
+def step_columns(step: str) -> tuple[str, ...]:
+    """The time entries of ``step`` (``"fwd"`` or ``"fwd_bwd"``) that
+    :func:`time_fwd_and_fwd_bwd` and :func:`time_captured_fwd_and_fwd_bwd` return (the steady
+    ones on CUDA only)."""
+    return tuple(f"{step}_{entry}" for entry, _ in _STEP_ENTRIES)
 
 
 def _step_times(step: str, timing: dict[str, float]) -> dict[str, float]:

@@ -98,6 +98,7 @@ from _timing import (
     record_header,
     record_path,
     recover,
+    step_columns,
     time_captured_fwd_and_fwd_bwd,
     time_fwd_and_fwd_bwd,
     write_record,
@@ -315,11 +316,7 @@ def bench_config(
             rows.append(_shown(row))
             continue
         for step, work in (("fwd", flops), ("fwd_bwd", 3.5 * flops)):
-            row[f"{step}_ms"] = res[f"{step}_ms"]
-            row[f"{step}_host_ms"] = res[f"{step}_host_ms"]
-            for steady in (f"{step}_host_steady_ms", f"{step}_steady_ms"):
-                if steady in res:
-                    row[steady] = res[steady]
+            row.update({column: res[column] for column in step_columns(step) if column in res})
             row[f"{step}_tflops"] = work / (res[f"{step}_ms"] * 1e-3) / 1e12
             if f"{step}_peak_bytes" in res:
                 row[f"{step}_peak_gib"] = res[f"{step}_peak_bytes"] / GIB

@@ -207,6 +207,18 @@ def test_host_time_on_the_cpu_is_the_wall_time(clock: list[float]) -> None:
     assert timing["host_ms"] == pytest.approx(3.0)
 
 
+def test_step_columns_name_what_the_step_timings_return() -> None:
+    """``step_columns`` (the entries a benchmark copies into its rows): a CPU timing's times are
+    among them, and on CUDA the steady ones are too."""
+    x = torch.randn(4, 4, requires_grad=True)
+    times = time_fwd_and_fwd_bwd(lambda: x * 2, [x], lambda: torch.ones(4, 4), warmup=0,
+                                 repeats=1, device=torch.device("cpu"))  # fmt: skip
+    for step in ("fwd", "fwd_bwd"):
+        columns = _timing.step_columns(step)
+        assert {f"{step}_ms", f"{step}_host_ms"} == {c for c in times if c in columns}
+        assert {f"{step}_host_steady_ms", f"{step}_steady_ms"} < set(columns)
+
+
 def test_host_time_on_cuda_leaves_out_the_synchronisation(
     clock: list[float], fake_cuda: list[str]
 ) -> None:
