@@ -50,18 +50,21 @@ Note [FlashAttention-4's accumulators by head chunks]
     (B, H, Nq, D), and where query heads share a key/value head, dk's and dv's (B, Hkv, Nk, D)
     each. With 16 query heads on 4 key/value heads that is 3 |q| on top of the 5 |q| a training
     call cannot avoid (q, k, v, out, dout, dq, dk, dv): a 1.6x peak. Heads are independent in
-    the backward, so a block-sparse backward runs in chunks of key/value heads, each with its
-    query heads and its rows of the lists, writing into its heads' rows of dq, dk and dv: the
-    fewest chunks whose accumulators take at most :data:`ACCUMULATOR_SHARE` of the unavoidable
-    bytes (:func:`accumulator_chunks`; 4 at 16 / 4 heads, 2 with 16 of each). Each chunk is one
-    more call of FA4's Python on the host (~0.4 ms), so a backward whose accumulators take less
-    than :data:`MIN_CHUNKED_ACCUMULATOR_BYTES` stays one call. Measured (H100, MoBA's blocks of
-    128, 2,048 keys per query, 16 / 4 heads, D = 128): the training peak went from 1.63x / 1.68x
-    / 1.87x the unavoidable bytes to 1.17x / 1.19x / 1.26x at 64K / 256K / 1M tokens (the backward
-    lists, made per chunk, are most of the rest); forward+backward issued back to back took 2-3%
-    longer at 64K and the same at 256K, but at 16K (192 MiB of accumulators, ~2 ms on the GPU)
-    1.9 ms became 2.4-4.1. Dense calls keep one call: the slotted plans' calls are short, and
-    split the same way a GQA dilated training step at 16K took 5.4 ms instead of 3.6.
+    the backward, so a backward runs in chunks of key/value heads, each with its query heads
+    (and, block-sparse, its rows of the lists), writing into its heads' rows of dq, dk and dv:
+    the fewest chunks whose accumulators take at most :data:`ACCUMULATOR_SHARE` of the
+    unavoidable bytes (:func:`accumulator_chunks`; 4 at 16 / 4 heads, 2 with 16 of each). Each
+    chunk is one more call of FA4's Python on the host (~0.4 ms), so a backward whose
+    accumulators take less than :data:`MIN_CHUNKED_ACCUMULATOR_BYTES` stays one call. Measured
+    (H100, MoBA's blocks of 128, 2,048 keys per query, 16 / 4 heads, D = 128): the training peak
+    went from 1.63x / 1.68x / 1.87x the unavoidable bytes to 1.17x / 1.19x / 1.26x at 64K / 256K
+    / 1M tokens (the backward lists, made per chunk, are most of the rest); forward+backward
+    issued back to back took 2-3% longer at 64K and the same at 256K, but at 16K (192 MiB of
+    accumulators, ~2 ms on the GPU) 1.9 ms became 2.4-4.1. Dense calls that write their own
+    gradients (``attention()``, NSA's window and compressed branches) take the same chunks; a
+    slotted plan's calls, which write into its gradient slots, stay one call each: they are
+    short, the plan's peak lies in its slots, and split the same way a GQA dilated training step
+    at 16K took 5.4 ms instead of 3.6.
 
 Note [FlashAttention-4's compile warnings]
     Compiling a kernel, the CuTe DSL warns (``UserWarning``) that FA4's ``aux_data`` argument
@@ -242,6 +245,33 @@ def tiles_of_heads(tiles: SparseTiles, heads: slice) -> SparseTiles:
     return SparseTiles(*(t if t.shape[1] == 1 else t[:, heads].contiguous() for t in tiles))
 
 
+Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _backward_calls(
+    chunks: list[tuple[slice, slice]],
+    grads: Grads,
+    arguments: Callable[[slice, slice], dict[str, Any]],
+) -> Grads:
+    """FA4's backward once per chunk ``(query heads, key/value heads)`` (Note
+    [FlashAttention-4's accumulators by head chunks]), with ``arguments(heads, kv_heads)``, each
+    writing its heads' rows of ``grads`` (dq (B, Nq, H, D), dk and dv (B, Nk, Hkv, D)). A
+    release that returns gradients of its own has them copied there, unless one call covers
+    every head: then they are returned as they are."""
+    bwd = _interface()._flash_attn_bwd
+    dq, dk, dv = grads
+    for heads, kv in chunks:
+        into = dq[:, :, heads], dk[:, :, kv], dv[:, :, kv]
+        values = {**arguments(heads, kv), "dq": into[0], "dk": into[1], "dv": into[2]}
+        written = _grads_from(bwd(**_bind(bwd, values)), *into)
+        if len(chunks) == 1 and written[0].shape == dq.shape:
+            return written
+        for target, grad in zip(into, written, strict=True):
+            if grad is not target:  # a release that returns tensors of its own
+                target.copy_(grad)
+    return grads
+
+
 def _sparse_tensors(tiles: SparseTiles) -> Any:
     sparsity = importlib.import_module("flash_attn.cute.block_sparsity")
     return sparsity.BlockSparseTensorsTorch(
@@ -414,25 +444,20 @@ class FlashAttn4Backend(Backend):
         ``lists(heads, kv_heads)``, the backward lists (per key tile its query tiles) of a
         chunk's query and key/value heads (Note [FlashAttention-4's accumulators by head
         chunks])."""
-        bwd = _interface()._flash_attn_bwd
         dout, out = dout.to(q.dtype), out.to(q.dtype)
         dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        for heads, kv in head_chunks(q, k):
-            grads = dq[:, :, heads], dk[:, :, kv], dv[:, :, kv]
-            values = {
+        grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+        def arguments(heads: slice, kv: slice) -> dict[str, Any]:
+            return {
                 "q": q[:, :, heads], "k": k[:, :, kv], "v": v[:, :, kv], "out": out[:, :, heads],
                 "dout": dout[:, :, heads], "lse": lse[:, heads].contiguous(),
                 "softmax_scale": scale, "causal": False,
                 "mask_mod": _top_left_causal() if is_causal else None,
                 "block_sparse_tensors": _sparse_tensors(lists(heads, kv)), "pack_gqa": False,
-                "dq": grads[0], "dk": grads[1], "dv": grads[2],
             }  # fmt: skip
-            written = _grads_from(bwd(**_bind(bwd, values)), *grads)
-            for into, grad in zip(grads, written, strict=True):
-                if grad is not into:  # a release that returns tensors of its own
-                    into.copy_(grad)
-        return dq, dk, dv
+
+        return _backward_calls(head_chunks(q, k), grads, arguments)
 
     def _forward(
         self,
@@ -482,21 +507,26 @@ class FlashAttn4Backend(Backend):
         softcap: float | None = None,
         window: Window | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        bwd = _interface()._flash_attn_bwd
         dout, out = dout.to(q.dtype), out.to(q.dtype)
         dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))
-        if into is None:
-            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        else:
-            dq, dk, dv = into
-        values = {
-            "q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse.contiguous(),
-            "softmax_scale": scale, "causal": is_causal, "dq": dq, "dk": dk, "dv": dv,
-            "softcap": softcap or 0.0, **_window_sizes(window),
-        }  # fmt: skip
-        _masked(values, key_mask, is_causal)
-        res = bwd(**_bind(bwd, values))
-        return _grads_from(res, dq, dk, dv)
+        if into is None:  # a whole call: its own gradients, in chunks of heads where large
+            grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            chunks = head_chunks(q, k)
+        else:  # a slotted plan's call (short; its peak is the slots')
+            grads, chunks = into, [(slice(None), slice(None))]
+
+        def arguments(heads: slice, kv: slice) -> dict[str, Any]:
+            values = {
+                "q": q[:, :, heads], "k": k[:, :, kv], "v": v[:, :, kv], "out": out[:, :, heads],
+                "dout": dout[:, :, heads], "lse": lse[:, heads].contiguous(),
+                "softmax_scale": scale, "causal": is_causal, "softcap": softcap or 0.0,
+                **_window_sizes(window),
+            }  # fmt: skip
+            per_head = key_mask is not None and key_mask.shape[1] > 1
+            _masked(values, key_mask[:, heads] if per_head else key_mask, is_causal)
+            return values
+
+        return _backward_calls(chunks, grads, arguments)
 
 
 def _lacking(names: set[str], reason: str) -> list[str]:

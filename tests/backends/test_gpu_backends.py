@@ -154,6 +154,46 @@ def test_cuda_dense_attention_matches_oracle(
 
 
 @pytest.mark.gpu
+@pytest.mark.xdist_group("gpu_backends-flash_attn4-chunks")
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", ["longnet", *DENSE_CASES])
+def test_fa4_dense_backward_in_head_chunks_matches_oracle(
+    case: str, is_causal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FA4's dense backward forced into one call per key/value head (Note [FlashAttention-4's
+    accumulators by head chunks]; a call this small runs whole by default), each chunk writing
+    its heads' rows of the gradients, against the float64 oracle: MHA, GQA and MQA, a key
+    padding mask with rows that see no key."""
+    import dilated_attention.backends.flash_attn4 as fa4_module
+
+    dtype = torch.bfloat16
+    q, k, v, dout = _inputs(case, dtype)
+    mask = _mask(case)
+    dev = [t.cuda().requires_grad_() for t in (q, k, v)]
+    dev_mask = None if mask is None else mask.cuda()
+    reasons = backend_reasons(*dev, is_causal=is_causal, key_padding_mask=dev_mask)["flash_attn4"]
+    if reasons:
+        pytest.skip(f"flash_attn4 cannot run this case here: {'; '.join(reasons)}")
+    monkeypatch.setattr(fa4_module, "MIN_CHUNKED_ACCUMULATOR_BYTES", 0)
+    monkeypatch.setattr(fa4_module, "ACCUMULATOR_SHARE", 0.0)
+    chunks: list[int] = []
+    calls = fa4_module._backward_calls
+    monkeypatch.setattr(fa4_module, "_backward_calls",
+                        lambda c, *rest: chunks.append(len(c)) or calls(c, *rest))  # fmt: skip
+    out, lse = attention(*dev, is_causal=is_causal, backend="flash_attn4",
+                         key_padding_mask=dev_mask, return_lse=True)  # fmt: skip
+    grads = torch.autograd.grad(out, dev, dout.cuda())
+    assert chunks == [k.shape[2]]
+    (ref_out, ref_lse, ref_grads), (low_out, low_lse, low_grads) = _dense_oracles(
+        case, is_causal, dtype
+    )
+    assert_close_to_oracle(out.cpu(), ref_out, low_out, name="out", dtype=dtype)
+    assert_close_to_oracle(lse.cpu(), ref_lse, low_lse, name="lse", dtype=dtype)
+    for name, got, ref, low in zip("qkv", grads, ref_grads, low_grads, strict=True):
+        assert_close_to_oracle(got.cpu(), ref, low, name=f"d{name}", dtype=dtype, grad=True)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(("case", "backend", "dtype"), DILATED_PARAMS)
 def test_cuda_backend_matches_oracle(backend: str, dtype: torch.dtype, case: str) -> None:
     _, _, _, segs, rates, is_causal, _ = CASES[case]

@@ -612,6 +612,96 @@ def test_flash_attn4_argument_mapping(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _same_storage(bwd["out"], res.out) and _same_storage(bwd["dout"], dout)
 
 
+def _chunk_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """FA4's backward calls, each one's arguments, with the chunks forced to one per key/value
+    head (Note [FlashAttention-4's accumulators by head chunks])."""
+    monkeypatch.setattr(flash_attn4, "MIN_CHUNKED_ACCUMULATOR_BYTES", 0)
+    monkeypatch.setattr(flash_attn4, "ACCUMULATOR_SHARE", 0.0)
+    interface = sys.modules["flash_attn.cute.interface"]
+    real_bwd, seen = interface._flash_attn_bwd, []
+
+    def bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, dq=None, dk=None,
+            dv=None, mask_mod=None, aux_tensors=None, pack_gqa=None):  # fmt: skip
+        seen.append(dict(locals()))
+        return real_bwd(q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal)
+
+    monkeypatch.setattr(interface, "_flash_attn_bwd", bwd)
+    return seen
+
+
+@pytest.mark.parametrize("kv_heads", [H, HKV, 1], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_flash_attn4_dense_backward_in_head_chunks(
+    kv_heads: int, causal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A whole dense backward runs one FA4 call per chunk of key/value heads, each over its
+    query heads' rows of q, out, dout and lse (the fake returns gradients of its own, copied
+    into the chunk's rows); the whole matches the reference from merged statistics."""
+    _install_fa4(monkeypatch)
+    seen = _chunk_calls(monkeypatch)
+    q, k, v, dout = _inputs(kv_heads=kv_heads)
+    backend = FlashAttn4Backend()
+    res = backend.forward(q, k, v, scale=SCALE, is_causal=causal)
+    gen = torch.Generator().manual_seed(5)
+    lse = res.lse + torch.rand(res.lse.shape, generator=gen)  # another branch's mass
+    grads = backend.backward(dout, q, k, v, res.out, lse, res.aux, scale=SCALE, is_causal=causal)
+    assert len(seen) == kv_heads
+    group = H // kv_heads
+    for j, call in enumerate(seen):
+        heads = slice(j * group, (j + 1) * group)
+        assert torch.equal(call["q"], q[:, :, heads]) and torch.equal(call["k"], k[:, :, j : j + 1])
+        assert torch.equal(call["dout"], dout[:, :, heads])
+        assert torch.equal(call["lse"], lse[:, heads]) and call["lse"].is_contiguous()
+        if kv_heads > 1:  # one call of every head returns the release's own gradients
+            assert call["dq"].data_ptr() == grads[0][:, :, heads].data_ptr()
+    want = reference_backward(dout, q, k, v, res.out, lse, scale=SCALE, is_causal=causal)
+    for got, ref, name in zip(grads, want, ("dq", "dk", "dv"), strict=True):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_flash_attn4_backward_into_slots_is_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call that writes into given buffers (a slotted plan's) stays one FA4 call whatever the
+    chunks would be, writing those buffers."""
+    _install_fa4(monkeypatch)
+    seen = _chunk_calls(monkeypatch)
+    q, k, v, dout = _inputs()
+    backend = FlashAttn4Backend()
+    res = backend.forward(q, k, v, scale=SCALE, is_causal=True)
+    into = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    backend._backward(dout, q, k, v, res.out, res.lse, None, scale=SCALE, is_causal=True,
+                      key_mask=None, dropout_p=0.0, into=into)  # fmt: skip
+    assert len(seen) == 1 and seen[0]["q"].shape == q.shape
+    for name, buffer in zip(("dq", "dk", "dv"), into, strict=True):
+        assert _same_storage(seen[0][name], buffer), name
+
+
+def test_flash_attn4_dense_backward_chunks_take_their_key_mask_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With chunks, a per-head key padding mask reaches each call as its heads' rows (and a
+    mask shared by the heads whole), through the mask_mod of its own shape."""
+    _install_fa4(monkeypatch)
+    seen = _chunk_calls(monkeypatch)
+    mods: list[tuple[bool, bool]] = []
+    monkeypatch.setattr(flash_attn4, "_key_padding", lambda *variant: mods.append(variant) or "mm")
+    q, k, v, dout = _inputs()
+    backend = FlashAttn4Backend()
+    res = backend.forward(q, k, v, scale=SCALE, is_causal=False)
+    gen = torch.Generator().manual_seed(7)
+    masks = torch.rand(B, H, N, generator=gen) < 0.3, torch.rand(B, 1, N, generator=gen) < 0.3
+    for mask in masks:
+        seen.clear()
+        backend._backward(dout, q, k, v, res.out, res.lse, None, scale=SCALE, is_causal=False,
+                          key_mask=mask, dropout_p=0.0)  # fmt: skip
+        assert len(seen) == HKV
+        group = H // HKV
+        for j, call in enumerate(seen):
+            rows = mask[:, j * group : (j + 1) * group] if mask.shape[1] > 1 else mask
+            assert torch.equal(call["aux_tensors"][0], rows.to(torch.int32))
+            assert call["mask_mod"] == "mm" and call["pack_gqa"] is False
+    assert mods == [(True, False)] * HKV + [(False, False)] * HKV
+
+
 def test_flash_attn4_key_padding_through_mask_mod(monkeypatch: pytest.MonkeyPatch) -> None:
     """A key padding mask reaches FA4 as a mask_mod over an int32 copy of the mask, causal
     folded into the mask_mod, packed GQA off (Note [FlashAttention-4 key padding]); a package
@@ -662,9 +752,7 @@ def test_flash_attn4_softcap_and_window(monkeypatch: pytest.MonkeyPatch) -> None
 
     calls = _install_fa4(monkeypatch)
     assert _reasons(FlashAttn4Backend, (9, 0), monkeypatch, softcap=True, window=True) == []
-    both = " ".join(
-        _reasons(FlashAttn4Backend, (9, 0), monkeypatch, window=True, has_mask=True)
-    )
+    both = " ".join(_reasons(FlashAttn4Backend, (9, 0), monkeypatch, window=True, has_mask=True))
     assert "its mask_mod replaces the window" in both
     assert "no soft-capping in its block sparsity" in " ".join(
         FlashAttn4Backend().block_sparse_reasons(_cuda_inputs(softcap=True, block_size=128))
