@@ -88,6 +88,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..core.autograd import Grads
 from ..core.contract import Window
 from ._compat import (
     _bind,
@@ -243,9 +244,6 @@ def head_chunks(q: torch.Tensor, k: torch.Tensor) -> list[tuple[slice, slice]]:
 def tiles_of_heads(tiles: SparseTiles, heads: slice) -> SparseTiles:
     """The lists of query heads ``heads`` (lists shared by every head stay whole)."""
     return SparseTiles(*(t if t.shape[1] == 1 else t[:, heads].contiguous() for t in tiles))
-
-
-Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _backward_calls(

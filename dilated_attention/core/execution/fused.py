@@ -259,6 +259,23 @@ def _view(buffer: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Te
     return buffer.narrow(0, offset, math.prod(shape)).view(shape)
 
 
+def _accumulators(scratch: torch.Tensor, q_cells: int, kv_cells: int, q_shape: tuple[int, ...],
+                  kv_shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """One head range's float32 dq (``q_shape``), dk and dv (``kv_shape``) rows: views of
+    ``scratch``, laid out dq's ``q_cells``, then dk's and dv's ``kv_cells`` each."""
+    return (_view(scratch, 0, q_shape), _view(scratch, q_cells, kv_shape),
+            _view(scratch, q_cells + kv_cells, kv_shape))  # fmt: skip
+
+
+def _of_heads(tensors: tuple[torch.Tensor, ...], h0: int, h1: int, kv: slice) -> tuple:
+    """``(dout, q, k, v, lse, delta)`` of query heads [h0, h1) and their key/value heads ``kv``
+    (heads on dim 2 of the (B, N, H, D) tensors, dim 1 of the (B, H, N) statistics)."""
+    dout, q, k, v, lse, delta = tensors
+    kv0, kv1 = kv.start, kv.stop
+    return (_heads(dout, 2, h0, h1), _heads(q, 2, h0, h1), _heads(k, 2, kv0, kv1),
+            _heads(v, 2, kv0, kv1), _heads(lse, 1, h0, h1), _heads(delta, 1, h0, h1))  # fmt: skip
+
+
 def _limits() -> tuple[int, int, int, int]:
     """The module's group limits, part of every graph key (tests change them)."""
     return (MIN_GROUP_POSITIONS, GROUPS_PER_SEQUENCE, SCRATCH_SHARE, MIN_SCRATCH_HEADS)
@@ -429,29 +446,22 @@ def fused_backward(
                 )  # fmt: skip
             for h0, h1 in ranges:
                 kv = slice(h0 // kv_group, h1 // kv_group)
-                kv_shape = (batch, rows, kv.stop - kv.start, dim)
-                dq_acc = _view(scratch, 0, (batch, rows, h1 - h0, dim))  # type: ignore[arg-type]
-                dk_acc = _view(scratch, q_cells, kv_shape)  # type: ignore[arg-type]
-                dv_acc = _view(scratch, q_cells + kv_cells, kv_shape)  # type: ignore[arg-type]
+                shapes = (batch, rows, h1 - h0, dim), (batch, rows, kv.stop - kv.start, dim)
+                accs = _accumulators(scratch, q_cells, kv_cells, *shapes)  # type: ignore[arg-type]
                 if not covers_all:
-                    for acc in (dq_acc, dk_acc, dv_acc):
+                    for acc in accs:
                         acc.zero_()
-                inputs = (
-                    _heads(dout, 2, h0, h1), _heads(q, 2, h0, h1),
-                    _heads(k, 2, kv.start, kv.stop), _heads(v, 2, kv.start, kv.stop),
-                    _heads(lse, 1, h0, h1), _heads(group_delta, 1, h0, h1),
-                )  # fmt: skip
+                inputs = _of_heads((dout, q, k, v, lse, group_delta), h0, h1, kv)
                 for i, span in enumerate(group_spans):
                     backend.backward_branch(
-                        *inputs, key_mask, dq_acc, dk_acc, dv_acc, span, delta_row0=start,
-                        grad_row0=start, accumulate=i > 0 or not covers_all,
-                        head0=first_head + h0, **options,
+                        *inputs, key_mask, *accs, span, delta_row0=start, grad_row0=start,
+                        accumulate=i > 0 or not covers_all, head0=first_head + h0, **options,
                     )  # fmt: skip
                 if extra is not None:
-                    extra(dq_acc, dk_acc, dv_acc, start, end, h0, h1)
-                dq[:, start:end, h0:h1].copy_(dq_acc)
-                dk[:, start:end, kv].copy_(dk_acc)
-                dv[:, start:end, kv].copy_(dv_acc)
+                    extra(*accs, start, end, h0, h1)
+                heads_of = (slice(h0, h1), kv, kv)
+                for grad, acc, cols in zip((dq, dk, dv), accs, heads_of, strict=True):
+                    grad[:, start:end, cols].copy_(acc)
 
     key = None if extra is not None else (
         "fused_backward", branches, is_causal, scale, documents, first_head, softcap,
