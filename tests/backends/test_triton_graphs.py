@@ -178,4 +178,5 @@ def test_a_replayed_step_runs_no_launcher(monkeypatch: pytest.MonkeyPatch) -> No
 
     monkeypatch.setattr(L._Bound, "__call__", spy)
     step()
-    assert launched == []
+    # A capture can also fail (a worker beside eleven others on one GPU): the events say which.
+    assert launched == [], f"{len(launched)} launches; graph events {graphs.events()}"
