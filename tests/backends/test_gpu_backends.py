@@ -9,6 +9,8 @@ one pytest-xdist worker under ``--dist loadgroup`` (docs/architecture.md "Tests"
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from support.backend_params import COMPILING
@@ -132,6 +134,19 @@ def test_cuda_dense_attention_matches_oracle(
     a key padding mask (rows with no visible key included). Defined before the dilated tests: a
     compiling backend's worker compiles its one-shape kernels here and its dynamic-shape ones in
     the first dilated test, instead of both there."""
+    _check_dense(case, is_causal, backend, dtype)
+
+
+def _check_dense(
+    case: str,
+    is_causal: bool,
+    backend: str | None,
+    dtype: torch.dtype,
+    setup: Callable[[], None] = lambda: None,
+) -> None:
+    """Plain attention of ``case`` through ``backend`` (None: the automatic choice) against the
+    float64 oracle: out, lse and every gradient; skipped where the backend cannot run it, and
+    ``setup()`` run once it can."""
     q, k, v, dout = _inputs(case, dtype)
     mask = _mask(case)
     dev = [t.cuda().requires_grad_() for t in (q, k, v)]
@@ -140,6 +155,7 @@ def test_cuda_dense_attention_matches_oracle(
         reasons = backend_reasons(*dev, is_causal=is_causal, key_padding_mask=dev_mask)[backend]
         if reasons:
             pytest.skip(f"{backend} cannot run this case here: {'; '.join(reasons)}")
+    setup()
     out, lse = attention(
         *dev, is_causal=is_causal, backend=backend, key_padding_mask=dev_mask, return_lse=True
     )
@@ -166,31 +182,17 @@ def test_fa4_dense_backward_in_head_chunks_matches_oracle(
     padding mask with rows that see no key."""
     import dilated_attention.backends.flash_attn4 as fa4_module
 
-    dtype = torch.bfloat16
-    q, k, v, dout = _inputs(case, dtype)
-    mask = _mask(case)
-    dev = [t.cuda().requires_grad_() for t in (q, k, v)]
-    dev_mask = None if mask is None else mask.cuda()
-    reasons = backend_reasons(*dev, is_causal=is_causal, key_padding_mask=dev_mask)["flash_attn4"]
-    if reasons:
-        pytest.skip(f"flash_attn4 cannot run this case here: {'; '.join(reasons)}")
-    monkeypatch.setattr(fa4_module, "MIN_CHUNKED_ACCUMULATOR_BYTES", 0)
-    monkeypatch.setattr(fa4_module, "ACCUMULATOR_SHARE", 0.0)
     chunks: list[int] = []
     calls = fa4_module._backward_calls
-    monkeypatch.setattr(fa4_module, "_backward_calls",
-                        lambda c, *rest: chunks.append(len(c)) or calls(c, *rest))  # fmt: skip
-    out, lse = attention(*dev, is_causal=is_causal, backend="flash_attn4",
-                         key_padding_mask=dev_mask, return_lse=True)  # fmt: skip
-    grads = torch.autograd.grad(out, dev, dout.cuda())
-    assert chunks == [k.shape[2]]
-    (ref_out, ref_lse, ref_grads), (low_out, low_lse, low_grads) = _dense_oracles(
-        case, is_causal, dtype
-    )
-    assert_close_to_oracle(out.cpu(), ref_out, low_out, name="out", dtype=dtype)
-    assert_close_to_oracle(lse.cpu(), ref_lse, low_lse, name="lse", dtype=dtype)
-    for name, got, ref, low in zip("qkv", grads, ref_grads, low_grads, strict=True):
-        assert_close_to_oracle(got.cpu(), ref, low, name=f"d{name}", dtype=dtype, grad=True)
+
+    def force_chunks() -> None:
+        monkeypatch.setattr(fa4_module, "MIN_CHUNKED_ACCUMULATOR_BYTES", 0)
+        monkeypatch.setattr(fa4_module, "ACCUMULATOR_SHARE", 0.0)
+        monkeypatch.setattr(fa4_module, "_backward_calls",
+                            lambda c, *rest: chunks.append(len(c)) or calls(c, *rest))  # fmt: skip
+
+    _check_dense(case, is_causal, "flash_attn4", torch.bfloat16, setup=force_chunks)
+    assert chunks == [CASES[case][2]]  # one call per key/value head
 
 
 @pytest.mark.gpu
