@@ -32,7 +32,10 @@ pair ratio: the kernel's rate on the pairs it visits relative to dense cuDNN's r
 its pairs (1.0 = as fast per pair as dense), and ``kernel_rate`` the same relative to the
 ``all blocks`` row (the same kernel's dense rate). Times are medians of CUDA-event timings
 (``_timing.time_fwd_and_fwd_bwd``: no-grad forward, and forward+backward), peak memory over the
-unavoidable bytes (q, k, v, out; with backward dout and the three gradients).
+unavoidable bytes (q, k, v, out; with backward dout and the three gradients). A path's peak
+leaves out what the harness holds for the other paths (the mask and block indices given to
+the ``given`` rows, NSA's gates): the bytes allocated before its measurement, less its own
+inputs.
 """
 
 from __future__ import annotations
@@ -79,6 +82,12 @@ PATHS = ("dense cudnn", "moba", "moba, given blocks", "moba, given mask", "nsa",
 DENSE = ("dense cudnn", "all blocks")
 
 
+def _held_for_others(inputs: list[torch.Tensor]) -> int:
+    """Bytes allocated now besides the path's ``inputs``: what the harness holds for its other
+    paths, left out of this path's peak."""
+    return torch.cuda.memory_allocated() - sum(t.nbytes for t in inputs)
+
+
 def _unavoidable(q: torch.Tensor, k: torch.Tensor, backward: bool) -> int:
     """Bytes of q, k, v, out (with the backward also dout, dq, dk, dv)."""
     once = 2 * q.nbytes + 2 * k.nbytes
@@ -114,24 +123,26 @@ def measure(
         return out.transpose(1, 2)
 
     paths = {
-        "dense cudnn": (dense, leaves),
-        "moba": (lambda: moba_attention(q, k, v, block_size=bs, topk=topk), leaves),
+        "dense cudnn": (dense, leaves, []),
+        "moba": (lambda: moba_attention(q, k, v, block_size=bs, topk=topk), leaves, []),
         "moba, given blocks": (
             lambda: block_sparse_attention(
                 q, k, v, blocks_chosen, block_size=bs, is_causal=True
             ),
-            leaves,
+            leaves, [blocks_chosen],
         ),
         "moba, given mask": (
-            lambda: block_sparse_attention(q, k, v, mask, block_size=bs, is_causal=True), leaves
+            lambda: block_sparse_attention(q, k, v, mask, block_size=bs, is_causal=True),
+            leaves, [mask],
         ),
         "nsa": (
             lambda: nsa_attention(q, k, v, gates, compress_block=32, compress_stride=16,
                                   select_block=bs, topk=topk, window=512),
-            [*leaves, gates],
+            [*leaves, gates], [],
         ),
         "all blocks": (
-            lambda: block_sparse_attention(q, k, v, every, block_size=bs, is_causal=True), leaves
+            lambda: block_sparse_attention(q, k, v, every, block_size=bs, is_causal=True),
+            leaves, [every],
         ),
     }
     if seq_len > args.dense_up_to:
@@ -139,15 +150,17 @@ def measure(
     if args.paths:
         paths = {name: path for name, path in paths.items() if name in args.paths}
     rows: list[dict[str, Any]] = []
-    for name, (fn, inputs) in paths.items():
+    for name, (fn, inputs, given) in paths.items():
         row: dict[str, Any] = {"seq_len": seq_len, "path": name,
                                "keys_per_query": (topk + 1) * bs, "pair_ratio": pair_ratio}
         try:
+            others = _held_for_others([*inputs, *given])
             t = time_fwd_and_fwd_bwd(fn, inputs, lambda: torch.randn_like(q), warmup=3,
                                      repeats=args.repeats, min_ms=50)  # fmt: skip
             row.update({key: t[key] for key in STEP_TIMES})
-            row["fwd_mem_ratio"] = t["fwd_peak_bytes"] / _unavoidable(q, k, False)
-            row["fwd_bwd_mem_ratio"] = t["fwd_bwd_peak_bytes"] / _unavoidable(q, k, True)
+            for step, backward in (("fwd", False), ("fwd_bwd", True)):
+                peak = t[f"{step}_peak_bytes"] - others
+                row[f"{step}_mem_ratio"] = peak / _unavoidable(q, k, backward)
         except Exception as exc:  # a path that fails records why; the run goes on
             row["error"] = error_text(exc)
             recover()
