@@ -53,18 +53,27 @@ Note [FlashAttention-4's accumulators by head chunks]
     the backward, so a backward runs in chunks of key/value heads, each with its query heads
     (and, block-sparse, its rows of the lists), writing into its heads' rows of dq, dk and dv:
     the fewest chunks whose accumulators take at most :data:`ACCUMULATOR_SHARE` of the
-    unavoidable bytes (:func:`accumulator_chunks`; 4 at 16 / 4 heads, 2 with 16 of each). Each
-    chunk is one more call of FA4's Python on the host (~0.4 ms), so a backward whose
-    accumulators take less than :data:`MIN_CHUNKED_ACCUMULATOR_BYTES` stays one call. Measured
-    (H100, MoBA's blocks of 128, 2,048 keys per query, 16 / 4 heads, D = 128): the training peak
-    went from 1.63x / 1.68x / 1.87x the unavoidable bytes to 1.17x / 1.19x / 1.26x at 64K / 256K
-    / 1M tokens (the backward lists, made per chunk, are most of the rest); forward+backward
-    issued back to back took 2-3% longer at 64K and the same at 256K, but at 16K (192 MiB of
-    accumulators, ~2 ms on the GPU) 1.9 ms became 2.4-4.1. Dense calls that write their own
-    gradients (``attention()``, NSA's window and compressed branches) take the same chunks; a
-    slotted plan's calls, which write into its gradient slots, stay one call each: they are
-    short, the plan's peak lies in its slots, and split the same way a GQA dilated training step
-    at 16K took 5.4 ms instead of 3.6.
+    unavoidable bytes (:func:`accumulator_chunks`; 2 with 16 query and 16 key/value heads).
+    Where one key/value head's whole group is over that share (16 / 4 heads: 15%), the group
+    runs in parts: the first part's dk and dv go to the gradients, each later part's into a
+    buffer of one key/value head in the gradients' dtype, added to them after its call (one
+    more rounding of dk and dv; 8 calls of 12.5% at 16 / 4 heads, which leaves the rest of a
+    1.15x peak to the lists and the calls' small tensors). A part writes every key tile of its
+    dk and dv, zeros where none of its query tiles visits (FA4's block-sparse backward writes
+    them; grouped heads' float32 accumulators start at zero): the GPU oracle tests run parts
+    on buffers filled with NaN. Each chunk is one more call of FA4's Python on the host
+    (~0.4 ms), so a backward whose accumulators take less than
+    :data:`MIN_CHUNKED_ACCUMULATOR_BYTES` stays one call. Measured (H100, MoBA's blocks of 128,
+    2,048 keys per query, 16 / 4 heads, D = 128): whole groups took the training peak from
+    1.63-1.87x the unavoidable bytes to 1.16x / 1.17x / 1.21x at 64K / 256K / 1M tokens (the
+    backward lists, made per chunk, are most of the rest), halves of groups to 1.13x / 1.14x /
+    1.15x, at 10% / 5% / 3% more time back to back than whole groups (the second part's sums,
+    and FA4's float32 conversion of dk and dv once per call); at 16K (192 MiB of accumulators,
+    ~2 ms on the GPU) chunks made 1.9 ms 2.4-4.1. Dense calls that write their own gradients
+    (``attention()``, NSA's window and compressed branches) take the same chunks; a slotted
+    plan's calls, which write into its gradient slots, stay one call each: they are short, the
+    plan's peak lies in its slots, and split the same way a GQA dilated training step at 16K
+    took 5.4 ms instead of 3.6.
 
 Note [FlashAttention-4's compile warnings]
     Compiling a kernel, the CuTe DSL warns (``UserWarning``) that FA4's ``aux_data`` argument
@@ -207,38 +216,61 @@ def _masked(values: dict[str, Any], key_mask: torch.Tensor | None, is_causal: bo
 
 
 #: The share of a training call's unavoidable bytes (q, k, v, out, dout, dq, dk and dv) that
-#: one block-sparse backward call's float32 accumulators may take (Note [FlashAttention-4's
-#: accumulators by head chunks]).
-ACCUMULATOR_SHARE = 0.15
-#: Below this many bytes of float32 accumulators a block-sparse backward runs as one call: each
-#: chunk costs FA4's Python on the host, which a short call does not hide.
+#: one backward call's float32 accumulators (and, for part of a group of query heads, its
+#: dk / dv sums) may take (Note [FlashAttention-4's accumulators by head chunks]).
+ACCUMULATOR_SHARE = 0.125
+#: Below this many bytes of float32 accumulators a backward runs as one call: each chunk costs
+#: FA4's Python on the host, which a short call does not hide.
 MIN_CHUNKED_ACCUMULATOR_BYTES = 512 << 20
 
 
+def _call_bytes(q: torch.Tensor, k: torch.Tensor, heads: int, kv_heads: int) -> int:
+    """The bytes one backward call of ``heads`` query heads on ``kv_heads`` key/value heads adds
+    beside the gradients: float32 dq, float32 dk and dv where its query heads share key/value
+    heads, and the call's dk and dv (in the gradients' dtype) when it holds part of a group
+    only, added to the group's others afterwards."""
+    group = q.shape[2] // k.shape[2]
+    per_kv_head = k.numel() // k.shape[2]
+    added = 4 * heads * (q.numel() // q.shape[2])
+    if heads > kv_heads:
+        added += 8 * kv_heads * per_kv_head
+    if heads < group * kv_heads:
+        added += 2 * k.element_size() * kv_heads * per_kv_head
+    return added
+
+
 def accumulator_chunks(q: torch.Tensor, k: torch.Tensor) -> int:
-    """How many chunks of key/value heads a block-sparse backward of q (B, Nq, H, D) and k/v
-    (B, Nk, Hkv, D) runs in: one below :data:`MIN_CHUNKED_ACCUMULATOR_BYTES` of float32
-    accumulators, else the fewest (a divisor of Hkv) whose calls' accumulators each take at most
-    :data:`ACCUMULATOR_SHARE` of the unavoidable bytes, else one per key/value head."""
+    """How many calls a backward of q (B, Nq, H, D) and k/v (B, Nk, Hkv, D) runs in: one below
+    :data:`MIN_CHUNKED_ACCUMULATOR_BYTES` of float32 accumulators, else the fewest whose
+    calls each add at most :data:`ACCUMULATOR_SHARE` of the unavoidable bytes: chunks of whole
+    groups (a divisor of Hkv), then parts of each group (Hkv times a divisor of H / Hkv), else
+    one call per query head."""
     heads, kv_heads = q.shape[2], k.shape[2]
-    accumulators = 4 * q.numel() + (8 * k.numel() if heads > kv_heads else 0)
-    if accumulators < MIN_CHUNKED_ACCUMULATOR_BYTES:
+    if _call_bytes(q, k, heads, kv_heads) < MIN_CHUNKED_ACCUMULATOR_BYTES:
         return 1
-    unavoidable = 4 * (q.numel() + k.numel()) * q.element_size()
-    for chunks in range(1, kv_heads + 1):
-        if kv_heads % chunks == 0 and accumulators <= ACCUMULATOR_SHARE * unavoidable * chunks:
-            return chunks
-    return kv_heads
+    budget = ACCUMULATOR_SHARE * 4 * (q.numel() + k.numel()) * q.element_size()
+    group = heads // kv_heads
+    whole = [(c, heads // c, kv_heads // c) for c in range(1, kv_heads + 1) if kv_heads % c == 0]
+    parts = [(kv_heads * p, group // p, 1) for p in range(2, group + 1) if group % p == 0]
+    for calls, call_heads, call_kv_heads in whole + parts:
+        if _call_bytes(q, k, call_heads, call_kv_heads) <= budget:
+            return calls
+    return heads
 
 
 def head_chunks(q: torch.Tensor, k: torch.Tensor) -> list[tuple[slice, slice]]:
-    """The (query heads, key/value heads) of each chunk of :func:`accumulator_chunks`."""
-    group, chunks = q.shape[2] // k.shape[2], accumulator_chunks(q, k)
-    step = k.shape[2] // chunks
-    return [
-        (slice(first * group, (first + step) * group), slice(first, first + step))
-        for first in range(0, k.shape[2], step)
-    ]
+    """The (query heads, key/value heads) of each call of :func:`accumulator_chunks`: whole
+    groups of key/value heads, or consecutive parts of one key/value head's group."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    group, calls = heads // kv_heads, accumulator_chunks(q, k)
+    if calls <= kv_heads:
+        step = kv_heads // calls
+        return [
+            (slice(first * group, (first + step) * group), slice(first, first + step))
+            for first in range(0, kv_heads, step)
+        ]
+    step = heads // calls
+    return [(slice(h, h + step), slice(h // group, h // group + 1)) for h in range(0, heads, step)]
 
 
 def tiles_of_heads(tiles: SparseTiles, heads: slice) -> SparseTiles:
@@ -253,20 +285,32 @@ def _backward_calls(
 ) -> Grads:
     """FA4's backward once per chunk ``(query heads, key/value heads)`` (Note
     [FlashAttention-4's accumulators by head chunks]), with ``arguments(heads, kv_heads)``, each
-    writing its heads' rows of ``grads`` (dq (B, Nq, H, D), dk and dv (B, Nk, Hkv, D)). A
+    writing its heads' rows of ``grads`` (dq (B, Nq, H, D), dk and dv (B, Nk, Hkv, D)); a
+    later part of a group writes its dk and dv beside them, added there after its call. A
     release that returns gradients of its own has them copied there, unless one call covers
     every head: then they are returned as they are."""
     bwd = _interface()._flash_attn_bwd
     dq, dk, dv = grads
+    written_kv: set[int] = set()
+    sums: tuple[torch.Tensor, torch.Tensor] | None = None
     for heads, kv in chunks:
-        into = dq[:, :, heads], dk[:, :, kv], dv[:, :, kv]
+        rows = target = dk[:, :, kv], dv[:, :, kv]
+        later = kv.start in written_kv  # a later part of the group: into the sums, then added
+        if later:
+            sums = sums or (torch.empty_like(rows[0]), torch.empty_like(rows[1]))
+            target = sums
+        into = dq[:, :, heads], *target
         values = {**arguments(heads, kv), "dq": into[0], "dk": into[1], "dv": into[2]}
         written = _grads_from(bwd(**_bind(bwd, values)), *into)
         if len(chunks) == 1 and written[0].shape == dq.shape:
             return written
-        for target, grad in zip(into, written, strict=True):
-            if grad is not target:  # a release that returns tensors of its own
-                target.copy_(grad)
+        for slot, grad in zip(into, written, strict=True):
+            if grad is not slot:  # a release that returns tensors of its own
+                slot.copy_(grad)
+        if later:
+            rows[0].add_(into[1])
+            rows[1].add_(into[2])
+        written_kv.add(kv.start)
     return grads
 
 

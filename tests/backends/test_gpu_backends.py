@@ -171,12 +171,14 @@ def _check_dense(
 
 @pytest.mark.gpu
 @pytest.mark.xdist_group("gpu_backends-flash_attn4-chunks")
+@pytest.mark.parametrize("per", ["kv head", "query head"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", ["longnet", *DENSE_CASES])
 def test_fa4_dense_backward_in_head_chunks_matches_oracle(
-    case: str, is_causal: bool, monkeypatch: pytest.MonkeyPatch
+    case: str, is_causal: bool, per: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """FA4's dense backward forced into one call per key/value head (Note [FlashAttention-4's
+    """FA4's dense backward forced into one call per key/value head, or per query head (a
+    group's later heads' dk and dv added to its first's) (Note [FlashAttention-4's
     accumulators by head chunks]; a call this small runs whole by default), each chunk writing
     its heads' rows of the gradients, against the float64 oracle: MHA, GQA and MQA, a key
     padding mask with rows that see no key."""
@@ -187,12 +189,16 @@ def test_fa4_dense_backward_in_head_chunks_matches_oracle(
 
     def force_chunks() -> None:
         monkeypatch.setattr(fa4_module, "MIN_CHUNKED_ACCUMULATOR_BYTES", 0)
-        monkeypatch.setattr(fa4_module, "ACCUMULATOR_SHARE", 0.0)
+        if per == "kv head":
+            monkeypatch.setattr(fa4_module, "accumulator_chunks", lambda q, k: k.shape[2])
+        else:
+            monkeypatch.setattr(fa4_module, "ACCUMULATOR_SHARE", 0.0)
         monkeypatch.setattr(fa4_module, "_backward_calls",
                             lambda c, *rest: chunks.append(len(c)) or calls(c, *rest))  # fmt: skip
 
     _check_dense(case, is_causal, "flash_attn4", torch.bfloat16, setup=force_chunks)
-    assert chunks == [CASES[case][2]]  # one call per key/value head
+    heads, kv_heads = CASES[case][1:3]
+    assert chunks == [kv_heads if per == "kv head" else heads]
 
 
 @pytest.mark.gpu

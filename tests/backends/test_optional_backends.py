@@ -612,11 +612,16 @@ def test_flash_attn4_argument_mapping(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _same_storage(bwd["out"], res.out) and _same_storage(bwd["dout"], dout)
 
 
-def _chunk_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+def _chunk_calls(
+    monkeypatch: pytest.MonkeyPatch, per: str = "kv head"
+) -> list[dict[str, Any]]:
     """FA4's backward calls, each one's arguments, with the chunks forced to one per key/value
-    head (Note [FlashAttention-4's accumulators by head chunks])."""
+    head, or to one per query head (Note [FlashAttention-4's accumulators by head chunks])."""
     monkeypatch.setattr(flash_attn4, "MIN_CHUNKED_ACCUMULATOR_BYTES", 0)
-    monkeypatch.setattr(flash_attn4, "ACCUMULATOR_SHARE", 0.0)
+    if per == "kv head":
+        monkeypatch.setattr(flash_attn4, "accumulator_chunks", lambda q, k: k.shape[2])
+    else:
+        monkeypatch.setattr(flash_attn4, "ACCUMULATOR_SHARE", 0.0)
     interface = sys.modules["flash_attn.cute.interface"]
     real_bwd, seen = interface._flash_attn_bwd, []
 
@@ -629,31 +634,37 @@ def _chunk_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     return seen
 
 
+@pytest.mark.parametrize("per", ["kv head", "query head"])
 @pytest.mark.parametrize("kv_heads", [H, HKV, 1], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_flash_attn4_dense_backward_in_head_chunks(
-    kv_heads: int, causal: bool, monkeypatch: pytest.MonkeyPatch
+    kv_heads: int, causal: bool, per: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A whole dense backward runs one FA4 call per chunk of key/value heads, each over its
-    query heads' rows of q, out, dout and lse (the fake returns gradients of its own, copied
-    into the chunk's rows); the whole matches the reference from merged statistics."""
+    """A whole dense backward runs one FA4 call per chunk of key/value heads, or per query head
+    (each later head of a group writing its dk and dv beside the gradients, added there), each
+    over its query heads' rows of q, out, dout and lse (the fake returns gradients of its own,
+    copied into the chunk's rows); the whole matches the reference from merged statistics."""
     _install_fa4(monkeypatch)
-    seen = _chunk_calls(monkeypatch)
+    seen = _chunk_calls(monkeypatch, per)
     q, k, v, dout = _inputs(kv_heads=kv_heads)
     backend = FlashAttn4Backend()
     res = backend.forward(q, k, v, scale=SCALE, is_causal=causal)
     gen = torch.Generator().manual_seed(5)
     lse = res.lse + torch.rand(res.lse.shape, generator=gen)  # another branch's mass
     grads = backend.backward(dout, q, k, v, res.out, lse, res.aux, scale=SCALE, is_causal=causal)
-    assert len(seen) == kv_heads
     group = H // kv_heads
+    step = group if per == "kv head" else 1
+    assert len(seen) == H // step
     for j, call in enumerate(seen):
-        heads = slice(j * group, (j + 1) * group)
-        assert torch.equal(call["q"], q[:, :, heads]) and torch.equal(call["k"], k[:, :, j : j + 1])
+        heads, kv = slice(j * step, (j + 1) * step), j * step // group
+        assert torch.equal(call["q"], q[:, :, heads])
+        assert torch.equal(call["k"], k[:, :, kv : kv + 1])
         assert torch.equal(call["dout"], dout[:, :, heads])
         assert torch.equal(call["lse"], lse[:, heads]) and call["lse"].is_contiguous()
-        if kv_heads > 1:  # one call of every head returns the release's own gradients
+        if len(seen) > 1:  # one call of every head returns the release's own gradients
             assert call["dq"].data_ptr() == grads[0][:, :, heads].data_ptr()
+            first = j * step % group == 0  # a group's first part writes dk's rows, later ones not
+            assert (call["dk"].data_ptr() == grads[1][:, :, kv].data_ptr()) == first
     want = reference_backward(dout, q, k, v, res.out, lse, scale=SCALE, is_causal=causal)
     for got, ref, name in zip(grads, want, ("dq", "dk", "dv"), strict=True):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, msg=name)

@@ -152,7 +152,10 @@ def _install_fake_fa4(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         if read.shape[1] > 1:  # a key/value head's keys: read by a head of its group
             read = read.view(read.shape[0], kv_heads, -1, read.shape[-1]).any(2)
         dq_ = dq_.masked_fill(_by_row(~reach.any(-1)), math.nan)  # poison what no tile writes
-        dk_, dv_ = (g.masked_fill(_by_row(~read), math.nan) for g in (dk_, dv_))
+        # A key tile no query tile of the call visits: zeros (FA4's block-sparse backward writes
+        # them, and grouped heads' float32 accumulators start at zero), which a group's later
+        # parts are added to.
+        dk_, dv_ = (g.masked_fill(_by_row(~read), 0.0) for g in (dk_, dv_))
         dq.copy_(dq_), dk.copy_(dk_), dv.copy_(dv_)
         return dq, dk, dv
 
@@ -186,17 +189,26 @@ def _fresh_mask_mod():
     fa4_module._top_left_causal.cache_clear()
 
 
-@pytest.fixture(params=["by the share", "per kv head"])
-def chunked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+@pytest.fixture(params=["by the share", "per kv head", "per query head"])
+def chunked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The backward in the chunks ACCUMULATOR_SHARE gives (in float64 one call, or two with
-    GQA), or forced into one call per key/value head (Note [FlashAttention-4's accumulators by
-    head chunks]): a share no chunk meets."""
+    GQA), forced into one call per key/value head, or into one per query head (a share no
+    chunk meets: each later query head of a group writes its dk and dv into the sums, added
+    after) (Note [FlashAttention-4's accumulators by head chunks])."""
     import dilated_attention.backends.flash_attn4 as fa4_module
 
     monkeypatch.setattr(fa4_module, "MIN_CHUNKED_ACCUMULATOR_BYTES", 0)  # tiny tensors too
     if request.param == "per kv head":
+        monkeypatch.setattr(fa4_module, "accumulator_chunks", lambda q, k: k.shape[2])
+    if request.param == "per query head":
         monkeypatch.setattr(fa4_module, "ACCUMULATOR_SHARE", 0.0)
-    return request.param == "per kv head"
+    return request.param
+
+
+def _backward_calls(chunked: str, q: torch.Tensor, k: torch.Tensor) -> int:
+    """How many backward calls the ``chunked`` fixture's chunks make."""
+    forced = {"per kv head": k.shape[2], "per query head": q.shape[2]}
+    return forced.get(chunked, accumulator_chunks(q, k))
 
 
 def _inputs(nq: int, nk: int, kv_heads: int, dtype: torch.dtype = F64, seed: int = 0):
@@ -218,10 +230,10 @@ def _run_fake(q, k, v, dout, pattern, block_size, is_causal, create_graph=False)
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_tile_lists_and_runner_match_oracle(
-    case: int, is_causal: bool, chunked: bool, monkeypatch: pytest.MonkeyPatch
+    case: int, is_causal: bool, chunked: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Outputs, lse and every gradient against the float64 oracle; unreached rows give 0 and
-    -inf, unreached rows and keys zero gradients (the fake poisons them with NaN)."""
+    -inf, unreached rows and keys zero gradients (the fake poisons unreached rows with NaN)."""
     calls = _install_fake_fa4(monkeypatch)
     nq, nk, block_size, kv_heads, pattern = CASES[case]
     q, k, v, dout = _inputs(nq, nk, kv_heads, seed=case)
@@ -237,12 +249,12 @@ def test_tile_lists_and_runner_match_oracle(
         torch.testing.assert_close(g, rg, **tight, msg=lambda m, n=name: f"d{n}: {m}")
     # Non-causal calls of blocks made of whole tiles have no partial tile, hence no mask_mod.
     assert (calls["fwd"]["mask_mod"] is None) == (not is_causal)
-    assert len(calls["bwd chunks"]) == (kv_heads if chunked else accumulator_chunks(q, k))
+    assert len(calls["bwd chunks"]) == _backward_calls(chunked, q, k)
 
 
 @pytest.mark.parametrize("case", [0, 1])  # MHA, GQA
 def test_chunked_backward_from_a_release_returning_its_own_grads(
-    case: int, chunked: bool, monkeypatch: pytest.MonkeyPatch
+    case: int, chunked: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A release whose backward returns tensors of its own instead of writing dq, dk and dv:
     each chunk's gradients are copied into its heads' rows, the whole against the oracle."""
@@ -260,7 +272,7 @@ def test_chunked_backward_from_a_release_returning_its_own_grads(
     nq, nk, block_size, kv_heads, pattern = CASES[case]
     q, k, v, dout = _inputs(nq, nk, kv_heads, seed=case)
     _, _, grads, _ = _run_fake(q, k, v, dout, pattern, block_size, True)
-    assert len(calls["bwd chunks"]) == (kv_heads if chunked else accumulator_chunks(q, k))
+    assert len(calls["bwd chunks"]) == _backward_calls(chunked, q, k)
     mask = token_mask(pattern, block_size, nq, nk, True, query_start=0)
     _, _, ref_grads = oracle_with_grads(q, k, v, dout, mask, scale=SCALE)
     for name, g, rg in zip("qkv", grads, ref_grads, strict=True):
@@ -309,16 +321,16 @@ def test_double_backward_matches_oracle(monkeypatch: pytest.MonkeyPatch) -> None
 
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "chunks"),
-    [(16, 16, 2), (16, 4, 4), (16, 8, 8), (16, 1, 1), (8, 2, 2), (4, 4, 2)],
+    [(16, 16, 2), (16, 4, 8), (16, 8, 8), (16, 1, 16), (8, 2, 8), (4, 4, 2), (32, 4, 8)],
 )
 def test_backward_accumulators_by_head_chunks(
     heads: int, kv_heads: int, chunks: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Note [FlashAttention-4's accumulators by head chunks]: the fewest chunks of key/value heads
-    whose float32 accumulators (dq's, and dk's and dv's with grouped heads) take at most
-    ACCUMULATOR_SHARE of q, k, v, out, dout, dq, dk and dv (one per key/value head at most), and
-    chunks that cover each query head once, beside its key/value head; one call below
-    MIN_CHUNKED_ACCUMULATOR_BYTES of accumulators."""
+    """Note [FlashAttention-4's accumulators by head chunks]: the fewest calls whose float32
+    accumulators (dq's, and dk's and dv's with grouped heads, plus a later part's dk and dv)
+    take at most ACCUMULATOR_SHARE of q, k, v, out, dout, dq, dk and dv: whole groups of
+    key/value heads, else parts of each group; calls that cover each query head once, with
+    its own key/value head; one call below MIN_CHUNKED_ACCUMULATOR_BYTES of accumulators."""
     import dilated_attention.backends.flash_attn4 as fa4_module
 
     q = torch.empty(1, 64, heads, 8, dtype=torch.bfloat16)
@@ -334,9 +346,13 @@ def test_backward_accumulators_by_head_chunks(
     assert query_heads == list(range(heads))
     group = heads // kv_heads
     for part, kv_part in parts:
-        assert [h // group for h in range(heads)[part]] == sorted(
-            list(range(kv_heads)[kv_part]) * group
-        )
+        assert {h // group for h in range(heads)[part]} == set(range(kv_heads)[kv_part])
+    unavoidable = 4 * (q.numel() + k.numel()) * 2
+    share = fa4_module.ACCUMULATOR_SHARE
+    call_heads, call_kv = len(range(heads)[parts[0][0]]), len(range(kv_heads)[parts[0][1]])
+    assert fa4_module._call_bytes(q, k, call_heads, call_kv) <= share * unavoidable or (
+        call_heads == 1
+    )
 
 
 # -- the choice, on a fake sm90 CUDA device -------------------------------------------------------
@@ -415,12 +431,13 @@ GPU_CASES = [
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", range(len(GPU_CASES)))
 def test_fa4_block_sparse_matches_oracle(
-    case: int, is_causal: bool, dtype: torch.dtype, chunked: bool, monkeypatch: pytest.MonkeyPatch
+    case: int, is_causal: bool, dtype: torch.dtype, chunked: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The real kernel by name against the float64 oracle (computed on the CPU from the same
     rounded inputs): out, lse, dq, dk, dv, with bf16/fp16 error within 2x a naive same-dtype
     reference; every new buffer starts NaN-filled (what the kernel leaves unwritten shows). The
-    backward in chunks of heads by the share, and one call per key/value head."""
+    backward in chunks of heads by the share, one call per key/value head, and one per query
+    head."""
     nq, nk, block_size, kv_heads, dim, pattern = GPU_CASES[case]
     _needs_fa4_block_sparsity(block_size)
     if is_causal and nq != nk:
@@ -465,7 +482,7 @@ RUNTIME_PARAMS = [
 
 @pytest.mark.parametrize(("case", "is_causal"), RUNTIME_PARAMS)
 def test_run_time_masks_through_the_strategy(
-    case: int, is_causal: bool, chunked: bool, monkeypatch: pytest.MonkeyPatch
+    case: int, is_causal: bool, chunked: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The strategy of a run-time mask on FA4 (its fake): per-(batch row, query head) tile
     lists in both directions, unreached rows and keys per row and head; out, lse and every
@@ -500,7 +517,7 @@ def test_run_time_masks_through_the_strategy(
     heads = 1 if mask_heads == 1 else 4  # FA4 takes 1 or H heads: a key/value-head mask repeated
     assert forward.mask_block_cnt.shape == (mask_batch, heads, -(-nq // TILE))
     chunks = calls["bwd chunks"]  # one backward call per chunk of heads, each head once
-    assert len(chunks) == (kv_heads if chunked else accumulator_chunks(q, k))
+    assert len(chunks) == _backward_calls(chunked, q, k)
     assert sum(c["q"].shape[2] for c in chunks) == 4
     for chunk in chunks:  # a chunk's lists: 1 or its query heads
         lists = chunk["block_sparse_tensors"].full_block_idx
