@@ -52,17 +52,20 @@ Note [FlashAttention-4's accumulators by head chunks]
     call cannot avoid (q, k, v, out, dout, dq, dk, dv): a 1.6x peak. Heads are independent in
     the backward, so a backward runs in chunks of key/value heads, each with its query heads
     (and, block-sparse, its rows of the lists), writing into its heads' rows of dq, dk and dv:
-    the fewest chunks whose accumulators take at most :data:`ACCUMULATOR_SHARE` of the
-    unavoidable bytes (:func:`accumulator_chunks`; 2 with 16 query and 16 key/value heads).
-    Where one key/value head's whole group is over that share (16 / 4 heads: 15%), the group
-    runs in parts: the first part's dk and dv go to the gradients, each later part's into a
-    buffer of one key/value head in the gradients' dtype, added to them after its call (one
-    more rounding of dk and dv; 8 calls of 12.5% at 16 / 4 heads, which leaves the rest of a
-    1.15x peak to the lists and the calls' small tensors). A part writes every key tile of its
-    dk and dv, zeros where none of its query tiles visits (FA4's block-sparse backward writes
-    them; grouped heads' float32 accumulators start at zero): the GPU oracle tests run parts
-    on buffers filled with NaN. Each chunk is one more call of FA4's Python on the host
-    (~0.4 ms), so a backward whose accumulators take less than
+    the fewest chunks whose accumulators, with the tile lists a run-time mask's backward makes
+    for the chunk, take at most :data:`ACCUMULATOR_SHARE` of the unavoidable bytes
+    (:func:`accumulator_chunks`; 2 with 16 query and 16 key/value heads). Where one key/value
+    head's whole group is over that share (16 / 4 heads: 15%), the group runs in parts: the
+    first part's dk and dv go to the gradients, each later part's into a buffer of one
+    key/value head in the gradients' dtype, added to them after its call (one more rounding of
+    dk and dv; 8 calls of 12.5% at 16 / 4 heads). The lists grow with the square of the length
+    (per key tile, a slot for every query tile: 0.6% of the unavoidable bytes for half a group
+    at 256K tokens, 2.5% at 1M), so past ~600K tokens a run-time mask's parts are single query
+    heads; 1% of a 1.15x peak is left to the calls' small tensors. A part writes every key
+    tile of its dk and dv, zeros where none of its query tiles visits (FA4's block-sparse
+    backward writes them; grouped heads' float32 accumulators start at zero): the GPU oracle
+    tests run parts on buffers filled with NaN. Each chunk is one more call of FA4's Python on
+    the host (~0.4 ms), so a backward whose accumulators take less than
     :data:`MIN_CHUNKED_ACCUMULATOR_BYTES` stays one call. Measured (H100, MoBA's blocks of 128,
     2,048 keys per query, 16 / 4 heads, D = 128): whole groups took the training peak from
     1.63-1.87x the unavoidable bytes to 1.16x / 1.17x / 1.21x at 64K / 256K / 1M tokens (the
@@ -216,22 +219,31 @@ def _masked(values: dict[str, Any], key_mask: torch.Tensor | None, is_causal: bo
 
 
 #: The share of a training call's unavoidable bytes (q, k, v, out, dout, dq, dk and dv) that
-#: one backward call's float32 accumulators (and, for part of a group of query heads, its
-#: dk / dv sums) may take (Note [FlashAttention-4's accumulators by head chunks]).
-ACCUMULATOR_SHARE = 0.125
+#: one backward call's float32 accumulators, its dk / dv sums (part of a group of query heads)
+#: and the tile lists made for it may take (Note [FlashAttention-4's accumulators by head
+#: chunks]): 1% of a 1.15x peak is left to the calls' small tensors.
+ACCUMULATOR_SHARE = 0.14
 #: Below this many bytes of float32 accumulators a backward runs as one call: each chunk costs
 #: FA4's Python on the host, which a short call does not hide.
 MIN_CHUNKED_ACCUMULATOR_BYTES = 512 << 20
+#: The bytes of the tile lists made for a backward call of so many query and key/value heads.
+ListBytes = Callable[[int, int], int]
 
 
-def _call_bytes(q: torch.Tensor, k: torch.Tensor, heads: int, kv_heads: int) -> int:
+def _no_lists(heads: int, kv_heads: int) -> int:
+    return 0
+
+
+def _call_bytes(
+    q: torch.Tensor, k: torch.Tensor, heads: int, kv_heads: int, list_bytes: ListBytes = _no_lists
+) -> int:
     """The bytes one backward call of ``heads`` query heads on ``kv_heads`` key/value heads adds
     beside the gradients: float32 dq, float32 dk and dv where its query heads share key/value
-    heads, and the call's dk and dv (in the gradients' dtype) when it holds part of a group
-    only, added to the group's others afterwards."""
+    heads, the call's dk and dv (in the gradients' dtype) when it holds part of a group
+    only, added to the group's others afterwards, and ``list_bytes(heads, kv_heads)`` of lists."""
     group = q.shape[2] // k.shape[2]
     per_kv_head = k.numel() // k.shape[2]
-    added = 4 * heads * (q.numel() // q.shape[2])
+    added = 4 * heads * (q.numel() // q.shape[2]) + list_bytes(heads, kv_heads)
     if heads > kv_heads:
         added += 8 * kv_heads * per_kv_head
     if heads < group * kv_heads:
@@ -239,12 +251,13 @@ def _call_bytes(q: torch.Tensor, k: torch.Tensor, heads: int, kv_heads: int) -> 
     return added
 
 
-def accumulator_chunks(q: torch.Tensor, k: torch.Tensor) -> int:
+def accumulator_chunks(q: torch.Tensor, k: torch.Tensor, list_bytes: ListBytes = _no_lists) -> int:
     """How many calls a backward of q (B, Nq, H, D) and k/v (B, Nk, Hkv, D) runs in: one below
     :data:`MIN_CHUNKED_ACCUMULATOR_BYTES` of float32 accumulators, else the fewest whose
-    calls each add at most :data:`ACCUMULATOR_SHARE` of the unavoidable bytes: chunks of whole
-    groups (a divisor of Hkv), then parts of each group (Hkv times a divisor of H / Hkv), else
-    one call per query head."""
+    calls each add at most :data:`ACCUMULATOR_SHARE` of the unavoidable bytes (with the tile
+    lists ``list_bytes`` gives per call, block-sparse): chunks of whole groups (a divisor of
+    Hkv), then parts of each group (Hkv times a divisor of H / Hkv), else one call per query
+    head."""
     heads, kv_heads = q.shape[2], k.shape[2]
     if _call_bytes(q, k, heads, kv_heads) < MIN_CHUNKED_ACCUMULATOR_BYTES:
         return 1
@@ -253,16 +266,18 @@ def accumulator_chunks(q: torch.Tensor, k: torch.Tensor) -> int:
     whole = [(c, heads // c, kv_heads // c) for c in range(1, kv_heads + 1) if kv_heads % c == 0]
     parts = [(kv_heads * p, group // p, 1) for p in range(2, group + 1) if group % p == 0]
     for calls, call_heads, call_kv_heads in whole + parts:
-        if _call_bytes(q, k, call_heads, call_kv_heads) <= budget:
+        if _call_bytes(q, k, call_heads, call_kv_heads, list_bytes) <= budget:
             return calls
     return heads
 
 
-def head_chunks(q: torch.Tensor, k: torch.Tensor) -> list[tuple[slice, slice]]:
+def head_chunks(
+    q: torch.Tensor, k: torch.Tensor, list_bytes: ListBytes = _no_lists
+) -> list[tuple[slice, slice]]:
     """The (query heads, key/value heads) of each call of :func:`accumulator_chunks`: whole
     groups of key/value heads, or consecutive parts of one key/value head's group."""
     heads, kv_heads = q.shape[2], k.shape[2]
-    group, calls = heads // kv_heads, accumulator_chunks(q, k)
+    group, calls = heads // kv_heads, accumulator_chunks(q, k, list_bytes)
     if calls <= kv_heads:
         step = kv_heads // calls
         return [
@@ -481,11 +496,12 @@ class FlashAttn4Backend(Backend):
         *,
         scale: float,
         is_causal: bool,
+        list_bytes: ListBytes = _no_lists,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)`` from the given ``out`` and ``lse`` (B, H, Nq) over the tiles of
         ``lists(heads, kv_heads)``, the backward lists (per key tile its query tiles) of a
         chunk's query and key/value heads (Note [FlashAttention-4's accumulators by head
-        chunks])."""
+        chunks]), which ``list_bytes(heads, kv_heads)`` gives for a chunk of so many heads."""
         dout, out = dout.to(q.dtype), out.to(q.dtype)
         dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))
         grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -499,7 +515,7 @@ class FlashAttn4Backend(Backend):
                 "block_sparse_tensors": _sparse_tensors(lists(heads, kv)), "pack_gqa": False,
             }  # fmt: skip
 
-        return _backward_calls(head_chunks(q, k), grads, arguments)
+        return _backward_calls(head_chunks(q, k, list_bytes), grads, arguments)
 
     def _forward(
         self,

@@ -27,15 +27,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..backends.flash_attn4 import FlashAttn4Backend, SparseTiles, tiles_of_heads
+from ..backends.flash_attn4 import FlashAttn4Backend, ListBytes, SparseTiles, tiles_of_heads
 from ..backends.triton import kernel_module, run_launches
 from ..core.autograd import Backward, Forward, Grads, Inputs, Saved
 from ..core.contract import KernelOutput
 from ..patterns import Pattern
-from .lists import kept_mask, planned_narrow_lists, runtime_tile_lists
+from .lists import kept_mask, planned_narrow_lists, runtime_tile_lists, tiles_aligned
 from .plan import causal_block_mask, num_blocks, recomputed_grads
 from .runtime import FIRST_ORDER_MESSAGE, BlockIndices, per_query_head, token_rows
-from .tiles import kernel_tiles, tile_lists
+from .tiles import KERNEL_TILE, kernel_tiles, tile_lists
 
 
 class ListLaunches:
@@ -76,6 +76,8 @@ class FlashAttn4Tiles:
             or None if none.
         pending: where the lists, ``empty_rows`` and ``unread_keys`` are buffers still to be
             filled, the launches that fill them; else None.
+        made_bytes: with ``make_backward``, the bytes of the lists it makes for so many query
+            and key/value heads (they count against a backward call's share of memory).
     """
 
     forward: SparseTiles
@@ -85,6 +87,12 @@ class FlashAttn4Tiles:
     unread_keys: torch.Tensor | None
     make_backward: Callable[[slice, slice], SparseTiles] | None = None
     pending: ListLaunches | None = None
+    made_bytes: ListBytes | None = None
+
+    def backward_list_bytes(self, heads: int, kv_heads: int) -> int:
+        """The bytes of the backward lists made for a chunk of ``heads`` query heads on
+        ``kv_heads`` key/value heads: none where they are held whole."""
+        return 0 if self.made_bytes is None else self.made_bytes(heads, kv_heads)
 
     def backward_lists(self, heads: slice, kv_heads: slice) -> SparseTiles:
         """The backward's tile lists of query heads ``heads`` (of key/value heads ``kv_heads``),
@@ -187,7 +195,18 @@ def runtime_fa4_tiles(
             is_causal=is_causal, num_heads=heads.stop - heads.start, backward=True,
         ))  # fmt: skip
 
-    return FlashAttn4Tiles(SparseTiles(*forward), None, None, empty, unread, backward, pending)
+    rows = kept.indices if isinstance(kept, BlockIndices) else kept
+    key_tiles, query_tiles = num_blocks(key_len, KERNEL_TILE), num_blocks(query_len, KERNEL_TILE)
+    aligned = tiles_aligned(block_size, query_len, key_len, is_causal)
+    per_key_tile = query_tiles + 3 if aligned else 2 * query_tiles + 2  # int32 counts, indices
+
+    def made_bytes(heads: int, kv_heads: int) -> int:  # (Bm, 1 or heads, Tk, per_key_tile) int32
+        one = rows.shape[1] == 1 or (rows.shape[1] == num_kv_heads != num_heads and kv_heads == 1)
+        return 4 * rows.shape[0] * (1 if one else heads) * key_tiles * per_key_tile
+
+    return FlashAttn4Tiles(
+        SparseTiles(*forward), None, None, empty, unread, backward, pending, made_bytes
+    )
 
 
 def _of_heads(
@@ -290,7 +309,7 @@ class FlashAttn4BlockSparseRunner:
             self.tiles.pending.ensure()
         dq, dk, dv = self.backend.block_sparse_backward(
             dout, q, k, v, out, lse, self.tiles.backward_lists, scale=self.scale,
-            is_causal=self.is_causal,
+            is_causal=self.is_causal, list_bytes=self.tiles.backward_list_bytes,
         )  # fmt: skip
         for grad, unreached in ((dq, self.tiles.empty_rows), (dk, self.tiles.unread_keys),
                                 (dv, self.tiles.unread_keys)):  # fmt: skip

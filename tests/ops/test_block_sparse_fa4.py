@@ -199,7 +199,7 @@ def chunked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.setattr(fa4_module, "MIN_CHUNKED_ACCUMULATOR_BYTES", 0)  # tiny tensors too
     if request.param == "per kv head":
-        monkeypatch.setattr(fa4_module, "accumulator_chunks", lambda q, k: k.shape[2])
+        monkeypatch.setattr(fa4_module, "accumulator_chunks", lambda q, k, lists=None: k.shape[2])
     if request.param == "per query head":
         monkeypatch.setattr(fa4_module, "ACCUMULATOR_SHARE", 0.0)
     return request.param
@@ -319,10 +319,11 @@ def test_double_backward_matches_oracle(monkeypatch: pytest.MonkeyPatch) -> None
         torch.testing.assert_close(got, want, atol=1e-9, rtol=1e-7)
 
 
-@pytest.mark.parametrize(
-    ("heads", "kv_heads", "chunks"),
-    [(16, 16, 2), (16, 4, 8), (16, 8, 8), (16, 1, 16), (8, 2, 8), (4, 4, 2), (32, 4, 8)],
-)
+# (query heads, key/value heads, calls by the share)
+CHUNK_RULES = [(16, 16, 2), (16, 4, 8), (16, 8, 8), (16, 1, 16), (8, 2, 8), (4, 4, 2), (32, 4, 4)]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "chunks"), [*CHUNK_RULES, (32, 2, 8)])
 def test_backward_accumulators_by_head_chunks(
     heads: int, kv_heads: int, chunks: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -353,6 +354,52 @@ def test_backward_accumulators_by_head_chunks(
     assert fa4_module._call_bytes(q, k, call_heads, call_kv) <= share * unavoidable or (
         call_heads == 1
     )
+
+
+def test_backward_chunks_count_the_lists_made_for_each_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The lists a run-time mask's backward makes per call count against the share: lists of
+    a few bytes leave halves of each group (16 / 4 heads); lists that take a half over the
+    share make one call per query head, each within it."""
+    import dilated_attention.backends.flash_attn4 as fa4_module
+
+    monkeypatch.setattr(fa4_module, "MIN_CHUNKED_ACCUMULATOR_BYTES", 0)
+    q = torch.empty(1, 64, 16, 8, dtype=torch.bfloat16)
+    k = torch.empty(1, 64, 4, 8, dtype=torch.bfloat16)
+    budget = fa4_module.ACCUMULATOR_SHARE * 4 * (q.numel() + k.numel()) * 2
+    halves = fa4_module._call_bytes(q, k, 2, 1)
+    assert accumulator_chunks(q, k, lambda heads, kv: heads) == 8
+    per_head = int(budget - halves) // 2 + 1  # two heads' lists: a half over the share
+    lists = lambda heads, kv: heads * per_head  # noqa: E731
+    assert accumulator_chunks(q, k, lists) == len(head_chunks(q, k, lists)) == 16
+    assert fa4_module._call_bytes(q, k, 2, 1, lists) > budget
+    assert fa4_module._call_bytes(q, k, 1, 1, lists) <= budget
+
+
+@pytest.mark.parametrize("mask_heads", [1, 2, 4], ids=["shared", "per kv head", "per head"])
+@pytest.mark.parametrize(
+    ("length", "block_size", "is_causal"),
+    [(384, 128, True), (300, 128, False), (384, 64, True)],
+    ids=["aligned", "ragged", "blocks of 64"],
+)
+def test_backward_list_bytes_are_the_bytes_made(
+    mask_heads: int, length: int, block_size: int, is_causal: bool
+) -> None:
+    """What a run-time mask's tiles say a backward call's lists take is what
+    ``backward_lists`` makes for that call (two batch rows, 4 query heads on 2 key/value
+    heads, chunks of 1, 2 and 4 query heads); a pattern's lists are held whole: none."""
+    from dilated_attention.block_sparse.fa4 import runtime_fa4_tiles
+
+    m = -(-length // block_size)
+    kept = torch.rand(2, mask_heads, m, m, generator=torch.Generator().manual_seed(1)) < 0.5
+    tiles = runtime_fa4_tiles(kept, block_size, length, length, is_causal, 2, 4)
+    for heads, kv in [(slice(0, 1), slice(0, 1)), (slice(2, 4), slice(1, 2)),
+                      (slice(0, 4), slice(0, 2))]:  # fmt: skip
+        made = sum(t.nbytes for t in tiles.backward_lists(heads, kv))
+        assert tiles.backward_list_bytes(heads.stop - heads.start, kv.stop - kv.start) == made
+    pattern_tiles = fa4_tiles(P.LocalWindow(1), 128, 384, 384, True, torch.device("cpu"))
+    assert pattern_tiles.backward_list_bytes(4, 2) == 0
 
 
 # -- the choice, on a fake sm90 CUDA device -------------------------------------------------------
@@ -533,7 +580,7 @@ def test_chunks_of_several_grouped_heads(indices: bool, monkeypatch: pytest.Monk
     import dilated_attention.backends.flash_attn4 as fa4_module
 
     calls = _install_fake_fa4(monkeypatch)
-    monkeypatch.setattr(fa4_module, "accumulator_chunks", lambda q, k: 2)
+    monkeypatch.setattr(fa4_module, "accumulator_chunks", lambda q, k, lists=None: 2)
     nq, block_size, heads, kv_heads = 384, 128, 8, 4
     gen = torch.Generator().manual_seed(5)
     q, dout = (torch.randn(2, nq, heads, 8, generator=gen, dtype=F64) for _ in "qo")
