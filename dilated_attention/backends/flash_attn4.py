@@ -61,7 +61,11 @@ Note [FlashAttention-4's accumulators by head chunks]
     dk and dv; 8 calls of 12.5% at 16 / 4 heads). The lists grow with the square of the length
     (per key tile, a slot for every query tile: 0.6% of the unavoidable bytes for half a group
     at 256K tokens, 2.5% at 1M), so past ~600K tokens a run-time mask's parts are single query
-    heads; 1% of a 1.15x peak is left to the calls' small tensors. A part writes every key
+    heads; 1% of a 1.15x peak is left to the calls' small tensors. A block-sparse backward
+    that runs in chunks takes only calls whose query heads share no key/value head (one per
+    query head with grouped heads): FA4 adds grouped heads' dk and dv into float32
+    accumulators with atomics and converts them after, and single query heads measured as
+    fast or faster and at a 1.06x peak (MoBA below). A part writes every key
     tile of its dk and dv, zeros where none of its query tiles visits (FA4's block-sparse
     backward writes them; grouped heads' float32 accumulators start at zero): the GPU oracle
     tests run parts on buffers filled with NaN. Each chunk is one more call of FA4's Python on
@@ -71,7 +75,10 @@ Note [FlashAttention-4's accumulators by head chunks]
     1.63-1.87x the unavoidable bytes to 1.16x / 1.17x / 1.21x at 64K / 256K / 1M tokens (the
     backward lists, made per chunk, are most of the rest), halves of groups to 1.13x / 1.14x /
     1.15x, at 10% / 5% / 3% more time back to back than whole groups (the second part's sums,
-    and FA4's float32 conversion of dk and dv once per call); at 16K (192 MiB of accumulators,
+    and FA4's float32 conversion of dk and dv once per call), single query heads to 1.06x /
+    1.06x / 1.07x at 10.1 / 48.0 / 231 ms against the halves' 10.2 / 50.3 / 242 (dense calls
+    of single query heads were slower: NSA's window and compressed branches 197 -> 248 ms at
+    256K, so dense calls keep whole groups and halves); at 16K (192 MiB of accumulators,
     ~2 ms on the GPU) chunks made 1.9 ms 2.4-4.1. Dense calls that write their own gradients
     (``attention()``, NSA's window and compressed branches) take the same chunks; a slotted
     plan's calls, which write into its gradient slots, stay one call each: they are short, the
@@ -251,13 +258,15 @@ def _call_bytes(
     return added
 
 
-def accumulator_chunks(q: torch.Tensor, k: torch.Tensor, list_bytes: ListBytes = _no_lists) -> int:
+def accumulator_chunks(
+    q: torch.Tensor, k: torch.Tensor, list_bytes: ListBytes = _no_lists, ungrouped: bool = False
+) -> int:
     """How many calls a backward of q (B, Nq, H, D) and k/v (B, Nk, Hkv, D) runs in: one below
     :data:`MIN_CHUNKED_ACCUMULATOR_BYTES` of float32 accumulators, else the fewest whose
     calls each add at most :data:`ACCUMULATOR_SHARE` of the unavoidable bytes (with the tile
     lists ``list_bytes`` gives per call, block-sparse): chunks of whole groups (a divisor of
     Hkv), then parts of each group (Hkv times a divisor of H / Hkv), else one call per query
-    head."""
+    head. ``ungrouped``: only calls whose query heads share no key/value head."""
     heads, kv_heads = q.shape[2], k.shape[2]
     if _call_bytes(q, k, heads, kv_heads) < MIN_CHUNKED_ACCUMULATOR_BYTES:
         return 1
@@ -266,18 +275,20 @@ def accumulator_chunks(q: torch.Tensor, k: torch.Tensor, list_bytes: ListBytes =
     whole = [(c, heads // c, kv_heads // c) for c in range(1, kv_heads + 1) if kv_heads % c == 0]
     parts = [(kv_heads * p, group // p, 1) for p in range(2, group + 1) if group % p == 0]
     for calls, call_heads, call_kv_heads in whole + parts:
+        if ungrouped and call_heads > call_kv_heads:
+            continue
         if _call_bytes(q, k, call_heads, call_kv_heads, list_bytes) <= budget:
             return calls
     return heads
 
 
 def head_chunks(
-    q: torch.Tensor, k: torch.Tensor, list_bytes: ListBytes = _no_lists
+    q: torch.Tensor, k: torch.Tensor, list_bytes: ListBytes = _no_lists, ungrouped: bool = False
 ) -> list[tuple[slice, slice]]:
     """The (query heads, key/value heads) of each call of :func:`accumulator_chunks`: whole
     groups of key/value heads, or consecutive parts of one key/value head's group."""
     heads, kv_heads = q.shape[2], k.shape[2]
-    group, calls = heads // kv_heads, accumulator_chunks(q, k, list_bytes)
+    group, calls = heads // kv_heads, accumulator_chunks(q, k, list_bytes, ungrouped)
     if calls <= kv_heads:
         step = kv_heads // calls
         return [
@@ -501,7 +512,8 @@ class FlashAttn4Backend(Backend):
         """``(dq, dk, dv)`` from the given ``out`` and ``lse`` (B, H, Nq) over the tiles of
         ``lists(heads, kv_heads)``, the backward lists (per key tile its query tiles) of a
         chunk's query and key/value heads (Note [FlashAttention-4's accumulators by head
-        chunks]), which ``list_bytes(heads, kv_heads)`` gives for a chunk of so many heads."""
+        chunks]), which ``list_bytes(heads, kv_heads)`` gives for a chunk of so many heads.
+        Chunked, its calls share no key/value head between query heads."""
         dout, out = dout.to(q.dtype), out.to(q.dtype)
         dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))
         grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -515,7 +527,8 @@ class FlashAttn4Backend(Backend):
                 "block_sparse_tensors": _sparse_tensors(lists(heads, kv)), "pack_gqa": False,
             }  # fmt: skip
 
-        return _backward_calls(head_chunks(q, k, list_bytes), grads, arguments)
+        chunks = head_chunks(q, k, list_bytes, ungrouped=True)
+        return _backward_calls(chunks, grads, arguments)
 
     def _forward(
         self,

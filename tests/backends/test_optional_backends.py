@@ -619,7 +619,7 @@ def _chunk_calls(
     head, or to one per query head (Note [FlashAttention-4's accumulators by head chunks])."""
     monkeypatch.setattr(flash_attn4, "MIN_CHUNKED_ACCUMULATOR_BYTES", 0)
     if per == "kv head":
-        monkeypatch.setattr(flash_attn4, "accumulator_chunks", lambda q, k, lists=None: k.shape[2])
+        monkeypatch.setattr(flash_attn4, "accumulator_chunks", lambda q, k, *rule: k.shape[2])
     else:
         monkeypatch.setattr(flash_attn4, "ACCUMULATOR_SHARE", 0.0)
     interface = sys.modules["flash_attn.cute.interface"]

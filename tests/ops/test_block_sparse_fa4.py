@@ -199,7 +199,7 @@ def chunked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.setattr(fa4_module, "MIN_CHUNKED_ACCUMULATOR_BYTES", 0)  # tiny tensors too
     if request.param == "per kv head":
-        monkeypatch.setattr(fa4_module, "accumulator_chunks", lambda q, k, lists=None: k.shape[2])
+        monkeypatch.setattr(fa4_module, "accumulator_chunks", lambda q, k, *rule: k.shape[2])
     if request.param == "per query head":
         monkeypatch.setattr(fa4_module, "ACCUMULATOR_SHARE", 0.0)
     return request.param
@@ -208,7 +208,7 @@ def chunked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 def _backward_calls(chunked: str, q: torch.Tensor, k: torch.Tensor) -> int:
     """How many backward calls the ``chunked`` fixture's chunks make."""
     forced = {"per kv head": k.shape[2], "per query head": q.shape[2]}
-    return forced.get(chunked, accumulator_chunks(q, k))
+    return forced.get(chunked, accumulator_chunks(q, k, ungrouped=True))
 
 
 def _inputs(nq: int, nk: int, kv_heads: int, dtype: torch.dtype = F64, seed: int = 0):
@@ -319,13 +319,16 @@ def test_double_backward_matches_oracle(monkeypatch: pytest.MonkeyPatch) -> None
         torch.testing.assert_close(got, want, atol=1e-9, rtol=1e-7)
 
 
-# (query heads, key/value heads, calls by the share)
-CHUNK_RULES = [(16, 16, 2), (16, 4, 8), (16, 8, 8), (16, 1, 16), (8, 2, 8), (4, 4, 2), (32, 4, 4)]
+# (query heads, key/value heads, calls by the share, calls by the share sharing no kv head)
+CHUNK_RULES = [(16, 16, 2, 2), (16, 4, 8, 16), (16, 8, 8, 16), (16, 1, 16, 16), (8, 2, 8, 8)]
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "chunks"), [*CHUNK_RULES, (32, 2, 8)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "chunks", "ungrouped"),
+    [*CHUNK_RULES, (4, 4, 2, 2), (32, 4, 4, 32), (32, 2, 8, 32)],
+)
 def test_backward_accumulators_by_head_chunks(
-    heads: int, kv_heads: int, chunks: int, monkeypatch: pytest.MonkeyPatch
+    heads: int, kv_heads: int, chunks: int, ungrouped: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Note [FlashAttention-4's accumulators by head chunks]: the fewest calls whose float32
     accumulators (dq's, and dk's and dv's with grouped heads, plus a later part's dk and dv)
@@ -354,6 +357,9 @@ def test_backward_accumulators_by_head_chunks(
     assert fa4_module._call_bytes(q, k, call_heads, call_kv) <= share * unavoidable or (
         call_heads == 1
     )
+    single = head_chunks(q, k, ungrouped=True)  # block-sparse: no query heads share a kv head
+    assert accumulator_chunks(q, k, ungrouped=True) == len(single) == ungrouped
+    assert all(len(range(heads)[h]) == len(range(kv_heads)[kv]) for h, kv in single)
 
 
 def test_backward_chunks_count_the_lists_made_for_each_call(
@@ -580,7 +586,7 @@ def test_chunks_of_several_grouped_heads(indices: bool, monkeypatch: pytest.Monk
     import dilated_attention.backends.flash_attn4 as fa4_module
 
     calls = _install_fake_fa4(monkeypatch)
-    monkeypatch.setattr(fa4_module, "accumulator_chunks", lambda q, k, lists=None: 2)
+    monkeypatch.setattr(fa4_module, "accumulator_chunks", lambda q, k, *rule: 2)
     nq, block_size, heads, kv_heads = 384, 128, 8, 4
     gen = torch.Generator().manual_seed(5)
     q, dout = (torch.randn(2, nq, heads, 8, generator=gen, dtype=F64) for _ in "qo")
