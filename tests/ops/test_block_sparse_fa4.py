@@ -154,8 +154,9 @@ def _install_fake_fa4(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         dq_ = dq_.masked_fill(_by_row(~reach.any(-1)), math.nan)  # poison what no tile writes
         # A key tile no query tile of the call visits: zeros (FA4's block-sparse backward writes
         # them, and grouped heads' float32 accumulators start at zero), which a group's later
-        # parts are added to.
-        dk_, dv_ = (g.masked_fill(_by_row(~read), 0.0) for g in (dk_, dv_))
+        # parts are added to; a test may have it left as something else.
+        unvisited = calls.get("unvisited key tiles", 0.0)
+        dk_, dv_ = (g.masked_fill(_by_row(~read), unvisited) for g in (dk_, dv_))
         dq.copy_(dq_), dk.copy_(dk_), dv.copy_(dv_)
         return dq, dk, dv
 
@@ -276,6 +277,32 @@ def test_chunked_backward_from_a_release_returning_its_own_grads(
     mask = token_mask(pattern, block_size, nq, nk, True, query_start=0)
     _, _, ref_grads = oracle_with_grads(q, k, v, dout, mask, scale=SCALE)
     for name, g, rg in zip("qkv", grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, rg, atol=1e-10, rtol=1e-7, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+@pytest.mark.parametrize("fill", [True, False], ids=["filled", "without the fill"])
+def test_keys_no_row_reads_get_zero_gradients_from_any_release(
+    fill: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A release whose backward leaves the key tiles no query tile visits unwritten (NaN here):
+    the runner sets the key blocks no row reads to zero in dk and dv, so one call's gradients
+    still match the oracle; without that fill they would hold the NaN."""
+    import dilated_attention.block_sparse.fa4 as runner_module
+
+    calls = _install_fake_fa4(monkeypatch)
+    calls["unvisited key tiles"] = math.nan
+    if not fill:
+        monkeypatch.setattr(runner_module, "fill_blocks", lambda *args: None)
+    nq, nk, block_size, kv_heads, pattern = CASES[4]  # causal: key blocks 1-3 unread
+    q, k, v, dout = _inputs(nq, nk, kv_heads, seed=4)
+    _, _, grads, _ = _run_fake(q, k, v, dout, pattern, block_size, True)
+    assert len(calls["bwd chunks"]) == 1
+    mask = token_mask(pattern, block_size, nq, nk, True, query_start=0)
+    _, _, ref_grads = oracle_with_grads(q, k, v, dout, mask, scale=SCALE)
+    for name, g, rg in zip("kv", grads[1:], ref_grads[1:], strict=True):
+        if not fill:  # the unread key blocks keep what the release left
+            assert g[:, block_size:].isnan().all()
+            continue
         torch.testing.assert_close(g, rg, atol=1e-10, rtol=1e-7, msg=lambda m, n=name: f"d{n}: {m}")
 
 
