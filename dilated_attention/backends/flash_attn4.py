@@ -45,46 +45,6 @@ Note [FlashAttention-4 block sparsity]
     sm90, whose forward (128 x 128 for head dims up to 128) and backward tiles (64 or 128
     query rows by 128 keys) divide 128 x 128; sm100 takes block sparsity at 256 query rows.
 
-Note [FlashAttention-4's accumulators by head chunks]
-    FA4's backward allocates float32 accumulators beside the gradients it writes: dq's
-    (B, H, Nq, D), and where query heads share a key/value head, dk's and dv's (B, Hkv, Nk, D)
-    each. With 16 query heads on 4 key/value heads that is 3 |q| on top of the 5 |q| a training
-    call cannot avoid (q, k, v, out, dout, dq, dk, dv): a 1.6x peak. Heads are independent in
-    the backward, so a backward runs in chunks of key/value heads, each with its query heads
-    (and, block-sparse, its rows of the lists), writing into its heads' rows of dq, dk and dv:
-    the fewest chunks whose accumulators, with the tile lists a run-time mask's backward makes
-    for the chunk, take at most :data:`ACCUMULATOR_SHARE` of the unavoidable bytes
-    (:func:`accumulator_chunks`; 2 with 16 query and 16 key/value heads). Where one key/value
-    head's whole group is over that share (16 / 4 heads: 15%), the group runs in parts: the
-    first part's dk and dv go to the gradients, each later part's into a buffer of one
-    key/value head in the gradients' dtype, added to them after its call (one more rounding of
-    dk and dv; 8 calls of 12.5% at 16 / 4 heads). The lists grow with the square of the length
-    (per key tile, a slot for every query tile: 0.6% of the unavoidable bytes for half a group
-    at 256K tokens, 2.5% at 1M), so past ~600K tokens a run-time mask's parts are single query
-    heads; 1% of a 1.15x peak is left to the calls' small tensors. A block-sparse backward
-    that runs in chunks takes only calls whose query heads share no key/value head (one per
-    query head with grouped heads): FA4 adds grouped heads' dk and dv into float32
-    accumulators with atomics and converts them after, and single query heads measured as
-    fast or faster and at a 1.06x peak (MoBA below). A part writes every key
-    tile of its dk and dv, zeros where none of its query tiles visits (FA4's block-sparse
-    backward writes them; grouped heads' float32 accumulators start at zero): the GPU oracle
-    tests run parts on buffers filled with NaN. Each chunk is one more call of FA4's Python on
-    the host (~0.4 ms), so a backward whose accumulators take less than
-    :data:`MIN_CHUNKED_ACCUMULATOR_BYTES` stays one call. Measured (H100, MoBA's blocks of 128,
-    2,048 keys per query, 16 / 4 heads, D = 128): whole groups took the training peak from
-    1.63-1.87x the unavoidable bytes to 1.16x / 1.17x / 1.21x at 64K / 256K / 1M tokens (the
-    backward lists, made per chunk, are most of the rest), halves of groups to 1.13x / 1.14x /
-    1.15x, at 10% / 5% / 3% more time back to back than whole groups (the second part's sums,
-    and FA4's float32 conversion of dk and dv once per call), single query heads to 1.06x /
-    1.06x / 1.07x at 10.1 / 48.0 / 231 ms against the halves' 10.2 / 50.3 / 242 (dense calls
-    of single query heads were slower: NSA's window and compressed branches 197 -> 248 ms at
-    256K, so dense calls keep whole groups and halves); at 16K (192 MiB of accumulators,
-    ~2 ms on the GPU) chunks made 1.9 ms 2.4-4.1. Dense calls that write their own gradients
-    (``attention()``, NSA's window and compressed branches) take the same chunks; a slotted
-    plan's calls, which write into its gradient slots, stay one call each: they are short, the
-    plan's peak lies in its slots, and split the same way a GQA dilated training step at 16K
-    took 5.4 ms instead of 3.6.
-
 Note [FlashAttention-4's compile warnings]
     Compiling a kernel, the CuTe DSL warns (``UserWarning``) that FA4's ``aux_data`` argument
     (a NamedTuple of the ``mask_mod``'s tensors) "cannot be converted to a JitArgument": two
@@ -118,6 +78,7 @@ from ._compat import (
     _parameters,
 )
 from .base import Backend, KernelInputs, KernelOutput
+from .flash_attn4_chunks import ListBytes, head_chunks, no_lists
 from .triton import TritonBackend
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
@@ -223,80 +184,6 @@ def _masked(values: dict[str, Any], key_mask: torch.Tensor | None, is_causal: bo
         mask_mod=_key_padding(key_mask.shape[1] > 1, is_causal), causal=False, pack_gqa=False,
         aux_tensors=[aux_mask(key_mask)],
     )  # fmt: skip
-
-
-#: The share of a training call's unavoidable bytes (q, k, v, out, dout, dq, dk and dv) that
-#: one backward call's float32 accumulators, its dk / dv sums (part of a group of query heads)
-#: and the tile lists made for it may take (Note [FlashAttention-4's accumulators by head
-#: chunks]): 1% of a 1.15x peak is left to the calls' small tensors.
-ACCUMULATOR_SHARE = 0.14
-#: Below this many bytes of float32 accumulators a backward runs as one call: each chunk costs
-#: FA4's Python on the host, which a short call does not hide.
-MIN_CHUNKED_ACCUMULATOR_BYTES = 512 << 20
-#: The bytes of the tile lists made for a backward call of so many query and key/value heads.
-ListBytes = Callable[[int, int], int]
-
-
-def _no_lists(heads: int, kv_heads: int) -> int:
-    return 0
-
-
-def _call_bytes(
-    q: torch.Tensor, k: torch.Tensor, heads: int, kv_heads: int, list_bytes: ListBytes = _no_lists
-) -> int:
-    """The bytes one backward call of ``heads`` query heads on ``kv_heads`` key/value heads adds
-    beside the gradients: float32 dq, float32 dk and dv where its query heads share key/value
-    heads, the call's dk and dv (in the gradients' dtype) when it holds part of a group
-    only, added to the group's others afterwards, and ``list_bytes(heads, kv_heads)`` of lists."""
-    group = q.shape[2] // k.shape[2]
-    per_kv_head = k.numel() // k.shape[2]
-    added = 4 * heads * (q.numel() // q.shape[2]) + list_bytes(heads, kv_heads)
-    if heads > kv_heads:
-        added += 8 * kv_heads * per_kv_head
-    if heads < group * kv_heads:
-        added += 2 * k.element_size() * kv_heads * per_kv_head
-    return added
-
-
-def accumulator_chunks(
-    q: torch.Tensor, k: torch.Tensor, list_bytes: ListBytes = _no_lists, ungrouped: bool = False
-) -> int:
-    """How many calls a backward of q (B, Nq, H, D) and k/v (B, Nk, Hkv, D) runs in: one below
-    :data:`MIN_CHUNKED_ACCUMULATOR_BYTES` of float32 accumulators, else the fewest whose
-    calls each add at most :data:`ACCUMULATOR_SHARE` of the unavoidable bytes (with the tile
-    lists ``list_bytes`` gives per call, block-sparse): chunks of whole groups (a divisor of
-    Hkv), then parts of each group (Hkv times a divisor of H / Hkv), else one call per query
-    head. ``ungrouped``: only calls whose query heads share no key/value head."""
-    heads, kv_heads = q.shape[2], k.shape[2]
-    if _call_bytes(q, k, heads, kv_heads) < MIN_CHUNKED_ACCUMULATOR_BYTES:
-        return 1
-    budget = ACCUMULATOR_SHARE * 4 * (q.numel() + k.numel()) * q.element_size()
-    group = heads // kv_heads
-    whole = [(c, heads // c, kv_heads // c) for c in range(1, kv_heads + 1) if kv_heads % c == 0]
-    parts = [(kv_heads * p, group // p, 1) for p in range(2, group + 1) if group % p == 0]
-    for calls, call_heads, call_kv_heads in whole + parts:
-        if ungrouped and call_heads > call_kv_heads:
-            continue
-        if _call_bytes(q, k, call_heads, call_kv_heads, list_bytes) <= budget:
-            return calls
-    return heads
-
-
-def head_chunks(
-    q: torch.Tensor, k: torch.Tensor, list_bytes: ListBytes = _no_lists, ungrouped: bool = False
-) -> list[tuple[slice, slice]]:
-    """The (query heads, key/value heads) of each call of :func:`accumulator_chunks`: whole
-    groups of key/value heads, or consecutive parts of one key/value head's group."""
-    heads, kv_heads = q.shape[2], k.shape[2]
-    group, calls = heads // kv_heads, accumulator_chunks(q, k, list_bytes, ungrouped)
-    if calls <= kv_heads:
-        step = kv_heads // calls
-        return [
-            (slice(first * group, (first + step) * group), slice(first, first + step))
-            for first in range(0, kv_heads, step)
-        ]
-    step = heads // calls
-    return [(slice(h, h + step), slice(h // group, h // group + 1)) for h in range(0, heads, step)]
 
 
 def tiles_of_heads(tiles: SparseTiles, heads: slice) -> SparseTiles:
@@ -507,7 +394,7 @@ class FlashAttn4Backend(Backend):
         *,
         scale: float,
         is_causal: bool,
-        list_bytes: ListBytes = _no_lists,
+        list_bytes: ListBytes = no_lists,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)`` from the given ``out`` and ``lse`` (B, H, Nq) over the tiles of
         ``lists(heads, kv_heads)``, the backward lists (per key tile its query tiles) of a

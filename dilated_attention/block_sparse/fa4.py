@@ -27,7 +27,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..backends.flash_attn4 import FlashAttn4Backend, ListBytes, SparseTiles, tiles_of_heads
+from ..backends.flash_attn4 import FlashAttn4Backend, SparseTiles, tiles_of_heads
+from ..backends.flash_attn4_chunks import ListBytes
 from ..backends.triton import kernel_module, run_launches
 from ..core.autograd import Backward, Forward, Grads, Inputs, Saved
 from ..core.contract import KernelOutput
@@ -97,7 +98,8 @@ class FlashAttn4Tiles:
     def backward_lists(self, heads: slice, kv_heads: slice) -> SparseTiles:
         """The backward's tile lists of query heads ``heads`` (of key/value heads ``kv_heads``),
         made now where they were left for the backward (then one chunk of heads at a time:
-        Note [FlashAttention-4's accumulators by head chunks] in ``backends/flash_attn4.py``)."""
+        Note [FlashAttention-4's accumulators by head chunks] in
+        ``backends/flash_attn4_chunks.py``)."""
         if self.backward is not None:
             return tiles_of_heads(self.backward, heads)
         assert self.make_backward is not None  # one of the two is always set

@@ -183,17 +183,18 @@ def test_fa4_dense_backward_in_head_chunks_matches_oracle(
     its heads' rows of the gradients, against the float64 oracle: MHA, GQA and MQA, a key
     padding mask with rows that see no key."""
     import dilated_attention.backends.flash_attn4 as fa4_module
+    import dilated_attention.backends.flash_attn4_chunks as chunk_rule
 
     chunks: list[int] = []
     calls = fa4_module._backward_calls
 
     def force_chunks() -> None:
-        monkeypatch.setattr(fa4_module, "MIN_CHUNKED_ACCUMULATOR_BYTES", 0)
+        monkeypatch.setattr(chunk_rule, "MIN_CHUNKED_ACCUMULATOR_BYTES", 0)
         if per == "kv head":
             per_kv_head = lambda q, k, *rule: k.shape[2]  # noqa: E731
-            monkeypatch.setattr(fa4_module, "accumulator_chunks", per_kv_head)
+            monkeypatch.setattr(chunk_rule, "accumulator_chunks", per_kv_head)
         else:
-            monkeypatch.setattr(fa4_module, "ACCUMULATOR_SHARE", 0.0)
+            monkeypatch.setattr(chunk_rule, "ACCUMULATOR_SHARE", 0.0)
         monkeypatch.setattr(fa4_module, "_backward_calls",
                             lambda c, *rest: chunks.append(len(c)) or calls(c, *rest))  # fmt: skip
 

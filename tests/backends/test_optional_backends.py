@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import dilated_attention.backends.flash_attn4 as flash_attn4
+import dilated_attention.backends.flash_attn4_chunks as chunk_rule
 from dilated_attention.backends.base import KernelInputs
 from dilated_attention.backends.flash_attn2 import FlashAttn2Backend
 from dilated_attention.backends.flash_attn3 import FlashAttn3Backend
@@ -617,11 +618,11 @@ def _chunk_calls(
 ) -> list[dict[str, Any]]:
     """FA4's backward calls, each one's arguments, with the chunks forced to one per key/value
     head, or to one per query head (Note [FlashAttention-4's accumulators by head chunks])."""
-    monkeypatch.setattr(flash_attn4, "MIN_CHUNKED_ACCUMULATOR_BYTES", 0)
+    monkeypatch.setattr(chunk_rule, "MIN_CHUNKED_ACCUMULATOR_BYTES", 0)
     if per == "kv head":
-        monkeypatch.setattr(flash_attn4, "accumulator_chunks", lambda q, k, *rule: k.shape[2])
+        monkeypatch.setattr(chunk_rule, "accumulator_chunks", lambda q, k, *rule: k.shape[2])
     else:
-        monkeypatch.setattr(flash_attn4, "ACCUMULATOR_SHARE", 0.0)
+        monkeypatch.setattr(chunk_rule, "ACCUMULATOR_SHARE", 0.0)
     interface = sys.modules["flash_attn.cute.interface"]
     real_bwd, seen = interface._flash_attn_bwd, []
 

@@ -29,14 +29,12 @@ from support.block_sparse import (
 from support.runtime_masks import runtime_token_mask
 from support.triton import poison_new_buffers
 
+import dilated_attention.backends.flash_attn4_chunks as chunk_rule
 from dilated_attention import block_sparse_attention
 from dilated_attention import patterns as P
 from dilated_attention.backends.base import KernelInputs
-from dilated_attention.backends.flash_attn4 import (
-    FlashAttn4Backend,
-    accumulator_chunks,
-    head_chunks,
-)
+from dilated_attention.backends.flash_attn4 import FlashAttn4Backend
+from dilated_attention.backends.flash_attn4_chunks import accumulator_chunks, head_chunks
 from dilated_attention.backends.registry import Selection, get_backend, registry_for
 from dilated_attention.block_sparse.fa4 import FlashAttn4BlockSparseRunner, fa4_tiles
 from dilated_attention.block_sparse.runtime import check_block_mask
@@ -196,13 +194,12 @@ def chunked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     GQA), forced into one call per key/value head, or into one per query head (a share no
     chunk meets: each later query head of a group writes its dk and dv into the sums, added
     after) (Note [FlashAttention-4's accumulators by head chunks])."""
-    import dilated_attention.backends.flash_attn4 as fa4_module
 
-    monkeypatch.setattr(fa4_module, "MIN_CHUNKED_ACCUMULATOR_BYTES", 0)  # tiny tensors too
+    monkeypatch.setattr(chunk_rule, "MIN_CHUNKED_ACCUMULATOR_BYTES", 0)  # tiny tensors too
     if request.param == "per kv head":
-        monkeypatch.setattr(fa4_module, "accumulator_chunks", lambda q, k, *rule: k.shape[2])
+        monkeypatch.setattr(chunk_rule, "accumulator_chunks", lambda q, k, *rule: k.shape[2])
     if request.param == "per query head":
-        monkeypatch.setattr(fa4_module, "ACCUMULATOR_SHARE", 0.0)
+        monkeypatch.setattr(chunk_rule, "ACCUMULATOR_SHARE", 0.0)
     return request.param
 
 
@@ -362,14 +359,13 @@ def test_backward_accumulators_by_head_chunks(
     take at most ACCUMULATOR_SHARE of q, k, v, out, dout, dq, dk and dv: whole groups of
     key/value heads, else parts of each group; calls that cover each query head once, with
     its own key/value head; one call below MIN_CHUNKED_ACCUMULATOR_BYTES of accumulators."""
-    import dilated_attention.backends.flash_attn4 as fa4_module
 
     q = torch.empty(1, 64, heads, 8, dtype=torch.bfloat16)
     k = torch.empty(1, 64, kv_heads, 8, dtype=torch.bfloat16)
     accumulators = 4 * q.numel() + (8 * k.numel() if heads > kv_heads else 0)
-    monkeypatch.setattr(fa4_module, "MIN_CHUNKED_ACCUMULATOR_BYTES", accumulators + 1)
+    monkeypatch.setattr(chunk_rule, "MIN_CHUNKED_ACCUMULATOR_BYTES", accumulators + 1)
     assert accumulator_chunks(q, k) == len(head_chunks(q, k)) == 1
-    monkeypatch.setattr(fa4_module, "MIN_CHUNKED_ACCUMULATOR_BYTES", accumulators)
+    monkeypatch.setattr(chunk_rule, "MIN_CHUNKED_ACCUMULATOR_BYTES", accumulators)
     assert accumulator_chunks(q, k) == chunks
     parts = head_chunks(q, k)
     assert len(parts) == chunks
@@ -379,9 +375,9 @@ def test_backward_accumulators_by_head_chunks(
     for part, kv_part in parts:
         assert {h // group for h in range(heads)[part]} == set(range(kv_heads)[kv_part])
     unavoidable = 4 * (q.numel() + k.numel()) * 2
-    share = fa4_module.ACCUMULATOR_SHARE
+    share = chunk_rule.ACCUMULATOR_SHARE
     call_heads, call_kv = len(range(heads)[parts[0][0]]), len(range(kv_heads)[parts[0][1]])
-    assert fa4_module._call_bytes(q, k, call_heads, call_kv) <= share * unavoidable or (
+    assert chunk_rule._call_bytes(q, k, call_heads, call_kv) <= share * unavoidable or (
         call_heads == 1
     )
     single = head_chunks(q, k, ungrouped=True)  # block-sparse: no query heads share a kv head
@@ -395,19 +391,18 @@ def test_backward_chunks_count_the_lists_made_for_each_call(
     """The lists a run-time mask's backward makes per call count against the share: lists of
     a few bytes leave halves of each group (16 / 4 heads); lists that take a half over the
     share make one call per query head, each within it."""
-    import dilated_attention.backends.flash_attn4 as fa4_module
 
-    monkeypatch.setattr(fa4_module, "MIN_CHUNKED_ACCUMULATOR_BYTES", 0)
+    monkeypatch.setattr(chunk_rule, "MIN_CHUNKED_ACCUMULATOR_BYTES", 0)
     q = torch.empty(1, 64, 16, 8, dtype=torch.bfloat16)
     k = torch.empty(1, 64, 4, 8, dtype=torch.bfloat16)
-    budget = fa4_module.ACCUMULATOR_SHARE * 4 * (q.numel() + k.numel()) * 2
-    halves = fa4_module._call_bytes(q, k, 2, 1)
+    budget = chunk_rule.ACCUMULATOR_SHARE * 4 * (q.numel() + k.numel()) * 2
+    halves = chunk_rule._call_bytes(q, k, 2, 1)
     assert accumulator_chunks(q, k, lambda heads, kv: heads) == 8
     per_head = int(budget - halves) // 2 + 1  # two heads' lists: a half over the share
     lists = lambda heads, kv: heads * per_head  # noqa: E731
     assert accumulator_chunks(q, k, lists) == len(head_chunks(q, k, lists)) == 16
-    assert fa4_module._call_bytes(q, k, 2, 1, lists) > budget
-    assert fa4_module._call_bytes(q, k, 1, 1, lists) <= budget
+    assert chunk_rule._call_bytes(q, k, 2, 1, lists) > budget
+    assert chunk_rule._call_bytes(q, k, 1, 1, lists) <= budget
 
 
 @pytest.mark.parametrize("mask_heads", [1, 2, 4], ids=["shared", "per kv head", "per head"])
@@ -610,10 +605,9 @@ def test_chunks_of_several_grouped_heads(indices: bool, monkeypatch: pytest.Monk
     """Chunks of two key/value heads, each with its four query heads, over a run-time mask of
     one row per key/value head and batch row (the rows each chunk's lists come from are a
     strided slice): out and every gradient against the float64 oracle."""
-    import dilated_attention.backends.flash_attn4 as fa4_module
 
     calls = _install_fake_fa4(monkeypatch)
-    monkeypatch.setattr(fa4_module, "accumulator_chunks", lambda q, k, *rule: 2)
+    monkeypatch.setattr(chunk_rule, "accumulator_chunks", lambda q, k, *rule: 2)
     nq, block_size, heads, kv_heads = 384, 128, 8, 4
     gen = torch.Generator().manual_seed(5)
     q, dout = (torch.randn(2, nq, heads, 8, generator=gen, dtype=F64) for _ in "qo")
