@@ -7,37 +7,32 @@ Note [FlashAttention-4's accumulators by head chunks]
     (B, H, Nq, D), and where query heads share a key/value head, dk's and dv's (B, Hkv, Nk, D)
     each. With 16 query heads on 4 key/value heads that is 3 |q| on top of the 5 |q| a training
     call cannot avoid (q, k, v, out, dout, dq, dk, dv): a 1.6x peak. Heads are independent in
-    the backward, so a backward runs in chunks of key/value heads, each with its query heads
-    (and, block-sparse, its rows of the lists), writing into its heads' rows of dq, dk and dv:
-    the fewest chunks whose accumulators, with the tile lists a run-time mask's backward makes
-    for the chunk, take at most :data:`ACCUMULATOR_SHARE` of the unavoidable bytes
-    (:func:`accumulator_chunks`; 2 with 16 query and 16 key/value heads). Where one key/value
-    head's whole group is over that share (16 / 4 heads: 15%), the group runs in parts: the
-    first part's dk and dv go to the gradients, each later part's into a buffer of one
-    key/value head in the gradients' dtype, added to them after its call (one more rounding of
-    dk and dv; 8 calls of 12.5% at 16 / 4 heads). The lists grow with the square of the length
-    (per key tile, a slot for every query tile: 0.6% of the unavoidable bytes for half a group
-    at 256K tokens, 2.5% at 1M), so past ~600K tokens a run-time mask's parts are single query
-    heads; 1% of a 1.15x peak is left to the calls' small tensors. A block-sparse backward
-    that runs in chunks takes only calls whose query heads share no key/value head (one per
-    query head with grouped heads): FA4 adds grouped heads' dk and dv into float32
-    accumulators with atomics and converts them after, and single query heads measured as
-    fast or faster and at a 1.06x peak (MoBA below). A part writes every key
-    tile of its dk and dv, zeros where none of its query tiles visits (FA4's block-sparse
-    backward writes them; grouped heads' float32 accumulators start at zero): the GPU oracle
-    tests run parts on buffers filled with NaN. Each chunk is one more call of FA4's Python on
-    the host (~0.4 ms), so a backward whose accumulators take less than
-    :data:`MIN_CHUNKED_ACCUMULATOR_BYTES` stays one call. Measured (H100, MoBA's blocks of 128,
-    2,048 keys per query, 16 / 4 heads, D = 128): whole groups took the training peak from
-    1.63-1.87x the unavoidable bytes to 1.16x / 1.17x / 1.21x at 64K / 256K / 1M tokens (the
-    backward lists, made per chunk, are most of the rest), halves of groups to 1.13x / 1.14x /
-    1.15x, at 10% / 5% / 3% more time back to back than whole groups (the second part's sums,
-    and FA4's float32 conversion of dk and dv once per call), single query heads to 1.06x /
-    1.06x / 1.07x at 10.1 / 48.0 / 231 ms against the halves' 10.2 / 50.3 / 242 (dense calls
-    of single query heads were slower: NSA's window and compressed branches 197 -> 248 ms at
-    256K, so dense calls keep whole groups and halves); at 16K (192 MiB of accumulators,
-    ~2 ms on the GPU) chunks made 1.9 ms 2.4-4.1. Dense calls that write their own gradients
-    (``attention()``, NSA's window and compressed branches) take the same chunks; a slotted
+    the backward, so a backward runs in chunks of heads, each writing its heads' rows of dq, dk
+    and dv: the fewest chunks whose accumulators, with the tile lists a run-time mask's
+    backward makes for the chunk (per key tile a slot for every query tile: 2.5% of the
+    unavoidable bytes for two query heads at 1M tokens), take at most
+    :data:`ACCUMULATOR_SHARE` of the unavoidable bytes, leaving 1% of a 1.15x peak to the
+    calls' small tensors (:func:`accumulator_chunks`). Chunks are whole groups of key/value
+    heads (2 calls with 16 query and 16 key/value heads), else parts of each group (8 calls of
+    12.5% at 16 / 4 heads), else single query heads: the first part of a group writes its dk
+    and dv to the gradients, each later part into a buffer of one key/value head in the
+    gradients' dtype, added to them after its call (one more rounding of dk and dv). A
+    block-sparse backward's chunks are only calls whose query heads share no key/value head
+    (``ungrouped``: single query heads with grouped heads), which skip FA4's float32 dk and dv
+    and the atomics that add into them. A part writes every key tile of its dk and dv, zeros
+    where none of its query tiles visits (FA4's block-sparse backward writes them; grouped
+    heads' float32 accumulators start at zero): the GPU oracle tests run parts on buffers
+    filled with NaN. Each chunk is one more call of FA4's Python on the host (~0.4 ms), so a
+    backward with less than :data:`MIN_CHUNKED_ACCUMULATOR_BYTES` of accumulators stays one
+    call: at 16K (192 MiB, ~2 ms on the GPU) four chunks made 1.9 ms 2.4-4.1.
+
+    Measured (H100, MoBA's blocks of 128, 2,048 keys per query, 16 / 4 heads, D = 128; one
+    call: 1.63-1.87x the unavoidable bytes), training peak and forward+backward at 64K / 256K
+    / 1M: whole groups 1.16x / 1.17x / 1.21x at 8.5 / 47.9 / 235 ms back to back, halves of
+    groups 1.13x / 1.14x / 1.155x at 10% / 5% / 3% more time, single query heads 1.06x / 1.06x
+    / 1.07x at 10.1 / 48.0 / 231 ms. Dense calls that write their own gradients
+    (``attention()``, NSA's window and compressed branches) take the chunks by the share alone:
+    in single query heads NSA's dense branches were slower (197 -> 248 ms at 256K). A slotted
     plan's calls, which write into its gradient slots, stay one call each: they are short, the
     plan's peak lies in its slots, and split the same way a GQA dilated training step at 16K
     took 5.4 ms instead of 3.6.
