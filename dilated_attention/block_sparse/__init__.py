@@ -14,10 +14,11 @@ of 2 tokens, ``LocalWindow(0)`` and ``is_causal=True``::
     ...
 
 Four kernels compute it: the fallback, FlashAttention-4's block sparsity (Note [FlashAttention-4
-block sparsity] in ``backends/flash_attn4.py``), FlexAttention, and our block-sparse Triton
-kernels (Note [Block-sparse Triton kernels] in ``backends/triton_kernels/block_sparse.py``); the
-resolve step chooses among them (``resolve/resolver.py``), and ``block_sparse_attention`` in
-``functional.py`` is the public function.
+block sparsity] in ``backends/flash_attn4/__init__.py``), FlexAttention, and our block-sparse
+Triton kernels (Note [Block-sparse Triton kernels] in
+``backends/triton_kernels/block_sparse.py``); the resolve step chooses among them
+(``resolve/resolver.py``), and ``block_sparse_attention`` in ``functional.py`` is the public
+function.
 
 In place of a pattern, a call may give a run-time block mask, per batch row and head, on the
 inputs' device (Note [Run-time block masks] in ``runtime.py``).

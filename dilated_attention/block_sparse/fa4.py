@@ -1,6 +1,7 @@
 """Block-sparse attention through FlashAttention-4's block sparsity (Note [FlashAttention-4
-block sparsity] in ``backends/flash_attn4.py``): the tile lists of a pattern (on the host, once)
-or of a run-time mask (per batch row and query head, on the device, per call), and their runner.
+block sparsity] in ``backends/flash_attn4/__init__.py``): the tile lists of a pattern (on the
+host, once) or of a run-time mask (per batch row and query head, on the device, per call), and
+their runner.
 
 Rows whose block row keeps no key block are left out of every tile list; the runner gives them
 ``out = 0`` and ``lse = -inf``, and zero gradients to them and to keys no query reads, whatever
@@ -28,7 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..backends.flash_attn4 import FlashAttn4Backend, SparseTiles, tiles_of_heads
-from ..backends.flash_attn4_chunks import ListBytes
+from ..backends.flash_attn4.chunks import ListBytes
 from ..backends.triton import kernel_module, run_launches
 from ..core.autograd import Backward, Forward, Grads, Inputs, Saved
 from ..core.contract import KernelOutput
@@ -99,7 +100,7 @@ class FlashAttn4Tiles:
         """The backward's tile lists of query heads ``heads`` (of key/value heads ``kv_heads``),
         made now where they were left for the backward (then one chunk of heads at a time:
         Note [FlashAttention-4's accumulators by head chunks] in
-        ``backends/flash_attn4_chunks.py``)."""
+        ``backends/flash_attn4/chunks.py``)."""
         if self.backward is not None:
             return tiles_of_heads(self.backward, heads)
         assert self.make_backward is not None  # one of the two is always set

@@ -1,8 +1,8 @@
-"""What the kernels' first calls print (``backends/triton.py``, ``backends/flash_attn4.py``):
-the Triton backend's compile line once per shape family up to segment lengths (generation
-that recomputes every step clips the segments to each new length), and FlashAttention-4 calls
-without the CuTe DSL's ``aux_data`` warning. Fake kernels stand in: no GPU, Triton or FA4
-needed.
+"""What the kernels' first calls print (``backends/triton.py``,
+``backends/flash_attn4/__init__.py``): the Triton backend's compile line once per shape family
+up to segment lengths (generation that recomputes every step clips the segments to each new
+length), and FlashAttention-4 calls without the CuTe DSL's ``aux_data`` warning. Fake kernels
+stand in: no GPU, Triton or FA4 needed.
 """
 
 from __future__ import annotations

@@ -183,7 +183,7 @@ def test_fa4_dense_backward_in_head_chunks_matches_oracle(
     its heads' rows of the gradients, against the float64 oracle: MHA, GQA and MQA, a key
     padding mask with rows that see no key."""
     import dilated_attention.backends.flash_attn4 as fa4_module
-    import dilated_attention.backends.flash_attn4_chunks as chunk_rule
+    import dilated_attention.backends.flash_attn4.chunks as chunk_rule
 
     chunks: list[int] = []
     calls = fa4_module._backward_calls

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import dilated_attention.backends.flash_attn4 as flash_attn4
-import dilated_attention.backends.flash_attn4_chunks as chunk_rule
+import dilated_attention.backends.flash_attn4.chunks as chunk_rule
 from dilated_attention.backends.base import KernelInputs
 from dilated_attention.backends.flash_attn2 import FlashAttn2Backend
 from dilated_attention.backends.flash_attn3 import FlashAttn3Backend

@@ -29,12 +29,12 @@ from support.block_sparse import (
 from support.runtime_masks import runtime_token_mask
 from support.triton import poison_new_buffers
 
-import dilated_attention.backends.flash_attn4_chunks as chunk_rule
+import dilated_attention.backends.flash_attn4.chunks as chunk_rule
 from dilated_attention import block_sparse_attention
 from dilated_attention import patterns as P
 from dilated_attention.backends.base import KernelInputs
 from dilated_attention.backends.flash_attn4 import FlashAttn4Backend
-from dilated_attention.backends.flash_attn4_chunks import accumulator_chunks, head_chunks
+from dilated_attention.backends.flash_attn4.chunks import accumulator_chunks, head_chunks
 from dilated_attention.backends.registry import Selection, get_backend, registry_for
 from dilated_attention.block_sparse.fa4 import FlashAttn4BlockSparseRunner, fa4_tiles
 from dilated_attention.block_sparse.runtime import check_block_mask

@@ -1,6 +1,6 @@
 """FlashAttention-4's backward in chunks of heads: how many calls a backward runs in, and
 which query and key/value heads each call takes (the calls themselves are
-``flash_attn4._backward_calls``).
+``_backward_calls`` in ``__init__.py``).
 
 Note [FlashAttention-4's accumulators by head chunks]
     FA4's backward allocates float32 accumulators beside the gradients it writes: dq's

@@ -67,9 +67,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..core.autograd import Grads
-from ..core.contract import Window
-from ._compat import (
+from ...core.autograd import Grads
+from ...core.contract import Window
+from .._compat import (
     _bind,
     _capability,
     _grads_from,
@@ -77,9 +77,9 @@ from ._compat import (
     _last_dim_contiguous,
     _parameters,
 )
-from .base import Backend, KernelInputs, KernelOutput
-from .flash_attn4_chunks import ListBytes, head_chunks, no_lists
-from .triton import TritonBackend
+from ..base import Backend, KernelInputs, KernelOutput
+from ..triton import TritonBackend
+from .chunks import ListBytes, head_chunks, no_lists
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
 _MAJORS = (9, 10)
