@@ -190,11 +190,11 @@ def _fresh_mask_mod():
 
 @pytest.fixture(params=["by the share", "per kv head", "per query head"])
 def chunked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The backward in the chunks ACCUMULATOR_SHARE gives (in float64 one call, or two with
-    GQA), forced into one call per key/value head, or into one per query head (a share no
-    chunk meets: each later query head of a group writes its dk and dv into the sums, added
-    after) (Note [FlashAttention-4's accumulators by head chunks])."""
-
+    """The backward in the chunks the rule gives past a floor of 0 (block-sparse: calls whose
+    query heads share no key/value head), forced into one call per key/value head (grouped
+    heads in one call), or into one per query head (a share no chunk meets: each later query
+    head of a group writes its dk and dv into the sums, added after) (Note
+    [FlashAttention-4's accumulators by head chunks])."""
     monkeypatch.setattr(chunk_rule, "MIN_CHUNKED_ACCUMULATOR_BYTES", 0)  # tiny tensors too
     if request.param == "per kv head":
         monkeypatch.setattr(chunk_rule, "accumulator_chunks", lambda q, k, *rule: k.shape[2])
@@ -359,7 +359,6 @@ def test_backward_accumulators_by_head_chunks(
     take at most ACCUMULATOR_SHARE of q, k, v, out, dout, dq, dk and dv: whole groups of
     key/value heads, else parts of each group; calls that cover each query head once, with
     its own key/value head; one call below MIN_CHUNKED_ACCUMULATOR_BYTES of accumulators."""
-
     q = torch.empty(1, 64, heads, 8, dtype=torch.bfloat16)
     k = torch.empty(1, 64, kv_heads, 8, dtype=torch.bfloat16)
     accumulators = 4 * q.numel() + (8 * k.numel() if heads > kv_heads else 0)
@@ -391,7 +390,6 @@ def test_backward_chunks_count_the_lists_made_for_each_call(
     """The lists a run-time mask's backward makes per call count against the share: lists of
     a few bytes leave halves of each group (16 / 4 heads); lists that take a half over the
     share make one call per query head, each within it."""
-
     monkeypatch.setattr(chunk_rule, "MIN_CHUNKED_ACCUMULATOR_BYTES", 0)
     q = torch.empty(1, 64, 16, 8, dtype=torch.bfloat16)
     k = torch.empty(1, 64, 4, 8, dtype=torch.bfloat16)
@@ -605,7 +603,6 @@ def test_chunks_of_several_grouped_heads(indices: bool, monkeypatch: pytest.Monk
     """Chunks of two key/value heads, each with its four query heads, over a run-time mask of
     one row per key/value head and batch row (the rows each chunk's lists come from are a
     strided slice): out and every gradient against the float64 oracle."""
-
     calls = _install_fake_fa4(monkeypatch)
     monkeypatch.setattr(chunk_rule, "accumulator_chunks", lambda q, k, *rule: 2)
     nq, block_size, heads, kv_heads = 384, 128, 8, 4
