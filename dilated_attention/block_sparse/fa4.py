@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..backends.flash_attn4 import FlashAttn4Backend, SparseTiles, tiles_of_heads
-from ..backends.flash_attn4.chunks import ListBytes
+from ..backends.flash_attn4.chunks import ListBytes, no_lists
 from ..backends.triton import kernel_module, run_launches
 from ..core.autograd import Backward, Forward, Grads, Inputs, Saved
 from ..core.contract import KernelOutput
@@ -78,8 +78,9 @@ class FlashAttn4Tiles:
             or None if none.
         pending: where the lists, ``empty_rows`` and ``unread_keys`` are buffers still to be
             filled, the launches that fill them; else None.
-        made_bytes: with ``make_backward``, the bytes of the lists it makes for so many query
-            and key/value heads (they count against a backward call's share of memory).
+        made_bytes: the bytes of the backward lists made for a chunk of so many query and
+            key/value heads (``make_backward``'s; they count against a backward call's share of
+            memory): none where the lists are held whole.
     """
 
     forward: SparseTiles
@@ -89,12 +90,7 @@ class FlashAttn4Tiles:
     unread_keys: torch.Tensor | None
     make_backward: Callable[[slice, slice], SparseTiles] | None = None
     pending: ListLaunches | None = None
-    made_bytes: ListBytes | None = None
-
-    def backward_list_bytes(self, heads: int, kv_heads: int) -> int:
-        """The bytes of the backward lists made for a chunk of ``heads`` query heads on
-        ``kv_heads`` key/value heads: none where they are held whole."""
-        return 0 if self.made_bytes is None else self.made_bytes(heads, kv_heads)
+    made_bytes: ListBytes = no_lists
 
     def backward_lists(self, heads: slice, kv_heads: slice) -> SparseTiles:
         """The backward's tile lists of query heads ``heads`` (of key/value heads ``kv_heads``),
@@ -312,7 +308,7 @@ class FlashAttn4BlockSparseRunner:
             self.tiles.pending.ensure()
         dq, dk, dv = self.backend.block_sparse_backward(
             dout, q, k, v, out, lse, self.tiles.backward_lists, scale=self.scale,
-            is_causal=self.is_causal, list_bytes=self.tiles.backward_list_bytes,
+            is_causal=self.is_causal, list_bytes=self.tiles.made_bytes,
         )  # fmt: skip
         for grad, unreached in ((dq, self.tiles.empty_rows), (dk, self.tiles.unread_keys),
                                 (dv, self.tiles.unread_keys)):  # fmt: skip

@@ -423,9 +423,9 @@ def test_backward_list_bytes_are_the_bytes_made(
     for heads, kv in [(slice(0, 1), slice(0, 1)), (slice(2, 4), slice(1, 2)),
                       (slice(0, 4), slice(0, 2))]:  # fmt: skip
         made = sum(t.nbytes for t in tiles.backward_lists(heads, kv))
-        assert tiles.backward_list_bytes(heads.stop - heads.start, kv.stop - kv.start) == made
+        assert tiles.made_bytes(heads.stop - heads.start, kv.stop - kv.start) == made
     pattern_tiles = fa4_tiles(P.LocalWindow(1), 128, 384, 384, True, torch.device("cpu"))
-    assert pattern_tiles.backward_list_bytes(4, 2) == 0
+    assert pattern_tiles.made_bytes(4, 2) == 0
 
 
 # -- the choice, on a fake sm90 CUDA device -------------------------------------------------------
