@@ -64,8 +64,9 @@ def _role(launch: Any) -> str | None:
     name = getattr(launch.kernel, "fn", launch.kernel).__name__
     kwargs = dict(launch.kwargs)
     if name == "_forward_kernel":
-        return "forward_descriptors" if any(hasattr(a, "block_shape") for a in launch.args) \
-            else "forward"  # fmt: skip
+        if not any(hasattr(a, "block_shape") for a in launch.args):
+            return "forward"
+        return "forward_descriptors_causal" if kwargs["CAUSAL"] else "forward_descriptors"
     if name == "_dq_kernel":
         return "dq"
     if name == "_dkdv_kernel":
@@ -78,7 +79,10 @@ def _key(tiles: Tiles, role: str) -> str:
     """The table entry a role's tiles come from (a missing variant falls back to its base)."""
     if role in tiles:
         return role
-    return "dkdv" if role.startswith("dkdv") else "forward"
+    if role.startswith("dkdv"):
+        return "dkdv"
+    return "forward_descriptors" if role.startswith("forward_") and "forward_descriptors" in tiles \
+        else "forward"  # fmt: skip
 
 
 def _record(capability: tuple[int, int], dtype: torch.dtype, dim: int, tiles: Tiles) -> list:

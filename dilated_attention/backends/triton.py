@@ -33,7 +33,14 @@ from ..core.geometry.slots import register_slot_kernels
 from ._compat import _import_failure, _last_dim_contiguous, _release
 from .base import Backend, KernelInputs, KernelOutput
 from .triton_kernels.compile import prepare_compiler
-from .triton_kernels.tiles import SPLIT_KEY_ROWS, Tiles, dkdv_config, split_key_config, tile_configs
+from .triton_kernels.tiles import (
+    SPLIT_KEY_ROWS,
+    Tiles,
+    descriptor_forward_config,
+    dkdv_config,
+    split_key_config,
+    tile_configs,
+)
 
 _log = logging.getLogger("dilated_attention")
 
@@ -340,8 +347,9 @@ class TritonBackend(Backend):
             kernels.forward_branch(
                 q, k, v, out, lse, key_mask, _branch(span), out_row0=out_row0, scale=scale,
                 is_causal=is_causal, merge=merge, config=configs["forward"],
-                descriptor_config=configs.get("forward_descriptors"), head0=head0,
-                merge_from=merge_from, merge_row0=merge_row0, q_row0=q_row0, softcap=softcap,
+                descriptor_config=descriptor_forward_config(configs, is_causal=is_causal),
+                head0=head0, merge_from=merge_from, merge_row0=merge_row0, q_row0=q_row0,
+                softcap=softcap,
             )  # fmt: skip
 
         kernels.run_bound(site, roles, body, _span_constants(span))
@@ -435,8 +443,8 @@ class TritonBackend(Backend):
         _kernels().forward_branch(
             q, k, v, out, lse, key_mask, _dense_branch(query_len, k.shape[1]), out_row0=0,
             scale=scale, is_causal=is_causal, merge=False, config=configs["forward"],
-            descriptor_config=configs.get("forward_descriptors"), softcap=softcap,
-            window=window,
+            descriptor_config=descriptor_forward_config(configs, is_causal=is_causal),
+            softcap=softcap, window=window,
         )  # fmt: skip
         return KernelOutput(out, lse)
 

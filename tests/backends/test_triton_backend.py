@@ -17,7 +17,7 @@ import functools
 import itertools
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -553,6 +553,12 @@ def test_descriptor_rows_only_where_the_layout_allows() -> None:
     assert view_ok(x[:, :, 2:], 1)  # a head slice 128 bytes in
 
 
+def _distinct_tiles(tiles: dict[str, Any]) -> dict[str, Any]:
+    """``tiles`` with every role's tile told apart by its stage count (a table may give two
+    roles the same tile), so a test sees which role a launch took."""
+    return {role: replace(tile, num_stages=10 + i) for i, (role, tile) in enumerate(tiles.items())}
+
+
 def test_dkdv_tiles_follow_causality_and_rate(monkeypatch: pytest.MonkeyPatch) -> None:
     """The dK/dV launch takes ``dkdv_causal`` tiles when causal, ``dkdv_strided`` at rate > 1
     and ``dkdv`` otherwise (Triton compiles a rate of 1 as a constant;
@@ -565,8 +571,8 @@ def test_dkdv_tiles_follow_causality_and_rate(monkeypatch: pytest.MonkeyPatch) -
         run_bound=lambda site, roles, body, constants=(): body(),
     )
     monkeypatch.setattr(triton_backend, "_kernels", lambda: fake_kernels)
-    tiles = triton_backend._tiles(torch.zeros(1, 1, 1, 128, dtype=torch.bfloat16))
-    assert len({tiles["dkdv"], tiles["dkdv_strided"], tiles["dkdv_causal"]}) == 3
+    tiles = _distinct_tiles(triton_backend._tiles(torch.zeros(1, 1, 1, 128, dtype=torch.bfloat16)))
+    monkeypatch.setattr(triton_backend, "_tiles", lambda x: tiles)
     x = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
     lse = torch.zeros(1, 2, 8)
     backend = get_backend("triton")
@@ -577,6 +583,39 @@ def test_dkdv_tiles_follow_causality_and_rate(monkeypatch: pytest.MonkeyPatch) -
         )  # fmt: skip
     expected = ["dkdv", "dkdv_strided", "dkdv_causal", "dkdv_causal"]
     assert launched == [tiles[name] for name in expected]
+
+
+def test_descriptor_forward_tiles_follow_causality(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward that reads rows through tensor descriptors takes ``forward_descriptors_causal``
+    tiles when causal and ``forward_descriptors`` otherwise, in the fused engine's branches and
+    in dense calls alike; the pointer forward takes ``forward`` either way
+    (``triton_kernels/tiles.py``)."""
+    launched: list[tuple[Any, Any]] = []
+    fake_kernels = SimpleNamespace(
+        Branch=lambda *geometry: geometry,
+        forward_branch=lambda *args, **kwargs: launched.append(
+            (kwargs["config"], kwargs["descriptor_config"])
+        ),
+        site_key=lambda *args: args,
+        run_bound=lambda site, roles, body, constants=(): body(),
+        DESCRIPTOR_POLICY=None,
+    )
+    monkeypatch.setattr(triton_backend, "_kernels", lambda: fake_kernels)
+    monkeypatch.setattr(triton_backend, "key_splits", lambda *args: 1)
+    tiles = _distinct_tiles(triton_backend._tiles(torch.zeros(1, 1, 1, 128, dtype=torch.bfloat16)))
+    assert {"forward_descriptors", "forward_descriptors_causal"} <= set(tiles)
+    monkeypatch.setattr(triton_backend, "_tiles", lambda x: tiles)
+    x = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, 8)
+    backend = get_backend("triton")
+    for is_causal in (False, True):
+        backend.forward_branch(
+            x, x, x, x, lse, None, BranchSpan(0, 8, 8, 2), out_row0=0, scale=1.0,
+            is_causal=is_causal, merge=False,
+        )  # fmt: skip
+        backend._forward(x, x, x, scale=1.0, is_causal=is_causal, key_mask=None, dropout_p=0.0)
+    names = ["forward_descriptors"] * 2 + ["forward_descriptors_causal"] * 2
+    assert launched == [(tiles["forward"], tiles[name]) for name in names]
 
 
 # -- split keys (few queries) ---------------------------------------------------------------------

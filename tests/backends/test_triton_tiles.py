@@ -21,7 +21,7 @@ from dilated_attention.backends.triton_kernels.tiles import (
     tile_configs,
 )
 
-RECORD = REPO / "benchmarks" / "results" / "tile_fit_h100.json"
+RECORD = REPO / "benchmarks" / "results" / "tile_fit_h200.json"
 
 
 @pytest.mark.parametrize(

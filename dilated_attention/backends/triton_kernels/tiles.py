@@ -10,9 +10,10 @@ Note [Tile tables]
     per dtype and head dim, one :class:`TileConfig` per kernel role:
 
     - ``forward``, ``dq``: the forward and dQ kernels;
-    - ``forward_descriptors``: the forward when it reads rows through tensor descriptors
-      (Hopper or newer only; Note [Rows through tensor descriptors] in
-      ``triton_kernels/launchers.py``);
+    - ``forward_descriptors``, ``forward_descriptors_causal``: the forward when it reads rows
+      through tensor descriptors (Hopper or newer only; Note [Rows through tensor descriptors]
+      in ``triton_kernels/launchers.py``), and when such a forward is causal
+      (:func:`descriptor_forward_config`);
     - ``dkdv``, ``dkdv_causal``, ``dkdv_strided``: the dK/dV kernel at rate 1, when causal,
       and at rate > 1 (:func:`dkdv_config`).
 
@@ -20,7 +21,7 @@ Note [Tile tables]
     here; their tables keep sm90's tiles where those fit the GPU's shared memory, and otherwise
     the nearest tile that fits (fewer pipeline stages first, then smaller tiles), checked by
     compiling every kernel of a dilated schedule for that capability
-    (``benchmarks/results/tile_fit_h100.json``). A capability without a table of its own takes
+    (``benchmarks/results/tile_fit_h200.json``). A capability without a table of its own takes
     the table of the nearest lower one (the smallest table below all of them).
 
     sm90, float32: 32x32 tiles with 4 warps and 2 stages for every kernel and head dim up to
@@ -93,8 +94,9 @@ SM90: Table = (
     ("16-bit", 128, {
         "forward": _T(128, 64, 8, 3),
         "forward_descriptors": _T(128, 128, 8, 3),
+        "forward_descriptors_causal": _T(64, 64, 4, 3),
         "dkdv": _T(64, 64, 4, 2),
-        "dkdv_causal": _T(32, 64, 4, 2),
+        "dkdv_causal": _T(32, 64, 4, 3),
         "dkdv_strided": _T(32, 64, 4, 3),
         "dq": _T(128, 64, 8, 3),
     }),
@@ -105,20 +107,31 @@ SM90: Table = (
     }),
 )  # fmt: skip
 
-#: sm120 (RTX 50xx, 99 KB of shared memory per block): sm90's tiles but the descriptor forward
-#: at D <= 128, whose 128x128 tiles with 3 stages take 192 KB there; 64x64 with 2 stages is the
-#: first that fits (64 KB). Not timed (Note [Tile tables]).
-SM120: Table = tuple(
-    (kind, dim, {**tiles, "forward_descriptors": _T(64, 64, 4, 2)})
-    if kind == "16-bit" and dim == 128 else (kind, dim, tiles)
-    for kind, dim, tiles in SM90
-)  # fmt: skip
 
-#: Tables per compute capability (Note [Tile tables]). sm80 (163 KB), sm86 (99 KB; sm89 takes
-#: it too) and sm100 (227 KB) fit every sm90 tile (``benchmarks/results/tile_fit_h100.json``).
+def _with(table: Table, tiles: Tiles) -> Table:
+    """``table`` with ``tiles`` in place of its 16-bit D <= 128 row's entries of those roles."""
+    return tuple(
+        (kind, dim, {**row, **tiles}) if kind == "16-bit" and dim == 128 else (kind, dim, row)
+        for kind, dim, row in table
+    )
+
+
+#: sm86 (RTX 30xx, A10, A40; sm89 takes it too: 99 KB of shared memory per block): sm90's tiles
+#: but the dQ tile at D <= 128, whose 3 stages take 128 KB there; 2 stages take 96 KB. Not timed
+#: (Note [Tile tables]).
+SM86: Table = _with(SM90, {"dq": _T(128, 64, 8, 2)})
+
+#: sm120 (RTX 50xx, 99 KB of shared memory per block): sm86's tiles but the descriptor forward
+#: at D <= 128, whose 128x128 tiles with 3 stages take 192 KB there; 64x64 with 2 stages is the
+#: first that fits (64 KB). The causal one's 64x64 tiles with 3 stages fit (96 KB). Not timed
+#: (Note [Tile tables]).
+SM120: Table = _with(SM86, {"forward_descriptors": _T(64, 64, 4, 2)})
+
+#: Tables per compute capability (Note [Tile tables]). sm80 (163 KB) and sm100 (227 KB) fit
+#: every sm90 tile (``benchmarks/results/tile_fit_h200.json``).
 TABLES: dict[tuple[int, int], Table] = {
     (8, 0): SM90,
-    (8, 6): SM90,
+    (8, 6): SM86,
     (9, 0): SM90,
     (10, 0): SM90,
     (12, 0): SM120,
@@ -155,6 +168,15 @@ def split_key_config(tiles: Tiles) -> TileConfig:
     wherever that one does. Not swept (Note [Tile tables])."""
     forward = tiles["forward"]
     return TileConfig(SPLIT_KEY_ROWS, forward.block_n, 4, forward.num_stages)
+
+
+def descriptor_forward_config(tiles: Tiles, *, is_causal: bool) -> TileConfig | None:
+    """The forward's tiles when it reads rows through tensor descriptors:
+    ``forward_descriptors_causal`` when causal, else ``forward_descriptors`` (``None`` where the
+    table has neither: the pointer forward's tiles)."""
+    if is_causal and "forward_descriptors_causal" in tiles:
+        return tiles["forward_descriptors_causal"]
+    return tiles.get("forward_descriptors")
 
 
 def dkdv_config(tiles: Tiles, *, is_causal: bool, rate: int) -> TileConfig:
