@@ -50,6 +50,15 @@ Note [Tile tables]
     is best or within 3% of the best on 7 of 8 branch shapes; at D = 64, 128x64 with 4 warps is
     the one tile good everywhere (0.84-0.94x cuDNN; 8 warps reach 0.96x non-causal but drop to
     0.62x causal).
+
+    sm90 ``forward_descriptors_causal`` and ``dkdv_causal`` at D = 128: from sweeps of
+    LongNet's schedule at 4K-256K, calls back to back (``benchmarks/tune_triton.py --schedule
+    longnet --steady``, records ``tune_triton_causal_h200``, ``tune_triton_causal4k_h200`` and
+    ``tune_triton_noncausal_h200``, and ``findings_h200.json``, "Triton tiles at short
+    lengths"; an H200, whose SMs and clocks are the H100's). The 64x64 forward tile with 4 warps
+    and 3 stages, which the sweep above did not try, ran causal calls 1.11-1.16x faster than
+    128x128 at 4K-64K and 1.04-1.06x at 256K; non-causal ones 0.97-1.07x, so they keep 128x128.
+    The causal dK/dV tile with 3 stages instead of 2 was 0-2% faster at every length.
 """
 
 from __future__ import annotations
