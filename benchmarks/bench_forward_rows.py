@@ -9,7 +9,8 @@ in ``dilated_attention/backends/triton_kernels/launchers.py``), and (c) the dens
 the same per-branch shape (N / w segments of w / r rows each), the ceiling. Median of CUDA-event
 timings; TFLOP/s count 4 * D * H * (N / r) * (w / r), halved when causal. With ``--tiles``, also
 every candidate descriptor tile (the sweep behind ``forward_descriptors`` in
-``triton_kernels/tiles.py``) as extra rows. Writes OUT.json and OUT.md; OUT defaults to
+``triton_kernels/tiles.py``) as extra rows. The descriptor row takes the table's tiles for the
+call (``forward_descriptors_causal`` when causal). Writes OUT.json and OUT.md; OUT defaults to
 ``benchmarks/results/tma_forward_<device>`` (``h100``, ``h200x2``, ...: ``_timing.host_label``).
 """
 
@@ -35,7 +36,7 @@ from _timing import (
 )
 
 from dilated_attention.backends import triton as triton_backend
-from dilated_attention.backends.triton_kernels.tiles import TileConfig
+from dilated_attention.backends.triton_kernels.tiles import TileConfig, descriptor_forward_config
 
 HEADS = 16
 #: (head_dim, seq_len, segment, rate, causal): whole-sequence segments and LongNet-sized ones.
@@ -78,7 +79,7 @@ def bench_case(
             kernels.forward_branch(
                 q, k, v, out, lse, None, branch, out_row0=0, scale=dim**-0.5,
                 is_causal=causal, merge=False, config=configs["forward"],
-                descriptor_config=tile or configs.get("forward_descriptors"),
+                descriptor_config=tile or descriptor_forward_config(configs, is_causal=causal),
             )  # fmt: skip
         finally:
             kernels.DESCRIPTOR_POLICY = "auto"
