@@ -200,7 +200,8 @@ def runtime_fa4_tiles(
     per_key_tile = query_tiles + 3 if aligned else 2 * query_tiles + 2  # int32 counts, indices
 
     def made_bytes(heads: int, kv_heads: int) -> int:  # (Bm, 1 or heads, Tk, per_key_tile) int32
-        one = rows.shape[1] == 1 or (rows.shape[1] == num_kv_heads != num_heads and kv_heads == 1)
+        read = _mask_rows(rows.shape[1], slice(0, heads), slice(0, kv_heads), num_heads)
+        one = read.stop - read.start == 1
         return 4 * rows.shape[0] * (1 if one else heads) * key_tiles * per_key_tile
 
     return FlashAttn4Tiles(
@@ -216,8 +217,17 @@ def _of_heads(
     query heads (Hm = H) or of their key/value heads (Hm = Hkv), contiguous."""
     rows = kept.indices if isinstance(kept, BlockIndices) else kept
     if rows.shape[1] > 1:  # a copy only with several batch rows, as the lists' kernels read
-        rows = (rows[:, heads] if rows.shape[1] == num_heads else rows[:, kv_heads]).contiguous()
+        rows = rows[:, _mask_rows(rows.shape[1], heads, kv_heads, num_heads)].contiguous()
     return replace(kept, indices=rows) if isinstance(kept, BlockIndices) else rows
+
+
+def _mask_rows(mask_heads: int, heads: slice, kv_heads: slice, num_heads: int) -> slice:
+    """The heads of a mask of ``mask_heads`` heads that query heads ``heads`` of key/value heads
+    ``kv_heads`` read: its one head, else those query heads' (``mask_heads`` = H) or their
+    key/value heads' (``mask_heads`` = Hkv)."""
+    if mask_heads == 1:
+        return slice(0, 1)
+    return heads if mask_heads == num_heads else kv_heads
 
 
 def _by_kv_head(read: torch.Tensor, num_kv_heads: int, num_heads: int) -> torch.Tensor:
