@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import (
     OUT_HELP,
+    STEADY_ROUNDS,
     environment,
     markdown_table,
     record_header,
@@ -49,6 +51,8 @@ from dilated_attention.backends.triton_kernels.tiles import TileConfig
 from dilated_attention.core.execution import graphs
 
 SEGMENTS, RATES = (2048, 4096, 8192, 16384, 32768), (1, 2, 4, 8, 16)
+#: With ``--steady``, the least time of one round of calls issued back to back.
+STEADY_ROUND_MS = 10.0
 
 
 def candidates(kernel: str) -> list[tuple[int, int, int, int]]:
@@ -88,11 +92,15 @@ def _runs(
 
 
 def _time(run: Callable[[], None], args: argparse.Namespace) -> float:
-    """The median ms of ``run``: timed one at a time, or with ``--steady`` back to back."""
+    """The median ms of ``run``: timed one at a time, or with ``--steady`` back to back, in
+    rounds of at least :data:`STEADY_ROUND_MS` each (a round of one short call would time the
+    device waiting for the host's first launch)."""
     if not args.steady:
         return time_cuda(run, warmup=1, repeats=args.repeats)["median_ms"]
-    run()  # compiles and binds outside the rounds
-    rounds = sorted(steady_calls(run, calls=args.repeats)["ms"] for _ in range(3))
+    first = time_cuda(run, warmup=1, repeats=1)["median_ms"]  # compiles and binds first
+    per_round = max(1, math.ceil(STEADY_ROUND_MS / max(first, 1e-3)))
+    calls = max(args.repeats, per_round * STEADY_ROUNDS)
+    rounds = sorted(steady_calls(run, calls=calls)["ms"] for _ in range(3))
     return rounds[1]
 
 
