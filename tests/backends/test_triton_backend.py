@@ -553,10 +553,23 @@ def test_descriptor_rows_only_where_the_layout_allows() -> None:
     assert view_ok(x[:, :, 2:], 1)  # a head slice 128 bytes in
 
 
-def _distinct_tiles(tiles: dict[str, Any]) -> dict[str, Any]:
-    """``tiles`` with every role's tile told apart by its stage count (a table may give two
-    roles the same tile), so a test sees which role a launch took."""
-    return {role: replace(tile, num_stages=10 + i) for i, (role, tile) in enumerate(tiles.items())}
+def _recorded_launches(monkeypatch: pytest.MonkeyPatch, **launchers: Any) -> dict[str, Any]:
+    """The backend's kernels replaced by ``launchers`` (which record what they are given), each
+    call site run at once, and the D = 128 table's tiles with every role's tile told apart by
+    its stage count (a table may give two roles the same tile), so a test sees which role a
+    launch took; returns those tiles."""
+    fake_kernels = SimpleNamespace(
+        Branch=lambda *geometry: geometry,
+        site_key=lambda *args: args,
+        run_bound=lambda site, roles, body, constants=(): body(),
+        DESCRIPTOR_POLICY=None,
+        **launchers,
+    )
+    monkeypatch.setattr(triton_backend, "_kernels", lambda: fake_kernels)
+    table = triton_backend._tiles(torch.zeros(1, 1, 1, 128, dtype=torch.bfloat16))
+    tiles = {role: replace(tile, num_stages=10 + i) for i, (role, tile) in enumerate(table.items())}
+    monkeypatch.setattr(triton_backend, "_tiles", lambda x: tiles)
+    return tiles
 
 
 def test_dkdv_tiles_follow_causality_and_rate(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -564,15 +577,10 @@ def test_dkdv_tiles_follow_causality_and_rate(monkeypatch: pytest.MonkeyPatch) -
     and ``dkdv`` otherwise (Triton compiles a rate of 1 as a constant;
     ``triton_kernels/tiles.py``)."""
     launched: list[Any] = []
-    fake_kernels = SimpleNamespace(
-        Branch=lambda *geometry: geometry,
+    tiles = _recorded_launches(
+        monkeypatch,
         backward_branch=lambda *args, **kwargs: launched.append(kwargs["config_dkdv"]),
-        site_key=lambda *args: args,
-        run_bound=lambda site, roles, body, constants=(): body(),
     )
-    monkeypatch.setattr(triton_backend, "_kernels", lambda: fake_kernels)
-    tiles = _distinct_tiles(triton_backend._tiles(torch.zeros(1, 1, 1, 128, dtype=torch.bfloat16)))
-    monkeypatch.setattr(triton_backend, "_tiles", lambda x: tiles)
     x = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
     lse = torch.zeros(1, 2, 8)
     backend = get_backend("triton")
@@ -591,20 +599,14 @@ def test_descriptor_forward_tiles_follow_causality(monkeypatch: pytest.MonkeyPat
     in dense calls alike; the pointer forward takes ``forward`` either way
     (``triton_kernels/tiles.py``)."""
     launched: list[tuple[Any, Any]] = []
-    fake_kernels = SimpleNamespace(
-        Branch=lambda *geometry: geometry,
+    tiles = _recorded_launches(
+        monkeypatch,
         forward_branch=lambda *args, **kwargs: launched.append(
             (kwargs["config"], kwargs["descriptor_config"])
         ),
-        site_key=lambda *args: args,
-        run_bound=lambda site, roles, body, constants=(): body(),
-        DESCRIPTOR_POLICY=None,
     )
-    monkeypatch.setattr(triton_backend, "_kernels", lambda: fake_kernels)
     monkeypatch.setattr(triton_backend, "key_splits", lambda *args: 1)
-    tiles = _distinct_tiles(triton_backend._tiles(torch.zeros(1, 1, 1, 128, dtype=torch.bfloat16)))
     assert {"forward_descriptors", "forward_descriptors_causal"} <= set(tiles)
-    monkeypatch.setattr(triton_backend, "_tiles", lambda x: tiles)
     x = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
     lse = torch.zeros(1, 2, 8)
     backend = get_backend("triton")
