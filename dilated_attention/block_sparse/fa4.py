@@ -18,6 +18,20 @@ Note [A run-time mask's forward in one graph]
     (the same addresses) has run before (Note [A call's launches from a CUDA graph] in
     ``core/execution/graphs.py``): the host then only checks, allocates and replays. A backward
     that runs without this forward (``saved_without_forward``) runs the lists' launch itself.
+
+Note [A block-sparse backward in one graph]
+    The backward likewise allocates dq, dk and dv first and runs one closure into them: the
+    lists' launch where its forward did not run it, the backward lists of each chunk of heads
+    and FA4's backward call for it, and the zero fills of rows and keys no block reaches. The
+    closure replays from a CUDA graph once the same call repeats at the same addresses; the
+    key holds every tensor it reads (the run-time mask, or a pattern's backward lists, and the
+    unreached rows and keys). What the closure allocates besides (FA4's float32 accumulators,
+    a chunk's lists, the sums of later parts of a group) dies inside it, in the graphs' shared
+    pool (Note [Graphs share one memory pool per stream] in ``core/execution/graphs.py``),
+    which keeps one chunk's worth reserved. Replayed, a chunk costs no Python of FA4's, so the
+    backward chunks from any size (``replayed`` in Note [FlashAttention-4's accumulators by
+    head chunks] in ``backends/flash_attn4/chunks.py``): at 16K-32K tokens, whose
+    accumulators stay under the floor of an eager backward, too.
 """
 
 from __future__ import annotations
@@ -30,7 +44,7 @@ import torch
 
 from ..backends.flash_attn4 import FlashAttn4Backend, SparseTiles, tiles_of_heads
 from ..backends.flash_attn4.chunks import ListBytes, no_lists
-from ..backends.triton import kernel_module, run_launches
+from ..backends.triton import kernel_module, replays_launches, run_launches
 from ..core.autograd import Backward, Forward, Grads, Inputs, Saved
 from ..core.contract import KernelOutput
 from ..patterns import Pattern
@@ -42,11 +56,11 @@ from .tiles import KERNEL_TILE, kernel_tiles, tile_lists
 
 class ListLaunches:
     """The launches that fill a run-time mask's list buffers in place (allocating nothing):
-    run inside the forward's launches, or by a backward without that forward (Note [A
-    run-time mask's forward in one graph]).
+    run inside the forward's launches, or inside the backward's where that forward did not run
+    (Note [A run-time mask's forward in one graph]).
 
     Attributes:
-        tensors: what the launches read and write (for the forward's graph key).
+        tensors: what the launches read and write (for the graph keys).
         done: whether they have run for this call.
     """
 
@@ -54,12 +68,6 @@ class ListLaunches:
         self.launches = launches
         self.tensors = tensors
         self.done = False
-
-    def ensure(self) -> None:
-        """Run the launches unless this call's forward ran them."""
-        if not self.done:
-            self.launches()
-            self.done = True
 
 
 @dataclass(frozen=True)
@@ -81,6 +89,9 @@ class FlashAttn4Tiles:
         made_bytes: the bytes of the backward lists made for a chunk of so many query and
             key/value heads (``make_backward``'s; they count against a backward call's share of
             memory): none where the lists are held whole.
+        reads: the tensors ``make_backward`` reads (a run-time mask's kept blocks): with
+            ``backward``, ``empty_rows`` and ``unread_keys``, what the backward reads beside its
+            inputs (Note [A block-sparse backward in one graph]).
     """
 
     forward: SparseTiles
@@ -91,6 +102,7 @@ class FlashAttn4Tiles:
     make_backward: Callable[[slice, slice], SparseTiles] | None = None
     pending: ListLaunches | None = None
     made_bytes: ListBytes = no_lists
+    reads: tuple[torch.Tensor | None, ...] = ()
 
     def backward_lists(self, heads: slice, kv_heads: slice) -> SparseTiles:
         """The backward's tile lists of query heads ``heads`` (of key/value heads ``kv_heads``),
@@ -204,8 +216,9 @@ def runtime_fa4_tiles(
         one = read.stop - read.start == 1
         return 4 * rows.shape[0] * (1 if one else heads) * key_tiles * per_key_tile
 
+    reads = (kept.indices, kept.documents) if isinstance(kept, BlockIndices) else (kept,)
     return FlashAttn4Tiles(
-        SparseTiles(*forward), None, None, empty, unread, backward, pending, made_bytes
+        SparseTiles(*forward), None, None, empty, unread, backward, pending, made_bytes, reads
     )
 
 
@@ -314,16 +327,33 @@ class FlashAttn4BlockSparseRunner:
     def backward(self, b: Backward) -> Grads:
         dout, q, out, lse, saved, _ = b
         k, v = saved
-        if self.tiles.pending is not None:
-            self.tiles.pending.ensure()
-        dq, dk, dv = self.backend.block_sparse_backward(
-            dout, q, k, v, out, lse, self.tiles.backward_lists, scale=self.scale,
-            is_causal=self.is_causal, list_bytes=self.tiles.made_bytes,
-        )  # fmt: skip
-        for grad, unreached in ((dq, self.tiles.empty_rows), (dk, self.tiles.unread_keys),
-                                (dv, self.tiles.unread_keys)):  # fmt: skip
-            fill_blocks(grad, unreached, self.block_size, 0.0)
-        return dq, dk, dv
+        tiles = self.tiles
+        grads = tuple(torch.empty(x.shape, dtype=q.dtype, device=q.device) for x in (q, k, v))
+        pending = tiles.pending if tiles.pending is not None and not tiles.pending.done else None
+        replayed = replays_launches(q)
+        unreached = (tiles.empty_rows, tiles.unread_keys, tiles.unread_keys)
+
+        def launches() -> None:  # into the gradients; what else it allocates dies inside
+            if pending is not None:
+                pending.launches()
+            written = self.backend.block_sparse_backward(
+                dout, q, k, v, out, lse, tiles.backward_lists, scale=self.scale,
+                is_causal=self.is_causal, list_bytes=tiles.made_bytes, into=grads,
+                replayed=replayed,
+            )  # fmt: skip
+            for grad, got, flags in zip(grads, written, unreached, strict=True):
+                if got is not grad:  # a release that returns gradients of its own
+                    grad.copy_(got)
+                fill_blocks(grad, flags, self.block_size, 0.0)
+
+        key = ("fa4 block-sparse backward", self.block_size, self.is_causal, self.scale,
+               pending is not None, replayed)  # fmt: skip
+        reads = (*tiles.reads, *(tiles.backward or ()), *unreached[:2],
+                 *(pending.tensors if pending is not None else ()))  # fmt: skip
+        run_launches(key, (dout, q, k, v, out, lse, *grads, *reads), launches)
+        if pending is not None:
+            pending.done = True
+        return grads
 
     def saved_without_forward(self, x: Inputs) -> Saved:
         return x.k, x.v

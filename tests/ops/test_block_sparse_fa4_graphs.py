@@ -102,15 +102,17 @@ def test_replayed_forwards_compute_the_launches_bits(
     case: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Six forward+backward steps on the same leaves and mask: from the second on the forward
-    replays a graph, and every step's out, lse and gradients equal the launches' without
-    graphs (out and lse bit for bit)."""
+    and the backward replay a graph each, and every step's out, lse and gradients equal the
+    launches' without graphs (out and lse bit for bit). Without graphs the backward is one
+    call; replayed, it runs in chunks of heads (Note [A block-sparse backward in one graph])."""
     _needs_fa4()
     step = _Call(case).step
     expected, steps, replays = eager_then_replayed(step, monkeypatch)
     for i, got in enumerate(steps):
         _assert_same(got, expected, f"step {i}: ")
-    assert graphs._GRAPHS, "no forward was captured"
-    assert len(replays) >= 4, f"{len(replays)} replays in six steps"
+    captured = {pair[0][0] for pair in graphs._GRAPHS}
+    assert captured == {"fa4 block-sparse forward", "fa4 block-sparse backward"}, captured
+    assert len(replays) >= 8, f"{len(replays)} replays in six steps"
 
 
 def test_a_replay_reads_the_indices_its_tensor_holds_now(monkeypatch: pytest.MonkeyPatch) -> None:
