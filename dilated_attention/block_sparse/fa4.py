@@ -31,7 +31,9 @@ Note [A block-sparse backward in one graph]
     which keeps one chunk's worth reserved. Replayed, a chunk costs no Python of FA4's, so the
     backward chunks from any size (``replayed`` in Note [FlashAttention-4's accumulators by
     head chunks] in ``backends/flash_attn4/chunks.py``): at 16K-32K tokens, whose
-    accumulators stay under the floor of an eager backward, too.
+    accumulators stay under the floor of an eager backward, too. The runs before the capture
+    take the same chunks, so a training job's first step peaks no higher than its replays; a
+    call whose capture fails keeps them and pays FA4's Python per chunk.
 """
 
 from __future__ import annotations
