@@ -277,29 +277,6 @@ def test_chunked_backward_from_a_release_returning_its_own_grads(
         torch.testing.assert_close(g, rg, atol=1e-10, rtol=1e-7, msg=lambda m, n=name: f"d{n}: {m}")
 
 
-@pytest.mark.parametrize("replayed", [False, True], ids=["eager", "replayed"])
-def test_a_replayed_backward_chunks_below_the_floor(
-    replayed: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Note [A block-sparse backward in one graph]: a backward whose launches replay from a
-    CUDA graph chunks its heads whatever its accumulators' size (here far below the floor), one
-    that runs eagerly stays one call; the gradients match the oracle either way."""
-    import dilated_attention.block_sparse.fa4 as runner_module
-
-    calls = _install_fake_fa4(monkeypatch)
-    monkeypatch.setattr(runner_module, "replays_launches", lambda first: replayed)
-    nq, nk, block_size, kv_heads, pattern = CASES[1]  # GQA
-    q, k, v, dout = _inputs(nq, nk, kv_heads, seed=1)
-    _, _, grads, _ = _run_fake(q, k, v, dout, pattern, block_size, True)
-    chunks = accumulator_chunks(q, k, ungrouped=True, replayed=True)
-    assert chunks > 1
-    assert len(calls["bwd chunks"]) == (chunks if replayed else 1)
-    mask = token_mask(pattern, block_size, nq, nk, True, query_start=0)
-    _, _, ref_grads = oracle_with_grads(q, k, v, dout, mask, scale=SCALE)
-    for name, g, rg in zip("qkv", grads, ref_grads, strict=True):
-        torch.testing.assert_close(g, rg, atol=1e-10, rtol=1e-7, msg=lambda m, n=name: f"d{n}: {m}")
-
-
 @pytest.mark.parametrize("fill", [True, False], ids=["filled", "without the fill"])
 def test_keys_no_row_reads_get_zero_gradients_from_any_release(
     fill: bool, monkeypatch: pytest.MonkeyPatch
@@ -405,11 +382,6 @@ def test_backward_accumulators_by_head_chunks(
     single = head_chunks(q, k, ungrouped=True)  # block-sparse: no query heads share a kv head
     assert accumulator_chunks(q, k, ungrouped=True) == len(single) == ungrouped
     assert all(len(range(heads)[h]) == len(range(kv_heads)[kv]) for h, kv in single)
-    # Calls replayed from a CUDA graph cost no Python: chunks below the floor too.
-    monkeypatch.setattr(chunk_rule, "MIN_CHUNKED_ACCUMULATOR_BYTES", accumulators + 1)
-    assert accumulator_chunks(q, k, replayed=True) == len(head_chunks(q, k, replayed=True))
-    assert accumulator_chunks(q, k, replayed=True) == chunks
-    assert len(head_chunks(q, k, ungrouped=True, replayed=True)) == ungrouped
 
 
 def test_backward_chunks_count_the_lists_made_for_each_call(

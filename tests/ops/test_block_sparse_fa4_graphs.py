@@ -103,8 +103,8 @@ def test_replayed_forwards_compute_the_launches_bits(
 ) -> None:
     """Six forward+backward steps on the same leaves and mask: from the second on the forward
     and the backward replay a graph each, and every step's out, lse and gradients equal the
-    launches' without graphs (out and lse bit for bit). Without graphs the backward is one
-    call; replayed, it runs in chunks of heads (Note [A block-sparse backward in one graph])."""
+    launches' without graphs (out and lse bit for bit; Note [A block-sparse backward in one
+    graph])."""
     _needs_fa4()
     step = _Call(case).step
     expected, steps, replays = eager_then_replayed(step, monkeypatch)

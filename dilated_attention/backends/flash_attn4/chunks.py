@@ -24,10 +24,7 @@ Note [FlashAttention-4's accumulators by head chunks]
     heads' float32 accumulators start at zero): the GPU oracle tests run parts on buffers
     filled with NaN. Each chunk is one more call of FA4's Python on the host (~0.4 ms), so a
     backward with less than :data:`MIN_CHUNKED_ACCUMULATOR_BYTES` of accumulators stays one
-    call: at 16K (192 MiB, ~2 ms on the GPU) four chunks made 1.9 ms 2.4-4.1. A backward whose
-    calls are replayed from a CUDA graph (a block-sparse backward: Note [A block-sparse
-    backward in one graph] in ``block_sparse/fa4.py``) costs that Python only on the runs
-    before its capture, and chunks from any size (``replayed``).
+    call: at 16K (192 MiB, ~2 ms on the GPU) four chunks made 1.9 ms 2.4-4.1.
 
     Measured (H100, MoBA's blocks of 128, 2,048 keys per query, 16 / 4 heads, D = 128; one
     call: 1.63-1.87x the unavoidable bytes), training peak and forward+backward at 64K / 256K
@@ -86,22 +83,16 @@ def _call_bytes(
 
 
 def accumulator_chunks(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    list_bytes: ListBytes = no_lists,
-    ungrouped: bool = False,
-    replayed: bool = False,
+    q: torch.Tensor, k: torch.Tensor, list_bytes: ListBytes = no_lists, ungrouped: bool = False
 ) -> int:
     """How many calls a backward of q (B, Nq, H, D) and k/v (B, Nk, Hkv, D) runs in: one below
-    :data:`MIN_CHUNKED_ACCUMULATOR_BYTES` of float32 accumulators (unless the calls are
-    ``replayed`` from a CUDA graph, where a call costs no Python), else the fewest whose calls
-    each add at most :data:`ACCUMULATOR_SHARE` of the unavoidable bytes (with the tile lists
-    ``list_bytes`` gives per call, block-sparse): chunks of whole groups (a divisor of Hkv),
-    then parts of each group (Hkv times a divisor of H / Hkv), else one call per query head.
-    ``ungrouped``: only calls whose query heads share no key/value head."""
+    :data:`MIN_CHUNKED_ACCUMULATOR_BYTES` of float32 accumulators, else the fewest whose
+    calls each add at most :data:`ACCUMULATOR_SHARE` of the unavoidable bytes (with the tile
+    lists ``list_bytes`` gives per call, block-sparse): chunks of whole groups (a divisor of
+    Hkv), then parts of each group (Hkv times a divisor of H / Hkv), else one call per query
+    head. ``ungrouped``: only calls whose query heads share no key/value head."""
     heads, kv_heads = q.shape[2], k.shape[2]
-    floor = 0 if replayed else MIN_CHUNKED_ACCUMULATOR_BYTES
-    if _call_bytes(q, k, heads, kv_heads) < floor:
+    if _call_bytes(q, k, heads, kv_heads) < MIN_CHUNKED_ACCUMULATOR_BYTES:
         return 1
     budget = ACCUMULATOR_SHARE * 4 * (q.numel() + k.numel()) * q.element_size()
     group = heads // kv_heads
@@ -116,16 +107,12 @@ def accumulator_chunks(
 
 
 def head_chunks(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    list_bytes: ListBytes = no_lists,
-    ungrouped: bool = False,
-    replayed: bool = False,
+    q: torch.Tensor, k: torch.Tensor, list_bytes: ListBytes = no_lists, ungrouped: bool = False
 ) -> list[tuple[slice, slice]]:
     """The (query heads, key/value heads) of each call of :func:`accumulator_chunks`: whole
     groups of key/value heads, or consecutive parts of one key/value head's group."""
     heads, kv_heads = q.shape[2], k.shape[2]
-    group, calls = heads // kv_heads, accumulator_chunks(q, k, list_bytes, ungrouped, replayed)
+    group, calls = heads // kv_heads, accumulator_chunks(q, k, list_bytes, ungrouped)
     if calls <= kv_heads:
         step = kv_heads // calls
         return [
