@@ -30,10 +30,10 @@ Note [A block-sparse backward in one graph]
     pool (Note [Graphs share one memory pool per stream] in ``core/execution/graphs.py``),
     which keeps one chunk's worth reserved. The chunks follow the eager rule (Note
     [FlashAttention-4's accumulators by head chunks] in ``backends/flash_attn4/chunks.py``):
-    replayed, a chunk costs no Python of FA4's, but chunking below the eager floor still cost
-    GPU time: one query head's call at 16K runs 128 key tiles, under one wave of the GPU (H200, MoBA at 16K / 32K,
-    16 / 4 heads: single query heads took MoBA's training peak from 1.61x to 1.05x but its
-    forward+backward from 2.2 to 5.4 ms and 4.2 to 7.1 ms).
+    replayed, a chunk costs no Python of FA4's, but chunking below the eager floor still costs
+    GPU time, one query head's call at 16K running 128 key tiles, under one wave of the GPU
+    (H200, MoBA at 16K / 32K, 16 / 4 heads: single query heads took MoBA's training peak from
+    1.61x to 1.05x but its forward+backward from 2.2 to 5.4 ms and 4.2 to 7.1 ms).
 """
 
 from __future__ import annotations
