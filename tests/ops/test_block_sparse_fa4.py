@@ -277,6 +277,30 @@ def test_chunked_backward_from_a_release_returning_its_own_grads(
         torch.testing.assert_close(g, rg, atol=1e-10, rtol=1e-7, msg=lambda m, n=name: f"d{n}: {m}")
 
 
+@pytest.mark.parametrize("replayed", [False, True], ids=["eager", "replayed"])
+def test_a_replayed_backward_chunks_below_the_floor(
+    replayed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Note [A block-sparse backward in one graph]: a backward whose launches replay from a
+    CUDA graph chunks its heads below the eager floor (here calls of any size), one that runs
+    eagerly stays one call; the gradients match the oracle either way."""
+    import dilated_attention.block_sparse.fa4 as runner_module
+
+    calls = _install_fake_fa4(monkeypatch)
+    monkeypatch.setattr(runner_module, "replays_launches", lambda first: replayed)
+    monkeypatch.setattr(chunk_rule, "MIN_REPLAYED_CALL_TILES", 0)
+    nq, nk, block_size, kv_heads, pattern = CASES[1]  # GQA
+    q, k, v, dout = _inputs(nq, nk, kv_heads, seed=1)
+    _, _, grads, _ = _run_fake(q, k, v, dout, pattern, block_size, True)
+    chunks = accumulator_chunks(q, k, ungrouped=True, replayed=True)
+    assert chunks > 1
+    assert len(calls["bwd chunks"]) == (chunks if replayed else 1)
+    mask = token_mask(pattern, block_size, nq, nk, True, query_start=0)
+    _, _, ref_grads = oracle_with_grads(q, k, v, dout, mask, scale=SCALE)
+    for name, g, rg in zip("qkv", grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, rg, atol=1e-10, rtol=1e-7, msg=lambda m, n=name: f"d{n}: {m}")
+
+
 @pytest.mark.parametrize("fill", [True, False], ids=["filled", "without the fill"])
 def test_keys_no_row_reads_get_zero_gradients_from_any_release(
     fill: bool, monkeypatch: pytest.MonkeyPatch
@@ -344,12 +368,12 @@ def test_double_backward_matches_oracle(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 # (query heads, key/value heads, calls by the share, calls by the share sharing no kv head)
-CHUNK_RULES = [(16, 16, 2, 2), (16, 4, 8, 16), (16, 8, 8, 16), (16, 1, 16, 16), (8, 2, 8, 8)]
+CHUNK_RULES = [(16, 16, 2, 2), (16, 4, 8, 8), (16, 8, 8, 8), (16, 1, 16, 16), (8, 2, 8, 8)]
 
 
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "chunks", "ungrouped"),
-    [*CHUNK_RULES, (4, 4, 2, 2), (32, 4, 4, 32), (32, 2, 8, 32)],
+    [*CHUNK_RULES, (4, 4, 2, 2), (32, 4, 4, 8), (32, 2, 8, 16)],
 )
 def test_backward_accumulators_by_head_chunks(
     heads: int, kv_heads: int, chunks: int, ungrouped: int, monkeypatch: pytest.MonkeyPatch
@@ -379,9 +403,38 @@ def test_backward_accumulators_by_head_chunks(
     assert chunk_rule._call_bytes(q, k, call_heads, call_kv) <= share * unavoidable or (
         call_heads == 1
     )
-    single = head_chunks(q, k, ungrouped=True)  # block-sparse: no query heads share a kv head
-    assert accumulator_chunks(q, k, ungrouped=True) == len(single) == ungrouped
-    assert all(len(range(heads)[h]) == len(range(kv_heads)[kv]) for h, kv in single)
+    # Block-sparse: no query heads share a key/value head, members of each group per call.
+    members = head_chunks(q, k, ungrouped=True)
+    assert accumulator_chunks(q, k, ungrouped=True) == len(members) == ungrouped
+    assert sorted(h for part, _ in members for h in range(heads)[part]) == list(range(heads))
+    for part, kv_part in members:
+        assert [h // group for h in range(heads)[part]] == list(range(kv_heads)[kv_part])
+    call_heads = len(range(heads)[members[0][0]])
+    assert chunk_rule._call_bytes(q, k, call_heads, call_heads) <= share * unavoidable or (
+        call_heads == 1
+    )
+
+
+@pytest.mark.parametrize(
+    ("seq_len", "eager", "replayed"),
+    [(4096, 1, 1), (16384, 1, 4), (32768, 1, 8), (65536, 8, 8)],
+)
+def test_replayed_chunks_keep_each_call_a_few_waves(
+    seq_len: int, eager: int, replayed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Below the eager floor a replayed block-sparse backward (16 / 4 heads) splits only into
+    calls of at least MIN_REPLAYED_CALL_TILES key tiles: none at 4K (one call), one member of
+    each group on all four key/value heads at 16K (over the share, the fewest bytes of those),
+    on two at 32K (within it); past the floor both take the share's split."""
+    q = torch.empty(1, seq_len, 16, 8, dtype=torch.bfloat16)
+    k = torch.empty(1, seq_len, 4, 8, dtype=torch.bfloat16)
+    floor = chunk_rule._call_bytes(q, k, 16, 4) + 1 if seq_len < 65536 else 0
+    monkeypatch.setattr(chunk_rule, "MIN_CHUNKED_ACCUMULATOR_BYTES", floor)
+    assert accumulator_chunks(q, k, ungrouped=True) == eager
+    chunks = head_chunks(q, k, ungrouped=True, replayed=True)
+    assert len(chunks) == replayed
+    key_tiles = seq_len // 128
+    assert replayed == 1 or len(range(16)[chunks[0][0]]) * key_tiles >= 512
 
 
 def test_backward_chunks_count_the_lists_made_for_each_call(
@@ -599,21 +652,27 @@ def test_run_time_masks_through_the_strategy(
 
 
 @pytest.mark.parametrize("indices", [False, True], ids=["bool", "indices"])
-def test_chunks_of_several_grouped_heads(indices: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Chunks of two key/value heads, each with its four query heads, over a run-time mask of
-    one row per key/value head and batch row (the rows each chunk's lists come from are a
-    strided slice): out and every gradient against the float64 oracle."""
+@pytest.mark.parametrize("per_query_head", [False, True], ids=["kv-head rows", "query-head rows"])
+@pytest.mark.parametrize("forced", [2, 4], ids=["members of 4 kv heads", "members of 2 kv heads"])
+def test_chunks_of_group_members(
+    forced: int, per_query_head: bool, indices: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block-sparse backward in calls of one query head of each group (query heads 0, 2, 4,
+    6 on key/value heads 0-3, a stepped slice of q, dq and the lists' rows), over a run-time
+    mask of one row per key/value head or per query head and batch row (the rows each chunk's
+    lists come from are a strided slice): out and every gradient against the float64
+    oracle."""
     calls = _install_fake_fa4(monkeypatch)
-    monkeypatch.setattr(chunk_rule, "accumulator_chunks", lambda q, k, *rule: 2)
+    monkeypatch.setattr(chunk_rule, "accumulator_chunks", lambda q, k, *rule: forced)
     nq, block_size, heads, kv_heads = 384, 128, 8, 4
     gen = torch.Generator().manual_seed(5)
     q, dout = (torch.randn(2, nq, heads, 8, generator=gen, dtype=F64) for _ in "qo")
     k, v = (torch.randn(2, nq, kv_heads, 8, generator=gen, dtype=F64) for _ in "kv")
-    m = nq // block_size
+    m, mask_heads = nq // block_size, heads if per_query_head else kv_heads
     if indices:
-        mask = torch.randint(-1, m, (2, kv_heads, m, 2), generator=gen)
+        mask = torch.randint(-1, m, (2, mask_heads, m, 2), generator=gen)
     else:
-        mask = torch.rand(2, kv_heads, m, m, generator=gen) < 0.5
+        mask = torch.rand(2, mask_heads, m, m, generator=gen) < 0.5
     layout = check_block_mask(mask, q, k, block_size)
     request = Request.of(BLOCK_SPARSE, q, k, v, block_mask=layout, block_size=block_size,
                          is_causal=True, scale=SCALE)  # fmt: skip
@@ -622,7 +681,9 @@ def test_chunks_of_several_grouped_heads(indices: bool, monkeypatch: pytest.Monk
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     out, _ = strategy.run(*leaves, mask, None)
     grads = torch.autograd.grad(out, leaves, dout)
-    assert [c["q"].shape[2] for c in calls["bwd chunks"]] == [4, 4]
+    chunks = calls["bwd chunks"]
+    assert [c["q"].shape[2] for c in chunks] == [heads // forced] * forced
+    assert all(c["q"].stride(2) == 2 * 8 for c in chunks)  # every other query head
     tokens = runtime_token_mask(mask, block_size, batch=2, heads=heads, query_len=nq,
                                 key_len=nq, is_causal=True)  # fmt: skip
     ref_out, _, ref_grads = oracle_with_grads(q, k, v, dout, tokens, scale=SCALE)

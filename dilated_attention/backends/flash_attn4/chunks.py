@@ -3,28 +3,36 @@ which query and key/value heads each call takes (the calls themselves are
 ``_backward_calls`` in ``__init__.py``).
 
 Note [FlashAttention-4's accumulators by head chunks]
-    FA4's backward allocates float32 accumulators beside the gradients it writes: dq's
-    (B, H, Nq, D), and where query heads share a key/value head, dk's and dv's (B, Hkv, Nk, D)
-    each. With 16 query heads on 4 key/value heads that is 3 |q| on top of the 5 |q| a training
-    call cannot avoid (q, k, v, out, dout, dq, dk, dv): a 1.6x peak. Heads are independent in
-    the backward, so a backward runs in chunks of heads, each writing its heads' rows of dq, dk
-    and dv: the fewest chunks whose accumulators, with the tile lists a run-time mask's
-    backward makes for the chunk (per key tile a slot for every query tile: 2.5% of the
-    unavoidable bytes for two query heads at 1M tokens), take at most
-    :data:`ACCUMULATOR_SHARE` of the unavoidable bytes, leaving 1% of a 1.15x peak to the
-    calls' small tensors (:func:`accumulator_chunks`). Chunks are whole groups of key/value
-    heads (2 calls with 16 query and 16 key/value heads), else parts of each group (8 calls of
-    12.5% at 16 / 4 heads), else single query heads: the first part of a group writes its dk
-    and dv to the gradients, each later part into a buffer of one key/value head in the
-    gradients' dtype, added to them after its call (one more rounding of dk and dv). A
-    block-sparse backward's chunks are only calls whose query heads share no key/value head
-    (``ungrouped``: single query heads with grouped heads), which skip FA4's float32 dk and dv
-    and the atomics that add into them. A part writes every key tile of its dk and dv, zeros
-    where none of its query tiles visits (FA4's block-sparse backward writes them; grouped
-    heads' float32 accumulators start at zero): the GPU oracle tests run parts on buffers
-    filled with NaN. Each chunk is one more call of FA4's Python on the host (~0.4 ms), so a
-    backward with less than :data:`MIN_CHUNKED_ACCUMULATOR_BYTES` of accumulators stays one
-    call: at 16K (192 MiB, ~2 ms on the GPU) four chunks made 1.9 ms 2.4-4.1.
+    FA4's backward allocates float32 accumulators beside the gradients it writes: dq's (B, H,
+    Nq, D), and where query heads share a key/value head, dk's and dv's (B, Hkv, Nk, D) each.
+    With 16 query heads on 4 key/value heads that is 3 |q| on top of the 5 |q| a training call
+    cannot avoid (q, k, v, out, dout, dq, dk, dv): a 1.6x peak. Heads are independent in the
+    backward, so a backward runs in chunks of heads, each writing its heads' rows of dq, dk and
+    dv: the fewest chunks whose accumulators, with the tile lists a run-time mask's backward
+    makes for the chunk (per key tile a slot for every query tile: 2.5% of the unavoidable bytes
+    for two query heads at 1M tokens), take at most :data:`ACCUMULATOR_SHARE` of the unavoidable
+    bytes, leaving 1% of a 1.15x peak to the calls' small tensors (:func:`accumulator_chunks`).
+    Chunks are whole groups of key/value heads (2 calls with 16 query and 16 key/value heads),
+    else parts of each group (8 calls of 12.5% at 16 / 4 heads), else single query heads: the
+    first part of a group writes its dk and dv to the gradients, each later part into a buffer
+    of one key/value head in the gradients' dtype, added to them after its call (one more
+    rounding of dk and dv). A block-sparse backward's chunks are only calls whose query heads
+    share no key/value head (``ungrouped``), which skip FA4's float32 dk and dv and the atomics
+    that add into them: with grouped heads, members of each group, a call taking one query head
+    of every group of its key/value heads (a stepped slice of the heads: 0, 4, 8, 12 on
+    key/value heads 0-3), the calls of one group's members adding their dk and dv like parts. A
+    part writes every key tile of its dk and dv, zeros where none of its query tiles visits
+    (FA4's block-sparse backward writes them; grouped heads' float32 accumulators start at
+    zero): the GPU oracle tests run parts on buffers filled with NaN. Each chunk is one more
+    call of FA4's Python on the host (~0.4 ms), so a backward with less than
+    :data:`MIN_CHUNKED_ACCUMULATOR_BYTES` of accumulators stays one call: at 16K (192 MiB, ~2 ms
+    on the GPU) four chunks made 1.9 ms 2.4-4.1. Calls replayed from a CUDA graph (``replayed``:
+    a block-sparse backward, Note [A block-sparse backward in one graph] in
+    ``block_sparse/fa4.py``) cost that Python only before the capture, so they chunk below the
+    floor too, but only into calls of at least :data:`MIN_REPLAYED_CALL_TILES` key tiles (single
+    query heads at 16K, 128 tiles a call, took a replayed MoBA step from 2.2 to 5.4 ms): the
+    fewest such calls within the share, else the fewest bytes (16 / 4 heads: four calls of
+    members at 16K, eight at 32K).
 
     Measured (H100, MoBA's blocks of 128, 2,048 keys per query, 16 / 4 heads, D = 128; one
     call: 1.63-1.87x the unavoidable bytes), training peak and forward+backward at 64K / 256K
@@ -43,6 +51,7 @@ Shapes: q (B, Nq, H, D), k/v (B, Nk, Hkv, D).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -82,37 +91,116 @@ def _call_bytes(
     return added
 
 
-def accumulator_chunks(
-    q: torch.Tensor, k: torch.Tensor, list_bytes: ListBytes = no_lists, ungrouped: bool = False
-) -> int:
-    """How many calls a backward of q (B, Nq, H, D) and k/v (B, Nk, Hkv, D) runs in: one below
-    :data:`MIN_CHUNKED_ACCUMULATOR_BYTES` of float32 accumulators, else the fewest whose
-    calls each add at most :data:`ACCUMULATOR_SHARE` of the unavoidable bytes (with the tile
-    lists ``list_bytes`` gives per call, block-sparse): chunks of whole groups (a divisor of
-    Hkv), then parts of each group (Hkv times a divisor of H / Hkv), else one call per query
-    head. ``ungrouped``: only calls whose query heads share no key/value head."""
-    heads, kv_heads = q.shape[2], k.shape[2]
-    if _call_bytes(q, k, heads, kv_heads) < MIN_CHUNKED_ACCUMULATOR_BYTES:
-        return 1
-    budget = ACCUMULATOR_SHARE * 4 * (q.numel() + k.numel()) * q.element_size()
+#: A replayed backward's calls each cover at least this many key tiles (key tiles x heads x
+#: batch rows: FA4's backward grid), four waves of a 132-SM GPU, below the eager floor: one
+#: query head's call at 16K (128 key tiles) left the GPU idle (Note [A block-sparse backward in
+#: one graph] in ``block_sparse/fa4.py``).
+MIN_REPLAYED_CALL_TILES = 512
+
+
+@dataclass(frozen=True)
+class _Split:
+    """One way to split a backward's heads: ``calls`` calls of ``heads`` query heads on
+    ``kv_heads`` key/value heads each; ``members``: each call takes one query head of every
+    group of its key/value heads (a stepped slice), else consecutive query heads."""
+
+    calls: int
+    heads: int
+    kv_heads: int
+    members: bool = False
+
+
+def _splits(heads: int, kv_heads: int, ungrouped: bool) -> list[_Split]:
+    """The ways to split, fewest calls first: whole groups (a divisor of Hkv calls), parts of
+    each group (Hkv times a divisor of H / Hkv); ``ungrouped`` only those whose query heads
+    share no key/value head, and members of groups (H / Hkv times a divisor of Hkv calls,
+    one query head of each group per call) in place of parts."""
     group = heads // kv_heads
-    whole = [(c, heads // c, kv_heads // c) for c in range(1, kv_heads + 1) if kv_heads % c == 0]
-    parts = [(kv_heads * p, group // p, 1) for p in range(2, group + 1) if group % p == 0]
-    for calls, call_heads, call_kv_heads in whole + parts:
-        if ungrouped and call_heads > call_kv_heads:
-            continue
-        if _call_bytes(q, k, call_heads, call_kv_heads, list_bytes) <= budget:
-            return calls
-    return heads
+    whole = [_Split(c, heads // c, kv_heads // c) for c in _divisors(kv_heads)]
+    if not ungrouped:
+        parts = [_Split(kv_heads * p, group // p, 1) for p in _divisors(group) if p > 1]
+        return whole + parts
+    if group == 1:
+        return whole
+    members = [_Split(group * c, kv_heads // c, kv_heads // c, True) for c in _divisors(kv_heads)]
+    return members
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _choose(
+    q: torch.Tensor, k: torch.Tensor, list_bytes: ListBytes, ungrouped: bool, replayed: bool
+) -> _Split:
+    """The split of :func:`accumulator_chunks`: one call below
+    :data:`MIN_CHUNKED_ACCUMULATOR_BYTES` of float32 accumulators, else the fewest calls each
+    within :data:`ACCUMULATOR_SHARE` of the unavoidable bytes (else one per query head).
+    ``replayed``: from any size, among calls of at least :data:`MIN_REPLAYED_CALL_TILES` key
+    tiles, the fewest within the share, else the fewest bytes."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    one = _Split(1, heads, kv_heads)
+    small = _call_bytes(q, k, heads, kv_heads) < MIN_CHUNKED_ACCUMULATOR_BYTES
+    if small and not replayed:
+        return one
+    budget = ACCUMULATOR_SHARE * 4 * (q.numel() + k.numel()) * q.element_size()
+    splits = _splits(heads, kv_heads, ungrouped)
+    if small:  # replayed: calls that keep the GPU busy
+        key_tiles = q.shape[0] * -(-k.shape[1] // 128)
+        splits = [
+            s for s in splits if s.calls == 1 or s.heads * key_tiles >= MIN_REPLAYED_CALL_TILES
+        ]
+        sized = [(_call_bytes(q, k, s.heads, s.kv_heads, list_bytes), s) for s in [one, *splits]]
+        within = [s for size, s in sized if size <= budget]
+        return within[0] if within else min(sized, key=lambda pair: pair[0])[1]
+    for split in splits:
+        if _call_bytes(q, k, split.heads, split.kv_heads, list_bytes) <= budget:
+            return split
+    return splits[-1]
+
+
+def accumulator_chunks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    list_bytes: ListBytes = no_lists,
+    ungrouped: bool = False,
+    replayed: bool = False,
+) -> int:
+    """How many calls a backward of q (B, Nq, H, D) and k/v (B, Nk, Hkv, D) runs in (Note
+    [FlashAttention-4's accumulators by head chunks]): one below
+    :data:`MIN_CHUNKED_ACCUMULATOR_BYTES` of float32 accumulators, else the fewest whose calls
+    each add at most :data:`ACCUMULATOR_SHARE` of the unavoidable bytes (with the tile lists
+    ``list_bytes`` gives per call, block-sparse): chunks of whole groups (a divisor of Hkv),
+    then parts of each group (Hkv times a divisor of H / Hkv), else one call per query head.
+    ``ungrouped``: only calls whose query heads share no key/value head, members of each group
+    in place of parts. ``replayed`` (the calls replay from a CUDA graph): from any size, calls
+    of at least :data:`MIN_REPLAYED_CALL_TILES` key tiles."""
+    return _choose(q, k, list_bytes, ungrouped, replayed).calls
 
 
 def head_chunks(
-    q: torch.Tensor, k: torch.Tensor, list_bytes: ListBytes = no_lists, ungrouped: bool = False
+    q: torch.Tensor,
+    k: torch.Tensor,
+    list_bytes: ListBytes = no_lists,
+    ungrouped: bool = False,
+    replayed: bool = False,
 ) -> list[tuple[slice, slice]]:
     """The (query heads, key/value heads) of each call of :func:`accumulator_chunks`: whole
-    groups of key/value heads, or consecutive parts of one key/value head's group."""
+    groups of key/value heads, consecutive parts of one key/value head's group, or (members)
+    one query head of each group of consecutive key/value heads, a stepped slice."""
     heads, kv_heads = q.shape[2], k.shape[2]
-    group, calls = heads // kv_heads, accumulator_chunks(q, k, list_bytes, ungrouped)
+    group, calls = heads // kv_heads, accumulator_chunks(q, k, list_bytes, ungrouped, replayed)
+    split = _split_of(calls, heads, kv_heads, ungrouped)
+    if split.members:
+        step = split.kv_heads
+        return [
+            (
+                slice(first * group + member, (first + step) * group, group),
+                slice(first, first + step),
+            )
+            for member in range(group)
+            for first in range(0, kv_heads, step)
+        ]
     if calls <= kv_heads:
         step = kv_heads // calls
         return [
@@ -121,3 +209,14 @@ def head_chunks(
         ]
     step = heads // calls
     return [(slice(h, h + step), slice(h // group, h // group + 1)) for h in range(0, heads, step)]
+
+
+def _split_of(calls: int, heads: int, kv_heads: int, ungrouped: bool) -> _Split:
+    """The split of ``calls`` calls: the ``ungrouped`` one of that many calls where there is
+    one, else whole groups or parts (a count forced by a test may be either)."""
+    for split in (_splits(heads, kv_heads, True) if ungrouped else []) + _splits(
+        heads, kv_heads, False
+    ):
+        if split.calls == calls:
+            return split
+    return _Split(calls, heads // calls, 1)
