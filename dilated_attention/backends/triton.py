@@ -113,27 +113,12 @@ def run_launches(
     ``core/execution/graphs.py``): for CUDA tensors with Triton importable, outside the
     interpreter, the compile-only dry run and a profiler's launch hook; else launched now.
     ``key`` None: launched now."""
-    if key is None or not _graphable(tensors[0]):
+    first = tensors[0]
+    plain = key is None or first is None or not first.is_cuda or interpreting()
+    if plain or kernel_module("launchers") is None or not _kernels().graphable():
         launches()
         return
     graphs.run_launches((*key, _kernels().DESCRIPTOR_POLICY), tensors, launches, keep)
-
-
-def _graphable(first: torch.Tensor | None) -> bool:
-    """Whether :func:`run_launches` hands launches on ``first``'s device to the graphs: CUDA,
-    Triton importable, outside the interpreter, the compile-only dry run and a profiler's
-    launch hook."""
-    if first is None or not first.is_cuda or interpreting():
-        return False
-    return kernel_module("launchers") is not None and bool(_kernels().graphable())
-
-
-def replays_launches(first: torch.Tensor | None) -> bool:
-    """Whether launches that :func:`run_launches` runs on ``first``'s device end up in a CUDA
-    graph once their call repeats (ours, with the graphs on), or in the caller's capture: then
-    a launch costs its Python only on the runs before the capture."""
-    capturing = first is not None and first.is_cuda and torch.cuda.is_current_stream_capturing()
-    return _graphable(first) and (graphs.enabled() or capturing)
 
 
 def slot_kernels() -> Any:

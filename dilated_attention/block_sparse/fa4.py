@@ -28,14 +28,12 @@ Note [A block-sparse backward in one graph]
     unreached rows and keys). What the closure allocates besides (FA4's float32 accumulators,
     a chunk's lists, the sums of later parts of a group) dies inside it, in the graphs' shared
     pool (Note [Graphs share one memory pool per stream] in ``core/execution/graphs.py``),
-    which keeps one chunk's worth reserved. Replayed, a chunk costs no Python of FA4's, so the
-    backward chunks below the eager floor too (``replayed`` in Note [FlashAttention-4's
-    accumulators by head chunks] in ``backends/flash_attn4/chunks.py``), in calls that keep the
-    GPU busy: single query heads, one call at 16K running 128 key tiles, under one wave of the
-    GPU, took MoBA's training peak at 16K / 32K from 1.61x to 1.05x but its forward+backward
-    from 2.2 to 5.4 ms and 4.2 to 7.1 ms (H200, 16 / 4 heads). The runs before the capture take
-    the same chunks, so a training job's first step peaks no higher than its replays; a call
-    whose capture fails keeps them and pays FA4's Python per chunk.
+    which keeps one chunk's worth reserved. The chunks follow the eager rule (Note
+    [FlashAttention-4's accumulators by head chunks] in ``backends/flash_attn4/chunks.py``):
+    replayed, a chunk costs no Python of FA4's, but chunking below the eager floor still costs
+    GPU time (H200, MoBA at 16K / 32K, 16 / 4 heads: single query heads took its training peak
+    from 1.61x to 1.05x but its forward+backward from 2.2 to 5.4 ms and 4.2 to 7.1 ms; members
+    of groups to 1.21x / 1.11x at 2.3 -> 2.8 and 4.3 -> 5.5 ms).
 """
 
 from __future__ import annotations
@@ -48,7 +46,7 @@ import torch
 
 from ..backends.flash_attn4 import FlashAttn4Backend, SparseTiles, tiles_of_heads
 from ..backends.flash_attn4.chunks import ListBytes, no_lists
-from ..backends.triton import kernel_module, replays_launches, run_launches
+from ..backends.triton import kernel_module, run_launches
 from ..core.autograd import Backward, Forward, Grads, Inputs, Saved
 from ..core.contract import KernelOutput
 from ..patterns import Pattern
@@ -335,7 +333,6 @@ class FlashAttn4BlockSparseRunner:
         grads = tuple(torch.empty(x.shape, dtype=q.dtype, device=q.device) for x in (q, k, v))
         pending = tiles.pending if tiles.pending is not None and not tiles.pending.done else None
         unreached = (tiles.empty_rows, tiles.unread_keys, tiles.unread_keys)
-        replayed = replays_launches(q)
 
         def launches() -> None:  # into the gradients; what else it allocates dies inside
             if pending is not None:
@@ -343,7 +340,6 @@ class FlashAttn4BlockSparseRunner:
             written = self.backend.block_sparse_backward(
                 dout, q, k, v, out, lse, tiles.backward_lists, scale=self.scale,
                 is_causal=self.is_causal, list_bytes=tiles.made_bytes, into=grads,
-                replayed=replayed,
             )  # fmt: skip
             for grad, got, flags in zip(grads, written, unreached, strict=True):
                 if got is not grad:  # a release that returns gradients of its own
@@ -351,7 +347,7 @@ class FlashAttn4BlockSparseRunner:
                 fill_blocks(grad, flags, self.block_size, 0.0)
 
         key = ("fa4 block-sparse backward", self.block_size, self.is_causal, self.scale,
-               pending is not None, replayed)  # fmt: skip
+               pending is not None)  # fmt: skip
         reads = (*tiles.reads, *(tiles.backward or ()), *unreached[:2],
                  *(pending.tensors if pending is not None else ()))  # fmt: skip
         run_launches(key, (dout, q, k, v, out, lse, *grads, *reads), launches)

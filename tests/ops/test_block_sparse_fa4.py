@@ -277,30 +277,6 @@ def test_chunked_backward_from_a_release_returning_its_own_grads(
         torch.testing.assert_close(g, rg, atol=1e-10, rtol=1e-7, msg=lambda m, n=name: f"d{n}: {m}")
 
 
-@pytest.mark.parametrize("replayed", [False, True], ids=["eager", "replayed"])
-def test_a_replayed_backward_chunks_below_the_floor(
-    replayed: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Note [A block-sparse backward in one graph]: a backward whose launches replay from a
-    CUDA graph chunks its heads below the eager floor (here calls of any size), one that runs
-    eagerly stays one call; the gradients match the oracle either way."""
-    import dilated_attention.block_sparse.fa4 as runner_module
-
-    calls = _install_fake_fa4(monkeypatch)
-    monkeypatch.setattr(runner_module, "replays_launches", lambda first: replayed)
-    monkeypatch.setattr(chunk_rule, "MIN_REPLAYED_CALL_TILES", 0)
-    nq, nk, block_size, kv_heads, pattern = CASES[1]  # GQA
-    q, k, v, dout = _inputs(nq, nk, kv_heads, seed=1)
-    _, _, grads, _ = _run_fake(q, k, v, dout, pattern, block_size, True)
-    chunks = accumulator_chunks(q, k, ungrouped=True, replayed=True)
-    assert chunks > 1
-    assert len(calls["bwd chunks"]) == (chunks if replayed else 1)
-    mask = token_mask(pattern, block_size, nq, nk, True, query_start=0)
-    _, _, ref_grads = oracle_with_grads(q, k, v, dout, mask, scale=SCALE)
-    for name, g, rg in zip("qkv", grads, ref_grads, strict=True):
-        torch.testing.assert_close(g, rg, atol=1e-10, rtol=1e-7, msg=lambda m, n=name: f"d{n}: {m}")
-
-
 @pytest.mark.parametrize("fill", [True, False], ids=["filled", "without the fill"])
 def test_keys_no_row_reads_get_zero_gradients_from_any_release(
     fill: bool, monkeypatch: pytest.MonkeyPatch
@@ -413,28 +389,6 @@ def test_backward_accumulators_by_head_chunks(
     assert chunk_rule._call_bytes(q, k, call_heads, call_heads) <= share * unavoidable or (
         call_heads == 1
     )
-
-
-@pytest.mark.parametrize(
-    ("seq_len", "eager", "replayed"),
-    [(4096, 1, 1), (16384, 1, 4), (32768, 1, 8), (65536, 8, 8)],
-)
-def test_replayed_chunks_keep_each_call_a_few_waves(
-    seq_len: int, eager: int, replayed: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Below the eager floor a replayed block-sparse backward (16 / 4 heads) splits only into
-    calls of at least MIN_REPLAYED_CALL_TILES key tiles: none at 4K (one call), one member of
-    each group on all four key/value heads at 16K (over the share, the fewest bytes of those),
-    on two at 32K (within it); past the floor both take the share's split."""
-    q = torch.empty(1, seq_len, 16, 8, dtype=torch.bfloat16)
-    k = torch.empty(1, seq_len, 4, 8, dtype=torch.bfloat16)
-    floor = chunk_rule._call_bytes(q, k, 16, 4) + 1 if seq_len < 65536 else 0
-    monkeypatch.setattr(chunk_rule, "MIN_CHUNKED_ACCUMULATOR_BYTES", floor)
-    assert accumulator_chunks(q, k, ungrouped=True) == eager
-    chunks = head_chunks(q, k, ungrouped=True, replayed=True)
-    assert len(chunks) == replayed
-    key_tiles = seq_len // 128
-    assert replayed == 1 or len(range(16)[chunks[0][0]]) * key_tiles >= 512
 
 
 def test_backward_chunks_count_the_lists_made_for_each_call(

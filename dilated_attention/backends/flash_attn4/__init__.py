@@ -396,15 +396,13 @@ class FlashAttn4Backend(Backend):
         is_causal: bool,
         list_bytes: ListBytes = no_lists,
         into: Grads | None = None,
-        replayed: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)`` from the given ``out`` and ``lse`` (B, H, Nq) over the tiles of
         ``lists(heads, kv_heads)``, the backward lists (per key tile its query tiles) of a
         chunk's query and key/value heads (Note [FlashAttention-4's accumulators by head
         chunks]), which ``list_bytes(heads, kv_heads)`` gives for a chunk of so many heads.
-        Chunked, its calls share no key/value head between query heads; ``replayed``: the calls
-        replay from a CUDA graph (chunks from any size). Written into ``into`` (dq, dk, dv,
-        contiguous, q's dtype) where given."""
+        Chunked, its calls share no key/value head between query heads. Written into ``into``
+        (dq, dk, dv, contiguous, q's dtype) where given."""
         dout, out = dout.to(q.dtype), out.to(q.dtype)
         dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))
         grads = into or (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
@@ -418,7 +416,7 @@ class FlashAttn4Backend(Backend):
                 "block_sparse_tensors": _sparse_tensors(lists(heads, kv)), "pack_gqa": False,
             }  # fmt: skip
 
-        chunks = head_chunks(q, k, list_bytes, ungrouped=True, replayed=replayed)
+        chunks = head_chunks(q, k, list_bytes, ungrouped=True)
         return _backward_calls(chunks, grads, arguments)
 
     def _forward(

@@ -26,19 +26,20 @@ Note [FlashAttention-4's accumulators by head chunks]
     zero): the GPU oracle tests run parts on buffers filled with NaN. Each chunk is one more
     call of FA4's Python on the host (~0.4 ms), so a backward with less than
     :data:`MIN_CHUNKED_ACCUMULATOR_BYTES` of accumulators stays one call: at 16K (192 MiB, ~2 ms
-    on the GPU) four chunks made 1.9 ms 2.4-4.1. Calls replayed from a CUDA graph (``replayed``:
-    a block-sparse backward, Note [A block-sparse backward in one graph] in
-    ``block_sparse/fa4.py``) cost that Python only before the capture, so they chunk below the
-    floor too, but only into calls of at least :data:`MIN_REPLAYED_CALL_TILES` key tiles (single
-    query heads at 16K, 128 tiles a call, took a replayed MoBA step from 2.2 to 5.4 ms): the
-    fewest such calls within the share, else the fewest bytes (16 / 4 heads: four calls of
-    members at 16K, eight at 32K).
+    on the GPU) four chunks made 1.9 ms 2.4-4.1. A block-sparse backward replayed from a CUDA
+    graph (Note [A block-sparse backward in one graph] in ``block_sparse/fa4.py``) costs that
+    Python only before its capture, but chunking below the floor still costs GPU time (H200,
+    MoBA, 16 / 4 heads: 2.3 -> 2.8 ms at 16K in four calls of members, 4.3 -> 5.5 ms at 32K in
+    eight, for peaks of 1.21x and 1.11x instead of 1.61x; single query heads 2.2 -> 5.4 ms), so
+    it keeps the floor.
 
     Measured (H100, MoBA's blocks of 128, 2,048 keys per query, 16 / 4 heads, D = 128; one
     call: 1.63-1.87x the unavoidable bytes), training peak and forward+backward at 64K / 256K
     / 1M: whole groups 1.16x / 1.17x / 1.21x at 8.5 / 47.9 / 235 ms back to back, halves of
     groups 1.13x / 1.14x / 1.155x at 10% / 5% / 3% more time, single query heads 1.06x / 1.06x
-    / 1.07x at 10.1 / 48.0 / 231 ms. Dense calls that write their own gradients
+    / 1.07x at 10.1 / 48.0 / 231 ms. Members of groups (H200, one run beside the single query
+    heads): eight calls at 64K, 1.11x at 9.01 ms (8.37 back to back) against 1.06x at 9.33
+    (8.84). Dense calls that write their own gradients
     (``attention()``, NSA's window and compressed branches) take the chunks by the share alone:
     in single query heads NSA's dense branches were slower (197 -> 248 ms at 256K). A slotted
     plan's calls, which write into its gradient slots, stay one call each: they are short, the
@@ -91,23 +92,14 @@ def _call_bytes(
     return added
 
 
-#: A replayed backward's calls each cover at least this many key tiles (key tiles x heads x
-#: batch rows: FA4's backward grid), four waves of a 132-SM GPU, below the eager floor: one
-#: query head's call at 16K (128 key tiles) left the GPU idle (Note [A block-sparse backward in
-#: one graph] in ``block_sparse/fa4.py``).
-MIN_REPLAYED_CALL_TILES = 512
-
-
 @dataclass(frozen=True)
 class _Split:
     """One way to split a backward's heads: ``calls`` calls of ``heads`` query heads on
-    ``kv_heads`` key/value heads each; ``members``: each call takes one query head of every
-    group of its key/value heads (a stepped slice), else consecutive query heads."""
+    ``kv_heads`` key/value heads each (:func:`head_chunks` gives their slices)."""
 
     calls: int
     heads: int
     kv_heads: int
-    members: bool = False
 
 
 def _splits(heads: int, kv_heads: int, ungrouped: bool) -> list[_Split]:
@@ -122,41 +114,11 @@ def _splits(heads: int, kv_heads: int, ungrouped: bool) -> list[_Split]:
         return whole + parts
     if group == 1:
         return whole
-    members = [_Split(group * c, kv_heads // c, kv_heads // c, True) for c in _divisors(kv_heads)]
-    return members
+    return [_Split(group * c, kv_heads // c, kv_heads // c) for c in _divisors(kv_heads)]
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _choose(
-    q: torch.Tensor, k: torch.Tensor, list_bytes: ListBytes, ungrouped: bool, replayed: bool
-) -> _Split:
-    """The split of :func:`accumulator_chunks`: one call below
-    :data:`MIN_CHUNKED_ACCUMULATOR_BYTES` of float32 accumulators, else the fewest calls each
-    within :data:`ACCUMULATOR_SHARE` of the unavoidable bytes (else one per query head).
-    ``replayed``: from any size, among calls of at least :data:`MIN_REPLAYED_CALL_TILES` key
-    tiles, the fewest within the share, else the fewest bytes."""
-    heads, kv_heads = q.shape[2], k.shape[2]
-    one = _Split(1, heads, kv_heads)
-    small = _call_bytes(q, k, heads, kv_heads) < MIN_CHUNKED_ACCUMULATOR_BYTES
-    if small and not replayed:
-        return one
-    budget = ACCUMULATOR_SHARE * 4 * (q.numel() + k.numel()) * q.element_size()
-    splits = _splits(heads, kv_heads, ungrouped)
-    if small:  # replayed: calls that keep the GPU busy
-        key_tiles = q.shape[0] * -(-k.shape[1] // 128)
-        splits = [
-            s for s in splits if s.calls == 1 or s.heads * key_tiles >= MIN_REPLAYED_CALL_TILES
-        ]
-        sized = [(_call_bytes(q, k, s.heads, s.kv_heads, list_bytes), s) for s in [one, *splits]]
-        within = [s for size, s in sized if size <= budget]
-        return within[0] if within else min(sized, key=lambda pair: pair[0])[1]
-    for split in splits:
-        if _call_bytes(q, k, split.heads, split.kv_heads, list_bytes) <= budget:
-            return split
-    return splits[-1]
 
 
 def accumulator_chunks(
@@ -164,7 +126,6 @@ def accumulator_chunks(
     k: torch.Tensor,
     list_bytes: ListBytes = no_lists,
     ungrouped: bool = False,
-    replayed: bool = False,
 ) -> int:
     """How many calls a backward of q (B, Nq, H, D) and k/v (B, Nk, Hkv, D) runs in (Note
     [FlashAttention-4's accumulators by head chunks]): one below
@@ -173,9 +134,16 @@ def accumulator_chunks(
     ``list_bytes`` gives per call, block-sparse): chunks of whole groups (a divisor of Hkv),
     then parts of each group (Hkv times a divisor of H / Hkv), else one call per query head.
     ``ungrouped``: only calls whose query heads share no key/value head, members of each group
-    in place of parts. ``replayed`` (the calls replay from a CUDA graph): from any size, calls
-    of at least :data:`MIN_REPLAYED_CALL_TILES` key tiles."""
-    return _choose(q, k, list_bytes, ungrouped, replayed).calls
+    in place of parts."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    if _call_bytes(q, k, heads, kv_heads) < MIN_CHUNKED_ACCUMULATOR_BYTES:
+        return 1
+    budget = ACCUMULATOR_SHARE * 4 * (q.numel() + k.numel()) * q.element_size()
+    splits = _splits(heads, kv_heads, ungrouped)
+    for split in splits:
+        if _call_bytes(q, k, split.heads, split.kv_heads, list_bytes) <= budget:
+            return split.calls
+    return heads
 
 
 def head_chunks(
@@ -183,16 +151,14 @@ def head_chunks(
     k: torch.Tensor,
     list_bytes: ListBytes = no_lists,
     ungrouped: bool = False,
-    replayed: bool = False,
 ) -> list[tuple[slice, slice]]:
     """The (query heads, key/value heads) of each call of :func:`accumulator_chunks`: whole
     groups of key/value heads, consecutive parts of one key/value head's group, or (members)
     one query head of each group of consecutive key/value heads, a stepped slice."""
     heads, kv_heads = q.shape[2], k.shape[2]
-    group, calls = heads // kv_heads, accumulator_chunks(q, k, list_bytes, ungrouped, replayed)
-    split = _split_of(calls, heads, kv_heads, ungrouped)
-    if split.members:
-        step = split.kv_heads
+    group, calls = heads // kv_heads, accumulator_chunks(q, k, list_bytes, ungrouped)
+    if ungrouped and group > 1 and calls % group == 0 and kv_heads % (calls // group) == 0:
+        step = kv_heads // (calls // group)  # key/value heads a call, one member of each group
         return [
             (
                 slice(first * group + member, (first + step) * group, group),
@@ -209,14 +175,3 @@ def head_chunks(
         ]
     step = heads // calls
     return [(slice(h, h + step), slice(h // group, h // group + 1)) for h in range(0, heads, step)]
-
-
-def _split_of(calls: int, heads: int, kv_heads: int, ungrouped: bool) -> _Split:
-    """The split of ``calls`` calls: the ``ungrouped`` one of that many calls where there is
-    one, else whole groups or parts (a count forced by a test may be either)."""
-    for split in (_splits(heads, kv_heads, True) if ungrouped else []) + _splits(
-        heads, kv_heads, False
-    ):
-        if split.calls == calls:
-            return split
-    return _Split(calls, heads // calls, 1)
