@@ -81,6 +81,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+#: The most workers ``-n auto`` (the suite's default, pyproject.toml) starts: each holds torch
+#: and its compiled kernels (~1-2 GiB), and past a few the CPU suite's longest tests dominate.
+MAX_AUTO_WORKERS = 8
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one worker per core this process may use, at most :data:`MAX_AUTO_WORKERS`
+    (2 cores: the whole CPU suite in ~8.5 minutes where one process took ~12)."""
+    return max(1, min(_cores(), MAX_AUTO_WORKERS))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist, give each worker its share of the CPU's threads: torch's default
     (one intra-op thread per core in every worker) oversubscribes the cores many times over,
