@@ -394,18 +394,18 @@ class FlashAttn4Backend(Backend):
         *,
         scale: float,
         is_causal: bool,
+        into: Grads,
         list_bytes: ListBytes = no_lists,
-        into: Grads | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)`` from the given ``out`` and ``lse`` (B, H, Nq) over the tiles of
         ``lists(heads, kv_heads)``, the backward lists (per key tile its query tiles) of a
         chunk's query and key/value heads (Note [FlashAttention-4's accumulators by head
         chunks]), which ``list_bytes(heads, kv_heads)`` gives for a chunk of so many heads.
         Chunked, its calls share no key/value head between query heads. Written into ``into``
-        (dq, dk, dv, contiguous, q's dtype) where given."""
+        (dq, dk, dv, contiguous, q's dtype), unless one call from a release that returns
+        gradients of its own covers every head: then those are returned."""
         dout, out = dout.to(q.dtype), out.to(q.dtype)
         dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))
-        grads = into or (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
 
         def arguments(heads: slice, kv: slice) -> dict[str, Any]:
             return {
@@ -417,7 +417,7 @@ class FlashAttn4Backend(Backend):
             }  # fmt: skip
 
         chunks = head_chunks(q, k, list_bytes, ungrouped=True)
-        return _backward_calls(chunks, grads, arguments)
+        return _backward_calls(chunks, into, arguments)
 
     def _forward(
         self,
