@@ -29,6 +29,10 @@ run:
   default);
 - ``dense attention``: the library's dense ``attention(q, k, v, is_causal=...)`` at the same N,
   its automatic choice (recorded like ``auto``'s; not run by default);
+- ``dense fa4``: the same with ``backend="flash_attn4"``, whose whole calls replay from CUDA
+  graphs once they repeat (Note [A whole call's launches from a CUDA graph]), and ``dense fa4
+  launched``: that call with ``DILATED_ATTENTION_CUDA_GRAPHS=0`` while it is measured, every
+  call launched as usual (neither run by default; need ``flash-attn-4``);
 - ``cudnn ceiling``: cuDNN alone on tensors already shaped like every branch's rows
   ``(B * N / w, ceil(w / r), H, D)`` (and a shorter last segment's, where N leaves one; no
   gather, no merge), its times summed over the branches;
@@ -77,11 +81,13 @@ run per head dim, ``--head-dims 64`` and ``--head-dims 128``, their rows joined)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import itertools
+import os
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -120,10 +126,12 @@ SCHEDULES: dict[str, Schedule | None] = {
 DEFAULT_SCHEDULES = ["longnet", "paper"]
 GIB = 2**30
 PATHS = ("auto", "auto captured", "triton", "flash_attn4", "gather+cudnn", "dense cudnn",
-         "dense attention", "cudnn ceiling", "fa4 ceiling")  # fmt: skip
+         "dense attention", "dense fa4", "dense fa4 launched", "cudnn ceiling",
+         "fa4 ceiling")  # fmt: skip
 PLOT_STYLES = {"auto": "-", "auto captured": "-", "triton": "-", "flash_attn4": "-.",
                "gather+cudnn": ":", "dense cudnn": "--", "dense attention": ":",
-               "cudnn ceiling": "--", "fa4 ceiling": "--"}  # fmt: skip
+               "dense fa4": "-.", "dense fa4 launched": ":", "cudnn ceiling": "--",
+               "fa4 ceiling": "--"}  # fmt: skip
 
 
 def schedule_at(name: str, seq_len: int) -> Schedule:
@@ -251,9 +259,12 @@ def _measures(
             return time_fwd_and_fwd_bwd(lambda: dense_cudnn(q, k, v, causal), [q, k, v], dout,
                                         **timing)  # fmt: skip
 
-    def dense_library() -> dict[str, float]:
-        return time_fwd_and_fwd_bwd(lambda: attention(q, k, v, is_causal=causal), [q, k, v],
-                                    dout, **timing)  # fmt: skip
+    def dense_library(backend: str | None = None, replayed: bool = True) -> dict[str, float]:
+        with graphs_allowed(replayed):
+            return time_fwd_and_fwd_bwd(
+                lambda: attention(q, k, v, is_causal=causal, backend=backend), [q, k, v], dout,
+                **timing,
+            )  # fmt: skip
 
     def ceiling(backend: str) -> Callable[[], dict[str, float]]:
         return lambda: _ceiling(backend, seq_len, heads, kv_heads, dim, segs, rates, causal, args)
@@ -266,9 +277,27 @@ def _measures(
         "gather+cudnn": library("sdpa_cudnn"),
         "dense cudnn": cudnn_whole,
         "dense attention": dense_library,
+        "dense fa4": functools.partial(dense_library, "flash_attn4"),
+        "dense fa4 launched": functools.partial(dense_library, "flash_attn4", False),
         "cudnn ceiling": ceiling("sdpa_cudnn"),
         "fa4 ceiling": ceiling("flash_attn4"),
     }
+
+
+@contextlib.contextmanager
+def graphs_allowed(allowed: bool) -> Iterator[None]:
+    """The library's CUDA graphs as they are (``allowed``), or turned off for the block
+    (``DILATED_ATTENTION_CUDA_GRAPHS=0``: every call launches as usual)."""
+    before = os.environ.get(graphs.ENV_VAR)
+    if not allowed:
+        os.environ[graphs.ENV_VAR] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(graphs.ENV_VAR, None)
+        else:
+            os.environ[graphs.ENV_VAR] = before
 
 
 def cell_base(schedule: str, seq_len: int, dim: int, causal: bool, heads: int,

@@ -21,7 +21,7 @@ import torch
 
 import dilated_attention.backends.flash_attn4 as flash_attn4
 import dilated_attention.backends.flash_attn4.chunks as chunk_rule
-from dilated_attention.backends.base import KernelInputs
+from dilated_attention.backends.base import KernelInputs, KernelOutput
 from dilated_attention.backends.flash_attn2 import FlashAttn2Backend
 from dilated_attention.backends.flash_attn3 import FlashAttn3Backend
 from dilated_attention.backends.flash_attn4 import FlashAttn4Backend
@@ -685,6 +685,62 @@ def test_flash_attn4_backward_into_slots_is_one_call(monkeypatch: pytest.MonkeyP
     assert len(seen) == 1 and seen[0]["q"].shape == q.shape
     for name, buffer in zip(("dq", "dk", "dv"), into, strict=True):
         assert _same_storage(seen[0][name], buffer), name
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-call", "chunked"])
+def test_flash_attn4_whole_calls_run_through_run_launches(
+    chunked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A whole call allocates its results and runs FA4's call into them through
+    ``run_launches`` (Note [A whole call's launches from a CUDA graph]), keyed by its options and
+    naming every tensor it reads or writes; the fake returns tensors of its own, copied into the
+    results, which match the reference. A backward chunked past the floor, and a slotted plan's
+    calls (given their buffers), launch without it."""
+    from dilated_attention.core.contract import Window
+
+    _install_fa4(monkeypatch)
+    if chunked:
+        _chunk_calls(monkeypatch)
+    runs: list[tuple[tuple[Any, ...], tuple[Any, ...]]] = []
+
+    def run_launches(self, key, tensors, launches, keep=None):  # type: ignore[no-untyped-def]
+        runs.append((key, tuple(tensors)))
+        launches()
+
+    monkeypatch.setattr(FlashAttn4Backend, "run_launches", run_launches)
+    monkeypatch.setattr(flash_attn4, "_key_padding", lambda *variant: "mm")
+    q, k, v, dout = _inputs()
+    mask = torch.zeros(B, 1, N, dtype=torch.bool)  # hides nothing: the fake's gradients hold
+    window = Window(5, -1)
+    backend = FlashAttn4Backend()
+    res = backend._forward(q, k, v, scale=SCALE, is_causal=False, key_mask=None,
+                           dropout_p=0.0, softcap=20.0, window=window)  # fmt: skip
+    ((key, tensors),) = runs
+    assert key == ("fa4 forward", SCALE, False, 20.0, window)
+    assert tensors[:4] == (q, k, v, None) and tensors[4] is res.out and tensors[5] is res.lse
+    returned = _fake_forward(q, k, v, SCALE, False)  # what the fake returned: copied
+    assert torch.equal(res.out, returned[0]) and torch.equal(res.lse, returned[1])
+    runs.clear()
+    grads = backend._backward(dout, q, k, v, res.out, res.lse, None, scale=SCALE,
+                              is_causal=False, key_mask=mask, dropout_p=0.0)  # fmt: skip
+    if chunked:
+        assert runs == []
+    else:
+        ((key, tensors),) = runs
+        assert key == ("fa4 backward", SCALE, False, None, None)
+        assert tensors[:7] == (dout, q, k, v, res.out, res.lse, mask)
+        assert all(a is b for a, b in zip(tensors[7:], grads, strict=True))
+    want = reference_backward(dout, q, k, v, res.out, res.lse, scale=SCALE)
+    for got, ref, name in zip(grads, want, ("dq", "dk", "dv"), strict=True):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, msg=name)
+    runs.clear()
+    into = KernelOutput(torch.empty_like(q), torch.empty(B, H, N))
+    slot = backend._forward(q, k, v, scale=SCALE, is_causal=True, key_mask=None, dropout_p=0.0,
+                            into=into)  # fmt: skip
+    backend._backward(dout, q, k, v, slot.out, slot.lse, None, scale=SCALE, is_causal=True,
+                      key_mask=None, dropout_p=0.0, into=grads)  # fmt: skip
+    assert runs == [] and slot is into
+    assert torch.equal(into.out, _fake_forward(q, k, v, SCALE, True)[0])
 
 
 def test_flash_attn4_dense_backward_chunks_take_their_key_mask_rows(

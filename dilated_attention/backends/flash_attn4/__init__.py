@@ -53,6 +53,23 @@ Note [FlashAttention-4's compile warnings]
     filters (:func:`_filter_dsl_warning`; a filter the user adds later still comes first); any
     other warning passes. The filter is global rather than a ``catch_warnings`` around each call,
     which would reset Python's record of warnings already shown once and is not thread-safe.
+
+Note [A whole call's launches from a CUDA graph]
+    FA4's entry points spend ~0.1-0.4 ms of Python per call on the host, more than cuDNN's
+    through SDPA, and at 4K-16K tokens that is as long as the kernel runs. So a whole call (dense
+    ``attention()``, or a call of a plan not run in slots) allocates its results first (out and
+    lse; dq, dk and dv) and runs FA4's call into them through ``run_launches``, which replays it
+    from a CUDA graph once the same call has run at the same addresses (Note [A call's launches
+    from a CUDA graph] in ``core/execution/graphs.py``): the key is the call's options (scale,
+    causality, soft-cap, window), the tensors q, k, v, the key mask, the results (and for the
+    backward dout, out and lse). What FA4's backward allocates inside (its float32 dQ
+    accumulator, twice q's bytes) lives in the stream's shared pool (Note [Graphs share one
+    memory pool per stream]), so only a backward that runs as one call replays: chunked past the
+    floor of Note [FlashAttention-4's accumulators by head chunks], its kernels take tens of
+    milliseconds, which hide its host time, and a pool would keep a chunk's accumulators
+    reserved. A slotted plan's calls write into buffers they are given and run inside their
+    plan's own closure (Note [A slotted call's launches from a CUDA graph] in
+    ``core/execution/executor.py``).
 """
 
 from __future__ import annotations
@@ -60,7 +77,7 @@ from __future__ import annotations
 import functools
 import importlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -433,21 +450,19 @@ class FlashAttn4Backend(Backend):
         softcap: float | None = None,
         window: Window | None = None,
     ) -> KernelOutput:
-        fwd = _interface()._flash_attn_fwd
         q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-        values = {"q": q, "k": k, "v": v, "softmax_scale": scale, "causal": is_causal,
-                  "return_lse": True, "softcap": softcap, **_window_sizes(window)}  # fmt: skip
-        if into is not None:
-            values.update(out=into.out, lse=into.lse)
-        _masked(values, key_mask, is_causal)
-        kwargs = _bind(fwd, values)
-        if "return_lse" not in kwargs:
-            # Releases before ``return_lse`` allocate the lse only when q requires grad.
-            kwargs["q"] = q.detach().requires_grad_()
-        out, lse = fwd(**kwargs)[:2]
-        if lse is None:
-            raise RuntimeError("flash_attn.cute._flash_attn_fwd returned no lse")
-        return KernelOutput(out, lse)
+        options = (scale, is_causal, softcap, window)
+        if into is not None:  # a slotted plan's call, inside its plan's replayed closure
+            return _forward_call(q, k, v, key_mask, options, into)
+        batch, rows, heads, _ = q.shape
+        into = KernelOutput(
+            q.new_empty(batch, rows, heads, v.shape[-1]),
+            torch.empty(batch, heads, rows, dtype=torch.float32, device=q.device),
+        )  # fmt: skip
+        # Note [A whole call's launches from a CUDA graph]
+        self.run_launches(("fa4 forward", *options), (q, k, v, key_mask, into.out, into.lse),
+                          lambda: _forward_call(q, k, v, key_mask, options, into))  # fmt: skip
+        return into
 
     def _backward(
         self,
@@ -486,7 +501,49 @@ class FlashAttn4Backend(Backend):
             _masked(values, key_mask[:, heads] if per_head else key_mask, is_causal)
             return values
 
-        return _backward_calls(chunks, grads, arguments)
+        if into is not None or len(chunks) > 1:  # a slotted plan's call, or chunks past the floor
+            return _backward_calls(chunks, grads, arguments)
+        # Note [A whole call's launches from a CUDA graph]
+        key = ("fa4 backward", scale, is_causal, softcap, window)
+        self.run_launches(key, (dout, q, k, v, out, lse, key_mask, *grads),
+                          lambda: _written(_backward_calls(chunks, grads, arguments), grads))
+        return grads
+
+
+def _forward_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_mask: torch.Tensor | None,
+    options: tuple[float, bool, float | None, Window | None],
+    into: KernelOutput,
+) -> KernelOutput:
+    """FA4's forward of q (B, Nq, H, D), k, v (B, Nk, Hkv, D) under ``options`` (scale, is_causal,
+    softcap, window), written into ``into`` (out (B, Nq, H, D), lse (B, H, Nq) float32): a
+    release that returns tensors of its own has them copied there."""
+    fwd = _interface()._flash_attn_fwd
+    scale, is_causal, softcap, window = options
+    values = {"q": q, "k": k, "v": v, "softmax_scale": scale, "causal": is_causal,
+              "return_lse": True, "softcap": softcap, "out": into.out, "lse": into.lse,
+              **_window_sizes(window)}  # fmt: skip
+    _masked(values, key_mask, is_causal)
+    kwargs = _bind(fwd, values)
+    if "return_lse" not in kwargs:
+        # Releases before ``return_lse`` allocate the lse only when q requires grad.
+        kwargs["q"] = q.detach().requires_grad_()
+    out, lse = fwd(**kwargs)[:2]
+    if lse is None:
+        raise RuntimeError("flash_attn.cute._flash_attn_fwd returned no lse")
+    _written((out, lse), (into.out, into.lse))
+    return into
+
+
+def _written(results: Sequence[torch.Tensor], into: Sequence[torch.Tensor]) -> None:
+    """Each of ``results`` copied into its buffer of ``into`` where it is another tensor (a
+    release that returns tensors of its own rather than writing the ones it was given)."""
+    for result, buffer in zip(results, into, strict=True):
+        if result is not buffer:
+            buffer.copy_(result)
 
 
 def _lacking(names: set[str], reason: str) -> list[str]:

@@ -1,0 +1,144 @@
+"""Whole FlashAttention-4 calls (dense ``attention()``) replayed from CUDA graphs (Note [A whole
+call's launches from a CUDA graph] in ``backends/flash_attn4/__init__.py``), on a GPU with FA4:
+once a call repeats at the same addresses its forward and its backward replay a graph each, with
+the results of the launches; a replay reads what its tensors hold now; a step never
+synchronises; a backward chunked past the floor launches as usual. The route itself is checked
+without a GPU in ``tests/backends/test_optional_backends.py``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+pytest.importorskip("triton")
+
+from support.graphs import (
+    assert_steps_never_synchronise,
+    count_replays,
+    eager_then_replayed,
+    keep,
+)
+
+import dilated_attention.backends.flash_attn4.chunks as chunk_rule
+from dilated_attention import attention, backend_reasons
+from dilated_attention.core.execution import graphs
+
+pytestmark = pytest.mark.gpu
+
+#: (id, length, heads, kv heads, head dim, causal, window_size, softcap, key padding)
+CASES = [
+    ("causal", 1024, 4, 4, 128, True, None, None, False),
+    ("gqa-full-odd", 1000, 8, 2, 64, False, None, None, False),
+    ("window-softcap-gqa", 1024, 4, 2, 128, True, (255, 0), 30.0, False),
+    ("key-padding", 777, 4, 4, 64, False, None, None, True),
+]
+
+
+def _step(case: tuple[Any, ...], seed: int = 0) -> tuple[Callable[[], list[Tensor]], list[Tensor]]:
+    """A forward+backward of ``case`` through ``attention(backend="flash_attn4")`` on fixed
+    leaves: the step and its leaves (skipped where FA4 cannot run the call)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    _, n, heads, kv_heads, dim, causal, window, softcap, padded = case
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, dout = (torch.randn(1, n, heads, dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+               for _ in "qo")  # fmt: skip
+    k, v = (torch.randn(1, n, kv_heads, dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+            for _ in "kv")  # fmt: skip
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    mask = None
+    if padded:
+        mask = torch.zeros(1, n, dtype=torch.bool, device="cuda")
+        mask[:, n - 100 :] = True
+    options: dict[str, Any] = {"is_causal": causal, "window_size": window, "softcap": softcap,
+                               "key_padding_mask": mask}  # fmt: skip
+    reasons = backend_reasons(*leaves, is_causal=causal, key_padding_mask=mask)["flash_attn4"]
+    if reasons:
+        pytest.skip(f"flash_attn4 cannot run here: {'; '.join(reasons)}")
+
+    def step() -> list[Tensor]:
+        out, lse = attention(*leaves, backend="flash_attn4", return_lse=True, **options)
+        return [out.detach(), lse, *torch.autograd.grad(out, leaves, dout)]
+
+    return step, leaves
+
+
+def _captured() -> set[str]:
+    return {pair[0][0] for pair in graphs._GRAPHS}
+
+
+def _assert_same(got: list[Tensor], want: list[Tensor], what: str = "") -> None:
+    """out and lse bit for bit; the gradients to bf16's rounding (FA4's backward adds dq, and
+    with GQA dk and dv, in float32 atomically, in an order that varies, graphs or not)."""
+    for i, (name, a, b) in enumerate(zip(("out", "lse", "dq", "dk", "dv"), got, want,
+                                         strict=True)):  # fmt: skip
+        tol = 0.0 if i < 2 else 1e-2
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=f"{what}{name}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_replayed_whole_calls_compute_the_launches_results(
+    case: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Six forward+backward steps on the same leaves: once their addresses repeat, the forward
+    and the backward replay a graph each, and every step's out, lse and gradients equal those of
+    the launches without graphs."""
+    step, _ = _step(case)
+    expected, steps, replays = eager_then_replayed(step, monkeypatch)
+    for i, got in enumerate(steps):
+        _assert_same(got, expected, f"step {i}: ")
+    assert _captured() == {"fa4 forward", "fa4 backward"}, _captured()
+    assert len(replays) >= 8, f"{len(replays)} replays in six steps"
+
+
+def test_a_whole_call_replay_reads_what_its_tensors_hold_now(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """New values written into the same leaves between steps: each replay computes from them."""
+    step, leaves = _step(CASES[0])
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    contents = [[torch.randn(x.shape, device="cuda", generator=gen).to(x.dtype) for x in leaves]
+                for _ in range(3)]  # fmt: skip
+
+    def load(values: list[Tensor]) -> None:
+        with torch.no_grad():
+            for leaf, value in zip(leaves, values, strict=True):
+                leaf.copy_(value)
+
+    monkeypatch.setenv(graphs.ENV_VAR, "0")
+    expected = []
+    for values in contents:
+        load(values)
+        expected.append([t.clone() for t in step()])
+    monkeypatch.delenv(graphs.ENV_VAR)
+    replays = count_replays(monkeypatch)
+    rounds = [[[torch.empty_like(t) for t in want] for want in expected] for _ in range(3)]
+    for stored_round in rounds:  # the later rounds replay
+        for values, stored in zip(contents, stored_round, strict=True):
+            load(values)
+            keep(step(), stored)
+    for stored, want in zip(rounds[-1], expected, strict=True):
+        _assert_same(stored, want)
+    assert replays
+
+
+def test_whole_call_steps_never_synchronise(monkeypatch: pytest.MonkeyPatch) -> None:
+    step, _ = _step(CASES[1])
+    assert_steps_never_synchronise(step, monkeypatch)
+
+
+def test_a_chunked_backward_launches_as_usual(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backward in chunks of heads (forced here: past the floor in use) runs its chunks
+    eagerly, its forward still replays, and both give the results of the launches."""
+    monkeypatch.setattr(chunk_rule, "MIN_CHUNKED_ACCUMULATOR_BYTES", 0)
+    monkeypatch.setattr(chunk_rule, "accumulator_chunks", lambda q, k, *rule: k.shape[2])
+    step, _ = _step(CASES[1])
+    expected, steps, replays = eager_then_replayed(step, monkeypatch)
+    for i, got in enumerate(steps):
+        _assert_same(got, expected, f"step {i}: ")
+    assert _captured() == {"fa4 forward"}, _captured()
+    assert len(replays) >= 4, f"{len(replays)} replays in six steps"
