@@ -69,7 +69,9 @@ Note [A whole call's launches from a CUDA graph]
     milliseconds, which hide its host time, and a pool would keep a chunk's accumulators
     reserved. A slotted plan's calls write into buffers they are given and run inside their
     plan's own closure (Note [A slotted call's launches from a CUDA graph] in
-    ``core/execution/executor.py``).
+    ``core/execution/executor.py``). Measured on an H200 (D = 128, causal, calls back to back):
+    a forward's host time 0.08-0.13 ms where launching took 0.15-0.27 (SDPA's own 0.04-0.08),
+    a forward+backward's 0.59-0.86 ms where it took 1.04-1.33, at 4K-32K.
 """
 
 from __future__ import annotations
