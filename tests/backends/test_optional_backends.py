@@ -734,13 +734,18 @@ def test_flash_attn4_whole_calls_run_through_run_launches(
     for got, ref, name in zip(grads, want, ("dq", "dk", "dv"), strict=True):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, msg=name)
     runs.clear()
-    into = KernelOutput(torch.empty_like(q), torch.empty(B, H, N))
-    slot = backend._forward(q, k, v, scale=SCALE, is_causal=True, key_mask=None, dropout_p=0.0,
-                            into=into)  # fmt: skip
+    buffers = torch.empty_like(q), torch.empty(B, H, N)
+    into = KernelOutput(*buffers)
+    empty = torch.zeros(B, 1, N, dtype=torch.bool)
+    empty[1] = True  # batch row 1 sees no key: the result's lse is -inf there, a new tensor
+    slot = backend.forward(q, k, v, scale=SCALE, key_mask=empty, into=into)
     backend._backward(dout, q, k, v, slot.out, slot.lse, None, scale=SCALE, is_causal=True,
                       key_mask=None, dropout_p=0.0, into=grads)  # fmt: skip
-    assert runs == [] and slot is into
-    assert torch.equal(into.out, _fake_forward(q, k, v, SCALE, True)[0])
+    assert runs == []
+    # The caller's result object keeps its buffers (a slotted plan reads them after the call).
+    assert into.out is buffers[0] and into.lse is buffers[1] and slot.out is buffers[0]
+    assert torch.equal(into.out, _fake_forward(q, k, v, SCALE, False)[0])
+    assert torch.isneginf(slot.lse[1]).all() and torch.isfinite(slot.lse[0]).all()
 
 
 def test_flash_attn4_dense_backward_chunks_take_their_key_mask_rows(

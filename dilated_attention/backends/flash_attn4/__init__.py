@@ -522,7 +522,9 @@ def _forward_call(
 ) -> KernelOutput:
     """FA4's forward of q (B, Nq, H, D), k, v (B, Nk, Hkv, D) under ``options`` (scale, is_causal,
     softcap, window), written into ``into`` (out (B, Nq, H, D), lse (B, H, Nq) float32): a
-    release that returns tensors of its own has them copied there."""
+    release that returns tensors of its own has them copied there. Returns a new result of
+    those buffers, never ``into`` itself: the caller's own stays as it gave it, whatever
+    :meth:`Backend.forward` then makes of the result (a key mask's empty rows, a new lse)."""
     fwd = _interface()._flash_attn_fwd
     scale, is_causal, softcap, window = options
     values = {"q": q, "k": k, "v": v, "softmax_scale": scale, "causal": is_causal,
@@ -537,7 +539,7 @@ def _forward_call(
     if lse is None:
         raise RuntimeError("flash_attn.cute._flash_attn_fwd returned no lse")
     _written((out, lse), (into.out, into.lse))
-    return into
+    return KernelOutput(into.out, into.lse)
 
 
 def _written(results: Sequence[torch.Tensor], into: Sequence[torch.Tensor]) -> None:
