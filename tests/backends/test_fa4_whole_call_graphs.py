@@ -18,9 +18,9 @@ pytest.importorskip("triton")
 
 from support.graphs import (
     assert_steps_never_synchronise,
-    count_replays,
     eager_then_replayed,
-    keep,
+    random_contents,
+    replayed_with_contents,
 )
 
 import dilated_attention.backends.flash_attn4.chunks as chunk_rule
@@ -101,27 +101,8 @@ def test_a_whole_call_replay_reads_what_its_tensors_hold_now(
 ) -> None:
     """New values written into the same leaves between steps: each replay computes from them."""
     step, leaves = _step(CASES[0])
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    contents = [[torch.randn(x.shape, device="cuda", generator=gen).to(x.dtype) for x in leaves]
-                for _ in range(3)]  # fmt: skip
-
-    def load(values: list[Tensor]) -> None:
-        with torch.no_grad():
-            for leaf, value in zip(leaves, values, strict=True):
-                leaf.copy_(value)
-
-    monkeypatch.setenv(graphs.ENV_VAR, "0")
-    expected = []
-    for values in contents:
-        load(values)
-        expected.append([t.clone() for t in step()])
-    monkeypatch.delenv(graphs.ENV_VAR)
-    replays = count_replays(monkeypatch)
-    rounds = [[[torch.empty_like(t) for t in want] for want in expected] for _ in range(3)]
-    for stored_round in rounds:  # the later rounds replay
-        for values, stored in zip(contents, stored_round, strict=True):
-            load(values)
-            keep(step(), stored)
+    contents = random_contents(leaves, 3, seed=5)
+    expected, rounds, replays = replayed_with_contents(step, leaves, contents, monkeypatch)
     for stored, want in zip(rounds[-1], expected, strict=True):
         _assert_same(stored, want)
     assert replays

@@ -17,9 +17,9 @@ pytest.importorskip("triton")
 
 from support.graphs import (
     assert_steps_never_synchronise,
-    count_replays,
     eager_then_replayed,
-    keep,
+    random_contents,
+    replayed_with_contents,
 )
 
 from dilated_attention.backends.triton_kernels import launch as L
@@ -98,25 +98,8 @@ def test_a_replay_reads_what_its_tensors_hold_now(monkeypatch: pytest.MonkeyPatc
     """New values written into the same leaves between steps: each replay computes from them."""
     _needs_cuda()
     step, leaves = _step(CASES[0])
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    contents = [[torch.randn(x.shape, device="cuda", generator=gen).to(x.dtype) for x in leaves]
-                for _ in range(4)]  # fmt: skip
-    monkeypatch.setenv(graphs.ENV_VAR, "0")
-    expected = []
-    for values in contents:
-        with torch.no_grad():
-            for leaf, value in zip(leaves, values, strict=True):
-                leaf.copy_(value)
-        expected.append([t.clone() for t in step()])
-    monkeypatch.delenv(graphs.ENV_VAR)
-    replays = count_replays(monkeypatch)
-    rounds = [[[torch.empty_like(t) for t in want] for want in expected] for _ in range(3)]
-    for stored_round in rounds:  # the later rounds replay
-        for values, stored in zip(contents, stored_round, strict=True):
-            with torch.no_grad():
-                for leaf, value in zip(leaves, values, strict=True):
-                    leaf.copy_(value)
-            keep(step(), stored)
+    contents = random_contents(leaves, 4, seed=5)
+    expected, rounds, replays = replayed_with_contents(step, leaves, contents, monkeypatch)
     for stored_round in rounds:
         for stored, want in zip(stored_round, expected, strict=True):
             for a, b in zip(stored, want, strict=True):

@@ -16,9 +16,8 @@ pytest.importorskip("triton")
 
 from support.graphs import (
     assert_steps_never_synchronise,
-    count_replays,
     eager_then_replayed,
-    keep,
+    replayed_with_contents,
 )
 
 from dilated_attention import block_sparse_attention
@@ -123,27 +122,10 @@ def test_a_replay_reads_the_indices_its_tensor_holds_now(monkeypatch: pytest.Mon
     call = _Call(case)
     step, leaves, mask = call.step, call.leaves, call.mask
     gen = torch.Generator(device="cuda").manual_seed(7)
-    contents = [([torch.randn(x.shape, device="cuda", generator=gen).to(x.dtype)
-                  for x in leaves], _mask(case, gen)) for _ in range(3)]  # fmt: skip
-
-    def load(values: list[Tensor], blocks: Tensor) -> None:
-        with torch.no_grad():
-            for leaf, value in zip(leaves, values, strict=True):
-                leaf.copy_(value)
-            mask.copy_(blocks)
-
-    monkeypatch.setenv(graphs.ENV_VAR, "0")
-    expected = []
-    for values, blocks in contents:
-        load(values, blocks)
-        expected.append([t.clone() for t in step()])
-    monkeypatch.delenv(graphs.ENV_VAR)
-    replays = count_replays(monkeypatch)
-    rounds = [[[torch.empty_like(t) for t in want] for want in expected] for _ in range(3)]
-    for stored_round in rounds:
-        for (values, blocks), stored in zip(contents, stored_round, strict=True):
-            load(values, blocks)
-            keep(step(), stored)
+    contents = [[*(torch.randn(x.shape, device="cuda", generator=gen).to(x.dtype)
+                   for x in leaves), _mask(case, gen)] for _ in range(3)]  # fmt: skip
+    expected, rounds, replays = replayed_with_contents(step, [*leaves, mask], contents,
+                                                       monkeypatch)  # fmt: skip
     for stored_round in rounds:
         for stored, want in zip(stored_round, expected, strict=True):
             _assert_same(stored, want)

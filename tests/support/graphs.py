@@ -61,3 +61,44 @@ def eager_then_replayed(
     for stored in runs:
         keep(step(), stored)
     return expected, runs, replays
+
+
+def random_contents(tensors: list[Tensor], count: int, seed: int) -> list[list[Tensor]]:
+    """``count`` sets of standard-normal values shaped and typed like ``tensors``, on CUDA."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return [[torch.randn(x.shape, device="cuda", generator=gen).to(x.dtype) for x in tensors]
+            for _ in range(count)]  # fmt: skip
+
+
+def replayed_with_contents(
+    step: Callable[[], list[Tensor]],
+    tensors: list[Tensor],
+    contents: list[list[Tensor]],
+    monkeypatch: pytest.MonkeyPatch,
+    rounds: int = 3,
+) -> tuple[list[list[Tensor]], list[list[list[Tensor]]], list[int]]:
+    """``step``'s results for each set of ``contents`` written into ``tensors`` with the graphs
+    off, then ``rounds`` rounds of the same with them (the later rounds replay), each step's
+    results kept in buffers made before the rounds, and the list of replays seen meanwhile.
+
+    Returns:
+        (expected per set, stored per round and set, replays)."""
+
+    def load(values: list[Tensor]) -> None:
+        with torch.no_grad():
+            for into, value in zip(tensors, values, strict=True):
+                into.copy_(value)
+
+    monkeypatch.setenv(graphs.ENV_VAR, "0")
+    expected = []
+    for values in contents:
+        load(values)
+        expected.append([t.clone() for t in step()])
+    monkeypatch.delenv(graphs.ENV_VAR)
+    replays = count_replays(monkeypatch)
+    stored = [[[torch.empty_like(t) for t in want] for want in expected] for _ in range(rounds)]
+    for stored_round in stored:
+        for values, results in zip(contents, stored_round, strict=True):
+            load(values)
+            keep(step(), results)
+    return expected, stored, replays
