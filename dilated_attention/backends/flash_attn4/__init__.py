@@ -236,9 +236,7 @@ def _backward_calls(
         written = _grads_from(bwd(**_bind(bwd, values)), *into)
         if len(chunks) == 1 and written[0].shape == dq.shape:
             return written
-        for slot, grad in zip(into, written, strict=True):
-            if grad is not slot:  # a release that returns tensors of its own
-                slot.copy_(grad)
+        _written(written, into)
         if later:
             rows[0].add_(into[1])
             rows[1].add_(into[2])
@@ -384,10 +382,9 @@ class FlashAttn4Backend(Backend):
         if into is not None:
             values.update(out=into.out, lse=into.lse)
         out, lse = fwd(**_bind(fwd, values))[:2]
-        if into is not None and (out is not into.out or lse is not into.lse):  # no ``out=``
-            into.out.copy_(out)
-            into.lse.copy_(lse)
-            return into
+        if into is not None:  # a release without ``out=`` returns tensors of its own
+            _written((out, lse), (into.out, into.lse))
+            return KernelOutput(into.out, into.lse)
         return KernelOutput(out, lse)
 
     # Replayed from a CUDA graph once the same call has run at the same addresses, by the one
