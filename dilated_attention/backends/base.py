@@ -100,7 +100,7 @@ class KernelInputs:
         )
 
 
-def _finite_lse(lse: torch.Tensor) -> torch.Tensor:
+def finite_lse(lse: torch.Tensor) -> torch.Tensor:
     """``lse`` (B, H, Nq) with every infinity 0 (the finite stand-in of :meth:`Backend.backward`
     for rows that saw no key; NaN stays NaN), in one launch: this runs for every call of a
     plan's backward, whose host time per call counts (Note [Position-grouped plans])."""
@@ -204,6 +204,9 @@ class Backend:
     empty_rows_have_neg_inf_lse: ClassVar[bool] = False
     # Calls with fewer query or key rows go to the plain-PyTorch kernel (cuDNN refuses 1 x 1).
     min_rows: ClassVar[int] = 1
+    # Whether ``_backward`` takes the lse as it is and makes it finite itself (:func:`finite_lse`,
+    # inside the launches it may replay from a CUDA graph), where :meth:`backward` would.
+    finite_lse_inside: ClassVar[bool] = False
     # Whether the kernel's op is one that torch's autograd differentiates, run by
     # ``recorded_forward`` (Note [Dense calls on torch's autograd] in core/higher_order.py).
     records_autograd: ClassVar[bool] = False
@@ -386,7 +389,7 @@ class Backend:
         expand = not self.native_gqa and heads != kv_heads
         kk, vv = (_expand_kv(k, heads), _expand_kv(v, heads)) if expand else (k, v)
         dq, dk, dv = self._backward(
-            dout, q, kk, vv, out, _finite_lse(lse), aux,
+            dout, q, kk, vv, out, lse if self.finite_lse_inside else finite_lse(lse), aux,
             scale=scale, is_causal=is_causal, key_mask=key_mask, dropout_p=dropout_p,
             **self._options(softcap, window, None if expand else into),
         )  # fmt: skip

@@ -748,6 +748,62 @@ def test_flash_attn4_whole_calls_run_through_run_launches(
     assert torch.isneginf(slot.lse[1]).all() and torch.isfinite(slot.lse[0]).all()
 
 
+@pytest.mark.parametrize("path", ["one-call", "chunked", "into"])
+def test_flash_attn4_backward_makes_the_lse_finite_itself(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FA4's backward gets the lse through ``Backend.backward`` as it is and makes its
+    infinities 0 itself (NaN stays): a whole call inside its ``run_launches`` (so a replayed
+    graph holds that launch), a chunked one or a slotted plan's call before its FA4 calls."""
+    import dilated_attention.backends.base as base
+
+    calls = _install_fa4(monkeypatch)
+    seen = _chunk_calls(monkeypatch) if path == "chunked" else []
+
+    def not_here(lse: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("Backend.backward made FA4's lse finite")
+
+    real_finite = base.finite_lse
+    monkeypatch.setattr(base, "finite_lse", not_here)
+    inside: list[bool] = []
+    made: list[bool] = []  # per stand-in made: whether inside run_launches
+    monkeypatch.setattr(flash_attn4, "finite_lse",
+                        lambda lse: made.append(bool(inside)) or real_finite(lse))  # fmt: skip
+
+    def run_launches(self, key, tensors, launches, keep=None):  # type: ignore[no-untyped-def]
+        inside.append(True)
+        launches()
+        inside.clear()
+
+    monkeypatch.setattr(FlashAttn4Backend, "run_launches", run_launches)
+    q, k, v, dout = _inputs()
+    backend = FlashAttn4Backend()
+    res = backend.forward(q, k, v, scale=SCALE, is_causal=False)
+    lse = res.lse.clone()
+    lse[0, 0, 1], lse[0, 1, 2], lse[1, 2, 3] = float("-inf"), float("inf"), float("nan")
+    into = None
+    if path == "into":
+        into = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    backend.backward(dout, q, k, v, res.out, lse, res.aux, scale=SCALE, into=into)
+    seen = seen or [calls["bwd"]]
+    assert made == [path == "one-call"]
+    assert len(seen) == (HKV if path == "chunked" else 1)
+    group = H // HKV
+    for j, call in enumerate(seen):
+        heads = slice(j * group, (j + 1) * group) if path == "chunked" else slice(None)
+        want = _finite_reference(lse)[:, heads]
+        torch.testing.assert_close(call["lse"], want, equal_nan=True, atol=0, rtol=0)
+        assert torch.isfinite(call["lse"]).sum() == want.numel() - want.isnan().sum()
+
+
+def _finite_reference(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with each infinity 0 and NaN kept, written out element by element."""
+    out = lse.clone()
+    out[lse == float("inf")] = 0.0
+    out[lse == float("-inf")] = 0.0
+    return out
+
+
 def test_flash_attn4_dense_backward_chunks_take_their_key_mask_rows(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

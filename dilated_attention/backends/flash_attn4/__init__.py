@@ -62,8 +62,10 @@ Note [A whole call's launches from a CUDA graph]
     from a CUDA graph once the same call has run at the same addresses (Note [A call's launches
     from a CUDA graph] in ``core/execution/graphs.py``): the key is the call's options (scale,
     causality, soft-cap, window), the tensors q, k, v, the key mask, the results (and for the
-    backward dout, out and lse). What FA4's backward allocates inside (its float32 dQ
-    accumulator, twice q's bytes) lives in the stream's shared pool (Note [Graphs share one
+    backward dout, out and lse). The backward's finite stand-in for the lse (``finite_lse``,
+    one launch that :meth:`Backend.backward` would make before the call) runs inside the
+    launches too. What FA4's backward allocates inside (its float32 dQ accumulator, twice q's
+    bytes, and that stand-in) lives in the stream's shared pool (Note [Graphs share one
     memory pool per stream]), so only a backward that runs as one call replays: chunked past the
     floor of Note [FlashAttention-4's accumulators by head chunks], its kernels take tens of
     milliseconds, which hide its host time, and a pool would keep a chunk's accumulators
@@ -96,7 +98,7 @@ from .._compat import (
     _last_dim_contiguous,
     _parameters,
 )
-from ..base import Backend, KernelInputs, KernelOutput
+from ..base import Backend, KernelInputs, KernelOutput, finite_lse
 from ..triton import TritonBackend
 from .chunks import ListBytes, head_chunks, no_lists
 
@@ -272,6 +274,7 @@ class FlashAttn4Backend(Backend):
     supports_softcap = True  # its softcap score_mod, forward and backward
     supports_window = True  # window_size_left / right, bottom-right aligned like ours
     native_gqa = True
+    finite_lse_inside = True  # in _backward: in a whole call's graph, one launch less per call
 
     def import_reasons(self) -> list[str]:
         try:
@@ -489,23 +492,28 @@ class FlashAttn4Backend(Backend):
         else:  # a slotted plan's call (short; its peak is the slots')
             grads, chunks = into, [(slice(None), slice(None))]
 
-        def arguments(heads: slice, kv: slice) -> dict[str, Any]:
-            values = {
-                "q": q[:, :, heads], "k": k[:, :, kv], "v": v[:, :, kv], "out": out[:, :, heads],
-                "dout": dout[:, :, heads], "lse": lse[:, heads].contiguous(),
-                "softmax_scale": scale, "causal": is_causal, "softcap": softcap or 0.0,
-                **_window_sizes(window),
-            }  # fmt: skip
-            per_head = key_mask is not None and key_mask.shape[1] > 1
-            _masked(values, key_mask[:, heads] if per_head else key_mask, is_causal)
-            return values
+        def calls() -> Grads:
+            finite = finite_lse(lse)  # here, not in Backend.backward: inside the graph
+
+            def arguments(heads: slice, kv: slice) -> dict[str, Any]:
+                values = {
+                    "q": q[:, :, heads], "k": k[:, :, kv], "v": v[:, :, kv],
+                    "out": out[:, :, heads], "dout": dout[:, :, heads],
+                    "lse": finite[:, heads].contiguous(), "softmax_scale": scale,
+                    "causal": is_causal, "softcap": softcap or 0.0, **_window_sizes(window),
+                }  # fmt: skip
+                per_head = key_mask is not None and key_mask.shape[1] > 1
+                _masked(values, key_mask[:, heads] if per_head else key_mask, is_causal)
+                return values
+
+            return _backward_calls(chunks, grads, arguments)
 
         if into is not None or len(chunks) > 1:  # a slotted plan's call, or chunks past the floor
-            return _backward_calls(chunks, grads, arguments)
+            return calls()
         # Note [A whole call's launches from a CUDA graph]
         key = ("fa4 backward", scale, is_causal, softcap, window)
         self.run_launches(key, (dout, q, k, v, out, lse, key_mask, *grads),
-                          lambda: _written(_backward_calls(chunks, grads, arguments), grads))
+                          lambda: _written(calls(), grads))
         return grads
 
 

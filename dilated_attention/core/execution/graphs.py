@@ -171,7 +171,10 @@ def _stream_of(device: torch.device) -> int | None:
     there, and share its pool (Note [Graphs share one memory pool per stream])."""
     if device.type != "cuda":
         return None
-    return torch.cuda.current_stream(device).cuda_stream
+    # The raw handle: ``torch.cuda.current_stream`` builds a Stream object under a device guard,
+    # ~20 us of a replayed call's host time on the lent H200's host.
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch._C._cuda_getCurrentRawStream(index)
 
 
 def _pool(device: torch.device, stream: int | None) -> Any:
