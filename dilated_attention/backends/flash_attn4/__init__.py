@@ -64,8 +64,9 @@ Note [A whole call's launches from a CUDA graph]
     causality, soft-cap, window), the tensors q, k, v, the key mask, the results (and for the
     backward dout, out and lse). The backward's finite stand-in for the lse (``finite_lse``,
     one launch that :meth:`Backend.backward` would make before the call) runs inside the
-    launches too. What FA4's backward allocates inside (its float32 dQ accumulator, twice q's
-    bytes, and that stand-in) lives in the stream's shared pool (Note [Graphs share one
+    launches too (chunked and slotted calls make it before their calls). What FA4's backward
+    allocates inside (its float32 dQ accumulator, twice q's bytes, and that stand-in) lives in
+    the stream's shared pool (Note [Graphs share one
     memory pool per stream]), so only a backward that runs as one call replays: chunked past the
     floor of Note [FlashAttention-4's accumulators by head chunks], its kernels take tens of
     milliseconds, which hide its host time, and a pool would keep a chunk's accumulators

@@ -123,7 +123,7 @@ def run_launches(
         tensors: every tensor the launches read or write, on one CUDA device (q, k, v, outputs,
             scratch; None where absent); the first is not None.
         launches: launches kernels and runs in-place ops on ``tensors`` (and views of them),
-            allocating nothing.
+            allocating nothing that outlives them.
         keep: what a graph must keep alive besides ``tensors`` (tensors its launches read).
     """
     if not enabled() or torch.cuda.is_current_stream_capturing():
