@@ -48,6 +48,7 @@ Note [Which rows a NaN reaches]
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -66,6 +67,7 @@ from dilated_attention.backends import get_backend
 from dilated_attention.backends.registry import BLOCK_SPARSE, KernelInputs, registry_for
 from dilated_attention.core.merge import merge_partial
 from dilated_attention.patterns import DilatedBlocks, LocalWindow
+from dilated_attention.sparse import moba_attention, nsa_attention
 
 # -- inputs ----------------------------------------------------------------------------------------
 BATCH, SEQ, HEADS, DIM = 1, 64, 4, 8
@@ -269,6 +271,39 @@ def test_dilated_large_logits_match_oracle_cuda(
         _check_extreme(actual, q, k, v, dout, M, _backend(backend))
 
 
+#: (backend, form) of the run-time block tests: every CPU backend with a bool mask, the
+#: automatic choice with block indices too.
+RUNTIME_CASES = [
+    *(pytest.param(b, "mask", id=f"{backend_id(b)}-mask") for b in CPU_BACKENDS),
+    pytest.param(None, "indices", id="auto-indices"),
+]
+
+
+@pytest.mark.parametrize(("backend", "form"), RUNTIME_CASES)
+@pytest.mark.parametrize(("dtype", "logit"), EXTREMES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("kv_heads", [HEADS, 2], ids=["mha", "gqa"])
+def test_block_sparse_runtime_large_logits_match_oracle(
+    backend: str | None, form: str, dtype: torch.dtype, logit: float, causal: bool,
+    kv_heads: int,
+) -> None:  # fmt: skip
+    """Run-time blocks (MoBA's attention: per head, chosen by the model) at huge logits: outputs
+    and dq, dk, dv within Note [Tolerances at extreme logits] of the float64 oracle on the
+    blocks' token visibility, nearly one-hot rows and spread rows alike."""
+    mask = _runtime_mask(SEQ, BATCH, seed=11)
+    blocks = mask if form == "mask" else _as_indices(mask)
+    M = _block_tokens(mask[0], SEQ, causal)
+
+    def fn(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
+        return block_sparse_attention(
+            a, b, c, blocks, block_size=SPARSE_BLOCK, is_causal=causal, backend=backend
+        )
+
+    for seed, shifted in ((0, False), (1, True)):
+        q, k, v, dout = _inputs(logit, dtype, kv_heads=kv_heads, shifted=shifted, seed=seed)
+        _check_extreme(_grads(fn, q, k, v, dout), q, k, v, dout, M, backend)
+
+
 def _identical_branches(device: str, backend: str | None) -> None:
     for dtype, logit in ((torch.float32, 1e4), (torch.float32, 1e6), (torch.float16, 6e4)):
         q, k, v, _ = (x.to(device) for x in _inputs(logit, dtype, seed=2))
@@ -317,6 +352,37 @@ def test_output_in_convex_hull_of_values(
         f"output range [{float(out.min()):.3f}, {float(out.max()):.3f}] leaves the values' "
         f"[{float(low.min()):.3f}, {float(high.max()):.3f}]"
     )
+
+
+def _content_selected(method: str, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """MoBA, or NSA with its branches in one softmax (``combine="lse"``), causal."""
+    if method == "moba":
+        return moba_attention(q, k, v, block_size=8, topk=2, is_causal=True)
+    return nsa_attention(
+        q, k, v, None, compress_block=8, compress_stride=4, select_block=8, topk=2, window=16,
+        combine="lse",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("method", ["moba", "nsa"])
+@pytest.mark.parametrize("logit", [1e4, 1e6, 1e8])
+@pytest.mark.parametrize("shifted", [False, True], ids=["peaked", "shifted"])
+def test_content_selected_outputs_in_convex_hull_of_values(
+    method: str, logit: float, shifted: bool
+) -> None:
+    """MoBA's and NSA's outputs at huge logits (the blocks chosen from the same logits) stay
+    between the smallest and largest value element of their key/value head, and every
+    gradient is finite."""
+    q, k, v, dout = _inputs(logit, torch.float32, kv_heads=2, shifted=shifted, seed=3)
+    out, *grads = _grads(functools.partial(_content_selected, method), q, k, v, dout)
+    low, high = (x.repeat_interleave(HEADS // 2, dim=2) for x in (v.amin(1, True), v.amax(1, True)))
+    slack = 4 * torch.finfo(torch.float32).eps * v.abs().amax()
+    assert bool((out >= low - slack).all()) and bool((out <= high + slack).all()), (
+        f"{method}: output range [{float(out.min()):.3f}, {float(out.max()):.3f}] leaves the "
+        f"values' [{float(low.min()):.3f}, {float(high.max()):.3f}]"
+    )
+    for name, grad in zip(("dq", "dk", "dv"), grads, strict=True):
+        assert bool(torch.isfinite(grad).all()), f"{method} {name}: non-finite"
 
 
 # -- the merge itself ------------------------------------------------------------------------------
@@ -503,8 +569,51 @@ def _run_sparse(q: Tensor, k: Tensor, v: Tensor, backend: str | None, causal: bo
     )
 
 
+def _runtime_mask(seq: int, batch: int, seed: int = 9) -> Tensor:
+    """(batch, H, M, M) bool, M = ceil(seq / SPARSE_BLOCK): a run-time block mask that differs
+    per batch row and head, each query block keeping its own block (no empty rows)."""
+    blocks = -(-seq // SPARSE_BLOCK)
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(batch, HEADS, blocks, blocks, generator=gen) < 0.4
+    return mask | torch.eye(blocks, dtype=torch.bool)
+
+
+def _as_indices(mask: Tensor) -> Tensor:
+    """The same blocks as int64 indices (B, H, M, K), K the most a row keeps, -1 = none."""
+    width = int(mask.sum(-1).max())
+    order = torch.arange(mask.shape[-1]).expand(mask.shape)
+    ranked = torch.where(mask, order, mask.shape[-1]).sort(dim=-1).values[..., :width]
+    return torch.where(ranked < mask.shape[-1], ranked, -1)
+
+
+def _block_tokens(mask: Tensor, seq: int, causal: bool) -> Tensor:
+    """(..., seq, seq) 0/1 visibility of a block mask (..., M, M) at SPARSE_BLOCK tokens."""
+    tokens = mask.repeat_interleave(SPARSE_BLOCK, -2).repeat_interleave(SPARSE_BLOCK, -1)
+    M = tokens[..., :seq, :seq].to(torch.int64)
+    return torch.tril(M) if causal else M
+
+
+#: The NaN tests' run-time blocks (batch 1 is the one poisoned), as a mask and as indices.
+RUNTIME_MASK = _runtime_mask(NAN_SEQ, 2)
+RUNTIME_BLOCKS = {
+    "block_sparse_mask": RUNTIME_MASK, "block_sparse_indices": _as_indices(RUNTIME_MASK),
+}  # fmt: skip
+
+
+def _run_runtime(kind: str) -> Callable[..., tuple]:
+    def run(q: Tensor, k: Tensor, v: Tensor, backend: str | None, causal: bool) -> tuple:
+        return block_sparse_attention(
+            q, k, v, RUNTIME_BLOCKS[kind].to(q.device), block_size=SPARSE_BLOCK,
+            is_causal=causal, backend=backend, return_lse=True,
+        )  # fmt: skip
+
+    return run
+
+
 def _visibility(kind: str, causal: bool) -> Tensor:
     """(H, N, Nk) multiplicity (or visibility) of each NaN-test call."""
+    if kind in RUNTIME_BLOCKS:
+        return _block_tokens(RUNTIME_MASK[1], NAN_SEQ, causal)
     if kind == "dilated":
         return dilated_multiplicity(NAN_SEQ, HEADS, *NAN_SCHEDULE, is_causal=causal)
     if kind == "dense":
@@ -518,7 +627,12 @@ def _visibility(kind: str, causal: bool) -> Tensor:
     return torch.tril(M) if causal else M
 
 
-RUNS = {"dilated": _run_dilated, "dense": _run_dense, "block_sparse": _run_sparse}
+RUNS = {
+    "dilated": _run_dilated, "dense": _run_dense, "block_sparse": _run_sparse,
+    **{kind: _run_runtime(kind) for kind in RUNTIME_BLOCKS},
+}  # fmt: skip
+#: The kinds the CUDA NaN test runs (run-time blocks: CPU backends here).
+CUDA_KINDS = ["dilated", "dense", "block_sparse"]
 #: (where, position, head): the last query row (in the short last segment), a query row inside
 #: the dilated branch, a key and a value the last segment holds.
 POISON = [("q", NAN_SEQ - 1, 1), ("q", 18, 2), ("k", NAN_SEQ - 2, 0), ("v", 33, 1), ("k", 2, 1)]
@@ -578,7 +692,7 @@ def test_inf_inputs_give_nan_not_finite_garbage(backend: str | None, kind: str) 
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("kind", list(RUNS))
+@pytest.mark.parametrize("kind", CUDA_KINDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_nan_rows_stay_nan_cuda(backend: str, kind: str, causal: bool) -> None:
     """The same on CUDA backends."""
