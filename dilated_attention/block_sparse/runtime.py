@@ -57,6 +57,7 @@ from ..core.higher_order import no_higher_order_message
 from .plan import num_blocks
 
 __all__ = [
+    "CHOSEN_BLOCKS_FIX",
     "FIRST_ORDER_MESSAGE",
     "BlockIndices",
     "MaskLayout",
@@ -73,6 +74,13 @@ __all__ = [
 #: The integer dtypes of block indices.
 INDEX_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
 
+#: The double-backward fix of a function whose blocks the model chooses at run time
+#: (``moba_attention``, ``nsa_attention``): no pattern can stand in for its choice.
+CHOSEN_BLOCKS_FIX = (
+    "For a gradient penalty or other double backward, leave the attention out of the penalty "
+    "(detach its output), or use block_sparse_attention with a pattern or attention(), which "
+    "support it."
+)
 FIRST_ORDER_MESSAGE = no_higher_order_message(
     "block_sparse_attention with a run-time block mask",
     "its gradients are computed without a graph",

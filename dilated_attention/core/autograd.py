@@ -37,7 +37,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from .higher_order import first_order_only, no_higher_order_message
+from .higher_order import first_order_only, no_higher_order_message, outer_message
 from .sinks import fold_sinks, sink_gradient
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -158,6 +158,7 @@ class AttentionFunction(torch.autograd.Function):
         result = _forward(runner, Inputs(q, k, v, key_padding_mask), sinks)
         ctx.save_for_backward(q, result.out, result.lse, sinks, *result.saved)
         ctx.runner, ctx.state = runner, result.state
+        ctx.outer_message = outer_message()  # Note [Double backward]: a composite's own error
         ctx.mark_non_differentiable(result.lse)
         # No zero-filled gradient of the lse per backward: a launch and its host time.
         ctx.set_materialize_grads(False)
@@ -186,6 +187,7 @@ class AttentionFunction(torch.autograd.Function):
         # The saved ``out`` leads back to q, k, v (and ``dout`` to the loss): the error node
         # must lie on those paths (Note [Double backward]).
         message = runner.first_order_message if sinks is None else _SINKS_MESSAGE
+        message = ctx.outer_message or message
         grads = first_order_only((*grads, dsinks), message, anchors=(out, dout))
         return *grads[:3], None, grads[3], None
 

@@ -38,6 +38,9 @@ Note [Double backward]
       its own it would hang from detached copies, and ``torch.autograd.grad(penalty, q)``
       would find no path to q (autograd's generic "not used in the graph" error, or ``None``
       with ``allow_unused=True``); connected, autograd runs it, and it raises, on every route.
+      A function that builds its result from such calls (``moba_attention``, ``nsa_attention``)
+      runs them inside :func:`raised_as`: each Function takes the message in force during its
+      forward, so the error names the function the user called and its fix, not a call inside.
 
 Note [Dense calls on torch's autograd]
     A dense training call with nothing around its one kernel call (no key mask, window, soft-cap,
@@ -67,9 +70,12 @@ per call G pieces of Lq query and Lk key rows with Hc query and Hkc key/value he
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -119,6 +125,45 @@ def ring_message(what: str, single: str) -> str:
         f"For a gradient penalty or other double backward, run {single} on the whole sequence "
         "in one process instead; it supports double backward.",
     )
+
+
+#: The double-backward error of the library function a call runs inside (:func:`raised_as`).
+_OUTER_MESSAGE: ContextVar[str | None] = ContextVar("outer_first_order_message", default=None)
+_Function = TypeVar("_Function", bound=Callable[..., Any])
+
+
+@contextlib.contextmanager
+def raised_as(message: str) -> Iterator[None]:
+    """Calls made within raise ``message`` where their first-order gradients are differentiated,
+    in place of their own (Note [Double backward]); the outermost message in force wins."""
+    token = _OUTER_MESSAGE.set(message) if _OUTER_MESSAGE.get() is None else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _OUTER_MESSAGE.reset(token)
+
+
+def raising_as(message: str) -> Callable[[_Function], _Function]:
+    """A public function's decorator: its calls run inside :func:`raised_as` ``(message)``
+    (not while torch.compile traces it: the custom operators keep their own errors)."""
+
+    def decorate(function: _Function) -> _Function:
+        @functools.wraps(function)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():
+                return function(*args, **kwargs)
+            with raised_as(message):
+                return function(*args, **kwargs)
+
+        return call  # type: ignore[return-value]
+
+    return decorate
+
+
+def outer_message() -> str | None:
+    """The message of the :func:`raised_as` in force (None outside any)."""
+    return _OUTER_MESSAGE.get()
 
 
 def first_order_only(

@@ -12,12 +12,23 @@ import torch
 
 from .. import _validation as V
 from ..backends.registry import check_backend_name
+from ..block_sparse.runtime import CHOSEN_BLOCKS_FIX
+from ..core.higher_order import no_higher_order_message, raising_as
 from ..functional import block_sparse_attention
 from .selection import select_blocks
 
 __all__ = ["moba_attention"]
 
+#: Its double-backward error (Note [Double backward] in ``core/higher_order.py``).
+FIRST_ORDER_MESSAGE = no_higher_order_message(
+    "moba_attention",
+    "the attention over its chosen blocks (a run-time block mask) computes its gradients "
+    "without a graph",
+    CHOSEN_BLOCKS_FIX,
+)
 
+
+@raising_as(FIRST_ORDER_MESSAGE)
 def moba_attention(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -67,7 +67,9 @@ import torch
 
 from .. import _validation as V
 from ..backends.registry import check_backend_name
+from ..block_sparse.runtime import CHOSEN_BLOCKS_FIX
 from ..config import COMBINE
+from ..core.higher_order import no_higher_order_message, raising_as
 from ..functional import attention, block_sparse_attention
 from .branches import gated_sum, gated_sum_of, lse_with_gradient, merge_branches
 from .compression import compress_kv
@@ -80,8 +82,16 @@ __all__ = ["BRANCHES", "COMBINE", "nsa_attention"]
 BRANCHES = ("compressed", "selected", "window")
 
 Result = tuple[torch.Tensor, torch.Tensor | None]
+#: Its double-backward error (Note [Double backward] in ``core/higher_order.py``).
+FIRST_ORDER_MESSAGE = no_higher_order_message(
+    "nsa_attention",
+    "its selected branch (a run-time block mask) and its sliding window compute their gradients "
+    "without a graph",
+    CHOSEN_BLOCKS_FIX,
+)
 
 
+@raising_as(FIRST_ORDER_MESSAGE)
 def nsa_attention(
     query: torch.Tensor,
     key: torch.Tensor,

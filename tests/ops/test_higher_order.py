@@ -27,6 +27,8 @@ import dilated_attention as da
 from dilated_attention import patterns as P
 from dilated_attention.backends.base import KernelInputs
 from dilated_attention.backends.registry import get_backend
+from dilated_attention.core.higher_order import outer_message, raised_as
+from dilated_attention.sparse import moba_attention, nsa_attention
 
 F64 = torch.float64
 Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -387,6 +389,46 @@ def test_ring_double_backward_raises_on_every_rank(tmp_path: Any) -> None:
     """World size 2 (gloo): the first-order gradients under create_graph=True are exact and
     equal on both ranks' shards; differentiating them raises the same error on every rank."""
     run_world(_ring_worker, 2, tmp_path, timeout_s=30)
+
+
+def _chosen_block_cases() -> dict[str, tuple[str, Fn]]:
+    """name -> (public function in the message, call on 19 positions): functions whose blocks
+    the inputs choose, built from calls without double backward."""
+    gates = torch.rand(1, 19, 4, 3, generator=torch.Generator().manual_seed(2), dtype=F64)
+    nsa = dict(compress_block=4, compress_stride=2, select_block=4, topk=1, window=5)
+    return {
+        "moba": ("moba_attention", lambda q, k, v: moba_attention(q, k, v, block_size=4, topk=1)),
+        "nsa_gates": ("nsa_attention", lambda q, k, v: nsa_attention(q, k, v, gates, **nsa)),
+        "nsa_lse": (
+            "nsa_attention",
+            lambda q, k, v: nsa_attention(q, k, v, None, combine="lse", **nsa),
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", list(_chosen_block_cases()))
+def test_chosen_block_functions_name_themselves_in_the_double_backward_error(name: str) -> None:
+    """MoBA and NSA raise their own message (the function the user called and its fix), not
+    the message of a call they make; a run-time mask called afterwards keeps its own."""
+    what, fn = _chosen_block_cases()[name]
+    inputs = _qkv(1, 19, 4, 2, 4, seed=5)
+    _assert_penalty_raises(fn, inputs, rf"^{what} has no higher-order gradients.*detach its output")
+    mask = torch.rand(1, 4, 5, 5, generator=torch.Generator().manual_seed(3)) < 0.5
+    _assert_penalty_raises(
+        lambda q, k, v: da.block_sparse_attention(q, k, v, mask, block_size=4, is_causal=True),
+        inputs,
+        r"^block_sparse_attention with a run-time block mask has no higher-order gradients",
+    )
+
+
+def test_the_outermost_raised_as_wins() -> None:
+    """Nested :func:`raised_as`: the outer message stays in force inside; none after."""
+    assert outer_message() is None
+    with raised_as("outer"):
+        with raised_as("inner"):
+            assert outer_message() == "outer"
+        assert outer_message() == "outer"
+    assert outer_message() is None
 
 
 # -- CUDA kernels ---------------------------------------------------------------------------------
