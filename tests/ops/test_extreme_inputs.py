@@ -620,11 +620,7 @@ def _visibility(kind: str, causal: bool) -> Tensor:
         M = torch.ones(NAN_SEQ, 5, dtype=torch.int64)
         return torch.tril(M) if causal else M
     blocks = -(-NAN_SEQ // SPARSE_BLOCK)
-    mask = SPARSE_PATTERN.block_mask(blocks, blocks)
-    tokens = mask.repeat_interleave(SPARSE_BLOCK, 0).repeat_interleave(SPARSE_BLOCK, 1)
-    tokens = tokens[:NAN_SEQ, :NAN_SEQ]
-    M = tokens.to(torch.int64)
-    return torch.tril(M) if causal else M
+    return _block_tokens(SPARSE_PATTERN.block_mask(blocks, blocks), NAN_SEQ, causal)
 
 
 RUNS = {
