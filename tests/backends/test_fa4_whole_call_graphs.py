@@ -17,6 +17,7 @@ from torch import Tensor
 pytest.importorskip("triton")
 
 from support.graphs import (
+    assert_same_results,
     assert_steps_never_synchronise,
     eager_then_replayed,
     random_contents,
@@ -71,15 +72,6 @@ def _captured() -> set[str]:
     return {pair[0][0] for pair in graphs._GRAPHS}
 
 
-def _assert_same(got: list[Tensor], want: list[Tensor], what: str = "") -> None:
-    """out and lse bit for bit; the gradients to bf16's rounding (FA4's backward adds dq, and
-    with GQA dk and dv, in float32 atomically, in an order that varies, graphs or not)."""
-    for i, (name, a, b) in enumerate(zip(("out", "lse", "dq", "dk", "dv"), got, want,
-                                         strict=True)):  # fmt: skip
-        tol = 0.0 if i < 2 else 1e-2
-        torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=f"{what}{name}")
-
-
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_replayed_whole_calls_compute_the_launches_results(
     case: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch
@@ -91,7 +83,7 @@ def test_replayed_whole_calls_compute_the_launches_results(
     step, _ = _step(case)
     expected, steps, replays = eager_then_replayed(step, monkeypatch, steps=10)
     for i, got in enumerate(steps):
-        _assert_same(got, expected, f"step {i}: ")
+        assert_same_results(got, expected, f"step {i}: ")
     assert _captured() == {"fa4 forward", "fa4 backward"}, _captured()
     assert len(replays) >= 8, f"{len(replays)} replays in ten steps"
 
@@ -104,7 +96,7 @@ def test_a_whole_call_replay_reads_what_its_tensors_hold_now(
     contents = random_contents(leaves, 3, seed=5)
     expected, rounds, replays = replayed_with_contents(step, leaves, contents, monkeypatch)
     for stored, want in zip(rounds[-1], expected, strict=True):
-        _assert_same(stored, want)
+        assert_same_results(stored, want)
     assert replays
 
 
@@ -121,6 +113,6 @@ def test_a_chunked_backward_launches_as_usual(monkeypatch: pytest.MonkeyPatch) -
     step, _ = _step(CASES[1])
     expected, steps, replays = eager_then_replayed(step, monkeypatch)
     for i, got in enumerate(steps):
-        _assert_same(got, expected, f"step {i}: ")
+        assert_same_results(got, expected, f"step {i}: ")
     assert _captured() == {"fa4 forward"}, _captured()
     assert len(replays) >= 4, f"{len(replays)} replays in six steps"

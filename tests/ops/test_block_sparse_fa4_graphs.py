@@ -15,6 +15,7 @@ from torch import Tensor
 pytest.importorskip("triton")
 
 from support.graphs import (
+    assert_same_results,
     assert_steps_never_synchronise,
     eager_then_replayed,
     replayed_with_contents,
@@ -87,15 +88,6 @@ class _Call:
         return [out.detach(), lse.detach(), *grads]
 
 
-def _assert_same(got: list[Tensor], want: list[Tensor], what: str = "") -> None:
-    """out and lse bit for bit; the gradients to a few units of the last place (FA4's backward
-    adds dq up with atomics, in an order that varies from run to run)."""
-    for i, (name, a, b) in enumerate(zip(("out", "lse", "dq", "dk", "dv"), got, want,
-                                         strict=True)):  # fmt: skip
-        tol = 0.0 if i < 2 else 1e-2
-        torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=f"{what}{name}")
-
-
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_replayed_forwards_compute_the_launches_bits(
     case: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch
@@ -108,7 +100,7 @@ def test_replayed_forwards_compute_the_launches_bits(
     step = _Call(case).step
     expected, steps, replays = eager_then_replayed(step, monkeypatch)
     for i, got in enumerate(steps):
-        _assert_same(got, expected, f"step {i}: ")
+        assert_same_results(got, expected, f"step {i}: ")
     captured = {pair[0][0] for pair in graphs._GRAPHS}
     assert captured == {"fa4 block-sparse forward", "fa4 block-sparse backward"}, captured
     assert len(replays) >= 8, f"{len(replays)} replays in six steps"
@@ -128,7 +120,7 @@ def test_a_replay_reads_the_indices_its_tensor_holds_now(monkeypatch: pytest.Mon
                                                        monkeypatch)  # fmt: skip
     for stored_round in rounds:
         for stored, want in zip(stored_round, expected, strict=True):
-            _assert_same(stored, want)
+            assert_same_results(stored, want)
     assert replays
 
 

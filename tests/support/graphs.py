@@ -32,6 +32,16 @@ def keep(results: list[Tensor], stored: list[Tensor]) -> None:
         into.copy_(result)
 
 
+def assert_same_results(got: list[Tensor], want: list[Tensor], what: str = "") -> None:
+    """A replayed FA4 step's ``[out, lse, dq, dk, dv]`` against the launches': out and lse bit
+    for bit, the gradients to bf16's rounding (FA4's backward adds dq, and with GQA dk and dv,
+    in float32 with atomics, in an order that varies from run to run, graphs or not)."""
+    for i, (name, a, b) in enumerate(zip(("out", "lse", "dq", "dk", "dv"), got, want,
+                                         strict=True)):  # fmt: skip
+        tol = 0.0 if i < 2 else 1e-2
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=f"{what}{name}")
+
+
 def assert_steps_never_synchronise(step: Callable[[], object], monkeypatch: pytest.MonkeyPatch,
                                    steps: int = 4) -> None:  # fmt: skip
     """``steps`` calls of ``step``, after a first one that compiles and binds, pass
