@@ -35,8 +35,10 @@ Note [Hidden keys cannot poison rows]
     t's 128-row tile with cuDNN, FlexAttention and our Triton kernels, those of its 64-row tile
     with the memory-efficient kernel), and the gradients of the keys those rows see;
     block-sparse calls on FlexAttention also the other rows of the 128-row tiles they compute
-    with t's; decoding one token without gradients on CUDA, one call with a per-head key mask
-    (``decode.py``), later tokens of t's head while the cache holds t. README "Known limits"
+    with t's; a run-time block mask on a dense kernel (``block_sparse/rows.py``, whose calls
+    hide the unkept blocks by key mask, an additive ``-inf`` on a NaN score staying NaN) every
+    row of t's heads; decoding one token without gradients on CUDA, one call with a per-head key
+    mask (``decode.py``), later tokens of t's head while the cache holds t. README "Known limits"
     says so and ``tests/ops/test_hidden_keys.py`` pins those bounds.
 
 Shape legend: B batch, Q query rows of a chunk, K key rows, Hkv key/value heads, G query heads

@@ -42,8 +42,10 @@ Note [Which rows a NaN reaches]
     (Note [Hidden keys cannot poison rows] in ``core/hidden.py``; ``test_hidden_keys.py``). The
     CUDA kernels keep one exception (torch's SDPA too): a NaN value also reaches rows of its
     segment that a causal mask hides it from, since their weight 0 times NaN is NaN (README
-    "Known limits"). An infinite key element gives its score +inf (NaN rows) or -inf (the key
-    drops out, a finite and correct row), by the query's sign.
+    "Known limits"); under a run-time block mask a NaN key or value may reach any row of the
+    heads that read it (the dense kernels' calls hide the unkept blocks by a key mask, and an
+    additive -inf on a NaN score stays NaN). An infinite key element gives its score +inf (NaN
+    rows) or -inf (the key drops out, a finite and correct row), by the query's sign.
 """
 
 from __future__ import annotations
@@ -623,12 +625,22 @@ def _visibility(kind: str, causal: bool) -> Tensor:
     return _block_tokens(SPARSE_PATTERN.block_mask(blocks, blocks), NAN_SEQ, causal)
 
 
+def _unmasked(kind: str) -> Tensor:
+    """The visibility a CUDA kernel's hidden keys may still reach (Note [Which rows a NaN
+    reaches]): the causal rows of the same call, or for a run-time mask every row, since its
+    dense-kernel calls hide the unkept blocks by a key mask (``block_sparse/rows.py``) and its
+    block-sparse kernels compute whole tiles."""
+    if kind in RUNTIME_BLOCKS:
+        return torch.ones(NAN_SEQ, NAN_SEQ, dtype=torch.int64)
+    return _visibility(kind, False)
+
+
 RUNS = {
     "dilated": _run_dilated, "dense": _run_dense, "block_sparse": _run_sparse,
     **{kind: _run_runtime(kind) for kind in RUNTIME_BLOCKS},
 }  # fmt: skip
-#: The kinds the CUDA NaN test runs (run-time blocks: CPU backends here).
-CUDA_KINDS = ["dilated", "dense", "block_sparse"]
+#: The kinds the CUDA NaN test runs: every kind.
+CUDA_KINDS = list(RUNS)
 #: (where, position, head): the last query row (in the short last segment), a query row inside
 #: the dilated branch, a key and a value the last segment holds.
 POISON = [("q", NAN_SEQ - 1, 1), ("q", 18, 2), ("k", NAN_SEQ - 2, 0), ("v", 33, 1), ("k", 2, 1)]
@@ -651,19 +663,24 @@ def _check_poisoned(
         if where == "k" and value == math.inf:  # q_0 * inf is -inf for q_0 < 0: key dropped
             expected &= q[:, :, :, 0].cpu() > 0
         bad = ~torch.isfinite(out).all(dim=-1).cpu()
-        if where == "v" and causal and device == "cuda":  # Note [Which rows a NaN reaches]
-            unmasked = _reached(_visibility(kind, False), where, pos, kv_head, group)
+        cuda_hidden = device == "cuda" and (
+            (where == "v" and causal) or (where != "q" and kind in RUNTIME_BLOCKS)
+        )
+        if cuda_hidden:  # Note [Which rows a NaN reaches]
+            unmasked = _reached(_unmasked(kind), where, pos, kv_head, group)
             assert bool((bad >= expected).all()) and bool((bad <= unmasked).all()), (
-                f"v[1, {pos}, head {kv_head}] = {value}: non-finite cells "
+                f"{where}[1, {pos}, head {kv_head}] = {value}: non-finite cells "
                 f"{bad.nonzero().tolist()}, reached {expected.nonzero().tolist()}"
             )
-            expected, untouched = bad, ~bad
+            reached, expected, untouched = expected, bad, ~bad
+        else:
+            reached = expected
         assert torch.equal(bad, expected), (
             f"{where}[1, {pos}, head {kv_head}] = {value}: non-finite cells "
             f"{bad.nonzero().tolist()} but it reaches {expected.nonzero().tolist()}"
         )
-        if where != "v" and math.isnan(value):  # the lse of a reached row is NaN too
-            assert bool(torch.isnan(lse.transpose(1, 2).cpu()[expected]).all())
+        if where != "v" and math.isnan(value):  # the lse of a row that sees it is NaN too
+            assert bool(torch.isnan(lse.transpose(1, 2).cpu()[reached]).all())
         clean_out, _ = RUNS[kind](q, k, v, backend, causal)
         torch.testing.assert_close(out.cpu()[untouched], clean_out.cpu()[untouched])
 
@@ -694,8 +711,9 @@ def test_nan_rows_stay_nan_cuda(backend: str, kind: str, causal: bool) -> None:
     """The same on CUDA backends."""
     q = torch.zeros(1, NAN_SEQ, HEADS, DIM, device="cuda")
     k = q[:, :5] if kind == "dense" else q
-    if kind == "block_sparse" and backend != "auto":
-        # The block-sparse registry answers for its own kernels (block size, dtype).
+    if kind in ("block_sparse", *RUNTIME_BLOCKS) and backend != "auto":
+        # The block-sparse registry answers for its own kernels (block size, dtype), for a
+        # pattern and a run-time mask alike (Note [Run-time block masks]).
         kv = q[:, :, :2]  # the two key/value heads _check_poisoned runs
         inputs = KernelInputs.from_tensors(q, kv, is_causal=causal, block_size=SPARSE_BLOCK)
         reasons = registry_for(BLOCK_SPARSE).reasons(backend, inputs)
