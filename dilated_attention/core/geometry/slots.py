@@ -69,6 +69,7 @@ L segment length, r rate, S segments, C slot rows per segment, n segments and c 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -161,18 +162,16 @@ class SlotBuffers:
         self.slots = tuple(slots)
         self.held = tuple(range(len(slots))) if held is None else tuple(held)
         self.seq_len, self.batch, self.heads, self.dim = seq_len, batch, heads, dim
-        self.in_dest = None if dest is None else dest_slot(self.slots, self.held, seq_len, like,
-                                                           dest)  # fmt: skip
+        with_dest = dest is not None and dest_layout(like, seq_len, dest)
+        self._layout = slot_layout(self.slots, self.held, seq_len, batch, heads, with_dest)
+        self.in_dest = self._layout.in_dest
         self._dest = dest
-        sizes = [batch * self.slots[i].rows(seq_len) * heads for i in self.held]
-        self._starts = dict(zip(self.held, _starts(sizes), strict=True))
-        own = [size if i != self.in_dest else 0 for i, size in zip(self.held, sizes, strict=True)]
-        self._row_starts = dict(zip(self.held, _starts(own), strict=True))
-        self.flat = torch.empty(sum(own) * dim, dtype=like.dtype, device=like.device)
+        self.flat = torch.empty(self._layout.own * dim, dtype=like.dtype, device=like.device)
         lse_dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
         self.lse_flat = (
-            torch.empty(sum(sizes), dtype=lse_dtype, device=like.device) if with_lse else None
-        )
+            torch.empty(self._layout.total, dtype=lse_dtype, device=like.device)
+            if with_lse else None
+        )  # fmt: skip
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -183,8 +182,8 @@ class SlotBuffers:
         """Slot ``index``'s rows, (B, S * C, H, D)."""
         if index == self.in_dest and self._dest is not None:
             return self._dest
-        rows = self.slots[index].rows(self.seq_len)
-        size, start = self.batch * rows * self.heads, self._row_starts[index]
+        rows, size = self._layout.rows[index], self._layout.sizes[index]
+        start = self._layout.row_starts[index]
         flat = self.flat[start * self.dim : (start + size) * self.dim]
         return flat.view(self.batch, rows, self.heads, self.dim)
 
@@ -192,11 +191,8 @@ class SlotBuffers:
         """Slot ``index``'s log-sum-exp, (B, S, H, C)."""
         if self.lse_flat is None:
             raise RuntimeError("these slot buffers hold gradients: they have no lse")
-        slot = self.slots[index]
-        size = self.batch * slot.rows(self.seq_len) * self.heads
-        start = self._starts[index]
-        shape = (self.batch, slot.segments(self.seq_len), self.heads, slot.segment_rows)
-        return self.lse_flat[start : start + size].view(shape)
+        size, start = self._layout.sizes[index], self._layout.starts[index]
+        return self.lse_flat[start : start + size].view(self._layout.lse_shapes[index])
 
     def views(
         self, batch: slice = slice(None), start: int = 0, end: int | None = None
@@ -205,35 +201,55 @@ class SlotBuffers:
         segments of its branch (the last may end with the sequence), or a run inside one
         segment (then ``start`` is a multiple of its rate)."""
         end = self.seq_len if end is None else end
+        whole = start == 0 and end == self.seq_len  # the slots as they are: no slicing
+        every = batch == slice(None)
         views = []
         for index in self.held:
             slot = self.slots[index]
-            length, rate, per_segment = slot.segment_len, slot.rate, slot.segment_rows
-            rows, lse = self.out(index)[batch], None
-            if self.lse_flat is not None:
-                lse = self.lse(index)[batch]
-            if start % length == 0 and (end % length == 0 or end == self.seq_len):
-                first, stop = start // length, -(-end // length)
-                rows = rows[:, first * per_segment : stop * per_segment]
-                lse = None if lse is None else lse[:, first:stop]
-            else:  # inside one segment: its rows from the run's first on
-                seg, first = start // length, (start % length) // rate
-                count = -(-(end - start) // rate)
-                rows = rows[:, seg * per_segment + first :][:, :count]
-                lse = None if lse is None else lse[:, seg : seg + 1, :, first : first + count]
-                length = end - start
+            length, rate = slot.segment_len, slot.rate
+            rows = self.out(index)
+            lse = None if self.lse_flat is None else self.lse(index)
+            if not every:
+                rows, lse = rows[batch], None if lse is None else lse[batch]
+            if not whole:
+                rows, lse, length = _run_of(rows, lse, slot, start, end, self.seq_len)
             views.append(SlotView(rows, lse, length, rate))
         return views
 
     def call_rows(self, call: SlotCall, batch: slice) -> torch.Tensor:
         """The rows ``call`` writes of its slot, for batch elements ``batch``: (B' * n, c, Hc,
         D), a view."""
-        return call.slot_rows(self.out(call.slot)[batch])
+        rows = self.out(call.slot)
+        return call.slot_rows(rows if batch == slice(None) else rows[batch])
 
     def sum_into(self, grad: torch.Tensor, extra: Sequence[SlotView] = ()) -> None:
         """Write the sum of every held slot and the ``extra`` views into ``grad`` (B, N, H, D)
         (:func:`sum_slots`)."""
         sum_slots([*self.views(), *extra], grad)
+
+
+def _run_of(
+    rows: torch.Tensor,
+    lse: torch.Tensor | None,
+    slot: Slot,
+    start: int,
+    end: int,
+    seq_len: int,
+) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """A slot's rows (B, S * C, H, D) and lse (B, S, H, C) over positions ``[start, end)`` of
+    ``seq_len``, with the segment length its view has: whole segments of the branch (the last
+    may end with the sequence), or a run inside one segment (``start`` a multiple of the
+    rate)."""
+    length, rate, per_segment = slot.segment_len, slot.rate, slot.segment_rows
+    if start % length == 0 and (end % length == 0 or end == seq_len):
+        first, stop = start // length, -(-end // length)
+        rows = rows[:, first * per_segment : stop * per_segment]
+        return rows, None if lse is None else lse[:, first:stop], length
+    seg, first = start // length, (start % length) // rate  # inside one segment
+    count = -(-(end - start) // rate)
+    rows = rows[:, seg * per_segment + first :][:, :count]
+    lse = None if lse is None else lse[:, seg : seg + 1, :, first : first + count]
+    return rows, lse, end - start
 
 
 @dataclass(frozen=True)
@@ -263,6 +279,17 @@ class ExtraSlotGradients:
         ]
 
 
+def dest_layout(like: torch.Tensor, seq_len: int, dest: torch.Tensor) -> bool:
+    """Whether ``dest`` (B, N', H, D) may be a slot of ``like``'s (Note [A rate-1 slot is its
+    destination]): ``like``'s shape over ``seq_len`` positions, dtype and device, and a slot's
+    row layout (heads and channels contiguous in each position)."""
+    batch, _, heads, dim = like.shape
+    return (
+        dest.shape == (batch, seq_len, heads, dim) and dest.dtype == like.dtype
+        and dest.device == like.device and dest.stride()[1:] == (heads * dim, dim, 1)
+    )  # fmt: skip
+
+
 def dest_slot(
     slots: Sequence[Slot],
     held: Sequence[int],
@@ -272,20 +299,66 @@ def dest_slot(
 ) -> int | None:
     """The held slot whose rows may be ``dest`` (B, N', H, D) itself (Note [A rate-1 slot is its
     destination]): the first of rate 1 whose slot rows are the positions (its segments end with
-    the ``seq_len`` positions), where ``dest`` has ``like``'s shape and dtype and a slot's row
-    layout (heads and channels contiguous in each position); else None."""
-    batch, _, heads, dim = like.shape
-    layout = (
-        dest.shape == (batch, seq_len, heads, dim) and dest.dtype == like.dtype
-        and dest.device == like.device and dest.stride()[1:] == (heads * dim, dim, 1)
-    )  # fmt: skip
-    if not layout:
+    the ``seq_len`` positions), where :func:`dest_layout`; else None."""
+    if not dest_layout(like, seq_len, dest):
         return None
+    return _rate_one_slot(tuple(slots), tuple(held), seq_len)
+
+
+def _rate_one_slot(slots: tuple[Slot, ...], held: tuple[int, ...], seq_len: int) -> int | None:
     for index in held:
         slot = slots[index]
         if slot.rate == 1 and not slot.spanning and slot.rows(seq_len) == seq_len:
             return index
     return None
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """Where :class:`SlotBuffers` keeps each held slot, per slot index: its rows (S * C), its
+    elements per channel (B * S * C * H), its lse's shape (B, S, H, C) and start in the flat lse
+    buffer, its start (in rows of one channel) in the flat rows buffer; the elements per channel
+    of the flat rows (``own``) and of the lse (``total``); the slot that is the destination."""
+
+    rows: dict[int, int]
+    sizes: dict[int, int]
+    lse_shapes: dict[int, tuple[int, int, int, int]]
+    starts: dict[int, int]
+    row_starts: dict[int, int]
+    own: int
+    total: int
+    in_dest: int | None
+
+
+@functools.lru_cache(maxsize=1024)
+def slot_layout(
+    slots: tuple[Slot, ...],
+    held: tuple[int, ...],
+    seq_len: int,
+    batch: int,
+    heads: int,
+    with_dest: bool,
+) -> SlotLayout:
+    """The :class:`SlotLayout` of the ``held`` slots over ``seq_len`` positions, ``batch``
+    elements and ``heads`` heads, the rate-1 slot in the destination where ``with_dest``:
+    plain values of the plan and the call's shapes, so computed once per plan and shape and
+    cached (a slotted call's host time counts: Note [Position-grouped plans])."""
+    in_dest = _rate_one_slot(slots, held, seq_len) if with_dest else None
+    rows = {i: slots[i].rows(seq_len) for i in held}
+    sizes = {i: batch * rows[i] * heads for i in held}
+    own = [size if i != in_dest else 0 for i, size in sizes.items()]
+    return SlotLayout(
+        rows=rows,
+        sizes=sizes,
+        lse_shapes={
+            i: (batch, slots[i].segments(seq_len), heads, slots[i].segment_rows) for i in held
+        },
+        starts=dict(zip(held, _starts(list(sizes.values())), strict=True)),
+        row_starts=dict(zip(held, _starts(own), strict=True)),
+        own=sum(own),
+        total=sum(sizes.values()),
+        in_dest=in_dest,
+    )
 
 
 def _starts(sizes: Sequence[int]) -> list[int]:
