@@ -36,6 +36,7 @@ from dilated_attention.core.geometry.slots import (
     SlotView,
     dest_slot,
     merge_slots_torch,
+    slot_layout,
     sum_slots_torch,
 )
 from dilated_attention.resolve.resolver import clear_resolved
@@ -828,3 +829,30 @@ def test_slotted_calls_with_dropout_launch_as_they_are(
     out = dilated_attention(*leaves, segs, rates, backend="math", dropout_p=0.1)
     torch.autograd.grad(out, leaves, dout)
     assert runs.keys == [] and {"forward", "backward"} <= set(writing_kernel)
+
+
+def test_slot_layout_is_computed_once_per_plan_and_shape() -> None:
+    """A slotted call's buffer layout comes from the plan and the shapes alone: a second call of
+    the same plan and shape reuses it, another shape gets its own, and the buffers' views
+    over the whole range are the slots themselves (every row, every segment's lse)."""
+    slots = (Slot(8, 1), Slot(16, 2), Slot(16, 4))
+    like = torch.zeros(2, 20, 4, 3)
+    slot_layout.cache_clear()
+    first = SlotBuffers(slots, like, 20, with_lse=True)
+    second = SlotBuffers(slots, like, 20, with_lse=True)
+    assert (slot_layout.cache_info().misses, slot_layout.cache_info().hits) == (1, 1)
+    SlotBuffers(slots, like[:1], 20, with_lse=True)
+    assert slot_layout.cache_info().misses == 2
+    for buffers in (first, second):
+        ends = []
+        for index, view in enumerate(buffers.views()):
+            slot = slots[index]
+            segments, rows = -(-20 // slot.segment_len), -(-slot.segment_len // slot.rate)
+            assert view.rows.shape == (2, segments * rows, 4, 3)
+            assert view.lse is not None and view.lse.shape == (2, segments, 4, rows)
+            assert view.rows.data_ptr() == buffers.out(index).data_ptr()
+            start = (view.rows.data_ptr() - buffers.flat.data_ptr()) // view.rows.element_size()
+            ends.append((start, start + view.rows.numel()))
+        # The slots tile the flat buffer: one after another, nothing shared, nothing left over.
+        assert [a for a, _ in ends] == [0, *(b for _, b in ends[:-1])]
+        assert ends[-1][1] == buffers.flat.numel()
