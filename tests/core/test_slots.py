@@ -841,18 +841,25 @@ def test_slot_layout_is_computed_once_per_plan_and_shape() -> None:
     first = SlotBuffers(slots, like, 20, with_lse=True)
     second = SlotBuffers(slots, like, 20, with_lse=True)
     assert (slot_layout.cache_info().misses, slot_layout.cache_info().hits) == (1, 1)
-    SlotBuffers(slots, like[:1], 20, with_lse=True)
+    one_row = SlotBuffers(slots, like[:1], 20, with_lse=True)
     assert slot_layout.cache_info().misses == 2
-    for buffers in (first, second):
-        ends = []
+    for buffers, batch in ((first, 2), (second, 2), (one_row, 1)):
+        spans: dict[str, list[tuple[int, int]]] = {"rows": [], "lse": []}
         for index, view in enumerate(buffers.views()):
             slot = slots[index]
             segments, rows = -(-20 // slot.segment_len), -(-slot.segment_len // slot.rate)
-            assert view.rows.shape == (2, segments * rows, 4, 3)
-            assert view.lse is not None and view.lse.shape == (2, segments, 4, rows)
+            assert view.rows.shape == (batch, segments * rows, 4, 3)
+            assert view.lse is not None and view.lse.shape == (batch, segments, 4, rows)
             assert view.rows.data_ptr() == buffers.out(index).data_ptr()
-            start = (view.rows.data_ptr() - buffers.flat.data_ptr()) // view.rows.element_size()
-            ends.append((start, start + view.rows.numel()))
-        # The slots tile the flat buffer: one after another, nothing shared, nothing left over.
-        assert [a for a, _ in ends] == [0, *(b for _, b in ends[:-1])]
-        assert ends[-1][1] == buffers.flat.numel()
+            for name, part, flat in (("rows", view.rows, buffers.flat),
+                                     ("lse", view.lse, buffers.lse_flat)):  # fmt: skip
+                assert flat is not None and part.is_contiguous()
+                start = (part.data_ptr() - flat.data_ptr()) // part.element_size()
+                spans[name].append((start, start + part.numel()))
+        # The slots tile each flat buffer: one after another, nothing shared, nothing left over.
+        for name, flat in (("rows", buffers.flat), ("lse", buffers.lse_flat)):
+            ends = spans[name]
+            assert [a for a, _ in ends] == [0, *(b for _, b in ends[:-1])], name
+            assert flat is not None and ends[-1][1] == flat.numel(), name
+    with pytest.raises(ValueError, match="held"):
+        SlotBuffers(slots, like, 20, with_lse=True, held=[1, 1])

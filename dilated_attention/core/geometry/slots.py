@@ -70,8 +70,9 @@ L segment length, r rate, S segments, C slot rows per segment, n segments and c 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Protocol
 
 import torch
@@ -318,13 +319,14 @@ class SlotLayout:
     """Where :class:`SlotBuffers` keeps each held slot, per slot index: its rows (S * C), its
     elements per channel (B * S * C * H), its lse's shape (B, S, H, C) and start in the flat lse
     buffer, its start (in rows of one channel) in the flat rows buffer; the elements per channel
-    of the flat rows (``own``) and of the lse (``total``); the slot that is the destination."""
+    of the flat rows (``own``) and of the lse (``total``); the slot that is the destination.
+    Cached and shared by every call of its plan and shape: the mappings are read-only."""
 
-    rows: dict[int, int]
-    sizes: dict[int, int]
-    lse_shapes: dict[int, tuple[int, int, int, int]]
-    starts: dict[int, int]
-    row_starts: dict[int, int]
+    rows: Mapping[int, int]
+    sizes: Mapping[int, int]
+    lse_shapes: Mapping[int, tuple[int, int, int, int]]
+    starts: Mapping[int, int]
+    row_starts: Mapping[int, int]
     own: int
     total: int
     in_dest: int | None
@@ -343,18 +345,19 @@ def slot_layout(
     elements and ``heads`` heads, the rate-1 slot in the destination where ``with_dest``:
     plain values of the plan and the call's shapes, so computed once per plan and shape and
     cached (a slotted call's host time counts: Note [Position-grouped plans])."""
+    if len(set(held)) != len(held):
+        raise ValueError(f"held: slot indices must be distinct, got {held}")
     in_dest = _rate_one_slot(slots, held, seq_len) if with_dest else None
     rows = {i: slots[i].rows(seq_len) for i in held}
     sizes = {i: batch * rows[i] * heads for i in held}
     own = [size if i != in_dest else 0 for i, size in sizes.items()]
+    shapes = {i: (batch, slots[i].segments(seq_len), heads, slots[i].segment_rows) for i in held}
     return SlotLayout(
-        rows=rows,
-        sizes=sizes,
-        lse_shapes={
-            i: (batch, slots[i].segments(seq_len), heads, slots[i].segment_rows) for i in held
-        },
-        starts=dict(zip(held, _starts(list(sizes.values())), strict=True)),
-        row_starts=dict(zip(held, _starts(own), strict=True)),
+        rows=MappingProxyType(rows),
+        sizes=MappingProxyType(sizes),
+        lse_shapes=MappingProxyType(shapes),
+        starts=MappingProxyType(dict(zip(held, _starts(list(sizes.values())), strict=True))),
+        row_starts=MappingProxyType(dict(zip(held, _starts(own), strict=True))),
         own=sum(own),
         total=sum(sizes.values()),
         in_dest=in_dest,
