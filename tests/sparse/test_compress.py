@@ -59,6 +59,21 @@ def test_matches_the_window_loop_with_gradients(n: int, block: int, stride: int)
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize(("block", "stride"), [(5, 3), (6, 6), (8, 4)])
+def test_twice_differentiable_on_strided_input(block: int, stride: int) -> None:
+    """The pooling's own gradient (pieces spread over their positions) is differentiable, and
+    a key that is a strided view (heads before positions in memory) pools as its copy."""
+    key = torch.randn(1, 3, 23, 2, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    value = torch.randn(1, 23, 3, 2, dtype=torch.float64, requires_grad=True)
+
+    def pool(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return compress_kv(k, v, block=block, stride=stride)
+
+    torch.testing.assert_close(pool(key, value)[0], pooled(key.contiguous(), block, stride))
+    assert torch.autograd.gradcheck(pool, (key, value))
+    assert torch.autograd.gradgradcheck(pool, (key, value))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_low_precision_keeps_its_dtype_and_rounds_the_exact_mean(dtype: torch.dtype) -> None:
     """The pooled keys are the exact window means rounded to the input dtype. Values of 3000 in
