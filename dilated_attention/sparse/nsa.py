@@ -45,10 +45,12 @@ Note [The compressed branch exactly, per residue class]
 
 Note [Residue classes as heads]
     Classes with as many rows and compressed keys see the keys alike (query ``m`` of each sees
-    ``c <= m + (keys - rows)``), so they run as one call: their queries side by side as more
-    heads, head ``h`` of class ``c`` as head ``h * G + c`` of G classes, so that key/value
-    head ``j`` serves its group's heads of every class (GQA) and the compressed keys and values
-    are read once; each class's output and lse are strided views of the call's. With ``l =
+    ``c <= m + (keys - rows)``), so those whose first rows are consecutive (a run, one strided
+    view of the query: Note [Runs of classes as one view] in ``residue_rows.py``) run as one
+    call: their queries side by side as more heads, head ``h`` of class ``c`` as head ``h * G
+    + c`` of G classes, so that key/value head ``j`` serves its group's heads of every class
+    (GQA) and the compressed keys and values are read once; the run's output and lse are views
+    of the call's. With ``l =
     2 d`` (NSA's 32 and 16) and a length divisible by ``d`` that is two calls instead of
     ``d``: a call of one class at 64K tokens is ~4K rows over at most ~4K keys, too short to
     hide its host time.
@@ -399,52 +401,53 @@ def compressed_branch(
         attention, is_causal=run.is_causal, scale=run.scale, backend=run.backend
     )
     step = stride if run.is_causal else 1
-    classes = ResidueRows(tuple(start for start, _ in calls), step, nq)
-    views = classes.gather(q, 1)
-    outs: list[Any] = [None] * len(calls)
-    lses: list[Any] = [None] * len(calls)
-    for members in _same_calls(calls, [x.shape[1] for x in views]):
-        keys = calls[members[0]][1]
-        q_g = _classes_as_heads([views[i] for i in members])
+    runs = _runs(calls, step, nq)
+    classes = ResidueRows(tuple((first, count) for first, count, _ in runs), step, nq)
+    outs: list[Any] = []
+    lses: list[Any] = []
+    for (_, count, keys), q_run in zip(runs, classes.gather(q, 1), strict=True):
+        q_g = _classes_as_heads(q_run)
         o_g, lse_g = _branch(call, q_g, k_cmp[:, :keys], v_cmp[:, :keys], run)
         del q_g  # not held past its call (without gradients nothing else holds it)
-        split = _heads_as_classes(o_g, lse_g, len(members))
-        for i, o_c, lse_c in zip(members, *split, strict=True):
-            outs[i], lses[i] = o_c, lse_c
+        o_run, lse_run = _heads_as_classes(o_g, lse_g, count)
+        outs.append(o_run)
+        lses.append(lse_run)
     out = classes.scatter(outs, 1, 0.0, scale=gate)
     if not run.need_lse:
         return out, None
     return out, classes.scatter([x.to(lse_dtype) for x in lses], 2, -torch.inf)
 
 
-def _same_calls(calls: list[tuple[int, int]], sizes: list[int]) -> list[list[int]]:
-    """The classes' calls in groups of the same rows and compressed keys (Note [Residue
-    classes as heads]), each group's classes in order."""
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i, ((_, keys), size) in enumerate(zip(calls, sizes, strict=True)):
-        groups.setdefault((size, keys), []).append(i)
-    return list(groups.values())
+def _runs(calls: list[tuple[int, int]], step: int, nq: int) -> list[tuple[int, int, int]]:
+    """The classes' calls (first row, compressed keys) as runs ``(first row, classes, keys)``
+    of classes on consecutive first rows with as many rows and keys (Note [Residue classes as
+    heads]), in the order of their first rows."""
+    runs: list[tuple[int, int, int]] = []
+    for first, keys in sorted(calls):
+        if runs:
+            start, count, seen = runs[-1]
+            rows = len(range(first, nq, step)) == len(range(start, nq, step))
+            if seen == keys and count < step and first == start + count and rows:
+                runs[-1] = (start, count + 1, keys)
+                continue
+        runs.append((first, 1, keys))
+    return runs
 
 
-def _classes_as_heads(parts: list[torch.Tensor]) -> torch.Tensor:
-    """G classes' queries, each (B, n, H, D), as one query (B, n, H * G, D), head ``h * G +
-    c`` class ``c``'s head ``h``: key/value head ``j`` serves the G classes' heads of its
-    group (Note [Residue classes as heads]); one class stays as it is."""
-    if len(parts) == 1:
-        return parts[0]
-    return torch.stack(parts, dim=3).flatten(2, 3)
+def _classes_as_heads(part: torch.Tensor) -> torch.Tensor:
+    """A run of G classes' queries (B, n, G, H, D) as one query (B, n, H * G, D), head ``h * G
+    + c`` class ``c``'s head ``h``: key/value head ``j`` serves the G classes' heads of its
+    group (Note [Residue classes as heads]); one class is a view."""
+    return part.transpose(2, 3).flatten(2, 3)
 
 
 def _heads_as_classes(
     out: torch.Tensor, lse: torch.Tensor | None, count: int
-) -> tuple[list[torch.Tensor], list[Any]]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`_classes_as_heads` undone, as views: ``out`` (B, n, H * G, D) and ``lse`` (B,
-    H * G, n) or None -> each class's (B, n, H, D) and (B, H, n) (or None)."""
-    if count == 1:
-        return [out], [lse]
-    outs = out.unflatten(2, (-1, count)).unbind(3)
-    lses = [None] * count if lse is None else lse.unflatten(1, (-1, count)).unbind(2)
-    return list(outs), list(lses)
+    H * G, n) or None -> the run's (B, n, G, H, D) and (B, H, n, G) (or None)."""
+    outs = out.unflatten(2, (-1, count)).transpose(2, 3)
+    return outs, None if lse is None else lse.unflatten(1, (-1, count)).transpose(2, 3)
 
 
 def _class_calls(

@@ -1,8 +1,9 @@
 """The rows of residue classes (every ``step``-th row from a start) taken out of a tensor and
-put back, each class one tensor, with gradients that cost one full-size tensor per direction.
+put back, runs of consecutive classes one strided view each, with gradients that cost one
+full-size tensor per direction.
 
 Note [Residue classes gathered once]
-    The compressed branch of NSA runs one attention call per residue class of the query rows
+    The compressed branch of NSA runs attention on the residue classes of the query rows
     (Note [The compressed branch exactly, per residue class] in ``nsa.py``): 16 classes for
     NSA's stride. Taken as strided slices of the query and written into strided slices of the
     output, each class costs a full-size tensor in the backward (a slice's gradient is zeros
@@ -12,7 +13,18 @@ Note [Residue classes gathered once]
     rows; the gradient of each put-back class is a strided view of the output's gradient, no
     copy. Values and gradients are the slices' own, bit for bit.
 
-Shape legend: any tensor; the classes run along one dimension ``dim``.
+Note [Runs of classes as one view]
+    Classes that start on consecutive rows ``first, first + 1, ..., first + G - 1`` with as
+    many rows ``n`` each (a *run*, ``G <= step``) are one strided view of the tensor: row
+    ``m`` of class ``c`` is row ``first + c + m * step``, so along the classes' dimension the
+    view is ``(n, G)`` with strides ``(step, 1)`` rows. NSA's classes alike (Note [Residue
+    classes as heads] in ``nsa.py``) start on consecutive rows, so each of its calls takes and
+    gives back one view: one copy per run and direction instead of one per class (at 64K
+    tokens, 16 classes of 4K rows each cost 2-3 ms per training step on an H200 as separate
+    strided copies and products).
+
+Shape legend: any tensor; the classes run along one dimension ``dim``, which a run's view
+replaces with two, ``(n, G)``.
 """
 
 from __future__ import annotations
@@ -27,45 +39,70 @@ __all__ = ["ResidueRows"]
 
 @dataclass(frozen=True)
 class ResidueRows:
-    """Classes of rows ``start, start + step, ...`` below ``length``, one per start.
+    """Runs of classes of rows, class ``first + c`` of a run being its rows ``first + c,
+    first + c + step, ...`` below ``length`` (Note [Runs of classes as one view]).
 
     Attributes:
-        starts: each class's first row, in the order its tensors go.
+        runs: each run's ``(first, count)``: its first class's first row and its classes, all
+            with as many rows, ``count <= step``; no row in two classes.
         step: rows between a class's rows.
         length: the rows along the dimension the classes run.
     """
 
-    starts: tuple[int, ...]
+    runs: tuple[tuple[int, int], ...]
     step: int
     length: int
 
+    def __post_init__(self) -> None:
+        for first, count in self.runs:
+            if not (0 < count <= self.step and self.rows(first) == self.rows(first + count - 1)):
+                raise ValueError(
+                    f"runs: ({first}, {count}) is not a run of classes with as many rows (at "
+                    f"most step={self.step} classes, rows below length={self.length}); split it"
+                )
+
+    def rows(self, start: int) -> int:
+        """How many rows the class starting at ``start`` has."""
+        return len(range(start, self.length, self.step))
+
     def every_row(self) -> bool:
         """Whether the classes are one class of every row, in order."""
-        return self.starts == (0,) and self.step == 1
+        return self.runs == ((0, 1),) and self.step == 1
+
+    def view(self, x: torch.Tensor, dim: int, run: tuple[int, int]) -> torch.Tensor:
+        """The rows of ``run`` in ``x`` as one strided view, ``dim`` replaced by ``(n,
+        count)``; ``x`` may broadcast (size 1) along any other dimension."""
+        first, count = run
+        stride = x.stride(dim)
+        return x.as_strided(
+            (*x.shape[:dim], self.rows(first), count, *x.shape[dim + 1 :]),
+            (*x.stride()[:dim], self.step * stride, stride, *x.stride()[dim + 1 :]),
+            x.storage_offset() + first * stride,
+        )
 
     def gather(self, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, ...]:
-        """Each class's rows of ``x`` along ``dim``, a strided view each (``x`` itself for one
-        class of every row); differentiable in ``x``."""
+        """Each run's rows of ``x`` (:meth:`view`), differentiable in ``x``."""
         if self.every_row():
-            return (x,)
+            return (x.unsqueeze(dim + 1),)
         return _Gather.apply(x, dim, self)  # type: ignore[no-any-return]
 
     def scatter(
         self, parts: list[torch.Tensor], dim: int, fill: float, scale: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """``parts`` (one per class, as :meth:`gather` gives them) put back along ``dim``
-        into ``length`` rows, ``fill`` in the rows no class holds; differentiable in every
-        part. With ``scale`` (as many dimensions as the result, each of its size or 1):
-        ``scale * scatter(parts, dim, fill)`` with its bits (NaN where ``scale`` is not finite
-        in a filled row), differentiable in ``scale`` too, without making or keeping the
-        unscaled tensor (Note [Scaled as they are put back])."""
+        """``parts`` (one per run, as :meth:`gather` gives them) put back along ``dim`` into
+        ``length`` rows, ``fill`` in the rows no class holds; differentiable in every part.
+        With ``scale`` (as many dimensions as the result, each of its size or 1): ``scale *
+        scatter(parts, dim, fill)`` with its bits (NaN where ``scale`` is not finite in a
+        filled row), differentiable in ``scale`` too, without making or keeping the unscaled
+        tensor (Note [Scaled as they are put back])."""
         if scale is not None and scale.shape[dim] != self.length:
             raise ValueError(
                 f"scale: expected {self.length} rows along dim {dim} (one per row put back), "
                 f"got shape {tuple(scale.shape)}; pass the rows' own scales, not a broadcast"
             )
         if self.every_row():
-            return parts[0] if scale is None else scale * parts[0]
+            whole = parts[0].squeeze(dim + 1)
+            return whole if scale is None else scale * whole
         if scale is None:
             return _Scatter.apply(dim, self, fill, *parts)  # type: ignore[no-any-return]
         return _ScaledScatter.apply(dim, self, fill, scale, *parts)  # type: ignore[no-any-return]
@@ -73,28 +110,31 @@ class ResidueRows:
     def filled(self, dim: int) -> tuple[slice, ...]:
         """The index along ``dim`` of rows that hold every row no class holds: those below the
         last class's first row, or all where a residue has no class."""
+        starts = [first + c for first, count in self.runs for c in range(count)]
         end = self.length
-        if len({start % self.step for start in self.starts}) == self.step:
-            end = min(max(self.starts), self.length)
+        if len({start % self.step for start in starts}) == self.step:
+            end = min(max(starts), self.length)
         return (slice(None),) * dim + (slice(0, end),)
 
-    def rows(self, dim: int, start: int) -> tuple[slice, ...]:
-        """The index of class ``start``'s rows along ``dim``."""
-        return (slice(None),) * dim + (slice(start, self.length, self.step),)
+    def fill_unheld(self, out: torch.Tensor, dim: int, fill: float) -> None:
+        """``fill`` written into the :meth:`filled` rows of ``out`` (every row no class holds,
+        and held rows that are written after)."""
+        out[self.filled(dim)] = fill
 
 
 class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, classes: ResidueRows) -> Any:
         ctx.shape, ctx.dim, ctx.classes = x.shape, dim, classes
-        return tuple(x[classes.rows(dim, start)] for start in classes.starts)
+        return tuple(classes.view(x, dim, run) for run in classes.runs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        classes = ctx.classes
-        grad = grads[0].new_zeros(ctx.shape)
-        for start, part in zip(classes.starts, grads, strict=True):
-            grad[classes.rows(ctx.dim, start)] = part
+        classes, dim = ctx.classes, ctx.dim
+        grad = grads[0].new_empty(ctx.shape)
+        classes.fill_unheld(grad, dim, 0.0)
+        for run, part in zip(classes.runs, grads, strict=True):
+            classes.view(grad, dim, run).copy_(part)
         return grad, None, None
 
 
@@ -103,24 +143,23 @@ class _Scatter(torch.autograd.Function):
     def forward(ctx: Any, dim: int, classes: ResidueRows, fill: float,
                 *parts: torch.Tensor) -> torch.Tensor:  # fmt: skip
         ctx.dim, ctx.classes = dim, classes
-        shape = list(parts[0].shape)
-        shape[dim] = classes.length
-        out = parts[0].new_full(shape, fill)
-        for start, part in zip(classes.starts, parts, strict=True):
-            out[classes.rows(dim, start)] = part
+        out = parts[0].new_empty(_whole_shape(parts[0], dim, classes))
+        classes.fill_unheld(out, dim, fill)
+        for run, part in zip(classes.runs, parts, strict=True):
+            classes.view(out, dim, run).copy_(part)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         classes = ctx.classes
-        views = tuple(grad[classes.rows(ctx.dim, start)] for start in classes.starts)
+        views = tuple(classes.view(grad, ctx.dim, run) for run in classes.runs)
         return (None, None, None, *views)
 
 
 class _ScaledScatter(torch.autograd.Function):
     """Note [Scaled as they are put back]
     ``scale * scatter(parts)`` row by row: the rows :meth:`ResidueRows.filled` names
-    get ``scale * fill`` (every row no class holds lies there), then each class's rows
+    get ``scale * fill`` (every row no class holds lies there), then each run's rows
     ``part * scale[rows]``, written in place. The products are the ones the whole product makes,
     so the bits are its bits; the gradients are its gradients, per row: ``grad * scale`` for
     a part, the sum of ``grad * part`` (``grad * fill`` in a filled row) over the dimensions
@@ -130,15 +169,13 @@ class _ScaledScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, dim: int, classes: ResidueRows, fill: float, scale: torch.Tensor,
                 *parts: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        shape = list(parts[0].shape)
-        shape[dim] = classes.length
         dtype = torch.result_type(scale, parts[0])
-        out = torch.empty(shape, dtype=dtype, device=parts[0].device)
+        out = torch.empty(_whole_shape(parts[0], dim, classes), dtype=dtype,
+                          device=parts[0].device)  # fmt: skip
         below = classes.filled(dim)
         out[below] = scale[_rows_of(scale, below)] * fill
-        for start, part in zip(classes.starts, parts, strict=True):
-            rows = classes.rows(dim, start)
-            torch.mul(part, scale[_rows_of(scale, rows)], out=out[rows])
+        for run, part in zip(classes.runs, parts, strict=True):
+            torch.mul(part, classes.view(scale, dim, run), out=classes.view(out, dim, run))
         ctx.dim, ctx.classes, ctx.fill = dim, classes, fill
         ctx.save_for_backward(scale, *parts)
         return out
@@ -154,13 +191,18 @@ class _ScaledScatter(torch.autograd.Function):
             at = _rows_of(scale, below)
             dscale[at] = (grad[below] * ctx.fill).sum_to_size(dscale[at].shape)
         dparts = []
-        for start, part in zip(classes.starts, parts, strict=True):
-            rows = classes.rows(dim, start)
-            at = _rows_of(scale, rows)
+        for run, part in zip(classes.runs, parts, strict=True):
+            rows = classes.view(grad, dim, run)
             if dscale is not None:
-                dscale[at] = (grad[rows] * part).sum_to_size(dscale[at].shape)
-            dparts.append(grad[rows] * scale[at] if need_parts else None)
+                at = classes.view(dscale, dim, run)
+                at.copy_((rows * part).sum_to_size(at.shape))
+            dparts.append(rows * classes.view(scale, dim, run) if need_parts else None)
         return (None, None, None, dscale, *dparts)
+
+
+def _whole_shape(part: torch.Tensor, dim: int, classes: ResidueRows) -> list[int]:
+    """The shape of the tensor a run's ``part`` (``dim`` split in two) is put back into."""
+    return [*part.shape[:dim], classes.length, *part.shape[dim + 2 :]]
 
 
 def _rows_of(scale: torch.Tensor, rows: tuple[slice, ...]) -> tuple[slice, ...]:

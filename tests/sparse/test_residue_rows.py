@@ -1,5 +1,6 @@
-"""ResidueRows: the rows of residue classes taken out of a tensor and put back, against plain
-strided slices (values and gradients, bit for bit) and float64 gradcheck."""
+"""ResidueRows: runs of residue classes taken out of a tensor as strided views and put back,
+against plain strided slices of each class (values and gradients, bit for bit) and float64
+gradcheck."""
 
 from __future__ import annotations
 
@@ -9,48 +10,68 @@ import torch
 from dilated_attention.sparse.residue_rows import ResidueRows
 
 
+def _starts(classes: ResidueRows) -> list[int]:
+    return [first + c for first, count in classes.runs for c in range(count)]
+
+
 def _sliced(x: torch.Tensor, classes: ResidueRows, dim: int) -> list[torch.Tensor]:
-    return [x[(slice(None),) * dim + (slice(s, None, classes.step),)] for s in classes.starts]
+    """Each class's rows, one strided slice per class, in the runs' order."""
+    return [x[(slice(None),) * dim + (slice(s, None, classes.step),)] for s in _starts(classes)]
 
 
-@pytest.mark.parametrize(
-    ("length", "step", "starts", "dim"),
-    [(37, 4, (1, 2, 3, 0), 1), (32, 16, tuple(range(3, 16)), 1), (10, 3, (2,), 2), (9, 1, (0,), 1)],
-)
-def test_gather_and_scatter_equal_strided_slices(length, step, starts, dim):
+def _per_class(parts: tuple[torch.Tensor, ...] | list[torch.Tensor], dim: int) -> list:
+    """The runs' views split into their classes (the run's class dimension is ``dim + 1``)."""
+    return [c for part in parts for c in part.unbind(dim + 1)]
+
+
+def _held(classes: ResidueRows) -> torch.Tensor:
+    held = torch.zeros(classes.length, dtype=torch.bool)
+    for s in _starts(classes):
+        held[s :: classes.step] = True
+    return held
+
+
+RUNS = [
+    (37, 4, ((1, 3), (0, 1)), 1),  # classes 1-3 one run (9 rows each), class 0 (10 rows)
+    (32, 16, ((3, 13),), 1),  # NSA-like: 13 consecutive classes of 2 rows
+    (34, 16, ((2, 15), (1, 1)), 1),  # the last class apart, a row short of a whole step
+    (10, 3, ((2, 1),), 2),  # lse-like rows along dim 2
+    (9, 1, ((0, 1),), 1),  # one class of every row
+]
+
+
+@pytest.mark.parametrize(("length", "step", "runs", "dim"), RUNS)
+def test_gather_and_scatter_equal_strided_slices(length, step, runs, dim):
     torch.manual_seed(0)
     shape = [2, length, 3, 5] if dim == 1 else [2, 3, length]
     x = torch.randn(shape, dtype=torch.float32, requires_grad=True)
-    classes = ResidueRows(starts, step, length)
+    classes = ResidueRows(runs, step, length)
     parts = classes.gather(x, dim)
+    assert len(parts) == len(runs)
     expected = _sliced(x, classes, dim)
-    assert len(parts) == len(starts)
-    for got, want in zip(parts, expected, strict=True):
+    for got, want in zip(_per_class(parts, dim), expected, strict=True):
         assert torch.equal(got, want)
     weights = [torch.randn_like(p) for p in parts]
     out = classes.scatter([p * w for p, w in zip(parts, weights, strict=True)], dim, -7.0)
     reference = torch.full_like(x, -7.0).detach()
-    for s, p, w in zip(starts, expected, weights, strict=True):
+    for s, p, w in zip(_starts(classes), expected, _per_class(weights, dim), strict=True):
         reference[(slice(None),) * dim + (slice(s, None, step),)] = (p * w).detach()
     assert torch.equal(out.detach(), reference)
-    held = torch.zeros(length, dtype=torch.bool)
-    for s in starts:
-        held[s::step] = True
     dout = torch.randn_like(out)
     (grad,) = torch.autograd.grad(out, x, dout)
     index = (slice(None),) * dim
     want = torch.zeros_like(x)
-    for s, w in zip(starts, weights, strict=True):
+    for s, w in zip(_starts(classes), _per_class(weights, dim), strict=True):
         rows = (*index, slice(s, None, step))
         want[rows] = dout[rows] * w
     assert torch.equal(grad, want)
-    assert not grad[(*index, ~held)].any()  # rows no class holds get no gradient
+    assert not grad[(*index, ~_held(classes))].any()  # rows no class holds get no gradient
 
 
 def test_gradcheck_float64():
     torch.manual_seed(1)
     x = torch.randn(1, 11, 2, 3, dtype=torch.float64, requires_grad=True)
-    classes = ResidueRows((2, 0), 3, 11)
+    classes = ResidueRows(((2, 1), (0, 1)), 3, 11)
 
     def fn(x):
         a, b = classes.gather(x, 1)
@@ -60,31 +81,29 @@ def test_gradcheck_float64():
     assert torch.autograd.gradgradcheck(fn, (x,))
 
 
-def test_one_class_of_every_row_is_the_tensor_itself():
+def test_one_class_of_every_row_is_a_view_of_the_tensor():
     x = torch.randn(1, 6, 2, 3)
-    classes = ResidueRows((0,), 1, 6)
+    classes = ResidueRows(((0, 1),), 1, 6)
     (part,) = classes.gather(x, 1)
-    assert part is x
-    assert classes.scatter([x], 1, 0.0) is x
+    assert part.shape == (1, 6, 1, 2, 3) and part.data_ptr() == x.data_ptr()
+    assert torch.equal(classes.scatter([part], 1, 0.0), x)
 
 
 @pytest.mark.parametrize(
-    ("length", "step", "starts"),
-    [(37, 4, (5, 2, 3, 4)), (32, 16, tuple(range(3, 16))), (20, 3, (2, 4)), (9, 1, (0,))],
-)
+    ("length", "step", "runs"),
+    [(37, 4, ((2, 3), (5, 1))), (32, 16, ((3, 13),)), (20, 3, ((2, 1), (4, 1))),
+     (9, 1, ((0, 1),))],
+)  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_scaled_scatter_has_the_bits_and_gradients_of_the_product(length, step, starts, dtype):
+def test_scaled_scatter_has_the_bits_and_gradients_of_the_product(length, step, runs, dtype):
     """``scatter(parts, scale=s)`` against ``s * scatter(parts)``: the same bits, the same
     gradients of every part and of ``s``, with non-finite scales in rows no class holds (NaN
     there, as the product gives) and a non-finite upstream gradient in such a row."""
     torch.manual_seed(2)
-    classes = ResidueRows(starts, step, length)
+    classes = ResidueRows(runs, step, length)
     x = torch.randn(2, length, 3, 5, dtype=dtype)
     scale = torch.rand(2, length, 3, 1, dtype=dtype)
-    held = torch.zeros(length, dtype=torch.bool)
-    for s in starts:
-        held[s::step] = True
-    free = (~held).nonzero().flatten().tolist()
+    free = (~_held(classes)).nonzero().flatten().tolist()
     if free:
         scale[0, free[0], 1] = float("inf")
         scale[1, free[-1], 0] = float("nan")
@@ -105,22 +124,30 @@ def test_scaled_scatter_has_the_bits_and_gradients_of_the_product(length, step, 
     assert (not free) or run(True)[0][1, free[-1], 0].isnan().all()
 
 
-def test_scaled_scatter_gradchecks_float64():
+def test_scaled_scatter_of_a_strided_scale_gradchecks_float64():
+    """A scale that is a strided view (one gate of several, as NSA's) and parts of runs."""
     torch.manual_seed(3)
     x = torch.randn(1, 11, 2, 3, dtype=torch.float64, requires_grad=True)
-    scale = torch.rand(1, 11, 2, 1, dtype=torch.float64, requires_grad=True)
-    classes = ResidueRows((2, 4, 6), 3, 11)
+    gates = torch.rand(1, 11, 2, 3, dtype=torch.float64, requires_grad=True)
+    classes = ResidueRows(((2, 2), (4, 1)), 3, 11)
 
-    def fn(x, scale):
-        a, b, c = classes.gather(x, 1)
-        return classes.scatter([a.sin(), b * 2, c], 1, 0.5, scale=scale)
+    def fn(x, gates):
+        a, b = classes.gather(x, 1)
+        return classes.scatter([a.sin(), b * 2], 1, 0.5, scale=gates[..., 1, None])
 
-    assert torch.autograd.gradcheck(fn, (x, scale))
-    assert torch.autograd.gradgradcheck(fn, (x, scale))
+    assert torch.autograd.gradcheck(fn, (x, gates))
+    assert torch.autograd.gradgradcheck(fn, (x, gates))
 
 
 def test_scaled_scatter_rejects_a_broadcast_scale():
-    classes = ResidueRows((1, 0), 2, 6)
+    classes = ResidueRows(((0, 2),), 2, 6)
     parts = list(classes.gather(torch.randn(1, 6, 2, 3), 1))
     with pytest.raises(ValueError, match=r"scale: expected 6 rows along dim 1.*\(1, 1, 2, 1\)"):
         classes.scatter(parts, 1, 0.0, scale=torch.ones(1, 1, 2, 1))
+
+
+@pytest.mark.parametrize("runs", [((0, 3),), ((0, 2),), ((0, 0),)])
+def test_a_run_of_classes_with_unequal_rows_or_past_the_step_is_refused(runs):
+    """Length 7, step 2: classes 0 and 1 have 4 and 3 rows; 3 classes exceed the step."""
+    with pytest.raises(ValueError, match="is not a run of classes with as many rows"):
+        ResidueRows(runs, 2, 7)
