@@ -90,8 +90,8 @@ def test_replayed_calls_compute_the_launches_bits(
     for i, got in enumerate(steps):
         for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, expected, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"step {i}: {name}")
-    assert graphs._GRAPHS, "no call was captured"
-    assert len(replays) >= 4, f"{len(replays)} replays in six steps"
+    assert graphs._GRAPHS, f"no call was captured ({graphs.events()})"
+    assert len(replays) >= 4, f"{len(replays)} replays in six steps ({graphs.events()})"
 
 
 def test_a_replay_reads_what_its_tensors_hold_now(monkeypatch: pytest.MonkeyPatch) -> None:
