@@ -50,10 +50,9 @@ Note [Residue classes as heads]
     call: their queries side by side as more heads, head ``h`` of class ``c`` as head ``h * G
     + c`` of G classes, so that key/value head ``j`` serves its group's heads of every class
     (GQA) and the compressed keys and values are read once; the run's output and lse are views
-    of the call's. With ``l =
-    2 d`` (NSA's 32 and 16) and a length divisible by ``d`` that is two calls instead of
-    ``d``: a call of one class at 64K tokens is ~4K rows over at most ~4K keys, too short to
-    hide its host time.
+    of the call's. With ``l = 2 d`` (NSA's 32 and 16) and a length divisible by ``d`` that is
+    two calls instead of ``d``: a call of one class at 64K tokens is ~4K rows over at most ~4K
+    keys, too short to hide its host time.
 
 Shape legend: B batch, Nq query rows, Nk key rows, H query heads, Hkv key/value heads, D head
 dim, Nc compressed keys, l compress_block, d compress_stride.
@@ -426,8 +425,8 @@ def _runs(calls: list[tuple[int, int]], step: int, nq: int) -> list[tuple[int, i
     for first, keys in sorted(calls):
         if runs:
             start, count, seen = runs[-1]
-            rows = len(range(first, nq, step)) == len(range(start, nq, step))
-            if seen == keys and count < step and first == start + count and rows:
+            same_rows = len(range(first, nq, step)) == len(range(start, nq, step))
+            if seen == keys and count < step and first == start + count and same_rows:
                 runs[-1] = (start, count + 1, keys)
                 continue
         runs.append((first, 1, keys))
