@@ -120,33 +120,48 @@ class _Pieces:
         self, grad: torch.Tensor, shape: torch.Size, dtype: torch.dtype
     ) -> torch.Tensor:
         """The gradient of :meth:`means` at ``grad`` (B, Nc, ...): (B, N, ...) = ``shape`` in
-        ``dtype``, each window's ``grad / block`` added on each of its positions."""
+        ``dtype``, each window's ``grad / block`` added on each of its positions. Out of place
+        throughout (``torch.func``'s transforms run it too)."""
         grad = grad / (self.per * self.size)
-        if self.per == 1 and self.step == 1:  # windows side by side: each piece one window
-            sums = grad
-        else:
-            sums = grad.new_zeros(grad.shape[0], self.count, *grad.shape[2:])
-            for first in range(self.per):
-                sums[:, self._starts(first)] += grad
-        out = grad.new_empty(shape, dtype=dtype)
-        end = self.count * self.size
-        out[:, :end].unflatten(1, (self.count, self.size)).copy_(sums.unsqueeze(2))
-        out[:, end:].zero_()
-        return out
+        if self.step > 1:  # the windows' gradients every `step` pieces, zeros between
+            gaps = grad.new_zeros(grad.shape[0], self.windows, self.step - 1, *grad.shape[2:])
+            grad = torch.cat([grad.unsqueeze(2), gaps], 2).flatten(1, 2)
+            grad = grad[:, : (self.windows - 1) * self.step + 1]
+        pieces = -(-shape[1] // self.size)  # the last one may reach past the positions
+        rest = grad.shape[2:]
+        terms = [  # each window's gradient on its offset-`first` pieces
+            torch.cat([grad.new_zeros(grad.shape[0], first, *rest), grad,
+                       grad.new_zeros(grad.shape[0], pieces - first - grad.shape[1], *rest)], 1)
+            for first in range(self.per)
+        ]  # fmt: skip
+        sums = sum(terms[1:], terms[0])
+        spread = sums.to(dtype).unsqueeze(2).expand(*sums.shape[:2], self.size, *sums.shape[2:])
+        return spread.reshape(sums.shape[0], pieces * self.size, *sums.shape[2:])[:, : shape[1]]
 
 
 class _WindowMeans(torch.autograd.Function):
     """:meth:`_Pieces.means` with :meth:`_Pieces.spread` as its gradient (made of
-    differentiable operations, so twice differentiable)."""
+    differentiable operations, so twice differentiable), its own forward derivative and a
+    generated vmap rule (``torch.func``'s transforms)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, pieces: _Pieces) -> torch.Tensor:
-        ctx.pieces, ctx.shape, ctx.dtype = pieces, x.shape, x.dtype
+    def forward(x: torch.Tensor, pieces: _Pieces) -> torch.Tensor:
         return pieces.means(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[torch.Tensor, _Pieces], output: Any) -> None:
+        x, pieces = inputs
+        ctx.pieces, ctx.shape, ctx.dtype = pieces, x.shape, x.dtype
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return ctx.pieces.spread(grad, ctx.shape, ctx.dtype), None
+
+    @staticmethod
+    def jvp(ctx: Any, x_tangent: torch.Tensor, _: None) -> torch.Tensor:
+        return ctx.pieces.means(x_tangent)  # the means are linear in x
 
 
 def _check_window(block: object, stride: object) -> tuple[int, int]:

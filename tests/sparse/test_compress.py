@@ -12,6 +12,7 @@ from support.tolerances import rounding_floor
 from torch import Tensor
 
 from dilated_attention.sparse import compress_kv, compressed_key_mask
+from dilated_attention.sparse.compression import window_means
 
 
 def windows(n: int, block: int, stride: int) -> list[range]:
@@ -72,6 +73,41 @@ def test_twice_differentiable_on_strided_input(block: int, stride: int) -> None:
     torch.testing.assert_close(pool(key, value)[0], pooled(key.contiguous(), block, stride))
     assert torch.autograd.gradcheck(pool, (key, value))
     assert torch.autograd.gradgradcheck(pool, (key, value))
+
+
+def test_torch_func_transforms_and_forward_mode() -> None:
+    """``torch.func.grad``, ``vmap`` (over a batch of keys, and of gradients), ``jvp`` and
+    forward-mode dual tensors through the pooling, against the window loop's."""
+    key = torch.randn(2, 23, 3, 4, dtype=torch.float64)
+    tangent = torch.randn_like(key)
+
+    def pool(x: Tensor) -> Tensor:
+        return compress_kv(x, x, block=5, stride=3)[0]
+
+    leaf = key.clone().requires_grad_()
+    (want,) = torch.autograd.grad(pooled(leaf, 5, 3).pow(2).sum(), leaf)
+    torch.testing.assert_close(torch.func.grad(lambda x: pool(x).pow(2).sum())(key), want)
+    stack = torch.randn(3, *key.shape, dtype=torch.float64)
+    torch.testing.assert_close(torch.func.vmap(pool)(stack),
+                               torch.stack([pooled(x, 5, 3) for x in stack]))  # fmt: skip
+    grads = torch.func.vmap(torch.func.grad(lambda x: pool(x).sum()))(stack)
+    torch.testing.assert_close(grads[1], torch.func.grad(lambda x: pool(x).sum())(stack[1]))
+    _, pushed = torch.func.jvp(pool, (key,), (tangent,))
+    torch.testing.assert_close(pushed, pooled(tangent, 5, 3))
+    with torch.autograd.forward_ad.dual_level():
+        dual = pool(torch.autograd.forward_ad.make_dual(key, tangent))
+        torch.testing.assert_close(torch.autograd.forward_ad.unpack_dual(dual).tangent,
+                                   pooled(tangent, 5, 3))  # fmt: skip
+
+
+@pytest.mark.parametrize(("n", "block", "stride"), [(30, 4, 6), (31, 3, 5), (9, 2, 9)])
+def test_window_means_of_windows_apart(n: int, block: int, stride: int) -> None:
+    """``window_means`` also pools windows with gaps between them (``stride > block``, as
+    nothing in NSA does): positions in no window get no gradient."""
+    x = torch.randn(1, n, 2, 3, dtype=torch.float64, requires_grad=True)
+    means = window_means(x, block, stride)
+    torch.testing.assert_close(means, pooled(x, block, stride), rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda x: window_means(x, block, stride), (x,))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

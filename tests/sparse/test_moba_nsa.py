@@ -80,6 +80,18 @@ def test_moba_matches_the_reference(case: dict[str, Any]) -> None:
     _assert_same_with_gradients(out, ref, [q, k, v])
 
 
+def test_moba_under_torch_func_grad_equals_autograd() -> None:
+    """``torch.func.grad`` through MoBA (its block means, choice and attention) gives the
+    gradient autograd gives."""
+    q, k, v = _leaves(1, 40, 4, 2, nk=40)
+
+    def loss(q: Tensor) -> Tensor:
+        return moba_attention(q, k, v, block_size=8, topk=2).pow(2).sum()
+
+    (want,) = torch.autograd.grad(loss(q), q)
+    torch.testing.assert_close(torch.func.grad(loss)(q.detach()), want)
+
+
 def test_moba_soft_caps_the_chosen_blocks_scores_and_adds_sinks() -> None:
     """Gemma 2's soft-cap and gpt-oss's sinks (one logit per query head, counted once in each
     row's denominator) on the blocks the plain affinities choose, against explicit scores."""
