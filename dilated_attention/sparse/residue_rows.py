@@ -55,11 +55,23 @@ class ResidueRows:
 
     def __post_init__(self) -> None:
         for first, count in self.runs:
-            if not (0 < count <= self.step and self.rows(first) == self.rows(first + count - 1)):
+            if not (first >= 0 and 0 < count <= self.step
+                    and self.rows(first) == self.rows(first + count - 1)):  # fmt: skip
                 raise ValueError(
                     f"runs: ({first}, {count}) is not a run of classes with as many rows (at "
-                    f"most step={self.step} classes, rows below length={self.length}); split it"
+                    f"most step={self.step} classes from a row >= 0, rows below length="
+                    f"{self.length}); split it"
                 )
+        starts = self.starts()
+        if len({start % self.step for start in starts}) != len(starts):
+            raise ValueError(
+                f"runs: {self.runs} put a row in two classes (two first rows alike modulo "
+                f"step={self.step}); each residue may start one class"
+            )
+
+    def starts(self) -> list[int]:
+        """Every class's first row, run by run."""
+        return [first + c for first, count in self.runs for c in range(count)]
 
     def rows(self, start: int) -> int:
         """How many rows the class starting at ``start`` has."""
@@ -82,6 +94,11 @@ class ResidueRows:
 
     def gather(self, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, ...]:
         """Each run's rows of ``x`` (:meth:`view`), differentiable in ``x``."""
+        if x.shape[dim] != self.length:
+            raise ValueError(
+                f"gather: x must have length={self.length} rows along dim {dim}, got shape "
+                f"{tuple(x.shape)}; pass the tensor the classes were made for"
+            )
         if self.every_row():
             return (x.unsqueeze(dim + 1),)
         return _Gather.apply(x, dim, self)  # type: ignore[no-any-return]
@@ -100,6 +117,13 @@ class ResidueRows:
                 f"scale: expected {self.length} rows along dim {dim} (one per row put back), "
                 f"got shape {tuple(scale.shape)}; pass the rows' own scales, not a broadcast"
             )
+        for run, part in zip(self.runs, parts, strict=True):
+            if tuple(part.shape[dim : dim + 2]) != (self.rows(run[0]), run[1]):
+                raise ValueError(
+                    f"scatter: the part of run {run} must have ({self.rows(run[0])}, {run[1]}) "
+                    f"along dims {dim} and {dim + 1}, got shape {tuple(part.shape)}; pass the "
+                    f"parts as gather gives them"
+                )
         if self.every_row():
             whole = parts[0].squeeze(dim + 1)
             return whole if scale is None else scale * whole
@@ -110,7 +134,7 @@ class ResidueRows:
     def filled(self, dim: int) -> tuple[slice, ...]:
         """The index along ``dim`` of rows that hold every row no class holds: those below the
         last class's first row, or all where a residue has no class."""
-        starts = [first + c for first, count in self.runs for c in range(count)]
+        starts = self.starts()
         end = self.length
         if len({start % self.step for start in starts}) == self.step:
             end = min(max(starts), self.length)

@@ -151,3 +151,32 @@ def test_a_run_of_classes_with_unequal_rows_or_past_the_step_is_refused(runs):
     """Length 7, step 2: classes 0 and 1 have 4 and 3 rows; 3 classes exceed the step."""
     with pytest.raises(ValueError, match="is not a run of classes with as many rows"):
         ResidueRows(runs, 2, 7)
+
+
+@pytest.mark.parametrize(
+    ("runs", "message"),
+    [(((-1, 1),), "from a row >= 0"), (((0, 2), (1, 1)), "put a row in two classes"),
+     (((1, 1), (3, 1)), "put a row in two classes")],
+)  # fmt: skip
+def test_runs_before_the_rows_or_sharing_a_row_are_refused(runs, message):
+    with pytest.raises(ValueError, match=message):
+        ResidueRows(runs, 2, 10)
+
+
+def test_gather_and_scatter_check_the_shapes_they_are_given():
+    classes = ResidueRows(((0, 2),), 4, 20)
+    with pytest.raises(ValueError, match=r"gather: x must have length=20 rows along dim 1"):
+        classes.gather(torch.randn(1, 10, 2), 1)
+    (part,) = classes.gather(torch.randn(1, 20, 2), 1)
+    with pytest.raises(ValueError, match=r"scatter: the part of run \(0, 2\) must have \(5, 2\)"):
+        classes.scatter([part[:, :1]], 1, 0.0)
+
+
+def test_a_view_with_a_storage_offset_gathers_its_own_rows():
+    """``x`` a slice of a longer tensor: each run's rows are ``x``'s, not its storage's."""
+    big = torch.arange(60.0).view(1, 30, 2)
+    x = big[:, 5:15]
+    classes = ResidueRows(((0, 2), (2, 1)), 4, 10)
+    for got, want in zip(_per_class(classes.gather(x, 1), 1), _sliced(x, classes, 1), strict=True):
+        assert torch.equal(got, want)
+
