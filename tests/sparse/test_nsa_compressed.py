@@ -14,6 +14,7 @@ import torch
 import dilated_attention.sparse.nsa as nsa
 from dilated_attention import attention
 from dilated_attention.sparse import compress_kv
+from dilated_attention.sparse.compression import num_windows
 
 F64 = torch.float64
 
@@ -74,3 +75,34 @@ def test_alike_classes_run_as_one_call(monkeypatch, nq, nk, block, stride, heads
     want = torch.autograd.grad(want_out, (q, k, v), dout)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize(
+    ("nq", "nk", "block", "stride"),
+    [(64, 64, 8, 4), (61, 61, 8, 4), (20, 45, 5, 3), (4099, 4099, 32, 16), (30, 30, 7, 2)],
+)
+def test_runs_hold_every_class_once_and_are_as_long_as_they_can_be(nq, nk, block, stride):
+    """``_runs``: each class (first row, keys) in exactly one run; a run's classes on
+    consecutive first rows with as many rows and the same keys, at most ``stride`` of them; no
+    two neighbouring runs that could have been one."""
+    calls = nsa._class_calls(nq, nk, block, stride, True, num_windows(nk, block, stride))
+    runs = nsa._runs(calls, stride, nq)
+
+    def rows(start: int) -> int:
+        return len(range(start, nq, stride))
+
+    held = sorted((first + c, keys) for first, count, keys in runs for c in range(count))
+    assert held == sorted(calls)
+    for first, count, _ in runs:
+        assert count <= stride and {rows(first + c) for c in range(count)} == {rows(first)}
+    for (a, count, keys_a), (b, _, keys_b) in itertools.pairwise(runs):
+        last = a + count - 1
+        assert not (b == last + 1 and keys_a == keys_b and rows(last) == rows(b) and
+                    count < stride)  # fmt: skip
+
+
+def test_nsa_strides_classes_make_two_runs():
+    """l = 2 d over a length divisible by d: the class whose first row comes first sees one
+    compressed key more; the other d - 1 classes are one run."""
+    calls = nsa._class_calls(64, 64, 8, 4, True, num_windows(64, 8, 4))
+    assert nsa._runs(calls, 4, 64) == [(7, 1, 15), (8, 3, 14)]
