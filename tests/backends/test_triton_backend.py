@@ -39,7 +39,7 @@ from dilated_attention import dilated_attention
 from dilated_attention.backends import base, get_backend
 from dilated_attention.backends import triton as triton_backend
 from dilated_attention.backends.registry import choose
-from dilated_attention.core.execution import fused
+from dilated_attention.core.execution import fused, graphs
 from dilated_attention.core.execution.fused import BranchSpan, position_groups
 from dilated_attention.core.geometry.cells import Cells, add_cells, merge_cells
 
@@ -401,6 +401,67 @@ def test_fused_engine_results_do_not_depend_on_grouping(
         widths.clear()
         for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), whole, split, strict=True):
             assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize(("device", "dtypes"), KERNEL_DEVICES)
+def test_causal_results_do_not_depend_on_the_order_of_tiles(
+    device: str, dtypes: list[torch.dtype], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Causal launches start their heaviest tiles first (Note [Heavy tiles first]): the same
+    bits as the tiles in index order, forward and backward, with GQA, a ragged last segment and
+    offsets with fewer rows."""
+    skip_without_triton(device)
+    from dilated_attention.backends.triton_kernels.launch import clear_bound
+
+    kernels = triton_backend._kernels()
+    real_grid = kernels._grid
+    orders: list[bool] = []
+
+    def spy(tiles: int, groups: int, batch: int, is_causal: bool) -> tuple[Any, bool]:
+        grid, outer = real_grid(tiles, groups, batch, is_causal)
+        orders.append(outer)
+        return grid, outer
+
+    gen = torch.Generator().manual_seed(5)
+    for dtype in dtypes:
+        q, dout = (torch.randn(2, 333, 8, 32, generator=gen) for _ in "qo")
+        k, v = (torch.randn(2, 333, 2, 32, generator=gen) for _ in "kv")
+        leaves = [x.to(device, dtype).requires_grad_() for x in (q, k, v)]
+        dout = dout.to(device, dtype)
+
+        def run(leaves: list[Tensor] = leaves, dout: Tensor = dout) -> list[Tensor]:
+            out, lse = dilated_attention(
+                *leaves, (64, 160, 333), (1, 3, 4), is_causal=True, backend="triton",
+                return_lse=True,
+            )  # fmt: skip
+            return [out.detach(), lse, *torch.autograd.grad(out, leaves, dout)]
+
+        with monkeypatch.context() as patch:
+            patch.setattr(kernels, "_grid", spy)
+            heavy_first = run()
+        assert orders and all(orders)
+        orders.clear()
+        graphs.clear()  # replayed graphs and bound launches keep the grids they were made with
+        clear_bound()
+        with monkeypatch.context() as patch:
+            patch.setattr(kernels, "MAX_GRID_Y", 0)  # no tiles fit y: index order
+            patch.setattr(kernels, "_grid", spy)
+            in_order = run()
+        assert orders and not any(orders)
+        orders.clear()
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), heavy_first, in_order, strict=True):
+            assert torch.equal(a, b), name
+
+
+def test_causal_grids_put_tiles_on_y_where_they_fit() -> None:
+    """The grid's layout per launch (Note [Heavy tiles first]): causal launches put their tiles
+    on y, unless more than y holds; other launches keep them on x."""
+    pytest.importorskip("triton")
+    grid = triton_backend._kernels()._grid
+    assert grid(32, 64, 2, True) == ((64, 32, 2), True)
+    assert grid(32, 64, 2, False) == ((32, 64, 2), False)
+    assert grid(2**16 - 1, 3, 1, True) == ((3, 2**16 - 1, 1), True)
+    assert grid(2**16, 3, 1, True) == ((2**16, 3, 1), False)
 
 
 def _random_cells(seq_len: int, heads: int, gen: torch.Generator) -> Cells:

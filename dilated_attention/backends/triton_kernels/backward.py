@@ -25,6 +25,7 @@ from .device import (
     _segment_rows,
     _step,
     _store_rows,
+    _tile_and_group,
     _visible,
 )
 
@@ -157,12 +158,11 @@ def _dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCUMULATE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr, TABLE: tl.constexpr, WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, TILES_OUTER: tl.constexpr,
 ):  # fmt: skip
     """dK, dV of one key tile of key/value head ``g`` at offset ``s``: every query head of ``g``
     with that offset contributes (heads ``g*G + j + t*r``)."""
-    pid_n = tl.program_id(0)
-    pid = tl.program_id(1)
+    pid_n, pid = _tile_and_group(TILES_OUTER, False)  # Note [Heavy tiles first]
     b = tl.program_id(2).to(tl.int64)
     j = pid % num_offsets
     g = (pid // num_offsets) % num_kv_heads
@@ -231,11 +231,10 @@ def _dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCUMULATE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr, TABLE: tl.constexpr, WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, TILES_OUTER: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query tile of head ``h``."""
-    pid_m = tl.program_id(0)
-    pid_sh = tl.program_id(1)
+    pid_m, pid_sh = _tile_and_group(TILES_OUTER, True)  # Note [Heavy tiles first]
     b = tl.program_id(2).to(tl.int64)
     h = pid_sh % num_heads
     base_q, base_k, rows_q, rows_k = _segment_rows(

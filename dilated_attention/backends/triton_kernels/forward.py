@@ -25,6 +25,7 @@ from .device import (
     _step,
     _store_rows,
     _tanh,
+    _tile_and_group,
     _visible,
 )
 
@@ -117,13 +118,12 @@ def _forward_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MERGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr,
-    TABLE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    TABLE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, TILES_OUTER: tl.constexpr,
 ):  # fmt: skip
     """One branch's forward for query tile ``pid_m`` of one (segment, head) and batch row.
     With ``SOFTCAP``, ``qk_scale`` is log2(e) and ``sm_scale`` 1 (the capped scores are scaled
     already, ``cap_in = scale / softcap``; Note [Soft-capped scores in the kernels])."""
-    pid_m = tl.program_id(0)
-    pid_sh = tl.program_id(1)
+    pid_m, pid_sh = _tile_and_group(TILES_OUTER, True)  # Note [Heavy tiles first]
     b32 = tl.program_id(2)
     b = b32.to(tl.int64)
     h = pid_sh % num_heads

@@ -333,6 +333,18 @@ class _Scores:
         return {"WINDOW": self.window, "SOFTCAP": self.softcap is not None}
 
 
+#: The most programs a launch grid holds along y (and z).
+MAX_GRID_Y = 2**16 - 1
+
+
+def _grid(tiles: int, groups: int, batch: int, is_causal: bool) -> tuple[tuple[int, ...], bool]:
+    """A branch launch's grid and ``TILES_OUTER``: causal launches put the tiles on y, heavy
+    ones first, where they fit (Note [Heavy tiles first] in ``triton_kernels/device.py``)."""
+    if is_causal and tiles <= MAX_GRID_Y:
+        return (groups, tiles, batch), True
+    return (tiles, groups, batch), False
+
+
 def _scores(branch: Branch, softcap: float | None, window: Window | None) -> _Scores:
     """A launch's :class:`_Scores`. The window is the call's (Note [Scores a kernel call
     transforms] in ``core/contract.py``): query row ``i`` stands at key row ``i + Nk - Nq``; an
@@ -414,7 +426,8 @@ def forward_branch(
             _row_descriptor(k, branch.rate, config.block_n, block_d),
             _row_descriptor(v, branch.rate, config.block_n, block_d),
         )
-    grid = (cdiv(branch.max_rows_q, config.block_m), branch.num_segments * heads, batch)
+    grid, outer = _grid(cdiv(branch.max_rows_q, config.block_m), branch.num_segments * heads,
+                        batch, is_causal)  # fmt: skip
     strides = [_bnh(x) for x in (q, k, v, out, prev)]
     _launch(
         _forward_kernel, grid, q, k, v, out, prev, lse, mask, _bounds(branch, lse),
@@ -425,7 +438,8 @@ def forward_branch(
         BLOCK_N=config.block_n, CAUSAL=is_causal, HAS_MASK=key_mask is not None, MERGE=merge,
         DOT_PRECISION=dot_precision(q), WIDE=_wide_rows(branch, max(s[1] for s in strides)),
         DESCRIPTORS=descriptors[0] is not None, TABLE=branch.bounds is not None,
-        **scores.flags(), num_warps=config.num_warps, num_stages=config.num_stages,
+        TILES_OUTER=outer, **scores.flags(), num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )  # fmt: skip
 
 
@@ -502,21 +516,21 @@ def backward_branch(
         "DOT_PRECISION": dot_precision(q), "WIDE": _wide(branch, q, k, v, dout, dq, dk),
         "TABLE": branch.bounds is not None, **scores.flags(),
     }  # fmt: skip
-    grid = (
-        cdiv(branch.max_rows_k, config_dkdv.block_n),
-        branch.num_segments * kv_heads * offsets,
-        batch,
-    )
+    grid, outer = _grid(cdiv(branch.max_rows_k, config_dkdv.block_n),
+                        branch.num_segments * kv_heads * offsets, batch, is_causal)  # fmt: skip
     _launch(
         _dkdv_kernel, grid, q, k, v, dout, lse, delta, mask, _bounds(branch, lse), dk, dv,
         *common, *_bnh(dk), delta_row0, grad_row0, *geometry, kv_heads, group, offsets, scale,
         *scores.backward(), BLOCK_M=config_dkdv.block_m, BLOCK_N=config_dkdv.block_n,
-        num_warps=config_dkdv.num_warps, num_stages=config_dkdv.num_stages, **flags,
+        num_warps=config_dkdv.num_warps, num_stages=config_dkdv.num_stages, TILES_OUTER=outer,
+        **flags,
     )  # fmt: skip
-    grid = (cdiv(branch.max_rows_q, config_dq.block_m), branch.num_segments * heads, batch)
+    grid, outer = _grid(cdiv(branch.max_rows_q, config_dq.block_m), branch.num_segments * heads,
+                        batch, is_causal)  # fmt: skip
     _launch(
         _dq_kernel, grid, q, k, v, dout, lse, delta, mask, _bounds(branch, lse), dq, *common,
         *_bnh(dq), delta_row0, grad_row0, *geometry, heads, group, scale, *scores.backward(),
         BLOCK_M=config_dq.block_m, BLOCK_N=config_dq.block_n,
-        num_warps=config_dq.num_warps, num_stages=config_dq.num_stages, **flags,
+        num_warps=config_dq.num_warps, num_stages=config_dq.num_stages, TILES_OUTER=outer,
+        **flags,
     )  # fmt: skip
