@@ -59,6 +59,10 @@ Note [Tile tables]
     and 3 stages, which the sweep above did not try, ran causal calls 1.11-1.16x faster than
     128x128 at 4K-64K and 1.04-1.06x at 256K; non-causal ones 0.97-1.07x, so they keep 128x128.
     The causal dK/dV tile with 3 stages instead of 2 was 0-2% faster at every length.
+
+    GQA (16 query heads over 4 key/value heads), causal, D = 128, LongNet's schedule at 8K and
+    32K (record ``tune_triton_gqa_h200``): every dK/dV and dQ candidate was slower than the
+    table's tiles or within 1% of them, so GQA keeps them.
 """
 
 from __future__ import annotations
