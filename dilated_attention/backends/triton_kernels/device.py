@@ -69,11 +69,12 @@ def _jit(fn: Callable[..., Any]) -> Any:
 #     together, heavy and light mixed, and the last wave holds whole groups' heaviest tiles: the
 #     launch waits on a few programs while most SMs idle. With ``TILES_OUTER`` the grid is
 #     (groups, tiles, batch) and the tile comes from y, heaviest first (forward and dQ count
-#     down from the last tile, dK/dV up from the first): every group's heaviest tiles start in
-#     the first wave and the last waves hold the lightest (longest-processing-time-first
-#     scheduling). At N = 32K with 4 key/value heads the rate-1 dK/dV launch of LongNet's
-#     schedule ran 24% slower than with 16 (fewer, longer programs) before this. Launchers set
-#     it for causal launches whose tiles fit y (2**16 - 1 programs); results do not depend on it.
+#     down from the last tile, dK/dV up from the first): tiles start one index at a time across
+#     all groups, the heaviest index first, so the last waves hold the lightest tiles
+#     (longest-processing-time-first scheduling). Before this, at N = 32K the rate-1 dK/dV launch
+#     of LongNet's schedule ran 24% slower with 4 key/value heads than with 16 (fewer, longer
+#     programs). Launchers set it for causal launches whose tiles fit y (2**16 - 1 programs);
+#     results do not depend on it.
 
 
 @triton.jit
