@@ -436,19 +436,19 @@ def test_causal_results_do_not_depend_on_the_order_of_tiles(
             )  # fmt: skip
             return [out.detach(), lse, *torch.autograd.grad(out, leaves, dout)]
 
-        with monkeypatch.context() as patch:
-            patch.setattr(kernels, "_grid", spy)
-            heavy_first = run()
-        assert orders and all(orders)
-        orders.clear()
-        graphs.clear()  # replayed graphs and bound launches keep the grids they were made with
-        clear_bound()
-        with monkeypatch.context() as patch:
-            patch.setattr(kernels, "MAX_GRID_Y", 0)  # no tiles fit y: index order
-            patch.setattr(kernels, "_grid", spy)
-            in_order = run()
-        assert orders and not any(orders)
-        orders.clear()
+        def ordered(max_y: int) -> list[Tensor]:
+            graphs.clear()  # replayed graphs and bound launches keep the grids they were made with
+            clear_bound()
+            orders.clear()
+            with monkeypatch.context() as patch:
+                patch.setattr(kernels, "MAX_GRID_Y", max_y)
+                patch.setattr(kernels, "_grid", spy)
+                results = run()
+            assert orders and set(orders) == {max_y > 0}  # every launch took the layout asked
+            return results
+
+        heavy_first = ordered(kernels.MAX_GRID_Y)
+        in_order = ordered(0)  # no tiles fit y: index order
         for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), heavy_first, in_order, strict=True):
             assert torch.equal(a, b), name
 
