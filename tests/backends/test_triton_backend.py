@@ -408,8 +408,8 @@ def test_causal_results_do_not_depend_on_the_order_of_tiles(
     device: str, dtypes: list[torch.dtype], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Causal launches start their heaviest tiles first (Note [Heavy tiles first]): the same
-    bits as the tiles in index order, forward and backward, with GQA, a ragged last segment and
-    offsets with fewer rows."""
+    bits as the tiles in index order, forward and backward, with GQA and a ragged last segment
+    of fewer tiles than the others (32 rows against 256 in branch (256, 1))."""
     skip_without_triton(device)
     from dilated_attention.backends.triton_kernels.launch import clear_bound
 
@@ -422,46 +422,58 @@ def test_causal_results_do_not_depend_on_the_order_of_tiles(
         orders.append(outer)
         return grid, outer
 
+    def index_order(tiles: int, groups: int, batch: int, is_causal: bool) -> tuple[Any, bool]:
+        orders.append(False)
+        return (tiles, groups, batch), False  # the layout before Note [Heavy tiles first]
+
     gen = torch.Generator().manual_seed(5)
     for dtype in dtypes:
-        q, dout = (torch.randn(2, 333, 8, 32, generator=gen) for _ in "qo")
-        k, v = (torch.randn(2, 333, 2, 32, generator=gen) for _ in "kv")
+        q, dout = (torch.randn(2, 800, 8, 32, generator=gen) for _ in "qo")
+        k, v = (torch.randn(2, 800, 2, 32, generator=gen) for _ in "kv")
         leaves = [x.to(device, dtype).requires_grad_() for x in (q, k, v)]
         dout = dout.to(device, dtype)
 
         def run(leaves: list[Tensor] = leaves, dout: Tensor = dout) -> list[Tensor]:
             out, lse = dilated_attention(
-                *leaves, (64, 160, 333), (1, 3, 4), is_causal=True, backend="triton",
+                *leaves, (256, 400, 800), (1, 2, 4), is_causal=True, backend="triton",
                 return_lse=True,
             )  # fmt: skip
             return [out.detach(), lse, *torch.autograd.grad(out, leaves, dout)]
 
-        def ordered(max_y: int) -> list[Tensor]:
+        def ordered(grid: Any, outer: bool) -> list[Tensor]:
             graphs.clear()  # replayed graphs and bound launches keep the grids they were made with
             clear_bound()
             orders.clear()
             with monkeypatch.context() as patch:
-                patch.setattr(kernels, "MAX_GRID_Y", max_y)
-                patch.setattr(kernels, "_grid", spy)
+                patch.setattr(kernels, "_grid", grid)
                 results = run()
-            assert orders and set(orders) == {max_y > 0}  # every launch took the layout asked
+            assert orders and set(orders) == {outer}  # every launch took the layout asked
             return results
 
-        heavy_first = ordered(kernels.MAX_GRID_Y)
-        in_order = ordered(0)  # no tiles fit y: index order
+        heavy_first = ordered(spy, True)
+        in_order = ordered(index_order, False)
         for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), heavy_first, in_order, strict=True):
             assert torch.equal(a, b), name
 
 
 def test_causal_grids_put_tiles_on_y_where_they_fit() -> None:
     """The grid's layout per launch (Note [Heavy tiles first]): causal launches put their tiles
-    on y, unless more than y holds; other launches keep them on x."""
+    on y, unless more than y holds; other launches keep them on x unless their (segment, head)
+    groups pass y's limit; a launch that fits neither way, or too many batch rows for z, is a
+    clear error before any launch."""
     pytest.importorskip("triton")
     grid = triton_backend._kernels()._grid
+    most = 2**16 - 1
     assert grid(32, 64, 2, True) == ((64, 32, 2), True)
     assert grid(32, 64, 2, False) == ((32, 64, 2), False)
-    assert grid(2**16 - 1, 3, 1, True) == ((3, 2**16 - 1, 1), True)
-    assert grid(2**16, 3, 1, True) == ((2**16, 3, 1), False)
+    assert grid(most, 3, 1, True) == ((3, most, 1), True)
+    assert grid(most + 1, 3, 1, True) == ((most + 1, 3, 1), False)
+    assert grid(8, most + 1, 1, False) == ((most + 1, 8, 1), True)  # groups past y: tiles on y
+    assert grid(8, most, 1, False) == ((8, most, 1), False)
+    for tiles, groups, batch in ((most + 1, most + 1, 1), (8, 3, most + 1)):
+        with pytest.raises(ValueError, match="does not fit a CUDA grid") as caught:
+            grid(tiles, groups, batch, True)
+        assert f"{batch} batch rows" in str(caught.value) and "backend='sdpa'" in str(caught.value)
 
 
 def _random_cells(seq_len: int, heads: int, gen: torch.Generator) -> Cells:

@@ -63,18 +63,21 @@ def _jit(fn: Callable[..., Any]) -> Any:
 
 # Note [Heavy tiles first]
 #     A causal launch's programs do unequal work: in a segment of T tiles, forward and dQ tile i
-#     visits i + 1 key tiles and dK/dV tile i visits T - i query tiles (and a GQA dK/dV program
-#     does that for each of its G query heads). The GPU starts programs in the order of their
-#     linear index, x fastest. With the tile on x, every (segment, head) group's tiles start
-#     together, heavy and light mixed, and the last wave holds whole groups' heaviest tiles: the
-#     launch waits on a few programs while most SMs idle. With ``TILES_OUTER`` the grid is
-#     (groups, tiles, batch) and the tile comes from y, heaviest first (forward and dQ count
-#     down from the last tile, dK/dV up from the first): tiles start one index at a time across
-#     all groups, the heaviest index first, so the last waves hold the lightest tiles
-#     (longest-processing-time-first scheduling). Before this, at N = 32K the rate-1 dK/dV launch
-#     of LongNet's schedule ran 24% slower with 4 key/value heads than with 16 (fewer, longer
-#     programs). Launchers set it for causal launches whose tiles fit y (2**16 - 1 programs);
-#     results do not depend on it.
+#     visits i + 1 key tiles and dK/dV tile i visits T - i query tiles (and a GQA dK/dV program does
+#     that for each of its G query heads). The GPU starts programs, in practice (CUDA does not
+#     promise it), in the order of their linear index, x fastest and the batch row slowest. With the
+#     tile on x, every (segment, head) group's tiles start together, heavy and light mixed, and the
+#     last wave holds whole groups' heaviest tiles: the launch waits on a few programs while most
+#     SMs idle. With ``TILES_OUTER`` the grid is (groups, tiles, batch) and the tile comes from y,
+#     heaviest first (forward and dQ count down from the last tile, dK/dV up from the first): tiles
+#     start one index at a time across a batch row's groups, the heaviest index first, so the last
+#     waves hold the lightest tiles (longest-processing-time-first scheduling). Before this, at N =
+#     32K the rate-1 dK/dV launch of LongNet's schedule ran 24% slower with 4 key/value heads than
+#     with 16 (fewer, longer programs). Launchers (``_grid`` in ``triton_kernels/launchers.py``) set
+#     it for causal launches whose tiles fit y (2**16 - 1 programs), and for any launch with more
+#     (segment, head) groups than y holds; results do not depend on it. A causal launch of more
+#     tiles than y holds (over 2M rows per segment) takes the other variant, compiled on its first
+#     use.
 
 
 @triton.jit

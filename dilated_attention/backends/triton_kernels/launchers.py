@@ -333,16 +333,27 @@ class _Scores:
         return {"WINDOW": self.window, "SOFTCAP": self.softcap is not None}
 
 
-#: The most programs a launch grid holds along y (and z).
+#: The most programs a launch grid holds along y and along z (x holds 2**31 - 1).
 MAX_GRID_Y = 2**16 - 1
 
 
 def _grid(tiles: int, groups: int, batch: int, is_causal: bool) -> tuple[tuple[int, ...], bool]:
-    """A branch launch's grid and ``TILES_OUTER``: causal launches put the tiles on y, heavy
-    ones first, where they fit (Note [Heavy tiles first] in ``triton_kernels/device.py``)."""
-    if is_causal and tiles <= MAX_GRID_Y:
-        return (groups, tiles, batch), True
-    return (tiles, groups, batch), False
+    """A branch launch's grid ``(x, y, batch)`` and ``TILES_OUTER``: causal launches put the
+    tiles on y, heavy ones first, where they fit (Note [Heavy tiles first] in
+    ``triton_kernels/device.py``); so do launches with more (segment, head) groups than y holds.
+
+    Raises:
+        ValueError: neither layout fits, or more batch rows than z holds.
+    """
+    outer = tiles <= MAX_GRID_Y and (is_causal or groups > MAX_GRID_Y)
+    grid = (groups, tiles, batch) if outer else (tiles, groups, batch)
+    if grid[1] > MAX_GRID_Y or batch > MAX_GRID_Y:
+        raise ValueError(
+            f"a Triton launch of {tiles} tiles x {groups} (segment, head) groups x {batch} batch "
+            f"rows does not fit a CUDA grid (at most {MAX_GRID_Y} along y and along z); call "
+            f"with fewer batch rows at a time, or pass backend='sdpa'"
+        )
+    return grid, outer
 
 
 def _scores(branch: Branch, softcap: float | None, window: Window | None) -> _Scores:
@@ -411,9 +422,8 @@ def forward_branch(
     descriptors: tuple[Any, Any, Any] = (None, None, None)
     if allow_descriptors and q_row0 == 0 and _use_descriptors(q, k, v, branch.rate):
         if _compiling():
-            # Lengths that r does not divide read through pointers: compile that variant too,
-            # so a new length of the family compiles nothing (Note [Specialization and first
-            # calls]).
+            # Lengths that r does not divide read through pointers: compile that variant too, so
+            # a new length of the family compiles nothing (Note [Specialization and first calls]).
             forward_branch(
                 q, k, v, out, lse, key_mask, branch, out_row0=out_row0, scale=scale,
                 is_causal=is_causal, merge=merge, config=config, head0=head0,
@@ -426,8 +436,8 @@ def forward_branch(
             _row_descriptor(k, branch.rate, config.block_n, block_d),
             _row_descriptor(v, branch.rate, config.block_n, block_d),
         )
-    grid, outer = _grid(cdiv(branch.max_rows_q, config.block_m), branch.num_segments * heads,
-                        batch, is_causal)  # fmt: skip
+    tiles = cdiv(branch.max_rows_q, config.block_m)
+    grid, outer = _grid(tiles, branch.num_segments * heads, batch, is_causal)
     strides = [_bnh(x) for x in (q, k, v, out, prev)]
     _launch(
         _forward_kernel, grid, q, k, v, out, prev, lse, mask, _bounds(branch, lse),
@@ -437,9 +447,8 @@ def forward_branch(
         *scores.forward(scale), HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, CAUSAL=is_causal, HAS_MASK=key_mask is not None, MERGE=merge,
         DOT_PRECISION=dot_precision(q), WIDE=_wide_rows(branch, max(s[1] for s in strides)),
-        DESCRIPTORS=descriptors[0] is not None, TABLE=branch.bounds is not None,
-        TILES_OUTER=outer, **scores.flags(), num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        DESCRIPTORS=descriptors[0] is not None, TABLE=branch.bounds is not None, TILES_OUTER=outer,
+        **scores.flags(), num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
 
 

@@ -61,8 +61,9 @@ Note [Tile tables]
     The causal dK/dV tile with 3 stages instead of 2 was 0-2% faster at every length.
 
     GQA (16 query heads over 4 key/value heads), causal, D = 128, LongNet's schedule at 8K and
-    32K (record ``tune_triton_gqa_h200``): every dK/dV and dQ candidate was slower than the
-    table's tiles or within 1% of them, so GQA keeps them.
+    32K (record ``tune_triton_gqa_h200``, tiles still launched in index order, before Note
+    [Heavy tiles first] in ``triton_kernels/device.py``): every dK/dV and dQ candidate was
+    slower than the table's tiles or within 1% of them, so GQA keeps them.
 """
 
 from __future__ import annotations
