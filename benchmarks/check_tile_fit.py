@@ -38,7 +38,7 @@ from dilated_attention.backends.triton_kernels.tiles import (
     table_for,
     tile_configs,
 )
-from dilated_attention.core.execution.fused import compile_ahead
+from dilated_attention.core.execution.fused_runner import compile_ahead
 
 #: Shared memory a block may use (opt-in bytes) per capability checked, and the GPUs with it.
 SHARED_MEMORY = {

@@ -32,7 +32,8 @@ from ..core.autograd import (
 )
 from ..core.decoding.decode import static_token_plan, token_slots
 from ..core.execution.executor import PlanRunner, empty_attention
-from ..core.execution.fused import ChunkQueries, FusedRunner, compile_ahead
+from ..core.execution.fused import ChunkQueries
+from ..core.execution.fused_runner import FusedRunner, compile_ahead
 from ..core.geometry.plan import Plan
 from ..core.hidden import hide_masked_keys
 from .request import Request

@@ -25,8 +25,8 @@ HEADS, DIM = 4, 64
 
 
 def _family(seq_len: int, grad: bool = False) -> tuple[Any, ...]:
-    """A LongNet schedule's shape family at ``seq_len``, as ``core/fused.compile_ahead`` keys it
-    (segments clipped to the length)."""
+    """A LongNet schedule's shape family at ``seq_len``, as ``compile_ahead`` in
+    ``core/execution/fused_runner.py`` keys it (segments clipped to the length)."""
     segs, rates = effective_branches(seq_len, HEADS, (8, 16), (1, 2))
     branches = tuple(zip(segs, rates, strict=True))
     return (torch.device("cuda", 0), torch.float16, torch.Size([HEADS, DIM]), HEADS, branches,

@@ -17,7 +17,7 @@ import torch
 from dilated_attention.backends import triton as triton_backend
 from dilated_attention.backends.triton_kernels.tiles import tile_configs
 from dilated_attention.core.contract import Window
-from dilated_attention.core.execution.fused import compile_ahead
+from dilated_attention.core.execution.fused_runner import compile_ahead
 
 pytest.importorskip("triton.backends.nvidia.compiler", reason="needs Triton's NVIDIA compiler")
 from triton.backends.compiler import GPUTarget

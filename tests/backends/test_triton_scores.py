@@ -31,7 +31,7 @@ from dilated_attention import patterns as P
 from dilated_attention.backends import KernelInputs, get_backend
 from dilated_attention.backends import triton as triton_backend
 from dilated_attention.core.contract import Window
-from dilated_attention.core.execution import fused
+from dilated_attention.core.execution import fused_runner
 
 F64 = torch.float64
 #: Oracle of a case: (q, k, v, sinks or None, compute dtype) -> (out, lse).
@@ -318,13 +318,13 @@ def test_fused_dilated_softcap_and_sinks(
     rates, a padding mask or packed documents, against the float64 oracle."""
     skip_without_triton(device)
     caps: list[float | None] = []
-    real = fused.fused_forward
+    real = fused_runner.fused_forward
 
     def spy(*args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
         caps.append(kwargs.get("softcap"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fused, "fused_forward", spy)
+    monkeypatch.setattr(fused_runner, "fused_forward", spy)
     segs, rates, n = [48, 120, 240], [1, 3, 4], 240
     tensors = _draw(1 if packed else 2, n, n, 4, 2, 32, seed=12)
     mask = None if packed else _padding(2, n, seed=5)

@@ -36,7 +36,7 @@ from dilated_attention import (
     ring_dilated_attention,
 )
 from dilated_attention.core.execution.executor import PlanRunner
-from dilated_attention.core.execution.fused import FusedRunner
+from dilated_attention.core.execution.fused_runner import FusedRunner
 
 F64 = torch.float64
 EXACT = {"atol": 1e-12, "rtol": 0.0}
