@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
-from ..core.contract import BranchSpan, Window
+from ..core.contract import BackwardPart, BranchSpan, Window
 from ..core.execution import graphs
 from ..core.execution.call_runs import register_in_place_merge
+from ..core.execution.streams import side_by_side
 from ..core.geometry.slots import register_slot_kernels
 from ._compat import _import_failure, _last_dim_contiguous, _release
 from .base import Backend, KernelInputs, KernelOutput
@@ -253,7 +254,7 @@ class TritonBackend(Backend):
             raise RuntimeError(f"Triton's row-delta kernel computed wrong numbers on {device}")
 
     def begin_compile(self, family: tuple[Any, ...]) -> AbstractContextManager[None] | None:
-        """See ``FusedBackend.begin_compile`` in ``core/execution/fused.py``: once per family and
+        """See ``FusedBackend.begin_compile`` in ``core/contract.py``: once per family and
         process, returns the kernels' compile-only context (none under the interpreter, which
         compiles nothing), and logs a line: at WARNING for the first family of its
         :func:`announcement` (the family up to segment lengths), at DEBUG after that."""
@@ -395,14 +396,15 @@ class TritonBackend(Backend):
         accumulate: bool,
         head0: int = 0,
         softcap: float | None = None,
+        part: BackwardPart = "both",
     ) -> None:
-        """See ``FusedBackend.backward_branch`` in ``core/execution/fused.py``; launched through
+        """See ``FusedBackend.backward_branch`` in ``core/contract.py``; launched through
         bound launches (Note [Bound launches] in ``triton_kernels/launch.py``)."""
         kernels = _kernels()
         roles = (dout, q, k, v, lse, delta, key_mask, dq, dk, dv)
         site = kernels.site_key(
             "backward_branch", roles, _span_key(span), delta_row0, grad_row0, scale, is_causal,
-            accumulate, head0, softcap,
+            accumulate, head0, softcap, part,
         )  # fmt: skip
 
         def body() -> None:
@@ -411,7 +413,7 @@ class TritonBackend(Backend):
                 dout, q, k, v, lse, delta, key_mask, dq, dk, dv, _branch(span),
                 delta_row0=delta_row0, grad_row0=grad_row0, scale=scale, is_causal=is_causal,
                 accumulate=accumulate, config_dq=configs["dq"], head0=head0, softcap=softcap,
-                config_dkdv=dkdv_config(configs, is_causal=is_causal, rate=span.rate),
+                config_dkdv=dkdv_config(configs, is_causal=is_causal, rate=span.rate), part=part,
             )  # fmt: skip
 
         kernels.run_bound(site, roles, body, _span_constants(span))
@@ -471,12 +473,17 @@ class TritonBackend(Backend):
         configs = _tiles(q)
         kernels = _kernels()
         delta = kernels.row_delta(out, dout, 0, q.shape[1])
-        kernels.backward_branch(
-            dout, q, k, v, lse, delta, key_mask, dq, dk, dv, _dense_branch(q.shape[1], k.shape[1]),
-            delta_row0=0, grad_row0=0, scale=scale, is_causal=is_causal, accumulate=False,
-            config_dkdv=dkdv_config(configs, is_causal=is_causal, rate=1),
-            config_dq=configs["dq"], softcap=softcap, window=window,
-        )  # fmt: skip
+        branch = _dense_branch(q.shape[1], k.shape[1])
+
+        def launch(part: BackwardPart) -> None:
+            kernels.backward_branch(
+                dout, q, k, v, lse, delta, key_mask, dq, dk, dv, branch, delta_row0=0,
+                grad_row0=0, scale=scale, is_causal=is_causal, accumulate=False,
+                config_dkdv=dkdv_config(configs, is_causal=is_causal, rate=1),
+                config_dq=configs["dq"], softcap=softcap, window=window, part=part,
+            )  # fmt: skip
+
+        side_by_side(q.device, lambda: launch("keys"), lambda: launch("queries"))
         return dq, dk, dv
 
 

@@ -45,7 +45,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -160,6 +160,10 @@ class BranchSpan:
     bounds: torch.Tensor | None = None
 
 
+#: Which of a branch's backward kernels to launch: both, dK/dV only, or dQ only.
+BackwardPart = Literal["both", "keys", "queries"]
+
+
 class FusedBackend(KernelBackend, Protocol):
     """A kernel backend that also runs whole dilated branches in place: what the fused engine
     (``fused.py``) needs (``backends.triton.TritonBackend`` provides it)."""
@@ -213,7 +217,12 @@ class FusedBackend(KernelBackend, Protocol):
         accumulate: bool,
         head0: int = 0,
         softcap: float | None = None,
-    ) -> None: ...
+        part: BackwardPart = "both",
+    ) -> None:
+        """One branch's gradients into ``dq, dk, dv``; ``part``: launch only the dK/dV kernel
+        (``"keys"``) or only the dQ kernel (``"queries"``), which write nothing the other reads
+        (Note [Two chains side by side] in ``core/execution/streams.py``)."""
+        ...
 
     def begin_compile(self, family: tuple[Any, ...]) -> AbstractContextManager[None] | None:
         """A context inside which the branch calls compile their kernels instead of running

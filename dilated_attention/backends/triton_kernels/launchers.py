@@ -61,7 +61,7 @@ from typing import Any
 import torch
 import triton
 
-from ...core.contract import Window
+from ...core.contract import BackwardPart, Window
 from .._compat import _release
 from .backward import _delta_kernel, _dkdv_kernel, _dq_kernel
 from .compile import Launch, compile_launches
@@ -497,6 +497,7 @@ def backward_branch(
     head0: int = 0,
     softcap: float | None = None,
     window: Window | None = None,
+    part: BackwardPart = "both",
 ) -> None:
     """One branch's gradients, written (or with ``accumulate``, added) into dq, dk, dv.
 
@@ -506,6 +507,7 @@ def backward_branch(
         dq: (B, rows, H, D); dk, dv: (B, rows, Hkv, D); row ``p - grad_row0`` for position ``p``.
         head0: the layer head that ``q``'s head 0 is (a call on a slice of the heads).
         softcap, window: as in :func:`forward_branch`.
+        part: ``"keys"`` launches only the dK/dV kernel, ``"queries"`` only the dQ kernel.
     """
     scores = _scores(branch, softcap, window)
     batch, _, heads, dim = q.shape
@@ -525,21 +527,23 @@ def backward_branch(
         "DOT_PRECISION": dot_precision(q), "WIDE": _wide(branch, q, k, v, dout, dq, dk),
         "TABLE": branch.bounds is not None, **scores.flags(),
     }  # fmt: skip
-    grid, outer = _grid(cdiv(branch.max_rows_k, config_dkdv.block_n),
-                        branch.num_segments * kv_heads * offsets, batch, is_causal)  # fmt: skip
-    _launch(
-        _dkdv_kernel, grid, q, k, v, dout, lse, delta, mask, _bounds(branch, lse), dk, dv,
-        *common, *_bnh(dk), delta_row0, grad_row0, *geometry, kv_heads, group, offsets, scale,
-        *scores.backward(), BLOCK_M=config_dkdv.block_m, BLOCK_N=config_dkdv.block_n,
-        num_warps=config_dkdv.num_warps, num_stages=config_dkdv.num_stages, TILES_OUTER=outer,
-        **flags,
-    )  # fmt: skip
-    grid, outer = _grid(cdiv(branch.max_rows_q, config_dq.block_m), branch.num_segments * heads,
-                        batch, is_causal)  # fmt: skip
-    _launch(
-        _dq_kernel, grid, q, k, v, dout, lse, delta, mask, _bounds(branch, lse), dq, *common,
-        *_bnh(dq), delta_row0, grad_row0, *geometry, heads, group, scale, *scores.backward(),
-        BLOCK_M=config_dq.block_m, BLOCK_N=config_dq.block_n,
-        num_warps=config_dq.num_warps, num_stages=config_dq.num_stages, TILES_OUTER=outer,
-        **flags,
-    )  # fmt: skip
+    if part != "queries":
+        grid, outer = _grid(cdiv(branch.max_rows_k, config_dkdv.block_n),
+                            branch.num_segments * kv_heads * offsets, batch, is_causal)  # fmt: skip
+        _launch(
+            _dkdv_kernel, grid, q, k, v, dout, lse, delta, mask, _bounds(branch, lse), dk, dv,
+            *common, *_bnh(dk), delta_row0, grad_row0, *geometry, kv_heads, group, offsets,
+            scale, *scores.backward(), BLOCK_M=config_dkdv.block_m, BLOCK_N=config_dkdv.block_n,
+            num_warps=config_dkdv.num_warps, num_stages=config_dkdv.num_stages,
+            TILES_OUTER=outer, **flags,
+        )  # fmt: skip
+    if part != "keys":
+        grid, outer = _grid(cdiv(branch.max_rows_q, config_dq.block_m),
+                            branch.num_segments * heads, batch, is_causal)  # fmt: skip
+        _launch(
+            _dq_kernel, grid, q, k, v, dout, lse, delta, mask, _bounds(branch, lse), dq, *common,
+            *_bnh(dq), delta_row0, grad_row0, *geometry, heads, group, scale, *scores.backward(),
+            BLOCK_M=config_dq.block_m, BLOCK_N=config_dq.block_n,
+            num_warps=config_dq.num_warps, num_stages=config_dq.num_stages, TILES_OUTER=outer,
+            **flags,
+        )  # fmt: skip

@@ -67,11 +67,13 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ..contract import BranchSpan, FusedBackend
+from ..contract import BackwardPart, BranchSpan, FusedBackend
 from .packed_spans import Spans, group_size, packed_spans
+from .streams import side_by_side
 
 #: A group holds at least this many positions (enough programs per launch to fill a GPU) ...
 MIN_GROUP_POSITIONS = 32768
@@ -430,9 +432,10 @@ def fused_backward(
             group_delta = delta[:, :, :rows]
             backend.row_delta(out, dout, start, end, group_delta)
             if single:
-                backend.backward_branch(
-                    dout, q, k, v, lse, group_delta, key_mask, dq, dk, dv, group_spans[0],
-                    delta_row0=start, grad_row0=0, accumulate=False, head0=first_head, **options,
+                _branches_backward(
+                    backend, (dout, q, k, v, lse, group_delta), key_mask, (dq, dk, dv),
+                    group_spans[:1], options, delta_row0=start, grad_row0=0, accumulate=False,
+                    head0=first_head,
                 )  # fmt: skip
             for h0, h1 in ranges:
                 kv = slice(h0 // kv_group, h1 // kv_group)
@@ -441,12 +444,11 @@ def fused_backward(
                 if not covers_all:
                     for acc in accs:
                         acc.zero_()
-                inputs = _of_heads((dout, q, k, v, lse, group_delta), h0, h1, kv)
-                for i, span in enumerate(group_spans):
-                    backend.backward_branch(
-                        *inputs, key_mask, *accs, span, delta_row0=start, grad_row0=start,
-                        accumulate=i > 0 or not covers_all, head0=first_head + h0, **options,
-                    )  # fmt: skip
+                _branches_backward(
+                    backend, _of_heads((dout, q, k, v, lse, group_delta), h0, h1, kv), key_mask,
+                    accs, group_spans, options, delta_row0=start, grad_row0=start,
+                    accumulate=not covers_all, head0=first_head + h0,
+                )  # fmt: skip
                 if extra is not None:
                     extra(*accs, start, end, h0, h1)
                 heads_of = (slice(h0, h1), kv, kv)
@@ -460,3 +462,34 @@ def fused_backward(
     tensors = (dout, q, k, v, out, lse, key_mask, dq, dk, dv, delta, scratch)
     backend.run_launches(key, tensors, launches, keep=spans)
     return dq, dk, dv
+
+
+def _branches_backward(
+    backend: FusedBackend,
+    inputs: tuple[torch.Tensor, ...],
+    key_mask: torch.Tensor | None,
+    grads: tuple[torch.Tensor, ...],
+    spans: tuple[BranchSpan, ...],
+    options: dict[str, Any],
+    *,
+    delta_row0: int,
+    grad_row0: int,
+    accumulate: bool,
+    head0: int,
+) -> None:
+    """Every span's backward into ``grads`` (dq, dk, dv), the first written (or with
+    ``accumulate`` added) and the rest added: the dK/dV launches as one chain and the dQ
+    launches as another, side by side (Note [Two chains side by side] in ``streams.py``).
+
+    Args:
+        inputs: ``(dout, q, k, v, lse, delta)`` as ``FusedBackend.backward_branch`` takes them.
+    """
+
+    def chain(part: BackwardPart) -> None:
+        for i, span in enumerate(spans):
+            backend.backward_branch(
+                *inputs, key_mask, *grads, span, delta_row0=delta_row0, grad_row0=grad_row0,
+                accumulate=i > 0 or accumulate, head0=head0, part=part, **options,
+            )  # fmt: skip
+
+    side_by_side(inputs[1].device, lambda: chain("keys"), lambda: chain("queries"))
