@@ -334,7 +334,7 @@ class TritonBackend(Backend):
         q_row0: int = 0,
         softcap: float | None = None,
     ) -> None:
-        """See ``FusedBackend.forward_branch`` in ``core/execution/fused.py``; launched through
+        """See ``FusedBackend.forward_branch`` in ``core/contract.py``; launched through
         bound launches (Note [Bound launches] in ``triton_kernels/launch.py``)."""
         kernels = _kernels()
         roles = (q, k, v, out, lse, key_mask, merge_from)

@@ -4,14 +4,14 @@ split into its dK/dV chain and its dQ chain."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from support.graphs import eager_then_replayed
 
-from dilated_attention import dilated_attention
-from dilated_attention.backends.triton_kernels.launch import clear_bound
+from dilated_attention import attention, dilated_attention
+from dilated_attention.backends import triton as triton_backend
 from dilated_attention.core.execution import fused, graphs, streams
 
 CUDA = torch.device("cuda")
@@ -74,9 +74,9 @@ def test_the_backward_runs_every_branch_dkdv_then_every_branch_dq(branches: Any)
 
 
 @pytest.mark.gpu
-def test_the_dq_chain_runs_on_a_side_stream_and_the_caller_waits_for_it() -> None:
-    """On CUDA the dK/dV chain stays on the caller's stream and the dQ chain runs on another;
-    work issued after the call sees what the side stream wrote."""
+def test_the_dq_chain_runs_on_a_side_stream_after_and_before_the_callers_work() -> None:
+    """On CUDA the dK/dV chain stays on the caller's stream and the dQ chain runs on another,
+    which starts after what the caller issued before and ends before what it issues after."""
     backend = _Recording()
     _backward(backend, CUDA, 4, ((16, 1), (32, 2)))
     current = torch.cuda.current_stream().cuda_stream
@@ -85,12 +85,32 @@ def test_the_dq_chain_runs_on_a_side_stream_and_the_caller_waits_for_it() -> Non
     assert len(side) == 1 and current not in side
 
     x = torch.zeros(1 << 20, device=CUDA)
+    y = torch.zeros_like(x)
+    torch.cuda._sleep(50_000_000)  # tens of milliseconds: a missing fork reads zeros
+    x.fill_(1.0)
+    streams.side_by_side(CUDA, lambda: None, lambda: y.copy_(x))
+    assert y.sum().item() == y.numel()
 
     def late_fill() -> None:
-        torch.cuda._sleep(50_000_000)  # tens of milliseconds: a missing wait reads zeros
-        x.fill_(1.0)
+        torch.cuda._sleep(50_000_000)  # a missing join reads zeros
+        x.fill_(2.0)
 
     streams.side_by_side(CUDA, lambda: None, late_fill)
+    assert x.sum().item() == 2 * x.numel()
+
+
+@pytest.mark.gpu
+def test_a_failing_chain_still_joins() -> None:
+    """A launch that raises leaves the side stream joined: the caller's later work waits."""
+    x = torch.zeros(1 << 20, device=CUDA)
+
+    def fill_then_fail() -> None:
+        torch.cuda._sleep(50_000_000)
+        x.fill_(1.0)
+        raise RuntimeError("launch failed")
+
+    with pytest.raises(RuntimeError, match="launch failed"):
+        streams.side_by_side(CUDA, lambda: None, fill_then_fail)
     assert x.sum().item() == x.numel()
 
 
@@ -112,13 +132,20 @@ def test_side_by_side_inside_a_graph_capture() -> None:
     assert torch.equal(a, expected * 2) and torch.equal(b, expected + 1)
 
 
+def _one_stream(device: torch.device, first: Any, second: Any) -> None:
+    first()
+    second()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_heads", [16, 4])
-def test_the_fused_backward_side_by_side_gives_the_bits_of_one_stream(
+def test_the_backwards_side_by_side_give_the_bits_of_one_stream(
     monkeypatch: pytest.MonkeyPatch, kv_heads: int
 ) -> None:
     """The chains write disjoint scratch, so running them side by side gives the gradients the
-    same launches give on one stream, bit for bit (causal LongNet-like branches, GQA)."""
+    same launches give on one stream, bit for bit: the fused engine (causal branches, GQA)
+    eagerly and replayed from its captured graphs, and the dense Triton backward."""
+    pytest.importorskip("triton")
     torch.manual_seed(0)
     n = 1000
     q = torch.randn(1, n, 16, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
@@ -128,15 +155,19 @@ def test_the_fused_backward_side_by_side_gives_the_bits_of_one_stream(
     )
     dout = torch.randn_like(q)
 
-    def grads() -> tuple[torch.Tensor, ...]:
-        graphs.clear()
-        clear_bound()
+    def step() -> list[torch.Tensor]:
         out = dilated_attention(q, k, v, (256, 512, 1000), (1, 2, 4), is_causal=True,
                                 backend="triton")  # fmt: skip
-        return torch.autograd.grad(out, (q, k, v), dout)
+        dense = attention(q, k, v, is_causal=True, backend="triton")
+        return list(torch.autograd.grad((out, dense), (q, k, v), (dout, dout)))
 
-    side = grads()
-    monkeypatch.setattr(fused, "side_by_side", lambda device, a, b: SimpleNamespace(a=a(), b=b()))
-    one_stream = grads()
-    for x, y in zip(side, one_stream, strict=True):
-        assert torch.equal(x, y)
+    with monkeypatch.context() as one:
+        one.setattr(fused, "side_by_side", _one_stream)
+        one.setattr(triton_backend, "side_by_side", _one_stream)
+        one.setenv(graphs.ENV_VAR, "0")
+        one_stream = step()
+    eager, replayed, replays = eager_then_replayed(step, monkeypatch)
+    assert replays and graphs.events()["failed"] == 0
+    for run in [eager, *replayed]:
+        for got, want in zip(run, one_stream, strict=True):
+            assert torch.equal(got, want)

@@ -8,10 +8,11 @@ Note [Two chains side by side]
     launches another, and nothing in one chain reads what the other writes. Issued on one
     stream the two chains alternate, and each launch ends in a tail where its heaviest
     programs (causal tiles near a segment's start, a GQA group's walk over its query heads)
-    keep a few SMs busy while the rest wait: at 64K tokens with 4 key/value heads a quarter of
-    the backward's GPU time went to launches of rates 4-32 taking 1.3-3.4x their share of the
-    work. Smaller tiles do not help there (each program walks as many steps, of less work; the
-    table's tiles were fastest for every rate, ``findings_h200.json``, "dK/dV tiles per rate").
+    keep a few SMs busy while the rest wait: at 64K tokens with 4 key/value heads the dK/dV
+    launches of rates 2-32 took 1.2-3.4x their share of the work (which halves with each
+    doubling of the rate). Smaller tiles do not help there (each program walks as many steps,
+    of less work; the table's tiles were fastest for every rate, ``findings_h200.json``, "dK/dV
+    tiles per rate").
 
     So :func:`side_by_side` issues the first chain on the current stream and the second on a
     side stream that first waits for the current one, and the current stream then waits for
@@ -20,8 +21,9 @@ Note [Two chains side by side]
     a CUDA graph capture (ours, or the caller's) the wait forks the capture onto the side
     stream and the join brings it back, so a replayed graph runs the chains side by side too.
     Nothing is allocated on the side stream, and the current stream's later work waits for it,
-    so the caching allocator's per-stream reuse stays sound. Off CUDA the chains run one after
-    the other.
+    so the caching allocator's per-stream reuse stays sound. The side stream comes from
+    PyTorch's pool, as the capture streams do; the join happens even when a launch fails. Off
+    CUDA the chains run one after the other.
 """
 
 from __future__ import annotations
@@ -38,9 +40,8 @@ __all__ = ["side_by_side"]
 _SIDE = threading.local()
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """This thread's side stream on ``device`` (created on first use)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+def _side_stream(index: int) -> torch.cuda.Stream:
+    """This thread's side stream on device ``index`` (created on first use)."""
     streams = getattr(_SIDE, "by_device", None)
     if streams is None:
         streams = _SIDE.by_device = {}
@@ -58,16 +59,20 @@ def side_by_side(
     by side]); on a device other than CUDA, ``first`` then ``second``.
 
     The two must not write what the other reads or writes, nor allocate memory that outlives
-    them.
+    them. Both launch on ``device`` whatever the current device is.
     """
     if device.type != "cuda":
         first()
         second()
         return
-    current = torch.cuda.current_stream(device)
-    side = _side_stream(device)
-    side.wait_stream(current)
-    first()
-    with torch.cuda.stream(side):
-        second()
-    current.wait_stream(side)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with torch.cuda.device(index):
+        current = torch.cuda.current_stream()
+        side = _side_stream(index)
+        side.wait_stream(current)
+        try:
+            first()
+            with torch.cuda.stream(side):
+                second()
+        finally:  # joined even when a launch fails (a capture must end with its fork joined)
+            current.wait_stream(side)
