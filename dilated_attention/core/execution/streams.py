@@ -35,8 +35,8 @@ import torch
 
 __all__ = ["side_by_side"]
 
-#: Each thread's side stream per device index (never a capture's own stream: those live in
-#: ``graphs.py``).
+#: Each thread's side stream per device index (apart from the capture streams of ``graphs.py``;
+#: both come from PyTorch's pool).
 _SIDE = threading.local()
 
 
