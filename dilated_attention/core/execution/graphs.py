@@ -55,12 +55,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from .streams import ThreadStreams, cuda_index
 
 __all__ = ["CAPTURE_AFTER", "GRAPH_LIMIT", "clear", "enabled", "events", "run_launches"]
 
@@ -79,7 +80,7 @@ _NEVER = -1
 _GRAPHS: OrderedDict[tuple[Any, ...], tuple[Any, object]] = OrderedDict()
 _RUNS: OrderedDict[tuple[Any, ...], int] = OrderedDict()
 #: Each thread's side streams to capture on (two threads never capture on one stream).
-_STREAMS = threading.local()
+_STREAMS = ThreadStreams()
 #: The memory pool of the graphs replayed on each (device index, stream).
 _POOLS: dict[tuple[int | None, int | None], Any] = {}
 #: Graphs captured, captures that failed, graphs dropped past GRAPH_LIMIT, and calls launched
@@ -173,8 +174,7 @@ def _stream_of(device: torch.device) -> int | None:
         return None
     # The raw handle: ``torch.cuda.current_stream`` builds a Stream object under a device guard,
     # ~20 us of a replayed call's host time on the lent H200's host.
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch._C._cuda_getCurrentRawStream(index)
+    return torch._C._cuda_getCurrentRawStream(cuda_index(device))
 
 
 def _pool(device: torch.device, stream: int | None) -> Any:
@@ -189,14 +189,9 @@ def _pool(device: torch.device, stream: int | None) -> Any:
 def _capture(launches: Callable[[], None], device: torch.device, stream: int | None) -> Any | None:
     """A CUDA graph of ``launches`` captured on a side stream of ``device`` (nothing runs) into
     the pool of the graphs replayed on ``stream``, or None where the capture failed."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = cuda_index(device)
     device = torch.device("cuda", index)
-    streams = getattr(_STREAMS, "by_device", None)  # this thread's, per device
-    if streams is None:
-        streams = _STREAMS.by_device = {}
-    side = streams.get(index)
-    if side is None:
-        side = streams[index] = torch.cuda.Stream(index)
+    side = _STREAMS.get(index)
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.stream(side):

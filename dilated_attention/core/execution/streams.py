@@ -33,22 +33,34 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["side_by_side"]
-
-#: Each thread's side stream per device index (apart from the capture streams of ``graphs.py``;
-#: both come from PyTorch's pool).
-_SIDE = threading.local()
+__all__ = ["ThreadStreams", "cuda_index", "side_by_side"]
 
 
-def _side_stream(index: int) -> torch.cuda.Stream:
-    """This thread's side stream on device ``index`` (created on first use)."""
-    streams = getattr(_SIDE, "by_device", None)
-    if streams is None:
-        streams = _SIDE.by_device = {}
-    side = streams.get(index)
-    if side is None:
-        side = streams[index] = torch.cuda.Stream(index)
-    return side
+def cuda_index(device: torch.device) -> int:
+    """The index of CUDA ``device`` (the current device where it names none)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+class ThreadStreams:
+    """A CUDA stream per thread and device index, made from PyTorch's pool on first use: two
+    threads never share one, and two tables never share one either (each table makes its own)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def get(self, index: int) -> torch.cuda.Stream:
+        """This thread's stream of this table on device ``index``."""
+        streams = getattr(self._local, "by_device", None)
+        if streams is None:
+            streams = self._local.by_device = {}
+        stream = streams.get(index)
+        if stream is None:
+            stream = streams[index] = torch.cuda.Stream(index)
+        return stream
+
+
+#: The side streams (apart from the capture streams of ``graphs.py``).
+_SIDE = ThreadStreams()
 
 
 def side_by_side(
@@ -65,10 +77,10 @@ def side_by_side(
         first()
         second()
         return
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = cuda_index(device)
     with torch.cuda.device(index):
         current = torch.cuda.current_stream()
-        side = _side_stream(index)
+        side = _SIDE.get(index)
         side.wait_stream(current)
         try:
             first()
