@@ -32,7 +32,11 @@ and the same with ``--kv-heads 4`` to ``dilated_tuning_short_gqa_h100``, then bo
 8192 --kv-heads 16 --paths triton flash_attn4 'dense cudnn'`` to ``dilated_tuning_8k_h100``, and the
 same at ``--seq-lens 4096 --rounds 2`` to ``dilated_tuning_4k_h100``; three GQA runs after the key
 slots took the query slots' layout (``--seq-lens 16384 65536 131072 262144 --kv-heads 4 --warmup 2
---repeats 5`` to ``dilated_tuning_gqa_keyslots<i>_h100``). Where they measured a cell at
+--repeats 5`` to ``dilated_tuning_gqa_keyslots<i>_h100``); and on an H200 (the same sm90 device
+class), three GQA runs at 4K and 8K, where no H100 record measured shared key/value heads
+(``--schedules longnet longnet_n --seq-lens 4096 8192 --head-dims 128 --kv-heads 4 --causal both
+--paths triton flash_attn4 'dense cudnn' --warmup 3 --repeats 10 --min-ms 30`` to
+``dilated_tuning_short_gqa<i>_h200``). Where they measured a cell at
 a length, their times replace the older records' (whose FlashAttention-4 times include the host time
 a replay removes); the older records alone give each cell's ``min_query_len_without_graphs``, the
 threshold used where the graphs are turned off. For every cell (shared key/value heads or not,
@@ -80,6 +84,7 @@ REPLAYED_RECORDS = (
     "dilated_tuning_8k_h100", "dilated_tuning_256k_gqa_h100", "dilated_tuning_4k_h100",
     "dilated_tuning_gqa_keyslots1_h100", "dilated_tuning_gqa_keyslots2_h100",
     "dilated_tuning_gqa_keyslots3_h100",
+    *(f"dilated_tuning_short_gqa{run}_h200" for run in (1, 2, 3)),
 )  # fmt: skip
 PATHS = ("flash_attn4", "triton")
 STEPS = (("forward", "fwd"), ("training", "fwd_bwd"))
