@@ -19,7 +19,7 @@ and the same with ``--kv-heads 4`` to the ``_gqa`` names (``dilated_tuning_gqa1_
 more GQA runs at 1M (``dilated_tuning_1m_gqa<i>_h100``), where one cell's runs disagreed. These
 were measured before FlashAttention-4's slotted calls replayed from CUDA graphs (Note [A slotted
 call's launches from a CUDA graph] in ``core/execution/executor.py``); the records of
-:data:`REPLAYED_RECORDS` were measured with them, at 8K-256K, where the host decided:
+:data:`REPLAYED_RECORDS` were measured with them, at 4K-256K, where the host decided:
 
     python benchmarks/bench_dilated.py --schedules longnet --seq-lens 16384 32768 65536 \\
         --kv-heads 16 --paths triton flash_attn4 --warmup 3 --repeats 10 --min-ms 30 \\

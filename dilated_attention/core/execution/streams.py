@@ -42,8 +42,9 @@ def cuda_index(device: torch.device) -> int:
 
 
 class ThreadStreams:
-    """A CUDA stream per thread and device index, made from PyTorch's pool on first use: two
-    threads never share one, and two tables never share one either (each table makes its own)."""
+    """A CUDA stream per thread and device index, made from PyTorch's pool on first use: each
+    thread and each table asks for its own (the pool cycles through 32 streams per device, so
+    past 32 asked on one device two may coincide)."""
 
     def __init__(self) -> None:
         self._local = threading.local()
