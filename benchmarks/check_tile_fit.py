@@ -38,7 +38,8 @@ from dilated_attention.backends.triton_kernels.tiles import (
     table_for,
     tile_configs,
 )
-from dilated_attention.core.execution.fused_runner import compile_ahead
+from dilated_attention.core.autograd import Inputs
+from dilated_attention.core.execution.fused_runner import FusedRunner
 
 #: Shared memory a block may use (opt-in bytes) per capability checked, and the GPUs with it.
 SHARED_MEMORY = {
@@ -99,8 +100,8 @@ def _record(capability: tuple[int, int], dtype: torch.dtype, dim: int, tiles: Ti
         q, k, v = (torch.randn(1, SEQ_LEN, HEADS, dim, device="cuda", dtype=dtype) for _ in "qkv")
         for causal in (False, True):
             backend._families.clear()
-            compile_ahead(q, k, v, None, BRANCHES, backend, is_causal=causal, scale=dim**-0.5,
-                          needs_grad=True)  # fmt: skip
+            runner = FusedRunner(BRANCHES, backend, causal, dim**-0.5)
+            runner.compile_ahead(Inputs(q, k, v, None), needs_grad=True)
     finally:
         kernels._capability, kernels.compile_launches, triton_backend._tiles = saved
     distinct = {launch.specialization(): launch for launch in recorded if _role(launch)}

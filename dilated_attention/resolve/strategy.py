@@ -33,7 +33,7 @@ from ..core.autograd import (
 from ..core.decoding.decode import static_token_plan, token_slots
 from ..core.execution.executor import PlanRunner, empty_attention
 from ..core.execution.fused import ChunkQueries
-from ..core.execution.fused_runner import FusedRunner, compile_ahead
+from ..core.execution.fused_runner import FusedRunner
 from ..core.geometry.plan import Plan
 from ..core.hidden import hide_masked_keys
 from .request import Request
@@ -395,17 +395,13 @@ class FusedStrategy(Strategy):
         assert self.kernel is not None
         r = self.request
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-        backend = self.kernel.backend
-        compile_ahead(
-            q, k, v, key_padding_mask, self.branches, backend,  # type: ignore[arg-type]
-            is_causal=r.is_causal, scale=r.softmax_scale, needs_grad=r.requires_grad,
-            documents=r.documents, chunk=self.chunk, softcap=r.softcap,
-        )  # fmt: skip
         runner = FusedRunner(
-            self.branches, backend, r.is_causal, r.softmax_scale, r.documents,  # type: ignore[arg-type]
+            self.branches, self.kernel.backend, r.is_causal, r.softmax_scale, r.documents,  # type: ignore[arg-type]
             self.first_head, self.chunk, r.softcap,
         )  # fmt: skip
-        return runner, Inputs(q, k, v, key_padding_mask)
+        inputs = Inputs(q, k, v, key_padding_mask)
+        runner.compile_ahead(inputs, needs_grad=r.requires_grad)
+        return runner, inputs
 
 
 @dataclass(frozen=True)

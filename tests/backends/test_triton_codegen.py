@@ -16,8 +16,9 @@ import torch
 
 from dilated_attention.backends import triton as triton_backend
 from dilated_attention.backends.triton_kernels.tiles import tile_configs
+from dilated_attention.core.autograd import Inputs
 from dilated_attention.core.contract import Window
-from dilated_attention.core.execution.fused_runner import compile_ahead
+from dilated_attention.core.execution.fused_runner import FusedRunner
 
 pytest.importorskip("triton.backends.nvidia.compiler", reason="needs Triton's NVIDIA compiler")
 from triton.backends.compiler import GPUTarget
@@ -78,10 +79,8 @@ def _sm90_ptx(
     k, v = (torch.randn(2, SEQ_LEN, kv_heads, head_dim, dtype=dtype) for _ in "kv")
     backend, scale = triton_backend.TritonBackend(), head_dim**-0.5
     if window is None:
-        compile_ahead(
-            q, k, v, None, BRANCHES, backend, is_causal=causal, scale=scale, needs_grad=True,
-            softcap=softcap,
-        )  # fmt: skip
+        runner = FusedRunner(BRANCHES, backend, causal, scale, softcap=softcap)
+        runner.compile_ahead(Inputs(q, k, v, None), needs_grad=True)
     else:
         scores = {"softcap": softcap, "window": window}
         with kernels.compile_ahead():  # the launches recorded, not run

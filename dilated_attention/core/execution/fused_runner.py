@@ -1,5 +1,5 @@
 """The fused engine as a plan's kernel: :class:`FusedRunner` (forward, backward and the
-differentiable recompute of a dilated plan) and :func:`compile_ahead` (a shape family's kernels
+differentiable recompute of a dilated plan, and ``compile_ahead``: a shape family's kernels
 compiled together before its first call).
 
 Shape legend: B batch, N seq_len, H query heads, Hkv key/value heads, D head dim.
@@ -18,69 +18,13 @@ from ..geometry.segment import group_calls, plan_branches
 from ..higher_order import differentiable_grads, no_higher_order_message
 from .fused import ChunkQueries, fused_backward, fused_forward
 
-__all__ = ["FusedRunner", "compile_ahead"]
+__all__ = ["FusedRunner"]
 
 _SOFTCAP_MESSAGE = no_higher_order_message(
     "dilated_attention with softcap",
     "the differentiable recompute of the gradients applies causality and key masks only",
     "Call it without softcap for a gradient penalty or other double backward.",
 )
-
-
-@torch.compiler.disable  # a host-side dry run, once per shape family: never traced
-def compile_ahead(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    branches: tuple[tuple[int, int], ...],
-    backend: FusedBackend,
-    *,
-    is_causal: bool,
-    scale: float,
-    needs_grad: bool,
-    documents: tuple[int, ...] | None = None,
-    chunk: ChunkQueries | None = None,
-    softcap: float | None = None,
-) -> None:
-    """Compile every kernel a call of this shape family runs, together, before its first call.
-
-    Note [Compiling a shape family ahead]
-        A backend that compiles its kernels on first use (Triton) would otherwise compile them
-        one after another as the engine reaches each launch: 12 to 15 kernels for a LongNet
-        schedule, 23-29 s in bfloat16 on an H100 (``benchmarks/bench_first_call.py``). Instead
-        the engine runs once with the backend's launches turned into compiles, which the backend
-        runs concurrently, and then runs for real. A family is what the kernels specialize on,
-        not the sequence length (Note [Specialization and first calls] in
-        ``backends/triton_kernels/launchers.py``). The dry run writes into buffers of its own, which
-        it drops; the inputs are only read.
-
-    Args:
-        q: (B, N, H, D); k, v: (B, N, Hkv, D): the call's own inputs (their alignment and
-            strides are part of what the kernels specialize on).
-        needs_grad: also compile the backward's kernels.
-        documents: packed documents' offsets (their kernels read segment tables), or None.
-        chunk: a chunk's queries (Note [A chunk in one fused forward]), or None.
-        softcap: the scores' soft-cap, or None (a family of its own).
-    """
-    family = (
-        q.device, q.dtype, q.shape[2:], k.shape[2], tuple(branches), is_causal,
-        key_padding_mask is not None, needs_grad, documents is not None, chunk is not None,
-        softcap is not None,
-    )  # fmt: skip
-    compiling = backend.begin_compile(family)
-    if compiling is None:
-        return
-    with torch.no_grad(), compiling:
-        out, lse = fused_forward(
-            q, k, v, key_padding_mask, branches, backend, is_causal=is_causal, scale=scale,
-            documents=documents, chunk=chunk, softcap=softcap,
-        )  # fmt: skip
-        if needs_grad:
-            fused_backward(
-                out, q, k, v, out, lse, key_padding_mask, branches, backend,
-                is_causal=is_causal, scale=scale, documents=documents, softcap=softcap,
-            )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -106,6 +50,49 @@ class FusedRunner:
     @property
     def first_order_message(self) -> str:
         return "" if self.softcap is None else _SOFTCAP_MESSAGE
+
+    @torch.compiler.disable  # a host-side dry run, once per shape family: never traced
+    def compile_ahead(self, x: Inputs, needs_grad: bool) -> None:
+        """Compile every kernel a call of this shape family runs, together, before its first
+        call.
+
+        Note [Compiling a shape family ahead]
+            A backend that compiles its kernels on first use (Triton) would otherwise compile
+            them one after another as the engine reaches each launch: 12 to 15 kernels for a
+            LongNet schedule, 23-29 s in bfloat16 on an H100 (``benchmarks/bench_first_call.py``).
+            Instead the engine runs once with the backend's launches turned into compiles,
+            which the backend runs concurrently, and then runs for real. A family is what the
+            kernels specialize on, not the sequence length (Note [Specialization and first
+            calls] in ``backends/triton_kernels/launchers.py``). The dry run writes into buffers
+            of its own, which it drops; the inputs are only read.
+
+        Args:
+            x: the call's own inputs, q (B, N, H, D), k and v (B, N, Hkv, D), the key padding
+                mask or None (their alignment and strides are part of what the kernels
+                specialize on).
+            needs_grad: also compile the backward's kernels.
+        """
+        q, k, v, key_padding_mask = x
+        family = (
+            q.device, q.dtype, q.shape[2:], k.shape[2], tuple(self.branches), self.is_causal,
+            key_padding_mask is not None, needs_grad, self.documents is not None,
+            self.chunk is not None, self.softcap is not None,
+        )  # fmt: skip
+        compiling = self.backend.begin_compile(family)
+        if compiling is None:
+            return
+        with torch.no_grad(), compiling:
+            out, lse = fused_forward(
+                q, k, v, key_padding_mask, self.branches, self.backend, is_causal=self.is_causal,
+                scale=self.scale, documents=self.documents, chunk=self.chunk,
+                softcap=self.softcap,
+            )  # fmt: skip
+            if needs_grad:
+                fused_backward(
+                    out, q, k, v, out, lse, key_padding_mask, self.branches, self.backend,
+                    is_causal=self.is_causal, scale=self.scale, documents=self.documents,
+                    softcap=self.softcap,
+                )  # fmt: skip
 
     def forward(self, x: Inputs) -> Forward:
         q, k, v, key_padding_mask = x
