@@ -115,11 +115,13 @@ def run_launches(
     interpreter, the compile-only dry run and a profiler's launch hook; else launched now.
     ``key`` None: launched now."""
     first = tensors[0]
-    plain = key is None or first is None or not first.is_cuda or interpreting()
-    if plain or kernel_module("launchers") is None or not _kernels().graphable():
+    kernels = None if key is None or first is None or not first.is_cuda or interpreting() else (
+        kernel_module("launchers")
+    )  # fmt: skip
+    if kernels is None or not kernels.graphable():
         launches()
         return
-    graphs.run_launches((*key, _kernels().DESCRIPTOR_POLICY), tensors, launches, keep)
+    graphs.run_launches((*key, kernels.DESCRIPTOR_POLICY), tensors, launches, keep)
 
 
 def slot_kernels() -> Any:

@@ -392,16 +392,22 @@ class FusedStrategy(Strategy):
     chunk: ChunkQueries | None = None
 
     def prepare(self, q, k, v, key_padding_mask):  # type: ignore[no-untyped-def]
+        runner = self._runner
+        inputs = Inputs(last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v),
+                        key_padding_mask)  # fmt: skip
+        runner.compile_ahead(inputs, needs_grad=self.request.requires_grad)
+        return runner, inputs
+
+    @functools.cached_property
+    def _runner(self) -> FusedRunner:
+        """The fused kernels' runner: made once, for every call of the request (Note [Resolved
+        once per request] in ``resolver.py``)."""
         assert self.kernel is not None
         r = self.request
-        q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-        runner = FusedRunner(
+        return FusedRunner(
             self.branches, self.kernel.backend, r.is_causal, r.softmax_scale, r.documents,  # type: ignore[arg-type]
             self.first_head, self.chunk, r.softcap,
         )  # fmt: skip
-        inputs = Inputs(q, k, v, key_padding_mask)
-        runner.compile_ahead(inputs, needs_grad=r.requires_grad)
-        return runner, inputs
 
 
 @dataclass(frozen=True)

@@ -273,6 +273,89 @@ def _limits() -> tuple[int, int, int, int]:
     return (MIN_GROUP_POSITIONS, GROUPS_PER_SEQUENCE, SCRATCH_SHARE, MIN_SCRATCH_HEADS)
 
 
+@dataclass(frozen=True)
+class FusedPlan:
+    """What one direction of a fused call derives from its shapes and options, made once
+    (Note [A fused call planned once]).
+
+    Attributes:
+        branches: the ``(w, r)`` pairs in launch order (Note [Fused branch engine]).
+        spans: the position groups and each branch's span over them.
+        groups: those groups with their head groups.
+        cells: the float32 scratch cells: ``(out,)`` forward, ``(dq, dk)`` backward (dv as dk).
+        longest: backward, the rows of the longest group (its ``delta``); 0 forward.
+        covers_all: a rate-1 branch covers every row; single: one branch and no ``extra``.
+        kv_group: query heads per key/value head.
+        key: what, with the tensors' addresses, decides every launch (Note [A call's
+            launches from a CUDA graph] in ``graphs.py``); None with ``extra`` (its launches
+            are the caller's).
+    """
+
+    branches: tuple[tuple[int, int], ...]
+    spans: list[Spans]
+    groups: list[Group]
+    cells: tuple[int, ...]
+    longest: int
+    covers_all: bool
+    single: bool
+    kv_group: int
+    key: tuple[Any, ...] | None
+
+
+@functools.lru_cache(maxsize=256)
+def _forward_plan(
+    batch: int, rows: int, heads: int, kv_heads: int, dim: int,
+    branches: tuple[tuple[int, int], ...], device: torch.device, is_causal: bool, scale: float,
+    chunk: ChunkQueries | None, documents: tuple[int, ...] | None, first_head: int,
+    softcap: float | None, min_positions: int | None, extra: bool, limits: tuple[int, ...],
+) -> FusedPlan:  # fmt: skip
+    """:func:`fused_forward`'s plan (``limits``: :func:`_limits`, which it depends on).
+
+    Note [A fused call planned once]
+        Everything a fused call derives from its shapes and options (the branches' order, the
+        position and head groups, the scratch's size, the key its launches are replayed
+        under) is made once per (shapes, options) and kept, as flashinfer plans once and runs
+        many: a call whose plan is kept allocates its outputs and scratch and replays or
+        makes its launches, and nothing more (every layer of a model asks again, every step).
+    """
+    first = 0 if chunk is None else chunk.first
+    ordered = _ordered(branches)
+    single = len(ordered) == 1 and not extra
+    kv_group = heads // kv_heads
+    spans = _spans(first + rows, ordered, min_positions, documents, device, chunk)
+    groups = _groups(spans, heads, kv_group, first + rows, single, min_positions, backward=False)
+    key = None if extra else (
+        "fused_forward", ordered, is_causal, scale, chunk, documents, first_head, softcap,
+        min_positions, limits,
+    )  # fmt: skip
+    cells = tuple(_scratch(groups, batch * dim, 1))
+    return FusedPlan(ordered, spans, groups, cells, 0, ordered[-1][1] == 1, single, kv_group, key)
+
+
+@functools.lru_cache(maxsize=256)
+def _backward_plan(
+    batch: int, seq_len: int, heads: int, kv_heads: int, dim: int,
+    branches: tuple[tuple[int, int], ...], device: torch.device, is_causal: bool, scale: float,
+    documents: tuple[int, ...] | None, first_head: int, softcap: float | None,
+    min_positions: int | None, extra: bool, limits: tuple[int, ...],
+) -> FusedPlan:  # fmt: skip
+    """:func:`fused_backward`'s plan (Note [A fused call planned once]): a rate-1 branch
+    first (Note [Fused branch engine])."""
+    ordered = _ordered(branches)[::-1]
+    single = len(ordered) == 1 and not extra
+    kv_group = heads // kv_heads
+    spans = _spans(seq_len, ordered, min_positions, documents, device)
+    groups = _groups(spans, heads, kv_group, seq_len, single, min_positions, backward=True)
+    key = None if extra else (
+        "fused_backward", ordered, is_causal, scale, documents, first_head, softcap,
+        min_positions, limits,
+    )  # fmt: skip
+    longest = max(end - start for start, end, _, _ in groups)
+    cells = tuple(_scratch(groups, batch * dim, 1, kv_group))
+    return FusedPlan(ordered, spans, groups, cells, longest, ordered[0][1] == 1, single, kv_group,
+                     key)  # fmt: skip
+
+
 def fused_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -313,18 +396,17 @@ def fused_forward(
     """
     batch, rows, heads, dim = q.shape
     first = 0 if chunk is None else chunk.first  # the position of q's row 0
-    seq_len = first + rows
-    branches = _ordered(branches)
+    plan = _forward_plan(
+        batch, rows, heads, k.shape[2], dim, branches, q.device, is_causal, scale, chunk,
+        documents, first_head, softcap, min_group_positions, extra is not None, _limits(),
+    )  # fmt: skip
+    branches, groups, covers_all, single, kv_group = (
+        plan.branches, plan.groups, plan.covers_all, plan.single, plan.kv_group
+    )  # fmt: skip
     key_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(1)
-    covers_all = branches[-1][1] == 1
-    single = len(branches) == 1 and extra is None
-    kv_group = heads // k.shape[2]
-    spans = _spans(seq_len, branches, min_group_positions, documents, q.device, chunk)
-    groups = _groups(spans, heads, kv_group, seq_len, single, min_group_positions,
-                     backward=False)  # fmt: skip
     lse = torch.empty((batch, heads, rows), dtype=torch.float32, device=q.device)
     out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
-    (cells,) = _scratch(groups, batch * dim, 1)
+    (cells,) = plan.cells
     scratch = torch.empty(cells, dtype=torch.float32, device=q.device) if cells else None
     options = {"scale": scale, "is_causal": is_causal, "q_row0": first, "softcap": softcap}
 
@@ -365,11 +447,8 @@ def fused_forward(
                         extra(acc, lse, start, end, h0, h1)
                     out[:, start - first : end - first, h0:h1].copy_(acc)
 
-    key = None if extra is not None else (
-        "fused_forward", branches, is_causal, scale, chunk, documents, first_head, softcap,
-        min_group_positions, _limits(),
-    )  # fmt: skip
-    backend.run_launches(key, (q, k, v, key_mask, out, lse, scratch), launches, keep=spans)
+    tensors = (q, k, v, key_mask, out, lse, scratch)
+    backend.run_launches(plan.key, tensors, launches, keep=plan.spans)
     return out, lse
 
 
@@ -406,17 +485,17 @@ def fused_backward(
         ``(dq, dk, dv)`` shaped like ``(q, k, v)``.
     """
     batch, seq_len, heads, dim = q.shape
-    kv_group = heads // k.shape[2]
-    branches = _ordered(branches)[::-1]  # a rate-1 branch first (Note [Fused branch engine])
-    covers_all = branches[0][1] == 1
+    plan = _backward_plan(
+        batch, seq_len, heads, k.shape[2], dim, branches, q.device, is_causal, scale, documents,
+        first_head, softcap, min_group_positions, extra is not None, _limits(),
+    )  # fmt: skip
+    branches, groups, covers_all, single, kv_group = (
+        plan.branches, plan.groups, plan.covers_all, plan.single, plan.kv_group
+    )  # fmt: skip
     key_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(1)
-    single = len(branches) == 1 and extra is None
     dq, dk, dv = (torch.empty_like(x, dtype=grad_dtype or x.dtype) for x in (q, k, v))
-    spans = _spans(seq_len, branches, min_group_positions, documents, q.device)
-    groups = _groups(spans, heads, kv_group, seq_len, single, min_group_positions, backward=True)
-    longest = max(end - start for start, end, _, _ in groups)
-    delta = torch.empty(batch, heads, longest, dtype=torch.float32, device=q.device)
-    q_cells, kv_cells = _scratch(groups, batch * dim, 1, kv_group)
+    delta = torch.empty(batch, heads, plan.longest, dtype=torch.float32, device=q.device)
+    q_cells, kv_cells = plan.cells
     scratch = (
         torch.empty(q_cells + 2 * kv_cells, dtype=torch.float32, device=q.device)
         if q_cells else None
@@ -455,12 +534,8 @@ def fused_backward(
                 for grad, acc, cols in zip((dq, dk, dv), accs, heads_of, strict=True):
                     grad[:, start:end, cols].copy_(acc)
 
-    key = None if extra is not None else (
-        "fused_backward", branches, is_causal, scale, documents, first_head, softcap,
-        min_group_positions, _limits(),
-    )  # fmt: skip
     tensors = (dout, q, k, v, out, lse, key_mask, dq, dk, dv, delta, scratch)
-    backend.run_launches(key, tensors, launches, keep=spans)
+    backend.run_launches(plan.key, tensors, launches, keep=plan.spans)
     return dq, dk, dv
 
 

@@ -7,6 +7,7 @@ Shape legend: B batch, N seq_len, H query heads, Hkv key/value heads, D head dim
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +52,6 @@ class FusedRunner:
     def first_order_message(self) -> str:
         return "" if self.softcap is None else _SOFTCAP_MESSAGE
 
-    @torch.compiler.disable  # a host-side dry run, once per shape family: never traced
     def compile_ahead(self, x: Inputs, needs_grad: bool) -> None:
         """Compile every kernel a call of this shape family runs, together, before its first
         call.
@@ -72,15 +72,25 @@ class FusedRunner:
                 specialize on).
             needs_grad: also compile the backward's kernels.
         """
-        q, k, v, key_padding_mask = x
+        q, k, _, key_padding_mask = x
         family = (
             q.device, q.dtype, q.shape[2:], k.shape[2], tuple(self.branches), self.is_causal,
             key_padding_mask is not None, needs_grad, self.documents is not None,
             self.chunk is not None, self.softcap is not None,
         )  # fmt: skip
         compiling = self.backend.begin_compile(family)
-        if compiling is None:
-            return
+        if compiling is not None:
+            self._dry_run(x, needs_grad, compiling)
+
+    # A host-side dry run, once per shape family: never traced. Only the dry run is kept from
+    # torch.compile: its wrapper costs host time on every call it wraps.
+    @torch.compiler.disable
+    def _dry_run(
+        self, x: Inputs, needs_grad: bool, compiling: AbstractContextManager[None]
+    ) -> None:
+        """:meth:`compile_ahead`'s run of the engine with the backend's launches turned into
+        compiles (``compiling``)."""
+        q, k, v, key_padding_mask = x
         with torch.no_grad(), compiling:
             out, lse = fused_forward(
                 q, k, v, key_padding_mask, self.branches, self.backend, is_causal=self.is_causal,

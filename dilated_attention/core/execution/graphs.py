@@ -130,7 +130,8 @@ def run_launches(
     if not enabled() or torch.cuda.is_current_stream_capturing():
         launches()
         return
-    device = next(x for x in tensors if x is not None).device
+    first = tensors[0]
+    device = (first if first is not None else next(x for x in tensors if x is not None)).device
     stream = _stream_of(device)
     pair = (key, stream, addresses(tensors))
     found = _GRAPHS.get(pair)
