@@ -64,6 +64,8 @@ class KernelInputs:
     # every path's result under the one autograd Function, so only kernels with an autograd of
     # their own refuse them.
     sinks: bool = False
+    # Batch rows (1 for packed documents, which run as one row): launch grids bound them.
+    batch: int = 1
 
     @classmethod
     def from_tensors(
@@ -83,6 +85,7 @@ class KernelInputs:
         if requires_grad is None:
             requires_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
         return cls(
+            batch=q.shape[0],
             device=q.device,
             dtype=q.dtype,
             head_dim=q.shape[-1],

@@ -35,6 +35,7 @@ from ._compat import _import_failure, _last_dim_contiguous, _release
 from .base import Backend, KernelInputs, KernelOutput
 from .triton_kernels.compile import prepare_compiler
 from .triton_kernels.tiles import (
+    MAX_GRID_Y,
     SPLIT_KEY_ROWS,
     Tiles,
     descriptor_forward_config,
@@ -282,6 +283,11 @@ class TritonBackend(Backend):
         reasons = super().capability_reasons(inputs)
         if inputs.device.type == "cpu" and inputs.dtype == torch.bfloat16:
             reasons.append("Triton's interpreter cannot compute bfloat16 (numpy has none)")
+        if inputs.batch > MAX_GRID_Y:
+            reasons.append(
+                f"{inputs.batch} batch rows: its launches hold at most {MAX_GRID_Y} on a CUDA grid "
+                f"axis (call with fewer rows at a time)"
+            )
         return reasons
 
     # -- the static decode step (core/decoding/static_cache.py)

@@ -355,7 +355,7 @@ def kernel_inputs(
         dropout_p=request.dropout_p, requires_grad=request.requires_grad, block_size=block_size,
         branch_slots=branch_slots, documents=request.documents is not None,
         softcap=request.softcap is not None, window=request.window is not None,
-        sinks=request.sinks,
+        sinks=request.sinks, batch=1 if request.documents is not None else request.batch,
     )  # fmt: skip
 
 

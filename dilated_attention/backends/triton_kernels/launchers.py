@@ -67,7 +67,7 @@ from .backward import _delta_kernel, _dkdv_kernel, _dq_kernel
 from .compile import Launch, compile_launches
 from .forward import _forward_kernel
 from .launch import _hooked, launch_recorded, run_site, site_key  # noqa: F401 (site_key)
-from .tiles import TileConfig, cdiv, next_power_of_2
+from .tiles import MAX_GRID_Y, TileConfig, cdiv, next_power_of_2
 
 try:  # Triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -331,10 +331,6 @@ class _Scores:
 
     def flags(self) -> dict[str, bool]:
         return {"WINDOW": self.window, "SOFTCAP": self.softcap is not None}
-
-
-#: The most programs a launch grid holds along y and along z (x holds 2**31 - 1).
-MAX_GRID_Y = 2**16 - 1
 
 
 def _grid(tiles: int, groups: int, batch: int, is_causal: bool) -> tuple[tuple[int, ...], bool]:

@@ -174,6 +174,10 @@ def tile_configs(capability: tuple[int, int] | None, head_dim: int, dtype: torch
 #: Query rows of the split-key forward's tile (:func:`split_key_config`).
 SPLIT_KEY_ROWS = 16
 
+#: The most programs a launch grid holds along y and along z (x holds 2**31 - 1): every launch
+#: of our kernels puts the batch rows on one of them.
+MAX_GRID_Y = 2**16 - 1
+
 
 def split_key_config(tiles: Tiles) -> TileConfig:
     """The tiles of the split-key forward (at most ``SPLIT_KEY_ROWS`` query rows, Note [Split
