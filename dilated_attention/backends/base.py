@@ -64,7 +64,8 @@ class KernelInputs:
     # every path's result under the one autograd Function, so only kernels with an autograd of
     # their own refuse them.
     sinks: bool = False
-    # Batch rows (1 for packed documents, which run as one row): launch grids bound them.
+    # Batch rows on a launch grid's short axes (1 for packed documents, which run as one row,
+    # and for a static cache's step): the grids bound them.
     batch: int = 1
 
     @classmethod

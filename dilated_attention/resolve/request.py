@@ -355,8 +355,15 @@ def kernel_inputs(
         dropout_p=request.dropout_p, requires_grad=request.requires_grad, block_size=block_size,
         branch_slots=branch_slots, documents=request.documents is not None,
         softcap=request.softcap is not None, window=request.window is not None,
-        sinks=request.sinks, batch=1 if request.documents is not None else request.batch,
+        sinks=request.sinks, batch=_launch_rows(request),
     )  # fmt: skip
+
+
+def _launch_rows(request: Request) -> int:
+    """The batch rows a kernel's launch grid holds: one for packed documents (one row of the
+    batch's positions) and for a static cache's step (whose launches put the rows on the
+    grid's long axis), else the batch."""
+    return 1 if request.documents is not None or request.static else request.batch
 
 
 def given(value: _T | None, default: _T) -> _T:

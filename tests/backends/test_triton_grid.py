@@ -33,11 +33,14 @@ def test_more_batch_rows_than_a_grid_axis_holds_is_a_reason() -> None:
 
 def test_a_request_gives_its_batch_and_packed_documents_one_row() -> None:
     """What the registries judge: the request's batch rows; packed documents run as one row
-    of the batch's positions, so their count bounds no grid."""
+    of the batch's positions, and a static cache's step puts its rows on the grid's long axis,
+    so neither is bounded."""
     q = torch.empty(MAX_GRID_Y + 1, 4, 2, 8, device="meta")
     assert kernel_inputs(Request.of("dilated", q, q, q)).batch == MAX_GRID_Y + 1
     packed = Request.of("dilated", q, q, q, documents=(0, 4 * (MAX_GRID_Y + 1)))
     assert kernel_inputs(packed).batch == 1
+    step = torch.empty(MAX_GRID_Y + 1, 1, 2, 8, device="meta")
+    assert kernel_inputs(Request.of("decode", step, q, q, static=True)).batch == 1
 
 
 @pytest.mark.gpu
@@ -45,5 +48,5 @@ def test_the_reason_reaches_the_public_report_and_an_explicit_call() -> None:
     q = torch.randn(MAX_GRID_Y + 1, 8, 2, 8, device="cuda", dtype=torch.float16)
     k = v = torch.randn_like(q)
     assert any("65536 batch rows" in r for r in backend_reasons(q, k, v)["triton"])
-    with pytest.raises(ValueError, match="65536 batch rows"):
+    with pytest.raises(ValueError, match="65536 batch rows: its launches hold at most 65535"):
         dilated_attention(q, k, v, [4, 8], [1, 2], backend="triton")

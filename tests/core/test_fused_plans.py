@@ -22,9 +22,11 @@ class _Recording:
     def __init__(self) -> None:
         self.launches: list[tuple[Any, ...]] = []
         self.keys: list[Any] = []
+        self.scratch: list[int] = []
 
     def run_launches(self, key: Any, tensors: Any, launches: Any, keep: object = None) -> None:
         self.keys.append(key)
+        self.scratch.append(0 if tensors[-1] is None else tensors[-1].numel())
         launches()
 
     def forward_branch(self, q: torch.Tensor, *args: Any, **kwargs: Any) -> None:
@@ -39,10 +41,10 @@ class _Recording:
         self.launches.append(("bwd", span, args[1].shape[2], kwargs["part"], kwargs["accumulate"]))
 
 
-def _call(backend: _Recording, n: int = 256, **options: Any) -> None:
-    """One fused forward and backward of (1, n, 8, 16) queries with 4 key/value heads."""
-    q = torch.randn(1, n, 8, 16)
-    k, v = torch.randn(1, n, 4, 16), torch.randn(1, n, 4, 16)
+def _call(backend: _Recording, n: int = 256, batch: int = 1, **options: Any) -> None:
+    """One fused forward and backward of (batch, n, 8, 16) queries with 4 key/value heads."""
+    q = torch.randn(batch, n, 8, 16)
+    k, v = torch.randn(batch, n, 4, 16), torch.randn(batch, n, 4, 16)
     opts = {"is_causal": True, "scale": 0.25} | options
     out, lse = fused.fused_forward(q, k, v, None, BRANCHES, backend, **opts)  # type: ignore[arg-type]
     fused.fused_backward(out, q, k, v, out, lse, None, BRANCHES, backend, **opts)  # type: ignore[arg-type]
@@ -71,6 +73,26 @@ def test_another_length_makes_another_plan() -> None:
     _call(longer, n=320)
     assert {launch[1].end for launch in short.launches if launch[0] != "delta"} == {256}
     assert {launch[1].end for launch in longer.launches if launch[0] != "delta"} == {320}
+
+
+def test_another_batch_makes_another_scratch() -> None:
+    """The scratch holds every batch row of a group: two rows, twice the cells."""
+    one, two = _Recording(), _Recording()
+    _call(one)
+    _call(two, batch=2)
+    assert min(one.scratch) > 0 and two.scratch == [2 * cells for cells in one.scratch]
+
+
+def test_packed_documents_are_planned_per_call() -> None:
+    """A batch's documents change every step: their plans are made afresh, not kept."""
+    kept = fused._forward_plan.cache_info().currsize, fused._backward_plan.cache_info().currsize
+    packed, again = _Recording(), _Recording()
+    _call(packed, documents=(0, 100, 256))
+    _call(again, documents=(0, 100, 256))
+    now = fused._forward_plan.cache_info().currsize, fused._backward_plan.cache_info().currsize
+    assert now == kept
+    assert {launch[1].start for launch in packed.launches if launch[0] == "fwd"} == {0}
+    assert again.launches == packed.launches
 
 
 @pytest.mark.parametrize(

@@ -174,8 +174,9 @@ def tile_configs(capability: tuple[int, int] | None, head_dim: int, dtype: torch
 #: Query rows of the split-key forward's tile (:func:`split_key_config`).
 SPLIT_KEY_ROWS = 16
 
-#: The most programs a launch grid holds along y and along z (x holds 2**31 - 1): every launch
-#: of our kernels puts the batch rows on one of them.
+#: The most programs a launch grid holds along y and along z (x holds 2**31 - 1): the fused
+#: engine's branch and row-delta launches, the slot merges and the block-sparse kernels put the
+#: batch rows on one of them (a static cache's decode step puts them on x).
 MAX_GRID_Y = 2**16 - 1
 
 

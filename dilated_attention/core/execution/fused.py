@@ -292,8 +292,8 @@ class FusedPlan:
     """
 
     branches: tuple[tuple[int, int], ...]
-    spans: list[Spans]
-    groups: list[Group]
+    spans: tuple[Spans, ...]
+    groups: tuple[Group, ...]
     cells: tuple[int, ...]
     longest: int
     covers_all: bool
@@ -317,6 +317,8 @@ def _forward_plan(
         under) is made once per (shapes, options) and kept, as flashinfer plans once and runs
         many: a call whose plan is kept allocates its outputs and scratch and replays or
         makes its launches, and nothing more (every layer of a model asks again, every step).
+        Packed documents' plans are made per call: a batch's documents change every step, and
+        ``packed_spans`` keeps their segment tables.
     """
     first = 0 if chunk is None else chunk.first
     ordered = _ordered(branches)
@@ -329,7 +331,8 @@ def _forward_plan(
         min_positions, limits,
     )  # fmt: skip
     cells = tuple(_scratch(groups, batch * dim, 1))
-    return FusedPlan(ordered, spans, groups, cells, 0, ordered[-1][1] == 1, single, kv_group, key)
+    return FusedPlan(ordered, tuple(spans), tuple(groups), cells, 0, ordered[-1][1] == 1, single,
+                     kv_group, key)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)
@@ -352,8 +355,16 @@ def _backward_plan(
     )  # fmt: skip
     longest = max(end - start for start, end, _, _ in groups)
     cells = tuple(_scratch(groups, batch * dim, 1, kv_group))
-    return FusedPlan(ordered, spans, groups, cells, longest, ordered[0][1] == 1, single, kv_group,
-                     key)  # fmt: skip
+    return FusedPlan(ordered, tuple(spans), tuple(groups), cells, longest, ordered[0][1] == 1,
+                     single, kv_group, key)  # fmt: skip
+
+
+def _kept(
+    make: Callable[..., FusedPlan], documents: tuple[int, ...] | None
+) -> Callable[..., FusedPlan]:
+    """``make``, kept per arguments, or made afresh for packed documents: a batch's documents
+    change every step, and their segment tables are kept by ``packed_spans`` already."""
+    return make.__wrapped__ if documents is not None else make  # type: ignore[attr-defined]
 
 
 def fused_forward(
@@ -396,7 +407,7 @@ def fused_forward(
     """
     batch, rows, heads, dim = q.shape
     first = 0 if chunk is None else chunk.first  # the position of q's row 0
-    plan = _forward_plan(
+    plan = _kept(_forward_plan, documents)(
         batch, rows, heads, k.shape[2], dim, branches, q.device, is_causal, scale, chunk,
         documents, first_head, softcap, min_group_positions, extra is not None, _limits(),
     )  # fmt: skip
@@ -485,7 +496,7 @@ def fused_backward(
         ``(dq, dk, dv)`` shaped like ``(q, k, v)``.
     """
     batch, seq_len, heads, dim = q.shape
-    plan = _backward_plan(
+    plan = _kept(_backward_plan, documents)(
         batch, seq_len, heads, k.shape[2], dim, branches, q.device, is_causal, scale, documents,
         first_head, softcap, min_group_positions, extra is not None, _limits(),
     )  # fmt: skip
