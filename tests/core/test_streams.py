@@ -12,7 +12,7 @@ from support.graphs import eager_then_replayed
 
 from dilated_attention import attention, dilated_attention
 from dilated_attention.backends import triton as triton_backend
-from dilated_attention.core.execution import fused, graphs, streams
+from dilated_attention.core.execution import fused, fused_heads, graphs, streams
 
 CUDA = torch.device("cuda")
 
@@ -162,7 +162,7 @@ def test_the_backwards_side_by_side_give_the_bits_of_one_stream(
         return list(torch.autograd.grad((out, dense), (q, k, v), (dout, dout)))
 
     with monkeypatch.context() as one:
-        one.setattr(fused, "side_by_side", _one_stream)
+        one.setattr(fused_heads, "side_by_side", _one_stream)
         one.setattr(triton_backend, "side_by_side", _one_stream)
         one.setenv(graphs.ENV_VAR, "0")
         one_stream = step()

@@ -64,16 +64,15 @@ group, Nq a chunk's queries.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..contract import BackwardPart, BranchSpan, FusedBackend
+from ..contract import BranchSpan, FusedBackend
+from .fused_heads import accumulators, backward_heads, branches_backward, cells_view, forward_heads
 from .packed_spans import Spans, group_size, packed_spans
-from .streams import side_by_side
 
 #: A group holds at least this many positions (enough programs per launch to fill a GPU) ...
 MIN_GROUP_POSITIONS = 32768
@@ -205,12 +204,6 @@ def head_groups(
     return [(h0, h0 + width) for h0 in range(0, heads, width)]
 
 
-def _heads(x: torch.Tensor, dim: int, lo: int, hi: int) -> torch.Tensor:
-    """Heads [lo, hi) of ``x`` along ``dim``: ``x`` itself when that is all of them (a slice
-    per tensor and launch costs host time where chunks are host-bound)."""
-    return x if lo == 0 and hi == x.shape[dim] else x.narrow(dim, lo, hi - lo)
-
-
 def _ordered(branches: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
     """Branches with a rate-1 branch last: it covers every row, so its merge can write the
     finished rows straight into the output (Note [Fused branch engine])."""
@@ -244,28 +237,6 @@ def _scratch(groups: list[Group], per_head: int, *widths: int) -> list[int]:
             for i, width in enumerate(widths):
                 sizes[i] = max(sizes[i], (end - start) * (h1 - h0) // width * per_head)
     return sizes
-
-
-def _view(buffer: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """``shape`` cells of the flat ``buffer`` from ``offset``, as a contiguous tensor."""
-    return buffer.narrow(0, offset, math.prod(shape)).view(shape)
-
-
-def _accumulators(scratch: torch.Tensor, q_cells: int, kv_cells: int, q_shape: tuple[int, ...],
-                  kv_shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """One head range's float32 dq (``q_shape``), dk and dv (``kv_shape``) rows: views of
-    ``scratch``, laid out dq's ``q_cells``, then dk's and dv's ``kv_cells`` each."""
-    return (_view(scratch, 0, q_shape), _view(scratch, q_cells, kv_shape),
-            _view(scratch, q_cells + kv_cells, kv_shape))  # fmt: skip
-
-
-def _of_heads(tensors: tuple[torch.Tensor, ...], h0: int, h1: int, kv: slice) -> tuple:
-    """``(dout, q, k, v, lse, delta)`` of query heads [h0, h1) and their key/value heads ``kv``
-    (heads on dim 2 of the (B, N, H, D) tensors, dim 1 of the (B, H, N) statistics)."""
-    dout, q, k, v, lse, delta = tensors
-    kv0, kv1 = kv.start, kv.stop
-    return (_heads(dout, 2, h0, h1), _heads(q, 2, h0, h1), _heads(k, 2, kv0, kv1),
-            _heads(v, 2, kv0, kv1), _heads(lse, 1, h0, h1), _heads(delta, 1, h0, h1))  # fmt: skip
 
 
 def _limits() -> tuple[int, int, int, int]:
@@ -411,9 +382,7 @@ def fused_forward(
         batch, rows, heads, k.shape[2], dim, branches, q.device, is_causal, scale, chunk,
         documents, first_head, softcap, min_group_positions, extra is not None, _limits(),
     )  # fmt: skip
-    branches, groups, covers_all, single, kv_group = (
-        plan.branches, plan.groups, plan.covers_all, plan.single, plan.kv_group
-    )  # fmt: skip
+    groups, covers_all, single = plan.groups, plan.covers_all, plan.single
     key_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(1)
     lse = torch.empty((batch, heads, rows), dtype=torch.float32, device=q.device)
     out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
@@ -432,31 +401,11 @@ def fused_forward(
                     head0=first_head, **options,
                 )  # fmt: skip
             for h0, h1 in ranges:
-                kv = slice(h0 // kv_group, h1 // kv_group)
-                acc = _view(scratch, 0, (batch, end - start, h1 - h0, dim))  # type: ignore[arg-type]
-                if not covers_all:
-                    acc.zero_()
-                qkv = (_heads(q, 2, h0, h1), _heads(k, 2, kv.start, kv.stop),
-                       _heads(v, 2, kv.start, kv.stop))  # fmt: skip
-                lse_heads = _heads(lse, 1, h0, h1)
-                for i, span in enumerate(group_spans):
-                    if covers_all and i == len(branches) - 1:  # finished rows go to the output
-                        if extra is not None:
-                            extra(acc, lse, start, end, h0, h1)
-                        backend.forward_branch(
-                            *qkv, _heads(out, 2, h0, h1), lse_heads, key_mask, span,
-                            out_row0=first, merge=True, head0=first_head + h0, merge_from=acc,
-                            merge_row0=start, **options,
-                        )  # fmt: skip
-                    else:
-                        backend.forward_branch(
-                            *qkv, acc, lse_heads, key_mask, span, out_row0=start,
-                            merge=i > 0 or not covers_all, head0=first_head + h0, **options,
-                        )  # fmt: skip
-                if not covers_all:
-                    if extra is not None:
-                        extra(acc, lse, start, end, h0, h1)
-                    out[:, start - first : end - first, h0:h1].copy_(acc)
+                acc = cells_view(scratch, 0, (batch, end - start, h1 - h0, dim))  # type: ignore[arg-type]
+                forward_heads(
+                    backend, plan, (q, k, v, out, lse, key_mask), acc, (start, end, group_spans),
+                    (h0, h1), first_head, extra, options,
+                )  # fmt: skip
 
     tensors = (q, k, v, key_mask, out, lse, scratch)
     backend.run_launches(plan.key, tensors, launches, keep=plan.spans)
@@ -500,9 +449,7 @@ def fused_backward(
         batch, seq_len, heads, k.shape[2], dim, branches, q.device, is_causal, scale, documents,
         first_head, softcap, min_group_positions, extra is not None, _limits(),
     )  # fmt: skip
-    branches, groups, covers_all, single, kv_group = (
-        plan.branches, plan.groups, plan.covers_all, plan.single, plan.kv_group
-    )  # fmt: skip
+    groups, covers_all, single, kv_group = plan.groups, plan.covers_all, plan.single, plan.kv_group
     key_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(1)
     dq, dk, dv = (torch.empty_like(x, dtype=grad_dtype or x.dtype) for x in (q, k, v))
     delta = torch.empty(batch, heads, plan.longest, dtype=torch.float32, device=q.device)
@@ -522,60 +469,21 @@ def fused_backward(
             group_delta = delta[:, :, :rows]
             backend.row_delta(out, dout, start, end, group_delta)
             if single:
-                _branches_backward(
+                branches_backward(
                     backend, (dout, q, k, v, lse, group_delta), key_mask, (dq, dk, dv),
                     group_spans[:1], options, delta_row0=start, grad_row0=0, accumulate=False,
                     head0=first_head,
                 )  # fmt: skip
             for h0, h1 in ranges:
-                kv = slice(h0 // kv_group, h1 // kv_group)
-                shapes = (batch, rows, h1 - h0, dim), (batch, rows, kv.stop - kv.start, dim)
-                accs = _accumulators(scratch, q_cells, kv_cells, *shapes)  # type: ignore[arg-type]
-                if not covers_all:
-                    for acc in accs:
-                        acc.zero_()
-                _branches_backward(
-                    backend, _of_heads((dout, q, k, v, lse, group_delta), h0, h1, kv), key_mask,
-                    accs, group_spans, options, delta_row0=start, grad_row0=start,
-                    accumulate=not covers_all, head0=first_head + h0,
-                )  # fmt: skip
-                if extra is not None:
-                    extra(*accs, start, end, h0, h1)
-                heads_of = (slice(h0, h1), kv, kv)
-                for grad, acc, cols in zip((dq, dk, dv), accs, heads_of, strict=True):
-                    grad[:, start:end, cols].copy_(acc)
+                shapes = (
+                    (batch, rows, h1 - h0, dim),
+                    (batch, rows, h1 // kv_group - h0 // kv_group, dim),
+                )
+                accs = accumulators(scratch, q_cells, kv_cells, *shapes)  # type: ignore[arg-type]
+                backward_heads(backend, plan, (dout, q, k, v, lse, group_delta, key_mask),
+                                (dq, dk, dv), accs, (start, end, group_spans), (h0, h1),
+                                first_head, extra, options)  # fmt: skip
 
     tensors = (dout, q, k, v, out, lse, key_mask, dq, dk, dv, delta, scratch)
     backend.run_launches(plan.key, tensors, launches, keep=plan.spans)
     return dq, dk, dv
-
-
-def _branches_backward(
-    backend: FusedBackend,
-    inputs: tuple[torch.Tensor, ...],
-    key_mask: torch.Tensor | None,
-    grads: tuple[torch.Tensor, ...],
-    spans: tuple[BranchSpan, ...],
-    options: dict[str, Any],
-    *,
-    delta_row0: int,
-    grad_row0: int,
-    accumulate: bool,
-    head0: int,
-) -> None:
-    """Every span's backward into ``grads`` (dq, dk, dv), the first written (or with
-    ``accumulate`` added) and the rest added: the dK/dV launches as one chain and the dQ
-    launches as another, side by side (Note [Two chains side by side] in ``streams.py``).
-
-    Args:
-        inputs: ``(dout, q, k, v, lse, delta)`` as ``FusedBackend.backward_branch`` takes them.
-    """
-
-    def chain(part: BackwardPart) -> None:
-        for i, span in enumerate(spans):
-            backend.backward_branch(
-                *inputs, key_mask, *grads, span, delta_row0=delta_row0, grad_row0=grad_row0,
-                accumulate=i > 0 or accumulate, head0=head0, part=part, **options,
-            )  # fmt: skip
-
-    side_by_side(inputs[1].device, lambda: chain("keys"), lambda: chain("queries"))
