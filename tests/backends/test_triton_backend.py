@@ -390,8 +390,7 @@ def test_fused_engine_results_do_not_depend_on_grouping(
         run()  # a new shape family first compiles ahead, through a dry run of the engine
         # Plans are kept per shapes and limits (Note [A fused call planned once]): made afresh,
         # each position group asks head_groups once.
-        fused._forward_plan.cache_clear()
-        fused._backward_plan.cache_clear()
+        fused._plan.cache_clear()
         widths.clear()
 
         # One call of head_groups per position group, forward and backward.

@@ -274,13 +274,15 @@ class FusedPlan:
 
 
 @functools.lru_cache(maxsize=256)
-def _forward_plan(
-    batch: int, rows: int, heads: int, kv_heads: int, dim: int,
+def _plan(
+    backward: bool, batch: int, rows: int, heads: int, kv_heads: int, dim: int,
     branches: tuple[tuple[int, int], ...], device: torch.device, is_causal: bool, scale: float,
     chunk: ChunkQueries | None, documents: tuple[int, ...] | None, first_head: int,
     softcap: float | None, min_positions: int | None, extra: bool, limits: tuple[int, ...],
 ) -> FusedPlan:  # fmt: skip
-    """:func:`fused_forward`'s plan (``limits``: :func:`_limits`, which it depends on).
+    """:func:`fused_forward`'s plan, or with ``backward`` :func:`fused_backward`'s (a rate-1
+    branch first: Note [Fused branch engine]; no ``chunk``); ``limits``: :func:`_limits`,
+    which it depends on.
 
     Note [A fused call planned once]
         Everything a fused call derives from its shapes and options (the branches' order, the
@@ -291,51 +293,28 @@ def _forward_plan(
         Packed documents' plans are made per call: a batch's documents change every step, and
         ``packed_spans`` keeps their segment tables.
     """
-    first = 0 if chunk is None else chunk.first
-    ordered = _ordered(branches)
+    seq_len = rows if chunk is None else chunk.first + rows
+    ordered = _ordered(branches)[::-1] if backward else _ordered(branches)
     single = len(ordered) == 1 and not extra
     kv_group = heads // kv_heads
-    spans = _spans(first + rows, ordered, min_positions, documents, device, chunk)
-    groups = _groups(spans, heads, kv_group, first + rows, single, min_positions, backward=False)
+    spans = _spans(seq_len, ordered, min_positions, documents, device, chunk)
+    groups = _groups(spans, heads, kv_group, seq_len, single, min_positions, backward)
     key = None if extra else (
-        "fused_forward", ordered, is_causal, scale, chunk, documents, first_head, softcap,
-        min_positions, limits,
+        "fused_backward" if backward else "fused_forward", ordered, is_causal, scale, chunk,
+        documents, first_head, softcap, min_positions, limits,
     )  # fmt: skip
-    cells = tuple(_scratch(groups, batch * dim, 1))
-    return FusedPlan(ordered, tuple(spans), tuple(groups), cells, 0, ordered[-1][1] == 1, single,
+    longest = max(end - start for start, end, _, _ in groups) if backward else 0
+    cells = tuple(_scratch(groups, batch * dim, 1, *((kv_group,) if backward else ())))
+    covers_all = any(rate == 1 for _, rate in ordered)  # last forward, first backward
+    return FusedPlan(ordered, tuple(spans), tuple(groups), cells, longest, covers_all, single,
                      kv_group, key)  # fmt: skip
 
 
-@functools.lru_cache(maxsize=256)
-def _backward_plan(
-    batch: int, seq_len: int, heads: int, kv_heads: int, dim: int,
-    branches: tuple[tuple[int, int], ...], device: torch.device, is_causal: bool, scale: float,
-    documents: tuple[int, ...] | None, first_head: int, softcap: float | None,
-    min_positions: int | None, extra: bool, limits: tuple[int, ...],
-) -> FusedPlan:  # fmt: skip
-    """:func:`fused_backward`'s plan (Note [A fused call planned once]): a rate-1 branch
-    first (Note [Fused branch engine])."""
-    ordered = _ordered(branches)[::-1]
-    single = len(ordered) == 1 and not extra
-    kv_group = heads // kv_heads
-    spans = _spans(seq_len, ordered, min_positions, documents, device)
-    groups = _groups(spans, heads, kv_group, seq_len, single, min_positions, backward=True)
-    key = None if extra else (
-        "fused_backward", ordered, is_causal, scale, documents, first_head, softcap,
-        min_positions, limits,
-    )  # fmt: skip
-    longest = max(end - start for start, end, _, _ in groups)
-    cells = tuple(_scratch(groups, batch * dim, 1, kv_group))
-    return FusedPlan(ordered, tuple(spans), tuple(groups), cells, longest, ordered[0][1] == 1,
-                     single, kv_group, key)  # fmt: skip
-
-
-def _kept(
-    make: Callable[..., FusedPlan], documents: tuple[int, ...] | None
-) -> Callable[..., FusedPlan]:
-    """``make``, kept per arguments, or made afresh for packed documents: a batch's documents
-    change every step, and their segment tables are kept by ``packed_spans`` already."""
-    return make.__wrapped__ if documents is not None else make  # type: ignore[attr-defined]
+def _kept(documents: tuple[int, ...] | None) -> Callable[..., FusedPlan]:
+    """:func:`_plan`, kept per arguments, or made afresh for packed documents: a batch's
+    documents change every step, and their segment tables are kept by ``packed_spans``
+    already."""
+    return _plan.__wrapped__ if documents is not None else _plan  # type: ignore[attr-defined]
 
 
 def fused_forward(
@@ -378,8 +357,8 @@ def fused_forward(
     """
     batch, rows, heads, dim = q.shape
     first = 0 if chunk is None else chunk.first  # the position of q's row 0
-    plan = _kept(_forward_plan, documents)(
-        batch, rows, heads, k.shape[2], dim, branches, q.device, is_causal, scale, chunk,
+    plan = _kept(documents)(
+        False, batch, rows, heads, k.shape[2], dim, branches, q.device, is_causal, scale, chunk,
         documents, first_head, softcap, min_group_positions, extra is not None, _limits(),
     )  # fmt: skip
     groups, covers_all, single = plan.groups, plan.covers_all, plan.single
@@ -445,9 +424,9 @@ def fused_backward(
         ``(dq, dk, dv)`` shaped like ``(q, k, v)``.
     """
     batch, seq_len, heads, dim = q.shape
-    plan = _kept(_backward_plan, documents)(
-        batch, seq_len, heads, k.shape[2], dim, branches, q.device, is_causal, scale, documents,
-        first_head, softcap, min_group_positions, extra is not None, _limits(),
+    plan = _kept(documents)(
+        True, batch, seq_len, heads, k.shape[2], dim, branches, q.device, is_causal, scale, None,
+        documents, first_head, softcap, min_group_positions, extra is not None, _limits(),
     )  # fmt: skip
     groups, covers_all, single, kv_group = plan.groups, plan.covers_all, plan.single, plan.kv_group
     key_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(1)
