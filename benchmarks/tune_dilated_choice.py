@@ -36,14 +36,18 @@ slots took the query slots' layout (``--seq-lens 16384 65536 131072 262144 --kv-
 class), three GQA runs at 4K and 8K, where no H100 record measured shared key/value heads
 (``--schedules longnet longnet_n --seq-lens 4096 8192 --head-dims 128 --kv-heads 4 --causal both
 --paths triton flash_attn4 'dense cudnn' --warmup 3 --repeats 10 --min-ms 30`` to
-``dilated_tuning_short_gqa<i>_h200``). Where they measured a cell at
+``dilated_tuning_short_gqa<i>_h200``), and three more without GQA after a fused call's plan was
+kept per request (``--head-dims 128 64 --kv-heads 16``, otherwise the same, to
+``dilated_tuning_short_mha<i>_h200``). Where they measured a cell at
 a length, their times replace the older records' (whose FlashAttention-4 times include the host time
 a replay removes); the older records alone give each cell's ``min_query_len_without_graphs``, the
 threshold used where the graphs are turned off. For every cell (shared key/value heads or not,
 forward only or forward+backward, head dim, causal or not) and every measured length it takes each
-path's median time over the runs of its ``flash_attn4`` and ``triton`` rows, leaving out
-FlashAttention-4 runs whose peak memory passed both :data:`MAX_MEMORY_RATIO` of the unavoidable
-bytes and the fused kernels' peak in the same record (:data:`MEMORY_SLACK`): a median, as
+path's median time over the runs of its ``flash_attn4`` and ``triton`` rows of both LongNet
+schedules (:data:`SCHEDULES`: at 4K-8K their branch counts differ and either may favour a
+path), leaving out FlashAttention-4 runs whose peak memory passed both
+:data:`MAX_MEMORY_RATIO` of the unavoidable bytes and the fused kernels' peak in the same record
+(:data:`MEMORY_SLACK`): a median, as
 FlashAttention-4's times near the thresholds move by up to 2x from one process to the next
 (host-bound: its Python interface), while the fused kernels' move by a few percent. The cell's
 threshold is the shortest measured length from which FlashAttention-4 was :data:`MIN_GAIN` times
@@ -60,6 +64,7 @@ import json
 import statistics
 import sys
 from collections import defaultdict
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +90,12 @@ REPLAYED_RECORDS = (
     "dilated_tuning_gqa_keyslots1_h100", "dilated_tuning_gqa_keyslots2_h100",
     "dilated_tuning_gqa_keyslots3_h100",
     *(f"dilated_tuning_short_gqa{run}_h200" for run in (1, 2, 3)),
+    *(f"dilated_tuning_short_mha{run}_h200" for run in (1, 2, 3)),
 )  # fmt: skip
+#: The schedules whose rows give the times: the fixed LongNet schedule of the older records,
+#: and ``longnet_schedule(N)``, what users get at each length, which at 4K-8K has fewer
+#: branches and there moves the choice (the short runs measure both).
+SCHEDULES = ("longnet", "longnet_n")
 PATHS = ("flash_attn4", "triton")
 STEPS = (("forward", "fwd"), ("training", "fwd_bwd"))
 #: FlashAttention-4 is not a candidate where its peak memory passed this share of the
@@ -103,8 +113,8 @@ MIN_GAIN = 1.03
 Times = dict[str, dict[int, dict[str, float]]]
 
 
-def median_times(records: list[dict[str, Any]], schedule: str) -> Times:
-    """Each path's median time per cell and length over the records' rows of ``schedule``."""
+def median_times(records: list[dict[str, Any]], schedules: Collection[str]) -> Times:
+    """Each path's median time per cell and length over the records' rows of ``schedules``."""
     runs: dict[str, dict[int, dict[str, list[float]]]] = defaultdict(
         lambda: defaultdict(lambda: defaultdict(list))
     )
@@ -112,7 +122,7 @@ def median_times(records: list[dict[str, Any]], schedule: str) -> Times:
         fused = _fused_peaks(record)
         for row in record["results"]:
             path = row["path"]
-            if row.get("schedule") != schedule or path not in PATHS or "error" in row:
+            if row.get("schedule") not in schedules or path not in PATHS or "error" in row:
                 continue
             for direction, step in STEPS:
                 column = f"{step}_ms"
@@ -179,12 +189,12 @@ def overlaid(older: Times, newer: Times) -> Times:
 
 
 def derived_cells(eager: list[dict[str, Any]], replayed: list[dict[str, Any]],
-                  schedule: str = "longnet") -> dict[str, dict[str, Any]]:  # fmt: skip
+                  schedules: Collection[str] = SCHEDULES) -> dict[str, dict[str, Any]]:  # fmt: skip
     """The table's cells: :func:`thresholds` of the ``replayed`` records' times over the
     ``eager`` ones' (:func:`overlaid`), each with ``min_query_len_without_graphs``, the
     threshold of the ``eager`` records alone."""
-    older = median_times(eager, schedule)
-    cells = thresholds(overlaid(older, median_times(replayed, schedule)))
+    older = median_times(eager, schedules)
+    cells = thresholds(overlaid(older, median_times(replayed, schedules)))
     without = thresholds(older)
     for key, cell in cells.items():
         cell["min_query_len_without_graphs"] = without.get(key, {}).get("min_query_len")
@@ -201,11 +211,11 @@ def main() -> None:
     )
     parser.add_argument("--records", nargs="+", default=list(RECORDS))
     parser.add_argument("--replayed-records", nargs="*", default=list(REPLAYED_RECORDS))
-    parser.add_argument("--schedule", default="longnet")
+    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
     parser.add_argument("--major", type=int, default=9, help="the records' compute capability")
     parser.add_argument("--write", action="store_true", help=f"store the table in {TABLE_FILE}")
     args = parser.parse_args()
-    cells = derived_cells(_load(args.records), _load(args.replayed_records), args.schedule)
+    cells = derived_cells(_load(args.records), _load(args.replayed_records), args.schedules)
     rows = [{"cell": key, "min_query_len": c["min_query_len"],
              "without graphs": c["min_query_len_without_graphs"],
              **{f"{n}: fa4 / triton ms": f"{t['flash_attn4']} / {t['triton']}"

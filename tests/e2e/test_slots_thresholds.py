@@ -59,8 +59,21 @@ def test_times_are_the_median_over_runs_within_the_memory_bound() -> None:
     runs = [[_row(8, "flash_attn4", ms), _row(8, "triton", 2.0)] for ms in (1.0, 9.0, 3.0)]
     runs.append([_row(8, "flash_attn4", 0.5, mem_ratio=1.2)])  # over the bound: left out
     runs.append([{**_row(8, "triton", 0.1), "schedule": "paper"}])  # another schedule
-    times = tune_dilated_choice.median_times([{"results": rows} for rows in runs], "longnet")
+    times = tune_dilated_choice.median_times([{"results": rows} for rows in runs], ("longnet",))
     assert times == {"mha/forward/d64/full": {8: {"flash_attn4": 3.0, "triton": 2.0}}}
+
+
+def test_the_default_schedules_pool_their_runs() -> None:
+    """By default the times are medians over the runs of both LongNet schedules (the fixed one
+    and ``longnet_schedule(N)``), one median over all of them; other schedules are left out."""
+    runs = [[_row(8, "flash_attn4", ms), _row(8, "triton", 2.0)] for ms in (1.0, 5.0)]
+    runs.append([{**_row(8, "flash_attn4", 4.0), "schedule": "longnet_n"}])
+    runs.append([{**_row(8, "flash_attn4", 0.1), "schedule": "paper"}])
+    records = [{"results": rows} for rows in runs]
+    times = tune_dilated_choice.median_times(records, tune_dilated_choice.SCHEDULES)
+    assert times == {"mha/forward/d64/full": {8: {"flash_attn4": 4.0, "triton": 2.0}}}
+    only = tune_dilated_choice.median_times(records, ("longnet",))
+    assert only == {"mha/forward/d64/full": {8: {"flash_attn4": 3.0, "triton": 2.0}}}
 
 
 @pytest.mark.parametrize(
@@ -73,7 +86,7 @@ def test_fa4_may_take_what_the_fused_kernels_take(
     """Past the memory bound, FlashAttention-4 stays a candidate where the fused kernels in the
     same record took as much (within MEMORY_SLACK); the fused kernels always are."""
     rows = [_row(8, "flash_attn4", 1.0, fa4_ratio), _row(8, "triton", 2.0, fused_ratio)]
-    times = tune_dilated_choice.median_times([{"results": rows}], "longnet")
+    times = tune_dilated_choice.median_times([{"results": rows}], ("longnet",))
     expected = {"triton": 2.0, **({"flash_attn4": 1.0} if kept else {})}
     assert times == {"mha/forward/d64/full": {8: expected}}
 
