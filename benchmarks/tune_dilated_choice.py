@@ -114,7 +114,10 @@ Times = dict[str, dict[int, dict[str, float]]]
 
 
 def median_times(records: list[dict[str, Any]], schedules: Collection[str]) -> Times:
-    """Each path's median time per cell and length over the records' rows of ``schedules``."""
+    """Each path's median time per cell and length over the records' rows of ``schedules`` (a
+    collection of names; a single name is refused, whose ``in`` would match its substrings)."""
+    if isinstance(schedules, str):
+        raise TypeError(f"schedules must be a collection of names, got the string {schedules!r}")
     runs: dict[str, dict[int, dict[str, list[float]]]] = defaultdict(
         lambda: defaultdict(lambda: defaultdict(list))
     )
@@ -233,12 +236,15 @@ def main() -> None:
         "kernels at that length and every longer one measured (null: at none): min_query_len "
         "with its calls replayed from CUDA graphs (the records in replayed_sources, over those "
         "in sources where they measured a length), min_query_len_without_graphs from the "
-        "records in sources alone. Written by benchmarks/tune_dilated_choice.py --write; not "
+        "records in sources alone; each time the median over the rows of the schedules "
+        "named under schedules. Written by benchmarks/tune_dilated_choice.py --write; not "
         "edited by hand (Note [The measured slots table] in slots_thresholds.py)."
     )
     table = {"about": about, "majors": old.get("majors", {}), "sources": old.get("sources", {}),
-             "replayed_sources": old.get("replayed_sources", {})}  # fmt: skip
+             "replayed_sources": old.get("replayed_sources", {}),
+             "schedules": old.get("schedules", {})}  # fmt: skip
     table["majors"][str(args.major)] = cells
+    table["schedules"][str(args.major)] = list(args.schedules)
     table["sources"][str(args.major)] = [f"{name}.json" for name in args.records]
     table["replayed_sources"][str(args.major)] = [f"{n}.json" for n in args.replayed_records]
     path.write_text(json.dumps(table, indent=1) + "\n")

@@ -30,7 +30,9 @@ def test_the_table_is_derived_from_the_records_it_names() -> None:
             [json.loads((tune_dilated_choice.RESULTS_DIR / name).read_text()) for name in names]
             for names in (sources, table["replayed_sources"][major])
         )  # fmt: skip
-        derived = tune_dilated_choice.derived_cells(eager, replayed)
+        schedules = table["schedules"][major]
+        assert schedules == list(tune_dilated_choice.SCHEDULES)  # the tuner's default
+        derived = tune_dilated_choice.derived_cells(eager, replayed, schedules)
         assert derived == table["majors"][major]
 
 
@@ -70,10 +72,15 @@ def test_the_default_schedules_pool_their_runs() -> None:
     runs.append([{**_row(8, "flash_attn4", 4.0), "schedule": "longnet_n"}])
     runs.append([{**_row(8, "flash_attn4", 0.1), "schedule": "paper"}])
     records = [{"results": rows} for rows in runs]
-    times = tune_dilated_choice.median_times(records, tune_dilated_choice.SCHEDULES)
-    assert times == {"mha/forward/d64/full": {8: {"flash_attn4": 4.0, "triton": 2.0}}}
+    assert tune_dilated_choice.SCHEDULES == ("longnet", "longnet_n")
+    cells = tune_dilated_choice.derived_cells(records, [])  # the default schedules
+    assert cells["mha/forward/d64/full"]["measured_ms"] == {
+        "8": {"flash_attn4": 4.0, "triton": 2.0}
+    }
     only = tune_dilated_choice.median_times(records, ("longnet",))
     assert only == {"mha/forward/d64/full": {8: {"flash_attn4": 3.0, "triton": 2.0}}}
+    with pytest.raises(TypeError, match="collection of names"):
+        tune_dilated_choice.median_times(records, "longnet")
 
 
 @pytest.mark.parametrize(
