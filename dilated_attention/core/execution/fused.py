@@ -71,7 +71,7 @@ from typing import Any
 import torch
 
 from ..contract import BranchSpan, FusedBackend
-from .fused_heads import accumulators, backward_heads, branches_backward, cells_view, forward_heads
+from .fused_heads import backward_heads, branches_backward, cells_view, forward_heads
 from .packed_spans import Spans, group_size, packed_spans
 
 #: A group holds at least this many positions (enough programs per launch to fill a GPU) ...
@@ -428,7 +428,7 @@ def fused_backward(
         True, batch, seq_len, heads, k.shape[2], dim, branches, q.device, is_causal, scale, None,
         documents, first_head, softcap, min_group_positions, extra is not None, _limits(),
     )  # fmt: skip
-    groups, covers_all, single, kv_group = plan.groups, plan.covers_all, plan.single, plan.kv_group
+    groups, covers_all, single = plan.groups, plan.covers_all, plan.single
     key_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(1)
     dq, dk, dv = (torch.empty_like(x, dtype=grad_dtype or x.dtype) for x in (q, k, v))
     delta = torch.empty(batch, heads, plan.longest, dtype=torch.float32, device=q.device)
@@ -454,14 +454,9 @@ def fused_backward(
                     head0=first_head,
                 )  # fmt: skip
             for h0, h1 in ranges:
-                shapes = (
-                    (batch, rows, h1 - h0, dim),
-                    (batch, rows, h1 // kv_group - h0 // kv_group, dim),
-                )
-                accs = accumulators(scratch, q_cells, kv_cells, *shapes)  # type: ignore[arg-type]
                 backward_heads(backend, plan, (dout, q, k, v, lse, group_delta, key_mask),
-                                (dq, dk, dv), accs, (start, end, group_spans), (h0, h1),
-                                first_head, extra, options)  # fmt: skip
+                                (dq, dk, dv), scratch, (start, end, group_spans), (h0, h1),
+                                first_head, extra, options)  # type: ignore[arg-type]  # fmt: skip
 
     tensors = (dout, q, k, v, out, lse, key_mask, dq, dk, dv, delta, scratch)
     backend.run_launches(plan.key, tensors, launches, keep=plan.spans)

@@ -91,13 +91,13 @@ def forward_heads(
 
 def backward_heads(
     backend: FusedBackend, plan: FusedPlan, io: tuple[torch.Tensor | None, ...],
-    grads: tuple[torch.Tensor, ...], accs: tuple[torch.Tensor, ...],
+    grads: tuple[torch.Tensor, ...], scratch: torch.Tensor,
     group: tuple[int, int, tuple[BranchSpan, ...]], heads: tuple[int, int], first_head: int,
     extra: BackwardExtra | None, options: dict[str, Any],
 ) -> None:  # fmt: skip
-    """Every branch's gradients of one position group and head range into the float32
-    ``accs`` (dq, dk, dv rows), then cast into ``grads`` (dq, dk, dv) (Note [Fused branch
-    engine]).
+    """Every branch's gradients of one position group and head range into float32
+    accumulators (dq, dk, dv rows: :func:`accumulators` of ``scratch``, laid out by
+    ``plan.cells``), then cast into ``grads`` (dq, dk, dv) (Note [Fused branch engine]).
 
     Args:
         io: ``(dout, q, k, v, lse, delta, key_mask)``, ``delta`` the group's rows.
@@ -107,6 +107,9 @@ def backward_heads(
     start, end, group_spans = group
     h0, h1 = heads
     kv = slice(h0 // plan.kv_group, h1 // plan.kv_group)
+    batch, dim = inputs[1].shape[0], inputs[1].shape[3]
+    accs = accumulators(scratch, *plan.cells, (batch, end - start, h1 - h0, dim),
+                        (batch, end - start, kv.stop - kv.start, dim))  # fmt: skip
     if not plan.covers_all:
         for acc in accs:
             acc.zero_()
