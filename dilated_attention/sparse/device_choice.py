@@ -10,16 +10,19 @@ Note [A choice's launches in one graph]
     Each launch costs the host 20-40 us on the lent H100's, about what the GPU spends on the
     key means, the product or the top-k at 64K tokens. So the choice launches the query means
     (the longest kernel: the query is the largest operand) as soon as their parts are
-    allocated, then allocates the rest (the key parts, the affinities of a chunk, the kernels'
-    scratch, the result) while the GPU runs them, and runs the other launches in one closure
-    through ``backends.triton.run_launches``: once the same call (the same addresses) has run,
-    that closure replays as one CUDA graph (Note [A call's launches from a CUDA graph] in
-    ``core/execution/graphs.py``). Everything in one graph would start the GPU only after all
-    of the host's work: at 64K an eager call then took the host's 0.18-0.28 ms plus the GPU's
-    0.19. Every chunk's product and top-k reuse the same buffer and scratch, as the launches
-    run in order on one stream. The product is a Triton kernel rather than cuBLAS's ``bmm``,
-    whose graphs would each keep a cuBLAS workspace (Note [The parts' product in Triton]).
-
+    allocated, then allocates the result while the GPU runs them, and runs the other launches
+    in one closure through ``backends.triton.run_launches``: once the same call (the same
+    addresses) has run, that closure replays as one CUDA graph (Note [A call's launches from a
+    CUDA graph] in ``core/execution/graphs.py``). The closure allocates what only its launches
+    use (the key parts, the affinities of a chunk, the kernels' scratch): a replay skips those
+    allocations (at 64K they were a fifth of the call's host time) and its graph takes them
+    from the graphs' shared pool (Note [Graphs share one memory pool per stream] there), where
+    the larger workspace of an attention call already lies. Everything in one graph would start
+    the GPU only after all of the host's work: at 64K an eager call then took the host's
+    0.18-0.28 ms plus the GPU's 0.19. Every chunk's product and top-k reuse the same buffer and
+    scratch, as the launches run in order on one stream. The product is a Triton kernel rather
+    than cuBLAS's ``bmm``, whose graphs would each keep a cuBLAS workspace (Note [The parts'
+    product in Triton]).
 Shape legend: B batch, Nq query rows, Nk key positions, H query heads, Hkv key/value heads,
 Hs the heads chosen for (H, or Hkv with ``per="kv_head"``), D head dim, Mq and Mk the query
 and key blocks.
@@ -33,6 +36,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..backends.triton import kernel_module, run_launches
+from ..block_sparse.plan import num_blocks
 
 __all__ = ["AFFINITY_BYTES", "ChoiceKernels", "choose_on_device", "device_modules",
            "on_tensor_cores"]  # fmt: skip
@@ -98,30 +102,33 @@ def choose_on_device(
     summed = heads // kv_heads if per == "kv_head" else 1
     left = parts.empty_parts(q, summed, block_size)  # (B, Hs, Mq, 3 D)
     parts.mean_parts(q, summed, 2, block_size, out=left)  # the GPU starts on the longest
-    right = parts.empty_parts(k, 1, block_size)  # (B, Hkv, Mk, 3 D)
-    mq, mk = left.shape[2], right.shape[2]
+    mq, mk = left.shape[2], num_blocks(k.shape[1], block_size)
     width, dtype = (mk, torch.bool) if own_width is None else (topk + own_width, torch.int32)
     chosen = torch.empty(*left.shape[:3], width, dtype=dtype, device=q.device)
     ranges = None if isinstance(candidates, tuple) else candidates
     tiles = _tiles_module(ranges, mk, topk)
     if tiles is not None:
-        step, scratch, chunks = _tile_chunks(tiles, left, right, ranges, topk, chosen, own_width)
+        step, chunks = _tile_chunks(tiles, left, ranges, topk, chosen, own_width)
     else:
-        step, scratch, chunks = _stored_chunks(kernels, left, right, candidates, topk, chosen,
-                                               own_width)  # fmt: skip
+        step, chunks = _stored_chunks(kernels, left, mk, candidates, topk, chosen, own_width)
 
     def launches() -> None:
+        right = parts.empty_parts(k, 1, block_size)  # (B, Hkv, Mk, 3 D)
         parts.mean_parts(k, 1, 1, block_size, out=right)
+        chunk = chunks(right)
         for start in range(0, mq, step):
-            chunks(start, slice(start, start + step))
+            chunk(start, slice(start, start + step))
 
     masks = () if ranges is not None else candidates
     key = ("select_blocks", block_size, topk, per, own_width, ranges, step, tiles is not None)
-    run_launches(key, (q, k, left, right, chosen, *scratch, *masks), launches)
+    run_launches(key, (q, k, left, chosen, *masks), launches)
     return chosen
 
 
 Chunk = Callable[[int, slice], None]
+#: A choice's chunks, given the key parts (B, Hkv, Mk, 3 D): their scratch allocated, the
+#: launch of a chunk.
+Chunks = Callable[[torch.Tensor], Chunk]
 
 
 def _tiles_module(ranges: Any, mk: int, topk: int) -> Any:
@@ -137,67 +144,77 @@ def _tiles_module(ranges: Any, mk: int, topk: int) -> Any:
 def _tile_chunks(
     module: Any,
     left: torch.Tensor,
-    right: torch.Tensor,
     ranges: Any,
     topk: int,
     chosen: torch.Tensor,
     own_width: int | None,
-) -> tuple[int, tuple[torch.Tensor, ...], Chunk]:
-    """The tiles kernel's chunks of query blocks, ``(rows a chunk, scratch, the launch of a
-    chunk)``: its scratch (the values of the groups each row holds, their parts' maxima and
-    two lists) stays near :data:`AFFINITY_BYTES`. ``left`` (B, Hs, Mq, 3 D) and ``right`` (B,
-    Hkv, Mk, 3 D) are the parts, ``chosen`` (B, Hs, Mq, width) the result."""
+) -> tuple[int, Chunks]:
+    """The tiles kernel's chunks of query blocks, ``(rows a chunk, the chunks)``: their scratch
+    (the values of the groups each row holds, their parts' maxima and two lists) stays near
+    :data:`AFFINITY_BYTES`. ``left`` (B, Hs, Mq, 3 D) are the query parts, ``chosen`` (B, Hs,
+    Mq, width) the result."""
     batch, heads, mq = chosen.shape[:3]
     step = max(1, AFFINITY_BYTES // (4 * batch * heads * module.scratch_per_row(topk)))
-    scratch = module.empty_scratch(batch * heads * min(step, mq), topk, left.device)
-    rows_of_heads, keys = left.flatten(0, 1), right.flatten(0, 1)
+    rows_of_heads = left.flatten(0, 1)
 
-    def chunk(start: int, rows: slice) -> None:
-        module.top_blocks_from_parts(rows_of_heads[:, rows], keys,
-                                     ranges.kernel_rows(start, module.RowRanges), topk,
-                                     chosen[:, :, rows], own_width=own_width,
-                                     scratch=scratch)  # fmt: skip
+    def chunks(right: torch.Tensor) -> Chunk:
+        scratch = module.empty_scratch(batch * heads * min(step, mq), topk, left.device)
+        keys = right.flatten(0, 1)
 
-    return step, scratch, chunk
+        def chunk(start: int, rows: slice) -> None:
+            module.top_blocks_from_parts(rows_of_heads[:, rows], keys,
+                                         ranges.kernel_rows(start, module.RowRanges), topk,
+                                         chosen[:, :, rows], own_width=own_width,
+                                         scratch=scratch)  # fmt: skip
+
+        return chunk
+
+    return step, chunks
 
 
 def _stored_chunks(
     kernels: ChoiceKernels,
     left: torch.Tensor,
-    right: torch.Tensor,
+    mk: int,
     candidates: Any,
     topk: int,
     chosen: torch.Tensor,
     own_width: int | None,
-) -> tuple[int, tuple[torch.Tensor, ...], Chunk]:
-    """The stored product's chunks of query blocks, ``(rows a chunk, scratch, the launch of a
-    chunk)``: a chunk's float32 affinities (B, Hs, rows, Mk) stay near
-    :data:`AFFINITY_BYTES`; the product of the parts (Note [The parts' product in Triton] in
-    ``triton_kernels/selection/parts_product.py``), then the top-k kernel (``top_blocks``)."""
+) -> tuple[int, Chunks]:
+    """The stored product's chunks of query blocks, ``(rows a chunk, the chunks)``: a chunk's
+    float32 affinities (B, Hs, rows, Mk) stay near :data:`AFFINITY_BYTES`; the product of the
+    parts (Note [The parts' product in Triton] in ``triton_kernels/selection/parts_product.py``),
+    then the top-k kernel (``top_blocks``). ``left`` (B, Hs, Mq, 3 D) are the query parts,
+    ``mk`` key blocks, ``chosen`` (B, Hs, Mq, width) the result."""
     batch, heads, mq = chosen.shape[:3]
-    kv_heads, mk = right.shape[1], right.shape[2]
     step = max(1, AFFINITY_BYTES // max(1, 4 * heads * mk * batch))
     most = min(step, mq)
-    affinity = torch.empty(batch * heads * most * mk, dtype=torch.float32, device=left.device)
     top = kernels.top
-    maxima = torch.empty(top.scratch_shape(batch * heads * most, mk, topk),
-                         dtype=torch.float32, device=left.device)  # fmt: skip
-    grouped = left.view(batch * kv_heads, heads // kv_heads, mq, left.shape[-1])
-    keys = right.flatten(0, 1)  # (B Hkv, Mk, 3 D)
 
-    def chunk(start: int, rows: slice) -> None:
-        count = len(range(mq)[rows])
-        product = affinity[: batch * heads * count * mk].view(batch * kv_heads, -1, mk)
-        kernels.product.parts_product(grouped[:, :, rows], keys, product)
-        if isinstance(candidates, tuple):
-            row_args = (_rows(candidates[0], rows), _rows(candidates[1], rows))
-        else:
-            row_args = (candidates.kernel_rows(start, top.RowRanges), None)
-        top.top_blocks(product.view(batch, heads, count, mk), *row_args, topk,
-                       out=chosen[:, :, rows], own_width=own_width,
-                       scratch=maxima[: batch * heads * count])  # fmt: skip
+    def chunks(right: torch.Tensor) -> Chunk:
+        kv_heads = right.shape[1]
+        affinity = torch.empty(batch * heads * most * mk, dtype=torch.float32,
+                               device=left.device)  # fmt: skip
+        maxima = torch.empty(top.scratch_shape(batch * heads * most, mk, topk),
+                             dtype=torch.float32, device=left.device)  # fmt: skip
+        grouped = left.view(batch * kv_heads, heads // kv_heads, mq, left.shape[-1])
+        keys = right.flatten(0, 1)  # (B Hkv, Mk, 3 D)
 
-    return step, (affinity, maxima), chunk
+        def chunk(start: int, rows: slice) -> None:
+            count = len(range(mq)[rows])
+            product = affinity[: batch * heads * count * mk].view(batch * kv_heads, -1, mk)
+            kernels.product.parts_product(grouped[:, :, rows], keys, product)
+            if isinstance(candidates, tuple):
+                row_args = (_rows(candidates[0], rows), _rows(candidates[1], rows))
+            else:
+                row_args = (candidates.kernel_rows(start, top.RowRanges), None)
+            top.top_blocks(product.view(batch, heads, count, mk), *row_args, topk,
+                           out=chosen[:, :, rows], own_width=own_width,
+                           scratch=maxima[: batch * heads * count])  # fmt: skip
+
+        return chunk
+
+    return step, chunks
 
 
 def _rows(mask: torch.Tensor, rows: slice) -> torch.Tensor:
