@@ -1,28 +1,29 @@
-"""MoBA's choice of key blocks on the GPU: its buffers allocated first, then its launches in
-one closure, replayed from a CUDA graph once the same call has run (Note [A choice's launches in
-one graph]).
+"""MoBA's choice of key blocks on the GPU: the query means launched and the result allocated
+first, then the other launches (and what only they use) in one closure, replayed from a CUDA
+graph once the same call has run (Note [A choice's launches in one graph]).
 
 Note [A choice's launches in one graph]
     On the GPU a choice is three or four launches: the bfloat16 parts of the query and key
     block means (``mean_parts``), then, query blocks a chunk at a time, either the affinities'
     product (``parts_product``) and the top-k kernel (``top_blocks``), or from ``MIN_COLUMNS``
     key blocks on the kernel that makes the affinities a tile at a time (``affinity_tiles``).
-    Each launch costs the host 20-40 us on the lent H100's, about what the GPU spends on the
-    key means, the product or the top-k at 64K tokens. So the choice launches the query means
-    (the longest kernel: the query is the largest operand) as soon as their parts are
-    allocated, then allocates the result while the GPU runs them, and runs the other launches
-    in one closure through ``backends.triton.run_launches``: once the same call (the same
-    addresses) has run, that closure replays as one CUDA graph (Note [A call's launches from a
-    CUDA graph] in ``core/execution/graphs.py``). The closure allocates what only its launches
-    use (the key parts, the affinities of a chunk, the kernels' scratch): a replay skips those
-    allocations (at 64K they were a fifth of the call's host time) and its graph takes them
-    from the graphs' shared pool (Note [Graphs share one memory pool per stream] there), where
-    the larger workspace of an attention call already lies. Everything in one graph would start
-    the GPU only after all of the host's work: at 64K an eager call then took the host's
-    0.18-0.28 ms plus the GPU's 0.19. Every chunk's product and top-k reuse the same buffer and
-    scratch, as the launches run in order on one stream. The product is a Triton kernel rather
-    than cuBLAS's ``bmm``, whose graphs would each keep a cuBLAS workspace (Note [The parts'
-    product in Triton]).
+    Each launch costs the host 20-40 us on the lent H100's, about what the GPU spends on the key
+    means, the product or the top-k at 64K tokens. So the choice launches the query means (the
+    longest kernel: the query is the largest operand) as soon as their parts are allocated, then
+    allocates the result while the GPU runs them, and runs the other launches in one closure
+    through ``backends.triton.run_launches``: once the same call (the same addresses) has run,
+    that closure replays as one CUDA graph (Note [A call's launches from a CUDA graph] in
+    ``core/execution/graphs.py``). The closure allocates what only its launches use (the key
+    parts, the affinities of a chunk, the kernels' scratch): a replay skips those allocations
+    (H200, 64K: the eager choice 0.299 -> 0.217 ms one call at a time, 0.215 -> 0.149 back to
+    back, its GPU time) and its graph takes them from the graphs' shared pool (Note [Graphs
+    share one memory pool per stream] there), where the larger workspace of an attention call
+    already lies. Everything in one graph would start the GPU only after all of the host's work:
+    at 64K an eager call then took the host's 0.18-0.28 ms plus the GPU's 0.19. Every chunk's
+    product and top-k reuse the same buffer and scratch, as the launches run in order on one
+    stream. The product is a Triton kernel rather than cuBLAS's ``bmm``, whose graphs would each
+    keep a cuBLAS workspace (Note [The parts' product in Triton]).
+
 Shape legend: B batch, Nq query rows, Nk key positions, H query heads, Hkv key/value heads,
 Hs the heads chosen for (H, or Hkv with ``per="kv_head"``), D head dim, Mq and Mk the query
 and key blocks.
