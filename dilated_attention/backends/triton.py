@@ -110,8 +110,8 @@ def run_launches(
     launches: Callable[[], None],
     keep: object = None,
 ) -> None:
-    """``launches`` (kernels into ``tensors``, allocating nothing), replayed from a CUDA graph
-    once the same call has run (Note [A call's launches from a CUDA graph] in
+    """``launches`` (kernels into ``tensors``, allocating nothing that outlives them), replayed
+    from a CUDA graph once the same call has run (Note [A call's launches from a CUDA graph] in
     ``core/execution/graphs.py``): for CUDA tensors with Triton importable, outside the
     interpreter, the compile-only dry run and a profiler's launch hook; else launched now.
     ``key`` None: launched now."""

@@ -455,8 +455,9 @@ def fused_backward(
                 )  # fmt: skip
             for h0, h1 in ranges:
                 backward_heads(backend, plan, (dout, q, k, v, lse, group_delta, key_mask),
-                                (dq, dk, dv), scratch, (start, end, group_spans), (h0, h1),
-                                first_head, extra, options)  # type: ignore[arg-type]  # fmt: skip
+                                (dq, dk, dv), scratch,  # type: ignore[arg-type]
+                                (start, end, group_spans), (h0, h1), first_head, extra,
+                                options)  # fmt: skip
 
     tensors = (dout, q, k, v, out, lse, key_mask, dq, dk, dv, delta, scratch)
     backend.run_launches(plan.key, tensors, launches, keep=plan.spans)

@@ -107,8 +107,9 @@ def backward_heads(
     start, end, group_spans = group
     h0, h1 = heads
     kv = slice(h0 // plan.kv_group, h1 // plan.kv_group)
-    batch, dim = inputs[1].shape[0], inputs[1].shape[3]
-    accs = accumulators(scratch, *plan.cells, (batch, end - start, h1 - h0, dim),
+    batch, dim = grads[0].shape[0], grads[0].shape[3]  # dq is shaped like q
+    q_cells, kv_cells = plan.cells
+    accs = accumulators(scratch, q_cells, kv_cells, (batch, end - start, h1 - h0, dim),
                         (batch, end - start, kv.stop - kv.start, dim))  # fmt: skip
     if not plan.covers_all:
         for acc in accs:

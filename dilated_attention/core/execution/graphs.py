@@ -48,7 +48,10 @@ Note [Graphs share one memory pool per stream]
     groups, one group's slots and the slots that span groups) stays reserved for the graphs
     while they live, where an eager call's would go back to the caching allocator for other
     work. The fused Triton engine's launches allocate nothing, so its graphs add nothing to
-    the pool. ``DILATED_ATTENTION_CUDA_GRAPHS=0`` trades the replays for that memory.
+    the pool; a MoBA block choice's hold its key parts, a chunk's float32 affinities (at most
+    ``AFFINITY_BYTES``) and its top-k scratch (Note [A choice's launches in one graph] in
+    ``sparse/device_choice.py``). ``DILATED_ATTENTION_CUDA_GRAPHS=0`` trades the replays for
+    that memory.
 """
 
 from __future__ import annotations
