@@ -15,14 +15,14 @@ Note [A choice's launches in one graph]
     that closure replays as one CUDA graph (Note [A call's launches from a CUDA graph] in
     ``core/execution/graphs.py``). The closure allocates what only its launches use (the key
     parts, the affinities of a chunk, the kernels' scratch): a replay skips those allocations
-    (H200, 64K: the eager choice 0.299 -> 0.217 ms one call at a time, 0.215 -> 0.149 back to
-    back, its GPU time) and its graph takes them from the graphs' shared pool (Note [Graphs
-    share one memory pool per stream] there), beside FA4's backward workspace where a model
-    trains on FA4. Everything in one graph would start the GPU only after all of the host's
-    work: at 64K an eager call then took the host's 0.18-0.28 ms plus the GPU's 0.19. Every
-    chunk's product and top-k reuse the same buffer and scratch, as the launches run in order on
-    one stream. The product is a Triton kernel rather than cuBLAS's ``bmm``, whose graphs would
-    each keep a cuBLAS workspace (Note [The parts' product in Triton]).
+    (H200, side by side: a call's host time at 64K 0.153 -> 0.079 ms, back to back 0.136 ->
+    0.069; at 16K a call 0.168 -> 0.098 ms) and its graph takes them from the graphs' shared
+    pool (Note [Graphs share one memory pool per stream] there), beside FA4's backward workspace
+    where a model trains on FA4. Everything in one graph would start the GPU only after all of
+    the host's work: at 64K an eager call then took the host's 0.18-0.28 ms plus the GPU's 0.19.
+    Every chunk's product and top-k reuse the same buffer and scratch, as the launches run in
+    order on one stream. The product is a Triton kernel rather than cuBLAS's ``bmm``, whose
+    graphs would each keep a cuBLAS workspace (Note [The parts' product in Triton]).
 
 Shape legend: B batch, Nq query rows, Nk key positions, H query heads, Hkv key/value heads,
 Hs the heads chosen for (H, or Hkv with ``per="kv_head"``), D head dim, Mq and Mk the query
