@@ -71,7 +71,7 @@ from typing import Any
 import torch
 
 from ..contract import BranchSpan, FusedBackend
-from .fused_heads import backward_heads, branches_backward, cells_view, forward_heads
+from .fused_heads import backward_heads, branches_backward, forward_heads
 from .packed_spans import Spans, group_size, packed_spans
 
 #: A group holds at least this many positions (enough programs per launch to fill a GPU) ...
@@ -380,10 +380,9 @@ def fused_forward(
                     head0=first_head, **options,
                 )  # fmt: skip
             for h0, h1 in ranges:
-                acc = cells_view(scratch, 0, (batch, end - start, h1 - h0, dim))  # type: ignore[arg-type]
                 forward_heads(
-                    backend, plan, (q, k, v, out, lse, key_mask), acc, (start, end, group_spans),
-                    (h0, h1), first_head, extra, options,
+                    backend, plan, (q, k, v, out, lse, key_mask), scratch,  # type: ignore[arg-type]
+                    (start, end, group_spans), (h0, h1), first_head, extra, options,
                 )  # fmt: skip
 
     tensors = (q, k, v, key_mask, out, lse, scratch)

@@ -51,11 +51,12 @@ def of_heads(tensors: tuple[torch.Tensor, ...], h0: int, h1: int, kv: slice) -> 
 
 def forward_heads(
     backend: FusedBackend, plan: FusedPlan, io: tuple[torch.Tensor | None, ...],
-    acc: torch.Tensor, group: tuple[int, int, tuple[BranchSpan, ...]], heads: tuple[int, int],
-    first_head: int, extra: ForwardExtra | None, options: dict[str, Any],
+    scratch: torch.Tensor, group: tuple[int, int, tuple[BranchSpan, ...]],
+    heads: tuple[int, int], first_head: int, extra: ForwardExtra | None, options: dict[str, Any],
 ) -> None:  # fmt: skip
     """Every branch of one position group and head range (Note [Fused branch engine]): merged
-    into ``acc`` (float32 (B, end - start, h1 - h0, D)), the finished rows into ``out``.
+    into float32 running values (``scratch``'s first cells as (B, end - start, h1 - h0, D)), the
+    finished rows into ``out``.
 
     Args:
         io: ``(q, k, v, out, lse, key_mask)`` as :func:`fused_forward` holds them.
@@ -66,6 +67,7 @@ def forward_heads(
     h0, h1 = heads
     kv0, kv1 = h0 // plan.kv_group, h1 // plan.kv_group
     first, covers_all = options["q_row0"], plan.covers_all
+    acc = cells_view(scratch, 0, (q.shape[0], end - start, h1 - h0, q.shape[3]))  # type: ignore[union-attr]
     if not covers_all:
         acc.zero_()
     qkv = (head_slice(q, 2, h0, h1), head_slice(k, 2, kv0, kv1), head_slice(v, 2, kv0, kv1))  # type: ignore[arg-type]
