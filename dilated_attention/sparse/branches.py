@@ -28,9 +28,11 @@ Note [Branches joined as they come]
     before the other branches' backwards run: NSA's compressed branch, which saves the most
     (its classes' queries as heads, their output, and that output put back in rows), joins
     last (``order``).
-    A term is a product, then a sum, as in :func:`gated_sum_of`, so that both give the same
-    bits (a fused ``addcmul`` would save a temporary forward but cost one, the size of the
-    output, in its backward).
+    A term joins as ``total + gate * out`` through the same op in :func:`gated_sum` and
+    :func:`gated_sum_of` (one pass each way on the GPU, rounded once: Note [Gated rows in one
+    pass] in ``backends/triton_kernels/gates.py``), so that both give the same bits; its
+    backward makes the branch's gradient and the gate's in one pass, without a product the
+    size of the output beside them.
 
 Note [A branch that gates its own rows]
     The product ``g_c * o_c`` keeps ``o_c`` for the gate's gradient. Where a branch makes its
@@ -76,6 +78,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..core.merge import merge_partial
+from .gate_rows import gated_add, gated_rows
 
 __all__ = ["BranchCall", "gated_sum", "gated_sum_of", "lse_with_gradient", "merge_branches"]
 
@@ -147,14 +150,17 @@ def gated_sum(
         (B, N, H, D) in the outputs' dtype.
     """
 
-    def term(c: int) -> torch.Tensor:
+    def joined(c: int, total: torch.Tensor | None) -> torch.Tensor:
         gate = gates[..., c, None]
-        return calls[c](gate) if c in self_gated else gate * calls[c]()
+        if c not in self_gated:
+            return gated_add(total, calls[c](), gate)
+        term = calls[c](gate)
+        return term if total is None else total + term
 
     first, *rest = _join_order(order, len(calls))
-    total = term(first)
+    total = joined(first, None)
     for c in rest:
-        total = total + term(c)
+        total = joined(c, total)
     return total
 
 
@@ -165,9 +171,9 @@ def gated_sum_of(
 ) -> torch.Tensor:
     """:func:`gated_sum` of the outputs of ``calls``, each made and added before the next call
     runs: one branch's output besides the sum is held at a time, not all of them. The same
-    bits as :func:`gated_sum` in the same ``order`` (each product, then each sum, rounded once
-    in the outputs' dtype); in place, so for calls that record no gradient (the caller's to
-    know).
+    bits as :func:`gated_sum` in the same ``order`` (the first term a product, each later one
+    joined by the same op, Note [Branches joined as they come]); in place, so for calls that
+    record no gradient (the caller's to know).
 
     Args:
         calls: C functions, each returning a new (B, N, H, D) tensor that nothing else holds.
@@ -178,9 +184,10 @@ def gated_sum_of(
         (B, N, H, D) in the outputs' dtype.
     """
     first, *rest = _join_order(order, len(calls))
-    total = calls[first]().mul_(gates[..., first, None])
+    total = calls[first]()
+    gated_rows(total, gates[..., first, None], into=total)
     for c in rest:
-        total.add_(calls[c]().mul_(gates[..., c, None]))
+        gated_rows(calls[c](), gates[..., c, None], total, into=total)
     return total
 
 

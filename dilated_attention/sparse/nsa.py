@@ -74,6 +74,7 @@ from ..core.higher_order import no_higher_order_message, raising_as
 from ..functional import attention, block_sparse_attention
 from .branches import gated_sum, gated_sum_of, lse_with_gradient, merge_branches
 from .compression import compress_kv
+from .gate_rows import copy_rows
 from .residue_rows import ResidueRows
 from .selection import _check_topk, select_blocks
 
@@ -436,8 +437,27 @@ def _runs(calls: list[tuple[int, int]], step: int, nq: int) -> list[tuple[int, i
 def _classes_as_heads(part: torch.Tensor) -> torch.Tensor:
     """A run of G classes' queries (B, n, G, H, D) as one query (B, n, H * G, D), head ``h * G
     + c`` class ``c``'s head ``h``: key/value head ``j`` serves the G classes' heads of its
-    group (Note [Residue classes as heads]); one class is a view."""
-    return part.transpose(2, 3).flatten(2, 3)
+    group (Note [Residue classes as heads]); one class is a view, more a copy in one pass
+    (``copy_rows``), whose gradient is a view of the query's."""
+    if part.shape[2] == 1:
+        return part.flatten(2, 3)
+    return _AsHeads.apply(part)  # type: ignore[no-any-return]
+
+
+class _AsHeads(torch.autograd.Function):
+    """:func:`_classes_as_heads` of more than one class: the copy, and the gradient's view."""
+
+    @staticmethod
+    def forward(ctx: Any, part: torch.Tensor) -> torch.Tensor:
+        batch, rows, count, heads, dim = part.shape
+        ctx.count = count
+        stacked = part.new_empty(batch, rows, heads, count, dim)
+        copy_rows(part.transpose(2, 3), stacked)
+        return stacked.flatten(2, 3)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.unflatten(2, (-1, ctx.count)).transpose(2, 3)
 
 
 def _heads_as_classes(

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from .gate_rows import copy_rows, gate_grads, gated_rows
+
 __all__ = ["ResidueRows"]
 
 
@@ -158,7 +160,7 @@ class _Gather(torch.autograd.Function):
         grad = grads[0].new_empty(ctx.shape)
         classes.fill_unheld(grad, dim, 0.0)
         for run, part in zip(classes.runs, grads, strict=True):
-            classes.view(grad, dim, run).copy_(part)
+            copy_rows(part, classes.view(grad, dim, run))
         return grad, None, None
 
 
@@ -170,7 +172,7 @@ class _Scatter(torch.autograd.Function):
         out = parts[0].new_empty(_whole_shape(parts[0], dim, classes))
         classes.fill_unheld(out, dim, fill)
         for run, part in zip(classes.runs, parts, strict=True):
-            classes.view(out, dim, run).copy_(part)
+            copy_rows(part, classes.view(out, dim, run))
         return out
 
     @staticmethod
@@ -184,11 +186,13 @@ class _ScaledScatter(torch.autograd.Function):
     """Note [Scaled as they are put back]
     ``scale * scatter(parts)`` row by row: the rows :meth:`ResidueRows.filled` names
     get ``scale * fill`` (every row no class holds lies there), then each run's rows
-    ``part * scale[rows]``, written in place. The products are the ones the whole product makes,
-    so the bits are its bits; the gradients are its gradients, per row: ``grad * scale`` for
-    a part, the sum of ``grad * part`` (``grad * fill`` in a filled row) over the dimensions
-    ``scale`` broadcasts, for ``scale``. Kept for the backward: ``scale`` and the parts, which
-    are views of what their makers keep (NSA's kernel outputs), not the put-back tensor."""
+    ``part * scale[rows]``, written in place (one pass per run each way on the GPU: Note [Gated
+    rows in one pass] in ``backends/triton_kernels/gates.py``). The products are the ones the
+    whole product makes, so the bits are its bits; the gradients are its gradients, per row:
+    ``grad * scale`` for a part, the sum of ``grad * part`` (``grad * fill`` in a filled row)
+    over the dimensions ``scale`` broadcasts, for ``scale``. Kept for the backward: ``scale``
+    and the parts, which are views of what their makers keep (NSA's kernel outputs), not the
+    put-back tensor."""
 
     @staticmethod
     def forward(ctx: Any, dim: int, classes: ResidueRows, fill: float, scale: torch.Tensor,
@@ -199,7 +203,7 @@ class _ScaledScatter(torch.autograd.Function):
         below = classes.filled(dim)
         out[below] = scale[_rows_of(scale, below)] * fill
         for run, part in zip(classes.runs, parts, strict=True):
-            torch.mul(part, classes.view(scale, dim, run), out=classes.view(out, dim, run))
+            gated_rows(part, classes.view(scale, dim, run), into=classes.view(out, dim, run))
         ctx.dim, ctx.classes, ctx.fill = dim, classes, fill
         ctx.save_for_backward(scale, *parts)
         return out
@@ -216,11 +220,16 @@ class _ScaledScatter(torch.autograd.Function):
             dscale[at] = (grad[below] * ctx.fill).sum_to_size(dscale[at].shape)
         dparts = []
         for run, part in zip(classes.runs, parts, strict=True):
-            rows = classes.view(grad, dim, run)
-            if dscale is not None:
-                at = classes.view(dscale, dim, run)
-                at.copy_((rows * part).sum_to_size(at.shape))
-            dparts.append(rows * classes.view(scale, dim, run) if need_parts else None)
+            rows, gate = classes.view(grad, dim, run), classes.view(scale, dim, run)
+            at = None if dscale is None else classes.view(dscale, dim, run)
+            if torch.is_grad_enabled():  # create_graph=True: differentiable ops
+                if at is not None:
+                    at.copy_((rows * part).sum_to_size(at.shape))
+                dparts.append(rows * gate if need_parts else None)
+                continue
+            dpart = torch.empty_like(part) if need_parts else None  # laid out as the part
+            gate_grads(rows, part, gate, dpart, at)
+            dparts.append(dpart)
         return (None, None, None, dscale, *dparts)
 
 
