@@ -126,11 +126,13 @@ def _gate_grads_kernel(
 
 
 def _lead(lead: torch.Size, x: torch.Tensor | None) -> tuple[int, ...]:
-    """The strides of ``x``'s leading dimensions broadcast to ``lead`` (0 along a broadcast
-    one), padded in front to :data:`_LEAD`; zeros for None."""
+    """The strides of ``x``'s leading dimensions broadcast to ``lead`` (0 along one of size 1,
+    and along those ``x`` lacks in front), padded in front to :data:`_LEAD`; zeros for None.
+    Read off the shape, without a broadcast view (host time per launch)."""
     if x is None:
         return (0,) * _LEAD
-    strides = x.expand(*lead, x.shape[-1]).stride()[:-1]
+    pairs = zip(x.shape[:-1], x.stride()[:-1], strict=True)
+    strides = [0 if size == 1 else stride for size, stride in pairs]
     return (0,) * (_LEAD - len(strides)) + tuple(strides)
 
 
