@@ -49,8 +49,13 @@ def gated_rows(
 ) -> torch.Tensor:
     """``total + gate * out`` (rounded once on the GPU, product and sum rounded each by torch's
     ops elsewhere), written into ``into`` (which may be ``out`` or ``total``) or a new tensor
-    shaped like ``out``; without gradients (:func:`gated_add` records them)."""
-    result = torch.empty_like(out) if into is None else into
+    shaped like ``out`` in the operands' promoted dtype; without gradients (:func:`gated_add`
+    records them)."""
+    if into is None:
+        dtype = torch.promote_types(out.dtype, gate.dtype)
+        into = torch.empty_like(out, dtype=dtype if total is None else
+                                torch.promote_types(dtype, total.dtype))  # fmt: skip
+    result = into
     kernels = _kernels(result, out, total, gate=gate)
     if kernels is not None:
         kernels.gated_rows(result, out, gate, total)
@@ -110,7 +115,7 @@ class _GatedAdd(torch.autograd.Function):
             d_out = grad * gate if need_out else None
             d_gate = (grad * out).sum_to_size(gate.shape) if need_gate else None
             return d_total, d_out, d_gate
-        d_out = torch.empty_like(grad) if need_out else None
+        d_out = torch.empty_like(out) if need_out else None
         d_gate = torch.empty_like(gate) if need_gate else None
         gate_grads(grad, out, gate, d_out, d_gate)
         return d_total, d_out, d_gate

@@ -166,3 +166,17 @@ def test_where_the_kernels_are_not_taken() -> None:
     gate_rows.gate_grads(dout, out, gate, d_out, d_gate)
     torch.testing.assert_close(d_out, dout * gate, rtol=0, atol=0)
     torch.testing.assert_close(d_gate, (dout * out).sum(dim=(1, 3), keepdim=True))
+
+
+def test_gated_add_promotes_as_torch_does() -> None:
+    """A float32 gate on 16-bit outputs gives a float32 sum, and each gradient in its input's
+    dtype, as ``total + gate * out`` with torch's ops."""
+    gen = torch.Generator().manual_seed(9)
+    out = torch.randn(2, 5, 3, 6, generator=gen).bfloat16().requires_grad_()
+    gate = torch.rand(2, 5, 3, 1, generator=gen).requires_grad_()
+    got = gate_rows.gated_add(None, out, gate)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, gate * out, rtol=0, atol=0)
+    d_out, d_gate = torch.autograd.grad(got, (out, gate), torch.ones_like(got))
+    assert (d_out.dtype, d_gate.dtype) == (torch.bfloat16, torch.float32)
+
