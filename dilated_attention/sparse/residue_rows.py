@@ -189,8 +189,9 @@ class _ScaledScatter(torch.autograd.Function):
     ``part * scale[rows]``, written in place (one pass per run each way on the GPU: Note [Gated
     rows in one pass] in ``backends/triton_kernels/gates.py``). The products are the ones the
     whole product makes, so the bits are its bits; the gradients are its gradients, per row:
-    ``grad * scale`` for a part, the sum of ``grad * part`` (``grad * fill`` in a filled row)
-    over the dimensions ``scale`` broadcasts, for ``scale``. Kept for the backward: ``scale``
+    ``grad * scale`` for a part (its bits), the sum of ``grad * part`` (``grad * fill`` in a
+    filled row) over the dimensions ``scale`` broadcasts, for ``scale`` (on the GPU a float32
+    sum of float32 products per row, equal to torch's to rounding). Kept for the backward: ``scale``
     and the parts, which are views of what their makers keep (NSA's kernel outputs), not the
     put-back tensor."""
 

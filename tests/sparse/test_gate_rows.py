@@ -68,15 +68,23 @@ def test_the_kernels_give_torchs_bits(device: str, dtypes: list[torch.dtype], st
         x = _operands(device, dtype, strided)
         out, total, gate = x["out"], x["total"], x["gate"]
         product = torch.full_like(total, float("nan"))
-        gates.gated_rows(product, out, gate)
+        gates.gated_rows_into(product, out, gate)
         assert torch.equal(product, out * gate)
         summed = torch.full_like(total, float("nan"))
-        gates.gated_rows(summed, out, gate, total)
+        gates.gated_rows_into(summed, out, gate, total)
         terms = torch.stack([total.to(F64), out.to(F64) * gate.to(F64)], -1)
         _assert_rounded_once(summed.unsqueeze(-1), terms)
         into = total.clone()  # in place into the total, as the inference sum adds
-        gates.gated_rows(into, out, gate, into)
+        gates.gated_rows_into(into, out, gate, into)
         assert torch.equal(into, summed)
+        scaled = out.clone()  # in place into the output, as the inference sum's first term
+        gates.gated_rows_into(scaled, scaled, gate)
+        assert torch.equal(scaled, product)
+        first = total[:1, :1]  # operands broadcasting along leading dimensions of size 1
+        got = torch.full_like(total, float("nan"))
+        gates.gated_rows_into(got, out, gate[:, :1], first)
+        terms = torch.stack([first.to(F64).expand_as(got), out.to(F64) * gate[:, :1].to(F64)], -1)
+        _assert_rounded_once(got.unsqueeze(-1), terms)
         copied = torch.full_like(total, float("nan"))
         gates.copy_rows(out, copied)
         assert torch.equal(copied, out)
@@ -94,14 +102,14 @@ def test_the_gate_gradients_in_one_pass(device: str, dtypes: list[torch.dtype], 
         dout, out, gate = x["dout"], x["out"], x["gate"]
         d_out = torch.full_like(out, float("nan"))
         d_gate = torch.full_like(gate, float("nan"))
-        gates.gate_grads(d_out, d_gate, dout, out, gate)
+        gates.gate_grads_into(d_out, d_gate, dout, out, gate)
         assert torch.equal(d_out, gate * dout)
         _assert_rounded_once(d_gate, dout.to(F64) * out.to(F64))
         alone = torch.full_like(gate, float("nan"))
-        gates.gate_grads(None, alone, dout, out, gate)
+        gates.gate_grads_into(None, alone, dout, out, gate)
         assert torch.equal(alone, d_gate)
         only_out = torch.full_like(out, float("nan"))
-        gates.gate_grads(only_out, None, dout, out, gate)
+        gates.gate_grads_into(only_out, None, dout, out, gate)
         assert torch.equal(only_out, d_out)
 
 
@@ -144,6 +152,8 @@ def test_gated_add_on_the_gpu_against_torchs_ops(dtype: torch.dtype) -> None:
     again = torch.autograd.grad(gate_rows.gated_add(total, out, gate), (out, gate), dout,
                                 create_graph=True)  # fmt: skip
     assert all(g.requires_grad for g in again)
+    assert torch.equal(again[0], wants[1])  # torch's own ops under create_graph
+    torch.testing.assert_close(again[1], wants[2])
 
 
 def test_where_the_kernels_are_not_taken() -> None:
@@ -179,4 +189,46 @@ def test_gated_add_promotes_as_torch_does() -> None:
     torch.testing.assert_close(got, gate * out, rtol=0, atol=0)
     d_out, d_gate = torch.autograd.grad(got, (out, gate), torch.ones_like(got))
     assert (d_out.dtype, d_gate.dtype) == (torch.bfloat16, torch.float32)
+
+
+def test_gated_add_keeps_only_what_its_gradients_need() -> None:
+    """Without the gate's gradient the branch's output is not kept for the backward (nor the
+    gate without the output's), as torch's product keeps them; the gradients asked for are
+    still right, the others None."""
+    gen = torch.Generator().manual_seed(11)
+    total, out = (torch.randn(2, 5, 3, 6, generator=gen, dtype=F64) for _ in range(2))
+    gate = torch.rand(2, 5, 3, 1, generator=gen, dtype=F64)
+    for need_out, need_gate in ((True, False), (False, True)):
+        o, g = out.clone().requires_grad_(need_out), gate.clone().requires_grad_(need_gate)
+        saved: list[torch.Tensor] = []
+
+        def keep(x: torch.Tensor, saved: list[torch.Tensor] = saved) -> torch.Tensor:
+            saved.append(x)
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda x: x):
+            got = gate_rows.gated_add(total, o, g)
+        assert [x.shape[-1] for x in saved] == ([1] if need_out else [6])
+        grads = torch.autograd.grad(got, [x for x in (o, g) if x.requires_grad],
+                                    torch.ones_like(got))  # fmt: skip
+        want = gate.expand_as(out) if need_out else out.sum(-1, keepdim=True)
+        torch.testing.assert_close(grads[0], want, rtol=0, atol=1e-12)
+
+
+def test_broadcast_operands_get_their_own_shapes() -> None:
+    """An output or gate that broadcasts along leading dimensions gives the broadcast sum, and
+    its gradient summed back to its own shape (torch's ops; the kernels take only operands
+    whose written rows are all their own)."""
+    gen = torch.Generator().manual_seed(13)
+    out = torch.randn(2, 5, 1, 6, generator=gen, dtype=F64, requires_grad=True)
+    gate = torch.rand(2, 5, 3, 1, generator=gen, dtype=F64, requires_grad=True)
+    got = gate_rows.gated_add(None, out, gate)
+    assert got.shape == (2, 5, 3, 6)
+    torch.testing.assert_close(got, gate * out, rtol=0, atol=0)
+    assert torch.autograd.gradcheck(lambda o, g: gate_rows.gated_add(None, o, g), (out, gate))
+    if torch.cuda.is_available():
+        x = torch.randn(2, 5, 3, 6, device="cuda")
+        expanded = torch.empty(2, 5, 1, 6, device="cuda").expand(2, 5, 3, 6)
+        assert gate_rows._kernels(expanded, x, written=(expanded,)) is None  # racing writes
+        assert gate_rows._kernels(x, x[:, :, :2]) is None  # neither its size nor 1
 

@@ -36,7 +36,7 @@ import triton.language as tl
 from .launch import launch
 from .tiles import cdiv, next_power_of_2
 
-__all__ = ["copy_rows", "gate_grads", "gated_rows"]
+__all__ = ["copy_rows", "gate_grads_into", "gated_rows_into"]
 
 _BLOCK_ROWS = 32
 #: Leading dimensions a row's address is made of.
@@ -143,7 +143,7 @@ def _sizes(lead: torch.Size) -> tuple[int, int, int, int]:
     return lead.numel(), padded[1], padded[2], padded[3]
 
 
-def gated_rows(
+def gated_rows_into(
     result: torch.Tensor,
     out: torch.Tensor,
     gate: torch.Tensor | None = None,
@@ -173,22 +173,23 @@ def gated_rows(
 
 def copy_rows(source: torch.Tensor, target: torch.Tensor) -> None:
     """``target.copy_(source)`` for strided views with contiguous rows, in one pass."""
-    gated_rows(target, source)
+    gated_rows_into(target, source)
 
 
-def gate_grads(
+def gate_grads_into(
     d_out: torch.Tensor | None,
     d_gate: torch.Tensor | None,
     dout: torch.Tensor,
-    out: torch.Tensor,
-    gate: torch.Tensor,
+    out: torch.Tensor | None,
+    gate: torch.Tensor | None,
 ) -> None:
     """The gradients of ``gate * out`` given ``dout``, in one pass: ``d_out = gate * dout``
     and ``d_gate = sum(dout * out)`` over each row (Note [Gated rows in one pass]).
 
     Args:
         d_out: (*lead, D) written, or None; d_gate: (*lead, 1) written, or None.
-        dout, out: (*lead, D); gate: (*lead, 1). Strided as :func:`gated_rows` takes them.
+        dout: (*lead, D); out: (*lead, D), None where ``d_gate`` is; gate: (*lead, 1), None
+            where ``d_out`` is. Strided as :func:`gated_rows_into` takes them.
     """
     lead = dout.shape[:-1]
     num_rows, s1, s2, s3 = _sizes(lead)
@@ -196,7 +197,8 @@ def gate_grads(
         return
     dim = dout.shape[-1]
     launch(_gate_grads_kernel, (cdiv(num_rows, _BLOCK_ROWS),), (
-        dout if d_out is None else d_out, gate if d_gate is None else d_gate, dout, out, gate,
+        dout if d_out is None else d_out, dout if d_gate is None else d_gate, dout,
+        dout if out is None else out, dout if gate is None else gate,
         num_rows, s1, s2, s3, dim,
         *_lead(lead, d_out), *_lead(lead, d_gate), *_lead(lead, dout), *_lead(lead, out),
         *_lead(lead, gate),
