@@ -115,7 +115,8 @@ def gate_grads(
     d_gate: torch.Tensor | None,
 ) -> None:
     """The gradients of ``gate * out`` given ``dout``, written into ``d_out`` and ``d_gate``,
-    either None where not wanted.
+    either None where not wanted; differentiable where autograd records (a backward under
+    ``create_graph=True``: torch's ops, written by copies).
 
     Args:
         dout: (*lead, D), the upstream gradient; out: (*lead, D); gate: (*lead, 1), both
@@ -136,8 +137,11 @@ def gate_grads(
     if kernels is not None:
         kernels.gate_grads_into(d_out, d_gate, dout, out, gate)
         return
-    if d_out is not None:
-        torch.mul(dout, gate, out=d_out)
+    if d_out is not None:  # a copy autograd records under create_graph (out= is not one)
+        if torch.is_grad_enabled():
+            d_out.copy_(dout * gate)
+        else:
+            torch.mul(dout, gate, out=d_out)
     if d_gate is not None:
         d_gate.copy_((dout * out).sum(-1, keepdim=True))
 
@@ -160,10 +164,6 @@ class _GatedAdd(torch.autograd.Function):
         out, gate = ctx.saved_tensors
         need_total, need_out, need_gate = ctx.needs_input_grad
         d_total = grad if need_total else None
-        if torch.is_grad_enabled():  # create_graph=True: differentiable ops
-            d_out = (grad * gate).sum_to_size(ctx.shapes[0]) if need_out else None
-            d_gate = (grad * out).sum_to_size(ctx.shapes[1]) if need_gate else None
-            return d_total, d_out, d_gate
         d_out = grad.new_empty(ctx.shapes[0]) if need_out else None
         d_gate = grad.new_empty(ctx.shapes[1]) if need_gate else None
         gate_grads(grad, out, gate, d_out, d_gate)

@@ -221,15 +221,10 @@ class _ScaledScatter(torch.autograd.Function):
             dscale[at] = (grad[below] * ctx.fill).sum_to_size(dscale[at].shape)
         dparts = []
         for run, part in zip(classes.runs, parts, strict=True):
-            rows, gate = classes.view(grad, dim, run), classes.view(scale, dim, run)
             at = None if dscale is None else classes.view(dscale, dim, run)
-            if torch.is_grad_enabled():  # create_graph=True: differentiable ops
-                if at is not None:
-                    at.copy_((rows * part).sum_to_size(at.shape))
-                dparts.append(rows * gate if need_parts else None)
-                continue
             dpart = torch.empty_like(part) if need_parts else None  # laid out as the part
-            gate_grads(rows, part, gate, dpart, at)
+            gate_grads(classes.view(grad, dim, run), part, classes.view(scale, dim, run),
+                       dpart, at)  # fmt: skip
             dparts.append(dpart)
         return (None, None, None, dscale, *dparts)
 
