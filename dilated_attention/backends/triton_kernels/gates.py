@@ -55,6 +55,16 @@ def _row_offsets(rows, s1, s2, s3, t0, t1, t2, t3):
 
 
 @triton.jit
+def _program_rows(num_rows, dim, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's ``BLOCK_ROWS`` rows (64-bit), which of them exist, the columns of a row
+    and the elements that exist."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    valid = rows < num_rows
+    cols = tl.arange(0, BLOCK_D)
+    return rows, valid, cols, valid[:, None] & (cols < dim)[None, :]
+
+
+@triton.jit
 def _gated_rows_kernel(
     result, out, gate, total,
     num_rows, s1, s2, s3, dim,
@@ -69,10 +79,7 @@ def _gated_rows_kernel(
 ):  # fmt: skip
     """``result = total + gate * out`` for ``BLOCK_ROWS`` rows (``gate``, ``total`` optional),
     in float32, rounded once (Note [Gated rows in one pass])."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    valid = rows < num_rows
-    cols = tl.arange(0, BLOCK_D)
-    mask = valid[:, None] & (cols < dim)[None, :]
+    rows, valid, cols, mask = _program_rows(num_rows, dim, BLOCK_ROWS, BLOCK_D)
     at_out = _row_offsets(rows, s1, s2, s3, o0, o1, o2, o3)
     value = tl.load(out + at_out[:, None] + cols[None, :], mask=mask, other=0.0)
     if HAS_GATE:
@@ -104,10 +111,7 @@ def _gate_grads_kernel(
 ):  # fmt: skip
     """The gradients of ``gate * out`` for ``BLOCK_ROWS`` rows: ``d_out = gate * dout`` and
     ``d_gate = sum(dout * out)`` over the row (either optional)."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    valid = rows < num_rows
-    cols = tl.arange(0, BLOCK_D)
-    mask = valid[:, None] & (cols < dim)[None, :]
+    rows, valid, cols, mask = _program_rows(num_rows, dim, BLOCK_ROWS, BLOCK_D)
     at_dout = _row_offsets(rows, s1, s2, s3, c0, c1, c2, c3)
     upstream = tl.load(dout + at_dout[:, None] + cols[None, :], mask=mask, other=0.0)
     upstream = upstream.to(tl.float32)
