@@ -38,10 +38,11 @@ Note [A branch that gates its own rows]
     The product ``g_c * o_c`` keeps ``o_c`` for the gate's gradient. Where a branch makes its
     output from parts put back in rows (NSA's compressed branch: its residue classes' outputs,
     which its kernel call keeps anyway), that output is one more tensor the size of the output
-    kept until the backward. Such a branch takes its gate and returns its term itself
-    (``self_gated`` of :func:`gated_sum`): each part times its rows' gates, written into the
-    rows (``ResidueRows.scatter`` with ``scale``), the same bits as the product, keeping only
-    the parts and the gates for the gradients.
+    kept until the backward. Such a branch takes its gate and the sum so far and returns the
+    sum with its term joined (``self_gated`` of :func:`gated_sum`): each part times its rows'
+    gates, added to the sum's rows and written into the result's (``ResidueRows.scatter`` with
+    ``scale`` and ``total``), the bits of the other terms' joins, keeping only the parts and
+    the gates for the gradients and making no product the size of the output on the way.
 
 Note [A differentiable log-sum-exp]
     Merging branches through their log-sum-exp (Note [Merging partial softmaxes] in
@@ -142,9 +143,10 @@ def gated_sum(
         gates: (B, N, H, C), already activated.
         order: the branches' indices in the order they run and join (default: as given);
             autograd runs their backwards in the reverse order.
-        self_gated: the indices of calls that take their gate, (B, N, H, 1), and return their
-            term ``gate * out`` themselves, with its bits (Note [A branch that gates its own
-            rows]).
+        self_gated: the indices of calls that take their gate, (B, N, H, 1), and the sum so
+            far (None for the first term), and return the sum with their term joined, ``total
+            + gate * out``, themselves, with the bits of the join (Note [A branch that gates
+            its own rows]).
 
     Returns:
         (B, N, H, D) in the outputs' dtype.
@@ -154,8 +156,7 @@ def gated_sum(
         gate = gates[..., c, None]
         if c not in self_gated:
             return gated_add(total, calls[c](), gate)
-        term = calls[c](gate)
-        return term if total is None else total + term
+        return calls[c](gate, total)
 
     first, *rest = _join_order(order, len(calls))
     total = joined(first, None)

@@ -171,8 +171,8 @@ def nsa_attention(
                          per="kv_head", return_indices=True)  # fmt: skip
     k_cmp, v_cmp = compress_kv(c.k, c.v, block=block, stride=stride)
     branches = (
-        lambda gate=None: compressed_branch(c.q, k_cmp, v_cmp, c.k.shape[1], block, stride,
-                                            c.run, gate),
+        lambda gate=None, total=None: compressed_branch(c.q, k_cmp, v_cmp, c.k.shape[1], block,
+                                                        stride, c.run, gate, total),
         lambda: selected_branch(c.q, c.k, c.v, mask, select, c.run),
         lambda: window_branch(c.q, c.k, c.v, window, c.run),
     )
@@ -253,11 +253,12 @@ def combine_branches(
     """The branches (compressed, selected, window), each a call run just before its result
     joins (Note [Branches joined as they come] in ``branches.py``), combined: summed by
     ``gates`` (B, N, H, 3), or merged through their log-sum-exp where ``gates`` is None. The
-    compressed branch's call takes an optional gate (B, N, H, 1) and then returns its term
-    (Note [A branch that gates its own rows])."""
+    compressed branch's call takes an optional gate (B, N, H, 1) and sum so far and then
+    returns the sum with its term joined (Note [A branch that gates its own rows])."""
     if gates is not None:
         compressed, *others = branches
-        calls = [lambda gate: compressed(gate)[0], *(lambda b=b: b()[0] for b in others)]
+        calls = [lambda gate, total: compressed(gate, total)[0],
+                 *(lambda b=b: b()[0] for b in others)]  # fmt: skip
         return gated_sum(calls, gates, JOIN_ORDER, self_gated=(0,))
     # The window branch first: every row sees its own key there, so no merge step meets two
     # empty sides (merge_branches: their gradient would be NaN).
@@ -373,7 +374,7 @@ def selected_branch(
 
 def compressed_branch(
     q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, key_len: int, block: int,
-    stride: int, run: Run, gate: torch.Tensor | None = None,
+    stride: int, run: Run, gate: torch.Tensor | None = None, total: torch.Tensor | None = None,
 ) -> Result:  # fmt: skip
     """The compressed branch, exact per token (Note [The compressed branch exactly, per
     residue class]; the classes' rows taken and put back as Note [Residue classes gathered
@@ -388,6 +389,8 @@ def compressed_branch(
         gate: (B, Nq, H, 1) or None: ``out`` is then ``gate * out``, its classes' outputs
             gated as they are put back (Note [A branch that gates its own rows] in
             ``branches.py``); ``lse`` is not asked for.
+        total: (B, Nq, H, D) or None, with ``gate`` only: ``out`` is then ``total + gate *
+            out``, the classes' gated outputs added as they are put back.
     """
     batch, nq, heads, _ = q.shape
     lse_dtype = torch.promote_types(q.dtype, torch.float32)
@@ -395,6 +398,7 @@ def compressed_branch(
     if not calls:
         out = q.new_zeros(batch, nq, heads, v_cmp.shape[-1])
         out = out if gate is None else gate * out
+        out = out if total is None else total + out
         lse = torch.full((batch, heads, nq), -torch.inf, dtype=lse_dtype, device=q.device)
         return out, lse if run.need_lse else None
     call = functools.partial(
@@ -412,7 +416,7 @@ def compressed_branch(
         o_run, lse_run = _heads_as_classes(o_g, lse_g, count)
         outs.append(o_run)
         lses.append(lse_run)
-    out = classes.scatter(outs, 1, 0.0, scale=gate)
+    out = classes.scatter(outs, 1, 0.0, scale=gate, total=total)
     if not run.need_lse:
         return out, None
     return out, classes.scatter([x.to(lse_dtype) for x in lses], 2, -torch.inf)

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .gate_rows import copy_rows, gate_grads, gated_rows
+from .gate_rows import copy_rows, gate_grads, gated_add, gated_rows
 
 __all__ = ["ResidueRows"]
 
@@ -106,18 +106,29 @@ class ResidueRows:
         return _Gather.apply(x, dim, self)  # type: ignore[no-any-return]
 
     def scatter(
-        self, parts: list[torch.Tensor], dim: int, fill: float, scale: torch.Tensor | None = None
+        self,
+        parts: list[torch.Tensor],
+        dim: int,
+        fill: float,
+        scale: torch.Tensor | None = None,
+        total: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``parts`` (one per run, as :meth:`gather` gives them) put back along ``dim`` into
         ``length`` rows, ``fill`` in the rows no class holds; differentiable in every part.
         With ``scale`` (as many dimensions as the result, each of its size or 1): ``scale *
-        scatter(parts, dim, fill)`` with its bits (NaN where ``scale`` is not finite in a
-        filled row), differentiable in ``scale`` too, without making or keeping the unscaled
-        tensor (Note [Scaled as they are put back])."""
+        scatter(parts, dim, fill)`` (NaN where ``scale`` is not finite in a filled row), and
+        with ``total`` too (the result's shape) ``total + scale * scatter(parts, dim, fill)``,
+        differentiable in ``scale`` and ``total`` too, without making or keeping the unscaled
+        tensor or the product (Note [Scaled as they are put back])."""
         if scale is not None and scale.shape[dim] != self.length:
             raise ValueError(
                 f"scale: expected {self.length} rows along dim {dim} (one per row put back), "
                 f"got shape {tuple(scale.shape)}; pass the rows' own scales, not a broadcast"
+            )
+        if total is not None and scale is None:
+            raise ValueError(
+                "total: a sum is joined only to scaled parts (total + scale * parts); pass "
+                "scale too, or add total to the result yourself"
             )
         for run, part in zip(self.runs, parts, strict=True):
             if tuple(part.shape[dim : dim + 2]) != (self.rows(run[0]), run[1]):
@@ -128,10 +139,14 @@ class ResidueRows:
                 )
         if self.every_row():
             whole = parts[0].squeeze(dim + 1)
-            return whole if scale is None else scale * whole
+            if scale is None:
+                return whole
+            return scale * whole if total is None else gated_add(total, whole, scale)
         if scale is None:
             return _Scatter.apply(dim, self, fill, *parts)  # type: ignore[no-any-return]
-        return _ScaledScatter.apply(dim, self, fill, scale, *parts)  # type: ignore[no-any-return]
+        return _ScaledScatter.apply(  # type: ignore[no-any-return]
+            dim, self, fill, scale, total, *parts
+        )
 
     def filled(self, dim: int) -> tuple[slice, ...]:
         """The index along ``dim`` of rows that hold every row no class holds: those below the
@@ -184,27 +199,36 @@ class _Scatter(torch.autograd.Function):
 
 class _ScaledScatter(torch.autograd.Function):
     """Note [Scaled as they are put back]
-    ``scale * scatter(parts)`` row by row: the rows :meth:`ResidueRows.filled` names
-    get ``scale * fill`` (every row no class holds lies there), then each run's rows
-    ``part * scale[rows]``, written in place (one pass per run each way on the GPU: Note [Gated
-    rows in one pass] in ``backends/triton_kernels/gates.py``). The products are the ones the
-    whole product makes, so the bits are its bits; the gradients are its gradients, per row:
-    ``grad * scale`` for a part (its bits), the sum of ``grad * part`` (``grad * fill`` in a
-    filled row) over the dimensions ``scale`` broadcasts, for ``scale`` (on the GPU a float32
-    sum of float32 products per row, equal to torch's to rounding). Kept for the backward: ``scale``
+    ``total + scale * scatter(parts)`` row by row (``total`` optional): the rows
+    :meth:`ResidueRows.filled` names get ``total + scale * fill`` (every row no class holds
+    lies there), then each run's rows ``total[rows] + part * scale[rows]``, written in place
+    (one pass per run each way on the GPU: Note [Gated rows in one pass] in
+    ``backends/triton_kernels/gates.py``). Without ``total`` the products are the ones the
+    whole product makes, so the bits are its bits; with it the sum is rounded once on the GPU,
+    as every gated term's join (Note [Branches joined as they come] in ``branches.py``). The
+    gradients are the product's and the sum's, per row: ``grad`` for ``total``, ``grad *
+    scale`` for a part (its bits), the sum of ``grad * part`` (``grad * fill`` in a filled row)
+    over the dimensions ``scale`` broadcasts, for ``scale`` (on the GPU a float32 sum of
+    float32 products per row, equal to torch's to rounding). Kept for the backward: ``scale``
     and the parts, which are views of what their makers keep (NSA's kernel outputs), not the
-    put-back tensor."""
+    put-back tensor, nor the product the size of the result that ``total + product`` would
+    make on the way."""
 
     @staticmethod
     def forward(ctx: Any, dim: int, classes: ResidueRows, fill: float, scale: torch.Tensor,
-                *parts: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                total: torch.Tensor | None, *parts: torch.Tensor) -> torch.Tensor:  # fmt: skip
         dtype = torch.result_type(scale, parts[0])
+        dtype = dtype if total is None else torch.promote_types(dtype, total.dtype)
         out = torch.empty(_whole_shape(parts[0], dim, classes), dtype=dtype,
                           device=parts[0].device)  # fmt: skip
         below = classes.filled(dim)
         out[below] = scale[_rows_of(scale, below)] * fill
+        if total is not None:
+            out[below] += total[below]
         for run, part in zip(classes.runs, parts, strict=True):
-            gated_rows(part, classes.view(scale, dim, run), into=classes.view(out, dim, run))
+            gated_rows(part, classes.view(scale, dim, run),
+                       None if total is None else classes.view(total, dim, run),
+                       into=classes.view(out, dim, run))  # fmt: skip
         ctx.dim, ctx.classes, ctx.fill = dim, classes, fill
         ctx.save_for_backward(scale, *parts)
         return out
@@ -213,7 +237,8 @@ class _ScaledScatter(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         scale, *parts = ctx.saved_tensors
         classes, dim = ctx.classes, ctx.dim
-        need_scale, need_parts = ctx.needs_input_grad[3], any(ctx.needs_input_grad[4:])
+        need_scale, need_parts = ctx.needs_input_grad[3], any(ctx.needs_input_grad[5:])
+        d_total = grad if ctx.needs_input_grad[4] else None
         dscale = torch.empty_like(scale) if need_scale else None
         if dscale is not None:
             below = classes.filled(dim)
@@ -226,7 +251,7 @@ class _ScaledScatter(torch.autograd.Function):
             gate_grads(classes.view(grad, dim, run), part, classes.view(scale, dim, run),
                        dpart, at)  # fmt: skip
             dparts.append(dpart)
-        return (None, None, None, dscale, *dparts)
+        return (None, None, None, dscale, d_total, *dparts)
 
 
 def _whole_shape(part: torch.Tensor, dim: int, classes: ResidueRows) -> list[int]:

@@ -11,6 +11,7 @@ import torch
 from support.branch_order import backward_order, most_pending, watch
 
 from dilated_attention.sparse.branches import gated_sum, gated_sum_of, merge_branches
+from dilated_attention.sparse.gate_rows import gated_add
 
 SHAPE = (2, 5, 3, 4)  # (B, N, H, D)
 
@@ -103,22 +104,26 @@ def test_a_bad_order_raises() -> None:
             gated_sum_of([lambda x=x: x.clone() for x in outs], gates, order)
 
 
-def test_a_self_gated_call_gets_its_gate_and_gives_its_term() -> None:
-    """``self_gated``: that call is given its gate (B, N, H, 1) and its return is the term as
-    it is; the sum and its gradients are those of the plain gated sum."""
+@pytest.mark.parametrize("order", [(1, 2, 0), (0, 2, 1)])
+def test_a_self_gated_call_gets_its_gate_and_the_sum_and_gives_the_joined_sum(
+    order: tuple[int, int, int],
+) -> None:
+    """``self_gated``: that call is given its gate (B, N, H, 1) and the sum so far (None when it
+    joins first) and its return is the sum as it is; the sum and its gradients are those of the
+    plain gated sum."""
     torch.manual_seed(3)
     outs = _outs()
     gates = torch.rand(*SHAPE[:3], 3, dtype=torch.float64, requires_grad=True)
-    given: list[tuple[int, ...]] = []
+    given: list[tuple[tuple[int, ...], bool]] = []
 
-    def own(gate: torch.Tensor) -> torch.Tensor:
-        given.append(tuple(gate.shape))
-        return gate * outs[1].exp()
+    def own(gate: torch.Tensor, total: torch.Tensor | None) -> torch.Tensor:
+        given.append((tuple(gate.shape), total is None))
+        return gated_add(total, outs[1].exp(), gate)
 
     calls = [lambda: outs[0].exp(), own, lambda: outs[2].exp()]
-    total = gated_sum(calls, gates, (1, 2, 0), self_gated=(1,))
-    want = gated_sum([lambda c=c: outs[c].exp() for c in range(3)], gates, (1, 2, 0))
-    assert given == [(*SHAPE[:3], 1)]
+    total = gated_sum(calls, gates, order, self_gated=(1,))
+    want = gated_sum([lambda c=c: outs[c].exp() for c in range(3)], gates, order)
+    assert given == [((*SHAPE[:3], 1), order[0] == 1)]
     assert torch.equal(total, want)
     dout = torch.randn_like(total)
     for a, b in zip(torch.autograd.grad(total, [gates, *outs], dout),

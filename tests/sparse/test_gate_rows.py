@@ -156,6 +156,35 @@ def test_gated_add_on_the_gpu_against_torchs_ops(dtype: torch.dtype) -> None:
     torch.testing.assert_close(again[1], wants[2])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_scaled_scatter_joined_to_a_sum_on_the_gpu(dtype: torch.dtype) -> None:
+    """``scatter(parts, scale=g, total=t)`` on the kernels' path: every row within one rounding
+    of the float64 ``t + g * scatter(parts)`` (``t`` itself in the rows no class holds), the
+    gradients of ``t`` and of the parts torch's bits, the scale's within a rounding."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    classes = ResidueRows(((1, 3),), 4, 64)
+    gen = torch.Generator().manual_seed(5)
+    x, total, dout = (torch.randn(2, 64, 3, 40, generator=gen).to("cuda", dtype)
+                      for _ in range(3))  # fmt: skip
+    gates = torch.rand(2, 64, 3, 3, generator=gen).to("cuda", dtype).requires_grad_()
+    total.requires_grad_()
+    parts = [p.clone().requires_grad_() for p in classes.gather(x, 1)]
+    got = classes.scatter(parts, 1, 0.0, scale=gates[..., 1, None], total=total)
+    want = total + gates[..., 1, None] * classes.scatter(parts, 1, 0.0)
+    held = classes.scatter([p.detach().to(F64) for p in parts], 1, 0.0)  # 0 where no class
+    gate = gates[..., 1, None].detach().to(F64)
+    _assert_rounded_once(got.unsqueeze(-1), torch.stack([total.detach().to(F64), gate * held],
+                                                        -1))  # fmt: skip
+    assert torch.equal(got[:, 0], total[:, 0])  # row 0: no class holds it
+    grads = torch.autograd.grad(got, (total, gates, *parts), dout)
+    wants = torch.autograd.grad(want, (total, gates, *parts), dout)
+    assert torch.equal(grads[0], wants[0]) and torch.equal(grads[2], wants[2])
+    _assert_rounded_once(grads[1][..., 1, None], dout.to(F64) * held)
+    assert not grads[1][..., 0::2].any()
+
+
 def test_where_the_kernels_are_not_taken() -> None:
     """CPU tensors, a gate with more than one value per row, mixed dtypes, rows that are not
     contiguous and ops autograd records all take torch's ops; a gate that broadcasts along a

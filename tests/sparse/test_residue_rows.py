@@ -95,10 +95,14 @@ def test_one_class_of_every_row_is_a_view_of_the_tensor():
      (9, 1, ((0, 1),))],
 )  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_scaled_scatter_has_the_bits_and_gradients_of_the_product(length, step, runs, dtype):
-    """``scatter(parts, scale=s)`` against ``s * scatter(parts)``: the same bits, the same
-    gradients of every part and of ``s``, with non-finite scales in rows no class holds (NaN
-    there, as the product gives) and a non-finite upstream gradient in such a row."""
+@pytest.mark.parametrize("joined", [False, True])
+def test_scaled_scatter_has_the_bits_and_gradients_of_the_product(
+    length, step, runs, dtype, joined
+):
+    """``scatter(parts, scale=s)`` against ``s * scatter(parts)`` (``joined``: ``scatter(parts,
+    scale=s, total=t)`` against ``t + s * scatter(parts)``): the same bits on the CPU, the same
+    gradients of every part, of ``s`` (and of ``t``), with non-finite scales in rows no class
+    holds (NaN there, as the product gives) and a non-finite upstream gradient in such a row."""
     torch.manual_seed(2)
     classes = ResidueRows(runs, step, length)
     x = torch.randn(2, length, 3, 5, dtype=dtype)
@@ -111,12 +115,19 @@ def test_scaled_scatter_has_the_bits_and_gradients_of_the_product(length, step, 
     if free:
         dout[1, free[0], 2, 3] = float("inf")
 
+    before = torch.randn(2, length, 3, 5, dtype=dtype)
+
     def run(scaled: bool) -> tuple[torch.Tensor, ...]:
         s = scale.clone().requires_grad_()
+        t = before.clone().requires_grad_() if joined else None
         parts = [p.clone().requires_grad_() for p in classes.gather(x, 1)]
-        out = (classes.scatter(parts, 1, 0.0, scale=s) if scaled
-               else s * classes.scatter(parts, 1, 0.0))  # fmt: skip
-        return (out.detach(), *torch.autograd.grad(out, [s, *parts], dout))
+        if scaled:
+            out = classes.scatter(parts, 1, 0.0, scale=s, total=t)
+        else:
+            out = s * classes.scatter(parts, 1, 0.0)
+            out = out if t is None else t + out
+        leaves = [s, *parts] if t is None else [s, t, *parts]
+        return (out.detach(), *torch.autograd.grad(out, leaves, dout))
 
     for got, want in zip(run(True), run(False), strict=True):
         assert torch.equal(got.isnan(), want.isnan())
@@ -125,7 +136,8 @@ def test_scaled_scatter_has_the_bits_and_gradients_of_the_product(length, step, 
 
 
 def test_scaled_scatter_of_a_strided_scale_gradchecks_float64():
-    """A scale that is a strided view (one gate of several, as NSA's) and parts of runs."""
+    """A scale that is a strided view (one gate of several, as NSA's) and parts of runs, alone
+    and joined to a sum (itself a function of the input)."""
     torch.manual_seed(3)
     x = torch.randn(1, 11, 2, 3, dtype=torch.float64, requires_grad=True)
     gates = torch.rand(1, 11, 2, 3, dtype=torch.float64, requires_grad=True)
@@ -135,15 +147,23 @@ def test_scaled_scatter_of_a_strided_scale_gradchecks_float64():
         a, b = classes.gather(x, 1)
         return classes.scatter([a.sin(), b * 2], 1, 0.5, scale=gates[..., 1, None])
 
-    assert torch.autograd.gradcheck(fn, (x, gates))
-    assert torch.autograd.gradgradcheck(fn, (x, gates))
+    def joined(x, gates):
+        a, b = classes.gather(x, 1)
+        return classes.scatter([a.sin(), b * 2], 1, 0.5, scale=gates[..., 1, None],
+                               total=x.cos() * gates[..., :1])  # fmt: skip
+
+    for f in (fn, joined):
+        assert torch.autograd.gradcheck(f, (x, gates))
+        assert torch.autograd.gradgradcheck(f, (x, gates))
 
 
-def test_scaled_scatter_rejects_a_broadcast_scale():
+def test_scaled_scatter_rejects_a_broadcast_scale_and_a_sum_without_a_scale():
     classes = ResidueRows(((0, 2),), 2, 6)
     parts = list(classes.gather(torch.randn(1, 6, 2, 3), 1))
     with pytest.raises(ValueError, match=r"scale: expected 6 rows along dim 1.*\(1, 1, 2, 1\)"):
         classes.scatter(parts, 1, 0.0, scale=torch.ones(1, 1, 2, 1))
+    with pytest.raises(ValueError, match=r"total: a sum is joined only to scaled parts"):
+        classes.scatter(parts, 1, 0.0, total=torch.ones(1, 6, 2, 3))
 
 
 @pytest.mark.parametrize("runs", [((0, 3),), ((0, 2),), ((0, 0),)])

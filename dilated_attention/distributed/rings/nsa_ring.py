@@ -129,8 +129,8 @@ def nsa_ring_attention(
     key_len = (rank + 1) * n if causal else world * n  # the queries end-aligned at their end
     mask = selected_rows(c.q, c.k, select, count, causal, "kv_head", group)
     branches = (
-        lambda gate=None: compressed_branch(c.q, k_cmp, v_cmp, key_len, block, stride, c.run,
-                                            gate),
+        lambda gate=None, total=None: compressed_branch(c.q, k_cmp, v_cmp, key_len, block,
+                                                        stride, c.run, gate, total),
         lambda: selected_branch(c.q, c.k, c.v, mask, select, c.run, block_sparse_ring_attention,
                                 group=group),
         lambda: window_branch(c.q, c.k, c.v, size, c.run, ring_attention, group=group),
