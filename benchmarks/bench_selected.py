@@ -19,7 +19,11 @@ For each length N (B = 1, H = 16, 4 key/value heads, D = 128, bf16, causal), in 
 - ``nsa``: ``nsa_attention`` with gates (compressed keys of ``32`` pooled every ``16``, the same
   selected blocks, a 512-token window);
 - ``all blocks``: ``block_sparse_attention`` on a mask that keeps every causal block pair: the
-  kernel the run-time masks take, run dense.
+  kernel the run-time masks take, run dense;
+- ``moba captured``, ``nsa captured``: ``moba`` and ``nsa`` captured once in a CUDA graph (the
+  forward without gradients, and the forward with the backward, as one graph each) and timed
+  by replaying it (``_timing.time_captured_fwd_and_fwd_bwd``): the GPU's own time, where a
+  model captures its step or its host runs ahead; peaks include the graph's pool.
 
 Above ``--dense-up-to`` (default 262,144) the two dense rows are not run (dense cuDNN takes
 30 s a step at 1M); that length's rates use the dense rows of the longest length measured,
@@ -58,6 +62,7 @@ from _timing import (
     record_header,
     record_path,
     recover,
+    time_captured_fwd_and_fwd_bwd,
     time_cuda,
     time_fwd_and_fwd_bwd,
     write_record,
@@ -77,7 +82,10 @@ COLUMNS = [
 #: A path's times: one call at a time after a synchronisation, and calls issued back to back.
 STEP_TIMES = ("fwd_ms", "fwd_bwd_ms", "fwd_steady_ms", "fwd_bwd_steady_ms")
 #: The paths ``--paths`` may name (every one by default).
-PATHS = ("dense cudnn", "moba", "moba, given blocks", "moba, given mask", "nsa", "all blocks")
+PATHS = ("dense cudnn", "moba", "moba, given blocks", "moba, given mask", "nsa", "all blocks",
+         "moba captured", "nsa captured")  # fmt: skip
+#: The paths timed by replaying a CUDA graph of the path named without " captured".
+CAPTURED = ("moba captured", "nsa captured")
 #: The rows that time dense attention, skipped above ``--dense-up-to``.
 DENSE = ("dense cudnn", "all blocks")
 
@@ -145,6 +153,8 @@ def measure(
             leaves, [every],
         ),
     }
+    for name in CAPTURED:
+        paths[name] = paths[name.removesuffix(" captured")]
     if seq_len > args.dense_up_to:
         paths = {name: path for name, path in paths.items() if name not in DENSE}
     if args.paths:
@@ -155,8 +165,9 @@ def measure(
                                "keys_per_query": (topk + 1) * bs, "pair_ratio": pair_ratio}
         try:
             others = _held_for_others([*inputs, *given])
-            t = time_fwd_and_fwd_bwd(fn, inputs, lambda: torch.randn_like(q), warmup=3,
-                                     repeats=args.repeats, min_ms=50)  # fmt: skip
+            timer = time_captured_fwd_and_fwd_bwd if name in CAPTURED else time_fwd_and_fwd_bwd
+            t = timer(fn, inputs, lambda: torch.randn_like(q), warmup=3, repeats=args.repeats,
+                      min_ms=50)  # fmt: skip
             row.update({key: t[key] for key in STEP_TIMES})
             for step, backward in (("fwd", False), ("fwd_bwd", True)):
                 peak = t[f"{step}_peak_bytes"] - others
