@@ -222,9 +222,11 @@ class _ScaledScatter(torch.autograd.Function):
         out = torch.empty(_whole_shape(parts[0], dim, classes), dtype=dtype,
                           device=parts[0].device)  # fmt: skip
         below = classes.filled(dim)
-        out[below] = scale[_rows_of(scale, below)] * fill
-        if total is not None:
-            out[below] += total[below]
+        filled = scale[_rows_of(scale, below)] * fill
+        if total is None:
+            out[below] = filled
+        else:
+            torch.add(total[below], filled, out=out[below])
         for run, part in zip(classes.runs, parts, strict=True):
             gated_rows(part, classes.view(scale, dim, run),
                        None if total is None else classes.view(total, dim, run),
