@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from support.graphs import captured
 from support.grouping import cut_small
 from support.triton import KERNEL_DEVICES, skip_without_triton
 from support.writing_kernel import write_into_buffers
@@ -651,20 +652,16 @@ def test_cuda_graph_captures_dilated_attention_forward_and_backward(masked: bool
 
     static = [t.requires_grad_() for t in _qkv(n=n, dtype=torch.bfloat16, device="cuda")]
     dout = torch.randn_like(static[0])
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            for t in static:
-                t.grad = None
-            call(*static).backward(dout)
-    torch.cuda.current_stream().wait_stream(side)
-    for t in static:
-        t.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call(*static)
-        out.backward(dout)
+    outs: list[torch.Tensor] = []
+
+    def step() -> None:
+        for t in static:
+            t.grad = None
+        outs[:] = [call(*static)]
+        outs[0].backward(dout)
+
+    graph = captured(step, warmups=2)
+    (out,) = outs
     for seed in (1, 2):
         gen = torch.Generator(device="cuda").manual_seed(seed)
         new = [torch.randn(t.shape, device="cuda", generator=gen).bfloat16() for t in static]

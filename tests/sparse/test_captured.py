@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from support.graphs import captured
 from torch import Tensor
 
 from dilated_attention.sparse import moba_attention, nsa_attention
@@ -67,14 +68,7 @@ def test_a_captured_training_step_replays_as_eager_calls_run(
         out.backward(dout)
         results[:] = [out.detach(), *(leaf.grad for leaf in leaves[:count])]
 
-    side = torch.cuda.Stream()  # the first run compiles the kernels, outside the capture
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = captured(step)
     for seed in (1, 2):
         fresh = _inputs(seed)
         with torch.no_grad():

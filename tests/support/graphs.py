@@ -12,6 +12,21 @@ from torch import Tensor
 from dilated_attention.core.execution import graphs
 
 
+def captured(step: Callable[[], object], warmups: int = 1) -> torch.cuda.CUDAGraph:
+    """``step`` recorded in a CUDA graph (``graph.replay()`` runs it again), after ``warmups``
+    runs on a side stream, where its kernels are chosen and compiled outside the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 def count_replays(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """A list that grows by one at each replay of a graph of ours."""
     seen: list[int] = []
