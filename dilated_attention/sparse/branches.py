@@ -26,8 +26,7 @@ Note [Branches joined as they come]
     (two in the merge, whose first step joins the first two branches).
     The branch that joins last has its backward run first, and what its call saved is freed
     before the other branches' backwards run: NSA's compressed branch, which saves the most
-    (its classes' queries as heads, their output, and that output put back in rows), joins
-    last (``order``).
+    (its classes' queries as heads and their output), joins last (``order``).
     A term joins as ``total + gate * out`` through the same op in :func:`gated_sum` and
     :func:`gated_sum_of` (one pass each way on the GPU, rounded once: Note [Gated rows in one
     pass] in ``backends/triton_kernels/gates.py``), so that both give the same bits; its

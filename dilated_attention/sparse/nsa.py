@@ -392,6 +392,11 @@ def compressed_branch(
         total: (B, Nq, H, D) or None, with ``gate`` only: ``out`` is then ``total + gate *
             out``, the classes' gated outputs added as they are put back.
     """
+    if total is not None and gate is None:
+        raise ValueError(
+            "total: a sum is joined only to the gated output (total + gate * out), got "
+            "gate=None; pass gate too, or add total to the result yourself"
+        )
     batch, nq, heads, _ = q.shape
     lse_dtype = torch.promote_types(q.dtype, torch.float32)
     calls = _class_calls(nq, key_len, block, stride, run.is_causal, k_cmp.shape[1])

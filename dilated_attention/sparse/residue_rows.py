@@ -127,8 +127,8 @@ class ResidueRows:
             )
         if total is not None and scale is None:
             raise ValueError(
-                "total: a sum is joined only to scaled parts (total + scale * parts); pass "
-                "scale too, or add total to the result yourself"
+                "total: a sum is joined only to scaled parts (total + scale * parts), got "
+                "scale=None; pass scale too, or add total to the result yourself"
             )
         for run, part in zip(self.runs, parts, strict=True):
             if tuple(part.shape[dim : dim + 2]) != (self.rows(run[0]), run[1]):
@@ -137,6 +137,12 @@ class ResidueRows:
                     f"along dims {dim} and {dim + 1}, got shape {tuple(part.shape)}; pass the "
                     f"parts as gather gives them"
                 )
+        whole = tuple(_whole_shape(parts[0], dim, self))
+        if total is not None and tuple(total.shape) != whole:
+            raise ValueError(
+                f"total: expected the result's shape {whole}, got shape {tuple(total.shape)}; "
+                f"pass the sum the rows are added to, not a broadcast or a slice of it"
+            )
         if self.every_row():
             whole = parts[0].squeeze(dim + 1)
             if scale is None:
@@ -204,8 +210,9 @@ class _ScaledScatter(torch.autograd.Function):
     lies there), then each run's rows ``total[rows] + part * scale[rows]``, written in place
     (one pass per run each way on the GPU: Note [Gated rows in one pass] in
     ``backends/triton_kernels/gates.py``). Without ``total`` the products are the ones the
-    whole product makes, so the bits are its bits; with it the sum is rounded once on the GPU,
-    as every gated term's join (Note [Branches joined as they come] in ``branches.py``). The
+    whole product makes, so the bits are its bits; with it a held row's sum is rounded once on
+    the GPU, as every gated term's join (Note [Branches joined as they come] in
+    ``branches.py``), and a filled row's is torch's (``total + scale * fill``). The
     gradients are the product's and the sum's, per row: ``grad`` for ``total``, ``grad *
     scale`` for a part (its bits), the sum of ``grad * part`` (``grad * fill`` in a filled row)
     over the dimensions ``scale`` broadcasts, for ``scale`` (on the GPU a float32 sum of
@@ -222,7 +229,7 @@ class _ScaledScatter(torch.autograd.Function):
         out = torch.empty(_whole_shape(parts[0], dim, classes), dtype=dtype,
                           device=parts[0].device)  # fmt: skip
         below = classes.filled(dim)
-        filled = scale[_rows_of(scale, below)] * fill
+        filled = scale[_rows_of(scale, below)].to(dtype) * fill
         if total is None:
             out[below] = filled
         else:

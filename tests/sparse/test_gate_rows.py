@@ -171,6 +171,10 @@ def test_scaled_scatter_joined_to_a_sum_on_the_gpu(dtype: torch.dtype) -> None:
     gates = torch.rand(2, 64, 3, 3, generator=gen).to("cuda", dtype).requires_grad_()
     total.requires_grad_()
     parts = [p.clone().requires_grad_() for p in classes.gather(x, 1)]
+    views = [classes.view(t.detach(), 1, classes.runs[0]) for t in (total, gates[..., 1, None])]
+    out_view = parts[0].detach()
+    assert gate_rows._kernels(out_view, out_view, views[0], gate=views[1],
+                              written=(out_view,)) is not None  # fmt: skip
     got = classes.scatter(parts, 1, 0.0, scale=gates[..., 1, None], total=total)
     want = total + gates[..., 1, None] * classes.scatter(parts, 1, 0.0)
     held = classes.scatter([p.detach().to(F64) for p in parts], 1, 0.0)  # 0 where no class

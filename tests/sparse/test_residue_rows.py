@@ -157,13 +157,17 @@ def test_scaled_scatter_of_a_strided_scale_gradchecks_float64():
         assert torch.autograd.gradgradcheck(f, (x, gates))
 
 
-def test_scaled_scatter_rejects_a_broadcast_scale_and_a_sum_without_a_scale():
+def test_scaled_scatter_rejects_a_broadcast_scale_and_a_sum_without_a_scale_or_of_another_shape():
     classes = ResidueRows(((0, 2),), 2, 6)
     parts = list(classes.gather(torch.randn(1, 6, 2, 3), 1))
     with pytest.raises(ValueError, match=r"scale: expected 6 rows along dim 1.*\(1, 1, 2, 1\)"):
         classes.scatter(parts, 1, 0.0, scale=torch.ones(1, 1, 2, 1))
-    with pytest.raises(ValueError, match=r"total: a sum is joined only to scaled parts"):
+    with pytest.raises(ValueError, match=r"total: a sum is joined only to scaled parts.*None"):
         classes.scatter(parts, 1, 0.0, total=torch.ones(1, 6, 2, 3))
+    scale = torch.ones(1, 6, 2, 1)
+    for total in (torch.ones(1, 1, 2, 3), torch.ones(1, 5, 2, 3)):
+        with pytest.raises(ValueError, match=r"total: expected the result's shape \(1, 6, 2, 3\)"):
+            classes.scatter(parts, 1, 0.0, scale=scale, total=total)
 
 
 @pytest.mark.parametrize("runs", [((0, 3),), ((0, 2),), ((0, 0),)])
