@@ -137,10 +137,10 @@ class ResidueRows:
                     f"along dims {dim} and {dim + 1}, got shape {tuple(part.shape)}; pass the "
                     f"parts as gather gives them"
                 )
-        whole = tuple(_whole_shape(parts[0], dim, self))
-        if total is not None and tuple(total.shape) != whole:
+        shape = tuple(_whole_shape(parts[0], dim, self))
+        if total is not None and tuple(total.shape) != shape:
             raise ValueError(
-                f"total: expected the result's shape {whole}, got shape {tuple(total.shape)}; "
+                f"total: expected the result's shape {shape}, got shape {tuple(total.shape)}; "
                 f"pass the sum the rows are added to, not a broadcast or a slice of it"
             )
         if self.every_row():
