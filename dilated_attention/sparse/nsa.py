@@ -74,7 +74,7 @@ from ..core.higher_order import no_higher_order_message, raising_as
 from ..functional import attention, block_sparse_attention
 from .branches import gated_sum, gated_sum_of, lse_with_gradient, merge_branches
 from .compression import compress_kv
-from .gate_rows import copy_rows
+from .gate_rows import copy_rows, gated_add
 from .residue_rows import ResidueRows
 from .selection import _check_topk, select_blocks
 
@@ -402,8 +402,7 @@ def compressed_branch(
     calls = _class_calls(nq, key_len, block, stride, run.is_causal, k_cmp.shape[1])
     if not calls:
         out = q.new_zeros(batch, nq, heads, v_cmp.shape[-1])
-        out = out if gate is None else gate * out
-        out = out if total is None else total + out
+        out = out if gate is None else gated_add(total, out, gate)
         lse = torch.full((batch, heads, nq), -torch.inf, dtype=lse_dtype, device=q.device)
         return out, lse if run.need_lse else None
     call = functools.partial(

@@ -145,9 +145,7 @@ class ResidueRows:
             )
         if self.every_row():
             whole = parts[0].squeeze(dim + 1)
-            if scale is None:
-                return whole
-            return scale * whole if total is None else gated_add(total, whole, scale)
+            return whole if scale is None else gated_add(total, whole, scale)
         if scale is None:
             return _Scatter.apply(dim, self, fill, *parts)  # type: ignore[no-any-return]
         return _ScaledScatter.apply(  # type: ignore[no-any-return]
