@@ -106,3 +106,35 @@ def test_nsa_strides_classes_make_two_runs():
     compressed key more; the other d - 1 classes are one run."""
     calls = nsa._class_calls(64, 64, 8, 4, True, num_windows(64, 8, 4))
     assert nsa._runs(calls, 4, 64) == [(7, 1, 15), (8, 3, 14)]
+
+
+@pytest.mark.parametrize(("nq", "block"), [(61, 8), (6, 8)], ids=["classes", "no-whole-window"])
+def test_the_branch_joined_to_a_sum_is_the_sum_plus_its_gated_output(nq, block) -> None:
+    """``gate`` and ``total``: ``total + gate * out`` of the plain branch, in value and in the
+    gradients of q, k, v, the gate and the sum (float64), with and without a compressed key
+    before the rows; a sum without a gate is refused before any work."""
+    g = torch.Generator().manual_seed(nq)
+    q = torch.randn(2, nq, 4, 8, generator=g, dtype=F64, requires_grad=True)
+    k, v = (torch.randn(2, nq, 2, 8, generator=g, dtype=F64, requires_grad=True)
+            for _ in range(2))  # fmt: skip
+    gate = torch.rand(2, nq, 4, 1, generator=g, dtype=F64, requires_grad=True)
+    total = torch.randn(2, nq, 4, 8, generator=g, dtype=F64, requires_grad=True)
+    run = nsa.Run(scale=0.3, backend=None, is_causal=True, need_lse=False)
+    k_cmp, v_cmp = compress_kv(k, v, block=block, stride=4)
+    got, _ = nsa.compressed_branch(q, k_cmp, v_cmp, nq, block, 4, run, gate, total)
+    plain, _ = nsa.compressed_branch(q, k_cmp, v_cmp, nq, block, 4, run)
+    want = total + gate * plain
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    dout = torch.randn(got.shape, generator=g, dtype=F64)
+    leaves = (q, k, v, gate, total)
+    # no whole window: q, k and v reach neither result (their gradients None in both)
+    grads = torch.autograd.grad(got, leaves, dout, allow_unused=True)
+    wants = torch.autograd.grad(want, leaves, dout, allow_unused=True)
+    unused = [nq < block] * 3 + [False, False]
+    assert [x is None for x in grads] == [x is None for x in wants] == unused
+    for a, b in zip(grads, wants, strict=True):
+        if a is not None:
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    with pytest.raises(ValueError, match=r"total: a sum is joined only to the gated output.*"
+                                         r"gate=None"):  # fmt: skip
+        nsa.compressed_branch(q, k_cmp, v_cmp, nq, block, 4, run, None, total)
