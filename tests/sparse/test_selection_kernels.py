@@ -218,6 +218,7 @@ def _clear_rows(q: torch.Tensor, k: torch.Tensor, bs: int, topk: int, is_causal:
         (1, 500, 660, 4, 2, 32, 2, True, "kv_head", None),  # end-aligned, straddling; GQA sums
         (1, 450, 520, 2, 1, 16, 4, False, "kv_head", None),  # not causal, partial last blocks
         (2, 640, 640, 4, 2, 16, 3, True, "kv_head", [0, 128, 512, 640, 1024, 1280]),  # packed
+        (1, 1024, 1024, 2, 1, 16, 20, True, "head", None),  # more picks than the tiles hold
     ],
 )
 def test_choice_from_the_rows_parts_matches_the_float64_choice(
