@@ -46,9 +46,9 @@ from ..tiles import cdiv, next_power_of_2
 from .top_blocks import _LOWEST, RowRanges, _row_bounds, _take_best
 
 #: Query blocks a program takes, columns per group (one tile), columns per part of a group,
-#: the most picks per row (32 ask 256 KiB of shared memory, more than an H100's or H200's 227
-#: KiB; 64 fit in programs of 32 rows, slower than the stored product), and a program's warps
-#: and pipeline stages.
+#: the most picks per row (with Triton 3.6, 32 slots ask 256 KiB of shared memory, more than an
+#: H100's or H200's 227 KiB; 64 fit in programs of 32 rows, slower than the stored product), and
+#: a program's warps and pipeline stages.
 _BLOCK_ROWS = 128
 _GROUP = 32
 _PART = 8
