@@ -6,7 +6,10 @@ Note [A choice's launches in one graph]
     On the GPU a choice is three or four launches: the bfloat16 parts of the query and key
     block means (``mean_parts``), then, query blocks a chunk at a time, either the affinities'
     product (``parts_product``) and the top-k kernel (``top_blocks``), or from ``MIN_COLUMNS``
-    key blocks on the kernel that makes the affinities a tile at a time (``affinity_tiles``).
+    key blocks on the kernel that makes the affinities a tile at a time (``affinity_tiles``;
+    where its program asks more shared memory than the device has, its first launch raises
+    before anything runs, and that choice and every later one with as many picks on the device
+    take the product).
     Each launch costs the host 20-40 us on the lent H100's, about what the GPU spends on the key
     means, the product or the top-k at 64K tokens. So the choice launches the query means (the
     longest kernel: the query is the largest operand) as soon as their parts are allocated, then
@@ -107,22 +110,19 @@ def choose_on_device(
     width, dtype = (mk, torch.bool) if own_width is None else (topk + own_width, torch.int32)
     chosen = torch.empty(*left.shape[:3], width, dtype=dtype, device=q.device)
     ranges = None if isinstance(candidates, tuple) else candidates
-    tiles = _tiles_module(ranges, mk, topk)
-    if tiles is not None:
-        step, chunks = _tile_chunks(tiles, left, ranges, topk, chosen, own_width)
-    else:
-        step, chunks = _stored_chunks(kernels, left, mk, candidates, topk, chosen, own_width)
-
-    def launches() -> None:
-        right = parts.empty_parts(k, 1, block_size)  # (B, Hkv, Mk, 3 D)
-        parts.mean_parts(k, 1, 1, block_size, out=right)
-        chunk = chunks(right)
-        for start in range(0, mq, step):
-            chunk(start, slice(start, start + step))
-
     masks = () if ranges is not None else candidates
-    key = ("select_blocks", block_size, topk, per, own_width, ranges, step, tiles is not None)
-    run_launches(key, (q, k, left, chosen, *masks), launches)
+    key = ("select_blocks", block_size, topk, per, own_width, ranges)
+    tensors = (q, k, left, chosen, *masks)
+    tiles = _tiles_module(ranges, mk, topk, q.device)
+    if tiles is not None:
+        try:
+            step, chunks = _tile_chunks(tiles, left, ranges, topk, chosen, own_width)
+            _run_chunks(parts, k, block_size, mq, step, chunks, (*key, step, True), tensors)
+            return chosen
+        except tiles.OutOfResources:  # nothing ran, and the tiles refuse this device from now
+            pass
+    step, chunks = _stored_chunks(kernels, left, mk, candidates, topk, chosen, own_width)
+    _run_chunks(parts, k, block_size, mq, step, chunks, (*key, step, False), tensors)
     return chosen
 
 
@@ -132,14 +132,37 @@ Chunk = Callable[[int, slice], None]
 Chunks = Callable[[torch.Tensor], Chunk]
 
 
-def _tiles_module(ranges: Any, mk: int, topk: int) -> Any:
+def _run_chunks(
+    parts: Any,
+    k: torch.Tensor,
+    block_size: int,
+    mq: int,
+    step: int,
+    chunks: Chunks,
+    key: tuple[Any, ...],
+    tensors: tuple[torch.Tensor, ...],
+) -> None:
+    """The key parts' launch and every chunk's, ``step`` query blocks of ``mq`` at a time, in
+    one closure replayed from a CUDA graph once the same call (``key``, ``tensors``) has run."""
+
+    def launches() -> None:
+        right = parts.empty_parts(k, 1, block_size)  # (B, Hkv, Mk, 3 D)
+        parts.mean_parts(k, 1, 1, block_size, out=right)
+        chunk = chunks(right)
+        for start in range(0, mq, step):
+            chunk(start, slice(start, start + step))
+
+    run_launches(key, tensors, launches)
+
+
+def _tiles_module(ranges: Any, mk: int, topk: int, device: torch.device) -> Any:
     """The choice from the means' parts a tile at a time (``affinity_tiles``, Note
     [Affinities a tile at a time] there) where it takes the call: candidates by position,
-    ``Mk`` key blocks it runs; else None."""
+    ``Mk`` key blocks and ``topk`` picks it runs on ``device``; else None."""
     if ranges is None:
         return None
     module = kernel_module("selection.affinity_tiles")
-    return module if module is not None and module.takes(mk, topk) else None
+    return module if module is not None and module.takes(mk, topk, device) else None
 
 
 def _tile_chunks(

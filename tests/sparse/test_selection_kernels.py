@@ -334,6 +334,46 @@ def test_choice_from_tiles_keeps_the_best_blocks(
         assert torch.equal(picks[0], lowest)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_choice_whose_tiles_do_not_fit_the_device_takes_the_product(monkeypatch, device) -> None:
+    """Where the tiles kernel's program asks more shared memory than the device has (Triton
+    raises ``OutOfResources`` at its first launch, before it runs), the choice is the stored
+    product's, and later choices with as many slots on that device skip the tiles; other
+    slots still take them."""
+    skip_without_triton(device)
+    from triton.runtime.errors import OutOfResources
+
+    from dilated_attention.backends.triton_kernels.selection import affinity_tiles
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 640, 2, 64, generator=g).bfloat16()
+    k = torch.randn(1, 640, 1, 64, generator=g).bfloat16()
+    options = {"block_size": 16, "topk": 3, "is_causal": True}
+    want = select_blocks(q.double(), k.double(), **options)
+    clear = _clear_rows(q, k, 16, 3, True, "head", None)
+    if device == "cpu":  # the GPU's route on the CPU
+        monkeypatch.setattr(device_choice, "on_tensor_cores", lambda x: x.dtype != torch.float64)
+    monkeypatch.setattr(affinity_tiles, "MIN_COLUMNS", 1)
+    monkeypatch.setattr(affinity_tiles, "_WITHOUT_ROOM", set())
+    tried = []
+
+    def launch(kernel, grid, args, options):
+        if kernel is affinity_tiles._choice_kernel:
+            tried.append(options["PICKS"])
+            raise OutOfResources(262144, 232448, "shared memory")
+        return real(kernel, grid, args, options)
+
+    real = affinity_tiles.launch
+    monkeypatch.setattr(affinity_tiles, "launch", launch)
+    q, k = q.to(device), k.to(device)
+    for _ in range(2):
+        got = select_blocks(q, k, **options).cpu()
+        assert torch.equal(got[clear], want[clear])
+    assert tried == [4]  # the first choice tried the tiles once; the second did not
+    assert not affinity_tiles.takes(40, 3, q.device)
+    assert affinity_tiles.takes(40, 5, q.device)  # 8 slots were never refused
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "documents", [None, [0, 256, 512, 640, 1024]], ids=["by-position", "packed"]

@@ -32,6 +32,12 @@ never stored (Note [Affinities a tile at a time]
     ranks below every number and above the non-candidates, as everywhere. The tile sizes were
     chosen by measurement: 128 rows and 32 columns in 8 warps and 3 stages took 2.4-2.7 ms at
     1M (64 columns 2.8; 64 rows in 4 warps 3.2).
+
+    A program holds its slots and tiles in shared memory, as much as Triton's compiler lays
+    out: with Triton 3.6, 128 KiB for 16 slots (an H100 or H200 has 227 KiB a program, many
+    smaller GPUs 99-164 KiB). A launch that asks more than the device has raises Triton's
+    :class:`OutOfResources` before it runs; the device and slots are then remembered, and
+    :func:`takes` refuses them from then on (the caller makes that choice another way).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from ...triton import interpreting
 from ..launch import launch
@@ -61,6 +68,9 @@ _STAGES = 3
 MIN_COLUMNS = 1024
 
 _EMPTY = tl.constexpr(2**16)  # a slot that holds no group (above every group's index)
+
+#: (device, slots a row) whose program asked more shared memory than the device has.
+_WITHOUT_ROOM: set[tuple[torch.device, int]] = set()
 
 
 @triton.jit
@@ -213,10 +223,12 @@ def _write_rows(chosen, best, lo, hi, inside, cols, topk, own_width, CHUNK: tl.c
         tl.store(chosen + best, tl.full(best.shape, 1, tl.int8), mask=inside & (best < cols))
 
 
-def takes(cols: int, topk: int) -> bool:
+def takes(cols: int, topk: int, device: torch.device) -> bool:
     """Whether this choice runs ``cols`` key blocks (and is the faster one there), ``topk``
-    picks per row."""
-    return cols >= MIN_COLUMNS and 1 <= topk <= _MAX_PICKS
+    picks per row, on ``device`` (not one whose shared memory its program did not fit)."""
+    if not (cols >= MIN_COLUMNS and 1 <= topk <= _MAX_PICKS):
+        return False
+    return (device, next_power_of_2(topk)) not in _WITHOUT_ROOM
 
 
 #: A row's scratch per pick, (4-byte words, dtype) of each part: the values of the groups it
@@ -267,6 +279,10 @@ def top_blocks_from_parts(
 
     Returns:
         ``out``.
+
+    Raises:
+        OutOfResources: the program asks more shared memory than the device has (nothing ran;
+            :func:`takes` refuses the device and slots from now on).
     """
     batch, heads, rows = out.shape[:3]
     cols, dim = right.shape[1], right.shape[2] // 3
@@ -287,5 +303,9 @@ def top_blocks_from_parts(
                "OWN": next_power_of_2(max(1, own_width or 0)), "INDICES": own_width is not None,
                "WIDEN": interpreting(), "num_warps": _WARPS,
                "num_stages": _STAGES}  # fmt: skip
-    launch(_choice_kernel, (batch * heads, cdiv(rows, _BLOCK_ROWS)), args, options)
+    try:
+        launch(_choice_kernel, (batch * heads, cdiv(rows, _BLOCK_ROWS)), args, options)
+    except OutOfResources:  # before anything ran; refused on this device from now on
+        _WITHOUT_ROOM.add((out.device, picks))
+        raise
     return out
