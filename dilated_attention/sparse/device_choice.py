@@ -8,8 +8,8 @@ Note [A choice's launches in one graph]
     product (``parts_product``) and the top-k kernel (``top_blocks``), or from ``MIN_COLUMNS``
     key blocks on the kernel that makes the affinities a tile at a time (``affinity_tiles``;
     where its program asks more shared memory than the device has, its first launch raises
-    before anything runs, and that choice and every later one with as many picks on the device
-    take the product).
+    before the kernel runs, and that choice and every later one with as many slots on the
+    device at that head dim take the product).
     Each launch costs the host 20-40 us on the lent H100's, about what the GPU spends on the key
     means, the product or the top-k at 64K tokens. So the choice launches the query means (the
     longest kernel: the query is the largest operand) as soon as their parts are allocated, then
@@ -113,13 +113,13 @@ def choose_on_device(
     masks = () if ranges is not None else candidates
     key = ("select_blocks", block_size, topk, per, own_width, ranges)
     tensors = (q, k, left, chosen, *masks)
-    tiles = _tiles_module(ranges, mk, topk, q.device)
+    tiles = _tiles_module(ranges, mk, topk, q)
     if tiles is not None:
         try:
             step, chunks = _tile_chunks(tiles, left, ranges, topk, chosen, own_width)
             _run_chunks(parts, k, block_size, mq, step, chunks, (*key, step, True), tensors)
             return chosen
-        except tiles.OutOfResources:  # nothing ran, and the tiles refuse this device from now
+        except tiles.OutOfResources:  # the tiles kernel did not run, and refuses it from now
             pass
     step, chunks = _stored_chunks(kernels, left, mk, candidates, topk, chosen, own_width)
     _run_chunks(parts, k, block_size, mq, step, chunks, (*key, step, False), tensors)
@@ -155,14 +155,16 @@ def _run_chunks(
     run_launches(key, tensors, launches)
 
 
-def _tiles_module(ranges: Any, mk: int, topk: int, device: torch.device) -> Any:
+def _tiles_module(ranges: Any, mk: int, topk: int, q: torch.Tensor) -> Any:
     """The choice from the means' parts a tile at a time (``affinity_tiles``, Note
     [Affinities a tile at a time] there) where it takes the call: candidates by position,
-    ``Mk`` key blocks and ``topk`` picks it runs on ``device``; else None."""
+    ``Mk`` key blocks and ``topk`` picks it runs on the device and head dim of ``q`` (B, Nq,
+    H, D); else None."""
     if ranges is None:
         return None
     module = kernel_module("selection.affinity_tiles")
-    return module if module is not None and module.takes(mk, topk, device) else None
+    takes = module is not None and module.takes(mk, topk, q.device, q.shape[-1])
+    return module if takes else None
 
 
 def _tile_chunks(

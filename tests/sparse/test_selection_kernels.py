@@ -218,7 +218,7 @@ def _clear_rows(q: torch.Tensor, k: torch.Tensor, bs: int, topk: int, is_causal:
         (1, 500, 660, 4, 2, 32, 2, True, "kv_head", None),  # end-aligned, straddling; GQA sums
         (1, 450, 520, 2, 1, 16, 4, False, "kv_head", None),  # not causal, partial last blocks
         (2, 640, 640, 4, 2, 16, 3, True, "kv_head", [0, 128, 512, 640, 1024, 1280]),  # packed
-        (1, 1024, 1024, 2, 1, 16, 20, True, "head", None),  # more picks than the tiles hold
+        (1, 1024, 1024, 2, 1, 16, 20, True, "head", None),  # more picks than the tiles take
     ],
 )
 def test_choice_from_the_rows_parts_matches_the_float64_choice(
@@ -247,6 +247,7 @@ def test_choice_from_the_rows_parts_matches_the_float64_choice(
     if device == "cpu":  # the GPU's route on the CPU
         monkeypatch.setattr(device_choice, "on_tensor_cores", lambda x: x.dtype != torch.float64)
     monkeypatch.setattr(affinity_tiles, "MIN_COLUMNS", 1 if route == "tiles" else 10**9)
+    monkeypatch.setattr(affinity_tiles, "_WITHOUT_ROOM", set())
     monkeypatch.setattr(selection, "block_means", None)  # the means are not made apart
     # Seven query blocks at a time: the product's rows a strided chunk of each head group's.
     words = affinity_tiles.scratch_per_row(topk) if route == "tiles" else -(-nk // bs)
@@ -256,6 +257,7 @@ def test_choice_from_the_rows_parts_matches_the_float64_choice(
     assert got.shape == want.shape and torch.equal(got[clear], want[clear])
     indices = select_blocks(q.to(device), k.to(device), return_indices=True, **options).cpu()
     assert torch.equal(_indices_mask(indices, want.shape[-1])[clear], want[clear])
+    assert not affinity_tiles._WITHOUT_ROOM  # every program the choice launched fit the device
 
 
 def _affinity64(left: torch.Tensor, right: torch.Tensor, dim: int) -> torch.Tensor:
@@ -370,8 +372,9 @@ def test_a_choice_whose_tiles_do_not_fit_the_device_takes_the_product(monkeypatc
         got = select_blocks(q, k, **options).cpu()
         assert torch.equal(got[clear], want[clear])
     assert tried == [4]  # the first choice tried the tiles once; the second did not
-    assert not affinity_tiles.takes(40, 3, q.device)
-    assert affinity_tiles.takes(40, 5, q.device)  # 8 slots were never refused
+    assert not affinity_tiles.takes(40, 3, q.device, 64)
+    assert affinity_tiles.takes(40, 5, q.device, 64)  # 8 slots were never refused
+    assert affinity_tiles.takes(40, 3, q.device, 32)  # nor another head dim
 
 
 @pytest.mark.gpu

@@ -34,10 +34,11 @@ never stored (Note [Affinities a tile at a time]
     1M (64 columns 2.8; 64 rows in 4 warps 3.2).
 
     A program holds its slots and tiles in shared memory, as much as Triton's compiler lays
-    out: with Triton 3.6, 128 KiB for 16 slots (an H100 or H200 has 227 KiB a program, many
-    smaller GPUs 99-164 KiB). A launch that asks more than the device has raises Triton's
-    :class:`OutOfResources` before it runs; the device and slots are then remembered, and
-    :func:`takes` refuses them from then on (the caller makes that choice another way).
+    out: with Triton 3.6, 128 KiB for 16 slots at head dim 128 (an H100 or H200 has 227 KiB a
+    program, many smaller GPUs 99-164 KiB). A launch that asks more than the device has raises
+    Triton's :class:`OutOfResources` before it runs; the device, slots and head dim are then
+    remembered, and :func:`takes` refuses them from then on (the caller makes that choice
+    another way).
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ MIN_COLUMNS = 1024
 
 _EMPTY = tl.constexpr(2**16)  # a slot that holds no group (above every group's index)
 
-#: (device, slots a row) whose program asked more shared memory than the device has.
-_WITHOUT_ROOM: set[tuple[torch.device, int]] = set()
+#: (device, slots a row, head dim) whose program asked more shared memory than the device has.
+_WITHOUT_ROOM: set[tuple[torch.device, int, int]] = set()
 
 
 @triton.jit
@@ -223,12 +224,20 @@ def _write_rows(chosen, best, lo, hi, inside, cols, topk, own_width, CHUNK: tl.c
         tl.store(chosen + best, tl.full(best.shape, 1, tl.int8), mask=inside & (best < cols))
 
 
-def takes(cols: int, topk: int, device: torch.device) -> bool:
+def takes(cols: int, topk: int, device: torch.device, dim: int) -> bool:
     """Whether this choice runs ``cols`` key blocks (and is the faster one there), ``topk``
-    picks per row, on ``device`` (not one whose shared memory its program did not fit)."""
+    picks per row, on ``device`` at head dim ``dim`` (not where its program did not fit the
+    device's shared memory)."""
     if not (cols >= MIN_COLUMNS and 1 <= topk <= _MAX_PICKS):
         return False
-    return (device, next_power_of_2(topk)) not in _WITHOUT_ROOM
+    return _program(device, topk, dim) not in _WITHOUT_ROOM
+
+
+def _program(device: torch.device, topk: int, dim: int) -> tuple[torch.device, int, int]:
+    """What decides whether a program fits: the device (with its index), slots, head dim."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device, next_power_of_2(max(1, topk)), dim
 
 
 #: A row's scratch per pick, (4-byte words, dtype) of each part: the values of the groups it
@@ -281,8 +290,8 @@ def top_blocks_from_parts(
         ``out``.
 
     Raises:
-        OutOfResources: the program asks more shared memory than the device has (nothing ran;
-            :func:`takes` refuses the device and slots from now on).
+        OutOfResources: the program asks more shared memory than the device has (the kernel
+            did not run; :func:`takes` refuses the device, slots and head dim from now on).
     """
     batch, heads, rows = out.shape[:3]
     cols, dim = right.shape[1], right.shape[2] // 3
@@ -305,7 +314,7 @@ def top_blocks_from_parts(
                "num_stages": _STAGES}  # fmt: skip
     try:
         launch(_choice_kernel, (batch * heads, cdiv(rows, _BLOCK_ROWS)), args, options)
-    except OutOfResources:  # before anything ran; refused on this device from now on
-        _WITHOUT_ROOM.add((out.device, picks))
+    except OutOfResources:  # the kernel did not run; refused on this device from now on
+        _WITHOUT_ROOM.add(_program(out.device, topk, dim))
         raise
     return out
