@@ -382,3 +382,28 @@ def test_device_top_blocks_pick_the_same_blocks_at_every_group_width(device, col
         for key in itertools.product(range(2), range(3), range(4)):
             listed = sorted(j for j in got[key].tolist() if j >= 0)
             assert listed == sorted(order[key][kept[key]].tolist()), f"width {width}, {key}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("cols", "topk"), [(40, 7), (1500, 31), (2100, 63)])
+def test_device_top_blocks_rank_signed_zeros_subnormals_and_extremes(device, cols, topk) -> None:
+    """The kernel ranks each value by its bits turned to order as integers (Note [Top blocks
+    in registers]): negative numbers, subnormals of both signs, the largest finite floats and
+    ``-0.0`` (equal to ``0.0``: the lower column wins) rank as a stable float64 sort ranks
+    them, ``topk`` up to 63."""
+    skip_without_triton(device)
+    from dilated_attention.backends.triton_kernels.selection.top_blocks import top_blocks
+
+    big, tiny = torch.finfo(torch.float32).max, 1e-40  # 1e-40 is subnormal in float32
+    levels = torch.tensor([-big, -2.5, -tiny, -0.0, 0.0, tiny, 1.5, big])
+    g = torch.Generator().manual_seed(cols + topk)
+    affinity = levels[torch.randint(0, len(levels), (1, 2, 3, cols), generator=g)]
+    affinity[0, 1, 0] = levels[3:5][torch.randint(0, 2, (cols,), generator=g)]  # zeros only
+    candidates = torch.rand(3, cols, generator=g) < 0.8
+    score = affinity.double().masked_fill(~candidates, -torch.inf)
+    order = torch.sort(-score, dim=-1, stable=True).indices[..., :topk]
+    own = torch.zeros(3, cols, dtype=torch.bool)
+    got = top_blocks(affinity.to(device), candidates.to(device), own.to(device), topk,
+                     own_width=0).cpu()  # fmt: skip
+    for key in itertools.product(range(1), range(2), range(3)):
+        assert sorted(got[key].tolist()) == sorted(order[key].tolist()), key

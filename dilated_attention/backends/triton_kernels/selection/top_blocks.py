@@ -10,19 +10,25 @@ Note [Top blocks in registers]
     lie in the ``topk`` groups of ``G`` columns with the best maxima (each better column's group
     has a better maximum; equal ones go to the lower column, as the lower group). A first pass
     reads the row ``CHUNK`` columns at a time (its candidates only) and stores each group's
-    maximum to a scratch row; the second takes the maximum ``topk`` times among the group
-    maxima, then ``topk`` times among those groups' columns, read again (from the cache), the
-    lowest column among equal ones each time: ``topk * (Mk / G + G topk)`` comparisons for a
-    row, not ``topk * Mk``. ``G`` is the power of two that makes the fewest (``Mk / G`` groups
-    between ``topk`` and 256, ``G`` at most 64; :func:`group_width`): on an H100, 16 heads,
-    ``topk`` 15 of 512 columns and rows took 27 us in groups of 8 against 52 in groups of 32,
-    ``topk`` 63 of 2,048 1.05 ms in groups of 8 against 2.37 in groups of 32, the same picks.
-    A program is one warp up to 1,024 columns and two above: every
-    maximum is a reduction across its threads, and a wider program spends its time waiting on
-    them (one program of 8 warps holding the whole row took 6.5 ms at 1M tokens; on an H100, 16
-    heads, ``topk`` 15, one warp took 33 / 53 / 182 us at 256 / 512 / 1,024 columns and rows,
-    two warps 56 / 73 / 203 us). A NaN affinity ranks below every number and above
-    the non-candidates, as the torch path ranks it.
+    maximum to a scratch row; the second takes the ``topk`` best group maxima, then the
+    ``topk`` best of those groups' columns, read again (from the cache), the lowest column
+    among equal ones: ``Mk / G + G topk`` values ranked for a row, not ``Mk``. ``G`` is the
+    power of two that ranks the fewest (``Mk / G`` groups between ``topk`` and 256, ``G`` at
+    most 64; :func:`group_width`): on an H100, 16 heads, ``topk`` 15 of 512 columns and rows
+    took 27 us in groups of 8 against 52 in groups of 32, ``topk`` 63 of 2,048 1.05 ms in
+    groups of 8 against 2.37 in groups of 32, the same picks. Each ranking is one bitonic
+    top-k (Triton's ``tl.topk``) of one int64 per value, the score's bits turned to order as
+    integers above the column's complement (:func:`_ranked`): the order is the score's and
+    then the lower column's, with no second reduction for ties. Taking the maximum ``topk``
+    times instead (two reductions each: the maximum, then its lowest column) took, on an
+    H200, 16 heads, whole choices at 64K / 256K / 1M tokens, 0.21 / 1.12 / 9.20 ms against
+    0.18 / 0.96 / 8.99 with ``topk`` 15 / 31 / 31, and 1.62 / 16.4 against 1.17 / 15.1 ms with
+    ``topk`` 63 at 256K / 1M. A program is one warp up to 1,024 columns and two above: a
+    wider program spends its time waiting on its reductions (one program of 8 warps holding
+    the whole row took 6.5 ms at 1M tokens; on an H100, 16 heads, ``topk`` 15, one warp took
+    33 / 53 / 182 us at 256 / 512 / 1,024 columns and rows, two warps 56 / 73 / 203 us). A
+    NaN affinity ranks below every number and above the non-candidates, as the torch path
+    ranks it.
 
 Note [Chosen blocks as indices]
     Block-sparse kernels walk lists of key blocks; a bool (B, H, Mq, Mk) mask makes every
@@ -95,29 +101,29 @@ def _scores(affinity, allowed, cols):
     return tl.where(allowed, score, float("-inf"))
 
 
-@triton.jit
-def _take_best(score, key, topk, NONE: tl.constexpr, PICKS: tl.constexpr):
-    """Each row's ``topk`` (at most ``PICKS``) best of ``score`` (R, C), the lowest ``key``
-    among equal ones each time: their keys (R, PICKS), ``NONE`` where fewer are above
-    ``-inf``."""
-    slot = tl.arange(0, PICKS)[None, :]
-    taken = tl.full((score.shape[0], PICKS), NONE, tl.int32)
-    for t in range(PICKS):
-        top = tl.max(score, axis=1)
-        first = tl.min(tl.where(score == top[:, None], key, NONE), axis=1)
-        first = tl.where((top > float("-inf")) & (t < topk), first, NONE)
-        taken = tl.where(slot == t, first[:, None], taken)
-        score = tl.where(key == first[:, None], float("-inf"), score)
-    return taken
+#: The rank (:func:`_ranked`) of ``-inf`` with the lowest key: every ``-inf`` ranks at most here.
+_UNRANKED = tl.constexpr(-9187343241983295489)
 
 
 @triton.jit
-def _take_best_of_row(score, key, topk, NONE: tl.constexpr, PICKS: tl.constexpr):
-    """:func:`_take_best` of one row: ``score`` and ``key`` (C,) -> (PICKS,)."""
-    size: tl.constexpr = score.shape[0]
-    taken = _take_best(tl.reshape(score, (1, size)), tl.reshape(key, (1, size)), topk, NONE,
-                       PICKS)  # fmt: skip
-    return tl.reshape(taken, (PICKS,))
+def _ranked(score, key):
+    """``score`` (float32, no NaN) and ``key`` (int32 in ``[0, 2**31)``), any shape, as one
+    int64 that orders as the score and then as the lower key: the score's bits turned to order
+    as integers (``-0.0`` as ``0.0``) above the key's complement."""
+    bits = tl.where(score == 0.0, 0.0, score).to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - key).to(tl.int64)
+
+
+@triton.jit
+def _best_of_row(score, key, topk, NONE: tl.constexpr, PICKS: tl.constexpr):
+    """One row's ``topk`` (at most ``PICKS``) best of ``score`` (C,), C a power of two at least
+    ``PICKS``, the lowest ``key`` among equal ones: their keys (PICKS,), ``NONE`` where fewer
+    are above ``-inf`` (Note [Top blocks in registers])."""
+    top = tl.topk(_ranked(score, key), PICKS)  # descending
+    slot = tl.arange(0, PICKS)
+    first = 0x7FFFFFFF - (top & 0x7FFFFFFF).to(tl.int32)
+    return tl.where((top > _UNRANKED) & (slot < topk), first, NONE)
 
 
 @triton.jit
@@ -186,12 +192,12 @@ def _top_blocks_kernel(
     # Pass 2: the best PICKS groups by their maxima hold the row's best PICKS columns.
     group = tl.arange(0, GROUPS)
     best = tl.load(maxima + group)
-    taken = _take_best_of_row(best, group, topk, GROUPS, PICKS)
+    taken = _best_of_row(best, group, topk, GROUPS, PICKS)
     where = taken[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # (PICKS, GROUP) columns
     where = tl.reshape(where, (PICKS * GROUP,))
     allowed, _ = _row_masks(candidates, own, where, where < cols, lo, hi, RANGES)
     score = _scores(affinity, allowed, where)
-    picked = _take_best_of_row(score, where, topk, GROUPS * GROUP, PICKS)
+    picked = _best_of_row(score, where, topk, GROUPS * GROUP, PICKS)
     if INDICES:
         tl.store(chosen + slot, tl.where(picked < cols, picked, -1), mask=slot < topk)
     else:
