@@ -5,8 +5,9 @@ graph once the same call has run (Note [A choice's launches in one graph]).
 Note [A choice's launches in one graph]
     On the GPU a choice is three or four launches: the bfloat16 parts of the query and key
     block means (``mean_parts``), then, query blocks a chunk at a time, either the affinities'
-    product (``parts_product``) and the top-k kernel (``top_blocks``), or from ``MIN_COLUMNS``
-    key blocks on the kernel that makes the affinities a tile at a time (``affinity_tiles``;
+    product (``parts_product``) and the top-k kernel (``top_blocks``), or, from as many key
+    blocks as ``affinity_tiles.MIN_COLUMNS`` gives for the row's slots (up to 32), on the
+    kernel that makes the affinities a tile at a time (``affinity_tiles``;
     where its program asks more shared memory than the device has, its first launch raises
     before the kernel runs, and that choice and every later one with as many slots on the
     device at that head dim take the product).

@@ -422,9 +422,9 @@ def test_cuda_choice_from_tiles_matches_the_stored_product(
                         lambda *a, **kw: calls.append(1) or run(*a, **kw))  # fmt: skip
     for is_causal, indices in itertools.product((True, False), (False, True)):
         options = {"topk": 5, "is_causal": is_causal, "per": per}
-        monkeypatch.setattr(affinity_tiles, "MIN_COLUMNS", 10**9)  # the stored product
+        monkeypatch.setattr(affinity_tiles, "MIN_COLUMNS", {})  # the stored product
         want = _selected(q, k, 16, indices, **options)
-        monkeypatch.setattr(affinity_tiles, "MIN_COLUMNS", 1)  # tiles
+        monkeypatch.setattr(affinity_tiles, "MIN_COLUMNS", {16: 1, 32: 1})  # tiles
         before = len(calls)
         got = _selected(q, k, 16, indices, **options)
         assert len(calls) > before + 1  # the tiles ran, in more than one chunk

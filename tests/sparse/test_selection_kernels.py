@@ -218,7 +218,7 @@ def _clear_rows(q: torch.Tensor, k: torch.Tensor, bs: int, topk: int, is_causal:
         (1, 500, 660, 4, 2, 32, 2, True, "kv_head", None),  # end-aligned, straddling; GQA sums
         (1, 450, 520, 2, 1, 16, 4, False, "kv_head", None),  # not causal, partial last blocks
         (2, 640, 640, 4, 2, 16, 3, True, "kv_head", [0, 128, 512, 640, 1024, 1280]),  # packed
-        (1, 1024, 1024, 2, 1, 16, 20, True, "head", None),  # more picks than the tiles take
+        (1, 1024, 1024, 2, 1, 16, 20, True, "head", None),  # 32 slots a row
     ],
 )
 def test_choice_from_the_rows_parts_matches_the_float64_choice(
@@ -246,7 +246,7 @@ def test_choice_from_the_rows_parts_matches_the_float64_choice(
     assert clear.float().mean() > 0.9  # most rows are a clear choice
     if device == "cpu":  # the GPU's route on the CPU
         monkeypatch.setattr(device_choice, "on_tensor_cores", lambda x: x.dtype != torch.float64)
-    monkeypatch.setattr(affinity_tiles, "MIN_COLUMNS", 1 if route == "tiles" else 10**9)
+    monkeypatch.setattr(affinity_tiles, "MIN_COLUMNS", {16: 1, 32: 1} if route == "tiles" else {})
     monkeypatch.setattr(affinity_tiles, "_WITHOUT_ROOM", set())
     monkeypatch.setattr(selection, "block_means", None)  # the means are not made apart
     # Seven query blocks at a time: the product's rows a strided chunk of each head group's.
@@ -278,6 +278,9 @@ def _affinity64(left: torch.Tensor, right: torch.Tensor, dim: int) -> torch.Tens
         (2560, 2560, 8, True, 200, 20, 7, 16),  # a ring rank's rows: many candidates
         (1000, 1400, 8, False, 3, 10, 4, 32),  # not causal: every block a candidate
         (2600, 2600, 4, True, 500, 12, 3, 16),  # 650 key blocks, 4 groups held: many given up
+        (2560, 2560, 8, True, 100, 70, 20, 32),  # 32 slots, their rows ranked 64 at a time
+        (1000, 1400, 8, False, 3, 10, 31, 32),  # 32 slots, not causal
+        (4096, 4096, 4, True, 600, 40, 63, 16),  # 64 slots of 1,024 key blocks, 32 rows at a time
     ],
 )
 @pytest.mark.parametrize("keys", ["random", "rising", "equal"])
@@ -355,7 +358,7 @@ def test_a_choice_whose_tiles_do_not_fit_the_device_takes_the_product(monkeypatc
     clear = _clear_rows(q, k, 16, 3, True, "head", None)
     if device == "cpu":  # the GPU's route on the CPU
         monkeypatch.setattr(device_choice, "on_tensor_cores", lambda x: x.dtype != torch.float64)
-    monkeypatch.setattr(affinity_tiles, "MIN_COLUMNS", 1)
+    monkeypatch.setattr(affinity_tiles, "MIN_COLUMNS", {16: 1, 32: 1})
     monkeypatch.setattr(affinity_tiles, "_WITHOUT_ROOM", set())
     tried = []
 
@@ -375,6 +378,20 @@ def test_a_choice_whose_tiles_do_not_fit_the_device_takes_the_product(monkeypatc
     assert not affinity_tiles.takes(40, 3, q.device, 64)
     assert affinity_tiles.takes(40, 5, q.device, 64)  # 8 slots were never refused
     assert affinity_tiles.takes(40, 3, q.device, 32)  # nor another head dim
+
+
+def test_the_tiles_take_up_to_32_slots_from_their_measured_widths() -> None:
+    """The choice takes the tiles where they were measured faster than the stored product
+    (Note [Affinities a tile at a time]): up to 16 slots a row from 1,024 key blocks, 32 slots
+    from 8,192, never 64."""
+    pytest.importorskip("triton")
+    from dilated_attention.backends.triton_kernels.selection.affinity_tiles import takes
+
+    cpu = torch.device("cpu")
+    assert takes(1024, 15, cpu, 128) and takes(1024, 1, cpu, 128)
+    assert not takes(1023, 15, cpu, 128) and not takes(1024, 0, cpu, 128)
+    assert takes(8192, 17, cpu, 128) and takes(8192, 32, cpu, 128)
+    assert not takes(8191, 31, cpu, 128) and not takes(16384, 33, cpu, 128)
 
 
 @pytest.mark.gpu
@@ -425,7 +442,7 @@ def test_repeated_choices_replay_their_launches_from_one_graph(
 
     if documents is not None and route == "tiles":
         pytest.skip("packed documents' candidates are masks: the stored product takes them")
-    monkeypatch.setattr(affinity_tiles, "MIN_COLUMNS", 1 if route == "tiles" else 10**9)
+    monkeypatch.setattr(affinity_tiles, "MIN_COLUMNS", {16: 1, 32: 1} if route == "tiles" else {})
     g = torch.Generator(device="cuda").manual_seed(3)
     q = torch.empty(2, 512, 8, 64, device="cuda", dtype=torch.bfloat16)
     k = torch.empty(2, 512, 2, 64, device="cuda", dtype=torch.bfloat16)

@@ -21,21 +21,27 @@ never stored (Note [Affinities a tile at a time]
       maximum and then by the lower group, and their values;
     - then the row's ``topk`` best columns among its slots' ``PICKS * GROUP`` values, in two
       steps again: the ``topk`` best parts of ``PART`` columns by their maxima, then the best
-      of their columns, the lowest column among equal ones; every row of the program at once
-      (a reduction per pick across the row tile, not a program per row);
+      of their columns, the lowest column among equal ones; ``SUB`` rows of the program at
+      once (a reduction per pick across those rows, not a program per row), ``SUB`` the most
+      rows whose ``PICKS * PART`` values stay within ``_RANKED``;
     - written with the row's own blocks, as :func:`~.top_blocks.top_blocks` writes a row.
 
     No (Mq x Mk) write or read: the affinities' arithmetic (half of it when causal) and a
     scratch of ``PICKS * (GROUP + GROUP / PART + 2)`` words per row. At 1M tokens the choice
-    takes 4.5 ms on an H100, 0.9 ms at 256K (7.8 and 1.2 with the stored product); at 64K and
-    below the product and the top-k kernel are as fast (:data:`MIN_COLUMNS`). A NaN affinity
-    ranks below every number and above the non-candidates, as everywhere. The tile sizes were
-    chosen by measurement: 128 rows and 32 columns in 8 warps and 3 stages took 2.4-2.7 ms at
-    1M (64 columns 2.8; 64 rows in 4 warps 3.2).
+    takes 4.5 ms on an H100, 0.9 ms at 256K (7.8 and 1.2 with the stored product). A NaN
+    affinity ranks below every number and above the non-candidates, as everywhere. The tile
+    sizes were chosen by measurement: 128 rows and 32 columns in 8 warps and 3 stages took
+    2.4-2.7 ms at 1M (64 columns 2.8; 64 rows in 4 warps 3.2). Which choice is faster depends
+    on the slots and the key blocks (:data:`MIN_COLUMNS`; on an H200, 16 heads, whole choices,
+    tiles against the stored product): with 16 slots 0.25 / 0.73 / 3.57 against 0.19 / 0.89 /
+    7.44 ms at 64K / 256K / 1M tokens; with 32 (``topk`` 31) 1.1-1.2 / 2.68 / 6.28 against 0.9 /
+    2.61 / 8.86 ms at 256K / 512K / 1M; with 64 (``topk`` 63) 4.35 / 16.5 against 1.16 / 15.1
+    ms at 256K / 1M, so from 64 slots the stored product always.
 
-    A program holds its slots and tiles in shared memory, as much as Triton's compiler lays
-    out: with Triton 3.6, 128 KiB for 16 slots at head dim 128 (an H100 or H200 has 227 KiB a
-    program, many smaller GPUs 99-164 KiB). A launch that asks more than the device has raises
+    A program holds its tiles in shared memory, as much as Triton's compiler lays out: with
+    Triton 3.6, 128 KiB at head dim 128 for 16, 32 or 64 slots (ranking 128, 64 or 32 rows at
+    once; 32 slots ranked 128 rows at once asked 256 KiB). An H100 or H200 has 227 KiB a
+    program, many smaller GPUs 99-164 KiB. A launch that asks more than the device has raises
     Triton's :class:`OutOfResources` before it runs; the device, slots and head dim are then
     remembered, and :func:`takes` refuses them from then on (the caller makes that choice
     another way).
@@ -51,22 +57,23 @@ from triton.runtime.errors import OutOfResources
 from ...triton import interpreting
 from ..launch import launch
 from ..tiles import cdiv, next_power_of_2
-from .top_blocks import _LOWEST, RowRanges, _row_bounds
+from .top_blocks import _LOWEST, MAX_COLUMNS, RowRanges, _row_bounds
 
 #: Query blocks a program takes, columns per group (one tile), columns per part of a group,
-#: the most picks per row (with Triton 3.6, 32 slots ask 256 KiB of shared memory, more than an
-#: H100's or H200's 227 KiB; 64 fit in programs of 32 rows, slower than the stored product), and
-#: a program's warps and pipeline stages.
+#: the most values a program ranks at once (its rows ``SUB`` at a time), and a program's warps
+#: and pipeline stages.
 _BLOCK_ROWS = 128
 _GROUP = 32
 _PART = 8
-_MAX_PICKS = 16
+_RANKED = 16384
 _WARPS = 8
 _STAGES = 3
 
-#: The fewest key blocks for which this choice is used (below, the stored product is as fast).
-#: Its most are ``top_blocks.MAX_COLUMNS``, whose groups stay below ``_EMPTY``.
-MIN_COLUMNS = 1024
+#: The fewest key blocks for which this choice is used, by slots a row (up to 16, up to 32):
+#: below, the stored product is as fast or faster, and with more slots always (Note [Affinities
+#: a tile at a time]). Its most are ``top_blocks.MAX_COLUMNS``, whose groups stay below
+#: ``_EMPTY``.
+MIN_COLUMNS = {16: 1024, 32: 8192}
 
 _EMPTY = tl.constexpr(2**16)  # a slot that holds no group (above every group's index)
 
@@ -118,6 +125,7 @@ def _choice_kernel(
     s_lh, s_lm, s_rh, s_rm, s_xb, s_xh, s_xr,
     own_width, first_row, shift, block_size, key_len, causal,
     BLOCK_ROWS: tl.constexpr,
+    SUB: tl.constexpr,
     GROUP: tl.constexpr,
     PART: tl.constexpr,
     PICKS: tl.constexpr,
@@ -135,13 +143,10 @@ def _choice_kernel(
     kv = bh // heads * (heads // shared) + bh % heads // shared
     # The last row tiles first: causal, they have the most tiles to make (a shorter tail).
     row = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    lo, hi = _row_bounds(row, first_row, shift, block_size, key_len, cols, causal)
+    lo, _ = _row_bounds(row, first_row, shift, block_size, key_len, cols, causal)
     lo = tl.where(row < rows, lo, 0)  # no candidate past the last row
     q0, q1, q2 = _query_parts(left + bh * s_lh, row, rows, s_lm, dim, DIM)
-    PARTS: tl.constexpr = GROUP // PART
-    values += (bh * rows + row[:, None]) * (PICKS * GROUP)
-    maxima += (bh * rows + row[:, None]) * (PICKS * PARTS)
-    picked += (bh * rows + row[:, None]) * (2 * PICKS)
+    slots = values + (bh * rows + row[:, None]) * (PICKS * GROUP)
     slot = tl.arange(0, PICKS)[None, :]
     best = tl.full((BLOCK_ROWS, PICKS), float("-inf"), tl.float32)
     held = tl.full((BLOCK_ROWS, PICKS), _EMPTY, tl.int32)  # the group in each slot
@@ -158,18 +163,43 @@ def _choice_kernel(
         replace = enter[:, None] & (slot == gone[:, None])
         best = tl.where(replace, top[:, None], best)
         held = tl.where(replace, tile, held)
-        tl.store(values + gone[:, None] * GROUP + span, score, mask=enter[:, None])
-    tl.store(picked + slot, held, mask=(row < rows)[:, None])
+        tl.store(slots + gone[:, None] * GROUP + span, score, mask=enter[:, None])
+    tl.store(picked + (bh * rows + row[:, None]) * (2 * PICKS) + slot, held,
+             mask=(row < rows)[:, None])  # fmt: skip
     tl.debug_barrier()  # the groups' values are stored before they are read back
+    first = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_ROWS
+    for sub in range(first, first + BLOCK_ROWS, SUB):  # the rows SUB at a time
+        _choose_rows(values, maxima, picked, chosen + bh // heads * s_xb + bh % heads * s_xh,
+                     bh * rows, sub + tl.arange(0, SUB), rows, cols, topk, s_xr, own_width,
+                     first_row, shift, block_size, key_len, causal, GROUP, PART, PICKS, CHUNK,
+                     OWN, INDICES)  # fmt: skip
+
+
+@triton.jit
+def _choose_rows(values, maxima, picked, chosen, base, row, rows, cols, topk, s_xr, own_width,
+                 first_row, shift, block_size, key_len, causal, GROUP: tl.constexpr,
+                 PART: tl.constexpr, PICKS: tl.constexpr, CHUNK: tl.constexpr,
+                 OWN: tl.constexpr, INDICES: tl.constexpr):  # fmt: skip
+    """Rows ``row`` (R,) of a program (``base + row`` in the scratch), their groups' values
+    held: the maxima of the groups' parts, the ``topk`` best columns, written with the rows'
+    own blocks into their rows of ``chosen`` (the batch row and head's result)."""
+    PARTS: tl.constexpr = GROUP // PART
+    inside = row < rows
+    lo, hi = _row_bounds(row, first_row, shift, block_size, key_len, cols, causal)
+    lo = tl.where(inside, lo, 0)
+    values += (base + row)[:, None] * (PICKS * GROUP)
+    maxima += (base + row)[:, None] * (PICKS * PARTS)
+    picked += (base + row)[:, None] * (2 * PICKS)
+    span = tl.arange(0, GROUP)[None, :]
     for s in range(PICKS):  # the maxima of the groups' parts, once per row
-        score = tl.load(values + s * GROUP + span, mask=(row < rows)[:, None])
-        parts = tl.max(tl.reshape(score, (BLOCK_ROWS, PARTS, PART)), axis=2)
+        score = tl.load(values + s * GROUP + span, mask=inside[:, None])
+        parts = tl.max(tl.reshape(score, (row.shape[0], PARTS, PART)), axis=2)
         tl.store(maxima + s * PARTS + tl.arange(0, PARTS)[None, :], parts,
-                 mask=(row < rows)[:, None])  # fmt: skip
+                 mask=inside[:, None])  # fmt: skip
     tl.debug_barrier()  # the parts' maxima are stored before they are read back
-    best = _best_columns(values, maxima, picked, row < rows, topk, GROUP, PART, PICKS)
-    _write_rows(chosen + bh // heads * s_xb + bh % heads * s_xh + row[:, None] * s_xr, best, lo,
-                hi, row < rows, cols, topk, own_width, CHUNK, OWN, INDICES)  # fmt: skip
+    best = _best_columns(values, maxima, picked, inside, topk, GROUP, PART, PICKS)
+    _write_rows(chosen + row[:, None] * s_xr, best, lo, hi, inside, cols, topk, own_width, CHUNK,
+                OWN, INDICES)  # fmt: skip
 
 
 @triton.jit
@@ -246,7 +276,8 @@ def takes(cols: int, topk: int, device: torch.device, dim: int) -> bool:
     """Whether this choice runs ``cols`` key blocks (and is the faster one there), ``topk``
     picks per row, on ``device`` at head dim ``dim`` (not where its program did not fit the
     device's shared memory)."""
-    if not (cols >= MIN_COLUMNS and 1 <= topk <= _MAX_PICKS):
+    slots = max(16, next_power_of_2(max(1, topk)))
+    if topk < 1 or cols < MIN_COLUMNS.get(slots, MAX_COLUMNS + 1):
         return False
     return _program(device, topk, dim) not in _WITHOUT_ROOM
 
@@ -325,7 +356,8 @@ def top_blocks_from_parts(
             heads // (right.shape[0] // batch), dim, topk, left.stride(0), left.stride(1),
             *right.stride()[:2], *out.stride()[:3], own_width or 0, ranges.first_row,
             ranges.shift, ranges.block_size, ranges.key_len, int(ranges.causal))  # fmt: skip
-    options = {"BLOCK_ROWS": _BLOCK_ROWS, "GROUP": _GROUP, "PART": _PART, "PICKS": picks,
+    options = {"BLOCK_ROWS": _BLOCK_ROWS, "SUB": min(_BLOCK_ROWS, _RANKED // (picks * _PART)),
+               "GROUP": _GROUP, "PART": _PART, "PICKS": picks,
                "DIM": max(16, next_power_of_2(dim)), "CHUNK": min(next_power_of_2(cols), 256),
                "OWN": next_power_of_2(max(1, own_width or 0)), "INDICES": own_width is not None,
                "WIDEN": interpreting(), "num_warps": _WARPS,

@@ -2,20 +2,20 @@
 parts' product in Triton]). Imported on first use, because it needs the ``triton`` package.
 
 Note [The parts' product in Triton]
-    Below ``affinity_tiles.MIN_COLUMNS`` key blocks the choice stores the affinities, a batched
-    product of the query means' parts by the key means' parts with float32 accumulation and
-    output (Note [Affinities on tensor cores] in ``sparse/selection.py``), and its top-k kernel
-    reads them. cuBLAS's ``bmm`` makes it as fast (11 us at 64K tokens, 16 heads over 4
-    key/value heads, blocks of 128, on an H100), but a choice replays its launches from a CUDA
-    graph (Note [A choice's launches in one graph] in ``sparse/device_choice.py``), and a graph
-    that captures a cuBLAS call keeps a cuBLAS workspace of its own in its memory pool (PyTorch
-    clears the workspaces when a capture begins, so the capture allocates one): 32 MiB on an
-    H100 for every layer's graph. This kernel is the plain tiled product: a program makes a
-    ``BLOCK_ROWS`` x ``BLOCK_COLS`` tile of one head's affinities, ``BLOCK_K`` of the ``3 D``
-    parts at a time on the tensor cores (in float32 products under Triton's interpreter, whose
-    product takes bfloat16 for integers; the parts' products are exact in float32 either way),
-    and stores it; the sum runs over the parts in a different order than cuBLAS's, so a near
-    tie may rank the other way.
+    Below ``affinity_tiles.MIN_COLUMNS`` key blocks (by slots a row; from 64 slots always) the
+    choice stores the affinities, a batched product of the query means' parts by the key means'
+    parts with float32 accumulation and output (Note [Affinities on tensor cores] in
+    ``sparse/selection.py``), and its top-k kernel reads them. cuBLAS's ``bmm`` makes it as fast
+    (11 us at 64K tokens, 16 heads over 4 key/value heads, blocks of 128, on an H100), but a
+    choice replays its launches from a CUDA graph (Note [A choice's launches in one graph] in
+    ``sparse/device_choice.py``), and a graph that captures a cuBLAS call keeps a cuBLAS
+    workspace of its own in its memory pool (PyTorch clears the workspaces when a capture
+    begins, so the capture allocates one): 32 MiB on an H100 for every layer's graph. This
+    kernel is the plain tiled product: a program makes a ``BLOCK_ROWS`` x ``BLOCK_COLS`` tile of
+    one head's affinities, ``BLOCK_K`` of the ``3 D`` parts at a time on the tensor cores (in
+    float32 products under Triton's interpreter, whose product takes bfloat16 for integers; the
+    parts' products are exact in float32 either way), and stores it; the sum runs over the parts
+    in a different order than cuBLAS's, so a near tie may rank the other way.
 """
 
 from __future__ import annotations
