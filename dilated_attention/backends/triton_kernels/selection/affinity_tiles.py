@@ -57,7 +57,7 @@ from triton.runtime.errors import OutOfResources
 from ...triton import interpreting
 from ..launch import launch
 from ..tiles import cdiv, next_power_of_2
-from .top_blocks import _LOWEST, MAX_COLUMNS, RowRanges, _row_bounds
+from .top_blocks import _LOWEST, RowRanges, _row_bounds
 
 #: Query blocks a program takes, columns per group (one tile), columns per part of a group,
 #: the most values a program ranks at once (its rows ``SUB`` at a time), and a program's warps
@@ -277,7 +277,7 @@ def takes(cols: int, topk: int, device: torch.device, dim: int) -> bool:
     picks per row, on ``device`` at head dim ``dim`` (not where its program did not fit the
     device's shared memory)."""
     slots = max(16, next_power_of_2(max(1, topk)))
-    if topk < 1 or cols < MIN_COLUMNS.get(slots, MAX_COLUMNS + 1):
+    if topk < 1 or slots not in MIN_COLUMNS or cols < MIN_COLUMNS[slots]:
         return False
     return _program(device, topk, dim) not in _WITHOUT_ROOM
 
