@@ -2,8 +2,9 @@
 call's launches from a CUDA graph] in ``backends/flash_attn4/__init__.py``), on a GPU with FA4:
 once a call repeats at the same addresses its forward and its backward replay a graph each, with
 the results of the launches; a replay reads what its tensors hold now; a step never
-synchronises; a backward chunked past the floor launches as usual. The route itself is checked
-without a GPU in ``tests/backends/test_optional_backends.py``."""
+synchronises; a backward in chunks of heads replays below the pool's bound and launches as
+usual past it. The route itself is checked without a GPU in
+``tests/backends/test_optional_backends.py``."""
 
 from __future__ import annotations
 
@@ -105,14 +106,23 @@ def test_whole_call_steps_never_synchronise(monkeypatch: pytest.MonkeyPatch) -> 
     assert_steps_never_synchronise(step, monkeypatch)
 
 
-def test_a_chunked_backward_launches_as_usual(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A backward in chunks of heads (forced here: past the floor in use) runs its chunks
-    eagerly, its forward still replays, and both give the results of the launches."""
+@pytest.mark.parametrize("large", [False, True], ids=["replayed", "past-the-bound"])
+def test_a_chunked_backward_replays_below_the_pool_bound(
+    large: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backward in chunks of heads (forced here: one per query head, the later heads of each
+    group adding their dk and dv from buffers of their own) replays its chunks from one graph
+    where each adds less than MAX_REPLAYED_CHUNK_BYTES, and runs them eagerly past that bound
+    (forced to 0); its forward replays either way, and every step gives the results of the
+    launches."""
     monkeypatch.setattr(chunk_rule, "MIN_CHUNKED_ACCUMULATOR_BYTES", 0)
-    monkeypatch.setattr(chunk_rule, "accumulator_chunks", lambda q, k, *rule: k.shape[2])
+    monkeypatch.setattr(chunk_rule, "accumulator_chunks", lambda q, k, *rule: q.shape[2])
+    if large:
+        monkeypatch.setattr(chunk_rule, "MAX_REPLAYED_CHUNK_BYTES", 0)
     step, _ = _step(CASES[1])
     expected, steps, replays = eager_then_replayed(step, monkeypatch)
     for i, got in enumerate(steps):
         assert_same_results(got, expected, f"step {i}: ")
-    assert _captured() == {"fa4 forward"}, _captured()
+    want = {"fa4 forward"} if large else {"fa4 forward", "fa4 backward"}
+    assert _captured() == want, _captured()
     assert len(replays) >= 4, f"{len(replays)} replays in six steps"

@@ -687,20 +687,24 @@ def test_flash_attn4_backward_into_slots_is_one_call(monkeypatch: pytest.MonkeyP
         assert _same_storage(seen[0][name], buffer), name
 
 
-@pytest.mark.parametrize("chunked", [False, True], ids=["one-call", "chunked"])
+@pytest.mark.parametrize("path", ["one-call", "chunked", "large chunks"])
 def test_flash_attn4_whole_calls_run_through_run_launches(
-    chunked: bool, monkeypatch: pytest.MonkeyPatch
+    path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A whole call allocates its results and runs FA4's call into them through
     ``run_launches`` (Note [A whole call's launches from a CUDA graph]), keyed by its options and
-    naming every tensor it reads or writes; the fake returns tensors of its own, copied into the
-    results, which match the reference. A backward chunked past the floor, and a slotted plan's
-    calls (given their buffers), launch without it."""
+    naming every tensor it reads or writes, a backward in chunks too; the fake returns tensors
+    of its own, copied into the results, which match the reference. A backward whose chunks
+    each add ``MAX_REPLAYED_CHUNK_BYTES`` or more, and a slotted plan's calls (given their
+    buffers), launch without it."""
     from dilated_attention.core.contract import Window
 
     _install_fa4(monkeypatch)
+    chunked = path != "one-call"
     if chunked:
         _chunk_calls(monkeypatch)
+    if path == "large chunks":
+        monkeypatch.setattr(chunk_rule, "MAX_REPLAYED_CHUNK_BYTES", 0)
     runs: list[tuple[tuple[Any, ...], tuple[Any, ...]]] = []
 
     def run_launches(self, key, tensors, launches, keep=None):  # type: ignore[no-untyped-def]
@@ -723,7 +727,7 @@ def test_flash_attn4_whole_calls_run_through_run_launches(
     runs.clear()
     grads = backend._backward(dout, q, k, v, res.out, res.lse, None, scale=SCALE,
                               is_causal=False, key_mask=mask, dropout_p=0.0)  # fmt: skip
-    if chunked:
+    if path == "large chunks":
         assert runs == []
     else:
         ((key, tensors),) = runs
@@ -748,17 +752,21 @@ def test_flash_attn4_whole_calls_run_through_run_launches(
     assert torch.isneginf(slot.lse[1]).all() and torch.isfinite(slot.lse[0]).all()
 
 
-@pytest.mark.parametrize("path", ["one-call", "chunked", "into"])
+@pytest.mark.parametrize("path", ["one-call", "chunked", "large chunks", "into"])
 def test_flash_attn4_backward_makes_the_lse_finite_itself(
     path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """FA4's backward gets the lse through ``Backend.backward`` as it is and makes its
-    infinities 0 itself (NaN stays): a whole call inside its ``run_launches`` (so a replayed
-    graph holds that launch), a chunked one or a slotted plan's call before its FA4 calls."""
+    infinities 0 itself (NaN stays): a whole call, chunked or not, inside its ``run_launches``
+    (so a replayed graph holds that launch), a call in chunks too large to replay or a slotted
+    plan's call before its FA4 calls."""
     import dilated_attention.backends.base as base
 
     calls = _install_fa4(monkeypatch)
-    seen = _chunk_calls(monkeypatch) if path == "chunked" else []
+    chunked = path in ("chunked", "large chunks")
+    seen = _chunk_calls(monkeypatch) if chunked else []
+    if path == "large chunks":
+        monkeypatch.setattr(chunk_rule, "MAX_REPLAYED_CHUNK_BYTES", 0)
 
     def not_here(lse: torch.Tensor) -> torch.Tensor:
         raise AssertionError("Backend.backward made FA4's lse finite")
@@ -786,11 +794,11 @@ def test_flash_attn4_backward_makes_the_lse_finite_itself(
         into = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     backend.backward(dout, q, k, v, res.out, lse, res.aux, scale=SCALE, into=into)
     seen = seen or [calls["bwd"]]
-    assert made == [path == "one-call"]
-    assert len(seen) == (HKV if path == "chunked" else 1)
+    assert made == [path in ("one-call", "chunked")]
+    assert len(seen) == (HKV if chunked else 1)
     group = H // HKV
     for j, call in enumerate(seen):
-        heads = slice(j * group, (j + 1) * group) if path == "chunked" else slice(None)
+        heads = slice(j * group, (j + 1) * group) if chunked else slice(None)
         want = _finite_reference(lse)[:, heads]
         torch.testing.assert_close(call["lse"], want, equal_nan=True, atol=0, rtol=0)
         assert torch.isfinite(call["lse"]).sum() == want.numel() - want.isnan().sum()

@@ -410,6 +410,31 @@ def test_backward_chunks_count_the_lists_made_for_each_call(
     assert chunk_rule._call_bytes(q, k, 1, 1, lists) <= budget
 
 
+# (tokens, key/value heads of 16 query heads, calls, replayable): 16 query heads, D = 128, bf16.
+REPLAYED_CHUNKS = [(16384, 4, 1, True), (65536, 4, 8, True), (65536, 16, 2, True),
+                   (131072, 4, 8, True), (131072, 16, 2, False), (262144, 4, 8, False)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("tokens", "kv_heads", "calls", "replays"), REPLAYED_CHUNKS)
+def test_a_whole_backward_replays_its_chunks_below_the_pool_bound(
+    tokens: int, kv_heads: int, calls: int, replays: bool
+) -> None:
+    """Note [A whole call's launches from a CUDA graph]: a dense backward replays from a graph
+    in one call, or in chunks that each add fewer than MAX_REPLAYED_CHUNK_BYTES beside the
+    gradients (float32 dq; float32 dk and dv where query heads share key/value heads; a
+    later part of a group's dk and dv), written out here per call; larger chunks launch as
+    usual."""
+    q = torch.empty(1, tokens, 16, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, tokens, kv_heads, 128, dtype=torch.bfloat16, device="meta")
+    chunks = head_chunks(q, k)
+    assert len(chunks) == calls
+    heads, kv = 16 // calls, max(1, kv_heads // calls)
+    added = 4 * tokens * heads * 128 + (8 * tokens * kv * 128 if heads > kv else 0)
+    added += 4 * tokens * kv * 128 if heads < 16 // kv_heads * kv else 0
+    assert (calls == 1 or added < chunk_rule.MAX_REPLAYED_CHUNK_BYTES) == replays
+    assert chunk_rule.replayable(q, k, chunks) == replays
+
+
 @pytest.mark.parametrize("mask_heads", [1, 2, 4], ids=["shared", "per kv head", "per head"])
 @pytest.mark.parametrize(
     ("length", "block_size", "is_causal"),

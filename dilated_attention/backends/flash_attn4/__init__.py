@@ -64,13 +64,20 @@ Note [A whole call's launches from a CUDA graph]
     causality, soft-cap, window), the tensors q, k, v, the key mask, the results (and for the
     backward dout, out and lse). The backward's finite stand-in for the lse (``finite_lse``,
     one launch that :meth:`Backend.backward` would make before the call) runs inside the
-    launches too (chunked and slotted calls make it before their calls). What FA4's backward
-    allocates inside (its float32 dQ accumulator, twice q's bytes, and that stand-in) lives in
-    the stream's shared pool (Note [Graphs share one
-    memory pool per stream]), so only a backward that runs as one call replays: chunked past the
-    floor of Note [FlashAttention-4's accumulators by head chunks], its kernels take tens of
-    milliseconds, which hide its host time, and a pool would keep a chunk's accumulators
-    reserved. A slotted plan's calls write into buffers they are given and run inside their
+    launches too (a slotted plan's calls make it before their calls). What FA4's backward
+    allocates inside (its float32 dQ accumulator, twice q's bytes, and that stand-in; a chunked
+    call's accumulators and a later part's dk and dv) lives in the stream's shared pool (Note
+    [Graphs share one memory pool per stream]) and stays reserved there. So a backward in chunks
+    of heads (Note [FlashAttention-4's accumulators by head chunks]) replays only where each
+    chunk adds less than ``MAX_REPLAYED_CHUNK_BYTES`` (``chunks.replayable``), the most an
+    unchunked call below the chunks' floor keeps there; past it, the pool would keep up to 14%
+    of the call's unavoidable bytes, and its kernels take a hundred milliseconds or more, which
+    hide its host time. Measured on an H200 (16 query heads, D = 128, causal, forward+backward
+    back to back, two alternating rounds), a backward's chunks replayed took the host time of a
+    step from 2.5-3.2 to 0.57-0.65 ms at 64K tokens with 4 key/value heads (8 chunks), from 1.3
+    to 0.57-0.73 with 16 (2 chunks) and from 3.0-3.5 to 0.62-0.70 at 128K with 4 (SDPA on cuDNN:
+    0.30-0.54), the GPU's time within 0.5% and the peak the same, the pool 182-342 MiB larger. A
+    slotted plan's calls write into buffers they are given and run inside their
     plan's own closure (Note [A slotted call's launches from a CUDA graph] in
     ``core/execution/executor.py``). Measured on an H200 (D = 128, causal, calls back to back):
     a forward's host time 0.08-0.13 ms where launching took 0.15-0.27 (SDPA's own 0.04-0.08),
@@ -101,7 +108,7 @@ from .._compat import (
 )
 from ..base import Backend, KernelInputs, KernelOutput, finite_lse
 from ..triton import TritonBackend
-from .chunks import ListBytes, head_chunks, no_lists
+from .chunks import ListBytes, head_chunks, no_lists, replayable
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
 _MAJORS = (9, 10)
@@ -509,7 +516,7 @@ class FlashAttn4Backend(Backend):
 
             return _backward_calls(chunks, grads, arguments)
 
-        if into is not None or len(chunks) > 1:  # a slotted plan's call, or chunks past the floor
+        if into is not None or not replayable(q, k, chunks):  # a slotted plan's, or large chunks
             return calls()
         # Note [A whole call's launches from a CUDA graph]
         key = ("fa4 backward", scale, is_causal, softcap, window)

@@ -26,12 +26,15 @@ Note [FlashAttention-4's accumulators by head chunks]
     zero): the GPU oracle tests run parts on buffers filled with NaN. Each chunk is one more
     call of FA4's Python on the host (~0.4 ms), so a backward with less than
     :data:`MIN_CHUNKED_ACCUMULATOR_BYTES` of accumulators stays one call: at 16K (192 MiB, ~2 ms
-    on the GPU) four chunks made 1.9 ms 2.4-4.1. A block-sparse backward replayed from a CUDA
-    graph (Note [A block-sparse backward in one graph] in ``block_sparse/fa4.py``) costs that
-    Python only before its capture, but chunking below the floor still costs GPU time (H200,
-    MoBA, 16 / 4 heads: 2.3 -> 2.8 ms at 16K in four calls of members, 4.3 -> 5.5 ms at 32K in
-    eight, for peaks of 1.21x and 1.11x instead of 1.61x; single query heads 2.2 -> 5.4 ms), so
-    it keeps the floor.
+    on the GPU) four chunks made 1.9 ms 2.4-4.1. A whole call's chunks replay from one CUDA
+    graph where each adds less than :data:`MAX_REPLAYED_CHUNK_BYTES` (:func:`replayable`; Note
+    [A whole call's launches from a CUDA graph] in ``__init__.py``): then the graphs' pool keeps
+    no more than an unchunked call below the floor keeps. A block-sparse backward replayed from
+    a CUDA graph (Note [A block-sparse backward in one graph] in ``block_sparse/fa4.py``) costs
+    that Python only before its capture, but chunking below the floor still costs GPU time
+    (H200, MoBA, 16 / 4 heads: 2.3 -> 2.8 ms at 16K in four calls of members, 4.3 -> 5.5 ms at
+    32K in eight, for peaks of 1.21x and 1.11x instead of 1.61x; single query heads 2.2 -> 5.4
+    ms), so it keeps the floor.
 
     Measured (H100, MoBA's blocks of 128, 2,048 keys per query, 16 / 4 heads, D = 128; one
     call: 1.63-1.87x the unavoidable bytes), training peak and forward+backward at 64K / 256K
@@ -56,7 +59,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ACCUMULATOR_SHARE", "ListBytes", "accumulator_chunks", "head_chunks", "no_lists"]
+__all__ = [
+    "ACCUMULATOR_SHARE", "MAX_REPLAYED_CHUNK_BYTES", "ListBytes", "accumulator_chunks",
+    "head_chunks", "no_lists", "replayable",
+]  # fmt: skip
 
 #: The share of a training call's unavoidable bytes (q, k, v, out, dout, dq, dk and dv) that
 #: one backward call's float32 accumulators, its dk / dv sums (part of a group of query heads)
@@ -66,6 +72,10 @@ ACCUMULATOR_SHARE = 0.14
 #: Below this many bytes of float32 accumulators a backward runs as one call: each chunk costs
 #: FA4's Python on the host, which a short call does not hide.
 MIN_CHUNKED_ACCUMULATOR_BYTES = 512 << 20
+#: A whole backward in chunks replays from a CUDA graph where each of its calls adds fewer bytes
+#: than this beside the gradients: what the graphs' shared pool then keeps reserved, at most
+#: what an unchunked call below :data:`MIN_CHUNKED_ACCUMULATOR_BYTES` keeps there.
+MAX_REPLAYED_CHUNK_BYTES = 512 << 20
 #: The bytes of the tile lists made for a backward call of so many query and key/value heads.
 ListBytes = Callable[[int, int], int]
 
@@ -175,3 +185,18 @@ def head_chunks(
         ]
     step = heads // calls
     return [(slice(h, h + step), slice(h // group, h // group + 1)) for h in range(0, heads, step)]
+
+
+def replayable(q: torch.Tensor, k: torch.Tensor, chunks: list[tuple[slice, slice]]) -> bool:
+    """Whether a whole backward of q (B, Nq, H, D) and k/v (B, Nk, Hkv, D) in ``chunks``
+    (:func:`head_chunks`) may replay from a CUDA graph: one call, or calls that each add fewer
+    than :data:`MAX_REPLAYED_CHUNK_BYTES` beside the gradients (Note [FlashAttention-4's
+    accumulators by head chunks])."""
+    if len(chunks) == 1:
+        return True
+    heads, kv_heads = q.shape[2], k.shape[2]
+    largest = max(
+        _call_bytes(q, k, len(range(*h.indices(heads))), len(range(*kv.indices(kv_heads))))
+        for h, kv in chunks
+    )
+    return largest < MAX_REPLAYED_CHUNK_BYTES
