@@ -142,7 +142,8 @@ def _choice_kernel(
     bh = tl.program_id(0).to(tl.int64)
     kv = bh // heads * (heads // shared) + bh % heads // shared
     # The last row tiles first: causal, they have the most tiles to make (a shorter tail).
-    row = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    first = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_ROWS
+    row = first + tl.arange(0, BLOCK_ROWS)
     lo, _ = _row_bounds(row, first_row, shift, block_size, key_len, cols, causal)
     lo = tl.where(row < rows, lo, 0)  # no candidate past the last row
     q0, q1, q2 = _query_parts(left + bh * s_lh, row, rows, s_lm, dim, DIM)
@@ -167,7 +168,6 @@ def _choice_kernel(
     tl.store(picked + (bh * rows + row[:, None]) * (2 * PICKS) + slot, held,
              mask=(row < rows)[:, None])  # fmt: skip
     tl.debug_barrier()  # the groups' values are stored before they are read back
-    first = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_ROWS
     for sub in range(first, first + BLOCK_ROWS, SUB):  # the rows SUB at a time
         _choose_rows(values, maxima, picked, chosen + bh // heads * s_xb + bh % heads * s_xh,
                      bh * rows, sub + tl.arange(0, SUB), rows, cols, topk, s_xr, own_width,
