@@ -81,7 +81,7 @@ from ..core.autograd import Backward
 from ..core.execution.call_runs import accumulator_dtype
 from ..core.hidden import hide_masked_keys
 from ..core.higher_order import RaiseOnBackward
-from ..resolve import execute, resolve
+from ..resolve import execute, kept_or_resolved
 from .options import DROPOUT_INDEX, MASK_NAME, OPTIONS, PUBLIC_NAME, dropout_p, request_of
 from .tracing import eager_calls, wrapped
 from .vmap import backward_rule, forward_rule
@@ -146,16 +146,22 @@ def _autograd_dispatch() -> Iterator[None]:
         yield
 
 
-def _fresh(x: torch.Tensor, others: Sequence[torch.Tensor | None]) -> torch.Tensor:
-    """``x`` contiguous and sharing memory with none of ``others`` (an operator's outputs may not
-    alias its inputs or each other; empty results, e.g. of a batch of 0, are always copied)."""
-    x = x.contiguous()
-    memory = x.untyped_storage().data_ptr()
-    if x.numel() == 0 or any(
-        t is not None and t.numel() and t.untyped_storage().data_ptr() == memory for t in others
-    ):
-        x = x.clone()
-    return x
+def _fresh(
+    results: Sequence[torch.Tensor], others: Sequence[torch.Tensor | None]
+) -> list[torch.Tensor]:
+    """Each of ``results`` contiguous and sharing memory with none of ``others`` nor with each
+    other (an operator's outputs may not alias its inputs or each other; empty results, e.g. of
+    a batch of 0, are always copied). The memory of ``others`` is read once for all of them."""
+    taken = {t.untyped_storage().data_ptr() for t in others if t is not None and t.numel()}
+    fresh: list[torch.Tensor] = []
+    for x in results:
+        x = x.contiguous()
+        if x.numel() == 0 or x.untyped_storage().data_ptr() in taken:
+            x = x.clone()
+        if x.numel():
+            taken.add(x.untyped_storage().data_ptr())
+        fresh.append(x)
+    return fresh
 
 
 def _forward_impl(kind: str, *args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -168,8 +174,8 @@ def _forward_impl(kind: str, *args: Any) -> tuple[torch.Tensor, torch.Tensor, to
     # gradients exactly when the traced call did (the eager kernel choice depends on it).
     with torch.no_grad(), eager_calls():
         out, lse = execute(request_of(kind, q, k, v, mask, options), q, k, v, mask)
-    out = _fresh(out, (q, k, v, mask))
-    return out, _fresh(lse.to(accumulator_dtype(q.dtype)), (q, k, v, mask, out)), rng_state
+    out, lse = _fresh((out, lse.to(accumulator_dtype(q.dtype))), (q, k, v, mask))
+    return out, lse, rng_state
 
 
 def _forward_fake(kind: str, *args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -204,7 +210,7 @@ def _runner_backward(
     request = request_of(kind, q, k, v, mask, options)
     if request.empty:
         return None
-    strategy = resolve(request)
+    strategy = kept_or_resolved(request)
     padding = request.key_padding_mask(mask)  # Note [The call's mask tensor]
     hidden_k, hidden_v = hide_masked_keys(k, v, padding)  # as resolve.execute runs the call
     prepared = strategy.prepare(q, hidden_k, hidden_v, mask)
@@ -247,13 +253,12 @@ def _backward_impl(kind: str, *args: Any) -> tuple[torch.Tensor, torch.Tensor, t
     if grads is None:
         needs_grad = [*options[:-1], True]
         grads = _recomputed_backward(kind, grad_out, q, k, v, mask, rng_state, needs_grad)
-    results: list[torch.Tensor] = []
-    for grad, x in zip(grads, (q, k, v), strict=True):
-        if grad is None:  # an input the call did not use (a kernel skipping empty work)
-            results.append(torch.zeros_like(x, memory_format=torch.contiguous_format))
-        else:
-            results.append(_fresh(grad, (grad_out, q, k, v, mask, out, lse, *results)))
-    dq, dk, dv = results
+    # An input the call did not use (a kernel skipping empty work) has a gradient of zeros.
+    results = [
+        torch.zeros_like(x, memory_format=torch.contiguous_format) if grad is None else grad
+        for grad, x in zip(grads, (q, k, v), strict=True)
+    ]
+    dq, dk, dv = _fresh(results, (grad_out, q, k, v, mask, out, lse))
     return dq, dk, dv
 
 

@@ -6,6 +6,7 @@ Shape legend: B batch, Nq/Nk query/key tokens, H query heads, Hkv key/value head
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -76,7 +77,7 @@ def request_of(
         return Request.of(
             dilated_operation(q.shape[1], k.shape[1]), q, k, v, is_causal=is_causal,
             has_mask=mask is not None, dropout_p=dropout_p, scale=scale, backend=backend,
-            schedule=Schedule(tuple(segs), tuple(rates)), requires_grad=bool(grad),
+            schedule=_schedule(tuple(segs), tuple(rates)), requires_grad=bool(grad),
         )  # fmt: skip
     key, block_size, is_causal, scale, backend, grad = options
     if key == RUN_TIME_MASK:  # its layout from the mask tensor's metadata
@@ -89,6 +90,13 @@ def request_of(
         BLOCK_SPARSE, q, k, v, block_size=block_size, is_causal=is_causal, scale=scale,
         backend=backend, requires_grad=bool(grad), **blocks,
     )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule(segment_lengths: tuple[int, ...], dilation_rates: tuple[int, ...]) -> Schedule:
+    """The schedule an operator's options name, checked once per pair of tuples: its checks
+    took most of a request's host time, twice a training step (forward and backward)."""
+    return Schedule(segment_lengths, dilation_rates)
 
 
 def options_of(request: Request) -> tuple[str, list[Any]]:

@@ -12,7 +12,7 @@ from .request import (
     Request,
     dilated_operation,
 )
-from .resolver import execute, keeps_every_pair, resolve
+from .resolver import execute, keeps_every_pair, kept_or_resolved, resolve
 from .strategy import Strategy
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "dilated_operation",
     "execute",
     "keeps_every_pair",
+    "kept_or_resolved",
     "resolve",
     "static_branches",
 ]

@@ -176,10 +176,15 @@ def execute(
     already kept is taken without :func:`resolve` (Note [Resolved once per request]): this runs
     eagerly only, ``compiled.route`` sending traced calls to the custom operators, whose
     implementations run eagerly."""
+    return kept_or_resolved(request).call(q, k, v, mask, sinks, cache)
+
+
+def kept_or_resolved(request: Request) -> Strategy:
+    """The strategy kept for ``request``, else :func:`resolve`'s (Note [Resolved once per
+    request]): for eager code only (a custom operator's implementation, :func:`execute`), which
+    a kept strategy spares the frame switch of :func:`resolve`'s ``torch.compiler.disable``."""
     strategy = _RESOLVED.get(_resolved_key(request))
-    if strategy is None:
-        strategy = resolve(request)
-    return strategy.call(q, k, v, mask, sinks, cache)
+    return resolve(request) if strategy is None else strategy
 
 
 def _dense(request: Request) -> Strategy:

@@ -327,6 +327,27 @@ def test_export_round_trip(tmp_path: Any) -> None:
 
 
 # -- torch.func ------------------------------------------------------------------------------------
+def test_operator_results_never_alias_inputs_or_each_other() -> None:
+    """An operator's outputs may not alias its inputs or each other (custom operator rules):
+    a result sharing memory with an input or an earlier result, or empty, is copied; a fresh
+    one is returned as it is, made contiguous."""
+    from dilated_attention.compiled.operators import _fresh
+
+    q = torch.randn(2, 8, 3, 4)
+    fresh = torch.randn(2, 8, 3, 4)
+    view_of_q = q[:, :, :1]
+    strided = torch.randn(2, 3, 8, 4).transpose(1, 2)
+    empty = torch.randn(0, 8, 3, 4)
+    got = _fresh([fresh, view_of_q, fresh, strided, empty], (q, None))
+    assert got[0] is fresh
+    for result, given in zip(got[1:], (view_of_q, fresh, strided, empty), strict=True):
+        assert result is not given and torch.equal(result, given)
+        assert result.is_contiguous()
+    memory = [r.untyped_storage().data_ptr() for r in got if r.numel()]
+    assert len(set(memory)) == len(memory)
+    assert q.untyped_storage().data_ptr() not in memory
+
+
 def test_func_grad_matches_autograd() -> None:
     def loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = dilated_attention(q, k, v, SEGS, RATES, is_causal=True, key_padding_mask=MASK)

@@ -188,6 +188,27 @@ def test_a_kept_strategy_follows_the_kernel_asked_for(
         da.attention(q, k, v, is_causal=True)
 
 
+def test_kept_or_resolved_takes_the_kept_strategy_without_resolving(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A custom operator's implementation takes a kept strategy by the request and the kernel
+    asked for, as the eager route does, resolving only where none is kept."""
+    import dilated_attention.resolve.resolver as resolver
+
+    q, k, v = _qkv()
+    clear_resolved()
+    request = Request.of("dense", q, k, v, is_causal=True)
+    resolved = []
+    real = resolver.resolve
+    monkeypatch.setattr(resolver, "resolve", lambda r: resolved.append(r) or real(r))
+    first = resolver.kept_or_resolved(request)
+    assert resolved == [request] and first is real(request)
+    assert resolver.kept_or_resolved(request) is first and len(resolved) == 1
+    with da.use_backend("math"):
+        by_name = resolver.kept_or_resolved(request)
+    assert by_name is not first and by_name.kernel.backend.name == "math" and len(resolved) == 2
+
+
 #: Calls that differ from a kept one only in what the kept checks, request and strategy must
 #: not mix up: strides, dtype, whether the inputs require gradients, grad mode.
 VARIANTS: dict[str, Any] = {
