@@ -276,7 +276,7 @@ def takes(cols: int, topk: int, device: torch.device, dim: int) -> bool:
     """Whether this choice runs ``cols`` key blocks (and is the faster one there), ``topk``
     picks per row, on ``device`` at head dim ``dim`` (not where its program did not fit the
     device's shared memory)."""
-    slots = max(16, next_power_of_2(max(1, topk)))
+    slots = max(16, _slots(topk))
     if topk < 1 or slots not in MIN_COLUMNS or cols < MIN_COLUMNS[slots]:
         return False
     return _program(device, topk, dim) not in _WITHOUT_ROOM
@@ -286,7 +286,12 @@ def _program(device: torch.device, topk: int, dim: int) -> tuple[torch.device, i
     """What decides whether a program fits: the device (with its index), slots, head dim."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return device, next_power_of_2(max(1, topk)), dim
+    return device, _slots(topk), dim
+
+
+def _slots(topk: int) -> int:
+    """Slots a row of the program holds for ``topk`` picks (its ``PICKS``)."""
+    return next_power_of_2(max(1, topk))
 
 
 #: A row's scratch per pick, (4-byte words, dtype) of each part: the values of the groups it
@@ -296,14 +301,14 @@ _SCRATCH = ((_GROUP, torch.float32), (_GROUP // _PART, torch.float32), (2, torch
 
 def scratch_per_row(topk: int) -> int:
     """The scratch of a row of :func:`top_blocks_from_parts`, in 4-byte words."""
-    return next_power_of_2(max(1, topk)) * sum(words for words, _ in _SCRATCH)
+    return _slots(topk) * sum(words for words, _ in _SCRATCH)
 
 
 def empty_scratch(rows: int, topk: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """The scratch of :func:`top_blocks_from_parts` for ``rows`` rows (every batch row and
     head's), uninitialised: three tensors of ``rows`` rows, any leading rows of which serve
     fewer."""
-    picks = next_power_of_2(max(1, topk))
+    picks = _slots(topk)
     return tuple(torch.empty(rows, picks * words, dtype=dtype, device=device)
                  for words, dtype in _SCRATCH)  # fmt: skip
 
@@ -350,7 +355,7 @@ def top_blocks_from_parts(
     if scratch is None:
         scratch = empty_scratch(needed, topk, left.device)
     values, maxima, picked = (x[:needed] for x in scratch)
-    picks = next_power_of_2(max(1, topk))
+    picks = _slots(topk)
     written = out if own_width is not None else out.view(torch.int8)
     args = (left, right, values, maxima, picked, written, rows, cols, heads,
             heads // (right.shape[0] // batch), dim, topk, left.stride(0), left.stride(1),
