@@ -17,7 +17,8 @@ For each length N (B = 1, H = 16, 4 key/value heads, D = 128, bf16, causal), in 
   on block indices selected once (the attention alone); ``moba, given mask``: the same blocks as
   a bool mask (its lists as wide as the key blocks);
 - ``nsa``: ``nsa_attention`` with gates (compressed keys of ``32`` pooled every ``16``, the same
-  selected blocks, a 512-token window);
+  selected blocks, a 512-token window); ``nsa, recomputed``: the same with ``recompute=True``
+  (the backward runs the branches again a group of heads at a time);
 - ``all blocks``: ``block_sparse_attention`` on a mask that keeps every causal block pair: the
   kernel the run-time masks take, run dense;
 - ``moba captured``, ``nsa captured``: ``moba`` and ``nsa`` captured once in a CUDA graph (the
@@ -82,8 +83,8 @@ COLUMNS = [
 #: A path's times: one call at a time after a synchronisation, and calls issued back to back.
 STEP_TIMES = ("fwd_ms", "fwd_bwd_ms", "fwd_steady_ms", "fwd_bwd_steady_ms")
 #: The paths ``--paths`` may name (every one by default).
-PATHS = ("dense cudnn", "moba", "moba, given blocks", "moba, given mask", "nsa", "all blocks",
-         "moba captured", "nsa captured")  # fmt: skip
+PATHS = ("dense cudnn", "moba", "moba, given blocks", "moba, given mask", "nsa",
+         "nsa, recomputed", "all blocks", "moba captured", "nsa captured")  # fmt: skip
 #: The paths timed by replaying a CUDA graph of the path named without " captured".
 CAPTURED = ("moba captured", "nsa captured")
 #: The rows that time dense attention, skipped above ``--dense-up-to``.
@@ -122,6 +123,7 @@ def measure(
     pair_ratio = dense_pairs / float(mask.sum())
     gates = torch.rand(*shape, args.heads, 3, device=dev, dtype=bf16, requires_grad=True)
     every = torch.ones(1, 1, blocks, blocks, dtype=torch.bool, device=dev)
+    nsa = dict(compress_block=32, compress_stride=16, select_block=bs, topk=topk, window=512)
 
     def dense() -> torch.Tensor:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -143,10 +145,9 @@ def measure(
             lambda: block_sparse_attention(q, k, v, mask, block_size=bs, is_causal=True),
             leaves, [mask],
         ),
-        "nsa": (
-            lambda: nsa_attention(q, k, v, gates, compress_block=32, compress_stride=16,
-                                  select_block=bs, topk=topk, window=512),
-            [*leaves, gates], [],
+        "nsa": (lambda: nsa_attention(q, k, v, gates, **nsa), [*leaves, gates], []),
+        "nsa, recomputed": (
+            lambda: nsa_attention(q, k, v, gates, recompute=True, **nsa), [*leaves, gates], [],
         ),
         "all blocks": (
             lambda: block_sparse_attention(q, k, v, every, block_size=bs, is_causal=True),

@@ -193,6 +193,8 @@ class CompressedSelectedWindowConfig:
             ``"lse"`` (the branches merged into one softmax).
         scale: softmax scale (``None``: head_dim ** -0.5).
         backend: kernel name, or ``None`` for the automatic choice.
+        recompute: the backward runs the branches again a group of heads at a time instead
+            of keeping their outputs (less memory, one more forward's time).
     """
 
     compress_block: int = 32
@@ -203,8 +205,10 @@ class CompressedSelectedWindowConfig:
     combine: str = "gates"
     scale: float | None = None
     backend: str | None = None
+    recompute: bool = False
 
     def __post_init__(self) -> None:
+        V.check_bool("recompute", self.recompute)
         for name in ("compress_block", "compress_stride", "select_block", "window"):
             object.__setattr__(self, name, V.check_positive_int(name, getattr(self, name)))
         if self.compress_stride > self.compress_block:

@@ -46,7 +46,7 @@ from .modules import (
 )
 from .rings.block_sparse_ring import BlockSparseRingAttention, BlockSparseRingMultiheadAttention
 from .rings.moba_ring import BlockSelectedRingAttention, selection_group
-from .rings.nsa_ring import CompressedSelectedWindowRingAttention
+from .rings.nsa_ring import CompressedSelectedWindowRingAttention, check_not_recomputed
 
 __all__ = ["context_parallel"]
 
@@ -147,6 +147,8 @@ def _ring_class(
             f"{name} ({type(module).__name__}) is {what}, which runs over contiguous shards "
             f"only; pass layout='contiguous'"
         )
-    if selected:  # their ring layers too
-        selection_group(group, f"{name} ({type(module).__name__})")  # before any change
+    if selected:  # their ring layers too, before any change
+        what = f"{name} ({type(module).__name__})"
+        check_not_recomputed(getattr(module.config, "recompute", False), what)
+        selection_group(group, what)
     return ring_class

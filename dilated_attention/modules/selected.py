@@ -128,6 +128,8 @@ class CompressedSelectedWindowAttention(nn.Module):
             CompressedSelectedWindowConfig`.
         scale: softmax scale; ``None`` means ``D ** -0.5``.
         backend: every branch's kernel name, or ``None`` / ``"auto"``.
+        recompute: the backward runs the branches again a group of heads at a time instead of
+            keeping their outputs, as in :func:`~dilated_attention.sparse.nsa_attention`.
         dropout: must be 0 (no attention-probability dropout here).
 
     Raises:
@@ -147,6 +149,7 @@ class CompressedSelectedWindowAttention(nn.Module):
         combine: str = "gates",
         scale: float | None = None,
         backend: str | None = None,
+        recompute: bool = False,
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
@@ -155,7 +158,7 @@ class CompressedSelectedWindowAttention(nn.Module):
         self.config = CompressedSelectedWindowConfig(
             compress_block=compress_block, compress_stride=compress_stride,
             select_block=select_block, topk=topk, window=window, combine=combine, scale=scale,
-            backend=backend,
+            backend=backend, recompute=recompute,
         )  # fmt: skip
         #: Gates per head each call takes, which the multihead layer computes (0: none).
         self.gates_per_head = len(BRANCHES) if self.config.combine == "gates" else 0
@@ -190,7 +193,7 @@ class CompressedSelectedWindowAttention(nn.Module):
             query, key, value, gates, compress_block=c.compress_block,
             compress_stride=c.compress_stride, select_block=c.select_block, topk=c.topk,
             window=c.window, is_causal=is_causal, combine=c.combine, scale=c.scale,
-            backend=c.backend,
+            backend=c.backend, recompute=c.recompute,
         )  # fmt: skip
 
     def extra_repr(self) -> str:
@@ -199,6 +202,7 @@ class CompressedSelectedWindowAttention(nn.Module):
             f"compress_block={c.compress_block}, compress_stride={c.compress_stride}, "
             f"select_block={c.select_block}, topk={c.topk}, window={c.window}, "
             f"combine={c.combine!r}, backend={c.backend!r}"
+            + (", recompute=True" if c.recompute else "")
         )
 
 

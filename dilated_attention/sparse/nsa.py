@@ -75,6 +75,7 @@ from ..functional import attention, block_sparse_attention
 from .branches import gated_sum, gated_sum_of, lse_with_gradient, merge_branches
 from .compression import compress_kv
 from .gate_rows import copy_rows, gated_add
+from .recompute import recomputed_by_heads
 from .residue_rows import ResidueRows
 from .selection import _check_topk, select_blocks
 
@@ -109,6 +110,7 @@ def nsa_attention(
     combine: str = "gates",
     scale: float | None = None,
     backend: str | None = None,
+    recompute: bool = False,
 ) -> torch.Tensor:
     """NSA (Native Sparse Attention): compressed keys, selected blocks and a sliding window,
     each an exact attention on the library's kernels, combined by ``gates`` (Note [NSA's three
@@ -153,6 +155,11 @@ def nsa_attention(
             :func:`~dilated_attention.attention` and
             :func:`~dilated_attention.block_sparse_attention`; ``None``: each call's automatic
             choice.
+        recompute: keep only the inputs and the chosen blocks for the backward, which runs
+            the branches again a group of heads at a time (Note [Branches recomputed by
+            heads] in ``recompute.py``): a forward+backward's peak memory near that of q, k,
+            v, out and their gradients, for one more forward of the branches. False: the
+            branches keep their outputs (the faster backward).
 
     Returns:
         (B, Nq, H, D) in the input dtype.
@@ -166,27 +173,42 @@ def nsa_attention(
     """
     c = check_call(query, key, value, gates, (compress_block, compress_stride, select_block,
                    topk, window), is_causal, combine, scale, backend)  # fmt: skip
-    block, stride, select, topk, window = c.sizes
+    V.check_bool("recompute", recompute)
+    _, _, select, topk, _ = c.sizes
     mask = select_blocks(c.q, c.k, block_size=select, topk=topk, is_causal=c.run.is_causal,
                          per="kv_head", return_indices=True)  # fmt: skip
-    k_cmp, v_cmp = compress_kv(c.k, c.v, block=block, stride=stride)
+    layer = functools.partial(_layer, sizes=c.sizes, run=c.run)
+    if recompute and _records_gradient(c.q, c.k, c.v, c.gates):
+        return recomputed_by_heads(layer, c.q, c.k, c.v, c.gates, mask, FIRST_ORDER_MESSAGE)
+    return layer(c.q, c.k, c.v, c.gates, mask)
+
+
+def _layer(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: torch.Tensor | None,
+    mask: torch.Tensor, *, sizes: tuple[int, int, int, int, int], run: Run,
+) -> torch.Tensor:  # fmt: skip
+    """The three branches on the chosen blocks ``mask`` (B, Hkv, Mq, K), combined: the body
+    of :func:`nsa_attention` after its checks and choice, for any heads of the query and the
+    key/value heads they see (Note [Branches recomputed by heads])."""
+    block, stride, select, _, window = sizes
+    k_cmp, v_cmp = compress_kv(k, v, block=block, stride=stride)
     branches = (
-        lambda gate=None, total=None: compressed_branch(c.q, k_cmp, v_cmp, c.k.shape[1], block,
-                                                        stride, c.run, gate, total),
-        lambda: selected_branch(c.q, c.k, c.v, mask, select, c.run),
-        lambda: window_branch(c.q, c.k, c.v, window, c.run),
+        lambda gate=None, total=None: compressed_branch(q, k_cmp, v_cmp, k.shape[1], block,
+                                                        stride, run, gate, total),
+        lambda: selected_branch(q, k, v, mask, select, run),
+        lambda: window_branch(q, k, v, window, run),
     )
-    if c.gates is not None and not _records_gradient(c.q, c.k, c.v, c.gates):
+    if gates is not None and not _records_gradient(q, k, v, gates):
         # Inference: one branch output at a time besides the sum (Note [Gated branches]), the
         # compressed branch first (INFERENCE_ORDER).
         calls = [lambda b=b: b()[0] for b in branches]
-        return gated_sum_of(calls, c.gates, INFERENCE_ORDER)
-    return combine_branches(branches, c.gates)
+        return gated_sum_of(calls, gates, INFERENCE_ORDER)
+    return combine_branches(branches, gates)
 
 
-def _records_gradient(*tensors: torch.Tensor) -> bool:
+def _records_gradient(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd records a graph through any of ``tensors``."""
-    return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
 
 
 class Run(NamedTuple):

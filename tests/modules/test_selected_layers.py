@@ -65,13 +65,17 @@ def _assert_layer_is_reference(layer: nn.Module, out: Tensor, ref: Tensor, x: Te
         torch.testing.assert_close(a, b, **TIGHT, msg=lambda m, n=name: f"d{n}: {m}")
 
 
+@pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("combine", ["gates", "lse"])
-def test_the_nsa_layer_is_the_reference_with_its_gate_projection(combine: str) -> None:
+def test_the_nsa_layer_is_the_reference_with_its_gate_projection(
+    combine: str, recompute: bool
+) -> None:
     """Gates: ``sigmoid(gate_proj(x))`` per head and branch, zero-initialised (every gate 1/2
     at first), here set at random; the gate projection's gradients are exact. ``lse``: no gate
-    projection."""
+    projection. ``recompute``: the branches run again in the backward, the same gradients."""
     torch.manual_seed(0)
-    inner = CompressedSelectedWindowAttention(**NSA, combine=combine)
+    inner = CompressedSelectedWindowAttention(**NSA, combine=combine, recompute=recompute)
+    assert ("recompute=True" in repr(inner)) == recompute
     layer = MultiheadAttention(32, 4, inner, num_kv_heads=2, dtype=F64)
     if combine == "lse":
         assert layer.gate_proj is None

@@ -403,6 +403,10 @@ def _chosen_block_cases() -> dict[str, tuple[str, Fn]]:
             "nsa_attention",
             lambda q, k, v: nsa_attention(q, k, v, None, combine="lse", **nsa),
         ),
+        "nsa_recomputed": (
+            "nsa_attention",
+            lambda q, k, v: nsa_attention(q, k, v, gates, recompute=True, **nsa),
+        ),
     }
 
 

@@ -31,6 +31,11 @@ def _nsa(q: Tensor, k: Tensor, v: Tensor, gates: Tensor) -> Tensor:
                          select_block=128, topk=2, window=128)  # fmt: skip
 
 
+def _nsa_recomputed(q: Tensor, k: Tensor, v: Tensor, gates: Tensor) -> Tensor:
+    return nsa_attention(q, k, v, gates, compress_block=32, compress_stride=16,
+                         select_block=128, topk=2, window=128, recompute=True)  # fmt: skip
+
+
 def _inputs(seed: int) -> list[Tensor]:
     """q, k, v, gates and the upstream gradient, on CUDA in bf16."""
     batch, n, heads, kv_heads, dim = SHAPE
@@ -49,7 +54,8 @@ def _eager(attend: Callable[..., Tensor], inputs: list[Tensor], count: int) -> l
     return [out.detach(), *torch.autograd.grad(out, leaves[:count], inputs[4])]
 
 
-@pytest.mark.parametrize(("attend", "count"), [(_moba, 3), (_nsa, 4)], ids=["moba", "nsa"])
+@pytest.mark.parametrize(("attend", "count"), [(_moba, 3), (_nsa, 4), (_nsa_recomputed, 4)],
+                         ids=["moba", "nsa", "nsa-recomputed"])  # fmt: skip
 def test_a_captured_training_step_replays_as_eager_calls_run(
     attend: Callable[..., Tensor], count: int
 ) -> None:

@@ -67,7 +67,8 @@ from .moba_ring import refuse_context_parallel, selected_rows
 from .ring import ring_attention
 from .template import RingSetup
 
-__all__ = ["CompressedSelectedWindowRingAttention", "compressed_needs", "nsa_ring_attention",
+__all__ = ["CompressedSelectedWindowRingAttention", "check_not_recomputed", "compressed_needs",
+           "nsa_ring_attention",
            "nsa_ring_volume"]  # fmt: skip
 
 _FIELDS = ("local seq_len", "batch", "heads", "key/value heads", "head_dim",
@@ -289,6 +290,16 @@ def _layer_call(
     return nsa_ring_attention(query, key, value, gates, group=group, **options)
 
 
+def check_not_recomputed(recompute: object, name: str) -> None:
+    """The ring's branches keep their outputs for the backward: ``recompute`` must be False."""
+    if recompute is not False:
+        raise ValueError(
+            f"{name}: the ring's NSA branches keep their outputs for the backward, got "
+            f"recompute={recompute!r}; build the layer with recompute=False (each rank's "
+            f"shard already holds 1 / world of the sequence's activations)"
+        )
+
+
 class CompressedSelectedWindowRingAttention(RingModule, CompressedSelectedWindowAttention):
     """:class:`~dilated_attention.modules.CompressedSelectedWindowAttention` (NSA-style) over
     a sequence sharded across ``group`` in contiguous shards of whole selected blocks
@@ -296,7 +307,7 @@ class CompressedSelectedWindowRingAttention(RingModule, CompressedSelectedWindow
 
     Args:
         compress_block, compress_stride, select_block, topk, window, combine, scale, backend,
-            dropout: as in ``CompressedSelectedWindowAttention``.
+            dropout: as in ``CompressedSelectedWindowAttention``; ``recompute`` must be False.
         group: the process group (default: the world).
 
     Its forward takes (B, n, ...) local shards and this rank's rows of the gates;
@@ -319,8 +330,10 @@ class CompressedSelectedWindowRingAttention(RingModule, CompressedSelectedWindow
         group: dist.ProcessGroup | None = None,
         scale: float | None = None,
         backend: str | None = None,
+        recompute: bool = False,
         dropout: float = 0.0,
     ) -> None:
+        check_not_recomputed(recompute, type(self).__name__)
         super().__init__(
             compress_block=compress_block, compress_stride=compress_stride,
             select_block=select_block, topk=topk, window=window, combine=combine, scale=scale,
