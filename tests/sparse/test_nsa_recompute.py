@@ -183,6 +183,9 @@ def test_on_the_gpu_recompute_lowers_the_peak_without_a_host_sync(
         results.append([out.detach(), *grads])
         del out, grads, leaves
     for name, a, b in zip(("out", "dq", "dk", "dv", "dgates"), *results, strict=True):
-        torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2,
+        # dk and dv: four groups' partial sums each rounded to bf16 before they add up.
+        scale = b.float().abs().max().item()
+        torch.testing.assert_close(a.float(), b.float(), atol=2**-5 * scale, rtol=3e-2,
                                    msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
+        assert (a.float() - b.float()).abs().mean() <= 2**-6 * b.float().abs().mean(), name
     assert peaks[1] < min(1.25, 0.75 * peaks[0]), peaks
