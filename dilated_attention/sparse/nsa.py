@@ -155,11 +155,12 @@ def nsa_attention(
             :func:`~dilated_attention.attention` and
             :func:`~dilated_attention.block_sparse_attention`; ``None``: each call's automatic
             choice.
-        recompute: keep only the inputs and the chosen blocks for the backward, which runs
-            the branches again a group of heads at a time (Note [Branches recomputed by
-            heads] in ``recompute.py``): a forward+backward's peak memory near that of q, k,
-            v, out and their gradients, for one more forward of the branches. False: the
-            branches keep their outputs (the faster backward).
+        recompute: keep only the inputs, the output and the chosen blocks for the backward,
+            which runs the branches again a group of heads at a time (Note [Branches
+            recomputed by heads] in ``recompute.py``): from 64K tokens (16 heads) a
+            forward+backward's peak memory near that of q, k, v, out and their gradients, for
+            one more forward of the branches (bound by the host at shorter lengths). False:
+            the branches keep their outputs (the faster backward).
 
     Returns:
         (B, Nq, H, D) in the input dtype.

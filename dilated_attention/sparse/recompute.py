@@ -9,7 +9,8 @@ Note [Branches recomputed by heads]
     16, Hkv = 4; ``benchmarks/results/selected_nsa_h200.md``). Given the blocks each key/value
     head's queries chose, an attention's heads are independent. So :func:`recomputed_by_heads`
     runs the layer without gradients (its streaming sum: one branch output beside the sum,
-    Note [Gated branches] in ``branches.py``), keeps its inputs and the choice only, and in the
+    Note [Gated branches] in ``branches.py``), keeps its inputs, the choice and its output
+    (which the caller holds anyway; it links a double backward's error to the graph), and in the
     backward runs the layer again on one group of heads at a time, with gradients, taking that
     group's gradients before the next group runs. What the branches keep then lives for one
     group only: a :data:`CHUNK_SHARE`-th of the heads, with at least
@@ -56,9 +57,18 @@ LayerCall = Callable[
 
 
 def head_groups(heads: int, kv_heads: int, head_bytes: int) -> list[tuple[int, int]]:
-    """The ranges ``[h0, h1)`` of query heads recomputed together (Note [Branches recomputed
-    by heads]): ``head_bytes`` the bytes of one query head; each range whole key/value heads'
-    query heads, or a divisor of one's."""
+    """The query heads recomputed together (Note [Branches recomputed by heads]).
+
+    Args:
+        heads: query heads H; kv_heads: key/value heads Hkv, dividing H.
+        head_bytes: the bytes of one query head (B * Nq * D elements).
+
+    Returns:
+        Ranges ``(h0, h1)`` covering ``0 .. H - 1`` in order, each the query heads of whole
+        key/value heads or a divisor of one key/value head's; none for H = 0.
+    """
+    if heads == 0:
+        return []
     group = heads // kv_heads
     budget = max(heads * head_bytes // CHUNK_SHARE, CHUNK_FLOOR_BYTES)
     size = max(1, min(heads, budget // max(head_bytes, 1)))

@@ -291,8 +291,12 @@ def _layer_call(
 
 
 def check_not_recomputed(recompute: object, name: str) -> None:
-    """The ring's branches keep their outputs for the backward: ``recompute`` must be False."""
-    if recompute is not False:
+    """The ring's branches keep their outputs for the backward: ``recompute`` must be False.
+
+    Raises:
+        TypeError: ``recompute`` not a bool. ValueError: True.
+    """
+    if V.check_bool("recompute", recompute):
         raise ValueError(
             f"{name}: the ring's NSA branches keep their outputs for the backward, got "
             f"recompute={recompute!r}; build the layer with recompute=False (each rank's "
